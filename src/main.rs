@@ -1,1 +1,61 @@
-fn main() {}
+//! The `dhv-binder` binary: parses the command line and wires the modules together.
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use dhv_binder::cli::{self, Cli, Command, Failure};
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DHV_BINDER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let config_err = |e: dhv_binder::config::ConfigError| Failure {
+        code: cli::EXIT_CONFIG,
+        message: e.to_string(),
+    };
+    cli.nomad.validate().map_err(config_err)?;
+    match cli.command {
+        Command::Agent(cfg) => {
+            cfg.validate().map_err(config_err)?;
+            init_tracing();
+            let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
+            dhv_binder::agent::run(cfg, client, shutdown_signal())
+                .await
+                .map_err(|e| Failure {
+                    code: match e {
+                        dhv_binder::agent::StartError::AgentSelf(_) => cli::EXIT_UNAVAILABLE,
+                        dhv_binder::agent::StartError::NotAClient(_) => cli::EXIT_CONFIG,
+                        _ => cli::EXIT_FAILED,
+                    },
+                    message: e.to_string(),
+                })
+        }
+        Command::Prestart(args) => cli::prestart(args, cli.nomad.token.clone()).await,
+        Command::Status { socket } => cli::status(socket).await,
+        Command::Volume(cmd) => cli::volume_cmd(&cli.nomad, cmd).await,
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    if let Err(f) = run(cli).await {
+        eprintln!("Error: {}", f.message);
+        std::process::exit(f.code);
+    }
+}

@@ -1,0 +1,818 @@
+//! The agent: one owner of all node state, one loop. Messages come in (watcher events,
+//! catalogue snapshots, API requests, step completions, ticks); after each, the reconcile
+//! plan is computed and its steps handed to the executor. No shared mutable state.
+
+use crate::api::{ApiError, PublishReply, PublishedVolume, Request2Agent};
+use crate::catalog::{self, Catalogue};
+use crate::config::AgentConfig;
+use crate::executor::{self, Completion, NodeEnv};
+use crate::identity::Verifier;
+use crate::journal::{Journal, MountRecord, MountState, UserKey};
+use crate::nomad::Client;
+use crate::plugin::{Fingerprint, Runner};
+use crate::reconcile::{self, Inputs, Step};
+use crate::view::{requests, View};
+use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
+use crate::watch::{self, backoff_delay, Health, WatchConfig, WatchEvent};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+/// Why the agent could not start. The CLI maps these to exit codes.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot learn this node's ID from the local Nomad agent: {0}")]
+    AgentSelf(#[source] crate::nomad::NomadError),
+    #[error("the Nomad agent at {0} runs no client: run dhv-binder on client nodes, with NOMAD_ADDR pointing at the local agent")]
+    NotAClient(String),
+    #[error(transparent)]
+    Journal(#[from] crate::journal::JournalError),
+    #[error("cannot bind the local API socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Nomad(#[from] crate::nomad::NomadError),
+}
+
+struct Waiter {
+    alloc_id: String,
+    namespace: String,
+    deadline: Instant,
+    reply: oneshot::Sender<Result<PublishReply, ApiError>>,
+}
+
+struct Backoff {
+    attempt: u32,
+    not_before: Instant,
+}
+
+/// The agent's state, owned by its loop.
+struct Agent {
+    cfg: AgentConfig,
+    node: NodeEnv,
+    client: Client,
+    runner: Runner,
+    journal: Journal,
+    view: View,
+    health: Health,
+    volumes: Catalogue,
+    volumes_loaded: bool,
+    plugins: BTreeMap<String, Result<Fingerprint, String>>,
+    plugins_loaded: bool,
+    busy: BTreeSet<VolumeKey>,
+    backoff: HashMap<VolumeKey, Backoff>,
+    last_error: HashMap<VolumeKey, String>,
+    waiters: Vec<Waiter>,
+    fetching: BTreeSet<String>,
+    placeholders: BTreeMap<VolumeKey, String>,
+    placeholders_loaded: bool,
+    placeholder_busy: BTreeSet<VolumeKey>,
+    placeholder_backoff: HashMap<VolumeKey, Backoff>,
+    worker_busy: BTreeSet<VolumeKey>,
+    worker_backoff: HashMap<VolumeKey, Backoff>,
+    fingerprinting: bool,
+    last_fingerprint: Option<Instant>,
+    waiting: Vec<reconcile::Waiting>,
+    publish_latency_ms: Vec<u64>,
+    done_tx: mpsc::UnboundedSender<Completion>,
+}
+
+const FINGERPRINT_EVERY: Duration = Duration::from_secs(15);
+const STEP_BACKOFF_BASE: Duration = Duration::from_secs(1);
+const STEP_BACKOFF_CAP: Duration = Duration::from_secs(60);
+
+/// Starts the agent and runs it until `shutdown` resolves.
+pub async fn run(
+    cfg: AgentConfig,
+    client: Client,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), StartError> {
+    let me = client.agent_self().await.map_err(StartError::AgentSelf)?;
+    let node_id = me
+        .node_id()
+        .ok_or_else(|| StartError::NotAClient(client.address().to_string()))?
+        .to_string();
+    let node_pool = me.node_pool();
+    tracing::info!(%node_id, %node_pool, "dhv-binder agent starting");
+    std::fs::create_dir_all(cfg.mount_root()).map_err(|source| StartError::Socket {
+        path: cfg.mount_root(),
+        source,
+    })?;
+    std::fs::create_dir_all(cfg.volumes_dir()).map_err(|source| StartError::Socket {
+        path: cfg.volumes_dir(),
+        source,
+    })?;
+    let journal = Journal::open(&cfg.state_dir, &node_id)?;
+    let listener = crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
+        path: cfg.socket.clone(),
+        source,
+    })?;
+
+    let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
+    let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
+    let (api_tx, mut api_rx) = mpsc::channel::<Request2Agent>(256);
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Completion>();
+
+    let mut wcfg = WatchConfig::new(&node_id);
+    wcfg.idle_timeout = cfg.stream_idle_timeout;
+    wcfg.resync_interval = cfg.resync_interval;
+    let tasks = [
+        tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
+        tokio::spawn(catalog::run(
+            client.clone(),
+            Duration::from_secs(300),
+            cat_tx,
+        )),
+        tokio::spawn(crate::api::serve(
+            listener,
+            Verifier::new(client.clone(), &cfg.audiences),
+            api_tx,
+        )),
+    ];
+
+    let runner = Runner::new(&cfg.plugin_dir, cfg.plugin_timeout);
+    let node = NodeEnv {
+        node_id: node_id.clone(),
+        node_pool,
+        volumes_dir: cfg.volumes_dir(),
+        plugin_dir: cfg.plugin_dir.clone(),
+    };
+    let mut agent = Agent {
+        cfg: cfg.clone(),
+        node,
+        client: client.clone(),
+        runner,
+        journal,
+        view: View::default(),
+        health: Health::Listing,
+        volumes: Catalogue::new(),
+        volumes_loaded: false,
+        plugins: BTreeMap::new(),
+        plugins_loaded: false,
+        busy: BTreeSet::new(),
+        backoff: HashMap::new(),
+        last_error: HashMap::new(),
+        waiters: Vec::new(),
+        fetching: BTreeSet::new(),
+        placeholders: BTreeMap::new(),
+        placeholders_loaded: false,
+        placeholder_busy: BTreeSet::new(),
+        placeholder_backoff: HashMap::new(),
+        worker_busy: BTreeSet::new(),
+        worker_backoff: HashMap::new(),
+        fingerprinting: false,
+        last_fingerprint: None,
+        waiting: Vec::new(),
+        publish_latency_ms: Vec::new(),
+        done_tx,
+    };
+    agent.spawn_placeholder_list();
+
+    let mut tick = tokio::time::interval(cfg.tick);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(ev) = watch_rx.recv() => agent.on_watch(ev),
+            Some(cat) = cat_rx.recv() => {
+                agent.volumes = cat;
+                agent.volumes_loaded = true;
+            }
+            Some(req) = api_rx.recv() => agent.on_api(req),
+            Some(done) = done_rx.recv() => agent.on_done(done),
+            _ = tick.tick() => agent.on_tick(),
+        }
+        agent.drive();
+    }
+    tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");
+    for t in tasks {
+        t.abort();
+    }
+    let _ = std::fs::remove_file(&cfg.socket);
+    Ok(())
+}
+
+fn retry_ready(map: &HashMap<VolumeKey, Backoff>, key: &VolumeKey, now: Instant) -> bool {
+    map.get(key).is_none_or(|b| b.not_before <= now)
+}
+
+fn bump(map: &mut HashMap<VolumeKey, Backoff>, key: &VolumeKey) {
+    let attempt = map.get(key).map(|b| b.attempt + 1).unwrap_or(0);
+    map.insert(
+        key.clone(),
+        Backoff {
+            attempt,
+            not_before: Instant::now()
+                + backoff_delay(STEP_BACKOFF_BASE, STEP_BACKOFF_CAP, attempt),
+        },
+    );
+}
+
+impl Agent {
+    fn deferred_plugins(&self) -> BTreeSet<String> {
+        self.plugins
+            .iter()
+            .filter(|(_, f)| matches!(f, Ok(fp) if fp.deferred_bind))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    fn target_of(&self, key: &VolumeKey) -> PathBuf {
+        self.cfg.mount_root().join(&key.namespace).join(&key.name)
+    }
+
+    fn serves(&self, rec: &VolumeRecord, deferred: &BTreeSet<String>) -> bool {
+        deferred.contains(&rec.spec.plugin_id)
+            && (rec.spec.node_pool.is_empty() || rec.spec.node_pool == self.node.node_pool)
+    }
+
+    fn on_watch(&mut self, ev: WatchEvent) {
+        match ev {
+            WatchEvent::Relisted { allocs, index } => {
+                tracing::debug!(
+                    count = allocs.len(),
+                    index,
+                    "relisted the node's allocations"
+                );
+                self.view.replace_all(allocs, index);
+            }
+            WatchEvent::Upsert(a) => {
+                let a = *a;
+                tracing::debug!(alloc_id = %a.id, client_status = %a.client_status, desired = %a.desired_status, "allocation update");
+                self.view.upsert(a);
+            }
+            WatchEvent::Removed(id) => self.view.remove(&id),
+            WatchEvent::Health(h) => self.health = h,
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let due = self
+            .last_fingerprint
+            .is_none_or(|t| t.elapsed() >= FINGERPRINT_EVERY);
+        if due && !self.fingerprinting {
+            self.fingerprinting = true;
+            self.last_fingerprint = Some(Instant::now());
+            tokio::spawn(self.send_done(executor::fingerprint_all(self.runner.clone())));
+        }
+        if !self.placeholders_loaded {
+            self.spawn_placeholder_list();
+        }
+    }
+
+    fn send_done(
+        &self,
+        fut: impl std::future::Future<Output = Completion> + Send + 'static,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let tx = self.done_tx.clone();
+        async move {
+            let _ = tx.send(fut.await);
+        }
+    }
+
+    fn spawn_placeholder_list(&mut self) {
+        tokio::spawn(self.send_done(executor::list_placeholders(
+            self.client.clone(),
+            self.node.node_id.clone(),
+            self.cfg.mount_root(),
+        )));
+    }
+
+    fn on_api(&mut self, req: Request2Agent) {
+        match req {
+            Request2Agent::Status { reply } => {
+                let _ = reply.send(self.status());
+            }
+            Request2Agent::Publish {
+                alloc_id,
+                claims,
+                wait,
+                reply,
+            } => {
+                if !self.view.allocs().contains_key(&alloc_id)
+                    && self.fetching.insert(alloc_id.clone())
+                {
+                    tokio::spawn(
+                        self.send_done(executor::fetch_alloc(
+                            self.client.clone(),
+                            alloc_id.clone(),
+                        )),
+                    );
+                }
+                self.waiters.push(Waiter {
+                    alloc_id,
+                    namespace: claims.nomad_namespace,
+                    deadline: Instant::now() + wait,
+                    reply,
+                });
+            }
+        }
+    }
+
+    fn on_done(&mut self, done: Completion) {
+        match done {
+            Completion::Published {
+                volume,
+                result,
+                elapsed,
+            } => {
+                self.busy.remove(&volume);
+                let Some(mut m) = self.journal.mounts().get(&volume).cloned() else {
+                    return;
+                };
+                match result {
+                    Ok(ctx) => {
+                        m.state = MountState::Published;
+                        m.publish_context = ctx;
+                        m.last_error.clear();
+                        self.backoff.remove(&volume);
+                        self.last_error.remove(&volume);
+                        self.publish_latency_ms.push(elapsed.as_millis() as u64);
+                        tracing::info!(%volume, target = %m.target.display(), ms = elapsed.as_millis() as u64, "published");
+                        if let Err(e) = self.journal.set_mount(m, "publish-done", None) {
+                            tracing::error!(error = %e, "journal write failed");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
+                        m.last_error = e.clone();
+                        self.last_error.insert(volume.clone(), e);
+                        bump(&mut self.backoff, &volume);
+                        if let Err(e) = self.journal.set_mount(m, "publish-failed", None) {
+                            tracing::error!(error = %e, "journal write failed");
+                        }
+                    }
+                }
+            }
+            Completion::Unpublished { volume, result } => {
+                self.busy.remove(&volume);
+                match result {
+                    Ok(()) => {
+                        self.backoff.remove(&volume);
+                        self.last_error.remove(&volume);
+                        if let Some(m) = self.journal.mounts().get(&volume) {
+                            // Leave no directory behind, but never delete data: rmdir only.
+                            let _ = std::fs::remove_dir(&m.target);
+                            if self.placeholders.contains_key(&volume) {
+                                let _ = std::fs::create_dir_all(&m.target);
+                            }
+                        }
+                        tracing::info!(%volume, "unpublished");
+                        if let Err(e) = self.journal.remove_mount(&volume, "unpublish-done") {
+                            tracing::error!(error = %e, "journal write failed");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
+                        self.last_error.insert(volume.clone(), e.clone());
+                        bump(&mut self.backoff, &volume);
+                        if let Some(mut m) = self.journal.mounts().get(&volume).cloned() {
+                            m.last_error = e;
+                            let _ = self.journal.set_mount(m, "unpublish-failed", None);
+                        }
+                    }
+                }
+            }
+            Completion::Plugins(map) => {
+                self.fingerprinting = false;
+                for (id, r) in &map {
+                    let changed = self.plugins.get(id) != Some(r);
+                    if changed {
+                        match r {
+                            Ok(fp) if fp.deferred_bind => {
+                                tracing::info!(plugin = %id, version = %fp.version, "plugin fingerprinted (deferred_bind)")
+                            }
+                            Ok(fp) => {
+                                tracing::warn!(plugin = %id, version = %fp.version, "plugin is not deferred (no deferred_bind): dhv-binder will not use it")
+                            }
+                            Err(e) => {
+                                tracing::warn!(plugin = %id, error = %e, "plugin fingerprint failed")
+                            }
+                        }
+                    }
+                }
+                self.plugins = map;
+                self.plugins_loaded = true;
+            }
+            Completion::PlaceholdersListed(r) => match r {
+                Ok(map) => {
+                    self.placeholders = map;
+                    self.placeholders_loaded = true;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot list this node's placeholder host volumes; retrying")
+                }
+            },
+            Completion::Placeholder { volume, result } => {
+                self.placeholder_busy.remove(&volume);
+                match result {
+                    Ok(Some(id)) => {
+                        tracing::info!(%volume, host_volume_id = %id, "placeholder host volume registered");
+                        self.placeholder_backoff.remove(&volume);
+                        self.placeholders.insert(volume, id);
+                    }
+                    Ok(None) => {
+                        tracing::info!(%volume, "placeholder host volume deregistered");
+                        self.placeholder_backoff.remove(&volume);
+                        self.placeholders.remove(&volume);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "placeholder host volume change failed; will retry");
+                        bump(&mut self.placeholder_backoff, &volume);
+                    }
+                }
+            }
+            Completion::Worker { volume, result } => {
+                self.worker_busy.remove(&volume);
+                match result {
+                    Ok(()) => {
+                        self.worker_backoff.remove(&volume);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "volume create/delete step failed");
+                        bump(&mut self.worker_backoff, &volume);
+                    }
+                }
+            }
+            Completion::AllocFetched { alloc_id, result } => {
+                self.fetching.remove(&alloc_id);
+                match result {
+                    Ok(Some(a)) if a.node_id == self.node.node_id => self.view.upsert(*a),
+                    Ok(Some(a)) => self.fail_waiters(
+                        &alloc_id,
+                        ApiError::Forbidden(format!(
+                            "allocation {alloc_id} runs on node {}, not on this node {}",
+                            a.node_id, self.node.node_id
+                        )),
+                    ),
+                    Ok(None) => self.fail_waiters(
+                        &alloc_id,
+                        ApiError::NotFound(format!(
+                            "allocation {alloc_id} does not exist in Nomad"
+                        )),
+                    ),
+                    Err(e) => self.fail_waiters(&alloc_id, ApiError::Unavailable(e)),
+                }
+            }
+        }
+    }
+
+    fn fail_waiters(&mut self, alloc_id: &str, err: ApiError) {
+        let (done, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .partition(|w| w.alloc_id == alloc_id);
+        self.waiters = keep;
+        for w in done {
+            let _ = w.reply.send(Err(err.clone()));
+        }
+    }
+
+    /// Plans and starts steps, keeps placeholders and records current, answers waiters.
+    fn drive(&mut self) {
+        let deferred = self.deferred_plugins();
+        let mounted = crate::mounts::mount_points();
+        let plan = reconcile::plan(Inputs {
+            view: &self.view,
+            volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+            volumes: &self.volumes,
+            mounts: self.journal.mounts(),
+            users: self.journal.users(),
+            mounted: &mounted,
+            plugins: &deferred,
+            busy: &self.busy,
+        });
+        self.waiting = plan.waiting;
+        let now = Instant::now();
+        for step in plan.steps {
+            match step {
+                Step::AddUser(u) => {
+                    if let Err(e) = self.journal.add_user(u) {
+                        tracing::error!(error = %e, "journal write failed");
+                    }
+                }
+                Step::RemoveUser(u) => {
+                    if let Err(e) = self.journal.remove_user(&u) {
+                        tracing::error!(error = %e, "journal write failed");
+                    }
+                }
+                Step::Publish {
+                    volume,
+                    alloc_id,
+                    read_only,
+                } => {
+                    if self.busy.len() >= self.cfg.max_parallel
+                        || !retry_ready(&self.backoff, &volume, now)
+                    {
+                        continue;
+                    }
+                    self.start_publish(volume, alloc_id, read_only);
+                }
+                Step::Unpublish { volume } => {
+                    if self.busy.len() >= self.cfg.max_parallel
+                        || !retry_ready(&self.backoff, &volume, now)
+                    {
+                        continue;
+                    }
+                    self.start_unpublish(volume);
+                }
+            }
+        }
+        self.drive_placeholders(&deferred, now);
+        self.drive_workers(&deferred, now);
+        self.answer_waiters(now);
+    }
+
+    fn start_publish(&mut self, volume: VolumeKey, alloc_id: String, read_only: bool) {
+        let Some(rec) = self.volumes.get(&volume).cloned() else {
+            return;
+        };
+        let target = self.target_of(&volume);
+        if let Err(e) = std::fs::create_dir_all(&target) {
+            self.last_error.insert(
+                volume.clone(),
+                format!("cannot create {}: {e}", target.display()),
+            );
+            bump(&mut self.backoff, &volume);
+            return;
+        }
+        let prev = self.journal.mounts().get(&volume);
+        let m = MountRecord {
+            volume: volume.clone(),
+            volume_id: rec.id.clone(),
+            plugin_id: rec.spec.plugin_id.clone(),
+            state: MountState::Publishing,
+            target: prev
+                .map(|p| p.target.clone())
+                .unwrap_or_else(|| target.clone()),
+            read_only,
+            publish_context: prev.map(|p| p.publish_context.clone()).unwrap_or_default(),
+            since: 0,
+            last_error: String::new(),
+        };
+        let target = m.target.clone();
+        if let Err(e) = self.journal.set_mount(m, "publish-intent", Some(&alloc_id)) {
+            tracing::error!(error = %e, "journal write failed; not publishing");
+            return;
+        }
+        tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
+        self.busy.insert(volume);
+        tokio::spawn(self.send_done(executor::publish(
+            self.runner.clone(),
+            self.node.clone(),
+            rec,
+            target,
+            read_only,
+            alloc_id,
+        )));
+    }
+
+    fn start_unpublish(&mut self, volume: VolumeKey) {
+        let Some(mut m) = self.journal.mounts().get(&volume).cloned() else {
+            return;
+        };
+        m.state = MountState::Unpublishing;
+        if let Err(e) = self.journal.set_mount(m.clone(), "unpublish-intent", None) {
+            tracing::error!(error = %e, "journal write failed; not unpublishing");
+            return;
+        }
+        tracing::info!(%volume, target = %m.target.display(), "unpublishing");
+        self.busy.insert(volume.clone());
+        let rec = self.volumes.get(&volume).cloned();
+        tokio::spawn(self.send_done(executor::unpublish(
+            self.runner.clone(),
+            self.node.clone(),
+            m,
+            rec,
+        )));
+    }
+
+    fn drive_placeholders(&mut self, deferred: &BTreeSet<String>, now: Instant) {
+        if !self.placeholders_loaded || !self.volumes_loaded || !self.plugins_loaded {
+            return;
+        }
+        let want: BTreeMap<VolumeKey, VolumeRecord> = self
+            .volumes
+            .values()
+            .filter(|r| r.state == VolumeState::Ready && self.serves(r, deferred))
+            .map(|r| (r.key(), r.clone()))
+            .collect();
+        for (key, rec) in &want {
+            if self.placeholders.contains_key(key)
+                || self.placeholder_busy.contains(key)
+                || !retry_ready(&self.placeholder_backoff, key, now)
+            {
+                continue;
+            }
+            self.placeholder_busy.insert(key.clone());
+            tokio::spawn(self.send_done(executor::register_placeholder(
+                self.client.clone(),
+                self.node.clone(),
+                rec.clone(),
+                self.target_of(key),
+                None,
+            )));
+        }
+        let stale: Vec<(VolumeKey, String)> = self
+            .placeholders
+            .iter()
+            .filter(|(k, _)| !want.contains_key(*k))
+            .map(|(k, id)| (k.clone(), id.clone()))
+            .collect();
+        for (key, id) in stale {
+            if self.placeholder_busy.contains(&key)
+                || !retry_ready(&self.placeholder_backoff, &key, now)
+            {
+                continue;
+            }
+            self.placeholder_busy.insert(key.clone());
+            tokio::spawn(self.send_done(executor::deregister_placeholder(
+                self.client.clone(),
+                key,
+                id,
+            )));
+        }
+    }
+
+    fn drive_workers(&mut self, deferred: &BTreeSet<String>, now: Instant) {
+        if !self.plugins_loaded {
+            return;
+        }
+        let jobs: Vec<VolumeRecord> = self
+            .volumes
+            .values()
+            .filter(|r| self.serves(r, deferred))
+            .filter(|r| match r.state {
+                VolumeState::Pending => true,
+                VolumeState::Creating => r.worker_node == self.node.node_id,
+                VolumeState::Deleting => {
+                    r.worker_node.is_empty() || r.worker_node == self.node.node_id
+                }
+                _ => false,
+            })
+            .filter(|r| {
+                !self.worker_busy.contains(&r.key())
+                    && retry_ready(&self.worker_backoff, &r.key(), now)
+            })
+            .cloned()
+            .collect();
+        for rec in jobs {
+            // A volume still published here is not deleted from under its mount.
+            if rec.state == VolumeState::Deleting
+                && (self.journal.mounts().contains_key(&rec.key())
+                    || self.placeholders.contains_key(&rec.key()))
+            {
+                continue;
+            }
+            self.worker_busy.insert(rec.key());
+            let fut = if rec.state == VolumeState::Deleting {
+                tokio::spawn(self.send_done(executor::delete(
+                    self.client.clone(),
+                    self.runner.clone(),
+                    self.node.clone(),
+                    rec,
+                )))
+            } else {
+                tokio::spawn(self.send_done(executor::create(
+                    self.client.clone(),
+                    self.runner.clone(),
+                    self.node.clone(),
+                    rec,
+                )))
+            };
+            drop(fut);
+        }
+    }
+
+    fn answer_waiters(&mut self, now: Instant) {
+        let waiters = std::mem::take(&mut self.waiters);
+        for w in waiters {
+            match self.waiter_outcome(&w, now) {
+                Some(r) => {
+                    let _ = w.reply.send(r);
+                }
+                None => self.waiters.push(w),
+            }
+        }
+    }
+
+    /// `Some` when the waiter can be answered now.
+    fn waiter_outcome(&self, w: &Waiter, now: Instant) -> Option<Result<PublishReply, ApiError>> {
+        if w.reply.is_closed() {
+            return Some(Err(ApiError::Timeout("caller went away".into())));
+        }
+        let Some(alloc) = self.view.allocs().get(&w.alloc_id) else {
+            if now >= w.deadline {
+                return Some(Err(ApiError::Timeout(format!(
+                    "allocation {} is not known on this node yet",
+                    w.alloc_id
+                ))));
+            }
+            return None;
+        };
+        if alloc.namespace != w.namespace {
+            return Some(Err(ApiError::Forbidden(format!(
+                "the token is for namespace {}, the allocation runs in {}",
+                w.namespace, alloc.namespace
+            ))));
+        }
+        if alloc.is_client_terminal() || alloc.desired_status != "run" {
+            return Some(Err(ApiError::Conflict(format!(
+                "allocation {} is {} (desired {}): nothing is published for it",
+                w.alloc_id, alloc.client_status, alloc.desired_status
+            ))));
+        }
+        alloc.job.as_ref()?;
+        let reqs = requests(alloc, &self.volumes);
+        let mut done = Vec::new();
+        for r in &reqs {
+            let user = UserKey {
+                alloc_id: w.alloc_id.clone(),
+                volume: r.volume.clone(),
+            };
+            if self.journal.users().contains(&user) {
+                let m = &self.journal.mounts()[&r.volume];
+                done.push(PublishedVolume {
+                    namespace: r.volume.namespace.clone(),
+                    name: r.volume.name.clone(),
+                    path: m.target.display().to_string(),
+                    read_only: m.read_only,
+                });
+            } else if let Some(e) = self
+                .last_error
+                .get(&r.volume)
+                .filter(|_| !self.busy.contains(&r.volume))
+            {
+                return Some(Err(ApiError::Unavailable(format!(
+                    "publishing volume {} failed: {e}",
+                    r.volume
+                ))));
+            } else if let Some(wt) = self.waiting.iter().find(|x| x.volume == r.volume) {
+                if now >= w.deadline {
+                    return Some(Err(ApiError::Unavailable(wt.reason.clone())));
+                }
+            }
+        }
+        if done.len() == reqs.len() {
+            return Some(Ok(PublishReply {
+                alloc_id: w.alloc_id.clone(),
+                volumes: done,
+            }));
+        }
+        if now >= w.deadline {
+            return Some(Err(ApiError::Timeout(format!(
+                "volumes of allocation {} were not published in time",
+                w.alloc_id
+            ))));
+        }
+        None
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let deferred = self.deferred_plugins();
+        let volumes: Vec<_> = self
+            .volumes
+            .values()
+            .map(|r| {
+                serde_json::json!({
+                    "namespace": r.spec.namespace, "name": r.spec.name, "id": r.id,
+                    "plugin_id": r.spec.plugin_id, "state": r.state.as_str(),
+                    "served_here": self.serves(r, &deferred),
+                    "placeholder_id": self.placeholders.get(&r.key()),
+                })
+            })
+            .collect();
+        let plugins: BTreeMap<_, _> = self
+            .plugins
+            .iter()
+            .map(|(id, r)| match r {
+                Ok(fp) => (
+                    id.clone(),
+                    serde_json::json!({"version": fp.version, "deferred_bind": fp.deferred_bind}),
+                ),
+                Err(e) => (id.clone(), serde_json::json!({"error": e})),
+            })
+            .collect();
+        let mut lat = self.publish_latency_ms.clone();
+        lat.sort_unstable();
+        serde_json::json!({
+            "node_id": self.node.node_id,
+            "node_pool": self.node.node_pool,
+            "watch": self.health,
+            "view": {"complete": self.view.is_complete(), "index": self.view.index(), "allocations": self.view.allocs().len()},
+            "volumes": volumes,
+            "mounts": self.journal.mounts().values().collect::<Vec<_>>(),
+            "users": self.journal.users(),
+            "waiting": self.waiting.iter().map(|w| serde_json::json!({"volume": w.volume.to_string(), "reason": w.reason})).collect::<Vec<_>>(),
+            "errors": self.last_error.iter().map(|(k, e)| (k.to_string(), e.clone())).collect::<BTreeMap<_, _>>(),
+            "plugins": plugins,
+            "publish_latency_ms": {"count": lat.len(), "median": lat.get(lat.len() / 2)},
+            "pending_publish_calls": self.waiters.len(),
+        })
+    }
+}

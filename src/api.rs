@@ -1,0 +1,376 @@
+//! The local API: HTTP/1.1 on a unix socket, called by prestart tasks (`dhv-binder prestart`)
+//! and by operators (`dhv-binder status`).
+//!
+//! - `POST /v1/allocations/<alloc_id>/publish[?wait=<duration>]` with the caller's Nomad
+//!   workload identity token (`Authorization: Bearer <jwt>` or `X-Nomad-Token`): blocks until
+//!   every deferred volume of that allocation is published on this node. 200 with
+//!   `{"alloc_id","volumes":[{"namespace","name","path","read_only"}]}`; errors are
+//!   `{"error":"...","retryable":bool}` with the status codes of [`ApiError`].
+//! - `GET /v1/status`: the agent's state, for callers with peer UID 0 only.
+//! - `GET /v1/health`: `{"ready":bool}` (anyone).
+
+use crate::identity::{Claims, Verifier};
+use crate::volume::is_alloc_id;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, oneshot};
+
+/// The longest a publish call may block.
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Default publish wait when the caller gives none.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(300);
+
+/// An error answered to an API caller. One exhaustive match maps each to its status.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    /// Worth retrying: the agent is starting, a plugin is missing or failed, Nomad is down.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// The HTTP status and whether the caller should retry.
+    pub fn status(&self) -> (StatusCode, bool) {
+        match self {
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, false),
+            ApiError::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, false),
+            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, false),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, false),
+            ApiError::Conflict(_) => (StatusCode::CONFLICT, false),
+            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, true),
+            ApiError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, true),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, true),
+        }
+    }
+}
+
+/// The error body.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+    pub retryable: bool,
+}
+
+/// One published volume in a publish reply.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PublishedVolume {
+    pub namespace: String,
+    pub name: String,
+    pub path: String,
+    pub read_only: bool,
+}
+
+/// The publish reply.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PublishReply {
+    pub alloc_id: String,
+    pub volumes: Vec<PublishedVolume>,
+}
+
+/// A request for the agent's owner loop.
+#[derive(Debug)]
+pub enum Request2Agent {
+    /// Publish for a verified caller; the reply comes when done, failed or timed out.
+    Publish {
+        alloc_id: String,
+        claims: Claims,
+        wait: Duration,
+        reply: oneshot::Sender<Result<PublishReply, ApiError>>,
+    },
+    /// The status document.
+    Status {
+        reply: oneshot::Sender<serde_json::Value>,
+    },
+}
+
+struct Ctx {
+    verifier: Verifier,
+    agent: mpsc::Sender<Request2Agent>,
+}
+
+/// Binds the socket (replacing a stale one), mode 0666: every caller authenticates with a
+/// token, and tasks often run as `nobody`.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
+}
+
+/// Serves the API until the listener fails or the agent goes away.
+pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Sender<Request2Agent>) {
+    let ctx = Arc::new(Ctx { verifier, agent });
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "local API accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let peer_uid = stream.peer_cred().map(|c| c.uid()).ok();
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let ctx = ctx.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(&ctx, req, peer_uid).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+fn json<T: Serialize>(status: StatusCode, body: &T) -> Response<Full<Bytes>> {
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    Response::builder()
+        .status(status)
+        .header("Content-Type", "application/json")
+        .body(Full::new(Bytes::from(bytes)))
+        .unwrap_or_default()
+}
+
+fn error(e: ApiError) -> Response<Full<Bytes>> {
+    let (status, retryable) = e.status();
+    json(
+        status,
+        &ErrorBody {
+            error: e.to_string(),
+            retryable,
+        },
+    )
+}
+
+fn token_of(req: &Request<Incoming>) -> Option<String> {
+    let h = req.headers();
+    if let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) {
+        if let Some(t) = v.strip_prefix("Bearer ") {
+            return Some(t.trim().to_string());
+        }
+    }
+    h.get("x-nomad-token")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.trim().to_string())
+}
+
+fn wait_of(req: &Request<Incoming>) -> Result<Duration, ApiError> {
+    let Some(q) = req.uri().query() else {
+        return Ok(DEFAULT_WAIT);
+    };
+    for pair in q.split('&') {
+        if let Some(v) = pair.strip_prefix("wait=") {
+            return humantime::parse_duration(v)
+                .map(|d| d.min(MAX_WAIT))
+                .map_err(|e| ApiError::BadRequest(format!("wait={v:?} is not a duration: {e}")));
+        }
+    }
+    Ok(DEFAULT_WAIT)
+}
+
+async fn handle(ctx: &Ctx, req: Request<Incoming>, peer_uid: Option<u32>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (req.method(), segs.as_slice()) {
+        (&Method::POST, ["v1", "allocations", alloc_id, "publish"]) => {
+            let alloc_id = alloc_id.to_string();
+            match publish(ctx, &req, alloc_id).await {
+                Ok(r) => json(StatusCode::OK, &r),
+                Err(e) => error(e),
+            }
+        }
+        (&Method::GET, ["v1", "status"]) => {
+            if peer_uid != Some(0) {
+                return error(ApiError::Forbidden(
+                    "status is for root on this node (run `dhv-binder status` as root)".into(),
+                ));
+            }
+            let (tx, rx) = oneshot::channel();
+            if ctx
+                .agent
+                .send(Request2Agent::Status { reply: tx })
+                .await
+                .is_err()
+            {
+                return error(ApiError::Unavailable("the agent is shutting down".into()));
+            }
+            match rx.await {
+                Ok(v) => json(StatusCode::OK, &v),
+                Err(_) => error(ApiError::Unavailable("the agent is shutting down".into())),
+            }
+        }
+        (&Method::GET, ["v1", "health"]) => {
+            json(StatusCode::OK, &serde_json::json!({"ready": true}))
+        }
+        (_, ["v1", "allocations", _, "publish"]) | (_, ["v1", "status"]) => {
+            let mut r = error(ApiError::BadRequest(format!(
+                "method {} not allowed",
+                req.method()
+            )));
+            *r.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+            r
+        }
+        _ => error(ApiError::NotFound(format!("no such endpoint: {path}"))),
+    }
+}
+
+async fn publish(
+    ctx: &Ctx,
+    req: &Request<Incoming>,
+    alloc_id: String,
+) -> Result<PublishReply, ApiError> {
+    if !is_alloc_id(&alloc_id) {
+        return Err(ApiError::BadRequest(format!(
+            "{alloc_id:?} is not an allocation ID (a lower-case UUID)"
+        )));
+    }
+    let wait = wait_of(req)?;
+    let token = token_of(req).ok_or_else(|| {
+        ApiError::Unauthenticated(
+            "no workload identity token: send the task's NOMAD_TOKEN as `Authorization: Bearer` (set identity { env = true } on the prestart task)".into(),
+        )
+    })?;
+    let claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
+        crate::identity::IdentityError::Jwks(_) => ApiError::Unavailable(e.to_string()),
+        _ => ApiError::Forbidden(e.to_string()),
+    })?;
+    if claims.nomad_allocation_id != alloc_id {
+        return Err(ApiError::Forbidden(format!(
+            "the token belongs to allocation {}, not {alloc_id}: a task may only publish for its own allocation",
+            claims.nomad_allocation_id
+        )));
+    }
+    let (tx, rx) = oneshot::channel();
+    ctx.agent
+        .send(Request2Agent::Publish {
+            alloc_id,
+            claims,
+            wait,
+            reply: tx,
+        })
+        .await
+        .map_err(|_| ApiError::Unavailable("the agent is shutting down".into()))?;
+    rx.await
+        .map_err(|_| ApiError::Unavailable("the agent is shutting down".into()))?
+}
+
+/// Client side of the API, for `dhv-binder prestart` and `dhv-binder status`.
+pub mod client {
+    use super::*;
+    use tokio::net::UnixStream;
+
+    /// A failed call: transport, or an API error with its status.
+    #[derive(Debug, thiserror::Error)]
+    pub enum CallError {
+        #[error("cannot reach dhv-binder at {path}: {source} (is the dhv-binder system job running on this node, and is its socket volume mounted into this task?)")]
+        Connect {
+            path: String,
+            #[source]
+            source: std::io::Error,
+        },
+        #[error("the local API call failed: {0}")]
+        Http(String),
+        #[error("{message} (HTTP {status})")]
+        Api {
+            status: u16,
+            message: String,
+            retryable: bool,
+        },
+    }
+
+    impl CallError {
+        /// True when trying again may succeed.
+        pub fn is_retryable(&self) -> bool {
+            match self {
+                CallError::Connect { .. } | CallError::Http(_) => true,
+                CallError::Api { retryable, .. } => *retryable,
+            }
+        }
+    }
+
+    /// Sends one request and returns the JSON body of a 2xx answer.
+    pub async fn call(
+        socket: &Path,
+        method: Method,
+        uri: &str,
+        token: Option<&str>,
+    ) -> Result<serde_json::Value, CallError> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|source| CallError::Connect {
+                path: socket.display().to_string(),
+                source,
+            })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| CallError::Http(e.to_string()))?;
+        tokio::spawn(conn);
+        let mut rb = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("Host", "dhv-binder");
+        if let Some(t) = token {
+            rb = rb.header("Authorization", format!("Bearer {t}"));
+        }
+        let req = rb
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| CallError::Http(e.to_string()))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| CallError::Http(e.to_string()))?;
+        let status = resp.status();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| CallError::Http(e.to_string()))?
+            .to_bytes();
+        if status.is_success() {
+            return serde_json::from_slice(&body).map_err(|e| CallError::Http(e.to_string()));
+        }
+        let (message, retryable) = match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(b) => (b.error, b.retryable),
+            Err(_) => (
+                String::from_utf8_lossy(&body).into_owned(),
+                status.is_server_error(),
+            ),
+        };
+        Err(CallError::Api {
+            status: status.as_u16(),
+            message,
+            retryable,
+        })
+    }
+}

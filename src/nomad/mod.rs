@@ -1,0 +1,567 @@
+//! Thin Nomad HTTP API client: the calls dhv-binder makes, with Nomad's error semantics.
+//!
+//! Connection settings follow the Nomad CLI's environment conventions (see [`crate::config`]).
+
+pub mod events;
+pub mod types;
+
+use crate::config::NomadConfig;
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use std::time::Duration;
+use types::*;
+
+/// A failed Nomad API call. Messages say what to do; they never contain the token.
+#[derive(Debug, thiserror::Error)]
+pub enum NomadError {
+    /// Nomad could not be reached at all.
+    #[error("cannot reach Nomad at {addr} ({what}): {source}; check NOMAD_ADDR and that the local Nomad agent runs")]
+    Unreachable {
+        addr: String,
+        what: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// 403: the token lacks a capability.
+    #[error("Nomad refused {what}: permission denied; the token needs {needs} (see jobspecs/dhv-binder-policy.hcl)")]
+    PermissionDenied { what: String, needs: &'static str },
+    /// 401: no token, or an expired or unknown one.
+    #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN")]
+    Unauthorized { what: String },
+    /// 500 "No cluster leader": an election is in progress; retry.
+    #[error("Nomad has no cluster leader right now ({what}); retrying")]
+    NoLeader { what: String },
+    /// 409 on a variable write with `cas`: the variable changed; the current one is attached.
+    #[error("variable {path} changed concurrently (check-and-set conflict)")]
+    CasConflict {
+        path: String,
+        current: Box<Variable>,
+    },
+    /// Any other non-success status.
+    #[error("Nomad answered {status} to {what}: {body}")]
+    Status {
+        what: String,
+        status: u16,
+        body: String,
+    },
+    /// The body was not the JSON Nomad sends.
+    #[error("Nomad's answer to {what} could not be decoded: {source}")]
+    Decode {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The client itself could not be built (bad TLS files, bad address).
+    #[error("cannot configure the Nomad client: {0}")]
+    Config(String),
+}
+
+impl NomadError {
+    /// True for errors worth retrying with backoff (network, leader election, 5xx).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            NomadError::Unreachable { .. } | NomadError::NoLeader { .. } => true,
+            NomadError::Status { status, .. } => *status >= 500 || *status == 429,
+            _ => false,
+        }
+    }
+
+    /// True for 401/403: retrying with the same token will not help.
+    pub fn is_auth(&self) -> bool {
+        matches!(
+            self,
+            NomadError::PermissionDenied { .. } | NomadError::Unauthorized { .. }
+        )
+    }
+}
+
+/// The result of a blocking query: the body and the `X-Nomad-Index` header.
+#[derive(Debug, Clone)]
+pub struct Indexed<T> {
+    pub value: T,
+    pub index: u64,
+}
+
+/// A Nomad API client bound to one agent address and token.
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    streaming: reqwest::Client,
+    addr: String,
+    token: Option<String>,
+    region: Option<String>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client").field("addr", &self.addr).finish()
+    }
+}
+
+fn capability_for(path: &str) -> &'static str {
+    if path.starts_with("/v1/var") {
+        "variables read/write on path dhv-binder/*"
+    } else if path.starts_with("/v1/volume") {
+        "host-volume-register and host-volume-read"
+    } else if path.starts_with("/v1/node") {
+        "node:read and namespace read-job"
+    } else if path.starts_with("/v1/event") || path.starts_with("/v1/allocation") {
+        "namespace read-job in every namespace (namespace \"*\")"
+    } else {
+        "agent:read"
+    }
+}
+
+impl Client {
+    /// Builds a client from Nomad CLI-style settings. Errors when TLS files cannot be read.
+    pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
+        let build = |timeout: Option<Duration>| -> Result<reqwest::Client, NomadError> {
+            let mut b = reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(10))
+                .user_agent(concat!("dhv-binder/", env!("CARGO_PKG_VERSION")));
+            if let Some(t) = timeout {
+                b = b.timeout(t);
+            }
+            if let Some(ca) = &cfg.ca_cert {
+                let pem = std::fs::read(ca).map_err(|e| {
+                    NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
+                })?;
+                let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| {
+                    NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
+                })?;
+                b = b.add_root_certificate(cert);
+            }
+            if let (Some(cert), Some(key)) = (&cfg.client_cert, &cfg.client_key) {
+                let mut pem = std::fs::read(cert).map_err(|e| {
+                    NomadError::Config(format!("NOMAD_CLIENT_CERT {}: {e}", cert.display()))
+                })?;
+                pem.extend(std::fs::read(key).map_err(|e| {
+                    NomadError::Config(format!("NOMAD_CLIENT_KEY {}: {e}", key.display()))
+                })?);
+                let id = reqwest::Identity::from_pem(&pem)
+                    .map_err(|e| NomadError::Config(format!("client certificate: {e}")))?;
+                b = b.identity(id);
+            }
+            if cfg.skip_verify {
+                b = b.danger_accept_invalid_certs(true);
+            }
+            b.build().map_err(|e| NomadError::Config(e.to_string()))
+        };
+        Ok(Self {
+            // Blocking queries wait up to `wait` (we use at most 5 min) plus Nomad's jitter.
+            http: build(Some(Duration::from_secs(400)))?,
+            streaming: build(None)?,
+            addr: cfg.address.trim_end_matches('/').to_string(),
+            token: cfg.token.clone(),
+            region: cfg.region.clone(),
+        })
+    }
+
+    /// The agent address this client talks to.
+    pub fn address(&self) -> &str {
+        &self.addr
+    }
+
+    fn request(
+        &self,
+        client: &reqwest::Client,
+        method: Method,
+        path: &str,
+    ) -> reqwest::RequestBuilder {
+        let mut rb = client.request(method, format!("{}{}", self.addr, path));
+        if let Some(t) = &self.token {
+            rb = rb.header("X-Nomad-Token", t);
+        }
+        if let Some(r) = &self.region {
+            rb = rb.query(&[("region", r)]);
+        }
+        rb
+    }
+
+    async fn send(
+        &self,
+        rb: reqwest::RequestBuilder,
+        what: &str,
+        path: &str,
+    ) -> Result<reqwest::Response, NomadError> {
+        let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
+            addr: self.addr.clone(),
+            what: what.to_string(),
+            source,
+        })?;
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = resp.text().await.unwrap_or_default();
+        let body = body.trim().chars().take(512).collect::<String>();
+        Err(match status {
+            StatusCode::FORBIDDEN => NomadError::PermissionDenied {
+                what: what.to_string(),
+                needs: capability_for(path),
+            },
+            StatusCode::UNAUTHORIZED => NomadError::Unauthorized {
+                what: what.to_string(),
+            },
+            StatusCode::INTERNAL_SERVER_ERROR if body.contains("No cluster leader") => {
+                NomadError::NoLeader {
+                    what: what.to_string(),
+                }
+            }
+            _ => NomadError::Status {
+                what: what.to_string(),
+                status: status.as_u16(),
+                body,
+            },
+        })
+    }
+
+    async fn get_json<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+        what: &str,
+    ) -> Result<Indexed<T>, NomadError> {
+        let rb = self.request(&self.http, Method::GET, path).query(query);
+        let resp = self.send(rb, what, path).await?;
+        let index = header_index(&resp);
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|source| NomadError::Unreachable {
+                addr: self.addr.clone(),
+                what: what.to_string(),
+                source,
+            })?;
+        let value = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
+            what: what.to_string(),
+            source,
+        })?;
+        Ok(Indexed { value, index })
+    }
+
+    /// Nomad API: `GET /v1/agent/self`. Used to learn the local node's ID and pool.
+    pub async fn agent_self(&self) -> Result<AgentSelf, NomadError> {
+        Ok(self
+            .get_json(
+                "/v1/agent/self",
+                &[],
+                "read the local agent (GET /v1/agent/self)",
+            )
+            .await?
+            .value)
+    }
+
+    /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
+    /// (returns once the allocation table's index exceeds `index`, or after `wait`).
+    pub async fn node_allocations(
+        &self,
+        node_id: &str,
+        index: u64,
+        wait: Duration,
+    ) -> Result<Indexed<Vec<Allocation>>, NomadError> {
+        let mut q = vec![];
+        if index > 0 {
+            q.push(("index", index.to_string()));
+            q.push(("wait", format!("{}s", wait.as_secs().max(1))));
+        }
+        self.get_json(
+            &format!("/v1/node/{node_id}/allocations"),
+            &q,
+            "list the node's allocations (GET /v1/node/:id/allocations)",
+        )
+        .await
+    }
+
+    /// Nomad API: `GET /v1/allocation/:id` (with its Job). `Ok(None)` on 404.
+    pub async fn allocation(&self, id: &str) -> Result<Option<Allocation>, NomadError> {
+        match self
+            .get_json(
+                &format!("/v1/allocation/{id}"),
+                &[("namespace", "*".to_string())],
+                "read an allocation (GET /v1/allocation/:id)",
+            )
+            .await
+        {
+            Ok(v) => Ok(Some(v.value)),
+            Err(NomadError::Status { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Nomad API: `GET /v1/event/stream?topic=Allocation&namespace=*&index=N`.
+    /// Returns the open response; read it as NDJSON with [`events::decode_line`].
+    pub async fn event_stream(&self, index: u64) -> Result<reqwest::Response, NomadError> {
+        let path = "/v1/event/stream";
+        let rb = self.request(&self.streaming, Method::GET, path).query(&[
+            ("topic", "Allocation".to_string()),
+            ("namespace", "*".to_string()),
+            ("index", index.to_string()),
+        ]);
+        self.send(
+            rb,
+            "subscribe to the event stream (GET /v1/event/stream)",
+            path,
+        )
+        .await
+    }
+
+    /// Nomad API: `PUT /v1/volume/host/register`. Returns the registered volume (with its ID).
+    pub async fn register_host_volume(&self, vol: &HostVolume) -> Result<HostVolume, NomadError> {
+        #[derive(serde::Deserialize)]
+        struct Resp {
+            #[serde(rename = "Volume")]
+            volume: HostVolume,
+        }
+        let path = "/v1/volume/host/register";
+        let what = "register a placeholder host volume (PUT /v1/volume/host/register)";
+        let rb = self
+            .request(&self.http, Method::PUT, path)
+            .json(&serde_json::json!({ "Volume": vol, "PolicyOverride": false }));
+        let resp = self.send(rb, what, path).await?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|source| NomadError::Unreachable {
+                addr: self.addr.clone(),
+                what: what.into(),
+                source,
+            })?;
+        let r: Resp = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
+            what: what.into(),
+            source,
+        })?;
+        Ok(r.volume)
+    }
+
+    /// Nomad API: `GET /v1/volumes?type=host&namespace=*[&node_id=]`.
+    pub async fn list_host_volumes(
+        &self,
+        node_id: Option<&str>,
+        namespace: &str,
+    ) -> Result<Vec<HostVolumeStub>, NomadError> {
+        let mut q = vec![
+            ("type", "host".to_string()),
+            ("namespace", namespace.to_string()),
+        ];
+        if let Some(n) = node_id {
+            q.push(("node_id", n.to_string()));
+        }
+        Ok(self
+            .get_json(
+                "/v1/volumes",
+                &q,
+                "list host volumes (GET /v1/volumes?type=host)",
+            )
+            .await?
+            .value)
+    }
+
+    /// Nomad API: `GET /v1/volume/host/:id?namespace=ns`. `Ok(None)` on 404.
+    pub async fn host_volume(
+        &self,
+        namespace: &str,
+        id: &str,
+    ) -> Result<Option<HostVolume>, NomadError> {
+        match self
+            .get_json(
+                &format!("/v1/volume/host/{id}"),
+                &[("namespace", namespace.to_string())],
+                "read a host volume (GET /v1/volume/host/:id)",
+            )
+            .await
+        {
+            Ok(v) => Ok(Some(v.value)),
+            Err(NomadError::Status { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Nomad API: `DELETE /v1/volume/host/:id?namespace=ns`. A missing volume is success.
+    pub async fn delete_host_volume(&self, namespace: &str, id: &str) -> Result<(), NomadError> {
+        let path = format!("/v1/volume/host/{id}");
+        let rb = self
+            .request(&self.http, Method::DELETE, &path)
+            .query(&[("namespace", namespace)]);
+        match self
+            .send(
+                rb,
+                "deregister a placeholder host volume (DELETE /v1/volume/host/:id)",
+                &path,
+            )
+            .await
+        {
+            Ok(_) | Err(NomadError::Status { status: 404, .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Nomad API: `GET /v1/vars?prefix=P&namespace=ns`, blocking when `index > 0`.
+    pub async fn list_variables(
+        &self,
+        prefix: &str,
+        namespace: &str,
+        index: u64,
+        wait: Duration,
+    ) -> Result<Indexed<Vec<VariableMeta>>, NomadError> {
+        let mut q = vec![
+            ("prefix", prefix.to_string()),
+            ("namespace", namespace.to_string()),
+        ];
+        if index > 0 {
+            q.push(("index", index.to_string()));
+            q.push(("wait", format!("{}s", wait.as_secs().max(1))));
+        }
+        let r: Indexed<Option<Vec<VariableMeta>>> = self
+            .get_json("/v1/vars", &q, "list variables (GET /v1/vars)")
+            .await?;
+        Ok(Indexed {
+            value: r.value.unwrap_or_default(),
+            index: r.index,
+        })
+    }
+
+    /// Nomad API: `GET /v1/var/:path?namespace=ns`. `Ok(None)` on 404.
+    pub async fn variable(
+        &self,
+        namespace: &str,
+        path: &str,
+    ) -> Result<Option<Variable>, NomadError> {
+        match self
+            .get_json(
+                &format!("/v1/var/{path}"),
+                &[("namespace", namespace.to_string())],
+                "read a variable (GET /v1/var/:path)",
+            )
+            .await
+        {
+            Ok(v) => Ok(Some(v.value)),
+            Err(NomadError::Status { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Nomad API: `PUT /v1/var/:path?namespace=ns[&cas=N]`. `cas = Some(0)` creates only if
+    /// absent. A CAS conflict (409) is [`NomadError::CasConflict`] with the current variable.
+    pub async fn put_variable(
+        &self,
+        var: &Variable,
+        cas: Option<u64>,
+    ) -> Result<Variable, NomadError> {
+        let path = format!("/v1/var/{}", var.path);
+        let what = "write a variable (PUT /v1/var/:path)";
+        let mut q = vec![("namespace", var.namespace.clone())];
+        if let Some(c) = cas {
+            q.push(("cas", c.to_string()));
+        }
+        let body = serde_json::json!({
+            "Namespace": var.namespace, "Path": var.path, "Items": var.items,
+        });
+        let rb = self
+            .request(&self.http, Method::PUT, &path)
+            .query(&q)
+            .json(&body);
+        let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
+            addr: self.addr.clone(),
+            what: what.into(),
+            source,
+        })?;
+        if resp.status() == StatusCode::CONFLICT {
+            let bytes = resp.bytes().await.unwrap_or_default();
+            let current: Variable = serde_json::from_slice(&bytes).unwrap_or_default();
+            return Err(NomadError::CasConflict {
+                path: var.path.clone(),
+                current: Box::new(current),
+            });
+        }
+        let resp = self.check(resp, what, &path).await?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|source| NomadError::Unreachable {
+                addr: self.addr.clone(),
+                what: what.into(),
+                source,
+            })?;
+        serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
+            what: what.into(),
+            source,
+        })
+    }
+
+    /// Nomad API: `DELETE /v1/var/:path?namespace=ns[&cas=N]`. A missing variable is success.
+    pub async fn delete_variable(
+        &self,
+        namespace: &str,
+        path: &str,
+        cas: Option<u64>,
+    ) -> Result<(), NomadError> {
+        let url_path = format!("/v1/var/{path}");
+        let mut q = vec![("namespace", namespace.to_string())];
+        if let Some(c) = cas {
+            q.push(("cas", c.to_string()));
+        }
+        let rb = self
+            .request(&self.http, Method::DELETE, &url_path)
+            .query(&q);
+        match self
+            .send(rb, "delete a variable (DELETE /v1/var/:path)", &url_path)
+            .await
+        {
+            Ok(_) | Err(NomadError::Status { status: 404, .. }) => Ok(()),
+            Err(NomadError::Status {
+                status: 409, body, ..
+            }) => Err(NomadError::CasConflict {
+                path: path.to_string(),
+                current: Box::new(serde_json::from_str(&body).unwrap_or_default()),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Nomad API: `GET /.well-known/jwks.json` (public, no ACL): the keys that sign workload
+    /// identities.
+    pub async fn jwks(&self) -> Result<jsonwebtoken::jwk::JwkSet, NomadError> {
+        Ok(self
+            .get_json(
+                "/.well-known/jwks.json",
+                &[],
+                "read the JWKS (GET /.well-known/jwks.json)",
+            )
+            .await?
+            .value)
+    }
+
+    async fn check(
+        &self,
+        resp: reqwest::Response,
+        what: &str,
+        path: &str,
+    ) -> Result<reqwest::Response, NomadError> {
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        Err(match status {
+            StatusCode::FORBIDDEN => NomadError::PermissionDenied {
+                what: what.into(),
+                needs: capability_for(path),
+            },
+            StatusCode::UNAUTHORIZED => NomadError::Unauthorized { what: what.into() },
+            _ => NomadError::Status {
+                what: what.into(),
+                status: status.as_u16(),
+                body: body.trim().chars().take(512).collect(),
+            },
+        })
+    }
+}
+
+fn header_index(resp: &reqwest::Response) -> u64 {
+    resp.headers()
+        .get("X-Nomad-Index")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}

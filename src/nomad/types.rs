@@ -1,0 +1,325 @@
+//! Nomad wire types: the subset of Nomad's JSON that dhv-binder reads and writes.
+//!
+//! Nomad encodes Go field names as keys, omits every zero-valued top-level `Allocation`
+//! field (the struct is `codec:",omitempty"`), writes zero `time.Time` as `null` and nil
+//! slices/maps as `null`. Every field here therefore defaults when missing or `null`, and
+//! unknown fields are ignored (nomad-facts.md §2; `nomad/structs/alloc.go`).
+
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+
+/// Deserializes `null` (or a missing field, with `#[serde(default)]`) as `T::default()`.
+pub fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// Client statuses after which an allocation's tasks are dead on its node
+/// (`ClientTerminalStatus`, `nomad/structs/alloc.go`).
+pub const CLIENT_TERMINAL: [&str; 3] = ["complete", "failed", "lost"];
+
+/// An allocation as returned by `GET /v1/allocation/:id`, `GET /v1/node/:id/allocations`
+/// and (without `Job`) in event stream payloads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Allocation {
+    #[serde(rename = "ID", deserialize_with = "null_default")]
+    pub id: String,
+    #[serde(rename = "Namespace", deserialize_with = "null_default")]
+    pub namespace: String,
+    /// `<job>.<group>[<index>]`.
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    #[serde(rename = "NodeID", deserialize_with = "null_default")]
+    pub node_id: String,
+    #[serde(rename = "JobID", deserialize_with = "null_default")]
+    pub job_id: String,
+    /// Absent in event payloads (the server strips it), present in reads and node lists.
+    #[serde(rename = "Job", skip_serializing_if = "Option::is_none")]
+    pub job: Option<Job>,
+    #[serde(rename = "TaskGroup", deserialize_with = "null_default")]
+    pub task_group: String,
+    /// `run`, `stop` or `evict`.
+    #[serde(rename = "DesiredStatus", deserialize_with = "null_default")]
+    pub desired_status: String,
+    /// `pending`, `running`, `complete`, `failed`, `lost` or `unknown`.
+    #[serde(rename = "ClientStatus", deserialize_with = "null_default")]
+    pub client_status: String,
+    #[serde(rename = "TaskStates", deserialize_with = "null_default")]
+    pub task_states: BTreeMap<String, TaskState>,
+    #[serde(rename = "CreateIndex", deserialize_with = "null_default")]
+    pub create_index: u64,
+    #[serde(rename = "ModifyIndex", deserialize_with = "null_default")]
+    pub modify_index: u64,
+    /// Changes only on server-side updates (plans, desired transitions).
+    #[serde(rename = "AllocModifyIndex", deserialize_with = "null_default")]
+    pub alloc_modify_index: u64,
+}
+
+impl Allocation {
+    /// True once the client reports the tasks dead (`complete`, `failed` or `lost`).
+    pub fn is_client_terminal(&self) -> bool {
+        CLIENT_TERMINAL.contains(&self.client_status.as_str())
+    }
+
+    /// The `[N]` suffix of the allocation name (`AllocSuffix`, `nomad/structs/funcs.go`),
+    /// used for `per_alloc` volume sources; `None` when the name has no index.
+    pub fn alloc_suffix(&self) -> Option<&str> {
+        let open = self.name.rfind('[')?;
+        self.name.ends_with(']').then(|| &self.name[open..])
+    }
+
+    /// The task group this allocation runs, from its embedded Job.
+    pub fn group(&self) -> Option<&TaskGroup> {
+        self.job
+            .as_ref()?
+            .task_groups
+            .iter()
+            .find(|g| g.name == self.task_group)
+    }
+}
+
+/// A job as embedded in an allocation (`structs.Job`), reduced to what dhv-binder needs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Job {
+    #[serde(rename = "ID", deserialize_with = "null_default")]
+    pub id: String,
+    #[serde(rename = "Namespace", deserialize_with = "null_default")]
+    pub namespace: String,
+    #[serde(rename = "Type", deserialize_with = "null_default")]
+    pub job_type: String,
+    #[serde(rename = "Version", deserialize_with = "null_default")]
+    pub version: u64,
+    #[serde(rename = "TaskGroups", deserialize_with = "null_default")]
+    pub task_groups: Vec<TaskGroup>,
+}
+
+/// `structs.TaskGroup`, reduced.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TaskGroup {
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    /// Alias → volume request.
+    #[serde(rename = "Volumes", deserialize_with = "null_default")]
+    pub volumes: BTreeMap<String, VolumeRequest>,
+    #[serde(rename = "Tasks", deserialize_with = "null_default")]
+    pub tasks: Vec<Task>,
+}
+
+/// `structs.VolumeRequest` (`nomad/structs/volumes.go`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VolumeRequest {
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    /// `host` or `csi`.
+    #[serde(rename = "Type", deserialize_with = "null_default")]
+    pub volume_type: String,
+    #[serde(rename = "Source", deserialize_with = "null_default")]
+    pub source: String,
+    #[serde(rename = "ReadOnly", deserialize_with = "null_default")]
+    pub read_only: bool,
+    #[serde(rename = "Sticky", deserialize_with = "null_default")]
+    pub sticky: bool,
+    #[serde(rename = "AccessMode", deserialize_with = "null_default")]
+    pub access_mode: String,
+    #[serde(rename = "AttachmentMode", deserialize_with = "null_default")]
+    pub attachment_mode: String,
+    #[serde(rename = "PerAlloc", deserialize_with = "null_default")]
+    pub per_alloc: bool,
+}
+
+/// `structs.Task`, reduced.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Task {
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    #[serde(rename = "Driver", deserialize_with = "null_default")]
+    pub driver: String,
+    /// `null` for main tasks.
+    #[serde(rename = "Lifecycle")]
+    pub lifecycle: Option<Lifecycle>,
+    #[serde(rename = "VolumeMounts", deserialize_with = "null_default")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+/// `structs.TaskLifecycleConfig`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Lifecycle {
+    /// `prestart`, `poststart` or `poststop`.
+    #[serde(rename = "Hook", deserialize_with = "null_default")]
+    pub hook: String,
+    #[serde(rename = "Sidecar", deserialize_with = "null_default")]
+    pub sidecar: bool,
+}
+
+/// `structs.VolumeMount`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VolumeMount {
+    #[serde(rename = "Volume", deserialize_with = "null_default")]
+    pub volume: String,
+    #[serde(rename = "Destination", deserialize_with = "null_default")]
+    pub destination: String,
+    #[serde(rename = "ReadOnly", deserialize_with = "null_default")]
+    pub read_only: bool,
+}
+
+/// `structs.TaskState`. Times are RFC3339Nano strings or `null` when zero.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TaskState {
+    /// `pending`, `running` or `dead`.
+    #[serde(rename = "State", deserialize_with = "null_default")]
+    pub state: String,
+    #[serde(rename = "Failed", deserialize_with = "null_default")]
+    pub failed: bool,
+    #[serde(rename = "Restarts", deserialize_with = "null_default")]
+    pub restarts: u64,
+    #[serde(rename = "StartedAt")]
+    pub started_at: Option<String>,
+    #[serde(rename = "FinishedAt")]
+    pub finished_at: Option<String>,
+}
+
+/// A dynamic host volume (`structs.HostVolume`, `nomad/structs/host_volumes.go`), as sent to
+/// `PUT /v1/volume/host/register` and returned by `GET /v1/volume/host/:id`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HostVolume {
+    #[serde(rename = "Namespace", deserialize_with = "null_default")]
+    pub namespace: String,
+    #[serde(rename = "ID", deserialize_with = "null_default")]
+    pub id: String,
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    #[serde(rename = "PluginID", deserialize_with = "null_default")]
+    pub plugin_id: String,
+    #[serde(rename = "NodePool", deserialize_with = "null_default")]
+    pub node_pool: String,
+    #[serde(rename = "NodeID", deserialize_with = "null_default")]
+    pub node_id: String,
+    #[serde(rename = "RequestedCapabilities", deserialize_with = "null_default")]
+    pub requested_capabilities: Vec<Capability>,
+    #[serde(rename = "HostPath", deserialize_with = "null_default")]
+    pub host_path: String,
+    /// `pending`, `ready` or `unavailable`.
+    #[serde(rename = "State", deserialize_with = "null_default")]
+    pub state: String,
+    /// Read-time only: stubs of the non-terminal allocations using the volume.
+    #[serde(
+        rename = "Allocations",
+        deserialize_with = "null_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub allocations: Vec<AllocStub>,
+}
+
+/// One `{AttachmentMode, AccessMode}` pair of a host volume.
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Capability {
+    #[serde(rename = "AttachmentMode", deserialize_with = "null_default")]
+    pub attachment_mode: String,
+    #[serde(rename = "AccessMode", deserialize_with = "null_default")]
+    pub access_mode: String,
+}
+
+/// `structs.AllocListStub`, reduced.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AllocStub {
+    #[serde(rename = "ID", deserialize_with = "null_default")]
+    pub id: String,
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    #[serde(rename = "NodeID", deserialize_with = "null_default")]
+    pub node_id: String,
+    #[serde(rename = "JobID", deserialize_with = "null_default")]
+    pub job_id: String,
+    #[serde(rename = "ClientStatus", deserialize_with = "null_default")]
+    pub client_status: String,
+}
+
+/// `structs.HostVolumeStub` from `GET /v1/volumes?type=host`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HostVolumeStub {
+    #[serde(rename = "Namespace", deserialize_with = "null_default")]
+    pub namespace: String,
+    #[serde(rename = "ID", deserialize_with = "null_default")]
+    pub id: String,
+    #[serde(rename = "Name", deserialize_with = "null_default")]
+    pub name: String,
+    #[serde(rename = "NodeID", deserialize_with = "null_default")]
+    pub node_id: String,
+    #[serde(rename = "State", deserialize_with = "null_default")]
+    pub state: String,
+}
+
+/// A Nomad Variable with its items (`VariableDecrypted`, `nomad/structs/variables.go`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Variable {
+    #[serde(rename = "Namespace", deserialize_with = "null_default")]
+    pub namespace: String,
+    #[serde(rename = "Path", deserialize_with = "null_default")]
+    pub path: String,
+    #[serde(rename = "CreateIndex", deserialize_with = "null_default")]
+    pub create_index: u64,
+    #[serde(rename = "ModifyIndex", deserialize_with = "null_default")]
+    pub modify_index: u64,
+    #[serde(rename = "Items", deserialize_with = "null_default")]
+    pub items: BTreeMap<String, String>,
+}
+
+/// `VariableMetadata` from `GET /v1/vars`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VariableMeta {
+    #[serde(rename = "Namespace", deserialize_with = "null_default")]
+    pub namespace: String,
+    #[serde(rename = "Path", deserialize_with = "null_default")]
+    pub path: String,
+    #[serde(rename = "ModifyIndex", deserialize_with = "null_default")]
+    pub modify_index: u64,
+}
+
+/// `GET /v1/agent/self`, reduced. Nomad writes the top-level keys in lower case.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct AgentSelf {
+    #[serde(alias = "Config", deserialize_with = "null_default")]
+    pub config: serde_json::Value,
+    /// `stats.client.node_id` holds the local client's node ID.
+    #[serde(alias = "Stats", deserialize_with = "null_default")]
+    pub stats: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl AgentSelf {
+    /// The node ID of the local client agent, if this agent runs a client.
+    pub fn node_id(&self) -> Option<&str> {
+        self.stats
+            .get("client")
+            .and_then(|c| c.get("node_id"))
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+
+    /// The local client's node pool (`config.Client.NodePool`), `default` when unset.
+    pub fn node_pool(&self) -> String {
+        self.config
+            .pointer("/Client/NodePool")
+            .and_then(|v| v.as_str())
+            .filter(|s| !s.is_empty())
+            .unwrap_or("default")
+            .to_string()
+    }
+}

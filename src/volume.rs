@@ -1,0 +1,564 @@
+//! Deferred volumes: the spec an operator writes (HCL, shaped like `nomad volume create`)
+//! and the cluster-wide record dhv-binder keeps for it in a Nomad Variable
+//! (`dhv-binder/volumes/<name>` in the volume's namespace).
+
+use crate::nomad::types::Variable;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Variable path prefix under which volume records live.
+pub const RECORD_PREFIX: &str = "dhv-binder/volumes/";
+
+/// Access modes a deferred volume may declare (CSI's names, as Nomad uses them).
+pub const ACCESS_MODES: [&str; 5] = [
+    "single-node-reader-only",
+    "single-node-writer",
+    "single-node-multi-writer",
+    "multi-node-reader-only",
+    "multi-node-multi-writer",
+];
+
+/// Attachment modes.
+pub const ATTACHMENT_MODES: [&str; 2] = ["file-system", "block-device"];
+
+/// Bad input in a volume spec or identifier. Nothing was changed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SpecError {
+    #[error("volume spec is not valid HCL: {0}")]
+    Hcl(String),
+    #[error("{field} {value:?} is not allowed: use letters, digits, '_', '.', '-' (no '..'), at most 100 characters{extra}")]
+    BadIdentifier {
+        field: &'static str,
+        value: String,
+        extra: &'static str,
+    },
+    #[error("type must be \"host\" (dhv-binder serves dynamic host volumes), got {0:?}")]
+    BadType(String),
+    #[error("access_mode {0:?} is not one of {ACCESS_MODES:?}")]
+    BadAccessMode(String),
+    #[error("attachment_mode {0:?} is not one of {ATTACHMENT_MODES:?}")]
+    BadAttachmentMode(String),
+    #[error("{field} {value:?} is not a size (examples: 1073741824, \"10GiB\", \"500MB\")")]
+    BadSize { field: &'static str, value: String },
+    #[error("capacity_min ({min} bytes) is larger than capacity_max ({max} bytes)")]
+    CapacityOrder { min: u64, max: u64 },
+}
+
+/// One `capability { access_mode attachment_mode }` block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capability {
+    pub access_mode: String,
+    pub attachment_mode: String,
+}
+
+/// A validated volume spec. Secrets are kept apart ([`VolumeRecord::secrets`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VolumeSpec {
+    /// Volume name; jobs use it as `volume { type = "host" source = "<name>" }`.
+    pub name: String,
+    pub namespace: String,
+    /// Plugin executable name in each node's plugin directory.
+    pub plugin_id: String,
+    /// Bytes; 0 = unset.
+    pub capacity_min: u64,
+    /// Bytes; 0 = unset.
+    pub capacity_max: u64,
+    /// Nodes that may serve the volume; empty = all pools.
+    pub node_pool: String,
+    /// At least one; the first is used when a job does not say.
+    pub capabilities: Vec<Capability>,
+    pub parameters: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct RawSpec {
+    name: Option<String>,
+    #[serde(rename = "type")]
+    volume_type: Option<String>,
+    namespace: Option<String>,
+    plugin_id: Option<String>,
+    capacity_min: Option<hcl::Value>,
+    capacity_max: Option<hcl::Value>,
+    node_pool: Option<String>,
+    /// One block deserializes as an object, several as an array.
+    #[serde(default)]
+    capability: Option<hcl::Value>,
+    #[serde(default)]
+    parameters: BTreeMap<String, hcl::Value>,
+    #[serde(default)]
+    secrets: BTreeMap<String, hcl::Value>,
+}
+
+#[derive(Deserialize)]
+struct RawCapability {
+    access_mode: Option<String>,
+    attachment_mode: Option<String>,
+}
+
+/// Checks a name-like identifier: `[A-Za-z0-9_.-]{1,100}`, not `.`/`..`-containing.
+/// With `allow_index`, one trailing `[N]` (per_alloc) is accepted.
+pub fn validate_identifier(
+    field: &'static str,
+    value: &str,
+    allow_index: bool,
+) -> Result<(), SpecError> {
+    let bad = || SpecError::BadIdentifier {
+        field,
+        value: value.to_string(),
+        extra: if allow_index {
+            ", optionally ending in [N]"
+        } else {
+            ""
+        },
+    };
+    let base = match (allow_index, value.strip_suffix(']')) {
+        (true, Some(rest)) => {
+            let (base, idx) = rest.rsplit_once('[').ok_or_else(bad)?;
+            if idx.is_empty() || idx.len() > 6 || !idx.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad());
+            }
+            base
+        }
+        _ => value,
+    };
+    let ok = !base.is_empty()
+        && base.len() <= 100
+        && !base.contains("..")
+        && base != "."
+        && base
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(bad())
+    }
+}
+
+/// Checks an allocation ID: a UUID in Nomad's lower-case hyphenated form.
+pub fn is_alloc_id(s: &str) -> bool {
+    s.len() == 36 && uuid::Uuid::parse_str(s).is_ok_and(|u| u.hyphenated().to_string() == s)
+}
+
+fn hcl_string(v: &hcl::Value) -> String {
+    match v {
+        hcl::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn parse_size(field: &'static str, v: Option<&hcl::Value>) -> Result<u64, SpecError> {
+    let Some(v) = v else { return Ok(0) };
+    let bad = || SpecError::BadSize {
+        field,
+        value: hcl_string(v),
+    };
+    match v {
+        hcl::Value::Number(n) => n.as_u64().ok_or_else(bad),
+        hcl::Value::String(s) => {
+            if let Ok(n) = s.trim().parse::<u64>() {
+                return Ok(n);
+            }
+            s.trim()
+                .parse::<bytesize::ByteSize>()
+                .map(|b| b.as_u64())
+                .map_err(|_| bad())
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Parses and validates a volume spec file's text. Returns the spec and its secrets.
+pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
+    let raw: RawSpec = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
+    let name = raw.name.unwrap_or_default();
+    validate_identifier("name", &name, true)?;
+    let volume_type = raw.volume_type.unwrap_or_else(|| "host".into());
+    if volume_type != "host" {
+        return Err(SpecError::BadType(volume_type));
+    }
+    let namespace = raw.namespace.unwrap_or_else(|| "default".into());
+    validate_identifier("namespace", &namespace, false)?;
+    let plugin_id = raw.plugin_id.unwrap_or_default();
+    validate_identifier("plugin_id", &plugin_id, false)?;
+    let node_pool = raw.node_pool.unwrap_or_default();
+    if !node_pool.is_empty() {
+        validate_identifier("node_pool", &node_pool, false)?;
+    }
+    let capacity_min = parse_size("capacity_min", raw.capacity_min.as_ref())?;
+    let capacity_max = parse_size("capacity_max", raw.capacity_max.as_ref())?;
+    if capacity_max > 0 && capacity_min > capacity_max {
+        return Err(SpecError::CapacityOrder {
+            min: capacity_min,
+            max: capacity_max,
+        });
+    }
+    let raw_caps: Vec<RawCapability> = match raw.capability {
+        None => Vec::new(),
+        Some(v @ hcl::Value::Array(_)) => {
+            hcl::from_value(v).map_err(|e| SpecError::Hcl(format!("capability: {e}")))?
+        }
+        Some(v) => {
+            vec![hcl::from_value(v).map_err(|e| SpecError::Hcl(format!("capability: {e}")))?]
+        }
+    };
+    let mut capabilities = Vec::new();
+    for c in raw_caps {
+        let access_mode = c.access_mode.unwrap_or_else(|| "single-node-writer".into());
+        if !ACCESS_MODES.contains(&access_mode.as_str()) {
+            return Err(SpecError::BadAccessMode(access_mode));
+        }
+        let attachment_mode = c.attachment_mode.unwrap_or_else(|| "file-system".into());
+        if !ATTACHMENT_MODES.contains(&attachment_mode.as_str()) {
+            return Err(SpecError::BadAttachmentMode(attachment_mode));
+        }
+        capabilities.push(Capability {
+            access_mode,
+            attachment_mode,
+        });
+    }
+    if capabilities.is_empty() {
+        capabilities.push(Capability {
+            access_mode: "single-node-writer".into(),
+            attachment_mode: "file-system".into(),
+        });
+    }
+    let parameters = raw
+        .parameters
+        .iter()
+        .map(|(k, v)| (k.clone(), hcl_string(v)))
+        .collect();
+    let secrets = raw
+        .secrets
+        .iter()
+        .map(|(k, v)| (k.clone(), hcl_string(v)))
+        .collect();
+    Ok((
+        VolumeSpec {
+            name,
+            namespace,
+            plugin_id,
+            capacity_min,
+            capacity_max,
+            node_pool,
+            capabilities,
+            parameters,
+        },
+        secrets,
+    ))
+}
+
+/// Where a volume is in its cluster-wide life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VolumeState {
+    /// Recorded; waiting for a node with the plugin to run `create`.
+    Pending,
+    /// A node (`worker_node`) is running the plugin's `create`.
+    Creating,
+    /// Created; nodes offer placeholders and publish on demand.
+    Ready,
+    /// `create` failed; see `error`. Delete the record and create again.
+    Failed,
+    /// Delete requested; placeholders are withdrawn and a node runs the plugin's `delete`.
+    Deleting,
+}
+
+impl VolumeState {
+    /// The lower-case name used in the record and in output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeState::Pending => "pending",
+            VolumeState::Creating => "creating",
+            VolumeState::Ready => "ready",
+            VolumeState::Failed => "failed",
+            VolumeState::Deleting => "deleting",
+        }
+    }
+}
+
+/// The cluster-wide record of one deferred volume.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VolumeRecord {
+    /// UUID chosen at `volume create`; passed to plugins as DHV_VOLUME_ID.
+    pub id: String,
+    pub spec: VolumeSpec,
+    /// Given to plugins as DHV_SECRETS for create, publish, unpublish and delete; never printed.
+    pub secrets: BTreeMap<String, String>,
+    pub state: VolumeState,
+    /// What the plugin's `create` returned as `context`.
+    pub context: serde_json::Value,
+    /// What the plugin's `create` returned as `bytes`.
+    pub capacity_bytes: u64,
+    /// Node running `create` or `delete` right now.
+    pub worker_node: String,
+    /// Last error of `create`/`delete`.
+    pub error: String,
+    /// The variable's ModifyIndex, for check-and-set updates.
+    pub modify_index: u64,
+}
+
+/// A variable that is not a volume record dhv-binder wrote.
+#[derive(Debug, thiserror::Error)]
+#[error("variable {path} is not a dhv-binder volume record: {reason}")]
+pub struct RecordError {
+    pub path: String,
+    pub reason: String,
+}
+
+/// Encodes a volume name for a variable path (`[a-zA-Z0-9-_~/]` only): other bytes become `~xx`.
+pub fn encode_name(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("~{b:02x}"));
+        }
+    }
+    out
+}
+
+/// The variable path of a volume's record.
+pub fn record_path(name: &str) -> String {
+    format!("{RECORD_PREFIX}{}", encode_name(name))
+}
+
+impl VolumeRecord {
+    /// A new record in state `pending`.
+    pub fn new(spec: VolumeSpec, secrets: BTreeMap<String, String>) -> Self {
+        Self {
+            id: uuid::Uuid::new_v4().to_string(),
+            spec,
+            secrets,
+            state: VolumeState::Pending,
+            context: serde_json::Value::Null,
+            capacity_bytes: 0,
+            worker_node: String::new(),
+            error: String::new(),
+            modify_index: 0,
+        }
+    }
+
+    /// `(namespace, name)`: how the volume is keyed everywhere (never by name alone).
+    pub fn key(&self) -> VolumeKey {
+        VolumeKey {
+            namespace: self.spec.namespace.clone(),
+            name: self.spec.name.clone(),
+        }
+    }
+
+    /// The variable that stores this record.
+    pub fn to_variable(&self) -> Variable {
+        let mut items = BTreeMap::new();
+        items.insert("id".into(), self.id.clone());
+        items.insert(
+            "spec".into(),
+            serde_json::to_string(&self.spec).unwrap_or_default(),
+        );
+        items.insert(
+            "secrets".into(),
+            serde_json::to_string(&self.secrets).unwrap_or_default(),
+        );
+        items.insert("state".into(), self.state.as_str().into());
+        items.insert("context".into(), self.context.to_string());
+        items.insert("capacity_bytes".into(), self.capacity_bytes.to_string());
+        items.insert("worker_node".into(), self.worker_node.clone());
+        items.insert("error".into(), self.error.clone());
+        Variable {
+            namespace: self.spec.namespace.clone(),
+            path: record_path(&self.spec.name),
+            items,
+            ..Default::default()
+        }
+    }
+
+    /// Reads a record back from its variable, re-validating what it holds.
+    pub fn from_variable(var: &Variable) -> Result<Self, RecordError> {
+        let err = |reason: String| RecordError {
+            path: var.path.clone(),
+            reason,
+        };
+        let item = |k: &str| var.items.get(k).cloned().unwrap_or_default();
+        let spec: VolumeSpec =
+            serde_json::from_str(&item("spec")).map_err(|e| err(format!("spec: {e}")))?;
+        validate_identifier("name", &spec.name, true).map_err(|e| err(e.to_string()))?;
+        validate_identifier("plugin_id", &spec.plugin_id, false).map_err(|e| err(e.to_string()))?;
+        if spec.namespace != var.namespace {
+            return Err(err(format!(
+                "spec namespace {} differs from the variable's {}",
+                spec.namespace, var.namespace
+            )));
+        }
+        let secrets = match item("secrets").as_str() {
+            "" => BTreeMap::new(),
+            s => serde_json::from_str(s).map_err(|e| err(format!("secrets: {e}")))?,
+        };
+        let state = serde_json::from_value(serde_json::Value::String(item("state")))
+            .map_err(|e| err(format!("state: {e}")))?;
+        let context = match item("context").as_str() {
+            "" => serde_json::Value::Null,
+            s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
+        };
+        let id = item("id");
+        if uuid::Uuid::parse_str(&id).is_err() {
+            return Err(err(format!("id {id:?} is not a UUID")));
+        }
+        Ok(Self {
+            id,
+            spec,
+            secrets,
+            state,
+            context,
+            capacity_bytes: item("capacity_bytes").parse().unwrap_or(0),
+            worker_node: item("worker_node"),
+            error: item("error"),
+            modify_index: var.modify_index,
+        })
+    }
+
+    /// The cluster-wide access mode (the first capability's).
+    pub fn access_mode(&self) -> &str {
+        self.spec
+            .capabilities
+            .first()
+            .map(|c| c.access_mode.as_str())
+            .unwrap_or("single-node-writer")
+    }
+
+    /// Capabilities for the node-local placeholder: Nomad's host volumes accept only
+    /// single-node-* modes, so multi-node-* map to their single-node counterparts.
+    pub fn placeholder_capabilities(&self) -> Vec<crate::nomad::types::Capability> {
+        let mut caps: Vec<_> = self
+            .spec
+            .capabilities
+            .iter()
+            .map(|c| crate::nomad::types::Capability {
+                attachment_mode: c.attachment_mode.clone(),
+                access_mode: match c.access_mode.as_str() {
+                    "multi-node-reader-only" => "single-node-reader-only".into(),
+                    "multi-node-multi-writer" => "single-node-multi-writer".into(),
+                    other => other.into(),
+                },
+            })
+            .collect();
+        // A writer volume also serves read-only requests.
+        let extra: Vec<_> = caps
+            .iter()
+            .filter(|c| c.access_mode != "single-node-reader-only")
+            .map(|c| crate::nomad::types::Capability {
+                attachment_mode: c.attachment_mode.clone(),
+                access_mode: "single-node-reader-only".into(),
+            })
+            .collect();
+        caps.extend(extra);
+        caps.sort();
+        caps.dedup();
+        caps
+    }
+}
+
+/// How volumes are keyed: by namespace and name together (two namespaces may both have a
+/// volume called `data`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct VolumeKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for VolumeKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = r#"
+        name      = "shared-data"
+        type      = "host"
+        namespace = "default"
+        plugin_id = "bind"
+        capacity_min = "1GiB"
+        capacity_max = 2147483648
+        capability {
+          access_mode     = "single-node-writer"
+          attachment_mode = "file-system"
+        }
+        parameters { export = "/srv/exports" }
+        secrets { password = "hunter2" }
+    "#;
+
+    #[test]
+    fn parses_a_full_spec() {
+        let (spec, secrets) = parse_spec(SPEC).unwrap();
+        assert_eq!(spec.name, "shared-data");
+        assert_eq!(spec.plugin_id, "bind");
+        assert_eq!(spec.capacity_min, 1 << 30);
+        assert_eq!(spec.capacity_max, 2 << 30);
+        assert_eq!(spec.parameters["export"], "/srv/exports");
+        assert_eq!(secrets["password"], "hunter2");
+        assert_eq!(spec.capabilities[0].access_mode, "single-node-writer");
+    }
+
+    #[test]
+    fn rejects_traversal_and_bad_values() {
+        for (text, field) in [
+            ("name = \"../../etc\"\nplugin_id = \"bind\"", "name"),
+            ("name = \"a\"\nplugin_id = \"../../bin/sh\"", "plugin_id"),
+            (
+                "name = \"a\"\nplugin_id = \"bind\"\nnamespace = \"x/y\"",
+                "namespace",
+            ),
+            ("name = \"a\\nb\"\nplugin_id = \"bind\"", "name"),
+            ("name = \"a\\u0000b\"\nplugin_id = \"bind\"", "name"),
+        ] {
+            match parse_spec(text) {
+                Err(SpecError::BadIdentifier { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            parse_spec("name = \"a\"\nplugin_id = \"p\"\ntype = \"csi\""),
+            Err(SpecError::BadType(_))
+        ));
+        assert!(matches!(
+            parse_spec(
+                "name = \"a\"\nplugin_id = \"p\"\ncapability {\n access_mode = \"everyone\"\n}"
+            ),
+            Err(SpecError::BadAccessMode(_))
+        ));
+        assert!(matches!(
+            parse_spec("name = \"a\"\nplugin_id = \"p\"\ncapacity_min = \"lots\""),
+            Err(SpecError::BadSize { .. })
+        ));
+    }
+
+    #[test]
+    fn per_alloc_names_and_alloc_ids() {
+        assert!(validate_identifier("name", "data[3]", true).is_ok());
+        assert!(validate_identifier("name", "data[3]", false).is_err());
+        assert!(validate_identifier("name", "data[]", true).is_err());
+        assert!(validate_identifier("name", "data[x]", true).is_err());
+        assert!(is_alloc_id("5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70"));
+        assert!(!is_alloc_id("../x"));
+        assert!(!is_alloc_id("5B0E8F7A-2C4D-4E19-B6A3-9D8C1F2E4A70"));
+    }
+
+    #[test]
+    fn record_round_trips_through_a_variable() {
+        let (spec, secrets) = parse_spec(SPEC).unwrap();
+        let mut rec = VolumeRecord::new(spec, secrets);
+        rec.state = VolumeState::Ready;
+        rec.context = serde_json::json!({"export_path": "/srv/exports/x"});
+        let mut var = rec.to_variable();
+        var.modify_index = 9;
+        assert_eq!(var.path, "dhv-binder/volumes/shared-data");
+        let back = VolumeRecord::from_variable(&var).unwrap();
+        rec.modify_index = 9;
+        assert_eq!(back, rec);
+        assert_eq!(record_path("data[0]"), "dhv-binder/volumes/data~5b0~5d");
+    }
+}
