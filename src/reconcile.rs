@@ -161,3 +161,370 @@ pub fn plan(i: Inputs<'_>) -> Plan {
     }
     plan
 }
+
+#[cfg(test)]
+mod tests {
+    //! Pure tests of the plan over design.md §5, with small fixture builders.
+    use super::*;
+    use crate::nomad::types::{Allocation, Job, TaskGroup, VolumeRequest};
+    use crate::volume::{Capability, VolumeSpec, VolumeState};
+
+    const NODE: &str = "node-1";
+
+    fn key(name: &str) -> VolumeKey {
+        VolumeKey {
+            namespace: "default".into(),
+            name: name.into(),
+        }
+    }
+
+    fn volume(name: &str, mode: &str) -> VolumeRecord {
+        let mut r = VolumeRecord::new(
+            VolumeSpec {
+                name: name.into(),
+                namespace: "default".into(),
+                plugin_id: "bind".into(),
+                capacity_min: 0,
+                capacity_max: 0,
+                node_pool: String::new(),
+                capabilities: vec![Capability {
+                    access_mode: mode.into(),
+                    attachment_mode: "file-system".into(),
+                }],
+                parameters: Default::default(),
+            },
+            Default::default(),
+        );
+        r.state = VolumeState::Ready;
+        r
+    }
+
+    fn alloc(id: &str, sources: &[&str], client: &str, desired: &str) -> Allocation {
+        let volumes = sources
+            .iter()
+            .map(|s| {
+                (
+                    format!("v-{s}"),
+                    VolumeRequest {
+                        name: format!("v-{s}"),
+                        volume_type: "host".into(),
+                        source: s.to_string(),
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect();
+        Allocation {
+            id: id.into(),
+            namespace: "default".into(),
+            name: "job.g[0]".into(),
+            node_id: NODE.into(),
+            job_id: "job".into(),
+            task_group: "g".into(),
+            job: Some(Job {
+                id: "job".into(),
+                namespace: "default".into(),
+                job_type: "service".into(),
+                version: 0,
+                task_groups: vec![TaskGroup {
+                    name: "g".into(),
+                    volumes,
+                    tasks: vec![],
+                }],
+            }),
+            client_status: client.into(),
+            desired_status: desired.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Everything the planner reads, owned, with an `apply` that simulates success.
+    struct World {
+        view: View,
+        volumes: BTreeMap<VolumeKey, VolumeRecord>,
+        mounts: BTreeMap<VolumeKey, MountRecord>,
+        users: BTreeSet<UserKey>,
+        mounted: BTreeSet<PathBuf>,
+        plugins: BTreeSet<String>,
+        busy: BTreeSet<VolumeKey>,
+        publishes: usize,
+        unpublishes: usize,
+    }
+
+    impl World {
+        fn new(vols: &[VolumeRecord], allocs: Vec<Allocation>) -> Self {
+            let mut view = View::default();
+            view.replace_all(allocs, 10);
+            Self {
+                view,
+                volumes: vols.iter().map(|v| (v.key(), v.clone())).collect(),
+                mounts: BTreeMap::new(),
+                users: BTreeSet::new(),
+                mounted: BTreeSet::new(),
+                plugins: BTreeSet::from(["bind".to_string()]),
+                busy: BTreeSet::new(),
+                publishes: 0,
+                unpublishes: 0,
+            }
+        }
+
+        fn plan(&self) -> Plan {
+            plan(Inputs {
+                view: &self.view,
+                volumes_loaded: true,
+                volumes: &self.volumes,
+                mounts: &self.mounts,
+                users: &self.users,
+                mounted: &self.mounted,
+                plugins: &self.plugins,
+                busy: &self.busy,
+            })
+        }
+
+        fn target(k: &VolumeKey) -> PathBuf {
+            PathBuf::from(format!("/mnt/{}/{}", k.namespace, k.name))
+        }
+
+        /// Plans and applies until nothing is left to do; every plugin call succeeds.
+        fn settle(&mut self) {
+            for _ in 0..10 {
+                let p = self.plan();
+                if p.steps.is_empty() {
+                    return;
+                }
+                for s in p.steps {
+                    match s {
+                        Step::Publish {
+                            volume, read_only, ..
+                        } => {
+                            self.publishes += 1;
+                            let t = Self::target(&volume);
+                            self.mounted.insert(t.clone());
+                            self.mounts.insert(
+                                volume.clone(),
+                                MountRecord {
+                                    volume_id: self.volumes[&volume].id.clone(),
+                                    volume,
+                                    plugin_id: "bind".into(),
+                                    state: MountState::Published,
+                                    target: t,
+                                    read_only,
+                                    publish_context: serde_json::Value::Null,
+                                    since: 0,
+                                    last_error: String::new(),
+                                },
+                            );
+                        }
+                        Step::Unpublish { volume } => {
+                            self.unpublishes += 1;
+                            let m = self.mounts.remove(&volume).unwrap();
+                            self.mounted.remove(&m.target);
+                        }
+                        Step::AddUser(u) => {
+                            self.users.insert(u);
+                        }
+                        Step::RemoveUser(u) => {
+                            self.users.remove(&u);
+                        }
+                    }
+                }
+            }
+            panic!("plan did not converge");
+        }
+
+        fn update(&mut self, a: Allocation) {
+            self.view.upsert(a);
+        }
+    }
+
+    const A1: &str = "00000000-0000-4000-8000-000000000001";
+    const A2: &str = "00000000-0000-4000-8000-000000000002";
+
+    /// §5 row 1: an allocation placed on the node that uses deferred V gets V published
+    /// once, and is recorded as V's user (which is what answers its prestart call).
+    #[test]
+    fn row1_placed_alloc_gets_its_volume_published() {
+        let v = volume("data", "single-node-writer");
+        let mut w = World::new(&[v], vec![alloc(A1, &["data"], "pending", "run")]);
+        let p = w.plan();
+        assert_eq!(
+            p.steps,
+            vec![Step::Publish {
+                volume: key("data"),
+                alloc_id: A1.into(),
+                read_only: false
+            }]
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        assert!(w.users.contains(&UserKey {
+            alloc_id: A1.into(),
+            volume: key("data")
+        }));
+        // Planning again after applying the plan yields nothing.
+        assert_eq!(w.plan(), Plan::default());
+    }
+
+    /// A volume that is not a deferred volume record, or a CSI volume, is left alone.
+    #[test]
+    fn row1_unknown_sources_are_not_published() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["other"], "pending", "run")],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 0);
+    }
+
+    /// §5 row 2: a task restarting inside the allocation changes task states only: no
+    /// unpublish, no second publish.
+    #[test]
+    fn row2_task_restart_changes_nothing() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        let mut a = alloc(A1, &["data"], "pending", "run");
+        a.modify_index = 20; // between the restart's "dead" and "running" the client may report pending
+        w.update(a);
+        w.settle();
+        let mut a = alloc(A1, &["data"], "running", "run");
+        a.modify_index = 21;
+        w.update(a);
+        w.settle();
+        assert_eq!((w.publishes, w.unpublishes), (1, 0));
+    }
+
+    /// §5 row 3 (and B01): DesiredStatus=stop while tasks still run does not unpublish;
+    /// ClientStatus complete does, once.
+    #[test]
+    fn row3_unpublish_waits_for_client_terminal() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        let mut a = alloc(A1, &["data"], "running", "stop");
+        a.modify_index = 30;
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 0, "unpublished on DesiredStatus=stop alone");
+        let mut a = alloc(A1, &["data"], "complete", "stop");
+        a.modify_index = 31;
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+        assert!(w.users.is_empty());
+        assert!(w.mounts.is_empty());
+    }
+
+    /// §5 row 5 (and B06): two live allocations share one publish; the volume is
+    /// unpublished only after the last one ends.
+    #[test]
+    fn row5_two_allocs_share_one_publish() {
+        let mut w = World::new(
+            &[volume("data", "single-node-multi-writer")],
+            vec![
+                alloc(A1, &["data"], "running", "run"),
+                alloc(A2, &["data"], "running", "run"),
+            ],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        assert_eq!(w.users.len(), 2);
+        let mut a = alloc(A2, &["data"], "complete", "stop");
+        a.modify_index = 40;
+        w.update(a);
+        w.settle();
+        assert_eq!(
+            w.unpublishes, 0,
+            "unpublished while A1 still uses the volume"
+        );
+        assert_eq!(w.users.len(), 1);
+        assert!(w.mounted.contains(&World::target(&key("data"))));
+        let mut a = alloc(A1, &["data"], "failed", "run");
+        a.modify_index = 41;
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+    }
+
+    /// Nothing destructive before the view is complete: a journal entry whose allocation
+    /// is not (yet) known is kept until a full list proves it gone.
+    #[test]
+    fn nothing_destructive_before_the_first_full_list() {
+        let v = volume("data", "single-node-writer");
+        let mut w = World::new(&[v], vec![]);
+        w.view = View::default();
+        w.mounts.insert(
+            key("data"),
+            MountRecord {
+                volume: key("data"),
+                volume_id: "x".into(),
+                plugin_id: "bind".into(),
+                state: MountState::Published,
+                target: World::target(&key("data")),
+                read_only: false,
+                publish_context: serde_json::Value::Null,
+                since: 0,
+                last_error: String::new(),
+            },
+        );
+        w.users.insert(UserKey {
+            alloc_id: A1.into(),
+            volume: key("data"),
+        });
+        assert_eq!(w.plan(), Plan::default());
+        w.view.replace_all(vec![], 50);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+        assert!(w.users.is_empty());
+    }
+
+    /// A published record whose mount is gone (reboot) is published again.
+    #[test]
+    fn published_record_without_mount_is_republished() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        w.mounted.clear();
+        w.settle();
+        assert_eq!(w.publishes, 2);
+    }
+
+    /// A volume with a call in flight gets no new step; a missing plugin makes the step wait.
+    #[test]
+    fn busy_volumes_and_missing_plugins_wait() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "pending", "run")],
+        );
+        w.busy.insert(key("data"));
+        assert!(w.plan().steps.is_empty());
+        w.busy.clear();
+        w.plugins.clear();
+        let p = w.plan();
+        assert!(p.steps.is_empty());
+        assert_eq!(p.waiting.len(), 1);
+    }
+
+    /// Reader access modes are published read-only.
+    #[test]
+    fn reader_modes_publish_read_only() {
+        let mut w = World::new(
+            &[volume("data", "multi-node-reader-only")],
+            vec![alloc(A1, &["data"], "pending", "run")],
+        );
+        assert!(matches!(
+            w.plan().steps[0],
+            Step::Publish {
+                read_only: true,
+                ..
+            }
+        ));
+        w.settle();
+    }
+}
