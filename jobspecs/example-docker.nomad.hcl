@@ -1,0 +1,81 @@
+# The example job for the docker driver. The prestart task needs no dhv-binder binary:
+# it calls the daemon's socket with curl and the task's workload identity token.
+job "shared-data-demo-docker" {
+  type        = "service"
+  datacenters = ["*"]
+
+  group "app" {
+    count = 1
+
+    volume "data" {
+      type            = "host"
+      source          = "shared-data"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+
+    volume "dhv-binder" {
+      type      = "host"
+      source    = "dhv-binder-socket"
+      read_only = true
+    }
+
+    task "publish-volumes" {
+      lifecycle {
+        hook    = "prestart"
+        sidecar = false
+      }
+
+      driver = "docker"
+
+      config {
+        image      = "curlimages/curl:8.11.1"
+        entrypoint = ["/bin/sh", "-c"]
+        # Retries while dhv-binder answers 503 (starting, plugin busy), fails on 4xx.
+        args = [<<-EOT
+          curl --silent --show-error --fail-with-body --max-time 130 \
+            --retry 20 --retry-delay 3 --retry-all-errors \
+            --unix-socket /run/dhv-binder/api.sock \
+            -X POST -H "Authorization: Bearer $NOMAD_TOKEN" \
+            "http://dhv-binder/v1/allocations/$NOMAD_ALLOC_ID/publish?wait=2m"
+        EOT
+        ]
+      }
+
+      identity {
+        env = true
+      }
+
+      volume_mount {
+        volume      = "dhv-binder"
+        destination = "/run/dhv-binder"
+        read_only   = true
+      }
+
+      resources {
+        cpu    = 50
+        memory = 32
+      }
+    }
+
+    task "app" {
+      driver = "docker"
+
+      config {
+        image   = "busybox:1.37"
+        command = "/bin/sh"
+        args    = ["-c", "echo hello from $NOMAD_ALLOC_ID >> /data/greetings.txt && exec sleep 3600"]
+      }
+
+      volume_mount {
+        volume      = "data"
+        destination = "/data"
+      }
+
+      resources {
+        cpu    = 100
+        memory = 64
+      }
+    }
+  }
+}

@@ -1,0 +1,20 @@
+# A deferred volume, for `dhv-binder volume create jobspecs/volume.hcl`.
+# Shaped like `nomad volume create` specs; `plugin_id` names a plugin in every node's
+# dhv-binder plugin directory.
+name      = "shared-data"
+type      = "host"
+namespace = "default"
+plugin_id = "bind"
+
+capacity_min = "1GiB"
+capacity_max = "2GiB"
+
+capability {
+  access_mode     = "single-node-writer"
+  attachment_mode = "file-system"
+}
+
+parameters {
+  # For the reference "bind" plugin: the directory standing for the storage server's export.
+  export = "/srv/dhv-exports"
+}
