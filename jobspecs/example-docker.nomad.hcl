@@ -31,10 +31,11 @@ job "shared-data-demo-docker" {
       config {
         image      = "curlimages/curl:8.11.1"
         entrypoint = ["/bin/sh", "-c"]
-        # Retries while dhv-binder answers 503 (starting, plugin busy), fails on 4xx.
+        # Retries while dhv-binder answers 503/504 (starting, plugin busy) or its socket is not
+        # up yet; fails at once on 4xx (wrong allocation, refused token).
         args = [<<-EOT
           curl --silent --show-error --fail-with-body --max-time 130 \
-            --retry 20 --retry-delay 3 --retry-all-errors \
+            --retry 20 --retry-delay 3 --retry-connrefused \
             --unix-socket /run/dhv-binder/api.sock \
             -X POST -H "Authorization: Bearer $NOMAD_TOKEN" \
             "http://dhv-binder/v1/allocations/$NOMAD_ALLOC_ID/publish?wait=2m"

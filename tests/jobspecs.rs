@@ -1,0 +1,167 @@
+//! The files in jobspecs/ are real Nomad jobspecs and specs: each is parsed with hcl-rs and
+//! checked for the fields Nomad requires and the wiring dhv-binder depends on.
+
+use hcl::{Block, Body, Expression};
+use std::path::PathBuf;
+
+fn read(name: &str) -> Body {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("jobspecs")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    hcl::parse(&text).unwrap_or_else(|e| panic!("{} is not valid HCL: {e}", path.display()))
+}
+
+fn blocks<'a>(body: &'a Body, ident: &str) -> Vec<&'a Block> {
+    body.blocks().filter(|b| b.identifier() == ident).collect()
+}
+
+fn one<'a>(body: &'a Body, ident: &str) -> &'a Block {
+    let b = blocks(body, ident);
+    assert_eq!(b.len(), 1, "expected exactly one {ident} block");
+    b[0]
+}
+
+fn attr<'a>(body: &'a Body, key: &str) -> Option<&'a Expression> {
+    body.attributes().find(|a| a.key() == key).map(|a| a.expr())
+}
+
+fn string(body: &Body, key: &str) -> String {
+    match attr(body, key) {
+        Some(Expression::String(s)) => s.clone(),
+        other => panic!("{key} should be a string, got {other:?}"),
+    }
+}
+
+fn label(b: &Block) -> String {
+    assert_eq!(b.labels().len(), 1, "{} needs one label", b.identifier());
+    b.labels()[0].as_str().to_string()
+}
+
+/// Checks what Nomad requires of every job: one labelled job, groups with labels, tasks
+/// with a driver and a config, volume_mounts naming a group volume.
+fn check_job(body: &Body) -> &Block {
+    let job = one(body, "job");
+    assert!(!label(job).is_empty());
+    let groups = blocks(job.body(), "group");
+    assert!(!groups.is_empty(), "a job needs a group");
+    for g in &groups {
+        label(g);
+        let vols: Vec<String> = blocks(g.body(), "volume").into_iter().map(label).collect();
+        for v in blocks(g.body(), "volume") {
+            assert_eq!(string(v.body(), "type"), "host");
+            assert!(!string(v.body(), "source").is_empty());
+        }
+        let tasks = blocks(g.body(), "task");
+        assert!(!tasks.is_empty(), "group {} needs a task", label(g));
+        for t in tasks {
+            label(t);
+            assert!(!string(t.body(), "driver").is_empty());
+            one(t.body(), "config");
+            for vm in blocks(t.body(), "volume_mount") {
+                let v = string(vm.body(), "volume");
+                assert!(vols.contains(&v), "volume_mount names unknown volume {v}");
+                assert!(string(vm.body(), "destination").starts_with('/'));
+            }
+        }
+    }
+    job
+}
+
+#[test]
+fn system_job_runs_the_agent_on_every_client() {
+    let body = read("dhv-binder.nomad.hcl");
+    let job = check_job(&body);
+    assert_eq!(string(job.body(), "type"), "system");
+    let task = one(one(job.body(), "group").body(), "task");
+    assert_eq!(
+        string(task.body(), "driver"),
+        "raw_exec",
+        "mounts must land in the host namespace"
+    );
+    let env = one(task.body(), "env");
+    assert!(string(env.body(), "DHV_BINDER_SOCKET").starts_with("/run/dhv-binder/"));
+    let identity = one(task.body(), "identity");
+    assert_eq!(attr(identity.body(), "env"), Some(&Expression::Bool(true)));
+}
+
+/// The prestart task calls the daemon with its identity through the socket volume, and
+/// the main task mounts the deferred volume.
+fn check_example(name: &str) {
+    let body = read(name);
+    let job = check_job(&body);
+    let group = one(job.body(), "group");
+    let tasks = blocks(group.body(), "task");
+    let prestart: Vec<_> = tasks
+        .iter()
+        .filter(|t| {
+            blocks(t.body(), "lifecycle")
+                .first()
+                .is_some_and(|l| string(l.body(), "hook") == "prestart")
+        })
+        .collect();
+    assert_eq!(prestart.len(), 1, "{name}: one prestart task");
+    let p = prestart[0];
+    let lc = one(p.body(), "lifecycle");
+    assert_eq!(
+        attr(lc.body(), "sidecar"),
+        Some(&Expression::Bool(false)),
+        "prestart must not be a sidecar"
+    );
+    assert_eq!(
+        attr(one(p.body(), "identity").body(), "env"),
+        Some(&Expression::Bool(true))
+    );
+    let vm = one(p.body(), "volume_mount");
+    assert_eq!(string(vm.body(), "destination"), "/run/dhv-binder");
+    let socket_vol = blocks(group.body(), "volume")
+        .into_iter()
+        .find(|v| label(v) == string(vm.body(), "volume"))
+        .unwrap();
+    assert_eq!(string(socket_vol.body(), "source"), "dhv-binder-socket");
+    let data = blocks(group.body(), "volume")
+        .into_iter()
+        .find(|v| string(v.body(), "source") == "shared-data")
+        .expect("the deferred volume");
+    assert_eq!(string(data.body(), "access_mode"), "single-node-writer");
+}
+
+#[test]
+fn example_jobs_gate_their_tasks_on_publish() {
+    check_example("example.nomad.hcl");
+    check_example("example-docker.nomad.hcl");
+}
+
+#[test]
+fn policy_grants_what_the_daemon_calls() {
+    let body = read("dhv-binder-policy.hcl");
+    let ns = one(&body, "namespace");
+    assert_eq!(label(ns), "*");
+    let caps = match attr(ns.body(), "capabilities") {
+        Some(Expression::Array(a)) => a
+            .iter()
+            .map(|e| match e {
+                Expression::String(s) => s.clone(),
+                o => panic!("{o:?}"),
+            })
+            .collect::<Vec<_>>(),
+        o => panic!("capabilities: {o:?}"),
+    };
+    for c in ["read-job", "host-volume-register", "host-volume-read"] {
+        assert!(caps.contains(&c.to_string()), "policy lacks {c}");
+    }
+    let vars = one(ns.body(), "variables");
+    let path = one(vars.body(), "path");
+    assert_eq!(label(path), "dhv-binder/*");
+    assert_eq!(string(one(&body, "node").body(), "policy"), "read");
+    assert_eq!(string(one(&body, "agent").body(), "policy"), "read");
+}
+
+#[test]
+fn sample_volume_spec_is_valid() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("jobspecs/volume.hcl");
+    let (spec, _) =
+        dhv_binder::volume::parse_spec(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(spec.name, "shared-data");
+    assert_eq!(spec.plugin_id, "bind");
+}
