@@ -1,1 +1,64 @@
-fn main() {}
+//! nomad-sim entry point: the exec helper runs before any runtime (single-threaded unshare).
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use nomad_sim::cli::{normalize_args, Cli, Cmd};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("exec-task") {
+        let Some(spec) = args.get(2) else {
+            eprintln!("usage: nomad-sim exec-task <spec.json>");
+            std::process::exit(2);
+        };
+        let err = nomad_sim::exec_driver::run(std::path::Path::new(spec));
+        eprintln!("nomad-sim exec driver: {err}");
+        std::process::exit(1);
+    }
+    let cli = Cli::parse_from(normalize_args(args));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NOMAD_SIM_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("starting runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Agent { config } => {
+                let cfg = match nomad_sim::config::AgentConfig::load(&config) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("Error loading configuration from {}: {e}", config.display());
+                        return 64;
+                    }
+                };
+                match nomad_sim::agent::run(cfg).await {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        eprintln!("Error: {e:#}");
+                        1
+                    }
+                }
+            }
+            other => match nomad_sim::cli::run_client_cmd(other).await {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("Error: {e:#}");
+                    1
+                }
+            },
+        }
+    });
+    std::process::exit(code);
+}

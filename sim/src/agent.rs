@@ -1,0 +1,242 @@
+//! `nomad-sim agent`: one server plus N client nodes in one process, like `nomad agent -dev`.
+//!
+//! Writes `<data_dir>/ready.json` once every listener is bound; on SIGINT/SIGTERM kills every
+//! task (with kill timeouts) and exits 0 (allocations are destroyed on exit, as in -dev).
+
+use crate::api::{router, AgentInfo, AppState};
+use crate::client::run_node;
+use crate::config::AgentConfig;
+use crate::identity::Keyring;
+use crate::store::Server;
+use crate::structs::{ClientHostVolumeConfig, Node};
+use crate::taskrunner::NodeCtx;
+use anyhow::Context;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+fn node_for(cfg: &AgentConfig, c: &crate::config::ClientConfig, id: &str, addr: &str) -> Node {
+    let now = crate::clock::now_rfc3339();
+    let driver = |name: &str| {
+        json!({"Attributes": {format!("driver.{name}"): "true"}, "Detected": true, "Healthy": true,
+               "HealthDescription": "Healthy", "UpdateTime": now})
+    };
+    let attrs: BTreeMap<String, String> = [
+        ("kernel.name", "linux".to_string()),
+        ("os.name", "linux".to_string()),
+        ("arch", std::env::consts::ARCH.to_string()),
+        ("nomad.version", "2.0.5-sim".to_string()),
+        ("nomad.revision", "nomad-sim".to_string()),
+        ("nomad.advertise.address", addr.to_string()),
+        ("unique.hostname", c.name.clone()),
+        ("unique.network.ip-address", cfg.bind_addr.clone()),
+        ("driver.exec", "1".to_string()),
+        ("driver.raw_exec", "1".to_string()),
+        ("cpu.numcores", "2".to_string()),
+        ("memory.totalbytes", "8589934592".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    Node {
+        ID: id.into(),
+        Datacenter: c.datacenter.clone(),
+        Name: c.name.clone(),
+        HTTPAddr: addr.into(),
+        Attributes: attrs,
+        NodeResources: json!({"Cpu": {"CpuShares": 4000, "TotalCpuCores": 2, "ReservableCpuCores": [0, 1]},
+            "Memory": {"MemoryMB": 8192}, "Disk": {"DiskMB": 100000}, "Networks": null, "NodeNetworks": null,
+            "Devices": null, "NUMA": null, "MinDynamicPort": 20000, "MaxDynamicPort": 32000}),
+        ReservedResources: json!({"Cpu": {"CpuShares": 0, "ReservedCpuCores": null}, "Memory": {"MemoryMB": 0},
+            "Disk": {"DiskMB": 0}, "Networks": {"ReservedHostPorts": ""}}),
+        Meta: c.meta.clone(),
+        NodePool: c.node_pool.clone(),
+        ComputedClass: format!("v1:{}", c.node_pool),
+        SchedulingEligibility: "eligible".into(),
+        Status: "ready".into(),
+        Events: vec![
+            json!({"Message": "Node registered", "Subsystem": "Cluster", "Details": null,
+            "Timestamp": now, "CreateIndex": 0}),
+        ],
+        Drivers: [
+            ("exec".to_string(), driver("exec")),
+            ("raw_exec".to_string(), driver("raw_exec")),
+        ]
+        .into(),
+        HostVolumes: c
+            .host_volumes
+            .iter()
+            .map(|h| {
+                (
+                    h.name.clone(),
+                    ClientHostVolumeConfig {
+                        Name: h.name.clone(),
+                        Path: h.path.display().to_string(),
+                        ReadOnly: h.read_only,
+                        ID: String::new(),
+                    },
+                )
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+async fn serve(listener: TcpListener, state: AppState, mut shutdown: watch::Receiver<bool>) {
+    let app = router(state);
+    let _ = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|s| *s).await;
+        })
+        .await;
+}
+
+/// Runs the agent until SIGINT/SIGTERM.
+pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cfg.data_dir)
+        .with_context(|| format!("creating {}", cfg.data_dir.display()))?;
+    let ready_path = cfg.data_dir.join("ready.json");
+    let _ = std::fs::remove_file(&ready_path);
+    let keyring = Arc::new(tokio::task::spawn_blocking(Keyring::generate).await??);
+    let mut acl = crate::acl::AclState {
+        enabled: cfg.acl.enabled,
+        ..Default::default()
+    };
+    if let Some(t) = &cfg.acl.bootstrap_token {
+        acl.management.push(t.clone());
+    }
+    let server = Server::new(&cfg.region, cfg.event_buffer_size, keyring, acl);
+    let self_exe = std::env::current_exe().context("locating nomad-sim executable")?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let server_listener = TcpListener::bind((cfg.bind_addr.as_str(), cfg.http_port))
+        .await
+        .with_context(|| format!("binding server HTTP on {}:{}", cfg.bind_addr, cfg.http_port))?;
+    let server_addr = server_listener.local_addr()?;
+    let mut http_tasks = Vec::new();
+    http_tasks.push(tokio::spawn(serve(
+        server_listener,
+        AppState {
+            server: server.clone(),
+            agent: Arc::new(AgentInfo {
+                node_id: None,
+                name: "nomad-sim-server.global".into(),
+                region: cfg.region.clone(),
+                datacenter: cfg.datacenter.clone(),
+                node_pool: String::new(),
+                heartbeat: cfg.event_heartbeat_interval,
+            }),
+        },
+        shutdown_rx.clone(),
+    )));
+    let mut ready_nodes = Vec::new();
+    let mut node_tasks = Vec::new();
+    let (node_stop_tx, node_stop_rx) = watch::channel(false);
+    for c in &cfg.clients {
+        let listener = TcpListener::bind((cfg.bind_addr.as_str(), c.http_port))
+            .await
+            .with_context(|| format!("binding client {} HTTP", c.name))?;
+        let addr = listener.local_addr()?;
+        let id = uuid::Uuid::new_v4().to_string();
+        let data_dir = cfg.data_dir.join(&c.name);
+        std::fs::create_dir_all(data_dir.join("alloc"))?;
+        let node = node_for(&cfg, c, &id, &addr.to_string());
+        server.register_node(node.clone());
+        http_tasks.push(tokio::spawn(serve(
+            listener,
+            AppState {
+                server: server.clone(),
+                agent: Arc::new(AgentInfo {
+                    node_id: Some(id.clone()),
+                    name: c.name.clone(),
+                    region: cfg.region.clone(),
+                    datacenter: c.datacenter.clone(),
+                    node_pool: c.node_pool.clone(),
+                    heartbeat: cfg.event_heartbeat_interval,
+                }),
+            },
+            shutdown_rx.clone(),
+        )));
+        let ctx = Arc::new(NodeCtx {
+            node,
+            region: cfg.region.clone(),
+            data_dir: data_dir.clone(),
+            chroot_env: c
+                .chroot_env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            self_exe: self_exe.clone(),
+        });
+        node_tasks.push(tokio::spawn(run_node(
+            server.clone(),
+            ctx,
+            node_stop_rx.clone(),
+        )));
+        ready_nodes.push(json!({"name": c.name, "id": id, "address": format!("http://{addr}"), "data_dir": data_dir}));
+    }
+    tokio::spawn(heartbeat_monitor(server.clone(), cfg.heartbeat_grace));
+    let ready =
+        json!({"server": {"address": format!("http://{server_addr}")}, "nodes": ready_nodes});
+    let tmp = cfg.data_dir.join(".ready.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&ready)?)?;
+    std::fs::rename(&tmp, &ready_path)?;
+    tracing::info!(server = %server_addr, nodes = cfg.clients.len(), "nomad-sim agent ready");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down: killing all tasks");
+    let _ = node_stop_tx.send(true);
+    for t in node_tasks {
+        let _ = t.await;
+    }
+    let _ = shutdown_tx.send(true);
+    server.stream_close.send_modify(|g| *g += 1);
+    for t in http_tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    }
+    let _ = std::fs::remove_file(&ready_path);
+    tracing::info!("nomad-sim agent stopped");
+    Ok(())
+}
+
+/// Marks nodes whose heartbeats were stopped (sim fault API) down after the grace, and ready
+/// again once they resume (`nomad/heartbeat.go`).
+async fn heartbeat_monitor(server: Arc<Server>, grace: Duration) {
+    let mut since: BTreeMap<String, tokio::time::Instant> = BTreeMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        let (stopped, nodes): (Vec<String>, Vec<(String, String)>) = {
+            let st = server.read();
+            (
+                st.stopped_heartbeats.iter().cloned().collect(),
+                st.nodes
+                    .values()
+                    .map(|n| (n.ID.clone(), n.Status.clone()))
+                    .collect(),
+            )
+        };
+        let now = tokio::time::Instant::now();
+        for (id, status) in nodes {
+            if stopped.contains(&id) {
+                let t = *since.entry(id.clone()).or_insert(now);
+                if now.duration_since(t) >= grace && status != "down" {
+                    tracing::info!(node = %id, "node missed heartbeats: marking down");
+                    crate::nodes::set_status(&server, &id, "down");
+                }
+            } else {
+                since.remove(&id);
+                if status == "down" {
+                    tracing::info!(node = %id, "node heartbeating again: marking ready");
+                    crate::nodes::set_status(&server, &id, "ready");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! A simulated client node: watches its allocations, runs them, reports status in 200 ms batches.
+//!
+//! Models `client/client.go` (alloc watching, `allocSyncIntv` = 200 ms batching, `-dev` destroy
+//! on shutdown) and `client/allocrunner/alloc_runner.go` + `tasklifecycle/coordinator.go`
+//! (prestart → main → poststart → poststop ordering, `getClientStatus`).
+
+use crate::store::{ClientAllocUpdate, Server};
+use crate::structs::{client_status, Allocation, TaskEvent, TaskState};
+use crate::taskrunner::{
+    build_alloc_dir, push_event, KillRequest, NodeCtx, Outcome, SharedStates, TaskRunner,
+};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// Interval at which a client sends batched alloc updates (`allocSyncIntv`).
+pub const ALLOC_SYNC_INTERVAL: Duration = Duration::from_millis(200);
+
+/// What the node tells an alloc runner.
+#[derive(Debug, Clone)]
+enum Directive {
+    /// The server's current view of the alloc.
+    Alloc(Box<Allocation>),
+    /// Alloc deleted from state (purge/GC) or client shutdown: kill and stop reporting.
+    Destroy,
+}
+
+struct RunnerHandle {
+    tx: watch::Sender<Directive>,
+    join: JoinHandle<()>,
+    gone_since: Option<tokio::time::Instant>,
+}
+
+/// Runs one node until `shutdown` flips to true; then kills every task (with kill timeouts).
+pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watch::Receiver<bool>) {
+    let node_id = ctx.node.ID.clone();
+    let (upd_tx, mut upd_rx) = mpsc::unbounded_channel::<ClientAllocUpdate>();
+    let flush_server = server.clone();
+    let (flush_stop_tx, mut flush_stop_rx) = watch::channel(false);
+    let flusher = tokio::spawn(async move {
+        let mut pending: BTreeMap<String, ClientAllocUpdate> = BTreeMap::new();
+        let mut tick = tokio::time::interval(ALLOC_SYNC_INTERVAL);
+        loop {
+            tokio::select! {
+                u = upd_rx.recv() => match u {
+                    Some(u) => { pending.insert(u.id.clone(), u); }
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    if !pending.is_empty() && flush_server.node(&ctx_node_id(&pending)).is_none_or(|n| n.Status != "down") {
+                        flush_server.update_allocs_from_client(std::mem::take(&mut pending).into_values().collect());
+                    }
+                }
+                _ = flush_stop_rx.changed() => break,
+            }
+        }
+        while let Ok(u) = upd_rx.try_recv() {
+            pending.insert(u.id.clone(), u);
+        }
+        flush_server.update_allocs_from_client(pending.into_values().collect());
+    });
+    let mut runners: BTreeMap<String, RunnerHandle> = BTreeMap::new();
+    let mut finished: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    let mut index_rx = server.subscribe_index();
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        let allocs = server.node_allocs(&node_id);
+        let present: std::collections::BTreeSet<String> =
+            allocs.iter().map(|a| a.ID.clone()).collect();
+        let heartbeating = sim_heartbeating(&server, &node_id);
+        for a in allocs {
+            if !heartbeating {
+                break; // a partitioned client does not see server changes
+            }
+            match runners.get_mut(&a.ID) {
+                Some(h) => {
+                    h.gone_since = None;
+                    h.tx.send_if_modified(|d| {
+                        let changed =
+                            !matches!(d, Directive::Alloc(old) if old.ModifyIndex == a.ModifyIndex);
+                        if changed {
+                            *d = Directive::Alloc(Box::new(a.clone()));
+                        }
+                        changed
+                    });
+                }
+                None => {
+                    if a.client_terminal() || finished.contains(&a.ID) {
+                        continue;
+                    }
+                    let (tx, rx) = watch::channel(Directive::Alloc(Box::new(a.clone())));
+                    let join = tokio::spawn(run_alloc(
+                        server.clone(),
+                        ctx.clone(),
+                        a.clone(),
+                        rx,
+                        upd_tx.clone(),
+                    ));
+                    runners.insert(
+                        a.ID.clone(),
+                        RunnerHandle {
+                            tx,
+                            join,
+                            gone_since: None,
+                        },
+                    );
+                }
+            }
+        }
+        // Purged/GC'd allocs: the client notices "a moment later" and destroys them.
+        let now = tokio::time::Instant::now();
+        for (id, h) in runners.iter_mut() {
+            if !present.contains(id) && heartbeating {
+                match h.gone_since {
+                    None => h.gone_since = Some(now),
+                    Some(t) if now.duration_since(t) >= Duration::from_millis(500) => {
+                        let _ = h.tx.send(Directive::Destroy);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        runners.retain(|id, h| {
+            if h.join.is_finished() {
+                finished.insert(id.clone());
+            }
+            !h.join.is_finished()
+        });
+        finished.retain(|id| present.contains(id));
+        let has_gone = runners.values().any(|h| h.gone_since.is_some());
+        let wait = if has_gone {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(1)
+        };
+        tokio::select! {
+            _ = index_rx.changed() => {}
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    for h in runners.values() {
+        let _ = h.tx.send(Directive::Destroy);
+    }
+    for (_, h) in runners {
+        let _ = h.join.await;
+    }
+    let _ = flush_stop_tx.send(true);
+    let _ = flusher.await;
+}
+
+fn ctx_node_id(pending: &BTreeMap<String, ClientAllocUpdate>) -> String {
+    pending
+        .values()
+        .next()
+        .map(|u| u.node_id.clone())
+        .unwrap_or_default()
+}
+
+fn sim_heartbeating(server: &Server, node_id: &str) -> bool {
+    !server.read().heartbeat_stopped(node_id)
+}
+
+fn report(
+    states: &SharedStates,
+    alloc: &Allocation,
+    tx: &mpsc::UnboundedSender<ClientAllocUpdate>,
+) {
+    let snapshot = states.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let (cs, desc) = client_status(&snapshot);
+    let _ = tx.send(ClientAllocUpdate {
+        id: alloc.ID.clone(),
+        node_id: alloc.NodeID.clone(),
+        client_status: cs.into(),
+        client_description: desc.into(),
+        task_states: snapshot,
+    });
+}
+
+struct TaskSlot {
+    kill: watch::Sender<Option<KillRequest>>,
+    join: Option<JoinHandle<Outcome>>,
+    outcome: Option<Outcome>,
+}
+
+async fn run_alloc(
+    server: Arc<Server>,
+    ctx: Arc<NodeCtx>,
+    alloc: Allocation,
+    mut rx: watch::Receiver<Directive>,
+    upd: mpsc::UnboundedSender<ClientAllocUpdate>,
+) {
+    let Some(job) = alloc.Job.clone().map(|j| *j) else {
+        return;
+    };
+    let Some(group) = job.group(&alloc.TaskGroup).cloned() else {
+        return;
+    };
+    let alloc_dir = ctx.data_dir.join("alloc").join(&alloc.ID);
+    let states: SharedStates = Arc::new(Mutex::new(BTreeMap::new()));
+    for t in &group.Tasks {
+        let mut e = TaskEvent::new("Received");
+        e.DisplayMessage = "Task received by client".into();
+        states.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            t.Name.clone(),
+            TaskState {
+                State: "pending".into(),
+                ..Default::default()
+            },
+        );
+        push_event(&states, &t.Name, e, None);
+    }
+    report(&states, &alloc, &upd);
+    if let Err(e) = build_alloc_dir(&alloc_dir) {
+        tracing::error!(alloc = %alloc.ID, error = %e, "building alloc dir");
+    }
+    let notify: Arc<dyn Fn() + Send + Sync> = {
+        let (states, alloc, upd) = (states.clone(), alloc.clone(), upd.clone());
+        Arc::new(move || report(&states, &alloc, &upd))
+    };
+    let node_view: Arc<dyn Fn() -> Option<crate::structs::Node> + Send + Sync> = {
+        let (server, id) = (server.clone(), ctx.node.ID.clone());
+        Arc::new(move || server.node(&id))
+    };
+    let mut slots: BTreeMap<String, TaskSlot> = BTreeMap::new();
+    for t in &group.Tasks {
+        let (kill, _) = watch::channel(None);
+        slots.insert(
+            t.Name.clone(),
+            TaskSlot {
+                kill,
+                join: None,
+                outcome: None,
+            },
+        );
+    }
+    let start = |slots: &mut BTreeMap<String, TaskSlot>, name: &str| {
+        let Some(task) = group.Tasks.iter().find(|t| t.Name == name).cloned() else {
+            return;
+        };
+        let slot = slots.get_mut(name).expect("slot");
+        let runner = TaskRunner {
+            alloc: alloc.clone(),
+            job: job.clone(),
+            group: group.clone(),
+            task,
+            node: ctx.clone(),
+            alloc_dir: alloc_dir.clone(),
+            states: states.clone(),
+            notify: notify.clone(),
+            node_view: node_view.clone(),
+        };
+        slot.join = Some(tokio::spawn(runner.run(slot.kill.subscribe())));
+    };
+    let hook = |name: &str| {
+        group
+            .Tasks
+            .iter()
+            .find(|t| t.Name == name)
+            .and_then(|t| t.Lifecycle.clone())
+            .map(|l| (l.Hook, l.Sidecar))
+    };
+    let names: Vec<String> = group.Tasks.iter().map(|t| t.Name.clone()).collect();
+    let prestart: Vec<String> = names
+        .iter()
+        .filter(|n| matches!(hook(n), Some((h, _)) if h == "prestart"))
+        .cloned()
+        .collect();
+    let ephemeral_prestart: Vec<String> = names
+        .iter()
+        .filter(|n| matches!(hook(n), Some((h, false)) if h == "prestart"))
+        .cloned()
+        .collect();
+    let main: Vec<String> = names
+        .iter()
+        .filter(|n| hook(n).is_none())
+        .cloned()
+        .collect();
+    let poststart: Vec<String> = names
+        .iter()
+        .filter(|n| matches!(hook(n), Some((h, _)) if h == "poststart"))
+        .cloned()
+        .collect();
+    let poststop: Vec<String> = names
+        .iter()
+        .filter(|n| matches!(hook(n), Some((h, _)) if h == "poststop"))
+        .cloned()
+        .collect();
+
+    let wants_stop = |d: &Directive| match d {
+        Directive::Destroy => true,
+        Directive::Alloc(a) => a.server_terminal(),
+    };
+    let mut stopping = wants_stop(&rx.borrow());
+    let mut phase = 0; // 0 prestart, 1 main, 2 poststop, 3 done
+    if !stopping {
+        for n in &prestart {
+            start(&mut slots, n);
+        }
+        if ephemeral_prestart.is_empty() {
+            phase = 1;
+            for n in main.iter().chain(poststart.iter()) {
+                start(&mut slots, n);
+            }
+        }
+    }
+    let mut failed_task: Option<String> = None;
+    loop {
+        // Collect finished tasks.
+        for (name, slot) in slots.iter_mut() {
+            if slot.outcome.is_none() && slot.join.as_ref().is_some_and(|j| j.is_finished()) {
+                let out = slot
+                    .join
+                    .take()
+                    .expect("join")
+                    .await
+                    .unwrap_or(Outcome::Failed);
+                slot.outcome = Some(out);
+                if out == Outcome::Failed && failed_task.is_none() {
+                    failed_task = Some(name.clone());
+                }
+            }
+        }
+        let kill_all = |slots: &BTreeMap<String, TaskSlot>, req: KillRequest| {
+            for s in slots.values() {
+                if s.outcome.is_none() {
+                    s.kill.send_replace(Some(req.clone()));
+                }
+            }
+        };
+        if let Some(f) = &failed_task {
+            if !stopping {
+                stopping = true;
+                kill_all(
+                    &slots,
+                    KillRequest {
+                        reason: String::new(),
+                        failed_sibling: f.clone(),
+                        no_delay: true,
+                    },
+                );
+            }
+        }
+        if stopping {
+            kill_all(&slots, KillRequest::default());
+            // Tasks never started are marked dead by their runner; unstarted slots have no runner.
+            for (name, s) in slots.iter_mut() {
+                if s.join.is_none() && s.outcome.is_none() {
+                    s.outcome = Some(Outcome::Killed);
+                    let mut st = states.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(ts) = st.get_mut(name) {
+                        if let Some(f) = &failed_task {
+                            let mut e = TaskEvent::new("Sibling Task Failed");
+                            e.DisplayMessage = format!("Task's sibling {f:?} failed");
+                            e.FailedSibling = f.clone();
+                            ts.Events.push(e);
+                        }
+                        ts.State = "dead".into();
+                        ts.FinishedAt = Some(crate::clock::now_rfc3339());
+                    }
+                }
+            }
+            report(&states, &alloc, &upd);
+            if slots.values().all(|s| s.outcome.is_some()) {
+                break;
+            }
+        } else {
+            match phase {
+                0 => {
+                    let done = ephemeral_prestart
+                        .iter()
+                        .all(|n| slots[n].outcome == Some(Outcome::Success));
+                    if done {
+                        phase = 1;
+                        for n in main.iter().chain(poststart.iter()) {
+                            start(&mut slots, n);
+                        }
+                    }
+                }
+                1 => {
+                    let main_done = main.iter().all(|n| slots[n].outcome.is_some());
+                    if main_done {
+                        // Main tasks dead: stop sidecars, then run poststop tasks.
+                        for (n, s) in slots.iter() {
+                            if s.outcome.is_none() && !poststop.contains(n) {
+                                s.kill.send_replace(Some(KillRequest {
+                                    reason: "Main Tasks Dead".into(),
+                                    ..Default::default()
+                                }));
+                            }
+                        }
+                        phase = 2;
+                        for n in &poststop {
+                            start(&mut slots, n);
+                        }
+                    }
+                }
+                2 => {
+                    if slots.values().all(|s| s.outcome.is_some()) {
+                        phase = 3;
+                        report(&states, &alloc, &upd);
+                    }
+                }
+                _ => break,
+            }
+        }
+        tokio::select! {
+            r = rx.changed() => {
+                if r.is_err() { stopping = true; }
+                else if wants_stop(&rx.borrow()) { stopping = true; }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+    report(&states, &alloc, &upd);
+}

@@ -1,0 +1,269 @@
+//! Agent configuration (`nomad-sim agent -config <file.hcl>`), validated before anything binds.
+
+use crate::hcl_value::{attributes, label, Attrs, HclError};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Errors loading the agent config.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {0}: {1}")]
+    Read(PathBuf, std::io::Error),
+    /// HCL syntax or type error.
+    #[error(transparent)]
+    Hcl(#[from] HclError),
+    /// A semantic problem.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A static host volume of a client (`client { host_volume "name" { path, read_only } }`).
+#[derive(Debug, Clone)]
+pub struct StaticHostVolume {
+    /// Volume name.
+    pub name: String,
+    /// Host path.
+    pub path: PathBuf,
+    /// Read-only flag.
+    pub read_only: bool,
+}
+
+/// One simulated client node.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Node name (block label).
+    pub name: String,
+    /// Node pool, default "default".
+    pub node_pool: String,
+    /// Datacenter, defaults to the agent's.
+    pub datacenter: String,
+    /// Port for this node's client-agent HTTP API (0 = any).
+    pub http_port: u16,
+    /// Host path → chroot path for the exec driver.
+    pub chroot_env: BTreeMap<String, String>,
+    /// Static host volumes.
+    pub host_volumes: Vec<StaticHostVolume>,
+    /// Node meta.
+    pub meta: BTreeMap<String, String>,
+}
+
+/// ACL settings (`acl { enabled = true }`), plus the sim's bootstrap token.
+#[derive(Debug, Clone, Default)]
+pub struct AclConfig {
+    /// Whether ACLs are enforced.
+    pub enabled: bool,
+    /// Secret ID of a management token created at start (sim-only convenience).
+    pub bootstrap_token: Option<String>,
+}
+
+/// The whole agent config.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Everything the sim writes goes under here.
+    pub data_dir: PathBuf,
+    /// Listen address.
+    pub bind_addr: String,
+    /// Server HTTP port (0 = any).
+    pub http_port: u16,
+    /// Region name.
+    pub region: String,
+    /// Datacenter.
+    pub datacenter: String,
+    /// Event ring buffer size in frames (min 100 in Nomad when 0; here 0 → 100, else as set).
+    pub event_buffer_size: usize,
+    /// Heartbeat interval of event streams (Nomad: fixed 30s).
+    pub event_heartbeat_interval: Duration,
+    /// Node heartbeat TTL: a node that stops heartbeating is marked down after this.
+    pub heartbeat_grace: Duration,
+    /// ACLs.
+    pub acl: AclConfig,
+    /// Simulated client nodes.
+    pub clients: Vec<ClientConfig>,
+}
+
+/// Nomad's exec driver default `chroot_env` (`drivers/shared/executor` `chrootEnv`).
+pub const DEFAULT_CHROOT: &[&str] = &[
+    "/bin",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/run/resolvconf",
+    "/sbin",
+    "/usr",
+];
+
+fn duration(a: &Attrs, k: &str, default: Duration) -> Result<Duration, ConfigError> {
+    match a.str(k)? {
+        None => Ok(default),
+        Some(s) => crate::clock::parse_go_duration(&s)
+            .map_err(|e| ConfigError::Invalid(format!("{k}: {e}"))),
+    }
+}
+
+impl AgentConfig {
+    /// Loads and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let src =
+            std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+        Self::parse(&src)
+    }
+
+    /// Parses config text.
+    pub fn parse(src: &str) -> Result<Self, ConfigError> {
+        let body: hcl::Body = hcl::parse(src).map_err(HclError::from)?;
+        let attrs = attributes("config", &body)?;
+        let a = Attrs::new("config", &attrs);
+        let data_dir = PathBuf::from(
+            a.str("data_dir")?
+                .ok_or_else(|| ConfigError::Invalid("data_dir is required".into()))?,
+        );
+        if !data_dir.is_absolute() {
+            return Err(ConfigError::Invalid("data_dir must be absolute".into()));
+        }
+        let datacenter = a.str("datacenter")?.unwrap_or_else(|| "dc1".into());
+        let mut cfg = AgentConfig {
+            data_dir,
+            bind_addr: a.str("bind_addr")?.unwrap_or_else(|| "127.0.0.1".into()),
+            http_port: 4646,
+            region: a.str("region")?.unwrap_or_else(|| "global".into()),
+            datacenter: datacenter.clone(),
+            event_buffer_size: match a.int("event_buffer_size")?.unwrap_or(100) {
+                0 => 100,
+                n if n < 0 => return Err(ConfigError::Invalid("event_buffer_size < 0".into())),
+                n => n as usize,
+            },
+            event_heartbeat_interval: duration(
+                &a,
+                "event_heartbeat_interval",
+                Duration::from_secs(30),
+            )?,
+            heartbeat_grace: duration(&a, "heartbeat_grace", Duration::from_secs(10))?,
+            acl: AclConfig::default(),
+            clients: Vec::new(),
+        };
+        for b in body.blocks() {
+            match b.identifier.as_str() {
+                "ports" => {
+                    let pa = attributes("ports", &b.body)?;
+                    if let Some(p) = Attrs::new("ports", &pa).int("http")? {
+                        cfg.http_port = u16::try_from(p)
+                            .map_err(|_| ConfigError::Invalid("ports.http out of range".into()))?;
+                    }
+                }
+                "acl" => {
+                    let aa = attributes("acl", &b.body)?;
+                    let aa = Attrs::new("acl", &aa);
+                    cfg.acl.enabled = aa.bool("enabled")?.unwrap_or(false);
+                    cfg.acl.bootstrap_token = aa.str("bootstrap_token")?;
+                }
+                "client" => {
+                    let name = label(b, 0).ok_or_else(|| {
+                        ConfigError::Invalid("client block needs a node name label".into())
+                    })?;
+                    let ctx = format!("client.{name}");
+                    let ca = attributes(&ctx, &b.body)?;
+                    let ca = Attrs::new(&ctx, &ca);
+                    let mut client = ClientConfig {
+                        name: name.clone(),
+                        node_pool: ca.str("node_pool")?.unwrap_or_else(|| "default".into()),
+                        datacenter: ca.str("datacenter")?.unwrap_or_else(|| datacenter.clone()),
+                        http_port: u16::try_from(ca.int("http_port")?.unwrap_or(0))
+                            .map_err(|_| ConfigError::Invalid(format!("{ctx}.http_port")))?,
+                        chroot_env: BTreeMap::new(),
+                        host_volumes: Vec::new(),
+                        meta: ca.string_map("meta")?.unwrap_or_default(),
+                    };
+                    let mut chroot_set = ca.string_map("chroot_env")?;
+                    for inner in b.body.blocks() {
+                        match inner.identifier.as_str() {
+                            "chroot_env" => {
+                                let m = attributes(&ctx, &inner.body)?;
+                                let m = m
+                                    .into_iter()
+                                    .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_string()))
+                                    .collect();
+                                chroot_set = Some(m);
+                            }
+                            "host_volume" => {
+                                let vname = label(inner, 0).ok_or_else(|| {
+                                    ConfigError::Invalid(format!("{ctx}.host_volume needs a name"))
+                                })?;
+                                let va = attributes(&ctx, &inner.body)?;
+                                let va = Attrs::new(&format!("{ctx}.host_volume.{vname}"), &va);
+                                let path = va.str("path")?.ok_or_else(|| {
+                                    ConfigError::Invalid(format!(
+                                        "{ctx}.host_volume.{vname}: path is required"
+                                    ))
+                                })?;
+                                client.host_volumes.push(StaticHostVolume {
+                                    name: vname,
+                                    path: PathBuf::from(path),
+                                    read_only: va.bool("read_only")?.unwrap_or(false),
+                                });
+                            }
+                            "meta" => {
+                                let m = attributes(&ctx, &inner.body)?;
+                                for (k, v) in m {
+                                    client
+                                        .meta
+                                        .insert(k, v.as_str().unwrap_or_default().to_string());
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                    client.chroot_env = match chroot_set {
+                        Some(m) => m,
+                        None => DEFAULT_CHROOT
+                            .iter()
+                            .filter(|p| Path::new(p).exists())
+                            .map(|p| (p.to_string(), p.to_string()))
+                            .collect(),
+                    };
+                    if cfg.clients.iter().any(|c| c.name == client.name) {
+                        return Err(ConfigError::Invalid(format!("duplicate client {name:?}")));
+                    }
+                    cfg.clients.push(client);
+                }
+                _ => {}
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_clients() {
+        let cfg = AgentConfig::parse(
+            r#"
+data_dir = "/tmp/x"
+ports { http = 0 }
+event_buffer_size = 10
+event_heartbeat_interval = "1s"
+client "node-1" {
+  node_pool = "default"
+  chroot_env { "/usr" = "/usr" }
+  host_volume "sock" {
+    path = "/tmp"
+    read_only = true
+  }
+}
+client "node-2" {}
+"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.http_port, 0);
+        assert_eq!(cfg.event_buffer_size, 10);
+        assert_eq!(cfg.clients.len(), 2);
+        assert_eq!(cfg.clients[0].chroot_env.len(), 1);
+        assert!(cfg.clients[0].host_volumes[0].read_only);
+        assert!(cfg.clients[1].chroot_env.contains_key("/usr"));
+    }
+}

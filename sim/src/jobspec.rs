@@ -1,0 +1,316 @@
+//! Jobspec (HCL2) parsing into [`Job`], the subset dhv-binder's jobs use.
+//!
+//! Nomad API: `POST /v1/jobs/parse` (`command/agent/job_endpoint.go` `JobsParseRequest`).
+//! Supported: job (type, namespace, region, datacenters, node_pool, priority, meta, constraint),
+//! group (count, volume, restart, reschedule, constraint, meta, shutdown_delay; network/service/
+//! update ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
+//! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader).
+
+use crate::hcl_value::{attributes, label, map_attr_or_block, Attrs, HclError};
+use crate::structs::{
+    Constraint, Job, Lifecycle, ReschedulePolicy, Resources, RestartPolicy, Task, TaskGroup,
+    VolumeMount, VolumeRequest, WorkloadIdentity,
+};
+use hcl::Body;
+use std::collections::BTreeMap;
+
+/// Parses a jobspec. Errors carry the path of the offending attribute.
+pub fn parse(src: &str) -> Result<Job, HclError> {
+    let body: Body = hcl::parse(src)?;
+    let job_block = body
+        .blocks()
+        .find(|b| b.identifier.as_str() == "job")
+        .ok_or_else(|| HclError::Invalid("jobspec".into(), "missing job block".into()))?;
+    let id = label(job_block, 0)
+        .ok_or_else(|| HclError::Invalid("job".into(), "missing job name label".into()))?;
+    let ctx = format!("job.{id}");
+    let attrs = attributes(&ctx, &job_block.body)?;
+    let a = Attrs::new(&ctx, &attrs);
+    let mut job = Job {
+        ID: id.clone(),
+        Name: a.str("name")?.unwrap_or(id.clone()),
+        Type: a.str("type")?.unwrap_or_default(),
+        Namespace: a.str("namespace")?.unwrap_or_default(),
+        Region: a.str("region")?.unwrap_or_default(),
+        Datacenters: a.strings("datacenters")?.unwrap_or_default(),
+        NodePool: a.str("node_pool")?.unwrap_or_default(),
+        Priority: a.int("priority")?.unwrap_or(0),
+        AllAtOnce: a.bool("all_at_once")?.unwrap_or(false),
+        Meta: map_attr_or_block(&ctx, &job_block.body, "meta")?,
+        Constraints: constraints(&ctx, &job_block.body)?,
+        ..Default::default()
+    };
+    for g in job_block
+        .body
+        .blocks()
+        .filter(|b| b.identifier.as_str() == "group")
+    {
+        job.TaskGroups.push(parse_group(&ctx, g)?);
+    }
+    Ok(job)
+}
+
+fn constraints(ctx: &str, body: &Body) -> Result<Option<Vec<Constraint>>, HclError> {
+    let mut out = Vec::new();
+    for b in body
+        .blocks()
+        .filter(|b| b.identifier.as_str() == "constraint")
+    {
+        let attrs = attributes(ctx, &b.body)?;
+        let a = Attrs::new(&format!("{ctx}.constraint"), &attrs);
+        let mut c = Constraint {
+            LTarget: a.str("attribute")?.unwrap_or_default(),
+            RTarget: a.str("value")?.unwrap_or_default(),
+            Operand: a.str("operator")?.unwrap_or_else(|| "=".into()),
+        };
+        for special in [
+            "distinct_hosts",
+            "distinct_property",
+            "regexp",
+            "version",
+            "semver",
+            "set_contains",
+            "set_contains_any",
+            "is_set",
+            "is_not_set",
+        ] {
+            if let Some(v) = attrs.get(special) {
+                c.Operand = special.into();
+                if special == "distinct_property" {
+                    c.LTarget = v.as_str().unwrap_or_default().into();
+                } else if c.RTarget.is_empty() {
+                    c.RTarget = match v {
+                        serde_json::Value::String(s) => s.clone(),
+                        o => o.to_string(),
+                    };
+                }
+            }
+        }
+        out.push(c);
+    }
+    Ok((!out.is_empty()).then_some(out))
+}
+
+fn restart_policy(ctx: &str, body: &Body) -> Result<Option<RestartPolicy>, HclError> {
+    let Some(b) = body.blocks().find(|b| b.identifier.as_str() == "restart") else {
+        return Ok(None);
+    };
+    let attrs = attributes(ctx, &b.body)?;
+    let a = Attrs::new(&format!("{ctx}.restart"), &attrs);
+    Ok(Some(RestartPolicy {
+        Attempts: a.int("attempts")?.unwrap_or(0),
+        Interval: a.duration_ns("interval")?.unwrap_or(0),
+        Delay: a.duration_ns("delay")?.unwrap_or(0),
+        Mode: a.str("mode")?.unwrap_or_default(),
+        RenderTemplates: a.bool("render_templates")?.unwrap_or(false),
+    }))
+}
+
+fn parse_group(job_ctx: &str, g: &hcl::Block) -> Result<TaskGroup, HclError> {
+    let name = label(g, 0)
+        .ok_or_else(|| HclError::Invalid(job_ctx.into(), "group without name".into()))?;
+    let ctx = format!("{job_ctx}.group.{name}");
+    let attrs = attributes(&ctx, &g.body)?;
+    let a = Attrs::new(&ctx, &attrs);
+    let mut tg = TaskGroup {
+        Name: name,
+        Count: a.int("count")?.unwrap_or(0),
+        Constraints: constraints(&ctx, &g.body)?,
+        RestartPolicy: restart_policy(&ctx, &g.body)?,
+        Meta: map_attr_or_block(&ctx, &g.body, "meta")?,
+        ShutdownDelay: a.duration_ns("shutdown_delay")?,
+        ..Default::default()
+    };
+    if let Some(b) = g
+        .body
+        .blocks()
+        .find(|b| b.identifier.as_str() == "reschedule")
+    {
+        let attrs = attributes(&ctx, &b.body)?;
+        let r = Attrs::new(&format!("{ctx}.reschedule"), &attrs);
+        tg.ReschedulePolicy = Some(ReschedulePolicy {
+            Attempts: r.int("attempts")?.unwrap_or(0),
+            Interval: r.duration_ns("interval")?.unwrap_or(0),
+            Delay: r.duration_ns("delay")?.unwrap_or(0),
+            DelayFunction: r.str("delay_function")?.unwrap_or_default(),
+            MaxDelay: r.duration_ns("max_delay")?.unwrap_or(0),
+            Unlimited: r.bool("unlimited")?.unwrap_or(false),
+        });
+    }
+    let mut vols = BTreeMap::new();
+    for v in g
+        .body
+        .blocks()
+        .filter(|b| b.identifier.as_str() == "volume")
+    {
+        let alias = label(v, 0)
+            .ok_or_else(|| HclError::Invalid(ctx.clone(), "volume without name".into()))?;
+        let vctx = format!("{ctx}.volume.{alias}");
+        let attrs = attributes(&vctx, &v.body)?;
+        let va = Attrs::new(&vctx, &attrs);
+        vols.insert(
+            alias.clone(),
+            VolumeRequest {
+                Name: alias,
+                Type: va.str("type")?.unwrap_or_default(),
+                Source: va.str("source")?.unwrap_or_default(),
+                ReadOnly: va.bool("read_only")?.unwrap_or(false),
+                Sticky: va.bool("sticky")?.unwrap_or(false),
+                AccessMode: va.str("access_mode")?.unwrap_or_default(),
+                AttachmentMode: va.str("attachment_mode")?.unwrap_or_default(),
+                MountOptions: serde_json::Value::Null,
+                PerAlloc: va.bool("per_alloc")?.unwrap_or(false),
+            },
+        );
+    }
+    if !vols.is_empty() {
+        tg.Volumes = Some(vols);
+    }
+    for t in g.body.blocks().filter(|b| b.identifier.as_str() == "task") {
+        tg.Tasks.push(parse_task(&ctx, t)?);
+    }
+    Ok(tg)
+}
+
+fn parse_task(group_ctx: &str, t: &hcl::Block) -> Result<Task, HclError> {
+    let name = label(t, 0)
+        .ok_or_else(|| HclError::Invalid(group_ctx.into(), "task without name".into()))?;
+    let ctx = format!("{group_ctx}.task.{name}");
+    let attrs = attributes(&ctx, &t.body)?;
+    let a = Attrs::new(&ctx, &attrs);
+    let mut task = Task {
+        Name: name,
+        Driver: a.str("driver")?.unwrap_or_default(),
+        User: a.str("user")?.unwrap_or_default(),
+        Env: map_attr_or_block(&ctx, &t.body, "env")?,
+        Meta: map_attr_or_block(&ctx, &t.body, "meta")?,
+        KillTimeout: a.duration_ns("kill_timeout")?.unwrap_or(0),
+        KillSignal: a.str("kill_signal")?.unwrap_or_default(),
+        ShutdownDelay: a.duration_ns("shutdown_delay")?.unwrap_or(0),
+        Leader: a.bool("leader")?.unwrap_or(false),
+        RestartPolicy: restart_policy(&ctx, &t.body)?,
+        Constraints: constraints(&ctx, &t.body)?,
+        ..Default::default()
+    };
+    for b in t.body.blocks() {
+        let bctx = format!("{ctx}.{}", b.identifier);
+        match b.identifier.as_str() {
+            "config" => task.Config = attributes(&bctx, &b.body)?,
+            "lifecycle" => {
+                let attrs = attributes(&bctx, &b.body)?;
+                let la = Attrs::new(&bctx, &attrs);
+                task.Lifecycle = Some(Lifecycle {
+                    Hook: la.str("hook")?.unwrap_or_default(),
+                    Sidecar: la.bool("sidecar")?.unwrap_or(false),
+                });
+            }
+            "volume_mount" => {
+                let attrs = attributes(&bctx, &b.body)?;
+                let va = Attrs::new(&bctx, &attrs);
+                task.VolumeMounts
+                    .get_or_insert_with(Vec::new)
+                    .push(VolumeMount {
+                        Volume: va.str("volume")?.unwrap_or_default(),
+                        Destination: va.str("destination")?.unwrap_or_default(),
+                        ReadOnly: va.bool("read_only")?.unwrap_or(false),
+                        PropagationMode: va.str("propagation_mode")?.unwrap_or_default(),
+                        SELinuxLabel: va.str("selinux_label")?.unwrap_or_default(),
+                    });
+            }
+            "identity" => {
+                let attrs = attributes(&bctx, &b.body)?;
+                let ia = Attrs::new(&bctx, &attrs);
+                let ident = WorkloadIdentity {
+                    Name: label(b, 0).unwrap_or_default(),
+                    Audience: ia.strings("aud")?.unwrap_or_default(),
+                    ChangeMode: ia.str("change_mode")?.unwrap_or_default(),
+                    ChangeSignal: ia.str("change_signal")?.unwrap_or_default(),
+                    Env: ia.bool("env")?.unwrap_or(false),
+                    File: ia.bool("file")?.unwrap_or(false),
+                    Filepath: ia.str("filepath")?.unwrap_or_default(),
+                    TTL: ia.duration_ns("ttl")?.unwrap_or(0),
+                    ..Default::default()
+                };
+                if ident.Name.is_empty() || ident.Name == "default" {
+                    task.Identity = Some(ident);
+                } else {
+                    task.Identities.get_or_insert_with(Vec::new).push(ident);
+                }
+            }
+            "resources" => {
+                let attrs = attributes(&bctx, &b.body)?;
+                let ra = Attrs::new(&bctx, &attrs);
+                let d = Resources::default();
+                task.Resources = Resources {
+                    CPU: ra.int("cpu")?.unwrap_or(d.CPU),
+                    Cores: ra.int("cores")?.unwrap_or(0),
+                    MemoryMB: ra.int("memory")?.unwrap_or(d.MemoryMB),
+                    MemoryMaxMB: ra.int("memory_max")?.unwrap_or(0),
+                    ..d
+                };
+            }
+            _ => {}
+        }
+    }
+    Ok(task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_canonicalizes() {
+        let src = r#"
+job "orders" {
+  group "app" {
+    count = 2
+    volume "data" {
+      type = "host"
+      source = "orders-data"
+      access_mode = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+    task "wait" {
+      driver = "exec"
+      lifecycle { hook = "prestart" }
+      config {
+        command = "/bin/sh"
+        args = ["-c", "echo ${NOMAD_ALLOC_ID}"]
+      }
+      identity { env = true }
+      kill_timeout = "2s"
+    }
+    task "server" {
+      driver = "exec"
+      env { A = "b" }
+      volume_mount {
+        volume = "data"
+        destination = "/srv/data"
+      }
+    }
+  }
+}"#;
+        let mut job = parse(src).unwrap();
+        job.canonicalize("global");
+        assert_eq!(job.Namespace, "default");
+        assert_eq!(job.Datacenters, vec!["*".to_string()]);
+        let g = &job.TaskGroups[0];
+        assert_eq!(g.Count, 2);
+        assert_eq!(g.Volumes.as_ref().unwrap()["data"].Source, "orders-data");
+        assert_eq!(g.Tasks[0].KillTimeout, 2_000_000_000);
+        assert_eq!(g.Tasks[1].KillTimeout, 5_000_000_000);
+        assert!(g.Tasks[0].is_ephemeral_prestart());
+        assert!(g.Tasks[1].Lifecycle.is_none());
+        assert_eq!(
+            g.Tasks[0].Config["args"][1].as_str().unwrap(),
+            "echo ${NOMAD_ALLOC_ID}"
+        );
+        assert_eq!(g.Tasks[1].Env.as_ref().unwrap()["A"], "b");
+        assert!(g.Tasks[0].Identity.as_ref().unwrap().Env);
+        assert_eq!(
+            g.Tasks[1].VolumeMounts.as_ref().unwrap()[0].PropagationMode,
+            "private"
+        );
+    }
+}

@@ -1,0 +1,895 @@
+//! The server's state store: tables, the global index, event publication and blocking-query waits.
+//!
+//! Every mutation takes one new index (like one raft apply), writes objects with it and publishes
+//! one frame with the events Nomad's FSM would emit for that message type (`nomad/state/events.go`).
+
+use crate::broker::{Broker, Dropped, SubscriptionFilter};
+use crate::clock::now_ns;
+use crate::identity::Keyring;
+use crate::structs::{
+    Allocation, ClientHostVolumeConfig, Event, Frame, HostVolume, HostVolumeCapability, Job, Node,
+    TaskState, Variable,
+};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Errors of store operations, mapped to HTTP statuses by the API.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// 404 with this text.
+    #[error("{0}")]
+    NotFound(String),
+    /// 400 with this text.
+    #[error("{0}")]
+    BadRequest(String),
+    /// 409 with this JSON body.
+    #[error("conflict")]
+    Conflict(Value, u64),
+    /// 403 "Permission denied".
+    #[error("Permission denied")]
+    Forbidden,
+    /// 500 with this text.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Per-table indexes for blocking queries.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TableIndex {
+    /// nodes table.
+    pub nodes: u64,
+    /// jobs table.
+    pub jobs: u64,
+    /// allocs table.
+    pub allocs: u64,
+    /// evals table.
+    pub evals: u64,
+    /// variables table.
+    pub vars: u64,
+    /// host_volumes table.
+    pub host_volumes: u64,
+    /// acl tables.
+    pub acl: u64,
+}
+
+/// A client-side update of one allocation (`Node.UpdateAlloc`).
+#[derive(Debug, Clone)]
+pub struct ClientAllocUpdate {
+    /// Alloc ID.
+    pub id: String,
+    /// Reporting node.
+    pub node_id: String,
+    /// Computed ClientStatus.
+    pub client_status: String,
+    /// Description.
+    pub client_description: String,
+    /// Task states.
+    pub task_states: BTreeMap<String, TaskState>,
+}
+
+/// The tables.
+pub struct State {
+    pub(crate) index: u64,
+    pub(crate) tables: TableIndex,
+    pub(crate) region: String,
+    pub(crate) nodes: BTreeMap<String, Node>,
+    pub(crate) jobs: BTreeMap<(String, String), Job>,
+    pub(crate) allocs: BTreeMap<String, Allocation>,
+    pub(crate) evals: BTreeMap<String, Value>,
+    pub(crate) vars: BTreeMap<(String, String), Variable>,
+    pub(crate) host_volumes: BTreeMap<(String, String), HostVolume>,
+    pub(crate) namespaces: BTreeSet<String>,
+    pub(crate) broker: Broker,
+    pub(crate) keyring: Arc<Keyring>,
+    pub(crate) acl: crate::acl::AclState,
+    pub(crate) leaderless: bool,
+    pub(crate) stopped_heartbeats: BTreeSet<String>,
+    pending_events: Vec<Event>,
+}
+
+impl State {
+    /// Takes the next index for a mutation.
+    pub(crate) fn next_index(&mut self) -> u64 {
+        self.index += 1;
+        self.index
+    }
+
+    /// Whether the sim fault API has stopped this node's heartbeats (partition).
+    pub fn heartbeat_stopped(&self, node_id: &str) -> bool {
+        self.stopped_heartbeats.contains(node_id)
+    }
+
+    /// Queues an event for the frame of the current index.
+    pub(crate) fn emit(
+        &mut self,
+        topic: &str,
+        kind: &str,
+        key: &str,
+        ns: &str,
+        filter_keys: Option<Vec<String>>,
+        payload: Value,
+    ) {
+        self.pending_events.push(Event {
+            Topic: topic.into(),
+            Type: kind.into(),
+            Key: key.into(),
+            Namespace: ns.into(),
+            FilterKeys: filter_keys,
+            Index: self.index,
+            Payload: payload,
+        });
+    }
+
+    /// Alloc event (Key = ID, FilterKeys = [JobID, DeploymentID], Job stripped).
+    pub(crate) fn emit_alloc(&mut self, kind: &str, alloc: &Allocation) {
+        let mut a = alloc.clone();
+        a.Job = None;
+        let payload = json!({ "Allocation": a });
+        self.emit(
+            "Allocation",
+            kind,
+            &alloc.ID,
+            &alloc.Namespace,
+            Some(vec![alloc.JobID.clone(), alloc.DeploymentID.clone()]),
+            payload,
+        );
+    }
+
+    /// Job event (Key = job ID, no FilterKeys).
+    pub(crate) fn emit_job(&mut self, kind: &str, job: &Job, deleted: bool) {
+        let mut payload = json!({ "Job": job });
+        if deleted {
+            payload["Deleted"] = json!(true);
+        }
+        self.emit("Job", kind, &job.ID, &job.Namespace, None, payload);
+    }
+
+    /// Node event (Key = node ID).
+    pub(crate) fn emit_node(&mut self, kind: &str, node_id: &str) {
+        if let Some(n) = self.nodes.get(node_id) {
+            let payload = json!({ "Node": n.to_json() });
+            self.emit("Node", kind, node_id, "", None, payload);
+        }
+    }
+
+    /// Host volume event (Key = ID, FilterKeys [ID, Name, PluginID]).
+    pub(crate) fn emit_volume(&mut self, kind: &str, v: &HostVolume, deleted: bool) {
+        let key = if deleted { "" } else { v.ID.as_str() }.to_string();
+        self.emit(
+            "HostVolume",
+            kind,
+            &key,
+            &v.Namespace,
+            Some(vec![v.ID.clone(), v.Name.clone(), v.PluginID.clone()]),
+            json!({ "Volume": v }),
+        );
+    }
+
+    /// Publishes the queued events as the frame of the current index.
+    pub(crate) fn flush_events(&mut self) {
+        let events = std::mem::take(&mut self.pending_events);
+        if !events.is_empty() {
+            self.broker.publish(Frame {
+                Index: self.index,
+                Events: events,
+            });
+        }
+    }
+
+    /// Namespace must exist (created implicitly by the sim when first used).
+    pub(crate) fn ensure_namespace(&mut self, ns: &str) {
+        self.namespaces.insert(ns.to_string());
+    }
+
+    /// Non-terminal allocations per node ID (for spreading).
+    pub(crate) fn node_load(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for a in self.allocs.values().filter(|a| !a.terminal()) {
+            *m.entry(a.NodeID.clone()).or_insert(0) += 1;
+        }
+        m
+    }
+
+    /// Job status per Nomad's `getJobStatus` (any non-terminal alloc → running).
+    pub(crate) fn job_status(&self, ns: &str, id: &str) -> &'static str {
+        let Some(job) = self.jobs.get(&(ns.to_string(), id.to_string())) else {
+            return "dead";
+        };
+        let mut any = false;
+        for a in self
+            .allocs
+            .values()
+            .filter(|a| a.Namespace == ns && a.JobID == id)
+        {
+            any = true;
+            if !a.terminal() {
+                return "running";
+            }
+        }
+        if job.Stop || any {
+            "dead"
+        } else {
+            "pending"
+        }
+    }
+
+    /// Updates the stored job status, emitting a Job event of `kind` when it changed.
+    pub(crate) fn refresh_job_status(&mut self, ns: &str, id: &str, kind: &str) {
+        let status = self.job_status(ns, id);
+        let idx = self.index;
+        let key = (ns.to_string(), id.to_string());
+        let changed = match self.jobs.get_mut(&key) {
+            Some(j) if j.Status != status => {
+                j.Status = status.into();
+                j.ModifyIndex = idx;
+                Some(j.clone())
+            }
+            _ => None,
+        };
+        if let Some(j) = changed {
+            self.tables.jobs = idx;
+            self.emit_job(kind, &j, false);
+        }
+    }
+}
+
+/// The shared server.
+pub struct Server {
+    state: Mutex<State>,
+    index_tx: watch::Sender<u64>,
+    /// Region.
+    pub region: String,
+    /// Keyring for workload identities.
+    pub keyring: Arc<Keyring>,
+    /// Bumped to close every open event stream (sim faults).
+    pub stream_close: watch::Sender<u64>,
+}
+
+impl Server {
+    /// A new empty server.
+    pub fn new(
+        region: &str,
+        buffer: usize,
+        keyring: Arc<Keyring>,
+        acl: crate::acl::AclState,
+    ) -> Arc<Self> {
+        let (index_tx, _) = watch::channel(1);
+        Arc::new(Server {
+            state: Mutex::new(State {
+                index: 1,
+                tables: TableIndex::default(),
+                region: region.into(),
+                nodes: BTreeMap::new(),
+                jobs: BTreeMap::new(),
+                allocs: BTreeMap::new(),
+                evals: BTreeMap::new(),
+                vars: BTreeMap::new(),
+                host_volumes: BTreeMap::new(),
+                namespaces: ["default".to_string()].into(),
+                broker: Broker::new(buffer),
+                keyring: keyring.clone(),
+                acl,
+                leaderless: false,
+                stopped_heartbeats: BTreeSet::new(),
+                pending_events: Vec::new(),
+            }),
+            index_tx,
+            region: region.into(),
+            keyring,
+            stream_close: watch::channel(0).0,
+        })
+    }
+
+    /// Locks the state for reading.
+    pub fn read(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs a mutation, then publishes its events and wakes waiters.
+    pub fn write<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let (r, idx) = {
+            let mut st = self.read();
+            let r = f(&mut st);
+            st.flush_events();
+            (r, st.index)
+        };
+        self.index_tx.send_replace(idx);
+        r
+    }
+
+    /// Latest index.
+    pub fn index(&self) -> u64 {
+        *self.index_tx.borrow()
+    }
+
+    /// Receiver that changes on every write.
+    pub fn subscribe_index(&self) -> watch::Receiver<u64> {
+        self.index_tx.subscribe()
+    }
+
+    /// Blocking-query wait: returns once `table(state) > min_index` or `wait` elapses.
+    pub async fn block_until(&self, min_index: u64, wait: Duration, table: fn(&TableIndex) -> u64) {
+        let mut rx = self.subscribe_index();
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if table(&self.read().tables) > min_index {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- event stream
+
+    /// Starts a subscription: (cursor, filter with `*` namespaces expanded now).
+    pub fn subscribe_events(
+        &self,
+        index: u64,
+        topics: BTreeMap<String, Vec<String>>,
+        namespace: &str,
+    ) -> (u64, SubscriptionFilter) {
+        let st = self.read();
+        let namespaces = if namespace == "*" {
+            st.namespaces.clone()
+        } else {
+            [namespace.to_string()].into()
+        };
+        let cursor = st.broker.start_cursor(index, st.index);
+        (cursor, SubscriptionFilter { topics, namespaces })
+    }
+
+    /// Frames at or after `cursor`.
+    pub fn frames_from(&self, cursor: u64) -> Result<Vec<Arc<Frame>>, Dropped> {
+        self.read().broker.frames_from(cursor)
+    }
+
+    // ---------------------------------------------------------------- nodes
+
+    /// Registers a node (NodeRegistration).
+    pub fn register_node(&self, mut node: Node) {
+        self.write(|st| {
+            let idx = st.next_index();
+            node.CreateIndex = idx;
+            node.ModifyIndex = idx;
+            node.StatusUpdatedAt = crate::clock::now_secs();
+            let id = node.ID.clone();
+            st.nodes.insert(id.clone(), node);
+            st.tables.nodes = idx;
+            st.emit_node("NodeRegistration", &id);
+        });
+        self.reschedule_all();
+    }
+
+    /// Snapshot of a node.
+    pub fn node(&self, id: &str) -> Option<Node> {
+        self.read().nodes.get(id).cloned()
+    }
+
+    /// Allocations placed on a node (full, with Job).
+    pub fn node_allocs(&self, node_id: &str) -> Vec<Allocation> {
+        self.read()
+            .allocs
+            .values()
+            .filter(|a| a.NodeID == node_id)
+            .cloned()
+            .collect()
+    }
+
+    /// Client status update (`Node.UpdateAlloc` → AllocationUpdated), one index for the batch.
+    pub fn update_allocs_from_client(&self, updates: Vec<ClientAllocUpdate>) {
+        if updates.is_empty() {
+            return;
+        }
+        let mut any_failed = false;
+        self.write(|st| {
+            let idx = st.next_index();
+            let now = now_ns();
+            let mut jobs = BTreeSet::new();
+            for u in updates {
+                let Some(a) = st.allocs.get_mut(&u.id) else {
+                    continue;
+                };
+                if a.ClientStatus == "lost" {
+                    continue;
+                }
+                a.ClientStatus = u.client_status;
+                a.ClientDescription = u.client_description;
+                a.TaskStates = u.task_states;
+                a.NetworkStatus = Some(json!({"InterfaceName":"","Address":"","DNS":null}));
+                a.ModifyIndex = idx;
+                a.ModifyTime = now;
+                if a.ClientStatus == "failed" {
+                    any_failed = true;
+                }
+                let a = a.clone();
+                jobs.insert((a.Namespace.clone(), a.JobID.clone()));
+                st.emit_alloc("AllocationUpdated", &a);
+            }
+            st.tables.allocs = idx;
+            for (ns, id) in jobs {
+                st.refresh_job_status(&ns, &id, "AllocationUpdated");
+            }
+        });
+        if any_failed {
+            self.reschedule_all();
+        }
+    }
+
+    /// Runs the scheduler for every job (blocked evaluations are retried this way).
+    pub fn reschedule_all(&self) {
+        self.write(crate::scheduler::reconcile_all);
+    }
+
+    // ---------------------------------------------------------------- jobs
+
+    /// Registers a job (JobRegistered), then schedules it (PlanResult).
+    pub fn register_job(&self, mut job: Job) -> Result<(String, u64, u64), StoreError> {
+        job.canonicalize(&self.region);
+        validate_job(&job)?;
+        let eval_id = uuid::Uuid::new_v4().to_string();
+        let (job_modify_index, idx) = self.write(|st| {
+            st.ensure_namespace(&job.Namespace);
+            let key = (job.Namespace.clone(), job.ID.clone());
+            let idx = st.next_index();
+            let now = now_ns();
+            match st.jobs.get(&key) {
+                Some(old) if old.same_spec(&job) && !old.Stop => {
+                    job = old.clone();
+                }
+                Some(old) => {
+                    job.Version = old.Version + 1;
+                    job.CreateIndex = old.CreateIndex;
+                    job.ModifyIndex = idx;
+                    job.JobModifyIndex = idx;
+                    job.SubmitTime = now;
+                    job.Status = "pending".into();
+                }
+                None => {
+                    job.CreateIndex = idx;
+                    job.ModifyIndex = idx;
+                    job.JobModifyIndex = idx;
+                    job.SubmitTime = now;
+                    job.Status = "pending".into();
+                }
+            }
+            st.jobs.insert(key, job.clone());
+            st.tables.jobs = idx;
+            st.emit_job("JobRegistered", &job, false);
+            let eval = eval_json(&eval_id, &job, "job-register", idx, now);
+            st.evals.insert(eval_id.clone(), eval.clone());
+            st.tables.evals = idx;
+            st.emit(
+                "Evaluation",
+                "JobRegistered",
+                &eval_id,
+                &job.Namespace,
+                Some(vec![job.ID.clone()]),
+                json!({ "Evaluation": eval }),
+            );
+            (job.JobModifyIndex, idx)
+        });
+        self.reschedule_all();
+        Ok((eval_id, job_modify_index, idx))
+    }
+
+    /// Deregisters a job: stop (Job.Stop = true, allocs stopped by PlanResult) or purge (job and
+    /// allocs deleted; no alloc events).
+    pub fn deregister_job(
+        &self,
+        ns: &str,
+        id: &str,
+        purge: bool,
+    ) -> Result<(String, u64, u64), StoreError> {
+        let eval_id = uuid::Uuid::new_v4().to_string();
+        let key = (ns.to_string(), id.to_string());
+        let r = self.write(|st| {
+            let Some(mut job) = st.jobs.get(&key).cloned() else {
+                return Err(StoreError::NotFound("job not found".into()));
+            };
+            let idx = st.next_index();
+            let now = now_ns();
+            if purge {
+                st.jobs.remove(&key);
+                st.allocs
+                    .retain(|_, a| !(a.Namespace == ns && a.JobID == id));
+                st.tables.allocs = idx;
+                job.Status = "dead".into();
+                st.emit_job("JobDeregistered", &job, true);
+            } else {
+                job.Stop = true;
+                job.Version += 1;
+                job.ModifyIndex = idx;
+                job.JobModifyIndex = idx;
+                job.SubmitTime = now;
+                st.jobs.insert(key.clone(), job.clone());
+                st.emit_job("JobDeregistered", &job, false);
+            }
+            st.tables.jobs = idx;
+            let eval = eval_json(&eval_id, &job, "job-deregister", idx, now);
+            st.evals.insert(eval_id.clone(), eval.clone());
+            st.tables.evals = idx;
+            st.emit(
+                "Evaluation",
+                "JobDeregistered",
+                &eval_id,
+                ns,
+                Some(vec![id.to_string()]),
+                json!({ "Evaluation": eval }),
+            );
+            Ok((job.JobModifyIndex, idx))
+        })?;
+        self.reschedule_all();
+        Ok((eval_id, r.0, r.1))
+    }
+
+    // ---------------------------------------------------------------- allocations
+
+    /// Sets a desired transition (`nomad alloc stop` → Migrate; AllocationUpdateDesiredStatus).
+    pub fn stop_alloc(&self, alloc_id: &str) -> Result<(String, u64), StoreError> {
+        let eval_id = uuid::Uuid::new_v4().to_string();
+        let idx = self.write(|st| {
+            let Some(a) = st.allocs.get_mut(alloc_id) else {
+                return Err(StoreError::NotFound("alloc not found".into()));
+            };
+            let idx = st.index + 1;
+            a.DesiredTransition.Migrate = Some(true);
+            a.ModifyIndex = idx;
+            a.AllocModifyIndex = idx;
+            a.ModifyTime = now_ns();
+            let a = a.clone();
+            st.next_index();
+            st.tables.allocs = idx;
+            st.emit_alloc("AllocationUpdateDesiredStatus", &a);
+            Ok(idx)
+        })?;
+        self.reschedule_all();
+        Ok((eval_id, idx))
+    }
+
+    // ---------------------------------------------------------------- host volumes
+
+    /// `HostVolume.Register`: the node's client stats the path, then the volume is written
+    /// pending (HostVolumeRegistered) and the node fingerprint makes it ready (NodeRegistration).
+    pub fn register_host_volume(&self, mut v: HostVolume) -> Result<HostVolume, StoreError> {
+        if v.Namespace.is_empty() {
+            v.Namespace = "default".into();
+        }
+        if v.Name.is_empty() {
+            return Err(StoreError::BadRequest("missing volume name".into()));
+        }
+        if v.NodeID.is_empty() {
+            return Err(StoreError::BadRequest(
+                "cannot register volume: node ID is required".into(),
+            ));
+        }
+        if v.HostPath.is_empty() {
+            return Err(StoreError::BadRequest(
+                "cannot register volume: host path is required".into(),
+            ));
+        }
+        if v.ID.is_empty() {
+            v.ID = uuid::Uuid::new_v4().to_string();
+        }
+        if v.PluginID.is_empty() {
+            v.PluginID = "default".into();
+        }
+        if v.RequestedCapabilities.is_empty() {
+            v.RequestedCapabilities = vec![HostVolumeCapability {
+                AttachmentMode: "file-system".into(),
+                AccessMode: "single-node-writer".into(),
+            }];
+        }
+        let node = self
+            .node(&v.NodeID)
+            .ok_or_else(|| StoreError::BadRequest(format!("node {:?} does not exist", v.NodeID)))?;
+        if let Some(existing) = node.HostVolumes.get(&v.Name) {
+            if !existing.ID.is_empty() && existing.ID != v.ID {
+                return Err(StoreError::BadRequest(format!(
+                    "rpc error: volume name already exists on this node: {}",
+                    v.Name
+                )));
+            }
+        }
+        if !std::path::Path::new(&v.HostPath).exists() {
+            return Err(StoreError::BadRequest(format!(
+                "rpc error: stat {}: no such file or directory",
+                v.HostPath
+            )));
+        }
+        v.NodePool = node.NodePool.clone();
+        let registered = self.write(|st| {
+            let key = (v.Namespace.clone(), v.ID.clone());
+            if let Some(old) = st.host_volumes.get(&key) {
+                if old.NodeID != v.NodeID {
+                    return Err(StoreError::BadRequest(
+                        "host volume cannot change node ID".into(),
+                    ));
+                }
+                v.CreateIndex = old.CreateIndex;
+                v.CreateTime = old.CreateTime;
+            }
+            st.ensure_namespace(&v.Namespace);
+            let idx = st.next_index();
+            let now = now_ns();
+            if v.CreateIndex == 0 {
+                v.CreateIndex = idx;
+                v.CreateTime = now;
+            }
+            v.ModifyIndex = idx;
+            v.ModifyTime = now;
+            v.State = "pending".into();
+            v.Allocations = None;
+            st.host_volumes.insert(key, v.clone());
+            st.tables.host_volumes = idx;
+            st.emit_volume("HostVolumeRegistered", &v, false);
+            Ok(v.clone())
+        })?;
+        // Client fingerprint: node.HostVolumes gains the entry, the volume turns ready.
+        self.write(|st| {
+            let idx = st.next_index();
+            let now = now_ns();
+            if let Some(n) = st.nodes.get_mut(&registered.NodeID) {
+                n.HostVolumes.insert(
+                    registered.Name.clone(),
+                    ClientHostVolumeConfig {
+                        Name: registered.Name.clone(),
+                        Path: registered.HostPath.clone(),
+                        ReadOnly: false,
+                        ID: registered.ID.clone(),
+                    },
+                );
+                n.ModifyIndex = idx;
+            }
+            st.tables.nodes = idx;
+            st.emit_node("NodeRegistration", &registered.NodeID);
+            let key = (registered.Namespace.clone(), registered.ID.clone());
+            if let Some(hv) = st.host_volumes.get_mut(&key) {
+                let node_ready = st
+                    .nodes
+                    .get(&hv.NodeID)
+                    .is_some_and(|n| n.Status == "ready");
+                hv.State = if node_ready { "ready" } else { "unavailable" }.into();
+                hv.ModifyIndex = idx;
+                hv.ModifyTime = now;
+                let hv = hv.clone();
+                st.tables.host_volumes = idx;
+                st.emit_volume("NodeRegistration", &hv, false);
+            }
+        });
+        self.reschedule_all();
+        Ok(registered)
+    }
+
+    /// Host volume with denormalized non-terminal `Allocations` stubs.
+    pub fn host_volume(&self, ns: &str, id: &str) -> Option<HostVolume> {
+        let st = self.read();
+        let mut v = st
+            .host_volumes
+            .get(&(ns.to_string(), id.to_string()))?
+            .clone();
+        let allocs: Vec<Value> = st
+            .allocs
+            .values()
+            .filter(|a| alloc_uses_volume(a, &v))
+            .map(|a| a.stub())
+            .collect();
+        if !allocs.is_empty() {
+            v.Allocations = Some(allocs);
+        }
+        Some(v)
+    }
+
+    /// Deletes a host volume (refused while claimed by non-terminal allocs).
+    pub fn delete_host_volume(&self, ns: &str, id: &str) -> Result<u64, StoreError> {
+        let r = self.write(|st| {
+            let key = (ns.to_string(), id.to_string());
+            let Some(v) = st.host_volumes.get(&key).cloned() else {
+                return Err(StoreError::NotFound(format!("no such volume: {id}")));
+            };
+            let users: Vec<String> = st
+                .allocs
+                .values()
+                .filter(|a| alloc_uses_volume(a, &v))
+                .map(|a| a.ID.clone())
+                .collect();
+            if !users.is_empty() {
+                return Err(StoreError::BadRequest(format!(
+                    "volume {id} in use by allocations: {users:?}"
+                )));
+            }
+            let idx = st.next_index();
+            st.host_volumes.remove(&key);
+            st.tables.host_volumes = idx;
+            st.emit_volume("HostVolumeDeleted", &v, true);
+            if let Some(n) = st.nodes.get_mut(&v.NodeID) {
+                if n.HostVolumes.get(&v.Name).is_some_and(|e| e.ID == v.ID) {
+                    n.HostVolumes.remove(&v.Name);
+                    n.ModifyIndex = idx;
+                    st.tables.nodes = idx;
+                    st.emit_node("NodeRegistration", &v.NodeID);
+                }
+            }
+            Ok(idx)
+        })?;
+        Ok(r)
+    }
+
+    // ---------------------------------------------------------------- variables
+
+    fn emit_var(st: &mut State, v: &Variable, deleted: bool) {
+        st.emit(
+            "Variable",
+            "VariableUpdated",
+            &v.Path,
+            &v.Namespace,
+            None,
+            json!({"Metadata": v.metadata(), "Deleted": deleted}),
+        );
+    }
+
+    /// `Variables.Apply` set / cas.
+    pub fn put_var(
+        &self,
+        ns: &str,
+        path: &str,
+        items: BTreeMap<String, String>,
+        cas: Option<u64>,
+    ) -> Result<Variable, StoreError> {
+        self.write(|st| {
+            let key = (ns.to_string(), path.to_string());
+            let cur = st.vars.get(&key).cloned();
+            if let Some(c) = cas {
+                let cur_idx = cur.as_ref().map(|v| v.ModifyIndex).unwrap_or(0);
+                if cur_idx != c {
+                    let body = cur.clone().unwrap_or(Variable {
+                        Namespace: ns.into(),
+                        Path: path.into(),
+                        ..Default::default()
+                    });
+                    return Err(StoreError::Conflict(json!(body), cur_idx));
+                }
+            }
+            if let Some(lock) = cur.as_ref().and_then(|v| v.Lock.as_ref()) {
+                if !lock.ID.is_empty() {
+                    return Err(StoreError::Conflict(
+                        json!(cur.clone().map(|v| v.metadata())),
+                        cur.as_ref().map(|v| v.ModifyIndex).unwrap_or(0),
+                    ));
+                }
+            }
+            st.ensure_namespace(ns);
+            let idx = st.next_index();
+            let now = now_ns();
+            let v = Variable {
+                Namespace: ns.into(),
+                Path: path.into(),
+                Lock: cur.as_ref().and_then(|c| c.Lock.clone()),
+                CreateIndex: cur.as_ref().map(|c| c.CreateIndex).unwrap_or(idx),
+                CreateTime: cur.as_ref().map(|c| c.CreateTime).unwrap_or(now),
+                ModifyIndex: idx,
+                ModifyTime: now,
+                Items: Some(items),
+            };
+            st.vars.insert(key, v.clone());
+            st.tables.vars = idx;
+            Self::emit_var(st, &v, false);
+            Ok(v)
+        })
+    }
+
+    /// `Variables.Apply` delete / delete-cas.
+    pub fn delete_var(&self, ns: &str, path: &str, cas: Option<u64>) -> Result<u64, StoreError> {
+        self.write(|st| {
+            let key = (ns.to_string(), path.to_string());
+            let cur = st.vars.get(&key).cloned();
+            if let Some(c) = cas {
+                let cur_idx = cur.as_ref().map(|v| v.ModifyIndex).unwrap_or(0);
+                if cur_idx != c {
+                    return Err(StoreError::Conflict(
+                        json!(cur.unwrap_or_default()),
+                        cur_idx,
+                    ));
+                }
+            }
+            let idx = st.next_index();
+            if let Some(v) = st.vars.remove(&key) {
+                st.tables.vars = idx;
+                Self::emit_var(st, &v, true);
+            }
+            Ok(idx)
+        })
+    }
+
+    /// Mutates a variable's lock under the store lock (used by the lock module).
+    pub fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        self.write(f)
+    }
+}
+
+/// Emits a Variable event from outside the store module.
+pub(crate) fn emit_var_event(st: &mut State, v: &Variable, deleted: bool) {
+    Server::emit_var(st, v, deleted);
+}
+
+/// Whether a non-client-terminal alloc on the volume's node asks for a host volume of its name.
+pub fn alloc_uses_volume(a: &Allocation, v: &HostVolume) -> bool {
+    if a.client_terminal() || a.NodeID != v.NodeID || a.Namespace != v.Namespace {
+        return false;
+    }
+    let Some(job) = &a.Job else { return false };
+    job.group(&a.TaskGroup)
+        .and_then(|g| g.Volumes.as_ref())
+        .is_some_and(|vols| {
+            vols.values()
+                .any(|r| r.Type == "host" && r.source_for(&a.Name) == v.Name)
+        })
+}
+
+fn validate_job(job: &Job) -> Result<(), StoreError> {
+    if job.ID.is_empty() {
+        return Err(StoreError::BadRequest("Job ID is required".into()));
+    }
+    if !matches!(
+        job.Type.as_str(),
+        "service" | "batch" | "system" | "sysbatch"
+    ) {
+        return Err(StoreError::BadRequest(format!(
+            "Invalid job type: {:?}",
+            job.Type
+        )));
+    }
+    if job.TaskGroups.is_empty() {
+        return Err(StoreError::BadRequest(
+            "Missing job task groups".to_string(),
+        ));
+    }
+    for g in &job.TaskGroups {
+        if g.Tasks.is_empty() {
+            return Err(StoreError::BadRequest(format!(
+                "Task group {} has no tasks",
+                g.Name
+            )));
+        }
+        let vols = g.Volumes.clone().unwrap_or_default();
+        for t in &g.Tasks {
+            for vm in t.VolumeMounts.iter().flatten() {
+                if !vols.contains_key(&vm.Volume) {
+                    return Err(StoreError::BadRequest(format!(
+                        "Task {} has a volume mount referencing undefined volume {}",
+                        t.Name, vm.Volume
+                    )));
+                }
+            }
+        }
+        for v in vols.values() {
+            if v.PerAlloc && v.Sticky {
+                return Err(StoreError::BadRequest(
+                    "volume cannot be per_alloc and sticky at the same time".into(),
+                ));
+            }
+            if v.AccessMode == "single-node-reader-only" && !v.ReadOnly {
+                return Err(StoreError::BadRequest(
+                    "volume with single-node-reader-only access mode must be read_only".into(),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn eval_json(id: &str, job: &Job, trigger: &str, idx: u64, now: i64) -> Value {
+    json!({
+        "ID": id, "Namespace": job.Namespace, "Priority": job.Priority, "Type": job.Type,
+        "TriggeredBy": trigger, "JobID": job.ID, "JobModifyIndex": job.JobModifyIndex,
+        "Status": "complete", "CreateIndex": idx, "ModifyIndex": idx,
+        "CreateTime": now, "ModifyTime": now,
+    })
+}
