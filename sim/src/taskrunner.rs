@@ -544,12 +544,14 @@ impl TaskRunner {
                         );
                     }
                 }
-                other => return self.fail_setup(
-                    "Driver Failure",
-                    format!(
+                other => {
+                    return self.fail_setup(
+                        "Driver Failure",
+                        format!(
                         "driver {other:?} is not supported by nomad-sim (only exec and raw_exec)"
                     ),
-                ),
+                    )
+                }
             }
             let exit = match self.spawn(binds) {
                 Err(msg) => {
