@@ -1,0 +1,314 @@
+//! Blocking queries, variables CAS, host volume register and scheduler feasibility.
+
+mod common;
+use common::Sim;
+use reqwest::Method;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+const TWO_NODES: &str = "client \"node-1\" {}\nclient \"node-2\" {}\n";
+
+fn sleeper(name: &str, extra_group: &str, ns: &str) -> String {
+    format!(
+        r#"job "{name}" {{
+  namespace = "{ns}"
+  group "g" {{
+    {extra_group}
+    task "t" {{
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {{
+        command = "/bin/sleep"
+        args = ["1000"]
+      }}
+    }}
+  }}
+}}"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn node_allocations_blocking_query_wakes_on_change() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(TWO_NODES).await;
+        let n1 = sim.node_id("node-1");
+        let (s, idx, body) = sim
+            .req(Method::GET, &format!("/v1/node/{n1}/allocations"), None)
+            .await;
+        assert_eq!(s, 200);
+        assert_eq!(body, "[]");
+        // Times out after `wait` with the same index.
+        let t = Instant::now();
+        let (_, idx2, _) = sim
+            .req(
+                Method::GET,
+                &format!("/v1/node/{n1}/allocations?index={idx}&wait=1s"),
+                None,
+            )
+            .await;
+        assert!(t.elapsed() >= Duration::from_millis(900));
+        assert_eq!(idx2, idx);
+        // Wakes when an alloc is placed.
+        let blocked = {
+            let (http, url) = (
+                sim.http.clone(),
+                format!(
+                    "{}/v1/node/{n1}/allocations?index={idx}&wait=30s",
+                    sim.server
+                ),
+            );
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let r = http.get(url).send().await.unwrap();
+                let i: u64 = r.headers()["x-nomad-index"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                (t.elapsed(), i, r.json::<serde_json::Value>().await.unwrap())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // count=2 spreads across both nodes, so node-1 gets one.
+        sim.run_job(&sleeper("blk", "count = 2", "default")).await;
+        let (elapsed, new_idx, allocs) = blocked.await.unwrap();
+        assert!(elapsed < Duration::from_secs(10));
+        assert!(new_idx > idx);
+        let a = &allocs.as_array().unwrap()[0];
+        assert!(
+            a.get("Job").is_some(),
+            "node allocations are full allocs with Job"
+        );
+        assert_eq!(a["NodeID"], n1);
+        // Index already behind → immediate return.
+        let t = Instant::now();
+        sim.req(
+            Method::GET,
+            &format!("/v1/node/{n1}/allocations?index=1&wait=30s"),
+            None,
+        )
+        .await;
+        assert!(t.elapsed() < Duration::from_secs(2));
+        let (s, _, b) = sim
+            .req(Method::GET, "/v1/node/nope/allocations", None)
+            .await;
+        assert_eq!((s, b.as_str()), (404, "node not found"));
+        let (s, _, b) = sim.req(Method::GET, "/v1/allocation/nope-nope", None).await;
+        assert_eq!((s, b.as_str()), (404, "alloc not found"));
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn variables_cas() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(TWO_NODES).await;
+        let body = json!({"Items": {"node_id": "n1"}});
+        let (s, idx, b) = sim
+            .req(
+                Method::PUT,
+                "/v1/var/dhv-binder/claims/x?cas=0",
+                Some(body.clone()),
+            )
+            .await;
+        assert_eq!(s, 200, "{b}");
+        let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(v["ModifyIndex"].as_u64().unwrap(), idx);
+        assert_eq!(v["Items"]["node_id"], "n1");
+        assert_eq!(v["Namespace"], "default");
+        // cas=0 again → 409 with the current variable.
+        let (s, cidx, b) = sim
+            .req(
+                Method::PUT,
+                "/v1/var/dhv-binder/claims/x?cas=0",
+                Some(body.clone()),
+            )
+            .await;
+        assert_eq!(s, 409);
+        let cur: serde_json::Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(cur["ModifyIndex"].as_u64().unwrap(), idx);
+        assert_eq!(cidx, idx);
+        // Correct cas → 200; stale cas → 409.
+        let (s, idx2, _) = sim
+            .req(
+                Method::PUT,
+                &format!("/v1/var/dhv-binder/claims/x?cas={idx}"),
+                Some(json!({"Items": {"node_id": "n2"}})),
+            )
+            .await;
+        assert_eq!(s, 200);
+        let (s, _, _) = sim
+            .req(
+                Method::PUT,
+                &format!("/v1/var/dhv-binder/claims/x?cas={idx}"),
+                Some(body.clone()),
+            )
+            .await;
+        assert_eq!(s, 409);
+        // Items required; path validated.
+        let (s, _, b) = sim
+            .req(
+                Method::PUT,
+                "/v1/var/dhv-binder/empty",
+                Some(json!({"Items": {}})),
+            )
+            .await;
+        assert_eq!(
+            (s, b.as_str()),
+            (400, "variable missing required Items object")
+        );
+        let (s, _, _) = sim
+            .req(Method::PUT, "/v1/var/bad%20path", Some(body.clone()))
+            .await;
+        assert_eq!(s, 400);
+        // List is metadata only.
+        let list = sim.get("/v1/vars?prefix=dhv-binder/").await;
+        assert_eq!(list.as_array().unwrap().len(), 1);
+        assert!(list[0].get("Items").is_none());
+        let all = sim.get("/v1/vars?namespace=*").await;
+        assert_eq!(all.as_array().unwrap().len(), 1);
+        // Delete with stale cas → 409, right cas → gone.
+        let (s, _, _) = sim
+            .req(
+                Method::DELETE,
+                &format!("/v1/var/dhv-binder/claims/x?cas={idx}"),
+                None,
+            )
+            .await;
+        assert_eq!(s, 409);
+        let (s, _, _) = sim
+            .req(
+                Method::DELETE,
+                &format!("/v1/var/dhv-binder/claims/x?cas={idx2}"),
+                None,
+            )
+            .await;
+        assert_eq!(s, 200);
+        let (s, _, b) = sim
+            .req(Method::GET, "/v1/var/dhv-binder/claims/x", None)
+            .await;
+        assert_eq!((s, b.as_str()), (404, "variable not found"));
+        // Blocking list wakes on a write.
+        let (_, li, _) = sim.req(Method::GET, "/v1/vars", None).await;
+        let h = {
+            let (http, url) = (
+                sim.http.clone(),
+                format!("{}/v1/vars?index={li}&wait=20s", sim.server),
+            );
+            tokio::spawn(async move {
+                http.get(url)
+                    .send()
+                    .await
+                    .unwrap()
+                    .json::<serde_json::Value>()
+                    .await
+                    .unwrap()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        sim.put("/v1/var/later", json!({"Items": {"a": "b"}})).await;
+        let l = tokio::time::timeout(Duration::from_secs(5), h)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(l[0]["Path"], "later");
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn host_volume_register_and_feasibility() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start(TWO_NODES).await;
+        let n2 = sim.node_id("node-2");
+        let path = sim.path().join("vol-a");
+        std::fs::create_dir_all(&path).unwrap();
+        // Missing path is refused by the client.
+        let (s, _, _) = sim
+            .req(Method::PUT, "/v1/volume/host/register", Some(json!({"Volume": {"Name": "data", "NodeID": n2, "HostPath": "/nonexistent/x"}})))
+            .await;
+        assert_eq!(s, 400);
+        let r = sim
+            .put("/v1/volume/host/register", json!({"Volume": {"Namespace": "default", "Name": "data", "NodeID": n2,
+                "HostPath": path, "RequestedCapabilities": [{"AccessMode": "single-node-writer", "AttachmentMode": "file-system"}]}}))
+            .await;
+        let id = r["Volume"]["ID"].as_str().unwrap().to_string();
+        assert_eq!(r["Warnings"], "");
+        let v = sim
+            .wait_for(5, "volume ready", || async {
+                let v = sim.get(&format!("/v1/volume/host/{id}")).await;
+                (v["State"] == "ready").then_some(v)
+            })
+            .await;
+        assert_eq!(v["NodeID"], n2);
+        let node = sim.get(&format!("/v1/node/{n2}")).await;
+        assert_eq!(node["HostVolumes"]["data"]["ID"], id.as_str());
+        // A second ID with the same name on that node is rejected.
+        let (s, _, b) = sim
+            .req(Method::PUT, "/v1/volume/host/register", Some(json!({"Volume": {"Name": "data", "NodeID": n2, "HostPath": path}})))
+            .await;
+        assert_eq!(s, 400);
+        assert!(b.contains("volume name already exists on this node"), "{b}");
+        let list = sim.get("/v1/volumes?type=host").await;
+        assert_eq!(list.as_array().unwrap().len(), 1);
+        assert_eq!(sim.get("/v1/volumes").await, json!([]));
+        assert_eq!(sim.get(&format!("/v1/volumes?type=host&node_id={}", sim.node_id("node-1"))).await, json!([]));
+
+        // Feasible only on node-2.
+        let vol = r#"volume "d" {
+      type = "host"
+      source = "data"
+      access_mode = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+    count = 2"#;
+        sim.run_job(&sleeper("ok", vol, "default")).await;
+        let allocs = sim.wait_for(5, "placement", || async {
+            let a = sim.job_allocs("ok").await;
+            (a.len() == 2).then_some(a)
+        }).await;
+        // Both land on node-2 (single-node-writer allows several allocs on the one node).
+        for a in &allocs {
+            assert_eq!(a["NodeID"], n2);
+        }
+        // The volume read lists the alloc; delete is refused while in use.
+        let v = sim.get(&format!("/v1/volume/host/{id}")).await;
+        assert_eq!(v["Allocations"].as_array().unwrap().len(), 2);
+        let (s, _, _) = sim.req(Method::DELETE, &format!("/v1/volume/host/{id}"), None).await;
+        assert_eq!(s, 400);
+
+        // Wrong namespace → not placed; wrong access mode → not placed.
+        sim.run_job(&sleeper("other-ns", vol, "other")).await;
+        let ro = r#"volume "d" {
+      type = "host"
+      source = "data"
+      read_only = true
+      access_mode = "single-node-reader-only"
+    }"#;
+        sim.run_job(&sleeper("wrong-mode", ro, "default")).await;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert!(sim.get("/v1/job/other-ns/allocations?namespace=other").await.as_array().unwrap().is_empty());
+        assert!(sim.job_allocs("wrong-mode").await.is_empty());
+
+        // A blocked placement is retried when a matching volume appears (on node-1).
+        let vol2 = r#"volume "d" {
+      type = "host"
+      source = "data2"
+    }"#;
+        sim.run_job(&sleeper("later", vol2, "default")).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(sim.job_allocs("later").await.is_empty());
+        let path_b = sim.path().join("vol-b");
+        std::fs::create_dir_all(&path_b).unwrap();
+        sim.put("/v1/volume/host/register", json!({"Volume": {"Name": "data2", "NodeID": sim.node_id("node-1"), "HostPath": path_b}})).await;
+        let a = sim.wait_for(5, "blocked alloc placed on node-1", || async {
+            let a = sim.job_allocs("later").await;
+            (a.len() == 1).then_some(a)
+        }).await;
+        assert_eq!(a[0]["NodeID"], sim.node_id("node-1"));
+    })
+    .await
+    .expect("test timed out");
+}
