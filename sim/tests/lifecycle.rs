@@ -1,0 +1,264 @@
+//! Real tasks: exec prestart + main with a host volume (incl. a mount made after placement),
+//! ClientStatus order, stop → kill → complete, workload identity JWT, raw_exec refusal.
+
+mod common;
+use common::Sim;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+struct Unmount(PathBuf);
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+fn task_state<'a>(a: &'a Value, t: &str) -> &'a str {
+    a["TaskStates"][t]["State"].as_str().unwrap_or("")
+}
+
+fn event_types(a: &Value, t: &str) -> Vec<String> {
+    a["TaskStates"][t]["Events"]
+        .as_array()
+        .map(|e| {
+            e.iter()
+                .map(|x| x["Type"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn b64(s: &str) -> Value {
+    use base64::Engine;
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(s)
+        .unwrap();
+    serde_json::from_slice(&raw).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_prestart_then_main_with_host_volume() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let tmp = tempfile::tempdir().unwrap();
+        let hv = tmp.path().join("hv");
+        let storage = tmp.path().join("storage");
+        std::fs::create_dir_all(&hv).unwrap();
+        std::fs::create_dir_all(&storage).unwrap();
+        std::fs::write(storage.join("data.txt"), "from-storage").unwrap();
+        let sim = Sim::start(&format!(
+            "client \"node-1\" {{\n  host_volume \"shared\" {{\n    path = \"{}\"\n  }}\n}}\n",
+            hv.display()
+        ))
+        .await;
+        let job = sim
+            .run_job(
+                r#"job "lc" {
+  group "g" {
+    volume "data" {
+      type = "host"
+      source = "shared"
+    }
+    task "pre" {
+      driver = "exec"
+      lifecycle {
+        hook = "prestart"
+        sidecar = false
+      }
+      identity {
+        env = true
+        file = true
+      }
+      config {
+        command = "/bin/sh"
+        args = ["-c", "printf %s \"$NOMAD_TOKEN\" > /alloc/pre-token; while [ ! -e /alloc/go ]; do sleep 0.1; done"]
+      }
+    }
+    task "main" {
+      driver = "exec"
+      kill_timeout = "3s"
+      volume_mount {
+        volume = "data"
+        destination = "/srv/data"
+      }
+      env {
+        GREETING = "hi-${NOMAD_ALLOC_INDEX}"
+      }
+      config {
+        command = "/bin/sh"
+        args = ["-c", "cat /srv/data/data.txt; echo; echo $NOMAD_ALLOC_DIR $GREETING; echo token=${NOMAD_TOKEN}; trap 'echo got-int; exit 0' INT; while true; do sleep 0.1; done"]
+      }
+    }
+  }
+}"#,
+            )
+            .await;
+        // Prestart running, main pending → ClientStatus already "running".
+        let a = sim
+            .wait_for(20, "prestart running", || async {
+                let allocs = sim.job_allocs(&job).await;
+                let a = allocs.first()?.clone();
+                (task_state(&a, "pre") == "running").then_some(a)
+            })
+            .await;
+        assert_eq!(task_state(&a, "main"), "pending");
+        assert_eq!(a["ClientStatus"], "running");
+        let id = a["ID"].as_str().unwrap().to_string();
+        let alloc_dir = sim.nodes[0].3.join("alloc").join(&id);
+        for d in ["alloc/logs", "alloc/data", "alloc/tmp", "pre/local", "pre/secrets", "pre/tmp"] {
+            assert!(alloc_dir.join(d).is_dir(), "{d}");
+        }
+        // The host volume path becomes a mount point after placement, before main starts.
+        nix::mount::mount(Some(&storage), &hv, None::<&str>, nix::mount::MsFlags::MS_BIND, None::<&str>).unwrap();
+        let _guard = Unmount(hv.clone());
+        std::fs::write(alloc_dir.join("alloc/go"), "").unwrap();
+        let a = sim
+            .wait_for(20, "main running", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (task_state(&a, "main") == "running").then_some(a)
+            })
+            .await;
+        assert_eq!(task_state(&a, "pre"), "dead");
+        assert_eq!(a["TaskStates"]["pre"]["Failed"], false);
+        assert_eq!(event_types(&a, "pre"), ["Received", "Task Setup", "Started", "Terminated"]);
+        assert!(a["TaskStates"]["main"]["FinishedAt"].is_null());
+        assert!(a["Job"].is_object());
+        let stdout = alloc_dir.join("alloc/logs/main.stdout.0");
+        let out = sim
+            .wait_for(10, "main output", || async {
+                let s = std::fs::read_to_string(&stdout).ok()?;
+                s.contains("/alloc").then_some(s)
+            })
+            .await;
+        assert!(out.contains("from-storage"), "main sees the mount under the host volume: {out}");
+        assert!(out.contains("/alloc hi-0"), "{out}");
+        assert!(out.contains("token=\n"), "main has no identity env: {out}");
+        // Mounts live only in the task's namespace.
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mountinfo.contains(&id), "task mounts leaked to the host");
+
+        // Default identity: env == file, RS256, verifies against the JWKS, Nomad's claims.
+        let tok_env = std::fs::read_to_string(alloc_dir.join("alloc/pre-token")).unwrap();
+        let tok_file = std::fs::read_to_string(alloc_dir.join("pre/secrets/nomad_token")).unwrap();
+        assert_eq!(tok_env, tok_file);
+        verify_token(&sim, &tok_env, &id, &job).await;
+
+        // Stop: kill signal → Killing / Terminated / Killed → complete.
+        sim.req(reqwest::Method::DELETE, &format!("/v1/job/{job}"), None).await;
+        let a = sim
+            .wait_for(20, "complete", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "complete").then_some(a)
+            })
+            .await;
+        assert_eq!(a["DesiredStatus"], "stop");
+        let ev = event_types(&a, "main");
+        assert_eq!(&ev[ev.len() - 3..], ["Killing", "Terminated", "Killed"]);
+        assert!(std::fs::read_to_string(&stdout).unwrap().contains("got-int"));
+        assert!(!a["TaskStates"]["main"]["FinishedAt"].is_null());
+    })
+    .await
+    .expect("test timed out");
+}
+
+async fn verify_token(sim: &Sim, token: &str, alloc: &str, job: &str) {
+    let jwks = sim.get("/.well-known/jwks.json").await;
+    let key = &jwks["keys"][0];
+    assert_eq!(key["kty"], "RSA");
+    assert_eq!(key["alg"], "RS256");
+    let parts: Vec<&str> = token.split('.').collect();
+    assert_eq!(parts.len(), 3);
+    let header = b64(parts[0]);
+    assert_eq!(
+        header,
+        json!({"alg": "RS256", "kid": key["kid"], "typ": "JWT"})
+    );
+    let dk = jsonwebtoken::DecodingKey::from_rsa_components(
+        key["n"].as_str().unwrap(),
+        key["e"].as_str().unwrap(),
+    )
+    .unwrap();
+    let mut v = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::RS256);
+    v.set_audience(&["nomadproject.io"]);
+    v.required_spec_claims.clear();
+    v.validate_exp = false;
+    let data =
+        jsonwebtoken::decode::<Value>(token, &dk, &v).expect("token verifies against the JWKS");
+    let c = data.claims;
+    let keys: Vec<&str> = c.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "aud",
+            "iat",
+            "jti",
+            "nbf",
+            "nomad_allocation_id",
+            "nomad_job_id",
+            "nomad_namespace",
+            "nomad_task",
+            "sub"
+        ]
+    );
+    assert_eq!(c["aud"], "nomadproject.io");
+    assert_eq!(c["nomad_allocation_id"], alloc);
+    assert_eq!(c["nomad_job_id"], job);
+    assert_eq!(c["nomad_namespace"], "default");
+    assert_eq!(c["nomad_task"], "pre");
+    assert_eq!(c["sub"], format!("global:default:{job}:g:pre:default"));
+    assert!(c["iat"].as_i64().unwrap() > 1_700_000_000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn raw_exec_refuses_host_volume_mounts() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let tmp = tempfile::tempdir().unwrap();
+        let sim = Sim::start(&format!(
+            "client \"node-1\" {{\n  host_volume \"v\" {{\n    path = \"{}\"\n  }}\n}}\n",
+            tmp.path().display()
+        ))
+        .await;
+        sim.run_job(
+            r#"job "rx" {
+  type = "batch"
+  group "g" {
+    volume "v" {
+      type = "host"
+      source = "v"
+    }
+    task "t" {
+      driver = "raw_exec"
+      volume_mount {
+        volume = "v"
+        destination = "/x"
+      }
+      config {
+        command = "/bin/true"
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        let a = sim
+            .wait_for(20, "failed", || async {
+                let allocs = sim.job_allocs("rx").await;
+                let a = allocs.first()?.clone();
+                (a["ClientStatus"] == "failed").then_some(a)
+            })
+            .await;
+        let evs = a["TaskStates"]["t"]["Events"].as_array().unwrap();
+        let hook = evs
+            .iter()
+            .find(|e| e["Type"] == "Task hook failed")
+            .expect("hook failure event");
+        assert!(hook["DisplayMessage"]
+            .as_str()
+            .unwrap()
+            .contains("does not support host volumes"));
+        assert_eq!(a["TaskStates"]["t"]["Failed"], true);
+        let _ = Path::new("/");
+    })
+    .await
+    .expect("test timed out");
+}
