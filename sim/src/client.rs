@@ -410,8 +410,7 @@ async fn run_alloc(
         }
         tokio::select! {
             r = rx.changed() => {
-                if r.is_err() { stopping = true; }
-                else if wants_stop(&rx.borrow()) { stopping = true; }
+                if r.is_err() || wants_stop(&rx.borrow()) { stopping = true; }
             }
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
         }

@@ -104,7 +104,7 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, DurationError> {
 /// Formats a duration like Go's `time.Duration.String()` for whole-second values ("30m0s", "5s").
 pub fn go_duration_string(d: Duration) -> String {
     let ms = d.as_millis();
-    if ms % 1000 != 0 || ms == 0 {
+    if !ms.is_multiple_of(1000) || ms == 0 {
         if ms == 0 {
             return "0s".into();
         }

@@ -441,7 +441,7 @@ pub fn reconcile_all(st: &mut State) {
                     .find(|a| reschedule_eligible(job, g, a, &pass.work))
                     .map(|a| a.ID.clone());
                 let filled = live(&pass.work, &|a: &Allocation| {
-                    a.name_index() == i && !(failed_prev.as_deref() == Some(a.ID.as_str()))
+                    a.name_index() == i && failed_prev.as_deref() != Some(a.ID.as_str())
                 });
                 if filled {
                     continue;

@@ -814,11 +814,6 @@ impl Server {
     }
 }
 
-/// Emits a Variable event from outside the store module.
-pub(crate) fn emit_var_event(st: &mut State, v: &Variable, deleted: bool) {
-    Server::emit_var(st, v, deleted);
-}
-
 /// Whether a non-client-terminal alloc on the volume's node asks for a host volume of its name.
 pub fn alloc_uses_volume(a: &Allocation, v: &HostVolume) -> bool {
     if a.client_terminal() || a.NodeID != v.NodeID || a.Namespace != v.Namespace {
