@@ -113,7 +113,9 @@ impl AgentConfig {
 
     /// Parses config text.
     pub fn parse(src: &str) -> Result<Self, ConfigError> {
-        let body: hcl::Body = hcl::parse(src).map_err(HclError::from)?;
+        // Nomad (HCL1) writes `chroot_env { "/bin" = "/bin" }`; HCL2 needs an object attribute.
+        let src = rewrite_chroot_blocks(src);
+        let body: hcl::Body = hcl::parse(&src).map_err(HclError::from)?;
         let attrs = attributes("config", &body)?;
         let a = Attrs::new("config", &attrs);
         let data_dir = PathBuf::from(
@@ -233,6 +235,22 @@ impl AgentConfig {
         }
         Ok(cfg)
     }
+}
+
+fn rewrite_chroot_blocks(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(i) = rest.find("chroot_env") {
+        out.push_str(&rest[..i + "chroot_env".len()]);
+        rest = &rest[i + "chroot_env".len()..];
+        let trimmed = rest.trim_start_matches([' ', '\t']);
+        if trimmed.starts_with('{') {
+            out.push_str(" = ");
+            rest = trimmed;
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
