@@ -38,6 +38,7 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
     let node_id = ctx.node.ID.clone();
     let (upd_tx, mut upd_rx) = mpsc::unbounded_channel::<ClientAllocUpdate>();
     let flush_server = server.clone();
+    let flush_node = node_id.clone();
     let (flush_stop_tx, mut flush_stop_rx) = watch::channel(false);
     let flusher = tokio::spawn(async move {
         let mut pending: BTreeMap<String, ClientAllocUpdate> = BTreeMap::new();
@@ -49,7 +50,8 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
                     None => break,
                 },
                 _ = tick.tick() => {
-                    if !pending.is_empty() && flush_server.node(&ctx_node_id(&pending)).is_none_or(|n| n.Status != "down") {
+                    // A partitioned client (heartbeats stopped) cannot reach the servers.
+                    if !pending.is_empty() && !flush_server.read().heartbeat_stopped(&flush_node) {
                         flush_server.update_allocs_from_client(std::mem::take(&mut pending).into_values().collect());
                     }
                 }
@@ -151,14 +153,6 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
     }
     let _ = flush_stop_tx.send(true);
     let _ = flusher.await;
-}
-
-fn ctx_node_id(pending: &BTreeMap<String, ClientAllocUpdate>) -> String {
-    pending
-        .values()
-        .next()
-        .map(|u| u.node_id.clone())
-        .unwrap_or_default()
 }
 
 fn sim_heartbeating(server: &Server, node_id: &str) -> bool {
