@@ -178,6 +178,16 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         ready_nodes.push(json!({"name": c.name, "id": id, "address": format!("http://{addr}"), "data_dir": data_dir}));
     }
     tokio::spawn(heartbeat_monitor(server.clone(), cfg.heartbeat_grace));
+    {
+        let server = server.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                crate::locks::expire(&server);
+            }
+        });
+    }
     let ready =
         json!({"server": {"address": format!("http://{server_addr}")}, "nodes": ready_nodes});
     let tmp = cfg.data_dir.join(".ready.json.tmp");

@@ -869,7 +869,15 @@ async fn var_handler(
             if items.is_empty() {
                 return Err(bad("variable missing required Items object"));
             }
-            match st.server.put_var(&ns, &path, items, cas) {
+            let lock_id = v
+                .Lock
+                .as_ref()
+                .map(|l| l.ID.clone())
+                .filter(|i| !i.is_empty());
+            match st
+                .server
+                .put_var(&ns, &path, items, cas, lock_id.as_deref())
+            {
                 Ok(v) => ok(v.ModifyIndex, &v),
                 Err(StoreError::Conflict(body, idx)) => {
                     Ok(json_response(StatusCode::CONFLICT, idx, &body))

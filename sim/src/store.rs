@@ -87,6 +87,7 @@ pub struct State {
     pub(crate) acl: crate::acl::AclState,
     pub(crate) leaderless: bool,
     pub(crate) stopped_heartbeats: BTreeSet<String>,
+    pub(crate) lock_timers: crate::locks::LockTimers,
     pending_events: Vec<Event>,
 }
 
@@ -274,6 +275,7 @@ impl Server {
                 acl,
                 leaderless: false,
                 stopped_heartbeats: BTreeSet::new(),
+                lock_timers: Default::default(),
                 pending_events: Vec::new(),
             }),
             index_tx,
@@ -742,6 +744,7 @@ impl Server {
         path: &str,
         items: BTreeMap<String, String>,
         cas: Option<u64>,
+        lock_id: Option<&str>,
     ) -> Result<Variable, StoreError> {
         self.write(|st| {
             let key = (ns.to_string(), path.to_string());
@@ -757,13 +760,9 @@ impl Server {
                     return Err(StoreError::Conflict(json!(body), cur_idx));
                 }
             }
-            if let Some(lock) = cur.as_ref().and_then(|v| v.Lock.as_ref()) {
-                if !lock.ID.is_empty() {
-                    return Err(StoreError::Conflict(
-                        json!(cur.clone().map(|v| v.metadata())),
-                        cur.as_ref().map(|v| v.ModifyIndex).unwrap_or(0),
-                    ));
-                }
+            if !crate::locks::write_allowed(st, &key, lock_id) {
+                let c = cur.clone().unwrap_or_default();
+                return Err(StoreError::Conflict(json!(c.metadata()), c.ModifyIndex));
             }
             st.ensure_namespace(ns);
             let idx = st.next_index();
@@ -790,6 +789,10 @@ impl Server {
         self.write(|st| {
             let key = (ns.to_string(), path.to_string());
             let cur = st.vars.get(&key).cloned();
+            if !crate::locks::write_allowed(st, &key, None) {
+                let c = cur.clone().unwrap_or_default();
+                return Err(StoreError::Conflict(json!(c.metadata()), c.ModifyIndex));
+            }
             if let Some(c) = cas {
                 let cur_idx = cur.as_ref().map(|v| v.ModifyIndex).unwrap_or(0);
                 if cur_idx != c {
