@@ -5,7 +5,7 @@
 //! - `journal.json`: the current records, replaced atomically (temp file, fsync, rename,
 //!   fsync of the directory), versioned;
 //! - `journal.log`: an append-only history, one JSON object per line, for operators and
-//!   tests (`{"time":..,"event":"publish-done","volume":"ns/name",..}`).
+//!   tests (`{"time":<unix s>,"unix_ms":<unix ms>,"event":"publish-done","volume":"ns/name",..}`).
 //!
 //! Secrets never enter either file.
 
@@ -272,8 +272,12 @@ impl Journal {
         {
             fs::rename(&path, self.dir.join("journal.log.1")).map_err(werr)?;
         }
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
         let line = serde_json::json!({
-            "time": now_secs(), "event": event, "volume": volume.to_string(),
+            "time": now_secs(), "unix_ms": unix_ms, "event": event, "volume": volume.to_string(),
             "alloc_id": alloc, "detail": detail,
         });
         let mut f = OpenOptions::new()

@@ -1,0 +1,361 @@
+//! End-to-end harness: the Nomad simulator (`nomad-sim agent`, a separate binary) with N
+//! client nodes, and one real `dhv-binder agent` process per node, all inside a sandbox.
+//! Every process is stopped and every mount detached on drop, even when a test panics.
+
+#![allow(dead_code)]
+
+use super::sandbox::Sandbox;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The dhv-binder binary under test.
+pub fn dhv_binder_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dhv-binder"))
+}
+
+/// The simulator binary: built by `cargo build --workspace` next to dhv-binder.
+pub fn nomad_sim_bin() -> PathBuf {
+    let p = dhv_binder_bin().with_file_name("nomad-sim");
+    assert!(
+        p.is_file(),
+        "the Nomad simulator binary {} is missing: build it first with `cargo build -p nomad-sim` (scripts/test does this)",
+        p.display()
+    );
+    p
+}
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// One simulated node and its dhv-binder.
+pub struct Node {
+    pub name: String,
+    pub id: String,
+    pub address: String,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    pub agent: Option<Child>,
+    pub log: PathBuf,
+}
+
+/// A running cluster. Fields are dropped in order: processes first, then the sandbox.
+pub struct Cluster {
+    pub sim: Option<Child>,
+    pub server: String,
+    pub nodes: Vec<Node>,
+    pub plugin_dir: PathBuf,
+    pub export: PathBuf,
+    pub http: reqwest::Client,
+    pub sb: Sandbox,
+}
+
+fn stop(child: &mut Child, grace: Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(mut a) = n.agent.take() {
+                stop(&mut a, Duration::from_secs(5));
+            }
+        }
+        if let Some(mut s) = self.sim.take() {
+            stop(&mut s, Duration::from_secs(20));
+        }
+        self.sb.unmount_all();
+        if std::thread::panicking() {
+            // Leave the logs where a developer can read them.
+            let keep =
+                std::env::temp_dir().join(format!("dhv-binder-failed-{}", std::process::id()));
+            let _ = std::fs::create_dir_all(&keep);
+            for n in &self.nodes {
+                let _ = std::fs::copy(&n.log, keep.join(format!("{}.agent.log", n.name)));
+            }
+            let _ = std::fs::copy(self.sb.join("sim.log"), keep.join("sim.log"));
+            // Task logs and states of the simulated allocations (mounts are detached now).
+            let _ = Command::new("cp")
+                .args(["-r", "--no-dereference"])
+                .arg(self.sb.join("sim"))
+                .arg(keep.join("sim"))
+                .status();
+            eprintln!("logs kept in {}", keep.display());
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts the simulator with `nodes` clients, then a dhv-binder per node, with the
+    /// reference plugins installed in a shared plugin directory.
+    pub async fn start(nodes: usize) -> Cluster {
+        let sb = Sandbox::new();
+        let plugin_dir = sb.join("plugins");
+        std::fs::create_dir_all(&plugin_dir).unwrap();
+        for entry in std::fs::read_dir(repo().join("plugins")).unwrap() {
+            let e = entry.unwrap();
+            let dst = plugin_dir.join(e.file_name());
+            std::fs::copy(e.path(), &dst).unwrap();
+        }
+        let export = sb.join("export");
+        std::fs::create_dir_all(&export).unwrap();
+        let mut cfg = format!(
+            "data_dir = \"{}\"\nbind_addr = \"127.0.0.1\"\nports {{\n  http = 0\n}}\nevent_heartbeat_interval = \"2s\"\n",
+            sb.join("sim").display()
+        );
+        // Nomad's default exec chroot, with /usr split so that the directory holding the
+        // dhv-binder build can appear as /usr/local/bin (where jobspecs/ expects it)
+        // without writing to the host's /usr.
+        let chroot: String = [
+            "/bin",
+            "/etc",
+            "/lib",
+            "/lib64",
+            "/sbin",
+            "/usr/bin",
+            "/usr/sbin",
+            "/usr/lib",
+            "/usr/libexec",
+            "/usr/share",
+        ]
+        .iter()
+        .filter(|p| Path::new(p).exists())
+        .map(|p| format!("    \"{p}\" = \"{p}\"\n"))
+        .collect();
+        for i in 1..=nodes {
+            let run = sb.join(&format!("node-{i}/run"));
+            std::fs::create_dir_all(&run).unwrap();
+            cfg.push_str(&format!(
+                "client \"node-{i}\" {{\n  chroot_env = {{\n{}    \"{}\" = \"/usr/local/bin\"\n  }}\n  host_volume \"dhv-binder-socket\" {{\n    path = \"{}\"\n    read_only = true\n  }}\n}}\n",
+                chroot,
+                dhv_binder_bin().parent().unwrap().display(),
+                run.display()
+            ));
+        }
+        let cfg_path = sb.join("sim.hcl");
+        std::fs::write(&cfg_path, cfg).unwrap();
+        let sim = Command::new(nomad_sim_bin())
+            .args(["agent", "-config"])
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(sb.join("sim.log")).unwrap())
+            .spawn()
+            .expect("start nomad-sim");
+        let mut cluster = Cluster {
+            sim: Some(sim),
+            server: String::new(),
+            nodes: Vec::new(),
+            plugin_dir,
+            export,
+            http: reqwest::Client::new(),
+            sb,
+        };
+        let ready = cluster.sb.join("sim/ready.json");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !ready.exists() {
+            let exited = cluster.sim.as_mut().unwrap().try_wait().ok().flatten();
+            assert!(
+                Instant::now() < deadline && exited.is_none(),
+                "nomad-sim did not become ready:\n{}",
+                std::fs::read_to_string(cluster.sb.join("sim.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let r: Value = serde_json::from_slice(&std::fs::read(&ready).unwrap()).unwrap();
+        cluster.server = r["server"]["address"].as_str().unwrap().to_string();
+        for (i, n) in r["nodes"].as_array().unwrap().iter().enumerate() {
+            let name = n["name"].as_str().unwrap().to_string();
+            let dir = cluster.sb.join(&name);
+            let node = Node {
+                name,
+                id: n["id"].as_str().unwrap().to_string(),
+                address: n["address"].as_str().unwrap().to_string(),
+                state_dir: dir.join("state"),
+                socket: dir.join("run/api.sock"),
+                agent: None,
+                log: dir.join("agent.log"),
+            };
+            cluster.nodes.push(node);
+            cluster.start_agent(i);
+        }
+        cluster
+    }
+
+    /// Starts (or restarts) node `i`'s dhv-binder, as the system job would run it.
+    pub fn start_agent(&mut self, i: usize) {
+        let n = &mut self.nodes[i];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&n.log)
+            .unwrap();
+        let child = Command::new(dhv_binder_bin())
+            .arg("agent")
+            .env_clear()
+            .env("NOMAD_ADDR", &n.address)
+            .env("DHV_BINDER_STATE_DIR", &n.state_dir)
+            .env("DHV_BINDER_SOCKET", &n.socket)
+            .env("DHV_BINDER_PLUGIN_DIR", &self.plugin_dir)
+            .env("DHV_BINDER_TICK", "200ms")
+            .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start dhv-binder agent");
+        n.agent = Some(child);
+    }
+
+    /// Stops node `i`'s dhv-binder with `signal`.
+    pub fn kill_agent(&mut self, i: usize, signal: nix::sys::signal::Signal) {
+        if let Some(mut a) = self.nodes[i].agent.take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.id() as i32), signal);
+            let _ = a.wait();
+        }
+    }
+
+    /// Runs the dhv-binder CLI against the server; returns (status code, stdout + stderr).
+    pub fn cli(&self, args: &[&str]) -> (i32, String) {
+        let out = Command::new(dhv_binder_bin())
+            .args(args)
+            .env_clear()
+            .env("NOMAD_ADDR", &self.server)
+            .output()
+            .expect("run dhv-binder");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code().unwrap_or(-1), text)
+    }
+
+    /// Creates the deferred volume `name` with the bind plugin, exporting under the sandbox.
+    pub fn create_volume(&self, name: &str, access_mode: &str) -> String {
+        let spec = self.sb.join(&format!("{name}.volume.hcl"));
+        std::fs::write(
+            &spec,
+            format!(
+                "name = \"{name}\"\ntype = \"host\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"{access_mode}\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n}}\n",
+                self.export.display()
+            ),
+        )
+        .unwrap();
+        let (code, out) = self.cli(&["volume", "create", spec.to_str().unwrap()]);
+        assert_eq!(code, 0, "volume create failed: {out}");
+        out
+    }
+
+    pub async fn get(&self, path: &str) -> Value {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.server))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "GET {path}: {}", r.status());
+        r.json().await.unwrap()
+    }
+
+    /// Submits a jobspec file as the nomad CLI does (parse, then register).
+    pub async fn run_job(&self, jobspec: &Path) -> String {
+        let hcl = std::fs::read_to_string(jobspec).unwrap();
+        let r = self
+            .http
+            .post(format!("{}/v1/jobs/parse", self.server))
+            .json(&json!({"JobHCL": hcl, "Canonicalize": true}))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            r.status().is_success(),
+            "parse: {}",
+            r.text().await.unwrap()
+        );
+        let job: Value = r.json().await.unwrap();
+        let id = job["ID"].as_str().unwrap().to_string();
+        let r = self
+            .http
+            .put(format!("{}/v1/jobs", self.server))
+            .json(&json!({"Job": job}))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            r.status().is_success(),
+            "register: {}",
+            r.text().await.unwrap()
+        );
+        id
+    }
+
+    pub async fn stop_job(&self, id: &str, purge: bool) {
+        let r = self
+            .http
+            .delete(format!("{}/v1/job/{id}?purge={purge}", self.server))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "stop: {}", r.status());
+    }
+
+    pub async fn allocs(&self, job: &str) -> Vec<Value> {
+        self.get(&format!("/v1/job/{job}/allocations"))
+            .await
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Waits until `f` returns Some, polling every 100 ms.
+    pub async fn wait_for<T, F, Fut>(&self, secs: u64, what: &str, mut f: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(v) = f().await {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {secs}s waiting for: {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The placeholder mount point of `volume` on node `i`.
+    pub fn target(&self, i: usize, volume: &str) -> PathBuf {
+        self.nodes[i].state_dir.join("mnt/default").join(volume)
+    }
+
+    pub fn node_index(&self, node_id: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n.id == node_id)
+            .expect("known node")
+    }
+
+    /// The journal history of node `i`, as (event, volume) pairs.
+    pub fn journal(&self, i: usize) -> Vec<Value> {
+        std::fs::read_to_string(self.nodes[i].state_dir.join("journal.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
