@@ -276,7 +276,8 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn agent_self(State(st): State<AppState>) -> ApiResult {
+async fn agent_self(State(st): State<AppState>, headers: HeaderMap) -> ApiResult {
+    authorize(&st, &headers, crate::acl::Need::AgentRead)?;
     let a = &st.agent;
     let mut body = json!({
         "config": {
@@ -352,13 +353,18 @@ async fn node_allocs(
     RawQuery(q): RawQuery,
 ) -> ApiResult {
     authorize(&st, &headers, crate::acl::Need::NodeRead)?;
-    authorize(&st, &headers, crate::acl::Need::Namespace("*", "read-job"))?;
     let q = Query::parse(q);
     if st.server.node(&id).is_none() {
         return Err(ApiError(StatusCode::NOT_FOUND, "node not found".into()));
     }
     let idx = blocking(&st, &q, |t| t.allocs).await?;
-    let allocs = st.server.node_allocs(&id);
+    let tok = token(&headers);
+    let allocs: Vec<_> = st
+        .server
+        .node_allocs(&id)
+        .into_iter()
+        .filter(|a| crate::acl::can_read_ns(&st.server, tok.as_deref(), &a.Namespace, "read-job"))
+        .collect();
     ok(idx, &allocs)
 }
 
@@ -422,15 +428,27 @@ async fn allocs_list(
 ) -> ApiResult {
     let q = Query::parse(q);
     let ns = q.namespace();
-    authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    if ns != "*" {
+        authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    }
     let idx = blocking(&st, &q, |t| t.allocs).await?;
     let prefix = q.get("prefix").unwrap_or("");
+    let tok = token(&headers);
+    let namespaces = st.server.read().namespaces.clone();
+    let readable: std::collections::BTreeSet<String> = namespaces
+        .into_iter()
+        .filter(|n| crate::acl::can_read_ns(&st.server, tok.as_deref(), n, "read-job"))
+        .collect();
     let list: Vec<Value> = st
         .server
         .read()
         .allocs
         .values()
-        .filter(|a| alloc_visible(&ns, &a.Namespace) && a.ID.starts_with(prefix))
+        .filter(|a| {
+            alloc_visible(&ns, &a.Namespace)
+                && readable.contains(&a.Namespace)
+                && a.ID.starts_with(prefix)
+        })
         .map(|a| a.stub())
         .collect();
     ok(idx, &list)

@@ -90,9 +90,23 @@ impl Sim {
         path: &str,
         body: Option<Value>,
     ) -> (u16, u64, String) {
+        self.req_tok(method, path, body, None).await
+    }
+
+    /// Like [`Sim::req`] with an `X-Nomad-Token`.
+    pub async fn req_tok(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+        token: Option<&str>,
+    ) -> (u16, u64, String) {
         let mut r = self
             .http
             .request(method, format!("{}{}", self.server, path));
+        if let Some(t) = token {
+            r = r.header("X-Nomad-Token", t);
+        }
         if let Some(b) = body {
             r = r.json(&b);
         }

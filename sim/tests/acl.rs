@@ -1,0 +1,131 @@
+//! ACLs: 403 "Permission denied", policies and tokens, workload identities as tokens with
+//! implicit variable access and job-attached policies.
+
+mod common;
+use common::Sim;
+use reqwest::Method;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const ROOT: &str = "0b1d2a3c-0000-4000-8000-000000000001";
+
+const BINDER_POLICY: &str = r#"
+namespace "*" {
+  capabilities = ["read-job", "host-volume-register", "host-volume-read", "host-volume-delete"]
+  variables {
+    path "dhv-binder/*" {
+      capabilities = ["read", "write", "list", "destroy"]
+    }
+  }
+}
+node {
+  policy = "read"
+}
+agent {
+  policy = "read"
+}
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn acl_tokens_policies_and_workload_identities() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(&format!("acl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\nclient \"node-1\" {{}}\n")).await;
+        let root = Some(ROOT);
+        let n1 = sim.node_id("node-1");
+        let (s, _, b) = sim.req(Method::GET, "/v1/nodes", None).await;
+        assert_eq!((s, b.as_str()), (403, "Permission denied"));
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/nodes", None, root).await;
+        assert_eq!(s, 200);
+        let (s, _, _) = sim.req(Method::GET, "/v1/event/stream?topic=Allocation", None).await;
+        assert_eq!(s, 403);
+        let (s, _, _) = sim.req(Method::GET, "/.well-known/jwks.json", None).await;
+        assert_eq!(s, 200, "JWKS is public");
+
+        // A read-only client token.
+        let (s, _, b) = sim
+            .req_tok(Method::PUT, "/v1/acl/policy/readonly", Some(json!({"Name": "readonly", "Rules": "namespace \"default\" { policy = \"read\" }"})), root)
+            .await;
+        assert_eq!(s, 200, "{b}");
+        let (_, _, b) = sim.req_tok(Method::PUT, "/v1/acl/token", Some(json!({"Name": "ro", "Type": "client", "Policies": ["readonly"]})), root).await;
+        let ro: Value = serde_json::from_str(&b).unwrap();
+        let ro = ro["SecretID"].as_str().unwrap().to_string();
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/jobs", None, Some(&ro)).await;
+        assert_eq!(s, 200);
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/jobs", Some(json!({"Job": {"ID": "x", "TaskGroups": []}})), Some(&ro)).await;
+        assert_eq!(s, 403);
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/nodes", None, Some(&ro)).await;
+        assert_eq!(s, 403);
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/acl/policy/x", Some(json!({"Rules": ""})), Some(&ro)).await;
+        assert_eq!(s, 403);
+
+        // The dhv-binder policy attached to job "wi" applies to its workload identity.
+        let (s, _, b) = sim
+            .req_tok(Method::PUT, "/v1/acl/policy/dhv-binder", Some(json!({"Name": "dhv-binder", "Rules": BINDER_POLICY,
+                "JobACL": {"Namespace": "default", "JobID": "wi"}})), root)
+            .await;
+        assert_eq!(s, 200, "{b}");
+        let hcl = r#"job "wi" {
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      identity {
+        env = true
+      }
+      config {
+        command = "/bin/sh"
+        args = ["-c", "printf %s \"$NOMAD_TOKEN\" > $NOMAD_ALLOC_DIR/tok; exec sleep 1000"]
+      }
+    }
+  }
+}"#;
+        let (_, _, parsed) = sim.req_tok(Method::POST, "/v1/jobs/parse", Some(json!({"JobHCL": hcl, "Canonicalize": true})), root).await;
+        let job: Value = serde_json::from_str(&parsed).unwrap();
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/jobs", Some(json!({"Job": job})), root).await;
+        assert_eq!(s, 200);
+        let tok_path = sim
+            .wait_for(20, "token file", || async {
+                let (_, _, b) = sim.req_tok(Method::GET, "/v1/job/wi/allocations", None, root).await;
+                let l: Value = serde_json::from_str(&b).ok()?;
+                let id = l.get(0)?["ID"].as_str()?.to_string();
+                let p = sim.nodes[0].3.join("alloc").join(&id).join("alloc/tok");
+                std::fs::metadata(&p).ok().filter(|m| m.len() > 0).map(|_| p)
+            })
+            .await;
+        let wi_raw = std::fs::read_to_string(&tok_path).unwrap();
+        let wi = Some(wi_raw.as_str());
+        // Implicit access to nomad/jobs/<job>: read allowed (404 = not found, not 403).
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/var/nomad/jobs/wi", None, wi).await;
+        assert_eq!(s, 404);
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/var/nomad/jobs/wi", Some(json!({"Items": {"a": "b"}})), wi).await;
+        assert_eq!(s, 403, "implicit access is read/list only");
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/var/other/thing", None, wi).await;
+        assert_eq!(s, 403);
+        // Policy-granted access.
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/var/dhv-binder/claims/a", Some(json!({"Items": {"a": "b"}})), wi).await;
+        assert_eq!(s, 200);
+        let (s, _, _) = sim.req_tok(Method::GET, &format!("/v1/node/{n1}/allocations"), None, wi).await;
+        assert_eq!(s, 200);
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/agent/self", None, wi).await;
+        assert_eq!(s, 200);
+        let dir = sim.path().join("hv");
+        std::fs::create_dir_all(&dir).unwrap();
+        let (s, _, b) = sim.req_tok(Method::PUT, "/v1/volume/host/register", Some(json!({"Volume": {"Name": "v", "NodeID": n1, "HostPath": dir}})), wi).await;
+        assert_eq!(s, 200, "{b}");
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/jobs", Some(json!({"Job": job})), wi).await;
+        assert_eq!(s, 403);
+        let resp = sim.http.get(format!("{}/v1/event/stream?topic=Allocation&namespace=*", sim.server)).header("X-Nomad-Token", wi_raw.as_str()).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        drop(resp);
+        // Once the alloc is client-terminal the identity is no longer accepted.
+        let (s, _, _) = sim.req_tok(Method::DELETE, "/v1/job/wi", None, root).await;
+        assert_eq!(s, 200);
+        sim.wait_for(20, "token rejected after stop", || async {
+            let (s, _, _) = sim.req_tok(Method::GET, "/v1/var/dhv-binder/claims/a", None, wi).await;
+            (s == 403).then_some(())
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}
