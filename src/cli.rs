@@ -143,8 +143,11 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
     let mut attempt = 0u32;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let wait = humantime::format_duration(Duration::from_secs(left.as_secs().max(1)));
-        let uri = format!("/v1/allocations/{}/publish?wait={wait}", args.alloc_id);
+        let uri = format!(
+            "/v1/allocations/{}/publish?wait={}s",
+            args.alloc_id,
+            left.as_secs().max(1)
+        );
         match call(&args.socket, hyper::Method::POST, &uri, Some(&token)).await {
             Ok(v) => {
                 let reply: crate::api::PublishReply = serde_json::from_value(v)

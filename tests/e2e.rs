@@ -88,10 +88,14 @@ async fn example_job_publishes_before_main_task_and_keeps_data_after_stop() {
     })
     .await;
     let target = c.target(node, "shared-data");
-    c.wait_for(30, "the placeholder unmounted", || async {
-        (!dhv_binder::mounts::is_mount_point(&target)).then_some(())
+    c.wait_for(30, "the unpublish done in the journal", || async {
+        c.journal(node)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .map(|_| ())
     })
     .await;
+    assert!(!dhv_binder::mounts::is_mount_point(&target));
     let events: Vec<String> = c
         .journal(node)
         .iter()

@@ -325,9 +325,11 @@ impl Cluster {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Option<T>>,
     {
-        let deadline = Instant::now() + Duration::from_secs(secs);
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(secs);
         loop {
             if let Some(v) = f().await {
+                eprintln!("[{:>6.2}s] {what}", started.elapsed().as_secs_f64());
                 return v;
             }
             assert!(
