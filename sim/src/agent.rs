@@ -182,9 +182,15 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         let server = server.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(100));
+            let mut n: u64 = 0;
             loop {
                 tick.tick().await;
                 crate::locks::expire(&server);
+                n += 1;
+                if n.is_multiple_of(5) {
+                    // Delayed reschedules (follow-up evaluations) come due.
+                    server.reschedule_all();
+                }
             }
         });
     }

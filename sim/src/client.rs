@@ -247,6 +247,11 @@ async fn run_alloc(
             states: states.clone(),
             notify: notify.clone(),
             node_view: node_view.clone(),
+            fresh: !states
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(name)
+                .is_some_and(|ts| ts.Events.iter().any(|e| e.Type == "Task Setup")),
         };
         slot.join = Some(tokio::spawn(runner.run(slot.kill.subscribe())));
     };
@@ -303,6 +308,8 @@ async fn run_alloc(
         }
     }
     let mut failed_task: Option<String> = None;
+    let mut restart_all_pending = false;
+    let mut restart_rx = server.restart_tx.subscribe();
     loop {
         // Collect finished tasks.
         for (name, slot) in slots.iter_mut() {
@@ -319,6 +326,39 @@ async fn run_alloc(
                 }
             }
         }
+        // User-requested restarts: a single task starts again at once; `-all-tasks` waits until
+        // every task has stopped and sends the coordinator back to prestart.
+        let restarted: Vec<String> = slots
+            .iter()
+            .filter(|(_, s)| s.outcome == Some(Outcome::Restarted))
+            .map(|(n, _)| n.clone())
+            .collect();
+        if !stopping && !restart_all_pending {
+            for n in restarted {
+                if let Some(s) = slots.get_mut(&n) {
+                    s.kill = watch::channel(None).0;
+                    s.outcome = None;
+                }
+                start(&mut slots, &n);
+            }
+        }
+        if !stopping && restart_all_pending && slots.values().all(|s| s.join.is_none()) {
+            for s in slots.values_mut() {
+                s.kill = watch::channel(None).0;
+                s.outcome = None;
+            }
+            restart_all_pending = false;
+            phase = 0;
+            for n in &prestart {
+                start(&mut slots, n);
+            }
+            if ephemeral_prestart.is_empty() {
+                phase = 1;
+                for n in main.iter().chain(poststart.iter()) {
+                    start(&mut slots, n);
+                }
+            }
+        }
         let kill_all = |slots: &BTreeMap<String, TaskSlot>, req: KillRequest| {
             for s in slots.values() {
                 if s.outcome.is_none() {
@@ -332,9 +372,9 @@ async fn run_alloc(
                 kill_all(
                     &slots,
                     KillRequest {
-                        reason: String::new(),
                         failed_sibling: f.clone(),
                         no_delay: true,
+                        ..Default::default()
                     },
                 );
             }
@@ -362,7 +402,7 @@ async fn run_alloc(
             if slots.values().all(|s| s.outcome.is_some()) {
                 break;
             }
-        } else {
+        } else if !restart_all_pending {
             match phase {
                 0 => {
                     let done = ephemeral_prestart
@@ -405,6 +445,22 @@ async fn run_alloc(
         tokio::select! {
             r = rx.changed() => {
                 if r.is_err() || wants_stop(&rx.borrow()) { stopping = true; }
+            }
+            r = restart_rx.recv() => {
+                if let Ok(req) = r {
+                    if req.alloc_id == alloc.ID && !stopping {
+                        if req.all_tasks {
+                            restart_all_pending = true;
+                        }
+                        let restart = Some(KillRequest { restart: true, no_delay: true, ..Default::default() });
+                        for (n, s) in slots.iter() {
+                            let running = s.join.is_some() && s.outcome.is_none();
+                            if running && (req.task.is_empty() || req.task == *n) {
+                                s.kill.send_replace(restart.clone());
+                            }
+                        }
+                    }
+                }
             }
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
         }

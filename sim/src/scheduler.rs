@@ -310,20 +310,37 @@ fn reschedule_eligible(
     let Some(p) = &g.ReschedulePolicy else {
         return false;
     };
-    if p.Unlimited {
-        return true;
-    }
-    // Count previous attempts along the PreviousAllocation chain within the interval.
+    // Previous attempts along the PreviousAllocation chain (all, and within the interval).
     let now = now_ns();
-    let mut attempts = 0;
+    let (mut total, mut in_interval) = (0u32, 0i64);
     let mut cur = a.PreviousAllocation.clone();
     while let Some(prev) = work.get(&cur) {
+        total += 1;
         if p.Interval == 0 || now - prev.ModifyTime <= p.Interval {
-            attempts += 1;
+            in_interval += 1;
         }
         cur = prev.PreviousAllocation.clone();
     }
-    attempts < p.Attempts
+    if !p.Unlimited && in_interval >= p.Attempts {
+        return false;
+    }
+    let delay = match p.DelayFunction.as_str() {
+        "exponential" => p.Delay.saturating_mul(1i64 << total.min(30)),
+        "fibonacci" => {
+            let (mut x, mut y) = (p.Delay, p.Delay);
+            for _ in 0..total {
+                (x, y) = (y, x.saturating_add(y));
+            }
+            x
+        }
+        _ => p.Delay,
+    };
+    let delay = if p.MaxDelay > 0 {
+        delay.min(p.MaxDelay)
+    } else {
+        delay
+    };
+    now >= a.ModifyTime.saturating_add(delay)
 }
 
 /// One scheduler pass over all jobs; writes a plan (one index) if anything changes.

@@ -247,6 +247,8 @@ pub struct Server {
     pub keyring: Arc<Keyring>,
     /// Bumped to close every open event stream (sim faults).
     pub stream_close: watch::Sender<u64>,
+    /// `alloc restart` requests, read by the client running the alloc.
+    pub restart_tx: tokio::sync::broadcast::Sender<crate::restart::RestartRequest>,
 }
 
 impl Server {
@@ -282,6 +284,7 @@ impl Server {
             region: region.into(),
             keyring,
             stream_close: watch::channel(0).0,
+            restart_tx: tokio::sync::broadcast::channel(64).0,
         })
     }
 

@@ -24,6 +24,8 @@ pub enum Outcome {
     Failed,
     /// Killed by the client (stop, sibling failure, shutdown).
     Killed,
+    /// Killed for a user-requested restart; the alloc runner starts it again.
+    Restarted,
 }
 
 /// Kill request sent to a task.
@@ -35,6 +37,8 @@ pub struct KillRequest {
     pub failed_sibling: String,
     /// Skip shutdown_delay.
     pub no_delay: bool,
+    /// A user-requested restart (`alloc restart`), not a stop.
+    pub restart: bool,
 }
 
 /// Node facts a task needs (from the client's own config, like Nomad's client node).
@@ -106,6 +110,8 @@ pub struct TaskRunner {
     pub notify: Arc<dyn Fn() + Send + Sync>,
     /// Current node view (host volumes) at task start.
     pub node_view: Arc<dyn Fn() -> Option<Node> + Send + Sync>,
+    /// False when the runner restarts a task that was set up before (no new Task Setup event).
+    pub fresh: bool,
 }
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -507,7 +513,7 @@ impl TaskRunner {
             count: 0,
             window_start: tokio::time::Instant::now(),
         };
-        let mut first = true;
+        let mut first = self.fresh;
         loop {
             if let Some(req) = kill.borrow().clone() {
                 self.never_started(&req);
@@ -520,6 +526,14 @@ impl TaskRunner {
                     .insert("message".into(), "Building Task Directory".into());
                 push_event(&self.states, &name, e, None);
                 self.report();
+                if let Err(e) = self.prepare_dirs() {
+                    return self.fail_setup(
+                        "Setup Failure",
+                        format!("failed to build task directory: {e}"),
+                    );
+                }
+            }
+            if !first {
                 if let Err(e) = self.prepare_dirs() {
                     return self.fail_setup(
                         "Setup Failure",
@@ -576,6 +590,10 @@ impl TaskRunner {
                         Some(s) => Some(s),
                         None => {
                             let req = kill.borrow().clone().unwrap_or_default();
+                            if req.restart {
+                                self.restart_kill(&mut child).await;
+                                return Outcome::Restarted;
+                            }
                             self.kill(&mut child, &req).await;
                             return Outcome::Killed;
                         }
@@ -629,6 +647,40 @@ impl TaskRunner {
                 }
             }
         }
+    }
+
+    async fn restart_kill(&self, child: &mut tokio::process::Child) {
+        let name = &self.task.Name;
+        let mut e = ev("Restart Signaled", "User requested task to restart");
+        e.RestartReason = "User requested restart".into();
+        push_event(&self.states, name, e, None);
+        self.report();
+        let kt = Duration::from_nanos(self.task.KillTimeout.max(0) as u64);
+        let pgid = child.id().map(|p| Pid::from_raw(p as i32));
+        if let Some(pg) = pgid {
+            let _ = killpg(pg, signal_from_name(&self.task.KillSignal));
+        }
+        let status = match tokio::time::timeout(kt, child.wait()).await {
+            Ok(s) => s.ok(),
+            Err(_) => {
+                if let Some(pg) = pgid {
+                    let _ = killpg(pg, Signal::SIGKILL);
+                }
+                child.wait().await.ok()
+            }
+        };
+        if let Some(pg) = pgid {
+            let _ = killpg(pg, Signal::SIGKILL);
+        }
+        push_event(&self.states, name, terminated_event(status), None);
+        let mut e = ev("Restarting", "Task restarting in 0s");
+        e.RestartReason = "User requested restart".into();
+        push_event(&self.states, name, e, Some("pending"));
+        with_state(&self.states, name, |s| {
+            s.Restarts += 1;
+            s.LastRestart = Some(now_rfc3339());
+        });
+        self.report();
     }
 
     fn never_started(&self, req: &KillRequest) {
