@@ -4,13 +4,14 @@
 
 use crate::api::{ApiError, PublishReply, PublishedVolume, Request2Agent};
 use crate::catalog::{self, Catalogue};
+use crate::claims::ClaimSettings;
 use crate::config::AgentConfig;
 use crate::executor::{self, Completion, NodeEnv};
 use crate::identity::Verifier;
 use crate::journal::{Journal, MountRecord, MountState, UserKey};
 use crate::nomad::Client;
 use crate::plugin::{Fingerprint, Runner};
-use crate::reconcile::{self, Inputs, Step};
+use crate::reconcile::{self, ClaimState, Inputs, Step};
 use crate::view::{requests, View};
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use crate::watch::{self, backoff_delay, Health, WatchConfig, WatchEvent};
@@ -51,6 +52,14 @@ struct Backoff {
     not_before: Instant,
 }
 
+/// This node's claim on a single-node volume.
+#[derive(Debug, Clone)]
+struct Claim {
+    id: String,
+    state: ClaimState,
+    renewed: Instant,
+}
+
 /// The agent's state, owned by its loop.
 struct Agent {
     cfg: AgentConfig,
@@ -79,6 +88,11 @@ struct Agent {
     last_fingerprint: Option<Instant>,
     waiting: Vec<reconcile::Waiting>,
     publish_latency_ms: Vec<u64>,
+    claims: BTreeMap<VolumeKey, Claim>,
+    claim_settings: ClaimSettings,
+    claim_wait: BTreeMap<VolumeKey, String>,
+    claim_backoff: HashMap<VolumeKey, Backoff>,
+    renewing: BTreeSet<VolumeKey>,
     done_tx: mpsc::UnboundedSender<Completion>,
 }
 
@@ -169,8 +183,33 @@ pub async fn run(
         last_fingerprint: None,
         waiting: Vec::new(),
         publish_latency_ms: Vec::new(),
+        claims: BTreeMap::new(),
+        claim_settings: ClaimSettings {
+            ttl: cfg.claim_ttl,
+            lock_delay: cfg.claim_lock_delay,
+        },
+        claim_wait: BTreeMap::new(),
+        claim_backoff: HashMap::new(),
+        renewing: BTreeSet::new(),
         done_tx,
     };
+    // Claims recorded before a restart are renewed at once: a failed renew means another
+    // node may have the volume now, and the mount here is removed before anything else.
+    let stale = Instant::now()
+        .checked_sub(cfg.claim_ttl)
+        .unwrap_or_else(Instant::now);
+    for m in agent.journal.mounts().values() {
+        if let Some(id) = &m.claim_id {
+            agent.claims.insert(
+                m.volume.clone(),
+                Claim {
+                    id: id.clone(),
+                    state: ClaimState::Held,
+                    renewed: stale,
+                },
+            );
+        }
+    }
     agent.spawn_placeholder_list();
 
     let mut tick = tokio::time::interval(cfg.tick);
@@ -263,6 +302,21 @@ impl Agent {
         }
         if !self.placeholders_loaded {
             self.spawn_placeholder_list();
+        }
+        let every = self.claim_settings.ttl / 3;
+        let due: Vec<(VolumeKey, String)> = self
+            .claims
+            .iter()
+            .filter(|(k, c)| {
+                c.state == ClaimState::Held
+                    && c.renewed.elapsed() >= every
+                    && !self.renewing.contains(*k)
+            })
+            .map(|(k, c)| (k.clone(), c.id.clone()))
+            .collect();
+        for (volume, id) in due {
+            self.renewing.insert(volume.clone());
+            tokio::spawn(self.send_done(executor::renew_claim(self.client.clone(), volume, id)));
         }
     }
 
@@ -367,6 +421,20 @@ impl Agent {
                         if let Err(e) = self.journal.remove_mount(&volume, "unpublish-done") {
                             tracing::error!(error = %e, "journal write failed");
                         }
+                        match self.claims.get(&volume).cloned() {
+                            Some(c) if c.state == ClaimState::Held => {
+                                self.busy.insert(volume.clone());
+                                tokio::spawn(self.send_done(executor::release_claim(
+                                    self.client.clone(),
+                                    volume,
+                                    c.id,
+                                )));
+                            }
+                            Some(_) => {
+                                self.claims.remove(&volume);
+                            }
+                            None => {}
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
@@ -440,6 +508,81 @@ impl Agent {
                     }
                 }
             }
+            Completion::ClaimAcquired { volume, result } => {
+                self.busy.remove(&volume);
+                match result {
+                    Ok(id) => {
+                        tracing::info!(%volume, "claim acquired");
+                        self.claim_wait.remove(&volume);
+                        self.claim_backoff.remove(&volume);
+                        self.claims.insert(
+                            volume,
+                            Claim {
+                                id,
+                                state: ClaimState::Held,
+                                renewed: Instant::now(),
+                            },
+                        );
+                    }
+                    Err((held, msg)) => {
+                        if self.claim_wait.get(&volume) != Some(&msg) {
+                            tracing::info!(%volume, reason = %msg, "publish waits for the claim");
+                        }
+                        let reason = if held {
+                            format!("publish waits for the single-node claim: {msg}")
+                        } else {
+                            format!("cannot take the claim: {msg}")
+                        };
+                        self.claim_wait.insert(volume.clone(), reason);
+                        let attempt = self
+                            .claim_backoff
+                            .get(&volume)
+                            .map(|b| b.attempt + 1)
+                            .unwrap_or(0);
+                        self.claim_backoff.insert(
+                            volume,
+                            Backoff {
+                                attempt,
+                                not_before: Instant::now()
+                                    + backoff_delay(
+                                        Duration::from_millis(500),
+                                        Duration::from_secs(3),
+                                        attempt,
+                                    ),
+                            },
+                        );
+                    }
+                }
+            }
+            Completion::ClaimRenewed { volume, result } => {
+                self.renewing.remove(&volume);
+                match result {
+                    Ok(()) => {
+                        if let Some(c) = self.claims.get_mut(&volume) {
+                            c.renewed = Instant::now();
+                        }
+                    }
+                    Err((true, msg)) => {
+                        tracing::warn!(%volume, reason = %msg, "claim lost: another node may use the volume now; unpublishing here before anything else");
+                        if let Some(c) = self.claims.get_mut(&volume) {
+                            c.state = ClaimState::Lost;
+                        }
+                        if !self.journal.mounts().contains_key(&volume) {
+                            self.claims.remove(&volume);
+                        }
+                    }
+                    Err((false, msg)) => {
+                        tracing::warn!(%volume, error = %msg, "claim renewal failed; retrying");
+                    }
+                }
+            }
+            Completion::ClaimReleased { volume, result } => {
+                self.busy.remove(&volume);
+                if let Err(e) = result {
+                    tracing::warn!(%volume, error = %e, "claim release failed; it expires with its TTL");
+                }
+                self.claims.remove(&volume);
+            }
             Completion::AllocFetched { alloc_id, result } => {
                 self.fetching.remove(&alloc_id);
                 match result {
@@ -477,6 +620,11 @@ impl Agent {
     fn drive(&mut self) {
         let deferred = self.deferred_plugins();
         let mounted = crate::mounts::mount_points();
+        let claims: BTreeMap<VolumeKey, ClaimState> = self
+            .claims
+            .iter()
+            .map(|(k, c)| (k.clone(), c.state))
+            .collect();
         let plan = reconcile::plan(Inputs {
             view: &self.view,
             volumes_loaded: self.volumes_loaded && self.plugins_loaded,
@@ -486,8 +634,17 @@ impl Agent {
             mounted: &mounted,
             plugins: &deferred,
             busy: &self.busy,
+            claims: &claims,
         });
         self.waiting = plan.waiting;
+        for (volume, reason) in &self.claim_wait {
+            if !self.claims.contains_key(volume) {
+                self.waiting.push(reconcile::Waiting {
+                    volume: volume.clone(),
+                    reason: reason.clone(),
+                });
+            }
+        }
         let now = Instant::now();
         for step in plan.steps {
             match step {
@@ -520,6 +677,37 @@ impl Agent {
                         continue;
                     }
                     self.start_unpublish(volume);
+                }
+                Step::AcquireClaim { volume } => {
+                    if self.busy.len() >= self.cfg.max_parallel
+                        || !retry_ready(&self.claim_backoff, &volume, now)
+                    {
+                        continue;
+                    }
+                    let Some(rec) = self.volumes.get(&volume) else {
+                        continue;
+                    };
+                    let volume_id = rec.id.clone();
+                    self.busy.insert(volume.clone());
+                    tokio::spawn(self.send_done(executor::acquire_claim(
+                        self.client.clone(),
+                        self.claim_settings,
+                        self.node.clone(),
+                        volume,
+                        volume_id,
+                    )));
+                }
+                Step::ReleaseClaim { volume } => {
+                    let Some(c) = self.claims.get(&volume) else {
+                        continue;
+                    };
+                    let id = c.id.clone();
+                    self.busy.insert(volume.clone());
+                    tokio::spawn(self.send_done(executor::release_claim(
+                        self.client.clone(),
+                        volume,
+                        id,
+                    )));
                 }
             }
         }
@@ -554,6 +742,7 @@ impl Agent {
             publish_context: prev.map(|p| p.publish_context.clone()).unwrap_or_default(),
             since: 0,
             last_error: String::new(),
+            claim_id: self.claims.get(&volume).map(|c| c.id.clone()),
         };
         let target = m.target.clone();
         if let Err(e) = self.journal.set_mount(m, "publish-intent", Some(&alloc_id)) {
@@ -813,6 +1002,7 @@ impl Agent {
             "plugins": plugins,
             "publish_latency_ms": {"count": lat.len(), "median": lat.get(lat.len() / 2)},
             "pending_publish_calls": self.waiters.len(),
+            "claims": self.claims.iter().map(|(k, c)| (k.to_string(), format!("{:?}", c.state).to_lowercase())).collect::<BTreeMap<_, _>>(),
         })
     }
 }

@@ -91,6 +91,12 @@ pub struct AgentConfig {
     /// Plugin calls on different volumes run in parallel up to this bound.
     #[arg(long, env = "DHV_BINDER_MAX_PARALLEL", default_value_t = 8)]
     pub max_parallel: usize,
+    /// TTL of the claim lock that keeps single-node volumes on one node; renewed every TTL/3.
+    #[arg(long, env = "DHV_BINDER_CLAIM_TTL", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub claim_ttl: Duration,
+    /// Lock delay after a claim's TTL lapses, before another node may take it.
+    #[arg(long, env = "DHV_BINDER_CLAIM_LOCK_DELAY", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub claim_lock_delay: Duration,
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,
@@ -154,6 +160,7 @@ impl AgentConfig {
             ("--plugin-timeout", self.plugin_timeout),
             ("--tick", self.tick),
             ("--stream-idle-timeout", self.stream_idle_timeout),
+            ("--claim-ttl", self.claim_ttl),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero { what });

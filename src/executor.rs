@@ -1,6 +1,7 @@
 //! The executor: carries out one step at a time as a spawned task (a plugin call or a Nomad
 //! call) and reports a [`Completion`] to the agent's loop. It holds no state of its own.
 
+use crate::claims::{self, ClaimError, ClaimSettings};
 use crate::journal::MountRecord;
 use crate::mounts;
 use crate::nomad::types::{Allocation, HostVolume};
@@ -33,6 +34,20 @@ pub enum Completion {
         result: Result<Option<String>, String>,
     },
     Worker {
+        volume: VolumeKey,
+        result: Result<(), String>,
+    },
+    ClaimAcquired {
+        volume: VolumeKey,
+        /// The lock ID, or (held by another node?, message).
+        result: Result<String, (bool, String)>,
+    },
+    ClaimRenewed {
+        volume: VolumeKey,
+        /// Err((lost?, message)).
+        result: Result<(), (bool, String)>,
+    },
+    ClaimReleased {
         volume: VolumeKey,
         result: Result<(), String>,
     },
@@ -446,4 +461,34 @@ pub async fn delete(
         volume: key,
         result,
     }
+}
+
+/// Acquires the claim on a single-node volume.
+pub async fn acquire_claim(
+    client: Client,
+    settings: ClaimSettings,
+    node: NodeEnv,
+    volume: VolumeKey,
+    volume_id: String,
+) -> Completion {
+    let result = claims::acquire(&client, settings, &volume, &node.node_id, &volume_id)
+        .await
+        .map_err(|e| (matches!(e, ClaimError::Held { .. }), e.to_string()));
+    Completion::ClaimAcquired { volume, result }
+}
+
+/// Renews a held claim.
+pub async fn renew_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
+    let result = claims::renew(&client, &volume, &lock_id)
+        .await
+        .map_err(|e| (matches!(e, ClaimError::Lost { .. }), e.to_string()));
+    Completion::ClaimRenewed { volume, result }
+}
+
+/// Releases a claim.
+pub async fn release_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
+    let result = claims::release(&client, &volume, &lock_id)
+        .await
+        .map_err(|e| e.to_string());
+    Completion::ClaimReleased { volume, result }
 }

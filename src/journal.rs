@@ -67,6 +67,10 @@ pub struct MountRecord {
     /// Last plugin error, if the last attempt failed.
     #[serde(default)]
     pub last_error: String,
+    /// The lock ID of this node's claim (single-node access modes), kept so that a restarted
+    /// agent can renew it, or learn that it lost it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_id: Option<String>,
 }
 
 /// One allocation's use of one published volume.
@@ -312,6 +316,7 @@ mod tests {
             publish_context: serde_json::Value::Null,
             since: 0,
             last_error: String::new(),
+            claim_id: None,
         }
     }
 

@@ -9,6 +9,7 @@
 //! - [`watch`]: the allocation watcher state machine (list, then event stream);
 //! - [`view`]: this node's allocations and the deferred volumes they request;
 //! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables;
+//! - [`claims`]: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`volume`]: volume specs, records, keys and identifier validation;
 //! - [`reconcile`]: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record, written ahead of every plugin call;
@@ -24,6 +25,7 @@
 pub mod agent;
 pub mod api;
 pub mod catalog;
+pub mod claims;
 pub mod cli;
 pub mod config;
 pub mod executor;

@@ -13,8 +13,11 @@
 //! - a `published` record whose mount is missing is published again, never trusted;
 //! - a record left `publishing`/`unpublishing` (outcome unknown) is resolved by running the
 //!   idempotent call again in the direction now desired;
-//! - a volume with a call in flight gets no new step (calls on one volume are serialized).
+//! - a volume with a call in flight gets no new step (calls on one volume are serialized);
+//! - a volume with a single-node access mode is published only while this node holds its
+//!   claim ([`crate::claims`]); a lost claim is unpublished first, whatever else holds.
 
+use crate::claims::is_exclusive;
 use crate::journal::{MountRecord, MountState, UserKey};
 use crate::view::{requests, View};
 use crate::volume::{VolumeKey, VolumeRecord};
@@ -34,8 +37,18 @@ pub struct Inputs<'a> {
     pub mounted: &'a BTreeSet<PathBuf>,
     /// Plugin IDs present on this node with `deferred_bind = true`.
     pub plugins: &'a BTreeSet<String>,
-    /// Volumes with a plugin call in flight.
+    /// Volumes with a plugin or claim call in flight.
     pub busy: &'a BTreeSet<VolumeKey>,
+    /// This node's claims (single-node access modes).
+    pub claims: &'a BTreeMap<VolumeKey, ClaimState>,
+}
+
+/// Where this node's claim on a volume stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimState {
+    Held,
+    /// Expired or taken over: the volume must not stay published here.
+    Lost,
 }
 
 /// One step for the executor.
@@ -53,6 +66,10 @@ pub enum Step {
     AddUser(UserKey),
     /// Drop a finished allocation's use of a volume (journal only).
     RemoveUser(UserKey),
+    /// Take the cluster-wide claim before publishing a single-node volume.
+    AcquireClaim { volume: VolumeKey },
+    /// Give back a claim that nothing here uses any more.
+    ReleaseClaim { volume: VolumeKey },
 }
 
 /// Why a needed step cannot be taken now.
@@ -101,6 +118,15 @@ pub fn plan(i: Inputs<'_>) -> Plan {
         }
     }
 
+    // A lost claim is unpublished before anything else, even before the view is complete.
+    for (key, state) in i.claims {
+        if *state == ClaimState::Lost && i.mounts.contains_key(key) && !i.busy.contains(key) {
+            plan.steps.push(Step::Unpublish {
+                volume: key.clone(),
+            });
+        }
+    }
+
     for (key, allocs) in &needed {
         if i.busy.contains(key) {
             continue;
@@ -108,6 +134,12 @@ pub fn plan(i: Inputs<'_>) -> Plan {
         let Some(volume) = i.volumes.get(key) else {
             continue;
         };
+        let claim = i.claims.get(key).copied();
+        if claim == Some(ClaimState::Lost) && i.mounts.contains_key(key) {
+            continue; // unpublished above first
+        }
+        let exclusive = is_exclusive(volume.access_mode());
+        let claimed = !exclusive || claim == Some(ClaimState::Held);
         let healthy = i
             .mounts
             .get(key)
@@ -122,13 +154,13 @@ pub fn plan(i: Inputs<'_>) -> Plan {
                     plan.steps.push(Step::AddUser(u));
                 }
             }
-        } else if i.plugins.contains(&volume.spec.plugin_id) {
-            plan.steps.push(Step::Publish {
-                volume: key.clone(),
-                alloc_id: allocs[0].0.clone(),
-                read_only: publish_read_only(volume),
-            });
-        } else {
+            if !claimed {
+                // Published before this agent knew of claims (or the record lost its ID).
+                plan.steps.push(Step::AcquireClaim {
+                    volume: key.clone(),
+                });
+            }
+        } else if !i.plugins.contains(&volume.spec.plugin_id) {
             plan.waiting.push(Waiting {
                 volume: key.clone(),
                 reason: format!(
@@ -136,12 +168,38 @@ pub fn plan(i: Inputs<'_>) -> Plan {
                     volume.spec.plugin_id
                 ),
             });
+        } else if !claimed {
+            plan.steps.push(Step::AcquireClaim {
+                volume: key.clone(),
+            });
+        } else {
+            plan.steps.push(Step::Publish {
+                volume: key.clone(),
+                alloc_id: allocs[0].0.clone(),
+                read_only: publish_read_only(volume),
+            });
+        }
+    }
+
+    // A claim nothing here needs any more is given back (an unpublish releases its own).
+    for (key, state) in i.claims {
+        if *state == ClaimState::Held
+            && !needed.contains_key(key)
+            && !i.mounts.contains_key(key)
+            && !i.busy.contains(key)
+        {
+            plan.steps.push(Step::ReleaseClaim {
+                volume: key.clone(),
+            });
         }
     }
 
     if complete {
         for (key, m) in i.mounts {
-            if needed.contains_key(key) || i.busy.contains(key) {
+            if needed.contains_key(key)
+                || i.busy.contains(key)
+                || i.claims.get(key) == Some(&ClaimState::Lost)
+            {
                 continue;
             }
             if i.plugins.contains(&m.plugin_id) {
@@ -247,6 +305,7 @@ mod tests {
         mounted: BTreeSet<PathBuf>,
         plugins: BTreeSet<String>,
         busy: BTreeSet<VolumeKey>,
+        claims: BTreeMap<VolumeKey, ClaimState>,
         publishes: usize,
         unpublishes: usize,
     }
@@ -263,6 +322,7 @@ mod tests {
                 mounted: BTreeSet::new(),
                 plugins: BTreeSet::from(["bind".to_string()]),
                 busy: BTreeSet::new(),
+                claims: BTreeMap::new(),
                 publishes: 0,
                 unpublishes: 0,
             }
@@ -278,6 +338,7 @@ mod tests {
                 mounted: &self.mounted,
                 plugins: &self.plugins,
                 busy: &self.busy,
+                claims: &self.claims,
             })
         }
 
@@ -312,6 +373,7 @@ mod tests {
                                     publish_context: serde_json::Value::Null,
                                     since: 0,
                                     last_error: String::new(),
+                                    claim_id: None,
                                 },
                             );
                         }
@@ -319,6 +381,13 @@ mod tests {
                             self.unpublishes += 1;
                             let m = self.mounts.remove(&volume).unwrap();
                             self.mounted.remove(&m.target);
+                            self.claims.remove(&volume);
+                        }
+                        Step::AcquireClaim { volume } => {
+                            self.claims.insert(volume, ClaimState::Held);
+                        }
+                        Step::ReleaseClaim { volume } => {
+                            self.claims.remove(&volume);
                         }
                         Step::AddUser(u) => {
                             self.users.insert(u);
@@ -346,9 +415,16 @@ mod tests {
     fn row1_placed_alloc_gets_its_volume_published() {
         let v = volume("data", "single-node-writer");
         let mut w = World::new(&[v], vec![alloc(A1, &["data"], "pending", "run")]);
-        let p = w.plan();
+        // A single-node volume: the claim first, then the publish.
         assert_eq!(
-            p.steps,
+            w.plan().steps,
+            vec![Step::AcquireClaim {
+                volume: key("data")
+            }]
+        );
+        w.claims.insert(key("data"), ClaimState::Held);
+        assert_eq!(
+            w.plan().steps,
             vec![Step::Publish {
                 volume: key("data"),
                 alloc_id: A1.into(),
@@ -469,6 +545,7 @@ mod tests {
                 publish_context: serde_json::Value::Null,
                 since: 0,
                 last_error: String::new(),
+                claim_id: None,
             },
         );
         w.users.insert(UserKey {
@@ -526,5 +603,204 @@ mod tests {
             }
         ));
         w.settle();
+    }
+
+    /// Multi-node modes need no claim: publish directly.
+    #[test]
+    fn multi_node_modes_publish_without_a_claim() {
+        let w = World::new(
+            &[volume("data", "multi-node-multi-writer")],
+            vec![alloc(A1, &["data"], "pending", "run")],
+        );
+        assert!(matches!(w.plan().steps[..], [Step::Publish { .. }]));
+    }
+
+    /// §5 row 8 / B20: a claim found lost is unpublished first, even while the allocation
+    /// still wants the volume and even before the view is complete; then it is claimed again
+    /// (and waits for the other holder) before any new publish.
+    #[test]
+    fn b20_lost_claim_is_unpublished_before_anything_else() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        w.claims.insert(key("data"), ClaimState::Lost);
+        w.view = View::default(); // a restart: nothing listed yet
+        assert_eq!(
+            w.plan().steps,
+            vec![Step::Unpublish {
+                volume: key("data")
+            }]
+        );
+        w.view
+            .replace_all(vec![alloc(A1, &["data"], "running", "run")], 60);
+        let p = w.plan();
+        assert_eq!(
+            p.steps[0],
+            Step::Unpublish {
+                volume: key("data")
+            }
+        );
+        assert!(!p.steps.iter().any(|s| matches!(s, Step::Publish { .. })));
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+        // settle re-acquired (the fake always succeeds) and published again.
+        assert_eq!(w.publishes, 2);
+    }
+
+    /// A claim taken for an allocation that went away before its publish is released.
+    #[test]
+    fn unused_claims_are_released() {
+        let mut w = World::new(&[volume("data", "single-node-writer")], vec![]);
+        w.claims.insert(key("data"), ClaimState::Held);
+        assert_eq!(
+            w.plan().steps,
+            vec![Step::ReleaseClaim {
+                volume: key("data")
+            }]
+        );
+    }
+
+    /// §5 row 6: per_alloc sources `V[N]` are distinct volumes, picked by the allocation's index.
+    #[test]
+    fn row6_per_alloc_volumes_are_distinct() {
+        let mut a0 = alloc(A1, &["data"], "pending", "run");
+        a0.name = "job.g[0]".into();
+        let mut a1 = alloc(A2, &["data"], "pending", "run");
+        a1.name = "job.g[1]".into();
+        for a in [&mut a0, &mut a1] {
+            let g = &mut a.job.as_mut().unwrap().task_groups[0];
+            g.volumes.get_mut("v-data").unwrap().per_alloc = true;
+        }
+        let mut w = World::new(
+            &[
+                volume("data[0]", "multi-node-multi-writer"),
+                volume("data[1]", "multi-node-multi-writer"),
+            ],
+            vec![a0, a1],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 2);
+        assert!(w.users.contains(&UserKey {
+            alloc_id: A1.into(),
+            volume: key("data[0]")
+        }));
+        assert!(w.users.contains(&UserKey {
+            alloc_id: A2.into(),
+            volume: key("data[1]")
+        }));
+    }
+
+    /// B05: a failed allocation's own record does not keep the volume: users excluding it
+    /// are zero, so exactly one unpublish follows, with DesiredStatus still `run`.
+    #[test]
+    fn b05_failed_alloc_releases_its_volume() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        let mut a = alloc(A1, &["data"], "failed", "run");
+        a.modify_index = 70;
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+        assert!(
+            w.claims.is_empty(),
+            "the claim must be free for a replacement"
+        );
+    }
+
+    /// B08: a publish that never succeeded leaves no user record, so the allocation going
+    /// terminal causes no unpublish of the volume another allocation still uses.
+    #[test]
+    fn b08_failed_publish_leaves_no_record() {
+        let mut w = World::new(
+            &[volume("data", "single-node-multi-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        // A2 arrives; the volume is already published, so A2 becomes a user only through
+        // AddUser. Simulate A2's prestart failing before that: A2 goes terminal at once.
+        let mut a2 = alloc(A2, &["data"], "failed", "stop");
+        a2.modify_index = 80;
+        w.update(a2);
+        w.settle();
+        assert_eq!((w.publishes, w.unpublishes), (1, 0));
+        assert_eq!(w.users.len(), 1);
+        assert!(w.mounted.contains(&World::target(&key("data"))));
+    }
+
+    /// B25: the same volume name in two namespaces is two volumes with two targets.
+    #[test]
+    fn b25_same_name_in_two_namespaces_is_two_volumes() {
+        let mut other = volume("data", "multi-node-multi-writer");
+        other.spec.namespace = "team-b".into();
+        let mut a2 = alloc(A2, &["data"], "running", "run");
+        a2.namespace = "team-b".into();
+        let mut w = World::new(
+            &[volume("data", "multi-node-multi-writer"), other],
+            vec![alloc(A1, &["data"], "running", "run"), a2],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 2);
+        let targets: BTreeSet<_> = w.mounts.values().map(|m| m.target.clone()).collect();
+        assert_eq!(targets.len(), 2);
+        let mut a1 = alloc(A1, &["data"], "complete", "stop");
+        a1.modify_index = 90;
+        w.update(a1);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+        assert!(w.mounts.keys().any(|k| k.namespace == "team-b"));
+    }
+
+    /// Property: for every sequence of allocation states, after settling, (a) planning again
+    /// yields nothing, and (b) no volume needed by a live allocation is unpublished.
+    #[test]
+    fn property_settled_plans_are_empty_and_never_unpublish_in_use() {
+        let statuses = ["pending", "running", "complete", "failed", "lost"];
+        let desired = ["run", "stop"];
+        let mut seed = 12345u64;
+        let mut next = |n: usize| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as usize) % n
+        };
+        for _ in 0..300 {
+            let mut w = World::new(
+                &[
+                    volume("a", "single-node-writer"),
+                    volume("b", "multi-node-multi-writer"),
+                ],
+                vec![],
+            );
+            let ids = [A1, A2];
+            let mut idx = 100;
+            for _ in 0..8 {
+                idx += 1;
+                let id = ids[next(2)];
+                let srcs: &[&str] = if next(2) == 0 { &["a"] } else { &["a", "b"] };
+                let mut a = alloc(id, srcs, statuses[next(5)], desired[next(2)]);
+                a.modify_index = idx;
+                w.update(a);
+                let before: BTreeSet<VolumeKey> = w.mounts.keys().cloned().collect();
+                let p = w.plan();
+                for s in &p.steps {
+                    if let Step::Unpublish { volume } = s {
+                        let in_use = w.view.allocs().values().any(|a| {
+                            !a.is_client_terminal()
+                                && requests(a, &w.volumes).iter().any(|r| &r.volume == volume)
+                        });
+                        assert!(!in_use, "unpublish of {volume} while in use");
+                        assert!(before.contains(volume));
+                    }
+                }
+                w.settle();
+                assert_eq!(w.plan(), Plan::default());
+            }
+        }
     }
 }

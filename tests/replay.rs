@@ -42,6 +42,8 @@ fn agent_config(sb: &Sandbox) -> AgentConfig {
         resync_interval: Duration::from_secs(300),
         tick: Duration::from_millis(200),
         max_parallel: 4,
+        claim_ttl: Duration::from_secs(15),
+        claim_lock_delay: Duration::from_secs(15),
         audiences: vec![],
     }
 }

@@ -519,6 +519,48 @@ impl Client {
         }
     }
 
+    /// Nomad API: `PUT /v1/var/:path?lock-acquire|lock-renew|lock-release`. `body` carries
+    /// `Lock` (`{TTL, LockDelay}` to acquire, `{ID}` to renew or release). A lock held by
+    /// someone else (or in its lock-delay period, or a stale ID) is
+    /// [`NomadError::CasConflict`]; Nomad answers 409 for all of them.
+    pub async fn lock_op(&self, op: &str, var: &Variable) -> Result<Variable, NomadError> {
+        let path = format!("/v1/var/{}", var.path);
+        let what = "lock a variable (PUT /v1/var/:path?lock-…)";
+        let body = serde_json::json!({
+            "Namespace": var.namespace, "Path": var.path, "Items": var.items, "Lock": var.lock,
+        });
+        let rb = self
+            .request(&self.http, Method::PUT, &path)
+            .query(&[("namespace", var.namespace.as_str()), (op, "")])
+            .json(&body);
+        let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
+            addr: self.addr.clone(),
+            what: what.into(),
+            source,
+        })?;
+        if resp.status() == StatusCode::CONFLICT || resp.status() == StatusCode::NOT_FOUND {
+            let bytes = resp.bytes().await.unwrap_or_default();
+            let current: Variable = serde_json::from_slice(&bytes).unwrap_or_default();
+            return Err(NomadError::CasConflict {
+                path: var.path.clone(),
+                current: Box::new(current),
+            });
+        }
+        let resp = self.check(resp, what, &path).await?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|source| NomadError::Unreachable {
+                addr: self.addr.clone(),
+                what: what.into(),
+                source,
+            })?;
+        serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
+            what: what.into(),
+            source,
+        })
+    }
+
     /// Nomad API: `GET /.well-known/jwks.json` (public, no ACL): the keys that sign workload
     /// identities.
     pub async fn jwks(&self) -> Result<jsonwebtoken::jwk::JwkSet, NomadError> {

@@ -278,6 +278,22 @@ pub struct Variable {
     pub modify_index: u64,
     #[serde(rename = "Items", deserialize_with = "null_default")]
     pub items: BTreeMap<String, String>,
+    /// Present while the variable is locked (`lock-acquire`).
+    #[serde(rename = "Lock", skip_serializing_if = "Option::is_none")]
+    pub lock: Option<VariableLock>,
+}
+
+/// `VariableLock`: `ID` is server-generated at `lock-acquire`; `TTL` and `LockDelay` are Go
+/// duration strings on the wire (`"15s"`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VariableLock {
+    #[serde(rename = "ID", deserialize_with = "null_default")]
+    pub id: String,
+    #[serde(rename = "TTL", deserialize_with = "null_default")]
+    pub ttl: serde_json::Value,
+    #[serde(rename = "LockDelay", deserialize_with = "null_default")]
+    pub lock_delay: serde_json::Value,
 }
 
 /// `VariableMetadata` from `GET /v1/vars`.

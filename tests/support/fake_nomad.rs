@@ -36,6 +36,10 @@ pub struct State {
     pub streams: u64,
     /// Status to answer to the next N event stream subscribes (e.g. 403).
     pub refuse_streams: Vec<u16>,
+    /// Lock operations seen: "acquire", "renew", "release".
+    pub lock_ops: Vec<String>,
+    /// Refuse every lock-acquire (another node holds the claim).
+    pub refuse_locks: bool,
 }
 
 /// A running fake.
@@ -307,6 +311,38 @@ impl FakeNomad {
                         .unwrap();
                 let mut st = self.state.lock().unwrap();
                 let cur = st.vars.get(&(ns.clone(), p.clone())).cloned();
+                let held = cur
+                    .as_ref()
+                    .and_then(|c| c["Lock"]["ID"].as_str().map(String::from))
+                    .filter(|id| !id.is_empty());
+                let asked = body["Lock"]["ID"].as_str().unwrap_or("").to_string();
+                if query.contains_key("lock-acquire") {
+                    if held.is_some() || st.refuse_locks {
+                        return Self::full(StatusCode::CONFLICT, cur.unwrap_or(json!({})), 0);
+                    }
+                    st.index += 1;
+                    let idx = st.index;
+                    let v = json!({"Namespace": ns, "Path": p, "CreateIndex": idx, "ModifyIndex": idx,
+                        "Items": body["Items"], "Lock": {"ID": uuid::Uuid::new_v4().to_string(),
+                        "TTL": body["Lock"]["TTL"], "LockDelay": body["Lock"]["LockDelay"]}});
+                    st.vars.insert((ns, p), v.clone());
+                    st.lock_ops.push("acquire".into());
+                    return Self::full(StatusCode::OK, v, idx);
+                }
+                if query.contains_key("lock-renew") || query.contains_key("lock-release") {
+                    if held.as_deref() != Some(asked.as_str()) {
+                        return Self::full(StatusCode::CONFLICT, cur.unwrap_or(json!({})), 0);
+                    }
+                    let mut v = cur.unwrap();
+                    if query.contains_key("lock-release") {
+                        v.as_object_mut().unwrap().remove("Lock");
+                        st.vars.insert((ns, p), v.clone());
+                        st.lock_ops.push("release".into());
+                    } else {
+                        st.lock_ops.push("renew".into());
+                    }
+                    return Self::full(StatusCode::OK, v, 0);
+                }
                 if let Some(cas) = query.get("cas").and_then(|c| c.parse::<u64>().ok()) {
                     let cur_idx = cur
                         .as_ref()
@@ -388,4 +424,16 @@ where
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(f(tx));
     futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) })
+}
+
+impl FakeNomad {
+    /// Drops every variable lock, as a TTL expiry does (the holder's next renew fails).
+    pub fn expire_locks(&self) {
+        let mut st = self.state.lock().unwrap();
+        for v in st.vars.values_mut() {
+            if let Some(o) = v.as_object_mut() {
+                o.remove("Lock");
+            }
+        }
+    }
 }

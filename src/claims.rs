@@ -1,0 +1,180 @@
+//! Claims across nodes: for single-node access modes, at most one node may have a volume
+//! published at a time. The claim is a Nomad Variables lock on
+//! `dhv-binder/claims/<name>` in the volume's namespace (Nomad API:
+//! `PUT /v1/var/:path?lock-acquire|lock-renew|lock-release`), held with a TTL and renewed
+//! while the volume is published. A node that cannot renew (partition, lost node, daemon
+//! frozen) loses the claim when the TTL lapses; after Nomad's lock delay another node may
+//! take it. A node that finds its claim lost unpublishes before anything else.
+
+use crate::nomad::types::{Variable, VariableLock};
+use crate::nomad::{Client, NomadError};
+use crate::volume::{encode_name, VolumeKey};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Variable path prefix of claims.
+pub const CLAIM_PREFIX: &str = "dhv-binder/claims/";
+
+/// True for access modes that allow the volume on one node at a time (`single-node-*`).
+/// `multi-node-reader-only` and `multi-node-multi-writer` need no claim.
+pub fn is_exclusive(access_mode: &str) -> bool {
+    access_mode.starts_with("single-node-")
+}
+
+/// The variable path of a volume's claim.
+pub fn claim_path(name: &str) -> String {
+    format!("{CLAIM_PREFIX}{}", encode_name(name))
+}
+
+/// Claim timing.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimSettings {
+    /// Lock TTL; renewed every TTL/3.
+    pub ttl: Duration,
+    /// Nomad's lock delay after a TTL expiry, before anyone may acquire again.
+    pub lock_delay: Duration,
+}
+
+/// Why a claim call did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// Another node holds the claim (or it is in its lock-delay period after an expiry).
+    #[error("the claim on {volume} is held by {holder}")]
+    Held { volume: VolumeKey, holder: String },
+    /// Our lock is gone (expired, or taken over): the volume must be unpublished here.
+    #[error("this node lost its claim on {volume}")]
+    Lost { volume: VolumeKey },
+    /// Nomad could not be asked; try again.
+    #[error("claim on {volume}: {source}")]
+    Nomad {
+        volume: VolumeKey,
+        #[source]
+        source: NomadError,
+    },
+}
+
+fn go_duration(d: Duration) -> String {
+    format!("{}s", d.as_secs().max(1))
+}
+
+fn var(volume: &VolumeKey, items: BTreeMap<String, String>, lock: VariableLock) -> Variable {
+    Variable {
+        namespace: volume.namespace.clone(),
+        path: claim_path(&volume.name),
+        items,
+        lock: Some(lock),
+        ..Default::default()
+    }
+}
+
+/// Acquires the claim for this node. Returns the lock ID.
+pub async fn acquire(
+    client: &Client,
+    settings: ClaimSettings,
+    volume: &VolumeKey,
+    node_id: &str,
+    volume_id: &str,
+) -> Result<String, ClaimError> {
+    let items = BTreeMap::from([
+        ("node_id".to_string(), node_id.to_string()),
+        ("volume_id".to_string(), volume_id.to_string()),
+    ]);
+    let lock = VariableLock {
+        id: String::new(),
+        ttl: go_duration(settings.ttl).into(),
+        lock_delay: go_duration(settings.lock_delay).into(),
+    };
+    match client
+        .lock_op("lock-acquire", &var(volume, items, lock))
+        .await
+    {
+        Ok(v) => match v.lock.filter(|l| !l.id.is_empty()) {
+            Some(l) => Ok(l.id),
+            None => Err(ClaimError::Nomad {
+                volume: volume.clone(),
+                source: NomadError::Status {
+                    what: "lock-acquire".into(),
+                    status: 200,
+                    body: "no lock ID in the answer".into(),
+                },
+            }),
+        },
+        Err(NomadError::CasConflict { .. }) => {
+            // Name the holder for the operator; best effort.
+            let holder = match client
+                .variable(&volume.namespace, &claim_path(&volume.name))
+                .await
+            {
+                Ok(Some(v)) if v.lock.as_ref().is_some_and(|l| !l.id.is_empty()) => v
+                    .items
+                    .get("node_id")
+                    .map(|n| format!("node {n}"))
+                    .unwrap_or_else(|| "another node".into()),
+                Ok(_) => "nobody (the lock is in its lock-delay period after an expiry)".into(),
+                Err(_) => "another node".into(),
+            };
+            Err(ClaimError::Held {
+                volume: volume.clone(),
+                holder,
+            })
+        }
+        Err(source) => Err(ClaimError::Nomad {
+            volume: volume.clone(),
+            source,
+        }),
+    }
+}
+
+/// Renews the claim. [`ClaimError::Lost`] when Nomad no longer knows this lock ID.
+pub async fn renew(client: &Client, volume: &VolumeKey, lock_id: &str) -> Result<(), ClaimError> {
+    let lock = VariableLock {
+        id: lock_id.to_string(),
+        ..Default::default()
+    };
+    match client
+        .lock_op("lock-renew", &var(volume, BTreeMap::new(), lock))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(NomadError::CasConflict { .. }) => Err(ClaimError::Lost {
+            volume: volume.clone(),
+        }),
+        Err(source) => Err(ClaimError::Nomad {
+            volume: volume.clone(),
+            source,
+        }),
+    }
+}
+
+/// Releases the claim. A lock already gone is success.
+pub async fn release(client: &Client, volume: &VolumeKey, lock_id: &str) -> Result<(), ClaimError> {
+    let lock = VariableLock {
+        id: lock_id.to_string(),
+        ..Default::default()
+    };
+    match client
+        .lock_op("lock-release", &var(volume, BTreeMap::new(), lock))
+        .await
+    {
+        Ok(_) | Err(NomadError::CasConflict { .. }) => Ok(()),
+        Err(source) => Err(ClaimError::Nomad {
+            volume: volume.clone(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exclusive_modes() {
+        assert!(is_exclusive("single-node-writer"));
+        assert!(is_exclusive("single-node-reader-only"));
+        assert!(is_exclusive("single-node-multi-writer"));
+        assert!(!is_exclusive("multi-node-reader-only"));
+        assert!(!is_exclusive("multi-node-multi-writer"));
+        assert_eq!(claim_path("data[1]"), "dhv-binder/claims/data~5b1~5d");
+    }
+}
