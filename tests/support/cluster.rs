@@ -50,6 +50,7 @@ pub struct Cluster {
     pub plugin_dir: PathBuf,
     pub export: PathBuf,
     pub http: reqwest::Client,
+    pub agent_env: Vec<(String, String)>,
     pub sb: Sandbox,
 }
 
@@ -102,6 +103,11 @@ impl Cluster {
     /// Starts the simulator with `nodes` clients, then a dhv-binder per node, with the
     /// reference plugins installed in a shared plugin directory.
     pub async fn start(nodes: usize) -> Cluster {
+        Self::start_with(nodes, "", &[]).await
+    }
+
+    /// Like [`Cluster::start`], with extra simulator config and extra agent environment.
+    pub async fn start_with(nodes: usize, sim_extra: &str, agent_env: &[(&str, &str)]) -> Cluster {
         let sb = Sandbox::new();
         let plugin_dir = sb.join("plugins");
         std::fs::create_dir_all(&plugin_dir).unwrap();
@@ -116,6 +122,8 @@ impl Cluster {
             "data_dir = \"{}\"\nbind_addr = \"127.0.0.1\"\nports {{\n  http = 0\n}}\nevent_heartbeat_interval = \"2s\"\n",
             sb.join("sim").display()
         );
+        cfg.push_str(sim_extra);
+        cfg.push('\n');
         // Nomad's default exec chroot, with /usr split so that the directory holding the
         // dhv-binder build can appear as /usr/local/bin (where jobspecs/ expects it)
         // without writing to the host's /usr.
@@ -161,6 +169,10 @@ impl Cluster {
             plugin_dir,
             export,
             http: reqwest::Client::new(),
+            agent_env: agent_env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             sb,
         };
         let ready = cluster.sb.join("sim/ready.json");
@@ -211,6 +223,7 @@ impl Cluster {
             .env("DHV_BINDER_PLUGIN_DIR", &self.plugin_dir)
             .env("DHV_BINDER_TICK", "200ms")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
+            .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -360,4 +373,95 @@ impl Cluster {
             .map(|l| serde_json::from_str(l).unwrap())
             .collect()
     }
+}
+
+impl Cluster {
+    /// Replaces plugin `name` with a wrapper that logs every call with timestamps to
+    /// `<plugin_dir>/calls.log` ("<start|end> <unix ns> <op> <node id> <volume> [rc]") and
+    /// sleeps `publish_delay` seconds after a successful publish (to widen a window).
+    pub fn log_plugin_calls(&self, name: &str, publish_delay: &str) {
+        let real = self.sb.join("real-plugins").join(name);
+        std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+        std::fs::copy(self.plugin_dir.join(name), &real).unwrap();
+        super::sandbox::script(
+            &self.plugin_dir.join(name),
+            &format!(
+                r#"#!/bin/sh
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+[ "$1" = fingerprint ] && exec {real} "$@"
+log="$DHV_PLUGIN_DIR/calls.log"
+echo "start $(date +%s%N) $1 $DHV_NODE_ID $DHV_VOLUME_NAME" >> "$log"
+{real} "$@"
+rc=$?
+if [ "$1" = publish ] && [ $rc = 0 ]; then sleep {publish_delay}; fi
+echo "end $(date +%s%N) $1 $DHV_NODE_ID $DHV_VOLUME_NAME $rc" >> "$log"
+exit $rc
+"#,
+                real = real.display()
+            ),
+        );
+    }
+
+    /// The wrapper's log: (start|end, unix ns, op, node id).
+    pub fn plugin_log(&self) -> Vec<(String, u128, String, String)> {
+        std::fs::read_to_string(self.plugin_dir.join("calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                Some((
+                    f.first()?.to_string(),
+                    f.get(1)?.parse().ok()?,
+                    f.get(2)?.to_string(),
+                    f.get(3)?.to_string(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Per node, the intervals during which the volume could be mounted there:
+    /// from the start of a publish to the end of the following unpublish (open = now).
+    pub fn published_intervals(&self) -> Vec<(String, u128, u128)> {
+        let mut open: std::collections::BTreeMap<String, u128> = Default::default();
+        let mut out = Vec::new();
+        for (phase, t, op, node) in self.plugin_log() {
+            match (phase.as_str(), op.as_str()) {
+                ("start", "publish") => {
+                    open.entry(node).or_insert(t);
+                }
+                ("end", "unpublish") => {
+                    if let Some(s) = open.remove(&node) {
+                        out.push((node, s, t));
+                    }
+                }
+                _ => {}
+            }
+        }
+        for (node, s) in open {
+            out.push((node, s, u128::MAX));
+        }
+        out
+    }
+
+    /// PUT with a JSON body against the server.
+    pub async fn put(&self, path: &str, body: Value) -> Value {
+        let r = self
+            .http
+            .put(format!("{}{path}", self.server))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "PUT {path}: {}", r.status());
+        r.json().await.unwrap_or(Value::Null)
+    }
+}
+
+/// How many mounts stand on `target` (stacked mounts count separately).
+pub fn mount_count(target: &Path) -> usize {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split(' ').nth(4).is_some_and(|p| Path::new(p) == target))
+        .count()
 }

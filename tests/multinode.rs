@@ -1,0 +1,237 @@
+//! Several nodes, end to end: the simulator with three client nodes, a dhv-binder per node
+//! (own state dir and socket), one shared storage backend (the bind plugin's export).
+
+mod support;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use support::cluster::{mount_count, repo, Cluster};
+
+const VOLUME: &str = "shared-data";
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+async fn ready_everywhere(c: &Cluster) {
+    c.wait_for(30, "a ready placeholder on every node", || async {
+        let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+        let n = vols
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["Name"] == VOLUME && v["State"] == "ready")
+            .count();
+        (n == c.nodes.len()).then_some(())
+    })
+    .await;
+}
+
+async fn running_alloc(c: &Cluster, job: &str, not: &[String]) -> Value {
+    c.wait_for(120, "a running main task", || async {
+        c.allocs(job).await.into_iter().find(|a| {
+            a["TaskStates"]["app"]["State"] == "running"
+                && !not.contains(&a["ID"].as_str().unwrap().to_string())
+        })
+    })
+    .await
+}
+
+fn app_stdout(c: &Cluster, alloc: &Value) -> String {
+    let node = alloc["NodeName"].as_str().unwrap();
+    let id = alloc["ID"].as_str().unwrap();
+    std::fs::read_to_string(c.sb.join(&format!("sim/{node}/alloc/{id}/alloc/logs/app.stdout.0")))
+        .unwrap_or_default()
+}
+
+fn assert_never_on_two_nodes(c: &Cluster) {
+    let iv = c.published_intervals();
+    for (i, a) in iv.iter().enumerate() {
+        for b in iv.iter().skip(i + 1) {
+            if a.0 != b.0 {
+                assert!(
+                    a.2 <= b.1 || b.2 <= a.1,
+                    "single-node-writer volume published on two nodes at once: {a:?} and {b:?}"
+                );
+            }
+        }
+    }
+}
+
+/// §5 rows 4 and 7 (B01 across nodes): draining the node moves the allocation; the volume
+/// is unpublished on the drained node and published on the new one, never on both at once
+/// (checked from the plugin's own timestamped call log), and the data written on the first
+/// node is read on the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_moves_the_volume_with_the_allocation_and_never_overlaps() {
+    let c = Cluster::start(3).await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    ready_everywhere(&c).await;
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let first = running_alloc(&c, &job, &[]).await;
+    let first_id = first["ID"].as_str().unwrap().to_string();
+    let from = c.node_index(first["NodeID"].as_str().unwrap());
+
+    c.put(
+        &format!("/v1/node/{}/drain", c.nodes[from].id),
+        json!({"DrainSpec": {"Deadline": 60_000_000_000u64, "IgnoreSystemJobs": false}, "MarkEligible": false}),
+    )
+    .await;
+    let second = running_alloc(&c, &job, std::slice::from_ref(&first_id)).await;
+    let to = c.node_index(second["NodeID"].as_str().unwrap());
+    assert_ne!(from, to);
+    // The new allocation read the file written on the drained node.
+    c.wait_for(20, "the second allocation's output", || async {
+        Some(app_stdout(&c, &second)).filter(|o| o.contains(&first_id))
+    })
+    .await;
+    let events: Vec<String> = c
+        .journal(from)
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect();
+    assert!(events.contains(&"unpublish-done".to_string()), "{events:?}");
+    assert!(!dhv_binder::mounts::is_mount_point(&c.target(from, VOLUME)));
+    assert!(dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)));
+    assert_never_on_two_nodes(&c);
+    c.stop_job(&job, false).await;
+}
+
+/// §5 row 8 and B20: a node stops heartbeating and its dhv-binder is frozen (a partition).
+/// Nomad marks the node down and the allocation lost and places a replacement; the
+/// replacement's publish waits until the lost node's claim expires. When the node comes
+/// back, its dhv-binder finds its claim lost and unpublishes the stale mount before
+/// anything else. Prints the handover time (allocation marked lost → publish done).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_node_hands_over_after_claim_expiry_and_cleans_up_on_return() {
+    let mut c = Cluster::start_with(
+        3,
+        "heartbeat_grace = \"2s\"",
+        &[
+            ("DHV_BINDER_CLAIM_TTL", "6s"),
+            ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
+        ],
+    )
+    .await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    ready_everywhere(&c).await;
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let first = running_alloc(&c, &job, &[]).await;
+    let first_id = first["ID"].as_str().unwrap().to_string();
+    let lost = c.node_index(first["NodeID"].as_str().unwrap());
+    let lost_pid = Pid::from_raw(c.nodes[lost].agent.as_ref().unwrap().id() as i32);
+
+    // Partition: the node's client stops heartbeating and its dhv-binder hears nothing.
+    c.put(
+        &format!("/v1/sim/node/{}/heartbeat?stop=true", c.nodes[lost].id),
+        json!({}),
+    )
+    .await;
+    kill(lost_pid, Signal::SIGSTOP).unwrap();
+    let t_lost = c
+        .wait_for(30, "the allocation marked lost", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["ID"] == first_id.as_str() && a["ClientStatus"] == "lost")
+                .map(|_| now_ms())
+        })
+        .await;
+    let second = running_alloc(&c, &job, std::slice::from_ref(&first_id)).await;
+    let to = c.node_index(second["NodeID"].as_str().unwrap());
+    assert_ne!(to, lost);
+    let published = c
+        .journal(to)
+        .iter()
+        .filter(|e| e["event"] == "publish-done")
+        .map(|e| e["unix_ms"].as_u64().unwrap() as u128)
+        .next_back()
+        .unwrap();
+    eprintln!(
+        "claim handover after a lost node: {} ms from the allocation marked lost to publish done on the new node",
+        published.saturating_sub(t_lost)
+    );
+
+    // The node returns.
+    let t_back = now_ms();
+    kill(lost_pid, Signal::SIGCONT).unwrap();
+    c.put(
+        &format!("/v1/sim/node/{}/heartbeat?stop=false", c.nodes[lost].id),
+        json!({}),
+    )
+    .await;
+    let target = c.target(lost, VOLUME);
+    c.wait_for(
+        30,
+        "the stale mount removed on the returning node",
+        || async { (!dhv_binder::mounts::is_mount_point(&target)).then_some(()) },
+    )
+    .await;
+    let after: Vec<(String, u128, String, String)> = c
+        .plugin_log()
+        .into_iter()
+        .filter(|(p, t, _, node)| {
+            p == "start" && *t / 1_000_000 >= t_back && *node == c.nodes[lost].id
+        })
+        .collect();
+    assert_eq!(
+        after.first().map(|x| x.2.as_str()),
+        Some("unpublish"),
+        "{after:?}"
+    );
+    assert!(
+        !after.iter().any(|x| x.2 == "publish"),
+        "the returning node published again: {after:?}"
+    );
+    assert!(dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)));
+    c.kill_agent(lost, Signal::SIGTERM);
+}
+
+/// §5 row 9: dhv-binder killed with SIGKILL in the middle of a publish (after the plugin
+/// mounted, before the outcome was recorded), then restarted: the publish is resolved, the
+/// allocation starts, and exactly one mount stands on the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_publish_then_restart_leaves_exactly_one_mount() {
+    let mut c = Cluster::start(1).await;
+    c.log_plugin_calls("bind", "4");
+    c.create_volume(VOLUME, "single-node-writer");
+    ready_everywhere(&c).await;
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let target = c.target(0, VOLUME);
+    c.wait_for(30, "the plugin mounted (publish still running)", || async {
+        dhv_binder::mounts::is_mount_point(&target).then_some(())
+    })
+    .await;
+    let events: Vec<String> = c
+        .journal(0)
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("publish-intent"),
+        "{events:?}"
+    );
+    c.kill_agent(0, Signal::SIGKILL);
+    c.start_agent(0);
+    let alloc = running_alloc(&c, &job, &[]).await;
+    assert_eq!(
+        mount_count(&target),
+        1,
+        "stacked mounts on {}",
+        target.display()
+    );
+    assert!(app_stdout(&c, &alloc).contains(alloc["ID"].as_str().unwrap()));
+    c.stop_job(&job, false).await;
+    c.wait_for(30, "unpublished after the stop", || async {
+        (mount_count(&target) == 0).then_some(())
+    })
+    .await;
+}
