@@ -5,8 +5,9 @@
 //! Rules (design.md §5):
 //! - a volume is published on this node while at least one live allocation here needs it,
 //!   once, at its placeholder path; allocations are recorded as its users;
-//! - a user record is dropped when its allocation is client-terminal or gone, never on
-//!   `DesiredStatus=stop` alone;
+//! - a user record is dropped when its allocation's tasks are finished on this node
+//!   ([`crate::nomad::types::Allocation::tasks_finished`]) or the allocation is gone, never
+//!   on `DesiredStatus=stop` alone, nor on a server-side `lost` while tasks were running;
 //! - a volume is unpublished when no live allocation needs it any more;
 //! - nothing is dropped or unpublished before the view and the volume catalogue are
 //!   complete (a partial view proves no absence);
@@ -99,7 +100,7 @@ pub fn plan(i: Inputs<'_>) -> Plan {
     // Live allocations' needs, by volume: (alloc, read_only) in alloc ID order.
     let mut needed: BTreeMap<VolumeKey, Vec<(String, bool)>> = BTreeMap::new();
     for (id, alloc) in i.view.allocs() {
-        if alloc.is_client_terminal() {
+        if alloc.tasks_finished() {
             continue;
         }
         for r in requests(alloc, i.volumes) {
@@ -791,7 +792,7 @@ mod tests {
                 for s in &p.steps {
                     if let Step::Unpublish { volume } = s {
                         let in_use = w.view.allocs().values().any(|a| {
-                            !a.is_client_terminal()
+                            !a.tasks_finished()
                                 && requests(a, &w.volumes).iter().any(|r| &r.volume == volume)
                         });
                         assert!(!in_use, "unpublish of {volume} while in use");
@@ -802,5 +803,41 @@ mod tests {
                 assert_eq!(w.plan(), Plan::default());
             }
         }
+    }
+
+    /// nomad-facts.md §7: a server-side `lost` (node stopped heartbeating) with tasks last
+    /// seen running does not unpublish: on a partitioned node they may still write. Once
+    /// the client reports the tasks dead, it does.
+    #[test]
+    fn lost_with_running_tasks_keeps_the_volume_until_tasks_are_dead() {
+        use crate::nomad::types::TaskState;
+        let mut w = World::new(
+            &[volume("data", "multi-node-multi-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        let mut a = alloc(A1, &["data"], "lost", "stop");
+        a.modify_index = 100;
+        a.task_states.insert(
+            "app".into(),
+            TaskState {
+                state: "running".into(),
+                ..Default::default()
+            },
+        );
+        w.update(a.clone());
+        w.settle();
+        assert_eq!(w.unpublishes, 0);
+        a.modify_index = 101;
+        a.task_states.insert(
+            "app".into(),
+            TaskState {
+                state: "dead".into(),
+                ..Default::default()
+            },
+        );
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
     }
 }

@@ -75,7 +75,7 @@ impl View {
 
     /// True when the allocation is known and its tasks may still run on this node.
     pub fn is_live(&self, id: &str) -> bool {
-        self.allocs.get(id).is_some_and(|a| !a.is_client_terminal())
+        self.allocs.get(id).is_some_and(|a| !a.tasks_finished())
     }
 }
 

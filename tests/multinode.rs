@@ -6,7 +6,7 @@ mod support;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 use support::cluster::{mount_count, repo, Cluster};
 
 const VOLUME: &str = "shared-data";

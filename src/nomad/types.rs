@@ -65,6 +65,19 @@ impl Allocation {
         CLIENT_TERMINAL.contains(&self.client_status.as_str())
     }
 
+    /// True once the allocation's tasks are known dead on its node, so that its volumes may
+    /// be unpublished: `complete` or `failed` as the client reported, or `lost` with every
+    /// task state `dead`. A server-side `lost` (the node stopped heartbeating) with tasks
+    /// last seen running is not enough: on a partitioned node they may still be writing
+    /// (nomad-facts.md §7). `unknown` (disconnected) never is.
+    pub fn tasks_finished(&self) -> bool {
+        match self.client_status.as_str() {
+            "complete" | "failed" => true,
+            "lost" => self.task_states.values().all(|t| t.state == "dead"),
+            _ => false,
+        }
+    }
+
     /// The `[N]` suffix of the allocation name (`AllocSuffix`, `nomad/structs/funcs.go`),
     /// used for `per_alloc` volume sources; `None` when the name has no index.
     pub fn alloc_suffix(&self) -> Option<&str> {
