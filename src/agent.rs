@@ -292,6 +292,13 @@ impl Agent {
     }
 
     fn on_tick(&mut self) {
+        let gone = self.view.expire(std::time::Instant::now());
+        if gone > 0 {
+            tracing::info!(
+                count = gone,
+                "allocations removed from Nomad are past their kill grace"
+            );
+        }
         let due = self
             .last_fingerprint
             .is_none_or(|t| t.elapsed() >= FINGERPRINT_EVERY);
@@ -993,7 +1000,7 @@ impl Agent {
             "node_id": self.node.node_id,
             "node_pool": self.node.node_pool,
             "watch": self.health,
-            "view": {"complete": self.view.is_complete(), "index": self.view.index(), "allocations": self.view.allocs().len()},
+            "view": {"complete": self.view.is_complete(), "index": self.view.index(), "allocations": self.view.allocs().len(), "departing": self.view.departing()},
             "volumes": volumes,
             "mounts": self.journal.mounts().values().collect::<Vec<_>>(),
             "users": self.journal.users(),

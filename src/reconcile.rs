@@ -289,6 +289,7 @@ mod tests {
                     name: "g".into(),
                     volumes,
                     tasks: vec![],
+                    shutdown_delay: 0,
                 }],
             }),
             client_status: client.into(),
@@ -837,6 +838,45 @@ mod tests {
             },
         );
         w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+    }
+
+    /// B15 / §5 row 11: an allocation purged or garbage-collected (no event, gone from the
+    /// list) while its tasks were last seen running keeps its volume through its kill
+    /// grace (the client may still be killing it), then the volume is unpublished once.
+    #[test]
+    fn b15_vanished_alloc_is_unpublished_after_its_kill_grace() {
+        use std::time::{Duration, Instant};
+        let mut w = World::new(
+            &[volume("data", "multi-node-multi-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        let t0 = Instant::now();
+        w.view.replace_all_at(vec![], 200, t0);
+        w.settle();
+        assert_eq!(
+            w.unpublishes, 0,
+            "unpublished while the tasks may still run"
+        );
+        w.view.expire(t0 + Duration::from_secs(4));
+        w.settle();
+        assert_eq!(w.unpublishes, 0);
+        // Default kill timeout 5 s + margin 5 s.
+        assert_eq!(w.view.expire(t0 + Duration::from_secs(11)), 1);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+        // A finished allocation that vanishes goes at once.
+        let mut w = World::new(
+            &[volume("data", "multi-node-multi-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        let mut a = alloc(A1, &["data"], "complete", "stop");
+        a.modify_index = 300;
+        w.update(a);
+        w.view.remove_at(A1, t0);
         w.settle();
         assert_eq!(w.unpublishes, 1);
     }

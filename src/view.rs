@@ -6,6 +6,11 @@
 use crate::nomad::types::Allocation;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// Extra time, beyond an allocation's kill grace, before a vanished allocation counts as
+/// gone.
+pub const DEPARTURE_MARGIN: Duration = Duration::from_secs(5);
 
 /// This node's allocations by ID.
 #[derive(Debug, Default, Clone)]
@@ -13,6 +18,9 @@ pub struct View {
     complete: bool,
     index: u64,
     allocs: BTreeMap<String, Allocation>,
+    /// Allocations that vanished from Nomad (purge, GC) while their tasks were last seen
+    /// running: kept (as live) until the deadline, while the client kills their tasks.
+    departing: BTreeMap<String, Instant>,
 }
 
 /// One deferred volume an allocation needs.
@@ -41,13 +49,36 @@ impl View {
 
     /// Replaces everything with a full list taken at `index`. Jobs already known are kept
     /// for allocations whose listing lacks one.
+    /// Allocations missing from the list whose tasks were last seen running become
+    /// departing (see [`View::remove`]).
     pub fn replace_all(&mut self, list: Vec<Allocation>, index: u64) {
+        self.replace_all_at(list, index, Instant::now());
+    }
+
+    /// [`View::replace_all`] with an explicit clock.
+    pub fn replace_all_at(&mut self, list: Vec<Allocation>, index: u64, now: Instant) {
         let mut old = std::mem::take(&mut self.allocs);
         for mut a in list {
+            self.departing.remove(&a.id);
             if a.job.is_none() {
                 a.job = old.remove(&a.id).and_then(|o| o.job);
+            } else {
+                old.remove(&a.id);
             }
             self.allocs.insert(a.id.clone(), a);
+        }
+        for (id, a) in old {
+            if !a.tasks_finished() {
+                let deadline = self
+                    .departing
+                    .get(&id)
+                    .copied()
+                    .unwrap_or(now + a.kill_grace() + DEPARTURE_MARGIN);
+                self.departing.insert(id.clone(), deadline);
+                self.allocs.insert(id, a);
+            } else {
+                self.departing.remove(&id);
+            }
         }
         self.complete = true;
         self.index = index;
@@ -56,6 +87,7 @@ impl View {
     /// Applies one allocation update (an event payload or a fresh read). A payload without
     /// a Job keeps the Job already known. Stale updates (lower ModifyIndex) are ignored.
     pub fn upsert(&mut self, mut a: Allocation) {
+        self.departing.remove(&a.id);
         if let Some(old) = self.allocs.get(&a.id) {
             if a.modify_index != 0 && a.modify_index < old.modify_index {
                 return;
@@ -68,9 +100,45 @@ impl View {
         self.allocs.insert(a.id.clone(), a);
     }
 
-    /// Forgets an allocation (read back as 404: garbage-collected or purged).
+    /// An allocation read back as 404 (garbage-collected or purged: Nomad sends no event).
+    /// If its tasks were last seen running, the client may still be killing them: it stays
+    /// live until its kill grace has passed ([`Allocation::kill_grace`]), then goes.
     pub fn remove(&mut self, id: &str) {
-        self.allocs.remove(id);
+        self.remove_at(id, Instant::now());
+    }
+
+    /// [`View::remove`] with an explicit clock.
+    pub fn remove_at(&mut self, id: &str, now: Instant) {
+        match self.allocs.get(id) {
+            Some(a) if !a.tasks_finished() => {
+                let deadline = now + a.kill_grace() + DEPARTURE_MARGIN;
+                self.departing.entry(id.to_string()).or_insert(deadline);
+            }
+            _ => {
+                self.allocs.remove(id);
+                self.departing.remove(id);
+            }
+        }
+    }
+
+    /// Drops departing allocations whose deadline has passed. Returns how many went.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let due: Vec<String> = self
+            .departing
+            .iter()
+            .filter(|(_, d)| **d <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &due {
+            self.departing.remove(id);
+            self.allocs.remove(id);
+        }
+        due.len()
+    }
+
+    /// Number of departing allocations (status output).
+    pub fn departing(&self) -> usize {
+        self.departing.len()
     }
 
     /// True when the allocation is known and its tasks may still run on this node.

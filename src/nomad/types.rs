@@ -78,6 +78,30 @@ impl Allocation {
         }
     }
 
+    /// How long the client may take to kill this allocation's tasks once told to: its
+    /// group's shutdown delay plus the longest task kill timeout (default 5 s) and shutdown
+    /// delay. Used when an allocation vanishes from Nomad (purge, GC) while its tasks were
+    /// last seen running: its volumes stay until this has passed.
+    pub fn kill_grace(&self) -> std::time::Duration {
+        let Some(g) = self.group() else {
+            return std::time::Duration::from_secs(5);
+        };
+        let task = g
+            .tasks
+            .iter()
+            .map(|t| {
+                let kill = if t.kill_timeout == 0 {
+                    5_000_000_000
+                } else {
+                    t.kill_timeout
+                };
+                kill.saturating_add(t.shutdown_delay)
+            })
+            .max()
+            .unwrap_or(5_000_000_000);
+        std::time::Duration::from_nanos(g.shutdown_delay.saturating_add(task))
+    }
+
     /// The `[N]` suffix of the allocation name (`AllocSuffix`, `nomad/structs/funcs.go`),
     /// used for `per_alloc` volume sources; `None` when the name has no index.
     pub fn alloc_suffix(&self) -> Option<&str> {
@@ -122,6 +146,9 @@ pub struct TaskGroup {
     pub volumes: BTreeMap<String, VolumeRequest>,
     #[serde(rename = "Tasks", deserialize_with = "null_default")]
     pub tasks: Vec<Task>,
+    /// Nanoseconds (`*time.Duration`, `null` when unset).
+    #[serde(rename = "ShutdownDelay", deserialize_with = "null_default")]
+    pub shutdown_delay: u64,
 }
 
 /// `structs.VolumeRequest` (`nomad/structs/volumes.go`).
@@ -160,6 +187,12 @@ pub struct Task {
     pub lifecycle: Option<Lifecycle>,
     #[serde(rename = "VolumeMounts", deserialize_with = "null_default")]
     pub volume_mounts: Vec<VolumeMount>,
+    /// Nanoseconds.
+    #[serde(rename = "KillTimeout", deserialize_with = "null_default")]
+    pub kill_timeout: u64,
+    /// Nanoseconds.
+    #[serde(rename = "ShutdownDelay", deserialize_with = "null_default")]
+    pub shutdown_delay: u64,
 }
 
 /// `structs.TaskLifecycleConfig`.

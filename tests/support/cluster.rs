@@ -370,7 +370,8 @@ impl Cluster {
         std::fs::read_to_string(self.nodes[i].state_dir.join("journal.log"))
             .unwrap_or_default()
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
+            // A line being appended right now may be incomplete: skip it.
+            .filter_map(|l| serde_json::from_str(l).ok())
             .collect()
     }
 }
