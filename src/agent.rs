@@ -96,7 +96,6 @@ struct Agent {
     done_tx: mpsc::UnboundedSender<Completion>,
 }
 
-const FINGERPRINT_EVERY: Duration = Duration::from_secs(15);
 const STEP_BACKOFF_BASE: Duration = Duration::from_secs(1);
 const STEP_BACKOFF_CAP: Duration = Duration::from_secs(60);
 
@@ -301,7 +300,7 @@ impl Agent {
         }
         let due = self
             .last_fingerprint
-            .is_none_or(|t| t.elapsed() >= FINGERPRINT_EVERY);
+            .is_none_or(|t| t.elapsed() >= self.cfg.plugin_rescan);
         if due && !self.fingerprinting {
             self.fingerprinting = true;
             self.last_fingerprint = Some(Instant::now());
@@ -653,18 +652,11 @@ impl Agent {
             }
         }
         let now = Instant::now();
+        let (mut add, mut remove) = (Vec::new(), Vec::new());
         for step in plan.steps {
             match step {
-                Step::AddUser(u) => {
-                    if let Err(e) = self.journal.add_user(u) {
-                        tracing::error!(error = %e, "journal write failed");
-                    }
-                }
-                Step::RemoveUser(u) => {
-                    if let Err(e) = self.journal.remove_user(&u) {
-                        tracing::error!(error = %e, "journal write failed");
-                    }
-                }
+                Step::AddUser(u) => add.push(u),
+                Step::RemoveUser(u) => remove.push(u),
                 Step::Publish {
                     volume,
                     alloc_id,
@@ -717,6 +709,9 @@ impl Agent {
                     )));
                 }
             }
+        }
+        if let Err(e) = self.journal.change_users(&add, &remove) {
+            tracing::error!(error = %e, "journal write failed");
         }
         self.drive_placeholders(&deferred, now);
         self.drive_workers(&deferred, now);

@@ -88,6 +88,9 @@ pub struct AgentConfig {
     /// How often plugins are re-fingerprinted and failed steps are retried.
     #[arg(long, env = "DHV_BINDER_TICK", default_value = "2s", value_parser = humantime::parse_duration)]
     pub tick: Duration,
+    /// How often the plugin directory is rescanned and plugins fingerprinted again.
+    #[arg(long, env = "DHV_BINDER_PLUGIN_RESCAN", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub plugin_rescan: Duration,
     /// Plugin calls on different volumes run in parallel up to this bound.
     #[arg(long, env = "DHV_BINDER_MAX_PARALLEL", default_value_t = 8)]
     pub max_parallel: usize,

@@ -198,6 +198,40 @@ impl Journal {
         Ok(())
     }
 
+    /// Adds and removes user records in one durable write (one fsync for a whole plan,
+    /// however many allocations stop at once).
+    pub fn change_users(
+        &mut self,
+        add: &[UserKey],
+        remove: &[UserKey],
+    ) -> Result<(), JournalError> {
+        let before = self.users.clone();
+        let added: Vec<&UserKey> = add
+            .iter()
+            .filter(|u| self.users.insert((*u).clone()))
+            .collect();
+        let removed: Vec<&UserKey> = remove.iter().filter(|u| self.users.remove(*u)).collect();
+        if added.is_empty() && removed.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = self.persist() {
+            self.users = before;
+            return Err(e);
+        }
+        let mut lines = Vec::new();
+        for (event, list) in [("user-added", &added), ("user-removed", &removed)] {
+            for u in list.iter() {
+                lines.push((
+                    event,
+                    &u.volume,
+                    Some(u.alloc_id.as_str()),
+                    serde_json::Value::Null,
+                ));
+            }
+        }
+        self.log_many(&lines)
+    }
+
     /// Adds an allocation as a user of a published volume.
     pub fn add_user(&mut self, user: UserKey) -> Result<(), JournalError> {
         if self.users.insert(user.clone()) {
@@ -265,6 +299,15 @@ impl Journal {
         alloc: Option<&str>,
         detail: serde_json::Value,
     ) -> Result<(), JournalError> {
+        self.log_many(&[(event, volume, alloc, detail)])
+    }
+
+    /// Appends history lines with one write and one fsync.
+    #[allow(clippy::type_complexity)]
+    fn log_many(
+        &self,
+        entries: &[(&str, &VolumeKey, Option<&str>, serde_json::Value)],
+    ) -> Result<(), JournalError> {
         let path = self.dir.join("journal.log");
         let werr = |source| JournalError::Write {
             path: path.clone(),
@@ -280,16 +323,21 @@ impl Journal {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        let line = serde_json::json!({
-            "time": now_secs(), "unix_ms": unix_ms, "event": event, "volume": volume.to_string(),
-            "alloc_id": alloc, "detail": detail,
-        });
+        let mut text = String::new();
+        for (event, volume, alloc, detail) in entries {
+            let line = serde_json::json!({
+                "time": now_secs(), "unix_ms": unix_ms, "event": event, "volume": volume.to_string(),
+                "alloc_id": alloc, "detail": detail,
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
             .map_err(werr)?;
-        writeln!(f, "{line}").map_err(werr)?;
+        f.write_all(text.as_bytes()).map_err(werr)?;
         f.sync_data().map_err(werr)
     }
 }

@@ -4,11 +4,11 @@
 
 mod support;
 
-use dhv_binder::config::{AgentConfig, NomadConfig};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;
 use support::fake_nomad::FakeNomad;
+use support::inproc::{agent_config, ready, start_agent, status};
 use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
 
 fn shared(dir: &str, name: &str) -> String {
@@ -26,64 +26,6 @@ fn fixture(name: &str) -> Value {
 const NODE_A: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 const ALLOC: &str = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
 
-struct Running {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-fn agent_config(sb: &Sandbox) -> AgentConfig {
-    AgentConfig {
-        state_dir: sb.join("state"),
-        socket: sb.join("run/api.sock"),
-        plugin_dir: sb.join("plugins"),
-        volumes_dir: Some(sb.join("volumes")),
-        plugin_timeout: Duration::from_secs(10),
-        stream_idle_timeout: Duration::from_secs(95),
-        resync_interval: Duration::from_secs(300),
-        tick: Duration::from_millis(200),
-        max_parallel: 4,
-        claim_ttl: Duration::from_secs(15),
-        claim_lock_delay: Duration::from_secs(15),
-        audiences: vec![],
-    }
-}
-
-fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
-    let nomad = NomadConfig {
-        address: fake.addr.clone(),
-        token: None,
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    };
-    let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
-    let (stop, rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(async move {
-        dhv_binder::agent::run(cfg, client, async {
-            let _ = rx.await;
-        })
-        .await
-        .expect("agent failed");
-    });
-    Running { stop, task }
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
-    }
-}
-
-async fn status(cfg: &AgentConfig) -> Value {
-    dhv_binder::api::client::call(&cfg.socket, hyper::Method::GET, "/v1/status", None)
-        .await
-        .unwrap_or(Value::Null)
-}
-
 /// The volume record for the fixtures' `orders-data`, served by plugin `fake`.
 fn orders_record(fake: &FakeNomad) {
     let spec = json!({"name": "orders-data", "namespace": "default", "plugin_id": "fake",
@@ -96,19 +38,6 @@ fn orders_record(fake: &FakeNomad) {
         json!({"id": "c7e4a2d9-1f3b-4c56-8a9e-2b7d4f1e6a83", "spec": spec.to_string(), "secrets": "{}",
                "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
     );
-}
-
-async fn ready(cfg: &AgentConfig, fake: &FakeNomad) {
-    let mut ok = false;
-    for _ in 0..200 {
-        let s = status(cfg).await;
-        if s["view"]["complete"] == true && !fake.state.lock().unwrap().host_volumes.is_empty() {
-            ok = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(ok, "agent never got ready: {}", status(cfg).await);
 }
 
 fn stream_lines() -> Vec<String> {
@@ -143,7 +72,7 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
     recording_plugin(&sb.join("plugins"), "fake");
     let cfg = agent_config(&sb);
     let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake).await;
+    ready(&cfg, &fake, 1).await;
     let placeholder = &fake.state.lock().unwrap().host_volumes[0].clone();
     assert_eq!(placeholder["Name"], "orders-data");
     assert_eq!(placeholder["NodeID"], NODE_A);
@@ -281,7 +210,7 @@ async fn real_capture_frames_cause_no_plugin_calls() {
     recording_plugin(&sb.join("plugins"), "fake");
     let cfg = agent_config(&sb);
     let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake).await;
+    ready(&cfg, &fake, 1).await;
     fake.push(&serde_json::to_string(&v).unwrap());
     for line in shared(
         "nomad-captures",

@@ -1,4 +1,6 @@
-//! Shared test support: a fake Nomad, a mount-cleaning sandbox, and the end-to-end cluster.
+//! Shared test support: a fake Nomad, the in-process agent, a mount-cleaning sandbox, and
+//! the end-to-end cluster.
 pub mod cluster;
 pub mod fake_nomad;
+pub mod inproc;
 pub mod sandbox;

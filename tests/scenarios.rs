@@ -1,0 +1,451 @@
+//! Field scenarios (../shared/scenarios.md) as replay tests: the real agent in-process
+//! against the fake Nomad, with plugins that record their calls and do real mounts.
+
+mod support;
+
+use serde_json::{json, Value};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use support::fake_nomad::FakeNomad;
+use support::inproc::{agent_config, alloc_json, frame, ready, start_agent, status, volume_record};
+use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
+
+const NODE: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
+/// The allocation of the fixture workload identity token (so its prestart call verifies).
+const TOKEN_ALLOC: &str = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
+
+fn alloc_id(n: u32) -> String {
+    format!("00000000-0000-4000-8000-{n:012}")
+}
+
+fn fixture(name: &str) -> Value {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/nomad-fixtures")
+        .join(name);
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn token() -> String {
+    fixture("workload-identity.json")["default_identity"]["compact"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn fake() -> FakeNomad {
+    FakeNomad::start(NODE, fixture("jwks.json")).await
+}
+
+fn count(plugins: &Path, op: &str) -> usize {
+    calls(plugins).iter().filter(|c| c.starts_with(op)).count()
+}
+
+/// B03: the plugin is gone (drained, removed) when the allocation ends: the unpublish stays
+/// pending in the journal, visible in status, survives a daemon restart, and runs exactly
+/// once when the plugin returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b03_pending_unpublish_waits_for_the_plugin_across_restarts() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    recording_plugin(&sb.join("plugins"), "fake");
+    let plugins = sb.join("plugins");
+    let a1 = alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100);
+    fake.put_alloc(a1.clone());
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    eventually(10, "publish", || count(&plugins, "publish") == 1).await;
+
+    // The plugin goes away, then the allocation completes.
+    std::fs::create_dir_all(sb.join("away")).unwrap();
+    std::fs::rename(plugins.join("fake"), sb.join("away/fake")).unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut done = a1.clone();
+    done["ClientStatus"] = json!("complete");
+    done["TaskStates"]["app"]["State"] = json!("dead");
+    done["ModifyIndex"] = json!(110);
+    fake.push(&frame(110, "AllocationUpdated", &done));
+    let mut pending = Value::Null;
+    for _ in 0..100 {
+        pending = status(&cfg).await;
+        if pending["waiting"].as_array().is_some_and(|w| !w.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reason = pending["waiting"][0]["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(reason.contains("pending unpublish"), "{pending}");
+    assert_eq!(
+        pending["mounts"].as_array().unwrap().len(),
+        1,
+        "the record must stay"
+    );
+
+    // A restart in the middle: the entry is still there, still pending.
+    agent.stop().await;
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 0).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let s = status(&cfg).await;
+    assert_eq!(s["mounts"].as_array().unwrap().len(), 1, "{s}");
+    assert_eq!(count(&plugins, "unpublish"), 0);
+
+    // The plugin returns: exactly one unpublish, then the record is cleared.
+    std::fs::rename(sb.join("away/fake"), plugins.join("fake")).unwrap();
+    eventually(10, "unpublish after the plugin returned", || {
+        count(&plugins, "unpublish") == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(count(&plugins, "unpublish"), 1);
+    assert!(status(&cfg).await["mounts"].as_array().unwrap().is_empty());
+    agent.stop().await;
+}
+
+/// B10 (b): the daemon restarts while the allocation runs; the journal reloaded from disk
+/// holds it, the healthy mount is not published again, and the later terminal event causes
+/// exactly one unpublish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b10_restart_while_running_then_terminal_unpublishes_once() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    volume_record(&fake, "default", "v1", "fake", "single-node-writer");
+    recording_plugin(&sb.join("plugins"), "fake");
+    let plugins = sb.join("plugins");
+    let a1 = alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100);
+    fake.put_alloc(a1.clone());
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    eventually(10, "published and the user recorded", || {
+        std::fs::read_to_string(sb.join("state/journal.json"))
+            .is_ok_and(|j| j.contains(&alloc_id(1)))
+    })
+    .await;
+    agent.stop().await;
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 0).await;
+    let s = status(&cfg).await;
+    assert_eq!(s["users"].as_array().unwrap().len(), 1, "{s}");
+    let mut done = a1.clone();
+    done["ClientStatus"] = json!("complete");
+    done["TaskStates"]["app"]["State"] = json!("dead");
+    done["ModifyIndex"] = json!(120);
+    fake.push(&frame(120, "AllocationUpdated", &done));
+    eventually(10, "unpublish", || count(&plugins, "unpublish") == 1).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        (count(&plugins, "publish"), count(&plugins, "unpublish")),
+        (1, 1),
+        "{:?}",
+        calls(&plugins)
+    );
+    // The claim was renewed after the restart (from the journal's lock ID), then released.
+    let ops = fake.state.lock().unwrap().lock_ops.clone();
+    assert_eq!(ops.first().map(String::as_str), Some("acquire"), "{ops:?}");
+    assert!(
+        ops.contains(&"renew".to_string()) && ops.last().map(String::as_str) == Some("release"),
+        "{ops:?}"
+    );
+    agent.stop().await;
+}
+
+/// B13: after a restart the plugin is unavailable for a while. Meanwhile nothing is
+/// unpublished and the running allocation's record stays; a second allocation's prestart
+/// call (for a volume not yet mounted here) gets a retryable error (503), not a permanent
+/// one; when the plugin appears the second allocation is served and the first volume is
+/// not published again. (A second allocation of an already mounted volume is served at
+/// once without the plugin: it only becomes a user of the mount.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b13_plugin_late_after_restart() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    volume_record(
+        &fake,
+        "default",
+        "orders-data",
+        "fake",
+        "multi-node-multi-writer",
+    );
+    recording_plugin(&sb.join("plugins"), "fake");
+    let plugins = sb.join("plugins");
+    fake.put_alloc(alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100));
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    eventually(10, "published and the user recorded", || {
+        std::fs::read_to_string(sb.join("state/journal.json"))
+            .is_ok_and(|j| j.contains(&alloc_id(1)))
+    })
+    .await;
+    agent.stop().await;
+
+    std::fs::create_dir_all(sb.join("away")).unwrap();
+    std::fs::rename(plugins.join("fake"), sb.join("away/fake")).unwrap();
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 0).await;
+    // The second allocation is the fixture token's; it needs a volume not mounted yet.
+    let mut a2 = alloc_json(TOKEN_ALLOC, NODE, &["orders-data"], "pending", 130);
+    a2["ClientStatus"] = json!("pending");
+    fake.put_alloc(a2.clone());
+    fake.push(&frame(130, "PlanResult", &a2));
+    let err = dhv_binder::api::client::call(
+        &cfg.socket,
+        hyper::Method::POST,
+        &format!("/v1/allocations/{TOKEN_ALLOC}/publish?wait=1s"),
+        Some(&token()),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        err.is_retryable(),
+        "a missing plugin must be retryable: {err}"
+    );
+    assert_eq!(count(&plugins, "unpublish"), 0);
+    let s = status(&cfg).await;
+    assert_eq!(s["mounts"].as_array().unwrap().len(), 1, "{s}");
+    assert_eq!(s["users"].as_array().unwrap().len(), 1, "{s}");
+
+    std::fs::rename(sb.join("away/fake"), plugins.join("fake")).unwrap();
+    let reply = dhv_binder::api::client::call(
+        &cfg.socket,
+        hyper::Method::POST,
+        &format!("/v1/allocations/{TOKEN_ALLOC}/publish?wait=10s"),
+        Some(&token()),
+    )
+    .await
+    .expect("publish once the plugin is back");
+    assert_eq!(reply["volumes"].as_array().unwrap().len(), 1);
+    let publishes: Vec<String> = calls(&plugins)
+        .into_iter()
+        .filter(|c| c.starts_with("publish"))
+        .collect();
+    assert_eq!(publishes.len(), 2, "{publishes:?}");
+    assert!(
+        publishes[1].contains("orders-data"),
+        "the healthy mount of v1 was published again: {publishes:?}"
+    );
+    agent.stop().await;
+}
+
+/// B22: an unpublish that unmounted, then timed out before reporting, is retried; the retry
+/// finds nothing mounted and succeeds: the record is cleared after exactly one retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b22_unpublish_retry_after_timeout_succeeds() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    let plugins = sb.join("plugins");
+    recording_plugin(&plugins, "real");
+    // "fake" delegates to "real", but its first unpublish hangs after unmounting.
+    script(
+        &plugins.join("fake"),
+        &format!(
+            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\n{real} \"$@\" || exit $?\nif [ \"$1\" = unpublish ] && [ ! -e {marker} ]; then touch {marker}; sleep 30; fi\n",
+            real = plugins.join("real").display(),
+            marker = sb.join("hung-once").display()
+        ),
+    );
+    fake.put_alloc(alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100));
+    let mut cfg = agent_config(&sb);
+    cfg.plugin_timeout = Duration::from_secs(2);
+    let agent = start_agent(&fake, cfg.clone());
+    eventually(10, "publish", || count(&plugins, "publish") == 1).await;
+    let mut done = alloc_json(&alloc_id(1), NODE, &["v1"], "complete", 140);
+    done["DesiredStatus"] = json!("stop");
+    fake.push(&frame(140, "AllocationUpdated", &done));
+    eventually(20, "the retried unpublish", || {
+        count(&plugins, "unpublish") == 2
+            && std::fs::read_to_string(sb.join("state/journal.json"))
+                .is_ok_and(|j| !j.contains("\"v1\""))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        count(&plugins, "unpublish"),
+        2,
+        "no error loop: {:?}",
+        calls(&plugins)
+    );
+    agent.stop().await;
+}
+
+/// B23: three allocations on the node need one volume within milliseconds. The plugin
+/// aborts any call that overlaps another on the same volume; dhv-binder never overlaps
+/// them: one publish, three users, no abort.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b23_simultaneous_publishes_never_overlap() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    let plugins = sb.join("plugins");
+    recording_plugin(&plugins, "real");
+    script(
+        &plugins.join("fake"),
+        &format!(
+            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\nlock={lock}/$DHV_VOLUME_NAME\nmkdir -p {lock}\nif ! mkdir \"$lock\" 2>/dev/null; then echo aborted >> {lock}/aborts; echo '{{\"error\":\"Aborted: an operation with the given volume ID already exists\"}}'; exit 1; fi\nsleep 0.3\n{real} \"$@\"; rc=$?\nrmdir \"$lock\"\nexit $rc\n",
+            real = plugins.join("real").display(),
+            lock = sb.join("locks").display()
+        ),
+    );
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 1).await;
+    for n in 1..=3 {
+        let a = alloc_json(&alloc_id(n), NODE, &["v1"], "pending", 200 + n as u64);
+        fake.put_alloc(a.clone());
+        fake.push(&frame(200 + n as u64, "PlanResult", &a));
+    }
+    eventually(15, "three users", || {
+        std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
+            serde_json::from_str::<Value>(&j).unwrap()["users"]
+                .as_array()
+                .unwrap()
+                .len()
+                == 3
+        })
+    })
+    .await;
+    assert_eq!(count(&plugins, "publish"), 1);
+    assert!(
+        !sb.join("locks/aborts").exists(),
+        "the plugin saw overlapping calls"
+    );
+    agent.stop().await;
+}
+
+/// B28: identifiers that try to escape (allocation IDs with `../`, plugin IDs and volume
+/// names with traversal) are refused before any filesystem or exec action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b28_traversal_identifiers_are_refused() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    let plugins = sb.join("plugins");
+    recording_plugin(&plugins, "fake");
+    // Records written by someone else with hostile contents.
+    let bad_spec = |name: &str, plugin: &str| {
+        json!({"name": name, "namespace": "default", "plugin_id": plugin, "capacity_min": 0,
+               "capacity_max": 0, "node_pool": "", "parameters": {},
+               "capabilities": [{"access_mode": "multi-node-multi-writer", "attachment_mode": "file-system"}]})
+        .to_string()
+    };
+    for (path, name, plugin) in [
+        ("dhv-binder/volumes/evil1", "evil1", "../../bin/sh"),
+        ("dhv-binder/volumes/evil2", "../../etc", "fake"),
+        ("dhv-binder/volumes/evil3", "a\nb", "fake"),
+    ] {
+        fake.put_var(
+            "default",
+            path,
+            json!({"id": uuid::Uuid::new_v4().to_string(), "spec": bad_spec(name, plugin), "secrets": "{}",
+                   "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
+        );
+    }
+    fake.put_alloc(alloc_json(
+        &alloc_id(1),
+        NODE,
+        &["../../etc", "evil1"],
+        "running",
+        100,
+    ));
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 0).await;
+    for id in [
+        "../x",
+        "..%2F..%2Fetc",
+        "5B0E8F7A-2C4D-4E19-B6A3-9D8C1F2E4A70",
+        "not-a-uuid",
+    ] {
+        let err = dhv_binder::api::client::call(
+            &cfg.socket,
+            hyper::Method::POST,
+            &format!("/v1/allocations/{id}/publish"),
+            Some(&token()),
+        )
+        .await
+        .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("HTTP 400") || text.contains("HTTP 404"),
+            "{id}: {text}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(calls(&plugins).is_empty(), "{:?}", calls(&plugins));
+    let s = status(&cfg).await;
+    assert!(
+        s["volumes"].as_array().unwrap().is_empty(),
+        "hostile records were loaded: {s}"
+    );
+    assert!(fake.state.lock().unwrap().host_volumes.is_empty());
+    let mnt = std::fs::read_dir(sb.join("state/mnt"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(mnt, 0, "paths were created for hostile names");
+    agent.stop().await;
+}
+
+/// B31: 20 allocations × 20 volumes on one node stop together: 20 node-level releases (400
+/// user records) due at once, the plugin taking 150 ms per call and rejecting concurrent
+/// calls on one volume. dhv-binder queues instead of failing: all finish, none dropped or
+/// repeated, well under 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    let plugins = sb.join("plugins");
+    recording_plugin(&plugins, "real");
+    script(
+        &plugins.join("fake"),
+        &format!(
+            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\nlock={lock}/$DHV_VOLUME_NAME\nmkdir -p {lock}\nif ! mkdir \"$lock\" 2>/dev/null; then echo '{{\"error\":\"Aborted\"}}'; exit 1; fi\nsleep 0.15\n{real} \"$@\"; rc=$?\nrmdir \"$lock\"\nexit $rc\n",
+            real = plugins.join("real").display(),
+            lock = sb.join("locks").display()
+        ),
+    );
+    let vols: Vec<String> = (0..20).map(|i| format!("v{i:02}")).collect();
+    for v in &vols {
+        volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
+    }
+    let refs: Vec<&str> = vols.iter().map(String::as_str).collect();
+    let allocs: Vec<Value> = (1..=20)
+        .map(|n| alloc_json(&alloc_id(n), NODE, &refs, "running", 100 + n as u64))
+        .collect();
+    for a in &allocs {
+        fake.put_alloc(a.clone());
+    }
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    eventually(60, "400 users", || {
+        std::fs::read_to_string(sb.join("state/journal.json"))
+            .ok()
+            .and_then(|j| serde_json::from_str::<Value>(&j).ok())
+            .is_some_and(|j| j["users"].as_array().unwrap().len() == 400)
+    })
+    .await;
+    let started = Instant::now();
+    for (i, a) in allocs.iter().enumerate() {
+        let mut done = a.clone();
+        done["ClientStatus"] = json!("complete");
+        done["TaskStates"]["app"]["State"] = json!("dead");
+        done["ModifyIndex"] = json!(1000 + i as u64);
+        fake.push(&frame(1000 + i as u64, "AllocationUpdated", &done));
+    }
+    eventually(30, "20 unpublishes", || count(&plugins, "unpublish") == 20).await;
+    let took = started.elapsed();
+    eprintln!("B31: 400 releases (20 node-level unpublishes) took {took:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for v in &vols {
+        let ops: Vec<String> = calls(&plugins)
+            .into_iter()
+            .filter(|c| c.split_whitespace().nth(1) == Some(&format!("default/{v}")))
+            .map(|c| c.split_whitespace().next().unwrap().to_string())
+            .collect();
+        assert_eq!(ops, ["publish", "unpublish"], "{v}");
+    }
+    assert!(took < Duration::from_secs(30));
+    agent.stop().await;
+}

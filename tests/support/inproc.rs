@@ -1,0 +1,149 @@
+//! The real agent run in-process against the fake Nomad, and builders for what the fake
+//! serves.
+
+#![allow(dead_code)]
+
+use super::fake_nomad::FakeNomad;
+use super::sandbox::Sandbox;
+use dhv_binder::config::{AgentConfig, NomadConfig};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// A running in-process agent.
+pub struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops the agent as SIGTERM would, and waits for it.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    }
+
+    /// Stops the agent abruptly (as SIGKILL would: nothing runs after).
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+/// Settings for a test agent in the sandbox: fast tick, short plugin timeout.
+pub fn agent_config(sb: &Sandbox) -> AgentConfig {
+    AgentConfig {
+        state_dir: sb.join("state"),
+        socket: sb.join("run/api.sock"),
+        plugin_dir: sb.join("plugins"),
+        volumes_dir: Some(sb.join("volumes")),
+        plugin_timeout: Duration::from_secs(10),
+        stream_idle_timeout: Duration::from_secs(95),
+        resync_interval: Duration::from_secs(300),
+        tick: Duration::from_millis(200),
+        plugin_rescan: Duration::from_millis(500),
+        max_parallel: 8,
+        claim_ttl: Duration::from_secs(15),
+        claim_lock_delay: Duration::from_secs(15),
+        audiences: vec![],
+    }
+}
+
+/// Starts the agent against `fake`.
+pub fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
+    let nomad = NomadConfig {
+        address: fake.addr.clone(),
+        token: None,
+        region: None,
+        namespace: "default".into(),
+        ca_cert: None,
+        client_cert: None,
+        client_key: None,
+        skip_verify: false,
+    };
+    let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
+    let (stop, rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        dhv_binder::agent::run(cfg, client, async {
+            let _ = rx.await;
+        })
+        .await
+        .expect("agent failed");
+    });
+    Running { stop, task }
+}
+
+/// The agent's status document (`Null` while it is not up).
+pub async fn status(cfg: &AgentConfig) -> Value {
+    dhv_binder::api::client::call(&cfg.socket, hyper::Method::GET, "/v1/status", None)
+        .await
+        .unwrap_or(Value::Null)
+}
+
+/// Waits until the agent has a complete view and `placeholders` registered.
+pub async fn ready(cfg: &AgentConfig, fake: &FakeNomad, placeholders: usize) {
+    for _ in 0..300 {
+        let s = status(cfg).await;
+        if s["view"]["complete"] == true
+            && fake.state.lock().unwrap().host_volumes.len() >= placeholders
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("agent never got ready: {}", status(cfg).await);
+}
+
+/// Stores a ready volume record served by `plugin`.
+pub fn volume_record(fake: &FakeNomad, ns: &str, name: &str, plugin: &str, access_mode: &str) {
+    let spec = json!({"name": name, "namespace": ns, "plugin_id": plugin,
+        "capacity_min": 0, "capacity_max": 0, "node_pool": "",
+        "capabilities": [{"access_mode": access_mode, "attachment_mode": "file-system"}],
+        "parameters": {}});
+    fake.put_var(
+        ns,
+        &dhv_binder::volume::record_path(name),
+        json!({"id": uuid::Uuid::new_v4().to_string(), "spec": spec.to_string(), "secrets": "{}",
+               "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
+    );
+}
+
+/// A full allocation (with Job) on `node` using host volume `sources`, as Nomad serves it.
+pub fn alloc_json(
+    id: &str,
+    node: &str,
+    sources: &[&str],
+    client_status: &str,
+    modify_index: u64,
+) -> Value {
+    let volumes: serde_json::Map<String, Value> = sources
+        .iter()
+        .map(|s| {
+            (
+                format!("v-{s}"),
+                json!({"Name": format!("v-{s}"), "Type": "host", "Source": s, "ReadOnly": false,
+                       "Sticky": false, "AccessMode": "", "AttachmentMode": "", "MountOptions": null, "PerAlloc": false}),
+            )
+        })
+        .collect();
+    json!({
+        "ID": id, "Namespace": "default", "Name": "job.g[0]", "NodeID": node, "JobID": "job",
+        "TaskGroup": "g", "DesiredStatus": "run", "ClientStatus": client_status,
+        "ModifyIndex": modify_index, "AllocModifyIndex": modify_index, "CreateIndex": modify_index,
+        "Job": {"ID": "job", "Namespace": "default", "Type": "service", "Version": 0,
+                "TaskGroups": [{"Name": "g", "Volumes": volumes, "ShutdownDelay": null,
+                    "Tasks": [{"Name": "app", "Driver": "exec", "Lifecycle": null, "VolumeMounts": null,
+                               "KillTimeout": 1_000_000_000u64, "ShutdownDelay": 0}]}]},
+        "TaskStates": {"app": {"State": if client_status == "running" { "running" } else if client_status == "pending" { "pending" } else { "dead" },
+                               "Failed": client_status == "failed", "Restarts": 0, "LastRestart": null,
+                               "StartedAt": null, "FinishedAt": null, "Events": []}}
+    })
+}
+
+/// An allocation event frame for `alloc` (payload without Job, as Nomad sends it).
+pub fn frame(index: u64, event_type: &str, alloc: &Value) -> String {
+    let mut payload = alloc.clone();
+    payload.as_object_mut().unwrap().remove("Job");
+    json!({"Index": index, "Events": [{"Topic": "Allocation", "Type": event_type, "Key": alloc["ID"],
+        "Namespace": "default", "FilterKeys": [alloc["JobID"], ""], "Index": index,
+        "Payload": {"Allocation": payload}}]})
+    .to_string()
+}
