@@ -652,11 +652,22 @@ impl Agent {
             }
         }
         let now = Instant::now();
+        // Journal-only steps first, in one durable write, before any plugin call starts.
         let (mut add, mut remove) = (Vec::new(), Vec::new());
+        let mut calls = Vec::new();
         for step in plan.steps {
             match step {
                 Step::AddUser(u) => add.push(u),
                 Step::RemoveUser(u) => remove.push(u),
+                other => calls.push(other),
+            }
+        }
+        if let Err(e) = self.journal.change_users(&add, &remove) {
+            tracing::error!(error = %e, "journal write failed");
+        }
+        for step in calls {
+            match step {
+                Step::AddUser(_) | Step::RemoveUser(_) => {}
                 Step::Publish {
                     volume,
                     alloc_id,
@@ -709,9 +720,6 @@ impl Agent {
                     )));
                 }
             }
-        }
-        if let Err(e) = self.journal.change_users(&add, &remove) {
-            tracing::error!(error = %e, "journal write failed");
         }
         self.drive_placeholders(&deferred, now);
         self.drive_workers(&deferred, now);
