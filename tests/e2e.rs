@@ -151,3 +151,205 @@ async fn example_job_publishes_before_main_task_and_keeps_data_after_stop() {
         "the plugin's delete left the storage behind"
     );
 }
+
+fn mount_id(target: &std::path::Path) -> Option<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .find(|l| {
+            l.split(' ')
+                .nth(4)
+                .is_some_and(|p| std::path::Path::new(p) == target)
+        })
+        .map(|l| l.split(' ').next().unwrap().to_string())
+}
+
+fn published_count(c: &Cluster, node: usize) -> usize {
+    c.journal(node)
+        .iter()
+        .filter(|e| e["event"] == "publish-done")
+        .count()
+}
+
+/// B02 and §5 row 2: restarting the allocation's main task leaves the volume alone (same
+/// mount, no unpublish, no second publish); restarting all tasks re-runs the prestart
+/// task, whose publish call is answered with the same path without a second mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b02_alloc_restart_keeps_the_same_mount() {
+    let c = Cluster::start(1).await;
+    c.create_volume("shared-data", "single-node-writer");
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = c
+        .wait_for(60, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let id = alloc["ID"].as_str().unwrap().to_string();
+    let target = c.target(0, "shared-data");
+    let before = mount_id(&target).expect("published");
+
+    for (all, restarts) in [(false, 1), (true, 2)] {
+        let r = c
+            .http
+            .put(format!("{}/v1/client/allocation/{id}/restart", c.server))
+            .json(&serde_json::json!({"AllTasks": all}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "restart: {}", r.status());
+        c.wait_for(60, "the main task restarted and running", || async {
+            c.allocs(&job).await.into_iter().find(|a| {
+                a["ID"] == id.as_str()
+                    && task_state(a, "app")["Restarts"].as_u64() >= Some(restarts)
+                    && task_state(a, "app")["State"] == "running"
+            })
+        })
+        .await;
+        assert_eq!(
+            mount_id(&target).as_deref(),
+            Some(before.as_str()),
+            "the mount changed (all tasks: {all})"
+        );
+        assert_eq!(support::cluster::mount_count(&target), 1);
+        assert_eq!(
+            published_count(&c, 0),
+            1,
+            "published again (all tasks: {all})"
+        );
+        assert!(
+            !c.journal(0)
+                .iter()
+                .any(|e| e["event"] == "unpublish-intent"),
+            "unpublished on a restart"
+        );
+    }
+    // The prestart task ran twice: once at start, once for the all-tasks restart.
+    let a = c.get(&format!("/v1/allocation/{id}")).await;
+    assert!(
+        task_state(&a, "publish-volumes")["Restarts"].as_u64() >= Some(1) || {
+            let log = std::fs::read_to_string(c.sb.join(&format!(
+                "sim/node-1/alloc/{id}/alloc/logs/publish-volumes.stdout.0"
+            )))
+            .unwrap_or_default();
+            log.matches("published at").count() >= 2
+        },
+        "the prestart task did not run again: {a}"
+    );
+    c.stop_job(&job, false).await;
+}
+
+/// B26 and §5 row 15: a reader volume is published read-only; a task whose volume_mount
+/// says read_only = false still cannot write (EROFS); after the stop, the unpublish uses
+/// the stored target and no mount remains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b26_reader_volume_is_read_only_and_unpublished_at_the_stored_path() {
+    let c = Cluster::start(1).await;
+    c.create_volume("ro-data", "single-node-reader-only");
+    let spec = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl"))
+        .unwrap()
+        .replace("shared-data-demo", "ro-demo")
+        .replace("source          = \"shared-data\"", "source          = \"ro-data\"\n      read_only       = true")
+        .replace("single-node-writer", "single-node-reader-only")
+        .replace(
+            "echo \"$(date -u +%Y-%m-%dT%H:%M:%SZ) written by allocation $NOMAD_ALLOC_ID\" >> /data/greetings.txt",
+            "if touch /data/probe 2>/tmp/err; then echo WRITABLE; else cat /tmp/err; fi",
+        )
+        .replace("cat /data/greetings.txt", "ls /data");
+    let path = c.sb.join("ro.nomad.hcl");
+    std::fs::write(&path, spec).unwrap();
+    let job = c.run_job(&path).await;
+    let alloc = c
+        .wait_for(60, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let id = alloc["ID"].as_str().unwrap();
+    let log =
+        c.sb.join(&format!("sim/node-1/alloc/{id}/alloc/logs/app.stdout.0"));
+    let out = c
+        .wait_for(20, "the write attempt", || async {
+            std::fs::read_to_string(&log)
+                .ok()
+                .filter(|t| t.contains("Read-only") || t.contains("WRITABLE"))
+        })
+        .await;
+    assert!(out.contains("Read-only file system"), "{out}");
+    let target = c.target(0, "ro-data");
+    let publish = c
+        .journal(0)
+        .into_iter()
+        .find(|e| e["event"] == "publish-done")
+        .unwrap();
+    assert_eq!(publish["detail"]["read_only"], true);
+    c.stop_job(&job, false).await;
+    c.wait_for(30, "unpublished", || async {
+        c.journal(0)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .map(|_| ())
+    })
+    .await;
+    let intent = c
+        .journal(0)
+        .into_iter()
+        .find(|e| e["event"] == "unpublish-intent")
+        .unwrap();
+    assert_eq!(intent["detail"]["target"], publish["detail"]["target"]);
+    assert_eq!(support::cluster::mount_count(&target), 0);
+}
+
+/// B15: `job stop -purge` deletes the allocation from Nomad with no event; the client kills
+/// the tasks a moment later. The periodic relist finds the allocation gone, its volume is
+/// kept through the allocation's kill grace, then unpublished exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_RESYNC_INTERVAL", "2s")]).await;
+    c.create_volume("shared-data", "single-node-writer");
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    c.wait_for(60, "the main task running", || async {
+        c.allocs(&job)
+            .await
+            .into_iter()
+            .find(|a| task_state(a, "app")["State"] == "running")
+    })
+    .await;
+    let purged_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    c.stop_job(&job, true).await;
+    c.wait_for(40, "the unpublish", || async {
+        c.journal(0)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .cloned()
+    })
+    .await;
+    let intents: Vec<u64> = c
+        .journal(0)
+        .iter()
+        .filter(|e| e["event"] == "unpublish-intent")
+        .map(|e| e["unix_ms"].as_u64().unwrap())
+        .collect();
+    assert_eq!(intents.len(), 1);
+    // Kill grace: the example's kill_timeout (5 s) plus the 5 s margin.
+    assert!(
+        intents[0] >= purged_at + 9_000,
+        "unpublished {} ms after the purge, within the kill grace",
+        intents[0] - purged_at
+    );
+    eprintln!(
+        "B15: unpublished {} ms after the purge",
+        intents[0] - purged_at
+    );
+    assert_eq!(
+        support::cluster::mount_count(&c.target(0, "shared-data")),
+        0
+    );
+}
