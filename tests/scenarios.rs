@@ -449,3 +449,71 @@ async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
     assert!(took < Duration::from_secs(30));
     agent.stop().await;
 }
+
+/// §5 row 13: a plugin that hangs on one volume and prints garbage on another is killed at
+/// the timeout / refused with a clear error, and retried with backoff until it behaves;
+/// a third volume is published at once, unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row13_stuck_or_broken_volumes_never_block_others() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    let plugins = sb.join("plugins");
+    recording_plugin(&plugins, "real");
+    let fixed = sb.join("fixed");
+    script(
+        &plugins.join("fake"),
+        &format!(
+            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\nif [ \"$1\" = publish ] && [ ! -e {fixed} ]; then\n  case \"$DHV_VOLUME_NAME\" in\n    v-hang) echo 'hanging on the backend' >&2; sleep 30 ;;\n    v-garbage) echo 'this is not json'; exit 0 ;;\n  esac\nfi\nexec {real} \"$@\"\n",
+            real = plugins.join("real").display(),
+            fixed = fixed.display()
+        ),
+    );
+    for v in ["v-hang", "v-garbage", "v-ok"] {
+        volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
+    }
+    let mut cfg = agent_config(&sb);
+    cfg.plugin_timeout = Duration::from_secs(2);
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 3).await;
+    let started = Instant::now();
+    for (n, v) in [(1, "v-hang"), (2, "v-garbage"), (3, "v-ok")] {
+        let a = alloc_json(&alloc_id(n), NODE, &[v], "pending", 300 + n as u64);
+        fake.put_alloc(a.clone());
+        fake.push(&frame(300 + n as u64, "PlanResult", &a));
+    }
+    eventually(5, "v-ok published while v-hang hangs", || {
+        std::fs::read_to_string(sb.join("state/journal.json"))
+            .is_ok_and(|j| j.contains(&alloc_id(3)))
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "v-ok waited for the stuck volume"
+    );
+    let mut errors = Value::Null;
+    for _ in 0..100 {
+        errors = status(&cfg).await["errors"].clone();
+        if errors["default/v-hang"].is_string() && errors["default/v-garbage"].is_string() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let hang = errors["default/v-hang"].as_str().unwrap_or_default();
+    assert!(
+        hang.contains("timed out") && hang.contains("killed"),
+        "{errors}"
+    );
+    let garbage = errors["default/v-garbage"].as_str().unwrap_or_default();
+    assert!(
+        garbage.contains("not the expected JSON") && garbage.contains("this is not json"),
+        "{errors}"
+    );
+    // The plugin is fixed: the retries (with backoff) publish both.
+    std::fs::write(&fixed, "").unwrap();
+    eventually(30, "both published after the fix", || {
+        std::fs::read_to_string(sb.join("state/journal.json"))
+            .is_ok_and(|j| j.contains(&alloc_id(1)) && j.contains(&alloc_id(2)))
+    })
+    .await;
+    agent.stop().await;
+}
