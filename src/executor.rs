@@ -218,12 +218,22 @@ pub async fn publish(
                 ));
             }
         }
-        if !mounts::is_mount_point(&target) {
-            return Err(format!(
-                "plugin {:?} reported success but {} is not a mount point",
-                rec.spec.plugin_id,
-                target.display()
-            ));
+        match mounts::mount_count(&target) {
+            0 => {
+                return Err(format!(
+                    "plugin {:?} reported success but {} is not a mount point",
+                    rec.spec.plugin_id,
+                    target.display()
+                ))
+            }
+            1 => {}
+            n => {
+                return Err(format!(
+                    "plugin {:?} left {n} mounts stacked on {}: a publish must not mount again over its own mount (see docs/plugin-protocol.md, idempotency)",
+                    rec.spec.plugin_id,
+                    target.display()
+                ))
+            }
         }
         Ok(res.context)
     }

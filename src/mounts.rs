@@ -42,6 +42,18 @@ pub fn mount_points() -> BTreeSet<PathBuf> {
         .unwrap_or_default()
 }
 
+/// How many mounts stand on `path` now (stacked mounts count separately).
+pub fn mount_count(path: &Path) -> usize {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|t| {
+            t.lines()
+                .filter_map(|l| l.split(' ').nth(4))
+                .filter(|p| Path::new(&unescape(p)) == path)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// True when `path` is a mount point now.
 pub fn is_mount_point(path: &Path) -> bool {
     mount_points().contains(path)
