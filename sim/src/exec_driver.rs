@@ -1,15 +1,25 @@
 //! The `exec` driver's isolation helper (`nomad-sim exec-task <spec.json>`).
 //!
 //! Runs single-threaded before any async runtime: unshares the mount namespace, makes `/`
-//! recursively private, builds the chroot in the task dir from `chroot_env` (read-only binds),
+//! recursively private, builds the chroot in the task dir from `chroot_env` (read-only binds,
+//! parents before nested destinations),
 //! binds `/proc` and `/dev`, binds the shared alloc dir at `/alloc`, bind-mounts each host volume
 //! at its destination (recursively, so a mount point under the host path is carried along;
 //! read-only when requested), chroots and execs the command. Every mount lives only in the task's
 //! private namespace and vanishes with it. Models `drivers/exec` + `drivers/shared/executor`
 //! (`executor_linux.go`, libcontainer mounts).
+//!
+//! Nomad builds the chroot by copying `chroot_env` into the task dir, so an entry may land
+//! inside another one (`"/usr" = "/usr"` plus a file at `/usr/local/bin/x`). Here the outer
+//! entry is a read-only bind of the host directory, so a missing mount point inside it cannot be
+//! created there (and must never be: that would write into the host's `/usr`). Instead the
+//! deepest existing directory above the mount point gets a tmpfs-backed overlay (lower = that
+//! directory as bound, upper on a small tmpfs) in the task's namespace; the mount point is
+//! created in the overlay's upper layer and the overlay is made read-only once every mount is in.
 
 use nix::mount::{mount, MsFlags};
 use serde::{Deserialize, Serialize};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
@@ -66,28 +76,93 @@ fn inside(root: &Path, dest: &str) -> PathBuf {
     root.join(dest.trim_start_matches('/'))
 }
 
-fn prepare_target(source: &Path, target: &Path) -> Result<(), ExecError> {
-    let is_dir = std::fs::metadata(source)
-        .map_err(|e| ExecError::Io(format!("stat {}", source.display()), e))?
-        .is_dir();
-    if is_dir {
+fn create_target(source: &Path, target: &Path) -> std::io::Result<()> {
+    if std::fs::metadata(source)?.is_dir() {
         std::fs::create_dir_all(target)
-            .map_err(|e| ExecError::Io(format!("mkdir {}", target.display()), e))?;
     } else {
         if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| ExecError::Io(format!("mkdir {}", parent.display()), e))?;
+            std::fs::create_dir_all(parent)?;
         }
         if !target.exists() {
-            std::fs::File::create(target)
-                .map_err(|e| ExecError::Io(format!("create {}", target.display()), e))?;
+            std::fs::File::create(target)?;
         }
+        Ok(())
     }
+}
+
+/// Creates the mount point `target` for `source`; when it would have to be created inside a
+/// read-only bind (a nested chroot_env destination or volume), first covers the deepest existing
+/// directory above it with a writable overlay (see the module doc), recorded in `overlays`.
+fn prepare_target(
+    source: &Path,
+    target: &Path,
+    overlays: &mut Vec<PathBuf>,
+) -> Result<(), ExecError> {
+    let err = match create_target(source, target) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(nix::libc::EROFS) => e,
+        Err(e) => {
+            return Err(ExecError::Io(
+                format!("mount point {}", target.display()),
+                e,
+            ))
+        }
+    };
+    let Some(existing) = target.ancestors().skip(1).find(|a| a.is_dir()) else {
+        return Err(ExecError::Io(
+            format!("mount point {}", target.display()),
+            err,
+        ));
+    };
+    writable_overlay(existing)?;
+    overlays.push(existing.to_path_buf());
+    create_target(source, target)
+        .map_err(|e| ExecError::Io(format!("mount point {} (in overlay)", target.display()), e))
+}
+
+/// Mounts an overlay on `dir` whose lower layer is `dir` as it is now and whose upper layer
+/// lives on a fresh 1 MiB tmpfs, so mount points can be made there without touching the host.
+fn writable_overlay(dir: &Path) -> Result<(), ExecError> {
+    let what = format!("overlay on {}", dir.display());
+    // Keep the current directory reachable once the tmpfs covers it.
+    let lower = std::fs::File::open(dir).map_err(|e| ExecError::Io(what.clone(), e))?;
+    mount(
+        Some("tmpfs"),
+        dir,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("size=1m,mode=0755"),
+    )
+    .map_err(|e| ExecError::Sys(format!("{what} (tmpfs)"), e))?;
+    let (upper, work) = (dir.join(".upper"), dir.join(".work"));
+    for d in [&upper, &work] {
+        std::fs::create_dir(d).map_err(|e| ExecError::Io(format!("{what} (mkdir)"), e))?;
+    }
+    let opts = format!(
+        "lowerdir=/proc/self/fd/{},upperdir={},workdir={}",
+        lower.as_raw_fd(),
+        upper.display(),
+        work.display()
+    );
+    mount(
+        Some("overlay"),
+        dir,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .map_err(|e| ExecError::Sys(what, e))?;
     Ok(())
 }
 
-fn bind(source: &Path, target: &Path, read_only: bool, propagation: &str) -> Result<(), ExecError> {
-    prepare_target(source, target)?;
+fn bind(
+    source: &Path,
+    target: &Path,
+    read_only: bool,
+    propagation: &str,
+    overlays: &mut Vec<PathBuf>,
+) -> Result<(), ExecError> {
+    prepare_target(source, target, overlays)?;
     let what = format!("bind {} → {}", source.display(), target.display());
     mount(
         Some(source),
@@ -146,12 +221,16 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
     )
     .map_err(|e| ExecError::Sys("make / rprivate".into(), e))?;
     let root = &spec.root;
-    for (src, dest) in &spec.chroot {
+    let mut overlays = Vec::new();
+    // Outer destinations first, so a nested one is bound on top of its parent.
+    let mut chroot = spec.chroot.clone();
+    chroot.sort_by_key(|(_, dest)| Path::new(dest).components().count());
+    for (src, dest) in &chroot {
         let src = Path::new(src);
         if !src.exists() {
             continue;
         }
-        bind(src, &inside(root, dest), true, "private")?;
+        bind(src, &inside(root, dest), true, "private", &mut overlays)?;
     }
     let proc_dir = inside(root, "/proc");
     std::fs::create_dir_all(&proc_dir).map_err(|e| ExecError::Io("mkdir proc".into(), e))?;
@@ -164,17 +243,47 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
     )
     .is_err()
     {
-        bind(Path::new("/proc"), &proc_dir, false, "private")?;
+        bind(
+            Path::new("/proc"),
+            &proc_dir,
+            false,
+            "private",
+            &mut overlays,
+        )?;
     }
-    bind(Path::new("/dev"), &inside(root, "/dev"), false, "private")?;
-    bind(&spec.alloc_dir, &inside(root, "/alloc"), false, "private")?;
+    bind(
+        Path::new("/dev"),
+        &inside(root, "/dev"),
+        false,
+        "private",
+        &mut overlays,
+    )?;
+    bind(
+        &spec.alloc_dir,
+        &inside(root, "/alloc"),
+        false,
+        "private",
+        &mut overlays,
+    )?;
     for v in &spec.volumes {
         bind(
             &v.source,
             &inside(root, &v.destination),
             v.read_only,
             &v.propagation,
+            &mut overlays,
         )?;
+    }
+    // The overlays only held mount points: read-only like the chroot_env binds they cover.
+    for dir in &overlays {
+        mount(
+            None::<&str>,
+            dir,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
+            None::<&str>,
+        )
+        .map_err(|e| ExecError::Sys(format!("overlay on {} (read-only)", dir.display()), e))?;
     }
     nix::unistd::chroot(root)
         .map_err(|e| ExecError::Sys(format!("chroot {}", root.display()), e))?;

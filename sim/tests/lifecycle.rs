@@ -262,3 +262,79 @@ async fn raw_exec_refuses_host_volume_mounts() {
     .await
     .expect("test timed out");
 }
+
+/// A chroot_env destination inside another (read-only) one: Nomad copies the chroot, so
+/// `"/usr" = "/usr"` plus a file at `/usr/local/bin/<x>` works there, and must here too, without
+/// writing into the host's `/usr`.
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_chroot_env_nested_destination() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let tmp = tempfile::tempdir().unwrap();
+        let tool = tmp.path().join("sim-nested-tool");
+        std::fs::write(&tool, "#!/bin/sh\necho nested-tool-ran \"$@\"\n").unwrap();
+        std::fs::set_permissions(
+            &tool,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let conf_dir = tmp.path().join("conf");
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        std::fs::write(conf_dir.join("x.conf"), "nested-dir").unwrap();
+        let name = format!("nomad-sim-nested-{}", std::process::id());
+        let host_file = Path::new("/usr/local/bin").join(&name);
+        let host_dir = Path::new("/usr/share").join(&name);
+        let mut chroot = String::new();
+        for d in ["/bin", "/lib", "/lib64", "/lib32", "/sbin", "/usr", "/etc"] {
+            chroot.push_str(&format!("    \"{d}\" = \"{d}\"\n"));
+        }
+        chroot.push_str(&format!(
+            "    \"{}\" = \"{}\"\n    \"{}\" = \"{}\"\n",
+            tool.display(),
+            host_file.display(),
+            conf_dir.display(),
+            host_dir.display()
+        ));
+        let sim = Sim::start(&format!(
+            "client \"node-1\" {{\n  chroot_env {{\n{chroot}  }}\n}}\n"
+        ))
+        .await;
+        let job = sim
+            .run_job(&format!(
+                r#"job "nested" {{
+  type = "batch"
+  group "g" {{
+    task "t" {{
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args = ["-c", "{} arg; cat {}/x.conf; echo; touch /usr/local/bin/ro-check 2>/dev/null && echo writable || echo read-only"]
+      }}
+    }}
+  }}
+}}"#,
+                host_file.display(),
+                host_dir.display()
+            ))
+            .await;
+        let a = sim
+            .wait_for(20, "task dead", || async {
+                let a = sim.job_allocs(&job).await.first()?.clone();
+                (task_state(&a, "t") == "dead").then_some(a)
+            })
+            .await;
+        let id = a["ID"].as_str().unwrap();
+        let logs = sim.nodes[0].3.join("alloc").join(id).join("alloc/logs");
+        let out = std::fs::read_to_string(logs.join("t.stdout.0")).unwrap_or_default();
+        let err = std::fs::read_to_string(logs.join("t.stderr.0")).unwrap_or_default();
+        assert_eq!(
+            a["ClientStatus"], "complete",
+            "stdout: {out}\nstderr: {err}\n{a:#}"
+        );
+        assert_eq!(out, "nested-tool-ran arg\nnested-dir\nread-only\n", "stderr: {err}");
+        assert!(!host_file.exists(), "{} created on the host", host_file.display());
+        assert!(!host_dir.exists(), "{} created on the host", host_dir.display());
+        assert!(!Path::new("/usr/local/bin/ro-check").exists());
+    })
+    .await
+    .expect("test timed out");
+}
