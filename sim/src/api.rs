@@ -151,7 +151,20 @@ impl Query {
         }
     }
     fn bool(&self, k: &str) -> bool {
-        matches!(self.get(k), Some("true") | Some("1") | Some(""))
+        self.get(k) == Some("") || self.go_bool(k) == Ok(Some(true))
+    }
+    /// A boolean parameter as Go's `strconv.ParseBool` reads it (`1 t T TRUE true True`,
+    /// `0 f F FALSE false False`); absent or empty → `None`; anything else → the error text
+    /// Nomad returns ("Failed to parse value of …").
+    fn go_bool(&self, k: &str) -> Result<Option<bool>, String> {
+        match self.get(k) {
+            None | Some("") => Ok(None),
+            Some("1" | "t" | "T" | "TRUE" | "true" | "True") => Ok(Some(true)),
+            Some("0" | "f" | "F" | "FALSE" | "false" | "False") => Ok(Some(false)),
+            Some(v) => Err(format!(
+                "Failed to parse value of {k:?} ({v}) as a bool: strconv.ParseBool: parsing {v:?}: invalid syntax"
+            )),
+        }
     }
     /// Blocking query options: (index, wait) with Nomad defaults (5 min, max 10 min).
     fn blocking(&self) -> Result<(u64, Duration), ApiError> {
@@ -242,6 +255,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/volume/host/:id", get(volume_get).delete(volume_delete))
         .route("/v1/volumes", get(volumes_list))
         .route("/.well-known/jwks.json", get(jwks))
+        .route("/v1/system/gc", put(system_gc))
         .route(
             "/v1/acl/bootstrap",
             post(crate::acl::http_bootstrap).put(crate::acl::http_bootstrap),
@@ -250,13 +264,23 @@ pub fn router(state: AppState) -> Router {
             "/v1/acl/policy/:name",
             put(crate::acl::http_policy_put)
                 .post(crate::acl::http_policy_put)
-                .get(crate::acl::http_policy_get),
+                .get(crate::acl::http_policy_get)
+                .delete(crate::acl::http_policy_delete),
         )
+        .route("/v1/acl/policies", get(crate::acl::http_policies_list))
+        .route("/v1/acl/tokens", get(crate::acl::http_tokens_list))
         .route(
             "/v1/acl/token",
             put(crate::acl::http_token_put).post(crate::acl::http_token_put),
         )
         .route("/v1/acl/token/self", get(crate::acl::http_token_self))
+        .route(
+            "/v1/acl/token/:accessor",
+            get(crate::acl::http_token_get)
+                .put(crate::acl::http_token_update)
+                .post(crate::acl::http_token_update)
+                .delete(crate::acl::http_token_delete),
+        )
         .route(
             "/v1/sim/node/:id/heartbeat",
             put(sim_heartbeat).post(sim_heartbeat),
@@ -273,7 +297,40 @@ pub fn router(state: AppState) -> Router {
             "/v1/sim/leader",
             put(crate::faults::set_leader).post(crate::faults::set_leader),
         )
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            no_leader_guard,
+        ))
         .with_state(state)
+}
+
+/// While the sim plays a leader election (`PUT /v1/sim/leader?leader=false`), every request an
+/// agent forwards to the leader fails with 500 "No cluster leader" (`errNoLeader`,
+/// `nomad/structs/errors.go`; `nomad/rpc.go` `forward`). Served anyway, as by a follower or the
+/// local agent: `?stale` reads, `/v1/status/leader` (empty string), `/v1/agent/self`, the
+/// public JWKS, the sim-only API, and the event stream (`Event.Stream` is served by whichever
+/// server the RPC lands on and never forwarded to the leader, `nomad/event_endpoint.go`).
+async fn no_leader_guard(
+    State(st): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = req.uri().path();
+    let local = path == "/v1/status/leader"
+        || path == "/v1/agent/self"
+        || path.starts_with("/v1/sim/")
+        || path.starts_with("/.well-known/")
+        || path == "/v1/event/stream";
+    let stale = req.method() == Method::GET
+        && Query::parse(req.uri().query().map(String::from)).has("stale");
+    if !local && !stale && st.server.read().leaderless {
+        return ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "No cluster leader".into(),
+        )
+        .into_response();
+    }
+    next.run(req).await
 }
 
 async fn agent_self(State(st): State<AppState>, headers: HeaderMap) -> ApiResult {
@@ -375,6 +432,10 @@ async fn node_drain(
     body: Bytes,
 ) -> ApiResult {
     authorize(&st, &headers, crate::acl::Need::NodeWrite)?;
+    // `decodeBody` (command/agent/http.go): no body → 400 "Request body is empty".
+    if body.is_empty() {
+        return Err(bad("Request body is empty"));
+    }
     let v: Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
     let (idx, eval) = crate::nodes::set_drain(&st.server, &id, &v)?;
     ok(
@@ -431,6 +492,9 @@ async fn allocs_list(
     if ns != "*" {
         authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
     }
+    // `parseBool` (command/agent/http.go): a bad value is a 400.
+    let resources = q.go_bool("resources").map_err(bad)?.unwrap_or(false);
+    let task_states = q.go_bool("task_states").map_err(bad)?.unwrap_or(true);
     let idx = blocking(&st, &q, |t| t.allocs).await?;
     let prefix = q.get("prefix").unwrap_or("");
     let tok = token(&headers);
@@ -449,7 +513,7 @@ async fn allocs_list(
                 && readable.contains(&a.Namespace)
                 && a.ID.starts_with(prefix)
         })
-        .map(|a| a.stub())
+        .map(|a| a.stub_with(resources, task_states))
         .collect();
     ok(idx, &list)
 }
@@ -637,7 +701,12 @@ async fn job_delete(
         &headers,
         crate::acl::Need::Namespace(&ns, "submit-job"),
     )?;
-    let (eval, jmi, idx) = st.server.deregister_job(&ns, &id, q.bool("purge"))?;
+    // `jobDelete` parses purge with strconv.ParseBool and returns a plain (uncoded) error → 500.
+    let purge = q
+        .go_bool("purge")
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e))?
+        .unwrap_or(false);
+    let (eval, jmi, idx) = st.server.deregister_job(&ns, &id, purge)?;
     ok(
         idx,
         &json!({"EvalID": eval, "EvalCreateIndex": idx, "JobModifyIndex": jmi, "VolumeEvalID": "", "VolumeEvalIndex": 0, "Index": idx, "LastContact": 0, "KnownLeader": false}),
@@ -680,16 +749,14 @@ async fn event_stream(
             "Invalid method".into(),
         ));
     }
-    if st.server.read().leaderless {
-        return Err(ApiError(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "No cluster leader".into(),
-        ));
-    }
     let q = Query::parse(q);
     let index: u64 = match q.get("index") {
         None | Some("") => 0,
-        Some(s) => s.parse().map_err(|_| bad("Unable to parse index"))?,
+        Some(s) => s.parse().map_err(|_| {
+            bad(format!(
+                "Unable to parse index: strconv.Atoi: parsing {s:?}: invalid syntax"
+            ))
+        })?,
     };
     let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let requested = q.all("topic");
@@ -713,12 +780,18 @@ async fn event_stream(
     for topic in topics.keys() {
         crate::acl::check_event_topic(&st.server, tok.as_deref(), topic, &ns)?;
     }
+    let auth = StreamAuth {
+        token: tok.filter(|t| !t.is_empty()),
+        topics: topics.keys().cloned().collect(),
+        namespace: ns.clone(),
+    };
     let (cursor, filter) = st.server.subscribe_events(index, topics, &ns);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(stream_task(
         st.server.clone(),
         cursor,
         filter,
+        auth,
         st.agent.heartbeat,
         tx,
     ));
@@ -731,10 +804,33 @@ async fn event_stream(
     Ok(r)
 }
 
+/// What a subscription was authorized with, to re-check it when ACLs change.
+struct StreamAuth {
+    /// The subscriber's token; `None` (no token) is never re-checked, like Nomad's empty token.
+    token: Option<String>,
+    /// Requested topics.
+    topics: Vec<String>,
+    /// Requested namespace (`*` as requested).
+    namespace: String,
+}
+
+impl StreamAuth {
+    /// Whether the subscription is still allowed (`handleACLUpdates` /
+    /// `checkSubscriptionsAgainstACLChange`, `nomad/stream/event_broker.go`: a deleted token,
+    /// or a token or policy change that takes a permission away, force-closes the stream).
+    fn still_allowed(&self, server: &Server) -> bool {
+        let Some(tok) = &self.token else { return true };
+        self.topics
+            .iter()
+            .all(|t| crate::acl::check_event_topic(server, Some(tok), t, &self.namespace).is_ok())
+    }
+}
+
 async fn stream_task(
     server: Arc<Server>,
     mut cursor: u64,
     filter: SubscriptionFilter,
+    auth: StreamAuth,
     heartbeat: Duration,
     tx: tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>,
 ) {
@@ -745,7 +841,16 @@ async fn stream_task(
     let mut index_rx = server.subscribe_index();
     let mut close_rx = crate::faults::close_receiver(&server);
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+    let mut acl_index = server.read().tables.acl;
     loop {
+        let now_acl = server.read().tables.acl;
+        if now_acl != acl_index {
+            acl_index = now_acl;
+            if !auth.still_allowed(&server) {
+                tracing::debug!("closing event stream: subscription closed by server, client should resubscribe");
+                return;
+            }
+        }
         let frames = match server.frames_from(cursor) {
             Ok(f) => f,
             Err(e) => {
@@ -836,12 +941,17 @@ async fn var_handler(
         return Err(bad(format!("invalid path {path:?}")));
     }
     let tok = token(&headers);
-    let cas = match q.get("cas") {
-        None => None,
-        Some(s) => Some(
-            s.parse::<u64>()
-                .map_err(|_| bad("failed to parse cas value"))?,
-        ),
+    // `parseCAS` (command/agent/variable_endpoint.go), only on writes: empty = no CAS;
+    // unparsable → 400.
+    let cas = || -> Result<Option<u64>, ApiError> {
+        match q.get("cas") {
+            None | Some("") => Ok(None),
+            Some(s) => s.parse::<u64>().map(Some).map_err(|_| {
+                bad(format!(
+                    "can not parse cas: strconv.ParseUint: parsing {s:?}: invalid syntax"
+                ))
+            }),
+        }
     };
     let lock_op = ["lock-acquire", "lock-renew", "lock-release"]
         .into_iter()
@@ -878,7 +988,7 @@ async fn var_handler(
                     .map_err(|e| bad(format!("failed to parse variable: {e}")))?
             };
             if let Some(op) = lock_op {
-                if cas.is_some() {
+                if q.get("cas").is_some_and(|c| !c.is_empty()) {
                     return Err(bad("CAS can't be used with lock operations"));
                 }
                 return crate::locks::http_lock(&st.server, &ns, &path, op, v);
@@ -887,6 +997,7 @@ async fn var_handler(
             if items.is_empty() {
                 return Err(bad("variable missing required Items object"));
             }
+            let cas = cas()?;
             let lock_id = v
                 .Lock
                 .as_ref()
@@ -909,7 +1020,7 @@ async fn var_handler(
                 tok.as_deref(),
                 crate::acl::Need::Variable(&ns, &path, "destroy"),
             )?;
-            match st.server.delete_var(&ns, &path, cas) {
+            match st.server.delete_var(&ns, &path, cas()?) {
                 Ok(idx) => {
                     let mut r = json_response(StatusCode::OK, idx, &Value::Null);
                     *r.body_mut() = Body::empty();
@@ -1024,6 +1135,16 @@ async fn volumes_list(
         .map(|v| v.stub())
         .collect();
     ok(idx, &list)
+}
+
+/// `PUT /v1/system/gc` (management): forced GC of terminal allocations, silently.
+async fn system_gc(State(st): State<AppState>, headers: HeaderMap) -> ApiResult {
+    authorize(&st, &headers, crate::acl::Need::Management)?;
+    let (n, idx) = st.server.gc();
+    tracing::debug!(allocs = n, "garbage collected");
+    let mut r = json_response(StatusCode::OK, idx, &Value::Null);
+    *r.body_mut() = Body::empty();
+    Ok(r)
 }
 
 async fn jwks(State(st): State<AppState>) -> ApiResult {

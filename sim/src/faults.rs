@@ -35,8 +35,10 @@ pub async fn reset_buffer(State(st): State<AppState>) -> Result<Response, ApiErr
     ))
 }
 
-/// `PUT /v1/sim/leader?leader=false|true`: without a leader, new event streams get
-/// 500 "No cluster leader" and open ones are closed.
+/// `PUT /v1/sim/leader?leader=false|true`: an election after the server that open event streams
+/// were bridged to went away: open streams close (`client/rpc.go`: the bridge breaks), new ones
+/// are served (by a follower), other non-stale requests get 500 "No cluster leader" until
+/// `leader=true` (see `api::no_leader_guard`).
 pub async fn set_leader(
     State(st): State<AppState>,
     RawQuery(q): RawQuery,

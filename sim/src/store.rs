@@ -559,6 +559,60 @@ impl Server {
         Ok((eval_id, idx))
     }
 
+    /// Forced garbage collection (`PUT /v1/system/gc` → `CoreScheduler` with force,
+    /// `nomad/core_sched.go`): jobs whose status is dead (stopped, or batch finished) are reaped
+    /// with their allocations (`jobGC` → JobBatchDeregister: a Job event `JobBatchDeregistered`
+    /// with `Deleted`); then every other allocation `allocGCEligible` accepts (terminal, not
+    /// running on the client, and job gone/stopped/dead, or DesiredStatus stop, or not failed; a
+    /// failed alloc still wanting to run waits for its reschedule) is deleted. Allocation
+    /// deletions publish no events (the `Deleted()` branch of `eventFromChange` has no allocs
+    /// case); blocking queries wake. Returns (allocs deleted, index).
+    pub fn gc(&self) -> (usize, u64) {
+        self.write(|st| {
+            let dead_jobs: Vec<(String, String)> = st
+                .jobs
+                .keys()
+                .filter(|(ns, id)| st.job_status(ns, id) == "dead")
+                .cloned()
+                .collect();
+            let eligible: Vec<String> = st
+                .allocs
+                .values()
+                .filter(|a| {
+                    let key = (a.Namespace.clone(), a.JobID.clone());
+                    if dead_jobs.contains(&key) {
+                        return true;
+                    }
+                    if !a.terminal() || a.ClientStatus == "running" {
+                        return false;
+                    }
+                    st.jobs.get(&key).is_none_or(|j| j.Stop)
+                        || a.DesiredStatus == "stop"
+                        || a.ClientStatus != "failed"
+                })
+                .map(|a| a.ID.clone())
+                .collect();
+            if eligible.is_empty() && dead_jobs.is_empty() {
+                return (0, st.index);
+            }
+            let idx = st.next_index();
+            for id in &eligible {
+                st.allocs.remove(id);
+            }
+            st.tables.allocs = idx;
+            for key in &dead_jobs {
+                if let Some(mut job) = st.jobs.remove(key) {
+                    job.Status = "dead".into();
+                    st.emit_job("JobBatchDeregistered", &job, true);
+                }
+            }
+            if !dead_jobs.is_empty() {
+                st.tables.jobs = idx;
+            }
+            (eligible.len(), idx)
+        })
+    }
+
     // ---------------------------------------------------------------- host volumes
 
     /// `HostVolume.Register`: the node's client stats the path, then the volume is written

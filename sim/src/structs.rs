@@ -687,13 +687,20 @@ impl Allocation {
     }
 
     /// `AllocListStub` JSON (not omitempty; `DesiredTransition` and `RescheduleTracker` present).
+    /// `AllocatedResources` is `omitempty` and only filled with `resources=true`
+    /// (`Allocation.Stub` with `AllocStubFields`, `nomad/structs/alloc.go`): see [`Self::stub_with`].
     pub fn stub(&self) -> Value {
+        self.stub_with(false, true)
+    }
+
+    /// Stub with the `resources` / `task_states` field selection of `GET /v1/allocations`.
+    pub fn stub_with(&self, resources: bool, task_states: bool) -> Value {
         let (job_type, job_version) = self
             .Job
             .as_ref()
             .map(|j| (j.Type.clone(), j.Version))
             .unwrap_or_default();
-        json!({
+        let mut stub = json!({
             "ID": self.ID, "EvalID": self.EvalID, "Name": self.Name, "Namespace": self.Namespace,
             "NodeID": self.NodeID, "NodeName": self.NodeName, "JobID": self.JobID,
             "JobType": job_type, "JobVersion": job_version, "TaskGroup": self.TaskGroup,
@@ -701,14 +708,20 @@ impl Allocation {
             "DesiredStatus": self.DesiredStatus, "DesiredDescription": self.DesiredDescription,
             "ClientStatus": self.ClientStatus, "ClientDescription": self.ClientDescription,
             "DesiredTransition": self.DesiredTransition,
-            "TaskStates": if self.TaskStates.is_empty() { Value::Null } else { json!(self.TaskStates) },
+            "TaskStates": if self.TaskStates.is_empty() || !task_states { Value::Null } else { json!(self.TaskStates) },
             "DeploymentStatus": self.DeploymentStatus, "FollowupEvalID": self.FollowupEvalID,
             "NextAllocation": self.NextAllocation,
             "RescheduleTracker": self.RescheduleTracker, "PreemptedAllocations": self.PreemptedAllocations,
             "PreemptedByAllocation": self.PreemptedByAllocation,
             "CreateIndex": self.CreateIndex, "ModifyIndex": self.ModifyIndex,
             "CreateTime": self.CreateTime, "ModifyTime": self.ModifyTime,
-        })
+        });
+        if !resources {
+            if let Some(o) = stub.as_object_mut() {
+                o.remove("AllocatedResources");
+            }
+        }
+        stub
     }
 }
 

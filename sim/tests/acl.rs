@@ -2,7 +2,7 @@
 //! implicit variable access and job-attached policies.
 
 mod common;
-use common::Sim;
+use common::{Sim, Stream};
 use reqwest::Method;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -125,6 +125,64 @@ async fn acl_tokens_policies_and_workload_identities() {
             (s == 403).then_some(())
         })
         .await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// `handleACLUpdates` (`nomad/stream/event_broker.go`): deleting a token closes the streams
+/// that use it; a policy change re-authorizes every subscription and closes those that lost
+/// the permission; others stay open. ACL objects emit ACLToken/ACLPolicy events.
+#[tokio::test(flavor = "multi_thread")]
+async fn event_stream_closed_when_token_or_policy_changes() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(&format!("event_heartbeat_interval = \"1s\"\nacl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\nclient \"node-1\" {{}}\n")).await;
+        let root = Some(ROOT);
+        let policy = |rules: &str| json!({"Name": "alloc-read", "Rules": rules});
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/acl/policy/alloc-read", Some(policy("namespace \"default\" { policy = \"read\" }")), root).await;
+        assert_eq!(s, 200);
+        let mut tokens = vec![];
+        for name in ["t1", "t2"] {
+            let (_, _, b) = sim.req_tok(Method::PUT, "/v1/acl/token", Some(json!({"Name": name, "Type": "client", "Policies": ["alloc-read"]})), root).await;
+            let t: Value = serde_json::from_str(&b).unwrap();
+            tokens.push((t["AccessorID"].as_str().unwrap().to_string(), t["SecretID"].as_str().unwrap().to_string()));
+        }
+        let mut acl_events = Stream::open_tok(&sim, "topic=ACLToken&topic=ACLPolicy", root).await;
+        let mut s1 = Stream::open_tok(&sim, "topic=Allocation", Some(&tokens[0].1)).await;
+        let mut s2 = Stream::open_tok(&sim, "topic=Allocation", Some(&tokens[1].1)).await;
+        let mut admin = Stream::open_tok(&sim, "topic=Allocation", root).await;
+        for s in [&mut s1, &mut s2, &mut admin] {
+            assert_eq!(s.next(5).await, Some(json!({})));
+        }
+        // Token t1 deleted → its stream closes, t2's stays.
+        let (s, _, _) = sim.req_tok(Method::DELETE, &format!("/v1/acl/token/{}", tokens[0].0), None, root).await;
+        assert_eq!(s, 200);
+        assert!(s1.closes_within(5).await, "stream of the deleted token still open");
+        assert!(!s2.closes_within(2).await, "stream of another token closed");
+        let (s, _, _) = sim.req_tok(Method::GET, "/v1/event/stream?topic=Allocation", None, Some(&tokens[0].1)).await;
+        assert_eq!(s, 403, "deleted token refused at subscribe");
+        // A policy change that keeps read-job: stream stays; one that drops it: stream closes.
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/acl/policy/alloc-read", Some(policy("namespace \"default\" { policy = \"read\" }\nnode { policy = \"read\" }")), root).await;
+        assert_eq!(s, 200);
+        assert!(!s2.closes_within(2).await, "stream closed though the token still may read");
+        let (s, _, _) = sim.req_tok(Method::PUT, "/v1/acl/policy/alloc-read", Some(policy("node { policy = \"read\" }")), root).await;
+        assert_eq!(s, 200);
+        assert!(s2.closes_within(5).await, "stream still open after losing read-job");
+        assert!(!admin.closes_within(2).await, "management stream closed");
+        // ACL events: Key = AccessorID / policy name, no SecretID in payloads.
+        let mut seen = vec![];
+        while let Some(f) = acl_events.frame(2).await {
+            for e in f["Events"].as_array().unwrap() {
+                if e["Topic"] == "ACLToken" {
+                    assert_eq!(e["Key"], e["Payload"]["ACLToken"]["AccessorID"]);
+                    assert_eq!(e["Payload"]["ACLToken"]["SecretID"], "");
+                }
+                seen.push(format!("{}:{}", e["Topic"].as_str().unwrap(), e["Type"].as_str().unwrap()));
+            }
+        }
+        for want in ["ACLToken:ACLTokenUpserted", "ACLToken:ACLTokenDeleted", "ACLPolicy:ACLPolicyUpserted"] {
+            assert!(seen.iter().any(|s| s == want), "{want} missing in {seen:?}");
+        }
     })
     .await
     .expect("test timed out");

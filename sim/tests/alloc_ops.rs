@@ -1,7 +1,7 @@
 //! `alloc restart` (one task, running tasks, all tasks), `alloc stop`, reschedule on failure.
 
 mod common;
-use common::Sim;
+use common::{Sim, Stream};
 use reqwest::Method;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -211,6 +211,201 @@ async fn alloc_stop_replaces_and_failures_reschedule() {
             2,
             "reschedule attempts exhausted"
         );
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Forced GC (`PUT /v1/system/gc`) deletes terminal allocations without any Allocation event
+/// (no `allocs` case in the `Deleted()` branch of `eventFromChange`), reaps the finished batch
+/// job (a Job `JobBatchDeregistered` event), keeps running allocs, and wakes blocking queries.
+#[tokio::test(flavor = "multi_thread")]
+async fn gc_deletes_terminal_allocs_without_events() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("event_heartbeat_interval = \"1s\"\nclient \"node-1\" {}\n").await;
+        let n1 = sim.node_id("node-1");
+        sim.run_job(
+            r#"job "done" {
+  type = "batch"
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/true"
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        sim.run_job(JOB).await;
+        let done = sim
+            .wait_for(20, "batch alloc complete", || async {
+                let a = sim.job_allocs("done").await.first()?.clone();
+                (a["ClientStatus"] == "complete").then_some(a)
+            })
+            .await;
+        let live = sim
+            .wait_for(20, "service alloc running", || async {
+                let a = sim.job_allocs("ops").await.first()?.clone();
+                (a["ClientStatus"] == "running").then_some(a)
+            })
+            .await;
+        let (s, idx, _) = sim
+            .req(Method::GET, &format!("/v1/node/{n1}/allocations"), None)
+            .await;
+        assert_eq!(s, 200);
+        let mut stream = Stream::open(&sim, "topic=Allocation").await;
+        while stream.frame(1).await.is_some() {} // the buffered past
+        let blocked = {
+            let http = sim.http.clone();
+            let url = format!(
+                "{}/v1/node/{n1}/allocations?index={idx}&wait=20s",
+                sim.server
+            );
+            tokio::spawn(async move {
+                let r = http.get(url).send().await.unwrap();
+                let i: u64 = r.headers()["x-nomad-index"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                (i, r.json::<Value>().await.unwrap())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (s, _, b) = sim.req(Method::PUT, "/v1/system/gc", None).await;
+        assert_eq!(s, 200, "{b}");
+        let (woke_at, list) = blocked.await.unwrap();
+        assert!(woke_at > idx, "blocking query did not wake on GC");
+        let ids: Vec<&str> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["ID"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, [live["ID"].as_str().unwrap()]);
+        let (s, _, _) = sim
+            .req(
+                Method::GET,
+                &format!("/v1/allocation/{}", done["ID"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(s, 404);
+        let (s, _, _) = sim.req(Method::GET, "/v1/job/done", None).await;
+        assert_eq!(s, 404, "the finished batch job is reaped");
+        if let Some(f) = stream.frame(2).await {
+            panic!("GC published an allocation event: {f}");
+        }
+        let (s, _, _) = sim.req(Method::POST, "/v1/system/gc", None).await;
+        assert_eq!(s, 405, "only PUT");
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Restart policy in place (`client/allocrunner/taskrunner/restarts`): a failing task is
+/// restarted `attempts` times after `delay`, then with mode "fail" it is "Not Restarting" and the
+/// alloc fails. `shutdown_delay` holds the kill signal back on stop.
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_policy_in_place_and_shutdown_delay() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        sim.run_job(
+            r#"job "flaky" {
+  group "g" {
+    restart {
+      attempts = 2
+      interval = "1m"
+      delay = "200ms"
+      mode = "fail"
+    }
+    reschedule {
+      attempts = 0
+      unlimited = false
+    }
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args = ["-c", "echo run >> $NOMAD_ALLOC_DIR/runs; exit 3"]
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        let a = sim
+            .wait_for(20, "alloc failed", || async {
+                let a = sim.job_allocs("flaky").await.first()?.clone();
+                (a["ClientStatus"] == "failed").then_some(a)
+            })
+            .await;
+        let id = a["ID"].as_str().unwrap();
+        let full = alloc(&sim, id).await;
+        let ts = &full["TaskStates"]["t"];
+        assert_eq!(ts["Restarts"], 2, "{ts:#}");
+        assert_eq!(ts["Failed"], true);
+        let types: Vec<&str> = ts["Events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["Type"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            types.iter().filter(|t| **t == "Restarting").count(),
+            2,
+            "{types:?}"
+        );
+        assert_eq!(types.last(), Some(&"Not Restarting"), "{types:?}");
+        let runs =
+            std::fs::read_to_string(sim.nodes[0].3.join("alloc").join(id).join("alloc/runs"))
+                .unwrap();
+        assert_eq!(
+            runs, "run\nrun\nrun\n",
+            "1 start + 2 restarts, same alloc dir"
+        );
+        assert_eq!(sim.job_allocs("flaky").await.len(), 1, "no reschedule");
+
+        // shutdown_delay: the kill signal comes only after the delay.
+        sim.run_job(
+            r#"job "slow" {
+  group "g" {
+    shutdown_delay = "1500ms"
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        let id = sim
+            .wait_for(20, "slow running", || async {
+                let a = sim.job_allocs("slow").await.first()?.clone();
+                (a["ClientStatus"] == "running").then(|| a["ID"].as_str().unwrap().to_string())
+            })
+            .await;
+        let t0 = std::time::Instant::now();
+        let (s, _, _) = sim.req(Method::DELETE, "/v1/job/slow", None).await;
+        assert_eq!(s, 200);
+        let a = sim
+            .wait_for(20, "slow complete", || async {
+                let a = alloc(&sim, &id).await;
+                (a["ClientStatus"] == "complete").then_some(a)
+            })
+            .await;
+        assert!(
+            t0.elapsed() >= Duration::from_millis(1400),
+            "stopped after {:?}",
+            t0.elapsed()
+        );
+        let ev = a["TaskStates"]["t"]["Events"].as_array().unwrap();
+        assert!(ev.iter().any(|e| e["Type"] == "Killing"), "{ev:?}");
     })
     .await
     .expect("test timed out");

@@ -1,4 +1,5 @@
-//! Sim-only event stream faults: close streams, leaderless cluster, buffer reset.
+//! Sim-only event stream faults: close streams, leaderless cluster (500 "No cluster leader"),
+//! buffer reset.
 
 mod common;
 use common::{Sim, Stream};
@@ -18,16 +19,28 @@ async fn close_leader_loss_and_reset() {
         sim.put("/v1/sim/events/close", json!({})).await;
         assert!(s.next(5).await.is_none(), "stream closed");
 
-        // Leader loss: open streams close, new ones get 500 "No cluster leader".
+        // Leader loss: open streams close (their server went away); new ones are served by a
+        // follower; other requests get 500 "No cluster leader" unless stale.
         let mut s = Stream::open(&sim, "topic=Variable").await;
         assert_eq!(s.next(5).await.unwrap(), json!({}));
         assert!(s.frame(5).await.is_some(), "index=0 replays the buffer");
         sim.put("/v1/sim/leader?leader=false", json!({})).await;
         assert!(s.frame(5).await.is_none());
-        let (st, _, body) = sim
-            .req(Method::GET, "/v1/event/stream?topic=Variable", None)
+        let mut during = Stream::open(&sim, "topic=Variable&index=0").await;
+        assert_eq!(during.next(5).await.unwrap(), json!({}));
+        assert!(during.frame(5).await.is_some(), "a follower serves streams");
+        for path in ["/v1/nodes", "/v1/var/a", "/v1/allocations"] {
+            let (st, _, body) = sim.req(Method::GET, path, None).await;
+            assert_eq!((st, body.as_str()), (500, "No cluster leader"), "{path}");
+        }
+        let (st, _, _) = sim
+            .req(Method::PUT, "/v1/var/x", Some(json!({"Items": {"a": "1"}})))
             .await;
-        assert_eq!((st, body.as_str()), (500, "No cluster leader"));
+        assert_eq!(st, 500, "writes need the leader");
+        let (st, _, _) = sim.req(Method::GET, "/v1/nodes?stale", None).await;
+        assert_eq!(st, 200, "stale reads are served");
+        let (st, _, body) = sim.req(Method::GET, "/v1/status/leader", None).await;
+        assert_eq!((st, body.as_str()), (200, "\"\""));
         sim.put("/v1/sim/leader?leader=true", json!({})).await;
         let mut s = Stream::open(&sim, "topic=Variable&index=0").await;
         assert!(

@@ -210,16 +210,34 @@ pub struct Stream {
 
 impl Stream {
     pub async fn open(sim: &Sim, query: &str) -> Stream {
-        let resp = sim
+        Self::open_tok(sim, query, None).await
+    }
+
+    /// Like [`Stream::open`] with an `X-Nomad-Token`.
+    pub async fn open_tok(sim: &Sim, query: &str, token: Option<&str>) -> Stream {
+        let mut r = sim
             .http
-            .get(format!("{}/v1/event/stream?{query}", sim.server))
-            .send()
-            .await
-            .unwrap();
+            .get(format!("{}/v1/event/stream?{query}", sim.server));
+        if let Some(t) = token {
+            r = r.header("X-Nomad-Token", t);
+        }
+        let resp = r.send().await.unwrap();
         assert_eq!(resp.status(), 200);
         Stream {
             resp,
             buf: Vec::new(),
+        }
+    }
+
+    /// Whether the server closes the stream within `secs` (lines read meanwhile are dropped).
+    pub async fn closes_within(&mut self, secs: u64) -> bool {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+        loop {
+            match tokio::time::timeout_at(deadline, self.resp.chunk()).await {
+                Ok(Ok(Some(_))) => continue,
+                Ok(Ok(None)) | Ok(Err(_)) => return true,
+                Err(_) => return false,
+            }
         }
     }
 
