@@ -1,6 +1,7 @@
 //! The sim's JSON has the field names and JSON types of Nomad's (synthesised fixtures in
-//! ../shared/nomad-fixtures and real captures in ../shared/nomad-captures). A schema diff, not a
-//! byte compare.
+//! ../shared/nomad-fixtures and real captures in ../shared/nomad-captures), for every endpoint
+//! they cover: node allocations, allocation read, allocations list, event frames, host volume
+//! read/list, job read, variables, JWKS, workload identity. A schema diff, not a byte compare.
 
 mod common;
 use common::{shared, Sim, Stream};
@@ -28,8 +29,10 @@ fn schema_diff(what: &str, sim: &Value, refs: &[&Value]) -> Vec<String> {
         .unwrap_or_else(|| panic!("{what}: not an object"));
     let ref_keys: BTreeSet<&String> = refs
         .iter()
-        .flat_map(|r| r.as_object().unwrap().keys())
+        .filter_map(|r| r.as_object())
+        .flat_map(|r| r.keys())
         .collect();
+    assert!(!ref_keys.is_empty(), "{what}: no reference object");
     for (k, v) in sim_o {
         if !ref_keys.contains(k) {
             out.push(format!("{what}.{k}: not in any reference"));
@@ -287,6 +290,268 @@ async fn host_volume_variable_and_jwks_shapes() {
         let jwks = sim.get("/.well-known/jwks.json").await;
         diffs.extend(schema_diff("JWK", &jwks["keys"][0], &[&fx_jwks["keys"][0]]));
         diffs.extend(missing("JWK", &jwks["keys"][0], &fx_jwks["keys"][0]));
+        assert!(
+            diffs.is_empty(),
+            "schema differences:\n{}",
+            diffs.join("\n")
+        );
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Payload of the first event of `topic` in a capture frame.
+fn capture_payload<'a>(frame: &'a Value, topic: &str, key: &str) -> &'a Value {
+    &frame["Events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["Topic"] == topic)
+        .unwrap_or_else(|| panic!("no {topic} event in capture"))["Payload"][key]
+}
+
+fn jwt_part(token: &str, i: usize) -> Value {
+    use base64::Engine;
+    let part = token.split('.').nth(i).unwrap();
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(part)
+        .unwrap();
+    serde_json::from_slice(&raw).unwrap()
+}
+
+/// The remaining endpoints the captures cover: job read, allocations list, Job/Node/Evaluation
+/// event payloads, host volume read against the 1.10 docs sample, workload identity header and
+/// claims. (The Deployment capture has no counterpart: the sim has no deployments.)
+#[tokio::test(flavor = "multi_thread")]
+async fn job_list_events_volume_and_identity_match_captures() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let load = |d: &str, f: &str| -> Value { serde_json::from_str(&shared(d, f)).unwrap() };
+        let cap_job = load("nomad-captures", "job-read-service-group-services-1.6.json");
+        let cap_list = load(
+            "nomad-captures",
+            "allocations-list-docs-sample-1.2.0-dev.json",
+        );
+        let cap_frame = load(
+            "nomad-captures",
+            "event-stream-frame-allocupdated-alloc-job-node-1.6.3.json",
+        );
+        let cap_eval = load(
+            "nomad-captures",
+            "event-stream-frame-evaluation-jobregistered-1.6.3.json",
+        );
+        let cap_hv = load(
+            "nomad-captures",
+            "host-volume-read-docs-sample-1.10.0-dev.json",
+        );
+        let cap_wi = load(
+            "nomad-captures",
+            "workload-identity-jwt-default-1.6.3-eddsa.json",
+        );
+        let fx_alloc = load("nomad-fixtures", "allocation.json");
+        let fx_wi = load("nomad-fixtures", "workload-identity.json");
+        let sidecar: Vec<Value> = shared(
+            "nomad-captures",
+            "event-stream-frame-allocupdated-complete-connect-sidecar-1.2.ndjson",
+        )
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let mut stream = Stream::open(
+            &sim,
+            "topic=Job&topic=Node&topic=Evaluation&topic=Allocation",
+        )
+        .await;
+        let dir = sim.path().join("v");
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = sim
+            .put(
+                "/v1/volume/host/register",
+                serde_json::json!({"Volume": {"Name": "hv", "NodeID": sim.node_id("node-1"),
+                    "HostPath": dir, "Parameters": {"a": "b"}}}),
+            )
+            .await;
+        let vol_id = r["Volume"]["ID"].as_str().unwrap().to_string();
+        sim.run_job(
+            r#"job "caps" {
+  group "g" {
+    volume "data" {
+      type = "host"
+      source = "hv"
+    }
+    task "t" {
+      driver = "raw_exec"
+      identity {
+        env = true
+        file = true
+      }
+      config {
+        command = "/bin/sh"
+        args = ["-c", "printf %s \"$NOMAD_TOKEN\" > $NOMAD_ALLOC_DIR/token; exec sleep 1000"]
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        let a = sim
+            .wait_for(20, "task running", || async {
+                let a = sim.job_allocs("caps").await.first()?.clone();
+                (a["TaskStates"]["t"]["State"] == "running").then_some(a)
+            })
+            .await;
+        let mut diffs = vec![];
+
+        let job = sim.get("/v1/job/caps").await;
+        diffs.extend(schema_diff("Job", &job, &[&cap_job, &fx_alloc["Job"]]));
+        diffs.extend(schema_diff(
+            "TaskGroup",
+            &job["TaskGroups"][0],
+            &[&cap_job["TaskGroups"][0], &fx_alloc["Job"]["TaskGroups"][0]],
+        ));
+        diffs.extend(schema_diff(
+            "Task",
+            &job["TaskGroups"][0]["Tasks"][0],
+            &[
+                &cap_job["TaskGroups"][0]["Tasks"][0],
+                &fx_alloc["Job"]["TaskGroups"][0]["Tasks"][0],
+            ],
+        ));
+        for k in [
+            "ID",
+            "Name",
+            "Namespace",
+            "Type",
+            "Status",
+            "TaskGroups",
+            "Version",
+            "Stop",
+        ] {
+            if job.get(k).is_none() {
+                diffs.push(format!("Job.{k}: missing in sim"));
+            }
+        }
+
+        let list = sim.get("/v1/allocations").await;
+        // NextAllocation is in `AllocListStub` (nomad/structs/alloc.go) but not in the 1.2 sample.
+        let mut stub_ref = cap_list[0].clone();
+        stub_ref["NextAllocation"] = Value::String(String::new());
+        diffs.extend(schema_diff("AllocListStub", &list[0], &[&stub_ref]));
+        let with_res = sim.get("/v1/allocations?resources=true").await;
+        assert!(
+            with_res[0]["AllocatedResources"].is_object(),
+            "resources=true"
+        );
+        assert!(
+            list[0].get("AllocatedResources").is_none(),
+            "omitempty without resources=true"
+        );
+        let mut cap_stub = cap_list[0].clone();
+        // Set only when a deployment/reschedule/preemption happened (omitempty-like in practice).
+        for k in [
+            "DeploymentStatus",
+            "FollowupEvalID",
+            "PreemptedByAllocation",
+        ] {
+            cap_stub.as_object_mut().unwrap().remove(k);
+        }
+        diffs.extend(missing("AllocListStub", &list[0], &cap_stub));
+        assert!(list[0].get("Job").is_none(), "stubs carry no Job");
+
+        // Event payloads of other topics.
+        let mut seen = BTreeSet::new();
+        while let Some(f) = stream.frame(2).await {
+            for ev in f["Events"].as_array().unwrap() {
+                let topic = ev["Topic"].as_str().unwrap().to_string();
+                match topic.as_str() {
+                    "Job" => diffs.extend(schema_diff(
+                        "JobEvent.Job",
+                        &ev["Payload"]["Job"],
+                        &[capture_payload(&cap_frame, "Job", "Job"), &fx_alloc["Job"]],
+                    )),
+                    "Node" => diffs.extend(schema_diff(
+                        "NodeEvent.Node",
+                        &ev["Payload"]["Node"],
+                        &[capture_payload(&cap_frame, "Node", "Node")],
+                    )),
+                    "Evaluation" => {
+                        let p = &ev["Payload"]["Evaluation"];
+                        let r = capture_payload(&cap_eval, "Evaluation", "Evaluation");
+                        diffs.extend(schema_diff("EvaluationEvent.Evaluation", p, &[r]));
+                        diffs.extend(missing("EvaluationEvent.Evaluation", p, r));
+                    }
+                    "Allocation" => {
+                        let refs: Vec<&Value> = sidecar
+                            .iter()
+                            .flat_map(|f| f["Events"].as_array().unwrap())
+                            .map(|e| &e["Payload"]["Allocation"])
+                            .chain([capture_payload(&cap_frame, "Allocation", "Allocation")])
+                            .collect();
+                        diffs.extend(schema_diff(
+                            "AllocationEvent.Allocation",
+                            &ev["Payload"]["Allocation"],
+                            &refs,
+                        ));
+                    }
+                    _ => {}
+                }
+                seen.insert(topic);
+            }
+        }
+        for t in ["Job", "Node", "Evaluation", "Allocation"] {
+            assert!(seen.contains(t), "no {t} event seen: {seen:?}");
+        }
+
+        // Host volume read (with the alloc that uses it) against the 1.10 docs sample.
+        let hv = sim.get(&format!("/v1/volume/host/{vol_id}")).await;
+        diffs.extend(schema_diff("HostVolume", &hv, &[&cap_hv]));
+        diffs.extend(missing("HostVolume", &hv, &cap_hv));
+        assert_eq!(hv["Allocations"][0]["ID"], a["ID"], "{hv:#}");
+        diffs.extend(schema_diff(
+            "HostVolume.Allocations[0]",
+            &hv["Allocations"][0],
+            &[&cap_hv["Allocations"][0], &stub_ref],
+        ));
+
+        // Workload identity: header fields, claim names and types (RS256 here, EdDSA in 1.6).
+        let alloc_dir = sim.nodes[0].3.join("alloc").join(a["ID"].as_str().unwrap());
+        let token = sim
+            .wait_for(10, "token written", || async {
+                std::fs::read_to_string(alloc_dir.join("alloc/token"))
+                    .ok()
+                    .filter(|t| !t.is_empty())
+            })
+            .await;
+        let header = jwt_part(&token, 0);
+        let claims = jwt_part(&token, 1);
+        diffs.extend(schema_diff(
+            "JWTHeader",
+            &header,
+            &[
+                &cap_wi["header_decoded"],
+                &fx_wi["default_identity"]["header"],
+            ],
+        ));
+        diffs.extend(missing("JWTHeader", &header, &cap_wi["header_decoded"]));
+        diffs.extend(schema_diff(
+            "JWTClaims",
+            &claims,
+            &[
+                &cap_wi["claims_decoded"],
+                &fx_wi["default_identity"]["claims"],
+            ],
+        ));
+        diffs.extend(missing("JWTClaims", &claims, &cap_wi["claims_decoded"]));
+        diffs.extend(missing(
+            "JWTClaims",
+            &claims,
+            &fx_wi["default_identity"]["claims"],
+        ));
+        assert_eq!(header["alg"], "RS256");
+        assert!(claims.get("exp").is_none(), "default identity has no exp");
+
         assert!(
             diffs.is_empty(),
             "schema differences:\n{}",
