@@ -51,9 +51,10 @@ job "dhv-binder" {
         DHV_BINDER_LOG         = "info"
       }
 
-      # Published volumes stay mounted while the daemon restarts; give in-flight plugin
-      # calls time to finish.
-      kill_timeout = "70s"
+      # Published volumes stay mounted while the daemon restarts or upgrades; a plugin call
+      # cut short is resolved from the journal on start. Nomad caps kill_timeout at the
+      # client's max_kill_timeout (default 30s).
+      kill_timeout = "30s"
 
       resources {
         cpu    = 100

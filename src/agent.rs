@@ -38,6 +38,37 @@ pub enum StartError {
     },
     #[error(transparent)]
     Nomad(#[from] crate::nomad::NomadError),
+    #[error("another dhv-binder agent already uses the state directory {0} (its lock file is held); run one agent per node")]
+    AlreadyRunning(PathBuf),
+}
+
+/// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
+/// must never share a journal or mount points.
+struct StateLock {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl StateLock {
+    fn acquire(state_dir: &std::path::Path) -> Result<Self, StartError> {
+        use std::io::Write;
+        let path = state_dir.join("agent.lock");
+        let io = |source| StartError::Socket {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(state_dir).map_err(io)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io)?;
+        let mut lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|_| StartError::AlreadyRunning(state_dir.to_path_buf()))?;
+        let _ = lock.set_len(0);
+        let _ = writeln!(&mut *lock, "{}", std::process::id());
+        Ok(Self { _lock: lock })
+    }
 }
 
 struct Waiter {
@@ -120,11 +151,16 @@ pub async fn run(
         path: cfg.volumes_dir(),
         source,
     })?;
+    let _state_lock = StateLock::acquire(&cfg.state_dir)?;
     let journal = Journal::open(&cfg.state_dir, &node_id)?;
-    let listener = crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
-        path: cfg.socket.clone(),
-        source,
-    })?;
+    let (listener, _socket_guard) =
+        crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
+            path: cfg.socket.clone(),
+            source,
+        })?;
+    if !cfg.plugin_dir.is_dir() {
+        tracing::warn!(plugin_dir = %cfg.plugin_dir.display(), "the plugin directory does not exist: this node serves no volume until plugins are installed there");
+    }
 
     let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
@@ -232,7 +268,6 @@ pub async fn run(
     for t in tasks {
         t.abort();
     }
-    let _ = std::fs::remove_file(&cfg.socket);
     Ok(())
 }
 
@@ -507,6 +542,10 @@ impl Agent {
                 match result {
                     Ok(()) => {
                         self.worker_backoff.remove(&volume);
+                    }
+                    Err(e) if e.contains("another node changed the record first") => {
+                        tracing::debug!(%volume, "another node took the create/delete first");
+                        bump(&mut self.worker_backoff, &volume);
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "volume create/delete step failed");

@@ -110,21 +110,51 @@ struct Ctx {
     agent: mpsc::Sender<Request2Agent>,
 }
 
-/// Binds the socket (replacing a stale one), mode 0666: every caller authenticates with a
-/// token, and tasks often run as `nobody`.
-pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
+/// Owns the socket file: dropping it removes the file, but only while it is still the one
+/// this agent created (a later agent's socket is never removed).
+pub struct SocketGuard {
+    path: std::path::PathBuf,
+    inode: (u64, u64),
+}
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.inode) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Binds the socket, mode 0666 (every caller authenticates with a token, and tasks often run
+/// as `nobody`). A stale socket file is replaced; a socket that answers belongs to another
+/// running agent and is an `AddrInUse` error.
+pub fn bind(path: &Path) -> std::io::Result<(UnixListener, SocketGuard)> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "another dhv-binder agent answers on this socket; run one agent per node",
+        ));
     }
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let l = UnixListener::bind(path)?;
+    let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
-    Ok(l)
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((
+        listener,
+        SocketGuard {
+            path: path.to_path_buf(),
+            inode: (m.dev(), m.ino()),
+        },
+    ))
 }
 
 /// Serves the API until the listener fails or the agent goes away.

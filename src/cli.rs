@@ -12,6 +12,18 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// Prints a line on stdout; a closed pipe (`dhv-binder volume list | head`) ends the
+/// process quietly instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        if writeln!(out, $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 /// Exit code: the operation failed or was refused.
 pub const EXIT_FAILED: i32 = 1;
 /// Exit code: bad configuration or input (EX_USAGE).
@@ -61,9 +73,9 @@ pub struct PrestartArgs {
         default_value = "/run/dhv-binder/api.sock"
     )]
     pub socket: PathBuf,
-    /// The allocation to publish for (Nomad sets NOMAD_ALLOC_ID).
+    /// The allocation to publish for (Nomad sets NOMAD_ALLOC_ID in every task).
     #[arg(long, env = "NOMAD_ALLOC_ID")]
-    pub alloc_id: String,
+    pub alloc_id: Option<String>,
     /// How long to wait in total, retrying retryable errors.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
@@ -133,10 +145,16 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                 })?
         }
     };
-    if !volume::is_alloc_id(&args.alloc_id) {
+    let Some(alloc_id) = args.alloc_id.clone() else {
         return Err(Failure::new(
             EXIT_CONFIG,
-            format!("NOMAD_ALLOC_ID {:?} is not an allocation ID", args.alloc_id),
+            "NOMAD_ALLOC_ID is not set: `dhv-binder prestart` runs inside a Nomad task (the job's prestart task), where Nomad sets it",
+        ));
+    };
+    if !volume::is_alloc_id(&alloc_id) {
+        return Err(Failure::new(
+            EXIT_CONFIG,
+            format!("NOMAD_ALLOC_ID {alloc_id:?} is not an allocation ID"),
         ));
     }
     let deadline = Instant::now() + args.timeout;
@@ -145,7 +163,7 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
         let left = deadline.saturating_duration_since(Instant::now());
         let uri = format!(
             "/v1/allocations/{}/publish?wait={}s",
-            args.alloc_id,
+            alloc_id,
             left.as_secs().max(1)
         );
         match call(&args.socket, hyper::Method::POST, &uri, Some(&token)).await {
@@ -153,13 +171,13 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                 let reply: crate::api::PublishReply = serde_json::from_value(v)
                     .map_err(|e| Failure::new(EXIT_FAILED, format!("unexpected answer: {e}")))?;
                 if reply.volumes.is_empty() {
-                    println!(
+                    outln!(
                         "dhv-binder: allocation {} uses no deferred volumes",
                         reply.alloc_id
                     );
                 }
                 for v in reply.volumes {
-                    println!(
+                    outln!(
                         "dhv-binder: volume {}/{} published at {}{}",
                         v.namespace,
                         v.name,
@@ -198,10 +216,15 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
 pub async fn status(socket: PathBuf) -> Result<(), Failure> {
     match call(&socket, hyper::Method::GET, "/v1/status", None).await {
         Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             Ok(())
         }
-        Err(e @ CallError::Connect { .. }) => Err(Failure::new(EXIT_UNAVAILABLE, e.to_string())),
+        Err(CallError::Connect { path, source }) => Err(Failure::new(
+            EXIT_UNAVAILABLE,
+            format!(
+                "cannot reach dhv-binder at {path}: {source} (is the agent running on this node? pass its socket with --socket or DHV_BINDER_SOCKET)"
+            ),
+        )),
         Err(e) => Err(Failure::new(EXIT_FAILED, e.to_string())),
     }
 }
@@ -275,7 +298,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                 }
                 Err(e) => return Err(e.into()),
             }
-            println!(
+            outln!(
                 "==> Created volume record {} (ID {}), plugin {:?}",
                 rec.key(),
                 rec.id,
@@ -284,7 +307,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             if detach {
                 return Ok(());
             }
-            println!(
+            outln!(
                 "    Waiting for a node with plugin {:?} to run its create…",
                 rec.spec.plugin_id
             );
@@ -293,7 +316,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                 let cur = read_record(&client, &rec.spec.namespace, &rec.spec.name).await?;
                 match cur.state {
                     VolumeState::Ready => {
-                        println!("==> Volume {} is ready ({} bytes)", cur.key(), cur.capacity_bytes);
+                        outln!("==> Volume {} is ready ({} bytes)", cur.key(), cur.capacity_bytes);
                         return Ok(());
                     }
                     VolumeState::Failed => {
@@ -322,36 +345,45 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                 .list_variables(volume::RECORD_PREFIX, ns, 0, Duration::ZERO)
                 .await?
                 .value;
-            println!(
+            outln!(
                 "{:<36}  {:<12}  {:<24}  {:<12}  {:<9}",
-                "ID", "Namespace", "Name", "Plugin ID", "State"
+                "ID",
+                "Namespace",
+                "Name",
+                "Plugin ID",
+                "State"
             );
+            let mut records = Vec::new();
             for m in metas {
                 if let Some(var) = client.variable(&m.namespace, &m.path).await? {
                     match VolumeRecord::from_variable(&var) {
-                        Ok(r) => println!(
-                            "{:<36}  {:<12}  {:<24}  {:<12}  {:<9}",
-                            r.id,
-                            r.spec.namespace,
-                            r.spec.name,
-                            r.spec.plugin_id,
-                            r.state.as_str()
-                        ),
+                        Ok(r) => records.push(r),
                         Err(e) => eprintln!("warning: {e}"),
                     }
                 }
+            }
+            records.sort_by_key(|r| r.key());
+            for r in records {
+                outln!(
+                    "{:<36}  {:<12}  {:<24}  {:<12}  {:<9}",
+                    r.id,
+                    r.spec.namespace,
+                    r.spec.name,
+                    r.spec.plugin_id,
+                    r.state.as_str()
+                );
             }
             Ok(())
         }
         VolumeCommand::Status { name } => {
             let r = read_record(&client, ns, &name).await?;
-            println!("ID              = {}", r.id);
-            println!("Name            = {}", r.spec.name);
-            println!("Namespace       = {}", r.spec.namespace);
-            println!("Plugin ID       = {}", r.spec.plugin_id);
-            println!("State           = {}", r.state.as_str());
-            println!("Capacity        = {} bytes", r.capacity_bytes);
-            println!(
+            outln!("ID              = {}", r.id);
+            outln!("Name            = {}", r.spec.name);
+            outln!("Namespace       = {}", r.spec.namespace);
+            outln!("Plugin ID       = {}", r.spec.plugin_id);
+            outln!("State           = {}", r.state.as_str());
+            outln!("Capacity        = {} bytes", r.capacity_bytes);
+            outln!(
                 "Node Pool       = {}",
                 if r.spec.node_pool.is_empty() {
                     "(any)"
@@ -360,26 +392,27 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                 }
             );
             for c in &r.spec.capabilities {
-                println!(
+                outln!(
                     "Capability      = {} / {}",
-                    c.access_mode, c.attachment_mode
+                    c.access_mode,
+                    c.attachment_mode
                 );
             }
-            println!(
+            outln!(
                 "Parameters      = {}",
                 serde_json::to_string(&r.spec.parameters).unwrap_or_default()
             );
-            println!("Secrets         = {} key(s), not shown", r.secrets.len());
+            outln!("Secrets         = {} key(s), not shown", r.secrets.len());
             if !r.error.is_empty() {
-                println!("Error           = {}", r.error);
+                outln!("Error           = {}", r.error);
             }
             let users = users_of(&client, ns, &name).await?;
-            println!("\nAllocations");
+            outln!("\nAllocations");
             if users.is_empty() {
-                println!("No allocations use this volume");
+                outln!("No allocations use this volume");
             }
             for (id, aname, node) in users {
-                println!("{id}  {aname}  node {node}");
+                outln!("{id}  {aname}  node {node}");
             }
             Ok(())
         }
@@ -408,7 +441,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                         Some(r.modify_index),
                     )
                     .await?;
-                println!(
+                outln!(
                     "==> Deleted volume record {} (no storage had been created)",
                     r.key()
                 );
@@ -419,7 +452,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             client
                 .put_variable(&r.to_variable(), Some(r.modify_index))
                 .await?;
-            println!("==> Delete of {} requested", r.key());
+            outln!("==> Delete of {} requested", r.key());
             if detach {
                 return Ok(());
             }
@@ -430,7 +463,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                     .await?
                 {
                     None => {
-                        println!("==> Volume {} deleted", r.key());
+                        outln!("==> Volume {} deleted", r.key());
                         return Ok(());
                     }
                     Some(_) if Instant::now() > deadline => {

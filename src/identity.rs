@@ -27,7 +27,7 @@ pub struct Claims {
 /// Why a token was refused. The token itself is never part of the message.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
-    #[error("the workload identity token is malformed: {0}")]
+    #[error("the token is not a Nomad workload identity ({0}): the prestart task must send its own NOMAD_TOKEN (set identity {{ env = true }} on it)")]
     Malformed(String),
     #[error("the workload identity token is signed with key {0:?}, which the cluster's JWKS does not list")]
     UnknownKey(String),

@@ -5,10 +5,19 @@ use clap::Parser;
 use dhv_binder::cli::{self, Cli, Command, Failure};
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("DHV_BINDER_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    let filter = match std::env::var("DHV_BINDER_LOG") {
+        Err(_) => tracing_subscriber::EnvFilter::new("info"),
+        Ok(v) => tracing_subscriber::EnvFilter::try_new(&v).unwrap_or_else(|e| {
+            eprintln!(
+                "warning: DHV_BINDER_LOG={v:?} is not a valid log filter ({e}); using \"info\""
+            );
+            tracing_subscriber::EnvFilter::new("info")
+        }),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
 }

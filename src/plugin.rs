@@ -268,7 +268,19 @@ impl Runner {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(|source| match source.kind() {
+        // ETXTBSY: the file is being written (a plugin being replaced, or another thread of
+        // this process forked while holding it open): try again briefly.
+        let mut spawned = cmd.spawn();
+        for _ in 0..10 {
+            match &spawned {
+                Err(e) if e.raw_os_error() == Some(nix::libc::ETXTBSY) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    spawned = cmd.spawn();
+                }
+                _ => break,
+            }
+        }
+        let mut child = spawned.map_err(|source| match source.kind() {
             std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound => {
                 PluginError::NotFound {
                     plugin: plugin_id.into(),

@@ -26,7 +26,9 @@ pub const ATTACHMENT_MODES: [&str; 2] = ["file-system", "block-device"];
 pub enum SpecError {
     #[error("volume spec is not valid HCL: {0}")]
     Hcl(String),
-    #[error("{field} {value:?} is not allowed: use letters, digits, '_', '.', '-' (no '..'), at most 100 characters{extra}")]
+    #[error("{field} is required")]
+    Missing { field: &'static str },
+    #[error("{field} {value:?} is not allowed: use letters, digits, '_', '.', '-', starting with a letter, digit or '_' (no '..'), at most 100 characters{extra}")]
     BadIdentifier {
         field: &'static str,
         value: String,
@@ -123,6 +125,7 @@ pub fn validate_identifier(
     };
     let ok = !base.is_empty()
         && base.len() <= 100
+        && !base.starts_with(['-', '.'])
         && !base.contains("..")
         && base != "."
         && base
@@ -172,6 +175,9 @@ fn parse_size(field: &'static str, v: Option<&hcl::Value>) -> Result<u64, SpecEr
 pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
     let raw: RawSpec = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let name = raw.name.unwrap_or_default();
+    if name.is_empty() {
+        return Err(SpecError::Missing { field: "name" });
+    }
     validate_identifier("name", &name, true)?;
     let volume_type = raw.volume_type.unwrap_or_else(|| "host".into());
     if volume_type != "host" {
@@ -180,6 +186,9 @@ pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), 
     let namespace = raw.namespace.unwrap_or_else(|| "default".into());
     validate_identifier("namespace", &namespace, false)?;
     let plugin_id = raw.plugin_id.unwrap_or_default();
+    if plugin_id.is_empty() {
+        return Err(SpecError::Missing { field: "plugin_id" });
+    }
     validate_identifier("plugin_id", &plugin_id, false)?;
     let node_pool = raw.node_pool.unwrap_or_default();
     if !node_pool.is_empty() {
@@ -542,6 +551,12 @@ mod tests {
         assert!(validate_identifier("name", "data[3]", false).is_err());
         assert!(validate_identifier("name", "data[]", true).is_err());
         assert!(validate_identifier("name", "data[x]", true).is_err());
+        assert!(validate_identifier("name", "-rf", false).is_err());
+        assert!(validate_identifier("name", ".hidden", false).is_err());
+        assert_eq!(
+            parse_spec("plugin_id = \"p\""),
+            Err(SpecError::Missing { field: "name" })
+        );
         assert!(is_alloc_id("5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70"));
         assert!(!is_alloc_id("../x"));
         assert!(!is_alloc_id("5B0E8F7A-2C4D-4E19-B6A3-9D8C1F2E4A70"));

@@ -517,3 +517,47 @@ async fn row13_stuck_or_broken_volumes_never_block_others() {
     .await;
     agent.stop().await;
 }
+
+/// One agent per node: a second agent on the same state directory, or on the same socket,
+/// refuses to start, and the first agent's socket is left in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_on_the_node_refuses_to_start() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    recording_plugin(&sb.join("plugins"), "fake");
+    let cfg = agent_config(&sb);
+    let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 0).await;
+    let client = || {
+        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig {
+            address: fake.addr.clone(),
+            token: None,
+            region: None,
+            namespace: "default".into(),
+            ca_cert: None,
+            client_cert: None,
+            client_key: None,
+            skip_verify: false,
+        })
+        .unwrap()
+    };
+    let same_state = dhv_binder::agent::run(cfg.clone(), client(), async {}).await;
+    assert!(
+        matches!(
+            same_state,
+            Err(dhv_binder::agent::StartError::AlreadyRunning(_))
+        ),
+        "{same_state:?}"
+    );
+    let mut other = cfg.clone();
+    other.state_dir = sb.join("state-2");
+    let same_socket = dhv_binder::agent::run(other, client(), async {}).await;
+    let text = format!("{:?}", same_socket.err());
+    assert!(text.contains("another dhv-binder agent answers"), "{text}");
+    assert!(
+        status(&cfg).await["node_id"] == NODE,
+        "the first agent's socket was taken"
+    );
+    agent.stop().await;
+    assert!(!cfg.socket.exists(), "the socket outlived its agent");
+}
