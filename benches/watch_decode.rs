@@ -372,6 +372,6 @@ fn main() {
     for nodes in [4u64, 16, 64] {
         let (s, _) = rt.block_on(measure_mode(WatchMode::Stream, nodes, 400, 10));
         let (p, per) = rt.block_on(measure_mode(WatchMode::Poll, nodes, 400, 10));
-        println!("  N = {nodes:>3}: stream {:>9} B ({:>6} B/event), poll {:>9} B ({per} B per node list)", s, s / 400, p);
+        println!("  N = {nodes:>3}: stream {:>9} B ({:>6} B/event), poll {:>9} B ({per} B per change on the node)", s, s / 400, p);
     }
 }
