@@ -79,8 +79,9 @@ pub struct AgentConfig {
     /// Longest a plugin call may run before its process group is killed.
     #[arg(long, env = "DHV_BINDER_PLUGIN_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     pub plugin_timeout: Duration,
-    /// A stream silent (not even a `{}` heartbeat, sent every 30 s) this long is dead.
-    #[arg(long, env = "DHV_BINDER_STREAM_IDLE_TIMEOUT", default_value = "95s", value_parser = humantime::parse_duration)]
+    /// A stream silent (not even a `{}` heartbeat, sent every 30 s) this long is dead: two
+    /// missed heartbeats and a late third, detected within 3 heartbeat intervals (B18).
+    #[arg(long, env = "DHV_BINDER_STREAM_IDLE_TIMEOUT", default_value = "75s", value_parser = humantime::parse_duration)]
     pub stream_idle_timeout: Duration,
     /// Where the node's allocations come from: `poll` (blocking queries on the node's own
     /// allocation list) or `stream` (the cluster-wide event stream). See docs/scale.md.

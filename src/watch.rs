@@ -127,12 +127,12 @@ pub struct WatchConfig {
 }
 
 impl WatchConfig {
-    /// Defaults for a node: 95 s idle timeout (three missed 30 s heartbeats), 5 min resync.
+    /// Defaults for a node: 75 s idle timeout (30 s heartbeats), 5 min resync, poll mode.
     pub fn new(node_id: &str) -> Self {
         Self {
             node_id: node_id.to_string(),
             mode: WatchMode::default(),
-            idle_timeout: Duration::from_secs(95),
+            idle_timeout: Duration::from_secs(75),
             resync_interval: Duration::from_secs(300),
             max_line: 16 << 20,
             backoff_base: Duration::from_millis(500),
