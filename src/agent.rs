@@ -136,6 +136,9 @@ pub async fn run(
     client: Client,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
+    if let Some(path) = &cfg.token_file {
+        watch::read_token_file(&client, path);
+    }
     let me = client.agent_self().await.map_err(StartError::AgentSelf)?;
     let node_id = me
         .node_id()
@@ -170,6 +173,8 @@ pub async fn run(
     let mut wcfg = WatchConfig::new(&node_id);
     wcfg.idle_timeout = cfg.stream_idle_timeout;
     wcfg.resync_interval = cfg.resync_interval;
+    wcfg.mode = cfg.watch_mode;
+    wcfg.token_file = cfg.token_file.clone();
     let tasks = [
         tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
         tokio::spawn(catalog::run(

@@ -43,6 +43,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: the agent variant's size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the per-node daemon (as a Nomad system job on every client node).

@@ -79,10 +79,20 @@ pub struct AgentConfig {
     /// Longest a plugin call may run before its process group is killed.
     #[arg(long, env = "DHV_BINDER_PLUGIN_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     pub plugin_timeout: Duration,
-    /// A stream silent (not even a `{}` heartbeat, sent every 30 s) this long is dead.
-    #[arg(long, env = "DHV_BINDER_STREAM_IDLE_TIMEOUT", default_value = "95s", value_parser = humantime::parse_duration)]
+    /// A stream silent (not even a `{}` heartbeat, sent every 30 s) this long is dead: two
+    /// missed heartbeats and a late third, detected within 3 heartbeat intervals (B18).
+    #[arg(long, env = "DHV_BINDER_STREAM_IDLE_TIMEOUT", default_value = "75s", value_parser = humantime::parse_duration)]
     pub stream_idle_timeout: Duration,
-    /// Full relist of the node's allocations at least this often, besides every reconnect.
+    /// Where the node's allocations come from: `poll` (blocking queries on the node's own
+    /// allocation list) or `stream` (the cluster-wide event stream). See docs/scale.md.
+    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = crate::watch::WatchMode::Poll)]
+    pub watch_mode: crate::watch::WatchMode,
+    /// File holding the Nomad token, re-read at start, on every reconnect and after every
+    /// auth failure (for rotated tokens); when readable it replaces NOMAD_TOKEN.
+    #[arg(long, env = "DHV_BINDER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Full relist of the node's allocations at least this often, besides every reconnect
+    /// (in poll mode: the blocking query's wait).
     #[arg(long, env = "DHV_BINDER_RESYNC_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]
     pub resync_interval: Duration,
     /// How often plugins are re-fingerprinted and failed steps are retried.

@@ -1,18 +1,26 @@
 //! The watcher: one state machine that keeps the node's allocations known.
 //!
-//! list (`GET /v1/node/:id/allocations`, record the index) → stream
-//! (`GET /v1/event/stream?topic=Allocation&namespace=*&index=<list index + 1>`) → on any
-//! error, EOF, silence longer than the idle timeout, an index that goes backwards, or the
-//! periodic resync: back off and list again. Events are hints: the stream can skip events
-//! silently (resume at the closest index, buffer of 100, snapshot restore), so every
-//! (re)connect starts with a full list (nomad-facts.md §1).
+//! Two sources of truth, chosen by [`WatchMode`], feed the same [`WatchEvent`]s:
+//! - `stream`: list (`GET /v1/node/:id/allocations`, record the index) → stream
+//!   (`GET /v1/event/stream?topic=Allocation&namespace=*&index=<list index + 1>`), reading
+//!   only `NodeID` of other nodes' events;
+//! - `poll`: list → blocking query `GET /v1/node/:id/allocations?index=<last>&wait=…`, each
+//!   answer a full list of the node's allocations (with their Jobs).
+//!
+//! Any error, EOF, silence longer than the idle timeout, an index that goes backwards, or
+//! the periodic resync sends the machine back to a full list, after a backoff (exponential,
+//! jittered, reset after a healthy period; at least 1 s after an auth failure, with the
+//! token file re-read). Events are hints: the stream can skip events silently (resume at
+//! the closest index, buffer of 100, snapshot restore), so every (re)connect starts with a
+//! full list (nomad-facts.md §1), and the view is swapped whole ([`WatchEvent::Relisted`]).
 
-use crate::nomad::events::{decode_line, Line};
+use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use crate::nomad::types::Allocation;
 use crate::nomad::{Client, NomadError};
 use futures_util::StreamExt;
 use rand::Rng;
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -30,42 +38,118 @@ pub enum WatchEvent {
     Health(Health),
 }
 
-/// The watcher's connection health, for status output.
+/// Which source of truth the watcher uses (`--watch-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchMode {
+    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
+    /// nodes; every node reads every allocation event of the cluster).
+    Stream,
+    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
+    /// node's own changes only; the default, see docs/scale.md).
+    #[default]
+    Poll,
+}
+
+/// Why the watcher is not connected, for status output and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// 401/403, an expired token, or a subscription refused (EOF before the first `{}`).
+    AuthFailed,
+    /// No connection to the Nomad agent (agent down, connection refused, reset).
+    Unreachable,
+    /// 500 "No cluster leader": an election is in progress.
+    NoLeader,
+    /// Another 5xx or unexpected status.
+    ServerError,
+    /// An answer that was not the JSON Nomad sends.
+    BadAnswer,
+    /// The server ended the event stream (restart, restore, ACL change, slow reader).
+    ClosedByServer,
+    /// Nothing at all (not even a heartbeat) for longer than the idle timeout.
+    Stalled,
+    /// The index went backwards: snapshot restore or a new cluster.
+    IndexReset,
+}
+
+impl Fault {
+    fn of(e: &NomadError) -> Self {
+        match e {
+            NomadError::PermissionDenied { .. } | NomadError::Unauthorized { .. } => {
+                Fault::AuthFailed
+            }
+            NomadError::Unreachable { .. } => Fault::Unreachable,
+            NomadError::NoLeader { .. } => Fault::NoLeader,
+            NomadError::Decode { .. } => Fault::BadAnswer,
+            _ => Fault::ServerError,
+        }
+    }
+}
+
+/// The watcher's connection health and counters, for status output.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "state", rename_all = "kebab-case")]
 pub enum Health {
+    /// Reading the full list (start, reconnect, resync).
     Listing,
-    Streaming { index: u64 },
-    Disconnected { reason: String, auth: bool },
+    /// Event stream up (first heartbeat seen).
+    Streaming { index: u64, counters: Counters },
+    /// Blocking queries answered.
+    Polling { index: u64, counters: Counters },
+    /// Not connected; `reason` says what failed and what to do. The view keeps the last
+    /// full list; nothing is planned from absence until the next one.
+    Disconnected {
+        fault: Fault,
+        reason: String,
+        counters: Counters,
+    },
 }
 
 /// Watcher settings.
 #[derive(Debug, Clone)]
 pub struct WatchConfig {
     pub node_id: String,
+    pub mode: WatchMode,
+    /// Stream: silence (no line, no heartbeat) this long means dead. Poll: a blocking query
+    /// unanswered this long past its `wait` (plus Nomad's jitter of wait/16) means dead.
     pub idle_timeout: Duration,
+    /// Stream: full relist this often. Poll: the blocking query's `wait`.
     pub resync_interval: Duration,
     /// Lines longer than this are skipped and counted.
     pub max_line: usize,
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
+    /// A connection up this long resets the backoff.
+    pub healthy_after: Duration,
+    /// Re-read on every reconnect and after every auth failure (`--token-file`).
+    pub token_file: Option<PathBuf>,
 }
 
 impl WatchConfig {
-    /// Defaults for a node: 95 s idle timeout (three missed 30 s heartbeats), 5 min resync.
+    /// Defaults for a node: 75 s idle timeout (30 s heartbeats), 5 min resync, poll mode.
     pub fn new(node_id: &str) -> Self {
         Self {
             node_id: node_id.to_string(),
-            idle_timeout: Duration::from_secs(95),
+            mode: WatchMode::default(),
+            idle_timeout: Duration::from_secs(75),
             resync_interval: Duration::from_secs(300),
             max_line: 16 << 20,
             backoff_base: Duration::from_millis(500),
             backoff_cap: Duration::from_secs(30),
+            healthy_after: Duration::from_secs(60),
+            token_file: None,
         }
+    }
+
+    fn poll_wait(&self) -> Duration {
+        // Nomad caps `wait` at 10 min; whole seconds on the wire.
+        self.resync_interval
+            .clamp(Duration::from_secs(1), Duration::from_secs(600))
     }
 }
 
-/// The watcher's states. `step` takes one by value and returns the next.
+/// The watcher's states. [`Watcher::step`] takes one by value and returns the next.
 #[derive(Debug)]
 enum State {
     List {
@@ -75,10 +159,15 @@ enum State {
         index: u64,
         attempt: u32,
     },
+    Poll {
+        index: u64,
+        attempt: u32,
+        since: Instant,
+    },
     Backoff {
         attempt: u32,
+        fault: Fault,
         reason: String,
-        auth: bool,
     },
     Stopped,
 }
@@ -91,13 +180,49 @@ pub fn backoff_delay(base: Duration, cap: Duration, attempt: u32) -> Duration {
     d.mul_f64(jitter)
 }
 
+/// The delay before relisting after `fault`: auth failures wait at least 1 s (B30).
+fn fault_delay(cfg: &WatchConfig, fault: Fault, attempt: u32) -> Duration {
+    let d = backoff_delay(cfg.backoff_base, cfg.backoff_cap, attempt);
+    if fault == Fault::AuthFailed {
+        d.max(Duration::from_secs(1))
+    } else {
+        d
+    }
+}
+
 /// Counters for status output.
-#[derive(Debug, Default, Clone, serde::Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
+    /// Full lists read (start, reconnects, resyncs, every poll answer).
     pub relists: u64,
+    pub reconnects: u64,
     pub frames: u64,
+    /// Allocation events of other nodes dropped after reading their NodeID only.
     pub skipped_other_nodes: u64,
+    /// Frames at or below the list's index (covered by the list) or repeated.
+    pub stale_frames: u64,
+    /// Lines that were not JSON, or longer than the limit: skipped, then a relist.
     pub bad_lines: u64,
+    /// Times the index went backwards.
+    pub index_resets: u64,
+    pub auth_failures: u64,
+}
+
+/// Reads the token file into `client` (and all its clones). The token is never logged; an
+/// unreadable file keeps the current token.
+pub fn read_token_file(client: &Client, path: &std::path::Path) {
+    match std::fs::read_to_string(path) {
+        Ok(t) => {
+            let t = t.trim();
+            let t = (!t.is_empty()).then(|| t.to_string());
+            if client.set_token(t) {
+                tracing::info!(path = %path.display(), "using a new Nomad token from the token file");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot read the token file; keeping the current token")
+        }
+    }
 }
 
 /// Runs the watcher until `tx` is closed.
@@ -108,6 +233,10 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         tx,
         known: HashMap::new(),
         counters: Counters::default(),
+        last_index: 0,
+        last_list: Instant::now(),
+        bad_streak: 0,
+        disconnected: false,
     };
     let mut state = State::List { attempt: 0 };
     loop {
@@ -125,11 +254,18 @@ struct Watcher {
     /// AllocModifyIndex of each allocation whose Job we have sent.
     known: HashMap<String, u64>,
     counters: Counters,
+    /// The highest index seen, to notice an index going backwards across lists.
+    last_index: u64,
+    last_list: Instant,
+    /// Relists caused by skipped lines in a row: spaces them out exponentially.
+    bad_streak: u32,
+    /// Health says disconnected until a list succeeds again.
+    disconnected: bool,
 }
 
 enum StreamEnd {
     Resync,
-    Error(String, bool),
+    Fault(Fault, String),
     Closed,
 }
 
@@ -138,67 +274,166 @@ impl Watcher {
         self.tx.send(ev).await.is_ok()
     }
 
+    fn refresh_token(&self) {
+        if let Some(path) = &self.cfg.token_file {
+            read_token_file(&self.client, path);
+        }
+    }
+
+    /// A fresh full list: checks the index, emits it, resets what the stream path knows.
+    async fn relisted(&mut self, allocs: Vec<Allocation>, index: u64) -> bool {
+        self.counters.relists += 1;
+        if self.last_list.elapsed() >= self.cfg.healthy_after {
+            self.bad_streak = 0;
+        }
+        self.last_list = Instant::now();
+        if index < self.last_index {
+            // Normal when the node's newest allocation was garbage-collected (the list's
+            // index is the highest ModifyIndex of the node's allocations, `Node.GetAllocs`)
+            // or, in stream mode, after other nodes' frames; also after a restore.
+            tracing::debug!(
+                index,
+                previous = self.last_index,
+                "the list's index is below the last index seen; the list replaces the view"
+            );
+        }
+        self.last_index = index;
+        self.known = allocs
+            .iter()
+            .map(|a| (a.id.clone(), a.alloc_modify_index))
+            .collect();
+        self.emit(WatchEvent::Relisted { allocs, index }).await
+    }
+
+    fn backoff(&mut self, attempt: u32, fault: Fault, reason: String) -> State {
+        if fault == Fault::AuthFailed {
+            self.counters.auth_failures += 1;
+        }
+        State::Backoff {
+            attempt,
+            fault,
+            reason,
+        }
+    }
+
+    fn healthy_reset(&self, attempt: u32, since: Instant) -> u32 {
+        if since.elapsed() >= self.cfg.healthy_after {
+            0
+        } else {
+            attempt
+        }
+    }
+
     async fn step(&mut self, state: State) -> State {
         match state {
             State::Stopped => State::Stopped,
             State::Backoff {
                 attempt,
+                fault,
                 reason,
-                auth,
             } => {
-                tracing::warn!(%reason, attempt, "allocation watch disconnected; relisting after backoff");
-                if !self
-                    .emit(WatchEvent::Health(Health::Disconnected {
-                        reason: reason.clone(),
-                        auth,
-                    }))
-                    .await
-                {
+                let delay = fault_delay(&self.cfg, fault, attempt);
+                tracing::warn!(?fault, %reason, attempt, ?delay, mode = ?self.cfg.mode, "allocation watch disconnected; relisting after backoff");
+                let health = Health::Disconnected {
+                    fault,
+                    reason,
+                    counters: self.counters.clone(),
+                };
+                self.disconnected = true;
+                if !self.emit(WatchEvent::Health(health)).await {
                     return State::Stopped;
                 }
-                let base = if auth {
-                    self.cfg.backoff_base.max(Duration::from_secs(1)) * 4
-                } else {
-                    self.cfg.backoff_base
-                };
-                tokio::time::sleep(backoff_delay(base, self.cfg.backoff_cap, attempt)).await;
+                tokio::time::sleep(delay).await;
+                self.counters.reconnects += 1;
                 State::List {
                     attempt: attempt.saturating_add(1),
                 }
             }
             State::List { attempt } => {
-                if !self.emit(WatchEvent::Health(Health::Listing)).await {
+                self.refresh_token();
+                if !self.disconnected && !self.emit(WatchEvent::Health(Health::Listing)).await {
                     return State::Stopped;
                 }
-                match self
+                let list = self
                     .client
-                    .node_allocations(&self.cfg.node_id, 0, Duration::ZERO)
-                    .await
-                {
-                    Ok(list) => {
-                        self.counters.relists += 1;
-                        self.known = list
-                            .value
-                            .iter()
-                            .map(|a| (a.id.clone(), a.alloc_modify_index))
-                            .collect();
+                    .node_allocations(&self.cfg.node_id, 0, Duration::ZERO);
+                match tokio::time::timeout(self.cfg.idle_timeout, list).await {
+                    Err(_) => self.backoff(
+                        attempt,
+                        Fault::Stalled,
+                        format!(
+                            "listing the node's allocations got no answer within {:?}",
+                            self.cfg.idle_timeout
+                        ),
+                    ),
+                    Ok(Err(e)) => self.backoff(attempt, Fault::of(&e), e.to_string()),
+                    Ok(Ok(list)) => {
+                        self.disconnected = false;
                         let index = list.index;
-                        if !self
-                            .emit(WatchEvent::Relisted {
-                                allocs: list.value,
-                                index,
-                            })
-                            .await
-                        {
+                        if !self.relisted(list.value, index).await {
                             return State::Stopped;
                         }
-                        State::Stream { index, attempt }
+                        match self.cfg.mode {
+                            WatchMode::Stream => State::Stream { index, attempt },
+                            WatchMode::Poll => {
+                                let h = Health::Polling {
+                                    index,
+                                    counters: self.counters.clone(),
+                                };
+                                if !self.emit(WatchEvent::Health(h)).await {
+                                    return State::Stopped;
+                                }
+                                State::Poll {
+                                    index,
+                                    attempt,
+                                    since: Instant::now(),
+                                }
+                            }
+                        }
                     }
-                    Err(e) => State::Backoff {
-                        attempt,
-                        auth: e.is_auth(),
-                        reason: e.to_string(),
-                    },
+                }
+            }
+            State::Poll {
+                index,
+                attempt,
+                since,
+            } => {
+                let wait = self.cfg.poll_wait();
+                let deadline = wait + wait / 16 + self.cfg.idle_timeout;
+                let query = self
+                    .client
+                    .node_allocations(&self.cfg.node_id, index.max(1), wait);
+                match tokio::time::timeout(deadline, query).await {
+                    Err(_) => {
+                        let attempt = self.healthy_reset(attempt, since);
+                        self.backoff(
+                            attempt,
+                            Fault::Stalled,
+                            format!("blocking query unanswered after {deadline:?} (wait {wait:?}): treating the connection as dead"),
+                        )
+                    }
+                    Ok(Err(e)) => {
+                        let attempt = self.healthy_reset(attempt, since);
+                        self.backoff(attempt, Fault::of(&e), e.to_string())
+                    }
+                    Ok(Ok(list)) => {
+                        let new = list.index;
+                        if !self.relisted(list.value, new).await {
+                            return State::Stopped;
+                        }
+                        let h = Health::Polling {
+                            index: new,
+                            counters: self.counters.clone(),
+                        };
+                        if !self.emit(WatchEvent::Health(h)).await {
+                            return State::Stopped;
+                        }
+                        State::Poll {
+                            index: new,
+                            attempt: self.healthy_reset(attempt, since),
+                            since,
+                        }
+                    }
                 }
             }
             State::Stream { index, attempt } => {
@@ -206,18 +441,9 @@ impl Watcher {
                 match self.stream(index).await {
                     StreamEnd::Resync => State::List { attempt: 0 },
                     StreamEnd::Closed => State::Stopped,
-                    StreamEnd::Error(reason, auth) => {
-                        // A stream that was healthy for a while resets the backoff.
-                        let attempt = if started.elapsed() > Duration::from_secs(60) {
-                            0
-                        } else {
-                            attempt
-                        };
-                        State::Backoff {
-                            attempt,
-                            reason,
-                            auth,
-                        }
+                    StreamEnd::Fault(fault, reason) => {
+                        let attempt = self.healthy_reset(attempt, started);
+                        self.backoff(attempt, fault, reason)
                     }
                 }
             }
@@ -227,14 +453,15 @@ impl Watcher {
     async fn stream(&mut self, list_index: u64) -> StreamEnd {
         let resp = match self.client.event_stream(list_index + 1).await {
             Ok(r) => r,
-            Err(e) => return StreamEnd::Error(e.to_string(), e.is_auth()),
+            Err(e) => return StreamEnd::Fault(Fault::of(&e), e.to_string()),
         };
         let mut body = resp.bytes_stream();
-        let mut buf: Vec<u8> = Vec::new();
-        let mut last = list_index;
+        let mut lines = LineBuffer::new(self.cfg.max_line);
+        let mut last_frame: Option<u64> = None;
         let mut got_heartbeat = false;
-        let resync_at = Instant::now() + self.cfg.resync_interval;
-        let mut oversized = false;
+        let mut resync_at = self.last_list + self.cfg.resync_interval;
+        let mut health_at = Instant::now();
+        let mut bad_seen = false;
         loop {
             let next = tokio::select! {
                 n = tokio::time::timeout(self.cfg.idle_timeout, body.next()) => n,
@@ -242,81 +469,102 @@ impl Watcher {
             };
             let chunk = match next {
                 Err(_) => {
-                    return StreamEnd::Error(
+                    return StreamEnd::Fault(
+                        Fault::Stalled,
                         format!(
-                            "event stream silent for {:?} (no heartbeat): treating it as dead",
+                            "event stream disconnected: silent for {:?} (no heartbeat); treating it as dead",
                             self.cfg.idle_timeout
                         ),
-                        false,
                     )
                 }
                 Ok(None) if !got_heartbeat => {
-                    return StreamEnd::Error(
-                        "event stream ended before its first heartbeat: the subscription was refused (does the token have read-job in every namespace?)".into(),
-                        true,
+                    return StreamEnd::Fault(
+                        Fault::AuthFailed,
+                        "event stream ended before its first heartbeat: the subscription was refused (the token is expired, or lacks read-job in every namespace)".into(),
                     )
                 }
-                Ok(None) => return StreamEnd::Error("event stream closed by the server".into(), false),
-                Ok(Some(Err(e))) => return StreamEnd::Error(format!("event stream broke: {e}"), false),
+                Ok(None) => {
+                    return StreamEnd::Fault(
+                        Fault::ClosedByServer,
+                        "event stream disconnected: closed by the server".into(),
+                    )
+                }
+                Ok(Some(Err(e))) => {
+                    return StreamEnd::Fault(
+                        Fault::Unreachable,
+                        format!("event stream disconnected: {e}"),
+                    )
+                }
                 Ok(Some(Ok(c))) => c,
             };
-            let mut rest: &[u8] = &chunk;
-            while let Some(pos) = rest.iter().position(|&b| b == b'\n') {
-                let (head, tail) = rest.split_at(pos);
-                rest = &tail[1..];
-                if oversized {
-                    // The end of a line we refused to buffer.
-                    oversized = false;
-                    buf.clear();
-                    continue;
-                }
-                let line: Vec<u8> = if buf.is_empty() {
-                    head.to_vec()
-                } else {
-                    let mut l = std::mem::take(&mut buf);
-                    l.extend_from_slice(head);
-                    l
+            lines.push(&chunk);
+            while let Some(piece) = lines.next_piece() {
+                let bad = match piece {
+                    Piece::Oversized(n) => {
+                        tracing::warn!(
+                            bytes = n,
+                            limit = self.cfg.max_line,
+                            "skipped an oversized event stream line"
+                        );
+                        true
+                    }
+                    Piece::Line(line) => {
+                        match self
+                            .line(&line, list_index, &mut last_frame, &mut got_heartbeat)
+                            .await
+                        {
+                            Ok(bad) => bad,
+                            Err(end) => return end,
+                        }
+                    }
                 };
-                match self.line(&line, &mut last, &mut got_heartbeat).await {
-                    Ok(()) => {}
-                    Err(end) => return end,
+                if bad {
+                    // The line may have carried one of our events: relist soon, spacing
+                    // such relists out exponentially (no relist loop on a bad feed).
+                    self.counters.bad_lines += 1;
+                    if !bad_seen {
+                        bad_seen = true;
+                        let gap = backoff_delay(
+                            self.cfg.backoff_base,
+                            self.cfg.backoff_cap,
+                            self.bad_streak,
+                        );
+                        self.bad_streak = self.bad_streak.saturating_add(1);
+                        resync_at = resync_at.min((self.last_list + gap).max(Instant::now()));
+                    }
+                    health_at = Instant::now() - Duration::from_secs(10);
                 }
             }
-            if !oversized {
-                buf.extend_from_slice(rest);
-                if buf.len() > self.cfg.max_line {
-                    self.counters.bad_lines += 1;
-                    tracing::warn!(bytes = buf.len(), "skipping an oversized event stream line");
-                    oversized = true;
-                    buf.clear();
+            if got_heartbeat && health_at.elapsed() >= Duration::from_secs(5) {
+                health_at = Instant::now();
+                let h = Health::Streaming {
+                    index: last_frame.unwrap_or(list_index),
+                    counters: self.counters.clone(),
+                };
+                if !self.emit(WatchEvent::Health(h)).await {
+                    return StreamEnd::Closed;
                 }
             }
         }
     }
 
+    /// Handles one line. `Ok(true)`: the line was unusable and skipped.
     async fn line(
         &mut self,
         line: &[u8],
-        last: &mut u64,
+        list_index: u64,
+        last_frame: &mut Option<u64>,
         got_heartbeat: &mut bool,
-    ) -> Result<(), StreamEnd> {
-        match decode_line(line, &self.cfg.node_id, self.cfg.max_line) {
+    ) -> Result<bool, StreamEnd> {
+        let first = !*got_heartbeat;
+        let result = match decode_line(line, &self.cfg.node_id, self.cfg.max_line) {
             Err(e) => {
-                self.counters.bad_lines += 1;
-                tracing::warn!(error = %e, "skipping an event stream line");
-                Ok(())
+                tracing::warn!(error = %e, bytes = line.len(), "skipped an event stream line");
+                return Ok(true);
             }
             Ok(Line::Heartbeat) => {
-                if !*got_heartbeat {
-                    *got_heartbeat = true;
-                    if !self
-                        .emit(WatchEvent::Health(Health::Streaming { index: *last }))
-                        .await
-                    {
-                        return Err(StreamEnd::Closed);
-                    }
-                }
-                Ok(())
+                *got_heartbeat = true;
+                Ok(false)
             }
             Ok(Line::Frame {
                 index,
@@ -326,24 +574,42 @@ impl Watcher {
                 *got_heartbeat = true;
                 self.counters.frames += 1;
                 self.counters.skipped_other_nodes += skipped as u64;
-                if index < *last {
-                    return Err(StreamEnd::Error(
-                        format!("event index went backwards ({index} < {last}): Nomad's state was reset or restored; relisting"),
-                        false,
+                if last_frame.is_some_and(|l| index < l) {
+                    self.counters.index_resets += 1;
+                    return Err(StreamEnd::Fault(
+                        Fault::IndexReset,
+                        format!(
+                            "event index went backwards ({index} after {}): Nomad's state was reset or restored; relisting",
+                            last_frame.unwrap_or_default()
+                        ),
                     ));
                 }
-                if index == *last {
-                    return Ok(()); // `index` is inclusive: this frame was seen already.
+                if index <= list_index || last_frame.is_some_and(|l| index == l) {
+                    // Covered by the list (Nomad resends the closest index it has, and
+                    // `index` is inclusive), or a repeated frame.
+                    self.counters.stale_frames += 1;
+                    return Ok(false);
                 }
-                *last = index;
+                *last_frame = Some(index);
+                self.last_index = self.last_index.max(index);
                 for ev in allocations {
                     if let Err(e) = self.allocation(ev.allocation).await {
-                        return Err(StreamEnd::Error(e.to_string(), e.is_auth()));
+                        return Err(StreamEnd::Fault(Fault::of(&e), e.to_string()));
                     }
                 }
-                Ok(())
+                Ok(false)
+            }
+        };
+        if first && *got_heartbeat {
+            let h = Health::Streaming {
+                index: last_frame.unwrap_or(list_index),
+                counters: self.counters.clone(),
+            };
+            if !self.emit(WatchEvent::Health(h)).await {
+                return Err(StreamEnd::Closed);
             }
         }
+        result
     }
 
     /// Sends an allocation update, fetching the full allocation (with its Job) when it is
@@ -384,5 +650,30 @@ mod tests {
         assert!(backoff_delay(b, cap, 0) <= Duration::from_millis(120));
         assert!(backoff_delay(b, cap, 3) >= Duration::from_millis(640));
         assert!(backoff_delay(b, cap, 30) <= Duration::from_millis(2400));
+    }
+
+    #[test]
+    fn auth_failures_wait_at_least_a_second_and_are_capped() {
+        let mut cfg = WatchConfig::new("n");
+        cfg.backoff_base = Duration::from_millis(10);
+        cfg.backoff_cap = Duration::from_secs(5);
+        for attempt in 0..40 {
+            let d = fault_delay(&cfg, Fault::AuthFailed, attempt);
+            assert!(d >= Duration::from_secs(1), "{d:?}");
+            assert!(d <= Duration::from_secs(6), "{d:?}");
+        }
+        assert!(fault_delay(&cfg, Fault::Unreachable, 0) < Duration::from_millis(20));
+    }
+
+    #[test]
+    fn health_serializes_with_its_state_and_fault() {
+        let h = Health::Disconnected {
+            fault: Fault::AuthFailed,
+            reason: "x".into(),
+            counters: Counters::default(),
+        };
+        let v = serde_json::to_value(&h).unwrap();
+        assert_eq!(v["state"], "disconnected");
+        assert_eq!(v["fault"], "auth-failed");
     }
 }

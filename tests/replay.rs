@@ -4,11 +4,13 @@
 
 mod support;
 
+use dhv_binder::config::AgentConfig;
+use dhv_binder::watch::WatchMode;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;
 use support::fake_nomad::FakeNomad;
-use support::inproc::{agent_config, ready, start_agent, status};
+use support::inproc::{agent_config, ready, start_agent, status, Running};
 use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
 
 fn shared(dir: &str, name: &str) -> String {
@@ -25,6 +27,13 @@ fn fixture(name: &str) -> Value {
 
 const NODE_A: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 const ALLOC: &str = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
+
+fn stream_config(sb: &Sandbox, watch_mode: WatchMode) -> AgentConfig {
+    let mut cfg = agent_config(sb);
+    cfg.watch_mode = watch_mode;
+    cfg.stream_idle_timeout = Duration::from_secs(75);
+    cfg
+}
 
 /// The volume record for the fixtures' `orders-data`, served by plugin `fake`.
 fn orders_record(fake: &FakeNomad) {
@@ -238,7 +247,8 @@ async fn real_capture_frames_cause_no_plugin_calls() {
     agent.stop().await;
 }
 
-/// B10 (a) and B17: the allocation finishes while the daemon is down (no event is ever
+/// B10 (a) and B17 (in poll mode, the default; the fault tests below cover both modes):
+/// the allocation finishes while the daemon is down (no event is ever
 /// seen); on start, the first full list finds it terminal and unpublishes exactly once.
 /// Then a stream drop with a silent deletion (GC, no event) is caught by the relist.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,7 +261,7 @@ async fn restart_and_reconnect_converge_without_events() {
     let mut full = fixture("allocation.json");
     full["ModifyIndex"] = json!(1300);
     fake.put_alloc(full.clone());
-    let cfg = agent_config(&sb);
+    let cfg = stream_config(&sb, WatchMode::Poll);
     let agent = start_agent(&fake, cfg.clone());
     eventually(10, "publish from the first list", || {
         calls(&plugins).len() == 1
@@ -284,4 +294,429 @@ async fn restart_and_reconnect_converge_without_events() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(calls(&plugins).len(), 4, "{:?}", calls(&plugins));
     agent.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Event stream and blocking query faults, each run in both watch modes. Every test starts
+// with the fixture allocation running on this node (published once from the first list),
+// injects a fault, changes the truth in the fake, and asserts that the plugin calls end up
+// exactly [publish, unpublish] (or as stated): nothing lost, nothing repeated.
+// ---------------------------------------------------------------------------------------
+
+/// Generates `<name>::stream` and `<name>::poll` from `async fn <name>(WatchMode)`.
+macro_rules! both_modes {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stream() {
+                tokio::time::timeout(std::time::Duration::from_secs(60), super::$name(super::WatchMode::Stream))
+                    .await
+                    .expect("test timed out");
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn poll() {
+                tokio::time::timeout(std::time::Duration::from_secs(60), super::$name(super::WatchMode::Poll))
+                    .await
+                    .expect("test timed out");
+            }
+        }
+    )*};
+}
+
+both_modes!(
+    disconnect_mid_frame,
+    duplicate_and_out_of_order_events,
+    b17_gap_beyond_the_buffer,
+    b17_index_reset_snapshot_restore,
+    b18_stalled_connection,
+    b30_token_expiry_and_rotation,
+    garbage_line,
+    five_mib_lines,
+);
+
+const ALLOC_B: &str = "9c1d3e5f-7a2b-4c6d-8e0f-1a3b5c7d9e21";
+
+/// The fixture allocation as an event payload carries it: no Job.
+fn payload(id: &str, client: &str, desired: &str, index: u64) -> Value {
+    let mut a = fixture("allocation.json");
+    a.as_object_mut().unwrap().remove("Job");
+    a["ID"] = json!(id);
+    a["ClientStatus"] = json!(client);
+    a["DesiredStatus"] = json!(desired);
+    a["ModifyIndex"] = json!(index);
+    a
+}
+
+/// One frame at `index` with the given allocation payloads (Type AllocationUpdated).
+fn frame(index: u64, allocs: &[Value]) -> String {
+    let events: Vec<Value> = allocs
+        .iter()
+        .map(|a| {
+            json!({"Topic": "Allocation", "Type": "AllocationUpdated", "Key": a["ID"],
+                   "Namespace": "default", "FilterKeys": [a["JobID"], ""], "Index": index,
+                   "Payload": {"Allocation": a}})
+        })
+        .collect();
+    json!({"Index": index, "Events": events}).to_string()
+}
+
+/// The allocation of another node, as in a busy cluster's stream.
+fn other_node(i: u64, index: u64) -> Value {
+    let mut a = payload(
+        &format!("00000000-0000-4000-8000-{i:012}"),
+        "running",
+        "run",
+        index,
+    );
+    a["NodeID"] = json!(format!("11111111-0000-4000-8000-{:012}", i % 997));
+    a
+}
+
+struct Case {
+    sb: Sandbox,
+    fake: FakeNomad,
+    cfg: AgentConfig,
+    agent: Option<Running>,
+    plugins: PathBuf,
+}
+
+impl Case {
+    /// The fixture allocation runs on this node at index 1300; the agent publishes it.
+    async fn start(mode: WatchMode, tune: impl FnOnce(&mut AgentConfig, &FakeNomad)) -> Case {
+        let sb = Sandbox::new();
+        let fake = FakeNomad::start(NODE_A, fixture("jwks.json")).await;
+        orders_record(&fake);
+        recording_plugin(&sb.join("plugins"), "fake");
+        let mut full = fixture("allocation.json");
+        full["ModifyIndex"] = json!(1300);
+        fake.put_alloc(full);
+        let mut cfg = stream_config(&sb, mode);
+        tune(&mut cfg, &fake);
+        let agent = Some(start_agent(&fake, cfg.clone()));
+        let plugins = sb.join("plugins");
+        let case = Case {
+            sb,
+            fake,
+            cfg,
+            agent,
+            plugins,
+        };
+        eventually(15, "publish from the first list", || {
+            case.calls().len() == 1
+        })
+        .await;
+        case.connected(mode).await;
+        case
+    }
+
+    fn calls(&self) -> Vec<String> {
+        calls(&self.plugins)
+    }
+
+    /// Waits until the watcher is streaming (heartbeat seen) or polling.
+    async fn connected(&self, mode: WatchMode) {
+        let want = match mode {
+            WatchMode::Stream => "streaming",
+            WatchMode::Poll => "polling",
+        };
+        for _ in 0..200 {
+            if status(&self.cfg).await["watch"]["state"] == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("watcher never {want}: {}", status(&self.cfg).await);
+    }
+
+    /// Asserts the calls converge to `want` and stay there (nothing lost or repeated).
+    async fn converges(&self, what: &str, want: &[String]) {
+        eventually(20, what, || self.calls().len() >= want.len()).await;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(self.calls(), want, "{what}");
+    }
+
+    async fn stop(mut self) {
+        if let Some(a) = self.agent.take() {
+            a.stop().await;
+        }
+        drop(self.sb);
+    }
+}
+
+fn publish_a() -> String {
+    format!("publish default/orders-data {ALLOC}")
+}
+
+fn unpublish() -> String {
+    "unpublish default/orders-data".to_string()
+}
+
+/// The connection breaks in the middle of the frame that says the allocation completed; the
+/// watcher drops the partial line, reconnects and relists.
+async fn disconnect_mid_frame(mode: WatchMode) {
+    let c = Case::start(mode, |_, _| {}).await;
+    let done = frame(1400, &[payload(ALLOC, "complete", "stop", 1400)]);
+    c.fake.apply_silently(&done);
+    c.fake.push_raw(&done[..done.len() / 2]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.fake.close_streams();
+    c.converges(
+        "unpublish after the broken frame",
+        &[publish_a(), unpublish()],
+    )
+    .await;
+    c.stop().await;
+}
+
+/// Repeated frames and events, and a frame older than the last one (which Nomad never
+/// sends within one subscription: treated as an index reset, so relisted).
+async fn duplicate_and_out_of_order_events(mode: WatchMode) {
+    let c = Case::start(mode, |_, _| {}).await;
+    let running = frame(
+        1310,
+        &[
+            payload(ALLOC, "running", "run", 1310),
+            payload(ALLOC, "running", "run", 1310),
+        ],
+    );
+    c.fake.push(&running);
+    c.fake.push(&running);
+    let done = frame(1320, &[payload(ALLOC, "complete", "stop", 1320)]);
+    c.fake.push(&done);
+    c.fake.push(&done);
+    // A stale frame after the terminal one must not bring the allocation back to life.
+    c.fake.push_raw(&format!("{running}\n"));
+    c.converges("one unpublish despite repeats", &[publish_a(), unpublish()])
+        .await;
+    let s = status(&c.cfg).await;
+    if mode == WatchMode::Stream {
+        assert!(
+            s["watch"]["counters"]["index_resets"].as_u64().unwrap_or(0) >= 1
+                || s["watch"]["state"] == "disconnected",
+            "{s}"
+        );
+    }
+    c.stop().await;
+}
+
+/// B17: the terminal event falls into a gap (server restart: the new buffer starts later,
+/// and resuming at the old index silently skips it). The relist on reconnect finds the
+/// allocation complete: exactly one unpublish.
+async fn b17_gap_beyond_the_buffer(mode: WatchMode) {
+    let c = Case::start(mode, |_, _| {}).await;
+    c.fake
+        .apply_silently(&frame(1410, &[payload(ALLOC, "complete", "stop", 1410)]));
+    c.fake.close_streams();
+    // Events after the restart, from other nodes only.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.fake.push(&frame(
+        1430,
+        &(0..5).map(|i| other_node(i, 1430)).collect::<Vec<_>>(),
+    ));
+    c.converges("unpublish after the gap", &[publish_a(), unpublish()])
+        .await;
+    c.stop().await;
+}
+
+/// B17 / row 10: a snapshot restore (or a new cluster at the same address) replaces the
+/// state with lower indexes and closes every stream. The allocation is complete in the
+/// restored state; a new allocation then arrives at an index below everything seen before.
+async fn b17_index_reset_snapshot_restore(mode: WatchMode) {
+    // A restore wakes no blocking query (the index only drops): poll mode sees it when the
+    // query's wait ends, so the wait is short here.
+    let c = Case::start(mode, |cfg, _| {
+        if mode == WatchMode::Poll {
+            cfg.resync_interval = Duration::from_secs(2);
+        }
+    })
+    .await;
+    let mut done = fixture("allocation.json");
+    done["ClientStatus"] = json!("complete");
+    done["DesiredStatus"] = json!("stop");
+    done["ModifyIndex"] = json!(40);
+    c.fake.reset(vec![done], 40);
+    c.converges("unpublish after the restore", &[publish_a(), unpublish()])
+        .await;
+    // A new allocation at index 50 (< 1300): must not be taken for a stale event.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut b = fixture("allocation.json");
+    b["ID"] = json!(ALLOC_B);
+    b["ModifyIndex"] = json!(50);
+    b["AllocModifyIndex"] = json!(50);
+    c.fake.put_alloc(b);
+    c.fake
+        .push(&frame(50, &[payload(ALLOC_B, "running", "run", 50)]));
+    c.converges(
+        "publish of the allocation placed after the restore",
+        &[
+            publish_a(),
+            unpublish(),
+            format!("publish default/orders-data {ALLOC_B}"),
+        ],
+    )
+    .await;
+    c.stop().await;
+}
+
+/// B18 (b): a half-open connection: no bytes at all, not even heartbeats (the fake sends
+/// them every 100 ms here). Detected within 3 heartbeat intervals in stream mode (idle
+/// timeout 300 ms) and within wait + wait/16 + idle timeout in poll mode; health says
+/// disconnected (stalled) meanwhile; after healing, the relist unpublishes exactly once.
+async fn b18_stalled_connection(mode: WatchMode) {
+    let c = Case::start(mode, |cfg, fake| {
+        fake.state.lock().unwrap().heartbeat = Duration::from_millis(100);
+        cfg.stream_idle_timeout = Duration::from_millis(300);
+        if mode == WatchMode::Poll {
+            cfg.resync_interval = Duration::from_secs(1); // the blocking query's wait
+        }
+    })
+    .await;
+    // Healthy but quiet for a while: heartbeats keep the stream alive.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_ne!(status(&c.cfg).await["watch"]["state"], "disconnected");
+    c.fake.stall(true);
+    let stalled_at = std::time::Instant::now();
+    c.fake
+        .apply_silently(&frame(1450, &[payload(ALLOC, "complete", "stop", 1450)]));
+    let mut seen = Value::Null;
+    for _ in 0..100 {
+        let s = status(&c.cfg).await;
+        if s["watch"]["state"] == "disconnected" {
+            seen = s;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = stalled_at.elapsed();
+    assert_eq!(seen["watch"]["fault"], "stalled", "{seen}");
+    let bound = match mode {
+        WatchMode::Stream => Duration::from_millis(300 + 300),
+        WatchMode::Poll => Duration::from_millis(1000 + 62 + 300 + 500),
+    };
+    assert!(took <= bound, "stall detected after {took:?} (> {bound:?})");
+    assert_eq!(c.calls(), vec![publish_a()], "acted while disconnected");
+    c.fake.stall(false);
+    c.converges("unpublish after the stall", &[publish_a(), unpublish()])
+        .await;
+    c.stop().await;
+}
+
+/// B30: the token expires (Nomad closes the stream; lists answer 403, a new subscribe is
+/// 200 then EOF without `{}`). The agent classifies it as an auth failure, re-reads the
+/// token file, backs off at least 1 s between tries, acts on nothing meanwhile (the
+/// allocation is purged from Nomad during the outage: no unpublish from a view it cannot
+/// refresh), never shows the token, and converges once a new token is in the file.
+async fn b30_token_expiry_and_rotation(mode: WatchMode) {
+    let c = Case::start(mode, |cfg, fake| {
+        let file = cfg.state_dir.parent().unwrap().join("token");
+        std::fs::write(&file, "old-secret-token\n").unwrap();
+        cfg.token_file = Some(file);
+        fake.require_token(Some("old-secret-token"));
+        if mode == WatchMode::Poll {
+            // An in-flight blocking query was authorized when it started: poll mode meets
+            // the new ACL state when the query's wait ends.
+            cfg.resync_interval = Duration::from_secs(1);
+        }
+    })
+    .await;
+    let file = c.cfg.token_file.clone().unwrap();
+    c.fake.require_token(Some("new-secret-token"));
+    let mut s = Value::Null;
+    for _ in 0..200 {
+        s = status(&c.cfg).await;
+        if s["watch"]["fault"] == "auth-failed" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert_eq!(s["watch"]["state"], "disconnected", "{s}");
+    assert_eq!(s["watch"]["fault"], "auth-failed", "{s}");
+    c.fake.delete_alloc(ALLOC);
+    let lists_before = c.fake.requests().len();
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let s = status(&c.cfg).await;
+    assert_eq!(s["watch"]["fault"], "auth-failed", "{s}");
+    assert!(
+        !s.to_string().contains("secret-token"),
+        "token in status: {s}"
+    );
+    let tries = c
+        .fake
+        .requests()
+        .iter()
+        .skip(lists_before)
+        .filter(|r| r.contains("/allocations?") || r.contains("/allocations "))
+        .count();
+    assert!(
+        tries <= 5,
+        "{tries} list attempts in 3 s: not backing off ≥ 1 s"
+    );
+    assert_eq!(c.calls(), vec![publish_a()], "acted without a valid view");
+    std::fs::write(&file, "new-secret-token\n").unwrap();
+    c.converges(
+        "unpublish of the purged allocation once the new token works",
+        &[publish_a(), unpublish()],
+    )
+    .await;
+    assert!(c
+        .fake
+        .state
+        .lock()
+        .unwrap()
+        .tokens_seen
+        .contains(&Some("new-secret-token".into())));
+    c.stop().await;
+}
+
+/// A line that is not JSON takes the place of the terminal frame: skipped and counted, the
+/// stream stays up (no reconnect loop), and a relist soon after finds the allocation done.
+async fn garbage_line(mode: WatchMode) {
+    let c = Case::start(mode, |_, _| {}).await;
+    c.fake
+        .apply_silently(&frame(1460, &[payload(ALLOC, "complete", "stop", 1460)]));
+    c.fake
+        .push("{\"Index\":1460,\"Events\":[{\"Topic\":\"Allocation\",garbage");
+    c.fake.push("\u{1}\u{2} not json at all");
+    c.converges(
+        "unpublish after a garbage line",
+        &[publish_a(), unpublish()],
+    )
+    .await;
+    if mode == WatchMode::Stream {
+        let s = status(&c.cfg).await;
+        assert_eq!(s["watch"]["state"], "streaming", "{s}");
+        assert!(
+            s["watch"]["counters"]["bad_lines"].as_u64().unwrap() >= 2,
+            "{s}"
+        );
+        assert_eq!(s["watch"]["counters"]["reconnects"], 0, "{s}");
+    }
+    c.stop().await;
+}
+
+/// 5 MiB lines: a garbage one (skipped, counted, no reconnect), then a valid 5 MiB frame
+/// of 1,000 other nodes' events that also carries this node's terminal event (applied).
+async fn five_mib_lines(mode: WatchMode) {
+    let c = Case::start(mode, |_, _| {}).await;
+    c.fake.push(&"x".repeat(5 << 20));
+    let mut allocs: Vec<Value> = (0..1000).map(|i| other_node(i, 1470)).collect();
+    allocs.push(payload(ALLOC, "complete", "stop", 1470));
+    let big = frame(1470, &allocs);
+    assert!(big.len() >= 5 << 20, "{}", big.len());
+    c.fake.push(&big);
+    c.converges(
+        "unpublish from the 5 MiB frame",
+        &[publish_a(), unpublish()],
+    )
+    .await;
+    if mode == WatchMode::Stream {
+        let s = status(&c.cfg).await;
+        assert_eq!(s["watch"]["state"], "streaming", "{s}");
+        assert_eq!(s["watch"]["counters"]["reconnects"], 0, "{s}");
+        assert!(
+            s["watch"]["counters"]["bad_lines"].as_u64().unwrap() >= 1,
+            "{s}"
+        );
+    }
+    c.stop().await;
 }

@@ -26,7 +26,7 @@ pub enum NomadError {
     #[error("Nomad refused {what}: permission denied; the token needs {needs} (see jobspecs/dhv-binder-policy.hcl)")]
     PermissionDenied { what: String, needs: &'static str },
     /// 401: no token, or an expired or unknown one.
-    #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN")]
+    #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN or --token-file")]
     Unauthorized { what: String },
     /// 500 "No cluster leader": an election is in progress; retry.
     #[error("Nomad has no cluster leader right now ({what}); retrying")]
@@ -88,7 +88,8 @@ pub struct Client {
     http: reqwest::Client,
     streaming: reqwest::Client,
     addr: String,
-    token: Option<String>,
+    /// Shared by every clone, so that a token re-read from its file reaches all callers.
+    token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
 }
 
@@ -152,9 +153,17 @@ impl Client {
             http: build(Some(Duration::from_secs(400)))?,
             streaming: build(None)?,
             addr: cfg.address.trim_end_matches('/').to_string(),
-            token: cfg.token.clone(),
+            token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
         })
+    }
+
+    /// Replaces the token of this client and of all its clones. Returns true when it changed.
+    pub fn set_token(&self, token: Option<String>) -> bool {
+        let mut t = self.token.write().unwrap_or_else(|e| e.into_inner());
+        let changed = *t != token;
+        *t = token;
+        changed
     }
 
     /// The agent address this client talks to.
@@ -169,7 +178,7 @@ impl Client {
         path: &str,
     ) -> reqwest::RequestBuilder {
         let mut rb = client.request(method, format!("{}{}", self.addr, path));
-        if let Some(t) = &self.token {
+        if let Some(t) = &*self.token.read().unwrap_or_else(|e| e.into_inner()) {
             rb = rb.header("X-Nomad-Token", t);
         }
         if let Some(r) = &self.region {

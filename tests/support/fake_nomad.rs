@@ -40,6 +40,38 @@ pub struct State {
     pub lock_ops: Vec<String>,
     /// Refuse every lock-acquire (another node holds the claim).
     pub refuse_locks: bool,
+    /// When set, every request but the JWKS needs this `X-Nomad-Token`: others get 403
+    /// "Permission denied", and an event stream subscribe gets `200 OK` then EOF with no
+    /// `{}` (Nomad 2.x: the ACL error travels inside the hijacked stream).
+    pub required_token: Option<String>,
+    /// Tokens presented, in order (to check that a new token was used).
+    pub tokens_seen: Vec<Option<String>>,
+    /// Interval of `{}` heartbeats on open streams (Nomad: 30 s).
+    pub heartbeat: Duration,
+    /// Half-open connections: streams send nothing (not even heartbeats) and blocking
+    /// queries never answer while set.
+    pub stalled: bool,
+    /// Answer every request with 500 "No cluster leader" while set.
+    pub no_leader: bool,
+    /// Bytes of response bodies sent, by endpoint ("stream", "node-allocations", "allocation").
+    pub bytes_out: BTreeMap<&'static str, u64>,
+}
+
+impl State {
+    /// The index of `GET /v1/node/:id/allocations`, as Nomad computes it (`Node.GetAllocs`):
+    /// the highest ModifyIndex of the node's allocations, or the allocs table index if none.
+    pub fn node_index(&self, node: &str) -> u64 {
+        self.allocs
+            .values()
+            .filter(|a| a["NodeID"] == node)
+            .filter_map(|a| a["ModifyIndex"].as_u64())
+            .max()
+            .unwrap_or(self.alloc_index)
+    }
+
+    fn count(&mut self, what: &'static str, n: usize) {
+        *self.bytes_out.entry(what).or_default() += n as u64;
+    }
 }
 
 /// A running fake.
@@ -48,6 +80,7 @@ pub struct FakeNomad {
     pub addr: String,
     pub state: Arc<Mutex<State>>,
     lines: broadcast::Sender<Option<String>>,
+    unstall: Arc<Notify>,
     changed: Arc<Notify>,
 }
 
@@ -64,10 +97,12 @@ impl FakeNomad {
                 jwks,
                 index: 1,
                 alloc_index: 1,
+                heartbeat: Duration::from_secs(30),
                 ..Default::default()
             })),
             lines,
             changed: Arc::new(Notify::new()),
+            unstall: Arc::new(Notify::new()),
         };
         let f = fake.clone();
         tokio::spawn(async move {
@@ -88,6 +123,42 @@ impl FakeNomad {
             }
         });
         fake
+    }
+
+    /// Sends raw bytes (no newline added) to every open event stream, e.g. half a frame.
+    pub fn push_raw(&self, bytes: &str) {
+        let _ = self.lines.send(Some(bytes.to_string()));
+    }
+
+    /// Sets the token Nomad requires (`None`: ACLs off) and closes every open stream, as
+    /// an ACL change does ("subscription closed by server, client should resubscribe").
+    pub fn require_token(&self, token: Option<&str>) {
+        self.state.lock().unwrap().required_token = token.map(String::from);
+        self.close_streams();
+    }
+
+    /// Half-opens (`true`) or heals every connection (see [`State::stalled`]).
+    pub fn stall(&self, on: bool) {
+        self.state.lock().unwrap().stalled = on;
+        if !on {
+            self.unstall.notify_waiters();
+        }
+    }
+
+    /// Replaces the whole state with that of another cluster (snapshot restore to an older
+    /// state, or a new cluster at the same address): the allocations given, lower indexes.
+    /// Open streams are closed, as `restoreImpl` abandons the event broker.
+    pub fn reset(&self, allocs: Vec<Value>, alloc_index: u64) {
+        {
+            let mut st = self.state.lock().unwrap();
+            st.allocs.clear();
+            for a in allocs {
+                st.allocs.insert(a["ID"].as_str().unwrap().to_string(), a);
+            }
+            st.alloc_index = alloc_index;
+        }
+        self.close_streams();
+        self.changed.notify_waiters();
     }
 
     /// Sends one NDJSON line to every open event stream, and applies the allocations in a
@@ -111,7 +182,29 @@ impl FakeNomad {
                 }
             }
         }
-        let _ = self.lines.send(Some(line.to_string()));
+        let _ = self.lines.send(Some(format!("{line}\n")));
+        self.changed.notify_waiters();
+    }
+
+    /// Applies a frame's allocations to the stored state without sending it (an event the
+    /// watcher never sees: lost in a gap, a garbled line, a stall).
+    pub fn apply_silently(&self, line: &str) {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let mut st = self.state.lock().unwrap();
+        for ev in v["Events"].as_array().unwrap() {
+            if let Some(a) = ev.pointer("/Payload/Allocation") {
+                let id = a["ID"].as_str().unwrap_or_default().to_string();
+                let entry = st.allocs.entry(id).or_insert_with(|| json!({}));
+                for (k, val) in a.as_object().unwrap() {
+                    entry[k] = val.clone();
+                }
+            }
+        }
+        if let Some(i) = v["Index"].as_u64() {
+            st.alloc_index = st.alloc_index.max(i);
+            st.index = st.index.max(i);
+        }
+        drop(st);
         self.changed.notify_waiters();
     }
 
@@ -126,13 +219,26 @@ impl FakeNomad {
         st.allocs.remove(id);
         st.alloc_index += 1;
         st.index += 1;
+        drop(st);
+        self.changed.notify_waiters();
     }
 
-    /// Stores a full allocation (with Job).
-    pub fn put_alloc(&self, a: Value) {
+    /// Stores a full allocation (with Job), as a state store write at a new index (its
+    /// ModifyIndex, if higher, else the next one).
+    pub fn put_alloc(&self, mut a: Value) {
         let mut st = self.state.lock().unwrap();
         let id = a["ID"].as_str().unwrap().to_string();
+        let idx = a["ModifyIndex"]
+            .as_u64()
+            .unwrap_or(0)
+            .max(st.alloc_index + 1);
+        if a["ModifyIndex"].as_u64().is_none() {
+            a["ModifyIndex"] = json!(idx);
+        }
+        st.alloc_index = idx;
         st.allocs.insert(id, a);
+        drop(st);
+        self.changed.notify_waiters();
     }
 
     /// Stores a variable as Nomad would.
@@ -170,11 +276,11 @@ impl FakeNomad {
             .unwrap()
     }
 
-    async fn block(&self, index: u64, current: impl Fn(&State) -> u64) {
+    async fn block(&self, index: u64, wait: Duration, current: impl Fn(&State) -> u64) {
         if index == 0 {
             return;
         }
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.changed.notified();
             if current(&self.state.lock().unwrap()) > index {
@@ -202,6 +308,41 @@ impl FakeNomad {
             req.uri().query().unwrap_or("")
         ));
         let index: u64 = query.get("index").and_then(|i| i.parse().ok()).unwrap_or(0);
+        // Nomad's `wait` (default 5 min), e.g. "300s"; jitter left out.
+        let wait = query
+            .get("wait")
+            .and_then(|w| humantime::parse_duration(w).ok())
+            .unwrap_or(Duration::from_secs(300));
+        let token = req
+            .headers()
+            .get("X-Nomad-Token")
+            .and_then(|t| t.to_str().ok())
+            .map(String::from);
+        let (denied, no_leader, stalled) = {
+            let mut st = self.state.lock().unwrap();
+            st.tokens_seen.push(token.clone());
+            let denied = st.required_token.is_some()
+                && st.required_token != token
+                && path != "/.well-known/jwks.json";
+            (denied, st.no_leader, st.stalled)
+        };
+        if stalled && path != "/v1/event/stream" {
+            // A half-open connection: the request is never answered until healed.
+            self.unstall.notified().await;
+        }
+        if no_leader {
+            return Self::text(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader");
+        }
+        if denied && path == "/v1/event/stream" {
+            return Response::builder()
+                .status(StatusCode::OK)
+                .header("Content-Type", "application/json")
+                .body(Full::new(Bytes::new()).boxed())
+                .unwrap();
+        }
+        if denied {
+            return Self::text(StatusCode::FORBIDDEN, "Permission denied");
+        }
         let segs: Vec<String> = path
             .trim_matches('/')
             .split('/')
@@ -227,20 +368,28 @@ impl FakeNomad {
             }
             ("GET", ["v1", "node", id, "allocations"]) => {
                 let id = id.to_string();
-                self.block(index, |s| s.alloc_index).await;
-                let st = self.state.lock().unwrap();
+                self.block(index, wait, |s| s.node_index(&id)).await;
+                if self.state.lock().unwrap().stalled {
+                    self.unstall.notified().await;
+                }
+                let mut st = self.state.lock().unwrap();
                 let list: Vec<Value> = st
                     .allocs
                     .values()
                     .filter(|a| a["NodeID"] == id.as_str())
                     .cloned()
                     .collect();
-                Self::full(StatusCode::OK, Value::Array(list), st.alloc_index)
+                let body = Value::Array(list);
+                st.count("node-allocations", body.to_string().len());
+                Self::full(StatusCode::OK, body, st.node_index(&id))
             }
             ("GET", ["v1", "allocation", id]) => {
-                let st = self.state.lock().unwrap();
-                match st.allocs.get(*id) {
-                    Some(a) => Self::full(StatusCode::OK, a.clone(), st.alloc_index),
+                let mut st = self.state.lock().unwrap();
+                match st.allocs.get(*id).cloned() {
+                    Some(a) => {
+                        st.count("allocation", a.to_string().len());
+                        Self::full(StatusCode::OK, a, st.alloc_index)
+                    }
                     None => Self::text(StatusCode::NOT_FOUND, "alloc not found"),
                 }
             }
@@ -258,20 +407,41 @@ impl FakeNomad {
                     return Self::text(StatusCode::from_u16(code).unwrap(), "Permission denied");
                 }
                 let mut rx = self.lines.subscribe();
+                let me = self.clone();
                 let stream = async_stream(move |tx| async move {
-                    let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"{}\n")))).await;
+                    let send = |b: Bytes| {
+                        let tx = tx.clone();
+                        let me = me.clone();
+                        async move {
+                            let n = b.len();
+                            if me.state.lock().unwrap().stalled {
+                                return true; // swallowed: the peer sees silence
+                            }
+                            me.state.lock().unwrap().count("stream", n);
+                            tx.send(Ok(Frame::data(b))).await.is_ok()
+                        }
+                    };
+                    if !send(Bytes::from_static(b"{}\n")).await {
+                        return;
+                    }
+                    let every = me.state.lock().unwrap().heartbeat;
+                    let mut hb =
+                        tokio::time::interval_at(tokio::time::Instant::now() + every, every);
                     loop {
-                        match rx.recv().await {
-                            Ok(Some(line)) => {
-                                if tx
-                                    .send(Ok(Frame::data(Bytes::from(format!("{line}\n")))))
-                                    .await
-                                    .is_err()
-                                {
+                        tokio::select! {
+                            _ = hb.tick() => {
+                                if !send(Bytes::from_static(b"{}\n")).await {
                                     return;
                                 }
                             }
-                            Ok(None) | Err(_) => return,
+                            m = rx.recv() => match m {
+                                Ok(Some(chunk)) => {
+                                    if !send(Bytes::from(chunk)).await {
+                                        return;
+                                    }
+                                }
+                                Ok(None) | Err(_) => return,
+                            }
                         }
                     }
                 });
@@ -282,7 +452,8 @@ impl FakeNomad {
                     .unwrap()
             }
             ("GET", ["v1", "vars"]) => {
-                self.block(index, |s| s.index).await;
+                self.block(index, wait.min(Duration::from_secs(30)), |s| s.index)
+                    .await;
                 let st = self.state.lock().unwrap();
                 let prefix = query.get("prefix").cloned().unwrap_or_default();
                 let list: Vec<Value> = st

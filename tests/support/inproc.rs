@@ -31,6 +31,8 @@ impl Running {
 /// Settings for a test agent in the sandbox: fast tick, short plugin timeout.
 pub fn agent_config(sb: &Sandbox) -> AgentConfig {
     AgentConfig {
+        watch_mode: dhv_binder::watch::WatchMode::Stream,
+        token_file: None,
         state_dir: sb.join("state"),
         socket: sb.join("run/api.sock"),
         plugin_dir: sb.join("plugins"),
