@@ -5,10 +5,12 @@
 #   allocation reads;
 # - host-volume-register / host-volume-read / host-volume-delete: the placeholder host
 #   volumes each node offers for deferred volumes;
+# - alloc-lifecycle: restart an allocation whose published FUSE mount died and was
+#   published again (the tasks get a fresh bind of the new mount);
 # - variables under dhv-binder/: the cluster-wide volume records;
 # - node read: the node's allocation list; agent read: the local node ID.
 namespace "*" {
-  capabilities = ["read-job", "host-volume-register", "host-volume-read", "host-volume-delete"]
+  capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
 
   variables {
     path "dhv-binder/*" {

@@ -101,6 +101,9 @@ pub struct AgentConfig {
     /// How often the plugin directory is rescanned and plugins fingerprinted again.
     #[arg(long, env = "DHV_BINDER_PLUGIN_RESCAN", default_value = "15s", value_parser = humantime::parse_duration)]
     pub plugin_rescan: Duration,
+    /// How often published mounts are probed (a dead FUSE mount is republished).
+    #[arg(long, env = "DHV_BINDER_HEALTH_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub health_interval: Duration,
     /// Plugin calls on different volumes run in parallel up to this bound.
     #[arg(long, env = "DHV_BINDER_MAX_PARALLEL", default_value_t = 8)]
     pub max_parallel: usize,
@@ -172,6 +175,7 @@ impl AgentConfig {
         for (what, d) in [
             ("--plugin-timeout", self.plugin_timeout),
             ("--tick", self.tick),
+            ("--health-interval", self.health_interval),
             ("--stream-idle-timeout", self.stream_idle_timeout),
             ("--claim-ttl", self.claim_ttl),
         ] {

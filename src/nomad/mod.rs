@@ -106,6 +106,8 @@ fn capability_for(path: &str) -> &'static str {
         "host-volume-register and host-volume-read"
     } else if path.starts_with("/v1/node") {
         "node:read and namespace read-job"
+    } else if path.starts_with("/v1/client/allocation") {
+        "namespace alloc-lifecycle"
     } else if path.starts_with("/v1/event") || path.starts_with("/v1/allocation") {
         "namespace read-job in every namespace (namespace \"*\")"
     } else {
@@ -341,6 +343,27 @@ impl Client {
             source,
         })?;
         Ok(r.volume)
+    }
+
+    /// Nomad API: `PUT /v1/client/allocation/:id/restart` (`nomad alloc restart`): restarts
+    /// the allocation's running tasks (`all_tasks` = every task, prestart ones included).
+    /// Needs `alloc-lifecycle` in the allocation's namespace.
+    pub async fn restart_allocation(
+        &self,
+        alloc_id: &str,
+        all_tasks: bool,
+    ) -> Result<(), NomadError> {
+        let path = format!("/v1/client/allocation/{alloc_id}/restart");
+        let rb = self
+            .request(&self.http, Method::PUT, &path)
+            .json(&serde_json::json!({ "TaskName": "", "AllTasks": all_tasks }));
+        self.send(
+            rb,
+            "restart an allocation (PUT /v1/client/allocation/:id/restart)",
+            &path,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Nomad API: `GET /v1/volumes?type=host&namespace=*[&node_id=]`.

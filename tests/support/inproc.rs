@@ -42,6 +42,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         resync_interval: Duration::from_secs(300),
         tick: Duration::from_millis(200),
         plugin_rescan: Duration::from_millis(500),
+        health_interval: Duration::from_secs(10),
         max_parallel: 8,
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),
