@@ -1,4 +1,5 @@
-//! The command line: `agent`, `prestart`, `status`, `volume create|list|status|delete`.
+//! The command line: `agent`, `prestart`, `status`, `volume create|list|status|delete`,
+//! `plugin check`.
 //!
 //! Exit codes: 0 success; 1 the operation failed or was refused; 2 usage error (clap);
 //! 64 bad configuration or input; 69 Nomad or the local agent could not be reached;
@@ -63,6 +64,72 @@ pub enum Command {
     /// Create, list, inspect and delete deferred volumes.
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// Volume plugin tools.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PluginCommand {
+    /// Run a plugin through the protocol in a scratch directory (the conformance kit) and
+    /// report each rule with its evidence. Exits 1 if any rule fails. Mounts: run as root.
+    Check {
+        /// The plugin executable (its file name is the plugin ID).
+        executable: PathBuf,
+        /// A parameter of the test volume (DHV_PARAMETERS), KEY=VALUE; repeatable.
+        #[arg(long = "param", value_parser = key_value)]
+        params: Vec<(String, String)>,
+        /// A secret of the test volume (DHV_SECRETS), KEY=VALUE; repeatable.
+        #[arg(long = "secret", value_parser = key_value)]
+        secrets: Vec<(String, String)>,
+        /// Capacity of the test volume in bytes (DHV_CAPACITY_MIN/MAX_BYTES).
+        #[arg(long, default_value_t = 64 << 20)]
+        capacity: u64,
+        /// Timeout of each call, as the agent's --plugin-timeout.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+        /// Scratch directory (default: a new one under the temporary directory, removed after).
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
+}
+
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+/// Runs `plugin check`: prints the conformance report; fails when a rule failed.
+pub async fn plugin_cmd(cmd: PluginCommand) -> Result<(), Failure> {
+    let PluginCommand::Check {
+        executable,
+        params,
+        secrets,
+        capacity,
+        timeout,
+        scratch,
+    } = cmd;
+    let report = crate::conformance::check(crate::conformance::Options {
+        plugin: executable,
+        parameters: params.into_iter().collect(),
+        secrets: secrets.into_iter().collect(),
+        capacity,
+        timeout,
+        scratch,
+    })
+    .await
+    .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    print!("{report}");
+    if report.passed() {
+        Ok(())
+    } else {
+        Err(Failure::new(
+            EXIT_FAILED,
+            "the plugin does not conform (see the FAIL lines above)",
+        ))
+    }
 }
 
 /// Arguments of `prestart`.

@@ -57,6 +57,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Prestart(args) => cli::prestart(args, cli.nomad.token.clone()).await,
         Command::Status { socket } => cli::status(socket).await,
         Command::Volume(cmd) => cli::volume_cmd(&cli.nomad, cmd).await,
+        Command::Plugin(cmd) => cli::plugin_cmd(cmd).await,
     }
 }
 

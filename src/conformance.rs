@@ -1,0 +1,916 @@
+//! The plugin conformance kit (`dhv-binder plugin check <executable>`): runs a plugin through
+//! the protocol (docs/plugin-protocol.md) exactly as the agent calls it, in a scratch
+//! directory, and reports per rule whether it passed, with the evidence.
+//!
+//! Rules: fingerprint shape and speed; deferred binding; each operation repeated 10 times
+//! (idempotence); unpublish and delete of something absent; publish to a target that is
+//! already mounted; read-only publish; data kept across publishes; concurrent calls on one
+//! volume; calls killed by the timeout, then retried; output shape (one JSON object on
+//! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
+//! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
+//! (fingerprint, create, delete) and reported as not deferred.
+
+use crate::executor::{self, NodeEnv};
+use crate::journal::{MountRecord, MountState};
+use crate::plugin::{Operation, PluginError, Runner};
+use crate::volume::{Capability, VolumeRecord, VolumeSpec, VolumeState};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// How many times each operation is repeated.
+pub const REPEAT: usize = 10;
+/// Nomad's effective fingerprint limit (1 s): a slower plugin drops out of Nomad's node.
+pub const NOMAD_FINGERPRINT_LIMIT: Duration = Duration::from_secs(1);
+
+/// What to check and with which volume.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The plugin executable.
+    pub plugin: PathBuf,
+    /// DHV_PARAMETERS of the test volume.
+    pub parameters: BTreeMap<String, String>,
+    /// DHV_SECRETS of the test volume.
+    pub secrets: BTreeMap<String, String>,
+    /// DHV_CAPACITY_MIN_BYTES / MAX of the test volume.
+    pub capacity: u64,
+    /// The timeout of every call (as the agent's `--plugin-timeout`).
+    pub timeout: Duration,
+    /// Scratch directory (volumes dir and targets); removed afterwards when created here.
+    pub scratch: Option<PathBuf>,
+}
+
+/// A rule's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Fail,
+    Skip,
+}
+
+/// One rule's result.
+#[derive(Debug, Clone)]
+pub struct RuleResult {
+    pub rule: &'static str,
+    pub verdict: Verdict,
+    pub evidence: String,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub plugin: PathBuf,
+    pub deferred: Option<bool>,
+    pub rules: Vec<RuleResult>,
+    /// Call durations per operation (milliseconds), for the timing summary.
+    pub timings: BTreeMap<&'static str, Vec<u64>>,
+}
+
+impl Report {
+    /// True when no rule failed.
+    pub fn passed(&self) -> bool {
+        self.rules.iter().all(|r| r.verdict != Verdict::Fail)
+    }
+
+    fn push(&mut self, rule: &'static str, ok: bool, evidence: impl Into<String>) {
+        self.rules.push(RuleResult {
+            rule,
+            verdict: if ok { Verdict::Pass } else { Verdict::Fail },
+            evidence: evidence.into(),
+        });
+    }
+
+    fn skip(&mut self, rule: &'static str, why: &str) {
+        self.rules.push(RuleResult {
+            rule,
+            verdict: Verdict::Skip,
+            evidence: why.into(),
+        });
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "dhv-binder plugin check: {}", self.plugin.display())?;
+        for r in &self.rules {
+            let v = match r.verdict {
+                Verdict::Pass => "PASS",
+                Verdict::Fail => "FAIL",
+                Verdict::Skip => "SKIP",
+            };
+            writeln!(f, "{v}  {:<28} {}", r.rule, r.evidence)?;
+        }
+        let count = |v| self.rules.iter().filter(|r| r.verdict == v).count();
+        writeln!(
+            f,
+            "{} rules: {} passed, {} failed, {} skipped",
+            self.rules.len(),
+            count(Verdict::Pass),
+            count(Verdict::Fail),
+            count(Verdict::Skip)
+        )?;
+        match self.deferred {
+            Some(true) => writeln!(f, "deferred: yes (dhv-binder can publish and unpublish it)"),
+            Some(false) => writeln!(
+                f,
+                "deferred: NO. A plain Nomad DHV plugin: dhv-binder lists it as not deferred and never uses it"
+            ),
+            None => writeln!(f, "deferred: unknown (fingerprint failed)"),
+        }
+    }
+}
+
+/// Why the kit could not run at all.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("{0} is not a file name usable as a plugin ID (letters, digits, '_', '.', '-')")]
+    BadName(PathBuf),
+    #[error("plugin {0} does not exist")]
+    Missing(PathBuf),
+    #[error("cannot prepare the scratch directory {path}: {source}")]
+    Scratch {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One plugin call's outcome as the kit sees it.
+struct Call {
+    result: Result<Vec<u8>, PluginError>,
+    ms: u64,
+}
+
+impl Call {
+    fn ok(&self) -> bool {
+        self.result.is_ok()
+    }
+
+    fn describe(&self) -> String {
+        match &self.result {
+            Ok(out) => format!("ok {}", short(&String::from_utf8_lossy(out))),
+            Err(e) => format!("error: {}", short(&e.to_string())),
+        }
+    }
+}
+
+fn short(s: &str) -> String {
+    let s = s.trim();
+    if s.chars().count() > 160 {
+        format!("{}…", s.chars().take(160).collect::<String>())
+    } else {
+        s.to_string()
+    }
+}
+
+/// Stdout must be empty or one JSON object and nothing else.
+fn strict_object(stdout: &[u8]) -> Result<serde_json::Value, String> {
+    let text = String::from_utf8_lossy(stdout);
+    if text.trim().is_empty() {
+        return Ok(serde_json::json!({}));
+    }
+    match serde_json::from_str::<serde_json::Value>(text.trim()) {
+        Ok(v) if v.is_object() => Ok(v),
+        Ok(_) => Err(format!("not a JSON object: {}", short(&text))),
+        Err(e) => Err(format!("not one JSON object ({e}): {}", short(&text))),
+    }
+}
+
+fn mount_count(target: &Path) -> usize {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| Path::new(p) == target)
+        .count()
+}
+
+fn median(v: &[u64]) -> u64 {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+struct Kit {
+    runner: Runner,
+    plugin_id: String,
+    node: NodeEnv,
+    rec: VolumeRecord,
+    scratch: PathBuf,
+    opts: Options,
+    report: Report,
+    /// Every failed call's stdout, for the output-shape rule.
+    bad_outputs: Vec<String>,
+    calls: usize,
+}
+
+impl Kit {
+    async fn call_with(
+        &mut self,
+        runner: &Runner,
+        op: Operation,
+        env: &[(String, String)],
+    ) -> Call {
+        let started = Instant::now();
+        let result = runner
+            .call(&self.plugin_id, op, env, &self.rec.secrets)
+            .await
+            .map(|o| o.stdout);
+        let ms = started.elapsed().as_millis() as u64;
+        self.calls += 1;
+        self.report.timings.entry(op.as_str()).or_default().push(ms);
+        match &result {
+            Ok(out) => {
+                if let Err(e) = strict_object(out) {
+                    self.bad_outputs.push(format!("{op}: {e}"));
+                }
+            }
+            Err(PluginError::Failed { message, .. }) if message.is_empty() => {
+                self.bad_outputs
+                    .push(format!("{op} failed without {{\"error\":\"…\"}} on stdout"));
+            }
+            Err(PluginError::BadOutput { .. }) => {}
+            Err(_) => {}
+        }
+        Call { result, ms }
+    }
+
+    async fn call(&mut self, op: Operation, env: &[(String, String)]) -> Call {
+        let runner = self.runner.clone();
+        self.call_with(&runner, op, env).await
+    }
+
+    fn target(&self, name: &str) -> PathBuf {
+        self.scratch.join("targets").join(name)
+    }
+
+    fn publish_env(&self, target: &Path, read_only: bool) -> Vec<(String, String)> {
+        executor::publish_env(
+            &self.node,
+            &self.rec,
+            target,
+            read_only,
+            "00000000-0000-4000-8000-000000000001",
+        )
+    }
+
+    fn unpublish_env(&self, target: &Path, ctx: &serde_json::Value) -> Vec<(String, String)> {
+        let m = MountRecord {
+            volume: self.rec.key(),
+            volume_id: self.rec.id.clone(),
+            plugin_id: self.plugin_id.clone(),
+            state: MountState::Unpublishing,
+            target: target.to_path_buf(),
+            read_only: false,
+            publish_context: ctx.clone(),
+            since: 0,
+            last_error: String::new(),
+        };
+        executor::unpublish_env(&self.node, &m, Some(&self.rec))
+    }
+
+    /// Publishes to `target` and checks the result; returns the publish context.
+    async fn publish(
+        &mut self,
+        target: &Path,
+        read_only: bool,
+    ) -> Result<serde_json::Value, String> {
+        std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
+        let env = self.publish_env(target, read_only);
+        let c = self.call(Operation::Publish, &env).await;
+        let out = c.result.map_err(|e| e.to_string())?;
+        let v = strict_object(&out)?;
+        if let Some(p) = v.get("path").and_then(|p| p.as_str()) {
+            if Path::new(p) != target {
+                return Err(format!(
+                    "printed path {p}, not the target {}",
+                    target.display()
+                ));
+            }
+        }
+        if !crate::mounts::is_mount_point(target) {
+            return Err(format!(
+                "succeeded but {} is not a mount point",
+                target.display()
+            ));
+        }
+        Ok(v.get("context").cloned().unwrap_or(serde_json::Value::Null))
+    }
+
+    async fn unpublish(&mut self, target: &Path, ctx: &serde_json::Value) -> Result<(), String> {
+        let env = self.unpublish_env(target, ctx);
+        let c = self.call(Operation::Unpublish, &env).await;
+        c.result.map_err(|e| e.to_string())?;
+        if crate::mounts::is_mount_point(target) {
+            return Err(format!(
+                "succeeded but {} is still mounted",
+                target.display()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Runs every rule against `opts.plugin`.
+pub async fn check(opts: Options) -> Result<Report, CheckError> {
+    let plugin = std::path::absolute(&opts.plugin).unwrap_or(opts.plugin.clone());
+    if !plugin.is_file() {
+        return Err(CheckError::Missing(plugin));
+    }
+    let plugin_id = plugin
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| crate::volume::validate_identifier("plugin_id", n, false).is_ok())
+        .ok_or_else(|| CheckError::BadName(plugin.clone()))?
+        .to_string();
+    let plugin_dir = plugin.parent().unwrap_or(Path::new("/")).to_path_buf();
+    let (scratch, ours) = match &opts.scratch {
+        Some(s) => (s.clone(), false),
+        None => (
+            std::env::temp_dir().join(format!("dhv-binder-check-{}", uuid::Uuid::new_v4())),
+            true,
+        ),
+    };
+    let volumes_dir = scratch.join("volumes");
+    for d in [&volumes_dir, &scratch.join("targets")] {
+        std::fs::create_dir_all(d).map_err(|source| CheckError::Scratch {
+            path: d.clone(),
+            source,
+        })?;
+    }
+    let spec = VolumeSpec {
+        name: "conformance".into(),
+        namespace: "default".into(),
+        plugin_id: plugin_id.clone(),
+        capacity_min: opts.capacity,
+        capacity_max: opts.capacity,
+        node_pool: String::new(),
+        capabilities: vec![Capability {
+            access_mode: "single-node-writer".into(),
+            attachment_mode: "file-system".into(),
+        }],
+        parameters: opts.parameters.clone(),
+    };
+    let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
+    rec.state = VolumeState::Ready;
+    let mut kit = Kit {
+        runner: Runner::new(&plugin_dir, opts.timeout),
+        plugin_id,
+        node: NodeEnv {
+            node_id: uuid::Uuid::new_v4().to_string(),
+            node_pool: "default".into(),
+            volumes_dir,
+            plugin_dir,
+        },
+        rec,
+        scratch: scratch.clone(),
+        opts: opts.clone(),
+        report: Report {
+            plugin: plugin.clone(),
+            ..Default::default()
+        },
+        bad_outputs: Vec::new(),
+        calls: 0,
+    };
+    run_rules(&mut kit).await;
+    // Leave nothing behind, whatever happened.
+    let mut left = crate::mounts::mounts_under(&scratch);
+    left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    let leftover = left.clone();
+    for m in left {
+        let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+    }
+    kit.report.push(
+        "nothing left mounted",
+        leftover.is_empty(),
+        if leftover.is_empty() {
+            format!(
+                "{} calls; no mount left under the scratch directory",
+                kit.calls
+            )
+        } else {
+            format!("still mounted after the last unpublish: {leftover:?}")
+        },
+    );
+    if ours {
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    Ok(kit.report)
+}
+
+async fn run_rules(kit: &mut Kit) {
+    // fingerprint: exactly Nomad's call (DHV_OPERATION only).
+    let mut fps = Vec::new();
+    for _ in 0..REPEAT {
+        fps.push(kit.call(Operation::Fingerprint, &[]).await);
+    }
+    let first = &fps[0];
+    let parsed = match &first.result {
+        Ok(out) => strict_object(out).and_then(|v| {
+            let version = v.get("version").and_then(|x| x.as_str()).unwrap_or("");
+            let ok = version
+                .trim_start_matches('v')
+                .split(['-', '+'])
+                .next()
+                .is_some_and(|core| {
+                    !core.is_empty() && core.split('.').all(|p| p.parse::<u64>().is_ok())
+                });
+            if !ok {
+                return Err(format!("\"version\" {version:?} is not a version (X.Y.Z)"));
+            }
+            match v.get("deferred_bind") {
+                None | Some(serde_json::Value::Bool(_)) => Ok(v),
+                Some(x) => Err(format!("\"deferred_bind\" must be true or false, got {x}")),
+            }
+        }),
+        Err(e) => Err(e.to_string()),
+    };
+    let slowest = fps.iter().map(|c| c.ms).max().unwrap_or(0);
+    let same = fps
+        .iter()
+        .all(|c| c.result.as_ref().ok() == first.result.as_ref().ok());
+    match &parsed {
+        Ok(v) => kit.report.push(
+            "fingerprint",
+            same && Duration::from_millis(slowest) < NOMAD_FINGERPRINT_LIMIT,
+            format!(
+                "{} (x{REPEAT}, {}; slowest {slowest} ms, Nomad allows 1000 ms)",
+                v,
+                if same {
+                    "same answer each time"
+                } else {
+                    "answers DIFFER"
+                }
+            ),
+        ),
+        Err(e) => kit.report.push("fingerprint", false, e.clone()),
+    }
+    let Ok(fp) = parsed else {
+        return;
+    };
+    let deferred = fp.get("deferred_bind") == Some(&serde_json::Value::Bool(true));
+    kit.report.deferred = Some(deferred);
+    if !deferred {
+        plain_rules(kit).await;
+        kit.report.push(
+            "deferred_bind",
+            false,
+            "fingerprint has no \"deferred_bind\": true: a plain Nomad DHV plugin; dhv-binder never publishes with it",
+        );
+        for r in [
+            "publish x10",
+            "unpublish x10",
+            "data kept across publishes",
+            "unpublish of nothing",
+            "publish to occupied target",
+            "read-only publish",
+            "concurrent calls",
+            "killed by the timeout",
+        ] {
+            kit.report.skip(r, "not deferred");
+        }
+        output_rules(kit).await;
+        return;
+    }
+    kit.report.push(
+        "deferred_bind",
+        true,
+        "fingerprint says \"deferred_bind\": true",
+    );
+
+    // create x10: same answer each time.
+    let env = executor::create_env(&kit.node, &kit.rec);
+    let mut contexts = Vec::new();
+    let mut errors = Vec::new();
+    for i in 0..REPEAT {
+        let c = kit.call(Operation::Create, &env).await;
+        match c
+            .result
+            .as_ref()
+            .map_err(|e| e.to_string())
+            .and_then(|o| strict_object(o))
+        {
+            Ok(v) => contexts.push(v.get("context").cloned().unwrap_or_default()),
+            Err(e) => errors.push(format!("call {}: {e}", i + 1)),
+        }
+    }
+    let same = contexts.windows(2).all(|w| w[0] == w[1]);
+    kit.report.push(
+        "create x10",
+        errors.is_empty() && same,
+        if !errors.is_empty() {
+            errors.join("; ")
+        } else if !same {
+            format!("contexts differ between calls: {:?}", contexts)
+        } else {
+            format!("10 successes, same context each time: {}", contexts[0])
+        },
+    );
+    let Some(ctx) = contexts.first().cloned() else {
+        return;
+    };
+    kit.rec.context = ctx;
+
+    // publish x10 onto one target: one mount, never stacked.
+    let t1 = kit.target("t1");
+    let mut errors = Vec::new();
+    let mut pctx = serde_json::Value::Null;
+    for i in 0..REPEAT {
+        match kit.publish(&t1, false).await {
+            Ok(c) => pctx = c,
+            Err(e) => errors.push(format!("call {}: {e}", i + 1)),
+        }
+    }
+    let n = mount_count(&t1);
+    kit.report.push(
+        "publish x10",
+        errors.is_empty() && n == 1,
+        if errors.is_empty() {
+            format!(
+                "10 successes; {} mount entry at the target (stacked mounts would show more)",
+                n
+            )
+        } else {
+            errors.join("; ")
+        },
+    );
+    // A marker written through this publish must be read through the next one.
+    let marker = format!("conformance-{}", uuid::Uuid::new_v4());
+    let wrote = std::fs::write(t1.join(&marker), &marker).map_err(|e| e.to_string());
+
+    // unpublish x10.
+    let mut errors = Vec::new();
+    for i in 0..REPEAT {
+        if let Err(e) = kit.unpublish(&t1, &pctx).await {
+            errors.push(format!("call {}: {e}", i + 1));
+        }
+    }
+    kit.report.push(
+        "unpublish x10",
+        errors.is_empty(),
+        if errors.is_empty() {
+            "10 successes; the target is not a mount point".to_string()
+        } else {
+            errors.join("; ")
+        },
+    );
+
+    // Data kept: publish again and read the marker.
+    let kept = match (&wrote, kit.publish(&t1, false).await) {
+        (Err(e), _) => Err(format!("cannot write through the publish: {e}")),
+        (Ok(()), Err(e)) => Err(format!("publish again failed: {e}")),
+        (Ok(()), Ok(c)) => {
+            pctx = c;
+            match std::fs::read_to_string(t1.join(&marker)) {
+                Ok(t) if t == marker => Ok(()),
+                Ok(t) => Err(format!("the file came back as {t:?}")),
+                Err(e) => Err(format!(
+                    "the file written through the last publish is gone: {e}"
+                )),
+            }
+        }
+    };
+    let _ = std::fs::remove_file(t1.join(&marker));
+    let cleanup = kit.unpublish(&t1, &pctx).await;
+    kit.report.push(
+        "data kept across publishes",
+        kept.is_ok() && cleanup.is_ok(),
+        match (kept, cleanup) {
+            (Ok(()), Ok(())) => {
+                format!("{marker} written, unpublished, published again, read back")
+            }
+            (Err(e), _) | (_, Err(e)) => e,
+        },
+    );
+
+    // Unpublish of nothing: a target never published, and a missing target.
+    let never = kit.target("never");
+    let _ = std::fs::create_dir_all(&never);
+    let missing = kit.target("missing");
+    let a = kit.unpublish(&never, &serde_json::Value::Null).await;
+    let b = kit.unpublish(&missing, &serde_json::Value::Null).await;
+    kit.report.push(
+        "unpublish of nothing",
+        a.is_ok() && b.is_ok(),
+        format!(
+            "unmounted target: {}; missing target: {}",
+            a.map(|_| "success".to_string()).unwrap_or_else(|e| e),
+            b.map(|_| "success".to_string()).unwrap_or_else(|e| e)
+        ),
+    );
+
+    // Publish onto a target that something else is mounted on: must fail, leave it alone.
+    let busy = kit.target("occupied");
+    let _ = std::fs::create_dir_all(&busy);
+    match nix::mount::mount(
+        Some("tmpfs"),
+        &busy,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=1m"),
+    ) {
+        Err(e) => kit.report.push(
+            "publish to occupied target",
+            false,
+            format!("cannot mount a tmpfs to test with: {e}"),
+        ),
+        Ok(()) => {
+            let _ = std::fs::write(busy.join("someone-else"), "x");
+            let env = kit.publish_env(&busy, false);
+            let c = kit.call(Operation::Publish, &env).await;
+            let intact = mount_count(&busy) == 1 && busy.join("someone-else").exists();
+            let _ = nix::mount::umount2(&busy, nix::mount::MntFlags::MNT_DETACH);
+            kit.report.push(
+                "publish to occupied target",
+                !c.ok() && intact,
+                format!(
+                    "publish onto a foreign tmpfs: {}; the tmpfs {}",
+                    c.describe(),
+                    if intact {
+                        "was left alone"
+                    } else {
+                        "was covered or changed"
+                    }
+                ),
+            );
+            // A plugin that wrongly succeeded may have stacked a mount: undo it.
+            while crate::mounts::is_mount_point(&busy) {
+                if nix::mount::umount2(&busy, nix::mount::MntFlags::MNT_DETACH).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+
+    // Read-only publish.
+    let ro = kit.target("ro");
+    let verdict = match kit.publish(&ro, true).await {
+        Err(e) => Err(e),
+        Ok(c) => {
+            let w = std::fs::write(ro.join("must-fail"), "x");
+            let r = kit.unpublish(&ro, &c).await;
+            match (w, r) {
+                (Err(e), Ok(())) if e.raw_os_error() == Some(nix::errno::Errno::EROFS as i32) => {
+                    Ok(format!("writing failed as it must: {e}"))
+                }
+                (Ok(()), _) => Err("a file could be written with DHV_READ_ONLY=true".into()),
+                (Err(e), Ok(())) => Err(format!("writing failed, but not with EROFS: {e}")),
+                (_, Err(e)) => Err(e),
+            }
+        }
+    };
+    let ok = verdict.is_ok();
+    kit.report
+        .push("read-only publish", ok, verdict.unwrap_or_else(|e| e));
+
+    // Concurrent calls on one volume (the agent never does this on one node, but Nomad
+    // asks plugins to be safe to call concurrently per volume).
+    let t2 = kit.target("concurrent");
+    let _ = std::fs::create_dir_all(&t2);
+    let env = kit.publish_env(&t2, false);
+    let runner = kit.runner.clone();
+    let id = kit.plugin_id.clone();
+    let secrets = kit.rec.secrets.clone();
+    let pubs = futures_util::future::join_all((0..4).map(|_| {
+        let (runner, id, env, secrets) = (runner.clone(), id.clone(), env.clone(), secrets.clone());
+        async move { runner.call(&id, Operation::Publish, &env, &secrets).await }
+    }))
+    .await;
+    let pub_ok = pubs.iter().filter(|r| r.is_ok()).count();
+    let stacked = mount_count(&t2);
+    let uenv = kit.unpublish_env(&t2, &serde_json::Value::Null);
+    let unpubs = futures_util::future::join_all((0..4).map(|_| {
+        let (runner, id, env, secrets) =
+            (runner.clone(), id.clone(), uenv.clone(), secrets.clone());
+        async move { runner.call(&id, Operation::Unpublish, &env, &secrets).await }
+    }))
+    .await;
+    kit.calls += 8;
+    let unpub_ok = unpubs.iter().filter(|r| r.is_ok()).count();
+    let left = crate::mounts::is_mount_point(&t2);
+    kit.report.push(
+        "concurrent calls",
+        pub_ok == 4 && stacked == 1 && unpub_ok == 4 && !left,
+        format!(
+            "4 concurrent publishes: {pub_ok} succeeded, {stacked} mount entr{} at the target; 4 concurrent unpublishes: {unpub_ok} succeeded, target {}",
+            if stacked == 1 { "y" } else { "ies" },
+            if left { "STILL MOUNTED" } else { "unmounted" }
+        ),
+    );
+    while crate::mounts::is_mount_point(&t2) {
+        if nix::mount::umount2(&t2, nix::mount::MntFlags::MNT_DETACH).is_err() {
+            break;
+        }
+    }
+
+    // Calls killed by the timeout (SIGTERM, then SIGKILL of the process group), then retried:
+    // the retry must repair whatever state the killed call left.
+    let t3 = kit.target("killed");
+    let mut notes = Vec::new();
+    let mut ok = true;
+    for kill_ms in [5u64, 50, 200] {
+        let short_runner = Runner::new(kit.runner.plugin_dir(), Duration::from_millis(kill_ms));
+        let _ = std::fs::create_dir_all(&t3);
+        let env = kit.publish_env(&t3, false);
+        let c = kit.call_with(&short_runner, Operation::Publish, &env).await;
+        let timed_out = matches!(c.result, Err(PluginError::TimedOut { .. }));
+        let retry = kit.publish(&t3, false).await;
+        let once = mount_count(&t3) == 1;
+        let ctx = retry.clone().unwrap_or_default();
+        let env = kit.unpublish_env(&t3, &ctx);
+        let u = kit
+            .call_with(&short_runner, Operation::Unpublish, &env)
+            .await;
+        let u_timed_out = matches!(u.result, Err(PluginError::TimedOut { .. }));
+        let u_retry = kit.unpublish(&t3, &ctx).await;
+        let good = retry.is_ok() && once && u_retry.is_ok();
+        ok &= good;
+        notes.push(format!(
+            "killed at {kill_ms} ms: publish {} → retry {}{}, unpublish {} → retry {}",
+            if timed_out {
+                "killed"
+            } else {
+                "finished first"
+            },
+            match &retry {
+                Ok(_) => "ok".to_string(),
+                Err(e) => e.clone(),
+            },
+            if once { "" } else { " (mount stacked)" },
+            if u_timed_out {
+                "killed"
+            } else {
+                "finished first"
+            },
+            match &u_retry {
+                Ok(()) => "ok".to_string(),
+                Err(e) => e.clone(),
+            },
+        ));
+    }
+    kit.report
+        .push("killed by the timeout", ok, notes.join("; "));
+
+    // delete x10, then delete of a volume that never existed.
+    let denv = executor::delete_env(&kit.node, &kit.rec);
+    let mut errors = Vec::new();
+    for i in 0..REPEAT {
+        let c = kit.call(Operation::Delete, &denv).await;
+        if let Err(e) = c.result {
+            errors.push(format!("call {}: {e}", i + 1));
+        }
+    }
+    kit.report.push(
+        "delete x10",
+        errors.is_empty(),
+        if errors.is_empty() {
+            "10 successes".to_string()
+        } else {
+            errors.join("; ")
+        },
+    );
+    let mut ghost = kit.rec.clone();
+    ghost.id = uuid::Uuid::new_v4().to_string();
+    ghost.context = serde_json::Value::Null;
+    let genv = executor::delete_env(&kit.node, &ghost);
+    let c = kit.call(Operation::Delete, &genv).await;
+    kit.report.push(
+        "delete of nothing",
+        c.ok(),
+        format!(
+            "delete of a volume never created (context null): {}",
+            c.describe()
+        ),
+    );
+    output_rules(kit).await;
+}
+
+/// Nomad's plain contract: create prints `{"path","bytes"}`, delete gets DHV_CREATED_PATH.
+async fn plain_rules(kit: &mut Kit) {
+    let env = executor::create_env(&kit.node, &kit.rec);
+    let mut paths = Vec::new();
+    let mut errors = Vec::new();
+    for i in 0..REPEAT {
+        let c = kit.call(Operation::Create, &env).await;
+        match c
+            .result
+            .as_ref()
+            .map_err(|e| e.to_string())
+            .and_then(|o| strict_object(o))
+        {
+            Ok(v) => match v.get("path").and_then(|p| p.as_str()) {
+                Some(p) if p.starts_with('/') => paths.push(p.to_string()),
+                _ => errors.push(format!("call {}: no absolute \"path\" in {v}", i + 1)),
+            },
+            Err(e) => errors.push(format!("call {}: {e}", i + 1)),
+        }
+    }
+    let same = paths.windows(2).all(|w| w[0] == w[1]);
+    kit.report.push(
+        "create x10 (Nomad contract)",
+        errors.is_empty() && same,
+        if !errors.is_empty() {
+            errors.join("; ")
+        } else if !same {
+            format!("paths differ: {paths:?}")
+        } else {
+            format!("10 successes, same path each time: {}", paths[0])
+        },
+    );
+    let created = paths.first().cloned().unwrap_or_default();
+    let mut denv = executor::delete_env(&kit.node, &kit.rec);
+    denv.retain(|(k, _)| k != "DHV_CREATED_PATH");
+    denv.push(("DHV_CREATED_PATH".into(), created));
+    let mut errors = Vec::new();
+    for i in 0..REPEAT {
+        if let Err(e) = kit.call(Operation::Delete, &denv).await.result {
+            errors.push(format!("call {}: {e}", i + 1));
+        }
+    }
+    kit.report.push(
+        "delete x10 (Nomad contract)",
+        errors.is_empty(),
+        if errors.is_empty() {
+            "10 successes".to_string()
+        } else {
+            errors.join("; ")
+        },
+    );
+}
+
+/// Unknown operations are refused; every output so far had the right shape; timing.
+async fn output_rules(kit: &mut Kit) {
+    let started = Instant::now();
+    let path = kit.runner.path_of(&kit.plugin_id).unwrap_or_default();
+    let unknown = tokio::time::timeout(
+        kit.opts.timeout,
+        tokio::process::Command::new(&path)
+            .arg("no-such-operation")
+            .env_clear()
+            .env("DHV_OPERATION", "no-such-operation")
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await;
+    let evidence = match &unknown {
+        Ok(Ok(o)) => format!(
+            "exit {}, stdout {}",
+            o.status
+                .code()
+                .map(|c| c.to_string())
+                .unwrap_or("by signal".into()),
+            short(&String::from_utf8_lossy(&o.stdout))
+        ),
+        Ok(Err(e)) => format!("cannot run: {e}"),
+        Err(_) => format!("no answer within {:?}", started.elapsed()),
+    };
+    let refused = matches!(&unknown, Ok(Ok(o)) if !o.status.success());
+    kit.report
+        .push("unknown operation refused", refused, evidence);
+    let bad = std::mem::take(&mut kit.bad_outputs);
+    kit.report.push(
+        "output shape",
+        bad.is_empty(),
+        if bad.is_empty() {
+            format!(
+                "{} calls: every success printed one JSON object (or nothing), every failure {{\"error\":\"…\"}}",
+                kit.calls
+            )
+        } else {
+            bad.join("; ")
+        },
+    );
+    let limit = kit.opts.timeout;
+    let summary: Vec<String> = kit
+        .report
+        .timings
+        .iter()
+        .map(|(op, v)| {
+            format!(
+                "{op} median {} ms max {} ms",
+                median(v),
+                v.iter().max().unwrap_or(&0)
+            )
+        })
+        .collect();
+    let slow: Vec<String> = kit
+        .report
+        .timings
+        .iter()
+        .filter(|(_, v)| v.iter().any(|ms| Duration::from_millis(*ms) >= limit))
+        .map(|(op, _)| op.to_string())
+        .collect();
+    kit.report.push(
+        "within the timeout",
+        slow.is_empty(),
+        if slow.is_empty() {
+            format!("limit {limit:?}: {}", summary.join(", "))
+        } else {
+            format!(
+                "calls reached the {limit:?} timeout: {}; {}",
+                slow.join(", "),
+                summary.join(", ")
+            )
+        },
+    );
+}
