@@ -124,6 +124,7 @@ struct Agent {
     claim_wait: BTreeMap<VolumeKey, String>,
     claim_backoff: HashMap<VolumeKey, Backoff>,
     renewing: BTreeSet<VolumeKey>,
+    mount_health: crate::health::Monitor,
     done_tx: mpsc::UnboundedSender<Completion>,
 }
 
@@ -231,6 +232,10 @@ pub async fn run(
         claim_wait: BTreeMap::new(),
         claim_backoff: HashMap::new(),
         renewing: BTreeSet::new(),
+        mount_health: crate::health::Monitor::new(
+            cfg.health_interval,
+            cfg.health_interval.min(Duration::from_secs(5)),
+        ),
         done_tx,
     };
     // Claims recorded before a restart are renewed at once: a failed renew means another
@@ -250,6 +255,9 @@ pub async fn run(
             );
         }
     }
+    let mut health_rx = agent.mount_health.take_reports();
+    let (plugins_tx, mut plugins_rx) = mpsc::channel::<()>(1);
+    let discovery = tokio::spawn(crate::discovery::run(cfg.plugin_dir.clone(), plugins_tx));
     agent.spawn_placeholder_list();
 
     let mut tick = tokio::time::interval(cfg.tick);
@@ -266,6 +274,11 @@ pub async fn run(
             Some(req) = api_rx.recv() => agent.on_api(req),
             Some(done) = done_rx.recv() => agent.on_done(done),
             _ = tick.tick() => agent.on_tick(),
+            Some(()) = plugins_rx.recv() => {
+                agent.last_fingerprint = None;
+                agent.on_tick();
+            }
+            Some(r) = health_rx.recv() => agent.on_mount_health(r),
         }
         agent.drive();
     }
@@ -273,6 +286,7 @@ pub async fn run(
     for t in tasks {
         t.abort();
     }
+    discovery.abort();
     Ok(())
 }
 
@@ -363,6 +377,46 @@ impl Agent {
         for (volume, id) in due {
             self.renewing.insert(volume.clone());
             tokio::spawn(self.send_done(executor::renew_claim(self.client.clone(), volume, id)));
+        }
+        self.mount_health.tick(
+            self.journal.mounts(),
+            &crate::mounts::mount_points(),
+            &self.busy,
+        );
+    }
+
+    fn on_mount_health(&mut self, report: crate::health::Report) {
+        use crate::health::{Action, Report};
+        match report {
+            Report::Probed {
+                volume,
+                target,
+                probe,
+            } => {
+                let busy = self.busy.contains(&volume);
+                match self.mount_health.on_probe(
+                    &volume,
+                    &target,
+                    probe,
+                    busy,
+                    self.journal.users(),
+                ) {
+                    Action::Nothing => {}
+                    Action::Unmount(t) => {
+                        if let Err(e) = crate::health::lazy_unmount(&t) {
+                            tracing::warn!(%volume, target = %t.display(), error = %e, "cannot detach the dead mount");
+                        }
+                    }
+                    Action::Restart(allocs) => {
+                        self.mount_health.restart(&self.client, &volume, allocs)
+                    }
+                }
+            }
+            Report::Restarted {
+                volume,
+                alloc_id,
+                result,
+            } => self.mount_health.on_restarted(&volume, &alloc_id, result),
         }
     }
 
@@ -1057,6 +1111,7 @@ impl Agent {
             "publish_latency_ms": {"count": lat.len(), "median": lat.get(lat.len() / 2)},
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.iter().map(|(k, c)| (k.to_string(), format!("{:?}", c.state).to_lowercase())).collect::<BTreeMap<_, _>>(),
+            "mount_health": self.mount_health.status(),
         })
     }
 }

@@ -265,6 +265,7 @@ impl Kit {
             publish_context: ctx.clone(),
             since: 0,
             last_error: String::new(),
+            claim_id: None,
         };
         executor::unpublish_env(&self.node, &m, Some(&self.rec))
     }

@@ -205,10 +205,10 @@ pub async fn publish(
         let out = runner
             .call(&rec.spec.plugin_id, Operation::Publish, &env, &rec.secrets)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| plugin::redact(&e.to_string(), &rec.secrets))?;
         let res: PublishResult =
             plugin::parse(&rec.spec.plugin_id, Operation::Publish, &out.stdout)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| plugin::redact(&e.to_string(), &rec.secrets))?;
         if let Some(p) = &res.path {
             if Path::new(p) != target {
                 return Err(format!(
@@ -263,7 +263,7 @@ pub async fn unpublish(
                 &secrets_of(rec.as_ref()),
             )
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| plugin::redact(&e.to_string(), &secrets_of(rec.as_ref())))?;
         if mounts::is_mount_point(&m.target) {
             return Err(format!(
                 "plugin {:?} reported success but {} is still a mount point",
@@ -411,10 +411,12 @@ pub async fn create(
                 rec.capacity_bytes = res.bytes;
                 rec.error.clear();
             }
-            Err(e @ PluginError::TimedOut { .. }) => return Err(e.to_string()),
+            Err(e @ PluginError::TimedOut { .. }) => {
+                return Err(plugin::redact(&e.to_string(), &rec.secrets))
+            }
             Err(e) => {
                 rec.state = VolumeState::Failed;
-                rec.error = e.to_string();
+                rec.error = plugin::redact(&e.to_string(), &rec.secrets);
             }
         }
         rec.worker_node.clear();
@@ -453,9 +455,9 @@ pub async fn delete(
             .await
         {
             rec.worker_node.clear();
-            rec.error = e.to_string();
+            rec.error = plugin::redact(&e.to_string(), &rec.secrets);
             let _ = cas_update(&client, &rec).await;
-            return Err(e.to_string());
+            return Err(rec.error.clone());
         }
         client
             .delete_variable(
