@@ -1,0 +1,188 @@
+//! The conformance kit (`dhv-binder plugin check`) against every reference plugin, with real
+//! mounts (bind, loop-mounted ext4, a FUSE WebDAV remote served on 127.0.0.1), and against
+//! a plain plugin written to Nomad's non-deferred DHV contract.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+use support::cluster::{dhv_binder_bin, repo};
+use support::sandbox::{script, Sandbox};
+use support::webdav::WebdavServer;
+
+/// Runs the kit on `plugin`; returns (exit code, report). The report is printed, so that a
+/// test run shows it.
+fn check(sb: &Sandbox, plugin: &Path, args: &[&str]) -> (i32, String) {
+    let out = Command::new(dhv_binder_bin())
+        .args(["plugin", "check"])
+        .arg(plugin)
+        .args(["--timeout", "30s", "--scratch"])
+        .arg(sb.join("scratch"))
+        .args(args)
+        .env_clear()
+        .output()
+        .expect("run dhv-binder plugin check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn assert_conforms(code: i32, report: &str) {
+    assert_eq!(code, 0, "the plugin does not conform:\n{report}");
+    assert!(!report.contains("FAIL"), "{report}");
+    for rule in [
+        "fingerprint",
+        "deferred_bind",
+        "create x10",
+        "publish x10",
+        "unpublish x10",
+        "data kept across publishes",
+        "unpublish of nothing",
+        "publish to occupied target",
+        "read-only publish",
+        "concurrent calls",
+        "killed by the timeout",
+        "delete x10",
+        "delete of nothing",
+        "unknown operation refused",
+        "output shape",
+        "within the timeout",
+        "nothing left mounted",
+    ] {
+        assert!(
+            report.contains(&format!("PASS  {rule} ")),
+            "rule {rule:?} did not pass:\n{report}"
+        );
+    }
+    assert!(report.contains("deferred: yes"), "{report}");
+}
+
+#[test]
+fn bind_plugin_conforms() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    let (code, report) = check(
+        &sb,
+        &repo().join("plugins/bind"),
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_conforms(code, &report);
+}
+
+#[test]
+fn ext4_plugin_conforms() {
+    let sb = Sandbox::new();
+    let (code, report) = check(
+        &sb,
+        &repo().join("plugins/ext4"),
+        &["--capacity", &(64u64 << 20).to_string()],
+    );
+    assert_conforms(code, &report);
+}
+
+#[test]
+fn webdav_fuse_plugin_conforms() {
+    let sb = Sandbox::new();
+    let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "conformance-pw");
+    let (code, report) = check(
+        &sb,
+        &repo().join("plugins/webdav"),
+        &[
+            "--param",
+            &format!("url={}", server.url),
+            "--param",
+            "user=dhv",
+            "--secret",
+            "password=conformance-pw",
+        ],
+    );
+    assert_conforms(code, &report);
+    // The volume's directory lived on the server, and delete removed it.
+    assert!(server.dir.join("default").is_dir());
+    assert_eq!(
+        std::fs::read_dir(server.dir.join("default"))
+            .unwrap()
+            .count(),
+        0,
+        "delete left the volume's directory on the server"
+    );
+}
+
+/// Nomad's own contract (nomad-facts §4): fingerprint/create/delete, no deferred_bind. Works
+/// as Nomad's built-in `mkdir` does.
+const PLAIN_NOMAD_PLUGIN: &str = r#"#!/bin/sh
+set -eu
+PATH=/usr/bin:/bin
+case "$1" in
+fingerprint) echo '{"version":"0.0.1"}' ;;
+create)
+  dir="$DHV_VOLUMES_DIR/$DHV_VOLUME_ID"
+  mkdir -p "$dir"
+  echo "{\"path\":\"$dir\",\"bytes\":0}" ;;
+delete) rm -rf "$DHV_CREATED_PATH"; echo '{}' ;;
+*) echo "{\"error\":\"unknown operation $1\"}"; exit 1 ;;
+esac
+"#;
+
+/// Writes the plain Nomad plugin as `<dir>/plain`.
+pub fn plain_plugin(dir: &Path) {
+    script(&dir.join("plain"), PLAIN_NOMAD_PLUGIN);
+}
+
+#[test]
+fn plain_nomad_plugin_is_reported_not_deferred() {
+    let sb = Sandbox::new();
+    plain_plugin(&sb.join("plugins"));
+    let (code, report) = check(&sb, &sb.join("plugins/plain"), &[]);
+    assert_eq!(
+        code, 1,
+        "a plugin that cannot defer must fail the kit:\n{report}"
+    );
+    for rule in [
+        "fingerprint",
+        "create x10 (Nomad contract)",
+        "delete x10 (Nomad contract)",
+        "unknown operation refused",
+        "output shape",
+    ] {
+        assert!(
+            report.contains(&format!("PASS  {rule} ")),
+            "rule {rule:?} did not pass:\n{report}"
+        );
+    }
+    assert!(report.contains("FAIL  deferred_bind "), "{report}");
+    assert!(report.contains("SKIP  publish x10 "), "{report}");
+    assert!(report.contains("deferred: NO"), "{report}");
+}
+
+/// A plugin that breaks the rules fails the kit with evidence.
+#[test]
+fn a_broken_plugin_fails_the_kit() {
+    let sb = Sandbox::new();
+    script(
+        &sb.join("plugins/sloppy"),
+        r#"#!/bin/sh
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+case "$1" in
+fingerprint) echo 'starting'; echo '{"version":"1.0.0","deferred_bind":true}' ;;
+create) echo "{\"context\":{\"n\":\"$$\"}}" ;;
+publish) mount -t tmpfs tmpfs "$DHV_TARGET_PATH"; echo '{}' ;;
+unpublish) umount "$DHV_TARGET_PATH" ;;
+*) exit 0 ;;
+esac
+"#,
+    );
+    let (code, report) = check(&sb, &sb.join("plugins/sloppy"), &[]);
+    assert_eq!(code, 1, "{report}");
+    assert!(report.contains("FAIL  fingerprint "), "{report}");
+    assert!(sb.path().join("scratch").exists());
+    assert!(
+        dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
