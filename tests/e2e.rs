@@ -1,11 +1,15 @@
 //! End to end: the real dhv-binder daemon (one process per simulated node) against the
-//! Nomad simulator, with the example job from jobspecs/, real processes, real mounts and
-//! the reference bind plugin.
+//! Nomad simulator, with the example job from jobspecs/, real processes and real mounts,
+//! once per reference plugin (bind, ext4 loop image, FUSE WebDAV remote); then secrets that
+//! never leak, plugin discovery while running, and a dead FUSE mount republished (B14).
 
 mod support;
 
 use serde_json::Value;
+use std::path::PathBuf;
 use support::cluster::{repo, Cluster};
+use support::sandbox::script;
+use support::webdav::{mount_pids, WebdavServer};
 
 fn task_state<'a>(alloc: &'a Value, task: &str) -> &'a Value {
     &alloc["TaskStates"][task]
@@ -20,63 +24,74 @@ async fn volume_id(c: &Cluster, name: &str) -> String {
     v["Items"]["id"].as_str().unwrap().to_string()
 }
 
-/// Issue 2's acceptance path: volume created once, placeholders on every node, the example
-/// job's prestart task blocks until the volume is published on the node the scheduler
-/// picked, the main task finds a mount of the volume's storage and writes to it; after the
-/// job stops the placeholder is no longer a mount point, the journal shows the unpublish
-/// and the file is in the storage; running the job again finds the file.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn example_job_publishes_before_main_task_and_keeps_data_after_stop() {
-    let c = Cluster::start(2).await;
-    let out = c.create_volume("shared-data", "single-node-writer");
-    assert!(out.contains("is ready"), "{out}");
-
-    c.wait_for(30, "a ready placeholder on every node", || async {
-        let vols = c.get("/v1/volumes?type=host&namespace=*").await;
-        let ready = vols
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|v| v["Name"] == "shared-data" && v["State"] == "ready")
-            .count();
-        (ready == c.nodes.len()).then_some(())
-    })
+async fn wait_placeholders(c: &Cluster, name: &str, want: usize) {
+    c.wait_for(
+        30,
+        &format!("{want} ready placeholder(s) of {name}"),
+        || async {
+            let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+            let ready = vols
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|v| v["Name"] == name && v["State"] == "ready")
+                .count();
+            (ready == want).then_some(())
+        },
+    )
     .await;
+}
 
+/// Runs the example job until its main task runs; returns (allocation, node index).
+async fn run_example(c: &Cluster, other_than: Option<&str>) -> (String, Value, usize) {
     let jobspec = repo().join("jobspecs/example.nomad.hcl");
     let job = c.run_job(&jobspec).await;
     let alloc = c
         .wait_for(90, "the main task running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| task_state(a, "app")["State"] == "running")
+            c.allocs(&job).await.into_iter().find(|a| {
+                Some(a["ID"].as_str().unwrap()) != other_than
+                    && task_state(a, "app")["State"] == "running"
+            })
         })
         .await;
+    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
+    (job, alloc, node)
+}
+
+async fn read_until(c: &Cluster, path: PathBuf, what: &str, needles: &[&str]) -> String {
+    c.wait_for(20, what, || async {
+        std::fs::read_to_string(&path)
+            .ok()
+            .filter(|t| needles.iter().all(|n| t.contains(n)))
+    })
+    .await
+}
+
+/// The acceptance path, for the volume "shared-data" already created with some plugin:
+/// placeholders on every node, the example job's prestart task blocks until the volume is
+/// published on the node the scheduler picked, the main task finds a mount and writes to
+/// it; after the job stops the placeholder is no longer a mount point, the journal shows
+/// the unpublish; running the job again finds the first run's file. `storage` is where the
+/// plugin keeps the volume's files, when they can be read without publishing.
+async fn example_job_round_trip(c: &Cluster, storage: Option<PathBuf>) {
+    wait_placeholders(c, "shared-data", c.nodes.len()).await;
+    let (job, alloc, node) = run_example(c, None).await;
     let alloc_id = alloc["ID"].as_str().unwrap().to_string();
     let prestart = task_state(&alloc, "publish-volumes");
     assert_eq!(prestart["State"], "dead", "{alloc}");
     assert_eq!(prestart["Failed"], false, "{alloc}");
-    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
     let other = 1 - node;
-    assert!(dhv_binder::mounts::is_mount_point(
-        &c.target(node, "shared-data")
-    ));
+    let target = c.target(node, "shared-data");
+    assert!(dhv_binder::mounts::is_mount_point(&target));
     assert!(!dhv_binder::mounts::is_mount_point(
         &c.target(other, "shared-data")
     ));
-
-    let storage = c
-        .export
-        .join("default")
-        .join(volume_id(&c, "shared-data").await);
-    let greetings = storage.join("greetings.txt");
-    c.wait_for(20, "the main task's file in the storage", || async {
-        std::fs::read_to_string(&greetings)
-            .ok()
-            .filter(|t| t.contains(&alloc_id))
-            .map(|_| ())
-    })
+    read_until(
+        c,
+        target.join("greetings.txt"),
+        "the main task's line, read through the published mount",
+        &[&alloc_id],
+    )
     .await;
 
     c.stop_job(&job, false).await;
@@ -87,7 +102,6 @@ async fn example_job_publishes_before_main_task_and_keeps_data_after_stop() {
             .find(|a| a["ID"] == alloc_id.as_str() && a["ClientStatus"] == "complete")
     })
     .await;
-    let target = c.target(node, "shared-data");
     c.wait_for(30, "the unpublish done in the journal", || async {
         c.journal(node)
             .last()
@@ -110,31 +124,25 @@ async fn example_job_publishes_before_main_task_and_keeps_data_after_stop() {
         1,
         "{events:?}"
     );
-    let text = std::fs::read_to_string(&greetings).unwrap();
-    assert!(
-        text.contains(&alloc_id),
-        "the data is gone from the storage: {text:?}"
-    );
+    if let Some(storage) = &storage {
+        let text = std::fs::read_to_string(storage.join("greetings.txt")).unwrap();
+        assert!(
+            text.contains(&alloc_id),
+            "the data is not in the storage: {text:?}"
+        );
+    }
 
     // Run the job again: the new allocation finds the file and appends to it.
-    let job = c.run_job(&jobspec).await;
-    let second = c
-        .wait_for(90, "the second allocation's main task running", || async {
-            c.allocs(&job).await.into_iter().find(|a| {
-                a["ID"] != alloc_id.as_str() && task_state(a, "app")["State"] == "running"
-            })
-        })
-        .await;
+    let (job, second, node) = run_example(c, Some(&alloc_id)).await;
     let second_id = second["ID"].as_str().unwrap().to_string();
-    c.wait_for(20, "the second write next to the first", || async {
-        std::fs::read_to_string(&greetings)
-            .ok()
-            .filter(|t| t.contains(&alloc_id) && t.contains(&second_id))
-            .map(|_| ())
-    })
+    read_until(
+        c,
+        c.target(node, "shared-data").join("greetings.txt"),
+        "the second write next to the first",
+        &[&alloc_id, &second_id],
+    )
     .await;
     c.stop_job(&job, false).await;
-    let node = c.node_index(second["NodeID"].as_str().unwrap());
     let target = c.target(node, "shared-data");
     c.wait_for(
         60,
@@ -143,13 +151,361 @@ async fn example_job_publishes_before_main_task_and_keeps_data_after_stop() {
     )
     .await;
 
-    // Delete is refused while in use and works once the volume is free.
     let (code, out) = c.cli(&["volume", "delete", "shared-data"]);
     assert_eq!(code, 0, "{out}");
-    assert!(
-        !storage.exists(),
-        "the plugin's delete left the storage behind"
+    if let Some(storage) = &storage {
+        assert!(
+            !storage.exists(),
+            "the plugin's delete left the storage behind"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn example_job_with_bind_plugin() {
+    let c = Cluster::start(2).await;
+    let out = c.create_volume("shared-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let storage = c
+        .export
+        .join("default")
+        .join(volume_id(&c, "shared-data").await);
+    example_job_round_trip(&c, Some(storage)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn example_job_with_ext4_plugin() {
+    let c = Cluster::start(2).await;
+    let images = c.sb.join("images");
+    let out = c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "ext4",
+        &[("dir", images.to_str().unwrap())],
+        &[],
+        "capacity_min = \"64MiB\"",
     );
+    assert!(out.contains("is ready"), "{out}");
+    let image = images
+        .join("default")
+        .join(format!("{}.img", volume_id(&c, "shared-data").await));
+    let meta = std::fs::metadata(&image).unwrap();
+    assert_eq!(meta.len(), 64 << 20, "the image is sized from capacity_min");
+    example_job_round_trip(&c, None).await;
+    assert!(!image.exists(), "delete left the image behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn example_job_with_webdav_fuse_plugin() {
+    let c = Cluster::start(2).await;
+    let server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "e2e-webdav-pw");
+    let out = c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "webdav",
+        &[("url", &server.url), ("user", "dhv")],
+        &[("password", "e2e-webdav-pw")],
+        "",
+    );
+    assert!(out.contains("is ready"), "{out}");
+    let storage = server
+        .dir
+        .join("default")
+        .join(volume_id(&c, "shared-data").await);
+    example_job_round_trip(&c, Some(storage)).await;
+}
+
+/// A plugin that echoes the volume's secret on stderr and in its errors: the first publish
+/// fails with the secret in `{"error"}` and on stderr, the second prints malformed output
+/// containing it, the third succeeds; the first unpublish fails the same way.
+const LEAKY_PLUGIN: &str = r#"#!/bin/sh
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+pw="$(printf '%s' "${DHV_SECRETS:-null}" | jq -r '.password // empty')"
+n() { f="$DHV_PLUGIN_DIR/leaky.$1"; c=$(cat "$f" 2>/dev/null || echo 0); echo $((c+1)) > "$f"; echo $((c+1)); }
+case "$1" in
+fingerprint) echo '{"version":"1.0.0","deferred_bind":true}' ;;
+create)
+  echo "leaky: logging in with password=$pw" >&2
+  mkdir -p "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID"
+  echo '{"bytes":0,"context":{}}' ;;
+publish)
+  echo "leaky: publish, password=$pw" >&2
+  case "$(n publish)" in
+  1) echo "{\"error\":\"login refused for password $pw\"}"; exit 1 ;;
+  2) echo "garbage with $pw in it"; exit 0 ;;
+  esac
+  mkdir -p "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID"
+  mountpoint -q "$DHV_TARGET_PATH" || mount --bind "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID" "$DHV_TARGET_PATH"
+  echo "{\"path\":\"$DHV_TARGET_PATH\",\"context\":{}}" ;;
+unpublish)
+  echo "leaky: unpublish, password=$pw" >&2
+  if [ "$(n unpublish)" = 1 ]; then echo "{\"error\":\"logout refused for $pw\"}"; exit 1; fi
+  while mountpoint -q "$DHV_TARGET_PATH"; do umount "$DHV_TARGET_PATH"; done
+  echo '{}' ;;
+delete) echo "leaky: delete, password=$pw" >&2; echo '{}' ;;
+*) exit 1 ;;
+esac
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_never_reach_logs_journal_status_or_cli_output() {
+    let c = Cluster::start(2).await;
+    script(&c.plugin_dir.join("leaky"), LEAKY_PLUGIN);
+    let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
+    let mut outputs = Vec::new();
+    outputs.push(c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "leaky",
+        &[],
+        &[("password", &secret)],
+        "",
+    ));
+    wait_placeholders(&c, "shared-data", 2).await;
+    let (job, alloc, node) = run_example(&c, None).await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let events: Vec<String> = c
+        .journal(node)
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        events.iter().filter(|e| *e == "publish-failed").count() >= 2,
+        "the plugin's failures did not happen: {events:?}"
+    );
+    for i in 0..2 {
+        outputs.push(c.status(i).1);
+    }
+    outputs.push(c.cli(&["volume", "status", "shared-data"]).1);
+    outputs.push(c.cli(&["volume", "list"]).1);
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the unpublish done after one failure", || async {
+        let ev = c.journal(node);
+        (ev.iter().any(|e| e["event"] == "unpublish-failed")
+            && ev.last().is_some_and(|e| e["event"] == "unpublish-done"))
+        .then_some(())
+    })
+    .await;
+    outputs.push(c.status(node).1);
+    outputs.push(c.cli(&["volume", "delete", "shared-data"]).1);
+
+    // Everything the daemon and the CLI wrote.
+    let mut files: Vec<PathBuf> = Vec::new();
+    for n in &c.nodes {
+        files.push(n.log.clone());
+        files.push(n.state_dir.join("journal.json"));
+        files.push(n.state_dir.join("journal.log"));
+    }
+    // The prestart task's output: the daemon's API answers, errors included.
+    let out = std::process::Command::new("find")
+        .arg(c.sb.join("sim"))
+        .args(["-path", &format!("*{alloc_id}*"), "-name", "*.std*.*"])
+        .output()
+        .unwrap();
+    files.extend(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(PathBuf::from),
+    );
+    let mut scanned = 0;
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        scanned += text.len();
+        assert!(
+            !text.contains(&secret),
+            "the secret is in {}:\n{text}",
+            f.display()
+        );
+    }
+    for o in &outputs {
+        assert!(!o.contains(&secret), "the secret is in CLI output:\n{o}");
+    }
+    // The plugin really did echo it: the redaction is what kept it out.
+    let logs: String = c
+        .nodes
+        .iter()
+        .map(|n| std::fs::read_to_string(&n.log).unwrap_or_default())
+        .collect();
+    assert!(
+        logs.contains("[redacted]"),
+        "no redaction happened:\n{logs}"
+    );
+    eprintln!(
+        "scanned {} files ({scanned} bytes) and {} CLI outputs",
+        files.len(),
+        outputs.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_files_are_noticed_while_running() {
+    let c = Cluster::start(2).await;
+    c.create_volume("shared-data", "single-node-writer");
+    wait_placeholders(&c, "shared-data", 2).await;
+    // Well under the 15 s periodic rescan: the inotify path did it.
+    let bind = c.plugin_dir.join("bind");
+    let saved = std::fs::read(&bind).unwrap();
+    std::fs::remove_file(&bind).unwrap();
+    let started = std::time::Instant::now();
+    wait_placeholders(&c, "shared-data", 0).await;
+    let removed_after = started.elapsed();
+    script(&bind, &String::from_utf8(saved).unwrap());
+    let started = std::time::Instant::now();
+    wait_placeholders(&c, "shared-data", 2).await;
+    let added_after = started.elapsed();
+    eprintln!("placeholder gone {removed_after:?} after removing the plugin, back {added_after:?} after adding it");
+    assert!(
+        removed_after.as_secs() < 10 && added_after.as_secs() < 10,
+        "changes were not noticed before the periodic rescan"
+    );
+    for n in &c.nodes {
+        let log = std::fs::read_to_string(&n.log).unwrap();
+        assert!(log.contains("plugin directory changed"), "{log}");
+    }
+
+    // A plain Nomad DHV plugin (no deferred_bind) dropped in while running: noticed,
+    // reported as not deferred, and never used: its volume gets no placeholder.
+    script(
+        &c.plugin_dir.join("plain"),
+        "#!/bin/sh\ncase \"$1\" in fingerprint) echo '{\"version\":\"0.0.1\"}';; create) mkdir -p \"$DHV_VOLUMES_DIR/$DHV_VOLUME_ID\"; echo \"{\\\"path\\\":\\\"$DHV_VOLUMES_DIR/$DHV_VOLUME_ID\\\"}\";; *) echo '{}';; esac\n",
+    );
+    c.wait_for(
+        10,
+        "the plain plugin fingerprinted as not deferred",
+        || async {
+            let (_, out) = c.status(0);
+            let v: Value = serde_json::from_str(&out).ok()?;
+            (v["plugins"]["plain"]["deferred_bind"] == false).then_some(())
+        },
+    )
+    .await;
+    let spec = c.sb.join("plain.volume.hcl");
+    std::fs::write(
+        &spec,
+        "name = \"plain-data\"\ntype = \"host\"\nplugin_id = \"plain\"\ncapability {\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}\n",
+    )
+    .unwrap();
+    let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let (_, out) = c.status(0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let vol = v["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "plain-data")
+        .cloned()
+        .unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(vol["served_here"], false, "{out}");
+    assert!(vol["placeholder_id"].is_null(), "{out}");
+    assert_eq!(vol["state"], "pending", "{out}");
+    let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+    assert!(
+        !vols
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["Name"] == "plain-data"),
+        "{vols}"
+    );
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    assert!(log.contains("plugin is not deferred"), "{log}");
+}
+
+/// B14: the FUSE process behind a published mount dies; within a health interval the mount
+/// is reported, detached, published again, and the allocation's task is restarted onto it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_fuse_mount_is_republished_and_the_allocation_restarted() {
+    let c = Cluster::start(2).await;
+    let server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "b14-pw");
+    c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "webdav",
+        &[("url", &server.url), ("user", "dhv")],
+        &[("password", "b14-pw")],
+        "",
+    );
+    wait_placeholders(&c, "shared-data", 2).await;
+    let (job, alloc, node) = run_example(&c, None).await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let target = c.target(node, "shared-data");
+    let greetings = server
+        .dir
+        .join("default")
+        .join(volume_id(&c, "shared-data").await)
+        .join("greetings.txt");
+    read_until(
+        &c,
+        greetings.clone(),
+        "the first line on the server",
+        &[&alloc_id],
+    )
+    .await;
+
+    // The FUSE process dies (as when a storage plugin restarts).
+    let pids = mount_pids(&target);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pids[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    c.wait_for(10, "the dead mount reported in the log", || async {
+        std::fs::read_to_string(&c.nodes[node].log)
+            .ok()
+            .filter(|l| l.contains("published mount is dead"))
+            .map(|_| ())
+    })
+    .await;
+    c.wait_for(
+        30,
+        "the task restarted onto the republished mount",
+        || async {
+            c.allocs(&job).await.into_iter().find(|a| {
+                a["ID"] == alloc_id.as_str()
+                    && task_state(a, "app")["Restarts"].as_u64().unwrap_or(0) >= 1
+                    && task_state(a, "app")["State"] == "running"
+            })
+        },
+    )
+    .await;
+    // The restarted task wrote a second line, through the new mount, to the server.
+    c.wait_for(20, "a second line from the same allocation", || async {
+        std::fs::read_to_string(&greetings)
+            .ok()
+            .filter(|t| t.matches(alloc_id.as_str()).count() >= 2)
+    })
+    .await;
+    assert!(
+        std::fs::metadata(&target).is_ok(),
+        "the target is still dead"
+    );
+    let (_, out) = c.status(node);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let rec = &v["mount_health"]["recovered"];
+    assert_eq!(rec[0]["volume"], "default/shared-data", "{out}");
+    assert!(
+        rec[0]["error"].as_str().unwrap().contains("not connected"),
+        "{out}"
+    );
+    let events: Vec<String> = c
+        .journal(node)
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        events.iter().filter(|e| *e == "publish-done").count(),
+        2,
+        "{events:?}"
+    );
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "unpublished after the job stopped", || async {
+        (!dhv_binder::mounts::is_mount_point(&target)).then_some(())
+    })
+    .await;
 }
 
 fn mount_id(target: &std::path::Path) -> Option<String> {

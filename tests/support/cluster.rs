@@ -222,6 +222,7 @@ impl Cluster {
             .env("DHV_BINDER_SOCKET", &n.socket)
             .env("DHV_BINDER_PLUGIN_DIR", &self.plugin_dir)
             .env("DHV_BINDER_TICK", "200ms")
+            .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
             .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
@@ -257,18 +258,62 @@ impl Cluster {
 
     /// Creates the deferred volume `name` with the bind plugin, exporting under the sandbox.
     pub fn create_volume(&self, name: &str, access_mode: &str) -> String {
+        let export = self.export.display().to_string();
+        self.create_volume_with(name, access_mode, "bind", &[("export", &export)], &[], "")
+    }
+
+    /// Creates the deferred volume `name` with `plugin`, `parameters`, `secrets` and any
+    /// further spec lines (`extra`, e.g. `capacity_min = "64MiB"`); waits until it is ready.
+    pub fn create_volume_with(
+        &self,
+        name: &str,
+        access_mode: &str,
+        plugin: &str,
+        parameters: &[(&str, &str)],
+        secrets: &[(&str, &str)],
+        extra: &str,
+    ) -> String {
+        let block = |title: &str, kv: &[(&str, &str)]| {
+            if kv.is_empty() {
+                return String::new();
+            }
+            let body: String = kv
+                .iter()
+                .map(|(k, v)| format!("  {k} = {}\n", serde_json::Value::from(*v)))
+                .collect();
+            format!("{title} {{\n{body}}}\n")
+        };
         let spec = self.sb.join(&format!("{name}.volume.hcl"));
         std::fs::write(
             &spec,
             format!(
-                "name = \"{name}\"\ntype = \"host\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"{access_mode}\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n}}\n",
-                self.export.display()
+                "name = \"{name}\"\ntype = \"host\"\nplugin_id = \"{plugin}\"\n{extra}\ncapability {{\n  access_mode = \"{access_mode}\"\n  attachment_mode = \"file-system\"\n}}\n{}{}",
+                block("parameters", parameters),
+                block("secrets", secrets),
             ),
         )
         .unwrap();
         let (code, out) = self.cli(&["volume", "create", spec.to_str().unwrap()]);
         assert_eq!(code, 0, "volume create failed: {out}");
         out
+    }
+
+    /// `dhv-binder status` of node `i`'s agent: (exit code, output).
+    pub fn status(&self, i: usize) -> (i32, String) {
+        let out = Command::new(dhv_binder_bin())
+            .arg("status")
+            .env_clear()
+            .env("DHV_BINDER_SOCKET", &self.nodes[i].socket)
+            .output()
+            .expect("run dhv-binder status");
+        (
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
     }
 
     pub async fn get(&self, path: &str) -> Value {
