@@ -98,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
             publish_context: res.context,
             since: 0,
             last_error: String::new(),
+            claim_id: None,
         };
         let env = executor::unpublish_env(&node, &m, Some(&rec));
         let t = Instant::now();
