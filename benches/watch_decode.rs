@@ -28,7 +28,7 @@ const ME: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 
 fn shared(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared")
+        .join("testdata")
         .join(p)
 }
 

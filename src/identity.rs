@@ -119,10 +119,10 @@ mod tests {
     /// The synthesised fixture tokens are RS256-signed by the key in jwks.json.
     #[test]
     fn verifies_fixture_tokens() {
-        let base = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/nomad-fixtures");
+        let base = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/nomad-fixtures");
         let jwks: JwkSet = serde_json::from_str(
             &std::fs::read_to_string(format!("{base}/jwks.json"))
-                .expect("shared/nomad-fixtures/jwks.json"),
+                .expect("testdata/nomad-fixtures/jwks.json"),
         )
         .unwrap();
         let wi: serde_json::Value = serde_json::from_str(

@@ -1,5 +1,5 @@
-//! Every real Nomad capture (../shared/nomad-captures) and every synthesised fixture
-//! (../shared/nomad-fixtures) decodes with the daemon's types.
+//! Every real Nomad capture (testdata/nomad-captures) and every synthesised fixture
+//! (testdata/nomad-fixtures) decodes with the daemon's types.
 
 use dhv_binder::nomad::events::{decode_line, Line};
 use dhv_binder::nomad::types::{Allocation, HostVolume, HostVolumeStub, Variable};
@@ -7,12 +7,12 @@ use std::path::PathBuf;
 
 fn shared(dir: &str, name: &str) -> String {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared")
+        .join("testdata")
         .join(dir)
         .join(name);
     std::fs::read_to_string(&p).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (the tests need the shared/ folder beside the checkout)",
+            "{}: {e} (the test data lives in testdata/ at the repository root)",
             p.display()
         )
     })

@@ -15,7 +15,7 @@ use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
 
 fn shared(dir: &str, name: &str) -> String {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared")
+        .join("testdata")
         .join(dir)
         .join(name);
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))

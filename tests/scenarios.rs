@@ -20,7 +20,7 @@ fn alloc_id(n: u32) -> String {
 
 fn fixture(name: &str) -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/nomad-fixtures")
+        .join("testdata/nomad-fixtures")
         .join(name);
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }

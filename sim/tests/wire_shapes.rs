@@ -1,5 +1,5 @@
 //! The sim's JSON has the field names and JSON types of Nomad's (synthesised fixtures in
-//! ../shared/nomad-fixtures and real captures in ../shared/nomad-captures), for every endpoint
+//! testdata/nomad-fixtures and real captures in testdata/nomad-captures), for every endpoint
 //! they cover: node allocations, allocation read, allocations list, event frames, host volume
 //! read/list, job read, variables, JWKS, workload identity. A schema diff, not a byte compare.
 

@@ -499,7 +499,7 @@ mod tests {
 
     #[test]
     fn lazy_scan_agrees_with_serde_on_fixtures_and_captures() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata");
         let mut lines: Vec<String> = Vec::new();
         for f in [
             "nomad-fixtures/event-stream-allocation.ndjson",

@@ -277,12 +277,12 @@ impl Stream {
 
 pub fn shared(dir: &str, name: &str) -> String {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared")
+        .join("../testdata")
         .join(dir)
         .join(name);
     std::fs::read_to_string(&p).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (the tests need the shared/ folder beside the checkout)",
+            "{}: {e} (the test data lives in testdata/ at the repository root)",
             p.display()
         )
     })
