@@ -480,8 +480,6 @@ impl Client {
         var: &Variable,
         cas: Option<u64>,
     ) -> Result<Variable, NomadError> {
-        let path = format!("/v1/var/{}", var.path);
-        let what = "write a variable (PUT /v1/var/:path)";
         let mut q = vec![("namespace", var.namespace.clone())];
         if let Some(c) = cas {
             q.push(("cas", c.to_string()));
@@ -489,16 +487,34 @@ impl Client {
         let body = serde_json::json!({
             "Namespace": var.namespace, "Path": var.path, "Items": var.items,
         });
+        self.write_variable(var, &q, body, "write a variable (PUT /v1/var/:path)", false)
+            .await
+    }
+
+    /// PUTs a variable body; 409 (and, with `missing_is_conflict`, 404) become
+    /// [`NomadError::CasConflict`] carrying whatever current variable Nomad sent back.
+    async fn write_variable(
+        &self,
+        var: &Variable,
+        query: &[(&str, String)],
+        body: serde_json::Value,
+        what: &str,
+        missing_is_conflict: bool,
+    ) -> Result<Variable, NomadError> {
+        let path = format!("/v1/var/{}", var.path);
         let rb = self
             .request(&self.http, Method::PUT, &path)
-            .query(&q)
+            .query(query)
             .json(&body);
         let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
             addr: self.addr.clone(),
             what: what.into(),
             source,
         })?;
-        if resp.status() == StatusCode::CONFLICT {
+        let status = resp.status();
+        if status == StatusCode::CONFLICT
+            || (missing_is_conflict && status == StatusCode::NOT_FOUND)
+        {
             let bytes = resp.bytes().await.unwrap_or_default();
             let current: Variable = serde_json::from_slice(&bytes).unwrap_or_default();
             return Err(NomadError::CasConflict {
@@ -556,41 +572,18 @@ impl Client {
     /// someone else (or in its lock-delay period, or a stale ID) is
     /// [`NomadError::CasConflict`]; Nomad answers 409 for all of them.
     pub async fn lock_op(&self, op: &str, var: &Variable) -> Result<Variable, NomadError> {
-        let path = format!("/v1/var/{}", var.path);
-        let what = "lock a variable (PUT /v1/var/:path?lock-…)";
         let body = serde_json::json!({
             "Namespace": var.namespace, "Path": var.path, "Items": var.items, "Lock": var.lock,
         });
-        let rb = self
-            .request(&self.http, Method::PUT, &path)
-            .query(&[("namespace", var.namespace.as_str()), (op, "")])
-            .json(&body);
-        let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
-            addr: self.addr.clone(),
-            what: what.into(),
-            source,
-        })?;
-        if resp.status() == StatusCode::CONFLICT || resp.status() == StatusCode::NOT_FOUND {
-            let bytes = resp.bytes().await.unwrap_or_default();
-            let current: Variable = serde_json::from_slice(&bytes).unwrap_or_default();
-            return Err(NomadError::CasConflict {
-                path: var.path.clone(),
-                current: Box::new(current),
-            });
-        }
-        let resp = self.check(resp, what, &path).await?;
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|source| NomadError::Unreachable {
-                addr: self.addr.clone(),
-                what: what.into(),
-                source,
-            })?;
-        serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
-            what: what.into(),
-            source,
-        })
+        let q = [("namespace", var.namespace.clone()), (op, String::new())];
+        self.write_variable(
+            var,
+            &q,
+            body,
+            "lock a variable (PUT /v1/var/:path?lock-…)",
+            true,
+        )
+        .await
     }
 
     /// Nomad API: `GET /.well-known/jwks.json` (public, no ACL): the keys that sign workload
