@@ -8,7 +8,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 use support::fake_nomad::FakeNomad;
 use support::inproc::{agent_config, alloc_json, frame, ready, start_agent, status, volume_record};
-use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
+use support::sandbox::{
+    aborting_plugin, calls, eventually, recording_plugin, wrapper_plugin, Sandbox,
+};
 
 const NODE: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 /// The allocation of the fixture workload identity token (so its prestart call verifies).
@@ -240,11 +242,11 @@ async fn b22_unpublish_retry_after_timeout_succeeds() {
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     // "fake" delegates to "real", but its first unpublish hangs after unmounting.
-    script(
-        &plugins.join("fake"),
+    wrapper_plugin(
+        &plugins,
+        "fake",
         &format!(
-            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\n{real} \"$@\" || exit $?\nif [ \"$1\" = unpublish ] && [ ! -e {marker} ]; then touch {marker}; sleep 30; fi\n",
-            real = plugins.join("real").display(),
+            "\"$REAL\" \"$@\" || exit $?\nif [ \"$1\" = unpublish ] && [ ! -e {marker} ]; then touch {marker}; sleep 30; fi",
             marker = sb.join("hung-once").display()
         ),
     );
@@ -282,14 +284,7 @@ async fn b23_simultaneous_publishes_never_overlap() {
     volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
-    script(
-        &plugins.join("fake"),
-        &format!(
-            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\nlock={lock}/$DHV_VOLUME_NAME\nmkdir -p {lock}\nif ! mkdir \"$lock\" 2>/dev/null; then echo aborted >> {lock}/aborts; echo '{{\"error\":\"Aborted: an operation with the given volume ID already exists\"}}'; exit 1; fi\nsleep 0.3\n{real} \"$@\"; rc=$?\nrmdir \"$lock\"\nexit $rc\n",
-            real = plugins.join("real").display(),
-            lock = sb.join("locks").display()
-        ),
-    );
+    aborting_plugin(&plugins, "fake", &sb.join("locks"), "0.3");
     let cfg = agent_config(&sb);
     let agent = start_agent(&fake, cfg.clone());
     ready(&cfg, &fake, 1).await;
@@ -398,14 +393,7 @@ async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
     let fake = fake().await;
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
-    script(
-        &plugins.join("fake"),
-        &format!(
-            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\nlock={lock}/$DHV_VOLUME_NAME\nmkdir -p {lock}\nif ! mkdir \"$lock\" 2>/dev/null; then echo '{{\"error\":\"Aborted\"}}'; exit 1; fi\nsleep 0.15\n{real} \"$@\"; rc=$?\nrmdir \"$lock\"\nexit $rc\n",
-            real = plugins.join("real").display(),
-            lock = sb.join("locks").display()
-        ),
-    );
+    aborting_plugin(&plugins, "fake", &sb.join("locks"), "0.15");
     let vols: Vec<String> = (0..20).map(|i| format!("v{i:02}")).collect();
     for v in &vols {
         volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
@@ -460,11 +448,11 @@ async fn row13_stuck_or_broken_volumes_never_block_others() {
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     let fixed = sb.join("fixed");
-    script(
-        &plugins.join("fake"),
+    wrapper_plugin(
+        &plugins,
+        "fake",
         &format!(
-            "#!/bin/sh\nPATH=/usr/bin:/bin\n[ \"$1\" = fingerprint ] && exec {real} \"$@\"\nif [ \"$1\" = publish ] && [ ! -e {fixed} ]; then\n  case \"$DHV_VOLUME_NAME\" in\n    v-hang) echo 'hanging on the backend' >&2; sleep 30 ;;\n    v-garbage) echo 'this is not json'; exit 0 ;;\n  esac\nfi\nexec {real} \"$@\"\n",
-            real = plugins.join("real").display(),
+            "if [ \"$1\" = publish ] && [ ! -e {fixed} ]; then\n  case \"$DHV_VOLUME_NAME\" in\n    v-hang) echo 'hanging on the backend' >&2; sleep 30 ;;\n    v-garbage) echo 'this is not json'; exit 0 ;;\n  esac\nfi\nexec \"$REAL\" \"$@\"",
             fixed = fixed.display()
         ),
     );

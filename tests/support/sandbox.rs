@@ -99,3 +99,29 @@ pub async fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     }
     panic!("timed out after {secs}s waiting for: {what}");
 }
+
+/// A plugin `name` that hands fingerprint straight to `<plugin_dir>/real` and runs `body`
+/// (shell, with `$REAL` naming the real plugin) for every other operation.
+pub fn wrapper_plugin(plugin_dir: &Path, name: &str, body: &str) {
+    script(
+        &plugin_dir.join(name),
+        &format!(
+            "#!/bin/sh\nPATH=/usr/bin:/bin\nREAL={real}\n[ \"$1\" = fingerprint ] && exec \"$REAL\" \"$@\"\n{body}\n",
+            real = plugin_dir.join("real").display()
+        ),
+    );
+}
+
+/// A plugin `name` like a storage backend that refuses overlapping operations on one volume
+/// (ceph-csi's "Aborted: an operation with the given volume ID already exists"): every call
+/// takes `<locks>/<volume>` or fails, appending to `<locks>/aborts`; each takes `secs`.
+pub fn aborting_plugin(plugin_dir: &Path, name: &str, locks: &Path, secs: &str) {
+    wrapper_plugin(
+        plugin_dir,
+        name,
+        &format!(
+            "lock={locks}/$DHV_VOLUME_NAME\nmkdir -p {locks}\nif ! mkdir \"$lock\" 2>/dev/null; then echo aborted >> {locks}/aborts; echo '{{\"error\":\"Aborted: an operation with the given volume ID already exists\"}}'; exit 1; fi\nsleep {secs}\n\"$REAL\" \"$@\"; rc=$?\nrmdir \"$lock\"\nexit $rc",
+            locks = locks.display()
+        ),
+    );
+}
