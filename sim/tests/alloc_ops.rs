@@ -257,20 +257,34 @@ async fn gc_deletes_terminal_allocs_without_events() {
         assert_eq!(s, 200);
         let mut stream = Stream::open(&sim, "topic=Allocation").await;
         while stream.frame(1).await.is_some() {} // the buffered past
+                                                 // The blocking query may also wake for an unrelated client update (the live
+                                                 // allocation's task events): block again from the returned index until the GC shows.
+        let done_id = done["ID"].as_str().unwrap().to_string();
         let blocked = {
             let http = sim.http.clone();
-            let url = format!(
-                "{}/v1/node/{n1}/allocations?index={idx}&wait=20s",
-                sim.server
-            );
+            let server = sim.server.clone();
             tokio::spawn(async move {
-                let r = http.get(url).send().await.unwrap();
-                let i: u64 = r.headers()["x-nomad-index"]
-                    .to_str()
-                    .unwrap()
-                    .parse()
-                    .unwrap();
-                (i, r.json::<Value>().await.unwrap())
+                let mut index = idx;
+                for _ in 0..10 {
+                    let url = format!("{server}/v1/node/{n1}/allocations?index={index}&wait=20s");
+                    let r = http.get(url).send().await.unwrap();
+                    let i: u64 = r.headers()["x-nomad-index"]
+                        .to_str()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    let list = r.json::<Value>().await.unwrap();
+                    let gone = !list
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|a| a["ID"] == done_id.as_str());
+                    if gone {
+                        return (i, list);
+                    }
+                    index = i;
+                }
+                panic!("the node allocations query never showed the GC");
             })
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
