@@ -100,8 +100,9 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
     for line in lines.iter().filter(|l| frame_index(l) <= 1223) {
         fake.push(line);
     }
+    // The recording plugin logs the call before it mounts: wait for both.
     eventually(10, "publish after PlanResult", || {
-        calls(&plugins).len() == 1
+        calls(&plugins).len() == 1 && dhv_binder::mounts::is_mount_point(&target)
     })
     .await;
     assert_eq!(
@@ -263,8 +264,11 @@ async fn restart_and_reconnect_converge_without_events() {
     fake.put_alloc(full.clone());
     let cfg = stream_config(&sb, WatchMode::Poll);
     let agent = start_agent(&fake, cfg.clone());
+    // Published and recorded (the journal is written after the plugin returns).
     eventually(10, "publish from the first list", || {
         calls(&plugins).len() == 1
+            && std::fs::read_to_string(sb.join("state/journal.json"))
+                .is_ok_and(|j| j.contains(ALLOC))
     })
     .await;
     agent.stop().await;

@@ -61,18 +61,21 @@ set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 # Nomad's contract: fingerprint gets DHV_OPERATION only.
 if [ "$1" = fingerprint ]; then echo '{"version":"1.0.0","deferred_bind":true}'; exit 0; fi
-echo "$1 $DHV_NAMESPACE/$DHV_VOLUME_NAME ${DHV_ALLOC_ID:-}" >> "$DHV_PLUGIN_DIR/calls.log"
+# The call is logged once its work is done (a logged publish is mounted).
+log() { echo "$1 $DHV_NAMESPACE/$DHV_VOLUME_NAME ${DHV_ALLOC_ID:-}" >> "$DHV_PLUGIN_DIR/calls.log"; }
 case "$1" in
-create) echo '{"bytes":1,"context":{"made":"yes"}}' ;;
+create) log "$1"; echo '{"bytes":1,"context":{"made":"yes"}}' ;;
 publish)
   src="$DHV_VOLUMES_DIR/store/$DHV_VOLUME_ID"
   mkdir -p "$src" "$DHV_TARGET_PATH"
   mountpoint -q "$DHV_TARGET_PATH" || mount --bind "$src" "$DHV_TARGET_PATH"
+  log "$1"
   echo "{\"path\":\"$DHV_TARGET_PATH\",\"context\":{}}" ;;
 unpublish)
   while mountpoint -q "$DHV_TARGET_PATH"; do umount "$DHV_TARGET_PATH"; done
+  log "$1"
   echo '{}' ;;
-delete) echo '{}' ;;
+delete) log "$1"; echo '{}' ;;
 esac
 "#,
     );
