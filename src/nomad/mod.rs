@@ -251,6 +251,20 @@ impl Client {
         Ok(Indexed { value, index })
     }
 
+    /// A read where 404 means "absent": `Ok(None)`.
+    async fn get_optional<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+        what: &str,
+    ) -> Result<Option<T>, NomadError> {
+        match self.get_json(path, query, what).await {
+            Ok(v) => Ok(Some(v.value)),
+            Err(NomadError::Status { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Nomad API: `GET /v1/agent/self`. Used to learn the local node's ID and pool.
     pub async fn agent_self(&self) -> Result<AgentSelf, NomadError> {
         Ok(self
@@ -286,18 +300,12 @@ impl Client {
 
     /// Nomad API: `GET /v1/allocation/:id` (with its Job). `Ok(None)` on 404.
     pub async fn allocation(&self, id: &str) -> Result<Option<Allocation>, NomadError> {
-        match self
-            .get_json(
-                &format!("/v1/allocation/{id}"),
-                &[("namespace", "*".to_string())],
-                "read an allocation (GET /v1/allocation/:id)",
-            )
-            .await
-        {
-            Ok(v) => Ok(Some(v.value)),
-            Err(NomadError::Status { status: 404, .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+        self.get_optional(
+            &format!("/v1/allocation/{id}"),
+            &[("namespace", "*".to_string())],
+            "read an allocation (GET /v1/allocation/:id)",
+        )
+        .await
     }
 
     /// Nomad API: `GET /v1/event/stream?topic=Allocation&namespace=*&index=N`.
@@ -395,18 +403,12 @@ impl Client {
         namespace: &str,
         id: &str,
     ) -> Result<Option<HostVolume>, NomadError> {
-        match self
-            .get_json(
-                &format!("/v1/volume/host/{id}"),
-                &[("namespace", namespace.to_string())],
-                "read a host volume (GET /v1/volume/host/:id)",
-            )
-            .await
-        {
-            Ok(v) => Ok(Some(v.value)),
-            Err(NomadError::Status { status: 404, .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+        self.get_optional(
+            &format!("/v1/volume/host/{id}"),
+            &[("namespace", namespace.to_string())],
+            "read a host volume (GET /v1/volume/host/:id)",
+        )
+        .await
     }
 
     /// Nomad API: `DELETE /v1/volume/host/:id?namespace=ns`. A missing volume is success.
@@ -459,18 +461,12 @@ impl Client {
         namespace: &str,
         path: &str,
     ) -> Result<Option<Variable>, NomadError> {
-        match self
-            .get_json(
-                &format!("/v1/var/{path}"),
-                &[("namespace", namespace.to_string())],
-                "read a variable (GET /v1/var/:path)",
-            )
-            .await
-        {
-            Ok(v) => Ok(Some(v.value)),
-            Err(NomadError::Status { status: 404, .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+        self.get_optional(
+            &format!("/v1/var/{path}"),
+            &[("namespace", namespace.to_string())],
+            "read a variable (GET /v1/var/:path)",
+        )
+        .await
     }
 
     /// Nomad API: `PUT /v1/var/:path?namespace=ns[&cas=N]`. `cas = Some(0)` creates only if
