@@ -4,7 +4,7 @@
 use crate::nomad::types::VariableMeta;
 use crate::nomad::Client;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
-use crate::watch::backoff_delay;
+use crate::retry::backoff_delay;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 use tokio::sync::mpsc;

@@ -258,7 +258,7 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
             }
             Err(e) if e.is_retryable() && Instant::now() < deadline => {
                 eprintln!("dhv-binder: {e}; retrying");
-                let d = crate::watch::backoff_delay(
+                let d = crate::retry::backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(10),
                     attempt,

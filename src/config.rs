@@ -85,8 +85,8 @@ pub struct AgentConfig {
     pub stream_idle_timeout: Duration,
     /// Where the node's allocations come from: `poll` (blocking queries on the node's own
     /// allocation list) or `stream` (the cluster-wide event stream). See docs/scale.md.
-    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = crate::watch::WatchMode::Poll)]
-    pub watch_mode: crate::watch::WatchMode,
+    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = WatchMode::Poll)]
+    pub watch_mode: WatchMode,
     /// File holding the Nomad token, re-read at start, on every reconnect and after every
     /// auth failure (for rotated tokens); when readable it replaces NOMAD_TOKEN.
     #[arg(long, env = "DHV_BINDER_TOKEN_FILE")]
@@ -197,4 +197,17 @@ impl AgentConfig {
     pub fn mount_root(&self) -> PathBuf {
         self.state_dir.join("mnt")
     }
+}
+
+/// Which source of truth the watcher uses (`--watch-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchMode {
+    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
+    /// nodes; every node reads every allocation event of the cluster).
+    Stream,
+    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
+    /// node's own changes only; the default, see docs/scale.md).
+    #[default]
+    Poll,
 }

@@ -14,11 +14,11 @@
 //! the closest index, buffer of 100, snapshot restore), so every (re)connect starts with a
 //! full list (nomad-facts.md §1), and the view is swapped whole ([`WatchEvent::Relisted`]).
 
+use crate::retry::backoff_delay;
 use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use crate::nomad::types::Allocation;
 use crate::nomad::{Client, NomadError};
 use futures_util::StreamExt;
-use rand::Rng;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -38,18 +38,7 @@ pub enum WatchEvent {
     Health(Health),
 }
 
-/// Which source of truth the watcher uses (`--watch-mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum WatchMode {
-    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
-    /// nodes; every node reads every allocation event of the cluster).
-    Stream,
-    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
-    /// node's own changes only; the default, see docs/scale.md).
-    #[default]
-    Poll,
-}
+pub use crate::config::WatchMode;
 
 /// Why the watcher is not connected, for status output and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -170,14 +159,6 @@ enum State {
         reason: String,
     },
     Stopped,
-}
-
-/// Exponential backoff with ±20 % jitter: `base * 2^attempt`, capped.
-pub fn backoff_delay(base: Duration, cap: Duration, attempt: u32) -> Duration {
-    let exp = base.saturating_mul(1u32 << attempt.min(16));
-    let d = exp.min(cap);
-    let jitter = rand::thread_rng().gen_range(0.8..1.2);
-    d.mul_f64(jitter)
 }
 
 /// The delay before relisting after `fault`: auth failures wait at least 1 s (B30).
