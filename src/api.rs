@@ -101,7 +101,10 @@ impl ApiError {
             NotAnAllocId(_) | BadWait { .. } => (StatusCode::BAD_REQUEST, false),
             MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, false),
             NoToken => (StatusCode::UNAUTHORIZED, false),
-            TokenRejected(_) | OtherAllocation { .. } | WrongNamespace { .. } | OtherNode { .. }
+            TokenRejected(_)
+            | OtherAllocation { .. }
+            | WrongNamespace { .. }
+            | OtherNode { .. }
             | NotRoot => (StatusCode::FORBIDDEN, false),
             NoSuchEndpoint(_) | UnknownAllocation { .. } => (StatusCode::NOT_FOUND, false),
             AllocationStopped { .. } => (StatusCode::CONFLICT, false),

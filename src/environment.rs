@@ -134,4 +134,3 @@ pub fn unpublish_env(
     ]);
     env
 }
-

@@ -465,9 +465,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            j.set_mount(rec(MountState::Publishing), EventKind::PublishIntent, Some("a1"));
+            j.set_mount(
+                rec(MountState::Publishing),
+                EventKind::PublishIntent,
+                Some("a1"),
+            );
             store.write(&j.take_commit().unwrap()).unwrap();
-            j.set_mount(rec(MountState::Published), EventKind::PublishDone, Some("a1"));
+            j.set_mount(
+                rec(MountState::Published),
+                EventKind::PublishDone,
+                Some("a1"),
+            );
             j.change_users(
                 &[UserKey {
                     alloc_id: "a1".into(),
@@ -538,7 +546,11 @@ mod tests {
     fn queued_commits_fold_into_the_latest_state() {
         let dir = tempfile::tempdir().unwrap();
         let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        j.set_mount(rec(MountState::Publishing), EventKind::PublishIntent, Some("a1"));
+        j.set_mount(
+            rec(MountState::Publishing),
+            EventKind::PublishIntent,
+            Some("a1"),
+        );
         let mut first = j.take_commit().unwrap();
         j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
         let second = j.take_commit().unwrap();

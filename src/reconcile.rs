@@ -222,7 +222,7 @@ pub fn plan(i: Inputs<'_>) -> Plan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! Pure tests of the plan over design.md §5, with small fixture builders.
     use super::*;
     use crate::nomad::types::{Allocation, Job, TaskGroup, VolumeRequest};
@@ -230,14 +230,14 @@ mod tests {
 
     const NODE: &str = "node-1";
 
-    fn key(name: &str) -> VolumeKey {
+    pub(crate) fn key(name: &str) -> VolumeKey {
         VolumeKey {
             namespace: "default".into(),
             name: name.into(),
         }
     }
 
-    fn volume(name: &str, mode: &str) -> VolumeRecord {
+    pub(crate) fn volume(name: &str, mode: &str) -> VolumeRecord {
         let mut r = VolumeRecord::new(
             VolumeSpec {
                 name: name.into(),
@@ -258,7 +258,7 @@ mod tests {
         r
     }
 
-    fn alloc(id: &str, sources: &[&str], client: &str, desired: &str) -> Allocation {
+    pub(crate) fn alloc(id: &str, sources: &[&str], client: &str, desired: &str) -> Allocation {
         let volumes = sources
             .iter()
             .map(|s| {

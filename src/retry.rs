@@ -123,7 +123,10 @@ mod tests {
         assert!(r.ready(&"a", at));
         assert_eq!(r.next_after(at), None);
         let again = r.failed(&"a", P, at);
-        assert!(again >= at + Duration::from_millis(1600), "the second wait doubles");
+        assert!(
+            again >= at + Duration::from_millis(1600),
+            "the second wait doubles"
+        );
         r.succeeded(&"a");
         assert!(r.ready(&"a", t0));
         assert_eq!(r.failures(&"a"), 0);

@@ -14,10 +14,10 @@
 //! the closest index, buffer of 100, snapshot restore), so every (re)connect starts with a
 //! full list (nomad-facts.md §1), and the view is swapped whole ([`WatchEvent::Relisted`]).
 
-use crate::retry::backoff_delay;
 use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use crate::nomad::types::Allocation;
 use crate::nomad::{Client, NomadError};
+use crate::retry::backoff_delay;
 use futures_util::StreamExt;
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -283,7 +283,10 @@ mod tests {
             t0 + Duration::from_secs(5),
         );
         assert_eq!(c.states()[&key()], ClaimState::Lost);
-        assert!(c.renewals(t0 + Duration::from_secs(60)).is_empty(), "a lost claim is not renewed");
+        assert!(
+            c.renewals(t0 + Duration::from_secs(60)).is_empty(),
+            "a lost claim is not renewed"
+        );
         c.on_unpublished(&key());
         assert!(c.states().is_empty(), "forgotten once unpublished");
     }
@@ -309,7 +312,11 @@ mod tests {
         };
         c.on_acquired(key(), Err(err), &mut r, t0);
         let w: Vec<Waiting> = c.waiting().collect();
-        assert!(w[0].reason.contains("publish waits for the single-node claim"), "{w:?}");
+        assert!(
+            w[0].reason
+                .contains("publish waits for the single-node claim"),
+            "{w:?}"
+        );
         assert!(!r.ready(&Work::Claim(key()), t0));
         assert!(r.ready(&Work::Claim(key()), t0 + Duration::from_millis(600)));
         held(&mut c, t0);
@@ -333,6 +340,8 @@ mod tests {
             claim_id: Some("lock-9".into()),
         };
         c.restore([&m], t0);
-        assert!(matches!(&c.renewals(t0)[..], [Effect::RenewClaim { lock_id, .. }] if lock_id == "lock-9"));
+        assert!(
+            matches!(&c.renewals(t0)[..], [Effect::RenewClaim { lock_id, .. }] if lock_id == "lock-9")
+        );
     }
 }

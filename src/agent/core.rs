@@ -254,8 +254,9 @@ impl Core {
                 self.durable = self.durable.max(seq);
                 let durable = self.durable;
                 self.gated.retain(|s, _| *s > durable);
-                let (ready, keep): (Vec<_>, Vec<_>) =
-                    std::mem::take(&mut self.held).into_iter().partition(|(s, _, _)| *s <= durable);
+                let (ready, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(s, _, _)| *s <= durable);
                 self.held = keep;
                 for (_, to, reply) in ready {
                     out.push(Effect::Reply {
@@ -280,8 +281,9 @@ impl Core {
                             .failed(&Work::Mount(volume), STEP_RETRY, self.now);
                     }
                 }
-                let (failed, keep): (Vec<_>, Vec<_>) =
-                    std::mem::take(&mut self.held).into_iter().partition(|(s, _, _)| *s <= seq);
+                let (failed, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(s, _, _)| *s <= seq);
                 self.held = keep;
                 for (_, to, _) in failed {
                     out.push(Effect::Reply {
@@ -332,8 +334,7 @@ impl Core {
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
                         tracing::info!(%volume, "unpublished");
-                        self.journal
-                            .remove_mount(&volume, EventKind::UnpublishDone);
+                        self.journal.remove_mount(&volume, EventKind::UnpublishDone);
                         self.claims.on_unpublished(&volume);
                     }
                     Err(e) => {
@@ -443,9 +444,11 @@ impl Core {
                 volume,
                 alloc_id,
                 result,
-            } => self
-                .mount_health
-                .on_restarted(&volume, &alloc_id, result.err().map(|e| e.to_string())),
+            } => self.mount_health.on_restarted(
+                &volume,
+                &alloc_id,
+                result.err().map(|e| e.to_string()),
+            ),
         }
     }
 
@@ -536,7 +539,8 @@ impl Core {
             let pool = &self.s.node.node_pool;
             let served = self.volumes.values().filter(|r| serves(r, &deferred, pool));
             let (journal, placeholders) = (&self.journal, &self.placeholders);
-            let in_use = |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);
+            let in_use =
+                |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);
             out.extend(self.workers.drive(
                 served,
                 &self.s.node.node_id,
@@ -566,7 +570,12 @@ impl Core {
     }
 
     /// Records the publish intent; the call itself waits for the commit.
-    fn start_publish(&mut self, volume: VolumeKey, alloc_id: String, read_only: bool) -> Option<Effect> {
+    fn start_publish(
+        &mut self,
+        volume: VolumeKey,
+        alloc_id: String,
+        read_only: bool,
+    ) -> Option<Effect> {
         let rec = self.volumes.get(&volume)?.clone();
         let prev = self.journal.mounts().get(&volume);
         let target = prev
@@ -677,5 +686,585 @@ impl Core {
             "claims": self.claims.status(),
             "mount_health": self.mount_health.status(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The core's decisions, driven with plain `Instant`s: no tokio, no root, no I/O.
+    use super::*;
+    use crate::api::PublishRequest;
+    use crate::claims::ClaimError;
+    use crate::executor::{StepError, WorkerError};
+    use crate::journal::Journal;
+    use crate::mounts::MountTable;
+    use crate::reconcile::tests::{alloc, key, volume};
+
+    const NODE: &str = "node-1";
+
+    fn settings() -> Settings {
+        Settings {
+            node: NodeEnv {
+                node_id: NODE.into(),
+                node_pool: "default".into(),
+                volumes_dir: "/v".into(),
+                plugin_dir: "/p".into(),
+            },
+            mount_root: "/m".into(),
+            plugin_rescan: Duration::from_secs(60),
+            claims: ClaimSettings {
+                ttl: Duration::from_secs(15),
+                lock_delay: Duration::from_secs(15),
+            },
+            health_interval: Duration::from_secs(10),
+            seed: 1,
+        }
+    }
+
+    fn target(name: &str) -> PathBuf {
+        PathBuf::from(format!("/m/default/{name}"))
+    }
+
+    struct H {
+        core: Core,
+        t: Instant,
+        /// Every effect of the set-up.
+        setup: Vec<Effect>,
+    }
+
+    impl H {
+        /// A core that knows its plugin (`bind`), the volumes and the allocations.
+        fn new(volumes: &[(&str, &str)], allocs: Vec<crate::nomad::types::Allocation>) -> Self {
+            let t = Instant::now();
+            let mut h = H {
+                core: Core::new(settings(), Journal::new(NODE), t),
+                t,
+                setup: Vec::new(),
+            };
+            h.feed(Input::MountTable(MountTable::default()));
+            h.feed(Input::Done(Completion::PlaceholdersListed(Ok(
+                BTreeMap::new(),
+            ))));
+            let fp = Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+            };
+            h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+                "bind".to_string(),
+                Ok(fp),
+            )]))));
+            let e = h.feed(Input::Catalogue(
+                volumes
+                    .iter()
+                    .map(|(n, m)| (key(n), volume(n, m)))
+                    .collect(),
+            ));
+            h.setup.extend(e);
+            let e = h.feed(Input::Watch(WatchEvent::Relisted { allocs, index: 1 }));
+            h.setup.extend(e);
+            h
+        }
+
+        fn feed(&mut self, i: Input) -> Vec<Effect> {
+            self.core.handle(i, self.t)
+        }
+
+        fn at(&mut self, after: Duration, i: Input) -> Vec<Effect> {
+            self.t += after;
+            self.feed(i)
+        }
+
+        fn api_publish(&mut self, reply: u64, alloc_id: &str, wait: Duration) -> Vec<Effect> {
+            self.feed(Input::Api {
+                reply: ReplyId(reply),
+                call: ApiCall::Publish(PublishRequest {
+                    alloc_id: alloc_id.into(),
+                    namespace: "default".into(),
+                    wait,
+                }),
+            })
+        }
+
+        /// Completes a publish of `name` with its mount now in the table.
+        fn published(&mut self, name: &str) -> Vec<Effect> {
+            self.feed(Input::MountTable(MountTable::from_points([target(name)])));
+            self.feed(Input::Done(Completion::Published {
+                volume: key(name),
+                result: Ok(serde_json::Value::Null),
+                elapsed: Duration::from_millis(3),
+            }))
+        }
+
+        fn committed(&mut self, e: &[Effect]) -> Vec<Effect> {
+            let seq = commits(e).last().map(|(s, _)| *s).expect("a commit");
+            self.feed(Input::Committed {
+                seq,
+                result: Ok(()),
+            })
+        }
+    }
+
+    /// The commits of `e`: (seq, the effects waiting on it).
+    fn commits(e: &[Effect]) -> Vec<(u64, &Vec<Effect>)> {
+        e.iter()
+            .filter_map(|e| match e {
+                Effect::Commit { commit, then } => Some((commit.seq, then)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn publishes(e: &[Effect]) -> usize {
+        e.iter()
+            .map(|e| match e {
+                Effect::Publish { .. } => 1,
+                Effect::Commit { then, .. } => publishes(then),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    fn unpublishes(e: &[Effect]) -> usize {
+        e.iter()
+            .map(|e| match e {
+                Effect::Unpublish { .. } => 1,
+                Effect::Commit { then, .. } => unpublishes(then),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    fn replies(e: &[Effect]) -> Vec<(u64, &Result<PublishReply, ApiError>)> {
+        e.iter()
+            .filter_map(|e| match e {
+                Effect::Reply {
+                    to,
+                    answer: Answer::Publish(r),
+                } => Some((to.0, r)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    const A1: &str = "a1";
+
+    #[test]
+    fn a_publish_starts_only_after_its_intent_is_committed() {
+        let t = Instant::now();
+        let mut core = Core::new(settings(), Journal::new(NODE), t);
+        let mut all = Vec::new();
+        all.extend(core.handle(Input::MountTable(MountTable::default()), t));
+        let fp = Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+        };
+        all.extend(core.handle(
+            Input::Done(Completion::Plugins(BTreeMap::from([(
+                "bind".into(),
+                Ok(fp),
+            )]))),
+            t,
+        ));
+        all.extend(core.handle(
+            Input::Catalogue(BTreeMap::from([(
+                key("d"),
+                volume("d", "multi-node-multi-writer"),
+            )])),
+            t,
+        ));
+        let e = core.handle(
+            Input::Watch(WatchEvent::Relisted {
+                allocs: vec![alloc(A1, &["d"], "pending", "run")],
+                index: 1,
+            }),
+            t,
+        );
+        assert_eq!(publishes(&all), 0);
+        let c = commits(&e);
+        assert_eq!(c.len(), 1, "{e:?}");
+        assert_eq!(publishes(c[0].1), 1, "the publish waits on the commit");
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::Publish { .. })),
+            "no publish outside the commit"
+        );
+        assert_eq!(
+            core.journal().mounts()[&key("d")].state,
+            MountState::Publishing
+        );
+    }
+
+    #[test]
+    fn a_burst_of_allocations_is_one_commit_with_every_publish() {
+        let names: Vec<String> = (0..50).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let t = Instant::now();
+        let mut h = H {
+            core: Core::new(settings(), Journal::new(NODE), t),
+            t,
+            setup: Vec::new(),
+        };
+        h.feed(Input::MountTable(MountTable::default()));
+        h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+            "bind".to_string(),
+            Ok(Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+            }),
+        )]))));
+        h.feed(Input::Catalogue(
+            vols.iter().map(|(n, m)| (key(n), volume(n, m))).collect(),
+        ));
+        let allocs = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| alloc(&format!("a{i}"), &[n.as_str()], "pending", "run"))
+            .collect();
+        let e = h.feed(Input::Watch(WatchEvent::Relisted { allocs, index: 1 }));
+        let c = commits(&e);
+        assert_eq!(c.len(), 1);
+        assert_eq!(publishes(c[0].1), 50);
+    }
+
+    #[test]
+    fn a_caller_is_answered_once_its_user_record_is_durable() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        assert!(replies(&h.api_publish(7, A1, Duration::from_secs(30))).is_empty());
+        let e = h.published("d");
+        assert!(
+            replies(&e).is_empty(),
+            "held until the user record is on disk"
+        );
+        assert_eq!(
+            commits(&e).len(),
+            1,
+            "publish-done and the user record, one commit"
+        );
+        let e = h.committed(&e);
+        let r = replies(&e);
+        assert_eq!(r.len(), 1);
+        let (to, Ok(reply)) = r[0] else {
+            panic!("{r:?}")
+        };
+        assert_eq!(to, 7);
+        assert_eq!(reply.volumes[0].path, target("d").display().to_string());
+    }
+
+    #[test]
+    fn a_failed_commit_starts_nothing_and_answers_no_success() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(30));
+        let e = h.published("d");
+        let seq = commits(&e)[0].0;
+        let err = JournalError::Write {
+            path: "/s/journal.json".into(),
+            source: std::io::Error::other("disk full"),
+        };
+        let e = h.feed(Input::Committed {
+            seq,
+            result: Err(err),
+        });
+        let r = replies(&e);
+        assert!(matches!(r[..], [(7, Err(ApiError::Journal(_)))]), "{r:?}");
+        assert_eq!(commits(&e).len(), 1, "the state is written again");
+    }
+
+    #[test]
+    fn publish_timed_out_when_the_deadline_passes_first() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(2));
+        assert_eq!(h.core.next_wakeup(), Some(h.t + Duration::from_secs(2)));
+        assert!(replies(&h.at(Duration::from_secs(1), Input::Tick)).is_empty());
+        let e = h.at(Duration::from_secs(1), Input::Tick);
+        assert!(
+            matches!(
+                replies(&e)[..],
+                [(7, Err(ApiError::NotPublishedInTime { .. }))]
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_caller_for_an_allocation_not_seen_yet_times_out_after_a_fetch() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let e = h.api_publish(7, A1, Duration::from_secs(1));
+        assert!(
+            matches!(&e[..], [Effect::FetchAlloc { alloc_id }] if alloc_id == A1),
+            "{e:?}"
+        );
+        let e = h.at(Duration::from_secs(1), Input::Tick);
+        assert!(matches!(
+            replies(&e)[..],
+            [(7, Err(ApiError::AllocationNotSeen { .. }))]
+        ));
+    }
+
+    #[test]
+    fn an_allocation_nomad_does_not_know_is_not_found() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        h.api_publish(7, A1, Duration::from_secs(30));
+        let e = h.feed(Input::Done(Completion::AllocFetched {
+            alloc_id: A1.into(),
+            result: Ok(None),
+        }));
+        assert!(matches!(
+            replies(&e)[..],
+            [(7, Err(ApiError::UnknownAllocation { .. }))]
+        ));
+    }
+
+    #[test]
+    fn a_caller_that_went_away_is_forgotten() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(30));
+        h.feed(Input::CallerGone(ReplyId(7)));
+        let e = h.at(Duration::from_secs(31), Input::Tick);
+        assert!(replies(&e).is_empty());
+    }
+
+    #[test]
+    fn a_failed_publish_fails_its_caller_and_is_retried_after_its_backoff() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(30));
+        let err = StepError::NotMounted {
+            plugin: "bind".into(),
+            target: target("d"),
+        };
+        let e = h.feed(Input::Done(Completion::Published {
+            volume: key("d"),
+            result: Err(err),
+            elapsed: Duration::from_millis(1),
+        }));
+        assert!(
+            matches!(replies(&e)[..], [(7, Err(ApiError::PublishFailed { .. }))]),
+            "{e:?}"
+        );
+        assert_eq!(publishes(&e), 0, "not again at once");
+        let wake = h.core.next_wakeup().unwrap();
+        assert!(
+            wake <= h.t + Duration::from_millis(1200),
+            "the retry is a wake-up"
+        );
+        let e = h.at(Duration::from_millis(1200), Input::Tick);
+        assert_eq!(publishes(&e), 1);
+    }
+
+    #[test]
+    fn a_stopped_allocation_is_refused_and_its_volume_unpublished() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        let e = h.published("d");
+        h.committed(&e);
+        let mut a = alloc(A1, &["d"], "complete", "stop");
+        a.modify_index = 5;
+        let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+        assert_eq!(unpublishes(&e), 1, "{e:?}");
+        let e = h.api_publish(8, A1, Duration::from_secs(30));
+        assert!(matches!(
+            replies(&e)[..],
+            [(8, Err(ApiError::AllocationStopped { .. }))]
+        ));
+    }
+
+    #[test]
+    fn a_lost_claim_is_unpublished_and_then_forgotten() {
+        let mut h = H::new(
+            &[("d", "single-node-writer")],
+            vec![alloc(A1, &["d"], "running", "run")],
+        );
+        // Not published before the claim is held.
+        let e = h.feed(Input::Tick);
+        assert_eq!(publishes(&e), 0);
+        h.feed(Input::Done(Completion::ClaimAcquired {
+            volume: key("d"),
+            result: Ok("lock".into()),
+        }));
+        let e = h.published("d");
+        h.committed(&e);
+        let e = h.at(Duration::from_secs(5), Input::Tick);
+        assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+        let e = h.feed(Input::Done(Completion::ClaimRenewed {
+            volume: key("d"),
+            result: Err(ClaimError::Lost { volume: key("d") }),
+        }));
+        assert_eq!(
+            unpublishes(&e),
+            1,
+            "claim lost: unpublished first, though still needed"
+        );
+        let e = h.feed(Input::Done(Completion::Unpublished {
+            volume: key("d"),
+            result: Ok(()),
+        }));
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::ReleaseClaim { .. })),
+            "a lost claim is not released"
+        );
+        assert!(h.core.claims.states().is_empty());
+    }
+
+    #[test]
+    fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
+        let mut h = H::new(
+            &[("d", "single-node-writer")],
+            vec![alloc(A1, &["d"], "running", "run")],
+        );
+        h.feed(Input::Done(Completion::ClaimAcquired {
+            volume: key("d"),
+            result: Ok("lock".into()),
+        }));
+        let e = h.published("d");
+        h.committed(&e);
+        let mut a = alloc(A1, &["d"], "complete", "stop");
+        a.modify_index = 5;
+        h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+        let e = h.feed(Input::Done(Completion::Unpublished {
+            volume: key("d"),
+            result: Ok(()),
+        }));
+        let released: Vec<_> = e
+            .iter()
+            .filter(|x| matches!(x, Effect::ReleaseClaim { lock_id, .. } if lock_id == "lock"))
+            .collect();
+        assert_eq!(released.len(), 1, "{e:?}");
+        let e = h.feed(Input::Tick);
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::ReleaseClaim { .. })),
+            "once"
+        );
+    }
+
+    #[test]
+    fn placeholders_follow_the_ready_volumes_this_node_serves() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let e = std::mem::take(&mut h.setup);
+        let regs: Vec<_> = e
+            .iter()
+            .filter(
+                |x| matches!(x, Effect::RegisterPlaceholder { target: t, .. } if *t == target("d")),
+            )
+            .collect();
+        assert_eq!(regs.len(), 1, "{e:?}");
+        assert!(
+            !h.feed(Input::Tick)
+                .iter()
+                .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+            "once in flight"
+        );
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let e = h.feed(Input::Catalogue(BTreeMap::new()));
+        assert!(e
+            .iter()
+            .any(|x| matches!(x, Effect::DeregisterPlaceholder { id, .. } if id == "hv-1")));
+    }
+
+    #[test]
+    fn pending_volumes_are_created_and_a_mounted_one_is_not_deleted() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let mut rec = volume("d", "multi-node-multi-writer");
+        rec.state = VolumeState::Pending;
+        let e = h.feed(Input::Catalogue(BTreeMap::from([(key("d"), rec.clone())])));
+        assert_eq!(
+            e.iter().filter(|x| matches!(x, Effect::Create(_))).count(),
+            1
+        );
+        h.feed(Input::Done(Completion::Worker {
+            volume: key("d"),
+            result: Err(WorkerError::TakenByOther),
+        }));
+        let e = h.feed(Input::Tick);
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::Create(_))),
+            "backs off"
+        );
+        // A volume being deleted while a placeholder still points at it waits.
+        rec.state = VolumeState::Deleting;
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let e = h.at(
+            Duration::from_secs(5),
+            Input::Catalogue(BTreeMap::from([(key("d"), rec)])),
+        );
+        assert!(!e.iter().any(|x| matches!(x, Effect::Delete(_))), "{e:?}");
+    }
+
+    #[test]
+    fn plugins_are_fingerprinted_on_change_and_once_per_rescan() {
+        let mut h = H::new(&[], vec![]);
+        let fp = |e: &[Effect]| {
+            e.iter()
+                .filter(|x| matches!(x, Effect::Fingerprint))
+                .count()
+        };
+        assert_eq!(fp(&h.feed(Input::Tick)), 1);
+        assert_eq!(fp(&h.feed(Input::Tick)), 0, "one in flight");
+        h.feed(Input::Done(Completion::Plugins(BTreeMap::new())));
+        assert_eq!(fp(&h.at(Duration::from_secs(1), Input::Tick)), 0);
+        assert_eq!(fp(&h.feed(Input::PluginsChanged)), 1);
+    }
+
+    #[test]
+    fn the_mount_table_is_read_on_the_tick_not_per_message() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let reads = |e: &[Effect]| {
+            e.iter()
+                .filter(|x| matches!(x, Effect::ReadMountTable))
+                .count()
+        };
+        let e = h.feed(Input::Watch(WatchEvent::Relisted {
+            allocs: vec![alloc(A1, &["d"], "pending", "run")],
+            index: 2,
+        }));
+        assert_eq!(reads(&e), 0);
+        assert_eq!(reads(&h.feed(Input::Tick)), 1);
+    }
+
+    #[test]
+    fn a_dead_mount_is_detached_and_published_again() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "running", "run")],
+        );
+        let e = h.published("d");
+        h.committed(&e);
+        let e = h.at(Duration::from_secs(10), Input::Tick);
+        assert!(e.iter().any(|x| matches!(x, Effect::Probe { .. })), "{e:?}");
+        let e = h.feed(Input::Done(Completion::Probed {
+            volume: key("d"),
+            target: target("d"),
+            probe: crate::health::Probe::Dead("ENOTCONN".into()),
+        }));
+        assert!(e.iter().any(|x| matches!(x, Effect::Detach { .. })));
+        let mut e = h.feed(Input::MountTable(MountTable::default()));
+        e.extend(h.feed(Input::Done(Completion::Detached {
+            volume: key("d"),
+            result: Ok(()),
+        })));
+        assert_eq!(publishes(&e), 1, "the plan publishes it again");
     }
 }

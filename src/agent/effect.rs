@@ -40,7 +40,10 @@ pub(crate) enum Effect {
     /// Nomad: deregister a placeholder host volume.
     DeregisterPlaceholder { volume: VolumeKey, id: String },
     /// Nomad: take the single-node claim.
-    AcquireClaim { volume: VolumeKey, volume_id: String },
+    AcquireClaim {
+        volume: VolumeKey,
+        volume_id: String,
+    },
     /// Nomad: renew the claim's lock.
     RenewClaim { volume: VolumeKey, lock_id: String },
     /// Nomad: give the claim back.

@@ -3,7 +3,22 @@
 
 /// Bucket upper bounds in milliseconds; the last bucket holds everything slower.
 const BOUNDS_MS: [u64; 16] = [
-    1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, u64::MAX,
+    1,
+    2,
+    5,
+    10,
+    20,
+    50,
+    100,
+    200,
+    500,
+    1_000,
+    2_000,
+    5_000,
+    10_000,
+    30_000,
+    60_000,
+    u64::MAX,
 ];
 
 /// Counts of publish durations by bucket.

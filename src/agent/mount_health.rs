@@ -235,7 +235,12 @@ impl MountHealth {
 
     /// Records a restart's outcome (`error` when it failed). A failed restart is retried
     /// at the next probe.
-    pub(crate) fn on_restarted(&mut self, volume: &VolumeKey, alloc_id: &str, error: Option<String>) {
+    pub(crate) fn on_restarted(
+        &mut self,
+        volume: &VolumeKey,
+        alloc_id: &str,
+        error: Option<String>,
+    ) {
         self.restarting
             .remove(&(volume.clone(), alloc_id.to_string()));
         let Some(b) = self.broken.get_mut(volume) else {
@@ -328,7 +333,9 @@ mod tests {
         );
         let e = m.on_probe(&key(), &t, Probe::Healthy, false, &users);
         assert_eq!(restarts(&e), vec!["a1".to_string(), "a2".into()]);
-        assert!(m.on_probe(&key(), &t, Probe::Healthy, false, &users).is_empty());
+        assert!(m
+            .on_probe(&key(), &t, Probe::Healthy, false, &users)
+            .is_empty());
         m.on_restarted(&key(), "a1", None);
         m.on_restarted(&key(), "a2", Some("403".into()));
         assert_eq!(
@@ -378,15 +385,36 @@ mod tests {
         assert_eq!(m.tick(t0, &mounts, &mounted, &none).len(), 1);
         assert_eq!(m.next_wakeup(), Some(t0 + Duration::from_secs(10)));
         // Not again before the interval, nor while the first probe is out.
-        assert!(m.tick(t0 + Duration::from_secs(1), &mounts, &mounted, &none).is_empty());
-        assert!(m.tick(t0 + Duration::from_secs(10), &mounts, &mounted, &none).is_empty());
-        m.on_probe(&key(), Path::new("/mnt/x"), Probe::Healthy, false, &BTreeSet::new());
+        assert!(m
+            .tick(t0 + Duration::from_secs(1), &mounts, &mounted, &none)
+            .is_empty());
+        assert!(m
+            .tick(t0 + Duration::from_secs(10), &mounts, &mounted, &none)
+            .is_empty());
+        m.on_probe(
+            &key(),
+            Path::new("/mnt/x"),
+            Probe::Healthy,
+            false,
+            &BTreeSet::new(),
+        );
         // Busy or unmounted volumes are not probed.
         let busy = BTreeSet::from([key()]);
-        assert!(m.tick(t0 + Duration::from_secs(20), &mounts, &mounted, &busy).is_empty());
         assert!(m
-            .tick(t0 + Duration::from_secs(30), &mounts, &BTreeSet::new(), &none)
+            .tick(t0 + Duration::from_secs(20), &mounts, &mounted, &busy)
             .is_empty());
-        assert_eq!(m.tick(t0 + Duration::from_secs(40), &mounts, &mounted, &none).len(), 1);
+        assert!(m
+            .tick(
+                t0 + Duration::from_secs(30),
+                &mounts,
+                &BTreeSet::new(),
+                &none
+            )
+            .is_empty());
+        assert_eq!(
+            m.tick(t0 + Duration::from_secs(40), &mounts, &mounted, &none)
+                .len(),
+            1
+        );
     }
 }

@@ -68,8 +68,7 @@ impl Placeholders {
         let mut out = Vec::new();
         for (key, (rec, target)) in want {
             let work = Work::Placeholder(key.clone());
-            if self.ids.contains_key(key) || self.busy.contains(key) || !retries.ready(&work, now)
-            {
+            if self.ids.contains_key(key) || self.busy.contains(key) || !retries.ready(&work, now) {
                 continue;
             }
             self.busy.insert(key.clone());

@@ -176,9 +176,9 @@ impl Shell {
                 node.node_id.clone(),
                 self.cfg.mount_root(),
             )),
-            Effect::RegisterPlaceholder { volume, target } => {
-                self.call(executor::register_placeholder(client, node, *volume, target))
-            }
+            Effect::RegisterPlaceholder { volume, target } => self.call(
+                executor::register_placeholder(client, node, *volume, target),
+            ),
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))
             }
@@ -213,10 +213,7 @@ impl Shell {
             Effect::Detach { volume, target } => {
                 self.tasks.spawn_blocking(move || {
                     let result = crate::health::lazy_unmount(&target);
-                    Report::DoneMounts(
-                        Completion::Detached { volume, result },
-                        MountTable::read(),
-                    )
+                    Report::DoneMounts(Completion::Detached { volume, result }, MountTable::read())
                 });
             }
             Effect::ReadMountTable => {
@@ -401,7 +398,13 @@ pub async fn run(
             plugin_rescan: cfg.plugin_rescan,
             claims,
             health_interval: cfg.health_interval,
-            seed: std::process::id() as u64 ^ u64::from(std::time::UNIX_EPOCH.elapsed().map(|d| d.subsec_nanos()).unwrap_or(0)),
+            seed: std::process::id() as u64
+                ^ u64::from(
+                    std::time::UNIX_EPOCH
+                        .elapsed()
+                        .map(|d| d.subsec_nanos())
+                        .unwrap_or(0),
+                ),
         },
         journal,
         now(),
