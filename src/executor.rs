@@ -2,17 +2,85 @@
 //! [`Completion`], with the modules' typed errors. It holds no state of its own; the
 //! agent's shell runs these as tasks.
 
-use crate::agent::input::Completion;
 use crate::claims::{self, ClaimError, ClaimSettings};
 use crate::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
+use crate::health::Probe;
 use crate::journal::MountRecord;
 use crate::mounts;
+use crate::nomad::types::Allocation;
 use crate::nomad::types::HostVolume;
 use crate::nomad::{Client, NomadError};
+use crate::plugin::Fingerprint;
 use crate::plugin::{self, CreateResult, Operation, PluginError, PublishResult, Runner};
 use crate::volume::{RecordError, VolumeKey, VolumeRecord, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The outcome of one effect.
+#[derive(Debug)]
+pub enum Completion {
+    /// `publish` ran; `Ok` carries the plugin's `context`.
+    Published {
+        volume: VolumeKey,
+        result: Result<serde_json::Value, StepError>,
+        elapsed: Duration,
+    },
+    /// `unpublish` ran (and the empty target directory was removed).
+    Unpublished {
+        volume: VolumeKey,
+        result: Result<(), StepError>,
+    },
+    /// Every plugin in the directory, fingerprinted.
+    Plugins(BTreeMap<String, Result<Fingerprint, PluginError>>),
+    /// This node's placeholder host volumes (volume → host volume ID).
+    PlaceholdersListed(Result<BTreeMap<VolumeKey, String>, NomadError>),
+    /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
+    Placeholder {
+        volume: VolumeKey,
+        result: Result<Option<String>, PlaceholderError>,
+    },
+    /// A volume create or delete ran.
+    Worker {
+        volume: VolumeKey,
+        result: Result<(), WorkerError>,
+    },
+    /// A claim acquire: the lock ID.
+    ClaimAcquired {
+        volume: VolumeKey,
+        result: Result<String, ClaimError>,
+    },
+    ClaimRenewed {
+        volume: VolumeKey,
+        result: Result<(), ClaimError>,
+    },
+    ClaimReleased {
+        volume: VolumeKey,
+        result: Result<(), ClaimError>,
+    },
+    /// One allocation read from Nomad (`None`: it does not exist).
+    AllocFetched {
+        alloc_id: String,
+        result: Result<Option<Box<Allocation>>, NomadError>,
+    },
+    /// A published mount was probed.
+    Probed {
+        volume: VolumeKey,
+        target: PathBuf,
+        probe: Probe,
+    },
+    /// A dead mount was detached (lazy unmount).
+    Detached {
+        volume: VolumeKey,
+        result: Result<(), nix::Error>,
+    },
+    /// An allocation was restarted onto a republished mount.
+    Restarted {
+        volume: VolumeKey,
+        alloc_id: String,
+        result: Result<(), NomadError>,
+    },
+}
 
 /// Why a `publish` or `unpublish` did not leave the node as it should be.
 #[derive(Debug, thiserror::Error)]
