@@ -315,7 +315,7 @@ pub(crate) mod tests {
     impl World {
         fn new(vols: &[VolumeRecord], allocs: Vec<Allocation>) -> Self {
             let mut view = View::default();
-            view.replace_all(allocs, 10);
+            view.replace_all_at(allocs, 10, std::time::Instant::now());
             Self {
                 view,
                 volumes: vols.iter().map(|v| (v.key(), v.clone())).collect(),
@@ -555,7 +555,7 @@ pub(crate) mod tests {
             volume: key("data"),
         });
         assert_eq!(w.plan(), Plan::default());
-        w.view.replace_all(vec![], 50);
+        w.view.replace_all_at(vec![], 50, std::time::Instant::now());
         w.settle();
         assert_eq!(w.unpublishes, 1);
         assert!(w.users.is_empty());
@@ -636,8 +636,11 @@ pub(crate) mod tests {
                 volume: key("data")
             }]
         );
-        w.view
-            .replace_all(vec![alloc(A1, &["data"], "running", "run")], 60);
+        w.view.replace_all_at(
+            vec![alloc(A1, &["data"], "running", "run")],
+            60,
+            std::time::Instant::now(),
+        );
         let p = w.plan();
         assert_eq!(
             p.steps[0],

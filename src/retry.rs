@@ -85,11 +85,6 @@ impl<K: Ord + Clone> Retries<K> {
             .filter(|t| *t > now)
             .min()
     }
-
-    /// How many failures in a row `key` has had (0 when none is recorded).
-    pub fn failures(&self, key: &K) -> u32 {
-        self.entries.get(key).map(|e| e.attempt + 1).unwrap_or(0)
-    }
 }
 
 #[cfg(test)]
@@ -129,7 +124,6 @@ mod tests {
         );
         r.succeeded(&"a");
         assert!(r.ready(&"a", t0));
-        assert_eq!(r.failures(&"a"), 0);
     }
 
     #[test]

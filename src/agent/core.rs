@@ -129,8 +129,22 @@ impl Core {
 
     /// Applies one input at `now` and returns the effects to perform, in order.
     pub(crate) fn handle(&mut self, input: Input, now: Instant) -> Vec<Effect> {
+        self.handle_all(vec![input], now)
+    }
+
+    /// Applies inputs that arrived together (a burst), then plans once: a burst of N
+    /// messages costs one planning pass, not N.
+    pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
         self.now = now;
         let mut out = Vec::new();
+        for input in inputs {
+            self.apply(input, now, &mut out);
+        }
+        self.drive(now, &mut out);
+        out
+    }
+
+    fn apply(&mut self, input: Input, now: Instant, out: &mut Vec<Effect>) {
         match input {
             Input::Watch(ev) => self.on_watch(ev),
             Input::Catalogue(c) => {
@@ -161,15 +175,13 @@ impl Core {
             Input::CallerGone(reply) => self.waiters.gone(reply),
             Input::PluginsChanged => {
                 self.last_fingerprint = None;
-                self.on_tick(now, &mut out);
+                self.on_tick(now, out);
             }
             Input::MountTable(t) => self.mounted = t.points(),
-            Input::Committed { seq, result } => self.on_committed(seq, result, &mut out),
-            Input::Done(c) => self.on_done(c, now, &mut out),
-            Input::Tick => self.on_tick(now, &mut out),
+            Input::Committed { seq, result } => self.on_committed(seq, result, out),
+            Input::Done(c) => self.on_done(c, now, out),
+            Input::Tick => self.on_tick(now, out),
         }
-        self.drive(now, &mut out);
-        out
     }
 
     /// The earliest time something is due without any input (a retry, a caller's
@@ -1266,5 +1278,28 @@ mod tests {
             result: Ok(()),
         })));
         assert_eq!(publishes(&e), 1, "the plan publishes it again");
+    }
+
+    #[test]
+    fn messages_that_arrive_together_are_planned_once() {
+        let names: Vec<String> = (0..50).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let mut h = H::new(&vols, vec![]);
+        let burst = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let mut a = alloc(&format!("a{i}"), &[n.as_str()], "pending", "run");
+                a.modify_index = 10;
+                Input::Watch(WatchEvent::Upsert(Box::new(a)))
+            })
+            .collect();
+        let e = h.core.handle_all(burst, h.t);
+        let c = commits(&e);
+        assert_eq!(c.len(), 1);
+        assert_eq!(publishes(c[0].1), 50);
     }
 }

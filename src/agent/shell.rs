@@ -78,6 +78,9 @@ impl StateLock {
     }
 }
 
+/// The most inputs planned together in one pass.
+const BATCH: usize = 512;
+
 /// What a finished task reports to the loop.
 enum Report {
     Done(Completion),
@@ -444,7 +447,7 @@ pub async fn run(
             .next_wakeup()
             .map(tokio::time::Instant::from_std)
             .map_or(floor + cfg.tick, |w| w.max(floor));
-        let inputs: Vec<Input> = tokio::select! {
+        let mut inputs: Vec<Input> = tokio::select! {
             _ = &mut shutdown => break,
             Some(ev) = watch_rx.recv() => vec![Input::Watch(ev)],
             Some(cat) = cat_rx.recv() => vec![Input::Catalogue(cat)],
@@ -464,10 +467,22 @@ pub async fn run(
             _ = tokio::time::sleep_until(wake) => vec![Input::Tick],
             Some(()) = plugins_rx.recv() => vec![Input::PluginsChanged],
         };
-        for input in inputs {
-            let effects = core.handle(input, now());
-            shell.perform(effects);
+        // Whatever else is already waiting joins this pass (bounded): a burst of messages
+        // is planned once.
+        while inputs.len() < BATCH {
+            if let Ok(ev) = watch_rx.try_recv() {
+                inputs.push(Input::Watch(ev));
+            } else if let Some(done) = shell.tasks.try_join_next() {
+                match done {
+                    Ok(r) => inputs.extend(shell.on_report(r)),
+                    Err(e) => tracing::error!(error = %e, "an effect's task failed"),
+                }
+            } else {
+                break;
+            }
         }
+        let effects = core.handle_all(inputs, now());
+        shell.perform(effects);
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");
     for t in background {
