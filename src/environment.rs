@@ -15,8 +15,15 @@ pub struct NodeEnv {
     pub plugin_dir: PathBuf,
 }
 
-fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
-    let s = &rec.spec;
+/// The variables every call on a volume gets: the node, then the volume's identity.
+fn base_env(
+    node: &NodeEnv,
+    namespace: &str,
+    name: &str,
+    id: &str,
+    parameters: String,
+    secrets: String,
+) -> Vec<(String, String)> {
     vec![
         (
             "DHV_VOLUMES_DIR".into(),
@@ -28,22 +35,23 @@ fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
         ),
         ("DHV_NODE_ID".into(), node.node_id.clone()),
         ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-        ("DHV_NAMESPACE".into(), s.namespace.clone()),
-        ("DHV_VOLUME_NAME".into(), s.name.clone()),
-        ("DHV_VOLUME_ID".into(), rec.id.clone()),
-        (
-            "DHV_PARAMETERS".into(),
-            if s.parameters.is_empty() {
-                "null".into()
-            } else {
-                serde_json::to_string(&s.parameters).unwrap_or_default()
-            },
-        ),
-        (
-            "DHV_SECRETS".into(),
-            serde_json::to_string(&rec.secrets).unwrap_or_default(),
-        ),
+        ("DHV_NAMESPACE".into(), namespace.to_string()),
+        ("DHV_VOLUME_NAME".into(), name.to_string()),
+        ("DHV_VOLUME_ID".into(), id.to_string()),
+        ("DHV_PARAMETERS".into(), parameters),
+        ("DHV_SECRETS".into(), secrets),
     ]
+}
+
+fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
+    let s = &rec.spec;
+    let parameters = if s.parameters.is_empty() {
+        "null".into()
+    } else {
+        serde_json::to_string(&s.parameters).unwrap_or_default()
+    };
+    let secrets = serde_json::to_string(&rec.secrets).unwrap_or_default();
+    base_env(node, &s.namespace, &s.name, &rec.id, parameters, secrets)
 }
 
 /// Environment of `create` (Nomad's create variables, plus DHV_SECRETS).
@@ -104,23 +112,14 @@ pub fn unpublish_env(
 ) -> Vec<(String, String)> {
     let mut env = match rec {
         Some(r) => identity_env(node, r),
-        None => vec![
-            (
-                "DHV_VOLUMES_DIR".into(),
-                node.volumes_dir.display().to_string(),
-            ),
-            (
-                "DHV_PLUGIN_DIR".into(),
-                node.plugin_dir.display().to_string(),
-            ),
-            ("DHV_NODE_ID".into(), node.node_id.clone()),
-            ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-            ("DHV_NAMESPACE".into(), m.volume.namespace.clone()),
-            ("DHV_VOLUME_NAME".into(), m.volume.name.clone()),
-            ("DHV_VOLUME_ID".into(), m.volume_id.clone()),
-            ("DHV_PARAMETERS".into(), "null".into()),
-            ("DHV_SECRETS".into(), "{}".into()),
-        ],
+        None => base_env(
+            node,
+            &m.volume.namespace,
+            &m.volume.name,
+            &m.volume_id,
+            "null".into(),
+            "{}".into(),
+        ),
     };
     env.extend([
         (

@@ -431,7 +431,7 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn key() -> VolumeKey {
@@ -441,7 +441,8 @@ mod tests {
         }
     }
 
-    fn rec(state: MountState) -> MountRecord {
+    /// A mount record of `default/data` at `/x` (shared test fixture).
+    pub(crate) fn rec(state: MountState) -> MountRecord {
         MountRecord {
             volume: key(),
             volume_id: "id".into(),

@@ -327,18 +327,9 @@ mod tests {
     fn claims_from_the_journal_are_renewed_at_once_after_a_restart() {
         let t0 = Instant::now() + Duration::from_secs(100);
         let mut c = claims();
-        let m = MountRecord {
-            volume: key(),
-            volume_id: "id".into(),
-            plugin_id: "p".into(),
-            state: crate::journal::MountState::Published,
-            target: "/x".into(),
-            read_only: false,
-            publish_context: serde_json::Value::Null,
-            since: 0,
-            last_error: String::new(),
-            claim_id: Some("lock-9".into()),
-        };
+        let mut m = crate::journal::tests::rec(crate::journal::MountState::Published);
+        m.volume = key();
+        m.claim_id = Some("lock-9".into());
         c.restore([&m], t0);
         assert!(
             matches!(&c.renewals(t0)[..], [Effect::RenewClaim { lock_id, .. }] if lock_id == "lock-9")

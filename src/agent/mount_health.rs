@@ -367,18 +367,8 @@ mod tests {
     fn probes_run_once_per_interval_on_published_mounted_idle_volumes() {
         let mut m = MountHealth::new(Duration::from_secs(10));
         let t0 = Instant::now();
-        let rec = MountRecord {
-            volume: key(),
-            volume_id: "id".into(),
-            plugin_id: "p".into(),
-            state: MountState::Published,
-            target: "/mnt/x".into(),
-            read_only: false,
-            publish_context: serde_json::Value::Null,
-            since: 0,
-            last_error: String::new(),
-            claim_id: None,
-        };
+        let mut rec = crate::journal::tests::rec(MountState::Published);
+        rec.target = "/mnt/x".into();
         let mounts = BTreeMap::from([(key(), rec)]);
         let mounted = BTreeSet::from([PathBuf::from("/mnt/x")]);
         let none = BTreeSet::new();
