@@ -17,12 +17,13 @@
 //! - [`plugin`]: the plugin runner (DHV protocol extended with publish/unpublish);
 //! - [`executor`]: carries out one step as a task and reports its completion;
 //! - [`discovery`]: notices plugin files added, changed or removed;
+//! - [`nodes`]: the node records each agent publishes (plugins, health, last seen);
 //! - [`health`]: probes published mounts, republishes dead FUSE mounts;
 //! - [`conformance`]: the plugin conformance kit (`dhv-binder plugin check`);
 //! - [`agent`]: the owner loop tying them together;
 //! - [`identity`]: workload identity token verification (JWKS);
 //! - [`api`]: the local API on a unix socket, and its client;
-//! - [`cli`]: the command line.
+//! - [`cli`]: the command line (one file per command group, [`cli::output`] for its forms).
 #![forbid(unsafe_code)]
 
 pub mod agent;
@@ -38,6 +39,7 @@ pub mod health;
 pub mod identity;
 pub mod journal;
 pub mod mounts;
+pub mod nodes;
 pub mod nomad;
 pub mod plugin;
 pub mod reconcile;

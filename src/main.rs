@@ -1,7 +1,6 @@
 //! The `dhv-binder` binary: parses the command line and wires the modules together.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
 use dhv_binder::cli::{self, Cli, Command, Failure};
 
 fn init_tracing() {
@@ -54,16 +53,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     message: e.to_string(),
                 })
         }
-        Command::Prestart(args) => cli::prestart(args, cli.nomad.token.clone()).await,
-        Command::Status { socket } => cli::status(socket).await,
-        Command::Volume(cmd) => cli::volume_cmd(&cli.nomad, cmd).await,
-        Command::Plugin(cmd) => cli::plugin_cmd(cmd).await,
+        other => cli::run(&cli.nomad, other).await,
     }
 }
 
 #[tokio::main]
 async fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     if let Err(f) = run(cli).await {
         eprintln!("Error: {}", f.message);
         std::process::exit(f.code);

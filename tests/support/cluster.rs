@@ -298,10 +298,10 @@ impl Cluster {
         out
     }
 
-    /// `dhv-binder status` of node `i`'s agent: (exit code, output).
+    /// `dhv-binder status -json` of node `i`'s agent: (exit code, output).
     pub fn status(&self, i: usize) -> (i32, String) {
         let out = Command::new(dhv_binder_bin())
-            .arg("status")
+            .args(["status", "-json"])
             .env_clear()
             .env("DHV_BINDER_SOCKET", &self.nodes[i].socket)
             .output()
