@@ -190,6 +190,18 @@ pub async fn run(
         )),
     ];
 
+    // Operator hook (issue 15): this node's record for `plugin status`, `node status` and
+    // `volume create`'s fail-fast check; fed after every loop turn below.
+    let node_name = me
+        .config
+        .pointer("/NodeName")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default();
+    let (node_record, node_publisher) = crate::nodes::spawn_publisher(
+        client.clone(),
+        crate::nodes::NodeRecord::new(&node_id, node_name, &node_pool),
+        crate::nodes::HEARTBEAT,
+    );
     let runner = Runner::new(&cfg.plugin_dir, cfg.plugin_timeout);
     let node = NodeEnv {
         node_id: node_id.clone(),
@@ -281,12 +293,17 @@ pub async fn run(
             Some(r) = health_rx.recv() => agent.on_mount_health(r),
         }
         agent.drive();
+        node_record.send_if_modified(|r| {
+            let plugins = agent.plugins_loaded && r.set_plugins(&agent.plugins);
+            r.set_watch(&agent.health) | plugins
+        });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");
     for t in tasks {
         t.abort();
     }
     discovery.abort();
+    node_publisher.abort();
     Ok(())
 }
 

@@ -19,6 +19,7 @@
 //! - [`discovery`]: notices plugin files added, changed or removed;
 //! - [`nodes`]: the node records each agent publishes (plugins, health, last seen);
 //! - [`health`]: probes published mounts, republishes dead FUSE mounts;
+//! - [`metrics`]: Prometheus metrics, their update API and the scrape endpoint;
 //! - [`conformance`]: the plugin conformance kit (`dhv-binder plugin check`);
 //! - [`agent`]: the owner loop tying them together;
 //! - [`identity`]: workload identity token verification (JWKS);
@@ -38,6 +39,7 @@ pub mod executor;
 pub mod health;
 pub mod identity;
 pub mod journal;
+pub mod metrics;
 pub mod mounts;
 pub mod nodes;
 pub mod nomad;

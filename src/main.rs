@@ -3,7 +3,7 @@
 
 use dhv_binder::cli::{self, Cli, Command, Failure};
 
-fn init_tracing() {
+fn init_tracing(format: dhv_binder::config::LogFormat) {
     use std::io::IsTerminal;
     let filter = match std::env::var("DHV_BINDER_LOG") {
         Err(_) => tracing_subscriber::EnvFilter::new("info"),
@@ -14,11 +14,16 @@ fn init_tracing() {
             tracing_subscriber::EnvFilter::new("info")
         }),
     };
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        dhv_binder::config::LogFormat::Text => {
+            fmt.with_ansi(std::io::stderr().is_terminal()).init()
+        }
+        // One object a line: the event's fields (volume, alloc_id, ...) are top-level keys.
+        dhv_binder::config::LogFormat::Json => fmt.json().flatten_event(true).init(),
+    }
 }
 
 async fn shutdown_signal() {
@@ -40,8 +45,22 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Agent(cfg) => {
             cfg.validate().map_err(config_err)?;
-            init_tracing();
+            init_tracing(cfg.log_format);
             let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
+            // Operator hook (issue 15): the endpoint runs now; the agent core is handed the
+            // same `Metrics` to update once it takes one (see docs/operations.md).
+            let _metrics_endpoint = match cfg.metrics_addr {
+                Some(addr) => {
+                    let metrics = dhv_binder::metrics::Metrics::new();
+                    let l = dhv_binder::metrics::bind(addr).await.map_err(|e| Failure {
+                        code: cli::EXIT_CONFIG,
+                        message: e.to_string(),
+                    })?;
+                    tracing::info!(%addr, "serving metrics at /metrics");
+                    Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics)))
+                }
+                None => None,
+            };
             dhv_binder::agent::run(cfg, client, shutdown_signal())
                 .await
                 .map_err(|e| Failure {

@@ -121,9 +121,9 @@ mod tests {
             s,
             format!(
                 "\
-ID        Name    Pool     Version  Status   Plugins                Last Seen
-aaaaaaaa  node-1  default  {v}    listing  bind                   10s ago
-bbbbbbbb  node-2  gpu      {v}    stale    bind,nfs(unhealthy)    3m30s ago
+ID        Name    Pool     Version  Status   Plugins              Last Seen
+aaaaaaaa  node-1  default  {v}    listing  bind                 10s ago
+bbbbbbbb  node-2  gpu      {v}    stale    bind,nfs(unhealthy)  3m30s ago
 "
             )
         );

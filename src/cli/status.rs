@@ -359,9 +359,9 @@ Waiting       = default/scratch: plugin nfs is not installed on this node
 Last Error    = default/scratch: publish failed: exit 1
 
 Volumes
-Volume               Plugin  State  Here  Mount                Users  Claim  Error
-default/scratch      nfs     ready  no    -                    0      -
-default/shared-data  bind    ready  yes   published 12s ago    1      held
+Volume               Plugin  State  Here  Mount              Users  Claim  Error
+default/scratch      nfs     ready  no    -                  0      -
+default/shared-data  bind    ready  yes   published 12s ago  1      held
 ";
         assert_eq!(s, expected, "got:\n{s}");
     }

@@ -203,7 +203,28 @@ impl Cluster {
             cluster.nodes.push(node);
             cluster.start_agent(i);
         }
+        cluster.wait_node_records().await;
         cluster
+    }
+
+    /// Waits until every agent has published its node record with its plugins fingerprinted
+    /// (`volume create` refuses a plugin no live node reports).
+    pub async fn wait_node_records(&self) {
+        for n in &self.nodes {
+            let path = format!("/v1/var/dhv-binder/nodes/{}?namespace=default", n.id);
+            self.wait_for(60, &format!("{}'s node record", n.name), || async {
+                let r = self
+                    .http
+                    .get(format!("{}{path}", self.server))
+                    .send()
+                    .await
+                    .ok()?;
+                let v: Value = r.json().await.ok()?;
+                let rec: Value = serde_json::from_str(v["Items"]["record"].as_str()?).ok()?;
+                (rec["plugins"]["bind"]["healthy"] == true).then_some(())
+            })
+            .await;
+        }
     }
 
     /// Starts (or restarts) node `i`'s dhv-binder, as the system job would run it.
