@@ -419,7 +419,8 @@ pub async fn create(
                 rec.error = plugin::redact(&e.to_string(), &rec.secrets);
             }
         }
-        rec.worker_node.clear();
+        // worker_node stays: it names the node that ran the create (`volume create` prints
+        // it; `volume delete` clears it before asking for the delete).
         let failed = rec.state == VolumeState::Failed;
         let msg = rec.error.clone();
         cas_update(&client, &rec).await?;

@@ -9,6 +9,16 @@ use serde_json::Value;
 use std::process::Command;
 use support::cluster::{dhv_binder_bin, repo, Cluster};
 
+/// The value of `key` in a readable `Key = value` block.
+fn kv<'a>(out: &'a str, key: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(" = ")?;
+            (k.trim_end() == key).then_some(v)
+        })
+        .unwrap_or_else(|| panic!("no {key} in:\n{out}"))
+}
+
 fn json(out: &str) -> Value {
     serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"))
 }
@@ -86,7 +96,9 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
 
     let (code, out) = c.cli(&["volume", "status", "shared-data"]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("Capacity   = 64.0 MiB"), "{out}");
+    assert_eq!(kv(&out, "Capacity"), "64.0 MiB");
+    let creator = kv(&out, "Created On");
+    assert!(c.nodes.iter().any(|n| n.id == creator), "{out}");
     assert!(out.contains("No allocations use this volume"), "{out}");
     let (code, out) = c.cli(&["volume", "status", "shared-data", "--json"]);
     assert_eq!(code, 0, "{out}");
@@ -117,7 +129,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     assert_eq!(bind["nodes_healthy"], 2, "{out}");
     let (code, out) = c.cli(&["plugin", "status", "bind"]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("Nodes Healthy  = 2"), "{out}");
+    assert_eq!(kv(&out, "Nodes Healthy"), "2");
     for n in &c.nodes {
         assert!(out.contains(&n.name), "{out}");
     }
@@ -159,6 +171,61 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     let (code, out) = c.status(0);
     assert_eq!(code, 0, "{out}");
     assert_eq!(json(&out)["node_id"], c.nodes[0].id.as_str());
+
+    // Through a task's Task API socket, with its workload identity: no address, no TLS.
+    let spec = c.sb.join("api.nomad.hcl");
+    std::fs::write(
+        &spec,
+        "job \"api\" {\n  type = \"batch\"\n  group \"g\" {\n    task \"t\" {\n      driver = \"raw_exec\"\n      config {\n        command = \"/bin/sleep\"\n        args = [\"300\"]\n      }\n      identity {\n        file = true\n      }\n    }\n  }\n}\n",
+    )
+    .unwrap();
+    let job = c.run_job(&spec).await;
+    let alloc = c
+        .wait_for(60, "the task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["t"]["State"] == "running")
+        })
+        .await;
+    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
+    let secrets =
+        c.sb.join(&format!("sim/{}/alloc", c.nodes[node].name))
+            .join(alloc["ID"].as_str().unwrap())
+            .join("t/secrets");
+    let token = std::fs::read_to_string(secrets.join("nomad_token")).unwrap();
+    let out = Command::new(dhv_binder_bin())
+        .args(["node", "status", "-json"])
+        .env_clear()
+        .env(
+            "NOMAD_ADDR",
+            format!("unix://{}", secrets.join("api.sock").display()),
+        )
+        .env("NOMAD_TOKEN", token.trim())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(v.as_array().unwrap().len(), 2, "{v}");
+    let out = Command::new(dhv_binder_bin())
+        .args(["node", "status"])
+        .env_clear()
+        .env(
+            "NOMAD_ADDR",
+            format!("unix://{}", secrets.join("api.sock").display()),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "no token must be refused: {out:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("token"),
+        "{out:?}"
+    );
+    c.stop_job(&job, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -232,8 +299,8 @@ async fn a_registered_volume_is_published_without_create_and_deregistered_withou
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("no plugin create was run"), "{out}");
     let (_, out) = c.cli(&["volume", "status", "shared-data"]);
-    assert!(out.contains("State      = ready (registered)"), "{out}");
-    assert!(out.contains("Capacity   = 10.0 GiB"), "{out}");
+    assert_eq!(kv(&out, "State"), "ready (registered)");
+    assert_eq!(kv(&out, "Capacity"), "10.0 GiB");
     ready_placeholders(&c, "shared-data", 2).await;
 
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;

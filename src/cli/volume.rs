@@ -175,7 +175,11 @@ pub fn render_detail(d: &VolumeDetail) -> String {
     ));
     rows.push(("Secrets", format!("{} key(s), not shown", d.secrets)));
     if !d.worker_node.is_empty() {
-        rows.push(("Worker Node", d.worker_node.clone()));
+        let busy = matches!(s.state.as_str(), "creating" | "deleting");
+        rows.push((
+            if busy { "Worker Node" } else { "Created On" },
+            d.worker_node.clone(),
+        ));
     }
     if !d.error.is_empty() {
         rows.push(("Error", d.error.clone()));
