@@ -35,6 +35,17 @@ fn readable_status(c: &Cluster, i: usize) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// The first allocation of `job` whose task `task` runs.
+async fn running(c: &Cluster, job: &str, task: &str) -> Value {
+    c.wait_for(90, &format!("task {task} of {job} running"), || async {
+        c.allocs(job)
+            .await
+            .into_iter()
+            .find(|a| a["TaskStates"][task]["State"] == "running")
+    })
+    .await
+}
+
 async fn ready_placeholders(c: &Cluster, name: &str, want: usize) {
     c.wait_for(
         30,
@@ -180,14 +191,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     )
     .unwrap();
     let job = c.run_job(&spec).await;
-    let alloc = c
-        .wait_for(60, "the task running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["t"]["State"] == "running")
-        })
-        .await;
+    let alloc = running(&c, &job, "t").await;
     let node = c.node_index(alloc["NodeID"].as_str().unwrap());
     let secrets =
         c.sb.join(&format!("sim/{}/alloc", c.nodes[node].name))
@@ -304,14 +308,7 @@ async fn a_registered_volume_is_published_without_create_and_deregistered_withou
     ready_placeholders(&c, "shared-data", 2).await;
 
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
-    let alloc = c
-        .wait_for(90, "the main task running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
-        .await;
+    let alloc = running(&c, &job, "app").await;
     let alloc_id = alloc["ID"].as_str().unwrap().to_string();
     c.wait_for(20, "the task's line in the existing storage", || async {
         std::fs::read_to_string(existing.join("greetings.txt"))
