@@ -252,6 +252,7 @@ esac
 async fn secrets_never_reach_logs_journal_status_or_cli_output() {
     let c = Cluster::start(2).await;
     script(&c.plugin_dir.join("leaky"), LEAKY_PLUGIN);
+    c.wait_plugin("leaky").await;
     let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
     let mut outputs = Vec::new();
     outputs.push(c.create_volume_with(

@@ -203,16 +203,17 @@ impl Cluster {
             cluster.nodes.push(node);
             cluster.start_agent(i);
         }
-        cluster.wait_node_records().await;
+        cluster.wait_plugin("bind").await;
         cluster
     }
 
-    /// Waits until every agent has published its node record with its plugins fingerprinted
-    /// (`volume create` refuses a plugin no live node reports).
-    pub async fn wait_node_records(&self) {
+    /// Waits until every agent's node record reports `plugin` healthy (`volume create`
+    /// refuses a plugin no live node reports, e.g. one installed a moment ago).
+    pub async fn wait_plugin(&self, plugin: &str) {
         for n in &self.nodes {
             let path = format!("/v1/var/dhv-binder/nodes/{}?namespace=default", n.id);
-            self.wait_for(60, &format!("{}'s node record", n.name), || async {
+            let what = format!("{}'s node record with plugin {plugin}", n.name);
+            self.wait_for(60, &what, || async {
                 let r = self
                     .http
                     .get(format!("{}{path}", self.server))
@@ -221,7 +222,7 @@ impl Cluster {
                     .ok()?;
                 let v: Value = r.json().await.ok()?;
                 let rec: Value = serde_json::from_str(v["Items"]["record"].as_str()?).ok()?;
-                (rec["plugins"]["bind"]["healthy"] == true).then_some(())
+                (rec["plugins"][plugin]["healthy"] == true).then_some(())
             })
             .await;
         }
