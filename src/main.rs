@@ -56,6 +56,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         code: cli::EXIT_CONFIG,
                         message: e.to_string(),
                     })?;
+                    let addr = l.local_addr().unwrap_or(addr);
                     tracing::info!(%addr, "serving metrics at /metrics");
                     Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics)))
                 }

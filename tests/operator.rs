@@ -66,7 +66,15 @@ async fn ready_placeholders(c: &Cluster, name: &str, want: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_read_command_prints_a_readable_and_a_json_form() {
-    let c = Cluster::start(2).await;
+    let c = Cluster::start_with(
+        2,
+        "",
+        &[
+            ("DHV_BINDER_LOG_FORMAT", "json"),
+            ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
+        ],
+    )
+    .await;
     let export = c.export.display().to_string();
     let out = c.create_volume_with(
         "shared-data",
@@ -230,6 +238,32 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "{out:?}"
     );
     c.stop_job(&job, true).await;
+
+    // JSON logs: one object a line, the event's fields as keys; the metrics endpoint answers.
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    let lines: Vec<Value> = log.lines().map(json).collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["plugin"] == "bind" && l["level"] == "INFO"),
+        "{log}"
+    );
+    let addr = lines
+        .iter()
+        .find(|l| l["message"] == "serving metrics at /metrics")
+        .and_then(|l| l["addr"].as_str())
+        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let build = format!(
+        "dhv_binder_build_info{{version=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(text.lines().any(|l| l == build), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
