@@ -34,6 +34,18 @@ pub use prestart::{prestart, PrestartArgs};
 pub use status::{status, StatusArgs};
 pub use volume::{volume_cmd, VolumeCommand};
 
+/// The local agent's socket, for the commands that call it (`prestart`, `status`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SocketArg {
+    /// The daemon's socket on this node (as mounted into the task, for `prestart`).
+    #[arg(
+        long = "socket",
+        env = "DHV_BINDER_SOCKET",
+        default_value = "/run/dhv-binder/api.sock"
+    )]
+    pub path: std::path::PathBuf,
+}
+
 /// Exit code: the operation failed or was refused.
 pub const EXIT_FAILED: i32 = 1;
 /// Exit code: bad configuration or input (EX_USAGE).

@@ -10,13 +10,8 @@ use std::time::{Duration, Instant};
 /// Arguments of `prestart`.
 #[derive(Debug, clap::Args)]
 pub struct PrestartArgs {
-    /// The daemon's socket, as mounted into the task.
-    #[arg(
-        long,
-        env = "DHV_BINDER_SOCKET",
-        default_value = "/run/dhv-binder/api.sock"
-    )]
-    pub socket: PathBuf,
+    #[command(flatten)]
+    pub socket: super::SocketArg,
     /// The allocation to publish for (Nomad sets NOMAD_ALLOC_ID in every task).
     #[arg(long, env = "NOMAD_ALLOC_ID")]
     pub alloc_id: Option<String>,
@@ -62,7 +57,7 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
             alloc_id,
             left.as_secs().max(1)
         );
-        match call(&args.socket, hyper::Method::POST, &uri, Some(&token)).await {
+        match call(&args.socket.path, hyper::Method::POST, &uri, Some(&token)).await {
             Ok(v) => {
                 let reply: crate::api::PublishReply = serde_json::from_value(v)
                     .map_err(|e| Failure::new(EXIT_FAILED, format!("unexpected answer: {e}")))?;

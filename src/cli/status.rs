@@ -9,18 +9,12 @@ use super::{Failure, EXIT_FAILED, EXIT_UNAVAILABLE};
 use crate::api::client::{call, CallError};
 use serde::Deserialize;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 /// Arguments of `status`.
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
-    /// The agent's socket on this node.
-    #[arg(
-        long,
-        env = "DHV_BINDER_SOCKET",
-        default_value = "/run/dhv-binder/api.sock"
-    )]
-    pub socket: PathBuf,
+    #[command(flatten)]
+    pub socket: super::SocketArg,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -300,7 +294,7 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
 
 /// Runs `status`: asks the local agent and prints its state.
 pub async fn status(args: StatusArgs) -> Result<(), Failure> {
-    let v = match call(&args.socket, hyper::Method::GET, "/v1/status", None).await {
+    let v = match call(&args.socket.path, hyper::Method::GET, "/v1/status", None).await {
         Ok(v) => v,
         Err(CallError::Connect { path, source }) => return Err(Failure::new(
             EXIT_UNAVAILABLE,
