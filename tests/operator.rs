@@ -264,6 +264,11 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         env!("CARGO_PKG_VERSION")
     );
     assert!(text.lines().any(|l| l == build), "{text}");
+    eprintln!(
+        "metrics scrape: {} bytes, {} samples",
+        text.len(),
+        text.lines().filter(|l| !l.starts_with('#')).count()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -275,7 +280,12 @@ async fn create_fails_at_once_when_no_live_node_has_the_plugin() {
         "name = \"nfs-data\"\ntype = \"host\"\nplugin_id = \"nfs\"\ncapability {\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}\n",
     )
     .unwrap();
+    let started = std::time::Instant::now();
     let (code, out) = c.cli(&["volume", "create", spec.to_str().unwrap()]);
+    eprintln!(
+        "fail-fast volume create answered in {:?}",
+        started.elapsed()
+    );
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("no live node has a healthy deferred plugin \"nfs\""),
