@@ -50,10 +50,15 @@ pub enum Outcome {
 impl Outcome {
     /// The outcome of a plugin call's result.
     pub fn of<T>(r: &Result<T, PluginError>) -> Self {
-        match r {
-            Ok(_) => Outcome::Ok,
-            Err(e) if e.is_uncertain() => Outcome::Timeout,
-            Err(_) => Outcome::Error,
+        Self::of_error(r.as_ref().err())
+    }
+
+    /// The outcome of a plugin call that failed with `error` (`None`: it succeeded).
+    pub fn of_error(error: Option<&PluginError>) -> Self {
+        match error {
+            None => Outcome::Ok,
+            Some(e) if e.is_uncertain() => Outcome::Timeout,
+            Some(_) => Outcome::Error,
         }
     }
 
