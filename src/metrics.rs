@@ -193,13 +193,13 @@ impl Metrics {
         let pending = Gauge::default();
         r.register(
             "operations_pending",
-            "Publish, unpublish, create and delete steps planned or running",
+            "Publish and unpublish intents not yet done (running or waiting to be retried), and creates and deletes running",
             pending.clone(),
         );
         let uncertain = Gauge::default();
         r.register(
             "operations_uncertain",
-            "Plugin calls that timed out: their effect is unknown until the next attempt",
+            "Volumes whose last plugin call timed out: its effect is unknown until the next call",
             uncertain.clone(),
         );
         let waiters = Gauge::default();
