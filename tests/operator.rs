@@ -64,17 +64,22 @@ async fn ready_placeholders(c: &Cluster, name: &str, want: usize) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_read_command_prints_a_readable_and_a_json_form() {
-    let c = Cluster::start_with(
-        2,
+/// A cluster whose agents log JSON and serve metrics on a free loopback port.
+async fn observed_cluster(nodes: usize) -> Cluster {
+    Cluster::start_with(
+        nodes,
         "",
         &[
             ("DHV_BINDER_LOG_FORMAT", "json"),
             ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
         ],
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_read_command_prints_a_readable_and_a_json_form() {
+    let c = observed_cluster(2).await;
     let export = c.export.display().to_string();
     let out = c.create_volume_with(
         "shared-data",
@@ -428,15 +433,7 @@ async fn scrape(addr: &str) -> String {
 /// writes, the plugin inventory and the watch state are there too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_follow_a_job_through_publish_and_unpublish() {
-    let c = Cluster::start_with(
-        1,
-        "",
-        &[
-            ("DHV_BINDER_LOG_FORMAT", "json"),
-            ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
-        ],
-    )
-    .await;
+    let c = observed_cluster(1).await;
     let addr = metrics_addr(&c, 0);
     let publish_ok = r#"dhv_binder_plugin_call_duration_seconds_count{plugin="bind",operation="publish",outcome="ok"}"#;
     let unpublish_ok = r#"dhv_binder_plugin_call_duration_seconds_count{plugin="bind",operation="unpublish",outcome="ok"}"#;
@@ -471,31 +468,26 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     // The main task runs only after the prestart caller was answered: the wait and the
     // publish are counted by then, and the gauges follow within the same pass.
     let during = scrape(&addr).await;
-    assert_eq!(sample(&during, publish_ok), Some(1.0), "{during}");
-    assert!(
-        sample(&during, waited).is_some_and(|n| n >= 1.0),
-        "{during}"
-    );
-    assert_eq!(sample(&during, published), Some(1.0), "{during}");
-    assert_eq!(
-        sample(&during, "dhv_binder_volumes_served"),
-        Some(1.0),
-        "{during}"
-    );
-    assert!(
-        sample(&during, "dhv_binder_allocations").is_some_and(|n| n >= 1.0),
-        "{during}"
-    );
-    assert!(
-        sample(&during, "dhv_binder_journal_write_duration_seconds_count")
-            .is_some_and(|n| n >= 2.0),
-        "{during}"
-    );
-    assert_eq!(
-        sample(&during, r#"dhv_binder_watch_state{state="polling"}"#),
-        Some(1.0),
-        "{during}"
-    );
+    let exactly = [
+        (publish_ok, 1.0),
+        (published, 1.0),
+        ("dhv_binder_volumes_served", 1.0),
+        (r#"dhv_binder_watch_state{state="polling"}"#, 1.0),
+    ];
+    for (series, want) in exactly {
+        assert_eq!(sample(&during, series), Some(want), "{series}:\n{during}");
+    }
+    let at_least = [
+        (waited, 1.0),
+        ("dhv_binder_allocations", 1.0),
+        ("dhv_binder_journal_write_duration_seconds_count", 2.0),
+    ];
+    for (series, least) in at_least {
+        assert!(
+            sample(&during, series).is_some_and(|n| n >= least),
+            "{series}:\n{during}"
+        );
+    }
     eprintln!(
         "metrics scrape while the job runs:\n{}",
         during
@@ -517,17 +509,13 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
             },
         )
         .await;
-    assert_eq!(sample(&after, publish_ok), Some(1.0), "{after}");
-    assert_eq!(
-        sample(&after, "dhv_binder_operations_pending"),
-        Some(0.0),
-        "{after}"
-    );
-    assert_eq!(
-        sample(&after, "dhv_binder_publish_waiters"),
-        Some(0.0),
-        "{after}"
-    );
+    for (series, want) in [
+        (publish_ok, 1.0),
+        ("dhv_binder_operations_pending", 0.0),
+        ("dhv_binder_publish_waiters", 0.0),
+    ] {
+        assert_eq!(sample(&after, series), Some(want), "{series}:\n{after}");
+    }
 
     // The log lines about the volume name it as ns/name; those about the allocation, its ID.
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
