@@ -152,7 +152,7 @@ pub enum ConfigError {
 pub const UNIX_SCHEME: &str = "unix://";
 
 /// Where the Nomad API is: the parsed form of `NOMAD_ADDR` (how requests reach it is
-/// [`crate::nomad::transport`]'s concern).
+/// the Nomad client's transport's concern).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
     /// `http://host:port` or `https://host:port`: requests go to this base URL.
