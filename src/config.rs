@@ -148,10 +148,46 @@ pub enum ConfigError {
     Zero { what: &'static str },
 }
 
+/// The URL scheme of a unix socket address.
+pub const UNIX_SCHEME: &str = "unix://";
+
+/// Where the Nomad API is: the parsed form of `NOMAD_ADDR` (how requests reach it is
+/// the Nomad client's transport's concern).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `http://host:port` or `https://host:port`: requests go to this base URL.
+    Tcp(String),
+    /// `unix:///path`: requests go over this socket, with `http://localhost` as the URL base.
+    Unix(PathBuf),
+}
+
+/// An address that is neither `http(s)://` nor `unix://` with an absolute path.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("NOMAD_ADDR must be http://, https:// or unix:///absolute/path (the Task API socket, NOMAD_UNIX_ADDR), got {0}")]
+pub struct BadAddress(pub String);
+
+impl Endpoint {
+    /// Parses a NOMAD_ADDR-style address.
+    pub fn parse(addr: &str) -> Result<Self, BadAddress> {
+        if let Some(p) = addr.strip_prefix(UNIX_SCHEME) {
+            let path = PathBuf::from(p);
+            return if path.is_absolute() {
+                Ok(Endpoint::Unix(path))
+            } else {
+                Err(BadAddress(addr.into()))
+            };
+        }
+        if addr.starts_with("http://") || addr.starts_with("https://") {
+            return Ok(Endpoint::Tcp(addr.trim_end_matches('/').to_string()));
+        }
+        Err(BadAddress(addr.into()))
+    }
+}
+
 impl NomadConfig {
     /// Checks the settings without touching the network.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if crate::nomad::transport::Endpoint::parse(&self.address).is_err() {
+        if Endpoint::parse(&self.address).is_err() {
             return Err(ConfigError::BadAddress(self.address.clone()));
         }
         if self.client_cert.is_some() != self.client_key.is_some() {
