@@ -143,7 +143,7 @@ pub struct PublishResult {
 }
 
 /// Told of every finished plugin call: the plugin ID, the operation, the error (`None`:
-/// it succeeded) and how long it ran. The agent's metrics use it (`crate::agent`).
+/// it succeeded) and how long it ran. The agent times its calls with it for the metrics.
 pub type CallObserver =
     std::sync::Arc<dyn Fn(&str, Operation, Option<&PluginError>, Duration) + Send + Sync>;
 
