@@ -20,7 +20,8 @@
 //! Environment: `BENCH_SAMPLES` (latency samples per mode and filesystem, default 100);
 //! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all);
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
-//! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings).
+//! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
+//! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it).
 //! Needs root (mounts) and `strace` (scripts/install-deps).
 
 #[path = "../tests/support/fake_nomad.rs"]
@@ -510,6 +511,18 @@ async fn release(mode: WatchMode) -> Release {
     let ideal = n.div_ceil(MAX_PARALLEL) as f64 * (150.0 + exec);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss_after = node.rss_kib();
+    if let Some(secs) = std::env::var("BENCH_HOLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        // For a look from outside (gdb, /proc) at the agent after the teardown.
+        println!(
+            "   holding the agent (pid {}, {} mode) for {secs} s",
+            node.pid(),
+            mode_name(mode)
+        );
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    }
     Release {
         elapsed_ms: ms(last.saturating_sub(t0)),
         ideal_ms: ideal,
@@ -612,8 +625,30 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    // Interrupted, the bench drops the run: every node's Drop stops its agent and detaches
+    // its mounts.
     rt.block_on(async {
-        if part("latency") {
+        tokio::select! {
+            _ = run(part, samples) => {}
+            _ = interrupted() => println!("interrupted: nodes stopped, mounts detached"),
+        }
+    });
+    println!("total {:.0} s", started.elapsed().as_secs_f64());
+}
+
+async fn interrupted() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// Every part selected, in order, printing as it goes.
+async fn run(part: impl Fn(&str) -> bool, samples: usize) {
+    if part("latency") {
         println!("1. allocation event -> plugin exec (ms; includes the exec):");
         for tmpfs in [false, true] {
             for mode in [WatchMode::Stream, WatchMode::Poll] {
@@ -625,23 +660,23 @@ fn main() {
                 );
             }
         }
-        }
+    }
 
-        println!("2. N allocations placed at once, last publish done (0.2 ms plugin; ms):");
-        let mut rss_idle = 0;
-        let mut rss_200 = 0;
-        let mut idle_execs = None;
-        let bursts: &[(bool, &[usize])] = if part("burst") {
-            &[(false, &[1, 10, 50, 200]), (true, &[200])]
-        } else {
-            &[]
-        };
-        for &(tmpfs, sizes) in bursts {
-            for mode in [WatchMode::Stream, WatchMode::Poll] {
-                for &n in sizes {
-                    let last = !tmpfs && mode == WatchMode::Poll && n == 200;
-                    let b = burst(mode, tmpfs, n, last).await;
-                    println!(
+    println!("2. N allocations placed at once, last publish done (0.2 ms plugin; ms):");
+    let mut rss_idle = 0;
+    let mut rss_200 = 0;
+    let mut idle_execs = None;
+    let bursts: &[(bool, &[usize])] = if part("burst") {
+        &[(false, &[1, 10, 50, 200]), (true, &[200])]
+    } else {
+        &[]
+    };
+    for &(tmpfs, sizes) in bursts {
+        for mode in [WatchMode::Stream, WatchMode::Poll] {
+            for &n in sizes {
+                let last = !tmpfs && mode == WatchMode::Poll && n == 200;
+                let b = burst(mode, tmpfs, n, last).await;
+                println!(
                         "   {:<6} {:<5} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  [exec {:.2}, commit {:.2}]",
                         mode_name(mode),
                         if tmpfs { "tmpfs" } else { "disk" },
@@ -651,43 +686,43 @@ fn main() {
                         b.exec_ms,
                         b.commit_ms,
                     );
-                    if last {
-                        rss_idle = b.rss_idle;
-                        rss_200 = b.rss_loaded;
-                        idle_execs = b.idle_execs;
-                    }
+                if last {
+                    rss_idle = b.rss_idle;
+                    rss_200 = b.rss_loaded;
+                    idle_execs = b.idle_execs;
                 }
             }
         }
+    }
 
-        println!("3. 400 releases, 150 ms unpublish, state on disk:");
-        let mut rss_400 = 0;
-        let mut rss_after = 0;
-        let modes: &[WatchMode] = if part("release") {
-            &[WatchMode::Stream, WatchMode::Poll]
-        } else {
-            &[]
-        };
-        for &mode in modes {
-            let r = release(mode).await;
-            println!(
-                "   {:<6} {:>8.0} ms, ideal {:>6.0} ms: {:.3}x ideal",
-                mode_name(mode),
-                r.elapsed_ms,
-                r.ideal_ms,
-                r.elapsed_ms / r.ideal_ms
-            );
-            if mode == WatchMode::Poll {
-                rss_400 = r.rss_full;
-                rss_after = r.rss_after;
-            }
+    println!("3. 400 releases, 150 ms unpublish, state on disk:");
+    let mut rss_400 = 0;
+    let mut rss_after = 0;
+    let modes: &[WatchMode] = if part("release") {
+        &[WatchMode::Stream, WatchMode::Poll]
+    } else {
+        &[]
+    };
+    for &mode in modes {
+        let r = release(mode).await;
+        println!(
+            "   {:<6} {:>8.0} ms, ideal {:>6.0} ms: {:.3}x ideal",
+            mode_name(mode),
+            r.elapsed_ms,
+            r.ideal_ms,
+            r.elapsed_ms / r.ideal_ms
+        );
+        if mode == WatchMode::Poll {
+            rss_400 = r.rss_full;
+            rss_after = r.rss_after;
         }
+    }
 
-        println!("4. agent RSS (poll mode): idle {:.1} MiB, 200 volumes {:.1} MiB, 400 volumes {:.1} MiB, after the 400-volume teardown {:.1} MiB",
+    println!("4. agent RSS (poll mode): idle {:.1} MiB, 200 volumes {:.1} MiB, 400 volumes {:.1} MiB, after the 400-volume teardown {:.1} MiB",
             rss_idle as f64 / 1024.0, rss_200 as f64 / 1024.0, rss_400 as f64 / 1024.0, rss_after as f64 / 1024.0);
 
-        let n = 50;
-        match if part("fsync") { fsyncs(n).await } else { None } {
+    let n = 50;
+    match if part("fsync") { fsyncs(n).await } else { None } {
             Some((total, by)) => println!(
                 "5. fsync-class calls for {n} publishes at once (stream, disk): {total} ({:.1} per publish) [{}]",
                 total as f64 / n as f64,
@@ -695,10 +730,8 @@ fn main() {
             ),
             None => println!("5. fsync count: not measured"),
         }
-        match idle_execs {
-            Some(c) => println!("6. plugin execs in 10 s while idle (200 volumes published): {c}"),
-            None => println!("6. idle plugin execs: not measured"),
-        }
-    });
-    println!("total {:.0} s", started.elapsed().as_secs_f64());
+    match idle_execs {
+        Some(c) => println!("6. plugin execs in 10 s while idle (200 volumes published): {c}"),
+        None => println!("6. idle plugin execs: not measured"),
+    }
 }
