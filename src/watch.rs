@@ -891,20 +891,6 @@ mod tests {
         }
     }
 
-    fn client(addr: &str) -> Client {
-        Client::new(&crate::config::NomadConfig {
-            address: addr.to_string(),
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
-        .unwrap()
-    }
-
     /// Waits for the next allocation event (health events skipped).
     async fn next_alloc_event(rx: &mut mpsc::Receiver<WatchEvent>) -> WatchEvent {
         loop {
@@ -933,7 +919,7 @@ mod tests {
         let mut cfg = WatchConfig::new(ME);
         cfg.mode = WatchMode::Stream;
         let (tx, mut rx) = mpsc::channel(64);
-        let task = tokio::spawn(run(client(&server.addr), cfg, tx));
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
         // "a" is new (read needed); then two more updates of "a" (client side, same
         // AllocModifyIndex), an other node's event, and "b" finishing (no read needed).
         let a11 = alloc("a", ME, "pending", 11, false);

@@ -639,6 +639,22 @@ fn header_index(resp: &reqwest::Response) -> u64 {
         .unwrap_or(0)
 }
 
+/// A client of a test server on loopback at `address`: no token, no TLS.
+#[cfg(test)]
+pub(crate) fn loopback_client(address: &str) -> Client {
+    Client::new(&NomadConfig {
+        address: address.to_string(),
+        token: None,
+        region: None,
+        namespace: "default".into(),
+        ca_cert: None,
+        client_cert: None,
+        client_key: None,
+        skip_verify: false,
+    })
+    .expect("a client without TLS files")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -680,17 +696,7 @@ mod tests {
                 });
             }
         });
-        let client = Client::new(&NomadConfig {
-            address: addr,
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
-        .unwrap();
+        let client = loopback_client(&addr);
         let reads: Vec<_> = (0..BURST)
             .map(|i| {
                 let c = client.clone();
