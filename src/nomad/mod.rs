@@ -119,6 +119,11 @@ fn capability_for(path: &str) -> &'static str {
     }
 }
 
+/// Idle connections kept to the Nomad agent, per client (the agent uses two).
+const POOL_IDLE_PER_HOST: usize = 4;
+/// An idle connection is closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
 impl Client {
     /// Builds a client from Nomad CLI-style settings. Errors when TLS files cannot be read.
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
@@ -127,6 +132,11 @@ impl Client {
         let build = |timeout: Option<Duration>| -> Result<reqwest::Client, NomadError> {
             let mut b = reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(10))
+                // A burst of concurrent requests (placeholders, claims, reads) opens one
+                // connection each; keeping them all idle held ~30 KiB apiece (400 volumes:
+                // 13 MiB after the teardown, docs/scale.md). A few stay for reuse.
+                .pool_max_idle_per_host(POOL_IDLE_PER_HOST)
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
                 .user_agent(concat!("dhv-binder/", env!("CARGO_PKG_VERSION")));
             if let Some(t) = timeout {
                 b = b.timeout(t);
@@ -635,4 +645,86 @@ fn header_index(resp: &reqwest::Response) -> u64 {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// A client of a test server on loopback at `address`: no token, no TLS.
+#[cfg(test)]
+pub(crate) fn loopback_client(address: &str) -> Client {
+    Client::new(&NomadConfig {
+        address: address.to_string(),
+        token: None,
+        region: None,
+        namespace: "default".into(),
+        ca_cert: None,
+        client_cert: None,
+        client_key: None,
+        skip_verify: false,
+    })
+    .expect("a client without TLS files")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// A burst of concurrent requests opens one connection each; once answered, at most
+    /// [`POOL_IDLE_PER_HOST`] stay open (idle connections hold buffers: memory).
+    #[tokio::test]
+    async fn a_burst_leaves_few_idle_connections() {
+        const BURST: usize = 20;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = format!("http://{}", listener.local_addr().unwrap());
+        let open = Arc::new(AtomicUsize::new(0));
+        // Every answer waits until the whole burst is in: one connection per request.
+        let all_in = Arc::new(tokio::sync::Barrier::new(BURST));
+        let o = open.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((sock, _)) = listener.accept().await else {
+                    return;
+                };
+                let (o, all_in) = (o.clone(), all_in.clone());
+                o.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |_req| {
+                        let all_in = all_in.clone();
+                        async move {
+                            all_in.wait().await;
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from("{}")),
+                            ))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                        .await;
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        let client = loopback_client(&addr);
+        let reads: Vec<_> = (0..BURST)
+            .map(|i| {
+                let c = client.clone();
+                tokio::spawn(async move { c.allocation(&format!("a{i}")).await })
+            })
+            .collect();
+        for r in reads {
+            r.await.unwrap().unwrap();
+        }
+        assert!(open.load(Ordering::SeqCst) >= POOL_IDLE_PER_HOST);
+        // The extra connections close as they return to the pool (waited on, not timed).
+        for _ in 0..200 {
+            if open.load(Ordering::SeqCst) <= POOL_IDLE_PER_HOST {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "{} connections stay open after the burst, more than {POOL_IDLE_PER_HOST}",
+            open.load(Ordering::SeqCst)
+        );
+    }
 }
