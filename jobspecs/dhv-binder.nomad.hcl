@@ -4,10 +4,13 @@
 # 1. Install the binary on every client as /usr/local/bin/dhv-binder and put volume plugins in
 #    /opt/dhv-binder/plugins (see plugins/).
 # 2. Give every client the static host volume that carries the daemon's socket to prestart
-#    tasks (client agent configuration):
+#    tasks. Its directory must exist before the Nomad client starts (a missing static
+#    host_volume path stops the client), so it lives on persistent storage, not on tmpfs:
+#      install -d -m 0755 /var/lib/dhv-binder/socket
+#    and in the client agent configuration:
 #      client {
 #        host_volume "dhv-binder-socket" {
-#          path      = "/run/dhv-binder"
+#          path      = "/var/lib/dhv-binder/socket"
 #          read_only = true
 #        }
 #      }
@@ -46,7 +49,7 @@ job "dhv-binder" {
       env {
         NOMAD_ADDR             = "http://127.0.0.1:4646"
         DHV_BINDER_STATE_DIR   = "/var/lib/dhv-binder"
-        DHV_BINDER_SOCKET      = "/run/dhv-binder/api.sock"
+        DHV_BINDER_SOCKET      = "/var/lib/dhv-binder/socket/api.sock"
         DHV_BINDER_PLUGIN_DIR  = "/opt/dhv-binder/plugins"
         DHV_BINDER_LOG         = "info"
       }

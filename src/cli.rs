@@ -57,7 +57,7 @@ pub enum Command {
         #[arg(
             long,
             env = "DHV_BINDER_SOCKET",
-            default_value = "/run/dhv-binder/api.sock"
+            default_value = "/var/lib/dhv-binder/socket/api.sock"
         )]
         socket: PathBuf,
     },
