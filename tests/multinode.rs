@@ -97,6 +97,20 @@ async fn drain_moves_the_volume_with_the_allocation_and_never_overlaps() {
         .map(|e| e["event"].as_str().unwrap().to_string())
         .collect();
     assert!(events.contains(&"unpublish-done".to_string()), "{events:?}");
+    // Figure (not asserted): the clean hand-over, the old node's unpublish (claim released
+    // at once) to the new node's publish, with the default claim settings.
+    let at = |i: usize, ev: &str| {
+        c.journal(i)
+            .iter()
+            .filter(|e| e["event"] == ev)
+            .filter_map(|e| e["unix_ms"].as_u64())
+            .next_back()
+            .unwrap_or(0)
+    };
+    eprintln!(
+        "clean hand-over on drain: {} ms from unpublish done on the old node to publish done on the new one",
+        at(to, "publish-done").saturating_sub(at(from, "unpublish-done"))
+    );
     assert!(!dhv_binder::mounts::is_mount_point(&c.target(from, VOLUME)));
     assert!(dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)));
     assert_never_on_two_nodes(&c);
