@@ -104,6 +104,26 @@ fn conflict(st: &State, ns: &str, path: &str, with_lock: bool) -> Response {
     json_response(StatusCode::CONFLICT, st.index, &body)
 }
 
+/// The variable at `key` and its lock; a missing variable or lock answers `missing` or
+/// `unlocked` with Nomad's messages.
+fn locked_var(
+    st: &State,
+    key: &Key,
+    missing: StatusCode,
+    unlocked: StatusCode,
+) -> Result<(Variable, VariableLock), ApiError> {
+    let cur = st
+        .vars
+        .get(key)
+        .cloned()
+        .ok_or_else(|| ApiError(missing, "variable doesn't exist".into()))?;
+    let lock = cur
+        .Lock
+        .clone()
+        .ok_or_else(|| ApiError(unlocked, "variable doesn't hold a lock".into()))?;
+    Ok((cur, lock))
+}
+
 fn locked_409(msg: &str) -> ApiError {
     ApiError(StatusCode::CONFLICT, msg.into())
 }
@@ -198,15 +218,8 @@ fn renew(server: &Server, key: Key, body: Variable) -> Result<Response, ApiError
         ));
     }
     server.write(|st| {
-        let Some(cur) = st.vars.get(&key).cloned() else {
-            return Err(ApiError(
-                StatusCode::NOT_FOUND,
-                "variable doesn't exist".into(),
-            ));
-        };
-        let Some(lock) = cur.Lock.as_ref() else {
-            return Err(locked_409("variable doesn't hold a lock"));
-        };
+        // `RenewLock`: coded errors, 404 and 409.
+        let (cur, lock) = locked_var(st, &key, StatusCode::NOT_FOUND, StatusCode::CONFLICT)?;
         if lock.ID != id {
             return Err(locked_409("attempting to modify locked variable"));
         }
@@ -233,18 +246,13 @@ fn release(server: &Server, key: Key, body: Variable) -> Result<Response, ApiErr
     }
     let (ns, path) = (key.0.clone(), key.1.clone());
     server.write(|st| {
-        let Some(cur) = st.vars.get(&key).cloned() else {
-            return Err(ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "variable doesn't exist".into(),
-            ));
-        };
-        let Some(lock) = cur.Lock.as_ref() else {
-            return Err(ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "variable doesn't hold a lock".into(),
-            ));
-        };
+        // `VarLockRelease`: plain state-store errors, HTTP 500.
+        let (cur, lock) = locked_var(
+            st,
+            &key,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            StatusCode::INTERNAL_SERVER_ERROR,
+        )?;
         if lock.ID != id {
             return Ok(conflict(st, &ns, &path, true));
         }
