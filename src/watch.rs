@@ -21,7 +21,7 @@ use crate::retry::backoff_delay;
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -115,6 +115,11 @@ pub struct WatchConfig {
     pub healthy_after: Duration,
     /// Re-read on every reconnect and after every auth failure (`--token-file`).
     pub token_file: Option<PathBuf>,
+    /// While some allocation may be deleted by Nomad's GC with its tasks possibly alive
+    /// ([`Allocation::may_vanish_while_live`]), it is verified this often: a deletion raises
+    /// no index (poll) and emits no event (stream). Poll mode shortens its blocking query's
+    /// `wait` to this; stream mode reads each such allocation (`GET /v1/allocation/:id`).
+    pub verify_interval: Duration,
 }
 
 impl WatchConfig {
@@ -130,13 +135,20 @@ impl WatchConfig {
             backoff_cap: Duration::from_secs(30),
             healthy_after: Duration::from_secs(60),
             token_file: None,
+            verify_interval: Duration::from_secs(5),
         }
     }
 
-    fn poll_wait(&self) -> Duration {
-        // Nomad caps `wait` at 10 min; whole seconds on the wire.
-        self.resync_interval
-            .clamp(Duration::from_secs(1), Duration::from_secs(600))
+    /// The blocking query's `wait`: the resync interval, or the verify interval while some
+    /// allocation needs verifying. Nomad caps `wait` at 300 s (`MaxBlockingRPCQueryTime`,
+    /// nomad/structs/structs.go); whole seconds on the wire.
+    fn poll_wait(&self, verifying: bool) -> Duration {
+        let wait = if verifying {
+            self.resync_interval.min(self.verify_interval)
+        } else {
+            self.resync_interval
+        };
+        wait.clamp(Duration::from_secs(1), Duration::from_secs(300))
     }
 }
 
@@ -215,6 +227,7 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         cfg,
         tx,
         known: HashMap::new(),
+        verifying: BTreeSet::new(),
         counters: Counters::default(),
         last_index: 0,
         last_list: Instant::now(),
@@ -236,6 +249,9 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
     /// AllocModifyIndex of each allocation whose Job we have sent.
     known: HashMap<String, u64>,
+    /// Allocations that Nomad may delete while their tasks may still run
+    /// ([`Allocation::may_vanish_while_live`]): verified every `verify_interval`.
+    verifying: BTreeSet<String>,
     counters: Counters,
     /// The highest index seen, to notice an index going backwards across lists.
     last_index: u64,
@@ -284,6 +300,11 @@ impl Watcher {
         self.known = allocs
             .iter()
             .map(|a| (a.id.clone(), a.alloc_modify_index))
+            .collect();
+        self.verifying = allocs
+            .iter()
+            .filter(|a| a.may_vanish_while_live())
+            .map(|a| a.id.clone())
             .collect();
         self.emit(WatchEvent::Relisted { allocs, index }).await
     }
@@ -381,7 +402,10 @@ impl Watcher {
                 attempt,
                 since,
             } => {
-                let wait = self.cfg.poll_wait();
+                // A GC deletion never raises this query's index (`Node.GetAllocs`): while
+                // an allocation may vanish with its tasks alive, each answer after a short
+                // wait is the verifying read.
+                let wait = self.cfg.poll_wait(!self.verifying.is_empty());
                 let deadline = wait + wait / 16 + self.cfg.idle_timeout;
                 let query = self
                     .client
@@ -446,7 +470,9 @@ impl Watcher {
         let mut health_at = Instant::now();
         let mut bad_seen = false;
         let mut fetches = Fetches::new(self.client.clone());
+        let mut verify_at = Instant::now() + self.cfg.verify_interval;
         loop {
+            let verify = !self.verifying.is_empty();
             let next = tokio::select! {
                 n = tokio::time::timeout(self.cfg.idle_timeout, body.next()) => n,
                 _ = tokio::time::sleep_until(resync_at) => return StreamEnd::Resync,
@@ -455,6 +481,16 @@ impl Watcher {
                         Ok(()) => continue,
                         Err(end) => return end,
                     }
+                }
+                _ = tokio::time::sleep_until(verify_at), if verify => {
+                    verify_at = Instant::now() + self.cfg.verify_interval;
+                    if let Err(e) = self.verify().await {
+                        return StreamEnd::Fault(Fault::of(&e), e.to_string());
+                    }
+                    if self.tx.is_closed() {
+                        return StreamEnd::Closed;
+                    }
+                    continue;
                 }
             };
             let chunk = match next {
@@ -609,6 +645,30 @@ impl Watcher {
         result
     }
 
+    /// Stream mode: reads every allocation that may have been deleted with its tasks alive
+    /// (a purge or GC emits no event); a 404 becomes [`WatchEvent::Removed`].
+    async fn verify(&mut self) -> Result<(), NomadError> {
+        let ids: Vec<String> = self.verifying.iter().cloned().collect();
+        for id in ids {
+            match self.client.allocation(&id).await? {
+                Some(a) if a.may_vanish_while_live() => {}
+                Some(_) => {
+                    // Changed server-side: the stream brings the update; stop verifying.
+                    self.verifying.remove(&id);
+                }
+                None => {
+                    tracing::info!(alloc = %id, "allocation deleted from Nomad (garbage-collected or purged)");
+                    self.verifying.remove(&id);
+                    self.known.remove(&id);
+                    if !self.emit(WatchEvent::Removed(id)).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// True when an event of this node's allocation needs the full allocation (with its
     /// Job): it is new to us or changed server-side, and its tasks may still run.
     fn needs_job(&self, a: &Allocation) -> bool {
@@ -624,6 +684,11 @@ impl Watcher {
     /// pending waits behind it, to keep the allocation's updates in order; any other is
     /// sent at once. False when the agent is gone.
     async fn allocation(&mut self, a: Allocation, fetches: &mut Fetches) -> bool {
+        if a.may_vanish_while_live() {
+            self.verifying.insert(a.id.clone());
+        } else {
+            self.verifying.remove(&a.id);
+        }
         if let Some(held) = fetches.waiting.get_mut(&a.id) {
             held.push(a);
             return true;
@@ -650,6 +715,7 @@ impl Watcher {
             Ok(None) => {
                 // Gone (garbage-collected or purged): its older updates no longer matter.
                 self.known.remove(&id);
+                self.verifying.remove(&id);
                 return if self.emit(WatchEvent::Removed(id)).await {
                     Ok(())
                 } else {
@@ -747,6 +813,19 @@ impl Fetches {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 11 #10 and #2: Nomad caps a blocking query's wait at 300 s
+    /// (`MaxBlockingRPCQueryTime`); while an allocation may vanish with its tasks alive, the
+    /// wait shrinks to the verify interval, so each answer is a verifying read.
+    #[test]
+    fn poll_wait_is_capped_and_shrinks_while_verifying() {
+        let mut cfg = WatchConfig::new("n");
+        cfg.resync_interval = Duration::from_secs(600);
+        assert_eq!(cfg.poll_wait(false), Duration::from_secs(300));
+        assert_eq!(cfg.poll_wait(true), Duration::from_secs(5));
+        cfg.resync_interval = Duration::from_secs(2);
+        assert_eq!(cfg.poll_wait(true), Duration::from_secs(2));
+    }
 
     #[test]
     fn backoff_grows_and_is_capped() {
