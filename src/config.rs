@@ -59,11 +59,13 @@ pub struct AgentConfig {
         default_value = "/var/lib/dhv-binder"
     )]
     pub state_dir: PathBuf,
-    /// Unix socket of the local API that prestart tasks call.
+    /// Unix socket of the local API that prestart tasks call. Its directory is the
+    /// `dhv-binder-socket` static host volume: on persistent storage, because a Nomad client
+    /// refuses to start when a static host volume's path is missing (after a reboot, tmpfs).
     #[arg(
         long,
         env = "DHV_BINDER_SOCKET",
-        default_value = "/run/dhv-binder/api.sock"
+        default_value = "/var/lib/dhv-binder/socket/api.sock"
     )]
     pub socket: PathBuf,
     /// Directory of volume plugins (executables named by plugin ID).
@@ -146,6 +148,16 @@ pub enum ConfigError {
     HalfClientCert,
     #[error("{what} must be greater than zero")]
     Zero { what: &'static str },
+    /// Outside the range Nomad accepts.
+    #[error(
+        "{what} must lie between {min:?} and {max:?} (Nomad refuses other values), got {got:?}"
+    )]
+    OutOfRange {
+        what: &'static str,
+        min: Duration,
+        max: Duration,
+        got: Duration,
+    },
 }
 
 /// The URL scheme of a unix socket address.
@@ -184,7 +196,26 @@ impl Endpoint {
     }
 }
 
+/// The lock TTLs Nomad accepts (`nomad/structs/variables.go` `VariableLock.Validate`).
+pub const CLAIM_TTL_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(10)..=Duration::from_secs(24 * 3600);
+
 impl NomadConfig {
+    /// Settings for a plain-HTTP agent at `address` with no token, no TLS, the `default`
+    /// namespace and the agent's region: what tests and benchmarks need.
+    pub fn plain(address: &str) -> Self {
+        Self {
+            address: address.to_string(),
+            token: None,
+            region: None,
+            namespace: "default".into(),
+            ca_cert: None,
+            client_cert: None,
+            client_key: None,
+            skip_verify: false,
+        }
+    }
+
     /// Checks the settings without touching the network.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if Endpoint::parse(&self.address).is_err() {
@@ -236,6 +267,20 @@ impl AgentConfig {
                 return Err(ConfigError::Zero { what });
             }
         }
+        if !CLAIM_TTL_RANGE.contains(&self.claim_ttl) {
+            return Err(ConfigError::OutOfRange {
+                what: "--claim-ttl",
+                min: *CLAIM_TTL_RANGE.start(),
+                max: *CLAIM_TTL_RANGE.end(),
+                got: self.claim_ttl,
+            });
+        }
+        // Nomad turns a zero lock delay into its 15 s default; say so rather than surprise.
+        if self.claim_lock_delay.is_zero() {
+            return Err(ConfigError::Zero {
+                what: "--claim-lock-delay",
+            });
+        }
         Ok(())
     }
 
@@ -263,4 +308,49 @@ pub enum WatchMode {
     /// node's own changes only; the default, see docs/scale.md).
     #[default]
     Poll,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentConfig,
+    }
+
+    fn agent(args: &[&str]) -> AgentConfig {
+        let mut argv = vec!["dhv-binder"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).expect("arguments parse").agent
+    }
+
+    #[test]
+    fn claim_ttl_must_lie_in_nomads_lock_ttl_range() {
+        assert!(agent(&[]).validate().is_ok(), "defaults are legal");
+        for ttl in ["6s", "9s", "25h"] {
+            let err = agent(&["--claim-ttl", ttl]).validate().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::OutOfRange {
+                        what: "--claim-ttl",
+                        ..
+                    }
+                ),
+                "{ttl}: {err}"
+            );
+        }
+        for ttl in ["10s", "24h"] {
+            assert!(agent(&["--claim-ttl", ttl]).validate().is_ok(), "{ttl}");
+        }
+        assert!(matches!(
+            agent(&["--claim-lock-delay", "0s"]).validate(),
+            Err(ConfigError::Zero {
+                what: "--claim-lock-delay"
+            })
+        ));
+    }
 }
