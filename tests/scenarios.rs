@@ -603,7 +603,7 @@ async fn killed_between_the_batch_commit_and_its_plugin_calls() {
         }) && started() == 1
     })
     .await;
-    agent.abort();
+    agent.abort().await;
     assert_eq!(started(), 1, "the other calls of the batch had not started");
     std::fs::write(&release, b"").unwrap();
 

@@ -22,9 +22,11 @@ impl Running {
         let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
     }
 
-    /// Stops the agent abruptly (as SIGKILL would: nothing runs after).
-    pub fn abort(self) {
+    /// Stops the agent abruptly (as SIGKILL would: nothing of it runs after), and waits
+    /// until its task is gone (its state lock released), as a killed process's would be.
+    pub async fn abort(self) {
         self.task.abort();
+        let _ = self.task.await;
     }
 }
 
