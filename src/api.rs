@@ -516,17 +516,9 @@ mod tests {
         let path = dir.path().join("api.sock");
         let (listener, guard) = bind(&path).expect("bind");
         // Nomad is never reached in these tests but one: port 1 on loopback refuses.
-        let client = crate::nomad::Client::new(&crate::config::NomadConfig {
-            address: "http://127.0.0.1:1".into(),
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
-        .expect("client");
+        let client =
+            crate::nomad::Client::new(&crate::config::NomadConfig::at("http://127.0.0.1:1"))
+                .expect("client");
         let (tx, mut rx) = mpsc::channel(8);
         let (pubs_tx, pubs) = mpsc::channel(8);
         tokio::spawn(serve(listener, Verifier::new(client, &[]), tx));

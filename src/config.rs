@@ -132,6 +132,21 @@ pub enum ConfigError {
 }
 
 impl NomadConfig {
+    /// The settings for the Nomad at `address` (no token, region or TLS options; the
+    /// `default` namespace): what tests and benchmarks talk to.
+    pub fn at(address: &str) -> Self {
+        Self {
+            address: address.to_string(),
+            token: None,
+            region: None,
+            namespace: "default".into(),
+            ca_cert: None,
+            client_cert: None,
+            client_key: None,
+            skip_verify: false,
+        }
+    }
+
     /// Checks the settings without touching the network.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(self.address.starts_with("http://") || self.address.starts_with("https://")) {

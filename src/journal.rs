@@ -521,16 +521,21 @@ pub(crate) mod tests {
         Store::open(dir, node)
     }
 
+    /// Records allocation a1's publish intent for `default/data`.
+    fn publish_intent(j: &mut Journal) {
+        j.set_mount(
+            rec(MountState::Publishing),
+            EventKind::PublishIntent,
+            Some("a1"),
+        );
+    }
+
     #[test]
     fn survives_reopen_and_logs_history() {
         let dir = tempfile::tempdir().unwrap();
         {
             let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            j.set_mount(
-                rec(MountState::Publishing),
-                EventKind::PublishIntent,
-                Some("a1"),
-            );
+            publish_intent(&mut j);
             store.write(&j.take_commit().unwrap()).unwrap();
             j.set_mount(
                 rec(MountState::Published),
@@ -607,11 +612,7 @@ pub(crate) mod tests {
     fn queued_commits_fold_into_the_latest_state() {
         let dir = tempfile::tempdir().unwrap();
         let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        j.set_mount(
-            rec(MountState::Publishing),
-            EventKind::PublishIntent,
-            Some("a1"),
-        );
+        publish_intent(&mut j);
         let mut first = j.take_commit().unwrap();
         j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
         let second = j.take_commit().unwrap();

@@ -117,6 +117,31 @@ struct Shell {
 }
 
 impl Shell {
+    /// A shell with nothing running: `--max-parallel` permits for plugin calls.
+    fn new(
+        cfg: AgentConfig,
+        client: Client,
+        node: NodeEnv,
+        claims: ClaimSettings,
+        store: Store,
+    ) -> Self {
+        Self {
+            runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout),
+            permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
+            cfg,
+            client,
+            node,
+            claims,
+            store,
+            tasks: JoinSet::new(),
+            replies: HashMap::new(),
+            next_reply: 0,
+            committing: false,
+            queued: None,
+            reading_mounts: false,
+        }
+    }
+
     fn perform(&mut self, effects: Vec<Effect>) {
         for e in effects {
             self.perform_one(e);
@@ -413,21 +438,7 @@ pub async fn run(
         journal,
         now(),
     );
-    let mut shell = Shell {
-        runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout),
-        permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
-        cfg: cfg.clone(),
-        client,
-        node,
-        claims,
-        store,
-        tasks: JoinSet::new(),
-        replies: HashMap::new(),
-        next_reply: 0,
-        committing: false,
-        queued: None,
-        reading_mounts: false,
-    };
+    let mut shell = Shell::new(cfg.clone(), client, node, claims, store);
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {
@@ -521,41 +532,19 @@ mod tests {
             audiences: vec![],
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
-        let client = Client::new(&crate::config::NomadConfig {
-            address: "http://127.0.0.1:1".into(),
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
-        .expect("client");
-        let shell = Shell {
-            runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout),
-            permits: Arc::new(Semaphore::new(2)),
-            node: NodeEnv {
-                node_id: "node-1".into(),
-                node_pool: "default".into(),
-                volumes_dir: dir.join("volumes"),
-                plugin_dir: cfg.plugin_dir.clone(),
-            },
-            claims: ClaimSettings {
-                ttl: cfg.claim_ttl,
-                lock_delay: cfg.claim_lock_delay,
-            },
-            cfg,
-            client,
-            store,
-            tasks: JoinSet::new(),
-            replies: HashMap::new(),
-            next_reply: 0,
-            committing: false,
-            queued: None,
-            reading_mounts: false,
+        let client =
+            Client::new(&crate::config::NomadConfig::at("http://127.0.0.1:1")).expect("client");
+        let node = NodeEnv {
+            node_id: "node-1".into(),
+            node_pool: "default".into(),
+            volumes_dir: dir.join("volumes"),
+            plugin_dir: cfg.plugin_dir.clone(),
         };
-        (shell, journal)
+        let claims = ClaimSettings {
+            ttl: cfg.claim_ttl,
+            lock_delay: cfg.claim_lock_delay,
+        };
+        (Shell::new(cfg, client, node, claims, store), journal)
     }
 
     /// A commit of one more change to the journal.
@@ -634,7 +623,12 @@ mod tests {
             then: vec![Effect::ReadMountTable],
         }]);
         assert!(!s.reading_mounts, "the call waits for the commit");
-        let first = s.tasks.join_next().await.expect("the commit").expect("task");
+        let first = s
+            .tasks
+            .join_next()
+            .await
+            .expect("the commit")
+            .expect("task");
         let inputs = s.on_report(first);
         assert_eq!(committed(&inputs), vec![seq]);
         assert!(s.reading_mounts, "started once durable");

@@ -54,16 +54,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
 
 /// Starts the agent against `fake`.
 pub fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
-    let nomad = NomadConfig {
-        address: fake.addr.clone(),
-        token: None,
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    };
+    let nomad = NomadConfig::at(&fake.addr);
     let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
     let (stop, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
