@@ -116,6 +116,23 @@ pub struct AgentConfig {
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,
+    /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `127.0.0.1:9464`); off
+    /// when unset. The endpoint has no authentication: keep it on loopback.
+    #[arg(long, env = "DHV_BINDER_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Log line format: `text` for people, `json` (one object a line) for log shippers.
+    #[arg(long, env = "DHV_BINDER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// The agent's log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (coloured on a terminal).
+    #[default]
+    Text,
+    /// One JSON object a line, with the event's fields (`volume`, `alloc_id`, ...) as keys.
+    Json,
 }
 
 /// A configuration that cannot work. The CLI exits with code 64 (EX_USAGE).
@@ -123,7 +140,7 @@ pub struct AgentConfig {
 pub enum ConfigError {
     #[error("{what} must be an absolute path, got {path}")]
     NotAbsolute { what: &'static str, path: PathBuf },
-    #[error("NOMAD_ADDR must start with http:// or https://, got {0}")]
+    #[error("NOMAD_ADDR must be http://, https:// or unix:///absolute/path (the Task API socket), got {0}")]
     BadAddress(String),
     #[error("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")]
     HalfClientCert,
@@ -149,7 +166,7 @@ impl NomadConfig {
 
     /// Checks the settings without touching the network.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !(self.address.starts_with("http://") || self.address.starts_with("https://")) {
+        if crate::nomad::transport::Endpoint::parse(&self.address).is_err() {
             return Err(ConfigError::BadAddress(self.address.clone()));
         }
         if self.client_cert.is_some() != self.client_key.is_some() {

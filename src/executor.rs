@@ -409,7 +409,8 @@ pub async fn create(
                 failure = Some(e);
             }
         }
-        rec.worker_node.clear();
+        // worker_node stays: it names the node that ran the create (`volume create` prints
+        // it; `volume delete` clears it before asking for the delete).
         cas_update(&client, &rec).await?;
         match failure {
             Some(e) => Err(WorkerError::Plugin(e)),

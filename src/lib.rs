@@ -20,6 +20,8 @@
 //! - [`environment`]: the plugin environment contract (variables of each operation);
 //! - `retry`: exponential backoff with jitter, one retry table keyed by what is retried;
 //! - `discovery`: notices plugin files added, changed or removed;
+//! - [`nodes`]: the node records each agent publishes (plugins, health, last seen);
+//! - [`metrics`]: Prometheus metrics, their update API and the scrape endpoint;
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
 //! - `conformance`: the plugin conformance kit (`dhv-binder plugin check`);
 //! - [`agent`]: a pure core (`handle(inputs, now) -> effects`; decisions in files named
@@ -27,7 +29,7 @@
 //!   shell, the one place that performs effects;
 //! - `identity`: workload identity token verification (JWKS);
 //! - [`api`]: the local API on a unix socket, and its client;
-//! - [`cli`]: the command line.
+//! - [`cli`]: the command line (one file per command group, [`cli::output`] for its forms).
 #![forbid(unsafe_code)]
 
 pub mod agent;
@@ -43,7 +45,9 @@ pub(crate) mod executor;
 pub(crate) mod health;
 pub(crate) mod identity;
 pub mod journal;
+pub mod metrics;
 pub mod mounts;
+pub mod nodes;
 pub mod nomad;
 pub mod plugin;
 pub(crate) mod reconcile;

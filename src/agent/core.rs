@@ -163,6 +163,16 @@ impl Core {
         &self.journal
     }
 
+    /// The plugins fingerprinted on this node, once they have been read at least once.
+    pub(crate) fn plugins(&self) -> Option<&BTreeMap<String, Result<Fingerprint, String>>> {
+        self.plugins_loaded.then_some(&self.plugins)
+    }
+
+    /// The allocation watcher's health as last reported.
+    pub(crate) fn watch_health(&self) -> &Health {
+        &self.watch
+    }
+
     /// Applies one input at `now` and returns the effects to perform, in order.
     pub(crate) fn handle(&mut self, input: Input, now: Instant) -> Vec<Effect> {
         self.handle_all(vec![input], now)

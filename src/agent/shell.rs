@@ -409,6 +409,18 @@ pub async fn run(
         tokio::spawn(crate::discovery::run(cfg.plugin_dir.clone(), plugins_tx)),
     ];
 
+    // This node's record for `plugin status`, `node status` and `volume create`'s
+    // fail-fast check; refreshed after every loop turn below (issue 15).
+    let node_name = me
+        .config
+        .pointer("/NodeName")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default();
+    let (node_record, node_publisher) = crate::nodes::spawn_publisher(
+        client.clone(),
+        crate::nodes::NodeRecord::new(&node_id, node_name, &node_pool),
+        crate::nodes::HEARTBEAT,
+    );
     let node = NodeEnv {
         node_id: node_id.clone(),
         node_pool,
@@ -495,11 +507,16 @@ pub async fn run(
         }
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
+        node_record.send_if_modified(|r| {
+            let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
+            r.set_watch(core.watch_health()) | plugins
+        });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");
     for t in background {
         t.abort();
     }
+    node_publisher.abort();
     Ok(())
 }
 
