@@ -547,6 +547,8 @@ mod tests {
             claim_ttl: Duration::from_secs(15),
             claim_lock_delay: Duration::from_secs(15),
             audiences: vec![],
+            metrics_addr: None,
+            log_format: Default::default(),
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
         let client =
