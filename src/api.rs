@@ -517,7 +517,7 @@ mod tests {
         let (listener, guard) = bind(&path).expect("bind");
         // Nomad is never reached in these tests but one: port 1 on loopback refuses.
         let client =
-            crate::nomad::Client::new(&crate::config::NomadConfig::at("http://127.0.0.1:1"))
+            crate::nomad::Client::new(&crate::config::NomadConfig::plain("http://127.0.0.1:1"))
                 .expect("client");
         let (tx, mut rx) = mpsc::channel(8);
         let (pubs_tx, pubs) = mpsc::channel(8);

@@ -517,7 +517,7 @@ async fn a_second_agent_on_the_node_refuses_to_start() {
     let agent = start_agent(&fake, cfg.clone());
     ready(&cfg, &fake, 0).await;
     let client = || {
-        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::at(&fake.addr)).unwrap()
+        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::plain(&fake.addr)).unwrap()
     };
     let same_state = dhv_binder::agent::run(cfg.clone(), client(), async {}).await;
     assert!(

@@ -552,7 +552,7 @@ mod tests {
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
         let client =
-            Client::new(&crate::config::NomadConfig::at("http://127.0.0.1:1")).expect("client");
+            Client::new(&crate::config::NomadConfig::plain("http://127.0.0.1:1")).expect("client");
         let node = NodeEnv {
             node_id: "node-1".into(),
             node_pool: "default".into(),

@@ -56,7 +56,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
 
 /// Starts the agent against `fake`.
 pub fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
-    let nomad = NomadConfig::at(&fake.addr);
+    let nomad = NomadConfig::plain(&fake.addr);
     let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
     let (stop, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
