@@ -517,17 +517,7 @@ async fn a_second_agent_on_the_node_refuses_to_start() {
     let agent = start_agent(&fake, cfg.clone());
     ready(&cfg, &fake, 0).await;
     let client = || {
-        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig {
-            address: fake.addr.clone(),
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
-        .unwrap()
+        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::plain(&fake.addr)).unwrap()
     };
     let same_state = dhv_binder::agent::run(
         cfg.clone(),
@@ -615,7 +605,7 @@ async fn killed_between_the_batch_commit_and_its_plugin_calls() {
         }) && started() == 1
     })
     .await;
-    agent.abort();
+    agent.abort().await;
     assert_eq!(started(), 1, "the other calls of the batch had not started");
     std::fs::write(&release, b"").unwrap();
 
