@@ -62,6 +62,9 @@ pub enum Fault {
     Stalled,
     /// The index went backwards: snapshot restore or a new cluster.
     IndexReset,
+    /// The list was empty and Nomad does not know this node (`GET /v1/node/:id` is 404):
+    /// the node was purged or the configured node ID is wrong. Nothing is unpublished.
+    NodeUnknown,
 }
 
 impl Fault {
@@ -320,6 +323,31 @@ impl Watcher {
         }
     }
 
+    /// Before an empty list is acted on: does Nomad know this node? An unknown node's
+    /// allocations list is `200 []` too (`nomad/node_endpoint.go` `GetAllocs`), and acting
+    /// on it would unpublish every volume here. A failed read counts as unknown (fail
+    /// closed); its reason is logged.
+    async fn node_known(&mut self, attempt: u32) -> bool {
+        match self.client.node_exists(&self.cfg.node_id).await {
+            Ok(known) => known,
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "the node's allocations list is empty and reading the node failed; not acting on the empty list");
+                false
+            }
+        }
+    }
+
+    fn node_unknown(&mut self, attempt: u32) -> State {
+        self.backoff(
+            attempt,
+            Fault::NodeUnknown,
+            format!(
+                "the allocations list of node {} is empty and Nomad does not answer for that node (GET /v1/node/:id): check the node ID (`--node-id`) and that the node is not purged; nothing is unpublished meanwhile",
+                self.cfg.node_id
+            ),
+        )
+    }
+
     fn healthy_reset(&self, attempt: u32, since: Instant) -> u32 {
         if since.elapsed() >= self.cfg.healthy_after {
             0
@@ -371,6 +399,9 @@ impl Watcher {
                         ),
                     ),
                     Ok(Err(e)) => self.backoff(attempt, Fault::of(&e), e.to_string()),
+                    Ok(Ok(list)) if list.value.is_empty() && !self.node_known(attempt).await => {
+                        self.node_unknown(attempt)
+                    }
                     Ok(Ok(list)) => {
                         self.disconnected = false;
                         let index = list.index;
@@ -422,6 +453,9 @@ impl Watcher {
                     Ok(Err(e)) => {
                         let attempt = self.healthy_reset(attempt, since);
                         self.backoff(attempt, Fault::of(&e), e.to_string())
+                    }
+                    Ok(Ok(list)) if list.value.is_empty() && !self.node_known(attempt).await => {
+                        self.node_unknown(self.healthy_reset(attempt, since))
                     }
                     Ok(Ok(list)) => {
                         let new = list.index;
@@ -862,7 +896,8 @@ mod tests {
 
     /// A loopback Nomad for the stream path: an empty node list at index 10, an event
     /// stream fed by the test, and allocation reads that wait until the test opens
-    /// `gate` (counted in `reads`).
+    /// `gate` (counted in `reads`). Node `node-gone` is unknown (404); any other exists
+    /// and has no allocations.
     mod slow_nomad {
         use bytes::Bytes;
         use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
@@ -926,7 +961,18 @@ mod tests {
                                 (r.clone(), gate_rx.clone(), lines_rx.clone(), full.clone());
                             async move {
                                 let path = req.uri().path().to_string();
-                                let body: Body = if path.starts_with("/v1/node/") {
+                                let body: Body = if path == "/v1/node/node-gone" {
+                                    return Ok::<_, Infallible>(
+                                        hyper::Response::builder()
+                                            .status(404)
+                                            .body(Full::new(Bytes::from("node not found")).boxed())
+                                            .unwrap(),
+                                    );
+                                } else if path.starts_with("/v1/node/")
+                                    && !path.ends_with("/allocations")
+                                {
+                                    Full::new(Bytes::from("{}")).boxed()
+                                } else if path.starts_with("/v1/node/") {
                                     Full::new(Bytes::from("[]")).boxed()
                                 } else if path == "/v1/event/stream" {
                                     let rx = lines_rx.lock().unwrap().take().expect("one stream");
@@ -1093,5 +1139,35 @@ mod tests {
             ev => panic!("expected c's update (no resend of v), got {ev:?}"),
         }
         task.abort();
+    }
+
+    /// Issue 11 #10: `GET /v1/node/<unknown>/allocations` answers `200 []`. Before acting
+    /// on an empty list the watcher reads the node; a 404 is a fault, never an empty view
+    /// (which would unpublish every volume of the node). Without the fix the empty list was
+    /// sent as the node's allocations.
+    #[tokio::test]
+    async fn empty_list_of_an_unknown_node_is_a_fault_not_an_empty_view() {
+        let server = slow_nomad::start(String::new()).await;
+        for mode in [WatchMode::Poll, WatchMode::Stream] {
+            let mut cfg = WatchConfig::new("node-gone");
+            cfg.mode = mode;
+            let (tx, mut rx) = mpsc::channel(64);
+            let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+            loop {
+                match tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                    .await
+                    .expect("no event from the watcher")
+                    .expect("the watcher stopped")
+                {
+                    WatchEvent::Health(Health::Listing) => {}
+                    WatchEvent::Health(Health::Disconnected { fault, .. }) => {
+                        assert_eq!(fault, Fault::NodeUnknown, "{mode:?}");
+                        break;
+                    }
+                    ev => panic!("{mode:?}: expected a NodeUnknown fault, got {ev:?}"),
+                }
+            }
+            task.abort();
+        }
     }
 }

@@ -325,6 +325,21 @@ impl Client {
             .value)
     }
 
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`). True when Nomad knows the
+    /// node, false on 404 ("node not found": purged, or a wrong ID). Needed because
+    /// `GET /v1/node/:id/allocations` answers `200 []` for an unknown node
+    /// (`nomad/node_endpoint.go` `GetAllocs`), which looks like a node with nothing on it.
+    pub async fn node_exists(&self, node_id: &str) -> Result<bool, NomadError> {
+        let node: Option<serde::de::IgnoredAny> = self
+            .get_optional(
+                &format!("/v1/node/{node_id}"),
+                &[],
+                "read this node (GET /v1/node/:id)",
+            )
+            .await?;
+        Ok(node.is_some())
+    }
+
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
     /// (returns once the allocation table's index exceeds `index`, or after `wait`).
     pub async fn node_allocations(
