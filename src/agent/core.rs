@@ -261,7 +261,7 @@ impl Core {
             self.last_fingerprint = Some(now);
             out.push(Effect::Fingerprint);
         }
-        out.extend(self.placeholders.list());
+        out.extend(self.placeholders.list(now));
         out.extend(self.claims.renewals(now));
         out.extend(
             self.mount_health
@@ -396,7 +396,7 @@ impl Core {
                 self.plugins = map;
                 self.plugins_loaded = true;
             }
-            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r),
+            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
             Completion::Placeholder { volume, result } => {
                 self.placeholders
                     .on_done(volume, result, &mut self.retries, now)
