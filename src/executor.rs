@@ -439,6 +439,19 @@ pub async fn create(
                 rec.context = res.context;
                 rec.capacity_bytes = res.bytes;
                 rec.error.clear();
+                if let Err(e) = rec.check_size() {
+                    // Nomad would refuse the record (and every retry of it): the create
+                    // fails, saying why; the context is not kept.
+                    rec.state = VolumeState::Failed;
+                    rec.context = serde_json::Value::Null;
+                    rec.error = e.to_string();
+                    failure = Some(PluginError::BadOutput {
+                        plugin: rec.spec.plugin_id.clone(),
+                        op: Operation::Create,
+                        reason: e.to_string(),
+                        stdout: String::new(),
+                    });
+                }
             }
             Err(e @ PluginError::TimedOut { .. }) => {
                 return Err(WorkerError::Plugin(redacted(e, &rec.secrets)))

@@ -325,6 +325,20 @@ impl Client {
             .value)
     }
 
+    /// Nomad API: `GET /v1/namespace/:name`. False on 404 ("Namespace not found",
+    /// `command/agent/namespace_endpoint.go` `namespaceQuery`): Nomad creates no namespace
+    /// on demand, so a job or host volume in a missing one is refused.
+    pub async fn namespace_exists(&self, name: &str) -> Result<bool, NomadError> {
+        let ns: Option<serde::de::IgnoredAny> = self
+            .get_optional(
+                &format!("/v1/namespace/{name}"),
+                &[],
+                "read a namespace (GET /v1/namespace/:name)",
+            )
+            .await?;
+        Ok(ns.is_some())
+    }
+
     /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`). True when Nomad knows the
     /// node, false on 404 ("node not found": purged, or a wrong ID). Needed because
     /// `GET /v1/node/:id/allocations` answers `200 []` for an unknown node
