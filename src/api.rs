@@ -8,14 +8,24 @@
 //!   `{"error":"...","retryable":bool}` with the status codes of [`ApiError`].
 //! - `GET /v1/status`: the agent's state, for callers with peer UID 0 only.
 //! - `GET /v1/health`: `{"ready":bool}` (anyone).
+//!
+//! Routing is axum's [`Router`] (paths, methods, path parameters and the query string);
+//! unknown paths (404) and methods (405) answer with the same error body. [`serve`]'s
+//! accept loop hands each connection, with its peer UID, to hyper's HTTP/1 server.
 
 use crate::identity::{Claims, Verifier};
 use crate::volume::is_alloc_id;
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Extension, Query, State};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::header::HeaderMap;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -171,6 +181,25 @@ struct Ctx {
     agent: mpsc::Sender<Request2Agent>,
 }
 
+/// The caller's peer UID (`SO_PEERCRED` of its connection), for root-only endpoints.
+#[derive(Debug, Clone, Copy)]
+struct Peer {
+    uid: Option<u32>,
+}
+
+/// The endpoints. Unknown paths and methods answer with an [`ApiError`] body too.
+fn router(ctx: Arc<Ctx>) -> Router {
+    Router::new()
+        .route(
+            "/v1/allocations/:alloc_id/publish",
+            post(publish_route).fallback(method_not_allowed),
+        )
+        .route("/v1/status", get(status_route).fallback(method_not_allowed))
+        .route("/v1/health", get(health_route).fallback(no_such_endpoint))
+        .fallback(no_such_endpoint)
+        .with_state(ctx)
+}
+
 /// Owns the socket file: dropping it removes the file, but only while it is still the one
 /// this agent created (a later agent's socket is never removed).
 pub struct SocketGuard {
@@ -218,9 +247,10 @@ pub fn bind(path: &Path) -> std::io::Result<(UnixListener, SocketGuard)> {
     ))
 }
 
-/// Serves the API until the listener fails or the agent goes away.
+/// Serves the API until the listener fails or the agent goes away. Each accepted
+/// connection is served by its own task with the router and the caller's peer UID.
 pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Sender<Request2Agent>) {
-    let ctx = Arc::new(Ctx { verifier, agent });
+    let app = router(Arc::new(Ctx { verifier, agent }));
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -230,13 +260,11 @@ pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Send
                 continue;
             }
         };
-        let peer_uid = stream.peer_cred().map(|c| c.uid()).ok();
-        let ctx = ctx.clone();
+        let peer = Peer {
+            uid: stream.peer_cred().map(|c| c.uid()).ok(),
+        };
+        let svc = TowerToHyperService::new(app.clone().layer(Extension(peer)));
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let ctx = ctx.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&ctx, req, peer_uid).await) }
-            });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
@@ -264,8 +292,13 @@ fn error(e: ApiError) -> Response<Full<Bytes>> {
     )
 }
 
-fn token_of(req: &Request<Incoming>) -> Option<String> {
-    let h = req.headers();
+impl IntoResponse for ApiError {
+    fn into_response(self) -> axum::response::Response {
+        error(self).into_response()
+    }
+}
+
+fn token_of(h: &HeaderMap) -> Option<String> {
     if let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) {
         if let Some(t) = v.strip_prefix("Bearer ") {
             return Some(t.trim().to_string());
@@ -276,72 +309,81 @@ fn token_of(req: &Request<Incoming>) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-fn wait_of(req: &Request<Incoming>) -> Result<Duration, ApiError> {
-    let Some(q) = req.uri().query() else {
-        return Ok(DEFAULT_WAIT);
-    };
-    for pair in q.split('&') {
-        if let Some(v) = pair.strip_prefix("wait=") {
-            return humantime::parse_duration(v)
-                .map(|d| d.min(MAX_WAIT))
-                .map_err(|e| ApiError::BadWait {
-                    value: v.to_string(),
-                    reason: e.to_string(),
-                });
-        }
-    }
-    Ok(DEFAULT_WAIT)
+/// The publish call's query string.
+#[derive(Debug, Deserialize)]
+struct PublishQuery {
+    /// How long to wait, as a duration (`90s`, `5m`); capped at [`MAX_WAIT`].
+    wait: Option<String>,
 }
 
-async fn handle(ctx: &Ctx, req: Request<Incoming>, peer_uid: Option<u32>) -> Response<Full<Bytes>> {
-    let path = req.uri().path().to_string();
-    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    match (req.method(), segs.as_slice()) {
-        (&Method::POST, ["v1", "allocations", alloc_id, "publish"]) => {
-            let alloc_id = alloc_id.to_string();
-            match publish(ctx, &req, alloc_id).await {
-                Ok(r) => json(StatusCode::OK, &r),
-                Err(e) => error(e),
-            }
-        }
-        (&Method::GET, ["v1", "status"]) => {
-            if peer_uid != Some(0) {
-                return error(ApiError::NotRoot);
-            }
-            let (tx, rx) = oneshot::channel();
-            if ctx
-                .agent
-                .send(Request2Agent::Status { reply: tx })
-                .await
-                .is_err()
-            {
-                return error(ApiError::ShuttingDown);
-            }
-            match rx.await {
-                Ok(v) => json(StatusCode::OK, &v),
-                Err(_) => error(ApiError::ShuttingDown),
-            }
-        }
-        (&Method::GET, ["v1", "health"]) => {
-            json(StatusCode::OK, &serde_json::json!({"ready": true}))
-        }
-        (_, ["v1", "allocations", _, "publish"]) | (_, ["v1", "status"]) => {
-            error(ApiError::MethodNotAllowed(req.method().to_string()))
-        }
-        _ => error(ApiError::NoSuchEndpoint(path)),
+fn wait_of(q: Result<Query<PublishQuery>, QueryRejection>) -> Result<Duration, ApiError> {
+    let q = q.map_err(|e| ApiError::BadWait {
+        value: String::new(),
+        reason: e.body_text(),
+    })?;
+    let Some(v) = q.0.wait else {
+        return Ok(DEFAULT_WAIT);
+    };
+    humantime::parse_duration(&v)
+        .map(|d| d.min(MAX_WAIT))
+        .map_err(|e| ApiError::BadWait {
+            value: v,
+            reason: e.to_string(),
+        })
+}
+
+async fn no_such_endpoint(uri: hyper::Uri) -> ApiError {
+    ApiError::NoSuchEndpoint(uri.path().to_string())
+}
+
+async fn method_not_allowed(method: Method) -> ApiError {
+    ApiError::MethodNotAllowed(method.to_string())
+}
+
+async fn health_route() -> Response<Full<Bytes>> {
+    json(StatusCode::OK, &serde_json::json!({"ready": true}))
+}
+
+async fn status_route(
+    State(ctx): State<Arc<Ctx>>,
+    Extension(peer): Extension<Peer>,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    if peer.uid != Some(0) {
+        return Err(ApiError::NotRoot);
     }
+    let (tx, rx) = oneshot::channel();
+    ctx.agent
+        .send(Request2Agent::Status { reply: tx })
+        .await
+        .map_err(|_| ApiError::ShuttingDown)?;
+    let v = rx.await.map_err(|_| ApiError::ShuttingDown)?;
+    Ok(json(StatusCode::OK, &v))
+}
+
+async fn publish_route(
+    State(ctx): State<Arc<Ctx>>,
+    alloc_id: Result<axum::extract::Path<String>, PathRejection>,
+    query: Result<Query<PublishQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let alloc_id = alloc_id
+        .map(|p| p.0)
+        .map_err(|e| ApiError::NotAnAllocId(e.body_text()))?;
+    let reply = publish(&ctx, alloc_id, query, &headers).await?;
+    Ok(json(StatusCode::OK, &reply))
 }
 
 async fn publish(
     ctx: &Ctx,
-    req: &Request<Incoming>,
     alloc_id: String,
+    query: Result<Query<PublishQuery>, QueryRejection>,
+    headers: &HeaderMap,
 ) -> Result<PublishReply, ApiError> {
     if !is_alloc_id(&alloc_id) {
         return Err(ApiError::NotAnAllocId(alloc_id));
     }
-    let wait = wait_of(req)?;
-    let token = token_of(req).ok_or(ApiError::NoToken)?;
+    let wait = wait_of(query)?;
+    let token = token_of(headers).ok_or(ApiError::NoToken)?;
     let claims: Claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
         crate::identity::IdentityError::Jwks(_) => ApiError::KeysUnavailable(e.to_string()),
         _ => ApiError::TokenRejected(e.to_string()),
@@ -452,5 +494,109 @@ pub mod client {
             message,
             retryable,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The router over a real unix socket in the test's temp dir: every endpoint, every
+    //! routing status, the error body, and the decisions taken before the agent is asked.
+    use super::*;
+
+    const ALLOC: &str = "00000000-0000-4000-8000-000000000001";
+
+    /// Serves the API on a socket in a temp dir; the agent side answers status requests
+    /// with `{"ok":true}` and keeps publish requests (returned through the receiver).
+    async fn start() -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        mpsc::Receiver<PublishRequest>,
+    ) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("api.sock");
+        let (listener, guard) = bind(&path).expect("bind");
+        // Nomad is never reached in these tests but one: port 1 on loopback refuses.
+        let client =
+            crate::nomad::Client::new(&crate::config::NomadConfig::plain("http://127.0.0.1:1"))
+                .expect("client");
+        let (tx, mut rx) = mpsc::channel(8);
+        let (pubs_tx, pubs) = mpsc::channel(8);
+        tokio::spawn(serve(listener, Verifier::new(client, &[]), tx));
+        tokio::spawn(async move {
+            let _guard = guard;
+            while let Some(r) = rx.recv().await {
+                match r {
+                    Request2Agent::Status { reply } => {
+                        let _ = reply.send(serde_json::json!({"ok": true}));
+                    }
+                    Request2Agent::Publish { request, .. } => {
+                        let _ = pubs_tx.send(request).await;
+                    }
+                }
+            }
+        });
+        (dir, path, pubs)
+    }
+
+    async fn status_of(path: &Path, method: Method, uri: &str, token: Option<&str>) -> u16 {
+        match client::call(path, method.clone(), uri, token).await {
+            Ok(_) => 200,
+            Err(client::CallError::Api { status, .. }) => status,
+            Err(e) => panic!("{method} {uri}: {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn routes_answer_with_the_statuses_of_their_errors() {
+        let (_dir, p, _pubs) = start().await;
+        let publish = format!("/v1/allocations/{ALLOC}/publish");
+        assert_eq!(status_of(&p, Method::GET, "/v1/health", None).await, 200);
+        assert_eq!(status_of(&p, Method::GET, "/v1/nothing", None).await, 404);
+        assert_eq!(status_of(&p, Method::POST, "/v1/health", None).await, 404);
+        assert_eq!(status_of(&p, Method::GET, &publish, None).await, 405);
+        assert_eq!(status_of(&p, Method::DELETE, "/v1/status", None).await, 405);
+        let bad_id = "/v1/allocations/not-an-id/publish";
+        assert_eq!(status_of(&p, Method::POST, bad_id, None).await, 400);
+        let bad_wait = format!("{publish}?wait=soon");
+        assert_eq!(status_of(&p, Method::POST, &bad_wait, None).await, 400);
+        assert_eq!(status_of(&p, Method::POST, &publish, None).await, 401);
+        // A token that is not a JWT: refused for good.
+        assert_eq!(
+            status_of(&p, Method::POST, &publish, Some("a.b.c")).await,
+            403
+        );
+        // A JWT (header {"alg":"RS256","kid":"k1"}) whose keys cannot be fetched (Nomad
+        // refuses): retryable 503.
+        let jwt = "eyJhbGciOiJSUzI1NiIsImtpZCI6ImsxIiwidHlwIjoiSldUIn0.e30.c2ln";
+        match client::call(&p, Method::POST, &publish, Some(jwt)).await {
+            Err(client::CallError::Api {
+                status, retryable, ..
+            }) => assert_eq!((status, retryable), (503, true)),
+            other => panic!("expected 503: {other:?}"),
+        }
+        // Status is for root: the peer UID of the connection decides.
+        let root = nix::unistd::geteuid().is_root();
+        let want = if root { 200 } else { 403 };
+        assert_eq!(status_of(&p, Method::GET, "/v1/status", None).await, want);
+    }
+
+    #[tokio::test]
+    async fn errors_carry_their_message_and_whether_to_retry() {
+        let (_dir, p, _pubs) = start().await;
+        let e = client::call(&p, Method::GET, "/v1/nothing", None)
+            .await
+            .unwrap_err();
+        match e {
+            client::CallError::Api {
+                status,
+                message,
+                retryable,
+            } => {
+                assert_eq!(status, 404);
+                assert_eq!(message, "no such endpoint: /v1/nothing");
+                assert!(!retryable);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -72,7 +72,9 @@ async fn load(
                     Some(var) => match VolumeRecord::from_variable(&var) {
                         Ok(r) => Some(r),
                         Err(e) => {
-                            tracing::warn!(error = %e, "ignoring a malformed volume record");
+                            let name = m.path.rsplit('/').next().unwrap_or(&m.path);
+                            let volume = format!("{}/{name}", m.namespace);
+                            tracing::warn!(%volume, error = %e, "ignoring a malformed volume record");
                             None
                         }
                     },

@@ -146,46 +146,19 @@ pub enum WorkerError {
 }
 
 /// A plugin error with the volume's secrets taken out of every text it carries.
-fn redacted(e: PluginError, secrets: &BTreeMap<String, String>) -> PluginError {
-    let r = |t: String| plugin::redact(&t, secrets);
-    match e {
-        PluginError::BadOutput {
-            plugin,
-            op,
-            reason,
-            stdout,
-        } => PluginError::BadOutput {
-            plugin,
-            op,
-            reason: r(reason),
-            stdout: r(stdout),
-        },
+fn redacted(mut e: PluginError, secrets: &BTreeMap<String, String>) -> PluginError {
+    let texts: Vec<&mut String> = match &mut e {
+        PluginError::BadOutput { reason, stdout, .. } => vec![reason, stdout],
         PluginError::Failed {
-            plugin,
-            op,
-            status,
-            message,
-            stderr,
-        } => PluginError::Failed {
-            plugin,
-            op,
-            status,
-            message: r(message),
-            stderr: r(stderr),
-        },
-        PluginError::TimedOut {
-            plugin,
-            op,
-            after,
-            stderr,
-        } => PluginError::TimedOut {
-            plugin,
-            op,
-            after,
-            stderr: r(stderr),
-        },
-        other => other,
+            message, stderr, ..
+        } => vec![message, stderr],
+        PluginError::TimedOut { stderr, .. } => vec![stderr],
+        _ => vec![],
+    };
+    for t in texts {
+        *t = plugin::redact(t, secrets);
     }
+    e
 }
 
 fn secrets_of(rec: Option<&VolumeRecord>) -> BTreeMap<String, String> {

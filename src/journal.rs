@@ -170,6 +170,10 @@ pub struct Journal {
     node_id: String,
     mounts: BTreeMap<VolumeKey, MountRecord>,
     users: BTreeSet<UserKey>,
+    /// Volume → the allocations recorded as its users (the same records as `users`).
+    users_by_volume: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// Mount target → volume (the same records as `mounts`).
+    targets: BTreeMap<PathBuf, VolumeKey>,
     events: Vec<Event>,
     dirty: bool,
     seq: u64,
@@ -189,10 +193,63 @@ impl Journal {
             node_id: node_id.to_string(),
             mounts: BTreeMap::new(),
             users: BTreeSet::new(),
+            users_by_volume: BTreeMap::new(),
+            targets: BTreeMap::new(),
             events: Vec::new(),
             dirty: false,
             seq: 0,
         }
+    }
+
+    /// Loads records (from disk), with their indexes.
+    fn load(&mut self, mounts: Vec<MountRecord>, users: Vec<UserKey>) {
+        for m in mounts {
+            self.targets.insert(m.target.clone(), m.volume.clone());
+            self.mounts.insert(m.volume.clone(), m);
+        }
+        for u in users {
+            self.index_user(&u, true);
+            self.users.insert(u);
+        }
+    }
+
+    fn index_user(&mut self, u: &UserKey, present: bool) {
+        if present {
+            self.users_by_volume
+                .entry(u.volume.clone())
+                .or_default()
+                .insert(u.alloc_id.clone());
+        } else if let Some(ids) = self.users_by_volume.get_mut(&u.volume) {
+            ids.remove(&u.alloc_id);
+            if ids.is_empty() {
+                self.users_by_volume.remove(&u.volume);
+            }
+        }
+    }
+
+    /// Volume → the allocations recorded as its users (an index of [`Journal::users`]).
+    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, BTreeSet<String>> {
+        &self.users_by_volume
+    }
+
+    /// The volumes allocation `alloc_id` is recorded as using.
+    pub fn volumes_of<'a>(&'a self, alloc_id: &'a str) -> impl Iterator<Item = &'a VolumeKey> + 'a {
+        let from = UserKey {
+            alloc_id: alloc_id.to_string(),
+            volume: VolumeKey {
+                namespace: String::new(),
+                name: String::new(),
+            },
+        };
+        self.users
+            .range(from..)
+            .take_while(move |u| u.alloc_id == alloc_id)
+            .map(|u| &u.volume)
+    }
+
+    /// The volume whose mount record targets `target`, if any.
+    pub fn volume_at(&self, target: &Path) -> Option<&VolumeKey> {
+        self.targets.get(target)
     }
 
     /// All mount records.
@@ -212,13 +269,19 @@ impl Journal {
             "target": rec.target, "read_only": rec.read_only, "error": rec.last_error,
         });
         let key = rec.volume.clone();
-        self.mounts.insert(key.clone(), rec);
+        self.targets.insert(rec.target.clone(), key.clone());
+        if let Some(old) = self.mounts.insert(key.clone(), rec) {
+            if self.mounts[&key].target != old.target {
+                self.targets.remove(&old.target);
+            }
+        }
         self.queue(kind, &key, alloc, detail);
     }
 
     /// Removes a volume's mount record (after a successful unpublish).
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
-        if self.mounts.remove(key).is_some() {
+        if let Some(old) = self.mounts.remove(key) {
+            self.targets.remove(&old.target);
             self.queue(kind, key, None, serde_json::Value::Null);
         }
     }
@@ -228,6 +291,7 @@ impl Journal {
     pub fn change_users(&mut self, add: &[UserKey], remove: &[UserKey]) {
         for u in add {
             if self.users.insert(u.clone()) {
+                self.index_user(u, true);
                 self.queue(
                     EventKind::UserAdded,
                     &u.volume,
@@ -238,6 +302,7 @@ impl Journal {
         }
         for u in remove {
             if self.users.remove(u) {
+                self.index_user(u, false);
                 self.queue(
                     EventKind::UserRemoved,
                     &u.volume,
@@ -339,12 +404,7 @@ impl Store {
                         ),
                     });
                 }
-                j.mounts = disk
-                    .mounts
-                    .into_iter()
-                    .map(|m| (m.volume.clone(), m))
-                    .collect();
-                j.users = disk.users.into_iter().collect();
+                j.load(disk.mounts, disk.users);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 j.dirty = true;
@@ -461,16 +521,21 @@ pub(crate) mod tests {
         Store::open(dir, node)
     }
 
+    /// Records allocation a1's publish intent for `default/data`.
+    fn publish_intent(j: &mut Journal) {
+        j.set_mount(
+            rec(MountState::Publishing),
+            EventKind::PublishIntent,
+            Some("a1"),
+        );
+    }
+
     #[test]
     fn survives_reopen_and_logs_history() {
         let dir = tempfile::tempdir().unwrap();
         {
             let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            j.set_mount(
-                rec(MountState::Publishing),
-                EventKind::PublishIntent,
-                Some("a1"),
-            );
+            publish_intent(&mut j);
             store.write(&j.take_commit().unwrap()).unwrap();
             j.set_mount(
                 rec(MountState::Published),
@@ -547,11 +612,7 @@ pub(crate) mod tests {
     fn queued_commits_fold_into_the_latest_state() {
         let dir = tempfile::tempdir().unwrap();
         let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        j.set_mount(
-            rec(MountState::Publishing),
-            EventKind::PublishIntent,
-            Some("a1"),
-        );
+        publish_intent(&mut j);
         let mut first = j.take_commit().unwrap();
         j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
         let second = j.take_commit().unwrap();

@@ -5,7 +5,7 @@
 
 use crate::nomad::types::Allocation;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// Extra time, beyond an allocation's kill grace, before a vanished allocation counts as
@@ -21,6 +21,23 @@ pub struct View {
     /// Allocations that vanished from Nomad (purge, GC) while their tasks were last seen
     /// running: kept (as live) until the deadline, while the client kills their tasks.
     departing: BTreeMap<String, Instant>,
+    /// Volume → the allocations whose group names it (whatever the catalogue says),
+    /// maintained with every change: the plan finds a volume's allocations without a scan.
+    needing: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// What changed since [`View::take_changes`].
+    changes: Changes,
+}
+
+/// What changed in the view since the last [`View::take_changes`]: the planner replans
+/// only these (a relist replans everything).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Changes {
+    /// A full list replaced the view.
+    pub relisted: bool,
+    /// Allocations added, changed or removed.
+    pub allocs: BTreeSet<String>,
+    /// Volumes named by those allocations, before and after the change.
+    pub volumes: BTreeSet<VolumeKey>,
 }
 
 /// One deferred volume an allocation needs.
@@ -76,6 +93,13 @@ impl View {
         }
         self.complete = true;
         self.index = index;
+        self.needing.clear();
+        for (id, a) in &self.allocs {
+            for key in named_volumes(a) {
+                self.needing.entry(key).or_default().insert(id.clone());
+            }
+        }
+        self.changes.relisted = true;
     }
 
     /// Applies one allocation update (an event payload or a fresh read). A payload without
@@ -91,7 +115,49 @@ impl View {
             }
         }
         self.index = self.index.max(a.modify_index);
-        self.allocs.insert(a.id.clone(), a);
+        let id = a.id.clone();
+        self.touch(&id);
+        for key in named_volumes(&a) {
+            self.changes.volumes.insert(key.clone());
+            self.needing.entry(key).or_default().insert(id.clone());
+        }
+        self.allocs.insert(id, a);
+    }
+
+    /// Takes what changed since the last call.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// The IDs of the allocations whose group names `volume` (live or not, usable or
+    /// not: the plan checks), in ID order.
+    pub fn needing(&self, volume: &VolumeKey) -> impl Iterator<Item = &String> + '_ {
+        self.needing.get(volume).into_iter().flatten()
+    }
+
+    /// Records a change of allocation `id` (its volumes, as they were, are changed too)
+    /// and drops it from the index; the caller indexes it again if it stays.
+    fn touch(&mut self, id: &str) {
+        self.changes.allocs.insert(id.to_string());
+        let Some(old) = self.allocs.get(id) else {
+            return;
+        };
+        for key in named_volumes(old) {
+            if let Some(ids) = self.needing.get_mut(&key) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.needing.remove(&key);
+                }
+            }
+            self.changes.volumes.insert(key);
+        }
+    }
+
+    /// Removes allocation `id` from the view and the index.
+    fn drop_alloc(&mut self, id: &str) {
+        self.touch(id);
+        self.allocs.remove(id);
+        self.departing.remove(id);
     }
 
     /// An allocation read back as 404 (garbage-collected or purged: Nomad sends no event),
@@ -103,10 +169,7 @@ impl View {
                 let deadline = now + a.kill_grace() + DEPARTURE_MARGIN;
                 self.departing.entry(id.to_string()).or_insert(deadline);
             }
-            _ => {
-                self.allocs.remove(id);
-                self.departing.remove(id);
-            }
+            _ => self.drop_alloc(id),
         }
     }
 
@@ -119,8 +182,7 @@ impl View {
             .map(|(id, _)| id.clone())
             .collect();
         for id in &due {
-            self.departing.remove(id);
-            self.allocs.remove(id);
+            self.drop_alloc(id);
         }
         due.len()
     }
@@ -140,39 +202,48 @@ impl View {
 /// (with the allocation's `[N]` suffix for `per_alloc`) names a volume record in the
 /// allocation's namespace that is created (`ready`, or `deleting` while still in use).
 pub fn requests(alloc: &Allocation, volumes: &BTreeMap<VolumeKey, VolumeRecord>) -> Vec<Request> {
-    let Some(group) = alloc.group() else {
-        return Vec::new();
-    };
     let mut out: Vec<Request> = Vec::new();
-    for req in group.volumes.values() {
-        if req.volume_type != "host" {
-            continue;
-        }
-        let source = if req.per_alloc {
-            match alloc.alloc_suffix() {
-                Some(sfx) => format!("{}{}", req.source, sfx),
-                None => continue,
-            }
-        } else {
-            req.source.clone()
-        };
-        let key = VolumeKey {
-            namespace: alloc.namespace.clone(),
-            name: source,
-        };
+    for (key, read_only) in host_sources(alloc) {
         let usable = volumes
             .get(&key)
             .is_some_and(|v| matches!(v.state, VolumeState::Ready | VolumeState::Deleting));
         if usable {
             match out.iter_mut().find(|r| r.volume == key) {
                 // Two aliases of one volume: writable wins.
-                Some(r) => r.read_only &= req.read_only,
+                Some(r) => r.read_only &= read_only,
                 None => out.push(Request {
                     volume: key,
-                    read_only: req.read_only,
+                    read_only,
                 }),
             }
         }
     }
     out
+}
+
+/// The volumes an allocation's group names as host volume sources (with the `[N]` suffix
+/// for `per_alloc`), whether or not a record exists: what the view indexes.
+pub fn named_volumes(alloc: &Allocation) -> BTreeSet<VolumeKey> {
+    host_sources(alloc).map(|(k, _)| k).collect()
+}
+
+/// The group's host volume requests as (volume, read_only), one per request.
+fn host_sources(alloc: &Allocation) -> impl Iterator<Item = (VolumeKey, bool)> + '_ {
+    alloc
+        .group()
+        .into_iter()
+        .flat_map(|g| g.volumes.values())
+        .filter(|req| req.volume_type == "host")
+        .filter_map(|req| {
+            let name = if req.per_alloc {
+                format!("{}{}", req.source, alloc.alloc_suffix()?)
+            } else {
+                req.source.clone()
+            };
+            let key = VolumeKey {
+                namespace: alloc.namespace.clone(),
+                name,
+            };
+            Some((key, req.read_only))
+        })
 }

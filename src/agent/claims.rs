@@ -72,6 +72,17 @@ impl Claims {
             .collect()
     }
 
+    /// The states of the claims on `volumes` (a scoped planning pass).
+    pub(crate) fn states_of(
+        &self,
+        volumes: &BTreeSet<VolumeKey>,
+    ) -> BTreeMap<VolumeKey, ClaimState> {
+        volumes
+            .iter()
+            .filter_map(|k| self.held.get(k).map(|c| (k.clone(), c.state)))
+            .collect()
+    }
+
     /// The lock ID of this node's claim on `volume`.
     pub(crate) fn lock_id(&self, volume: &VolumeKey) -> Option<&str> {
         self.held.get(volume).map(|c| c.id.as_str())

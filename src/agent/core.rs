@@ -19,7 +19,7 @@ use crate::claims::ClaimSettings;
 use crate::environment::NodeEnv;
 use crate::journal::{EventKind, Journal, JournalError, MountRecord, MountState};
 use crate::plugin::Fingerprint;
-use crate::reconcile::{self, Inputs, Step, Waiting};
+use crate::reconcile::{self, ClaimState, Inputs, Scope, Step, Waiting};
 use crate::view::View;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use crate::watch::{Health, WatchEvent};
@@ -83,6 +83,22 @@ pub(crate) struct Core {
     /// Successful answers held until the commit that recorded them is durable.
     held: Vec<(u64, ReplyId, PublishReply)>,
     now: Instant,
+    /// Scoped planning: the volumes the inputs since the last pass can have affected, or
+    /// `replan_all` for the cases that need every volume (start, relist, catalogue or
+    /// plugin set loaded).
+    dirty: BTreeSet<VolumeKey>,
+    replan_all: bool,
+    /// Volumes whose step waits on a retry deadline: dirty again once it is due.
+    parked: BTreeSet<VolumeKey>,
+    /// The plan's waiting volumes, kept per volume across scoped passes.
+    plan_waiting: BTreeMap<VolumeKey, Waiting>,
+    /// Placeholders and create/delete workers are driven only when their inputs can have
+    /// changed (catalogue, plugins, their own completions, an unpublish, the tick).
+    chores_due: bool,
+    /// Planning work so far (allocations, user records, claims and mount records visited).
+    plan_visits: u64,
+    /// False in tests that compare scoped planning with a full plan on every pass.
+    scoped: bool,
 }
 
 impl Core {
@@ -118,7 +134,27 @@ impl Core {
             gated: BTreeMap::new(),
             held: Vec::new(),
             now,
+            dirty: BTreeSet::new(),
+            replan_all: true,
+            parked: BTreeSet::new(),
+            plan_waiting: BTreeMap::new(),
+            chores_due: true,
+            plan_visits: 0,
+            scoped: true,
         }
+    }
+
+    /// Planning work so far: allocations, user records, claims and mount records the
+    /// planner visited (what a burst's cost is counted in).
+    #[cfg(test)]
+    pub(crate) fn plan_visits(&self) -> u64 {
+        self.plan_visits
+    }
+
+    /// Plans every volume on every pass (the reference the scoped planner is tested against).
+    #[cfg(test)]
+    pub(crate) fn plan_everything(&mut self) {
+        self.scoped = false;
     }
 
     /// The journal's records.
@@ -158,8 +194,24 @@ impl Core {
         match input {
             Input::Watch(ev) => self.on_watch(ev),
             Input::Catalogue(c) => {
+                if self.volumes_loaded {
+                    // The records that changed, appeared or went.
+                    for (k, v) in &c {
+                        if self.volumes.get(k) != Some(v) {
+                            self.dirty.insert(k.clone());
+                        }
+                    }
+                    for k in self.volumes.keys() {
+                        if !c.contains_key(k) {
+                            self.dirty.insert(k.clone());
+                        }
+                    }
+                } else {
+                    self.replan_all = true;
+                }
                 self.volumes = c;
                 self.volumes_loaded = true;
+                self.chores_due = true;
             }
             Input::Api { reply, call } => match call {
                 ApiCall::Status => out.push(Effect::Reply {
@@ -187,10 +239,21 @@ impl Core {
                 self.last_fingerprint = None;
                 self.on_tick(now, out);
             }
-            Input::MountTable(t) => self.mounted = t.points(),
+            Input::MountTable(t) => {
+                let points = t.points();
+                for p in points.symmetric_difference(&self.mounted) {
+                    if let Some(k) = self.journal.volume_at(p) {
+                        self.dirty.insert(k.clone());
+                    }
+                }
+                self.mounted = points;
+            }
             Input::Committed { seq, result } => self.on_committed(seq, result, out),
             Input::Done(c) => self.on_done(c, now, out),
-            Input::Tick => self.on_tick(now, out),
+            Input::Tick => {
+                self.chores_due = true;
+                self.on_tick(now, out)
+            }
         }
     }
 
@@ -297,6 +360,7 @@ impl Core {
                 for s in failed {
                     for volume in self.gated.remove(&s).unwrap_or_default() {
                         self.busy.remove(&volume);
+                        self.dirty.insert(volume.clone());
                         self.last_error
                             .insert(volume.clone(), format!("journal write failed: {e}"));
                         self.retries
@@ -318,6 +382,25 @@ impl Core {
     }
 
     fn on_done(&mut self, done: Completion, now: Instant, out: &mut Vec<Effect>) {
+        match &done {
+            Completion::Published { volume, .. }
+            | Completion::Unpublished { volume, .. }
+            | Completion::ClaimAcquired { volume, .. }
+            | Completion::ClaimRenewed { volume, .. }
+            | Completion::ClaimReleased { volume, .. } => {
+                self.dirty.insert(volume.clone());
+            }
+            _ => {}
+        }
+        if matches!(
+            done,
+            Completion::Unpublished { .. }
+                | Completion::PlaceholdersListed(_)
+                | Completion::Placeholder { .. }
+                | Completion::Worker { .. }
+        ) {
+            self.chores_due = true;
+        }
         match done {
             Completion::Published {
                 volume,
@@ -393,8 +476,13 @@ impl Core {
                         }
                     }
                 }
+                let before = self.deferred_plugins();
                 self.plugins = map;
+                if !self.plugins_loaded || self.deferred_plugins() != before {
+                    self.replan_all = true;
+                }
                 self.plugins_loaded = true;
+                self.chores_due = true;
             }
             Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
             Completion::Placeholder { volume, result } => {
@@ -478,19 +566,47 @@ impl Core {
     /// answers callers, and commits the pass's journal changes.
     fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
         let deferred = self.deferred_plugins();
-        let claims = self.claims.states();
-        let plan = reconcile::plan(Inputs {
-            view: &self.view,
-            volumes_loaded: self.volumes_loaded && self.plugins_loaded,
-            volumes: &self.volumes,
-            mounts: self.journal.mounts(),
-            users: self.journal.users(),
-            mounted: &self.mounted,
-            plugins: &deferred,
-            busy: &self.busy,
-            claims: &claims,
-        });
-        self.waiting = plan.waiting;
+        let all = self.collect_dirty(now);
+        let dirty = std::mem::take(&mut self.dirty);
+        let claims: BTreeMap<VolumeKey, ClaimState> = if all {
+            self.claims.states()
+        } else {
+            self.claims.states_of(&dirty)
+        };
+        let scope = if all {
+            Scope::All
+        } else {
+            Scope::Volumes {
+                dirty: &dirty,
+                users: self.journal.users_by_volume(),
+            }
+        };
+        let (plan, visits) = reconcile::plan_in(
+            Inputs {
+                view: &self.view,
+                volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+                volumes: &self.volumes,
+                mounts: self.journal.mounts(),
+                users: self.journal.users(),
+                mounted: &self.mounted,
+                plugins: &deferred,
+                busy: &self.busy,
+                claims: &claims,
+            },
+            scope,
+        );
+        self.plan_visits += visits as u64;
+        if all {
+            self.plan_waiting.clear();
+        } else {
+            for k in &dirty {
+                self.plan_waiting.remove(k);
+            }
+        }
+        for w in plan.waiting {
+            self.plan_waiting.insert(w.volume.clone(), w);
+        }
+        self.waiting = self.plan_waiting.values().cloned().collect();
         self.waiting.extend(self.claims.waiting());
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for step in plan.steps {
@@ -512,6 +628,7 @@ impl Core {
                     read_only,
                 } => {
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        self.parked.insert(volume);
                         continue;
                     }
                     if let Some(e) = self.start_publish(volume.clone(), alloc_id, read_only) {
@@ -521,6 +638,7 @@ impl Core {
                 }
                 Step::Unpublish { volume } => {
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        self.parked.insert(volume);
                         continue;
                     }
                     if let Some(e) = self.start_unpublish(volume.clone()) {
@@ -530,6 +648,7 @@ impl Core {
                 }
                 Step::AcquireClaim { volume } => {
                     if !self.retries.ready(&Work::Claim(volume.clone()), now) {
+                        self.parked.insert(volume);
                         continue;
                     }
                     let Some(rec) = self.volumes.get(&volume) else {
@@ -548,7 +667,8 @@ impl Core {
                 }
             }
         }
-        if self.placeholders_ready() {
+        let chores = std::mem::take(&mut self.chores_due);
+        if chores && self.placeholders_ready() {
             let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self
                 .volumes
                 .values()
@@ -557,7 +677,7 @@ impl Core {
                 .collect();
             out.extend(self.placeholders.drive(&want, &self.retries, now));
         }
-        if self.plugins_loaded {
+        if chores && self.plugins_loaded {
             let pool = &self.s.node.node_pool;
             let served = self.volumes.values().filter(|r| serves(r, &deferred, pool));
             let (journal, placeholders) = (&self.journal, &self.placeholders);
@@ -585,6 +705,36 @@ impl Core {
             // Calls always come with intents, so with no commit there are none.
             out.extend(calls);
         }
+    }
+
+    /// Gathers what the inputs since the last pass dirtied: the view's changes (with the
+    /// volumes the changed allocations are recorded as using), and parked volumes whose
+    /// retry is due. Returns true when every volume is to be planned.
+    fn collect_dirty(&mut self, now: Instant) -> bool {
+        let changes = self.view.take_changes();
+        self.dirty.extend(changes.volumes);
+        for id in &changes.allocs {
+            self.dirty.extend(self.journal.volumes_of(id).cloned());
+        }
+        let due: Vec<VolumeKey> = self
+            .parked
+            .iter()
+            .filter(|v| {
+                self.retries.ready(&Work::Mount((*v).clone()), now)
+                    && self.retries.ready(&Work::Claim((*v).clone()), now)
+            })
+            .cloned()
+            .collect();
+        for v in due {
+            self.parked.remove(&v);
+            self.dirty.insert(v);
+        }
+        let all = std::mem::take(&mut self.replan_all) || changes.relisted || !self.scoped;
+        if all {
+            self.dirty.clear();
+            self.parked.clear();
+        }
+        all
     }
 
     fn placeholders_ready(&self) -> bool {
@@ -708,6 +858,38 @@ impl Core {
             "claims": self.claims.status(),
             "mount_health": self.mount_health.status(),
         })
+    }
+}
+
+/// Counts the shell's metrics read after a pass (agent/meter.rs).
+impl Core {
+    /// Allocations of this node and volume records known (O(1)).
+    pub(crate) fn known(&self) -> (usize, usize) {
+        (self.view.allocs().len(), self.volumes.len())
+    }
+
+    /// Volume records this node serves (a pass over the catalogue: ask when it or the
+    /// plugins changed).
+    pub(crate) fn volumes_served(&self) -> usize {
+        let deferred = self.deferred_plugins();
+        self.volumes
+            .values()
+            .filter(|r| self.serves(r, &deferred))
+            .count()
+    }
+
+    /// Mount records by state: publishing, published, unpublishing (a pass over the
+    /// records: ask after a pass that commits, which writes them all anyway).
+    pub(crate) fn mounts_by_state(&self) -> [usize; 3] {
+        let mut n = [0; 3];
+        for m in self.journal.mounts().values() {
+            n[match m.state {
+                MountState::Publishing => 0,
+                MountState::Published => 1,
+                MountState::Unpublishing => 2,
+            }] += 1;
+        }
+        n
     }
 }
 
@@ -1311,5 +1493,381 @@ mod tests {
         let c = commits(&e);
         assert_eq!(c.len(), 1);
         assert_eq!(publishes(c[0].1), 50);
+    }
+
+    /// A deterministic generator for the property tests (no dependency, reproducible).
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 33) as usize) % n
+        }
+    }
+
+    /// The effects as comparable lines (a commit's history, not its wall-clock stamps).
+    fn lines(e: &[Effect]) -> Vec<String> {
+        let mut out = Vec::new();
+        for x in e {
+            match x {
+                Effect::Commit { commit, then } => {
+                    out.push(format!("commit {} {:?}", commit.seq, commit.events()));
+                    out.extend(lines(then).into_iter().map(|l| format!("  {l}")));
+                }
+                Effect::Reply {
+                    answer: Answer::Status(_),
+                    to,
+                } => out.push(format!("status {to:?}")),
+                other => out.push(format!("{other:?}")),
+            }
+        }
+        out
+    }
+
+    /// A call the world still owes the cores an answer for.
+    #[derive(Debug, Clone)]
+    enum Owed {
+        Publish(VolumeKey),
+        Unpublish(VolumeKey),
+        Acquire(VolumeKey),
+        Release(VolumeKey),
+        Renew(VolumeKey),
+        Commit(u64, Vec<Owed>),
+    }
+
+    fn owed(e: &[Effect], out: &mut Vec<Owed>) {
+        for x in e {
+            match x {
+                Effect::Publish { volume, .. } => out.push(Owed::Publish(volume.key())),
+                Effect::Unpublish { mount, .. } => out.push(Owed::Unpublish(mount.volume.clone())),
+                Effect::AcquireClaim { volume, .. } => out.push(Owed::Acquire(volume.clone())),
+                Effect::ReleaseClaim { volume, .. } => out.push(Owed::Release(volume.clone())),
+                Effect::RenewClaim { volume, .. } => out.push(Owed::Renew(volume.clone())),
+                Effect::Commit { commit, then } => {
+                    let mut calls = Vec::new();
+                    owed(then, &mut calls);
+                    out.push(Owed::Commit(commit.seq, calls));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Two cores fed the same inputs: one plans only dirty volumes, one plans everything.
+    struct Twin {
+        scoped: Core,
+        full: Core,
+        t: Instant,
+        owed: Vec<Owed>,
+        mounted: BTreeSet<PathBuf>,
+        allocs: BTreeMap<String, crate::nomad::types::Allocation>,
+        index: u64,
+        catalogues: [Catalogue; 3],
+    }
+
+    impl Twin {
+        fn new() -> Self {
+            let t = Instant::now();
+            let mut full = Core::new(settings(), Journal::new(NODE), t);
+            full.plan_everything();
+            Twin {
+                scoped: Core::new(settings(), Journal::new(NODE), t),
+                full,
+                t,
+                owed: Vec::new(),
+                mounted: BTreeSet::new(),
+                allocs: BTreeMap::new(),
+                index: 1,
+                catalogues: {
+                    let ready: Catalogue = [
+                        ("a", "single-node-writer"),
+                        ("b", "multi-node-multi-writer"),
+                        ("c", "multi-node-multi-writer"),
+                    ]
+                    .iter()
+                    .map(|(n, m)| (key(n), volume(n, m)))
+                    .collect();
+                    let mut deleting = ready.clone();
+                    if let Some(c) = deleting.get_mut(&key("c")) {
+                        c.state = VolumeState::Deleting;
+                    }
+                    let mut gone = ready.clone();
+                    gone.remove(&key("c"));
+                    [ready, deleting, gone]
+                },
+            }
+        }
+
+        /// Feeds both cores (the input is built twice: inputs are not `Clone`) and checks
+        /// that they did the same.
+        fn feed(&mut self, make: impl Fn() -> Input, step: &str) {
+            let a = self.scoped.handle(make(), self.t);
+            let b = self.full.handle(make(), self.t);
+            assert_eq!(lines(&a), lines(&b), "after {step}");
+            assert_eq!(self.scoped.waiting, self.full.waiting, "after {step}");
+            owed(&a, &mut self.owed);
+        }
+
+        fn mount_table(&mut self) {
+            let points = self.mounted.clone();
+            self.feed(
+                || Input::MountTable(MountTable::from_points(points.clone())),
+                "mount table",
+            );
+        }
+
+        /// The catalogue with volume `c` ready (0), being deleted (1) or gone (2); the
+        /// records are made once (their IDs are random).
+        fn catalogue(&mut self, c_state: usize) {
+            let c = self.catalogues[c_state].clone();
+            self.feed(|| Input::Catalogue(c.clone()), "catalogue");
+        }
+
+        fn answer(&mut self, o: Owed, ok: bool) {
+            let err = || StepError::NotMounted {
+                plugin: "bind".into(),
+                target: target("x"),
+            };
+            match o {
+                Owed::Publish(v) => {
+                    if ok {
+                        self.mounted.insert(target(&v.name));
+                        self.mount_table();
+                    }
+                    self.feed(
+                        || {
+                            Input::Done(Completion::Published {
+                                volume: v.clone(),
+                                result: if ok {
+                                    Ok(serde_json::Value::Null)
+                                } else {
+                                    Err(err())
+                                },
+                                elapsed: Duration::from_millis(1),
+                            })
+                        },
+                        "published",
+                    );
+                }
+                Owed::Unpublish(v) => {
+                    if ok {
+                        self.mounted.remove(&target(&v.name));
+                        self.mount_table();
+                    }
+                    self.feed(
+                        || {
+                            Input::Done(Completion::Unpublished {
+                                volume: v.clone(),
+                                result: if ok { Ok(()) } else { Err(err()) },
+                            })
+                        },
+                        "unpublished",
+                    );
+                }
+                Owed::Acquire(v) => self.feed(
+                    || {
+                        Input::Done(Completion::ClaimAcquired {
+                            volume: v.clone(),
+                            result: if ok {
+                                Ok(format!("lock-{}", v.name))
+                            } else {
+                                Err(ClaimError::Held {
+                                    volume: v.clone(),
+                                    holder: "node-2".into(),
+                                })
+                            },
+                        })
+                    },
+                    "acquired",
+                ),
+                Owed::Release(v) => self.feed(
+                    || {
+                        Input::Done(Completion::ClaimReleased {
+                            volume: v.clone(),
+                            result: Ok(()),
+                        })
+                    },
+                    "released",
+                ),
+                Owed::Renew(v) => self.feed(
+                    || {
+                        Input::Done(Completion::ClaimRenewed {
+                            volume: v.clone(),
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(ClaimError::Lost { volume: v.clone() })
+                            },
+                        })
+                    },
+                    "renewed",
+                ),
+                Owed::Commit(seq, calls) => {
+                    self.feed(
+                        || Input::Committed {
+                            seq,
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(JournalError::Write {
+                                    path: "/j".into(),
+                                    source: std::io::Error::other("disk full"),
+                                })
+                            },
+                        },
+                        "committed",
+                    );
+                    if ok {
+                        self.owed.extend(calls);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Scoped planning (only the volumes a message can affect, found through the view's
+    /// volume index and the journal's user index) does exactly what planning every volume
+    /// on every pass does, over random sequences of allocation updates and removals,
+    /// relists, catalogue changes, lost mounts, failed and successful plugin, claim and
+    /// journal calls, and retries coming due.
+    #[test]
+    fn scoped_planning_does_what_a_full_plan_does() {
+        let statuses = ["pending", "running", "complete", "failed", "lost"];
+        let desired = ["run", "stop"];
+        let sources: [&[&str]; 5] = [&["a"], &["b"], &["a", "b"], &["c"], &["b", "c"]];
+        let ids = ["x1", "x2", "x3", "x4"];
+        let mut r = Lcg(99);
+        for _ in 0..60 {
+            let mut w = Twin::new();
+            w.mount_table();
+            let fp = || Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+            };
+            w.feed(
+                || {
+                    Input::Done(Completion::Plugins(BTreeMap::from([(
+                        "bind".into(),
+                        Ok(fp()),
+                    )])))
+                },
+                "plugins",
+            );
+            w.catalogue(0);
+            w.feed(
+                || {
+                    Input::Watch(WatchEvent::Relisted {
+                        allocs: vec![],
+                        index: 1,
+                    })
+                },
+                "first list",
+            );
+            for _ in 0..80 {
+                match r.below(12) {
+                    0..=2 => {
+                        w.index += 1;
+                        let mut a = alloc(
+                            ids[r.below(4)],
+                            sources[r.below(5)],
+                            statuses[r.below(5)],
+                            desired[r.below(2)],
+                        );
+                        a.modify_index = w.index;
+                        w.allocs.insert(a.id.clone(), a.clone());
+                        w.feed(
+                            || Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))),
+                            "upsert",
+                        );
+                    }
+                    3 => {
+                        let id = ids[r.below(4)].to_string();
+                        w.allocs.remove(&id);
+                        w.feed(|| Input::Watch(WatchEvent::Removed(id.clone())), "removed");
+                    }
+                    4 if r.below(4) == 0 => {
+                        let allocs: Vec<_> = w.allocs.values().cloned().collect();
+                        let index = w.index;
+                        w.feed(
+                            || {
+                                Input::Watch(WatchEvent::Relisted {
+                                    allocs: allocs.clone(),
+                                    index,
+                                })
+                            },
+                            "relist",
+                        );
+                    }
+                    5 if r.below(3) == 0 => w.catalogue(r.below(3)),
+                    6..=8 if !w.owed.is_empty() => {
+                        let o = w.owed.remove(r.below(w.owed.len()));
+                        let ok = r.below(5) != 0;
+                        w.answer(o, ok);
+                    }
+                    9 if !w.mounted.is_empty() && r.below(3) == 0 => {
+                        let lost = w.mounted.iter().nth(r.below(w.mounted.len())).cloned();
+                        w.mounted.remove(&lost.unwrap());
+                        w.mount_table();
+                    }
+                    _ => {
+                        w.t += Duration::from_millis(r.below(4000) as u64);
+                        w.feed(|| Input::Tick, "tick");
+                    }
+                }
+            }
+            assert_eq!(w.scoped.journal().mounts(), w.full.journal().mounts());
+            assert_eq!(w.scoped.journal().users(), w.full.journal().users());
+        }
+    }
+
+    /// A burst of N allocations, each message arriving alone (upsert, then its publish
+    /// committed and done): the planning work grows linearly with N, never N². Returns
+    /// the planner's visits for the burst.
+    fn burst_planning_work(n: usize) -> u64 {
+        let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let mut h = H::new(&vols, vec![]);
+        let before = h.core.plan_visits();
+        for (i, name) in names.iter().enumerate() {
+            let mut a = alloc(&format!("a{i:04}"), &[name], "pending", "run");
+            a.modify_index = 10 + i as u64;
+            let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+            assert_eq!(publishes(&e), 1, "{e:?}");
+            h.committed(&e);
+            let points: Vec<PathBuf> = names[..=i].iter().map(|n| target(n)).collect();
+            h.feed(Input::MountTable(MountTable::from_points(points)));
+            let e = h.feed(Input::Done(Completion::Published {
+                volume: key(name),
+                result: Ok(serde_json::Value::Null),
+                elapsed: Duration::from_millis(1),
+            }));
+            h.committed(&e);
+        }
+        assert_eq!(
+            h.core.journal().users().len(),
+            n,
+            "every allocation is a user"
+        );
+        h.core.plan_visits() - before
+    }
+
+    /// Issue 10: a 200-allocation burst whose messages arrive one at a time costs O(N)
+    /// planning work. Counted, not timed.
+    #[test]
+    fn a_burst_costs_planning_work_linear_in_its_size() {
+        let w50 = burst_planning_work(50);
+        let w200 = burst_planning_work(200);
+        println!("planning work: N=50: {w50} visits, N=200: {w200} visits");
+        assert_eq!(
+            w200,
+            4 * w50,
+            "planning work is not linear: {w50} for 50, {w200} for 200"
+        );
     }
 }

@@ -9,6 +9,7 @@
 use crate::agent::core::{Core, Settings};
 use crate::agent::effect::{Answer, Effect};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
+use crate::agent::meter::Meter;
 use crate::api::{ApiError, PublishReply, Request2Agent};
 use crate::catalog::{self, Catalogue};
 use crate::claims::ClaimSettings;
@@ -17,6 +18,7 @@ use crate::environment::NodeEnv;
 use crate::executor;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
+use crate::metrics::Metrics;
 use crate::mounts::MountTable;
 use crate::nomad::Client;
 use crate::plugin::Runner;
@@ -91,6 +93,7 @@ enum Report {
         seq: u64,
         result: Result<(), JournalError>,
         then: Vec<Effect>,
+        elapsed: Duration,
     },
 }
 
@@ -114,9 +117,38 @@ struct Shell {
     committing: bool,
     queued: Option<(Commit, Vec<Effect>)>,
     reading_mounts: bool,
+    meter: Meter,
 }
 
 impl Shell {
+    /// A shell with nothing running: `--max-parallel` permits for plugin calls.
+    fn new(
+        cfg: AgentConfig,
+        client: Client,
+        node: NodeEnv,
+        claims: ClaimSettings,
+        store: Store,
+        meter: Meter,
+    ) -> Self {
+        Self {
+            runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
+                .observed(meter.plugin_observer()),
+            permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
+            cfg,
+            client,
+            node,
+            claims,
+            store,
+            tasks: JoinSet::new(),
+            replies: HashMap::new(),
+            next_reply: 0,
+            committing: false,
+            queued: None,
+            reading_mounts: false,
+            meter,
+        }
+    }
+
     fn perform(&mut self, effects: Vec<Effect>) {
         for e in effects {
             self.perform_one(e);
@@ -148,6 +180,7 @@ impl Shell {
     }
 
     fn perform_one(&mut self, e: Effect) {
+        self.meter.effect(&e);
         let (client, runner, node) = (self.client.clone(), self.runner.clone(), self.node.clone());
         match e {
             Effect::Publish {
@@ -257,11 +290,13 @@ impl Shell {
         self.committing = true;
         let store = self.store.clone();
         self.tasks.spawn_blocking(move || {
+            let started = std::time::Instant::now();
             let result = store.write(&commit);
             Report::Committed {
                 seq: commit.seq,
                 result,
                 then,
+                elapsed: started.elapsed(),
             }
         });
     }
@@ -315,7 +350,13 @@ impl Shell {
                 self.reading_mounts = false;
                 table(t).into_iter().collect()
             }
-            Report::Committed { seq, result, then } => {
+            Report::Committed {
+                seq,
+                result,
+                then,
+                elapsed,
+            } => {
+                self.meter.committed(elapsed);
                 self.committing = false;
                 if result.is_ok() {
                     self.perform(then);
@@ -329,10 +370,12 @@ impl Shell {
     }
 }
 
-/// Starts the agent and runs it until `shutdown` resolves.
+/// Starts the agent and runs it until `shutdown` resolves, keeping `metrics` current
+/// (served by `crate::metrics::serve` when `--metrics-addr` is set).
 pub async fn run(
     cfg: AgentConfig,
     client: Client,
+    metrics: Metrics,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
     if let Some(path) = &cfg.token_file {
@@ -425,21 +468,8 @@ pub async fn run(
         journal,
         now(),
     );
-    let mut shell = Shell {
-        runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout),
-        permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
-        cfg: cfg.clone(),
-        client,
-        node,
-        claims,
-        store,
-        tasks: JoinSet::new(),
-        replies: HashMap::new(),
-        next_reply: 0,
-        committing: false,
-        queued: None,
-        reading_mounts: false,
-    };
+    let meter = Meter::new(metrics);
+    let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter);
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {
@@ -494,8 +524,12 @@ pub async fn run(
                 break;
             }
         }
+        for i in &inputs {
+            shell.meter.input(i);
+        }
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
+        shell.meter.after_pass(&core);
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             r.set_watch(core.watch_health()) | plugins
@@ -507,4 +541,149 @@ pub async fn run(
     }
     node_publisher.abort();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The shell's own decisions, on tokio's paused clock, without root: commits that
+    //! queue while one is written are folded into one write, and their calls start only
+    //! once it is durable.
+    use super::*;
+    use crate::journal::tests::rec;
+    use crate::journal::{EventKind, Journal, MountState};
+
+    fn shell(dir: &std::path::Path) -> (Shell, Journal) {
+        let cfg = AgentConfig {
+            watch_mode: crate::config::WatchMode::Poll,
+            token_file: None,
+            state_dir: dir.join("state"),
+            socket: dir.join("api.sock"),
+            plugin_dir: dir.join("plugins"),
+            volumes_dir: Some(dir.join("volumes")),
+            plugin_timeout: Duration::from_secs(10),
+            stream_idle_timeout: Duration::from_secs(95),
+            resync_interval: Duration::from_secs(300),
+            tick: Duration::from_millis(200),
+            plugin_rescan: Duration::from_secs(60),
+            health_interval: Duration::from_secs(10),
+            max_parallel: 2,
+            claim_ttl: Duration::from_secs(15),
+            claim_lock_delay: Duration::from_secs(15),
+            audiences: vec![],
+            metrics_addr: None,
+            log_format: Default::default(),
+        };
+        let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
+        let client =
+            Client::new(&crate::config::NomadConfig::plain("http://127.0.0.1:1")).expect("client");
+        let node = NodeEnv {
+            node_id: "node-1".into(),
+            node_pool: "default".into(),
+            volumes_dir: dir.join("volumes"),
+            plugin_dir: cfg.plugin_dir.clone(),
+        };
+        let claims = ClaimSettings {
+            ttl: cfg.claim_ttl,
+            lock_delay: cfg.claim_lock_delay,
+        };
+        (
+            Shell::new(
+                cfg,
+                client,
+                node,
+                claims,
+                store,
+                Meter::new(crate::metrics::Metrics::new()),
+            ),
+            journal,
+        )
+    }
+
+    /// A commit of one more change to the journal.
+    fn change(j: &mut Journal, state: MountState) -> Commit {
+        j.set_mount(rec(state), EventKind::PublishIntent, None);
+        j.take_commit().expect("a change")
+    }
+
+    /// Runs the shell's tasks until none is left; returns the core's inputs in order.
+    async fn drain(s: &mut Shell) -> Vec<Input> {
+        let mut inputs = Vec::new();
+        while let Some(done) = s.tasks.join_next().await {
+            inputs.extend(s.on_report(done.expect("task")));
+        }
+        inputs
+    }
+
+    fn committed(inputs: &[Input]) -> Vec<u64> {
+        inputs
+            .iter()
+            .filter_map(|i| match i {
+                Input::Committed { seq, result } => {
+                    assert!(result.is_ok(), "{result:?}");
+                    Some(*seq)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn commits_queued_behind_a_write_are_folded_into_one_write() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, mut j) = shell(dir.path());
+        let base = s.store.commits();
+        let (c1, c2, c3) = (
+            change(&mut j, MountState::Publishing),
+            change(&mut j, MountState::Published),
+            change(&mut j, MountState::Unpublishing),
+        );
+        let want = vec![c1.seq, c3.seq];
+        s.perform(vec![Effect::Commit {
+            commit: c1,
+            then: vec![],
+        }]);
+        assert!(s.committing);
+        s.perform(vec![
+            Effect::Commit {
+                commit: c2,
+                then: vec![],
+            },
+            Effect::Commit {
+                commit: c3,
+                then: vec![],
+            },
+        ]);
+        let inputs = drain(&mut s).await;
+        assert_eq!(committed(&inputs), want, "c2 and c3 are one write");
+        assert_eq!(s.store.commits() - base, 2);
+        let (_, back) = Store::open(&dir.path().join("state"), "node-1").expect("reopen");
+        assert_eq!(
+            back.mounts().values().next().map(|m| m.state),
+            Some(MountState::Unpublishing),
+            "the folded write holds the latest state"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_commits_calls_start_only_once_it_is_durable() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, mut j) = shell(dir.path());
+        let c = change(&mut j, MountState::Publishing);
+        let seq = c.seq;
+        s.perform(vec![Effect::Commit {
+            commit: c,
+            then: vec![Effect::ReadMountTable],
+        }]);
+        assert!(!s.reading_mounts, "the call waits for the commit");
+        let first = s
+            .tasks
+            .join_next()
+            .await
+            .expect("the commit")
+            .expect("task");
+        let inputs = s.on_report(first);
+        assert_eq!(committed(&inputs), vec![seq]);
+        assert!(s.reading_mounts, "started once durable");
+        drain(&mut s).await;
+    }
 }
