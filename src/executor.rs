@@ -34,7 +34,7 @@ pub enum Completion {
     /// Every plugin in the directory, fingerprinted.
     Plugins(BTreeMap<String, Result<Fingerprint, PluginError>>),
     /// This node's placeholder host volumes (volume → host volume ID).
-    PlaceholdersListed(Result<BTreeMap<VolumeKey, String>, NomadError>),
+    PlaceholdersListed(Result<BTreeMap<VolumeKey, ListedPlaceholder>, NomadError>),
     /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
     Placeholder {
         volume: VolumeKey,
@@ -274,6 +274,15 @@ pub async fn fingerprint_all(runner: Runner) -> Completion {
     Completion::Plugins(out)
 }
 
+/// One placeholder as Nomad lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedPlaceholder {
+    /// Nomad's host volume ID.
+    pub id: String,
+    /// False when Nomad reports it `unavailable` (its node no longer fingerprints it).
+    pub available: bool,
+}
+
 /// Finds this node's placeholders: host volumes on the node whose path is under `mount_root`.
 pub async fn list_placeholders(client: Client, node_id: String, mount_root: PathBuf) -> Completion {
     let result = async {
@@ -289,7 +298,10 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
                             namespace: hv.namespace,
                             name: hv.name,
                         },
-                        hv.id,
+                        ListedPlaceholder {
+                            id: hv.id,
+                            available: hv.state != "unavailable",
+                        },
                     );
                 }
             }
@@ -300,12 +312,14 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
     Completion::PlaceholdersListed(result)
 }
 
-/// Registers the placeholder host volume for `rec` on this node, creating its directory.
+/// Registers the placeholder host volume for `rec` on this node, creating its directory
+/// (`id`: an existing placeholder registered again).
 pub async fn register_placeholder(
     client: Client,
     node: NodeEnv,
     rec: VolumeRecord,
     target: PathBuf,
+    id: Option<String>,
 ) -> Completion {
     let result = async {
         std::fs::create_dir_all(&target).map_err(|source| PlaceholderError::Dir {
@@ -314,7 +328,7 @@ pub async fn register_placeholder(
         })?;
         let hv = HostVolume {
             namespace: rec.spec.namespace.clone(),
-            id: String::new(),
+            id: id.unwrap_or_default(),
             name: rec.spec.name.clone(),
             plugin_id: String::new(),
             node_pool: node.node_pool.clone(),
@@ -398,6 +412,19 @@ pub async fn create(
                 rec.context = res.context;
                 rec.capacity_bytes = res.bytes;
                 rec.error.clear();
+                if let Err(e) = rec.check_size() {
+                    // Nomad would refuse the record (and every retry of it): the create
+                    // fails, saying why; the context is not kept.
+                    rec.state = VolumeState::Failed;
+                    rec.context = serde_json::Value::Null;
+                    rec.error = e.to_string();
+                    failure = Some(PluginError::BadOutput {
+                        plugin: rec.spec.plugin_id.clone(),
+                        op: Operation::Create,
+                        reason: e.to_string(),
+                        stdout: String::new(),
+                    });
+                }
             }
             Err(e @ PluginError::TimedOut { .. }) => {
                 return Err(WorkerError::Plugin(redacted(e, &rec.secrets)))

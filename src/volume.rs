@@ -307,6 +307,20 @@ pub struct VolumeRecord {
     pub modify_index: u64,
 }
 
+/// The most a volume record may hold, in bytes of its variable's Items (keys plus values):
+/// Nomad refuses a larger variable with 400 "variables are limited to 64KiB in total size"
+/// (`nomad/structs/variables.go` `VariableDecrypted.Validate`, `maxVariableSize`).
+pub const MAX_RECORD_BYTES: usize = 64 * 1024;
+
+/// A volume record too big for one Nomad variable ([`MAX_RECORD_BYTES`]).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("volume record {volume} would be {bytes} bytes ({context} of them the plugin's context); Nomad holds at most 65536 bytes per variable: keep the plugin's context to identifiers and paths (not data), and the spec's parameters short")]
+pub struct RecordTooBig {
+    pub volume: VolumeKey,
+    pub bytes: usize,
+    pub context: usize,
+}
+
 /// A variable that is not a volume record dhv-binder wrote.
 #[derive(Debug, thiserror::Error)]
 #[error("variable {path} is not a dhv-binder volume record: {reason}")]
@@ -380,6 +394,25 @@ impl VolumeRecord {
             items,
             ..Default::default()
         }
+    }
+
+    /// Refuses a record whose variable Nomad would refuse as too big ([`MAX_RECORD_BYTES`],
+    /// counted as Nomad does: the bytes of every item's key and value).
+    pub fn check_size(&self) -> Result<(), RecordTooBig> {
+        let bytes: usize = self
+            .to_variable()
+            .items
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum();
+        if bytes <= MAX_RECORD_BYTES {
+            return Ok(());
+        }
+        Err(RecordTooBig {
+            volume: self.key(),
+            bytes,
+            context: self.context.to_string().len(),
+        })
     }
 
     /// Reads a record back from its variable, re-validating what it holds.
@@ -560,6 +593,24 @@ mod tests {
         assert!(is_alloc_id("5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70"));
         assert!(!is_alloc_id("../x"));
         assert!(!is_alloc_id("5B0E8F7A-2C4D-4E19-B6A3-9D8C1F2E4A70"));
+    }
+
+    #[test]
+    fn a_record_over_64_kib_is_refused_and_says_why() {
+        let mut rec = VolumeRecord::new(
+            parse_spec("name = \"big\"\ntype = \"host\"\nplugin_id = \"bind\"\n")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        assert_eq!(rec.check_size(), Ok(()));
+        rec.context = serde_json::json!({"blob": "x".repeat(MAX_RECORD_BYTES)});
+        let e = rec.check_size().unwrap_err();
+        assert!(
+            e.bytes > MAX_RECORD_BYTES && e.context > MAX_RECORD_BYTES,
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("plugin's context"), "{e}");
     }
 
     #[test]

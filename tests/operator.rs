@@ -320,6 +320,18 @@ async fn create_fails_at_once_when_no_live_node_has_the_plugin() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("in node pool \"gpu\""), "{out}");
     assert!(out.contains("node-2 (pool default)"), "{out}");
+
+    // Issue 11 #10: Nomad creates no namespace on demand; a volume in a missing one is
+    // refused at create (before the fix its record was written and nothing could use it).
+    let spec = c.sb.join("nope.volume.hcl");
+    std::fs::write(
+        &spec,
+        "name = \"nope-data\"\nnamespace = \"nope\"\ntype = \"host\"\nplugin_id = \"bind\"\nparameters {\n  export = \"/srv\"\n}\n",
+    )
+    .unwrap();
+    let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("namespace \"nope\" does not exist"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

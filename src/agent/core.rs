@@ -324,7 +324,7 @@ impl Core {
             self.last_fingerprint = Some(now);
             out.push(Effect::Fingerprint);
         }
-        out.extend(self.placeholders.list());
+        out.extend(self.placeholders.list(now));
         out.extend(self.claims.renewals(now));
         out.extend(
             self.mount_health
@@ -484,7 +484,7 @@ impl Core {
                 self.plugins_loaded = true;
                 self.chores_due = true;
             }
-            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r),
+            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
             Completion::Placeholder { volume, result } => {
                 self.placeholders
                     .on_done(volume, result, &mut self.retries, now)

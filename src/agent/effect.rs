@@ -32,10 +32,12 @@ pub(crate) enum Effect {
     Delete(Box<VolumeRecord>),
     /// Nomad: list this node's placeholder host volumes.
     ListPlaceholders,
-    /// Nomad: register the placeholder host volume of `volume` at `target`.
+    /// Nomad: register the placeholder host volume of `volume` at `target`; `id` set
+    /// registers an existing (unavailable) one again.
     RegisterPlaceholder {
         volume: Box<VolumeRecord>,
         target: PathBuf,
+        id: Option<String>,
     },
     /// Nomad: deregister a placeholder host volume.
     DeregisterPlaceholder { volume: VolumeKey, id: String },

@@ -213,8 +213,8 @@ impl Shell {
                 node.node_id.clone(),
                 self.cfg.mount_root(),
             )),
-            Effect::RegisterPlaceholder { volume, target } => self.call(
-                executor::register_placeholder(client, node, *volume, target),
+            Effect::RegisterPlaceholder { volume, target, id } => self.call(
+                executor::register_placeholder(client, node, *volume, target, id),
             ),
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))

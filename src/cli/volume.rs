@@ -396,6 +396,15 @@ async fn put_new(
 async fn create(client: &Client, ns: &str, spec: PathBuf, detach: bool) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
     let (spec, secrets) = parse(&text, ns)?;
+    if !client.namespace_exists(&spec.namespace).await? {
+        return Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "namespace {:?} does not exist in Nomad, which creates none on demand (jobs and host volumes in it would be refused): create it first (`nomad namespace apply {}`) or name another in the spec",
+                spec.namespace, spec.namespace
+            ),
+        ));
+    }
     let (records, bad) = nodes::list(client).await?;
     for e in bad {
         eprintln!("warning: {e}");
@@ -409,6 +418,8 @@ async fn create(client: &Client, ns: &str, spec: PathBuf, detach: bool) -> Resul
         return Err(Failure::new(EXIT_FAILED, why));
     }
     let rec = VolumeRecord::new(spec, secrets);
+    rec.check_size()
+        .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     put_new(client, &rec.to_variable(), &rec.key().to_string()).await?;
     outln!(
         "==> Created volume record {} (ID {}), plugin {:?}",
@@ -480,6 +491,8 @@ async fn register(client: &Client, ns: &str, spec: PathBuf) -> Result<(), Failur
     rec.state = VolumeState::Ready;
     rec.context = context;
     rec.capacity_bytes = capacity;
+    rec.check_size()
+        .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     let mut var = rec.to_variable();
     var.items.insert(REGISTERED_ITEM.into(), "true".into());
     put_new(client, &var, &rec.key().to_string()).await?;

@@ -325,6 +325,35 @@ impl Client {
             .value)
     }
 
+    /// Nomad API: `GET /v1/namespace/:name`. False on 404 ("Namespace not found",
+    /// `command/agent/namespace_endpoint.go` `namespaceQuery`): Nomad creates no namespace
+    /// on demand, so a job or host volume in a missing one is refused.
+    pub async fn namespace_exists(&self, name: &str) -> Result<bool, NomadError> {
+        self.exists(
+            &format!("/v1/namespace/{name}"),
+            "read a namespace (GET /v1/namespace/:name)",
+        )
+        .await
+    }
+
+    /// A read of `path` for its existence only: false on 404.
+    async fn exists(&self, path: &str, what: &str) -> Result<bool, NomadError> {
+        let found: Option<serde::de::IgnoredAny> = self.get_optional(path, &[], what).await?;
+        Ok(found.is_some())
+    }
+
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`). True when Nomad knows the
+    /// node, false on 404 ("node not found": purged, or a wrong ID). Needed because
+    /// `GET /v1/node/:id/allocations` answers `200 []` for an unknown node
+    /// (`nomad/node_endpoint.go` `GetAllocs`), which looks like a node with nothing on it.
+    pub async fn node_exists(&self, node_id: &str) -> Result<bool, NomadError> {
+        self.exists(
+            &format!("/v1/node/{node_id}"),
+            "read this node (GET /v1/node/:id)",
+        )
+        .await
+    }
+
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
     /// (returns once the allocation table's index exceeds `index`, or after `wait`).
     pub async fn node_allocations(
