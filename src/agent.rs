@@ -40,6 +40,8 @@ pub enum StartError {
     Nomad(#[from] crate::nomad::NomadError),
     #[error("another dhv-binder agent already uses the state directory {0} (its lock file is held); run one agent per node")]
     AlreadyRunning(PathBuf),
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -137,6 +139,10 @@ pub async fn run(
     client: Client,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
+    let trust = crate::trust::RecordTrust::from_settings(
+        cfg.record_keys.as_deref(),
+        cfg.allow_unsigned_records,
+    )?;
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
@@ -181,6 +187,8 @@ pub async fn run(
         tokio::spawn(catalog::run(
             client.clone(),
             Duration::from_secs(300),
+            trust,
+            catalog::Rejections::default(),
             cat_tx,
         )),
         tokio::spawn(crate::api::serve(
@@ -547,7 +555,11 @@ impl Agent {
                     }
                 }
             }
-            Completion::Plugins(map) => {
+            Completion::Plugins(Err(e)) => {
+                self.fingerprinting = false;
+                tracing::warn!(error = %e, "plugin directory unreadable: keeping the plugins known before");
+            }
+            Completion::Plugins(Ok(map)) => {
                 self.fingerprinting = false;
                 for (id, r) in &map {
                     let changed = self.plugins.get(id) != Some(r);

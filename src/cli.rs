@@ -8,6 +8,8 @@
 use crate::api::client::{call, CallError};
 use crate::config::{AgentConfig, NomadConfig};
 use crate::nomad::{Client, NomadError};
+use crate::plugin::escape_control;
+use crate::trust::SigningKey;
 use crate::volume::{self, VolumeRecord, VolumeState};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -79,9 +81,19 @@ pub enum PluginCommand {
         /// A parameter of the test volume (DHV_PARAMETERS), KEY=VALUE; repeatable.
         #[arg(long = "param", value_parser = key_value)]
         params: Vec<(String, String)>,
-        /// A secret of the test volume (DHV_SECRETS), KEY=VALUE; repeatable.
-        #[arg(long = "secret", value_parser = key_value)]
-        secrets: Vec<(String, String)>,
+        /// File of the test volume's secrets (DHV_SECRETS), one KEY=VALUE per line. Secrets
+        /// never go on the command line (other users on the node can read it in /proc).
+        #[arg(long = "secrets-file")]
+        secrets_file: Option<PathBuf>,
+        /// The test volume's secrets, one KEY=VALUE per line, from the environment (the
+        /// same format as --secrets-file).
+        #[arg(
+            long = "secrets-env",
+            env = "DHV_BINDER_CHECK_SECRETS",
+            hide_env_values = true,
+            hide = true
+        )]
+        secrets_env: Option<String>,
         /// Capacity of the test volume in bytes (DHV_CAPACITY_MIN/MAX_BYTES).
         #[arg(long, default_value_t = 64 << 20)]
         capacity: u64,
@@ -92,6 +104,26 @@ pub enum PluginCommand {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+}
+
+/// Parses `KEY=VALUE` lines (blank lines and `#` comments skipped); `what` names the source
+/// in errors (never a value).
+fn key_value_lines(text: &str, what: &str) -> Result<Vec<(String, String)>, Failure> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        .map(|(n, l)| {
+            l.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+                .filter(|(k, _)| !k.is_empty())
+                .ok_or_else(|| {
+                    Failure::new(
+                        EXIT_CONFIG,
+                        format!("{what} line {}: expected KEY=VALUE", n + 1),
+                    )
+                })
+        })
+        .collect()
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
@@ -106,11 +138,21 @@ pub async fn plugin_cmd(cmd: PluginCommand) -> Result<(), Failure> {
     let PluginCommand::Check {
         executable,
         params,
-        secrets,
+        secrets_file,
+        secrets_env,
         capacity,
         timeout,
         scratch,
     } = cmd;
+    let mut secrets = Vec::new();
+    if let Some(f) = &secrets_file {
+        let text = std::fs::read_to_string(f)
+            .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", f.display())))?;
+        secrets.extend(key_value_lines(&text, &f.display().to_string())?);
+    }
+    if let Some(text) = &secrets_env {
+        secrets.extend(key_value_lines(text, "DHV_BINDER_CHECK_SECRETS")?);
+    }
     let report = crate::conformance::check(crate::conformance::Options {
         plugin: executable,
         parameters: params.into_iter().collect(),
@@ -158,6 +200,15 @@ pub enum VolumeCommand {
         /// Return once recorded, without waiting for the plugin's create.
         #[arg(long)]
         detach: bool,
+        /// The operator's private key (`volume keygen`): agents act only on signed records.
+        #[arg(long, env = "DHV_BINDER_SIGNING_KEY")]
+        signing_key: Option<PathBuf>,
+    },
+    /// Make an operator signing key: writes the private key (mode 0600) and prints the public
+    /// key line for each node's --record-keys file (docs/security.md).
+    Keygen {
+        /// Where to write the private key; refused if it exists.
+        out: PathBuf,
     },
     /// List deferred volumes.
     List,
@@ -168,7 +219,23 @@ pub enum VolumeCommand {
         name: String,
         #[arg(long)]
         detach: bool,
+        /// The operator's private key: agents run a plugin's delete only when signed.
+        #[arg(long, env = "DHV_BINDER_SIGNING_KEY")]
+        signing_key: Option<PathBuf>,
     },
+}
+
+/// Loads the signing key, or warns that the record will be unsigned.
+fn signing_key(path: Option<&std::path::Path>) -> Result<Option<SigningKey>, Failure> {
+    match path {
+        Some(p) => SigningKey::load(p)
+            .map(Some)
+            .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string())),
+        None => {
+            eprintln!("warning: no --signing-key (DHV_BINDER_SIGNING_KEY): the record is unsigned and agents act on it only with --allow-unsigned-records");
+            Ok(None)
+        }
+    }
 }
 
 /// A CLI failure with its exit code.
@@ -343,7 +410,30 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
     let client = Client::new(nomad)?;
     let ns = nomad.namespace.as_str();
     match cmd {
-        VolumeCommand::Create { spec, detach } => {
+        VolumeCommand::Keygen { out } => {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt;
+            let (key, text) =
+                SigningKey::generate().map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&out)
+                .map_err(|e| {
+                    Failure::new(EXIT_CONFIG, format!("cannot create {}: {e}", out.display()))
+                })?;
+            f.write_all(text.as_bytes())
+                .map_err(|e| Failure::new(EXIT_FAILED, format!("{}: {e}", out.display())))?;
+            outln!("{}", key.public_line());
+            Ok(())
+        }
+        VolumeCommand::Create {
+            spec,
+            detach,
+            signing_key: key_path,
+        } => {
+            let key = signing_key(key_path.as_deref())?;
             let text = std::fs::read_to_string(&spec).map_err(|e| {
                 Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", spec.display()))
             })?;
@@ -356,7 +446,10 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             {
                 spec.namespace = ns.to_string();
             }
-            let rec = VolumeRecord::new(spec, secrets);
+            let mut rec = VolumeRecord::new(spec, secrets);
+            if let Some(k) = &key {
+                k.sign(&mut rec);
+            }
             match client.put_variable(&rec.to_variable(), Some(0)).await {
                 Ok(_) => {}
                 Err(NomadError::CasConflict { .. }) => {
@@ -391,7 +484,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                     VolumeState::Failed => {
                         return Err(Failure::new(
                             EXIT_FAILED,
-                            format!("plugin create failed: {} (delete the volume and create it again)", cur.error),
+                            format!("plugin create failed: {} (delete the volume and create it again)", escape_control(&cur.error)),
                         ))
                     }
                     _ if Instant::now() > deadline => {
@@ -427,7 +520,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                 if let Some(var) = client.variable(&m.namespace, &m.path).await? {
                     match VolumeRecord::from_variable(&var) {
                         Ok(r) => records.push(r),
-                        Err(e) => eprintln!("warning: {e}"),
+                        Err(e) => eprintln!("warning: {}", escape_control(&e.to_string())),
                     }
                 }
             }
@@ -435,7 +528,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             for r in records {
                 outln!(
                     "{:<36}  {:<12}  {:<24}  {:<12}  {:<9}",
-                    r.id,
+                    escape_control(&r.id),
                     r.spec.namespace,
                     r.spec.name,
                     r.spec.plugin_id,
@@ -469,11 +562,15 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             }
             outln!(
                 "Parameters      = {}",
-                serde_json::to_string(&r.spec.parameters).unwrap_or_default()
+                escape_control(&serde_json::to_string(&r.spec.parameters).unwrap_or_default())
+            );
+            outln!(
+                "Signed          = {}",
+                if r.signature.is_empty() { "no" } else { "yes" }
             );
             outln!("Secrets         = {} key(s), not shown", r.secrets.len());
             if !r.error.is_empty() {
-                outln!("Error           = {}", r.error);
+                outln!("Error           = {}", escape_control(&r.error));
             }
             let users = users_of(&client, ns, &name).await?;
             outln!("\nAllocations");
@@ -481,11 +578,21 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
                 outln!("No allocations use this volume");
             }
             for (id, aname, node) in users {
-                outln!("{id}  {aname}  node {node}");
+                outln!(
+                    "{}  {}  node {}",
+                    escape_control(&id),
+                    escape_control(&aname),
+                    escape_control(&node)
+                );
             }
             Ok(())
         }
-        VolumeCommand::Delete { name, detach } => {
+        VolumeCommand::Delete {
+            name,
+            detach,
+            signing_key: key_path,
+        } => {
+            let key = signing_key(key_path.as_deref())?;
             let mut r = read_record(&client, ns, &name).await?;
             let users = users_of(&client, ns, &name).await?;
             if !users.is_empty() {
@@ -518,6 +625,9 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             }
             r.state = VolumeState::Deleting;
             r.worker_node.clear();
+            if let Some(k) = &key {
+                k.sign_delete(&mut r);
+            }
             client
                 .put_variable(&r.to_variable(), Some(r.modify_index))
                 .await?;

@@ -113,6 +113,14 @@ pub struct AgentConfig {
     /// Lock delay after a claim's TTL lapses, before another node may take it.
     #[arg(long, env = "DHV_BINDER_CLAIM_LOCK_DELAY", default_value = "15s", value_parser = humantime::parse_duration)]
     pub claim_lock_delay: Duration,
+    /// File of the operators' public keys (`ed25519 <base64>` per line): the agent acts only on
+    /// volume records signed by one of them (docs/security.md). Keep it on the node, root-owned.
+    #[arg(long, env = "DHV_BINDER_RECORD_KEYS")]
+    pub record_keys: Option<PathBuf>,
+    /// Act on unsigned volume records (test clusters only: anyone who may write variables
+    /// under dhv-binder/volumes/ can then make nodes mount and delete as root).
+    #[arg(long, env = "DHV_BINDER_ALLOW_UNSIGNED_RECORDS")]
+    pub allow_unsigned_records: bool,
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,

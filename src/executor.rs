@@ -26,7 +26,9 @@ pub enum Completion {
         volume: VolumeKey,
         result: Result<(), String>,
     },
-    Plugins(BTreeMap<String, Result<Fingerprint, String>>),
+    /// `Err` when the plugin directory could not be read: the previous plugins stand (an I/O
+    /// error is never "no plugins").
+    Plugins(Result<BTreeMap<String, Result<Fingerprint, String>>, String>),
     PlaceholdersListed(Result<BTreeMap<VolumeKey, String>, String>),
     Placeholder {
         volume: VolumeKey,
@@ -282,12 +284,21 @@ pub async fn unpublish(
 
 /// Lists and fingerprints every plugin in the runner's directory.
 pub async fn fingerprint_all(runner: Runner) -> Completion {
+    let ids = match runner.list() {
+        Ok(ids) => ids,
+        Err(e) => {
+            return Completion::Plugins(Err(format!(
+                "cannot read the plugin directory {}: {e}",
+                runner.plugin_dir().display()
+            )))
+        }
+    };
     let mut out = BTreeMap::new();
-    for id in runner.list() {
+    for id in ids {
         let r = runner.fingerprint(&id).await.map_err(|e| e.to_string());
         out.insert(id, r);
     }
-    Completion::Plugins(out)
+    Completion::Plugins(Ok(out))
 }
 
 /// Finds this node's placeholders: host volumes on the node whose path is under `mount_root`.

@@ -11,6 +11,7 @@
 //! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables;
 //! - [`claims`]: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`volume`]: volume specs, records, keys and identifier validation;
+//! - [`trust`]: operator signatures on volume records, verified by agents;
 //! - [`reconcile`]: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record, written ahead of every plugin call;
 //! - [`mounts`]: the mount table;
@@ -41,6 +42,7 @@ pub mod mounts;
 pub mod nomad;
 pub mod plugin;
 pub mod reconcile;
+pub mod trust;
 pub mod view;
 pub mod volume;
 pub mod watch;
