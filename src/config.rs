@@ -44,9 +44,33 @@ pub struct NomadConfig {
     /// PEM client key for mutual TLS.
     #[arg(long = "client-key", env = "NOMAD_CLIENT_KEY", global = true)]
     pub client_key: Option<PathBuf>,
-    /// Do not verify Nomad's TLS certificate (testing only).
-    #[arg(long = "tls-skip-verify", env = "NOMAD_SKIP_VERIFY", global = true)]
+    /// Do not verify Nomad's TLS certificate (testing only). The value is parsed as the Nomad
+    /// CLI parses NOMAD_SKIP_VERIFY (Go's `strconv.ParseBool`: 1 t T TRUE true True, 0 f F
+    /// FALSE false False); anything else is refused rather than guessed.
+    #[arg(
+        long = "tls-skip-verify",
+        env = "NOMAD_SKIP_VERIFY",
+        global = true,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = go_bool,
+        action = clap::ArgAction::Set
+    )]
     pub skip_verify: bool,
+}
+
+/// Parses a boolean as Go's `strconv.ParseBool` does (Nomad's `api.DefaultConfig` reads
+/// NOMAD_SKIP_VERIFY with it). An empty value is false, as an unset variable.
+pub fn go_bool(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "" | "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        other => Err(format!(
+            "{other:?} is not a boolean as Nomad reads it (1, t, T, TRUE, true, True, 0, f, F, FALSE, false, False)"
+        )),
+    }
 }
 
 /// Settings of `dhv-binder agent`.
