@@ -49,6 +49,8 @@ job "dhv-binder" {
         DHV_BINDER_SOCKET      = "/run/dhv-binder/api.sock"
         DHV_BINDER_PLUGIN_DIR  = "/opt/dhv-binder/plugins"
         DHV_BINDER_LOG         = "info"
+        # Operators' public keys (docs/security.md): root-owned, on each node, never in Nomad.
+        DHV_BINDER_RECORD_KEYS = "/etc/dhv-binder/record-keys.pub"
       }
 
       # Published volumes stay mounted while the daemon restarts or upgrades; a plugin call

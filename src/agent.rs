@@ -42,6 +42,8 @@ pub enum StartError {
     AlreadyRunning(PathBuf),
     #[error(transparent)]
     Trust(#[from] crate::trust::TrustError),
+    #[error(transparent)]
+    PluginRoot(#[from] crate::plugin::RootError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -198,7 +200,8 @@ pub async fn run(
         )),
     ];
 
-    let runner = Runner::new(&cfg.plugin_dir, cfg.plugin_timeout);
+    let runner = Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
+        .with_allowed_roots(crate::plugin::allowed_roots(&cfg.plugin_roots)?);
     let node = NodeEnv {
         node_id: node_id.clone(),
         node_pool,

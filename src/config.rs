@@ -145,6 +145,14 @@ pub struct AgentConfig {
     /// under dhv-binder/volumes/ can then make nodes mount and delete as root).
     #[arg(long, env = "DHV_BINDER_ALLOW_UNSIGNED_RECORDS")]
     pub allow_unsigned_records: bool,
+    /// A directory a plugin may touch, `<plugin_id>=<dir>`, repeatable: passed to that plugin
+    /// as `DHV_ALLOWED_ROOTS` (docs/security.md). Node configuration, never from a record.
+    #[arg(
+        long = "plugin-root",
+        env = "DHV_BINDER_PLUGIN_ROOTS",
+        value_delimiter = ','
+    )]
+    pub plugin_roots: Vec<String>,
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,

@@ -172,6 +172,50 @@ pub struct PublishResult {
 pub struct Runner {
     plugin_dir: PathBuf,
     timeout: Duration,
+    /// Per plugin ID: the node-configured roots passed as `DHV_ALLOWED_ROOTS`.
+    allowed_roots: BTreeMap<String, String>,
+}
+
+/// A `--plugin-root` setting that cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RootError {
+    #[error("--plugin-root {0:?} is not `<plugin_id>=<absolute directory>`")]
+    Malformed(String),
+    #[error("--plugin-root {0:?}: the directory does not exist or is not a directory")]
+    Missing(String),
+    #[error(
+        "--plugin-root {0:?}: a root may not contain ':' (DHV_ALLOWED_ROOTS is ':'-separated)"
+    )]
+    Colon(String),
+}
+
+/// Parses `--plugin-root` settings (`<plugin_id>=<dir>`, repeatable) into each plugin's
+/// `DHV_ALLOWED_ROOTS` value: canonical absolute directories joined by `:`.
+pub fn allowed_roots(settings: &[String]) -> Result<BTreeMap<String, String>, RootError> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for s in settings {
+        let (id, dir) = s
+            .split_once('=')
+            .filter(|(id, d)| {
+                crate::volume::validate_identifier("plugin_id", id, false).is_ok()
+                    && d.starts_with('/')
+            })
+            .ok_or_else(|| RootError::Malformed(s.clone()))?;
+        let canon = std::fs::canonicalize(dir)
+            .ok()
+            .filter(|p| p.is_dir())
+            .ok_or_else(|| RootError::Missing(s.clone()))?;
+        let canon = canon
+            .to_str()
+            .ok_or_else(|| RootError::Malformed(s.clone()))?;
+        if canon.contains(':') {
+            return Err(RootError::Colon(s.clone()));
+        }
+        out.entry(id.to_string())
+            .or_default()
+            .push(canon.to_string());
+    }
+    Ok(out.into_iter().map(|(k, v)| (k, v.join(":"))).collect())
 }
 
 /// The successful output of one call.
@@ -273,7 +317,15 @@ impl Runner {
         Self {
             plugin_dir: plugin_dir.to_path_buf(),
             timeout,
+            allowed_roots: BTreeMap::new(),
         }
+    }
+
+    /// Sets the node-configured roots each plugin may touch (from [`allowed_roots`]); every
+    /// call of such a plugin gets them as `DHV_ALLOWED_ROOTS`, overriding anything else.
+    pub fn with_allowed_roots(mut self, roots: BTreeMap<String, String>) -> Self {
+        self.allowed_roots = roots;
+        self
     }
 
     /// The plugin directory.
@@ -385,7 +437,18 @@ impl Runner {
         cmd.arg(op.as_str())
             .env_clear()
             .env("DHV_OPERATION", op.as_str())
-            .envs(env.iter().map(|(k, v)| (k, v)))
+            .envs(
+                env.iter()
+                    .filter(|(k, _)| k != "DHV_ALLOWED_ROOTS")
+                    .map(|(k, v)| (k, v)),
+            )
+            .env(
+                "DHV_ALLOWED_ROOTS",
+                self.allowed_roots
+                    .get(plugin_id)
+                    .map(String::as_str)
+                    .unwrap_or(""),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -786,5 +849,38 @@ exit 1"#,
             r.fingerprint("absent").await,
             Err(PluginError::NotFound { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn allowed_roots_come_from_the_node_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("exports");
+        std::fs::create_dir(&root).unwrap();
+        plugin(
+            dir.path(),
+            "p",
+            r#"echo "{\"path\":\"$DHV_ALLOWED_ROOTS\"}""#,
+        );
+        let roots = allowed_roots(&[format!("p={}", root.display())]).unwrap();
+        let r = Runner::new(dir.path(), Duration::from_secs(5)).with_allowed_roots(roots);
+        // A value smuggled in through the call's environment (e.g. from a record) is ignored.
+        let env = [("DHV_ALLOWED_ROOTS".to_string(), "/".to_string())];
+        let out = r
+            .call("p", Operation::Publish, &env, &BTreeMap::new())
+            .await
+            .unwrap();
+        let res: PublishResult = parse("p", Operation::Publish, &out.stdout).unwrap();
+        assert_eq!(res.path.as_deref(), Some(root.to_str().unwrap()));
+        // Unconfigured plugins get an empty value (they must refuse: fail closed).
+        let r = Runner::new(dir.path(), Duration::from_secs(5));
+        let out = r
+            .call("p", Operation::Publish, &env, &BTreeMap::new())
+            .await
+            .unwrap();
+        let res: PublishResult = parse("p", Operation::Publish, &out.stdout).unwrap();
+        assert_eq!(res.path.as_deref(), Some(""));
+        for bad in ["p", "p=relative", "../x=/tmp", "p=/nonexistent/dir"] {
+            assert!(allowed_roots(&[bad.to_string()]).is_err(), "{bad}");
+        }
     }
 }

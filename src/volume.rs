@@ -579,6 +579,16 @@ pub struct VolumeKey {
     pub name: String,
 }
 
+impl VolumeKey {
+    /// `<namespace>/<name>` as a relative path, after validating both (no `/`, `..`, NUL or
+    /// leading `.`/`-`): the only way a key may reach a filesystem path.
+    pub fn relative_path(&self) -> Result<std::path::PathBuf, SpecError> {
+        validate_identifier("namespace", &self.namespace, false)?;
+        validate_identifier("name", &self.name, true)?;
+        Ok(std::path::Path::new(&self.namespace).join(&self.name))
+    }
+}
+
 impl std::fmt::Display for VolumeKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
@@ -728,5 +738,27 @@ mod tests {
         let back = VolumeRecord::from_variable(&signed.to_variable()).unwrap();
         assert_eq!(back.signature, signed.signature);
         assert_eq!(back.delete_signature, signed.delete_signature);
+    }
+
+    #[test]
+    fn keys_reach_paths_only_when_valid() {
+        let k = |ns: &str, name: &str| VolumeKey {
+            namespace: ns.into(),
+            name: name.into(),
+        };
+        assert_eq!(
+            k("default", "data[0]").relative_path().unwrap(),
+            std::path::PathBuf::from("default/data[0]")
+        );
+        for (ns, name) in [
+            ("..", "x"),
+            ("a/b", "x"),
+            ("", "x"),
+            ("ns", "../x"),
+            ("ns", "/etc"),
+            ("ns\0", "x"),
+        ] {
+            assert!(k(ns, name).relative_path().is_err(), "{ns:?} {name:?}");
+        }
     }
 }

@@ -151,8 +151,14 @@ fn policy_grants_what_the_daemon_calls() {
         assert!(caps.contains(&c.to_string()), "policy lacks {c}");
     }
     let vars = one(ns.body(), "variables");
-    let path = one(vars.body(), "path");
-    assert_eq!(label(path), "dhv-binder/*");
+    // Only the records and the claims: nothing else under dhv-binder/, nothing outside it.
+    let paths: Vec<String> = vars
+        .body()
+        .blocks()
+        .filter(|b| b.identifier() == "path")
+        .map(|b| label(b).to_string())
+        .collect();
+    assert_eq!(paths, ["dhv-binder/volumes/*", "dhv-binder/claims/*"]);
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");
     assert_eq!(string(one(&body, "agent").body(), "policy"), "read");
 }

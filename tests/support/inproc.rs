@@ -49,6 +49,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         audiences: vec![],
         record_keys: None,
         allow_unsigned_records: true,
+        plugin_roots: vec![],
     }
 }
 
