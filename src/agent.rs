@@ -532,6 +532,20 @@ impl Agent {
                         if let Err(e) = self.journal.remove_mount(&volume, "unpublish-done") {
                             tracing::error!(error = %e, "journal write failed");
                         }
+                        // No user record without its mount record (a lost claim unpublishes
+                        // under running users): they are recorded again on the next publish.
+                        let stale: Vec<UserKey> = self
+                            .journal
+                            .users()
+                            .iter()
+                            .filter(|u| u.volume == volume)
+                            .cloned()
+                            .collect();
+                        if !stale.is_empty() && self.journal.mounts().get(&volume).is_none() {
+                            if let Err(e) = self.journal.change_users(&[], &stale) {
+                                tracing::error!(error = %e, "journal write failed");
+                            }
+                        }
                         match self.claims.get(&volume).cloned() {
                             Some(c) if c.state == ClaimState::Held => {
                                 self.busy.insert(volume.clone());
@@ -1047,8 +1061,9 @@ impl Agent {
                 alloc_id: w.alloc_id.clone(),
                 volume: r.volume.clone(),
             };
-            if self.journal.users().contains(&user) {
-                let m = &self.journal.mounts()[&r.volume];
+            // Checked access: a user record may outlive its mount record (issue 13 §4).
+            let mount = self.journal.mounts().get(&r.volume);
+            if let (true, Some(m)) = (self.journal.users().contains(&user), mount) {
                 done.push(PublishedVolume {
                     namespace: r.volume.namespace.clone(),
                     name: r.volume.name.clone(),

@@ -12,7 +12,7 @@ use serde_json::Value;
 use std::path::Path;
 use std::time::Duration;
 use support::fake_nomad::FakeNomad;
-use support::inproc::{agent_config, alloc_json, start_agent, status, volume_record};
+use support::inproc::{agent_config, alloc_json, ready, start_agent, status, volume_record};
 use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
 
 const NODE: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
@@ -37,6 +37,7 @@ async fn publish_after_a_lost_claim_answers_and_the_agent_lives() {
     let mut cfg = agent_config(&sb);
     cfg.claim_ttl = Duration::from_secs(10);
     let agent = start_agent(&fake, cfg.clone());
+    ready(&cfg, &fake, 1).await;
     let token = fixture("workload-identity.json")["default_identity"]["compact"]
         .as_str()
         .unwrap()
@@ -46,6 +47,8 @@ async fn publish_after_a_lost_claim_answers_and_the_agent_lives() {
         || dhv_binder::api::client::call(&cfg.socket, hyper::Method::POST, &uri, Some(&token));
     publish().await.expect("the first publish");
     // The claim is lost (its TTL lapsed, as while the node was frozen): the agent unpublishes.
+    // Another node takes it at once: this node cannot claim it back.
+    fake.state.lock().unwrap().refuse_locks = true;
     fake.expire_locks();
     eventually(30, "unpublish after the lost claim", || {
         calls(&plugins).iter().any(|c| c.starts_with("unpublish"))
