@@ -97,6 +97,8 @@ struct Claim {
 
 /// The agent's state, owned by its loop.
 struct Agent {
+    /// Volume records the catalogue refused (unsigned, forged, malformed), for status.
+    rejected_records: catalog::Rejections,
     cfg: AgentConfig,
     node: NodeEnv,
     client: Client,
@@ -174,6 +176,7 @@ pub async fn run(
         tracing::warn!(plugin_dir = %cfg.plugin_dir.display(), "the plugin directory does not exist: this node serves no volume until plugins are installed there");
     }
 
+    let rejected_records = catalog::Rejections::default();
     let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
     let (api_tx, mut api_rx) = mpsc::channel::<Request2Agent>(256);
@@ -190,7 +193,7 @@ pub async fn run(
             client.clone(),
             Duration::from_secs(300),
             trust,
-            catalog::Rejections::default(),
+            rejected_records.clone(),
             cat_tx,
         )),
         tokio::spawn(crate::api::serve(
@@ -209,6 +212,7 @@ pub async fn run(
         plugin_dir: cfg.plugin_dir.clone(),
     };
     let mut agent = Agent {
+        rejected_records,
         cfg: cfg.clone(),
         node,
         client: client.clone(),
@@ -1142,6 +1146,7 @@ impl Agent {
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.iter().map(|(k, c)| (k.to_string(), format!("{:?}", c.state).to_lowercase())).collect::<BTreeMap<_, _>>(),
             "mount_health": self.mount_health.status(),
+            "rejected_records": self.rejected_records.snapshot(),
         })
     }
 }

@@ -147,6 +147,26 @@ async fn planted_records_mount_and_delete_nothing() {
     ] {
         assert!(logs.contains(reason), "no refusal says {reason:?}:\n{logs}");
     }
+    // `dhv-binder status` names each refused record with its reason.
+    let (code, st) = c.status(0);
+    assert_eq!(code, 0, "{st}");
+    let st: Value = serde_json::from_str(&st).unwrap();
+    for path in [
+        "evil-unsigned",
+        "evil-tampered",
+        "evil-copy",
+        "evil-delete",
+        "good",
+    ] {
+        let key = format!("default/dhv-binder/volumes/{path}");
+        assert!(
+            st["rejected_records"][&key]
+                .as_str()
+                .is_some_and(|r| !r.is_empty()),
+            "status does not name {key}: {}",
+            st["rejected_records"]
+        );
+    }
     // No placeholder was registered for a planted record.
     let vols = c.get("/v1/volumes?type=host&namespace=*").await;
     let names: Vec<&str> = vols
