@@ -364,17 +364,7 @@ mod tests {
     }
 
     fn client(addr: &str) -> Client {
-        Client::new(&crate::config::NomadConfig {
-            address: addr.into(),
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
-        .unwrap()
+        Client::new(&crate::config::NomadConfig::for_address(addr, None)).unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -176,16 +176,10 @@ fn socket_requests() {
         let (listener, guard) = dhv_binder::api::bind(&socket).unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Request2Agent>(8);
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        let client = dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig {
-            address: "http://127.0.0.1:9".into(),
-            token: None,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        })
+        let client = dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::for_address(
+            "http://127.0.0.1:9",
+            None,
+        ))
         .unwrap();
         let limits = Limits {
             header_read_timeout: std::time::Duration::from_millis(300),

@@ -35,17 +35,7 @@ async fn server(
 }
 
 fn client(addr: &str) -> Client {
-    Client::new(&NomadConfig {
-        address: addr.into(),
-        token: Some("s3cret-token".into()),
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    })
-    .unwrap()
+    Client::new(&NomadConfig::for_address(addr, Some("s3cret-token".into()))).unwrap()
 }
 
 /// Every test here runs with a proxy in the environment that must never be used for loopback.

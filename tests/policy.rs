@@ -108,17 +108,7 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     assert!(!log.contains("permission denied"), "{log}");
 
     // What the policy refuses the daemon's token.
-    let client = Client::new(&NomadConfig {
-        address: c.server.clone(),
-        token: Some(secret),
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    })
-    .unwrap();
+    let client = Client::new(&NomadConfig::for_address(&c.server, Some(secret))).unwrap();
     for path in ["dhv-binder/other", "nomad/jobs/x", "app/config"] {
         let v = Variable {
             namespace: "default".into(),

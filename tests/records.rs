@@ -33,6 +33,16 @@ fn spec(name: &str, export: &str) -> String {
     .to_string()
 }
 
+/// The items of an unsigned record in `state` whose plugin context points at `target`.
+fn unsigned(name: &str, export: &str, state: &str, target: &std::path::Path) -> Value {
+    json!({
+        "id": uuid::Uuid::new_v4().to_string(), "spec": spec(name, export),
+        "secrets": "{}", "state": state,
+        "context": json!({"export_path": target}).to_string(),
+        "capacity_bytes": "0", "worker_node": "", "error": ""
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_records_mount_and_delete_nothing() {
     let c = Cluster::start(2).await;
@@ -60,15 +70,12 @@ async fn planted_records_mount_and_delete_nothing() {
     std::fs::write(good_dir.join("data"), "the good volume's data").unwrap();
 
     // 1. An unsigned record, ready, whose context points at a host directory.
-    let unsigned = json!({
-        "id": uuid::Uuid::new_v4().to_string(), "spec": spec("evil-unsigned", "/"),
-        "secrets": "{}", "state": "ready",
-        "context": json!({"export_path": victim_dir}).to_string(),
-        "capacity_bytes": "0", "worker_node": "", "error": ""
-    });
     c.put(
         "/v1/var/dhv-binder/volumes/evil-unsigned?namespace=default",
-        body("evil-unsigned", unsigned),
+        body(
+            "evil-unsigned",
+            unsigned("evil-unsigned", "/", "ready", &victim_dir),
+        ),
     )
     .await;
     // 2. The good record's signature on a record with other parameters (a forged export).
@@ -87,15 +94,12 @@ async fn planted_records_mount_and_delete_nothing() {
     )
     .await;
     // 4. An unsigned record in state deleting whose context names a host file (delete as root).
-    let del = json!({
-        "id": uuid::Uuid::new_v4().to_string(), "spec": spec("evil-delete", &export_root),
-        "secrets": "{}", "state": "deleting",
-        "context": json!({"export_path": victim_file}).to_string(),
-        "capacity_bytes": "0", "worker_node": "", "error": ""
-    });
     c.put(
         "/v1/var/dhv-binder/volumes/evil-delete?namespace=default",
-        body("evil-delete", del),
+        body(
+            "evil-delete",
+            unsigned("evil-delete", &export_root, "deleting", &victim_file),
+        ),
     )
     .await;
     // 5. What one node's daemon token can do to a signed record: move it to `deleting`

@@ -11,17 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 fn verifier() -> Verifier {
-    let c = Client::new(&NomadConfig {
-        address: "http://127.0.0.1:9".into(),
-        token: None,
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    })
-    .unwrap();
+    let c = Client::new(&NomadConfig::for_address("http://127.0.0.1:9", None)).unwrap();
     Verifier::new(c, &[])
 }
 
