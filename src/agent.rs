@@ -198,7 +198,7 @@ pub async fn run(
         )),
         tokio::spawn(crate::api::serve(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
             api_tx,
         )),
     ];

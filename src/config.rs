@@ -170,6 +170,10 @@ pub struct AgentConfig {
         value_delimiter = ','
     )]
     pub plugin_roots: Vec<String>,
+    /// The issuer (`iss`) workload identity tokens must carry: the cluster's `oidc_issuer`,
+    /// when it sets one (Nomad then puts it in every token). Unset: any issuer.
+    #[arg(long = "token-issuer", env = "DHV_BINDER_TOKEN_ISSUER")]
+    pub token_issuer: Option<String>,
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,

@@ -50,6 +50,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         record_keys: None,
         allow_unsigned_records: true,
         plugin_roots: vec![],
+        token_issuer: None,
     }
 }
 
