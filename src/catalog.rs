@@ -5,7 +5,7 @@ use crate::nomad::types::VariableMeta;
 use crate::nomad::Client;
 use crate::trust::RecordTrust;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
-use crate::watch::backoff_delay;
+use crate::watch::{backoff_delay, MIN_QUERY_INTERVAL};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -31,10 +31,6 @@ impl Rejections {
         }
     }
 }
-
-/// Shortest time between two list requests when Nomad answers at once without a newer index
-/// (a missing or stale `X-Nomad-Index`): a blocking query must never become a busy loop.
-pub const MIN_QUERY_INTERVAL: Duration = Duration::from_millis(500);
 
 /// What a cached variable decoded to: a record to act on, or why it is left out.
 type Decoded = Result<VolumeRecord, String>;

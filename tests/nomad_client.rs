@@ -140,3 +140,56 @@ fn skip_verify_flag_and_env_parse_through_clap() {
     assert!(!c.nomad.skip_verify);
     assert!(parse(&["dhv-binder", "--tls-skip-verify=yes", "volume", "list"]).is_err());
 }
+
+/// A Nomad that answers every blocking query at once without `X-Nomad-Index`: the allocation
+/// poll and the record catalogue wait [`MIN_QUERY_INTERVAL`] between queries instead of
+/// spinning (the review saw 420–930 requests per 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_queries_without_an_index_do_not_spin() {
+    let _ = poison_proxy().await;
+    let (addr, hits, seen) = server(|| {
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]".to_string()
+    })
+    .await;
+    let mut wcfg = dhv_binder::watch::WatchConfig::new("3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40");
+    wcfg.mode = dhv_binder::watch::WatchMode::Poll;
+    let (wtx, mut wrx) = tokio::sync::mpsc::channel(64);
+    let watch = tokio::spawn(dhv_binder::watch::run(client(&addr), wcfg, wtx));
+    let (ctx, mut crx) = tokio::sync::mpsc::channel(64);
+    let cat = tokio::spawn(dhv_binder::catalog::run(
+        client(&addr),
+        std::time::Duration::from_secs(300),
+        dhv_binder::trust::RecordTrust::Unverified,
+        dhv_binder::catalog::Rejections::default(),
+        ctx,
+    ));
+    let drain = tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                Some(_) = wrx.recv() => {}
+                Some(_) = crx.recv() => {}
+                else => break,
+            }
+        }
+    });
+    let window = std::time::Duration::from_secs(3);
+    tokio::time::sleep(window).await;
+    watch.abort();
+    cat.abort();
+    drain.abort();
+    let n = hits.load(Ordering::SeqCst);
+    let polls = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.contains("/allocations"))
+        .count();
+    eprintln!(
+        "{n} requests in {window:?} ({polls} allocation polls) against a Nomad that never blocks"
+    );
+    // At most one query per floor interval per loop, plus the first of each.
+    let bound =
+        2 * (window.as_millis() / dhv_binder::watch::MIN_QUERY_INTERVAL.as_millis()) as usize + 2;
+    assert!(n <= bound, "{n} requests in {window:?} (bound {bound})");
+    assert!(polls >= 2, "the poll loop did not run: {polls}");
+}
