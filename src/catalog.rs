@@ -139,9 +139,9 @@ async fn load(
                     .map(|var| admit(&var, trust));
                 if let Some(Err(reason)) = &rec {
                     tracing::warn!(
-                        namespace = %crate::plugin::escape_control(&m.namespace),
-                        path = %crate::plugin::escape_control(&m.path),
-                        reason = %crate::plugin::escape_control(reason),
+                        namespace = %crate::escape::escape_control(&m.namespace),
+                        path = %crate::escape::escape_control(&m.path),
+                        reason = %crate::escape::escape_control(reason),
                         "refusing a volume record: nothing is mounted, created or deleted for it"
                     );
                 }

@@ -7,8 +7,8 @@
 
 use crate::api::client::{call, CallError};
 use crate::config::{AgentConfig, NomadConfig};
+use crate::escape::escape_control;
 use crate::nomad::{Client, NomadError};
-use crate::plugin::escape_control;
 use crate::trust::SigningKey;
 use crate::volume::{self, VolumeRecord, VolumeState};
 use clap::{Parser, Subcommand};

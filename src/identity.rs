@@ -133,7 +133,7 @@ impl Verifier {
         let set = self.key_set(&kid).await?;
         let jwk = set
             .find(&kid)
-            .ok_or_else(|| IdentityError::UnknownKey(crate::plugin::escape_control(&kid)))?;
+            .ok_or_else(|| IdentityError::UnknownKey(crate::escape::escape_control(&kid)))?;
         let key = DecodingKey::from_jwk(jwk).map_err(|e| IdentityError::Invalid(e.to_string()))?;
         verify_with(
             token,

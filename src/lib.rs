@@ -15,6 +15,7 @@
 //! - [`reconcile`]: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record, written ahead of every plugin call;
 //! - [`mounts`]: the mount table;
+//! - [`escape`]: terminal-safe text from plugins, callers and Nomad;
 //! - [`plugin`]: the plugin runner (DHV protocol extended with publish/unpublish);
 //! - [`executor`]: carries out one step as a task and reports its completion;
 //! - [`discovery`]: notices plugin files added, changed or removed;
@@ -34,6 +35,7 @@ pub mod cli;
 pub mod config;
 pub mod conformance;
 pub mod discovery;
+pub mod escape;
 pub mod executor;
 pub mod health;
 pub mod identity;

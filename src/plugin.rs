@@ -98,23 +98,7 @@ pub enum PluginError {
     },
 }
 
-/// Escapes control characters (C0, DEL, C1, and the Unicode bidirectional overrides that
-/// reorder what a terminal shows) as `\u{..}`, and backslashes as `\\`, so text from a plugin or a
-/// server cannot move a terminal's cursor, fake log lines or hide what follows.
-pub fn escape_control(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        let bidi = matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{061c}');
-        if c == '\\' {
-            out.push_str("\\\\");
-        } else if c.is_control() || bidi {
-            out.push_str(&format!("\\u{{{:x}}}", c as u32));
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
+pub use crate::escape::escape_control;
 
 impl PluginError {
     /// The plugin's own words (its `{"error"}` message, stderr tail or stdout), redacted and

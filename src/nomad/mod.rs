@@ -694,7 +694,7 @@ async fn error_text(mut resp: reqwest::Response) -> String {
             break;
         }
     }
-    crate::plugin::escape_control(&String::from_utf8_lossy(&buf))
+    crate::escape::escape_control(&String::from_utf8_lossy(&buf))
 }
 
 fn header_index(resp: &reqwest::Response) -> u64 {
