@@ -13,6 +13,10 @@
 #   destroy after a signed delete) and the single-node claims (locks), nothing else under
 #   dhv-binder/ and nothing outside it. Records are verified against operator keys on each
 #   node, so this write access cannot steer what a node mounts or deletes;
+# - in namespace "default" only, also this node's record (dhv-binder/nodes/<node-id>, read by
+#   `node status`, `plugin status` and `volume create`'s fail-fast check). Nomad applies the
+#   rule of an exact namespace match instead of a glob's (acl/acl.go), so the "default" block
+#   repeats every capability of the "*" block: keep the two in step;
 # - node read: the node's allocation list; agent read: the local node ID.
 namespace "*" {
   capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
@@ -23,6 +27,22 @@ namespace "*" {
     }
     path "dhv-binder/claims/*" {
       capabilities = ["read", "list", "write", "destroy"]
+    }
+  }
+}
+
+namespace "default" {
+  capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
+
+  variables {
+    path "dhv-binder/volumes/*" {
+      capabilities = ["read", "list", "write", "destroy"]
+    }
+    path "dhv-binder/claims/*" {
+      capabilities = ["read", "list", "write", "destroy"]
+    }
+    path "dhv-binder/nodes/*" {
+      capabilities = ["read", "write"]
     }
   }
 }

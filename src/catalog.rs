@@ -3,9 +3,10 @@
 
 use crate::nomad::types::VariableMeta;
 use crate::nomad::Client;
+use crate::retry::backoff_delay;
 use crate::trust::RecordTrust;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
-use crate::watch::{backoff_delay, MIN_QUERY_INTERVAL};
+use crate::watch::MIN_QUERY_INTERVAL;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

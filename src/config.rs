@@ -126,8 +126,8 @@ pub struct AgentConfig {
     pub stream_idle_timeout: Duration,
     /// Where the node's allocations come from: `poll` (blocking queries on the node's own
     /// allocation list) or `stream` (the cluster-wide event stream). See docs/scale.md.
-    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = crate::watch::WatchMode::Poll)]
-    pub watch_mode: crate::watch::WatchMode,
+    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = WatchMode::Poll)]
+    pub watch_mode: WatchMode,
     /// File holding the Nomad token, re-read at start, on every reconnect and after every
     /// auth failure (for rotated tokens); when readable it replaces NOMAD_TOKEN.
     #[arg(long, env = "DHV_BINDER_TOKEN_FILE")]
@@ -177,6 +177,23 @@ pub struct AgentConfig {
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,
+    /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `127.0.0.1:9464`); off
+    /// when unset. The endpoint has no authentication: keep it on loopback.
+    #[arg(long, env = "DHV_BINDER_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Log line format: `text` for people, `json` (one object a line) for log shippers.
+    #[arg(long, env = "DHV_BINDER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// The agent's log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (coloured on a terminal).
+    #[default]
+    Text,
+    /// One JSON object a line, with the event's fields (`volume`, `alloc_id`, ...) as keys.
+    Json,
 }
 
 /// A configuration that cannot work. The CLI exits with code 64 (EX_USAGE).
@@ -184,7 +201,7 @@ pub struct AgentConfig {
 pub enum ConfigError {
     #[error("{what} must be an absolute path, got {path}")]
     NotAbsolute { what: &'static str, path: PathBuf },
-    #[error("NOMAD_ADDR must start with http:// or https://, got {0}")]
+    #[error("NOMAD_ADDR must be http://, https:// or unix:///absolute/path (the Task API socket), got {0}")]
     BadAddress(String),
     #[error("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")]
     HalfClientCert,
@@ -195,7 +212,7 @@ pub enum ConfigError {
 impl NomadConfig {
     /// Checks the settings without touching the network.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !(self.address.starts_with("http://") || self.address.starts_with("https://")) {
+        if crate::nomad::transport::Endpoint::parse(&self.address).is_err() {
             return Err(ConfigError::BadAddress(self.address.clone()));
         }
         if self.client_cert.is_some() != self.client_key.is_some() {
@@ -258,4 +275,17 @@ impl AgentConfig {
     pub fn mount_root(&self) -> PathBuf {
         self.state_dir.join("mnt")
     }
+}
+
+/// Which source of truth the watcher uses (`--watch-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchMode {
+    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
+    /// nodes; every node reads every allocation event of the cluster).
+    Stream,
+    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
+    /// node's own changes only; the default, see docs/scale.md).
+    #[default]
+    Poll,
 }

@@ -15,6 +15,8 @@ use tokio::io::AsyncReadExt;
 
 const STDOUT_LIMIT: usize = 1 << 20;
 const STDERR_TAIL: usize = 2048;
+/// Characters of unparsable stdout kept for the node's log (after redaction).
+const BAD_OUTPUT_KEPT: usize = 200;
 const KILL_GRACE: Duration = Duration::from_secs(3);
 /// Nomad gives fingerprint 1 s; we allow a little more for slow disks.
 pub const FINGERPRINT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -573,6 +575,17 @@ pub fn parse<T: serde::de::DeserializeOwned>(
     op: Operation,
     stdout: &[u8],
 ) -> Result<T, PluginError> {
+    parse_with(plugin, op, stdout, &BTreeMap::new())
+}
+
+/// [`parse`] for an operation that was given `secrets`: on bad output the stdout kept in the
+/// error (and logged here, on the node only) is redacted before it is escaped and cut.
+pub fn parse_with<T: serde::de::DeserializeOwned>(
+    plugin: &str,
+    op: Operation,
+    stdout: &[u8],
+    secrets: &BTreeMap<String, String>,
+) -> Result<T, PluginError> {
     let text = String::from_utf8_lossy(stdout);
     let text = if text.trim().is_empty() {
         "{}"
@@ -580,16 +593,23 @@ pub fn parse<T: serde::de::DeserializeOwned>(
         text.trim()
     };
     // serde_json's messages may quote the offending value: keep only its kind and place.
-    serde_json::from_str(text).map_err(|e| PluginError::BadOutput {
-        plugin: plugin.into(),
-        op,
-        reason: format!(
-            "{:?} error at line {} column {}",
-            e.classify(),
-            e.line(),
-            e.column()
-        ),
-        stdout: escape_control(&text.chars().take(200).collect::<String>()),
+    serde_json::from_str(text).map_err(|e| {
+        let e = PluginError::BadOutput {
+            plugin: plugin.into(),
+            op,
+            reason: format!(
+                "{:?} error at line {} column {}",
+                e.classify(),
+                e.line(),
+                e.column()
+            ),
+            stdout: escape_control(&redact(text, secrets))
+                .chars()
+                .take(BAD_OUTPUT_KEPT)
+                .collect(),
+        };
+        tracing::warn!(plugin, %op, detail = %e.detail(), "{e}");
+        e
     })
 }
 

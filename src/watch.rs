@@ -17,8 +17,8 @@
 use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use crate::nomad::types::Allocation;
 use crate::nomad::{Client, NomadError};
+use crate::retry::backoff_delay;
 use futures_util::StreamExt;
-use rand::Rng;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -38,18 +38,7 @@ pub enum WatchEvent {
     Health(Health),
 }
 
-/// Which source of truth the watcher uses (`--watch-mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum WatchMode {
-    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
-    /// nodes; every node reads every allocation event of the cluster).
-    Stream,
-    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
-    /// node's own changes only; the default, see docs/scale.md).
-    #[default]
-    Poll,
-}
+pub use crate::config::WatchMode;
 
 /// Why the watcher is not connected, for status output and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -175,14 +164,6 @@ enum State {
 /// Shortest time between two blocking queries when Nomad answers at once without a newer
 /// index (a missing or stale `X-Nomad-Index`): a blocking query never becomes a busy loop.
 pub const MIN_QUERY_INTERVAL: Duration = Duration::from_millis(500);
-
-/// Exponential backoff with ±20 % jitter: `base * 2^attempt`, capped.
-pub fn backoff_delay(base: Duration, cap: Duration, attempt: u32) -> Duration {
-    let exp = base.saturating_mul(1u32 << attempt.min(16));
-    let d = exp.min(cap);
-    let jitter = rand::thread_rng().gen_range(0.8..1.2);
-    d.mul_f64(jitter)
-}
 
 /// The delay before relisting after `fault`: auth failures wait at least 1 s (B30).
 fn fault_delay(cfg: &WatchConfig, fault: Fault, attempt: u32) -> Duration {

@@ -252,6 +252,7 @@ esac
 async fn secrets_never_reach_logs_journal_status_or_cli_output() {
     let c = Cluster::start(2).await;
     script(&c.plugin_dir.join("leaky"), LEAKY_PLUGIN);
+    c.wait_plugin("leaky").await;
     let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
     let mut outputs = Vec::new();
     outputs.push(c.create_volume_with(
@@ -386,8 +387,23 @@ async fn plugin_files_are_noticed_while_running() {
         "name = \"plain-data\"\ntype = \"host\"\nplugin_id = \"plain\"\ncapability {\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}\n",
     )
     .unwrap();
-    let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+    // `volume create` refuses it at once, naming why each node cannot serve it.
+    c.wait_for(
+        10,
+        "volume create refused for want of a deferred plugin",
+        || async {
+            let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+            (code == 1 && out.contains("node-1 (plugin is not deferred_bind)")).then_some(())
+        },
+    )
+    .await;
+    // Registered all the same (an existing storage): the agents still never use the plugin.
+    let mut text = std::fs::read_to_string(&spec).unwrap();
+    text.push_str("context {\n  path = \"/nowhere\"\n}\n");
+    std::fs::write(&spec, text).unwrap();
+    let (code, out) = c.cli(&["volume", "register", spec.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}");
+    assert!(out.contains("jobs using it cannot start yet"), "{out}");
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let (_, out) = c.status(0);
     let v: Value = serde_json::from_str(&out).unwrap();
@@ -400,7 +416,7 @@ async fn plugin_files_are_noticed_while_running() {
         .unwrap_or_else(|| panic!("{out}"));
     assert_eq!(vol["served_here"], false, "{out}");
     assert!(vol["placeholder_id"].is_null(), "{out}");
-    assert_eq!(vol["state"], "pending", "{out}");
+    assert_eq!(vol["state"], "ready", "{out}");
     let vols = c.get("/v1/volumes?type=host&namespace=*").await;
     assert!(
         !vols

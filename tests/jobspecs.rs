@@ -83,6 +83,27 @@ fn system_job_runs_the_agent_on_every_client() {
     assert!(string(env.body(), "DHV_BINDER_SOCKET").starts_with("/run/dhv-binder/"));
     let identity = one(task.body(), "identity");
     assert_eq!(attr(identity.body(), "env"), Some(&Expression::Bool(true)));
+    // The release is fetched, checked against its SHA-256, and run from the task dir.
+    let artifact = one(task.body(), "artifact");
+    assert!(attr(artifact.body(), "source").is_some());
+    let checksum = attr(one(artifact.body(), "options").body(), "checksum");
+    assert!(
+        checksum.is_some_and(|c| c.to_string().contains("sha256:")),
+        "the artifact needs options {{ checksum = \"sha256:...\" }}, got {checksum:?}"
+    );
+    assert!(string(one(task.body(), "config").body(), "command").starts_with("local/"));
+    // The Task API socket: no address or TLS files to configure.
+    let addr = attr(env.body(), "NOMAD_ADDR").map(|e| e.to_string());
+    assert!(
+        addr.as_deref()
+            .is_some_and(|a| a.contains("unix://${NOMAD_SECRETS_DIR}/api.sock")),
+        "NOMAD_ADDR should be the Task API socket, got {addr:?}"
+    );
+    let addr = string(env.body(), "DHV_BINDER_METRICS_ADDR");
+    assert!(
+        addr.starts_with("127.0.0.1:"),
+        "metrics beyond loopback: {addr}"
+    );
 }
 
 /// The prestart task calls the daemon with its identity through the socket volume, and
@@ -135,9 +156,10 @@ fn example_jobs_gate_their_tasks_on_publish() {
 #[test]
 fn policy_grants_what_the_daemon_calls() {
     let body = read("dhv-binder-policy.hcl");
-    let ns = one(&body, "namespace");
-    assert_eq!(label(ns), "*");
-    let caps = match attr(ns.body(), "capabilities") {
+    let namespaces = blocks(&body, "namespace");
+    let labels: Vec<String> = namespaces.iter().map(|b| label(b)).collect();
+    assert_eq!(labels, ["*", "default"]);
+    let caps_of = |ns: &Block| match attr(ns.body(), "capabilities") {
         Some(Expression::Array(a)) => a
             .iter()
             .map(|e| match e {
@@ -147,18 +169,38 @@ fn policy_grants_what_the_daemon_calls() {
             .collect::<Vec<_>>(),
         o => panic!("capabilities: {o:?}"),
     };
+    let paths_of = |ns: &Block| -> Vec<String> {
+        one(ns.body(), "variables")
+            .body()
+            .blocks()
+            .filter(|b| b.identifier() == "path")
+            .map(|b| label(b).to_string())
+            .collect()
+    };
+    let caps = caps_of(namespaces[0]);
     for c in ["read-job", "host-volume-register", "host-volume-read"] {
         assert!(caps.contains(&c.to_string()), "policy lacks {c}");
     }
-    let vars = one(ns.body(), "variables");
-    // Only the records and the claims: nothing else under dhv-binder/, nothing outside it.
-    let paths: Vec<String> = vars
-        .body()
-        .blocks()
-        .filter(|b| b.identifier() == "path")
-        .map(|b| label(b).to_string())
-        .collect();
-    assert_eq!(paths, ["dhv-binder/volumes/*", "dhv-binder/claims/*"]);
+    // Nomad applies an exact namespace match instead of the glob: "default" repeats "*".
+    assert_eq!(
+        caps_of(namespaces[1]),
+        caps,
+        "\"default\" must repeat \"*\""
+    );
+    // Only the records and the claims: nothing else under dhv-binder/, nothing outside it;
+    // in "default" also the node records.
+    assert_eq!(
+        paths_of(namespaces[0]),
+        ["dhv-binder/volumes/*", "dhv-binder/claims/*"]
+    );
+    assert_eq!(
+        paths_of(namespaces[1]),
+        [
+            "dhv-binder/volumes/*",
+            "dhv-binder/claims/*",
+            "dhv-binder/nodes/*"
+        ]
+    );
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");
     assert_eq!(string(one(&body, "agent").body(), "policy"), "read");
 }

@@ -45,7 +45,9 @@ fn cli(c: &Cluster, args: &[&str]) -> (i32, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_works_with_the_narrowed_policy() {
     let acl = format!("acl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\n");
-    let mut c = Cluster::start_with(1, &acl, &[]).await;
+    // The agent starts with the management token (the cluster waits for its node record),
+    // then runs again with the policy's token below.
+    let mut c = Cluster::start_with(1, &acl, &[("NOMAD_TOKEN", ROOT)]).await;
     let rules = std::fs::read_to_string(repo().join("jobspecs/dhv-binder-policy.hcl")).unwrap();
     req(
         &c,
@@ -62,10 +64,22 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     )
     .await;
     let secret = tok["SecretID"].as_str().unwrap().to_string();
-    // The agent started without a token; run it with the policy's token.
+    // Run the agent with the policy's token; its node record is written with it.
     c.kill_agent(0, nix::sys::signal::Signal::SIGKILL);
+    c.agent_env.retain(|(k, _)| k != "NOMAD_TOKEN");
     c.agent_env.push(("NOMAD_TOKEN".into(), secret.clone()));
+    req(
+        &c,
+        reqwest::Method::DELETE,
+        &format!(
+            "/v1/var/dhv-binder/nodes/{}?namespace=default",
+            c.nodes[0].id
+        ),
+        None,
+    )
+    .await;
     c.start_agent(0);
+    c.wait_plugin("bind").await;
 
     // Create: the agent reads the record, runs the plugin, writes the result back.
     let spec = c.sb.join("v.volume.hcl");
@@ -129,4 +143,30 @@ async fn the_daemon_works_with_the_narrowed_policy() {
         ..Default::default()
     };
     client.put_variable(&ok, None).await.unwrap();
+
+    // The agent published its node record (namespace default) with the narrowed token.
+    let node_records = req(
+        &c,
+        reqwest::Method::GET,
+        "/v1/vars?prefix=dhv-binder/nodes/&namespace=default",
+        None,
+    )
+    .await;
+    assert_eq!(
+        node_records.as_array().map(Vec::len),
+        Some(1),
+        "{node_records}"
+    );
+    // Node records only in namespace default: not in another namespace.
+    let elsewhere = Variable {
+        namespace: "prod".into(),
+        path: "dhv-binder/nodes/probe".into(),
+        items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+        ..Default::default()
+    };
+    let r = client.put_variable(&elsewhere, None).await;
+    assert!(
+        matches!(r, Err(NomadError::PermissionDenied { .. })),
+        "a node record outside namespace default: {r:?}"
+    );
 }

@@ -3,6 +3,7 @@
 //! Connection settings follow the Nomad CLI's environment conventions (see [`crate::config`]).
 
 pub mod events;
+pub mod transport;
 pub mod types;
 
 use crate::config::NomadConfig;
@@ -90,7 +91,10 @@ pub struct Indexed<T> {
 pub struct Client {
     http: reqwest::Client,
     streaming: reqwest::Client,
+    /// The address as configured, for messages.
     addr: String,
+    /// The URL base of requests (see [`transport::Endpoint::base_url`]).
+    base: String,
     /// Shared by every clone, so that a token re-read from its file reaches all callers.
     token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
@@ -121,6 +125,8 @@ fn capability_for(path: &str) -> &'static str {
 impl Client {
     /// Builds a client from Nomad CLI-style settings. Errors when TLS files cannot be read.
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
+        let endpoint = transport::Endpoint::parse(&cfg.address)
+            .map_err(|e| NomadError::Config(e.to_string()))?;
         let build = |timeout: Option<Duration>| -> Result<reqwest::Client, NomadError> {
             let mut b = reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(10))
@@ -159,6 +165,7 @@ impl Client {
             if cfg.skip_verify {
                 b = b.danger_accept_invalid_certs(true);
             }
+            b = endpoint.configure(b);
             b.build().map_err(|e| NomadError::Config(e.to_string()))
         };
         Ok(Self {
@@ -166,6 +173,7 @@ impl Client {
             http: build(Some(Duration::from_secs(400)))?,
             streaming: build(None)?,
             addr: cfg.address.trim_end_matches('/').to_string(),
+            base: endpoint.base_url(),
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
         })
@@ -190,7 +198,7 @@ impl Client {
         method: Method,
         path: &str,
     ) -> reqwest::RequestBuilder {
-        let mut rb = client.request(method, format!("{}{}", self.addr, path));
+        let mut rb = client.request(method, format!("{}{}", self.base, path));
         if let Some(t) = &*self.token.read().unwrap_or_else(|e| e.into_inner()) {
             rb = rb.header("X-Nomad-Token", t);
         }

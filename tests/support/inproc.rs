@@ -47,6 +47,8 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),
         audiences: vec![],
+        metrics_addr: None,
+        log_format: Default::default(),
         record_keys: None,
         allow_unsigned_records: true,
         plugin_roots: vec![],
