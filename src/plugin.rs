@@ -776,6 +776,19 @@ exit 1"#,
         assert_eq!(sanitize_tail("ééé".as_bytes(), &BTreeMap::new(), 3), "é");
     }
 
+    #[test]
+    fn unparsable_stdout_is_redacted_before_it_is_cut() {
+        let secret = "s3cr3t-value-longer-than-the-cut";
+        let secrets = BTreeMap::from([("k".to_string(), secret.to_string())]);
+        // The secret straddles the 200-character cut: cutting first would keep its head.
+        let out = format!("{}{secret} not json", "x".repeat(BAD_OUTPUT_KEPT - 10));
+        let e = parse_with::<Fingerprint>("p", Operation::Publish, out.as_bytes(), &secrets)
+            .unwrap_err();
+        let shown = format!("{e} {}", e.detail());
+        assert!(!shown.contains(&secret[..10]), "{shown}");
+        assert!(shown.contains("[redac"), "{shown}");
+    }
+
     #[tokio::test]
     async fn unsafe_plugin_files_are_refused_with_a_reason() {
         let dir = tempfile::tempdir().unwrap();

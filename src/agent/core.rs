@@ -1326,4 +1326,46 @@ mod tests {
         assert_eq!(c.len(), 1);
         assert_eq!(publishes(c[0].1), 50);
     }
+
+    // Issue 13 (security): an unreadable plugin directory and invalid volume keys.
+
+    #[test]
+    fn an_unreadable_plugin_directory_keeps_the_plugins_known_before() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let mut e = h.feed(Input::Done(Completion::PluginsUnreadable {
+            dir: "/p".into(),
+            error: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        }));
+        // A catalogue change plans again with the plugins the core now knows.
+        e.extend(h.at(
+            Duration::from_secs(1),
+            Input::Catalogue(BTreeMap::from([
+                (key("d"), volume("d", "multi-node-multi-writer")),
+                (key("e"), volume("e", "multi-node-multi-writer")),
+            ])),
+        ));
+        assert!(
+            !e.iter()
+                .any(|x| matches!(x, Effect::DeregisterPlaceholder { .. })),
+            "a read error is not \"no plugins\": {e:?}"
+        );
+    }
+
+    #[test]
+    fn a_volume_key_that_is_not_a_path_gets_no_target() {
+        let mut h = H::new(&[], vec![]);
+        let e = h.feed(Input::Catalogue(BTreeMap::from([(
+            key(".."),
+            volume("..", "multi-node-multi-writer"),
+        )])));
+        assert!(
+            !e.iter()
+                .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+            "{e:?}"
+        );
+    }
 }
