@@ -9,10 +9,13 @@
 #    to use site plugins instead, point DHV_BINDER_PLUGIN_DIR at a client directory such as
 #    /opt/dhv-binder/plugins.
 # 2. Give every client the static host volume that carries the daemon's socket to prestart
-#    tasks (client agent configuration):
+#    tasks. Its directory must exist before the Nomad client starts (a missing static
+#    host_volume path stops the client), so it lives on persistent storage, not on tmpfs:
+#      install -d -m 0755 /var/lib/dhv-binder/socket
+#    and in the client agent configuration:
 #      client {
 #        host_volume "dhv-binder-socket" {
-#          path      = "/run/dhv-binder"
+#          path      = "/var/lib/dhv-binder/socket"
 #          read_only = true
 #        }
 #      }
@@ -79,7 +82,7 @@ job "dhv-binder" {
       env {
         NOMAD_ADDR             = "unix://${NOMAD_SECRETS_DIR}/api.sock"
         DHV_BINDER_STATE_DIR   = "/var/lib/dhv-binder"
-        DHV_BINDER_SOCKET      = "/run/dhv-binder/api.sock"
+        DHV_BINDER_SOCKET      = "/var/lib/dhv-binder/socket/api.sock"
         DHV_BINDER_PLUGIN_DIR  = "${NOMAD_TASK_DIR}/dhv-binder/plugins"
         DHV_BINDER_LOG         = "info"
         DHV_BINDER_LOG_FORMAT  = "json"

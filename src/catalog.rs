@@ -139,7 +139,10 @@ async fn load(
                     .await?
                     .map(|var| admit(&var, trust));
                 if let Some(Err(reason)) = &rec {
+                    let name = m.path.rsplit('/').next().unwrap_or(&m.path);
+                    let volume = crate::escape::escape_control(&format!("{}/{name}", m.namespace));
                     tracing::warn!(
+                        %volume,
                         namespace = %crate::escape::escape_control(&m.namespace),
                         path = %crate::escape::escape_control(&m.path),
                         reason = %crate::escape::escape_control(reason),

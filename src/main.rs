@@ -47,22 +47,21 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             cfg.validate().map_err(config_err)?;
             init_tracing(cfg.log_format);
             let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
-            // Operator hook (issue 15): the endpoint runs now; the agent core is handed the
-            // same `Metrics` to update once it takes one (see docs/operations.md).
+            // One registry, always kept by the agent; served only with --metrics-addr.
+            let metrics = dhv_binder::metrics::Metrics::new();
             let _metrics_endpoint = match cfg.metrics_addr {
                 Some(addr) => {
-                    let metrics = dhv_binder::metrics::Metrics::new();
                     let l = dhv_binder::metrics::bind(addr).await.map_err(|e| Failure {
                         code: cli::EXIT_CONFIG,
                         message: e.to_string(),
                     })?;
                     let addr = l.local_addr().unwrap_or(addr);
                     tracing::info!(%addr, "serving metrics at /metrics");
-                    Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics)))
+                    Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics.clone())))
                 }
                 None => None,
             };
-            dhv_binder::agent::run(cfg, client, shutdown_signal())
+            dhv_binder::agent::run(cfg, client, metrics, shutdown_signal())
                 .await
                 .map_err(|e| Failure {
                     code: match e {

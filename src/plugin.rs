@@ -153,13 +153,30 @@ pub struct PublishResult {
     pub context: serde_json::Value,
 }
 
+/// Told of every finished plugin call: the plugin ID, the operation, the error (`None`:
+/// it succeeded) and how long it ran. The agent times its calls with it for the metrics.
+pub type CallObserver =
+    std::sync::Arc<dyn Fn(&str, Operation, Option<&PluginError>, Duration) + Send + Sync>;
+
 /// Runs plugins from one directory.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Runner {
     plugin_dir: PathBuf,
     timeout: Duration,
     /// Per plugin ID: the node-configured roots passed as `DHV_ALLOWED_ROOTS`.
     allowed_roots: BTreeMap<String, String>,
+    observer: Option<CallObserver>,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("plugin_dir", &self.plugin_dir)
+            .field("timeout", &self.timeout)
+            .field("observed", &self.observer.is_some())
+            .field("allowed_roots", &self.allowed_roots)
+            .finish()
+    }
 }
 
 /// A `--plugin-root` setting that cannot be used.
@@ -304,6 +321,19 @@ impl Runner {
             plugin_dir: plugin_dir.to_path_buf(),
             timeout,
             allowed_roots: BTreeMap::new(),
+            observer: None,
+        }
+    }
+
+    /// The same runner, telling `observer` of every `fingerprint` and `call` it finishes.
+    pub fn observed(mut self, observer: CallObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    fn observe<T>(&self, plugin_id: &str, op: Operation, r: &Result<T, PluginError>, t: Instant) {
+        if let Some(o) = &self.observer {
+            o(plugin_id, op, r.as_ref().err(), t.elapsed());
         }
     }
 
@@ -359,6 +389,13 @@ impl Runner {
 
     /// Runs `fingerprint`.
     pub async fn fingerprint(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
+        let started = Instant::now();
+        let r = self.fingerprint_unobserved(plugin_id).await;
+        self.observe(plugin_id, Operation::Fingerprint, &r, started);
+        r
+    }
+
+    async fn fingerprint_unobserved(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
         let out = self
             .run(
                 plugin_id,
@@ -389,7 +426,10 @@ impl Runner {
         env: &[(String, String)],
         secrets: &BTreeMap<String, String>,
     ) -> Result<Output, PluginError> {
-        self.run(plugin_id, op, env, secrets, self.timeout).await
+        let started = Instant::now();
+        let r = self.run(plugin_id, op, env, secrets, self.timeout).await;
+        self.observe(plugin_id, op, &r, started);
+        r
     }
 
     async fn run(
@@ -661,6 +701,34 @@ mod tests {
             "{names:?}"
         );
         assert!(names.contains(&"DHV_OPERATION"));
+    }
+
+    #[tokio::test]
+    async fn an_observed_runner_reports_every_call_with_its_outcome() {
+        let dir = tempfile::tempdir().unwrap();
+        plugin(
+            dir.path(),
+            "p",
+            r#"case "$1" in fingerprint) echo '{"version":"1","deferred_bind":true}';; *) exit 2;; esac"#,
+        );
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let r = Runner::new(dir.path(), Duration::from_secs(5)).observed(std::sync::Arc::new(
+            move |id: &str, op, e: Option<&PluginError>, _| {
+                log.lock().unwrap().push((id.to_string(), op, e.is_some()))
+            },
+        ));
+        r.fingerprint("p").await.unwrap();
+        r.call("p", Operation::Publish, &[], &BTreeMap::new())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![
+                ("p".to_string(), Operation::Fingerprint, false),
+                ("p".to_string(), Operation::Publish, true),
+            ]
+        );
     }
 
     #[tokio::test]

@@ -80,7 +80,19 @@ fn system_job_runs_the_agent_on_every_client() {
         "mounts must land in the host namespace"
     );
     let env = one(task.body(), "env");
-    assert!(string(env.body(), "DHV_BINDER_SOCKET").starts_with("/run/dhv-binder/"));
+    // The socket's directory is the static host volume: persistent, never tmpfs (a Nomad
+    // client refuses to start when a static host_volume path is missing after a reboot).
+    let socket = string(env.body(), "DHV_BINDER_SOCKET");
+    assert_eq!(socket, "/var/lib/dhv-binder/socket/api.sock");
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("jobspecs/dhv-binder.nomad.hcl"),
+    )
+    .unwrap();
+    assert!(
+        text.contains("path      = \"/var/lib/dhv-binder/socket\""),
+        "the documented client host_volume path matches the socket's directory"
+    );
+
     let identity = one(task.body(), "identity");
     assert_eq!(attr(identity.body(), "env"), Some(&Expression::Bool(true)));
     // The release is fetched, checked against its SHA-256, and run from the task dir.

@@ -531,7 +531,13 @@ async fn a_second_agent_on_the_node_refuses_to_start() {
         })
         .unwrap()
     };
-    let same_state = dhv_binder::agent::run(cfg.clone(), client(), async {}).await;
+    let same_state = dhv_binder::agent::run(
+        cfg.clone(),
+        client(),
+        dhv_binder::metrics::Metrics::new(),
+        async {},
+    )
+    .await;
     assert!(
         matches!(
             same_state,
@@ -541,7 +547,13 @@ async fn a_second_agent_on_the_node_refuses_to_start() {
     );
     let mut other = cfg.clone();
     other.state_dir = sb.join("state-2");
-    let same_socket = dhv_binder::agent::run(other, client(), async {}).await;
+    let same_socket = dhv_binder::agent::run(
+        other,
+        client(),
+        dhv_binder::metrics::Metrics::new(),
+        async {},
+    )
+    .await;
     let text = format!("{:?}", same_socket.err());
     assert!(text.contains("another dhv-binder agent answers"), "{text}");
     assert!(

@@ -108,6 +108,20 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     if let Some(t) = &cfg.acl.bootstrap_token {
         acl.management.push(t.clone());
     }
+    // `Client.setupNode` (client/client.go): every static host volume's path must exist, or
+    // the client (and with it the agent) refuses to start: "node setup failed".
+    for c in &cfg.clients {
+        for v in &c.host_volumes {
+            if let Err(e) = std::fs::metadata(&v.path) {
+                anyhow::bail!(
+                    "client {}: node setup failed: failed to validate volume {}, err: stat {}: {e}",
+                    c.name,
+                    v.name,
+                    v.path.display()
+                );
+            }
+        }
+    }
     let server = Server::new(&cfg.region, cfg.event_buffer_size, keyring, acl);
     let self_exe = std::env::current_exe().context("locating nomad-sim executable")?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);

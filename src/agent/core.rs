@@ -725,6 +725,38 @@ impl Core {
     }
 }
 
+/// Counts the shell's metrics read after a pass (agent/meter.rs).
+impl Core {
+    /// Allocations of this node and volume records known (O(1)).
+    pub(crate) fn known(&self) -> (usize, usize) {
+        (self.view.allocs().len(), self.volumes.len())
+    }
+
+    /// Volume records this node serves (a pass over the catalogue: ask when it or the
+    /// plugins changed).
+    pub(crate) fn volumes_served(&self) -> usize {
+        let deferred = self.deferred_plugins();
+        self.volumes
+            .values()
+            .filter(|r| self.serves(r, &deferred))
+            .count()
+    }
+
+    /// Mount records by state: publishing, published, unpublishing (a pass over the
+    /// records: ask after a pass that commits, which writes them all anyway).
+    pub(crate) fn mounts_by_state(&self) -> [usize; 3] {
+        let mut n = [0; 3];
+        for m in self.journal.mounts().values() {
+            n[match m.state {
+                MountState::Publishing => 0,
+                MountState::Published => 1,
+                MountState::Unpublishing => 2,
+            }] += 1;
+        }
+        n
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The core's decisions, driven with plain `Instant`s: no tokio, no root, no I/O.

@@ -9,6 +9,7 @@
 use crate::agent::core::{Core, Settings};
 use crate::agent::effect::{Answer, Effect};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
+use crate::agent::meter::Meter;
 use crate::api::{ApiError, PublishReply, Request2Agent};
 use crate::catalog::{self, Catalogue};
 use crate::claims::ClaimSettings;
@@ -17,6 +18,7 @@ use crate::environment::NodeEnv;
 use crate::executor;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
+use crate::metrics::Metrics;
 use crate::mounts::MountTable;
 use crate::nomad::Client;
 use crate::plugin::Runner;
@@ -97,6 +99,7 @@ enum Report {
         seq: u64,
         result: Result<(), JournalError>,
         then: Vec<Effect>,
+        elapsed: Duration,
     },
 }
 
@@ -120,6 +123,7 @@ struct Shell {
     committing: bool,
     queued: Option<(Commit, Vec<Effect>)>,
     reading_mounts: bool,
+    meter: Meter,
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
     rejected_records: catalog::Rejections,
@@ -157,6 +161,7 @@ impl Shell {
     }
 
     fn perform_one(&mut self, e: Effect) {
+        self.meter.effect(&e);
         let (client, runner, node) = (self.client.clone(), self.runner.clone(), self.node.clone());
         match e {
             Effect::Publish {
@@ -270,11 +275,13 @@ impl Shell {
         self.committing = true;
         let store = self.store.clone();
         self.tasks.spawn_blocking(move || {
+            let started = std::time::Instant::now();
             let result = store.write(&commit);
             Report::Committed {
                 seq: commit.seq,
                 result,
                 then,
+                elapsed: started.elapsed(),
             }
         });
     }
@@ -328,7 +335,13 @@ impl Shell {
                 self.reading_mounts = false;
                 table(t).into_iter().collect()
             }
-            Report::Committed { seq, result, then } => {
+            Report::Committed {
+                seq,
+                result,
+                then,
+                elapsed,
+            } => {
+                self.meter.committed(elapsed);
                 self.committing = false;
                 if result.is_ok() {
                     self.perform(then);
@@ -342,10 +355,12 @@ impl Shell {
     }
 }
 
-/// Starts the agent and runs it until `shutdown` resolves.
+/// Starts the agent and runs it until `shutdown` resolves, keeping `metrics` current
+/// (served by `crate::metrics::serve` when `--metrics-addr` is set).
 pub async fn run(
     cfg: AgentConfig,
     client: Client,
+    metrics: Metrics,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
     // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
@@ -448,8 +463,11 @@ pub async fn run(
         journal,
         now(),
     );
+    let meter = Meter::new(metrics);
     let mut shell = Shell {
-        runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout).with_allowed_roots(allowed_roots),
+        runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
+            .with_allowed_roots(allowed_roots)
+            .observed(meter.plugin_observer()),
         permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
         cfg: cfg.clone(),
         client,
@@ -462,6 +480,7 @@ pub async fn run(
         committing: false,
         queued: None,
         reading_mounts: false,
+        meter,
         rejected_records,
     };
     // The mount table first: nothing is planned from an unread one.
@@ -518,8 +537,12 @@ pub async fn run(
                 break;
             }
         }
+        for i in &inputs {
+            shell.meter.input(i);
+        }
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
+        shell.meter.after_pass(&core);
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             r.set_watch(core.watch_health()) | plugins

@@ -34,14 +34,28 @@ pub use prestart::{prestart, PrestartArgs};
 pub use status::{status, StatusArgs};
 pub use volume::{volume_cmd, VolumeCommand};
 
-/// The local agent's socket, for the commands that call it (`prestart`, `status`).
+/// The agent's socket as a prestart task sees it: the job mounts the socket's host volume
+/// at `/run/dhv-binder` inside the task.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SocketArg {
-    /// The daemon's socket on this node (as mounted into the task, for `prestart`).
+    /// The daemon's socket, as mounted into the task.
     #[arg(
         long = "socket",
         env = "DHV_BINDER_SOCKET",
         default_value = "/run/dhv-binder/api.sock"
+    )]
+    pub path: std::path::PathBuf,
+}
+
+/// The agent's socket on the node itself (for `status`, run on the host): the static host
+/// volume directory that survives a reboot.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeSocketArg {
+    /// The daemon's socket on this node.
+    #[arg(
+        long = "socket",
+        env = "DHV_BINDER_SOCKET",
+        default_value = "/var/lib/dhv-binder/socket/api.sock"
     )]
     pub path: std::path::PathBuf,
 }

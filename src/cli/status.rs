@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
-    pub socket: super::SocketArg,
+    pub socket: super::NodeSocketArg,
     #[command(flatten)]
     pub out: OutputArgs,
 }

@@ -8,42 +8,9 @@
 //! true }` gives it as NOMAD_TOKEN), which the client sends as `X-Nomad-Token`. No address,
 //! CA or client certificate is needed, so it works unchanged on clusters with mTLS.
 
-use std::path::PathBuf;
-
-/// The URL scheme of a unix socket address.
-pub const UNIX_SCHEME: &str = "unix://";
-
-/// Where requests go.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `http://host:port` or `https://host:port`: requests go to this base URL.
-    Tcp(String),
-    /// `unix:///path`: requests go over this socket, with `http://localhost` as the URL base.
-    Unix(PathBuf),
-}
-
-/// An address that is neither `http(s)://` nor `unix://` with an absolute path.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("NOMAD_ADDR must be http://, https:// or unix:///absolute/path (the Task API socket, NOMAD_UNIX_ADDR), got {0}")]
-pub struct BadAddress(pub String);
+pub use crate::config::{BadAddress, Endpoint, UNIX_SCHEME};
 
 impl Endpoint {
-    /// Parses a NOMAD_ADDR-style address.
-    pub fn parse(addr: &str) -> Result<Self, BadAddress> {
-        if let Some(p) = addr.strip_prefix(UNIX_SCHEME) {
-            let path = PathBuf::from(p);
-            return if path.is_absolute() {
-                Ok(Endpoint::Unix(path))
-            } else {
-                Err(BadAddress(addr.into()))
-            };
-        }
-        if addr.starts_with("http://") || addr.starts_with("https://") {
-            return Ok(Endpoint::Tcp(addr.trim_end_matches('/').to_string()));
-        }
-        Err(BadAddress(addr.into()))
-    }
-
     /// The base URL request paths are appended to.
     pub fn base_url(&self) -> String {
         match self {

@@ -365,14 +365,24 @@ impl Cluster {
     }
 
     pub async fn get(&self, path: &str) -> Value {
+        self.get_opt(path)
+            .await
+            .unwrap_or_else(|| panic!("GET {path}: 404 Not Found"))
+    }
+
+    /// `GET path`, or `None` on 404 (the object does not exist, e.g. garbage-collected).
+    pub async fn get_opt(&self, path: &str) -> Option<Value> {
         let r = self
             .http
             .get(format!("{}{path}", self.server))
             .send()
             .await
             .unwrap();
+        if r.status() == reqwest::StatusCode::NOT_FOUND {
+            return None;
+        }
         assert!(r.status().is_success(), "GET {path}: {}", r.status());
-        r.json().await.unwrap()
+        Some(r.json().await.unwrap())
     }
 
     /// Submits a jobspec file as the nomad CLI does (parse, then register).

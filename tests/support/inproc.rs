@@ -71,7 +71,7 @@ pub fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
     let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
     let (stop, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
-        dhv_binder::agent::run(cfg, client, async {
+        dhv_binder::agent::run(cfg, client, dhv_binder::metrics::Metrics::new(), async {
             let _ = rx.await;
         })
         .await
