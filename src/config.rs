@@ -61,23 +61,6 @@ pub struct NomadConfig {
     pub skip_verify: bool,
 }
 
-impl NomadConfig {
-    /// Settings for the agent at `address` with `token`, no region, namespace `default` and
-    /// no TLS files (tests and tools that talk to one local agent).
-    pub fn for_address(address: &str, token: Option<String>) -> Self {
-        Self {
-            address: address.into(),
-            token,
-            region: None,
-            namespace: "default".into(),
-            ca_cert: None,
-            client_cert: None,
-            client_key: None,
-            skip_verify: false,
-        }
-    }
-}
-
 /// Parses a boolean as Go's `strconv.ParseBool` does (Nomad's `api.DefaultConfig` reads
 /// NOMAD_SKIP_VERIFY with it). An empty value is false, as an unset variable.
 pub fn go_bool(s: &str) -> Result<bool, String> {

@@ -364,7 +364,7 @@ mod tests {
     }
 
     fn client(addr: &str) -> Client {
-        Client::new(&crate::config::NomadConfig::for_address(addr, None)).unwrap()
+        Client::new(&crate::config::NomadConfig::plain(addr)).unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

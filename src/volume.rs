@@ -362,7 +362,7 @@ pub struct VolumeRecord {
     pub error: String,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
-    /// The operator's signature over ID, place, spec and secrets (`crate::trust`); empty when
+    /// The operator's signature over ID, place, spec and secrets (the `trust` module); empty when
     /// unsigned. Nodes copy it unchanged when they write the record back.
     pub signature: String,
     /// The operator's signature of the delete request; empty unless `volume delete` signed one.

@@ -176,9 +176,8 @@ fn socket_requests() {
         let (listener, guard) = dhv_binder::api::bind(&socket).unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Request2Agent>(8);
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        let client = dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::for_address(
+        let client = dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::plain(
             "http://127.0.0.1:9",
-            None,
         ))
         .unwrap();
         let limits = Limits {

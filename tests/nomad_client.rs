@@ -35,7 +35,11 @@ async fn server(
 }
 
 fn client(addr: &str) -> Client {
-    Client::new(&NomadConfig::for_address(addr, Some("s3cret-token".into()))).unwrap()
+    Client::new(&NomadConfig {
+        token: Some("s3cret-token".into()),
+        ..NomadConfig::plain(addr)
+    })
+    .unwrap()
 }
 
 /// Every test here runs with a proxy in the environment that must never be used for loopback.

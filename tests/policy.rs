@@ -122,7 +122,11 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     assert!(!log.contains("permission denied"), "{log}");
 
     // What the policy refuses the daemon's token.
-    let client = Client::new(&NomadConfig::for_address(&c.server, Some(secret))).unwrap();
+    let client = Client::new(&NomadConfig {
+        token: Some(secret),
+        ..NomadConfig::plain(&c.server)
+    })
+    .unwrap();
     for path in ["dhv-binder/other", "nomad/jobs/x", "app/config"] {
         let v = Variable {
             namespace: "default".into(),

@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 fn verifier() -> Verifier {
-    let c = Client::new(&NomadConfig::for_address("http://127.0.0.1:9", None)).unwrap();
+    let c = Client::new(&NomadConfig::plain("http://127.0.0.1:9")).unwrap();
     Verifier::new(c, &[])
 }
 
