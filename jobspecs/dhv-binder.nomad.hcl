@@ -88,6 +88,8 @@ job "dhv-binder" {
         DHV_BINDER_LOG_FORMAT  = "json"
         # Prometheus metrics on the node's loopback only (unset to turn them off).
         DHV_BINDER_METRICS_ADDR = "127.0.0.1:9464"
+        # Operators' public keys (docs/security.md): root-owned, on each node, never in Nomad.
+        DHV_BINDER_RECORD_KEYS = "/etc/dhv-binder/record-keys.pub"
       }
 
       # Published volumes stay mounted while the daemon restarts or upgrades; a plugin call

@@ -247,11 +247,94 @@ pub fn bind(path: &Path) -> std::io::Result<(UnixListener, SocketGuard)> {
     ))
 }
 
-/// Serves the API until the listener fails or the agent goes away. Each accepted
-/// connection is served by its own task with the router and the caller's peer UID.
+/// Bounds on the local API's connections (the socket is world-writable: any process on the
+/// node, in or out of a task, may connect).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections open at once, all callers but root together.
+    pub max_connections: usize,
+    /// Connections open at once per peer UID (root has its own pool of this size, so a
+    /// flood by task users never locks out `dhv-binder status`).
+    pub max_per_uid: usize,
+    /// Time allowed for a request's headers to arrive, from the connection's start.
+    pub header_read_timeout: Duration,
+    /// The longest a connection may live: the longest publish wait plus a margin.
+    pub max_connection_life: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            max_per_uid: 64,
+            header_read_timeout: Duration::from_secs(10),
+            max_connection_life: MAX_WAIT + Duration::from_secs(30),
+        }
+    }
+}
+
+/// Open connections by peer UID (`None`: the UID could not be read).
+type PerUid = Arc<std::sync::Mutex<std::collections::HashMap<Option<u32>, usize>>>;
+
+/// Releases a connection's per-UID slot when the connection ends.
+struct UidSlot {
+    per_uid: PerUid,
+    uid: Option<u32>,
+}
+
+impl Drop for UidSlot {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.per_uid.lock() {
+            if let Some(n) = m.get_mut(&self.uid) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(&self.uid);
+                }
+            }
+        }
+    }
+}
+
+/// True when the process `pid` shares this agent's mount namespace (a root caller outside
+/// any task's namespace). Any read error is "no".
+fn same_mount_namespace(pid: Option<i32>) -> bool {
+    let Some(pid) = pid.filter(|p| *p > 0) else {
+        return false;
+    };
+    match (
+        std::fs::read_link(format!("/proc/{pid}/ns/mnt")),
+        std::fs::read_link("/proc/self/ns/mnt"),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Serves the API until the listener fails or the agent goes away, with [`Limits::default`].
 pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Sender<Request2Agent>) {
+    serve_with(listener, verifier, agent, Limits::default()).await
+}
+
+/// Serves the API with explicit connection [`Limits`]. A connection over its UID's bound is
+/// closed at once; past the overall bound the agent stops accepting until one ends. Each
+/// connection serves one request (no keep-alive), must send its headers within
+/// `header_read_timeout`, and is closed after `max_connection_life`.
+pub async fn serve_with(
+    listener: UnixListener,
+    verifier: Verifier,
+    agent: mpsc::Sender<Request2Agent>,
+    limits: Limits,
+) {
     let app = router(Arc::new(Ctx { verifier, agent }));
+    let others = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let per_uid: PerUid = Arc::default();
     loop {
+        // Wait for a free slot before accepting: a flood queues in the kernel's backlog
+        // instead of taking file descriptors the journal and plugins need.
+        let permit = match others.clone().acquire_owned().await {
+            Ok(p) => p,
+            Err(_) => return,
+        };
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
@@ -260,14 +343,41 @@ pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Send
                 continue;
             }
         };
-        let peer = Peer {
-            uid: stream.peer_cred().map(|c| c.uid()).ok(),
+        let cred = stream.peer_cred().ok();
+        let uid = cred.map(|c| c.uid());
+        // Root's connections do not count against the shared pool.
+        let permit = (uid != Some(0)).then_some(permit);
+        let slot = {
+            let Ok(mut m) = per_uid.lock() else { continue };
+            let n = m.entry(uid).or_insert(0);
+            if *n >= limits.max_per_uid {
+                tracing::warn!(
+                    uid = ?uid,
+                    open = *n,
+                    "local API: too many connections from this user; closing the new one"
+                );
+                continue;
+            }
+            *n += 1;
+            UidSlot {
+                per_uid: per_uid.clone(),
+                uid,
+            }
         };
-        let svc = TowerToHyperService::new(app.clone().layer(Extension(peer)));
+        // `/v1/status` is for root outside any task: a root caller in another mount
+        // namespace (a task) is treated as unprivileged.
+        let peer_uid = uid.filter(|u| *u != 0 || same_mount_namespace(cred.and_then(|c| c.pid())));
+        let svc = TowerToHyperService::new(app.clone().layer(Extension(Peer { uid: peer_uid })));
         tokio::spawn(async move {
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+            let _permit = permit;
+            let _slot = slot;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .keep_alive(false)
+                .max_buf_size(16 * 1024)
+                .serve_connection(TokioIo::new(stream), svc);
+            let _ = tokio::time::timeout(limits.max_connection_life, conn).await;
         });
     }
 }

@@ -33,6 +33,9 @@ pub enum Completion {
     },
     /// Every plugin in the directory, fingerprinted.
     Plugins(BTreeMap<String, Result<Fingerprint, PluginError>>),
+    /// The plugin directory could not be read: the plugins known before stand (an I/O error
+    /// is never "no plugins").
+    PluginsUnreadable { dir: PathBuf, error: std::io::Error },
     /// This node's placeholder host volumes (volume → host volume ID).
     PlaceholdersListed(Result<BTreeMap<VolumeKey, ListedPlaceholder>, NomadError>),
     /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
@@ -187,8 +190,8 @@ pub async fn publish(
             .call(plugin_id, Operation::Publish, &env, &rec.secrets)
             .await
             .map_err(|e| redacted(e, &rec.secrets))?;
-        let res: PublishResult = plugin::parse(plugin_id, Operation::Publish, &out.stdout)
-            .map_err(|e| redacted(e, &rec.secrets))?;
+        let res: PublishResult =
+            plugin::parse_with(plugin_id, Operation::Publish, &out.stdout, &rec.secrets)?;
         if let Some(p) = &res.path {
             if Path::new(p) != target {
                 return Err(StepError::WrongPath {
@@ -266,8 +269,17 @@ pub async fn unpublish(
 
 /// Lists and fingerprints every plugin in the runner's directory.
 pub async fn fingerprint_all(runner: Runner) -> Completion {
+    let ids = match runner.list() {
+        Ok(ids) => ids,
+        Err(error) => {
+            return Completion::PluginsUnreadable {
+                dir: runner.plugin_dir().to_path_buf(),
+                error,
+            }
+        }
+    };
     let mut out = BTreeMap::new();
-    for id in runner.list() {
+    for id in ids {
         let r = runner.fingerprint(&id).await;
         out.insert(id, r);
     }
@@ -405,7 +417,12 @@ pub async fn create(
             .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)
             .await
             .and_then(|o| {
-                plugin::parse::<CreateResult>(&rec.spec.plugin_id, Operation::Create, &o.stdout)
+                plugin::parse_with::<CreateResult>(
+                    &rec.spec.plugin_id,
+                    Operation::Create,
+                    &o.stdout,
+                    &rec.secrets,
+                )
             }) {
             Ok(res) => {
                 rec.state = VolumeState::Ready;

@@ -25,12 +25,17 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 const VERSION: u32 = 1;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
+/// The state directory's mode: only root reads the journal (issue 13 §5).
+const DIR_MODE: u32 = 0o700;
+/// The journal files' mode.
+const FILE_MODE: u32 = 0o600;
 
 /// Journal I/O failed, or the file on disk is not one this version can read.
 #[derive(Debug, thiserror::Error)]
@@ -278,12 +283,21 @@ impl Journal {
         self.queue(kind, &key, alloc, detail);
     }
 
-    /// Removes a volume's mount record (after a successful unpublish).
+    /// Removes a volume's mount record (after a successful unpublish), and the volume's user
+    /// records with it: no user record outlives its mount record (a lost claim unpublishes
+    /// under running users; they are recorded again on the next publish; issue 13 §4).
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
         if let Some(old) = self.mounts.remove(key) {
             self.targets.remove(&old.target);
             self.queue(kind, key, None, serde_json::Value::Null);
         }
+        let stale: Vec<UserKey> = self
+            .users
+            .iter()
+            .filter(|u| &u.volume == key)
+            .cloned()
+            .collect();
+        self.change_users(&[], &stale);
     }
 
     /// Adds and removes user records (one commit for a whole plan, however many
@@ -370,11 +384,29 @@ pub struct Store {
 impl Store {
     /// Opens (or creates) the journal in `dir` and loads its records. A corrupt file is an
     /// error, never discarded.
+    ///
+    /// The directory is made mode 0700 and the journal's files 0600 (they name volumes,
+    /// allocations and plugin errors; issue 13 §5), also when they exist already.
     pub fn open(dir: &Path, node_id: &str) -> Result<(Self, Journal), JournalError> {
+        let private = |path: &Path, mode: u32| {
+            fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(|source| {
+                JournalError::Write {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })
+        };
         fs::create_dir_all(dir).map_err(|source| JournalError::Write {
             path: dir.to_path_buf(),
             source,
         })?;
+        private(dir, DIR_MODE)?;
+        for name in ["journal.json", "journal.log", "journal.log.1"] {
+            let path = dir.join(name);
+            if path.exists() {
+                private(&path, FILE_MODE)?;
+            }
+        }
         let store = Self {
             dir: dir.to_path_buf(),
             syncs: Arc::default(),
@@ -440,7 +472,16 @@ impl Store {
         let bytes = serde_json::to_vec_pretty(&commit.snapshot)
             .map_err(|e| werr(std::io::Error::other(e)))?;
         {
-            let mut f = File::create(&tmp).map_err(werr)?;
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(FILE_MODE)
+                .open(&tmp)
+                .map_err(werr)?;
+            // A temp file left by a crash keeps its old mode: set it.
+            f.set_permissions(fs::Permissions::from_mode(FILE_MODE))
+                .map_err(werr)?;
             f.write_all(&bytes).map_err(werr)?;
             f.sync_all().map_err(werr)?;
         }
@@ -484,6 +525,7 @@ impl Store {
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(FILE_MODE)
             .open(&path)
             .map_err(werr)?;
         f.write_all(text.as_bytes()).map_err(werr)
@@ -643,5 +685,51 @@ pub(crate) mod tests {
             }
         }
         assert_eq!(sizes[0], sizes[1], "{sizes:?}");
+    }
+
+    #[test]
+    fn the_state_dir_is_0700_and_the_journal_files_0600() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        // An existing directory and history file with loose modes are tightened too.
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(dir.join("journal.log"), b"").unwrap();
+        fs::set_permissions(dir.join("journal.log"), fs::Permissions::from_mode(0o644)).unwrap();
+        let (store, mut j) = open(&dir, "n").unwrap();
+        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+        store.write(&j.take_commit().unwrap()).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700, "state directory");
+        for name in ["journal.json", "journal.log"] {
+            assert_eq!(mode(&dir.join(name)), 0o600, "{name}");
+        }
+    }
+
+    #[test]
+    fn no_user_record_outlives_its_mount_record() {
+        let mut j = Journal::new("n");
+        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+        let other = VolumeKey {
+            namespace: "default".into(),
+            name: "other".into(),
+        };
+        let users = [
+            UserKey {
+                alloc_id: "a1".into(),
+                volume: key(),
+            },
+            UserKey {
+                alloc_id: "a2".into(),
+                volume: other.clone(),
+            },
+        ];
+        j.change_users(&users, &[]);
+        j.remove_mount(&key(), EventKind::UnpublishDone);
+        assert_eq!(
+            j.users().iter().cloned().collect::<Vec<_>>(),
+            vec![users[1].clone()],
+            "the unpublished volume's user record goes with its mount record"
+        );
     }
 }

@@ -11,10 +11,12 @@
 //! - `catalog`: the cluster-wide volume records, watched in Nomad Variables;
 //! - `claims`: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`volume`]: volume specs, records, keys and identifier validation;
+//! - [`trust`]: operator signatures on volume records, verified by agents;
 //! - `reconcile`: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record (records in memory, group-committed ahead of
 //!   the plugin calls of each planning pass);
 //! - [`mounts`]: the mount table ([`mounts::MountTable`]);
+//! - [`escape`]: terminal-safe text from plugins, callers and Nomad;
 //! - [`plugin`]: the plugin runner (DHV protocol extended with publish/unpublish);
 //! - `executor`: carries out one effect (plugin or Nomad call), returns a typed completion;
 //! - [`environment`]: the plugin environment contract (variables of each operation);
@@ -34,16 +36,17 @@
 
 pub mod agent;
 pub mod api;
-pub(crate) mod catalog;
+pub mod catalog;
 pub(crate) mod claims;
 pub mod cli;
 pub mod config;
 pub(crate) mod conformance;
 pub(crate) mod discovery;
 pub mod environment;
+pub mod escape;
 pub(crate) mod executor;
 pub(crate) mod health;
-pub(crate) mod identity;
+pub mod identity;
 pub mod journal;
 pub mod metrics;
 pub mod mounts;
@@ -52,6 +55,7 @@ pub mod nomad;
 pub mod plugin;
 pub(crate) mod reconcile;
 pub(crate) mod retry;
+pub mod trust;
 pub(crate) mod view;
 pub mod volume;
 pub mod watch;

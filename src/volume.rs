@@ -44,6 +44,60 @@ pub enum SpecError {
     BadSize { field: &'static str, value: String },
     #[error("capacity_min ({min} bytes) is larger than capacity_max ({max} bytes)")]
     CapacityOrder { min: u64, max: u64 },
+    #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
+    TooDeep,
+}
+
+/// Deepest nesting of `{`, `[` and `(` a spec may have (the HCL parser recurses per level).
+pub const MAX_SPEC_DEPTH: usize = 32;
+/// Largest spec text accepted, in bytes.
+pub const MAX_SPEC_BYTES: usize = 1 << 20;
+
+/// The deepest nesting of brackets in HCL text, outside strings and comments. Conservative:
+/// brackets inside heredocs count too.
+fn nesting_depth(text: &str) -> usize {
+    let b = text.as_bytes();
+    let (mut depth, mut max, mut i) = (0usize, 0usize, 0usize);
+    while let Some(&c) = b.get(i) {
+        match c {
+            b'"' => {
+                i += 1;
+                while let Some(&d) = b.get(i) {
+                    match d {
+                        b'\\' => i += 1,
+                        b'"' => break,
+                        _ => {}
+                    }
+                    i += 1;
+                }
+            }
+            b'#' => {
+                while b.get(i).is_some_and(|&d| d != b'\n') {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                while b.get(i).is_some_and(|&d| d != b'\n') {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                i += 2;
+                while i < b.len() && !(b[i] == b'*' && b.get(i + 1) == Some(&b'/')) {
+                    i += 1;
+                }
+                i += 1;
+            }
+            b'{' | b'[' | b'(' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b'}' | b']' | b')' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        i += 1;
+    }
+    max
 }
 
 /// One `capability { access_mode attachment_mode }` block.
@@ -173,6 +227,9 @@ fn parse_size(field: &'static str, v: Option<&hcl::Value>) -> Result<u64, SpecEr
 
 /// Parses and validates a volume spec file's text. Returns the spec and its secrets.
 pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
+    if text.len() > MAX_SPEC_BYTES || nesting_depth(text) > MAX_SPEC_DEPTH {
+        return Err(SpecError::TooDeep);
+    }
     let raw: RawSpec = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let name = raw.name.unwrap_or_default();
     if name.is_empty() {
@@ -286,8 +343,8 @@ impl VolumeState {
     }
 }
 
-/// The cluster-wide record of one deferred volume.
-#[derive(Debug, Clone, PartialEq)]
+/// The cluster-wide record of one deferred volume. Its `Debug` shows secret keys, never values.
+#[derive(Clone, PartialEq)]
 pub struct VolumeRecord {
     /// UUID chosen at `volume create`; passed to plugins as DHV_VOLUME_ID.
     pub id: String,
@@ -305,6 +362,33 @@ pub struct VolumeRecord {
     pub error: String,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
+    /// The operator's signature over ID, place, spec and secrets (the `trust` module); empty when
+    /// unsigned. Nodes copy it unchanged when they write the record back.
+    pub signature: String,
+    /// The operator's signature of the delete request; empty unless `volume delete` signed one.
+    pub delete_signature: String,
+}
+
+impl std::fmt::Debug for VolumeRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secrets: BTreeMap<&str, &str> = self
+            .secrets
+            .keys()
+            .map(|k| (k.as_str(), "[redacted]"))
+            .collect();
+        f.debug_struct("VolumeRecord")
+            .field("id", &self.id)
+            .field("spec", &self.spec)
+            .field("secrets", &secrets)
+            .field("state", &self.state)
+            .field("context", &self.context)
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("worker_node", &self.worker_node)
+            .field("error", &self.error)
+            .field("modify_index", &self.modify_index)
+            .field("signed", &!self.signature.is_empty())
+            .finish()
+    }
 }
 
 /// The most a volume record may hold, in bytes of its variable's Items (keys plus values):
@@ -360,6 +444,8 @@ impl VolumeRecord {
             worker_node: String::new(),
             error: String::new(),
             modify_index: 0,
+            signature: String::new(),
+            delete_signature: String::new(),
         }
     }
 
@@ -388,6 +474,14 @@ impl VolumeRecord {
         items.insert("capacity_bytes".into(), self.capacity_bytes.to_string());
         items.insert("worker_node".into(), self.worker_node.clone());
         items.insert("error".into(), self.error.clone());
+        for (k, v) in [
+            ("signature", &self.signature),
+            ("delete_signature", &self.delete_signature),
+        ] {
+            if !v.is_empty() {
+                items.insert(k.into(), v.clone());
+            }
+        }
         Variable {
             namespace: self.spec.namespace.clone(),
             path: record_path(&self.spec.name),
@@ -426,10 +520,18 @@ impl VolumeRecord {
             serde_json::from_str(&item("spec")).map_err(|e| err(format!("spec: {e}")))?;
         validate_identifier("name", &spec.name, true).map_err(|e| err(e.to_string()))?;
         validate_identifier("plugin_id", &spec.plugin_id, false).map_err(|e| err(e.to_string()))?;
+        validate_identifier("namespace", &spec.namespace, false).map_err(|e| err(e.to_string()))?;
         if spec.namespace != var.namespace {
             return Err(err(format!(
                 "spec namespace {} differs from the variable's {}",
                 spec.namespace, var.namespace
+            )));
+        }
+        if var.path != record_path(&spec.name) {
+            return Err(err(format!(
+                "spec name {:?} belongs at {}, not here (a record copied to another path)",
+                spec.name,
+                record_path(&spec.name)
             )));
         }
         let secrets = match item("secrets").as_str() {
@@ -456,6 +558,8 @@ impl VolumeRecord {
             worker_node: item("worker_node"),
             error: item("error"),
             modify_index: var.modify_index,
+            signature: item("signature"),
+            delete_signature: item("delete_signature"),
         })
     }
 
@@ -506,6 +610,16 @@ impl VolumeRecord {
 pub struct VolumeKey {
     pub namespace: String,
     pub name: String,
+}
+
+impl VolumeKey {
+    /// `<namespace>/<name>` as a relative path, after validating both (no `/`, `..`, NUL or
+    /// leading `.`/`-`): the only way a key may reach a filesystem path.
+    pub fn relative_path(&self) -> Result<std::path::PathBuf, SpecError> {
+        validate_identifier("namespace", &self.namespace, false)?;
+        validate_identifier("name", &self.name, true)?;
+        Ok(std::path::Path::new(&self.namespace).join(&self.name))
+    }
 }
 
 impl std::fmt::Display for VolumeKey {
@@ -626,5 +740,76 @@ mod tests {
         rec.modify_index = 9;
         assert_eq!(back, rec);
         assert_eq!(record_path("data[0]"), "dhv-binder/volumes/data~5b0~5d");
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_not_a_stack_overflow() {
+        let deep = format!("name = {}1{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(parse_spec(&deep), Err(SpecError::TooDeep));
+        let blocks = format!(
+            "name = \"a\"\nplugin_id = \"p\"\n{}{}",
+            "parameters {\n".repeat(40),
+            "}\n".repeat(40)
+        );
+        assert_eq!(parse_spec(&blocks), Err(SpecError::TooDeep));
+        // Brackets inside strings and comments do not count.
+        let quoted = format!(
+            "name = \"a\"\nplugin_id = \"p\"\n# {}\nparameters {{ x = \"{}\\\"\" }}",
+            "{".repeat(100),
+            "[".repeat(100)
+        );
+        assert!(parse_spec(&quoted).is_ok(), "{quoted}");
+        assert_eq!(nesting_depth("a { b { c = [1] } } // {{{{\n/* [[[[ */"), 3);
+    }
+
+    #[test]
+    fn debug_hides_secret_values() {
+        let (spec, secrets) = parse_spec(SPEC).unwrap();
+        let rec = VolumeRecord::new(spec, secrets);
+        let shown = format!("{rec:?} {rec:#?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("password"), "{shown}");
+    }
+
+    #[test]
+    fn a_record_copied_to_another_path_or_namespace_is_refused() {
+        let (spec, secrets) = parse_spec(SPEC).unwrap();
+        let rec = VolumeRecord::new(spec, secrets);
+        let mut var = rec.to_variable();
+        var.path = "dhv-binder/volumes/other".into();
+        let e = VolumeRecord::from_variable(&var).unwrap_err().to_string();
+        assert!(e.contains("copied to another path"), "{e}");
+        let mut var = rec.to_variable();
+        var.namespace = "prod".into();
+        assert!(VolumeRecord::from_variable(&var).is_err());
+        // Signatures survive the round trip a node's write-back makes.
+        let mut signed = rec.clone();
+        signed.signature = "ed25519:ab:cd".into();
+        signed.delete_signature = "ed25519:ab:ef".into();
+        let back = VolumeRecord::from_variable(&signed.to_variable()).unwrap();
+        assert_eq!(back.signature, signed.signature);
+        assert_eq!(back.delete_signature, signed.delete_signature);
+    }
+
+    #[test]
+    fn keys_reach_paths_only_when_valid() {
+        let k = |ns: &str, name: &str| VolumeKey {
+            namespace: ns.into(),
+            name: name.into(),
+        };
+        assert_eq!(
+            k("default", "data[0]").relative_path().unwrap(),
+            std::path::PathBuf::from("default/data[0]")
+        );
+        for (ns, name) in [
+            ("..", "x"),
+            ("a/b", "x"),
+            ("", "x"),
+            ("ns", "../x"),
+            ("ns", "/etc"),
+            ("ns\0", "x"),
+        ] {
+            assert!(k(ns, name).relative_path().is_err(), "{ns:?} {name:?}");
+        }
     }
 }

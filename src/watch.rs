@@ -178,6 +178,10 @@ enum State {
     Stopped,
 }
 
+/// Shortest time between two blocking queries when Nomad answers at once without a newer
+/// index (a missing or stale `X-Nomad-Index`): a blocking query never becomes a busy loop.
+pub const MIN_QUERY_INTERVAL: Duration = Duration::from_millis(500);
+
 /// The delay before relisting after `fault`: auth failures wait at least 1 s (B30).
 fn fault_delay(cfg: &WatchConfig, fault: Fault, attempt: u32) -> Duration {
     let d = backoff_delay(cfg.backoff_base, cfg.backoff_cap, attempt);
@@ -441,6 +445,7 @@ impl Watcher {
                 let query = self
                     .client
                     .node_allocations(&self.cfg.node_id, index.max(1), wait);
+                let asked = tokio::time::Instant::now();
                 match tokio::time::timeout(deadline, query).await {
                     Err(_) => {
                         let attempt = self.healthy_reset(attempt, since);
@@ -461,6 +466,10 @@ impl Watcher {
                         let new = list.index;
                         if !self.relisted(list.value, new).await {
                             return State::Stopped;
+                        }
+                        if new <= index {
+                            // Answered without a newer index: not a real wake-up.
+                            tokio::time::sleep_until(asked + MIN_QUERY_INTERVAL).await;
                         }
                         let h = Health::Polling {
                             index: new,

@@ -89,6 +89,9 @@ fn ext4_plugin_conforms() {
 fn webdav_fuse_plugin_conforms() {
     let sb = Sandbox::new();
     let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "conformance-pw");
+    // Secrets come from a file, never argv.
+    let secrets = sb.join("secrets.txt");
+    std::fs::write(&secrets, "password=conformance-pw\n").unwrap();
     let (code, report) = check(
         &sb,
         &repo().join("plugins/webdav"),
@@ -97,8 +100,8 @@ fn webdav_fuse_plugin_conforms() {
             &format!("url={}", server.url),
             "--param",
             "user=dhv",
-            "--secret",
-            "password=conformance-pw",
+            "--secrets-file",
+            secrets.to_str().unwrap(),
         ],
     );
     assert_conforms(code, &report);

@@ -280,8 +280,16 @@ impl Core {
             .collect()
     }
 
-    fn target_of(&self, key: &VolumeKey) -> PathBuf {
-        self.s.mount_root.join(&key.namespace).join(&key.name)
+    /// The volume's mount point under the mount root; `None` (logged) for a key that is not
+    /// a valid identifier pair, so no path leaves the root (issue 13 §5).
+    fn target_of(&self, key: &VolumeKey) -> Option<PathBuf> {
+        match key.relative_path() {
+            Ok(rel) => Some(self.s.mount_root.join(rel)),
+            Err(e) => {
+                tracing::error!(volume = %key, error = %e, "refusing a volume key that is not a valid path");
+                None
+            }
+        }
     }
 
     fn serves(&self, rec: &VolumeRecord, deferred: &BTreeSet<String>) -> bool {
@@ -484,6 +492,11 @@ impl Core {
                 self.plugins_loaded = true;
                 self.chores_due = true;
             }
+            Completion::PluginsUnreadable { dir, error } => {
+                // Never "no plugins" (issue 13 §2): the plugins known before stand.
+                self.fingerprinting = false;
+                tracing::warn!(plugin_dir = %dir.display(), %error, "plugin directory unreadable: keeping the plugins known before");
+            }
             Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
             Completion::Placeholder { volume, result } => {
                 self.placeholders
@@ -673,7 +686,7 @@ impl Core {
                 .volumes
                 .values()
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
-                .map(|r| (r.key(), (r, self.target_of(&r.key()))))
+                .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
                 .collect();
             out.extend(self.placeholders.drive(&want, &self.retries, now));
         }
@@ -750,9 +763,10 @@ impl Core {
     ) -> Option<Effect> {
         let rec = self.volumes.get(&volume)?.clone();
         let prev = self.journal.mounts().get(&volume);
-        let target = prev
-            .map(|p| p.target.clone())
-            .unwrap_or_else(|| self.target_of(&volume));
+        let target = match prev {
+            Some(p) => p.target.clone(),
+            None => self.target_of(&volume)?,
+        };
         let m = MountRecord {
             volume: volume.clone(),
             volume_id: rec.id.clone(),
@@ -1868,6 +1882,48 @@ mod tests {
             w200,
             4 * w50,
             "planning work is not linear: {w50} for 50, {w200} for 200"
+        );
+    }
+
+    // Issue 13 (security): an unreadable plugin directory and invalid volume keys.
+
+    #[test]
+    fn an_unreadable_plugin_directory_keeps_the_plugins_known_before() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let mut e = h.feed(Input::Done(Completion::PluginsUnreadable {
+            dir: "/p".into(),
+            error: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        }));
+        // A catalogue change plans again with the plugins the core now knows.
+        e.extend(h.at(
+            Duration::from_secs(1),
+            Input::Catalogue(BTreeMap::from([
+                (key("d"), volume("d", "multi-node-multi-writer")),
+                (key("e"), volume("e", "multi-node-multi-writer")),
+            ])),
+        ));
+        assert!(
+            !e.iter()
+                .any(|x| matches!(x, Effect::DeregisterPlaceholder { .. })),
+            "a read error is not \"no plugins\": {e:?}"
+        );
+    }
+
+    #[test]
+    fn a_volume_key_that_is_not_a_path_gets_no_target() {
+        let mut h = H::new(&[], vec![]);
+        let e = h.feed(Input::Catalogue(BTreeMap::from([(
+            key(".."),
+            volume("..", "multi-node-multi-writer"),
+        )])));
+        assert!(
+            !e.iter()
+                .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+            "{e:?}"
         );
     }
 }

@@ -49,6 +49,12 @@ pub enum StartError {
     Nomad(#[from] crate::nomad::NomadError),
     #[error("another dhv-binder agent already uses the state directory {0} (its lock file is held); run one agent per node")]
     AlreadyRunning(PathBuf),
+    /// The record keys (`--record-keys`) are unreadable or malformed (issue 13 §1).
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
+    /// A `--plugin-root` is not an absolute, existing directory (issue 13 §1).
+    #[error(transparent)]
+    PluginRoot(#[from] crate::plugin::RootError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -118,6 +124,9 @@ struct Shell {
     queued: Option<(Commit, Vec<Effect>)>,
     reading_mounts: bool,
     meter: Meter,
+    /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
+    /// status answer as `rejected_records` (issue 13 §1).
+    rejected_records: catalog::Rejections,
 }
 
 impl Shell {
@@ -146,7 +155,20 @@ impl Shell {
             queued: None,
             reading_mounts: false,
             meter,
+            rejected_records: catalog::Rejections::default(),
         }
+    }
+
+    /// The node's plugin roots (passed to plugins, never taken from a record) and the
+    /// refused volume records the catalogue reports, shown by `status` (issue 13).
+    fn with_trust(
+        mut self,
+        allowed_roots: std::collections::BTreeMap<String, String>,
+        rejected_records: catalog::Rejections,
+    ) -> Self {
+        self.runner = self.runner.with_allowed_roots(allowed_roots);
+        self.rejected_records = rejected_records;
+        self
     }
 
     fn perform(&mut self, effects: Vec<Effect>) {
@@ -277,7 +299,11 @@ impl Shell {
                 (Some(Pending::Publish(tx)), Answer::Publish(r)) => {
                     let _ = tx.send(r);
                 }
-                (Some(Pending::Status(tx)), Answer::Status(v)) => {
+                (Some(Pending::Status(tx)), Answer::Status(mut v)) => {
+                    if let Some(o) = v.as_object_mut() {
+                        let refused = serde_json::json!(self.rejected_records.snapshot());
+                        o.insert("rejected_records".into(), refused);
+                    }
                     let _ = tx.send(*v);
                 }
                 (Some(_), _) => tracing::error!("an answer of the wrong kind for a caller"),
@@ -378,6 +404,12 @@ pub async fn run(
     metrics: Metrics,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
+    // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
+    let trust = crate::trust::RecordTrust::from_settings(
+        cfg.record_keys.as_deref(),
+        cfg.allow_unsigned_records,
+    )?;
+    let allowed_roots = crate::plugin::allowed_roots(&cfg.plugin_roots)?;
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
@@ -402,6 +434,7 @@ pub async fn run(
         tracing::warn!(plugin_dir = %cfg.plugin_dir.display(), "the plugin directory does not exist: this node serves no volume until plugins are installed there");
     }
 
+    let rejected_records = catalog::Rejections::default();
     let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
     let (api_tx, mut api_rx) = mpsc::channel::<Request2Agent>(256);
@@ -417,12 +450,15 @@ pub async fn run(
         tokio::spawn(catalog::run(
             client.clone(),
             Duration::from_secs(300),
+            trust,
+            rejected_records.clone(),
             cat_tx,
         )),
-        tokio::spawn(crate::api::serve(
+        tokio::spawn(crate::api::serve_with(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
             api_tx,
+            crate::api::Limits::default(),
         )),
         tokio::spawn(crate::discovery::run(cfg.plugin_dir.clone(), plugins_tx)),
     ];
@@ -469,7 +505,8 @@ pub async fn run(
         now(),
     );
     let meter = Meter::new(metrics);
-    let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter);
+    let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter)
+        .with_trust(allowed_roots, rejected_records);
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {

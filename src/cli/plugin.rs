@@ -21,9 +21,19 @@ pub enum PluginCommand {
         /// A parameter of the test volume (DHV_PARAMETERS), KEY=VALUE; repeatable.
         #[arg(long = "param", value_parser = key_value)]
         params: Vec<(String, String)>,
-        /// A secret of the test volume (DHV_SECRETS), KEY=VALUE; repeatable.
-        #[arg(long = "secret", value_parser = key_value)]
-        secrets: Vec<(String, String)>,
+        /// File of the test volume's secrets (DHV_SECRETS), one KEY=VALUE per line. Secrets
+        /// never go on the command line (other users on the node can read it in /proc).
+        #[arg(long = "secrets-file")]
+        secrets_file: Option<PathBuf>,
+        /// The test volume's secrets, one KEY=VALUE per line, from the environment (the
+        /// same format as --secrets-file).
+        #[arg(
+            long = "secrets-env",
+            env = "DHV_BINDER_CHECK_SECRETS",
+            hide_env_values = true,
+            hide = true
+        )]
+        secrets_env: Option<String>,
         /// Capacity of the test volume in bytes (DHV_CAPACITY_MIN/MAX_BYTES).
         #[arg(long, default_value_t = 64 << 20)]
         capacity: u64,
@@ -42,6 +52,43 @@ pub enum PluginCommand {
         #[command(flatten)]
         out: OutputArgs,
     },
+}
+
+/// Parses `KEY=VALUE` lines (blank lines and `#` comments skipped); `what` names the source
+/// in errors (never a value).
+fn key_value_lines(text: &str, what: &str) -> Result<Vec<(String, String)>, Failure> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        .map(|(n, l)| {
+            l.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+                .filter(|(k, _)| !k.is_empty())
+                .ok_or_else(|| {
+                    Failure::new(
+                        EXIT_CONFIG,
+                        format!("{what} line {}: expected KEY=VALUE", n + 1),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The check's secrets from `--secrets-file` and `DHV_BINDER_CHECK_SECRETS`.
+fn check_secrets(
+    file: Option<&std::path::Path>,
+    env: Option<&str>,
+) -> Result<Vec<(String, String)>, Failure> {
+    let mut secrets = Vec::new();
+    if let Some(f) = file {
+        let text = std::fs::read_to_string(f)
+            .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", f.display())))?;
+        secrets.extend(key_value_lines(&text, &f.display().to_string())?);
+    }
+    if let Some(text) = env {
+        secrets.extend(key_value_lines(text, "DHV_BINDER_CHECK_SECRETS")?);
+    }
+    Ok(secrets)
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
@@ -228,11 +275,13 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
         PluginCommand::Check {
             executable,
             params,
-            secrets,
+            secrets_file,
+            secrets_env,
             capacity,
             timeout,
             scratch,
         } => {
+            let secrets = check_secrets(secrets_file.as_deref(), secrets_env.as_deref())?;
             let report = crate::conformance::check(crate::conformance::Options {
                 plugin: executable,
                 parameters: params.into_iter().collect(),

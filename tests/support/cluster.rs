@@ -118,6 +118,20 @@ impl Cluster {
         }
         let export = sb.join("export");
         std::fs::create_dir_all(&export).unwrap();
+        // The operator's signing key (the CLI signs records) and the nodes' trusted keys.
+        let (key, text) = dhv_binder::trust::SigningKey::generate().unwrap();
+        {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(sb.join("operator.key"))
+                .and_then(|mut f| f.write_all(text.as_bytes()))
+                .unwrap();
+        }
+        std::fs::write(sb.join("record-keys.pub"), key.public_line()).unwrap();
         let mut cfg = format!(
             "data_dir = \"{}\"\nbind_addr = \"127.0.0.1\"\nports {{\n  http = 0\n}}\nevent_heartbeat_interval = \"2s\"\n",
             sb.join("sim").display()
@@ -168,7 +182,17 @@ impl Cluster {
             nodes: Vec::new(),
             plugin_dir,
             export,
-            http: reqwest::Client::new(),
+            // With ACLs on, the agents' NOMAD_TOKEN also authorizes the test's own reads.
+            http: {
+                let mut headers = reqwest::header::HeaderMap::new();
+                if let Some((_, t)) = agent_env.iter().find(|(k, _)| *k == "NOMAD_TOKEN") {
+                    headers.insert("X-Nomad-Token", t.parse().expect("a token header value"));
+                }
+                reqwest::Client::builder()
+                    .default_headers(headers)
+                    .build()
+                    .expect("an HTTP client")
+            },
             agent_env: agent_env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -246,6 +270,7 @@ impl Cluster {
             .env("DHV_BINDER_TICK", "200ms")
             .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
+            .env("DHV_BINDER_RECORD_KEYS", self.sb.join("record-keys.pub"))
             .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
@@ -268,6 +293,7 @@ impl Cluster {
             .args(args)
             .env_clear()
             .env("NOMAD_ADDR", &self.server)
+            .env("DHV_BINDER_SIGNING_KEY", self.sb.join("operator.key"))
             .output()
             .expect("run dhv-binder");
         let text = format!(

@@ -51,6 +51,10 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         audiences: vec![],
         metrics_addr: None,
         log_format: Default::default(),
+        record_keys: None,
+        allow_unsigned_records: true,
+        plugin_roots: vec![],
+        token_issuer: None,
     }
 }
 
