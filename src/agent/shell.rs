@@ -609,6 +609,10 @@ mod tests {
             audiences: vec![],
             metrics_addr: None,
             log_format: Default::default(),
+            record_keys: None,
+            allow_unsigned_records: true,
+            plugin_roots: vec![],
+            token_issuer: None,
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
         let client =
