@@ -64,12 +64,14 @@ impl View {
         &self.allocs
     }
 
-    /// Replaces everything with a full list taken at `index`, at `now`. Jobs already known
+    /// Replaces everything with a full list taken at `index`, at `now`. Each Job is reduced to
+    /// the allocation's own group ([`Allocation::keep_own_group`]). Jobs already known
     /// are kept for allocations whose listing lacks one. Allocations missing from the list
     /// whose tasks were last seen running become departing (see [`View::remove_at`]).
     pub fn replace_all_at(&mut self, list: Vec<Allocation>, index: u64, now: Instant) {
         let mut old = std::mem::take(&mut self.allocs);
         for mut a in list {
+            a.keep_own_group();
             self.departing.remove(&a.id);
             if a.job.is_none() {
                 a.job = old.remove(&a.id).and_then(|o| o.job);
@@ -103,8 +105,9 @@ impl View {
     }
 
     /// Applies one allocation update (an event payload or a fresh read). A payload without
-    /// a Job keeps the Job already known. Stale updates (lower ModifyIndex) are ignored.
+    /// a Job keeps the Job already known; a Job is reduced to the allocation's own group. Stale updates (lower ModifyIndex) are ignored.
     pub fn upsert(&mut self, mut a: Allocation) {
+        a.keep_own_group();
         self.departing.remove(&a.id);
         if let Some(old) = self.allocs.get(&a.id) {
             if a.modify_index != 0 && a.modify_index < old.modify_index {
@@ -246,4 +249,49 @@ fn host_sources(alloc: &Allocation) -> impl Iterator<Item = (VolumeKey, bool)> +
             };
             Some((key, req.read_only))
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nomad::types::{Job, TaskGroup};
+
+    fn alloc(id: &str, group: &str) -> Allocation {
+        let groups = ["cache", "web", "db"].map(|name| TaskGroup {
+            name: name.into(),
+            ..Default::default()
+        });
+        Allocation {
+            id: id.into(),
+            task_group: group.into(),
+            modify_index: 1,
+            job: Some(Job {
+                task_groups: groups.to_vec(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn groups_kept(v: &View, id: &str) -> Vec<String> {
+        let job = v.allocs()[id].job.as_ref().expect("the Job is kept");
+        job.task_groups.iter().map(|g| g.name.clone()).collect()
+    }
+
+    /// Issue 10 (memory): the view keeps of each allocation's Job only its own group.
+    #[test]
+    fn the_view_keeps_only_the_allocations_own_group() {
+        let mut v = View::default();
+        v.replace_all_at(vec![alloc("a", "web")], 1, Instant::now());
+        assert_eq!(groups_kept(&v, "a"), ["web"]);
+        v.upsert(alloc("b", "db"));
+        assert_eq!(groups_kept(&v, "b"), ["db"]);
+        // An event payload without a Job keeps the reduced one.
+        v.upsert(Allocation {
+            job: None,
+            modify_index: 2,
+            ..alloc("b", "db")
+        });
+        assert_eq!(groups_kept(&v, "b"), ["db"]);
+    }
 }

@@ -92,8 +92,13 @@ const BATCH: usize = 512;
 /// What a finished task reports to the loop.
 enum Report {
     Done(Completion),
-    /// A plugin call or detach finished; the mount table read right after it.
+    /// A detach finished; the mount table read right after it.
     DoneMounts(Completion, std::io::Result<MountTable>),
+    /// A publish or unpublish finished; its completion waits for a mount table read that
+    /// starts after it ([`Shell::after_calls`]).
+    CallDone(Completion),
+    /// Plugin calls that finished before one mount table read started, and that reading.
+    CallsMounts(Vec<Completion>, std::io::Result<MountTable>),
     Mounts(std::io::Result<MountTable>),
     Committed {
         seq: u64,
@@ -118,11 +123,20 @@ struct Shell {
     store: Store,
     tasks: JoinSet<Report>,
     permits: Arc<Semaphore>,
+    /// Permits for mount probes ([`crate::health::PROBE_THREADS`]).
+    probes: Arc<Semaphore>,
     replies: HashMap<ReplyId, Pending>,
     next_reply: u64,
     committing: bool,
     queued: Option<(Commit, Vec<Effect>)>,
     reading_mounts: bool,
+    /// Publishes and unpublishes that finished and wait for a mount table read started
+    /// after them. One read serves every call that finished before it started (at most one
+    /// such read runs): reading mountinfo costs the kernel time in the number of mounts, so
+    /// a read per call made a burst of N publishes cost O(N²).
+    after_calls: Vec<Completion>,
+    /// A read for `after_calls` runs.
+    reading_after_calls: bool,
     meter: Meter,
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
@@ -143,6 +157,7 @@ impl Shell {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer()),
             permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
+            probes: Arc::new(Semaphore::new(crate::health::PROBE_THREADS)),
             cfg,
             client,
             node,
@@ -154,6 +169,8 @@ impl Shell {
             committing: false,
             queued: None,
             reading_mounts: false,
+            after_calls: Vec::new(),
+            reading_after_calls: false,
             meter,
             rejected_records: catalog::Rejections::default(),
         }
@@ -187,14 +204,22 @@ impl Shell {
             let _permit = permits.acquire_owned().await;
             let done = call.await;
             if read_mounts {
-                let table = tokio::task::spawn_blocking(MountTable::read)
-                    .await
-                    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-                Report::DoneMounts(done, table)
+                Report::CallDone(done)
             } else {
                 Report::Done(done)
             }
         });
+    }
+
+    /// Starts a mount table read for the calls finished so far, unless one runs.
+    fn read_after_calls(&mut self) {
+        if self.reading_after_calls || self.after_calls.is_empty() {
+            return;
+        }
+        self.reading_after_calls = true;
+        let calls = std::mem::take(&mut self.after_calls);
+        self.tasks
+            .spawn_blocking(move || Report::CallsMounts(calls, MountTable::read()));
     }
 
     fn call(&mut self, call: impl std::future::Future<Output = Completion> + Send + 'static) {
@@ -260,8 +285,9 @@ impl Shell {
             }
             Effect::Probe { volume, target } => {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
+                let permits = self.probes.clone();
                 self.tasks.spawn(async move {
-                    let probe = crate::health::probe(target.clone(), timeout).await;
+                    let probe = crate::health::probe(target.clone(), timeout, permits).await;
                     Report::Done(Completion::Probed {
                         volume,
                         target,
@@ -372,6 +398,17 @@ impl Shell {
         match r {
             Report::Done(c) => vec![Input::Done(c)],
             Report::DoneMounts(c, t) => table(t).into_iter().chain([Input::Done(c)]).collect(),
+            Report::CallDone(c) => {
+                self.after_calls.push(c);
+                self.read_after_calls();
+                Vec::new()
+            }
+            Report::CallsMounts(calls, t) => {
+                self.reading_after_calls = false;
+                self.read_after_calls();
+                let done = calls.into_iter().map(Input::Done);
+                table(t).into_iter().chain(done).collect()
+            }
             Report::Mounts(t) => {
                 self.reading_mounts = false;
                 table(t).into_iter().collect()
@@ -703,6 +740,50 @@ mod tests {
             Some(MountState::Unpublishing),
             "the folded write holds the latest state"
         );
+    }
+
+    fn unpublished(name: &str) -> Completion {
+        Completion::Unpublished {
+            volume: crate::volume::VolumeKey {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            result: Ok(()),
+        }
+    }
+
+    /// Issue 10: plugin calls that finish while the mount table is being read share the
+    /// next read (one read per call made a burst of N cost N reads of N mounts); each call's
+    /// completion still reaches the core after a table read that started after it.
+    #[tokio::test]
+    async fn calls_finished_together_share_one_mount_table_read() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, _) = shell(dir.path());
+        let mut inputs = Vec::new();
+        for i in 0..5 {
+            inputs.extend(s.on_report(Report::CallDone(unpublished(&format!("v{i}")))));
+        }
+        assert!(inputs.is_empty(), "no completion before its table read");
+        assert!(s.reading_after_calls);
+        inputs.extend(drain(&mut s).await);
+        let tables = inputs
+            .iter()
+            .filter(|i| matches!(i, Input::MountTable(_)))
+            .count();
+        let done = inputs
+            .iter()
+            .filter(|i| matches!(i, Input::Done(_)))
+            .count();
+        assert_eq!(done, 5, "every call completes");
+        assert_eq!(
+            tables, 2,
+            "the first call's read, then one for the four behind it"
+        );
+        assert!(
+            matches!(inputs.first(), Some(Input::MountTable(_))),
+            "a table read precedes the completions it serves"
+        );
+        assert!(!s.reading_after_calls && s.after_calls.is_empty());
     }
 
     #[tokio::test(start_paused = true)]
