@@ -181,13 +181,19 @@ async fn blocking_queries_without_an_index_do_not_spin() {
     watch.abort();
     cat.abort();
     drain.abort();
-    let n = hits.load(Ordering::SeqCst);
-    let polls = seen
-        .lock()
-        .unwrap()
+    let seen = seen.lock().unwrap().clone();
+    let polls = seen.iter().filter(|r| r.contains("/allocations")).count();
+    // An empty allocation list is followed by one `GET /v1/node/:id` (is the node still
+    // known? issue 11): part of that poll, not a query of its own.
+    let node_checks = seen
         .iter()
-        .filter(|r| r.contains("/allocations"))
+        .filter(|r| r.contains("/v1/node/") && !r.contains("/allocations"))
         .count();
+    assert!(
+        node_checks <= polls,
+        "{node_checks} node checks for {polls} polls"
+    );
+    let n = hits.load(Ordering::SeqCst) - node_checks;
     eprintln!(
         "{n} requests in {window:?} ({polls} allocation polls) against a Nomad that never blocks"
     );
