@@ -15,7 +15,12 @@
 //! - `reconcile`: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record (records in memory, group-committed ahead of
 //!   the plugin calls of each planning pass);
-//! - [`mounts`]: the mount table ([`mounts::MountTable`]);
+//! - [`mounts`]: the mount table ([`mounts::MountTable`]), read as bytes, and notice of its
+//!   changes ([`mounts::MountChanges`]);
+//! - [`host`]: the host's mount namespace (the agent must run in it) and resolved directories;
+//! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
+//! - `holders`: the processes still using a published volume;
+//! - `gate`: the tasks that could start on a deferred volume before it is published;
 //! - [`escape`]: terminal-safe text from plugins, callers and Nomad;
 //! - [`plugin`]: the plugin runner (DHV protocol extended with publish/unpublish);
 //! - `executor`: carries out one effect (plugin or Nomad call), returns a typed completion;
@@ -45,7 +50,11 @@ pub(crate) mod discovery;
 pub mod environment;
 pub mod escape;
 pub(crate) mod executor;
+pub(crate) mod gate;
+pub(crate) mod guard;
 pub(crate) mod health;
+pub(crate) mod holders;
+pub mod host;
 pub mod identity;
 pub mod journal;
 pub mod metrics;
