@@ -4,7 +4,8 @@
 //!
 //! Rules: fingerprint shape and speed; deferred binding; each operation repeated 10 times
 //! (idempotence); unpublish and delete of something absent; publish to a target that is
-//! already mounted; read-only publish; data kept across publishes; concurrent calls on one
+//! already mounted; read-only publish; unpublish while a file is open inside (must fail and
+//! leave the mount); data kept across publishes; concurrent calls on one
 //! volume; calls killed by the timeout, then retried; output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
@@ -460,6 +461,7 @@ async fn run_rules(kit: &mut Kit) {
             "unpublish of nothing",
             "publish to occupied target",
             "read-only publish",
+            "unpublish while in use",
             "concurrent calls",
             "killed by the timeout",
         ] {
@@ -658,6 +660,44 @@ async fn run_rules(kit: &mut Kit) {
     let ok = verdict.is_ok();
     kit.report
         .push("read-only publish", ok, verdict.unwrap_or_else(|e| e));
+
+    // Unpublish while in use: a file held open inside the volume makes the unmount fail
+    // (EBUSY); the plugin must report failure and leave the filesystem mounted, never
+    // detach it lazily (a lazily detached filesystem lives on, written by its holders,
+    // while the volume is published elsewhere).
+    let held = kit.target("in-use");
+    let verdict = match kit.publish(&held, false).await {
+        Err(e) => Err(format!("publish failed: {e}")),
+        Ok(c) => {
+            let file = std::fs::File::create(held.join("held-open"));
+            let env = kit.unpublish_env(&held, &c);
+            let call = kit.call(Operation::Unpublish, &env).await;
+            let still = crate::mounts::MountTable::read_self()
+                .map(|t| t.contains(&held))
+                .map_err(|e| e.to_string());
+            drop(file);
+            let released = kit.unpublish(&held, &c).await;
+            match (call.ok(), still, released) {
+                (false, Ok(true), Ok(())) => Ok(format!(
+                    "with a file open inside: {}; the target stayed mounted; unpublished once the file was closed",
+                    call.describe()
+                )),
+                (true, still, _) => Err(format!(
+                    "unpublish reported success with a file open inside the volume (target {}): it must fail, not detach lazily",
+                    if still.unwrap_or(false) { "still mounted" } else { "detached" }
+                )),
+                (false, Ok(false), _) => Err(format!(
+                    "unpublish failed ({}) but the target is no longer mounted: a filesystem in use must stay mounted",
+                    call.describe()
+                )),
+                (false, Err(e), _) => Err(e),
+                (false, Ok(true), Err(e)) => Err(format!("unpublish after closing the file: {e}")),
+            }
+        }
+    };
+    let ok = verdict.is_ok();
+    kit.report
+        .push("unpublish while in use", ok, verdict.unwrap_or_else(|e| e));
 
     // Concurrent calls on one volume (the agent never does this on one node, but Nomad
     // asks plugins to be safe to call concurrently per volume).
