@@ -43,8 +43,16 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     };
     cli.nomad.validate().map_err(config_err)?;
     match cli.command {
-        Command::Agent(cfg) => {
+        Command::Agent(mut cfg) => {
             cfg.validate().map_err(config_err)?;
+            // Before anything else: the host's mount namespace, and real directory paths.
+            dhv_binder::host::preflight(&mut cfg).map_err(|e| Failure {
+                code: match e {
+                    dhv_binder::host::HostError::Mounts(_) => cli::EXIT_FAILED,
+                    _ => cli::EXIT_CONFIG,
+                },
+                message: e.to_string(),
+            })?;
             init_tracing(cfg.log_format);
             let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
             // One registry, always kept by the agent; served only with --metrics-addr.
