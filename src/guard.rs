@@ -234,6 +234,23 @@ mod tests {
         std::fs::write(dir.join("data.txt"), "written")
     }
 
+    /// What a task of the exec driver does: in its own mount namespace, bind the
+    /// placeholder (`MS_BIND | MS_REC`, then private) and write through the bind.
+    fn task_writes(placeholder: &Path, inner: &Path) -> std::process::Output {
+        std::fs::create_dir_all(inner).unwrap();
+        std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount --rbind '{}' '{}' && mount --make-rprivate '{}' && echo task > '{}/task.txt'",
+                placeholder.display(),
+                inner.display(),
+                inner.display(),
+                inner.display()
+            ))
+            .output()
+            .expect("run unshare (util-linux)")
+    }
+
     fn erofs(r: std::io::Result<()>) -> bool {
         matches!(r, Err(e) if e.raw_os_error() == Some(nix::libc::EROFS))
     }
@@ -266,6 +283,13 @@ mod tests {
             "mkdir in a bind of the placeholder"
         );
 
+        let exec = task_writes(&target, &s.path().join("exec-task"));
+        assert!(
+            !exec.status.success()
+                && String::from_utf8_lossy(&exec.stderr).contains("Read-only file system"),
+            "a task in its own namespace wrote to the placeholder: {exec:?}"
+        );
+
         // Publish: the plugin mounts on the placeholder; a task bound afterwards sees it.
         nix::mount::mount(
             Some("vol"),
@@ -284,6 +308,12 @@ mod tests {
         );
         std::fs::write(late.join("more.txt"), "task").unwrap();
         assert!(target.join("more.txt").exists());
+        let exec = task_writes(&target, &s.path().join("exec-task"));
+        assert!(exec.status.success(), "{exec:?}");
+        assert_eq!(
+            std::fs::read_to_string(target.join("task.txt")).unwrap(),
+            "task\n"
+        );
 
         // Unpublish (the plugin unmounts its own mount): the guard stays, read-only, empty.
         nix::mount::umount(&late).unwrap();
