@@ -24,6 +24,21 @@ pub enum HoldersError {
     /// `/proc` itself could not be listed.
     #[error("cannot list processes in /proc: {0} (is /proc mounted?)")]
     Proc(#[source] std::io::Error),
+    /// The host's mount table could not be read.
+    #[error(transparent)]
+    Mounts(#[from] crate::mounts::MountsError),
+}
+
+/// What an unpublish of `target` must wait for: `None` when nothing is mounted there,
+/// else who uses the mount on top of it (read from the host's table now). Blocking: call
+/// it from a blocking task, just before the plugin's `unpublish`.
+pub fn before_unpublish(target: &Path) -> Result<Option<Usage>, HoldersError> {
+    let host = MountTable::read()?;
+    let Some(top) = host.top_at(target) else {
+        return Ok(None);
+    };
+    let id = top.identity();
+    scan(&id, target, &host).map(Some)
 }
 
 /// How a process holds the volume.
@@ -421,6 +436,23 @@ mod tests {
 
     fn scan_now(id: &MountIdentity, target: &Path) -> Usage {
         scan(id, target, &MountTable::read().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn before_unpublish_reads_the_target_now() {
+        let s = Scratch::new();
+        let (target, _) = volume(&s);
+        let idle = before_unpublish(&target).unwrap().expect("mounted");
+        assert!(!idle.in_use(), "{}", idle.summary(5));
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&target)).ready();
+        let busy = before_unpublish(&target).unwrap().expect("mounted");
+        assert!(
+            busy.summary(5).contains(&format!("pid {}", cwd.pid())),
+            "{busy:?}"
+        );
+        drop(cwd);
+        nix::mount::umount(&target).unwrap();
+        assert_eq!(before_unpublish(&target).unwrap(), None);
     }
 
     #[test]
