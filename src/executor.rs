@@ -116,7 +116,7 @@ pub enum StepError {
     MountTable {
         target: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: crate::mounts::MountsError,
     },
 }
 

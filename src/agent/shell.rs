@@ -19,7 +19,7 @@ use crate::executor;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
 use crate::metrics::Metrics;
-use crate::mounts::MountTable;
+use crate::mounts::{MountTable, MountsError};
 use crate::nomad::Client;
 use crate::plugin::Runner;
 use crate::watch::{self, WatchConfig, WatchEvent};
@@ -93,13 +93,13 @@ const BATCH: usize = 512;
 enum Report {
     Done(Completion),
     /// A detach finished; the mount table read right after it.
-    DoneMounts(Completion, std::io::Result<MountTable>),
+    DoneMounts(Completion, Result<MountTable, MountsError>),
     /// A publish or unpublish finished; its completion waits for a mount table read that
     /// starts after it ([`Shell::after_calls`]).
     CallDone(Completion),
     /// Plugin calls that finished before one mount table read started, and that reading.
-    CallsMounts(Vec<Completion>, std::io::Result<MountTable>),
-    Mounts(std::io::Result<MountTable>),
+    CallsMounts(Vec<Completion>, Result<MountTable, MountsError>),
+    Mounts(Result<MountTable, MountsError>),
     Committed {
         seq: u64,
         result: Result<(), JournalError>,
@@ -388,7 +388,7 @@ impl Shell {
 
     /// Turns a finished task into the core's inputs (a mount table reading first).
     fn on_report(&mut self, r: Report) -> Vec<Input> {
-        let table = |t: std::io::Result<MountTable>| match t {
+        let table = |t: Result<MountTable, MountsError>| match t {
             Ok(t) => Some(Input::MountTable(t)),
             Err(e) => {
                 tracing::error!(error = %e, "cannot read the mount table; keeping the last reading");
