@@ -99,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
             since: 0,
             last_error: String::new(),
             claim_id: None,
+            mount: None,
         };
         let env = environment::unpublish_env(&node, &m, Some(&rec));
         let t = Instant::now();

@@ -262,6 +262,7 @@ impl Kit {
             since: 0,
             last_error: String::new(),
             claim_id: None,
+            mount: None,
         };
         environment::unpublish_env(&self.node, &m, Some(&self.rec))
     }

@@ -3,6 +3,7 @@
 //! agent's shell runs these as tasks.
 
 use crate::claims::{self, ClaimError, ClaimSettings};
+use crate::guard::Guard;
 use crate::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
 use crate::health::Probe;
 use crate::journal::MountRecord;
@@ -20,10 +21,10 @@ use std::time::Duration;
 /// The outcome of one effect.
 #[derive(Debug)]
 pub enum Completion {
-    /// `publish` ran; `Ok` carries the plugin's `context`.
+    /// `publish` ran; `Ok` carries the plugin's `context` and what it mounted.
     Published {
         volume: VolumeKey,
-        result: Result<serde_json::Value, StepError>,
+        result: Result<PublishedMount, StepError>,
         elapsed: Duration,
     },
     /// `unpublish` ran (and the empty target directory was removed).
@@ -85,15 +86,18 @@ pub enum Completion {
     },
 }
 
+/// What a successful `publish` established.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishedMount {
+    /// The plugin's `context`, handed back to `unpublish`.
+    pub context: serde_json::Value,
+    /// The mount on the target afterwards, from the host's table.
+    pub mount: mounts::MountIdentity,
+}
+
 /// Why a `publish` or `unpublish` did not leave the node as it should be.
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
-    #[error("cannot create {}: {source}", path.display())]
-    Dir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     Plugin(#[from] PluginError),
     #[error("plugin {plugin:?} published at {path}, not at the target {}", target.display())]
@@ -112,6 +116,28 @@ pub enum StepError {
     },
     #[error("plugin {plugin:?} reported success but {} is still a mount point", target.display())]
     StillMounted { plugin: String, target: PathBuf },
+    #[error("{} is occupied by {found}, not by this volume's mount: not publishing over it (unmount it to let the volume be published)", target.display())]
+    Occupied {
+        target: PathBuf,
+        found: mounts::MountIdentity,
+    },
+    #[error("{} is still in use: {}; not unpublished (the claim is kept, retried)", target.display(), usage.summary(5))]
+    InUse {
+        target: PathBuf,
+        usage: crate::holders::Usage,
+    },
+    #[error("cannot check who uses {}: {source}", target.display())]
+    Holders {
+        target: PathBuf,
+        #[source]
+        source: crate::holders::HoldersError,
+    },
+    #[error("cannot prepare the placeholder {}: {source}", target.display())]
+    Placeholder {
+        target: PathBuf,
+        #[source]
+        source: crate::guard::GuardError,
+    },
     #[error("cannot read the mount table to check {}: {source}", target.display())]
     MountTable {
         target: PathBuf,
@@ -127,7 +153,7 @@ pub enum PlaceholderError {
     Dir {
         path: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: crate::guard::GuardError,
     },
     #[error(transparent)]
     Nomad(#[from] NomadError),
@@ -168,22 +194,53 @@ fn secrets_of(rec: Option<&VolumeRecord>) -> BTreeMap<String, String> {
     rec.map(|r| r.secrets.clone()).unwrap_or_default()
 }
 
-/// Creates the target directory, runs `publish`, and checks that the target really is one
-/// mount point afterwards.
+/// The host's mount table, read off the async threads.
+async fn host_table(target: &Path) -> Result<mounts::MountTable, StepError> {
+    tokio::task::spawn_blocking(mounts::MountTable::read)
+        .await
+        .unwrap_or_else(|e| {
+            Err(mounts::MountsError::Read {
+                path: mounts::HOST_MOUNTINFO.into(),
+                source: std::io::Error::other(e),
+            })
+        })
+        .map_err(|source| StepError::MountTable {
+            target: target.to_path_buf(),
+            source,
+        })
+}
+
+/// Creates the target directory (through the placeholder guard), refuses a target that
+/// holds something other than what the last publish established (`expected`), runs
+/// `publish`, and checks that the target is then exactly one mount, whose identity it
+/// returns.
+#[allow(clippy::too_many_arguments)]
 pub async fn publish(
     runner: Runner,
     node: NodeEnv,
+    guard: Guard,
     rec: VolumeRecord,
     target: PathBuf,
     read_only: bool,
     alloc_id: String,
+    expected: Option<mounts::MountIdentity>,
 ) -> Completion {
     let started = std::time::Instant::now();
     let result = async {
-        std::fs::create_dir_all(&target).map_err(|source| StepError::Dir {
-            path: target.clone(),
-            source,
-        })?;
+        guard
+            .ensure(&target)
+            .map_err(|source| StepError::Placeholder {
+                target: target.clone(),
+                source,
+            })?;
+        if let (Some(top), Some(id)) = (host_table(&target).await?.top_at(&target), &expected) {
+            if !id.is(top) {
+                return Err(StepError::Occupied {
+                    found: top.identity(),
+                    target,
+                });
+            }
+        }
         let env = publish_env(&node, &rec, &target, read_only, &alloc_id);
         let plugin_id = &rec.spec.plugin_id;
         let out = runner
@@ -201,17 +258,17 @@ pub async fn publish(
                 });
             }
         }
-        let table = mounts::MountTable::read().map_err(|source| StepError::MountTable {
-            target: target.clone(),
-            source,
-        })?;
-        match table.count(&target) {
-            0 => Err(StepError::NotMounted {
+        let table = host_table(&target).await?;
+        match (table.count(&target), table.top_at(&target)) {
+            (0, _) | (_, None) => Err(StepError::NotMounted {
                 plugin: plugin_id.clone(),
                 target,
             }),
-            1 => Ok(res.context),
-            count => Err(StepError::Stacked {
+            (1, Some(top)) => Ok(PublishedMount {
+                context: res.context,
+                mount: top.identity(),
+            }),
+            (count, _) => Err(StepError::Stacked {
                 plugin: plugin_id.clone(),
                 count,
                 target,
@@ -226,12 +283,15 @@ pub async fn publish(
     }
 }
 
-/// Runs `unpublish`; success requires the target to be no longer mounted. Then removes the
-/// target directory if (and only if) it is empty, and makes it again when `keep_dir` (a
-/// placeholder host volume points at it).
+/// Runs `unpublish` only when no process on the node uses the volume any more
+/// ([`crate::holders`]: other mount namespaces, open files, working directories...);
+/// success requires the target to be no longer mounted. Then removes the target directory
+/// if (and only if) it is empty, unless `keep_dir` (a placeholder host volume points at
+/// it, and the read-only guard keeps it unwritable).
 pub async fn unpublish(
     runner: Runner,
     node: NodeEnv,
+    guard: Guard,
     m: MountRecord,
     rec: Option<VolumeRecord>,
     keep_dir: bool,
@@ -239,24 +299,33 @@ pub async fn unpublish(
     let env = unpublish_env(&node, &m, rec.as_ref());
     let secrets = secrets_of(rec.as_ref());
     let result = async {
+        let target = m.target.clone();
+        let usage = tokio::task::spawn_blocking(move || crate::holders::before_unpublish(&target))
+            .await
+            .unwrap_or_else(|e| Err(crate::holders::HoldersError::Proc(std::io::Error::other(e))))
+            .map_err(|source| StepError::Holders {
+                target: m.target.clone(),
+                source,
+            })?;
+        if let Some(usage) = usage.filter(crate::holders::Usage::in_use) {
+            return Err(StepError::InUse {
+                target: m.target.clone(),
+                usage,
+            });
+        }
         runner
             .call(&m.plugin_id, Operation::Unpublish, &env, &secrets)
             .await
             .map_err(|e| redacted(e, &secrets))?;
-        let table = mounts::MountTable::read().map_err(|source| StepError::MountTable {
-            target: m.target.clone(),
-            source,
-        })?;
-        if table.contains(&m.target) {
+        if host_table(&m.target).await?.contains(&m.target) {
             return Err(StepError::StillMounted {
                 plugin: m.plugin_id.clone(),
                 target: m.target.clone(),
             });
         }
         // Leave no directory behind, but never delete data: rmdir only.
-        let _ = std::fs::remove_dir(&m.target);
-        if keep_dir {
-            let _ = std::fs::create_dir_all(&m.target);
+        if !keep_dir {
+            let _ = guard.release(&m.target);
         }
         Ok(())
     }
@@ -296,7 +365,14 @@ pub struct ListedPlaceholder {
 }
 
 /// Finds this node's placeholders: host volumes on the node whose path is under `mount_root`.
-pub async fn list_placeholders(client: Client, node_id: String, mount_root: PathBuf) -> Completion {
+/// The directory of each is made again (through the guard) if it is missing: after an
+/// upgrade that placed the guard, they live in its backing directory.
+pub async fn list_placeholders(
+    client: Client,
+    node_id: String,
+    guard: Guard,
+) -> Completion {
+    let mount_root = guard.root().to_path_buf();
     let result = async {
         let mut out = BTreeMap::new();
         for stub in client.list_host_volumes(Some(&node_id), "*").await? {
@@ -305,6 +381,9 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
             }
             if let Some(hv) = client.host_volume(&stub.namespace, &stub.id).await? {
                 if Path::new(&hv.host_path).starts_with(&mount_root) {
+                    if let Err(e) = guard.ensure(Path::new(&hv.host_path)) {
+                        tracing::warn!(host_path = %hv.host_path, error = %e, "cannot make a placeholder's directory");
+                    }
                     out.insert(
                         VolumeKey {
                             namespace: hv.namespace,
@@ -329,15 +408,18 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
 pub async fn register_placeholder(
     client: Client,
     node: NodeEnv,
+    guard: Guard,
     rec: VolumeRecord,
     target: PathBuf,
     id: Option<String>,
 ) -> Completion {
     let result = async {
-        std::fs::create_dir_all(&target).map_err(|source| PlaceholderError::Dir {
-            path: target.clone(),
-            source,
-        })?;
+        guard
+            .ensure(&target)
+            .map_err(|source| PlaceholderError::Dir {
+                path: target.clone(),
+                source,
+            })?;
         let hv = HostVolume {
             namespace: rec.spec.namespace.clone(),
             id: id.unwrap_or_default(),

@@ -11,10 +11,9 @@
 //! placeholders through the writable backing directory, which no task is given.
 
 use crate::mounts::{MountTable, MountsError};
-use crate::volume::VolumeKey;
 use nix::mount::MsFlags;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 /// Why the guard could not be checked or placed.
 #[derive(Debug, thiserror::Error)]
@@ -42,9 +41,6 @@ pub enum GuardError {
         #[source]
         source: std::io::Error,
     },
-    /// A volume key that is not one plain path component each.
-    #[error("volume {0} cannot name a placeholder directory")]
-    BadKey(VolumeKey),
     #[error(transparent)]
     Mounts(#[from] MountsError),
 }
@@ -80,11 +76,6 @@ impl Guard {
     /// Root of the placeholders (what Nomad's host volume paths point into).
     pub fn root(&self) -> &Path {
         &self.root
-    }
-
-    /// The placeholder path of `key` (`<root>/<namespace>/<name>`).
-    pub fn path_of(&self, key: &VolumeKey) -> Result<PathBuf, GuardError> {
-        Ok(self.root.join(rel(key)?))
     }
 
     /// Whether the guard stands, by the mount `table` (this namespace's) and the kernel's
@@ -178,43 +169,41 @@ impl Guard {
         Ok(())
     }
 
-    /// Creates the (empty, read-only) placeholder of `key` and returns its path.
-    pub fn create(&self, key: &VolumeKey) -> Result<PathBuf, GuardError> {
-        let rel = rel(key)?;
-        let backing = self.backing.join(&rel);
-        std::fs::create_dir_all(&backing).map_err(|source| GuardError::Io {
+}
+
+impl Guard {
+    /// Makes sure the directory `target` exists: through the backing directory when it
+    /// lies in the guarded tree, else directly (a target recorded before the guard).
+    pub fn ensure(&self, target: &Path) -> Result<(), GuardError> {
+        let dir = self.backing_of(target);
+        std::fs::create_dir_all(&dir).map_err(|source| GuardError::Io {
             step: "create the placeholder",
-            path: backing,
+            path: dir,
             source,
-        })?;
-        Ok(self.root.join(rel))
+        })
     }
 
-    /// Removes the placeholder of `key` (rmdir: never deletes data). A placeholder with a
-    /// mount on it is busy (EBUSY), one with files in it is not empty: both are errors.
-    pub fn remove(&self, key: &VolumeKey) -> Result<(), GuardError> {
-        let backing = self.backing.join(rel(key)?);
-        match std::fs::remove_dir(&backing) {
+    /// Removes the (empty) directory `target` (rmdir: never deletes data); a missing
+    /// one is fine.
+    pub fn release(&self, target: &Path) -> Result<(), GuardError> {
+        let dir = self.backing_of(target);
+        match std::fs::remove_dir(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(GuardError::Io {
                 step: "remove the placeholder",
-                path: backing,
+                path: dir,
                 source: e,
             }),
             _ => Ok(()),
         }
     }
-}
 
-/// `<namespace>/<name>`, each one plain path component.
-fn rel(key: &VolumeKey) -> Result<PathBuf, GuardError> {
-    let plain = |s: &str| {
-        let mut c = Path::new(s).components();
-        matches!((c.next(), c.next()), (Some(Component::Normal(_)), None)) && !s.contains('/')
-    };
-    if plain(&key.namespace) && plain(&key.name) {
-        Ok(Path::new(&key.namespace).join(&key.name))
-    } else {
-        Err(GuardError::BadKey(key.clone()))
+    /// The writable path of `target`: its twin under the backing directory when it lies
+    /// under the root, else `target` itself.
+    fn backing_of(&self, target: &Path) -> PathBuf {
+        match target.strip_prefix(&self.root) {
+            Ok(rel) if !rel.as_os_str().is_empty() => self.backing.join(rel),
+            _ => target.to_path_buf(),
+        }
     }
 }
 
@@ -222,13 +211,6 @@ fn rel(key: &VolumeKey) -> Result<PathBuf, GuardError> {
 mod tests {
     use super::*;
     use crate::mounts::scratch::Scratch;
-
-    fn key(name: &str) -> VolumeKey {
-        VolumeKey {
-            namespace: "default".into(),
-            name: name.into(),
-        }
-    }
 
     fn write(dir: &Path) -> std::io::Result<()> {
         std::fs::write(dir.join("data.txt"), "written")
@@ -266,8 +248,8 @@ mod tests {
         assert_eq!(guard.check(&table).unwrap(), GuardState::Guarded);
         assert_eq!(table.count(guard.root()), 1, "establish is idempotent");
 
-        let target = guard.create(&key("v1")).unwrap();
-        assert_eq!(target, guard.path_of(&key("v1")).unwrap());
+        let target = guard.root().join("default/v1");
+        guard.ensure(&target).unwrap();
         assert!(target.is_dir());
         assert!(erofs(write(&target)), "the placeholder itself is writable");
 
@@ -326,12 +308,18 @@ mod tests {
 
         // A placeholder with a mount on it cannot be removed; an idle one can.
         s.tmpfs("state/mnt/default/v1");
-        let busy = guard.remove(&key("v1")).unwrap_err();
+        let busy = guard.release(&target).unwrap_err();
         assert!(matches!(busy, GuardError::Io { .. }), "{busy}");
         nix::mount::umount(&target).unwrap();
-        guard.remove(&key("v1")).unwrap();
+        guard.release(&target).unwrap();
         assert!(!target.exists());
-        guard.remove(&key("v1")).unwrap();
+        guard.release(&target).unwrap();
+        // A target outside the guarded tree (recorded before the guard) is made directly.
+        let outside = s.path().join("elsewhere/v2");
+        guard.ensure(&outside).unwrap();
+        assert!(outside.is_dir());
+        guard.release(&outside).unwrap();
+        assert!(!outside.exists());
     }
 
     #[test]
@@ -361,24 +349,5 @@ mod tests {
         let table = MountTable::read_self().unwrap();
         assert_eq!(guard.check(&table).unwrap(), GuardState::Missing);
         guard.establish().unwrap();
-    }
-
-    #[test]
-    fn keys_name_one_directory_each() {
-        let g = Guard::new(Path::new("/s"));
-        for (ns, name) in [
-            ("default", ".."),
-            ("..", "x"),
-            ("a/b", "x"),
-            ("", "x"),
-            ("x", "."),
-        ] {
-            let k = VolumeKey {
-                namespace: ns.into(),
-                name: name.into(),
-            };
-            assert!(matches!(g.path_of(&k), Err(GuardError::BadKey(_))), "{k}");
-        }
-        assert_eq!(g.path_of(&key("v")).unwrap(), Path::new("/s/mnt/default/v"));
     }
 }

@@ -89,6 +89,10 @@ pub struct MountRecord {
     /// agent can renew it, or learn that it lost it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_id: Option<String>,
+    /// What the last successful publish mounted at the target (device, root, type,
+    /// source), read from the host's mount table: "published" means this stands there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount: Option<crate::mounts::MountIdentity>,
 }
 
 /// One allocation's use of one published volume.
@@ -556,6 +560,7 @@ pub(crate) mod tests {
             since: 0,
             last_error: String::new(),
             claim_id: None,
+            mount: None,
         }
     }
 

@@ -75,6 +75,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     code: match e {
                         dhv_binder::agent::StartError::AgentSelf(_) => cli::EXIT_UNAVAILABLE,
                         dhv_binder::agent::StartError::NotAClient(_) => cli::EXIT_CONFIG,
+                        dhv_binder::agent::StartError::Host(
+                            dhv_binder::host::HostError::Mounts(_),
+                        ) => cli::EXIT_FAILED,
+                        dhv_binder::agent::StartError::Host(_) => cli::EXIT_CONFIG,
                         _ => cli::EXIT_FAILED,
                     },
                     message: e.to_string(),

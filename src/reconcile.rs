@@ -466,6 +466,7 @@ pub(crate) mod tests {
                                     since: 0,
                                     last_error: String::new(),
                                     claim_id: None,
+                                    mount: None,
                                 },
                             );
                         }
@@ -638,6 +639,7 @@ pub(crate) mod tests {
                 since: 0,
                 last_error: String::new(),
                 claim_id: None,
+                mount: None,
             },
         );
         w.users.insert(UserKey {

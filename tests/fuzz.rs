@@ -159,7 +159,7 @@ proptest! {
         "[ -~\\\\]{0,80}",
         any::<String>().prop_map(|s| s.chars().take(80).collect()),
     ], 0..20)) {
-        let _ = dhv_binder::mounts::parse_mountinfo(&lines.join("\n"));
+        let _ = dhv_binder::mounts::MountTable::parse(lines.join("\n").as_bytes(), std::path::Path::new("fuzz"));
     }
 }
 

@@ -18,6 +18,7 @@ use crate::catalog::Catalogue;
 use crate::claims::ClaimSettings;
 use crate::environment::NodeEnv;
 use crate::journal::{EventKind, Journal, JournalError, MountRecord, MountState};
+use crate::mounts::MountTable;
 use crate::plugin::Fingerprint;
 use crate::reconcile::{self, ClaimState, Inputs, Scope, Step, Waiting};
 use crate::view::View;
@@ -74,7 +75,18 @@ pub(crate) struct Core {
     mount_health: MountHealth,
     waiting: Vec<Waiting>,
     latency: Latency,
+    /// The host's mount table, as last read.
+    table: MountTable,
+    /// Targets where the host's table shows what their publish established (the
+    /// kernel's answer to "published?", recomputed each pass).
     mounted: BTreeSet<PathBuf>,
+    /// Volumes whose target holds something other than what their publish established:
+    /// never published over, never answered as published (why, for the log and status).
+    foreign: BTreeMap<VolumeKey, String>,
+    /// Who still used a volume when its unpublish was refused (cleared once unpublished).
+    holders: BTreeMap<VolumeKey, crate::holders::Usage>,
+    /// Allocations with tasks that may start on a deferred volume before it is published.
+    ungated: BTreeMap<String, Vec<crate::gate::Ungated>>,
     /// The last commit handed to the shell, and the last one known durable.
     issued: u64,
     durable: u64,
@@ -128,7 +140,11 @@ impl Core {
             claims,
             waiting: Vec::new(),
             latency: Latency::default(),
+            table: MountTable::default(),
             mounted: BTreeSet::new(),
+            foreign: BTreeMap::new(),
+            holders: BTreeMap::new(),
+            ungated: BTreeMap::new(),
             issued: 0,
             durable: 0,
             gated: BTreeMap::new(),
@@ -212,6 +228,8 @@ impl Core {
                 self.volumes = c;
                 self.volumes_loaded = true;
                 self.chores_due = true;
+                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Api { reply, call } => match call {
                 ApiCall::Status => out.push(Effect::Reply {
@@ -240,13 +258,8 @@ impl Core {
                 self.on_tick(now, out);
             }
             Input::MountTable(t) => {
-                let points = t.points();
-                for p in points.symmetric_difference(&self.mounted) {
-                    if let Some(k) = self.journal.volume_at(p) {
-                        self.dirty.insert(k.clone());
-                    }
-                }
-                self.mounted = points;
+                self.table = t;
+                self.check_targets();
             }
             Input::Committed { seq, result } => self.on_committed(seq, result, out),
             Input::Done(c) => self.on_done(c, now, out),
@@ -305,11 +318,16 @@ impl Core {
                     "relisted the node's allocations"
                 );
                 self.view.replace_all_at(allocs, index, self.now);
+                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                self.ungated.retain(|id, _| ids.contains(id));
+                ids.iter().for_each(|id| self.check_gate(id));
             }
             WatchEvent::Upsert(a) => {
                 let a = *a;
                 tracing::debug!(alloc_id = %a.id, client_status = %a.client_status, desired = %a.desired_status, "allocation update");
+                let id = a.id.clone();
                 self.view.upsert(a);
+                self.check_gate(&id);
             }
             WatchEvent::Removed(id) => self.view.remove_at(&id, self.now),
             WatchEvent::Health(h) => self.watch = h,
@@ -420,9 +438,10 @@ impl Core {
                     return;
                 };
                 match result {
-                    Ok(ctx) => {
+                    Ok(p) => {
                         m.state = MountState::Published;
-                        m.publish_context = ctx;
+                        m.publish_context = p.context;
+                        m.mount = Some(p.mount);
                         m.last_error.clear();
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
@@ -430,6 +449,8 @@ impl Core {
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
                         self.journal.set_mount(m, EventKind::PublishDone, None);
+                        // What the publish established is now what "published" means.
+                        self.check_targets();
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
@@ -446,12 +467,16 @@ impl Core {
                     Ok(()) => {
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
+                        self.holders.remove(&volume);
                         tracing::info!(%volume, "unpublished");
                         self.journal.remove_mount(&volume, EventKind::UnpublishDone);
                         self.claims.on_unpublished(&volume);
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
+                        if let crate::executor::StepError::InUse { usage, .. } = &e {
+                            self.holders.insert(volume.clone(), usage.clone());
+                        }
                         self.last_error.insert(volume.clone(), e.to_string());
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
@@ -640,6 +665,15 @@ impl Core {
                     alloc_id,
                     read_only,
                 } => {
+                    if let Some(why) = self.foreign.get(&volume) {
+                        // Never published over, never accepted: reported until it is gone.
+                        self.last_error.insert(volume.clone(), why.clone());
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: why.clone(),
+                        });
+                        continue;
+                    }
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
                         self.parked.insert(volume);
                         continue;
@@ -750,6 +784,80 @@ impl Core {
         all
     }
 
+    /// Compares every journal record with the host's table: which targets show what their
+    /// publish established ([`Core::mounted`]), and which hold something else.
+    fn check_targets(&mut self) {
+        use crate::mounts::TargetState;
+        let mut mounted = BTreeSet::new();
+        let mut foreign = BTreeMap::new();
+        for (key, m) in self.journal.mounts() {
+            let found = match self.table.target_state(&m.target, m.mount.as_ref()) {
+                TargetState::Published { .. } => {
+                    mounted.insert(m.target.clone());
+                    continue;
+                }
+                TargetState::Unmounted => continue,
+                // Nothing established yet (an interrupted publish, an older journal): the
+                // plugin's idempotent publish decides whether the mount is the volume's.
+                _ if m.mount.is_none() => continue,
+                TargetState::Foreign { found } => found.to_string(),
+                TargetState::Stacked { count, top } => format!("{count} stacked mounts ({top} on top)"),
+            };
+            let why = format!(
+                "{} holds {found}, not this volume's mount{}: it is not published over nor used; unmount it",
+                m.target.display(),
+                m.mount.as_ref().map(|i| format!(" ({i})")).unwrap_or_default()
+            );
+            if self.foreign.get(key) != Some(&why) {
+                tracing::error!(volume = %key, reason = %why, "foreign mount at a volume's target");
+            }
+            foreign.insert(key.clone(), why);
+        }
+        for key in self.foreign.keys() {
+            if !foreign.contains_key(key) {
+                tracing::info!(volume = %key, "the foreign mount at the volume's target is gone");
+            }
+        }
+        // The volumes whose answer changed are planned again.
+        for t in mounted.symmetric_difference(&self.mounted) {
+            if let Some(k) = self.journal.volume_at(t) {
+                self.dirty.insert(k.clone());
+            }
+        }
+        for k in foreign.keys().chain(self.foreign.keys()) {
+            if foreign.get(k) != self.foreign.get(k) {
+                self.dirty.insert(k.clone());
+            }
+        }
+        self.mounted = mounted;
+        self.foreign = foreign;
+    }
+
+    /// Notes (and logs once) the tasks of an allocation that could start on a deferred
+    /// volume before it is published: no prestart gate.
+    fn check_gate(&mut self, alloc_id: &str) {
+        let Some(a) = self.view.allocs().get(alloc_id) else {
+            self.ungated.remove(alloc_id);
+            return;
+        };
+        let found = if a.tasks_finished() {
+            Vec::new()
+        } else {
+            let reqs = crate::view::requests(a, &self.volumes);
+            crate::gate::ungated(a, &reqs, crate::gate::SOCKET_VOLUME)
+        };
+        if found.is_empty() {
+            self.ungated.remove(alloc_id);
+            return;
+        }
+        if self.ungated.get(alloc_id) != Some(&found) {
+            for u in &found {
+                tracing::warn!(%alloc_id, job = %u.job, group = %u.group, task = %u.task, volume = %u.volume, "{u}");
+            }
+        }
+        self.ungated.insert(alloc_id.to_string(), found);
+    }
+
     fn placeholders_ready(&self) -> bool {
         self.volumes_loaded && self.plugins_loaded
     }
@@ -778,7 +886,9 @@ impl Core {
             since: 0,
             last_error: String::new(),
             claim_id: self.claims.lock_id(&volume).map(str::to_string),
+            mount: prev.and_then(|p| p.mount.clone()),
         };
+        let expected = m.mount.clone();
         self.journal
             .set_mount(m, EventKind::PublishIntent, Some(&alloc_id));
         tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
@@ -788,6 +898,7 @@ impl Core {
             target,
             read_only,
             alloc_id,
+            expected,
         })
     }
 
@@ -814,6 +925,7 @@ impl Core {
             last_error: &self.last_error,
             busy: &self.busy,
             waiting: &self.waiting,
+            mounted: &self.mounted,
         };
         let answers = self.waiters.answer(&known, now);
         // A success rests on records that may not be on disk yet: it waits for them.
@@ -871,6 +983,9 @@ impl Core {
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.status(),
             "mount_health": self.mount_health.status(),
+            "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
+            "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
+            "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
         })
     }
 }
@@ -943,6 +1058,14 @@ mod tests {
         PathBuf::from(format!("/m/default/{name}"))
     }
 
+    /// What a publish of `name` established, as `MountTable::from_points` shows it.
+    fn mounted_at(name: &str) -> crate::executor::PublishedMount {
+        crate::executor::PublishedMount {
+            context: serde_json::Value::Null,
+            mount: crate::mounts::MountIdentity::of_point(&target(name)),
+        }
+    }
+
     struct H {
         core: Core,
         t: Instant,
@@ -1008,7 +1131,7 @@ mod tests {
             self.feed(Input::MountTable(MountTable::from_points([target(name)])));
             self.feed(Input::Done(Completion::Published {
                 volume: key(name),
-                result: Ok(serde_json::Value::Null),
+                result: Ok(mounted_at(name)),
                 elapsed: Duration::from_millis(3),
             }))
         }
@@ -1656,7 +1779,7 @@ mod tests {
                             Input::Done(Completion::Published {
                                 volume: v.clone(),
                                 result: if ok {
-                                    Ok(serde_json::Value::Null)
+                                    Ok(mounted_at(&v.name))
                                 } else {
                                     Err(err())
                                 },
@@ -1858,7 +1981,7 @@ mod tests {
             h.feed(Input::MountTable(MountTable::from_points(points)));
             let e = h.feed(Input::Done(Completion::Published {
                 volume: key(name),
-                result: Ok(serde_json::Value::Null),
+                result: Ok(mounted_at(name)),
                 elapsed: Duration::from_millis(1),
             }));
             h.committed(&e);

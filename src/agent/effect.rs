@@ -16,6 +16,9 @@ pub(crate) enum Effect {
         target: PathBuf,
         read_only: bool,
         alloc_id: String,
+        /// What the last publish established at the target: anything else found there
+        /// is not published over.
+        expected: Option<crate::mounts::MountIdentity>,
     },
     /// Plugin `unpublish` of a journal record; `keep_dir` re-creates the empty target
     /// directory afterwards (a placeholder host volume still points at it).

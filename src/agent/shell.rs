@@ -18,6 +18,7 @@ use crate::environment::NodeEnv;
 use crate::executor;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
+use crate::guard::Guard;
 use crate::metrics::Metrics;
 use crate::mounts::{MountTable, MountsError};
 use crate::nomad::Client;
@@ -55,6 +56,12 @@ pub enum StartError {
     /// A `--plugin-root` is not an absolute, existing directory (issue 13 §1).
     #[error(transparent)]
     PluginRoot(#[from] crate::plugin::RootError),
+    /// Not in the host's mount namespace, or the working directories are unusable.
+    #[error(transparent)]
+    Host(#[from] crate::host::HostError),
+    /// The placeholder guard cannot be placed (see [`crate::guard`]).
+    #[error(transparent)]
+    Guard(#[from] crate::guard::GuardError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -141,6 +148,9 @@ struct Shell {
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
     rejected_records: catalog::Rejections,
+    /// The placeholder guard, and whether it stands (placed at start, else retried).
+    guard: Guard,
+    guarded: bool,
 }
 
 impl Shell {
@@ -153,6 +163,7 @@ impl Shell {
         store: Store,
         meter: Meter,
     ) -> Self {
+        let cfg_state = cfg.state_dir.clone();
         Self {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer()),
@@ -173,6 +184,23 @@ impl Shell {
             reading_after_calls: false,
             meter,
             rejected_records: catalog::Rejections::default(),
+            // Placed (or not) by `run`; a shell without it never retries.
+            guard: Guard::new(&cfg_state),
+            guarded: true,
+        }
+    }
+
+    /// Places the placeholder guard if it could not be placed at start.
+    fn retry_guard(&mut self) {
+        if self.guarded {
+            return;
+        }
+        match self.guard.establish() {
+            Ok(()) => {
+                tracing::info!(root = %self.guard.root().display(), "placeholder guard placed");
+                self.guarded = true;
+            }
+            Err(e) => tracing::debug!(error = %e, "placeholder guard not placed yet"),
         }
     }
 
@@ -235,8 +263,18 @@ impl Shell {
                 target,
                 read_only,
                 alloc_id,
+                expected,
             } => self.plugin_call(
-                executor::publish(runner, node, *volume, target, read_only, alloc_id),
+                executor::publish(
+                    runner,
+                    node,
+                    self.guard.clone(),
+                    *volume,
+                    target,
+                    read_only,
+                    alloc_id,
+                    expected,
+                ),
                 true,
             ),
             Effect::Unpublish {
@@ -244,7 +282,14 @@ impl Shell {
                 volume,
                 keep_dir,
             } => self.plugin_call(
-                executor::unpublish(runner, node, *mount, volume.map(|v| *v), keep_dir),
+                executor::unpublish(
+                    runner,
+                    node,
+                    self.guard.clone(),
+                    *mount,
+                    volume.map(|v| *v),
+                    keep_dir,
+                ),
                 true,
             ),
             // Not under the permits: a node whose calls all hang still learns its plugins.
@@ -258,10 +303,17 @@ impl Shell {
             Effect::ListPlaceholders => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),
-                self.cfg.mount_root(),
+                self.guard.clone(),
             )),
             Effect::RegisterPlaceholder { volume, target, id } => self.call(
-                executor::register_placeholder(client, node, *volume, target, id),
+                executor::register_placeholder(
+                    client,
+                    node,
+                    self.guard.clone(),
+                    *volume,
+                    target,
+                    id,
+                ),
             ),
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))
@@ -441,6 +493,9 @@ pub async fn run(
     metrics: Metrics,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
+    // The host's mount namespace and real directory paths, before anything else.
+    let mut cfg = cfg;
+    crate::host::preflight(&mut cfg)?;
     // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
     let trust = crate::trust::RecordTrust::from_settings(
         cfg.record_keys.as_deref(),
@@ -461,6 +516,18 @@ pub async fn run(
         std::fs::create_dir_all(&dir).map_err(|source| StartError::Socket { path: dir, source })?;
     }
     let _state_lock = StateLock::acquire(&cfg.state_dir)?;
+    // Unpublished placeholders are never writable (see crate::guard). Mounts published
+    // below the placeholder root before the guard existed are left alone: the guard is
+    // placed once they are gone (retried on every tick).
+    let guard = Guard::new(&cfg.state_dir);
+    let guarded = match guard.establish() {
+        Ok(()) => true,
+        Err(e @ crate::guard::GuardError::MountsBelow { .. }) => {
+            tracing::warn!(error = %e, "placeholders stay writable until the guard is placed");
+            false
+        }
+        Err(e) => return Err(e.into()),
+    };
     let (store, journal) = Store::open(&cfg.state_dir, &node_id)?;
     let (listener, _socket_guard) =
         crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
@@ -544,6 +611,8 @@ pub async fn run(
     let meter = Meter::new(metrics);
     let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter)
         .with_trust(allowed_roots, rejected_records);
+    shell.guard = guard;
+    shell.guarded = guarded;
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {
@@ -577,6 +646,7 @@ pub async fn run(
                 }
             },
             _ = tick.tick() => {
+                shell.retry_guard();
                 let mut v: Vec<Input> = shell.gone().into_iter().map(Input::CallerGone).collect();
                 v.push(Input::Tick);
                 v

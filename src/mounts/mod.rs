@@ -133,6 +133,16 @@ pub struct MountIdentity {
 }
 
 impl MountIdentity {
+    /// The identity [`MountTable::from_points`] gives the mount at `path`.
+    pub fn of_point(path: &Path) -> Self {
+        Self {
+            dev: DeviceId { major: 0, minor: 0 },
+            root: PathBuf::from("/"),
+            fs_type: "tmpfs".into(),
+            source: path.display().to_string(),
+        }
+    }
+
     /// True when `entry` mounts exactly this content (device, root, type and source equal).
     pub fn is(&self, entry: &MountEntry) -> bool {
         entry.dev == self.dev
@@ -250,24 +260,25 @@ impl MountTable {
     }
 
     /// A table with one tmpfs mount at each of `points` (tests of code that only asks
-    /// whether a path is mounted).
+    /// whether a path is mounted). Each mount's identity depends on its path alone
+    /// ([`MountIdentity::of_point`]), whatever else the table holds.
     pub fn from_points<I: IntoIterator<Item = PathBuf>>(points: I) -> Self {
         Self::from_entries(
             points
                 .into_iter()
                 .zip(1000u32..)
-                .map(|(mount_point, id)| MountEntry {
-                    id,
-                    parent: 1,
-                    dev: DeviceId {
-                        major: 0,
-                        minor: id,
-                    },
-                    root: PathBuf::from("/"),
-                    mount_point,
-                    options: "rw".into(),
-                    fs_type: "tmpfs".into(),
-                    source: "tmpfs".into(),
+                .map(|(mount_point, id)| {
+                    let i = MountIdentity::of_point(&mount_point);
+                    MountEntry {
+                        id,
+                        parent: 1,
+                        dev: i.dev,
+                        root: i.root,
+                        mount_point,
+                        options: "rw".into(),
+                        fs_type: i.fs_type,
+                        source: i.source,
+                    }
                 })
                 .collect(),
         )
