@@ -3,8 +3,8 @@
 //! agent's shell runs these as tasks.
 
 use crate::claims::{self, ClaimError, ClaimSettings};
-use crate::guard::Guard;
 use crate::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
+use crate::guard::Guard;
 use crate::health::Probe;
 use crate::journal::MountRecord;
 use crate::mounts;
@@ -289,6 +289,7 @@ pub async fn publish(
 /// if (and only if) it is empty, unless `keep_dir` (a placeholder host volume points at
 /// it, and the read-only guard keeps it unwritable).
 pub async fn unpublish(
+    client: Client,
     runner: Runner,
     node: NodeEnv,
     guard: Guard,
@@ -308,10 +309,23 @@ pub async fn unpublish(
                 source,
             })?;
         if let Some(usage) = usage.filter(crate::holders::Usage::in_use) {
-            return Err(StepError::InUse {
-                target: m.target.clone(),
-                usage,
-            });
+            // Tasks of allocations Nomad places on another node are not this node's (a
+            // single host simulating several nodes shows them); anything unknown counts.
+            let mut elsewhere = std::collections::BTreeSet::new();
+            for id in usage.allocs() {
+                if let Ok(Some(a)) = client.allocation(&id).await {
+                    if !a.node_id.is_empty() && a.node_id != node.node_id {
+                        elsewhere.insert(id);
+                    }
+                }
+            }
+            let usage = usage.without_allocs(&elsewhere);
+            if usage.in_use() {
+                return Err(StepError::InUse {
+                    target: m.target.clone(),
+                    usage,
+                });
+            }
         }
         runner
             .call(&m.plugin_id, Operation::Unpublish, &env, &secrets)
@@ -367,11 +381,7 @@ pub struct ListedPlaceholder {
 /// Finds this node's placeholders: host volumes on the node whose path is under `mount_root`.
 /// The directory of each is made again (through the guard) if it is missing: after an
 /// upgrade that placed the guard, they live in its backing directory.
-pub async fn list_placeholders(
-    client: Client,
-    node_id: String,
-    guard: Guard,
-) -> Completion {
+pub async fn list_placeholders(client: Client, node_id: String, guard: Guard) -> Completion {
     let mount_root = guard.root().to_path_buf();
     let result = async {
         let mut out = BTreeMap::new();

@@ -168,7 +168,6 @@ impl Guard {
         }
         Ok(())
     }
-
 }
 
 impl Guard {

@@ -66,11 +66,18 @@ pub struct Holder {
     /// `/proc/<pid>/comm` (the name the kernel shows, at most 15 bytes).
     pub comm: String,
     pub how: Hold,
+    /// `NOMAD_ALLOC_ID` from its environment: the allocation whose task it is (Nomad
+    /// sets it in every task), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alloc_id: Option<String>,
 }
 
 impl std::fmt::Display for Holder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "pid {} ({})", self.pid, self.comm)?;
+        if let Some(a) = &self.alloc_id {
+            write!(f, " of allocation {a}")?;
+        }
         match &self.how {
             Hold::Mount { mount_point } => {
                 write!(f, " has it mounted at {}", mount_point.display())
@@ -101,8 +108,9 @@ pub struct Uninspected {
 pub struct Usage {
     /// Processes using the volume, by pid.
     pub holders: Vec<Holder>,
-    /// Mounts of the volume in the host's namespace besides the target (binds of it made
-    /// elsewhere): they keep it alive after the target is unmounted.
+    /// Mounts of the same content in the host's namespace besides the target (a bind of
+    /// it made elsewhere, or the same export mounted again). Reported, not counted: a
+    /// mount is no process, and processes using it are found through their files.
     pub other_mounts: Vec<PathBuf>,
     /// Processes (or parts of them) that could not be read. A process whose mount table
     /// cannot be read may hide a mount of the volume: see [`Usage::in_use`].
@@ -110,15 +118,29 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// True when the volume must not be unpublished: a holder, another mount of it, or a
-    /// process whose mount table could not be read (it may hold a mount of the volume, and
-    /// the host's unmount would not fail for it). Descriptors that could not be read do not
-    /// count: descriptors in the host namespace on the target's mount make its unmount fail
-    /// with EBUSY, which the plugin reports.
+    /// True when the volume must not be unpublished: a holder, or a process whose mount
+    /// table could not be read (it may hold a mount of the volume, and the host's unmount
+    /// would not fail for it). Descriptors that could not be read do not count:
+    /// descriptors in the host namespace on the target's mount make its unmount fail with
+    /// EBUSY, which the plugin reports.
     pub fn in_use(&self) -> bool {
-        !self.holders.is_empty()
-            || !self.other_mounts.is_empty()
-            || self.uninspected.iter().any(|u| u.what == "mountinfo")
+        !self.holders.is_empty() || self.uninspected.iter().any(|u| u.what == "mountinfo")
+    }
+
+    /// The allocations named by the holders (`NOMAD_ALLOC_ID`).
+    pub fn allocs(&self) -> BTreeSet<String> {
+        self.holders
+            .iter()
+            .filter_map(|h| h.alloc_id.clone())
+            .collect()
+    }
+
+    /// Drops the holders of `allocs` (tasks of allocations Nomad places on another node:
+    /// only a single-host simulation of several nodes shows them).
+    pub fn without_allocs(mut self, allocs: &BTreeSet<String>) -> Self {
+        self.holders
+            .retain(|h| h.alloc_id.as_ref().is_none_or(|a| !allocs.contains(a)));
+        self
     }
 
     /// One line for logs and status: who holds it, the first `max` named.
@@ -232,6 +254,7 @@ pub fn scan(
                 pid,
                 comm: comm.clone(),
                 how: Hold::Mount { mount_point },
+                alloc_id: None,
             }));
         procs.push((pid, comm));
     }
@@ -243,6 +266,7 @@ pub fn scan(
                 pid,
                 comm: comm.clone(),
                 how,
+                alloc_id: None,
             })
         };
         let mut unread = Vec::new();
@@ -277,9 +301,20 @@ pub fn scan(
                 error: e.to_string(),
             }));
     }
+    for h in &mut usage.holders {
+        h.alloc_id = alloc_of(h.pid);
+    }
     usage.holders.sort();
     usage.holders.dedup();
     Ok(usage)
+}
+
+/// `NOMAD_ALLOC_ID` in the environment `pid` started with.
+fn alloc_of(pid: u32) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(b"NOMAD_ALLOC_ID="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
 /// ENOENT/ESRCH: the process exited while being read; EINVAL: it is exiting and has no
@@ -476,10 +511,13 @@ mod tests {
         let s = Scratch::new();
         let (target, id) = volume(&s);
         let f = target.join("f");
-        let open = Proc::spawn(&mut sh(&format!(
-            "exec 3<'{}'; echo ready; exec sleep 600",
-            f.display()
-        )))
+        let open = Proc::spawn(
+            sh(&format!(
+                "exec 3<'{}'; echo ready; exec sleep 600",
+                f.display()
+            ))
+            .env("NOMAD_ALLOC_ID", "a1"),
+        )
         .ready();
         let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&target)).ready();
         let u = scan_now(&id, &target);
@@ -503,6 +541,15 @@ mod tests {
             "{:?}",
             u.holders
         );
+        assert!(u
+            .holders
+            .iter()
+            .any(|h| h.pid == open.pid() && h.alloc_id.as_deref() == Some("a1")));
+        let others = u
+            .clone()
+            .without_allocs(&BTreeSet::from(["a1".to_string()]));
+        assert!(others.holders.iter().all(|h| h.pid != open.pid()));
+        assert!(others.holders.iter().any(|h| h.pid == cwd.pid()));
         drop((open, cwd));
         assert!(!scan_now(&id, &target).in_use());
 
@@ -568,9 +615,17 @@ mod tests {
         let other = s.path().join("elsewhere");
         s.rbind(&target, &other);
         let u = scan_now(&id, &target);
-        assert_eq!(u.other_mounts, vec![other]);
-        assert!(u.in_use());
-        assert!(u.holders.is_empty(), "{:?}", u.holders);
+        assert_eq!(u.other_mounts, vec![other.clone()]);
+        assert!(!u.in_use(), "a mount is no process");
+        assert!(u.summary(5).contains("also mounted at"));
+        // A process using the volume through the other mount holds it.
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&other)).ready();
+        let u = scan_now(&id, &target);
+        assert!(
+            u.holders.iter().any(|h| h.pid == cwd.pid()),
+            "{:?}",
+            u.holders
+        );
     }
 
     /// The same disk bound elsewhere from another directory is not the volume.

@@ -801,7 +801,9 @@ impl Core {
                 // plugin's idempotent publish decides whether the mount is the volume's.
                 _ if m.mount.is_none() => continue,
                 TargetState::Foreign { found } => found.to_string(),
-                TargetState::Stacked { count, top } => format!("{count} stacked mounts ({top} on top)"),
+                TargetState::Stacked { count, top } => {
+                    format!("{count} stacked mounts ({top} on top)")
+                }
             };
             let why = format!(
                 "{} holds {found}, not this volume's mount{}: it is not published over nor used; unmount it",

@@ -16,9 +16,9 @@ use crate::claims::ClaimSettings;
 use crate::config::AgentConfig;
 use crate::environment::NodeEnv;
 use crate::executor;
+use crate::guard::Guard;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
-use crate::guard::Guard;
 use crate::metrics::Metrics;
 use crate::mounts::{MountTable, MountsError};
 use crate::nomad::Client;
@@ -283,6 +283,7 @@ impl Shell {
                 keep_dir,
             } => self.plugin_call(
                 executor::unpublish(
+                    client,
                     runner,
                     node,
                     self.guard.clone(),
