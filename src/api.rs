@@ -181,10 +181,51 @@ struct Ctx {
     agent: mpsc::Sender<Request2Agent>,
 }
 
-/// The caller's peer UID (`SO_PEERCRED` of its connection), for root-only endpoints.
+/// The caller (`SO_PEERCRED` of its connection): its UID for root-only endpoints, both
+/// for the audit line of a refused call.
 #[derive(Debug, Clone, Copy)]
 struct Peer {
+    /// The UID that counts for root-only endpoints (root in a task counts as no one).
     uid: Option<u32>,
+    /// The caller's own UID and pid, for the audit line.
+    real_uid: Option<u32>,
+    pid: Option<i32>,
+}
+
+/// Why a call was refused (the error's message), carried on its response for the audit.
+#[derive(Debug, Clone)]
+struct Refusal(String);
+
+/// Every refused call (a 4xx answer) writes one audit line (target `dhv_binder::audit`):
+/// the caller's uid and pid, the allocation asked for, the status and the reason, so an
+/// operator sees every attempt.
+async fn audit(
+    Extension(peer): Extension<Peer>,
+    req: hyper::Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    if resp.status().is_client_error() {
+        let alloc_id = path
+            .strip_prefix("/v1/allocations/")
+            .and_then(|r| r.split('/').next())
+            .unwrap_or_default();
+        let unknown = || "unknown".to_string();
+        tracing::warn!(
+            target: "dhv_binder::audit",
+            caller_uid = peer.real_uid.map(|u| u.to_string()).unwrap_or_else(unknown),
+            caller_pid = peer.pid.map(|p| p.to_string()).unwrap_or_else(unknown),
+            %alloc_id,
+            %method,
+            %path,
+            status = resp.status().as_u16(),
+            reason = %resp.extensions().get::<Refusal>().map(|r| r.0.as_str()).unwrap_or_default(),
+            "refused socket call"
+        );
+    }
+    resp
 }
 
 /// The endpoints. Unknown paths and methods answer with an [`ApiError`] body too.
@@ -197,6 +238,7 @@ fn router(ctx: Arc<Ctx>) -> Router {
         .route("/v1/status", get(status_route).fallback(method_not_allowed))
         .route("/v1/health", get(health_route).fallback(no_such_endpoint))
         .fallback(no_such_endpoint)
+        .layer(axum::middleware::from_fn(audit))
         .with_state(ctx)
 }
 
@@ -367,7 +409,12 @@ pub async fn serve_with(
         // `/v1/status` is for root outside any task: a root caller in another mount
         // namespace (a task) is treated as unprivileged.
         let peer_uid = uid.filter(|u| *u != 0 || same_mount_namespace(cred.and_then(|c| c.pid())));
-        let svc = TowerToHyperService::new(app.clone().layer(Extension(Peer { uid: peer_uid })));
+        let peer = Peer {
+            uid: peer_uid,
+            real_uid: uid,
+            pid: cred.and_then(|c| c.pid()),
+        };
+        let svc = TowerToHyperService::new(app.clone().layer(Extension(peer)));
         tokio::spawn(async move {
             let _permit = permit;
             let _slot = slot;
@@ -404,7 +451,10 @@ fn error(e: ApiError) -> Response<Full<Bytes>> {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> axum::response::Response {
-        error(self).into_response()
+        let reason = Refusal(self.to_string());
+        let mut r = error(self).into_response();
+        r.extensions_mut().insert(reason);
+        r
     }
 }
 

@@ -49,3 +49,423 @@ fn the_agent_refuses_a_private_mount_namespace() {
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(!stderr.contains("private mount namespace"), "{stderr}");
 }
+
+// ---------------------------------------------------------------------------------------
+// The real agent (in-process) against the scripted fake Nomad, replaying the recorded
+// allocation `orders.app[0]`, with real mounts in the test's sandbox (issue 12, inputs 2,
+// 3, 4, 6 and 9).
+
+mod support;
+
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+use support::fake_nomad::FakeNomad;
+use support::inproc::{agent_config, ready, start_agent, status, Running};
+use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
+
+const NODE_A: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
+const ALLOC: &str = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
+const VOLUME: &str = "default/orders-data";
+
+fn testdata(dir: &str, name: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata")
+        .join(dir)
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn fixture(name: &str) -> Value {
+    serde_json::from_str(&testdata("nomad-fixtures", name)).unwrap()
+}
+
+fn frames(pred: impl Fn(u64) -> bool) -> Vec<String> {
+    testdata("nomad-fixtures", "event-stream-allocation.ndjson")
+        .lines()
+        .filter(|l| {
+            let i = serde_json::from_str::<Value>(l)
+                .ok()
+                .and_then(|v| v["Index"].as_u64())
+                .unwrap_or(0);
+            pred(i)
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// Every log line of the in-process agents of this test binary (the audit lines too).
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<&'static Mutex<Vec<u8>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf: &'static Mutex<Vec<u8>> = Box::leak(Box::new(Mutex::new(Vec::new())));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("info")
+            .with_ansi(false)
+            .with_writer(move || LogWriter(buf))
+            .try_init();
+        buf
+    })
+}
+
+struct LogWriter(&'static Mutex<Vec<u8>>);
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn log_lines(needle: &str) -> Vec<String> {
+    String::from_utf8_lossy(&logs().lock().unwrap())
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(String::from)
+        .collect()
+}
+
+struct Replay {
+    sb: Sandbox,
+    fake: FakeNomad,
+    cfg: dhv_binder::config::AgentConfig,
+    agent: Option<Running>,
+    target: PathBuf,
+    token: String,
+}
+
+impl Replay {
+    /// The agent with `orders-data` published for the running allocation `ALLOC`.
+    async fn published() -> Replay {
+        Self::start(false).await
+    }
+
+    /// [`Replay::published`] with the state directory given as `<sandbox>/link/x/../state`,
+    /// `link` a symlink to `<sandbox>/real`.
+    async fn published_symlinked() -> Replay {
+        Self::start(true).await
+    }
+
+    async fn start(symlinked: bool) -> Replay {
+        logs();
+        let sb = Sandbox::new();
+        let fake = FakeNomad::start(NODE_A, fixture("jwks.json")).await;
+        for a in fixture("node-allocations.json").as_array().unwrap() {
+            if a["JobID"] == "dhv-binder" {
+                fake.put_alloc(a.clone());
+            }
+        }
+        let spec = json!({"name": "orders-data", "namespace": "default", "plugin_id": "fake",
+            "capacity_min": 0, "capacity_max": 0, "node_pool": "",
+            "capabilities": [{"access_mode": "single-node-writer", "attachment_mode": "file-system"}],
+            "parameters": {}});
+        fake.put_var(
+            "default",
+            "dhv-binder/volumes/orders-data",
+            json!({"id": "c7e4a2d9-1f3b-4c56-8a9e-2b7d4f1e6a83", "spec": spec.to_string(), "secrets": "{}",
+                   "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
+        );
+        recording_plugin(&sb.join("plugins"), "fake");
+        let mut cfg = agent_config(&sb);
+        let root = std::fs::canonicalize(sb.path()).unwrap();
+        let real_state = if symlinked {
+            std::fs::create_dir_all(root.join("real/x")).unwrap();
+            std::os::unix::fs::symlink(root.join("real"), root.join("link")).unwrap();
+            cfg.state_dir = sb.join("link/x/../state");
+            root.join("real/state")
+        } else {
+            root.join("state")
+        };
+        let agent = start_agent(&fake, cfg.clone());
+        ready(&cfg, &fake, 1).await;
+        let target = real_state.join("mnt/default/orders-data");
+        let mut full = fixture("allocation.json");
+        full["ClientStatus"] = json!("pending");
+        full["ModifyIndex"] = json!(1205);
+        full.as_object_mut().unwrap().remove("TaskStates");
+        fake.put_alloc(full);
+        for line in frames(|i| i <= 1223) {
+            fake.push(&line);
+        }
+        eventually(20, "published", || {
+            dhv_binder::mounts::is_mount_point(&target)
+        })
+        .await;
+        let token = fixture("workload-identity.json")["default_identity"]["compact"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        Replay {
+            sb,
+            fake,
+            cfg,
+            agent: Some(agent),
+            target,
+            token,
+        }
+    }
+
+    /// The allocation's own prestart call.
+    async fn prestart(&self, wait: &str) -> Result<Value, String> {
+        dhv_binder::api::client::call(
+            &self.cfg.socket,
+            hyper::Method::POST,
+            &format!("/v1/allocations/{ALLOC}/publish?wait={wait}"),
+            Some(&self.token),
+        )
+        .await
+        .map_err(|e| e.to_string())
+    }
+
+    fn plugin_calls(&self, op: &str) -> usize {
+        calls(&self.sb.join("plugins"))
+            .iter()
+            .filter(|c| c.starts_with(op))
+            .count()
+    }
+
+    /// Replaces the plugin: publish fails (and is logged), everything else as before.
+    fn break_publish(&self) {
+        let dir = self.sb.join("plugins");
+        let _ = std::fs::rename(dir.join("fake"), dir.join("real"));
+        script(
+            &dir.join("fake"),
+            &format!(
+                "#!/bin/sh\nif [ \"$1\" = publish ]; then echo \"publish $DHV_NAMESPACE/$DHV_VOLUME_NAME failed\" >> {log}; echo '{{\"error\":\"storage unreachable\"}}'; exit 1; fi\nexec {real} \"$@\"\n",
+                log = dir.join("calls.log").display(),
+                real = dir.join("real").display()
+            ),
+        );
+    }
+
+    fn repair_publish(&self) {
+        let dir = self.sb.join("plugins");
+        std::fs::rename(dir.join("real"), dir.join("fake")).unwrap();
+    }
+
+    async fn stop(&mut self) {
+        if let Some(a) = self.agent.take() {
+            a.stop().await;
+        }
+    }
+}
+
+/// Polls the agent's status until `f` holds (20 s at most).
+async fn status_until(
+    cfg: &dhv_binder::config::AgentConfig,
+    what: &str,
+    f: impl Fn(&Value) -> bool,
+) {
+    for _ in 0..200 {
+        if f(&status(cfg).await) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out waiting for {what}: {}", status(cfg).await);
+}
+
+fn erofs(r: std::io::Result<()>) -> bool {
+    matches!(r, Err(e) if e.raw_os_error() == Some(nix::libc::EROFS))
+}
+
+/// Input 2: the target unmounted behind the agent's back while the plugin's publish fails:
+/// the prestart call is not answered 200 from the journal; a foreign tmpfs mounted on the
+/// target is reported, never accepted, never published over; once it is gone and the
+/// storage is back, the volume is published again and the call answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prestart_is_answered_from_the_kernel_not_the_journal() {
+    let mut r = Replay::published().await;
+    let ok = r.prestart("10s").await.expect("published");
+    assert_eq!(ok["volumes"][0]["path"], r.target.display().to_string());
+
+    r.break_publish();
+    nix::mount::umount(&r.target).unwrap();
+    let answer = r.prestart("3s").await;
+    assert!(answer.is_err(), "answered {answer:?} with nothing mounted");
+    eventually(20, "a republish tried (and failed)", || {
+        r.plugin_calls("publish default/orders-data failed") > 0
+    })
+    .await;
+    assert!(!dhv_binder::mounts::is_mount_point(&r.target));
+
+    // A foreign tmpfs on the target: reported, not accepted, not published over.
+    nix::mount::mount(
+        Some("foreign"),
+        &r.target,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=1m"),
+    )
+    .unwrap();
+    status_until(&r.cfg, "the foreign mount reported in status", |s| {
+        s["foreign_mounts"][VOLUME].is_string()
+    })
+    .await;
+    let tries = r.plugin_calls("publish");
+    let answer = r.prestart("2s").await;
+    let err = answer.expect_err("a foreign mount is not the volume");
+    assert!(err.contains("holds tmpfs foreign"), "{err}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        r.plugin_calls("publish"),
+        tries,
+        "published over a foreign mount"
+    );
+    assert!(!log_lines("foreign mount at a volume's target").is_empty());
+
+    // The foreign mount goes, the storage comes back: published again, answered.
+    nix::mount::umount(&r.target).unwrap();
+    r.repair_publish();
+    let ok = r.prestart("20s").await.expect("published again");
+    assert_eq!(ok["volumes"][0]["path"], r.target.display().to_string());
+    assert!(dhv_binder::mounts::is_mount_point(&r.target));
+    r.stop().await;
+}
+
+/// Input 3: a republish that fails after a restart leaves the placeholder read-only, so a
+/// task restarted by Nomad (which does not re-run a finished prestart task) cannot write
+/// to the node's disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_republish_leaves_no_writable_directory() {
+    let mut r = Replay::published().await;
+    r.stop().await;
+    nix::mount::umount(&r.target).unwrap();
+    r.break_publish();
+    r.agent = Some(start_agent(&r.fake, r.cfg.clone()));
+    eventually(20, "the republish failed", || {
+        r.plugin_calls("publish default/orders-data failed") > 0
+    })
+    .await;
+    assert!(r.target.is_dir());
+    assert!(!dhv_binder::mounts::is_mount_point(&r.target));
+    assert!(
+        erofs(std::fs::write(r.target.join("data.txt"), "lost")),
+        "the placeholder is writable"
+    );
+    r.stop().await;
+}
+
+/// Input 4: the allocation is done, but a process in another mount namespace (a task's)
+/// still has the volume mounted: no unpublish (the host's unmount would succeed and leave
+/// the filesystem alive there), the claim is kept, the holder is named in status; once it
+/// is gone, the volume is unpublished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_unpublished_under_a_live_process() {
+    let mut r = Replay::published().await;
+    let inner = r.sb.join("task/data");
+    std::fs::create_dir_all(&inner).unwrap();
+    let mut task = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+            r.target.display(),
+            inner.display()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(task.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready");
+    }
+    for line in frames(|i| i >= 1242) {
+        r.fake.push(&line);
+    }
+    let pid = task.id();
+    status_until(&r.cfg, "the holder named in status", |s| {
+        s["holders"][VOLUME]["holders"]
+            .as_array()
+            .is_some_and(|h| h.iter().any(|h| h["pid"] == pid))
+    })
+    .await;
+    let s = status(&r.cfg).await;
+    assert_eq!(s["claims"][VOLUME], "held", "{s}");
+    assert!(
+        s["errors"][VOLUME]
+            .as_str()
+            .is_some_and(|e| e.contains("still in use")),
+        "{s}"
+    );
+    assert_eq!(r.plugin_calls("unpublish"), 0);
+    assert!(dhv_binder::mounts::is_mount_point(&r.target));
+
+    let _ = task.kill();
+    let _ = task.wait();
+    eventually(90, "unpublished once the holder is gone", || {
+        r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
+    })
+    .await;
+    r.stop().await;
+}
+
+/// Input 6: a state directory reached through a symlink (and `..`): publishes succeed and
+/// are checked at the real path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlinked_state_dir_publishes() {
+    let mut r = Replay::published_symlinked().await;
+    let ok = r.prestart("10s").await.expect("published");
+    let resolved = std::fs::canonicalize(r.sb.join("real/state")).unwrap();
+    assert_eq!(
+        ok["volumes"][0]["path"],
+        resolved
+            .join("mnt/default/orders-data")
+            .display()
+            .to_string()
+    );
+    assert_eq!(r.target, resolved.join("mnt/default/orders-data"));
+    let s = status(&r.cfg).await;
+    assert!(s["errors"].as_object().unwrap().is_empty(), "{s}");
+    r.stop().await;
+}
+
+/// Input 9: every refused socket call writes one audit line with the caller's uid and
+/// pid, the allocation and the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_calls_are_audited() {
+    let mut r = Replay::published().await;
+    let other = "8e2a4c6d-0b1f-4a3e-9d5c-7b9e1f3a5c82";
+    let err = dhv_binder::api::client::call(
+        &r.cfg.socket,
+        hyper::Method::POST,
+        &format!("/v1/allocations/{other}/publish?wait=1s"),
+        Some(&r.token),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("HTTP 403"), "{err}");
+    let err = dhv_binder::api::client::call(
+        &r.cfg.socket,
+        hyper::Method::POST,
+        &format!("/v1/allocations/{ALLOC}/publish"),
+        None,
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("HTTP 401"), "{err}");
+    let me = format!("caller_pid=\"{}\"", std::process::id());
+    let audit: Vec<String> = log_lines("refused socket call")
+        .into_iter()
+        .filter(|l| l.contains("dhv_binder::audit") && l.contains(&me))
+        .collect();
+    let line = |alloc: &str, status: &str| {
+        audit
+            .iter()
+            .filter(|l| l.contains(&format!("alloc_id={alloc}")) && l.contains(status))
+            .count()
+    };
+    assert_eq!(line(other, "status=403"), 1, "{audit:#?}");
+    assert_eq!(line(ALLOC, "status=401"), 1, "{audit:#?}");
+    assert!(audit
+        .iter()
+        .all(|l| l.contains("caller_uid=\"0\"") && l.contains("reason=")));
+    r.stop().await;
+}

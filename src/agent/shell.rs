@@ -107,6 +107,8 @@ enum Report {
     /// Plugin calls that finished before one mount table read started, and that reading.
     CallsMounts(Vec<Completion>, Result<MountTable, MountsError>),
     Mounts(Result<MountTable, MountsError>),
+    /// A call, with the mount table read after it arrived.
+    Fresh(Box<Input>, Result<MountTable, MountsError>),
     Committed {
         seq: u64,
         result: Result<(), JournalError>,
@@ -406,6 +408,23 @@ impl Shell {
         });
     }
 
+    /// Takes a call: a publish call is handed to the core only with the host's mount
+    /// table read after it arrived (it is answered from the kernel, never from a reading
+    /// older than the question); others at once.
+    fn admit(&mut self, req: Request2Agent) -> Option<Input> {
+        match self.register(req) {
+            i @ Input::Api {
+                call: ApiCall::Publish(_),
+                ..
+            } => {
+                self.tasks
+                    .spawn_blocking(move || Report::Fresh(Box::new(i), MountTable::read()));
+                None
+            }
+            i => Some(i),
+        }
+    }
+
     fn register(&mut self, req: Request2Agent) -> Input {
         self.next_reply += 1;
         let id = ReplyId(self.next_reply);
@@ -462,6 +481,7 @@ impl Shell {
                 let done = calls.into_iter().map(Input::Done);
                 table(t).into_iter().chain(done).collect()
             }
+            Report::Fresh(i, t) => table(t).into_iter().chain([*i]).collect(),
             Report::Mounts(t) => {
                 self.reading_mounts = false;
                 table(t).into_iter().collect()
@@ -638,7 +658,7 @@ pub async fn run(
             _ = &mut shutdown => break,
             Some(ev) = watch_rx.recv() => vec![Input::Watch(ev)],
             Some(cat) = cat_rx.recv() => vec![Input::Catalogue(cat)],
-            Some(req) = api_rx.recv() => vec![shell.register(req)],
+            Some(req) = api_rx.recv() => shell.admit(req).into_iter().collect(),
             Some(done) = shell.tasks.join_next() => match done {
                 Ok(r) => shell.on_report(r),
                 Err(e) => {
