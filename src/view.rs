@@ -26,6 +26,10 @@ pub struct View {
     needing: BTreeMap<VolumeKey, BTreeSet<String>>,
     /// What changed since [`View::take_changes`].
     changes: Changes,
+    /// Allocations that left the view finished, with their last ModifyIndex: an older
+    /// list or event that still shows them running is stale, never a reason to publish
+    /// again. At most [`FINISHED_KEPT`], the oldest dropped first.
+    finished: BTreeMap<String, u64>,
 }
 
 /// What changed in the view since the last [`View::take_changes`]: the planner replans
@@ -39,6 +43,9 @@ pub struct Changes {
     /// Volumes named by those allocations, before and after the change.
     pub volumes: BTreeSet<VolumeKey>,
 }
+
+/// How many finished allocations the view remembers (stale-list protection).
+pub const FINISHED_KEPT: usize = 4096;
 
 /// One deferred volume an allocation needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,16 +75,26 @@ impl View {
     /// the allocation's own group ([`Allocation::keep_own_group`]). Jobs already known
     /// are kept for allocations whose listing lacks one. Allocations missing from the list
     /// whose tasks were last seen running become departing (see [`View::remove_at`]).
+    ///
+    /// A list never undoes what a newer one established: an allocation listed with a
+    /// lower ModifyIndex than the one already known keeps the known one, and one known to
+    /// have finished is not brought back by an older list.
     pub fn replace_all_at(&mut self, list: Vec<Allocation>, index: u64, now: Instant) {
         let mut old = std::mem::take(&mut self.allocs);
         for mut a in list {
             a.keep_own_group();
-            self.departing.remove(&a.id);
-            if a.job.is_none() {
-                a.job = old.remove(&a.id).and_then(|o| o.job);
-            } else {
-                old.remove(&a.id);
+            if self.is_stale(&a) {
+                continue;
             }
+            match old.remove(&a.id) {
+                Some(o) if a.modify_index != 0 && a.modify_index < o.modify_index => {
+                    self.allocs.insert(o.id.clone(), o);
+                    continue;
+                }
+                Some(o) if a.job.is_none() => a.job = o.job,
+                _ => {}
+            }
+            self.departing.remove(&a.id);
             self.allocs.insert(a.id.clone(), a);
         }
         for (id, a) in old {
@@ -91,6 +108,7 @@ impl View {
                 self.allocs.insert(id, a);
             } else {
                 self.departing.remove(&id);
+                self.forget_finished(&a);
             }
         }
         self.complete = true;
@@ -104,10 +122,35 @@ impl View {
         self.changes.relisted = true;
     }
 
+    /// True when `a` is older than the finished state already seen for it.
+    fn is_stale(&self, a: &Allocation) -> bool {
+        self.finished
+            .get(&a.id)
+            .is_some_and(|i| a.modify_index <= *i)
+    }
+
+    /// Remembers that `a` left the view finished (bounded).
+    fn forget_finished(&mut self, a: &Allocation) {
+        self.finished.insert(a.id.clone(), a.modify_index);
+        if self.finished.len() > FINISHED_KEPT {
+            if let Some(oldest) = self
+                .finished
+                .iter()
+                .min_by_key(|(_, i)| **i)
+                .map(|(id, _)| id.clone())
+            {
+                self.finished.remove(&oldest);
+            }
+        }
+    }
+
     /// Applies one allocation update (an event payload or a fresh read). A payload without
     /// a Job keeps the Job already known; a Job is reduced to the allocation's own group. Stale updates (lower ModifyIndex) are ignored.
     pub fn upsert(&mut self, mut a: Allocation) {
         a.keep_own_group();
+        if self.is_stale(&a) {
+            return;
+        }
         self.departing.remove(&a.id);
         if let Some(old) = self.allocs.get(&a.id) {
             if a.modify_index != 0 && a.modify_index < old.modify_index {
@@ -159,7 +202,9 @@ impl View {
     /// Removes allocation `id` from the view and the index.
     fn drop_alloc(&mut self, id: &str) {
         self.touch(id);
-        self.allocs.remove(id);
+        if let Some(a) = self.allocs.remove(id) {
+            self.forget_finished(&a);
+        }
         self.departing.remove(id);
     }
 
@@ -293,5 +338,42 @@ mod tests {
             ..alloc("b", "db")
         });
         assert_eq!(groups_kept(&v, "b"), ["db"]);
+    }
+}
+
+#[cfg(test)]
+mod stale_tests {
+    use super::*;
+
+    fn alloc(id: &str, status: &str, index: u64) -> Allocation {
+        Allocation {
+            id: id.into(),
+            client_status: status.into(),
+            desired_status: "run".into(),
+            modify_index: index,
+            ..Allocation::default()
+        }
+    }
+
+    /// Issue 12 input 8: an older list never undoes what a newer one established.
+    #[test]
+    fn a_list_that_goes_back_in_time_is_not_applied() {
+        let t = Instant::now();
+        let mut v = View::default();
+        v.replace_all_at(vec![alloc("a", "running", 10)], 10, t);
+        v.upsert(alloc("a", "complete", 12));
+        // An older list (a stale server) still shows it running.
+        v.replace_all_at(vec![alloc("a", "running", 10)], 11, t);
+        assert_eq!(v.allocs()["a"].client_status, "complete");
+        // Gone from Nomad (garbage-collected), then an old list brings it back running.
+        v.replace_all_at(vec![], 13, t);
+        assert!(!v.allocs().contains_key("a"));
+        v.replace_all_at(vec![alloc("a", "running", 10)], 9, t);
+        assert!(!v.allocs().contains_key("a"), "a finished allocation came back");
+        v.upsert(alloc("a", "running", 11));
+        assert!(!v.allocs().contains_key("a"));
+        // A newer state of it is taken.
+        v.upsert(alloc("a", "complete", 14));
+        assert!(v.allocs().contains_key("a"));
     }
 }

@@ -254,6 +254,45 @@ impl Replay {
     }
 }
 
+/// A task of the allocation: its own mount namespace with the volume bound in (as the
+/// exec and docker drivers make), killed on drop.
+struct Task(std::process::Child);
+
+impl Task {
+    fn holding(r: &Replay) -> Task {
+        use std::io::BufRead;
+        let inner = r.sb.join("task/data");
+        std::fs::create_dir_all(&inner).unwrap();
+        let mut child = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                r.target.display(),
+                inner.display()
+            ))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let task = Task(child);
+        let mut line = String::new();
+        std::io::BufReader::new(out).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "the task did not start");
+        task
+    }
+
+    fn end(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
 /// Polls the agent's status until `f` holds (20 s at most).
 async fn status_until(
     cfg: &dhv_binder::config::AgentConfig,
@@ -357,30 +396,11 @@ async fn a_failed_republish_leaves_no_writable_directory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_unpublished_under_a_live_process() {
     let mut r = Replay::published().await;
-    let inner = r.sb.join("task/data");
-    std::fs::create_dir_all(&inner).unwrap();
-    let mut task = std::process::Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c"])
-        .arg(format!(
-            "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
-            r.target.display(),
-            inner.display()
-        ))
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::BufRead;
-        let mut line = String::new();
-        std::io::BufReader::new(task.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "ready");
-    }
+    let mut task = Task::holding(&r);
     for line in frames(|i| i >= 1242) {
         r.fake.push(&line);
     }
-    let pid = task.id();
+    let pid = task.0.id();
     status_until(&r.cfg, "the holder named in status", |s| {
         s["holders"][VOLUME]["holders"]
             .as_array()
@@ -398,8 +418,7 @@ async fn nothing_is_unpublished_under_a_live_process() {
     assert_eq!(r.plugin_calls("unpublish"), 0);
     assert!(dhv_binder::mounts::is_mount_point(&r.target));
 
-    let _ = task.kill();
-    let _ = task.wait();
+    task.end();
     eventually(90, "unpublished once the holder is gone", || {
         r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
     })
@@ -467,5 +486,69 @@ async fn refused_calls_are_audited() {
     assert!(audit
         .iter()
         .all(|l| l.contains("caller_uid=\"0\"") && l.contains("reason=")));
+    r.stop().await;
+}
+
+/// Input 8: after the allocation finished and its volume was unpublished, a list from an
+/// older index (a stale server, a snapshot restore) still shows it running: the agent
+/// does not publish the volume again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_that_goes_back_in_time_undoes_nothing() {
+    let mut r = Replay::published().await;
+    for line in frames(|i| i >= 1242) {
+        r.fake.push(&line);
+    }
+    eventually(20, "unpublished after complete", || {
+        r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
+    })
+    .await;
+    let mut old = fixture("allocation.json");
+    old["ClientStatus"] = json!("running");
+    old["ModifyIndex"] = json!(1220);
+    let mut list: Vec<Value> = fixture("node-allocations.json")
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["JobID"] == "dhv-binder")
+        .cloned()
+        .collect();
+    list.push(old);
+    r.fake.reset(list, 1230);
+    status_until(&r.cfg, "the older list applied", |s| {
+        s["watch"]["counters"]["relists"] == 2 && s["view"]["index"] == 1220
+    })
+    .await;
+    // Planning runs on every input and tick (200 ms): give it a few passes.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(r.plugin_calls("publish"), 1, "published again from an older list");
+    assert!(!dhv_binder::mounts::is_mount_point(&r.target));
+    r.stop().await;
+}
+
+/// Input 7: the agent is stopped, the job purged while its task still runs (it takes its
+/// time to stop), the agent started again: nothing in Nomad says the allocation existed,
+/// but the task's mount namespace still holds the volume, so it is not unpublished until
+/// the task is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_still_waits_for_a_task_to_stop() {
+    let mut r = Replay::published().await;
+    let mut task = Task::holding(&r);
+    r.stop().await;
+    r.fake.delete_alloc(ALLOC);
+    r.agent = Some(start_agent(&r.fake, r.cfg.clone()));
+    let pid = task.0.id();
+    status_until(&r.cfg, "the running task named as holder", |s| {
+        s["holders"][VOLUME]["holders"]
+            .as_array()
+            .is_some_and(|h| h.iter().any(|h| h["pid"] == pid))
+    })
+    .await;
+    assert_eq!(r.plugin_calls("unpublish"), 0, "unpublished under the task");
+    assert!(dhv_binder::mounts::is_mount_point(&r.target));
+    task.end();
+    eventually(90, "unpublished once the task is gone", || {
+        r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
+    })
+    .await;
     r.stop().await;
 }
