@@ -369,7 +369,10 @@ mod stale_tests {
         v.replace_all_at(vec![], 13, t);
         assert!(!v.allocs().contains_key("a"));
         v.replace_all_at(vec![alloc("a", "running", 10)], 9, t);
-        assert!(!v.allocs().contains_key("a"), "a finished allocation came back");
+        assert!(
+            !v.allocs().contains_key("a"),
+            "a finished allocation came back"
+        );
         v.upsert(alloc("a", "running", 11));
         assert!(!v.allocs().contains_key("a"));
         // A newer state of it is taken.

@@ -520,7 +520,11 @@ async fn a_list_that_goes_back_in_time_undoes_nothing() {
     .await;
     // Planning runs on every input and tick (200 ms): give it a few passes.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(r.plugin_calls("publish"), 1, "published again from an older list");
+    assert_eq!(
+        r.plugin_calls("publish"),
+        1,
+        "published again from an older list"
+    );
     assert!(!dhv_binder::mounts::is_mount_point(&r.target));
     r.stop().await;
 }
@@ -551,4 +555,121 @@ async fn a_restart_still_waits_for_a_task_to_stop() {
     })
     .await;
     r.stop().await;
+}
+
+/// Input 1, end to end (simulator, real daemon, exec driver, bind plugin): a job that uses
+/// the deferred volume without the prestart task. Its main task starts before the volume
+/// is published and finds an empty read-only directory: the write fails with EROFS instead
+/// of landing on the node's disk. The agent names the job, group and task in its log and
+/// status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
+    let c = support::cluster::Cluster::start(1).await;
+    c.create_volume("shared-data", "single-node-writer");
+    // Publishing takes a while (slow storage): the ungated task starts first.
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            "#!/bin/sh\n[ \"$1\" = publish ] && sleep 5\nexec {} \"$@\"\n",
+            real.display()
+        ),
+    );
+    c.wait_for(30, "the placeholder ready", || async {
+        let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+        vols.as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["Name"] == "shared-data" && v["State"] == "ready")
+            .then_some(())
+    })
+    .await;
+    let jobspec = c.sb.join("no-gate.nomad.hcl");
+    std::fs::write(
+        &jobspec,
+        r#"job "no-gate" {
+  type        = "service"
+  datacenters = ["*"]
+  group "app" {
+    volume "data" {
+      type            = "host"
+      source          = "shared-data"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+    task "app" {
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "if echo hello > /data/greetings.txt; then echo WROTE; else echo WRITE-FAILED; fi; exec sleep 600"]
+      }
+      volume_mount {
+        volume      = "data"
+        destination = "/data"
+      }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    let job = c.run_job(&jobspec).await;
+    let alloc = c
+        .wait_for(60, "the task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let logs =
+        c.sb.join("sim")
+            .join(&c.nodes[0].name)
+            .join("alloc")
+            .join(&alloc_id)
+            .join("alloc/logs");
+    let stdout = c
+        .wait_for(30, "the task's write attempt", || async {
+            std::fs::read_to_string(logs.join("app.stdout.0"))
+                .ok()
+                .filter(|t| t.contains("WRO") || t.contains("WRITE-FAILED"))
+        })
+        .await;
+    let stderr = std::fs::read_to_string(logs.join("app.stderr.0")).unwrap_or_default();
+    eprintln!("what the task sees:\n{stdout}{stderr}");
+    assert!(stdout.contains("WRITE-FAILED"), "{stdout}");
+    assert!(stderr.contains("Read-only file system"), "{stderr}");
+    let disk = c.nodes[0]
+        .state_dir
+        .join("placeholders/default/shared-data");
+    assert_eq!(
+        std::fs::read_dir(&disk).map(|d| d.count()).unwrap_or(0),
+        0,
+        "the write landed on the node's disk"
+    );
+    let status = c
+        .wait_for(30, "the ungated task in status", || async {
+            let (code, out) = c.status(0);
+            (code == 0 && out.contains("no-gate")).then_some(out)
+        })
+        .await;
+    let line = status
+        .lines()
+        .find(|l| l.contains("ungated") || l.contains("no-gate"))
+        .unwrap_or_default()
+        .to_string();
+    eprintln!("what the operator sees (status): {line}");
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    let warn = log
+        .lines()
+        .find(|l| l.contains("mounts deferred volume") && l.contains("no-gate"))
+        .unwrap_or_else(|| panic!("no warning in the agent's log:\n{log}"));
+    eprintln!("what the operator sees (log): {warn}");
+    assert!(
+        warn.contains("group \\\"app\\\"") || warn.contains("group=app"),
+        "{warn}"
+    );
 }
