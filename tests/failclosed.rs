@@ -62,24 +62,13 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 use support::fake_nomad::FakeNomad;
+use support::fixtures::{fixture, shared as testdata};
 use support::inproc::{agent_config, ready, start_agent, status, Running};
 use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
 
 const NODE_A: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 const ALLOC: &str = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
 const VOLUME: &str = "default/orders-data";
-
-fn testdata(dir: &str, name: &str) -> String {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("testdata")
-        .join(dir)
-        .join(name);
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-fn fixture(name: &str) -> Value {
-    serde_json::from_str(&testdata("nomad-fixtures", name)).unwrap()
-}
 
 fn frames(pred: impl Fn(u64) -> bool) -> Vec<String> {
     testdata("nomad-fixtures", "event-stream-allocation.ndjson")
@@ -247,6 +236,37 @@ impl Replay {
         std::fs::rename(dir.join("real"), dir.join("fake")).unwrap();
     }
 
+    /// The volume stays published, with `task` named as its holder, its claim kept and
+    /// its unpublish reported as failed; once the task is gone, it is unpublished.
+    async fn held_until_released(&self, task: &mut Task) {
+        let pid = task.0.id();
+        status_until(&self.cfg, "the task named as the volume's holder", |s| {
+            s["holders"][VOLUME]["holders"]
+                .as_array()
+                .is_some_and(|h| h.iter().any(|h| h["pid"] == pid))
+        })
+        .await;
+        let s = status(&self.cfg).await;
+        assert_eq!(s["claims"][VOLUME], "held", "{s}");
+        assert!(
+            s["errors"][VOLUME]
+                .as_str()
+                .is_some_and(|e| e.contains("still in use")),
+            "{s}"
+        );
+        assert_eq!(
+            self.plugin_calls("unpublish"),
+            0,
+            "unpublished under the task"
+        );
+        assert!(dhv_binder::mounts::is_mount_point(&self.target));
+        task.end();
+        eventually(90, "unpublished once the task is gone", || {
+            self.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&self.target)
+        })
+        .await;
+    }
+
     async fn stop(&mut self) {
         if let Some(a) = self.agent.take() {
             a.stop().await;
@@ -400,29 +420,7 @@ async fn nothing_is_unpublished_under_a_live_process() {
     for line in frames(|i| i >= 1242) {
         r.fake.push(&line);
     }
-    let pid = task.0.id();
-    status_until(&r.cfg, "the holder named in status", |s| {
-        s["holders"][VOLUME]["holders"]
-            .as_array()
-            .is_some_and(|h| h.iter().any(|h| h["pid"] == pid))
-    })
-    .await;
-    let s = status(&r.cfg).await;
-    assert_eq!(s["claims"][VOLUME], "held", "{s}");
-    assert!(
-        s["errors"][VOLUME]
-            .as_str()
-            .is_some_and(|e| e.contains("still in use")),
-        "{s}"
-    );
-    assert_eq!(r.plugin_calls("unpublish"), 0);
-    assert!(dhv_binder::mounts::is_mount_point(&r.target));
-
-    task.end();
-    eventually(90, "unpublished once the holder is gone", || {
-        r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
-    })
-    .await;
+    r.held_until_released(&mut task).await;
     r.stop().await;
 }
 
@@ -540,20 +538,7 @@ async fn a_restart_still_waits_for_a_task_to_stop() {
     r.stop().await;
     r.fake.delete_alloc(ALLOC);
     r.agent = Some(start_agent(&r.fake, r.cfg.clone()));
-    let pid = task.0.id();
-    status_until(&r.cfg, "the running task named as holder", |s| {
-        s["holders"][VOLUME]["holders"]
-            .as_array()
-            .is_some_and(|h| h.iter().any(|h| h["pid"] == pid))
-    })
-    .await;
-    assert_eq!(r.plugin_calls("unpublish"), 0, "unpublished under the task");
-    assert!(dhv_binder::mounts::is_mount_point(&r.target));
-    task.end();
-    eventually(90, "unpublished once the task is gone", || {
-        r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
-    })
-    .await;
+    r.held_until_released(&mut task).await;
     r.stop().await;
 }
 
