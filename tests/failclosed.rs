@@ -62,7 +62,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 use support::fake_nomad::FakeNomad;
-use support::fixtures::{fixture, shared as testdata};
+use support::fixtures::{fixture, orders_record, shared as testdata};
 use support::inproc::{agent_config, ready, start_agent, status, Running};
 use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
 
@@ -148,16 +148,7 @@ impl Replay {
                 fake.put_alloc(a.clone());
             }
         }
-        let spec = json!({"name": "orders-data", "namespace": "default", "plugin_id": "fake",
-            "capacity_min": 0, "capacity_max": 0, "node_pool": "",
-            "capabilities": [{"access_mode": "single-node-writer", "attachment_mode": "file-system"}],
-            "parameters": {}});
-        fake.put_var(
-            "default",
-            "dhv-binder/volumes/orders-data",
-            json!({"id": "c7e4a2d9-1f3b-4c56-8a9e-2b7d4f1e6a83", "spec": spec.to_string(), "secrets": "{}",
-                   "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
-        );
+        orders_record(&fake);
         recording_plugin(&sb.join("plugins"), "fake");
         let mut cfg = agent_config(&sb);
         let root = std::fs::canonicalize(sb.path()).unwrap();

@@ -2,7 +2,8 @@
 
 #![allow(dead_code)]
 
-use serde_json::Value;
+use super::fake_nomad::FakeNomad;
+use serde_json::{json, Value};
 use std::path::PathBuf;
 
 /// The text of `testdata/<dir>/<name>`.
@@ -17,4 +18,18 @@ pub fn shared(dir: &str, name: &str) -> String {
 /// `testdata/nomad-fixtures/<name>`, parsed.
 pub fn fixture(name: &str) -> Value {
     serde_json::from_str(&shared("nomad-fixtures", name)).unwrap()
+}
+
+/// Stores the volume record of the fixtures' `orders-data`, served by plugin `fake`.
+pub fn orders_record(fake: &FakeNomad) {
+    let spec = json!({"name": "orders-data", "namespace": "default", "plugin_id": "fake",
+        "capacity_min": 0, "capacity_max": 0, "node_pool": "",
+        "capabilities": [{"access_mode": "single-node-writer", "attachment_mode": "file-system"}],
+        "parameters": {}});
+    fake.put_var(
+        "default",
+        "dhv-binder/volumes/orders-data",
+        json!({"id": "c7e4a2d9-1f3b-4c56-8a9e-2b7d4f1e6a83", "spec": spec.to_string(), "secrets": "{}",
+               "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
+    );
 }
