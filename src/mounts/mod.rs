@@ -2,7 +2,7 @@
 //! which device and root. A journal record that says "published" is checked against it.
 //!
 //! The host's table is pid 1's ([`MountTable::read`]); the agent refuses to run in any
-//! other mount namespace (see [`crate::host`]). A table that cannot be read or parsed is an
+//! other mount namespace (see the `host` module). A table that cannot be read or parsed is an
 //! error, never an empty table.
 
 pub mod changes;
@@ -360,7 +360,7 @@ impl MountTable {
         }
     }
 
-    /// Mount IDs of this table (namespace comparison, see [`crate::host`]).
+    /// Mount IDs of this table (two tables of one namespace share some).
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.inner.entries.iter().map(|e| e.id)
     }
