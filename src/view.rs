@@ -76,9 +76,9 @@ impl View {
     /// are kept for allocations whose listing lacks one. Allocations missing from the list
     /// whose tasks were last seen running become departing (see [`View::remove_at`]).
     ///
-    /// A list never undoes what a newer one established: an allocation listed with a
-    /// lower ModifyIndex than the one already known keeps the known one, and one known to
-    /// have finished is not brought back by an older list.
+    /// A list never brings back what a newer state finished: an allocation listed running
+    /// with a lower ModifyIndex than a finished state already known keeps the known one,
+    /// and one that left the view finished is not brought back by an older list.
     pub fn replace_all_at(&mut self, list: Vec<Allocation>, index: u64, now: Instant) {
         let mut old = std::mem::take(&mut self.allocs);
         for mut a in list {
@@ -87,7 +87,13 @@ impl View {
                 continue;
             }
             match old.remove(&a.id) {
-                Some(o) if a.modify_index != 0 && a.modify_index < o.modify_index => {
+                // Back to running from a finished state seen at a newer index: stale.
+                Some(o)
+                    if a.modify_index != 0
+                        && a.modify_index < o.modify_index
+                        && o.tasks_finished()
+                        && !a.tasks_finished() =>
+                {
                     self.allocs.insert(o.id.clone(), o);
                     continue;
                 }
@@ -122,11 +128,17 @@ impl View {
         self.changes.relisted = true;
     }
 
-    /// True when `a` is older than the finished state already seen for it.
+    /// True when `a` shows tasks running that were already seen finished, at a newer
+    /// index: it would bring back (and publish for) an allocation that is done. (Going the
+    /// other way, an older state that says finished, is taken: a snapshot restore is the
+    /// truth, and no volume is unpublished while a process still uses it, see
+    /// `crate::holders`.)
     fn is_stale(&self, a: &Allocation) -> bool {
-        self.finished
-            .get(&a.id)
-            .is_some_and(|i| a.modify_index <= *i)
+        !a.tasks_finished()
+            && self
+                .finished
+                .get(&a.id)
+                .is_some_and(|i| a.modify_index <= *i)
     }
 
     /// Remembers that `a` left the view finished (bounded).
