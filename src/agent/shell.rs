@@ -308,16 +308,16 @@ impl Shell {
                 node.node_id.clone(),
                 self.guard.clone(),
             )),
-            Effect::RegisterPlaceholder { volume, target, id } => self.call(
-                executor::register_placeholder(
+            Effect::RegisterPlaceholder { volume, target, id } => {
+                self.call(executor::register_placeholder(
                     client,
                     node,
                     self.guard.clone(),
                     *volume,
                     target,
                     id,
-                ),
-            ),
+                ))
+            }
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))
             }
