@@ -629,16 +629,33 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
     );
     let status = c
         .wait_for(30, "the ungated task in status", || async {
-            let (code, out) = c.status(0);
-            (code == 0 && out.contains("no-gate")).then_some(out)
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
+                .args(["status", "-json"])
+                .env_clear()
+                .env("DHV_BINDER_SOCKET", &c.nodes[0].socket)
+                .output()
+                .ok()?;
+            let doc: Value = serde_json::from_slice(&out.stdout).ok()?;
+            let u = doc["ungated"][alloc_id.as_str()][0].clone();
+            (u["job"] == "no-gate").then_some(u)
         })
         .await;
-    let line = status
-        .lines()
-        .find(|l| l.contains("ungated") || l.contains("no-gate"))
-        .unwrap_or_default()
-        .to_string();
-    eprintln!("what the operator sees (status): {line}");
+    assert_eq!(
+        (
+            &status["group"],
+            &status["task"],
+            &status["volume"]["name"],
+            &status["reason"]
+        ),
+        (
+            &json!("app"),
+            &json!("app"),
+            &json!("shared-data"),
+            &json!("no_gate")
+        ),
+        "{status}"
+    );
+    eprintln!("what the operator sees (status -json, ungated): {status}");
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
     let warn = log
         .lines()
