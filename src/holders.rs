@@ -443,6 +443,23 @@ mod tests {
             assert_eq!(line.trim(), "ready", "the holder did not start");
             self
         }
+
+        /// Waits (up to 10 s) until the child has exec'd `program`: its ready line is printed
+        /// by `sh` before the `exec`, so the program is not yet mapped when the line arrives.
+        fn running(self, program: &Path) -> Self {
+            let exe = PathBuf::from(format!("/proc/{}/exe", self.pid()));
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while std::fs::read_link(&exe).ok().as_deref() != Some(program) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "pid {} did not exec {} within 10 s",
+                    self.pid(),
+                    program.display()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            self
+        }
     }
 
     impl Drop for Proc {
@@ -559,7 +576,8 @@ mod tests {
             "echo ready; exec '{}' 600",
             target.join("sleep").display()
         )))
-        .ready();
+        .ready()
+        .running(&target.join("sleep"));
         let u = scan_now(&id, &target);
         let mine: Vec<&Hold> = u
             .holders

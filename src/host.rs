@@ -113,6 +113,7 @@ mod tests {
     /// shares no mount with pid 1.
     #[test]
     fn a_private_namespace_shares_no_mount_id() {
+        let _serial = crate::mounts::scratch::serial();
         let out = std::process::Command::new("unshare")
             .args([
                 "--mount",

@@ -480,17 +480,32 @@ pub(crate) mod scratch {
     use super::MountTable;
     use std::path::{Path, PathBuf};
 
+    /// A test's scratch directory for real mounts, removed with every mount under it.
+    ///
+    /// Holds [`serial`] for its whole life: a test that makes a mount namespace copies every
+    /// mount of the host at that moment, other tests' scratch mounts included, and a test that
+    /// asserts "nobody holds this volume" would then see that copy as a holder.
     pub(crate) struct Scratch {
         dir: tempfile::TempDir,
+        _serial: std::sync::MutexGuard<'static, ()>,
+    }
+
+    /// The lock that keeps mount tests of this test binary one at a time (see [`Scratch`]).
+    /// A test that made a namespace and panicked leaves it poisoned; that is no reason to fail
+    /// the next test, so the poison is ignored.
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     impl Scratch {
         pub(crate) fn new() -> Self {
+            let _serial = serial();
             let dir = tempfile::Builder::new()
                 .prefix("dhv-binder-unit-")
                 .tempdir()
                 .expect("a temporary directory");
-            Self { dir }
+            Self { dir, _serial }
         }
 
         pub(crate) fn path(&self) -> &Path {
