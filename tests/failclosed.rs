@@ -656,6 +656,22 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
         "{status}"
     );
     eprintln!("what the operator sees (status -json, ungated): {status}");
+    let readable = std::process::Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
+        .arg("status")
+        .env_clear()
+        .env("DHV_BINDER_SOCKET", &c.nodes[0].socket)
+        .output()
+        .expect("run dhv-binder status");
+    let readable = String::from_utf8_lossy(&readable.stdout);
+    let line = readable
+        .lines()
+        .find(|l| l.starts_with("Ungated Task"))
+        .unwrap_or_else(|| panic!("no Ungated Task line in `status`:\n{readable}"));
+    assert!(
+        line.contains("job \"no-gate\" group \"app\" task \"app\" mounts default/shared-data"),
+        "{line}"
+    );
+    eprintln!("what the operator sees (status):\n{readable}");
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
     let warn = log
         .lines()
