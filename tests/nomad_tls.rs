@@ -206,9 +206,9 @@ async fn a_server_that_verifies_clients_gets_nomad_client_cert() {
         client_key: Some(key),
         ..NomadConfig::plain(&addr)
     };
-    let e = Client::new(&cfg)
-        .err()
-        .expect("a missing client certificate");
+    let Err(e) = Client::new(&cfg) else {
+        panic!("a missing client certificate was accepted")
+    };
     assert!(e.to_string().contains("NOMAD_CLIENT_CERT"), "{e}");
 }
 
@@ -219,7 +219,9 @@ fn an_unreadable_or_bad_cacert_is_a_configuration_error() {
         ca_cert: Some(dir.path().join("nope.pem")),
         ..NomadConfig::plain("https://127.0.0.1:4646")
     };
-    let e = Client::new(&missing).err().expect("missing CA file");
+    let Err(e) = Client::new(&missing) else {
+        panic!("a missing CA file was accepted")
+    };
     assert!(matches!(e, NomadError::Config(_)), "{e:?}");
     assert!(e.to_string().contains("NOMAD_CACERT"), "{e}");
     let bad = NomadConfig {
