@@ -936,17 +936,6 @@ mod tests {
         drain(&mut s).await;
     }
 
-    /// The publishes `e` starts (at once, or once its commit is durable).
-    fn publishes(e: &[Effect]) -> usize {
-        e.iter()
-            .map(|e| match e {
-                Effect::Publish { .. } => 1,
-                Effect::Commit { then, .. } => publishes(then),
-                _ => 0,
-            })
-            .sum()
-    }
-
     /// The loop's turns on tokio's paused clock (every wait is a jump of the clock to the
     /// next timer: no real sleep). The fingerprint is scripted (plugin `bind`, whose file
     /// is missing, so its publish fails at once, without a process); everything else is
@@ -955,6 +944,7 @@ mod tests {
     /// 200 ms ticks before it.
     #[tokio::test(start_paused = true)]
     async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
+        use crate::agent::effect::publishes;
         use crate::agent::retry::STEP_RETRY;
         use crate::reconcile::tests::{alloc, key, volume};
         let dir = tempfile::tempdir().expect("temp dir");
