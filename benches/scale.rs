@@ -1,6 +1,6 @@
 //! The agent under load (run: `cargo bench --bench scale`): every figure of issue 10 in one
-//! run, from the real `dhv-binder agent` process driven by the fake Nomad
-//! (tests/support/fake_nomad.rs) on loopback. See docs/scale.md for what the figures mean.
+//! run, from the real `dhv-binder agent` process driven by the simulator's scripted front
+//! (`nomad_sim::replay`) on loopback. See docs/scale.md for what the figures mean.
 //!
 //! 1. Allocation event → plugin exec, p50/p99, in both watch modes, with the state directory on
 //!    disk (the bench's temporary directory) and on a tmpfs mounted under it.
@@ -24,15 +24,13 @@
 //! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it).
 //! Needs root (mounts) and `strace` (scripts/install-deps).
 
-#[path = "../tests/support/fake_nomad.rs"]
-mod fake_nomad;
 #[path = "../tests/support/inproc.rs"]
 mod inproc;
 #[path = "../tests/support/sandbox.rs"]
 mod sandbox;
 
 use dhv_binder::watch::WatchMode;
-use fake_nomad::FakeNomad;
+use nomad_sim::replay::Replay;
 use sandbox::Sandbox;
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
@@ -146,10 +144,10 @@ struct Call {
     alloc: String,
 }
 
-/// One simulated node: a fake Nomad, the agent process, its own temporary directory.
+/// One simulated node: a scripted Nomad, the agent process, its own temporary directory.
 struct Node {
     agent: Option<Child>,
-    fake: FakeNomad,
+    fake: Replay,
     cfg: dhv_binder::config::AgentConfig,
     index: u64,
     /// Dropped last: detaches every mount below the node's directory (plugin mounts,
@@ -207,7 +205,7 @@ impl Node {
             format!("{} {}", plugin_us.0, plugin_us.1),
         )
         .unwrap();
-        let fake = FakeNomad::start(NODE, json!({"keys": []})).await;
+        let fake = Replay::start(NODE, json!({"keys": []})).await;
         for i in 0..volumes {
             inproc::volume_record(
                 &fake,
@@ -269,7 +267,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             let s = inproc::status(&self.cfg).await;
-            let registered = self.fake.state.lock().unwrap().host_volumes.len();
+            let registered = self.fake.host_volumes().len();
             if s["view"]["complete"] == true && registered >= placeholders {
                 return;
             }
@@ -359,17 +357,13 @@ impl Node {
         self.index += 1;
         let index = self.index;
         let mut events = Vec::new();
-        {
-            let mut st = self.fake.state.lock().unwrap();
-            for &(a, v) in allocs {
-                let vol = volume_name(v);
-                let full = inproc::alloc_json(&alloc_id(a), NODE, &[&vol], client_status, index);
-                let f: Value =
-                    serde_json::from_str(&inproc::frame(index, "AllocationUpdated", &full))
-                        .unwrap();
-                events.push(f["Events"][0].clone());
-                st.allocs.insert(alloc_id(a), full);
-            }
+        for &(a, v) in allocs {
+            let vol = volume_name(v);
+            let full = inproc::alloc_json(&alloc_id(a), NODE, &[&vol], client_status, index);
+            let f: Value =
+                serde_json::from_str(&inproc::frame(index, "AllocationUpdated", &full)).unwrap();
+            events.push(f["Events"][0].clone());
+            self.fake.put_alloc(full);
         }
         let line = json!({"Index": index, "Events": events}).to_string();
         let t0 = now_ns();
