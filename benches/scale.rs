@@ -357,17 +357,26 @@ impl Node {
         self.index += 1;
         let index = self.index;
         let mut events = Vec::new();
+        let mut stored = Vec::new();
         for &(a, v) in allocs {
             let vol = volume_name(v);
             let full = inproc::alloc_json(&alloc_id(a), NODE, &[&vol], client_status, index);
             let f: Value =
                 serde_json::from_str(&inproc::frame(index, "AllocationUpdated", &full)).unwrap();
+            let mut with_job = f["Events"][0].clone();
+            with_job["Payload"]["Allocation"] = full;
+            stored.push(with_job);
             events.push(f["Events"][0].clone());
-            self.fake.put_alloc(full);
         }
-        let line = json!({"Index": index, "Events": events}).to_string();
+        // Every allocation stored in one write, with its Job (as Nomad's plan apply commits
+        // every allocation of a plan at one index; stored one by one at the same ModifyIndex
+        // they would wake a poll-mode list after the first and never again), then the
+        // stream's frame (payloads without the Job, as Nomad sends them).
         let t0 = now_ns();
-        self.fake.push(&line);
+        self.fake
+            .apply_silently(&json!({"Index": index, "Events": stored}).to_string());
+        self.fake
+            .push(&json!({"Index": index, "Events": events}).to_string());
         t0
     }
 }
