@@ -101,7 +101,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let ready_path = cfg.data_dir.join("ready.json");
     let _ = std::fs::remove_file(&ready_path);
     let keyring = Arc::new(tokio::task::spawn_blocking(Keyring::generate).await??);
-    let mut acl = crate::acl::AclState {
+    let mut acl = crate::policy::AclState {
         enabled: cfg.acl.enabled,
         ..Default::default()
     };

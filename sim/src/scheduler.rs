@@ -6,7 +6,7 @@
 //! pass (node or host volume change), like Nomad's blocked evaluations.
 
 use crate::clock::now_ns;
-use crate::store::State;
+use crate::state::State;
 use crate::structs::{Allocation, Job, Node, TaskGroup};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
