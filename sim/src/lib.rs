@@ -7,7 +7,8 @@
 //!   `broker`: event ring buffer and filters; `scheduler`: placement over the tables;
 //!   `store`: the server (mutations, index, blocking waits); `restart`: `alloc restart` requests.
 //! - Over the store: `nodes`: node status/drain/heartbeat; `locks`: variable locks; `acl`:
-//!   authorization; `identity`: keyring and workload identities.
+//!   authorization; `identity`: keyring and workload identities; `deployments`: allocation
+//!   health, promotion and completion of deployments.
 //! - `api`: HTTP endpoints, one submodule per endpoint family (sim faults in `api::faults`).
 //! - `client`: simulated client nodes and alloc runners; `taskrunner`: tasks, restarts, kills;
 //!   `restart`: `alloc restart`; `exec_driver`: the exec driver's namespace/chroot helper.
@@ -21,6 +22,7 @@ pub mod cli;
 pub mod client;
 pub mod clock;
 pub mod config;
+pub mod deployments;
 pub mod exec_driver;
 pub mod hcl_value;
 pub mod identity;

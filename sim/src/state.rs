@@ -7,7 +7,7 @@
 use crate::broker::Broker;
 use crate::identity::Keyring;
 use crate::policy::AclState;
-use crate::structs::{Allocation, Event, Frame, HostVolume, Job, Node, Variable};
+use crate::structs::{Allocation, Deployment, Event, Frame, HostVolume, Job, Node, Variable};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -34,6 +34,8 @@ pub struct TableIndex {
     pub host_volumes: u64,
     /// acl tables.
     pub acl: u64,
+    /// deployment table.
+    pub deployments: u64,
 }
 
 /// The leader's lock timers (`nomad/locks.go`).
@@ -54,6 +56,7 @@ pub struct State {
     pub(crate) jobs: BTreeMap<(String, String), Job>,
     pub(crate) allocs: BTreeMap<String, Allocation>,
     pub(crate) evals: BTreeMap<String, Value>,
+    pub(crate) deployments: BTreeMap<String, Deployment>,
     pub(crate) vars: BTreeMap<(String, String), Variable>,
     pub(crate) host_volumes: BTreeMap<(String, String), HostVolume>,
     pub(crate) namespaces: BTreeSet<String>,
@@ -77,6 +80,7 @@ impl State {
             jobs: BTreeMap::new(),
             allocs: BTreeMap::new(),
             evals: BTreeMap::new(),
+            deployments: BTreeMap::new(),
             vars: BTreeMap::new(),
             host_volumes: BTreeMap::new(),
             namespaces: ["default".to_string()].into(),
@@ -152,6 +156,26 @@ impl State {
             payload["Deleted"] = json!(true);
         }
         self.emit("Job", kind, &job.ID, &job.Namespace, None, payload);
+    }
+
+    /// Deployment event (Key = deployment ID, FilterKeys = [JobID]; `NewDeploymentEvent`).
+    pub(crate) fn emit_deployment(&mut self, kind: &str, d: &Deployment) {
+        self.emit(
+            "Deployment",
+            kind,
+            &d.ID,
+            &d.Namespace,
+            Some(vec![d.JobID.clone()]),
+            json!({ "Deployment": d }),
+        );
+    }
+
+    /// The job's latest deployment (highest CreateIndex; `LatestDeploymentByJobID`).
+    pub(crate) fn latest_deployment(&self, ns: &str, job: &str) -> Option<&Deployment> {
+        self.deployments
+            .values()
+            .filter(|d| d.Namespace == ns && d.JobID == job)
+            .max_by_key(|d| d.CreateIndex)
     }
 
     /// Node event (Key = node ID).

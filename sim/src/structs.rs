@@ -289,6 +289,117 @@ pub struct TaskGroup {
     pub PreventRescheduleOnLost: bool,
 }
 
+/// A group's update strategy (`structs.UpdateStrategy`), read from `TaskGroup.Update`.
+/// Durations in nanoseconds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateStrategy {
+    /// Destructive updates at a time; 0 = no update strategy (`IsEmpty`).
+    pub max_parallel: i64,
+    /// Canaries placed before the old allocations are touched.
+    pub canary: i64,
+    /// Promote once every canary is healthy.
+    pub auto_promote: bool,
+    /// Kept on the deployment state (auto revert itself is not modelled).
+    pub auto_revert: bool,
+    /// How long every task must run before the allocation is healthy.
+    pub min_healthy_time: i64,
+    /// An allocation not healthy by then is unhealthy.
+    pub healthy_deadline: i64,
+    /// Kept on the deployment state.
+    pub progress_deadline: i64,
+}
+
+impl UpdateStrategy {
+    /// The strategy of a canonicalized `Update` value; `None` when absent or `MaxParallel` is 0
+    /// (`UpdateStrategy.IsEmpty`: no deployment, updates all at once).
+    pub fn of(update: &Value) -> Option<Self> {
+        let i = |k: &str| update.get(k).and_then(Value::as_i64).unwrap_or(0);
+        let b = |k: &str| update.get(k).and_then(Value::as_bool).unwrap_or(false);
+        let u = UpdateStrategy {
+            max_parallel: i("MaxParallel"),
+            canary: i("Canary"),
+            auto_promote: b("AutoPromote"),
+            auto_revert: b("AutoRevert"),
+            min_healthy_time: i("MinHealthyTime"),
+            healthy_deadline: i("HealthyDeadline"),
+            progress_deadline: i("ProgressDeadline"),
+        };
+        (u.max_parallel > 0).then_some(u)
+    }
+}
+
+/// One group's progress in a deployment (`structs.DeploymentState`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(default)]
+pub struct DeploymentState {
+    pub AutoRevert: bool,
+    pub AutoPromote: bool,
+    pub ProgressDeadline: i64,
+    pub RequireProgressBy: Option<String>,
+    pub Promoted: bool,
+    pub PlacedCanaries: Option<Vec<String>>,
+    pub DesiredCanaries: i64,
+    pub DesiredTotal: i64,
+    pub PlacedAllocs: i64,
+    pub HealthyAllocs: i64,
+    pub UnhealthyAllocs: i64,
+}
+
+/// A deployment (`structs.Deployment`, `nomad/structs/deployment.go`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(default)]
+pub struct Deployment {
+    pub ID: String,
+    pub Namespace: String,
+    pub JobID: String,
+    pub JobVersion: u64,
+    pub JobModifyIndex: u64,
+    pub JobSpecModifyIndex: u64,
+    pub JobCreateIndex: u64,
+    pub IsMultiregion: bool,
+    pub TaskGroups: BTreeMap<String, DeploymentState>,
+    pub Status: String,
+    pub StatusDescription: String,
+    pub EvalPriority: i64,
+    pub CreateIndex: u64,
+    pub ModifyIndex: u64,
+    pub CreateTime: i64,
+    pub ModifyTime: i64,
+}
+
+impl Deployment {
+    /// `Active`: running, paused, pending, blocked, initializing (the sim uses running only).
+    pub fn active(&self) -> bool {
+        matches!(
+            self.Status.as_str(),
+            "running" | "paused" | "pending" | "blocked" | "initializing"
+        )
+    }
+
+    /// `RequiresPromotion`: some group wants canaries and is not promoted.
+    pub fn requires_promotion(&self) -> bool {
+        self.TaskGroups
+            .values()
+            .any(|g| g.DesiredCanaries > 0 && !g.Promoted)
+    }
+
+    /// The running status description: waiting for a (manual or automatic) promotion, or not.
+    pub fn running_description(&self) -> &'static str {
+        if !self.requires_promotion() {
+            "Deployment is running"
+        } else if self
+            .TaskGroups
+            .values()
+            .filter(|g| g.DesiredCanaries > 0)
+            .all(|g| g.AutoPromote)
+        {
+            "Deployment is running pending automatic promotion"
+        } else {
+            "Deployment is running but requires manual promotion"
+        }
+    }
+}
+
 /// A job (`structs.Job`).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(default)]
@@ -363,9 +474,15 @@ impl Job {
             self.NodePool = "default".into();
         }
         let is_service_like = self.Type == "service" || self.Type == "system";
-        if self.Update.is_null() && is_service_like {
-            self.Update = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
+        if is_service_like {
+            let mut u = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
                 "HealthyDeadline":0,"ProgressDeadline":0,"AutoRevert":false,"AutoPromote":false,"Canary":0});
+            if let (Some(base), Some(set)) = (u.as_object_mut(), self.Update.as_object()) {
+                for (k, v) in set {
+                    base.insert(k.clone(), v.clone());
+                }
+            }
+            self.Update = u;
         }
         let job_type = self.Type.clone();
         for tg in &mut self.TaskGroups {
@@ -375,8 +492,16 @@ impl Job {
             if job_type == "system" {
                 tg.Count = 1;
             }
-            if tg.Update.is_null() && job_type == "service" {
-                tg.Update = update_default();
+            if job_type == "service" {
+                // `TaskGroup.Canonicalize` (api/tasks.go): the job's update block merged under
+                // the group's (the jobspec parser does that), then the defaults under both.
+                let mut u = update_default();
+                if let (Some(base), Some(set)) = (u.as_object_mut(), tg.Update.as_object()) {
+                    for (k, v) in set {
+                        base.insert(k.clone(), v.clone());
+                    }
+                }
+                tg.Update = u;
             }
             if tg.Migrate.is_null() && job_type == "service" {
                 tg.Migrate = json!({"MaxParallel":1,"HealthCheck":"checks","MinHealthyTime":10_000_000_000i64,"HealthyDeadline":300_000_000_000i64});
@@ -677,6 +802,22 @@ impl Allocation {
     /// Either terminal.
     pub fn terminal(&self) -> bool {
         self.client_terminal() || self.server_terminal()
+    }
+    /// Whether the allocation was placed as a canary (`DeploymentStatus.Canary`).
+    pub fn is_canary(&self) -> bool {
+        self.DeploymentStatus
+            .as_ref()
+            .and_then(|d| d.get("Canary"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    }
+    /// The deployment health the client reported: `Some(true)` healthy, `Some(false)`
+    /// unhealthy, `None` not yet set (`DeploymentStatus.Healthy`).
+    pub fn healthy(&self) -> Option<bool> {
+        self.DeploymentStatus
+            .as_ref()
+            .and_then(|d| d.get("Healthy"))
+            .and_then(Value::as_bool)
     }
     /// Index part of the name, `orders.app[3]` → 3.
     pub fn name_index(&self) -> u64 {

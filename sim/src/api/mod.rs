@@ -4,6 +4,7 @@
 mod acl;
 mod agent;
 mod allocs;
+mod deployments;
 mod events;
 mod faults;
 mod jobs;
@@ -286,6 +287,16 @@ pub fn router(state: AppState) -> Router {
                 .post(jobs::jobs_register),
         )
         .route("/v1/job/:id/allocations", get(jobs::job_allocs))
+        .route("/v1/job/:id/deployments", get(deployments::job_deployments))
+        .route(
+            "/v1/job/:id/deployment",
+            get(deployments::job_latest_deployment),
+        )
+        .route("/v1/deployments", get(deployments::deployments_list))
+        .route(
+            "/v1/deployment/*path",
+            any(deployments::deployment_specific),
+        )
         .route("/v1/event/stream", any(events::event_stream))
         .route("/v1/vars", get(vars::vars_list))
         .route("/v1/var/*path", any(vars::var_handler))
