@@ -203,6 +203,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
                 tick.tick().await;
                 crate::locks::expire(&server);
                 crate::deployments::tick(&server);
+                crate::nodes::drain_tick(&server);
                 n += 1;
                 if n.is_multiple_of(5) {
                     // Delayed reschedules (follow-up evaluations) come due.

@@ -52,7 +52,13 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
                 _ = tick.tick() => {
                     // A partitioned client (heartbeats stopped) cannot reach the servers.
                     if !pending.is_empty() && !flush_server.read().heartbeat_stopped(&flush_node) {
-                        flush_server.update_allocs_from_client(std::mem::take(&mut pending).into_values().collect());
+                        let batch = std::mem::take(&mut pending).into_values().collect();
+                        if let Err(back) = flush_server.update_allocs_from_client(batch) {
+                            // Refused while the node is down: kept, newer updates win.
+                            for u in back {
+                                pending.entry(u.id.clone()).or_insert(u);
+                            }
+                        }
                     }
                 }
                 _ = flush_stop_rx.changed() => break,
@@ -61,7 +67,8 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
         while let Ok(u) = upd_rx.try_recv() {
             pending.insert(u.id.clone(), u);
         }
-        flush_server.update_allocs_from_client(pending.into_values().collect());
+        // At shutdown a refused batch is dropped, as a client that stops loses its queue.
+        let _ = flush_server.update_allocs_from_client(pending.into_values().collect());
     });
     let mut runners: BTreeMap<String, RunnerHandle> = BTreeMap::new();
     let mut finished: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();

@@ -65,6 +65,8 @@ pub struct State {
     pub(crate) acl: AclState,
     pub(crate) leaderless: bool,
     pub(crate) stopped_heartbeats: BTreeSet<String>,
+    /// Draining nodes → when their drain deadline forces the rest off (ns; `None` = none).
+    pub(crate) drain_deadlines: BTreeMap<String, Option<i64>>,
     pub(crate) lock_timers: LockTimers,
     pending_events: Vec<Event>,
 }
@@ -89,6 +91,7 @@ impl State {
             acl,
             leaderless: false,
             stopped_heartbeats: BTreeSet::new(),
+            drain_deadlines: BTreeMap::new(),
             lock_timers: Default::default(),
             pending_events: Vec::new(),
         }
@@ -208,11 +211,6 @@ impl State {
                 Events: events,
             });
         }
-    }
-
-    /// Namespace must exist (created implicitly by the sim when first used).
-    pub(crate) fn ensure_namespace(&mut self, ns: &str) {
-        self.namespaces.insert(ns.to_string());
     }
 
     /// Non-terminal allocations per node ID (for spreading).

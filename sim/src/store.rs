@@ -201,9 +201,29 @@ impl Server {
     }
 
     /// Client status update (`Node.UpdateAlloc` → AllocationUpdated), one index for the batch.
-    pub fn update_allocs_from_client(&self, updates: Vec<ClientAllocUpdate>) {
+    ///
+    /// Refused (`Err` with the updates back, nothing written) while the reporting node is
+    /// `down` or `disconnected` (`nomad/node_endpoint.go` `UpdateAlloc`: "node %s is not allowed
+    /// to update allocs while in status %s"); the client keeps them for its next sync. Accepted
+    /// updates copy the client's status whatever the server had (`nestedUpdateAllocFromClient`):
+    /// a returning node turns its `lost` allocations `complete` once their tasks are killed.
+    pub fn update_allocs_from_client(
+        &self,
+        updates: Vec<ClientAllocUpdate>,
+    ) -> Result<(), Vec<ClientAllocUpdate>> {
         if updates.is_empty() {
-            return;
+            return Ok(());
+        }
+        let unresponsive = {
+            let st = self.read();
+            updates.iter().any(|u| {
+                st.nodes
+                    .get(&u.node_id)
+                    .is_some_and(|n| matches!(n.Status.as_str(), "down" | "disconnected"))
+            })
+        };
+        if unresponsive {
+            return Err(updates);
         }
         let mut any_failed = false;
         self.write(|st| {
@@ -214,9 +234,6 @@ impl Server {
                 let Some(a) = st.allocs.get_mut(&u.id) else {
                     continue;
                 };
-                if a.ClientStatus == "lost" {
-                    continue;
-                }
                 a.ClientStatus = u.client_status;
                 a.ClientDescription = u.client_description;
                 a.TaskStates = u.task_states;
@@ -238,11 +255,32 @@ impl Server {
         if any_failed {
             self.reschedule_all();
         }
+        Ok(())
     }
 
     /// Runs the scheduler for every job (blocked evaluations are retried this way).
     pub fn reschedule_all(&self) {
         self.write(crate::scheduler::reconcile_all);
+    }
+
+    // ---------------------------------------------------------- namespaces
+
+    /// `Namespace.UpsertNamespaces`: creates a namespace (the sim keeps names only). A name
+    /// outside `^[a-zA-Z0-9-]{1,128}$` → 500 (`Namespace.Validate`, an uncoded multierror).
+    pub fn upsert_namespace(&self, name: &str) -> Result<u64, StoreError> {
+        let valid = !name.is_empty()
+            && name.len() <= 128
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+        if !valid {
+            return Err(StoreError::Internal(format!(
+                "1 error occurred:\n\t* invalid name {name:?}. Must match regex ^[a-zA-Z0-9-]{{1,128}}$\n\n"
+            )));
+        }
+        Ok(self.write(|st| {
+            let idx = st.next_index();
+            st.namespaces.insert(name.to_string());
+            idx
+        }))
     }
 
     // ---------------------------------------------------------------- jobs
@@ -253,7 +291,13 @@ impl Server {
         validate_job(&job)?;
         let eval_id = uuid::Uuid::new_v4().to_string();
         let (job_modify_index, idx) = self.write(|st| {
-            st.ensure_namespace(&job.Namespace);
+            // `upsertJobImpl` (nomad/state/state_store.go): an uncoded error, HTTP 500.
+            if !st.namespaces.contains(&job.Namespace) {
+                return Err(StoreError::Internal(format!(
+                    "job {:?} is in nonexistent namespace {:?}",
+                    job.ID, job.Namespace
+                )));
+            }
             let key = (job.Namespace.clone(), job.ID.clone());
             let idx = st.next_index();
             let now = now_ns();
@@ -291,8 +335,8 @@ impl Server {
                 Some(vec![job.ID.clone()]),
                 json!({ "Evaluation": eval }),
             );
-            (job.JobModifyIndex, idx)
-        });
+            Ok((job.JobModifyIndex, idx))
+        })?;
         self.reschedule_all();
         Ok((eval_id, job_modify_index, idx))
     }
@@ -487,6 +531,13 @@ impl Server {
         }
         v.NodePool = node.NodePool.clone();
         let registered = self.write(|st| {
+            // `validateVolumeUpdate` (nomad/host_volume_endpoint.go): uncoded, HTTP 500.
+            if !st.namespaces.contains(&v.Namespace) {
+                return Err(StoreError::Internal(format!(
+                    "volume validation failed: no such namespace {:?}",
+                    v.Namespace
+                )));
+            }
             let key = (v.Namespace.clone(), v.ID.clone());
             if let Some(old) = st.host_volumes.get(&key) {
                 if old.NodeID != v.NodeID {
@@ -497,7 +548,6 @@ impl Server {
                 v.CreateIndex = old.CreateIndex;
                 v.CreateTime = old.CreateTime;
             }
-            st.ensure_namespace(&v.Namespace);
             let idx = st.next_index();
             let now = now_ns();
             if v.CreateIndex == 0 {
@@ -650,7 +700,7 @@ impl Server {
                 };
                 return Err(StoreError::Conflict(json!(zero), st.index));
             }
-            st.ensure_namespace(ns);
+            // Variables do not create (nor need) their namespace.
             let idx = st.next_index();
             let now = now_ns();
             let v = Variable {

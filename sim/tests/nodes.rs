@@ -97,8 +97,16 @@ async fn missed_heartbeats_make_allocs_lost_and_replaced() {
             (!pid_alive()).then_some(())
         })
         .await;
-        let old = sim.get(&format!("/v1/allocation/{old_id}")).await;
-        assert_eq!(old["ClientStatus"], "lost");
+        // `nestedUpdateAllocFromClient` copies the returning client's status: the lost
+        // allocation, its task killed, becomes `complete` (`UpdateAlloc` refused the
+        // updates only while the node was down).
+        let old = sim
+            .wait_for(10, "the lost allocation reported complete", || async {
+                let a = sim.get(&format!("/v1/allocation/{old_id}")).await;
+                (a["ClientStatus"] == "complete").then_some(a)
+            })
+            .await;
+        assert_eq!(old["DesiredStatus"], "stop");
         assert!(old["NextAllocation"].is_string());
     })
     .await
@@ -166,6 +174,199 @@ async fn drain_migrates_allocations() {
             sim.get(&format!("/v1/node/{node}")).await["SchedulingEligibility"],
             "eligible"
         );
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A system job and a service job whose task takes `stop_secs` to stop after its kill signal
+/// (SIGINT, the default).
+async fn system_and_slow_service(sim: &Sim, stop_secs: u32) {
+    sim.run_job(
+        r#"job "daemon" {
+  type = "system"
+  group "d" {
+    task "d" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }
+  }
+}"#,
+    )
+    .await;
+    sim.run_job(&format!(
+        r#"job "slow" {{
+  group "g" {{
+    task "t" {{
+      driver = "raw_exec"
+      kill_timeout = "30s"
+      config {{
+        command = "/bin/sh"
+        args = ["-c", "trap 'sleep {stop_secs}; exit 0' INT TERM; while true; do sleep 0.1; done"]
+      }}
+    }}
+  }}
+}}"#
+    ))
+    .await;
+}
+
+async fn alloc_on(sim: &Sim, job: &str, node: &str) -> Value {
+    sim.wait_for(20, "a running allocation on the node", || async {
+        sim.job_allocs(job).await.into_iter().find(|a| {
+            a["NodeID"] == node && a["ClientStatus"] == "running" && a["DesiredStatus"] == "run"
+        })
+    })
+    .await
+}
+
+/// The node drainer (`nomad/drainer`): a system allocation is drained only once every other
+/// allocation on the node is client-terminal (`IsDone`); at the drain deadline everything left,
+/// system allocations included, is drained at once (`handleDeadlinedNodes`); either way the
+/// drain then completes (no strategy, node ineligible).
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_stops_system_allocations_last_or_all_at_once_at_the_deadline() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        for (deadline_ns, stop_secs) in [(60_000_000_000i64, 2u32), (1_000_000_000, 20)] {
+            let sim = Sim::start("client \"node-1\" {}\n").await;
+            let node = sim.node_id("node-1");
+            system_and_slow_service(&sim, stop_secs).await;
+            let svc = alloc_on(&sim, "slow", &node).await;
+            let sys = alloc_on(&sim, "daemon", &node).await;
+            let get = |id: &Value| {
+                let path = format!("/v1/allocation/{}", id.as_str().unwrap());
+                let sim = &sim;
+                async move { sim.get(&path).await }
+            };
+            sim.put(
+                &format!("/v1/node/{node}/drain"),
+                json!({"DrainSpec": {"Deadline": deadline_ns, "IgnoreSystemJobs": false}, "MarkEligible": false}),
+            )
+            .await;
+            let (svc_at_stop, _) = sim
+                .wait_for(40, "the system allocation stopped", || async {
+                    let s = get(&sys["ID"]).await;
+                    let v = get(&svc["ID"]).await;
+                    (s["DesiredStatus"] == "stop").then_some((v, s))
+                })
+                .await;
+            if stop_secs < 10 {
+                assert_eq!(
+                    svc_at_stop["ClientStatus"], "complete",
+                    "the system allocation was drained before the service one was done"
+                );
+            } else {
+                assert_eq!(
+                    svc_at_stop["ClientStatus"], "running",
+                    "at the deadline the system allocation stops with the rest, at once"
+                );
+                assert_eq!(svc_at_stop["DesiredStatus"], "stop");
+            }
+            let n = sim
+                .wait_for(10, "the drain complete", || async {
+                    let n = sim.get(&format!("/v1/node/{node}")).await;
+                    (n["Drain"] == false).then_some(n)
+                })
+                .await;
+            assert_eq!(n["SchedulingEligibility"], "ineligible");
+            assert!(n["DrainStrategy"].is_null(), "{n}");
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A client agent restart (`PUT /v1/sim/node/:id/restart`): its allocation keeps running and
+/// its prestart task is not run again (Nomad re-attaches, `alloc_runner.go` `Restore`); the
+/// dynamic host volumes are restored by a `stat` of their path and one whose path fails is
+/// dropped from the node and turns `unavailable` (`hostvolumemanager` `restoreForRegister`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_client_keeps_its_tasks_and_restores_host_volumes_by_stat() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let marks = sim.path().join("prestart-runs");
+        sim.run_job(&format!(
+            r#"job "r" {{
+  group "g" {{
+    task "pre" {{
+      driver = "raw_exec"
+      lifecycle {{
+        hook = "prestart"
+      }}
+      config {{
+        command = "/bin/sh"
+        args = ["-c", "echo run >> {}"]
+      }}
+    }}
+    task "main" {{
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {{
+        command = "/bin/sleep"
+        args = ["1000"]
+      }}
+    }}
+  }}
+}}"#,
+            marks.display()
+        ))
+        .await;
+        let before = sim
+            .wait_for(20, "main running", || async {
+                let a = sim.job_allocs("r").await.first()?.clone();
+                (a["TaskStates"]["main"]["State"] == "running").then_some(a)
+            })
+            .await;
+        let mut ids = Vec::new();
+        for name in ["kept", "gone"] {
+            let path = sim.path().join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            let r = sim
+                .put(
+                    "/v1/volume/host/register",
+                    json!({"Volume": {"Name": name, "NodeID": node, "HostPath": path}}),
+                )
+                .await;
+            ids.push(r["Volume"]["ID"].as_str().unwrap().to_string());
+        }
+        for id in &ids {
+            sim.wait_for(5, "volume ready", || async {
+                (sim.get(&format!("/v1/volume/host/{id}")).await["State"] == "ready").then_some(())
+            })
+            .await;
+        }
+        std::fs::remove_dir(sim.path().join("gone")).unwrap();
+        let r = sim
+            .put(&format!("/v1/sim/node/{node}/restart"), json!({}))
+            .await;
+        assert_eq!(r["DroppedHostVolumes"], json!([ids[1]]));
+        let kept = sim.get(&format!("/v1/volume/host/{}", ids[0])).await;
+        let gone = sim.get(&format!("/v1/volume/host/{}", ids[1])).await;
+        assert_eq!(
+            (kept["State"].as_str(), gone["State"].as_str()),
+            (Some("ready"), Some("unavailable"))
+        );
+        let n = sim.get(&format!("/v1/node/{node}")).await;
+        assert!(n["HostVolumes"]["kept"].is_object(), "{n}");
+        assert!(n["HostVolumes"]["gone"].is_null(), "{n}");
+        // The allocation was not touched: same task start, prestart ran once.
+        let after = sim
+            .get(&format!(
+                "/v1/allocation/{}",
+                before["ID"].as_str().unwrap()
+            ))
+            .await;
+        assert_eq!(after["ClientStatus"], "running");
+        assert_eq!(
+            after["TaskStates"]["main"]["StartedAt"],
+            before["TaskStates"]["main"]["StartedAt"]
+        );
+        assert_eq!(std::fs::read_to_string(&marks).unwrap(), "run\n");
     })
     .await
     .expect("test timed out");

@@ -247,7 +247,16 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/agent/self", get(agent::agent_self))
         .route("/v1/status/leader", get(agent::status_leader))
         .route("/v1/namespaces", get(namespaces::namespaces))
-        .route("/v1/namespace/:name", get(namespaces::namespace_get))
+        .route(
+            "/v1/namespace/:name",
+            get(namespaces::namespace_get)
+                .put(namespaces::namespace_put)
+                .post(namespaces::namespace_put),
+        )
+        .route(
+            "/v1/namespace",
+            put(namespaces::namespace_put).post(namespaces::namespace_put),
+        )
         .route("/v1/nodes", get(nodes::nodes))
         .route("/v1/node/:id", get(nodes::node_get))
         .route("/v1/node/:id/allocations", get(nodes::node_allocs))
@@ -335,6 +344,10 @@ pub fn router(state: AppState) -> Router {
                 .put(acl::http_token_update)
                 .post(acl::http_token_update)
                 .delete(acl::http_token_delete),
+        )
+        .route(
+            "/v1/sim/node/:id/restart",
+            put(nodes::sim_restart).post(nodes::sim_restart),
         )
         .route(
             "/v1/sim/node/:id/heartbeat",

@@ -43,3 +43,24 @@ pub(super) async fn namespace_get(
         &json!({"Name": name, "Description": desc, "Quota": "", "Meta": null, "CreateIndex": 1, "ModifyIndex": 1}),
     )
 }
+
+/// `PUT|POST /v1/namespace/:name` and `PUT|POST /v1/namespace` (`namespaceUpdate`,
+/// `NamespaceCreateRequest`): body `{"Name", "Description"}`; a name other than the path's →
+/// 400 "Namespace name does not match request path"; management token only.
+pub(super) async fn namespace_put(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    path: Option<Path<String>>,
+    body: Bytes,
+) -> ApiResult {
+    let v: Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
+    let name = v.get("Name").and_then(Value::as_str).unwrap_or_default();
+    if let Some(Path(p)) = &path {
+        if name != p {
+            return Err(bad("Namespace name does not match request path"));
+        }
+    }
+    authorize(&st, &headers, crate::acl::Need::Management)?;
+    let idx = st.server.upsert_namespace(name)?;
+    ok(idx, &json!({"Index": idx}))
+}

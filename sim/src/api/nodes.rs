@@ -125,3 +125,13 @@ pub(super) async fn sim_heartbeat(
         &json!({"NodeID": id, "HeartbeatStopped": stop}),
     )
 }
+
+/// `PUT /v1/sim/node/:id/restart`: sim only, the node's client agent restarts
+/// ([`crate::nodes::restart_client`]); answers the dynamic host volumes it dropped.
+pub(super) async fn sim_restart(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult {
+    let dropped = crate::nodes::restart_client(&st.server, &id)?;
+    ok(
+        st.server.index(),
+        &json!({"NodeID": id, "DroppedHostVolumes": dropped}),
+    )
+}
