@@ -260,13 +260,16 @@ async fn heartbeat_monitor(server: Arc<Server>, grace: Duration) {
         for (id, status) in nodes {
             if stopped.contains(&id) {
                 let t = *since.entry(id.clone()).or_insert(now);
-                if now.duration_since(t) >= grace && status != "down" {
-                    tracing::info!(node = %id, "node missed heartbeats: marking down");
-                    crate::nodes::set_status(&server, &id, "down");
+                if now.duration_since(t) >= grace {
+                    let want = crate::nodes::unresponsive_status(&server, &id);
+                    if status != want {
+                        tracing::info!(node = %id, status = want, "node missed heartbeats");
+                        crate::nodes::set_status(&server, &id, want);
+                    }
                 }
             } else {
                 since.remove(&id);
-                if status == "down" {
+                if status == "down" || status == "disconnected" {
                     tracing::info!(node = %id, "node heartbeating again: marking ready");
                     crate::nodes::set_status(&server, &id, "ready");
                 }

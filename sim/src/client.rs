@@ -465,6 +465,18 @@ async fn run_alloc(
         tokio::select! {
             r = rx.changed() => {
                 if r.is_err() || wants_stop(&rx.borrow()) { stopping = true; }
+                // Back from a disconnect: the server has the allocation `unknown`; the client
+                // logs "Reconnected" on every task and sends its state (`alloc_runner.go`
+                // `Reconnect`, `client.go` `updateAlloc`).
+                let unknown = matches!(&*rx.borrow(), Directive::Alloc(a) if a.ClientStatus == "unknown");
+                if unknown && !stopping {
+                    for t in &group.Tasks {
+                        let mut e = TaskEvent::new("Reconnected");
+                        e.DisplayMessage = "Client reconnected".into();
+                        push_event(&states, &t.Name, e, None);
+                    }
+                    report(&states, &alloc, &upd);
+                }
             }
             r = restart_rx.recv() => {
                 if let Ok(req) = r {

@@ -5,7 +5,8 @@
 //! update (job and group: max_parallel, canary, auto_promote, auto_revert, health_check,
 //! min_healthy_time, healthy_deadline, progress_deadline, stagger; the job's block is merged
 //! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
-//! reschedule, constraint, meta, shutdown_delay; network/service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
+//! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
+//! network/service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
 //! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader).
 
 use crate::hcl_value::{attributes, label, map_attr_or_block, Attrs, HclError};
@@ -139,6 +140,46 @@ fn update(ctx: &str, body: &Body) -> Result<serde_json::Value, HclError> {
     Ok(serde_json::Value::Object(out))
 }
 
+/// A group's `disconnect` block (lost_after, replace, reconcile, stop_on_client_after) as
+/// Nomad's `DisconnectStrategy` JSON; `Null` when absent.
+fn disconnect(ctx: &str, body: &Body) -> Result<serde_json::Value, HclError> {
+    let Some(b) = body
+        .blocks()
+        .find(|b| b.identifier.as_str() == "disconnect")
+    else {
+        return Ok(serde_json::Value::Null);
+    };
+    let attrs = attributes(ctx, &b.body)?;
+    let a = Attrs::new(&format!("{ctx}.disconnect"), &attrs);
+    let mut out = serde_json::Map::new();
+    if let Some(v) = a.duration_ns("lost_after")? {
+        out.insert("LostAfter".into(), v.into());
+    }
+    if let Some(v) = a.bool("replace")? {
+        out.insert("Replace".into(), v.into());
+    }
+    if let Some(v) = a.str("reconcile")? {
+        if ![
+            "best_score",
+            "keep_original",
+            "keep_replacement",
+            "longest_running",
+        ]
+        .contains(&v.as_str())
+        {
+            return Err(HclError::Invalid(
+                format!("{ctx}.disconnect.reconcile"),
+                format!("invalid reconcile option {v:?}"),
+            ));
+        }
+        out.insert("Reconcile".into(), v.into());
+    }
+    if let Some(v) = a.duration_ns("stop_on_client_after")? {
+        out.insert("StopOnClientAfter".into(), v.into());
+    }
+    Ok(serde_json::Value::Object(out))
+}
+
 fn restart_policy(ctx: &str, body: &Body) -> Result<Option<RestartPolicy>, HclError> {
     let Some(b) = body.blocks().find(|b| b.identifier.as_str() == "restart") else {
         return Ok(None);
@@ -168,6 +209,8 @@ fn parse_group(job_ctx: &str, g: &hcl::Block) -> Result<TaskGroup, HclError> {
         Meta: map_attr_or_block(&ctx, &g.body, "meta")?,
         ShutdownDelay: a.duration_ns("shutdown_delay")?,
         Update: update(&ctx, &g.body)?,
+        MaxClientDisconnect: a.duration_ns("max_client_disconnect")?,
+        Disconnect: disconnect(&ctx, &g.body)?,
         ..Default::default()
     };
     if let Some(b) = g

@@ -288,3 +288,29 @@ pub fn restart_client(server: &Server, id: &str) -> Result<Vec<String>, StoreErr
     server.reschedule_all();
     Ok(dropped)
 }
+
+/// The status a node that missed its heartbeats gets (`nomad/heartbeat.go`
+/// `disconnectState`): `disconnected` while one of its allocations is desired to run, has
+/// `disconnect.lost_after` and has not expired (`Allocation.Expired`: `unknown` for longer
+/// than it), else `down`.
+pub fn unresponsive_status(server: &Server, id: &str) -> &'static str {
+    let now = crate::clock::now_ns();
+    let st = server.read();
+    let can_disconnect = st.allocs.values().any(|a| {
+        let lost_after = a
+            .Job
+            .as_ref()
+            .and_then(|j| j.group(&a.TaskGroup))
+            .map(|g| g.lost_after())
+            .unwrap_or(0);
+        let expired = a.ClientStatus == "unknown"
+            && a.unknown_since
+                .is_some_and(|t| now >= t.saturating_add(lost_after));
+        a.NodeID == id && lost_after > 0 && a.DesiredStatus == "run" && !expired
+    });
+    if can_disconnect {
+        "disconnected"
+    } else {
+        "down"
+    }
+}

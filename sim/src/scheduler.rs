@@ -498,6 +498,16 @@ impl Pass<'_> {
     }
 }
 
+/// `Allocation.AppendState` for the client status.
+fn append_alloc_state(a: &mut Allocation, status: &str, now: i64) {
+    let entry = json!({"Field": "ClientStatus", "Value": status,
+        "Time": crate::clock::rfc3339_nano(now)});
+    match a.AllocStates.as_mut().and_then(Value::as_array_mut) {
+        Some(list) => list.push(entry),
+        None => a.AllocStates = Some(json!([entry])),
+    }
+}
+
 /// Whether a failed alloc may be replaced under its group's reschedule policy.
 fn reschedule_eligible(
     job: &Job,
@@ -555,31 +565,131 @@ pub fn reconcile_all(st: &mut State) {
         eval_id: uuid::Uuid::new_v4().to_string(),
         deployments: BTreeMap::new(),
     };
-    // Lost allocations on down nodes.
-    let lost: Vec<String> = pass
+    let now = now_ns();
+    let group_of = |a: &Allocation| a.Job.as_ref().and_then(|j| j.group(&a.TaskGroup)).cloned();
+    // Allocations on a disconnected node whose group has `disconnect.lost_after` turn
+    // `unknown` (still desired to run) and are replaced unless `replace = false`
+    // (`computeDisconnecting`, `appendUnknownDisconnectingUpdates`); once the window has
+    // passed (`Allocation.Expired`), or on a down node, they are lost.
+    let mut replacements: BTreeMap<String, String> = BTreeMap::new(); // alloc name → previous alloc
+    let on_unresponsive: Vec<(String, bool)> = pass
         .work
         .values()
         .filter(|a| !a.terminal())
+        .filter_map(|a| {
+            let status = pass.st.nodes.get(&a.NodeID).map(|n| n.Status.as_str());
+            match status {
+                None | Some("down") => Some((a.ID.clone(), false)),
+                Some("disconnected") => Some((a.ID.clone(), true)),
+                _ => None,
+            }
+        })
+        .collect();
+    for (id, disconnected) in on_unresponsive {
+        let Some(a) = pass.work.get(&id).cloned() else {
+            continue;
+        };
+        let lost_after = group_of(&a).map(|g| g.lost_after()).unwrap_or(0);
+        let key = format!("{}\u{0}{}\u{0}{}", a.Namespace, a.JobID, a.Name);
+        if disconnected && lost_after > 0 {
+            let since = a.unknown_since.unwrap_or(now);
+            if now < since.saturating_add(lost_after) {
+                if a.ClientStatus != "unknown" {
+                    if let Some(w) = pass.work.get_mut(&id) {
+                        w.ClientStatus = "unknown".into();
+                        w.ClientDescription =
+                            "alloc is unknown since its node is disconnected".into();
+                        w.unknown_since = Some(now);
+                        append_alloc_state(w, "unknown", now);
+                    }
+                    pass.touched.insert(id.clone());
+                }
+                if group_of(&a).is_some_and(|g| g.replace_on_disconnect()) {
+                    replacements.insert(key, id.clone());
+                }
+                continue;
+            }
+        }
+        pass.stop(&id, "alloc is lost since its node is down");
+        replacements.insert(key, id.clone());
+        if let Some(a) = pass.work.get_mut(&id) {
+            a.ClientStatus = "lost".into();
+            a.ClientDescription = "alloc is lost since its node is down".into();
+        }
+    }
+    // Reconnected allocations (`reconcileReconnecting`): a failed one is replaced, one of an
+    // older version stops; otherwise the original and its replacement are compared by the
+    // group's `disconnect.reconcile` (`reconnecting_picker.go`) and the other one stops.
+    let reconnected: Vec<String> = pass
+        .work
+        .values()
+        .filter(|a| a.unknown_since.is_some() && a.ClientStatus != "unknown")
         .filter(|a| {
             pass.st
                 .nodes
                 .get(&a.NodeID)
-                .is_none_or(|n| n.Status == "down")
+                .is_some_and(|n| n.Status == "ready")
         })
         .map(|a| a.ID.clone())
         .collect();
-    let mut replacements: BTreeMap<String, String> = BTreeMap::new(); // alloc name → previous alloc
-    for id in lost {
-        pass.stop(&id, "alloc is lost since its node is down");
-        if let Some(a) = pass.work.get(&id) {
-            replacements.insert(
-                format!("{}\u{0}{}\u{0}{}", a.Namespace, a.JobID, a.Name),
-                id.clone(),
-            );
+    for id in reconnected {
+        let Some(orig) = pass.work.get(&id).cloned() else {
+            continue;
+        };
+        if let Some(w) = pass.work.get_mut(&id) {
+            w.unknown_since = None;
+            let status = w.ClientStatus.clone();
+            append_alloc_state(w, &status, now);
         }
-        if let Some(a) = pass.work.get_mut(&id) {
-            a.ClientStatus = "lost".into();
-            a.ClientDescription = "alloc is lost since its node is down".into();
+        pass.touched.insert(id.clone());
+        if orig.server_terminal() {
+            continue;
+        }
+        let job_now = pass
+            .st
+            .jobs
+            .get(&(orig.Namespace.clone(), orig.JobID.clone()));
+        let older =
+            job_now.is_some_and(|j| orig.Job.as_ref().is_some_and(|oj| oj.Version < j.Version));
+        if orig.ClientStatus == "failed" {
+            pass.stop(&id, "alloc was rescheduled because it failed");
+            continue;
+        }
+        if older {
+            pass.stop(&id, "alloc not needed due to job update");
+            continue;
+        }
+        let mut next = orig.NextAllocation.clone();
+        let mut chain = Vec::new();
+        while let Some(r) = pass.work.get(&next) {
+            chain.push(r.ID.clone());
+            next = r.NextAllocation.clone();
+        }
+        let strategy = group_of(&orig)
+            .map(|g| g.reconcile_on_reconnect().to_string())
+            .unwrap_or_default();
+        for rid in chain {
+            let Some(rep) = pass.work.get(&rid).cloned() else {
+                continue;
+            };
+            if rep.server_terminal() {
+                continue;
+            }
+            let keep_replacement = match strategy.as_str() {
+                "keep_replacement" => true,
+                "keep_original" => false,
+                // best_score / longest_running: the sim scores every node alike, so the
+                // replacement never scores better; the original started first.
+                _ => orig.ClientStatus != "running" && rep.ClientStatus == "running",
+            };
+            if keep_replacement {
+                pass.stop(&id, "alloc not needed due to job update");
+            } else {
+                pass.stop(
+                    &rid,
+                    "alloc not needed due to disconnected client reconnect",
+                );
+            }
         }
     }
     // Allocations of purged jobs: the reconciler stops every non-terminal one
@@ -677,6 +787,8 @@ pub fn reconcile_all(st: &mut State) {
                         a.Namespace == job.Namespace && a.JobID == job.ID && a.TaskGroup == g.Name
                     })
                     .filter(|a| !a.server_terminal() && a.ClientStatus != "lost")
+                    // An `unknown` allocation is replaced unless its group says otherwise.
+                    .filter(|a| a.ClientStatus != "unknown" || !g.replace_on_disconnect())
                     .any(pred)
             };
             if job.Type == "system" || job.Type == "sysbatch" {

@@ -400,6 +400,37 @@ impl Deployment {
     }
 }
 
+impl TaskGroup {
+    /// `GetDisconnectLostAfter`: the group's `disconnect.lost_after` (or the older
+    /// `max_client_disconnect`), ns; 0 = the allocations are lost when their node goes down.
+    pub fn lost_after(&self) -> i64 {
+        self.Disconnect
+            .get("LostAfter")
+            .and_then(Value::as_i64)
+            .filter(|v| *v > 0)
+            .or(self.MaxClientDisconnect)
+            .unwrap_or(0)
+    }
+
+    /// `Replace`: whether an `unknown` allocation is replaced while its node is disconnected
+    /// (`disconnect.replace`, default true).
+    pub fn replace_on_disconnect(&self) -> bool {
+        self.Disconnect
+            .get("Replace")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+    }
+
+    /// `disconnect.reconcile` (default `best_score`).
+    pub fn reconcile_on_reconnect(&self) -> &str {
+        self.Disconnect
+            .get("Reconcile")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .unwrap_or("best_score")
+    }
+}
+
 /// A job (`structs.Job`).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(default)]
@@ -502,6 +533,13 @@ impl Job {
                     }
                 }
                 tg.Update = u;
+            }
+            // `DisconnectStrategy.Canonicalize`: replace = true, reconcile = best_score.
+            if let Some(d) = tg.Disconnect.as_object_mut() {
+                d.entry("Replace").or_insert(json!(true));
+                d.entry("Reconcile").or_insert(json!("best_score"));
+                d.entry("LostAfter").or_insert(json!(0));
+                d.entry("StopOnClientAfter").or_insert(Value::Null);
             }
             if tg.Migrate.is_null() && job_type == "service" {
                 tg.Migrate = json!({"MaxParallel":1,"HealthCheck":"checks","MinHealthyTime":10_000_000_000i64,"HealthyDeadline":300_000_000_000i64});
@@ -788,6 +826,10 @@ pub struct Allocation {
     /// `SignedIdentities` is `json:"-"` in Nomad: task name → default identity JWT.
     #[serde(skip)]
     pub signed_identities: BTreeMap<String, String>,
+    /// When the allocation last turned `unknown` (ns; Nomad reads it from `AllocStates`,
+    /// `LastUnknown`).
+    #[serde(skip)]
+    pub unknown_since: Option<i64>,
 }
 
 impl Allocation {

@@ -371,3 +371,146 @@ async fn a_restarted_client_keeps_its_tasks_and_restores_host_volumes_by_stat() 
     .await
     .expect("test timed out");
 }
+
+fn disconnect_job(lost_after: &str) -> String {
+    format!(
+        r#"job "dc" {{
+  group "g" {{
+    disconnect {{
+      lost_after = "{lost_after}"
+    }}
+    task "t" {{
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {{
+        command = "/bin/sleep"
+        args = ["1000"]
+      }}
+    }}
+  }}
+}}"#
+    )
+}
+
+/// The group `disconnect` block (`nomad/heartbeat.go` `disconnectState`,
+/// `scheduler/reconciler/reconcile_cluster.go` `computeDisconnecting`, `reconcileReconnecting`):
+/// a node that misses its heartbeats is `disconnected`, its allocation `unknown` (still desired
+/// to run) and replaced elsewhere; when the node returns within `lost_after` the client logs
+/// "Reconnected" and reports the allocation running, and the replacement stops ("alloc not
+/// needed due to disconnected client reconnect"). Past `lost_after` the allocation is lost and
+/// the node down.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disconnected_node_makes_allocations_unknown_then_reconnects_or_loses_them() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start(CFG).await;
+        sim.run_job(&disconnect_job("1h")).await;
+        let a = sim
+            .wait_for(20, "running alloc", || async {
+                sim.job_allocs("dc")
+                    .await
+                    .into_iter()
+                    .find(|a| a["ClientStatus"] == "running")
+            })
+            .await;
+        let (node, id) = (
+            a["NodeID"].as_str().unwrap().to_string(),
+            a["ID"].as_str().unwrap().to_string(),
+        );
+        let hb = |stop: bool| format!("/v1/sim/node/{node}/heartbeat?stop={stop}");
+        sim.put(&hb(true), json!({})).await;
+        let unknown = sim
+            .wait_for(20, "the allocation unknown", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "unknown").then_some(a)
+            })
+            .await;
+        assert_eq!(unknown["DesiredStatus"], "run");
+        assert_eq!(
+            unknown["ClientDescription"],
+            "alloc is unknown since its node is disconnected"
+        );
+        let states = unknown["AllocStates"].as_array().unwrap();
+        assert_eq!(states.last().unwrap()["Value"], "unknown");
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "disconnected"
+        );
+        let replacement = sim
+            .wait_for(20, "a replacement elsewhere", || async {
+                sim.job_allocs("dc")
+                    .await
+                    .into_iter()
+                    .find(|a| a["ID"] != id.as_str() && a["ClientStatus"] == "running")
+            })
+            .await;
+        assert_ne!(replacement["NodeID"], node.as_str());
+        let rid = replacement["ID"].as_str().unwrap().to_string();
+        sim.put(&hb(false), json!({})).await;
+        let back = sim
+            .wait_for(20, "the allocation reconnected", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "running").then_some(a)
+            })
+            .await;
+        assert_eq!(back["DesiredStatus"], "run");
+        let events: Vec<&str> = back["TaskStates"]["t"]["Events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["Type"].as_str().unwrap())
+            .collect();
+        assert!(events.contains(&"Reconnected"), "{events:?}");
+        let r = sim
+            .wait_for(20, "the replacement stopped", || async {
+                let r = sim.get(&format!("/v1/allocation/{rid}")).await;
+                (r["DesiredStatus"] == "stop").then_some(r)
+            })
+            .await;
+        assert_eq!(
+            r["DesiredDescription"],
+            "alloc not needed due to disconnected client reconnect"
+        );
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "ready"
+        );
+
+        // Past lost_after: lost, and the node down.
+        sim.run_job(&disconnect_job("2s")).await;
+        let a = sim
+            .wait_for(30, "a running alloc of the new version", || async {
+                sim.job_allocs("dc")
+                    .await
+                    .into_iter()
+                    .find(|a| a["JobVersion"] == 1 && a["ClientStatus"] == "running")
+            })
+            .await;
+        let (node, id) = (
+            a["NodeID"].as_str().unwrap().to_string(),
+            a["ID"].as_str().unwrap().to_string(),
+        );
+        sim.put(
+            &format!("/v1/sim/node/{node}/heartbeat?stop=true"),
+            json!({}),
+        )
+        .await;
+        sim.wait_for(20, "the allocation unknown", || async {
+            let a = sim.get(&format!("/v1/allocation/{id}")).await;
+            (a["ClientStatus"] == "unknown").then_some(())
+        })
+        .await;
+        let lost = sim
+            .wait_for(20, "the allocation lost after lost_after", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "lost").then_some(a)
+            })
+            .await;
+        assert_eq!(lost["DesiredStatus"], "stop");
+        sim.wait_for(10, "the node down", || async {
+            (sim.get(&format!("/v1/node/{node}")).await["Status"] == "down").then_some(())
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}
