@@ -264,11 +264,8 @@ async fn run_alloc(
     };
     let hook = |name: &str| {
         group
-            .Tasks
-            .iter()
-            .find(|t| t.Name == name)
-            .and_then(|t| t.Lifecycle.clone())
-            .map(|l| (l.Hook, l.Sidecar))
+            .lifecycle_of(name)
+            .map(|(h, sidecar)| (h.to_string(), sidecar))
     };
     let names: Vec<String> = group.Tasks.iter().map(|t| t.Name.clone()).collect();
     let prestart: Vec<String> = names

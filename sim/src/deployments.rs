@@ -32,12 +32,9 @@ pub fn decide_health(a: &Allocation, u: &UpdateStrategy, now: i64) -> Option<boo
     let group = a.Job.as_ref().and_then(|j| j.group(&a.TaskGroup))?;
     let hook = |task: &str| {
         group
-            .Tasks
-            .iter()
-            .find(|t| t.Name == task)
-            .and_then(|t| t.Lifecycle.as_ref())
-            .filter(|l| !l.Sidecar)
-            .map(|l| l.Hook.as_str())
+            .lifecycle_of(task)
+            .filter(|(_, sidecar)| !sidecar)
+            .map(|(h, _)| h)
     };
     let mut latest_start: Option<i64> = Some(0);
     for t in &group.Tasks {

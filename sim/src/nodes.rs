@@ -217,19 +217,12 @@ pub fn set_status(server: &Server, id: &str, status: &str) {
                 .nodes
                 .get(id)
                 .is_some_and(|n| n.HostVolumes.values().any(|c| c.ID == k.1));
-            if let Some(v) = st.host_volumes.get_mut(&k) {
-                v.State = if status == "ready" && fingerprinted {
-                    "ready"
-                } else {
-                    "unavailable"
-                }
-                .into();
-                v.ModifyIndex = idx;
-                v.ModifyTime = now;
-                let v = v.clone();
-                st.tables.host_volumes = idx;
-                st.emit_volume("NodeRegistration", &v, false);
-            }
+            let state = if status == "ready" && fingerprinted {
+                "ready"
+            } else {
+                "unavailable"
+            };
+            st.set_host_volume_state(&k, state, idx, now);
         }
         true
     });
@@ -275,14 +268,7 @@ pub fn restart_client(server: &Server, id: &str) -> Result<Vec<String>, StoreErr
             .map(|(k, _)| k.clone())
             .collect();
         for k in keys {
-            if let Some(v) = st.host_volumes.get_mut(&k) {
-                v.State = "unavailable".into();
-                v.ModifyIndex = idx;
-                v.ModifyTime = now;
-                let v = v.clone();
-                st.tables.host_volumes = idx;
-                st.emit_volume("NodeRegistration", &v, false);
-            }
+            st.set_host_volume_state(&k, "unavailable", idx, now);
         }
     });
     server.reschedule_all();

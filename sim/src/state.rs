@@ -173,6 +173,19 @@ impl State {
         );
     }
 
+    /// Sets a host volume's `State` at index `idx` (a `NodeRegistration` event, as the node's
+    /// fingerprint brings it).
+    pub(crate) fn set_host_volume_state(&mut self, key: &VarKey, state: &str, idx: u64, now: i64) {
+        if let Some(v) = self.host_volumes.get_mut(key) {
+            v.State = state.into();
+            v.ModifyIndex = idx;
+            v.ModifyTime = now;
+            let v = v.clone();
+            self.tables.host_volumes = idx;
+            self.emit_volume("NodeRegistration", &v, false);
+        }
+    }
+
     /// The job's latest deployment (highest CreateIndex; `LatestDeploymentByJobID`).
     pub(crate) fn latest_deployment(&self, ns: &str, job: &str) -> Option<&Deployment> {
         self.deployments

@@ -582,18 +582,12 @@ impl Server {
             st.tables.nodes = idx;
             st.emit_node("NodeRegistration", &registered.NodeID);
             let key = (registered.Namespace.clone(), registered.ID.clone());
-            if let Some(hv) = st.host_volumes.get_mut(&key) {
-                let node_ready = st
-                    .nodes
-                    .get(&hv.NodeID)
-                    .is_some_and(|n| n.Status == "ready");
-                hv.State = if node_ready { "ready" } else { "unavailable" }.into();
-                hv.ModifyIndex = idx;
-                hv.ModifyTime = now;
-                let hv = hv.clone();
-                st.tables.host_volumes = idx;
-                st.emit_volume("NodeRegistration", &hv, false);
-            }
+            let node_ready = st
+                .nodes
+                .get(&registered.NodeID)
+                .is_some_and(|n| n.Status == "ready");
+            let state = if node_ready { "ready" } else { "unavailable" };
+            st.set_host_volume_state(&key, state, idx, now);
         });
         self.reschedule_all();
         Ok(registered)

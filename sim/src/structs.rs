@@ -421,6 +421,15 @@ impl TaskGroup {
             .unwrap_or(true)
     }
 
+    /// A task's lifecycle `(hook, sidecar)`, `None` for a main task (or an unknown name).
+    pub fn lifecycle_of(&self, task: &str) -> Option<(&str, bool)> {
+        self.Tasks
+            .iter()
+            .find(|t| t.Name == task)
+            .and_then(|t| t.Lifecycle.as_ref())
+            .map(|l| (l.Hook.as_str(), l.Sidecar))
+    }
+
     /// `disconnect.reconcile` (default `best_score`).
     pub fn reconcile_on_reconnect(&self) -> &str {
         self.Disconnect
@@ -478,6 +487,16 @@ fn update_default() -> Value {
         "HealthyDeadline":300_000_000_000i64,"ProgressDeadline":600_000_000_000i64,"AutoRevert":false,"AutoPromote":false,"Canary":0})
 }
 
+/// `base` with the fields `set` has (both JSON objects; a non-object `set` changes nothing).
+fn overlay(mut base: Value, set: &Value) -> Value {
+    if let (Some(b), Some(s)) = (base.as_object_mut(), set.as_object()) {
+        for (k, v) in s {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    base
+}
+
 impl Job {
     /// Fills Nomad's defaults (`Job.Canonicalize` plus the server-side defaults applied at
     /// register): namespace "default", datacenters ["*"], node_pool "default", restart and
@@ -506,14 +525,9 @@ impl Job {
         }
         let is_service_like = self.Type == "service" || self.Type == "system";
         if is_service_like {
-            let mut u = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
+            let defaults = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
                 "HealthyDeadline":0,"ProgressDeadline":0,"AutoRevert":false,"AutoPromote":false,"Canary":0});
-            if let (Some(base), Some(set)) = (u.as_object_mut(), self.Update.as_object()) {
-                for (k, v) in set {
-                    base.insert(k.clone(), v.clone());
-                }
-            }
-            self.Update = u;
+            self.Update = overlay(defaults, &self.Update);
         }
         let job_type = self.Type.clone();
         for tg in &mut self.TaskGroups {
@@ -526,13 +540,7 @@ impl Job {
             if job_type == "service" {
                 // `TaskGroup.Canonicalize` (api/tasks.go): the job's update block merged under
                 // the group's (the jobspec parser does that), then the defaults under both.
-                let mut u = update_default();
-                if let (Some(base), Some(set)) = (u.as_object_mut(), tg.Update.as_object()) {
-                    for (k, v) in set {
-                        base.insert(k.clone(), v.clone());
-                    }
-                }
-                tg.Update = u;
+                tg.Update = overlay(update_default(), &tg.Update);
             }
             // `DisconnectStrategy.Canonicalize`: replace = true, reconcile = best_score.
             if let Some(d) = tg.Disconnect.as_object_mut() {
