@@ -418,3 +418,123 @@ async fn gc_of_a_live_allocation_is_seen_within_seconds_in_poll_mode() {
 async fn gc_of_a_live_allocation_is_seen_within_seconds_in_stream_mode() {
     gc_of_a_live_allocation_is_seen_within_seconds("stream").await;
 }
+
+/// The example job with an `update` block in its group and the prestart's `--timeout`.
+fn example_with_update(c: &Cluster, name: &str, update: &str, timeout: &str) -> std::path::PathBuf {
+    let src = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let with_update = src.replacen(
+        "group \"app\" {",
+        &format!("group \"app\" {{\n    update {{\n      {update}\n      min_healthy_time = \"1s\"\n    }}\n"),
+        1,
+    );
+    assert_ne!(with_update, src, "the example job has no group \"app\"");
+    let out = with_update.replace(
+        "\"--timeout\", \"2m\"",
+        &format!("\"--timeout\", \"{timeout}\""),
+    );
+    assert!(
+        out.contains(timeout),
+        "the example's prestart has no --timeout 2m"
+    );
+    let path = c.sb.join(name);
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+/// Issue 11 #8: a canary of a job using a single-node volume lands on another node. The
+/// claim stays with the old allocation (its node keeps the mount), the canary's prestart
+/// fails saying why it waits and what the job author can change, and the canary, never
+/// healthy, cannot be promoted (Nomad's 500 "0/1 healthy allocations"). The suggested
+/// `update { canary = 0, max_parallel = 1 }` then hands the volume over: the old allocation
+/// stops first and the replacement publishes on its node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_on_another_node_waits_for_the_claim_and_says_why() {
+    let c = Cluster::start(2).await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    ready_everywhere(&c).await;
+    let v0 = example_with_update(&c, "v0.nomad.hcl", "canary = 1", "2m");
+    let job = c.run_job(&v0).await;
+    let first = running_alloc(&c, &job, &[]).await;
+    let first_id = first["ID"].as_str().unwrap().to_string();
+    let holder = c.node_index(first["NodeID"].as_str().unwrap());
+
+    let v1 = example_with_update(&c, "v1.nomad.hcl", "canary = 1", "10s");
+    c.run_job(&v1).await;
+    let canary = c
+        .wait_for(30, "a canary", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["DeploymentStatus"]["Canary"] == true)
+        })
+        .await;
+    let canary_id = canary["ID"].as_str().unwrap().to_string();
+    let on = c.node_index(canary["NodeID"].as_str().unwrap());
+    assert_ne!(on, holder, "the canary was placed on the holder's node");
+    let stderr = c.sb.join(&format!(
+        "sim/{}/alloc/{canary_id}/alloc/logs/publish-volumes.stderr.0",
+        canary["NodeName"].as_str().unwrap()
+    ));
+    let said = c
+        .wait_for(60, "the canary's prestart to give up", || async {
+            std::fs::read_to_string(&stderr)
+                .ok()
+                .filter(|s| s.contains("publish failed"))
+        })
+        .await;
+    for part in [
+        "publish waits for the single-node claim",
+        "A canary or a rolling update placed on another node waits until the old allocation stops",
+        "only after promotion",
+        "update { canary = 0, max_parallel = 1 }",
+    ] {
+        assert!(
+            said.contains(part),
+            "{part:?} missing from the prestart's error: {said}"
+        );
+    }
+    // The claim stayed with the old allocation.
+    let old = c.get(&format!("/v1/allocation/{first_id}")).await;
+    assert_eq!(old["DesiredStatus"], "run");
+    assert_eq!(old["ClientStatus"], "running");
+    assert!(dhv_binder::mounts::is_mount_point(
+        &c.target(holder, VOLUME)
+    ));
+    assert!(!dhv_binder::mounts::is_mount_point(&c.target(on, VOLUME)));
+    let dep = c.get(&format!("/v1/job/{job}/deployment")).await;
+    assert_eq!(
+        dep["TaskGroups"]["app"]["PlacedCanaries"],
+        json!([canary_id])
+    );
+    let dep = dep["ID"].as_str().unwrap().to_string();
+    let r = c
+        .http
+        .put(format!("{}/v1/deployment/promote/{dep}", c.server))
+        .json(&json!({"DeploymentID": dep, "All": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 500);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("has 0/1 healthy allocations"), "{body}");
+
+    // What the message suggests: no canary, one at a time.
+    let v2 = example_with_update(
+        &c,
+        "v2.nomad.hcl",
+        "canary = 0\n      max_parallel = 1",
+        "2m",
+    );
+    c.run_job(&v2).await;
+    let next = running_alloc(&c, &job, &[first_id.clone(), canary_id.clone()]).await;
+    let to = c.node_index(next["NodeID"].as_str().unwrap());
+    c.wait_for(30, "the volume published for the replacement", || async {
+        dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)).then_some(())
+    })
+    .await;
+    let old = c.get(&format!("/v1/allocation/{first_id}")).await;
+    assert_eq!(old["DesiredStatus"], "stop");
+    assert_never_on_two_nodes(&c);
+    c.stop_job(&job, false).await;
+}

@@ -101,7 +101,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let ready_path = cfg.data_dir.join("ready.json");
     let _ = std::fs::remove_file(&ready_path);
     let keyring = Arc::new(tokio::task::spawn_blocking(Keyring::generate).await??);
-    let mut acl = crate::acl::AclState {
+    let mut acl = crate::policy::AclState {
         enabled: cfg.acl.enabled,
         ..Default::default()
     };
@@ -202,6 +202,8 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
             loop {
                 tick.tick().await;
                 crate::locks::expire(&server);
+                crate::deployments::tick(&server);
+                crate::nodes::drain_tick(&server);
                 n += 1;
                 if n.is_multiple_of(5) {
                     // Delayed reschedules (follow-up evaluations) come due.
@@ -258,13 +260,16 @@ async fn heartbeat_monitor(server: Arc<Server>, grace: Duration) {
         for (id, status) in nodes {
             if stopped.contains(&id) {
                 let t = *since.entry(id.clone()).or_insert(now);
-                if now.duration_since(t) >= grace && status != "down" {
-                    tracing::info!(node = %id, "node missed heartbeats: marking down");
-                    crate::nodes::set_status(&server, &id, "down");
+                if now.duration_since(t) >= grace {
+                    let want = crate::nodes::unresponsive_status(&server, &id);
+                    if status != want {
+                        tracing::info!(node = %id, status = want, "node missed heartbeats");
+                        crate::nodes::set_status(&server, &id, want);
+                    }
                 }
             } else {
                 since.remove(&id);
-                if status == "down" {
+                if status == "down" || status == "disconnected" {
                     tracing::info!(node = %id, "node heartbeating again: marking ready");
                     crate::nodes::set_status(&server, &id, "ready");
                 }

@@ -52,7 +52,13 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
                 _ = tick.tick() => {
                     // A partitioned client (heartbeats stopped) cannot reach the servers.
                     if !pending.is_empty() && !flush_server.read().heartbeat_stopped(&flush_node) {
-                        flush_server.update_allocs_from_client(std::mem::take(&mut pending).into_values().collect());
+                        let batch = std::mem::take(&mut pending).into_values().collect();
+                        if let Err(back) = flush_server.update_allocs_from_client(batch) {
+                            // Refused while the node is down: kept, newer updates win.
+                            for u in back {
+                                pending.entry(u.id.clone()).or_insert(u);
+                            }
+                        }
                     }
                 }
                 _ = flush_stop_rx.changed() => break,
@@ -61,7 +67,8 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
         while let Ok(u) = upd_rx.try_recv() {
             pending.insert(u.id.clone(), u);
         }
-        flush_server.update_allocs_from_client(pending.into_values().collect());
+        // At shutdown a refused batch is dropped, as a client that stops loses its queue.
+        let _ = flush_server.update_allocs_from_client(pending.into_values().collect());
     });
     let mut runners: BTreeMap<String, RunnerHandle> = BTreeMap::new();
     let mut finished: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
@@ -257,11 +264,8 @@ async fn run_alloc(
     };
     let hook = |name: &str| {
         group
-            .Tasks
-            .iter()
-            .find(|t| t.Name == name)
-            .and_then(|t| t.Lifecycle.clone())
-            .map(|l| (l.Hook, l.Sidecar))
+            .lifecycle_of(name)
+            .map(|(h, sidecar)| (h.to_string(), sidecar))
     };
     let names: Vec<String> = group.Tasks.iter().map(|t| t.Name.clone()).collect();
     let prestart: Vec<String> = names
@@ -458,6 +462,18 @@ async fn run_alloc(
         tokio::select! {
             r = rx.changed() => {
                 if r.is_err() || wants_stop(&rx.borrow()) { stopping = true; }
+                // Back from a disconnect: the server has the allocation `unknown`; the client
+                // logs "Reconnected" on every task and sends its state (`alloc_runner.go`
+                // `Reconnect`, `client.go` `updateAlloc`).
+                let unknown = matches!(&*rx.borrow(), Directive::Alloc(a) if a.ClientStatus == "unknown");
+                if unknown && !stopping {
+                    for t in &group.Tasks {
+                        let mut e = TaskEvent::new("Reconnected");
+                        e.DisplayMessage = "Client reconnected".into();
+                        push_event(&states, &t.Name, e, None);
+                    }
+                    report(&states, &alloc, &upd);
+                }
             }
             r = restart_rx.recv() => {
                 if let Ok(req) = r {

@@ -2,8 +2,11 @@
 //!
 //! Nomad API: `POST /v1/jobs/parse` (`command/agent/job_endpoint.go` `JobsParseRequest`).
 //! Supported: job (type, namespace, region, datacenters, node_pool, priority, meta, constraint),
-//! group (count, volume, restart, reschedule, constraint, meta, shutdown_delay; network/service/
-//! update ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
+//! update (job and group: max_parallel, canary, auto_promote, auto_revert, health_check,
+//! min_healthy_time, healthy_deadline, progress_deadline, stagger; the job's block is merged
+//! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
+//! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
+//! network/service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
 //! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader).
 
 use crate::hcl_value::{attributes, label, map_attr_or_block, Attrs, HclError};
@@ -38,6 +41,7 @@ pub fn parse(src: &str) -> Result<Job, HclError> {
         AllAtOnce: a.bool("all_at_once")?.unwrap_or(false),
         Meta: map_attr_or_block(&ctx, &job_block.body, "meta")?,
         Constraints: constraints(&ctx, &job_block.body)?,
+        Update: update(&ctx, &job_block.body)?,
         ..Default::default()
     };
     for g in job_block
@@ -45,7 +49,15 @@ pub fn parse(src: &str) -> Result<Job, HclError> {
         .blocks()
         .filter(|b| b.identifier.as_str() == "group")
     {
-        job.TaskGroups.push(parse_group(&ctx, g)?);
+        let mut tg = parse_group(&ctx, g)?;
+        if let Some(job_update) = job.Update.as_object() {
+            let mut merged = job_update.clone();
+            if let Some(own) = tg.Update.as_object() {
+                merged.extend(own.clone());
+            }
+            tg.Update = serde_json::Value::Object(merged);
+        }
+        job.TaskGroups.push(tg);
     }
     Ok(job)
 }
@@ -91,6 +103,83 @@ fn constraints(ctx: &str, body: &Body) -> Result<Option<Vec<Constraint>>, HclErr
     Ok((!out.is_empty()).then_some(out))
 }
 
+/// An `update` block as the fields it sets (Go names; durations in ns); `Null` when absent.
+fn update(ctx: &str, body: &Body) -> Result<serde_json::Value, HclError> {
+    let Some(b) = body.blocks().find(|b| b.identifier.as_str() == "update") else {
+        return Ok(serde_json::Value::Null);
+    };
+    let attrs = attributes(ctx, &b.body)?;
+    let a = Attrs::new(&format!("{ctx}.update"), &attrs);
+    let mut out = serde_json::Map::new();
+    for (key, name) in [("max_parallel", "MaxParallel"), ("canary", "Canary")] {
+        if let Some(v) = a.int(key)? {
+            out.insert(name.into(), v.into());
+        }
+    }
+    for (key, name) in [
+        ("auto_promote", "AutoPromote"),
+        ("auto_revert", "AutoRevert"),
+    ] {
+        if let Some(v) = a.bool(key)? {
+            out.insert(name.into(), v.into());
+        }
+    }
+    if let Some(v) = a.str("health_check")? {
+        out.insert("HealthCheck".into(), v.into());
+    }
+    for (key, name) in [
+        ("min_healthy_time", "MinHealthyTime"),
+        ("healthy_deadline", "HealthyDeadline"),
+        ("progress_deadline", "ProgressDeadline"),
+        ("stagger", "Stagger"),
+    ] {
+        if let Some(v) = a.duration_ns(key)? {
+            out.insert(name.into(), v.into());
+        }
+    }
+    Ok(serde_json::Value::Object(out))
+}
+
+/// A group's `disconnect` block (lost_after, replace, reconcile, stop_on_client_after) as
+/// Nomad's `DisconnectStrategy` JSON; `Null` when absent.
+fn disconnect(ctx: &str, body: &Body) -> Result<serde_json::Value, HclError> {
+    let Some(b) = body
+        .blocks()
+        .find(|b| b.identifier.as_str() == "disconnect")
+    else {
+        return Ok(serde_json::Value::Null);
+    };
+    let attrs = attributes(ctx, &b.body)?;
+    let a = Attrs::new(&format!("{ctx}.disconnect"), &attrs);
+    let mut out = serde_json::Map::new();
+    if let Some(v) = a.duration_ns("lost_after")? {
+        out.insert("LostAfter".into(), v.into());
+    }
+    if let Some(v) = a.bool("replace")? {
+        out.insert("Replace".into(), v.into());
+    }
+    if let Some(v) = a.str("reconcile")? {
+        if ![
+            "best_score",
+            "keep_original",
+            "keep_replacement",
+            "longest_running",
+        ]
+        .contains(&v.as_str())
+        {
+            return Err(HclError::Invalid(
+                format!("{ctx}.disconnect.reconcile"),
+                format!("invalid reconcile option {v:?}"),
+            ));
+        }
+        out.insert("Reconcile".into(), v.into());
+    }
+    if let Some(v) = a.duration_ns("stop_on_client_after")? {
+        out.insert("StopOnClientAfter".into(), v.into());
+    }
+    Ok(serde_json::Value::Object(out))
+}
+
 fn restart_policy(ctx: &str, body: &Body) -> Result<Option<RestartPolicy>, HclError> {
     let Some(b) = body.blocks().find(|b| b.identifier.as_str() == "restart") else {
         return Ok(None);
@@ -119,6 +208,9 @@ fn parse_group(job_ctx: &str, g: &hcl::Block) -> Result<TaskGroup, HclError> {
         RestartPolicy: restart_policy(&ctx, &g.body)?,
         Meta: map_attr_or_block(&ctx, &g.body, "meta")?,
         ShutdownDelay: a.duration_ns("shutdown_delay")?,
+        Update: update(&ctx, &g.body)?,
+        MaxClientDisconnect: a.duration_ns("max_client_disconnect")?,
+        Disconnect: disconnect(&ctx, &g.body)?,
         ..Default::default()
     };
     if let Some(b) = g

@@ -20,27 +20,38 @@
 //!
 //! `TTL`/`LockDelay` are Go duration strings on the wire ("15s"); numbers are nanoseconds.
 
-use crate::api::{json_response, ApiError};
 use crate::clock::{go_duration_string, now_ns, parse_go_duration};
-use crate::store::{Server, State};
+use crate::state::{LockTimers, State, VarKey};
+use crate::store::{Server, StoreError};
 use crate::structs::{Variable, VariableLock};
-use axum::http::StatusCode;
-use axum::response::Response;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// A variable's key: (namespace, path).
-type Key = (String, String);
+type Key = VarKey;
 
-/// The leader's lock timers (`nomad/locks.go`).
-#[derive(Debug, Default, Clone)]
-pub struct LockTimers {
-    /// Locks whose TTL timer runs: key → (fires at, TTL, lock delay).
-    pub held: BTreeMap<Key, (Instant, Duration, Duration)>,
-    /// Locks whose timer fired: key → when the delayed release removes the lock.
-    pub lapsed: BTreeMap<Key, Instant>,
+/// A lock operation (`?lock-acquire`, `?lock-renew`, `?lock-release`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockOp {
+    /// `VarOpLockAcquire`.
+    Acquire,
+    /// `VarOpLockRenew`.
+    Renew,
+    /// `VarOpLockRelease`.
+    Release,
+}
+
+impl LockOp {
+    /// The operation named by a query parameter.
+    pub fn from_query(name: &str) -> Option<Self> {
+        match name {
+            "lock-acquire" => Some(LockOp::Acquire),
+            "lock-renew" => Some(LockOp::Renew),
+            "lock-release" => Some(LockOp::Release),
+            _ => None,
+        }
+    }
 }
 
 const DEFAULT_TTL: Duration = Duration::from_secs(15);
@@ -50,12 +61,12 @@ const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 /// `maxVariableSize` (`nomad/structs/variables.go`): the sum of key and value lengths.
 pub const MAX_VARIABLE_SIZE: usize = 65536;
 
-fn bad(msg: impl Into<String>) -> ApiError {
-    ApiError(StatusCode::BAD_REQUEST, msg.into())
+fn bad(msg: impl Into<String>) -> StoreError {
+    StoreError::BadRequest(msg.into())
 }
 
 /// A Go duration from the wire: string, nanoseconds, or absent (zero). Negative → `None`.
-fn dur(v: &Value) -> Result<Option<Duration>, ApiError> {
+fn dur(v: &Value) -> Result<Option<Duration>, StoreError> {
     match v {
         Value::Null => Ok(Some(Duration::ZERO)),
         Value::String(s) if s.is_empty() => Ok(Some(Duration::ZERO)),
@@ -90,7 +101,7 @@ fn emit(st: &mut State, v: &Variable) {
 
 /// The 409 body of a refused acquire or release: only Namespace and Path (plus an empty
 /// `Lock` on release), never the variable's data.
-fn conflict(st: &State, ns: &str, path: &str, with_lock: bool) -> Response {
+fn conflict(st: &State, ns: &str, path: &str, with_lock: bool) -> StoreError {
     let body = Variable {
         Namespace: ns.into(),
         Path: path.into(),
@@ -101,7 +112,7 @@ fn conflict(st: &State, ns: &str, path: &str, with_lock: bool) -> Response {
         }),
         ..Default::default()
     };
-    json_response(StatusCode::CONFLICT, st.index, &body)
+    StoreError::Conflict(json!(body), st.index)
 }
 
 /// The variable at `key` and its lock; a missing variable or lock answers `missing` or
@@ -109,44 +120,43 @@ fn conflict(st: &State, ns: &str, path: &str, with_lock: bool) -> Response {
 fn locked_var(
     st: &State,
     key: &Key,
-    missing: StatusCode,
-    unlocked: StatusCode,
-) -> Result<(Variable, VariableLock), ApiError> {
+    missing: fn(String) -> StoreError,
+    unlocked: fn(String) -> StoreError,
+) -> Result<(Variable, VariableLock), StoreError> {
     let cur = st
         .vars
         .get(key)
         .cloned()
-        .ok_or_else(|| ApiError(missing, "variable doesn't exist".into()))?;
+        .ok_or_else(|| missing("variable doesn't exist".into()))?;
     let lock = cur
         .Lock
         .clone()
-        .ok_or_else(|| ApiError(unlocked, "variable doesn't hold a lock".into()))?;
+        .ok_or_else(|| unlocked("variable doesn't hold a lock".into()))?;
     Ok((cur, lock))
 }
 
-fn locked_409(msg: &str) -> ApiError {
-    ApiError(StatusCode::CONFLICT, msg.into())
+fn locked_409(msg: &str) -> StoreError {
+    StoreError::Locked(msg.into())
 }
 
-/// Handles a lock operation; `body` is the request Variable as decoded (Items `None` when the
-/// key was absent or `null`, as Go leaves a nil map).
-pub fn http_lock(
+/// Runs a lock operation; `body` is the request Variable as decoded (Items `None` when the
+/// key was absent or `null`, as Go leaves a nil map). Answers the index and the JSON body.
+pub fn apply(
     server: &Server,
     ns: &str,
     path: &str,
-    op: &str,
+    op: LockOp,
     body: Variable,
-) -> Result<Response, ApiError> {
+) -> Result<(u64, Value), StoreError> {
     let key: Key = (ns.to_string(), path.to_string());
     match op {
-        "lock-acquire" => acquire(server, key, body),
-        "lock-renew" => renew(server, key, body),
-        "lock-release" => release(server, key, body),
-        _ => Err(bad(format!("unknown lock operation {op}"))),
+        LockOp::Acquire => acquire(server, key, body),
+        LockOp::Renew => renew(server, key, body),
+        LockOp::Release => release(server, key, body),
     }
 }
 
-fn acquire(server: &Server, key: Key, body: Variable) -> Result<Response, ApiError> {
+fn acquire(server: &Server, key: Key, body: Variable) -> Result<(u64, Value), StoreError> {
     let (ns, path) = (key.0.clone(), key.1.clone());
     if ns == "*" {
         return Err(bad("can not target wildcard (\"*\")namespace"));
@@ -178,7 +188,7 @@ fn acquire(server: &Server, key: Key, body: Variable) -> Result<Response, ApiErr
         let cur = st.vars.get(&key).cloned();
         if let Some(held) = cur.as_ref().and_then(|c| c.Lock.as_ref()) {
             if held.ID != id {
-                return Ok(conflict(st, &ns, &path, false));
+                return Err(conflict(st, &ns, &path, false));
             }
         }
         let idx = st.next_index();
@@ -204,22 +214,21 @@ fn acquire(server: &Server, key: Key, body: Variable) -> Result<Response, ApiErr
             .insert(key.clone(), (Instant::now() + 2 * ttl, ttl, delay));
         st.lock_timers.lapsed.remove(&key);
         emit(st, &v);
-        Ok(json_response(StatusCode::OK, idx, &v))
+        Ok((idx, json!(v)))
     })
 }
 
-fn renew(server: &Server, key: Key, body: Variable) -> Result<Response, ApiError> {
+fn renew(server: &Server, key: Key, body: Variable) -> Result<(u64, Value), StoreError> {
     let id = body.Lock.map(|l| l.ID).unwrap_or_default();
     if id.is_empty() {
         // `VariablesRenewLockRequest.Validate`: a multierror, not coded → 500.
-        return Err(ApiError(
-            StatusCode::INTERNAL_SERVER_ERROR,
+        return Err(StoreError::Internal(
             "1 error occurred:\n\t* missing lock ID\n\n".into(),
         ));
     }
     server.write(|st| {
         // `RenewLock`: coded errors, 404 and 409.
-        let (cur, lock) = locked_var(st, &key, StatusCode::NOT_FOUND, StatusCode::CONFLICT)?;
+        let (cur, lock) = locked_var(st, &key, StoreError::NotFound, StoreError::Locked)?;
         if lock.ID != id {
             return Err(locked_409("attempting to modify locked variable"));
         }
@@ -228,15 +237,11 @@ fn renew(server: &Server, key: Key, body: Variable) -> Result<Response, ApiError
             return Err(locked_409("attempting to modify locked variable"));
         };
         timer.0 = Instant::now() + 2 * timer.1;
-        Ok(json_response(
-            StatusCode::OK,
-            cur.ModifyIndex,
-            &cur.metadata(),
-        ))
+        Ok((cur.ModifyIndex, json!(cur.metadata())))
     })
 }
 
-fn release(server: &Server, key: Key, body: Variable) -> Result<Response, ApiError> {
+fn release(server: &Server, key: Key, body: Variable) -> Result<(u64, Value), StoreError> {
     let id = body.Lock.as_ref().map(|l| l.ID.clone()).unwrap_or_default();
     if id.is_empty() {
         return Err(bad("missing lock information"));
@@ -247,14 +252,9 @@ fn release(server: &Server, key: Key, body: Variable) -> Result<Response, ApiErr
     let (ns, path) = (key.0.clone(), key.1.clone());
     server.write(|st| {
         // `VarLockRelease`: plain state-store errors, HTTP 500.
-        let (cur, lock) = locked_var(
-            st,
-            &key,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            StatusCode::INTERNAL_SERVER_ERROR,
-        )?;
+        let (cur, lock) = locked_var(st, &key, StoreError::Internal, StoreError::Internal)?;
         if lock.ID != id {
-            return Ok(conflict(st, &ns, &path, true));
+            return Err(conflict(st, &ns, &path, true));
         }
         let idx = st.next_index();
         let mut v = cur;
@@ -267,16 +267,8 @@ fn release(server: &Server, key: Key, body: Variable) -> Result<Response, ApiErr
         st.lock_timers.lapsed.remove(&key);
         emit(st, &v);
         // The answer echoes the request's (absent) Items with the written metadata.
-        Ok(json_response(StatusCode::OK, idx, &v.metadata()))
+        Ok((idx, json!(v.metadata())))
     })
-}
-
-/// Whether a write carrying `lock_id` may modify the variable at `key` (unlocked, or same ID).
-pub fn write_allowed(st: &State, key: &(String, String), lock_id: Option<&str>) -> bool {
-    match st.vars.get(key).and_then(|v| v.Lock.as_ref()) {
-        Some(l) if !l.ID.is_empty() => lock_id == Some(l.ID.as_str()),
-        _ => true,
-    }
 }
 
 /// Fires due timers: a lock whose 2×TTL passed enters its delay (it stays on the variable);
@@ -362,10 +354,25 @@ mod tests {
         serde_json::from_value(body).expect("request variable")
     }
 
-    fn status(r: &Result<Response, ApiError>) -> u16 {
+    fn http_lock(
+        s: &Server,
+        ns: &str,
+        path: &str,
+        op: &str,
+        body: Variable,
+    ) -> Result<(u64, Value), StoreError> {
+        apply(s, ns, path, LockOp::from_query(op).expect("lock op"), body)
+    }
+
+    /// The status `api` answers for this result.
+    fn status(r: &Result<(u64, Value), StoreError>) -> u16 {
         match r {
-            Ok(r) => r.status().as_u16(),
-            Err(e) => e.0.as_u16(),
+            Ok(_) => 200,
+            Err(StoreError::BadRequest(_)) => 400,
+            Err(StoreError::Forbidden) => 403,
+            Err(StoreError::NotFound(_)) => 404,
+            Err(StoreError::Conflict(..) | StoreError::Locked(_)) => 409,
+            Err(StoreError::Internal(_)) => 500,
         }
     }
 

@@ -1,7 +1,9 @@
 //! Node status management: eligibility, drain, heartbeats (`nomad/node_endpoint.go`,
 //! `nomad/heartbeat.go`, `nomad/drainer`).
 
+use crate::state::State;
 use crate::store::{Server, StoreError};
+use crate::structs::Allocation;
 use serde_json::{json, Value};
 
 /// `PUT /v1/node/:id/eligibility` (NodeEligibility event).
@@ -30,8 +32,10 @@ pub fn set_eligibility(server: &Server, id: &str, elig: &str) -> Result<u64, Sto
 
 /// `PUT /v1/node/:id/drain` body `{"DrainSpec":{"Deadline":ns,"IgnoreSystemJobs":bool}|null,
 /// "MarkEligible":bool}`: sets DrainStrategy, marks the node ineligible and sets
-/// `DesiredTransition.Migrate` on its allocs (AllocationUpdateDesiredStatus), which the scheduler
-/// then stops and replaces. `DrainSpec: null` cancels the drain.
+/// `DesiredTransition.Migrate` on its allocs other than system ones
+/// (AllocationUpdateDesiredStatus), which the scheduler then stops and replaces; the system
+/// allocs go last or at the deadline ([`drain_tick`]). `Deadline` < 0 forces at once, 0 means
+/// none (`DrainStrategy.DeadlineTime`). `DrainSpec: null` cancels the drain.
 pub fn set_drain(server: &Server, id: &str, body: &Value) -> Result<(u64, String), StoreError> {
     let spec = body.get("DrainSpec").cloned().unwrap_or(Value::Null);
     let mark_eligible = body
@@ -66,29 +70,106 @@ pub fn set_drain(server: &Server, id: &str, body: &Value) -> Result<(u64, String
         }
         st.tables.nodes = idx;
         st.emit_node("NodeDrain", id);
-        if !spec.is_null() {
+        if spec.is_null() {
+            st.drain_deadlines.remove(id);
+        } else {
+            let deadline = spec.get("Deadline").and_then(Value::as_i64).unwrap_or(0);
+            let at = match deadline {
+                d if d < 0 => Some(0),
+                0 => None,
+                d => Some(crate::clock::now_ns().saturating_add(d)),
+            };
+            st.drain_deadlines.insert(id.to_string(), at);
             let ids: Vec<String> = st
                 .allocs
                 .values()
-                .filter(|a| a.NodeID == id && !a.terminal())
-                .filter(|a| !(ignore_system && a.Job.as_ref().is_some_and(|j| j.Type == "system")))
+                .filter(|a| a.NodeID == id && !a.terminal() && !is_system(a))
                 .map(|a| a.ID.clone())
                 .collect();
-            for aid in ids {
-                if let Some(a) = st.allocs.get_mut(&aid) {
-                    a.DesiredTransition.Migrate = Some(true);
-                    a.ModifyIndex = idx;
-                    a.AllocModifyIndex = idx;
-                    let a = a.clone();
-                    st.emit_alloc("AllocationUpdateDesiredStatus", &a);
-                }
-            }
-            st.tables.allocs = idx;
+            mark_migrate(st, &ids, idx);
         }
         Ok(idx)
     })?;
     server.reschedule_all();
     Ok((idx, eval))
+}
+
+fn is_system(a: &Allocation) -> bool {
+    a.Job.as_ref().is_some_and(|j| j.Type == "system")
+}
+
+/// Sets `DesiredTransition.Migrate` on these allocations (`batchDrainAllocs`).
+fn mark_migrate(st: &mut State, ids: &[String], idx: u64) {
+    for aid in ids {
+        if let Some(a) = st.allocs.get_mut(aid) {
+            a.DesiredTransition.Migrate = Some(true);
+            a.ModifyIndex = idx;
+            a.AllocModifyIndex = idx;
+            let a = a.clone();
+            st.emit_alloc("AllocationUpdateDesiredStatus", &a);
+        }
+    }
+    if !ids.is_empty() {
+        st.tables.allocs = idx;
+    }
+}
+
+/// The node drainer (`nomad/drainer/watch_nodes.go`, `drainer.go` `handleDeadlinedNodes`,
+/// `draining_node.go` `IsDone`, `RemainingAllocs`): at the deadline every remaining
+/// non-terminal allocation on the node, system ones included (unless `IgnoreSystemJobs`), is
+/// drained at once; before it, once every allocation that is not a system one is client-
+/// terminal, the remaining system allocations are drained. Then the drain completes (the
+/// strategy is removed, the node stays ineligible). Run periodically.
+pub fn drain_tick(server: &Server) {
+    let now = crate::clock::now_ns();
+    let due: Vec<String> = {
+        let st = server.read();
+        st.drain_deadlines
+            .iter()
+            .filter(|(id, deadline)| {
+                let passed = deadline.is_some_and(|d| now >= d);
+                let done = st
+                    .allocs
+                    .values()
+                    .filter(|a| &a.NodeID == *id && !is_system(a))
+                    .all(|a| a.client_terminal());
+                passed || done
+            })
+            .map(|(id, _)| id.clone())
+            .collect()
+    };
+    if due.is_empty() {
+        return;
+    }
+    server.write(|st| {
+        let idx = st.next_index();
+        for id in &due {
+            let ignore_system = st
+                .nodes
+                .get(id)
+                .and_then(|n| n.DrainStrategy.as_ref())
+                .and_then(|d| d.get("IgnoreSystemJobs"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let remaining: Vec<String> = st
+                .allocs
+                .values()
+                .filter(|a| &a.NodeID == id && !a.terminal())
+                .filter(|a| !(ignore_system && is_system(a)))
+                .filter(|a| a.DesiredTransition.Migrate != Some(true))
+                .map(|a| a.ID.clone())
+                .collect();
+            mark_migrate(st, &remaining, idx);
+            st.drain_deadlines.remove(id);
+            if let Some(n) = st.nodes.get_mut(id) {
+                n.DrainStrategy = None;
+                n.ModifyIndex = idx;
+            }
+            st.tables.nodes = idx;
+            st.emit_node("NodeDrain", id);
+        }
+    });
+    server.reschedule_all();
 }
 
 /// Sim-only: stop or resume a node's heartbeats (a partitioned client). While stopped the node
@@ -132,23 +213,90 @@ pub fn set_status(server: &Server, id: &str, status: &str) {
             .map(|(k, _)| k.clone())
             .collect();
         for k in vols {
-            if let Some(v) = st.host_volumes.get_mut(&k) {
-                v.State = if status == "ready" {
-                    "ready"
-                } else {
-                    "unavailable"
-                }
-                .into();
-                v.ModifyIndex = idx;
-                v.ModifyTime = now;
-                let v = v.clone();
-                st.tables.host_volumes = idx;
-                st.emit_volume("NodeRegistration", &v, false);
-            }
+            let fingerprinted = st
+                .nodes
+                .get(id)
+                .is_some_and(|n| n.HostVolumes.values().any(|c| c.ID == k.1));
+            let state = if status == "ready" && fingerprinted {
+                "ready"
+            } else {
+                "unavailable"
+            };
+            st.set_host_volume_state(&k, state, idx, now);
         }
         true
     });
     if changed {
         server.reschedule_all();
+    }
+}
+
+/// Sim-only: the node's client agent restarts (`PUT /v1/sim/node/:id/restart`). Its tasks keep
+/// running: Nomad's client re-attaches to them and does not re-run a finished prestart task
+/// (`client/allocrunner/alloc_runner.go` `Restore`, `taskrunner/task_runner.go` `Restore`), so
+/// the sim's runners are left alone. What the servers see is the re-registration: dynamic
+/// host volumes are restored by a `stat` of their path, and one that fails (gone, or a dead
+/// FUSE mount answering ENOTCONN) is left out of the node's fingerprint
+/// (`client/hostvolumemanager/host_volumes.go` `restoreForRegister`); the server then marks it
+/// `unavailable` (`nomad/state/state_store_host_volumes.go` `upsertHostVolumeForNode`).
+/// Returns the IDs of the volumes dropped.
+pub fn restart_client(server: &Server, id: &str) -> Result<Vec<String>, StoreError> {
+    let node = server
+        .node(id)
+        .ok_or_else(|| StoreError::NotFound("node not found".into()))?;
+    // The stats run outside the state lock: a hung mount must not stop the server.
+    let dropped: Vec<String> = node
+        .HostVolumes
+        .values()
+        .filter(|c| !c.ID.is_empty())
+        .filter(|c| std::fs::metadata(&c.Path).is_err())
+        .map(|c| c.ID.clone())
+        .collect();
+    server.write(|st| {
+        let idx = st.next_index();
+        let now = crate::clock::now_ns();
+        if let Some(n) = st.nodes.get_mut(id) {
+            n.HostVolumes.retain(|_, c| !dropped.contains(&c.ID));
+            n.ModifyIndex = idx;
+        }
+        st.tables.nodes = idx;
+        st.emit_node("NodeRegistration", id);
+        let keys: Vec<_> = st
+            .host_volumes
+            .iter()
+            .filter(|(_, v)| v.NodeID == id && dropped.contains(&v.ID))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            st.set_host_volume_state(&k, "unavailable", idx, now);
+        }
+    });
+    server.reschedule_all();
+    Ok(dropped)
+}
+
+/// The status a node that missed its heartbeats gets (`nomad/heartbeat.go`
+/// `disconnectState`): `disconnected` while one of its allocations is desired to run, has
+/// `disconnect.lost_after` and has not expired (`Allocation.Expired`: `unknown` for longer
+/// than it), else `down`.
+pub fn unresponsive_status(server: &Server, id: &str) -> &'static str {
+    let now = crate::clock::now_ns();
+    let st = server.read();
+    let can_disconnect = st.allocs.values().any(|a| {
+        let lost_after = a
+            .Job
+            .as_ref()
+            .and_then(|j| j.group(&a.TaskGroup))
+            .map(|g| g.lost_after())
+            .unwrap_or(0);
+        let expired = a.ClientStatus == "unknown"
+            && a.unknown_since
+                .is_some_and(|t| now >= t.saturating_add(lost_after));
+        a.NodeID == id && lost_after > 0 && a.DesiredStatus == "run" && !expired
+    });
+    if can_disconnect {
+        "disconnected"
+    } else {
+        "down"
     }
 }

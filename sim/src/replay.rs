@@ -21,11 +21,12 @@
 //! and a stub node (ready), so that the reconciler finds nothing to do. No lock timers run
 //! (locks never lapse unless the script says so) and no client runs tasks.
 
-use crate::acl::AclState;
+use crate::policy::AclState;
 use crate::api::{json_response, router, AgentInfo, ApiError, AppState};
 use crate::broker::Broker;
 use crate::identity::Keyring;
-use crate::store::{Server, State};
+use crate::state::State;
+use crate::store::Server;
 use crate::structs::{Allocation, Frame, HostVolume, Job, Node, TaskGroup, VariableLock};
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
@@ -356,7 +357,7 @@ fn write_index(st: &mut State, wanted: u64) -> u64 {
 fn apply(st: &mut State, frame: &Frame) -> u64 {
     let idx = write_index(st, frame.Index);
     for ev in &frame.Events {
-        st.ensure_namespace(&ev.Namespace);
+        script_namespace(st, &ev.Namespace);
         let Some(payload) = ev.Payload.get("Allocation").and_then(Value::as_object) else {
             continue;
         };
@@ -379,6 +380,14 @@ fn apply(st: &mut State, frame: &Frame) -> u64 {
     }
     st.tables.allocs = idx;
     idx
+}
+
+/// A namespace named by the script exists (Nomad creates none on demand: the script stands
+/// for the operator who made it).
+fn script_namespace(st: &mut State, ns: &str) {
+    if !ns.is_empty() {
+        st.namespaces.insert(ns.to_string());
+    }
 }
 
 /// Stores a scripted allocation with the stub node and stub job that keep the reconciler idle.
@@ -409,7 +418,7 @@ fn script_alloc(st: &mut State, a: Allocation, idx: u64) {
             });
         }
     }
-    st.ensure_namespace(&a.Namespace);
+    script_namespace(st, &a.Namespace);
     st.allocs.insert(a.ID.clone(), a);
 }
 

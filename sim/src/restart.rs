@@ -1,7 +1,7 @@
 //! `nomad alloc restart` (`client/allocrunner/alloc_runner.go` `RestartTask` / `RestartRunning` /
 //! `RestartAll`): requests are broadcast to the client that runs the allocation.
 
-use crate::store::{Server, StoreError};
+use crate::structs::Allocation;
 
 /// A restart request for one allocation.
 #[derive(Debug, Clone)]
@@ -14,38 +14,47 @@ pub struct RestartRequest {
     pub all_tasks: bool,
 }
 
-/// Validates and forwards a restart request to the alloc's client.
-pub fn request(server: &Server, alloc: &str, task: &str, all: bool) -> Result<(), StoreError> {
-    let a = server
-        .read()
-        .allocs
-        .get(alloc)
-        .cloned()
-        .ok_or_else(|| StoreError::NotFound("Unknown allocation".into()))?;
-    if a.terminal() {
-        return Err(StoreError::BadRequest("Task not running".into()));
-    }
-    if all && !task.is_empty() {
-        return Err(StoreError::BadRequest(
-            "task name cannot be set with all tasks".into(),
-        ));
-    }
-    if !task.is_empty() {
-        let known = a
-            .Job
-            .as_ref()
-            .and_then(|j| j.group(&a.TaskGroup))
-            .is_some_and(|g| g.Tasks.iter().any(|t| t.Name == task));
-        if !known {
-            return Err(StoreError::BadRequest(format!(
-                "Could not find task {task:?}"
-            )));
+/// Why a restart request is refused (`Allocations.Restart`, `client/alloc_endpoint.go`).
+#[derive(Debug, thiserror::Error)]
+pub enum RestartError {
+    /// 404: no such allocation.
+    #[error("Unknown allocation")]
+    UnknownAllocation,
+    /// 400: the allocation is terminal.
+    #[error("Task not running")]
+    NotRunning,
+    /// 400: a task name together with `AllTasks`.
+    #[error("task name cannot be set with all tasks")]
+    TaskWithAll,
+    /// 400: the task is not in the allocation's group.
+    #[error("Could not find task {0:?}")]
+    UnknownTask(String),
+}
+
+impl RestartRequest {
+    /// Validates a request for `alloc` (the stored allocation, `None` when unknown).
+    pub fn new(alloc: Option<&Allocation>, task: &str, all: bool) -> Result<Self, RestartError> {
+        let a = alloc.ok_or(RestartError::UnknownAllocation)?;
+        if a.terminal() {
+            return Err(RestartError::NotRunning);
         }
+        if all && !task.is_empty() {
+            return Err(RestartError::TaskWithAll);
+        }
+        if !task.is_empty() {
+            let known = a
+                .Job
+                .as_ref()
+                .and_then(|j| j.group(&a.TaskGroup))
+                .is_some_and(|g| g.Tasks.iter().any(|t| t.Name == task));
+            if !known {
+                return Err(RestartError::UnknownTask(task.into()));
+            }
+        }
+        Ok(RestartRequest {
+            alloc_id: a.ID.clone(),
+            task: task.into(),
+            all_tasks: all,
+        })
     }
-    let _ = server.restart_tx.send(RestartRequest {
-        alloc_id: alloc.into(),
-        task: task.into(),
-        all_tasks: all,
-    });
-    Ok(())
 }

@@ -6,8 +6,10 @@
 //! pass (node or host volume change), like Nomad's blocked evaluations.
 
 use crate::clock::now_ns;
-use crate::store::State;
-use crate::structs::{Allocation, Job, Node, TaskGroup};
+use crate::state::State;
+use crate::structs::{
+    Allocation, Deployment, DeploymentState, Job, Node, TaskGroup, UpdateStrategy,
+};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -173,6 +175,8 @@ struct Pass<'a> {
     touched: BTreeSet<String>,
     load: BTreeMap<String, usize>,
     eval_id: String,
+    /// Deployments created or changed by this pass (written with the plan).
+    deployments: BTreeMap<String, Deployment>,
 }
 
 impl Pass<'_> {
@@ -194,7 +198,7 @@ impl Pass<'_> {
         index: u64,
         only_node: Option<&str>,
         prev: Option<&str>,
-    ) -> bool {
+    ) -> Option<String> {
         let name = format!("{}.{}[{}]", job.ID, g.Name, index);
         let mut candidates: Vec<&Node> = self
             .st
@@ -211,7 +215,7 @@ impl Pass<'_> {
             .count();
         if candidates.is_empty() {
             tracing::info!(job = %job.ID, group = %g.Name, alloc = %name, "no feasible node; placement blocked");
-            return false;
+            return None;
         }
         // Avoid the node of the allocation being replaced when another one is feasible.
         if let Some(prev_node) = prev
@@ -292,8 +296,215 @@ impl Pass<'_> {
             }
         }
         self.work.insert(id.clone(), alloc);
-        self.touched.insert(id);
-        true
+        self.touched.insert(id.clone());
+        Some(id)
+    }
+}
+
+impl Pass<'_> {
+    /// One group of a job with an update strategy (`scheduler/reconciler/reconcile_cluster.go`
+    /// `computeGroup`): creates the job version's deployment when the group has something to
+    /// place or replace; places canaries (named after the allocations they will replace) while
+    /// the old allocations keep running; once promoted, stops the old allocations that share a
+    /// canary's name (`computeStop`); otherwise stops at most `max_parallel` minus the
+    /// deployment's not-yet-healthy allocations of the old version (`computeUnderProvisionedBy`,
+    /// `computeDestructiveUpdates`), whose indexes the caller then places. Returns the
+    /// deployment ID when one runs for this group.
+    fn deploy_group(
+        &mut self,
+        job: &Job,
+        g: &TaskGroup,
+        u: &UpdateStrategy,
+        dep: &mut Option<Deployment>,
+        replacements: &mut BTreeMap<String, String>,
+    ) -> Option<String> {
+        let in_group = |a: &&Allocation| {
+            a.Namespace == job.Namespace
+                && a.JobID == job.ID
+                && a.TaskGroup == g.Name
+                && !a.server_terminal()
+                && a.ClientStatus != "lost"
+        };
+        let dep_id = dep.as_ref().map(|d| d.ID.clone()).unwrap_or_default();
+        // `cancelUnneededCanaries`: unpromoted canaries of an older deployment, or of a
+        // failed one, are stopped.
+        let unneeded: Vec<String> = self
+            .work
+            .values()
+            .filter(in_group)
+            .filter(|a| a.is_canary())
+            .filter(|a| {
+                let d = if a.DeploymentID == dep_id {
+                    dep.as_ref()
+                } else {
+                    self.st.deployments.get(&a.DeploymentID)
+                };
+                let promoted = d
+                    .and_then(|d| d.TaskGroups.get(&g.Name))
+                    .is_some_and(|s| s.Promoted);
+                let current_ok =
+                    a.DeploymentID == dep_id && dep.as_ref().is_some_and(|d| d.Status != "failed");
+                !promoted && !current_ok
+            })
+            .map(|a| a.ID.clone())
+            .collect();
+        for id in unneeded {
+            self.stop(&id, "alloc not needed due to job update");
+        }
+        let canaries: Vec<Allocation> = self
+            .work
+            .values()
+            .filter(in_group)
+            .filter(|a| !dep_id.is_empty() && a.DeploymentID == dep_id && a.is_canary())
+            .cloned()
+            .collect();
+        let mut old: Vec<Allocation> = self
+            .work
+            .values()
+            .filter(in_group)
+            .filter(|a| a.Job.as_ref().map(|j| j.Version).unwrap_or(0) != job.Version)
+            .cloned()
+            .collect();
+        old.sort_by_key(|a| a.name_index());
+        let live_now = self.work.values().filter(in_group).count() as i64;
+        let had_running = self.work.values().any(|a| {
+            a.Namespace == job.Namespace
+                && a.JobID == job.ID
+                && a.Job.as_ref().map(|j| j.Version) == Some(job.Version)
+        });
+        let needs_work = !old.is_empty() || (live_now < g.Count && !had_running);
+        if dep.is_none() && needs_work {
+            *dep = Some(Deployment {
+                ID: uuid::Uuid::new_v4().to_string(),
+                Namespace: job.Namespace.clone(),
+                JobID: job.ID.clone(),
+                JobVersion: job.Version,
+                JobModifyIndex: job.ModifyIndex,
+                JobSpecModifyIndex: job.JobModifyIndex,
+                JobCreateIndex: job.CreateIndex,
+                Status: "running".into(),
+                StatusDescription: "Deployment is running".into(),
+                EvalPriority: job.Priority,
+                ..Default::default()
+            });
+        }
+        let d = dep.as_mut()?;
+        if !d.active() && !d.TaskGroups.contains_key(&g.Name) {
+            return None;
+        }
+        let mut state = d
+            .TaskGroups
+            .get(&g.Name)
+            .cloned()
+            .unwrap_or(DeploymentState {
+                AutoRevert: u.auto_revert,
+                AutoPromote: u.auto_promote,
+                ProgressDeadline: u.progress_deadline,
+                DesiredTotal: g.Count,
+                ..Default::default()
+            });
+        let failed = d.Status == "failed";
+        let canarying = |s: &DeploymentState| s.DesiredCanaries > 0 && !s.Promoted;
+        if !canarying(&state) && !canaries.is_empty() {
+            let names: BTreeSet<&str> = canaries.iter().map(|c| c.Name.as_str()).collect();
+            old.retain(|o| {
+                let replaced = names.contains(o.Name.as_str());
+                if replaced {
+                    self.stop(&o.ID, "alloc not needed due to job update");
+                }
+                !replaced
+            });
+        }
+        if d.active()
+            && !failed
+            && !old.is_empty()
+            && (canaries.len() as i64) < u.canary
+            && !state.Promoted
+        {
+            state.DesiredCanaries = u.canary;
+            let taken: BTreeSet<String> = canaries.iter().map(|c| c.Name.clone()).collect();
+            let want = (u.canary as usize).saturating_sub(canaries.len());
+            let names: Vec<u64> = old
+                .iter()
+                .filter(|o| !taken.contains(&o.Name))
+                .map(|o| o.name_index())
+                .take(want)
+                .collect();
+            d.TaskGroups.insert(g.Name.clone(), state.clone());
+            for i in names {
+                if let Some(id) = self.place(job, g, i, None, None) {
+                    self.join_deployment(d, &g.Name, &id, true);
+                }
+            }
+            state = d.TaskGroups[&g.Name].clone();
+        }
+        if d.active() && !failed && !canarying(&state) && !old.is_empty() {
+            let mut limit = u.max_parallel;
+            for a in self
+                .work
+                .values()
+                .filter(in_group)
+                .filter(|a| a.DeploymentID == d.ID)
+            {
+                match a.healthy() {
+                    Some(false) => limit = 0,
+                    Some(true) => {}
+                    None => limit -= 1,
+                }
+            }
+            for o in old.iter().take(limit.max(0) as usize) {
+                self.stop(&o.ID, "alloc is being updated due to job update");
+                replacements.insert(
+                    format!("{}\u{0}{}\u{0}{}", o.Namespace, o.JobID, o.Name),
+                    o.ID.clone(),
+                );
+            }
+        }
+        if d.Status == "running" {
+            d.TaskGroups.insert(g.Name.clone(), state);
+            d.StatusDescription = d.running_description().into();
+        }
+        self.deployments.insert(d.ID.clone(), d.clone());
+        Some(d.ID.clone())
+    }
+
+    /// Marks a new allocation as part of deployment `d` (`DeploymentID`, a canary's
+    /// `DeploymentStatus.Canary`) and counts it in the group's state.
+    fn join_deployment(&mut self, d: &mut Deployment, group: &str, id: &str, canary: bool) {
+        if !d.active() {
+            return;
+        }
+        if let Some(a) = self.work.get_mut(id) {
+            a.DeploymentID = d.ID.clone();
+            if canary {
+                a.DeploymentStatus =
+                    Some(json!({"Healthy": null, "Timestamp": "0001-01-01T00:00:00Z",
+                    "Canary": true, "ModifyIndex": 0}));
+            }
+        }
+        let s = d.TaskGroups.entry(group.to_string()).or_default();
+        s.PlacedAllocs += 1;
+        if s.RequireProgressBy.is_none() && s.ProgressDeadline > 0 {
+            s.RequireProgressBy = Some(crate::clock::rfc3339_nano(
+                now_ns().saturating_add(s.ProgressDeadline),
+            ));
+        }
+        if canary {
+            s.PlacedCanaries
+                .get_or_insert_with(Vec::new)
+                .push(id.to_string());
+        }
+        self.deployments.insert(d.ID.clone(), d.clone());
+    }
+}
+
+/// `Allocation.AppendState` for the client status.
+fn append_alloc_state(a: &mut Allocation, status: &str, now: i64) {
+    let entry = json!({"Field": "ClientStatus", "Value": status,
+        "Time": crate::clock::rfc3339_nano(now)});
+    match a.AllocStates.as_mut().and_then(Value::as_array_mut) {
+        Some(list) => list.push(entry),
+        None => a.AllocStates = Some(json!([entry])),
     }
 }
 
@@ -352,32 +563,133 @@ pub fn reconcile_all(st: &mut State) {
         touched: BTreeSet::new(),
         load: st.node_load(),
         eval_id: uuid::Uuid::new_v4().to_string(),
+        deployments: BTreeMap::new(),
     };
-    // Lost allocations on down nodes.
-    let lost: Vec<String> = pass
+    let now = now_ns();
+    let group_of = |a: &Allocation| a.Job.as_ref().and_then(|j| j.group(&a.TaskGroup)).cloned();
+    // Allocations on a disconnected node whose group has `disconnect.lost_after` turn
+    // `unknown` (still desired to run) and are replaced unless `replace = false`
+    // (`computeDisconnecting`, `appendUnknownDisconnectingUpdates`); once the window has
+    // passed (`Allocation.Expired`), or on a down node, they are lost.
+    let mut replacements: BTreeMap<String, String> = BTreeMap::new(); // alloc name → previous alloc
+    let on_unresponsive: Vec<(String, bool)> = pass
         .work
         .values()
         .filter(|a| !a.terminal())
+        .filter_map(|a| {
+            let status = pass.st.nodes.get(&a.NodeID).map(|n| n.Status.as_str());
+            match status {
+                None | Some("down") => Some((a.ID.clone(), false)),
+                Some("disconnected") => Some((a.ID.clone(), true)),
+                _ => None,
+            }
+        })
+        .collect();
+    for (id, disconnected) in on_unresponsive {
+        let Some(a) = pass.work.get(&id).cloned() else {
+            continue;
+        };
+        let lost_after = group_of(&a).map(|g| g.lost_after()).unwrap_or(0);
+        let key = format!("{}\u{0}{}\u{0}{}", a.Namespace, a.JobID, a.Name);
+        if disconnected && lost_after > 0 {
+            let since = a.unknown_since.unwrap_or(now);
+            if now < since.saturating_add(lost_after) {
+                if a.ClientStatus != "unknown" {
+                    if let Some(w) = pass.work.get_mut(&id) {
+                        w.ClientStatus = "unknown".into();
+                        w.ClientDescription =
+                            "alloc is unknown since its node is disconnected".into();
+                        w.unknown_since = Some(now);
+                        append_alloc_state(w, "unknown", now);
+                    }
+                    pass.touched.insert(id.clone());
+                }
+                if group_of(&a).is_some_and(|g| g.replace_on_disconnect()) {
+                    replacements.insert(key, id.clone());
+                }
+                continue;
+            }
+        }
+        pass.stop(&id, "alloc is lost since its node is down");
+        replacements.insert(key, id.clone());
+        if let Some(a) = pass.work.get_mut(&id) {
+            a.ClientStatus = "lost".into();
+            a.ClientDescription = "alloc is lost since its node is down".into();
+        }
+    }
+    // Reconnected allocations (`reconcileReconnecting`): a failed one is replaced, one of an
+    // older version stops; otherwise the original and its replacement are compared by the
+    // group's `disconnect.reconcile` (`reconnecting_picker.go`) and the other one stops.
+    let reconnected: Vec<String> = pass
+        .work
+        .values()
+        .filter(|a| a.unknown_since.is_some() && a.ClientStatus != "unknown")
         .filter(|a| {
             pass.st
                 .nodes
                 .get(&a.NodeID)
-                .is_none_or(|n| n.Status == "down")
+                .is_some_and(|n| n.Status == "ready")
         })
         .map(|a| a.ID.clone())
         .collect();
-    let mut replacements: BTreeMap<String, String> = BTreeMap::new(); // alloc name → previous alloc
-    for id in lost {
-        pass.stop(&id, "alloc is lost since its node is down");
-        if let Some(a) = pass.work.get(&id) {
-            replacements.insert(
-                format!("{}\u{0}{}\u{0}{}", a.Namespace, a.JobID, a.Name),
-                id.clone(),
-            );
+    for id in reconnected {
+        let Some(orig) = pass.work.get(&id).cloned() else {
+            continue;
+        };
+        if let Some(w) = pass.work.get_mut(&id) {
+            w.unknown_since = None;
+            let status = w.ClientStatus.clone();
+            append_alloc_state(w, &status, now);
         }
-        if let Some(a) = pass.work.get_mut(&id) {
-            a.ClientStatus = "lost".into();
-            a.ClientDescription = "alloc is lost since its node is down".into();
+        pass.touched.insert(id.clone());
+        if orig.server_terminal() {
+            continue;
+        }
+        let job_now = pass
+            .st
+            .jobs
+            .get(&(orig.Namespace.clone(), orig.JobID.clone()));
+        let older =
+            job_now.is_some_and(|j| orig.Job.as_ref().is_some_and(|oj| oj.Version < j.Version));
+        if orig.ClientStatus == "failed" {
+            pass.stop(&id, "alloc was rescheduled because it failed");
+            continue;
+        }
+        if older {
+            pass.stop(&id, "alloc not needed due to job update");
+            continue;
+        }
+        let mut next = orig.NextAllocation.clone();
+        let mut chain = Vec::new();
+        while let Some(r) = pass.work.get(&next) {
+            chain.push(r.ID.clone());
+            next = r.NextAllocation.clone();
+        }
+        let strategy = group_of(&orig)
+            .map(|g| g.reconcile_on_reconnect().to_string())
+            .unwrap_or_default();
+        for rid in chain {
+            let Some(rep) = pass.work.get(&rid).cloned() else {
+                continue;
+            };
+            if rep.server_terminal() {
+                continue;
+            }
+            let keep_replacement = match strategy.as_str() {
+                "keep_replacement" => true,
+                "keep_original" => false,
+                // best_score / longest_running: the sim scores every node alike, so the
+                // replacement never scores better; the original started first.
+                _ => orig.ClientStatus != "running" && rep.ClientStatus == "running",
+            };
+            if keep_replacement {
+                pass.stop(&id, "alloc not needed due to job update");
+            } else {
+                pass.stop(
+                    &rid,
+                    "alloc not needed due to disconnected client reconnect",
+                );
+            }
         }
     }
     // Allocations of purged jobs: the reconciler stops every non-terminal one
@@ -422,12 +734,35 @@ pub fn reconcile_all(st: &mut State) {
             .filter(|a| a.Namespace == job.Namespace && a.JobID == job.ID)
             .cloned()
             .collect();
+        // `cancelUnneededServiceDeployments`: an active deployment of a stopped job or of an
+        // older version is cancelled.
+        let mut dep = pass.st.latest_deployment(&job.Namespace, &job.ID).cloned();
+        if let Some(d) = dep.clone() {
+            if job.Stop || d.JobVersion != job.Version {
+                if d.active() {
+                    let mut d = d;
+                    d.Status = "cancelled".into();
+                    d.StatusDescription = if job.Stop {
+                        "Cancelled because job is stopped".into()
+                    } else {
+                        "Cancelled due to newer version of job".into()
+                    };
+                    pass.deployments.insert(d.ID.clone(), d);
+                }
+                dep = None;
+            }
+        }
         if job.Stop {
             for a in job_allocs.iter().filter(|a| !a.server_terminal()) {
                 pass.stop(&a.ID, "alloc not needed due to job update");
             }
             continue;
         }
+        let strategy = |g: &TaskGroup| {
+            (job.Type == "service")
+                .then(|| UpdateStrategy::of(&g.Update))
+                .flatten()
+        };
         for a in job_allocs.iter().filter(|a| !a.server_terminal()) {
             let version = a.Job.as_ref().map(|j| j.Version).unwrap_or(0);
             match job.group(&a.TaskGroup) {
@@ -435,19 +770,25 @@ pub fn reconcile_all(st: &mut State) {
                 Some(g) if job.Type != "system" && a.name_index() >= g.Count as u64 => {
                     pass.stop(&a.ID, "alloc not needed due to job update")
                 }
-                Some(_) if version != job.Version => {
+                // Groups with an update strategy are updated by their deployment below.
+                Some(g) if version != job.Version && strategy(g).is_none() => {
                     pass.stop(&a.ID, "alloc is being updated due to job update")
                 }
                 _ => {}
             }
         }
         for g in &job.TaskGroups {
+            let deploying = strategy(g)
+                .map(|u| pass.deploy_group(job, g, &u, &mut dep, &mut replacements))
+                .is_some();
             let live = |work: &BTreeMap<String, Allocation>, pred: &dyn Fn(&Allocation) -> bool| {
                 work.values()
                     .filter(|a| {
                         a.Namespace == job.Namespace && a.JobID == job.ID && a.TaskGroup == g.Name
                     })
                     .filter(|a| !a.server_terminal() && a.ClientStatus != "lost")
+                    // An `unknown` allocation is replaced unless its group says otherwise.
+                    .filter(|a| a.ClientStatus != "unknown" || !g.replace_on_disconnect())
                     .any(pred)
             };
             if job.Type == "system" || job.Type == "sysbatch" {
@@ -493,19 +834,42 @@ pub fn reconcile_all(st: &mut State) {
                             .get(p)
                             .is_some_and(|a| a.NextAllocation.is_empty())
                     });
-                if pass.place(job, g, i, None, prev.as_deref()) {
+                if let Some(id) = pass.place(job, g, i, None, prev.as_deref()) {
                     if let Some(f) = failed_prev {
                         pass.stop(&f, "alloc was rescheduled because it failed");
+                    }
+                    if let Some(d) = dep.as_mut().filter(|_| deploying) {
+                        pass.join_deployment(d, &g.Name, &id, false);
                     }
                 }
             }
         }
     }
-    if pass.touched.is_empty() {
+    let stored = &pass.st.deployments;
+    pass.deployments.retain(|id, d| stored.get(id) != Some(d));
+    if pass.touched.is_empty() && pass.deployments.is_empty() {
         return;
     }
-    let Pass { work, touched, .. } = pass;
+    let Pass {
+        work,
+        touched,
+        deployments,
+        ..
+    } = pass;
     let idx = st.next_index();
+    let now = now_ns();
+    for (id, mut d) in deployments {
+        if d.CreateIndex == 0 {
+            d.CreateIndex = idx;
+            d.CreateTime = now;
+        }
+        d.ModifyIndex = idx;
+        d.ModifyTime = now;
+        st.deployments.insert(id, d.clone());
+        st.tables.deployments = idx;
+        // Written with the plan (`ApplyPlanResultsRequestType`).
+        st.emit_deployment("PlanResult", &d);
+    }
     let now = now_ns();
     let mut jobs_touched = BTreeSet::new();
     for id in touched {

@@ -3,11 +3,12 @@
 //! Every mutation takes one new index (like one raft apply), writes objects with it and publishes
 //! one frame with the events Nomad's FSM would emit for that message type (`nomad/state/events.go`).
 
-use crate::broker::{Broker, Dropped, SubscriptionFilter};
+use crate::broker::{Dropped, SubscriptionFilter};
 use crate::clock::now_ns;
 use crate::identity::Keyring;
+use crate::state::{State, TableIndex};
 use crate::structs::{
-    Allocation, ClientHostVolumeConfig, Event, Frame, HostVolume, HostVolumeCapability, Job, Node,
+    Allocation, ClientHostVolumeConfig, Frame, HostVolume, HostVolumeCapability, Job, Node,
     TaskState, Variable,
 };
 use serde_json::{json, Value};
@@ -28,31 +29,15 @@ pub enum StoreError {
     /// 409 with this JSON body.
     #[error("conflict")]
     Conflict(Value, u64),
+    /// 409 with this text (a held lock: `errVarIsLocked`-class errors).
+    #[error("{0}")]
+    Locked(String),
     /// 403 "Permission denied".
     #[error("Permission denied")]
     Forbidden,
     /// 500 with this text.
     #[error("{0}")]
     Internal(String),
-}
-
-/// Per-table indexes for blocking queries.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct TableIndex {
-    /// nodes table.
-    pub nodes: u64,
-    /// jobs table.
-    pub jobs: u64,
-    /// allocs table.
-    pub allocs: u64,
-    /// evals table.
-    pub evals: u64,
-    /// variables table.
-    pub vars: u64,
-    /// host_volumes table.
-    pub host_volumes: u64,
-    /// acl tables.
-    pub acl: u64,
 }
 
 /// A client-side update of one allocation (`Node.UpdateAlloc`).
@@ -68,173 +53,6 @@ pub struct ClientAllocUpdate {
     pub client_description: String,
     /// Task states.
     pub task_states: BTreeMap<String, TaskState>,
-}
-
-/// The tables.
-pub struct State {
-    pub(crate) index: u64,
-    pub(crate) tables: TableIndex,
-    pub(crate) region: String,
-    pub(crate) nodes: BTreeMap<String, Node>,
-    pub(crate) jobs: BTreeMap<(String, String), Job>,
-    pub(crate) allocs: BTreeMap<String, Allocation>,
-    pub(crate) evals: BTreeMap<String, Value>,
-    pub(crate) vars: BTreeMap<(String, String), Variable>,
-    pub(crate) host_volumes: BTreeMap<(String, String), HostVolume>,
-    pub(crate) namespaces: BTreeSet<String>,
-    pub(crate) broker: Broker,
-    pub(crate) keyring: Arc<Keyring>,
-    pub(crate) acl: crate::acl::AclState,
-    pub(crate) leaderless: bool,
-    pub(crate) stopped_heartbeats: BTreeSet<String>,
-    pub(crate) lock_timers: crate::locks::LockTimers,
-    pending_events: Vec<Event>,
-}
-
-impl State {
-    /// Takes the next index for a mutation.
-    pub(crate) fn next_index(&mut self) -> u64 {
-        self.index += 1;
-        self.index
-    }
-
-    /// Whether the sim fault API has stopped this node's heartbeats (partition).
-    pub fn heartbeat_stopped(&self, node_id: &str) -> bool {
-        self.stopped_heartbeats.contains(node_id)
-    }
-
-    /// Queues an event for the frame of the current index.
-    pub(crate) fn emit(
-        &mut self,
-        topic: &str,
-        kind: &str,
-        key: &str,
-        ns: &str,
-        filter_keys: Option<Vec<String>>,
-        payload: Value,
-    ) {
-        self.pending_events.push(Event {
-            Topic: topic.into(),
-            Type: kind.into(),
-            Key: key.into(),
-            Namespace: ns.into(),
-            FilterKeys: filter_keys,
-            Index: self.index,
-            Payload: payload,
-        });
-    }
-
-    /// Alloc event (Key = ID, FilterKeys = [JobID, DeploymentID], Job stripped).
-    pub(crate) fn emit_alloc(&mut self, kind: &str, alloc: &Allocation) {
-        let mut a = alloc.clone();
-        a.Job = None;
-        let payload = json!({ "Allocation": a });
-        self.emit(
-            "Allocation",
-            kind,
-            &alloc.ID,
-            &alloc.Namespace,
-            Some(vec![alloc.JobID.clone(), alloc.DeploymentID.clone()]),
-            payload,
-        );
-    }
-
-    /// Job event (Key = job ID, no FilterKeys).
-    pub(crate) fn emit_job(&mut self, kind: &str, job: &Job, deleted: bool) {
-        let mut payload = json!({ "Job": job });
-        if deleted {
-            payload["Deleted"] = json!(true);
-        }
-        self.emit("Job", kind, &job.ID, &job.Namespace, None, payload);
-    }
-
-    /// Node event (Key = node ID).
-    pub(crate) fn emit_node(&mut self, kind: &str, node_id: &str) {
-        if let Some(n) = self.nodes.get(node_id) {
-            let payload = json!({ "Node": n.to_json() });
-            self.emit("Node", kind, node_id, "", None, payload);
-        }
-    }
-
-    /// Host volume event (Key = ID, FilterKeys [ID, Name, PluginID]).
-    pub(crate) fn emit_volume(&mut self, kind: &str, v: &HostVolume, deleted: bool) {
-        let key = if deleted { "" } else { v.ID.as_str() }.to_string();
-        self.emit(
-            "HostVolume",
-            kind,
-            &key,
-            &v.Namespace,
-            Some(vec![v.ID.clone(), v.Name.clone(), v.PluginID.clone()]),
-            json!({ "Volume": v }),
-        );
-    }
-
-    /// Publishes the queued events as the frame of the current index.
-    pub(crate) fn flush_events(&mut self) {
-        let events = std::mem::take(&mut self.pending_events);
-        if !events.is_empty() {
-            self.broker.publish(Frame {
-                Index: self.index,
-                Events: events,
-            });
-        }
-    }
-
-    /// Namespace must exist (created implicitly by the sim when first used).
-    pub(crate) fn ensure_namespace(&mut self, ns: &str) {
-        self.namespaces.insert(ns.to_string());
-    }
-
-    /// Non-terminal allocations per node ID (for spreading).
-    pub(crate) fn node_load(&self) -> BTreeMap<String, usize> {
-        let mut m = BTreeMap::new();
-        for a in self.allocs.values().filter(|a| !a.terminal()) {
-            *m.entry(a.NodeID.clone()).or_insert(0) += 1;
-        }
-        m
-    }
-
-    /// Job status per Nomad's `getJobStatus` (any non-terminal alloc → running).
-    pub(crate) fn job_status(&self, ns: &str, id: &str) -> &'static str {
-        let Some(job) = self.jobs.get(&(ns.to_string(), id.to_string())) else {
-            return "dead";
-        };
-        let mut any = false;
-        for a in self
-            .allocs
-            .values()
-            .filter(|a| a.Namespace == ns && a.JobID == id)
-        {
-            any = true;
-            if !a.terminal() {
-                return "running";
-            }
-        }
-        if job.Stop || any {
-            "dead"
-        } else {
-            "pending"
-        }
-    }
-
-    /// Updates the stored job status, emitting a Job event of `kind` when it changed.
-    pub(crate) fn refresh_job_status(&mut self, ns: &str, id: &str, kind: &str) {
-        let status = self.job_status(ns, id);
-        let idx = self.index;
-        let key = (ns.to_string(), id.to_string());
-        let changed = match self.jobs.get_mut(&key) {
-            Some(j) if j.Status != status => {
-                j.Status = status.into();
-                j.ModifyIndex = idx;
-                Some(j.clone())
-            }
-            _ => None,
-        };
-        if let Some(j) = changed {
-            self.tables.jobs = idx;
-            self.emit_job(kind, &j, false);
-        }
-    }
 }
 
 /// The shared server.
@@ -257,29 +75,11 @@ impl Server {
         region: &str,
         buffer: usize,
         keyring: Arc<Keyring>,
-        acl: crate::acl::AclState,
+        acl: crate::policy::AclState,
     ) -> Arc<Self> {
         let (index_tx, _) = watch::channel(1);
         Arc::new(Server {
-            state: Mutex::new(State {
-                index: 1,
-                tables: TableIndex::default(),
-                region: region.into(),
-                nodes: BTreeMap::new(),
-                jobs: BTreeMap::new(),
-                allocs: BTreeMap::new(),
-                evals: BTreeMap::new(),
-                vars: BTreeMap::new(),
-                host_volumes: BTreeMap::new(),
-                namespaces: ["default".to_string()].into(),
-                broker: Broker::new(buffer),
-                keyring: keyring.clone(),
-                acl,
-                leaderless: false,
-                stopped_heartbeats: BTreeSet::new(),
-                lock_timers: Default::default(),
-                pending_events: Vec::new(),
-            }),
+            state: Mutex::new(State::new(region, buffer, keyring.clone(), acl)),
             index_tx,
             region: region.into(),
             keyring,
@@ -401,9 +201,29 @@ impl Server {
     }
 
     /// Client status update (`Node.UpdateAlloc` → AllocationUpdated), one index for the batch.
-    pub fn update_allocs_from_client(&self, updates: Vec<ClientAllocUpdate>) {
+    ///
+    /// Refused (`Err` with the updates back, nothing written) while the reporting node is
+    /// `down` or `disconnected` (`nomad/node_endpoint.go` `UpdateAlloc`: "node %s is not allowed
+    /// to update allocs while in status %s"); the client keeps them for its next sync. Accepted
+    /// updates copy the client's status whatever the server had (`nestedUpdateAllocFromClient`):
+    /// a returning node turns its `lost` allocations `complete` once their tasks are killed.
+    pub fn update_allocs_from_client(
+        &self,
+        updates: Vec<ClientAllocUpdate>,
+    ) -> Result<(), Vec<ClientAllocUpdate>> {
         if updates.is_empty() {
-            return;
+            return Ok(());
+        }
+        let unresponsive = {
+            let st = self.read();
+            updates.iter().any(|u| {
+                st.nodes
+                    .get(&u.node_id)
+                    .is_some_and(|n| matches!(n.Status.as_str(), "down" | "disconnected"))
+            })
+        };
+        if unresponsive {
+            return Err(updates);
         }
         let mut any_failed = false;
         self.write(|st| {
@@ -414,9 +234,6 @@ impl Server {
                 let Some(a) = st.allocs.get_mut(&u.id) else {
                     continue;
                 };
-                if a.ClientStatus == "lost" {
-                    continue;
-                }
                 a.ClientStatus = u.client_status;
                 a.ClientDescription = u.client_description;
                 a.TaskStates = u.task_states;
@@ -438,11 +255,32 @@ impl Server {
         if any_failed {
             self.reschedule_all();
         }
+        Ok(())
     }
 
     /// Runs the scheduler for every job (blocked evaluations are retried this way).
     pub fn reschedule_all(&self) {
         self.write(crate::scheduler::reconcile_all);
+    }
+
+    // ---------------------------------------------------------- namespaces
+
+    /// `Namespace.UpsertNamespaces`: creates a namespace (the sim keeps names only). A name
+    /// outside `^[a-zA-Z0-9-]{1,128}$` → 500 (`Namespace.Validate`, an uncoded multierror).
+    pub fn upsert_namespace(&self, name: &str) -> Result<u64, StoreError> {
+        let valid = !name.is_empty()
+            && name.len() <= 128
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+        if !valid {
+            return Err(StoreError::Internal(format!(
+                "1 error occurred:\n\t* invalid name {name:?}. Must match regex ^[a-zA-Z0-9-]{{1,128}}$\n\n"
+            )));
+        }
+        Ok(self.write(|st| {
+            let idx = st.next_index();
+            st.namespaces.insert(name.to_string());
+            idx
+        }))
     }
 
     // ---------------------------------------------------------------- jobs
@@ -453,7 +291,13 @@ impl Server {
         validate_job(&job)?;
         let eval_id = uuid::Uuid::new_v4().to_string();
         let (job_modify_index, idx) = self.write(|st| {
-            st.ensure_namespace(&job.Namespace);
+            // `upsertJobImpl` (nomad/state/state_store.go): an uncoded error, HTTP 500.
+            if !st.namespaces.contains(&job.Namespace) {
+                return Err(StoreError::Internal(format!(
+                    "job {:?} is in nonexistent namespace {:?}",
+                    job.ID, job.Namespace
+                )));
+            }
             let key = (job.Namespace.clone(), job.ID.clone());
             let idx = st.next_index();
             let now = now_ns();
@@ -491,8 +335,8 @@ impl Server {
                 Some(vec![job.ID.clone()]),
                 json!({ "Evaluation": eval }),
             );
-            (job.JobModifyIndex, idx)
-        });
+            Ok((job.JobModifyIndex, idx))
+        })?;
         self.reschedule_all();
         Ok((eval_id, job_modify_index, idx))
     }
@@ -687,6 +531,13 @@ impl Server {
         }
         v.NodePool = node.NodePool.clone();
         let registered = self.write(|st| {
+            // `validateVolumeUpdate` (nomad/host_volume_endpoint.go): uncoded, HTTP 500.
+            if !st.namespaces.contains(&v.Namespace) {
+                return Err(StoreError::Internal(format!(
+                    "volume validation failed: no such namespace {:?}",
+                    v.Namespace
+                )));
+            }
             let key = (v.Namespace.clone(), v.ID.clone());
             if let Some(old) = st.host_volumes.get(&key) {
                 if old.NodeID != v.NodeID {
@@ -697,7 +548,6 @@ impl Server {
                 v.CreateIndex = old.CreateIndex;
                 v.CreateTime = old.CreateTime;
             }
-            st.ensure_namespace(&v.Namespace);
             let idx = st.next_index();
             let now = now_ns();
             if v.CreateIndex == 0 {
@@ -732,18 +582,12 @@ impl Server {
             st.tables.nodes = idx;
             st.emit_node("NodeRegistration", &registered.NodeID);
             let key = (registered.Namespace.clone(), registered.ID.clone());
-            if let Some(hv) = st.host_volumes.get_mut(&key) {
-                let node_ready = st
-                    .nodes
-                    .get(&hv.NodeID)
-                    .is_some_and(|n| n.Status == "ready");
-                hv.State = if node_ready { "ready" } else { "unavailable" }.into();
-                hv.ModifyIndex = idx;
-                hv.ModifyTime = now;
-                let hv = hv.clone();
-                st.tables.host_volumes = idx;
-                st.emit_volume("NodeRegistration", &hv, false);
-            }
+            let node_ready = st
+                .nodes
+                .get(&registered.NodeID)
+                .is_some_and(|n| n.Status == "ready");
+            let state = if node_ready { "ready" } else { "unavailable" };
+            st.set_host_volume_state(&key, state, idx, now);
         });
         self.reschedule_all();
         Ok(registered)
@@ -841,7 +685,7 @@ impl Server {
                     return Err(StoreError::Conflict(json!(body), cur_idx));
                 }
             }
-            if !crate::locks::write_allowed(st, &key, lock_id) {
+            if !st.var_write_allowed(&key, lock_id) {
                 // `varSetTxn`: a locked variable answers a zero value naming only the path.
                 let zero = Variable {
                     Namespace: ns.into(),
@@ -850,7 +694,7 @@ impl Server {
                 };
                 return Err(StoreError::Conflict(json!(zero), st.index));
             }
-            st.ensure_namespace(ns);
+            // Variables do not create (nor need) their namespace.
             let idx = st.next_index();
             let now = now_ns();
             let v = Variable {
@@ -875,7 +719,7 @@ impl Server {
         self.write(|st| {
             let key = (ns.to_string(), path.to_string());
             let cur = st.vars.get(&key).cloned();
-            if !crate::locks::write_allowed(st, &key, None) {
+            if !st.var_write_allowed(&key, None) {
                 let c = cur.clone().unwrap_or_default();
                 return Err(StoreError::Conflict(json!(c.metadata()), c.ModifyIndex));
             }

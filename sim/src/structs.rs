@@ -289,6 +289,157 @@ pub struct TaskGroup {
     pub PreventRescheduleOnLost: bool,
 }
 
+/// A group's update strategy (`structs.UpdateStrategy`), read from `TaskGroup.Update`.
+/// Durations in nanoseconds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateStrategy {
+    /// Destructive updates at a time; 0 = no update strategy (`IsEmpty`).
+    pub max_parallel: i64,
+    /// Canaries placed before the old allocations are touched.
+    pub canary: i64,
+    /// Promote once every canary is healthy.
+    pub auto_promote: bool,
+    /// Kept on the deployment state (auto revert itself is not modelled).
+    pub auto_revert: bool,
+    /// How long every task must run before the allocation is healthy.
+    pub min_healthy_time: i64,
+    /// An allocation not healthy by then is unhealthy.
+    pub healthy_deadline: i64,
+    /// Kept on the deployment state.
+    pub progress_deadline: i64,
+}
+
+impl UpdateStrategy {
+    /// The strategy of a canonicalized `Update` value; `None` when absent or `MaxParallel` is 0
+    /// (`UpdateStrategy.IsEmpty`: no deployment, updates all at once).
+    pub fn of(update: &Value) -> Option<Self> {
+        let i = |k: &str| update.get(k).and_then(Value::as_i64).unwrap_or(0);
+        let b = |k: &str| update.get(k).and_then(Value::as_bool).unwrap_or(false);
+        let u = UpdateStrategy {
+            max_parallel: i("MaxParallel"),
+            canary: i("Canary"),
+            auto_promote: b("AutoPromote"),
+            auto_revert: b("AutoRevert"),
+            min_healthy_time: i("MinHealthyTime"),
+            healthy_deadline: i("HealthyDeadline"),
+            progress_deadline: i("ProgressDeadline"),
+        };
+        (u.max_parallel > 0).then_some(u)
+    }
+}
+
+/// One group's progress in a deployment (`structs.DeploymentState`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(default)]
+pub struct DeploymentState {
+    pub AutoRevert: bool,
+    pub AutoPromote: bool,
+    pub ProgressDeadline: i64,
+    pub RequireProgressBy: Option<String>,
+    pub Promoted: bool,
+    pub PlacedCanaries: Option<Vec<String>>,
+    pub DesiredCanaries: i64,
+    pub DesiredTotal: i64,
+    pub PlacedAllocs: i64,
+    pub HealthyAllocs: i64,
+    pub UnhealthyAllocs: i64,
+}
+
+/// A deployment (`structs.Deployment`, `nomad/structs/deployment.go`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(default)]
+pub struct Deployment {
+    pub ID: String,
+    pub Namespace: String,
+    pub JobID: String,
+    pub JobVersion: u64,
+    pub JobModifyIndex: u64,
+    pub JobSpecModifyIndex: u64,
+    pub JobCreateIndex: u64,
+    pub IsMultiregion: bool,
+    pub TaskGroups: BTreeMap<String, DeploymentState>,
+    pub Status: String,
+    pub StatusDescription: String,
+    pub EvalPriority: i64,
+    pub CreateIndex: u64,
+    pub ModifyIndex: u64,
+    pub CreateTime: i64,
+    pub ModifyTime: i64,
+}
+
+impl Deployment {
+    /// `Active`: running, paused, pending, blocked, initializing (the sim uses running only).
+    pub fn active(&self) -> bool {
+        matches!(
+            self.Status.as_str(),
+            "running" | "paused" | "pending" | "blocked" | "initializing"
+        )
+    }
+
+    /// `RequiresPromotion`: some group wants canaries and is not promoted.
+    pub fn requires_promotion(&self) -> bool {
+        self.TaskGroups
+            .values()
+            .any(|g| g.DesiredCanaries > 0 && !g.Promoted)
+    }
+
+    /// The running status description: waiting for a (manual or automatic) promotion, or not.
+    pub fn running_description(&self) -> &'static str {
+        if !self.requires_promotion() {
+            "Deployment is running"
+        } else if self
+            .TaskGroups
+            .values()
+            .filter(|g| g.DesiredCanaries > 0)
+            .all(|g| g.AutoPromote)
+        {
+            "Deployment is running pending automatic promotion"
+        } else {
+            "Deployment is running but requires manual promotion"
+        }
+    }
+}
+
+impl TaskGroup {
+    /// `GetDisconnectLostAfter`: the group's `disconnect.lost_after` (or the older
+    /// `max_client_disconnect`), ns; 0 = the allocations are lost when their node goes down.
+    pub fn lost_after(&self) -> i64 {
+        self.Disconnect
+            .get("LostAfter")
+            .and_then(Value::as_i64)
+            .filter(|v| *v > 0)
+            .or(self.MaxClientDisconnect)
+            .unwrap_or(0)
+    }
+
+    /// `Replace`: whether an `unknown` allocation is replaced while its node is disconnected
+    /// (`disconnect.replace`, default true).
+    pub fn replace_on_disconnect(&self) -> bool {
+        self.Disconnect
+            .get("Replace")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+    }
+
+    /// A task's lifecycle `(hook, sidecar)`, `None` for a main task (or an unknown name).
+    pub fn lifecycle_of(&self, task: &str) -> Option<(&str, bool)> {
+        self.Tasks
+            .iter()
+            .find(|t| t.Name == task)
+            .and_then(|t| t.Lifecycle.as_ref())
+            .map(|l| (l.Hook.as_str(), l.Sidecar))
+    }
+
+    /// `disconnect.reconcile` (default `best_score`).
+    pub fn reconcile_on_reconnect(&self) -> &str {
+        self.Disconnect
+            .get("Reconcile")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .unwrap_or("best_score")
+    }
+}
+
 /// A job (`structs.Job`).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(default)]
@@ -336,6 +487,16 @@ fn update_default() -> Value {
         "HealthyDeadline":300_000_000_000i64,"ProgressDeadline":600_000_000_000i64,"AutoRevert":false,"AutoPromote":false,"Canary":0})
 }
 
+/// `base` with the fields `set` has (both JSON objects; a non-object `set` changes nothing).
+fn overlay(mut base: Value, set: &Value) -> Value {
+    if let (Some(b), Some(s)) = (base.as_object_mut(), set.as_object()) {
+        for (k, v) in s {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    base
+}
+
 impl Job {
     /// Fills Nomad's defaults (`Job.Canonicalize` plus the server-side defaults applied at
     /// register): namespace "default", datacenters ["*"], node_pool "default", restart and
@@ -363,9 +524,10 @@ impl Job {
             self.NodePool = "default".into();
         }
         let is_service_like = self.Type == "service" || self.Type == "system";
-        if self.Update.is_null() && is_service_like {
-            self.Update = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
+        if is_service_like {
+            let defaults = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
                 "HealthyDeadline":0,"ProgressDeadline":0,"AutoRevert":false,"AutoPromote":false,"Canary":0});
+            self.Update = overlay(defaults, &self.Update);
         }
         let job_type = self.Type.clone();
         for tg in &mut self.TaskGroups {
@@ -375,8 +537,17 @@ impl Job {
             if job_type == "system" {
                 tg.Count = 1;
             }
-            if tg.Update.is_null() && job_type == "service" {
-                tg.Update = update_default();
+            if job_type == "service" {
+                // `TaskGroup.Canonicalize` (api/tasks.go): the job's update block merged under
+                // the group's (the jobspec parser does that), then the defaults under both.
+                tg.Update = overlay(update_default(), &tg.Update);
+            }
+            // `DisconnectStrategy.Canonicalize`: replace = true, reconcile = best_score.
+            if let Some(d) = tg.Disconnect.as_object_mut() {
+                d.entry("Replace").or_insert(json!(true));
+                d.entry("Reconcile").or_insert(json!("best_score"));
+                d.entry("LostAfter").or_insert(json!(0));
+                d.entry("StopOnClientAfter").or_insert(Value::Null);
             }
             if tg.Migrate.is_null() && job_type == "service" {
                 tg.Migrate = json!({"MaxParallel":1,"HealthCheck":"checks","MinHealthyTime":10_000_000_000i64,"HealthyDeadline":300_000_000_000i64});
@@ -663,6 +834,10 @@ pub struct Allocation {
     /// `SignedIdentities` is `json:"-"` in Nomad: task name → default identity JWT.
     #[serde(skip)]
     pub signed_identities: BTreeMap<String, String>,
+    /// When the allocation last turned `unknown` (ns; Nomad reads it from `AllocStates`,
+    /// `LastUnknown`).
+    #[serde(skip)]
+    pub unknown_since: Option<i64>,
 }
 
 impl Allocation {
@@ -677,6 +852,22 @@ impl Allocation {
     /// Either terminal.
     pub fn terminal(&self) -> bool {
         self.client_terminal() || self.server_terminal()
+    }
+    /// Whether the allocation was placed as a canary (`DeploymentStatus.Canary`).
+    pub fn is_canary(&self) -> bool {
+        self.DeploymentStatus
+            .as_ref()
+            .and_then(|d| d.get("Canary"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    }
+    /// The deployment health the client reported: `Some(true)` healthy, `Some(false)`
+    /// unhealthy, `None` not yet set (`DeploymentStatus.Healthy`).
+    pub fn healthy(&self) -> Option<bool> {
+        self.DeploymentStatus
+            .as_ref()
+            .and_then(|d| d.get("Healthy"))
+            .and_then(Value::as_bool)
     }
     /// Index part of the name, `orders.app[3]` → 3.
     pub fn name_index(&self) -> u64 {

@@ -97,8 +97,16 @@ async fn missed_heartbeats_make_allocs_lost_and_replaced() {
             (!pid_alive()).then_some(())
         })
         .await;
-        let old = sim.get(&format!("/v1/allocation/{old_id}")).await;
-        assert_eq!(old["ClientStatus"], "lost");
+        // `nestedUpdateAllocFromClient` copies the returning client's status: the lost
+        // allocation, its task killed, becomes `complete` (`UpdateAlloc` refused the
+        // updates only while the node was down).
+        let old = sim
+            .wait_for(10, "the lost allocation reported complete", || async {
+                let a = sim.get(&format!("/v1/allocation/{old_id}")).await;
+                (a["ClientStatus"] == "complete").then_some(a)
+            })
+            .await;
+        assert_eq!(old["DesiredStatus"], "stop");
         assert!(old["NextAllocation"].is_string());
     })
     .await
@@ -166,6 +174,342 @@ async fn drain_migrates_allocations() {
             sim.get(&format!("/v1/node/{node}")).await["SchedulingEligibility"],
             "eligible"
         );
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A system job and a service job whose task takes `stop_secs` to stop after its kill signal
+/// (SIGINT, the default).
+async fn system_and_slow_service(sim: &Sim, stop_secs: u32) {
+    sim.run_job(
+        r#"job "daemon" {
+  type = "system"
+  group "d" {
+    task "d" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }
+  }
+}"#,
+    )
+    .await;
+    sim.run_job(&format!(
+        r#"job "slow" {{
+  group "g" {{
+    task "t" {{
+      driver = "raw_exec"
+      kill_timeout = "30s"
+      config {{
+        command = "/bin/sh"
+        args = ["-c", "trap 'sleep {stop_secs}; exit 0' INT TERM; while true; do sleep 0.1; done"]
+      }}
+    }}
+  }}
+}}"#
+    ))
+    .await;
+}
+
+async fn alloc_on(sim: &Sim, job: &str, node: &str) -> Value {
+    sim.wait_for(20, "a running allocation on the node", || async {
+        sim.job_allocs(job).await.into_iter().find(|a| {
+            a["NodeID"] == node && a["ClientStatus"] == "running" && a["DesiredStatus"] == "run"
+        })
+    })
+    .await
+}
+
+/// The node drainer (`nomad/drainer`): a system allocation is drained only once every other
+/// allocation on the node is client-terminal (`IsDone`); at the drain deadline everything left,
+/// system allocations included, is drained at once (`handleDeadlinedNodes`); either way the
+/// drain then completes (no strategy, node ineligible).
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_stops_system_allocations_last_or_all_at_once_at_the_deadline() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        for (deadline_ns, stop_secs) in [(60_000_000_000i64, 2u32), (1_000_000_000, 20)] {
+            let sim = Sim::start("client \"node-1\" {}\n").await;
+            let node = sim.node_id("node-1");
+            system_and_slow_service(&sim, stop_secs).await;
+            let svc = alloc_on(&sim, "slow", &node).await;
+            let sys = alloc_on(&sim, "daemon", &node).await;
+            let get = |id: &Value| {
+                let path = format!("/v1/allocation/{}", id.as_str().unwrap());
+                let sim = &sim;
+                async move { sim.get(&path).await }
+            };
+            sim.put(
+                &format!("/v1/node/{node}/drain"),
+                json!({"DrainSpec": {"Deadline": deadline_ns, "IgnoreSystemJobs": false}, "MarkEligible": false}),
+            )
+            .await;
+            let (svc_at_stop, _) = sim
+                .wait_for(40, "the system allocation stopped", || async {
+                    let s = get(&sys["ID"]).await;
+                    let v = get(&svc["ID"]).await;
+                    (s["DesiredStatus"] == "stop").then_some((v, s))
+                })
+                .await;
+            if stop_secs < 10 {
+                assert_eq!(
+                    svc_at_stop["ClientStatus"], "complete",
+                    "the system allocation was drained before the service one was done"
+                );
+            } else {
+                assert_eq!(
+                    svc_at_stop["ClientStatus"], "running",
+                    "at the deadline the system allocation stops with the rest, at once"
+                );
+                assert_eq!(svc_at_stop["DesiredStatus"], "stop");
+            }
+            let n = sim
+                .wait_for(10, "the drain complete", || async {
+                    let n = sim.get(&format!("/v1/node/{node}")).await;
+                    (n["Drain"] == false).then_some(n)
+                })
+                .await;
+            assert_eq!(n["SchedulingEligibility"], "ineligible");
+            assert!(n["DrainStrategy"].is_null(), "{n}");
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A client agent restart (`PUT /v1/sim/node/:id/restart`): its allocation keeps running and
+/// its prestart task is not run again (Nomad re-attaches, `alloc_runner.go` `Restore`); the
+/// dynamic host volumes are restored by a `stat` of their path and one whose path fails is
+/// dropped from the node and turns `unavailable` (`hostvolumemanager` `restoreForRegister`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_client_keeps_its_tasks_and_restores_host_volumes_by_stat() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let marks = sim.path().join("prestart-runs");
+        sim.run_job(&format!(
+            r#"job "r" {{
+  group "g" {{
+    task "pre" {{
+      driver = "raw_exec"
+      lifecycle {{
+        hook = "prestart"
+      }}
+      config {{
+        command = "/bin/sh"
+        args = ["-c", "echo run >> {}"]
+      }}
+    }}
+    task "main" {{
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {{
+        command = "/bin/sleep"
+        args = ["1000"]
+      }}
+    }}
+  }}
+}}"#,
+            marks.display()
+        ))
+        .await;
+        let before = sim
+            .wait_for(20, "main running", || async {
+                let a = sim.job_allocs("r").await.first()?.clone();
+                (a["TaskStates"]["main"]["State"] == "running").then_some(a)
+            })
+            .await;
+        let mut ids = Vec::new();
+        for name in ["kept", "gone"] {
+            let path = sim.path().join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            let r = sim
+                .put(
+                    "/v1/volume/host/register",
+                    json!({"Volume": {"Name": name, "NodeID": node, "HostPath": path}}),
+                )
+                .await;
+            ids.push(r["Volume"]["ID"].as_str().unwrap().to_string());
+        }
+        for id in &ids {
+            sim.wait_for(5, "volume ready", || async {
+                (sim.get(&format!("/v1/volume/host/{id}")).await["State"] == "ready").then_some(())
+            })
+            .await;
+        }
+        std::fs::remove_dir(sim.path().join("gone")).unwrap();
+        let r = sim
+            .put(&format!("/v1/sim/node/{node}/restart"), json!({}))
+            .await;
+        assert_eq!(r["DroppedHostVolumes"], json!([ids[1]]));
+        let kept = sim.get(&format!("/v1/volume/host/{}", ids[0])).await;
+        let gone = sim.get(&format!("/v1/volume/host/{}", ids[1])).await;
+        assert_eq!(
+            (kept["State"].as_str(), gone["State"].as_str()),
+            (Some("ready"), Some("unavailable"))
+        );
+        let n = sim.get(&format!("/v1/node/{node}")).await;
+        assert!(n["HostVolumes"]["kept"].is_object(), "{n}");
+        assert!(n["HostVolumes"]["gone"].is_null(), "{n}");
+        // The allocation was not touched: same task start, prestart ran once.
+        let after = sim
+            .get(&format!(
+                "/v1/allocation/{}",
+                before["ID"].as_str().unwrap()
+            ))
+            .await;
+        assert_eq!(after["ClientStatus"], "running");
+        assert_eq!(
+            after["TaskStates"]["main"]["StartedAt"],
+            before["TaskStates"]["main"]["StartedAt"]
+        );
+        assert_eq!(std::fs::read_to_string(&marks).unwrap(), "run\n");
+    })
+    .await
+    .expect("test timed out");
+}
+
+fn disconnect_job(lost_after: &str) -> String {
+    format!(
+        r#"job "dc" {{
+  group "g" {{
+    disconnect {{
+      lost_after = "{lost_after}"
+    }}
+    task "t" {{
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {{
+        command = "/bin/sleep"
+        args = ["1000"]
+      }}
+    }}
+  }}
+}}"#
+    )
+}
+
+/// The group `disconnect` block (`nomad/heartbeat.go` `disconnectState`,
+/// `scheduler/reconciler/reconcile_cluster.go` `computeDisconnecting`, `reconcileReconnecting`):
+/// a node that misses its heartbeats is `disconnected`, its allocation `unknown` (still desired
+/// to run) and replaced elsewhere; when the node returns within `lost_after` the client logs
+/// "Reconnected" and reports the allocation running, and the replacement stops ("alloc not
+/// needed due to disconnected client reconnect"). Past `lost_after` the allocation is lost and
+/// the node down.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disconnected_node_makes_allocations_unknown_then_reconnects_or_loses_them() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start(CFG).await;
+        sim.run_job(&disconnect_job("1h")).await;
+        let a = sim
+            .wait_for(20, "running alloc", || async {
+                sim.job_allocs("dc")
+                    .await
+                    .into_iter()
+                    .find(|a| a["ClientStatus"] == "running")
+            })
+            .await;
+        let (node, id) = (
+            a["NodeID"].as_str().unwrap().to_string(),
+            a["ID"].as_str().unwrap().to_string(),
+        );
+        let hb = |stop: bool| format!("/v1/sim/node/{node}/heartbeat?stop={stop}");
+        sim.put(&hb(true), json!({})).await;
+        let unknown = sim
+            .wait_for(20, "the allocation unknown", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "unknown").then_some(a)
+            })
+            .await;
+        assert_eq!(unknown["DesiredStatus"], "run");
+        assert_eq!(
+            unknown["ClientDescription"],
+            "alloc is unknown since its node is disconnected"
+        );
+        let states = unknown["AllocStates"].as_array().unwrap();
+        assert_eq!(states.last().unwrap()["Value"], "unknown");
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "disconnected"
+        );
+        let replacement = sim
+            .wait_for(20, "a replacement elsewhere", || async {
+                sim.job_allocs("dc")
+                    .await
+                    .into_iter()
+                    .find(|a| a["ID"] != id.as_str() && a["ClientStatus"] == "running")
+            })
+            .await;
+        assert_ne!(replacement["NodeID"], node.as_str());
+        let rid = replacement["ID"].as_str().unwrap().to_string();
+        sim.put(&hb(false), json!({})).await;
+        let back = sim
+            .wait_for(20, "the allocation reconnected", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "running").then_some(a)
+            })
+            .await;
+        assert_eq!(back["DesiredStatus"], "run");
+        let events: Vec<&str> = back["TaskStates"]["t"]["Events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["Type"].as_str().unwrap())
+            .collect();
+        assert!(events.contains(&"Reconnected"), "{events:?}");
+        let r = sim
+            .wait_for(20, "the replacement stopped", || async {
+                let r = sim.get(&format!("/v1/allocation/{rid}")).await;
+                (r["DesiredStatus"] == "stop").then_some(r)
+            })
+            .await;
+        assert_eq!(
+            r["DesiredDescription"],
+            "alloc not needed due to disconnected client reconnect"
+        );
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "ready"
+        );
+
+        // Past lost_after: lost, and the node down.
+        sim.run_job(&disconnect_job("2s")).await;
+        let a = sim
+            .wait_for(30, "a running alloc of the new version", || async {
+                sim.job_allocs("dc")
+                    .await
+                    .into_iter()
+                    .find(|a| a["JobVersion"] == 1 && a["ClientStatus"] == "running")
+            })
+            .await;
+        let (node, id) = (
+            a["NodeID"].as_str().unwrap().to_string(),
+            a["ID"].as_str().unwrap().to_string(),
+        );
+        sim.put(
+            &format!("/v1/sim/node/{node}/heartbeat?stop=true"),
+            json!({}),
+        )
+        .await;
+        sim.wait_for(20, "the allocation unknown", || async {
+            let a = sim.get(&format!("/v1/allocation/{id}")).await;
+            (a["ClientStatus"] == "unknown").then_some(())
+        })
+        .await;
+        let lost = sim
+            .wait_for(20, "the allocation lost after lost_after", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "lost").then_some(a)
+            })
+            .await;
+        assert_eq!(lost["DesiredStatus"], "stop");
+        sim.wait_for(10, "the node down", || async {
+            (sim.get(&format!("/v1/node/{node}")).await["Status"] == "down").then_some(())
+        })
+        .await;
     })
     .await
     .expect("test timed out");

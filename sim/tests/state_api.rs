@@ -287,6 +287,7 @@ async fn host_volume_register_and_feasibility() {
         assert_eq!((s, b.as_str()), (500, "no such volume: 00000000-0000-0000-0000-000000000000"));
 
         // Wrong namespace → not placed; wrong access mode → not placed.
+        sim.put("/v1/namespace/other", json!({"Name": "other"})).await;
         sim.run_job(&sleeper("other-ns", vol, "other")).await;
         let ro = r#"volume "d" {
       type = "host"
@@ -315,6 +316,59 @@ async fn host_volume_register_and_feasibility() {
             (a.len() == 1).then_some(a)
         }).await;
         assert_eq!(a[0]["NodeID"], sim.node_id("node-1"));
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Namespaces are not created on demand: a job (`upsertJobImpl`, nomad/state/state_store.go)
+/// or a host volume (`validateVolumeUpdate`, nomad/host_volume_endpoint.go) in a missing
+/// namespace is refused with an uncoded error (500); a variable is written without creating
+/// it. `PUT /v1/namespace/:name` creates one (management only; name checked as
+/// `Namespace.Validate` does).
+#[tokio::test(flavor = "multi_thread")]
+async fn namespaces_are_not_created_on_demand() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(TWO_NODES).await;
+        let job = |ns: &str| {
+            json!({"Job": {"ID": "j", "Namespace": ns, "TaskGroups": [{"Name": "g",
+                "Tasks": [{"Name": "t", "Driver": "raw_exec", "Config": {"command": "/bin/true"}}]}]}})
+        };
+        let (s, _, b) = sim.req(Method::PUT, "/v1/jobs", Some(job("team-a"))).await;
+        assert_eq!(s, 500, "{b}");
+        assert_eq!(b, "job \"j\" is in nonexistent namespace \"team-a\"");
+        let path = sim.path().join("vol-ns");
+        std::fs::create_dir_all(&path).unwrap();
+        let vol = json!({"Volume": {"Namespace": "team-a", "Name": "data",
+            "NodeID": sim.node_id("node-1"), "HostPath": path}});
+        let (s, _, b) = sim
+            .req(Method::PUT, "/v1/volume/host/register", Some(vol.clone()))
+            .await;
+        assert_eq!(s, 500, "{b}");
+        assert_eq!(b, "volume validation failed: no such namespace \"team-a\"");
+        sim.put(
+            "/v1/var/x?namespace=team-a",
+            json!({"Items": {"k": "v"}}),
+        )
+        .await;
+        let (s, _, b) = sim.req(Method::GET, "/v1/namespace/team-a", None).await;
+        assert_eq!((s, b.as_str()), (404, "Namespace not found"));
+        let (s, _, b) = sim
+            .req(Method::PUT, "/v1/namespace/team-a", Some(json!({"Name": "team-b"})))
+            .await;
+        assert_eq!((s, b.as_str()), (400, "Namespace name does not match request path"));
+        let (s, _, _) = sim
+            .req(Method::PUT, "/v1/namespace/bad_name", Some(json!({"Name": "bad_name"})))
+            .await;
+        assert_eq!(s, 500);
+        sim.put("/v1/namespace/team-a", json!({"Name": "team-a"})).await;
+        sim.get("/v1/namespace/team-a").await;
+        let (s, _, b) = sim.req(Method::PUT, "/v1/jobs", Some(job("team-a"))).await;
+        assert_eq!(s, 200, "{b}");
+        let (s, _, b) = sim
+            .req(Method::PUT, "/v1/volume/host/register", Some(vol))
+            .await;
+        assert_eq!(s, 200, "{b}");
     })
     .await
     .expect("test timed out");

@@ -321,7 +321,7 @@ fn jwt_part(token: &str, i: usize) -> Value {
 
 /// The remaining endpoints the captures cover: job read, allocations list, Job/Node/Evaluation
 /// event payloads, host volume read against the 1.10 docs sample, workload identity header and
-/// claims. (The Deployment capture has no counterpart: the sim has no deployments.)
+/// claims. (The Deployment capture: `deployment_matches_the_capture`.)
 #[tokio::test(flavor = "multi_thread")]
 async fn job_list_events_volume_and_identity_match_captures() {
     tokio::time::timeout(Duration::from_secs(60), async {
@@ -488,6 +488,9 @@ async fn job_list_events_volume_and_identity_match_captures() {
                             .flat_map(|f| f["Events"].as_array().unwrap())
                             .map(|e| &e["Payload"]["Allocation"])
                             .chain([capture_payload(&cap_frame, "Allocation", "Allocation")])
+                            // An event's Allocation is the read's (`DeploymentID` is omitted
+                            // in the captured frames: their jobs had no deployment).
+                            .chain([&fx_alloc])
                             .collect();
                         diffs.extend(schema_diff(
                             "AllocationEvent.Allocation",
@@ -557,6 +560,69 @@ async fn job_list_events_volume_and_identity_match_captures() {
             "schema differences:\n{}",
             diffs.join("\n")
         );
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A deployment (`GET /v1/job/:id/deployment`) has the fields and JSON types of the captured
+/// Deployment event's payload, group state included.
+#[tokio::test(flavor = "multi_thread")]
+async fn deployment_matches_the_capture() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let cap: Value = serde_json::from_str(&shared(
+            "nomad-captures",
+            "event-deployment-planresult-via-vector-1.2.json",
+        ))
+        .unwrap();
+        let cap_d = &cap["Payload"]["Deployment"];
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        sim.run_job(
+            r#"job "example" {
+  group "cache" {
+    update {
+      min_healthy_time = "1s"
+    }
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        let d = sim
+            .wait_for(30, "a successful deployment", || async {
+                let d = sim.get("/v1/job/example/deployment").await;
+                (d["Status"] == "successful").then_some(d)
+            })
+            .await;
+        // Fields newer than the 1.2 capture, in `structs.Deployment` at aa026cc
+        // (nomad/structs/deployment.go): allowed beyond it, numbers as Nomad has them.
+        let newer = ["EvalPriority", "CreateTime", "ModifyTime"];
+        for k in newer {
+            assert!(d[k].is_number(), "{k}: {d}");
+        }
+        let mut diff: Vec<String> = schema_diff("Deployment", &d, &[cap_d])
+            .into_iter()
+            .filter(|x| {
+                !newer
+                    .iter()
+                    .any(|k| x.starts_with(&format!("Deployment.{k}:")))
+            })
+            .collect();
+        diff.extend(missing("Deployment", &d, cap_d));
+        let g = &d["TaskGroups"]["cache"];
+        let cap_g = &cap_d["TaskGroups"]["cache"];
+        diff.extend(schema_diff("DeploymentState", g, &[cap_g]));
+        diff.extend(missing("DeploymentState", g, cap_g));
+        assert!(diff.is_empty(), "{diff:#?}\n{d:#}");
+        assert_eq!(d["StatusDescription"], cap_d["StatusDescription"]);
+        assert_eq!(g["PlacedCanaries"], Value::Null);
+        assert!(g["RequireProgressBy"].is_string(), "{g}");
     })
     .await
     .expect("test timed out");

@@ -1,18 +1,11 @@
-//! Sim-only fault injection for event streams: close all streams, leaderless cluster, reset the
+//! Sim-only fault injection endpoints for event streams: close all streams, leaderless cluster, reset the
 //! event buffer (as after a snapshot restore).
 
-use crate::api::{json_response, ApiError, AppState};
-use crate::store::Server;
+use super::{json_response, ApiError, AppState};
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use serde_json::json;
-use tokio::sync::watch;
-
-/// Receiver that changes when streams must close.
-pub fn close_receiver(server: &Server) -> watch::Receiver<u64> {
-    server.stream_close.subscribe()
-}
 
 /// `PUT /v1/sim/events/close`: ends every open event stream.
 pub async fn close_streams(State(st): State<AppState>) -> Result<Response, ApiError> {

@@ -1,0 +1,129 @@
+//! Allocation endpoints (`command/agent/alloc_endpoint.go`): list, read, stop, restart.
+
+use super::*;
+
+pub(super) async fn allocs_list(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let q = Query::parse(q);
+    let ns = q.namespace();
+    if ns != "*" {
+        authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    }
+    // `parseBool` (command/agent/http.go): a bad value is a 400.
+    let resources = q.go_bool("resources").map_err(bad)?.unwrap_or(false);
+    let task_states = q.go_bool("task_states").map_err(bad)?.unwrap_or(true);
+    let idx = blocking(&st, &q, |t| t.allocs).await?;
+    let prefix = q.get("prefix").unwrap_or("");
+    let tok = token(&headers);
+    let namespaces = st.server.read().namespaces.clone();
+    let readable: std::collections::BTreeSet<String> = namespaces
+        .into_iter()
+        .filter(|n| crate::acl::can_read_ns(&st.server, tok.as_deref(), n, "read-job"))
+        .collect();
+    let list: Vec<Value> = st
+        .server
+        .read()
+        .allocs
+        .values()
+        .filter(|a| {
+            ns_visible(&ns, &a.Namespace)
+                && readable.contains(&a.Namespace)
+                && a.ID.starts_with(prefix)
+        })
+        .map(|a| a.stub_with(resources, task_states))
+        .collect();
+    ok(idx, &list)
+}
+
+pub(super) async fn alloc_get(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let q = Query::parse(q);
+    let idx = blocking(&st, &q, |t| t.allocs).await?;
+    let alloc = {
+        let s = st.server.read();
+        s.allocs.get(&id).cloned().or_else(|| {
+            let m: Vec<_> = s
+                .allocs
+                .values()
+                .filter(|a| a.ID.starts_with(&id))
+                .collect();
+            (m.len() == 1 && id.len() >= 4).then(|| m[0].clone())
+        })
+    };
+    let alloc = alloc.ok_or_else(|| ApiError(StatusCode::NOT_FOUND, "alloc not found".into()))?;
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&alloc.Namespace, "read-job"),
+    )?;
+    ok(idx, &alloc)
+}
+
+pub(super) async fn alloc_stop(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult {
+    let ns = st
+        .server
+        .read()
+        .allocs
+        .get(&id)
+        .map(|a| a.Namespace.clone())
+        .unwrap_or_default();
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&ns, "alloc-lifecycle"),
+    )?;
+    let (eval, idx) = st.server.stop_alloc(&id)?;
+    ok(idx, &json!({"EvalID": eval, "Index": idx}))
+}
+
+pub(super) async fn alloc_restart(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult {
+    let ns = st
+        .server
+        .read()
+        .allocs
+        .get(&id)
+        .map(|a| a.Namespace.clone())
+        .unwrap_or_default();
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&ns, "alloc-lifecycle"),
+    )?;
+    let v: Value = if body.is_empty() {
+        json!({})
+    } else {
+        serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?
+    };
+    let task = v
+        .get("TaskName")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let all = v.get("AllTasks").and_then(Value::as_bool).unwrap_or(false);
+    let alloc = st.server.read().allocs.get(&id).cloned();
+    let req = crate::restart::RestartRequest::new(alloc.as_ref(), &task, all).map_err(|e| {
+        let status = match e {
+            RestartError::UnknownAllocation => StatusCode::NOT_FOUND,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError(status, e.to_string())
+    })?;
+    let _ = st.server.restart_tx.send(req);
+    ok(st.server.index(), &json!({}))
+}

@@ -1,0 +1,103 @@
+//! Host volume endpoints (`command/agent/host_volume_endpoint.go`).
+
+use super::*;
+
+pub(super) async fn volume_register(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult {
+    let v: Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
+    let vol: HostVolume = serde_json::from_value(
+        v.get("Volume")
+            .cloned()
+            .ok_or_else(|| bad("missing volume definition"))?,
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    let ns = if vol.Namespace.is_empty() {
+        "default".to_string()
+    } else {
+        vol.Namespace.clone()
+    };
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&ns, "host-volume-register"),
+    )?;
+    let vol = st.server.register_host_volume(vol)?;
+    ok(
+        vol.ModifyIndex,
+        &json!({"Volume": vol, "Warnings": "", "Index": vol.ModifyIndex}),
+    )
+}
+
+pub(super) async fn volume_get(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let q = Query::parse(q);
+    let ns = q.namespace();
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&ns, "host-volume-read"),
+    )?;
+    let idx = blocking(&st, &q, |t| t.host_volumes).await?;
+    let v = st
+        .server
+        .host_volume(&ns, &id)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, "volume not found".into()))?;
+    ok(idx, &v)
+}
+
+pub(super) async fn volume_delete(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let q = Query::parse(q);
+    let ns = q.namespace();
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&ns, "host-volume-delete"),
+    )?;
+    let idx = st.server.delete_host_volume(&ns, &id)?;
+    ok(idx, &json!({"Index": idx}))
+}
+
+pub(super) async fn volumes_list(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let q = Query::parse(q);
+    let ns = q.namespace();
+    if q.get("type") != Some("host") {
+        return ok(st.server.index(), &Vec::<Value>::new());
+    }
+    authorize(
+        &st,
+        &headers,
+        crate::acl::Need::Namespace(&ns, "host-volume-read"),
+    )?;
+    let idx = blocking(&st, &q, |t| t.host_volumes).await?;
+    let node = q.get("node_id").unwrap_or("");
+    let pool = q.get("node_pool").unwrap_or("");
+    let prefix = q.get("prefix").unwrap_or("");
+    let list: Vec<Value> = st
+        .server
+        .read()
+        .host_volumes
+        .values()
+        .filter(|v| ns_visible(&ns, &v.Namespace))
+        .filter(|v| node.is_empty() || v.NodeID == node)
+        .filter(|v| pool.is_empty() || v.NodePool == pool)
+        .filter(|v| v.ID.starts_with(prefix) || v.Name.starts_with(prefix))
+        .map(|v| v.stub())
+        .collect();
+    ok(idx, &list)
+}
