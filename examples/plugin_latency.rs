@@ -53,6 +53,15 @@ async fn main() -> anyhow::Result<()> {
         node_pool: "default".into(),
         volumes_dir: scratch.join("volumes"),
         plugin_dir: plugin.parent().unwrap().to_path_buf(),
+        // The storage named by absolute-path parameters (export=..., dir=...) is a root.
+        roots: std::iter::once(scratch.join("volumes"))
+            .chain(
+                params
+                    .values()
+                    .filter(|v| v.starts_with('/'))
+                    .map(std::path::PathBuf::from),
+            )
+            .collect(),
     };
     let spec = VolumeSpec {
         name: "bench".into(),
@@ -66,6 +75,7 @@ async fn main() -> anyhow::Result<()> {
             attachment_mode: "file-system".into(),
         }],
         parameters: params,
+        source: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);
     let out = runner

@@ -196,6 +196,7 @@ pub async fn run(
         node_pool,
         volumes_dir: cfg.volumes_dir(),
         plugin_dir: cfg.plugin_dir.clone(),
+        roots: cfg.plugin_roots(),
     };
     let mut agent = Agent {
         cfg: cfg.clone(),

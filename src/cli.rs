@@ -25,6 +25,9 @@ macro_rules! outln {
     }};
 }
 
+mod storage;
+pub use storage::{LocalPlugins, SnapshotCommand};
+
 /// Exit code: the operation failed or was refused.
 pub const EXIT_FAILED: i32 = 1;
 /// Exit code: bad configuration or input (EX_USAGE).
@@ -91,6 +94,10 @@ pub enum PluginCommand {
         /// Scratch directory (default: a new one under the temporary directory, removed after).
         #[arg(long)]
         scratch: Option<PathBuf>,
+        /// A storage root of the test node (DHV_ROOTS), besides the scratch volumes dir and
+        /// the absolute paths given as parameters; repeatable.
+        #[arg(long = "storage-root")]
+        roots: Vec<PathBuf>,
     },
 }
 
@@ -110,6 +117,7 @@ pub async fn plugin_cmd(cmd: PluginCommand) -> Result<(), Failure> {
         capacity,
         timeout,
         scratch,
+        roots,
     } = cmd;
     let report = crate::conformance::check(crate::conformance::Options {
         plugin: executable,
@@ -118,6 +126,7 @@ pub async fn plugin_cmd(cmd: PluginCommand) -> Result<(), Failure> {
         capacity,
         timeout,
         scratch,
+        roots,
     })
     .await
     .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
@@ -152,13 +161,19 @@ pub struct PrestartArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum VolumeCommand {
-    /// Create a deferred volume from an HCL spec (like `nomad volume create`).
+    /// Create a deferred volume from an HCL spec (like `nomad volume create`). Given again
+    /// for an existing volume with a larger capacity_min, grows it (plugin capability "expand").
     Create {
         spec: PathBuf,
         /// Return once recorded, without waiting for the plugin's create.
         #[arg(long)]
         detach: bool,
+        #[command(flatten)]
+        local: LocalPlugins,
     },
+    /// Snapshot volumes, list and delete snapshots (like `nomad volume snapshot`).
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
     /// List deferred volumes.
     List,
     /// Show one volume: record, placeholders, allocations using it.
@@ -343,7 +358,12 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
     let client = Client::new(nomad)?;
     let ns = nomad.namespace.as_str();
     match cmd {
-        VolumeCommand::Create { spec, detach } => {
+        VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
+        VolumeCommand::Create {
+            spec,
+            detach,
+            local,
+        } => {
             let text = std::fs::read_to_string(&spec).map_err(|e| {
                 Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", spec.display()))
             })?;
@@ -356,14 +376,18 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             {
                 spec.namespace = ns.to_string();
             }
+            if client
+                .variable(&spec.namespace, &volume::record_path(&spec.name))
+                .await?
+                .is_none()
+            {
+                storage::check_source(&client, &spec, &local).await?;
+            }
             let rec = VolumeRecord::new(spec, secrets);
             match client.put_variable(&rec.to_variable(), Some(0)).await {
                 Ok(_) => {}
                 Err(NomadError::CasConflict { .. }) => {
-                    return Err(Failure::new(
-                        EXIT_FAILED,
-                        format!("volume {} already exists", rec.key()),
-                    ))
+                    return storage::create_existing(&client, &rec.spec, detach, &local).await
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -475,6 +499,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             if !r.error.is_empty() {
                 outln!("Error           = {}", r.error);
             }
+            storage::status_lines(&client, &r).await?;
             let users = users_of(&client, ns, &name).await?;
             outln!("\nAllocations");
             if users.is_empty() {

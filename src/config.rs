@@ -116,6 +116,15 @@ pub struct AgentConfig {
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,
+    /// Directories the node's plugins may keep storage under (exports, image directories),
+    /// besides the volumes dir: handed to every plugin call as `DHV_ROOTS`; a plugin refuses
+    /// any path outside them, whatever a volume record says (docs/plugin-protocol.md).
+    #[arg(
+        long = "storage-root",
+        env = "DHV_BINDER_STORAGE_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub storage_roots: Vec<PathBuf>,
 }
 
 /// A configuration that cannot work. The CLI exits with code 64 (EX_USAGE).
@@ -159,6 +168,14 @@ impl AgentConfig {
                 });
             }
         }
+        for r in &self.storage_roots {
+            if !r.is_absolute() {
+                return Err(ConfigError::NotAbsolute {
+                    what: "--storage-root",
+                    path: r.clone(),
+                });
+            }
+        }
         if let Some(v) = &self.volumes_dir {
             if !v.is_absolute() {
                 return Err(ConfigError::NotAbsolute {
@@ -191,6 +208,13 @@ impl AgentConfig {
         self.volumes_dir
             .clone()
             .unwrap_or_else(|| self.state_dir.join("volumes"))
+    }
+
+    /// `DHV_ROOTS` for plugins: the volumes dir, then every `--storage-root`.
+    pub fn plugin_roots(&self) -> Vec<PathBuf> {
+        let mut roots = vec![self.volumes_dir()];
+        roots.extend(self.storage_roots.iter().cloned());
+        roots
     }
 
     /// Root of the placeholder mount points.

@@ -64,9 +64,20 @@ pub struct NodeEnv {
     pub node_pool: String,
     pub volumes_dir: PathBuf,
     pub plugin_dir: PathBuf,
+    /// The node's storage roots (`DHV_ROOTS`): the volumes dir and every `--storage-root`.
+    pub roots: Vec<PathBuf>,
 }
 
-fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
+/// `DHV_ROOTS`: a JSON array of the node's storage roots.
+pub fn roots_env(node: &NodeEnv) -> (String, String) {
+    (
+        "DHV_ROOTS".into(),
+        serde_json::to_string(&node.roots).unwrap_or_else(|_| "[]".into()),
+    )
+}
+
+/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
+pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
     let s = &rec.spec;
     vec![
         (
@@ -79,6 +90,7 @@ fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
         ),
         ("DHV_NODE_ID".into(), node.node_id.clone()),
         ("DHV_NODE_POOL".into(), node.node_pool.clone()),
+        roots_env(node),
         ("DHV_NAMESPACE".into(), s.namespace.clone()),
         ("DHV_VOLUME_NAME".into(), s.name.clone()),
         ("DHV_VOLUME_ID".into(), rec.id.clone()),
@@ -166,6 +178,7 @@ pub fn unpublish_env(
             ),
             ("DHV_NODE_ID".into(), node.node_id.clone()),
             ("DHV_NODE_POOL".into(), node.node_pool.clone()),
+            roots_env(node),
             ("DHV_NAMESPACE".into(), m.volume.namespace.clone()),
             ("DHV_VOLUME_NAME".into(), m.volume.name.clone()),
             ("DHV_VOLUME_ID".into(), m.volume_id.clone()),

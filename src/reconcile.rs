@@ -251,6 +251,7 @@ mod tests {
                     attachment_mode: "file-system".into(),
                 }],
                 parameters: Default::default(),
+                source: Default::default(),
             },
             Default::default(),
         );

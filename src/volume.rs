@@ -44,6 +44,31 @@ pub enum SpecError {
     BadSize { field: &'static str, value: String },
     #[error("capacity_min ({min} bytes) is larger than capacity_max ({max} bytes)")]
     CapacityOrder { min: u64, max: u64 },
+    #[error("snapshot_id and clone_id are both set: a volume starts from one source at most")]
+    TwoSources,
+    #[error("snapshot_id {0:?} is not a snapshot ID (a UUID, as `dhv-binder volume snapshot list` shows)")]
+    BadSnapshotId(String),
+}
+
+/// Where a new volume's content comes from (`snapshot_id` or `clone_id` in the spec).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeSource {
+    /// An empty volume.
+    #[default]
+    Empty,
+    /// `snapshot_id = "<snapshot UUID>"`: the snapshot's content (plugin capability `snapshot`).
+    SnapshotId(String),
+    /// `clone_id = "<volume name>"`: a copy of another volume of the same namespace
+    /// (plugin capability `clone`).
+    CloneId(String),
+}
+
+impl VolumeSource {
+    /// True for [`VolumeSource::Empty`].
+    pub fn is_empty(&self) -> bool {
+        matches!(self, VolumeSource::Empty)
+    }
 }
 
 /// One `capability { access_mode attachment_mode }` block.
@@ -70,6 +95,9 @@ pub struct VolumeSpec {
     /// At least one; the first is used when a job does not say.
     pub capabilities: Vec<Capability>,
     pub parameters: BTreeMap<String, String>,
+    /// Where the volume's content comes from; only read by `create`.
+    #[serde(default, skip_serializing_if = "VolumeSource::is_empty")]
+    pub source: VolumeSource,
 }
 
 #[derive(Deserialize)]
@@ -89,6 +117,8 @@ struct RawSpec {
     parameters: BTreeMap<String, hcl::Value>,
     #[serde(default)]
     secrets: BTreeMap<String, hcl::Value>,
+    snapshot_id: Option<String>,
+    clone_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -232,6 +262,23 @@ pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), 
             attachment_mode: "file-system".into(),
         });
     }
+    let source = match (
+        raw.snapshot_id.filter(|s| !s.is_empty()),
+        raw.clone_id.filter(|s| !s.is_empty()),
+    ) {
+        (Some(_), Some(_)) => return Err(SpecError::TwoSources),
+        (Some(id), None) => {
+            if uuid::Uuid::parse_str(&id).is_err() {
+                return Err(SpecError::BadSnapshotId(id));
+            }
+            VolumeSource::SnapshotId(id)
+        }
+        (None, Some(name)) => {
+            validate_identifier("clone_id", &name, true)?;
+            VolumeSource::CloneId(name)
+        }
+        (None, None) => VolumeSource::Empty,
+    };
     let parameters = raw
         .parameters
         .iter()
@@ -252,6 +299,7 @@ pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), 
             node_pool,
             capabilities,
             parameters,
+            source,
         },
         secrets,
     ))
@@ -303,6 +351,9 @@ pub struct VolumeRecord {
     pub worker_node: String,
     /// Last error of `create`/`delete`.
     pub error: String,
+    /// A requested growth not yet applied (`volume create` again with a larger
+    /// `capacity_min`); `None` when there is none. Shown by `volume status`.
+    pub expansion: Option<crate::expansion::Expansion>,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
 }
@@ -345,6 +396,7 @@ impl VolumeRecord {
             capacity_bytes: 0,
             worker_node: String::new(),
             error: String::new(),
+            expansion: None,
             modify_index: 0,
         }
     }
@@ -374,6 +426,12 @@ impl VolumeRecord {
         items.insert("capacity_bytes".into(), self.capacity_bytes.to_string());
         items.insert("worker_node".into(), self.worker_node.clone());
         items.insert("error".into(), self.error.clone());
+        if let Some(x) = &self.expansion {
+            items.insert(
+                "expansion".into(),
+                serde_json::to_string(x).unwrap_or_default(),
+            );
+        }
         Variable {
             namespace: self.spec.namespace.clone(),
             path: record_path(&self.spec.name),
@@ -409,6 +467,10 @@ impl VolumeRecord {
             "" => serde_json::Value::Null,
             s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
         };
+        let expansion = match item("expansion").as_str() {
+            "" => None,
+            s => Some(serde_json::from_str(s).map_err(|e| err(format!("expansion: {e}")))?),
+        };
         let id = item("id");
         if uuid::Uuid::parse_str(&id).is_err() {
             return Err(err(format!("id {id:?} is not a UUID")));
@@ -422,6 +484,7 @@ impl VolumeRecord {
             capacity_bytes: item("capacity_bytes").parse().unwrap_or(0),
             worker_node: item("worker_node"),
             error: item("error"),
+            expansion,
             modify_index: var.modify_index,
         })
     }
@@ -575,5 +638,49 @@ mod tests {
         rec.modify_index = 9;
         assert_eq!(back, rec);
         assert_eq!(record_path("data[0]"), "dhv-binder/volumes/data~5b0~5d");
+    }
+
+    #[test]
+    fn a_volume_may_start_from_one_snapshot_or_one_clone() {
+        let base = "name = \"b\"\nplugin_id = \"ext4\"\n";
+        let snap = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
+        let (spec, _) = parse_spec(&format!("{base}snapshot_id = \"{snap}\"")).unwrap();
+        assert_eq!(spec.source, VolumeSource::SnapshotId(snap.into()));
+        let (spec, _) = parse_spec(&format!("{base}clone_id = \"a\"")).unwrap();
+        assert_eq!(spec.source, VolumeSource::CloneId("a".into()));
+        assert_eq!(
+            parse_spec(&format!("{base}clone_id = \"a\"\nsnapshot_id = \"{snap}\"")),
+            Err(SpecError::TwoSources)
+        );
+        assert!(matches!(
+            parse_spec(&format!("{base}snapshot_id = \"../x\"")),
+            Err(SpecError::BadSnapshotId(_))
+        ));
+        assert!(matches!(
+            parse_spec(&format!("{base}clone_id = \"../x\"")),
+            Err(SpecError::BadIdentifier {
+                field: "clone_id",
+                ..
+            })
+        ));
+        // The source and a pending expansion survive the record's round trip; a record
+        // written before either existed still reads.
+        let mut rec = VolumeRecord::new(spec, BTreeMap::new());
+        rec.expansion = Some(crate::expansion::Expansion::requested(1 << 30));
+        let var = rec.to_variable();
+        assert_eq!(VolumeRecord::from_variable(&var).unwrap(), rec);
+        let (plain, _) = parse_spec(base).unwrap();
+        let mut var = VolumeRecord::new(plain, BTreeMap::new()).to_variable();
+        assert!(
+            !var.items["spec"].contains("source"),
+            "{}",
+            var.items["spec"]
+        );
+        var.items.remove("expansion");
+        let back = VolumeRecord::from_variable(&var).unwrap();
+        assert_eq!(
+            (back.spec.source, back.expansion),
+            (VolumeSource::Empty, None)
+        );
     }
 }

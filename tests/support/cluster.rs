@@ -221,6 +221,15 @@ impl Cluster {
             .env("DHV_BINDER_STATE_DIR", &n.state_dir)
             .env("DHV_BINDER_SOCKET", &n.socket)
             .env("DHV_BINDER_PLUGIN_DIR", &self.plugin_dir)
+            // The storage the tests' volumes live in (bind's export, ext4's images).
+            .env(
+                "DHV_BINDER_STORAGE_ROOTS",
+                format!(
+                    "{}:{}",
+                    self.export.display(),
+                    self.sb.join("images").display()
+                ),
+            )
             .env("DHV_BINDER_TICK", "200ms")
             .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")

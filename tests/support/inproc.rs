@@ -37,6 +37,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         socket: sb.join("run/api.sock"),
         plugin_dir: sb.join("plugins"),
         volumes_dir: Some(sb.join("volumes")),
+        storage_roots: Vec::new(),
         plugin_timeout: Duration::from_secs(10),
         stream_idle_timeout: Duration::from_secs(95),
         resync_interval: Duration::from_secs(300),

@@ -1,0 +1,78 @@
+//! Which node runs a cluster-wide storage operation (snapshot, expand, create from a clone),
+//! and the check-and-set write by which a node takes it.
+//!
+//! The rule (docs/plugin-protocol.md, "Which node runs it"): the node where the volume is
+//! published, if it is published, so that the plugin can quiesce the mounted filesystem
+//! (freeze, remount read-only) or grow it online; otherwise any node that has the plugin,
+//! the first to win a check-and-set write of its node ID into the record (as for `create`).
+
+use crate::nomad::types::Variable;
+use crate::nomad::{Client, NomadError};
+
+/// Where the operation's volume is published, as this node knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Published {
+    /// Mounted on this node (the journal and the mount table agree).
+    Here,
+    /// Held by another node (its claim, or its placeholder has live allocations).
+    Elsewhere,
+    /// Published nowhere.
+    Nowhere,
+}
+
+/// True when this node (`me`) should run an operation that `claimed_by` (a node ID, or `""`
+/// when no node took it yet) may already hold. `has_plugin`: the plugin is on this node.
+pub fn runs_here(me: &str, claimed_by: &str, published: Published, has_plugin: bool) -> bool {
+    if !has_plugin || !(claimed_by.is_empty() || claimed_by == me) {
+        return false;
+    }
+    match published {
+        Published::Here | Published::Nowhere => true,
+        Published::Elsewhere => false,
+    }
+}
+
+/// A check-and-set write lost, or Nomad could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeError {
+    /// Another writer changed the record since it was read: read it again, the other node
+    /// probably took the operation.
+    #[error("another node changed {path} first (check-and-set at index {index})")]
+    Lost { path: String, index: u64 },
+    #[error(transparent)]
+    Nomad(#[from] NomadError),
+}
+
+/// Writes `var` if its ModifyIndex is still `index` (0 = must not exist yet).
+pub async fn put_cas(client: &Client, var: &Variable, index: u64) -> Result<Variable, TakeError> {
+    client
+        .put_variable(var, Some(index))
+        .await
+        .map_err(|e| match e {
+            NomadError::CasConflict { .. } => TakeError::Lost {
+                path: var.path.clone(),
+                index,
+            },
+            e => TakeError::Nomad(e),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_publishing_node_runs_it_else_any_node_with_the_plugin() {
+        use Published::*;
+        // Published here: this node, and only with the plugin.
+        assert!(runs_here("n1", "", Here, true));
+        assert!(!runs_here("n1", "", Here, false));
+        // Published on another node: never here.
+        assert!(!runs_here("n1", "", Elsewhere, true));
+        // Published nowhere: any node with the plugin, unless another took it.
+        assert!(runs_here("n1", "", Nowhere, true));
+        assert!(runs_here("n1", "n1", Nowhere, true));
+        assert!(!runs_here("n1", "n2", Nowhere, true));
+        assert!(!runs_here("n1", "n2", Here, true));
+    }
+}
