@@ -48,6 +48,9 @@ job "dhv-binder" {
         DHV_BINDER_STATE_DIR   = "/var/lib/dhv-binder"
         DHV_BINDER_SOCKET      = "/run/dhv-binder/api.sock"
         DHV_BINDER_PLUGIN_DIR  = "/opt/dhv-binder/plugins"
+        # Where plugins may keep storage (bind's export, ext4's images), ':'-separated; a
+        # path in a volume record outside these and the volumes dir is refused.
+        DHV_BINDER_STORAGE_ROOTS = "/srv/dhv-exports"
         DHV_BINDER_LOG         = "info"
       }
 
