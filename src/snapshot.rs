@@ -326,6 +326,36 @@ pub fn source_env(
     }
 }
 
+/// Reads the source a volume's spec names (the snapshot record, or the volume to clone), for
+/// [`source_env`]. `(None, None)` for a volume with no source, or a source that is gone.
+pub async fn read_source(
+    client: &crate::nomad::Client,
+    rec: &VolumeRecord,
+) -> Result<(Option<SnapshotRecord>, Option<VolumeRecord>), String> {
+    let ns = &rec.spec.namespace;
+    match &rec.spec.source {
+        VolumeSource::Empty => Ok((None, None)),
+        VolumeSource::SnapshotId(id) => {
+            let var = client
+                .variable(ns, &record_path(id))
+                .await
+                .map_err(|e| e.to_string())?;
+            var.map(|v| SnapshotRecord::from_variable(&v).map_err(|e| e.to_string()))
+                .transpose()
+                .map(|s| (s, None))
+        }
+        VolumeSource::CloneId(name) => {
+            let var = client
+                .variable(ns, &volume::record_path(name))
+                .await
+                .map_err(|e| e.to_string())?;
+            var.map(|v| VolumeRecord::from_variable(&v).map_err(|e| e.to_string()))
+                .transpose()
+                .map(|v| (None, v))
+        }
+    }
+}
+
 /// Runs `snapshot_create` and returns the record as it should be written: `ready` with the
 /// plugin's context and size, or `failed` with its (redacted) error. A timeout is `Err`:
 /// the outcome is unknown and the same node calls again (the operation is idempotent per
