@@ -594,6 +594,7 @@ async fn run_rules(kit: &mut Kit) {
             errors.join("; ")
         },
     );
+    storage::owner_rule(kit, &t1);
     // A marker written through this publish must be read through the next one.
     let marker = format!("conformance-{}", uuid::Uuid::new_v4());
     let wrote = std::fs::write(t1.join(&marker), &marker).map_err(|e| e.to_string());

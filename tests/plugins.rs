@@ -75,12 +75,22 @@ fn bind_plugin_conforms() {
     let (code, report) = check(
         &sb,
         &repo().join("plugins/bind"),
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "--param",
+            "uid=65534",
+            "--param",
+            "gid=65534",
+            "--param",
+            "mode=0750",
+        ],
     );
     assert_conforms(
         code,
         &report,
         &[
+            "owner and mode",
             "snapshot x2",
             "create from snapshot",
             "snapshot_delete x2",
@@ -97,12 +107,22 @@ fn ext4_plugin_conforms() {
     let (code, report) = check(
         &sb,
         &repo().join("plugins/ext4"),
-        &["--capacity", &(64u64 << 20).to_string()],
+        &[
+            "--capacity",
+            &(64u64 << 20).to_string(),
+            "--param",
+            "uid=65534",
+            "--param",
+            "gid=65534",
+            "--param",
+            "mode=0770",
+        ],
     );
     assert_conforms(
         code,
         &report,
         &[
+            "owner and mode",
             "snapshot x2",
             "snapshot_list",
             "create from snapshot",

@@ -110,6 +110,49 @@ pub(super) async fn json_input_rule(kit: &mut Kit) {
     }
 }
 
+/// With parameters `uid`, `gid` and/or `mode` given to the kit: the published volume's root
+/// directory has that owner and mode (so a task running as that user can write to it).
+pub(super) fn owner_rule(kit: &mut Kit, target: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let rule = "owner and mode";
+    let p = &kit.rec.spec.parameters;
+    let (uid, gid, mode) = (p.get("uid"), p.get("gid"), p.get("mode"));
+    if uid.is_none() && gid.is_none() && mode.is_none() {
+        kit.report
+            .skip(rule, "no --param uid=, gid= or mode= given to check");
+        return;
+    }
+    let meta = match std::fs::metadata(target) {
+        Ok(m) => m,
+        Err(e) => {
+            kit.report.push(
+                rule,
+                false,
+                format!("cannot stat {}: {e}", target.display()),
+            );
+            return;
+        }
+    };
+    let got = (meta.uid(), meta.gid(), meta.mode() & 0o7777);
+    let want_mode = mode.and_then(|m| u32::from_str_radix(m, 8).ok());
+    let ok = uid.is_none_or(|u| u.parse() == Ok(got.0))
+        && gid.is_none_or(|g| g.parse() == Ok(got.1))
+        && mode.is_none_or(|_| want_mode == Some(got.2));
+    kit.report.push(
+        rule,
+        ok,
+        format!(
+            "asked uid {} gid {} mode {}; the published root is {}:{} {:04o}",
+            uid.map_or("-", |s| s.as_str()),
+            gid.map_or("-", |s| s.as_str()),
+            mode.map_or("-", |s| s.as_str()),
+            got.0,
+            got.1,
+            got.2
+        ),
+    );
+}
+
 /// Snapshot, create from snapshot, clone and expand, each when declared.
 pub(super) async fn optional_rules(kit: &mut Kit) {
     if has(kit, Capability::Snapshot) {
