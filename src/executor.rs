@@ -76,9 +76,9 @@ pub fn roots_env(node: &NodeEnv) -> (String, String) {
     )
 }
 
-/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
-pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
-    let s = &rec.spec;
+/// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
+/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`, `DHV_ROOTS`.
+pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
     vec![
         (
             "DHV_VOLUMES_DIR".into(),
@@ -91,6 +91,14 @@ pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)>
         ("DHV_NODE_ID".into(), node.node_id.clone()),
         ("DHV_NODE_POOL".into(), node.node_pool.clone()),
         roots_env(node),
+    ]
+}
+
+/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
+pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
+    let s = &rec.spec;
+    let mut env = node_env(node);
+    env.extend([
         ("DHV_NAMESPACE".into(), s.namespace.clone()),
         ("DHV_VOLUME_NAME".into(), s.name.clone()),
         ("DHV_VOLUME_ID".into(), rec.id.clone()),
@@ -106,7 +114,8 @@ pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)>
             "DHV_SECRETS".into(),
             serde_json::to_string(&rec.secrets).unwrap_or_default(),
         ),
-    ]
+    ]);
+    env
 }
 
 /// Environment of `create` (Nomad's create variables, plus DHV_SECRETS).
@@ -167,24 +176,17 @@ pub fn unpublish_env(
 ) -> Vec<(String, String)> {
     let mut env = match rec {
         Some(r) => identity_env(node, r),
-        None => vec![
-            (
-                "DHV_VOLUMES_DIR".into(),
-                node.volumes_dir.display().to_string(),
-            ),
-            (
-                "DHV_PLUGIN_DIR".into(),
-                node.plugin_dir.display().to_string(),
-            ),
-            ("DHV_NODE_ID".into(), node.node_id.clone()),
-            ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-            roots_env(node),
-            ("DHV_NAMESPACE".into(), m.volume.namespace.clone()),
-            ("DHV_VOLUME_NAME".into(), m.volume.name.clone()),
-            ("DHV_VOLUME_ID".into(), m.volume_id.clone()),
-            ("DHV_PARAMETERS".into(), "null".into()),
-            ("DHV_SECRETS".into(), "{}".into()),
-        ],
+        None => {
+            let mut env = node_env(node);
+            env.extend([
+                ("DHV_NAMESPACE".into(), m.volume.namespace.clone()),
+                ("DHV_VOLUME_NAME".into(), m.volume.name.clone()),
+                ("DHV_VOLUME_ID".into(), m.volume_id.clone()),
+                ("DHV_PARAMETERS".into(), "null".into()),
+                ("DHV_SECRETS".into(), "{}".into()),
+            ]);
+            env
+        }
     };
     env.extend([
         (

@@ -139,16 +139,7 @@ impl SnapshotRecord {
         let plugin_id = item("plugin_id");
         volume::validate_identifier("plugin_id", &plugin_id, false)
             .map_err(|e| err(e.to_string()))?;
-        let secrets = match item("secrets").as_str() {
-            "" => BTreeMap::new(),
-            s => serde_json::from_str(s).map_err(|e| err(format!("secrets: {e}")))?,
-        };
-        let state = serde_json::from_value(serde_json::Value::String(item("state")))
-            .map_err(|e| err(format!("state: {e}")))?;
-        let context = match item("context").as_str() {
-            "" => serde_json::Value::Null,
-            s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
-        };
+        let (secrets, state, context) = volume::common_items(var)?;
         Ok(Self {
             id,
             name: item("name"),
@@ -193,18 +184,8 @@ pub fn create_env(
 /// Environment of `snapshot_delete`: identity from the snapshot record (the volume may be
 /// gone), its secrets, `DHV_SNAPSHOT_ID` and `DHV_SNAPSHOT_CONTEXT`.
 pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)> {
-    vec![
-        (
-            "DHV_VOLUMES_DIR".into(),
-            node.volumes_dir.display().to_string(),
-        ),
-        (
-            "DHV_PLUGIN_DIR".into(),
-            node.plugin_dir.display().to_string(),
-        ),
-        ("DHV_NODE_ID".into(), node.node_id.clone()),
-        ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-        executor::roots_env(node),
+    let mut env = executor::node_env(node);
+    env.extend([
         ("DHV_NAMESPACE".into(), snap.namespace.clone()),
         ("DHV_VOLUME_NAME".into(), snap.volume.clone()),
         ("DHV_VOLUME_ID".into(), snap.volume_id.clone()),
@@ -214,29 +195,19 @@ pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)
         ),
         ("DHV_SNAPSHOT_ID".into(), snap.id.clone()),
         ("DHV_SNAPSHOT_CONTEXT".into(), snap.context.to_string()),
-    ]
+    ]);
+    env
 }
 
 /// Environment of `snapshot_list` (run by `volume snapshot list --plugin` on the node where
 /// it is typed): the node's directories and the secrets the caller gave.
 pub fn list_env(node: &NodeEnv, secrets: &BTreeMap<String, String>) -> Vec<(String, String)> {
-    vec![
-        (
-            "DHV_VOLUMES_DIR".into(),
-            node.volumes_dir.display().to_string(),
-        ),
-        (
-            "DHV_PLUGIN_DIR".into(),
-            node.plugin_dir.display().to_string(),
-        ),
-        ("DHV_NODE_ID".into(), node.node_id.clone()),
-        ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-        executor::roots_env(node),
-        (
-            "DHV_SECRETS".into(),
-            serde_json::to_string(secrets).unwrap_or_default(),
-        ),
-    ]
+    let mut env = executor::node_env(node);
+    env.push((
+        "DHV_SECRETS".into(),
+        serde_json::to_string(secrets).unwrap_or_default(),
+    ));
+    env
 }
 
 /// Why a volume's source cannot be used for its `create` (the volume is marked failed).
@@ -415,6 +386,64 @@ pub async fn run_delete(
         .map_err(|e| plugin::redact(&e.to_string(), &snap.secrets))
 }
 
+/// What a node does about one snapshot record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Not this node's (or nothing to do).
+    None,
+    /// Run `snapshot_create` here ([`create`]).
+    Create,
+    /// Run `snapshot_delete` here ([`delete`]).
+    Delete,
+    /// The plugin does not declare `snapshot`: fail the snapshot with this message
+    /// ([`refuse`]).
+    Refuse(String),
+}
+
+/// Decides this node's step for `snap`. `published`: where its source volume is published;
+/// `fp`: the plugin's fingerprint on this node (`None` = the plugin is not here). A snapshot
+/// is taken where the volume is published (so the plugin can quiesce it), else by any node
+/// with the plugin; a delete by any node with the plugin. Both claimed by check-and-set.
+pub fn step(
+    snap: &SnapshotRecord,
+    me: &str,
+    published: crate::worker::Published,
+    fp: Option<&crate::plugin::Fingerprint>,
+) -> Step {
+    use crate::worker::{runs_here, Published};
+    let want = match snap.state {
+        VolumeState::Pending => Step::Create,
+        VolumeState::Creating if snap.worker_node == me => Step::Create,
+        VolumeState::Deleting => Step::Delete,
+        _ => return Step::None,
+    };
+    // Where the volume is published does not matter for a delete.
+    let published = if want == Step::Delete {
+        Published::Nowhere
+    } else {
+        published
+    };
+    if !runs_here(me, &snap.worker_node, published, fp.is_some()) {
+        return Step::None;
+    }
+    match fp.map(|f| f.require(&snap.plugin_id, Operation::SnapshotCreate)) {
+        Some(Err(e)) if want == Step::Create => Step::Refuse(e.to_string()),
+        _ => want,
+    }
+}
+
+/// Fails a pending snapshot with `message` (its plugin does not declare `snapshot`).
+pub async fn refuse(
+    client: &crate::nomad::Client,
+    mut snap: SnapshotRecord,
+    message: String,
+) -> Result<SnapshotRecord, String> {
+    snap.state = VolumeState::Failed;
+    snap.worker_node.clear();
+    snap.error = message;
+    write(client, &snap).await
+}
+
 /// Takes a pending snapshot for this node (check-and-set), runs `snapshot_create` and
 /// writes the outcome. Returns the record as written.
 pub async fn create(
@@ -547,6 +576,37 @@ mod tests {
         assert_eq!(get(&env, "DHV_VOLUME_NAME"), "data");
         let env = list_env(&node(), &BTreeMap::from([("k".into(), "v".into())]));
         assert_eq!(get(&env, "DHV_SECRETS"), r#"{"k":"v"}"#);
+    }
+
+    #[test]
+    fn taken_where_published_else_anywhere_refused_without_the_capability() {
+        use crate::worker::Published::*;
+        let fp = |caps: &[&str]| crate::plugin::Fingerprint {
+            version: "1.0.0".into(),
+            deferred_bind: true,
+            capabilities: caps.iter().map(|c| c.to_string()).collect(),
+        };
+        let (yes, no) = (fp(&["snapshot"]), fp(&[]));
+        let mut snap = SnapshotRecord::new(&volume(), "", 1);
+        assert_eq!(step(&snap, "n1", Here, Some(&yes)), Step::Create);
+        assert_eq!(step(&snap, "n1", Elsewhere, Some(&yes)), Step::None);
+        assert_eq!(step(&snap, "n1", Nowhere, Some(&yes)), Step::Create);
+        assert_eq!(step(&snap, "n1", Nowhere, None), Step::None);
+        match step(&snap, "n1", Nowhere, Some(&no)) {
+            Step::Refuse(m) => assert!(m.contains("\"ext4\"") && m.contains("snapshot"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        snap.state = VolumeState::Creating;
+        snap.worker_node = "n2".into();
+        assert_eq!(step(&snap, "n1", Here, Some(&yes)), Step::None);
+        assert_eq!(step(&snap, "n2", Here, Some(&yes)), Step::Create);
+        snap.state = VolumeState::Ready;
+        assert_eq!(step(&snap, "n2", Here, Some(&yes)), Step::None);
+        // A delete goes to any node with the plugin, published or not.
+        snap.state = VolumeState::Deleting;
+        snap.worker_node.clear();
+        assert_eq!(step(&snap, "n1", Elsewhere, Some(&yes)), Step::Delete);
+        assert_eq!(step(&snap, "n1", Elsewhere, None), Step::None);
     }
 
     #[test]

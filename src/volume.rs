@@ -366,6 +366,29 @@ pub struct RecordError {
     pub reason: String,
 }
 
+/// Reads the items volume and snapshot records share: `secrets` (JSON object, absent = none),
+/// `state` (a [`VolumeState`] name) and `context` (JSON, absent = `null`).
+pub fn common_items(
+    var: &Variable,
+) -> Result<(BTreeMap<String, String>, VolumeState, serde_json::Value), RecordError> {
+    let err = |reason: String| RecordError {
+        path: var.path.clone(),
+        reason,
+    };
+    let item = |k: &str| var.items.get(k).map(String::as_str).unwrap_or_default();
+    let secrets = match item("secrets") {
+        "" => BTreeMap::new(),
+        s => serde_json::from_str(s).map_err(|e| err(format!("secrets: {e}")))?,
+    };
+    let state = serde_json::from_value(serde_json::Value::String(item("state").into()))
+        .map_err(|e| err(format!("state: {e}")))?;
+    let context = match item("context") {
+        "" => serde_json::Value::Null,
+        s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
+    };
+    Ok((secrets, state, context))
+}
+
 /// Encodes a volume name for a variable path (`[a-zA-Z0-9-_~/]` only): other bytes become `~xx`.
 pub fn encode_name(name: &str) -> String {
     let mut out = String::with_capacity(name.len());
@@ -457,16 +480,7 @@ impl VolumeRecord {
                 spec.namespace, var.namespace
             )));
         }
-        let secrets = match item("secrets").as_str() {
-            "" => BTreeMap::new(),
-            s => serde_json::from_str(s).map_err(|e| err(format!("secrets: {e}")))?,
-        };
-        let state = serde_json::from_value(serde_json::Value::String(item("state")))
-            .map_err(|e| err(format!("state: {e}")))?;
-        let context = match item("context").as_str() {
-            "" => serde_json::Value::Null,
-            s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
-        };
+        let (secrets, state, context) = common_items(var)?;
         let expansion = match item("expansion").as_str() {
             "" => None,
             s => Some(serde_json::from_str(s).map_err(|e| err(format!("expansion: {e}")))?),
