@@ -57,66 +57,7 @@ pub enum Completion {
     },
 }
 
-/// What every plugin call on a volume is told about this node.
-#[derive(Debug, Clone)]
-pub struct NodeEnv {
-    pub node_id: String,
-    pub node_pool: String,
-    pub volumes_dir: PathBuf,
-    pub plugin_dir: PathBuf,
-    /// The node's storage roots (`DHV_ROOTS`): the volumes dir and every `--storage-root`.
-    pub roots: Vec<PathBuf>,
-}
-
-/// `DHV_ROOTS`: a JSON array of the node's storage roots.
-pub fn roots_env(node: &NodeEnv) -> (String, String) {
-    (
-        "DHV_ROOTS".into(),
-        serde_json::to_string(&node.roots).unwrap_or_else(|_| "[]".into()),
-    )
-}
-
-/// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
-/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`, `DHV_ROOTS`.
-pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
-    vec![
-        (
-            "DHV_VOLUMES_DIR".into(),
-            node.volumes_dir.display().to_string(),
-        ),
-        (
-            "DHV_PLUGIN_DIR".into(),
-            node.plugin_dir.display().to_string(),
-        ),
-        ("DHV_NODE_ID".into(), node.node_id.clone()),
-        ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-        roots_env(node),
-    ]
-}
-
-/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
-pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
-    let s = &rec.spec;
-    let mut env = node_env(node);
-    env.extend([
-        ("DHV_NAMESPACE".into(), s.namespace.clone()),
-        ("DHV_VOLUME_NAME".into(), s.name.clone()),
-        ("DHV_VOLUME_ID".into(), rec.id.clone()),
-        (
-            "DHV_PARAMETERS".into(),
-            if s.parameters.is_empty() {
-                "null".into()
-            } else {
-                serde_json::to_string(&s.parameters).unwrap_or_default()
-            },
-        ),
-        (
-            "DHV_SECRETS".into(),
-            serde_json::to_string(&rec.secrets).unwrap_or_default(),
-        ),
-    ]);
-    env
-}
+pub use crate::plugin::{identity_env, node_env, roots_env, NodeEnv};
 
 /// Environment of `create` (Nomad's create variables, plus DHV_SECRETS).
 pub fn create_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {

@@ -6,76 +6,12 @@
 //! otherwise while the volume is published nowhere (at the latest right before its next
 //! publish). Shrinking is refused.
 
-use crate::executor::{self, NodeEnv};
+use crate::plugin::NodeEnv;
 use crate::plugin::{self, Capability, ExpandResult, Fingerprint, Operation, Runner};
 use crate::volume::{VolumeRecord, VolumeSpec, VolumeState};
-use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// Where a requested growth is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ExpansionState {
-    /// Waiting for a node to take it.
-    Requested,
-    /// `node` is running the plugin's `expand`.
-    Running,
-    /// The volume is published and the plugin cannot grow it online: it runs once the
-    /// volume is published nowhere, before its next publish.
-    AtNextPublish,
-    /// The plugin's `expand` failed (see `error`); `volume create` with the spec again retries.
-    Failed,
-}
-
-impl ExpansionState {
-    /// The name shown by `volume status`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ExpansionState::Requested => "requested",
-            ExpansionState::Running => "running",
-            ExpansionState::AtNextPublish => "at-next-publish",
-            ExpansionState::Failed => "failed",
-        }
-    }
-}
-
-/// A growth requested of a volume, kept in its record until done.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Expansion {
-    /// The size asked for, bytes (the new `capacity_min`).
-    pub bytes: u64,
-    pub state: ExpansionState,
-    /// Node that took it (`""` = none yet).
-    #[serde(default)]
-    pub node: String,
-    /// Last error, redacted.
-    #[serde(default)]
-    pub error: String,
-}
-
-impl Expansion {
-    /// A new request for `bytes`.
-    pub fn requested(bytes: u64) -> Self {
-        Self {
-            bytes,
-            state: ExpansionState::Requested,
-            node: String::new(),
-            error: String::new(),
-        }
-    }
-
-    /// One line for `volume status`.
-    pub fn describe(&self) -> String {
-        let mut s = format!("expand to {} bytes: {}", self.bytes, self.state.as_str());
-        if !self.node.is_empty() {
-            s.push_str(&format!(" (node {})", self.node));
-        }
-        if !self.error.is_empty() {
-            s.push_str(&format!(": {}", self.error));
-        }
-        s
-    }
-}
+pub use crate::volume::{Expansion, ExpansionState};
 
 /// A spec given again for an existing volume that cannot be applied. Nothing was changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -218,7 +154,7 @@ pub fn expand_env(
     bytes: u64,
     target: Option<&Path>,
 ) -> Vec<(String, String)> {
-    let mut env = executor::identity_env(node, rec);
+    let mut env = crate::plugin::identity_env(node, rec);
     env.extend([
         ("DHV_CONTEXT".into(), rec.context.to_string()),
         ("DHV_CAPACITY_MIN_BYTES".into(), bytes.to_string()),

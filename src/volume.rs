@@ -334,6 +334,71 @@ impl VolumeState {
     }
 }
 
+/// Where a requested growth is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpansionState {
+    /// Waiting for a node to take it.
+    Requested,
+    /// `node` is running the plugin's `expand`.
+    Running,
+    /// The volume is published and the plugin cannot grow it online: it runs once the
+    /// volume is published nowhere, before its next publish.
+    AtNextPublish,
+    /// The plugin's `expand` failed (see `error`); `volume create` with the spec again retries.
+    Failed,
+}
+
+impl ExpansionState {
+    /// The name shown by `volume status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpansionState::Requested => "requested",
+            ExpansionState::Running => "running",
+            ExpansionState::AtNextPublish => "at-next-publish",
+            ExpansionState::Failed => "failed",
+        }
+    }
+}
+
+/// A growth requested of a volume, kept in its record until done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Expansion {
+    /// The size asked for, bytes (the new `capacity_min`).
+    pub bytes: u64,
+    pub state: ExpansionState,
+    /// Node that took it (`""` = none yet).
+    #[serde(default)]
+    pub node: String,
+    /// Last error, redacted.
+    #[serde(default)]
+    pub error: String,
+}
+
+impl Expansion {
+    /// A new request for `bytes`.
+    pub fn requested(bytes: u64) -> Self {
+        Self {
+            bytes,
+            state: ExpansionState::Requested,
+            node: String::new(),
+            error: String::new(),
+        }
+    }
+
+    /// One line for `volume status`.
+    pub fn describe(&self) -> String {
+        let mut s = format!("expand to {} bytes: {}", self.bytes, self.state.as_str());
+        if !self.node.is_empty() {
+            s.push_str(&format!(" (node {})", self.node));
+        }
+        if !self.error.is_empty() {
+            s.push_str(&format!(": {}", self.error));
+        }
+        s
+    }
+}
+
 /// The cluster-wide record of one deferred volume.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VolumeRecord {
@@ -352,8 +417,9 @@ pub struct VolumeRecord {
     /// Last error of `create`/`delete`.
     pub error: String,
     /// A requested growth not yet applied (`volume create` again with a larger
-    /// `capacity_min`); `None` when there is none. Shown by `volume status`.
-    pub expansion: Option<crate::expansion::Expansion>,
+    /// `capacity_min`, see the `expansion` module); `None` when there is none. Shown by
+    /// `volume status`.
+    pub expansion: Option<Expansion>,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
 }
@@ -680,7 +746,7 @@ mod tests {
         // The source and a pending expansion survive the record's round trip; a record
         // written before either existed still reads.
         let mut rec = VolumeRecord::new(spec, BTreeMap::new());
-        rec.expansion = Some(crate::expansion::Expansion::requested(1 << 30));
+        rec.expansion = Some(Expansion::requested(1 << 30));
         let var = rec.to_variable();
         assert_eq!(VolumeRecord::from_variable(&var).unwrap(), rec);
         let (plain, _) = parse_spec(base).unwrap();
