@@ -6,9 +6,9 @@
 //! otherwise while the volume is published nowhere (at the latest right before its next
 //! publish). Shrinking is refused.
 
-use crate::plugin::NodeEnv;
-use crate::plugin::{self, Capability, ExpandResult, Fingerprint, Operation, Runner};
+use crate::plugin::{self, Capability, ExpandResult, Fingerprint, NodeEnv, Operation, Runner};
 use crate::volume::{VolumeRecord, VolumeSpec, VolumeState};
+use crate::worker::OpError;
 use std::path::Path;
 
 pub use crate::volume::{Expansion, ExpansionState};
@@ -180,7 +180,7 @@ pub async fn run_expand(
     node: &NodeEnv,
     mut rec: VolumeRecord,
     target: Option<&Path>,
-) -> Result<VolumeRecord, String> {
+) -> Result<VolumeRecord, OpError> {
     let Some(mut x) = rec.expansion.clone() else {
         return Ok(rec);
     };
@@ -205,7 +205,12 @@ pub async fn run_expand(
             );
             rec.expansion = Some(x);
         }
-        Err(e) if e.is_uncertain() => return Err(plugin::redact(&e.to_string(), &rec.secrets)),
+        Err(e) if e.is_uncertain() => {
+            return Err(OpError::Uncertain(plugin::redact(
+                &e.to_string(),
+                &rec.secrets,
+            )))
+        }
         Err(e) => {
             x.state = ExpansionState::Failed;
             x.error = plugin::redact(&e.to_string(), &rec.secrets);
@@ -224,7 +229,7 @@ pub async fn expand(
     node: &NodeEnv,
     mut rec: VolumeRecord,
     target: Option<&Path>,
-) -> Result<VolumeRecord, String> {
+) -> Result<VolumeRecord, OpError> {
     let Some(x) = rec.expansion.as_mut() else {
         return Ok(rec);
     };
@@ -242,7 +247,7 @@ pub async fn expand(
 pub async fn defer(
     client: &crate::nomad::Client,
     mut rec: VolumeRecord,
-) -> Result<VolumeRecord, String> {
+) -> Result<VolumeRecord, OpError> {
     if let Some(x) = rec.expansion.as_mut() {
         x.state = ExpansionState::AtNextPublish;
         x.node.clear();
@@ -255,7 +260,7 @@ pub async fn refuse(
     client: &crate::nomad::Client,
     mut rec: VolumeRecord,
     message: String,
-) -> Result<VolumeRecord, String> {
+) -> Result<VolumeRecord, OpError> {
     if let Some(x) = rec.expansion.as_mut() {
         x.state = ExpansionState::Failed;
         x.node.clear();
@@ -264,11 +269,9 @@ pub async fn refuse(
     write(client, &rec).await
 }
 
-async fn write(client: &crate::nomad::Client, rec: &VolumeRecord) -> Result<VolumeRecord, String> {
-    let var = crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
-        .await
-        .map_err(|e| e.to_string())?;
-    VolumeRecord::from_variable(&var).map_err(|e| e.to_string())
+async fn write(client: &crate::nomad::Client, rec: &VolumeRecord) -> Result<VolumeRecord, OpError> {
+    let var = crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index).await?;
+    Ok(VolumeRecord::from_variable(&var)?)
 }
 
 #[cfg(test)]

@@ -7,9 +7,9 @@
 //! source volume, a size, a creation time and whether it is ready.
 
 use crate::nomad::types::Variable;
-use crate::plugin::NodeEnv;
-use crate::plugin::{self, Operation, Runner, SnapshotResult};
+use crate::plugin::{self, NodeEnv, Operation, Runner, SnapshotResult};
 use crate::volume::{self, VolumeRecord, VolumeSource, VolumeState};
+use crate::worker::OpError;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -337,7 +337,7 @@ pub async fn run_create(
     vol: &VolumeRecord,
     mut snap: SnapshotRecord,
     target: Option<&Path>,
-) -> Result<SnapshotRecord, String> {
+) -> Result<SnapshotRecord, OpError> {
     let env = create_env(node, vol, &snap, target);
     let out = runner
         .call(
@@ -357,7 +357,12 @@ pub async fn run_create(
             snap.bytes = res.bytes;
             snap.error.clear();
         }
-        Err(e) if e.is_uncertain() => return Err(plugin::redact(&e.to_string(), &vol.secrets)),
+        Err(e) if e.is_uncertain() => {
+            return Err(OpError::Uncertain(plugin::redact(
+                &e.to_string(),
+                &vol.secrets,
+            )))
+        }
         Err(e) => {
             snap.state = VolumeState::Failed;
             snap.error = plugin::redact(&e.to_string(), &vol.secrets);
@@ -372,7 +377,7 @@ pub async fn run_delete(
     runner: &Runner,
     node: &NodeEnv,
     snap: &SnapshotRecord,
-) -> Result<(), String> {
+) -> Result<(), OpError> {
     let env = delete_env(node, snap);
     runner
         .call(
@@ -383,7 +388,7 @@ pub async fn run_delete(
         )
         .await
         .map(|_| ())
-        .map_err(|e| plugin::redact(&e.to_string(), &snap.secrets))
+        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))
 }
 
 /// What a node does about one snapshot record.
@@ -437,7 +442,7 @@ pub async fn refuse(
     client: &crate::nomad::Client,
     mut snap: SnapshotRecord,
     message: String,
-) -> Result<SnapshotRecord, String> {
+) -> Result<SnapshotRecord, OpError> {
     snap.state = VolumeState::Failed;
     snap.worker_node.clear();
     snap.error = message;
@@ -453,7 +458,7 @@ pub async fn create(
     vol: &VolumeRecord,
     mut snap: SnapshotRecord,
     target: Option<&Path>,
-) -> Result<SnapshotRecord, String> {
+) -> Result<SnapshotRecord, OpError> {
     if snap.state == VolumeState::Pending {
         snap.state = VolumeState::Creating;
         snap.worker_node = node.node_id.clone();
@@ -469,14 +474,14 @@ pub async fn delete(
     runner: &Runner,
     node: &NodeEnv,
     mut snap: SnapshotRecord,
-) -> Result<(), String> {
+) -> Result<(), OpError> {
     if snap.worker_node != node.node_id {
         snap.worker_node = node.node_id.clone();
         snap = write(client, &snap).await?;
     }
     if let Err(e) = run_delete(runner, node, &snap).await {
         snap.worker_node.clear();
-        snap.error = e.clone();
+        snap.error = e.to_string();
         let _ = write(client, &snap).await;
         return Err(e);
     }
@@ -487,17 +492,23 @@ pub async fn delete(
             Some(snap.modify_index),
         )
         .await
-        .map_err(|e| e.to_string())
+        .map_err(|e| match e {
+            crate::nomad::NomadError::CasConflict { .. } => {
+                OpError::Take(crate::worker::TakeError::Lost {
+                    path: record_path(&snap.id),
+                    index: snap.modify_index,
+                })
+            }
+            e => OpError::Take(e.into()),
+        })
 }
 
 async fn write(
     client: &crate::nomad::Client,
     snap: &SnapshotRecord,
-) -> Result<SnapshotRecord, String> {
-    let var = crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index)
-        .await
-        .map_err(|e| e.to_string())?;
-    SnapshotRecord::from_variable(&var).map_err(|e| e.to_string())
+) -> Result<SnapshotRecord, OpError> {
+    let var = crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index).await?;
+    Ok(SnapshotRecord::from_variable(&var)?)
 }
 
 #[cfg(test)]

@@ -43,6 +43,30 @@ pub enum TakeError {
     Nomad(#[from] NomadError),
 }
 
+/// Why a storage operation (snapshot, expand) did not complete on this node.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// The check-and-set write lost (another node took it), or Nomad failed.
+    #[error(transparent)]
+    Take(#[from] TakeError),
+    /// The plugin call timed out: its outcome is unknown; the same node calls again.
+    #[error("{0}")]
+    Uncertain(String),
+    /// A plugin call failed where no record keeps the failure (a delete); retried.
+    #[error("{0}")]
+    Plugin(String),
+    /// A record read back from Nomad is not valid.
+    #[error(transparent)]
+    Record(#[from] crate::volume::RecordError),
+}
+
+impl OpError {
+    /// True when another node took the operation first (not worth a warning).
+    pub fn is_lost(&self) -> bool {
+        matches!(self, OpError::Take(TakeError::Lost { .. }))
+    }
+}
+
 /// Writes `var` if its ModifyIndex is still `index` (0 = must not exist yet).
 pub async fn put_cas(client: &Client, var: &Variable, index: u64) -> Result<Variable, TakeError> {
     client
