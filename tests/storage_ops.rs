@@ -259,3 +259,126 @@ async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
     );
     unpublish(&runner, &n1, &vol, &t1).await;
 }
+
+/// The CLI: `volume snapshot create|list|delete`, growth and shrink through `volume create`,
+/// and an operation the plugin does not declare refused before anything is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_and_growth_commands_record_requests_and_refuse_what_cannot_be_done() {
+    let c = Cluster::start(0).await;
+    let client = Client::new(&Args::parse_from(["t", "--address", &c.server]).nomad).unwrap();
+    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60));
+    let n1 = node(&c, "node-1");
+    let images = c.sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let spec = format!(
+        "name = \"data\"\nplugin_id = \"ext4\"\ncapacity_min = \"64MiB\"\nparameters {{\n dir = \"{}\"\n}}\n",
+        images.display()
+    );
+    create(&client, &runner, &n1, &spec).await;
+    let plugins = repo().join("plugins");
+    let plugins = plugins.to_str().unwrap();
+
+    let (code, out) = c.cli(&[
+        "volume",
+        "snapshot",
+        "create",
+        "data",
+        "nightly",
+        "--detach",
+        "--plugin-dir",
+        plugins,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let id = out
+        .split_whitespace()
+        .find(|w| uuid::Uuid::parse_str(w).is_ok())
+        .unwrap_or_else(|| panic!("no snapshot ID in {out}"))
+        .to_string();
+    let (code, out) = c.cli(&["volume", "snapshot", "list", "data"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&id) && out.contains("nightly") && out.contains("false (pending)"),
+        "{out}"
+    );
+    let (code, out) = c.cli(&["volume", "status", "data"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("Snapshots") && out.contains(&id), "{out}");
+
+    // Growing records an expansion request; shrinking is refused with the reason.
+    let path = c.sb.join("data.hcl");
+    std::fs::write(&path, spec.replace("64MiB", "32MiB")).unwrap();
+    let (code, out) = c.cli(&[
+        "volume",
+        "create",
+        path.to_str().unwrap(),
+        "--detach",
+        "--plugin-dir",
+        plugins,
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("cannot shrink"), "{out}");
+    std::fs::write(&path, spec.replace("64MiB", "128MiB")).unwrap();
+    let (code, out) = c.cli(&[
+        "volume",
+        "create",
+        path.to_str().unwrap(),
+        "--detach",
+        "--plugin-dir",
+        plugins,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("Expansion of volume default/data"), "{out}");
+    let rec = read(&client, "data").await;
+    assert_eq!(rec.expansion, Some(Expansion::requested(128 << 20)));
+    let (_, out) = c.cli(&["volume", "status", "data"]);
+    assert!(
+        out.contains("Operation       = expand to 134217728 bytes: requested"),
+        "{out}"
+    );
+    // The same spec again: nothing new.
+    std::fs::write(&path, &spec).unwrap();
+    let (code, out) = c.cli(&[
+        "volume",
+        "create",
+        path.to_str().unwrap(),
+        "--detach",
+        "--plugin-dir",
+        plugins,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("already exists with this spec"), "{out}");
+
+    // A pending snapshot the plugin never made is deleted at once.
+    let (code, out) = c.cli(&["volume", "snapshot", "delete", &id, "--detach"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(client
+        .variable("default", &snapshot::record_path(&id))
+        .await
+        .unwrap()
+        .is_none());
+
+    // webdav declares nothing: refused before any record, naming plugin and capability.
+    let (wspec, _) = volume::parse_spec("name = \"remote\"\nplugin_id = \"webdav\"").unwrap();
+    let mut w = VolumeRecord::new(wspec, Default::default());
+    w.state = VolumeState::Ready;
+    client
+        .put_variable(&w.to_variable(), Some(0))
+        .await
+        .unwrap();
+    let (code, out) = c.cli(&[
+        "volume",
+        "snapshot",
+        "create",
+        "remote",
+        "--detach",
+        "--plugin-dir",
+        plugins,
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("plugin \"webdav\" does not support snapshot"),
+        "{out}"
+    );
+    let (_, out) = c.cli(&["volume", "snapshot", "list"]);
+    assert!(!out.contains("remote"), "{out}");
+}
