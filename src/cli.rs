@@ -94,7 +94,7 @@ pub enum PluginCommand {
         /// Scratch directory (default: a new one under the temporary directory, removed after).
         #[arg(long)]
         scratch: Option<PathBuf>,
-        /// A storage root of the test node (DHV_ROOTS), besides the scratch volumes dir and
+        /// A storage root of the test node (DHV_ALLOWED_ROOTS), besides the scratch volumes dir and
         /// the absolute paths given as parameters; repeatable.
         #[arg(long = "storage-root")]
         roots: Vec<PathBuf>,

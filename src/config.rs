@@ -117,7 +117,7 @@ pub struct AgentConfig {
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,
     /// Directories the node's plugins may keep storage under (exports, image directories),
-    /// besides the volumes dir: handed to every plugin call as `DHV_ROOTS`; a plugin refuses
+    /// besides the volumes dir: handed to every plugin call as `DHV_ALLOWED_ROOTS`; a plugin refuses
     /// any path outside them, whatever a volume record says (docs/plugin-protocol.md).
     #[arg(
         long = "storage-root",
@@ -210,7 +210,7 @@ impl AgentConfig {
             .unwrap_or_else(|| self.state_dir.join("volumes"))
     }
 
-    /// `DHV_ROOTS` for plugins: the volumes dir, then every `--storage-root`.
+    /// `DHV_ALLOWED_ROOTS` for plugins: the volumes dir, then every `--storage-root`.
     pub fn plugin_roots(&self) -> Vec<PathBuf> {
         let mut roots = vec![self.volumes_dir()];
         roots.extend(self.storage_roots.iter().cloned());

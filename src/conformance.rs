@@ -40,7 +40,7 @@ pub struct Options {
     pub timeout: Duration,
     /// Scratch directory (volumes dir and targets); removed afterwards when created here.
     pub scratch: Option<PathBuf>,
-    /// Storage roots of the test node (`DHV_ROOTS`), besides the scratch volumes dir and
+    /// Storage roots of the test node (`DHV_ALLOWED_ROOTS`), besides the scratch volumes dir and
     /// every parameter value that is an absolute path (the test volume's own storage).
     pub roots: Vec<PathBuf>,
 }

@@ -582,20 +582,19 @@ pub struct NodeEnv {
     pub node_pool: String,
     pub volumes_dir: PathBuf,
     pub plugin_dir: PathBuf,
-    /// The node's storage roots (`DHV_ROOTS`): the volumes dir and every `--storage-root`.
+    /// The node's storage roots (`DHV_ALLOWED_ROOTS`): the volumes dir and every `--storage-root`.
     pub roots: Vec<PathBuf>,
 }
 
-/// `DHV_ROOTS`: a JSON array of the node's storage roots.
+/// `DHV_ALLOWED_ROOTS`: the node's storage roots, `:`-joined (the name and shape `security`'s
+/// `plugin::Runner::with_allowed_roots` uses; the plugins also always allow the volumes dir).
 pub fn roots_env(node: &NodeEnv) -> (String, String) {
-    (
-        "DHV_ROOTS".into(),
-        serde_json::to_string(&node.roots).unwrap_or_else(|_| "[]".into()),
-    )
+    let roots: Vec<String> = node.roots.iter().map(|r| r.display().to_string()).collect();
+    ("DHV_ALLOWED_ROOTS".into(), roots.join(":"))
 }
 
 /// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
-/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`, `DHV_ROOTS`.
+/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`, `DHV_ALLOWED_ROOTS`.
 pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
     vec![
         (

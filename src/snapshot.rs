@@ -575,8 +575,8 @@ mod tests {
         assert_eq!(get(&env, "DHV_SECRETS"), r#"{"key":"s3cret"}"#);
         assert_eq!(get(&env, "DHV_CONTEXT"), vol.context.to_string());
         assert_eq!(
-            get(&env, "DHV_ROOTS"),
-            r#"["/var/lib/dhv-binder/volumes","/srv/images"]"#
+            get(&env, "DHV_ALLOWED_ROOTS"),
+            "/var/lib/dhv-binder/volumes:/srv/images"
         );
         let env = create_env(&node(), &vol, &snap, None);
         assert_eq!(get(&env, "DHV_TARGET_PATH"), "");

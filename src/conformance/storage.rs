@@ -75,7 +75,7 @@ pub(super) async fn json_input_rule(kit: &mut Kit) {
     let odd: Vec<(String, String)> = env
         .iter()
         .map(|(k, v)| {
-            if k == "DHV_PARAMETERS" || k == "DHV_SECRETS" || k == "DHV_ROOTS" {
+            if k == "DHV_PARAMETERS" || k == "DHV_SECRETS" {
                 (k.clone(), reencode(v))
             } else {
                 (k.clone(), v.clone())
@@ -94,7 +94,7 @@ pub(super) async fn json_input_rule(kit: &mut Kit) {
         (Ok(a), Ok(b)) if a == b => kit.report.push(
             rule,
             true,
-            "create with DHV_PARAMETERS, DHV_SECRETS and DHV_ROOTS pretty-printed and '/' escaped as '\\/' gave the same context",
+            "create with DHV_PARAMETERS and DHV_SECRETS pretty-printed and '/' escaped as '\\/' gave the same context",
         ),
         (Ok(a), Ok(b)) => kit.report.push(
             rule,
