@@ -461,15 +461,16 @@ async fn expand_rule(kit: &mut Kit) {
     kit.report.push("expand", ok, outcome.unwrap_or_else(|e| e));
 }
 
-/// Replaces every absolute path in `v` with the victim of the same kind (`.img` file or dir)
-/// under `base` (the outside directory, reached directly, through `..` or a symlink).
-fn plant(v: &serde_json::Value, base: &Path) -> (serde_json::Value, usize) {
+/// Replaces every absolute path in `v` with the victim of the same kind (`<name>.img` file or
+/// `<name>` dir, named like the volume's own storage) under `base` (the outside directory,
+/// reached directly, through `..` or a symlink).
+fn plant(v: &serde_json::Value, base: &Path, name: &str) -> (serde_json::Value, usize) {
     match v {
         serde_json::Value::String(s) if s.starts_with('/') => {
             let kind = if s.ends_with(".img") {
-                "victim.img"
+                format!("{name}.img")
             } else {
-                "victim"
+                name.to_string()
             };
             (
                 serde_json::Value::String(base.join(kind).display().to_string()),
@@ -481,7 +482,7 @@ fn plant(v: &serde_json::Value, base: &Path) -> (serde_json::Value, usize) {
             let out = m
                 .iter()
                 .map(|(k, x)| {
-                    let (y, c) = plant(x, base);
+                    let (y, c) = plant(x, base, name);
                     n += c;
                     (k.clone(), y)
                 })
@@ -493,9 +494,9 @@ fn plant(v: &serde_json::Value, base: &Path) -> (serde_json::Value, usize) {
 }
 
 /// The victims' state: the directory's listing and file, and the image file's bytes.
-fn victims(outside: &Path) -> String {
+fn victims(outside: &Path, name: &str) -> String {
     let mut s = String::new();
-    for p in [outside.join("victim"), outside.to_path_buf()] {
+    for p in [outside.join(name), outside.to_path_buf()] {
         let mut names: Vec<String> = std::fs::read_dir(&p)
             .map(|rd| {
                 rd.filter_map(|e| e.ok())
@@ -506,8 +507,8 @@ fn victims(outside: &Path) -> String {
         names.sort();
         s.push_str(&format!("{}: {names:?}; ", p.display()));
     }
-    s.push_str(&std::fs::read_to_string(outside.join("victim/precious")).unwrap_or_default());
-    s.push_str(&std::fs::read_to_string(outside.join("victim.img")).unwrap_or_default());
+    s.push_str(&std::fs::read_to_string(outside.join(name).join("precious")).unwrap_or_default());
+    s.push_str(&std::fs::read_to_string(outside.join(format!("{name}.img"))).unwrap_or_default());
     s
 }
 
@@ -518,10 +519,12 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
     let rule = "paths confined";
     let outside = kit.scratch.join("outside");
     let link = kit.node.volumes_dir.join("kit-escape");
+    // Victims named like the volume's own storage (its ID): only the roots can refuse them.
+    let name = kit.rec.id.clone();
     let prepared = (|| -> std::io::Result<()> {
-        std::fs::create_dir_all(outside.join("victim"))?;
-        std::fs::write(outside.join("victim/precious"), "precious")?;
-        std::fs::write(outside.join("victim.img"), "precious image")?;
+        std::fs::create_dir_all(outside.join(&name))?;
+        std::fs::write(outside.join(&name).join("precious"), "precious")?;
+        std::fs::write(outside.join(format!("{name}.img")), "precious image")?;
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(&outside, &link)
     })();
@@ -530,7 +533,7 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
             .push(rule, false, format!("cannot prepare the victims: {e}"));
         return;
     }
-    let before = victims(&outside);
+    let before = victims(&outside, &name);
     // The victims reached directly, through a '..' detour, and through a symlink in a root.
     let escapes = [
         ("outside the roots", outside.clone()),
@@ -546,7 +549,7 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
     for (how, base) in &escapes {
         // A planted create context: publish must fail with nothing mounted; delete (and
         // expand, snapshot_create when declared) must leave the victims alone.
-        let (ctx, n) = plant(&kit.rec.context, base);
+        let (ctx, n) = plant(&kit.rec.context, base, &name);
         if n > 0 {
             planted_any = true;
             let mut bad = kit.rec.clone();
@@ -570,7 +573,7 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
                 let env = snapshot::create_env(&kit.node, &bad, &snap, None);
                 kit.call(Operation::SnapshotCreate, &env).await;
             }
-            let intact = victims(&outside) == before;
+            let intact = victims(&outside, &name) == before;
             ok &= !p.ok() && !mounted && intact;
             notes.push(format!(
                 "context {how}: publish {}{}, delete {}, victims {}",
@@ -582,14 +585,14 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
         }
         // Planted parameters: create must not make anything outside.
         let params = serde_json::to_value(&kit.rec.spec.parameters).unwrap_or_default();
-        let (planted, n) = plant(&params, base);
+        let (planted, n) = plant(&params, base, &name);
         if n > 0 {
             planted_any = true;
             let mut bad = other_volume(kit, "conformance-planted", VolumeSource::Empty);
             bad.spec.parameters = serde_json::from_value(planted).unwrap_or_default();
             let env = executor::create_env(&kit.node, &bad);
             let c = kit.call(Operation::Create, &env).await;
-            let intact = victims(&outside) == before;
+            let intact = victims(&outside, &name) == before;
             ok &= !c.ok() && intact;
             notes.push(format!(
                 "parameters {how}: create {}, victims {}",
