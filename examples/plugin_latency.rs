@@ -10,7 +10,7 @@
 //! Arguments after the round count: `KEY=VALUE` parameters, `secret:KEY=VALUE` secrets,
 //! `capacity=BYTES`.
 
-use dhv_binder::executor::{self, NodeEnv};
+use dhv_binder::environment::{self, NodeEnv};
 use dhv_binder::journal::{MountRecord, MountState};
 use dhv_binder::plugin::{self, CreateResult, Operation, PublishResult, Runner};
 use dhv_binder::volume::{Capability, VolumeRecord, VolumeSpec};
@@ -82,7 +82,7 @@ async fn main() -> anyhow::Result<()> {
         .call(
             &id,
             Operation::Create,
-            &executor::create_env(&node, &rec),
+            &environment::create_env(&node, &rec),
             &rec.secrets,
         )
         .await?;
@@ -90,7 +90,7 @@ async fn main() -> anyhow::Result<()> {
     let target = scratch.join("t");
     let (mut pubs, mut unpubs) = (Vec::new(), Vec::new());
     for i in 0..rounds {
-        let env = executor::publish_env(&node, &rec, &target, false, "bench");
+        let env = environment::publish_env(&node, &rec, &target, false, "bench");
         let t = Instant::now();
         let out = runner
             .call(&id, Operation::Publish, &env, &rec.secrets)
@@ -110,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
             last_error: String::new(),
             claim_id: None,
         };
-        let env = executor::unpublish_env(&node, &m, Some(&rec));
+        let env = environment::unpublish_env(&node, &m, Some(&rec));
         let t = Instant::now();
         runner
             .call(&id, Operation::Unpublish, &env, &rec.secrets)
@@ -121,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         .call(
             &id,
             Operation::Delete,
-            &executor::delete_env(&node, &rec),
+            &environment::delete_env(&node, &rec),
             &rec.secrets,
         )
         .await?;

@@ -1,18 +1,44 @@
 # dhv-binder: the per-node daemon, as a Nomad system job (one allocation on every client).
 #
+# The task fetches a release (binary plus the reference plugins) through an `artifact`
+# block, checked against its SHA-256; see docs/operations.md ("Packaging").
+#
 # Before running it:
-# 1. Install the binary on every client as /usr/local/bin/dhv-binder and put volume plugins in
-#    /opt/dhv-binder/plugins (see plugins/).
+# 1. Set `release_url` and `release_sha256` below (or pass -var) to the release you host
+#    (`scripts/release` builds it). The daemon uses the plugins shipped in the release;
+#    to use site plugins instead, point DHV_BINDER_PLUGIN_DIR at a client directory such as
+#    /opt/dhv-binder/plugins.
 # 2. Give every client the static host volume that carries the daemon's socket to prestart
-#    tasks (client agent configuration):
+#    tasks. Its directory must exist before the Nomad client starts (a missing static
+#    host_volume path stops the client), so it lives on persistent storage, not on tmpfs:
+#      install -d -m 0755 /var/lib/dhv-binder/socket
+#    and in the client agent configuration:
 #      client {
 #        host_volume "dhv-binder-socket" {
-#          path      = "/run/dhv-binder"
+#          path      = "/var/lib/dhv-binder/socket"
 #          read_only = true
 #        }
 #      }
 # 3. Attach the policy to this job's workload identity:
 #      nomad acl policy apply -namespace default -job dhv-binder dhv-binder jobspecs/dhv-binder-policy.hcl
+#
+# The daemon talks to its local Nomad agent through the Task API socket
+# (${NOMAD_SECRETS_DIR}/api.sock), authenticated by this task's workload identity: no
+# address, CA or client certificate to configure, with or without mTLS. To use TCP instead,
+# set NOMAD_ADDR (and NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY) in the env block.
+
+variable "release_url" {
+  description = "URL of the release archive (dhv-binder_<version>_linux_<arch>.tar.gz)"
+  type        = string
+  default     = "https://releases.example.com/dhv-binder/0.1.0/dhv-binder_0.1.0_linux_amd64.tar.gz"
+}
+
+variable "release_sha256" {
+  description = "SHA-256 of that archive (from its SHA256SUMS)"
+  type        = string
+  default     = "0000000000000000000000000000000000000000000000000000000000000000"
+}
+
 job "dhv-binder" {
   type        = "system"
   namespace   = "default"
@@ -33,8 +59,18 @@ job "dhv-binder" {
       # bind mounts into tasks find them. Enable raw_exec on the clients for this job.
       driver = "raw_exec"
 
+      # The release unpacks to local/dhv-binder/{dhv-binder,plugins/}. go-getter checks the
+      # archive against the checksum before unpacking; a mismatch fails the task.
+      artifact {
+        source      = var.release_url
+        destination = "local/"
+        options {
+          checksum = "sha256:${var.release_sha256}"
+        }
+      }
+
       config {
-        command = "/usr/local/bin/dhv-binder"
+        command = "local/dhv-binder/dhv-binder"
         args    = ["agent"]
       }
 
@@ -44,14 +80,17 @@ job "dhv-binder" {
       }
 
       env {
-        NOMAD_ADDR             = "http://127.0.0.1:4646"
+        NOMAD_ADDR             = "unix://${NOMAD_SECRETS_DIR}/api.sock"
         DHV_BINDER_STATE_DIR   = "/var/lib/dhv-binder"
-        DHV_BINDER_SOCKET      = "/run/dhv-binder/api.sock"
-        DHV_BINDER_PLUGIN_DIR  = "/opt/dhv-binder/plugins"
+        DHV_BINDER_SOCKET      = "/var/lib/dhv-binder/socket/api.sock"
+        DHV_BINDER_PLUGIN_DIR  = "${NOMAD_TASK_DIR}/dhv-binder/plugins"
         # Where plugins may keep storage (bind's export, ext4's images), ':'-separated; a
         # path in a volume record outside these and the volumes dir is refused.
         DHV_BINDER_STORAGE_ROOTS = "/srv/dhv-exports"
         DHV_BINDER_LOG         = "info"
+        DHV_BINDER_LOG_FORMAT  = "json"
+        # Prometheus metrics on the node's loopback only (unset to turn them off).
+        DHV_BINDER_METRICS_ADDR = "127.0.0.1:9464"
       }
 
       # Published volumes stay mounted while the daemon restarts or upgrades; a plugin call

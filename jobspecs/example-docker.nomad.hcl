@@ -1,5 +1,9 @@
 # The example job for the docker driver. The prestart task needs no dhv-binder binary:
 # it calls the daemon's socket with curl and the task's workload identity token.
+# It uses only what the official curl image (curlimages/curl, built by curl/curl-container:
+# Alpine with busybox /bin/sh, curl built from source, runs as the unprivileged curl_user)
+# has: /bin/sh, curl's --unix-socket, --fail-with-body (curl 7.76+), --retry-connrefused;
+# the daemon's socket is mode 0666, so curl_user may connect to it.
 job "shared-data-demo-docker" {
   type        = "service"
   datacenters = ["*"]

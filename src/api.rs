@@ -28,40 +28,93 @@ pub const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Default publish wait when the caller gives none.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(300);
 
-/// An error answered to an API caller. One exhaustive match maps each to its status.
+/// Why a call on the local API did not succeed: one variant per reason, in the caller's
+/// terms. [`ApiError::status`] is the one place that maps reasons to HTTP statuses.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum ApiError {
+    #[error("{0:?} is not an allocation ID (a lower-case UUID)")]
+    NotAnAllocId(String),
+    #[error("wait={value:?} is not a duration: {reason}")]
+    BadWait { value: String, reason: String },
+    #[error("no such endpoint: {0}")]
+    NoSuchEndpoint(String),
+    #[error("method {0} not allowed")]
+    MethodNotAllowed(String),
+    #[error("no workload identity token: send the task's NOMAD_TOKEN as `Authorization: Bearer` (set identity {{ env = true }} on the prestart task)")]
+    NoToken,
+    /// The token did not verify (signature, audience, expiry, claims).
     #[error("{0}")]
-    BadRequest(String),
+    TokenRejected(String),
+    /// The keys to verify tokens with could not be fetched from Nomad.
     #[error("{0}")]
-    Unauthenticated(String),
+    KeysUnavailable(String),
+    #[error("the token belongs to allocation {token_alloc}, not {alloc_id}: a task may only publish for its own allocation")]
+    OtherAllocation {
+        token_alloc: String,
+        alloc_id: String,
+    },
+    #[error("the token is for namespace {token}, the allocation runs in {alloc}")]
+    WrongNamespace { token: String, alloc: String },
+    #[error("allocation {alloc_id} runs on node {node}, not on this node {here}")]
+    OtherNode {
+        alloc_id: String,
+        node: String,
+        here: String,
+    },
+    #[error("status is for root on this node (run `dhv-binder status` as root)")]
+    NotRoot,
+    #[error("allocation {alloc_id} does not exist in Nomad")]
+    UnknownAllocation { alloc_id: String },
+    #[error("allocation {alloc_id} is {client_status} (desired {desired_status}): nothing is published for it")]
+    AllocationStopped {
+        alloc_id: String,
+        client_status: String,
+        desired_status: String,
+    },
+    #[error("publishing volume {volume} failed: {error}")]
+    PublishFailed {
+        volume: crate::volume::VolumeKey,
+        error: String,
+    },
+    /// A volume waits for something outside the agent (a plugin, a claim).
     #[error("{0}")]
-    Forbidden(String),
+    Waiting(String),
+    /// Nomad could not be asked about the allocation.
     #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    Conflict(String),
-    /// Worth retrying: the agent is starting, a plugin is missing or failed, Nomad is down.
-    #[error("{0}")]
-    Unavailable(String),
-    #[error("{0}")]
-    Timeout(String),
-    #[error("{0}")]
-    Internal(String),
+    Nomad(String),
+    /// The journal could not record the outcome.
+    #[error("the agent cannot write its journal: {0}")]
+    Journal(String),
+    #[error("the agent is shutting down")]
+    ShuttingDown,
+    #[error("allocation {alloc_id} is not known on this node yet")]
+    AllocationNotSeen { alloc_id: String },
+    #[error("volumes of allocation {alloc_id} were not published in time")]
+    NotPublishedInTime { alloc_id: String },
 }
 
 impl ApiError {
-    /// The HTTP status and whether the caller should retry.
+    /// The HTTP status and whether the caller should retry: the one place that decides.
     pub fn status(&self) -> (StatusCode, bool) {
+        use ApiError::*;
         match self {
-            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, false),
-            ApiError::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, false),
-            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, false),
-            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, false),
-            ApiError::Conflict(_) => (StatusCode::CONFLICT, false),
-            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, true),
-            ApiError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, true),
-            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, true),
+            NotAnAllocId(_) | BadWait { .. } => (StatusCode::BAD_REQUEST, false),
+            MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, false),
+            NoToken => (StatusCode::UNAUTHORIZED, false),
+            TokenRejected(_)
+            | OtherAllocation { .. }
+            | WrongNamespace { .. }
+            | OtherNode { .. }
+            | NotRoot => (StatusCode::FORBIDDEN, false),
+            NoSuchEndpoint(_) | UnknownAllocation { .. } => (StatusCode::NOT_FOUND, false),
+            AllocationStopped { .. } => (StatusCode::CONFLICT, false),
+            KeysUnavailable(_) | PublishFailed { .. } | Waiting(_) | Nomad(_) | ShuttingDown => {
+                (StatusCode::SERVICE_UNAVAILABLE, true)
+            }
+            AllocationNotSeen { .. } | NotPublishedInTime { .. } => {
+                (StatusCode::GATEWAY_TIMEOUT, true)
+            }
+            Journal(_) => (StatusCode::INTERNAL_SERVER_ERROR, true),
         }
     }
 }
@@ -89,14 +142,22 @@ pub struct PublishReply {
     pub volumes: Vec<PublishedVolume>,
 }
 
+/// A verified caller's publish request.
+#[derive(Debug, Clone)]
+pub struct PublishRequest {
+    pub alloc_id: String,
+    /// The namespace of the caller's workload identity.
+    pub namespace: String,
+    /// How long the caller waits at most.
+    pub wait: Duration,
+}
+
 /// A request for the agent's owner loop.
 #[derive(Debug)]
 pub enum Request2Agent {
     /// Publish for a verified caller; the reply comes when done, failed or timed out.
     Publish {
-        alloc_id: String,
-        claims: Claims,
-        wait: Duration,
+        request: PublishRequest,
         reply: oneshot::Sender<Result<PublishReply, ApiError>>,
     },
     /// The status document.
@@ -223,7 +284,10 @@ fn wait_of(req: &Request<Incoming>) -> Result<Duration, ApiError> {
         if let Some(v) = pair.strip_prefix("wait=") {
             return humantime::parse_duration(v)
                 .map(|d| d.min(MAX_WAIT))
-                .map_err(|e| ApiError::BadRequest(format!("wait={v:?} is not a duration: {e}")));
+                .map_err(|e| ApiError::BadWait {
+                    value: v.to_string(),
+                    reason: e.to_string(),
+                });
         }
     }
     Ok(DEFAULT_WAIT)
@@ -242,9 +306,7 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>, peer_uid: Option<u32>) -> Res
         }
         (&Method::GET, ["v1", "status"]) => {
             if peer_uid != Some(0) {
-                return error(ApiError::Forbidden(
-                    "status is for root on this node (run `dhv-binder status` as root)".into(),
-                ));
+                return error(ApiError::NotRoot);
             }
             let (tx, rx) = oneshot::channel();
             if ctx
@@ -253,25 +315,20 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>, peer_uid: Option<u32>) -> Res
                 .await
                 .is_err()
             {
-                return error(ApiError::Unavailable("the agent is shutting down".into()));
+                return error(ApiError::ShuttingDown);
             }
             match rx.await {
                 Ok(v) => json(StatusCode::OK, &v),
-                Err(_) => error(ApiError::Unavailable("the agent is shutting down".into())),
+                Err(_) => error(ApiError::ShuttingDown),
             }
         }
         (&Method::GET, ["v1", "health"]) => {
             json(StatusCode::OK, &serde_json::json!({"ready": true}))
         }
         (_, ["v1", "allocations", _, "publish"]) | (_, ["v1", "status"]) => {
-            let mut r = error(ApiError::BadRequest(format!(
-                "method {} not allowed",
-                req.method()
-            )));
-            *r.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
-            r
+            error(ApiError::MethodNotAllowed(req.method().to_string()))
         }
-        _ => error(ApiError::NotFound(format!("no such endpoint: {path}"))),
+        _ => error(ApiError::NoSuchEndpoint(path)),
     }
 }
 
@@ -281,38 +338,31 @@ async fn publish(
     alloc_id: String,
 ) -> Result<PublishReply, ApiError> {
     if !is_alloc_id(&alloc_id) {
-        return Err(ApiError::BadRequest(format!(
-            "{alloc_id:?} is not an allocation ID (a lower-case UUID)"
-        )));
+        return Err(ApiError::NotAnAllocId(alloc_id));
     }
     let wait = wait_of(req)?;
-    let token = token_of(req).ok_or_else(|| {
-        ApiError::Unauthenticated(
-            "no workload identity token: send the task's NOMAD_TOKEN as `Authorization: Bearer` (set identity { env = true } on the prestart task)".into(),
-        )
-    })?;
-    let claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
-        crate::identity::IdentityError::Jwks(_) => ApiError::Unavailable(e.to_string()),
-        _ => ApiError::Forbidden(e.to_string()),
+    let token = token_of(req).ok_or(ApiError::NoToken)?;
+    let claims: Claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
+        crate::identity::IdentityError::Jwks(_) => ApiError::KeysUnavailable(e.to_string()),
+        _ => ApiError::TokenRejected(e.to_string()),
     })?;
     if claims.nomad_allocation_id != alloc_id {
-        return Err(ApiError::Forbidden(format!(
-            "the token belongs to allocation {}, not {alloc_id}: a task may only publish for its own allocation",
-            claims.nomad_allocation_id
-        )));
+        return Err(ApiError::OtherAllocation {
+            token_alloc: claims.nomad_allocation_id,
+            alloc_id,
+        });
     }
     let (tx, rx) = oneshot::channel();
+    let request = PublishRequest {
+        alloc_id,
+        namespace: claims.nomad_namespace,
+        wait,
+    };
     ctx.agent
-        .send(Request2Agent::Publish {
-            alloc_id,
-            claims,
-            wait,
-            reply: tx,
-        })
+        .send(Request2Agent::Publish { request, reply: tx })
         .await
-        .map_err(|_| ApiError::Unavailable("the agent is shutting down".into()))?;
-    rx.await
-        .map_err(|_| ApiError::Unavailable("the agent is shutting down".into()))?
+        .map_err(|_| ApiError::ShuttingDown)?;
+    rx.await.map_err(|_| ApiError::ShuttingDown)?
 }
 
 /// Client side of the API, for `dhv-binder prestart` and `dhv-binder status`.

@@ -7,7 +7,7 @@
 //! take it. A node that finds its claim lost unpublishes before anything else.
 
 use crate::nomad::types::{Variable, VariableLock};
-use crate::nomad::{Client, NomadError};
+use crate::nomad::{Client, LockOp, NomadError};
 use crate::volume::{encode_name, VolumeKey};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -29,7 +29,8 @@ pub fn claim_path(name: &str) -> String {
 /// Claim timing.
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimSettings {
-    /// Lock TTL; renewed every TTL/3.
+    /// Lock TTL (Nomad accepts 10 s..=24 h); renewed every TTL/3. Nomad keeps a silent
+    /// holder's lock for 2×TTL, then for the lock delay.
     pub ttl: Duration,
     /// Nomad's lock delay after a TTL expiry, before anyone may acquire again.
     pub lock_delay: Duration,
@@ -85,7 +86,7 @@ pub async fn acquire(
         lock_delay: go_duration(settings.lock_delay).into(),
     };
     match client
-        .lock_op("lock-acquire", &var(volume, items, lock))
+        .lock_op(LockOp::Acquire, &var(volume, items, lock))
         .await
     {
         Ok(v) => match v.lock.filter(|l| !l.id.is_empty()) {
@@ -100,18 +101,23 @@ pub async fn acquire(
             }),
         },
         Err(NomadError::CasConflict { .. }) => {
-            // Name the holder for the operator; best effort.
+            // Name the holder for the operator, best effort, from the Items every reader sees:
+            // Nomad hides `Lock` from non-management tokens (`Variables.Read`), and the 409
+            // body names only the path. Items keep the last holder through its lock delay.
             let holder = match client
                 .variable(&volume.namespace, &claim_path(&volume.name))
                 .await
             {
-                Ok(Some(v)) if v.lock.as_ref().is_some_and(|l| !l.id.is_empty()) => v
+                Ok(Some(v)) => v
                     .items
                     .get("node_id")
-                    .map(|n| format!("node {n}"))
+                    .map(|n| {
+                        format!(
+                            "node {n} (or the claim is in its lock delay after that node lost it)"
+                        )
+                    })
                     .unwrap_or_else(|| "another node".into()),
-                Ok(_) => "nobody (the lock is in its lock-delay period after an expiry)".into(),
-                Err(_) => "another node".into(),
+                Ok(None) | Err(_) => "another node".into(),
             };
             Err(ClaimError::Held {
                 volume: volume.clone(),
@@ -132,7 +138,7 @@ pub async fn renew(client: &Client, volume: &VolumeKey, lock_id: &str) -> Result
         ..Default::default()
     };
     match client
-        .lock_op("lock-renew", &var(volume, BTreeMap::new(), lock))
+        .lock_op(LockOp::Renew, &var(volume, BTreeMap::new(), lock))
         .await
     {
         Ok(_) => Ok(()),
@@ -153,10 +159,17 @@ pub async fn release(client: &Client, volume: &VolumeKey, lock_id: &str) -> Resu
         ..Default::default()
     };
     match client
-        .lock_op("lock-release", &var(volume, BTreeMap::new(), lock))
+        .lock_op(LockOp::Release, &var(volume, BTreeMap::new(), lock))
         .await
     {
         Ok(_) | Err(NomadError::CasConflict { .. }) => Ok(()),
+        // `VarLockRelease` (nomad/state/state_store_variables.go) answers an uncoded error
+        // (HTTP 500) when the variable or its lock is already gone: released.
+        Err(NomadError::Status {
+            status: 500, body, ..
+        }) if body.contains("doesn't hold a lock") || body.contains("variable doesn't exist") => {
+            Ok(())
+        }
         Err(source) => Err(ClaimError::Nomad {
             volume: volume.clone(),
             source,

@@ -59,11 +59,13 @@ pub struct AgentConfig {
         default_value = "/var/lib/dhv-binder"
     )]
     pub state_dir: PathBuf,
-    /// Unix socket of the local API that prestart tasks call.
+    /// Unix socket of the local API that prestart tasks call. Its directory is the
+    /// `dhv-binder-socket` static host volume: on persistent storage, because a Nomad client
+    /// refuses to start when a static host volume's path is missing (after a reboot, tmpfs).
     #[arg(
         long,
         env = "DHV_BINDER_SOCKET",
-        default_value = "/run/dhv-binder/api.sock"
+        default_value = "/var/lib/dhv-binder/socket/api.sock"
     )]
     pub socket: PathBuf,
     /// Directory of volume plugins (executables named by plugin ID).
@@ -85,8 +87,8 @@ pub struct AgentConfig {
     pub stream_idle_timeout: Duration,
     /// Where the node's allocations come from: `poll` (blocking queries on the node's own
     /// allocation list) or `stream` (the cluster-wide event stream). See docs/scale.md.
-    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = crate::watch::WatchMode::Poll)]
-    pub watch_mode: crate::watch::WatchMode,
+    #[arg(long, env = "DHV_BINDER_WATCH_MODE", value_enum, default_value_t = WatchMode::Poll)]
+    pub watch_mode: WatchMode,
     /// File holding the Nomad token, re-read at start, on every reconnect and after every
     /// auth failure (for rotated tokens); when readable it replaces NOMAD_TOKEN.
     #[arg(long, env = "DHV_BINDER_TOKEN_FILE")]
@@ -125,6 +127,23 @@ pub struct AgentConfig {
         value_delimiter = ':'
     )]
     pub storage_roots: Vec<PathBuf>,
+    /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `127.0.0.1:9464`); off
+    /// when unset. The endpoint has no authentication: keep it on loopback.
+    #[arg(long, env = "DHV_BINDER_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Log line format: `text` for people, `json` (one object a line) for log shippers.
+    #[arg(long, env = "DHV_BINDER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// The agent's log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (coloured on a terminal).
+    #[default]
+    Text,
+    /// One JSON object a line, with the event's fields (`volume`, `alloc_id`, ...) as keys.
+    Json,
 }
 
 /// A configuration that cannot work. The CLI exits with code 64 (EX_USAGE).
@@ -132,18 +151,83 @@ pub struct AgentConfig {
 pub enum ConfigError {
     #[error("{what} must be an absolute path, got {path}")]
     NotAbsolute { what: &'static str, path: PathBuf },
-    #[error("NOMAD_ADDR must start with http:// or https://, got {0}")]
+    #[error("NOMAD_ADDR must be http://, https:// or unix:///absolute/path (the Task API socket), got {0}")]
     BadAddress(String),
     #[error("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")]
     HalfClientCert,
     #[error("{what} must be greater than zero")]
     Zero { what: &'static str },
+    /// Outside the range Nomad accepts.
+    #[error(
+        "{what} must lie between {min:?} and {max:?} (Nomad refuses other values), got {got:?}"
+    )]
+    OutOfRange {
+        what: &'static str,
+        min: Duration,
+        max: Duration,
+        got: Duration,
+    },
 }
 
+/// The URL scheme of a unix socket address.
+pub const UNIX_SCHEME: &str = "unix://";
+
+/// Where the Nomad API is: the parsed form of `NOMAD_ADDR` (how requests reach it is
+/// the Nomad client's transport's concern).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `http://host:port` or `https://host:port`: requests go to this base URL.
+    Tcp(String),
+    /// `unix:///path`: requests go over this socket, with `http://localhost` as the URL base.
+    Unix(PathBuf),
+}
+
+/// An address that is neither `http(s)://` nor `unix://` with an absolute path.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("NOMAD_ADDR must be http://, https:// or unix:///absolute/path (the Task API socket, NOMAD_UNIX_ADDR), got {0}")]
+pub struct BadAddress(pub String);
+
+impl Endpoint {
+    /// Parses a NOMAD_ADDR-style address.
+    pub fn parse(addr: &str) -> Result<Self, BadAddress> {
+        if let Some(p) = addr.strip_prefix(UNIX_SCHEME) {
+            let path = PathBuf::from(p);
+            return if path.is_absolute() {
+                Ok(Endpoint::Unix(path))
+            } else {
+                Err(BadAddress(addr.into()))
+            };
+        }
+        if addr.starts_with("http://") || addr.starts_with("https://") {
+            return Ok(Endpoint::Tcp(addr.trim_end_matches('/').to_string()));
+        }
+        Err(BadAddress(addr.into()))
+    }
+}
+
+/// The lock TTLs Nomad accepts (`nomad/structs/variables.go` `VariableLock.Validate`).
+pub const CLAIM_TTL_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(10)..=Duration::from_secs(24 * 3600);
+
 impl NomadConfig {
+    /// Settings for a plain-HTTP agent at `address` with no token, no TLS, the `default`
+    /// namespace and the agent's region: what tests and benchmarks need.
+    pub fn plain(address: &str) -> Self {
+        Self {
+            address: address.to_string(),
+            token: None,
+            region: None,
+            namespace: "default".into(),
+            ca_cert: None,
+            client_cert: None,
+            client_key: None,
+            skip_verify: false,
+        }
+    }
+
     /// Checks the settings without touching the network.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !(self.address.starts_with("http://") || self.address.starts_with("https://")) {
+        if Endpoint::parse(&self.address).is_err() {
             return Err(ConfigError::BadAddress(self.address.clone()));
         }
         if self.client_cert.is_some() != self.client_key.is_some() {
@@ -200,6 +284,20 @@ impl AgentConfig {
                 return Err(ConfigError::Zero { what });
             }
         }
+        if !CLAIM_TTL_RANGE.contains(&self.claim_ttl) {
+            return Err(ConfigError::OutOfRange {
+                what: "--claim-ttl",
+                min: *CLAIM_TTL_RANGE.start(),
+                max: *CLAIM_TTL_RANGE.end(),
+                got: self.claim_ttl,
+            });
+        }
+        // Nomad turns a zero lock delay into its 15 s default; say so rather than surprise.
+        if self.claim_lock_delay.is_zero() {
+            return Err(ConfigError::Zero {
+                what: "--claim-lock-delay",
+            });
+        }
         Ok(())
     }
 
@@ -220,5 +318,63 @@ impl AgentConfig {
     /// Root of the placeholder mount points.
     pub fn mount_root(&self) -> PathBuf {
         self.state_dir.join("mnt")
+    }
+}
+
+/// Which source of truth the watcher uses (`--watch-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchMode {
+    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
+    /// nodes; every node reads every allocation event of the cluster).
+    Stream,
+    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
+    /// node's own changes only; the default, see docs/scale.md).
+    #[default]
+    Poll,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentConfig,
+    }
+
+    fn agent(args: &[&str]) -> AgentConfig {
+        let mut argv = vec!["dhv-binder"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).expect("arguments parse").agent
+    }
+
+    #[test]
+    fn claim_ttl_must_lie_in_nomads_lock_ttl_range() {
+        assert!(agent(&[]).validate().is_ok(), "defaults are legal");
+        for ttl in ["6s", "9s", "25h"] {
+            let err = agent(&["--claim-ttl", ttl]).validate().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::OutOfRange {
+                        what: "--claim-ttl",
+                        ..
+                    }
+                ),
+                "{ttl}: {err}"
+            );
+        }
+        for ttl in ["10s", "24h"] {
+            assert!(agent(&["--claim-ttl", ttl]).validate().is_ok(), "{ttl}");
+        }
+        assert!(matches!(
+            agent(&["--claim-lock-delay", "0s"]).validate(),
+            Err(ConfigError::Zero {
+                what: "--claim-lock-delay"
+            })
+        ));
     }
 }

@@ -10,7 +10,7 @@
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
 
-use crate::executor::{self, NodeEnv};
+use crate::environment::{self, NodeEnv};
 use crate::journal::{MountRecord, MountState};
 use crate::plugin::{Operation, PluginError, Runner};
 use crate::volume::{Capability, VolumeRecord, VolumeSpec, VolumeState};
@@ -182,12 +182,7 @@ fn strict_object(stdout: &[u8]) -> Result<serde_json::Value, String> {
 }
 
 fn mount_count(target: &Path) -> usize {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|p| Path::new(p) == target)
-        .count()
+    crate::mounts::mount_count(target)
 }
 
 fn median(v: &[u64]) -> u64 {
@@ -261,7 +256,7 @@ impl Kit {
         target: &Path,
         read_only: bool,
     ) -> Vec<(String, String)> {
-        executor::publish_env(
+        environment::publish_env(
             &self.node,
             rec,
             target,
@@ -292,7 +287,7 @@ impl Kit {
             last_error: String::new(),
             claim_id: None,
         };
-        executor::unpublish_env(&self.node, &m, Some(rec))
+        environment::unpublish_env(&self.node, &m, Some(rec))
     }
 
     /// Publishes to `target` and checks the result; returns the publish context.
@@ -539,7 +534,7 @@ async fn run_rules(kit: &mut Kit) {
     storage::json_input_rule(kit).await;
 
     // create x10: same answer each time.
-    let env = executor::create_env(&kit.node, &kit.rec);
+    let env = environment::create_env(&kit.node, &kit.rec);
     let mut contexts = Vec::new();
     let mut errors = Vec::new();
     for i in 0..REPEAT {
@@ -817,7 +812,7 @@ async fn run_rules(kit: &mut Kit) {
     storage::confinement_rule(kit).await;
 
     // delete x10, then delete of a volume that never existed.
-    let denv = executor::delete_env(&kit.node, &kit.rec);
+    let denv = environment::delete_env(&kit.node, &kit.rec);
     let mut errors = Vec::new();
     for i in 0..REPEAT {
         let c = kit.call(Operation::Delete, &denv).await;
@@ -837,7 +832,7 @@ async fn run_rules(kit: &mut Kit) {
     let mut ghost = kit.rec.clone();
     ghost.id = uuid::Uuid::new_v4().to_string();
     ghost.context = serde_json::Value::Null;
-    let genv = executor::delete_env(&kit.node, &ghost);
+    let genv = environment::delete_env(&kit.node, &ghost);
     let c = kit.call(Operation::Delete, &genv).await;
     kit.report.push(
         "delete of nothing",
@@ -852,7 +847,7 @@ async fn run_rules(kit: &mut Kit) {
 
 /// Nomad's plain contract: create prints `{"path","bytes"}`, delete gets DHV_CREATED_PATH.
 async fn plain_rules(kit: &mut Kit) {
-    let env = executor::create_env(&kit.node, &kit.rec);
+    let env = environment::create_env(&kit.node, &kit.rec);
     let mut paths = Vec::new();
     let mut errors = Vec::new();
     for i in 0..REPEAT {
@@ -883,7 +878,7 @@ async fn plain_rules(kit: &mut Kit) {
         },
     );
     let created = paths.first().cloned().unwrap_or_default();
-    let mut denv = executor::delete_env(&kit.node, &kit.rec);
+    let mut denv = environment::delete_env(&kit.node, &kit.rec);
     denv.retain(|(k, _)| k != "DHV_CREATED_PATH");
     denv.push(("DHV_CREATED_PATH".into(), created));
     let mut errors = Vec::new();

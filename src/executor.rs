@@ -1,152 +1,199 @@
-//! The executor: carries out one step at a time as a spawned task (a plugin call or a Nomad
-//! call) and reports a [`Completion`] to the agent's loop. It holds no state of its own.
+//! The executor: carries out one effect (a plugin call or a Nomad call) and returns its
+//! [`Completion`], with the modules' typed errors. It holds no state of its own; the
+//! agent's shell runs these as tasks.
 
 use crate::claims::{self, ClaimError, ClaimSettings};
+use crate::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
+use crate::health::Probe;
 use crate::journal::MountRecord;
 use crate::mounts;
-use crate::nomad::types::{Allocation, HostVolume};
+use crate::nomad::types::Allocation;
+use crate::nomad::types::HostVolume;
 use crate::nomad::{Client, NomadError};
-use crate::plugin::{
-    self, CreateResult, Fingerprint, Operation, PluginError, PublishResult, Runner,
-};
-use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
+use crate::plugin::Fingerprint;
+use crate::plugin::{self, CreateResult, Operation, PluginError, PublishResult, Runner};
+use crate::volume::{RecordError, VolumeKey, VolumeRecord, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// The outcome of one executed step.
+/// The outcome of one effect.
 #[derive(Debug)]
 pub enum Completion {
+    /// `publish` ran; `Ok` carries the plugin's `context`.
     Published {
         volume: VolumeKey,
-        result: Result<serde_json::Value, String>,
+        result: Result<serde_json::Value, StepError>,
         elapsed: Duration,
     },
+    /// `unpublish` ran (and the empty target directory was removed).
     Unpublished {
         volume: VolumeKey,
-        result: Result<(), String>,
+        result: Result<(), StepError>,
     },
-    Plugins(BTreeMap<String, Result<Fingerprint, String>>),
-    PlaceholdersListed(Result<BTreeMap<VolumeKey, String>, String>),
+    /// Every plugin in the directory, fingerprinted.
+    Plugins(BTreeMap<String, Result<Fingerprint, PluginError>>),
+    /// This node's placeholder host volumes (volume → host volume ID).
+    PlaceholdersListed(Result<BTreeMap<VolumeKey, String>, NomadError>),
+    /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
     Placeholder {
         volume: VolumeKey,
-        /// `Some(id)` registered, `None` deregistered.
-        result: Result<Option<String>, String>,
+        result: Result<Option<String>, PlaceholderError>,
     },
+    /// A volume create or delete ran.
     Worker {
         volume: VolumeKey,
-        result: Result<(), String>,
+        result: Result<(), WorkerError>,
     },
+    /// A claim acquire: the lock ID.
     ClaimAcquired {
         volume: VolumeKey,
-        /// The lock ID, or (held by another node?, message).
-        result: Result<String, (bool, String)>,
+        result: Result<String, ClaimError>,
     },
     ClaimRenewed {
         volume: VolumeKey,
-        /// Err((lost?, message)).
-        result: Result<(), (bool, String)>,
+        result: Result<(), ClaimError>,
     },
     ClaimReleased {
         volume: VolumeKey,
-        result: Result<(), String>,
+        result: Result<(), ClaimError>,
     },
+    /// One allocation read from Nomad (`None`: it does not exist).
     AllocFetched {
         alloc_id: String,
-        result: Result<Option<Box<Allocation>>, String>,
+        result: Result<Option<Box<Allocation>>, NomadError>,
+    },
+    /// A published mount was probed.
+    Probed {
+        volume: VolumeKey,
+        target: PathBuf,
+        probe: Probe,
+    },
+    /// A dead mount was detached (lazy unmount).
+    Detached {
+        volume: VolumeKey,
+        result: Result<(), nix::Error>,
+    },
+    /// An allocation was restarted onto a republished mount.
+    Restarted {
+        volume: VolumeKey,
+        alloc_id: String,
+        result: Result<(), NomadError>,
     },
 }
 
-pub use crate::plugin::{identity_env, node_env, roots_env, NodeEnv};
-
-/// Environment of `create` (Nomad's create variables, plus DHV_SECRETS).
-pub fn create_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
-    let mut env = identity_env(node, rec);
-    env.push((
-        "DHV_CAPACITY_MIN_BYTES".into(),
-        rec.spec.capacity_min.to_string(),
-    ));
-    env.push((
-        "DHV_CAPACITY_MAX_BYTES".into(),
-        rec.spec.capacity_max.to_string(),
-    ));
-    env
+/// Why a `publish` or `unpublish` did not leave the node as it should be.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("cannot create {}: {source}", path.display())]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error("plugin {plugin:?} published at {path}, not at the target {}", target.display())]
+    WrongPath {
+        plugin: String,
+        path: String,
+        target: PathBuf,
+    },
+    #[error("plugin {plugin:?} reported success but {} is not a mount point", target.display())]
+    NotMounted { plugin: String, target: PathBuf },
+    #[error("plugin {plugin:?} left {count} mounts stacked on {}: a publish must not mount again over its own mount (see docs/plugin-protocol.md, idempotency)", target.display())]
+    Stacked {
+        plugin: String,
+        count: usize,
+        target: PathBuf,
+    },
+    #[error("plugin {plugin:?} reported success but {} is still a mount point", target.display())]
+    StillMounted { plugin: String, target: PathBuf },
+    #[error("cannot read the mount table to check {}: {source}", target.display())]
+    MountTable {
+        target: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-/// Environment of `delete` (Nomad's delete variables, plus DHV_CONTEXT and DHV_SECRETS).
-pub fn delete_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
-    let mut env = identity_env(node, rec);
-    env.push(("DHV_CREATED_PATH".into(), String::new()));
-    env.push(("DHV_CONTEXT".into(), rec.context.to_string()));
-    env
+/// Why a placeholder host volume could not be registered or deregistered.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaceholderError {
+    #[error("cannot create {}: {source}", path.display())]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Nomad(#[from] NomadError),
 }
 
-/// Environment of `publish`.
-pub fn publish_env(
-    node: &NodeEnv,
-    rec: &VolumeRecord,
-    target: &Path,
-    read_only: bool,
-    alloc_id: &str,
-) -> Vec<(String, String)> {
-    let mut env = create_env(node, rec);
-    let cap = rec.spec.capabilities.first();
-    env.extend([
-        ("DHV_CONTEXT".into(), rec.context.to_string()),
-        ("DHV_TARGET_PATH".into(), target.display().to_string()),
-        ("DHV_READ_ONLY".into(), read_only.to_string()),
-        (
-            "DHV_ACCESS_MODE".into(),
-            cap.map(|c| c.access_mode.clone()).unwrap_or_default(),
-        ),
-        (
-            "DHV_ATTACHMENT_MODE".into(),
-            cap.map(|c| c.attachment_mode.clone()).unwrap_or_default(),
-        ),
-        ("DHV_ALLOC_ID".into(), alloc_id.to_string()),
-    ]);
-    env
+/// Why a volume create or delete did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Another node's check-and-set write came first: it does the work.
+    #[error("another node changed the record first")]
+    TakenByOther,
+    #[error(transparent)]
+    Nomad(#[from] NomadError),
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// The plugin failed; the record says so (state `failed`, or its error for a delete).
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
 }
 
-/// Environment of `unpublish`: from the journal record (the stored target, never a
-/// recomputed one), plus the volume record when it still exists.
-pub fn unpublish_env(
-    node: &NodeEnv,
-    m: &MountRecord,
-    rec: Option<&VolumeRecord>,
-) -> Vec<(String, String)> {
-    let mut env = match rec {
-        Some(r) => identity_env(node, r),
-        None => {
-            let mut env = node_env(node);
-            env.extend([
-                ("DHV_NAMESPACE".into(), m.volume.namespace.clone()),
-                ("DHV_VOLUME_NAME".into(), m.volume.name.clone()),
-                ("DHV_VOLUME_ID".into(), m.volume_id.clone()),
-                ("DHV_PARAMETERS".into(), "null".into()),
-                ("DHV_SECRETS".into(), "{}".into()),
-            ]);
-            env
-        }
-    };
-    env.extend([
-        (
-            "DHV_CONTEXT".into(),
-            rec.map(|r| r.context.to_string())
-                .unwrap_or_else(|| "null".into()),
-        ),
-        ("DHV_TARGET_PATH".into(), m.target.display().to_string()),
-        ("DHV_READ_ONLY".into(), m.read_only.to_string()),
-        ("DHV_PUBLISH_CONTEXT".into(), m.publish_context.to_string()),
-    ]);
-    env
+/// A plugin error with the volume's secrets taken out of every text it carries.
+fn redacted(e: PluginError, secrets: &BTreeMap<String, String>) -> PluginError {
+    let r = |t: String| plugin::redact(&t, secrets);
+    match e {
+        PluginError::BadOutput {
+            plugin,
+            op,
+            reason,
+            stdout,
+        } => PluginError::BadOutput {
+            plugin,
+            op,
+            reason: r(reason),
+            stdout: r(stdout),
+        },
+        PluginError::Failed {
+            plugin,
+            op,
+            status,
+            message,
+            stderr,
+        } => PluginError::Failed {
+            plugin,
+            op,
+            status,
+            message: r(message),
+            stderr: r(stderr),
+        },
+        PluginError::TimedOut {
+            plugin,
+            op,
+            after,
+            stderr,
+        } => PluginError::TimedOut {
+            plugin,
+            op,
+            after,
+            stderr: r(stderr),
+        },
+        other => other,
+    }
 }
 
 fn secrets_of(rec: Option<&VolumeRecord>) -> BTreeMap<String, String> {
     rec.map(|r| r.secrets.clone()).unwrap_or_default()
 }
 
-/// Runs `publish` and checks that the target really is a mount point afterwards.
+/// Creates the target directory, runs `publish`, and checks that the target really is one
+/// mount point afterwards.
 pub async fn publish(
     runner: Runner,
     node: NodeEnv,
@@ -156,42 +203,44 @@ pub async fn publish(
     alloc_id: String,
 ) -> Completion {
     let started = std::time::Instant::now();
-    let env = publish_env(&node, &rec, &target, read_only, &alloc_id);
     let result = async {
+        std::fs::create_dir_all(&target).map_err(|source| StepError::Dir {
+            path: target.clone(),
+            source,
+        })?;
+        let env = publish_env(&node, &rec, &target, read_only, &alloc_id);
+        let plugin_id = &rec.spec.plugin_id;
         let out = runner
-            .call(&rec.spec.plugin_id, Operation::Publish, &env, &rec.secrets)
+            .call(plugin_id, Operation::Publish, &env, &rec.secrets)
             .await
-            .map_err(|e| plugin::redact(&e.to_string(), &rec.secrets))?;
-        let res: PublishResult =
-            plugin::parse(&rec.spec.plugin_id, Operation::Publish, &out.stdout)
-                .map_err(|e| plugin::redact(&e.to_string(), &rec.secrets))?;
+            .map_err(|e| redacted(e, &rec.secrets))?;
+        let res: PublishResult = plugin::parse(plugin_id, Operation::Publish, &out.stdout)
+            .map_err(|e| redacted(e, &rec.secrets))?;
         if let Some(p) = &res.path {
             if Path::new(p) != target {
-                return Err(format!(
-                    "plugin {:?} published at {p}, not at the target {}",
-                    rec.spec.plugin_id,
-                    target.display()
-                ));
+                return Err(StepError::WrongPath {
+                    plugin: plugin_id.clone(),
+                    path: p.clone(),
+                    target,
+                });
             }
         }
-        match mounts::mount_count(&target) {
-            0 => {
-                return Err(format!(
-                    "plugin {:?} reported success but {} is not a mount point",
-                    rec.spec.plugin_id,
-                    target.display()
-                ))
-            }
-            1 => {}
-            n => {
-                return Err(format!(
-                    "plugin {:?} left {n} mounts stacked on {}: a publish must not mount again over its own mount (see docs/plugin-protocol.md, idempotency)",
-                    rec.spec.plugin_id,
-                    target.display()
-                ))
-            }
+        let table = mounts::MountTable::read().map_err(|source| StepError::MountTable {
+            target: target.clone(),
+            source,
+        })?;
+        match table.count(&target) {
+            0 => Err(StepError::NotMounted {
+                plugin: plugin_id.clone(),
+                target,
+            }),
+            1 => Ok(res.context),
+            count => Err(StepError::Stacked {
+                plugin: plugin_id.clone(),
+                count,
+                target,
+            }),
         }
-        Ok(res.context)
     }
     .await;
     Completion::Published {
@@ -202,30 +251,36 @@ pub async fn publish(
 }
 
 /// Runs `unpublish`; success requires the target to be no longer mounted. Then removes the
-/// target directory if (and only if) it is empty.
+/// target directory if (and only if) it is empty, and makes it again when `keep_dir` (a
+/// placeholder host volume points at it).
 pub async fn unpublish(
     runner: Runner,
     node: NodeEnv,
     m: MountRecord,
     rec: Option<VolumeRecord>,
+    keep_dir: bool,
 ) -> Completion {
     let env = unpublish_env(&node, &m, rec.as_ref());
+    let secrets = secrets_of(rec.as_ref());
     let result = async {
         runner
-            .call(
-                &m.plugin_id,
-                Operation::Unpublish,
-                &env,
-                &secrets_of(rec.as_ref()),
-            )
+            .call(&m.plugin_id, Operation::Unpublish, &env, &secrets)
             .await
-            .map_err(|e| plugin::redact(&e.to_string(), &secrets_of(rec.as_ref())))?;
-        if mounts::is_mount_point(&m.target) {
-            return Err(format!(
-                "plugin {:?} reported success but {} is still a mount point",
-                m.plugin_id,
-                m.target.display()
-            ));
+            .map_err(|e| redacted(e, &secrets))?;
+        let table = mounts::MountTable::read().map_err(|source| StepError::MountTable {
+            target: m.target.clone(),
+            source,
+        })?;
+        if table.contains(&m.target) {
+            return Err(StepError::StillMounted {
+                plugin: m.plugin_id.clone(),
+                target: m.target.clone(),
+            });
+        }
+        // Leave no directory behind, but never delete data: rmdir only.
+        let _ = std::fs::remove_dir(&m.target);
+        if keep_dir {
+            let _ = std::fs::create_dir_all(&m.target);
         }
         Ok(())
     }
@@ -240,7 +295,7 @@ pub async fn unpublish(
 pub async fn fingerprint_all(runner: Runner) -> Completion {
     let mut out = BTreeMap::new();
     for id in runner.list() {
-        let r = runner.fingerprint(&id).await.map_err(|e| e.to_string());
+        let r = runner.fingerprint(&id).await;
         out.insert(id, r);
     }
     Completion::Plugins(out)
@@ -268,8 +323,7 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
         }
         Ok::<_, NomadError>(out)
     }
-    .await
-    .map_err(|e| e.to_string());
+    .await;
     Completion::PlaceholdersListed(result)
 }
 
@@ -279,14 +333,15 @@ pub async fn register_placeholder(
     node: NodeEnv,
     rec: VolumeRecord,
     target: PathBuf,
-    existing_id: Option<String>,
 ) -> Completion {
     let result = async {
-        std::fs::create_dir_all(&target)
-            .map_err(|e| format!("cannot create {}: {e}", target.display()))?;
+        std::fs::create_dir_all(&target).map_err(|source| PlaceholderError::Dir {
+            path: target.clone(),
+            source,
+        })?;
         let hv = HostVolume {
             namespace: rec.spec.namespace.clone(),
-            id: existing_id.unwrap_or_default(),
+            id: String::new(),
             name: rec.spec.name.clone(),
             plugin_id: String::new(),
             node_pool: node.node_pool.clone(),
@@ -295,10 +350,7 @@ pub async fn register_placeholder(
             host_path: target.display().to_string(),
             ..Default::default()
         };
-        let got = client
-            .register_host_volume(&hv)
-            .await
-            .map_err(|e| e.to_string())?;
+        let got = client.register_host_volume(&hv).await?;
         Ok(Some(got.id))
     }
     .await;
@@ -314,29 +366,35 @@ pub async fn deregister_placeholder(client: Client, volume: VolumeKey, id: Strin
         .delete_host_volume(&volume.namespace, &id)
         .await
         .map(|_| None)
-        .map_err(|e| e.to_string());
+        .map_err(PlaceholderError::from);
     Completion::Placeholder { volume, result }
 }
 
 /// Fetches one allocation (for a publish call that arrived before its event).
 pub async fn fetch_alloc(client: Client, alloc_id: String) -> Completion {
-    let result = client
-        .allocation(&alloc_id)
-        .await
-        .map(|a| a.map(Box::new))
-        .map_err(|e| e.to_string());
+    let result = client.allocation(&alloc_id).await.map(|a| a.map(Box::new));
     Completion::AllocFetched { alloc_id, result }
 }
 
-async fn cas_update(client: &Client, rec: &VolumeRecord) -> Result<VolumeRecord, String> {
+/// Restarts an allocation's running tasks (onto a republished mount).
+pub async fn restart_alloc(client: Client, volume: VolumeKey, alloc_id: String) -> Completion {
+    let result = client.restart_allocation(&alloc_id, false).await;
+    Completion::Restarted {
+        volume,
+        alloc_id,
+        result,
+    }
+}
+
+async fn cas_update(client: &Client, rec: &VolumeRecord) -> Result<VolumeRecord, WorkerError> {
     let var = client
         .put_variable(&rec.to_variable(), Some(rec.modify_index))
         .await
         .map_err(|e| match e {
-            NomadError::CasConflict { .. } => "another node changed the record first".to_string(),
-            e => e.to_string(),
+            NomadError::CasConflict { .. } => WorkerError::TakenByOther,
+            e => WorkerError::Nomad(e),
         })?;
-    VolumeRecord::from_variable(&var).map_err(|e| e.to_string())
+    Ok(VolumeRecord::from_variable(&var)?)
 }
 
 /// Takes a pending (or our own interrupted) create: claims it in the record with a
@@ -355,6 +413,7 @@ pub async fn create(
             rec = cas_update(&client, &rec).await?;
         }
         let env = create_env(&node, &rec);
+        let mut failure = None;
         match runner
             .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)
             .await
@@ -368,21 +427,21 @@ pub async fn create(
                 rec.error.clear();
             }
             Err(e @ PluginError::TimedOut { .. }) => {
-                return Err(plugin::redact(&e.to_string(), &rec.secrets))
+                return Err(WorkerError::Plugin(redacted(e, &rec.secrets)))
             }
             Err(e) => {
+                let e = redacted(e, &rec.secrets);
                 rec.state = VolumeState::Failed;
-                rec.error = plugin::redact(&e.to_string(), &rec.secrets);
+                rec.error = e.to_string();
+                failure = Some(e);
             }
         }
-        rec.worker_node.clear();
-        let failed = rec.state == VolumeState::Failed;
-        let msg = rec.error.clone();
+        // worker_node stays: it names the node that ran the create (`volume create` prints
+        // it; `volume delete` clears it before asking for the delete).
         cas_update(&client, &rec).await?;
-        if failed {
-            Err(msg)
-        } else {
-            Ok(())
+        match failure {
+            Some(e) => Err(WorkerError::Plugin(e)),
+            None => Ok(()),
         }
     }
     .await;
@@ -410,10 +469,11 @@ pub async fn delete(
             .call(&rec.spec.plugin_id, Operation::Delete, &env, &rec.secrets)
             .await
         {
+            let e = redacted(e, &rec.secrets);
             rec.worker_node.clear();
-            rec.error = plugin::redact(&e.to_string(), &rec.secrets);
+            rec.error = e.to_string();
             let _ = cas_update(&client, &rec).await;
-            return Err(rec.error.clone());
+            return Err(WorkerError::Plugin(e));
         }
         client
             .delete_variable(
@@ -421,8 +481,8 @@ pub async fn delete(
                 &rec.to_variable().path,
                 Some(rec.modify_index),
             )
-            .await
-            .map_err(|e| e.to_string())
+            .await?;
+        Ok(())
     }
     .await;
     Completion::Worker {
@@ -435,28 +495,22 @@ pub async fn delete(
 pub async fn acquire_claim(
     client: Client,
     settings: ClaimSettings,
-    node: NodeEnv,
+    node_id: String,
     volume: VolumeKey,
     volume_id: String,
 ) -> Completion {
-    let result = claims::acquire(&client, settings, &volume, &node.node_id, &volume_id)
-        .await
-        .map_err(|e| (matches!(e, ClaimError::Held { .. }), e.to_string()));
+    let result = claims::acquire(&client, settings, &volume, &node_id, &volume_id).await;
     Completion::ClaimAcquired { volume, result }
 }
 
 /// Renews a held claim.
 pub async fn renew_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
-    let result = claims::renew(&client, &volume, &lock_id)
-        .await
-        .map_err(|e| (matches!(e, ClaimError::Lost { .. }), e.to_string()));
+    let result = claims::renew(&client, &volume, &lock_id).await;
     Completion::ClaimRenewed { volume, result }
 }
 
 /// Releases a claim.
 pub async fn release_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
-    let result = claims::release(&client, &volume, &lock_id)
-        .await
-        .map_err(|e| e.to_string());
+    let result: Result<(), ClaimError> = claims::release(&client, &volume, &lock_id).await;
     Completion::ClaimReleased { volume, result }
 }

@@ -6,7 +6,8 @@
 //! otherwise while the volume is published nowhere (at the latest right before its next
 //! publish). Shrinking is refused.
 
-use crate::plugin::{self, Capability, ExpandResult, Fingerprint, NodeEnv, Operation, Runner};
+use crate::environment::NodeEnv;
+use crate::plugin::{self, Capability, ExpandResult, Fingerprint, Operation, Runner};
 use crate::volume::{VolumeRecord, VolumeSpec, VolumeState};
 use crate::worker::OpError;
 use std::path::Path;
@@ -154,7 +155,7 @@ pub fn expand_env(
     bytes: u64,
     target: Option<&Path>,
 ) -> Vec<(String, String)> {
-    let mut env = crate::plugin::identity_env(node, rec);
+    let mut env = crate::environment::identity_env(node, rec);
     env.extend([
         ("DHV_CONTEXT".into(), rec.context.to_string()),
         ("DHV_CAPACITY_MIN_BYTES".into(), bytes.to_string()),

@@ -1,11 +1,22 @@
 //! The durable local journal: which volumes this node has published where, and which
-//! allocations use them. Written ahead of every plugin call (intent) and after it (outcome).
+//! allocations use them.
+//!
+//! Two halves: [`Journal`] is the records in memory, changed by the agent core without I/O;
+//! each change is queued, and [`Journal::take_commit`] gathers every change since the last
+//! one into one [`Commit`] (group commit: all intents of a planning pass in one durable
+//! write). [`Store`] makes a commit durable, on a blocking thread off the agent's loop; the
+//! plugin calls of a pass start only once their commit is durable. Outcome records
+//! (`publish-done`, ...) need no durable write of their own: they ride with the next commit,
+//! and a crash before it leaves the intent, which replay resolves by calling the idempotent
+//! operation again.
 //!
 //! Layout in the state directory:
 //! - `journal.json`: the current records, replaced atomically (temp file, fsync, rename,
-//!   fsync of the directory), versioned;
-//! - `journal.log`: an append-only history, one JSON object per line, for operators and
-//!   tests (`{"time":<unix s>,"unix_ms":<unix ms>,"event":"publish-done","volume":"ns/name",..}`).
+//!   fsync of the directory), versioned. It holds the state, not its history, so it does
+//!   not grow with history;
+//! - `journal.log`: the history, one JSON object per line, appended after each commit
+//!   without a sync of its own (it is for operators and tests, never read back), rotated at
+//!   16 MiB (`{"time":<unix s>,"unix_ms":<unix ms>,"event":"publish-done","volume":"ns/name",..}`).
 //!
 //! Secrets never enter either file.
 
@@ -15,6 +26,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 const VERSION: u32 = 1;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
@@ -88,13 +101,78 @@ struct OnDisk {
     users: Vec<UserKey>,
 }
 
-/// The journal, loaded in memory and written through on every change.
+/// What happened to a record, as written to `journal.log` (`event`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    PublishIntent,
+    PublishDone,
+    PublishFailed,
+    UnpublishIntent,
+    UnpublishDone,
+    UnpublishFailed,
+    UserAdded,
+    UserRemoved,
+}
+
+impl EventKind {
+    /// The name in `journal.log`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::PublishIntent => "publish-intent",
+            EventKind::PublishDone => "publish-done",
+            EventKind::PublishFailed => "publish-failed",
+            EventKind::UnpublishIntent => "unpublish-intent",
+            EventKind::UnpublishDone => "unpublish-done",
+            EventKind::UnpublishFailed => "unpublish-failed",
+            EventKind::UserAdded => "user-added",
+            EventKind::UserRemoved => "user-removed",
+        }
+    }
+}
+
+/// One history line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub kind: EventKind,
+    pub volume: VolumeKey,
+    pub alloc_id: Option<String>,
+    pub detail: serde_json::Value,
+}
+
+/// Every change since the previous commit: the whole state to write, and the history lines.
+#[derive(Debug)]
+pub struct Commit {
+    /// Increasing per journal; [`Store::write`] reports which commit became durable.
+    pub seq: u64,
+    snapshot: OnDisk,
+    events: Vec<Event>,
+}
+
+impl Commit {
+    /// The history lines of this commit.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// Folds a later commit into this one (the later state wins, history is kept in order):
+    /// commits that queue while one is being written are written together.
+    pub fn absorb(&mut self, later: Commit) {
+        self.seq = later.seq;
+        self.snapshot = later.snapshot;
+        self.events.extend(later.events);
+    }
+}
+
+/// The journal's records in memory. Changes are queued for the next [`Commit`]; nothing
+/// here performs I/O.
 #[derive(Debug)]
 pub struct Journal {
-    dir: PathBuf,
     node_id: String,
     mounts: BTreeMap<VolumeKey, MountRecord>,
     users: BTreeSet<UserKey>,
+    events: Vec<Event>,
+    dirty: bool,
+    seq: u64,
 }
 
 fn now_secs() -> u64 {
@@ -105,19 +183,140 @@ fn now_secs() -> u64 {
 }
 
 impl Journal {
-    /// Opens (or creates) the journal in `dir`. A corrupt file is an error, never discarded.
-    pub fn open(dir: &Path, node_id: &str) -> Result<Self, JournalError> {
+    /// An empty journal for `node_id` (tests; the agent opens one with [`Store::open`]).
+    pub fn new(node_id: &str) -> Self {
+        Self {
+            node_id: node_id.to_string(),
+            mounts: BTreeMap::new(),
+            users: BTreeSet::new(),
+            events: Vec::new(),
+            dirty: false,
+            seq: 0,
+        }
+    }
+
+    /// All mount records.
+    pub fn mounts(&self) -> &BTreeMap<VolumeKey, MountRecord> {
+        &self.mounts
+    }
+
+    /// All (allocation, volume) users.
+    pub fn users(&self) -> &BTreeSet<UserKey> {
+        &self.users
+    }
+
+    /// Records a mount state change (intent or outcome) and queues `kind` for the history.
+    pub fn set_mount(&mut self, mut rec: MountRecord, kind: EventKind, alloc: Option<&str>) {
+        rec.since = now_secs();
+        let detail = serde_json::json!({
+            "target": rec.target, "read_only": rec.read_only, "error": rec.last_error,
+        });
+        let key = rec.volume.clone();
+        self.mounts.insert(key.clone(), rec);
+        self.queue(kind, &key, alloc, detail);
+    }
+
+    /// Removes a volume's mount record (after a successful unpublish).
+    pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
+        if self.mounts.remove(key).is_some() {
+            self.queue(kind, key, None, serde_json::Value::Null);
+        }
+    }
+
+    /// Adds and removes user records (one commit for a whole plan, however many
+    /// allocations start or stop at once).
+    pub fn change_users(&mut self, add: &[UserKey], remove: &[UserKey]) {
+        for u in add {
+            if self.users.insert(u.clone()) {
+                self.queue(
+                    EventKind::UserAdded,
+                    &u.volume,
+                    Some(&u.alloc_id),
+                    serde_json::Value::Null,
+                );
+            }
+        }
+        for u in remove {
+            if self.users.remove(u) {
+                self.queue(
+                    EventKind::UserRemoved,
+                    &u.volume,
+                    Some(&u.alloc_id),
+                    serde_json::Value::Null,
+                );
+            }
+        }
+    }
+
+    fn queue(
+        &mut self,
+        kind: EventKind,
+        volume: &VolumeKey,
+        alloc: Option<&str>,
+        detail: serde_json::Value,
+    ) {
+        self.dirty = true;
+        self.events.push(Event {
+            kind,
+            volume: volume.clone(),
+            alloc_id: alloc.map(str::to_string),
+            detail,
+        });
+    }
+
+    /// True when changes wait for a commit.
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    /// Every change since the last commit, or `None` when nothing changed.
+    pub fn take_commit(&mut self) -> Option<Commit> {
+        if !self.dirty {
+            return None;
+        }
+        self.dirty = false;
+        self.seq += 1;
+        Some(Commit {
+            seq: self.seq,
+            snapshot: OnDisk {
+                version: VERSION,
+                node_id: self.node_id.clone(),
+                mounts: self.mounts.values().cloned().collect(),
+                users: self.users.iter().cloned().collect(),
+            },
+            events: std::mem::take(&mut self.events),
+        })
+    }
+
+    /// Marks the state as changed again (a commit failed: the next one writes it all).
+    pub fn redo(&mut self) {
+        self.dirty = true;
+    }
+}
+
+/// The journal's files, and a count of the syncs they cost.
+#[derive(Debug, Clone)]
+pub struct Store {
+    dir: PathBuf,
+    syncs: Arc<AtomicU64>,
+    commits: Arc<AtomicU64>,
+}
+
+impl Store {
+    /// Opens (or creates) the journal in `dir` and loads its records. A corrupt file is an
+    /// error, never discarded.
+    pub fn open(dir: &Path, node_id: &str) -> Result<(Self, Journal), JournalError> {
         fs::create_dir_all(dir).map_err(|source| JournalError::Write {
             path: dir.to_path_buf(),
             source,
         })?;
-        let path = dir.join("journal.json");
-        let mut j = Self {
+        let store = Self {
             dir: dir.to_path_buf(),
-            node_id: node_id.to_string(),
-            mounts: BTreeMap::new(),
-            users: BTreeSet::new(),
+            syncs: Arc::default(),
+            commits: Arc::default(),
         };
+        let path = dir.join("journal.json");
+        let mut j = Journal::new(node_id);
         match fs::read(&path) {
             Ok(bytes) => {
                 let disk: OnDisk =
@@ -147,139 +346,39 @@ impl Journal {
                     .collect();
                 j.users = disk.users.into_iter().collect();
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => j.persist()?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                j.dirty = true;
+                if let Some(c) = j.take_commit() {
+                    store.write(&c)?;
+                }
+            }
             Err(source) => return Err(JournalError::Read { path, source }),
         }
-        Ok(j)
+        Ok((store, j))
     }
 
-    /// All mount records.
-    pub fn mounts(&self) -> &BTreeMap<VolumeKey, MountRecord> {
-        &self.mounts
+    /// fsync-class calls made so far (file and directory syncs).
+    pub fn syncs(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
     }
 
-    /// All (allocation, volume) users.
-    pub fn users(&self) -> &BTreeSet<UserKey> {
-        &self.users
+    /// Commits written so far.
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
-    /// Records a mount state change (intent or outcome) and appends `event` to the history.
-    pub fn set_mount(
-        &mut self,
-        mut rec: MountRecord,
-        event: &str,
-        alloc: Option<&str>,
-    ) -> Result<(), JournalError> {
-        rec.since = now_secs();
-        let detail = serde_json::json!({
-            "target": rec.target, "read_only": rec.read_only, "error": rec.last_error,
-        });
-        let key = rec.volume.clone();
-        let prev = self.mounts.insert(key.clone(), rec);
-        if let Err(e) = self.persist() {
-            match prev {
-                Some(p) => self.mounts.insert(key, p),
-                None => self.mounts.remove(&key),
-            };
-            return Err(e);
-        }
-        self.log(event, &key, alloc, detail)
-    }
-
-    /// Removes a volume's mount record (after a successful unpublish).
-    pub fn remove_mount(&mut self, key: &VolumeKey, event: &str) -> Result<(), JournalError> {
-        if let Some(prev) = self.mounts.remove(key) {
-            if let Err(e) = self.persist() {
-                self.mounts.insert(key.clone(), prev);
-                return Err(e);
-            }
-            self.log(event, key, None, serde_json::Value::Null)?;
-        }
-        Ok(())
-    }
-
-    /// Adds and removes user records in one durable write (one fsync for a whole plan,
-    /// however many allocations stop at once).
-    pub fn change_users(
-        &mut self,
-        add: &[UserKey],
-        remove: &[UserKey],
-    ) -> Result<(), JournalError> {
-        let before = self.users.clone();
-        let added: Vec<&UserKey> = add
-            .iter()
-            .filter(|u| self.users.insert((*u).clone()))
-            .collect();
-        let removed: Vec<&UserKey> = remove.iter().filter(|u| self.users.remove(*u)).collect();
-        if added.is_empty() && removed.is_empty() {
-            return Ok(());
-        }
-        if let Err(e) = self.persist() {
-            self.users = before;
-            return Err(e);
-        }
-        let mut lines = Vec::new();
-        for (event, list) in [("user-added", &added), ("user-removed", &removed)] {
-            for u in list.iter() {
-                lines.push((
-                    event,
-                    &u.volume,
-                    Some(u.alloc_id.as_str()),
-                    serde_json::Value::Null,
-                ));
-            }
-        }
-        self.log_many(&lines)
-    }
-
-    /// Adds an allocation as a user of a published volume.
-    pub fn add_user(&mut self, user: UserKey) -> Result<(), JournalError> {
-        if self.users.insert(user.clone()) {
-            if let Err(e) = self.persist() {
-                self.users.remove(&user);
-                return Err(e);
-            }
-            self.log(
-                "user-added",
-                &user.volume,
-                Some(&user.alloc_id),
-                serde_json::Value::Null,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Removes an allocation's use of a volume (the allocation is finished).
-    pub fn remove_user(&mut self, user: &UserKey) -> Result<(), JournalError> {
-        if self.users.remove(user) {
-            if let Err(e) = self.persist() {
-                self.users.insert(user.clone());
-                return Err(e);
-            }
-            self.log(
-                "user-removed",
-                &user.volume,
-                Some(&user.alloc_id),
-                serde_json::Value::Null,
-            )?;
-        }
-        Ok(())
-    }
-
-    fn persist(&self) -> Result<(), JournalError> {
+    /// Makes `commit` durable: the state file is replaced atomically (one write, a sync of
+    /// the file and of the directory), then the history is appended without a sync.
+    /// Blocking: run it off the agent's loop.
+    pub fn write(&self, commit: &Commit) -> Result<(), JournalError> {
         let path = self.dir.join("journal.json");
         let tmp = self.dir.join("journal.json.tmp");
         let werr = |source| JournalError::Write {
             path: path.clone(),
             source,
         };
-        let disk = OnDisk {
-            version: VERSION,
-            node_id: self.node_id.clone(),
-            mounts: self.mounts.values().cloned().collect(),
-            users: self.users.iter().cloned().collect(),
-        };
-        let bytes = serde_json::to_vec_pretty(&disk).map_err(|e| werr(std::io::Error::other(e)))?;
+        let bytes = serde_json::to_vec_pretty(&commit.snapshot)
+            .map_err(|e| werr(std::io::Error::other(e)))?;
         {
             let mut f = File::create(&tmp).map_err(werr)?;
             f.write_all(&bytes).map_err(werr)?;
@@ -289,25 +388,15 @@ impl Journal {
         File::open(&self.dir)
             .and_then(|d| d.sync_all())
             .map_err(werr)?;
-        Ok(())
+        self.syncs.fetch_add(2, Ordering::Relaxed);
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.append_history(&commit.events)
     }
 
-    fn log(
-        &self,
-        event: &str,
-        volume: &VolumeKey,
-        alloc: Option<&str>,
-        detail: serde_json::Value,
-    ) -> Result<(), JournalError> {
-        self.log_many(&[(event, volume, alloc, detail)])
-    }
-
-    /// Appends history lines with one write and one fsync.
-    #[allow(clippy::type_complexity)]
-    fn log_many(
-        &self,
-        entries: &[(&str, &VolumeKey, Option<&str>, serde_json::Value)],
-    ) -> Result<(), JournalError> {
+    fn append_history(&self, events: &[Event]) -> Result<(), JournalError> {
+        if events.is_empty() {
+            return Ok(());
+        }
         let path = self.dir.join("journal.log");
         let werr = |source| JournalError::Write {
             path: path.clone(),
@@ -324,10 +413,10 @@ impl Journal {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let mut text = String::new();
-        for (event, volume, alloc, detail) in entries {
+        for e in events {
             let line = serde_json::json!({
-                "time": now_secs(), "unix_ms": unix_ms, "event": event, "volume": volume.to_string(),
-                "alloc_id": alloc, "detail": detail,
+                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": e.kind.as_str(),
+                "volume": e.volume.to_string(), "alloc_id": e.alloc_id, "detail": e.detail,
             });
             text.push_str(&line.to_string());
             text.push('\n');
@@ -337,13 +426,12 @@ impl Journal {
             .append(true)
             .open(&path)
             .map_err(werr)?;
-        f.write_all(text.as_bytes()).map_err(werr)?;
-        f.sync_data().map_err(werr)
+        f.write_all(text.as_bytes()).map_err(werr)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn key() -> VolumeKey {
@@ -353,7 +441,8 @@ mod tests {
         }
     }
 
-    fn rec(state: MountState) -> MountRecord {
+    /// A mount record of `default/data` at `/x` (shared test fixture).
+    pub(crate) fn rec(state: MountState) -> MountRecord {
         MountRecord {
             volume: key(),
             volume_id: "id".into(),
@@ -368,22 +457,37 @@ mod tests {
         }
     }
 
+    fn open(dir: &Path, node: &str) -> Result<(Store, Journal), JournalError> {
+        Store::open(dir, node)
+    }
+
     #[test]
     fn survives_reopen_and_logs_history() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let mut j = Journal::open(dir.path(), "node-1").unwrap();
-            j.set_mount(rec(MountState::Publishing), "publish-intent", Some("a1"))
-                .unwrap();
-            j.set_mount(rec(MountState::Published), "publish-done", Some("a1"))
-                .unwrap();
-            j.add_user(UserKey {
-                alloc_id: "a1".into(),
-                volume: key(),
-            })
-            .unwrap();
+            let (store, mut j) = open(dir.path(), "node-1").unwrap();
+            j.set_mount(
+                rec(MountState::Publishing),
+                EventKind::PublishIntent,
+                Some("a1"),
+            );
+            store.write(&j.take_commit().unwrap()).unwrap();
+            j.set_mount(
+                rec(MountState::Published),
+                EventKind::PublishDone,
+                Some("a1"),
+            );
+            j.change_users(
+                &[UserKey {
+                    alloc_id: "a1".into(),
+                    volume: key(),
+                }],
+                &[],
+            );
+            store.write(&j.take_commit().unwrap()).unwrap();
+            assert!(j.take_commit().is_none(), "nothing changed since");
         }
-        let j = Journal::open(dir.path(), "node-1").unwrap();
+        let (_, j) = open(dir.path(), "node-1").unwrap();
         assert_eq!(j.mounts()[&key()].state, MountState::Published);
         assert_eq!(j.users().len(), 1);
         let log = fs::read_to_string(dir.path().join("journal.log")).unwrap();
@@ -396,7 +500,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("journal.json"), b"{not json").unwrap();
         assert!(matches!(
-            Journal::open(dir.path(), "n"),
+            open(dir.path(), "n"),
             Err(JournalError::Corrupt { .. })
         ));
         assert_eq!(
@@ -404,10 +508,79 @@ mod tests {
             b"{not json"
         );
         let dir = tempfile::tempdir().unwrap();
-        Journal::open(dir.path(), "node-1").unwrap();
+        open(dir.path(), "node-1").unwrap();
         assert!(matches!(
-            Journal::open(dir.path(), "node-2"),
+            open(dir.path(), "node-2"),
             Err(JournalError::Corrupt { .. })
         ));
+    }
+
+    /// A whole plan's intents cost one durable write (two syncs: the file, then the
+    /// directory for the rename), however many volumes it touches; outcomes and the
+    /// history add none of their own.
+    #[test]
+    fn a_plan_of_many_intents_is_one_durable_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut j) = open(dir.path(), "node-1").unwrap();
+        let (syncs, commits) = (store.syncs(), store.commits());
+        for i in 0..50 {
+            let mut r = rec(MountState::Publishing);
+            r.volume.name = format!("v{i}");
+            j.set_mount(r, EventKind::PublishIntent, Some("a1"));
+        }
+        let users: Vec<UserKey> = (0..50)
+            .map(|i| UserKey {
+                alloc_id: format!("a{i}"),
+                volume: key(),
+            })
+            .collect();
+        j.change_users(&users, &[]);
+        store.write(&j.take_commit().unwrap()).unwrap();
+        assert_eq!(store.commits() - commits, 1);
+        assert_eq!(store.syncs() - syncs, 2);
+        let log = fs::read_to_string(dir.path().join("journal.log")).unwrap();
+        assert_eq!(log.lines().count(), 100);
+    }
+
+    /// Commits queued while one is written fold into one write of the latest state.
+    #[test]
+    fn queued_commits_fold_into_the_latest_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut j) = open(dir.path(), "node-1").unwrap();
+        j.set_mount(
+            rec(MountState::Publishing),
+            EventKind::PublishIntent,
+            Some("a1"),
+        );
+        let mut first = j.take_commit().unwrap();
+        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+        let second = j.take_commit().unwrap();
+        let last = second.seq;
+        assert!(last > first.seq);
+        first.absorb(second);
+        assert_eq!(first.seq, last);
+        assert_eq!(first.events().len(), 2);
+        store.write(&first).unwrap();
+        let (_, j) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(j.mounts()[&key()].state, MountState::Published);
+    }
+
+    /// The state file holds the state, not its history: it does not grow with churn.
+    #[test]
+    fn the_state_file_does_not_grow_with_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut j) = open(dir.path(), "node-1").unwrap();
+        let mut sizes = Vec::new();
+        for round in 0..20 {
+            j.set_mount(rec(MountState::Publishing), EventKind::PublishIntent, None);
+            j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+            store.write(&j.take_commit().unwrap()).unwrap();
+            j.remove_mount(&key(), EventKind::UnpublishDone);
+            store.write(&j.take_commit().unwrap()).unwrap();
+            if round % 10 == 0 {
+                sizes.push(fs::metadata(dir.path().join("journal.json")).unwrap().len());
+            }
+        }
+        assert_eq!(sizes[0], sizes[1], "{sizes:?}");
     }
 }

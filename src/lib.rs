@@ -7,46 +7,57 @@
 //! - [`config`]: typed settings, the Nomad CLI's environment conventions;
 //! - [`nomad`]: the Nomad HTTP API client and wire types ([`nomad::types`], [`nomad::events`]);
 //! - [`watch`]: the allocation watcher state machine (list, then event stream);
-//! - [`view`]: this node's allocations and the deferred volumes they request;
-//! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables;
-//! - [`claims`]: single-node access modes enforced across nodes with Nomad Variables locks;
+//! - `view`: this node's allocations and the deferred volumes they request;
+//! - `catalog`: the cluster-wide volume records, watched in Nomad Variables;
+//! - `claims`: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`volume`]: volume specs, records, keys and identifier validation;
 //! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from them;
 //! - [`expansion`]: growing a volume (`volume create` again with a larger `capacity_min`);
 //! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
-//! - [`reconcile`]: the pure plan from what is known to the steps to take;
-//! - [`journal`]: the durable local record, written ahead of every plugin call;
-//! - [`mounts`]: the mount table;
+//! - `reconcile`: the pure plan from what is known to the steps to take;
+//! - [`journal`]: the durable local record (records in memory, group-committed ahead of
+//!   the plugin calls of each planning pass);
+//! - [`mounts`]: the mount table ([`mounts::MountTable`]);
 //! - [`plugin`]: the plugin runner (DHV protocol extended with publish/unpublish);
-//! - [`executor`]: carries out one step as a task and reports its completion;
-//! - [`discovery`]: notices plugin files added, changed or removed;
-//! - [`health`]: probes published mounts, republishes dead FUSE mounts;
-//! - [`conformance`]: the plugin conformance kit (`dhv-binder plugin check`);
-//! - [`agent`]: the owner loop tying them together;
-//! - [`identity`]: workload identity token verification (JWKS);
+//! - `executor`: carries out one effect (plugin or Nomad call), returns a typed completion;
+//! - [`environment`]: the plugin environment contract (variables of each operation);
+//! - `retry`: exponential backoff with jitter, one retry table keyed by what is retried;
+//! - `discovery`: notices plugin files added, changed or removed;
+//! - [`nodes`]: the node records each agent publishes (plugins, health, last seen);
+//! - [`metrics`]: Prometheus metrics, their update API and the scrape endpoint;
+//! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
+//! - `conformance`: the plugin conformance kit (`dhv-binder plugin check`);
+//! - [`agent`]: a pure core (`handle(inputs, now) -> effects`; decisions in files named
+//!   after them: waiters, claims, placeholders, workers, mount_health, retry) and the
+//!   shell, the one place that performs effects;
+//! - `identity`: workload identity token verification (JWKS);
 //! - [`api`]: the local API on a unix socket, and its client;
-//! - [`cli`]: the command line.
+//! - [`cli`]: the command line (one file per command group, [`cli::output`] for its forms).
 #![forbid(unsafe_code)]
 
 pub mod agent;
 pub mod api;
-pub mod catalog;
-pub mod claims;
+pub(crate) mod catalog;
+pub(crate) mod claims;
 pub mod cli;
 pub mod config;
-pub mod conformance;
-pub mod discovery;
-pub mod executor;
+pub(crate) mod conformance;
+pub(crate) mod discovery;
+pub mod environment;
+pub(crate) mod executor;
 pub mod expansion;
-pub mod health;
-pub mod identity;
+pub(crate) mod health;
+pub(crate) mod identity;
 pub mod journal;
+pub mod metrics;
 pub mod mounts;
+pub mod nodes;
 pub mod nomad;
 pub mod plugin;
-pub mod reconcile;
+pub(crate) mod reconcile;
+pub(crate) mod retry;
 pub mod snapshot;
-pub mod view;
+pub(crate) mod view;
 pub mod volume;
 pub mod watch;
 pub mod worker;

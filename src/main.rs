@@ -1,10 +1,9 @@
 //! The `dhv-binder` binary: parses the command line and wires the modules together.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
 use dhv_binder::cli::{self, Cli, Command, Failure};
 
-fn init_tracing() {
+fn init_tracing(format: dhv_binder::config::LogFormat) {
     use std::io::IsTerminal;
     let filter = match std::env::var("DHV_BINDER_LOG") {
         Err(_) => tracing_subscriber::EnvFilter::new("info"),
@@ -15,11 +14,16 @@ fn init_tracing() {
             tracing_subscriber::EnvFilter::new("info")
         }),
     };
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        dhv_binder::config::LogFormat::Text => {
+            fmt.with_ansi(std::io::stderr().is_terminal()).init()
+        }
+        // One object a line: the event's fields (volume, alloc_id, ...) are top-level keys.
+        dhv_binder::config::LogFormat::Json => fmt.json().flatten_event(true).init(),
+    }
 }
 
 async fn shutdown_signal() {
@@ -41,8 +45,23 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Agent(cfg) => {
             cfg.validate().map_err(config_err)?;
-            init_tracing();
+            init_tracing(cfg.log_format);
             let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
+            // Operator hook (issue 15): the endpoint runs now; the agent core is handed the
+            // same `Metrics` to update once it takes one (see docs/operations.md).
+            let _metrics_endpoint = match cfg.metrics_addr {
+                Some(addr) => {
+                    let metrics = dhv_binder::metrics::Metrics::new();
+                    let l = dhv_binder::metrics::bind(addr).await.map_err(|e| Failure {
+                        code: cli::EXIT_CONFIG,
+                        message: e.to_string(),
+                    })?;
+                    let addr = l.local_addr().unwrap_or(addr);
+                    tracing::info!(%addr, "serving metrics at /metrics");
+                    Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics)))
+                }
+                None => None,
+            };
             dhv_binder::agent::run(cfg, client, shutdown_signal())
                 .await
                 .map_err(|e| Failure {
@@ -54,16 +73,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     message: e.to_string(),
                 })
         }
-        Command::Prestart(args) => cli::prestart(args, cli.nomad.token.clone()).await,
-        Command::Status { socket } => cli::status(socket).await,
-        Command::Volume(cmd) => cli::volume_cmd(&cli.nomad, cmd).await,
-        Command::Plugin(cmd) => cli::plugin_cmd(cmd).await,
+        other => cli::run(&cli.nomad, other).await,
     }
 }
 
 #[tokio::main]
 async fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     if let Err(f) = run(cli).await {
         eprintln!("Error: {}", f.message);
         std::process::exit(f.code);

@@ -34,6 +34,52 @@ pub fn parse_mountinfo(text: &str) -> BTreeSet<PathBuf> {
         .collect()
 }
 
+/// The mount table at one moment: every mount point, with how many mounts stand on it
+/// (stacked mounts count separately). The agent core plans from this reading; the shell
+/// reads it again when it can have changed (after a plugin call, on the tick).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountTable {
+    points: std::collections::BTreeMap<PathBuf, usize>,
+}
+
+impl MountTable {
+    /// Reads `/proc/self/mountinfo`. An unreadable table is an error, never an empty one.
+    pub fn read() -> std::io::Result<Self> {
+        std::fs::read_to_string("/proc/self/mountinfo").map(|t| Self::parse(&t))
+    }
+
+    /// Parses mountinfo text (field 5 of each line, with its octal escapes decoded).
+    pub fn parse(text: &str) -> Self {
+        let mut points = std::collections::BTreeMap::new();
+        for p in text.lines().filter_map(|l| l.split(' ').nth(4)) {
+            *points.entry(PathBuf::from(unescape(p))).or_insert(0) += 1;
+        }
+        Self { points }
+    }
+
+    /// A table holding exactly `points` (tests).
+    pub fn from_points<I: IntoIterator<Item = PathBuf>>(points: I) -> Self {
+        Self {
+            points: points.into_iter().map(|p| (p, 1)).collect(),
+        }
+    }
+
+    /// True when `path` is a mount point.
+    pub fn contains(&self, path: &Path) -> bool {
+        self.points.contains_key(path)
+    }
+
+    /// How many mounts stand on `path`.
+    pub fn count(&self, path: &Path) -> usize {
+        self.points.get(path).copied().unwrap_or(0)
+    }
+
+    /// The mount points, in order.
+    pub fn points(&self) -> BTreeSet<PathBuf> {
+        self.points.keys().cloned().collect()
+    }
+}
+
 /// Reads this process's mount table. An unreadable table is empty (then every published
 /// record looks unmounted and is published again, which plugins handle idempotently).
 pub fn mount_points() -> BTreeSet<PathBuf> {
@@ -44,14 +90,7 @@ pub fn mount_points() -> BTreeSet<PathBuf> {
 
 /// How many mounts stand on `path` now (stacked mounts count separately).
 pub fn mount_count(path: &Path) -> usize {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .map(|t| {
-            t.lines()
-                .filter_map(|l| l.split(' ').nth(4))
-                .filter(|p| Path::new(&unescape(p)) == path)
-                .count()
-        })
-        .unwrap_or(0)
+    MountTable::read().map(|t| t.count(path)).unwrap_or(0)
 }
 
 /// True when `path` is a mount point now.

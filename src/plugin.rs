@@ -575,66 +575,6 @@ pub fn parse<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// What every plugin call on a volume is told about this node.
-#[derive(Debug, Clone)]
-pub struct NodeEnv {
-    pub node_id: String,
-    pub node_pool: String,
-    pub volumes_dir: PathBuf,
-    pub plugin_dir: PathBuf,
-    /// The node's storage roots (`DHV_ALLOWED_ROOTS`): the volumes dir and every `--storage-root`.
-    pub roots: Vec<PathBuf>,
-}
-
-/// `DHV_ALLOWED_ROOTS`: the node's storage roots, `:`-joined (the name and shape `security`'s
-/// `plugin::Runner::with_allowed_roots` uses; the plugins also always allow the volumes dir).
-pub fn roots_env(node: &NodeEnv) -> (String, String) {
-    let roots: Vec<String> = node.roots.iter().map(|r| r.display().to_string()).collect();
-    ("DHV_ALLOWED_ROOTS".into(), roots.join(":"))
-}
-
-/// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
-/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`, `DHV_ALLOWED_ROOTS`.
-pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
-    vec![
-        (
-            "DHV_VOLUMES_DIR".into(),
-            node.volumes_dir.display().to_string(),
-        ),
-        (
-            "DHV_PLUGIN_DIR".into(),
-            node.plugin_dir.display().to_string(),
-        ),
-        ("DHV_NODE_ID".into(), node.node_id.clone()),
-        ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-        roots_env(node),
-    ]
-}
-
-/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
-pub fn identity_env(node: &NodeEnv, rec: &crate::volume::VolumeRecord) -> Vec<(String, String)> {
-    let s = &rec.spec;
-    let mut env = node_env(node);
-    env.extend([
-        ("DHV_NAMESPACE".into(), s.namespace.clone()),
-        ("DHV_VOLUME_NAME".into(), s.name.clone()),
-        ("DHV_VOLUME_ID".into(), rec.id.clone()),
-        (
-            "DHV_PARAMETERS".into(),
-            if s.parameters.is_empty() {
-                "null".into()
-            } else {
-                serde_json::to_string(&s.parameters).unwrap_or_default()
-            },
-        ),
-        (
-            "DHV_SECRETS".into(),
-            serde_json::to_string(&rec.secrets).unwrap_or_default(),
-        ),
-    ]);
-    env
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

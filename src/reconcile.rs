@@ -222,7 +222,7 @@ pub fn plan(i: Inputs<'_>) -> Plan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! Pure tests of the plan over design.md §5, with small fixture builders.
     use super::*;
     use crate::nomad::types::{Allocation, Job, TaskGroup, VolumeRequest};
@@ -230,14 +230,14 @@ mod tests {
 
     const NODE: &str = "node-1";
 
-    fn key(name: &str) -> VolumeKey {
+    pub(crate) fn key(name: &str) -> VolumeKey {
         VolumeKey {
             namespace: "default".into(),
             name: name.into(),
         }
     }
 
-    fn volume(name: &str, mode: &str) -> VolumeRecord {
+    pub(crate) fn volume(name: &str, mode: &str) -> VolumeRecord {
         let mut r = VolumeRecord::new(
             VolumeSpec {
                 name: name.into(),
@@ -259,7 +259,7 @@ mod tests {
         r
     }
 
-    fn alloc(id: &str, sources: &[&str], client: &str, desired: &str) -> Allocation {
+    pub(crate) fn alloc(id: &str, sources: &[&str], client: &str, desired: &str) -> Allocation {
         let volumes = sources
             .iter()
             .map(|s| {
@@ -316,7 +316,7 @@ mod tests {
     impl World {
         fn new(vols: &[VolumeRecord], allocs: Vec<Allocation>) -> Self {
             let mut view = View::default();
-            view.replace_all(allocs, 10);
+            view.replace_all_at(allocs, 10, std::time::Instant::now());
             Self {
                 view,
                 volumes: vols.iter().map(|v| (v.key(), v.clone())).collect(),
@@ -556,7 +556,7 @@ mod tests {
             volume: key("data"),
         });
         assert_eq!(w.plan(), Plan::default());
-        w.view.replace_all(vec![], 50);
+        w.view.replace_all_at(vec![], 50, std::time::Instant::now());
         w.settle();
         assert_eq!(w.unpublishes, 1);
         assert!(w.users.is_empty());
@@ -637,8 +637,11 @@ mod tests {
                 volume: key("data")
             }]
         );
-        w.view
-            .replace_all(vec![alloc(A1, &["data"], "running", "run")], 60);
+        w.view.replace_all_at(
+            vec![alloc(A1, &["data"], "running", "run")],
+            60,
+            std::time::Instant::now(),
+        );
         let p = w.plan();
         assert_eq!(
             p.steps[0],

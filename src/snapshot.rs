@@ -6,8 +6,9 @@
 //! Shaped like `nomad volume snapshot create|list|delete` (CSI): a snapshot has an ID, a
 //! source volume, a size, a creation time and whether it is ready.
 
+use crate::environment::NodeEnv;
 use crate::nomad::types::Variable;
-use crate::plugin::{self, NodeEnv, Operation, Runner, SnapshotResult};
+use crate::plugin::{self, Operation, Runner, SnapshotResult};
 use crate::volume::{self, VolumeRecord, VolumeSource, VolumeState};
 use crate::worker::OpError;
 use std::collections::BTreeMap;
@@ -168,7 +169,7 @@ pub fn create_env(
     snap: &SnapshotRecord,
     target: Option<&Path>,
 ) -> Vec<(String, String)> {
-    let mut env = crate::plugin::identity_env(node, vol);
+    let mut env = crate::environment::identity_env(node, vol);
     env.extend([
         ("DHV_CONTEXT".into(), vol.context.to_string()),
         ("DHV_SNAPSHOT_ID".into(), snap.id.clone()),
@@ -184,7 +185,7 @@ pub fn create_env(
 /// Environment of `snapshot_delete`: identity from the snapshot record (the volume may be
 /// gone), its secrets, `DHV_SNAPSHOT_ID` and `DHV_SNAPSHOT_CONTEXT`.
 pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)> {
-    let mut env = crate::plugin::node_env(node);
+    let mut env = crate::environment::node_env(node);
     env.extend([
         ("DHV_NAMESPACE".into(), snap.namespace.clone()),
         ("DHV_VOLUME_NAME".into(), snap.volume.clone()),
@@ -202,7 +203,7 @@ pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)
 /// Environment of `snapshot_list` (run by `volume snapshot list --plugin` on the node where
 /// it is typed): the node's directories and the secrets the caller gave.
 pub fn list_env(node: &NodeEnv, secrets: &BTreeMap<String, String>) -> Vec<(String, String)> {
-    let mut env = crate::plugin::node_env(node);
+    let mut env = crate::environment::node_env(node);
     env.push((
         "DHV_SECRETS".into(),
         serde_json::to_string(secrets).unwrap_or_default(),

@@ -47,15 +47,9 @@ impl View {
         &self.allocs
     }
 
-    /// Replaces everything with a full list taken at `index`. Jobs already known are kept
-    /// for allocations whose listing lacks one.
-    /// Allocations missing from the list whose tasks were last seen running become
-    /// departing (see [`View::remove`]).
-    pub fn replace_all(&mut self, list: Vec<Allocation>, index: u64) {
-        self.replace_all_at(list, index, Instant::now());
-    }
-
-    /// [`View::replace_all`] with an explicit clock.
+    /// Replaces everything with a full list taken at `index`, at `now`. Jobs already known
+    /// are kept for allocations whose listing lacks one. Allocations missing from the list
+    /// whose tasks were last seen running become departing (see [`View::remove_at`]).
     pub fn replace_all_at(&mut self, list: Vec<Allocation>, index: u64, now: Instant) {
         let mut old = std::mem::take(&mut self.allocs);
         for mut a in list {
@@ -100,14 +94,9 @@ impl View {
         self.allocs.insert(a.id.clone(), a);
     }
 
-    /// An allocation read back as 404 (garbage-collected or purged: Nomad sends no event).
-    /// If its tasks were last seen running, the client may still be killing them: it stays
-    /// live until its kill grace has passed ([`Allocation::kill_grace`]), then goes.
-    pub fn remove(&mut self, id: &str) {
-        self.remove_at(id, Instant::now());
-    }
-
-    /// [`View::remove`] with an explicit clock.
+    /// An allocation read back as 404 (garbage-collected or purged: Nomad sends no event),
+    /// at `now`. If its tasks were last seen running, the client may still be killing them:
+    /// it stays live until its kill grace has passed ([`Allocation::kill_grace`]), then goes.
     pub fn remove_at(&mut self, id: &str, now: Instant) {
         match self.allocs.get(id) {
             Some(a) if !a.tasks_finished() => {

@@ -412,7 +412,7 @@ pub struct VolumeRecord {
     pub context: serde_json::Value,
     /// What the plugin's `create` returned as `bytes`.
     pub capacity_bytes: u64,
-    /// Node running `create` or `delete` right now.
+    /// Node running `create` or `delete` right now; after a create, the node that ran it.
     pub worker_node: String,
     /// Last error of `create`/`delete`.
     pub error: String,

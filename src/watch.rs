@@ -17,9 +17,11 @@
 use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use crate::nomad::types::Allocation;
 use crate::nomad::{Client, NomadError};
+use crate::retry::backoff_delay;
+use futures_util::future::BoxFuture;
+use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
-use rand::Rng;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -38,18 +40,7 @@ pub enum WatchEvent {
     Health(Health),
 }
 
-/// Which source of truth the watcher uses (`--watch-mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum WatchMode {
-    /// The cluster-wide event stream, filtered on this node (cheap below a few hundred
-    /// nodes; every node reads every allocation event of the cluster).
-    Stream,
-    /// Node-scoped blocking queries on the node's allocation list (costs scale with this
-    /// node's own changes only; the default, see docs/scale.md).
-    #[default]
-    Poll,
-}
+pub use crate::config::WatchMode;
 
 /// Why the watcher is not connected, for status output and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -124,6 +115,11 @@ pub struct WatchConfig {
     pub healthy_after: Duration,
     /// Re-read on every reconnect and after every auth failure (`--token-file`).
     pub token_file: Option<PathBuf>,
+    /// While some allocation may be deleted by Nomad's GC with its tasks possibly alive
+    /// ([`Allocation::may_vanish_while_live`]), it is verified this often: a deletion raises
+    /// no index (poll) and emits no event (stream). Poll mode shortens its blocking query's
+    /// `wait` to this; stream mode reads each such allocation (`GET /v1/allocation/:id`).
+    pub verify_interval: Duration,
 }
 
 impl WatchConfig {
@@ -139,13 +135,20 @@ impl WatchConfig {
             backoff_cap: Duration::from_secs(30),
             healthy_after: Duration::from_secs(60),
             token_file: None,
+            verify_interval: Duration::from_secs(5),
         }
     }
 
-    fn poll_wait(&self) -> Duration {
-        // Nomad caps `wait` at 10 min; whole seconds on the wire.
-        self.resync_interval
-            .clamp(Duration::from_secs(1), Duration::from_secs(600))
+    /// The blocking query's `wait`: the resync interval, or the verify interval while some
+    /// allocation needs verifying. Nomad caps `wait` at 300 s (`MaxBlockingRPCQueryTime`,
+    /// nomad/structs/structs.go); whole seconds on the wire.
+    fn poll_wait(&self, verifying: bool) -> Duration {
+        let wait = if verifying {
+            self.resync_interval.min(self.verify_interval)
+        } else {
+            self.resync_interval
+        };
+        wait.clamp(Duration::from_secs(1), Duration::from_secs(300))
     }
 }
 
@@ -170,14 +173,6 @@ enum State {
         reason: String,
     },
     Stopped,
-}
-
-/// Exponential backoff with ±20 % jitter: `base * 2^attempt`, capped.
-pub fn backoff_delay(base: Duration, cap: Duration, attempt: u32) -> Duration {
-    let exp = base.saturating_mul(1u32 << attempt.min(16));
-    let d = exp.min(cap);
-    let jitter = rand::thread_rng().gen_range(0.8..1.2);
-    d.mul_f64(jitter)
 }
 
 /// The delay before relisting after `fault`: auth failures wait at least 1 s (B30).
@@ -232,6 +227,7 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         cfg,
         tx,
         known: HashMap::new(),
+        verifying: BTreeSet::new(),
         counters: Counters::default(),
         last_index: 0,
         last_list: Instant::now(),
@@ -253,6 +249,9 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
     /// AllocModifyIndex of each allocation whose Job we have sent.
     known: HashMap<String, u64>,
+    /// Allocations that Nomad may delete while their tasks may still run
+    /// ([`Allocation::may_vanish_while_live`]): verified every `verify_interval`.
+    verifying: BTreeSet<String>,
     counters: Counters,
     /// The highest index seen, to notice an index going backwards across lists.
     last_index: u64,
@@ -301,6 +300,11 @@ impl Watcher {
         self.known = allocs
             .iter()
             .map(|a| (a.id.clone(), a.alloc_modify_index))
+            .collect();
+        self.verifying = allocs
+            .iter()
+            .filter(|a| a.may_vanish_while_live())
+            .map(|a| a.id.clone())
             .collect();
         self.emit(WatchEvent::Relisted { allocs, index }).await
     }
@@ -398,7 +402,10 @@ impl Watcher {
                 attempt,
                 since,
             } => {
-                let wait = self.cfg.poll_wait();
+                // A GC deletion never raises this query's index (`Node.GetAllocs`): while
+                // an allocation may vanish with its tasks alive, each answer after a short
+                // wait is the verifying read.
+                let wait = self.cfg.poll_wait(!self.verifying.is_empty());
                 let deadline = wait + wait / 16 + self.cfg.idle_timeout;
                 let query = self
                     .client
@@ -462,10 +469,29 @@ impl Watcher {
         let mut resync_at = self.last_list + self.cfg.resync_interval;
         let mut health_at = Instant::now();
         let mut bad_seen = false;
+        let mut fetches = Fetches::new(self.client.clone());
+        let mut verify_at = Instant::now() + self.cfg.verify_interval;
         loop {
+            let verify = !self.verifying.is_empty();
             let next = tokio::select! {
                 n = tokio::time::timeout(self.cfg.idle_timeout, body.next()) => n,
                 _ = tokio::time::sleep_until(resync_at) => return StreamEnd::Resync,
+                Some((id, read)) = fetches.running.next(), if !fetches.running.is_empty() => {
+                    match self.fetched(&mut fetches, id, read).await {
+                        Ok(()) => continue,
+                        Err(end) => return end,
+                    }
+                }
+                _ = tokio::time::sleep_until(verify_at), if verify => {
+                    verify_at = Instant::now() + self.cfg.verify_interval;
+                    if let Err(e) = self.verify().await {
+                        return StreamEnd::Fault(Fault::of(&e), e.to_string());
+                    }
+                    if self.tx.is_closed() {
+                        return StreamEnd::Closed;
+                    }
+                    continue;
+                }
             };
             let chunk = match next {
                 Err(_) => {
@@ -510,7 +536,13 @@ impl Watcher {
                     }
                     Piece::Line(line) => {
                         match self
-                            .line(&line, list_index, &mut last_frame, &mut got_heartbeat)
+                            .line(
+                                &line,
+                                list_index,
+                                &mut last_frame,
+                                &mut got_heartbeat,
+                                &mut fetches,
+                            )
                             .await
                         {
                             Ok(bad) => bad,
@@ -555,6 +587,7 @@ impl Watcher {
         list_index: u64,
         last_frame: &mut Option<u64>,
         got_heartbeat: &mut bool,
+        fetches: &mut Fetches,
     ) -> Result<bool, StreamEnd> {
         let first = !*got_heartbeat;
         let result = match decode_line(line, &self.cfg.node_id, self.cfg.max_line) {
@@ -593,8 +626,8 @@ impl Watcher {
                 *last_frame = Some(index);
                 self.last_index = self.last_index.max(index);
                 for ev in allocations {
-                    if let Err(e) = self.allocation(ev.allocation).await {
-                        return Err(StreamEnd::Fault(Fault::of(&e), e.to_string()));
+                    if !self.allocation(ev.allocation, fetches).await {
+                        return Err(StreamEnd::Closed);
                     }
                 }
                 Ok(false)
@@ -612,36 +645,187 @@ impl Watcher {
         result
     }
 
-    /// Sends an allocation update, fetching the full allocation (with its Job) when it is
-    /// new to us or changed server-side.
-    async fn allocation(&mut self, a: Allocation) -> Result<(), NomadError> {
-        let needs_job = !a.is_client_terminal()
+    /// Stream mode: reads every allocation that may have been deleted with its tasks alive
+    /// (a purge or GC emits no event); a 404 becomes [`WatchEvent::Removed`].
+    async fn verify(&mut self) -> Result<(), NomadError> {
+        let ids: Vec<String> = self.verifying.iter().cloned().collect();
+        for id in ids {
+            match self.client.allocation(&id).await? {
+                Some(a) if a.may_vanish_while_live() => {}
+                Some(_) => {
+                    // Changed server-side: the stream brings the update; stop verifying.
+                    self.verifying.remove(&id);
+                }
+                None => {
+                    tracing::info!(alloc = %id, "allocation deleted from Nomad (garbage-collected or purged)");
+                    self.verifying.remove(&id);
+                    self.known.remove(&id);
+                    if !self.emit(WatchEvent::Removed(id)).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// True when an event of this node's allocation needs the full allocation (with its
+    /// Job): it is new to us or changed server-side, and its tasks may still run.
+    fn needs_job(&self, a: &Allocation) -> bool {
+        !a.is_client_terminal()
             && self
                 .known
                 .get(&a.id)
-                .is_none_or(|&seen| a.alloc_modify_index > seen);
-        let ev = if needs_job {
-            match self.client.allocation(&a.id).await? {
-                Some(full) => {
-                    self.known.insert(full.id.clone(), full.alloc_modify_index);
-                    WatchEvent::Upsert(Box::new(full))
-                }
-                None => {
-                    self.known.remove(&a.id);
-                    WatchEvent::Removed(a.id)
-                }
-            }
+                .is_none_or(|&seen| a.alloc_modify_index > seen)
+    }
+
+    /// Handles an event of this node's allocation without waiting for Nomad: one that needs
+    /// its Job is read off the reader ([`Fetches`]); one of an allocation whose read is
+    /// pending waits behind it, to keep the allocation's updates in order; any other is
+    /// sent at once. False when the agent is gone.
+    async fn allocation(&mut self, a: Allocation, fetches: &mut Fetches) -> bool {
+        if a.may_vanish_while_live() {
+            self.verifying.insert(a.id.clone());
         } else {
-            WatchEvent::Upsert(Box::new(a))
+            self.verifying.remove(&a.id);
+        }
+        if let Some(held) = fetches.waiting.get_mut(&a.id) {
+            held.push(a);
+            return true;
+        }
+        if self.needs_job(&a) {
+            fetches.start(a.id);
+            return true;
+        }
+        self.emit(WatchEvent::Upsert(Box::new(a))).await
+    }
+
+    /// A read of the stream path finished: sends it, then the events that arrived for the
+    /// allocation meanwhile and are newer than the read (reading again if one of them
+    /// needs the Job again). A failed read ends the stream (the relist covers it).
+    async fn fetched(
+        &mut self,
+        fetches: &mut Fetches,
+        id: String,
+        read: Result<Option<Allocation>, NomadError>,
+    ) -> Result<(), StreamEnd> {
+        let held = fetches.finish(&id);
+        let full = match read {
+            Err(e) => return Err(StreamEnd::Fault(Fault::of(&e), e.to_string())),
+            Ok(None) => {
+                // Gone (garbage-collected or purged): its older updates no longer matter.
+                self.known.remove(&id);
+                self.verifying.remove(&id);
+                return if self.emit(WatchEvent::Removed(id)).await {
+                    Ok(())
+                } else {
+                    Err(StreamEnd::Closed)
+                };
+            }
+            Ok(Some(full)) => full,
         };
-        let _ = self.tx.send(ev).await;
+        let read_at = full.modify_index;
+        self.known.insert(full.id.clone(), full.alloc_modify_index);
+        if !self.emit(WatchEvent::Upsert(Box::new(full))).await {
+            return Err(StreamEnd::Closed);
+        }
+        let mut rest = held.into_iter().filter(|a| a.modify_index > read_at);
+        while let Some(a) = rest.next() {
+            if self.needs_job(&a) {
+                // Read again; the events after this one wait behind the new read.
+                fetches.start(id.clone());
+                if let Some(w) = fetches.waiting.get_mut(&id) {
+                    w.extend(rest);
+                }
+                return Ok(());
+            }
+            if !self.emit(WatchEvent::Upsert(Box::new(a))).await {
+                return Err(StreamEnd::Closed);
+            }
+        }
         Ok(())
+    }
+}
+
+/// How many allocation reads of the stream path run at once.
+const FETCH_PARALLEL: usize = 8;
+
+type Read = (String, Result<Option<Allocation>, NomadError>);
+
+/// The stream path's allocation reads (`GET /v1/allocation/:id`, for the Job), kept off the
+/// stream reader so that a slow read never stalls it: at most one read per allocation
+/// (later events of that allocation wait for it, coalesced), at most [`FETCH_PARALLEL`]
+/// reads in flight, the rest queued in arrival order. Dropped (and its reads cancelled)
+/// when the stream ends: the relist that follows covers them.
+struct Fetches {
+    client: Client,
+    running: FuturesUnordered<BoxFuture<'static, Read>>,
+    queued: VecDeque<String>,
+    /// Allocations with a read queued or in flight, and the events of each that arrived
+    /// since, oldest first.
+    waiting: HashMap<String, Vec<Allocation>>,
+}
+
+impl Fetches {
+    fn new(client: Client) -> Self {
+        Self {
+            client,
+            running: FuturesUnordered::new(),
+            queued: VecDeque::new(),
+            waiting: HashMap::new(),
+        }
+    }
+
+    /// Reads allocation `id` (now, or once a slot is free).
+    fn start(&mut self, id: String) {
+        self.waiting.entry(id.clone()).or_default();
+        if self.running.len() < FETCH_PARALLEL {
+            self.spawn(id);
+        } else {
+            self.queued.push_back(id);
+        }
+    }
+
+    fn spawn(&mut self, id: String) {
+        let client = self.client.clone();
+        self.running.push(Box::pin(async move {
+            let read = client.allocation(&id).await;
+            (id, read)
+        }));
+    }
+
+    /// The read of `id` finished: returns the events held behind it, and starts the next
+    /// queued read.
+    fn finish(&mut self, id: &str) -> Vec<Allocation> {
+        let held = self.waiting.remove(id).unwrap_or_default();
+        if let Some(next) = self.queued.pop_front() {
+            self.spawn(next);
+        }
+        // Give back memory after a burst.
+        if self.waiting.is_empty() {
+            self.waiting.shrink_to(FETCH_PARALLEL);
+            self.queued.shrink_to(FETCH_PARALLEL);
+        }
+        held
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 11 #10 and #2: Nomad caps a blocking query's wait at 300 s
+    /// (`MaxBlockingRPCQueryTime`); while an allocation may vanish with its tasks alive, the
+    /// wait shrinks to the verify interval, so each answer is a verifying read.
+    #[test]
+    fn poll_wait_is_capped_and_shrinks_while_verifying() {
+        let mut cfg = WatchConfig::new("n");
+        cfg.resync_interval = Duration::from_secs(600);
+        assert_eq!(cfg.poll_wait(false), Duration::from_secs(300));
+        assert_eq!(cfg.poll_wait(true), Duration::from_secs(5));
+        cfg.resync_interval = Duration::from_secs(2);
+        assert_eq!(cfg.poll_wait(true), Duration::from_secs(2));
+    }
 
     #[test]
     fn backoff_grows_and_is_capped() {
@@ -675,5 +859,183 @@ mod tests {
         let v = serde_json::to_value(&h).unwrap();
         assert_eq!(v["state"], "disconnected");
         assert_eq!(v["fault"], "auth-failed");
+    }
+
+    /// A loopback Nomad for the stream path: an empty node list at index 10, an event
+    /// stream fed by the test, and allocation reads that wait until the test opens
+    /// `gate` (counted in `reads`).
+    mod slow_nomad {
+        use bytes::Bytes;
+        use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+        use hyper::body::Frame;
+        use std::convert::Infallible;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Mutex};
+        use tokio::sync::{mpsc, watch};
+
+        pub struct Server {
+            pub addr: String,
+            pub reads: Arc<AtomicUsize>,
+            pub gate: watch::Sender<bool>,
+            pub lines: mpsc::UnboundedSender<String>,
+        }
+
+        pub fn alloc(id: &str, node: &str, status: &str, index: u64, with_job: bool) -> String {
+            let job = if with_job {
+                r#","Job":{"ID":"j","Namespace":"default","TaskGroups":[]}"#
+            } else {
+                ""
+            };
+            format!(
+                r#"{{"ID":"{id}","Namespace":"default","NodeID":"{node}","JobID":"j","TaskGroup":"g","DesiredStatus":"run","ClientStatus":"{status}","ModifyIndex":{index},"AllocModifyIndex":{index}{job}}}"#
+            )
+        }
+
+        pub fn frame(index: u64, allocs: &[String]) -> String {
+            let events: Vec<String> = allocs
+                .iter()
+                .map(|a| {
+                    format!(
+                        r#"{{"Topic":"Allocation","Type":"AllocationUpdated","Key":"k","Namespace":"default","Index":{index},"Payload":{{"Allocation":{a}}}}}"#
+                    )
+                })
+                .collect();
+            format!("{{\"Index\":{index},\"Events\":[{}]}}\n", events.join(","))
+        }
+
+        type Body = BoxBody<Bytes, Infallible>;
+
+        /// Starts the server; `full` answers every allocation read (once the gate opens).
+        pub async fn start(full: String) -> Server {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = format!("http://{}", listener.local_addr().unwrap());
+            let reads = Arc::new(AtomicUsize::new(0));
+            let (gate, gate_rx) = watch::channel(false);
+            let (lines, lines_rx) = mpsc::unbounded_channel::<String>();
+            let lines_rx = Arc::new(Mutex::new(Some(lines_rx)));
+            let r = reads.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((sock, _)) = listener.accept().await else {
+                        return;
+                    };
+                    let (r, gate_rx, lines_rx, full) =
+                        (r.clone(), gate_rx.clone(), lines_rx.clone(), full.clone());
+                    tokio::spawn(async move {
+                        let svc = hyper::service::service_fn(move |req| {
+                            let (r, mut gate_rx, lines_rx, full) =
+                                (r.clone(), gate_rx.clone(), lines_rx.clone(), full.clone());
+                            async move {
+                                let path = req.uri().path().to_string();
+                                let body: Body = if path.starts_with("/v1/node/") {
+                                    Full::new(Bytes::from("[]")).boxed()
+                                } else if path == "/v1/event/stream" {
+                                    let rx = lines_rx.lock().unwrap().take().expect("one stream");
+                                    let first = futures_util::stream::once(async {
+                                        Ok::<_, Infallible>(Frame::data(Bytes::from("{}\n")))
+                                    });
+                                    let rest =
+                                        futures_util::stream::unfold(rx, |mut rx| async move {
+                                            let l = rx.recv().await?;
+                                            Some((Ok(Frame::data(Bytes::from(l))), rx))
+                                        });
+                                    use futures_util::StreamExt;
+                                    BodyExt::boxed(StreamBody::new(first.chain(rest)))
+                                } else {
+                                    r.fetch_add(1, Ordering::SeqCst);
+                                    let _ = gate_rx.wait_for(|open| *open).await;
+                                    Full::new(Bytes::from(full)).boxed()
+                                };
+                                Ok::<_, Infallible>(
+                                    hyper::Response::builder()
+                                        .header("X-Nomad-Index", "10")
+                                        .header("Content-Type", "application/json")
+                                        .body(body)
+                                        .unwrap(),
+                                )
+                            }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                            .await;
+                    });
+                }
+            });
+            Server {
+                addr,
+                reads,
+                gate,
+                lines,
+            }
+        }
+    }
+
+    /// Waits for the next allocation event (health events skipped).
+    async fn next_alloc_event(rx: &mut mpsc::Receiver<WatchEvent>) -> WatchEvent {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .expect("no allocation event from the watcher")
+                .expect("the watcher stopped")
+            {
+                WatchEvent::Health(_) | WatchEvent::Relisted { .. } => {}
+                ev => return ev,
+            }
+        }
+    }
+
+    /// Stream mode: while the read of a new allocation of this node hangs, the reader goes
+    /// on (another allocation's update, later on the stream, arrives first), updates of the
+    /// allocation being read wait behind its read, and the read is not repeated for them
+    /// (one read in total). Without the fix the reader waits for the read: deadlock.
+    #[tokio::test]
+    async fn stream_reader_keeps_consuming_while_a_read_is_slow() {
+        use slow_nomad::{alloc, frame};
+        use std::sync::atomic::Ordering;
+        const ME: &str = "node-me";
+        // Nomad answers the read with the allocation as it is then (index 13).
+        let server = slow_nomad::start(alloc("a", ME, "running", 13, true)).await;
+        let mut cfg = WatchConfig::new(ME);
+        cfg.mode = WatchMode::Stream;
+        let (tx, mut rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        // "a" is new (read needed); then two more updates of "a" (client side, same
+        // AllocModifyIndex), an other node's event, and "b" finishing (no read needed).
+        let a11 = alloc("a", ME, "pending", 11, false);
+        server.lines.send(frame(11, &[a11])).unwrap();
+        let a12 = alloc("a", ME, "running", 12, false)
+            .replace(r#""AllocModifyIndex":12"#, r#""AllocModifyIndex":11"#);
+        let a13 = alloc("a", ME, "running", 13, false)
+            .replace(r#""AllocModifyIndex":13"#, r#""AllocModifyIndex":11"#);
+        server.lines.send(frame(12, &[a12])).unwrap();
+        server.lines.send(frame(13, &[a13])).unwrap();
+        let other = alloc("x", "node-other", "running", 14, false);
+        let b = alloc("b", ME, "complete", 15, false);
+        server.lines.send(frame(15, &[other, b])).unwrap();
+        match next_alloc_event(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(a.id, "b", "{a:?}"),
+            ev => panic!("expected b's update first, got {ev:?}"),
+        }
+        server.gate.send(true).unwrap();
+        match next_alloc_event(&mut rx).await {
+            WatchEvent::Upsert(a) => {
+                assert_eq!((a.id.as_str(), a.modify_index), ("a", 13));
+                assert!(a.job.is_some(), "the read carries the Job");
+            }
+            ev => panic!("expected a's read, got {ev:?}"),
+        }
+        // The held updates (11..13) are not newer than the read: nothing more for "a".
+        let c = alloc("c", ME, "complete", 16, false);
+        server.lines.send(frame(16, &[c])).unwrap();
+        match next_alloc_event(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(a.id, "c", "{a:?}"),
+            ev => panic!("expected c's update, got {ev:?}"),
+        }
+        assert_eq!(
+            server.reads.load(Ordering::SeqCst),
+            1,
+            "coalesced: one read"
+        );
+        task.abort();
     }
 }

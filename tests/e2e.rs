@@ -252,6 +252,7 @@ esac
 async fn secrets_never_reach_logs_journal_status_or_cli_output() {
     let c = Cluster::start(2).await;
     script(&c.plugin_dir.join("leaky"), LEAKY_PLUGIN);
+    c.wait_plugin("leaky").await;
     let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
     let mut outputs = Vec::new();
     outputs.push(c.create_volume_with(
@@ -386,8 +387,23 @@ async fn plugin_files_are_noticed_while_running() {
         "name = \"plain-data\"\ntype = \"host\"\nplugin_id = \"plain\"\ncapability {\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}\n",
     )
     .unwrap();
-    let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+    // `volume create` refuses it at once, naming why each node cannot serve it.
+    c.wait_for(
+        10,
+        "volume create refused for want of a deferred plugin",
+        || async {
+            let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+            (code == 1 && out.contains("node-1 (plugin is not deferred_bind)")).then_some(())
+        },
+    )
+    .await;
+    // Registered all the same (an existing storage): the agents still never use the plugin.
+    let mut text = std::fs::read_to_string(&spec).unwrap();
+    text.push_str("context {\n  path = \"/nowhere\"\n}\n");
+    std::fs::write(&spec, text).unwrap();
+    let (code, out) = c.cli(&["volume", "register", spec.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}");
+    assert!(out.contains("jobs using it cannot start yet"), "{out}");
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let (_, out) = c.status(0);
     let v: Value = serde_json::from_str(&out).unwrap();
@@ -400,7 +416,7 @@ async fn plugin_files_are_noticed_while_running() {
         .unwrap_or_else(|| panic!("{out}"));
     assert_eq!(vol["served_here"], false, "{out}");
     assert!(vol["placeholder_id"].is_null(), "{out}");
-    assert_eq!(vol["state"], "pending", "{out}");
+    assert_eq!(vol["state"], "ready", "{out}");
     let vols = c.get("/v1/volumes?type=host&namespace=*").await;
     assert!(
         !vols
@@ -660,26 +676,41 @@ async fn b26_reader_volume_is_read_only_and_unpublished_at_the_stored_path() {
     assert_eq!(support::cluster::mount_count(&target), 0);
 }
 
-/// B15: `job stop -purge` deletes the allocation from Nomad with no event; the client kills
-/// the tasks a moment later. The periodic relist finds the allocation gone, its volume is
-/// kept through the allocation's kill grace, then unpublished exactly once.
+/// B15: `job stop -purge` deletes the job, not its allocations (`handleJobDeregister` →
+/// `DeleteJobTxn`): the scheduler stops them (events), the client kills the tasks, and the
+/// volume is unpublished exactly once, after every task of the allocation is dead. (A GC
+/// deletion of a still-live allocation is `multinode::gc_of_a_live_allocation_*`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
-    let c = Cluster::start_with(1, "", &[("DHV_BINDER_RESYNC_INTERVAL", "2s")]).await;
+    let c = Cluster::start(1).await;
     c.create_volume("shared-data", "single-node-writer");
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
-    c.wait_for(60, "the main task running", || async {
-        c.allocs(&job)
-            .await
-            .into_iter()
-            .find(|a| task_state(a, "app")["State"] == "running")
-    })
-    .await;
+    let alloc = c
+        .wait_for(60, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
     let purged_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
     c.stop_job(&job, true).await;
+    c.wait_for(
+        40,
+        "the allocation complete with every task dead",
+        || async {
+            let a = c.get(&format!("/v1/allocation/{alloc_id}")).await;
+            let dead = a["TaskStates"]
+                .as_object()
+                .is_some_and(|t| t.values().all(|s| s["State"] == "dead"));
+            (a["ClientStatus"] == "complete" && dead).then_some(())
+        },
+    )
+    .await;
     c.wait_for(40, "the unpublish", || async {
         c.journal(0)
             .last()
@@ -694,12 +725,6 @@ async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
         .map(|e| e["unix_ms"].as_u64().unwrap())
         .collect();
     assert_eq!(intents.len(), 1);
-    // Kill grace: the example's kill_timeout (5 s) plus the 5 s margin.
-    assert!(
-        intents[0] >= purged_at + 9_000,
-        "unpublished {} ms after the purge, within the kill grace",
-        intents[0] - purged_at
-    );
     eprintln!(
         "B15: unpublished {} ms after the purge",
         intents[0] - purged_at

@@ -80,9 +80,42 @@ fn system_job_runs_the_agent_on_every_client() {
         "mounts must land in the host namespace"
     );
     let env = one(task.body(), "env");
-    assert!(string(env.body(), "DHV_BINDER_SOCKET").starts_with("/run/dhv-binder/"));
+    // The socket's directory is the static host volume: persistent, never tmpfs (a Nomad
+    // client refuses to start when a static host_volume path is missing after a reboot).
+    let socket = string(env.body(), "DHV_BINDER_SOCKET");
+    assert_eq!(socket, "/var/lib/dhv-binder/socket/api.sock");
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("jobspecs/dhv-binder.nomad.hcl"),
+    )
+    .unwrap();
+    assert!(
+        text.contains("path      = \"/var/lib/dhv-binder/socket\""),
+        "the documented client host_volume path matches the socket's directory"
+    );
+
     let identity = one(task.body(), "identity");
     assert_eq!(attr(identity.body(), "env"), Some(&Expression::Bool(true)));
+    // The release is fetched, checked against its SHA-256, and run from the task dir.
+    let artifact = one(task.body(), "artifact");
+    assert!(attr(artifact.body(), "source").is_some());
+    let checksum = attr(one(artifact.body(), "options").body(), "checksum");
+    assert!(
+        checksum.is_some_and(|c| c.to_string().contains("sha256:")),
+        "the artifact needs options {{ checksum = \"sha256:...\" }}, got {checksum:?}"
+    );
+    assert!(string(one(task.body(), "config").body(), "command").starts_with("local/"));
+    // The Task API socket: no address or TLS files to configure.
+    let addr = attr(env.body(), "NOMAD_ADDR").map(|e| e.to_string());
+    assert!(
+        addr.as_deref()
+            .is_some_and(|a| a.contains("unix://${NOMAD_SECRETS_DIR}/api.sock")),
+        "NOMAD_ADDR should be the Task API socket, got {addr:?}"
+    );
+    let addr = string(env.body(), "DHV_BINDER_METRICS_ADDR");
+    assert!(
+        addr.starts_with("127.0.0.1:"),
+        "metrics beyond loopback: {addr}"
+    );
 }
 
 /// The prestart task calls the daemon with its identity through the socket volume, and

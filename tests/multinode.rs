@@ -97,6 +97,20 @@ async fn drain_moves_the_volume_with_the_allocation_and_never_overlaps() {
         .map(|e| e["event"].as_str().unwrap().to_string())
         .collect();
     assert!(events.contains(&"unpublish-done".to_string()), "{events:?}");
+    // Figure (not asserted): the clean hand-over, the old node's unpublish (claim released
+    // at once) to the new node's publish, with the default claim settings.
+    let at = |i: usize, ev: &str| {
+        c.journal(i)
+            .iter()
+            .filter(|e| e["event"] == ev)
+            .filter_map(|e| e["unix_ms"].as_u64())
+            .next_back()
+            .unwrap_or(0)
+    };
+    eprintln!(
+        "clean hand-over on drain: {} ms from unpublish done on the old node to publish done on the new one",
+        at(to, "publish-done").saturating_sub(at(from, "unpublish-done"))
+    );
     assert!(!dhv_binder::mounts::is_mount_point(&c.target(from, VOLUME)));
     assert!(dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)));
     assert_never_on_two_nodes(&c);
@@ -114,7 +128,7 @@ async fn lost_node_hands_over_after_claim_expiry_and_cleans_up_on_return() {
         3,
         "heartbeat_grace = \"2s\"",
         &[
-            ("DHV_BINDER_CLAIM_TTL", "6s"),
+            ("DHV_BINDER_CLAIM_TTL", "10s"),
             ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
         ],
     )
@@ -234,4 +248,173 @@ async fn sigkill_mid_publish_then_restart_leaves_exactly_one_mount() {
         (mount_count(&target) == 0).then_some(())
     })
     .await;
+}
+
+/// A job whose main task fails at once while its poststop task keeps running, with no
+/// restart and no reschedule: Nomad reports `failed` while the poststop task still runs
+/// (`getClientStatus`), and its GC may delete it then (`allocGCEligible`).
+fn failed_with_poststop_job(sb_dir: &std::path::Path) -> std::path::PathBuf {
+    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    // The example's prestart task, verbatim, gates the volume.
+    let start = example.find("    task \"publish-volumes\"").unwrap();
+    let end = example.find("    task \"app\"").unwrap();
+    let prestart = &example[start..end];
+    let hcl = format!(
+        r#"job "gc-me" {{
+  type        = "service"
+  datacenters = ["*"]
+  group "app" {{
+    volume "data" {{
+      type            = "host"
+      source          = "{VOLUME}"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}
+    volume "dhv-binder" {{
+      type      = "host"
+      source    = "dhv-binder-socket"
+      read_only = true
+    }}
+    restart {{
+      attempts = 0
+      mode     = "fail"
+    }}
+    reschedule {{
+      attempts  = 0
+      unlimited = false
+    }}
+{prestart}
+    task "app" {{
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "exit 1"]
+      }}
+      volume_mount {{
+        volume      = "data"
+        destination = "/data"
+      }}
+    }}
+    task "cleanup" {{
+      lifecycle {{
+        hook = "poststop"
+      }}
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "trap 'exit 0' TERM; while true; do sleep 1; done"]
+      }}
+      volume_mount {{
+        volume      = "data"
+        destination = "/data"
+      }}
+      kill_timeout = "1s"
+    }}
+  }}
+}}
+"#
+    );
+    let path = sb_dir.join("gc-me.nomad.hcl");
+    std::fs::write(&path, hcl).unwrap();
+    path
+}
+
+/// The highest `index` field anywhere in a status document (the watcher's health).
+fn max_index(v: &Value) -> u64 {
+    match v {
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, v)| match (k.as_str(), v.as_u64()) {
+                ("index", Some(i)) => i,
+                _ => max_index(v),
+            })
+            .max()
+            .unwrap_or(0),
+        Value::Array(a) => a.iter().map(max_index).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// A long-running allocation elsewhere on the node, so that the node is never without
+/// allocations (on a real cluster the daemon's own system allocation plays this part).
+const SLEEPER: &str = r#"job "sleeper" {
+  type        = "service"
+  datacenters = ["*"]
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {
+        command = "/bin/sleep"
+        args    = ["1000"]
+      }
+    }
+  }
+}
+"#;
+
+/// Issue 11 #2 and #9: (#9) an allocation reported `failed` while its poststop task still runs
+/// keeps its volume; (#2) when Nomad's GC then deletes it, the node's allocation index does
+/// not rise (it is the highest ModifyIndex of the node's allocations) and no event is sent,
+/// yet the daemon sees the deletion within seconds (not at the 5 min resync) and unpublishes
+/// once the client has killed the tasks. Run in both watch modes.
+async fn gc_of_a_live_allocation_is_seen_within_seconds(mode: &str) {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_WATCH_MODE", mode)]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    ready_everywhere(&c).await;
+    let sleeper = c.sb.join("sleeper.nomad.hcl");
+    std::fs::write(&sleeper, SLEEPER).unwrap();
+    c.run_job(&sleeper).await;
+    let job = c.run_job(&failed_with_poststop_job(&c.sb.join(""))).await;
+    let alloc = c
+        .wait_for(120, "failed while the poststop task runs", || async {
+            c.allocs(&job).await.into_iter().find(|a| {
+                a["ClientStatus"] == "failed" && a["TaskStates"]["cleanup"]["State"] == "running"
+            })
+        })
+        .await;
+    let target = c.target(0, VOLUME);
+    assert!(
+        dhv_binder::mounts::is_mount_point(&target),
+        "the volume stays while the poststop task runs"
+    );
+    // Let the daemon see the failed status (its watcher's index reaches the update), then GC.
+    let seen_at = alloc["ModifyIndex"].as_u64().unwrap();
+    c.wait_for(30, "the daemon's watcher at the failed update", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        (max_index(&v) >= seen_at).then_some(())
+    })
+    .await;
+    assert!(
+        !c.journal(0)
+            .iter()
+            .any(|e| e["event"] == "unpublish-intent"),
+        "unpublished while the poststop task still ran"
+    );
+    c.put("/v1/system/gc", json!({})).await;
+    let gone = c
+        .get(&format!("/v1/job/{job}/allocations"))
+        .await
+        .as_array()
+        .is_some_and(|l| l.is_empty());
+    assert!(gone, "the GC deleted the failed allocation");
+    c.wait_for(60, "the unpublish after the GC", || async {
+        c.journal(0)
+            .iter()
+            .any(|e| e["event"] == "unpublish-done")
+            .then_some(())
+    })
+    .await;
+    assert!(!dhv_binder::mounts::is_mount_point(&target));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_of_a_live_allocation_is_seen_within_seconds_in_poll_mode() {
+    gc_of_a_live_allocation_is_seen_within_seconds("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_of_a_live_allocation_is_seen_within_seconds_in_stream_mode() {
+    gc_of_a_live_allocation_is_seen_within_seconds("stream").await;
 }

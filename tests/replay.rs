@@ -274,7 +274,7 @@ async fn restart_and_reconnect_converge_without_events() {
     agent.stop().await;
 
     // While the daemon is down the allocation completes.
-    full["ClientStatus"] = json!("complete");
+    set_client_status(&mut full, "complete");
     full["DesiredStatus"] = json!("stop");
     full["ModifyIndex"] = json!(1400);
     fake.put_alloc(full.clone());
@@ -345,10 +345,24 @@ fn payload(id: &str, client: &str, desired: &str, index: u64) -> Value {
     let mut a = fixture("allocation.json");
     a.as_object_mut().unwrap().remove("Job");
     a["ID"] = json!(id);
-    a["ClientStatus"] = json!(client);
-    a["DesiredStatus"] = json!(desired);
     a["ModifyIndex"] = json!(index);
+    a["DesiredStatus"] = json!(desired);
+    set_client_status(&mut a, client);
     a
+}
+
+/// Sets an allocation's ClientStatus as its client reports it: `complete` and `failed`
+/// come with every task state `dead` (the daemon counts an allocation finished only then:
+/// Nomad reports `failed` while a poststop task still runs).
+fn set_client_status(a: &mut Value, client: &str) {
+    a["ClientStatus"] = json!(client);
+    if matches!(client, "complete" | "failed") {
+        if let Some(states) = a["TaskStates"].as_object_mut() {
+            for st in states.values_mut() {
+                st["State"] = json!("dead");
+            }
+        }
+    }
 }
 
 /// One frame at `index` with the given allocation payloads (Type AllocationUpdated).
@@ -535,7 +549,7 @@ async fn b17_index_reset_snapshot_restore(mode: WatchMode) {
     })
     .await;
     let mut done = fixture("allocation.json");
-    done["ClientStatus"] = json!("complete");
+    set_client_status(&mut done, "complete");
     done["DesiredStatus"] = json!("stop");
     done["ModifyIndex"] = json!(40);
     c.fake.reset(vec![done], 40);

@@ -549,3 +549,86 @@ async fn a_second_agent_on_the_node_refuses_to_start() {
     agent.stop().await;
     assert!(!cfg.socket.exists(), "the socket outlived its agent");
 }
+
+/// A crash after a batch's intents are committed and before its plugin calls start: the
+/// whole batch is on disk as `publishing` (one commit), one call runs (`max_parallel` 1)
+/// and hangs, the others wait for their turn when the agent is killed. The restarted agent
+/// resolves every intent by publishing each volume exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_the_batch_commit_and_its_plugin_calls() {
+    let sb = Sandbox::new();
+    let fake = fake().await;
+    let plugins = sb.join("plugins");
+    recording_plugin(&plugins, "real");
+    let release = sb.join("release");
+    wrapper_plugin(
+        &plugins,
+        "fake",
+        &format!(
+            "if [ \"$1\" = publish ] && [ ! -e {release} ]; then touch {started}-$DHV_VOLUME_NAME; sleep 30; exit 1; fi\nexec \"$REAL\" \"$@\"",
+            release = release.display(),
+            started = sb.join("started").display(),
+        ),
+    );
+    let names: Vec<String> = (0..5).map(|i| format!("v{i}")).collect();
+    for v in &names {
+        volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
+    }
+    let vols: Vec<&str> = names.iter().map(String::as_str).collect();
+    fake.put_alloc(alloc_json(&alloc_id(1), NODE, &vols, "running", 100));
+    let mut cfg = agent_config(&sb);
+    cfg.max_parallel = 1;
+    let agent = start_agent(&fake, cfg.clone());
+    let started = || {
+        std::fs::read_dir(sb.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("started-")
+            })
+            .count()
+    };
+    eventually(20, "every intent committed, one call started", || {
+        std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
+            serde_json::from_str::<Value>(&j).unwrap()["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["state"] == "publishing")
+                .count()
+                == 5
+        }) && started() == 1
+    })
+    .await;
+    agent.abort();
+    assert_eq!(started(), 1, "the other calls of the batch had not started");
+    std::fs::write(&release, b"").unwrap();
+
+    cfg.max_parallel = 8;
+    let agent = start_agent(&fake, cfg.clone());
+    eventually(20, "every volume of the batch published", || {
+        std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
+            let j: Value = serde_json::from_str(&j).unwrap();
+            j["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["state"] == "published")
+                .count()
+                == 5
+                && j["users"].as_array().unwrap().len() == 5
+        })
+    })
+    .await;
+    for v in &names {
+        let n = calls(&plugins)
+            .iter()
+            .filter(|c| c.starts_with(&format!("publish default/{v} ")))
+            .count();
+        assert_eq!(n, 1, "{v}: {:?}", calls(&plugins));
+    }
+    agent.stop().await;
+}

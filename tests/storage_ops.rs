@@ -10,7 +10,7 @@ mod support;
 
 use clap::Parser;
 use dhv_binder::config::NomadConfig;
-use dhv_binder::executor::{self, NodeEnv};
+use dhv_binder::environment::{self, NodeEnv};
 use dhv_binder::expansion::{self, Expansion, ExpansionState, Step};
 use dhv_binder::nomad::Client;
 use dhv_binder::plugin::{Operation, Runner};
@@ -53,25 +53,23 @@ fn fs_bytes(p: &Path) -> u64 {
 }
 
 async fn publish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Path) {
-    match executor::publish(
-        runner.clone(),
-        n.clone(),
-        rec.clone(),
-        target.into(),
+    std::fs::create_dir_all(target).unwrap();
+    let env = environment::publish_env(
+        n,
+        rec,
+        target,
         false,
-        "00000000-0000-4000-8000-000000000001".into(),
-    )
-    .await
-    {
-        executor::Completion::Published { result, .. } => {
-            result.unwrap();
-        }
-        other => panic!("{other:?}"),
-    }
+        "00000000-0000-4000-8000-000000000001",
+    );
+    runner
+        .call(&rec.spec.plugin_id, Operation::Publish, &env, &rec.secrets)
+        .await
+        .unwrap();
+    assert!(dhv_binder::mounts::is_mount_point(target));
 }
 
 async fn unpublish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Path) {
-    let env = executor::unpublish_env(
+    let env = environment::unpublish_env(
         n,
         &dhv_binder::journal::MountRecord {
             volume: rec.key(),
@@ -110,7 +108,7 @@ async fn create(client: &Client, runner: &Runner, n: &NodeEnv, spec: &str) -> Vo
     // The create step of the agent, with the source's variables (as the integration adds).
     let (snap, clone) = snapshot::read_source(client, &rec).await.unwrap();
     let extra = snapshot::source_env(&rec, snap.as_ref(), clone.as_ref(), None).unwrap();
-    let mut env = executor::create_env(n, &rec);
+    let mut env = environment::create_env(n, &rec);
     env.extend(extra);
     let out = runner
         .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)

@@ -331,6 +331,13 @@ fn level_allows(level: &str, write: bool) -> bool {
     }
 }
 
+/// Authenticates a token whatever the ACL setting (the Task API's `ACL.WhoAmI`): a
+/// management or ACL token, or a workload identity of a live allocation; else `Forbidden`.
+pub fn authenticate(server: &Server, token: &str) -> Result<(), StoreError> {
+    let st = server.read();
+    resolve(&st, server, Some(token)).map(|_| ())
+}
+
 /// Checks a token against a need. `Forbidden` → 403 "Permission denied".
 pub fn check(server: &Server, token: Option<&str>, need: Need<'_>) -> Result<(), StoreError> {
     let st = server.read();

@@ -108,6 +108,20 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     if let Some(t) = &cfg.acl.bootstrap_token {
         acl.management.push(t.clone());
     }
+    // `Client.setupNode` (client/client.go): every static host volume's path must exist, or
+    // the client (and with it the agent) refuses to start: "node setup failed".
+    for c in &cfg.clients {
+        for v in &c.host_volumes {
+            if let Err(e) = std::fs::metadata(&v.path) {
+                anyhow::bail!(
+                    "client {}: node setup failed: failed to validate volume {}, err: stat {}: {e}",
+                    c.name,
+                    v.name,
+                    v.path.display()
+                );
+            }
+        }
+    }
     let server = Server::new(&cfg.region, cfg.event_buffer_size, keyring, acl);
     let self_exe = std::env::current_exe().context("locating nomad-sim executable")?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -144,19 +158,20 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         std::fs::create_dir_all(data_dir.join("alloc"))?;
         let node = node_for(&cfg, c, &id, &addr.to_string());
         server.register_node(node.clone());
+        let client_state = AppState {
+            server: server.clone(),
+            agent: Arc::new(AgentInfo {
+                node_id: Some(id.clone()),
+                name: c.name.clone(),
+                region: cfg.region.clone(),
+                datacenter: c.datacenter.clone(),
+                node_pool: c.node_pool.clone(),
+                heartbeat: cfg.event_heartbeat_interval,
+            }),
+        };
         http_tasks.push(tokio::spawn(serve(
             listener,
-            AppState {
-                server: server.clone(),
-                agent: Arc::new(AgentInfo {
-                    node_id: Some(id.clone()),
-                    name: c.name.clone(),
-                    region: cfg.region.clone(),
-                    datacenter: c.datacenter.clone(),
-                    node_pool: c.node_pool.clone(),
-                    heartbeat: cfg.event_heartbeat_interval,
-                }),
-            },
+            client_state.clone(),
             shutdown_rx.clone(),
         )));
         let ctx = Arc::new(NodeCtx {
@@ -169,6 +184,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             self_exe: self_exe.clone(),
+            task_api: Some(crate::task_api::TaskApi::new(client_state)),
         });
         node_tasks.push(tokio::spawn(run_node(
             server.clone(),

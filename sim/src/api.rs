@@ -166,7 +166,9 @@ impl Query {
             )),
         }
     }
-    /// Blocking query options: (index, wait) with Nomad defaults (5 min, max 10 min).
+    /// Blocking query options: (index, wait). `QueryOptions.TimeToBlock`
+    /// (nomad/structs/structs.go): default and cap `MaxBlockingRPCQueryTime` = 300 s; then
+    /// `blockingRPC` (nomad/rpc.go) adds a jitter of up to wait/16.
     fn blocking(&self) -> Result<(u64, Duration), ApiError> {
         let index = match self.get("index") {
             None | Some("") => 0,
@@ -176,7 +178,13 @@ impl Query {
             None | Some("") => Duration::from_secs(300),
             Some(s) => crate::clock::parse_go_duration(s).map_err(|_| bad("Invalid wait time"))?,
         };
-        Ok((index, wait.min(Duration::from_secs(600))))
+        let wait = if wait.is_zero() {
+            Duration::from_secs(300)
+        } else {
+            wait.min(Duration::from_secs(300))
+        };
+        let jitter = rand::random::<f64>() * wait.as_secs_f64() / 16.0;
+        Ok((index, wait + Duration::from_secs_f64(jitter)))
     }
 }
 
@@ -411,10 +419,23 @@ async fn node_allocs(
 ) -> ApiResult {
     authorize(&st, &headers, crate::acl::Need::NodeRead)?;
     let q = Query::parse(q);
-    if st.server.node(&id).is_none() {
-        return Err(ApiError(StatusCode::NOT_FOUND, "node not found".into()));
+    // `Node.GetAllocs` (nomad/node_endpoint.go): no existence check (an unknown node ID is
+    // `200 []`); the index is the highest ModifyIndex among the node's allocations (the
+    // allocs table index only when it has none), and `blockingRPC` re-blocks until that number
+    // exceeds `index`: a deletion never wakes the query, and the index can go down.
+    let (index, wait) = q.blocking()?;
+    let node_index = |s: &crate::store::State| {
+        s.allocs
+            .values()
+            .filter(|a| a.NodeID == id)
+            .map(|a| a.ModifyIndex)
+            .max()
+            .unwrap_or(s.tables.allocs)
+    };
+    if index > 0 {
+        st.server.block_until_with(index, wait, node_index).await;
     }
-    let idx = blocking(&st, &q, |t| t.allocs).await?;
+    let idx = node_index(&st.server.read());
     let tok = token(&headers);
     let allocs: Vec<_> = st
         .server
@@ -904,13 +925,19 @@ async fn vars_list(
     let idx = blocking(&st, &q, |t| t.vars).await?;
     let prefix = q.get("prefix").unwrap_or("").to_string();
     let tok = token(&headers);
+    // `Variables.List` hides locks from all but management tokens.
+    let management =
+        crate::acl::check(&st.server, tok.as_deref(), crate::acl::Need::Management).is_ok();
     let list: Vec<Variable> = st
         .server
         .read()
         .vars
         .values()
         .filter(|v| alloc_visible(&ns, &v.Namespace) && v.Path.starts_with(&prefix))
-        .map(|v| v.metadata())
+        .map(|v| Variable {
+            Lock: v.Lock.clone().filter(|_| management),
+            ..v.metadata()
+        })
         .collect::<Vec<_>>();
     let list: Vec<Variable> = list
         .into_iter()
@@ -970,8 +997,16 @@ async fn var_handler(
                 .vars
                 .get(&(ns.clone(), path.clone()))
                 .cloned();
+            // `Variables.Read` hides the Lock from all but management tokens.
+            let management =
+                crate::acl::check(&st.server, tok.as_deref(), crate::acl::Need::Management).is_ok();
             match v {
-                Some(v) => ok(v.ModifyIndex.max(idx.min(v.ModifyIndex)), &v),
+                Some(mut v) => {
+                    if !management {
+                        v.Lock = None;
+                    }
+                    ok(v.ModifyIndex.max(idx.min(v.ModifyIndex)), &v)
+                }
                 None => Err(ApiError(StatusCode::NOT_FOUND, "variable not found".into())),
             }
         }
@@ -996,6 +1031,17 @@ async fn var_handler(
             let items = v.Items.take().unwrap_or_default();
             if items.is_empty() {
                 return Err(bad("variable missing required Items object"));
+            }
+            // `canonicalizeAndValidate` (nomad/variables_endpoint.go), VarOpSet/VarOpCAS.
+            if v.Lock.as_ref().is_some_and(|l| {
+                [&l.TTL, &l.LockDelay]
+                    .iter()
+                    .any(|d| !d.is_null() && d.as_str() != Some("") && d.as_f64() != Some(0.0))
+            }) {
+                return Err(bad("variable should not contain lock definition"));
+            }
+            if crate::locks::items_size(&items) > crate::locks::MAX_VARIABLE_SIZE {
+                return Err(bad("variables are limited to 64KiB in total size"));
             }
             let cas = cas()?;
             let lock_id = v
@@ -1152,4 +1198,29 @@ async fn jwks(State(st): State<AppState>) -> ApiResult {
     r.headers_mut()
         .insert("cache-control", HeaderValue::from_static("max-age=900"));
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `QueryOptions.TimeToBlock` (nomad/structs/structs.go) and `blockingRPC` (nomad/rpc.go):
+    /// the wait defaults to and is capped at 300 s (`MaxBlockingRPCQueryTime`), plus a jitter
+    /// of up to wait/16.
+    #[test]
+    fn blocking_waits_are_capped_at_300s_plus_jitter() {
+        let cap = Duration::from_secs(300) + Duration::from_secs(300) / 16;
+        for q in ["index=5&wait=10m", "index=5", "index=5&wait=301s"] {
+            let (i, w) = Query::parse(Some(q.to_string())).blocking().unwrap();
+            assert_eq!(i, 5);
+            assert!(w >= Duration::from_secs(300) && w <= cap, "{q}: {w:?}");
+        }
+        let (_, w) = Query::parse(Some("index=5&wait=2s".into()))
+            .blocking()
+            .unwrap();
+        assert!(
+            w >= Duration::from_secs(2) && w <= Duration::from_millis(2125),
+            "{w:?}"
+        );
+    }
 }

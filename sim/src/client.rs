@@ -308,6 +308,7 @@ async fn run_alloc(
         }
     }
     let mut failed_task: Option<String> = None;
+    let mut sibling_failed = false;
     let mut restart_all_pending = false;
     let mut restart_rx = server.restart_tx.subscribe();
     loop {
@@ -366,24 +367,10 @@ async fn run_alloc(
                 }
             }
         };
-        if let Some(f) = &failed_task {
-            if !stopping {
-                stopping = true;
-                kill_all(
-                    &slots,
-                    KillRequest {
-                        failed_sibling: f.clone(),
-                        no_delay: true,
-                        ..Default::default()
-                    },
-                );
-            }
-        }
-        if stopping {
-            kill_all(&slots, KillRequest::default());
-            // Tasks never started are marked dead by their runner; unstarted slots have no runner.
+        // Tasks never started are marked dead by their runner; unstarted slots have no runner.
+        let mark_unstarted_dead = |slots: &mut BTreeMap<String, TaskSlot>, keep: &[String]| {
             for (name, s) in slots.iter_mut() {
-                if s.join.is_none() && s.outcome.is_none() {
+                if s.join.is_none() && s.outcome.is_none() && !keep.contains(name) {
                     s.outcome = Some(Outcome::Killed);
                     let mut st = states.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(ts) = st.get_mut(name) {
@@ -398,6 +385,32 @@ async fn run_alloc(
                     }
                 }
             }
+        };
+        if let Some(f) = &failed_task {
+            if !stopping && !sibling_failed {
+                // `killTasks` (client/allocrunner/alloc_runner.go): the leader, main and
+                // sidecar tasks are killed; poststop tasks are left alone and run once the
+                // main tasks are dead, while the allocation already reports `failed`.
+                sibling_failed = true;
+                for (n, s) in slots.iter() {
+                    if s.outcome.is_none() && !poststop.contains(n) {
+                        s.kill.send_replace(Some(KillRequest {
+                            failed_sibling: f.clone(),
+                            no_delay: true,
+                            ..Default::default()
+                        }));
+                    }
+                }
+                mark_unstarted_dead(&mut slots, &poststop);
+                if phase == 0 {
+                    phase = 1;
+                }
+                report(&states, &alloc, &upd);
+            }
+        }
+        if stopping {
+            kill_all(&slots, KillRequest::default());
+            mark_unstarted_dead(&mut slots, &[]);
             report(&states, &alloc, &upd);
             if slots.values().all(|s| s.outcome.is_some()) {
                 break;

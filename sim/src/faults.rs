@@ -44,7 +44,12 @@ pub async fn set_leader(
     RawQuery(q): RawQuery,
 ) -> Result<Response, ApiError> {
     let leader = !q.unwrap_or_default().contains("leader=false");
-    st.server.write(|s| s.leaderless = !leader);
+    st.server.write(|s| {
+        if leader && s.leaderless {
+            crate::locks::restore_timers(s);
+        }
+        s.leaderless = !leader;
+    });
     if !leader {
         st.server.stream_close.send_modify(|g| *g += 1);
     }

@@ -30,4 +30,5 @@ pub mod restart;
 pub mod scheduler;
 pub mod store;
 pub mod structs;
+pub mod task_api;
 pub mod taskrunner;

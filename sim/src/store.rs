@@ -317,10 +317,22 @@ impl Server {
 
     /// Blocking-query wait: returns once `table(state) > min_index` or `wait` elapses.
     pub async fn block_until(&self, min_index: u64, wait: Duration, table: fn(&TableIndex) -> u64) {
+        self.block_until_with(min_index, wait, |s| table(&s.tables))
+            .await
+    }
+
+    /// Blocking-query wait on a computed index: returns once `index(state) > min_index` or
+    /// `wait` elapses; every other write re-runs `index` and blocks again (`blockingRPC`).
+    pub async fn block_until_with(
+        &self,
+        min_index: u64,
+        wait: Duration,
+        index: impl Fn(&State) -> u64,
+    ) {
         let mut rx = self.subscribe_index();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
-            if table(&self.read().tables) > min_index {
+            if index(&self.read()) > min_index {
                 return;
             }
             if tokio::time::timeout_at(deadline, rx.changed())
@@ -485,8 +497,10 @@ impl Server {
         Ok((eval_id, job_modify_index, idx))
     }
 
-    /// Deregisters a job: stop (Job.Stop = true, allocs stopped by PlanResult) or purge (job and
-    /// allocs deleted; no alloc events).
+    /// Deregisters a job: stop (Job.Stop = true) or purge (the job is deleted,
+    /// `nomad/fsm.go` `handleJobDeregister` → `DeleteJobTxn`, which leaves the allocations).
+    /// Either way the scheduler then stops the allocations (PlanResult, "alloc not needed due
+    /// to job update"); purged allocations stay until GC.
     pub fn deregister_job(
         &self,
         ns: &str,
@@ -503,9 +517,6 @@ impl Server {
             let now = now_ns();
             if purge {
                 st.jobs.remove(&key);
-                st.allocs
-                    .retain(|_, a| !(a.Namespace == ns && a.JobID == id));
-                st.tables.allocs = idx;
                 job.Status = "dead".into();
                 st.emit_job("JobDeregistered", &job, true);
             } else {
@@ -586,9 +597,20 @@ impl Server {
                     if !a.terminal() || a.ClientStatus == "running" {
                         return false;
                     }
-                    st.jobs.get(&key).is_none_or(|j| j.Stop)
-                        || a.DesiredStatus == "stop"
+                    let Some(job) = st.jobs.get(&key).filter(|j| !j.Stop) else {
+                        return true;
+                    };
+                    // A failed allocation waits for its reschedule unless the group's policy
+                    // allows none, or the reschedule already happened.
+                    let no_reschedule = job.group(&a.TaskGroup).is_none_or(|g| {
+                        g.ReschedulePolicy
+                            .as_ref()
+                            .is_none_or(|p| !p.Unlimited && p.Attempts == 0)
+                    });
+                    a.DesiredStatus == "stop"
                         || a.ClientStatus != "failed"
+                        || no_reschedule
+                        || !a.NextAllocation.is_empty()
                 })
                 .map(|a| a.ID.clone())
                 .collect();
@@ -750,8 +772,10 @@ impl Server {
     pub fn delete_host_volume(&self, ns: &str, id: &str) -> Result<u64, StoreError> {
         let r = self.write(|st| {
             let key = (ns.to_string(), id.to_string());
+            // `HostVolume.Delete` (nomad/host_volume_endpoint.go) returns plain errors: HTTP
+            // 500 for a missing volume and for one in use.
             let Some(v) = st.host_volumes.get(&key).cloned() else {
-                return Err(StoreError::NotFound(format!("no such volume: {id}")));
+                return Err(StoreError::Internal(format!("no such volume: {id}")));
             };
             let users: Vec<String> = st
                 .allocs
@@ -760,7 +784,7 @@ impl Server {
                 .map(|a| a.ID.clone())
                 .collect();
             if !users.is_empty() {
-                return Err(StoreError::BadRequest(format!(
+                return Err(StoreError::Internal(format!(
                     "volume {id} in use by allocations: {users:?}"
                 )));
             }
@@ -818,8 +842,13 @@ impl Server {
                 }
             }
             if !crate::locks::write_allowed(st, &key, lock_id) {
-                let c = cur.clone().unwrap_or_default();
-                return Err(StoreError::Conflict(json!(c.metadata()), c.ModifyIndex));
+                // `varSetTxn`: a locked variable answers a zero value naming only the path.
+                let zero = Variable {
+                    Namespace: ns.into(),
+                    Path: path.into(),
+                    ..Default::default()
+                };
+                return Err(StoreError::Conflict(json!(zero), st.index));
             }
             st.ensure_namespace(ns);
             let idx = st.next_index();

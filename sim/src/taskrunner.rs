@@ -54,6 +54,8 @@ pub struct NodeCtx {
     pub chroot_env: Vec<(String, String)>,
     /// Path to the nomad-sim executable (for `exec-task`).
     pub self_exe: PathBuf,
+    /// Serves each task's Task API socket (see [`crate::task_api`]).
+    pub task_api: Option<crate::task_api::TaskApi>,
 }
 
 /// Shared task-state table of an allocation; every change is reported by `notify`.
@@ -514,6 +516,8 @@ impl TaskRunner {
             window_start: tokio::time::Instant::now(),
         };
         let mut first = self.fresh;
+        // The Task API socket, kept across restarts, removed when the runner ends.
+        let mut task_api: Option<crate::task_api::Guard> = None;
         loop {
             if let Some(req) = kill.borrow().clone() {
                 self.never_started(&req);
@@ -542,6 +546,10 @@ impl TaskRunner {
                 }
             }
             first = false;
+            if task_api.is_none() {
+                let secrets = self.task_dir().join("secrets");
+                task_api = self.node.task_api.as_ref().and_then(|a| a.serve(&secrets));
+            }
             let node_now = (self.node_view)().unwrap_or_else(|| self.node.node.clone());
             let binds = match self.volume_binds(&node_now) {
                 Ok(b) => b,

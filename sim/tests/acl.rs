@@ -104,6 +104,20 @@ async fn acl_tokens_policies_and_workload_identities() {
         // Policy-granted access.
         let (s, _, _) = sim.req_tok(Method::PUT, "/v1/var/dhv-binder/claims/a", Some(json!({"Items": {"a": "b"}})), wi).await;
         assert_eq!(s, 200);
+        // Issue 11 #10: a lock is shown to its holder's apply answer and to management
+        // tokens only (`Variables.Read`/`List`, `makeVariablesApplyResponse`).
+        let (s, _, b) = sim
+            .req_tok(Method::PUT, "/v1/var/dhv-binder/claims/l?lock-acquire", Some(json!({"Items": {"node_id": "n"}})), root)
+            .await;
+        assert_eq!(s, 200, "{b}");
+        let (_, _, b) = sim.req_tok(Method::GET, "/v1/var/dhv-binder/claims/l", None, wi).await;
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert!(v.get("Lock").is_none(), "{b}");
+        assert_eq!(v["Items"]["node_id"], "n", "the holder is named by the Items");
+        let (_, _, b) = sim.req_tok(Method::GET, "/v1/vars?prefix=dhv-binder/claims/l", None, wi).await;
+        assert!(!b.contains("\"Lock\""), "{b}");
+        let (_, _, b) = sim.req_tok(Method::GET, "/v1/var/dhv-binder/claims/l", None, root).await;
+        assert!(serde_json::from_str::<Value>(&b).unwrap()["Lock"]["ID"].is_string(), "{b}");
         let (s, _, _) = sim.req_tok(Method::GET, &format!("/v1/node/{n1}/allocations"), None, wi).await;
         assert_eq!(s, 200);
         let (s, _, _) = sim.req_tok(Method::GET, "/v1/agent/self", None, wi).await;

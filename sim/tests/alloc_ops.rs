@@ -257,8 +257,9 @@ async fn gc_deletes_terminal_allocs_without_events() {
         assert_eq!(s, 200);
         let mut stream = Stream::open(&sim, "topic=Allocation").await;
         while stream.frame(1).await.is_some() {} // the buffered past
-                                                 // The blocking query may also wake for an unrelated client update (the live
-                                                 // allocation's task events): block again from the returned index until the GC shows.
+                                                 // A deletion never raises the node's index (`Node.GetAllocs`: the highest ModifyIndex
+                                                 // of its allocations), so the query does not wake on the GC: it answers at the end of
+                                                 // its wait (or on an unrelated client update) with the list as it is then.
         let done_id = done["ID"].as_str().unwrap().to_string();
         let blocked = {
             let http = sim.http.clone();
@@ -266,7 +267,7 @@ async fn gc_deletes_terminal_allocs_without_events() {
             tokio::spawn(async move {
                 let mut index = idx;
                 for _ in 0..10 {
-                    let url = format!("{server}/v1/node/{n1}/allocations?index={index}&wait=20s");
+                    let url = format!("{server}/v1/node/{n1}/allocations?index={index}&wait=2s");
                     let r = http.get(url).send().await.unwrap();
                     let i: u64 = r.headers()["x-nomad-index"]
                         .to_str()
@@ -290,8 +291,18 @@ async fn gc_deletes_terminal_allocs_without_events() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let (s, _, b) = sim.req(Method::PUT, "/v1/system/gc", None).await;
         assert_eq!(s, 200, "{b}");
-        let (woke_at, list) = blocked.await.unwrap();
-        assert!(woke_at > idx, "blocking query did not wake on GC");
+        let (answered_at, list) = blocked.await.unwrap();
+        let highest = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["ModifyIndex"].as_u64().unwrap())
+            .max()
+            .unwrap();
+        assert_eq!(
+            answered_at, highest,
+            "the index is the node's highest allocation ModifyIndex, whatever the GC did"
+        );
         let ids: Vec<&str> = list
             .as_array()
             .unwrap()

@@ -146,7 +146,11 @@ async fn allocation_events_have_nomad_shape() {
                     .to_string();
             }
         }
-        // Purge deletes silently: no Allocation event.
+        // Purge deletes the job only (`handleJobDeregister` → `DeleteJobTxn`): the complete
+        // allocation is terminal, so the scheduler leaves it (no Allocation event), and it
+        // stays readable until GC.
+        let alloc_id = a["ID"].as_str().unwrap().to_string();
+        while s.frame(1).await.is_some() {} // the client's last updates of the complete alloc
         sim.req(
             reqwest::Method::DELETE,
             &format!("/v1/job/{job}?purge=true"),
@@ -155,8 +159,16 @@ async fn allocation_events_have_nomad_shape() {
         .await;
         assert!(
             s.frame(2).await.is_none(),
-            "purge must not emit allocation events"
+            "no allocation event for a terminal allocation of a purged job"
         );
+        let (st, _, _) = sim
+            .req(
+                reqwest::Method::GET,
+                &format!("/v1/allocation/{alloc_id}"),
+                None,
+            )
+            .await;
+        assert_eq!(st, 200, "a purge leaves the allocations to the GC");
     })
     .await
     .expect("test timed out");

@@ -89,10 +89,11 @@ async fn node_allocations_blocking_query_wakes_on_change() {
         )
         .await;
         assert!(t.elapsed() < Duration::from_secs(2));
+        // `Node.GetAllocs` has no existence check: an unknown node has no allocations.
         let (s, _, b) = sim
             .req(Method::GET, "/v1/node/nope/allocations", None)
             .await;
-        assert_eq!((s, b.as_str()), (404, "node not found"));
+        assert_eq!((s, b.as_str()), (200, "[]"));
         let (s, _, b) = sim.req(Method::GET, "/v1/allocation/nope-nope", None).await;
         assert_eq!((s, b.as_str()), (404, "alloc not found"));
     })
@@ -276,8 +277,14 @@ async fn host_volume_register_and_feasibility() {
         // The volume read lists the alloc; delete is refused while in use.
         let v = sim.get(&format!("/v1/volume/host/{id}")).await;
         assert_eq!(v["Allocations"].as_array().unwrap().len(), 2);
-        let (s, _, _) = sim.req(Method::DELETE, &format!("/v1/volume/host/{id}"), None).await;
-        assert_eq!(s, 400);
+        // `HostVolume.Delete` returns plain errors: 500, in use or missing (issue 11 #7).
+        let (s, _, b) = sim.req(Method::DELETE, &format!("/v1/volume/host/{id}"), None).await;
+        assert_eq!(s, 500, "{b}");
+        assert!(b.contains("in use by allocations"), "{b}");
+        let (s, _, b) = sim
+            .req(Method::DELETE, "/v1/volume/host/00000000-0000-0000-0000-000000000000", None)
+            .await;
+        assert_eq!((s, b.as_str()), (500, "no such volume: 00000000-0000-0000-0000-000000000000"));
 
         // Wrong namespace → not placed; wrong access mode → not placed.
         sim.run_job(&sleeper("other-ns", vol, "other")).await;

@@ -6,7 +6,9 @@
 //! at once, naming the plugin and the missing capability. Elsewhere the agent that takes the
 //! operation refuses it the same way, and the command reports that.
 
-use super::{read_record, Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
+use super::output::{bytes, table, OutputArgs};
+use super::volume::read_record;
+use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
 use crate::expansion::{self, Expansion, ExpansionState, Update};
 use crate::nomad::Client;
 use crate::plugin::{Capability, Operation, Runner};
@@ -38,10 +40,12 @@ pub enum SnapshotCommand {
         #[arg(long)]
         plugin: Option<String>,
         /// A secret for the plugin's `snapshot_list` (DHV_SECRETS), KEY=VALUE; repeatable.
-        #[arg(long = "secret", value_parser = super::key_value, requires = "plugin")]
+        #[arg(long = "secret", value_parser = super::plugin::key_value, requires = "plugin")]
         secrets: Vec<(String, String)>,
         #[command(flatten)]
         local: LocalPlugins,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// Delete a snapshot by ID.
     Delete {
@@ -49,6 +53,81 @@ pub enum SnapshotCommand {
         #[arg(long)]
         detach: bool,
     },
+}
+
+/// One snapshot as `volume snapshot list` and `volume status` show it (`-json` prints these).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SnapshotSummary {
+    pub id: String,
+    pub namespace: String,
+    pub volume: String,
+    pub name: String,
+    /// Size in bytes, as the plugin's `snapshot_create` reported it (0 until ready).
+    pub bytes: u64,
+    /// Unix seconds when the snapshot was requested.
+    pub created_at: u64,
+    pub ready: bool,
+    /// `pending`, `creating`, `ready`, `failed`, `deleting`.
+    pub state: String,
+    pub error: String,
+}
+
+impl SnapshotSummary {
+    /// The summary of a record (never its context or secrets).
+    pub fn of(s: &SnapshotRecord) -> Self {
+        SnapshotSummary {
+            id: s.id.clone(),
+            namespace: s.namespace.clone(),
+            volume: s.volume.clone(),
+            name: s.name.clone(),
+            bytes: s.bytes,
+            created_at: s.created_at,
+            ready: s.state == VolumeState::Ready,
+            state: s.state.as_str().into(),
+            error: s.error.clone(),
+        }
+    }
+}
+
+/// The readable snapshot table: ID, volume, name, size, creation time, ready.
+pub fn render_snapshots(rows: &[SnapshotSummary]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|s| {
+            vec![
+                s.id.clone(),
+                s.volume.clone(),
+                if s.name.is_empty() {
+                    "-".into()
+                } else {
+                    s.name.clone()
+                },
+                if s.ready { bytes(s.bytes) } else { "-".into() },
+                when(s.created_at),
+                if s.ready {
+                    "true".into()
+                } else if s.error.is_empty() {
+                    format!("false ({})", s.state)
+                } else {
+                    format!("false ({}: {})", s.state, s.error)
+                },
+            ]
+        })
+        .collect();
+    table(
+        &["ID", "Volume", "Name", "Size", "Created", "Ready"],
+        &rows,
+        "No snapshots",
+    )
+}
+
+/// `volume status`'s Source line: `snapshot <id>`, `clone of volume <name>`, or empty.
+pub fn describe_source(source: &VolumeSource) -> String {
+    match source {
+        VolumeSource::Empty => String::new(),
+        VolumeSource::SnapshotId(id) => format!("snapshot {id}"),
+        VolumeSource::CloneId(name) => format!("clone of volume {name}"),
+    }
 }
 
 /// Where this machine's plugins are, for the early capability check.
@@ -204,32 +283,11 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             plugin,
             secrets,
             local,
+            out,
         } => {
             let snaps = snapshots(client, ns, volume.as_deref()).await?;
-            outln!(
-                "{:<36}  {:<20}  {:<16}  {:>12}  {:<20}  {:<8}",
-                "ID",
-                "Volume",
-                "Name",
-                "Size",
-                "Created",
-                "Ready"
-            );
-            for s in &snaps {
-                outln!(
-                    "{:<36}  {:<20}  {:<16}  {:>12}  {:<20}  {:<8}",
-                    s.id,
-                    s.volume,
-                    s.name,
-                    s.bytes,
-                    when(s.created_at),
-                    if s.state == VolumeState::Ready {
-                        "true".to_string()
-                    } else {
-                        format!("false ({})", s.state.as_str())
-                    }
-                );
-            }
+            let rows: Vec<SnapshotSummary> = snaps.iter().map(SnapshotSummary::of).collect();
+            out.print(&rows, |r| render_snapshots(r))?;
             if let Some(plugin) = plugin {
                 list_from_plugin(
                     &local.plugin_dir,
@@ -305,7 +363,7 @@ async fn list_from_plugin(
         .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
     fp.require(plugin, Operation::SnapshotList)
         .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
-    let node = crate::executor::NodeEnv {
+    let node = crate::environment::NodeEnv {
         node_id: String::new(),
         node_pool: String::new(),
         volumes_dir: PathBuf::from("/var/lib/dhv-binder/volumes"),
@@ -448,38 +506,6 @@ pub async fn check_source(
             precheck(&local.plugin_dir, &spec.plugin_id, Capability::Clone).await
         }
     }
-}
-
-/// Lines `volume status` adds: the source, the pending expansion and the volume's snapshots.
-pub async fn status_lines(client: &Client, rec: &VolumeRecord) -> Result<(), Failure> {
-    match &rec.spec.source {
-        VolumeSource::Empty => {}
-        VolumeSource::SnapshotId(id) => outln!("Source          = snapshot {id}"),
-        VolumeSource::CloneId(name) => outln!("Source          = clone of volume {name}"),
-    }
-    if let Some(x) = &rec.expansion {
-        outln!("Operation       = {}", x.describe());
-    }
-    let snaps = snapshots(client, &rec.spec.namespace, Some(&rec.spec.name)).await?;
-    if !snaps.is_empty() {
-        outln!("\nSnapshots");
-        for s in snaps {
-            outln!(
-                "{}  {:<16}  {:>12} bytes  {}  {}{}",
-                s.id,
-                s.name,
-                s.bytes,
-                when(s.created_at),
-                s.state.as_str(),
-                if s.error.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {}", s.error)
-                }
-            );
-        }
-    }
-    Ok(())
 }
 
 impl From<crate::worker::TakeError> for Failure {

@@ -3,7 +3,7 @@
 //! to the node's storage roots.
 
 use super::{strict_object, Kit};
-use crate::executor;
+use crate::environment;
 use crate::expansion;
 use crate::plugin::{Capability, ExpandResult, Operation, SnapshotListResult, SnapshotResult};
 use crate::snapshot::{self, SnapshotRecord};
@@ -70,7 +70,7 @@ fn reencode(json: &str) -> String {
 /// `create` with its JSON variables re-encoded must answer as with the compact encoding.
 pub(super) async fn json_input_rule(kit: &mut Kit) {
     let rule = "JSON input parsed";
-    let env = executor::create_env(&kit.node, &kit.rec);
+    let env = environment::create_env(&kit.node, &kit.rec);
     let plain = kit.call(Operation::Create, &env).await;
     let odd: Vec<(String, String)> = env
         .iter()
@@ -197,7 +197,7 @@ async fn create_twice(
     rec: &VolumeRecord,
     extra: Vec<(String, String)>,
 ) -> Result<serde_json::Value, String> {
-    let mut env = executor::create_env(&kit.node, rec);
+    let mut env = environment::create_env(&kit.node, rec);
     env.extend(extra);
     let mut ctxs = Vec::new();
     for _ in 0..2 {
@@ -232,7 +232,7 @@ async fn read_through(
         .map(|f| std::fs::read_to_string(target.join(f)).ok())
         .collect();
     kit.unpublish_rec(rec, target, &pctx).await?;
-    let denv = executor::delete_env(&kit.node, rec);
+    let denv = environment::delete_env(&kit.node, rec);
     kit.call(Operation::Delete, &denv)
         .await
         .result
@@ -562,7 +562,7 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
             if mounted {
                 let _ = nix::mount::umount2(&t, nix::mount::MntFlags::MNT_DETACH);
             }
-            let denv = executor::delete_env(&kit.node, &bad);
+            let denv = environment::delete_env(&kit.node, &bad);
             let d = kit.call(Operation::Delete, &denv).await;
             if has(kit, Capability::Expand) {
                 let env = expansion::expand_env(&kit.node, &bad, kit.opts.capacity * 4, None);
@@ -590,7 +590,7 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
             planted_any = true;
             let mut bad = other_volume(kit, "conformance-planted", VolumeSource::Empty);
             bad.spec.parameters = serde_json::from_value(planted).unwrap_or_default();
-            let env = executor::create_env(&kit.node, &bad);
+            let env = environment::create_env(&kit.node, &bad);
             let c = kit.call(Operation::Create, &env).await;
             let intact = victims(&outside, &name) == before;
             ok &= !c.ok() && intact;

@@ -3,6 +3,7 @@
 //! Connection settings follow the Nomad CLI's environment conventions (see [`crate::config`]).
 
 pub mod events;
+pub mod transport;
 pub mod types;
 
 use crate::config::NomadConfig;
@@ -75,6 +76,36 @@ impl NomadError {
     }
 }
 
+/// A variable lock operation (`PUT /v1/var/:path?<op>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockOp {
+    /// `lock-acquire`: creates or overwrites the variable with a new lock.
+    Acquire,
+    /// `lock-renew`: restarts the lock's TTL timer.
+    Renew,
+    /// `lock-release`: removes the lock, keeps the Items.
+    Release,
+}
+
+impl LockOp {
+    /// The query parameter naming the operation.
+    pub fn query(self) -> &'static str {
+        match self {
+            LockOp::Acquire => "lock-acquire",
+            LockOp::Renew => "lock-renew",
+            LockOp::Release => "lock-release",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            LockOp::Acquire => "acquire a lock (PUT /v1/var/:path?lock-acquire)",
+            LockOp::Renew => "renew a lock (PUT /v1/var/:path?lock-renew)",
+            LockOp::Release => "release a lock (PUT /v1/var/:path?lock-release)",
+        }
+    }
+}
+
 /// The result of a blocking query: the body and the `X-Nomad-Index` header.
 #[derive(Debug, Clone)]
 pub struct Indexed<T> {
@@ -87,7 +118,10 @@ pub struct Indexed<T> {
 pub struct Client {
     http: reqwest::Client,
     streaming: reqwest::Client,
+    /// The address as configured, for messages.
     addr: String,
+    /// The URL base of requests (see [`transport::Endpoint::base_url`]).
+    base: String,
     /// Shared by every clone, so that a token re-read from its file reaches all callers.
     token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
@@ -115,12 +149,24 @@ fn capability_for(path: &str) -> &'static str {
     }
 }
 
+/// Idle connections kept to the Nomad agent, per client (the agent uses two).
+const POOL_IDLE_PER_HOST: usize = 4;
+/// An idle connection is closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
 impl Client {
     /// Builds a client from Nomad CLI-style settings. Errors when TLS files cannot be read.
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
+        let endpoint = transport::Endpoint::parse(&cfg.address)
+            .map_err(|e| NomadError::Config(e.to_string()))?;
         let build = |timeout: Option<Duration>| -> Result<reqwest::Client, NomadError> {
             let mut b = reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(10))
+                // A burst of concurrent requests (placeholders, claims, reads) opens one
+                // connection each; keeping them all idle held ~30 KiB apiece (400 volumes:
+                // 13 MiB after the teardown, docs/scale.md). A few stay for reuse.
+                .pool_max_idle_per_host(POOL_IDLE_PER_HOST)
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
                 .user_agent(concat!("dhv-binder/", env!("CARGO_PKG_VERSION")));
             if let Some(t) = timeout {
                 b = b.timeout(t);
@@ -148,6 +194,7 @@ impl Client {
             if cfg.skip_verify {
                 b = b.danger_accept_invalid_certs(true);
             }
+            b = endpoint.configure(b);
             b.build().map_err(|e| NomadError::Config(e.to_string()))
         };
         Ok(Self {
@@ -155,6 +202,7 @@ impl Client {
             http: build(Some(Duration::from_secs(400)))?,
             streaming: build(None)?,
             addr: cfg.address.trim_end_matches('/').to_string(),
+            base: endpoint.base_url(),
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
         })
@@ -179,7 +227,7 @@ impl Client {
         method: Method,
         path: &str,
     ) -> reqwest::RequestBuilder {
-        let mut rb = client.request(method, format!("{}{}", self.addr, path));
+        let mut rb = client.request(method, format!("{}{}", self.base, path));
         if let Some(t) = &*self.token.read().unwrap_or_else(|e| e.into_inner()) {
             rb = rb.header("X-Nomad-Token", t);
         }
@@ -426,6 +474,11 @@ impl Client {
             .await
         {
             Ok(_) | Err(NomadError::Status { status: 404, .. }) => Ok(()),
+            // `HostVolume.Delete` (nomad/host_volume_endpoint.go) answers a volume that is
+            // already gone with a plain error, HTTP 500 "no such volume: <id>".
+            Err(NomadError::Status {
+                status: 500, body, ..
+            }) if body.starts_with("no such volume") => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -563,23 +616,27 @@ impl Client {
         }
     }
 
-    /// Nomad API: `PUT /v1/var/:path?lock-acquire|lock-renew|lock-release`. `body` carries
-    /// `Lock` (`{TTL, LockDelay}` to acquire, `{ID}` to renew or release). A lock held by
-    /// someone else (or in its lock-delay period, or a stale ID) is
-    /// [`NomadError::CasConflict`]; Nomad answers 409 for all of them.
-    pub async fn lock_op(&self, op: &str, var: &Variable) -> Result<Variable, NomadError> {
-        let body = serde_json::json!({
-            "Namespace": var.namespace, "Path": var.path, "Items": var.items, "Lock": var.lock,
-        });
-        let q = [("namespace", var.namespace.clone()), (op, String::new())];
-        self.write_variable(
-            var,
-            &q,
-            body,
-            "lock a variable (PUT /v1/var/:path?lock-…)",
-            true,
-        )
-        .await
+    /// Nomad API: `PUT /v1/var/:path?lock-acquire|lock-renew|lock-release`. The body is the
+    /// one Nomad accepts for `op` (`nomad/variables_endpoint.go` `canonicalizeAndValidate`):
+    /// acquire sends `Items` and `Lock{TTL, LockDelay}`; renew and release send only
+    /// `Lock{ID}`: release refuses any `Items` key, even `{}` (400). A lock held by someone
+    /// else (or in its lock delay, or a stale ID) is [`NomadError::CasConflict`]: Nomad answers
+    /// 409 for all of them (404 on renew when the variable is gone).
+    pub async fn lock_op(&self, op: LockOp, var: &Variable) -> Result<Variable, NomadError> {
+        let id = var.lock.as_ref().map(|l| l.id.clone()).unwrap_or_default();
+        let body = match op {
+            LockOp::Acquire => serde_json::json!({
+                "Namespace": var.namespace, "Path": var.path, "Items": var.items, "Lock": var.lock,
+            }),
+            LockOp::Renew | LockOp::Release => serde_json::json!({
+                "Namespace": var.namespace, "Path": var.path, "Lock": {"ID": id},
+            }),
+        };
+        let q = [
+            ("namespace", var.namespace.clone()),
+            (op.query(), String::new()),
+        ];
+        self.write_variable(var, &q, body, op.what(), true).await
     }
 
     /// Nomad API: `GET /.well-known/jwks.json` (public, no ACL): the keys that sign workload
@@ -627,4 +684,184 @@ fn header_index(resp: &reqwest::Response) -> u64 {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// A client of a test server on loopback at `address`: no token, no TLS.
+#[cfg(test)]
+pub(crate) fn loopback_client(address: &str) -> Client {
+    Client::new(&NomadConfig::plain(address)).expect("a client without TLS files")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A burst of concurrent requests opens one connection each; once answered, at most
+    /// [`POOL_IDLE_PER_HOST`] stay open (idle connections hold buffers: memory).
+    #[tokio::test]
+    async fn a_burst_leaves_few_idle_connections() {
+        const BURST: usize = 20;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = format!("http://{}", listener.local_addr().unwrap());
+        let open = Arc::new(AtomicUsize::new(0));
+        // Every answer waits until the whole burst is in: one connection per request.
+        let all_in = Arc::new(tokio::sync::Barrier::new(BURST));
+        let o = open.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((sock, _)) = listener.accept().await else {
+                    return;
+                };
+                let (o, all_in) = (o.clone(), all_in.clone());
+                o.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |_req| {
+                        let all_in = all_in.clone();
+                        async move {
+                            all_in.wait().await;
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from("{}")),
+                            ))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                        .await;
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        let client = loopback_client(&addr);
+        let reads: Vec<_> = (0..BURST)
+            .map(|i| {
+                let c = client.clone();
+                tokio::spawn(async move { c.allocation(&format!("a{i}")).await })
+            })
+            .collect();
+        for r in reads {
+            r.await.unwrap().unwrap();
+        }
+        assert!(open.load(Ordering::SeqCst) >= POOL_IDLE_PER_HOST);
+        // The extra connections close as they return to the pool (waited on, not timed).
+        for _ in 0..200 {
+            if open.load(Ordering::SeqCst) <= POOL_IDLE_PER_HOST {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "{} connections stay open after the burst, more than {POOL_IDLE_PER_HOST}",
+            open.load(Ordering::SeqCst)
+        );
+    }
+
+    /// A one-answer HTTP server: every request gets `status` with a text/plain `body`.
+    async fn answering(status: &'static str, body: &'static str) -> Client {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut buf = [0u8; 8192];
+                let _ = s.read(&mut buf).await;
+                let resp = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+            }
+        });
+        Client::new(&NomadConfig::plain(&format!("http://{addr}"))).unwrap()
+    }
+
+    /// Issue 11 #1: the body of each lock operation is one Nomad accepts
+    /// (`canonicalizeAndValidate`): release and renew carry `Lock.ID` only; a release with any
+    /// `Items` key, even `{}`, is refused with 400.
+    #[tokio::test]
+    async fn lock_operations_send_the_bodies_nomad_accepts() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 8192];
+                // Headers, then Content-Length bytes of body.
+                loop {
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    req.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&req).to_string();
+                    if let Some(h) = text.find("\r\n\r\n") {
+                        let len = text
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length: ")
+                                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        if req.len() >= h + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let text = String::from_utf8_lossy(&req).to_string();
+                let body = "{\"Namespace\":\"default\",\"Path\":\"p\",\"Lock\":{\"ID\":\"L\"}}";
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = tx.send(text);
+            }
+        });
+        let c = Client::new(&NomadConfig::plain(&format!("http://{addr}"))).unwrap();
+        let var = |id: &str| Variable {
+            namespace: "default".into(),
+            path: "dhv-binder/claims/v".into(),
+            items: [("node_id".to_string(), "n".to_string())].into(),
+            lock: Some(VariableLock {
+                id: id.into(),
+                ttl: "15s".into(),
+                lock_delay: "15s".into(),
+            }),
+            ..Default::default()
+        };
+        let body_of = |req: String| -> serde_json::Value {
+            let b = &req[req.find("\r\n\r\n").unwrap() + 4..];
+            serde_json::from_str(b).unwrap()
+        };
+        c.lock_op(LockOp::Acquire, &var("")).await.unwrap();
+        let acquire = body_of(rx.recv().await.unwrap());
+        assert_eq!(acquire["Items"]["node_id"], "n");
+        assert_eq!(acquire["Lock"]["TTL"], "15s");
+        for op in [LockOp::Renew, LockOp::Release] {
+            c.lock_op(op, &var("L")).await.unwrap();
+            let req = rx.recv().await.unwrap();
+            assert!(req.contains(op.query()), "{req}");
+            let body = body_of(req);
+            assert!(body.get("Items").is_none(), "{op:?} sent Items: {body}");
+            assert_eq!(body["Lock"], serde_json::json!({"ID": "L"}), "{op:?}");
+        }
+    }
+
+    /// Issue 11 #7: `HostVolume.Delete` answers a volume already gone with 500 "no such
+    /// volume" (nomad/host_volume_endpoint.go); other 500s stay errors.
+    #[tokio::test]
+    async fn deleting_a_host_volume_that_is_gone_is_success() {
+        let c = answering("500 Internal Server Error", "no such volume: 1234").await;
+        c.delete_host_volume("default", "1234").await.unwrap();
+        let c = answering(
+            "500 Internal Server Error",
+            "volume 1234 in use by allocations: [a]",
+        )
+        .await;
+        let e = c.delete_host_volume("default", "1234").await.unwrap_err();
+        assert!(matches!(e, NomadError::Status { status: 500, .. }), "{e}");
+    }
 }

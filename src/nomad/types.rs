@@ -70,12 +70,25 @@ impl Allocation {
     /// task state `dead`. A server-side `lost` (the node stopped heartbeating) with tasks
     /// last seen running is not enough: on a partitioned node they may still be writing
     /// (nomad-facts.md §7). `unknown` (disconnected) never is.
+    ///
+    /// Whatever the status, every task state must be `dead`: Nomad reports `failed` while a
+    /// poststop task still runs (`client/allocrunner/alloc_runner.go` `getClientStatus` gives
+    /// `failed` precedence). No task states at all (never started) counts as finished.
     pub fn tasks_finished(&self) -> bool {
-        match self.client_status.as_str() {
-            "complete" | "failed" => true,
-            "lost" => self.task_states.values().all(|t| t.state == "dead"),
-            _ => false,
-        }
+        matches!(self.client_status.as_str(), "complete" | "failed" | "lost")
+            && self.task_states.values().all(|t| t.state == "dead")
+    }
+
+    /// True when Nomad's garbage collector may delete this allocation although its tasks may
+    /// still run here: server- or client-terminal, not `running` on the client
+    /// (`nomad/core_sched.go` `allocGCEligible`), and not [`Allocation::tasks_finished`]
+    /// (a `lost` allocation of a partitioned node, `failed` with a poststop task running).
+    /// Such a deletion raises no index and emits no event, so the watcher verifies these
+    /// allocations by short reads.
+    pub fn may_vanish_while_live(&self) -> bool {
+        let terminal =
+            matches!(self.desired_status.as_str(), "stop" | "evict") || self.is_client_terminal();
+        terminal && self.client_status != "running" && !self.tasks_finished()
     }
 
     /// How long the client may take to kill this allocation's tasks once told to: its
@@ -383,5 +396,51 @@ impl AgentSelf {
             .filter(|s| !s.is_empty())
             .unwrap_or("default")
             .to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(desired: &str, client: &str, states: &[(&str, &str)]) -> Allocation {
+        let states: serde_json::Map<String, serde_json::Value> = states
+            .iter()
+            .map(|(t, s)| (t.to_string(), serde_json::json!({ "State": s })))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "ID": "a", "DesiredStatus": desired, "ClientStatus": client, "TaskStates": states,
+        }))
+        .unwrap()
+    }
+
+    /// Issue 11 #9: `failed` is reported while a poststop task still runs
+    /// (`getClientStatus` gives `failed` precedence): not finished until every task is dead.
+    #[test]
+    fn finished_only_when_every_task_state_is_dead() {
+        let failed_poststop = alloc("run", "failed", &[("app", "dead"), ("cleanup", "running")]);
+        assert!(!failed_poststop.tasks_finished());
+        assert!(alloc("run", "failed", &[("app", "dead"), ("cleanup", "dead")]).tasks_finished());
+        assert!(alloc("run", "complete", &[("app", "dead")]).tasks_finished());
+        assert!(!alloc("stop", "lost", &[("app", "running")]).tasks_finished());
+        assert!(
+            alloc("run", "failed", &[]).tasks_finished(),
+            "never started"
+        );
+        assert!(!alloc("run", "running", &[("app", "dead")]).tasks_finished());
+        assert!(!alloc("stop", "unknown", &[("app", "dead")]).tasks_finished());
+    }
+
+    /// Issue 11 #2: the allocations Nomad's GC may delete while their tasks may still run
+    /// (`allocGCEligible`: terminal, not running on the client) are the ones to verify.
+    #[test]
+    fn allocations_the_gc_may_delete_while_live() {
+        let failed_poststop = alloc("run", "failed", &[("app", "dead"), ("cleanup", "running")]);
+        assert!(failed_poststop.may_vanish_while_live());
+        assert!(alloc("stop", "lost", &[("app", "running")]).may_vanish_while_live());
+        assert!(alloc("stop", "pending", &[("app", "pending")]).may_vanish_while_live());
+        assert!(!alloc("stop", "running", &[("app", "running")]).may_vanish_while_live());
+        assert!(!alloc("run", "running", &[("app", "running")]).may_vanish_while_live());
+        assert!(!alloc("run", "complete", &[("app", "dead")]).may_vanish_while_live());
     }
 }

@@ -203,7 +203,29 @@ impl Cluster {
             cluster.nodes.push(node);
             cluster.start_agent(i);
         }
+        cluster.wait_plugin("bind").await;
         cluster
+    }
+
+    /// Waits until every agent's node record reports `plugin` healthy (`volume create`
+    /// refuses a plugin no live node reports, e.g. one installed a moment ago).
+    pub async fn wait_plugin(&self, plugin: &str) {
+        for n in &self.nodes {
+            let path = format!("/v1/var/dhv-binder/nodes/{}?namespace=default", n.id);
+            let what = format!("{}'s node record with plugin {plugin}", n.name);
+            self.wait_for(60, &what, || async {
+                let r = self
+                    .http
+                    .get(format!("{}{path}", self.server))
+                    .send()
+                    .await
+                    .ok()?;
+                let v: Value = r.json().await.ok()?;
+                let rec: Value = serde_json::from_str(v["Items"]["record"].as_str()?).ok()?;
+                (rec["plugins"][plugin]["healthy"] == true).then_some(())
+            })
+            .await;
+        }
     }
 
     /// Starts (or restarts) node `i`'s dhv-binder, as the system job would run it.
@@ -307,10 +329,10 @@ impl Cluster {
         out
     }
 
-    /// `dhv-binder status` of node `i`'s agent: (exit code, output).
+    /// `dhv-binder status -json` of node `i`'s agent: (exit code, output).
     pub fn status(&self, i: usize) -> (i32, String) {
         let out = Command::new(dhv_binder_bin())
-            .arg("status")
+            .args(["status", "-json"])
             .env_clear()
             .env("DHV_BINDER_SOCKET", &self.nodes[i].socket)
             .output()

@@ -48,6 +48,8 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),
         audiences: vec![],
+        metrics_addr: None,
+        log_format: Default::default(),
     }
 }
 

@@ -1,0 +1,737 @@
+//! The agent under load (run: `cargo bench --bench scale`): every figure of issue 10 in one
+//! run, from the real `dhv-binder agent` process driven by the fake Nomad
+//! (tests/support/fake_nomad.rs) on loopback. See docs/scale.md for what the figures mean.
+//!
+//! 1. Allocation event → plugin exec, p50/p99, in both watch modes, with the state directory on
+//!    disk (the bench's temporary directory) and on a tmpfs mounted under it.
+//! 2. N = 1/10/50/200 allocations placed at once (one frame, N volumes), last publish done,
+//!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit.
+//! 3. 400 releases with a 150 ms unpublish, measured / ideal schedule, in both modes.
+//! 4. The agent's RSS: idle, with 200 published volumes, after a 400-volume teardown.
+//! 5. fsync-class system calls per publish (`strace -f` attached to the agent).
+//! 6. Plugin execs in 10 s while the agent is idle.
+//!
+//! The plugin is this binary itself (copied into each node's plugin directory): started
+//! with `DHV_OPERATION` set it bind-mounts (publish) or unmounts (unpublish), stretches its
+//! work to the configured time, and appends `op start_ns end_ns volume alloc` to the node's
+//! call log. Every mount (plugin mounts, the tmpfs) is under the node's own temporary
+//! directory and detached when the node is dropped.
+//!
+//! Environment: `BENCH_SAMPLES` (latency samples per mode and filesystem, default 100);
+//! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all);
+//! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
+//! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
+//! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it).
+//! Needs root (mounts) and `strace` (scripts/install-deps).
+
+#[path = "../tests/support/fake_nomad.rs"]
+mod fake_nomad;
+#[path = "../tests/support/inproc.rs"]
+mod inproc;
+#[path = "../tests/support/sandbox.rs"]
+mod sandbox;
+
+use dhv_binder::watch::WatchMode;
+use fake_nomad::FakeNomad;
+use sandbox::Sandbox;
+use serde_json::{json, Value};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const NODE: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
+const PLUGIN: &str = "bench";
+const MAX_PARALLEL: usize = 8;
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// The plugin side of this binary (`DHV_OPERATION` is set by the agent's runner).
+mod plugin {
+    use super::now_ns;
+    use std::io::Write;
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    fn env(k: &str) -> String {
+        std::env::var(k).unwrap_or_default()
+    }
+
+    /// Stretches the call to `us` microseconds after `start_ns`.
+    fn stretch(start_ns: u64, us: u64) {
+        let end = start_ns + us * 1000;
+        let now = now_ns();
+        if end > now {
+            std::thread::sleep(Duration::from_nanos(end - now));
+        }
+    }
+
+    pub fn main() {
+        let start = now_ns();
+        let op = env("DHV_OPERATION");
+        // <node>/plugins/bench → <node>
+        let node = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent()?.parent().map(PathBuf::from))
+            .unwrap_or_default();
+        let conf = std::fs::read_to_string(node.join("plugin.conf")).unwrap_or_default();
+        let us: Vec<u64> = conf
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        let (publish_us, unpublish_us) = (
+            us.first().copied().unwrap_or(200),
+            us.get(1).copied().unwrap_or(200),
+        );
+        let target = PathBuf::from(env("DHV_TARGET_PATH"));
+        let out = match op.as_str() {
+            "fingerprint" => r#"{"version":"1.0.0","deferred_bind":true}"#.to_string(),
+            "publish" => {
+                let src = PathBuf::from(env("DHV_VOLUMES_DIR"))
+                    .join("store")
+                    .join(env("DHV_VOLUME_ID"));
+                let made =
+                    std::fs::create_dir_all(&src).and_then(|_| std::fs::create_dir_all(&target));
+                if let Err(e) = made.map_err(|e| e.to_string()).and_then(|_| {
+                    nix::mount::mount(
+                        Some(&src),
+                        &target,
+                        None::<&str>,
+                        nix::mount::MsFlags::MS_BIND,
+                        None::<&str>,
+                    )
+                    .map_err(|e| e.to_string())
+                }) {
+                    println!("{}", serde_json::json!({ "error": e }));
+                    std::process::exit(1);
+                }
+                stretch(start, publish_us);
+                serde_json::json!({"path": target, "context": {}}).to_string()
+            }
+            "unpublish" => {
+                while nix::mount::umount2(&target, nix::mount::MntFlags::empty()).is_ok() {}
+                stretch(start, unpublish_us);
+                "{}".to_string()
+            }
+            _ => "{}".to_string(),
+        };
+        let end = now_ns();
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(node.join("calls.log"))
+        {
+            let _ = f.write_all(
+                format!(
+                    "{op} {start} {end} {} {}\n",
+                    env("DHV_VOLUME_NAME"),
+                    env("DHV_ALLOC_ID")
+                )
+                .as_bytes(),
+            );
+        }
+        println!("{out}");
+    }
+}
+
+/// One plugin call from the node's call log.
+#[derive(Debug, Clone)]
+struct Call {
+    op: String,
+    start: u64,
+    end: u64,
+    alloc: String,
+}
+
+/// One simulated node: a fake Nomad, the agent process, its own temporary directory.
+struct Node {
+    agent: Option<Child>,
+    fake: FakeNomad,
+    cfg: dhv_binder::config::AgentConfig,
+    index: u64,
+    /// Dropped last: detaches every mount below the node's directory (plugin mounts,
+    /// the tmpfs) once the agent is stopped ([`Node`]'s `Drop`).
+    sb: Sandbox,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn volume_name(i: usize) -> String {
+    format!("v{i:04}")
+}
+
+fn alloc_id(i: usize) -> String {
+    format!("00000000-0000-4000-8000-{i:012}")
+}
+
+fn mode_name(mode: WatchMode) -> &'static str {
+    match mode {
+        WatchMode::Stream => "stream",
+        WatchMode::Poll => "poll",
+    }
+}
+
+impl Node {
+    /// Starts a node with `volumes` volume records (multi-node, no claims) served by the
+    /// bench plugin (publish and unpublish stretched to `plugin_us`), and waits until the
+    /// agent is ready with every placeholder registered.
+    async fn start(mode: WatchMode, tmpfs: bool, volumes: usize, plugin_us: (u64, u64)) -> Node {
+        let sb = Sandbox::new();
+        if tmpfs {
+            let state = sb.join("state");
+            std::fs::create_dir_all(&state).unwrap();
+            nix::mount::mount(
+                Some("tmpfs"),
+                &state,
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some("size=256m"),
+            )
+            .expect("mount a tmpfs under the bench's temporary directory");
+        }
+        std::fs::create_dir_all(sb.join("plugins")).unwrap();
+        std::fs::copy(
+            std::env::current_exe().unwrap(),
+            sb.join("plugins").join(PLUGIN),
+        )
+        .unwrap();
+        std::fs::write(
+            sb.join("plugin.conf"),
+            format!("{} {}", plugin_us.0, plugin_us.1),
+        )
+        .unwrap();
+        let fake = FakeNomad::start(NODE, json!({"keys": []})).await;
+        for i in 0..volumes {
+            inproc::volume_record(
+                &fake,
+                "default",
+                &volume_name(i),
+                PLUGIN,
+                "multi-node-multi-writer",
+            );
+        }
+        let mut cfg = inproc::agent_config(&sb);
+        cfg.watch_mode = mode;
+        cfg.max_parallel = MAX_PARALLEL;
+        let bin = std::env::var("BENCH_AGENT_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_dhv-binder").to_string());
+        let extra: Vec<(String, String)> = std::env::var("BENCH_AGENT_ENV")
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let log = std::fs::File::create(sb.join("agent.log")).unwrap();
+        let agent = Command::new(bin)
+            .arg("agent")
+            .arg("--state-dir")
+            .arg(&cfg.state_dir)
+            .arg("--socket")
+            .arg(&cfg.socket)
+            .arg("--plugin-dir")
+            .arg(&cfg.plugin_dir)
+            .arg("--volumes-dir")
+            .arg(cfg.volumes_dir())
+            .arg("--watch-mode")
+            .arg(mode_name(mode))
+            .arg("--max-parallel")
+            .arg(MAX_PARALLEL.to_string())
+            .env_clear()
+            .env("NOMAD_ADDR", &fake.addr)
+            .env("DHV_BINDER_LOG", "warn")
+            .envs(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start the dhv-binder agent");
+        let node = Node {
+            agent: Some(agent),
+            fake,
+            cfg,
+            index: 1000,
+            sb,
+        };
+        node.ready(volumes).await;
+        node
+    }
+
+    async fn ready(&self, placeholders: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let s = inproc::status(&self.cfg).await;
+            let registered = self.fake.state.lock().unwrap().host_volumes.len();
+            if s["view"]["complete"] == true && registered >= placeholders {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "the agent never got ready: {}\n{}",
+            inproc::status(&self.cfg).await,
+            std::fs::read_to_string(self.sb.join("agent.log")).unwrap_or_default()
+        );
+    }
+
+    /// Stops the agent as SIGTERM does, and waits for it.
+    fn stop(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let _ = c.wait();
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.agent.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        std::fs::read_to_string(self.sb.join("calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split(' ');
+                Some(Call {
+                    op: f.next()?.to_string(),
+                    start: f.next()?.parse().ok()?,
+                    end: f.next()?.parse().ok()?,
+                    // The volume name is logged for people reading the log.
+                    alloc: f.nth(1).unwrap_or_default().to_string(),
+                })
+            })
+            .collect()
+    }
+
+    fn count(&self, op: &str) -> usize {
+        self.calls().iter().filter(|c| c.op == op).count()
+    }
+
+    /// The latest end of an `op` call (ns since the epoch).
+    fn last_end(&self, op: &str) -> Option<u64> {
+        self.calls()
+            .iter()
+            .filter(|c| c.op == op)
+            .map(|c| c.end)
+            .max()
+    }
+
+    /// Waits until the call log holds `n` calls of `op`.
+    async fn wait_calls(&self, op: &str, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if self.count(op) >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!(
+            "waited 120 s for {n} {op} calls, saw {}\n{}",
+            self.count(op),
+            std::fs::read_to_string(self.sb.join("agent.log")).unwrap_or_default()
+        );
+    }
+
+    /// Stores allocations (ID number, volume number) in `client_status`, then sends them as
+    /// one frame at a new index (payloads without Job, as Nomad does). Returns the send time.
+    fn place(&mut self, allocs: &[(usize, usize)], client_status: &str) -> u64 {
+        self.index += 1;
+        let index = self.index;
+        let mut events = Vec::new();
+        {
+            let mut st = self.fake.state.lock().unwrap();
+            for &(a, v) in allocs {
+                let vol = volume_name(v);
+                let full = inproc::alloc_json(&alloc_id(a), NODE, &[&vol], client_status, index);
+                let f: Value =
+                    serde_json::from_str(&inproc::frame(index, "AllocationUpdated", &full))
+                        .unwrap();
+                events.push(f["Events"][0].clone());
+                st.allocs.insert(alloc_id(a), full);
+            }
+        }
+        let line = json!({"Index": index, "Events": events}).to_string();
+        let t0 = now_ns();
+        self.fake.push(&line);
+        t0
+    }
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+/// Part 1: `samples` allocations, one at a time, each on one of 10 volumes; the event →
+/// publish exec latency of each, then the allocation completes and its unpublish is awaited.
+async fn latency(mode: WatchMode, tmpfs: bool, samples: usize) -> (f64, f64) {
+    let mut node = Node::start(mode, tmpfs, 10, (200, 200)).await;
+    let mut lat = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let t0 = node.place(&[(i, i % 10)], "running");
+        node.wait_calls("publish", i + 1).await;
+        let c = node
+            .calls()
+            .into_iter()
+            .find(|c| c.op == "publish" && c.alloc == alloc_id(i))
+            .expect("publish of the sample's allocation");
+        lat.push(ms(c.start.saturating_sub(t0)));
+        node.place(&[(i, i % 10)], "complete");
+        node.wait_calls("unpublish", i + 1).await;
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    (quantile(&lat, 0.5), quantile(&lat, 0.99))
+}
+
+/// Mean wall time of starting the plugin and waiting for it (a no-op operation): the
+/// "exec" of the ideal schedule.
+fn exec_cost(node: &Node) -> f64 {
+    let plugin = node.sb.join("plugins").join(PLUGIN);
+    let n = 30;
+    let t = Instant::now();
+    for _ in 0..n {
+        let _ = Command::new(&plugin)
+            .arg("create")
+            .env_clear()
+            .env("DHV_OPERATION", "create")
+            .stdout(Stdio::null())
+            .status();
+    }
+    t.elapsed().as_secs_f64() * 1000.0 / n as f64
+}
+
+/// Mean time of one small durable write (write + fdatasync) in the node's state directory:
+/// the "one commit" of the ideal schedule.
+fn commit_cost(node: &Node) -> f64 {
+    use std::io::Write;
+    let p = node.cfg.state_dir.join("bench-commit");
+    let mut f = std::fs::File::create(&p).unwrap();
+    let n = 20;
+    let t = Instant::now();
+    for _ in 0..n {
+        f.write_all(&[b'x'; 512]).unwrap();
+        f.sync_data().unwrap();
+    }
+    let d = t.elapsed().as_secs_f64() * 1000.0 / n as f64;
+    let _ = std::fs::remove_file(&p);
+    d
+}
+
+struct Burst {
+    elapsed_ms: f64,
+    ideal_ms: f64,
+    exec_ms: f64,
+    commit_ms: f64,
+    rss_idle: u64,
+    rss_loaded: u64,
+    idle_execs: Option<usize>,
+}
+
+/// Part 2: `n` allocations on `n` volumes in one frame; time to the last publish's end.
+/// With `idle_window`, then counts the plugin execs of 10 idle seconds.
+async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Burst {
+    let mut node = Node::start(mode, tmpfs, n, (200, 200)).await;
+    let exec = exec_cost(&node);
+    let commit = commit_cost(&node);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_idle = node.rss_kib();
+    let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    let t0 = node.place(&allocs, "running");
+    node.wait_calls("publish", n).await;
+    let last = node.last_end("publish").unwrap_or(t0);
+    let ideal = n.div_ceil(MAX_PARALLEL) as f64 * (0.2 + exec) + commit;
+    // Let the agent record the publishes before reading its memory and counting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_loaded = node.rss_kib();
+    let idle_execs = if idle_window {
+        let before = node.calls().len();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        Some(node.calls().len() - before)
+    } else {
+        None
+    };
+    Burst {
+        elapsed_ms: ms(last.saturating_sub(t0)),
+        ideal_ms: ideal,
+        exec_ms: exec,
+        commit_ms: commit,
+        rss_idle,
+        rss_loaded,
+        idle_execs,
+    }
+}
+
+struct Release {
+    elapsed_ms: f64,
+    ideal_ms: f64,
+    rss_full: u64,
+    rss_after: u64,
+}
+
+/// Part 3: 400 volumes published, then all 400 allocations complete in one frame; the
+/// unpublishes (150 ms each) against the ideal schedule.
+async fn release(mode: WatchMode) -> Release {
+    let n = 400;
+    let mut node = Node::start(mode, false, n, (200, 150_000)).await;
+    let exec = exec_cost(&node);
+    let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    node.place(&allocs, "running");
+    node.wait_calls("publish", n).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_full = node.rss_kib();
+    let t0 = node.place(&allocs, "complete");
+    node.wait_calls("unpublish", n).await;
+    let last = node.last_end("unpublish").unwrap_or(t0);
+    let ideal = n.div_ceil(MAX_PARALLEL) as f64 * (150.0 + exec);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rss_after = node.rss_kib();
+    if let Some(secs) = std::env::var("BENCH_HOLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        // For a look from outside (gdb, /proc) at the agent after the teardown.
+        println!(
+            "   holding the agent (pid {}, {} mode) for {secs} s",
+            node.pid(),
+            mode_name(mode)
+        );
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    }
+    Release {
+        elapsed_ms: ms(last.saturating_sub(t0)),
+        ideal_ms: ideal,
+        rss_full,
+        rss_after,
+    }
+}
+
+/// The system calls that make data durable.
+const SYNC_CALLS: [&str; 6] = [
+    "fsync",
+    "fdatasync",
+    "sync_file_range",
+    "syncfs",
+    "sync",
+    "msync",
+];
+
+/// Part 5: fsync-class calls of the agent (all threads, plugin children included) while
+/// `n` allocations are placed at once and published. strace stays attached until the agent
+/// exits (detaching while a traced child is between vfork and exec can hang both); calls
+/// are counted up to one second after the last publish was seen.
+async fn fsyncs(n: usize) -> Option<(u64, Vec<String>)> {
+    let mut node = Node::start(WatchMode::Stream, false, n, (200, 200)).await;
+    let out = node.sb.join("strace.out");
+    let mut strace = match Command::new("strace")
+        .args(["-f", "-ttt", "-e"])
+        .arg(format!("trace={}", SYNC_CALLS.join(",")))
+        .arg("-o")
+        .arg(&out)
+        .arg("-p")
+        .arg(node.pid().to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            println!("   strace unavailable ({e}): run scripts/install-deps");
+            return None;
+        }
+    };
+    // strace attaches asynchronously: give it a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    node.place(&allocs, "running");
+    node.wait_calls("publish", n).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let until = now_ns() as f64 / 1e9;
+    node.stop();
+    let _ = strace.wait();
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let mut by_call = std::collections::BTreeMap::<&str, u64>::new();
+    for l in text.lines().filter(|l| !l.contains("resumed>")) {
+        let mut f = l.split_whitespace();
+        let (Some(_pid), Some(t), Some(call)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let name = call.split('(').next().unwrap_or_default();
+        if t.parse::<f64>().is_ok_and(|t| t <= until) {
+            if let Some(k) = SYNC_CALLS.iter().find(|k| **k == name) {
+                *by_call.entry(k).or_default() += 1;
+            }
+        }
+    }
+    let total = by_call.values().sum();
+    Some((
+        total,
+        by_call.iter().map(|(k, v)| format!("{k} {v}")).collect(),
+    ))
+}
+
+fn main() {
+    if std::env::var_os("DHV_OPERATION").is_some() {
+        plugin::main();
+        return;
+    }
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("benches/scale: the plugin mounts (bind mounts, a tmpfs): run as root");
+        std::process::exit(1);
+    }
+    let samples: usize = std::env::var("BENCH_SAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let parts =
+        std::env::var("BENCH_PARTS").unwrap_or_else(|_| "latency,burst,release,fsync".to_string());
+    let part = |p: &str| parts.split(',').any(|x| x.trim() == p);
+    let started = Instant::now();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "scale bench: max-parallel {MAX_PARALLEL}, {samples} latency samples; load average {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    // Interrupted, the bench drops the run: every node's Drop stops its agent and detaches
+    // its mounts.
+    rt.block_on(async {
+        tokio::select! {
+            _ = run(part, samples) => {}
+            _ = interrupted() => println!("interrupted: nodes stopped, mounts detached"),
+        }
+    });
+    println!("total {:.0} s", started.elapsed().as_secs_f64());
+}
+
+async fn interrupted() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// Every part selected, in order, printing as it goes.
+async fn run(part: impl Fn(&str) -> bool, samples: usize) {
+    if part("latency") {
+        println!("1. allocation event -> plugin exec (ms; includes the exec):");
+        for tmpfs in [false, true] {
+            for mode in [WatchMode::Stream, WatchMode::Poll] {
+                let (p50, p99) = latency(mode, tmpfs, samples).await;
+                println!(
+                    "   {:<6} state on {:<5}  p50 {p50:>7.2}  p99 {p99:>7.2}",
+                    mode_name(mode),
+                    if tmpfs { "tmpfs" } else { "disk" },
+                );
+            }
+        }
+    }
+
+    println!("2. N allocations placed at once, last publish done (0.2 ms plugin; ms):");
+    let mut rss_idle = 0;
+    let mut rss_200 = 0;
+    let mut idle_execs = None;
+    let bursts: &[(bool, &[usize])] = if part("burst") {
+        &[(false, &[1, 10, 50, 200]), (true, &[200])]
+    } else {
+        &[]
+    };
+    for &(tmpfs, sizes) in bursts {
+        for mode in [WatchMode::Stream, WatchMode::Poll] {
+            for &n in sizes {
+                let last = !tmpfs && mode == WatchMode::Poll && n == 200;
+                let b = burst(mode, tmpfs, n, last).await;
+                println!(
+                        "   {:<6} {:<5} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  [exec {:.2}, commit {:.2}]",
+                        mode_name(mode),
+                        if tmpfs { "tmpfs" } else { "disk" },
+                        b.elapsed_ms,
+                        b.ideal_ms,
+                        b.elapsed_ms / b.ideal_ms,
+                        b.exec_ms,
+                        b.commit_ms,
+                    );
+                if last {
+                    rss_idle = b.rss_idle;
+                    rss_200 = b.rss_loaded;
+                    idle_execs = b.idle_execs;
+                }
+            }
+        }
+    }
+
+    println!("3. 400 releases, 150 ms unpublish, state on disk:");
+    let mut rss_400 = 0;
+    let mut rss_after = 0;
+    let modes: &[WatchMode] = if part("release") {
+        &[WatchMode::Stream, WatchMode::Poll]
+    } else {
+        &[]
+    };
+    for &mode in modes {
+        let r = release(mode).await;
+        println!(
+            "   {:<6} {:>8.0} ms, ideal {:>6.0} ms: {:.3}x ideal",
+            mode_name(mode),
+            r.elapsed_ms,
+            r.ideal_ms,
+            r.elapsed_ms / r.ideal_ms
+        );
+        if mode == WatchMode::Poll {
+            rss_400 = r.rss_full;
+            rss_after = r.rss_after;
+        }
+    }
+
+    println!("4. agent RSS (poll mode): idle {:.1} MiB, 200 volumes {:.1} MiB, 400 volumes {:.1} MiB, after the 400-volume teardown {:.1} MiB",
+            rss_idle as f64 / 1024.0, rss_200 as f64 / 1024.0, rss_400 as f64 / 1024.0, rss_after as f64 / 1024.0);
+
+    let n = 50;
+    match if part("fsync") { fsyncs(n).await } else { None } {
+            Some((total, by)) => println!(
+                "5. fsync-class calls for {n} publishes at once (stream, disk): {total} ({:.1} per publish) [{}]",
+                total as f64 / n as f64,
+                by.join(", ")
+            ),
+            None => println!("5. fsync count: not measured"),
+        }
+    match idle_execs {
+        Some(c) => println!("6. plugin execs in 10 s while idle (200 volumes published): {c}"),
+        None => println!("6. idle plugin execs: not measured"),
+    }
+}

@@ -1,0 +1,99 @@
+//! The Task API socket: served in every task's secrets directory while the task runs,
+//! authenticated even with ACLs off (no token 401, a bad one 403, a workload identity or
+//! ACL token passes), removed when the task stops.
+
+mod common;
+use common::Sim;
+use std::path::Path;
+use std::time::Duration;
+
+async fn over(sock: &Path, path: &str, header: Option<(&str, &str)>) -> (u16, String) {
+    let c = reqwest::Client::builder()
+        .unix_socket(sock)
+        .build()
+        .unwrap();
+    let mut rb = c.get(format!("http://localhost{path}"));
+    if let Some((k, v)) = header {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn task_api_socket_requires_a_token_and_goes_away_with_the_task() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let job = sim
+            .run_job(
+                r#"job "api" {
+  type = "batch"
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sleep"
+        args    = ["120"]
+      }
+      identity {
+        file = true
+      }
+    }
+  }
+}"#,
+            )
+            .await;
+        let alloc = sim
+            .wait_for(60, "the task running", || async {
+                sim.job_allocs(&job)
+                    .await
+                    .into_iter()
+                    .find(|a| a["TaskStates"]["t"]["State"] == "running")
+            })
+            .await;
+        let secrets = sim.nodes[0]
+            .3
+            .join("alloc")
+            .join(alloc["ID"].as_str().unwrap())
+            .join("t/secrets");
+        let sock = secrets.join("api.sock");
+        assert!(sock.exists(), "no Task API socket at {}", sock.display());
+        let token = std::fs::read_to_string(secrets.join("nomad_token")).unwrap();
+
+        let (s, body) = over(&sock, "/v1/agent/self", None).await;
+        assert_eq!((s, body.as_str()), (401, "Unauthorized"));
+        let (s, body) = over(
+            &sock,
+            "/v1/agent/self",
+            Some(("X-Nomad-Token", "not-a-token")),
+        )
+        .await;
+        assert_eq!((s, body.as_str()), (403, "Forbidden"));
+        let (s, body) = over(
+            &sock,
+            "/v1/agent/self",
+            Some(("X-Nomad-Token", token.trim())),
+        )
+        .await;
+        assert_eq!(s, 200, "{body}");
+        let me: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(me["stats"]["client"]["node_id"], sim.nodes[0].1.as_str());
+        let bearer = format!("bearer {}", token.trim());
+        let (s, body) = over(&sock, "/v1/agent/self", Some(("Authorization", &bearer))).await;
+        assert_eq!(s, 200, "{body}");
+
+        let r = sim
+            .http
+            .delete(format!("{}/v1/job/{job}", sim.server))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+        sim.wait_for(60, "the socket removed with the task", || async {
+            (!sock.exists()).then_some(())
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}

@@ -1,0 +1,1319 @@
+//! The agent core: all node state as plain data, changed only by [`Core::handle`], which
+//! returns the effects to perform. No I/O, no tokio, no spawning; the clock is the `now`
+//! passed in. Each pass: apply the input, compute the reconcile plan, turn its steps into
+//! journal intents and effects, answer the callers whose outcome is decided, and gather
+//! every journal change of the pass into at most one commit, ahead of its plugin calls.
+
+use crate::agent::claims::Claims;
+use crate::agent::effect::{Answer, Effect};
+use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
+use crate::agent::latency::Latency;
+use crate::agent::mount_health::MountHealth;
+use crate::agent::placeholders::Placeholders;
+use crate::agent::retry::{Retries, Work, STEP_RETRY};
+use crate::agent::waiters::{Known, Waiter, Waiters};
+use crate::agent::workers::Workers;
+use crate::api::{ApiError, PublishReply};
+use crate::catalog::Catalogue;
+use crate::claims::ClaimSettings;
+use crate::environment::NodeEnv;
+use crate::journal::{EventKind, Journal, JournalError, MountRecord, MountState};
+use crate::plugin::Fingerprint;
+use crate::reconcile::{self, Inputs, Step, Waiting};
+use crate::view::View;
+use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
+use crate::watch::{Health, WatchEvent};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// True when this node serves `rec`: its plugin is here (deferred) and the volume is for
+/// this node's pool (or any pool).
+fn serves(rec: &VolumeRecord, deferred: &BTreeSet<String>, node_pool: &str) -> bool {
+    deferred.contains(&rec.spec.plugin_id)
+        && (rec.spec.node_pool.is_empty() || rec.spec.node_pool == node_pool)
+}
+
+/// The core's fixed settings.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub node: NodeEnv,
+    /// Where volumes are mounted: `<mount_root>/<namespace>/<name>`.
+    pub mount_root: PathBuf,
+    /// How often plugins are fingerprinted again without a directory change.
+    pub plugin_rescan: Duration,
+    pub claims: ClaimSettings,
+    /// How often published mounts are probed.
+    pub health_interval: Duration,
+    /// Seeds the retry jitter.
+    pub seed: u64,
+}
+
+/// The agent's state.
+#[derive(Debug)]
+pub(crate) struct Core {
+    s: Settings,
+    journal: Journal,
+    view: View,
+    watch: Health,
+    volumes: Catalogue,
+    volumes_loaded: bool,
+    plugins: BTreeMap<String, Result<Fingerprint, String>>,
+    plugins_loaded: bool,
+    fingerprinting: bool,
+    last_fingerprint: Option<Instant>,
+    /// Volumes with a plugin or claim call in flight (calls on one volume are serialized).
+    busy: BTreeSet<VolumeKey>,
+    last_error: BTreeMap<VolumeKey, String>,
+    retries: Retries<Work>,
+    waiters: Waiters,
+    fetching: BTreeSet<String>,
+    placeholders: Placeholders,
+    workers: Workers,
+    claims: Claims,
+    mount_health: MountHealth,
+    waiting: Vec<Waiting>,
+    latency: Latency,
+    mounted: BTreeSet<PathBuf>,
+    /// The last commit handed to the shell, and the last one known durable.
+    issued: u64,
+    durable: u64,
+    /// Plugin calls waiting on a commit, by commit: failed if the commit fails.
+    gated: BTreeMap<u64, Vec<VolumeKey>>,
+    /// Successful answers held until the commit that recorded them is durable.
+    held: Vec<(u64, ReplyId, PublishReply)>,
+    now: Instant,
+}
+
+impl Core {
+    /// A core starting from the journal's records, at `now`.
+    pub(crate) fn new(s: Settings, journal: Journal, now: Instant) -> Self {
+        let mut claims = Claims::new(s.claims);
+        claims.restore(journal.mounts().values(), now);
+        Self {
+            retries: Retries::new(s.seed),
+            mount_health: MountHealth::new(s.health_interval),
+            s,
+            journal,
+            view: View::default(),
+            watch: Health::Listing,
+            volumes: Catalogue::new(),
+            volumes_loaded: false,
+            plugins: BTreeMap::new(),
+            plugins_loaded: false,
+            fingerprinting: false,
+            last_fingerprint: None,
+            busy: BTreeSet::new(),
+            last_error: BTreeMap::new(),
+            waiters: Waiters::default(),
+            fetching: BTreeSet::new(),
+            placeholders: Placeholders::default(),
+            workers: Workers::default(),
+            claims,
+            waiting: Vec::new(),
+            latency: Latency::default(),
+            mounted: BTreeSet::new(),
+            issued: 0,
+            durable: 0,
+            gated: BTreeMap::new(),
+            held: Vec::new(),
+            now,
+        }
+    }
+
+    /// The journal's records.
+    #[cfg(test)]
+    pub(crate) fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// The plugins fingerprinted on this node, once they have been read at least once.
+    pub(crate) fn plugins(&self) -> Option<&BTreeMap<String, Result<Fingerprint, String>>> {
+        self.plugins_loaded.then_some(&self.plugins)
+    }
+
+    /// The allocation watcher's health as last reported.
+    pub(crate) fn watch_health(&self) -> &Health {
+        &self.watch
+    }
+
+    /// Applies one input at `now` and returns the effects to perform, in order.
+    pub(crate) fn handle(&mut self, input: Input, now: Instant) -> Vec<Effect> {
+        self.handle_all(vec![input], now)
+    }
+
+    /// Applies inputs that arrived together (a burst), then plans once: a burst of N
+    /// messages costs one planning pass, not N.
+    pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
+        self.now = now;
+        let mut out = Vec::new();
+        for input in inputs {
+            self.apply(input, now, &mut out);
+        }
+        self.drive(now, &mut out);
+        out
+    }
+
+    fn apply(&mut self, input: Input, now: Instant, out: &mut Vec<Effect>) {
+        match input {
+            Input::Watch(ev) => self.on_watch(ev),
+            Input::Catalogue(c) => {
+                self.volumes = c;
+                self.volumes_loaded = true;
+            }
+            Input::Api { reply, call } => match call {
+                ApiCall::Status => out.push(Effect::Reply {
+                    to: reply,
+                    answer: Answer::Status(Box::new(self.status())),
+                }),
+                ApiCall::Publish(req) => {
+                    if !self.view.allocs().contains_key(&req.alloc_id)
+                        && self.fetching.insert(req.alloc_id.clone())
+                    {
+                        out.push(Effect::FetchAlloc {
+                            alloc_id: req.alloc_id.clone(),
+                        });
+                    }
+                    self.waiters.push(Waiter {
+                        reply,
+                        alloc_id: req.alloc_id,
+                        namespace: req.namespace,
+                        deadline: now + req.wait,
+                    });
+                }
+            },
+            Input::CallerGone(reply) => self.waiters.gone(reply),
+            Input::PluginsChanged => {
+                self.last_fingerprint = None;
+                self.on_tick(now, out);
+            }
+            Input::MountTable(t) => self.mounted = t.points(),
+            Input::Committed { seq, result } => self.on_committed(seq, result, out),
+            Input::Done(c) => self.on_done(c, now, out),
+            Input::Tick => self.on_tick(now, out),
+        }
+    }
+
+    /// The earliest time something is due without any input (a retry, a caller's
+    /// deadline, a claim renewal, a probe round, a fingerprint).
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
+        [
+            self.retries.next_after(self.now),
+            self.waiters.next_wakeup(),
+            self.claims.next_wakeup(),
+            self.mount_health.next_wakeup(),
+            self.last_fingerprint.map(|t| t + self.s.plugin_rescan),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn deferred_plugins(&self) -> BTreeSet<String> {
+        self.plugins
+            .iter()
+            .filter(|(_, f)| matches!(f, Ok(fp) if fp.deferred_bind))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    fn target_of(&self, key: &VolumeKey) -> PathBuf {
+        self.s.mount_root.join(&key.namespace).join(&key.name)
+    }
+
+    fn serves(&self, rec: &VolumeRecord, deferred: &BTreeSet<String>) -> bool {
+        serves(rec, deferred, &self.s.node.node_pool)
+    }
+
+    fn on_watch(&mut self, ev: WatchEvent) {
+        match ev {
+            WatchEvent::Relisted { allocs, index } => {
+                tracing::debug!(
+                    count = allocs.len(),
+                    index,
+                    "relisted the node's allocations"
+                );
+                self.view.replace_all_at(allocs, index, self.now);
+            }
+            WatchEvent::Upsert(a) => {
+                let a = *a;
+                tracing::debug!(alloc_id = %a.id, client_status = %a.client_status, desired = %a.desired_status, "allocation update");
+                self.view.upsert(a);
+            }
+            WatchEvent::Removed(id) => self.view.remove_at(&id, self.now),
+            WatchEvent::Health(h) => self.watch = h,
+        }
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let gone = self.view.expire(now);
+        if gone > 0 {
+            tracing::info!(
+                count = gone,
+                "allocations removed from Nomad are past their kill grace"
+            );
+        }
+        let due = self
+            .last_fingerprint
+            .is_none_or(|t| now.saturating_duration_since(t) >= self.s.plugin_rescan);
+        if due && !self.fingerprinting {
+            self.fingerprinting = true;
+            self.last_fingerprint = Some(now);
+            out.push(Effect::Fingerprint);
+        }
+        out.extend(self.placeholders.list());
+        out.extend(self.claims.renewals(now));
+        out.extend(
+            self.mount_health
+                .tick(now, self.journal.mounts(), &self.mounted, &self.busy),
+        );
+        out.push(Effect::ReadMountTable);
+    }
+
+    fn on_committed(&mut self, seq: u64, result: Result<(), JournalError>, out: &mut Vec<Effect>) {
+        match result {
+            Ok(()) => {
+                self.durable = self.durable.max(seq);
+                let durable = self.durable;
+                self.gated.retain(|s, _| *s > durable);
+                let (ready, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(s, _, _)| *s <= durable);
+                self.held = keep;
+                for (_, to, reply) in ready {
+                    out.push(Effect::Reply {
+                        to,
+                        answer: Answer::Publish(Ok(reply)),
+                    });
+                }
+            }
+            Err(e) => {
+                // The plugin calls of this commit were not started: fail them (their
+                // intents stay in memory and are written with the next commit), and
+                // answer no caller from records that are not on disk.
+                tracing::error!(error = %e, "journal write failed; the calls that waited on it do not run");
+                self.journal.redo();
+                let failed: Vec<u64> = self.gated.range(..=seq).map(|(s, _)| *s).collect();
+                for s in failed {
+                    for volume in self.gated.remove(&s).unwrap_or_default() {
+                        self.busy.remove(&volume);
+                        self.last_error
+                            .insert(volume.clone(), format!("journal write failed: {e}"));
+                        self.retries
+                            .failed(&Work::Mount(volume), STEP_RETRY, self.now);
+                    }
+                }
+                let (failed, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(s, _, _)| *s <= seq);
+                self.held = keep;
+                for (_, to, _) in failed {
+                    out.push(Effect::Reply {
+                        to,
+                        answer: Answer::Publish(Err(ApiError::Journal(e.to_string()))),
+                    });
+                }
+            }
+        }
+    }
+
+    fn on_done(&mut self, done: Completion, now: Instant, out: &mut Vec<Effect>) {
+        match done {
+            Completion::Published {
+                volume,
+                result,
+                elapsed,
+            } => {
+                self.busy.remove(&volume);
+                let Some(mut m) = self.journal.mounts().get(&volume).cloned() else {
+                    return;
+                };
+                match result {
+                    Ok(ctx) => {
+                        m.state = MountState::Published;
+                        m.publish_context = ctx;
+                        m.last_error.clear();
+                        self.retries.succeeded(&Work::Mount(volume.clone()));
+                        self.last_error.remove(&volume);
+                        let ms = elapsed.as_millis() as u64;
+                        self.latency.record(ms);
+                        tracing::info!(%volume, target = %m.target.display(), ms, "published");
+                        self.journal.set_mount(m, EventKind::PublishDone, None);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
+                        m.last_error = e.to_string();
+                        self.last_error.insert(volume.clone(), e.to_string());
+                        self.retries.failed(&Work::Mount(volume), STEP_RETRY, now);
+                        self.journal.set_mount(m, EventKind::PublishFailed, None);
+                    }
+                }
+            }
+            Completion::Unpublished { volume, result } => {
+                self.busy.remove(&volume);
+                match result {
+                    Ok(()) => {
+                        self.retries.succeeded(&Work::Mount(volume.clone()));
+                        self.last_error.remove(&volume);
+                        tracing::info!(%volume, "unpublished");
+                        self.journal.remove_mount(&volume, EventKind::UnpublishDone);
+                        self.claims.on_unpublished(&volume);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
+                        self.last_error.insert(volume.clone(), e.to_string());
+                        self.retries
+                            .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
+                        if let Some(mut m) = self.journal.mounts().get(&volume).cloned() {
+                            m.last_error = e.to_string();
+                            self.journal.set_mount(m, EventKind::UnpublishFailed, None);
+                        }
+                    }
+                }
+            }
+            Completion::Plugins(map) => {
+                self.fingerprinting = false;
+                let map: BTreeMap<String, Result<Fingerprint, String>> = map
+                    .into_iter()
+                    .map(|(id, r)| (id, r.map_err(|e| e.to_string())))
+                    .collect();
+                for (id, r) in &map {
+                    if self.plugins.get(id) == Some(r) {
+                        continue;
+                    }
+                    match r {
+                        Ok(fp) if fp.deferred_bind => {
+                            tracing::info!(plugin = %id, version = %fp.version, "plugin fingerprinted (deferred_bind)")
+                        }
+                        Ok(fp) => {
+                            tracing::warn!(plugin = %id, version = %fp.version, "plugin is not deferred (no deferred_bind): dhv-binder will not use it")
+                        }
+                        Err(e) => {
+                            tracing::warn!(plugin = %id, error = %e, "plugin fingerprint failed")
+                        }
+                    }
+                }
+                self.plugins = map;
+                self.plugins_loaded = true;
+            }
+            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r),
+            Completion::Placeholder { volume, result } => {
+                self.placeholders
+                    .on_done(volume, result, &mut self.retries, now)
+            }
+            Completion::Worker { volume, result } => {
+                self.workers.on_done(volume, result, &mut self.retries, now)
+            }
+            Completion::ClaimAcquired { volume, result } => {
+                self.busy.remove(&volume);
+                self.claims
+                    .on_acquired(volume, result, &mut self.retries, now);
+            }
+            Completion::ClaimRenewed { volume, result } => {
+                let mounted_here = self.journal.mounts().contains_key(&volume);
+                self.claims.on_renewed(&volume, result, mounted_here, now);
+            }
+            Completion::ClaimReleased { volume, result } => {
+                self.busy.remove(&volume);
+                self.claims.on_released(&volume, result);
+            }
+            Completion::AllocFetched { alloc_id, result } => {
+                self.fetching.remove(&alloc_id);
+                let fail = match result {
+                    Ok(Some(a)) if a.node_id == self.s.node.node_id => {
+                        self.view.upsert(*a);
+                        None
+                    }
+                    Ok(Some(a)) => Some(ApiError::OtherNode {
+                        alloc_id: alloc_id.clone(),
+                        node: a.node_id.clone(),
+                        here: self.s.node.node_id.clone(),
+                    }),
+                    Ok(None) => Some(ApiError::UnknownAllocation {
+                        alloc_id: alloc_id.clone(),
+                    }),
+                    Err(e) => Some(ApiError::Nomad(e.to_string())),
+                };
+                if let Some(err) = fail {
+                    for (to, r) in self.waiters.fail(&alloc_id, err) {
+                        out.push(Effect::Reply {
+                            to,
+                            answer: Answer::Publish(r),
+                        });
+                    }
+                }
+            }
+            Completion::Probed {
+                volume,
+                target,
+                probe,
+            } => {
+                let busy = self.busy.contains(&volume);
+                out.extend(self.mount_health.on_probe(
+                    &volume,
+                    &target,
+                    probe,
+                    busy,
+                    self.journal.users(),
+                ));
+            }
+            Completion::Detached { volume, result } => {
+                if let Err(e) = result {
+                    tracing::warn!(%volume, error = %e, "cannot detach the dead mount");
+                }
+            }
+            Completion::Restarted {
+                volume,
+                alloc_id,
+                result,
+            } => self.mount_health.on_restarted(
+                &volume,
+                &alloc_id,
+                result.err().map(|e| e.to_string()),
+            ),
+        }
+    }
+
+    /// Plans and turns steps into effects, keeps placeholders and records current,
+    /// answers callers, and commits the pass's journal changes.
+    fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let deferred = self.deferred_plugins();
+        let claims = self.claims.states();
+        let plan = reconcile::plan(Inputs {
+            view: &self.view,
+            volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+            volumes: &self.volumes,
+            mounts: self.journal.mounts(),
+            users: self.journal.users(),
+            mounted: &self.mounted,
+            plugins: &deferred,
+            busy: &self.busy,
+            claims: &claims,
+        });
+        self.waiting = plan.waiting;
+        self.waiting.extend(self.claims.waiting());
+        let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+        for step in plan.steps {
+            match step {
+                Step::AddUser(u) => add.push(u),
+                Step::RemoveUser(u) => remove.push(u),
+                other => steps.push(other),
+            }
+        }
+        self.journal.change_users(&add, &remove);
+        let mut calls = Vec::new();
+        let mut gated = Vec::new();
+        for step in steps {
+            match step {
+                Step::AddUser(_) | Step::RemoveUser(_) => {}
+                Step::Publish {
+                    volume,
+                    alloc_id,
+                    read_only,
+                } => {
+                    if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        continue;
+                    }
+                    if let Some(e) = self.start_publish(volume.clone(), alloc_id, read_only) {
+                        gated.push(volume);
+                        calls.push(e);
+                    }
+                }
+                Step::Unpublish { volume } => {
+                    if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        continue;
+                    }
+                    if let Some(e) = self.start_unpublish(volume.clone()) {
+                        gated.push(volume);
+                        calls.push(e);
+                    }
+                }
+                Step::AcquireClaim { volume } => {
+                    if !self.retries.ready(&Work::Claim(volume.clone()), now) {
+                        continue;
+                    }
+                    let Some(rec) = self.volumes.get(&volume) else {
+                        continue;
+                    };
+                    let volume_id = rec.id.clone();
+                    self.busy.insert(volume.clone());
+                    out.push(Effect::AcquireClaim { volume, volume_id });
+                }
+                Step::ReleaseClaim { volume } => {
+                    let Some(lock_id) = self.claims.lock_id(&volume).map(str::to_string) else {
+                        continue;
+                    };
+                    self.busy.insert(volume.clone());
+                    out.push(Effect::ReleaseClaim { volume, lock_id });
+                }
+            }
+        }
+        if self.placeholders_ready() {
+            let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self
+                .volumes
+                .values()
+                .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
+                .map(|r| (r.key(), (r, self.target_of(&r.key()))))
+                .collect();
+            out.extend(self.placeholders.drive(&want, &self.retries, now));
+        }
+        if self.plugins_loaded {
+            let pool = &self.s.node.node_pool;
+            let served = self.volumes.values().filter(|r| serves(r, &deferred, pool));
+            let (journal, placeholders) = (&self.journal, &self.placeholders);
+            let in_use =
+                |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);
+            out.extend(self.workers.drive(
+                served,
+                &self.s.node.node_id,
+                in_use,
+                &self.retries,
+                now,
+            ));
+        }
+        self.answer_waiters(now, out);
+        if let Some(commit) = self.journal.take_commit() {
+            self.issued = commit.seq;
+            if !gated.is_empty() {
+                self.gated.insert(commit.seq, gated);
+            }
+            out.push(Effect::Commit {
+                commit,
+                then: calls,
+            });
+        } else {
+            // Calls always come with intents, so with no commit there are none.
+            out.extend(calls);
+        }
+    }
+
+    fn placeholders_ready(&self) -> bool {
+        self.volumes_loaded && self.plugins_loaded
+    }
+
+    /// Records the publish intent; the call itself waits for the commit.
+    fn start_publish(
+        &mut self,
+        volume: VolumeKey,
+        alloc_id: String,
+        read_only: bool,
+    ) -> Option<Effect> {
+        let rec = self.volumes.get(&volume)?.clone();
+        let prev = self.journal.mounts().get(&volume);
+        let target = prev
+            .map(|p| p.target.clone())
+            .unwrap_or_else(|| self.target_of(&volume));
+        let m = MountRecord {
+            volume: volume.clone(),
+            volume_id: rec.id.clone(),
+            plugin_id: rec.spec.plugin_id.clone(),
+            state: MountState::Publishing,
+            target: target.clone(),
+            read_only,
+            publish_context: prev.map(|p| p.publish_context.clone()).unwrap_or_default(),
+            since: 0,
+            last_error: String::new(),
+            claim_id: self.claims.lock_id(&volume).map(str::to_string),
+        };
+        self.journal
+            .set_mount(m, EventKind::PublishIntent, Some(&alloc_id));
+        tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
+        self.busy.insert(volume);
+        Some(Effect::Publish {
+            volume: Box::new(rec),
+            target,
+            read_only,
+            alloc_id,
+        })
+    }
+
+    /// Records the unpublish intent; the call itself waits for the commit.
+    fn start_unpublish(&mut self, volume: VolumeKey) -> Option<Effect> {
+        let mut m = self.journal.mounts().get(&volume)?.clone();
+        m.state = MountState::Unpublishing;
+        self.journal
+            .set_mount(m.clone(), EventKind::UnpublishIntent, None);
+        tracing::info!(%volume, target = %m.target.display(), "unpublishing");
+        self.busy.insert(volume.clone());
+        Some(Effect::Unpublish {
+            keep_dir: self.placeholders.contains(&volume),
+            volume: self.volumes.get(&volume).cloned().map(Box::new),
+            mount: Box::new(m),
+        })
+    }
+
+    fn answer_waiters(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let known = Known {
+            view: &self.view,
+            volumes: &self.volumes,
+            journal: &self.journal,
+            last_error: &self.last_error,
+            busy: &self.busy,
+            waiting: &self.waiting,
+        };
+        let answers = self.waiters.answer(&known, now);
+        // A success rests on records that may not be on disk yet: it waits for them.
+        let pending = self.journal.is_dirty() || self.issued > self.durable;
+        let seq = self.issued + u64::from(self.journal.is_dirty());
+        for (to, r) in answers {
+            match r {
+                Ok(reply) if pending => self.held.push((seq, to, reply)),
+                r => out.push(Effect::Reply {
+                    to,
+                    answer: Answer::Publish(r),
+                }),
+            }
+        }
+    }
+
+    /// The status document (`GET /v1/status`).
+    fn status(&self) -> serde_json::Value {
+        let deferred = self.deferred_plugins();
+        let volumes: Vec<_> = self
+            .volumes
+            .values()
+            .map(|r| {
+                serde_json::json!({
+                    "namespace": r.spec.namespace, "name": r.spec.name, "id": r.id,
+                    "plugin_id": r.spec.plugin_id, "state": r.state.as_str(),
+                    "served_here": self.serves(r, &deferred),
+                    "placeholder_id": self.placeholders.id(&r.key()),
+                })
+            })
+            .collect();
+        let plugins: BTreeMap<_, _> = self
+            .plugins
+            .iter()
+            .map(|(id, r)| match r {
+                Ok(fp) => (
+                    id.clone(),
+                    serde_json::json!({"version": fp.version, "deferred_bind": fp.deferred_bind}),
+                ),
+                Err(e) => (id.clone(), serde_json::json!({"error": e})),
+            })
+            .collect();
+        serde_json::json!({
+            "node_id": self.s.node.node_id,
+            "node_pool": self.s.node.node_pool,
+            "watch": self.watch,
+            "view": {"complete": self.view.is_complete(), "index": self.view.index(), "allocations": self.view.allocs().len(), "departing": self.view.departing()},
+            "volumes": volumes,
+            "mounts": self.journal.mounts().values().collect::<Vec<_>>(),
+            "users": self.journal.users(),
+            "waiting": self.waiting.iter().map(|w| serde_json::json!({"volume": w.volume.to_string(), "reason": w.reason})).collect::<Vec<_>>(),
+            "errors": self.last_error.iter().map(|(k, e)| (k.to_string(), e.clone())).collect::<BTreeMap<_, _>>(),
+            "plugins": plugins,
+            "publish_latency_ms": {"count": self.latency.count(), "median": self.latency.median_bound()},
+            "pending_publish_calls": self.waiters.len(),
+            "claims": self.claims.status(),
+            "mount_health": self.mount_health.status(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The core's decisions, driven with plain `Instant`s: no tokio, no root, no I/O.
+    use super::*;
+    use crate::api::PublishRequest;
+    use crate::claims::ClaimError;
+    use crate::executor::{StepError, WorkerError};
+    use crate::journal::Journal;
+    use crate::mounts::MountTable;
+    use crate::reconcile::tests::{alloc, key, volume};
+
+    const NODE: &str = "node-1";
+
+    fn settings() -> Settings {
+        Settings {
+            node: NodeEnv {
+                node_id: NODE.into(),
+                node_pool: "default".into(),
+                volumes_dir: "/v".into(),
+                plugin_dir: "/p".into(),
+                roots: vec!["/v".into()],
+            },
+            mount_root: "/m".into(),
+            plugin_rescan: Duration::from_secs(60),
+            claims: ClaimSettings {
+                ttl: Duration::from_secs(15),
+                lock_delay: Duration::from_secs(15),
+            },
+            health_interval: Duration::from_secs(10),
+            seed: 1,
+        }
+    }
+
+    fn target(name: &str) -> PathBuf {
+        PathBuf::from(format!("/m/default/{name}"))
+    }
+
+    struct H {
+        core: Core,
+        t: Instant,
+        /// Every effect of the set-up.
+        setup: Vec<Effect>,
+    }
+
+    impl H {
+        /// A core that knows its plugin (`bind`), the volumes and the allocations.
+        fn new(volumes: &[(&str, &str)], allocs: Vec<crate::nomad::types::Allocation>) -> Self {
+            let t = Instant::now();
+            let mut h = H {
+                core: Core::new(settings(), Journal::new(NODE), t),
+                t,
+                setup: Vec::new(),
+            };
+            h.feed(Input::MountTable(MountTable::default()));
+            h.feed(Input::Done(Completion::PlaceholdersListed(Ok(
+                BTreeMap::new(),
+            ))));
+            let fp = Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            };
+            h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+                "bind".to_string(),
+                Ok(fp),
+            )]))));
+            let e = h.feed(Input::Catalogue(
+                volumes
+                    .iter()
+                    .map(|(n, m)| (key(n), volume(n, m)))
+                    .collect(),
+            ));
+            h.setup.extend(e);
+            let e = h.feed(Input::Watch(WatchEvent::Relisted { allocs, index: 1 }));
+            h.setup.extend(e);
+            h
+        }
+
+        fn feed(&mut self, i: Input) -> Vec<Effect> {
+            self.core.handle(i, self.t)
+        }
+
+        fn at(&mut self, after: Duration, i: Input) -> Vec<Effect> {
+            self.t += after;
+            self.feed(i)
+        }
+
+        fn api_publish(&mut self, reply: u64, alloc_id: &str, wait: Duration) -> Vec<Effect> {
+            self.feed(Input::Api {
+                reply: ReplyId(reply),
+                call: ApiCall::Publish(PublishRequest {
+                    alloc_id: alloc_id.into(),
+                    namespace: "default".into(),
+                    wait,
+                }),
+            })
+        }
+
+        /// Completes a publish of `name` with its mount now in the table.
+        fn published(&mut self, name: &str) -> Vec<Effect> {
+            self.feed(Input::MountTable(MountTable::from_points([target(name)])));
+            self.feed(Input::Done(Completion::Published {
+                volume: key(name),
+                result: Ok(serde_json::Value::Null),
+                elapsed: Duration::from_millis(3),
+            }))
+        }
+
+        fn committed(&mut self, e: &[Effect]) -> Vec<Effect> {
+            let seq = commits(e).last().map(|(s, _)| *s).expect("a commit");
+            self.feed(Input::Committed {
+                seq,
+                result: Ok(()),
+            })
+        }
+    }
+
+    /// The commits of `e`: (seq, the effects waiting on it).
+    fn commits(e: &[Effect]) -> Vec<(u64, &Vec<Effect>)> {
+        e.iter()
+            .filter_map(|e| match e {
+                Effect::Commit { commit, then } => Some((commit.seq, then)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn publishes(e: &[Effect]) -> usize {
+        e.iter()
+            .map(|e| match e {
+                Effect::Publish { .. } => 1,
+                Effect::Commit { then, .. } => publishes(then),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    fn unpublishes(e: &[Effect]) -> usize {
+        e.iter()
+            .map(|e| match e {
+                Effect::Unpublish { .. } => 1,
+                Effect::Commit { then, .. } => unpublishes(then),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    fn replies(e: &[Effect]) -> Vec<(u64, &Result<PublishReply, ApiError>)> {
+        e.iter()
+            .filter_map(|e| match e {
+                Effect::Reply {
+                    to,
+                    answer: Answer::Publish(r),
+                } => Some((to.0, r)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    const A1: &str = "a1";
+
+    #[test]
+    fn a_publish_starts_only_after_its_intent_is_committed() {
+        let t = Instant::now();
+        let mut core = Core::new(settings(), Journal::new(NODE), t);
+        let mut all = Vec::new();
+        all.extend(core.handle(Input::MountTable(MountTable::default()), t));
+        let fp = Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+            capabilities: Vec::new(),
+        };
+        all.extend(core.handle(
+            Input::Done(Completion::Plugins(BTreeMap::from([(
+                "bind".into(),
+                Ok(fp),
+            )]))),
+            t,
+        ));
+        all.extend(core.handle(
+            Input::Catalogue(BTreeMap::from([(
+                key("d"),
+                volume("d", "multi-node-multi-writer"),
+            )])),
+            t,
+        ));
+        let e = core.handle(
+            Input::Watch(WatchEvent::Relisted {
+                allocs: vec![alloc(A1, &["d"], "pending", "run")],
+                index: 1,
+            }),
+            t,
+        );
+        assert_eq!(publishes(&all), 0);
+        let c = commits(&e);
+        assert_eq!(c.len(), 1, "{e:?}");
+        assert_eq!(publishes(c[0].1), 1, "the publish waits on the commit");
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::Publish { .. })),
+            "no publish outside the commit"
+        );
+        assert_eq!(
+            core.journal().mounts()[&key("d")].state,
+            MountState::Publishing
+        );
+    }
+
+    #[test]
+    fn a_burst_of_allocations_is_one_commit_with_every_publish() {
+        let names: Vec<String> = (0..50).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let t = Instant::now();
+        let mut h = H {
+            core: Core::new(settings(), Journal::new(NODE), t),
+            t,
+            setup: Vec::new(),
+        };
+        h.feed(Input::MountTable(MountTable::default()));
+        h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+            "bind".to_string(),
+            Ok(Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            }),
+        )]))));
+        h.feed(Input::Catalogue(
+            vols.iter().map(|(n, m)| (key(n), volume(n, m))).collect(),
+        ));
+        let allocs = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| alloc(&format!("a{i}"), &[n.as_str()], "pending", "run"))
+            .collect();
+        let e = h.feed(Input::Watch(WatchEvent::Relisted { allocs, index: 1 }));
+        let c = commits(&e);
+        assert_eq!(c.len(), 1);
+        assert_eq!(publishes(c[0].1), 50);
+    }
+
+    #[test]
+    fn a_caller_is_answered_once_its_user_record_is_durable() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        assert!(replies(&h.api_publish(7, A1, Duration::from_secs(30))).is_empty());
+        let e = h.published("d");
+        assert!(
+            replies(&e).is_empty(),
+            "held until the user record is on disk"
+        );
+        assert_eq!(
+            commits(&e).len(),
+            1,
+            "publish-done and the user record, one commit"
+        );
+        let e = h.committed(&e);
+        let r = replies(&e);
+        assert_eq!(r.len(), 1);
+        let (to, Ok(reply)) = r[0] else {
+            panic!("{r:?}")
+        };
+        assert_eq!(to, 7);
+        assert_eq!(reply.volumes[0].path, target("d").display().to_string());
+    }
+
+    #[test]
+    fn a_failed_commit_starts_nothing_and_answers_no_success() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(30));
+        let e = h.published("d");
+        let seq = commits(&e)[0].0;
+        let err = JournalError::Write {
+            path: "/s/journal.json".into(),
+            source: std::io::Error::other("disk full"),
+        };
+        let e = h.feed(Input::Committed {
+            seq,
+            result: Err(err),
+        });
+        let r = replies(&e);
+        assert!(matches!(r[..], [(7, Err(ApiError::Journal(_)))]), "{r:?}");
+        assert_eq!(commits(&e).len(), 1, "the state is written again");
+    }
+
+    #[test]
+    fn publish_timed_out_when_the_deadline_passes_first() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(2));
+        assert_eq!(h.core.next_wakeup(), Some(h.t + Duration::from_secs(2)));
+        assert!(replies(&h.at(Duration::from_secs(1), Input::Tick)).is_empty());
+        let e = h.at(Duration::from_secs(1), Input::Tick);
+        assert!(
+            matches!(
+                replies(&e)[..],
+                [(7, Err(ApiError::NotPublishedInTime { .. }))]
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_caller_for_an_allocation_not_seen_yet_times_out_after_a_fetch() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let e = h.api_publish(7, A1, Duration::from_secs(1));
+        assert!(
+            matches!(&e[..], [Effect::FetchAlloc { alloc_id }] if alloc_id == A1),
+            "{e:?}"
+        );
+        let e = h.at(Duration::from_secs(1), Input::Tick);
+        assert!(matches!(
+            replies(&e)[..],
+            [(7, Err(ApiError::AllocationNotSeen { .. }))]
+        ));
+    }
+
+    #[test]
+    fn an_allocation_nomad_does_not_know_is_not_found() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        h.api_publish(7, A1, Duration::from_secs(30));
+        let e = h.feed(Input::Done(Completion::AllocFetched {
+            alloc_id: A1.into(),
+            result: Ok(None),
+        }));
+        assert!(matches!(
+            replies(&e)[..],
+            [(7, Err(ApiError::UnknownAllocation { .. }))]
+        ));
+    }
+
+    #[test]
+    fn a_caller_that_went_away_is_forgotten() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(30));
+        h.feed(Input::CallerGone(ReplyId(7)));
+        let e = h.at(Duration::from_secs(31), Input::Tick);
+        assert!(replies(&e).is_empty());
+    }
+
+    #[test]
+    fn a_failed_publish_fails_its_caller_and_is_retried_after_its_backoff() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        h.api_publish(7, A1, Duration::from_secs(30));
+        let err = StepError::NotMounted {
+            plugin: "bind".into(),
+            target: target("d"),
+        };
+        let e = h.feed(Input::Done(Completion::Published {
+            volume: key("d"),
+            result: Err(err),
+            elapsed: Duration::from_millis(1),
+        }));
+        assert!(
+            matches!(replies(&e)[..], [(7, Err(ApiError::PublishFailed { .. }))]),
+            "{e:?}"
+        );
+        assert_eq!(publishes(&e), 0, "not again at once");
+        let wake = h.core.next_wakeup().unwrap();
+        assert!(
+            wake <= h.t + Duration::from_millis(1200),
+            "the retry is a wake-up"
+        );
+        let e = h.at(Duration::from_millis(1200), Input::Tick);
+        assert_eq!(publishes(&e), 1);
+    }
+
+    #[test]
+    fn a_stopped_allocation_is_refused_and_its_volume_unpublished() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "pending", "run")],
+        );
+        let e = h.published("d");
+        h.committed(&e);
+        let mut a = alloc(A1, &["d"], "complete", "stop");
+        a.modify_index = 5;
+        let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+        assert_eq!(unpublishes(&e), 1, "{e:?}");
+        let e = h.api_publish(8, A1, Duration::from_secs(30));
+        assert!(matches!(
+            replies(&e)[..],
+            [(8, Err(ApiError::AllocationStopped { .. }))]
+        ));
+    }
+
+    #[test]
+    fn a_lost_claim_is_unpublished_and_then_forgotten() {
+        let mut h = H::new(
+            &[("d", "single-node-writer")],
+            vec![alloc(A1, &["d"], "running", "run")],
+        );
+        // Not published before the claim is held.
+        let e = h.feed(Input::Tick);
+        assert_eq!(publishes(&e), 0);
+        h.feed(Input::Done(Completion::ClaimAcquired {
+            volume: key("d"),
+            result: Ok("lock".into()),
+        }));
+        let e = h.published("d");
+        h.committed(&e);
+        let e = h.at(Duration::from_secs(5), Input::Tick);
+        assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+        let e = h.feed(Input::Done(Completion::ClaimRenewed {
+            volume: key("d"),
+            result: Err(ClaimError::Lost { volume: key("d") }),
+        }));
+        assert_eq!(
+            unpublishes(&e),
+            1,
+            "claim lost: unpublished first, though still needed"
+        );
+        let e = h.feed(Input::Done(Completion::Unpublished {
+            volume: key("d"),
+            result: Ok(()),
+        }));
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::ReleaseClaim { .. })),
+            "a lost claim is not released"
+        );
+        assert!(h.core.claims.states().is_empty());
+    }
+
+    #[test]
+    fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
+        let mut h = H::new(
+            &[("d", "single-node-writer")],
+            vec![alloc(A1, &["d"], "running", "run")],
+        );
+        h.feed(Input::Done(Completion::ClaimAcquired {
+            volume: key("d"),
+            result: Ok("lock".into()),
+        }));
+        let e = h.published("d");
+        h.committed(&e);
+        let mut a = alloc(A1, &["d"], "complete", "stop");
+        a.modify_index = 5;
+        h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+        let e = h.feed(Input::Done(Completion::Unpublished {
+            volume: key("d"),
+            result: Ok(()),
+        }));
+        let released: Vec<_> = e
+            .iter()
+            .filter(|x| matches!(x, Effect::ReleaseClaim { lock_id, .. } if lock_id == "lock"))
+            .collect();
+        assert_eq!(released.len(), 1, "{e:?}");
+        let e = h.feed(Input::Tick);
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::ReleaseClaim { .. })),
+            "once"
+        );
+    }
+
+    #[test]
+    fn placeholders_follow_the_ready_volumes_this_node_serves() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let e = std::mem::take(&mut h.setup);
+        let regs: Vec<_> = e
+            .iter()
+            .filter(
+                |x| matches!(x, Effect::RegisterPlaceholder { target: t, .. } if *t == target("d")),
+            )
+            .collect();
+        assert_eq!(regs.len(), 1, "{e:?}");
+        assert!(
+            !h.feed(Input::Tick)
+                .iter()
+                .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+            "once in flight"
+        );
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let e = h.feed(Input::Catalogue(BTreeMap::new()));
+        assert!(e
+            .iter()
+            .any(|x| matches!(x, Effect::DeregisterPlaceholder { id, .. } if id == "hv-1")));
+    }
+
+    #[test]
+    fn pending_volumes_are_created_and_a_mounted_one_is_not_deleted() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let mut rec = volume("d", "multi-node-multi-writer");
+        rec.state = VolumeState::Pending;
+        let e = h.feed(Input::Catalogue(BTreeMap::from([(key("d"), rec.clone())])));
+        assert_eq!(
+            e.iter().filter(|x| matches!(x, Effect::Create(_))).count(),
+            1
+        );
+        h.feed(Input::Done(Completion::Worker {
+            volume: key("d"),
+            result: Err(WorkerError::TakenByOther),
+        }));
+        let e = h.feed(Input::Tick);
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::Create(_))),
+            "backs off"
+        );
+        // A volume being deleted while a placeholder still points at it waits.
+        rec.state = VolumeState::Deleting;
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let e = h.at(
+            Duration::from_secs(5),
+            Input::Catalogue(BTreeMap::from([(key("d"), rec)])),
+        );
+        assert!(!e.iter().any(|x| matches!(x, Effect::Delete(_))), "{e:?}");
+    }
+
+    #[test]
+    fn plugins_are_fingerprinted_on_change_and_once_per_rescan() {
+        let mut h = H::new(&[], vec![]);
+        let fp = |e: &[Effect]| {
+            e.iter()
+                .filter(|x| matches!(x, Effect::Fingerprint))
+                .count()
+        };
+        assert_eq!(fp(&h.feed(Input::Tick)), 1);
+        assert_eq!(fp(&h.feed(Input::Tick)), 0, "one in flight");
+        h.feed(Input::Done(Completion::Plugins(BTreeMap::new())));
+        assert_eq!(fp(&h.at(Duration::from_secs(1), Input::Tick)), 0);
+        assert_eq!(fp(&h.feed(Input::PluginsChanged)), 1);
+    }
+
+    #[test]
+    fn the_mount_table_is_read_on_the_tick_not_per_message() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        let reads = |e: &[Effect]| {
+            e.iter()
+                .filter(|x| matches!(x, Effect::ReadMountTable))
+                .count()
+        };
+        let e = h.feed(Input::Watch(WatchEvent::Relisted {
+            allocs: vec![alloc(A1, &["d"], "pending", "run")],
+            index: 2,
+        }));
+        assert_eq!(reads(&e), 0);
+        assert_eq!(reads(&h.feed(Input::Tick)), 1);
+    }
+
+    #[test]
+    fn a_dead_mount_is_detached_and_published_again() {
+        let mut h = H::new(
+            &[("d", "multi-node-multi-writer")],
+            vec![alloc(A1, &["d"], "running", "run")],
+        );
+        let e = h.published("d");
+        h.committed(&e);
+        let e = h.at(Duration::from_secs(10), Input::Tick);
+        assert!(e.iter().any(|x| matches!(x, Effect::Probe { .. })), "{e:?}");
+        let e = h.feed(Input::Done(Completion::Probed {
+            volume: key("d"),
+            target: target("d"),
+            probe: crate::health::Probe::Dead("ENOTCONN".into()),
+        }));
+        assert!(e.iter().any(|x| matches!(x, Effect::Detach { .. })));
+        let mut e = h.feed(Input::MountTable(MountTable::default()));
+        e.extend(h.feed(Input::Done(Completion::Detached {
+            volume: key("d"),
+            result: Ok(()),
+        })));
+        assert_eq!(publishes(&e), 1, "the plan publishes it again");
+    }
+
+    #[test]
+    fn messages_that_arrive_together_are_planned_once() {
+        let names: Vec<String> = (0..50).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let mut h = H::new(&vols, vec![]);
+        let burst = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let mut a = alloc(&format!("a{i}"), &[n.as_str()], "pending", "run");
+                a.modify_index = 10;
+                Input::Watch(WatchEvent::Upsert(Box::new(a)))
+            })
+            .collect();
+        let e = h.core.handle_all(burst, h.t);
+        let c = commits(&e);
+        assert_eq!(c.len(), 1);
+        assert_eq!(publishes(c[0].1), 50);
+    }
+}

@@ -1,0 +1,73 @@
+//! What the core asks the shell to do. The shell performs each [`Effect`] and reports its
+//! outcome as an [`crate::agent::input::Completion`]; the core itself never performs I/O.
+
+use crate::agent::input::ReplyId;
+use crate::api::{ApiError, PublishReply};
+use crate::journal::{Commit, MountRecord};
+use crate::volume::{VolumeKey, VolumeRecord};
+use std::path::PathBuf;
+
+/// One piece of work for the shell.
+#[derive(Debug)]
+pub(crate) enum Effect {
+    /// Plugin `publish` of `volume` onto `target` (creating the directory first).
+    Publish {
+        volume: Box<VolumeRecord>,
+        target: PathBuf,
+        read_only: bool,
+        alloc_id: String,
+    },
+    /// Plugin `unpublish` of a journal record; `keep_dir` re-creates the empty target
+    /// directory afterwards (a placeholder host volume still points at it).
+    Unpublish {
+        mount: Box<MountRecord>,
+        volume: Option<Box<VolumeRecord>>,
+        keep_dir: bool,
+    },
+    /// Fingerprint every plugin in the plugin directory.
+    Fingerprint,
+    /// Plugin `create` (with the record's check-and-set claim).
+    Create(Box<VolumeRecord>),
+    /// Plugin `delete` (with the record's check-and-set claim).
+    Delete(Box<VolumeRecord>),
+    /// Nomad: list this node's placeholder host volumes.
+    ListPlaceholders,
+    /// Nomad: register the placeholder host volume of `volume` at `target`.
+    RegisterPlaceholder {
+        volume: Box<VolumeRecord>,
+        target: PathBuf,
+    },
+    /// Nomad: deregister a placeholder host volume.
+    DeregisterPlaceholder { volume: VolumeKey, id: String },
+    /// Nomad: take the single-node claim.
+    AcquireClaim {
+        volume: VolumeKey,
+        volume_id: String,
+    },
+    /// Nomad: renew the claim's lock.
+    RenewClaim { volume: VolumeKey, lock_id: String },
+    /// Nomad: give the claim back.
+    ReleaseClaim { volume: VolumeKey, lock_id: String },
+    /// Nomad: read one allocation (a publish call came before its event).
+    FetchAlloc { alloc_id: String },
+    /// Nomad: restart an allocation's running tasks (onto a republished mount).
+    RestartAlloc { volume: VolumeKey, alloc_id: String },
+    /// Kernel: `stat` a published target, bounded by the probe timeout.
+    Probe { volume: VolumeKey, target: PathBuf },
+    /// Kernel: lazily unmount a dead mount.
+    Detach { volume: VolumeKey, target: PathBuf },
+    /// Kernel: read the mount table again (answered by `Input::MountTable`).
+    ReadMountTable,
+    /// Journal: make `commit` durable off the loop, then perform `then` (the plugin calls
+    /// and answers that must not start before their intents are on disk).
+    Commit { commit: Commit, then: Vec<Effect> },
+    /// Answer a caller.
+    Reply { to: ReplyId, answer: Answer },
+}
+
+/// An answer to a caller of the local API.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    Publish(Result<PublishReply, ApiError>),
+    Status(Box<serde_json::Value>),
+}

@@ -1,0 +1,27 @@
+//! The agent: one pure core that owns all node state and decides everything, and a thin
+//! shell that performs what it decides.
+//!
+//! - `core`: the state machine (`handle(input, now) -> effects`, `next_wakeup`);
+//! - `input` / `effect`: what goes in (messages, typed completions) and what comes out;
+//! - decisions, by what they decide: `waiters` (the answer to a prestart caller, "publish
+//!   timed out"), `claims` (renewal timing, "claim lost"), `placeholders`, `workers`
+//!   (volume create/delete), `mount_health` (dead, failing and hung mounts), `retry`
+//!   (one backoff table for every kind of work), `latency`;
+//! - `shell`: the loop, the one place that performs effects.
+//!
+//! The publish/unpublish plan itself is `crate::reconcile` (with "allocation lost while
+//! its tasks still run" decided in `crate::view` and `crate::reconcile`).
+
+pub(crate) mod claims;
+pub(crate) mod core;
+pub(crate) mod effect;
+pub(crate) mod input;
+pub(crate) mod latency;
+pub(crate) mod mount_health;
+pub(crate) mod placeholders;
+pub(crate) mod retry;
+pub(crate) mod shell;
+pub(crate) mod waiters;
+pub(crate) mod workers;
+
+pub use shell::{run, StartError};

@@ -1,0 +1,194 @@
+//! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
+//! `volume snapshot create|list|delete` ([`storage`]),
+//! `plugin check|status`, `node status`; one file per command group, [`output`] for the
+//! readable (Nomad-style) and JSON forms every read command prints.
+//!
+//! Exit codes: 0 success; 1 the operation failed or was refused; 2 usage error (clap);
+//! 64 bad configuration or input; 69 Nomad or the local agent could not be reached;
+//! 75 timed out (trying again may help).
+
+/// Prints a line on stdout; a closed pipe (`dhv-binder volume list | head`) ends the
+/// process quietly instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        if writeln!(out, $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
+pub mod node;
+pub mod output;
+pub mod plugin;
+pub mod prestart;
+pub mod status;
+pub mod storage;
+pub mod volume;
+
+use crate::config::{AgentConfig, NomadConfig};
+use crate::nomad::NomadError;
+use clap::{Parser, Subcommand};
+
+pub use plugin::{plugin_cmd, PluginCommand};
+pub use prestart::{prestart, PrestartArgs};
+pub use status::{status, StatusArgs};
+pub use volume::{volume_cmd, VolumeCommand};
+
+/// The agent's socket as a prestart task sees it: the job mounts the socket's host volume
+/// at `/run/dhv-binder` inside the task.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SocketArg {
+    /// The daemon's socket, as mounted into the task.
+    #[arg(
+        long = "socket",
+        env = "DHV_BINDER_SOCKET",
+        default_value = "/run/dhv-binder/api.sock"
+    )]
+    pub path: std::path::PathBuf,
+}
+
+/// The agent's socket on the node itself (for `status`, run on the host): the static host
+/// volume directory that survives a reboot.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeSocketArg {
+    /// The daemon's socket on this node.
+    #[arg(
+        long = "socket",
+        env = "DHV_BINDER_SOCKET",
+        default_value = "/var/lib/dhv-binder/socket/api.sock"
+    )]
+    pub path: std::path::PathBuf,
+}
+
+/// Exit code: the operation failed or was refused.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit code: bad configuration or input (EX_USAGE).
+pub const EXIT_CONFIG: i32 = 64;
+/// Exit code: a service could not be reached (EX_UNAVAILABLE).
+pub const EXIT_UNAVAILABLE: i32 = 69;
+/// Exit code: timed out (EX_TEMPFAIL).
+pub const EXIT_TIMEOUT: i32 = 75;
+
+/// dhv-binder: deferred binding for Nomad dynamic host volumes.
+#[derive(Debug, Parser)]
+#[command(name = "dhv-binder", version, about)]
+pub struct Cli {
+    #[command(flatten)]
+    pub nomad: NomadConfig,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+impl Cli {
+    /// Parses the process arguments, accepting the Nomad CLI's single-dash spellings of the
+    /// output flags (`-json`, `-t`) besides `--json` and `--template`: see [`normalize_args`].
+    pub fn parse_args() -> Self {
+        Self::parse_from(normalize_args(std::env::args_os()))
+    }
+}
+
+/// Rewrites the Nomad CLI's single-dash long flags to clap's spelling: `-json` becomes
+/// `--json` (and `-json=true` stays a usage error). Arguments after `--` are left alone.
+pub fn normalize_args<I: IntoIterator<Item = std::ffi::OsString>>(
+    args: I,
+) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut rest = false;
+    for a in args {
+        if !rest && a == "--" {
+            rest = true;
+        } else if !rest && a == "-json" {
+            out.push("--json".into());
+            continue;
+        }
+        out.push(a);
+    }
+    out
+}
+
+// Parsed once per process: the agent variant's size does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the per-node daemon (as a Nomad system job on every client node).
+    Agent(AgentConfig),
+    /// What a job's prestart task runs: waits until this allocation's deferred volumes are published.
+    Prestart(PrestartArgs),
+    /// Show the local agent's state (as root on the node).
+    Status(StatusArgs),
+    /// Create, register, list, inspect, delete and deregister deferred volumes.
+    #[command(subcommand)]
+    Volume(VolumeCommand),
+    /// Volume plugins: the conformance kit, and which nodes have which plugin.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+    /// The nodes running dhv-binder, from the records each agent publishes.
+    #[command(subcommand)]
+    Node(node::NodeCommand),
+}
+
+/// Runs any command but `agent` (which `main` runs with its tracing and signals).
+pub async fn run(nomad: &NomadConfig, command: Command) -> Result<(), Failure> {
+    match command {
+        Command::Agent(_) => Err(Failure::new(
+            EXIT_FAILED,
+            "the agent is started by main, not by cli::run",
+        )),
+        Command::Prestart(args) => prestart(args, nomad.token.clone()).await,
+        Command::Status(args) => status(args).await,
+        Command::Volume(cmd) => volume_cmd(nomad, cmd).await,
+        Command::Plugin(cmd) => plugin_cmd(nomad, cmd).await,
+        Command::Node(cmd) => node::node_cmd(nomad, cmd).await,
+    }
+}
+
+/// A CLI failure with its exit code.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(code: i32, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<NomadError> for Failure {
+    fn from(e: NomadError) -> Self {
+        let code = match &e {
+            NomadError::Unreachable { .. } | NomadError::NoLeader { .. } => EXIT_UNAVAILABLE,
+            NomadError::Config(_) => EXIT_CONFIG,
+            _ => EXIT_FAILED,
+        };
+        Failure::new(code, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_dash_json_is_accepted_before_the_separator_only() {
+        let args =
+            ["dhv-binder", "volume", "list", "-json", "--", "-json"].map(std::ffi::OsString::from);
+        let out = normalize_args(args);
+        assert_eq!(out[3], "--json");
+        assert_eq!(out[5], "-json");
+        let cli = Cli::try_parse_from(normalize_args(
+            ["dhv-binder", "volume", "list", "-json"].map(std::ffi::OsString::from),
+        ))
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::List { out }) if out.json
+        ));
+    }
+}

@@ -1,0 +1,383 @@
+//! `dhv-binder status`: the local agent's state in a few lines (node, watch health, plugins,
+//! pending work, last errors, then one row per volume with its mount state and users).
+//!
+//! The document is the agent's `GET /v1/status` answer (see [`crate::api`]); [`StatusDoc`]
+//! reads the fields it prints and ignores the rest, so `-json` prints the answer unchanged.
+
+use super::output::{ago, kv, now_unix, table, OutputArgs};
+use super::{Failure, EXIT_FAILED, EXIT_UNAVAILABLE};
+use crate::api::client::{call, CallError};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// Arguments of `status`.
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub socket: super::NodeSocketArg,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// The parts of the agent's status document that the readable form prints. Every field
+/// defaults, so an older or newer agent's document still renders.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct StatusDoc {
+    pub node_id: String,
+    pub node_pool: String,
+    /// The watcher's health: `{"state": "listing|polling|streaming|disconnected", ...}`.
+    pub watch: serde_json::Value,
+    pub view: ViewDoc,
+    pub volumes: Vec<VolumeDoc>,
+    pub mounts: Vec<MountDoc>,
+    pub users: Vec<UserDoc>,
+    pub waiting: Vec<WaitingDoc>,
+    /// Last error per volume (`namespace/name`).
+    pub errors: BTreeMap<String, String>,
+    /// Plugin ID to `{"version","deferred_bind"}` or `{"error"}`.
+    pub plugins: BTreeMap<String, serde_json::Value>,
+    pub publish_latency_ms: LatencyDoc,
+    pub pending_publish_calls: u64,
+    /// Claim state per volume (`namespace/name`).
+    pub claims: BTreeMap<String, String>,
+    pub mount_health: MountHealthDoc,
+}
+
+/// The agent's view of its node's allocations.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ViewDoc {
+    pub complete: bool,
+    pub index: u64,
+    pub allocations: u64,
+    pub departing: u64,
+}
+
+/// A volume record as the agent knows it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct VolumeDoc {
+    pub namespace: String,
+    pub name: String,
+    pub plugin_id: String,
+    pub state: String,
+    pub served_here: bool,
+}
+
+/// A volume key as serialized by the agent.
+#[derive(Debug, Default, Deserialize, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(default)]
+pub struct KeyDoc {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for KeyDoc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A journal mount record.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct MountDoc {
+    pub volume: KeyDoc,
+    pub state: String,
+    pub since: u64,
+    pub last_error: String,
+}
+
+/// One allocation's use of a published volume.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct UserDoc {
+    pub alloc_id: String,
+    pub volume: KeyDoc,
+}
+
+/// A volume the plan waits on, and why.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct WaitingDoc {
+    pub volume: String,
+    pub reason: String,
+}
+
+/// Publish latencies seen by prestart callers.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct LatencyDoc {
+    pub count: u64,
+    pub median: Option<u64>,
+}
+
+/// Dead mounts found by the probes.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct MountHealthDoc {
+    pub broken: BTreeMap<String, BrokenDoc>,
+}
+
+/// One dead mount.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct BrokenDoc {
+    pub error: String,
+    pub action: String,
+}
+
+fn watch_line(w: &serde_json::Value) -> String {
+    let state = w["state"].as_str().unwrap_or("unknown");
+    let c = &w["counters"];
+    let counters = format!(
+        "{} relists, {} reconnects",
+        c["relists"].as_u64().unwrap_or(0),
+        c["reconnects"].as_u64().unwrap_or(0)
+    );
+    match state {
+        "polling" | "streaming" => format!(
+            "{state} (index {}; {counters})",
+            w["index"].as_u64().unwrap_or(0)
+        ),
+        "disconnected" => format!(
+            "disconnected: {} ({}; {counters})",
+            w["reason"].as_str().unwrap_or(""),
+            w["fault"].as_str().unwrap_or("unknown fault")
+        ),
+        other => other.to_string(),
+    }
+}
+
+fn plugin_cell(id: &str, p: &serde_json::Value) -> String {
+    if let Some(e) = p["error"].as_str() {
+        return format!("{id} (unhealthy: {e})");
+    }
+    let deferred = if p["deferred_bind"].as_bool() == Some(true) {
+        "deferred"
+    } else {
+        "not deferred"
+    };
+    format!("{id} {} ({deferred})", p["version"].as_str().unwrap_or("?"))
+}
+
+/// The readable form of a status document, at `now` (Unix seconds).
+pub fn render(doc: &StatusDoc, now: u64) -> String {
+    let mut rows: Vec<(&str, String)> = vec![
+        ("Node ID", doc.node_id.clone()),
+        (
+            "Node Pool",
+            if doc.node_pool.is_empty() {
+                "default".into()
+            } else {
+                doc.node_pool.clone()
+            },
+        ),
+        ("Watch", watch_line(&doc.watch)),
+        (
+            "Allocations",
+            format!(
+                "{} on this node, {} departing ({})",
+                doc.view.allocations,
+                doc.view.departing,
+                if doc.view.complete {
+                    "view complete"
+                } else {
+                    "view incomplete: nothing is unpublished until the next full list"
+                }
+            ),
+        ),
+        (
+            "Plugins",
+            if doc.plugins.is_empty() {
+                "none found".into()
+            } else {
+                doc.plugins
+                    .iter()
+                    .map(|(id, p)| plugin_cell(id, p))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+        ),
+        (
+            "Pending",
+            format!(
+                "{} publish call(s) waiting, {} volume(s) waiting",
+                doc.pending_publish_calls,
+                doc.waiting.len()
+            ),
+        ),
+        (
+            "Publish Wait",
+            match doc.publish_latency_ms.median {
+                Some(m) => format!(
+                    "median {m}ms over {} publish(es)",
+                    doc.publish_latency_ms.count
+                ),
+                None => "no publishes yet".into(),
+            },
+        ),
+        ("Broken Mounts", doc.mount_health.broken.len().to_string()),
+    ];
+    for w in &doc.waiting {
+        rows.push(("Waiting", format!("{}: {}", w.volume, w.reason)));
+    }
+    for (k, e) in &doc.errors {
+        rows.push(("Last Error", format!("{k}: {e}")));
+    }
+    let mut s = kv(&rows);
+    s.push_str("\nVolumes\n");
+    let mut keys: Vec<String> = doc
+        .volumes
+        .iter()
+        .map(|v| format!("{}/{}", v.namespace, v.name))
+        .collect();
+    for m in &doc.mounts {
+        let k = m.volume.to_string();
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    keys.sort();
+    let table_rows: Vec<Vec<String>> = keys
+        .iter()
+        .map(|k| {
+            let v = doc
+                .volumes
+                .iter()
+                .find(|v| format!("{}/{}", v.namespace, v.name) == *k);
+            let m = doc.mounts.iter().find(|m| m.volume.to_string() == *k);
+            let users = doc
+                .users
+                .iter()
+                .filter(|u| u.volume.to_string() == *k)
+                .count();
+            let mount = match (m, doc.mount_health.broken.get(k)) {
+                (_, Some(b)) => format!("dead ({})", b.action),
+                (Some(m), None) => format!("{} {}", m.state, ago(m.since, now)),
+                (None, None) => "-".into(),
+            };
+            let error = doc
+                .mount_health
+                .broken
+                .get(k)
+                .map(|b| b.error.clone())
+                .or_else(|| m.map(|m| m.last_error.clone()).filter(|e| !e.is_empty()))
+                .unwrap_or_default();
+            vec![
+                k.clone(),
+                v.map(|v| v.plugin_id.clone()).unwrap_or_default(),
+                v.map(|v| v.state.clone())
+                    .unwrap_or_else(|| "(no record)".into()),
+                match v {
+                    Some(v) if v.served_here => "yes".into(),
+                    Some(_) => "no".into(),
+                    None => "-".into(),
+                },
+                mount,
+                users.to_string(),
+                doc.claims.get(k).cloned().unwrap_or_else(|| "-".into()),
+                error,
+            ]
+        })
+        .collect();
+    s.push_str(&table(
+        &[
+            "Volume", "Plugin", "State", "Here", "Mount", "Users", "Claim", "Error",
+        ],
+        &table_rows,
+        "No volumes",
+    ));
+    s
+}
+
+/// Runs `status`: asks the local agent and prints its state.
+pub async fn status(args: StatusArgs) -> Result<(), Failure> {
+    let v = match call(&args.socket.path, hyper::Method::GET, "/v1/status", None).await {
+        Ok(v) => v,
+        Err(CallError::Connect { path, source }) => return Err(Failure::new(
+            EXIT_UNAVAILABLE,
+            format!(
+                "cannot reach dhv-binder at {path}: {source} (is the agent running on this node? pass its socket with --socket or DHV_BINDER_SOCKET)"
+            ),
+        )),
+        Err(e) => return Err(Failure::new(EXIT_FAILED, e.to_string())),
+    };
+    args.out.print(&v, |v| {
+        let doc: StatusDoc = serde_json::from_value(v.clone()).unwrap_or_default();
+        render(&doc, now_unix())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc() -> serde_json::Value {
+        serde_json::json!({
+            "node_id": "5a1d0b8e-0000-4000-8000-000000000001",
+            "node_pool": "default",
+            "watch": {"state": "polling", "index": 42, "counters": {"relists": 3, "reconnects": 1}},
+            "view": {"complete": true, "index": 42, "allocations": 2, "departing": 0},
+            "volumes": [
+                {"namespace": "default", "name": "shared-data", "id": "x", "plugin_id": "bind", "state": "ready", "served_here": true},
+                {"namespace": "default", "name": "scratch", "id": "y", "plugin_id": "nfs", "state": "ready", "served_here": false}
+            ],
+            "mounts": [{"volume": {"namespace": "default", "name": "shared-data"}, "volume_id": "x", "plugin_id": "bind", "state": "published", "target": "/t", "read_only": false, "since": 988}],
+            "users": [{"alloc_id": "a", "volume": {"namespace": "default", "name": "shared-data"}}],
+            "waiting": [{"volume": "default/scratch", "reason": "plugin nfs is not installed on this node"}],
+            "errors": {"default/scratch": "publish failed: exit 1"},
+            "plugins": {"bind": {"version": "0.2.0", "deferred_bind": true}, "nfs": {"error": "fingerprint timed out"}},
+            "publish_latency_ms": {"count": 3, "median": 120},
+            "pending_publish_calls": 1,
+            "claims": {"default/shared-data": "held"},
+            "mount_health": {"interval_ms": 10000, "broken": {}, "recovered": []}
+        })
+    }
+
+    #[test]
+    fn readable_status_shows_node_watch_pending_errors_and_each_volume() {
+        let d: StatusDoc = serde_json::from_value(doc()).unwrap();
+        let s = render(&d, 1000);
+        let expected = "\
+Node ID       = 5a1d0b8e-0000-4000-8000-000000000001
+Node Pool     = default
+Watch         = polling (index 42; 3 relists, 1 reconnects)
+Allocations   = 2 on this node, 0 departing (view complete)
+Plugins       = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
+Pending       = 1 publish call(s) waiting, 1 volume(s) waiting
+Publish Wait  = median 120ms over 3 publish(es)
+Broken Mounts = 0
+Waiting       = default/scratch: plugin nfs is not installed on this node
+Last Error    = default/scratch: publish failed: exit 1
+
+Volumes
+Volume               Plugin  State  Here  Mount              Users  Claim  Error
+default/scratch      nfs     ready  no    -                  0      -
+default/shared-data  bind    ready  yes   published 12s ago  1      held
+";
+        assert_eq!(s, expected, "got:\n{s}");
+    }
+
+    #[test]
+    fn json_status_is_the_agents_document_unchanged() {
+        let v = doc();
+        let o = OutputArgs {
+            json: true,
+            template: None,
+        };
+        let s = o.render(&v, |_| unreachable!()).unwrap();
+        let back: serde_json::Value = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, v);
+    }
+
+    #[test]
+    fn a_disconnected_watch_says_why() {
+        let w = serde_json::json!({"state": "disconnected", "fault": "auth-failed", "reason": "token expired", "counters": {"relists": 1, "reconnects": 4}});
+        assert_eq!(
+            watch_line(&w),
+            "disconnected: token expired (auth-failed; 1 relists, 4 reconnects)"
+        );
+    }
+}

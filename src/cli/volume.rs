@@ -1,0 +1,845 @@
+//! `dhv-binder volume create|register|list|status|delete|deregister`: the cluster-wide
+//! volume records in Nomad Variables (see [`crate::volume`]).
+
+use super::output::{bytes, kv, table, OutputArgs};
+use super::storage::{self, LocalPlugins, SnapshotCommand, SnapshotSummary};
+use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
+use crate::config::NomadConfig;
+use crate::nodes::{self, Liveness, NodeRecord};
+use crate::nomad::{Client, NomadError};
+use crate::volume::{self, VolumeRecord, VolumeState};
+use clap::Subcommand;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The item a registered record carries (beside [`VolumeRecord`]'s own): `volume delete`
+/// refuses such a volume, since dhv-binder did not create its storage.
+pub const REGISTERED_ITEM: &str = "registered";
+
+#[derive(Debug, Subcommand)]
+pub enum VolumeCommand {
+    /// Create a deferred volume from an HCL spec (like `nomad volume create`): fails at once
+    /// when no live node has the plugin (deferred and healthy) in the spec's node pool. Given
+    /// again for an existing volume with a larger `capacity_min`, grows it (plugin capability
+    /// "expand"); shrinking or changing anything else is refused.
+    Create {
+        spec: PathBuf,
+        /// Return once recorded, without waiting for the plugin's create.
+        #[arg(long)]
+        detach: bool,
+        #[command(flatten)]
+        local: LocalPlugins,
+    },
+    /// Snapshot volumes, list and delete snapshots (like `nomad volume snapshot`).
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
+    /// Register a volume that already exists in the storage (like `nomad volume register`):
+    /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
+    /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
+    Register { spec: PathBuf },
+    /// List deferred volumes.
+    List {
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Show one volume: record, allocations using it.
+    Status {
+        name: String,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Delete a volume (the plugin's `delete` destroys its storage); refused while any
+    /// allocation uses it, and for registered volumes (use `deregister`).
+    Delete {
+        name: String,
+        #[arg(long)]
+        detach: bool,
+    },
+    /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
+    /// Refused while any allocation uses it.
+    Deregister { name: String },
+}
+
+/// What `volume list -json` prints per volume (never the secrets).
+#[derive(Debug, Serialize)]
+pub struct VolumeSummary {
+    pub id: String,
+    pub namespace: String,
+    pub name: String,
+    pub plugin_id: String,
+    pub state: String,
+    pub capacity_bytes: u64,
+    pub node_pool: String,
+    pub access_mode: String,
+    pub registered: bool,
+}
+
+/// An allocation using a volume, from the placeholder Nomad keeps on its node.
+#[derive(Debug, Serialize)]
+pub struct VolumeUser {
+    pub alloc_id: String,
+    pub alloc_name: String,
+    pub node_id: String,
+}
+
+/// What `volume status -json` prints (never the secrets, only their count).
+#[derive(Debug, Serialize)]
+pub struct VolumeDetail {
+    #[serde(flatten)]
+    pub summary: VolumeSummary,
+    pub capabilities: Vec<volume::Capability>,
+    pub parameters: BTreeMap<String, String>,
+    pub context: serde_json::Value,
+    pub secrets: usize,
+    pub worker_node: String,
+    pub error: String,
+    /// Where the content came from: `snapshot <id>`, `clone of volume <name>`, or empty.
+    pub source: String,
+    /// A pending or failed storage operation (an expansion), or empty.
+    pub operation: String,
+    pub allocations: Vec<VolumeUser>,
+    /// The volume's snapshots, oldest first.
+    pub snapshots: Vec<SnapshotSummary>,
+}
+
+fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
+    VolumeSummary {
+        id: r.id.clone(),
+        namespace: r.spec.namespace.clone(),
+        name: r.spec.name.clone(),
+        plugin_id: r.spec.plugin_id.clone(),
+        state: r.state.as_str().into(),
+        capacity_bytes: r.capacity_bytes,
+        node_pool: r.spec.node_pool.clone(),
+        access_mode: r.access_mode().to_string(),
+        registered,
+    }
+}
+
+/// The readable `volume list`.
+pub fn render_list(vols: &[VolumeSummary]) -> String {
+    let rows: Vec<Vec<String>> = vols
+        .iter()
+        .map(|v| {
+            vec![
+                v.id.clone(),
+                v.namespace.clone(),
+                v.name.clone(),
+                v.plugin_id.clone(),
+                if v.capacity_bytes > 0 {
+                    bytes(v.capacity_bytes)
+                } else {
+                    "-".into()
+                },
+                v.state.clone(),
+            ]
+        })
+        .collect();
+    table(
+        &["ID", "Namespace", "Name", "Plugin ID", "Capacity", "State"],
+        &rows,
+        "No volumes",
+    )
+}
+
+/// The readable `volume status`.
+pub fn render_detail(d: &VolumeDetail) -> String {
+    let s = &d.summary;
+    let mut rows: Vec<(&str, String)> = vec![
+        ("ID", s.id.clone()),
+        ("Name", s.name.clone()),
+        ("Namespace", s.namespace.clone()),
+        ("Plugin ID", s.plugin_id.clone()),
+        (
+            "State",
+            if s.registered {
+                format!("{} (registered)", s.state)
+            } else {
+                s.state.clone()
+            },
+        ),
+        (
+            "Capacity",
+            if s.capacity_bytes > 0 {
+                bytes(s.capacity_bytes)
+            } else {
+                "-".into()
+            },
+        ),
+        (
+            "Node Pool",
+            if s.node_pool.is_empty() {
+                "(any)".into()
+            } else {
+                s.node_pool.clone()
+            },
+        ),
+    ];
+    for c in &d.capabilities {
+        rows.push((
+            "Capability",
+            format!("{} / {}", c.access_mode, c.attachment_mode),
+        ));
+    }
+    rows.push((
+        "Parameters",
+        serde_json::to_string(&d.parameters).unwrap_or_default(),
+    ));
+    rows.push(("Secrets", format!("{} key(s), not shown", d.secrets)));
+    if !d.worker_node.is_empty() {
+        let busy = matches!(s.state.as_str(), "creating" | "deleting");
+        rows.push((
+            if busy { "Worker Node" } else { "Created On" },
+            d.worker_node.clone(),
+        ));
+    }
+    if !d.error.is_empty() {
+        rows.push(("Error", d.error.clone()));
+    }
+    if !d.source.is_empty() {
+        rows.push(("Source", d.source.clone()));
+    }
+    if !d.operation.is_empty() {
+        rows.push(("Operation", d.operation.clone()));
+    }
+    let mut out = kv(&rows);
+    out.push_str("\nAllocations\n");
+    let users: Vec<Vec<String>> = d
+        .allocations
+        .iter()
+        .map(|u| vec![u.alloc_id.clone(), u.alloc_name.clone(), u.node_id.clone()])
+        .collect();
+    out.push_str(&table(
+        &["ID", "Name", "Node ID"],
+        &users,
+        "No allocations use this volume",
+    ));
+    if !d.snapshots.is_empty() {
+        out.push_str("\nSnapshots\n");
+        out.push_str(&storage::render_snapshots(&d.snapshots));
+    }
+    out
+}
+
+async fn read_var(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<(VolumeRecord, bool), Failure> {
+    volume::validate_identifier("name", name, true)
+        .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    let var = client
+        .variable(namespace, &volume::record_path(name))
+        .await?
+        .ok_or_else(|| {
+            Failure::new(
+                EXIT_FAILED,
+                format!("volume {namespace}/{name} does not exist"),
+            )
+        })?;
+    let registered = var.items.get(REGISTERED_ITEM).is_some_and(|v| v == "true");
+    let rec =
+        VolumeRecord::from_variable(&var).map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+    Ok((rec, registered))
+}
+
+pub(super) async fn read_record(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<VolumeRecord, Failure> {
+    Ok(read_var(client, namespace, name).await?.0)
+}
+
+/// Allocations using a volume, from its placeholders (Nomad denormalizes each host
+/// volume's non-terminal allocations).
+async fn users_of(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Vec<VolumeUser>, Failure> {
+    let mut out = Vec::new();
+    for stub in client.list_host_volumes(None, namespace).await? {
+        if stub.name != name {
+            continue;
+        }
+        if let Some(hv) = client.host_volume(namespace, &stub.id).await? {
+            for a in hv.allocations {
+                out.push(VolumeUser {
+                    alloc_id: a.id,
+                    alloc_name: a.name,
+                    node_id: hv.node_id.clone(),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn refuse_in_use(client: &Client, r: &VolumeRecord) -> Result<(), Failure> {
+    let users = users_of(client, &r.spec.namespace, &r.spec.name).await?;
+    if users.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = users
+        .iter()
+        .map(|u| format!("{} ({}, node {})", u.alloc_id, u.alloc_name, u.node_id))
+        .collect();
+    Err(Failure::new(
+        EXIT_FAILED,
+        format!(
+            "volume {} is in use by allocations: {}; stop them first",
+            r.key(),
+            list.join(", ")
+        ),
+    ))
+}
+
+/// Why no node can serve a plugin, naming what each node has; `None` when one can.
+pub fn no_eligible_node(
+    records: &[NodeRecord],
+    plugin_id: &str,
+    node_pool: &str,
+    now: u64,
+) -> Option<String> {
+    if records
+        .iter()
+        .any(|r| r.can_serve(plugin_id, node_pool, now))
+    {
+        return None;
+    }
+    let pool = if node_pool.is_empty() {
+        String::new()
+    } else {
+        format!(" in node pool {node_pool:?}")
+    };
+    if records.is_empty() {
+        return Some(format!(
+            "no dhv-binder agent has published its node record, so no node can run plugin {plugin_id:?}{pool}: is the dhv-binder system job running (see `dhv-binder node status`)?"
+        ));
+    }
+    let seen: Vec<String> = records
+        .iter()
+        .map(|r| {
+            let why = if r.liveness(now) == Liveness::Stale {
+                "stale".to_string()
+            } else if !node_pool.is_empty() && r.node_pool != node_pool {
+                format!("pool {}", r.node_pool)
+            } else {
+                match r.plugins.get(plugin_id) {
+                    None => "no such plugin".into(),
+                    Some(p) if !p.healthy => format!("plugin unhealthy: {}", p.error),
+                    Some(_) => "plugin is not deferred_bind".into(),
+                }
+            };
+            format!("{} ({why})", r.node_name)
+        })
+        .collect();
+    Some(format!(
+        "no live node has a healthy deferred plugin {plugin_id:?}{pool}: {}; install the plugin in the plugin directory of a node{pool} (see `dhv-binder plugin status`)",
+        seen.join(", ")
+    ))
+}
+
+fn read_spec_text(path: &Path) -> Result<String, Failure> {
+    std::fs::read_to_string(path)
+        .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", path.display())))
+}
+
+/// Parses a spec, taking the CLI's namespace when the spec names none.
+fn parse(text: &str, ns: &str) -> Result<(volume::VolumeSpec, BTreeMap<String, String>), Failure> {
+    let (mut spec, secrets) =
+        volume::parse_spec(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
+        spec.namespace = ns.to_string();
+    }
+    Ok((spec, secrets))
+}
+
+/// The register-only fields of a spec: `context { ... }` and `capacity`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct RegisterExtras {
+    #[serde(default)]
+    context: BTreeMap<String, hcl::Value>,
+    capacity: Option<hcl::Value>,
+}
+
+/// Reads `context` (as a JSON object of strings and numbers) and `capacity` (bytes, or a
+/// size such as `"10GiB"`) from a register spec.
+pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> {
+    let x: RegisterExtras =
+        hcl::from_str(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    if x.context.is_empty() {
+        return Err(Failure::new(
+            EXIT_CONFIG,
+            "a register spec needs a `context { ... }` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)",
+        ));
+    }
+    let context = serde_json::to_value(&x.context)
+        .map_err(|e| Failure::new(EXIT_CONFIG, format!("context: {e}")))?;
+    let capacity = match &x.capacity {
+        None => 0,
+        Some(hcl::Value::Number(n)) => n.as_u64().unwrap_or(0),
+        Some(hcl::Value::String(s)) => s
+            .trim()
+            .parse::<u64>()
+            .or_else(|_| s.trim().parse::<bytesize::ByteSize>().map(|b| b.as_u64()))
+            .map_err(|_| {
+                Failure::new(
+                    EXIT_CONFIG,
+                    format!("capacity {s:?} is not a size (e.g. \"10GiB\")"),
+                )
+            })?,
+        Some(other) => {
+            return Err(Failure::new(
+                EXIT_CONFIG,
+                format!("capacity {other} is not a size (e.g. \"10GiB\")"),
+            ))
+        }
+    };
+    Ok((context, capacity))
+}
+
+async fn put_new(
+    client: &Client,
+    var: &crate::nomad::types::Variable,
+    key: &str,
+) -> Result<(), Failure> {
+    match client.put_variable(var, Some(0)).await {
+        Ok(_) => Ok(()),
+        Err(NomadError::CasConflict { .. }) => Err(Failure::new(
+            EXIT_FAILED,
+            format!("volume {key} already exists"),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn create(
+    client: &Client,
+    ns: &str,
+    spec: PathBuf,
+    detach: bool,
+    local: &LocalPlugins,
+) -> Result<(), Failure> {
+    let text = read_spec_text(&spec)?;
+    let (spec, secrets) = parse(&text, ns)?;
+    if client
+        .variable(&spec.namespace, &volume::record_path(&spec.name))
+        .await?
+        .is_some()
+    {
+        return storage::create_existing(client, &spec, detach, local).await;
+    }
+    storage::check_source(client, &spec, local).await?;
+    let (records, bad) = nodes::list(client).await?;
+    for e in bad {
+        eprintln!("warning: {e}");
+    }
+    if let Some(why) = no_eligible_node(
+        &records,
+        &spec.plugin_id,
+        &spec.node_pool,
+        super::output::now_unix(),
+    ) {
+        return Err(Failure::new(EXIT_FAILED, why));
+    }
+    let rec = VolumeRecord::new(spec, secrets);
+    put_new(client, &rec.to_variable(), &rec.key().to_string()).await?;
+    outln!(
+        "==> Created volume record {} (ID {}), plugin {:?}",
+        rec.key(),
+        rec.id,
+        rec.spec.plugin_id
+    );
+    if detach {
+        return Ok(());
+    }
+    outln!(
+        "    Waiting for a node with plugin {:?} to run its create…",
+        rec.spec.plugin_id
+    );
+    let name_of = |id: &str| {
+        records
+            .iter()
+            .find(|r| r.node_id == id)
+            .map(|r| format!("{} ({id})", r.node_name))
+            .unwrap_or_else(|| id.to_string())
+    };
+    let mut told = String::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let cur = read_record(client, &rec.spec.namespace, &rec.spec.name).await?;
+        if !cur.worker_node.is_empty() && cur.worker_node != told {
+            outln!("    Node {} took the create", name_of(&cur.worker_node));
+            told = cur.worker_node.clone();
+        }
+        match cur.state {
+            VolumeState::Ready => {
+                outln!(
+                    "==> Volume {} is ready ({})",
+                    cur.key(),
+                    bytes(cur.capacity_bytes)
+                );
+                return Ok(());
+            }
+            VolumeState::Failed => {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!(
+                        "plugin create failed: {} (delete the volume and create it again)",
+                        cur.error
+                    ),
+                ))
+            }
+            _ if Instant::now() > deadline => {
+                return Err(Failure::new(
+                    EXIT_TIMEOUT,
+                    format!(
+                        "volume {} is still {} after 2m: see `dhv-binder plugin status {}` and the agents' logs",
+                        cur.key(),
+                        cur.state.as_str(),
+                        cur.spec.plugin_id
+                    ),
+                ))
+            }
+            _ => tokio::time::sleep(Duration::from_millis(300)).await,
+        }
+    }
+}
+
+async fn register(client: &Client, ns: &str, spec: PathBuf) -> Result<(), Failure> {
+    let text = read_spec_text(&spec)?;
+    let (spec, secrets) = parse(&text, ns)?;
+    let (context, capacity) = register_extras(&text)?;
+    let mut rec = VolumeRecord::new(spec, secrets);
+    rec.state = VolumeState::Ready;
+    rec.context = context;
+    rec.capacity_bytes = capacity;
+    let mut var = rec.to_variable();
+    var.items.insert(REGISTERED_ITEM.into(), "true".into());
+    put_new(client, &var, &rec.key().to_string()).await?;
+    outln!(
+        "==> Registered volume {} (ID {}), plugin {:?}: ready, no plugin create was run",
+        rec.key(),
+        rec.id,
+        rec.spec.plugin_id
+    );
+    match nodes::list(client).await {
+        Ok((records, _)) => {
+            if let Some(why) = no_eligible_node(
+                &records,
+                &rec.spec.plugin_id,
+                &rec.spec.node_pool,
+                super::output::now_unix(),
+            ) {
+                eprintln!("warning: jobs using it cannot start yet: {why}");
+            }
+        }
+        Err(e) => eprintln!("warning: cannot read node records: {e}"),
+    }
+    Ok(())
+}
+
+async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure> {
+    let metas = client
+        .list_variables(volume::RECORD_PREFIX, ns, 0, Duration::ZERO)
+        .await?
+        .value;
+    let mut vols = Vec::new();
+    for m in metas {
+        if let Some(var) = client.variable(&m.namespace, &m.path).await? {
+            match VolumeRecord::from_variable(&var) {
+                Ok(r) => vols.push(summary(
+                    &r,
+                    var.items.get(REGISTERED_ITEM).is_some_and(|v| v == "true"),
+                )),
+                Err(e) => eprintln!("warning: {e}"),
+            }
+        }
+    }
+    vols.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    out.print(&vols, |v| render_list(v))
+}
+
+async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Result<(), Failure> {
+    let (r, registered) = read_var(client, ns, &name).await?;
+    let d = VolumeDetail {
+        summary: summary(&r, registered),
+        capabilities: r.spec.capabilities.clone(),
+        parameters: r.spec.parameters.clone(),
+        context: r.context.clone(),
+        secrets: r.secrets.len(),
+        worker_node: r.worker_node.clone(),
+        error: r.error.clone(),
+        source: storage::describe_source(&r.spec.source),
+        operation: r
+            .expansion
+            .as_ref()
+            .map(|x| x.describe())
+            .unwrap_or_default(),
+        allocations: users_of(client, ns, &name).await?,
+        snapshots: storage::snapshots(client, &r.spec.namespace, Some(&r.spec.name))
+            .await?
+            .iter()
+            .map(SnapshotSummary::of)
+            .collect(),
+    };
+    out.print(&d, render_detail)
+}
+
+async fn delete(client: &Client, ns: &str, name: String, detach: bool) -> Result<(), Failure> {
+    let (mut r, registered) = read_var(client, ns, &name).await?;
+    if registered {
+        return Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "volume {} was registered: dhv-binder did not create its storage and will not delete it; use `dhv-binder volume deregister {name}`",
+                r.key()
+            ),
+        ));
+    }
+    refuse_in_use(client, &r).await?;
+    if matches!(r.state, VolumeState::Failed | VolumeState::Pending) {
+        client
+            .delete_variable(
+                &r.spec.namespace,
+                &volume::record_path(&name),
+                Some(r.modify_index),
+            )
+            .await?;
+        outln!(
+            "==> Deleted volume record {} (no storage had been created)",
+            r.key()
+        );
+        return Ok(());
+    }
+    r.state = VolumeState::Deleting;
+    r.worker_node.clear();
+    client
+        .put_variable(&r.to_variable(), Some(r.modify_index))
+        .await?;
+    outln!("==> Delete of {} requested", r.key());
+    if detach {
+        return Ok(());
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match client
+            .variable(&r.spec.namespace, &volume::record_path(&name))
+            .await?
+        {
+            None => {
+                outln!("==> Volume {} deleted", r.key());
+                return Ok(());
+            }
+            Some(_) if Instant::now() > deadline => {
+                return Err(Failure::new(
+                    EXIT_TIMEOUT,
+                    "delete still pending after 2m; see `dhv-binder volume status`",
+                ))
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(300)).await,
+        }
+    }
+}
+
+async fn deregister(client: &Client, ns: &str, name: String) -> Result<(), Failure> {
+    let (r, registered) = read_var(client, ns, &name).await?;
+    if matches!(r.state, VolumeState::Creating | VolumeState::Deleting) {
+        return Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "volume {} is {}: a node is running the plugin on it; wait until it is done",
+                r.key(),
+                r.state.as_str()
+            ),
+        ));
+    }
+    refuse_in_use(client, &r).await?;
+    match client
+        .delete_variable(
+            &r.spec.namespace,
+            &volume::record_path(&name),
+            Some(r.modify_index),
+        )
+        .await
+    {
+        Ok(()) => {}
+        Err(NomadError::CasConflict { .. }) => {
+            return Err(Failure::new(
+                EXIT_FAILED,
+                format!("volume {} changed meanwhile; try again", r.key()),
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    }
+    outln!(
+        "==> Deregistered volume {}{}; the storage was left as it is",
+        r.key(),
+        if registered {
+            ""
+        } else {
+            " (it had been created by the plugin)"
+        }
+    );
+    Ok(())
+}
+
+/// Runs a `volume` subcommand.
+pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), Failure> {
+    let client = Client::new(nomad)?;
+    let ns = nomad.namespace.as_str();
+    match cmd {
+        VolumeCommand::Create {
+            spec,
+            detach,
+            local,
+        } => create(&client, ns, spec, detach, &local).await,
+        VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
+        VolumeCommand::Register { spec } => register(&client, ns, spec).await,
+        VolumeCommand::List { out } => list(&client, ns, out).await,
+        VolumeCommand::Status { name, out } => status(&client, ns, name, out).await,
+        VolumeCommand::Delete { name, detach } => delete(&client, ns, name, detach).await,
+        VolumeCommand::Deregister { name } => deregister(&client, ns, name).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol() -> VolumeSummary {
+        VolumeSummary {
+            id: "0b9c6a6e-1111-4222-8333-444455556666".into(),
+            namespace: "default".into(),
+            name: "shared-data".into(),
+            plugin_id: "bind".into(),
+            state: "ready".into(),
+            capacity_bytes: 1 << 30,
+            node_pool: String::new(),
+            access_mode: "single-node-writer".into(),
+            registered: false,
+        }
+    }
+
+    #[test]
+    fn volume_list_is_a_table_with_human_capacity() {
+        let s = render_list(&[vol()]);
+        assert_eq!(
+            s,
+            "ID                                    Namespace  Name         Plugin ID  Capacity  State\n\
+             0b9c6a6e-1111-4222-8333-444455556666  default    shared-data  bind       1.0 GiB   ready\n"
+        );
+        assert_eq!(render_list(&[]), "No volumes\n");
+        let j = serde_json::to_value([vol()]).unwrap();
+        assert_eq!(j[0]["capacity_bytes"], 1u64 << 30);
+        assert_eq!(j[0]["name"], "shared-data");
+    }
+
+    #[test]
+    fn volume_status_is_a_kv_block_and_an_allocation_table() {
+        let d = VolumeDetail {
+            summary: VolumeSummary {
+                registered: true,
+                ..vol()
+            },
+            capabilities: vec![volume::Capability {
+                access_mode: "single-node-writer".into(),
+                attachment_mode: "file-system".into(),
+            }],
+            parameters: [("export".to_string(), "/srv".to_string())].into(),
+            context: serde_json::json!({"export_path": "/srv/x"}),
+            secrets: 2,
+            worker_node: String::new(),
+            error: String::new(),
+            source: String::new(),
+            operation: String::new(),
+            allocations: vec![VolumeUser {
+                alloc_id: "a1".into(),
+                alloc_name: "example.app[0]".into(),
+                node_id: "n1".into(),
+            }],
+            snapshots: Vec::new(),
+        };
+        let s = render_detail(&d);
+        assert_eq!(
+            s,
+            "\
+ID         = 0b9c6a6e-1111-4222-8333-444455556666
+Name       = shared-data
+Namespace  = default
+Plugin ID  = bind
+State      = ready (registered)
+Capacity   = 1.0 GiB
+Node Pool  = (any)
+Capability = single-node-writer / file-system
+Parameters = {\"export\":\"/srv\"}
+Secrets    = 2 key(s), not shown
+
+Allocations
+ID  Name            Node ID
+a1  example.app[0]  n1
+"
+        );
+        let j = serde_json::to_value(&d).unwrap();
+        assert_eq!(j["registered"], true);
+        assert_eq!(j["secrets"], 2);
+        assert_eq!(j["allocations"][0]["alloc_id"], "a1");
+    }
+
+    fn node(name: &str, pool: &str, plugin: Option<(&str, bool)>, seen: u64) -> NodeRecord {
+        let mut r = NodeRecord::new(&format!("id-{name}"), name, pool);
+        if let Some((id, deferred)) = plugin {
+            r.plugins.insert(
+                id.into(),
+                nodes::PluginInfo {
+                    version: "1".into(),
+                    deferred_bind: deferred,
+                    healthy: true,
+                    error: String::new(),
+                },
+            );
+        }
+        r.last_seen = seen;
+        r
+    }
+
+    #[test]
+    fn create_fails_fast_naming_what_each_node_lacks() {
+        let now = 10_000;
+        let recs = vec![
+            node("node-1", "default", Some(("bind", true)), now),
+            node("node-2", "gpu", Some(("nfs", true)), now),
+            node("node-3", "default", Some(("nfs", false)), now),
+            node("node-4", "default", Some(("nfs", true)), now - 1000),
+        ];
+        assert_eq!(no_eligible_node(&recs, "bind", "", now), None);
+        assert_eq!(no_eligible_node(&recs, "nfs", "gpu", now), None);
+        let why = no_eligible_node(&recs, "nfs", "default", now).unwrap();
+        assert!(why.contains("node-1 (no such plugin)"), "{why}");
+        assert!(why.contains("node-2 (pool gpu)"), "{why}");
+        assert!(
+            why.contains("node-3 (plugin is not deferred_bind)"),
+            "{why}"
+        );
+        assert!(why.contains("node-4 (stale)"), "{why}");
+        assert!(why.contains("in node pool \"default\""), "{why}");
+        let why = no_eligible_node(&[], "nfs", "", now).unwrap();
+        assert!(why.contains("no dhv-binder agent has published"), "{why}");
+    }
+
+    #[test]
+    fn a_register_spec_needs_a_context_and_reads_its_capacity() {
+        let (ctx, cap) = register_extras(
+            "name = \"x\"\nplugin_id = \"bind\"\ncapacity = \"2GiB\"\ncontext {\n  export_path = \"/srv/x\"\n}\n",
+        )
+        .unwrap();
+        assert_eq!(ctx, serde_json::json!({"export_path": "/srv/x"}));
+        assert_eq!(cap, 2 << 30);
+        let e = register_extras("name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
+        assert!(e.message.contains("context"), "{}", e.message);
+    }
+}

@@ -1,0 +1,649 @@
+//! Prometheus metrics: the registry, the typed update API the agent calls, and the scrape
+//! endpoint (`GET /metrics`, OpenMetrics text), off unless `--metrics-addr` is given.
+//!
+//! Names follow Prometheus conventions (`dhv_binder_` prefix, base units, `_total` on
+//! counters, `_seconds` on durations). Label values come from closed sets (operations,
+//! outcomes, states, faults) or from plugin IDs (bounded by the plugin directory): never
+//! from allocation IDs, volume names or error text. See docs/operations.md for the list,
+//! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
+
+use crate::plugin::{Fingerprint, Operation, PluginError};
+use crate::watch::Health;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// The endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot listen for metrics on {addr}: {source}; pick a free address with --metrics-addr (or leave it unset to turn metrics off)")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How a plugin call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Ok,
+    /// Failed with an answer (non-zero exit, bad output, refused).
+    Error,
+    /// Killed at the timeout: its effect is uncertain.
+    Timeout,
+}
+
+impl Outcome {
+    /// The outcome of a plugin call's result.
+    pub fn of<T>(r: &Result<T, PluginError>) -> Self {
+        match r {
+            Ok(_) => Outcome::Ok,
+            Err(e) if e.is_uncertain() => Outcome::Timeout,
+            Err(_) => Outcome::Error,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::Timeout => "timeout",
+        }
+    }
+}
+
+/// How a prestart caller's publish wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WaitOutcome {
+    Published,
+    Failed,
+    TimedOut,
+}
+
+impl WaitOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            WaitOutcome::Published => "published",
+            WaitOutcome::Failed => "failed",
+            WaitOutcome::TimedOut => "timeout",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PluginCallLabels {
+    plugin: String,
+    operation: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    fault: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PluginLabels {
+    plugin: String,
+    deferred: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn plugin_buckets() -> Histogram {
+    // 10 ms to ~80 s: fingerprints are fast, FUSE and iSCSI publishes take seconds.
+    Histogram::new(exponential_buckets(0.01, 2.0, 14))
+}
+
+fn wait_buckets() -> Histogram {
+    // 50 ms to ~7 min (the longest a publish call may block is 10 min).
+    Histogram::new(exponential_buckets(0.05, 2.0, 14))
+}
+
+const WATCH_STATES: [&str; 4] = ["listing", "polling", "streaming", "disconnected"];
+const MOUNT_STATES: [&str; 4] = ["publishing", "published", "unpublishing", "dead"];
+
+struct Inner {
+    registry: Registry,
+    plugin_call: HistogramFamily<PluginCallLabels>,
+    publish_wait: HistogramFamily<OutcomeLabels>,
+    pending: Gauge,
+    uncertain: Gauge,
+    waiters: Gauge,
+    claim_waits: Counter,
+    claim_losses: Counter,
+    mounts: Family<StateLabels, Gauge>,
+    mount_deaths: Counter,
+    watch_state: Family<StateLabels, Gauge>,
+    watch_faults: Family<FaultLabels, Counter>,
+    journal_write: Histogram,
+    allocations: Gauge,
+    volumes: Gauge,
+    volumes_served: Gauge,
+    plugins: Family<PluginLabels, Gauge>,
+    last_watch: Mutex<&'static str>,
+}
+
+/// The agent's metrics. Cheap to clone (one shared registry); every method is safe to
+/// call from any task.
+#[derive(Clone)]
+pub struct Metrics(Arc<Inner>);
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered (and `dhv_binder_build_info`).
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("dhv_binder");
+        let plugin_call: HistogramFamily<PluginCallLabels> =
+            Family::new_with_constructor(plugin_buckets);
+        r.register_with_unit(
+            "plugin_call_duration",
+            "Plugin calls by plugin, operation and outcome (ok, error, timeout)",
+            Unit::Seconds,
+            plugin_call.clone(),
+        );
+        let publish_wait: HistogramFamily<OutcomeLabels> =
+            Family::new_with_constructor(wait_buckets);
+        r.register_with_unit(
+            "publish_wait_duration",
+            "How long prestart callers waited for their volumes, by outcome (published, failed, timeout)",
+            Unit::Seconds,
+            publish_wait.clone(),
+        );
+        let pending = Gauge::default();
+        r.register(
+            "operations_pending",
+            "Publish, unpublish, create and delete steps planned or running",
+            pending.clone(),
+        );
+        let uncertain = Gauge::default();
+        r.register(
+            "operations_uncertain",
+            "Plugin calls that timed out: their effect is unknown until the next attempt",
+            uncertain.clone(),
+        );
+        let waiters = Gauge::default();
+        r.register(
+            "publish_waiters",
+            "Prestart callers waiting for a publish",
+            waiters.clone(),
+        );
+        let claim_waits = Counter::default();
+        r.register(
+            "claim_waits",
+            "Times a single-node volume had to wait for another node's claim",
+            claim_waits.clone(),
+        );
+        let claim_losses = Counter::default();
+        r.register(
+            "claim_losses",
+            "Claims this node held and lost (renewal refused or lapsed)",
+            claim_losses.clone(),
+        );
+        let mounts = Family::<StateLabels, Gauge>::default();
+        r.register(
+            "mounts",
+            "Volumes on this node by mount state (publishing, published, unpublishing, dead)",
+            mounts.clone(),
+        );
+        let mount_deaths = Counter::default();
+        r.register(
+            "mount_deaths",
+            "Published mounts found dead by the health probes",
+            mount_deaths.clone(),
+        );
+        let watch_state = Family::<StateLabels, Gauge>::default();
+        r.register(
+            "watch_state",
+            "1 for the allocation watch's current state (listing, polling, streaming, disconnected)",
+            watch_state.clone(),
+        );
+        let watch_faults = Family::<FaultLabels, Counter>::default();
+        r.register(
+            "watch_faults",
+            "Times the allocation watch disconnected, by fault",
+            watch_faults.clone(),
+        );
+        let journal_write = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        r.register_with_unit(
+            "journal_write_duration",
+            "Journal writes (write, fsync, rename, fsync of the directory)",
+            Unit::Seconds,
+            journal_write.clone(),
+        );
+        let allocations = Gauge::default();
+        r.register(
+            "allocations",
+            "Allocations of this node the agent knows",
+            allocations.clone(),
+        );
+        let volumes = Gauge::default();
+        r.register(
+            "volumes",
+            "Volume records known cluster-wide",
+            volumes.clone(),
+        );
+        let volumes_served = Gauge::default();
+        r.register(
+            "volumes_served",
+            "Volume records this node can serve (it has their plugin, in their node pool)",
+            volumes_served.clone(),
+        );
+        let plugins = Family::<PluginLabels, Gauge>::default();
+        r.register(
+            "plugin_up",
+            "1 when a plugin's fingerprint succeeded, 0 when it failed",
+            plugins.clone(),
+        );
+        r.register(
+            "build",
+            "The agent's version",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        for s in WATCH_STATES {
+            watch_state.get_or_create(&StateLabels { state: s }).set(0);
+        }
+        for s in MOUNT_STATES {
+            mounts.get_or_create(&StateLabels { state: s }).set(0);
+        }
+        Self(Arc::new(Inner {
+            registry: r,
+            plugin_call,
+            publish_wait,
+            pending,
+            uncertain,
+            waiters,
+            claim_waits,
+            claim_losses,
+            mounts,
+            mount_deaths,
+            watch_state,
+            watch_faults,
+            journal_write,
+            allocations,
+            volumes,
+            volumes_served,
+            plugins,
+            last_watch: Mutex::new(""),
+        }))
+    }
+
+    /// One plugin call finished after `elapsed`.
+    pub fn plugin_call(&self, plugin: &str, op: Operation, outcome: Outcome, elapsed: Duration) {
+        self.0
+            .plugin_call
+            .get_or_create(&PluginCallLabels {
+                plugin: plugin.to_string(),
+                operation: op.as_str(),
+                outcome: outcome.as_str(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// A prestart caller's publish call was answered after `elapsed`.
+    pub fn publish_wait(&self, outcome: WaitOutcome, elapsed: Duration) {
+        self.0
+            .publish_wait
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// The work in hand: steps planned or running, uncertain calls, waiting callers.
+    pub fn set_pending(&self, pending: usize, uncertain: usize, waiters: usize) {
+        self.0.pending.set(pending as i64);
+        self.0.uncertain.set(uncertain as i64);
+        self.0.waiters.set(waiters as i64);
+    }
+
+    /// A claim had to wait for another node.
+    pub fn claim_wait(&self) {
+        self.0.claim_waits.inc();
+    }
+
+    /// A held claim was lost.
+    pub fn claim_lost(&self) {
+        self.0.claim_losses.inc();
+    }
+
+    /// Mounts on this node by state (`dead`: found dead by the probes, not yet republished).
+    pub fn set_mounts(
+        &self,
+        publishing: usize,
+        published: usize,
+        unpublishing: usize,
+        dead: usize,
+    ) {
+        for (s, n) in MOUNT_STATES
+            .iter()
+            .zip([publishing, published, unpublishing, dead])
+        {
+            self.0
+                .mounts
+                .get_or_create(&StateLabels { state: s })
+                .set(n as i64);
+        }
+    }
+
+    /// A probe found a published mount dead.
+    pub fn mount_died(&self) {
+        self.0.mount_deaths.inc();
+    }
+
+    /// The watch's health; a change into `disconnected` counts one fault.
+    pub fn set_watch(&self, h: &Health) {
+        let (state, fault) = match h {
+            Health::Listing => ("listing", None),
+            Health::Polling { .. } => ("polling", None),
+            Health::Streaming { .. } => ("streaming", None),
+            Health::Disconnected { fault, .. } => ("disconnected", Some(*fault)),
+        };
+        let mut last = self.0.last_watch.lock().unwrap_or_else(|e| e.into_inner());
+        if *last == state {
+            return;
+        }
+        *last = state;
+        for s in WATCH_STATES {
+            self.0
+                .watch_state
+                .get_or_create(&StateLabels { state: s })
+                .set(i64::from(s == state));
+        }
+        if let Some(f) = fault {
+            let fault = serde_json::to_value(f)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_else(|| "unknown".into());
+            self.0
+                .watch_faults
+                .get_or_create(&FaultLabels { fault })
+                .inc();
+        }
+    }
+
+    /// One journal write took `elapsed`.
+    pub fn journal_write(&self, elapsed: Duration) {
+        self.0.journal_write.observe(elapsed.as_secs_f64());
+    }
+
+    /// What the agent knows: its node's allocations, volume records, and those it serves.
+    pub fn set_known(&self, allocations: usize, volumes: usize, volumes_served: usize) {
+        self.0.allocations.set(allocations as i64);
+        self.0.volumes.set(volumes as i64);
+        self.0.volumes_served.set(volumes_served as i64);
+    }
+
+    /// The plugin inventory: one `plugin_up` series per plugin found (removed plugins vanish).
+    pub fn set_plugins(&self, plugins: &BTreeMap<String, Result<Fingerprint, String>>) {
+        self.0.plugins.clear();
+        for (id, r) in plugins {
+            let (deferred, up) = match r {
+                Ok(fp) => (if fp.deferred_bind { "true" } else { "false" }, 1),
+                Err(_) => ("unknown", 0),
+            };
+            self.0
+                .plugins
+                .get_or_create(&PluginLabels {
+                    plugin: id.clone(),
+                    deferred,
+                })
+                .set(up);
+        }
+    }
+
+    /// The OpenMetrics text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut s = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut s, &self.0.registry) {
+            tracing::warn!(error = %e, "cannot encode metrics");
+        }
+        s
+    }
+}
+
+/// The OpenMetrics content type of [`Metrics::encode`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Binds the metrics endpoint. Any address is accepted (the operator chose it); a
+/// non-loopback one is logged, since the endpoint has no authentication.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Bind { addr, source })?;
+    if !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "the metrics endpoint listens beyond loopback and has no authentication");
+    }
+    Ok(l)
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped; other paths are 404,
+/// other methods 405.
+pub async fn serve(listener: TcpListener, metrics: Metrics) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let m = m.clone();
+                async move { Ok::<_, std::convert::Infallible>(answer(&m, &req)) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+fn answer<B>(m: &Metrics, req: &Request<B>) -> Response<Full<Bytes>> {
+    let (status, ctype, body) = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => (StatusCode::OK, CONTENT_TYPE, m.encode()),
+        (_, "/metrics") => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "use GET\n".into(),
+        ),
+        _ => (
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "metrics are at /metrics\n".into(),
+        ),
+    };
+    Response::builder()
+        .status(status)
+        .header("Content-Type", ctype)
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line_value(text: &str, prefix: &str) -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_serves_every_metric_and_counts_move() {
+        let m = Metrics::new();
+        let l = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = tokio::spawn(serve(l, m.clone()));
+        let scrape = || async {
+            let r = reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.headers()["content-type"], CONTENT_TYPE);
+            r.text().await.unwrap()
+        };
+        let before = scrape().await;
+        assert_eq!(
+            line_value(&before, "dhv_binder_claim_losses_total"),
+            Some(0.0)
+        );
+
+        m.plugin_call(
+            "bind",
+            Operation::Publish,
+            Outcome::Ok,
+            Duration::from_millis(30),
+        );
+        m.plugin_call(
+            "bind",
+            Operation::Publish,
+            Outcome::Timeout,
+            Duration::from_secs(60),
+        );
+        m.publish_wait(WaitOutcome::Published, Duration::from_millis(200));
+        m.claim_lost();
+        m.set_pending(2, 1, 3);
+        m.set_mounts(0, 4, 1, 1);
+        m.journal_write(Duration::from_millis(2));
+        m.set_known(7, 3, 2);
+        let c = crate::watch::Counters::default();
+        m.set_watch(&Health::Polling {
+            index: 1,
+            counters: c.clone(),
+        });
+        let down = Health::Disconnected {
+            fault: crate::watch::Fault::Unreachable,
+            reason: "refused".into(),
+            counters: c,
+        };
+        m.set_watch(&down);
+        m.set_watch(&down);
+        let mut plugins = BTreeMap::new();
+        plugins.insert(
+            "bind".to_string(),
+            Ok(Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            }),
+        );
+        plugins.insert("nfs".to_string(), Err("exit 1".to_string()));
+        m.set_plugins(&plugins);
+
+        let after = scrape().await;
+        // Every metric is exposed (families once they have a member).
+        for name in [
+            "dhv_binder_plugin_call_duration_seconds",
+            "dhv_binder_publish_wait_duration_seconds",
+            "dhv_binder_operations_pending",
+            "dhv_binder_operations_uncertain",
+            "dhv_binder_publish_waiters",
+            "dhv_binder_claim_waits_total",
+            "dhv_binder_claim_losses_total",
+            "dhv_binder_mounts",
+            "dhv_binder_mount_deaths_total",
+            "dhv_binder_watch_state",
+            "dhv_binder_watch_faults_total",
+            "dhv_binder_journal_write_duration_seconds",
+            "dhv_binder_allocations",
+            "dhv_binder_volumes",
+            "dhv_binder_volumes_served",
+            "dhv_binder_plugin_up",
+            "dhv_binder_build_info",
+        ] {
+            assert!(
+                after.lines().any(|l| l.starts_with(name)),
+                "{name} missing:\n{after}"
+            );
+        }
+        let has = |l: &str| assert!(after.lines().any(|x| x == l), "no line {l:?} in:\n{after}");
+        has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"ok\"} 1");
+        has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"timeout\"} 1");
+        has("dhv_binder_publish_wait_duration_seconds_count{outcome=\"published\"} 1");
+        has("dhv_binder_claim_losses_total 1");
+        has("dhv_binder_operations_pending 2");
+        has("dhv_binder_operations_uncertain 1");
+        has("dhv_binder_publish_waiters 3");
+        has("dhv_binder_mounts{state=\"published\"} 4");
+        has("dhv_binder_mounts{state=\"dead\"} 1");
+        has("dhv_binder_watch_state{state=\"disconnected\"} 1");
+        has("dhv_binder_watch_state{state=\"polling\"} 0");
+        has("dhv_binder_watch_faults_total{fault=\"unreachable\"} 1");
+        has("dhv_binder_journal_write_duration_seconds_count 1");
+        has("dhv_binder_allocations 7");
+        has("dhv_binder_plugin_up{plugin=\"bind\",deferred=\"true\"} 1");
+        has("dhv_binder_plugin_up{plugin=\"nfs\",deferred=\"unknown\"} 0");
+        let r = reqwest::get(format!("http://{addr}/other")).await.unwrap();
+        assert_eq!(r.status(), 404);
+        server.abort();
+    }
+
+    #[test]
+    fn no_label_carries_an_identifier_or_free_text() {
+        let m = Metrics::new();
+        m.plugin_call("bind", Operation::Create, Outcome::Error, Duration::ZERO);
+        let text = m.encode();
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            if let Some(labels) = l.split('{').nth(1).and_then(|x| x.split('}').next()) {
+                for kv in labels.split(',') {
+                    let key = kv.split('=').next().unwrap_or_default();
+                    assert!(
+                        [
+                            "plugin",
+                            "operation",
+                            "outcome",
+                            "state",
+                            "fault",
+                            "deferred",
+                            "version",
+                            "le"
+                        ]
+                        .contains(&key),
+                        "unexpected label {key} in {l}"
+                    );
+                }
+            }
+        }
+    }
+}

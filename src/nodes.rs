@@ -1,0 +1,332 @@
+//! Node records: each agent publishes its fingerprint (plugins with version, deferred flag
+//! and health; watch health; agent version; last seen) to Nomad Variables, where
+//! `dhv-binder plugin status`, `dhv-binder node status` and `volume create` read them.
+//!
+//! One variable per node, `dhv-binder/nodes/<node-id>` in namespace `default`, holding the
+//! record as JSON under the item `record`; only its own agent writes it. The agent rewrites
+//! it whenever the record changes and at least every heartbeat; a record whose `last_seen`
+//! is older than [`STALE_AFTER`] heartbeats is shown as stale and is not eligible for
+//! `volume create`.
+
+use crate::nomad::types::Variable;
+use crate::nomad::{Client, NomadError};
+use crate::plugin::Fingerprint;
+use crate::watch::Health;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Variable path prefix of node records.
+pub const NODE_PREFIX: &str = "dhv-binder/nodes/";
+/// Namespace of node records (nodes belong to no namespace; Nomad's default one holds them).
+pub const NODE_NAMESPACE: &str = "default";
+/// How often an agent republishes its record when nothing changed.
+pub const HEARTBEAT: Duration = Duration::from_secs(30);
+/// A record not rewritten for this many of its heartbeats is stale.
+pub const STALE_AFTER: u64 = 3;
+
+/// One plugin as a node reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PluginInfo {
+    /// From the plugin's `fingerprint`; empty when it failed.
+    pub version: String,
+    /// The plugin declared `deferred_bind` (dhv-binder serves only those).
+    pub deferred_bind: bool,
+    /// `fingerprint` succeeded.
+    pub healthy: bool,
+    /// Why `fingerprint` failed (redacted by the plugin runner).
+    pub error: String,
+}
+
+/// What one agent publishes about its node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NodeRecord {
+    pub node_id: String,
+    pub node_name: String,
+    pub node_pool: String,
+    /// The dhv-binder version of the agent (`CARGO_PKG_VERSION`).
+    pub agent_version: String,
+    /// Plugin ID to what the node knows of it.
+    pub plugins: BTreeMap<String, PluginInfo>,
+    /// The allocation watch: `listing`, `polling`, `streaming` or `disconnected`.
+    pub watch: String,
+    /// Why the watch is disconnected, when it is.
+    pub watch_error: String,
+    /// Seconds between rewrites when nothing changes.
+    pub heartbeat_secs: u64,
+    /// Unix seconds (the agent's clock) of the last write.
+    pub last_seen: u64,
+}
+
+/// A variable under [`NODE_PREFIX`] that is not a node record.
+#[derive(Debug, thiserror::Error)]
+#[error("variable {path} is not a dhv-binder node record: {reason}")]
+pub struct NodeRecordError {
+    pub path: String,
+    pub reason: String,
+}
+
+/// Whether a record is fresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    /// Rewritten within [`STALE_AFTER`] heartbeats.
+    Live,
+    /// Not rewritten for that long: the agent is stopped, cut off, or its node is gone.
+    Stale,
+}
+
+impl NodeRecord {
+    /// A record for this node, with no plugins known yet.
+    pub fn new(node_id: &str, node_name: &str, node_pool: &str) -> Self {
+        Self {
+            node_id: node_id.into(),
+            node_name: node_name.into(),
+            node_pool: node_pool.into(),
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+            watch: "listing".into(),
+            heartbeat_secs: HEARTBEAT.as_secs(),
+            ..Default::default()
+        }
+    }
+
+    /// The variable path of a node's record.
+    pub fn path_of(node_id: &str) -> String {
+        format!("{NODE_PREFIX}{node_id}")
+    }
+
+    /// Replaces the plugin inventory from the agent's fingerprints. True when it changed.
+    pub fn set_plugins(&mut self, plugins: &BTreeMap<String, Result<Fingerprint, String>>) -> bool {
+        let next: BTreeMap<String, PluginInfo> = plugins
+            .iter()
+            .map(|(id, r)| {
+                let info = match r {
+                    Ok(fp) => PluginInfo {
+                        version: fp.version.clone(),
+                        deferred_bind: fp.deferred_bind,
+                        healthy: true,
+                        error: String::new(),
+                    },
+                    Err(e) => PluginInfo {
+                        error: e.clone(),
+                        ..Default::default()
+                    },
+                };
+                (id.clone(), info)
+            })
+            .collect();
+        let changed = next != self.plugins;
+        self.plugins = next;
+        changed
+    }
+
+    /// Records the watch health. True when the state or its error changed (counters and
+    /// indexes are not part of the record, so progress alone causes no write).
+    pub fn set_watch(&mut self, h: &Health) -> bool {
+        let (state, error) = match h {
+            Health::Listing => ("listing", String::new()),
+            Health::Polling { .. } => ("polling", String::new()),
+            Health::Streaming { .. } => ("streaming", String::new()),
+            Health::Disconnected { reason, .. } => ("disconnected", reason.clone()),
+        };
+        let changed = self.watch != state || self.watch_error != error;
+        self.watch = state.into();
+        self.watch_error = error;
+        changed
+    }
+
+    /// Live or stale at `now` (Unix seconds).
+    pub fn liveness(&self, now: u64) -> Liveness {
+        let window = self.heartbeat_secs.max(1) * STALE_AFTER;
+        if now.saturating_sub(self.last_seen) > window {
+            Liveness::Stale
+        } else {
+            Liveness::Live
+        }
+    }
+
+    /// True when this node can serve a volume of `plugin_id` in `node_pool` (empty: any
+    /// pool): live, in the pool, and the plugin fingerprinted healthy with `deferred_bind`.
+    pub fn can_serve(&self, plugin_id: &str, node_pool: &str, now: u64) -> bool {
+        self.liveness(now) == Liveness::Live
+            && (node_pool.is_empty() || node_pool == self.node_pool)
+            && self
+                .plugins
+                .get(plugin_id)
+                .is_some_and(|p| p.healthy && p.deferred_bind)
+    }
+
+    /// The variable that stores this record.
+    pub fn to_variable(&self) -> Variable {
+        let mut items = BTreeMap::new();
+        items.insert(
+            "record".into(),
+            serde_json::to_string(self).unwrap_or_default(),
+        );
+        Variable {
+            namespace: NODE_NAMESPACE.into(),
+            path: Self::path_of(&self.node_id),
+            items,
+            ..Default::default()
+        }
+    }
+
+    /// Reads a record back; its node ID must match the path.
+    pub fn from_variable(var: &Variable) -> Result<Self, NodeRecordError> {
+        let err = |reason: String| NodeRecordError {
+            path: var.path.clone(),
+            reason,
+        };
+        let text = var
+            .items
+            .get("record")
+            .ok_or_else(|| err("no `record` item".into()))?;
+        let rec: NodeRecord =
+            serde_json::from_str(text).map_err(|e| err(format!("record: {e}")))?;
+        if var.path != Self::path_of(&rec.node_id) {
+            return Err(err(format!(
+                "the record names node {:?}, not the one of its path",
+                rec.node_id
+            )));
+        }
+        Ok(rec)
+    }
+}
+
+/// Reads every node record (Nomad API: `GET /v1/vars?prefix=dhv-binder/nodes/`, then
+/// `GET /v1/var/:path` each), sorted by node name. Records that do not decode are
+/// returned as errors beside the good ones, never dropped silently.
+pub async fn list(client: &Client) -> Result<(Vec<NodeRecord>, Vec<NodeRecordError>), NomadError> {
+    let metas = client
+        .list_variables(NODE_PREFIX, NODE_NAMESPACE, 0, Duration::ZERO)
+        .await?
+        .value;
+    let mut good = Vec::new();
+    let mut bad = Vec::new();
+    for m in metas {
+        if let Some(var) = client.variable(&m.namespace, &m.path).await? {
+            match NodeRecord::from_variable(&var) {
+                Ok(r) => good.push(r),
+                Err(e) => bad.push(e),
+            }
+        }
+    }
+    good.sort_by(|a, b| (&a.node_name, &a.node_id).cmp(&(&b.node_name, &b.node_id)));
+    Ok((good, bad))
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Starts the task that keeps this node's record in Nomad: it writes when the record sent
+/// on the returned channel changes (use `send_if_modified` with [`NodeRecord::set_plugins`]
+/// and [`NodeRecord::set_watch`]) and every `heartbeat` otherwise; a failed write is
+/// logged and retried at the next heartbeat. The task ends when the sender is dropped.
+pub fn spawn_publisher(
+    client: Client,
+    mut record: NodeRecord,
+    heartbeat: Duration,
+) -> (watch::Sender<NodeRecord>, tokio::task::JoinHandle<()>) {
+    record.heartbeat_secs = heartbeat.as_secs().max(1);
+    let (tx, mut rx) = watch::channel(record);
+    let task = tokio::spawn(async move {
+        loop {
+            let mut rec = rx.borrow_and_update().clone();
+            rec.last_seen = now_unix();
+            match client.put_variable(&rec.to_variable(), None).await {
+                Ok(_) => tracing::debug!(node_id = %rec.node_id, "node record published"),
+                Err(e) => {
+                    tracing::warn!(node_id = %rec.node_id, error = %e, "cannot publish this node's record; `plugin status` and `volume create` will see it as stale")
+                }
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(heartbeat) => {}
+            }
+        }
+    });
+    (tx, task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec() -> NodeRecord {
+        let mut r = NodeRecord::new("n1", "node-1", "default");
+        let mut p = BTreeMap::new();
+        p.insert(
+            "bind".to_string(),
+            Ok(Fingerprint {
+                version: "0.2.0".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            }),
+        );
+        p.insert(
+            "plain".to_string(),
+            Ok(Fingerprint {
+                version: "1".into(),
+                deferred_bind: false,
+                capabilities: Vec::new(),
+            }),
+        );
+        p.insert("broken".to_string(), Err("exit 3".to_string()));
+        assert!(r.set_plugins(&p));
+        assert!(!r.set_plugins(&p), "the same inventory is no change");
+        r.last_seen = 1000;
+        r
+    }
+
+    #[test]
+    fn eligibility_needs_a_live_node_in_the_pool_with_a_healthy_deferred_plugin() {
+        let r = rec();
+        assert!(r.can_serve("bind", "", 1010));
+        assert!(r.can_serve("bind", "default", 1010));
+        assert!(!r.can_serve("bind", "gpu", 1010), "another pool");
+        assert!(!r.can_serve("plain", "", 1010), "not deferred");
+        assert!(!r.can_serve("broken", "", 1010), "fingerprint failed");
+        assert!(!r.can_serve("nfs", "", 1010), "absent");
+        assert_eq!(r.liveness(1000 + 90), Liveness::Live);
+        assert_eq!(r.liveness(1000 + 91), Liveness::Stale);
+        assert!(!r.can_serve("bind", "", 1000 + 91), "stale");
+    }
+
+    #[test]
+    fn a_record_round_trips_through_its_variable_and_refuses_a_foreign_path() {
+        let r = rec();
+        let mut var = r.to_variable();
+        assert_eq!(var.path, "dhv-binder/nodes/n1");
+        assert_eq!(NodeRecord::from_variable(&var).unwrap(), r);
+        var.path = "dhv-binder/nodes/n2".into();
+        assert!(NodeRecord::from_variable(&var).is_err());
+        var.items.clear();
+        assert!(NodeRecord::from_variable(&var).is_err());
+    }
+
+    #[test]
+    fn watch_progress_is_no_change_but_a_disconnect_is() {
+        let mut r = rec();
+        let c = crate::watch::Counters::default();
+        assert!(r.set_watch(&Health::Polling {
+            index: 1,
+            counters: c.clone()
+        }));
+        assert!(!r.set_watch(&Health::Polling {
+            index: 9,
+            counters: c.clone()
+        }));
+        assert!(r.set_watch(&Health::Disconnected {
+            fault: crate::watch::Fault::Unreachable,
+            reason: "connection refused".into(),
+            counters: c,
+        }));
+        assert_eq!(r.watch_error, "connection refused");
+    }
+}

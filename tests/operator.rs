@@ -1,0 +1,398 @@
+//! The operator's commands end to end against the simulator and real agents: every read
+//! command's readable and `-json` forms (and `-t`), node records behind `plugin status`,
+//! `node status` and the fail-fast `volume create`, and `volume register`/`deregister` of a
+//! storage that already exists.
+
+mod support;
+
+use serde_json::Value;
+use std::process::Command;
+use support::cluster::{dhv_binder_bin, repo, Cluster};
+
+/// The value of `key` in a readable `Key = value` block.
+fn kv<'a>(out: &'a str, key: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(" = ")?;
+            (k.trim_end() == key).then_some(v)
+        })
+        .unwrap_or_else(|| panic!("no {key} in:\n{out}"))
+}
+
+fn json(out: &str) -> Value {
+    serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"))
+}
+
+/// `dhv-binder status` of node `i` in its readable form.
+fn readable_status(c: &Cluster, i: usize) -> String {
+    let out = Command::new(dhv_binder_bin())
+        .arg("status")
+        .env_clear()
+        .env("DHV_BINDER_SOCKET", &c.nodes[i].socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The first allocation of `job` whose task `task` runs.
+async fn running(c: &Cluster, job: &str, task: &str) -> Value {
+    c.wait_for(90, &format!("task {task} of {job} running"), || async {
+        c.allocs(job)
+            .await
+            .into_iter()
+            .find(|a| a["TaskStates"][task]["State"] == "running")
+    })
+    .await
+}
+
+async fn ready_placeholders(c: &Cluster, name: &str, want: usize) {
+    c.wait_for(
+        30,
+        &format!("{want} ready placeholder(s) of {name}"),
+        || async {
+            let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+            let n = vols
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|v| v["Name"] == name && v["State"] == "ready")
+                .count();
+            (n == want).then_some(())
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_read_command_prints_a_readable_and_a_json_form() {
+    let c = Cluster::start_with(
+        2,
+        "",
+        &[
+            ("DHV_BINDER_LOG_FORMAT", "json"),
+            ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
+        ],
+    )
+    .await;
+    let export = c.export.display().to_string();
+    let out = c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "bind",
+        &[("export", &export)],
+        &[],
+        "capacity_min = \"64MiB\"",
+    );
+    assert!(out.contains("took the create"), "{out}");
+    assert!(out.contains("is ready (64.0 MiB)"), "{out}");
+    ready_placeholders(&c, "shared-data", 2).await;
+
+    let (code, out) = c.cli(&["volume", "list"]);
+    assert_eq!(code, 0, "{out}");
+    let header = out.lines().next().unwrap();
+    assert!(
+        header.starts_with("ID") && header.contains("Plugin ID  Capacity  State"),
+        "{out}"
+    );
+    assert!(
+        out.contains("shared-data  bind       64.0 MiB  ready"),
+        "{out}"
+    );
+    let (code, out) = c.cli(&["volume", "list", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    let v = json(&out);
+    assert_eq!(v[0]["name"], "shared-data", "{out}");
+    assert_eq!(v[0]["capacity_bytes"], 64u64 << 20, "{out}");
+    let (code, out) = c.cli(&[
+        "volume",
+        "list",
+        "-t",
+        "{{range .}}{{.name}}={{.state}}\\n{{end}}",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out, "shared-data=ready\n");
+
+    let (code, out) = c.cli(&["volume", "status", "shared-data"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(kv(&out, "Capacity"), "64.0 MiB");
+    let creator = kv(&out, "Created On");
+    assert!(c.nodes.iter().any(|n| n.id == creator), "{out}");
+    assert!(out.contains("No allocations use this volume"), "{out}");
+    let (code, out) = c.cli(&["volume", "status", "shared-data", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let v = json(&out);
+    assert_eq!(v["plugin_id"], "bind");
+    assert!(v["context"]["export_path"].is_string(), "{out}");
+    assert!(v.get("secrets").is_some_and(|s| s.is_u64()), "{out}");
+
+    let (code, out) = c.cli(&["plugin", "status"]);
+    assert_eq!(code, 0, "{out}");
+    let bind = out
+        .lines()
+        .find(|l| l.starts_with("bind "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        bind.contains("1.0.0") && bind.contains("yes") && bind.ends_with("2/2"),
+        "{out}"
+    );
+    let (code, out) = c.cli(&["plugin", "status", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    let v = json(&out);
+    let bind = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == "bind")
+        .unwrap();
+    assert_eq!(bind["nodes_healthy"], 2, "{out}");
+    let (code, out) = c.cli(&["plugin", "status", "bind"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(kv(&out, "Nodes Healthy"), "2");
+    for n in &c.nodes {
+        assert!(out.contains(&n.name), "{out}");
+    }
+    let (code, out) = c.cli(&["plugin", "status", "bind", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out).as_array().unwrap().len(), 2, "{out}");
+    let (code, out) = c.cli(&["plugin", "status", "nosuch"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("no node reports plugin \"nosuch\""), "{out}");
+
+    let (code, out) = c.cli(&["node", "status"]);
+    assert_eq!(code, 0, "{out}");
+    for n in &c.nodes {
+        let line = out
+            .lines()
+            .find(|l| l.contains(&n.name))
+            .unwrap_or_else(|| panic!("{out}"));
+        assert!(line.contains(env!("CARGO_PKG_VERSION")), "{out}");
+        assert!(!line.contains("stale"), "{out}");
+    }
+    let (code, out) = c.cli(&["node", "status", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    let v = json(&out);
+    assert_eq!(v.as_array().unwrap().len(), 2, "{out}");
+    assert_eq!(v[0]["stale"], false, "{out}");
+    assert_eq!(v[0]["plugins"]["bind"]["deferred_bind"], true, "{out}");
+
+    let out = readable_status(&c, 0);
+    assert!(out.starts_with("Node ID"), "{out}");
+    assert!(
+        out.contains(&format!("Node ID       = {}", c.nodes[0].id)),
+        "{out}"
+    );
+    assert!(
+        out.contains("Plugins       = bind 1.0.0 (deferred)"),
+        "{out}"
+    );
+    assert!(out.contains("default/shared-data"), "{out}");
+    let (code, out) = c.status(0);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out)["node_id"], c.nodes[0].id.as_str());
+
+    // Through a task's Task API socket, with its workload identity: no address, no TLS.
+    let spec = c.sb.join("api.nomad.hcl");
+    std::fs::write(
+        &spec,
+        "job \"api\" {\n  type = \"batch\"\n  group \"g\" {\n    task \"t\" {\n      driver = \"raw_exec\"\n      config {\n        command = \"/bin/sleep\"\n        args = [\"300\"]\n      }\n      identity {\n        file = true\n      }\n    }\n  }\n}\n",
+    )
+    .unwrap();
+    let job = c.run_job(&spec).await;
+    let alloc = running(&c, &job, "t").await;
+    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
+    let secrets =
+        c.sb.join(&format!("sim/{}/alloc", c.nodes[node].name))
+            .join(alloc["ID"].as_str().unwrap())
+            .join("t/secrets");
+    let token = std::fs::read_to_string(secrets.join("nomad_token")).unwrap();
+    let out = Command::new(dhv_binder_bin())
+        .args(["node", "status", "-json"])
+        .env_clear()
+        .env(
+            "NOMAD_ADDR",
+            format!("unix://{}", secrets.join("api.sock").display()),
+        )
+        .env("NOMAD_TOKEN", token.trim())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(v.as_array().unwrap().len(), 2, "{v}");
+    let out = Command::new(dhv_binder_bin())
+        .args(["node", "status"])
+        .env_clear()
+        .env(
+            "NOMAD_ADDR",
+            format!("unix://{}", secrets.join("api.sock").display()),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "no token must be refused: {out:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("token"),
+        "{out:?}"
+    );
+    c.stop_job(&job, true).await;
+
+    // JSON logs: one object a line, the event's fields as keys; the metrics endpoint answers.
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    let lines: Vec<Value> = log.lines().map(json).collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["plugin"] == "bind" && l["level"] == "INFO"),
+        "{log}"
+    );
+    let addr = lines
+        .iter()
+        .find(|l| l["message"] == "serving metrics at /metrics")
+        .and_then(|l| l["addr"].as_str())
+        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let build = format!(
+        "dhv_binder_build_info{{version=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(text.lines().any(|l| l == build), "{text}");
+    eprintln!(
+        "metrics scrape: {} bytes, {} samples",
+        text.len(),
+        text.lines().filter(|l| !l.starts_with('#')).count()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_fails_at_once_when_no_live_node_has_the_plugin() {
+    let c = Cluster::start(2).await;
+    let spec = c.sb.join("nfs.volume.hcl");
+    std::fs::write(
+        &spec,
+        "name = \"nfs-data\"\ntype = \"host\"\nplugin_id = \"nfs\"\ncapability {\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}\n",
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let (code, out) = c.cli(&["volume", "create", spec.to_str().unwrap()]);
+    eprintln!(
+        "fail-fast volume create answered in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("no live node has a healthy deferred plugin \"nfs\""),
+        "{out}"
+    );
+    assert!(out.contains("node-1 (no such plugin)"), "{out}");
+    assert!(!out.contains("Waiting"), "it waited: {out}");
+    let r = c
+        .http
+        .get(format!(
+            "{}/v1/var/dhv-binder/volumes/nfs-data?namespace=default",
+            c.server
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "a refused create left a record");
+
+    // The plugin exists, but not in the spec's node pool.
+    let spec = c.sb.join("gpu.volume.hcl");
+    std::fs::write(
+        &spec,
+        "name = \"gpu-data\"\ntype = \"host\"\nplugin_id = \"bind\"\nnode_pool = \"gpu\"\nparameters {\n  export = \"/srv\"\n}\n",
+    )
+    .unwrap();
+    let (code, out) = c.cli(&["volume", "create", spec.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("in node pool \"gpu\""), "{out}");
+    assert!(out.contains("node-2 (pool default)"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_volume_is_published_without_create_and_deregistered_without_delete() {
+    let c = Cluster::start(2).await;
+    // The real bind plugin, with every call but fingerprint logged.
+    std::fs::copy(c.plugin_dir.join("bind"), c.plugin_dir.join("real")).unwrap();
+    support::sandbox::wrapper_plugin(
+        &c.plugin_dir,
+        "bind",
+        &format!(
+            "echo \"$1\" >> {}\nexec \"$REAL\" \"$@\"",
+            c.plugin_dir.join("calls.log").display()
+        ),
+    );
+    // The storage exists already, with data in it.
+    let existing = c.export.join("legacy");
+    std::fs::create_dir_all(&existing).unwrap();
+    std::fs::write(existing.join("old.txt"), "from before dhv-binder\n").unwrap();
+    let spec = c.sb.join("shared-data.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"shared-data\"\ntype = \"host\"\nplugin_id = \"bind\"\ncapacity = \"10GiB\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\ncontext {{\n  export_path = \"{}\"\n}}\n",
+            existing.display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = c.cli(&["volume", "register", spec.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("no plugin create was run"), "{out}");
+    let (_, out) = c.cli(&["volume", "status", "shared-data"]);
+    assert_eq!(kv(&out, "State"), "ready (registered)");
+    assert_eq!(kv(&out, "Capacity"), "10.0 GiB");
+    ready_placeholders(&c, "shared-data", 2).await;
+
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = running(&c, &job, "app").await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    c.wait_for(20, "the task's line in the existing storage", || async {
+        std::fs::read_to_string(existing.join("greetings.txt"))
+            .ok()
+            .filter(|t| t.contains(&alloc_id))
+    })
+    .await;
+    let (code, out) = c.cli(&["volume", "deregister", "shared-data"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("in use by allocations"), "{out}");
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the allocation gone from the placeholders", || async {
+        let (code, _) = c.cli(&["volume", "delete", "shared-data", "--detach"]);
+        // Refused either way: in use, then registered.
+        let (_, out) = c.cli(&["volume", "status", "shared-data"]);
+        (code == 1 && out.contains("No allocations use this volume")).then_some(())
+    })
+    .await;
+    let (code, out) = c.cli(&["volume", "delete", "shared-data"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("use `dhv-binder volume deregister shared-data`"),
+        "{out}"
+    );
+    let (code, out) = c.cli(&["volume", "deregister", "shared-data"]);
+    assert_eq!(code, 0, "{out}");
+    ready_placeholders(&c, "shared-data", 0).await;
+    let (code, out) = c.cli(&["volume", "list", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json(&out), serde_json::json!([]));
+    assert!(
+        existing.join("old.txt").exists(),
+        "deregister removed the storage"
+    );
+    let calls = support::sandbox::calls(&c.plugin_dir);
+    assert!(calls.iter().any(|l| l.starts_with("publish")), "{calls:?}");
+    assert!(
+        !calls
+            .iter()
+            .any(|l| l.starts_with("create") || l.starts_with("delete")),
+        "{calls:?}"
+    );
+}
