@@ -244,14 +244,18 @@ pub async fn expand(
     write(client, &done).await
 }
 
-/// Marks the expansion as waiting for the next publish (the plugin cannot grow it online).
+/// Marks the expansion as waiting for the next publish (the plugin cannot grow it online),
+/// keeping `node` (the node where it is published) as its owner: that node grows it offline
+/// once it has unpublished it, and every other node holds its publishes until then (another
+/// node must not grow the image from under the mount).
 pub async fn defer(
     client: &crate::nomad::Client,
     mut rec: VolumeRecord,
+    node: &str,
 ) -> Result<VolumeRecord, OpError> {
     if let Some(x) = rec.expansion.as_mut() {
         x.state = ExpansionState::AtNextPublish;
-        x.node.clear();
+        x.node = node.to_string();
     }
     write(client, &rec).await
 }

@@ -512,6 +512,80 @@ async fn write(
     Ok(SnapshotRecord::from_variable(&var)?)
 }
 
+/// Every snapshot record in the cluster, by snapshot ID.
+pub type Snapshots = BTreeMap<String, SnapshotRecord>;
+
+/// Watches the snapshot records (Nomad API: `GET /v1/vars?prefix=dhv-binder/snapshots/&namespace=*`
+/// as a blocking query of `wait`) and sends every record after each change, as the volume
+/// catalogue does for volume records. A record read again only when its `ModifyIndex`
+/// moved; one that does not decode is logged and left out (never deleted). Nomad errors
+/// are retried with a backoff of 0.5 s doubling to 30 s.
+pub async fn watch(
+    client: crate::nomad::Client,
+    wait: std::time::Duration,
+    tx: tokio::sync::mpsc::Sender<Snapshots>,
+) {
+    use std::time::Duration;
+    let mut index = 0u64;
+    let mut attempt = 0u32;
+    let mut cache: BTreeMap<(String, String), (u64, Option<SnapshotRecord>)> = BTreeMap::new();
+    loop {
+        let loaded = async {
+            let list = client
+                .list_variables(SNAPSHOT_PREFIX, "*", index, wait)
+                .await?;
+            if list.index < index {
+                cache.clear();
+            }
+            let mut seen = BTreeMap::new();
+            for m in &list.value {
+                let k = (m.namespace.clone(), m.path.clone());
+                let entry = match cache.get(&k).filter(|(i, _)| *i == m.modify_index) {
+                    Some(c) => c.clone(),
+                    None => {
+                        let rec = client.variable(&m.namespace, &m.path).await?.and_then(|v| {
+                            SnapshotRecord::from_variable(&v)
+                                .map_err(|e| {
+                                    tracing::warn!(error = %e, "ignoring a malformed snapshot record")
+                                })
+                                .ok()
+                        });
+                        (m.modify_index, rec)
+                    }
+                };
+                seen.insert(k, entry);
+            }
+            cache = seen;
+            Ok::<u64, crate::nomad::NomadError>(list.index)
+        }
+        .await;
+        match loaded {
+            Ok(i) => {
+                attempt = 0;
+                let all: Snapshots = cache
+                    .values()
+                    .filter_map(|(_, r)| r.clone())
+                    .map(|r| (r.id.clone(), r))
+                    .collect();
+                if tx.send(all).await.is_err() {
+                    return;
+                }
+                index = i.max(1);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read snapshot records; retrying");
+                tokio::time::sleep(crate::retry::backoff_delay(
+                    Duration::from_millis(500),
+                    Duration::from_secs(30),
+                    attempt,
+                ))
+                .await;
+                attempt = attempt.saturating_add(1);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

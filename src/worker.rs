@@ -67,6 +67,24 @@ impl OpError {
     }
 }
 
+/// Names one storage operation in flight or retried on this node.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum OpKey {
+    /// A snapshot's create or delete, by snapshot ID.
+    Snapshot(String),
+    /// A volume's pending expansion.
+    Expansion(crate::volume::VolumeKey),
+}
+
+impl std::fmt::Display for OpKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpKey::Snapshot(id) => write!(f, "snapshot {id}"),
+            OpKey::Expansion(v) => write!(f, "expansion of {v}"),
+        }
+    }
+}
+
 /// Writes `var` if its ModifyIndex is still `index` (0 = must not exist yet).
 pub async fn put_cas(client: &Client, var: &Variable, index: u64) -> Result<Variable, TakeError> {
     client

@@ -3,8 +3,8 @@
 //! exactly the data of snapshot time, and a growth request carried through the record
 //! (deferred while published when the plugin cannot grow online, then run offline). Two nodes
 //! racing for one operation: one wins the check-and-set, the other is told it lost.
-//! The agent's loop does not drive these yet (core integration); the executor-side functions
-//! are called here as the agent will call them.
+//! The first tests call the operations' functions directly, as the agent does; the last one
+//! runs the whole path through the real agents and jobs (issue 14's "Done means").
 
 mod support;
 
@@ -223,15 +223,20 @@ async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
         }
         Step::Defer => {
             assert!(!online);
-            let deferred = expansion::defer(&client, vol).await.unwrap();
+            let deferred = expansion::defer(&client, vol, "node-1").await.unwrap();
             assert_eq!(
                 deferred.expansion.as_ref().unwrap().state,
                 ExpansionState::AtNextPublish
             );
             unpublish(&runner, &n1, &deferred, &t1).await;
+            // The node that had it mounted grows it offline; no other node touches it.
+            assert_eq!(
+                expansion::step(&deferred, "node-1", Published::Nowhere, Some(&fp)),
+                Step::Run { online: false }
+            );
             assert_eq!(
                 expansion::step(&deferred, "node-2", Published::Nowhere, Some(&fp)),
-                Step::Run { online: false }
+                Step::None
             );
             // Two nodes race for it: one check-and-set wins, the other loses cleanly.
             let (a, b) = tokio::join!(
@@ -330,7 +335,7 @@ async fn snapshot_and_growth_commands_record_requests_and_refuse_what_cannot_be_
     assert_eq!(rec.expansion, Some(Expansion::requested(128 << 20)));
     let (_, out) = c.cli(&["volume", "status", "data"]);
     assert!(
-        out.contains("Operation       = expand to 134217728 bytes: requested"),
+        out.contains("expand to 134217728 bytes: requested"),
         "{out}"
     );
     // The same spec again: nothing new.
@@ -379,4 +384,286 @@ async fn snapshot_and_growth_commands_record_requests_and_refuse_what_cannot_be_
     );
     let (_, out) = c.cli(&["volume", "snapshot", "list"]);
     assert!(!out.contains("remote"), "{out}");
+}
+
+/// A job on `node_name` using `volume`, with the prestart task that asks dhv-binder to
+/// publish it, and `script` as the main task (no `${` in it: HCL would interpolate).
+fn storage_job(
+    c: &Cluster,
+    job: &str,
+    volume: &str,
+    node_name: &str,
+    script: &str,
+) -> std::path::PathBuf {
+    let path = c.sb.join(&format!("{job}.nomad.hcl"));
+    std::fs::write(
+        &path,
+        format!(
+            r#"job "{job}" {{
+  type        = "service"
+  datacenters = ["*"]
+  constraint {{
+    attribute = "${{node.unique.name}}"
+    value     = "{node_name}"
+  }}
+  group "app" {{
+    volume "data" {{
+      type            = "host"
+      source          = "{volume}"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}
+    volume "dhv-binder" {{
+      type      = "host"
+      source    = "dhv-binder-socket"
+      read_only = true
+    }}
+    task "publish-volumes" {{
+      lifecycle {{
+        hook    = "prestart"
+        sidecar = false
+      }}
+      driver = "exec"
+      config {{
+        command = "/usr/local/bin/dhv-binder"
+        args    = ["prestart", "--timeout", "2m"]
+      }}
+      identity {{
+        env = true
+      }}
+      volume_mount {{
+        volume      = "dhv-binder"
+        destination = "/run/dhv-binder"
+        read_only   = true
+      }}
+    }}
+    task "app" {{
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args = ["-c", <<-EOT
+          set -e
+          mountpoint -q /data
+          {script}
+          trap 'exit 0' INT TERM
+          while true; do sleep 1; done
+        EOT
+        ]
+      }}
+      volume_mount {{
+        volume      = "data"
+        destination = "/data"
+      }}
+      kill_timeout = "5s"
+    }}
+  }}
+}}
+"#
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Waits until `path` exists and returns its content.
+async fn file(c: &Cluster, path: std::path::PathBuf, what: &str) -> String {
+    c.wait_for(90, what, || async { std::fs::read_to_string(&path).ok() })
+        .await
+}
+
+/// Stops `job` and waits until `volume` is unmounted on node `i`.
+async fn stop(c: &Cluster, job: &str, i: usize, volume: &str) {
+    c.stop_job(job, false).await;
+    let target = c.target(i, volume);
+    c.wait_for(60, &format!("{volume} unpublished on node {i}"), || async {
+        (!dhv_binder::mounts::is_mount_point(&target)).then_some(())
+    })
+    .await;
+}
+
+/// Issue 14's "Done means", through the real agents, the simulator and jobs: data written
+/// from a job, a snapshot taken where the volume is published, more written, a new volume
+/// from the snapshot read by a job on the other node (exactly the data at snapshot time), a
+/// clone of the volume in use, and an ext4 volume grown while a job has it mounted. This
+/// sandbox lacks CAP_SYS_RESOURCE, so ext4 declares no `expand_online`: the growth is the
+/// offline path (deferred while mounted, run before the next publish, seen by the next job).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
+    let c = Cluster::start(2).await;
+    c.wait_plugin("ext4").await;
+    let images = c.sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let dir = images.display().to_string();
+    let create = |name: &str, extra: &str| {
+        let out = c.create_volume_with(
+            name,
+            "single-node-writer",
+            "ext4",
+            &[("dir", &dir)],
+            &[],
+            &format!("capacity_min = \"64MiB\"\n{extra}"),
+        );
+        assert!(out.contains("is ready"), "{out}");
+    };
+    create("data", "");
+
+    // A job on node-1 writes "one", then "two" once told to.
+    let writer = c
+        .run_job(&storage_job(
+            &c,
+            "writer",
+            "data",
+            &c.nodes[0].name,
+            "echo one > /data/f.txt\n          df -B1 --output=size /data | tail -1 > /data/size-before\n          while [ ! -e /data/more ]; do sleep 0.2; done\n          echo two >> /data/f.txt\n          sync\n          touch /data/wrote-two",
+        ))
+        .await;
+    let data = c.target(0, "data");
+    let size_before: u64 = file(&c, data.join("size-before"), "the writer's first line")
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(data.join("f.txt")).unwrap(),
+        "one\n"
+    );
+
+    // Snapshot while the job has it mounted: node-1 takes it (the CLI names it).
+    let (code, out) = c.cli(&["volume", "snapshot", "create", "data", "before"]);
+    assert_eq!(code, 0, "{out}");
+    let snap_id = out
+        .lines()
+        .find_map(|l| l.strip_prefix("==> Snapshot ")?.split(' ').next())
+        .unwrap()
+        .to_string();
+    let snap = c
+        .get(&format!(
+            "/v1/var/dhv-binder/snapshots/{snap_id}?namespace=default"
+        ))
+        .await;
+    assert_eq!(snap["Items"]["state"], "ready", "{snap}");
+    let ran_on = |i: usize| {
+        std::fs::read_to_string(&c.nodes[i].log)
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.contains("storage operation done") && l.contains(&snap_id))
+    };
+    assert!(
+        ran_on(0) && !ran_on(1),
+        "taken where the volume is published (node-1)"
+    );
+    let (code, out) = c.cli(&["volume", "snapshot", "list", "data"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&snap_id) && out.contains("before") && out.contains("true"),
+        "{out}"
+    );
+
+    // Write more after the snapshot.
+    std::fs::write(data.join("more"), "").unwrap();
+    file(&c, data.join("wrote-two"), "the writer's second line").await;
+    assert_eq!(
+        std::fs::read_to_string(data.join("f.txt")).unwrap(),
+        "one\ntwo\n"
+    );
+
+    // A new volume from the snapshot, read by a job on node-2: exactly the first line.
+    create("restored", &format!("snapshot_id = \"{snap_id}\""));
+    let reader = c
+        .run_job(&storage_job(
+            &c,
+            "reader",
+            "restored",
+            &c.nodes[1].name,
+            "ls -a /data > /data/listing; cat /data/f.txt > /data/seen",
+        ))
+        .await;
+    let seen = file(
+        &c,
+        c.target(1, "restored").join("seen"),
+        "the reader's copy on node-2",
+    )
+    .await;
+    assert_eq!(
+        seen, "one\n",
+        "the restored volume holds the data of snapshot time"
+    );
+    let listing = std::fs::read_to_string(c.target(1, "restored").join("listing")).unwrap();
+    assert!(
+        !listing.contains("more") && !listing.contains("wrote-two"),
+        "{listing}"
+    );
+    stop(&c, &reader, 1, "restored").await;
+
+    // A clone of the volume in use (made on node-1, where it is published).
+    create("copy", "clone_id = \"data\"");
+    let cloner = c
+        .run_job(&storage_job(
+            &c,
+            "clone-reader",
+            "copy",
+            &c.nodes[1].name,
+            "cat /data/f.txt > /data/seen",
+        ))
+        .await;
+    let seen = file(
+        &c,
+        c.target(1, "copy").join("seen"),
+        "the clone read on node-2",
+    )
+    .await;
+    assert_eq!(seen, "one\ntwo\n");
+    stop(&c, &cloner, 1, "copy").await;
+
+    // Grow "data" while the writer has it mounted: deferred (no online growth here) ...
+    let spec = c.sb.join("data.volume.hcl");
+    let text = std::fs::read_to_string(&spec)
+        .unwrap()
+        .replace("capacity_min = \"64MiB\"", "capacity_min = \"128MiB\"");
+    std::fs::write(&spec, text).unwrap();
+    let (code, out) = c.cli(&["volume", "create", spec.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("before its next publish"), "{out}");
+    let (code, out) = c.cli(&["volume", "status", "data"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("at-next-publish") || out.contains("expand to"),
+        "{out}"
+    );
+    // ... and grown before the next publish: a job on node-2 sees the larger filesystem
+    // and the data intact.
+    stop(&c, &writer, 0, "data").await;
+    let sizer = c
+        .run_job(&storage_job(
+            &c,
+            "sizer",
+            "data",
+            &c.nodes[1].name,
+            "cat /data/f.txt > /data/seen-after\n          df -B1 --output=size /data | tail -1 > /data/size-after",
+        ))
+        .await;
+    let after = c.target(1, "data");
+    let size_after: u64 = file(
+        &c,
+        after.join("size-after"),
+        "the size seen by the next job",
+    )
+    .await
+    .trim()
+    .parse()
+    .unwrap();
+    eprintln!("ext4 filesystem: {size_before} bytes before, {size_after} after growing to 128 MiB");
+    assert!(
+        size_after > size_before + (48 << 20),
+        "{size_before} -> {size_after}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(after.join("seen-after")).unwrap(),
+        "one\ntwo\n"
+    );
+    let rec = c
+        .get("/v1/var/dhv-binder/volumes/data?namespace=default")
+        .await;
+    assert!(rec["Items"].get("expansion").is_none(), "{rec}");
+    stop(&c, &sizer, 1, "data").await;
 }

@@ -11,6 +11,7 @@ use crate::agent::latency::Latency;
 use crate::agent::mount_health::MountHealth;
 use crate::agent::placeholders::Placeholders;
 use crate::agent::retry::{Retries, Work, STEP_RETRY};
+use crate::agent::storage_ops::{self, StorageOps};
 use crate::agent::waiters::{Known, Waiter, Waiters};
 use crate::agent::workers::Workers;
 use crate::api::{ApiError, PublishReply};
@@ -70,6 +71,7 @@ pub(crate) struct Core {
     fetching: BTreeSet<String>,
     placeholders: Placeholders,
     workers: Workers,
+    storage_ops: StorageOps,
     claims: Claims,
     mount_health: MountHealth,
     waiting: Vec<Waiting>,
@@ -109,6 +111,7 @@ impl Core {
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
             workers: Workers::default(),
+            storage_ops: StorageOps::default(),
             claims,
             waiting: Vec::new(),
             latency: Latency::default(),
@@ -161,6 +164,7 @@ impl Core {
                 self.volumes = c;
                 self.volumes_loaded = true;
             }
+            Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
             Input::Api { reply, call } => match call {
                 ApiCall::Status => out.push(Effect::Reply {
                     to: reply,
@@ -404,6 +408,11 @@ impl Core {
             Completion::Worker { volume, result } => {
                 self.workers.on_done(volume, result, &mut self.retries, now)
             }
+            Completion::Storage { op, result } => {
+                if let Some(v) = self.storage_ops.on_done(op, result, &mut self.retries, now) {
+                    self.busy.remove(&v);
+                }
+            }
             Completion::ClaimAcquired { volume, result } => {
                 self.busy.remove(&volume);
                 self.claims
@@ -514,6 +523,13 @@ impl Core {
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
                         continue;
                     }
+                    if self.publish_held(&volume) {
+                        self.waiting.push(Waiting {
+                            reason: "a requested expansion runs before the next publish".into(),
+                            volume,
+                        });
+                        continue;
+                    }
                     if let Some(e) = self.start_publish(volume.clone(), alloc_id, read_only) {
                         gated.push(volume);
                         calls.push(e);
@@ -559,7 +575,11 @@ impl Core {
         }
         if self.plugins_loaded {
             let pool = &self.s.node.node_pool;
-            let served = self.volumes.values().filter(|r| serves(r, &deferred, pool));
+            let me = self.s.node.node_id.as_str();
+            let served = self
+                .volumes
+                .values()
+                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me));
             let (journal, placeholders) = (&self.journal, &self.placeholders);
             let in_use =
                 |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);
@@ -567,6 +587,18 @@ impl Core {
                 served,
                 &self.s.node.node_id,
                 in_use,
+                &self.retries,
+                now,
+            ));
+        }
+        if self.placeholders_ready() {
+            out.extend(self.storage_ops.drive(
+                &self.volumes,
+                &self.plugins,
+                self.journal.mounts(),
+                &mut self.busy,
+                &self.s.node.node_id,
+                &self.s.node.node_pool,
                 &self.retries,
                 now,
             ));
@@ -585,6 +617,17 @@ impl Core {
             // Calls always come with intents, so with no commit there are none.
             out.extend(calls);
         }
+    }
+
+    /// A publish of `volume` waits for its pending expansion (storage_ops::holds_publish).
+    fn publish_held(&self, volume: &VolumeKey) -> bool {
+        self.volumes.get(volume).is_some_and(|r| {
+            let fp = self
+                .plugins
+                .get(&r.spec.plugin_id)
+                .and_then(|f| f.as_ref().ok());
+            storage_ops::holds_publish(r, fp)
+        })
     }
 
     fn placeholders_ready(&self) -> bool {
@@ -707,6 +750,7 @@ impl Core {
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.status(),
             "mount_health": self.mount_health.status(),
+            "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
         })
     }
 }

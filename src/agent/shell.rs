@@ -169,8 +169,12 @@ impl Shell {
             ),
             // Not under the permits: a node whose calls all hang still learns its plugins.
             Effect::Fingerprint => self.call(executor::fingerprint_all(runner)),
-            Effect::Create(rec) => {
-                self.plugin_call(executor::create(client, runner, node, *rec), false)
+            Effect::Create(rec) => self.plugin_call(
+                executor::create(client, runner, node, *rec, self.cfg.mount_root()),
+                false,
+            ),
+            Effect::Storage(op) => {
+                self.plugin_call(executor::storage::perform(client, runner, node, op), true)
             }
             Effect::Delete(rec) => {
                 self.plugin_call(executor::delete(client, runner, node, *rec), false)
@@ -361,6 +365,7 @@ pub async fn run(
 
     let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
+    let (snap_tx, mut snap_rx) = mpsc::channel::<crate::snapshot::Snapshots>(4);
     let (api_tx, mut api_rx) = mpsc::channel::<Request2Agent>(256);
     let (plugins_tx, mut plugins_rx) = mpsc::channel::<()>(1);
 
@@ -375,6 +380,11 @@ pub async fn run(
             client.clone(),
             Duration::from_secs(300),
             cat_tx,
+        )),
+        tokio::spawn(crate::snapshot::watch(
+            client.clone(),
+            Duration::from_secs(300),
+            snap_tx,
         )),
         tokio::spawn(crate::api::serve(
             listener,
@@ -465,6 +475,7 @@ pub async fn run(
             _ = &mut shutdown => break,
             Some(ev) = watch_rx.recv() => vec![Input::Watch(ev)],
             Some(cat) = cat_rx.recv() => vec![Input::Catalogue(cat)],
+            Some(snaps) = snap_rx.recv() => vec![Input::Snapshots(snaps)],
             Some(req) = api_rx.recv() => vec![shell.register(req)],
             Some(done) = shell.tasks.join_next() => match done {
                 Ok(r) => shell.on_report(r),

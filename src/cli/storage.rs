@@ -7,7 +7,7 @@
 //! operation refuses it the same way, and the command reports that.
 
 use super::output::{bytes, table, OutputArgs};
-use super::volume::read_record;
+use super::volume::{read_record, users_of};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
 use crate::expansion::{self, Expansion, ExpansionState, Update};
 use crate::nomad::Client;
@@ -254,7 +254,8 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                 ));
             }
             precheck(&local.plugin_dir, &vol.spec.plugin_id, Capability::Snapshot).await?;
-            let snap = SnapshotRecord::new(&vol, name.as_deref().unwrap_or(""), now());
+            let mut snap = SnapshotRecord::new(&vol, name.as_deref().unwrap_or(""), now());
+            snap.worker_node = published_on(client, &vol.spec.namespace, &vol.spec.name).await?;
             crate::worker::put_cas(client, &snap.to_variable(), 0)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
@@ -424,7 +425,9 @@ pub async fn create_existing(
         }
         Update::Grow { from, to } => {
             precheck(&local.plugin_dir, &rec.spec.plugin_id, Capability::Expand).await?;
-            rec.expansion = Some(Expansion::requested(to));
+            let mut x = Expansion::requested(to);
+            x.node = published_on(client, &rec.spec.namespace, &rec.spec.name).await?;
+            rec.expansion = Some(x);
             crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
@@ -458,6 +461,27 @@ pub async fn create_existing(
                 Err(e) => Err(Failure::new(EXIT_FAILED, format!("expand failed: {e}"))),
             }
         }
+    }
+}
+
+/// The node where a volume is published (the first, for a multi-node volume), from the
+/// allocations its placeholders list; `""` when none. An operation request names it so
+/// that only that node runs it, where the plugin can quiesce or grow the mounted volume.
+async fn published_on(client: &Client, namespace: &str, name: &str) -> Result<String, Failure> {
+    Ok(users_of(client, namespace, name)
+        .await?
+        .into_iter()
+        .map(|u| u.node_id)
+        .next()
+        .unwrap_or_default())
+}
+
+/// For a clone: the node where its source volume is published (`""` when none, or for a
+/// volume without a clone source).
+pub async fn source_node(client: &Client, spec: &VolumeSpec) -> Result<String, Failure> {
+    match &spec.source {
+        VolumeSource::CloneId(name) => published_on(client, &spec.namespace, name).await,
+        _ => Ok(String::new()),
     }
 }
 

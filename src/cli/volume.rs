@@ -255,7 +255,7 @@ pub(super) async fn read_record(
 
 /// Allocations using a volume, from its placeholders (Nomad denormalizes each host
 /// volume's non-terminal allocations).
-async fn users_of(
+pub(super) async fn users_of(
     client: &Client,
     namespace: &str,
     name: &str,
@@ -446,7 +446,9 @@ async fn create(
     ) {
         return Err(Failure::new(EXIT_FAILED, why));
     }
-    let rec = VolumeRecord::new(spec, secrets);
+    let mut rec = VolumeRecord::new(spec, secrets);
+    // A clone is made where its source is published, so the plugin can quiesce it.
+    rec.worker_node = storage::source_node(client, &rec.spec).await?;
     put_new(client, &rec.to_variable(), &rec.key().to_string()).await?;
     outln!(
         "==> Created volume record {} (ID {}), plugin {:?}",
