@@ -465,6 +465,28 @@ fn storage_job(
     path
 }
 
+/// Runs `script` in a job named `job` on node `i` with `volume`; returns the job ID and the
+/// content of `out` (a file the script writes in the volume), read through node `i`'s mount.
+async fn job_output(
+    c: &Cluster,
+    job: &str,
+    volume: &str,
+    i: usize,
+    script: &str,
+    out: &str,
+) -> (String, String) {
+    let id = c
+        .run_job(&storage_job(c, job, volume, &c.nodes[i].name, script))
+        .await;
+    let text = file(
+        c,
+        c.target(i, volume).join(out),
+        &format!("{out} written by {job} on node {i}"),
+    )
+    .await;
+    (id, text)
+}
+
 /// Waits until `path` exists and returns its content.
 async fn file(c: &Cluster, path: std::path::PathBuf, what: &str) -> String {
     c.wait_for(90, what, || async { std::fs::read_to_string(&path).ok() })
@@ -569,19 +591,13 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
 
     // A new volume from the snapshot, read by a job on node-2: exactly the first line.
     create("restored", &format!("snapshot_id = \"{snap_id}\""));
-    let reader = c
-        .run_job(&storage_job(
-            &c,
-            "reader",
-            "restored",
-            &c.nodes[1].name,
-            "ls -a /data > /data/listing; cat /data/f.txt > /data/seen",
-        ))
-        .await;
-    let seen = file(
+    let (reader, seen) = job_output(
         &c,
-        c.target(1, "restored").join("seen"),
-        "the reader's copy on node-2",
+        "reader",
+        "restored",
+        1,
+        "ls -a /data > /data/listing; cat /data/f.txt > /data/seen",
+        "seen",
     )
     .await;
     assert_eq!(
@@ -597,19 +613,13 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
 
     // A clone of the volume in use (made on node-1, where it is published).
     create("copy", "clone_id = \"data\"");
-    let cloner = c
-        .run_job(&storage_job(
-            &c,
-            "clone-reader",
-            "copy",
-            &c.nodes[1].name,
-            "cat /data/f.txt > /data/seen",
-        ))
-        .await;
-    let seen = file(
+    let (cloner, seen) = job_output(
         &c,
-        c.target(1, "copy").join("seen"),
-        "the clone read on node-2",
+        "clone-reader",
+        "copy",
+        1,
+        "cat /data/f.txt > /data/seen",
+        "seen",
     )
     .await;
     assert_eq!(seen, "one\ntwo\n");
@@ -633,25 +643,17 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
     // ... and grown before the next publish: a job on node-2 sees the larger filesystem
     // and the data intact.
     stop(&c, &writer, 0, "data").await;
-    let sizer = c
-        .run_job(&storage_job(
-            &c,
-            "sizer",
-            "data",
-            &c.nodes[1].name,
-            "cat /data/f.txt > /data/seen-after\n          df -B1 --output=size /data | tail -1 > /data/size-after",
-        ))
-        .await;
-    let after = c.target(1, "data");
-    let size_after: u64 = file(
+    let (sizer, size_after) = job_output(
         &c,
-        after.join("size-after"),
-        "the size seen by the next job",
+        "sizer",
+        "data",
+        1,
+        "cat /data/f.txt > /data/seen-after\n          df -B1 --output=size /data | tail -1 > /data/size-after",
+        "size-after",
     )
-    .await
-    .trim()
-    .parse()
-    .unwrap();
+    .await;
+    let size_after: u64 = size_after.trim().parse().unwrap();
+    let after = c.target(1, "data");
     eprintln!("ext4 filesystem: {size_before} bytes before, {size_after} after growing to 128 MiB");
     assert!(
         size_after > size_before + (48 << 20),

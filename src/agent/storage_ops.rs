@@ -313,6 +313,19 @@ mod tests {
         s
     }
 
+    /// One planning pass of `s` at `now`, as node ME in pool "default".
+    fn pass(
+        s: &mut StorageOps,
+        v: &VolumeRecord,
+        p: &BTreeMap<String, Result<Fingerprint, String>>,
+        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        busy: &mut BTreeSet<VolumeKey>,
+        retries: &Retries<Work>,
+        now: Instant,
+    ) -> Vec<Effect> {
+        s.drive(&catalogue(v), p, mounts, busy, ME, "default", retries, now)
+    }
+
     fn ops(effects: &[Effect]) -> Vec<&StorageOp> {
         effects
             .iter()
@@ -332,13 +345,12 @@ mod tests {
         let retries = Retries::new(1);
         let mut busy = BTreeSet::new();
         let now = Instant::now();
-        let out = s.drive(
-            &catalogue(&v),
+        let out = pass(
+            &mut s,
+            &v,
             &plugins(&["snapshot"]),
             &published(&v),
             &mut busy,
-            ME,
-            "default",
             &retries,
             now,
         );
@@ -356,13 +368,12 @@ mod tests {
             "no publish/unpublish under a snapshot"
         );
         // While it runs, nothing more is started for it.
-        let again = s.drive(
-            &catalogue(&v),
+        let again = pass(
+            &mut s,
+            &v,
             &plugins(&["snapshot"]),
             &published(&v),
             &mut BTreeSet::new(),
-            ME,
-            "default",
             &retries,
             now,
         );
@@ -380,44 +391,17 @@ mod tests {
         let now = Instant::now();
         let p = plugins(&["snapshot"]);
         let none = BTreeMap::new();
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &none,
-            &mut BTreeSet::new(),
-            ME,
-            "default",
-            &retries,
-            now,
-        );
+        let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, now);
         assert!(ops(&out).is_empty(), "{out:?}");
         // Ours, but a publish is under way: wait for it to settle.
         snap.worker_node.clear();
         s.on_snapshots(Snapshots::from([(snap.id.clone(), snap)]));
         let mut m = published(&v);
         m.values_mut().next().unwrap().state = MountState::Publishing;
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &m,
-            &mut BTreeSet::new(),
-            ME,
-            "default",
-            &retries,
-            now,
-        );
+        let out = pass(&mut s, &v, &p, &m, &mut BTreeSet::new(), &retries, now);
         assert!(ops(&out).is_empty(), "{out:?}");
         // Settled, nowhere published: any node with the plugin takes it.
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &none,
-            &mut BTreeSet::new(),
-            ME,
-            "default",
-            &retries,
-            now,
-        );
+        let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, now);
         assert!(matches!(
             ops(&out)[..],
             [StorageOp::SnapshotCreate { target: None, .. }]
@@ -430,13 +414,12 @@ mod tests {
         let snap = snapshot_of(&v);
         let mut s = StorageOps::default();
         s.on_snapshots(Snapshots::from([(snap.id.clone(), snap)]));
-        let out = s.drive(
-            &catalogue(&v),
+        let out = pass(
+            &mut s,
+            &v,
             &plugins(&[]),
             &BTreeMap::new(),
             &mut BTreeSet::new(),
-            ME,
-            "default",
             &Retries::new(1),
             Instant::now(),
         );
@@ -463,16 +446,7 @@ mod tests {
         let none = BTreeMap::new();
         let t0 = Instant::now();
         let mut busy = BTreeSet::new();
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &none,
-            &mut busy,
-            ME,
-            "default",
-            &retries,
-            t0,
-        );
+        let out = pass(&mut s, &v, &p, &none, &mut busy, &retries, t0);
         assert_eq!(ops(&out).len(), 1);
         let lost = OpError::Take(TakeError::Lost {
             path: snapshot::record_path(&snap.id),
@@ -482,41 +456,14 @@ mod tests {
             s.on_done(key.clone(), Err(lost), &mut retries, t0),
             Some(v.key())
         );
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &none,
-            &mut BTreeSet::new(),
-            ME,
-            "default",
-            &retries,
-            t0,
-        );
+        let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, t0);
         assert!(ops(&out).is_empty(), "backing off: {out:?}");
         let later = t0 + Duration::from_secs(120);
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &none,
-            &mut BTreeSet::new(),
-            ME,
-            "default",
-            &retries,
-            later,
-        );
+        let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, later);
         assert_eq!(ops(&out).len(), 1, "tried again after the backoff");
         // It succeeds; the watch still shows the old copy: not started again.
         s.on_done(key.clone(), Ok(()), &mut retries, later);
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &none,
-            &mut BTreeSet::new(),
-            ME,
-            "default",
-            &retries,
-            later,
-        );
+        let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, later);
         assert!(ops(&out).is_empty(), "stale copy: {out:?}");
     }
 
@@ -528,13 +475,12 @@ mod tests {
         let mut s = StorageOps::default();
         let retries = Retries::new(1);
         let now = Instant::now();
-        let out = s.drive(
-            &catalogue(&v),
+        let out = pass(
+            &mut s,
+            &v,
             &p,
             &published(&v),
             &mut BTreeSet::new(),
-            ME,
-            "default",
             &retries,
             now,
         );
@@ -547,16 +493,7 @@ mod tests {
         v.expansion.as_mut().unwrap().state = ExpansionState::AtNextPublish;
         assert!(holds_publish(&v, fingerprint(&p, "ext4")));
         let mut busy = BTreeSet::new();
-        let out = s.drive(
-            &catalogue(&v),
-            &p,
-            &BTreeMap::new(),
-            &mut busy,
-            ME,
-            "default",
-            &retries,
-            now,
-        );
+        let out = pass(&mut s, &v, &p, &BTreeMap::new(), &mut busy, &retries, now);
         assert!(
             matches!(ops(&out)[..], [StorageOp::Expand { target: None, .. }]),
             "{out:?}"
@@ -566,13 +503,12 @@ mod tests {
         let mut s2 = StorageOps::default();
         let mut theirs = v.clone();
         theirs.expansion.as_mut().unwrap().node = "node-2".into();
-        let out = s2.drive(
-            &catalogue(&theirs),
+        let out = pass(
+            &mut s2,
+            &theirs,
             &p,
             &BTreeMap::new(),
             &mut BTreeSet::new(),
-            ME,
-            "default",
             &retries,
             now,
         );
@@ -582,13 +518,12 @@ mod tests {
         let mut s = StorageOps::default();
         v.expansion = Some(Expansion::requested(128 << 20));
         let online = plugins(&["expand", "expand_online"]);
-        let out = s.drive(
-            &catalogue(&v),
+        let out = pass(
+            &mut s,
+            &v,
             &online,
             &published(&v),
             &mut BTreeSet::new(),
-            ME,
-            "default",
             &retries,
             now,
         );
