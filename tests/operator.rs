@@ -133,7 +133,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         .find(|l| l.starts_with("bind "))
         .unwrap_or_else(|| panic!("{out}"));
     assert!(
-        bind.contains("1.0.0") && bind.contains("yes") && bind.ends_with("2/2"),
+        bind.contains("1.1.0") && bind.contains("yes") && bind.ends_with("2/2"),
         "{out}"
     );
     let (code, out) = c.cli(&["plugin", "status", "-json"]);
@@ -183,7 +183,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "{out}"
     );
     assert!(
-        out.contains("Plugins       = bind 1.0.0 (deferred)"),
+        out.contains("Plugins       = bind 1.1.0 (deferred)"),
         "{out}"
     );
     assert!(out.contains("default/shared-data"), "{out}");

@@ -669,3 +669,64 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
     assert!(rec["Items"].get("expansion").is_none(), "{rec}");
     stop(&c, &sizer, 1, "data").await;
 }
+
+/// The reference plugins refuse a context that names another volume's ID (copied from
+/// another record), and accept storage registered under a name of its own
+/// (`volume register`): here `bind`, called as the agent calls it.
+#[tokio::test]
+async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_not() {
+    let sb = support::sandbox::Sandbox::new();
+    let export = sb.join("export");
+    let legacy = export.join("legacy");
+    std::fs::create_dir_all(&legacy).unwrap();
+    let volumes_dir = sb.join("volumes");
+    std::fs::create_dir_all(&volumes_dir).unwrap();
+    let n = NodeEnv {
+        node_id: "node-1".into(),
+        node_pool: "default".into(),
+        roots: vec![volumes_dir.clone(), export.clone()],
+        volumes_dir,
+        plugin_dir: repo().join("plugins"),
+    };
+    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60));
+    let record = |name: &str, context: serde_json::Value| {
+        let (spec, secrets) = volume::parse_spec(&format!(
+            "name = \"{name}\"\nplugin_id = \"bind\"\nparameters {{\n export = \"{}\"\n}}\n",
+            export.display()
+        ))
+        .unwrap();
+        let mut r = VolumeRecord::new(spec, secrets);
+        r.state = VolumeState::Ready;
+        r.context = context;
+        r
+    };
+    let publish = |rec: VolumeRecord, target: std::path::PathBuf| {
+        let runner = runner.clone();
+        let n = n.clone();
+        async move {
+            std::fs::create_dir_all(&target).unwrap();
+            let env = environment::publish_env(&n, &rec, &target, false, "a1");
+            runner
+                .call("bind", Operation::Publish, &env, &rec.secrets)
+                .await
+        }
+    };
+    // Another volume's directory, named by its ID: refused.
+    let other = uuid::Uuid::new_v4().to_string();
+    let stolen = record(
+        "thief",
+        serde_json::json!({"export_path": export.join("default").join(&other)}),
+    );
+    let err = publish(stolen, sb.join("t1"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not belong"), "{err}");
+    assert!(!dhv_binder::mounts::is_mount_point(&sb.join("t1")));
+    // Registered storage under its own name: published.
+    let registered = record("legacy", serde_json::json!({"export_path": legacy}));
+    let target = sb.join("t2");
+    publish(registered.clone(), target.clone()).await.unwrap();
+    assert!(dhv_binder::mounts::is_mount_point(&target));
+    unpublish(&runner, &n, &registered, &target).await;
+}

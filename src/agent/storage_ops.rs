@@ -123,6 +123,13 @@ impl StorageOps {
     ) -> Vec<Effect> {
         let in_pool =
             |r: &VolumeRecord| r.spec.node_pool.is_empty() || r.spec.node_pool == node_pool;
+        // Forget finished marks whose records are gone or have moved on (bounded by the
+        // records).
+        let snapshots = &self.snapshots;
+        self.finished.retain(|k, i| match k {
+            OpKey::Snapshot(id) => snapshots.get(id).is_some_and(|s| s.modify_index == *i),
+            OpKey::Expansion(v) => volumes.get(v).is_some_and(|r| r.modify_index == *i),
+        });
         let mut out = Vec::new();
         let snaps: Vec<_> = self.snapshots.values().cloned().collect();
         for snap in snaps {
@@ -242,12 +249,6 @@ impl StorageOps {
                 retries.failed(&work, STEP_RETRY, now);
             }
         }
-        // Forget finished marks whose records are gone or have moved on.
-        let snaps = &self.snapshots;
-        self.finished.retain(|k, i| match k {
-            OpKey::Snapshot(id) => snaps.get(id).is_some_and(|s| s.modify_index == *i),
-            OpKey::Expansion(_) => true,
-        });
         volume
     }
 }
