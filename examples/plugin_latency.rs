@@ -47,21 +47,23 @@ async fn main() -> anyhow::Result<()> {
     let id = plugin.file_name().unwrap().to_str().unwrap().to_string();
     let scratch = std::env::temp_dir().join(format!("dhv-binder-bench-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(scratch.join("t"))?;
-    let runner = Runner::new(plugin.parent().unwrap(), Duration::from_secs(60));
+    // The storage named by absolute-path parameters (export=..., dir=...) is the plugin's
+    // root, as a node's `--plugin-root <id>=<dir>` makes it.
+    let roots: Vec<String> = params
+        .values()
+        .filter(|v| v.starts_with('/'))
+        .map(|v| {
+            let p = std::path::PathBuf::from(v);
+            p.canonicalize().unwrap_or(p).display().to_string()
+        })
+        .collect();
+    let runner = Runner::new(plugin.parent().unwrap(), Duration::from_secs(60))
+        .with_allowed_roots(BTreeMap::from([(id.clone(), roots.join(":"))]));
     let node = NodeEnv {
         node_id: uuid::Uuid::new_v4().to_string(),
         node_pool: "default".into(),
         volumes_dir: scratch.join("volumes"),
         plugin_dir: plugin.parent().unwrap().to_path_buf(),
-        // The storage named by absolute-path parameters (export=..., dir=...) is a root.
-        roots: std::iter::once(scratch.join("volumes"))
-            .chain(
-                params
-                    .values()
-                    .filter(|v| v.starts_with('/'))
-                    .map(std::path::PathBuf::from),
-            )
-            .collect(),
     };
     let spec = VolumeSpec {
         name: "bench".into(),
@@ -109,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
             since: 0,
             last_error: String::new(),
             claim_id: None,
+            mount: None,
         };
         let env = environment::unpublish_env(&node, &m, Some(&rec));
         let t = Instant::now();

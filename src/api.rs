@@ -8,14 +8,24 @@
 //!   `{"error":"...","retryable":bool}` with the status codes of [`ApiError`].
 //! - `GET /v1/status`: the agent's state, for callers with peer UID 0 only.
 //! - `GET /v1/health`: `{"ready":bool}` (anyone).
+//!
+//! Routing is axum's [`Router`] (paths, methods, path parameters and the query string);
+//! unknown paths (404) and methods (405) answer with the same error body. [`serve`]'s
+//! accept loop hands each connection, with its peer UID, to hyper's HTTP/1 server.
 
 use crate::identity::{Claims, Verifier};
 use crate::volume::is_alloc_id;
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Extension, Query, State};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::header::HeaderMap;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -171,6 +181,67 @@ struct Ctx {
     agent: mpsc::Sender<Request2Agent>,
 }
 
+/// The caller (`SO_PEERCRED` of its connection): its UID for root-only endpoints, both
+/// for the audit line of a refused call.
+#[derive(Debug, Clone, Copy)]
+struct Peer {
+    /// The UID that counts for root-only endpoints (root in a task counts as no one).
+    uid: Option<u32>,
+    /// The caller's own UID and pid, for the audit line.
+    real_uid: Option<u32>,
+    pid: Option<i32>,
+}
+
+/// Why a call was refused (the error's message), carried on its response for the audit.
+#[derive(Debug, Clone)]
+struct Refusal(String);
+
+/// Every refused call (a 4xx answer) writes one audit line (target `dhv_binder::audit`):
+/// the caller's uid and pid, the allocation asked for, the status and the reason, so an
+/// operator sees every attempt.
+async fn audit(
+    Extension(peer): Extension<Peer>,
+    req: hyper::Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    if resp.status().is_client_error() {
+        let alloc_id = path
+            .strip_prefix("/v1/allocations/")
+            .and_then(|r| r.split('/').next())
+            .unwrap_or_default();
+        let unknown = || "unknown".to_string();
+        tracing::warn!(
+            target: "dhv_binder::audit",
+            caller_uid = peer.real_uid.map(|u| u.to_string()).unwrap_or_else(unknown),
+            caller_pid = peer.pid.map(|p| p.to_string()).unwrap_or_else(unknown),
+            %alloc_id,
+            %method,
+            %path,
+            status = resp.status().as_u16(),
+            reason = %resp.extensions().get::<Refusal>().map(|r| r.0.as_str()).unwrap_or_default(),
+            "refused socket call"
+        );
+    }
+    resp
+}
+
+/// The endpoints. Unknown paths and methods answer with an [`ApiError`] body too.
+fn router(ctx: Arc<Ctx>) -> Router {
+    Router::new()
+        .route(
+            "/v1/allocations/:alloc_id/publish",
+            post(publish_route).fallback(method_not_allowed),
+        )
+        .route("/v1/status", get(status_route).fallback(method_not_allowed))
+        .route("/v1/health", get(health_route).fallback(no_such_endpoint))
+        .fallback(no_such_endpoint)
+        .layer(axum::middleware::from_fn(audit))
+        .with_state(ctx)
+}
+
 /// Owns the socket file: dropping it removes the file, but only while it is still the one
 /// this agent created (a later agent's socket is never removed).
 pub struct SocketGuard {
@@ -218,10 +289,94 @@ pub fn bind(path: &Path) -> std::io::Result<(UnixListener, SocketGuard)> {
     ))
 }
 
-/// Serves the API until the listener fails or the agent goes away.
+/// Bounds on the local API's connections (the socket is world-writable: any process on the
+/// node, in or out of a task, may connect).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections open at once, all callers but root together.
+    pub max_connections: usize,
+    /// Connections open at once per peer UID (root has its own pool of this size, so a
+    /// flood by task users never locks out `dhv-binder status`).
+    pub max_per_uid: usize,
+    /// Time allowed for a request's headers to arrive, from the connection's start.
+    pub header_read_timeout: Duration,
+    /// The longest a connection may live: the longest publish wait plus a margin.
+    pub max_connection_life: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            max_per_uid: 64,
+            header_read_timeout: Duration::from_secs(10),
+            max_connection_life: MAX_WAIT + Duration::from_secs(30),
+        }
+    }
+}
+
+/// Open connections by peer UID (`None`: the UID could not be read).
+type PerUid = Arc<std::sync::Mutex<std::collections::HashMap<Option<u32>, usize>>>;
+
+/// Releases a connection's per-UID slot when the connection ends.
+struct UidSlot {
+    per_uid: PerUid,
+    uid: Option<u32>,
+}
+
+impl Drop for UidSlot {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.per_uid.lock() {
+            if let Some(n) = m.get_mut(&self.uid) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(&self.uid);
+                }
+            }
+        }
+    }
+}
+
+/// True when the process `pid` shares this agent's mount namespace (a root caller outside
+/// any task's namespace). Any read error is "no".
+fn same_mount_namespace(pid: Option<i32>) -> bool {
+    let Some(pid) = pid.filter(|p| *p > 0) else {
+        return false;
+    };
+    match (
+        std::fs::read_link(format!("/proc/{pid}/ns/mnt")),
+        std::fs::read_link("/proc/self/ns/mnt"),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Serves the API until the listener fails or the agent goes away, with [`Limits::default`].
 pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Sender<Request2Agent>) {
-    let ctx = Arc::new(Ctx { verifier, agent });
+    serve_with(listener, verifier, agent, Limits::default()).await
+}
+
+/// Serves the API with explicit connection [`Limits`]. A connection over its UID's bound is
+/// closed at once; past the overall bound the agent stops accepting until one ends. Each
+/// connection serves one request (no keep-alive), must send its headers within
+/// `header_read_timeout`, and is closed after `max_connection_life`.
+pub async fn serve_with(
+    listener: UnixListener,
+    verifier: Verifier,
+    agent: mpsc::Sender<Request2Agent>,
+    limits: Limits,
+) {
+    let app = router(Arc::new(Ctx { verifier, agent }));
+    let others = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let per_uid: PerUid = Arc::default();
     loop {
+        // Wait for a free slot before accepting: a flood queues in the kernel's backlog
+        // instead of taking file descriptors the journal and plugins need.
+        let permit = match others.clone().acquire_owned().await {
+            Ok(p) => p,
+            Err(_) => return,
+        };
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
@@ -230,16 +385,46 @@ pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Send
                 continue;
             }
         };
-        let peer_uid = stream.peer_cred().map(|c| c.uid()).ok();
-        let ctx = ctx.clone();
+        let cred = stream.peer_cred().ok();
+        let uid = cred.map(|c| c.uid());
+        // Root's connections do not count against the shared pool.
+        let permit = (uid != Some(0)).then_some(permit);
+        let slot = {
+            let Ok(mut m) = per_uid.lock() else { continue };
+            let n = m.entry(uid).or_insert(0);
+            if *n >= limits.max_per_uid {
+                tracing::warn!(
+                    uid = ?uid,
+                    open = *n,
+                    "local API: too many connections from this user; closing the new one"
+                );
+                continue;
+            }
+            *n += 1;
+            UidSlot {
+                per_uid: per_uid.clone(),
+                uid,
+            }
+        };
+        // `/v1/status` is for root outside any task: a root caller in another mount
+        // namespace (a task) is treated as unprivileged.
+        let peer_uid = uid.filter(|u| *u != 0 || same_mount_namespace(cred.and_then(|c| c.pid())));
+        let peer = Peer {
+            uid: peer_uid,
+            real_uid: uid,
+            pid: cred.and_then(|c| c.pid()),
+        };
+        let svc = TowerToHyperService::new(app.clone().layer(Extension(peer)));
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let ctx = ctx.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&ctx, req, peer_uid).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+            let _permit = permit;
+            let _slot = slot;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .keep_alive(false)
+                .max_buf_size(16 * 1024)
+                .serve_connection(TokioIo::new(stream), svc);
+            let _ = tokio::time::timeout(limits.max_connection_life, conn).await;
         });
     }
 }
@@ -264,8 +449,16 @@ fn error(e: ApiError) -> Response<Full<Bytes>> {
     )
 }
 
-fn token_of(req: &Request<Incoming>) -> Option<String> {
-    let h = req.headers();
+impl IntoResponse for ApiError {
+    fn into_response(self) -> axum::response::Response {
+        let reason = Refusal(self.to_string());
+        let mut r = error(self).into_response();
+        r.extensions_mut().insert(reason);
+        r
+    }
+}
+
+fn token_of(h: &HeaderMap) -> Option<String> {
     if let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) {
         if let Some(t) = v.strip_prefix("Bearer ") {
             return Some(t.trim().to_string());
@@ -276,72 +469,81 @@ fn token_of(req: &Request<Incoming>) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-fn wait_of(req: &Request<Incoming>) -> Result<Duration, ApiError> {
-    let Some(q) = req.uri().query() else {
-        return Ok(DEFAULT_WAIT);
-    };
-    for pair in q.split('&') {
-        if let Some(v) = pair.strip_prefix("wait=") {
-            return humantime::parse_duration(v)
-                .map(|d| d.min(MAX_WAIT))
-                .map_err(|e| ApiError::BadWait {
-                    value: v.to_string(),
-                    reason: e.to_string(),
-                });
-        }
-    }
-    Ok(DEFAULT_WAIT)
+/// The publish call's query string.
+#[derive(Debug, Deserialize)]
+struct PublishQuery {
+    /// How long to wait, as a duration (`90s`, `5m`); capped at [`MAX_WAIT`].
+    wait: Option<String>,
 }
 
-async fn handle(ctx: &Ctx, req: Request<Incoming>, peer_uid: Option<u32>) -> Response<Full<Bytes>> {
-    let path = req.uri().path().to_string();
-    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    match (req.method(), segs.as_slice()) {
-        (&Method::POST, ["v1", "allocations", alloc_id, "publish"]) => {
-            let alloc_id = alloc_id.to_string();
-            match publish(ctx, &req, alloc_id).await {
-                Ok(r) => json(StatusCode::OK, &r),
-                Err(e) => error(e),
-            }
-        }
-        (&Method::GET, ["v1", "status"]) => {
-            if peer_uid != Some(0) {
-                return error(ApiError::NotRoot);
-            }
-            let (tx, rx) = oneshot::channel();
-            if ctx
-                .agent
-                .send(Request2Agent::Status { reply: tx })
-                .await
-                .is_err()
-            {
-                return error(ApiError::ShuttingDown);
-            }
-            match rx.await {
-                Ok(v) => json(StatusCode::OK, &v),
-                Err(_) => error(ApiError::ShuttingDown),
-            }
-        }
-        (&Method::GET, ["v1", "health"]) => {
-            json(StatusCode::OK, &serde_json::json!({"ready": true}))
-        }
-        (_, ["v1", "allocations", _, "publish"]) | (_, ["v1", "status"]) => {
-            error(ApiError::MethodNotAllowed(req.method().to_string()))
-        }
-        _ => error(ApiError::NoSuchEndpoint(path)),
+fn wait_of(q: Result<Query<PublishQuery>, QueryRejection>) -> Result<Duration, ApiError> {
+    let q = q.map_err(|e| ApiError::BadWait {
+        value: String::new(),
+        reason: e.body_text(),
+    })?;
+    let Some(v) = q.0.wait else {
+        return Ok(DEFAULT_WAIT);
+    };
+    humantime::parse_duration(&v)
+        .map(|d| d.min(MAX_WAIT))
+        .map_err(|e| ApiError::BadWait {
+            value: v,
+            reason: e.to_string(),
+        })
+}
+
+async fn no_such_endpoint(uri: hyper::Uri) -> ApiError {
+    ApiError::NoSuchEndpoint(uri.path().to_string())
+}
+
+async fn method_not_allowed(method: Method) -> ApiError {
+    ApiError::MethodNotAllowed(method.to_string())
+}
+
+async fn health_route() -> Response<Full<Bytes>> {
+    json(StatusCode::OK, &serde_json::json!({"ready": true}))
+}
+
+async fn status_route(
+    State(ctx): State<Arc<Ctx>>,
+    Extension(peer): Extension<Peer>,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    if peer.uid != Some(0) {
+        return Err(ApiError::NotRoot);
     }
+    let (tx, rx) = oneshot::channel();
+    ctx.agent
+        .send(Request2Agent::Status { reply: tx })
+        .await
+        .map_err(|_| ApiError::ShuttingDown)?;
+    let v = rx.await.map_err(|_| ApiError::ShuttingDown)?;
+    Ok(json(StatusCode::OK, &v))
+}
+
+async fn publish_route(
+    State(ctx): State<Arc<Ctx>>,
+    alloc_id: Result<axum::extract::Path<String>, PathRejection>,
+    query: Result<Query<PublishQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let alloc_id = alloc_id
+        .map(|p| p.0)
+        .map_err(|e| ApiError::NotAnAllocId(e.body_text()))?;
+    let reply = publish(&ctx, alloc_id, query, &headers).await?;
+    Ok(json(StatusCode::OK, &reply))
 }
 
 async fn publish(
     ctx: &Ctx,
-    req: &Request<Incoming>,
     alloc_id: String,
+    query: Result<Query<PublishQuery>, QueryRejection>,
+    headers: &HeaderMap,
 ) -> Result<PublishReply, ApiError> {
     if !is_alloc_id(&alloc_id) {
         return Err(ApiError::NotAnAllocId(alloc_id));
     }
-    let wait = wait_of(req)?;
-    let token = token_of(req).ok_or(ApiError::NoToken)?;
+    let wait = wait_of(query)?;
+    let token = token_of(headers).ok_or(ApiError::NoToken)?;
     let claims: Claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
         crate::identity::IdentityError::Jwks(_) => ApiError::KeysUnavailable(e.to_string()),
         _ => ApiError::TokenRejected(e.to_string()),
@@ -452,5 +654,109 @@ pub mod client {
             message,
             retryable,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The router over a real unix socket in the test's temp dir: every endpoint, every
+    //! routing status, the error body, and the decisions taken before the agent is asked.
+    use super::*;
+
+    const ALLOC: &str = "00000000-0000-4000-8000-000000000001";
+
+    /// Serves the API on a socket in a temp dir; the agent side answers status requests
+    /// with `{"ok":true}` and keeps publish requests (returned through the receiver).
+    async fn start() -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        mpsc::Receiver<PublishRequest>,
+    ) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("api.sock");
+        let (listener, guard) = bind(&path).expect("bind");
+        // Nomad is never reached in these tests but one: port 1 on loopback refuses.
+        let client =
+            crate::nomad::Client::new(&crate::config::NomadConfig::plain("http://127.0.0.1:1"))
+                .expect("client");
+        let (tx, mut rx) = mpsc::channel(8);
+        let (pubs_tx, pubs) = mpsc::channel(8);
+        tokio::spawn(serve(listener, Verifier::new(client, &[]), tx));
+        tokio::spawn(async move {
+            let _guard = guard;
+            while let Some(r) = rx.recv().await {
+                match r {
+                    Request2Agent::Status { reply } => {
+                        let _ = reply.send(serde_json::json!({"ok": true}));
+                    }
+                    Request2Agent::Publish { request, .. } => {
+                        let _ = pubs_tx.send(request).await;
+                    }
+                }
+            }
+        });
+        (dir, path, pubs)
+    }
+
+    async fn status_of(path: &Path, method: Method, uri: &str, token: Option<&str>) -> u16 {
+        match client::call(path, method.clone(), uri, token).await {
+            Ok(_) => 200,
+            Err(client::CallError::Api { status, .. }) => status,
+            Err(e) => panic!("{method} {uri}: {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn routes_answer_with_the_statuses_of_their_errors() {
+        let (_dir, p, _pubs) = start().await;
+        let publish = format!("/v1/allocations/{ALLOC}/publish");
+        assert_eq!(status_of(&p, Method::GET, "/v1/health", None).await, 200);
+        assert_eq!(status_of(&p, Method::GET, "/v1/nothing", None).await, 404);
+        assert_eq!(status_of(&p, Method::POST, "/v1/health", None).await, 404);
+        assert_eq!(status_of(&p, Method::GET, &publish, None).await, 405);
+        assert_eq!(status_of(&p, Method::DELETE, "/v1/status", None).await, 405);
+        let bad_id = "/v1/allocations/not-an-id/publish";
+        assert_eq!(status_of(&p, Method::POST, bad_id, None).await, 400);
+        let bad_wait = format!("{publish}?wait=soon");
+        assert_eq!(status_of(&p, Method::POST, &bad_wait, None).await, 400);
+        assert_eq!(status_of(&p, Method::POST, &publish, None).await, 401);
+        // A token that is not a JWT: refused for good.
+        assert_eq!(
+            status_of(&p, Method::POST, &publish, Some("a.b.c")).await,
+            403
+        );
+        // A JWT (header {"alg":"RS256","kid":"k1"}) whose keys cannot be fetched (Nomad
+        // refuses): retryable 503.
+        let jwt = "eyJhbGciOiJSUzI1NiIsImtpZCI6ImsxIiwidHlwIjoiSldUIn0.e30.c2ln";
+        match client::call(&p, Method::POST, &publish, Some(jwt)).await {
+            Err(client::CallError::Api {
+                status, retryable, ..
+            }) => assert_eq!((status, retryable), (503, true)),
+            other => panic!("expected 503: {other:?}"),
+        }
+        // Status is for root: the peer UID of the connection decides.
+        let root = nix::unistd::geteuid().is_root();
+        let want = if root { 200 } else { 403 };
+        assert_eq!(status_of(&p, Method::GET, "/v1/status", None).await, want);
+    }
+
+    #[tokio::test]
+    async fn errors_carry_their_message_and_whether_to_retry() {
+        let (_dir, p, _pubs) = start().await;
+        let e = client::call(&p, Method::GET, "/v1/nothing", None)
+            .await
+            .unwrap_err();
+        match e {
+            client::CallError::Api {
+                status,
+                message,
+                retryable,
+            } => {
+                assert_eq!(status, 404);
+                assert_eq!(message, "no such endpoint: /v1/nothing");
+                assert!(!retryable);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -4,21 +4,58 @@
 use crate::nomad::types::VariableMeta;
 use crate::nomad::Client;
 use crate::retry::backoff_delay;
+use crate::trust::RecordTrust;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
+use crate::watch::MIN_QUERY_INTERVAL;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A full snapshot of the catalogue.
 pub type Catalogue = BTreeMap<VolumeKey, VolumeRecord>;
 
+/// Records left out of the catalogue, by `<namespace>/<variable path>`, with the reason
+/// (malformed, unsigned, forged, an unsigned delete). Shared with the status document.
+#[derive(Debug, Clone, Default)]
+pub struct Rejections(Arc<Mutex<BTreeMap<String, String>>>);
+
+impl Rejections {
+    /// The current rejections, `<namespace>/<path>` → reason.
+    pub fn snapshot(&self) -> BTreeMap<String, String> {
+        self.0.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    fn replace(&self, now: BTreeMap<String, String>) {
+        if let Ok(mut m) = self.0.lock() {
+            *m = now;
+        }
+    }
+}
+
+/// What a cached variable decoded to: a record to act on, or why it is left out.
+type Decoded = Result<VolumeRecord, String>;
+
 /// Watches the records and sends a full catalogue after every change.
-/// Records that do not decode are logged and left out (never deleted).
-pub async fn run(client: Client, wait: Duration, tx: mpsc::Sender<Catalogue>) {
+/// Records that do not decode or that `trust` refuses are logged, listed in `rejected` and
+/// left out (never deleted, never acted on).
+pub async fn run(
+    client: Client,
+    wait: Duration,
+    trust: RecordTrust,
+    rejected: Rejections,
+    tx: mpsc::Sender<Catalogue>,
+) {
     let mut index = 0u64;
     let mut attempt = 0u32;
-    let mut cache: HashMap<(String, String), (u64, Option<VolumeRecord>)> = HashMap::new();
+    let mut cache: HashMap<(String, String), (u64, Option<Decoded>)> = HashMap::new();
+    let mut last_query: Option<tokio::time::Instant> = None;
     loop {
+        // A previous answer that did not move the index forward: wait out the floor.
+        if let Some(t) = last_query.take() {
+            tokio::time::sleep_until(t + MIN_QUERY_INTERVAL).await;
+        }
+        let asked = tokio::time::Instant::now();
         let list = match client.list_variables(RECORD_PREFIX, "*", index, wait).await {
             Ok(l) => l,
             Err(e) => {
@@ -34,12 +71,16 @@ pub async fn run(client: Client, wait: Duration, tx: mpsc::Sender<Catalogue>) {
             }
         };
         attempt = 0;
+        if list.index <= index {
+            last_query = Some(asked);
+        }
         if list.index < index {
             // Index went backwards (restore): start over.
             cache.clear();
         }
-        match load(&client, &list.value, &mut cache).await {
+        match load(&client, &list.value, &trust, &mut cache).await {
             Ok(cat) => {
+                rejected.replace(rejections_of(&cache));
                 if tx.send(cat).await.is_err() {
                     return;
                 }
@@ -53,10 +94,35 @@ pub async fn run(client: Client, wait: Duration, tx: mpsc::Sender<Catalogue>) {
     }
 }
 
+fn rejections_of(
+    cache: &HashMap<(String, String), (u64, Option<Decoded>)>,
+) -> BTreeMap<String, String> {
+    cache
+        .iter()
+        .filter_map(|((ns, path), (_, d))| match d {
+            Some(Err(reason)) => Some((format!("{ns}/{path}"), reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Decodes and checks one variable; `Err` says why it must not be acted on.
+pub fn admit(var: &crate::nomad::types::Variable, trust: &RecordTrust) -> Decoded {
+    let rec = VolumeRecord::from_variable(var).map_err(|e| e.to_string())?;
+    trust.verify(&rec).map_err(|e| {
+        format!(
+            "variable {} in namespace {} is not acted on: {e}",
+            var.path, var.namespace
+        )
+    })?;
+    Ok(rec)
+}
+
 async fn load(
     client: &Client,
     metas: &[VariableMeta],
-    cache: &mut HashMap<(String, String), (u64, Option<VolumeRecord>)>,
+    trust: &RecordTrust,
+    cache: &mut HashMap<(String, String), (u64, Option<Decoded>)>,
 ) -> Result<Catalogue, crate::nomad::NomadError> {
     let mut seen = HashMap::new();
     for m in metas {
@@ -68,16 +134,21 @@ async fn load(
         let entry = match cached {
             Some(c) => c,
             None => {
-                let rec = match client.variable(&m.namespace, &m.path).await? {
-                    Some(var) => match VolumeRecord::from_variable(&var) {
-                        Ok(r) => Some(r),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "ignoring a malformed volume record");
-                            None
-                        }
-                    },
-                    None => None,
-                };
+                let rec = client
+                    .variable(&m.namespace, &m.path)
+                    .await?
+                    .map(|var| admit(&var, trust));
+                if let Some(Err(reason)) = &rec {
+                    let name = m.path.rsplit('/').next().unwrap_or(&m.path);
+                    let volume = crate::escape::escape_control(&format!("{}/{name}", m.namespace));
+                    tracing::warn!(
+                        %volume,
+                        namespace = %crate::escape::escape_control(&m.namespace),
+                        path = %crate::escape::escape_control(&m.path),
+                        reason = %crate::escape::escape_control(reason),
+                        "refusing a volume record: nothing is mounted, created or deleted for it"
+                    );
+                }
                 (m.modify_index, rec)
             }
         };
@@ -86,7 +157,7 @@ async fn load(
     *cache = seen;
     Ok(cache
         .values()
-        .filter_map(|(_, r)| r.clone())
+        .filter_map(|(_, r)| r.clone().and_then(Result::ok))
         .map(|r| (r.key(), r))
         .collect())
 }

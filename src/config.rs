@@ -44,9 +44,33 @@ pub struct NomadConfig {
     /// PEM client key for mutual TLS.
     #[arg(long = "client-key", env = "NOMAD_CLIENT_KEY", global = true)]
     pub client_key: Option<PathBuf>,
-    /// Do not verify Nomad's TLS certificate (testing only).
-    #[arg(long = "tls-skip-verify", env = "NOMAD_SKIP_VERIFY", global = true)]
+    /// Do not verify Nomad's TLS certificate (testing only). The value is parsed as the Nomad
+    /// CLI parses NOMAD_SKIP_VERIFY (Go's `strconv.ParseBool`: 1 t T TRUE true True, 0 f F
+    /// FALSE false False); anything else is refused rather than guessed.
+    #[arg(
+        long = "tls-skip-verify",
+        env = "NOMAD_SKIP_VERIFY",
+        global = true,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = go_bool,
+        action = clap::ArgAction::Set
+    )]
     pub skip_verify: bool,
+}
+
+/// Parses a boolean as Go's `strconv.ParseBool` does (Nomad's `api.DefaultConfig` reads
+/// NOMAD_SKIP_VERIFY with it). An empty value is false, as an unset variable.
+pub fn go_bool(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "" | "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        other => Err(format!(
+            "{other:?} is not a boolean as Nomad reads it (1, t, T, TRUE, true, True, 0, f, F, FALSE, false, False)"
+        )),
+    }
 }
 
 /// Settings of `dhv-binder agent`.
@@ -115,18 +139,29 @@ pub struct AgentConfig {
     /// Lock delay after a claim's TTL lapses, before another node may take it.
     #[arg(long, env = "DHV_BINDER_CLAIM_LOCK_DELAY", default_value = "15s", value_parser = humantime::parse_duration)]
     pub claim_lock_delay: Duration,
+    /// File of the operators' public keys (`ed25519 <base64>` per line): the agent acts only on
+    /// volume records signed by one of them (docs/security.md). Keep it on the node, root-owned.
+    #[arg(long, env = "DHV_BINDER_RECORD_KEYS")]
+    pub record_keys: Option<PathBuf>,
+    /// Act on unsigned volume records (test clusters only: anyone who may write variables
+    /// under dhv-binder/volumes/ can then make nodes mount and delete as root).
+    #[arg(long, env = "DHV_BINDER_ALLOW_UNSIGNED_RECORDS")]
+    pub allow_unsigned_records: bool,
+    /// A directory a plugin may touch, `<plugin_id>=<dir>`, repeatable: passed to that plugin
+    /// as `DHV_ALLOWED_ROOTS` (docs/security.md). Node configuration, never from a record.
+    #[arg(
+        long = "plugin-root",
+        env = "DHV_BINDER_PLUGIN_ROOTS",
+        value_delimiter = ','
+    )]
+    pub plugin_roots: Vec<String>,
+    /// The issuer (`iss`) workload identity tokens must carry: the cluster's `oidc_issuer`,
+    /// when it sets one (Nomad then puts it in every token). Unset: any issuer.
+    #[arg(long = "token-issuer", env = "DHV_BINDER_TOKEN_ISSUER")]
+    pub token_issuer: Option<String>,
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.
     #[arg(long = "audience", env = "DHV_BINDER_AUDIENCES", value_delimiter = ',')]
     pub audiences: Vec<String>,
-    /// Directories the node's plugins may keep storage under (exports, image directories),
-    /// besides the volumes dir: handed to every plugin call as `DHV_ALLOWED_ROOTS`; a plugin refuses
-    /// any path outside them, whatever a volume record says (docs/plugin-protocol.md).
-    #[arg(
-        long = "storage-root",
-        env = "DHV_BINDER_STORAGE_ROOTS",
-        value_delimiter = ':'
-    )]
-    pub storage_roots: Vec<PathBuf>,
     /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `127.0.0.1:9464`); off
     /// when unset. The endpoint has no authentication: keep it on loopback.
     #[arg(long, env = "DHV_BINDER_METRICS_ADDR")]
@@ -252,14 +287,6 @@ impl AgentConfig {
                 });
             }
         }
-        for r in &self.storage_roots {
-            if !r.is_absolute() {
-                return Err(ConfigError::NotAbsolute {
-                    what: "--storage-root",
-                    path: r.clone(),
-                });
-            }
-        }
         if let Some(v) = &self.volumes_dir {
             if !v.is_absolute() {
                 return Err(ConfigError::NotAbsolute {
@@ -306,13 +333,6 @@ impl AgentConfig {
         self.volumes_dir
             .clone()
             .unwrap_or_else(|| self.state_dir.join("volumes"))
-    }
-
-    /// `DHV_ALLOWED_ROOTS` for plugins: the volumes dir, then every `--storage-root`.
-    pub fn plugin_roots(&self) -> Vec<PathBuf> {
-        let mut roots = vec![self.volumes_dir()];
-        roots.extend(self.storage_roots.iter().cloned());
-        roots
     }
 
     /// Root of the placeholder mount points.

@@ -4,7 +4,8 @@
 //!
 //! Rules: fingerprint shape and speed; deferred binding; each operation repeated 10 times
 //! (idempotence); unpublish and delete of something absent; publish to a target that is
-//! already mounted; read-only publish; data kept across publishes; concurrent calls on one
+//! already mounted; read-only publish; unpublish while a file is open inside (must fail and
+//! leave the mount); data kept across publishes; concurrent calls on one
 //! volume; calls killed by the timeout, then retried; output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
@@ -40,8 +41,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Scratch directory (volumes dir and targets); removed afterwards when created here.
     pub scratch: Option<PathBuf>,
-    /// Storage roots of the test node (`DHV_ALLOWED_ROOTS`), besides the scratch volumes dir and
-    /// every parameter value that is an absolute path (the test volume's own storage).
+    /// The test node's `--plugin-root`s for the plugin (`DHV_ALLOWED_ROOTS`), besides the
+    /// scratch volumes dir and every parameter value that is an absolute path (the test
+    /// volume's own storage).
     pub roots: Vec<PathBuf>,
 }
 
@@ -193,6 +195,8 @@ fn median(v: &[u64]) -> u64 {
 
 struct Kit {
     runner: Runner,
+    /// The runner's `DHV_ALLOWED_ROOTS` per plugin ID (for runners made later).
+    allowed: BTreeMap<String, String>,
     plugin_id: String,
     node: NodeEnv,
     rec: VolumeRecord,
@@ -286,6 +290,7 @@ impl Kit {
             since: 0,
             last_error: String::new(),
             claim_id: None,
+            mount: None,
         };
         environment::unpublish_env(&self.node, &m, Some(rec))
     }
@@ -396,21 +401,26 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
     rec.state = VolumeState::Ready;
+    // The test node's `--plugin-root`s, passed as a node passes them (the runner's
+    // DHV_ALLOWED_ROOTS): canonical where they exist (a parameter's directory may not yet).
+    let roots: Vec<String> = std::iter::once(volumes_dir.clone())
+        .chain(opts.roots.iter().cloned())
+        .chain(
+            opts.parameters
+                .values()
+                .filter(|v| v.starts_with('/'))
+                .map(PathBuf::from),
+        )
+        .map(|r| r.canonicalize().unwrap_or(r).display().to_string())
+        .collect();
+    let allowed = BTreeMap::from([(plugin_id.clone(), roots.join(":"))]);
     let mut kit = Kit {
-        runner: Runner::new(&plugin_dir, opts.timeout),
+        runner: Runner::new(&plugin_dir, opts.timeout).with_allowed_roots(allowed.clone()),
+        allowed,
         plugin_id,
         node: NodeEnv {
             node_id: uuid::Uuid::new_v4().to_string(),
             node_pool: "default".into(),
-            roots: std::iter::once(volumes_dir.clone())
-                .chain(opts.roots.iter().cloned())
-                .chain(
-                    opts.parameters
-                        .values()
-                        .filter(|v| v.starts_with('/'))
-                        .map(PathBuf::from),
-                )
-                .collect(),
             volumes_dir,
             plugin_dir,
         },
@@ -517,6 +527,7 @@ async fn run_rules(kit: &mut Kit) {
             "unpublish of nothing",
             "publish to occupied target",
             "read-only publish",
+            "unpublish while in use",
             "concurrent calls",
             "killed by the timeout",
         ] {
@@ -719,6 +730,44 @@ async fn run_rules(kit: &mut Kit) {
     kit.report
         .push("read-only publish", ok, verdict.unwrap_or_else(|e| e));
 
+    // Unpublish while in use: a file held open inside the volume makes the unmount fail
+    // (EBUSY); the plugin must report failure and leave the filesystem mounted, never
+    // detach it lazily (a lazily detached filesystem lives on, written by its holders,
+    // while the volume is published elsewhere).
+    let held = kit.target("in-use");
+    let verdict = match kit.publish(&held, false).await {
+        Err(e) => Err(format!("publish failed: {e}")),
+        Ok(c) => {
+            let file = std::fs::File::create(held.join("held-open"));
+            let env = kit.unpublish_env(&held, &c);
+            let call = kit.call(Operation::Unpublish, &env).await;
+            let still = crate::mounts::MountTable::read_self()
+                .map(|t| t.contains(&held))
+                .map_err(|e| e.to_string());
+            drop(file);
+            let released = kit.unpublish(&held, &c).await;
+            match (call.ok(), still, released) {
+                (false, Ok(true), Ok(())) => Ok(format!(
+                    "with a file open inside: {}; the target stayed mounted; unpublished once the file was closed",
+                    call.describe()
+                )),
+                (true, still, _) => Err(format!(
+                    "unpublish reported success with a file open inside the volume (target {}): it must fail, not detach lazily",
+                    if still.unwrap_or(false) { "still mounted" } else { "detached" }
+                )),
+                (false, Ok(false), _) => Err(format!(
+                    "unpublish failed ({}) but the target is no longer mounted: a filesystem in use must stay mounted",
+                    call.describe()
+                )),
+                (false, Err(e), _) => Err(e),
+                (false, Ok(true), Err(e)) => Err(format!("unpublish after closing the file: {e}")),
+            }
+        }
+    };
+    let ok = verdict.is_ok();
+    kit.report
+        .push("unpublish while in use", ok, verdict.unwrap_or_else(|e| e));
+
     // Concurrent calls on one volume (the agent never does this on one node, but Nomad
     // asks plugins to be safe to call concurrently per volume).
     let t2 = kit.target("concurrent");
@@ -765,7 +814,8 @@ async fn run_rules(kit: &mut Kit) {
     let mut notes = Vec::new();
     let mut ok = true;
     for kill_ms in [5u64, 50, 200] {
-        let short_runner = Runner::new(kit.runner.plugin_dir(), Duration::from_millis(kill_ms));
+        let short_runner = Runner::new(kit.runner.plugin_dir(), Duration::from_millis(kill_ms))
+            .with_allowed_roots(kit.allowed.clone());
         let _ = std::fs::create_dir_all(&t3);
         let env = kit.publish_env(&t3, false);
         let c = kit.call_with(&short_runner, Operation::Publish, &env).await;

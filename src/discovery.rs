@@ -192,7 +192,7 @@ mod tests {
         for _ in 0..20 {
             runner.fingerprint("fake").await.unwrap();
             std::fs::read(&plugin).unwrap();
-            assert!(runner.list().contains(&"fake".to_string()));
+            assert!(runner.list().unwrap().contains(&"fake".to_string()));
         }
         let marker = dir.path().join("marker");
         std::fs::write(&marker, "").unwrap();

@@ -13,19 +13,11 @@ pub struct NodeEnv {
     pub node_pool: String,
     pub volumes_dir: PathBuf,
     pub plugin_dir: PathBuf,
-    /// The node's storage roots (`DHV_ALLOWED_ROOTS`): the volumes dir and every `--storage-root`.
-    pub roots: Vec<PathBuf>,
-}
-
-/// `DHV_ALLOWED_ROOTS`: the node's storage roots, `:`-joined (the name and shape `security`'s
-/// `plugin::Runner::with_allowed_roots` uses; the plugins also always allow the volumes dir).
-pub fn roots_env(node: &NodeEnv) -> (String, String) {
-    let roots: Vec<String> = node.roots.iter().map(|r| r.display().to_string()).collect();
-    ("DHV_ALLOWED_ROOTS".into(), roots.join(":"))
 }
 
 /// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
-/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`, `DHV_ALLOWED_ROOTS`.
+/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`. (`DHV_ALLOWED_ROOTS` is set by the
+/// runner from the node's `--plugin-root`s, [`crate::plugin::Runner::with_allowed_roots`].)
 pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
     vec![
         (
@@ -38,7 +30,6 @@ pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
         ),
         ("DHV_NODE_ID".into(), node.node_id.clone()),
         ("DHV_NODE_POOL".into(), node.node_pool.clone()),
-        roots_env(node),
     ]
 }
 

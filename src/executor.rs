@@ -4,6 +4,7 @@
 
 use crate::claims::{self, ClaimError, ClaimSettings};
 use crate::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
+use crate::guard::Guard;
 use crate::health::Probe;
 use crate::journal::MountRecord;
 use crate::mounts;
@@ -22,10 +23,10 @@ pub mod storage;
 /// The outcome of one effect.
 #[derive(Debug)]
 pub enum Completion {
-    /// `publish` ran; `Ok` carries the plugin's `context`.
+    /// `publish` ran; `Ok` carries the plugin's `context` and what it mounted.
     Published {
         volume: VolumeKey,
-        result: Result<serde_json::Value, StepError>,
+        result: Result<PublishedMount, StepError>,
         elapsed: Duration,
     },
     /// `unpublish` ran (and the empty target directory was removed).
@@ -35,8 +36,11 @@ pub enum Completion {
     },
     /// Every plugin in the directory, fingerprinted.
     Plugins(BTreeMap<String, Result<Fingerprint, PluginError>>),
+    /// The plugin directory could not be read: the plugins known before stand (an I/O error
+    /// is never "no plugins").
+    PluginsUnreadable { dir: PathBuf, error: std::io::Error },
     /// This node's placeholder host volumes (volume → host volume ID).
-    PlaceholdersListed(Result<BTreeMap<VolumeKey, String>, NomadError>),
+    PlaceholdersListed(Result<BTreeMap<VolumeKey, ListedPlaceholder>, NomadError>),
     /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
     Placeholder {
         volume: VolumeKey,
@@ -89,15 +93,18 @@ pub enum Completion {
     },
 }
 
+/// What a successful `publish` established.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishedMount {
+    /// The plugin's `context`, handed back to `unpublish`.
+    pub context: serde_json::Value,
+    /// The mount on the target afterwards, from the host's table.
+    pub mount: mounts::MountIdentity,
+}
+
 /// Why a `publish` or `unpublish` did not leave the node as it should be.
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
-    #[error("cannot create {}: {source}", path.display())]
-    Dir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     Plugin(#[from] PluginError),
     #[error("plugin {plugin:?} published at {path}, not at the target {}", target.display())]
@@ -116,11 +123,33 @@ pub enum StepError {
     },
     #[error("plugin {plugin:?} reported success but {} is still a mount point", target.display())]
     StillMounted { plugin: String, target: PathBuf },
+    #[error("{} is occupied by {found}, not by this volume's mount: not publishing over it (unmount it to let the volume be published)", target.display())]
+    Occupied {
+        target: PathBuf,
+        found: mounts::MountIdentity,
+    },
+    #[error("{} is still in use: {}; not unpublished (the claim is kept, retried)", target.display(), usage.summary(5))]
+    InUse {
+        target: PathBuf,
+        usage: crate::holders::Usage,
+    },
+    #[error("cannot check who uses {}: {source}", target.display())]
+    Holders {
+        target: PathBuf,
+        #[source]
+        source: crate::holders::HoldersError,
+    },
+    #[error("cannot prepare the placeholder {}: {source}", target.display())]
+    Placeholder {
+        target: PathBuf,
+        #[source]
+        source: crate::guard::GuardError,
+    },
     #[error("cannot read the mount table to check {}: {source}", target.display())]
     MountTable {
         target: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: crate::mounts::MountsError,
     },
 }
 
@@ -131,7 +160,7 @@ pub enum PlaceholderError {
     Dir {
         path: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: crate::guard::GuardError,
     },
     #[error(transparent)]
     Nomad(#[from] NomadError),
@@ -156,76 +185,80 @@ pub enum WorkerError {
 }
 
 /// A plugin error with the volume's secrets taken out of every text it carries.
-fn redacted(e: PluginError, secrets: &BTreeMap<String, String>) -> PluginError {
-    let r = |t: String| plugin::redact(&t, secrets);
-    match e {
-        PluginError::BadOutput {
-            plugin,
-            op,
-            reason,
-            stdout,
-        } => PluginError::BadOutput {
-            plugin,
-            op,
-            reason: r(reason),
-            stdout: r(stdout),
-        },
+fn redacted(mut e: PluginError, secrets: &BTreeMap<String, String>) -> PluginError {
+    let texts: Vec<&mut String> = match &mut e {
+        PluginError::BadOutput { reason, stdout, .. } => vec![reason, stdout],
         PluginError::Failed {
-            plugin,
-            op,
-            status,
-            message,
-            stderr,
-        } => PluginError::Failed {
-            plugin,
-            op,
-            status,
-            message: r(message),
-            stderr: r(stderr),
-        },
-        PluginError::TimedOut {
-            plugin,
-            op,
-            after,
-            stderr,
-        } => PluginError::TimedOut {
-            plugin,
-            op,
-            after,
-            stderr: r(stderr),
-        },
-        other => other,
+            message, stderr, ..
+        } => vec![message, stderr],
+        PluginError::TimedOut { stderr, .. } => vec![stderr],
+        _ => vec![],
+    };
+    for t in texts {
+        *t = plugin::redact(t, secrets);
     }
+    e
 }
 
 fn secrets_of(rec: Option<&VolumeRecord>) -> BTreeMap<String, String> {
     rec.map(|r| r.secrets.clone()).unwrap_or_default()
 }
 
-/// Creates the target directory, runs `publish`, and checks that the target really is one
-/// mount point afterwards.
+/// The host's mount table, read off the async threads.
+async fn host_table(target: &Path) -> Result<mounts::MountTable, StepError> {
+    tokio::task::spawn_blocking(mounts::MountTable::read)
+        .await
+        .unwrap_or_else(|e| {
+            Err(mounts::MountsError::Read {
+                path: mounts::HOST_MOUNTINFO.into(),
+                source: std::io::Error::other(e),
+            })
+        })
+        .map_err(|source| StepError::MountTable {
+            target: target.to_path_buf(),
+            source,
+        })
+}
+
+/// Creates the target directory (through the placeholder guard), refuses a target that
+/// holds something other than what the last publish established (`expected`), runs
+/// `publish`, and checks that the target is then exactly one mount, whose identity it
+/// returns.
+#[allow(clippy::too_many_arguments)]
 pub async fn publish(
     runner: Runner,
     node: NodeEnv,
+    guard: Guard,
     rec: VolumeRecord,
     target: PathBuf,
     read_only: bool,
     alloc_id: String,
+    expected: Option<mounts::MountIdentity>,
 ) -> Completion {
     let started = std::time::Instant::now();
     let result = async {
-        std::fs::create_dir_all(&target).map_err(|source| StepError::Dir {
-            path: target.clone(),
-            source,
-        })?;
+        guard
+            .ensure(&target)
+            .map_err(|source| StepError::Placeholder {
+                target: target.clone(),
+                source,
+            })?;
+        if let (Some(top), Some(id)) = (host_table(&target).await?.top_at(&target), &expected) {
+            if !id.is(top) {
+                return Err(StepError::Occupied {
+                    found: top.identity(),
+                    target,
+                });
+            }
+        }
         let env = publish_env(&node, &rec, &target, read_only, &alloc_id);
         let plugin_id = &rec.spec.plugin_id;
         let out = runner
             .call(plugin_id, Operation::Publish, &env, &rec.secrets)
             .await
             .map_err(|e| redacted(e, &rec.secrets))?;
-        let res: PublishResult = plugin::parse(plugin_id, Operation::Publish, &out.stdout)
-            .map_err(|e| redacted(e, &rec.secrets))?;
+        let res: PublishResult =
+            plugin::parse_with(plugin_id, Operation::Publish, &out.stdout, &rec.secrets)?;
         if let Some(p) = &res.path {
             if Path::new(p) != target {
                 return Err(StepError::WrongPath {
@@ -235,17 +268,17 @@ pub async fn publish(
                 });
             }
         }
-        let table = mounts::MountTable::read().map_err(|source| StepError::MountTable {
-            target: target.clone(),
-            source,
-        })?;
-        match table.count(&target) {
-            0 => Err(StepError::NotMounted {
+        let table = host_table(&target).await?;
+        match (table.count(&target), table.top_at(&target)) {
+            (0, _) | (_, None) => Err(StepError::NotMounted {
                 plugin: plugin_id.clone(),
                 target,
             }),
-            1 => Ok(res.context),
-            count => Err(StepError::Stacked {
+            (1, Some(top)) => Ok(PublishedMount {
+                context: res.context,
+                mount: top.identity(),
+            }),
+            (count, _) => Err(StepError::Stacked {
                 plugin: plugin_id.clone(),
                 count,
                 target,
@@ -260,12 +293,16 @@ pub async fn publish(
     }
 }
 
-/// Runs `unpublish`; success requires the target to be no longer mounted. Then removes the
-/// target directory if (and only if) it is empty, and makes it again when `keep_dir` (a
-/// placeholder host volume points at it).
+/// Runs `unpublish` only when no process on the node uses the volume any more
+/// ([`crate::holders`]: other mount namespaces, open files, working directories...);
+/// success requires the target to be no longer mounted. Then removes the target directory
+/// if (and only if) it is empty, unless `keep_dir` (a placeholder host volume points at
+/// it, and the read-only guard keeps it unwritable).
 pub async fn unpublish(
+    client: Client,
     runner: Runner,
     node: NodeEnv,
+    guard: Guard,
     m: MountRecord,
     rec: Option<VolumeRecord>,
     keep_dir: bool,
@@ -273,24 +310,46 @@ pub async fn unpublish(
     let env = unpublish_env(&node, &m, rec.as_ref());
     let secrets = secrets_of(rec.as_ref());
     let result = async {
+        let target = m.target.clone();
+        let usage = tokio::task::spawn_blocking(move || crate::holders::before_unpublish(&target))
+            .await
+            .unwrap_or_else(|e| Err(crate::holders::HoldersError::Proc(std::io::Error::other(e))))
+            .map_err(|source| StepError::Holders {
+                target: m.target.clone(),
+                source,
+            })?;
+        if let Some(usage) = usage.filter(crate::holders::Usage::in_use) {
+            // Tasks of allocations Nomad places on another node are not this node's (a
+            // single host simulating several nodes shows them); anything unknown counts.
+            let mut elsewhere = std::collections::BTreeSet::new();
+            for id in usage.allocs() {
+                if let Ok(Some(a)) = client.allocation(&id).await {
+                    if !a.node_id.is_empty() && a.node_id != node.node_id {
+                        elsewhere.insert(id);
+                    }
+                }
+            }
+            let usage = usage.without_allocs(&elsewhere);
+            if usage.in_use() {
+                return Err(StepError::InUse {
+                    target: m.target.clone(),
+                    usage,
+                });
+            }
+        }
         runner
             .call(&m.plugin_id, Operation::Unpublish, &env, &secrets)
             .await
             .map_err(|e| redacted(e, &secrets))?;
-        let table = mounts::MountTable::read().map_err(|source| StepError::MountTable {
-            target: m.target.clone(),
-            source,
-        })?;
-        if table.contains(&m.target) {
+        if host_table(&m.target).await?.contains(&m.target) {
             return Err(StepError::StillMounted {
                 plugin: m.plugin_id.clone(),
                 target: m.target.clone(),
             });
         }
         // Leave no directory behind, but never delete data: rmdir only.
-        let _ = std::fs::remove_dir(&m.target);
-        if keep_dir {
-            let _ = std::fs::create_dir_all(&m.target);
+        if !keep_dir {
+            let _ = guard.release(&m.target);
         }
         Ok(())
     }
@@ -303,16 +362,37 @@ pub async fn unpublish(
 
 /// Lists and fingerprints every plugin in the runner's directory.
 pub async fn fingerprint_all(runner: Runner) -> Completion {
+    let ids = match runner.list() {
+        Ok(ids) => ids,
+        Err(error) => {
+            return Completion::PluginsUnreadable {
+                dir: runner.plugin_dir().to_path_buf(),
+                error,
+            }
+        }
+    };
     let mut out = BTreeMap::new();
-    for id in runner.list() {
+    for id in ids {
         let r = runner.fingerprint(&id).await;
         out.insert(id, r);
     }
     Completion::Plugins(out)
 }
 
+/// One placeholder as Nomad lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedPlaceholder {
+    /// Nomad's host volume ID.
+    pub id: String,
+    /// False when Nomad reports it `unavailable` (its node no longer fingerprints it).
+    pub available: bool,
+}
+
 /// Finds this node's placeholders: host volumes on the node whose path is under `mount_root`.
-pub async fn list_placeholders(client: Client, node_id: String, mount_root: PathBuf) -> Completion {
+/// The directory of each is made again (through the guard) if it is missing: after an
+/// upgrade that placed the guard, they live in its backing directory.
+pub async fn list_placeholders(client: Client, node_id: String, guard: Guard) -> Completion {
+    let mount_root = guard.root().to_path_buf();
     let result = async {
         let mut out = BTreeMap::new();
         for stub in client.list_host_volumes(Some(&node_id), "*").await? {
@@ -321,12 +401,18 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
             }
             if let Some(hv) = client.host_volume(&stub.namespace, &stub.id).await? {
                 if Path::new(&hv.host_path).starts_with(&mount_root) {
+                    if let Err(e) = guard.ensure(Path::new(&hv.host_path)) {
+                        tracing::warn!(host_path = %hv.host_path, error = %e, "cannot make a placeholder's directory");
+                    }
                     out.insert(
                         VolumeKey {
                             namespace: hv.namespace,
                             name: hv.name,
                         },
-                        hv.id,
+                        ListedPlaceholder {
+                            id: hv.id,
+                            available: hv.state != "unavailable",
+                        },
                     );
                 }
             }
@@ -337,21 +423,26 @@ pub async fn list_placeholders(client: Client, node_id: String, mount_root: Path
     Completion::PlaceholdersListed(result)
 }
 
-/// Registers the placeholder host volume for `rec` on this node, creating its directory.
+/// Registers the placeholder host volume for `rec` on this node, creating its directory
+/// (`id`: an existing placeholder registered again).
 pub async fn register_placeholder(
     client: Client,
     node: NodeEnv,
+    guard: Guard,
     rec: VolumeRecord,
     target: PathBuf,
+    id: Option<String>,
 ) -> Completion {
     let result = async {
-        std::fs::create_dir_all(&target).map_err(|source| PlaceholderError::Dir {
-            path: target.clone(),
-            source,
-        })?;
+        guard
+            .ensure(&target)
+            .map_err(|source| PlaceholderError::Dir {
+                path: target.clone(),
+                source,
+            })?;
         let hv = HostVolume {
             namespace: rec.spec.namespace.clone(),
-            id: String::new(),
+            id: id.unwrap_or_default(),
             name: rec.spec.name.clone(),
             plugin_id: String::new(),
             node_pool: node.node_pool.clone(),
@@ -441,13 +532,31 @@ pub async fn create(
             .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)
             .await
             .and_then(|o| {
-                plugin::parse::<CreateResult>(&rec.spec.plugin_id, Operation::Create, &o.stdout)
+                plugin::parse_with::<CreateResult>(
+                    &rec.spec.plugin_id,
+                    Operation::Create,
+                    &o.stdout,
+                    &rec.secrets,
+                )
             }) {
             Ok(res) => {
                 rec.state = VolumeState::Ready;
                 rec.context = res.context;
                 rec.capacity_bytes = res.bytes;
                 rec.error.clear();
+                if let Err(e) = rec.check_size() {
+                    // Nomad would refuse the record (and every retry of it): the create
+                    // fails, saying why; the context is not kept.
+                    rec.state = VolumeState::Failed;
+                    rec.context = serde_json::Value::Null;
+                    rec.error = e.to_string();
+                    failure = Some(PluginError::BadOutput {
+                        plugin: rec.spec.plugin_id.clone(),
+                        op: Operation::Create,
+                        reason: e.to_string(),
+                        stdout: String::new(),
+                    });
+                }
             }
             Err(e @ PluginError::TimedOut { .. }) => {
                 return Err(WorkerError::Plugin(redacted(e, &rec.secrets)))

@@ -69,7 +69,12 @@ pub fn plan_update(existing: &VolumeRecord, new: &VolumeSpec) -> Result<Update, 
     if new.source != old.source {
         return immutable("snapshot_id/clone_id");
     }
-    let current = existing.capacity_bytes.max(old.capacity_min);
+    // The size the plugin reported (a growth request raises the spec's capacity_min before
+    // the volume has grown); the spec's capacity_min when the plugin reported none.
+    let current = match existing.capacity_bytes {
+        0 => old.capacity_min,
+        n => n,
+    };
     if new.capacity_max > 0 && new.capacity_max < current {
         return Err(UpdateError::MaxBelowCurrent {
             volume,
@@ -87,6 +92,14 @@ pub fn plan_update(existing: &VolumeRecord, new: &VolumeSpec) -> Result<Update, 
     if new.capacity_min <= current {
         return Ok(Update::Unchanged);
     }
+    // The same growth already requested and not failed: nothing to add.
+    if existing
+        .expansion
+        .as_ref()
+        .is_some_and(|x| x.bytes == new.capacity_min && x.state != ExpansionState::Failed)
+    {
+        return Ok(Update::Unchanged);
+    }
     if existing.state != VolumeState::Ready {
         return Err(UpdateError::NotReady {
             volume,
@@ -97,6 +110,14 @@ pub fn plan_update(existing: &VolumeRecord, new: &VolumeSpec) -> Result<Update, 
         from: current,
         to: new.capacity_min,
     })
+}
+
+/// Records a growth of `rec` to `to` bytes as `volume create` requests it: the spec's
+/// `capacity_min` (signed by the operator with the rest of the spec) becomes `to`, and the
+/// request waits for a node. Nodes grow a volume only up to its spec's `capacity_min`.
+pub fn request(rec: &mut VolumeRecord, to: u64) {
+    rec.spec.capacity_min = to;
+    rec.expansion = Some(Expansion::requested(to));
 }
 
 /// What a node does about a volume's pending expansion.
@@ -135,6 +156,14 @@ pub fn step(
         return Step::None;
     }
     let Some(fp) = fp else { return Step::None };
+    // The size comes from the spec the operator signed (`volume create` raises capacity_min
+    // with the request); the unsigned request alone cannot grow a volume.
+    if x.bytes > rec.spec.capacity_min {
+        return Step::Refuse(format!(
+            "the expansion asks for {} bytes, more than the volume spec's capacity_min ({} bytes): request growth with `dhv-binder volume create` and the larger capacity_min",
+            x.bytes, rec.spec.capacity_min
+        ));
+    }
     if let Err(e) = fp.require(&rec.spec.plugin_id, Operation::Expand) {
         return Step::Refuse(e.to_string());
     }
@@ -194,8 +223,9 @@ pub async fn run_expand(
         });
     match out {
         Ok(res) if res.bytes >= x.bytes || res.bytes == 0 => {
+            // The spec is the operator's (signed, with the new capacity_min already): only
+            // the size and the request change.
             rec.capacity_bytes = res.bytes.max(x.bytes);
-            rec.spec.capacity_min = rec.spec.capacity_min.max(x.bytes);
             rec.expansion = None;
         }
         Ok(res) => {
@@ -365,6 +395,13 @@ mod tests {
             Step::None
         );
         rec.expansion = Some(Expansion::requested(128 << 20));
+        // A request beyond the signed spec (a node's token wrote it, not the operator's
+        // `volume create`) is refused.
+        match step(&rec, "n1", Published::Nowhere, Some(&fp(&["expand"]))) {
+            Step::Refuse(m) => assert!(m.contains("capacity_min"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        rec.spec.capacity_min = 128 << 20;
         let online = fp(&["expand", "expand_online"]);
         let offline = fp(&["expand"]);
         assert_eq!(
@@ -427,19 +464,24 @@ mod tests {
             node_pool: "default".into(),
             volumes_dir: dir.path().join("volumes"),
             plugin_dir: dir.path().to_path_buf(),
-            roots: vec![dir.path().join("volumes")],
         };
-        let mut rec = ready(64 << 20, 64 << 20);
+        // As `volume create` requests it: the spec says the new size, the record the old.
+        let mut rec = ready(128 << 20, 64 << 20);
         rec.expansion = Some(Expansion::requested(128 << 20));
         let done = run_expand(&runner, &node, rec.clone(), None).await.unwrap();
         assert_eq!(done.capacity_bytes, 128 << 20);
-        assert_eq!(done.spec.capacity_min, 128 << 20);
+        assert_eq!(
+            done.spec, rec.spec,
+            "the signed spec is never changed by a node"
+        );
         assert_eq!(done.expansion, None);
+        rec.spec.capacity_min = 256 << 20;
         rec.expansion = Some(Expansion::requested(256 << 20));
         let failed = run_expand(&runner, &node, rec, None).await.unwrap();
         let x = failed.expansion.unwrap();
         assert_eq!(x.state, ExpansionState::Failed);
-        assert!(x.error.contains("no room"), "{}", x.error);
+        // The plugin's own words stay in the node's log (plugin output never reaches records).
+        assert!(x.error.contains("expand failed"), "{}", x.error);
         assert_eq!(failed.capacity_bytes, 64 << 20);
     }
 }

@@ -25,12 +25,17 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 const VERSION: u32 = 1;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
+/// The state directory's mode: only root reads the journal (issue 13 §5).
+const DIR_MODE: u32 = 0o700;
+/// The journal files' mode.
+const FILE_MODE: u32 = 0o600;
 
 /// Journal I/O failed, or the file on disk is not one this version can read.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +89,10 @@ pub struct MountRecord {
     /// agent can renew it, or learn that it lost it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_id: Option<String>,
+    /// What the last successful publish mounted at the target (device, root, type,
+    /// source), read from the host's mount table: "published" means this stands there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount: Option<crate::mounts::MountIdentity>,
 }
 
 /// One allocation's use of one published volume.
@@ -170,6 +179,10 @@ pub struct Journal {
     node_id: String,
     mounts: BTreeMap<VolumeKey, MountRecord>,
     users: BTreeSet<UserKey>,
+    /// Volume → the allocations recorded as its users (the same records as `users`).
+    users_by_volume: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// Mount target → volume (the same records as `mounts`).
+    targets: BTreeMap<PathBuf, VolumeKey>,
     events: Vec<Event>,
     dirty: bool,
     seq: u64,
@@ -189,10 +202,63 @@ impl Journal {
             node_id: node_id.to_string(),
             mounts: BTreeMap::new(),
             users: BTreeSet::new(),
+            users_by_volume: BTreeMap::new(),
+            targets: BTreeMap::new(),
             events: Vec::new(),
             dirty: false,
             seq: 0,
         }
+    }
+
+    /// Loads records (from disk), with their indexes.
+    fn load(&mut self, mounts: Vec<MountRecord>, users: Vec<UserKey>) {
+        for m in mounts {
+            self.targets.insert(m.target.clone(), m.volume.clone());
+            self.mounts.insert(m.volume.clone(), m);
+        }
+        for u in users {
+            self.index_user(&u, true);
+            self.users.insert(u);
+        }
+    }
+
+    fn index_user(&mut self, u: &UserKey, present: bool) {
+        if present {
+            self.users_by_volume
+                .entry(u.volume.clone())
+                .or_default()
+                .insert(u.alloc_id.clone());
+        } else if let Some(ids) = self.users_by_volume.get_mut(&u.volume) {
+            ids.remove(&u.alloc_id);
+            if ids.is_empty() {
+                self.users_by_volume.remove(&u.volume);
+            }
+        }
+    }
+
+    /// Volume → the allocations recorded as its users (an index of [`Journal::users`]).
+    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, BTreeSet<String>> {
+        &self.users_by_volume
+    }
+
+    /// The volumes allocation `alloc_id` is recorded as using.
+    pub fn volumes_of<'a>(&'a self, alloc_id: &'a str) -> impl Iterator<Item = &'a VolumeKey> + 'a {
+        let from = UserKey {
+            alloc_id: alloc_id.to_string(),
+            volume: VolumeKey {
+                namespace: String::new(),
+                name: String::new(),
+            },
+        };
+        self.users
+            .range(from..)
+            .take_while(move |u| u.alloc_id == alloc_id)
+            .map(|u| &u.volume)
+    }
+
+    /// The volume whose mount record targets `target`, if any.
+    pub fn volume_at(&self, target: &Path) -> Option<&VolumeKey> {
+        self.targets.get(target)
     }
 
     /// All mount records.
@@ -212,15 +278,30 @@ impl Journal {
             "target": rec.target, "read_only": rec.read_only, "error": rec.last_error,
         });
         let key = rec.volume.clone();
-        self.mounts.insert(key.clone(), rec);
+        self.targets.insert(rec.target.clone(), key.clone());
+        if let Some(old) = self.mounts.insert(key.clone(), rec) {
+            if self.mounts[&key].target != old.target {
+                self.targets.remove(&old.target);
+            }
+        }
         self.queue(kind, &key, alloc, detail);
     }
 
-    /// Removes a volume's mount record (after a successful unpublish).
+    /// Removes a volume's mount record (after a successful unpublish), and the volume's user
+    /// records with it: no user record outlives its mount record (a lost claim unpublishes
+    /// under running users; they are recorded again on the next publish; issue 13 §4).
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
-        if self.mounts.remove(key).is_some() {
+        if let Some(old) = self.mounts.remove(key) {
+            self.targets.remove(&old.target);
             self.queue(kind, key, None, serde_json::Value::Null);
         }
+        let stale: Vec<UserKey> = self
+            .users
+            .iter()
+            .filter(|u| &u.volume == key)
+            .cloned()
+            .collect();
+        self.change_users(&[], &stale);
     }
 
     /// Adds and removes user records (one commit for a whole plan, however many
@@ -228,6 +309,7 @@ impl Journal {
     pub fn change_users(&mut self, add: &[UserKey], remove: &[UserKey]) {
         for u in add {
             if self.users.insert(u.clone()) {
+                self.index_user(u, true);
                 self.queue(
                     EventKind::UserAdded,
                     &u.volume,
@@ -238,6 +320,7 @@ impl Journal {
         }
         for u in remove {
             if self.users.remove(u) {
+                self.index_user(u, false);
                 self.queue(
                     EventKind::UserRemoved,
                     &u.volume,
@@ -305,11 +388,29 @@ pub struct Store {
 impl Store {
     /// Opens (or creates) the journal in `dir` and loads its records. A corrupt file is an
     /// error, never discarded.
+    ///
+    /// The directory is made mode 0700 and the journal's files 0600 (they name volumes,
+    /// allocations and plugin errors; issue 13 §5), also when they exist already.
     pub fn open(dir: &Path, node_id: &str) -> Result<(Self, Journal), JournalError> {
+        let private = |path: &Path, mode: u32| {
+            fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(|source| {
+                JournalError::Write {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })
+        };
         fs::create_dir_all(dir).map_err(|source| JournalError::Write {
             path: dir.to_path_buf(),
             source,
         })?;
+        private(dir, DIR_MODE)?;
+        for name in ["journal.json", "journal.log", "journal.log.1"] {
+            let path = dir.join(name);
+            if path.exists() {
+                private(&path, FILE_MODE)?;
+            }
+        }
         let store = Self {
             dir: dir.to_path_buf(),
             syncs: Arc::default(),
@@ -339,12 +440,7 @@ impl Store {
                         ),
                     });
                 }
-                j.mounts = disk
-                    .mounts
-                    .into_iter()
-                    .map(|m| (m.volume.clone(), m))
-                    .collect();
-                j.users = disk.users.into_iter().collect();
+                j.load(disk.mounts, disk.users);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 j.dirty = true;
@@ -380,7 +476,16 @@ impl Store {
         let bytes = serde_json::to_vec_pretty(&commit.snapshot)
             .map_err(|e| werr(std::io::Error::other(e)))?;
         {
-            let mut f = File::create(&tmp).map_err(werr)?;
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(FILE_MODE)
+                .open(&tmp)
+                .map_err(werr)?;
+            // A temp file left by a crash keeps its old mode: set it.
+            f.set_permissions(fs::Permissions::from_mode(FILE_MODE))
+                .map_err(werr)?;
             f.write_all(&bytes).map_err(werr)?;
             f.sync_all().map_err(werr)?;
         }
@@ -424,6 +529,7 @@ impl Store {
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(FILE_MODE)
             .open(&path)
             .map_err(werr)?;
         f.write_all(text.as_bytes()).map_err(werr)
@@ -454,6 +560,7 @@ pub(crate) mod tests {
             since: 0,
             last_error: String::new(),
             claim_id: None,
+            mount: None,
         }
     }
 
@@ -461,16 +568,21 @@ pub(crate) mod tests {
         Store::open(dir, node)
     }
 
+    /// Records allocation a1's publish intent for `default/data`.
+    fn publish_intent(j: &mut Journal) {
+        j.set_mount(
+            rec(MountState::Publishing),
+            EventKind::PublishIntent,
+            Some("a1"),
+        );
+    }
+
     #[test]
     fn survives_reopen_and_logs_history() {
         let dir = tempfile::tempdir().unwrap();
         {
             let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            j.set_mount(
-                rec(MountState::Publishing),
-                EventKind::PublishIntent,
-                Some("a1"),
-            );
+            publish_intent(&mut j);
             store.write(&j.take_commit().unwrap()).unwrap();
             j.set_mount(
                 rec(MountState::Published),
@@ -547,11 +659,7 @@ pub(crate) mod tests {
     fn queued_commits_fold_into_the_latest_state() {
         let dir = tempfile::tempdir().unwrap();
         let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        j.set_mount(
-            rec(MountState::Publishing),
-            EventKind::PublishIntent,
-            Some("a1"),
-        );
+        publish_intent(&mut j);
         let mut first = j.take_commit().unwrap();
         j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
         let second = j.take_commit().unwrap();
@@ -582,5 +690,51 @@ pub(crate) mod tests {
             }
         }
         assert_eq!(sizes[0], sizes[1], "{sizes:?}");
+    }
+
+    #[test]
+    fn the_state_dir_is_0700_and_the_journal_files_0600() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        // An existing directory and history file with loose modes are tightened too.
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(dir.join("journal.log"), b"").unwrap();
+        fs::set_permissions(dir.join("journal.log"), fs::Permissions::from_mode(0o644)).unwrap();
+        let (store, mut j) = open(&dir, "n").unwrap();
+        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+        store.write(&j.take_commit().unwrap()).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700, "state directory");
+        for name in ["journal.json", "journal.log"] {
+            assert_eq!(mode(&dir.join(name)), 0o600, "{name}");
+        }
+    }
+
+    #[test]
+    fn no_user_record_outlives_its_mount_record() {
+        let mut j = Journal::new("n");
+        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+        let other = VolumeKey {
+            namespace: "default".into(),
+            name: "other".into(),
+        };
+        let users = [
+            UserKey {
+                alloc_id: "a1".into(),
+                volume: key(),
+            },
+            UserKey {
+                alloc_id: "a2".into(),
+                volume: other.clone(),
+            },
+        ];
+        j.change_users(&users, &[]);
+        j.remove_mount(&key(), EventKind::UnpublishDone);
+        assert_eq!(
+            j.users().iter().cloned().collect::<Vec<_>>(),
+            vec![users[1].clone()],
+            "the unpublished volume's user record goes with its mount record"
+        );
     }
 }

@@ -14,10 +14,17 @@
 //! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from them;
 //! - [`expansion`]: growing a volume (`volume create` again with a larger `capacity_min`);
 //! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
+//! - [`trust`]: operator signatures on volume records, verified by agents;
 //! - `reconcile`: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record (records in memory, group-committed ahead of
 //!   the plugin calls of each planning pass);
-//! - [`mounts`]: the mount table ([`mounts::MountTable`]);
+//! - [`mounts`]: the mount table ([`mounts::MountTable`]), read as bytes, and notice of its
+//!   changes ([`mounts::MountChanges`]);
+//! - [`host`]: the host's mount namespace (the agent must run in it) and resolved directories;
+//! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
+//! - `holders`: the processes still using a published volume;
+//! - `gate`: the tasks that could start on a deferred volume before it is published;
+//! - [`escape`]: terminal-safe text from plugins, callers and Nomad;
 //! - [`plugin`]: the plugin runner (DHV protocol extended with publish/unpublish);
 //! - `executor`: carries out one effect (plugin or Nomad call), returns a typed completion;
 //! - [`environment`]: the plugin environment contract (variables of each operation);
@@ -37,17 +44,22 @@
 
 pub mod agent;
 pub mod api;
-pub(crate) mod catalog;
+pub mod catalog;
 pub(crate) mod claims;
 pub mod cli;
 pub mod config;
 pub(crate) mod conformance;
 pub(crate) mod discovery;
 pub mod environment;
+pub mod escape;
 pub(crate) mod executor;
 pub mod expansion;
+pub(crate) mod gate;
+pub(crate) mod guard;
 pub(crate) mod health;
-pub(crate) mod identity;
+pub(crate) mod holders;
+pub mod host;
+pub mod identity;
 pub mod journal;
 pub mod metrics;
 pub mod mounts;
@@ -57,6 +69,7 @@ pub mod plugin;
 pub(crate) mod reconcile;
 pub(crate) mod retry;
 pub mod snapshot;
+pub mod trust;
 pub(crate) mod view;
 pub mod volume;
 pub mod watch;

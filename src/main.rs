@@ -43,31 +43,42 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     };
     cli.nomad.validate().map_err(config_err)?;
     match cli.command {
-        Command::Agent(cfg) => {
+        Command::Agent(mut cfg) => {
             cfg.validate().map_err(config_err)?;
+            // Before anything else: the host's mount namespace, and real directory paths.
+            dhv_binder::host::preflight(&mut cfg).map_err(|e| Failure {
+                code: match e {
+                    dhv_binder::host::HostError::Mounts(_) => cli::EXIT_FAILED,
+                    _ => cli::EXIT_CONFIG,
+                },
+                message: e.to_string(),
+            })?;
             init_tracing(cfg.log_format);
             let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
-            // Operator hook (issue 15): the endpoint runs now; the agent core is handed the
-            // same `Metrics` to update once it takes one (see docs/operations.md).
+            // One registry, always kept by the agent; served only with --metrics-addr.
+            let metrics = dhv_binder::metrics::Metrics::new();
             let _metrics_endpoint = match cfg.metrics_addr {
                 Some(addr) => {
-                    let metrics = dhv_binder::metrics::Metrics::new();
                     let l = dhv_binder::metrics::bind(addr).await.map_err(|e| Failure {
                         code: cli::EXIT_CONFIG,
                         message: e.to_string(),
                     })?;
                     let addr = l.local_addr().unwrap_or(addr);
                     tracing::info!(%addr, "serving metrics at /metrics");
-                    Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics)))
+                    Some(tokio::spawn(dhv_binder::metrics::serve(l, metrics.clone())))
                 }
                 None => None,
             };
-            dhv_binder::agent::run(cfg, client, shutdown_signal())
+            dhv_binder::agent::run(cfg, client, metrics, shutdown_signal())
                 .await
                 .map_err(|e| Failure {
                     code: match e {
                         dhv_binder::agent::StartError::AgentSelf(_) => cli::EXIT_UNAVAILABLE,
                         dhv_binder::agent::StartError::NotAClient(_) => cli::EXIT_CONFIG,
+                        dhv_binder::agent::StartError::Host(
+                            dhv_binder::host::HostError::Mounts(_),
+                        ) => cli::EXIT_FAILED,
+                        dhv_binder::agent::StartError::Host(_) => cli::EXIT_CONFIG,
                         _ => cli::EXIT_FAILED,
                     },
                     message: e.to_string(),

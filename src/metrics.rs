@@ -50,10 +50,15 @@ pub enum Outcome {
 impl Outcome {
     /// The outcome of a plugin call's result.
     pub fn of<T>(r: &Result<T, PluginError>) -> Self {
-        match r {
-            Ok(_) => Outcome::Ok,
-            Err(e) if e.is_uncertain() => Outcome::Timeout,
-            Err(_) => Outcome::Error,
+        Self::of_error(r.as_ref().err())
+    }
+
+    /// The outcome of a plugin call that failed with `error` (`None`: it succeeded).
+    pub fn of_error(error: Option<&PluginError>) -> Self {
+        match error {
+            None => Outcome::Ok,
+            Some(e) if e.is_uncertain() => Outcome::Timeout,
+            Some(_) => Outcome::Error,
         }
     }
 
@@ -188,13 +193,13 @@ impl Metrics {
         let pending = Gauge::default();
         r.register(
             "operations_pending",
-            "Publish, unpublish, create and delete steps planned or running",
+            "Publish and unpublish intents not yet done (running or waiting to be retried), and creates and deletes running",
             pending.clone(),
         );
         let uncertain = Gauge::default();
         r.register(
             "operations_uncertain",
-            "Plugin calls that timed out: their effect is unknown until the next attempt",
+            "Volumes whose last plugin call timed out: its effect is unknown until the next call",
             uncertain.clone(),
         );
         let waiters = Gauge::default();

@@ -15,6 +15,8 @@ use tokio::io::AsyncReadExt;
 
 const STDOUT_LIMIT: usize = 1 << 20;
 const STDERR_TAIL: usize = 2048;
+/// Characters of unparsable stdout kept for the node's log (after redaction).
+const BAD_OUTPUT_KEPT: usize = 200;
 const KILL_GRACE: Duration = Duration::from_secs(3);
 /// Nomad gives fingerprint 1 s; we allow a little more for slow disks.
 pub const FINGERPRINT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -71,13 +73,21 @@ impl std::fmt::Display for Operation {
     }
 }
 
-/// A plugin call that did not succeed. `stderr` is the redacted tail of what it wrote.
+/// A plugin call that did not succeed. Its `Display` (what reaches API callers, records and
+/// the journal) never carries the plugin's output: `message` and `stderr` are the plugin's
+/// own words, redacted and control-escaped, for the agent's log only ([`PluginError::detail`]).
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
     #[error("plugin ID {0:?} is not a valid name (letters, digits, '_', '.', '-')")]
     BadId(String),
     #[error("plugin {plugin:?} not found: {path} is missing or not executable")]
     NotFound { plugin: String, path: PathBuf },
+    #[error("plugin {plugin:?} at {path} is refused: {reason}")]
+    Unsafe {
+        plugin: String,
+        path: PathBuf,
+        reason: String,
+    },
     #[error("cannot start plugin {plugin:?} {op}: {source}")]
     Spawn {
         plugin: String,
@@ -86,8 +96,7 @@ pub enum PluginError {
         source: std::io::Error,
     },
     #[error(
-        "plugin {plugin:?} {op} timed out after {after:?} and was killed; its outcome is unknown{}",
-        tail(stderr)
+        "plugin {plugin:?} {op} timed out after {after:?} and was killed; its outcome is unknown (its output is in the agent's log)"
     )]
     TimedOut {
         plugin: String,
@@ -96,9 +105,7 @@ pub enum PluginError {
         stderr: String,
     },
     #[error(
-        "plugin {plugin:?} {op} failed ({status}){}{}",
-        msg(message),
-        tail(stderr)
+        "plugin {plugin:?} {op} failed ({status}); its output is in the agent's log on this node"
     )]
     Failed {
         plugin: String,
@@ -107,7 +114,7 @@ pub enum PluginError {
         message: String,
         stderr: String,
     },
-    #[error("plugin {plugin:?} {op} printed output that is not the expected JSON ({reason}): {stdout:?}")]
+    #[error("plugin {plugin:?} {op} printed output that is not the expected JSON ({reason}); the output is in the agent's log on this node")]
     BadOutput {
         plugin: String,
         op: Operation,
@@ -116,23 +123,27 @@ pub enum PluginError {
     },
 }
 
-fn tail(stderr: &str) -> String {
-    if stderr.trim().is_empty() {
-        String::new()
-    } else {
-        format!("; stderr: {}", stderr.trim())
-    }
-}
-
-fn msg(m: &str) -> String {
-    if m.is_empty() {
-        String::new()
-    } else {
-        format!(": {m}")
-    }
-}
+pub use crate::escape::escape_control;
 
 impl PluginError {
+    /// The plugin's own words (its `{"error"}` message, stderr tail or stdout), redacted and
+    /// escaped, for the agent's local log; empty when there are none.
+    pub fn detail(&self) -> String {
+        match self {
+            PluginError::Failed {
+                message, stderr, ..
+            } => match (message.is_empty(), stderr.trim().is_empty()) {
+                (true, true) => String::new(),
+                (false, true) => format!("error: {message}"),
+                (true, false) => format!("stderr: {}", stderr.trim()),
+                (false, false) => format!("error: {message}; stderr: {}", stderr.trim()),
+            },
+            PluginError::TimedOut { stderr, .. } => stderr.trim().to_string(),
+            PluginError::BadOutput { stdout, .. } => format!("stdout: {stdout}"),
+            _ => String::new(),
+        }
+    }
+
     /// True when the call may have had an effect we did not see (timeout).
     pub fn is_uncertain(&self) -> bool {
         matches!(self, PluginError::TimedOut { .. })
@@ -297,11 +308,72 @@ pub struct PublishResult {
     pub context: serde_json::Value,
 }
 
+/// Told of every finished plugin call: the plugin ID, the operation, the error (`None`:
+/// it succeeded) and how long it ran. The agent times its calls with it for the metrics.
+pub type CallObserver =
+    std::sync::Arc<dyn Fn(&str, Operation, Option<&PluginError>, Duration) + Send + Sync>;
+
 /// Runs plugins from one directory.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Runner {
     plugin_dir: PathBuf,
     timeout: Duration,
+    /// Per plugin ID: the node-configured roots passed as `DHV_ALLOWED_ROOTS`.
+    allowed_roots: BTreeMap<String, String>,
+    observer: Option<CallObserver>,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("plugin_dir", &self.plugin_dir)
+            .field("timeout", &self.timeout)
+            .field("observed", &self.observer.is_some())
+            .field("allowed_roots", &self.allowed_roots)
+            .finish()
+    }
+}
+
+/// A `--plugin-root` setting that cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RootError {
+    #[error("--plugin-root {0:?} is not `<plugin_id>=<absolute directory>`")]
+    Malformed(String),
+    #[error("--plugin-root {0:?}: the directory does not exist or is not a directory")]
+    Missing(String),
+    #[error(
+        "--plugin-root {0:?}: a root may not contain ':' (DHV_ALLOWED_ROOTS is ':'-separated)"
+    )]
+    Colon(String),
+}
+
+/// Parses `--plugin-root` settings (`<plugin_id>=<dir>`, repeatable) into each plugin's
+/// `DHV_ALLOWED_ROOTS` value: canonical absolute directories joined by `:`.
+pub fn allowed_roots(settings: &[String]) -> Result<BTreeMap<String, String>, RootError> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for s in settings {
+        let (id, dir) = s
+            .split_once('=')
+            .filter(|(id, d)| {
+                crate::volume::validate_identifier("plugin_id", id, false).is_ok()
+                    && d.starts_with('/')
+            })
+            .ok_or_else(|| RootError::Malformed(s.clone()))?;
+        let canon = std::fs::canonicalize(dir)
+            .ok()
+            .filter(|p| p.is_dir())
+            .ok_or_else(|| RootError::Missing(s.clone()))?;
+        let canon = canon
+            .to_str()
+            .ok_or_else(|| RootError::Malformed(s.clone()))?;
+        if canon.contains(':') {
+            return Err(RootError::Colon(s.clone()));
+        }
+        out.entry(id.to_string())
+            .or_default()
+            .push(canon.to_string());
+    }
+    Ok(out.into_iter().map(|(k, v)| (k, v.join(":"))).collect())
 }
 
 /// The successful output of one call.
@@ -312,13 +384,89 @@ pub struct Output {
     pub elapsed: Duration,
 }
 
-/// Replaces every secret value in `text` with `[redacted]`.
+/// Shortest line of a multi-line secret redacted on its own (shorter lines, such as a lone
+/// `}`, would redact too much ordinary text).
+const MIN_SECRET_LINE: usize = 4;
+
+/// The forms in which a secret may appear in text: as is, JSON-escaped, Rust-`Debug`-escaped,
+/// control-escaped ([`escape_control`]), and each line of a multi-line secret. Longest first.
+fn secret_forms(secrets: &BTreeMap<String, String>) -> Vec<String> {
+    let mut forms: Vec<String> = Vec::new();
+    for v in secrets.values().filter(|v| !v.is_empty()) {
+        let json = serde_json::to_string(v).unwrap_or_default();
+        let debug = format!("{v:?}");
+        forms.push(v.clone());
+        forms.push(
+            json.get(1..json.len().saturating_sub(1))
+                .unwrap_or_default()
+                .to_string(),
+        );
+        forms.push(
+            debug
+                .get(1..debug.len().saturating_sub(1))
+                .unwrap_or_default()
+                .to_string(),
+        );
+        forms.push(escape_control(v));
+        if v.contains(['\n', '\r']) {
+            forms.extend(
+                v.split(['\n', '\r'])
+                    .map(str::trim)
+                    .filter(|l| l.chars().count() >= MIN_SECRET_LINE)
+                    .map(str::to_string),
+            );
+        }
+    }
+    forms.retain(|f| !f.is_empty());
+    forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
+    forms.dedup();
+    forms
+}
+
+/// Replaces every secret value in `text` with `[redacted]`, in each form it may have been
+/// escaped to ([`secret_forms`]). Call it on raw text, before escaping or truncating.
 pub fn redact(text: &str, secrets: &BTreeMap<String, String>) -> String {
     let mut out = text.to_string();
-    for v in secrets.values().filter(|v| !v.is_empty()) {
-        out = out.replace(v.as_str(), "[redacted]");
+    for f in secret_forms(secrets) {
+        if out.contains(f.as_str()) {
+            out = out.replace(f.as_str(), "[redacted]");
+        }
     }
     out
+}
+
+/// Plugin text made safe for a log: redacted first, then control-escaped, then cut to its
+/// last `limit` bytes (on a character boundary).
+pub fn sanitize_tail(raw: &[u8], secrets: &BTreeMap<String, String>, limit: usize) -> String {
+    let text = escape_control(&redact(&String::from_utf8_lossy(raw), secrets));
+    let mut start = text.len().saturating_sub(limit);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text.get(start..).unwrap_or_default().to_string()
+}
+
+/// Why a plugin file may not be run as root: not a regular file, not owned by root (or the
+/// agent's own user), or writable by group or others. `None` when it is safe.
+pub fn unsafe_reason(meta: &std::fs::Metadata) -> Option<String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mode = meta.permissions().mode();
+    let me = nix::unistd::geteuid().as_raw();
+    if !meta.is_file() {
+        Some("it is not a regular file".into())
+    } else if meta.uid() != 0 && meta.uid() != me {
+        Some(format!(
+            "it is owned by uid {}, not root: whoever owns it could run code as root (chown root it)",
+            meta.uid()
+        ))
+    } else if mode & 0o022 != 0 {
+        Some(format!(
+            "mode {:o} lets group or others rewrite it and run code as root (chmod go-w it)",
+            mode & 0o7777
+        ))
+    } else {
+        None
+    }
 }
 
 impl Runner {
@@ -327,7 +475,28 @@ impl Runner {
         Self {
             plugin_dir: plugin_dir.to_path_buf(),
             timeout,
+            allowed_roots: BTreeMap::new(),
+            observer: None,
         }
+    }
+
+    /// The same runner, telling `observer` of every `fingerprint` and `call` it finishes.
+    pub fn observed(mut self, observer: CallObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    fn observe<T>(&self, plugin_id: &str, op: Operation, r: &Result<T, PluginError>, t: Instant) {
+        if let Some(o) = &self.observer {
+            o(plugin_id, op, r.as_ref().err(), t.elapsed());
+        }
+    }
+
+    /// Sets the node-configured roots each plugin may touch (from [`allowed_roots`]); every
+    /// call of such a plugin gets them as `DHV_ALLOWED_ROOTS`, overriding anything else.
+    pub fn with_allowed_roots(mut self, roots: BTreeMap<String, String>) -> Self {
+        self.allowed_roots = roots;
+        self
     }
 
     /// The plugin directory.
@@ -343,27 +512,45 @@ impl Runner {
         Ok(self.plugin_dir.join(plugin_id))
     }
 
-    /// Lists the plugin IDs present (executable regular files with valid names).
-    pub fn list(&self) -> Vec<String> {
+    /// Lists the plugin IDs present (executable regular files with valid names). A missing
+    /// directory has no plugins; any other read error is an error, never "no plugins".
+    pub fn list(&self) -> std::io::Result<Vec<String>> {
         use std::os::unix::fs::PermissionsExt;
-        let Ok(rd) = std::fs::read_dir(&self.plugin_dir) else {
-            return Vec::new();
+        let rd = match std::fs::read_dir(&self.plugin_dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
         };
-        let mut ids: Vec<String> = rd
-            .filter_map(|e| e.ok())
-            .filter(|e| {
-                std::fs::metadata(e.path())
-                    .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-            })
-            .filter_map(|e| e.file_name().into_string().ok())
-            .filter(|n| crate::volume::validate_identifier("plugin_id", n, false).is_ok())
-            .collect();
+        let mut ids = Vec::new();
+        for e in rd {
+            let e = e?;
+            let Ok(name) = e.file_name().into_string() else {
+                continue;
+            };
+            if crate::volume::validate_identifier("plugin_id", &name, false).is_err() {
+                continue;
+            }
+            match std::fs::metadata(e.path()) {
+                Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => ids.push(name),
+                Ok(_) => {}
+                // Removed between the listing and the stat.
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(err),
+            }
+        }
         ids.sort();
-        ids
+        Ok(ids)
     }
 
     /// Runs `fingerprint`.
     pub async fn fingerprint(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
+        let started = Instant::now();
+        let r = self.fingerprint_unobserved(plugin_id).await;
+        self.observe(plugin_id, Operation::Fingerprint, &r, started);
+        r
+    }
+
+    async fn fingerprint_unobserved(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
         let out = self
             .run(
                 plugin_id,
@@ -379,7 +566,7 @@ impl Runner {
                 plugin: plugin_id.into(),
                 op: Operation::Fingerprint,
                 reason: "\"version\" is empty".into(),
-                stdout: String::from_utf8_lossy(&out.stdout).into(),
+                stdout: escape_control(&String::from_utf8_lossy(&out.stdout)),
             });
         }
         Ok(fp)
@@ -394,7 +581,10 @@ impl Runner {
         env: &[(String, String)],
         secrets: &BTreeMap<String, String>,
     ) -> Result<Output, PluginError> {
-        self.run(plugin_id, op, env, secrets, self.timeout).await
+        let started = Instant::now();
+        let r = self.run(plugin_id, op, env, secrets, self.timeout).await;
+        self.observe(plugin_id, op, &r, started);
+        r
     }
 
     async fn run(
@@ -406,10 +596,21 @@ impl Runner {
         timeout: Duration,
     ) -> Result<Output, PluginError> {
         let path = self.path_of(plugin_id)?;
-        if !path.is_file() {
+        let meta = std::fs::metadata(&path).map_err(|_| PluginError::NotFound {
+            plugin: plugin_id.into(),
+            path: path.clone(),
+        })?;
+        if !meta.is_file() {
             return Err(PluginError::NotFound {
                 plugin: plugin_id.into(),
                 path,
+            });
+        }
+        if let Some(reason) = unsafe_reason(&meta) {
+            return Err(PluginError::Unsafe {
+                plugin: plugin_id.into(),
+                path,
+                reason,
             });
         }
         let started = Instant::now();
@@ -417,7 +618,18 @@ impl Runner {
         cmd.arg(op.as_str())
             .env_clear()
             .env("DHV_OPERATION", op.as_str())
-            .envs(env.iter().map(|(k, v)| (k, v)))
+            .envs(
+                env.iter()
+                    .filter(|(k, _)| k != "DHV_ALLOWED_ROOTS")
+                    .map(|(k, v)| (k, v)),
+            )
+            .env(
+                "DHV_ALLOWED_ROOTS",
+                self.allowed_roots
+                    .get(plugin_id)
+                    .map(String::as_str)
+                    .unwrap_or(""),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -473,7 +685,7 @@ impl Runner {
         };
         match tokio::time::timeout(timeout, work).await {
             Ok((out, err, status)) => {
-                let stderr = redact(&tail_of(&err), secrets);
+                let stderr = sanitize_tail(&err, secrets, STDERR_TAIL);
                 let status = status.map_err(|source| PluginError::Spawn {
                     plugin: plugin_id.into(),
                     op,
@@ -498,15 +710,17 @@ impl Runner {
                         error: String,
                     }
                     let message = serde_json::from_slice::<ErrOut>(&out)
-                        .map(|e| redact(&e.error, secrets))
+                        .map(|e| sanitize_tail(e.error.as_bytes(), secrets, STDERR_TAIL))
                         .unwrap_or_default();
-                    Err(PluginError::Failed {
+                    let e = PluginError::Failed {
                         plugin: plugin_id.into(),
                         op,
                         status: describe(status),
                         message,
                         stderr,
-                    })
+                    };
+                    tracing::warn!(plugin = plugin_id, %op, detail = %e.detail(), "{e}");
+                    Err(e)
                 }
             }
             Err(_) => {
@@ -550,16 +764,22 @@ fn describe(status: std::process::ExitStatus) -> String {
     }
 }
 
-fn tail_of(bytes: &[u8]) -> String {
-    let start = bytes.len().saturating_sub(STDERR_TAIL);
-    String::from_utf8_lossy(&bytes[start..]).into_owned()
-}
-
 /// Parses a plugin's stdout as `T`. Empty stdout parses as `{}`.
 pub fn parse<T: serde::de::DeserializeOwned>(
     plugin: &str,
     op: Operation,
     stdout: &[u8],
+) -> Result<T, PluginError> {
+    parse_with(plugin, op, stdout, &BTreeMap::new())
+}
+
+/// [`parse`] for an operation that was given `secrets`: on bad output the stdout kept in the
+/// error (and logged here, on the node only) is redacted before it is escaped and cut.
+pub fn parse_with<T: serde::de::DeserializeOwned>(
+    plugin: &str,
+    op: Operation,
+    stdout: &[u8],
+    secrets: &BTreeMap<String, String>,
 ) -> Result<T, PluginError> {
     let text = String::from_utf8_lossy(stdout);
     let text = if text.trim().is_empty() {
@@ -567,11 +787,24 @@ pub fn parse<T: serde::de::DeserializeOwned>(
     } else {
         text.trim()
     };
-    serde_json::from_str(text).map_err(|e| PluginError::BadOutput {
-        plugin: plugin.into(),
-        op,
-        reason: e.to_string(),
-        stdout: text.chars().take(200).collect(),
+    // serde_json's messages may quote the offending value: keep only its kind and place.
+    serde_json::from_str(text).map_err(|e| {
+        let e = PluginError::BadOutput {
+            plugin: plugin.into(),
+            op,
+            reason: format!(
+                "{:?} error at line {} column {}",
+                e.classify(),
+                e.line(),
+                e.column()
+            ),
+            stdout: escape_control(&redact(text, secrets))
+                .chars()
+                .take(BAD_OUTPUT_KEPT)
+                .collect(),
+        };
+        tracing::warn!(plugin, %op, detail = %e.detail(), "{e}");
+        e
     })
 }
 
@@ -627,6 +860,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_observed_runner_reports_every_call_with_its_outcome() {
+        let dir = tempfile::tempdir().unwrap();
+        plugin(
+            dir.path(),
+            "p",
+            r#"case "$1" in fingerprint) echo '{"version":"1","deferred_bind":true}';; *) exit 2;; esac"#,
+        );
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let r = Runner::new(dir.path(), Duration::from_secs(5)).observed(std::sync::Arc::new(
+            move |id: &str, op, e: Option<&PluginError>, _| {
+                log.lock().unwrap().push((id.to_string(), op, e.is_some()))
+            },
+        ));
+        r.fingerprint("p").await.unwrap();
+        r.call("p", Operation::Publish, &[], &BTreeMap::new())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![
+                ("p".to_string(), Operation::Fingerprint, false),
+                ("p".to_string(), Operation::Publish, true),
+            ]
+        );
+    }
+
+    #[tokio::test]
     async fn failure_carries_message_and_redacted_stderr() {
         let dir = tempfile::tempdir().unwrap();
         plugin(
@@ -642,8 +903,149 @@ mod tests {
             .unwrap_err();
         let text = e.to_string();
         assert!(text.contains("exit code 3"), "{text}");
-        assert!(text.contains("backend [redacted] refused"), "{text}");
+        // What reaches callers and records carries none of the plugin's output.
+        assert!(!text.contains("backend"), "{text}");
         assert!(!text.contains("s3cret"), "{text}");
+        let detail = e.detail();
+        assert!(detail.contains("backend [redacted] refused"), "{detail}");
+        assert!(detail.contains("login with [redacted] failed"), "{detail}");
+        assert!(!detail.contains("s3cret"), "{detail}");
+    }
+
+    /// Secrets with quotes, backslashes, newlines and non-ASCII are redacted in every form a
+    /// plugin (or our escaping) may print them, before escaping and truncation.
+    #[tokio::test]
+    async fn awkward_secrets_are_redacted_in_every_form() {
+        let dir = tempfile::tempdir().unwrap();
+        let secrets = BTreeMap::from([
+            ("quote".to_string(), r#"pa"ss'wo\rd"#.to_string()),
+            ("lines".to_string(), "first-line\nsecond-line".to_string()),
+            ("unicode".to_string(), "pässwörd-秘密".to_string()),
+        ]);
+        // The plugin echoes each secret raw, JSON-escaped (as jq -R would) and line by line,
+        // then a long filler so that truncation happens after the secrets were printed.
+        plugin(
+            dir.path(),
+            "p",
+            r#"printf '%s\n' "$DHV_SECRETS" >&2
+printf 'first-line\n' >&2
+printf '%s\n' 'pa"ss'"'"'wo\rd' 'pässwörd-秘密' 'second-line' >&2
+echo "{\"error\":$(printf '%s' "$DHV_SECRETS")}"
+exit 1"#,
+        );
+        let env = [(
+            "DHV_SECRETS".to_string(),
+            serde_json::to_string(&secrets).unwrap(),
+        )];
+        let r = Runner::new(dir.path(), Duration::from_secs(5));
+        let e = r
+            .call("p", Operation::Publish, &env, &secrets)
+            .await
+            .unwrap_err();
+        let shown = format!("{e} {e:?} {}", e.detail());
+        for leak in [
+            "pa\"ss",
+            "wo\\rd",
+            "first-line",
+            "second-line",
+            "pässwörd",
+            "秘密",
+            "p\\u{e4}ss",
+        ] {
+            assert!(!shown.contains(leak), "{leak:?} leaked: {shown}");
+        }
+        assert!(shown.contains("[redacted]"), "{shown}");
+        // Text is escaped after redaction: no raw newline reaches a log line.
+        assert!(!e.detail().contains('\n'), "{}", e.detail());
+    }
+
+    /// A secret that is also part of a path: error text is redacted, but the data the agent
+    /// acts on (the published path) is never rewritten.
+    #[tokio::test]
+    async fn a_secret_inside_a_path_is_redacted_only_in_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("vol-data");
+        std::fs::create_dir(&target).unwrap();
+        plugin(
+            dir.path(),
+            "p",
+            r#"echo "publishing to $DHV_TARGET_PATH" >&2; echo "{\"path\":\"$DHV_TARGET_PATH\"}""#,
+        );
+        let secrets = BTreeMap::from([("k".to_string(), "vol-data".to_string())]);
+        let env = [("DHV_TARGET_PATH".to_string(), target.display().to_string())];
+        let r = Runner::new(dir.path(), Duration::from_secs(5));
+        let out = r
+            .call("p", Operation::Publish, &env, &secrets)
+            .await
+            .unwrap();
+        let res: PublishResult = parse("p", Operation::Publish, &out.stdout).unwrap();
+        assert_eq!(res.path.as_deref(), Some(target.to_str().unwrap()));
+        assert!(!out.stderr.contains("vol-data"), "{}", out.stderr);
+        assert!(out.stderr.contains("[redacted]"), "{}", out.stderr);
+    }
+
+    #[test]
+    fn redaction_happens_before_truncation_and_escaping() {
+        let secrets = BTreeMap::from([("k".to_string(), "top\nsecret\"value".to_string())]);
+        // The secret straddles the cut: redacting after cutting would leak its tail.
+        let raw = format!("{}top\nsecret\"value and more", "x".repeat(30));
+        let t = sanitize_tail(raw.as_bytes(), &secrets, 25);
+        assert!(!t.contains("value"), "{t}");
+        assert!(!t.contains("secret"), "{t}");
+        assert_eq!(
+            escape_control("a\u{1b}[2Jb\r\u{202e}c\\"),
+            "a\\u{1b}[2Jb\\u{d}\\u{202e}c\\\\"
+        );
+        // Cut on a character boundary.
+        assert_eq!(sanitize_tail("ééé".as_bytes(), &BTreeMap::new(), 3), "é");
+    }
+
+    #[test]
+    fn unparsable_stdout_is_redacted_before_it_is_cut() {
+        let secret = "s3cr3t-value-longer-than-the-cut";
+        let secrets = BTreeMap::from([("k".to_string(), secret.to_string())]);
+        // The secret straddles the 200-character cut: cutting first would keep its head.
+        let out = format!("{}{secret} not json", "x".repeat(BAD_OUTPUT_KEPT - 10));
+        let e = parse_with::<Fingerprint>("p", Operation::Publish, out.as_bytes(), &secrets)
+            .unwrap_err();
+        let shown = format!("{e} {}", e.detail());
+        assert!(!shown.contains(&secret[..10]), "{shown}");
+        assert!(shown.contains("[redac"), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn unsafe_plugin_files_are_refused_with_a_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        plugin(dir.path(), "p", "echo '{\"version\":\"1\"}'");
+        let r = Runner::new(dir.path(), Duration::from_secs(5));
+        assert!(r.fingerprint("p").await.is_ok());
+        let p = dir.path().join("p");
+        for mode in [0o775, 0o757] {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = r.fingerprint("p").await.unwrap_err();
+            assert!(matches!(e, PluginError::Unsafe { .. }), "{e}");
+            assert!(e.to_string().contains("chmod go-w"), "{e}");
+        }
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        nix::unistd::chown(&p, Some(nix::unistd::Uid::from_raw(65534)), None)
+            .expect("chown to nobody (this test runs as root, as scripts/test does)");
+        let e = r.fingerprint("p").await.unwrap_err();
+        assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+    }
+
+    #[test]
+    fn an_unreadable_plugin_directory_is_an_error_not_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-dir");
+        std::fs::write(&file, "").unwrap();
+        assert!(Runner::new(&file, Duration::from_secs(1)).list().is_err());
+        let missing = dir.path().join("missing");
+        assert_eq!(
+            Runner::new(&missing, Duration::from_secs(1))
+                .list()
+                .unwrap(),
+            Vec::<String>::new()
+        );
     }
 
     #[tokio::test]
@@ -720,6 +1122,39 @@ mod tests {
             Operation::Expand,
         ] {
             assert!(plain.require("webdav", op).is_err(), "{op}");
+        }
+    }
+
+    #[tokio::test]
+    async fn allowed_roots_come_from_the_node_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("exports");
+        std::fs::create_dir(&root).unwrap();
+        plugin(
+            dir.path(),
+            "p",
+            r#"echo "{\"path\":\"$DHV_ALLOWED_ROOTS\"}""#,
+        );
+        let roots = allowed_roots(&[format!("p={}", root.display())]).unwrap();
+        let r = Runner::new(dir.path(), Duration::from_secs(5)).with_allowed_roots(roots);
+        // A value smuggled in through the call's environment (e.g. from a record) is ignored.
+        let env = [("DHV_ALLOWED_ROOTS".to_string(), "/".to_string())];
+        let out = r
+            .call("p", Operation::Publish, &env, &BTreeMap::new())
+            .await
+            .unwrap();
+        let res: PublishResult = parse("p", Operation::Publish, &out.stdout).unwrap();
+        assert_eq!(res.path.as_deref(), Some(root.to_str().unwrap()));
+        // Unconfigured plugins get an empty value (they must refuse: fail closed).
+        let r = Runner::new(dir.path(), Duration::from_secs(5));
+        let out = r
+            .call("p", Operation::Publish, &env, &BTreeMap::new())
+            .await
+            .unwrap();
+        let res: PublishResult = parse("p", Operation::Publish, &out.stdout).unwrap();
+        assert_eq!(res.path.as_deref(), Some(""));
+        for bad in ["p", "p=relative", "../x=/tmp", "p=/nonexistent/dir"] {
+            assert!(allowed_roots(&[bad.to_string()]).is_err(), "{bad}");
         }
     }
 }

@@ -92,42 +92,132 @@ pub fn publish_read_only(volume: &VolumeRecord) -> bool {
     volume.access_mode().ends_with("reader-only")
 }
 
-/// Computes the plan. See the module documentation for the rules.
+/// What a pass plans: everything, or only the volumes a message could affect.
+#[derive(Debug, Clone, Copy)]
+pub enum Scope<'a> {
+    /// Every volume (the first pass, a relist, a catalogue or plugin set reload).
+    All,
+    /// Only these volumes. Steps of other volumes are those of the last pass (taken, or
+    /// waiting on a retry, which dirties the volume again when it is due).
+    Volumes {
+        dirty: &'a BTreeSet<VolumeKey>,
+        /// Volume → the allocations recorded as its users
+        /// ([`crate::journal::Journal::users_by_volume`]).
+        users: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
+    },
+}
+
+/// Computes the plan for every volume. See the module documentation for the rules.
+#[cfg(test)]
 pub fn plan(i: Inputs<'_>) -> Plan {
+    plan_in(i, Scope::All).0
+}
+
+/// Computes the plan for the volumes in `scope`, and how much it visited (allocations,
+/// user records, claims and mount records looked at): the planning work of the pass, which
+/// for [`Scope::Volumes`] grows with what the message touched, not with the node.
+/// For the volumes in scope, the steps are exactly those of [`plan`], in the same order.
+pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
     let mut plan = Plan::default();
+    let mut visits = 0usize;
     let complete = i.view.is_complete() && i.volumes_loaded;
 
     // Live allocations' needs, by volume: (alloc, read_only) in alloc ID order.
     let mut needed: BTreeMap<VolumeKey, Vec<(String, bool)>> = BTreeMap::new();
-    for (id, alloc) in i.view.allocs() {
-        if alloc.tasks_finished() {
-            continue;
+    match scope {
+        Scope::All => {
+            for (id, alloc) in i.view.allocs() {
+                visits += 1;
+                if alloc.tasks_finished() {
+                    continue;
+                }
+                for r in requests(alloc, i.volumes) {
+                    needed
+                        .entry(r.volume)
+                        .or_default()
+                        .push((id.clone(), r.read_only));
+                }
+            }
         }
-        for r in requests(alloc, i.volumes) {
-            needed
-                .entry(r.volume)
-                .or_default()
-                .push((id.clone(), r.read_only));
+        Scope::Volumes { dirty, .. } => {
+            for key in dirty {
+                for id in i.view.needing(key) {
+                    visits += 1;
+                    let Some(alloc) = i.view.allocs().get(id) else {
+                        continue;
+                    };
+                    if alloc.tasks_finished() {
+                        continue;
+                    }
+                    if let Some(r) = requests(alloc, i.volumes)
+                        .into_iter()
+                        .find(|r| &r.volume == key)
+                    {
+                        needed
+                            .entry(r.volume)
+                            .or_default()
+                            .push((id.clone(), r.read_only));
+                    }
+                }
+            }
         }
     }
 
+    // The user records, claims and mount records in scope, in key order.
+    let users: Vec<UserKey> = match scope {
+        Scope::All => i.users.iter().cloned().collect(),
+        Scope::Volumes { dirty, users } => {
+            let mut v: Vec<UserKey> = dirty
+                .iter()
+                .flat_map(|key| {
+                    users
+                        .get(key)
+                        .into_iter()
+                        .flatten()
+                        .map(|alloc_id| UserKey {
+                            alloc_id: alloc_id.clone(),
+                            volume: key.clone(),
+                        })
+                })
+                .collect();
+            v.sort();
+            v
+        }
+    };
+    visits += users.len();
+    let claims: Vec<(&VolumeKey, ClaimState)> = match scope {
+        Scope::All => i.claims.iter().map(|(k, s)| (k, *s)).collect(),
+        Scope::Volumes { dirty, .. } => dirty
+            .iter()
+            .filter_map(|k| i.claims.get(k).map(|s| (k, *s)))
+            .collect(),
+    };
+    visits += claims.len();
+    let mounts: Vec<(&VolumeKey, &MountRecord)> = match scope {
+        Scope::All => i.mounts.iter().collect(),
+        Scope::Volumes { dirty, .. } => dirty
+            .iter()
+            .filter_map(|k| i.mounts.get_key_value(k))
+            .collect(),
+    };
+    visits += mounts.len();
+
     if complete {
-        for u in i.users {
+        for u in users {
             if !i.view.is_live(&u.alloc_id) {
-                plan.steps.push(Step::RemoveUser(u.clone()));
+                plan.steps.push(Step::RemoveUser(u));
             }
         }
     }
 
     // A lost claim is unpublished before anything else, even before the view is complete.
-    for (key, state) in i.claims {
+    for (key, state) in &claims {
         if *state == ClaimState::Lost && i.mounts.contains_key(key) && !i.busy.contains(key) {
             plan.steps.push(Step::Unpublish {
-                volume: key.clone(),
+                volume: (*key).clone(),
             });
         }
     }
-
     for (key, allocs) in &needed {
         if i.busy.contains(key) {
             continue;
@@ -183,20 +273,20 @@ pub fn plan(i: Inputs<'_>) -> Plan {
     }
 
     // A claim nothing here needs any more is given back (an unpublish releases its own).
-    for (key, state) in i.claims {
+    for (key, state) in &claims {
         if *state == ClaimState::Held
             && !needed.contains_key(key)
             && !i.mounts.contains_key(key)
             && !i.busy.contains(key)
         {
             plan.steps.push(Step::ReleaseClaim {
-                volume: key.clone(),
+                volume: (*key).clone(),
             });
         }
     }
 
     if complete {
-        for (key, m) in i.mounts {
+        for (key, m) in mounts {
             if needed.contains_key(key)
                 || i.busy.contains(key)
                 || i.claims.get(key) == Some(&ClaimState::Lost)
@@ -218,7 +308,7 @@ pub fn plan(i: Inputs<'_>) -> Plan {
             }
         }
     }
-    plan
+    (plan, visits)
 }
 
 #[cfg(test)]
@@ -377,6 +467,7 @@ pub(crate) mod tests {
                                     since: 0,
                                     last_error: String::new(),
                                     claim_id: None,
+                                    mount: None,
                                 },
                             );
                         }
@@ -549,6 +640,7 @@ pub(crate) mod tests {
                 since: 0,
                 last_error: String::new(),
                 claim_id: None,
+                mount: None,
             },
         );
         w.users.insert(UserKey {

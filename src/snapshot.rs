@@ -607,7 +607,6 @@ mod tests {
             node_pool: "default".into(),
             volumes_dir: "/var/lib/dhv-binder/volumes".into(),
             plugin_dir: "/opt/dhv-binder/plugins".into(),
-            roots: vec!["/var/lib/dhv-binder/volumes".into(), "/srv/images".into()],
         }
     }
 
@@ -649,10 +648,8 @@ mod tests {
         assert_eq!(get(&env, "DHV_TARGET_PATH"), "/mnt/t");
         assert_eq!(get(&env, "DHV_SECRETS"), r#"{"key":"s3cret"}"#);
         assert_eq!(get(&env, "DHV_CONTEXT"), vol.context.to_string());
-        assert_eq!(
-            get(&env, "DHV_ALLOWED_ROOTS"),
-            "/var/lib/dhv-binder/volumes:/srv/images"
-        );
+        // The node's roots come from the runner (--plugin-root), never from the call's env.
+        assert!(env.iter().all(|(k, _)| k != "DHV_ALLOWED_ROOTS"));
         let env = create_env(&node(), &vol, &snap, None);
         assert_eq!(get(&env, "DHV_TARGET_PATH"), "");
         // Delete works from the snapshot alone (the volume may be gone), with its secrets.

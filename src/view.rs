@@ -5,7 +5,7 @@
 
 use crate::nomad::types::Allocation;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// Extra time, beyond an allocation's kill grace, before a vanished allocation counts as
@@ -21,7 +21,31 @@ pub struct View {
     /// Allocations that vanished from Nomad (purge, GC) while their tasks were last seen
     /// running: kept (as live) until the deadline, while the client kills their tasks.
     departing: BTreeMap<String, Instant>,
+    /// Volume → the allocations whose group names it (whatever the catalogue says),
+    /// maintained with every change: the plan finds a volume's allocations without a scan.
+    needing: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// What changed since [`View::take_changes`].
+    changes: Changes,
+    /// Allocations that left the view finished, with their last ModifyIndex: an older
+    /// list or event that still shows them running is stale, never a reason to publish
+    /// again. At most [`FINISHED_KEPT`], the oldest dropped first.
+    finished: BTreeMap<String, u64>,
 }
+
+/// What changed in the view since the last [`View::take_changes`]: the planner replans
+/// only these (a relist replans everything).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Changes {
+    /// A full list replaced the view.
+    pub relisted: bool,
+    /// Allocations added, changed or removed.
+    pub allocs: BTreeSet<String>,
+    /// Volumes named by those allocations, before and after the change.
+    pub volumes: BTreeSet<VolumeKey>,
+}
+
+/// How many finished allocations the view remembers (stale-list protection).
+pub const FINISHED_KEPT: usize = 4096;
 
 /// One deferred volume an allocation needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,18 +71,36 @@ impl View {
         &self.allocs
     }
 
-    /// Replaces everything with a full list taken at `index`, at `now`. Jobs already known
+    /// Replaces everything with a full list taken at `index`, at `now`. Each Job is reduced to
+    /// the allocation's own group ([`Allocation::keep_own_group`]). Jobs already known
     /// are kept for allocations whose listing lacks one. Allocations missing from the list
     /// whose tasks were last seen running become departing (see [`View::remove_at`]).
+    ///
+    /// A list never brings back what a newer state finished: an allocation listed running
+    /// with a lower ModifyIndex than a finished state already known keeps the known one,
+    /// and one that left the view finished is not brought back by an older list.
     pub fn replace_all_at(&mut self, list: Vec<Allocation>, index: u64, now: Instant) {
         let mut old = std::mem::take(&mut self.allocs);
         for mut a in list {
-            self.departing.remove(&a.id);
-            if a.job.is_none() {
-                a.job = old.remove(&a.id).and_then(|o| o.job);
-            } else {
-                old.remove(&a.id);
+            a.keep_own_group();
+            if self.is_stale(&a) {
+                continue;
             }
+            match old.remove(&a.id) {
+                // Back to running from a finished state seen at a newer index: stale.
+                Some(o)
+                    if a.modify_index != 0
+                        && a.modify_index < o.modify_index
+                        && o.tasks_finished()
+                        && !a.tasks_finished() =>
+                {
+                    self.allocs.insert(o.id.clone(), o);
+                    continue;
+                }
+                Some(o) if a.job.is_none() => a.job = o.job,
+                _ => {}
+            }
+            self.departing.remove(&a.id);
             self.allocs.insert(a.id.clone(), a);
         }
         for (id, a) in old {
@@ -72,15 +114,55 @@ impl View {
                 self.allocs.insert(id, a);
             } else {
                 self.departing.remove(&id);
+                self.forget_finished(&a);
             }
         }
         self.complete = true;
         self.index = index;
+        self.needing.clear();
+        for (id, a) in &self.allocs {
+            for key in named_volumes(a) {
+                self.needing.entry(key).or_default().insert(id.clone());
+            }
+        }
+        self.changes.relisted = true;
+    }
+
+    /// True when `a` shows tasks running that were already seen finished, at a newer
+    /// index: it would bring back (and publish for) an allocation that is done. (Going the
+    /// other way, an older state that says finished, is taken: a snapshot restore is the
+    /// truth, and no volume is unpublished while a process still uses it, see
+    /// `crate::holders`.)
+    fn is_stale(&self, a: &Allocation) -> bool {
+        !a.tasks_finished()
+            && self
+                .finished
+                .get(&a.id)
+                .is_some_and(|i| a.modify_index <= *i)
+    }
+
+    /// Remembers that `a` left the view finished (bounded).
+    fn forget_finished(&mut self, a: &Allocation) {
+        self.finished.insert(a.id.clone(), a.modify_index);
+        if self.finished.len() > FINISHED_KEPT {
+            if let Some(oldest) = self
+                .finished
+                .iter()
+                .min_by_key(|(_, i)| **i)
+                .map(|(id, _)| id.clone())
+            {
+                self.finished.remove(&oldest);
+            }
+        }
     }
 
     /// Applies one allocation update (an event payload or a fresh read). A payload without
-    /// a Job keeps the Job already known. Stale updates (lower ModifyIndex) are ignored.
+    /// a Job keeps the Job already known; a Job is reduced to the allocation's own group. Stale updates (lower ModifyIndex) are ignored.
     pub fn upsert(&mut self, mut a: Allocation) {
+        a.keep_own_group();
+        if self.is_stale(&a) {
+            return;
+        }
         self.departing.remove(&a.id);
         if let Some(old) = self.allocs.get(&a.id) {
             if a.modify_index != 0 && a.modify_index < old.modify_index {
@@ -91,7 +173,51 @@ impl View {
             }
         }
         self.index = self.index.max(a.modify_index);
-        self.allocs.insert(a.id.clone(), a);
+        let id = a.id.clone();
+        self.touch(&id);
+        for key in named_volumes(&a) {
+            self.changes.volumes.insert(key.clone());
+            self.needing.entry(key).or_default().insert(id.clone());
+        }
+        self.allocs.insert(id, a);
+    }
+
+    /// Takes what changed since the last call.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// The IDs of the allocations whose group names `volume` (live or not, usable or
+    /// not: the plan checks), in ID order.
+    pub fn needing(&self, volume: &VolumeKey) -> impl Iterator<Item = &String> + '_ {
+        self.needing.get(volume).into_iter().flatten()
+    }
+
+    /// Records a change of allocation `id` (its volumes, as they were, are changed too)
+    /// and drops it from the index; the caller indexes it again if it stays.
+    fn touch(&mut self, id: &str) {
+        self.changes.allocs.insert(id.to_string());
+        let Some(old) = self.allocs.get(id) else {
+            return;
+        };
+        for key in named_volumes(old) {
+            if let Some(ids) = self.needing.get_mut(&key) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.needing.remove(&key);
+                }
+            }
+            self.changes.volumes.insert(key);
+        }
+    }
+
+    /// Removes allocation `id` from the view and the index.
+    fn drop_alloc(&mut self, id: &str) {
+        self.touch(id);
+        if let Some(a) = self.allocs.remove(id) {
+            self.forget_finished(&a);
+        }
+        self.departing.remove(id);
     }
 
     /// An allocation read back as 404 (garbage-collected or purged: Nomad sends no event),
@@ -103,10 +229,7 @@ impl View {
                 let deadline = now + a.kill_grace() + DEPARTURE_MARGIN;
                 self.departing.entry(id.to_string()).or_insert(deadline);
             }
-            _ => {
-                self.allocs.remove(id);
-                self.departing.remove(id);
-            }
+            _ => self.drop_alloc(id),
         }
     }
 
@@ -119,8 +242,7 @@ impl View {
             .map(|(id, _)| id.clone())
             .collect();
         for id in &due {
-            self.departing.remove(id);
-            self.allocs.remove(id);
+            self.drop_alloc(id);
         }
         due.len()
     }
@@ -140,39 +262,133 @@ impl View {
 /// (with the allocation's `[N]` suffix for `per_alloc`) names a volume record in the
 /// allocation's namespace that is created (`ready`, or `deleting` while still in use).
 pub fn requests(alloc: &Allocation, volumes: &BTreeMap<VolumeKey, VolumeRecord>) -> Vec<Request> {
-    let Some(group) = alloc.group() else {
-        return Vec::new();
-    };
     let mut out: Vec<Request> = Vec::new();
-    for req in group.volumes.values() {
-        if req.volume_type != "host" {
-            continue;
-        }
-        let source = if req.per_alloc {
-            match alloc.alloc_suffix() {
-                Some(sfx) => format!("{}{}", req.source, sfx),
-                None => continue,
-            }
-        } else {
-            req.source.clone()
-        };
-        let key = VolumeKey {
-            namespace: alloc.namespace.clone(),
-            name: source,
-        };
+    for (key, read_only) in host_sources(alloc) {
         let usable = volumes
             .get(&key)
             .is_some_and(|v| matches!(v.state, VolumeState::Ready | VolumeState::Deleting));
         if usable {
             match out.iter_mut().find(|r| r.volume == key) {
                 // Two aliases of one volume: writable wins.
-                Some(r) => r.read_only &= req.read_only,
+                Some(r) => r.read_only &= read_only,
                 None => out.push(Request {
                     volume: key,
-                    read_only: req.read_only,
+                    read_only,
                 }),
             }
         }
     }
     out
+}
+
+/// The volumes an allocation's group names as host volume sources (with the `[N]` suffix
+/// for `per_alloc`), whether or not a record exists: what the view indexes.
+pub fn named_volumes(alloc: &Allocation) -> BTreeSet<VolumeKey> {
+    host_sources(alloc).map(|(k, _)| k).collect()
+}
+
+/// The group's host volume requests as (volume, read_only), one per request.
+fn host_sources(alloc: &Allocation) -> impl Iterator<Item = (VolumeKey, bool)> + '_ {
+    alloc
+        .group()
+        .into_iter()
+        .flat_map(|g| g.volumes.values())
+        .filter(|req| req.volume_type == "host")
+        .filter_map(|req| {
+            let name = if req.per_alloc {
+                format!("{}{}", req.source, alloc.alloc_suffix()?)
+            } else {
+                req.source.clone()
+            };
+            let key = VolumeKey {
+                namespace: alloc.namespace.clone(),
+                name,
+            };
+            Some((key, req.read_only))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nomad::types::{Job, TaskGroup};
+
+    fn alloc(id: &str, group: &str) -> Allocation {
+        let groups = ["cache", "web", "db"].map(|name| TaskGroup {
+            name: name.into(),
+            ..Default::default()
+        });
+        Allocation {
+            id: id.into(),
+            task_group: group.into(),
+            modify_index: 1,
+            job: Some(Job {
+                task_groups: groups.to_vec(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn groups_kept(v: &View, id: &str) -> Vec<String> {
+        let job = v.allocs()[id].job.as_ref().expect("the Job is kept");
+        job.task_groups.iter().map(|g| g.name.clone()).collect()
+    }
+
+    /// Issue 10 (memory): the view keeps of each allocation's Job only its own group.
+    #[test]
+    fn the_view_keeps_only_the_allocations_own_group() {
+        let mut v = View::default();
+        v.replace_all_at(vec![alloc("a", "web")], 1, Instant::now());
+        assert_eq!(groups_kept(&v, "a"), ["web"]);
+        v.upsert(alloc("b", "db"));
+        assert_eq!(groups_kept(&v, "b"), ["db"]);
+        // An event payload without a Job keeps the reduced one.
+        v.upsert(Allocation {
+            job: None,
+            modify_index: 2,
+            ..alloc("b", "db")
+        });
+        assert_eq!(groups_kept(&v, "b"), ["db"]);
+    }
+}
+
+#[cfg(test)]
+mod stale_tests {
+    use super::*;
+
+    fn alloc(id: &str, status: &str, index: u64) -> Allocation {
+        Allocation {
+            id: id.into(),
+            client_status: status.into(),
+            desired_status: "run".into(),
+            modify_index: index,
+            ..Allocation::default()
+        }
+    }
+
+    /// Issue 12 input 8: an older list never undoes what a newer one established.
+    #[test]
+    fn a_list_that_goes_back_in_time_is_not_applied() {
+        let t = Instant::now();
+        let mut v = View::default();
+        v.replace_all_at(vec![alloc("a", "running", 10)], 10, t);
+        v.upsert(alloc("a", "complete", 12));
+        // An older list (a stale server) still shows it running.
+        v.replace_all_at(vec![alloc("a", "running", 10)], 11, t);
+        assert_eq!(v.allocs()["a"].client_status, "complete");
+        // Gone from Nomad (garbage-collected), then an old list brings it back running.
+        v.replace_all_at(vec![], 13, t);
+        assert!(!v.allocs().contains_key("a"));
+        v.replace_all_at(vec![alloc("a", "running", 10)], 9, t);
+        assert!(
+            !v.allocs().contains_key("a"),
+            "a finished allocation came back"
+        );
+        v.upsert(alloc("a", "running", 11));
+        assert!(!v.allocs().contains_key("a"));
+        // A newer state of it is taken.
+        v.upsert(alloc("a", "complete", 14));
+        assert!(v.allocs().contains_key("a"));
+    }
 }

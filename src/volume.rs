@@ -48,6 +48,8 @@ pub enum SpecError {
     TwoSources,
     #[error("snapshot_id {0:?} is not a snapshot ID (a UUID, as `dhv-binder volume snapshot list` shows)")]
     BadSnapshotId(String),
+    #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
+    TooDeep,
 }
 
 /// Where a new volume's content comes from (`snapshot_id` or `clone_id` in the spec).
@@ -69,6 +71,58 @@ impl VolumeSource {
     pub fn is_empty(&self) -> bool {
         matches!(self, VolumeSource::Empty)
     }
+}
+
+/// Deepest nesting of `{`, `[` and `(` a spec may have (the HCL parser recurses per level).
+pub const MAX_SPEC_DEPTH: usize = 32;
+/// Largest spec text accepted, in bytes.
+pub const MAX_SPEC_BYTES: usize = 1 << 20;
+
+/// The deepest nesting of brackets in HCL text, outside strings and comments. Conservative:
+/// brackets inside heredocs count too.
+fn nesting_depth(text: &str) -> usize {
+    let b = text.as_bytes();
+    let (mut depth, mut max, mut i) = (0usize, 0usize, 0usize);
+    while let Some(&c) = b.get(i) {
+        match c {
+            b'"' => {
+                i += 1;
+                while let Some(&d) = b.get(i) {
+                    match d {
+                        b'\\' => i += 1,
+                        b'"' => break,
+                        _ => {}
+                    }
+                    i += 1;
+                }
+            }
+            b'#' => {
+                while b.get(i).is_some_and(|&d| d != b'\n') {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                while b.get(i).is_some_and(|&d| d != b'\n') {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                i += 2;
+                while i < b.len() && !(b[i] == b'*' && b.get(i + 1) == Some(&b'/')) {
+                    i += 1;
+                }
+                i += 1;
+            }
+            b'{' | b'[' | b'(' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b'}' | b']' | b')' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        i += 1;
+    }
+    max
 }
 
 /// One `capability { access_mode attachment_mode }` block.
@@ -203,6 +257,9 @@ fn parse_size(field: &'static str, v: Option<&hcl::Value>) -> Result<u64, SpecEr
 
 /// Parses and validates a volume spec file's text. Returns the spec and its secrets.
 pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
+    if text.len() > MAX_SPEC_BYTES || nesting_depth(text) > MAX_SPEC_DEPTH {
+        return Err(SpecError::TooDeep);
+    }
     let raw: RawSpec = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let name = raw.name.unwrap_or_default();
     if name.is_empty() {
@@ -399,8 +456,8 @@ impl Expansion {
     }
 }
 
-/// The cluster-wide record of one deferred volume.
-#[derive(Debug, Clone, PartialEq)]
+/// The cluster-wide record of one deferred volume. Its `Debug` shows secret keys, never values.
+#[derive(Clone, PartialEq)]
 pub struct VolumeRecord {
     /// UUID chosen at `volume create`; passed to plugins as DHV_VOLUME_ID.
     pub id: String,
@@ -422,6 +479,48 @@ pub struct VolumeRecord {
     pub expansion: Option<Expansion>,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
+    /// The operator's signature over ID, place, spec and secrets (the `trust` module); empty when
+    /// unsigned. Nodes copy it unchanged when they write the record back.
+    pub signature: String,
+    /// The operator's signature of the delete request; empty unless `volume delete` signed one.
+    pub delete_signature: String,
+}
+
+impl std::fmt::Debug for VolumeRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secrets: BTreeMap<&str, &str> = self
+            .secrets
+            .keys()
+            .map(|k| (k.as_str(), "[redacted]"))
+            .collect();
+        f.debug_struct("VolumeRecord")
+            .field("id", &self.id)
+            .field("spec", &self.spec)
+            .field("secrets", &secrets)
+            .field("state", &self.state)
+            .field("context", &self.context)
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("worker_node", &self.worker_node)
+            .field("error", &self.error)
+            .field("expansion", &self.expansion)
+            .field("modify_index", &self.modify_index)
+            .field("signed", &!self.signature.is_empty())
+            .finish()
+    }
+}
+
+/// The most a volume record may hold, in bytes of its variable's Items (keys plus values):
+/// Nomad refuses a larger variable with 400 "variables are limited to 64KiB in total size"
+/// (`nomad/structs/variables.go` `VariableDecrypted.Validate`, `maxVariableSize`).
+pub const MAX_RECORD_BYTES: usize = 64 * 1024;
+
+/// A volume record too big for one Nomad variable ([`MAX_RECORD_BYTES`]).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("volume record {volume} would be {bytes} bytes ({context} of them the plugin's context); Nomad holds at most 65536 bytes per variable: keep the plugin's context to identifiers and paths (not data), and the spec's parameters short")]
+pub struct RecordTooBig {
+    pub volume: VolumeKey,
+    pub bytes: usize,
+    pub context: usize,
 }
 
 /// A variable that is not a volume record dhv-binder wrote.
@@ -487,6 +586,8 @@ impl VolumeRecord {
             error: String::new(),
             expansion: None,
             modify_index: 0,
+            signature: String::new(),
+            delete_signature: String::new(),
         }
     }
 
@@ -521,12 +622,39 @@ impl VolumeRecord {
                 serde_json::to_string(x).unwrap_or_default(),
             );
         }
+        for (k, v) in [
+            ("signature", &self.signature),
+            ("delete_signature", &self.delete_signature),
+        ] {
+            if !v.is_empty() {
+                items.insert(k.into(), v.clone());
+            }
+        }
         Variable {
             namespace: self.spec.namespace.clone(),
             path: record_path(&self.spec.name),
             items,
             ..Default::default()
         }
+    }
+
+    /// Refuses a record whose variable Nomad would refuse as too big ([`MAX_RECORD_BYTES`],
+    /// counted as Nomad does: the bytes of every item's key and value).
+    pub fn check_size(&self) -> Result<(), RecordTooBig> {
+        let bytes: usize = self
+            .to_variable()
+            .items
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum();
+        if bytes <= MAX_RECORD_BYTES {
+            return Ok(());
+        }
+        Err(RecordTooBig {
+            volume: self.key(),
+            bytes,
+            context: self.context.to_string().len(),
+        })
     }
 
     /// Reads a record back from its variable, re-validating what it holds.
@@ -540,10 +668,18 @@ impl VolumeRecord {
             serde_json::from_str(&item("spec")).map_err(|e| err(format!("spec: {e}")))?;
         validate_identifier("name", &spec.name, true).map_err(|e| err(e.to_string()))?;
         validate_identifier("plugin_id", &spec.plugin_id, false).map_err(|e| err(e.to_string()))?;
+        validate_identifier("namespace", &spec.namespace, false).map_err(|e| err(e.to_string()))?;
         if spec.namespace != var.namespace {
             return Err(err(format!(
                 "spec namespace {} differs from the variable's {}",
                 spec.namespace, var.namespace
+            )));
+        }
+        if var.path != record_path(&spec.name) {
+            return Err(err(format!(
+                "spec name {:?} belongs at {}, not here (a record copied to another path)",
+                spec.name,
+                record_path(&spec.name)
             )));
         }
         let (secrets, state, context) = common_items(var)?;
@@ -566,6 +702,8 @@ impl VolumeRecord {
             error: item("error"),
             expansion,
             modify_index: var.modify_index,
+            signature: item("signature"),
+            delete_signature: item("delete_signature"),
         })
     }
 
@@ -616,6 +754,16 @@ impl VolumeRecord {
 pub struct VolumeKey {
     pub namespace: String,
     pub name: String,
+}
+
+impl VolumeKey {
+    /// `<namespace>/<name>` as a relative path, after validating both (no `/`, `..`, NUL or
+    /// leading `.`/`-`): the only way a key may reach a filesystem path.
+    pub fn relative_path(&self) -> Result<std::path::PathBuf, SpecError> {
+        validate_identifier("namespace", &self.namespace, false)?;
+        validate_identifier("name", &self.name, true)?;
+        Ok(std::path::Path::new(&self.namespace).join(&self.name))
+    }
 }
 
 impl std::fmt::Display for VolumeKey {
@@ -706,6 +854,24 @@ mod tests {
     }
 
     #[test]
+    fn a_record_over_64_kib_is_refused_and_says_why() {
+        let mut rec = VolumeRecord::new(
+            parse_spec("name = \"big\"\ntype = \"host\"\nplugin_id = \"bind\"\n")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        assert_eq!(rec.check_size(), Ok(()));
+        rec.context = serde_json::json!({"blob": "x".repeat(MAX_RECORD_BYTES)});
+        let e = rec.check_size().unwrap_err();
+        assert!(
+            e.bytes > MAX_RECORD_BYTES && e.context > MAX_RECORD_BYTES,
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("plugin's context"), "{e}");
+    }
+
+    #[test]
     fn record_round_trips_through_a_variable() {
         let (spec, secrets) = parse_spec(SPEC).unwrap();
         let mut rec = VolumeRecord::new(spec, secrets);
@@ -762,5 +928,76 @@ mod tests {
             (back.spec.source, back.expansion),
             (VolumeSource::Empty, None)
         );
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_not_a_stack_overflow() {
+        let deep = format!("name = {}1{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(parse_spec(&deep), Err(SpecError::TooDeep));
+        let blocks = format!(
+            "name = \"a\"\nplugin_id = \"p\"\n{}{}",
+            "parameters {\n".repeat(40),
+            "}\n".repeat(40)
+        );
+        assert_eq!(parse_spec(&blocks), Err(SpecError::TooDeep));
+        // Brackets inside strings and comments do not count.
+        let quoted = format!(
+            "name = \"a\"\nplugin_id = \"p\"\n# {}\nparameters {{ x = \"{}\\\"\" }}",
+            "{".repeat(100),
+            "[".repeat(100)
+        );
+        assert!(parse_spec(&quoted).is_ok(), "{quoted}");
+        assert_eq!(nesting_depth("a { b { c = [1] } } // {{{{\n/* [[[[ */"), 3);
+    }
+
+    #[test]
+    fn debug_hides_secret_values() {
+        let (spec, secrets) = parse_spec(SPEC).unwrap();
+        let rec = VolumeRecord::new(spec, secrets);
+        let shown = format!("{rec:?} {rec:#?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("password"), "{shown}");
+    }
+
+    #[test]
+    fn a_record_copied_to_another_path_or_namespace_is_refused() {
+        let (spec, secrets) = parse_spec(SPEC).unwrap();
+        let rec = VolumeRecord::new(spec, secrets);
+        let mut var = rec.to_variable();
+        var.path = "dhv-binder/volumes/other".into();
+        let e = VolumeRecord::from_variable(&var).unwrap_err().to_string();
+        assert!(e.contains("copied to another path"), "{e}");
+        let mut var = rec.to_variable();
+        var.namespace = "prod".into();
+        assert!(VolumeRecord::from_variable(&var).is_err());
+        // Signatures survive the round trip a node's write-back makes.
+        let mut signed = rec.clone();
+        signed.signature = "ed25519:ab:cd".into();
+        signed.delete_signature = "ed25519:ab:ef".into();
+        let back = VolumeRecord::from_variable(&signed.to_variable()).unwrap();
+        assert_eq!(back.signature, signed.signature);
+        assert_eq!(back.delete_signature, signed.delete_signature);
+    }
+
+    #[test]
+    fn keys_reach_paths_only_when_valid() {
+        let k = |ns: &str, name: &str| VolumeKey {
+            namespace: ns.into(),
+            name: name.into(),
+        };
+        assert_eq!(
+            k("default", "data[0]").relative_path().unwrap(),
+            std::path::PathBuf::from("default/data[0]")
+        );
+        for (ns, name) in [
+            ("..", "x"),
+            ("a/b", "x"),
+            ("", "x"),
+            ("ns", "../x"),
+            ("ns", "/etc"),
+            ("ns\0", "x"),
+        ] {
+            assert!(k(ns, name).relative_path().is_err(), "{ns:?} {name:?}");
+        }
     }
 }

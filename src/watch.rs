@@ -21,7 +21,7 @@ use crate::retry::backoff_delay;
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -62,6 +62,9 @@ pub enum Fault {
     Stalled,
     /// The index went backwards: snapshot restore or a new cluster.
     IndexReset,
+    /// The list was empty and Nomad does not know this node (`GET /v1/node/:id` is 404):
+    /// the node was purged or the configured node ID is wrong. Nothing is unpublished.
+    NodeUnknown,
 }
 
 impl Fault {
@@ -174,6 +177,10 @@ enum State {
     },
     Stopped,
 }
+
+/// Shortest time between two blocking queries when Nomad answers at once without a newer
+/// index (a missing or stale `X-Nomad-Index`): a blocking query never becomes a busy loop.
+pub const MIN_QUERY_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The delay before relisting after `fault`: auth failures wait at least 1 s (B30).
 fn fault_delay(cfg: &WatchConfig, fault: Fault, attempt: u32) -> Duration {
@@ -320,6 +327,31 @@ impl Watcher {
         }
     }
 
+    /// Before an empty list is acted on: does Nomad know this node? An unknown node's
+    /// allocations list is `200 []` too (`nomad/node_endpoint.go` `GetAllocs`), and acting
+    /// on it would unpublish every volume here. A failed read counts as unknown (fail
+    /// closed); its reason is logged.
+    async fn node_known(&mut self, attempt: u32) -> bool {
+        match self.client.node_exists(&self.cfg.node_id).await {
+            Ok(known) => known,
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "the node's allocations list is empty and reading the node failed; not acting on the empty list");
+                false
+            }
+        }
+    }
+
+    fn node_unknown(&mut self, attempt: u32) -> State {
+        self.backoff(
+            attempt,
+            Fault::NodeUnknown,
+            format!(
+                "the allocations list of node {} is empty and Nomad does not answer for that node (GET /v1/node/:id): check the node ID (`--node-id`) and that the node is not purged; nothing is unpublished meanwhile",
+                self.cfg.node_id
+            ),
+        )
+    }
+
     fn healthy_reset(&self, attempt: u32, since: Instant) -> u32 {
         if since.elapsed() >= self.cfg.healthy_after {
             0
@@ -371,6 +403,9 @@ impl Watcher {
                         ),
                     ),
                     Ok(Err(e)) => self.backoff(attempt, Fault::of(&e), e.to_string()),
+                    Ok(Ok(list)) if list.value.is_empty() && !self.node_known(attempt).await => {
+                        self.node_unknown(attempt)
+                    }
                     Ok(Ok(list)) => {
                         self.disconnected = false;
                         let index = list.index;
@@ -410,6 +445,7 @@ impl Watcher {
                 let query = self
                     .client
                     .node_allocations(&self.cfg.node_id, index.max(1), wait);
+                let asked = tokio::time::Instant::now();
                 match tokio::time::timeout(deadline, query).await {
                     Err(_) => {
                         let attempt = self.healthy_reset(attempt, since);
@@ -423,10 +459,17 @@ impl Watcher {
                         let attempt = self.healthy_reset(attempt, since);
                         self.backoff(attempt, Fault::of(&e), e.to_string())
                     }
+                    Ok(Ok(list)) if list.value.is_empty() && !self.node_known(attempt).await => {
+                        self.node_unknown(self.healthy_reset(attempt, since))
+                    }
                     Ok(Ok(list)) => {
                         let new = list.index;
                         if !self.relisted(list.value, new).await {
                             return State::Stopped;
+                        }
+                        if new <= index {
+                            // Answered without a newer index: not a real wake-up.
+                            tokio::time::sleep_until(asked + MIN_QUERY_INTERVAL).await;
                         }
                         let h = Health::Polling {
                             index: new,
@@ -484,12 +527,7 @@ impl Watcher {
                 }
                 _ = tokio::time::sleep_until(verify_at), if verify => {
                     verify_at = Instant::now() + self.cfg.verify_interval;
-                    if let Err(e) = self.verify().await {
-                        return StreamEnd::Fault(Fault::of(&e), e.to_string());
-                    }
-                    if self.tx.is_closed() {
-                        return StreamEnd::Closed;
-                    }
+                    self.verify(&mut fetches);
                     continue;
                 }
             };
@@ -646,33 +684,23 @@ impl Watcher {
     }
 
     /// Stream mode: reads every allocation that may have been deleted with its tasks alive
-    /// (a purge or GC emits no event); a 404 becomes [`WatchEvent::Removed`].
-    async fn verify(&mut self) -> Result<(), NomadError> {
-        let ids: Vec<String> = self.verifying.iter().cloned().collect();
-        for id in ids {
-            match self.client.allocation(&id).await? {
-                Some(a) if a.may_vanish_while_live() => {}
-                Some(_) => {
-                    // Changed server-side: the stream brings the update; stop verifying.
-                    self.verifying.remove(&id);
-                }
-                None => {
-                    tracing::info!(alloc = %id, "allocation deleted from Nomad (garbage-collected or purged)");
-                    self.verifying.remove(&id);
-                    self.known.remove(&id);
-                    if !self.emit(WatchEvent::Removed(id)).await {
-                        return Ok(());
-                    }
-                }
+    /// (a purge or GC emits no event), off the reader through `fetches` like every other
+    /// read of the stream path; one whose read is already pending is covered by it. A 404
+    /// becomes [`WatchEvent::Removed`] in [`Watcher::fetched`].
+    fn verify(&self, fetches: &mut Fetches) {
+        for id in &self.verifying {
+            if !fetches.waiting.contains_key(id) {
+                fetches.verifies.insert(id.clone());
+                fetches.start(id.clone());
             }
         }
-        Ok(())
     }
 
     /// True when an event of this node's allocation needs the full allocation (with its
-    /// Job): it is new to us or changed server-side, and its tasks may still run.
+    /// Job): it is new to us or changed server-side, and its tasks may still run
+    /// ([`Allocation::tasks_finished`]: a `failed` one with a poststop task running does).
     fn needs_job(&self, a: &Allocation) -> bool {
-        !a.is_client_terminal()
+        !a.tasks_finished()
             && self
                 .known
                 .get(&a.id)
@@ -709,6 +737,7 @@ impl Watcher {
         id: String,
         read: Result<Option<Allocation>, NomadError>,
     ) -> Result<(), StreamEnd> {
+        let verify_only = fetches.verifies.remove(&id);
         let held = fetches.finish(&id);
         let full = match read {
             Err(e) => return Err(StreamEnd::Fault(Fault::of(&e), e.to_string())),
@@ -724,6 +753,15 @@ impl Watcher {
             }
             Ok(Some(full)) => full,
         };
+        if full.may_vanish_while_live() {
+            self.verifying.insert(full.id.clone());
+        } else {
+            self.verifying.remove(&full.id);
+        }
+        if verify_only && held.is_empty() {
+            // Still there, and no event arrived meanwhile: the stream brings its changes.
+            return Ok(());
+        }
         let read_at = full.modify_index;
         self.known.insert(full.id.clone(), full.alloc_modify_index);
         if !self.emit(WatchEvent::Upsert(Box::new(full))).await {
@@ -764,6 +802,9 @@ struct Fetches {
     /// Allocations with a read queued or in flight, and the events of each that arrived
     /// since, oldest first.
     waiting: HashMap<String, Vec<Allocation>>,
+    /// Reads started only to verify that the allocation still exists: their answer is
+    /// sent on only when it is a deletion or events arrived behind it.
+    verifies: HashSet<String>,
 }
 
 impl Fetches {
@@ -773,6 +814,7 @@ impl Fetches {
             running: FuturesUnordered::new(),
             queued: VecDeque::new(),
             waiting: HashMap::new(),
+            verifies: HashSet::new(),
         }
     }
 
@@ -863,7 +905,8 @@ mod tests {
 
     /// A loopback Nomad for the stream path: an empty node list at index 10, an event
     /// stream fed by the test, and allocation reads that wait until the test opens
-    /// `gate` (counted in `reads`).
+    /// `gate` (counted in `reads`). Node `node-gone` is unknown (404); any other exists
+    /// and has no allocations.
     mod slow_nomad {
         use bytes::Bytes;
         use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
@@ -927,7 +970,18 @@ mod tests {
                                 (r.clone(), gate_rx.clone(), lines_rx.clone(), full.clone());
                             async move {
                                 let path = req.uri().path().to_string();
-                                let body: Body = if path.starts_with("/v1/node/") {
+                                let body: Body = if path == "/v1/node/node-gone" {
+                                    return Ok::<_, Infallible>(
+                                        hyper::Response::builder()
+                                            .status(404)
+                                            .body(Full::new(Bytes::from("node not found")).boxed())
+                                            .unwrap(),
+                                    );
+                                } else if path.starts_with("/v1/node/")
+                                    && !path.ends_with("/allocations")
+                                {
+                                    Full::new(Bytes::from("{}")).boxed()
+                                } else if path.starts_with("/v1/node/") {
                                     Full::new(Bytes::from("[]")).boxed()
                                 } else if path == "/v1/event/stream" {
                                     let rx = lines_rx.lock().unwrap().take().expect("one stream");
@@ -1037,5 +1091,92 @@ mod tests {
             "coalesced: one read"
         );
         task.abort();
+    }
+
+    /// Stream mode: the read that verifies an allocation which may vanish with its tasks
+    /// alive runs off the reader: while it hangs, a later update of another allocation
+    /// still arrives. Without the fix the verifying read ran inline and the reader stalled.
+    #[tokio::test]
+    async fn stream_verifying_read_runs_off_the_reader() {
+        use slow_nomad::{alloc, frame};
+        use std::sync::atomic::Ordering;
+        const ME: &str = "node-me";
+        // Lost on the server with its task last seen running: verified by reads.
+        let lost = |index| {
+            alloc("v", ME, "lost", index, true).replace(
+                r#""DesiredStatus":"run""#,
+                r#""DesiredStatus":"stop","TaskStates":{"app":{"State":"running"}}"#,
+            )
+        };
+        let server = slow_nomad::start(lost(11)).await;
+        let mut cfg = WatchConfig::new(ME);
+        cfg.mode = WatchMode::Stream;
+        cfg.verify_interval = Duration::from_millis(20);
+        let (tx, mut rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        server.lines.send(frame(11, &[lost(11)])).unwrap();
+        // "v" is new: its Job is read (the gate holds every read).
+        while server.reads.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        server.gate.send(true).unwrap();
+        match next_alloc_event(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(a.id, "v", "{a:?}"),
+            ev => panic!("expected v's read, got {ev:?}"),
+        }
+        // Close the gate again and wait for the verifying read to hang on it.
+        server.gate.send(false).unwrap();
+        let before = server.reads.load(Ordering::SeqCst);
+        while server.reads.load(Ordering::SeqCst) == before {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let b = alloc("b", ME, "complete", 15, false);
+        server.lines.send(frame(15, &[b])).unwrap();
+        match next_alloc_event(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(a.id, "b", "{a:?}"),
+            ev => panic!("expected b's update while the verifying read hangs, got {ev:?}"),
+        }
+        // The verifying read, once answered with "v" unchanged, sends nothing.
+        server.gate.send(true).unwrap();
+        let c = alloc("c", ME, "complete", 16, false);
+        while server.reads.load(Ordering::SeqCst) < before + 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        server.lines.send(frame(16, &[c])).unwrap();
+        match next_alloc_event(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(a.id, "c", "{a:?}"),
+            ev => panic!("expected c's update (no resend of v), got {ev:?}"),
+        }
+        task.abort();
+    }
+
+    /// Issue 11 #10: `GET /v1/node/<unknown>/allocations` answers `200 []`. Before acting
+    /// on an empty list the watcher reads the node; a 404 is a fault, never an empty view
+    /// (which would unpublish every volume of the node). Without the fix the empty list was
+    /// sent as the node's allocations.
+    #[tokio::test]
+    async fn empty_list_of_an_unknown_node_is_a_fault_not_an_empty_view() {
+        let server = slow_nomad::start(String::new()).await;
+        for mode in [WatchMode::Poll, WatchMode::Stream] {
+            let mut cfg = WatchConfig::new("node-gone");
+            cfg.mode = mode;
+            let (tx, mut rx) = mpsc::channel(64);
+            let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+            loop {
+                match tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                    .await
+                    .expect("no event from the watcher")
+                    .expect("the watcher stopped")
+                {
+                    WatchEvent::Health(Health::Listing) => {}
+                    WatchEvent::Health(Health::Disconnected { fault, .. }) => {
+                        assert_eq!(fault, Fault::NodeUnknown, "{mode:?}");
+                        break;
+                    }
+                    ev => panic!("{mode:?}: expected a NodeUnknown fault, got {ev:?}"),
+                }
+            }
+            task.abort();
+        }
     }
 }

@@ -168,9 +168,10 @@ fn example_jobs_gate_their_tasks_on_publish() {
 #[test]
 fn policy_grants_what_the_daemon_calls() {
     let body = read("dhv-binder-policy.hcl");
-    let ns = one(&body, "namespace");
-    assert_eq!(label(ns), "*");
-    let caps = match attr(ns.body(), "capabilities") {
+    let namespaces = blocks(&body, "namespace");
+    let labels: Vec<String> = namespaces.iter().map(|b| label(b)).collect();
+    assert_eq!(labels, ["*", "default"]);
+    let caps_of = |ns: &Block| match attr(ns.body(), "capabilities") {
         Some(Expression::Array(a)) => a
             .iter()
             .map(|e| match e {
@@ -180,12 +181,38 @@ fn policy_grants_what_the_daemon_calls() {
             .collect::<Vec<_>>(),
         o => panic!("capabilities: {o:?}"),
     };
+    let paths_of = |ns: &Block| -> Vec<String> {
+        one(ns.body(), "variables")
+            .body()
+            .blocks()
+            .filter(|b| b.identifier() == "path")
+            .map(|b| label(b).to_string())
+            .collect()
+    };
+    let caps = caps_of(namespaces[0]);
     for c in ["read-job", "host-volume-register", "host-volume-read"] {
         assert!(caps.contains(&c.to_string()), "policy lacks {c}");
     }
-    let vars = one(ns.body(), "variables");
-    let path = one(vars.body(), "path");
-    assert_eq!(label(path), "dhv-binder/*");
+    // Nomad applies an exact namespace match instead of the glob: "default" repeats "*".
+    assert_eq!(
+        caps_of(namespaces[1]),
+        caps,
+        "\"default\" must repeat \"*\""
+    );
+    // Only the records and the claims: nothing else under dhv-binder/, nothing outside it;
+    // in "default" also the node records.
+    assert_eq!(
+        paths_of(namespaces[0]),
+        ["dhv-binder/volumes/*", "dhv-binder/claims/*"]
+    );
+    assert_eq!(
+        paths_of(namespaces[1]),
+        [
+            "dhv-binder/volumes/*",
+            "dhv-binder/claims/*",
+            "dhv-binder/nodes/*"
+        ]
+    );
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");
     assert_eq!(string(one(&body, "agent").body(), "policy"), "read");
 }

@@ -64,17 +64,22 @@ async fn ready_placeholders(c: &Cluster, name: &str, want: usize) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_read_command_prints_a_readable_and_a_json_form() {
-    let c = Cluster::start_with(
-        2,
+/// A cluster whose agents log JSON and serve metrics on a free loopback port.
+async fn observed_cluster(nodes: usize) -> Cluster {
+    Cluster::start_with(
+        nodes,
         "",
         &[
             ("DHV_BINDER_LOG_FORMAT", "json"),
             ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
         ],
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_read_command_prints_a_readable_and_a_json_form() {
+    let c = observed_cluster(2).await;
     let export = c.export.display().to_string();
     let out = c.create_volume_with(
         "shared-data",
@@ -315,6 +320,18 @@ async fn create_fails_at_once_when_no_live_node_has_the_plugin() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("in node pool \"gpu\""), "{out}");
     assert!(out.contains("node-2 (pool default)"), "{out}");
+
+    // Issue 11 #10: Nomad creates no namespace on demand; a volume in a missing one is
+    // refused at create (before the fix its record was written and nothing could use it).
+    let spec = c.sb.join("nope.volume.hcl");
+    std::fs::write(
+        &spec,
+        "name = \"nope-data\"\nnamespace = \"nope\"\ntype = \"host\"\nplugin_id = \"bind\"\nparameters {\n  export = \"/srv\"\n}\n",
+    )
+    .unwrap();
+    let (code, out) = c.cli(&["volume", "create", "--detach", spec.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("namespace \"nope\" does not exist"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -395,4 +412,136 @@ async fn a_registered_volume_is_published_without_create_and_deregistered_withou
             .any(|l| l.starts_with("create") || l.starts_with("delete")),
         "{calls:?}"
     );
+}
+
+/// The sample value of the metric line `series` (name and labels exactly as exposed).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.split(' ').next()?.parse().ok())
+}
+
+/// Node `i`'s metrics address, from its JSON log.
+fn metrics_addr(c: &Cluster, i: usize) -> String {
+    let log = std::fs::read_to_string(&c.nodes[i].log).unwrap();
+    log.lines()
+        .map(json)
+        .find(|l| l["message"] == "serving metrics at /metrics")
+        .and_then(|l| l["addr"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"))
+}
+
+async fn scrape(addr: &str) -> String {
+    let r = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+/// The metrics an operator alerts on move with a real run: the example job's publish is
+/// one `publish` plugin call and one answered prestart wait, the published-mounts gauge
+/// goes to 1 and back to 0 with the unpublish after the job stops; fingerprints, journal
+/// writes, the plugin inventory and the watch state are there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_follow_a_job_through_publish_and_unpublish() {
+    let c = observed_cluster(1).await;
+    let addr = metrics_addr(&c, 0);
+    let publish_ok = r#"dhv_binder_plugin_call_duration_seconds_count{plugin="bind",operation="publish",outcome="ok"}"#;
+    let unpublish_ok = r#"dhv_binder_plugin_call_duration_seconds_count{plugin="bind",operation="unpublish",outcome="ok"}"#;
+    let waited = r#"dhv_binder_publish_wait_duration_seconds_count{outcome="published"}"#;
+    let published = r#"dhv_binder_mounts{state="published"}"#;
+    let before = scrape(&addr).await;
+    assert_eq!(sample(&before, publish_ok), None, "{before}");
+    assert_eq!(sample(&before, published), Some(0.0), "{before}");
+    assert!(
+        sample(
+            &before,
+            r#"dhv_binder_plugin_call_duration_seconds_count{plugin="bind",operation="fingerprint",outcome="ok"}"#
+        )
+        .is_some_and(|n| n >= 1.0),
+        "{before}"
+    );
+    assert_eq!(
+        sample(
+            &before,
+            r#"dhv_binder_plugin_up{plugin="bind",deferred="true"}"#
+        ),
+        Some(1.0),
+        "{before}"
+    );
+
+    let out = c.create_volume("shared-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    ready_placeholders(&c, "shared-data", 1).await;
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = running(&c, &job, "app").await;
+    let alloc_id = alloc["ID"].as_str().unwrap();
+    // The main task runs only after the prestart caller was answered: the wait and the
+    // publish are counted by then, and the gauges follow within the same pass.
+    let during = scrape(&addr).await;
+    let exactly = [
+        (publish_ok, 1.0),
+        (published, 1.0),
+        ("dhv_binder_volumes_served", 1.0),
+        (r#"dhv_binder_watch_state{state="polling"}"#, 1.0),
+    ];
+    for (series, want) in exactly {
+        assert_eq!(sample(&during, series), Some(want), "{series}:\n{during}");
+    }
+    let at_least = [
+        (waited, 1.0),
+        ("dhv_binder_allocations", 1.0),
+        ("dhv_binder_journal_write_duration_seconds_count", 2.0),
+    ];
+    for (series, least) in at_least {
+        assert!(
+            sample(&during, series).is_some_and(|n| n >= least),
+            "{series}:\n{during}"
+        );
+    }
+    eprintln!(
+        "metrics scrape while the job runs:\n{}",
+        during
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.contains("_bucket"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+
+    c.stop_job(&job, false).await;
+    let after = c
+        .wait_for(
+            60,
+            "the unpublish counted and the mount gauge at 0",
+            || async {
+                let t = scrape(&addr).await;
+                (sample(&t, unpublish_ok) == Some(1.0) && sample(&t, published) == Some(0.0))
+                    .then_some(t)
+            },
+        )
+        .await;
+    for (series, want) in [
+        (publish_ok, 1.0),
+        ("dhv_binder_operations_pending", 0.0),
+        ("dhv_binder_publish_waiters", 0.0),
+    ] {
+        assert_eq!(sample(&after, series), Some(want), "{series}:\n{after}");
+    }
+
+    // The log lines about the volume name it as ns/name; those about the allocation, its ID.
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    let lines: Vec<Value> = log.lines().map(json).collect();
+    let line = |message: &str| {
+        lines
+            .iter()
+            .find(|l| l["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} line:\n{log}"))
+    };
+    let publishing = line("publishing");
+    assert_eq!(publishing["volume"], "default/shared-data", "{publishing}");
+    assert_eq!(publishing["alloc_id"], alloc_id, "{publishing}");
+    for message in ["published", "unpublishing", "unpublished"] {
+        assert_eq!(line(message)["volume"], "default/shared-data", "{log}");
+    }
 }

@@ -47,6 +47,7 @@ fn assert_conforms(code: i32, report: &str, extra: &[&str]) {
         "unpublish of nothing",
         "publish to occupied target",
         "read-only publish",
+        "unpublish while in use",
         "concurrent calls",
         "killed by the timeout",
         "delete x10",
@@ -138,6 +139,9 @@ fn ext4_plugin_conforms() {
 fn webdav_fuse_plugin_conforms() {
     let sb = Sandbox::new();
     let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "conformance-pw");
+    // Secrets come from a file, never argv.
+    let secrets = sb.join("secrets.txt");
+    std::fs::write(&secrets, "password=conformance-pw\n").unwrap();
     let (code, report) = check(
         &sb,
         &repo().join("plugins/webdav"),
@@ -146,8 +150,8 @@ fn webdav_fuse_plugin_conforms() {
             &format!("url={}", server.url),
             "--param",
             "user=dhv",
-            "--secret",
-            "password=conformance-pw",
+            "--secrets-file",
+            secrets.to_str().unwrap(),
         ],
     );
     assert_conforms(code, &report, &[]);
@@ -211,6 +215,40 @@ fn plain_nomad_plugin_is_reported_not_deferred() {
     assert!(report.contains("FAIL  deferred_bind "), "{report}");
     assert!(report.contains("SKIP  publish x10 "), "{report}");
     assert!(report.contains("deferred: NO"), "{report}");
+}
+
+/// The bind plugin as it was before issue 12: a busy unmount fell back to a lazy detach
+/// and reported success. The kit fails it.
+#[test]
+fn a_lazy_unmount_fails_the_kit() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    let bind = std::fs::read_to_string(repo().join("plugins/bind")).unwrap();
+    let lazy = bind.replace(
+        "    unmount \"$tgt\"\n",
+        "    umount \"$tgt\" 2>/dev/null || umount -l \"$tgt\"\n",
+    );
+    assert_ne!(
+        lazy, bind,
+        "the bind plugin's unpublish loop changed: update this test"
+    );
+    script(&sb.join("plugins/lazy"), &lazy);
+    let (code, report) = check(
+        &sb,
+        &sb.join("plugins/lazy"),
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("FAIL  unpublish while in use ")
+            && report.contains("reported success with a file open inside"),
+        "{report}"
+    );
+    assert!(
+        dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
 }
 
 /// A plugin that breaks the rules fails the kit with evidence.

@@ -10,20 +10,9 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;
 use support::fake_nomad::FakeNomad;
+use support::fixtures::{fixture, orders_record, shared};
 use support::inproc::{agent_config, ready, start_agent, status, Running};
 use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
-
-fn shared(dir: &str, name: &str) -> String {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("testdata")
-        .join(dir)
-        .join(name);
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-fn fixture(name: &str) -> Value {
-    serde_json::from_str(&shared("nomad-fixtures", name)).unwrap()
-}
 
 const NODE_A: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 const ALLOC: &str = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
@@ -33,20 +22,6 @@ fn stream_config(sb: &Sandbox, watch_mode: WatchMode) -> AgentConfig {
     cfg.watch_mode = watch_mode;
     cfg.stream_idle_timeout = Duration::from_secs(75);
     cfg
-}
-
-/// The volume record for the fixtures' `orders-data`, served by plugin `fake`.
-fn orders_record(fake: &FakeNomad) {
-    let spec = json!({"name": "orders-data", "namespace": "default", "plugin_id": "fake",
-        "capacity_min": 0, "capacity_max": 0, "node_pool": "",
-        "capabilities": [{"access_mode": "single-node-writer", "attachment_mode": "file-system"}],
-        "parameters": {}});
-    fake.put_var(
-        "default",
-        "dhv-binder/volumes/orders-data",
-        json!({"id": "c7e4a2d9-1f3b-4c56-8a9e-2b7d4f1e6a83", "spec": spec.to_string(), "secrets": "{}",
-               "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
-    );
 }
 
 fn stream_lines() -> Vec<String> {

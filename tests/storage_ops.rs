@@ -27,12 +27,19 @@ struct Args {
     nomad: NomadConfig,
 }
 
+/// The plugins as a node runs them, with `--plugin-root ext4=<sandbox>/images`.
+fn runner(c: &Cluster) -> Runner {
+    let images = c.sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let roots = dhv_binder::plugin::allowed_roots(&[format!("ext4={}", images.display())]).unwrap();
+    Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots)
+}
+
 fn node(c: &Cluster, name: &str) -> NodeEnv {
     let volumes_dir = c.sb.join(&format!("{name}/volumes"));
     NodeEnv {
         node_id: name.into(),
         node_pool: "default".into(),
-        roots: vec![volumes_dir.clone(), c.sb.join("images")],
         volumes_dir,
         plugin_dir: repo().join("plugins"),
     }
@@ -81,6 +88,7 @@ async fn unpublish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Pa
             publish_context: serde_json::Value::Null,
             since: 0,
             last_error: String::new(),
+            mount: None,
             claim_id: None,
         },
         Some(rec),
@@ -130,7 +138,7 @@ async fn create(client: &Client, runner: &Runner, n: &NodeEnv, spec: &str) -> Vo
 async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
     let c = Cluster::start(0).await;
     let client = Client::new(&Args::parse_from(["t", "--address", &c.server]).nomad).unwrap();
-    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60));
+    let runner = runner(&c);
     let (n1, n2) = (node(&c, "node-1"), node(&c, "node-2"));
     let images = c.sb.join("images");
     std::fs::create_dir_all(&images).unwrap();
@@ -207,7 +215,8 @@ async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
             to: 128 << 20
         })
     );
-    vol.expansion = Some(Expansion::requested(128 << 20));
+    // As `volume create` records it: the operator's spec says the new size.
+    expansion::request(&mut vol, 128 << 20);
     let var = client
         .put_variable(&vol.to_variable(), Some(vol.modify_index))
         .await
@@ -269,7 +278,7 @@ async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
 async fn snapshot_and_growth_commands_record_requests_and_refuse_what_cannot_be_done() {
     let c = Cluster::start(0).await;
     let client = Client::new(&Args::parse_from(["t", "--address", &c.server]).nomad).unwrap();
-    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60));
+    let runner = runner(&c);
     let n1 = node(&c, "node-1");
     let images = c.sb.join("images");
     std::fs::create_dir_all(&images).unwrap();
@@ -684,11 +693,12 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
     let n = NodeEnv {
         node_id: "node-1".into(),
         node_pool: "default".into(),
-        roots: vec![volumes_dir.clone(), export.clone()],
         volumes_dir,
         plugin_dir: repo().join("plugins"),
     };
-    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60));
+    let roots = dhv_binder::plugin::allowed_roots(&[format!("bind={}", export.display())]).unwrap();
+    let runner =
+        Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots);
     let record = |name: &str, context: serde_json::Value| {
         let (spec, secrets) = volume::parse_spec(&format!(
             "name = \"{name}\"\nplugin_id = \"bind\"\nparameters {{\n export = \"{}\"\n}}\n",

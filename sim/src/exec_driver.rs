@@ -5,7 +5,7 @@
 //! parents before nested destinations),
 //! binds `/proc` and `/dev`, binds the shared alloc dir at `/alloc`, bind-mounts each host volume
 //! at its destination (recursively, so a mount point under the host path is carried along;
-//! read-only when requested), chroots and execs the command. Every mount lives only in the task's
+//! read-only when requested), pivots into the task dir (the old root detached) and execs the command. Every mount lives only in the task's
 //! private namespace and vanishes with it. Models `drivers/exec` + `drivers/shared/executor`
 //! (`executor_linux.go`, libcontainer mounts).
 //!
@@ -198,7 +198,31 @@ fn bind(
     Ok(())
 }
 
-/// Sets up the namespace and chroot, then execs. Returns only on error.
+/// Makes `root` the task's `/` the way libcontainer does (`rootfs_linux.go`, `pivotRoot`):
+/// bind it onto itself (recursively, carrying the mounts made inside it), `pivot_root(".", ".")`
+/// and detach the old root. The task's namespace then holds only its own mounts. A bare
+/// `chroot` would keep a copy of every host mount of that moment in the namespace, so the task
+/// would hold other allocations' volumes (busy loop devices, refused unpublishes) as no task of
+/// real Nomad does.
+fn enter_root(root: &Path) -> Result<(), ExecError> {
+    mount(
+        Some(root),
+        root,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(|e| ExecError::Sys(format!("bind {} onto itself", root.display()), e))?;
+    std::env::set_current_dir(root)
+        .map_err(|e| ExecError::Io(format!("chdir {}", root.display()), e))?;
+    nix::unistd::pivot_root(".", ".")
+        .map_err(|e| ExecError::Sys(format!("pivot_root {}", root.display()), e))?;
+    nix::mount::umount2(".", nix::mount::MntFlags::MNT_DETACH)
+        .map_err(|e| ExecError::Sys("detach the old root".into(), e))?;
+    std::env::set_current_dir("/").map_err(|e| ExecError::Io("chdir /".into(), e))
+}
+
+/// Sets up the namespace and the task's root, then execs. Returns only on error.
 pub fn run(spec_path: &Path) -> ExecError {
     match setup_and_exec(spec_path) {
         Ok(never) => match never {},
@@ -285,9 +309,7 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
         )
         .map_err(|e| ExecError::Sys(format!("overlay on {} (read-only)", dir.display()), e))?;
     }
-    nix::unistd::chroot(root)
-        .map_err(|e| ExecError::Sys(format!("chroot {}", root.display()), e))?;
-    std::env::set_current_dir("/").map_err(|e| ExecError::Io("chdir /".into(), e))?;
+    enter_root(root)?;
     let err = std::process::Command::new(&spec.command)
         .args(&spec.args)
         .env_clear()

@@ -86,7 +86,7 @@ async fn exec_prestart_then_main_with_host_volume() {
       }
       config {
         command = "/bin/sh"
-        args = ["-c", "cat /srv/data/data.txt; echo; echo $NOMAD_ALLOC_DIR $GREETING; echo token=${NOMAD_TOKEN}; trap 'echo got-int; exit 0' INT; while true; do sleep 0.1; done"]
+        args = ["-c", "echo $$ > /alloc/main.pid; cat /srv/data/data.txt; echo; echo $NOMAD_ALLOC_DIR $GREETING; echo token=${NOMAD_TOKEN}; trap 'echo got-int; exit 0' INT; while true; do sleep 0.1; done"]
       }
     }
   }
@@ -111,6 +111,12 @@ async fn exec_prestart_then_main_with_host_volume() {
         // The host volume path becomes a mount point after placement, before main starts.
         nix::mount::mount(Some(&storage), &hv, None::<&str>, nix::mount::MsFlags::MS_BIND, None::<&str>).unwrap();
         let _guard = Unmount(hv.clone());
+        // A mount of someone else's on the host when main starts: libcontainer pivots into the
+        // task's root and detaches the old one, so the task's namespace must not carry it.
+        let unrelated = tmp.path().join("unrelated");
+        std::fs::create_dir_all(&unrelated).unwrap();
+        nix::mount::mount(Some("sim-unrelated"), &unrelated, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m")).unwrap();
+        let _unrelated = Unmount(unrelated.clone());
         std::fs::write(alloc_dir.join("alloc/go"), "").unwrap();
         let a = sim
             .wait_for(20, "main running", || async {
@@ -131,6 +137,20 @@ async fn exec_prestart_then_main_with_host_volume() {
             })
             .await;
         assert!(out.contains("from-storage"), "main sees the mount under the host volume: {out}");
+        // The whole namespace, as `setns` sees it (a chroot hides the mounts outside it from
+        // the task's own /proc/self/mountinfo, so the task cannot report this itself).
+        let pid = std::fs::read_to_string(alloc_dir.join("alloc/main.pid")).unwrap();
+        let ns = std::process::Command::new("nsenter")
+            .args(["-t", pid.trim(), "-m", "cat", "/proc/self/mountinfo"])
+            .output()
+            .expect("run nsenter (util-linux)");
+        assert!(ns.status.success(), "nsenter: {ns:?}");
+        let task_mounts = String::from_utf8_lossy(&ns.stdout);
+        assert!(task_mounts.contains(" /srv/data "), "{task_mounts}");
+        assert!(
+            !task_mounts.contains("sim-unrelated"),
+            "the task's namespace holds a host mount that is not its own:\n{task_mounts}"
+        );
         assert!(out.contains("/alloc hi-0"), "{out}");
         assert!(out.contains("token=\n"), "main has no identity env: {out}");
         // Mounts live only in the task's namespace.

@@ -72,6 +72,17 @@ impl Claims {
             .collect()
     }
 
+    /// The states of the claims on `volumes` (a scoped planning pass).
+    pub(crate) fn states_of(
+        &self,
+        volumes: &BTreeSet<VolumeKey>,
+    ) -> BTreeMap<VolumeKey, ClaimState> {
+        volumes
+            .iter()
+            .filter_map(|k| self.held.get(k).map(|c| (k.clone(), c.state)))
+            .collect()
+    }
+
     /// The lock ID of this node's claim on `volume`.
     pub(crate) fn lock_id(&self, volume: &VolumeKey) -> Option<&str> {
         self.held.get(volume).map(|c| c.id.as_str())
@@ -137,9 +148,9 @@ impl Claims {
             }
             Err(e) => {
                 let reason = match &e {
-                    ClaimError::Held { .. } => {
-                        format!("publish waits for the single-node claim: {e}")
-                    }
+                    ClaimError::Held { .. } => format!(
+                        "publish waits for the single-node claim: {e}. A single-node volume is used on one node at a time: this allocation starts once the holder's allocations using it stop (the claim is released after their unpublish, or lapses about 2 x --claim-ttl + --claim-lock-delay after its node goes silent). A canary or a rolling update placed on another node waits until the old allocation stops, which with canaries is only after promotion: for such a volume the job author can use `update {{ canary = 0, max_parallel = 1 }}` (the old allocation stops first), keep the group on the holder's node (a constraint on the node), or use a multi-node access mode; and the prestart task's timeout must cover the hand-over"
+                    ),
                     _ => format!("cannot take the claim: {e}"),
                 };
                 if self.wait.get(&volume) != Some(&reason) {
@@ -317,6 +328,16 @@ mod tests {
                 .contains("publish waits for the single-node claim"),
             "{w:?}"
         );
+        // Issue 11 #8: it says why it waits and what the job author can change.
+        for says in [
+            "held by node-2",
+            "canary",
+            "update {",
+            "multi-node",
+            "timeout",
+        ] {
+            assert!(w[0].reason.contains(says), "{says:?} missing: {w:?}");
+        }
         assert!(!r.ready(&Work::Claim(key()), t0));
         assert!(r.ready(&Work::Claim(key()), t0 + Duration::from_millis(600)));
         held(&mut c, t0);

@@ -19,8 +19,9 @@ use crate::catalog::Catalogue;
 use crate::claims::ClaimSettings;
 use crate::environment::NodeEnv;
 use crate::journal::{EventKind, Journal, JournalError, MountRecord, MountState};
+use crate::mounts::MountTable;
 use crate::plugin::Fingerprint;
-use crate::reconcile::{self, Inputs, Step, Waiting};
+use crate::reconcile::{self, ClaimState, Inputs, Scope, Step, Waiting};
 use crate::view::View;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use crate::watch::{Health, WatchEvent};
@@ -76,7 +77,18 @@ pub(crate) struct Core {
     mount_health: MountHealth,
     waiting: Vec<Waiting>,
     latency: Latency,
+    /// The host's mount table, as last read.
+    table: MountTable,
+    /// Targets where the host's table shows what their publish established (the
+    /// kernel's answer to "published?", recomputed each pass).
     mounted: BTreeSet<PathBuf>,
+    /// Volumes whose target holds something other than what their publish established:
+    /// never published over, never answered as published (why, for the log and status).
+    foreign: BTreeMap<VolumeKey, String>,
+    /// Who still used a volume when its unpublish was refused (cleared once unpublished).
+    holders: BTreeMap<VolumeKey, crate::holders::Usage>,
+    /// Allocations with tasks that may start on a deferred volume before it is published.
+    ungated: BTreeMap<String, Vec<crate::gate::Ungated>>,
     /// The last commit handed to the shell, and the last one known durable.
     issued: u64,
     durable: u64,
@@ -85,6 +97,22 @@ pub(crate) struct Core {
     /// Successful answers held until the commit that recorded them is durable.
     held: Vec<(u64, ReplyId, PublishReply)>,
     now: Instant,
+    /// Scoped planning: the volumes the inputs since the last pass can have affected, or
+    /// `replan_all` for the cases that need every volume (start, relist, catalogue or
+    /// plugin set loaded).
+    dirty: BTreeSet<VolumeKey>,
+    replan_all: bool,
+    /// Volumes whose step waits on a retry deadline: dirty again once it is due.
+    parked: BTreeSet<VolumeKey>,
+    /// The plan's waiting volumes, kept per volume across scoped passes.
+    plan_waiting: BTreeMap<VolumeKey, Waiting>,
+    /// Placeholders and create/delete workers are driven only when their inputs can have
+    /// changed (catalogue, plugins, their own completions, an unpublish, the tick).
+    chores_due: bool,
+    /// Planning work so far (allocations, user records, claims and mount records visited).
+    plan_visits: u64,
+    /// False in tests that compare scoped planning with a full plan on every pass.
+    scoped: bool,
 }
 
 impl Core {
@@ -115,13 +143,37 @@ impl Core {
             claims,
             waiting: Vec::new(),
             latency: Latency::default(),
+            table: MountTable::default(),
             mounted: BTreeSet::new(),
+            foreign: BTreeMap::new(),
+            holders: BTreeMap::new(),
+            ungated: BTreeMap::new(),
             issued: 0,
             durable: 0,
             gated: BTreeMap::new(),
             held: Vec::new(),
             now,
+            dirty: BTreeSet::new(),
+            replan_all: true,
+            parked: BTreeSet::new(),
+            plan_waiting: BTreeMap::new(),
+            chores_due: true,
+            plan_visits: 0,
+            scoped: true,
         }
+    }
+
+    /// Planning work so far: allocations, user records, claims and mount records the
+    /// planner visited (what a burst's cost is counted in).
+    #[cfg(test)]
+    pub(crate) fn plan_visits(&self) -> u64 {
+        self.plan_visits
+    }
+
+    /// Plans every volume on every pass (the reference the scoped planner is tested against).
+    #[cfg(test)]
+    pub(crate) fn plan_everything(&mut self) {
+        self.scoped = false;
     }
 
     /// The journal's records.
@@ -161,8 +213,26 @@ impl Core {
         match input {
             Input::Watch(ev) => self.on_watch(ev),
             Input::Catalogue(c) => {
+                if self.volumes_loaded {
+                    // The records that changed, appeared or went.
+                    for (k, v) in &c {
+                        if self.volumes.get(k) != Some(v) {
+                            self.dirty.insert(k.clone());
+                        }
+                    }
+                    for k in self.volumes.keys() {
+                        if !c.contains_key(k) {
+                            self.dirty.insert(k.clone());
+                        }
+                    }
+                } else {
+                    self.replan_all = true;
+                }
                 self.volumes = c;
                 self.volumes_loaded = true;
+                self.chores_due = true;
+                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
             Input::Api { reply, call } => match call {
@@ -191,10 +261,16 @@ impl Core {
                 self.last_fingerprint = None;
                 self.on_tick(now, out);
             }
-            Input::MountTable(t) => self.mounted = t.points(),
+            Input::MountTable(t) => {
+                self.table = t;
+                self.check_targets();
+            }
             Input::Committed { seq, result } => self.on_committed(seq, result, out),
             Input::Done(c) => self.on_done(c, now, out),
-            Input::Tick => self.on_tick(now, out),
+            Input::Tick => {
+                self.chores_due = true;
+                self.on_tick(now, out)
+            }
         }
     }
 
@@ -221,8 +297,16 @@ impl Core {
             .collect()
     }
 
-    fn target_of(&self, key: &VolumeKey) -> PathBuf {
-        self.s.mount_root.join(&key.namespace).join(&key.name)
+    /// The volume's mount point under the mount root; `None` (logged) for a key that is not
+    /// a valid identifier pair, so no path leaves the root (issue 13 §5).
+    fn target_of(&self, key: &VolumeKey) -> Option<PathBuf> {
+        match key.relative_path() {
+            Ok(rel) => Some(self.s.mount_root.join(rel)),
+            Err(e) => {
+                tracing::error!(volume = %key, error = %e, "refusing a volume key that is not a valid path");
+                None
+            }
+        }
     }
 
     fn serves(&self, rec: &VolumeRecord, deferred: &BTreeSet<String>) -> bool {
@@ -238,11 +322,16 @@ impl Core {
                     "relisted the node's allocations"
                 );
                 self.view.replace_all_at(allocs, index, self.now);
+                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                self.ungated.retain(|id, _| ids.contains(id));
+                ids.iter().for_each(|id| self.check_gate(id));
             }
             WatchEvent::Upsert(a) => {
                 let a = *a;
                 tracing::debug!(alloc_id = %a.id, client_status = %a.client_status, desired = %a.desired_status, "allocation update");
+                let id = a.id.clone();
                 self.view.upsert(a);
+                self.check_gate(&id);
             }
             WatchEvent::Removed(id) => self.view.remove_at(&id, self.now),
             WatchEvent::Health(h) => self.watch = h,
@@ -265,7 +354,7 @@ impl Core {
             self.last_fingerprint = Some(now);
             out.push(Effect::Fingerprint);
         }
-        out.extend(self.placeholders.list());
+        out.extend(self.placeholders.list(now));
         out.extend(self.claims.renewals(now));
         out.extend(
             self.mount_health
@@ -301,6 +390,7 @@ impl Core {
                 for s in failed {
                     for volume in self.gated.remove(&s).unwrap_or_default() {
                         self.busy.remove(&volume);
+                        self.dirty.insert(volume.clone());
                         self.last_error
                             .insert(volume.clone(), format!("journal write failed: {e}"));
                         self.retries
@@ -322,6 +412,25 @@ impl Core {
     }
 
     fn on_done(&mut self, done: Completion, now: Instant, out: &mut Vec<Effect>) {
+        match &done {
+            Completion::Published { volume, .. }
+            | Completion::Unpublished { volume, .. }
+            | Completion::ClaimAcquired { volume, .. }
+            | Completion::ClaimRenewed { volume, .. }
+            | Completion::ClaimReleased { volume, .. } => {
+                self.dirty.insert(volume.clone());
+            }
+            _ => {}
+        }
+        if matches!(
+            done,
+            Completion::Unpublished { .. }
+                | Completion::PlaceholdersListed(_)
+                | Completion::Placeholder { .. }
+                | Completion::Worker { .. }
+        ) {
+            self.chores_due = true;
+        }
         match done {
             Completion::Published {
                 volume,
@@ -333,9 +442,10 @@ impl Core {
                     return;
                 };
                 match result {
-                    Ok(ctx) => {
+                    Ok(p) => {
                         m.state = MountState::Published;
-                        m.publish_context = ctx;
+                        m.publish_context = p.context;
+                        m.mount = Some(p.mount);
                         m.last_error.clear();
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
@@ -343,6 +453,8 @@ impl Core {
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
                         self.journal.set_mount(m, EventKind::PublishDone, None);
+                        // What the publish established is now what "published" means.
+                        self.check_targets();
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
@@ -359,12 +471,16 @@ impl Core {
                     Ok(()) => {
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
+                        self.holders.remove(&volume);
                         tracing::info!(%volume, "unpublished");
                         self.journal.remove_mount(&volume, EventKind::UnpublishDone);
                         self.claims.on_unpublished(&volume);
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
+                        if let crate::executor::StepError::InUse { usage, .. } = &e {
+                            self.holders.insert(volume.clone(), usage.clone());
+                        }
                         self.last_error.insert(volume.clone(), e.to_string());
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
@@ -397,10 +513,20 @@ impl Core {
                         }
                     }
                 }
+                let before = self.deferred_plugins();
                 self.plugins = map;
+                if !self.plugins_loaded || self.deferred_plugins() != before {
+                    self.replan_all = true;
+                }
                 self.plugins_loaded = true;
+                self.chores_due = true;
             }
-            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r),
+            Completion::PluginsUnreadable { dir, error } => {
+                // Never "no plugins" (issue 13 §2): the plugins known before stand.
+                self.fingerprinting = false;
+                tracing::warn!(plugin_dir = %dir.display(), %error, "plugin directory unreadable: keeping the plugins known before");
+            }
+            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
             Completion::Placeholder { volume, result } => {
                 self.placeholders
                     .on_done(volume, result, &mut self.retries, now)
@@ -487,19 +613,47 @@ impl Core {
     /// answers callers, and commits the pass's journal changes.
     fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
         let deferred = self.deferred_plugins();
-        let claims = self.claims.states();
-        let plan = reconcile::plan(Inputs {
-            view: &self.view,
-            volumes_loaded: self.volumes_loaded && self.plugins_loaded,
-            volumes: &self.volumes,
-            mounts: self.journal.mounts(),
-            users: self.journal.users(),
-            mounted: &self.mounted,
-            plugins: &deferred,
-            busy: &self.busy,
-            claims: &claims,
-        });
-        self.waiting = plan.waiting;
+        let all = self.collect_dirty(now);
+        let dirty = std::mem::take(&mut self.dirty);
+        let claims: BTreeMap<VolumeKey, ClaimState> = if all {
+            self.claims.states()
+        } else {
+            self.claims.states_of(&dirty)
+        };
+        let scope = if all {
+            Scope::All
+        } else {
+            Scope::Volumes {
+                dirty: &dirty,
+                users: self.journal.users_by_volume(),
+            }
+        };
+        let (plan, visits) = reconcile::plan_in(
+            Inputs {
+                view: &self.view,
+                volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+                volumes: &self.volumes,
+                mounts: self.journal.mounts(),
+                users: self.journal.users(),
+                mounted: &self.mounted,
+                plugins: &deferred,
+                busy: &self.busy,
+                claims: &claims,
+            },
+            scope,
+        );
+        self.plan_visits += visits as u64;
+        if all {
+            self.plan_waiting.clear();
+        } else {
+            for k in &dirty {
+                self.plan_waiting.remove(k);
+            }
+        }
+        for w in plan.waiting {
+            self.plan_waiting.insert(w.volume.clone(), w);
+        }
+        self.waiting = self.plan_waiting.values().cloned().collect();
         self.waiting.extend(self.claims.waiting());
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for step in plan.steps {
@@ -520,7 +674,17 @@ impl Core {
                     alloc_id,
                     read_only,
                 } => {
+                    if let Some(why) = self.foreign.get(&volume) {
+                        // Never published over, never accepted: reported until it is gone.
+                        self.last_error.insert(volume.clone(), why.clone());
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: why.clone(),
+                        });
+                        continue;
+                    }
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        self.parked.insert(volume);
                         continue;
                     }
                     if self.publish_held(&volume) {
@@ -537,6 +701,7 @@ impl Core {
                 }
                 Step::Unpublish { volume } => {
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        self.parked.insert(volume);
                         continue;
                     }
                     if let Some(e) = self.start_unpublish(volume.clone()) {
@@ -546,6 +711,7 @@ impl Core {
                 }
                 Step::AcquireClaim { volume } => {
                     if !self.retries.ready(&Work::Claim(volume.clone()), now) {
+                        self.parked.insert(volume);
                         continue;
                     }
                     let Some(rec) = self.volumes.get(&volume) else {
@@ -564,16 +730,17 @@ impl Core {
                 }
             }
         }
-        if self.placeholders_ready() {
+        let chores = std::mem::take(&mut self.chores_due);
+        if chores && self.placeholders_ready() {
             let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self
                 .volumes
                 .values()
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
-                .map(|r| (r.key(), (r, self.target_of(&r.key()))))
+                .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
                 .collect();
             out.extend(self.placeholders.drive(&want, &self.retries, now));
         }
-        if self.plugins_loaded {
+        if chores && self.plugins_loaded {
             let pool = &self.s.node.node_pool;
             let me = self.s.node.node_id.as_str();
             let served = self
@@ -630,6 +797,112 @@ impl Core {
         })
     }
 
+    /// Gathers what the inputs since the last pass dirtied: the view's changes (with the
+    /// volumes the changed allocations are recorded as using), and parked volumes whose
+    /// retry is due. Returns true when every volume is to be planned.
+    fn collect_dirty(&mut self, now: Instant) -> bool {
+        let changes = self.view.take_changes();
+        self.dirty.extend(changes.volumes);
+        for id in &changes.allocs {
+            self.dirty.extend(self.journal.volumes_of(id).cloned());
+        }
+        let due: Vec<VolumeKey> = self
+            .parked
+            .iter()
+            .filter(|v| {
+                self.retries.ready(&Work::Mount((*v).clone()), now)
+                    && self.retries.ready(&Work::Claim((*v).clone()), now)
+            })
+            .cloned()
+            .collect();
+        for v in due {
+            self.parked.remove(&v);
+            self.dirty.insert(v);
+        }
+        let all = std::mem::take(&mut self.replan_all) || changes.relisted || !self.scoped;
+        if all {
+            self.dirty.clear();
+            self.parked.clear();
+        }
+        all
+    }
+
+    /// Compares every journal record with the host's table: which targets show what their
+    /// publish established ([`Core::mounted`]), and which hold something else.
+    fn check_targets(&mut self) {
+        use crate::mounts::TargetState;
+        let mut mounted = BTreeSet::new();
+        let mut foreign = BTreeMap::new();
+        for (key, m) in self.journal.mounts() {
+            let found = match self.table.target_state(&m.target, m.mount.as_ref()) {
+                TargetState::Published { .. } => {
+                    mounted.insert(m.target.clone());
+                    continue;
+                }
+                TargetState::Unmounted => continue,
+                // Nothing established yet (an interrupted publish, an older journal): the
+                // plugin's idempotent publish decides whether the mount is the volume's.
+                _ if m.mount.is_none() => continue,
+                TargetState::Foreign { found } => found.to_string(),
+                TargetState::Stacked { count, top } => {
+                    format!("{count} stacked mounts ({top} on top)")
+                }
+            };
+            let why = format!(
+                "{} holds {found}, not this volume's mount{}: it is not published over nor used; unmount it",
+                m.target.display(),
+                m.mount.as_ref().map(|i| format!(" ({i})")).unwrap_or_default()
+            );
+            if self.foreign.get(key) != Some(&why) {
+                tracing::error!(volume = %key, reason = %why, "foreign mount at a volume's target");
+            }
+            foreign.insert(key.clone(), why);
+        }
+        for key in self.foreign.keys() {
+            if !foreign.contains_key(key) {
+                tracing::info!(volume = %key, "the foreign mount at the volume's target is gone");
+            }
+        }
+        // The volumes whose answer changed are planned again.
+        for t in mounted.symmetric_difference(&self.mounted) {
+            if let Some(k) = self.journal.volume_at(t) {
+                self.dirty.insert(k.clone());
+            }
+        }
+        for k in foreign.keys().chain(self.foreign.keys()) {
+            if foreign.get(k) != self.foreign.get(k) {
+                self.dirty.insert(k.clone());
+            }
+        }
+        self.mounted = mounted;
+        self.foreign = foreign;
+    }
+
+    /// Notes (and logs once) the tasks of an allocation that could start on a deferred
+    /// volume before it is published: no prestart gate.
+    fn check_gate(&mut self, alloc_id: &str) {
+        let Some(a) = self.view.allocs().get(alloc_id) else {
+            self.ungated.remove(alloc_id);
+            return;
+        };
+        let found = if a.tasks_finished() {
+            Vec::new()
+        } else {
+            let reqs = crate::view::requests(a, &self.volumes);
+            crate::gate::ungated(a, &reqs, crate::gate::SOCKET_VOLUME)
+        };
+        if found.is_empty() {
+            self.ungated.remove(alloc_id);
+            return;
+        }
+        if self.ungated.get(alloc_id) != Some(&found) {
+            for u in &found {
+                tracing::warn!(%alloc_id, job = %u.job, group = %u.group, task = %u.task, volume = %u.volume, "{u}");
+            }
+        }
+        self.ungated.insert(alloc_id.to_string(), found);
+    }
+
     fn placeholders_ready(&self) -> bool {
         self.volumes_loaded && self.plugins_loaded
     }
@@ -643,9 +916,10 @@ impl Core {
     ) -> Option<Effect> {
         let rec = self.volumes.get(&volume)?.clone();
         let prev = self.journal.mounts().get(&volume);
-        let target = prev
-            .map(|p| p.target.clone())
-            .unwrap_or_else(|| self.target_of(&volume));
+        let target = match prev {
+            Some(p) => p.target.clone(),
+            None => self.target_of(&volume)?,
+        };
         let m = MountRecord {
             volume: volume.clone(),
             volume_id: rec.id.clone(),
@@ -657,7 +931,9 @@ impl Core {
             since: 0,
             last_error: String::new(),
             claim_id: self.claims.lock_id(&volume).map(str::to_string),
+            mount: prev.and_then(|p| p.mount.clone()),
         };
+        let expected = m.mount.clone();
         self.journal
             .set_mount(m, EventKind::PublishIntent, Some(&alloc_id));
         tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
@@ -667,6 +943,7 @@ impl Core {
             target,
             read_only,
             alloc_id,
+            expected,
         })
     }
 
@@ -693,6 +970,7 @@ impl Core {
             last_error: &self.last_error,
             busy: &self.busy,
             waiting: &self.waiting,
+            mounted: &self.mounted,
         };
         let answers = self.waiters.answer(&known, now);
         // A success rests on records that may not be on disk yet: it waits for them.
@@ -751,7 +1029,42 @@ impl Core {
             "claims": self.claims.status(),
             "mount_health": self.mount_health.status(),
             "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
+            "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
+            "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
+            "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
         })
+    }
+}
+
+/// Counts the shell's metrics read after a pass (agent/meter.rs).
+impl Core {
+    /// Allocations of this node and volume records known (O(1)).
+    pub(crate) fn known(&self) -> (usize, usize) {
+        (self.view.allocs().len(), self.volumes.len())
+    }
+
+    /// Volume records this node serves (a pass over the catalogue: ask when it or the
+    /// plugins changed).
+    pub(crate) fn volumes_served(&self) -> usize {
+        let deferred = self.deferred_plugins();
+        self.volumes
+            .values()
+            .filter(|r| self.serves(r, &deferred))
+            .count()
+    }
+
+    /// Mount records by state: publishing, published, unpublishing (a pass over the
+    /// records: ask after a pass that commits, which writes them all anyway).
+    pub(crate) fn mounts_by_state(&self) -> [usize; 3] {
+        let mut n = [0; 3];
+        for m in self.journal.mounts().values() {
+            n[match m.state {
+                MountState::Publishing => 0,
+                MountState::Published => 1,
+                MountState::Unpublishing => 2,
+            }] += 1;
+        }
+        n
     }
 }
 
@@ -775,7 +1088,6 @@ mod tests {
                 node_pool: "default".into(),
                 volumes_dir: "/v".into(),
                 plugin_dir: "/p".into(),
-                roots: vec!["/v".into()],
             },
             mount_root: "/m".into(),
             plugin_rescan: Duration::from_secs(60),
@@ -790,6 +1102,14 @@ mod tests {
 
     fn target(name: &str) -> PathBuf {
         PathBuf::from(format!("/m/default/{name}"))
+    }
+
+    /// What a publish of `name` established, as `MountTable::from_points` shows it.
+    fn mounted_at(name: &str) -> crate::executor::PublishedMount {
+        crate::executor::PublishedMount {
+            context: serde_json::Value::Null,
+            mount: crate::mounts::MountIdentity::of_point(&target(name)),
+        }
     }
 
     struct H {
@@ -858,7 +1178,7 @@ mod tests {
             self.feed(Input::MountTable(MountTable::from_points([target(name)])));
             self.feed(Input::Done(Completion::Published {
                 volume: key(name),
-                result: Ok(serde_json::Value::Null),
+                result: Ok(mounted_at(name)),
                 elapsed: Duration::from_millis(3),
             }))
         }
@@ -1359,5 +1679,424 @@ mod tests {
         let c = commits(&e);
         assert_eq!(c.len(), 1);
         assert_eq!(publishes(c[0].1), 50);
+    }
+
+    /// A deterministic generator for the property tests (no dependency, reproducible).
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 33) as usize) % n
+        }
+    }
+
+    /// The effects as comparable lines (a commit's history, not its wall-clock stamps).
+    fn lines(e: &[Effect]) -> Vec<String> {
+        let mut out = Vec::new();
+        for x in e {
+            match x {
+                Effect::Commit { commit, then } => {
+                    out.push(format!("commit {} {:?}", commit.seq, commit.events()));
+                    out.extend(lines(then).into_iter().map(|l| format!("  {l}")));
+                }
+                Effect::Reply {
+                    answer: Answer::Status(_),
+                    to,
+                } => out.push(format!("status {to:?}")),
+                other => out.push(format!("{other:?}")),
+            }
+        }
+        out
+    }
+
+    /// A call the world still owes the cores an answer for.
+    #[derive(Debug, Clone)]
+    enum Owed {
+        Publish(VolumeKey),
+        Unpublish(VolumeKey),
+        Acquire(VolumeKey),
+        Release(VolumeKey),
+        Renew(VolumeKey),
+        Commit(u64, Vec<Owed>),
+    }
+
+    fn owed(e: &[Effect], out: &mut Vec<Owed>) {
+        for x in e {
+            match x {
+                Effect::Publish { volume, .. } => out.push(Owed::Publish(volume.key())),
+                Effect::Unpublish { mount, .. } => out.push(Owed::Unpublish(mount.volume.clone())),
+                Effect::AcquireClaim { volume, .. } => out.push(Owed::Acquire(volume.clone())),
+                Effect::ReleaseClaim { volume, .. } => out.push(Owed::Release(volume.clone())),
+                Effect::RenewClaim { volume, .. } => out.push(Owed::Renew(volume.clone())),
+                Effect::Commit { commit, then } => {
+                    let mut calls = Vec::new();
+                    owed(then, &mut calls);
+                    out.push(Owed::Commit(commit.seq, calls));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Two cores fed the same inputs: one plans only dirty volumes, one plans everything.
+    struct Twin {
+        scoped: Core,
+        full: Core,
+        t: Instant,
+        owed: Vec<Owed>,
+        mounted: BTreeSet<PathBuf>,
+        allocs: BTreeMap<String, crate::nomad::types::Allocation>,
+        index: u64,
+        catalogues: [Catalogue; 3],
+    }
+
+    impl Twin {
+        fn new() -> Self {
+            let t = Instant::now();
+            let mut full = Core::new(settings(), Journal::new(NODE), t);
+            full.plan_everything();
+            Twin {
+                scoped: Core::new(settings(), Journal::new(NODE), t),
+                full,
+                t,
+                owed: Vec::new(),
+                mounted: BTreeSet::new(),
+                allocs: BTreeMap::new(),
+                index: 1,
+                catalogues: {
+                    let ready: Catalogue = [
+                        ("a", "single-node-writer"),
+                        ("b", "multi-node-multi-writer"),
+                        ("c", "multi-node-multi-writer"),
+                    ]
+                    .iter()
+                    .map(|(n, m)| (key(n), volume(n, m)))
+                    .collect();
+                    let mut deleting = ready.clone();
+                    if let Some(c) = deleting.get_mut(&key("c")) {
+                        c.state = VolumeState::Deleting;
+                    }
+                    let mut gone = ready.clone();
+                    gone.remove(&key("c"));
+                    [ready, deleting, gone]
+                },
+            }
+        }
+
+        /// Feeds both cores (the input is built twice: inputs are not `Clone`) and checks
+        /// that they did the same.
+        fn feed(&mut self, make: impl Fn() -> Input, step: &str) {
+            let a = self.scoped.handle(make(), self.t);
+            let b = self.full.handle(make(), self.t);
+            assert_eq!(lines(&a), lines(&b), "after {step}");
+            assert_eq!(self.scoped.waiting, self.full.waiting, "after {step}");
+            owed(&a, &mut self.owed);
+        }
+
+        fn mount_table(&mut self) {
+            let points = self.mounted.clone();
+            self.feed(
+                || Input::MountTable(MountTable::from_points(points.clone())),
+                "mount table",
+            );
+        }
+
+        /// The catalogue with volume `c` ready (0), being deleted (1) or gone (2); the
+        /// records are made once (their IDs are random).
+        fn catalogue(&mut self, c_state: usize) {
+            let c = self.catalogues[c_state].clone();
+            self.feed(|| Input::Catalogue(c.clone()), "catalogue");
+        }
+
+        fn answer(&mut self, o: Owed, ok: bool) {
+            let err = || StepError::NotMounted {
+                plugin: "bind".into(),
+                target: target("x"),
+            };
+            match o {
+                Owed::Publish(v) => {
+                    if ok {
+                        self.mounted.insert(target(&v.name));
+                        self.mount_table();
+                    }
+                    self.feed(
+                        || {
+                            Input::Done(Completion::Published {
+                                volume: v.clone(),
+                                result: if ok {
+                                    Ok(mounted_at(&v.name))
+                                } else {
+                                    Err(err())
+                                },
+                                elapsed: Duration::from_millis(1),
+                            })
+                        },
+                        "published",
+                    );
+                }
+                Owed::Unpublish(v) => {
+                    if ok {
+                        self.mounted.remove(&target(&v.name));
+                        self.mount_table();
+                    }
+                    self.feed(
+                        || {
+                            Input::Done(Completion::Unpublished {
+                                volume: v.clone(),
+                                result: if ok { Ok(()) } else { Err(err()) },
+                            })
+                        },
+                        "unpublished",
+                    );
+                }
+                Owed::Acquire(v) => self.feed(
+                    || {
+                        Input::Done(Completion::ClaimAcquired {
+                            volume: v.clone(),
+                            result: if ok {
+                                Ok(format!("lock-{}", v.name))
+                            } else {
+                                Err(ClaimError::Held {
+                                    volume: v.clone(),
+                                    holder: "node-2".into(),
+                                })
+                            },
+                        })
+                    },
+                    "acquired",
+                ),
+                Owed::Release(v) => self.feed(
+                    || {
+                        Input::Done(Completion::ClaimReleased {
+                            volume: v.clone(),
+                            result: Ok(()),
+                        })
+                    },
+                    "released",
+                ),
+                Owed::Renew(v) => self.feed(
+                    || {
+                        Input::Done(Completion::ClaimRenewed {
+                            volume: v.clone(),
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(ClaimError::Lost { volume: v.clone() })
+                            },
+                        })
+                    },
+                    "renewed",
+                ),
+                Owed::Commit(seq, calls) => {
+                    self.feed(
+                        || Input::Committed {
+                            seq,
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(JournalError::Write {
+                                    path: "/j".into(),
+                                    source: std::io::Error::other("disk full"),
+                                })
+                            },
+                        },
+                        "committed",
+                    );
+                    if ok {
+                        self.owed.extend(calls);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Scoped planning (only the volumes a message can affect, found through the view's
+    /// volume index and the journal's user index) does exactly what planning every volume
+    /// on every pass does, over random sequences of allocation updates and removals,
+    /// relists, catalogue changes, lost mounts, failed and successful plugin, claim and
+    /// journal calls, and retries coming due.
+    #[test]
+    fn scoped_planning_does_what_a_full_plan_does() {
+        let statuses = ["pending", "running", "complete", "failed", "lost"];
+        let desired = ["run", "stop"];
+        let sources: [&[&str]; 5] = [&["a"], &["b"], &["a", "b"], &["c"], &["b", "c"]];
+        let ids = ["x1", "x2", "x3", "x4"];
+        let mut r = Lcg(99);
+        for _ in 0..60 {
+            let mut w = Twin::new();
+            w.mount_table();
+            let fp = || Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            };
+            w.feed(
+                || {
+                    Input::Done(Completion::Plugins(BTreeMap::from([(
+                        "bind".into(),
+                        Ok(fp()),
+                    )])))
+                },
+                "plugins",
+            );
+            w.catalogue(0);
+            w.feed(
+                || {
+                    Input::Watch(WatchEvent::Relisted {
+                        allocs: vec![],
+                        index: 1,
+                    })
+                },
+                "first list",
+            );
+            for _ in 0..80 {
+                match r.below(12) {
+                    0..=2 => {
+                        w.index += 1;
+                        let mut a = alloc(
+                            ids[r.below(4)],
+                            sources[r.below(5)],
+                            statuses[r.below(5)],
+                            desired[r.below(2)],
+                        );
+                        a.modify_index = w.index;
+                        w.allocs.insert(a.id.clone(), a.clone());
+                        w.feed(
+                            || Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))),
+                            "upsert",
+                        );
+                    }
+                    3 => {
+                        let id = ids[r.below(4)].to_string();
+                        w.allocs.remove(&id);
+                        w.feed(|| Input::Watch(WatchEvent::Removed(id.clone())), "removed");
+                    }
+                    4 if r.below(4) == 0 => {
+                        let allocs: Vec<_> = w.allocs.values().cloned().collect();
+                        let index = w.index;
+                        w.feed(
+                            || {
+                                Input::Watch(WatchEvent::Relisted {
+                                    allocs: allocs.clone(),
+                                    index,
+                                })
+                            },
+                            "relist",
+                        );
+                    }
+                    5 if r.below(3) == 0 => w.catalogue(r.below(3)),
+                    6..=8 if !w.owed.is_empty() => {
+                        let o = w.owed.remove(r.below(w.owed.len()));
+                        let ok = r.below(5) != 0;
+                        w.answer(o, ok);
+                    }
+                    9 if !w.mounted.is_empty() && r.below(3) == 0 => {
+                        let lost = w.mounted.iter().nth(r.below(w.mounted.len())).cloned();
+                        w.mounted.remove(&lost.unwrap());
+                        w.mount_table();
+                    }
+                    _ => {
+                        w.t += Duration::from_millis(r.below(4000) as u64);
+                        w.feed(|| Input::Tick, "tick");
+                    }
+                }
+            }
+            assert_eq!(w.scoped.journal().mounts(), w.full.journal().mounts());
+            assert_eq!(w.scoped.journal().users(), w.full.journal().users());
+        }
+    }
+
+    /// A burst of N allocations, each message arriving alone (upsert, then its publish
+    /// committed and done): the planning work grows linearly with N, never N². Returns
+    /// the planner's visits for the burst.
+    fn burst_planning_work(n: usize) -> u64 {
+        let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let mut h = H::new(&vols, vec![]);
+        let before = h.core.plan_visits();
+        for (i, name) in names.iter().enumerate() {
+            let mut a = alloc(&format!("a{i:04}"), &[name], "pending", "run");
+            a.modify_index = 10 + i as u64;
+            let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+            assert_eq!(publishes(&e), 1, "{e:?}");
+            h.committed(&e);
+            let points: Vec<PathBuf> = names[..=i].iter().map(|n| target(n)).collect();
+            h.feed(Input::MountTable(MountTable::from_points(points)));
+            let e = h.feed(Input::Done(Completion::Published {
+                volume: key(name),
+                result: Ok(mounted_at(name)),
+                elapsed: Duration::from_millis(1),
+            }));
+            h.committed(&e);
+        }
+        assert_eq!(
+            h.core.journal().users().len(),
+            n,
+            "every allocation is a user"
+        );
+        h.core.plan_visits() - before
+    }
+
+    /// Issue 10: a 200-allocation burst whose messages arrive one at a time costs O(N)
+    /// planning work. Counted, not timed.
+    #[test]
+    fn a_burst_costs_planning_work_linear_in_its_size() {
+        let w50 = burst_planning_work(50);
+        let w200 = burst_planning_work(200);
+        println!("planning work: N=50: {w50} visits, N=200: {w200} visits");
+        assert_eq!(
+            w200,
+            4 * w50,
+            "planning work is not linear: {w50} for 50, {w200} for 200"
+        );
+    }
+
+    // Issue 13 (security): an unreadable plugin directory and invalid volume keys.
+
+    #[test]
+    fn an_unreadable_plugin_directory_keeps_the_plugins_known_before() {
+        let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key("d"),
+            result: Ok(Some("hv-1".into())),
+        }));
+        let mut e = h.feed(Input::Done(Completion::PluginsUnreadable {
+            dir: "/p".into(),
+            error: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        }));
+        // A catalogue change plans again with the plugins the core now knows.
+        e.extend(h.at(
+            Duration::from_secs(1),
+            Input::Catalogue(BTreeMap::from([
+                (key("d"), volume("d", "multi-node-multi-writer")),
+                (key("e"), volume("e", "multi-node-multi-writer")),
+            ])),
+        ));
+        assert!(
+            !e.iter()
+                .any(|x| matches!(x, Effect::DeregisterPlaceholder { .. })),
+            "a read error is not \"no plugins\": {e:?}"
+        );
+    }
+
+    #[test]
+    fn a_volume_key_that_is_not_a_path_gets_no_target() {
+        let mut h = H::new(&[], vec![]);
+        let e = h.feed(Input::Catalogue(BTreeMap::from([(
+            key(".."),
+            volume("..", "multi-node-multi-writer"),
+        )])));
+        assert!(
+            !e.iter()
+                .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+            "{e:?}"
+        );
     }
 }

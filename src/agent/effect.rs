@@ -16,6 +16,9 @@ pub(crate) enum Effect {
         target: PathBuf,
         read_only: bool,
         alloc_id: String,
+        /// What the last publish established at the target: anything else found there
+        /// is not published over.
+        expected: Option<crate::mounts::MountIdentity>,
     },
     /// Plugin `unpublish` of a journal record; `keep_dir` re-creates the empty target
     /// directory afterwards (a placeholder host volume still points at it).
@@ -34,10 +37,12 @@ pub(crate) enum Effect {
     Storage(crate::executor::storage::StorageOp),
     /// Nomad: list this node's placeholder host volumes.
     ListPlaceholders,
-    /// Nomad: register the placeholder host volume of `volume` at `target`.
+    /// Nomad: register the placeholder host volume of `volume` at `target`; `id` set
+    /// registers an existing (unavailable) one again.
     RegisterPlaceholder {
         volume: Box<VolumeRecord>,
         target: PathBuf,
+        id: Option<String>,
     },
     /// Nomad: deregister a placeholder host volume.
     DeregisterPlaceholder { volume: VolumeKey, id: String },

@@ -8,7 +8,8 @@
 //!   (volume create/delete), `storage_ops` (snapshots, expansions, the publish that waits
 //!   for an expansion), `mount_health` (dead, failing and hung mounts), `retry`
 //!   (one backoff table for every kind of work), `latency`;
-//! - `shell`: the loop, the one place that performs effects.
+//! - `shell`: the loop, the one place that performs effects; `meter`: what it measures
+//!   for the metrics (counts of what the core decided, timings of what the shell ran).
 //!
 //! The publish/unpublish plan itself is `crate::reconcile` (with "allocation lost while
 //! its tasks still run" decided in `crate::view` and `crate::reconcile`).
@@ -18,6 +19,7 @@ pub(crate) mod core;
 pub(crate) mod effect;
 pub(crate) mod input;
 pub(crate) mod latency;
+pub(crate) mod meter;
 pub(crate) mod mount_health;
 pub(crate) mod placeholders;
 pub(crate) mod retry;

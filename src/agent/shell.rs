@@ -9,15 +9,18 @@
 use crate::agent::core::{Core, Settings};
 use crate::agent::effect::{Answer, Effect};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
+use crate::agent::meter::Meter;
 use crate::api::{ApiError, PublishReply, Request2Agent};
 use crate::catalog::{self, Catalogue};
 use crate::claims::ClaimSettings;
 use crate::config::AgentConfig;
 use crate::environment::NodeEnv;
 use crate::executor;
+use crate::guard::Guard;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
-use crate::mounts::MountTable;
+use crate::metrics::Metrics;
+use crate::mounts::{MountTable, MountsError};
 use crate::nomad::Client;
 use crate::plugin::Runner;
 use crate::watch::{self, WatchConfig, WatchEvent};
@@ -47,6 +50,18 @@ pub enum StartError {
     Nomad(#[from] crate::nomad::NomadError),
     #[error("another dhv-binder agent already uses the state directory {0} (its lock file is held); run one agent per node")]
     AlreadyRunning(PathBuf),
+    /// The record keys (`--record-keys`) are unreadable or malformed (issue 13 §1).
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
+    /// A `--plugin-root` is not an absolute, existing directory (issue 13 §1).
+    #[error(transparent)]
+    PluginRoot(#[from] crate::plugin::RootError),
+    /// Not in the host's mount namespace, or the working directories are unusable.
+    #[error(transparent)]
+    Host(#[from] crate::host::HostError),
+    /// The placeholder guard cannot be placed (see [`crate::guard`]).
+    #[error(transparent)]
+    Guard(#[from] crate::guard::GuardError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -84,13 +99,21 @@ const BATCH: usize = 512;
 /// What a finished task reports to the loop.
 enum Report {
     Done(Completion),
-    /// A plugin call or detach finished; the mount table read right after it.
-    DoneMounts(Completion, std::io::Result<MountTable>),
-    Mounts(std::io::Result<MountTable>),
+    /// A detach finished; the mount table read right after it.
+    DoneMounts(Completion, Result<MountTable, MountsError>),
+    /// A publish or unpublish finished; its completion waits for a mount table read that
+    /// starts after it ([`Shell::after_calls`]).
+    CallDone(Completion),
+    /// Plugin calls that finished before one mount table read started, and that reading.
+    CallsMounts(Vec<Completion>, Result<MountTable, MountsError>),
+    Mounts(Result<MountTable, MountsError>),
+    /// A call, with the mount table read after it arrived.
+    Fresh(Box<Input>, Result<MountTable, MountsError>),
     Committed {
         seq: u64,
         result: Result<(), JournalError>,
         then: Vec<Effect>,
+        elapsed: Duration,
     },
 }
 
@@ -109,14 +132,92 @@ struct Shell {
     store: Store,
     tasks: JoinSet<Report>,
     permits: Arc<Semaphore>,
+    /// Permits for mount probes ([`crate::health::PROBE_THREADS`]).
+    probes: Arc<Semaphore>,
     replies: HashMap<ReplyId, Pending>,
     next_reply: u64,
     committing: bool,
     queued: Option<(Commit, Vec<Effect>)>,
     reading_mounts: bool,
+    /// Publishes and unpublishes that finished and wait for a mount table read started
+    /// after them. One read serves every call that finished before it started (at most one
+    /// such read runs): reading mountinfo costs the kernel time in the number of mounts, so
+    /// a read per call made a burst of N publishes cost O(N²).
+    after_calls: Vec<Completion>,
+    /// A read for `after_calls` runs.
+    reading_after_calls: bool,
+    meter: Meter,
+    /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
+    /// status answer as `rejected_records` (issue 13 §1).
+    rejected_records: catalog::Rejections,
+    /// The placeholder guard, and whether it stands (placed at start, else retried).
+    guard: Guard,
+    guarded: bool,
 }
 
 impl Shell {
+    /// A shell with nothing running: `--max-parallel` permits for plugin calls.
+    fn new(
+        cfg: AgentConfig,
+        client: Client,
+        node: NodeEnv,
+        claims: ClaimSettings,
+        store: Store,
+        meter: Meter,
+    ) -> Self {
+        let cfg_state = cfg.state_dir.clone();
+        Self {
+            runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
+                .observed(meter.plugin_observer()),
+            permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
+            probes: Arc::new(Semaphore::new(crate::health::PROBE_THREADS)),
+            cfg,
+            client,
+            node,
+            claims,
+            store,
+            tasks: JoinSet::new(),
+            replies: HashMap::new(),
+            next_reply: 0,
+            committing: false,
+            queued: None,
+            reading_mounts: false,
+            after_calls: Vec::new(),
+            reading_after_calls: false,
+            meter,
+            rejected_records: catalog::Rejections::default(),
+            // Placed (or not) by `run`; a shell without it never retries.
+            guard: Guard::new(&cfg_state),
+            guarded: true,
+        }
+    }
+
+    /// Places the placeholder guard if it could not be placed at start.
+    fn retry_guard(&mut self) {
+        if self.guarded {
+            return;
+        }
+        match self.guard.establish() {
+            Ok(()) => {
+                tracing::info!(root = %self.guard.root().display(), "placeholder guard placed");
+                self.guarded = true;
+            }
+            Err(e) => tracing::debug!(error = %e, "placeholder guard not placed yet"),
+        }
+    }
+
+    /// The node's plugin roots (passed to plugins, never taken from a record) and the
+    /// refused volume records the catalogue reports, shown by `status` (issue 13).
+    fn with_trust(
+        mut self,
+        allowed_roots: std::collections::BTreeMap<String, String>,
+        rejected_records: catalog::Rejections,
+    ) -> Self {
+        self.runner = self.runner.with_allowed_roots(allowed_roots);
+        self.rejected_records = rejected_records;
+        self
+    }
+
     fn perform(&mut self, effects: Vec<Effect>) {
         for e in effects {
             self.perform_one(e);
@@ -133,14 +234,22 @@ impl Shell {
             let _permit = permits.acquire_owned().await;
             let done = call.await;
             if read_mounts {
-                let table = tokio::task::spawn_blocking(MountTable::read)
-                    .await
-                    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-                Report::DoneMounts(done, table)
+                Report::CallDone(done)
             } else {
                 Report::Done(done)
             }
         });
+    }
+
+    /// Starts a mount table read for the calls finished so far, unless one runs.
+    fn read_after_calls(&mut self) {
+        if self.reading_after_calls || self.after_calls.is_empty() {
+            return;
+        }
+        self.reading_after_calls = true;
+        let calls = std::mem::take(&mut self.after_calls);
+        self.tasks
+            .spawn_blocking(move || Report::CallsMounts(calls, MountTable::read()));
     }
 
     fn call(&mut self, call: impl std::future::Future<Output = Completion> + Send + 'static) {
@@ -148,6 +257,7 @@ impl Shell {
     }
 
     fn perform_one(&mut self, e: Effect) {
+        self.meter.effect(&e);
         let (client, runner, node) = (self.client.clone(), self.runner.clone(), self.node.clone());
         match e {
             Effect::Publish {
@@ -155,8 +265,18 @@ impl Shell {
                 target,
                 read_only,
                 alloc_id,
+                expected,
             } => self.plugin_call(
-                executor::publish(runner, node, *volume, target, read_only, alloc_id),
+                executor::publish(
+                    runner,
+                    node,
+                    self.guard.clone(),
+                    *volume,
+                    target,
+                    read_only,
+                    alloc_id,
+                    expected,
+                ),
                 true,
             ),
             Effect::Unpublish {
@@ -164,7 +284,15 @@ impl Shell {
                 volume,
                 keep_dir,
             } => self.plugin_call(
-                executor::unpublish(runner, node, *mount, volume.map(|v| *v), keep_dir),
+                executor::unpublish(
+                    client,
+                    runner,
+                    node,
+                    self.guard.clone(),
+                    *mount,
+                    volume.map(|v| *v),
+                    keep_dir,
+                ),
                 true,
             ),
             // Not under the permits: a node whose calls all hang still learns its plugins.
@@ -182,11 +310,18 @@ impl Shell {
             Effect::ListPlaceholders => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),
-                self.cfg.mount_root(),
+                self.guard.clone(),
             )),
-            Effect::RegisterPlaceholder { volume, target } => self.call(
-                executor::register_placeholder(client, node, *volume, target),
-            ),
+            Effect::RegisterPlaceholder { volume, target, id } => {
+                self.call(executor::register_placeholder(
+                    client,
+                    node,
+                    self.guard.clone(),
+                    *volume,
+                    target,
+                    id,
+                ))
+            }
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))
             }
@@ -209,8 +344,9 @@ impl Shell {
             }
             Effect::Probe { volume, target } => {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
+                let permits = self.probes.clone();
                 self.tasks.spawn(async move {
-                    let probe = crate::health::probe(target.clone(), timeout).await;
+                    let probe = crate::health::probe(target.clone(), timeout, permits).await;
                     Report::Done(Completion::Probed {
                         volume,
                         target,
@@ -248,7 +384,11 @@ impl Shell {
                 (Some(Pending::Publish(tx)), Answer::Publish(r)) => {
                     let _ = tx.send(r);
                 }
-                (Some(Pending::Status(tx)), Answer::Status(v)) => {
+                (Some(Pending::Status(tx)), Answer::Status(mut v)) => {
+                    if let Some(o) = v.as_object_mut() {
+                        let refused = serde_json::json!(self.rejected_records.snapshot());
+                        o.insert("rejected_records".into(), refused);
+                    }
                     let _ = tx.send(*v);
                 }
                 (Some(_), _) => tracing::error!("an answer of the wrong kind for a caller"),
@@ -261,13 +401,32 @@ impl Shell {
         self.committing = true;
         let store = self.store.clone();
         self.tasks.spawn_blocking(move || {
+            let started = std::time::Instant::now();
             let result = store.write(&commit);
             Report::Committed {
                 seq: commit.seq,
                 result,
                 then,
+                elapsed: started.elapsed(),
             }
         });
+    }
+
+    /// Takes a call: a publish call is handed to the core only with the host's mount
+    /// table read after it arrived (it is answered from the kernel, never from a reading
+    /// older than the question); others at once.
+    fn admit(&mut self, req: Request2Agent) -> Option<Input> {
+        match self.register(req) {
+            i @ Input::Api {
+                call: ApiCall::Publish(_),
+                ..
+            } => {
+                self.tasks
+                    .spawn_blocking(move || Report::Fresh(Box::new(i), MountTable::read()));
+                None
+            }
+            i => Some(i),
+        }
     }
 
     fn register(&mut self, req: Request2Agent) -> Input {
@@ -305,7 +464,7 @@ impl Shell {
 
     /// Turns a finished task into the core's inputs (a mount table reading first).
     fn on_report(&mut self, r: Report) -> Vec<Input> {
-        let table = |t: std::io::Result<MountTable>| match t {
+        let table = |t: Result<MountTable, MountsError>| match t {
             Ok(t) => Some(Input::MountTable(t)),
             Err(e) => {
                 tracing::error!(error = %e, "cannot read the mount table; keeping the last reading");
@@ -315,11 +474,29 @@ impl Shell {
         match r {
             Report::Done(c) => vec![Input::Done(c)],
             Report::DoneMounts(c, t) => table(t).into_iter().chain([Input::Done(c)]).collect(),
+            Report::CallDone(c) => {
+                self.after_calls.push(c);
+                self.read_after_calls();
+                Vec::new()
+            }
+            Report::CallsMounts(calls, t) => {
+                self.reading_after_calls = false;
+                self.read_after_calls();
+                let done = calls.into_iter().map(Input::Done);
+                table(t).into_iter().chain(done).collect()
+            }
+            Report::Fresh(i, t) => table(t).into_iter().chain([*i]).collect(),
             Report::Mounts(t) => {
                 self.reading_mounts = false;
                 table(t).into_iter().collect()
             }
-            Report::Committed { seq, result, then } => {
+            Report::Committed {
+                seq,
+                result,
+                then,
+                elapsed,
+            } => {
+                self.meter.committed(elapsed);
                 self.committing = false;
                 if result.is_ok() {
                     self.perform(then);
@@ -333,12 +510,23 @@ impl Shell {
     }
 }
 
-/// Starts the agent and runs it until `shutdown` resolves.
+/// Starts the agent and runs it until `shutdown` resolves, keeping `metrics` current
+/// (served by `crate::metrics::serve` when `--metrics-addr` is set).
 pub async fn run(
     cfg: AgentConfig,
     client: Client,
+    metrics: Metrics,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
+    // The host's mount namespace and real directory paths, before anything else.
+    let mut cfg = cfg;
+    crate::host::preflight(&mut cfg)?;
+    // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
+    let trust = crate::trust::RecordTrust::from_settings(
+        cfg.record_keys.as_deref(),
+        cfg.allow_unsigned_records,
+    )?;
+    let allowed_roots = crate::plugin::allowed_roots(&cfg.plugin_roots)?;
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
@@ -353,6 +541,18 @@ pub async fn run(
         std::fs::create_dir_all(&dir).map_err(|source| StartError::Socket { path: dir, source })?;
     }
     let _state_lock = StateLock::acquire(&cfg.state_dir)?;
+    // Unpublished placeholders are never writable (see crate::guard). Mounts published
+    // below the placeholder root before the guard existed are left alone: the guard is
+    // placed once they are gone (retried on every tick).
+    let guard = Guard::new(&cfg.state_dir);
+    let guarded = match guard.establish() {
+        Ok(()) => true,
+        Err(e @ crate::guard::GuardError::MountsBelow { .. }) => {
+            tracing::warn!(error = %e, "placeholders stay writable until the guard is placed");
+            false
+        }
+        Err(e) => return Err(e.into()),
+    };
     let (store, journal) = Store::open(&cfg.state_dir, &node_id)?;
     let (listener, _socket_guard) =
         crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
@@ -363,6 +563,7 @@ pub async fn run(
         tracing::warn!(plugin_dir = %cfg.plugin_dir.display(), "the plugin directory does not exist: this node serves no volume until plugins are installed there");
     }
 
+    let rejected_records = catalog::Rejections::default();
     let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
     let (snap_tx, mut snap_rx) = mpsc::channel::<crate::snapshot::Snapshots>(4);
@@ -379,6 +580,8 @@ pub async fn run(
         tokio::spawn(catalog::run(
             client.clone(),
             Duration::from_secs(300),
+            trust,
+            rejected_records.clone(),
             cat_tx,
         )),
         tokio::spawn(crate::snapshot::watch(
@@ -386,10 +589,11 @@ pub async fn run(
             Duration::from_secs(300),
             snap_tx,
         )),
-        tokio::spawn(crate::api::serve(
+        tokio::spawn(crate::api::serve_with(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
             api_tx,
+            crate::api::Limits::default(),
         )),
         tokio::spawn(crate::discovery::run(cfg.plugin_dir.clone(), plugins_tx)),
     ];
@@ -411,7 +615,6 @@ pub async fn run(
         node_pool,
         volumes_dir: cfg.volumes_dir(),
         plugin_dir: cfg.plugin_dir.clone(),
-        roots: cfg.plugin_roots(),
     };
     let claims = ClaimSettings {
         ttl: cfg.claim_ttl,
@@ -436,21 +639,11 @@ pub async fn run(
         journal,
         now(),
     );
-    let mut shell = Shell {
-        runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout),
-        permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
-        cfg: cfg.clone(),
-        client,
-        node,
-        claims,
-        store,
-        tasks: JoinSet::new(),
-        replies: HashMap::new(),
-        next_reply: 0,
-        committing: false,
-        queued: None,
-        reading_mounts: false,
-    };
+    let meter = Meter::new(metrics);
+    let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter)
+        .with_trust(allowed_roots, rejected_records);
+    shell.guard = guard;
+    shell.guarded = guarded;
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {
@@ -476,7 +669,7 @@ pub async fn run(
             Some(ev) = watch_rx.recv() => vec![Input::Watch(ev)],
             Some(cat) = cat_rx.recv() => vec![Input::Catalogue(cat)],
             Some(snaps) = snap_rx.recv() => vec![Input::Snapshots(snaps)],
-            Some(req) = api_rx.recv() => vec![shell.register(req)],
+            Some(req) = api_rx.recv() => shell.admit(req).into_iter().collect(),
             Some(done) = shell.tasks.join_next() => match done {
                 Ok(r) => shell.on_report(r),
                 Err(e) => {
@@ -485,6 +678,7 @@ pub async fn run(
                 }
             },
             _ = tick.tick() => {
+                shell.retry_guard();
                 let mut v: Vec<Input> = shell.gone().into_iter().map(Input::CallerGone).collect();
                 v.push(Input::Tick);
                 v
@@ -506,8 +700,12 @@ pub async fn run(
                 break;
             }
         }
+        for i in &inputs {
+            shell.meter.input(i);
+        }
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
+        shell.meter.after_pass(&core);
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             r.set_watch(core.watch_health()) | plugins
@@ -519,4 +717,197 @@ pub async fn run(
     }
     node_publisher.abort();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The shell's own decisions, on tokio's paused clock, without root: commits that
+    //! queue while one is written are folded into one write, and their calls start only
+    //! once it is durable.
+    use super::*;
+    use crate::journal::tests::rec;
+    use crate::journal::{EventKind, Journal, MountState};
+
+    fn shell(dir: &std::path::Path) -> (Shell, Journal) {
+        let cfg = AgentConfig {
+            watch_mode: crate::config::WatchMode::Poll,
+            token_file: None,
+            state_dir: dir.join("state"),
+            socket: dir.join("api.sock"),
+            plugin_dir: dir.join("plugins"),
+            volumes_dir: Some(dir.join("volumes")),
+            plugin_timeout: Duration::from_secs(10),
+            stream_idle_timeout: Duration::from_secs(95),
+            resync_interval: Duration::from_secs(300),
+            tick: Duration::from_millis(200),
+            plugin_rescan: Duration::from_secs(60),
+            health_interval: Duration::from_secs(10),
+            max_parallel: 2,
+            claim_ttl: Duration::from_secs(15),
+            claim_lock_delay: Duration::from_secs(15),
+            audiences: vec![],
+            metrics_addr: None,
+            log_format: Default::default(),
+            record_keys: None,
+            allow_unsigned_records: true,
+            plugin_roots: vec![],
+            token_issuer: None,
+        };
+        let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
+        let client =
+            Client::new(&crate::config::NomadConfig::plain("http://127.0.0.1:1")).expect("client");
+        let node = NodeEnv {
+            node_id: "node-1".into(),
+            node_pool: "default".into(),
+            volumes_dir: dir.join("volumes"),
+            plugin_dir: cfg.plugin_dir.clone(),
+        };
+        let claims = ClaimSettings {
+            ttl: cfg.claim_ttl,
+            lock_delay: cfg.claim_lock_delay,
+        };
+        (
+            Shell::new(
+                cfg,
+                client,
+                node,
+                claims,
+                store,
+                Meter::new(crate::metrics::Metrics::new()),
+            ),
+            journal,
+        )
+    }
+
+    /// A commit of one more change to the journal.
+    fn change(j: &mut Journal, state: MountState) -> Commit {
+        j.set_mount(rec(state), EventKind::PublishIntent, None);
+        j.take_commit().expect("a change")
+    }
+
+    /// Runs the shell's tasks until none is left; returns the core's inputs in order.
+    async fn drain(s: &mut Shell) -> Vec<Input> {
+        let mut inputs = Vec::new();
+        while let Some(done) = s.tasks.join_next().await {
+            inputs.extend(s.on_report(done.expect("task")));
+        }
+        inputs
+    }
+
+    fn committed(inputs: &[Input]) -> Vec<u64> {
+        inputs
+            .iter()
+            .filter_map(|i| match i {
+                Input::Committed { seq, result } => {
+                    assert!(result.is_ok(), "{result:?}");
+                    Some(*seq)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn commits_queued_behind_a_write_are_folded_into_one_write() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, mut j) = shell(dir.path());
+        let base = s.store.commits();
+        let (c1, c2, c3) = (
+            change(&mut j, MountState::Publishing),
+            change(&mut j, MountState::Published),
+            change(&mut j, MountState::Unpublishing),
+        );
+        let want = vec![c1.seq, c3.seq];
+        s.perform(vec![Effect::Commit {
+            commit: c1,
+            then: vec![],
+        }]);
+        assert!(s.committing);
+        s.perform(vec![
+            Effect::Commit {
+                commit: c2,
+                then: vec![],
+            },
+            Effect::Commit {
+                commit: c3,
+                then: vec![],
+            },
+        ]);
+        let inputs = drain(&mut s).await;
+        assert_eq!(committed(&inputs), want, "c2 and c3 are one write");
+        assert_eq!(s.store.commits() - base, 2);
+        let (_, back) = Store::open(&dir.path().join("state"), "node-1").expect("reopen");
+        assert_eq!(
+            back.mounts().values().next().map(|m| m.state),
+            Some(MountState::Unpublishing),
+            "the folded write holds the latest state"
+        );
+    }
+
+    fn unpublished(name: &str) -> Completion {
+        Completion::Unpublished {
+            volume: crate::volume::VolumeKey {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            result: Ok(()),
+        }
+    }
+
+    /// Issue 10: plugin calls that finish while the mount table is being read share the
+    /// next read (one read per call made a burst of N cost N reads of N mounts); each call's
+    /// completion still reaches the core after a table read that started after it.
+    #[tokio::test]
+    async fn calls_finished_together_share_one_mount_table_read() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, _) = shell(dir.path());
+        let mut inputs = Vec::new();
+        for i in 0..5 {
+            inputs.extend(s.on_report(Report::CallDone(unpublished(&format!("v{i}")))));
+        }
+        assert!(inputs.is_empty(), "no completion before its table read");
+        assert!(s.reading_after_calls);
+        inputs.extend(drain(&mut s).await);
+        let tables = inputs
+            .iter()
+            .filter(|i| matches!(i, Input::MountTable(_)))
+            .count();
+        let done = inputs
+            .iter()
+            .filter(|i| matches!(i, Input::Done(_)))
+            .count();
+        assert_eq!(done, 5, "every call completes");
+        assert_eq!(
+            tables, 2,
+            "the first call's read, then one for the four behind it"
+        );
+        assert!(
+            matches!(inputs.first(), Some(Input::MountTable(_))),
+            "a table read precedes the completions it serves"
+        );
+        assert!(!s.reading_after_calls && s.after_calls.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_commits_calls_start_only_once_it_is_durable() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, mut j) = shell(dir.path());
+        let c = change(&mut j, MountState::Publishing);
+        let seq = c.seq;
+        s.perform(vec![Effect::Commit {
+            commit: c,
+            then: vec![Effect::ReadMountTable],
+        }]);
+        assert!(!s.reading_mounts, "the call waits for the commit");
+        let first = s
+            .tasks
+            .join_next()
+            .await
+            .expect("the commit")
+            .expect("task");
+        let inputs = s.on_report(first);
+        assert_eq!(committed(&inputs), vec![seq]);
+        assert!(s.reading_mounts, "started once durable");
+        drain(&mut s).await;
+    }
 }

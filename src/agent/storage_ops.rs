@@ -258,7 +258,6 @@ mod tests {
     //! Decisions driven with plain `Instant`s: no tokio, no Nomad, no plugin.
     use super::*;
     use crate::snapshot::SnapshotRecord;
-    use crate::volume::Expansion;
     use crate::worker::TakeError;
     use std::time::Duration;
 
@@ -303,6 +302,7 @@ mod tests {
                 publish_context: serde_json::Value::Null,
                 since: 0,
                 last_error: String::new(),
+                mount: None,
                 claim_id: None,
             },
         )])
@@ -471,7 +471,7 @@ mod tests {
     #[test]
     fn an_expansion_is_deferred_while_published_here_without_online_growth_then_run_offline() {
         let mut v = volume();
-        v.expansion = Some(Expansion::requested(128 << 20));
+        crate::expansion::request(&mut v, 128 << 20);
         let p = plugins(&["expand"]);
         let mut s = StorageOps::default();
         let retries = Retries::new(1);
@@ -517,7 +517,7 @@ mod tests {
         assert!(holds_publish(&theirs, fingerprint(&p, "ext4")));
         // Online-capable and published here: grown in place at the target.
         let mut s = StorageOps::default();
-        v.expansion = Some(Expansion::requested(128 << 20));
+        crate::expansion::request(&mut v, 128 << 20);
         let online = plugins(&["expand", "expand_online"]);
         let out = pass(
             &mut s,
@@ -547,7 +547,7 @@ mod tests {
             &v,
             fingerprint(&plugins(&["expand"]), "ext4")
         ));
-        v.expansion = Some(Expansion::requested(128 << 20));
+        crate::expansion::request(&mut v, 128 << 20);
         assert!(holds_publish(
             &v,
             fingerprint(&plugins(&["expand"]), "ext4")

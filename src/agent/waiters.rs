@@ -34,6 +34,9 @@ pub(crate) struct Known<'a> {
     pub busy: &'a BTreeSet<VolumeKey>,
     /// Why volumes wait (plugin missing, claim held elsewhere).
     pub waiting: &'a [Waiting],
+    /// Targets where the host's mount table shows what their publish established: a
+    /// caller is answered only from these, never from the journal alone.
+    pub mounted: &'a BTreeSet<std::path::PathBuf>,
 }
 
 /// The callers waiting, in arrival order.
@@ -133,6 +136,7 @@ pub(crate) fn outcome(
             volume: r.volume.clone(),
         };
         let mount = k.journal.mounts().get(&r.volume);
+        let mount = mount.filter(|m| k.mounted.contains(&m.target));
         if let (true, Some(m)) = (k.journal.users().contains(&user), mount) {
             done.push(PublishedVolume {
                 namespace: r.volume.namespace.clone(),

@@ -3,6 +3,7 @@
 //! a small Go-template-like format (`{{.Field}}`, `{{range .List}}…{{end}}`).
 
 use super::{Failure, EXIT_CONFIG};
+use crate::escape::escape_control;
 use serde::Serialize;
 
 /// The output flags every read command takes.
@@ -63,7 +64,8 @@ pub fn print_raw(s: &str) {
     }
 }
 
-/// An aligned `Key = value` block (keys padded to the longest), one row a line.
+/// An aligned `Key = value` block (keys padded to the longest), one row a line. Values are
+/// terminal-escaped ([`escape_control`]): they come from records, plugins and Nomad.
 pub fn kv(rows: &[(&str, String)]) -> String {
     let width = rows
         .iter()
@@ -72,17 +74,24 @@ pub fn kv(rows: &[(&str, String)]) -> String {
         .unwrap_or(0);
     let mut s = String::new();
     for (k, v) in rows {
+        let v = escape_control(v);
         s.push_str(&format!("{k:<width$} = {v}\n"));
     }
     s
 }
 
 /// A table: a header row and rows, columns padded to their widest cell and separated by
-/// two spaces, trailing spaces trimmed. No rows prints `empty` instead of the header.
+/// two spaces, trailing spaces trimmed. No rows prints `empty` instead of the header. Cells
+/// are terminal-escaped ([`escape_control`]).
 pub fn table(header: &[&str], rows: &[Vec<String>], empty: &str) -> String {
     if rows.is_empty() {
         return format!("{empty}\n");
     }
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| escape_control(c)).collect())
+        .collect();
+    let rows = rows.as_slice();
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {

@@ -21,9 +21,19 @@ pub enum PluginCommand {
         /// A parameter of the test volume (DHV_PARAMETERS), KEY=VALUE; repeatable.
         #[arg(long = "param", value_parser = key_value)]
         params: Vec<(String, String)>,
-        /// A secret of the test volume (DHV_SECRETS), KEY=VALUE; repeatable.
-        #[arg(long = "secret", value_parser = key_value)]
-        secrets: Vec<(String, String)>,
+        /// File of the test volume's secrets (DHV_SECRETS), one KEY=VALUE per line. Secrets
+        /// never go on the command line (other users on the node can read it in /proc).
+        #[arg(long = "secrets-file")]
+        secrets_file: Option<PathBuf>,
+        /// The test volume's secrets, one KEY=VALUE per line, from the environment (the
+        /// same format as --secrets-file).
+        #[arg(
+            long = "secrets-env",
+            env = "DHV_BINDER_CHECK_SECRETS",
+            hide_env_values = true,
+            hide = true
+        )]
+        secrets_env: Option<String>,
         /// Capacity of the test volume in bytes (DHV_CAPACITY_MIN/MAX_BYTES).
         #[arg(long, default_value_t = 64 << 20)]
         capacity: u64,
@@ -33,9 +43,10 @@ pub enum PluginCommand {
         /// Scratch directory (default: a new one under the temporary directory, removed after).
         #[arg(long)]
         scratch: Option<PathBuf>,
-        /// A storage root of the test node (DHV_ALLOWED_ROOTS), besides the scratch volumes dir and
-        /// the absolute paths given as parameters; repeatable.
-        #[arg(long = "storage-root")]
+        /// A directory the plugin may touch on the test node, as the agent's
+        /// `--plugin-root <plugin_id>=<dir>` (DHV_ALLOWED_ROOTS), besides the scratch volumes
+        /// dir and the absolute paths given as parameters; repeatable.
+        #[arg(long = "plugin-root")]
         roots: Vec<PathBuf>,
     },
     /// List plugins across the cluster (nodes with each, healthy, deferred), or with an ID,
@@ -48,7 +59,44 @@ pub enum PluginCommand {
     },
 }
 
-/// Parses a `KEY=VALUE` flag value (`--param`, `--secret`).
+/// Parses `KEY=VALUE` lines (blank lines and `#` comments skipped); `what` names the source
+/// in errors (never a value).
+fn key_value_lines(text: &str, what: &str) -> Result<Vec<(String, String)>, Failure> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        .map(|(n, l)| {
+            l.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+                .filter(|(k, _)| !k.is_empty())
+                .ok_or_else(|| {
+                    Failure::new(
+                        EXIT_CONFIG,
+                        format!("{what} line {}: expected KEY=VALUE", n + 1),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The check's secrets from `--secrets-file` and `DHV_BINDER_CHECK_SECRETS`.
+fn check_secrets(
+    file: Option<&std::path::Path>,
+    env: Option<&str>,
+) -> Result<Vec<(String, String)>, Failure> {
+    let mut secrets = Vec::new();
+    if let Some(f) = file {
+        let text = std::fs::read_to_string(f)
+            .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", f.display())))?;
+        secrets.extend(key_value_lines(&text, &f.display().to_string())?);
+    }
+    if let Some(text) = env {
+        secrets.extend(key_value_lines(text, "DHV_BINDER_CHECK_SECRETS")?);
+    }
+    Ok(secrets)
+}
+
+/// Parses a `KEY=VALUE` flag value (`--param`).
 pub(super) fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -233,12 +281,14 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
         PluginCommand::Check {
             executable,
             params,
-            secrets,
+            secrets_file,
+            secrets_env,
             capacity,
             timeout,
             scratch,
             roots,
         } => {
+            let secrets = check_secrets(secrets_file.as_deref(), secrets_env.as_deref())?;
             let report = crate::conformance::check(crate::conformance::Options {
                 plugin: executable,
                 parameters: params.into_iter().collect(),

@@ -42,6 +42,9 @@ pub struct StatusDoc {
     /// Claim state per volume (`namespace/name`).
     pub claims: BTreeMap<String, String>,
     pub mount_health: MountHealthDoc,
+    /// Volume records the agent refused (`namespace/path` → reason): unsigned, forged or
+    /// malformed; nothing is done for them (docs/security.md).
+    pub rejected_records: BTreeMap<String, String>,
 }
 
 /// The agent's view of its node's allocations.
@@ -226,6 +229,9 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
     for (k, e) in &doc.errors {
         rows.push(("Last Error", format!("{k}: {e}")));
     }
+    for (k, why) in &doc.rejected_records {
+        rows.push(("Refused Record", format!("{k}: {why}")));
+    }
     let mut s = kv(&rows);
     s.push_str("\nVolumes\n");
     let mut keys: Vec<String> = doc
@@ -332,7 +338,8 @@ mod tests {
             "publish_latency_ms": {"count": 3, "median": 120},
             "pending_publish_calls": 1,
             "claims": {"default/shared-data": "held"},
-            "mount_health": {"interval_ms": 10000, "broken": {}, "recovered": []}
+            "mount_health": {"interval_ms": 10000, "broken": {}, "recovered": []},
+            "rejected_records": {"default/dhv-binder/volumes/evil": "the record is not signed"}
         })
     }
 
@@ -341,16 +348,17 @@ mod tests {
         let d: StatusDoc = serde_json::from_value(doc()).unwrap();
         let s = render(&d, 1000);
         let expected = "\
-Node ID       = 5a1d0b8e-0000-4000-8000-000000000001
-Node Pool     = default
-Watch         = polling (index 42; 3 relists, 1 reconnects)
-Allocations   = 2 on this node, 0 departing (view complete)
-Plugins       = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
-Pending       = 1 publish call(s) waiting, 1 volume(s) waiting
-Publish Wait  = median 120ms over 3 publish(es)
-Broken Mounts = 0
-Waiting       = default/scratch: plugin nfs is not installed on this node
-Last Error    = default/scratch: publish failed: exit 1
+Node ID        = 5a1d0b8e-0000-4000-8000-000000000001
+Node Pool      = default
+Watch          = polling (index 42; 3 relists, 1 reconnects)
+Allocations    = 2 on this node, 0 departing (view complete)
+Plugins        = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
+Pending        = 1 publish call(s) waiting, 1 volume(s) waiting
+Publish Wait   = median 120ms over 3 publish(es)
+Broken Mounts  = 0
+Waiting        = default/scratch: plugin nfs is not installed on this node
+Last Error     = default/scratch: publish failed: exit 1
+Refused Record = default/dhv-binder/volumes/evil: the record is not signed
 
 Volumes
 Volume               Plugin  State  Here  Mount              Users  Claim  Error

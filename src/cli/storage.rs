@@ -9,10 +9,11 @@
 use super::output::{bytes, table, OutputArgs};
 use super::volume::{read_record, users_of};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
-use crate::expansion::{self, Expansion, ExpansionState, Update};
+use crate::expansion::{self, ExpansionState, Update};
 use crate::nomad::Client;
 use crate::plugin::{Capability, Operation, Runner};
 use crate::snapshot::{self, SnapshotRecord, SNAPSHOT_PREFIX};
+use crate::trust::SigningKey;
 use crate::volume::{VolumeRecord, VolumeSource, VolumeSpec, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -369,7 +370,6 @@ async fn list_from_plugin(
         node_pool: String::new(),
         volumes_dir: PathBuf::from("/var/lib/dhv-binder/volumes"),
         plugin_dir: plugin_dir.to_path_buf(),
-        roots: vec![PathBuf::from("/var/lib/dhv-binder/volumes")],
     };
     let out = runner
         .call(
@@ -410,6 +410,7 @@ pub async fn create_existing(
     spec: &VolumeSpec,
     detach: bool,
     local: &LocalPlugins,
+    key: Option<&SigningKey>,
 ) -> Result<(), Failure> {
     let mut rec = read_record(client, &spec.namespace, &spec.name).await?;
     match expansion::plan_update(&rec, spec)
@@ -425,9 +426,22 @@ pub async fn create_existing(
         }
         Update::Grow { from, to } => {
             precheck(&local.plugin_dir, &rec.spec.plugin_id, Capability::Expand).await?;
-            let mut x = Expansion::requested(to);
-            x.node = published_on(client, &rec.spec.namespace, &rec.spec.name).await?;
-            rec.expansion = Some(x);
+            // The new size is part of the signed spec: nodes grow a volume only up to it.
+            expansion::request(&mut rec, to);
+            rec.spec.capacity_max = spec.capacity_max;
+            if let Some(x) = rec.expansion.as_mut() {
+                x.node = published_on(client, &rec.spec.namespace, &rec.spec.name).await?;
+            }
+            match key {
+                Some(k) => k.sign(&mut rec),
+                None if !rec.signature.is_empty() => {
+                    return Err(Failure::new(
+                        EXIT_CONFIG,
+                        format!("volume {} is signed and growing it changes its spec: give the operator's key (--signing-key or DHV_BINDER_SIGNING_KEY)", rec.key()),
+                    ))
+                }
+                None => {}
+            }
             crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;

@@ -1,12 +1,15 @@
-//! `dhv-binder volume create|register|list|status|delete|deregister`: the cluster-wide
-//! volume records in Nomad Variables (see [`crate::volume`]).
+//! `dhv-binder volume create|register|list|status|delete|deregister|keygen`: the
+//! cluster-wide volume records in Nomad Variables (see [`crate::volume`]), signed with the
+//! operator's key ([`crate::trust`]).
 
 use super::output::{bytes, kv, table, OutputArgs};
 use super::storage::{self, LocalPlugins, SnapshotCommand, SnapshotSummary};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
 use crate::config::NomadConfig;
+use crate::escape::escape_control;
 use crate::nodes::{self, Liveness, NodeRecord};
 use crate::nomad::{Client, NomadError};
+use crate::trust::SigningKey;
 use crate::volume::{self, VolumeRecord, VolumeState};
 use clap::Subcommand;
 use serde::Serialize;
@@ -31,6 +34,8 @@ pub enum VolumeCommand {
         detach: bool,
         #[command(flatten)]
         local: LocalPlugins,
+        #[command(flatten)]
+        key: SigningArgs,
     },
     /// Snapshot volumes, list and delete snapshots (like `nomad volume snapshot`).
     #[command(subcommand)]
@@ -38,7 +43,17 @@ pub enum VolumeCommand {
     /// Register a volume that already exists in the storage (like `nomad volume register`):
     /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
     /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
-    Register { spec: PathBuf },
+    Register {
+        spec: PathBuf,
+        #[command(flatten)]
+        key: SigningArgs,
+    },
+    /// Make an operator signing key: writes the private key (mode 0600) and prints the public
+    /// key line for each node's --record-keys file (docs/security.md).
+    Keygen {
+        /// Where to write the private key; refused if it exists.
+        out: PathBuf,
+    },
     /// List deferred volumes.
     List {
         #[command(flatten)]
@@ -56,10 +71,54 @@ pub enum VolumeCommand {
         name: String,
         #[arg(long)]
         detach: bool,
+        #[command(flatten)]
+        key: SigningArgs,
     },
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.
     Deregister { name: String },
+}
+
+/// The operator's private key for the records a command writes.
+#[derive(Debug, clap::Args)]
+pub struct SigningArgs {
+    /// The operator's private key (`volume keygen`): agents act only on records (and run a
+    /// plugin's delete only on requests) signed with a key in their --record-keys file.
+    #[arg(long = "signing-key", env = "DHV_BINDER_SIGNING_KEY")]
+    pub signing_key: Option<PathBuf>,
+}
+
+impl SigningArgs {
+    /// Loads the key, or warns that the record will be unsigned.
+    fn load(&self) -> Result<Option<SigningKey>, Failure> {
+        match &self.signing_key {
+            Some(p) => SigningKey::load(p)
+                .map(Some)
+                .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string())),
+            None => {
+                eprintln!("warning: no --signing-key (DHV_BINDER_SIGNING_KEY): the record is unsigned and agents act on it only with --allow-unsigned-records");
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// Writes a new operator key to `out` (created, mode 0600) and prints its public key line.
+fn keygen(out: &Path) -> Result<(), Failure> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt;
+    let (key, text) =
+        SigningKey::generate().map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot create {}: {e}", out.display())))?;
+    f.write_all(text.as_bytes())
+        .map_err(|e| Failure::new(EXIT_FAILED, format!("{}: {e}", out.display())))?;
+    outln!("{}", key.public_line());
+    Ok(())
 }
 
 /// What `volume list -json` prints per volume (never the secrets).
@@ -93,6 +152,8 @@ pub struct VolumeDetail {
     pub parameters: BTreeMap<String, String>,
     pub context: serde_json::Value,
     pub secrets: usize,
+    /// The record carries an operator signature (agents verify it; see docs/security.md).
+    pub signed: bool,
     pub worker_node: String,
     pub error: String,
     /// Where the content came from: `snapshot <id>`, `clone of volume <name>`, or empty.
@@ -187,6 +248,7 @@ pub fn render_detail(d: &VolumeDetail) -> String {
         "Parameters",
         serde_json::to_string(&d.parameters).unwrap_or_default(),
     ));
+    rows.push(("Signed", if d.signed { "yes" } else { "no" }.into()));
     rows.push(("Secrets", format!("{} key(s), not shown", d.secrets)));
     if !d.worker_node.is_empty() {
         let busy = matches!(s.state.as_str(), "creating" | "deleting");
@@ -423,15 +485,25 @@ async fn create(
     spec: PathBuf,
     detach: bool,
     local: &LocalPlugins,
+    key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
     let (spec, secrets) = parse(&text, ns)?;
+    if !client.namespace_exists(&spec.namespace).await? {
+        return Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "namespace {:?} does not exist in Nomad, which creates none on demand (jobs and host volumes in it would be refused): create it first (`nomad namespace apply {}`) or name another in the spec",
+                spec.namespace, spec.namespace
+            ),
+        ));
+    }
     if client
         .variable(&spec.namespace, &volume::record_path(&spec.name))
         .await?
         .is_some()
     {
-        return storage::create_existing(client, &spec, detach, local).await;
+        return storage::create_existing(client, &spec, detach, local, key.as_ref()).await;
     }
     storage::check_source(client, &spec, local).await?;
     let (records, bad) = nodes::list(client).await?;
@@ -449,6 +521,11 @@ async fn create(
     let mut rec = VolumeRecord::new(spec, secrets);
     // A clone is made where its source is published, so the plugin can quiesce it.
     rec.worker_node = storage::source_node(client, &rec.spec).await?;
+    if let Some(k) = &key {
+        k.sign(&mut rec);
+    }
+    rec.check_size()
+        .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     put_new(client, &rec.to_variable(), &rec.key().to_string()).await?;
     outln!(
         "==> Created volume record {} (ID {}), plugin {:?}",
@@ -492,7 +569,7 @@ async fn create(
                     EXIT_FAILED,
                     format!(
                         "plugin create failed: {} (delete the volume and create it again)",
-                        cur.error
+                        escape_control(&cur.error)
                     ),
                 ))
             }
@@ -512,7 +589,12 @@ async fn create(
     }
 }
 
-async fn register(client: &Client, ns: &str, spec: PathBuf) -> Result<(), Failure> {
+async fn register(
+    client: &Client,
+    ns: &str,
+    spec: PathBuf,
+    key: Option<SigningKey>,
+) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
     let (spec, secrets) = parse(&text, ns)?;
     let (context, capacity) = register_extras(&text)?;
@@ -520,6 +602,13 @@ async fn register(client: &Client, ns: &str, spec: PathBuf) -> Result<(), Failur
     rec.state = VolumeState::Ready;
     rec.context = context;
     rec.capacity_bytes = capacity;
+    // The signature covers the spec and secrets; the context is untrusted on the nodes as
+    // any a plugin returned (plugins confine it to the node's roots; docs/security.md).
+    if let Some(k) = &key {
+        k.sign(&mut rec);
+    }
+    rec.check_size()
+        .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     let mut var = rec.to_variable();
     var.items.insert(REGISTERED_ITEM.into(), "true".into());
     put_new(client, &var, &rec.key().to_string()).await?;
@@ -558,7 +647,7 @@ async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure>
                     &r,
                     var.items.get(REGISTERED_ITEM).is_some_and(|v| v == "true"),
                 )),
-                Err(e) => eprintln!("warning: {e}"),
+                Err(e) => eprintln!("warning: {}", escape_control(&e.to_string())),
             }
         }
     }
@@ -574,6 +663,7 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
         parameters: r.spec.parameters.clone(),
         context: r.context.clone(),
         secrets: r.secrets.len(),
+        signed: !r.signature.is_empty(),
         worker_node: r.worker_node.clone(),
         error: r.error.clone(),
         source: storage::describe_source(&r.spec.source),
@@ -592,7 +682,13 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
     out.print(&d, render_detail)
 }
 
-async fn delete(client: &Client, ns: &str, name: String, detach: bool) -> Result<(), Failure> {
+async fn delete(
+    client: &Client,
+    ns: &str,
+    name: String,
+    detach: bool,
+    key: Option<SigningKey>,
+) -> Result<(), Failure> {
     let (mut r, registered) = read_var(client, ns, &name).await?;
     if registered {
         return Err(Failure::new(
@@ -620,6 +716,9 @@ async fn delete(client: &Client, ns: &str, name: String, detach: bool) -> Result
     }
     r.state = VolumeState::Deleting;
     r.worker_node.clear();
+    if let Some(k) = &key {
+        k.sign_delete(&mut r);
+    }
     client
         .put_variable(&r.to_variable(), Some(r.modify_index))
         .await?;
@@ -695,16 +794,20 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
     let client = Client::new(nomad)?;
     let ns = nomad.namespace.as_str();
     match cmd {
+        VolumeCommand::Keygen { out } => keygen(&out),
         VolumeCommand::Create {
             spec,
             detach,
             local,
-        } => create(&client, ns, spec, detach, &local).await,
+            key,
+        } => create(&client, ns, spec, detach, &local, key.load()?).await,
         VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
-        VolumeCommand::Register { spec } => register(&client, ns, spec).await,
+        VolumeCommand::Register { spec, key } => register(&client, ns, spec, key.load()?).await,
         VolumeCommand::List { out } => list(&client, ns, out).await,
         VolumeCommand::Status { name, out } => status(&client, ns, name, out).await,
-        VolumeCommand::Delete { name, detach } => delete(&client, ns, name, detach).await,
+        VolumeCommand::Delete { name, detach, key } => {
+            delete(&client, ns, name, detach, key.load()?).await
+        }
         VolumeCommand::Deregister { name } => deregister(&client, ns, name).await,
     }
 }
@@ -755,8 +858,10 @@ mod tests {
             parameters: [("export".to_string(), "/srv".to_string())].into(),
             context: serde_json::json!({"export_path": "/srv/x"}),
             secrets: 2,
+            signed: true,
             worker_node: String::new(),
-            error: String::new(),
+            // Plugin and record text is terminal-escaped (issue 13 §5).
+            error: "bad\u{1b}[2J\nfake".into(),
             source: String::new(),
             operation: String::new(),
             allocations: vec![VolumeUser {
@@ -779,7 +884,9 @@ Capacity   = 1.0 GiB
 Node Pool  = (any)
 Capability = single-node-writer / file-system
 Parameters = {\"export\":\"/srv\"}
+Signed     = yes
 Secrets    = 2 key(s), not shown
+Error      = bad\\u{1b}[2J\\u{a}fake
 
 Allocations
 ID  Name            Node ID
@@ -789,6 +896,7 @@ a1  example.app[0]  n1
         let j = serde_json::to_value(&d).unwrap();
         assert_eq!(j["registered"], true);
         assert_eq!(j["secrets"], 2);
+        assert_eq!(j["signed"], true);
         assert_eq!(j["allocations"][0]["alloc_id"], "a1");
     }
 

@@ -383,12 +383,27 @@ impl LineBuffer {
         self.buf.len()
     }
 
+    /// Bytes allocated for the buffer: back near the held bytes after a large line.
+    pub fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// After a large line, gives its memory back: a buffer holding far less than it has
+    /// allocated is copied into a fresh one.
+    fn shrink(&mut self) {
+        const KEEP: usize = 64 << 10;
+        if self.buf.capacity() > KEEP && self.buf.len() <= KEEP / 2 {
+            self.buf = bytes::BytesMut::from(&self.buf[..]);
+        }
+    }
+
     /// The next complete line or dropped line, if any.
     pub fn next_piece(&mut self) -> Option<Piece> {
         match memchr::memchr(b'\n', &self.buf[self.scanned..]) {
             Some(p) => {
                 let mut line = self.buf.split_to(self.scanned + p + 1);
                 self.scanned = 0;
+                self.shrink();
                 if let Some(d) = self.dropped.take() {
                     return Some(Piece::Oversized(d + line.len() - 1));
                 }
@@ -404,6 +419,7 @@ impl LineBuffer {
                     *self.dropped.get_or_insert(0) += self.buf.len();
                     self.buf.clear();
                     self.scanned = 0;
+                    self.shrink();
                 }
                 None
             }

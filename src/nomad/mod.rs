@@ -52,6 +52,9 @@ pub enum NomadError {
         #[source]
         source: serde_json::Error,
     },
+    /// The answer was larger than dhv-binder reads for one call.
+    #[error("Nomad's answer to {what} is larger than {limit} bytes and was not read")]
+    TooLarge { what: String, limit: usize },
     /// The client itself could not be built (bad TLS files, bad address).
     #[error("cannot configure the Nomad client: {0}")]
     Config(String),
@@ -171,6 +174,13 @@ impl Client {
             if let Some(t) = timeout {
                 b = b.timeout(t);
             }
+            // Nomad's API never redirects: a 3xx is an answer, and no request (with its
+            // X-Nomad-Token, which reqwest would not strip) goes to another origin.
+            b = b.redirect(reqwest::redirect::Policy::none());
+            // Go's ProxyFromEnvironment never proxies loopback: neither do we.
+            if is_loopback(&cfg.address) {
+                b = b.no_proxy();
+            }
             if let Some(ca) = &cfg.ca_cert {
                 let pem = std::fs::read(ca).map_err(|e| {
                     NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
@@ -178,7 +188,8 @@ impl Client {
                 let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| {
                     NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
                 })?;
-                b = b.add_root_certificate(cert);
+                // NOMAD_CACERT replaces the trust roots (the Nomad CLI trusts only it).
+                b = b.tls_built_in_root_certs(false).add_root_certificate(cert);
             }
             if let (Some(cert), Some(key)) = (&cfg.client_cert, &cfg.client_key) {
                 let mut pem = std::fs::read(cert).map_err(|e| {
@@ -252,7 +263,7 @@ impl Client {
         if status.is_success() {
             return Ok(resp);
         }
-        let body = resp.text().await.unwrap_or_default();
+        let body = error_text(resp).await;
         let body = body.trim().chars().take(512).collect::<String>();
         Err(match status {
             StatusCode::FORBIDDEN => NomadError::PermissionDenied {
@@ -284,13 +295,16 @@ impl Client {
         let rb = self.request(&self.http, Method::GET, path).query(query);
         let resp = self.send(rb, what, path).await?;
         let index = header_index(&resp);
-        let bytes = resp
-            .bytes()
+        let bytes = body_limited(resp, MAX_BODY)
             .await
             .map_err(|source| NomadError::Unreachable {
                 addr: self.addr.clone(),
                 what: what.to_string(),
                 source,
+            })?
+            .ok_or_else(|| NomadError::TooLarge {
+                what: what.to_string(),
+                limit: MAX_BODY,
             })?;
         let value = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
             what: what.to_string(),
@@ -323,6 +337,35 @@ impl Client {
             )
             .await?
             .value)
+    }
+
+    /// Nomad API: `GET /v1/namespace/:name`. False on 404 ("Namespace not found",
+    /// `command/agent/namespace_endpoint.go` `namespaceQuery`): Nomad creates no namespace
+    /// on demand, so a job or host volume in a missing one is refused.
+    pub async fn namespace_exists(&self, name: &str) -> Result<bool, NomadError> {
+        self.exists(
+            &format!("/v1/namespace/{name}"),
+            "read a namespace (GET /v1/namespace/:name)",
+        )
+        .await
+    }
+
+    /// A read of `path` for its existence only: false on 404.
+    async fn exists(&self, path: &str, what: &str) -> Result<bool, NomadError> {
+        let found: Option<serde::de::IgnoredAny> = self.get_optional(path, &[], what).await?;
+        Ok(found.is_some())
+    }
+
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`). True when Nomad knows the
+    /// node, false on 404 ("node not found": purged, or a wrong ID). Needed because
+    /// `GET /v1/node/:id/allocations` answers `200 []` for an unknown node
+    /// (`nomad/node_endpoint.go` `GetAllocs`), which looks like a node with nothing on it.
+    pub async fn node_exists(&self, node_id: &str) -> Result<bool, NomadError> {
+        self.exists(
+            &format!("/v1/node/{node_id}"),
+            "read this node (GET /v1/node/:id)",
+        )
+        .await
     }
 
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
@@ -386,13 +429,16 @@ impl Client {
             .request(&self.http, Method::PUT, path)
             .json(&serde_json::json!({ "Volume": vol, "PolicyOverride": false }));
         let resp = self.send(rb, what, path).await?;
-        let bytes = resp
-            .bytes()
+        let bytes = body_limited(resp, MAX_BODY)
             .await
             .map_err(|source| NomadError::Unreachable {
                 addr: self.addr.clone(),
                 what: what.into(),
                 source,
+            })?
+            .ok_or_else(|| NomadError::TooLarge {
+                what: what.into(),
+                limit: MAX_BODY,
             })?;
         let r: Resp = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
             what: what.into(),
@@ -564,7 +610,11 @@ impl Client {
         if status == StatusCode::CONFLICT
             || (missing_is_conflict && status == StatusCode::NOT_FOUND)
         {
-            let bytes = resp.bytes().await.unwrap_or_default();
+            let bytes = body_limited(resp, MAX_BODY)
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or_default();
             let current: Variable = serde_json::from_slice(&bytes).unwrap_or_default();
             return Err(NomadError::CasConflict {
                 path: var.path.clone(),
@@ -572,13 +622,16 @@ impl Client {
             });
         }
         let resp = self.check(resp, what, &path).await?;
-        let bytes = resp
-            .bytes()
+        let bytes = body_limited(resp, MAX_BODY)
             .await
             .map_err(|source| NomadError::Unreachable {
                 addr: self.addr.clone(),
                 what: what.into(),
                 source,
+            })?
+            .ok_or_else(|| NomadError::TooLarge {
+                what: what.into(),
+                limit: MAX_BODY,
             })?;
         serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
             what: what.into(),
@@ -662,7 +715,7 @@ impl Client {
             return Ok(resp);
         }
         let status = resp.status();
-        let body = resp.text().await.unwrap_or_default();
+        let body = error_text(resp).await;
         Err(match status {
             StatusCode::FORBIDDEN => NomadError::PermissionDenied {
                 what: what.into(),
@@ -676,6 +729,58 @@ impl Client {
             },
         })
     }
+}
+
+/// True when `address`'s host is a loopback address or `localhost`.
+pub fn is_loopback(address: &str) -> bool {
+    let Ok(url) = reqwest::Url::parse(address) else {
+        return false;
+    };
+    let Some(host) = url.host_str() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Largest body read from Nomad for one ordinary call (lists of a big cluster fit well
+/// below it); a larger one is an error, never buffered.
+pub const MAX_BODY: usize = 64 << 20;
+/// Largest error body read (only its start is shown).
+const MAX_ERROR_BODY: usize = 64 << 10;
+
+/// Reads a response body of at most `limit` bytes. `Ok(None)` when it is larger.
+async fn body_limited(
+    mut resp: reqwest::Response,
+    limit: usize,
+) -> Result<Option<bytes::Bytes>, reqwest::Error> {
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
+        return Ok(None);
+    }
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if buf.len() + chunk.len() > limit {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(Some(buf.freeze()))
+}
+
+/// An error body's start, as text: at most [`MAX_ERROR_BODY`] bytes are read.
+async fn error_text(mut resp: reqwest::Response) -> String {
+    let mut buf = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        let room = MAX_ERROR_BODY.saturating_sub(buf.len());
+        buf.extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
+        if buf.len() >= MAX_ERROR_BODY {
+            break;
+        }
+    }
+    crate::escape::escape_control(&String::from_utf8_lossy(&buf))
 }
 
 fn header_index(resp: &reqwest::Response) -> u64 {

@@ -122,6 +122,17 @@ impl Allocation {
         self.name.ends_with(']').then(|| &self.name[open..])
     }
 
+    /// Drops the embedded Job's task groups other than this allocation's own: all the agent
+    /// reads of a Job is its own group (volume requests, tasks' lifecycle and kill grace), and
+    /// the view keeps one Job per allocation.
+    pub fn keep_own_group(&mut self) {
+        if let Some(job) = &mut self.job {
+            let own = &self.task_group;
+            job.task_groups.retain(|g| &g.name == own);
+            job.task_groups.shrink_to_fit();
+        }
+    }
+
     /// The task group this allocation runs, from its embedded Job.
     pub fn group(&self) -> Option<&TaskGroup> {
         self.job

@@ -118,6 +118,21 @@ impl Cluster {
         }
         let export = sb.join("export");
         std::fs::create_dir_all(&export).unwrap();
+        std::fs::create_dir_all(sb.join("images")).unwrap();
+        // The operator's signing key (the CLI signs records) and the nodes' trusted keys.
+        let (key, text) = dhv_binder::trust::SigningKey::generate().unwrap();
+        {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(sb.join("operator.key"))
+                .and_then(|mut f| f.write_all(text.as_bytes()))
+                .unwrap();
+        }
+        std::fs::write(sb.join("record-keys.pub"), key.public_line()).unwrap();
         let mut cfg = format!(
             "data_dir = \"{}\"\nbind_addr = \"127.0.0.1\"\nports {{\n  http = 0\n}}\nevent_heartbeat_interval = \"2s\"\n",
             sb.join("sim").display()
@@ -168,7 +183,17 @@ impl Cluster {
             nodes: Vec::new(),
             plugin_dir,
             export,
-            http: reqwest::Client::new(),
+            // With ACLs on, the agents' NOMAD_TOKEN also authorizes the test's own reads.
+            http: {
+                let mut headers = reqwest::header::HeaderMap::new();
+                if let Some((_, t)) = agent_env.iter().find(|(k, _)| *k == "NOMAD_TOKEN") {
+                    headers.insert("X-Nomad-Token", t.parse().expect("a token header value"));
+                }
+                reqwest::Client::builder()
+                    .default_headers(headers)
+                    .build()
+                    .expect("an HTTP client")
+            },
             agent_env: agent_env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -243,11 +268,12 @@ impl Cluster {
             .env("DHV_BINDER_STATE_DIR", &n.state_dir)
             .env("DHV_BINDER_SOCKET", &n.socket)
             .env("DHV_BINDER_PLUGIN_DIR", &self.plugin_dir)
-            // The storage the tests' volumes live in (bind's export, ext4's images).
+            // The storage the tests' volumes live in (bind's export, ext4's images), as
+            // `--plugin-root <plugin_id>=<dir>` settings.
             .env(
-                "DHV_BINDER_STORAGE_ROOTS",
+                "DHV_BINDER_PLUGIN_ROOTS",
                 format!(
-                    "{}:{}",
+                    "bind={},ext4={}",
                     self.export.display(),
                     self.sb.join("images").display()
                 ),
@@ -255,6 +281,7 @@ impl Cluster {
             .env("DHV_BINDER_TICK", "200ms")
             .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
+            .env("DHV_BINDER_RECORD_KEYS", self.sb.join("record-keys.pub"))
             .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
@@ -277,6 +304,7 @@ impl Cluster {
             .args(args)
             .env_clear()
             .env("NOMAD_ADDR", &self.server)
+            .env("DHV_BINDER_SIGNING_KEY", self.sb.join("operator.key"))
             .output()
             .expect("run dhv-binder");
         let text = format!(
@@ -348,14 +376,24 @@ impl Cluster {
     }
 
     pub async fn get(&self, path: &str) -> Value {
+        self.get_opt(path)
+            .await
+            .unwrap_or_else(|| panic!("GET {path}: 404 Not Found"))
+    }
+
+    /// `GET path`, or `None` on 404 (the object does not exist, e.g. garbage-collected).
+    pub async fn get_opt(&self, path: &str) -> Option<Value> {
         let r = self
             .http
             .get(format!("{}{path}", self.server))
             .send()
             .await
             .unwrap();
+        if r.status() == reqwest::StatusCode::NOT_FOUND {
+            return None;
+        }
         assert!(r.status().is_success(), "GET {path}: {}", r.status());
-        r.json().await.unwrap()
+        Some(r.json().await.unwrap())
     }
 
     /// Submits a jobspec file as the nomad CLI does (parse, then register).

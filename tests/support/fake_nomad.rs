@@ -366,6 +366,19 @@ impl FakeNomad {
             ("GET", [".well-known", "jwks.json"]) => {
                 Self::full(StatusCode::OK, self.state.lock().unwrap().jwks.clone(), 0)
             }
+            ("GET", ["v1", "node", id]) => {
+                // Nomad: 404 "node not found" for an unknown node (`nodeQuery`).
+                let st = self.state.lock().unwrap();
+                if *id == st.node_id.as_str() {
+                    Self::full(
+                        StatusCode::OK,
+                        json!({"ID": st.node_id, "Status": "ready"}),
+                        st.index,
+                    )
+                } else {
+                    Self::text(StatusCode::NOT_FOUND, "node not found")
+                }
+            }
             ("GET", ["v1", "node", id, "allocations"]) => {
                 let id = id.to_string();
                 self.block(index, wait, |s| s.node_index(&id)).await;

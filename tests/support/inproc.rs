@@ -22,9 +22,11 @@ impl Running {
         let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
     }
 
-    /// Stops the agent abruptly (as SIGKILL would: nothing runs after).
-    pub fn abort(self) {
+    /// Stops the agent abruptly (as SIGKILL would: nothing of it runs after), and waits
+    /// until its task is gone (its state lock released), as a killed process's would be.
+    pub async fn abort(self) {
         self.task.abort();
+        let _ = self.task.await;
     }
 }
 
@@ -37,7 +39,6 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         socket: sb.join("run/api.sock"),
         plugin_dir: sb.join("plugins"),
         volumes_dir: Some(sb.join("volumes")),
-        storage_roots: Vec::new(),
         plugin_timeout: Duration::from_secs(10),
         stream_idle_timeout: Duration::from_secs(95),
         resync_interval: Duration::from_secs(300),
@@ -50,25 +51,20 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         audiences: vec![],
         metrics_addr: None,
         log_format: Default::default(),
+        record_keys: None,
+        allow_unsigned_records: true,
+        plugin_roots: vec![],
+        token_issuer: None,
     }
 }
 
 /// Starts the agent against `fake`.
 pub fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
-    let nomad = NomadConfig {
-        address: fake.addr.clone(),
-        token: None,
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    };
+    let nomad = NomadConfig::plain(&fake.addr);
     let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
     let (stop, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
-        dhv_binder::agent::run(cfg, client, async {
+        dhv_binder::agent::run(cfg, client, dhv_binder::metrics::Metrics::new(), async {
             let _ = rx.await;
         })
         .await

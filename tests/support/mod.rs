@@ -2,6 +2,7 @@
 //! end-to-end cluster, and a WebDAV server on loopback for the FUSE plugin.
 pub mod cluster;
 pub mod fake_nomad;
+pub mod fixtures;
 pub mod inproc;
 pub mod sandbox;
 pub mod webdav;

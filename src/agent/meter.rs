@@ -1,0 +1,240 @@
+//! What the shell measures for the metrics (`crate::metrics`). The meter sees every input
+//! before the core does, every effect the shell performs and every journal commit, and
+//! reads the core's counts after each pass. It decides nothing: it counts what the core's
+//! decisions say (an `Effect::Detach` is "a published mount found dead", a claim acquire
+//! answered `ClaimError::Held` is "a claim wait", a renewal answered `ClaimError::Lost` is
+//! "claim lost", an `Effect::Reply` to a prestart caller ends its publish wait).
+//!
+//! Nothing here grows with the node per pass: counts are kept as things happen; the
+//! mounts by state are counted again only after a pass that commits (a commit already
+//! writes every mount record), and the volumes this node serves only when the catalogue
+//! or the plugins changed.
+
+use crate::agent::core::Core;
+use crate::agent::effect::{Answer, Effect};
+use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
+use crate::api::{ApiError, PublishReply};
+use crate::claims::ClaimError;
+use crate::executor::{StepError, WorkerError};
+use crate::metrics::{Metrics, Outcome, WaitOutcome};
+use crate::plugin::{CallObserver, PluginError};
+use crate::volume::VolumeKey;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How a prestart caller's wait ended, from the answer it gets.
+pub(crate) fn wait_outcome(r: &Result<PublishReply, ApiError>) -> WaitOutcome {
+    match r {
+        Ok(_) => WaitOutcome::Published,
+        // The answers given when the caller's deadline passed first (agent/waiters.rs).
+        Err(
+            ApiError::NotPublishedInTime { .. }
+            | ApiError::AllocationNotSeen { .. }
+            | ApiError::Waiting(_),
+        ) => WaitOutcome::TimedOut,
+        Err(_) => WaitOutcome::Failed,
+    }
+}
+
+/// The shell's counts behind the metrics.
+#[derive(Debug)]
+pub(crate) struct Meter {
+    metrics: Metrics,
+    /// When each waiting prestart caller arrived.
+    arrived: HashMap<ReplyId, Instant>,
+    /// Mount records by state (publishing, published, unpublishing) as last counted.
+    mounts: [usize; 3],
+    /// Published mounts found dead and not published again yet.
+    dead: BTreeSet<VolumeKey>,
+    /// Volumes whose last plugin call timed out: its effect is unknown until the next one.
+    uncertain: BTreeSet<VolumeKey>,
+    /// Creates and deletes running.
+    workers: usize,
+    /// Volume records this node serves, as last counted.
+    served: usize,
+    /// A commit was issued in this pass: count the mounts again.
+    recount_mounts: bool,
+    /// The catalogue or the plugins changed in this pass: count what this node serves.
+    recount_served: bool,
+    plugins_changed: bool,
+}
+
+impl Meter {
+    pub(crate) fn new(metrics: Metrics) -> Self {
+        Self {
+            metrics,
+            arrived: HashMap::new(),
+            mounts: [0; 3],
+            dead: BTreeSet::new(),
+            uncertain: BTreeSet::new(),
+            workers: 0,
+            served: 0,
+            recount_mounts: true,
+            recount_served: true,
+            plugins_changed: false,
+        }
+    }
+
+    /// Times every plugin call the runner makes (fingerprints included).
+    pub(crate) fn plugin_observer(&self) -> CallObserver {
+        let m = self.metrics.clone();
+        Arc::new(
+            move |plugin: &str, op, error: Option<&PluginError>, elapsed: Duration| {
+                m.plugin_call(plugin, op, Outcome::of_error(error), elapsed)
+            },
+        )
+    }
+
+    /// An input on its way to the core.
+    pub(crate) fn input(&mut self, i: &Input) {
+        match i {
+            Input::Api {
+                reply,
+                call: ApiCall::Publish(_),
+            } => {
+                self.arrived.insert(*reply, Instant::now());
+            }
+            Input::CallerGone(reply) => {
+                self.arrived.remove(reply);
+            }
+            Input::Catalogue(_) => self.recount_served = true,
+            Input::Done(c) => self.completion(c),
+            _ => {}
+        }
+    }
+
+    fn completion(&mut self, c: &Completion) {
+        let plugin_error = |e: Option<&StepError>| match e {
+            Some(StepError::Plugin(e)) => Some(e.is_uncertain()),
+            Some(_) => Some(false),
+            None => None,
+        };
+        match c {
+            Completion::Published { volume, result, .. } => {
+                if result.is_ok() {
+                    self.dead.remove(volume);
+                }
+                self.settled(volume, plugin_error(result.as_ref().err()));
+            }
+            Completion::Unpublished { volume, result } => {
+                if result.is_ok() {
+                    self.dead.remove(volume);
+                }
+                self.settled(volume, plugin_error(result.as_ref().err()));
+            }
+            Completion::Worker { volume, result } => {
+                self.workers = self.workers.saturating_sub(1);
+                let timed_out = match result {
+                    Err(WorkerError::Plugin(e)) => Some(e.is_uncertain()),
+                    Err(_) => Some(false),
+                    Ok(()) => None,
+                };
+                self.settled(volume, timed_out);
+            }
+            Completion::ClaimAcquired {
+                result: Err(ClaimError::Held { .. }),
+                ..
+            } => self.metrics.claim_wait(),
+            Completion::ClaimRenewed {
+                result: Err(ClaimError::Lost { .. }),
+                ..
+            } => self.metrics.claim_lost(),
+            Completion::Plugins(_) => {
+                self.plugins_changed = true;
+                self.recount_served = true;
+            }
+            _ => {}
+        }
+    }
+
+    /// A call on `volume` ended: `Some(true)` when it timed out.
+    fn settled(&mut self, volume: &VolumeKey, timed_out: Option<bool>) {
+        if timed_out == Some(true) {
+            self.uncertain.insert(volume.clone());
+        } else {
+            self.uncertain.remove(volume);
+        }
+    }
+
+    /// An effect the shell is about to perform.
+    pub(crate) fn effect(&mut self, e: &Effect) {
+        match e {
+            Effect::Detach { volume, .. } => {
+                self.metrics.mount_died();
+                self.dead.insert(volume.clone());
+            }
+            Effect::Create(_) | Effect::Delete(_) => self.workers += 1,
+            Effect::Commit { .. } => self.recount_mounts = true,
+            Effect::Reply {
+                to,
+                answer: Answer::Publish(r),
+            } => {
+                if let Some(t) = self.arrived.remove(to) {
+                    self.metrics.publish_wait(wait_outcome(r), t.elapsed());
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// One journal commit (write, fsync, rename, fsync of the directory) took `elapsed`.
+    pub(crate) fn committed(&self, elapsed: Duration) {
+        self.metrics.journal_write(elapsed);
+    }
+
+    /// After each pass: the gauges.
+    pub(crate) fn after_pass(&mut self, core: &Core) {
+        if std::mem::take(&mut self.recount_mounts) {
+            self.mounts = core.mounts_by_state();
+        }
+        let [publishing, published, unpublishing] = self.mounts;
+        self.metrics.set_pending(
+            publishing + unpublishing + self.workers,
+            self.uncertain.len(),
+            self.arrived.len(),
+        );
+        self.metrics
+            .set_mounts(publishing, published, unpublishing, self.dead.len());
+        self.metrics.set_watch(core.watch_health());
+        if self.plugins_changed {
+            if let Some(p) = core.plugins() {
+                self.metrics.set_plugins(p);
+                self.plugins_changed = false;
+            }
+        }
+        if std::mem::take(&mut self.recount_served) {
+            self.served = core.volumes_served();
+        }
+        let (allocations, volumes) = core.known();
+        self.metrics.set_known(allocations, volumes, self.served);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caller_answered_at_its_deadline_timed_out_and_others_failed_or_published() {
+        let ok = Ok(PublishReply {
+            alloc_id: "a".into(),
+            volumes: Vec::new(),
+        });
+        assert_eq!(wait_outcome(&ok), WaitOutcome::Published);
+        let late = Err(ApiError::NotPublishedInTime {
+            alloc_id: "a".into(),
+        });
+        assert_eq!(wait_outcome(&late), WaitOutcome::TimedOut);
+        let waiting = Err(ApiError::Waiting("claim held".into()));
+        assert_eq!(wait_outcome(&waiting), WaitOutcome::TimedOut);
+        let failed = Err(ApiError::PublishFailed {
+            volume: VolumeKey {
+                namespace: "default".into(),
+                name: "v".into(),
+            },
+            error: "exit 1".into(),
+        });
+        assert_eq!(wait_outcome(&failed), WaitOutcome::Failed);
+    }
+}

@@ -1,0 +1,289 @@
+//! The prestart gate: which tasks of an allocation could start on a deferred volume before
+//! it is published.
+//!
+//! Nomad starts an allocation's main tasks only after every non-sidecar prestart task has
+//! exited successfully, and starts all prestart tasks together
+//! (`client/allocrunner/tasklifecycle/coordinator.go`, `isPrestartDone`). So a task that
+//! mounts a deferred volume is gated when it is a main, poststart or poststop task and its
+//! group has a gate: a non-sidecar prestart task that mounts the agent's socket volume (it
+//! runs `dhv-binder prestart` or calls the socket itself). Any other such task may start on
+//! the empty placeholder: the agent says so in its log and status.
+
+use crate::nomad::types::{Allocation, TaskGroup};
+use crate::view::Request;
+use crate::volume::VolumeKey;
+use serde::Serialize;
+
+/// The host volume (a static `host_volume` on every client) that carries the agent's
+/// socket to prestart tasks, as in jobspecs/dhv-binder.nomad.hcl.
+pub const SOCKET_VOLUME: &str = "dhv-binder-socket";
+
+/// Why a task is not gated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// The group has no non-sidecar prestart task mounting the socket volume.
+    NoGate,
+    /// The task is a prestart task itself: it starts together with the gate.
+    StartsWithGate,
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reason::NoGate => "its group has no prestart task (lifecycle prestart, sidecar false) mounting the dhv-binder socket volume, so it may start before the volume is published",
+            Reason::StartsWithGate => "it is a prestart task, started together with the prestart gate, before the volume is published",
+        })
+    }
+}
+
+/// A task that mounts a deferred volume without waiting for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Ungated {
+    pub job: String,
+    pub group: String,
+    pub task: String,
+    pub volume: VolumeKey,
+    pub reason: Reason,
+}
+
+impl std::fmt::Display for Ungated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "job {:?} group {:?} task {:?} mounts deferred volume {} but {}; until it is published the task sees an empty read-only directory",
+            self.job, self.group, self.task, self.volume, self.reason
+        )
+    }
+}
+
+/// The tasks of `alloc` that mount one of its deferred volumes (`requests`, from
+/// [`crate::view::requests`]) without the gate; `socket_volume` is the source of the
+/// socket's host volume ([`SOCKET_VOLUME`] by default). Empty without the allocation's Job.
+pub fn ungated(alloc: &Allocation, requests: &[Request], socket_volume: &str) -> Vec<Ungated> {
+    let Some(group) = alloc.group() else {
+        return Vec::new();
+    };
+    let gated = has_gate(group, socket_volume);
+    let mut out = Vec::new();
+    for task in &group.tasks {
+        let prestart = task
+            .lifecycle
+            .as_ref()
+            .is_some_and(|l| l.hook == "prestart");
+        let reason = match (prestart, gated) {
+            (true, _) => Reason::StartsWithGate,
+            (false, false) => Reason::NoGate,
+            (false, true) => continue,
+        };
+        for m in &task.volume_mounts {
+            let Some(volume) = deferred_key(alloc, group, &m.volume, requests) else {
+                continue;
+            };
+            if out
+                .iter()
+                .any(|u: &Ungated| u.task == task.name && u.volume == volume)
+            {
+                continue;
+            }
+            out.push(Ungated {
+                job: alloc.job_id.clone(),
+                group: group.name.clone(),
+                task: task.name.clone(),
+                volume,
+                reason,
+            });
+        }
+    }
+    out
+}
+
+/// True when the group has a non-sidecar prestart task mounting the socket volume.
+fn has_gate(group: &TaskGroup, socket_volume: &str) -> bool {
+    group.tasks.iter().any(|t| {
+        t.lifecycle
+            .as_ref()
+            .is_some_and(|l| l.hook == "prestart" && !l.sidecar)
+            && t.volume_mounts.iter().any(|m| {
+                group
+                    .volumes
+                    .get(&m.volume)
+                    .is_some_and(|v| v.volume_type == "host" && v.source == socket_volume)
+            })
+    })
+}
+
+/// The deferred volume a task's `volume_mount { volume = alias }` refers to.
+fn deferred_key(
+    alloc: &Allocation,
+    group: &TaskGroup,
+    alias: &str,
+    requests: &[Request],
+) -> Option<VolumeKey> {
+    let req = group.volumes.get(alias)?;
+    if req.volume_type != "host" {
+        return None;
+    }
+    let name = if req.per_alloc {
+        format!("{}{}", req.source, alloc.alloc_suffix()?)
+    } else {
+        req.source.clone()
+    };
+    requests
+        .iter()
+        .find(|r| r.volume.namespace == alloc.namespace && r.volume.name == name)
+        .map(|r| r.volume.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nomad::types::{Job, Lifecycle, Task, VolumeMount, VolumeRequest};
+
+    fn host(source: &str, per_alloc: bool) -> VolumeRequest {
+        VolumeRequest {
+            name: source.into(),
+            volume_type: "host".into(),
+            source: source.into(),
+            per_alloc,
+            ..VolumeRequest::default()
+        }
+    }
+
+    fn task(name: &str, hook: Option<(&str, bool)>, mounts: &[&str]) -> Task {
+        Task {
+            name: name.into(),
+            driver: "exec".into(),
+            lifecycle: hook.map(|(h, sidecar)| Lifecycle {
+                hook: h.into(),
+                sidecar,
+            }),
+            volume_mounts: mounts
+                .iter()
+                .map(|v| VolumeMount {
+                    volume: (*v).into(),
+                    destination: format!("/{v}"),
+                    ..VolumeMount::default()
+                })
+                .collect(),
+            ..Task::default()
+        }
+    }
+
+    fn alloc(tasks: Vec<Task>) -> Allocation {
+        let mut g = TaskGroup {
+            name: "app".into(),
+            tasks,
+            ..TaskGroup::default()
+        };
+        g.volumes.insert("data".into(), host("shared", false));
+        g.volumes.insert("shard".into(), host("shard", true));
+        g.volumes.insert("sock".into(), host(SOCKET_VOLUME, false));
+        g.volumes.insert("local".into(), host("node-disk", false));
+        Allocation {
+            id: "a1".into(),
+            namespace: "default".into(),
+            name: "demo.app[2]".into(),
+            job_id: "demo".into(),
+            task_group: "app".into(),
+            job: Some(Job {
+                id: "demo".into(),
+                task_groups: vec![g],
+                ..Job::default()
+            }),
+            ..Allocation::default()
+        }
+    }
+
+    fn requests() -> Vec<Request> {
+        ["shared", "shard[2]"]
+            .iter()
+            .map(|n| Request {
+                volume: VolumeKey {
+                    namespace: "default".into(),
+                    name: (*n).into(),
+                },
+                read_only: false,
+            })
+            .collect()
+    }
+
+    fn names(u: &[Ungated]) -> Vec<(String, String, Reason)> {
+        u.iter()
+            .map(|u| (u.task.clone(), u.volume.name.clone(), u.reason))
+            .collect()
+    }
+
+    const GATE: Option<(&str, bool)> = Some(("prestart", false));
+
+    #[test]
+    fn a_gated_group_reports_nothing() {
+        let a = alloc(vec![
+            task("publish", GATE, &["sock"]),
+            task("main", None, &["data", "shard", "local"]),
+            task("after", Some(("poststart", false)), &["data"]),
+            task("cleanup", Some(("poststop", false)), &["data"]),
+        ]);
+        assert!(ungated(&a, &requests(), SOCKET_VOLUME).is_empty());
+    }
+
+    #[test]
+    fn no_gate_names_every_task_and_volume() {
+        let a = alloc(vec![task(
+            "main",
+            None,
+            &["data", "shard", "local", "data"],
+        )]);
+        let u = ungated(&a, &requests(), SOCKET_VOLUME);
+        assert_eq!(
+            names(&u),
+            vec![
+                ("main".into(), "shared".into(), Reason::NoGate),
+                ("main".into(), "shard[2]".into(), Reason::NoGate)
+            ]
+        );
+        assert_eq!((u[0].job.as_str(), u[0].group.as_str()), ("demo", "app"));
+        assert!(u[0].to_string().contains("job \"demo\" group \"app\""));
+    }
+
+    #[test]
+    fn a_sidecar_or_socketless_prestart_is_no_gate() {
+        for gate in [
+            task("publish", Some(("prestart", true)), &["sock"]),
+            task("publish", GATE, &["local"]),
+            task("publish", Some(("poststart", false)), &["sock"]),
+        ] {
+            let a = alloc(vec![gate, task("main", None, &["data"])]);
+            let u = ungated(&a, &requests(), SOCKET_VOLUME);
+            assert_eq!(
+                names(&u),
+                vec![("main".into(), "shared".into(), Reason::NoGate)]
+            );
+        }
+    }
+
+    #[test]
+    fn a_prestart_task_on_the_volume_starts_with_the_gate() {
+        let a = alloc(vec![
+            task("publish", GATE, &["sock"]),
+            task("seed", Some(("prestart", false)), &["data"]),
+            task("main", None, &["data"]),
+        ]);
+        assert_eq!(
+            names(&ungated(&a, &requests(), SOCKET_VOLUME)),
+            vec![("seed".into(), "shared".into(), Reason::StartsWithGate)]
+        );
+    }
+
+    #[test]
+    fn another_socket_volume_name_and_no_job() {
+        let a = alloc(vec![
+            task("publish", GATE, &["local"]),
+            task("main", None, &["data"]),
+        ]);
+        assert!(ungated(&a, &requests(), "node-disk").is_empty());
+        let mut bare = a.clone();
+        bare.job = None;
+        assert!(ungated(&bare, &requests(), SOCKET_VOLUME).is_empty());
+    }
+}

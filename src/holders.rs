@@ -1,0 +1,676 @@
+//! Who still uses a published volume: processes on the node whose mount namespace holds a
+//! mount of it (a task's namespace keeps the filesystem alive after the host's mount is
+//! gone, and the host's unmount does not fail for it), or that hold a file, a working
+//! directory, a root, an executable or a mapping on it. Like the kubelet's "device in use"
+//! checks, this reads the kernel (`/proc/<pid>/mountinfo`, `fdinfo`, `cwd`, `root`, `exe`,
+//! `maps`), never the agent's records.
+//!
+//! Files are matched by mount ID (`mnt_id` in fdinfo, proc(5)), unique across namespaces,
+//! so a bind of a subdirectory of the same disk elsewhere is never mistaken for the volume.
+//! Reading `/proc` costs time in the number of processes and their descriptors: run
+//! [`scan`] off the agent's loop (a blocking task), only before an unpublish.
+
+use crate::mounts::{DeviceId, MountIdentity, MountTable};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::ErrorKind;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Why the scan could not be made at all.
+#[derive(Debug, thiserror::Error)]
+pub enum HoldersError {
+    /// `/proc` itself could not be listed.
+    #[error("cannot list processes in /proc: {0} (is /proc mounted?)")]
+    Proc(#[source] std::io::Error),
+    /// The host's mount table could not be read.
+    #[error(transparent)]
+    Mounts(#[from] crate::mounts::MountsError),
+}
+
+/// What an unpublish of `target` must wait for: `None` when nothing is mounted there,
+/// else who uses the mount on top of it (read from the host's table now). Blocking: call
+/// it from a blocking task, just before the plugin's `unpublish`.
+pub fn before_unpublish(target: &Path) -> Result<Option<Usage>, HoldersError> {
+    let host = MountTable::read()?;
+    let Some(top) = host.top_at(target) else {
+        return Ok(None);
+    };
+    let id = top.identity();
+    scan(&id, target, &host).map(Some)
+}
+
+/// How a process holds the volume.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Hold {
+    /// Its mount namespace (not the host's) has the volume mounted here.
+    Mount { mount_point: PathBuf },
+    /// An open file descriptor on the volume.
+    OpenFile { fd: u32, path: PathBuf },
+    /// Its working directory is on the volume.
+    Cwd,
+    /// Its root directory is on the volume.
+    Root,
+    /// It runs an executable from the volume.
+    Exe,
+    /// It maps a file of the volume into memory.
+    Mapped { path: PathBuf },
+}
+
+/// A process holding the volume.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Holder {
+    pub pid: u32,
+    /// `/proc/<pid>/comm` (the name the kernel shows, at most 15 bytes).
+    pub comm: String,
+    pub how: Hold,
+    /// `NOMAD_ALLOC_ID` from its environment: the allocation whose task it is (Nomad
+    /// sets it in every task), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alloc_id: Option<String>,
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} ({})", self.pid, self.comm)?;
+        if let Some(a) = &self.alloc_id {
+            write!(f, " of allocation {a}")?;
+        }
+        match &self.how {
+            Hold::Mount { mount_point } => {
+                write!(f, " has it mounted at {}", mount_point.display())
+            }
+            Hold::OpenFile { fd, path } => write!(f, " has {} open (fd {fd})", path.display()),
+            Hold::Cwd => write!(f, " works in it"),
+            Hold::Root => write!(f, " is chrooted in it"),
+            Hold::Exe => write!(f, " runs a program from it"),
+            Hold::Mapped { path } => write!(f, " maps {}", path.display()),
+        }
+    }
+}
+
+/// A process whose use of the volume could not be read (EACCES: an LSM or a process with
+/// more capabilities than the agent).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Uninspected {
+    pub pid: u32,
+    pub comm: String,
+    /// Which part could not be read (`mountinfo`, `fd`, `cwd`...).
+    pub what: &'static str,
+    /// Why (the error's message).
+    pub error: String,
+}
+
+/// The result of a scan.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Processes using the volume, by pid.
+    pub holders: Vec<Holder>,
+    /// Mounts of the same content in the host's namespace besides the target (a bind of
+    /// it made elsewhere, or the same export mounted again). Reported, not counted: a
+    /// mount is no process, and processes using it are found through their files.
+    pub other_mounts: Vec<PathBuf>,
+    /// Processes (or parts of them) that could not be read. A process whose mount table
+    /// cannot be read may hide a mount of the volume: see [`Usage::in_use`].
+    pub uninspected: Vec<Uninspected>,
+}
+
+impl Usage {
+    /// True when the volume must not be unpublished: a holder, or a process whose mount
+    /// table could not be read (it may hold a mount of the volume, and the host's unmount
+    /// would not fail for it). Descriptors that could not be read do not count:
+    /// descriptors in the host namespace on the target's mount make its unmount fail with
+    /// EBUSY, which the plugin reports.
+    pub fn in_use(&self) -> bool {
+        !self.holders.is_empty() || self.uninspected.iter().any(|u| u.what == "mountinfo")
+    }
+
+    /// The allocations named by the holders (`NOMAD_ALLOC_ID`).
+    pub fn allocs(&self) -> BTreeSet<String> {
+        self.holders
+            .iter()
+            .filter_map(|h| h.alloc_id.clone())
+            .collect()
+    }
+
+    /// Drops the holders of `allocs` (tasks of allocations Nomad places on another node:
+    /// only a single-host simulation of several nodes shows them).
+    pub fn without_allocs(mut self, allocs: &BTreeSet<String>) -> Self {
+        self.holders
+            .retain(|h| h.alloc_id.as_ref().is_none_or(|a| !allocs.contains(a)));
+        self
+    }
+
+    /// One line for logs and status: who holds it, the first `max` named.
+    pub fn summary(&self, max: usize) -> String {
+        let mut parts: Vec<String> = self
+            .holders
+            .iter()
+            .take(max)
+            .map(ToString::to_string)
+            .collect();
+        if self.holders.len() > max {
+            parts.push(format!("{} more", self.holders.len() - max));
+        }
+        parts.extend(
+            self.other_mounts
+                .iter()
+                .map(|p| format!("also mounted at {}", p.display())),
+        );
+        parts.extend(
+            self.uninspected
+                .iter()
+                .filter(|u| u.what == "mountinfo")
+                .map(|u| {
+                    format!(
+                        "pid {} ({}): mount table unreadable ({})",
+                        u.pid, u.comm, u.error
+                    )
+                }),
+        );
+        parts.join("; ")
+    }
+}
+
+/// Finds who uses the volume mounted at `target` with content `volume`, in `host` (the
+/// host's table, read just before). The agent's own process is not counted.
+pub fn scan(
+    volume: &MountIdentity,
+    target: &Path,
+    host: &MountTable,
+) -> Result<Usage, HoldersError> {
+    let me = std::process::id();
+    let target_mount = host
+        .top_at(target)
+        .filter(|e| e.shows(volume))
+        .map(|e| e.id);
+    let mut usage = Usage {
+        other_mounts: host
+            .entries()
+            .iter()
+            .filter(|e| e.shows(volume) && Some(e.id) != target_mount)
+            .map(|e| e.mount_point.clone())
+            .collect(),
+        ..Usage::default()
+    };
+    // Every mount of the volume in every namespace, by ID: what descriptors may point at.
+    let mut volume_mounts: BTreeSet<u32> = host
+        .entries()
+        .iter()
+        .filter(|e| e.shows(volume))
+        .map(|e| e.id)
+        .collect();
+    let host_ns = std::fs::metadata("/proc/self/ns/mnt").ok().map(|m| m.ino());
+
+    // Pass 1: mount namespaces.
+    let mut procs: Vec<(u32, String)> = Vec::new();
+    let mut by_ns: BTreeMap<u64, Vec<PathBuf>> = BTreeMap::new();
+    for pid in pids()? {
+        if pid == me {
+            continue;
+        }
+        let comm = match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+            Ok(c) => c.trim_end().to_string(),
+            Err(_) => continue, // exited
+        };
+        let ns = std::fs::metadata(format!("/proc/{pid}/ns/mnt"))
+            .ok()
+            .map(|m| m.ino());
+        let here = match ns.and_then(|ns| by_ns.get(&ns)) {
+            Some(points) => points.clone(),
+            None => match MountTable::read_pid(pid) {
+                Ok(_) if ns.is_some() && ns == host_ns => {
+                    by_ns.insert(ns.unwrap_or_default(), Vec::new());
+                    Vec::new()
+                }
+                Ok(t) if ns.is_none() && crate::host::same_namespace(host, &t) => Vec::new(),
+                Ok(t) => {
+                    let mine: Vec<&crate::mounts::MountEntry> =
+                        t.entries().iter().filter(|e| e.shows(volume)).collect();
+                    volume_mounts.extend(mine.iter().map(|e| e.id));
+                    let points: Vec<PathBuf> = mine.iter().map(|e| e.mount_point.clone()).collect();
+                    if let Some(ns) = ns {
+                        by_ns.insert(ns, points.clone());
+                    }
+                    points
+                }
+                Err(crate::mounts::MountsError::Read { source, .. }) if gone(&source) => continue,
+                Err(e) => {
+                    usage.uninspected.push(Uninspected {
+                        pid,
+                        comm: comm.clone(),
+                        what: "mountinfo",
+                        error: e.to_string(),
+                    });
+                    Vec::new()
+                }
+            },
+        };
+        usage
+            .holders
+            .extend(here.into_iter().map(|mount_point| Holder {
+                pid,
+                comm: comm.clone(),
+                how: Hold::Mount { mount_point },
+                alloc_id: None,
+            }));
+        procs.push((pid, comm));
+    }
+
+    // Pass 2: what each process holds open.
+    for (pid, comm) in procs {
+        let mut hold = |how| {
+            usage.holders.push(Holder {
+                pid,
+                comm: comm.clone(),
+                how,
+                alloc_id: None,
+            })
+        };
+        let mut unread = Vec::new();
+        for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
+            match link_mount(&format!("/proc/{pid}/{link}")) {
+                Ok(Some(id)) if volume_mounts.contains(&id) => hold(how),
+                Ok(_) => {}
+                Err(e) if gone(&e) || link == "exe" => {} // kernel threads have no exe
+                Err(e) => unread.push((link, e)),
+            }
+        }
+        match open_fds(pid, &volume_mounts) {
+            Ok(fds) => fds
+                .into_iter()
+                .for_each(|(fd, path)| hold(Hold::OpenFile { fd, path })),
+            Err(e) if gone(&e) => {}
+            Err(e) => unread.push(("fd", e)),
+        }
+        match mapped(pid, volume.dev, &volume_mounts) {
+            Ok(paths) => paths
+                .into_iter()
+                .for_each(|path| hold(Hold::Mapped { path })),
+            Err(e) if gone(&e) => {}
+            Err(e) => unread.push(("maps", e)),
+        }
+        usage
+            .uninspected
+            .extend(unread.into_iter().map(|(what, e)| Uninspected {
+                pid,
+                comm: comm.clone(),
+                what,
+                error: e.to_string(),
+            }));
+    }
+    for h in &mut usage.holders {
+        h.alloc_id = alloc_of(h.pid);
+    }
+    usage.holders.sort();
+    usage.holders.dedup();
+    Ok(usage)
+}
+
+/// `NOMAD_ALLOC_ID` in the environment `pid` started with.
+fn alloc_of(pid: u32) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(b"NOMAD_ALLOC_ID="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// ENOENT/ESRCH: the process exited while being read; EINVAL: it is exiting and has no
+/// mount namespace any more (its namespace, if others still use it, is read through them).
+fn gone(e: &std::io::Error) -> bool {
+    e.kind() == ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(nix::libc::ESRCH | nix::libc::EINVAL))
+}
+
+fn pids() -> Result<Vec<u32>, HoldersError> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").map_err(HoldersError::Proc)? {
+        let entry = entry.map_err(HoldersError::Proc)?;
+        if let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse().ok()) {
+            out.push(pid);
+        }
+    }
+    Ok(out)
+}
+
+/// The `mnt_id:` line of an fdinfo file.
+fn fdinfo_mount(path: &str) -> std::io::Result<Option<u32>> {
+    let text = std::fs::read_to_string(path)?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))
+        .and_then(|v| v.trim().parse().ok()))
+}
+
+/// The mount a magic link (`/proc/<pid>/cwd`...) leads to: opened with `O_PATH` (no
+/// filesystem call, so a dead FUSE mount does not hang it), then read from our fdinfo.
+fn link_mount(link: &str) -> std::io::Result<Option<u32>> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_PATH)
+        .open(link)?;
+    fdinfo_mount(&format!("/proc/self/fdinfo/{}", f.as_raw_fd()))
+}
+
+/// Descriptors of `pid` on one of `mounts`, with the path the kernel shows for them.
+fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, PathBuf)>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let Ok(entry) = entry else { continue };
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        match fdinfo_mount(&format!("/proc/{pid}/fdinfo/{fd}")) {
+            Ok(Some(id)) if mounts.contains(&id) => {
+                let path = std::fs::read_link(entry.path()).unwrap_or_default();
+                out.push((fd, path));
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {} // closed meanwhile
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// Files of `pid` mapped into memory from one of `mounts`: `maps` lines on the volume's
+/// device, confirmed through `map_files` (needs CAP_SYS_ADMIN).
+fn mapped(pid: u32, dev: DeviceId, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<PathBuf>> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), _, _, Some(d), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let path: PathBuf = f.collect::<Vec<_>>().join(" ").into();
+        if inode == "0" || !seen.insert((d.to_string(), inode.to_string())) {
+            continue;
+        }
+        let Some((maj, min)) = d.split_once(':') else {
+            continue;
+        };
+        let on_dev = u32::from_str_radix(maj, 16).ok() == Some(dev.major)
+            && u32::from_str_radix(min, 16).ok() == Some(dev.minor);
+        if !on_dev {
+            continue;
+        }
+        match link_mount(&format!("/proc/{pid}/map_files/{range}")) {
+            Ok(Some(id)) if mounts.contains(&id) => out.push(path),
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mounts::scratch::Scratch;
+    use std::process::{Child, Command, Stdio};
+
+    /// A child process killed (and reaped) on drop, even when the test fails.
+    struct Proc(Child);
+
+    impl Proc {
+        fn spawn(cmd: &mut Command) -> Self {
+            Proc(cmd.stdout(Stdio::piped()).spawn().expect("spawn a holder"))
+        }
+
+        fn pid(&self) -> u32 {
+            self.0.id()
+        }
+
+        /// Waits until the child printed its ready line (it holds the volume then).
+        fn ready(mut self) -> Self {
+            use std::io::BufRead;
+            let out = self.0.stdout.take().expect("piped stdout");
+            let mut line = String::new();
+            std::io::BufReader::new(out)
+                .read_line(&mut line)
+                .expect("read the ready line");
+            assert_eq!(line.trim(), "ready", "the holder did not start");
+            self
+        }
+
+        /// Waits (up to 10 s) until the child has exec'd `program`: its ready line is printed
+        /// by `sh` before the `exec`, so the program is not yet mapped when the line arrives.
+        fn running(self, program: &Path) -> Self {
+            let exe = PathBuf::from(format!("/proc/{}/exe", self.pid()));
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while std::fs::read_link(&exe).ok().as_deref() != Some(program) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "pid {} did not exec {} within 10 s",
+                    self.pid(),
+                    program.display()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            self
+        }
+    }
+
+    impl Drop for Proc {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn sh(script: &str) -> Command {
+        let mut c = Command::new("sh");
+        c.args(["-c", script]);
+        c
+    }
+
+    fn volume(s: &Scratch) -> (PathBuf, MountIdentity) {
+        let target = s.tmpfs("mnt/default/v1");
+        std::fs::write(target.join("f"), "x").unwrap();
+        let id = MountTable::read()
+            .unwrap()
+            .top_at(&target)
+            .unwrap()
+            .identity();
+        (target, id)
+    }
+
+    fn scan_now(id: &MountIdentity, target: &Path) -> Usage {
+        scan(id, target, &MountTable::read().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn before_unpublish_reads_the_target_now() {
+        let s = Scratch::new();
+        let (target, _) = volume(&s);
+        let idle = before_unpublish(&target).unwrap().expect("mounted");
+        assert!(!idle.in_use(), "{}", idle.summary(5));
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&target)).ready();
+        let busy = before_unpublish(&target).unwrap().expect("mounted");
+        assert!(
+            busy.summary(5).contains(&format!("pid {}", cwd.pid())),
+            "{busy:?}"
+        );
+        drop(cwd);
+        nix::mount::umount(&target).unwrap();
+        assert_eq!(before_unpublish(&target).unwrap(), None);
+    }
+
+    #[test]
+    fn an_idle_volume_has_no_holders() {
+        let s = Scratch::new();
+        let (target, id) = volume(&s);
+        let started = std::time::Instant::now();
+        let u = scan_now(&id, &target);
+        eprintln!(
+            "scan of {} processes took {:?}",
+            pids().unwrap().len(),
+            started.elapsed()
+        );
+        assert!(u.holders.is_empty(), "{}", u.summary(5));
+        assert!(u.other_mounts.is_empty());
+        assert!(!u.in_use(), "{u:?}");
+    }
+
+    #[test]
+    fn open_file_cwd_and_mapping_are_found() {
+        let s = Scratch::new();
+        let (target, id) = volume(&s);
+        let f = target.join("f");
+        let open = Proc::spawn(
+            sh(&format!(
+                "exec 3<'{}'; echo ready; exec sleep 600",
+                f.display()
+            ))
+            .env("NOMAD_ALLOC_ID", "a1"),
+        )
+        .ready();
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&target)).ready();
+        let u = scan_now(&id, &target);
+        assert!(u.in_use());
+        let hows: Vec<(u32, &Hold)> = u.holders.iter().map(|h| (h.pid, &h.how)).collect();
+        assert!(
+            hows.iter().any(|(p, h)| *p == open.pid()
+                && matches!(h, Hold::OpenFile { fd: 3, path } if path == &f)),
+            "{hows:?}"
+        );
+        assert!(
+            hows.iter()
+                .any(|(p, h)| *p == cwd.pid() && **h == Hold::Cwd),
+            "{hows:?}"
+        );
+        // `sh` until it has exec'd `sleep`: either way the process is named.
+        assert!(
+            u.holders
+                .iter()
+                .all(|h| ["sh", "sleep"].contains(&h.comm.as_str())),
+            "{:?}",
+            u.holders
+        );
+        assert!(u
+            .holders
+            .iter()
+            .any(|h| h.pid == open.pid() && h.alloc_id.as_deref() == Some("a1")));
+        let others = u
+            .clone()
+            .without_allocs(&BTreeSet::from(["a1".to_string()]));
+        assert!(others.holders.iter().all(|h| h.pid != open.pid()));
+        assert!(others.holders.iter().any(|h| h.pid == cwd.pid()));
+        drop((open, cwd));
+        assert!(!scan_now(&id, &target).in_use());
+
+        // A program running from the volume (its text mapped and its exe on it).
+        std::fs::copy("/bin/sleep", target.join("sleep")).unwrap();
+        let prog = Proc::spawn(&mut sh(&format!(
+            "echo ready; exec '{}' 600",
+            target.join("sleep").display()
+        )))
+        .ready()
+        .running(&target.join("sleep"));
+        let u = scan_now(&id, &target);
+        let mine: Vec<&Hold> = u
+            .holders
+            .iter()
+            .filter(|h| h.pid == prog.pid())
+            .map(|h| &h.how)
+            .collect();
+        assert!(mine.contains(&&Hold::Exe), "{mine:?}");
+        assert!(
+            mine.iter().any(|h| matches!(h, Hold::Mapped { .. })),
+            "{mine:?}"
+        );
+    }
+
+    /// A task's mount namespace with the volume bound in holds it although no file is open:
+    /// the host's unmount would succeed and leave the filesystem alive there.
+    #[test]
+    fn a_mount_in_another_namespace_is_found() {
+        let s = Scratch::new();
+        let (target, id) = volume(&s);
+        let inner = s.dir("task/data");
+        let task = Proc::spawn(Command::new("unshare").args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &format!(
+                "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                target.display(),
+                inner.display()
+            ),
+        ]))
+        .ready();
+        let u = scan_now(&id, &target);
+        assert!(u.in_use());
+        assert!(
+            u.holders.iter().any(|h| h.pid == task.pid()
+                && matches!(&h.how, Hold::Mount { mount_point } if mount_point == &inner)),
+            "{}",
+            u.summary(5)
+        );
+        // The unshare'd namespace also carries a copy of the target itself.
+        assert!(u.summary(5).contains(&format!("pid {}", task.pid())));
+        drop(task);
+        assert!(!scan_now(&id, &target).in_use());
+    }
+
+    #[test]
+    fn another_mount_in_the_host_namespace_is_found() {
+        let s = Scratch::new();
+        let (target, id) = volume(&s);
+        let other = s.path().join("elsewhere");
+        s.rbind(&target, &other);
+        let u = scan_now(&id, &target);
+        assert_eq!(u.other_mounts, vec![other.clone()]);
+        assert!(!u.in_use(), "a mount is no process");
+        assert!(u.summary(5).contains("also mounted at"));
+        // A process using the volume through the other mount holds it.
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&other)).ready();
+        let u = scan_now(&id, &target);
+        assert!(
+            u.holders.iter().any(|h| h.pid == cwd.pid()),
+            "{:?}",
+            u.holders
+        );
+    }
+
+    /// The same disk bound elsewhere from another directory is not the volume.
+    #[test]
+    fn other_directories_of_the_same_device_are_not_the_volume() {
+        let s = Scratch::new();
+        let disk = s.tmpfs("disk");
+        std::fs::create_dir_all(disk.join("vol")).unwrap();
+        std::fs::create_dir_all(disk.join("other")).unwrap();
+        let target = s.path().join("mnt/v");
+        s.rbind(&disk.join("vol"), &target);
+        let host = MountTable::read().unwrap();
+        let id = host.top_at(&target).unwrap().identity();
+        let busy =
+            Proc::spawn(sh("echo ready; exec sleep 600").current_dir(disk.join("other"))).ready();
+        let u = scan(&id, &target, &host).unwrap();
+        assert!(
+            u.holders.iter().all(|h| h.pid != busy.pid()),
+            "{:?}",
+            u.holders
+        );
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&target)).ready();
+        let u = scan_now(&id, &target);
+        assert!(
+            u.holders.iter().any(|h| h.pid == cwd.pid()),
+            "{:?}",
+            u.holders
+        );
+    }
+}

@@ -1,0 +1,731 @@
+//! The mount table (`/proc/<pid>/mountinfo`), read as bytes: which mounts stand where, from
+//! which device and root. A journal record that says "published" is checked against it.
+//!
+//! The host's table is pid 1's ([`MountTable::read`]); the agent refuses to run in any
+//! other mount namespace (see the `host` module). A table that cannot be read or parsed is an
+//! error, never an empty table.
+
+pub mod changes;
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use changes::MountChanges;
+
+/// pid 1's mount table: the host's mount namespace.
+pub const HOST_MOUNTINFO: &str = "/proc/1/mountinfo";
+/// This process's mount table.
+pub const SELF_MOUNTINFO: &str = "/proc/self/mountinfo";
+
+/// Why a mount table could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum MountsError {
+    /// Reading the file failed (ENOENT: the process is gone; EACCES: not root).
+    #[error(
+        "cannot read the mount table {path}: {source} (dhv-binder must run as root on the host)"
+    )]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line is not in the kernel's mountinfo format (proc(5)).
+    #[error("{path} line {line}: {reason}: {text:?}")]
+    Malformed {
+        path: PathBuf,
+        line: usize,
+        reason: &'static str,
+        text: String,
+    },
+    /// Waiting for a change of the table failed.
+    #[error("cannot watch the mount table {path}: {source}")]
+    Watch {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A device number (`st_dev`, mountinfo field 3 `major:minor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DeviceId {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl DeviceId {
+    /// The device of a `stat` result (`st_dev`).
+    pub fn from_dev(dev: u64) -> Self {
+        Self {
+            major: nix::sys::stat::major(dev) as u32,
+            minor: nix::sys::stat::minor(dev) as u32,
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.major, self.minor)
+    }
+}
+
+/// One line of mountinfo (proc(5)). Paths keep their bytes (escapes decoded), so a mount
+/// point that is not UTF-8 is kept exactly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEntry {
+    /// Mount ID (unique across all mount namespaces while the mount exists).
+    pub id: u32,
+    /// Mount ID of the parent mount.
+    pub parent: u32,
+    /// Device of the mounted filesystem.
+    pub dev: DeviceId,
+    /// The directory of that filesystem mounted here (`/` unless a bind of a subdirectory).
+    pub root: PathBuf,
+    /// Where it is mounted, relative to the reading process's root.
+    pub mount_point: PathBuf,
+    /// Per-mount options (`rw`/`ro`, `nosuid`, ...).
+    pub options: String,
+    /// Filesystem type, with subtype (`fuse.sshfs`).
+    pub fs_type: String,
+    /// Filesystem source (device, `server:/export`, `none`), lossily decoded.
+    pub source: String,
+}
+
+impl MountEntry {
+    /// True when the mount (not only the filesystem) is read-only.
+    pub fn read_only(&self) -> bool {
+        self.options.split(',').any(|o| o == "ro")
+    }
+
+    /// What identifies this mount's content: device and root.
+    pub fn identity(&self) -> MountIdentity {
+        MountIdentity {
+            dev: self.dev,
+            root: self.root.clone(),
+            fs_type: self.fs_type.clone(),
+            source: self.source.clone(),
+        }
+    }
+
+    /// True when this mount shows `id`'s content or part of it: same device, and a root at
+    /// or below its root (a bind of a subdirectory of the volume counts).
+    pub fn shows(&self, id: &MountIdentity) -> bool {
+        self.dev == id.dev && self.root.starts_with(&id.root)
+    }
+}
+
+/// What a publish established at a target: the mounted filesystem's device, root, type and
+/// source. Two mounts with the same identity show the same directory of the same
+/// filesystem. Type and source count too: anonymous device numbers (NFS, FUSE, tmpfs) are
+/// reused as soon as they are freed, so a foreign tmpfs mounted after the volume's NFS
+/// mount went may get its number. (A loop device reused by another image of the same type
+/// would still look the same; the journal keeps the image, see the ext4 plugin.)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountIdentity {
+    pub dev: DeviceId,
+    pub root: PathBuf,
+    pub fs_type: String,
+    pub source: String,
+}
+
+impl MountIdentity {
+    /// The identity [`MountTable::from_points`] gives the mount at `path`.
+    pub fn of_point(path: &Path) -> Self {
+        Self {
+            dev: DeviceId { major: 0, minor: 0 },
+            root: PathBuf::from("/"),
+            fs_type: "tmpfs".into(),
+            source: path.display().to_string(),
+        }
+    }
+
+    /// True when `entry` mounts exactly this content (device, root, type and source equal).
+    pub fn is(&self, entry: &MountEntry) -> bool {
+        entry.dev == self.dev
+            && entry.root == self.root
+            && entry.fs_type == self.fs_type
+            && entry.source == self.source
+    }
+}
+
+impl std::fmt::Display for MountIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} (device {}, root {})",
+            self.fs_type,
+            self.source,
+            self.dev,
+            self.root.display()
+        )
+    }
+}
+
+/// What stands at a target, compared with what its publish established.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetState {
+    /// Nothing is mounted at the target.
+    Unmounted,
+    /// Exactly one mount, and it shows the expected content.
+    Published { mount_id: u32 },
+    /// Exactly one mount, of something else: never accepted as the volume.
+    Foreign { found: MountIdentity },
+    /// More than one mount stacked at the target (`top` is what a task would see).
+    Stacked { count: usize, top: MountIdentity },
+}
+
+struct Inner {
+    entries: Vec<MountEntry>,
+    /// Indexes into `entries` by mount point, in table order (the last one is usually on
+    /// top; [`MountTable::top_at`] follows the parent links to be sure).
+    by_point: BTreeMap<PathBuf, Vec<usize>>,
+}
+
+/// A snapshot of one mount namespace's table. Cloning is cheap (shared); lookups by path
+/// are logarithmic in the number of mounts.
+#[derive(Clone)]
+pub struct MountTable {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MountTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.inner.entries.iter()).finish()
+    }
+}
+
+impl Default for MountTable {
+    fn default() -> Self {
+        Self::from_entries(Vec::new())
+    }
+}
+
+impl MountTable {
+    /// The host's table: pid 1's mount namespace ([`HOST_MOUNTINFO`]). What the agent plans
+    /// from: a mount only the agent's own namespace shows is no mount for Nomad's tasks.
+    pub fn read() -> Result<Self, MountsError> {
+        Self::read_file(Path::new(HOST_MOUNTINFO))
+    }
+
+    /// This process's table ([`SELF_MOUNTINFO`]).
+    pub fn read_self() -> Result<Self, MountsError> {
+        Self::read_file(Path::new(SELF_MOUNTINFO))
+    }
+
+    /// The table of process `pid`'s mount namespace.
+    pub fn read_pid(pid: u32) -> Result<Self, MountsError> {
+        Self::read_file(&PathBuf::from(format!("/proc/{pid}/mountinfo")))
+    }
+
+    /// Reads and parses a mountinfo file.
+    pub fn read_file(path: &Path) -> Result<Self, MountsError> {
+        let bytes = std::fs::read(path).map_err(|source| MountsError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&bytes, path)
+    }
+
+    /// Parses mountinfo bytes; `path` names the source in errors.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, MountsError> {
+        let mut entries = Vec::new();
+        for (n, line) in bytes.split(|b| *b == b'\n').enumerate() {
+            if line.is_empty() {
+                continue;
+            }
+            let entry = parse_line(line).map_err(|reason| MountsError::Malformed {
+                path: path.to_path_buf(),
+                line: n + 1,
+                reason,
+                text: String::from_utf8_lossy(line).into_owned(),
+            })?;
+            entries.push(entry);
+        }
+        Ok(Self::from_entries(entries))
+    }
+
+    /// A table of the given entries (tests, fixtures).
+    pub fn from_entries(entries: Vec<MountEntry>) -> Self {
+        let mut by_point: BTreeMap<PathBuf, Vec<usize>> = BTreeMap::new();
+        for (i, e) in entries.iter().enumerate() {
+            by_point.entry(e.mount_point.clone()).or_default().push(i);
+        }
+        Self {
+            inner: Arc::new(Inner { entries, by_point }),
+        }
+    }
+
+    /// A table with one tmpfs mount at each of `points` (tests of code that only asks
+    /// whether a path is mounted). Each mount's identity depends on its path alone
+    /// ([`MountIdentity::of_point`]), whatever else the table holds.
+    pub fn from_points<I: IntoIterator<Item = PathBuf>>(points: I) -> Self {
+        Self::from_entries(
+            points
+                .into_iter()
+                .zip(1000u32..)
+                .map(|(mount_point, id)| {
+                    let i = MountIdentity::of_point(&mount_point);
+                    MountEntry {
+                        id,
+                        parent: 1,
+                        dev: i.dev,
+                        root: i.root,
+                        mount_point,
+                        options: "rw".into(),
+                        fs_type: i.fs_type,
+                        source: i.source,
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// The mount points, in path order.
+    pub fn points(&self) -> std::collections::BTreeSet<PathBuf> {
+        self.inner.by_point.keys().cloned().collect()
+    }
+
+    /// Every mount, in table order.
+    pub fn entries(&self) -> &[MountEntry] {
+        &self.inner.entries
+    }
+
+    /// The mount with this ID.
+    pub fn by_id(&self, id: u32) -> Option<&MountEntry> {
+        self.inner.entries.iter().find(|e| e.id == id)
+    }
+
+    /// The mounts standing at `path` (stacked mounts each count), in table order.
+    pub fn at(&self, path: &Path) -> impl Iterator<Item = &MountEntry> + '_ {
+        self.inner
+            .by_point
+            .get(path)
+            .into_iter()
+            .flatten()
+            .filter_map(|i| self.inner.entries.get(*i))
+    }
+
+    /// How many mounts stand at `path`.
+    pub fn count(&self, path: &Path) -> usize {
+        self.inner.by_point.get(path).map_or(0, Vec::len)
+    }
+
+    /// True when something is mounted at `path`.
+    pub fn contains(&self, path: &Path) -> bool {
+        self.count(path) > 0
+    }
+
+    /// The mount a lookup of `path` finds: of the mounts at `path`, the one no other mount
+    /// at `path` is mounted on.
+    pub fn top_at(&self, path: &Path) -> Option<&MountEntry> {
+        let here: Vec<&MountEntry> = self.at(path).collect();
+        here.iter()
+            .rev()
+            .find(|e| !here.iter().any(|o| o.parent == e.id))
+            .copied()
+    }
+
+    /// Mounts whose mount point is `root` or below it, in path order.
+    pub fn under<'a>(&'a self, root: &'a Path) -> impl Iterator<Item = &'a MountEntry> + 'a {
+        self.inner
+            .by_point
+            .range(root.to_path_buf()..)
+            .take_while(move |(p, _)| p.starts_with(root))
+            .flat_map(|(_, ix)| ix.iter())
+            .filter_map(|i| self.inner.entries.get(*i))
+    }
+
+    /// What stands at `target`, compared with what its publish established (`expected`,
+    /// `None` when nothing was established yet: then any mount is foreign).
+    pub fn target_state(&self, target: &Path, expected: Option<&MountIdentity>) -> TargetState {
+        let count = self.count(target);
+        let Some(top) = self.top_at(target) else {
+            return TargetState::Unmounted;
+        };
+        if count > 1 {
+            return TargetState::Stacked {
+                count,
+                top: top.identity(),
+            };
+        }
+        match expected {
+            Some(id) if id.is(top) => TargetState::Published { mount_id: top.id },
+            _ => TargetState::Foreign {
+                found: top.identity(),
+            },
+        }
+    }
+
+    /// Mount IDs of this table (two tables of one namespace share some).
+    pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.inner.entries.iter().map(|e| e.id)
+    }
+}
+
+/// Parses one mountinfo line:
+/// `36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue`.
+fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
+    let mut f = line.split(|b| *b == b' ');
+    let mut next = |what: &'static str| f.next().ok_or(what);
+    let id = number(next("no mount ID")?).ok_or("bad mount ID")?;
+    let parent = number(next("no parent ID")?).ok_or("bad parent ID")?;
+    let dev = {
+        let d = next("no major:minor")?;
+        let colon = d.iter().position(|b| *b == b':').ok_or("bad major:minor")?;
+        DeviceId {
+            major: number(&d[..colon]).ok_or("bad major")?,
+            minor: number(&d[colon + 1..]).ok_or("bad minor")?,
+        }
+    };
+    let root = PathBuf::from(unescape(next("no root")?));
+    let mount_point = PathBuf::from(unescape(next("no mount point")?));
+    let options = text(next("no mount options")?);
+    loop {
+        if next("no ' - ' separator")? == b"-" {
+            break;
+        }
+    }
+    let fs_type = text(&unescape(next("no filesystem type")?).into_vec());
+    let source = text(&unescape(next("no source")?).into_vec());
+    Ok(MountEntry {
+        id,
+        parent,
+        dev,
+        root,
+        mount_point,
+        options,
+        fs_type,
+        source,
+    })
+}
+
+fn number(b: &[u8]) -> Option<u32> {
+    std::str::from_utf8(b).ok()?.parse().ok()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Decodes mountinfo's octal escapes (`\040` space, `\011` tab, `\012` newline, `\134`
+/// backslash); other bytes pass unchanged.
+fn unescape(field: &[u8]) -> OsString {
+    let mut out = Vec::with_capacity(field.len());
+    let mut i = 0;
+    while let Some(&b) = field.get(i) {
+        if b == b'\\' {
+            if let Some(oct) = field.get(i + 1..i + 4) {
+                if oct.iter().all(|d| (b'0'..=b'7').contains(d)) {
+                    let v = oct
+                        .iter()
+                        .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
+                    if let Ok(v) = u8::try_from(v) {
+                        out.push(v);
+                        i += 4;
+                        continue;
+                    }
+                }
+            }
+        }
+        out.push(b);
+        i += 1;
+    }
+    OsString::from_vec(out)
+}
+
+fn legacy_table() -> Option<MountTable> {
+    match MountTable::read_self() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::error!(error = %e, "mount table unreadable");
+            None
+        }
+    }
+}
+
+/// This process's mount points. Legacy: an unreadable table is logged and reads as empty;
+/// new code takes a [`MountTable`] and handles the error.
+pub fn mount_points() -> std::collections::BTreeSet<PathBuf> {
+    legacy_table().map(|t| t.points()).unwrap_or_default()
+}
+
+/// How many mounts stand on `path` now. Legacy: an unreadable table is logged and reads
+/// as 0; new code uses [`MountTable::count`].
+pub fn mount_count(path: &Path) -> usize {
+    legacy_table().map_or(0, |t| t.count(path))
+}
+
+/// True when `path` is a mount point now. Legacy: an unreadable table is logged and reads
+/// as "not mounted"; new code uses [`MountTable::contains`].
+pub fn is_mount_point(path: &Path) -> bool {
+    legacy_table().is_some_and(|t| t.contains(path))
+}
+
+/// Mount points at or below `root`. Legacy: an unreadable table is logged and reads as
+/// empty; new code uses [`MountTable::under`].
+pub fn mounts_under(root: &Path) -> Vec<PathBuf> {
+    legacy_table()
+        .map(|t| t.under(root).map(|e| e.mount_point.clone()).collect())
+        .unwrap_or_default()
+}
+
+/// A temporary directory for tests that mount: on drop, every mount below it is
+/// unmounted, deepest and newest first, even when the test failed.
+#[cfg(test)]
+pub(crate) mod scratch {
+    use super::MountTable;
+    use std::path::{Path, PathBuf};
+
+    /// A test's scratch directory for real mounts, removed with every mount under it.
+    ///
+    /// Holds [`serial`] for its whole life: a test that makes a mount namespace copies every
+    /// mount of the host at that moment, other tests' scratch mounts included, and a test that
+    /// asserts "nobody holds this volume" would then see that copy as a holder.
+    pub(crate) struct Scratch {
+        dir: tempfile::TempDir,
+        _serial: std::sync::MutexGuard<'static, ()>,
+    }
+
+    /// The lock that keeps mount tests of this test binary one at a time (see [`Scratch`]).
+    /// A test that made a namespace and panicked leaves it poisoned; that is no reason to fail
+    /// the next test, so the poison is ignored.
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    impl Scratch {
+        pub(crate) fn new() -> Self {
+            let _serial = serial();
+            let dir = tempfile::Builder::new()
+                .prefix("dhv-binder-unit-")
+                .tempdir()
+                .expect("a temporary directory");
+            Self { dir, _serial }
+        }
+
+        pub(crate) fn path(&self) -> &Path {
+            self.dir.path()
+        }
+
+        pub(crate) fn dir(&self, rel: &str) -> PathBuf {
+            let p = self.dir.path().join(rel);
+            std::fs::create_dir_all(&p).expect("a directory in the scratch dir");
+            p
+        }
+
+        /// Mounts a fresh tmpfs at `rel` (created) and returns its path.
+        pub(crate) fn tmpfs(&self, rel: &str) -> PathBuf {
+            self.tmpfs_from("dhv-test", rel)
+        }
+
+        /// Mounts a fresh tmpfs with source `source` at `rel`.
+        pub(crate) fn tmpfs_from(&self, source: &str, rel: &str) -> PathBuf {
+            let p = self.dir(rel);
+            nix::mount::mount(
+                Some(source),
+                &p,
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some("size=1m"),
+            )
+            .expect("mount tmpfs (tests run as root)");
+            p
+        }
+
+        /// Bind-mounts `src` at `dst` the way container runtimes bind host volumes
+        /// (`MS_BIND | MS_REC`).
+        pub(crate) fn rbind(&self, src: &Path, dst: &Path) {
+            std::fs::create_dir_all(dst).expect("bind target");
+            nix::mount::mount(
+                Some(src),
+                dst,
+                None::<&str>,
+                nix::mount::MsFlags::MS_BIND | nix::mount::MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .expect("bind mount");
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            for _ in 0..8 {
+                let Ok(t) = MountTable::read_self() else {
+                    return;
+                };
+                let mut left: Vec<_> = t
+                    .under(self.dir.path())
+                    .map(|e| {
+                        (
+                            e.mount_point.components().count(),
+                            e.id,
+                            e.mount_point.clone(),
+                        )
+                    })
+                    .collect();
+                if left.is_empty() {
+                    return;
+                }
+                left.sort();
+                for (_, _, p) in left.into_iter().rev() {
+                    if nix::mount::umount(&p).is_err() {
+                        let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scratch::Scratch;
+    use super::*;
+
+    const SAMPLE: &[u8] = b"36 35 98:0 /mnt1 /mnt/parent\\040dir rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n\
+37 36 0:5 / /proc rw - proc proc rw\n\
+40 36 0:50 / /srv/t ro shared:7 master:2 - tmpfs guard ro\n\
+41 40 0:51 /exports/v1 /srv/t rw - nfs4 server:/exports rw,vers=4.2\n";
+
+    fn sample() -> MountTable {
+        MountTable::parse(SAMPLE, Path::new("sample")).unwrap()
+    }
+
+    #[test]
+    fn parses_fields_escapes_and_optional_fields() {
+        let t = sample();
+        let e = &t.entries()[0];
+        assert_eq!((e.id, e.parent), (36, 35));
+        assert_eq!(
+            e.dev,
+            DeviceId {
+                major: 98,
+                minor: 0
+            }
+        );
+        assert_eq!(e.root, Path::new("/mnt1"));
+        assert_eq!(e.mount_point, Path::new("/mnt/parent dir"));
+        assert_eq!(
+            (e.fs_type.as_str(), e.source.as_str()),
+            ("ext3", "/dev/root")
+        );
+        let g = t.by_id(40).unwrap();
+        assert!(g.read_only());
+        assert_eq!(g.fs_type, "tmpfs");
+        assert!(!t.entries()[1].read_only());
+    }
+
+    #[test]
+    fn keeps_a_mount_point_that_is_not_utf8() {
+        let text = b"50 1 0:60 / /srv/caf\xe9\\040x rw - tmpfs none rw\n";
+        let t = MountTable::parse(text, Path::new("t")).unwrap();
+        let want = PathBuf::from(OsString::from_vec(b"/srv/caf\xe9 x".to_vec()));
+        assert!(t.contains(&want));
+    }
+
+    #[test]
+    fn a_malformed_line_is_an_error_not_a_shorter_table() {
+        for bad in [
+            &b"36 35 98:0 /a /b rw master:1 ext3 /dev/root rw\n"[..],
+            b"x 35 98:0 /a /b rw - ext3 /dev/root rw\n",
+            b"36 35 98 /a /b rw - ext3 /dev/root rw\n",
+            b"36 35 98:0 /a\n",
+        ] {
+            let err = MountTable::parse(bad, Path::new("t")).unwrap_err();
+            assert!(
+                matches!(err, MountsError::Malformed { line: 1, .. }),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_read_error_is_an_error() {
+        let err = MountTable::read_file(Path::new("/proc/0/mountinfo")).unwrap_err();
+        assert!(matches!(err, MountsError::Read { .. }));
+    }
+
+    #[test]
+    fn top_of_a_stack_and_target_states() {
+        let t = sample();
+        let target = Path::new("/srv/t");
+        assert_eq!(t.count(target), 2);
+        assert_eq!(t.top_at(target).unwrap().id, 41);
+        let nfs = t.by_id(41).unwrap().identity();
+        assert!(matches!(
+            t.target_state(target, Some(&nfs)),
+            TargetState::Stacked { count: 2, .. }
+        ));
+        let one = MountTable::from_entries(vec![t.by_id(41).unwrap().clone()]);
+        assert_eq!(
+            one.target_state(target, Some(&nfs)),
+            TargetState::Published { mount_id: 41 }
+        );
+        // Same device, other root: another directory of the server, not this volume.
+        let mut other = nfs.clone();
+        other.root = PathBuf::from("/exports/v2");
+        assert!(matches!(
+            one.target_state(target, Some(&other)),
+            TargetState::Foreign { .. }
+        ));
+        assert!(matches!(
+            one.target_state(target, None),
+            TargetState::Foreign { .. }
+        ));
+        assert_eq!(
+            one.target_state(Path::new("/srv"), Some(&nfs)),
+            TargetState::Unmounted
+        );
+    }
+
+    #[test]
+    fn under_lists_the_subtree_only() {
+        let t = sample();
+        let under: Vec<_> = t.under(Path::new("/srv")).map(|e| e.id).collect();
+        assert_eq!(under, vec![40, 41]);
+        assert_eq!(t.under(Path::new("/sr")).count(), 0);
+    }
+
+    /// Real mounts: a tmpfs, then a foreign tmpfs after it is gone, seen in the host table.
+    #[test]
+    fn real_mounts_published_then_foreign() {
+        let s = Scratch::new();
+        let target = s.tmpfs("t");
+        let host = MountTable::read().unwrap();
+        let ours = host.top_at(&target).unwrap().identity();
+        assert_eq!(ours.fs_type, "tmpfs");
+        assert!(matches!(
+            host.target_state(&target, Some(&ours)),
+            TargetState::Published { .. }
+        ));
+        nix::mount::umount(&target).unwrap();
+        assert_eq!(
+            MountTable::read()
+                .unwrap()
+                .target_state(&target, Some(&ours)),
+            TargetState::Unmounted
+        );
+        // A foreign tmpfs may well get the freed anonymous device number: its source tells.
+        s.tmpfs_from("foreign", "t");
+        let now = MountTable::read().unwrap();
+        assert!(
+            matches!(
+                now.target_state(&target, Some(&ours)),
+                TargetState::Foreign { .. }
+            ),
+            "{:?} accepted as {ours}",
+            now.top_at(&target)
+        );
+        // A bind of the target elsewhere shows the same content.
+        let copy = s.path().join("copy");
+        s.rbind(&target, &copy);
+        let t = MountTable::read_self().unwrap();
+        let now = t.top_at(&target).unwrap().identity();
+        assert!(now.is(t.top_at(&copy).unwrap()));
+    }
+}

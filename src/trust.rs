@@ -1,0 +1,386 @@
+//! Record trust: volume records are instructions to root on every node, so agents act only on
+//! records an operator signed (docs/security.md).
+//!
+//! The operator's CLI signs, with an Ed25519 key kept off the cluster, what decides what a node
+//! does as root: the record's ID, its variable (namespace and path), its spec and its secrets
+//! ([`signed_payload`]), and separately each delete request ([`delete_payload`]). Agents verify
+//! with public keys configured on the node (`--record-keys`), never read from Nomad. Fields a
+//! node writes back (state, plugin context, capacity, worker node, error) are not signed: they
+//! are treated as untrusted input (plugins confine every path to roots configured on the node;
+//! a `deleting` state is acted on only with a valid delete signature).
+//!
+//! Key files are text: a private key is one line `ed25519-private <base64 PKCS#8>`; a public
+//! key file holds one `ed25519 <base64 32-byte key>` per line (`#` comments, blank lines).
+
+use crate::volume::{record_path, VolumeRecord, VolumeState};
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use ring::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
+use std::path::Path;
+
+/// Prefix of a signature value in a record: `ed25519:<key id>:<base64 signature>`.
+const SIG_PREFIX: &str = "ed25519:";
+
+/// Why a record or a key was refused. Each says what to do.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TrustError {
+    #[error(
+        "the record is not signed: create it with `dhv-binder volume create --signing-key <file>`"
+    )]
+    Unsigned,
+    #[error("the record's signature does not verify with any key in --record-keys (forged or altered record, or a key this node does not trust)")]
+    BadSignature,
+    #[error("the record is in state deleting without a valid operator delete signature: run `dhv-binder volume delete --signing-key <file>`")]
+    UnsignedDelete,
+    #[error("the signature field {0:?} is not `ed25519:<key id>:<base64>`")]
+    Malformed(String),
+    #[error("cannot read key file {path}: {reason}")]
+    KeyFile { path: String, reason: String },
+    #[error("no record keys configured: give the agent --record-keys <file> (operators' public keys, see docs/security.md), or --allow-unsigned-records on a test cluster only")]
+    NotConfigured,
+}
+
+/// The signed bytes of a record: `{"v":1,"namespace","path","id","spec","secrets"}` as
+/// compact JSON (struct and map fields in a fixed order).
+pub fn signed_payload(rec: &VolumeRecord) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "v": 1,
+        "namespace": rec.spec.namespace,
+        "path": record_path(&rec.spec.name),
+        "id": rec.id,
+        "spec": rec.spec,
+        "secrets": rec.secrets,
+    }))
+    .unwrap_or_default()
+}
+
+/// The signed bytes of a delete request for a record.
+pub fn delete_payload(rec: &VolumeRecord) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "v": 1,
+        "op": "delete",
+        "namespace": rec.spec.namespace,
+        "path": record_path(&rec.spec.name),
+        "id": rec.id,
+    }))
+    .unwrap_or_default()
+}
+
+/// An operator's signing key (the CLI's `--signing-key`).
+pub struct SigningKey {
+    pair: Ed25519KeyPair,
+}
+
+impl std::fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SigningKey({})", key_id(self.pair.public_key().as_ref()))
+    }
+}
+
+/// Short ID of a public key: the first 8 bytes of its SHA-256, hex.
+pub fn key_id(public: &[u8]) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, public);
+    d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl SigningKey {
+    /// A new random key. Returns the key and its private key file text.
+    pub fn generate() -> Result<(Self, String), TrustError> {
+        let rng = ring::rand::SystemRandom::new();
+        let doc = Ed25519KeyPair::generate_pkcs8(&rng).map_err(|_| TrustError::KeyFile {
+            path: "(new key)".into(),
+            reason: "the system random generator failed".into(),
+        })?;
+        let text = format!("ed25519-private {}\n", B64.encode(doc.as_ref()));
+        let key = Self::parse(&text, "(new key)")?;
+        Ok((key, text))
+    }
+
+    /// Parses a private key file's text.
+    pub fn parse(text: &str, path: &str) -> Result<Self, TrustError> {
+        let bad = |reason: &str| TrustError::KeyFile {
+            path: path.into(),
+            reason: reason.into(),
+        };
+        let b64 = text
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty() && !l.starts_with('#'))
+            .and_then(|l| l.strip_prefix("ed25519-private "))
+            .ok_or_else(|| bad("expected a line `ed25519-private <base64>`"))?;
+        let der = B64
+            .decode(b64.trim())
+            .map_err(|_| bad("the key is not base64"))?;
+        let pair = Ed25519KeyPair::from_pkcs8(&der)
+            .or_else(|_| Ed25519KeyPair::from_pkcs8_maybe_unchecked(&der))
+            .map_err(|_| bad("not an Ed25519 PKCS#8 key"))?;
+        Ok(Self { pair })
+    }
+
+    /// Reads a private key file. It must not be readable by group or others.
+    pub fn load(path: &Path) -> Result<Self, TrustError> {
+        use std::os::unix::fs::PermissionsExt;
+        let shown = path.display().to_string();
+        let meta = std::fs::metadata(path).map_err(|e| TrustError::KeyFile {
+            path: shown.clone(),
+            reason: e.to_string(),
+        })?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            return Err(TrustError::KeyFile {
+                path: shown,
+                reason: format!(
+                    "mode {:o} lets others read the private key: chmod 600 it",
+                    meta.permissions().mode() & 0o777
+                ),
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| TrustError::KeyFile {
+            path: shown.clone(),
+            reason: e.to_string(),
+        })?;
+        Self::parse(&text, &shown)
+    }
+
+    /// The public key file line for this key: `ed25519 <base64>`.
+    pub fn public_line(&self) -> String {
+        format!("ed25519 {}", B64.encode(self.pair.public_key().as_ref()))
+    }
+
+    fn sign_bytes(&self, msg: &[u8]) -> String {
+        format!(
+            "{SIG_PREFIX}{}:{}",
+            key_id(self.pair.public_key().as_ref()),
+            B64.encode(self.pair.sign(msg).as_ref())
+        )
+    }
+
+    /// Sets `rec.signature` over [`signed_payload`].
+    pub fn sign(&self, rec: &mut VolumeRecord) {
+        rec.signature = self.sign_bytes(&signed_payload(rec));
+    }
+
+    /// Sets `rec.delete_signature` over [`delete_payload`].
+    pub fn sign_delete(&self, rec: &mut VolumeRecord) {
+        rec.delete_signature = self.sign_bytes(&delete_payload(rec));
+    }
+}
+
+/// What this node trusts: operator public keys, or (test clusters only) every record.
+#[derive(Debug, Clone)]
+pub enum RecordTrust {
+    /// Records must carry a signature by one of these Ed25519 public keys (32 bytes each).
+    Keys(Vec<Vec<u8>>),
+    /// Every record is acted on (`--allow-unsigned-records`): anyone who may write variables
+    /// under `dhv-binder/volumes/` may then make nodes mount and delete as root.
+    Unverified,
+}
+
+impl RecordTrust {
+    /// Parses a public key file's text.
+    pub fn parse_keys(text: &str, path: &str) -> Result<Self, TrustError> {
+        let mut keys = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let bad = |reason: &str| TrustError::KeyFile {
+                path: path.into(),
+                reason: format!("line {}: {reason}", n + 1),
+            };
+            let b64 = line
+                .strip_prefix("ed25519 ")
+                .ok_or_else(|| bad("expected `ed25519 <base64 public key>`"))?;
+            let key = B64
+                .decode(b64.trim())
+                .map_err(|_| bad("the key is not base64"))?;
+            if key.len() != 32 {
+                return Err(bad("an Ed25519 public key is 32 bytes"));
+            }
+            keys.push(key);
+        }
+        if keys.is_empty() {
+            return Err(TrustError::KeyFile {
+                path: path.into(),
+                reason: "no key in the file".into(),
+            });
+        }
+        Ok(RecordTrust::Keys(keys))
+    }
+
+    /// The trust of an agent: keys from `record_keys`, or [`RecordTrust::Unverified`] when
+    /// only `allow_unsigned` is given; neither is [`TrustError::NotConfigured`] (fail closed).
+    pub fn from_settings(
+        record_keys: Option<&Path>,
+        allow_unsigned: bool,
+    ) -> Result<Self, TrustError> {
+        match (record_keys, allow_unsigned) {
+            (Some(p), _) => {
+                let shown = p.display().to_string();
+                let text = std::fs::read_to_string(p).map_err(|e| TrustError::KeyFile {
+                    path: shown.clone(),
+                    reason: e.to_string(),
+                })?;
+                Self::parse_keys(&text, &shown)
+            }
+            (None, true) => Ok(RecordTrust::Unverified),
+            (None, false) => Err(TrustError::NotConfigured),
+        }
+    }
+
+    fn verify_bytes(&self, keys: &[Vec<u8>], msg: &[u8], sig: &str) -> Result<(), TrustError> {
+        if sig.is_empty() {
+            return Err(TrustError::Unsigned);
+        }
+        let rest = sig
+            .strip_prefix(SIG_PREFIX)
+            .ok_or_else(|| TrustError::Malformed(sig.chars().take(40).collect()))?;
+        let (kid, b64) = rest
+            .split_once(':')
+            .ok_or_else(|| TrustError::Malformed(sig.chars().take(40).collect()))?;
+        let raw = B64
+            .decode(b64)
+            .map_err(|_| TrustError::Malformed(sig.chars().take(40).collect()))?;
+        let ok = keys.iter().filter(|k| key_id(k) == kid).any(|k| {
+            UnparsedPublicKey::new(&ED25519, k)
+                .verify(msg, &raw)
+                .is_ok()
+        });
+        if ok {
+            Ok(())
+        } else {
+            Err(TrustError::BadSignature)
+        }
+    }
+
+    /// Checks that a record may be acted on: its signature covers its ID, place, spec and
+    /// secrets, and a `deleting` state carries a valid delete signature.
+    pub fn verify(&self, rec: &VolumeRecord) -> Result<(), TrustError> {
+        let RecordTrust::Keys(keys) = self else {
+            return Ok(());
+        };
+        self.verify_bytes(keys, &signed_payload(rec), &rec.signature)?;
+        if rec.state == VolumeState::Deleting {
+            self.verify_bytes(keys, &delete_payload(rec), &rec.delete_signature)
+                .map_err(|_| TrustError::UnsignedDelete)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::volume::parse_spec;
+
+    fn record() -> VolumeRecord {
+        let (spec, secrets) = parse_spec(
+            "name = \"data\"\nplugin_id = \"bind\"\nparameters { export = \"/srv/exports\" }\nsecrets { password = \"pw\" }",
+        )
+        .unwrap();
+        VolumeRecord::new(spec, secrets)
+    }
+
+    fn trust_of(k: &SigningKey) -> RecordTrust {
+        RecordTrust::parse_keys(&k.public_line(), "keys").unwrap()
+    }
+
+    #[test]
+    fn signed_records_verify_and_every_signed_field_is_bound() {
+        let (key, text) = SigningKey::generate().unwrap();
+        let key2 = SigningKey::parse(&text, "k").unwrap();
+        let trust = trust_of(&key);
+        let mut rec = record();
+        assert_eq!(trust.verify(&rec), Err(TrustError::Unsigned));
+        key2.sign(&mut rec);
+        assert_eq!(trust.verify(&rec), Ok(()));
+        // What a node writes back is not signed.
+        rec.context = serde_json::json!({"export_path": "/srv/exports/default/x"});
+        rec.state = VolumeState::Ready;
+        assert_eq!(trust.verify(&rec), Ok(()));
+        let tamper: [fn(&mut VolumeRecord); 6] = [
+            |r| {
+                r.spec.parameters.insert("export".into(), "/".into());
+            },
+            |r| {
+                r.secrets.insert("password".into(), "other".into());
+            },
+            |r| r.spec.namespace = "other".into(),
+            |r| r.spec.name = "other".into(),
+            |r| r.id = uuid::Uuid::new_v4().to_string(),
+            |r| r.spec.plugin_id = "ext4".into(),
+        ];
+        for t in tamper {
+            let mut bad = rec.clone();
+            t(&mut bad);
+            assert_eq!(trust.verify(&bad), Err(TrustError::BadSignature));
+        }
+        // Another operator's key is not trusted.
+        let (other, _) = SigningKey::generate().unwrap();
+        let mut foreign = record();
+        other.sign(&mut foreign);
+        assert_eq!(trust.verify(&foreign), Err(TrustError::BadSignature));
+    }
+
+    #[test]
+    fn deleting_needs_its_own_signature() {
+        let (key, _) = SigningKey::generate().unwrap();
+        let trust = trust_of(&key);
+        let mut rec = record();
+        key.sign(&mut rec);
+        rec.state = VolumeState::Deleting;
+        assert_eq!(trust.verify(&rec), Err(TrustError::UnsignedDelete));
+        // The record signature is not a delete signature.
+        rec.delete_signature = rec.signature.clone();
+        assert_eq!(trust.verify(&rec), Err(TrustError::UnsignedDelete));
+        key.sign_delete(&mut rec);
+        assert_eq!(trust.verify(&rec), Ok(()));
+        // A delete signature of another volume does not carry over.
+        let mut other = record();
+        key.sign(&mut other);
+        other.state = VolumeState::Deleting;
+        other.delete_signature = rec.delete_signature.clone();
+        assert_eq!(trust.verify(&other), Err(TrustError::UnsignedDelete));
+    }
+
+    #[test]
+    fn settings_fail_closed_and_key_files_are_checked() {
+        assert_eq!(
+            RecordTrust::from_settings(None, false).unwrap_err(),
+            TrustError::NotConfigured
+        );
+        assert!(matches!(
+            RecordTrust::from_settings(None, true),
+            Ok(RecordTrust::Unverified)
+        ));
+        assert!(RecordTrust::from_settings(Some(Path::new("/nonexistent/keys")), true).is_err());
+        for bad in [
+            "",
+            "# only a comment",
+            "rsa AAAA",
+            "ed25519 !!!",
+            "ed25519 AAAA",
+        ] {
+            assert!(RecordTrust::parse_keys(bad, "k").is_err(), "{bad:?}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (_, text) = SigningKey::generate().unwrap();
+        let p = dir.path().join("op.key");
+        std::fs::write(&p, text).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = SigningKey::load(&p).unwrap_err().to_string();
+        assert!(e.contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(SigningKey::load(&p).is_ok());
+        for sig in ["ed25519:nokid", "rsa:x:y", "ed25519:ab:%%%"] {
+            let mut rec = record();
+            rec.signature = sig.into();
+            let trust = RecordTrust::Keys(vec![vec![0; 32]]);
+            assert!(
+                matches!(trust.verify(&rec), Err(TrustError::Malformed(_))),
+                "{sig}"
+            );
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! The daemon works with the narrowed ACL policy of jobspecs/dhv-binder-policy.hcl, against
+//! the simulator with ACLs enabled, and the policy refuses what the daemon never needs.
+
+mod support;
+
+use dhv_binder::config::NomadConfig;
+use dhv_binder::nomad::types::Variable;
+use dhv_binder::nomad::{Client, NomadError};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use support::cluster::{dhv_binder_bin, repo, Cluster};
+
+const ROOT: &str = "0b1d2a3c-0000-4000-8000-00000000beef";
+
+async fn req(c: &Cluster, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+    let mut rb = c
+        .http
+        .request(method, format!("{}{path}", c.server))
+        .header("X-Nomad-Token", ROOT);
+    if let Some(b) = body {
+        rb = rb.json(&b);
+    }
+    let r = rb.send().await.unwrap();
+    assert!(r.status().is_success(), "{path}: {}", r.status());
+    r.json().await.unwrap_or(Value::Null)
+}
+
+fn cli(c: &Cluster, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(dhv_binder_bin())
+        .args(args)
+        .env_clear()
+        .env("NOMAD_ADDR", &c.server)
+        .env("NOMAD_TOKEN", ROOT)
+        .env("DHV_BINDER_SIGNING_KEY", c.sb.join("operator.key"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_works_with_the_narrowed_policy() {
+    let acl = format!("acl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\n");
+    // The agent starts with the management token (the cluster waits for its node record),
+    // then runs again with the policy's token below.
+    let mut c = Cluster::start_with(1, &acl, &[("NOMAD_TOKEN", ROOT)]).await;
+    let rules = std::fs::read_to_string(repo().join("jobspecs/dhv-binder-policy.hcl")).unwrap();
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/acl/policy/dhv-binder",
+        Some(json!({"Name": "dhv-binder", "Rules": rules})),
+    )
+    .await;
+    let tok = req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/acl/token",
+        Some(json!({"Name": "binder", "Type": "client", "Policies": ["dhv-binder"]})),
+    )
+    .await;
+    let secret = tok["SecretID"].as_str().unwrap().to_string();
+    // Run the agent with the policy's token; its node record is written with it.
+    c.kill_agent(0, nix::sys::signal::Signal::SIGKILL);
+    c.agent_env.retain(|(k, _)| k != "NOMAD_TOKEN");
+    c.agent_env.push(("NOMAD_TOKEN".into(), secret.clone()));
+    req(
+        &c,
+        reqwest::Method::DELETE,
+        &format!(
+            "/v1/var/dhv-binder/nodes/{}?namespace=default",
+            c.nodes[0].id
+        ),
+        None,
+    )
+    .await;
+    c.start_agent(0);
+    c.wait_plugin("bind").await;
+
+    // Create: the agent reads the record, runs the plugin, writes the result back.
+    let spec = c.sb.join("v.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"shared-data\"\nplugin_id = \"bind\"\nparameters {{\n  export = \"{}\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = cli(&c, &["volume", "create", spec.to_str().unwrap()]);
+    assert_eq!(
+        code,
+        0,
+        "{out}\n{}",
+        std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default()
+    );
+    assert!(out.contains("is ready"), "{out}");
+    // Its placeholder is registered (host-volume-register, -read).
+    c.wait_for(30, "the placeholder", || async {
+        let vols = req(
+            &c,
+            reqwest::Method::GET,
+            "/v1/volumes?type=host&namespace=*",
+            None,
+        )
+        .await;
+        vols.as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["Name"] == "shared-data" && v["State"] == "ready")
+            .then_some(())
+    })
+    .await;
+    // A signed delete: the agent runs the plugin's delete and destroys the record.
+    let (code, out) = cli(&c, &["volume", "delete", "shared-data"]);
+    assert_eq!(code, 0, "{out}");
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
+    assert!(!log.contains("permission denied"), "{log}");
+
+    // What the policy refuses the daemon's token.
+    let client = Client::new(&NomadConfig {
+        token: Some(secret),
+        ..NomadConfig::plain(&c.server)
+    })
+    .unwrap();
+    for path in ["dhv-binder/other", "nomad/jobs/x", "app/config"] {
+        let v = Variable {
+            namespace: "default".into(),
+            path: path.into(),
+            items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+            ..Default::default()
+        };
+        let r = client.put_variable(&v, None).await;
+        assert!(
+            matches!(r, Err(NomadError::PermissionDenied { .. })),
+            "{path}: {r:?}"
+        );
+    }
+    let ok = Variable {
+        namespace: "default".into(),
+        path: "dhv-binder/claims/probe".into(),
+        items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+        ..Default::default()
+    };
+    client.put_variable(&ok, None).await.unwrap();
+
+    // The agent published its node record (namespace default) with the narrowed token.
+    let node_records = req(
+        &c,
+        reqwest::Method::GET,
+        "/v1/vars?prefix=dhv-binder/nodes/&namespace=default",
+        None,
+    )
+    .await;
+    assert_eq!(
+        node_records.as_array().map(Vec::len),
+        Some(1),
+        "{node_records}"
+    );
+    // Node records only in namespace default: not in another namespace.
+    let elsewhere = Variable {
+        namespace: "prod".into(),
+        path: "dhv-binder/nodes/probe".into(),
+        items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+        ..Default::default()
+    };
+    let r = client.put_variable(&elsewhere, None).await;
+    assert!(
+        matches!(r, Err(NomadError::PermissionDenied { .. })),
+        "a node record outside namespace default: {r:?}"
+    );
+}
