@@ -86,7 +86,7 @@ pub fn plan_update(existing: &VolumeRecord, new: &VolumeSpec) -> Result<Update, 
         return Err(UpdateError::Shrink {
             volume,
             asked: new.capacity_min,
-            current,
+            current: current.max(old.capacity_min),
         });
     }
     if new.capacity_min <= current {

@@ -342,13 +342,16 @@ async fn snapshot_and_growth_commands_record_requests_and_refuse_what_cannot_be_
     assert!(out.contains("Expansion of volume default/data"), "{out}");
     let rec = read(&client, "data").await;
     assert_eq!(rec.expansion, Some(Expansion::requested(128 << 20)));
+    // The new size is in the spec, signed again by the operator's key (agents verify it).
+    assert_eq!(rec.spec.capacity_min, 128 << 20);
+    assert!(!rec.signature.is_empty());
     let (_, out) = c.cli(&["volume", "status", "data"]);
     assert!(
         out.contains("expand to 134217728 bytes: requested"),
         "{out}"
     );
-    // The same spec again: nothing new.
-    std::fs::write(&path, &spec).unwrap();
+    // The same spec again (the record's spec now says 128 MiB): nothing new.
+    std::fs::write(&path, spec.replace("64MiB", "128MiB")).unwrap();
     let (code, out) = c.cli(&[
         "volume",
         "create",
@@ -484,15 +487,18 @@ async fn job_output(
     script: &str,
     out: &str,
 ) -> (String, String) {
+    // `out` is read once the script has finished (`<out>.done`), never half-written.
+    let script = format!("{script}\n          touch /data/{out}.done");
     let id = c
-        .run_job(&storage_job(c, job, volume, &c.nodes[i].name, script))
+        .run_job(&storage_job(c, job, volume, &c.nodes[i].name, &script))
         .await;
-    let text = file(
+    file(
         c,
-        c.target(i, volume).join(out),
+        c.target(i, volume).join(format!("{out}.done")),
         &format!("{out} written by {job} on node {i}"),
     )
     .await;
+    let text = std::fs::read_to_string(c.target(i, volume).join(out)).unwrap();
     (id, text)
 }
 
@@ -727,11 +733,14 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
         "thief",
         serde_json::json!({"export_path": export.join("default").join(&other)}),
     );
-    let err = publish(stolen, sb.join("t1"))
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("does not belong"), "{err}");
+    // The plugin's words (kept out of records and callers' answers, see docs/security.md).
+    let said = match publish(stolen, sb.join("t1")).await.unwrap_err() {
+        dhv_binder::plugin::PluginError::Failed {
+            message, stderr, ..
+        } => format!("{message} {stderr}"),
+        other => panic!("{other}"),
+    };
+    assert!(said.contains("does not belong"), "{said}");
     assert!(!dhv_binder::mounts::is_mount_point(&sb.join("t1")));
     // Registered storage under its own name: published.
     let registered = record("legacy", serde_json::json!({"export_path": legacy}));
