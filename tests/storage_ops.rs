@@ -749,3 +749,140 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
     assert!(dhv_binder::mounts::is_mount_point(&target));
     unpublish(&runner, &n, &registered, &target).await;
 }
+
+/// Kills and reaps a helper process when the test ends, whatever the outcome.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The ext4 plugin never resizes a live filesystem offline. Here the image's filesystem is
+/// still mounted in another mount namespace after the node's unpublish (a process that kept
+/// a copy of the mount, as the simulator's tasks did before its exec driver pivoted its root):
+/// the kernel keeps the loop device attached, and `expand` without a target fails, naming
+/// the holder, with the image untouched. Once that namespace is gone the device is released
+/// and the same call grows the filesystem offline, data intact.
+#[tokio::test]
+async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() {
+    let sb = support::sandbox::Sandbox::new();
+    let images = sb.join("images");
+    let volumes_dir = sb.join("volumes");
+    std::fs::create_dir_all(&images).unwrap();
+    std::fs::create_dir_all(&volumes_dir).unwrap();
+    let n = NodeEnv {
+        node_id: "node-1".into(),
+        node_pool: "default".into(),
+        volumes_dir,
+        plugin_dir: repo().join("plugins"),
+    };
+    let roots = dhv_binder::plugin::allowed_roots(&[format!("ext4={}", images.display())]).unwrap();
+    let runner =
+        Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots);
+    let (spec, secrets) = volume::parse_spec(&format!(
+        "name = \"live\"\nplugin_id = \"ext4\"\ncapacity_min = \"64MiB\"\nparameters {{\n dir = \"{}\"\n}}\n",
+        images.display()
+    ))
+    .unwrap();
+    let mut rec = VolumeRecord::new(spec, secrets);
+    let out = runner
+        .call(
+            "ext4",
+            Operation::Create,
+            &environment::create_env(&n, &rec),
+            &rec.secrets,
+        )
+        .await
+        .unwrap();
+    let made: dhv_binder::plugin::CreateResult =
+        dhv_binder::plugin::parse("ext4", Operation::Create, &out.stdout).unwrap();
+    rec.context = made.context;
+    rec.state = VolumeState::Ready;
+    let img = std::path::PathBuf::from(rec.context["image"].as_str().unwrap());
+    let target = sb.join("mnt/live");
+    publish(&runner, &n, &rec, &target).await;
+    std::fs::write(target.join("state"), "kept").unwrap();
+    let before = fs_bytes(&target);
+
+    // A process in a mount namespace of its own, holding a copy of the mount.
+    let mut child = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mountpoint -q {} && echo holding && exec sleep 600",
+            target.display()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("unshare");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let holder = Reaped(child);
+    assert_eq!(
+        line.trim(),
+        "holding",
+        "the copy of the mount in the new namespace"
+    );
+    unpublish(&runner, &n, &rec, &target).await;
+
+    // Offline growth (published nowhere on this node, as the agent asks it): refused.
+    expansion::request(&mut rec, 128 << 20);
+    let env = expansion::expand_env(&n, &rec, 128 << 20, None);
+    let said = match runner
+        .call("ext4", Operation::Expand, &env, &rec.secrets)
+        .await
+    {
+        Err(dhv_binder::plugin::PluginError::Failed {
+            message, stderr, ..
+        }) => format!("{message} {stderr}"),
+        other => panic!("expand of a filesystem still mounted elsewhere: {other:?}"),
+    };
+    assert!(
+        said.contains("still attached")
+            && said.contains("not resizing a live filesystem")
+            && said.contains(&format!("pid {}", holder.0.id())),
+        "{said}"
+    );
+    assert_eq!(
+        std::fs::metadata(&img).unwrap().len(),
+        64 << 20,
+        "the image is untouched"
+    );
+
+    // The namespace gone, the kernel releases the loop device (it was left to detach on its
+    // last close) and the same call grows the filesystem offline.
+    drop(holder);
+    let mut attached = String::from("?");
+    for _ in 0..300 {
+        let out = std::process::Command::new("losetup")
+            .args(["-n", "-O", "NAME", "-j"])
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        attached = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if attached.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(attached, "", "the loop device is released");
+    runner
+        .call("ext4", Operation::Expand, &env, &rec.secrets)
+        .await
+        .unwrap();
+    publish(&runner, &n, &rec, &target).await;
+    let after = fs_bytes(&target);
+    assert!(after > before + (48 << 20), "{before} -> {after}");
+    assert_eq!(
+        std::fs::read_to_string(target.join("state")).unwrap(),
+        "kept"
+    );
+    unpublish(&runner, &n, &rec, &target).await;
+}
