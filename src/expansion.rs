@@ -242,6 +242,12 @@ pub async fn run_expand(
                 &rec.secrets,
             )))
         }
+        Err(e) if e.is_temporary() => {
+            return Err(OpError::NotNow(plugin::redact(
+                &e.to_string(),
+                &rec.secrets,
+            )));
+        }
         Err(e) => {
             x.state = ExpansionState::Failed;
             x.error = plugin::redact(&e.to_string(), &rec.secrets);
@@ -454,7 +460,7 @@ mod tests {
         let plugin = dir.path().join("ext4");
         std::fs::write(
             &plugin,
-            "#!/bin/sh\ncase \"$DHV_CAPACITY_MIN_BYTES\" in\n 134217728) echo \"{\\\"bytes\\\":$DHV_CAPACITY_MIN_BYTES}\";;\n *) echo '{\"error\":\"no room\"}'; exit 1;;\nesac\n",
+            "#!/bin/sh\ncase \"$DHV_CAPACITY_MIN_BYTES\" in\n 134217728) echo \"{\\\"bytes\\\":$DHV_CAPACITY_MIN_BYTES}\";;\n 536870912) echo '{\"error\":\"still mounted\"}'; exit 75;;\n *) echo '{\"error\":\"no room\"}'; exit 1;;\nesac\n",
         )
         .unwrap();
         std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -477,11 +483,17 @@ mod tests {
         assert_eq!(done.expansion, None);
         rec.spec.capacity_min = 256 << 20;
         rec.expansion = Some(Expansion::requested(256 << 20));
-        let failed = run_expand(&runner, &node, rec, None).await.unwrap();
+        let failed = run_expand(&runner, &node, rec.clone(), None).await.unwrap();
         let x = failed.expansion.unwrap();
         assert_eq!(x.state, ExpansionState::Failed);
         // The plugin's own words stay in the node's log (plugin output never reaches records).
         assert!(x.error.contains("expand failed"), "{}", x.error);
         assert_eq!(failed.capacity_bytes, 64 << 20);
+        // Exit code 75: not now. Nothing is recorded; the agent calls again after a backoff.
+        request(&mut rec, 512 << 20);
+        match run_expand(&runner, &node, rec, None).await {
+            Err(OpError::NotNow(e)) => assert!(e.contains("exit code 75"), "{e}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -125,6 +125,11 @@ pub enum PluginError {
 
 pub use crate::escape::escape_control;
 
+/// Exit code of a plugin call that refuses for now and is to be retried (`EX_TEMPFAIL` of
+/// sysexits.h); any other non-zero code is a failure. Used by the optional operations
+/// (docs/plugin-protocol.md).
+pub const EXIT_TEMPORARY: i32 = 75;
+
 impl PluginError {
     /// The plugin's own words (its `{"error"}` message, stderr tail or stdout), redacted and
     /// escaped, for the agent's local log; empty when there are none.
@@ -147,6 +152,13 @@ impl PluginError {
     /// True when the call may have had an effect we did not see (timeout).
     pub fn is_uncertain(&self) -> bool {
         matches!(self, PluginError::TimedOut { .. })
+    }
+
+    /// True when the plugin refused for now and asks to be called again later: exit code
+    /// [`EXIT_TEMPORARY`] (for example ext4's `expand` while the filesystem is still mounted
+    /// somewhere). The operation stays pending and is retried with backoff.
+    pub fn is_temporary(&self) -> bool {
+        matches!(self, PluginError::Failed { status, .. } if *status == format!("exit code {EXIT_TEMPORARY}"))
     }
 }
 

@@ -364,6 +364,12 @@ pub async fn run_create(
                 &vol.secrets,
             )))
         }
+        Err(e) if e.is_temporary() => {
+            return Err(OpError::NotNow(plugin::redact(
+                &e.to_string(),
+                &vol.secrets,
+            )));
+        }
         Err(e) => {
             snap.state = VolumeState::Failed;
             snap.error = plugin::redact(&e.to_string(), &vol.secrets);

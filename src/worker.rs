@@ -52,6 +52,10 @@ pub enum OpError {
     /// The plugin call timed out: its outcome is unknown; the same node calls again.
     #[error("{0}")]
     Uncertain(String),
+    /// The plugin refused for now (exit code 75, [`crate::plugin::EXIT_TEMPORARY`]): the
+    /// operation stays pending and the same node calls again after a backoff.
+    #[error("{0}")]
+    NotNow(String),
     /// A plugin call failed where no record keeps the failure (a delete); retried.
     #[error("{0}")]
     Plugin(String),

@@ -551,7 +551,7 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
             "writer",
             "data",
             &c.nodes[0].name,
-            "echo one > /data/f.txt\n          df -B1 --output=size /data | tail -1 > /data/size-before\n          while [ ! -e /data/more ]; do sleep 0.2; done\n          echo two >> /data/f.txt\n          sync\n          touch /data/wrote-two",
+            "echo one > /data/f.txt\n          df -B1 --output=size /data | tail -1 > /data/size-before.tmp\n          mv /data/size-before.tmp /data/size-before\n          while [ ! -e /data/more ]; do sleep 0.2; done\n          echo two >> /data/f.txt\n          sync\n          touch /data/wrote-two",
         ))
         .await;
     let data = c.target(0, "data");
@@ -593,6 +593,31 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
     assert_eq!(code, 0, "{out}");
     assert!(
         out.contains(&snap_id) && out.contains("before") && out.contains("true"),
+        "{out}"
+    );
+    // What the storage holds, asked of the plugin here with secrets from a file (never the
+    // command line) and the node's root for it.
+    let secrets = c.sb.join("snapshot.secrets");
+    std::fs::write(&secrets, "token=not-on-the-command-line\n").unwrap();
+    let plugins = repo().join("plugins");
+    let (code, out) = c.cli(&[
+        "volume",
+        "snapshot",
+        "list",
+        "data",
+        "--plugin",
+        "ext4",
+        "--plugin-dir",
+        plugins.to_str().unwrap(),
+        "--plugin-root",
+        &dir,
+        "--secrets-file",
+        secrets.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let held = out.split("Held by plugin").nth(1).unwrap_or_default();
+    assert!(
+        held.contains(&snap_id) && !held.contains("no record"),
         "{out}"
     );
 
@@ -763,8 +788,8 @@ impl Drop for Reaped {
 /// The ext4 plugin never resizes a live filesystem offline. Here the image's filesystem is
 /// still mounted in another mount namespace after the node's unpublish (a process that kept
 /// a copy of the mount, as the simulator's tasks did before its exec driver pivoted its root):
-/// the kernel keeps the loop device attached, and `expand` without a target fails, naming
-/// the holder, with the image untouched. Once that namespace is gone the device is released
+/// the kernel keeps the loop device attached, and `expand` without a target refuses for now
+/// (exit code 75: the agent retries), naming the holder, with the image untouched. Once that namespace is gone the device is released
 /// and the same call grows the filesystem offline, data intact.
 #[tokio::test]
 async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() {
@@ -838,9 +863,8 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
         .call("ext4", Operation::Expand, &env, &rec.secrets)
         .await
     {
-        Err(dhv_binder::plugin::PluginError::Failed {
-            message, stderr, ..
-        }) => format!("{message} {stderr}"),
+        // Exit code 75: not now, the agent calls again after a backoff.
+        Err(e @ dhv_binder::plugin::PluginError::Failed { .. }) if e.is_temporary() => e.detail(),
         other => panic!("expand of a filesystem still mounted elsewhere: {other:?}"),
     };
     assert!(

@@ -79,10 +79,12 @@ fn key_value_lines(text: &str, what: &str) -> Result<Vec<(String, String)>, Fail
         .collect()
 }
 
-/// The check's secrets from `--secrets-file` and `DHV_BINDER_CHECK_SECRETS`.
-fn check_secrets(
+/// Secrets given off the command line: `KEY=VALUE` lines of `file` (`--secrets-file`), then
+/// of `env`, the text of the environment variable named `env_name`.
+pub(super) fn secrets_from(
     file: Option<&std::path::Path>,
     env: Option<&str>,
+    env_name: &str,
 ) -> Result<Vec<(String, String)>, Failure> {
     let mut secrets = Vec::new();
     if let Some(f) = file {
@@ -91,7 +93,7 @@ fn check_secrets(
         secrets.extend(key_value_lines(&text, &f.display().to_string())?);
     }
     if let Some(text) = env {
-        secrets.extend(key_value_lines(text, "DHV_BINDER_CHECK_SECRETS")?);
+        secrets.extend(key_value_lines(text, env_name)?);
     }
     Ok(secrets)
 }
@@ -288,7 +290,11 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
             scratch,
             roots,
         } => {
-            let secrets = check_secrets(secrets_file.as_deref(), secrets_env.as_deref())?;
+            let secrets = secrets_from(
+                secrets_file.as_deref(),
+                secrets_env.as_deref(),
+                "DHV_BINDER_CHECK_SECRETS",
+            )?;
             let report = crate::conformance::check(crate::conformance::Options {
                 plugin: executable,
                 parameters: params.into_iter().collect(),

@@ -40,9 +40,22 @@ pub enum SnapshotCommand {
         /// (operation `snapshot_list`, capability "snapshot_list"), with `--secret`s.
         #[arg(long)]
         plugin: Option<String>,
-        /// A secret for the plugin's `snapshot_list` (DHV_SECRETS), KEY=VALUE; repeatable.
-        #[arg(long = "secret", value_parser = super::plugin::key_value, requires = "plugin")]
-        secrets: Vec<(String, String)>,
+        /// File of secrets for the plugin's `snapshot_list` (DHV_SECRETS), one KEY=VALUE per
+        /// line. Secrets never go on the command line (other users can read it in /proc).
+        #[arg(long = "secrets-file", requires = "plugin")]
+        secrets_file: Option<PathBuf>,
+        /// The same, from the environment (KEY=VALUE lines).
+        #[arg(
+            long = "secrets-env",
+            env = "DHV_BINDER_SNAPSHOT_SECRETS",
+            hide_env_values = true,
+            hide = true
+        )]
+        secrets_env: Option<String>,
+        /// A directory the plugin keeps storage under on this machine, as the agent's
+        /// `--plugin-root <plugin_id>=<dir>` (DHV_ALLOWED_ROOTS); repeatable.
+        #[arg(long = "plugin-root", requires = "plugin")]
+        roots: Vec<PathBuf>,
         #[command(flatten)]
         local: LocalPlugins,
         #[command(flatten)]
@@ -283,7 +296,9 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
         SnapshotCommand::List {
             volume,
             plugin,
-            secrets,
+            secrets_file,
+            secrets_env,
+            roots,
             local,
             out,
         } => {
@@ -291,13 +306,20 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             let rows: Vec<SnapshotSummary> = snaps.iter().map(SnapshotSummary::of).collect();
             out.print(&rows, |r| render_snapshots(r))?;
             if let Some(plugin) = plugin {
-                list_from_plugin(
-                    &local.plugin_dir,
-                    &plugin,
-                    secrets.into_iter().collect(),
-                    &snaps,
-                )
-                .await?;
+                let secrets = super::plugin::secrets_from(
+                    secrets_file.as_deref(),
+                    secrets_env.as_deref(),
+                    "DHV_BINDER_SNAPSHOT_SECRETS",
+                )?;
+                let roots = roots
+                    .iter()
+                    .map(|r| format!("{plugin}={}", r.display()))
+                    .collect::<Vec<_>>();
+                let roots = crate::plugin::allowed_roots(&roots)
+                    .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+                let runner = Runner::new(&local.plugin_dir, Duration::from_secs(60))
+                    .with_allowed_roots(roots);
+                list_from_plugin(&runner, &plugin, secrets.into_iter().collect(), &snaps).await?;
             }
             Ok(())
         }
@@ -353,12 +375,12 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
 /// `snapshot list --plugin`: runs the plugin's `snapshot_list` here with the given secrets
 /// and lists what the storage holds, marking snapshots that have no record.
 async fn list_from_plugin(
-    plugin_dir: &Path,
+    runner: &Runner,
     plugin: &str,
     secrets: BTreeMap<String, String>,
     records: &[SnapshotRecord],
 ) -> Result<(), Failure> {
-    let runner = Runner::new(plugin_dir, Duration::from_secs(60));
+    let plugin_dir = runner.plugin_dir();
     let fp = runner
         .fingerprint(plugin)
         .await
@@ -389,7 +411,7 @@ async fn list_from_plugin(
         let known = records.iter().any(|r| r.id == s.id);
         outln!(
             "{:<36}  {:>12}  ready={}{}",
-            s.id,
+            crate::escape::escape_control(&s.id),
             s.bytes,
             s.ready,
             if known {
