@@ -350,6 +350,8 @@ async fn a_registered_volume_is_published_without_create_and_deregistered_withou
     // The storage exists already, with data in it.
     let existing = c.export.join("legacy");
     std::fs::create_dir_all(&existing).unwrap();
+    // Existing storage the job's user (exec driver default: nobody) may write.
+    std::os::unix::fs::chown(&existing, Some(65534), Some(65534)).unwrap();
     std::fs::write(existing.join("old.txt"), "from before dhv-binder\n").unwrap();
     let spec = c.sb.join("shared-data.volume.hcl");
     std::fs::write(

@@ -19,7 +19,7 @@ use dhv_binder::volume::{self, VolumeRecord, VolumeState};
 use dhv_binder::worker::Published;
 use std::path::Path;
 use std::time::Duration;
-use support::cluster::{repo, Cluster};
+use support::cluster::{repo, Cluster, NOBODY_GID, NOBODY_UID};
 
 #[derive(Parser)]
 struct Args {
@@ -407,6 +407,54 @@ fn storage_job(
     node_name: &str,
     script: &str,
 ) -> std::path::PathBuf {
+    storage_job_with(c, job, &[(volume, "/data")], node_name, None, script)
+}
+
+/// [`storage_job`] with several volumes (source, destination) and the main task's `user`
+/// (none: the exec driver's default, `nobody`).
+fn storage_job_with(
+    c: &Cluster,
+    job: &str,
+    volumes: &[(&str, &str)],
+    node_name: &str,
+    user: Option<&str>,
+    script: &str,
+) -> std::path::PathBuf {
+    let groups: String = volumes
+        .iter()
+        .enumerate()
+        .map(|(i, (source, _))| {
+            format!(
+                r#"    volume "v{i}" {{
+      type            = "host"
+      source          = "{source}"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}
+"#
+            )
+        })
+        .collect();
+    let mounts: String = volumes
+        .iter()
+        .enumerate()
+        .map(|(i, (_, dest))| {
+            format!(
+                r#"      volume_mount {{
+        volume      = "v{i}"
+        destination = "{dest}"
+      }}
+"#
+            )
+        })
+        .collect();
+    let checks: String = volumes
+        .iter()
+        .map(|(_, dest)| format!("          mountpoint -q {dest}\n"))
+        .collect();
+    let user = user
+        .map(|u| format!("      user   = \"{u}\"\n"))
+        .unwrap_or_default();
     let path = c.sb.join(&format!("{job}.nomad.hcl"));
     std::fs::write(
         &path,
@@ -419,13 +467,7 @@ fn storage_job(
     value     = "{node_name}"
   }}
   group "app" {{
-    volume "data" {{
-      type            = "host"
-      source          = "{volume}"
-      access_mode     = "single-node-writer"
-      attachment_mode = "file-system"
-    }}
-    volume "dhv-binder" {{
+{groups}    volume "dhv-binder" {{
       type      = "host"
       source    = "dhv-binder-socket"
       read_only = true
@@ -451,22 +493,17 @@ fn storage_job(
     }}
     task "app" {{
       driver = "exec"
-      config {{
+{user}      config {{
         command = "/bin/sh"
         args = ["-c", <<-EOT
           set -e
-          mountpoint -q /data
-          {script}
+{checks}          {script}
           trap 'exit 0' INT TERM
           while true; do sleep 1; done
         EOT
         ]
       }}
-      volume_mount {{
-        volume      = "data"
-        destination = "/data"
-      }}
-      kill_timeout = "5s"
+{mounts}      kill_timeout = "5s"
     }}
   }}
 }}
@@ -536,7 +573,7 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
             name,
             "single-node-writer",
             "ext4",
-            &[("dir", &dir)],
+            &[("dir", &dir), NOBODY_UID, NOBODY_GID],
             &[],
             &format!("capacity_min = \"64MiB\"\n{extra}"),
         );
@@ -909,4 +946,75 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
         "kept"
     );
     unpublish(&runner, &n, &rec, &target).await;
+}
+
+/// Issue 11 point 6: the simulator's exec driver runs a task that sets no `user` as `nobody`
+/// (Nomad: `drivers/exec/driver.go` `StartTask`), and as its `user` when set. A volume made
+/// with uid/gid 65534 (as jobspecs/volume.hcl has it) is writable by such a task; one made
+/// without them (root's, 0755) is not, and a task with `user = "root"` writes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_tasks_run_as_nobody_unless_they_set_a_user() {
+    let c = Cluster::start(1).await;
+    // Owned by nobody (the helper gives uid/gid 65534), and one left to root.
+    assert!(c
+        .create_volume("mine", "single-node-writer")
+        .contains("is ready"));
+    let export = c.export.display().to_string();
+    let out = c.create_volume_with(
+        "roots",
+        "single-node-writer",
+        "bind",
+        &[("export", &export)],
+        &[],
+        "",
+    );
+    assert!(out.contains("is ready"), "{out}");
+    let node = c.nodes[0].name.clone();
+    let mine = c.target(0, "mine");
+    let roots = c.target(0, "roots");
+    let job = c
+        .run_job(&storage_job_with(
+            &c,
+            "as-nobody",
+            &[("mine", "/data"), ("roots", "/other")],
+            &node,
+            None,
+            "id -u > /data/uid\n          id -g > /data/gid\n          echo \"$USER $HOME\" > /data/user\n          if touch /other/probe 2>/dev/null; then echo wrote; else echo denied; fi > /data/other\n          touch /data/done",
+        ))
+        .await;
+    file(&c, mine.join("done"), "the report of the task without user").await;
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap().trim().to_string();
+    assert_eq!(read(mine.join("uid")), "65534");
+    assert_eq!(read(mine.join("gid")), "65534");
+    assert!(
+        read(mine.join("user")).starts_with("nobody "),
+        "USER and HOME of the task's user"
+    );
+    assert_eq!(
+        read(mine.join("other")),
+        "denied",
+        "a root-owned 0755 volume is not writable by the task"
+    );
+    assert!(!roots.join("probe").exists());
+    stop(&c, &job, 0, "roots").await;
+
+    // user = "root": the same volume is writable.
+    let job = c
+        .run_job(&storage_job_with(
+            &c,
+            "as-root",
+            &[("roots", "/data")],
+            &node,
+            Some("root"),
+            "id -u > /data/uid\n          touch /data/done",
+        ))
+        .await;
+    file(
+        &c,
+        roots.join("done"),
+        "the report of the task with user = root",
+    )
+    .await;
+    assert_eq!(read(roots.join("uid")), "0");
+    stop(&c, &job, 0, "roots").await;
 }

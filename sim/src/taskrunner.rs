@@ -357,9 +357,19 @@ impl TaskRunner {
     }
 
     fn prepare_dirs(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
         let td = self.task_dir();
-        for d in ["local", "secrets", "tmp"] {
+        // Writable by the task's user, whoever it is (`nobody` by default): the task dir,
+        // local/ and secrets/ 0777, tmp/ 1777 (Nomad: `client/allocdir/task_dir.go`
+        // `TaskDir.Build`, `TaskDirs`).
+        for (d, mode) in [
+            ("", 0o777),
+            ("local", 0o777),
+            ("secrets", 0o777),
+            ("tmp", 0o1777),
+        ] {
             std::fs::create_dir_all(td.join(d))?;
+            std::fs::set_permissions(td.join(d), std::fs::Permissions::from_mode(mode))?;
         }
         if let Some(id) = &self.task.Identity {
             if id.File {
@@ -416,6 +426,12 @@ impl TaskRunner {
                 command: command.clone(),
                 args,
                 env: env.into_iter().collect(),
+                // Nomad's exec driver runs a task that sets no user as `nobody`.
+                user: if self.task.User.is_empty() {
+                    "nobody".into()
+                } else {
+                    self.task.User.clone()
+                },
             };
             let spec_path = self
                 .alloc_dir
@@ -740,10 +756,19 @@ fn terminated_event(status: Option<std::process::ExitStatus>) -> TaskEvent {
     e
 }
 
-/// Creates the alloc dir layout (`alloc/{data,logs,tmp}`).
+/// Creates the alloc dir layout (`alloc/` 0755, `alloc/{data,logs,tmp}` 0777 as Nomad makes
+/// them: `client/allocdir/alloc_dir.go` `AllocDir.Build`), so a task running as `nobody` can
+/// use the shared directories.
 pub fn build_alloc_dir(alloc_dir: &Path) -> std::io::Result<()> {
-    for d in ["alloc/data", "alloc/logs", "alloc/tmp"] {
+    use std::os::unix::fs::PermissionsExt;
+    for (d, mode) in [
+        ("alloc", 0o755),
+        ("alloc/data", 0o777),
+        ("alloc/logs", 0o777),
+        ("alloc/tmp", 0o777),
+    ] {
         std::fs::create_dir_all(alloc_dir.join(d))?;
+        std::fs::set_permissions(alloc_dir.join(d), std::fs::Permissions::from_mode(mode))?;
     }
     Ok(())
 }

@@ -42,6 +42,12 @@ pub struct Node {
     pub log: PathBuf,
 }
 
+/// Volume parameters (bind, ext4) that make its root directory `nobody`'s, the user the exec
+/// driver runs a task as when it sets none.
+pub const NOBODY_UID: (&str, &str) = ("uid", "65534");
+/// See [`NOBODY_UID`].
+pub const NOBODY_GID: (&str, &str) = ("gid", "65534");
+
 /// A running cluster. Fields are dropped in order: processes first, then the sandbox.
 pub struct Cluster {
     pub sim: Option<Child>,
@@ -315,10 +321,19 @@ impl Cluster {
         (out.status.code().unwrap_or(-1), text)
     }
 
-    /// Creates the deferred volume `name` with the bind plugin, exporting under the sandbox.
+    /// Creates the deferred volume `name` with the bind plugin, exporting under the sandbox,
+    /// owned by `nobody` (65534) as jobspecs/volume.hcl has it: the exec driver runs tasks
+    /// that set no `user` as `nobody`.
     pub fn create_volume(&self, name: &str, access_mode: &str) -> String {
         let export = self.export.display().to_string();
-        self.create_volume_with(name, access_mode, "bind", &[("export", &export)], &[], "")
+        self.create_volume_with(
+            name,
+            access_mode,
+            "bind",
+            &[("export", &export), NOBODY_UID, NOBODY_GID],
+            &[],
+            "",
+        )
     }
 
     /// Creates the deferred volume `name` with `plugin`, `parameters`, `secrets` and any
