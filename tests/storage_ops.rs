@@ -54,6 +54,18 @@ async fn read(client: &Client, name: &str) -> VolumeRecord {
     VolumeRecord::from_variable(&var).unwrap()
 }
 
+/// True when this process (and so the agents it starts) has CAP_SYS_RESOURCE in its effective
+/// set (`CapEff` bit 24), which ext4's online resize needs.
+fn cap_sys_resource() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .expect("CapEff in /proc/self/status");
+    let bits = u64::from_str_radix(eff.trim(), 16).expect("CapEff is hex");
+    bits & (1 << 24) != 0
+}
+
 fn fs_bytes(p: &Path) -> u64 {
     let s = nix::sys::statvfs::statvfs(p).unwrap();
     s.blocks() as u64 * s.fragment_size() as u64
@@ -558,9 +570,10 @@ async fn stop(c: &Cluster, job: &str, i: usize, volume: &str) {
 /// Issue 14's "Done means", through the real agents, the simulator and jobs: data written
 /// from a job, a snapshot taken where the volume is published, more written, a new volume
 /// from the snapshot read by a job on the other node (exactly the data at snapshot time), a
-/// clone of the volume in use, and an ext4 volume grown while a job has it mounted. This
-/// sandbox lacks CAP_SYS_RESOURCE, so ext4 declares no `expand_online`: the growth is the
-/// offline path (deferred while mounted, run before the next publish, seen by the next job).
+/// clone of the volume in use, and an ext4 volume grown while a job has it mounted. Where
+/// the agent lacks CAP_SYS_RESOURCE (this sandbox) ext4 declares no `expand_online`: the
+/// growth is the offline path (deferred while mounted, run before the next publish, seen by
+/// the next job); where it has it, the online path (seen in the mounted filesystem at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
     let c = Cluster::start(2).await;
@@ -702,7 +715,10 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
     assert_eq!(seen, "one\ntwo\n");
     stop(&c, &cloner, 1, "copy").await;
 
-    // Grow "data" while the writer has it mounted: deferred (no online growth here) ...
+    // Grow "data" while the writer has it mounted. With CAP_SYS_RESOURCE (a node's root) ext4
+    // grows it online and the writer's mount shows the larger filesystem at once; without it
+    // (this sandbox) the growth is deferred ...
+    let online = cap_sys_resource();
     let spec = c.sb.join("data.volume.hcl");
     let text = std::fs::read_to_string(&spec)
         .unwrap()
@@ -710,13 +726,19 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
     std::fs::write(&spec, text).unwrap();
     let (code, out) = c.cli(&["volume", "create", spec.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("before its next publish"), "{out}");
-    let (code, out) = c.cli(&["volume", "status", "data"]);
-    assert_eq!(code, 0, "{out}");
-    assert!(
-        out.contains("at-next-publish") || out.contains("expand to"),
-        "{out}"
-    );
+    if online {
+        assert!(out.contains("is now"), "{out}");
+        let grown = fs_bytes(&data);
+        assert!(grown > size_before + (48 << 20), "{size_before} -> {grown}");
+    } else {
+        assert!(out.contains("before its next publish"), "{out}");
+        let (code, out) = c.cli(&["volume", "status", "data"]);
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            out.contains("at-next-publish") || out.contains("expand to"),
+            "{out}"
+        );
+    }
     // ... and grown before the next publish: a job on node-2 sees the larger filesystem
     // and the data intact.
     stop(&c, &writer, 0, "data").await;
