@@ -236,19 +236,10 @@ pub async fn run_expand(
             );
             rec.expansion = Some(x);
         }
-        Err(e) if e.is_uncertain() => {
-            return Err(OpError::Uncertain(plugin::redact(
-                &e.to_string(),
-                &rec.secrets,
-            )))
-        }
-        Err(e) if e.is_temporary() => {
-            return Err(OpError::NotNow(plugin::redact(
-                &e.to_string(),
-                &rec.secrets,
-            )));
-        }
         Err(e) => {
+            if let Some(again) = OpError::retried(&e, &rec.secrets) {
+                return Err(again);
+            }
             x.state = ExpansionState::Failed;
             x.error = plugin::redact(&e.to_string(), &rec.secrets);
             rec.expansion = Some(x);

@@ -358,19 +358,10 @@ pub async fn run_create(
             snap.bytes = res.bytes;
             snap.error.clear();
         }
-        Err(e) if e.is_uncertain() => {
-            return Err(OpError::Uncertain(plugin::redact(
-                &e.to_string(),
-                &vol.secrets,
-            )))
-        }
-        Err(e) if e.is_temporary() => {
-            return Err(OpError::NotNow(plugin::redact(
-                &e.to_string(),
-                &vol.secrets,
-            )));
-        }
         Err(e) => {
+            if let Some(again) = OpError::retried(&e, &vol.secrets) {
+                return Err(again);
+            }
             snap.state = VolumeState::Failed;
             snap.error = plugin::redact(&e.to_string(), &vol.secrets);
         }

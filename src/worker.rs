@@ -65,6 +65,23 @@ pub enum OpError {
 }
 
 impl OpError {
+    /// The error to return for a plugin call whose operation stays pending and is called
+    /// again on this node: a timeout (outcome unknown) or a "not now" refusal (exit code 75).
+    /// `None` for a failure the record keeps. Redacted with `secrets`.
+    pub fn retried(
+        e: &crate::plugin::PluginError,
+        secrets: &std::collections::BTreeMap<String, String>,
+    ) -> Option<OpError> {
+        let text = || crate::plugin::redact(&e.to_string(), secrets);
+        if e.is_uncertain() {
+            Some(OpError::Uncertain(text()))
+        } else if e.is_temporary() {
+            Some(OpError::NotNow(text()))
+        } else {
+            None
+        }
+    }
+
     /// True when another node took the operation first (not worth a warning).
     pub fn is_lost(&self) -> bool {
         matches!(self, OpError::Take(TakeError::Lost { .. }))
