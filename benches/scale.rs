@@ -1,6 +1,6 @@
 //! The agent under load (run: `cargo bench --bench scale`): every figure of issue 10 in one
-//! run, from the real `dhv-binder agent` process driven by the fake Nomad
-//! (tests/support/fake_nomad.rs) on loopback. See docs/scale.md for what the figures mean.
+//! run, from the real `dhv-binder agent` process driven by the simulator's scripted front
+//! (`nomad_sim::replay`) on loopback. See docs/scale.md for what the figures mean.
 //!
 //! 1. Allocation event → plugin exec, p50/p99, in both watch modes, with the state directory on
 //!    disk (the bench's temporary directory) and on a tmpfs mounted under it.
@@ -24,15 +24,13 @@
 //! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it).
 //! Needs root (mounts) and `strace` (scripts/install-deps).
 
-#[path = "../tests/support/fake_nomad.rs"]
-mod fake_nomad;
 #[path = "../tests/support/inproc.rs"]
 mod inproc;
 #[path = "../tests/support/sandbox.rs"]
 mod sandbox;
 
 use dhv_binder::watch::WatchMode;
-use fake_nomad::FakeNomad;
+use nomad_sim::replay::Replay;
 use sandbox::Sandbox;
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
@@ -146,10 +144,10 @@ struct Call {
     alloc: String,
 }
 
-/// One simulated node: a fake Nomad, the agent process, its own temporary directory.
+/// One simulated node: a scripted Nomad, the agent process, its own temporary directory.
 struct Node {
     agent: Option<Child>,
-    fake: FakeNomad,
+    fake: Replay,
     cfg: dhv_binder::config::AgentConfig,
     index: u64,
     /// Dropped last: detaches every mount below the node's directory (plugin mounts,
@@ -207,7 +205,7 @@ impl Node {
             format!("{} {}", plugin_us.0, plugin_us.1),
         )
         .unwrap();
-        let fake = FakeNomad::start(NODE, json!({"keys": []})).await;
+        let fake = Replay::start(NODE, json!({"keys": []})).await;
         for i in 0..volumes {
             inproc::volume_record(
                 &fake,
@@ -243,6 +241,8 @@ impl Node {
             .arg(mode_name(mode))
             .arg("--max-parallel")
             .arg(MAX_PARALLEL.to_string())
+            // The bench plants its records unsigned, as the in-process tests do.
+            .arg("--allow-unsigned-records")
             .env_clear()
             .env("NOMAD_ADDR", &fake.addr)
             .env("DHV_BINDER_LOG", "warn")
@@ -267,7 +267,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             let s = inproc::status(&self.cfg).await;
-            let registered = self.fake.state.lock().unwrap().host_volumes.len();
+            let registered = self.fake.host_volumes().len();
             if s["view"]["complete"] == true && registered >= placeholders {
                 return;
             }
@@ -357,17 +357,13 @@ impl Node {
         self.index += 1;
         let index = self.index;
         let mut events = Vec::new();
-        {
-            let mut st = self.fake.state.lock().unwrap();
-            for &(a, v) in allocs {
-                let vol = volume_name(v);
-                let full = inproc::alloc_json(&alloc_id(a), NODE, &[&vol], client_status, index);
-                let f: Value =
-                    serde_json::from_str(&inproc::frame(index, "AllocationUpdated", &full))
-                        .unwrap();
-                events.push(f["Events"][0].clone());
-                st.allocs.insert(alloc_id(a), full);
-            }
+        for &(a, v) in allocs {
+            let vol = volume_name(v);
+            let full = inproc::alloc_json(&alloc_id(a), NODE, &[&vol], client_status, index);
+            let f: Value =
+                serde_json::from_str(&inproc::frame(index, "AllocationUpdated", &full)).unwrap();
+            events.push(f["Events"][0].clone());
+            self.fake.put_alloc(full);
         }
         let line = json!({"Index": index, "Events": events}).to_string();
         let t0 = now_ns();
@@ -490,6 +486,8 @@ async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Bur
 struct Release {
     elapsed_ms: f64,
     ideal_ms: f64,
+    /// Before any allocation: 400 records, placeholders registered, nothing published.
+    rss_before: u64,
     rss_full: u64,
     rss_after: u64,
 }
@@ -501,6 +499,8 @@ async fn release(mode: WatchMode) -> Release {
     let mut node = Node::start(mode, false, n, (200, 150_000)).await;
     let exec = exec_cost(&node);
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rss_before = node.rss_kib();
     node.place(&allocs, "running");
     node.wait_calls("publish", n).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -526,6 +526,7 @@ async fn release(mode: WatchMode) -> Release {
     Release {
         elapsed_ms: ms(last.saturating_sub(t0)),
         ideal_ms: ideal,
+        rss_before,
         rss_full,
         rss_after,
     }
@@ -698,6 +699,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
     println!("3. 400 releases, 150 ms unpublish, state on disk:");
     let mut rss_400 = 0;
     let mut rss_after = 0;
+    let mut rss_before_400 = 0;
     let modes: &[WatchMode] = if part("release") {
         &[WatchMode::Stream, WatchMode::Poll]
     } else {
@@ -715,11 +717,12 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
         if mode == WatchMode::Poll {
             rss_400 = r.rss_full;
             rss_after = r.rss_after;
+            rss_before_400 = r.rss_before;
         }
     }
 
-    println!("4. agent RSS (poll mode): idle {:.1} MiB, 200 volumes {:.1} MiB, 400 volumes {:.1} MiB, after the 400-volume teardown {:.1} MiB",
-            rss_idle as f64 / 1024.0, rss_200 as f64 / 1024.0, rss_400 as f64 / 1024.0, rss_after as f64 / 1024.0);
+    println!("4. agent RSS (poll mode): idle {:.1} MiB, 200 volumes {:.1} MiB; 400 records idle {:.1} MiB, 400 volumes {:.1} MiB, after the 400-volume teardown {:.1} MiB",
+            rss_idle as f64 / 1024.0, rss_200 as f64 / 1024.0, rss_before_400 as f64 / 1024.0, rss_400 as f64 / 1024.0, rss_after as f64 / 1024.0);
 
     let n = 50;
     match if part("fsync") { fsyncs(n).await } else { None } {

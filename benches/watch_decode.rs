@@ -8,17 +8,15 @@
 //!    `Allocation`s (the baseline), in the same run; reports events/s for each and the ratio.
 //! 3. Peak RSS (VmHWM, reset between phases through /proc/self/clear_refs) of the watcher
 //!    path at two stream sizes: it must not grow with the number of other nodes' events.
-//! 4. Bytes served by the fake Nomad (tests/support/fake_nomad.rs) to one node's watcher in
-//!    each watch mode at small N, beside the model of docs/scale.md.
+//! 4. Bytes served by the simulator's scripted front (`nomad_sim::replay`) to one node's
+//!    watcher in each watch mode at small N, beside the model of docs/scale.md.
 //!
 //! Environment: `BENCH_EVENTS` (default 100000), `BENCH_SKIP_FAKE=1` skips part 4.
-
-#[path = "../tests/support/fake_nomad.rs"]
-mod fake_nomad;
 
 use dhv_binder::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use dhv_binder::nomad::types::Allocation;
 use dhv_binder::watch::{self, WatchConfig, WatchEvent, WatchMode};
+use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -240,10 +238,10 @@ fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> (Duration, T) {
     (best, out.unwrap())
 }
 
-/// Part 4: bytes the fake serves to one node's watcher in each mode, for a cluster of
+/// Part 4: bytes the scripted front serves to one node's watcher in each mode, for a cluster of
 /// `nodes` nodes where `events` allocation events happen, spread evenly over the nodes.
 async fn measure_mode(mode: WatchMode, nodes: u64, events: u64, per_node: u64) -> (u64, u64) {
-    let fake = fake_nomad::FakeNomad::start(ME, json!({"keys": []})).await;
+    let fake = Replay::start(ME, json!({"keys": []})).await;
     let full: Value = serde_json::from_str(
         &std::fs::read_to_string(shared("nomad-fixtures/allocation.json")).unwrap(),
     )
@@ -255,17 +253,9 @@ async fn measure_mode(mode: WatchMode, nodes: u64, events: u64, per_node: u64) -
         a["ModifyIndex"] = json!(10 + i);
         fake.put_alloc(a);
     }
-    let nomad = dhv_binder::config::NomadConfig {
-        address: fake.addr.clone(),
-        token: None,
-        region: None,
-        namespace: "default".into(),
-        ca_cert: None,
-        client_cert: None,
-        client_key: None,
-        skip_verify: false,
-    };
-    let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
+    let client =
+        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::plain(&fake.addr))
+            .unwrap();
     let mut cfg = WatchConfig::new(ME);
     cfg.mode = mode;
     let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
@@ -280,7 +270,7 @@ async fn measure_mode(mode: WatchMode, nodes: u64, events: u64, per_node: u64) -
         }
     }
     let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
-    let start_bytes: u64 = fake.state.lock().unwrap().bytes_out.values().sum();
+    let start_bytes: u64 = fake.bytes_out().values().sum();
     let mut index = 1000;
     for e in 0..events {
         index += 1;
@@ -304,14 +294,13 @@ async fn measure_mode(mode: WatchMode, nodes: u64, events: u64, per_node: u64) -
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let st = fake.state.lock().unwrap();
-    let total: u64 = st.bytes_out.values().sum::<u64>() - start_bytes;
+    let bytes_out = fake.bytes_out();
+    let total: u64 = bytes_out.values().sum::<u64>() - start_bytes;
     let per_change = if mode == WatchMode::Poll {
-        st.bytes_out.get("node-allocations").copied().unwrap_or(0) / (events / nodes + 1).max(1)
+        bytes_out.get("node-allocations").copied().unwrap_or(0) / (events / nodes + 1).max(1)
     } else {
         0
     };
-    drop(st);
     task.abort();
     drain.abort();
     (total, per_change)
@@ -368,7 +357,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    println!("bytes from the fake Nomad to one node (A = 10 allocations on the node, 400 cluster events):");
+    println!("bytes from the scripted Nomad to one node (A = 10 allocations on the node, 400 cluster events):");
     for nodes in [4u64, 16, 64] {
         let (s, _) = rt.block_on(measure_mode(WatchMode::Stream, nodes, 400, 10));
         let (p, per) = rt.block_on(measure_mode(WatchMode::Poll, nodes, 400, 10));

@@ -3,6 +3,12 @@
 
 use dhv_binder::cli::{self, Cli, Command, Failure};
 
+/// jemalloc instead of glibc's malloc: after a teardown of hundreds of volumes glibc kept
+/// ~18 MiB of freed pages in its arenas; jemalloc's decay gives them back within seconds
+/// (settings in .cargo/config.toml, figures in docs/scale.md).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn init_tracing(format: dhv_binder::config::LogFormat) {
     use std::io::IsTerminal;
     let filter = match std::env::var("DHV_BINDER_LOG") {

@@ -52,17 +52,17 @@ fn the_agent_refuses_a_private_mount_namespace() {
 }
 
 // ---------------------------------------------------------------------------------------
-// The real agent (in-process) against the scripted fake Nomad, replaying the recorded
+// The real agent (in-process) against the simulator's scripted front, replaying the recorded
 // allocation `orders.app[0]`, with real mounts in the test's sandbox (issue 12, inputs 2,
 // 3, 4, 6 and 9).
 
 mod support;
 
+use nomad_sim::replay::Replay as ScriptedNomad;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
-use support::fake_nomad::FakeNomad;
 use support::fixtures::{fixture, orders_record, shared as testdata};
 use support::inproc::{agent_config, ready, start_agent, status, Running};
 use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
@@ -121,7 +121,7 @@ fn log_lines(needle: &str) -> Vec<String> {
 
 struct Replay {
     sb: Sandbox,
-    fake: FakeNomad,
+    nomad: ScriptedNomad,
     cfg: dhv_binder::config::AgentConfig,
     agent: Option<Running>,
     target: PathBuf,
@@ -143,13 +143,13 @@ impl Replay {
     async fn start(symlinked: bool) -> Replay {
         logs();
         let sb = Sandbox::new();
-        let fake = FakeNomad::start(NODE_A, fixture("jwks.json")).await;
+        let nomad = ScriptedNomad::start(NODE_A, fixture("jwks.json")).await;
         for a in fixture("node-allocations.json").as_array().unwrap() {
             if a["JobID"] == "dhv-binder" {
-                fake.put_alloc(a.clone());
+                nomad.put_alloc(a.clone());
             }
         }
-        orders_record(&fake);
+        orders_record(&nomad);
         recording_plugin(&sb.join("plugins"), "fake");
         let mut cfg = agent_config(&sb);
         let root = std::fs::canonicalize(sb.path()).unwrap();
@@ -161,16 +161,16 @@ impl Replay {
         } else {
             root.join("state")
         };
-        let agent = start_agent(&fake, cfg.clone());
-        ready(&cfg, &fake, 1).await;
+        let agent = start_agent(&nomad, cfg.clone());
+        ready(&cfg, &nomad, 1).await;
         let target = real_state.join("mnt/default/orders-data");
         let mut full = fixture("allocation.json");
         full["ClientStatus"] = json!("pending");
         full["ModifyIndex"] = json!(1205);
         full.as_object_mut().unwrap().remove("TaskStates");
-        fake.put_alloc(full);
+        nomad.put_alloc(full);
         for line in frames(|i| i <= 1223) {
-            fake.push(&line);
+            nomad.push(&line);
         }
         eventually(20, "published", || {
             dhv_binder::mounts::is_mount_point(&target)
@@ -182,7 +182,7 @@ impl Replay {
             .to_string();
         Replay {
             sb,
-            fake,
+            nomad,
             cfg,
             agent: Some(agent),
             target,
@@ -387,7 +387,7 @@ async fn a_failed_republish_leaves_no_writable_directory() {
     r.stop().await;
     nix::mount::umount(&r.target).unwrap();
     r.break_publish();
-    r.agent = Some(start_agent(&r.fake, r.cfg.clone()));
+    r.agent = Some(start_agent(&r.nomad, r.cfg.clone()));
     eventually(20, "the republish failed", || {
         r.plugin_calls("publish default/orders-data failed") > 0
     })
@@ -410,7 +410,7 @@ async fn nothing_is_unpublished_under_a_live_process() {
     let mut r = Replay::published().await;
     let mut task = Task::holding(&r);
     for line in frames(|i| i >= 1242) {
-        r.fake.push(&line);
+        r.nomad.push(&line);
     }
     r.held_until_released(&mut task).await;
     r.stop().await;
@@ -486,7 +486,7 @@ async fn refused_calls_are_audited() {
 async fn a_list_that_goes_back_in_time_undoes_nothing() {
     let mut r = Replay::published().await;
     for line in frames(|i| i >= 1242) {
-        r.fake.push(&line);
+        r.nomad.push(&line);
     }
     eventually(20, "unpublished after complete", || {
         r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
@@ -503,7 +503,7 @@ async fn a_list_that_goes_back_in_time_undoes_nothing() {
         .cloned()
         .collect();
     list.push(old);
-    r.fake.reset(list, 1230);
+    r.nomad.reset(list, 1230);
     status_until(&r.cfg, "the older list applied", |s| {
         s["watch"]["counters"]["relists"] == 2 && s["view"]["index"] == 1220
     })
@@ -528,8 +528,8 @@ async fn a_restart_still_waits_for_a_task_to_stop() {
     let mut r = Replay::published().await;
     let mut task = Task::holding(&r);
     r.stop().await;
-    r.fake.delete_alloc(ALLOC);
-    r.agent = Some(start_agent(&r.fake, r.cfg.clone()));
+    r.nomad.delete_alloc(ALLOC);
+    r.agent = Some(start_agent(&r.nomad, r.cfg.clone()));
     r.held_until_released(&mut task).await;
     r.stop().await;
 }
@@ -656,6 +656,22 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
         "{status}"
     );
     eprintln!("what the operator sees (status -json, ungated): {status}");
+    let readable = std::process::Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
+        .arg("status")
+        .env_clear()
+        .env("DHV_BINDER_SOCKET", &c.nodes[0].socket)
+        .output()
+        .expect("run dhv-binder status");
+    let readable = String::from_utf8_lossy(&readable.stdout);
+    let line = readable
+        .lines()
+        .find(|l| l.starts_with("Ungated Task"))
+        .unwrap_or_else(|| panic!("no Ungated Task line in `status`:\n{readable}"));
+    assert!(
+        line.contains("job \"no-gate\" group \"app\" task \"app\" mounts default/shared-data"),
+        "{line}"
+    );
+    eprintln!("what the operator sees (status):\n{readable}");
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
     let warn = log
         .lines()

@@ -3,15 +3,15 @@
 //! indexed the journal's mounts by that volume (`no entry found for key`) and killed the
 //! agent's owner loop.
 //!
-//! Self-contained on purpose (the fake Nomad and in-process agent of tests/support), so that
-//! it moves as is into the reshaped core's scenario tests.
+//! Self-contained on purpose (the simulator's scripted front and the in-process agent of
+//! tests/support), so that it moves as is into the reshaped core's scenario tests.
 
 mod support;
 
+use nomad_sim::replay::Replay;
 use serde_json::Value;
 use std::path::Path;
 use std::time::Duration;
-use support::fake_nomad::FakeNomad;
 use support::inproc::{agent_config, alloc_json, ready, start_agent, status, volume_record};
 use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
 
@@ -29,15 +29,15 @@ fn fixture(name: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_after_a_lost_claim_answers_and_the_agent_lives() {
     let sb = Sandbox::new();
-    let fake = FakeNomad::start(NODE, fixture("jwks.json")).await;
-    volume_record(&fake, "default", "v1", "fake", "single-node-writer");
+    let nomad = Replay::start(NODE, fixture("jwks.json")).await;
+    volume_record(&nomad, "default", "v1", "fake", "single-node-writer");
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "fake");
-    fake.put_alloc(alloc_json(TOKEN_ALLOC, NODE, &["v1"], "pending", 100));
+    nomad.put_alloc(alloc_json(TOKEN_ALLOC, NODE, &["v1"], "pending", 100));
     let mut cfg = agent_config(&sb);
     cfg.claim_ttl = Duration::from_secs(10);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 1).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 1).await;
     let token = fixture("workload-identity.json")["default_identity"]["compact"]
         .as_str()
         .unwrap()
@@ -48,8 +48,7 @@ async fn publish_after_a_lost_claim_answers_and_the_agent_lives() {
     publish().await.expect("the first publish");
     // The claim is lost (its TTL lapsed, as while the node was frozen): the agent unpublishes.
     // Another node takes it at once: this node cannot claim it back.
-    fake.state.lock().unwrap().refuse_locks = true;
-    fake.expire_locks();
+    nomad.steal_locks();
     eventually(30, "unpublish after the lost claim", || {
         calls(&plugins).iter().any(|c| c.starts_with("unpublish"))
     })

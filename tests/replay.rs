@@ -1,15 +1,17 @@
-//! Replay tests: the real agent (in-process) against a scripted fake Nomad that serves
-//! recorded node lists and event streams (synthesised fixtures and real captures), with a
-//! recording plugin that does real bind mounts in the test's sandbox.
+//! Replay tests: the real agent (in-process) against the simulator's scripted front
+//! (`nomad_sim::replay::Replay`) serving recorded node lists and event streams (synthesised
+//! fixtures and real captures) through the simulator's store, broker and encoding, with
+//! faults injected by the test, and a recording plugin that does real bind mounts in the
+//! test's sandbox.
 
 mod support;
 
 use dhv_binder::config::AgentConfig;
 use dhv_binder::watch::WatchMode;
+use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;
-use support::fake_nomad::FakeNomad;
 use support::fixtures::{fixture, orders_record, shared};
 use support::inproc::{agent_config, ready, start_agent, status, Running};
 use support::sandbox::{calls, eventually, recording_plugin, Sandbox};
@@ -45,19 +47,19 @@ fn frame_index(line: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
     let sb = Sandbox::new();
-    let fake = FakeNomad::start(NODE_A, fixture("jwks.json")).await;
+    let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
     // The node list at start: the dhv-binder system alloc only.
     for a in fixture("node-allocations.json").as_array().unwrap() {
         if a["JobID"] == "dhv-binder" {
-            fake.put_alloc(a.clone());
+            nomad.put_alloc(a.clone());
         }
     }
-    orders_record(&fake);
+    orders_record(&nomad);
     recording_plugin(&sb.join("plugins"), "fake");
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 1).await;
-    let placeholder = &fake.state.lock().unwrap().host_volumes[0].clone();
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 1).await;
+    let placeholder = &nomad.host_volumes()[0];
     assert_eq!(placeholder["Name"], "orders-data");
     assert_eq!(placeholder["NodeID"], NODE_A);
     let target = sb.join("state/mnt/default/orders-data");
@@ -68,12 +70,12 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
     full["ClientStatus"] = json!("pending");
     full["ModifyIndex"] = json!(1205);
     full.as_object_mut().unwrap().remove("TaskStates");
-    fake.put_alloc(full);
+    nomad.put_alloc(full);
 
     let lines = stream_lines();
     let plugins = sb.join("plugins");
     for line in lines.iter().filter(|l| frame_index(l) <= 1223) {
-        fake.push(line);
+        nomad.push(line);
     }
     // The recording plugin logs the call before it mounts: wait for both.
     eventually(10, "publish after PlanResult", || {
@@ -122,7 +124,7 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
 
     // DesiredStatus=stop while the task still runs: no unpublish.
     for line in lines.iter().filter(|l| frame_index(l) == 1242) {
-        fake.push(line);
+        nomad.push(line);
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
@@ -135,7 +137,7 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
 
     // ClientStatus=complete: exactly one unpublish.
     for line in lines.iter().filter(|l| frame_index(l) >= 1245) {
-        fake.push(line);
+        nomad.push(line);
     }
     eventually(10, "unpublish after complete", || {
         calls(&plugins).len() == 2
@@ -190,22 +192,22 @@ async fn real_capture_frames_cause_no_plugin_calls() {
         .as_str()
         .unwrap()
         .to_string();
-    let fake = FakeNomad::start(&node, fixture("jwks.json")).await;
-    orders_record(&fake);
+    let nomad = Replay::start(&node, fixture("jwks.json")).await;
+    orders_record(&nomad);
     recording_plugin(&sb.join("plugins"), "fake");
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 1).await;
-    fake.push(&serde_json::to_string(&v).unwrap());
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 1).await;
+    nomad.push(&serde_json::to_string(&v).unwrap());
     for line in shared(
         "nomad-captures",
         "event-stream-frame-allocupdated-complete-connect-sidecar-1.2.ndjson",
     )
     .lines()
     {
-        fake.push(line);
+        nomad.push(line);
     }
-    fake.push(
+    nomad.push(
         &serde_json::to_string(
             &serde_json::from_str::<Value>(&shared(
                 "nomad-captures",
@@ -215,7 +217,7 @@ async fn real_capture_frames_cause_no_plugin_calls() {
         )
         .unwrap(),
     );
-    fake.push("this is not json");
+    nomad.push_raw("this is not json\n");
     tokio::time::sleep(Duration::from_millis(800)).await;
     let s = status(&cfg).await;
     assert_eq!(s["watch"]["state"], "streaming", "{s}");
@@ -230,15 +232,15 @@ async fn real_capture_frames_cause_no_plugin_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_and_reconnect_converge_without_events() {
     let sb = Sandbox::new();
-    let fake = FakeNomad::start(NODE_A, fixture("jwks.json")).await;
-    orders_record(&fake);
+    let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
+    orders_record(&nomad);
     recording_plugin(&sb.join("plugins"), "fake");
     let plugins = sb.join("plugins");
     let mut full = fixture("allocation.json");
     full["ModifyIndex"] = json!(1300);
-    fake.put_alloc(full.clone());
+    nomad.put_alloc(full.clone());
     let cfg = stream_config(&sb, WatchMode::Poll);
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     // Published and recorded (the journal is written after the plugin returns).
     eventually(10, "publish from the first list", || {
         calls(&plugins).len() == 1
@@ -252,8 +254,8 @@ async fn restart_and_reconnect_converge_without_events() {
     set_client_status(&mut full, "complete");
     full["DesiredStatus"] = json!("stop");
     full["ModifyIndex"] = json!(1400);
-    fake.put_alloc(full.clone());
-    let agent = start_agent(&fake, cfg.clone());
+    nomad.put_alloc(full.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "unpublish after restart", || calls(&plugins).len() == 2).await;
     assert_eq!(calls(&plugins)[1], "unpublish default/orders-data");
 
@@ -261,11 +263,11 @@ async fn restart_and_reconnect_converge_without_events() {
     full["ClientStatus"] = json!("running");
     full["DesiredStatus"] = json!("run");
     full["ModifyIndex"] = json!(1500);
-    fake.put_alloc(full.clone());
-    fake.close_streams();
+    nomad.put_alloc(full.clone());
+    nomad.close_streams();
     eventually(15, "publish after reconnect", || calls(&plugins).len() == 3).await;
-    fake.delete_alloc(ALLOC);
-    fake.close_streams();
+    nomad.delete_alloc(ALLOC);
+    nomad.close_streams();
     eventually(15, "unpublish after the purge", || {
         calls(&plugins).len() == 4
     })
@@ -278,8 +280,8 @@ async fn restart_and_reconnect_converge_without_events() {
 // ---------------------------------------------------------------------------------------
 // Event stream and blocking query faults, each run in both watch modes. Every test starts
 // with the fixture allocation running on this node (published once from the first list),
-// injects a fault, changes the truth in the fake, and asserts that the plugin calls end up
-// exactly [publish, unpublish] (or as stated): nothing lost, nothing repeated.
+// injects a fault, changes the truth in the simulator's store, and asserts that the plugin
+// calls end up exactly [publish, unpublish] (or as stated): nothing lost, nothing repeated.
 // ---------------------------------------------------------------------------------------
 
 /// Generates `<name>::stream` and `<name>::poll` from `async fn <name>(WatchMode)`.
@@ -367,7 +369,7 @@ fn other_node(i: u64, index: u64) -> Value {
 
 struct Case {
     sb: Sandbox,
-    fake: FakeNomad,
+    nomad: Replay,
     cfg: AgentConfig,
     agent: Option<Running>,
     plugins: PathBuf,
@@ -375,21 +377,21 @@ struct Case {
 
 impl Case {
     /// The fixture allocation runs on this node at index 1300; the agent publishes it.
-    async fn start(mode: WatchMode, tune: impl FnOnce(&mut AgentConfig, &FakeNomad)) -> Case {
+    async fn start(mode: WatchMode, tune: impl FnOnce(&mut AgentConfig, &Replay)) -> Case {
         let sb = Sandbox::new();
-        let fake = FakeNomad::start(NODE_A, fixture("jwks.json")).await;
-        orders_record(&fake);
+        let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
+        orders_record(&nomad);
         recording_plugin(&sb.join("plugins"), "fake");
         let mut full = fixture("allocation.json");
         full["ModifyIndex"] = json!(1300);
-        fake.put_alloc(full);
+        nomad.put_alloc(full);
         let mut cfg = stream_config(&sb, mode);
-        tune(&mut cfg, &fake);
-        let agent = Some(start_agent(&fake, cfg.clone()));
+        tune(&mut cfg, &nomad);
+        let agent = Some(start_agent(&nomad, cfg.clone()));
         let plugins = sb.join("plugins");
         let case = Case {
             sb,
-            fake,
+            nomad,
             cfg,
             agent,
             plugins,
@@ -449,10 +451,10 @@ fn unpublish() -> String {
 async fn disconnect_mid_frame(mode: WatchMode) {
     let c = Case::start(mode, |_, _| {}).await;
     let done = frame(1400, &[payload(ALLOC, "complete", "stop", 1400)]);
-    c.fake.apply_silently(&done);
-    c.fake.push_raw(&done[..done.len() / 2]);
+    c.nomad.apply_silently(&done);
+    c.nomad.push_raw(&done[..done.len() / 2]);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    c.fake.close_streams();
+    c.nomad.close_streams();
     c.converges(
         "unpublish after the broken frame",
         &[publish_a(), unpublish()],
@@ -472,13 +474,14 @@ async fn duplicate_and_out_of_order_events(mode: WatchMode) {
             payload(ALLOC, "running", "run", 1310),
         ],
     );
-    c.fake.push(&running);
-    c.fake.push(&running);
+    c.nomad.push(&running);
+    // The repeats are faults (Nomad sends each index once per subscription): raw bytes.
+    c.nomad.push_raw(&format!("{running}\n"));
     let done = frame(1320, &[payload(ALLOC, "complete", "stop", 1320)]);
-    c.fake.push(&done);
-    c.fake.push(&done);
+    c.nomad.push(&done);
+    c.nomad.push_raw(&format!("{done}\n"));
     // A stale frame after the terminal one must not bring the allocation back to life.
-    c.fake.push_raw(&format!("{running}\n"));
+    c.nomad.push_raw(&format!("{running}\n"));
     c.converges("one unpublish despite repeats", &[publish_a(), unpublish()])
         .await;
     let s = status(&c.cfg).await;
@@ -497,12 +500,12 @@ async fn duplicate_and_out_of_order_events(mode: WatchMode) {
 /// allocation complete: exactly one unpublish.
 async fn b17_gap_beyond_the_buffer(mode: WatchMode) {
     let c = Case::start(mode, |_, _| {}).await;
-    c.fake
+    c.nomad
         .apply_silently(&frame(1410, &[payload(ALLOC, "complete", "stop", 1410)]));
-    c.fake.close_streams();
+    c.nomad.close_streams();
     // Events after the restart, from other nodes only.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    c.fake.push(&frame(
+    c.nomad.push(&frame(
         1430,
         &(0..5).map(|i| other_node(i, 1430)).collect::<Vec<_>>(),
     ));
@@ -527,7 +530,7 @@ async fn b17_index_reset_snapshot_restore(mode: WatchMode) {
     set_client_status(&mut done, "complete");
     done["DesiredStatus"] = json!("stop");
     done["ModifyIndex"] = json!(40);
-    c.fake.reset(vec![done], 40);
+    c.nomad.reset(vec![done], 40);
     c.converges("unpublish after the restore", &[publish_a(), unpublish()])
         .await;
     // A new allocation at index 50 (< 1300): must not be taken for a stale event.
@@ -536,8 +539,8 @@ async fn b17_index_reset_snapshot_restore(mode: WatchMode) {
     b["ID"] = json!(ALLOC_B);
     b["ModifyIndex"] = json!(50);
     b["AllocModifyIndex"] = json!(50);
-    c.fake.put_alloc(b);
-    c.fake
+    c.nomad.put_alloc(b);
+    c.nomad
         .push(&frame(50, &[payload(ALLOC_B, "running", "run", 50)]));
     c.converges(
         "publish of the allocation placed after the restore",
@@ -551,13 +554,13 @@ async fn b17_index_reset_snapshot_restore(mode: WatchMode) {
     c.stop().await;
 }
 
-/// B18 (b): a half-open connection: no bytes at all, not even heartbeats (the fake sends
+/// B18 (b): a half-open connection: no bytes at all, not even heartbeats (the simulator sends
 /// them every 100 ms here). Detected within 3 heartbeat intervals in stream mode (idle
 /// timeout 300 ms) and within wait + wait/16 + idle timeout in poll mode; health says
 /// disconnected (stalled) meanwhile; after healing, the relist unpublishes exactly once.
 async fn b18_stalled_connection(mode: WatchMode) {
-    let c = Case::start(mode, |cfg, fake| {
-        fake.state.lock().unwrap().heartbeat = Duration::from_millis(100);
+    let c = Case::start(mode, |cfg, nomad| {
+        nomad.set_heartbeat(Duration::from_millis(100));
         cfg.stream_idle_timeout = Duration::from_millis(300);
         if mode == WatchMode::Poll {
             cfg.resync_interval = Duration::from_secs(1); // the blocking query's wait
@@ -567,9 +570,9 @@ async fn b18_stalled_connection(mode: WatchMode) {
     // Healthy but quiet for a while: heartbeats keep the stream alive.
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_ne!(status(&c.cfg).await["watch"]["state"], "disconnected");
-    c.fake.stall(true);
+    c.nomad.stall(true);
     let stalled_at = std::time::Instant::now();
-    c.fake
+    c.nomad
         .apply_silently(&frame(1450, &[payload(ALLOC, "complete", "stop", 1450)]));
     let mut seen = Value::Null;
     for _ in 0..100 {
@@ -588,7 +591,7 @@ async fn b18_stalled_connection(mode: WatchMode) {
     };
     assert!(took <= bound, "stall detected after {took:?} (> {bound:?})");
     assert_eq!(c.calls(), vec![publish_a()], "acted while disconnected");
-    c.fake.stall(false);
+    c.nomad.stall(false);
     c.converges("unpublish after the stall", &[publish_a(), unpublish()])
         .await;
     c.stop().await;
@@ -600,11 +603,11 @@ async fn b18_stalled_connection(mode: WatchMode) {
 /// allocation is purged from Nomad during the outage: no unpublish from a view it cannot
 /// refresh), never shows the token, and converges once a new token is in the file.
 async fn b30_token_expiry_and_rotation(mode: WatchMode) {
-    let c = Case::start(mode, |cfg, fake| {
+    let c = Case::start(mode, |cfg, nomad| {
         let file = cfg.state_dir.parent().unwrap().join("token");
         std::fs::write(&file, "old-secret-token\n").unwrap();
         cfg.token_file = Some(file);
-        fake.require_token(Some("old-secret-token"));
+        nomad.require_token(Some("old-secret-token"));
         if mode == WatchMode::Poll {
             // An in-flight blocking query was authorized when it started: poll mode meets
             // the new ACL state when the query's wait ends.
@@ -613,7 +616,7 @@ async fn b30_token_expiry_and_rotation(mode: WatchMode) {
     })
     .await;
     let file = c.cfg.token_file.clone().unwrap();
-    c.fake.require_token(Some("new-secret-token"));
+    c.nomad.require_token(Some("new-secret-token"));
     let mut s = Value::Null;
     for _ in 0..200 {
         s = status(&c.cfg).await;
@@ -624,8 +627,8 @@ async fn b30_token_expiry_and_rotation(mode: WatchMode) {
     }
     assert_eq!(s["watch"]["state"], "disconnected", "{s}");
     assert_eq!(s["watch"]["fault"], "auth-failed", "{s}");
-    c.fake.delete_alloc(ALLOC);
-    let lists_before = c.fake.requests().len();
+    c.nomad.delete_alloc(ALLOC);
+    let lists_before = c.nomad.requests().len();
     tokio::time::sleep(Duration::from_millis(3000)).await;
     let s = status(&c.cfg).await;
     assert_eq!(s["watch"]["fault"], "auth-failed", "{s}");
@@ -634,7 +637,7 @@ async fn b30_token_expiry_and_rotation(mode: WatchMode) {
         "token in status: {s}"
     );
     let tries = c
-        .fake
+        .nomad
         .requests()
         .iter()
         .skip(lists_before)
@@ -652,11 +655,8 @@ async fn b30_token_expiry_and_rotation(mode: WatchMode) {
     )
     .await;
     assert!(c
-        .fake
-        .state
-        .lock()
-        .unwrap()
-        .tokens_seen
+        .nomad
+        .tokens_seen()
         .contains(&Some("new-secret-token".into())));
     c.stop().await;
 }
@@ -665,11 +665,11 @@ async fn b30_token_expiry_and_rotation(mode: WatchMode) {
 /// stream stays up (no reconnect loop), and a relist soon after finds the allocation done.
 async fn garbage_line(mode: WatchMode) {
     let c = Case::start(mode, |_, _| {}).await;
-    c.fake
+    c.nomad
         .apply_silently(&frame(1460, &[payload(ALLOC, "complete", "stop", 1460)]));
-    c.fake
-        .push("{\"Index\":1460,\"Events\":[{\"Topic\":\"Allocation\",garbage");
-    c.fake.push("\u{1}\u{2} not json at all");
+    c.nomad
+        .push_raw("{\"Index\":1460,\"Events\":[{\"Topic\":\"Allocation\",garbage\n");
+    c.nomad.push_raw("\u{1}\u{2} not json at all\n");
     c.converges(
         "unpublish after a garbage line",
         &[publish_a(), unpublish()],
@@ -691,12 +691,12 @@ async fn garbage_line(mode: WatchMode) {
 /// of 1,000 other nodes' events that also carries this node's terminal event (applied).
 async fn five_mib_lines(mode: WatchMode) {
     let c = Case::start(mode, |_, _| {}).await;
-    c.fake.push(&"x".repeat(5 << 20));
+    c.nomad.push_raw(&format!("{}\n", "x".repeat(5 << 20)));
     let mut allocs: Vec<Value> = (0..1000).map(|i| other_node(i, 1470)).collect();
     allocs.push(payload(ALLOC, "complete", "stop", 1470));
     let big = frame(1470, &allocs);
     assert!(big.len() >= 5 << 20, "{}", big.len());
-    c.fake.push(&big);
+    c.nomad.push(&big);
     c.converges(
         "unpublish from the 5 MiB frame",
         &[publish_a(), unpublish()],

@@ -1,12 +1,13 @@
 //! Field scenarios (../shared/scenarios.md) as replay tests: the real agent in-process
-//! against the fake Nomad, with plugins that record their calls and do real mounts.
+//! against the simulator's scripted front (`nomad_sim::replay`), with plugins that record
+//! their calls and do real mounts.
 
 mod support;
 
+use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use support::fake_nomad::FakeNomad;
 use support::inproc::{agent_config, alloc_json, frame, ready, start_agent, status, volume_record};
 use support::sandbox::{
     aborting_plugin, calls, eventually, recording_plugin, wrapper_plugin, Sandbox,
@@ -34,8 +35,8 @@ fn token() -> String {
         .to_string()
 }
 
-async fn fake() -> FakeNomad {
-    FakeNomad::start(NODE, fixture("jwks.json")).await
+async fn scripted_nomad() -> Replay {
+    Replay::start(NODE, fixture("jwks.json")).await
 }
 
 fn count(plugins: &Path, op: &str) -> usize {
@@ -48,14 +49,14 @@ fn count(plugins: &Path, op: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b03_pending_unpublish_waits_for_the_plugin_across_restarts() {
     let sb = Sandbox::new();
-    let fake = fake().await;
-    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    let nomad = scripted_nomad().await;
+    volume_record(&nomad, "default", "v1", "fake", "multi-node-multi-writer");
     recording_plugin(&sb.join("plugins"), "fake");
     let plugins = sb.join("plugins");
     let a1 = alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100);
-    fake.put_alloc(a1.clone());
+    nomad.put_alloc(a1.clone());
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "publish", || count(&plugins, "publish") == 1).await;
 
     // The plugin goes away, then the allocation completes.
@@ -66,7 +67,7 @@ async fn b03_pending_unpublish_waits_for_the_plugin_across_restarts() {
     done["ClientStatus"] = json!("complete");
     done["TaskStates"]["app"]["State"] = json!("dead");
     done["ModifyIndex"] = json!(110);
-    fake.push(&frame(110, "AllocationUpdated", &done));
+    nomad.push(&frame(110, "AllocationUpdated", &done));
     let mut pending = Value::Null;
     for _ in 0..100 {
         pending = status(&cfg).await;
@@ -88,8 +89,8 @@ async fn b03_pending_unpublish_waits_for_the_plugin_across_restarts() {
 
     // A restart in the middle: the entry is still there, still pending.
     agent.stop().await;
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 0).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 0).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     let s = status(&cfg).await;
     assert_eq!(s["mounts"].as_array().unwrap().len(), 1, "{s}");
@@ -113,29 +114,29 @@ async fn b03_pending_unpublish_waits_for_the_plugin_across_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b10_restart_while_running_then_terminal_unpublishes_once() {
     let sb = Sandbox::new();
-    let fake = fake().await;
-    volume_record(&fake, "default", "v1", "fake", "single-node-writer");
+    let nomad = scripted_nomad().await;
+    volume_record(&nomad, "default", "v1", "fake", "single-node-writer");
     recording_plugin(&sb.join("plugins"), "fake");
     let plugins = sb.join("plugins");
     let a1 = alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100);
-    fake.put_alloc(a1.clone());
+    nomad.put_alloc(a1.clone());
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "published and the user recorded", || {
         std::fs::read_to_string(sb.join("state/journal.json"))
             .is_ok_and(|j| j.contains(&alloc_id(1)))
     })
     .await;
     agent.stop().await;
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 0).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 0).await;
     let s = status(&cfg).await;
     assert_eq!(s["users"].as_array().unwrap().len(), 1, "{s}");
     let mut done = a1.clone();
     done["ClientStatus"] = json!("complete");
     done["TaskStates"]["app"]["State"] = json!("dead");
     done["ModifyIndex"] = json!(120);
-    fake.push(&frame(120, "AllocationUpdated", &done));
+    nomad.push(&frame(120, "AllocationUpdated", &done));
     eventually(10, "unpublish", || count(&plugins, "unpublish") == 1).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(
@@ -145,7 +146,7 @@ async fn b10_restart_while_running_then_terminal_unpublishes_once() {
         calls(&plugins)
     );
     // The claim was renewed after the restart (from the journal's lock ID), then released.
-    let ops = fake.state.lock().unwrap().lock_ops.clone();
+    let ops = nomad.lock_ops();
     assert_eq!(ops.first().map(String::as_str), Some("acquire"), "{ops:?}");
     assert!(
         ops.contains(&"renew".to_string()) && ops.last().map(String::as_str) == Some("release"),
@@ -163,10 +164,10 @@ async fn b10_restart_while_running_then_terminal_unpublishes_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b13_plugin_late_after_restart() {
     let sb = Sandbox::new();
-    let fake = fake().await;
-    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    let nomad = scripted_nomad().await;
+    volume_record(&nomad, "default", "v1", "fake", "multi-node-multi-writer");
     volume_record(
-        &fake,
+        &nomad,
         "default",
         "orders-data",
         "fake",
@@ -174,9 +175,9 @@ async fn b13_plugin_late_after_restart() {
     );
     recording_plugin(&sb.join("plugins"), "fake");
     let plugins = sb.join("plugins");
-    fake.put_alloc(alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100));
+    nomad.put_alloc(alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100));
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "published and the user recorded", || {
         std::fs::read_to_string(sb.join("state/journal.json"))
             .is_ok_and(|j| j.contains(&alloc_id(1)))
@@ -186,13 +187,13 @@ async fn b13_plugin_late_after_restart() {
 
     std::fs::create_dir_all(sb.join("away")).unwrap();
     std::fs::rename(plugins.join("fake"), sb.join("away/fake")).unwrap();
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 0).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 0).await;
     // The second allocation is the fixture token's; it needs a volume not mounted yet.
     let mut a2 = alloc_json(TOKEN_ALLOC, NODE, &["orders-data"], "pending", 130);
     a2["ClientStatus"] = json!("pending");
-    fake.put_alloc(a2.clone());
-    fake.push(&frame(130, "PlanResult", &a2));
+    nomad.put_alloc(a2.clone());
+    nomad.push(&frame(130, "PlanResult", &a2));
     let err = dhv_binder::api::client::call(
         &cfg.socket,
         hyper::Method::POST,
@@ -237,8 +238,8 @@ async fn b13_plugin_late_after_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b22_unpublish_retry_after_timeout_succeeds() {
     let sb = Sandbox::new();
-    let fake = fake().await;
-    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    let nomad = scripted_nomad().await;
+    volume_record(&nomad, "default", "v1", "fake", "multi-node-multi-writer");
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     // "fake" delegates to "real", but its first unpublish hangs after unmounting.
@@ -250,14 +251,14 @@ async fn b22_unpublish_retry_after_timeout_succeeds() {
             marker = sb.join("hung-once").display()
         ),
     );
-    fake.put_alloc(alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100));
+    nomad.put_alloc(alloc_json(&alloc_id(1), NODE, &["v1"], "running", 100));
     let mut cfg = agent_config(&sb);
     cfg.plugin_timeout = Duration::from_secs(2);
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "publish", || count(&plugins, "publish") == 1).await;
     let mut done = alloc_json(&alloc_id(1), NODE, &["v1"], "complete", 140);
     done["DesiredStatus"] = json!("stop");
-    fake.push(&frame(140, "AllocationUpdated", &done));
+    nomad.push(&frame(140, "AllocationUpdated", &done));
     eventually(20, "the retried unpublish", || {
         count(&plugins, "unpublish") == 2
             && std::fs::read_to_string(sb.join("state/journal.json"))
@@ -280,18 +281,18 @@ async fn b22_unpublish_retry_after_timeout_succeeds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b23_simultaneous_publishes_never_overlap() {
     let sb = Sandbox::new();
-    let fake = fake().await;
-    volume_record(&fake, "default", "v1", "fake", "multi-node-multi-writer");
+    let nomad = scripted_nomad().await;
+    volume_record(&nomad, "default", "v1", "fake", "multi-node-multi-writer");
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     aborting_plugin(&plugins, "fake", &sb.join("locks"), "0.3");
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 1).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 1).await;
     for n in 1..=3 {
         let a = alloc_json(&alloc_id(n), NODE, &["v1"], "pending", 200 + n as u64);
-        fake.put_alloc(a.clone());
-        fake.push(&frame(200 + n as u64, "PlanResult", &a));
+        nomad.put_alloc(a.clone());
+        nomad.push(&frame(200 + n as u64, "PlanResult", &a));
     }
     eventually(15, "three users", || {
         std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
@@ -316,7 +317,7 @@ async fn b23_simultaneous_publishes_never_overlap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b28_traversal_identifiers_are_refused() {
     let sb = Sandbox::new();
-    let fake = fake().await;
+    let nomad = scripted_nomad().await;
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "fake");
     // Records written by someone else with hostile contents.
@@ -331,14 +332,14 @@ async fn b28_traversal_identifiers_are_refused() {
         ("dhv-binder/volumes/evil2", "../../etc", "fake"),
         ("dhv-binder/volumes/evil3", "a\nb", "fake"),
     ] {
-        fake.put_var(
+        nomad.put_var(
             "default",
             path,
             json!({"id": uuid::Uuid::new_v4().to_string(), "spec": bad_spec(name, plugin), "secrets": "{}",
                    "state": "ready", "context": "{}", "capacity_bytes": "0", "worker_node": "", "error": ""}),
         );
     }
-    fake.put_alloc(alloc_json(
+    nomad.put_alloc(alloc_json(
         &alloc_id(1),
         NODE,
         &["../../etc", "evil1"],
@@ -346,8 +347,8 @@ async fn b28_traversal_identifiers_are_refused() {
         100,
     ));
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 0).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 0).await;
     for id in [
         "../x",
         "..%2F..%2Fetc",
@@ -375,7 +376,7 @@ async fn b28_traversal_identifiers_are_refused() {
         s["volumes"].as_array().unwrap().is_empty(),
         "hostile records were loaded: {s}"
     );
-    assert!(fake.state.lock().unwrap().host_volumes.is_empty());
+    assert!(nomad.host_volumes().is_empty());
     let mnt = std::fs::read_dir(sb.join("state/mnt"))
         .map(|d| d.count())
         .unwrap_or(0);
@@ -390,23 +391,23 @@ async fn b28_traversal_identifiers_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
     let sb = Sandbox::new();
-    let fake = fake().await;
+    let nomad = scripted_nomad().await;
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     aborting_plugin(&plugins, "fake", &sb.join("locks"), "0.15");
     let vols: Vec<String> = (0..20).map(|i| format!("v{i:02}")).collect();
     for v in &vols {
-        volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
+        volume_record(&nomad, "default", v, "fake", "multi-node-multi-writer");
     }
     let refs: Vec<&str> = vols.iter().map(String::as_str).collect();
     let allocs: Vec<Value> = (1..=20)
         .map(|n| alloc_json(&alloc_id(n), NODE, &refs, "running", 100 + n as u64))
         .collect();
     for a in &allocs {
-        fake.put_alloc(a.clone());
+        nomad.put_alloc(a.clone());
     }
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(60, "400 users", || {
         std::fs::read_to_string(sb.join("state/journal.json"))
             .ok()
@@ -420,7 +421,7 @@ async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
         done["ClientStatus"] = json!("complete");
         done["TaskStates"]["app"]["State"] = json!("dead");
         done["ModifyIndex"] = json!(1000 + i as u64);
-        fake.push(&frame(1000 + i as u64, "AllocationUpdated", &done));
+        nomad.push(&frame(1000 + i as u64, "AllocationUpdated", &done));
     }
     eventually(30, "20 unpublishes", || count(&plugins, "unpublish") == 20).await;
     let took = started.elapsed();
@@ -444,7 +445,7 @@ async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row13_stuck_or_broken_volumes_never_block_others() {
     let sb = Sandbox::new();
-    let fake = fake().await;
+    let nomad = scripted_nomad().await;
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     let fixed = sb.join("fixed");
@@ -457,17 +458,17 @@ async fn row13_stuck_or_broken_volumes_never_block_others() {
         ),
     );
     for v in ["v-hang", "v-garbage", "v-ok"] {
-        volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
+        volume_record(&nomad, "default", v, "fake", "multi-node-multi-writer");
     }
     let mut cfg = agent_config(&sb);
     cfg.plugin_timeout = Duration::from_secs(2);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 3).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 3).await;
     let started = Instant::now();
     for (n, v) in [(1, "v-hang"), (2, "v-garbage"), (3, "v-ok")] {
         let a = alloc_json(&alloc_id(n), NODE, &[v], "pending", 300 + n as u64);
-        fake.put_alloc(a.clone());
-        fake.push(&frame(300 + n as u64, "PlanResult", &a));
+        nomad.put_alloc(a.clone());
+        nomad.push(&frame(300 + n as u64, "PlanResult", &a));
     }
     eventually(5, "v-ok published while v-hang hangs", || {
         std::fs::read_to_string(sb.join("state/journal.json"))
@@ -513,13 +514,14 @@ async fn row13_stuck_or_broken_volumes_never_block_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_agent_on_the_node_refuses_to_start() {
     let sb = Sandbox::new();
-    let fake = fake().await;
+    let nomad = scripted_nomad().await;
     recording_plugin(&sb.join("plugins"), "fake");
     let cfg = agent_config(&sb);
-    let agent = start_agent(&fake, cfg.clone());
-    ready(&cfg, &fake, 0).await;
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 0).await;
     let client = || {
-        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::plain(&fake.addr)).unwrap()
+        dhv_binder::nomad::Client::new(&dhv_binder::config::NomadConfig::plain(&nomad.addr))
+            .unwrap()
     };
     let same_state = dhv_binder::agent::run(
         cfg.clone(),
@@ -561,7 +563,7 @@ async fn a_second_agent_on_the_node_refuses_to_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_between_the_batch_commit_and_its_plugin_calls() {
     let sb = Sandbox::new();
-    let fake = fake().await;
+    let nomad = scripted_nomad().await;
     let plugins = sb.join("plugins");
     recording_plugin(&plugins, "real");
     let release = sb.join("release");
@@ -576,13 +578,13 @@ async fn killed_between_the_batch_commit_and_its_plugin_calls() {
     );
     let names: Vec<String> = (0..5).map(|i| format!("v{i}")).collect();
     for v in &names {
-        volume_record(&fake, "default", v, "fake", "multi-node-multi-writer");
+        volume_record(&nomad, "default", v, "fake", "multi-node-multi-writer");
     }
     let vols: Vec<&str> = names.iter().map(String::as_str).collect();
-    fake.put_alloc(alloc_json(&alloc_id(1), NODE, &vols, "running", 100));
+    nomad.put_alloc(alloc_json(&alloc_id(1), NODE, &vols, "running", 100));
     let mut cfg = agent_config(&sb);
     cfg.max_parallel = 1;
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     let started = || {
         std::fs::read_dir(sb.path())
             .unwrap()
@@ -612,7 +614,7 @@ async fn killed_between_the_batch_commit_and_its_plugin_calls() {
     std::fs::write(&release, b"").unwrap();
 
     cfg.max_parallel = 8;
-    let agent = start_agent(&fake, cfg.clone());
+    let agent = start_agent(&nomad, cfg.clone());
     eventually(20, "every volume of the batch published", || {
         std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
             let j: Value = serde_json::from_str(&j).unwrap();

@@ -26,6 +26,7 @@ pub mod identity;
 pub mod jobspec;
 pub mod locks;
 pub mod nodes;
+pub mod replay;
 pub mod restart;
 pub mod scheduler;
 pub mod store;

@@ -1072,6 +1072,7 @@ impl Core {
 mod tests {
     //! The core's decisions, driven with plain `Instant`s: no tokio, no root, no I/O.
     use super::*;
+    use crate::agent::effect::publishes;
     use crate::api::PublishRequest;
     use crate::claims::ClaimError;
     use crate::executor::{StepError, WorkerError};
@@ -1200,16 +1201,6 @@ mod tests {
                 _ => None,
             })
             .collect()
-    }
-
-    fn publishes(e: &[Effect]) -> usize {
-        e.iter()
-            .map(|e| match e {
-                Effect::Publish { .. } => 1,
-                Effect::Commit { then, .. } => publishes(then),
-                _ => 0,
-            })
-            .sum()
     }
 
     fn unpublishes(e: &[Effect]) -> usize {

@@ -78,3 +78,16 @@ pub(crate) enum Answer {
     Publish(Result<PublishReply, ApiError>),
     Status(Box<serde_json::Value>),
 }
+
+/// The publishes `effects` start (at once, or once their commit is durable).
+#[cfg(test)]
+pub(crate) fn publishes(effects: &[Effect]) -> usize {
+    effects
+        .iter()
+        .map(|e| match e {
+            Effect::Publish { .. } => 1,
+            Effect::Commit { then, .. } => publishes(then),
+            _ => 0,
+        })
+        .sum()
+}

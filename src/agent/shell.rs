@@ -510,6 +510,74 @@ impl Shell {
     }
 }
 
+/// Where the loop's messages come from, besides the completions of effects.
+struct Sources {
+    watch: mpsc::Receiver<WatchEvent>,
+    catalogue: mpsc::Receiver<Catalogue>,
+    /// The snapshot records (`crate::snapshot::watch`).
+    snapshots: mpsc::Receiver<crate::snapshot::Snapshots>,
+    api: mpsc::Receiver<Request2Agent>,
+    plugins: mpsc::Receiver<()>,
+    /// The periodic tick (`--tick`).
+    tick: tokio::time::Interval,
+    every: Duration,
+}
+
+/// The periodic tick: every `every`, a late tick delays the next ones.
+fn ticker(every: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
+}
+
+impl Shell {
+    /// Waits for what comes first: a message, an effect's completion, the periodic tick or
+    /// the core's next wake-up (a retry or timer that is due, not sooner than 10 ms from
+    /// now); returns it with whatever else is already waiting (at most [`BATCH`]), so a
+    /// burst of messages is planned once.
+    async fn next_inputs(&mut self, core: &Core, src: &mut Sources) -> Vec<Input> {
+        let floor = tokio::time::Instant::now() + Duration::from_millis(10);
+        let wake = core
+            .next_wakeup()
+            .map(tokio::time::Instant::from_std)
+            .map_or(floor + src.every, |w| w.max(floor));
+        let mut inputs: Vec<Input> = tokio::select! {
+            Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
+            Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
+            Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
+            Some(req) = src.api.recv() => self.admit(req).into_iter().collect(),
+            Some(done) = self.tasks.join_next() => match done {
+                Ok(r) => self.on_report(r),
+                Err(e) => {
+                    tracing::error!(error = %e, "an effect's task failed");
+                    Vec::new()
+                }
+            },
+            _ = src.tick.tick() => {
+                self.retry_guard();
+                let mut v: Vec<Input> = self.gone().into_iter().map(Input::CallerGone).collect();
+                v.push(Input::Tick);
+                v
+            }
+            _ = tokio::time::sleep_until(wake) => vec![Input::Tick],
+            Some(()) = src.plugins.recv() => vec![Input::PluginsChanged],
+        };
+        while inputs.len() < BATCH {
+            if let Ok(ev) = src.watch.try_recv() {
+                inputs.push(Input::Watch(ev));
+            } else if let Some(done) = self.tasks.try_join_next() {
+                match done {
+                    Ok(r) => inputs.extend(self.on_report(r)),
+                    Err(e) => tracing::error!(error = %e, "an effect's task failed"),
+                }
+            } else {
+                break;
+            }
+        }
+        inputs
+    }
+}
+
 /// Starts the agent and runs it until `shutdown` resolves, keeping `metrics` current
 /// (served by `crate::metrics::serve` when `--metrics-addr` is set).
 pub async fn run(
@@ -564,11 +632,11 @@ pub async fn run(
     }
 
     let rejected_records = catalog::Rejections::default();
-    let (watch_tx, mut watch_rx) = mpsc::channel::<WatchEvent>(256);
-    let (cat_tx, mut cat_rx) = mpsc::channel::<Catalogue>(4);
-    let (snap_tx, mut snap_rx) = mpsc::channel::<crate::snapshot::Snapshots>(4);
-    let (api_tx, mut api_rx) = mpsc::channel::<Request2Agent>(256);
-    let (plugins_tx, mut plugins_rx) = mpsc::channel::<()>(1);
+    let (watch_tx, watch_rx) = mpsc::channel::<WatchEvent>(256);
+    let (cat_tx, cat_rx) = mpsc::channel::<Catalogue>(4);
+    let (snap_tx, snap_rx) = mpsc::channel::<crate::snapshot::Snapshots>(4);
+    let (api_tx, api_rx) = mpsc::channel::<Request2Agent>(256);
+    let (plugins_tx, plugins_rx) = mpsc::channel::<()>(1);
 
     let mut wcfg = WatchConfig::new(&node_id);
     wcfg.idle_timeout = cfg.stream_idle_timeout;
@@ -655,51 +723,21 @@ pub async fn run(
     let e = core.handle(Input::Tick, now());
     shell.perform(e);
 
-    let mut tick = tokio::time::interval(cfg.tick);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sources = Sources {
+        watch: watch_rx,
+        catalogue: cat_rx,
+        snapshots: snap_rx,
+        api: api_rx,
+        plugins: plugins_rx,
+        tick: ticker(cfg.tick),
+        every: cfg.tick,
+    };
     tokio::pin!(shutdown);
     loop {
-        let floor = tokio::time::Instant::now() + Duration::from_millis(10);
-        let wake = core
-            .next_wakeup()
-            .map(tokio::time::Instant::from_std)
-            .map_or(floor + cfg.tick, |w| w.max(floor));
-        let mut inputs: Vec<Input> = tokio::select! {
+        let inputs = tokio::select! {
             _ = &mut shutdown => break,
-            Some(ev) = watch_rx.recv() => vec![Input::Watch(ev)],
-            Some(cat) = cat_rx.recv() => vec![Input::Catalogue(cat)],
-            Some(snaps) = snap_rx.recv() => vec![Input::Snapshots(snaps)],
-            Some(req) = api_rx.recv() => shell.admit(req).into_iter().collect(),
-            Some(done) = shell.tasks.join_next() => match done {
-                Ok(r) => shell.on_report(r),
-                Err(e) => {
-                    tracing::error!(error = %e, "an effect's task failed");
-                    Vec::new()
-                }
-            },
-            _ = tick.tick() => {
-                shell.retry_guard();
-                let mut v: Vec<Input> = shell.gone().into_iter().map(Input::CallerGone).collect();
-                v.push(Input::Tick);
-                v
-            }
-            _ = tokio::time::sleep_until(wake) => vec![Input::Tick],
-            Some(()) = plugins_rx.recv() => vec![Input::PluginsChanged],
+            inputs = shell.next_inputs(&core, &mut sources) => inputs,
         };
-        // Whatever else is already waiting joins this pass (bounded): a burst of messages
-        // is planned once.
-        while inputs.len() < BATCH {
-            if let Ok(ev) = watch_rx.try_recv() {
-                inputs.push(Input::Watch(ev));
-            } else if let Some(done) = shell.tasks.try_join_next() {
-                match done {
-                    Ok(r) => inputs.extend(shell.on_report(r)),
-                    Err(e) => tracing::error!(error = %e, "an effect's task failed"),
-                }
-            } else {
-                break;
-            }
-        }
         for i in &inputs {
             shell.meter.input(i);
         }
@@ -723,7 +761,8 @@ pub async fn run(
 mod tests {
     //! The shell's own decisions, on tokio's paused clock, without root: commits that
     //! queue while one is written are folded into one write, and their calls start only
-    //! once it is durable.
+    //! once it is durable; the loop (shell and core together) wakes a failed publish
+    //! exactly at its retry table's delay.
     use super::*;
     use crate::journal::tests::rec;
     use crate::journal::{EventKind, Journal, MountState};
@@ -908,6 +947,125 @@ mod tests {
         let inputs = s.on_report(first);
         assert_eq!(committed(&inputs), vec![seq]);
         assert!(s.reading_mounts, "started once durable");
+        drain(&mut s).await;
+    }
+
+    /// The loop's turns on tokio's paused clock (every wait is a jump of the clock to the
+    /// next timer: no real sleep). The fingerprint is scripted (plugin `bind`, whose file
+    /// is missing, so its publish fails at once, without a process); everything else is
+    /// performed by the shell. The core retries the publish at its retry table's delay
+    /// (`STEP_RETRY`: 1 s, jitter ±20 %), woken by the shell then, and not on any of the
+    /// 200 ms ticks before it.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
+        use crate::agent::effect::publishes;
+        use crate::agent::retry::STEP_RETRY;
+        use crate::reconcile::tests::{alloc, key, volume};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, journal) = shell(dir.path());
+        let now = || tokio::time::Instant::now().into_std();
+        let mut core = Core::new(
+            Settings {
+                node: s.node.clone(),
+                mount_root: s.cfg.mount_root(),
+                plugin_rescan: Duration::from_secs(60),
+                claims: s.claims,
+                health_interval: Duration::from_secs(10),
+                seed: 1,
+            },
+            journal,
+            now(),
+        );
+        let (_watch, watch) = mpsc::channel(1);
+        let (_catalogue, catalogue) = mpsc::channel(1);
+        let (_snapshots, snapshots) = mpsc::channel(1);
+        let (_api, api) = mpsc::channel(1);
+        let (_plugins, plugins) = mpsc::channel(1);
+        let every = Duration::from_millis(200);
+        let mut src = Sources {
+            watch,
+            catalogue,
+            snapshots,
+            api,
+            plugins,
+            tick: ticker(every),
+            every,
+        };
+        let fingerprinted = || {
+            let fp = crate::plugin::Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            };
+            Input::Done(Completion::Plugins(
+                [("bind".to_string(), Ok(fp))].into_iter().collect(),
+            ))
+        };
+        // The volume and its allocation arrive with the mount table and the plugin.
+        let mut next = vec![
+            Input::MountTable(MountTable::default()),
+            fingerprinted(),
+            Input::Catalogue(
+                [(key("d"), volume("d", "multi-node-multi-writer"))]
+                    .into_iter()
+                    .collect(),
+            ),
+            Input::Watch(WatchEvent::Relisted {
+                allocs: vec![alloc("a1", &["d"], "pending", "run")],
+                index: 1,
+            }),
+        ];
+        let (mut decided, mut failed) = (Vec::new(), Vec::new());
+        let mut turns_between = 0;
+        let mut wake = None;
+        let give_up = now() + Duration::from_secs(10);
+        while decided.len() < 2 && now() < give_up {
+            let inputs = match std::mem::take(&mut next) {
+                v if v.is_empty() => s.next_inputs(&core, &mut src).await,
+                v => v,
+            };
+            for i in &inputs {
+                if let Input::Done(Completion::Published { result: Err(_), .. }) = i {
+                    failed.push(now());
+                }
+            }
+            let e = core.handle_all(inputs, now());
+            if publishes(&e) > 0 {
+                decided.push(now());
+            } else if failed.len() == 1 {
+                turns_between += 1;
+            }
+            if failed.len() == 1 && wake.is_none() {
+                wake = core.next_wakeup();
+            }
+            let (fp, e): (Vec<Effect>, Vec<Effect>) = e
+                .into_iter()
+                .partition(|e| matches!(e, Effect::Fingerprint));
+            if !fp.is_empty() {
+                next.push(fingerprinted());
+            }
+            s.perform(e);
+        }
+        assert_eq!(decided.len(), 2, "publish then one retry: {decided:?}");
+        assert_eq!(failed.len(), 1, "the first publish failed: {failed:?}");
+        let waited = decided[1] - failed[0];
+        let (lo, hi) = (STEP_RETRY.base.mul_f64(0.8), STEP_RETRY.base.mul_f64(1.2));
+        assert!(
+            (lo..=hi).contains(&waited),
+            "retried {waited:?} after the failure, not in {lo:?}..={hi:?}"
+        );
+        // The deadline the core announced after the failure; tokio's timer wheel rounds a
+        // sleep up to the next millisecond.
+        let wake = wake.expect("a wake-up after the failure");
+        assert!(
+            decided[1] >= wake && decided[1] - wake <= Duration::from_millis(1),
+            "the shell woke at {:?}, not at the core's retry deadline {wake:?}",
+            decided[1]
+        );
+        assert!(
+            turns_between >= 3,
+            "the 200 ms ticks before the retry passed without it ({turns_between} turns)"
+        );
         drain(&mut s).await;
     }
 }

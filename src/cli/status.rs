@@ -45,6 +45,85 @@ pub struct StatusDoc {
     /// Volume records the agent refused (`namespace/path` → reason): unsigned, forged or
     /// malformed; nothing is done for them (docs/security.md).
     pub rejected_records: BTreeMap<String, String>,
+    /// Something other than the volume mounted at a volume's target (`namespace/name` →
+    /// what was found); never accepted as the volume (docs/architecture.md, fail closed).
+    pub foreign_mounts: BTreeMap<String, String>,
+    /// Processes still using a volume the plan wants unpublished (`namespace/name` → scan).
+    pub holders: BTreeMap<String, UsageDoc>,
+    /// Tasks that mount a deferred volume without the prestart gate, by allocation ID.
+    pub ungated: BTreeMap<String, Vec<UngatedDoc>>,
+}
+
+/// A scan of the processes using a volume (the agent's `holders::Usage`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct UsageDoc {
+    pub holders: Vec<HolderDoc>,
+    pub other_mounts: Vec<String>,
+    pub uninspected: Vec<serde_json::Value>,
+}
+
+/// One process holding a volume.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct HolderDoc {
+    pub pid: u32,
+    pub comm: String,
+    /// `{"kind": "open_file|cwd|root|exe|mapped|mount", ...}`.
+    pub how: serde_json::Value,
+    pub alloc_id: Option<String>,
+}
+
+impl std::fmt::Display for HolderDoc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} ({})", self.pid, self.comm)?;
+        if let Some(a) = &self.alloc_id {
+            write!(f, " of allocation {}", short_id(a))?;
+        }
+        let path = |k: &str| self.how[k].as_str().unwrap_or("?").to_string();
+        match self.how["kind"].as_str().unwrap_or("") {
+            "open_file" => write!(f, " has {} open", path("path")),
+            "cwd" => write!(f, " works in it"),
+            "root" => write!(f, " is chrooted in it"),
+            "exe" => write!(f, " runs a program from it"),
+            "mapped" => write!(f, " maps {}", path("path")),
+            "mount" => write!(f, " has it mounted at {}", path("mount_point")),
+            other => write!(f, " holds it ({other})"),
+        }
+    }
+}
+
+/// A task mounting a deferred volume without waiting for it (the agent's `gate::Ungated`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct UngatedDoc {
+    pub job: String,
+    pub group: String,
+    pub task: String,
+    pub volume: KeyDoc,
+    /// `no_gate` or `starts_with_gate`.
+    pub reason: String,
+}
+
+/// The first 8 characters of an ID, as the Nomad CLI prints them.
+fn short_id(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+fn holders_cell(u: &UsageDoc, max: usize) -> String {
+    let mut parts: Vec<String> = u.holders.iter().take(max).map(|h| h.to_string()).collect();
+    if u.holders.len() > max {
+        parts.push(format!("{} more", u.holders.len() - max));
+    }
+    if !u.uninspected.is_empty() {
+        parts.push(format!("{} process(es) not readable", u.uninspected.len()));
+    }
+    parts.extend(
+        u.other_mounts
+            .iter()
+            .map(|p| format!("also mounted at {p}")),
+    );
+    parts.join("; ")
 }
 
 /// The agent's view of its node's allocations.
@@ -232,6 +311,31 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
     for (k, why) in &doc.rejected_records {
         rows.push(("Refused Record", format!("{k}: {why}")));
     }
+    for (k, why) in &doc.foreign_mounts {
+        rows.push(("Foreign Mount", format!("{k}: {why}")));
+    }
+    for (k, u) in &doc.holders {
+        rows.push(("In Use", format!("{k}: {}", holders_cell(u, 3))));
+    }
+    for (alloc, tasks) in &doc.ungated {
+        for t in tasks {
+            let why = match t.reason.as_str() {
+                "starts_with_gate" => "it is a prestart task and starts with the gate",
+                _ => "its group has no prestart gate",
+            };
+            rows.push((
+                "Ungated Task",
+                format!(
+                    "allocation {} job {:?} group {:?} task {:?} mounts {} before it is published: {why}",
+                    short_id(alloc),
+                    t.job,
+                    t.group,
+                    t.task,
+                    t.volume
+                ),
+            ));
+        }
+    }
     let mut s = kv(&rows);
     s.push_str("\nVolumes\n");
     let mut keys: Vec<String> = doc
@@ -339,7 +443,15 @@ mod tests {
             "pending_publish_calls": 1,
             "claims": {"default/shared-data": "held"},
             "mount_health": {"interval_ms": 10000, "broken": {}, "recovered": []},
-            "rejected_records": {"default/dhv-binder/volumes/evil": "the record is not signed"}
+            "rejected_records": {"default/dhv-binder/volumes/evil": "the record is not signed"},
+            "foreign_mounts": {"default/other": "tmpfs from \"none\" is mounted at the target, not the volume"},
+            "holders": {"default/shared-data": {"holders": [
+                {"pid": 41, "comm": "sleep", "how": {"kind": "open_file", "fd": 3, "path": "/t/f"}, "alloc_id": "0b9a3c2e-1111-4000-8000-000000000002"},
+                {"pid": 42, "comm": "sh", "how": {"kind": "cwd"}}
+            ], "other_mounts": [], "uninspected": []}},
+            "ungated": {"7d1c9e00-2222-4000-8000-000000000003": [
+                {"job": "web", "group": "g", "task": "main", "volume": {"namespace": "default", "name": "shared-data"}, "reason": "no_gate"}
+            ]}
         })
     }
 
@@ -359,6 +471,9 @@ Broken Mounts  = 0
 Waiting        = default/scratch: plugin nfs is not installed on this node
 Last Error     = default/scratch: publish failed: exit 1
 Refused Record = default/dhv-binder/volumes/evil: the record is not signed
+Foreign Mount  = default/other: tmpfs from \"none\" is mounted at the target, not the volume
+In Use         = default/shared-data: pid 41 (sleep) of allocation 0b9a3c2e has /t/f open; pid 42 (sh) works in it
+Ungated Task   = allocation 7d1c9e00 job \"web\" group \"g\" task \"main\" mounts default/shared-data before it is published: its group has no prestart gate
 
 Volumes
 Volume               Plugin  State  Here  Mount              Users  Claim  Error

@@ -16,12 +16,16 @@ use types::*;
 #[derive(Debug, thiserror::Error)]
 pub enum NomadError {
     /// Nomad could not be reached at all.
-    #[error("cannot reach Nomad at {addr} ({what}): {source}; check NOMAD_ADDR and that the local Nomad agent runs")]
+    #[error("cannot reach Nomad at {addr} ({what}): {source}{detail}; {hint}")]
     Unreachable {
         addr: String,
         what: String,
         #[source]
         source: reqwest::Error,
+        /// The innermost cause (reqwest's own message hides it: "error sending request").
+        detail: String,
+        /// What to check: the TLS settings for a handshake failure, else the address.
+        hint: &'static str,
     },
     /// 403: the token lacks a capability.
     #[error("Nomad refused {what}: permission denied; the token needs {needs} (see jobspecs/dhv-binder-policy.hcl)")]
@@ -157,6 +161,41 @@ const POOL_IDLE_PER_HOST: usize = 4;
 /// An idle connection is closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A transport failure as [`NomadError::Unreachable`], with the innermost cause and a hint:
+/// a TLS handshake failure (unknown issuer, no client certificate) points at the TLS
+/// settings, anything else at the address.
+fn unreachable(addr: &str, what: impl Into<String>, source: reqwest::Error) -> NomadError {
+    let mut inner: &dyn std::error::Error = &source;
+    while let Some(next) = inner.source() {
+        inner = next;
+    }
+    let detail = inner.to_string();
+    let source_text = source.to_string();
+    let lower = detail.to_ascii_lowercase();
+    let tls = ["certificate", "tls", "handshake", "issuer", "alert"]
+        .iter()
+        .any(|w| lower.contains(w));
+    NomadError::Unreachable {
+        addr: addr.to_string(),
+        what: what.into(),
+        source,
+        detail: if detail == source_text {
+            String::new()
+        } else {
+            let d: String = crate::escape::escape_control(&detail)
+                .chars()
+                .take(300)
+                .collect();
+            format!(" ({d})")
+        },
+        hint: if tls {
+            "a TLS handshake failed: check NOMAD_CACERT (the only CA trusted), and NOMAD_CLIENT_CERT/NOMAD_CLIENT_KEY when the agent verifies clients (verify_https_client); the agent's certificate must name the address in NOMAD_ADDR"
+        } else {
+            "check NOMAD_ADDR and that the local Nomad agent runs"
+        },
+    }
+}
+
 impl Client {
     /// Builds a client from Nomad CLI-style settings. Errors when TLS files cannot be read.
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
@@ -185,11 +224,21 @@ impl Client {
                 let pem = std::fs::read(ca).map_err(|e| {
                     NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
                 })?;
-                let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| {
+                // A bundle may hold several CAs (the Nomad CLI trusts each of them).
+                let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
                     NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
                 })?;
+                if certs.is_empty() {
+                    return Err(NomadError::Config(format!(
+                        "NOMAD_CACERT {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
+                        ca.display()
+                    )));
+                }
                 // NOMAD_CACERT replaces the trust roots (the Nomad CLI trusts only it).
-                b = b.tls_built_in_root_certs(false).add_root_certificate(cert);
+                b = b.tls_built_in_root_certs(false);
+                for cert in certs {
+                    b = b.add_root_certificate(cert);
+                }
             }
             if let (Some(cert), Some(key)) = (&cfg.client_cert, &cfg.client_key) {
                 let mut pem = std::fs::read(cert).map_err(|e| {
@@ -254,11 +303,10 @@ impl Client {
         what: &str,
         path: &str,
     ) -> Result<reqwest::Response, NomadError> {
-        let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
-            addr: self.addr.clone(),
-            what: what.to_string(),
-            source,
-        })?;
+        let resp = rb
+            .send()
+            .await
+            .map_err(|source| unreachable(&self.addr, what, source))?;
         let status = resp.status();
         if status.is_success() {
             return Ok(resp);
@@ -297,11 +345,7 @@ impl Client {
         let index = header_index(&resp);
         let bytes = body_limited(resp, MAX_BODY)
             .await
-            .map_err(|source| NomadError::Unreachable {
-                addr: self.addr.clone(),
-                what: what.to_string(),
-                source,
-            })?
+            .map_err(|source| unreachable(&self.addr, what, source))?
             .ok_or_else(|| NomadError::TooLarge {
                 what: what.to_string(),
                 limit: MAX_BODY,
@@ -431,11 +475,7 @@ impl Client {
         let resp = self.send(rb, what, path).await?;
         let bytes = body_limited(resp, MAX_BODY)
             .await
-            .map_err(|source| NomadError::Unreachable {
-                addr: self.addr.clone(),
-                what: what.into(),
-                source,
-            })?
+            .map_err(|source| unreachable(&self.addr, what, source))?
             .ok_or_else(|| NomadError::TooLarge {
                 what: what.into(),
                 limit: MAX_BODY,
@@ -601,11 +641,10 @@ impl Client {
             .request(&self.http, Method::PUT, &path)
             .query(query)
             .json(&body);
-        let resp = rb.send().await.map_err(|source| NomadError::Unreachable {
-            addr: self.addr.clone(),
-            what: what.into(),
-            source,
-        })?;
+        let resp = rb
+            .send()
+            .await
+            .map_err(|source| unreachable(&self.addr, what, source))?;
         let status = resp.status();
         if status == StatusCode::CONFLICT
             || (missing_is_conflict && status == StatusCode::NOT_FOUND)
@@ -624,11 +663,7 @@ impl Client {
         let resp = self.check(resp, what, &path).await?;
         let bytes = body_limited(resp, MAX_BODY)
             .await
-            .map_err(|source| NomadError::Unreachable {
-                addr: self.addr.clone(),
-                what: what.into(),
-                source,
-            })?
+            .map_err(|source| unreachable(&self.addr, what, source))?
             .ok_or_else(|| NomadError::TooLarge {
                 what: what.into(),
                 limit: MAX_BODY,

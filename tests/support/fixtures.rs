@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use super::fake_nomad::FakeNomad;
+use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -21,12 +21,12 @@ pub fn fixture(name: &str) -> Value {
 }
 
 /// Stores the volume record of the fixtures' `orders-data`, served by plugin `fake`.
-pub fn orders_record(fake: &FakeNomad) {
+pub fn orders_record(nomad: &Replay) {
     let spec = json!({"name": "orders-data", "namespace": "default", "plugin_id": "fake",
         "capacity_min": 0, "capacity_max": 0, "node_pool": "",
         "capabilities": [{"access_mode": "single-node-writer", "attachment_mode": "file-system"}],
         "parameters": {}});
-    fake.put_var(
+    nomad.put_var(
         "default",
         "dhv-binder/volumes/orders-data",
         json!({"id": "c7e4a2d9-1f3b-4c56-8a9e-2b7d4f1e6a83", "spec": spec.to_string(), "secrets": "{}",

@@ -1,11 +1,11 @@
-//! The real agent run in-process against the fake Nomad, and builders for what the fake
-//! serves.
+//! The real agent run in-process against the simulator's scripted front
+//! (`nomad_sim::replay::Replay`), and builders for what the script serves.
 
 #![allow(dead_code)]
 
-use super::fake_nomad::FakeNomad;
 use super::sandbox::Sandbox;
 use dhv_binder::config::{AgentConfig, NomadConfig};
+use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -58,10 +58,9 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
     }
 }
 
-/// Starts the agent against `fake`.
-pub fn start_agent(fake: &FakeNomad, cfg: AgentConfig) -> Running {
-    let nomad = NomadConfig::plain(&fake.addr);
-    let client = dhv_binder::nomad::Client::new(&nomad).unwrap();
+/// Starts the agent against `nomad`.
+pub fn start_agent(nomad: &Replay, cfg: AgentConfig) -> Running {
+    let client = dhv_binder::nomad::Client::new(&NomadConfig::plain(&nomad.addr)).unwrap();
     let (stop, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
         dhv_binder::agent::run(cfg, client, dhv_binder::metrics::Metrics::new(), async {
@@ -81,12 +80,10 @@ pub async fn status(cfg: &AgentConfig) -> Value {
 }
 
 /// Waits until the agent has a complete view and `placeholders` registered.
-pub async fn ready(cfg: &AgentConfig, fake: &FakeNomad, placeholders: usize) {
+pub async fn ready(cfg: &AgentConfig, nomad: &Replay, placeholders: usize) {
     for _ in 0..300 {
         let s = status(cfg).await;
-        if s["view"]["complete"] == true
-            && fake.state.lock().unwrap().host_volumes.len() >= placeholders
-        {
+        if s["view"]["complete"] == true && nomad.host_volumes().len() >= placeholders {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -95,12 +92,12 @@ pub async fn ready(cfg: &AgentConfig, fake: &FakeNomad, placeholders: usize) {
 }
 
 /// Stores a ready volume record served by `plugin`.
-pub fn volume_record(fake: &FakeNomad, ns: &str, name: &str, plugin: &str, access_mode: &str) {
+pub fn volume_record(nomad: &Replay, ns: &str, name: &str, plugin: &str, access_mode: &str) {
     let spec = json!({"name": name, "namespace": ns, "plugin_id": plugin,
         "capacity_min": 0, "capacity_max": 0, "node_pool": "",
         "capabilities": [{"access_mode": access_mode, "attachment_mode": "file-system"}],
         "parameters": {}});
-    fake.put_var(
+    nomad.put_var(
         ns,
         &dhv_binder::volume::record_path(name),
         json!({"id": uuid::Uuid::new_v4().to_string(), "spec": spec.to_string(), "secrets": "{}",
