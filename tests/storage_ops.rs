@@ -557,12 +557,21 @@ async fn file(c: &Cluster, path: std::path::PathBuf, what: &str) -> String {
         .await
 }
 
-/// Stops `job` and waits until `volume` is unmounted on node `i`.
+/// Stops `job` and waits until `volume` is unpublished on node `i`: unmounted, and the
+/// plugin's unpublish finished (journal `unpublish-done`; ext4 detaches its loop device after
+/// the unmount, and a test that ended in between would leave the device attached).
 async fn stop(c: &Cluster, job: &str, i: usize, volume: &str) {
     c.stop_job(job, false).await;
     let target = c.target(i, volume);
+    let key = format!("default/{volume}");
     c.wait_for(60, &format!("{volume} unpublished on node {i}"), || async {
-        (!dhv_binder::mounts::is_mount_point(&target)).then_some(())
+        let last = c
+            .journal(i)
+            .into_iter()
+            .rev()
+            .find(|e| e["volume"] == key.as_str())?;
+        (last["event"] == "unpublish-done" && !dhv_binder::mounts::is_mount_point(&target))
+            .then_some(())
     })
     .await;
 }
