@@ -47,7 +47,18 @@ async fn main() -> anyhow::Result<()> {
     let id = plugin.file_name().unwrap().to_str().unwrap().to_string();
     let scratch = std::env::temp_dir().join(format!("dhv-binder-bench-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(scratch.join("t"))?;
-    let runner = Runner::new(plugin.parent().unwrap(), Duration::from_secs(60));
+    // The storage named by absolute-path parameters (export=..., dir=...) is the plugin's
+    // root, as a node's `--plugin-root <id>=<dir>` makes it.
+    let roots: Vec<String> = params
+        .values()
+        .filter(|v| v.starts_with('/'))
+        .map(|v| {
+            let p = std::path::PathBuf::from(v);
+            p.canonicalize().unwrap_or(p).display().to_string()
+        })
+        .collect();
+    let runner = Runner::new(plugin.parent().unwrap(), Duration::from_secs(60))
+        .with_allowed_roots(BTreeMap::from([(id.clone(), roots.join(":"))]));
     let node = NodeEnv {
         node_id: uuid::Uuid::new_v4().to_string(),
         node_pool: "default".into(),
@@ -66,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
             attachment_mode: "file-system".into(),
         }],
         parameters: params,
+        source: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);
     let out = runner

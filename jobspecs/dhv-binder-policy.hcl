@@ -10,8 +10,9 @@
 # - alloc-lifecycle: restart an allocation whose published FUSE mount died and was
 #   published again (the tasks get a fresh bind of the new mount);
 # - variables: the volume records (read, list; write to report create/delete progress;
-#   destroy after a signed delete) and the single-node claims (locks), nothing else under
-#   dhv-binder/ and nothing outside it. Records are verified against operator keys on each
+#   destroy after a signed delete), the single-node claims (locks) and the snapshot records
+#   (issue 14: a node reports a snapshot's progress and removes a deleted one), nothing else
+#   under dhv-binder/ and nothing outside it. Records are verified against operator keys on each
 #   node, so this write access cannot steer what a node mounts or deletes;
 # - in namespace "default" only, also this node's record (dhv-binder/nodes/<node-id>, read by
 #   `node status`, `plugin status` and `volume create`'s fail-fast check). Nomad applies the
@@ -28,6 +29,9 @@ namespace "*" {
     path "dhv-binder/claims/*" {
       capabilities = ["read", "list", "write", "destroy"]
     }
+    path "dhv-binder/snapshots/*" {
+      capabilities = ["read", "list", "write", "destroy"]
+    }
   }
 }
 
@@ -39,6 +43,9 @@ namespace "default" {
       capabilities = ["read", "list", "write", "destroy"]
     }
     path "dhv-binder/claims/*" {
+      capabilities = ["read", "list", "write", "destroy"]
+    }
+    path "dhv-binder/snapshots/*" {
       capabilities = ["read", "list", "write", "destroy"]
     }
     path "dhv-binder/nodes/*" {

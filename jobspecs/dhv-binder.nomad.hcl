@@ -84,6 +84,10 @@ job "dhv-binder" {
         DHV_BINDER_STATE_DIR   = "/var/lib/dhv-binder"
         DHV_BINDER_SOCKET      = "/var/lib/dhv-binder/socket/api.sock"
         DHV_BINDER_PLUGIN_DIR  = "${NOMAD_TASK_DIR}/dhv-binder/plugins"
+        # Where each plugin may keep storage, <plugin_id>=<dir>, ','-separated (bind's
+        # export, ext4's images); a path in a volume record outside these and the volumes dir
+        # is refused by the plugin (docs/security.md).
+        DHV_BINDER_PLUGIN_ROOTS = "bind=/srv/dhv-exports"
         DHV_BINDER_LOG         = "info"
         DHV_BINDER_LOG_FORMAT  = "json"
         # Prometheus metrics on the node's loopback only (unset to turn them off).

@@ -15,6 +15,12 @@ capability {
 }
 
 parameters {
-  # For the reference "bind" plugin: the directory standing for the storage server's export.
+  # For the reference "bind" plugin: the directory standing for the storage server's export
+  # (it must be under a storage root of every node: agent --plugin-root bind=<dir>).
   export = "/srv/dhv-exports"
+  # Owner and mode of the volume's root directory, set when the plugin creates (bind) or
+  # formats (ext4) it: the exec driver runs tasks as `nobody` (65534) unless they set `user`.
+  uid  = "65534"
+  gid  = "65534"
+  mode = "0755"
 }

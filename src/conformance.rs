@@ -19,6 +19,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod storage;
+
 /// How many times each operation is repeated.
 pub const REPEAT: usize = 10;
 /// Nomad's effective fingerprint limit (1 s): a slower plugin drops out of Nomad's node.
@@ -39,6 +41,10 @@ pub struct Options {
     pub timeout: Duration,
     /// Scratch directory (volumes dir and targets); removed afterwards when created here.
     pub scratch: Option<PathBuf>,
+    /// The test node's `--plugin-root`s for the plugin (`DHV_ALLOWED_ROOTS`), besides the
+    /// scratch volumes dir and every parameter value that is an absolute path (the test
+    /// volume's own storage).
+    pub roots: Vec<PathBuf>,
 }
 
 /// A rule's verdict.
@@ -189,6 +195,8 @@ fn median(v: &[u64]) -> u64 {
 
 struct Kit {
     runner: Runner,
+    /// The runner's `DHV_ALLOWED_ROOTS` per plugin ID (for runners made later).
+    allowed: BTreeMap<String, String>,
     plugin_id: String,
     node: NodeEnv,
     rec: VolumeRecord,
@@ -198,6 +206,8 @@ struct Kit {
     /// Every failed call's stdout, for the output-shape rule.
     bad_outputs: Vec<String>,
     calls: usize,
+    /// The optional operations the fingerprint declares.
+    capabilities: Vec<String>,
 }
 
 impl Kit {
@@ -241,9 +251,18 @@ impl Kit {
     }
 
     fn publish_env(&self, target: &Path, read_only: bool) -> Vec<(String, String)> {
+        self.publish_env_of(&self.rec, target, read_only)
+    }
+
+    fn publish_env_of(
+        &self,
+        rec: &VolumeRecord,
+        target: &Path,
+        read_only: bool,
+    ) -> Vec<(String, String)> {
         environment::publish_env(
             &self.node,
-            &self.rec,
+            rec,
             target,
             read_only,
             "00000000-0000-4000-8000-000000000001",
@@ -251,9 +270,18 @@ impl Kit {
     }
 
     fn unpublish_env(&self, target: &Path, ctx: &serde_json::Value) -> Vec<(String, String)> {
+        self.unpublish_env_of(&self.rec, target, ctx)
+    }
+
+    fn unpublish_env_of(
+        &self,
+        rec: &VolumeRecord,
+        target: &Path,
+        ctx: &serde_json::Value,
+    ) -> Vec<(String, String)> {
         let m = MountRecord {
-            volume: self.rec.key(),
-            volume_id: self.rec.id.clone(),
+            volume: rec.key(),
+            volume_id: rec.id.clone(),
             plugin_id: self.plugin_id.clone(),
             state: MountState::Unpublishing,
             target: target.to_path_buf(),
@@ -264,7 +292,7 @@ impl Kit {
             claim_id: None,
             mount: None,
         };
-        environment::unpublish_env(&self.node, &m, Some(&self.rec))
+        environment::unpublish_env(&self.node, &m, Some(rec))
     }
 
     /// Publishes to `target` and checks the result; returns the publish context.
@@ -273,8 +301,19 @@ impl Kit {
         target: &Path,
         read_only: bool,
     ) -> Result<serde_json::Value, String> {
+        let rec = self.rec.clone();
+        self.publish_rec(&rec, target, read_only).await
+    }
+
+    /// Publishes `rec` to `target` and checks the result; returns the publish context.
+    async fn publish_rec(
+        &mut self,
+        rec: &VolumeRecord,
+        target: &Path,
+        read_only: bool,
+    ) -> Result<serde_json::Value, String> {
         std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
-        let env = self.publish_env(target, read_only);
+        let env = self.publish_env_of(rec, target, read_only);
         let c = self.call(Operation::Publish, &env).await;
         let out = c.result.map_err(|e| e.to_string())?;
         let v = strict_object(&out)?;
@@ -296,7 +335,17 @@ impl Kit {
     }
 
     async fn unpublish(&mut self, target: &Path, ctx: &serde_json::Value) -> Result<(), String> {
-        let env = self.unpublish_env(target, ctx);
+        let rec = self.rec.clone();
+        self.unpublish_rec(&rec, target, ctx).await
+    }
+
+    async fn unpublish_rec(
+        &mut self,
+        rec: &VolumeRecord,
+        target: &Path,
+        ctx: &serde_json::Value,
+    ) -> Result<(), String> {
+        let env = self.unpublish_env_of(rec, target, ctx);
         let c = self.call(Operation::Unpublish, &env).await;
         c.result.map_err(|e| e.to_string())?;
         if crate::mounts::is_mount_point(target) {
@@ -348,11 +397,26 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
             attachment_mode: "file-system".into(),
         }],
         parameters: opts.parameters.clone(),
+        source: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
     rec.state = VolumeState::Ready;
+    // The test node's `--plugin-root`s, passed as a node passes them (the runner's
+    // DHV_ALLOWED_ROOTS): canonical where they exist (a parameter's directory may not yet).
+    let roots: Vec<String> = std::iter::once(volumes_dir.clone())
+        .chain(opts.roots.iter().cloned())
+        .chain(
+            opts.parameters
+                .values()
+                .filter(|v| v.starts_with('/'))
+                .map(PathBuf::from),
+        )
+        .map(|r| r.canonicalize().unwrap_or(r).display().to_string())
+        .collect();
+    let allowed = BTreeMap::from([(plugin_id.clone(), roots.join(":"))]);
     let mut kit = Kit {
-        runner: Runner::new(&plugin_dir, opts.timeout),
+        runner: Runner::new(&plugin_dir, opts.timeout).with_allowed_roots(allowed.clone()),
+        allowed,
         plugin_id,
         node: NodeEnv {
             node_id: uuid::Uuid::new_v4().to_string(),
@@ -360,6 +424,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
             volumes_dir,
             plugin_dir,
         },
+        capabilities: Vec::new(),
         rec,
         scratch: scratch.clone(),
         opts: opts.clone(),
@@ -476,6 +541,8 @@ async fn run_rules(kit: &mut Kit) {
         true,
         "fingerprint says \"deferred_bind\": true",
     );
+    storage::capabilities_rule(kit, &fp);
+    storage::json_input_rule(kit).await;
 
     // create x10: same answer each time.
     let env = environment::create_env(&kit.node, &kit.rec);
@@ -533,6 +600,7 @@ async fn run_rules(kit: &mut Kit) {
             errors.join("; ")
         },
     );
+    storage::owner_rule(kit, &t1);
     // A marker written through this publish must be read through the next one.
     let marker = format!("conformance-{}", uuid::Uuid::new_v4());
     let wrote = std::fs::write(t1.join(&marker), &marker).map_err(|e| e.to_string());
@@ -746,7 +814,8 @@ async fn run_rules(kit: &mut Kit) {
     let mut notes = Vec::new();
     let mut ok = true;
     for kill_ms in [5u64, 50, 200] {
-        let short_runner = Runner::new(kit.runner.plugin_dir(), Duration::from_millis(kill_ms));
+        let short_runner = Runner::new(kit.runner.plugin_dir(), Duration::from_millis(kill_ms))
+            .with_allowed_roots(kit.allowed.clone());
         let _ = std::fs::create_dir_all(&t3);
         let env = kit.publish_env(&t3, false);
         let c = kit.call_with(&short_runner, Operation::Publish, &env).await;
@@ -787,6 +856,10 @@ async fn run_rules(kit: &mut Kit) {
     }
     kit.report
         .push("killed by the timeout", ok, notes.join("; "));
+
+    // Optional operations (when declared), then confinement, while the volume exists.
+    storage::optional_rules(kit).await;
+    storage::confinement_rule(kit).await;
 
     // delete x10, then delete of a volume that never existed.
     let denv = environment::delete_env(&kit.node, &kit.rec);

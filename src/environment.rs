@@ -15,15 +15,10 @@ pub struct NodeEnv {
     pub plugin_dir: PathBuf,
 }
 
-/// The variables every call on a volume gets: the node, then the volume's identity.
-fn base_env(
-    node: &NodeEnv,
-    namespace: &str,
-    name: &str,
-    id: &str,
-    parameters: String,
-    secrets: String,
-) -> Vec<(String, String)> {
+/// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
+/// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`. (`DHV_ALLOWED_ROOTS` is set by the
+/// runner from the node's `--plugin-root`s, [`crate::plugin::Runner::with_allowed_roots`].)
+pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
     vec![
         (
             "DHV_VOLUMES_DIR".into(),
@@ -35,15 +30,31 @@ fn base_env(
         ),
         ("DHV_NODE_ID".into(), node.node_id.clone()),
         ("DHV_NODE_POOL".into(), node.node_pool.clone()),
+    ]
+}
+
+/// The variables every call on a volume gets: the node, then the volume's identity.
+fn base_env(
+    node: &NodeEnv,
+    namespace: &str,
+    name: &str,
+    id: &str,
+    parameters: String,
+    secrets: String,
+) -> Vec<(String, String)> {
+    let mut env = node_env(node);
+    env.extend([
         ("DHV_NAMESPACE".into(), namespace.to_string()),
         ("DHV_VOLUME_NAME".into(), name.to_string()),
         ("DHV_VOLUME_ID".into(), id.to_string()),
         ("DHV_PARAMETERS".into(), parameters),
         ("DHV_SECRETS".into(), secrets),
-    ]
+    ]);
+    env
 }
 
-fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
+/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
+pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
     let s = &rec.spec;
     let parameters = if s.parameters.is_empty() {
         "null".into()

@@ -18,6 +18,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub mod storage;
+
 /// The outcome of one effect.
 #[derive(Debug)]
 pub enum Completion {
@@ -83,6 +85,11 @@ pub enum Completion {
         volume: VolumeKey,
         alloc_id: String,
         result: Result<(), NomadError>,
+    },
+    /// A storage operation (snapshot, expansion) ran ([`storage::perform`]).
+    Storage {
+        op: crate::worker::OpKey,
+        result: Result<(), crate::worker::OpError>,
     },
 }
 
@@ -172,6 +179,9 @@ pub enum WorkerError {
     /// The plugin failed; the record says so (state `failed`, or its error for a delete).
     #[error(transparent)]
     Plugin(#[from] PluginError),
+    /// The volume's source (snapshot or clone) cannot be used; the record is failed.
+    #[error(transparent)]
+    Source(#[from] storage::SourceFailure),
 }
 
 /// A plugin error with the volume's secrets taken out of every text it carries.
@@ -495,6 +505,7 @@ pub async fn create(
     runner: Runner,
     node: NodeEnv,
     mut rec: VolumeRecord,
+    mount_root: PathBuf,
 ) -> Completion {
     let key = rec.key();
     let result = async {
@@ -503,7 +514,19 @@ pub async fn create(
             rec.worker_node = node.node_id.clone();
             rec = cas_update(&client, &rec).await?;
         }
-        let env = create_env(&node, &rec);
+        let mut env = create_env(&node, &rec);
+        match storage::source_env(&client, &runner, &rec, &mount_root).await {
+            Ok(extra) => env.extend(extra),
+            Err(e @ storage::SourceFailure::Read(_)) => return Err(e.into()),
+            Err(e) => {
+                // A missing, unready or foreign source, or a plugin without the
+                // capability: the volume cannot be made as asked.
+                rec.state = VolumeState::Failed;
+                rec.error = e.to_string();
+                cas_update(&client, &rec).await?;
+                return Err(e.into());
+            }
+        }
         let mut failure = None;
         match runner
             .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)

@@ -11,6 +11,9 @@
 //! - `catalog`: the cluster-wide volume records, watched in Nomad Variables;
 //! - `claims`: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`volume`]: volume specs, records, keys and identifier validation;
+//! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from them;
+//! - [`expansion`]: growing a volume (`volume create` again with a larger `capacity_min`);
+//! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
 //! - [`trust`]: operator signatures on volume records, verified by agents;
 //! - `reconcile`: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record (records in memory, group-committed ahead of
@@ -50,6 +53,7 @@ pub(crate) mod discovery;
 pub mod environment;
 pub mod escape;
 pub(crate) mod executor;
+pub mod expansion;
 pub(crate) mod gate;
 pub(crate) mod guard;
 pub(crate) mod health;
@@ -64,7 +68,9 @@ pub mod nomad;
 pub mod plugin;
 pub(crate) mod reconcile;
 pub(crate) mod retry;
+pub mod snapshot;
 pub mod trust;
 pub(crate) mod view;
 pub mod volume;
 pub mod watch;
+pub mod worker;

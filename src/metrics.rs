@@ -570,6 +570,7 @@ mod tests {
             Ok(Fingerprint {
                 version: "1".into(),
                 deferred_bind: true,
+                capabilities: Vec::new(),
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));

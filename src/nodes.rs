@@ -266,6 +266,7 @@ mod tests {
             Ok(Fingerprint {
                 version: "0.2.0".into(),
                 deferred_bind: true,
+                capabilities: Vec::new(),
             }),
         );
         p.insert(
@@ -273,6 +274,7 @@ mod tests {
             Ok(Fingerprint {
                 version: "1".into(),
                 deferred_bind: false,
+                capabilities: Vec::new(),
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

@@ -29,6 +29,14 @@ pub enum Operation {
     Delete,
     Publish,
     Unpublish,
+    /// Optional (capability `snapshot`): copies a volume's content into a new snapshot.
+    SnapshotCreate,
+    /// Optional (capability `snapshot`): removes a snapshot.
+    SnapshotDelete,
+    /// Optional (capability `snapshot_list`): lists the snapshots the storage holds.
+    SnapshotList,
+    /// Optional (capability `expand`, online with `expand_online`): grows a volume.
+    Expand,
 }
 
 impl Operation {
@@ -40,6 +48,21 @@ impl Operation {
             Operation::Delete => "delete",
             Operation::Publish => "publish",
             Operation::Unpublish => "unpublish",
+            Operation::SnapshotCreate => "snapshot_create",
+            Operation::SnapshotDelete => "snapshot_delete",
+            Operation::SnapshotList => "snapshot_list",
+            Operation::Expand => "expand",
+        }
+    }
+
+    /// The capability a plugin must declare in its fingerprint for this operation, `None` for
+    /// the operations every deferred plugin has.
+    pub fn capability(self) -> Option<Capability> {
+        match self {
+            Operation::SnapshotCreate | Operation::SnapshotDelete => Some(Capability::Snapshot),
+            Operation::SnapshotList => Some(Capability::SnapshotList),
+            Operation::Expand => Some(Capability::Expand),
+            _ => None,
         }
     }
 }
@@ -102,6 +125,11 @@ pub enum PluginError {
 
 pub use crate::escape::escape_control;
 
+/// Exit code of a plugin call that refuses for now and is to be retried (`EX_TEMPFAIL` of
+/// sysexits.h); any other non-zero code is a failure. Used by the optional operations
+/// (docs/plugin-protocol.md).
+pub const EXIT_TEMPORARY: i32 = 75;
+
 impl PluginError {
     /// The plugin's own words (its `{"error"}` message, stderr tail or stdout), redacted and
     /// escaped, for the agent's local log; empty when there are none.
@@ -125,14 +153,153 @@ impl PluginError {
     pub fn is_uncertain(&self) -> bool {
         matches!(self, PluginError::TimedOut { .. })
     }
+
+    /// True when the plugin refused for now and asks to be called again later: exit code
+    /// [`EXIT_TEMPORARY`] (for example ext4's `expand` while the filesystem is still mounted
+    /// somewhere). The operation stays pending and is retried with backoff.
+    pub fn is_temporary(&self) -> bool {
+        matches!(self, PluginError::Failed { status, .. } if *status == format!("exit code {EXIT_TEMPORARY}"))
+    }
 }
 
-/// What `fingerprint` prints: `{"version":"1.0.0","deferred_bind":true}`.
+/// What `fingerprint` prints:
+/// `{"version":"1.0.0","deferred_bind":true,"capabilities":["snapshot","clone"]}`.
+///
+/// Nomad parses only `version` (unknown keys are ignored by Go's `json.Unmarshal`,
+/// `client/hostvolumemanager/host_volume_plugin.go`), so the extra keys keep the plugin a
+/// valid Nomad DHV plugin.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Fingerprint {
     pub version: String,
     #[serde(default)]
     pub deferred_bind: bool,
+    /// The optional operations the plugin declares, as written (unknown names are kept and
+    /// ignored, so a newer plugin runs under an older agent).
+    #[serde(default)]
+    pub capabilities: Vec<String>,
+}
+
+impl Fingerprint {
+    /// True when the fingerprint declares `cap`.
+    pub fn supports(&self, cap: Capability) -> bool {
+        self.capabilities.iter().any(|c| c == cap.as_str())
+    }
+
+    /// `Ok` when the plugin declares what `op` needs; else the error that names the plugin
+    /// and the missing capability.
+    pub fn require(&self, plugin: &str, op: Operation) -> Result<(), CapabilityError> {
+        match op.capability() {
+            Some(cap) => self.require_capability(plugin, cap),
+            None => Ok(()),
+        }
+    }
+
+    /// `Ok` when the plugin declares `cap`; else the error that names the plugin and `cap`.
+    pub fn require_capability(&self, plugin: &str, cap: Capability) -> Result<(), CapabilityError> {
+        if self.supports(cap) {
+            Ok(())
+        } else {
+            Err(CapabilityError {
+                plugin: plugin.into(),
+                capability: cap,
+                declared: self.capabilities.clone(),
+            })
+        }
+    }
+}
+
+/// An optional operation a plugin may declare in its fingerprint's `capabilities`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Capability {
+    /// `snapshot_create`, `snapshot_delete`, and `create` with `DHV_SNAPSHOT_ID`.
+    Snapshot,
+    /// `snapshot_list`: what the storage holds, with the caller's secrets.
+    SnapshotList,
+    /// `create` with `DHV_CLONE_ID`: a new volume with another volume's content.
+    Clone,
+    /// `expand` while the volume is not published.
+    Expand,
+    /// `expand` while the volume is published (the filesystem grows under its users).
+    ExpandOnline,
+}
+
+impl Capability {
+    /// Every capability, in documentation order.
+    pub const ALL: [Capability; 5] = [
+        Capability::Snapshot,
+        Capability::SnapshotList,
+        Capability::Clone,
+        Capability::Expand,
+        Capability::ExpandOnline,
+    ];
+
+    /// The name in the fingerprint.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Capability::Snapshot => "snapshot",
+            Capability::SnapshotList => "snapshot_list",
+            Capability::Clone => "clone",
+            Capability::Expand => "expand",
+            Capability::ExpandOnline => "expand_online",
+        }
+    }
+}
+
+impl std::fmt::Display for Capability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An optional operation was asked of a plugin that does not declare it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "plugin {plugin:?} does not support {capability}: its fingerprint declares capabilities {declared:?}, without {:?} (use a plugin that declares it, see docs/plugin-protocol.md#optional-operations)",
+    capability.as_str()
+)]
+pub struct CapabilityError {
+    pub plugin: String,
+    pub capability: Capability,
+    pub declared: Vec<String>,
+}
+
+/// What `snapshot_create` prints: `{"bytes":N,"context":{...}}`. `context` is stored in the
+/// snapshot record and handed to `snapshot_delete` and to `create` from the snapshot.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SnapshotResult {
+    #[serde(default)]
+    pub bytes: u64,
+    #[serde(default)]
+    pub context: serde_json::Value,
+}
+
+/// One entry of `snapshot_list`'s `{"snapshots":[{"id":…,"bytes":…,"ready":true}]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ListedSnapshot {
+    /// The snapshot ID dhv-binder gave at `snapshot_create` (DHV_SNAPSHOT_ID).
+    pub id: String,
+    #[serde(default)]
+    pub bytes: u64,
+    #[serde(default = "yes")]
+    pub ready: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What `snapshot_list` prints.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct SnapshotListResult {
+    #[serde(default)]
+    pub snapshots: Vec<ListedSnapshot>,
+}
+
+/// What `expand` prints: `{"bytes":N}`, the volume's size afterwards.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ExpandResult {
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// What `create` prints for a deferred plugin: `{"bytes":N,"context":{...}}`.
@@ -678,7 +845,8 @@ mod tests {
             r.fingerprint("p").await.unwrap(),
             Fingerprint {
                 version: "1.2.3".into(),
-                deferred_bind: true
+                deferred_bind: true,
+                capabilities: Vec::new(),
             }
         );
         let out = r
@@ -934,6 +1102,39 @@ exit 1"#,
             r.fingerprint("absent").await,
             Err(PluginError::NotFound { .. })
         ));
+    }
+
+    #[test]
+    fn capabilities_are_read_from_the_fingerprint_and_required_by_name() {
+        let fp: Fingerprint = parse(
+            "ext4",
+            Operation::Fingerprint,
+            br#"{"version":"1.0.0","deferred_bind":true,"capabilities":["snapshot","expand","from-the-future"]}"#,
+        )
+        .unwrap();
+        assert!(fp.supports(Capability::Snapshot));
+        assert!(fp.supports(Capability::Expand));
+        assert!(!fp.supports(Capability::ExpandOnline));
+        assert!(fp.require("ext4", Operation::SnapshotCreate).is_ok());
+        assert!(fp.require("ext4", Operation::Publish).is_ok());
+        let e = fp.require("ext4", Operation::SnapshotList).unwrap_err();
+        assert_eq!(e.capability, Capability::SnapshotList);
+        let text = e.to_string();
+        assert!(
+            text.contains("\"ext4\"") && text.contains("snapshot_list"),
+            "{text}"
+        );
+        // A fingerprint without capabilities (every plain Nomad plugin) declares none.
+        let plain: Fingerprint =
+            parse("webdav", Operation::Fingerprint, br#"{"version":"1.0.0"}"#).unwrap();
+        for op in [
+            Operation::SnapshotCreate,
+            Operation::SnapshotDelete,
+            Operation::SnapshotList,
+            Operation::Expand,
+        ] {
+            assert!(plain.require("webdav", op).is_err(), "{op}");
+        }
     }
 
     #[tokio::test]

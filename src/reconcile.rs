@@ -341,6 +341,7 @@ pub(crate) mod tests {
                     attachment_mode: "file-system".into(),
                 }],
                 parameters: Default::default(),
+                source: Default::default(),
             },
             Default::default(),
         );

@@ -44,8 +44,33 @@ pub enum SpecError {
     BadSize { field: &'static str, value: String },
     #[error("capacity_min ({min} bytes) is larger than capacity_max ({max} bytes)")]
     CapacityOrder { min: u64, max: u64 },
+    #[error("snapshot_id and clone_id are both set: a volume starts from one source at most")]
+    TwoSources,
+    #[error("snapshot_id {0:?} is not a snapshot ID (a UUID, as `dhv-binder volume snapshot list` shows)")]
+    BadSnapshotId(String),
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
     TooDeep,
+}
+
+/// Where a new volume's content comes from (`snapshot_id` or `clone_id` in the spec).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeSource {
+    /// An empty volume.
+    #[default]
+    Empty,
+    /// `snapshot_id = "<snapshot UUID>"`: the snapshot's content (plugin capability `snapshot`).
+    SnapshotId(String),
+    /// `clone_id = "<volume name>"`: a copy of another volume of the same namespace
+    /// (plugin capability `clone`).
+    CloneId(String),
+}
+
+impl VolumeSource {
+    /// True for [`VolumeSource::Empty`].
+    pub fn is_empty(&self) -> bool {
+        matches!(self, VolumeSource::Empty)
+    }
 }
 
 /// Deepest nesting of `{`, `[` and `(` a spec may have (the HCL parser recurses per level).
@@ -124,6 +149,9 @@ pub struct VolumeSpec {
     /// At least one; the first is used when a job does not say.
     pub capabilities: Vec<Capability>,
     pub parameters: BTreeMap<String, String>,
+    /// Where the volume's content comes from; only read by `create`.
+    #[serde(default, skip_serializing_if = "VolumeSource::is_empty")]
+    pub source: VolumeSource,
 }
 
 #[derive(Deserialize)]
@@ -143,6 +171,8 @@ struct RawSpec {
     parameters: BTreeMap<String, hcl::Value>,
     #[serde(default)]
     secrets: BTreeMap<String, hcl::Value>,
+    snapshot_id: Option<String>,
+    clone_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -289,6 +319,23 @@ pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), 
             attachment_mode: "file-system".into(),
         });
     }
+    let source = match (
+        raw.snapshot_id.filter(|s| !s.is_empty()),
+        raw.clone_id.filter(|s| !s.is_empty()),
+    ) {
+        (Some(_), Some(_)) => return Err(SpecError::TwoSources),
+        (Some(id), None) => {
+            if uuid::Uuid::parse_str(&id).is_err() {
+                return Err(SpecError::BadSnapshotId(id));
+            }
+            VolumeSource::SnapshotId(id)
+        }
+        (None, Some(name)) => {
+            validate_identifier("clone_id", &name, true)?;
+            VolumeSource::CloneId(name)
+        }
+        (None, None) => VolumeSource::Empty,
+    };
     let parameters = raw
         .parameters
         .iter()
@@ -309,6 +356,7 @@ pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), 
             node_pool,
             capabilities,
             parameters,
+            source,
         },
         secrets,
     ))
@@ -343,6 +391,71 @@ impl VolumeState {
     }
 }
 
+/// Where a requested growth is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpansionState {
+    /// Waiting for a node to take it.
+    Requested,
+    /// `node` is running the plugin's `expand`.
+    Running,
+    /// The volume is published and the plugin cannot grow it online: it runs once the
+    /// volume is published nowhere, before its next publish.
+    AtNextPublish,
+    /// The plugin's `expand` failed (see `error`); `volume create` with the spec again retries.
+    Failed,
+}
+
+impl ExpansionState {
+    /// The name shown by `volume status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpansionState::Requested => "requested",
+            ExpansionState::Running => "running",
+            ExpansionState::AtNextPublish => "at-next-publish",
+            ExpansionState::Failed => "failed",
+        }
+    }
+}
+
+/// A growth requested of a volume, kept in its record until done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Expansion {
+    /// The size asked for, bytes (the new `capacity_min`).
+    pub bytes: u64,
+    pub state: ExpansionState,
+    /// Node that took it (`""` = none yet).
+    #[serde(default)]
+    pub node: String,
+    /// Last error, redacted.
+    #[serde(default)]
+    pub error: String,
+}
+
+impl Expansion {
+    /// A new request for `bytes`.
+    pub fn requested(bytes: u64) -> Self {
+        Self {
+            bytes,
+            state: ExpansionState::Requested,
+            node: String::new(),
+            error: String::new(),
+        }
+    }
+
+    /// One line for `volume status`.
+    pub fn describe(&self) -> String {
+        let mut s = format!("expand to {} bytes: {}", self.bytes, self.state.as_str());
+        if !self.node.is_empty() {
+            s.push_str(&format!(" (node {})", self.node));
+        }
+        if !self.error.is_empty() {
+            s.push_str(&format!(": {}", self.error));
+        }
+        s
+    }
+}
+
 /// The cluster-wide record of one deferred volume. Its `Debug` shows secret keys, never values.
 #[derive(Clone, PartialEq)]
 pub struct VolumeRecord {
@@ -360,6 +473,10 @@ pub struct VolumeRecord {
     pub worker_node: String,
     /// Last error of `create`/`delete`.
     pub error: String,
+    /// A requested growth not yet applied (`volume create` again with a larger
+    /// `capacity_min`, see the `expansion` module); `None` when there is none. Shown by
+    /// `volume status`.
+    pub expansion: Option<Expansion>,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
     /// The operator's signature over ID, place, spec and secrets (the `trust` module); empty when
@@ -385,6 +502,7 @@ impl std::fmt::Debug for VolumeRecord {
             .field("capacity_bytes", &self.capacity_bytes)
             .field("worker_node", &self.worker_node)
             .field("error", &self.error)
+            .field("expansion", &self.expansion)
             .field("modify_index", &self.modify_index)
             .field("signed", &!self.signature.is_empty())
             .finish()
@@ -411,6 +529,29 @@ pub struct RecordTooBig {
 pub struct RecordError {
     pub path: String,
     pub reason: String,
+}
+
+/// Reads the items volume and snapshot records share: `secrets` (JSON object, absent = none),
+/// `state` (a [`VolumeState`] name) and `context` (JSON, absent = `null`).
+pub fn common_items(
+    var: &Variable,
+) -> Result<(BTreeMap<String, String>, VolumeState, serde_json::Value), RecordError> {
+    let err = |reason: String| RecordError {
+        path: var.path.clone(),
+        reason,
+    };
+    let item = |k: &str| var.items.get(k).map(String::as_str).unwrap_or_default();
+    let secrets = match item("secrets") {
+        "" => BTreeMap::new(),
+        s => serde_json::from_str(s).map_err(|e| err(format!("secrets: {e}")))?,
+    };
+    let state = serde_json::from_value(serde_json::Value::String(item("state").into()))
+        .map_err(|e| err(format!("state: {e}")))?;
+    let context = match item("context") {
+        "" => serde_json::Value::Null,
+        s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
+    };
+    Ok((secrets, state, context))
 }
 
 /// Encodes a volume name for a variable path (`[a-zA-Z0-9-_~/]` only): other bytes become `~xx`.
@@ -443,6 +584,7 @@ impl VolumeRecord {
             capacity_bytes: 0,
             worker_node: String::new(),
             error: String::new(),
+            expansion: None,
             modify_index: 0,
             signature: String::new(),
             delete_signature: String::new(),
@@ -474,6 +616,12 @@ impl VolumeRecord {
         items.insert("capacity_bytes".into(), self.capacity_bytes.to_string());
         items.insert("worker_node".into(), self.worker_node.clone());
         items.insert("error".into(), self.error.clone());
+        if let Some(x) = &self.expansion {
+            items.insert(
+                "expansion".into(),
+                serde_json::to_string(x).unwrap_or_default(),
+            );
+        }
         for (k, v) in [
             ("signature", &self.signature),
             ("delete_signature", &self.delete_signature),
@@ -534,15 +682,10 @@ impl VolumeRecord {
                 record_path(&spec.name)
             )));
         }
-        let secrets = match item("secrets").as_str() {
-            "" => BTreeMap::new(),
-            s => serde_json::from_str(s).map_err(|e| err(format!("secrets: {e}")))?,
-        };
-        let state = serde_json::from_value(serde_json::Value::String(item("state")))
-            .map_err(|e| err(format!("state: {e}")))?;
-        let context = match item("context").as_str() {
-            "" => serde_json::Value::Null,
-            s => serde_json::from_str(s).map_err(|e| err(format!("context: {e}")))?,
+        let (secrets, state, context) = common_items(var)?;
+        let expansion = match item("expansion").as_str() {
+            "" => None,
+            s => Some(serde_json::from_str(s).map_err(|e| err(format!("expansion: {e}")))?),
         };
         let id = item("id");
         if uuid::Uuid::parse_str(&id).is_err() {
@@ -557,6 +700,7 @@ impl VolumeRecord {
             capacity_bytes: item("capacity_bytes").parse().unwrap_or(0),
             worker_node: item("worker_node"),
             error: item("error"),
+            expansion,
             modify_index: var.modify_index,
             signature: item("signature"),
             delete_signature: item("delete_signature"),
@@ -740,6 +884,50 @@ mod tests {
         rec.modify_index = 9;
         assert_eq!(back, rec);
         assert_eq!(record_path("data[0]"), "dhv-binder/volumes/data~5b0~5d");
+    }
+
+    #[test]
+    fn a_volume_may_start_from_one_snapshot_or_one_clone() {
+        let base = "name = \"b\"\nplugin_id = \"ext4\"\n";
+        let snap = "5b0e8f7a-2c4d-4e19-b6a3-9d8c1f2e4a70";
+        let (spec, _) = parse_spec(&format!("{base}snapshot_id = \"{snap}\"")).unwrap();
+        assert_eq!(spec.source, VolumeSource::SnapshotId(snap.into()));
+        let (spec, _) = parse_spec(&format!("{base}clone_id = \"a\"")).unwrap();
+        assert_eq!(spec.source, VolumeSource::CloneId("a".into()));
+        assert_eq!(
+            parse_spec(&format!("{base}clone_id = \"a\"\nsnapshot_id = \"{snap}\"")),
+            Err(SpecError::TwoSources)
+        );
+        assert!(matches!(
+            parse_spec(&format!("{base}snapshot_id = \"../x\"")),
+            Err(SpecError::BadSnapshotId(_))
+        ));
+        assert!(matches!(
+            parse_spec(&format!("{base}clone_id = \"../x\"")),
+            Err(SpecError::BadIdentifier {
+                field: "clone_id",
+                ..
+            })
+        ));
+        // The source and a pending expansion survive the record's round trip; a record
+        // written before either existed still reads.
+        let mut rec = VolumeRecord::new(spec, BTreeMap::new());
+        rec.expansion = Some(Expansion::requested(1 << 30));
+        let var = rec.to_variable();
+        assert_eq!(VolumeRecord::from_variable(&var).unwrap(), rec);
+        let (plain, _) = parse_spec(base).unwrap();
+        let mut var = VolumeRecord::new(plain, BTreeMap::new()).to_variable();
+        assert!(
+            !var.items["spec"].contains("source"),
+            "{}",
+            var.items["spec"]
+        );
+        var.items.remove("expansion");
+        let back = VolumeRecord::from_variable(&var).unwrap();
+        assert_eq!(
+            (back.spec.source, back.expansion),
+            (VolumeSource::Empty, None)
+        );
     }
 
     #[test]

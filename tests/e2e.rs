@@ -7,7 +7,7 @@ mod support;
 
 use serde_json::Value;
 use std::path::PathBuf;
-use support::cluster::{repo, Cluster};
+use support::cluster::{repo, Cluster, NOBODY_GID, NOBODY_UID};
 use support::sandbox::script;
 use support::webdav::{mount_pids, WebdavServer};
 
@@ -181,7 +181,7 @@ async fn example_job_with_ext4_plugin() {
         "shared-data",
         "single-node-writer",
         "ext4",
-        &[("dir", images.to_str().unwrap())],
+        &[("dir", images.to_str().unwrap()), NOBODY_UID, NOBODY_GID],
         &[],
         "capacity_min = \"64MiB\"",
     );
@@ -227,7 +227,6 @@ case "$1" in
 fingerprint) echo '{"version":"1.0.0","deferred_bind":true}' ;;
 create)
   echo "leaky: logging in with password=$pw" >&2
-  mkdir -p "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID"
   echo '{"bytes":0,"context":{}}' ;;
 publish)
   echo "leaky: publish, password=$pw" >&2
@@ -236,6 +235,7 @@ publish)
   2) echo "garbage with $pw in it"; exit 0 ;;
   esac
   mkdir -p "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID"
+  chown 65534:65534 "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID"
   mountpoint -q "$DHV_TARGET_PATH" || mount --bind "$DHV_VOLUMES_DIR/leaky/$DHV_VOLUME_ID" "$DHV_TARGET_PATH"
   echo "{\"path\":\"$DHV_TARGET_PATH\",\"context\":{}}" ;;
 unpublish)

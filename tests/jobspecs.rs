@@ -199,17 +199,22 @@ fn policy_grants_what_the_daemon_calls() {
         caps,
         "\"default\" must repeat \"*\""
     );
-    // Only the records and the claims: nothing else under dhv-binder/, nothing outside it;
-    // in "default" also the node records.
+    // Only the records, the claims and the snapshot records: nothing else under dhv-binder/,
+    // nothing outside it; in "default" also the node records.
     assert_eq!(
         paths_of(namespaces[0]),
-        ["dhv-binder/volumes/*", "dhv-binder/claims/*"]
+        [
+            "dhv-binder/volumes/*",
+            "dhv-binder/claims/*",
+            "dhv-binder/snapshots/*"
+        ]
     );
     assert_eq!(
         paths_of(namespaces[1]),
         [
             "dhv-binder/volumes/*",
             "dhv-binder/claims/*",
+            "dhv-binder/snapshots/*",
             "dhv-binder/nodes/*"
         ]
     );

@@ -138,7 +138,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         .find(|l| l.starts_with("bind "))
         .unwrap_or_else(|| panic!("{out}"));
     assert!(
-        bind.contains("1.0.0") && bind.contains("yes") && bind.ends_with("2/2"),
+        bind.contains("1.1.0") && bind.contains("yes") && bind.ends_with("2/2"),
         "{out}"
     );
     let (code, out) = c.cli(&["plugin", "status", "-json"]);
@@ -188,7 +188,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "{out}"
     );
     assert!(
-        out.contains("Plugins       = bind 1.0.0 (deferred)"),
+        out.contains("Plugins       = bind 1.1.0 (deferred)"),
         "{out}"
     );
     assert!(out.contains("default/shared-data"), "{out}");
@@ -350,6 +350,8 @@ async fn a_registered_volume_is_published_without_create_and_deregistered_withou
     // The storage exists already, with data in it.
     let existing = c.export.join("legacy");
     std::fs::create_dir_all(&existing).unwrap();
+    // Existing storage the job's user (exec driver default: nobody) may write.
+    std::os::unix::fs::chown(&existing, Some(65534), Some(65534)).unwrap();
     std::fs::write(existing.join("old.txt"), "from before dhv-binder\n").unwrap();
     let spec = c.sb.join("shared-data.volume.hcl");
     std::fs::write(

@@ -31,12 +31,15 @@ fn check(sb: &Sandbox, plugin: &Path, args: &[&str]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text)
 }
 
-fn assert_conforms(code: i32, report: &str) {
+/// Asserts the kit passed every base rule, and passed `extra` (optional operations) too.
+fn assert_conforms(code: i32, report: &str, extra: &[&str]) {
     assert_eq!(code, 0, "the plugin does not conform:\n{report}");
     assert!(!report.contains("FAIL"), "{report}");
     for rule in [
         "fingerprint",
         "deferred_bind",
+        "capabilities",
+        "JSON input parsed",
         "create x10",
         "publish x10",
         "unpublish x10",
@@ -53,7 +56,10 @@ fn assert_conforms(code: i32, report: &str) {
         "output shape",
         "within the timeout",
         "nothing left mounted",
-    ] {
+    ]
+    .iter()
+    .chain(extra)
+    {
         assert!(
             report.contains(&format!("PASS  {rule} ")),
             "rule {rule:?} did not pass:\n{report}"
@@ -70,9 +76,30 @@ fn bind_plugin_conforms() {
     let (code, report) = check(
         &sb,
         &repo().join("plugins/bind"),
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "--param",
+            "uid=65534",
+            "--param",
+            "gid=65534",
+            "--param",
+            "mode=0750",
+        ],
     );
-    assert_conforms(code, &report);
+    assert_conforms(
+        code,
+        &report,
+        &[
+            "owner and mode",
+            "snapshot x2",
+            "create from snapshot",
+            "snapshot_delete x2",
+            "clone",
+            "paths confined",
+        ],
+    );
+    assert!(report.contains("SKIP  expand "), "{report}");
 }
 
 #[test]
@@ -81,9 +108,31 @@ fn ext4_plugin_conforms() {
     let (code, report) = check(
         &sb,
         &repo().join("plugins/ext4"),
-        &["--capacity", &(64u64 << 20).to_string()],
+        &[
+            "--capacity",
+            &(64u64 << 20).to_string(),
+            "--param",
+            "uid=65534",
+            "--param",
+            "gid=65534",
+            "--param",
+            "mode=0770",
+        ],
     );
-    assert_conforms(code, &report);
+    assert_conforms(
+        code,
+        &report,
+        &[
+            "owner and mode",
+            "snapshot x2",
+            "snapshot_list",
+            "create from snapshot",
+            "snapshot_delete x2",
+            "clone",
+            "expand",
+            "paths confined",
+        ],
+    );
 }
 
 #[test]
@@ -105,7 +154,11 @@ fn webdav_fuse_plugin_conforms() {
             secrets.to_str().unwrap(),
         ],
     );
-    assert_conforms(code, &report);
+    assert_conforms(code, &report, &[]);
+    // It declares no optional operation: none is called.
+    for rule in ["snapshot x2", "clone", "expand"] {
+        assert!(report.contains(&format!("SKIP  {rule} ")), "{report}");
+    }
     // The volume's directory lived on the server, and delete removed it.
     assert!(server.dir.join("default").is_dir());
     assert_eq!(
@@ -219,6 +272,60 @@ esac
     assert_eq!(code, 1, "{report}");
     assert!(report.contains("FAIL  fingerprint "), "{report}");
     assert!(sb.path().join("scratch").exists());
+    assert!(
+        dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// The `bind` plugin as it was before issues 12 and 13: JSON picked out with sed, and every
+/// path taken from the record as it is. It fails "JSON input parsed" and "paths confined",
+/// and the planted record did not get to the victims.
+#[test]
+fn a_sed_parsing_unconfined_plugin_fails_the_json_and_confinement_rules() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    script(
+        &sb.join("plugins/oldbind"),
+        r#"#!/bin/sh
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+field() { printf '%s' "$1" | sed -n "s/.*\"$2\"[[:space:]]*:[[:space:]]*\"\([^\"]*\)\".*/\1/p"; }
+case "$1" in
+fingerprint) echo '{"version":"1.0.0","deferred_bind":true}' ;;
+create)
+  root="$(field "${DHV_PARAMETERS:-}" export)"
+  case "$root" in /*) ;; *) echo '{"error":"export must be absolute"}'; exit 1 ;; esac
+  mkdir -p "$root/$DHV_NAMESPACE/$DHV_VOLUME_ID"
+  echo "{\"context\":{\"export_path\":\"$root/$DHV_NAMESPACE/$DHV_VOLUME_ID\"}}" ;;
+publish)
+  src="$(field "$DHV_CONTEXT" export_path)"
+  mkdir -p "$DHV_TARGET_PATH"
+  if findmnt -rn --mountpoint "$DHV_TARGET_PATH" >/dev/null; then
+    [ "$(stat -c %d:%i "$src")" = "$(stat -c %d:%i "$DHV_TARGET_PATH")" ] || { echo '{"error":"occupied"}'; exit 1; }
+  else
+    mount --bind "$src" "$DHV_TARGET_PATH"
+    [ "${DHV_READ_ONLY:-false}" = true ] && mount -o remount,bind,ro "$DHV_TARGET_PATH"
+  fi
+  echo "{\"path\":\"$DHV_TARGET_PATH\"}" ;;
+unpublish)
+  while findmnt -rn --mountpoint "$DHV_TARGET_PATH" >/dev/null; do umount "$DHV_TARGET_PATH"; done
+  echo '{}' ;;
+delete) echo '{}' ;;
+*) echo '{"error":"unknown"}'; exit 1 ;;
+esac
+"#,
+    );
+    let (code, report) = check(
+        &sb,
+        &sb.join("plugins/oldbind"),
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_eq!(code, 1, "{report}");
+    assert!(report.contains("FAIL  JSON input parsed "), "{report}");
+    assert!(report.contains("FAIL  paths confined "), "{report}");
+    assert!(report.contains("publish SUCCEEDED"), "{report}");
     assert!(
         dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"

@@ -140,13 +140,15 @@ async fn the_daemon_works_with_the_narrowed_policy() {
             "{path}: {r:?}"
         );
     }
-    let ok = Variable {
-        namespace: "default".into(),
-        path: "dhv-binder/claims/probe".into(),
-        items: BTreeMap::from([("a".to_string(), "b".to_string())]),
-        ..Default::default()
-    };
-    client.put_variable(&ok, None).await.unwrap();
+    for path in ["dhv-binder/claims/probe", "dhv-binder/snapshots/probe"] {
+        let ok = Variable {
+            namespace: "default".into(),
+            path: path.into(),
+            items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+            ..Default::default()
+        };
+        client.put_variable(&ok, None).await.unwrap();
+    }
 
     // The agent published its node record (namespace default) with the narrowed token.
     let node_records = req(

@@ -9,6 +9,15 @@
 //! private namespace and vanishes with it. Models `drivers/exec` + `drivers/shared/executor`
 //! (`executor_linux.go`, libcontainer mounts).
 //!
+//! The command runs as the task's `user`, `nobody` when the task sets none (Nomad:
+//! `drivers/exec/driver.go` `StartTask`), looked up in the host's user database before the
+//! pivot (`drivers/shared/executor/executor_linux_cgo.go` `Launch`: `users.Lookup`, then
+//! `USER`, `LOGNAME` and `HOME` added to the environment). An unknown user fails the start.
+//! Stricter than Nomad on purpose: a non-root task gets the user's primary group (Nomad leaves
+//! the group at 0) and no capabilities (Nomad grants its default set, DAC_OVERRIDE included,
+//! unless the client's `allow_caps` or the task's `cap_drop` narrow it), so a task writes only
+//! where the user itself may: what a hardened client allows. `user = "root"` runs as root.
+//!
 //! Nomad builds the chroot by copying `chroot_env` into the task dir, so an entry may land
 //! inside another one (`"/usr" = "/usr"` plus a file at `/usr/local/bin/x`). Here the outer
 //! entry is a read-only bind of the host directory, so a missing mount point inside it cannot be
@@ -53,6 +62,13 @@ pub struct ExecSpec {
     pub args: Vec<String>,
     /// Full environment.
     pub env: Vec<(String, String)>,
+    /// The user the command runs as: the task's `user`, or `nobody` when it sets none.
+    #[serde(default = "nobody")]
+    pub user: String,
+}
+
+fn nobody() -> String {
+    "nobody".into()
 }
 
 /// Errors of the helper; printed to the task's stderr log, exit code 1.
@@ -70,6 +86,10 @@ pub enum ExecError {
     /// exec failed.
     #[error("failed to exec {0}: {1}")]
     Exec(String, std::io::Error),
+    /// The task's user is not in the host's user database (Nomad: "failed host user
+    /// validation").
+    #[error("failed host user validation: user {0:?} not found")]
+    User(String),
 }
 
 fn inside(root: &Path, dest: &str) -> PathBuf {
@@ -234,6 +254,11 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
     let raw = std::fs::read(spec_path).map_err(|e| ExecError::Spec(e.to_string()))?;
     let spec: ExecSpec =
         serde_json::from_slice(&raw).map_err(|e| ExecError::Spec(e.to_string()))?;
+    // Looked up on the host, before the task's root replaces it.
+    let user = nix::unistd::User::from_name(&spec.user)
+        .ok()
+        .flatten()
+        .ok_or_else(|| ExecError::User(spec.user.clone()))?;
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
         .map_err(|e| ExecError::Sys("unshare(CLONE_NEWNS)".into(), e))?;
     mount(
@@ -310,10 +335,18 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
         .map_err(|e| ExecError::Sys(format!("overlay on {} (read-only)", dir.display()), e))?;
     }
     enter_root(root)?;
-    let err = std::process::Command::new(&spec.command)
-        .args(&spec.args)
+    let mut cmd = std::process::Command::new(&spec.command);
+    cmd.args(&spec.args)
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .exec();
+        .env("USER", &user.name)
+        .env("LOGNAME", &user.name)
+        .env("HOME", &user.dir);
+    if !user.uid.is_root() {
+        // setgid, then setgroups(0) and setuid (std's order): the user's own group only, and
+        // the change of uid from root clears every capability.
+        cmd.gid(user.gid.as_raw()).uid(user.uid.as_raw());
+    }
+    let err = cmd.exec();
     Err(ExecError::Exec(spec.command.clone(), err))
 }

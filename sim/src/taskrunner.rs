@@ -358,8 +358,16 @@ impl TaskRunner {
 
     fn prepare_dirs(&self) -> std::io::Result<()> {
         let td = self.task_dir();
-        for d in ["local", "secrets", "tmp"] {
-            std::fs::create_dir_all(td.join(d))?;
+        // Usable by the task's user, whoever it is (`nobody` by default): the task dir, local/
+        // and secrets/ 0777, tmp/ 1777, all owned by nobody (Nomad: `client/allocdir/task_dir.go`
+        // `TaskDir.Build`, `TaskDirs`).
+        for (d, mode) in [
+            ("", 0o777),
+            ("local", 0o777),
+            ("secrets", 0o777),
+            ("tmp", 0o1777),
+        ] {
+            alloc_mkdir_all(&td.join(d), mode)?;
         }
         if let Some(id) = &self.task.Identity {
             if id.File {
@@ -416,6 +424,12 @@ impl TaskRunner {
                 command: command.clone(),
                 args,
                 env: env.into_iter().collect(),
+                // Nomad's exec driver runs a task that sets no user as `nobody`.
+                user: if self.task.User.is_empty() {
+                    "nobody".into()
+                } else {
+                    self.task.User.clone()
+                },
             };
             let spec_path = self
                 .alloc_dir
@@ -740,10 +754,28 @@ fn terminated_event(status: Option<std::process::ExitStatus>) -> TaskEvent {
     e
 }
 
-/// Creates the alloc dir layout (`alloc/{data,logs,tmp}`).
+/// Makes directory `path` as Nomad's `allocMkdirAll` does (`client/allocdir/alloc_dir.go`,
+/// `dropDirPermissions` in `fs_unix.go`): mode `mode | 0777`, owned by `nobody` when running
+/// as root, so a task running as any user can use it.
+fn alloc_mkdir_all(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode | 0o777))?;
+    if nix::unistd::geteuid().is_root() {
+        let nobody = nix::unistd::User::from_name("nobody")
+            .ok()
+            .flatten()
+            .ok_or_else(|| std::io::Error::other("unable to find the nobody user"))?;
+        nix::unistd::chown(path, Some(nobody.uid), Some(nobody.gid))?;
+    }
+    Ok(())
+}
+
+/// Creates the alloc dir layout: the shared `alloc/` and its `data`, `logs`, `tmp`, as
+/// Nomad's `AllocDir.Build` makes them (`allocMkdirAll`: 0777, owned by nobody).
 pub fn build_alloc_dir(alloc_dir: &Path) -> std::io::Result<()> {
-    for d in ["alloc/data", "alloc/logs", "alloc/tmp"] {
-        std::fs::create_dir_all(alloc_dir.join(d))?;
+    for d in ["alloc", "alloc/data", "alloc/logs", "alloc/tmp"] {
+        alloc_mkdir_all(&alloc_dir.join(d), 0o777)?;
     }
     Ok(())
 }

@@ -11,6 +11,7 @@ use crate::agent::latency::Latency;
 use crate::agent::mount_health::MountHealth;
 use crate::agent::placeholders::Placeholders;
 use crate::agent::retry::{Retries, Work, STEP_RETRY};
+use crate::agent::storage_ops::{self, StorageOps};
 use crate::agent::waiters::{Known, Waiter, Waiters};
 use crate::agent::workers::Workers;
 use crate::api::{ApiError, PublishReply};
@@ -71,6 +72,7 @@ pub(crate) struct Core {
     fetching: BTreeSet<String>,
     placeholders: Placeholders,
     workers: Workers,
+    storage_ops: StorageOps,
     claims: Claims,
     mount_health: MountHealth,
     waiting: Vec<Waiting>,
@@ -137,6 +139,7 @@ impl Core {
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
             workers: Workers::default(),
+            storage_ops: StorageOps::default(),
             claims,
             waiting: Vec::new(),
             latency: Latency::default(),
@@ -231,6 +234,7 @@ impl Core {
                 let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
                 ids.iter().for_each(|id| self.check_gate(id));
             }
+            Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
             Input::Api { reply, call } => match call {
                 ApiCall::Status => out.push(Effect::Reply {
                     to: reply,
@@ -530,6 +534,11 @@ impl Core {
             Completion::Worker { volume, result } => {
                 self.workers.on_done(volume, result, &mut self.retries, now)
             }
+            Completion::Storage { op, result } => {
+                if let Some(v) = self.storage_ops.on_done(op, result, &mut self.retries, now) {
+                    self.busy.remove(&v);
+                }
+            }
             Completion::ClaimAcquired { volume, result } => {
                 self.busy.remove(&volume);
                 self.claims
@@ -678,6 +687,13 @@ impl Core {
                         self.parked.insert(volume);
                         continue;
                     }
+                    if self.publish_held(&volume) {
+                        self.waiting.push(Waiting {
+                            reason: "a requested expansion runs before the next publish".into(),
+                            volume,
+                        });
+                        continue;
+                    }
                     if let Some(e) = self.start_publish(volume.clone(), alloc_id, read_only) {
                         gated.push(volume);
                         calls.push(e);
@@ -726,7 +742,11 @@ impl Core {
         }
         if chores && self.plugins_loaded {
             let pool = &self.s.node.node_pool;
-            let served = self.volumes.values().filter(|r| serves(r, &deferred, pool));
+            let me = self.s.node.node_id.as_str();
+            let served = self
+                .volumes
+                .values()
+                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me));
             let (journal, placeholders) = (&self.journal, &self.placeholders);
             let in_use =
                 |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);
@@ -734,6 +754,18 @@ impl Core {
                 served,
                 &self.s.node.node_id,
                 in_use,
+                &self.retries,
+                now,
+            ));
+        }
+        if self.placeholders_ready() {
+            out.extend(self.storage_ops.drive(
+                &self.volumes,
+                &self.plugins,
+                self.journal.mounts(),
+                &mut self.busy,
+                &self.s.node.node_id,
+                &self.s.node.node_pool,
                 &self.retries,
                 now,
             ));
@@ -752,6 +784,17 @@ impl Core {
             // Calls always come with intents, so with no commit there are none.
             out.extend(calls);
         }
+    }
+
+    /// A publish of `volume` waits for its pending expansion (storage_ops::holds_publish).
+    fn publish_held(&self, volume: &VolumeKey) -> bool {
+        self.volumes.get(volume).is_some_and(|r| {
+            let fp = self
+                .plugins
+                .get(&r.spec.plugin_id)
+                .and_then(|f| f.as_ref().ok());
+            storage_ops::holds_publish(r, fp)
+        })
     }
 
     /// Gathers what the inputs since the last pass dirtied: the view's changes (with the
@@ -985,6 +1028,7 @@ impl Core {
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.status(),
             "mount_health": self.mount_health.status(),
+            "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
             "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
             "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
@@ -1092,6 +1136,7 @@ mod tests {
             let fp = Fingerprint {
                 version: "1".into(),
                 deferred_bind: true,
+                capabilities: Vec::new(),
             };
             h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
                 "bind".to_string(),
@@ -1191,6 +1236,7 @@ mod tests {
         let fp = Fingerprint {
             version: "1".into(),
             deferred_bind: true,
+            capabilities: Vec::new(),
         };
         all.extend(core.handle(
             Input::Done(Completion::Plugins(BTreeMap::from([(
@@ -1246,6 +1292,7 @@ mod tests {
             Ok(Fingerprint {
                 version: "1".into(),
                 deferred_bind: true,
+                capabilities: Vec::new(),
             }),
         )]))));
         h.feed(Input::Catalogue(
@@ -1876,6 +1923,7 @@ mod tests {
             let fp = || Fingerprint {
                 version: "1".into(),
                 deferred_bind: true,
+                capabilities: Vec::new(),
             };
             w.feed(
                 || {

@@ -33,6 +33,8 @@ pub(crate) enum Effect {
     Create(Box<VolumeRecord>),
     /// Plugin `delete` (with the record's check-and-set claim).
     Delete(Box<VolumeRecord>),
+    /// A snapshot or expansion step (agent/storage_ops.rs decides, taken by check-and-set).
+    Storage(crate::executor::storage::StorageOp),
     /// Nomad: list this node's placeholder host volumes.
     ListPlaceholders,
     /// Nomad: register the placeholder host volume of `volume` at `target`; `id` set

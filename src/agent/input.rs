@@ -29,6 +29,8 @@ pub(crate) enum Input {
     Watch(WatchEvent),
     /// A fresh copy of the cluster's volume records.
     Catalogue(Catalogue),
+    /// A fresh copy of the cluster's snapshot records.
+    Snapshots(crate::snapshot::Snapshots),
     /// A caller on the local API; answer with [`crate::agent::effect::Effect::Reply`].
     Api { reply: ReplyId, call: ApiCall },
     /// The caller went away (its connection closed) before it was answered.

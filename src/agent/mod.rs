@@ -5,7 +5,8 @@
 //! - `input` / `effect`: what goes in (messages, typed completions) and what comes out;
 //! - decisions, by what they decide: `waiters` (the answer to a prestart caller, "publish
 //!   timed out"), `claims` (renewal timing, "claim lost"), `placeholders`, `workers`
-//!   (volume create/delete), `mount_health` (dead, failing and hung mounts), `retry`
+//!   (volume create/delete), `storage_ops` (snapshots, expansions, the publish that waits
+//!   for an expansion), `mount_health` (dead, failing and hung mounts), `retry`
 //!   (one backoff table for every kind of work), `latency`;
 //! - `shell`: the loop, the one place that performs effects; `meter`: what it measures
 //!   for the metrics (counts of what the core decided, timings of what the shell ran).
@@ -23,6 +24,7 @@ pub(crate) mod mount_health;
 pub(crate) mod placeholders;
 pub(crate) mod retry;
 pub(crate) mod shell;
+pub(crate) mod storage_ops;
 pub(crate) mod waiters;
 pub(crate) mod workers;
 

@@ -18,6 +18,8 @@ pub(crate) enum Work {
     Worker(VolumeKey),
     /// Taking the volume's single-node claim.
     Claim(VolumeKey),
+    /// A snapshot or expansion step (agent/storage_ops.rs).
+    Storage(crate::worker::OpKey),
 }
 
 /// Plugin calls, placeholders, create/delete: 1 s doubling to 60 s.

@@ -297,8 +297,12 @@ impl Shell {
             ),
             // Not under the permits: a node whose calls all hang still learns its plugins.
             Effect::Fingerprint => self.call(executor::fingerprint_all(runner)),
-            Effect::Create(rec) => {
-                self.plugin_call(executor::create(client, runner, node, *rec), false)
+            Effect::Create(rec) => self.plugin_call(
+                executor::create(client, runner, node, *rec, self.cfg.mount_root()),
+                false,
+            ),
+            Effect::Storage(op) => {
+                self.plugin_call(executor::storage::perform(client, runner, node, op), true)
             }
             Effect::Delete(rec) => {
                 self.plugin_call(executor::delete(client, runner, node, *rec), false)
@@ -510,6 +514,8 @@ impl Shell {
 struct Sources {
     watch: mpsc::Receiver<WatchEvent>,
     catalogue: mpsc::Receiver<Catalogue>,
+    /// The snapshot records (`crate::snapshot::watch`).
+    snapshots: mpsc::Receiver<crate::snapshot::Snapshots>,
     api: mpsc::Receiver<Request2Agent>,
     plugins: mpsc::Receiver<()>,
     /// The periodic tick (`--tick`).
@@ -538,6 +544,7 @@ impl Shell {
         let mut inputs: Vec<Input> = tokio::select! {
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
+            Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
             Some(req) = src.api.recv() => self.admit(req).into_iter().collect(),
             Some(done) = self.tasks.join_next() => match done {
                 Ok(r) => self.on_report(r),
@@ -627,6 +634,7 @@ pub async fn run(
     let rejected_records = catalog::Rejections::default();
     let (watch_tx, watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, cat_rx) = mpsc::channel::<Catalogue>(4);
+    let (snap_tx, snap_rx) = mpsc::channel::<crate::snapshot::Snapshots>(4);
     let (api_tx, api_rx) = mpsc::channel::<Request2Agent>(256);
     let (plugins_tx, plugins_rx) = mpsc::channel::<()>(1);
 
@@ -643,6 +651,11 @@ pub async fn run(
             trust,
             rejected_records.clone(),
             cat_tx,
+        )),
+        tokio::spawn(crate::snapshot::watch(
+            client.clone(),
+            Duration::from_secs(300),
+            snap_tx,
         )),
         tokio::spawn(crate::api::serve_with(
             listener,
@@ -713,6 +726,7 @@ pub async fn run(
     let mut sources = Sources {
         watch: watch_rx,
         catalogue: cat_rx,
+        snapshots: snap_rx,
         api: api_rx,
         plugins: plugins_rx,
         tick: ticker(cfg.tick),
@@ -964,12 +978,14 @@ mod tests {
         );
         let (_watch, watch) = mpsc::channel(1);
         let (_catalogue, catalogue) = mpsc::channel(1);
+        let (_snapshots, snapshots) = mpsc::channel(1);
         let (_api, api) = mpsc::channel(1);
         let (_plugins, plugins) = mpsc::channel(1);
         let every = Duration::from_millis(200);
         let mut src = Sources {
             watch,
             catalogue,
+            snapshots,
             api,
             plugins,
             tick: ticker(every),
@@ -979,6 +995,7 @@ mod tests {
             let fp = crate::plugin::Fingerprint {
                 version: "1".into(),
                 deferred_bind: true,
+                capabilities: Vec::new(),
             };
             Input::Done(Completion::Plugins(
                 [("bind".to_string(), Ok(fp))].into_iter().collect(),

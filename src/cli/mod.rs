@@ -1,4 +1,5 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
+//! `volume snapshot create|list|delete` ([`storage`]),
 //! `plugin check|status`, `node status`; one file per command group, [`output`] for the
 //! readable (Nomad-style) and JSON forms every read command prints.
 //!
@@ -23,6 +24,7 @@ pub mod output;
 pub mod plugin;
 pub mod prestart;
 pub mod status;
+pub mod storage;
 pub mod volume;
 
 use crate::config::{AgentConfig, NomadConfig};

@@ -43,6 +43,11 @@ pub enum PluginCommand {
         /// Scratch directory (default: a new one under the temporary directory, removed after).
         #[arg(long)]
         scratch: Option<PathBuf>,
+        /// A directory the plugin may touch on the test node, as the agent's
+        /// `--plugin-root <plugin_id>=<dir>` (DHV_ALLOWED_ROOTS), besides the scratch volumes
+        /// dir and the absolute paths given as parameters; repeatable.
+        #[arg(long = "plugin-root")]
+        roots: Vec<PathBuf>,
     },
     /// List plugins across the cluster (nodes with each, healthy, deferred), or with an ID,
     /// that plugin on every node (like `nomad plugin status`).
@@ -74,10 +79,12 @@ fn key_value_lines(text: &str, what: &str) -> Result<Vec<(String, String)>, Fail
         .collect()
 }
 
-/// The check's secrets from `--secrets-file` and `DHV_BINDER_CHECK_SECRETS`.
-fn check_secrets(
+/// Secrets given off the command line: `KEY=VALUE` lines of `file` (`--secrets-file`), then
+/// of `env`, the text of the environment variable named `env_name`.
+pub(super) fn secrets_from(
     file: Option<&std::path::Path>,
     env: Option<&str>,
+    env_name: &str,
 ) -> Result<Vec<(String, String)>, Failure> {
     let mut secrets = Vec::new();
     if let Some(f) = file {
@@ -86,12 +93,13 @@ fn check_secrets(
         secrets.extend(key_value_lines(&text, &f.display().to_string())?);
     }
     if let Some(text) = env {
-        secrets.extend(key_value_lines(text, "DHV_BINDER_CHECK_SECRETS")?);
+        secrets.extend(key_value_lines(text, env_name)?);
     }
     Ok(secrets)
 }
 
-fn key_value(s: &str) -> Result<(String, String), String> {
+/// Parses a `KEY=VALUE` flag value (`--param`).
+pub(super) fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .filter(|(k, _)| !k.is_empty())
@@ -280,8 +288,13 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
             capacity,
             timeout,
             scratch,
+            roots,
         } => {
-            let secrets = check_secrets(secrets_file.as_deref(), secrets_env.as_deref())?;
+            let secrets = secrets_from(
+                secrets_file.as_deref(),
+                secrets_env.as_deref(),
+                "DHV_BINDER_CHECK_SECRETS",
+            )?;
             let report = crate::conformance::check(crate::conformance::Options {
                 plugin: executable,
                 parameters: params.into_iter().collect(),
@@ -289,6 +302,7 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
                 capacity,
                 timeout,
                 scratch,
+                roots,
             })
             .await
             .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;

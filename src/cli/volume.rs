@@ -3,6 +3,7 @@
 //! operator's key ([`crate::trust`]).
 
 use super::output::{bytes, kv, table, OutputArgs};
+use super::storage::{self, LocalPlugins, SnapshotCommand, SnapshotSummary};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
 use crate::config::NomadConfig;
 use crate::escape::escape_control;
@@ -23,15 +24,22 @@ pub const REGISTERED_ITEM: &str = "registered";
 #[derive(Debug, Subcommand)]
 pub enum VolumeCommand {
     /// Create a deferred volume from an HCL spec (like `nomad volume create`): fails at once
-    /// when no live node has the plugin (deferred and healthy) in the spec's node pool.
+    /// when no live node has the plugin (deferred and healthy) in the spec's node pool. Given
+    /// again for an existing volume with a larger `capacity_min`, grows it (plugin capability
+    /// "expand"); shrinking or changing anything else is refused.
     Create {
         spec: PathBuf,
         /// Return once recorded, without waiting for the plugin's create.
         #[arg(long)]
         detach: bool,
         #[command(flatten)]
+        local: LocalPlugins,
+        #[command(flatten)]
         key: SigningArgs,
     },
+    /// Snapshot volumes, list and delete snapshots (like `nomad volume snapshot`).
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
     /// Register a volume that already exists in the storage (like `nomad volume register`):
     /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
     /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
@@ -148,7 +156,13 @@ pub struct VolumeDetail {
     pub signed: bool,
     pub worker_node: String,
     pub error: String,
+    /// Where the content came from: `snapshot <id>`, `clone of volume <name>`, or empty.
+    pub source: String,
+    /// A pending or failed storage operation (an expansion), or empty.
+    pub operation: String,
     pub allocations: Vec<VolumeUser>,
+    /// The volume's snapshots, oldest first.
+    pub snapshots: Vec<SnapshotSummary>,
 }
 
 fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
@@ -246,6 +260,12 @@ pub fn render_detail(d: &VolumeDetail) -> String {
     if !d.error.is_empty() {
         rows.push(("Error", d.error.clone()));
     }
+    if !d.source.is_empty() {
+        rows.push(("Source", d.source.clone()));
+    }
+    if !d.operation.is_empty() {
+        rows.push(("Operation", d.operation.clone()));
+    }
     let mut out = kv(&rows);
     out.push_str("\nAllocations\n");
     let users: Vec<Vec<String>> = d
@@ -258,6 +278,10 @@ pub fn render_detail(d: &VolumeDetail) -> String {
         &users,
         "No allocations use this volume",
     ));
+    if !d.snapshots.is_empty() {
+        out.push_str("\nSnapshots\n");
+        out.push_str(&storage::render_snapshots(&d.snapshots));
+    }
     out
 }
 
@@ -283,7 +307,7 @@ async fn read_var(
     Ok((rec, registered))
 }
 
-async fn read_record(
+pub(super) async fn read_record(
     client: &Client,
     namespace: &str,
     name: &str,
@@ -293,7 +317,7 @@ async fn read_record(
 
 /// Allocations using a volume, from its placeholders (Nomad denormalizes each host
 /// volume's non-terminal allocations).
-async fn users_of(
+pub(super) async fn users_of(
     client: &Client,
     namespace: &str,
     name: &str,
@@ -460,6 +484,7 @@ async fn create(
     ns: &str,
     spec: PathBuf,
     detach: bool,
+    local: &LocalPlugins,
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
@@ -473,6 +498,14 @@ async fn create(
             ),
         ));
     }
+    if client
+        .variable(&spec.namespace, &volume::record_path(&spec.name))
+        .await?
+        .is_some()
+    {
+        return storage::create_existing(client, &spec, detach, local, key.as_ref()).await;
+    }
+    storage::check_source(client, &spec, local).await?;
     let (records, bad) = nodes::list(client).await?;
     for e in bad {
         eprintln!("warning: {e}");
@@ -486,6 +519,8 @@ async fn create(
         return Err(Failure::new(EXIT_FAILED, why));
     }
     let mut rec = VolumeRecord::new(spec, secrets);
+    // A clone is made where its source is published, so the plugin can quiesce it.
+    rec.worker_node = storage::source_node(client, &rec.spec).await?;
     if let Some(k) = &key {
         k.sign(&mut rec);
     }
@@ -631,7 +666,18 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
         signed: !r.signature.is_empty(),
         worker_node: r.worker_node.clone(),
         error: r.error.clone(),
+        source: storage::describe_source(&r.spec.source),
+        operation: r
+            .expansion
+            .as_ref()
+            .map(|x| x.describe())
+            .unwrap_or_default(),
         allocations: users_of(client, ns, &name).await?,
+        snapshots: storage::snapshots(client, &r.spec.namespace, Some(&r.spec.name))
+            .await?
+            .iter()
+            .map(SnapshotSummary::of)
+            .collect(),
     };
     out.print(&d, render_detail)
 }
@@ -749,9 +795,13 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
     let ns = nomad.namespace.as_str();
     match cmd {
         VolumeCommand::Keygen { out } => keygen(&out),
-        VolumeCommand::Create { spec, detach, key } => {
-            create(&client, ns, spec, detach, key.load()?).await
-        }
+        VolumeCommand::Create {
+            spec,
+            detach,
+            local,
+            key,
+        } => create(&client, ns, spec, detach, &local, key.load()?).await,
+        VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
         VolumeCommand::Register { spec, key } => register(&client, ns, spec, key.load()?).await,
         VolumeCommand::List { out } => list(&client, ns, out).await,
         VolumeCommand::Status { name, out } => status(&client, ns, name, out).await,
@@ -812,11 +862,14 @@ mod tests {
             worker_node: String::new(),
             // Plugin and record text is terminal-escaped (issue 13 §5).
             error: "bad\u{1b}[2J\nfake".into(),
+            source: String::new(),
+            operation: String::new(),
             allocations: vec![VolumeUser {
                 alloc_id: "a1".into(),
                 alloc_name: "example.app[0]".into(),
                 node_id: "n1".into(),
             }],
+            snapshots: Vec::new(),
         };
         let s = render_detail(&d);
         assert_eq!(

@@ -42,6 +42,12 @@ pub struct Node {
     pub log: PathBuf,
 }
 
+/// Volume parameters (bind, ext4) that make its root directory `nobody`'s, the user the exec
+/// driver runs a task as when it sets none.
+pub const NOBODY_UID: (&str, &str) = ("uid", "65534");
+/// See [`NOBODY_UID`].
+pub const NOBODY_GID: (&str, &str) = ("gid", "65534");
+
 /// A running cluster. Fields are dropped in order: processes first, then the sandbox.
 pub struct Cluster {
     pub sim: Option<Child>,
@@ -118,6 +124,7 @@ impl Cluster {
         }
         let export = sb.join("export");
         std::fs::create_dir_all(&export).unwrap();
+        std::fs::create_dir_all(sb.join("images")).unwrap();
         // The operator's signing key (the CLI signs records) and the nodes' trusted keys.
         let (key, text) = dhv_binder::trust::SigningKey::generate().unwrap();
         {
@@ -267,6 +274,16 @@ impl Cluster {
             .env("DHV_BINDER_STATE_DIR", &n.state_dir)
             .env("DHV_BINDER_SOCKET", &n.socket)
             .env("DHV_BINDER_PLUGIN_DIR", &self.plugin_dir)
+            // The storage the tests' volumes live in (bind's export, ext4's images), as
+            // `--plugin-root <plugin_id>=<dir>` settings.
+            .env(
+                "DHV_BINDER_PLUGIN_ROOTS",
+                format!(
+                    "bind={},ext4={}",
+                    self.export.display(),
+                    self.sb.join("images").display()
+                ),
+            )
             .env("DHV_BINDER_TICK", "200ms")
             .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
@@ -304,10 +321,19 @@ impl Cluster {
         (out.status.code().unwrap_or(-1), text)
     }
 
-    /// Creates the deferred volume `name` with the bind plugin, exporting under the sandbox.
+    /// Creates the deferred volume `name` with the bind plugin, exporting under the sandbox,
+    /// owned by `nobody` (65534) as jobspecs/volume.hcl has it: the exec driver runs tasks
+    /// that set no `user` as `nobody`.
     pub fn create_volume(&self, name: &str, access_mode: &str) -> String {
         let export = self.export.display().to_string();
-        self.create_volume_with(name, access_mode, "bind", &[("export", &export)], &[], "")
+        self.create_volume_with(
+            name,
+            access_mode,
+            "bind",
+            &[("export", &export), NOBODY_UID, NOBODY_GID],
+            &[],
+            "",
+        )
     }
 
     /// Creates the deferred volume `name` with `plugin`, `parameters`, `secrets` and any

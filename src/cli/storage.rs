@@ -1,0 +1,613 @@
+//! `dhv-binder volume snapshot create|list|delete` (shaped like `nomad volume snapshot`), and
+//! growing a volume with `volume create` on an existing volume (see [`crate::expansion`]).
+//!
+//! Where the plugin is installed on the machine the command runs on (`--plugin-dir`, default
+//! the agent's), its fingerprint is read first and an operation it does not declare is refused
+//! at once, naming the plugin and the missing capability. Elsewhere the agent that takes the
+//! operation refuses it the same way, and the command reports that.
+
+use super::output::{bytes, table, OutputArgs};
+use super::volume::{read_record, users_of};
+use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
+use crate::expansion::{self, ExpansionState, Update};
+use crate::nomad::Client;
+use crate::plugin::{Capability, Operation, Runner};
+use crate::snapshot::{self, SnapshotRecord, SNAPSHOT_PREFIX};
+use crate::trust::SigningKey;
+use crate::volume::{VolumeRecord, VolumeSource, VolumeSpec, VolumeState};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// `volume snapshot` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum SnapshotCommand {
+    /// Snapshot a volume (its plugin must declare "snapshot"). Prints the snapshot ID.
+    Create {
+        volume: String,
+        /// A name for the snapshot, shown by `list`.
+        name: Option<String>,
+        /// Return once recorded, without waiting for the plugin.
+        #[arg(long)]
+        detach: bool,
+        #[command(flatten)]
+        local: LocalPlugins,
+    },
+    /// List snapshots (of one volume if named): ID, volume, name, size, creation time, state.
+    List {
+        volume: Option<String>,
+        /// Also ask this plugin, installed on this machine, what its storage holds
+        /// (operation `snapshot_list`, capability "snapshot_list"), with `--secret`s.
+        #[arg(long)]
+        plugin: Option<String>,
+        /// File of secrets for the plugin's `snapshot_list` (DHV_SECRETS), one KEY=VALUE per
+        /// line. Secrets never go on the command line (other users can read it in /proc).
+        #[arg(long = "secrets-file", requires = "plugin")]
+        secrets_file: Option<PathBuf>,
+        /// The same, from the environment (KEY=VALUE lines).
+        #[arg(
+            long = "secrets-env",
+            env = "DHV_BINDER_SNAPSHOT_SECRETS",
+            hide_env_values = true,
+            hide = true
+        )]
+        secrets_env: Option<String>,
+        /// A directory the plugin keeps storage under on this machine, as the agent's
+        /// `--plugin-root <plugin_id>=<dir>` (DHV_ALLOWED_ROOTS); repeatable.
+        #[arg(long = "plugin-root", requires = "plugin")]
+        roots: Vec<PathBuf>,
+        #[command(flatten)]
+        local: LocalPlugins,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Delete a snapshot by ID.
+    Delete {
+        snapshot_id: String,
+        #[arg(long)]
+        detach: bool,
+    },
+}
+
+/// One snapshot as `volume snapshot list` and `volume status` show it (`-json` prints these).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SnapshotSummary {
+    pub id: String,
+    pub namespace: String,
+    pub volume: String,
+    pub name: String,
+    /// Size in bytes, as the plugin's `snapshot_create` reported it (0 until ready).
+    pub bytes: u64,
+    /// Unix seconds when the snapshot was requested.
+    pub created_at: u64,
+    pub ready: bool,
+    /// `pending`, `creating`, `ready`, `failed`, `deleting`.
+    pub state: String,
+    pub error: String,
+}
+
+impl SnapshotSummary {
+    /// The summary of a record (never its context or secrets).
+    pub fn of(s: &SnapshotRecord) -> Self {
+        SnapshotSummary {
+            id: s.id.clone(),
+            namespace: s.namespace.clone(),
+            volume: s.volume.clone(),
+            name: s.name.clone(),
+            bytes: s.bytes,
+            created_at: s.created_at,
+            ready: s.state == VolumeState::Ready,
+            state: s.state.as_str().into(),
+            error: s.error.clone(),
+        }
+    }
+}
+
+/// The readable snapshot table: ID, volume, name, size, creation time, ready.
+pub fn render_snapshots(rows: &[SnapshotSummary]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|s| {
+            vec![
+                s.id.clone(),
+                s.volume.clone(),
+                if s.name.is_empty() {
+                    "-".into()
+                } else {
+                    s.name.clone()
+                },
+                if s.ready { bytes(s.bytes) } else { "-".into() },
+                when(s.created_at),
+                if s.ready {
+                    "true".into()
+                } else if s.error.is_empty() {
+                    format!("false ({})", s.state)
+                } else {
+                    format!("false ({}: {})", s.state, s.error)
+                },
+            ]
+        })
+        .collect();
+    table(
+        &["ID", "Volume", "Name", "Size", "Created", "Ready"],
+        &rows,
+        "No snapshots",
+    )
+}
+
+/// `volume status`'s Source line: `snapshot <id>`, `clone of volume <name>`, or empty.
+pub fn describe_source(source: &VolumeSource) -> String {
+    match source {
+        VolumeSource::Empty => String::new(),
+        VolumeSource::SnapshotId(id) => format!("snapshot {id}"),
+        VolumeSource::CloneId(name) => format!("clone of volume {name}"),
+    }
+}
+
+/// Where this machine's plugins are, for the early capability check.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LocalPlugins {
+    /// The plugin directory on this machine (the agent's --plugin-dir).
+    #[arg(
+        long,
+        env = "DHV_BINDER_PLUGIN_DIR",
+        default_value = "/opt/dhv-binder/plugins"
+    )]
+    pub plugin_dir: PathBuf,
+}
+
+/// Refuses `op` when `plugin_id` is installed here and does not declare it. `Ok` when it
+/// does, or when it is not installed here (the agent checks then).
+pub async fn precheck(plugin_dir: &Path, plugin_id: &str, cap: Capability) -> Result<(), Failure> {
+    let runner = Runner::new(plugin_dir, Duration::from_secs(5));
+    if !runner.path_of(plugin_id).is_ok_and(|p| p.is_file()) {
+        return Ok(());
+    }
+    let fp = runner
+        .fingerprint(plugin_id)
+        .await
+        .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+    fp.require_capability(plugin_id, cap)
+        .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn when(secs: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(secs)).to_string()
+}
+
+async fn read_snapshot(
+    client: &Client,
+    ns: &str,
+    id: &str,
+) -> Result<Option<SnapshotRecord>, Failure> {
+    if uuid::Uuid::parse_str(id).is_err() {
+        return Err(Failure::new(
+            EXIT_CONFIG,
+            format!(
+                "{id:?} is not a snapshot ID (a UUID, as `dhv-binder volume snapshot list` shows)"
+            ),
+        ));
+    }
+    match client.variable(ns, &snapshot::record_path(id)).await? {
+        None => Ok(None),
+        Some(var) => SnapshotRecord::from_variable(&var)
+            .map(Some)
+            .map_err(|e| Failure::new(EXIT_FAILED, e.to_string())),
+    }
+}
+
+/// Every snapshot record in `ns` (of `volume` if given), oldest first.
+pub async fn snapshots(
+    client: &Client,
+    ns: &str,
+    volume: Option<&str>,
+) -> Result<Vec<SnapshotRecord>, Failure> {
+    let metas = client
+        .list_variables(SNAPSHOT_PREFIX, ns, 0, Duration::ZERO)
+        .await?
+        .value;
+    let mut out = Vec::new();
+    for m in metas {
+        if let Some(var) = client.variable(&m.namespace, &m.path).await? {
+            match SnapshotRecord::from_variable(&var) {
+                Ok(s) if volume.is_none_or(|v| v == s.volume) => out.push(s),
+                Ok(_) => {}
+                Err(e) => eprintln!("warning: {e}"),
+            }
+        }
+    }
+    out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+    Ok(out)
+}
+
+/// Waits until `done` says the record at `path` is finished; `Err` after 2 minutes.
+async fn wait<T>(
+    what: &str,
+    mut poll: impl AsyncFnMut() -> Result<Option<T>, Failure>,
+) -> Result<T, Failure> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(t) = poll().await? {
+            return Ok(t);
+        }
+        if Instant::now() > deadline {
+            return Err(Failure::new(
+                EXIT_TIMEOUT,
+                format!("{what} still pending after 2m: is dhv-binder running on a node with the plugin? (`dhv-binder volume snapshot list`, `dhv-binder volume status`)"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Runs a `volume snapshot` subcommand in namespace `ns`.
+pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Result<(), Failure> {
+    match cmd {
+        SnapshotCommand::Create {
+            volume,
+            name,
+            detach,
+            local,
+        } => {
+            let vol = read_record(client, ns, &volume).await?;
+            if vol.state != VolumeState::Ready {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!(
+                        "volume {} is {}: only a ready volume can be snapshotted",
+                        vol.key(),
+                        vol.state.as_str()
+                    ),
+                ));
+            }
+            precheck(&local.plugin_dir, &vol.spec.plugin_id, Capability::Snapshot).await?;
+            let mut snap = SnapshotRecord::new(&vol, name.as_deref().unwrap_or(""), now());
+            snap.worker_node = published_on(client, &vol.spec.namespace, &vol.spec.name).await?;
+            crate::worker::put_cas(client, &snap.to_variable(), 0)
+                .await
+                .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            outln!("==> Snapshot {} of volume {} requested", snap.id, vol.key());
+            if detach {
+                return Ok(());
+            }
+            let id = snap.id.clone();
+            let done = wait("snapshot", async || {
+                Ok(read_snapshot(client, ns, &id)
+                    .await?
+                    .filter(|s| matches!(s.state, VolumeState::Ready | VolumeState::Failed)))
+            })
+            .await?;
+            if done.state == VolumeState::Failed {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!("snapshot {} failed: {} (delete it with `dhv-binder volume snapshot delete {}`)", done.id, done.error, done.id),
+                ));
+            }
+            outln!("==> Snapshot {} is ready ({} bytes)", done.id, done.bytes);
+            Ok(())
+        }
+        SnapshotCommand::List {
+            volume,
+            plugin,
+            secrets_file,
+            secrets_env,
+            roots,
+            local,
+            out,
+        } => {
+            let snaps = snapshots(client, ns, volume.as_deref()).await?;
+            let rows: Vec<SnapshotSummary> = snaps.iter().map(SnapshotSummary::of).collect();
+            out.print(&rows, |r| render_snapshots(r))?;
+            if let Some(plugin) = plugin {
+                let secrets = super::plugin::secrets_from(
+                    secrets_file.as_deref(),
+                    secrets_env.as_deref(),
+                    "DHV_BINDER_SNAPSHOT_SECRETS",
+                )?;
+                let roots = roots
+                    .iter()
+                    .map(|r| format!("{plugin}={}", r.display()))
+                    .collect::<Vec<_>>();
+                let roots = crate::plugin::allowed_roots(&roots)
+                    .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+                let runner = Runner::new(&local.plugin_dir, Duration::from_secs(60))
+                    .with_allowed_roots(roots);
+                list_from_plugin(&runner, &plugin, secrets.into_iter().collect(), &snaps).await?;
+            }
+            Ok(())
+        }
+        SnapshotCommand::Delete {
+            snapshot_id,
+            detach,
+        } => {
+            let Some(mut snap) = read_snapshot(client, ns, &snapshot_id).await? else {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!("snapshot {snapshot_id} does not exist in namespace {ns}"),
+                ));
+            };
+            if matches!(snap.state, VolumeState::Pending | VolumeState::Failed)
+                && snap.context.is_null()
+            {
+                client
+                    .delete_variable(
+                        ns,
+                        &snapshot::record_path(&snap.id),
+                        Some(snap.modify_index),
+                    )
+                    .await?;
+                outln!(
+                    "==> Deleted snapshot record {} (the plugin had made nothing)",
+                    snap.id
+                );
+                return Ok(());
+            }
+            snap.state = VolumeState::Deleting;
+            snap.worker_node.clear();
+            crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index)
+                .await
+                .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            outln!("==> Delete of snapshot {} requested", snap.id);
+            if detach {
+                return Ok(());
+            }
+            wait("snapshot delete", async || {
+                Ok(client
+                    .variable(ns, &snapshot::record_path(&snapshot_id))
+                    .await?
+                    .is_none()
+                    .then_some(()))
+            })
+            .await?;
+            outln!("==> Snapshot {snapshot_id} deleted");
+            Ok(())
+        }
+    }
+}
+
+/// `snapshot list --plugin`: runs the plugin's `snapshot_list` here with the given secrets
+/// and lists what the storage holds, marking snapshots that have no record.
+async fn list_from_plugin(
+    runner: &Runner,
+    plugin: &str,
+    secrets: BTreeMap<String, String>,
+    records: &[SnapshotRecord],
+) -> Result<(), Failure> {
+    let plugin_dir = runner.plugin_dir();
+    let fp = runner
+        .fingerprint(plugin)
+        .await
+        .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+    fp.require(plugin, Operation::SnapshotList)
+        .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+    let node = crate::environment::NodeEnv {
+        node_id: String::new(),
+        node_pool: String::new(),
+        volumes_dir: PathBuf::from("/var/lib/dhv-binder/volumes"),
+        plugin_dir: plugin_dir.to_path_buf(),
+    };
+    let out = runner
+        .call(
+            plugin,
+            Operation::SnapshotList,
+            &snapshot::list_env(&node, &secrets),
+            &secrets,
+        )
+        .await
+        .map_err(|e| Failure::new(EXIT_FAILED, crate::plugin::redact(&e.to_string(), &secrets)))?;
+    let listed: crate::plugin::SnapshotListResult =
+        crate::plugin::parse(plugin, Operation::SnapshotList, &out.stdout).map_err(|e| {
+            Failure::new(EXIT_FAILED, crate::plugin::redact(&e.to_string(), &secrets))
+        })?;
+    outln!("\nHeld by plugin {plugin:?} (snapshot_list)");
+    for s in listed.snapshots {
+        let known = records.iter().any(|r| r.id == s.id);
+        outln!(
+            "{:<36}  {:>12}  ready={}{}",
+            crate::escape::escape_control(&s.id),
+            s.bytes,
+            s.ready,
+            if known {
+                ""
+            } else {
+                "  (no record: left by a failed or interrupted operation?)"
+            }
+        );
+    }
+    Ok(())
+}
+
+/// `volume create` for a volume that exists: the same spec again is success; a larger
+/// `capacity_min` requests an expansion (and waits for it unless `detach`); anything else,
+/// shrinking included, is refused with the reason.
+pub async fn create_existing(
+    client: &Client,
+    spec: &VolumeSpec,
+    detach: bool,
+    local: &LocalPlugins,
+    key: Option<&SigningKey>,
+) -> Result<(), Failure> {
+    let mut rec = read_record(client, &spec.namespace, &spec.name).await?;
+    match expansion::plan_update(&rec, spec)
+        .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?
+    {
+        Update::Unchanged => {
+            outln!(
+                "==> Volume {} already exists with this spec ({} bytes)",
+                rec.key(),
+                rec.capacity_bytes
+            );
+            Ok(())
+        }
+        Update::Grow { from, to } => {
+            precheck(&local.plugin_dir, &rec.spec.plugin_id, Capability::Expand).await?;
+            // The new size is part of the signed spec: nodes grow a volume only up to it.
+            expansion::request(&mut rec, to);
+            rec.spec.capacity_max = spec.capacity_max;
+            if let Some(x) = rec.expansion.as_mut() {
+                x.node = published_on(client, &rec.spec.namespace, &rec.spec.name).await?;
+            }
+            match key {
+                Some(k) => k.sign(&mut rec),
+                None if !rec.signature.is_empty() => {
+                    return Err(Failure::new(
+                        EXIT_CONFIG,
+                        format!("volume {} is signed and growing it changes its spec: give the operator's key (--signing-key or DHV_BINDER_SIGNING_KEY)", rec.key()),
+                    ))
+                }
+                None => {}
+            }
+            crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
+                .await
+                .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            outln!(
+                "==> Expansion of volume {} from {from} to {to} bytes requested",
+                rec.key()
+            );
+            if detach {
+                return Ok(());
+            }
+            let key = rec.key();
+            let done = wait("expansion", async || {
+                let cur: VolumeRecord = read_record(client, &key.namespace, &key.name).await?;
+                Ok(match &cur.expansion {
+                    None => Some(Ok(cur.capacity_bytes)),
+                    Some(x) if x.state == ExpansionState::Failed => Some(Err(x.error.clone())),
+                    Some(x) if x.state == ExpansionState::AtNextPublish => Some(Ok(0)),
+                    Some(_) => None,
+                })
+            })
+            .await?;
+            match done {
+                Ok(0) => {
+                    outln!("==> Volume {key} is in use and its plugin cannot grow it online: it grows to {to} bytes before its next publish");
+                    Ok(())
+                }
+                Ok(bytes) => {
+                    outln!("==> Volume {key} is now {bytes} bytes");
+                    Ok(())
+                }
+                Err(e) => Err(Failure::new(EXIT_FAILED, format!("expand failed: {e}"))),
+            }
+        }
+    }
+}
+
+/// The node where a volume is published (the first, for a multi-node volume), from the
+/// allocations its placeholders list; `""` when none. An operation request names it so
+/// that only that node runs it, where the plugin can quiesce or grow the mounted volume.
+async fn published_on(client: &Client, namespace: &str, name: &str) -> Result<String, Failure> {
+    Ok(users_of(client, namespace, name)
+        .await?
+        .into_iter()
+        .map(|u| u.node_id)
+        .next()
+        .unwrap_or_default())
+}
+
+/// For a clone: the node where its source volume is published (`""` when none, or for a
+/// volume without a clone source).
+pub async fn source_node(client: &Client, spec: &VolumeSpec) -> Result<String, Failure> {
+    match &spec.source {
+        VolumeSource::CloneId(name) => published_on(client, &spec.namespace, name).await,
+        _ => Ok(String::new()),
+    }
+}
+
+/// Before a new volume with a source is recorded: the source exists in the namespace, and
+/// the plugin (when installed here) declares "snapshot" or "clone".
+pub async fn check_source(
+    client: &Client,
+    spec: &VolumeSpec,
+    local: &LocalPlugins,
+) -> Result<(), Failure> {
+    match &spec.source {
+        VolumeSource::Empty => Ok(()),
+        VolumeSource::SnapshotId(id) => {
+            let s = read_snapshot(client, &spec.namespace, id)
+                .await?
+                .ok_or_else(|| {
+                    Failure::new(
+                        EXIT_FAILED,
+                        format!(
+                            "snapshot {id} does not exist in namespace {}",
+                            spec.namespace
+                        ),
+                    )
+                })?;
+            if s.state != VolumeState::Ready {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!("snapshot {id} is {}, not ready", s.state.as_str()),
+                ));
+            }
+            precheck(&local.plugin_dir, &spec.plugin_id, Capability::Snapshot).await
+        }
+        VolumeSource::CloneId(name) => {
+            let v = read_record(client, &spec.namespace, name).await?;
+            if v.spec.plugin_id != spec.plugin_id {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!(
+                        "volume {} uses plugin {:?}, not {:?}: a clone stays with its plugin",
+                        v.key(),
+                        v.spec.plugin_id,
+                        spec.plugin_id
+                    ),
+                ));
+            }
+            precheck(&local.plugin_dir, &spec.plugin_id, Capability::Clone).await
+        }
+    }
+}
+
+impl From<crate::worker::TakeError> for Failure {
+    fn from(e: crate::worker::TakeError) -> Self {
+        match e {
+            crate::worker::TakeError::Nomad(n) => n.into(),
+            lost => Failure::new(EXIT_FAILED, lost.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_undeclared_operation_is_refused_naming_plugin_and_capability() {
+        let plugins = Path::new(env!("CARGO_MANIFEST_DIR")).join("plugins");
+        let e = precheck(&plugins, "webdav", Capability::Snapshot)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, EXIT_FAILED);
+        assert!(
+            e.message.contains("\"webdav\"") && e.message.contains("snapshot"),
+            "{}",
+            e.message
+        );
+        let e = precheck(&plugins, "bind", Capability::Expand)
+            .await
+            .unwrap_err();
+        assert!(
+            e.message.contains("\"bind\"") && e.message.contains("expand"),
+            "{}",
+            e.message
+        );
+        precheck(&plugins, "bind", Capability::Clone).await.unwrap();
+        precheck(&plugins, "ext4", Capability::Snapshot)
+            .await
+            .unwrap();
+        // A plugin not installed here is left to the agent.
+        precheck(&plugins, "not-here", Capability::Snapshot)
+            .await
+            .unwrap();
+    }
+}

@@ -1,0 +1,731 @@
+//! Snapshots: the cluster-wide record of each snapshot (a Nomad Variable
+//! `dhv-binder/snapshots/<snapshot id>` in the source volume's namespace, beside the volume
+//! records), the plugin calls that make and remove them, and the environment of a `create`
+//! that starts from a snapshot or as a clone of another volume.
+//!
+//! Shaped like `nomad volume snapshot create|list|delete` (CSI): a snapshot has an ID, a
+//! source volume, a size, a creation time and whether it is ready.
+
+use crate::environment::NodeEnv;
+use crate::nomad::types::Variable;
+use crate::plugin::{self, Operation, Runner, SnapshotResult};
+use crate::volume::{self, VolumeRecord, VolumeSource, VolumeState};
+use crate::worker::OpError;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Variable path prefix under which snapshot records live.
+pub const SNAPSHOT_PREFIX: &str = "dhv-binder/snapshots/";
+
+/// The variable path of a snapshot's record.
+pub fn record_path(id: &str) -> String {
+    format!("{SNAPSHOT_PREFIX}{id}")
+}
+
+/// The cluster-wide record of one snapshot. Its life uses the volume states: `pending`
+/// (requested), `creating` (`worker_node` runs `snapshot_create`), `ready`, `failed`,
+/// `deleting` (a node runs `snapshot_delete`, then the record goes).
+#[derive(Clone, PartialEq)]
+pub struct SnapshotRecord {
+    /// UUID chosen at `snapshot create`; passed to plugins as DHV_SNAPSHOT_ID.
+    pub id: String,
+    /// The operator's name for it (`snapshot create <volume> [name]`), `""` if none.
+    pub name: String,
+    pub namespace: String,
+    /// Source volume's name and ID (the ID stays true after the volume is deleted).
+    pub volume: String,
+    pub volume_id: String,
+    pub plugin_id: String,
+    /// The source volume's secrets, copied at request time (the snapshot may outlive the
+    /// volume, and `snapshot_delete` needs them). Never printed.
+    pub secrets: BTreeMap<String, String>,
+    pub state: VolumeState,
+    /// What `snapshot_create` returned as `context`.
+    pub context: serde_json::Value,
+    /// What `snapshot_create` returned as `bytes`.
+    pub bytes: u64,
+    /// Unix seconds when it was requested.
+    pub created_at: u64,
+    /// Node running `snapshot_create` or `snapshot_delete` right now.
+    pub worker_node: String,
+    /// Last error (redacted).
+    pub error: String,
+    /// The variable's ModifyIndex, for check-and-set updates.
+    pub modify_index: u64,
+}
+
+impl std::fmt::Debug for SnapshotRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotRecord")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("namespace", &self.namespace)
+            .field("volume", &self.volume)
+            .field("plugin_id", &self.plugin_id)
+            .field("secrets", &format!("{} key(s), hidden", self.secrets.len()))
+            .field("state", &self.state)
+            .field("bytes", &self.bytes)
+            .field("worker_node", &self.worker_node)
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SnapshotRecord {
+    /// A new, `pending` snapshot of `vol`, created at `now` (unix seconds).
+    pub fn new(vol: &VolumeRecord, name: &str, now: u64) -> Self {
+        Self {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: name.to_string(),
+            namespace: vol.spec.namespace.clone(),
+            volume: vol.spec.name.clone(),
+            volume_id: vol.id.clone(),
+            plugin_id: vol.spec.plugin_id.clone(),
+            secrets: vol.secrets.clone(),
+            state: VolumeState::Pending,
+            context: serde_json::Value::Null,
+            bytes: 0,
+            created_at: now,
+            worker_node: String::new(),
+            error: String::new(),
+            modify_index: 0,
+        }
+    }
+
+    /// The variable that stores this record.
+    pub fn to_variable(&self) -> Variable {
+        let mut items = BTreeMap::new();
+        for (k, v) in [
+            ("id", self.id.clone()),
+            ("name", self.name.clone()),
+            ("volume", self.volume.clone()),
+            ("volume_id", self.volume_id.clone()),
+            ("plugin_id", self.plugin_id.clone()),
+            (
+                "secrets",
+                serde_json::to_string(&self.secrets).unwrap_or_default(),
+            ),
+            ("state", self.state.as_str().into()),
+            ("context", self.context.to_string()),
+            ("bytes", self.bytes.to_string()),
+            ("created_at", self.created_at.to_string()),
+            ("worker_node", self.worker_node.clone()),
+            ("error", self.error.clone()),
+        ] {
+            items.insert(k.to_string(), v);
+        }
+        Variable {
+            namespace: self.namespace.clone(),
+            path: record_path(&self.id),
+            items,
+            ..Default::default()
+        }
+    }
+
+    /// Reads a record back from its variable, re-validating what it holds.
+    pub fn from_variable(var: &Variable) -> Result<Self, volume::RecordError> {
+        let err = |reason: String| volume::RecordError {
+            path: var.path.clone(),
+            reason,
+        };
+        let item = |k: &str| var.items.get(k).cloned().unwrap_or_default();
+        let id = item("id");
+        if uuid::Uuid::parse_str(&id).is_err() || var.path != record_path(&id) {
+            return Err(err(format!(
+                "id {id:?} is not a UUID matching the variable's path"
+            )));
+        }
+        let volume = item("volume");
+        volume::validate_identifier("volume", &volume, true).map_err(|e| err(e.to_string()))?;
+        let plugin_id = item("plugin_id");
+        volume::validate_identifier("plugin_id", &plugin_id, false)
+            .map_err(|e| err(e.to_string()))?;
+        let (secrets, state, context) = volume::common_items(var)?;
+        Ok(Self {
+            id,
+            name: item("name"),
+            namespace: var.namespace.clone(),
+            volume,
+            volume_id: item("volume_id"),
+            plugin_id,
+            secrets,
+            state,
+            context,
+            bytes: item("bytes").parse().unwrap_or(0),
+            created_at: item("created_at").parse().unwrap_or(0),
+            worker_node: item("worker_node"),
+            error: item("error"),
+            modify_index: var.modify_index,
+        })
+    }
+}
+
+/// Environment of `snapshot_create`: the source volume's identity, secrets and `DHV_CONTEXT`,
+/// plus `DHV_SNAPSHOT_ID`, `DHV_SNAPSHOT_NAME`, and `DHV_TARGET_PATH`: the volume's mounted
+/// target on this node when it is published here (so the plugin can quiesce it), else `""`.
+pub fn create_env(
+    node: &NodeEnv,
+    vol: &VolumeRecord,
+    snap: &SnapshotRecord,
+    target: Option<&Path>,
+) -> Vec<(String, String)> {
+    let mut env = crate::environment::identity_env(node, vol);
+    env.extend([
+        ("DHV_CONTEXT".into(), vol.context.to_string()),
+        ("DHV_SNAPSHOT_ID".into(), snap.id.clone()),
+        ("DHV_SNAPSHOT_NAME".into(), snap.name.clone()),
+        (
+            "DHV_TARGET_PATH".into(),
+            target.map(|t| t.display().to_string()).unwrap_or_default(),
+        ),
+    ]);
+    env
+}
+
+/// Environment of `snapshot_delete`: identity from the snapshot record (the volume may be
+/// gone), its secrets, `DHV_SNAPSHOT_ID` and `DHV_SNAPSHOT_CONTEXT`.
+pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)> {
+    let mut env = crate::environment::node_env(node);
+    env.extend([
+        ("DHV_NAMESPACE".into(), snap.namespace.clone()),
+        ("DHV_VOLUME_NAME".into(), snap.volume.clone()),
+        ("DHV_VOLUME_ID".into(), snap.volume_id.clone()),
+        (
+            "DHV_SECRETS".into(),
+            serde_json::to_string(&snap.secrets).unwrap_or_default(),
+        ),
+        ("DHV_SNAPSHOT_ID".into(), snap.id.clone()),
+        ("DHV_SNAPSHOT_CONTEXT".into(), snap.context.to_string()),
+    ]);
+    env
+}
+
+/// Environment of `snapshot_list` (run by `volume snapshot list --plugin` on the node where
+/// it is typed): the node's directories and the secrets the caller gave.
+pub fn list_env(node: &NodeEnv, secrets: &BTreeMap<String, String>) -> Vec<(String, String)> {
+    let mut env = crate::environment::node_env(node);
+    env.push((
+        "DHV_SECRETS".into(),
+        serde_json::to_string(secrets).unwrap_or_default(),
+    ));
+    env
+}
+
+/// Why a volume's source cannot be used for its `create` (the volume is marked failed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    #[error("snapshot {0} does not exist in namespace {1}")]
+    NoSnapshot(String, String),
+    #[error(
+        "snapshot {id} is {state}, not ready: wait for it (`dhv-binder volume snapshot list`)"
+    )]
+    SnapshotNotReady { id: String, state: &'static str },
+    #[error("volume {0} to clone does not exist in namespace {1}")]
+    NoVolume(String, String),
+    #[error("volume {name} to clone is {state}, not ready")]
+    VolumeNotReady { name: String, state: &'static str },
+    #[error("the source uses plugin {source_plugin:?} but the new volume uses {plugin:?}: a snapshot or clone stays with its plugin")]
+    OtherPlugin {
+        source_plugin: String,
+        plugin: String,
+    },
+}
+
+/// The extra variables of a `create` whose spec names a source:
+/// - `snapshot_id`: `DHV_SNAPSHOT_ID` and `DHV_SNAPSHOT_CONTEXT` (what `snapshot_create` returned);
+/// - `clone_id`: `DHV_CLONE_ID` (the source volume's UUID), `DHV_CLONE_NAME`,
+///   `DHV_CLONE_CONTEXT` (its `create` context) and `DHV_CLONE_TARGET_PATH` (its mounted
+///   target on this node if it is published here, so the plugin can quiesce it, else `""`).
+///
+/// `snapshot` / `clone` are the source records as read from Nomad (`None` = absent).
+pub fn source_env(
+    rec: &VolumeRecord,
+    snapshot: Option<&SnapshotRecord>,
+    clone: Option<&VolumeRecord>,
+    clone_target: Option<&Path>,
+) -> Result<Vec<(String, String)>, SourceError> {
+    let same_plugin = |source_plugin: &str| {
+        if source_plugin == rec.spec.plugin_id {
+            Ok(())
+        } else {
+            Err(SourceError::OtherPlugin {
+                source_plugin: source_plugin.into(),
+                plugin: rec.spec.plugin_id.clone(),
+            })
+        }
+    };
+    match &rec.spec.source {
+        VolumeSource::Empty => Ok(Vec::new()),
+        VolumeSource::SnapshotId(id) => {
+            let s = snapshot
+                .filter(|s| &s.id == id && s.namespace == rec.spec.namespace)
+                .ok_or_else(|| SourceError::NoSnapshot(id.clone(), rec.spec.namespace.clone()))?;
+            if s.state != VolumeState::Ready {
+                return Err(SourceError::SnapshotNotReady {
+                    id: id.clone(),
+                    state: s.state.as_str(),
+                });
+            }
+            same_plugin(&s.plugin_id)?;
+            Ok(vec![
+                ("DHV_SNAPSHOT_ID".into(), s.id.clone()),
+                ("DHV_SNAPSHOT_CONTEXT".into(), s.context.to_string()),
+            ])
+        }
+        VolumeSource::CloneId(name) => {
+            let v = clone
+                .filter(|v| &v.spec.name == name && v.spec.namespace == rec.spec.namespace)
+                .ok_or_else(|| SourceError::NoVolume(name.clone(), rec.spec.namespace.clone()))?;
+            if v.state != VolumeState::Ready {
+                return Err(SourceError::VolumeNotReady {
+                    name: name.clone(),
+                    state: v.state.as_str(),
+                });
+            }
+            same_plugin(&v.spec.plugin_id)?;
+            Ok(vec![
+                ("DHV_CLONE_ID".into(), v.id.clone()),
+                ("DHV_CLONE_NAME".into(), v.spec.name.clone()),
+                ("DHV_CLONE_CONTEXT".into(), v.context.to_string()),
+                (
+                    "DHV_CLONE_TARGET_PATH".into(),
+                    clone_target
+                        .map(|t| t.display().to_string())
+                        .unwrap_or_default(),
+                ),
+            ])
+        }
+    }
+}
+
+/// Reads the source a volume's spec names (the snapshot record, or the volume to clone), for
+/// [`source_env`]. `(None, None)` for a volume with no source, or a source that is gone.
+pub async fn read_source(
+    client: &crate::nomad::Client,
+    rec: &VolumeRecord,
+) -> Result<(Option<SnapshotRecord>, Option<VolumeRecord>), String> {
+    let ns = &rec.spec.namespace;
+    match &rec.spec.source {
+        VolumeSource::Empty => Ok((None, None)),
+        VolumeSource::SnapshotId(id) => {
+            let var = client
+                .variable(ns, &record_path(id))
+                .await
+                .map_err(|e| e.to_string())?;
+            var.map(|v| SnapshotRecord::from_variable(&v).map_err(|e| e.to_string()))
+                .transpose()
+                .map(|s| (s, None))
+        }
+        VolumeSource::CloneId(name) => {
+            let var = client
+                .variable(ns, &volume::record_path(name))
+                .await
+                .map_err(|e| e.to_string())?;
+            var.map(|v| VolumeRecord::from_variable(&v).map_err(|e| e.to_string()))
+                .transpose()
+                .map(|v| (None, v))
+        }
+    }
+}
+
+/// Runs `snapshot_create` and returns the record as it should be written: `ready` with the
+/// plugin's context and size, or `failed` with its (redacted) error. A timeout is `Err`:
+/// the outcome is unknown and the same node calls again (the operation is idempotent per
+/// `DHV_SNAPSHOT_ID`).
+pub async fn run_create(
+    runner: &Runner,
+    node: &NodeEnv,
+    vol: &VolumeRecord,
+    mut snap: SnapshotRecord,
+    target: Option<&Path>,
+) -> Result<SnapshotRecord, OpError> {
+    let env = create_env(node, vol, &snap, target);
+    let out = runner
+        .call(
+            &snap.plugin_id,
+            Operation::SnapshotCreate,
+            &env,
+            &vol.secrets,
+        )
+        .await
+        .and_then(|o| {
+            plugin::parse::<SnapshotResult>(&snap.plugin_id, Operation::SnapshotCreate, &o.stdout)
+        });
+    match out {
+        Ok(res) => {
+            snap.state = VolumeState::Ready;
+            snap.context = res.context;
+            snap.bytes = res.bytes;
+            snap.error.clear();
+        }
+        Err(e) => {
+            if let Some(again) = OpError::retried(&e, &vol.secrets) {
+                return Err(again);
+            }
+            snap.state = VolumeState::Failed;
+            snap.error = plugin::redact(&e.to_string(), &vol.secrets);
+        }
+    }
+    snap.worker_node.clear();
+    Ok(snap)
+}
+
+/// Runs `snapshot_delete`. `Ok` means the storage no longer holds the snapshot.
+pub async fn run_delete(
+    runner: &Runner,
+    node: &NodeEnv,
+    snap: &SnapshotRecord,
+) -> Result<(), OpError> {
+    let env = delete_env(node, snap);
+    runner
+        .call(
+            &snap.plugin_id,
+            Operation::SnapshotDelete,
+            &env,
+            &snap.secrets,
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))
+}
+
+/// What a node does about one snapshot record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Not this node's (or nothing to do).
+    None,
+    /// Run `snapshot_create` here ([`create`]).
+    Create,
+    /// Run `snapshot_delete` here ([`delete`]).
+    Delete,
+    /// The plugin does not declare `snapshot`: fail the snapshot with this message
+    /// ([`refuse`]).
+    Refuse(String),
+}
+
+/// Decides this node's step for `snap`. `published`: where its source volume is published;
+/// `fp`: the plugin's fingerprint on this node (`None` = the plugin is not here). A snapshot
+/// is taken where the volume is published (so the plugin can quiesce it), else by any node
+/// with the plugin; a delete by any node with the plugin. Both claimed by check-and-set.
+pub fn step(
+    snap: &SnapshotRecord,
+    me: &str,
+    published: crate::worker::Published,
+    fp: Option<&crate::plugin::Fingerprint>,
+) -> Step {
+    use crate::worker::{runs_here, Published};
+    let want = match snap.state {
+        VolumeState::Pending => Step::Create,
+        VolumeState::Creating if snap.worker_node == me => Step::Create,
+        VolumeState::Deleting => Step::Delete,
+        _ => return Step::None,
+    };
+    // Where the volume is published does not matter for a delete.
+    let published = if want == Step::Delete {
+        Published::Nowhere
+    } else {
+        published
+    };
+    if !runs_here(me, &snap.worker_node, published, fp.is_some()) {
+        return Step::None;
+    }
+    match fp.map(|f| f.require(&snap.plugin_id, Operation::SnapshotCreate)) {
+        Some(Err(e)) if want == Step::Create => Step::Refuse(e.to_string()),
+        _ => want,
+    }
+}
+
+/// Fails a pending snapshot with `message` (its plugin does not declare `snapshot`).
+pub async fn refuse(
+    client: &crate::nomad::Client,
+    mut snap: SnapshotRecord,
+    message: String,
+) -> Result<SnapshotRecord, OpError> {
+    snap.state = VolumeState::Failed;
+    snap.worker_node.clear();
+    snap.error = message;
+    write(client, &snap).await
+}
+
+/// Takes a pending snapshot for this node (check-and-set), runs `snapshot_create` and
+/// writes the outcome. Returns the record as written.
+pub async fn create(
+    client: &crate::nomad::Client,
+    runner: &Runner,
+    node: &NodeEnv,
+    vol: &VolumeRecord,
+    mut snap: SnapshotRecord,
+    target: Option<&Path>,
+) -> Result<SnapshotRecord, OpError> {
+    if snap.state == VolumeState::Pending {
+        snap.state = VolumeState::Creating;
+        snap.worker_node = node.node_id.clone();
+        snap = write(client, &snap).await?;
+    }
+    let done = run_create(runner, node, vol, snap, target).await?;
+    write(client, &done).await
+}
+
+/// Takes a requested delete (check-and-set), runs `snapshot_delete`, removes the record.
+pub async fn delete(
+    client: &crate::nomad::Client,
+    runner: &Runner,
+    node: &NodeEnv,
+    mut snap: SnapshotRecord,
+) -> Result<(), OpError> {
+    if snap.worker_node != node.node_id {
+        snap.worker_node = node.node_id.clone();
+        snap = write(client, &snap).await?;
+    }
+    if let Err(e) = run_delete(runner, node, &snap).await {
+        snap.worker_node.clear();
+        snap.error = e.to_string();
+        let _ = write(client, &snap).await;
+        return Err(e);
+    }
+    client
+        .delete_variable(
+            &snap.namespace,
+            &record_path(&snap.id),
+            Some(snap.modify_index),
+        )
+        .await
+        .map_err(|e| match e {
+            crate::nomad::NomadError::CasConflict { .. } => {
+                OpError::Take(crate::worker::TakeError::Lost {
+                    path: record_path(&snap.id),
+                    index: snap.modify_index,
+                })
+            }
+            e => OpError::Take(e.into()),
+        })
+}
+
+async fn write(
+    client: &crate::nomad::Client,
+    snap: &SnapshotRecord,
+) -> Result<SnapshotRecord, OpError> {
+    let var = crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index).await?;
+    Ok(SnapshotRecord::from_variable(&var)?)
+}
+
+/// Every snapshot record in the cluster, by snapshot ID.
+pub type Snapshots = BTreeMap<String, SnapshotRecord>;
+
+/// Watches the snapshot records (Nomad API: `GET /v1/vars?prefix=dhv-binder/snapshots/&namespace=*`
+/// as a blocking query of `wait`) and sends every record after each change, as the volume
+/// catalogue does for volume records. A record read again only when its `ModifyIndex`
+/// moved; one that does not decode is logged and left out (never deleted). Nomad errors
+/// are retried with a backoff of 0.5 s doubling to 30 s.
+pub async fn watch(
+    client: crate::nomad::Client,
+    wait: std::time::Duration,
+    tx: tokio::sync::mpsc::Sender<Snapshots>,
+) {
+    use std::time::Duration;
+    let mut index = 0u64;
+    let mut attempt = 0u32;
+    let mut cache: BTreeMap<(String, String), (u64, Option<SnapshotRecord>)> = BTreeMap::new();
+    loop {
+        let loaded = async {
+            let list = client
+                .list_variables(SNAPSHOT_PREFIX, "*", index, wait)
+                .await?;
+            if list.index < index {
+                cache.clear();
+            }
+            let mut seen = BTreeMap::new();
+            for m in &list.value {
+                let k = (m.namespace.clone(), m.path.clone());
+                let entry = match cache.get(&k).filter(|(i, _)| *i == m.modify_index) {
+                    Some(c) => c.clone(),
+                    None => {
+                        let rec = client.variable(&m.namespace, &m.path).await?.and_then(|v| {
+                            SnapshotRecord::from_variable(&v)
+                                .map_err(|e| {
+                                    tracing::warn!(error = %e, "ignoring a malformed snapshot record")
+                                })
+                                .ok()
+                        });
+                        (m.modify_index, rec)
+                    }
+                };
+                seen.insert(k, entry);
+            }
+            cache = seen;
+            Ok::<u64, crate::nomad::NomadError>(list.index)
+        }
+        .await;
+        match loaded {
+            Ok(i) => {
+                attempt = 0;
+                let all: Snapshots = cache
+                    .values()
+                    .filter_map(|(_, r)| r.clone())
+                    .map(|r| (r.id.clone(), r))
+                    .collect();
+                if tx.send(all).await.is_err() {
+                    return;
+                }
+                index = i.max(1);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read snapshot records; retrying");
+                tokio::time::sleep(crate::retry::backoff_delay(
+                    Duration::from_millis(500),
+                    Duration::from_secs(30),
+                    attempt,
+                ))
+                .await;
+                attempt = attempt.saturating_add(1);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume() -> VolumeRecord {
+        let (spec, secrets) = crate::volume::parse_spec(
+            "name = \"data\"\nplugin_id = \"ext4\"\nsecrets { key = \"s3cret\" }",
+        )
+        .unwrap();
+        let mut rec = VolumeRecord::new(spec, secrets);
+        rec.state = VolumeState::Ready;
+        rec.context = serde_json::json!({"image": "/srv/images/default/x.img"});
+        rec
+    }
+
+    fn node() -> NodeEnv {
+        NodeEnv {
+            node_id: "n1".into(),
+            node_pool: "default".into(),
+            volumes_dir: "/var/lib/dhv-binder/volumes".into(),
+            plugin_dir: "/opt/dhv-binder/plugins".into(),
+        }
+    }
+
+    #[test]
+    fn record_round_trips_and_hides_its_secrets() {
+        let vol = volume();
+        let mut snap = SnapshotRecord::new(&vol, "nightly", 1_700_000_000);
+        snap.state = VolumeState::Ready;
+        snap.context = serde_json::json!({"image": "/srv/images/default/snapshots/y.img"});
+        snap.bytes = 42;
+        let mut var = snap.to_variable();
+        var.modify_index = 7;
+        assert_eq!(var.path, format!("dhv-binder/snapshots/{}", snap.id));
+        assert_eq!(var.namespace, "default");
+        let back = SnapshotRecord::from_variable(&var).unwrap();
+        snap.modify_index = 7;
+        assert_eq!(back, snap);
+        assert_eq!(back.secrets["key"], "s3cret");
+        assert!(!format!("{back:?}").contains("s3cret"));
+        // A record whose ID does not match its path is refused.
+        var.path = record_path(&uuid::Uuid::new_v4().to_string());
+        assert!(SnapshotRecord::from_variable(&var).is_err());
+    }
+
+    fn get<'a>(env: &'a [(String, String)], k: &str) -> &'a str {
+        env.iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+            .unwrap_or_else(|| panic!("{k} missing from {env:?}"))
+    }
+
+    #[test]
+    fn snapshot_calls_get_identity_secrets_context_and_the_mounted_target() {
+        let vol = volume();
+        let snap = SnapshotRecord::new(&vol, "nightly", 1);
+        let env = create_env(&node(), &vol, &snap, Some(Path::new("/mnt/t")));
+        assert_eq!(get(&env, "DHV_SNAPSHOT_ID"), snap.id);
+        assert_eq!(get(&env, "DHV_VOLUME_ID"), vol.id);
+        assert_eq!(get(&env, "DHV_TARGET_PATH"), "/mnt/t");
+        assert_eq!(get(&env, "DHV_SECRETS"), r#"{"key":"s3cret"}"#);
+        assert_eq!(get(&env, "DHV_CONTEXT"), vol.context.to_string());
+        // The node's roots come from the runner (--plugin-root), never from the call's env.
+        assert!(env.iter().all(|(k, _)| k != "DHV_ALLOWED_ROOTS"));
+        let env = create_env(&node(), &vol, &snap, None);
+        assert_eq!(get(&env, "DHV_TARGET_PATH"), "");
+        // Delete works from the snapshot alone (the volume may be gone), with its secrets.
+        let env = delete_env(&node(), &snap);
+        assert_eq!(get(&env, "DHV_SECRETS"), r#"{"key":"s3cret"}"#);
+        assert_eq!(get(&env, "DHV_SNAPSHOT_CONTEXT"), "null");
+        assert_eq!(get(&env, "DHV_VOLUME_NAME"), "data");
+        let env = list_env(&node(), &BTreeMap::from([("k".into(), "v".into())]));
+        assert_eq!(get(&env, "DHV_SECRETS"), r#"{"k":"v"}"#);
+    }
+
+    #[test]
+    fn taken_where_published_else_anywhere_refused_without_the_capability() {
+        use crate::worker::Published::*;
+        let fp = |caps: &[&str]| crate::plugin::Fingerprint {
+            version: "1.0.0".into(),
+            deferred_bind: true,
+            capabilities: caps.iter().map(|c| c.to_string()).collect(),
+        };
+        let (yes, no) = (fp(&["snapshot"]), fp(&[]));
+        let mut snap = SnapshotRecord::new(&volume(), "", 1);
+        assert_eq!(step(&snap, "n1", Here, Some(&yes)), Step::Create);
+        assert_eq!(step(&snap, "n1", Elsewhere, Some(&yes)), Step::None);
+        assert_eq!(step(&snap, "n1", Nowhere, Some(&yes)), Step::Create);
+        assert_eq!(step(&snap, "n1", Nowhere, None), Step::None);
+        match step(&snap, "n1", Nowhere, Some(&no)) {
+            Step::Refuse(m) => assert!(m.contains("\"ext4\"") && m.contains("snapshot"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        snap.state = VolumeState::Creating;
+        snap.worker_node = "n2".into();
+        assert_eq!(step(&snap, "n1", Here, Some(&yes)), Step::None);
+        assert_eq!(step(&snap, "n2", Here, Some(&yes)), Step::Create);
+        snap.state = VolumeState::Ready;
+        assert_eq!(step(&snap, "n2", Here, Some(&yes)), Step::None);
+        // A delete goes to any node with the plugin, published or not.
+        snap.state = VolumeState::Deleting;
+        snap.worker_node.clear();
+        assert_eq!(step(&snap, "n1", Elsewhere, Some(&yes)), Step::Delete);
+        assert_eq!(step(&snap, "n1", Elsewhere, None), Step::None);
+    }
+
+    #[test]
+    fn create_from_a_source_gets_its_context_or_a_clear_refusal() {
+        let src = volume();
+        let mut snap = SnapshotRecord::new(&src, "", 1);
+        snap.context = serde_json::json!({"image": "/srv/images/default/snapshots/s.img"});
+        let (mut spec, _) = crate::volume::parse_spec(&format!(
+            "name = \"restored\"\nplugin_id = \"ext4\"\nsnapshot_id = \"{}\"",
+            snap.id
+        ))
+        .unwrap();
+        let rec = VolumeRecord::new(spec.clone(), BTreeMap::new());
+        assert_eq!(
+            source_env(&rec, None, None, None),
+            Err(SourceError::NoSnapshot(snap.id.clone(), "default".into()))
+        );
+        assert!(matches!(
+            source_env(&rec, Some(&snap), None, None),
+            Err(SourceError::SnapshotNotReady { .. })
+        ));
+        snap.state = VolumeState::Ready;
+        let env = source_env(&rec, Some(&snap), None, None).unwrap();
+        assert_eq!(get(&env, "DHV_SNAPSHOT_CONTEXT"), snap.context.to_string());
+        let mut other = snap.clone();
+        other.plugin_id = "bind".into();
+        assert!(matches!(
+            source_env(&rec, Some(&other), None, None),
+            Err(SourceError::OtherPlugin { .. })
+        ));
+        spec.source = VolumeSource::CloneId("data".into());
+        let rec = VolumeRecord::new(spec, BTreeMap::new());
+        let env = source_env(&rec, None, Some(&src), Some(Path::new("/mnt/data"))).unwrap();
+        assert_eq!(get(&env, "DHV_CLONE_ID"), src.id);
+        assert_eq!(get(&env, "DHV_CLONE_CONTEXT"), src.context.to_string());
+        assert_eq!(get(&env, "DHV_CLONE_TARGET_PATH"), "/mnt/data");
+        assert_eq!(
+            source_env(&rec, None, None, None),
+            Err(SourceError::NoVolume("data".into(), "default".into()))
+        );
+    }
+}
