@@ -8,7 +8,10 @@
 //! - a user record is dropped when its allocation's tasks are finished on this node
 //!   ([`crate::nomad::types::Allocation::tasks_finished`]) or the allocation is gone, never
 //!   on `DesiredStatus=stop` alone, nor on a server-side `lost` while tasks were running;
-//! - a volume is unpublished when no live allocation needs it any more;
+//! - a volume is unpublished when no live allocation needs it any more; a volume whose record
+//!   vanished (or stopped being usable) while a recorded user's tasks still run and mount its
+//!   placeholder is kept published until they finish (an empty or filtered variables list
+//!   proves no deletion: `volume delete` refuses a volume in use);
 //! - nothing is dropped or unpublished before the view and the volume catalogue are
 //!   complete (a partial view proves no absence);
 //! - a `published` record whose mount is missing is published again, never trusted;
@@ -293,6 +296,15 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
             {
                 continue;
             }
+            if let Some(alloc_id) = still_mounted_by(i, scope, key) {
+                plan.waiting.push(Waiting {
+                    volume: key.clone(),
+                    reason: format!(
+                        "unpublish waits: its volume record is gone or not usable, but allocation {alloc_id} still runs with it mounted"
+                    ),
+                });
+                continue;
+            }
             if i.plugins.contains(&m.plugin_id) {
                 plan.steps.push(Step::Unpublish {
                     volume: key.clone(),
@@ -309,6 +321,29 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         }
     }
     (plan, visits)
+}
+
+/// A recorded user of `key` whose tasks may still run on this node and whose group still
+/// mounts the volume's placeholder. Visits the volume's users only (the scope's index), or
+/// every user record in a full pass.
+fn still_mounted_by(i: Inputs<'_>, scope: Scope<'_>, key: &VolumeKey) -> Option<String> {
+    let live = |alloc_id: &str| {
+        i.view
+            .allocs()
+            .get(alloc_id)
+            .filter(|a| !a.tasks_finished() && crate::view::mounts_source(a, key))
+            .map(|_| alloc_id.to_string())
+    };
+    match scope {
+        Scope::Volumes { users, .. } => {
+            users.get(key).into_iter().flatten().find_map(|id| live(id))
+        }
+        Scope::All => i
+            .users
+            .iter()
+            .filter(|u| &u.volume == key)
+            .find_map(|u| live(&u.alloc_id)),
+    }
 }
 
 #[cfg(test)]
@@ -587,6 +622,53 @@ pub(crate) mod tests {
         assert_eq!(w.unpublishes, 1);
         assert!(w.users.is_empty());
         assert!(w.mounts.is_empty());
+    }
+
+    /// A record that vanishes (a filtered or empty variables list, a planted deletion)
+    /// proves no deletion while a recorded user still runs with the placeholder mounted:
+    /// the volume stays published, says why, and goes once the user's tasks finish.
+    #[test]
+    fn a_vanished_record_does_not_unpublish_under_a_running_user() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        w.volumes.clear();
+        let p = w.plan();
+        assert!(p.steps.is_empty(), "{:?}", p.steps);
+        assert!(
+            p.waiting.iter().any(|x| x.volume == key("data")
+                && x.reason.contains("record is gone")
+                && x.reason.contains(A1)),
+            "{:?}",
+            p.waiting
+        );
+        w.settle();
+        assert_eq!(w.unpublishes, 0);
+        let mut a = alloc(A1, &["data"], "complete", "stop");
+        a.modify_index = 30;
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
+    }
+
+    /// A user whose group no longer mounts the volume (its job changed) does not keep a
+    /// volume without a record.
+    #[test]
+    fn a_vanished_record_with_no_user_mounting_it_is_unpublished() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        w.volumes.clear();
+        let mut a = alloc(A1, &[], "running", "run");
+        a.modify_index = 30;
+        w.update(a);
+        w.settle();
+        assert_eq!(w.unpublishes, 1);
     }
 
     /// §5 row 5 (and B06): two live allocations share one publish; the volume is

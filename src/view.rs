@@ -288,6 +288,12 @@ pub fn named_volumes(alloc: &Allocation) -> BTreeSet<VolumeKey> {
 }
 
 /// The group's host volume requests as (volume, read_only), one per request.
+/// True when `alloc`'s group mounts the host volume named like `key` (whatever its record
+/// says now): the allocation's tasks see that placeholder.
+pub fn mounts_source(alloc: &Allocation, key: &VolumeKey) -> bool {
+    host_sources(alloc).any(|(k, _)| &k == key)
+}
+
 fn host_sources(alloc: &Allocation) -> impl Iterator<Item = (VolumeKey, bool)> + '_ {
     alloc
         .group()

@@ -21,10 +21,10 @@
 //! and a stub node (ready), so that the reconciler finds nothing to do. No lock timers run
 //! (locks never lapse unless the script says so) and no client runs tasks.
 
-use crate::policy::AclState;
 use crate::api::{json_response, router, AgentInfo, ApiError, AppState};
 use crate::broker::Broker;
 use crate::identity::Keyring;
+use crate::policy::AclState;
 use crate::state::State;
 use crate::store::Server;
 use crate::structs::{Allocation, Frame, HostVolume, Job, Node, TaskGroup, VariableLock};
