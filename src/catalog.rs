@@ -26,9 +26,15 @@ impl Rejections {
         self.0.lock().map(|m| m.clone()).unwrap_or_default()
     }
 
-    fn replace(&self, now: BTreeMap<String, String>) {
+    /// Replaces the rejections of records whose variable path starts with `prefix` (each
+    /// watcher owns its prefix: volume records, snapshot records) with `now`.
+    pub(crate) fn replace_under(&self, prefix: &str, now: BTreeMap<String, String>) {
         if let Ok(mut m) = self.0.lock() {
-            *m = now;
+            m.retain(|k, _| {
+                !k.split_once('/')
+                    .is_some_and(|(_, path)| path.starts_with(prefix))
+            });
+            m.extend(now);
         }
     }
 }
@@ -80,7 +86,7 @@ pub async fn run(
         }
         match load(&client, &list.value, &trust, &mut cache).await {
             Ok(cat) => {
-                rejected.replace(rejections_of(&cache));
+                rejected.replace_under(RECORD_PREFIX, rejections_of(&cache));
                 if tx.send(cat).await.is_err() {
                     return;
                 }
@@ -94,11 +100,13 @@ pub async fn run(
     }
 }
 
-fn rejections_of(
-    cache: &HashMap<(String, String), (u64, Option<Decoded>)>,
+/// The refused entries of a watcher's cache (`(namespace, path)` → (index, decoded)), as
+/// `<namespace>/<path>` → reason.
+pub(crate) fn rejections_of<'a, T: 'a>(
+    cache: impl IntoIterator<Item = (&'a (String, String), &'a (u64, Option<Result<T, String>>))>,
 ) -> BTreeMap<String, String> {
     cache
-        .iter()
+        .into_iter()
         .filter_map(|((ns, path), (_, d))| match d {
             Some(Err(reason)) => Some((format!("{ns}/{path}"), reason.clone())),
             _ => None,
@@ -108,14 +116,7 @@ fn rejections_of(
 
 /// Decodes and checks one variable; `Err` says why it must not be acted on.
 pub fn admit(var: &crate::nomad::types::Variable, trust: &RecordTrust) -> Decoded {
-    let rec = VolumeRecord::from_variable(var).map_err(|e| e.to_string())?;
-    trust.verify(&rec).map_err(|e| {
-        format!(
-            "variable {} in namespace {} is not acted on: {e}",
-            var.path, var.namespace
-        )
-    })?;
-    Ok(rec)
+    crate::trust::admit(var, trust, VolumeRecord::from_variable)
 }
 
 async fn load(
@@ -160,4 +161,33 @@ async fn load(
         .filter_map(|(_, r)| r.clone().and_then(Result::ok))
         .map(|r| (r.key(), r))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_watcher_replaces_only_the_rejections_under_its_prefix() {
+        let r = Rejections::default();
+        let vol = format!("default/{RECORD_PREFIX}data");
+        let snap = format!("default/{}x", crate::snapshot::SNAPSHOT_PREFIX);
+        r.replace_under(
+            RECORD_PREFIX,
+            BTreeMap::from([(vol.clone(), "unsigned".into())]),
+        );
+        r.replace_under(
+            crate::snapshot::SNAPSHOT_PREFIX,
+            BTreeMap::from([(snap.clone(), "forged".into())]),
+        );
+        assert_eq!(r.snapshot().len(), 2, "{:?}", r.snapshot());
+        // The volume watcher's next pass (the record fixed) keeps the snapshot's entry.
+        r.replace_under(RECORD_PREFIX, BTreeMap::new());
+        assert_eq!(
+            r.snapshot(),
+            BTreeMap::from([(snap.clone(), "forged".to_string())])
+        );
+        r.replace_under(crate::snapshot::SNAPSHOT_PREFIX, BTreeMap::new());
+        assert!(r.snapshot().is_empty());
+    }
 }

@@ -499,13 +499,15 @@ async fn cas_update(client: &Client, rec: &VolumeRecord) -> Result<VolumeRecord,
 }
 
 /// Takes a pending (or our own interrupted) create: claims it in the record with a
-/// check-and-set write, runs the plugin's `create`, stores context and state.
+/// check-and-set write, runs the plugin's `create`, stores context and state. A source
+/// (snapshot or volume to clone) is used only if its record verifies with `trust`.
 pub async fn create(
     client: Client,
     runner: Runner,
     node: NodeEnv,
     mut rec: VolumeRecord,
     mount_root: PathBuf,
+    trust: crate::trust::RecordTrust,
 ) -> Completion {
     let key = rec.key();
     let result = async {
@@ -515,7 +517,7 @@ pub async fn create(
             rec = cas_update(&client, &rec).await?;
         }
         let mut env = create_env(&node, &rec);
-        match storage::source_env(&client, &runner, &rec, &mount_root).await {
+        match storage::source_env(&client, &runner, &rec, &mount_root, &trust).await {
             Ok(extra) => env.extend(extra),
             Err(e @ storage::SourceFailure::Read(_)) => return Err(e.into()),
             Err(e) => {

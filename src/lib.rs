@@ -14,7 +14,7 @@
 //! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from them;
 //! - [`expansion`]: growing a volume (`volume create` again with a larger `capacity_min`);
 //! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
-//! - [`trust`]: operator signatures on volume records, verified by agents;
+//! - [`trust`]: operator signatures on volume records and snapshot requests, verified by agents;
 //! - `reconcile`: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record (records in memory, group-committed ahead of
 //!   the plugin calls of each planning pass);

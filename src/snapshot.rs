@@ -5,10 +5,17 @@
 //!
 //! Shaped like `nomad volume snapshot create|list|delete` (CSI): a snapshot has an ID, a
 //! source volume, a size, a creation time and whether it is ready.
+//!
+//! A snapshot request is signed by the operator's CLI like a volume record
+//! ([`crate::trust::Signed`]): its place (namespace, path, ID) and its source (volume name
+//! and ID), name, plugin, secrets and creation time; a delete request carries its own
+//! signature. Nodes act only on requests that verify ([`admit`]); a volume created from a
+//! snapshot uses it only if it verifies ([`read_source`]).
 
 use crate::environment::NodeEnv;
 use crate::nomad::types::Variable;
 use crate::plugin::{self, Operation, Runner, SnapshotResult};
+use crate::trust::{RecordTrust, Signed};
 use crate::volume::{self, VolumeRecord, VolumeSource, VolumeState};
 use crate::worker::OpError;
 use std::collections::BTreeMap;
@@ -50,8 +57,42 @@ pub struct SnapshotRecord {
     pub worker_node: String,
     /// Last error (redacted).
     pub error: String,
+    /// The operator's signature over the request (`crate::trust`); empty when unsigned.
+    pub signature: String,
+    /// The operator's signature of the delete request; empty unless `volume snapshot
+    /// delete` signed one.
+    pub delete_signature: String,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
+}
+
+impl Signed for SnapshotRecord {
+    fn place(&self) -> (String, String, String) {
+        (
+            self.namespace.clone(),
+            record_path(&self.id),
+            self.id.clone(),
+        )
+    }
+    fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
+        vec![
+            ("volume", self.volume.clone().into()),
+            ("volume_id", self.volume_id.clone().into()),
+            ("name", self.name.clone().into()),
+            ("plugin_id", self.plugin_id.clone().into()),
+            ("secrets", serde_json::json!(self.secrets)),
+            ("created_at", self.created_at.into()),
+        ]
+    }
+    fn signatures(&self) -> (&str, &str) {
+        (&self.signature, &self.delete_signature)
+    }
+    fn signatures_mut(&mut self) -> (&mut String, &mut String) {
+        (&mut self.signature, &mut self.delete_signature)
+    }
+    fn deleting(&self) -> bool {
+        self.state == VolumeState::Deleting
+    }
 }
 
 impl std::fmt::Debug for SnapshotRecord {
@@ -67,6 +108,7 @@ impl std::fmt::Debug for SnapshotRecord {
             .field("bytes", &self.bytes)
             .field("worker_node", &self.worker_node)
             .field("error", &self.error)
+            .field("signed", &!self.signature.is_empty())
             .finish_non_exhaustive()
     }
 }
@@ -88,6 +130,8 @@ impl SnapshotRecord {
             created_at: now,
             worker_node: String::new(),
             error: String::new(),
+            signature: String::new(),
+            delete_signature: String::new(),
             modify_index: 0,
         }
     }
@@ -111,6 +155,8 @@ impl SnapshotRecord {
             ("created_at", self.created_at.to_string()),
             ("worker_node", self.worker_node.clone()),
             ("error", self.error.clone()),
+            ("signature", self.signature.clone()),
+            ("delete_signature", self.delete_signature.clone()),
         ] {
             items.insert(k.to_string(), v);
         }
@@ -155,9 +201,18 @@ impl SnapshotRecord {
             created_at: item("created_at").parse().unwrap_or(0),
             worker_node: item("worker_node"),
             error: item("error"),
+            signature: item("signature"),
+            delete_signature: item("delete_signature"),
             modify_index: var.modify_index,
         })
     }
+}
+
+/// Decodes and checks one snapshot variable; `Err` says why no node may act on it (it does
+/// not decode, or `trust` refuses it: unsigned, forged, re-pointed at another volume, or a
+/// delete request without the operator's delete signature).
+pub fn admit(var: &Variable, trust: &RecordTrust) -> Result<SnapshotRecord, String> {
+    crate::trust::admit(var, trust, SnapshotRecord::from_variable)
 }
 
 /// Environment of `snapshot_create`: the source volume's identity, secrets and `DHV_CONTEXT`,
@@ -222,6 +277,8 @@ pub enum SourceError {
     SnapshotNotReady { id: String, state: &'static str },
     #[error("volume {0} to clone does not exist in namespace {1}")]
     NoVolume(String, String),
+    #[error("the source's record is refused: {0}")]
+    Untrusted(String),
     #[error("volume {name} to clone is {state}, not ready")]
     VolumeNotReady { name: String, state: &'static str },
     #[error("the source uses plugin {source_plugin:?} but the new volume uses {plugin:?}: a snapshot or clone stays with its plugin")]
@@ -298,33 +355,60 @@ pub fn source_env(
     }
 }
 
+/// The source records a volume's `create` reads, for [`source_env`].
+pub type Source = (Option<SnapshotRecord>, Option<VolumeRecord>);
+
+/// Why [`read_source`] has no source to give.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadSourceError {
+    /// Nomad could not be read (retried).
+    #[error("{0}")]
+    Read(String),
+    /// The source's record does not decode or `trust` refuses it (the create fails).
+    #[error(transparent)]
+    Refused(#[from] SourceError),
+}
+
 /// Reads the source a volume's spec names (the snapshot record, or the volume to clone), for
-/// [`source_env`]. `(None, None)` for a volume with no source, or a source that is gone.
+/// [`source_env`]. `(None, None)` for a volume with no source, or a source that is gone. The
+/// source is used only if its record verifies with `trust` (a snapshot's signature binds its
+/// source volume's name and ID, so a record re-pointed at another volume is refused; a volume
+/// to clone is a signed volume record like any other).
 pub async fn read_source(
     client: &crate::nomad::Client,
     rec: &VolumeRecord,
-) -> Result<(Option<SnapshotRecord>, Option<VolumeRecord>), String> {
+    trust: &RecordTrust,
+) -> Result<Source, ReadSourceError> {
     let ns = &rec.spec.namespace;
+    let path = match &rec.spec.source {
+        VolumeSource::Empty => return Ok((None, None)),
+        VolumeSource::SnapshotId(id) => record_path(id),
+        VolumeSource::CloneId(name) => volume::record_path(name),
+    };
+    let var = client
+        .variable(ns, &path)
+        .await
+        .map_err(|e| ReadSourceError::Read(e.to_string()))?;
+    match var {
+        None => Ok((None, None)),
+        Some(v) => Ok(admit_source(rec, &v, trust)?),
+    }
+}
+
+/// The source record in `var` for `rec`'s `create`, if it decodes and verifies.
+pub fn admit_source(
+    rec: &VolumeRecord,
+    var: &Variable,
+    trust: &RecordTrust,
+) -> Result<Source, SourceError> {
     match &rec.spec.source {
         VolumeSource::Empty => Ok((None, None)),
-        VolumeSource::SnapshotId(id) => {
-            let var = client
-                .variable(ns, &record_path(id))
-                .await
-                .map_err(|e| e.to_string())?;
-            var.map(|v| SnapshotRecord::from_variable(&v).map_err(|e| e.to_string()))
-                .transpose()
-                .map(|s| (s, None))
-        }
-        VolumeSource::CloneId(name) => {
-            let var = client
-                .variable(ns, &volume::record_path(name))
-                .await
-                .map_err(|e| e.to_string())?;
-            var.map(|v| VolumeRecord::from_variable(&v).map_err(|e| e.to_string()))
-                .transpose()
-                .map(|v| (None, v))
-        }
+        VolumeSource::SnapshotId(_) => admit(var, trust)
+            .map(|s| (Some(s), None))
+            .map_err(SourceError::Untrusted),
+        VolumeSource::CloneId(_) => crate::catalog::admit(var, trust)
+            .map(|v| (None, Some(v)))
+            .map_err(SourceError::Untrusted),
     }
 }
 
@@ -513,19 +597,23 @@ async fn write(
 pub type Snapshots = BTreeMap<String, SnapshotRecord>;
 
 /// Watches the snapshot records (Nomad API: `GET /v1/vars?prefix=dhv-binder/snapshots/&namespace=*`
-/// as a blocking query of `wait`) and sends every record after each change, as the volume
-/// catalogue does for volume records. A record read again only when its `ModifyIndex`
-/// moved; one that does not decode is logged and left out (never deleted). Nomad errors
-/// are retried with a backoff of 0.5 s doubling to 30 s.
+/// as a blocking query of `wait`) and sends every record `trust` admits after each change, as
+/// the volume catalogue does for volume records. A record is read again only when its
+/// `ModifyIndex` moved; one that does not decode or that `trust` refuses ([`admit`]) is
+/// logged once (per index), listed in `rejected` and left out (never deleted, never acted
+/// on). Nomad errors are retried with a backoff of 0.5 s doubling to 30 s.
 pub async fn watch(
     client: crate::nomad::Client,
     wait: std::time::Duration,
+    trust: RecordTrust,
+    rejected: crate::catalog::Rejections,
     tx: tokio::sync::mpsc::Sender<Snapshots>,
 ) {
     use std::time::Duration;
+    type Decoded = Option<Result<SnapshotRecord, String>>;
     let mut index = 0u64;
     let mut attempt = 0u32;
-    let mut cache: BTreeMap<(String, String), (u64, Option<SnapshotRecord>)> = BTreeMap::new();
+    let mut cache: BTreeMap<(String, String), (u64, Decoded)> = BTreeMap::new();
     loop {
         let loaded = async {
             let list = client
@@ -540,13 +628,19 @@ pub async fn watch(
                 let entry = match cache.get(&k).filter(|(i, _)| *i == m.modify_index) {
                     Some(c) => c.clone(),
                     None => {
-                        let rec = client.variable(&m.namespace, &m.path).await?.and_then(|v| {
-                            SnapshotRecord::from_variable(&v)
-                                .map_err(|e| {
-                                    tracing::warn!(error = %e, "ignoring a malformed snapshot record")
-                                })
-                                .ok()
-                        });
+                        let rec = client
+                            .variable(&m.namespace, &m.path)
+                            .await?
+                            .map(|v| admit(&v, &trust));
+                        if let Some(Err(reason)) = &rec {
+                            use crate::escape::escape_control;
+                            tracing::warn!(
+                                namespace = %escape_control(&m.namespace),
+                                path = %escape_control(&m.path),
+                                reason = %escape_control(reason),
+                                "refusing a snapshot record: no snapshot is taken, deleted or restored from it"
+                            );
+                        }
                         (m.modify_index, rec)
                     }
                 };
@@ -559,9 +653,10 @@ pub async fn watch(
         match loaded {
             Ok(i) => {
                 attempt = 0;
+                rejected.replace_under(SNAPSHOT_PREFIX, crate::catalog::rejections_of(&cache));
                 let all: Snapshots = cache
                     .values()
-                    .filter_map(|(_, r)| r.clone())
+                    .filter_map(|(_, r)| r.clone().and_then(Result::ok))
                     .map(|r| (r.id.clone(), r))
                     .collect();
                 if tx.send(all).await.is_err() {
@@ -656,6 +751,149 @@ mod tests {
         assert_eq!(get(&env, "DHV_VOLUME_NAME"), "data");
         let env = list_env(&node(), &BTreeMap::from([("k".into(), "v".into())]));
         assert_eq!(get(&env, "DHV_SECRETS"), r#"{"k":"v"}"#);
+    }
+
+    fn keys() -> (crate::trust::SigningKey, RecordTrust) {
+        let (key, _) = crate::trust::SigningKey::generate().unwrap();
+        let trust = RecordTrust::parse_keys(&key.public_line(), "keys").unwrap();
+        (key, trust)
+    }
+
+    fn stored(snap: &SnapshotRecord) -> Variable {
+        let mut var = snap.to_variable();
+        var.modify_index = 5;
+        var
+    }
+
+    #[test]
+    fn a_planted_unsigned_or_forged_snapshot_request_is_not_admitted() {
+        let (key, trust) = keys();
+        let vol = volume();
+        let mut snap = SnapshotRecord::new(&vol, "nightly", 1);
+        // Unsigned: refused, saying how to sign it; admitted only on a test cluster.
+        let e = admit(&stored(&snap), &trust).unwrap_err();
+        assert!(
+            e.contains("not signed") && e.contains("--signing-key"),
+            "{e}"
+        );
+        assert!(admit(&stored(&snap), &RecordTrust::Unverified).is_ok());
+        key.sign(&mut snap);
+        let ok = admit(&stored(&snap), &trust).unwrap();
+        assert_eq!(ok.signature, snap.signature, "the signature round-trips");
+        // What nodes write back is not signed.
+        let mut done = snap.clone();
+        done.state = VolumeState::Ready;
+        done.context = serde_json::json!({"image": "/srv/images/default/snapshots/y.img"});
+        done.worker_node = "n1".into();
+        assert!(admit(&stored(&done), &trust).is_ok());
+        // Every field that says what is snapshotted, where, and with what, is bound.
+        let tamper: [fn(&mut SnapshotRecord); 7] = [
+            |s| s.volume = "other".into(),
+            |s| s.volume_id = uuid::Uuid::new_v4().to_string(),
+            |s| s.namespace = "other".into(),
+            |s| s.name = "other".into(),
+            |s| s.plugin_id = "bind".into(),
+            |s| {
+                s.secrets.insert("key".into(), "other".into());
+            },
+            |s| s.created_at = 2,
+        ];
+        for t in tamper {
+            let mut bad = snap.clone();
+            t(&mut bad);
+            let e = admit(&stored(&bad), &trust).unwrap_err();
+            assert!(e.contains("does not verify"), "{e}");
+        }
+        // Copied to another ID (its path follows): refused.
+        let mut moved = snap.clone();
+        moved.id = uuid::Uuid::new_v4().to_string();
+        assert!(admit(&stored(&moved), &trust).is_err());
+        // A volume record's signature is no snapshot's.
+        let mut signed_vol = vol.clone();
+        key.sign(&mut signed_vol);
+        let mut borrowed = SnapshotRecord::new(&vol, "nightly", 1);
+        borrowed.signature = signed_vol.signature.clone();
+        assert!(admit(&stored(&borrowed), &trust).is_err());
+    }
+
+    #[test]
+    fn a_snapshot_delete_needs_the_operators_delete_signature_of_that_snapshot() {
+        let (key, trust) = keys();
+        let vol = volume();
+        let mut snap = SnapshotRecord::new(&vol, "", 1);
+        key.sign(&mut snap);
+        snap.state = VolumeState::Deleting;
+        let e = admit(&stored(&snap), &trust).unwrap_err();
+        assert!(e.contains("snapshot delete"), "{e}");
+        // Neither the request's own signature nor the volume's delete signature will do.
+        snap.delete_signature = snap.signature.clone();
+        assert!(admit(&stored(&snap), &trust).is_err());
+        let mut v = vol.clone();
+        key.sign_delete(&mut v);
+        snap.delete_signature = v.delete_signature.clone();
+        assert!(admit(&stored(&snap), &trust).is_err());
+        // Another snapshot's delete signature does not carry over.
+        let mut other = SnapshotRecord::new(&vol, "", 1);
+        key.sign(&mut other);
+        key.sign_delete(&mut other);
+        snap.delete_signature = other.delete_signature.clone();
+        assert!(admit(&stored(&snap), &trust).is_err());
+        key.sign_delete(&mut snap);
+        assert!(admit(&stored(&snap), &trust).is_ok());
+    }
+
+    #[test]
+    fn a_restore_refuses_a_snapshot_re_pointed_at_another_volume_and_an_unsigned_clone() {
+        let (key, trust) = keys();
+        let src = volume();
+        let mut snap = SnapshotRecord::new(&src, "", 1);
+        key.sign(&mut snap);
+        snap.state = VolumeState::Ready;
+        snap.context = serde_json::json!({"image": "/srv/images/default/snapshots/s.img"});
+        let (spec, _) = crate::volume::parse_spec(&format!(
+            "name = \"restored\"\nplugin_id = \"ext4\"\nsnapshot_id = \"{}\"",
+            snap.id
+        ))
+        .unwrap();
+        let rec = VolumeRecord::new(spec.clone(), BTreeMap::new());
+        let (s, c) = admit_source(&rec, &stored(&snap), &trust).unwrap();
+        assert!(c.is_none());
+        assert!(source_env(&rec, s.as_ref(), None, None).is_ok());
+        // Re-pointed at another volume (its name and ID): refused, the create fails.
+        let mut other = crate::volume::parse_spec("name = \"secret\"\nplugin_id = \"ext4\"")
+            .map(|(s, x)| VolumeRecord::new(s, x))
+            .unwrap();
+        other.state = VolumeState::Ready;
+        let mut repointed = snap.clone();
+        repointed.volume = other.spec.name.clone();
+        repointed.volume_id = other.id.clone();
+        match admit_source(&rec, &stored(&repointed), &trust) {
+            Err(SourceError::Untrusted(m)) => assert!(m.contains("does not verify"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        // An unsigned snapshot record: refused the same way.
+        let mut unsigned = snap.clone();
+        unsigned.signature.clear();
+        assert!(matches!(
+            admit_source(&rec, &stored(&unsigned), &trust),
+            Err(SourceError::Untrusted(_))
+        ));
+        // A clone names a volume record: used only if it verifies as the catalogue's do.
+        let mut spec = spec;
+        spec.source = VolumeSource::CloneId("secret".into());
+        let clone = VolumeRecord::new(spec, BTreeMap::new());
+        let mut var = other.to_variable();
+        var.modify_index = 3;
+        assert!(matches!(
+            admit_source(&clone, &var, &trust),
+            Err(SourceError::Untrusted(_))
+        ));
+        key.sign(&mut other);
+        let mut var = other.to_variable();
+        var.modify_index = 3;
+        let (s, c) = admit_source(&clone, &var, &trust).unwrap();
+        assert!(s.is_none());
+        assert!(source_env(&clone, None, c.as_ref(), None).is_ok());
     }
 
     #[test]

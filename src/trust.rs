@@ -3,7 +3,8 @@
 //!
 //! The operator's CLI signs, with an Ed25519 key kept off the cluster, what decides what a node
 //! does as root: the record's ID, its variable (namespace and path), its spec and its secrets
-//! ([`signed_payload`]), and separately each delete request ([`delete_payload`]). Agents verify
+//! ([`signed_payload`]), and separately each delete request ([`delete_payload`]). Snapshot
+//! requests are signed the same way ([`Signed`]; their fields in `crate::snapshot`). Agents verify
 //! with public keys configured on the node (`--record-keys`), never read from Nomad. Fields a
 //! node writes back (state, plugin context, capacity, worker node, error) are not signed: they
 //! are treated as untrusted input (plugins confine every path to roots configured on the node;
@@ -24,13 +25,11 @@ const SIG_PREFIX: &str = "ed25519:";
 /// Why a record or a key was refused. Each says what to do.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum TrustError {
-    #[error(
-        "the record is not signed: create it with `dhv-binder volume create --signing-key <file>`"
-    )]
+    #[error("the record is not signed: write it with the operator's key (`dhv-binder volume create` or `volume snapshot create` with `--signing-key <file>`)")]
     Unsigned,
     #[error("the record's signature does not verify with any key in --record-keys (forged or altered record, or a key this node does not trust)")]
     BadSignature,
-    #[error("the record is in state deleting without a valid operator delete signature: run `dhv-binder volume delete --signing-key <file>`")]
+    #[error("the record is in state deleting without a valid operator delete signature: run `dhv-binder volume delete` (or `volume snapshot delete`) with `--signing-key <file>`")]
     UnsignedDelete,
     #[error("the signature field {0:?} is not `ed25519:<key id>:<base64>`")]
     Malformed(String),
@@ -40,30 +39,93 @@ pub enum TrustError {
     NotConfigured,
 }
 
-/// The signed bytes of a record: `{"v":1,"namespace","path","id","spec","secrets"}` as
-/// compact JSON (struct and map fields in a fixed order).
-pub fn signed_payload(rec: &VolumeRecord) -> Vec<u8> {
-    serde_json::to_vec(&serde_json::json!({
-        "v": 1,
-        "namespace": rec.spec.namespace,
-        "path": record_path(&rec.spec.name),
-        "id": rec.id,
-        "spec": rec.spec,
-        "secrets": rec.secrets,
-    }))
-    .unwrap_or_default()
+/// A record an operator signs: a volume record or a snapshot request. Every signature binds
+/// the record's place (namespace, variable path, ID), so a signed record copied to another
+/// path, namespace or ID does not verify, and a volume's delete signature is no snapshot's.
+pub trait Signed {
+    /// The record's namespace, variable path and ID.
+    fn place(&self) -> (String, String, String);
+    /// What the operator signs besides the place, as `(field, value)` in a fixed order.
+    fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)>;
+    /// The record signature and the delete signature (empty when absent).
+    fn signatures(&self) -> (&str, &str);
+    /// The same, to set them.
+    fn signatures_mut(&mut self) -> (&mut String, &mut String);
+    /// True when the record asks nodes to delete (acted on only with a delete signature).
+    fn deleting(&self) -> bool;
 }
 
-/// The signed bytes of a delete request for a record.
-pub fn delete_payload(rec: &VolumeRecord) -> Vec<u8> {
-    serde_json::to_vec(&serde_json::json!({
-        "v": 1,
-        "op": "delete",
-        "namespace": rec.spec.namespace,
-        "path": record_path(&rec.spec.name),
-        "id": rec.id,
-    }))
-    .unwrap_or_default()
+impl Signed for VolumeRecord {
+    fn place(&self) -> (String, String, String) {
+        (
+            self.spec.namespace.clone(),
+            record_path(&self.spec.name),
+            self.id.clone(),
+        )
+    }
+    fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
+        vec![
+            ("spec", serde_json::json!(self.spec)),
+            ("secrets", serde_json::json!(self.secrets)),
+        ]
+    }
+    fn signatures(&self) -> (&str, &str) {
+        (&self.signature, &self.delete_signature)
+    }
+    fn signatures_mut(&mut self) -> (&mut String, &mut String) {
+        (&mut self.signature, &mut self.delete_signature)
+    }
+    fn deleting(&self) -> bool {
+        self.state == VolumeState::Deleting
+    }
+}
+
+/// The place of `rec` as the first fields of a signed object, after `v` (and `op`).
+fn placed(rec: &impl Signed, op: Option<&str>) -> serde_json::Map<String, serde_json::Value> {
+    let (namespace, path, id) = rec.place();
+    let mut m = serde_json::Map::new();
+    m.insert("v".into(), 1.into());
+    if let Some(op) = op {
+        m.insert("op".into(), op.into());
+    }
+    m.insert("namespace".into(), namespace.into());
+    m.insert("path".into(), path.into());
+    m.insert("id".into(), id.into());
+    m
+}
+
+/// The signed bytes of a record: `{"v":1,"namespace","path","id",<signed fields>}` as
+/// compact JSON (a volume's fields are `spec` and `secrets`; struct and map fields in a
+/// fixed order).
+pub fn signed_payload(rec: &impl Signed) -> Vec<u8> {
+    let mut m = placed(rec, None);
+    for (k, v) in rec.signed_fields() {
+        m.insert(k.into(), v);
+    }
+    serde_json::to_vec(&m).unwrap_or_default()
+}
+
+/// The signed bytes of a delete request for a record: `{"v":1,"op":"delete","namespace",
+/// "path","id"}`.
+pub fn delete_payload(rec: &impl Signed) -> Vec<u8> {
+    serde_json::to_vec(&placed(rec, Some("delete"))).unwrap_or_default()
+}
+
+/// Decodes a record's variable with `decode` and checks it with `trust`; `Err` says why no
+/// node may act on it (it does not decode, or it does not verify).
+pub fn admit<R: Signed, E: std::fmt::Display>(
+    var: &crate::nomad::types::Variable,
+    trust: &RecordTrust,
+    decode: impl FnOnce(&crate::nomad::types::Variable) -> Result<R, E>,
+) -> Result<R, String> {
+    let rec = decode(var).map_err(|e| e.to_string())?;
+    trust.verify(&rec).map_err(|e| {
+        format!(
+            "variable {} in namespace {} is not acted on: {e}",
+            var.path, var.namespace
+        )
+    })?;
+    Ok(rec)
 }
 
 /// An operator's signing key (the CLI's `--signing-key`).
@@ -154,14 +216,16 @@ impl SigningKey {
         )
     }
 
-    /// Sets `rec.signature` over [`signed_payload`].
-    pub fn sign(&self, rec: &mut VolumeRecord) {
-        rec.signature = self.sign_bytes(&signed_payload(rec));
+    /// Sets the record's signature over [`signed_payload`].
+    pub fn sign(&self, rec: &mut impl Signed) {
+        let sig = self.sign_bytes(&signed_payload(rec));
+        *rec.signatures_mut().0 = sig;
     }
 
-    /// Sets `rec.delete_signature` over [`delete_payload`].
-    pub fn sign_delete(&self, rec: &mut VolumeRecord) {
-        rec.delete_signature = self.sign_bytes(&delete_payload(rec));
+    /// Sets the record's delete signature over [`delete_payload`].
+    pub fn sign_delete(&self, rec: &mut impl Signed) {
+        let sig = self.sign_bytes(&delete_payload(rec));
+        *rec.signatures_mut().1 = sig;
     }
 }
 
@@ -253,15 +317,17 @@ impl RecordTrust {
         }
     }
 
-    /// Checks that a record may be acted on: its signature covers its ID, place, spec and
-    /// secrets, and a `deleting` state carries a valid delete signature.
-    pub fn verify(&self, rec: &VolumeRecord) -> Result<(), TrustError> {
+    /// Checks that a record may be acted on: its signature covers its ID, place and signed
+    /// fields (a volume's spec and secrets, a snapshot's source), and a `deleting` state
+    /// carries a valid delete signature.
+    pub fn verify(&self, rec: &impl Signed) -> Result<(), TrustError> {
         let RecordTrust::Keys(keys) = self else {
             return Ok(());
         };
-        self.verify_bytes(keys, &signed_payload(rec), &rec.signature)?;
-        if rec.state == VolumeState::Deleting {
-            self.verify_bytes(keys, &delete_payload(rec), &rec.delete_signature)
+        let (signature, delete_signature) = rec.signatures();
+        self.verify_bytes(keys, &signed_payload(rec), signature)?;
+        if rec.deleting() {
+            self.verify_bytes(keys, &delete_payload(rec), delete_signature)
                 .map_err(|_| TrustError::UnsignedDelete)?;
         }
         Ok(())
@@ -320,6 +386,31 @@ mod tests {
         let mut foreign = record();
         other.sign(&mut foreign);
         assert_eq!(trust.verify(&foreign), Err(TrustError::BadSignature));
+    }
+
+    #[test]
+    fn a_volume_payload_is_the_same_bytes_as_before_snapshots_were_signed() {
+        // Records signed by an earlier CLI must still verify.
+        let rec = record();
+        let before = serde_json::to_vec(&serde_json::json!({
+            "v": 1,
+            "namespace": rec.spec.namespace,
+            "path": record_path(&rec.spec.name),
+            "id": rec.id,
+            "spec": rec.spec,
+            "secrets": rec.secrets,
+        }))
+        .unwrap();
+        assert_eq!(signed_payload(&rec), before);
+        let before = serde_json::to_vec(&serde_json::json!({
+            "v": 1,
+            "op": "delete",
+            "namespace": rec.spec.namespace,
+            "path": record_path(&rec.spec.name),
+            "id": rec.id,
+        }))
+        .unwrap();
+        assert_eq!(delete_payload(&rec), before);
     }
 
     #[test]

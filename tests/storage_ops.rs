@@ -126,7 +126,9 @@ async fn create(client: &Client, runner: &Runner, n: &NodeEnv, spec: &str) -> Vo
         .unwrap();
     let mut rec = VolumeRecord::from_variable(&var).unwrap();
     // The create step of the agent, with the source's variables (as the integration adds).
-    let (snap, clone) = snapshot::read_source(client, &rec).await.unwrap();
+    // These records are unsigned (the agent-driven test below signs); trust them here.
+    let trust = dhv_binder::trust::RecordTrust::Unverified;
+    let (snap, clone) = snapshot::read_source(client, &rec, &trust).await.unwrap();
     let extra = snapshot::source_env(&rec, snap.as_ref(), clone.as_ref(), None).unwrap();
     let mut env = environment::create_env(n, &rec);
     env.extend(extra);
@@ -648,6 +650,67 @@ async fn snapshot_restore_clone_and_growth_through_agents_and_jobs() {
         ran_on(0) && !ran_on(1),
         "taken where the volume is published (node-1)"
     );
+    // A snapshot request planted without the operator's key (whoever may write variables
+    // in the namespace, a daemon token included) is refused by every node: listed as
+    // refused in `status`, never taken, the record left as it was.
+    let var: dhv_binder::nomad::types::Variable = serde_json::from_value(
+        c.get("/v1/var/dhv-binder/volumes/data?namespace=default")
+            .await,
+    )
+    .unwrap();
+    let planted = SnapshotRecord::new(&VolumeRecord::from_variable(&var).unwrap(), "planted", 1);
+    let pv = planted.to_variable();
+    c.put(
+        &format!("/v1/var/{}?namespace=default&cas=0", pv.path),
+        serde_json::to_value(&pv).unwrap(),
+    )
+    .await;
+    for i in 0..2 {
+        c.wait_for(
+            60,
+            "the planted snapshot request listed as refused",
+            || async {
+                let (_, out) = c.status(i);
+                (out.contains(&planted.id) && out.contains("not signed")).then_some(())
+            },
+        )
+        .await;
+    }
+    let rec = c
+        .get(&format!(
+            "/v1/var/dhv-binder/snapshots/{}?namespace=default",
+            planted.id
+        ))
+        .await;
+    assert_eq!(rec["Items"]["state"], "pending", "{rec}");
+    assert_eq!(rec["Items"]["worker_node"], "", "{rec}");
+    // Without the operator's key the CLI refuses at once what the nodes would refuse: a
+    // snapshot of a signed volume, the delete of a signed snapshot.
+    for args in [
+        &["volume", "snapshot", "create", "data", "--detach"][..],
+        &["volume", "snapshot", "delete", &snap_id, "--detach"][..],
+    ] {
+        let out = std::process::Command::new(support::cluster::dhv_binder_bin())
+            .args(args)
+            .env_clear()
+            .env("NOMAD_ADDR", &c.server)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && text.contains("needs the operator's signature"),
+            "{args:?}: {text}"
+        );
+    }
+    for n in &c.nodes {
+        let log = std::fs::read_to_string(&n.log).unwrap_or_default();
+        assert!(
+            !log.lines()
+                .any(|l| l.contains("storage operation") && l.contains(&planted.id)),
+            "{} acted on the planted request",
+            n.name
+        );
+    }
     let (code, out) = c.cli(&["volume", "snapshot", "list", "data"]);
     assert_eq!(code, 0, "{out}");
     assert!(

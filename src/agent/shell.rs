@@ -150,6 +150,9 @@ struct Shell {
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
     rejected_records: catalog::Rejections,
+    /// The record keys: a `create` from a snapshot or a clone uses its source only if the
+    /// source's record verifies (`crate::snapshot::read_source`).
+    trust: crate::trust::RecordTrust,
     /// The placeholder guard, and whether it stands (placed at start, else retried).
     guard: Guard,
     guarded: bool,
@@ -186,6 +189,8 @@ impl Shell {
             reading_after_calls: false,
             meter,
             rejected_records: catalog::Rejections::default(),
+            // Trusts no record until `with_trust` gives the node's keys (fail closed).
+            trust: crate::trust::RecordTrust::Keys(Vec::new()),
             // Placed (or not) by `run`; a shell without it never retries.
             guard: Guard::new(&cfg_state),
             guarded: true,
@@ -206,14 +211,17 @@ impl Shell {
         }
     }
 
-    /// The node's plugin roots (passed to plugins, never taken from a record) and the
-    /// refused volume records the catalogue reports, shown by `status` (issue 13).
+    /// The node's plugin roots (passed to plugins, never taken from a record), its record
+    /// keys, and the refused volume and snapshot records the watchers report, shown by
+    /// `status` (issue 13).
     fn with_trust(
         mut self,
         allowed_roots: std::collections::BTreeMap<String, String>,
+        trust: crate::trust::RecordTrust,
         rejected_records: catalog::Rejections,
     ) -> Self {
         self.runner = self.runner.with_allowed_roots(allowed_roots);
+        self.trust = trust;
         self.rejected_records = rejected_records;
         self
     }
@@ -298,7 +306,14 @@ impl Shell {
             // Not under the permits: a node whose calls all hang still learns its plugins.
             Effect::Fingerprint => self.call(executor::fingerprint_all(runner)),
             Effect::Create(rec) => self.plugin_call(
-                executor::create(client, runner, node, *rec, self.cfg.mount_root()),
+                executor::create(
+                    client,
+                    runner,
+                    node,
+                    *rec,
+                    self.cfg.mount_root(),
+                    self.trust.clone(),
+                ),
                 false,
             ),
             Effect::Storage(op) => {
@@ -648,13 +663,15 @@ pub async fn run(
         tokio::spawn(catalog::run(
             client.clone(),
             Duration::from_secs(300),
-            trust,
+            trust.clone(),
             rejected_records.clone(),
             cat_tx,
         )),
         tokio::spawn(crate::snapshot::watch(
             client.clone(),
             Duration::from_secs(300),
+            trust.clone(),
+            rejected_records.clone(),
             snap_tx,
         )),
         tokio::spawn(crate::api::serve_with(
@@ -708,8 +725,11 @@ pub async fn run(
         now(),
     );
     let meter = Meter::new(metrics);
-    let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter)
-        .with_trust(allowed_roots, rejected_records);
+    let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter).with_trust(
+        allowed_roots,
+        trust,
+        rejected_records,
+    );
     shell.guard = guard;
     shell.guarded = guarded;
     // The mount table first: nothing is planned from an unread one.

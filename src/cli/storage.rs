@@ -7,7 +7,7 @@
 //! operation refuses it the same way, and the command reports that.
 
 use super::output::{bytes, table, OutputArgs};
-use super::volume::{read_record, users_of};
+use super::volume::{read_record, users_of, SigningArgs};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
 use crate::expansion::{self, ExpansionState, Update};
 use crate::nomad::Client;
@@ -32,6 +32,8 @@ pub enum SnapshotCommand {
         detach: bool,
         #[command(flatten)]
         local: LocalPlugins,
+        #[command(flatten)]
+        key: SigningArgs,
     },
     /// List snapshots (of one volume if named): ID, volume, name, size, creation time, state.
     List {
@@ -66,6 +68,8 @@ pub enum SnapshotCommand {
         snapshot_id: String,
         #[arg(long)]
         detach: bool,
+        #[command(flatten)]
+        key: SigningArgs,
     },
 }
 
@@ -247,6 +251,14 @@ async fn wait<T>(
     }
 }
 
+/// Refuses at once a request nodes would refuse: `what` of signed `whom` without the key.
+fn unsigned_request(what: &str, whom: &str) -> Failure {
+    Failure::new(
+        EXIT_CONFIG,
+        format!("{what} {whom} needs the operator's signature (agents with --record-keys act only on signed requests): give the operator's key (--signing-key or DHV_BINDER_SIGNING_KEY)"),
+    )
+}
+
 /// Runs a `volume snapshot` subcommand in namespace `ns`.
 pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Result<(), Failure> {
     match cmd {
@@ -255,7 +267,9 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             name,
             detach,
             local,
+            key,
         } => {
+            let key = key.load()?;
             let vol = read_record(client, ns, &volume).await?;
             if vol.state != VolumeState::Ready {
                 return Err(Failure::new(
@@ -268,8 +282,16 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                 ));
             }
             precheck(&local.plugin_dir, &vol.spec.plugin_id, Capability::Snapshot).await?;
+            if key.is_none() && !vol.signature.is_empty() {
+                return Err(unsigned_request("a snapshot of", &vol.key().to_string()));
+            }
             let mut snap = SnapshotRecord::new(&vol, name.as_deref().unwrap_or(""), now());
             snap.worker_node = published_on(client, &vol.spec.namespace, &vol.spec.name).await?;
+            // Nodes take the snapshot only if the request verifies: the signature binds its
+            // source volume (name and ID), so it cannot be re-pointed at another volume.
+            if let Some(k) = &key {
+                k.sign(&mut snap);
+            }
             crate::worker::put_cas(client, &snap.to_variable(), 0)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
@@ -326,7 +348,9 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
         SnapshotCommand::Delete {
             snapshot_id,
             detach,
+            key,
         } => {
+            let key = key.load()?;
             let Some(mut snap) = read_snapshot(client, ns, &snapshot_id).await? else {
                 return Err(Failure::new(
                     EXIT_FAILED,
@@ -349,8 +373,15 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                 );
                 return Ok(());
             }
+            if key.is_none() && !snap.signature.is_empty() {
+                return Err(unsigned_request("the delete of snapshot", &snap.id));
+            }
             snap.state = VolumeState::Deleting;
             snap.worker_node.clear();
+            // Nodes run `snapshot_delete` only with the operator's delete signature.
+            if let Some(k) = &key {
+                k.sign_delete(&mut snap);
+            }
             crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;

@@ -90,7 +90,7 @@ pub struct SigningArgs {
 
 impl SigningArgs {
     /// Loads the key, or warns that the record will be unsigned.
-    fn load(&self) -> Result<Option<SigningKey>, Failure> {
+    pub(crate) fn load(&self) -> Result<Option<SigningKey>, Failure> {
         match &self.signing_key {
             Some(p) => SigningKey::load(p)
                 .map(Some)

@@ -9,6 +9,7 @@ use crate::expansion;
 use crate::nomad::Client;
 use crate::plugin::{Capability, Runner};
 use crate::snapshot::{self, SnapshotRecord};
+use crate::trust::RecordTrust;
 use crate::volume::{VolumeRecord, VolumeSource};
 use crate::worker::OpKey;
 use std::path::{Path, PathBuf};
@@ -113,11 +114,13 @@ pub enum SourceFailure {
 /// `DHV_CLONE_*`, see [`snapshot::source_env`]); empty for a volume without one. The
 /// plugin's capability is checked from its fingerprint; the clone's target is given when
 /// the source volume is mounted here (the kernel's mount table says so, under `mount_root`).
+/// A source whose record `trust` refuses is a [`SourceFailure::Source`] (the create fails).
 pub async fn source_env(
     client: &Client,
     runner: &Runner,
     rec: &VolumeRecord,
     mount_root: &Path,
+    trust: &RecordTrust,
 ) -> Result<Vec<(String, String)>, SourceFailure> {
     let cap = match &rec.spec.source {
         VolumeSource::Empty => return Ok(Vec::new()),
@@ -129,9 +132,12 @@ pub async fn source_env(
         .await
         .map_err(|e| SourceFailure::Read(e.to_string()))?;
     fp.require_capability(&rec.spec.plugin_id, cap)?;
-    let (snap, clone) = snapshot::read_source(client, rec)
+    let (snap, clone) = snapshot::read_source(client, rec, trust)
         .await
-        .map_err(SourceFailure::Read)?;
+        .map_err(|e| match e {
+            snapshot::ReadSourceError::Read(e) => SourceFailure::Read(e),
+            snapshot::ReadSourceError::Refused(e) => SourceFailure::Source(e),
+        })?;
     let target = clone.as_ref().and_then(|v| {
         let t = mount_root.join(&v.spec.namespace).join(&v.spec.name);
         crate::mounts::is_mount_point(&t).then_some(t)
