@@ -84,7 +84,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         dhv_binder::agent::StartError::Host(
                             dhv_binder::host::HostError::Mounts(_),
                         ) => cli::EXIT_FAILED,
-                        dhv_binder::agent::StartError::Host(_) => cli::EXIT_CONFIG,
+                        dhv_binder::agent::StartError::Host(_)
+                        | dhv_binder::agent::StartError::Trust(_)
+                        | dhv_binder::agent::StartError::PluginRoot(_) => cli::EXIT_CONFIG,
                         _ => cli::EXIT_FAILED,
                     },
                     message: e.to_string(),
