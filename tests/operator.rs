@@ -547,3 +547,45 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
         assert_eq!(line(message)["volume"], "default/shared-data", "{log}");
     }
 }
+
+/// Configuration an operator got wrong is exit 64 with the reason, before the agent asks
+/// Nomad anything: no record keys (and no --allow-unsigned-records), an unreadable key file,
+/// a plugin root that does not exist.
+#[test]
+fn agent_configuration_errors_exit_64_and_say_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = |extra: &[&str]| {
+        let out = Command::new(dhv_binder_bin())
+            .arg("agent")
+            .arg("--state-dir")
+            .arg(tmp.path().join("state"))
+            .arg("--socket")
+            .arg(tmp.path().join("api.sock"))
+            .arg("--plugin-dir")
+            .arg(tmp.path().join("plugins"))
+            .args(extra)
+            .env_clear()
+            // Nothing listens here: reaching Nomad would be exit 69, not 64.
+            .env("NOMAD_ADDR", "http://127.0.0.1:9")
+            .output()
+            .expect("run dhv-binder agent");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = base(&[]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("no record keys configured"), "{err}");
+    let missing = tmp.path().join("no-such-keys.pub");
+    let (code, err) = base(&["--record-keys", missing.to_str().unwrap()]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("no-such-keys.pub"), "{err}");
+    let (code, err) = base(&[
+        "--allow-unsigned-records",
+        "--plugin-root",
+        "bind=/nonexistent/dhv-binder-root",
+    ]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("/nonexistent/dhv-binder-root"), "{err}");
+}
