@@ -38,6 +38,10 @@ pub struct PluginInfo {
     pub healthy: bool,
     /// Why `fingerprint` failed (redacted by the plugin runner).
     pub error: String,
+    /// The optional operations the plugin declares (`snapshot`, `clone`, `expand`, ...);
+    /// absent in records of agents older than storage operations (unknown, not "none").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<Vec<String>>,
 }
 
 /// What one agent publishes about its node.
@@ -59,6 +63,41 @@ pub struct NodeRecord {
     pub heartbeat_secs: u64,
     /// Unix seconds (the agent's clock) of the last write.
     pub last_seen: u64,
+}
+
+/// Why no live node can run `capability` of `plugin_id`, when every live node that serves
+/// the plugin says which operations it declares and none declares it; `None` when one does,
+/// when a node does not say (an older agent), or when no live node serves the plugin (the
+/// caller's own check reports that). `now` in Unix seconds.
+pub fn missing_capability(
+    records: &[NodeRecord],
+    plugin_id: &str,
+    capability: &str,
+    now: u64,
+) -> Option<String> {
+    let serving: Vec<&NodeRecord> = records
+        .iter()
+        .filter(|r| r.can_serve(plugin_id, "", now))
+        .collect();
+    let mut without = Vec::new();
+    for r in &serving {
+        match r
+            .plugins
+            .get(plugin_id)
+            .and_then(|p| p.capabilities.as_ref())
+        {
+            None => return None,
+            Some(caps) if caps.iter().any(|c| c == capability) => return None,
+            Some(_) => without.push(r.node_name.as_str()),
+        }
+    }
+    if without.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "plugin {plugin_id:?} does not declare capability {capability:?} on any node that runs it ({}): nothing was changed",
+        without.join(", ")
+    ))
 }
 
 /// A variable under [`NODE_PREFIX`] that is not a node record.
@@ -108,6 +147,7 @@ impl NodeRecord {
                         deferred_bind: fp.deferred_bind,
                         healthy: true,
                         error: String::new(),
+                        capabilities: Some(fp.capabilities.clone()),
                     },
                     Err(e) => PluginInfo {
                         error: e.clone(),
@@ -296,6 +336,42 @@ mod tests {
         assert_eq!(r.liveness(1000 + 90), Liveness::Live);
         assert_eq!(r.liveness(1000 + 91), Liveness::Stale);
         assert!(!r.can_serve("bind", "", 1000 + 91), "stale");
+    }
+
+    /// A growth or snapshot the plugin cannot do is refused before the record changes,
+    /// from what the nodes that run the plugin declare.
+    #[test]
+    fn a_capability_no_serving_node_declares_is_named_and_unknown_is_no_refusal() {
+        let r = rec();
+        let why = missing_capability(std::slice::from_ref(&r), "bind", "expand", 1010)
+            .expect("bind declares no capability");
+        assert!(
+            why.contains("\"expand\"") && why.contains("node-1"),
+            "{why}"
+        );
+        let mut can = r.clone();
+        can.node_name = "node-2".into();
+        if let Some(p) = can.plugins.get_mut("bind") {
+            p.capabilities = Some(vec!["expand".into()]);
+        }
+        assert_eq!(
+            missing_capability(&[r.clone(), can], "bind", "expand", 1010),
+            None
+        );
+        let mut old = r.clone();
+        if let Some(p) = old.plugins.get_mut("bind") {
+            p.capabilities = None;
+        }
+        assert_eq!(
+            missing_capability(&[old], "bind", "expand", 1010),
+            None,
+            "unknown"
+        );
+        assert_eq!(
+            missing_capability(&[r], "nfs", "expand", 1010),
+            None,
+            "not served"
+        );
     }
 
     #[test]

@@ -1063,6 +1063,25 @@ async fn exec_tasks_run_as_nobody_unless_they_set_a_user() {
         "",
     );
     assert!(out.contains("is ready"), "{out}");
+    // Growing a volume whose plugin declares no "expand" on any node is refused before the
+    // record changes (it used to raise the signed capacity_min, fail on the node, and then
+    // refuse the original spec as a shrink).
+    let record = "/v1/var/dhv-binder/volumes/mine?namespace=default";
+    let before = c.get(record).await["Items"].clone();
+    let spec = c.sb.join("mine.volume.hcl");
+    let grown = format!(
+        "{}\ncapacity_min = \"4GiB\"\n",
+        std::fs::read_to_string(&spec).unwrap()
+    );
+    std::fs::write(&spec, grown).unwrap();
+    let (code, out) = c.cli(&["volume", "create", spec.to_str().unwrap()]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("does not declare capability \"expand\"")
+            && out.contains("nothing was changed"),
+        "{out}"
+    );
+    assert_eq!(c.get(record).await["Items"], before, "the record changed");
     let node = c.nodes[0].name.clone();
     let mine = c.target(0, "mine");
     let roots = c.target(0, "roots");

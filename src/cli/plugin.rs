@@ -354,6 +354,7 @@ pub(crate) mod tests {
                 deferred_bind: true,
                 healthy: true,
                 error: String::new(),
+                capabilities: None,
             },
         );
         a.last_seen = 1000;
@@ -365,6 +366,7 @@ pub(crate) mod tests {
                 deferred_bind: true,
                 healthy: true,
                 error: String::new(),
+                capabilities: None,
             },
         );
         b.plugins.insert(

@@ -175,6 +175,21 @@ pub async fn precheck(plugin_dir: &Path, plugin_id: &str, cap: Capability) -> Re
         .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))
 }
 
+/// The same check as [`precheck`] from the node records: refused when every live node that
+/// runs the plugin declares its operations and none declares `cap` (so that no record is
+/// changed for an operation no node can run).
+pub async fn precheck_nodes(
+    client: &Client,
+    plugin_id: &str,
+    cap: Capability,
+) -> Result<(), Failure> {
+    let (records, _) = crate::nodes::list(client).await?;
+    match crate::nodes::missing_capability(&records, plugin_id, &cap.to_string(), now()) {
+        Some(why) => Err(Failure::new(EXIT_FAILED, why)),
+        None => Ok(()),
+    }
+}
+
 fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -282,6 +297,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                 ));
             }
             precheck(&local.plugin_dir, &vol.spec.plugin_id, Capability::Snapshot).await?;
+            precheck_nodes(client, &vol.spec.plugin_id, Capability::Snapshot).await?;
             if key.is_none() && !vol.signature.is_empty() {
                 return Err(unsigned_request("a snapshot of", &vol.key().to_string()));
             }
@@ -479,6 +495,7 @@ pub async fn create_existing(
         }
         Update::Grow { from, to } => {
             precheck(&local.plugin_dir, &rec.spec.plugin_id, Capability::Expand).await?;
+            precheck_nodes(client, &rec.spec.plugin_id, Capability::Expand).await?;
             // The new size is part of the signed spec: nodes grow a volume only up to it.
             expansion::request(&mut rec, to);
             rec.spec.capacity_max = spec.capacity_max;
@@ -579,7 +596,8 @@ pub async fn check_source(
                     format!("snapshot {id} is {}, not ready", s.state.as_str()),
                 ));
             }
-            precheck(&local.plugin_dir, &spec.plugin_id, Capability::Snapshot).await
+            precheck(&local.plugin_dir, &spec.plugin_id, Capability::Snapshot).await?;
+            precheck_nodes(client, &spec.plugin_id, Capability::Snapshot).await
         }
         VolumeSource::CloneId(name) => {
             let v = read_record(client, &spec.namespace, name).await?;
@@ -594,7 +612,8 @@ pub async fn check_source(
                     ),
                 ));
             }
-            precheck(&local.plugin_dir, &spec.plugin_id, Capability::Clone).await
+            precheck(&local.plugin_dir, &spec.plugin_id, Capability::Clone).await?;
+            precheck_nodes(client, &spec.plugin_id, Capability::Clone).await
         }
     }
 }

@@ -910,6 +910,7 @@ a1  example.app[0]  n1
                     deferred_bind: deferred,
                     healthy: true,
                     error: String::new(),
+                    capabilities: None,
                 },
             );
         }
