@@ -311,9 +311,8 @@ pub async fn unpublish(
     let secrets = secrets_of(rec.as_ref());
     let result = async {
         let target = m.target.clone();
-        let usage = tokio::task::spawn_blocking(move || crate::holders::before_unpublish(&target))
+        let usage = crate::holders::before_unpublish_shared(target)
             .await
-            .unwrap_or_else(|e| Err(crate::holders::HoldersError::Proc(std::io::Error::other(e))))
             .map_err(|source| StepError::Holders {
                 target: m.target.clone(),
                 source,

@@ -8,7 +8,8 @@
 //! Files are matched by mount ID (`mnt_id` in fdinfo, proc(5)), unique across namespaces,
 //! so a bind of a subdirectory of the same disk elsewhere is never mistaken for the volume.
 //! Reading `/proc` costs time in the number of processes and their descriptors: run
-//! [`scan`] off the agent's loop (a blocking task), only before an unpublish.
+//! [`scan_many`] off the agent's loop (a blocking task), only before an unpublish, shared by
+//! the unpublishes that wait together ([`before_unpublish_shared`]).
 
 use crate::mounts::{DeviceId, MountIdentity, MountTable};
 use serde::Serialize;
@@ -16,7 +17,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+#[cfg(test)]
+use std::path::Path;
+use std::path::PathBuf;
 
 /// Why the scan could not be made at all.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +34,9 @@ pub enum HoldersError {
 
 /// What an unpublish of `target` must wait for: `None` when nothing is mounted there,
 /// else who uses the mount on top of it (read from the host's table now). Blocking: call
-/// it from a blocking task, just before the plugin's `unpublish`.
+/// it from a blocking task, just before the plugin's `unpublish`. (The agent uses
+/// [`before_unpublish_shared`].)
+#[cfg(test)]
 pub fn before_unpublish(target: &Path) -> Result<Option<Usage>, HoldersError> {
     let host = MountTable::read()?;
     let Some(top) = host.top_at(target) else {
@@ -40,6 +45,102 @@ pub fn before_unpublish(target: &Path) -> Result<Option<Usage>, HoldersError> {
     let id = top.identity();
     scan(&id, target, &host).map(Some)
 }
+
+/// [`before_unpublish`] for each of `targets` from one read of the host's table and one
+/// pass over `/proc` ([`scan_many`]), in order.
+pub fn before_unpublish_many(targets: &[PathBuf]) -> Result<Vec<Option<Usage>>, HoldersError> {
+    let host = MountTable::read()?;
+    let mut wanted = Vec::new();
+    let mut slots = Vec::with_capacity(targets.len());
+    for t in targets {
+        slots.push(host.top_at(t).map(|top| {
+            wanted.push((top.identity(), t.clone()));
+            wanted.len() - 1
+        }));
+    }
+    let mut usages: Vec<Option<Usage>> = scan_many(&wanted, &host)?.into_iter().map(Some).collect();
+    Ok(slots
+        .into_iter()
+        .map(|slot| slot.and_then(|i| usages.get_mut(i).and_then(Option::take)))
+        .collect())
+}
+
+/// Where a waiting unpublish gets its scan's answer (an error as its message: one scan's
+/// error answers every call of its batch).
+type Answer = tokio::sync::oneshot::Sender<Result<Option<Usage>, String>>;
+
+/// Unpublishes waiting for a scan, and whether one is running.
+#[derive(Default)]
+struct Waiting {
+    queue: Vec<(PathBuf, Answer)>,
+    scanning: bool,
+}
+
+static WAITING: std::sync::Mutex<Waiting> = std::sync::Mutex::new(Waiting {
+    queue: Vec::new(),
+    scanning: false,
+});
+
+/// [`before_unpublish`] shared by the unpublishes that wait at the same time: every call
+/// gets the result of a scan that started after it was made (never an older one), and
+/// calls made while a scan runs are answered together by the next one. A wave of N
+/// unpublishes (a job of N allocations stopped) costs one or two passes over `/proc`
+/// instead of N, each of them O(processes) (docs/scale.md).
+pub async fn before_unpublish_shared(target: PathBuf) -> Result<Option<Usage>, HoldersError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let start = {
+        let mut w = WAITING.lock().unwrap_or_else(|e| e.into_inner());
+        w.queue.push((target, tx));
+        !std::mem::replace(&mut w.scanning, true)
+    };
+    if start {
+        tokio::task::spawn_blocking(scan_waiting);
+    }
+    match rx.await {
+        Ok(r) => r.map_err(|e| HoldersError::Proc(std::io::Error::other(e))),
+        Err(_) => Err(HoldersError::Proc(std::io::Error::other(
+            "the scan for processes using the volume ended without an answer",
+        ))),
+    }
+}
+
+/// Answers the waiting calls, one scan per batch, until none waits.
+fn scan_waiting() {
+    loop {
+        let batch = {
+            let mut w = WAITING.lock().unwrap_or_else(|e| e.into_inner());
+            if w.queue.is_empty() {
+                w.scanning = false;
+                return;
+            }
+            std::mem::take(&mut w.queue)
+        };
+        let targets: Vec<PathBuf> = batch.iter().map(|(t, _)| t.clone()).collect();
+        #[cfg(test)]
+        BATCHES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(targets.clone());
+        match before_unpublish_many(&targets) {
+            Ok(usages) => {
+                for ((_, tx), usage) in batch.into_iter().zip(usages) {
+                    let _ = tx.send(Ok(usage));
+                }
+            }
+            Err(e) => {
+                let e = e.to_string();
+                for (_, tx) in batch {
+                    let _ = tx.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// The targets of each scan [`before_unpublish_shared`] made (tests count the scans that
+/// answered their own calls).
+#[cfg(test)]
+static BATCHES: std::sync::Mutex<Vec<Vec<PathBuf>>> = std::sync::Mutex::new(Vec::new());
 
 /// How a process holds the volume.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -176,37 +277,56 @@ impl Usage {
 
 /// Finds who uses the volume mounted at `target` with content `volume`, in `host` (the
 /// host's table, read just before). The agent's own process is not counted.
+#[cfg(test)]
 pub fn scan(
     volume: &MountIdentity,
     target: &Path,
     host: &MountTable,
 ) -> Result<Usage, HoldersError> {
+    let mut all = scan_many(&[(volume.clone(), target.to_path_buf())], host)?;
+    Ok(all.pop().unwrap_or_default())
+}
+
+/// The scan of several volumes in one pass over `/proc` (each process, namespace and
+/// descriptor read once): the usage of each `(volume, target)`, in order. Unpublishes that
+/// wait together share it ([`before_unpublish_shared`]), so a wave of N unpublishes reads
+/// `/proc` once instead of N times.
+pub fn scan_many(
+    wanted: &[(MountIdentity, PathBuf)],
+    host: &MountTable,
+) -> Result<Vec<Usage>, HoldersError> {
     let me = std::process::id();
-    let target_mount = host
-        .top_at(target)
-        .filter(|e| e.shows(volume))
-        .map(|e| e.id);
-    let mut usage = Usage {
-        other_mounts: host
-            .entries()
-            .iter()
-            .filter(|e| e.shows(volume) && Some(e.id) != target_mount)
-            .map(|e| e.mount_point.clone())
-            .collect(),
-        ..Usage::default()
-    };
-    // Every mount of the volume in every namespace, by ID: what descriptors may point at.
-    let mut volume_mounts: BTreeSet<u32> = host
-        .entries()
-        .iter()
-        .filter(|e| e.shows(volume))
-        .map(|e| e.id)
-        .collect();
+    let mut usages: Vec<Usage> = Vec::with_capacity(wanted.len());
+    // Every mount of each volume in every namespace, by ID: what descriptors may point at.
+    let mut volume_mounts: Vec<BTreeSet<u32>> = Vec::with_capacity(wanted.len());
+    for (volume, target) in wanted {
+        let target_mount = host
+            .top_at(target)
+            .filter(|e| e.shows(volume))
+            .map(|e| e.id);
+        usages.push(Usage {
+            other_mounts: host
+                .entries()
+                .iter()
+                .filter(|e| e.shows(volume) && Some(e.id) != target_mount)
+                .map(|e| e.mount_point.clone())
+                .collect(),
+            ..Usage::default()
+        });
+        volume_mounts.push(
+            host.entries()
+                .iter()
+                .filter(|e| e.shows(volume))
+                .map(|e| e.id)
+                .collect(),
+        );
+    }
     let host_ns = std::fs::metadata("/proc/self/ns/mnt").ok().map(|m| m.ino());
 
-    // Pass 1: mount namespaces.
+    // Pass 1: mount namespaces. Per namespace, the mount points of each volume in it.
     let mut procs: Vec<(u32, String)> = Vec::new();
-    let mut by_ns: BTreeMap<u64, Vec<PathBuf>> = BTreeMap::new();
+    let mut by_ns: BTreeMap<u64, Vec<Vec<PathBuf>>> = BTreeMap::new();
+    let none = || vec![Vec::new(); wanted.len()];
     for pid in pids()? {
         if pid == me {
             continue;
@@ -218,19 +338,25 @@ pub fn scan(
         let ns = std::fs::metadata(format!("/proc/{pid}/ns/mnt"))
             .ok()
             .map(|m| m.ino());
-        let here = match ns.and_then(|ns| by_ns.get(&ns)) {
+        let here: Vec<Vec<PathBuf>> = match ns.and_then(|ns| by_ns.get(&ns)) {
             Some(points) => points.clone(),
             None => match MountTable::read_pid(pid) {
                 Ok(_) if ns.is_some() && ns == host_ns => {
-                    by_ns.insert(ns.unwrap_or_default(), Vec::new());
-                    Vec::new()
+                    by_ns.insert(ns.unwrap_or_default(), none());
+                    none()
                 }
-                Ok(t) if ns.is_none() && crate::host::same_namespace(host, &t) => Vec::new(),
+                Ok(t) if ns.is_none() && crate::host::same_namespace(host, &t) => none(),
                 Ok(t) => {
-                    let mine: Vec<&crate::mounts::MountEntry> =
-                        t.entries().iter().filter(|e| e.shows(volume)).collect();
-                    volume_mounts.extend(mine.iter().map(|e| e.id));
-                    let points: Vec<PathBuf> = mine.iter().map(|e| e.mount_point.clone()).collect();
+                    let points: Vec<Vec<PathBuf>> = wanted
+                        .iter()
+                        .zip(volume_mounts.iter_mut())
+                        .map(|((volume, _), mounts)| {
+                            let mine: Vec<&crate::mounts::MountEntry> =
+                                t.entries().iter().filter(|e| e.shows(volume)).collect();
+                            mounts.extend(mine.iter().map(|e| e.id));
+                            mine.iter().map(|e| e.mount_point.clone()).collect()
+                        })
+                        .collect();
                     if let Some(ns) = ns {
                         by_ns.insert(ns, points.clone());
                     }
@@ -238,75 +364,94 @@ pub fn scan(
                 }
                 Err(crate::mounts::MountsError::Read { source, .. }) if gone(&source) => continue,
                 Err(e) => {
-                    usage.uninspected.push(Uninspected {
-                        pid,
-                        comm: comm.clone(),
-                        what: "mountinfo",
-                        error: e.to_string(),
-                    });
-                    Vec::new()
+                    for usage in &mut usages {
+                        usage.uninspected.push(Uninspected {
+                            pid,
+                            comm: comm.clone(),
+                            what: "mountinfo",
+                            error: e.to_string(),
+                        });
+                    }
+                    none()
                 }
             },
         };
-        usage
-            .holders
-            .extend(here.into_iter().map(|mount_point| Holder {
-                pid,
-                comm: comm.clone(),
-                how: Hold::Mount { mount_point },
-                alloc_id: None,
-            }));
+        for (usage, points) in usages.iter_mut().zip(here) {
+            usage
+                .holders
+                .extend(points.into_iter().map(|mount_point| Holder {
+                    pid,
+                    comm: comm.clone(),
+                    how: Hold::Mount { mount_point },
+                    alloc_id: None,
+                }));
+        }
         procs.push((pid, comm));
     }
 
-    // Pass 2: what each process holds open.
+    // Pass 2: what each process holds open, on any of the volumes.
+    let any: BTreeSet<u32> = volume_mounts.iter().flatten().copied().collect();
+    let devs: BTreeSet<DeviceId> = wanted.iter().map(|(v, _)| v.dev).collect();
     for (pid, comm) in procs {
-        let mut hold = |how| {
-            usage.holders.push(Holder {
-                pid,
-                comm: comm.clone(),
-                how,
-                alloc_id: None,
-            })
-        };
+        let mut holds: Vec<(u32, Hold)> = Vec::new();
         let mut unread = Vec::new();
         for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
             match link_mount(&format!("/proc/{pid}/{link}")) {
-                Ok(Some(id)) if volume_mounts.contains(&id) => hold(how),
+                Ok(Some(id)) if any.contains(&id) => holds.push((id, how)),
                 Ok(_) => {}
                 Err(e) if gone(&e) || link == "exe" => {} // kernel threads have no exe
                 Err(e) => unread.push((link, e)),
             }
         }
-        match open_fds(pid, &volume_mounts) {
-            Ok(fds) => fds
-                .into_iter()
-                .for_each(|(fd, path)| hold(Hold::OpenFile { fd, path })),
+        match open_fds(pid, &any) {
+            Ok(fds) => holds.extend(
+                fds.into_iter()
+                    .map(|(id, fd, path)| (id, Hold::OpenFile { fd, path })),
+            ),
             Err(e) if gone(&e) => {}
             Err(e) => unread.push(("fd", e)),
         }
-        match mapped(pid, volume.dev, &volume_mounts) {
-            Ok(paths) => paths
-                .into_iter()
-                .for_each(|path| hold(Hold::Mapped { path })),
+        match mapped(pid, &devs, &any) {
+            Ok(paths) => holds.extend(
+                paths
+                    .into_iter()
+                    .map(|(id, path)| (id, Hold::Mapped { path })),
+            ),
             Err(e) if gone(&e) => {}
             Err(e) => unread.push(("maps", e)),
         }
-        usage
-            .uninspected
-            .extend(unread.into_iter().map(|(what, e)| Uninspected {
-                pid,
-                comm: comm.clone(),
-                what,
-                error: e.to_string(),
-            }));
+        for (usage, mounts) in usages.iter_mut().zip(&volume_mounts) {
+            usage
+                .holders
+                .extend(
+                    holds
+                        .iter()
+                        .filter(|(id, _)| mounts.contains(id))
+                        .map(|(_, how)| Holder {
+                            pid,
+                            comm: comm.clone(),
+                            how: how.clone(),
+                            alloc_id: None,
+                        }),
+                );
+            usage
+                .uninspected
+                .extend(unread.iter().map(|(what, e)| Uninspected {
+                    pid,
+                    comm: comm.clone(),
+                    what,
+                    error: e.to_string(),
+                }));
+        }
     }
-    for h in &mut usage.holders {
-        h.alloc_id = alloc_of(h.pid);
+    for usage in &mut usages {
+        for h in &mut usage.holders {
+            h.alloc_id = alloc_of(h.pid);
+        }
+        usage.holders.sort();
+        usage.holders.dedup();
     }
-    usage.holders.sort();
-    usage.holders.dedup();
-    Ok(usage)
+    Ok(usages)
 }
 
 /// `NOMAD_ALLOC_ID` in the environment `pid` started with.
@@ -354,8 +499,8 @@ fn link_mount(link: &str) -> std::io::Result<Option<u32>> {
     fdinfo_mount(&format!("/proc/self/fdinfo/{}", f.as_raw_fd()))
 }
 
-/// Descriptors of `pid` on one of `mounts`, with the path the kernel shows for them.
-fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, PathBuf)>> {
+/// Descriptors of `pid` on one of `mounts`: (mount ID, fd, the path the kernel shows).
+fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, u32, PathBuf)>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
         let Ok(entry) = entry else { continue };
@@ -369,7 +514,7 @@ fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, PathB
         match fdinfo_mount(&format!("/proc/{pid}/fdinfo/{fd}")) {
             Ok(Some(id)) if mounts.contains(&id) => {
                 let path = std::fs::read_link(entry.path()).unwrap_or_default();
-                out.push((fd, path));
+                out.push((id, fd, path));
             }
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {} // closed meanwhile
@@ -379,9 +524,13 @@ fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, PathB
     Ok(out)
 }
 
-/// Files of `pid` mapped into memory from one of `mounts`: `maps` lines on the volume's
-/// device, confirmed through `map_files` (needs CAP_SYS_ADMIN).
-fn mapped(pid: u32, dev: DeviceId, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<PathBuf>> {
+/// Files of `pid` mapped into memory from one of `mounts`, with the mount: `maps` lines on
+/// one of the volumes' devices `devs`, confirmed through `map_files` (needs CAP_SYS_ADMIN).
+fn mapped(
+    pid: u32,
+    devs: &BTreeSet<DeviceId>,
+    mounts: &BTreeSet<u32>,
+) -> std::io::Result<Vec<(u32, PathBuf)>> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
@@ -399,13 +548,15 @@ fn mapped(pid: u32, dev: DeviceId, mounts: &BTreeSet<u32>) -> std::io::Result<Ve
         let Some((maj, min)) = d.split_once(':') else {
             continue;
         };
-        let on_dev = u32::from_str_radix(maj, 16).ok() == Some(dev.major)
-            && u32::from_str_radix(min, 16).ok() == Some(dev.minor);
+        let on_dev = match (u32::from_str_radix(maj, 16), u32::from_str_radix(min, 16)) {
+            (Ok(major), Ok(minor)) => devs.iter().any(|d| d.major == major && d.minor == minor),
+            _ => false,
+        };
         if !on_dev {
             continue;
         }
         match link_mount(&format!("/proc/{pid}/map_files/{range}")) {
-            Ok(Some(id)) if mounts.contains(&id) => out.push(path),
+            Ok(Some(id)) if mounts.contains(&id) => out.push((id, path)),
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -624,6 +775,111 @@ mod tests {
         assert!(u.summary(5).contains(&format!("pid {}", task.pid())));
         drop(task);
         assert!(!scan_now(&id, &target).in_use());
+    }
+
+    /// One pass for several volumes gives each volume exactly what its own scan gives.
+    #[test]
+    fn one_scan_of_several_volumes_equals_their_own_scans() {
+        let s = Scratch::new();
+        let a = s.tmpfs("mnt/default/a");
+        let b = s.tmpfs("mnt/default/b");
+        let idle = s.tmpfs("mnt/default/idle");
+        let id = |t: &Path| MountTable::read().unwrap().top_at(t).unwrap().identity();
+        let (ia, ib, ii) = (id(&a), id(&b), id(&idle));
+        std::fs::write(a.join("f"), "x").unwrap();
+        let open = Proc::spawn(&mut sh(&format!(
+            "exec 3<'{}'; echo ready; exec sleep 600",
+            a.join("f").display()
+        )))
+        .ready();
+        let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&b)).ready();
+        let host = MountTable::read().unwrap();
+        let many = scan_many(
+            &[
+                (ia.clone(), a.clone()),
+                (ib.clone(), b.clone()),
+                (ii.clone(), idle.clone()),
+            ],
+            &host,
+        )
+        .unwrap();
+        assert_eq!(many.len(), 3);
+        assert!(
+            many[0].holders.iter().any(|h| h.pid == open.pid()),
+            "{many:?}"
+        );
+        assert!(
+            many[0].holders.iter().all(|h| h.pid != cwd.pid()),
+            "{many:?}"
+        );
+        assert!(
+            many[1].holders.iter().any(|h| h.pid == cwd.pid()),
+            "{many:?}"
+        );
+        assert!(
+            many[1].holders.iter().all(|h| h.pid != open.pid()),
+            "{many:?}"
+        );
+        assert!(!many[2].in_use(), "{:?}", many[2]);
+        // The same holders and mounts (a holder's name may change between two scans: `sh`
+        // becomes `sleep` at its exec).
+        let shape = |u: &Usage| {
+            (
+                u.holders
+                    .iter()
+                    .map(|h| (h.pid, h.how.clone()))
+                    .collect::<Vec<_>>(),
+                u.other_mounts.clone(),
+                u.uninspected
+                    .iter()
+                    .map(|x| (x.pid, x.what))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(shape(&many[0]), shape(&scan(&ia, &a, &host).unwrap()));
+        assert_eq!(shape(&many[1]), shape(&scan(&ib, &b, &host).unwrap()));
+        assert_eq!(shape(&many[2]), shape(&scan(&ii, &idle, &host).unwrap()));
+        // Targets with nothing mounted are None, in their place.
+        let by_target =
+            before_unpublish_many(&[a.clone(), s.path().join("nothing"), b.clone()]).unwrap();
+        assert!(by_target[0].as_ref().is_some_and(Usage::in_use));
+        assert!(by_target[1].is_none());
+        assert!(by_target[2].as_ref().is_some_and(Usage::in_use));
+    }
+
+    /// Unpublishes that wait at the same time share scans: 8 at once cost at most two
+    /// passes over /proc (the first may start before the others are queued), and each
+    /// still gets its own volume's answer.
+    #[test]
+    fn unpublishes_waiting_together_share_one_scan() {
+        let s = Scratch::new();
+        let targets: Vec<PathBuf> = (0..8)
+            .map(|i| s.tmpfs(&format!("mnt/default/v{i}")))
+            .collect();
+        let busy = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&targets[3])).ready();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let answers = rt.block_on(async {
+            let calls = targets.iter().map(|t| before_unpublish_shared(t.clone()));
+            futures_util::future::join_all(calls).await
+        });
+        let scans = BATCHES
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|b| b.iter().any(|t| targets.contains(t)))
+            .count();
+        assert!((1..=2).contains(&scans), "{scans} scans for 8 calls");
+        for (i, a) in answers.into_iter().enumerate() {
+            let usage = a.unwrap().expect("mounted");
+            assert_eq!(usage.in_use(), i == 3, "v{i}: {usage:?}");
+            if i == 3 {
+                assert!(usage.holders.iter().any(|h| h.pid == busy.pid()));
+            }
+        }
     }
 
     #[test]
