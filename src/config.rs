@@ -121,7 +121,9 @@ pub struct AgentConfig {
     /// (in poll mode: the blocking query's wait).
     #[arg(long, env = "DHV_BINDER_RESYNC_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]
     pub resync_interval: Duration,
-    /// How often plugins are re-fingerprinted and failed steps are retried.
+    /// Period of the agent's housekeeping round: the mount table is re-read, placeholders
+    /// and volume create/delete work are driven again, callers that went away are dropped.
+    /// Retries, claim renewals (TTL/3), mount probes and plugin rescans run when due.
     #[arg(long, env = "DHV_BINDER_TICK", default_value = "2s", value_parser = humantime::parse_duration)]
     pub tick: Duration,
     /// How often the plugin directory is rescanned and plugins fingerprinted again.

@@ -118,7 +118,8 @@ pub enum Command {
     Prestart(PrestartArgs),
     /// Show the local agent's state (as root on the node).
     Status(StatusArgs),
-    /// Create, register, list, inspect, delete and deregister deferred volumes.
+    /// Create, register, list, inspect, delete and deregister deferred volumes; snapshot
+    /// them; make an operator signing key (keygen).
     #[command(subcommand)]
     Volume(VolumeCommand),
     /// Volume plugins: the conformance kit, and which nodes have which plugin.

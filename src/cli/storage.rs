@@ -39,7 +39,8 @@ pub enum SnapshotCommand {
     List {
         volume: Option<String>,
         /// Also ask this plugin, installed on this machine, what its storage holds
-        /// (operation `snapshot_list`, capability "snapshot_list"), with `--secret`s.
+        /// (operation `snapshot_list`, capability "snapshot_list"), with the secrets of
+        /// `--secrets-file` (or DHV_BINDER_SNAPSHOT_SECRETS).
         #[arg(long)]
         plugin: Option<String>,
         /// File of secrets for the plugin's `snapshot_list` (DHV_SECRETS), one KEY=VALUE per
@@ -66,6 +67,8 @@ pub enum SnapshotCommand {
     /// Delete a snapshot by ID.
     Delete {
         snapshot_id: String,
+        /// Return once the delete is requested, without waiting for the plugin's
+        /// `snapshot_delete` and the record's removal.
         #[arg(long)]
         detach: bool,
         #[command(flatten)]

@@ -69,6 +69,8 @@ pub enum VolumeCommand {
     /// allocation uses it, and for registered volumes (use `deregister`).
     Delete {
         name: String,
+        /// Return once the delete is requested, without waiting for the plugin's `delete`
+        /// and the record's removal.
         #[arg(long)]
         detach: bool,
         #[command(flatten)]
