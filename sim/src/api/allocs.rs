@@ -71,18 +71,7 @@ pub(super) async fn alloc_stop(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let ns = st
-        .server
-        .read()
-        .allocs
-        .get(&id)
-        .map(|a| a.Namespace.clone())
-        .unwrap_or_default();
-    authorize(
-        &st,
-        &headers,
-        crate::acl::Need::Namespace(&ns, "alloc-lifecycle"),
-    )?;
+    authorize_lifecycle(&st, &headers, &id)?;
     let (eval, idx) = st.server.stop_alloc(&id)?;
     ok(idx, &json!({"EvalID": eval, "Index": idx}))
 }
@@ -93,18 +82,7 @@ pub(super) async fn alloc_restart(
     Path(id): Path<String>,
     body: Bytes,
 ) -> ApiResult {
-    let ns = st
-        .server
-        .read()
-        .allocs
-        .get(&id)
-        .map(|a| a.Namespace.clone())
-        .unwrap_or_default();
-    authorize(
-        &st,
-        &headers,
-        crate::acl::Need::Namespace(&ns, "alloc-lifecycle"),
-    )?;
+    authorize_lifecycle(&st, &headers, &id)?;
     let v: Value = if body.is_empty() {
         json!({})
     } else {
@@ -126,4 +104,22 @@ pub(super) async fn alloc_restart(
     })?;
     let _ = st.server.restart_tx.send(req);
     ok(st.server.index(), &json!({}))
+}
+
+/// `alloc-lifecycle` in the allocation's namespace (`nomad/alloc_endpoint.go` `Stop`,
+/// `client/alloc_endpoint.go` `Restart`); an unknown allocation is checked against the
+/// empty namespace, and the endpoint then answers its own not-found.
+fn authorize_lifecycle(st: &AppState, headers: &HeaderMap, id: &str) -> Result<(), ApiError> {
+    let ns = st
+        .server
+        .read()
+        .allocs
+        .get(id)
+        .map(|a| a.Namespace.clone())
+        .unwrap_or_default();
+    authorize(
+        st,
+        headers,
+        crate::acl::Need::Namespace(&ns, "alloc-lifecycle"),
+    )
 }

@@ -154,9 +154,7 @@ pub(super) async fn job_deployments(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    let (q, ns) = in_namespace(&st, &headers, q, "read-job")?;
     let idx = blocking(&st, &q, |t| t.deployments).await?;
     let mut list: Vec<crate::structs::Deployment> = st
         .server
@@ -177,9 +175,7 @@ pub(super) async fn job_latest_deployment(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    let (q, ns) = in_namespace(&st, &headers, q, "read-job")?;
     let idx = blocking(&st, &q, |t| t.deployments).await?;
     let d = st.server.read().latest_deployment(&ns, &id).cloned();
     ok(idx, &d)

@@ -16,9 +16,7 @@ pub(super) async fn jobs_list(
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "list-jobs"))?;
+    let (q, ns) = in_namespace(&st, &headers, q, "list-jobs")?;
     let idx = blocking(&st, &q, |t| t.jobs).await?;
     let prefix = q.get("prefix").unwrap_or("");
     let list: Vec<Value> = st
@@ -85,9 +83,7 @@ pub(super) async fn job_get(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    let (q, ns) = in_namespace(&st, &headers, q, "read-job")?;
     let idx = blocking(&st, &q, |t| t.jobs).await?;
     let job = st.server.read().jobs.get(&(ns, id)).cloned();
     let job = job.ok_or_else(|| ApiError(StatusCode::NOT_FOUND, "job not found".into()))?;
@@ -100,13 +96,7 @@ pub(super) async fn job_delete(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(
-        &st,
-        &headers,
-        crate::acl::Need::Namespace(&ns, "submit-job"),
-    )?;
+    let (q, ns) = in_namespace(&st, &headers, q, "submit-job")?;
     // `jobDelete` parses purge with strconv.ParseBool and returns a plain (uncoded) error → 500.
     let purge = q
         .go_bool("purge")
@@ -125,9 +115,7 @@ pub(super) async fn job_allocs(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(&st, &headers, crate::acl::Need::Namespace(&ns, "read-job"))?;
+    let (q, ns) = in_namespace(&st, &headers, q, "read-job")?;
     let idx = blocking(&st, &q, |t| t.allocs).await?;
     let list: Vec<Value> = st
         .server

@@ -233,6 +233,21 @@ fn token(headers: &HeaderMap) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// The start of a namespaced endpoint: its query, its namespace (`?namespace=`, default
+/// `default`), and the caller's `capability` there checked (each endpoint's `ResolveACL`
+/// then `AllowNsOp`, e.g. `nomad/job_endpoint.go` `GetJob`).
+fn in_namespace(
+    st: &AppState,
+    headers: &HeaderMap,
+    raw: Option<String>,
+    capability: &str,
+) -> Result<(Query, String), ApiError> {
+    let q = Query::parse(raw);
+    let ns = q.namespace();
+    authorize(st, headers, crate::acl::Need::Namespace(&ns, capability))?;
+    Ok((q, ns))
+}
+
 fn authorize(
     st: &AppState,
     headers: &HeaderMap,

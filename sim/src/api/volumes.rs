@@ -37,13 +37,7 @@ pub(super) async fn volume_get(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(
-        &st,
-        &headers,
-        crate::acl::Need::Namespace(&ns, "host-volume-read"),
-    )?;
+    let (q, ns) = in_namespace(&st, &headers, q, "host-volume-read")?;
     let idx = blocking(&st, &q, |t| t.host_volumes).await?;
     let v = st
         .server
@@ -58,13 +52,7 @@ pub(super) async fn volume_delete(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let q = Query::parse(q);
-    let ns = q.namespace();
-    authorize(
-        &st,
-        &headers,
-        crate::acl::Need::Namespace(&ns, "host-volume-delete"),
-    )?;
+    let (_, ns) = in_namespace(&st, &headers, q, "host-volume-delete")?;
     let idx = st.server.delete_host_volume(&ns, &id)?;
     ok(idx, &json!({"Index": idx}))
 }
