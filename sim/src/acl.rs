@@ -29,6 +29,7 @@ pub enum Need<'a> {
 }
 
 /// Who a request is.
+#[derive(Clone)]
 enum Identity {
     Management,
     Policies(Vec<ParsedPolicy>, Option<(String, String, String, String)>),
@@ -150,44 +151,64 @@ pub fn authenticate(server: &Server, token: &str) -> Result<(), StoreError> {
 
 /// Checks a token against a need. `Forbidden` → 403 "Permission denied".
 pub fn check(server: &Server, token: Option<&str>, need: Need<'_>) -> Result<(), StoreError> {
+    caller(server, token)?.check(server, need)
+}
+
+/// A caller resolved once, when its request starts: Nomad's endpoints call `ResolveACL`
+/// before `blockingRPC` and check every wake-up's results against that ACL object (e.g.
+/// `nomad/variables_endpoint.go` `List`), so a token deleted while a query blocks neither
+/// fails nor empties it; the next request is refused.
+#[derive(Clone)]
+pub struct Caller(Option<Identity>);
+
+/// Resolves `token` (an unknown one is refused here, before any wait). ACLs disabled: a
+/// caller allowed everything.
+pub fn caller(server: &Server, token: Option<&str>) -> Result<Caller, StoreError> {
     let st = server.read();
     if !st.acl.enabled {
-        return Ok(());
+        return Ok(Caller(None));
     }
-    let (pols, wi) = match resolve(&st, server, token)? {
-        Identity::Management => return Ok(()),
-        Identity::Policies(p, wi) => (p, wi),
-    };
-    let ok = match need {
-        Need::Management => false,
-        Need::NodeRead => pols.iter().any(|p| level_allows(&p.node, false)),
-        Need::NodeWrite => pols.iter().any(|p| level_allows(&p.node, true)),
-        Need::AgentRead => pols.iter().any(|p| level_allows(&p.agent, false)),
-        Need::Namespace("*", cap) => {
-            let namespaces: Vec<String> = st.namespaces.iter().cloned().collect();
-            namespaces.iter().all(|ns| ns_allows(&pols, ns, cap))
+    resolve(&st, server, token).map(|i| Caller(Some(i)))
+}
+
+impl Caller {
+    /// Whether this caller has `need`. `Forbidden` → 403 "Permission denied".
+    pub fn check(&self, server: &Server, need: Need<'_>) -> Result<(), StoreError> {
+        let (pols, wi) = match &self.0 {
+            None | Some(Identity::Management) => return Ok(()),
+            Some(Identity::Policies(p, wi)) => (p, wi),
+        };
+        let ok = match need {
+            Need::Management => false,
+            Need::NodeRead => pols.iter().any(|p| level_allows(&p.node, false)),
+            Need::NodeWrite => pols.iter().any(|p| level_allows(&p.node, true)),
+            Need::AgentRead => pols.iter().any(|p| level_allows(&p.agent, false)),
+            Need::Namespace("*", cap) => {
+                let namespaces: Vec<String> = server.read().namespaces.iter().cloned().collect();
+                namespaces.iter().all(|ns| ns_allows(pols, ns, cap))
+            }
+            Need::Namespace(ns, cap) => ns_allows(pols, ns, cap),
+            Need::Variable(ns, path, op) => {
+                let implicit = wi.as_ref().is_some_and(|(wns, job, group, task)| {
+                    wns == ns
+                        && (op == "read" || op == "list")
+                        && [
+                            "nomad/jobs".to_string(),
+                            format!("nomad/jobs/{job}"),
+                            format!("nomad/jobs/{job}/{group}"),
+                            format!("nomad/jobs/{job}/{group}/{task}"),
+                        ]
+                        .iter()
+                        .any(|p| p == path)
+                });
+                implicit || var_allows(pols, ns, path, op)
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(StoreError::Forbidden)
         }
-        Need::Namespace(ns, cap) => ns_allows(&pols, ns, cap),
-        Need::Variable(ns, path, op) => {
-            let implicit = wi.as_ref().is_some_and(|(wns, job, group, task)| {
-                wns == ns
-                    && (op == "read" || op == "list")
-                    && [
-                        "nomad/jobs".to_string(),
-                        format!("nomad/jobs/{job}"),
-                        format!("nomad/jobs/{job}/{group}"),
-                        format!("nomad/jobs/{job}/{group}/{task}"),
-                    ]
-                    .iter()
-                    .any(|p| p == path)
-            });
-            implicit || var_allows(&pols, ns, path, op)
-        }
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(StoreError::Forbidden)
     }
 }
 

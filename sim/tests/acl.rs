@@ -201,3 +201,60 @@ async fn event_stream_closed_when_token_or_policy_changes() {
     .await
     .expect("test timed out");
 }
+
+/// `Variables.List` resolves the token once, before it blocks (`nomad/variables_endpoint.go`
+/// `List`: `ResolveACL`, then `blockingRPC` filtering with that ACL object): an unknown token
+/// is refused at once (it used to get `200 []`), and a token deleted while its query blocks
+/// still gets the list its policy allowed (it used to wake to an empty list, which a client
+/// reads as "every record deleted").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_variables_list_resolves_its_token_before_it_blocks() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(&format!("acl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\nclient \"node-1\" {{}}\n")).await;
+        let root = Some(ROOT);
+        let (s, _, b) = sim
+            .req_tok(Method::PUT, "/v1/acl/policy/dhv-binder", Some(json!({"Name": "dhv-binder", "Rules": BINDER_POLICY})), root)
+            .await;
+        assert_eq!(s, 200, "{b}");
+        let (_, _, b) = sim
+            .req_tok(Method::PUT, "/v1/acl/token", Some(json!({"Name": "d", "Type": "client", "Policies": ["dhv-binder"]})), root)
+            .await;
+        let t: Value = serde_json::from_str(&b).unwrap();
+        let (secret, accessor) = (
+            t["SecretID"].as_str().unwrap().to_string(),
+            t["AccessorID"].as_str().unwrap().to_string(),
+        );
+        let put = |name: &str| json!({"Namespace": "default", "Path": format!("dhv-binder/volumes/{name}"), "Items": {"k": "v"}});
+        let (s, _, b) = sim.req_tok(Method::PUT, "/v1/var/dhv-binder/volumes/a", Some(put("a")), root).await;
+        assert_eq!(s, 200, "{b}");
+        let (s, idx, b) = sim.req_tok(Method::GET, "/v1/vars?prefix=dhv-binder/", None, Some(&secret)).await;
+        assert_eq!(s, 200, "{b}");
+        assert_eq!(serde_json::from_str::<Value>(&b).unwrap().as_array().map(Vec::len), Some(1), "{b}");
+
+        // A blocking list with the token, which is deleted while it waits.
+        let (http, url, tok) = (
+            sim.http.clone(),
+            format!("{}/v1/vars?prefix=dhv-binder/&index={idx}&wait=20s", sim.server),
+            secret.clone(),
+        );
+        let waiting = tokio::spawn(async move {
+            let r = http.get(url).header("X-Nomad-Token", tok).send().await.expect("request");
+            (r.status().as_u16(), r.text().await.unwrap_or_default())
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (s, _, b) = sim.req_tok(Method::DELETE, &format!("/v1/acl/token/{accessor}"), None, root).await;
+        assert_eq!(s, 200, "{b}");
+        let (s, _, b) = sim.req_tok(Method::PUT, "/v1/var/dhv-binder/volumes/b", Some(put("b")), root).await;
+        assert_eq!(s, 200, "{b}");
+        let (s, b) = waiting.await.unwrap();
+        assert_eq!(s, 200, "{b}");
+        let list: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(list.as_array().map(Vec::len), Some(2), "the woken list: {b}");
+
+        // The next request with the deleted token is refused, not answered with nothing.
+        let (s, _, b) = sim.req_tok(Method::GET, "/v1/vars?prefix=dhv-binder/", None, Some(&secret)).await;
+        assert_eq!(s, 403, "{b}");
+    })
+    .await
+    .expect("test timed out");
+}

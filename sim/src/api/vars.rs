@@ -16,12 +16,14 @@ pub(super) async fn vars_list(
 ) -> ApiResult {
     let q = Query::parse(q);
     let ns = q.namespace();
+    // Resolved before the wait, checked against after it (`Variables.List`).
+    let caller = crate::acl::caller(&st.server, token(&headers).as_deref())?;
     let idx = blocking(&st, &q, |t| t.vars).await?;
     let prefix = q.get("prefix").unwrap_or("").to_string();
-    let tok = token(&headers);
     // `Variables.List` hides locks from all but management tokens.
-    let management =
-        crate::acl::check(&st.server, tok.as_deref(), crate::acl::Need::Management).is_ok();
+    let management = caller
+        .check(&st.server, crate::acl::Need::Management)
+        .is_ok();
     let list: Vec<Variable> = st
         .server
         .read()
@@ -36,12 +38,12 @@ pub(super) async fn vars_list(
     let list: Vec<Variable> = list
         .into_iter()
         .filter(|v| {
-            crate::acl::check(
-                &st.server,
-                tok.as_deref(),
-                crate::acl::Need::Variable(&v.Namespace, &v.Path, "list"),
-            )
-            .is_ok()
+            caller
+                .check(
+                    &st.server,
+                    crate::acl::Need::Variable(&v.Namespace, &v.Path, "list"),
+                )
+                .is_ok()
         })
         .collect();
     ok(idx, &list)
