@@ -220,10 +220,106 @@ async fn host_table(target: &Path) -> Result<mounts::MountTable, StepError> {
         })
 }
 
+/// A `publish` or `unpublish` whose plugin call ended: its outcome is decided by the host's
+/// mount table read after the call ([`Called::check`]). The agent's shell has one table
+/// read serve every call that ended before the read started, so a burst of N calls reads
+/// the table once per wave of calls, not once per call (issue 10).
+#[derive(Debug)]
+pub enum Called {
+    /// `publish` ran (`Ok`: the plugin's `context`), or failed before or in the plugin.
+    Publish {
+        volume: VolumeKey,
+        plugin: String,
+        target: PathBuf,
+        result: Result<serde_json::Value, StepError>,
+        elapsed: Duration,
+    },
+    /// `unpublish` ran (`Ok`), or was refused or failed.
+    Unpublish {
+        volume: VolumeKey,
+        plugin: String,
+        target: PathBuf,
+        result: Result<(), StepError>,
+        /// Removes the target directory once it is checked to be no mount point.
+        release: Option<Guard>,
+    },
+    /// Any other completion that waits for a table read (storage operations).
+    Other(Completion),
+}
+
+impl Called {
+    /// The completion, decided by `table` (the host's table, read after the call ended):
+    /// a publish succeeded only when the target is then exactly one mount (whose identity
+    /// is returned), an unpublish only when the target is no longer a mount point; then
+    /// its empty target directory is removed (rmdir only: data is never deleted). A table
+    /// that could not be read fails the call (never "not mounted"). Blocking (the rmdir):
+    /// run off the agent's loop.
+    pub fn check(self, table: Result<&mounts::MountTable, &mounts::MountsError>) -> Completion {
+        let unreadable = |target: &Path, e: &mounts::MountsError| StepError::MountTable {
+            target: target.to_path_buf(),
+            source: mounts::MountsError::Read {
+                path: mounts::HOST_MOUNTINFO.into(),
+                source: std::io::Error::other(e.to_string()),
+            },
+        };
+        match self {
+            Called::Publish {
+                volume,
+                plugin,
+                target,
+                result,
+                elapsed,
+            } => {
+                let result = result.and_then(|context| {
+                    let table = table.map_err(|e| unreadable(&target, e))?;
+                    match (table.count(&target), table.top_at(&target)) {
+                        (0, _) | (_, None) => Err(StepError::NotMounted { plugin, target }),
+                        (1, Some(top)) => Ok(PublishedMount {
+                            context,
+                            mount: top.identity(),
+                        }),
+                        (count, _) => Err(StepError::Stacked {
+                            plugin,
+                            count,
+                            target,
+                        }),
+                    }
+                });
+                Completion::Published {
+                    volume,
+                    result,
+                    elapsed,
+                }
+            }
+            Called::Unpublish {
+                volume,
+                plugin,
+                target,
+                result,
+                release,
+            } => {
+                let result = result.and_then(|()| {
+                    let table = table.map_err(|e| unreadable(&target, e))?;
+                    if table.contains(&target) {
+                        return Err(StepError::StillMounted { plugin, target });
+                    }
+                    // Leave no directory behind, but never delete data: rmdir only.
+                    if let Some(guard) = release {
+                        let _ = guard.release(&target);
+                    }
+                    Ok(())
+                });
+                Completion::Unpublished { volume, result }
+            }
+            Called::Other(c) => c,
+        }
+    }
+}
+
 /// Creates the target directory (through the placeholder guard), refuses a target that
-/// holds something other than what the last publish established (`expected`), runs
-/// `publish`, and checks that the target is then exactly one mount, whose identity it
-/// returns.
+/// holds something other than what the last publish established (`expected`; the table is
+/// read for this only when there is something to compare), and runs `publish`. Whether
+/// the target is then exactly one mount is decided by [`Called::check`].
 #[allow(clippy::too_many_arguments)]
 pub async fn publish(
     runner: Runner,
@@ -234,8 +330,9 @@ pub async fn publish(
     read_only: bool,
     alloc_id: String,
     expected: Option<mounts::MountIdentity>,
-) -> Completion {
+) -> Called {
     let started = std::time::Instant::now();
+    let plugin_id = rec.spec.plugin_id.clone();
     let result = async {
         guard
             .ensure(&target)
@@ -243,51 +340,39 @@ pub async fn publish(
                 target: target.clone(),
                 source,
             })?;
-        if let (Some(top), Some(id)) = (host_table(&target).await?.top_at(&target), &expected) {
-            if !id.is(top) {
-                return Err(StepError::Occupied {
-                    found: top.identity(),
-                    target,
-                });
+        if let Some(id) = &expected {
+            if let Some(top) = host_table(&target).await?.top_at(&target) {
+                if !id.is(top) {
+                    return Err(StepError::Occupied {
+                        found: top.identity(),
+                        target: target.clone(),
+                    });
+                }
             }
         }
         let env = publish_env(&node, &rec, &target, read_only, &alloc_id);
-        let plugin_id = &rec.spec.plugin_id;
         let out = runner
-            .call(plugin_id, Operation::Publish, &env, &rec.secrets)
+            .call(&plugin_id, Operation::Publish, &env, &rec.secrets)
             .await
             .map_err(|e| redacted(e, &rec.secrets))?;
         let res: PublishResult =
-            plugin::parse_with(plugin_id, Operation::Publish, &out.stdout, &rec.secrets)?;
+            plugin::parse_with(&plugin_id, Operation::Publish, &out.stdout, &rec.secrets)?;
         if let Some(p) = &res.path {
             if Path::new(p) != target {
                 return Err(StepError::WrongPath {
                     plugin: plugin_id.clone(),
                     path: p.clone(),
-                    target,
+                    target: target.clone(),
                 });
             }
         }
-        let table = host_table(&target).await?;
-        match (table.count(&target), table.top_at(&target)) {
-            (0, _) | (_, None) => Err(StepError::NotMounted {
-                plugin: plugin_id.clone(),
-                target,
-            }),
-            (1, Some(top)) => Ok(PublishedMount {
-                context: res.context,
-                mount: top.identity(),
-            }),
-            (count, _) => Err(StepError::Stacked {
-                plugin: plugin_id.clone(),
-                count,
-                target,
-            }),
-        }
+        Ok(res.context)
     }
     .await;
-    Completion::Published {
+    Called::Publish {
         volume: rec.key(),
+        plugin: plugin_id,
+        target,
         result,
         elapsed: started.elapsed(),
     }
@@ -295,9 +380,10 @@ pub async fn publish(
 
 /// Runs `unpublish` only when no process on the node uses the volume any more
 /// ([`crate::holders`]: other mount namespaces, open files, working directories...);
-/// success requires the target to be no longer mounted. Then removes the target directory
-/// if (and only if) it is empty, unless `keep_dir` (a placeholder host volume points at
-/// it, and the read-only guard keeps it unwritable).
+/// success requires the target to be no longer mounted ([`Called::check`]). Then removes
+/// the target directory if (and only if) it is empty (rmdir fails on a mount point),
+/// unless `keep_dir` (a placeholder host volume points at it, and the read-only guard keeps
+/// it unwritable).
 pub async fn unpublish(
     client: Client,
     runner: Runner,
@@ -306,7 +392,7 @@ pub async fn unpublish(
     m: MountRecord,
     rec: Option<VolumeRecord>,
     keep_dir: bool,
-) -> Completion {
+) -> Called {
     let env = unpublish_env(&node, &m, rec.as_ref());
     let secrets = secrets_of(rec.as_ref());
     let result = async {
@@ -340,22 +426,15 @@ pub async fn unpublish(
             .call(&m.plugin_id, Operation::Unpublish, &env, &secrets)
             .await
             .map_err(|e| redacted(e, &secrets))?;
-        if host_table(&m.target).await?.contains(&m.target) {
-            return Err(StepError::StillMounted {
-                plugin: m.plugin_id.clone(),
-                target: m.target.clone(),
-            });
-        }
-        // Leave no directory behind, but never delete data: rmdir only.
-        if !keep_dir {
-            let _ = guard.release(&m.target);
-        }
         Ok(())
     }
     .await;
-    Completion::Unpublished {
+    Called::Unpublish {
         volume: m.volume.clone(),
+        plugin: m.plugin_id.clone(),
+        target: m.target.clone(),
         result,
+        release: (!keep_dir).then_some(guard),
     }
 }
 
@@ -646,4 +725,149 @@ pub async fn renew_claim(client: Client, volume: VolumeKey, lock_id: String) -> 
 pub async fn release_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
     let result: Result<(), ClaimError> = claims::release(&client, &volume, &lock_id).await;
     Completion::ClaimReleased { volume, result }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mounts::{MountIdentity, MountTable, MountsError};
+
+    fn key() -> VolumeKey {
+        VolumeKey {
+            namespace: "default".into(),
+            name: "v".into(),
+        }
+    }
+
+    fn published(target: &Path) -> Called {
+        Called::Publish {
+            volume: key(),
+            plugin: "p".into(),
+            target: target.to_path_buf(),
+            result: Ok(serde_json::json!({"k": 1})),
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    fn unpublished(target: &Path, release: Option<Guard>) -> Called {
+        Called::Unpublish {
+            volume: key(),
+            plugin: "p".into(),
+            target: target.to_path_buf(),
+            result: Ok(()),
+            release,
+        }
+    }
+
+    fn unreadable() -> MountsError {
+        MountsError::Read {
+            path: mounts::HOST_MOUNTINFO.into(),
+            source: std::io::Error::from_raw_os_error(nix::libc::EIO),
+        }
+    }
+
+    /// Issue 10 moved the kernel check of a publish out of the call, into the shared table
+    /// read after it: "published" still means exactly one mount at the target, by the table.
+    #[test]
+    fn a_publish_is_decided_by_the_table_read_after_it() {
+        let t = PathBuf::from("/srv/dhv/default/v");
+        let one = MountTable::from_points([t.clone()]);
+        match published(&t).check(Ok(&one)) {
+            Completion::Published { result: Ok(p), .. } => {
+                assert_eq!(p.mount, MountIdentity::of_point(&t));
+                assert_eq!(p.context, serde_json::json!({"k": 1}));
+            }
+            other => panic!("expected a publish with its mount, got {other:?}"),
+        }
+        let none = MountTable::from_points([PathBuf::from("/elsewhere")]);
+        assert!(matches!(
+            published(&t).check(Ok(&none)),
+            Completion::Published {
+                result: Err(StepError::NotMounted { .. }),
+                ..
+            }
+        ));
+        let two = MountTable::from_points([t.clone(), t.clone()]);
+        assert!(matches!(
+            published(&t).check(Ok(&two)),
+            Completion::Published {
+                result: Err(StepError::Stacked { count: 2, .. }),
+                ..
+            }
+        ));
+        assert!(
+            matches!(
+                published(&t).check(Err(&unreadable())),
+                Completion::Published {
+                    result: Err(StepError::MountTable { .. }),
+                    ..
+                }
+            ),
+            "an unreadable table fails the publish, never passes it"
+        );
+        let failed = Called::Publish {
+            volume: key(),
+            plugin: "p".into(),
+            target: t.clone(),
+            result: Err(StepError::NotMounted {
+                plugin: "p".into(),
+                target: t.clone(),
+            }),
+            elapsed: Duration::ZERO,
+        };
+        assert!(
+            matches!(
+                failed.check(Ok(&one)),
+                Completion::Published {
+                    result: Err(StepError::NotMounted { .. }),
+                    ..
+                }
+            ),
+            "a failed call stays failed whatever the table shows"
+        );
+    }
+
+    #[test]
+    fn an_unpublish_is_decided_by_the_table_and_removes_only_an_unmounted_empty_target() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let guard = Guard::new(dir.path());
+        // Outside the guarded tree the guard removes the target itself.
+        let target = dir.path().join("t");
+        std::fs::create_dir(&target).expect("target");
+        let still = MountTable::from_points([target.clone()]);
+        assert!(matches!(
+            unpublished(&target, Some(guard.clone())).check(Ok(&still)),
+            Completion::Unpublished {
+                result: Err(StepError::StillMounted { .. }),
+                ..
+            }
+        ));
+        assert!(target.exists(), "a target still mounted is not removed");
+        assert!(matches!(
+            unpublished(&target, Some(guard.clone())).check(Err(&unreadable())),
+            Completion::Unpublished {
+                result: Err(StepError::MountTable { .. }),
+                ..
+            }
+        ));
+        assert!(target.exists(), "nothing is removed without a reading");
+        let empty = MountTable::from_points([]);
+        assert!(matches!(
+            unpublished(&target, None).check(Ok(&empty)),
+            Completion::Unpublished { result: Ok(()), .. }
+        ));
+        assert!(target.exists(), "keep_dir keeps the directory");
+        std::fs::write(target.join("data"), "kept").expect("write");
+        assert!(matches!(
+            unpublished(&target, Some(guard.clone())).check(Ok(&empty)),
+            Completion::Unpublished { result: Ok(()), .. }
+        ));
+        assert!(
+            target.join("data").exists(),
+            "rmdir only: data is never deleted"
+        );
+        std::fs::remove_file(target.join("data")).expect("remove");
+        let _ = unpublished(&target, Some(guard)).check(Ok(&empty));
+        assert!(!target.exists(), "an empty unmounted target is removed");
+    }
 }

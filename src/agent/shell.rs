@@ -15,7 +15,7 @@ use crate::catalog::{self, Catalogue};
 use crate::claims::ClaimSettings;
 use crate::config::AgentConfig;
 use crate::environment::NodeEnv;
-use crate::executor;
+use crate::executor::{self, Called};
 use crate::guard::Guard;
 use crate::identity::Verifier;
 use crate::journal::{Commit, JournalError, Store};
@@ -101,10 +101,11 @@ enum Report {
     Done(Completion),
     /// A detach finished; the mount table read right after it.
     DoneMounts(Completion, Result<MountTable, MountsError>),
-    /// A publish or unpublish finished; its completion waits for a mount table read that
+    /// A publish or unpublish finished; its outcome waits for a mount table read that
     /// starts after it ([`Shell::after_calls`]).
-    CallDone(Completion),
-    /// Plugin calls that finished before one mount table read started, and that reading.
+    CallDone(Called),
+    /// Plugin calls that finished before one mount table read started, decided by that
+    /// reading ([`Called::check`]), and the reading.
     CallsMounts(Vec<Completion>, Result<MountTable, MountsError>),
     Mounts(Result<MountTable, MountsError>),
     /// A call, with the mount table read after it arrived.
@@ -143,7 +144,7 @@ struct Shell {
     /// after them. One read serves every call that finished before it started (at most one
     /// such read runs): reading mountinfo costs the kernel time in the number of mounts, so
     /// a read per call made a burst of N publishes cost O(N²).
-    after_calls: Vec<Completion>,
+    after_calls: Vec<Called>,
     /// A read for `after_calls` runs.
     reading_after_calls: bool,
     meter: Meter,
@@ -232,20 +233,25 @@ impl Shell {
         }
     }
 
+    /// A call under the plugin-call permits, handed to the core at once.
     fn plugin_call(
         &mut self,
         call: impl std::future::Future<Output = Completion> + Send + 'static,
-        read_mounts: bool,
     ) {
         let permits = self.permits.clone();
         self.tasks.spawn(async move {
             let _permit = permits.acquire_owned().await;
-            let done = call.await;
-            if read_mounts {
-                Report::CallDone(done)
-            } else {
-                Report::Done(done)
-            }
+            Report::Done(call.await)
+        });
+    }
+
+    /// A call under the plugin-call permits whose outcome the next mount table read decides
+    /// ([`Shell::read_after_calls`]); the permit is given back when the call ends.
+    fn checked_call(&mut self, call: impl std::future::Future<Output = Called> + Send + 'static) {
+        let permits = self.permits.clone();
+        self.tasks.spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            Report::CallDone(call.await)
         });
     }
 
@@ -256,8 +262,11 @@ impl Shell {
         }
         self.reading_after_calls = true;
         let calls = std::mem::take(&mut self.after_calls);
-        self.tasks
-            .spawn_blocking(move || Report::CallsMounts(calls, MountTable::read()));
+        self.tasks.spawn_blocking(move || {
+            let table = MountTable::read();
+            let done = calls.into_iter().map(|c| c.check(table.as_ref())).collect();
+            Report::CallsMounts(done, table)
+        });
     }
 
     fn call(&mut self, call: impl std::future::Future<Output = Completion> + Send + 'static) {
@@ -274,54 +283,43 @@ impl Shell {
                 read_only,
                 alloc_id,
                 expected,
-            } => self.plugin_call(
-                executor::publish(
-                    runner,
-                    node,
-                    self.guard.clone(),
-                    *volume,
-                    target,
-                    read_only,
-                    alloc_id,
-                    expected,
-                ),
-                true,
-            ),
+            } => self.checked_call(executor::publish(
+                runner,
+                node,
+                self.guard.clone(),
+                *volume,
+                target,
+                read_only,
+                alloc_id,
+                expected,
+            )),
             Effect::Unpublish {
                 mount,
                 volume,
                 keep_dir,
-            } => self.plugin_call(
-                executor::unpublish(
-                    client,
-                    runner,
-                    node,
-                    self.guard.clone(),
-                    *mount,
-                    volume.map(|v| *v),
-                    keep_dir,
-                ),
-                true,
-            ),
+            } => self.checked_call(executor::unpublish(
+                client,
+                runner,
+                node,
+                self.guard.clone(),
+                *mount,
+                volume.map(|v| *v),
+                keep_dir,
+            )),
             // Not under the permits: a node whose calls all hang still learns its plugins.
             Effect::Fingerprint => self.call(executor::fingerprint_all(runner)),
-            Effect::Create(rec) => self.plugin_call(
-                executor::create(
-                    client,
-                    runner,
-                    node,
-                    *rec,
-                    self.cfg.mount_root(),
-                    self.trust.clone(),
-                ),
-                false,
-            ),
-            Effect::Storage(op) => {
-                self.plugin_call(executor::storage::perform(client, runner, node, op), true)
-            }
-            Effect::Delete(rec) => {
-                self.plugin_call(executor::delete(client, runner, node, *rec), false)
-            }
+            Effect::Create(rec) => self.plugin_call(executor::create(
+                client,
+                runner,
+                node,
+                *rec,
+                self.cfg.mount_root(),
+                self.trust.clone(),
+            )),
+            Effect::Storage(op) => self.checked_call(async move {
+                Called::Other(executor::storage::perform(client, runner, node, op).await)
+            }),
+            Effect::Delete(rec) => self.plugin_call(executor::delete(client, runner, node, *rec)),
             Effect::ListPlaceholders => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),
@@ -903,13 +901,16 @@ mod tests {
         );
     }
 
-    fn unpublished(name: &str) -> Completion {
-        Completion::Unpublished {
+    fn unpublished(name: &str) -> Called {
+        Called::Unpublish {
             volume: crate::volume::VolumeKey {
                 namespace: "default".into(),
                 name: name.into(),
             },
+            plugin: "p".into(),
+            target: PathBuf::from("/nonexistent/dhv-binder-test").join(name),
             result: Ok(()),
+            release: None,
         }
     }
 
