@@ -183,6 +183,9 @@ pub struct Journal {
     users_by_volume: BTreeMap<VolumeKey, BTreeSet<String>>,
     /// Mount target → volume (the same records as `mounts`).
     targets: BTreeMap<PathBuf, VolumeKey>,
+    /// The (target, volume) pairs whose mount record changed or went since the last
+    /// [`Journal::take_touched`]: what the agent checks against the mount table again.
+    touched: BTreeSet<(PathBuf, VolumeKey)>,
     events: Vec<Event>,
     dirty: bool,
     seq: u64,
@@ -204,6 +207,7 @@ impl Journal {
             users: BTreeSet::new(),
             users_by_volume: BTreeMap::new(),
             targets: BTreeMap::new(),
+            touched: BTreeSet::new(),
             events: Vec::new(),
             dirty: false,
             seq: 0,
@@ -279,12 +283,21 @@ impl Journal {
         });
         let key = rec.volume.clone();
         self.targets.insert(rec.target.clone(), key.clone());
+        self.touched.insert((rec.target.clone(), key.clone()));
         if let Some(old) = self.mounts.insert(key.clone(), rec) {
             if self.mounts[&key].target != old.target {
                 self.targets.remove(&old.target);
+                self.touched.insert((old.target, key.clone()));
             }
         }
         self.queue(kind, &key, alloc, detail);
+    }
+
+    /// The (target, volume) pairs whose mount record was set or removed since the last
+    /// call (a volume whose record is gone, or moved to another target, is listed with the
+    /// old target).
+    pub fn take_touched(&mut self) -> BTreeSet<(PathBuf, VolumeKey)> {
+        std::mem::take(&mut self.touched)
     }
 
     /// Removes a volume's mount record (after a successful unpublish), and the volume's user
@@ -293,13 +306,19 @@ impl Journal {
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
         if let Some(old) = self.mounts.remove(key) {
             self.targets.remove(&old.target);
+            self.touched.insert((old.target, key.clone()));
             self.queue(kind, key, None, serde_json::Value::Null);
         }
+        // Through the index: the volume's own users, not a pass over every user record.
         let stale: Vec<UserKey> = self
-            .users
-            .iter()
-            .filter(|u| &u.volume == key)
-            .cloned()
+            .users_by_volume
+            .get(key)
+            .into_iter()
+            .flatten()
+            .map(|alloc_id| UserKey {
+                alloc_id: alloc_id.clone(),
+                volume: key.clone(),
+            })
             .collect();
         self.change_users(&[], &stale);
     }

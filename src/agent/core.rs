@@ -80,8 +80,10 @@ pub(crate) struct Core {
     /// The host's mount table, as last read.
     table: MountTable,
     /// Targets where the host's table shows what their publish established (the
-    /// kernel's answer to "published?", recomputed each pass).
+    /// kernel's answer to "published?", kept current by [`Core::on_table`]).
     mounted: BTreeSet<PathBuf>,
+    /// False until the first mount table reading was checked against every record.
+    targets_checked: bool,
     /// Volumes whose target holds something other than what their publish established:
     /// never published over, never answered as published (why, for the log and status).
     foreign: BTreeMap<VolumeKey, String>,
@@ -109,7 +111,8 @@ pub(crate) struct Core {
     /// Placeholders and create/delete workers are driven only when their inputs can have
     /// changed (catalogue, plugins, their own completions, an unpublish, the tick).
     chores_due: bool,
-    /// Planning work so far (allocations, user records, claims and mount records visited).
+    /// Planning work so far (allocations, user records, claims and mount records visited,
+    /// targets checked against the mount table).
     plan_visits: u64,
     /// False in tests that compare scoped planning with a full plan on every pass.
     scoped: bool,
@@ -145,6 +148,7 @@ impl Core {
             latency: Latency::default(),
             table: MountTable::default(),
             mounted: BTreeSet::new(),
+            targets_checked: false,
             foreign: BTreeMap::new(),
             holders: BTreeMap::new(),
             ungated: BTreeMap::new(),
@@ -170,7 +174,8 @@ impl Core {
         self.plan_visits
     }
 
-    /// Plans every volume on every pass (the reference the scoped planner is tested against).
+    /// Plans every volume on every pass and checks every record against every mount table
+    /// reading (the reference the scoped planner and target checks are tested against).
     #[cfg(test)]
     pub(crate) fn plan_everything(&mut self) {
         self.scoped = false;
@@ -261,10 +266,7 @@ impl Core {
                 self.last_fingerprint = None;
                 self.on_tick(now, out);
             }
-            Input::MountTable(t) => {
-                self.table = t;
-                self.check_targets();
-            }
+            Input::MountTable(t) => self.on_table(t),
             Input::Committed { seq, result } => self.on_committed(seq, result, out),
             Input::Done(c) => self.on_done(c, now, out),
             Input::Tick => {
@@ -454,7 +456,11 @@ impl Core {
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
                         self.journal.set_mount(m, EventKind::PublishDone, None);
                         // What the publish established is now what "published" means.
-                        self.check_targets();
+                        if self.scoped {
+                            self.check_touched();
+                        } else {
+                            self.check_all_targets();
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
@@ -827,55 +833,143 @@ impl Core {
         all
     }
 
-    /// Compares every journal record with the host's table: which targets show what their
-    /// publish established ([`Core::mounted`]), and which hold something else.
-    fn check_targets(&mut self) {
+    /// Takes a new reading of the host's mount table and checks against it the targets it
+    /// can have changed: where the table differs from the last reading
+    /// ([`MountTable::changed_points`]) and where a mount record changed since the last
+    /// check. The first reading checks every record. O(mounts) integer work per reading plus
+    /// O(log n) per changed target: a burst of N publishes no longer costs N passes over
+    /// every record (issue 10).
+    fn on_table(&mut self, t: MountTable) {
+        let before = std::mem::replace(&mut self.table, t);
+        if !self.targets_checked || !self.scoped {
+            self.targets_checked = true;
+            self.journal.take_touched();
+            self.check_all_targets();
+            return;
+        }
+        let mut paths: BTreeSet<(PathBuf, Option<VolumeKey>)> = self
+            .table
+            .changed_points(&before)
+            .into_iter()
+            .map(|p| (p, None))
+            .collect();
+        paths.extend(
+            self.journal
+                .take_touched()
+                .into_iter()
+                .map(|(p, k)| (p, Some(k))),
+        );
+        for (p, k) in paths {
+            self.check_target(&p, k.as_ref());
+        }
+    }
+
+    /// Checks the targets whose mount records changed since the last check against the
+    /// current reading (after a publish established what "published" means).
+    fn check_touched(&mut self) {
+        if !self.targets_checked {
+            return;
+        }
+        for (p, k) in self.journal.take_touched() {
+            self.check_target(&p, Some(&k));
+        }
+    }
+
+    /// Every record against the current reading (the first reading).
+    fn check_all_targets(&mut self) {
+        let records: Vec<(PathBuf, VolumeKey)> = self
+            .journal
+            .mounts()
+            .iter()
+            .map(|(k, m)| (m.target.clone(), k.clone()))
+            .collect();
+        let stale_points: Vec<PathBuf> = self
+            .mounted
+            .iter()
+            .filter(|p| self.journal.volume_at(p).is_none())
+            .cloned()
+            .collect();
+        let stale_keys: Vec<VolumeKey> = self
+            .foreign
+            .keys()
+            .filter(|k| !self.journal.mounts().contains_key(*k))
+            .cloned()
+            .collect();
+        for (p, k) in records {
+            self.check_target(&p, Some(&k));
+        }
+        for p in stale_points {
+            self.check_target(&p, None);
+        }
+        for k in stale_keys {
+            self.clear_foreign(&k);
+        }
+    }
+
+    /// What the current reading says of the record (if any) targeting `target`; `gone` is
+    /// a volume whose record was removed or moved away from `target`.
+    fn check_target(&mut self, target: &std::path::Path, gone: Option<&VolumeKey>) {
         use crate::mounts::TargetState;
-        let mut mounted = BTreeSet::new();
-        let mut foreign = BTreeMap::new();
-        for (key, m) in self.journal.mounts() {
-            let found = match self.table.target_state(&m.target, m.mount.as_ref()) {
-                TargetState::Published { .. } => {
-                    mounted.insert(m.target.clone());
-                    continue;
+        self.plan_visits += 1;
+        let Some(key) = self.journal.volume_at(target).cloned() else {
+            // No record targets it (any more): it is nobody's "published".
+            self.mounted.remove(target);
+            if let Some(k) = gone {
+                if !self.journal.mounts().contains_key(k) {
+                    self.clear_foreign(k);
                 }
-                TargetState::Unmounted => continue,
-                // Nothing established yet (an interrupted publish, an older journal): the
-                // plugin's idempotent publish decides whether the mount is the volume's.
-                _ if m.mount.is_none() => continue,
-                TargetState::Foreign { found } => found.to_string(),
-                TargetState::Stacked { count, top } => {
-                    format!("{count} stacked mounts ({top} on top)")
-                }
-            };
-            let why = format!(
+            }
+            return;
+        };
+        let Some(m) = self.journal.mounts().get(&key) else {
+            return;
+        };
+        let state = self.table.target_state(&m.target, m.mount.as_ref());
+        let published = matches!(state, TargetState::Published { .. });
+        let found = match state {
+            TargetState::Published { .. } => None,
+            TargetState::Unmounted => None,
+            // Nothing established yet (an interrupted publish, an older journal): the
+            // plugin's idempotent publish decides whether the mount is the volume's.
+            _ if m.mount.is_none() => None,
+            TargetState::Foreign { found } => Some(found.to_string()),
+            TargetState::Stacked { count, top } => {
+                Some(format!("{count} stacked mounts ({top} on top)"))
+            }
+        };
+        let why = found.map(|found| {
+            format!(
                 "{} holds {found}, not this volume's mount{}: it is not published over nor used; unmount it",
                 m.target.display(),
                 m.mount.as_ref().map(|i| format!(" ({i})")).unwrap_or_default()
-            );
-            if self.foreign.get(key) != Some(&why) {
-                tracing::error!(volume = %key, reason = %why, "foreign mount at a volume's target");
-            }
-            foreign.insert(key.clone(), why);
-        }
-        for key in self.foreign.keys() {
-            if !foreign.contains_key(key) {
-                tracing::info!(volume = %key, "the foreign mount at the volume's target is gone");
-            }
-        }
+            )
+        });
         // The volumes whose answer changed are planned again.
-        for t in mounted.symmetric_difference(&self.mounted) {
-            if let Some(k) = self.journal.volume_at(t) {
-                self.dirty.insert(k.clone());
-            }
+        let changed = if published {
+            self.mounted.insert(target.to_path_buf())
+        } else {
+            self.mounted.remove(target)
+        };
+        if changed {
+            self.dirty.insert(key.clone());
         }
-        for k in foreign.keys().chain(self.foreign.keys()) {
-            if foreign.get(k) != self.foreign.get(k) {
-                self.dirty.insert(k.clone());
+        match why {
+            Some(why) => {
+                if self.foreign.get(&key) != Some(&why) {
+                    tracing::error!(volume = %key, reason = %why, "foreign mount at a volume's target");
+                    self.dirty.insert(key.clone());
+                    self.foreign.insert(key, why);
+                }
             }
+            None => self.clear_foreign(&key),
         }
-        self.mounted = mounted;
-        self.foreign = foreign;
+    }
+
+    fn clear_foreign(&mut self, key: &VolumeKey) {
+        if self.foreign.remove(key).is_some() {
+            tracing::info!(volume = %key, "the foreign mount at the volume's target is gone");
+            self.dirty.insert(key.clone());
+        }
     }
 
     /// Notes (and logs once) the tasks of an allocation that could start on a deferred

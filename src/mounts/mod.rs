@@ -8,7 +8,7 @@
 pub mod changes;
 
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
@@ -360,6 +360,38 @@ impl MountTable {
         }
     }
 
+    /// The mount points where this table differs from `before` (a mount added, removed
+    /// or changed there): O(mounts) with integer keys, so a reader can recheck only the
+    /// paths a new reading can have changed. Two readings of one namespace only.
+    pub fn changed_points(&self, before: &MountTable) -> BTreeSet<PathBuf> {
+        let mut out = BTreeSet::new();
+        if Arc::ptr_eq(&self.inner, &before.inner) {
+            return out;
+        }
+        let old: HashMap<u32, &MountEntry> =
+            before.inner.entries.iter().map(|e| (e.id, e)).collect();
+        let mut seen: HashSet<u32> = HashSet::with_capacity(self.inner.entries.len());
+        for e in &self.inner.entries {
+            seen.insert(e.id);
+            match old.get(&e.id) {
+                Some(o) if *o == e => {}
+                Some(o) => {
+                    out.insert(o.mount_point.clone());
+                    out.insert(e.mount_point.clone());
+                }
+                None => {
+                    out.insert(e.mount_point.clone());
+                }
+            }
+        }
+        for e in &before.inner.entries {
+            if !seen.contains(&e.id) {
+                out.insert(e.mount_point.clone());
+            }
+        }
+        out
+    }
+
     /// Mount IDs of this table (two tables of one namespace share some).
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.inner.entries.iter().map(|e| e.id)
@@ -586,6 +618,40 @@ pub(crate) mod scratch {
 mod tests {
     use super::scratch::Scratch;
     use super::*;
+
+    /// Issue 10: a new reading is compared with the last by mount ID, so the agent rechecks
+    /// only the targets where something was mounted, unmounted or changed.
+    #[test]
+    fn changed_points_are_where_mounts_came_went_or_changed() {
+        let t = |p: &str| PathBuf::from(p);
+        let before = MountTable::from_points([t("/a"), t("/b"), t("/c")]);
+        assert!(before.changed_points(&before).is_empty());
+        let same = MountTable::from_points([t("/a"), t("/b"), t("/c")]);
+        assert!(
+            same.changed_points(&before).is_empty(),
+            "same IDs, same entries"
+        );
+        // IDs are given in order: /a keeps 1000, /b keeps 1001, /d takes 1002 (was /c's).
+        let after = MountTable::from_points([t("/a"), t("/b"), t("/d")]);
+        assert_eq!(
+            after.changed_points(&before),
+            BTreeSet::from([t("/c"), t("/d")]),
+            "an ID now on another mount point touches both"
+        );
+        let fewer = MountTable::from_points([t("/a")]);
+        assert_eq!(
+            fewer.changed_points(&before),
+            BTreeSet::from([t("/b"), t("/c")])
+        );
+        assert_eq!(
+            before.changed_points(&fewer),
+            BTreeSet::from([t("/b"), t("/c")])
+        );
+        let mut entries: Vec<MountEntry> = before.inner.entries.to_vec();
+        entries[0].options = "ro".into();
+        let remounted = MountTable::from_entries(entries);
+        assert_eq!(remounted.changed_points(&before), BTreeSet::from([t("/a")]));
+    }
 
     const SAMPLE: &[u8] = b"36 35 98:0 /mnt1 /mnt/parent\\040dir rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n\
 37 36 0:5 / /proc rw - proc proc rw\n\
