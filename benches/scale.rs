@@ -417,8 +417,15 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize) -> (f64, f64) {
 /// Mean wall time of starting the plugin and waiting for it (a no-op operation): the
 /// "exec" of the ideal schedule.
 fn exec_cost(node: &Node) -> f64 {
+    exec_costs(node).0
+}
+
+/// Mean wall time and mean CPU time (user + system, of the child: fork, exec, dynamic
+/// linking, the plugin's own start) of one plugin run, in ms.
+fn exec_costs(node: &Node) -> (f64, f64) {
     let plugin = node.sb.join("plugins").join(PLUGIN);
     let n = 30;
+    let cpu0 = children_cpu_ms();
     let t = Instant::now();
     for _ in 0..n {
         let _ = Command::new(&plugin)
@@ -428,7 +435,43 @@ fn exec_cost(node: &Node) -> f64 {
             .stdout(Stdio::null())
             .status();
     }
-    t.elapsed().as_secs_f64() * 1000.0 / n as f64
+    let wall = t.elapsed().as_secs_f64() * 1000.0 / n as f64;
+    (wall, (children_cpu_ms() - cpu0) / n as f64)
+}
+
+/// CPU time of this process's waited-for children so far, in ms (getrusage(2)).
+fn children_cpu_ms() -> f64 {
+    use nix::sys::resource::{getrusage, UsageWho};
+    let u = getrusage(UsageWho::RUSAGE_CHILDREN).expect("getrusage");
+    let ms = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 * 1000.0 + t.tv_usec() as f64 / 1000.0;
+    ms(u.user_time()) + ms(u.system_time())
+}
+
+/// CPU time of the agent so far, in ms: its threads' run time (`/proc/<pid>/task/*/
+/// schedstat`, ns) and that of its waited-for children, the plugins (`/proc/<pid>/stat`
+/// cutime + cstime, clock ticks of 10 ms).
+fn agent_cpu_ms(pid: u32) -> (f64, f64) {
+    let mut own = 0u64;
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                own += s
+                    .split_whitespace()
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+        }
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): state is field 3, cutime 16.
+    let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    let children_ticks = f.get(13).copied().unwrap_or(0) + f.get(14).copied().unwrap_or(0);
+    (own as f64 / 1e6, children_ticks as f64 * 10.0)
 }
 
 /// Mean time of one small durable write (write + fdatasync) in the node's state directory:
@@ -451,6 +494,14 @@ fn commit_cost(node: &Node) -> f64 {
 struct Burst {
     elapsed_ms: f64,
     ideal_ms: f64,
+    /// N plugin runs' CPU over the machine's cores, plus one commit.
+    floor_ms: f64,
+    /// The agent's own CPU per publish during the burst (its threads, not the plugins).
+    agent_cpu_ms: f64,
+    /// The plugins' CPU per publish (the agent's waited-for children).
+    plugin_cpu_ms: f64,
+    /// One plugin run's CPU measured by the bench (fork, exec, start).
+    exec_cpu_ms: f64,
     exec_ms: f64,
     commit_ms: f64,
     rss_idle: u64,
@@ -462,15 +513,42 @@ struct Burst {
 /// With `idle_window`, then counts the plugin execs of 10 idle seconds.
 async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Burst {
     let mut node = Node::start(mode, tmpfs, n, (200, 200)).await;
-    let exec = exec_cost(&node);
+    let (exec, exec_cpu) = exec_costs(&node);
     let commit = commit_cost(&node);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_idle = node.rss_kib();
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    let cpu0 = agent_cpu_ms(node.pid());
     let t0 = node.place(&allocs, "running");
     node.wait_calls("publish", n).await;
+    let cpu1 = agent_cpu_ms(node.pid());
     let last = node.last_end("publish").unwrap_or(t0);
+    if std::env::var_os("BENCH_TRACE").is_some() {
+        let mut calls: Vec<Call> = node
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == "publish")
+            .collect();
+        calls.sort_by_key(|c| c.start);
+        let mut line = String::new();
+        for c in &calls {
+            let conc = calls
+                .iter()
+                .filter(|d| d.start <= c.start && d.end > c.start)
+                .count();
+            line.push_str(&format!(
+                "{:.1}/{:.2}/{} ",
+                ms(c.start.saturating_sub(t0)),
+                ms(c.end - c.start),
+                conc
+            ));
+        }
+        println!("   trace N={n}: {line}");
+    }
     let ideal = n.div_ceil(MAX_PARALLEL) as f64 * (0.2 + exec) + commit;
+    // What the machine can do at best: every plugin run's CPU spread over every core.
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let floor = n as f64 * exec_cpu / cores as f64 + commit;
     // Let the agent record the publishes before reading its memory and counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_loaded = node.rss_kib();
@@ -484,6 +562,10 @@ async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Bur
     Burst {
         elapsed_ms: ms(last.saturating_sub(t0)),
         ideal_ms: ideal,
+        floor_ms: floor,
+        agent_cpu_ms: (cpu1.0 - cpu0.0) / n as f64,
+        plugin_cpu_ms: (cpu1.1 - cpu0.1) / n as f64,
+        exec_cpu_ms: exec_cpu,
         exec_ms: exec,
         commit_ms: commit,
         rss_idle,
@@ -687,14 +769,19 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
                 let last = !tmpfs && mode == WatchMode::Poll && n == 200;
                 let b = burst(mode, tmpfs, n, last).await;
                 println!(
-                        "   {:<6} {:<5} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  [exec {:.2}, commit {:.2}]",
+                        "   {:<6} {:<5} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms",
                         mode_name(mode),
                         if tmpfs { "tmpfs" } else { "disk" },
                         b.elapsed_ms,
                         b.ideal_ms,
                         b.elapsed_ms / b.ideal_ms,
+                        b.floor_ms,
+                        b.elapsed_ms / b.floor_ms.max(b.ideal_ms),
                         b.exec_ms,
+                        b.exec_cpu_ms,
                         b.commit_ms,
+                        b.agent_cpu_ms,
+                        b.plugin_cpu_ms,
                     );
                 if last {
                     rss_idle = b.rss_idle;
