@@ -104,8 +104,31 @@ pub async fn before_unpublish_shared(target: PathBuf) -> Result<Option<Usage>, H
     }
 }
 
-/// Answers the waiting calls, one scan per batch, until none waits.
+/// How long a scan waits, at most, for the other unpublishes of a wave before it starts:
+/// the calls of one wave end within a few milliseconds of each other, and each arrival
+/// during a running scan would cost a second pass over `/proc`.
+const GATHER: std::time::Duration = std::time::Duration::from_millis(3);
+
+/// Answers the waiting calls, one scan per batch, until none waits. The first batch is
+/// gathered until no call arrived for a millisecond (at most [`GATHER`]).
 fn scan_waiting() {
+    let queued = || {
+        WAITING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .queue
+            .len()
+    };
+    let until = std::time::Instant::now() + GATHER;
+    let mut seen = queued();
+    while std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let now = queued();
+        if now == seen {
+            break;
+        }
+        seen = now;
+    }
     loop {
         let batch = {
             let mut w = WAITING.lock().unwrap_or_else(|e| e.into_inner());
@@ -324,27 +347,24 @@ pub fn scan_many(
     let host_ns = std::fs::metadata("/proc/self/ns/mnt").ok().map(|m| m.ino());
 
     // Pass 1: mount namespaces. Per namespace, the mount points of each volume in it.
-    let mut procs: Vec<(u32, String)> = Vec::new();
+    let mut procs: Vec<u32> = Vec::new();
     let mut by_ns: BTreeMap<u64, Vec<Vec<PathBuf>>> = BTreeMap::new();
     let none = || vec![Vec::new(); wanted.len()];
     for pid in pids()? {
         if pid == me {
             continue;
         }
-        let comm = match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
-            Ok(c) => c.trim_end().to_string(),
-            Err(_) => continue, // exited
-        };
         let ns = std::fs::metadata(format!("/proc/{pid}/ns/mnt"))
             .ok()
             .map(|m| m.ino());
         let here: Vec<Vec<PathBuf>> = match ns.and_then(|ns| by_ns.get(&ns)) {
             Some(points) => points.clone(),
+            // The host's own namespace: its table is `host`, nothing to read again.
+            None if ns.is_some() && ns == host_ns => {
+                by_ns.insert(ns.unwrap_or_default(), none());
+                none()
+            }
             None => match MountTable::read_pid(pid) {
-                Ok(_) if ns.is_some() && ns == host_ns => {
-                    by_ns.insert(ns.unwrap_or_default(), none());
-                    none()
-                }
                 Ok(t) if ns.is_none() && crate::host::same_namespace(host, &t) => none(),
                 Ok(t) => {
                     let points: Vec<Vec<PathBuf>> = wanted
@@ -364,6 +384,7 @@ pub fn scan_many(
                 }
                 Err(crate::mounts::MountsError::Read { source, .. }) if gone(&source) => continue,
                 Err(e) => {
+                    let comm = comm_of(pid);
                     for usage in &mut usages {
                         usage.uninspected.push(Uninspected {
                             pid,
@@ -376,23 +397,26 @@ pub fn scan_many(
                 }
             },
         };
-        for (usage, points) in usages.iter_mut().zip(here) {
-            usage
-                .holders
-                .extend(points.into_iter().map(|mount_point| Holder {
-                    pid,
-                    comm: comm.clone(),
-                    how: Hold::Mount { mount_point },
-                    alloc_id: None,
-                }));
+        if here.iter().any(|p| !p.is_empty()) {
+            let comm = comm_of(pid);
+            for (usage, points) in usages.iter_mut().zip(here) {
+                usage
+                    .holders
+                    .extend(points.into_iter().map(|mount_point| Holder {
+                        pid,
+                        comm: comm.clone(),
+                        how: Hold::Mount { mount_point },
+                        alloc_id: None,
+                    }));
+            }
         }
-        procs.push((pid, comm));
+        procs.push(pid);
     }
 
     // Pass 2: what each process holds open, on any of the volumes.
     let any: BTreeSet<u32> = volume_mounts.iter().flatten().copied().collect();
     let devs: BTreeSet<DeviceId> = wanted.iter().map(|(v, _)| v.dev).collect();
-    for (pid, comm) in procs {
+    for pid in procs {
         let mut holds: Vec<(u32, Hold)> = Vec::new();
         let mut unread = Vec::new();
         for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
@@ -420,6 +444,10 @@ pub fn scan_many(
             Err(e) if gone(&e) => {}
             Err(e) => unread.push(("maps", e)),
         }
+        if holds.is_empty() && unread.is_empty() {
+            continue;
+        }
+        let comm = comm_of(pid);
         for (usage, mounts) in usages.iter_mut().zip(&volume_mounts) {
             usage
                 .holders
@@ -452,6 +480,13 @@ pub fn scan_many(
         usage.holders.dedup();
     }
     Ok(usages)
+}
+
+/// `/proc/<pid>/comm`, read only for a process that is reported ("?" once it is gone).
+fn comm_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim_end().to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// `NOMAD_ALLOC_ID` in the environment `pid` started with.
@@ -511,11 +546,17 @@ fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, u32, 
         else {
             continue;
         };
+        // What the descriptor shows (no filesystem call): pipes, sockets and anonymous
+        // inodes ("pipe:[…]", "socket:[…]", "anon_inode:…") are on no volume, so only
+        // files and directories cost an fdinfo read. A link that cannot be read is checked.
+        let path = match std::fs::read_link(entry.path()) {
+            Ok(p) if !p.as_os_str().as_encoded_bytes().starts_with(b"/") => continue,
+            Ok(p) => p,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue, // closed meanwhile
+            Err(_) => PathBuf::new(),
+        };
         match fdinfo_mount(&format!("/proc/{pid}/fdinfo/{fd}")) {
-            Ok(Some(id)) if mounts.contains(&id) => {
-                let path = std::fs::read_link(entry.path()).unwrap_or_default();
-                out.push((id, fd, path));
-            }
+            Ok(Some(id)) if mounts.contains(&id) => out.push((id, fd, path)),
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {} // closed meanwhile
             Err(e) => return Err(e),
