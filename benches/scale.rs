@@ -600,6 +600,39 @@ async fn release(mode: WatchMode) -> Release {
     node.wait_calls("unpublish", n).await;
     let last = node.last_end("unpublish").unwrap_or(t0);
     let ideal = n.div_ceil(MAX_PARALLEL) as f64 * (150.0 + exec);
+    if std::env::var_os("BENCH_TRACE").is_some() {
+        // How long a plugin-call slot stays empty between one unpublish's end and the next
+        // one's start (the agent's turnaround: holder scan, exec, table read).
+        let mut calls: Vec<Call> = node
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == "unpublish")
+            .collect();
+        calls.sort_by_key(|c| c.start);
+        let first = calls.first().map_or(t0, |c| c.start);
+        let mut ends: Vec<u64> = Vec::new();
+        let mut gaps: Vec<f64> = Vec::new();
+        for c in &calls {
+            if ends.len() < MAX_PARALLEL {
+                ends.push(c.end);
+                continue;
+            }
+            ends.sort();
+            let freed = ends.remove(0);
+            gaps.push(ms(c.start.saturating_sub(freed)));
+            ends.push(c.end);
+        }
+        gaps.sort_by(f64::total_cmp);
+        let q = |p: f64| {
+            gaps.get(((gaps.len() as f64 - 1.0) * p) as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        println!(
+            "   trace: first unpublish {:.1} ms after the frame; slot turnaround p50 {:.1} p90 {:.1} max {:.1} ms",
+            ms(first.saturating_sub(t0)), q(0.5), q(0.9), q(1.0)
+        );
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss_after = node.rss_kib();
     if let Some(secs) = std::env::var("BENCH_HOLD")

@@ -104,31 +104,8 @@ pub async fn before_unpublish_shared(target: PathBuf) -> Result<Option<Usage>, H
     }
 }
 
-/// How long a scan waits, at most, for the other unpublishes of a wave before it starts:
-/// the calls of one wave end within a few milliseconds of each other, and each arrival
-/// during a running scan would cost a second pass over `/proc`.
-const GATHER: std::time::Duration = std::time::Duration::from_millis(3);
-
-/// Answers the waiting calls, one scan per batch, until none waits. The first batch is
-/// gathered until no call arrived for a millisecond (at most [`GATHER`]).
+/// Answers the waiting calls, one scan per batch, until none waits.
 fn scan_waiting() {
-    let queued = || {
-        WAITING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .queue
-            .len()
-    };
-    let until = std::time::Instant::now() + GATHER;
-    let mut seen = queued();
-    while std::time::Instant::now() < until {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-        let now = queued();
-        if now == seen {
-            break;
-        }
-        seen = now;
-    }
     loop {
         let batch = {
             let mut w = WAITING.lock().unwrap_or_else(|e| e.into_inner());
