@@ -501,9 +501,20 @@ fn fdinfo_mount(path: &str) -> std::io::Result<Option<u32>> {
         .and_then(|v| v.trim().parse().ok()))
 }
 
-/// The mount a magic link (`/proc/<pid>/cwd`...) leads to: opened with `O_PATH` (no
-/// filesystem call, so a dead FUSE mount does not hang it), then read from our fdinfo.
+/// The mount a magic link (`/proc/<pid>/cwd`...) leads to: `statx(2)` with
+/// `STATX_MNT_ID` and `AT_STATX_DONT_SYNC` (one system call; the filesystem answers from
+/// its cache, so a dead NFS or FUSE server does not hang it), or on kernels before 5.8
+/// opened with `O_PATH` and read from our own fdinfo.
 fn link_mount(link: &str) -> std::io::Result<Option<u32>> {
+    use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
+    match statx(CWD, link, AtFlags::STATX_DONT_SYNC, StatxFlags::MNT_ID) {
+        Ok(st) if StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::MNT_ID) => {
+            return Ok(u32::try_from(st.stx_mnt_id).ok());
+        }
+        Ok(_) => {}
+        Err(e) if e == rustix::io::Errno::NOSYS => {}
+        Err(e) => return Err(e.into()),
+    }
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_PATH)
