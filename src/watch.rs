@@ -234,6 +234,7 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         cfg,
         tx,
         known: HashMap::new(),
+        polled: None,
         verifying: BTreeSet::new(),
         counters: Counters::default(),
         last_index: 0,
@@ -256,6 +257,10 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
     /// AllocModifyIndex of each allocation whose Job we have sent.
     known: HashMap<String, u64>,
+    /// Poll mode: the ModifyIndex of each allocation of the last answer, once a full list
+    /// was sent; the next answers are sent as their changes ([`Watcher::poll_changes`]).
+    /// `None` after a fault: the next answer is sent whole.
+    polled: Option<HashMap<String, u64>>,
     /// Allocations that Nomad may delete while their tasks may still run
     /// ([`Allocation::may_vanish_while_live`]): verified every `verify_interval`.
     verifying: BTreeSet<String>,
@@ -308,6 +313,12 @@ impl Watcher {
             .iter()
             .map(|a| (a.id.clone(), a.alloc_modify_index))
             .collect();
+        self.polled = Some(
+            allocs
+                .iter()
+                .map(|a| (a.id.clone(), a.modify_index))
+                .collect(),
+        );
         self.verifying = allocs
             .iter()
             .filter(|a| a.may_vanish_while_live())
@@ -316,7 +327,49 @@ impl Watcher {
         self.emit(WatchEvent::Relisted { allocs, index }).await
     }
 
+    /// A poll answer after a full list: only what changed is sent, as the event stream
+    /// sends it (an allocation new or with a new ModifyIndex as an upsert, one missing as
+    /// removed), so the agent plans only the volumes those allocations touch instead of
+    /// every volume per answer (issue 10). An index that went backwards (a restore) is
+    /// sent whole. Returns false when the receiver is gone.
+    async fn poll_changes(&mut self, allocs: Vec<Allocation>, index: u64) -> bool {
+        let Some(before) = self.polled.take() else {
+            return self.relisted(allocs, index).await;
+        };
+        if index < self.last_index {
+            return self.relisted(allocs, index).await;
+        }
+        self.counters.relists += 1;
+        self.last_list = Instant::now();
+        self.last_index = index;
+        let mut now: HashMap<String, u64> = HashMap::with_capacity(allocs.len());
+        let mut events = Vec::new();
+        self.verifying.clear();
+        for a in allocs {
+            now.insert(a.id.clone(), a.modify_index);
+            self.known.insert(a.id.clone(), a.alloc_modify_index);
+            if a.may_vanish_while_live() {
+                self.verifying.insert(a.id.clone());
+            }
+            if before.get(&a.id) != Some(&a.modify_index) {
+                events.push(WatchEvent::Upsert(Box::new(a)));
+            }
+        }
+        for id in before.keys().filter(|id| !now.contains_key(*id)) {
+            self.known.remove(id);
+            events.push(WatchEvent::Removed(id.clone()));
+        }
+        self.polled = Some(now);
+        for ev in events {
+            if !self.emit(ev).await {
+                return false;
+            }
+        }
+        true
+    }
+
     fn backoff(&mut self, attempt: u32, fault: Fault, reason: String) -> State {
+        self.polled = None;
         if fault == Fault::AuthFailed {
             self.counters.auth_failures += 1;
         }
@@ -464,7 +517,7 @@ impl Watcher {
                     }
                     Ok(Ok(list)) => {
                         let new = list.index;
-                        if !self.relisted(list.value, new).await {
+                        if !self.poll_changes(list.value, new).await {
                             return State::Stopped;
                         }
                         if new <= index {
@@ -1178,5 +1231,68 @@ mod tests {
             }
             task.abort();
         }
+    }
+
+    /// The watcher's next event other than a health report.
+    async fn next_change(rx: &mut mpsc::Receiver<WatchEvent>) -> WatchEvent {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .expect("no event from the watcher")
+                .expect("the watcher stopped")
+            {
+                WatchEvent::Health(_) => {}
+                ev => return ev,
+            }
+        }
+    }
+
+    /// Issue 10: in poll mode each answer of the blocking query is the node's whole list;
+    /// after the first list the watcher sends only what changed (as the stream does), so
+    /// the agent plans only the touched volumes instead of every volume per answer. Against
+    /// the simulator's node list (`Node.GetAllocs` semantics).
+    #[tokio::test]
+    async fn poll_answers_after_the_first_list_are_sent_as_changes() {
+        use nomad_sim::replay::Replay;
+        let node = "0b0b0b0b-0000-4000-8000-000000000001";
+        let fake = Replay::start(node, serde_json::json!({"keys": []})).await;
+        let alloc = |id: &str, status: &str, index: u64| -> serde_json::Value {
+            serde_json::from_str(&slow_nomad::alloc(id, node, status, index, true)).unwrap()
+        };
+        fake.put_alloc(alloc("a1", "running", 10));
+        fake.put_alloc(alloc("a2", "running", 11));
+        let mut cfg = WatchConfig::new(node);
+        cfg.mode = WatchMode::Poll;
+        let (tx, mut rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&fake.addr), cfg, tx));
+        match next_change(&mut rx).await {
+            WatchEvent::Relisted { allocs, .. } => assert_eq!(allocs.len(), 2),
+            ev => panic!("expected the first list whole, got {ev:?}"),
+        }
+        fake.put_alloc(alloc("a1", "complete", 20));
+        match next_change(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(
+                (a.id.as_str(), a.client_status.as_str()),
+                ("a1", "complete")
+            ),
+            ev => panic!("expected only the changed allocation, got {ev:?}"),
+        }
+        fake.put_alloc(alloc("a3", "pending", 21));
+        match next_change(&mut rx).await {
+            WatchEvent::Upsert(a) => assert_eq!(a.id, "a3"),
+            ev => panic!("expected the new allocation alone, got {ev:?}"),
+        }
+        // A garbage collection does not wake the query; the next change's answer shows it.
+        fake.delete_alloc("a2");
+        fake.put_alloc(alloc("a3", "running", 30));
+        let mut got = vec![next_change(&mut rx).await, next_change(&mut rx).await];
+        got.sort_by_key(|e| matches!(e, WatchEvent::Removed(_)));
+        match &got[..] {
+            [WatchEvent::Upsert(a), WatchEvent::Removed(id)] => {
+                assert_eq!((a.id.as_str(), id.as_str()), ("a3", "a2"));
+            }
+            ev => panic!("expected a3 changed and a2 removed, got {ev:?}"),
+        }
+        task.abort();
     }
 }
