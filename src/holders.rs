@@ -394,6 +394,9 @@ pub fn scan_many(
     let any: BTreeSet<u32> = volume_mounts.iter().flatten().copied().collect();
     let devs: BTreeSet<DeviceId> = wanted.iter().map(|(v, _)| v.dev).collect();
     for pid in procs {
+        if is_kernel_thread(pid) {
+            continue;
+        }
         let mut holds: Vec<(u32, Hold)> = Vec::new();
         let mut unread = Vec::new();
         for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
@@ -457,6 +460,23 @@ pub fn scan_many(
         usage.holders.dedup();
     }
     Ok(usages)
+}
+
+/// `PF_KTHREAD` in the process flags (proc(5) `stat` field 9): a kernel thread has no
+/// descriptors, mappings or working directory of its own to hold a volume with, and on a
+/// typical node most entries of `/proc` are kernel threads. A `stat` that cannot be read
+/// or parsed is not taken as a kernel thread (the process is checked).
+fn is_kernel_thread(pid: u32) -> bool {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The command name (field 2) may hold spaces and parentheses: fields 3.. follow the
+    // last ')'.
+    stat.rsplit_once(") ")
+        .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+        .and_then(|f| f.parse::<u64>().ok())
+        .is_some_and(|flags| flags & PF_KTHREAD != 0)
 }
 
 /// `/proc/<pid>/comm`, read only for a process that is reported ("?" once it is gone).
@@ -599,6 +619,20 @@ mod tests {
     use super::*;
     use crate::mounts::scratch::Scratch;
     use std::process::{Child, Command, Stdio};
+
+    #[test]
+    fn kernel_threads_are_told_from_processes() {
+        // kthreadd (pid 2) is a kernel thread on every Linux; this process is not.
+        assert!(
+            is_kernel_thread(2),
+            "pid 2 (kthreadd) must read as a kernel thread: the tests run in the host's pid namespace, as the agent does"
+        );
+        assert!(!is_kernel_thread(std::process::id()));
+        assert!(
+            !is_kernel_thread(u32::MAX),
+            "an unreadable stat is checked, not skipped"
+        );
+    }
 
     /// A child process killed (and reaped) on drop, even when the test fails.
     struct Proc(Child);

@@ -1285,7 +1285,7 @@ mod tests {
         // A garbage collection does not wake the query; the next change's answer shows it.
         fake.delete_alloc("a2");
         fake.put_alloc(alloc("a3", "running", 30));
-        let mut got = vec![next_change(&mut rx).await, next_change(&mut rx).await];
+        let mut got = [next_change(&mut rx).await, next_change(&mut rx).await];
         got.sort_by_key(|e| matches!(e, WatchEvent::Removed(_)));
         match &got[..] {
             [WatchEvent::Upsert(a), WatchEvent::Removed(id)] => {
