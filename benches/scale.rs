@@ -21,7 +21,9 @@
 //! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all);
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
 //! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
-//! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it).
+//! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it);
+//! `BENCH_TRACE` (print each burst's calls as start/duration/concurrency, and the release
+//! part's slot turnaround).
 //! Needs root (mounts) and `strace` (scripts/install-deps).
 
 #[path = "../tests/support/inproc.rs"]
