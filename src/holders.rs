@@ -522,18 +522,24 @@ fn fdinfo_mount(path: &str) -> std::io::Result<Option<u32>> {
 }
 
 /// The mount a magic link (`/proc/<pid>/cwd`...) leads to: `statx(2)` with
-/// `STATX_MNT_ID` and `AT_STATX_DONT_SYNC` (one system call; the filesystem answers from
-/// its cache, so a dead NFS or FUSE server does not hang it), or on kernels before 5.8
-/// opened with `O_PATH` and read from our own fdinfo.
+/// `STATX_MNT_ID` and `AT_STATX_DONT_SYNC` (one system call; NFS, FUSE, CIFS and Ceph answer
+/// from their cache, so a dead server does not hang it); when that fails (kernels before
+/// 5.8, a filesystem that refuses getattr) opened with `O_PATH` and read from our own
+/// fdinfo, which calls no filesystem.
 fn link_mount(link: &str) -> std::io::Result<Option<u32>> {
     use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
     match statx(CWD, link, AtFlags::STATX_DONT_SYNC, StatxFlags::MNT_ID) {
         Ok(st) if StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::MNT_ID) => {
             return Ok(u32::try_from(st.stx_mnt_id).ok());
         }
-        Ok(_) => {}
-        Err(e) if e == rustix::io::Errno::NOSYS => {}
-        Err(e) => return Err(e.into()),
+        // The process or mapping is gone.
+        Err(e) if e == rustix::io::Errno::NOENT || e == rustix::io::Errno::SRCH => {
+            return Err(e.into());
+        }
+        // statx calls the filesystem's getattr, which may refuse (EACCES from a FUSE mount
+        // without allow_other, EIO, an LSM): the mount is still found the way that calls no
+        // filesystem.
+        _ => {}
     }
     let f = std::fs::OpenOptions::new()
         .read(true)

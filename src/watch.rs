@@ -235,6 +235,7 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         tx,
         known: HashMap::new(),
         polled: None,
+        last_whole: Instant::now(),
         verifying: BTreeSet::new(),
         counters: Counters::default(),
         last_index: 0,
@@ -261,6 +262,8 @@ struct Watcher {
     /// was sent; the next answers are sent as their changes ([`Watcher::poll_changes`]).
     /// `None` after a fault: the next answer is sent whole.
     polled: Option<HashMap<String, u64>>,
+    /// When the last whole list was sent to the agent.
+    last_whole: Instant,
     /// Allocations that Nomad may delete while their tasks may still run
     /// ([`Allocation::may_vanish_while_live`]): verified every `verify_interval`.
     verifying: BTreeSet<String>,
@@ -309,6 +312,7 @@ impl Watcher {
             );
         }
         self.last_index = index;
+        self.last_whole = Instant::now();
         self.known = allocs
             .iter()
             .map(|a| (a.id.clone(), a.alloc_modify_index))
@@ -336,7 +340,14 @@ impl Watcher {
         let Some(before) = self.polled.take() else {
             return self.relisted(allocs, index).await;
         };
-        if index < self.last_index {
+        // Whole again: an index or a ModifyIndex that went backwards (a restore: the view
+        // takes an older state only from a whole list), and once per resync interval (the
+        // view's allocations that no answer lists age out, the agent plans every volume).
+        let backwards = index < self.last_index
+            || allocs
+                .iter()
+                .any(|a| before.get(&a.id).is_some_and(|m| a.modify_index < *m));
+        if backwards || self.last_whole.elapsed() >= self.cfg.resync_interval {
             return self.relisted(allocs, index).await;
         }
         self.counters.relists += 1;
@@ -1292,6 +1303,16 @@ mod tests {
                 assert_eq!((a.id.as_str(), id.as_str()), ("a3", "a2"));
             }
             ev => panic!("expected a3 changed and a2 removed, got {ev:?}"),
+        }
+        // A restored, older state of one allocation under a newer answer index: the view
+        // takes an older state only from a whole list, so the answer is sent whole.
+        fake.put_alloc(alloc("a3", "pending", 5));
+        fake.put_alloc(alloc("a1", "complete", 40));
+        match next_change(&mut rx).await {
+            WatchEvent::Relisted { allocs, index } => {
+                assert_eq!((allocs.len(), index), (2, 40));
+            }
+            ev => panic!("expected the whole list after a ModifyIndex went back, got {ev:?}"),
         }
         task.abort();
     }

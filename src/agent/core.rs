@@ -335,7 +335,10 @@ impl Core {
                 self.view.upsert(a);
                 self.check_gate(&id);
             }
-            WatchEvent::Removed(id) => self.view.remove_at(&id, self.now),
+            WatchEvent::Removed(id) => {
+                self.view.remove_at(&id, self.now);
+                self.ungated.remove(&id);
+            }
             WatchEvent::Health(h) => self.watch = h,
         }
     }
@@ -911,14 +914,16 @@ impl Core {
     fn check_target(&mut self, target: &std::path::Path, gone: Option<&VolumeKey>) {
         use crate::mounts::TargetState;
         self.plan_visits += 1;
+        // A volume whose record went (or moved away from `target`) is nobody's foreign
+        // mount any more.
+        if let Some(k) = gone {
+            if !self.journal.mounts().contains_key(k) {
+                self.clear_foreign(k);
+            }
+        }
         let Some(key) = self.journal.volume_at(target).cloned() else {
             // No record targets it (any more): it is nobody's "published".
             self.mounted.remove(target);
-            if let Some(k) = gone {
-                if !self.journal.mounts().contains_key(k) {
-                    self.clear_foreign(k);
-                }
-            }
             return;
         };
         let Some(m) = self.journal.mounts().get(&key) else {
