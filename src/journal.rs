@@ -110,6 +110,53 @@ struct OnDisk {
     users: Vec<UserKey>,
 }
 
+/// [`OnDisk`] borrowed from the store's copy of the records (the same JSON).
+#[derive(Serialize)]
+struct OnDiskRef<'a> {
+    version: u32,
+    node_id: &'a str,
+    mounts: Vec<&'a MountRecord>,
+    users: Vec<&'a UserKey>,
+}
+
+/// The records changed since the previous commit: the later state of each wins (`None`:
+/// the mount record was removed; `false`: the user record was removed).
+#[derive(Debug, Default)]
+struct Delta {
+    mounts: BTreeMap<VolumeKey, Option<MountRecord>>,
+    users: BTreeMap<UserKey, bool>,
+}
+
+/// The store's own copy of the records, kept current by the commits' deltas, so the loop
+/// hands over only what changed and the whole state is serialised off the loop.
+#[derive(Debug, Default)]
+struct Records {
+    mounts: BTreeMap<VolumeKey, MountRecord>,
+    users: BTreeSet<UserKey>,
+}
+
+impl Records {
+    fn apply(&mut self, d: &Delta) {
+        for (k, m) in &d.mounts {
+            match m {
+                Some(m) => {
+                    self.mounts.insert(k.clone(), m.clone());
+                }
+                None => {
+                    self.mounts.remove(k);
+                }
+            }
+        }
+        for (u, present) in &d.users {
+            if *present {
+                self.users.insert(u.clone());
+            } else {
+                self.users.remove(u);
+            }
+        }
+    }
+}
+
 /// What happened to a record, as written to `journal.log` (`event`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventKind {
@@ -148,12 +195,13 @@ pub struct Event {
     pub detail: serde_json::Value,
 }
 
-/// Every change since the previous commit: the whole state to write, and the history lines.
+/// Every change since the previous commit: the records that changed (O(changes), not
+/// O(records): the store keeps the whole state), and the history lines.
 #[derive(Debug)]
 pub struct Commit {
     /// Increasing per journal; [`Store::write`] reports which commit became durable.
     pub seq: u64,
-    snapshot: OnDisk,
+    delta: Delta,
     events: Vec<Event>,
 }
 
@@ -167,7 +215,8 @@ impl Commit {
     /// commits that queue while one is being written are written together.
     pub fn absorb(&mut self, later: Commit) {
         self.seq = later.seq;
-        self.snapshot = later.snapshot;
+        self.delta.mounts.extend(later.delta.mounts);
+        self.delta.users.extend(later.delta.users);
         self.events.extend(later.events);
     }
 }
@@ -186,6 +235,8 @@ pub struct Journal {
     /// The (target, volume) pairs whose mount record changed or went since the last
     /// [`Journal::take_touched`]: what the agent checks against the mount table again.
     touched: BTreeSet<(PathBuf, VolumeKey)>,
+    /// The records changed since the last [`Journal::take_commit`].
+    pending: Delta,
     events: Vec<Event>,
     dirty: bool,
     seq: u64,
@@ -208,6 +259,7 @@ impl Journal {
             users_by_volume: BTreeMap::new(),
             targets: BTreeMap::new(),
             touched: BTreeSet::new(),
+            pending: Delta::default(),
             events: Vec::new(),
             dirty: false,
             seq: 0,
@@ -260,6 +312,11 @@ impl Journal {
             .map(|u| &u.volume)
     }
 
+    /// The node these records are for.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
     /// The volume whose mount record targets `target`, if any.
     pub fn volume_at(&self, target: &Path) -> Option<&VolumeKey> {
         self.targets.get(target)
@@ -284,6 +341,7 @@ impl Journal {
         let key = rec.volume.clone();
         self.targets.insert(rec.target.clone(), key.clone());
         self.touched.insert((rec.target.clone(), key.clone()));
+        self.pending.mounts.insert(key.clone(), Some(rec.clone()));
         if let Some(old) = self.mounts.insert(key.clone(), rec) {
             if self.mounts[&key].target != old.target {
                 self.targets.remove(&old.target);
@@ -307,6 +365,7 @@ impl Journal {
         if let Some(old) = self.mounts.remove(key) {
             self.targets.remove(&old.target);
             self.touched.insert((old.target, key.clone()));
+            self.pending.mounts.insert(key.clone(), None);
             self.queue(kind, key, None, serde_json::Value::Null);
         }
         // Through the index: the volume's own users, not a pass over every user record.
@@ -328,6 +387,7 @@ impl Journal {
     pub fn change_users(&mut self, add: &[UserKey], remove: &[UserKey]) {
         for u in add {
             if self.users.insert(u.clone()) {
+                self.pending.users.insert(u.clone(), true);
                 self.index_user(u, true);
                 self.queue(
                     EventKind::UserAdded,
@@ -339,6 +399,7 @@ impl Journal {
         }
         for u in remove {
             if self.users.remove(u) {
+                self.pending.users.insert(u.clone(), false);
                 self.index_user(u, false);
                 self.queue(
                     EventKind::UserRemoved,
@@ -380,12 +441,7 @@ impl Journal {
         self.seq += 1;
         Some(Commit {
             seq: self.seq,
-            snapshot: OnDisk {
-                version: VERSION,
-                node_id: self.node_id.clone(),
-                mounts: self.mounts.values().cloned().collect(),
-                users: self.users.iter().cloned().collect(),
-            },
+            delta: std::mem::take(&mut self.pending),
             events: std::mem::take(&mut self.events),
         })
     }
@@ -400,6 +456,10 @@ impl Journal {
 #[derive(Debug, Clone)]
 pub struct Store {
     dir: PathBuf,
+    node_id: String,
+    /// The records as of the last commit handed to [`Store::write`] (the journal's, kept
+    /// by the commits' deltas): what each write serialises whole.
+    records: Arc<std::sync::Mutex<Records>>,
     syncs: Arc<AtomicU64>,
     commits: Arc<AtomicU64>,
 }
@@ -432,6 +492,8 @@ impl Store {
         }
         let store = Self {
             dir: dir.to_path_buf(),
+            node_id: node_id.to_string(),
+            records: Arc::default(),
             syncs: Arc::default(),
             commits: Arc::default(),
         };
@@ -458,6 +520,15 @@ impl Store {
                             disk.node_id
                         ),
                     });
+                }
+                {
+                    let mut r = store.records.lock().unwrap_or_else(|e| e.into_inner());
+                    r.mounts = disk
+                        .mounts
+                        .iter()
+                        .map(|m| (m.volume.clone(), m.clone()))
+                        .collect();
+                    r.users = disk.users.iter().cloned().collect();
                 }
                 j.load(disk.mounts, disk.users);
             }
@@ -492,8 +563,19 @@ impl Store {
             path: path.clone(),
             source,
         };
-        let bytes = serde_json::to_vec_pretty(&commit.snapshot)
-            .map_err(|e| werr(std::io::Error::other(e)))?;
+        // The commit's changes go into the store's copy first: a write that fails leaves
+        // the copy current, and the next commit writes it whole.
+        let bytes = {
+            let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+            r.apply(&commit.delta);
+            serde_json::to_vec_pretty(&OnDiskRef {
+                version: VERSION,
+                node_id: &self.node_id,
+                mounts: r.mounts.values().collect(),
+                users: r.users.iter().collect(),
+            })
+        }
+        .map_err(|e| werr(std::io::Error::other(e)))?;
         {
             let mut f = OpenOptions::new()
                 .write(true)
@@ -594,6 +676,48 @@ pub(crate) mod tests {
             EventKind::PublishIntent,
             Some("a1"),
         );
+    }
+
+    /// Issue 10: a commit carries what changed since the last one, not every record (its
+    /// building on the agent's loop was O(records) per plan); the store writes the whole
+    /// state from its own copy, also after a failed write, and folded commits keep the
+    /// later state.
+    #[test]
+    fn a_commit_carries_only_what_changed_and_the_file_holds_everything() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |i: usize| {
+            let mut m = rec(MountState::Published);
+            m.volume.name = format!("v{i:03}");
+            m.target = format!("/x/{i}").into();
+            m
+        };
+        {
+            let (store, mut j) = open(dir.path(), "node-1").unwrap();
+            for i in 0..100 {
+                j.set_mount(at(i), EventKind::PublishDone, None);
+            }
+            let c = j.take_commit().unwrap();
+            assert_eq!(c.delta.mounts.len(), 100);
+            store.write(&c).unwrap();
+            let mut m = at(7);
+            m.state = MountState::Unpublishing;
+            j.set_mount(m, EventKind::UnpublishIntent, None);
+            let c = j.take_commit().unwrap();
+            assert_eq!(c.delta.mounts.len(), 1, "one record changed, one carried");
+            store.write(&c).unwrap();
+            // Folded: the later state wins; removed then written again is present.
+            j.remove_mount(&at(8).volume, EventKind::UnpublishDone);
+            let mut first = j.take_commit().unwrap();
+            j.set_mount(at(8), EventKind::PublishDone, None);
+            j.remove_mount(&at(9).volume, EventKind::UnpublishDone);
+            first.absorb(j.take_commit().unwrap());
+            store.write(&first).unwrap();
+        }
+        let (_, back) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(back.mounts().len(), 99, "100 written, v009 removed");
+        assert_eq!(back.mounts()[&at(7).volume].state, MountState::Unpublishing);
+        assert!(back.mounts().contains_key(&at(8).volume));
+        assert!(!back.mounts().contains_key(&at(9).volume));
     }
 
     #[test]
