@@ -242,6 +242,22 @@ pub struct Journal {
     seq: u64,
 }
 
+/// The user records of `key` in a volume → allocations index
+/// ([`Journal::users_by_volume`]), in allocation order.
+pub fn users_of<'a>(
+    by_volume: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
+    key: &'a VolumeKey,
+) -> impl Iterator<Item = UserKey> + 'a {
+    by_volume
+        .get(key)
+        .into_iter()
+        .flatten()
+        .map(move |alloc_id| UserKey {
+            alloc_id: alloc_id.clone(),
+            volume: key.clone(),
+        })
+}
+
 fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -369,16 +385,7 @@ impl Journal {
             self.queue(kind, key, None, serde_json::Value::Null);
         }
         // Through the index: the volume's own users, not a pass over every user record.
-        let stale: Vec<UserKey> = self
-            .users_by_volume
-            .get(key)
-            .into_iter()
-            .flatten()
-            .map(|alloc_id| UserKey {
-                alloc_id: alloc_id.clone(),
-                volume: key.clone(),
-            })
-            .collect();
+        let stale: Vec<UserKey> = users_of(&self.users_by_volume, key).collect();
         self.change_users(&[], &stale);
     }
 

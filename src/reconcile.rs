@@ -172,16 +172,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         Scope::Volumes { dirty, users } => {
             let mut v: Vec<UserKey> = dirty
                 .iter()
-                .flat_map(|key| {
-                    users
-                        .get(key)
-                        .into_iter()
-                        .flatten()
-                        .map(|alloc_id| UserKey {
-                            alloc_id: alloc_id.clone(),
-                            volume: key.clone(),
-                        })
-                })
+                .flat_map(|key| crate::journal::users_of(users, key))
                 .collect();
             v.sort();
             v
