@@ -4,21 +4,25 @@
 //! Two halves: [`Journal`] is the records in memory, changed by the agent core without I/O;
 //! each change is queued, and [`Journal::take_commit`] gathers every change since the last
 //! one into one [`Commit`] (group commit: all intents of a planning pass in one durable
-//! write). [`Store`] makes a commit durable, on a blocking thread off the agent's loop; the
-//! plugin calls of a pass start only once their commit is durable. Outcome records
-//! (`publish-done`, ...) need no durable write of their own: they ride with the next commit,
-//! and a crash before it leaves the intent, which replay resolves by calling the idempotent
-//! operation again.
+//! write). [`Store`] writes a commit on a blocking thread off the agent's loop; the plugin
+//! calls of a pass start only once their commit is durable. Outcome records
+//! (`publish-done`, ...) need no sync of their own: they are appended unsynced and made
+//! durable by the next synced commit; a crash before it leaves the intent, which replay
+//! resolves by calling the idempotent operation again.
 //!
 //! Layout in the state directory:
-//! - `journal.json`: the current records, replaced atomically (temp file, fsync, rename,
-//!   fsync of the directory), versioned. It holds the state, not its history, so it does
-//!   not grow with history;
+//! - `journal.wal`: the changes since the snapshot, one line per commit
+//!   (`{"seq":7,"sync":true,"mounts":[[<key>,<record or null>]],"users":[[<user>,<bool>]]}`),
+//!   appended; a commit with intents or user records is synced with one `fdatasync`;
+//! - `journal.json`: the whole state as of a `seq` (version 2; version 1, without `seq`,
+//!   is read), replaced atomically (temp file, fsync, rename, fsync of the directory) when
+//!   the log has outgrown it (or 256 KiB) and after a failed write; the log is emptied
+//!   then, so neither file grows with history;
 //! - `journal.log`: the history, one JSON object per line, appended after each commit
 //!   without a sync of its own (it is for operators and tests, never read back), rotated at
 //!   16 MiB (`{"time":<unix s>,"unix_ms":<unix ms>,"event":"publish-done","volume":"ns/name",..}`).
 //!
-//! Secrets never enter either file.
+//! Secrets never enter any of them.
 
 use crate::volume::VolumeKey;
 use serde::{Deserialize, Serialize};
@@ -30,7 +34,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-const VERSION: u32 = 1;
+/// The version of `journal.json` written; version 1 (no `seq`, no `journal.wal`) is read.
+const VERSION: u32 = 2;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
 /// The state directory's mode: only root reads the journal (issue 13 §5).
 const DIR_MODE: u32 = 0o700;
@@ -106,6 +111,9 @@ pub struct UserKey {
 struct OnDisk {
     version: u32,
     node_id: String,
+    /// The last change line of `journal.wal` this snapshot holds (version 2).
+    #[serde(default)]
+    seq: u64,
     mounts: Vec<MountRecord>,
     users: Vec<UserKey>,
 }
@@ -115,6 +123,7 @@ struct OnDisk {
 struct OnDiskRef<'a> {
     version: u32,
     node_id: &'a str,
+    seq: u64,
     mounts: Vec<&'a MountRecord>,
     users: Vec<&'a UserKey>,
 }
@@ -203,6 +212,10 @@ pub struct Commit {
     pub seq: u64,
     delta: Delta,
     events: Vec<Event>,
+    /// Must be synced before it counts as written: it carries intents or user records.
+    /// A commit of outcomes only (`publish-done`, ...) is not: losing it to a crash leaves
+    /// the intent, which replay resolves by calling the idempotent operation again.
+    durable: bool,
 }
 
 impl Commit {
@@ -215,6 +228,7 @@ impl Commit {
     /// commits that queue while one is being written are written together.
     pub fn absorb(&mut self, later: Commit) {
         self.seq = later.seq;
+        self.durable |= later.durable;
         self.delta.mounts.extend(later.delta.mounts);
         self.delta.users.extend(later.delta.users);
         self.events.extend(later.events);
@@ -239,6 +253,8 @@ pub struct Journal {
     pending: Delta,
     events: Vec<Event>,
     dirty: bool,
+    /// The pending changes include intents or user records (see [`Commit`]).
+    durable: bool,
     seq: u64,
 }
 
@@ -278,6 +294,7 @@ impl Journal {
             pending: Delta::default(),
             events: Vec::new(),
             dirty: false,
+            durable: false,
             seq: 0,
         }
     }
@@ -364,6 +381,9 @@ impl Journal {
                 self.touched.insert((old.target, key.clone()));
             }
         }
+        if matches!(kind, EventKind::PublishIntent | EventKind::UnpublishIntent) {
+            self.durable = true;
+        }
         self.queue(kind, &key, alloc, detail);
     }
 
@@ -385,17 +405,27 @@ impl Journal {
             self.queue(kind, key, None, serde_json::Value::Null);
         }
         // Through the index: the volume's own users, not a pass over every user record.
+        // Part of the outcome: a crash that loses them loses the removal with them.
         let stale: Vec<UserKey> = users_of(&self.users_by_volume, key).collect();
-        self.change_users(&[], &stale);
+        self.edit_users(&[], &stale);
     }
 
     /// Adds and removes user records (one commit for a whole plan, however many
-    /// allocations start or stop at once).
+    /// allocations start or stop at once). The commit is synced.
     pub fn change_users(&mut self, add: &[UserKey], remove: &[UserKey]) {
+        if self.edit_users(add, remove) {
+            self.durable = true;
+        }
+    }
+
+    /// Adds and removes user records; true when one changed.
+    fn edit_users(&mut self, add: &[UserKey], remove: &[UserKey]) -> bool {
+        let mut changed = false;
         for u in add {
             if self.users.insert(u.clone()) {
                 self.pending.users.insert(u.clone(), true);
                 self.index_user(u, true);
+                changed = true;
                 self.queue(
                     EventKind::UserAdded,
                     &u.volume,
@@ -408,6 +438,7 @@ impl Journal {
             if self.users.remove(u) {
                 self.pending.users.insert(u.clone(), false);
                 self.index_user(u, false);
+                changed = true;
                 self.queue(
                     EventKind::UserRemoved,
                     &u.volume,
@@ -416,6 +447,7 @@ impl Journal {
                 );
             }
         }
+        changed
     }
 
     fn queue(
@@ -447,6 +479,7 @@ impl Journal {
         self.dirty = false;
         self.seq += 1;
         Some(Commit {
+            durable: std::mem::take(&mut self.durable),
             seq: self.seq,
             delta: std::mem::take(&mut self.pending),
             events: std::mem::take(&mut self.events),
@@ -464,16 +497,183 @@ impl Journal {
 pub struct Store {
     dir: PathBuf,
     node_id: String,
-    /// The records as of the last commit handed to [`Store::write`] (the journal's, kept
-    /// by the commits' deltas): what each write serialises whole.
-    records: Arc<std::sync::Mutex<Records>>,
+    /// The files' state and the store's copy of the records (the journal's, kept by the
+    /// commits' deltas): what a compaction serialises whole.
+    disk: Arc<std::sync::Mutex<Disk>>,
     syncs: Arc<AtomicU64>,
     commits: Arc<AtomicU64>,
 }
 
+/// What the store knows of its files. Guarded by one lock: writes are serial.
+#[derive(Debug, Default)]
+struct Disk {
+    records: Records,
+    /// The sequence number of the last change line (or of the snapshot, if none since).
+    seq: u64,
+    /// `journal.wal`, open for appending.
+    wal: Option<File>,
+    /// Bytes in `journal.wal` (all after the snapshot).
+    wal_bytes: u64,
+    /// Bytes of the last `journal.json` written.
+    snapshot_bytes: u64,
+    /// The next write replaces `journal.json` and empties `journal.wal`: set when a write
+    /// failed (a line may be torn, or missing), and when the log had a torn tail on open.
+    compact: bool,
+}
+
+/// One line of `journal.wal`: the records changed by one commit (the later state of each:
+/// `None` removes the mount record, `false` the user record).
+#[derive(Debug, Serialize, Deserialize)]
+struct WalLine {
+    seq: u64,
+    /// True when this line was synced (it carried intents): every byte before it is
+    /// durable too, so an unreadable line before it is corruption, not a torn tail.
+    #[serde(default)]
+    sync: bool,
+    #[serde(default)]
+    mounts: Vec<(VolumeKey, Option<MountRecord>)>,
+    #[serde(default)]
+    users: Vec<(UserKey, bool)>,
+}
+
+/// `journal.wal` is compacted into `journal.json` once it holds more than this many
+/// bytes, or more than the snapshot itself (amortised: O(1) serialised bytes per change).
+const COMPACT_MIN_BYTES: u64 = 256 << 10;
+
+/// The journal's current state as stored (`journal.json` with `journal.wal` applied), read
+/// without changing anything: for tests and operators' tools.
+#[derive(Debug, Serialize)]
+pub struct StoredState {
+    pub node_id: String,
+    pub mounts: Vec<MountRecord>,
+    pub users: Vec<UserKey>,
+}
+
+/// Reads the state stored in `dir` (`journal.json`, then the changes of `journal.wal`),
+/// changing nothing. Errors: [`JournalError::Read`] when a file cannot be read,
+/// [`JournalError::Corrupt`] as [`Store::open`] would refuse it.
+pub fn read_stored(dir: &Path) -> Result<StoredState, JournalError> {
+    let (disk, node_id) = load(dir)?;
+    Ok(StoredState {
+        node_id,
+        mounts: disk.records.mounts.into_values().collect(),
+        users: disk.records.users.into_iter().collect(),
+    })
+}
+
+/// The records in `dir` (`journal.json`, then `journal.wal`) with the node ID they were
+/// written for. No `journal.json`: [`JournalError::Read`] with `NotFound`.
+fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
+    let path = dir.join("journal.json");
+    let corrupt = |path: &Path, reason: String| JournalError::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut disk = Disk::default();
+    let node_id;
+    let wal_path = dir.join("journal.wal");
+    let wal = match fs::read(&wal_path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(source) => {
+            return Err(JournalError::Read {
+                path: wal_path,
+                source,
+            })
+        }
+    };
+    match fs::read(&path) {
+        Ok(bytes) => {
+            let d: OnDisk =
+                serde_json::from_slice(&bytes).map_err(|e| corrupt(&path, e.to_string()))?;
+            if d.version != VERSION && d.version != 1 {
+                return Err(corrupt(
+                    &path,
+                    format!("version {} (this build reads 1 and {VERSION})", d.version),
+                ));
+            }
+            node_id = d.node_id;
+            disk.seq = d.seq;
+            disk.snapshot_bytes = bytes.len() as u64;
+            disk.records.mounts = d
+                .mounts
+                .into_iter()
+                .map(|m| (m.volume.clone(), m))
+                .collect();
+            disk.records.users = d.users.into_iter().collect();
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if !wal.is_empty() {
+                return Err(corrupt(
+                    &wal_path,
+                    "it holds changes to a journal.json that is gone; move both aside together"
+                        .into(),
+                ));
+            }
+            return Err(JournalError::Read { path, source: e });
+        }
+        Err(source) => return Err(JournalError::Read { path, source }),
+    }
+    // The changes since the snapshot, in order. Lines after the last synced one may be
+    // torn or missing after a crash (they hold outcomes only, which replay recovers by
+    // calling the idempotent operation again): an unreadable line ends the log unless a
+    // synced line follows it.
+    let mut good = 0usize;
+    let mut torn: Option<(usize, String)> = None;
+    let mut at = 0usize;
+    for (no, raw) in wal.split_inclusive(|b| *b == b'\n').enumerate() {
+        at += raw.len();
+        let parsed = if raw.ends_with(b"\n") {
+            serde_json::from_slice::<WalLine>(raw).map_err(|e| e.to_string())
+        } else {
+            Err("no line end (torn write)".to_string())
+        };
+        match (parsed, &torn) {
+            (Ok(line), Some((bad, why))) => {
+                if line.sync {
+                    return Err(corrupt(
+                        &wal_path,
+                        format!(
+                            "line {} is unreadable ({why}) but a synced line follows it",
+                            bad + 1
+                        ),
+                    ));
+                }
+            }
+            (Ok(line), None) => {
+                if line.seq <= disk.seq {
+                    // Written before the snapshot that holds it (a compaction's truncate
+                    // did not reach the disk).
+                    good = at;
+                    continue;
+                }
+                if line.seq != disk.seq + 1 {
+                    return Err(corrupt(
+                        &wal_path,
+                        format!("line {} has seq {} after {}", no + 1, line.seq, disk.seq),
+                    ));
+                }
+                disk.seq = line.seq;
+                disk.records.apply(&Delta {
+                    mounts: line.mounts.into_iter().collect(),
+                    users: line.users.into_iter().collect(),
+                });
+                good = at;
+            }
+            (Err(why), None) => torn = Some((no, why)),
+            (Err(_), Some(_)) => {}
+        }
+    }
+    disk.wal_bytes = good as u64;
+    disk.compact = torn.is_some() || good < wal.len();
+    Ok((disk, node_id))
+}
+
 impl Store {
-    /// Opens (or creates) the journal in `dir` and loads its records. A corrupt file is an
-    /// error, never discarded.
+    /// Opens (or creates) the journal in `dir` and loads its records (`journal.json`, then
+    /// the changes in `journal.wal`). A corrupt file is an error, never discarded; a torn
+    /// last line of the log (a crash while it was appended, before its sync) is dropped
+    /// and the next write compacts.
     ///
     /// The directory is made mode 0700 and the journal's files 0600 (they name volumes,
     /// allocations and plugin errors; issue 13 §5), also when they exist already.
@@ -491,61 +691,56 @@ impl Store {
             source,
         })?;
         private(dir, DIR_MODE)?;
-        for name in ["journal.json", "journal.log", "journal.log.1"] {
+        for name in [
+            "journal.json",
+            "journal.wal",
+            "journal.log",
+            "journal.log.1",
+        ] {
             let path = dir.join(name);
             if path.exists() {
                 private(&path, FILE_MODE)?;
             }
         }
-        let store = Self {
-            dir: dir.to_path_buf(),
-            node_id: node_id.to_string(),
-            records: Arc::default(),
-            syncs: Arc::default(),
-            commits: Arc::default(),
-        };
         let path = dir.join("journal.json");
         let mut j = Journal::new(node_id);
-        match fs::read(&path) {
-            Ok(bytes) => {
-                let disk: OnDisk =
-                    serde_json::from_slice(&bytes).map_err(|e| JournalError::Corrupt {
-                        path: path.clone(),
-                        reason: e.to_string(),
-                    })?;
-                if disk.version != VERSION {
-                    return Err(JournalError::Corrupt {
-                        path,
-                        reason: format!("version {} (this build reads {VERSION})", disk.version),
-                    });
-                }
-                if !disk.node_id.is_empty() && disk.node_id != node_id {
+        let disk = match load(dir) {
+            Ok((disk, on_disk)) => {
+                if !on_disk.is_empty() && on_disk != node_id {
                     return Err(JournalError::Corrupt {
                         path,
                         reason: format!(
-                            "written for node {} but this agent runs on node {node_id}",
-                            disk.node_id
+                            "written for node {on_disk} but this agent runs on node {node_id}"
                         ),
                     });
                 }
-                {
-                    let mut r = store.records.lock().unwrap_or_else(|e| e.into_inner());
-                    r.mounts = disk
-                        .mounts
-                        .iter()
-                        .map(|m| (m.volume.clone(), m.clone()))
-                        .collect();
-                    r.users = disk.users.iter().cloned().collect();
-                }
-                j.load(disk.mounts, disk.users);
+                j.load(
+                    disk.records.mounts.values().cloned().collect(),
+                    disk.records.users.iter().cloned().collect(),
+                );
+                disk
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(JournalError::Read { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                // A new journal: the first write makes journal.json and journal.wal.
                 j.dirty = true;
-                if let Some(c) = j.take_commit() {
-                    store.write(&c)?;
+                Disk {
+                    compact: true,
+                    ..Disk::default()
                 }
             }
-            Err(source) => return Err(JournalError::Read { path, source }),
+            Err(e) => return Err(e),
+        };
+        let store = Self {
+            dir: dir.to_path_buf(),
+            node_id: node_id.to_string(),
+            disk: Arc::new(std::sync::Mutex::new(disk)),
+            syncs: Arc::default(),
+            commits: Arc::default(),
+        };
+        if let Some(c) = j.take_commit() {
+            store.write(&c)?;
         }
         Ok((store, j))
     }
@@ -560,28 +755,88 @@ impl Store {
         self.commits.load(Ordering::Relaxed)
     }
 
-    /// Makes `commit` durable: the state file is replaced atomically (one write, a sync of
-    /// the file and of the directory), then the history is appended without a sync.
-    /// Blocking: run it off the agent's loop.
+    /// Writes `commit`: one line of its changes appended to `journal.wal`, synced
+    /// (`fdatasync`) when the commit carries intents or user records; a commit of outcomes
+    /// only is appended without a sync. When the log has outgrown the snapshot (or a
+    /// write failed before), the whole state replaces `journal.json` instead (temp file,
+    /// fsync, rename, fsync of the directory) and the log is emptied. Then the history is
+    /// appended to `journal.log` without a sync. Blocking: run it off the agent's loop.
     pub fn write(&self, commit: &Commit) -> Result<(), JournalError> {
+        let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
+        // The commit's changes go into the store's copy first: a write that fails leaves
+        // the copy current, and the next write compacts it whole.
+        disk.records.apply(&commit.delta);
+        disk.seq += 1;
+        let result = if disk.compact
+            || disk.wal.is_none()
+            || disk.wal_bytes > COMPACT_MIN_BYTES.max(disk.snapshot_bytes)
+        {
+            self.compact(&mut disk)
+        } else {
+            self.append(&mut disk, commit)
+        };
+        if result.is_err() {
+            disk.compact = true;
+        }
+        drop(disk);
+        result?;
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.append_history(&commit.events)
+    }
+
+    /// Appends the commit's changes to `journal.wal`, synced if it must be durable.
+    fn append(&self, disk: &mut Disk, commit: &Commit) -> Result<(), JournalError> {
+        let path = self.dir.join("journal.wal");
+        let werr = |source| JournalError::Write {
+            path: path.clone(),
+            source,
+        };
+        let line = WalLine {
+            seq: disk.seq,
+            sync: commit.durable,
+            mounts: commit
+                .delta
+                .mounts
+                .iter()
+                .map(|(k, m)| (k.clone(), m.clone()))
+                .collect(),
+            users: commit
+                .delta
+                .users
+                .iter()
+                .map(|(u, p)| (u.clone(), *p))
+                .collect(),
+        };
+        let mut bytes = serde_json::to_vec(&line).map_err(|e| werr(std::io::Error::other(e)))?;
+        bytes.push(b'\n');
+        let f = disk
+            .wal
+            .as_mut()
+            .ok_or_else(|| werr(std::io::Error::other("journal.wal is not open")))?;
+        f.write_all(&bytes).map_err(werr)?;
+        if commit.durable {
+            f.sync_data().map_err(werr)?;
+            self.syncs.fetch_add(1, Ordering::Relaxed);
+        }
+        disk.wal_bytes += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Replaces `journal.json` with the whole state and empties `journal.wal`.
+    fn compact(&self, disk: &mut Disk) -> Result<(), JournalError> {
         let path = self.dir.join("journal.json");
         let tmp = self.dir.join("journal.json.tmp");
         let werr = |source| JournalError::Write {
             path: path.clone(),
             source,
         };
-        // The commit's changes go into the store's copy first: a write that fails leaves
-        // the copy current, and the next commit writes it whole.
-        let bytes = {
-            let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-            r.apply(&commit.delta);
-            serde_json::to_vec_pretty(&OnDiskRef {
-                version: VERSION,
-                node_id: &self.node_id,
-                mounts: r.mounts.values().collect(),
-                users: r.users.iter().collect(),
-            })
-        }
+        let bytes = serde_json::to_vec_pretty(&OnDiskRef {
+            version: VERSION,
+            node_id: &self.node_id,
+            seq: disk.seq,
+            mounts: disk.records.mounts.values().collect(),
+            users: disk.records.users.iter().collect(),
+        })
         .map_err(|e| werr(std::io::Error::other(e)))?;
         {
             let mut f = OpenOptions::new()
@@ -598,12 +853,32 @@ impl Store {
             f.sync_all().map_err(werr)?;
         }
         fs::rename(&tmp, &path).map_err(werr)?;
+        // The log's lines are all in the snapshot now (their seq is not above its seq, so
+        // a truncate that does not reach the disk leaves lines that load skips).
+        let wal_path = self.dir.join("journal.wal");
+        let wal = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(FILE_MODE)
+            .open(&wal_path)
+            .map_err(|source| JournalError::Write {
+                path: wal_path.clone(),
+                source,
+            })?;
+        wal.set_len(0).map_err(|source| JournalError::Write {
+            path: wal_path.clone(),
+            source,
+        })?;
+        // One directory sync makes the rename and a newly created log durable.
         File::open(&self.dir)
             .and_then(|d| d.sync_all())
             .map_err(werr)?;
         self.syncs.fetch_add(2, Ordering::Relaxed);
-        self.commits.fetch_add(1, Ordering::Relaxed);
-        self.append_history(&commit.events)
+        disk.wal = Some(wal);
+        disk.wal_bytes = 0;
+        disk.snapshot_bytes = bytes.len() as u64;
+        disk.compact = false;
+        Ok(())
     }
 
     fn append_history(&self, events: &[Event]) -> Result<(), JournalError> {
@@ -777,9 +1052,9 @@ pub(crate) mod tests {
         ));
     }
 
-    /// A whole plan's intents cost one durable write (two syncs: the file, then the
-    /// directory for the rename), however many volumes it touches; outcomes and the
-    /// history add none of their own.
+    /// A whole plan's intents cost one durable write (one line appended to the log and
+    /// one `fdatasync`), however many volumes it touches; outcomes and the history add
+    /// none of their own.
     #[test]
     fn a_plan_of_many_intents_is_one_durable_write() {
         let dir = tempfile::tempdir().unwrap();
@@ -799,9 +1074,25 @@ pub(crate) mod tests {
         j.change_users(&users, &[]);
         store.write(&j.take_commit().unwrap()).unwrap();
         assert_eq!(store.commits() - commits, 1);
-        assert_eq!(store.syncs() - syncs, 2);
+        assert_eq!(store.syncs() - syncs, 1);
+        // The outcomes of the whole plan: appended, not synced.
+        for i in 0..50 {
+            let mut r = rec(MountState::Published);
+            r.volume.name = format!("v{i}");
+            j.set_mount(r, EventKind::PublishDone, None);
+        }
+        j.remove_mount(&key(), EventKind::UnpublishDone);
+        store.write(&j.take_commit().unwrap()).unwrap();
+        assert_eq!(store.syncs() - syncs, 1, "outcomes are not synced");
+        let (_, back) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(back.mounts().len(), 50);
+        assert!(
+            back.users().is_empty(),
+            "removed with default/data's record"
+        );
         let log = fs::read_to_string(dir.path().join("journal.log")).unwrap();
-        assert_eq!(log.lines().count(), 100);
+        // 50 intents, 50 users, 50 outcomes, 50 users removed with default/data.
+        assert_eq!(log.lines().count(), 200);
     }
 
     /// Commits queued while one is written fold into one write of the latest state.
@@ -823,23 +1114,122 @@ pub(crate) mod tests {
         assert_eq!(j.mounts()[&key()].state, MountState::Published);
     }
 
-    /// The state file holds the state, not its history: it does not grow with churn.
+    /// The state files hold the state, not its history: the log is compacted into the
+    /// snapshot, so churn does not grow them, and the state survives every compaction.
     #[test]
-    fn the_state_file_does_not_grow_with_history() {
+    fn the_state_files_do_not_grow_with_history() {
         let dir = tempfile::tempdir().unwrap();
         let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        let mut sizes = Vec::new();
-        for round in 0..20 {
-            j.set_mount(rec(MountState::Publishing), EventKind::PublishIntent, None);
+        let size = |name: &str| fs::metadata(dir.path().join(name)).unwrap().len();
+        let mut keep = rec(MountState::Published);
+        keep.volume.name = "kept".into();
+        j.set_mount(keep.clone(), EventKind::PublishDone, None);
+        let mut most = 0;
+        for round in 0..3000 {
+            // Outcomes only, so no syncs: the churn of a long life, quickly.
             j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
             store.write(&j.take_commit().unwrap()).unwrap();
-            j.remove_mount(&key(), EventKind::UnpublishDone);
-            store.write(&j.take_commit().unwrap()).unwrap();
-            if round % 10 == 0 {
-                sizes.push(fs::metadata(dir.path().join("journal.json")).unwrap().len());
+            if round % 2 == 0 {
+                j.remove_mount(&key(), EventKind::UnpublishDone);
+                store.write(&j.take_commit().unwrap()).unwrap();
             }
+            most = most.max(size("journal.json") + size("journal.wal"));
         }
-        assert_eq!(sizes[0], sizes[1], "{sizes:?}");
+        assert!(
+            most < 2 * COMPACT_MIN_BYTES,
+            "{most} bytes: the log was not compacted"
+        );
+        assert!(store.syncs() > 0 && store.syncs() < 20, "{}", store.syncs());
+        let (_, back) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(back.mounts().len(), 2);
+        assert_eq!(back.mounts()[&keep.volume], {
+            let mut k = keep.clone();
+            k.since = back.mounts()[&keep.volume].since;
+            k
+        });
+    }
+
+    /// A crash while a line was appended leaves a torn last line: it is dropped (it held
+    /// changes that were never synced), the rest loads, and the next write compacts.
+    #[test]
+    fn a_torn_last_line_of_the_log_is_dropped_and_compacted_away() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (store, mut j) = open(dir.path(), "node-1").unwrap();
+            publish_intent(&mut j);
+            store.write(&j.take_commit().unwrap()).unwrap();
+        }
+        let wal = dir.path().join("journal.wal");
+        let whole = fs::read(&wal).unwrap();
+        assert!(!whole.is_empty(), "the intent is a line of the log");
+        let mut torn = whole.clone();
+        torn.extend_from_slice(br#"{"seq":3,"sync":false,"mounts":[[{"namespa"#);
+        fs::write(&wal, &torn).unwrap();
+        let (store, mut j) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(j.mounts()[&key()].state, MountState::Publishing);
+        assert_eq!(fs::read(&wal).unwrap(), torn, "open changes nothing");
+        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
+        store.write(&j.take_commit().unwrap()).unwrap();
+        assert_eq!(fs::metadata(&wal).unwrap().len(), 0, "compacted");
+        let (_, back) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(back.mounts()[&key()].state, MountState::Published);
+    }
+
+    /// An unreadable line before a synced one is not a torn tail (the sync made every byte
+    /// before it durable): the journal is refused and left as it is; so is a log whose
+    /// snapshot is gone, or one that skips a line.
+    #[test]
+    fn an_unreadable_line_before_a_synced_one_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (store, mut j) = open(dir.path(), "node-1").unwrap();
+            publish_intent(&mut j);
+            store.write(&j.take_commit().unwrap()).unwrap();
+            let mut other = rec(MountState::Publishing);
+            other.volume.name = "other".into();
+            j.set_mount(other, EventKind::PublishIntent, None);
+            store.write(&j.take_commit().unwrap()).unwrap();
+        }
+        let wal = dir.path().join("journal.wal");
+        let text = fs::read_to_string(&wal).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2);
+        let bad = format!("{{not json\n{}\n", lines[1]);
+        fs::write(&wal, &bad).unwrap();
+        let err = open(dir.path(), "node-1").unwrap_err();
+        assert!(matches!(err, JournalError::Corrupt { .. }), "{err}");
+        assert!(err.to_string().contains("synced line follows"), "{err}");
+        assert_eq!(fs::read_to_string(&wal).unwrap(), bad, "left untouched");
+        // A skipped line (seq 2 missing).
+        fs::write(&wal, format!("{}\n", lines[1])).unwrap();
+        let err = open(dir.path(), "node-1").unwrap_err();
+        assert!(err.to_string().contains("seq"), "{err}");
+        // The snapshot gone, the log not.
+        fs::write(&wal, &text).unwrap();
+        fs::remove_file(dir.path().join("journal.json")).unwrap();
+        let err = open(dir.path(), "node-1").unwrap_err();
+        assert!(err.to_string().contains("gone"), "{err}");
+    }
+
+    /// A version 1 journal (a state file and no log) loads, and is written as version 2.
+    #[test]
+    fn a_version_1_journal_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let v1 = serde_json::json!({
+            "version": 1, "node_id": "node-1",
+            "mounts": [rec(MountState::Published)],
+            "users": [UserKey { alloc_id: "a1".into(), volume: key() }],
+        });
+        fs::write(dir.path().join("journal.json"), v1.to_string()).unwrap();
+        let (store, mut j) = open(dir.path(), "node-1").unwrap();
+        assert_eq!(j.users().len(), 1);
+        j.remove_mount(&key(), EventKind::UnpublishDone);
+        store.write(&j.take_commit().unwrap()).unwrap();
+        let (_, back) = open(dir.path(), "node-1").unwrap();
+        assert!(back.mounts().is_empty() && back.users().is_empty());
+        let stored = read_stored(dir.path()).unwrap();
+        assert_eq!(stored.node_id, "node-1");
+        assert!(stored.mounts.is_empty());
     }
 
     #[test]
@@ -856,7 +1246,7 @@ pub(crate) mod tests {
         store.write(&j.take_commit().unwrap()).unwrap();
         let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&dir), 0o700, "state directory");
-        for name in ["journal.json", "journal.log"] {
+        for name in ["journal.json", "journal.wal", "journal.log"] {
             assert_eq!(mode(&dir.join(name)), 0o600, "{name}");
         }
     }

@@ -296,6 +296,7 @@ async fn secrets_never_reach_logs_journal_status_or_cli_output() {
     for n in &c.nodes {
         files.push(n.log.clone());
         files.push(n.state_dir.join("journal.json"));
+        files.push(n.state_dir.join("journal.wal"));
         files.push(n.state_dir.join("journal.log"));
     }
     // The prestart task's output: the daemon's API answers, errors included.

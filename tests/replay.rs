@@ -244,8 +244,7 @@ async fn restart_and_reconnect_converge_without_events() {
     // Published and recorded (the journal is written after the plugin returns).
     eventually(10, "publish from the first list", || {
         calls(&plugins).len() == 1
-            && std::fs::read_to_string(sb.join("state/journal.json"))
-                .is_ok_and(|j| j.contains(ALLOC))
+            && support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| j.contains(ALLOC))
     })
     .await;
     agent.stop().await;

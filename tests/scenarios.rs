@@ -123,8 +123,7 @@ async fn b10_restart_while_running_then_terminal_unpublishes_once() {
     let cfg = agent_config(&sb);
     let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "published and the user recorded", || {
-        std::fs::read_to_string(sb.join("state/journal.json"))
-            .is_ok_and(|j| j.contains(&alloc_id(1)))
+        support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| j.contains(&alloc_id(1)))
     })
     .await;
     agent.stop().await;
@@ -179,8 +178,7 @@ async fn b13_plugin_late_after_restart() {
     let cfg = agent_config(&sb);
     let agent = start_agent(&nomad, cfg.clone());
     eventually(10, "published and the user recorded", || {
-        std::fs::read_to_string(sb.join("state/journal.json"))
-            .is_ok_and(|j| j.contains(&alloc_id(1)))
+        support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| j.contains(&alloc_id(1)))
     })
     .await;
     agent.stop().await;
@@ -261,8 +259,7 @@ async fn b22_unpublish_retry_after_timeout_succeeds() {
     nomad.push(&frame(140, "AllocationUpdated", &done));
     eventually(20, "the retried unpublish", || {
         count(&plugins, "unpublish") == 2
-            && std::fs::read_to_string(sb.join("state/journal.json"))
-                .is_ok_and(|j| !j.contains("\"v1\""))
+            && support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| !j.contains("\"v1\""))
     })
     .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -295,7 +292,7 @@ async fn b23_simultaneous_publishes_never_overlap() {
         nomad.push(&frame(200 + n as u64, "PlanResult", &a));
     }
     eventually(15, "three users", || {
-        std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
+        support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| {
             serde_json::from_str::<Value>(&j).unwrap()["users"]
                 .as_array()
                 .unwrap()
@@ -409,7 +406,7 @@ async fn b31_mass_teardown_finishes_fast_without_self_inflicted_backoff() {
     let cfg = agent_config(&sb);
     let agent = start_agent(&nomad, cfg.clone());
     eventually(60, "400 users", || {
-        std::fs::read_to_string(sb.join("state/journal.json"))
+        support::inproc::journal_text(&sb.join("state"))
             .ok()
             .and_then(|j| serde_json::from_str::<Value>(&j).ok())
             .is_some_and(|j| j["users"].as_array().unwrap().len() == 400)
@@ -471,8 +468,7 @@ async fn row13_stuck_or_broken_volumes_never_block_others() {
         nomad.push(&frame(300 + n as u64, "PlanResult", &a));
     }
     eventually(5, "v-ok published while v-hang hangs", || {
-        std::fs::read_to_string(sb.join("state/journal.json"))
-            .is_ok_and(|j| j.contains(&alloc_id(3)))
+        support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| j.contains(&alloc_id(3)))
     })
     .await;
     assert!(
@@ -502,7 +498,7 @@ async fn row13_stuck_or_broken_volumes_never_block_others() {
     // The plugin is fixed: the retries (with backoff) publish both.
     std::fs::write(&fixed, "").unwrap();
     eventually(30, "both published after the fix", || {
-        std::fs::read_to_string(sb.join("state/journal.json"))
+        support::inproc::journal_text(&sb.join("state"))
             .is_ok_and(|j| j.contains(&alloc_id(1)) && j.contains(&alloc_id(2)))
     })
     .await;
@@ -598,7 +594,7 @@ async fn killed_between_the_batch_commit_and_its_plugin_calls() {
             .count()
     };
     eventually(20, "every intent committed, one call started", || {
-        std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
+        support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| {
             serde_json::from_str::<Value>(&j).unwrap()["mounts"]
                 .as_array()
                 .unwrap()
@@ -616,7 +612,7 @@ async fn killed_between_the_batch_commit_and_its_plugin_calls() {
     cfg.max_parallel = 8;
     let agent = start_agent(&nomad, cfg.clone());
     eventually(20, "every volume of the batch published", || {
-        std::fs::read_to_string(sb.join("state/journal.json")).is_ok_and(|j| {
+        support::inproc::journal_text(&sb.join("state")).is_ok_and(|j| {
             let j: Value = serde_json::from_str(&j).unwrap();
             j["mounts"]
                 .as_array()

@@ -146,3 +146,11 @@ pub fn frame(index: u64, event_type: &str, alloc: &Value) -> String {
         "Payload": {"Allocation": payload}}]})
     .to_string()
 }
+
+/// The agent's journal as stored in `state` (`journal.json` with the changes of
+/// `journal.wal` applied), as JSON text (`{"node_id":..,"mounts":[..],"users":[..]}`), for
+/// tests that wait for a record to be written.
+pub fn journal_text(state: &std::path::Path) -> Result<String, dhv_binder::journal::JournalError> {
+    dhv_binder::journal::read_stored(state)
+        .map(|s| serde_json::to_string(&s).expect("the state serialises"))
+}
