@@ -13,7 +13,8 @@
 //! Layout in the state directory:
 //! - `journal.wal`: the changes since the snapshot, one line per commit
 //!   (`{"seq":7,"sync":true,"mounts":[[<key>,<record or null>]],"users":[[<user>,<bool>]]}`),
-//!   appended; a commit with intents or user records is synced with one `fdatasync`;
+//!   appended; a commit with intents is synced with one `fdatasync`, others are not (what
+//!   unsynced bytes can lose is lost only with the machine: see [`Commit`]);
 //! - `journal.json`: the whole state as of a `seq` (version 2; version 1, without `seq`,
 //!   is read), replaced atomically (temp file, fsync, rename, fsync of the directory) when
 //!   the log has outgrown it (or 256 KiB) and after a failed write; the log is emptied
@@ -212,9 +213,13 @@ pub struct Commit {
     pub seq: u64,
     delta: Delta,
     events: Vec<Event>,
-    /// Must be synced before it counts as written: it carries intents or user records.
-    /// A commit of outcomes only (`publish-done`, ...) is not: losing it to a crash leaves
-    /// the intent, which replay resolves by calling the idempotent operation again.
+    /// Must be synced before it counts as written: it carries intents. Nothing else is:
+    /// unsynced bytes are lost only when the machine goes down, which ends every task and
+    /// every mount of the node with it. What must outlive that is what a publish may have
+    /// started beyond the machine (a remote disk attached, a claim held), so that the
+    /// agent cleans it up: the intent. A lost outcome (`publish-done`, ...) leaves the
+    /// intent, which replay resolves by calling the idempotent operation again; a lost user
+    /// record names an allocation whose tasks died with the machine.
     durable: bool,
 }
 
@@ -253,7 +258,7 @@ pub struct Journal {
     pending: Delta,
     events: Vec<Event>,
     dirty: bool,
-    /// The pending changes include intents or user records (see [`Commit`]).
+    /// The pending changes include intents (see [`Commit`]).
     durable: bool,
     seq: u64,
 }
@@ -405,27 +410,18 @@ impl Journal {
             self.queue(kind, key, None, serde_json::Value::Null);
         }
         // Through the index: the volume's own users, not a pass over every user record.
-        // Part of the outcome: a crash that loses them loses the removal with them.
         let stale: Vec<UserKey> = users_of(&self.users_by_volume, key).collect();
-        self.edit_users(&[], &stale);
+        self.change_users(&[], &stale);
     }
 
     /// Adds and removes user records (one commit for a whole plan, however many
-    /// allocations start or stop at once). The commit is synced.
+    /// allocations start or stop at once). They need no sync of their own (see
+    /// [`Commit`]).
     pub fn change_users(&mut self, add: &[UserKey], remove: &[UserKey]) {
-        if self.edit_users(add, remove) {
-            self.durable = true;
-        }
-    }
-
-    /// Adds and removes user records; true when one changed.
-    fn edit_users(&mut self, add: &[UserKey], remove: &[UserKey]) -> bool {
-        let mut changed = false;
         for u in add {
             if self.users.insert(u.clone()) {
                 self.pending.users.insert(u.clone(), true);
                 self.index_user(u, true);
-                changed = true;
                 self.queue(
                     EventKind::UserAdded,
                     &u.volume,
@@ -438,7 +434,6 @@ impl Journal {
             if self.users.remove(u) {
                 self.pending.users.insert(u.clone(), false);
                 self.index_user(u, false);
-                changed = true;
                 self.queue(
                     EventKind::UserRemoved,
                     &u.volume,
@@ -447,7 +442,6 @@ impl Journal {
                 );
             }
         }
-        changed
     }
 
     fn queue(
@@ -756,8 +750,8 @@ impl Store {
     }
 
     /// Writes `commit`: one line of its changes appended to `journal.wal`, synced
-    /// (`fdatasync`) when the commit carries intents or user records; a commit of outcomes
-    /// only is appended without a sync. When the log has outgrown the snapshot (or a
+    /// (`fdatasync`) when the commit carries intents; any other commit is appended without
+    /// a sync (see [`Commit`]). When the log has outgrown the snapshot (or a
     /// write failed before), the whole state replaces `journal.json` instead (temp file,
     /// fsync, rename, fsync of the directory) and the log is emptied. Then the history is
     /// appended to `journal.log` without a sync. Blocking: run it off the agent's loop.
@@ -784,7 +778,7 @@ impl Store {
         self.append_history(&commit.events)
     }
 
-    /// Appends the commit's changes to `journal.wal`, synced if it must be durable.
+    /// Appends the commit's changes to `journal.wal`, synced if it carries intents.
     fn append(&self, disk: &mut Disk, commit: &Commit) -> Result<(), JournalError> {
         let path = self.dir.join("journal.wal");
         let werr = |source| JournalError::Write {
