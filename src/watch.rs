@@ -15,7 +15,7 @@
 //! full list (nomad-facts.md §1), and the view is swapped whole ([`WatchEvent::Relisted`]).
 
 use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
-use crate::nomad::types::Allocation;
+use crate::nomad::types::{Allocation, ListedAlloc};
 use crate::nomad::{Client, NomadError};
 use crate::retry::backoff_delay;
 use futures_util::future::BoxFuture;
@@ -78,6 +78,15 @@ impl Fault {
             NomadError::Decode { .. } => Fault::BadAnswer,
             _ => Fault::ServerError,
         }
+    }
+}
+
+/// A poll answer with an allocation that does not decode: refused whole, as a list that
+/// does not decode.
+fn bad_list(source: serde_json::Error) -> NomadError {
+    NomadError::Decode {
+        what: "list the node's allocations (GET /v1/node/:id/allocations)".to_string(),
+        source,
     }
 }
 
@@ -331,52 +340,75 @@ impl Watcher {
         self.emit(WatchEvent::Relisted { allocs, index }).await
     }
 
-    /// A poll answer after a full list: only what changed is sent, as the event stream
-    /// sends it (an allocation new or with a new ModifyIndex as an upsert, one missing as
-    /// removed), so the agent plans only the volumes those allocations touch instead of
-    /// every volume per answer (issue 10). An index that went backwards (a restore) is
-    /// sent whole. Returns false when the receiver is gone.
-    async fn poll_changes(&mut self, allocs: Vec<Allocation>, index: u64) -> bool {
-        let Some(before) = self.polled.take() else {
-            return self.relisted(allocs, index).await;
+    /// A poll answer. The first after a full list or a fault is decoded and sent whole;
+    /// after that only what changed is decoded and sent, as the event stream sends it (an
+    /// allocation new or with a new ModifyIndex as an upsert, one missing as removed), so
+    /// the watcher decodes and the agent plans only the allocations that changed instead
+    /// of every allocation of the node per answer (issue 10). An index or a ModifyIndex
+    /// that went backwards (a restore: the view takes an older state only from a whole
+    /// list) is sent whole, and so is one answer per resync interval (the view's
+    /// allocations that no answer lists age out, the agent plans every volume). Returns
+    /// false when the receiver is gone; an allocation that does not decode is an error
+    /// (the whole answer is refused, as a list that does not decode).
+    async fn poll_changes(
+        &mut self,
+        listed: Vec<ListedAlloc>,
+        index: u64,
+    ) -> Result<bool, NomadError> {
+        let whole = match &self.polled {
+            None => true,
+            Some(before) => {
+                index < self.last_index
+                    || listed
+                        .iter()
+                        .any(|a| before.get(&a.id).is_some_and(|m| a.modify_index < *m))
+                    || self.last_whole.elapsed() >= self.cfg.resync_interval
+            }
         };
-        // Whole again: an index or a ModifyIndex that went backwards (a restore: the view
-        // takes an older state only from a whole list), and once per resync interval (the
-        // view's allocations that no answer lists age out, the agent plans every volume).
-        let backwards = index < self.last_index
-            || allocs
+        if whole {
+            self.polled = None;
+            let allocs = listed
                 .iter()
-                .any(|a| before.get(&a.id).is_some_and(|m| a.modify_index < *m));
-        if backwards || self.last_whole.elapsed() >= self.cfg.resync_interval {
-            return self.relisted(allocs, index).await;
+                .map(ListedAlloc::decode)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(bad_list)?;
+            return Ok(self.relisted(allocs, index).await);
         }
+        let before = self.polled.take().unwrap_or_default();
         self.counters.relists += 1;
         self.last_list = Instant::now();
         self.last_index = index;
-        let mut now: HashMap<String, u64> = HashMap::with_capacity(allocs.len());
+        let mut now: HashMap<String, u64> = HashMap::with_capacity(listed.len());
         let mut events = Vec::new();
-        self.verifying.clear();
-        for a in allocs {
+        for l in listed {
+            if before.get(&l.id) == Some(&l.modify_index) {
+                // Unchanged: what was learnt of it (its Job, whether it needs verifying)
+                // stands, as every change of those raises its ModifyIndex.
+                now.insert(l.id, l.modify_index);
+                continue;
+            }
+            let a = l.decode().map_err(bad_list)?;
             now.insert(a.id.clone(), a.modify_index);
             self.known.insert(a.id.clone(), a.alloc_modify_index);
             if a.may_vanish_while_live() {
                 self.verifying.insert(a.id.clone());
+            } else {
+                self.verifying.remove(&a.id);
             }
-            if before.get(&a.id) != Some(&a.modify_index) {
-                events.push(WatchEvent::Upsert(Box::new(a)));
-            }
+            events.push(WatchEvent::Upsert(Box::new(a)));
         }
         for id in before.keys().filter(|id| !now.contains_key(*id)) {
             self.known.remove(id);
+            self.verifying.remove(id);
             events.push(WatchEvent::Removed(id.clone()));
         }
         self.polled = Some(now);
         for ev in events {
             if !self.emit(ev).await {
-                return false;
+                return Ok(false);
             }
         }
-        true
+        Ok(true)
     }
 
     fn backoff(&mut self, attempt: u32, fault: Fault, reason: String) -> State {
@@ -506,9 +538,9 @@ impl Watcher {
                 // wait is the verifying read.
                 let wait = self.cfg.poll_wait(!self.verifying.is_empty());
                 let deadline = wait + wait / 16 + self.cfg.idle_timeout;
-                let query = self
-                    .client
-                    .node_allocations(&self.cfg.node_id, index.max(1), wait);
+                let query =
+                    self.client
+                        .node_allocations_listed(&self.cfg.node_id, index.max(1), wait);
                 let asked = tokio::time::Instant::now();
                 match tokio::time::timeout(deadline, query).await {
                     Err(_) => {
@@ -528,8 +560,13 @@ impl Watcher {
                     }
                     Ok(Ok(list)) => {
                         let new = list.index;
-                        if !self.poll_changes(list.value, new).await {
-                            return State::Stopped;
+                        match self.poll_changes(list.value, new).await {
+                            Ok(true) => {}
+                            Ok(false) => return State::Stopped,
+                            Err(e) => {
+                                let attempt = self.healthy_reset(attempt, since);
+                                return self.backoff(attempt, Fault::of(&e), e.to_string());
+                            }
                         }
                         if new <= index {
                             // Answered without a newer index: not a real wake-up.

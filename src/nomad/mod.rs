@@ -420,6 +420,26 @@ impl Client {
         index: u64,
         wait: Duration,
     ) -> Result<Indexed<Vec<Allocation>>, NomadError> {
+        self.list_node_allocations(node_id, index, wait).await
+    }
+
+    /// [`Client::node_allocations`], each allocation decoded only as far as its ID and
+    /// ModifyIndex ([`ListedAlloc`]): for answers of which only the changes are decoded.
+    pub async fn node_allocations_listed(
+        &self,
+        node_id: &str,
+        index: u64,
+        wait: Duration,
+    ) -> Result<Indexed<Vec<ListedAlloc>>, NomadError> {
+        self.list_node_allocations(node_id, index, wait).await
+    }
+
+    async fn list_node_allocations<T: DeserializeOwned>(
+        &self,
+        node_id: &str,
+        index: u64,
+        wait: Duration,
+    ) -> Result<Indexed<Vec<T>>, NomadError> {
         let mut q = vec![];
         if index > 0 {
             q.push(("index", index.to_string()));

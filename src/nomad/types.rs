@@ -59,6 +59,46 @@ pub struct Allocation {
     pub alloc_modify_index: u64,
 }
 
+/// One allocation of a node's list (`GET /v1/node/:id/allocations`), decoded only as far
+/// as its `ID` and `ModifyIndex`: a poll answer lists every allocation of the node with
+/// its Job, and most are unchanged since the last answer, so only the changed ones are
+/// decoded whole ([`ListedAlloc::decode`]). The rest of the JSON is kept as it came.
+#[derive(Debug)]
+pub struct ListedAlloc {
+    /// `ID`.
+    pub id: String,
+    /// `ModifyIndex`: raised by every change of the allocation (client or server side).
+    pub modify_index: u64,
+    raw: Box<serde_json::value::RawValue>,
+}
+
+impl ListedAlloc {
+    /// The whole allocation. Errors: the JSON is not an allocation.
+    pub fn decode(&self) -> Result<Allocation, serde_json::Error> {
+        serde_json::from_str(self.raw.get())
+    }
+}
+
+impl<'de> Deserialize<'de> for ListedAlloc {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        /// What a listed allocation is first read for (other keys are skipped).
+        #[derive(Deserialize)]
+        struct Peek {
+            #[serde(rename = "ID", default, deserialize_with = "null_default")]
+            id: String,
+            #[serde(rename = "ModifyIndex", default, deserialize_with = "null_default")]
+            modify_index: u64,
+        }
+        let raw = Box::<serde_json::value::RawValue>::deserialize(d)?;
+        let peek: Peek = serde_json::from_str(raw.get()).map_err(serde::de::Error::custom)?;
+        Ok(Self {
+            id: peek.id,
+            modify_index: peek.modify_index,
+            raw,
+        })
+    }
+}
+
 impl Allocation {
     /// True once the client reports the tasks dead (`complete`, `failed` or `lost`).
     pub fn is_client_terminal(&self) -> bool {
@@ -413,6 +453,33 @@ impl AgentSelf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listed allocation is read for its ID and ModifyIndex only; the rest decodes on
+    /// demand, and a part that does not decode fails only then.
+    #[test]
+    fn a_listed_allocation_is_decoded_whole_only_on_demand() {
+        let body = serde_json::json!([
+            {"ID": "a", "ModifyIndex": 7, "ClientStatus": "running", "TaskStates": null},
+            {"ID": "b", "ModifyIndex": null, "TaskStates": 5},
+            {"ModifyIndex": 3},
+        ])
+        .to_string();
+        let listed: Vec<ListedAlloc> = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            listed
+                .iter()
+                .map(|l| (l.id.as_str(), l.modify_index))
+                .collect::<Vec<_>>(),
+            vec![("a", 7), ("b", 0), ("", 3)]
+        );
+        let a = listed[0].decode().unwrap();
+        assert_eq!((a.id.as_str(), a.modify_index), ("a", 7));
+        assert_eq!(a.client_status, "running");
+        assert!(listed[1].decode().is_err(), "TaskStates: 5 is no map");
+        // Not a list of objects: refused as a whole.
+        assert!(serde_json::from_str::<Vec<ListedAlloc>>(r#"[{"ID": 5}]"#).is_err());
+        assert!(serde_json::from_str::<Vec<ListedAlloc>>("[1]").is_err());
+    }
 
     fn alloc(desired: &str, client: &str, states: &[(&str, &str)]) -> Allocation {
         let states: serde_json::Map<String, serde_json::Value> = states
