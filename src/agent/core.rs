@@ -427,13 +427,23 @@ impl Core {
             }
             _ => {}
         }
-        if matches!(
-            done,
-            Completion::Unpublished { .. }
-                | Completion::PlaceholdersListed(_)
-                | Completion::Placeholder { .. }
-                | Completion::Worker { .. }
-        ) {
+        // Chores (placeholders, creates and deletes) are a pass over every volume: due on
+        // what can change them, not on every unpublish of a wave (that made a wave of N
+        // unpublishes O(N²)). An unpublish matters to them only when its volume is no
+        // longer ready (a delete waits for it); the tick runs them anyway.
+        let unpublished_chore = matches!(
+            &done,
+            Completion::Unpublished { volume, .. }
+                if !self.volumes.get(volume).is_some_and(|r| r.state == VolumeState::Ready)
+        );
+        if unpublished_chore
+            || matches!(
+                done,
+                Completion::PlaceholdersListed(_)
+                    | Completion::Placeholder { .. }
+                    | Completion::Worker { .. }
+            )
+        {
             self.chores_due = true;
         }
         match done {
@@ -747,9 +757,12 @@ impl Core {
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
                 .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
                 .collect();
+            // A pass over every volume: counted with the planning work.
+            self.plan_visits += self.volumes.len() as u64;
             out.extend(self.placeholders.drive(&want, &self.retries, now));
         }
         if chores && self.plugins_loaded {
+            self.plan_visits += self.volumes.len() as u64;
             let pool = &self.s.node.node_pool;
             let me = self.s.node.node_id.as_str();
             let served = self
@@ -2145,6 +2158,70 @@ mod tests {
             w200,
             4 * w50,
             "planning work is not linear: {w50} for 50, {w200} for 200"
+        );
+    }
+
+    /// The planning work (visits of records, counted by the core) of stopping `n`
+    /// allocations one at a time after [`burst_planning_work`] published their volumes:
+    /// each stop plans an unpublish, each unpublish completes.
+    fn wave_planning_work(n: usize) -> u64 {
+        let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+        let vols: Vec<(&str, &str)> = names
+            .iter()
+            .map(|n| (n.as_str(), "multi-node-multi-writer"))
+            .collect();
+        let mut h = H::new(&vols, vec![]);
+        let points: Vec<PathBuf> = names.iter().map(|n| target(n)).collect();
+        for (i, name) in names.iter().enumerate() {
+            let mut a = alloc(&format!("a{i:04}"), &[name], "running", "run");
+            a.modify_index = 10 + i as u64;
+            let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+            h.committed(&e);
+            h.feed(Input::MountTable(MountTable::from_points(
+                points[..=i].iter().cloned(),
+            )));
+            let e = h.feed(Input::Done(Completion::Published {
+                volume: key(name),
+                result: Ok(mounted_at(name)),
+                elapsed: Duration::from_millis(1),
+            }));
+            h.committed(&e);
+        }
+        let before = h.core.plan_visits();
+        for (i, name) in names.iter().enumerate().rev() {
+            let mut a = alloc(&format!("a{i:04}"), &[name], "complete", "stop");
+            a.modify_index = 10_000 + i as u64;
+            let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+            assert_eq!(unpublishes(&e), 1, "{name}: {e:?}");
+            h.committed(&e);
+            // The last mounted first: `from_points` numbers mounts by position, and the
+            // mount IDs of the others must not change (they do not in a real table).
+            h.feed(Input::MountTable(MountTable::from_points(
+                points[..i].iter().cloned(),
+            )));
+            let e = h.feed(Input::Done(Completion::Unpublished {
+                volume: key(name),
+                result: Ok(()),
+            }));
+            h.committed(&e);
+        }
+        assert!(
+            h.core.journal().mounts().is_empty(),
+            "every volume unpublished"
+        );
+        h.core.plan_visits() - before
+    }
+
+    /// Issue 10: a wave of N unpublishes (a job of N allocations stopped) costs O(N)
+    /// work, chores included (a pass over every volume per unpublish made it O(N²)).
+    #[test]
+    fn a_wave_of_unpublishes_costs_work_linear_in_its_size() {
+        let w50 = wave_planning_work(50);
+        let w200 = wave_planning_work(200);
+        println!("unpublish wave work: N=50: {w50} visits, N=200: {w200} visits");
+        assert!(
+            w200 <= 4 * w50 + 8,
+            "the wave's work is not linear: {w50} for 50, {w200} for 200"
         );
     }
 
