@@ -2113,10 +2113,10 @@ mod tests {
         }
     }
 
-    /// A burst of N allocations, each message arriving alone (upsert, then its publish
-    /// committed and done): the planning work grows linearly with N, never N². Returns
-    /// the planner's visits for the burst.
-    fn burst_planning_work(n: usize) -> u64 {
+    /// A core serving volumes `v0`..`v{n-1}`, one allocation each, placed and published
+    /// one at a time (each upsert plans its publish, each publish completes); returns the
+    /// core, the volume names and the planning work (visits) of the burst.
+    fn published_one_at_a_time(n: usize) -> (H, Vec<String>, u64) {
         let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
         let vols: Vec<(&str, &str)> = names
             .iter()
@@ -2144,7 +2144,14 @@ mod tests {
             n,
             "every allocation is a user"
         );
-        h.core.plan_visits() - before
+        let work = h.core.plan_visits() - before;
+        (h, names, work)
+    }
+
+    /// The planning work (visits of records, counted by the core) of a burst of `n`
+    /// allocations whose messages arrive one at a time.
+    fn burst_planning_work(n: usize) -> u64 {
+        published_one_at_a_time(n).2
     }
 
     /// Issue 10: a 200-allocation burst whose messages arrive one at a time costs O(N)
@@ -2162,31 +2169,11 @@ mod tests {
     }
 
     /// The planning work (visits of records, counted by the core) of stopping `n`
-    /// allocations one at a time after [`burst_planning_work`] published their volumes:
+    /// allocations one at a time after [`published_one_at_a_time`] published their volumes:
     /// each stop plans an unpublish, each unpublish completes.
     fn wave_planning_work(n: usize) -> u64 {
-        let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
-        let vols: Vec<(&str, &str)> = names
-            .iter()
-            .map(|n| (n.as_str(), "multi-node-multi-writer"))
-            .collect();
-        let mut h = H::new(&vols, vec![]);
+        let (mut h, names, _) = published_one_at_a_time(n);
         let points: Vec<PathBuf> = names.iter().map(|n| target(n)).collect();
-        for (i, name) in names.iter().enumerate() {
-            let mut a = alloc(&format!("a{i:04}"), &[name], "running", "run");
-            a.modify_index = 10 + i as u64;
-            let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
-            h.committed(&e);
-            h.feed(Input::MountTable(MountTable::from_points(
-                points[..=i].iter().cloned(),
-            )));
-            let e = h.feed(Input::Done(Completion::Published {
-                volume: key(name),
-                result: Ok(mounted_at(name)),
-                elapsed: Duration::from_millis(1),
-            }));
-            h.committed(&e);
-        }
         let before = h.core.plan_visits();
         for (i, name) in names.iter().enumerate().rev() {
             let mut a = alloc(&format!("a{i:04}"), &[name], "complete", "stop");
