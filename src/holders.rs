@@ -88,7 +88,9 @@ static WAITING: std::sync::Mutex<Waiting> = std::sync::Mutex::new(Waiting {
 /// while others run: it waits one scan, not the rest of a running one plus its own. A
 /// wave of N unpublishes (a job of N allocations stopped) costs a few passes over `/proc`
 /// instead of N, each of them O(processes); at most one scan per call in flight, so at
-/// most `--max-parallel` at once (docs/scale.md).
+/// most `--max-parallel` at once (docs/scale.md). On a multi-threaded runtime the scan
+/// runs on the calling worker (`block_in_place`), after one yield that lets the calls
+/// made at the same moment join it.
 pub async fn before_unpublish_shared(target: PathBuf) -> Result<Option<Usage>, HoldersError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let start = {
@@ -97,13 +99,42 @@ pub async fn before_unpublish_shared(target: PathBuf) -> Result<Option<Usage>, H
         !std::mem::replace(&mut w.starting, true)
     };
     if start {
-        tokio::task::spawn_blocking(scan_waiting);
+        // On the runtime's own worker when it has others to take over (the agent's
+        // multi-threaded runtime): no hand-over to a blocking thread and back, each a
+        // wake-up of another thread, on the path from one unpublish to the next. The
+        // calls made at the same moment (a wave's first slots) join it while it yields
+        // once; if this call is dropped before it scans, a blocking thread scans for them.
+        if tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+        {
+            let mut owed = ScanOwed(true);
+            tokio::task::yield_now().await;
+            owed.0 = false;
+            tokio::task::block_in_place(scan_waiting);
+        } else {
+            tokio::task::spawn_blocking(scan_waiting);
+        }
     }
     match rx.await {
         Ok(r) => r.map_err(|e| HoldersError::Proc(std::io::Error::other(e))),
         Err(_) => Err(HoldersError::Proc(std::io::Error::other(
             "the scan for processes using the volume ended without an answer",
         ))),
+    }
+}
+
+/// A scan this call announced (`starting`) and has not run yet: run on a blocking thread
+/// if the call is dropped, so the calls that joined it are answered.
+struct ScanOwed(bool);
+
+impl Drop for ScanOwed {
+    fn drop(&mut self) {
+        if self.0 {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn_blocking(scan_waiting)),
+                Err(_) => drop(std::thread::spawn(scan_waiting)),
+            }
+        }
     }
 }
 
@@ -924,6 +955,40 @@ mod tests {
         assert!(by_target[0].as_ref().is_some_and(Usage::in_use));
         assert!(by_target[1].is_none());
         assert!(by_target[2].as_ref().is_some_and(Usage::in_use));
+    }
+
+    /// A call that announced a scan and is dropped before running it (its task aborted)
+    /// leaves the scan to a blocking thread: a call that joined it is still answered.
+    #[test]
+    fn a_call_dropped_before_its_scan_leaves_the_scan_to_another_thread() {
+        let s = Scratch::new();
+        let (t1, t2) = (s.tmpfs("mnt/default/d1"), s.tmpfs("mnt/default/d2"));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let answer = rt.block_on(async {
+            use std::future::Future;
+            let mut first = Box::pin(before_unpublish_shared(t1));
+            let mut joined = Box::pin(before_unpublish_shared(t2.clone()));
+            std::future::poll_fn(|cx| {
+                assert!(
+                    first.as_mut().poll(cx).is_pending(),
+                    "yields before it scans"
+                );
+                let _ = joined.as_mut().poll(cx);
+                std::task::Poll::Ready(())
+            })
+            .await;
+            drop(first);
+            tokio::time::timeout(std::time::Duration::from_secs(20), joined).await
+        });
+        let usage = answer
+            .expect("the joined call is answered")
+            .unwrap()
+            .expect("mounted");
+        assert!(!usage.in_use(), "{usage:?}");
     }
 
     /// Unpublishes that wait at the same time share scans: 8 at once cost a few passes
