@@ -957,17 +957,23 @@ mod tests {
         assert!(by_target[2].as_ref().is_some_and(Usage::in_use));
     }
 
+    /// A multi-threaded runtime with two workers, as the agent runs (the shared scan runs
+    /// on the calling worker there).
+    fn agent_like_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     /// A call that announced a scan and is dropped before running it (its task aborted)
     /// leaves the scan to a blocking thread: a call that joined it is still answered.
     #[test]
     fn a_call_dropped_before_its_scan_leaves_the_scan_to_another_thread() {
         let s = Scratch::new();
         let (t1, t2) = (s.tmpfs("mnt/default/d1"), s.tmpfs("mnt/default/d2"));
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = agent_like_runtime();
         let answer = rt.block_on(async {
             use std::future::Future;
             let mut first = Box::pin(before_unpublish_shared(t1));
@@ -1001,11 +1007,7 @@ mod tests {
             .map(|i| s.tmpfs(&format!("mnt/default/v{i}")))
             .collect();
         let busy = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&targets[3])).ready();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = agent_like_runtime();
         let answers = rt.block_on(async {
             let calls = targets.iter().map(|t| before_unpublish_shared(t.clone()));
             futures_util::future::join_all(calls).await
