@@ -366,9 +366,12 @@ impl Node {
     }
 
     /// Stores allocations (ID number, volume number) in `client_status`, then sends them as
-    /// one frame at a new index (payloads without Job, as Nomad does). Returns the send time.
+    /// one frame at a new index (payloads without Job, as Nomad does). Returns the time the
+    /// write was done, before the frame went out ([`Replay::commit`]).
     fn place(&mut self, allocs: &[(usize, usize)], client_status: &str) -> u64 {
-        self.index += 1;
+        // Nomad's indexes only rise, and an allocation's ModifyIndex is the index of the
+        // write that stored it: the frame is written above the store's index.
+        self.index = self.index.max(self.fake.index()) + 1;
         let index = self.index;
         let mut events = Vec::new();
         let mut stored = Vec::new();
@@ -382,16 +385,16 @@ impl Node {
             stored.push(with_job);
             events.push(f["Events"][0].clone());
         }
-        // Every allocation stored in one write, with its Job (as Nomad's plan apply commits
-        // every allocation of a plan at one index; stored one by one at the same ModifyIndex
-        // they would wake a poll-mode list after the first and never again), then the
-        // stream's frame (payloads without the Job, as Nomad sends them).
-        let t0 = now_ns();
-        self.fake
-            .apply_silently(&json!({"Index": index, "Events": stored}).to_string());
-        self.fake
-            .push(&json!({"Index": index, "Events": events}).to_string());
-        t0
+        // Every allocation stored in one write, with its Job, and the stream's frame
+        // (payloads without the Job, as Nomad sends them) published at that write's index,
+        // as Nomad's plan apply commits every allocation of a plan at one index. The time
+        // is taken when the write is done and before the frame goes out and blocking
+        // queries wake: the scripted front's own decoding and storing of the allocations is
+        // no part of the agent's latency.
+        self.fake.commit(
+            &json!({"Index": index, "Events": stored}).to_string(),
+            &json!({"Index": index, "Events": events}).to_string(),
+        )
     }
 }
 

@@ -214,6 +214,41 @@ impl Replay {
         });
     }
 
+    /// One write as Nomad's state store makes it for a plan apply or a client update: the
+    /// allocations of `stored` (whole, with their Job, as the store keeps them) are written
+    /// and `frame` (the stream's payloads, without the Job, as `nomad/state/events.go`
+    /// sends them) is published at that write's index, without applying its payloads a
+    /// second time ([`Replay::push`] applies what it publishes). The write's index is
+    /// `stored`'s when above the store's, else the next one.
+    ///
+    /// Returns the wall-clock time (ns since the Unix epoch) read after the store was
+    /// updated and before the frame is published and blocking queries wake: the moment the
+    /// event exists, which latency measurements start from.
+    ///
+    /// Panics when either line is not a frame.
+    pub fn commit(&self, stored: &str, frame: &str) -> u64 {
+        let stored: Frame = serde_json::from_str(stored).expect("a frame (stored)");
+        let mut frame: Frame = serde_json::from_str(frame).expect("a frame (published)");
+        self.server.write(|st| {
+            let idx = apply(st, &stored);
+            frame.Index = idx;
+            for ev in &mut frame.Events {
+                ev.Index = idx;
+            }
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+                .unwrap_or(0);
+            st.broker.publish(frame);
+            at
+        })
+    }
+
+    /// The store's latest index (every write raises it).
+    pub fn index(&self) -> u64 {
+        self.server.index()
+    }
+
     /// Applies a frame's allocations to the store without publishing it: an event the
     /// watcher never sees (lost in a gap, a stall, a torn line).
     ///
