@@ -367,7 +367,10 @@ pub fn scan_many(
     let mut procs: Vec<u32> = Vec::new();
     let mut by_ns: BTreeMap<u64, Vec<Vec<PathBuf>>> = BTreeMap::new();
     let none = || vec![Vec::new(); wanted.len()];
-    for pid in pids()? {
+    // Kernel threads (most entries of `/proc` on a typical node) hold nothing: no
+    // descriptors, mappings or working directory of their own, and the initial mount
+    // namespace, whose table is `host`.
+    for pid in without_kernel_threads(pids()?) {
         if pid == me {
             continue;
         }
@@ -435,9 +438,6 @@ pub fn scan_many(
     let any: BTreeSet<u32> = volume_mounts.iter().flatten().copied().collect();
     let devs: BTreeSet<DeviceId> = wanted.iter().map(|(v, _)| v.dev).collect();
     for pid in procs {
-        if is_kernel_thread(pid) {
-            continue;
-        }
         let mut holds: Vec<(u32, Hold)> = Vec::new();
         let mut unread = Vec::new();
         for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
@@ -542,15 +542,59 @@ fn gone(e: &std::io::Error) -> bool {
         || matches!(e.raw_os_error(), Some(nix::libc::ESRCH | nix::libc::EINVAL))
 }
 
-fn pids() -> Result<Vec<u32>, HoldersError> {
+/// The processes in `/proc`: (pid, inode number of its `/proc/<pid>` directory, as the
+/// listing gives it). The inode is made when the directory is first looked up and belongs
+/// to that process (a pid used again is a new directory, with a new number); procfs gives
+/// 1 for an entry it could not make one for.
+fn pids() -> Result<Vec<(u32, u64)>, HoldersError> {
+    use std::os::unix::fs::DirEntryExt;
     let mut out = Vec::new();
     for entry in std::fs::read_dir("/proc").map_err(HoldersError::Proc)? {
         let entry = entry.map_err(HoldersError::Proc)?;
         if let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse().ok()) {
-            out.push(pid);
+            out.push((pid, entry.ino()));
         }
     }
     Ok(out)
+}
+
+/// Kernel threads found by earlier scans: pid → inode number of its `/proc` directory.
+static KERNEL_THREADS: std::sync::Mutex<BTreeMap<u32, u64>> =
+    std::sync::Mutex::new(BTreeMap::new());
+
+/// The pids of `listed` ([`pids`]) that are not kernel threads ([`is_kernel_thread`]).
+/// A kernel thread is remembered by its pid and the inode number of its `/proc` directory,
+/// so that its `stat` is read by the first scan that sees it, not by every scan: the same
+/// directory is the same thread, and a kernel thread stays one (only `exec` clears
+/// `PF_KTHREAD`, and no thread started by kthreadd calls it). A pid whose directory has
+/// another number (the thread ended and its pid was used again) is read again, and
+/// threads no longer listed are forgotten.
+fn without_kernel_threads(listed: Vec<(u32, u64)>) -> Vec<u32> {
+    let known = |pid: u32, ino: u64| {
+        ino > 1
+            && KERNEL_THREADS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&pid)
+                == Some(&ino)
+    };
+    let mut out = Vec::with_capacity(listed.len());
+    let mut found = Vec::new();
+    for &(pid, ino) in &listed {
+        if known(pid, ino) {
+            continue;
+        }
+        if is_kernel_thread(pid) {
+            found.push((pid, ino));
+        } else {
+            out.push(pid);
+        }
+    }
+    let mut memo = KERNEL_THREADS.lock().unwrap_or_else(|e| e.into_inner());
+    let here: BTreeMap<u32, u64> = listed.into_iter().collect();
+    memo.retain(|pid, ino| here.get(pid) == Some(ino));
+    memo.extend(found.into_iter().filter(|&(_, ino)| ino > 1));
+    out
 }
 
 /// The `mnt_id:` line of an fdinfo file.
@@ -678,6 +722,33 @@ mod tests {
         assert!(
             !is_kernel_thread(u32::MAX),
             "an unreadable stat is checked, not skipped"
+        );
+    }
+
+    #[test]
+    fn kernel_threads_are_remembered_by_pid_and_directory() {
+        let me = std::process::id();
+        let listed = pids().unwrap();
+        let mine = listed.iter().find(|(p, _)| *p == me).map(|&(_, ino)| ino);
+        let kthreadd = listed.iter().find(|(p, _)| *p == 2).map(|&(_, ino)| ino);
+        let (Some(mine), Some(kthreadd)) = (mine, kthreadd) else {
+            panic!("/proc lists neither this process nor kthreadd (pid 2): {listed:?}");
+        };
+        assert!(mine > 1 && kthreadd > 1, "procfs gave no inode numbers");
+        let kept = without_kernel_threads(vec![(2, kthreadd), (me, mine)]);
+        assert_eq!(kept, vec![me], "kthreadd is skipped, this process is not");
+        assert_eq!(
+            KERNEL_THREADS.lock().unwrap().get(&2),
+            Some(&kthreadd),
+            "kthreadd is remembered with its directory's inode"
+        );
+        // A pid remembered with another directory (used again since) is read again.
+        KERNEL_THREADS.lock().unwrap().insert(me, mine + 1);
+        assert_eq!(without_kernel_threads(vec![(me, mine)]), vec![me]);
+        assert_eq!(
+            KERNEL_THREADS.lock().unwrap().get(&me),
+            None,
+            "a stale entry is forgotten"
         );
     }
 
