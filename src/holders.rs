@@ -15,8 +15,8 @@ use crate::mounts::{DeviceId, MountIdentity, MountTable};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::ErrorKind;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 #[cfg(test)]
 use std::path::Path;
 use std::path::PathBuf;
@@ -440,15 +440,27 @@ pub fn scan_many(
     for pid in procs {
         let mut holds: Vec<(u32, Hold)> = Vec::new();
         let mut unread = Vec::new();
+        // Every read below is made relative to the process's own `/proc` directory: one
+        // lookup of `/proc/<pid>` per process instead of one per file, and all of them of
+        // this process (were it to end and its pid be used again, they fail with ESRCH).
+        let dir = match proc_dir(pid) {
+            Ok(dir) => dir,
+            Err(e) if gone(&e) => continue,
+            Err(e) => {
+                unread.push(("proc", e));
+                report(&mut usages, &volume_mounts, pid, &[], &unread);
+                continue;
+            }
+        };
         for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
-            match link_mount(&format!("/proc/{pid}/{link}")) {
+            match link_mount(&dir, link) {
                 Ok(Some(id)) if any.contains(&id) => holds.push((id, how)),
                 Ok(_) => {}
                 Err(e) if gone(&e) || link == "exe" => {} // kernel threads have no exe
                 Err(e) => unread.push((link, e)),
             }
         }
-        match open_fds(pid, &any) {
+        match open_fds(&dir, &any) {
             Ok(fds) => holds.extend(
                 fds.into_iter()
                     .map(|(id, fd, path)| (id, Hold::OpenFile { fd, path })),
@@ -456,7 +468,7 @@ pub fn scan_many(
             Err(e) if gone(&e) => {}
             Err(e) => unread.push(("fd", e)),
         }
-        match mapped(pid, &devs, &any) {
+        match mapped(&dir, &devs, &any) {
             Ok(paths) => holds.extend(
                 paths
                     .into_iter()
@@ -465,33 +477,7 @@ pub fn scan_many(
             Err(e) if gone(&e) => {}
             Err(e) => unread.push(("maps", e)),
         }
-        if holds.is_empty() && unread.is_empty() {
-            continue;
-        }
-        let comm = comm_of(pid);
-        for (usage, mounts) in usages.iter_mut().zip(&volume_mounts) {
-            usage
-                .holders
-                .extend(
-                    holds
-                        .iter()
-                        .filter(|(id, _)| mounts.contains(id))
-                        .map(|(_, how)| Holder {
-                            pid,
-                            comm: comm.clone(),
-                            how: how.clone(),
-                            alloc_id: None,
-                        }),
-                );
-            usage
-                .uninspected
-                .extend(unread.iter().map(|(what, e)| Uninspected {
-                    pid,
-                    comm: comm.clone(),
-                    what,
-                    error: e.to_string(),
-                }));
-        }
+        report(&mut usages, &volume_mounts, pid, &holds, &unread);
     }
     for usage in &mut usages {
         for h in &mut usage.holders {
@@ -501,6 +487,43 @@ pub fn scan_many(
         usage.holders.dedup();
     }
     Ok(usages)
+}
+
+/// Adds what `pid` holds (`holds`: mount ID and how) to the usage of each volume whose
+/// mounts (`volume_mounts`, in the order of `usages`) have that ID, and what could not be
+/// read of it (`unread`) to every usage.
+fn report(
+    usages: &mut [Usage],
+    volume_mounts: &[BTreeSet<u32>],
+    pid: u32,
+    holds: &[(u32, Hold)],
+    unread: &[(&'static str, std::io::Error)],
+) {
+    if holds.is_empty() && unread.is_empty() {
+        return;
+    }
+    let comm = comm_of(pid);
+    for (usage, mounts) in usages.iter_mut().zip(volume_mounts) {
+        usage.holders.extend(
+            holds
+                .iter()
+                .filter(|(id, _)| mounts.contains(id))
+                .map(|(_, how)| Holder {
+                    pid,
+                    comm: comm.clone(),
+                    how: how.clone(),
+                    alloc_id: None,
+                }),
+        );
+        usage
+            .uninspected
+            .extend(unread.iter().map(|(what, e)| Uninspected {
+                pid,
+                comm: comm.clone(),
+                what,
+                error: e.to_string(),
+            }));
+    }
 }
 
 /// `PF_KTHREAD` in the process flags (proc(5) `stat` field 9): a kernel thread has no
@@ -597,23 +620,42 @@ fn without_kernel_threads(listed: Vec<(u32, u64)>) -> Vec<u32> {
     out
 }
 
-/// The `mnt_id:` line of an fdinfo file.
-fn fdinfo_mount(path: &str) -> std::io::Result<Option<u32>> {
-    let text = std::fs::read_to_string(path)?;
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix("mnt_id:"))
-        .and_then(|v| v.trim().parse().ok()))
+/// `/proc/<pid>` opened `O_PATH`: the directory the reads of one process are made in.
+fn proc_dir(pid: u32) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{openat, Mode, OFlags, CWD};
+    Ok(openat(
+        CWD,
+        format!("/proc/{pid}"),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
 }
 
-/// The mount a magic link (`/proc/<pid>/cwd`...) leads to: `statx(2)` with
-/// `STATX_MNT_ID` and `AT_STATX_DONT_SYNC` (one system call; NFS, FUSE, CIFS and Ceph answer
-/// from their cache, so a dead server does not hang it); when that fails (kernels before
-/// 5.8, a filesystem that refuses getattr) opened with `O_PATH` and read from our own
-/// fdinfo, which calls no filesystem.
-fn link_mount(link: &str) -> std::io::Result<Option<u32>> {
-    use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
-    match statx(CWD, link, AtFlags::STATX_DONT_SYNC, StatxFlags::MNT_ID) {
+/// Reads the file `name` under the directory `dir` whole.
+fn read_at(dir: &OwnedFd, name: &str) -> std::io::Result<String> {
+    use rustix::fs::{openat, Mode, OFlags};
+    use std::io::Read;
+    let fd = openat(dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    let mut text = String::new();
+    std::fs::File::from(fd).read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// The `mnt_id:` line of an fdinfo file's text.
+fn fdinfo_mount(text: &str) -> Option<u32> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The mount the magic link `name` of a process's directory `dir` (`cwd`, `exe`,
+/// `map_files/…`) leads to: `statx(2)` with `STATX_MNT_ID` and `AT_STATX_DONT_SYNC` (one
+/// system call; NFS, FUSE, CIFS and Ceph answer from their cache, so a dead server does not
+/// hang it); when that fails (kernels before 5.8, a filesystem that refuses getattr) opened
+/// with `O_PATH` and read from our own fdinfo, which calls no filesystem.
+fn link_mount(dir: &OwnedFd, name: &str) -> std::io::Result<Option<u32>> {
+    use rustix::fs::{openat, statx, AtFlags, Mode, OFlags, StatxFlags};
+    match statx(dir, name, AtFlags::STATX_DONT_SYNC, StatxFlags::MNT_ID) {
         Ok(st) if StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::MNT_ID) => {
             return Ok(u32::try_from(st.stx_mnt_id).ok());
         }
@@ -626,21 +668,29 @@ fn link_mount(link: &str) -> std::io::Result<Option<u32>> {
         // filesystem.
         _ => {}
     }
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_PATH)
-        .open(link)?;
-    fdinfo_mount(&format!("/proc/self/fdinfo/{}", f.as_raw_fd()))
+    let f = openat(dir, name, OFlags::PATH | OFlags::CLOEXEC, Mode::empty())?;
+    let text = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", f.as_raw_fd()))?;
+    Ok(fdinfo_mount(&text))
 }
 
-/// Descriptors of `pid` on one of `mounts`: (mount ID, fd, the path the kernel shows).
-fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, u32, PathBuf)>> {
+/// Descriptors of the process whose directory is `dir` on one of `mounts`: (mount ID, fd,
+/// the path the kernel shows).
+fn open_fds(dir: &OwnedFd, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, u32, PathBuf)>> {
+    use rustix::fs::{openat, readlinkat, Dir, Mode, OFlags};
+    use std::os::unix::ffi::OsStringExt;
+    let fd_dir = openat(
+        dir,
+        "fd",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+    for entry in Dir::new(fd_dir)? {
         let Ok(entry) = entry else { continue };
         let Some(fd) = entry
             .file_name()
             .to_str()
+            .ok()
             .and_then(|s| s.parse::<u32>().ok())
         else {
             continue;
@@ -648,15 +698,17 @@ fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, u32, 
         // What the descriptor shows (no filesystem call): pipes, sockets and anonymous
         // inodes ("pipe:[…]", "socket:[…]", "anon_inode:…") are on no volume, so only
         // files and directories cost an fdinfo read. A link that cannot be read is checked.
-        let path = match std::fs::read_link(entry.path()) {
-            Ok(p) if !p.as_os_str().as_encoded_bytes().starts_with(b"/") => continue,
-            Ok(p) => p,
-            Err(e) if e.kind() == ErrorKind::NotFound => continue, // closed meanwhile
+        let path = match readlinkat(dir, format!("fd/{fd}"), Vec::new()) {
+            Ok(p) if !p.as_bytes().starts_with(b"/") => continue,
+            Ok(p) => PathBuf::from(std::ffi::OsString::from_vec(p.into_bytes())),
+            Err(rustix::io::Errno::NOENT) => continue, // closed meanwhile
             Err(_) => PathBuf::new(),
         };
-        match fdinfo_mount(&format!("/proc/{pid}/fdinfo/{fd}")) {
-            Ok(Some(id)) if mounts.contains(&id) => out.push((id, fd, path)),
-            Ok(_) => {}
+        match read_at(dir, &format!("fdinfo/{fd}")) {
+            Ok(text) => match fdinfo_mount(&text) {
+                Some(id) if mounts.contains(&id) => out.push((id, fd, path)),
+                _ => {}
+            },
             Err(e) if e.kind() == ErrorKind::NotFound => {} // closed meanwhile
             Err(e) => return Err(e),
         }
@@ -664,14 +716,15 @@ fn open_fds(pid: u32, mounts: &BTreeSet<u32>) -> std::io::Result<Vec<(u32, u32, 
     Ok(out)
 }
 
-/// Files of `pid` mapped into memory from one of `mounts`, with the mount: `maps` lines on
-/// one of the volumes' devices `devs`, confirmed through `map_files` (needs CAP_SYS_ADMIN).
+/// Files mapped into memory by the process whose directory is `dir` from one of `mounts`,
+/// with the mount: `maps` lines on one of the volumes' devices `devs`, confirmed through
+/// `map_files` (needs CAP_SYS_ADMIN).
 fn mapped(
-    pid: u32,
+    dir: &OwnedFd,
     devs: &BTreeSet<DeviceId>,
     mounts: &BTreeSet<u32>,
 ) -> std::io::Result<Vec<(u32, PathBuf)>> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let maps = read_at(dir, "maps")?;
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
     for line in maps.lines() {
@@ -695,7 +748,7 @@ fn mapped(
         if !on_dev {
             continue;
         }
-        match link_mount(&format!("/proc/{pid}/map_files/{range}")) {
+        match link_mount(dir, &format!("map_files/{range}")) {
             Ok(Some(id)) if mounts.contains(&id) => out.push((id, path)),
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {}
