@@ -442,7 +442,7 @@ pub fn scan_many(
         let mut unread = Vec::new();
         // Every read below is made relative to the process's own `/proc` directory: one
         // lookup of `/proc/<pid>` per process instead of one per file, and all of them of
-        // this process (were it to end and its pid be used again, they fail with ESRCH).
+        // this process (were it to end and its pid be used again, they fail).
         let dir = match proc_dir(pid) {
             Ok(dir) => dir,
             Err(e) if gone(&e) => continue,
@@ -456,7 +456,7 @@ pub fn scan_many(
             match link_mount(&dir, link) {
                 Ok(Some(id)) if any.contains(&id) => holds.push((id, how)),
                 Ok(_) => {}
-                Err(e) if gone(&e) || link == "exe" => {} // kernel threads have no exe
+                Err(e) if gone(&e) || link == "exe" => {} // an exiting process has no exe
                 Err(e) => unread.push((link, e)),
             }
         }
