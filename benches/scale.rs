@@ -151,7 +151,6 @@ struct Node {
     agent: Option<Child>,
     fake: Replay,
     cfg: dhv_binder::config::AgentConfig,
-    index: u64,
     /// Dropped last: detaches every mount below the node's directory (plugin mounts,
     /// the tmpfs) once the agent is stopped ([`Node`]'s `Drop`).
     sb: Sandbox,
@@ -270,7 +269,6 @@ impl Node {
             agent: Some(agent),
             fake,
             cfg,
-            index: 1000,
             sb,
         };
         node.ready(volumes).await;
@@ -371,8 +369,7 @@ impl Node {
     fn place(&mut self, allocs: &[(usize, usize)], client_status: &str) -> u64 {
         // Nomad's indexes only rise, and an allocation's ModifyIndex is the index of the
         // write that stored it: the frame is written above the store's index.
-        self.index = self.index.max(self.fake.index()) + 1;
-        let index = self.index;
+        let index = self.fake.index() + 1;
         let mut events = Vec::new();
         let mut stored = Vec::new();
         for &(a, v) in allocs {

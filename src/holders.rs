@@ -593,18 +593,17 @@ static KERNEL_THREADS: std::sync::Mutex<BTreeMap<u32, u64>> =
 /// another number (the thread ended and its pid was used again) is read again, and
 /// threads no longer listed are forgotten.
 fn without_kernel_threads(listed: Vec<(u32, u64)>) -> Vec<u32> {
-    let known = |pid: u32, ino: u64| {
-        ino > 1
-            && KERNEL_THREADS
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&pid)
-                == Some(&ino)
+    let known: Vec<bool> = {
+        let memo = KERNEL_THREADS.lock().unwrap_or_else(|e| e.into_inner());
+        listed
+            .iter()
+            .map(|(pid, ino)| *ino > 1 && memo.get(pid) == Some(ino))
+            .collect()
     };
     let mut out = Vec::with_capacity(listed.len());
     let mut found = Vec::new();
-    for &(pid, ino) in &listed {
-        if known(pid, ino) {
+    for (&(pid, ino), known) in listed.iter().zip(known) {
+        if known {
             continue;
         }
         if is_kernel_thread(pid) {
