@@ -126,7 +126,8 @@ pub struct AgentConfig {
     /// Retries, claim renewals (TTL/3), mount probes and plugin rescans run when due.
     #[arg(long, env = "DHV_BINDER_TICK", default_value = "2s", value_parser = humantime::parse_duration)]
     pub tick: Duration,
-    /// How often the plugin directory is rescanned and plugins fingerprinted again.
+    /// How often the plugin directory is rescanned; a plugin is fingerprinted again then
+    /// only when its file changed since its last good fingerprint (or that one failed).
     #[arg(long, env = "DHV_BINDER_PLUGIN_RESCAN", default_value = "15s", value_parser = humantime::parse_duration)]
     pub plugin_rescan: Duration,
     /// How often published mounts are probed (a dead FUSE mount is republished).

@@ -438,8 +438,10 @@ pub async fn unpublish(
     }
 }
 
-/// Lists and fingerprints every plugin in the runner's directory.
-pub async fn fingerprint_all(runner: Runner) -> Completion {
+/// Lists and fingerprints every plugin in the runner's directory; with `changed_only` (the
+/// periodic rescan), a plugin whose file is unchanged since its last good fingerprint keeps
+/// it without an exec ([`Runner::fingerprint_if_changed`]).
+pub async fn fingerprint_all(runner: Runner, changed_only: bool) -> Completion {
     let ids = match runner.list() {
         Ok(ids) => ids,
         Err(error) => {
@@ -451,7 +453,11 @@ pub async fn fingerprint_all(runner: Runner) -> Completion {
     };
     let mut out = BTreeMap::new();
     for id in ids {
-        let r = runner.fingerprint(&id).await;
+        let r = if changed_only {
+            runner.fingerprint_if_changed(&id).await
+        } else {
+            runner.fingerprint(&id).await
+        };
         out.insert(id, r);
     }
     Completion::Plugins(out)

@@ -333,6 +333,38 @@ pub struct Runner {
     /// Per plugin ID: the node-configured roots passed as `DHV_ALLOWED_ROOTS`.
     allowed_roots: BTreeMap<String, String>,
     observer: Option<CallObserver>,
+    /// The last good fingerprint of each plugin, with its file as it was just before that
+    /// run ([`Runner::fingerprint_if_changed`]); shared by the runner's clones.
+    fingerprints: std::sync::Arc<std::sync::Mutex<BTreeMap<String, (PluginFile, Fingerprint)>>>,
+}
+
+/// What tells one plugin file from another, or from itself changed: the file's device and
+/// inode (a file replaced by a new one, `mv` or a package upgrade), size, modification and
+/// change times in ns (written in place, `chmod`, `chown`, a new link) and mode, of the
+/// file the plugin's path resolves to (a symlink moved to another target is another file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PluginFile {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+    mode: u32,
+}
+
+impl PluginFile {
+    fn of(path: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path)?;
+        Ok(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+            mode: m.mode(),
+        })
+    }
 }
 
 impl std::fmt::Debug for Runner {
@@ -489,6 +521,7 @@ impl Runner {
             timeout,
             allowed_roots: BTreeMap::new(),
             observer: None,
+            fingerprints: Default::default(),
         }
     }
 
@@ -554,12 +587,54 @@ impl Runner {
         Ok(ids)
     }
 
-    /// Runs `fingerprint`.
+    /// Runs `fingerprint`, and remembers a good answer with the plugin's file as it was
+    /// just before the run (a change during the run is seen by the next
+    /// [`Runner::fingerprint_if_changed`]).
     pub async fn fingerprint(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
+        let file = self
+            .path_of(plugin_id)
+            .ok()
+            .and_then(|p| PluginFile::of(&p).ok());
         let started = Instant::now();
         let r = self.fingerprint_unobserved(plugin_id).await;
         self.observe(plugin_id, Operation::Fingerprint, &r, started);
+        let mut known = self.fingerprints.lock().unwrap_or_else(|e| e.into_inner());
+        match (&r, file) {
+            (Ok(fp), Some(file)) => {
+                known.insert(plugin_id.to_string(), (file, fp.clone()));
+            }
+            _ => {
+                known.remove(plugin_id);
+            }
+        }
         r
+    }
+
+    /// The periodic rescan's fingerprint: the one remembered from the last good run when
+    /// the plugin's file is the same file, unchanged, since ([`PluginFile`]); else (a new
+    /// plugin, a changed file, a file that cannot be read now, a last run that failed)
+    /// [`Runner::fingerprint`]. Nomad fingerprints plugins only at its start and on
+    /// SIGHUP (`Periodic() → false`, client/fingerprint/dynamic_host_volumes.go); running
+    /// every plugin again on every rescan would exec each one forever while nothing changes.
+    pub async fn fingerprint_if_changed(
+        &self,
+        plugin_id: &str,
+    ) -> Result<Fingerprint, PluginError> {
+        let now = self
+            .path_of(plugin_id)
+            .ok()
+            .and_then(|p| PluginFile::of(&p).ok());
+        let kept = {
+            let known = self.fingerprints.lock().unwrap_or_else(|e| e.into_inner());
+            match (known.get(plugin_id), now) {
+                (Some((file, fp)), Some(now)) if *file == now => Some(fp.clone()),
+                _ => None,
+            }
+        };
+        match kept {
+            Some(fp) => Ok(fp),
+            None => self.fingerprint(plugin_id).await,
+        }
     }
 
     async fn fingerprint_unobserved(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
@@ -869,6 +944,80 @@ mod tests {
             "{names:?}"
         );
         assert!(names.contains(&"DHV_OPERATION"));
+    }
+
+    #[tokio::test]
+    async fn the_periodic_rescan_runs_only_a_plugin_whose_file_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let runs = tempfile::tempdir().unwrap();
+        let log = runs.path().join("runs");
+        let versioned = |v: &str| {
+            format!(
+                r#"echo run >> '{}'; echo '{{"version":"{v}","deferred_bind":true}}'"#,
+                log.display()
+            )
+        };
+        let count = || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .count()
+        };
+        plugin(dir.path(), "p", &versioned("1.0.0"));
+        let r = Runner::new(dir.path(), Duration::from_secs(5));
+        // Nothing known yet: the plugin runs.
+        assert_eq!(
+            r.fingerprint_if_changed("p").await.unwrap().version,
+            "1.0.0"
+        );
+        assert_eq!(count(), 1);
+        // The same file, unchanged: the remembered fingerprint, no exec.
+        assert_eq!(
+            r.fingerprint_if_changed("p").await.unwrap().version,
+            "1.0.0"
+        );
+        assert_eq!(
+            r.clone().fingerprint_if_changed("p").await.unwrap().version,
+            "1.0.0"
+        );
+        assert_eq!(count(), 1);
+        // Rewritten (a new version): it runs again.
+        plugin(dir.path(), "p", &versioned("1.0.10"));
+        assert_eq!(
+            r.fingerprint_if_changed("p").await.unwrap().version,
+            "1.0.10"
+        );
+        assert_eq!(count(), 2);
+        // Its mode changed: it runs again.
+        std::fs::set_permissions(dir.path().join("p"), std::fs::Permissions::from_mode(0o750))
+            .unwrap();
+        assert_eq!(
+            r.fingerprint_if_changed("p").await.unwrap().version,
+            "1.0.10"
+        );
+        assert_eq!(count(), 3);
+        // Replaced by another file (a rename over it): it runs again.
+        plugin(runs.path(), "new", &versioned("2.0.0"));
+        std::fs::rename(runs.path().join("new"), dir.path().join("p")).unwrap();
+        assert_eq!(
+            r.fingerprint_if_changed("p").await.unwrap().version,
+            "2.0.0"
+        );
+        assert_eq!(count(), 4);
+        // A failed fingerprint is not remembered: every rescan runs the plugin again.
+        plugin(
+            dir.path(),
+            "p",
+            &format!("echo run >> '{}'; exit 1", log.display()),
+        );
+        assert!(r.fingerprint_if_changed("p").await.is_err());
+        assert!(r.fingerprint_if_changed("p").await.is_err());
+        assert_eq!(count(), 6);
+        // An explicit fingerprint always runs.
+        plugin(dir.path(), "p", &versioned("3.0.0"));
+        assert_eq!(r.fingerprint("p").await.unwrap().version, "3.0.0");
+        assert_eq!(r.fingerprint("p").await.unwrap().version, "3.0.0");
+        assert_eq!(count(), 8);
     }
 
     #[tokio::test]

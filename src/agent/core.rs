@@ -64,6 +64,9 @@ pub(crate) struct Core {
     plugins_loaded: bool,
     fingerprinting: bool,
     last_fingerprint: Option<Instant>,
+    /// The next fingerprint runs every plugin (at start, after a directory change), not
+    /// only those whose file changed (the periodic rescan).
+    fingerprint_every: bool,
     /// Volumes with a plugin or claim call in flight (calls on one volume are serialized).
     busy: BTreeSet<VolumeKey>,
     last_error: BTreeMap<VolumeKey, String>,
@@ -136,6 +139,7 @@ impl Core {
             plugins_loaded: false,
             fingerprinting: false,
             last_fingerprint: None,
+            fingerprint_every: true,
             busy: BTreeSet::new(),
             last_error: BTreeMap::new(),
             waiters: Waiters::default(),
@@ -264,6 +268,7 @@ impl Core {
             Input::CallerGone(reply) => self.waiters.gone(reply),
             Input::PluginsChanged => {
                 self.last_fingerprint = None;
+                self.fingerprint_every = true;
                 self.on_tick(now, out);
             }
             Input::MountTable(t) => self.on_table(t),
@@ -357,7 +362,9 @@ impl Core {
         if due && !self.fingerprinting {
             self.fingerprinting = true;
             self.last_fingerprint = Some(now);
-            out.push(Effect::Fingerprint);
+            out.push(Effect::Fingerprint {
+                changed_only: !std::mem::take(&mut self.fingerprint_every),
+            });
         }
         out.extend(self.placeholders.list(now));
         out.extend(self.claims.renewals(now));
@@ -1709,16 +1716,39 @@ mod tests {
     #[test]
     fn plugins_are_fingerprinted_on_change_and_once_per_rescan() {
         let mut h = H::new(&[], vec![]);
-        let fp = |e: &[Effect]| {
+        // The fingerprints asked for: `changed_only` of each.
+        let fp = |e: &[Effect]| -> Vec<bool> {
             e.iter()
-                .filter(|x| matches!(x, Effect::Fingerprint))
-                .count()
+                .filter_map(|x| match x {
+                    Effect::Fingerprint { changed_only } => Some(*changed_only),
+                    _ => None,
+                })
+                .collect()
         };
-        assert_eq!(fp(&h.feed(Input::Tick)), 1);
-        assert_eq!(fp(&h.feed(Input::Tick)), 0, "one in flight");
-        h.feed(Input::Done(Completion::Plugins(BTreeMap::new())));
-        assert_eq!(fp(&h.at(Duration::from_secs(1), Input::Tick)), 0);
-        assert_eq!(fp(&h.feed(Input::PluginsChanged)), 1);
+        let done = |h: &mut H| h.feed(Input::Done(Completion::Plugins(BTreeMap::new())));
+        assert_eq!(fp(&h.feed(Input::Tick)), [false], "every plugin at start");
+        assert_eq!(fp(&h.feed(Input::Tick)), [] as [bool; 0], "one in flight");
+        done(&mut h);
+        assert_eq!(
+            fp(&h.at(Duration::from_secs(1), Input::Tick)),
+            [] as [bool; 0]
+        );
+        assert_eq!(
+            fp(&h.feed(Input::PluginsChanged)),
+            [false],
+            "every plugin on a change"
+        );
+        done(&mut h);
+        // The periodic rescan runs only the plugins whose file changed (no exec while idle).
+        assert_eq!(fp(&h.at(Duration::from_secs(61), Input::Tick)), [true]);
+        // A change seen while a rescan is in flight runs every plugin after it.
+        assert_eq!(
+            fp(&h.feed(Input::PluginsChanged)),
+            [] as [bool; 0],
+            "one in flight"
+        );
+        done(&mut h);
+        assert_eq!(fp(&h.feed(Input::Tick)), [false]);
     }
 
     #[test]

@@ -27,8 +27,11 @@ pub(crate) enum Effect {
         volume: Option<Box<VolumeRecord>>,
         keep_dir: bool,
     },
-    /// Fingerprint every plugin in the plugin directory.
-    Fingerprint,
+    /// Fingerprint the plugins in the plugin directory: every one when `changed_only` is
+    /// false (at start, and when the directory watch saw a change), else (the periodic
+    /// rescan) only those whose file changed since their last good fingerprint, the rest
+    /// keeping it without an exec ([`crate::plugin::Runner::fingerprint_if_changed`]).
+    Fingerprint { changed_only: bool },
     /// Plugin `create` (with the record's check-and-set claim).
     Create(Box<VolumeRecord>),
     /// Plugin `delete` (with the record's check-and-set claim).

@@ -307,7 +307,9 @@ impl Shell {
                 keep_dir,
             )),
             // Not under the permits: a node whose calls all hang still learns its plugins.
-            Effect::Fingerprint => self.call(executor::fingerprint_all(runner)),
+            Effect::Fingerprint { changed_only } => {
+                self.call(executor::fingerprint_all(runner, changed_only))
+            }
             Effect::Create(rec) => self.plugin_call(executor::create(
                 client,
                 runner,
@@ -1061,7 +1063,7 @@ mod tests {
             }
             let (fp, e): (Vec<Effect>, Vec<Effect>) = e
                 .into_iter()
-                .partition(|e| matches!(e, Effect::Fingerprint));
+                .partition(|e| matches!(e, Effect::Fingerprint { .. }));
             if !fp.is_empty() {
                 next.push(fingerprinted());
             }
