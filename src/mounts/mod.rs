@@ -6,6 +6,7 @@
 //! error, never an empty table.
 
 pub mod changes;
+pub mod unchanged;
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -207,8 +208,12 @@ impl Default for MountTable {
 impl MountTable {
     /// The host's table: pid 1's mount namespace ([`HOST_MOUNTINFO`]). What the agent plans
     /// from: a mount only the agent's own namespace shows is no mount for Nomad's tasks.
+    /// Read again only when the kernel reports a change since the last read, or that read
+    /// is older than [`unchanged::MAX_AGE`]; else the last read's table, which is then the
+    /// same as a new read ([`unchanged`]).
     pub fn read() -> Result<Self, MountsError> {
-        Self::read_file(Path::new(HOST_MOUNTINFO))
+        static HOST: unchanged::Unchanged = unchanged::Unchanged::new();
+        HOST.current(Path::new(HOST_MOUNTINFO))
     }
 
     /// This process's table ([`SELF_MOUNTINFO`]).
