@@ -96,10 +96,28 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
-#[tokio::main]
-async fn main() {
+/// How long a thread of the runtime's blocking pool (mount table reads, journal writes,
+/// holder scans) waits for work before it ends. Tokio's default is 10 s; a burst of
+/// unpublishes grows the pool to about `--max-parallel` threads, and work now and then (a
+/// resync, one publish) hands a task to the longest-idle thread, so with 10 s none ever
+/// ended and the burst's threads and stacks stayed (docs/scale.md, memory). A thread is
+/// started again in about 0.05 ms when needed.
+const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+
+fn main() {
     let cli = Cli::parse_args();
-    if let Err(f) = run(cli).await {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .build();
+    let result = match runtime {
+        Ok(rt) => rt.block_on(run(cli)),
+        Err(e) => Err(Failure {
+            code: cli::EXIT_FAILED,
+            message: format!("cannot start the async runtime: {e}"),
+        }),
+    };
+    if let Err(f) = result {
         eprintln!("Error: {}", f.message);
         std::process::exit(f.code);
     }
