@@ -5,9 +5,11 @@
 //! 1. Allocation event → plugin exec, p50/p99, in both watch modes, with the state directory on
 //!    disk (the bench's temporary directory) and on a tmpfs mounted under it.
 //! 2. N = 1/10/50/200 allocations placed at once (one frame, N volumes), last publish done,
-//!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit.
+//!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit, at max-parallel 8
+//!    and, for N = 200, at max-parallel = the machine's cores.
 //! 3. 400 releases with a 150 ms unpublish, measured / ideal schedule, in both modes.
-//! 4. The agent's RSS: idle, with 200 published volumes, after a 400-volume teardown.
+//! 4. The agent's RSS, all and anonymous: idle, with 200 published volumes, after a
+//!    400-volume teardown (each the least of 20 samples over 2 s).
 //! 5. fsync-class system calls per publish (`strace -f` attached to the agent).
 //! 6. Plugin execs in 10 s while the agent is idle.
 //!
@@ -182,7 +184,7 @@ impl Node {
     /// bench plugin (publish and unpublish stretched to `plugin_us`), and waits until the
     /// agent is ready with every placeholder registered.
     async fn start(mode: WatchMode, tmpfs: bool, volumes: usize, plugin_us: (u64, u64)) -> Node {
-        Self::start_with(mode, tmpfs, volumes, plugin_us, &[]).await
+        Self::start_with(mode, tmpfs, volumes, plugin_us, MAX_PARALLEL, &[]).await
     }
 
     /// [`Node::start`] with extra environment for the agent (before `BENCH_AGENT_ENV`).
@@ -191,6 +193,7 @@ impl Node {
         tmpfs: bool,
         volumes: usize,
         plugin_us: (u64, u64),
+        max_parallel: usize,
         env: &[(&str, &str)],
     ) -> Node {
         let sb = Sandbox::new();
@@ -229,7 +232,7 @@ impl Node {
         }
         let mut cfg = inproc::agent_config(&sb);
         cfg.watch_mode = mode;
-        cfg.max_parallel = MAX_PARALLEL;
+        cfg.max_parallel = max_parallel;
         let bin = std::env::var("BENCH_AGENT_BIN")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_dhv-binder").to_string());
         let extra: Vec<(String, String)> = std::env::var("BENCH_AGENT_ENV")
@@ -252,7 +255,7 @@ impl Node {
             .arg("--watch-mode")
             .arg(mode_name(mode))
             .arg("--max-parallel")
-            .arg(MAX_PARALLEL.to_string())
+            .arg(max_parallel.to_string())
             // The bench plants its records unsigned, as the in-process tests do.
             .arg("--allow-unsigned-records")
             .env_clear()
@@ -307,14 +310,40 @@ impl Node {
         self.agent.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
-    fn rss_kib(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
+    /// The agent's resident memory now (`/proc/<pid>/status`): all of it and its anonymous
+    /// part, in KiB. The rest is file-backed (the binary's code and the libraries', paged in
+    /// as it runs and dropped by the kernel under pressure).
+    fn rss_kib(&self) -> Rss {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        Rss {
+            total: field("VmRSS:"),
+            anon: field("RssAnon:"),
+        }
+    }
+
+    /// The least resident memory of 20 samples over 2 s ([`Node::rss_kib`]): what the
+    /// agent holds, without the garbage of a resync (every 2 s on the release nodes) that
+    /// waits for the allocator's 1 s decay (.cargo/config.toml). Both figures are those of
+    /// the sample with the least in all.
+    async fn rss_settled(&self) -> Rss {
+        let mut least = self.rss_kib();
+        for _ in 1..20 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = self.rss_kib();
+            if now.total < least.total {
+                least = now;
+            }
+        }
+        least
     }
 
     fn calls(&self) -> Vec<Call> {
@@ -518,19 +547,25 @@ struct Burst {
     exec_cpu_ms: f64,
     exec_ms: f64,
     commit_ms: f64,
-    rss_idle: u64,
-    rss_loaded: u64,
+    rss_idle: Rss,
+    rss_loaded: Rss,
     idle_execs: Option<usize>,
 }
 
 /// Part 2: `n` allocations on `n` volumes in one frame; time to the last publish's end.
 /// With `idle_window`, then counts the plugin execs of 10 idle seconds.
-async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Burst {
-    let mut node = Node::start(mode, tmpfs, n, (200, 200)).await;
+async fn burst(
+    mode: WatchMode,
+    tmpfs: bool,
+    n: usize,
+    idle_window: bool,
+    max_parallel: usize,
+) -> Burst {
+    let mut node = Node::start_with(mode, tmpfs, n, (200, 200), max_parallel, &[]).await;
     let (exec, exec_cpu) = exec_costs(&node);
     let commit = commit_cost(&node);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let rss_idle = node.rss_kib();
+    let rss_idle = node.rss_settled().await;
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
     let cpu0 = agent_cpu_ms(node.pid());
     let t0 = node.place(&allocs, "running");
@@ -559,17 +594,26 @@ async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Bur
         }
         println!("   trace N={n}: {line}");
     }
-    let ideal = n.div_ceil(MAX_PARALLEL) as f64 * (0.2 + exec) + commit;
+    let ideal = n.div_ceil(max_parallel) as f64 * (0.2 + exec) + commit;
     // What the machine can do at best: every plugin run's CPU spread over every core.
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let floor = n as f64 * exec_cpu / cores as f64 + commit;
     // Let the agent record the publishes before reading its memory and counting.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_loaded = node.rss_kib();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_loaded = node.rss_settled().await;
     let idle_execs = if idle_window {
         let before = node.calls().len();
         tokio::time::sleep(Duration::from_secs(10)).await;
-        Some(node.calls().len() - before)
+        let idle: Vec<String> = node
+            .calls()
+            .into_iter()
+            .skip(before)
+            .map(|c| format!("{} {}", c.op, c.alloc))
+            .collect();
+        if !idle.is_empty() {
+            println!("   plugin calls while idle: {}", idle.join(", "));
+        }
+        Some(idle.len())
     } else {
         None
     };
@@ -588,15 +632,33 @@ async fn burst(mode: WatchMode, tmpfs: bool, n: usize, idle_window: bool) -> Bur
     }
 }
 
+/// Resident memory of the agent, in KiB ([`Node::rss_kib`]).
+#[derive(Clone, Copy, Default)]
+struct Rss {
+    total: u64,
+    anon: u64,
+}
+
+impl std::fmt::Display for Rss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.1} / {:.1}",
+            self.total as f64 / 1024.0,
+            self.anon as f64 / 1024.0
+        )
+    }
+}
+
 struct Release {
     elapsed_ms: f64,
     ideal_ms: f64,
     /// Before any allocation: 400 records, placeholders registered, nothing published.
-    rss_before: u64,
-    rss_full: u64,
-    rss_after: u64,
+    rss_before: Rss,
+    rss_full: Rss,
+    rss_after: Rss,
     /// After the terminal allocations were garbage-collected and a resync dropped them.
-    rss_gc: u64,
+    rss_gc: Rss,
 }
 
 /// Part 3: 400 volumes published, then all 400 allocations complete in one frame; the
@@ -610,17 +672,17 @@ async fn release(mode: WatchMode) -> Release {
         false,
         n,
         (200, 150_000),
+        MAX_PARALLEL,
         &[("DHV_BINDER_RESYNC_INTERVAL", "2s")],
     )
     .await;
     let exec = exec_cost(&node);
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let rss_before = node.rss_kib();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_before = node.rss_settled().await;
     node.place(&allocs, "running");
     node.wait_calls("publish", n).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let rss_full = node.rss_kib();
+    let rss_full = node.rss_settled().await;
     let t0 = node.place(&allocs, "complete");
     node.wait_calls("unpublish", n).await;
     let last = node.last_end("unpublish").unwrap_or(t0);
@@ -658,14 +720,14 @@ async fn release(mode: WatchMode) -> Release {
             ms(first.saturating_sub(t0)), q(0.5), q(0.9), q(1.0)
         );
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let rss_after = node.rss_kib();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_after = node.rss_settled().await;
     // Nomad garbage-collects the terminal allocations; the next resync drops them.
     for &(a, _) in &allocs {
         node.fake.delete_alloc(&alloc_id(a));
     }
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let rss_gc = node.rss_kib();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rss_gc = node.rss_settled().await;
     if let Some(secs) = std::env::var("BENCH_HOLD")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -820,21 +882,29 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
     }
 
     println!("2. N allocations placed at once, last publish done (0.2 ms plugin; ms):");
-    let mut rss_idle = 0;
-    let mut rss_200 = 0;
+    let mut rss_idle = Rss::default();
+    let mut rss_200 = Rss::default();
     let mut idle_execs = None;
-    let bursts: &[(bool, &[usize])] = if part("burst") {
-        &[(false, &[1, 10, 50, 200]), (true, &[200])]
+    // The last rows run at `--max-parallel` = the machine's cores: the ideal schedule of
+    // the rows before assumes 8 plugin runs at once, which two cores cannot give.
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let bursts: Vec<(bool, &[usize], usize)> = if part("burst") {
+        vec![
+            (false, &[1, 10, 50, 200], MAX_PARALLEL),
+            (true, &[200], MAX_PARALLEL),
+            (false, &[200], cores),
+        ]
     } else {
-        &[]
+        Vec::new()
     };
-    for &(tmpfs, sizes) in bursts {
+    for &(tmpfs, sizes, max_parallel) in &bursts {
         for mode in [WatchMode::Stream, WatchMode::Poll] {
             for &n in sizes {
-                let last = !tmpfs && mode == WatchMode::Poll && n == 200;
-                let b = burst(mode, tmpfs, n, last).await;
+                let last =
+                    !tmpfs && mode == WatchMode::Poll && n == 200 && max_parallel == MAX_PARALLEL;
+                let b = burst(mode, tmpfs, n, last, max_parallel).await;
                 println!(
-                        "   {:<6} {:<5} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms",
+                        "   {:<6} {:<5} max-parallel {max_parallel} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms",
                         mode_name(mode),
                         if tmpfs { "tmpfs" } else { "disk" },
                         b.elapsed_ms,
@@ -858,10 +928,10 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
     }
 
     println!("3. 400 releases, 150 ms unpublish, state on disk:");
-    let mut rss_400 = 0;
-    let mut rss_after = 0;
-    let mut rss_gc = 0;
-    let mut rss_before_400 = 0;
+    let mut rss_400 = Rss::default();
+    let mut rss_after = Rss::default();
+    let mut rss_gc = Rss::default();
+    let mut rss_before_400 = Rss::default();
     let modes: &[WatchMode] = if part("release") {
         &[WatchMode::Stream, WatchMode::Poll]
     } else {
@@ -884,8 +954,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
         }
     }
 
-    println!("4. agent RSS (poll mode): idle {:.1} MiB, 200 volumes {:.1} MiB; 400 records idle {:.1} MiB, 400 volumes {:.1} MiB, after the 400-volume teardown {:.1} MiB, once its terminal allocations are garbage-collected {:.1} MiB",
-            rss_idle as f64 / 1024.0, rss_200 as f64 / 1024.0, rss_before_400 as f64 / 1024.0, rss_400 as f64 / 1024.0, rss_after as f64 / 1024.0, rss_gc as f64 / 1024.0);
+    println!("4. agent RSS (poll mode; MiB, all / anonymous): idle {rss_idle}, 200 volumes {rss_200}; 400 records idle {rss_before_400}, 400 volumes {rss_400}, after the 400-volume teardown {rss_after}, once its terminal allocations are garbage-collected {rss_gc}");
 
     let n = 50;
     match if part("fsync") { fsyncs(n).await } else { None } {
