@@ -712,3 +712,70 @@ async fn five_mib_lines(mode: WatchMode) {
     }
     c.stop().await;
 }
+
+/// An idle agent runs no plugin (issue 10): the periodic rescan (every 500 ms here) keeps
+/// the fingerprint of a plugin whose file is unchanged since its last good run, and a
+/// plugin whose file changed is fingerprinted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_agent_runs_no_plugin_and_a_changed_one_is_fingerprinted_again() {
+    let sb = Sandbox::new();
+    let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
+    for a in fixture("node-allocations.json").as_array().unwrap() {
+        if a["JobID"] == "dhv-binder" {
+            nomad.put_alloc(a.clone());
+        }
+    }
+    orders_record(&nomad);
+    // Outside the plugin directory: a write there is a change of the directory.
+    let runs = sb.join("fingerprints.log");
+    let plugin = sb.join("plugins/fake");
+    let write = |version: &str| {
+        support::sandbox::script(
+            &plugin,
+            &format!(
+                "#!/bin/sh\necho {version} >> '{}'\necho '{{\"version\":\"{version}\",\"deferred_bind\":true}}'\n",
+                runs.display()
+            ),
+        )
+    };
+    let fingerprints = || -> Vec<String> {
+        std::fs::read_to_string(&runs)
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect()
+    };
+    write("1.0.0");
+    let cfg = agent_config(&sb);
+    assert_eq!(cfg.plugin_rescan, Duration::from_millis(500));
+    let agent = start_agent(&nomad, cfg.clone());
+    ready(&cfg, &nomad, 1).await;
+    // Let a change noticed at start settle, then count the runs of six rescans.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = fingerprints();
+    assert!(!before.is_empty(), "the plugin was never fingerprinted");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        fingerprints(),
+        before,
+        "plugin runs while the agent was idle"
+    );
+
+    // A new version of the plugin is run, and then kept again.
+    write("1.0.10");
+    eventually(10, "the changed plugin fingerprinted again", || {
+        fingerprints().last().map(String::as_str) == Some("1.0.10")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = fingerprints();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        fingerprints(),
+        after,
+        "plugin runs while the agent was idle"
+    );
+    let s = status(&cfg).await;
+    assert!(s.to_string().contains("1.0.10"), "{s}");
+    agent.stop().await;
+}
