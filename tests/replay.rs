@@ -26,6 +26,19 @@ fn stream_config(sb: &Sandbox, watch_mode: WatchMode) -> AgentConfig {
     cfg
 }
 
+/// A scripted Nomad for node A whose node list at start holds the dhv-binder system
+/// allocation only, with the `orders-data` volume record.
+async fn orders_node() -> Replay {
+    let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
+    for a in fixture("node-allocations.json").as_array().unwrap() {
+        if a["JobID"] == "dhv-binder" {
+            nomad.put_alloc(a.clone());
+        }
+    }
+    orders_record(&nomad);
+    nomad
+}
+
 fn stream_lines() -> Vec<String> {
     shared("nomad-fixtures", "event-stream-allocation.ndjson")
         .lines()
@@ -47,14 +60,7 @@ fn frame_index(line: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
     let sb = Sandbox::new();
-    let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
-    // The node list at start: the dhv-binder system alloc only.
-    for a in fixture("node-allocations.json").as_array().unwrap() {
-        if a["JobID"] == "dhv-binder" {
-            nomad.put_alloc(a.clone());
-        }
-    }
-    orders_record(&nomad);
+    let nomad = orders_node().await;
     recording_plugin(&sb.join("plugins"), "fake");
     let cfg = agent_config(&sb);
     let agent = start_agent(&nomad, cfg.clone());
@@ -719,13 +725,7 @@ async fn five_mib_lines(mode: WatchMode) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_agent_runs_no_plugin_and_a_changed_one_is_fingerprinted_again() {
     let sb = Sandbox::new();
-    let nomad = Replay::start(NODE_A, fixture("jwks.json")).await;
-    for a in fixture("node-allocations.json").as_array().unwrap() {
-        if a["JobID"] == "dhv-binder" {
-            nomad.put_alloc(a.clone());
-        }
-    }
-    orders_record(&nomad);
+    let nomad = orders_node().await;
     // Outside the plugin directory: a write there is a change of the directory.
     let runs = sb.join("fingerprints.log");
     let plugin = sb.join("plugins/fake");
