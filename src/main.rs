@@ -110,15 +110,22 @@ fn main() {
         .enable_all()
         .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .build();
-    let result = match runtime {
-        Ok(rt) => rt.block_on(run(cli)),
-        Err(e) => Err(Failure {
+    let fail = |f: Failure| -> ! {
+        eprintln!("Error: {}", f.message);
+        std::process::exit(f.code);
+    };
+    match runtime {
+        // On failure the process exits inside the runtime, as `#[tokio::main]` did: dropping
+        // the runtime first would wait for its blocking threads (a probe stuck on a hung
+        // mount among them).
+        Ok(rt) => rt.block_on(async {
+            if let Err(f) = run(cli).await {
+                fail(f)
+            }
+        }),
+        Err(e) => fail(Failure {
             code: cli::EXIT_FAILED,
             message: format!("cannot start the async runtime: {e}"),
         }),
-    };
-    if let Err(f) = result {
-        eprintln!("Error: {}", f.message);
-        std::process::exit(f.code);
     }
 }

@@ -548,8 +548,10 @@ impl Core {
                 self.chores_due = true;
             }
             Completion::PluginsUnreadable { dir, error } => {
-                // Never "no plugins" (issue 13 §2): the plugins known before stand.
+                // Never "no plugins" (issue 13 §2): the plugins known before stand, and the
+                // next fingerprint runs every plugin again.
                 self.fingerprinting = false;
+                self.fingerprint_every = true;
                 tracing::warn!(plugin_dir = %dir.display(), %error, "plugin directory unreadable: keeping the plugins known before");
             }
             Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
@@ -1749,6 +1751,14 @@ mod tests {
         );
         done(&mut h);
         assert_eq!(fp(&h.feed(Input::Tick)), [false]);
+        // A directory that could not be read: the next fingerprint runs every plugin.
+        h.feed(Input::Done(Completion::PluginsUnreadable {
+            dir: "/plugins".into(),
+            error: std::io::Error::other("EIO"),
+        }));
+        assert_eq!(fp(&h.at(Duration::from_secs(61), Input::Tick)), [false]);
+        done(&mut h);
+        assert_eq!(fp(&h.at(Duration::from_secs(61), Input::Tick)), [true]);
     }
 
     #[test]

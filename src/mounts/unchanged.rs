@@ -1,6 +1,6 @@
 //! The host's table, read again only when the kernel says it changed. A mountinfo file's
-//! descriptor is marked `POLLPRI | POLLERR` once any mount, unmount, move, propagation or
-//! mount-flag change has been made in its namespace since the descriptor last polled
+//! descriptor is marked `POLLPRI | POLLERR` once any mount, unmount, move, propagated mount
+//! or mount-flag change has been made in its namespace since the descriptor last polled
 //! (proc(5), "mountinfo"; Linux `fs/proc_namespace.c`, `mounts_poll`, which compares the
 //! namespace's event counter with the one the descriptor saw). So a table read through the
 //! descriptor after a poll stays the current table until a later poll says otherwise, and a
@@ -10,9 +10,11 @@
 //! unpublish and on its ticks; a wave of unpublishes reads it twice per call, and one of the
 //! two now comes at no cost when no other call changed the table in between.
 //!
-//! What the kernel does not signal: a rename of a directory above a mount point changes the
-//! path the table shows without a namespace event. A table is therefore reused for at most
-//! [`MAX_AGE`] after its read, then read again whatever the poll says.
+//! What the kernel does not signal: a rename of a directory above a mount point (or inside a
+//! bind's source) changes the mount point or root the table shows without a namespace
+//! event, and a change of propagation type (a field the agent does not read) raises none.
+//! A table is therefore reused for at most [`MAX_AGE`] after its read, then read again
+//! whatever the poll says.
 
 use super::{MountTable, MountsError};
 use std::fs::File;
@@ -124,9 +126,18 @@ impl Unchanged {
 fn changed(f: &File) -> std::io::Result<bool> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut fds = [PollFd::new(f.as_fd(), PollFlags::POLLPRI)];
-    poll(&mut fds, PollTimeout::ZERO).map_err(std::io::Error::from)?;
-    // mountinfo always reports POLLIN; a change adds POLLPRI | POLLERR. Anything the
-    // kernel did not say (no revents) counts as a change.
+    loop {
+        match poll(&mut fds, PollTimeout::ZERO) {
+            // A signal (a plugin's SIGCHLD) can interrupt even a poll that does not wait.
+            Err(nix::errno::Errno::EINTR) => continue,
+            r => {
+                r.map_err(std::io::Error::from)?;
+                break;
+            }
+        }
+    }
+    // Only POLLPRI is asked for: a change shows as POLLPRI | POLLERR, no change as no
+    // events at all. Events the kernel could not tell (none) count as a change.
     Ok(fds[0].revents().is_none_or(|r| {
         r.intersects(
             PollFlags::POLLPRI | PollFlags::POLLERR | PollFlags::POLLNVAL | PollFlags::POLLHUP,
