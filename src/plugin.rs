@@ -591,10 +591,16 @@ impl Runner {
     /// just before the run (a change during the run is seen by the next
     /// [`Runner::fingerprint_if_changed`]).
     pub async fn fingerprint(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
-        let file = self
-            .path_of(plugin_id)
-            .ok()
-            .and_then(|p| PluginFile::of(&p).ok());
+        self.fingerprint_of(plugin_id, self.file_of(plugin_id))
+            .await
+    }
+
+    /// [`Runner::fingerprint`] with the plugin's file as it was read before the run.
+    async fn fingerprint_of(
+        &self,
+        plugin_id: &str,
+        file: Option<PluginFile>,
+    ) -> Result<Fingerprint, PluginError> {
         let started = Instant::now();
         let r = self.fingerprint_unobserved(plugin_id).await;
         self.observe(plugin_id, Operation::Fingerprint, &r, started);
@@ -620,10 +626,7 @@ impl Runner {
         &self,
         plugin_id: &str,
     ) -> Result<Fingerprint, PluginError> {
-        let now = self
-            .path_of(plugin_id)
-            .ok()
-            .and_then(|p| PluginFile::of(&p).ok());
+        let now = self.file_of(plugin_id);
         let kept = {
             let known = self.fingerprints.lock().unwrap_or_else(|e| e.into_inner());
             match (known.get(plugin_id), now) {
@@ -633,8 +636,15 @@ impl Runner {
         };
         match kept {
             Some(fp) => Ok(fp),
-            None => self.fingerprint(plugin_id).await,
+            None => self.fingerprint_of(plugin_id, now).await,
         }
+    }
+
+    /// The plugin's file as it is now ([`PluginFile`]); `None` when it cannot be read.
+    fn file_of(&self, plugin_id: &str) -> Option<PluginFile> {
+        self.path_of(plugin_id)
+            .ok()
+            .and_then(|p| PluginFile::of(&p).ok())
     }
 
     async fn fingerprint_unobserved(&self, plugin_id: &str) -> Result<Fingerprint, PluginError> {
