@@ -437,47 +437,10 @@ pub fn scan_many(
     // Pass 2: what each process holds open, on any of the volumes.
     let any: BTreeSet<u32> = volume_mounts.iter().flatten().copied().collect();
     let devs: BTreeSet<DeviceId> = wanted.iter().map(|(v, _)| v.dev).collect();
-    for pid in procs {
-        let mut holds: Vec<(u32, Hold)> = Vec::new();
-        let mut unread = Vec::new();
-        // Every read below is made relative to the process's own `/proc` directory: one
-        // lookup of `/proc/<pid>` per process instead of one per file, and all of them of
-        // this process (were it to end and its pid be used again, they fail).
-        let dir = match proc_dir(pid) {
-            Ok(dir) => dir,
-            Err(e) if gone(&e) => continue,
-            Err(e) => {
-                unread.push(("proc", e));
-                report(&mut usages, &volume_mounts, pid, &[], &unread);
-                continue;
-            }
-        };
-        for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
-            match link_mount(&dir, link) {
-                Ok(Some(id)) if any.contains(&id) => holds.push((id, how)),
-                Ok(_) => {}
-                Err(e) if gone(&e) || link == "exe" => {} // an exiting process has no exe
-                Err(e) => unread.push((link, e)),
-            }
+    for (pid, seen) in inspect_all(&procs, &any, &devs) {
+        if let Some((holds, unread)) = seen {
+            report(&mut usages, &volume_mounts, pid, &holds, &unread);
         }
-        match open_fds(&dir, &any) {
-            Ok(fds) => holds.extend(
-                fds.into_iter()
-                    .map(|(id, fd, path)| (id, Hold::OpenFile { fd, path })),
-            ),
-            Err(e) if gone(&e) => {}
-            Err(e) => unread.push(("fd", e)),
-        }
-        match mapped(&dir, &devs, &any) {
-            Ok(paths) => holds.extend(
-                paths
-                    .into_iter()
-                    .map(|(id, path)| (id, Hold::Mapped { path })),
-            ),
-            Err(e) if gone(&e) => {}
-            Err(e) => unread.push(("maps", e)),
-        }
-        report(&mut usages, &volume_mounts, pid, &holds, &unread);
     }
     for usage in &mut usages {
         for h in &mut usage.holders {
@@ -487,6 +450,106 @@ pub fn scan_many(
         usage.holders.dedup();
     }
     Ok(usages)
+}
+
+/// What one process holds on the volumes, and what of it could not be read: `None` when
+/// the process is gone (a scan of a process ending as it is read).
+type Seen = Option<(Vec<(u32, Hold)>, Vec<(&'static str, std::io::Error)>)>;
+
+/// Processes per thread below which pass 2 of a scan is not split.
+const PER_THREAD: usize = 4;
+
+/// [`inspect`] of every process in `procs`, in order. A scan's time is the number of
+/// processes times the system calls each costs (about 60 with their descriptors and
+/// mappings, a few microseconds each): the processes are split over up to as many
+/// threads as the node has cores, at least [`PER_THREAD`] each, so that the scan before
+/// an unpublish does not make it wait for one core to read all of `/proc` (issue 10).
+/// The work and what it reads are the same as on one thread.
+fn inspect_all(procs: &[u32], any: &BTreeSet<u32>, devs: &BTreeSet<DeviceId>) -> Vec<(u32, Seen)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.min(procs.len() / PER_THREAD).max(1);
+    let one = |chunk: &[u32]| -> Vec<(u32, Seen)> {
+        chunk
+            .iter()
+            .map(|&pid| (pid, inspect(pid, any, devs)))
+            .collect()
+    };
+    if threads == 1 {
+        return one(procs);
+    }
+    let size = procs.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let mut chunks = procs.chunks(size);
+        let first = chunks.next().unwrap_or_default();
+        // A thread that cannot be started leaves its share to this one.
+        let others: Vec<(&[u32], std::io::Result<_>)> = chunks
+            .map(|c| {
+                let thread = std::thread::Builder::new()
+                    .name("holders-scan".into())
+                    .spawn_scoped(s, move || one(c));
+                (c, thread)
+            })
+            .collect();
+        let mut out = one(first);
+        for (c, thread) in others {
+            match thread.map(|t| t.join()) {
+                Ok(Ok(seen)) => out.extend(seen),
+                // A thread that panicked: its processes are reported as not inspected
+                // (fail closed), never as holding nothing.
+                Ok(Err(_)) => out.extend(c.iter().map(|&pid| {
+                    let e = std::io::Error::other("the scan of this process failed");
+                    (pid, Some((Vec::new(), vec![("proc", e)])))
+                })),
+                // A thread that could not be started: its share is read here.
+                Err(_) => out.extend(one(c)),
+            }
+        }
+        out
+    })
+}
+
+/// Pass 2 of a scan for one process: what it holds open on any of the volumes' mounts
+/// (`any`, devices `devs`).
+fn inspect(pid: u32, any: &BTreeSet<u32>, devs: &BTreeSet<DeviceId>) -> Seen {
+    let mut holds: Vec<(u32, Hold)> = Vec::new();
+    let mut unread = Vec::new();
+    // Every read below is made relative to the process's own `/proc` directory: one
+    // lookup of `/proc/<pid>` per process instead of one per file, and all of them of
+    // this process (were it to end and its pid be used again, they fail).
+    let dir = match proc_dir(pid) {
+        Ok(dir) => dir,
+        Err(e) if gone(&e) => return None,
+        Err(e) => {
+            unread.push(("proc", e));
+            return Some((holds, unread));
+        }
+    };
+    for (link, how) in [("cwd", Hold::Cwd), ("root", Hold::Root), ("exe", Hold::Exe)] {
+        match link_mount(&dir, link) {
+            Ok(Some(id)) if any.contains(&id) => holds.push((id, how)),
+            Ok(_) => {}
+            Err(e) if gone(&e) || link == "exe" => {} // an exiting process has no exe
+            Err(e) => unread.push((link, e)),
+        }
+    }
+    match open_fds(&dir, any) {
+        Ok(fds) => holds.extend(
+            fds.into_iter()
+                .map(|(id, fd, path)| (id, Hold::OpenFile { fd, path })),
+        ),
+        Err(e) if gone(&e) => {}
+        Err(e) => unread.push(("fd", e)),
+    }
+    match mapped(&dir, devs, any) {
+        Ok(paths) => holds.extend(
+            paths
+                .into_iter()
+                .map(|(id, path)| (id, Hold::Mapped { path })),
+        ),
+        Err(e) if gone(&e) => {}
+        Err(e) => unread.push(("maps", e)),
+    }
+    Some((holds, unread))
 }
 
 /// Adds what `pid` holds (`holds`: mount ID and how) to the usage of each volume whose
@@ -633,11 +696,39 @@ fn proc_dir(pid: u32) -> std::io::Result<OwnedFd> {
 /// Reads the file `name` under the directory `dir` whole.
 fn read_at(dir: &OwnedFd, name: &str) -> std::io::Result<String> {
     use rustix::fs::{openat, Mode, OFlags};
-    use std::io::Read;
     let fd = openat(dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
-    let mut text = String::new();
-    std::fs::File::from(fd).read_to_string(&mut text)?;
-    Ok(text)
+    read_whole(std::fs::File::from(fd))
+}
+
+/// Reads a `/proc` file whole. Not `read_to_string`: it asks the file's size first (an
+/// `fstat` and an `lseek` per file, for files whose size `/proc` shows as 0), two of the
+/// few system calls per descriptor a scan makes. Bytes that are not UTF-8 (a mapped
+/// file's name in `maps`) are replaced: names are only shown, the fields a scan decides by
+/// are ASCII, and a name the agent cannot print must not leave a process uninspected.
+fn read_whole(mut f: std::fs::File) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::with_capacity(4096);
+    loop {
+        if bytes.len() == bytes.capacity() {
+            bytes.reserve(bytes.capacity());
+        }
+        let len = bytes.len();
+        let spare = bytes.capacity() - len;
+        bytes.resize(len + spare, 0);
+        match f.read(&mut bytes[len..]) {
+            Ok(0) => {
+                bytes.truncate(len);
+                break;
+            }
+            Ok(n) => bytes.truncate(len + n),
+            Err(e) if e.kind() == ErrorKind::Interrupted => bytes.truncate(len),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    })
 }
 
 /// The `mnt_id:` line of an fdinfo file's text.
@@ -762,6 +853,27 @@ mod tests {
     use super::*;
     use crate::mounts::scratch::Scratch;
     use std::process::{Child, Command, Stdio};
+
+    #[test]
+    fn proc_files_are_read_whole_and_names_that_are_not_utf8_do_not_fail_the_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("maps");
+        let mut bytes = b"7f00-7f01 r--p 00000000 fe:00 42 /srv/\xff\xfe.so\n".to_vec();
+        // Longer than one read's buffer, so the loop runs more than once.
+        bytes.extend(std::iter::repeat_n(b'x', 10_000));
+        std::fs::write(&p, &bytes).unwrap();
+        let text = read_whole(std::fs::File::open(&p).unwrap()).unwrap();
+        assert!(text.starts_with("7f00-7f01 r--p 00000000 fe:00 42 /srv/"));
+        assert!(text.contains('\u{fffd}'), "{text:.60}");
+        assert_eq!(
+            text.len(),
+            bytes.len() + 4,
+            "two bytes became two 3-byte replacements"
+        );
+        // And a real /proc file, whose size the kernel shows as 0.
+        let own = read_whole(std::fs::File::open("/proc/self/maps").unwrap()).unwrap();
+        assert!(own.lines().count() > 5, "{own}");
+    }
 
     #[test]
     fn kernel_threads_are_told_from_processes() {
