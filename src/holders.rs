@@ -462,7 +462,7 @@ const PER_THREAD: usize = 4;
 /// [`inspect`] of every process in `procs`, in order. A scan's time is the number of
 /// processes times the system calls each costs (about 60 with their descriptors and
 /// mappings, a few microseconds each): the processes are split over up to as many
-/// threads as the node has cores, at least [`PER_THREAD`] each, so that the scan before
+/// threads as the node has cores, about [`PER_THREAD`] or more each, so that the scan before
 /// an unpublish does not make it wait for one core to read all of `/proc` (issue 10).
 /// The work and what it reads are the same as on one thread.
 fn inspect_all(procs: &[u32], any: &BTreeSet<u32>, devs: &BTreeSet<DeviceId>) -> Vec<(u32, Seen)> {
@@ -494,8 +494,9 @@ fn inspect_all(procs: &[u32], any: &BTreeSet<u32>, devs: &BTreeSet<DeviceId>) ->
         for (c, thread) in others {
             match thread.map(|t| t.join()) {
                 Ok(Ok(seen)) => out.extend(seen),
-                // A thread that panicked: its processes are reported as not inspected
-                // (fail closed), never as holding nothing.
+                // A thread that panicked: its processes are reported as not inspected,
+                // as when their descriptors cannot be read (their namespaces were read
+                // in pass 1; a descriptor on the host's mount fails the unmount, EBUSY).
                 Ok(Err(_)) => out.extend(c.iter().map(|&pid| {
                     let e = std::io::Error::other("the scan of this process failed");
                     (pid, Some((Vec::new(), vec![("proc", e)])))
