@@ -706,26 +706,12 @@ fn read_at(dir: &OwnedFd, name: &str) -> std::io::Result<String> {
 /// few system calls per descriptor a scan makes. Bytes that are not UTF-8 (a mapped
 /// file's name in `maps`) are replaced: names are only shown, the fields a scan decides by
 /// are ASCII, and a name the agent cannot print must not leave a process uninspected.
-fn read_whole(mut f: std::fs::File) -> std::io::Result<String> {
+fn read_whole(f: std::fs::File) -> std::io::Result<String> {
     use std::io::Read;
     let mut bytes = Vec::with_capacity(4096);
-    loop {
-        if bytes.len() == bytes.capacity() {
-            bytes.reserve(bytes.capacity());
-        }
-        let len = bytes.len();
-        let spare = bytes.capacity() - len;
-        bytes.resize(len + spare, 0);
-        match f.read(&mut bytes[len..]) {
-            Ok(0) => {
-                bytes.truncate(len);
-                break;
-            }
-            Ok(n) => bytes.truncate(len + n),
-            Err(e) if e.kind() == ErrorKind::Interrupted => bytes.truncate(len),
-            Err(e) => return Err(e),
-        }
-    }
+    // Through `take`, whose `read_to_end` does not ask the file's size (`File`'s does);
+    // it retries EINTR and grows the buffer without filling it first.
+    f.take(u64::MAX).read_to_end(&mut bytes)?;
     Ok(match String::from_utf8(bytes) {
         Ok(text) => text,
         Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
