@@ -9,7 +9,10 @@
 //! so a bind of a subdirectory of the same disk elsewhere is never mistaken for the volume.
 //! Reading `/proc` costs time in the number of processes and their descriptors: run
 //! [`scan_many`] off the agent's loop (a blocking task), only before an unpublish, shared by
-//! the unpublishes that wait together ([`before_unpublish_shared`]).
+//! the unpublishes that wait together ([`before_unpublish_shared`]). The descriptors and
+//! mappings are read only for a volume the kernel cannot answer for: one whose only mount
+//! anywhere is the target's, and that the kernel finds idle by that mount's reference
+//! count ([`crate::mounts::busy`]), is free without them.
 
 use crate::mounts::{DeviceId, MountIdentity, MountTable};
 use serde::Serialize;
@@ -249,6 +252,10 @@ pub struct Usage {
     /// Processes (or parts of them) that could not be read. A process whose mount table
     /// cannot be read may hide a mount of the volume: see [`Usage::in_use`].
     pub uninspected: Vec<Uninspected>,
+    /// True when the kernel answered for the host's mount ([`crate::mounts::busy`]):
+    /// nothing held it, so no process's descriptors or mappings were read.
+    #[serde(skip)]
+    pub by_kernel: bool,
 }
 
 impl Usage {
@@ -324,6 +331,14 @@ pub fn scan(
 /// descriptor read once): the usage of each `(volume, target)`, in order. Unpublishes that
 /// wait together share it ([`before_unpublish_shared`]), so a wave of N unpublishes reads
 /// `/proc` once instead of N times.
+///
+/// Pass 1 reads every other mount namespace's table for copies of the volumes. A volume
+/// with no mount but the target's (no copy in another namespace, no other bind in the
+/// host's) is then asked of the kernel ([`crate::mounts::busy::mount_use`]): every file,
+/// directory, mapping or mount on that mount holds a reference to it, so an idle answer
+/// is the whole answer ([`Usage::by_kernel`]). Pass 2 (each process's descriptors, working
+/// directory, root, executable and mappings: about 60 system calls a process) runs only
+/// for the other volumes, to name who holds them.
 pub fn scan_many(
     wanted: &[(MountIdentity, PathBuf)],
     host: &MountTable,
@@ -332,11 +347,14 @@ pub fn scan_many(
     let mut usages: Vec<Usage> = Vec::with_capacity(wanted.len());
     // Every mount of each volume in every namespace, by ID: what descriptors may point at.
     let mut volume_mounts: Vec<BTreeSet<u32>> = Vec::with_capacity(wanted.len());
+    // The ID of each target's mount, where it shows the volume.
+    let mut target_mounts: Vec<Option<u32>> = Vec::with_capacity(wanted.len());
     for (volume, target) in wanted {
         let target_mount = host
             .top_at(target)
             .filter(|e| e.shows(volume))
             .map(|e| e.id);
+        target_mounts.push(target_mount);
         usages.push(Usage {
             other_mounts: host
                 .entries()
@@ -434,12 +452,44 @@ pub fn scan_many(
         procs.push(pid);
     }
 
-    // Pass 2: what each process holds open, on any of the volumes.
-    let any: BTreeSet<u32> = volume_mounts.iter().flatten().copied().collect();
-    let devs: BTreeSet<DeviceId> = wanted.iter().map(|(v, _)| v.dev).collect();
-    for (pid, seen) in inspect_all(&procs, &any, &devs) {
-        if let Some((holds, unread)) = seen {
-            report(&mut usages, &volume_mounts, pid, &holds, &unread);
+    // The kernel's answer, where it is the whole answer: a volume whose one mount anywhere
+    // is the target's (no other namespace holds a copy, no other bind of it stands in the
+    // host's) is held by a process exactly when that mount's reference count says so
+    // (`mounts::busy`). Those the kernel finds idle need no pass 2.
+    let mut slow: Vec<usize> = Vec::with_capacity(wanted.len());
+    for (i, (_, target)) in wanted.iter().enumerate() {
+        let alone = match target_mounts[i] {
+            Some(id) => {
+                usages[i].holders.is_empty()
+                    && usages[i].uninspected.is_empty()
+                    && volume_mounts[i].len() == 1
+                    && volume_mounts[i].contains(&id)
+            }
+            None => false,
+        };
+        let idle = alone
+            && target_mounts[i].is_some_and(|id| {
+                crate::mounts::busy::mount_use(target, id) == crate::mounts::busy::MountUse::Idle
+            });
+        if idle {
+            usages[i].by_kernel = true;
+        } else {
+            slow.push(i);
+        }
+    }
+
+    // Pass 2: what each process holds open, on any of the volumes the kernel did not
+    // answer for.
+    if !slow.is_empty() {
+        let any: BTreeSet<u32> = slow
+            .iter()
+            .flat_map(|&i| volume_mounts[i].iter().copied())
+            .collect();
+        let devs: BTreeSet<DeviceId> = slow.iter().map(|&i| wanted[i].0.dev).collect();
+        for (pid, seen) in inspect_all(&procs, &any, &devs) {
+            if let Some((holds, unread)) = seen {
+                report(&mut usages, &volume_mounts, &slow, pid, &holds, &unread);
+            }
         }
     }
     for usage in &mut usages {
@@ -553,12 +603,13 @@ fn inspect(pid: u32, any: &BTreeSet<u32>, devs: &BTreeSet<DeviceId>) -> Seen {
     Some((holds, unread))
 }
 
-/// Adds what `pid` holds (`holds`: mount ID and how) to the usage of each volume whose
-/// mounts (`volume_mounts`, in the order of `usages`) have that ID, and what could not be
-/// read of it (`unread`) to every usage.
+/// Adds what `pid` holds (`holds`: mount ID and how) to the usage of each volume of
+/// `which` (indexes into `usages` and `volume_mounts`) whose mounts have that ID, and what
+/// could not be read of it (`unread`) to each of those usages.
 fn report(
     usages: &mut [Usage],
     volume_mounts: &[BTreeSet<u32>],
+    which: &[usize],
     pid: u32,
     holds: &[(u32, Hold)],
     unread: &[(&'static str, std::io::Error)],
@@ -567,7 +618,10 @@ fn report(
         return;
     }
     let comm = comm_of(pid);
-    for (usage, mounts) in usages.iter_mut().zip(volume_mounts) {
+    for &i in which {
+        let (Some(usage), Some(mounts)) = (usages.get_mut(i), volume_mounts.get(i)) else {
+            continue;
+        };
         usage.holders.extend(
             holds
                 .iter()
@@ -1004,6 +1058,10 @@ mod tests {
         assert!(u.holders.is_empty(), "{}", u.summary(5));
         assert!(u.other_mounts.is_empty());
         assert!(!u.in_use(), "{u:?}");
+        assert!(
+            u.by_kernel,
+            "the kernel answers for a volume with one mount"
+        );
     }
 
     #[test]
@@ -1022,6 +1080,7 @@ mod tests {
         let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&target)).ready();
         let u = scan_now(&id, &target);
         assert!(u.in_use());
+        assert!(!u.by_kernel, "a busy mount is scanned to name its holders");
         let hows: Vec<(u32, &Hold)> = u.holders.iter().map(|h| (h.pid, &h.how)).collect();
         assert!(
             hows.iter().any(|(p, h)| *p == open.pid()
@@ -1051,7 +1110,8 @@ mod tests {
         assert!(others.holders.iter().all(|h| h.pid != open.pid()));
         assert!(others.holders.iter().any(|h| h.pid == cwd.pid()));
         drop((open, cwd));
-        assert!(!scan_now(&id, &target).in_use());
+        let u = scan_now(&id, &target);
+        assert!(!u.in_use() && u.by_kernel, "{u:?}");
 
         // A program running from the volume (its text mapped and its exe on it).
         std::fs::copy("/bin/sleep", target.join("sleep")).unwrap();
@@ -1097,6 +1157,10 @@ mod tests {
         .ready();
         let u = scan_now(&id, &target);
         assert!(u.in_use());
+        assert!(
+            !u.by_kernel,
+            "a copy in another namespace has a count of its own"
+        );
         assert!(
             u.holders.iter().any(|h| h.pid == task.pid()
                 && matches!(&h.how, Hold::Mount { mount_point } if mount_point == &inner)),
@@ -1259,6 +1323,10 @@ mod tests {
         let u = scan_now(&id, &target);
         assert_eq!(u.other_mounts, vec![other.clone()]);
         assert!(!u.in_use(), "a mount is no process");
+        assert!(
+            !u.by_kernel,
+            "another mount of it is scanned, not asked of the kernel"
+        );
         assert!(u.summary(5).contains("also mounted at"));
         // A process using the volume through the other mount holds it.
         let cwd = Proc::spawn(sh("echo ready; exec sleep 600").current_dir(&other)).ready();

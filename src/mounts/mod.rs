@@ -3,8 +3,10 @@
 //!
 //! The host's table is pid 1's ([`MountTable::read`]); the agent refuses to run in any
 //! other mount namespace (see the `host` module). A table that cannot be read or parsed is an
-//! error, never an empty table.
+//! error, never an empty table. Whether one mount is in use is asked of the kernel in
+//! [`busy`].
 
+pub mod busy;
 pub mod changes;
 pub mod unchanged;
 
