@@ -149,7 +149,11 @@ mod tests {
         std::io::BufReader::new(child.0.stdout.take().expect("piped"))
             .read_line(&mut line)
             .expect("read the ready line");
-        assert_eq!(line.trim(), "ready");
+        assert_eq!(
+            line.trim(),
+            "ready",
+            "the holder `sh -c {script}` did not start (python3 comes with scripts/install-deps)"
+        );
         child
     }
 
@@ -196,16 +200,7 @@ mod tests {
             assert_eq!(mount_use(&t, id), MountUse::Busy, "a mapping");
         }
         {
-            let inner = t.join("inner");
-            std::fs::create_dir(&inner).unwrap();
-            nix::mount::mount(
-                Some("tmpfs"),
-                &inner,
-                Some("tmpfs"),
-                nix::mount::MsFlags::empty(),
-                Some("size=1m"),
-            )
-            .unwrap();
+            let inner = s.tmpfs("v/inner");
             assert_eq!(mount_use(&t, id), MountUse::Busy, "a mount inside it");
             nix::mount::umount(&inner).unwrap();
         }
