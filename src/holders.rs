@@ -467,9 +467,11 @@ pub fn scan_many(
             }
             None => false,
         };
+        let dev = wanted[i].0.dev;
         let idle = alone
             && target_mounts[i].is_some_and(|id| {
-                crate::mounts::busy::mount_use(target, id) == crate::mounts::busy::MountUse::Idle
+                crate::mounts::busy::mount_use(target, id, dev)
+                    == crate::mounts::busy::MountUse::Idle
             });
         if idle {
             usages[i].by_kernel = true;
