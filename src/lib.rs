@@ -18,8 +18,9 @@
 //! - `reconcile`: the pure plan from what is known to the steps to take;
 //! - [`journal`]: the durable local record (records in memory, group-committed ahead of
 //!   the plugin calls of each planning pass);
-//! - [`mounts`]: the mount table ([`mounts::MountTable`]), read as bytes, and notice of its
-//!   changes ([`mounts::MountChanges`]);
+//! - [`mounts`]: the mount table ([`mounts::MountTable`]), read as bytes, notice of its
+//!   changes ([`mounts::MountChanges`]), and the kernel's answer whether one mount is in use
+//!   ([`mounts::busy`]);
 //! - [`host`]: the host's mount namespace (the agent must run in it) and resolved directories;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
