@@ -782,13 +782,19 @@ fn fdinfo_mount(text: &str) -> Option<u32> {
 }
 
 /// The mount the magic link `name` of a process's directory `dir` (`cwd`, `exe`,
-/// `map_files/…`) leads to: `statx(2)` with `STATX_MNT_ID` and `AT_STATX_DONT_SYNC` (one
-/// system call; NFS, FUSE, CIFS and Ceph answer from their cache, so a dead server does not
-/// hang it); when that fails (kernels before 5.8, a filesystem that refuses getattr) opened
+/// `map_files/…`) leads to: `statx(2)` with `STATX_MNT_ID`, `AT_STATX_DONT_SYNC` and
+/// `AT_NO_AUTOMOUNT` (one system call; NFS, FUSE, CIFS and Ceph answer from their cache, so
+/// a dead server does not hang it, and a working directory on an automount trigger starts
+/// no mount, whose daemon or server could make it wait); when that fails (kernels before 5.8, a filesystem that refuses getattr) opened
 /// with `O_PATH` and read from our own fdinfo, which calls no filesystem.
 fn link_mount(dir: &OwnedFd, name: &str) -> std::io::Result<Option<u32>> {
     use rustix::fs::{openat, statx, AtFlags, Mode, OFlags, StatxFlags};
-    match statx(dir, name, AtFlags::STATX_DONT_SYNC, StatxFlags::MNT_ID) {
+    match statx(
+        dir,
+        name,
+        AtFlags::STATX_DONT_SYNC | AtFlags::NO_AUTOMOUNT,
+        StatxFlags::MNT_ID,
+    ) {
         Ok(st) if StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::MNT_ID) => {
             return Ok(u32::try_from(st.stx_mnt_id).ok());
         }

@@ -132,6 +132,9 @@ pub struct Client {
     /// Shared by every clone, so that a token re-read from its file reaches all callers.
     token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
+    /// The last list of the node's allocations was at least [`ROTATE_AFTER_BYTES`]: the
+    /// next one closes its connection. Shared by clones (one watch loop asks).
+    rotate_list: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Client {
@@ -160,6 +163,16 @@ fn capability_for(path: &str) -> &'static str {
 const POOL_IDLE_PER_HOST: usize = 4;
 /// An idle connection is closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A list of the node's allocations at least this large (bytes of JSON) makes the next list
+/// request close its connection once answered (`Connection: close`). Reading a large answer
+/// grows the connection's read buffer to hyper's cap (`DEFAULT_MAX_BUFFER_SIZE`, 408 KiB,
+/// `proto/h1/io.rs`; up to about twice that as the buffer grows), and a kept-alive
+/// connection keeps that buffer for as long as it lives: the blocking query's connection
+/// never idles, so it held 0.35–0.85 MiB after a 400-volume teardown (docs/scale.md). A
+/// fresh connection starts at 8 KiB. The next request, not this one: the answer is already
+/// read, and closing the connection it came on would cost the blocking query's next wait.
+pub const ROTATE_AFTER_BYTES: usize = 256 * 1024;
 
 /// A transport failure as [`NomadError::Unreachable`], with the innermost cause and a hint:
 /// a TLS handshake failure (unknown issuer, no client certificate) points at the TLS
@@ -265,6 +278,7 @@ impl Client {
             base: endpoint.base_url(),
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
+            rotate_list: Default::default(),
         })
     }
 
@@ -341,6 +355,17 @@ impl Client {
         what: &str,
     ) -> Result<Indexed<T>, NomadError> {
         let rb = self.request(&self.http, Method::GET, path).query(query);
+        Ok(self.read_json(rb, path, what).await?.0)
+    }
+
+    /// Sends `rb` (a read of `path`) and decodes its JSON answer (at most [`MAX_BODY`]),
+    /// with the answer's index and its size in bytes.
+    async fn read_json<T: DeserializeOwned>(
+        &self,
+        rb: reqwest::RequestBuilder,
+        path: &str,
+        what: &str,
+    ) -> Result<(Indexed<T>, usize), NomadError> {
         let resp = self.send(rb, what, path).await?;
         let index = header_index(&resp);
         let bytes = body_limited(resp, MAX_BODY)
@@ -354,7 +379,7 @@ impl Client {
             what: what.to_string(),
             source,
         })?;
-        Ok(Indexed { value, index })
+        Ok((Indexed { value, index }, bytes.len()))
     }
 
     /// A read where 404 means "absent": `Ok(None)`.
@@ -440,17 +465,28 @@ impl Client {
         index: u64,
         wait: Duration,
     ) -> Result<Indexed<Vec<T>>, NomadError> {
+        use std::sync::atomic::Ordering;
         let mut q = vec![];
         if index > 0 {
             q.push(("index", index.to_string()));
             q.push(("wait", format!("{}s", wait.as_secs().max(1))));
         }
-        self.get_json(
-            &format!("/v1/node/{node_id}/allocations"),
-            &q,
-            "list the node's allocations (GET /v1/node/:id/allocations)",
-        )
-        .await
+        let path = format!("/v1/node/{node_id}/allocations");
+        let mut rb = self.request(&self.http, Method::GET, &path).query(&q);
+        if self.rotate_list.swap(false, Ordering::Relaxed) {
+            rb = rb.header(reqwest::header::CONNECTION, "close");
+        }
+        let (answer, size) = self
+            .read_json(
+                rb,
+                &path,
+                "list the node's allocations (GET /v1/node/:id/allocations)",
+            )
+            .await?;
+        if size >= ROTATE_AFTER_BYTES {
+            self.rotate_list.store(true, Ordering::Relaxed);
+        }
+        Ok(answer)
     }
 
     /// Nomad API: `GET /v1/allocation/:id` (with its Job). `Ok(None)` on 404.
@@ -915,6 +951,68 @@ mod tests {
         panic!(
             "{} connections stay open after the burst, more than {POOL_IDLE_PER_HOST}",
             open.load(Ordering::SeqCst)
+        );
+    }
+
+    /// Issue 10: a large list of the node's allocations makes the next list request close
+    /// its connection (the read buffer a large answer grew goes with it); small lists keep
+    /// theirs.
+    #[tokio::test]
+    async fn a_large_allocation_list_retires_its_connection_after_the_next_answer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = format!("http://{}", listener.local_addr().unwrap());
+        // (connection number, whether the request asked to close it), per request.
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<(usize, bool)>::new()));
+        let answers = Arc::new(AtomicUsize::new(0));
+        let (sn, an) = (seen.clone(), answers.clone());
+        tokio::spawn(async move {
+            for conn in 0.. {
+                let Ok((sock, _)) = listener.accept().await else {
+                    return;
+                };
+                let (sn, an) = (sn.clone(), an.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: hyper::Request<_>| {
+                        let close = req
+                            .headers()
+                            .get(hyper::header::CONNECTION)
+                            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+                        sn.lock().unwrap().push((conn, close));
+                        // The second answer is large, every other one small.
+                        let pad = if an.fetch_add(1, Ordering::SeqCst) == 1 {
+                            "x".repeat(ROTATE_AFTER_BYTES)
+                        } else {
+                            String::new()
+                        };
+                        let body = format!(r#"[{{"ID":"a1","ModifyIndex":7,"Pad":"{pad}"}}]"#);
+                        async move {
+                            let mut r = hyper::Response::new(http_body_util::Full::new(
+                                bytes::Bytes::from(body),
+                            ));
+                            r.headers_mut()
+                                .insert("X-Nomad-Index", hyper::header::HeaderValue::from(7u32));
+                            Ok::<_, std::convert::Infallible>(r)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                        .await;
+                });
+            }
+        });
+        let client = loopback_client(&addr);
+        for _ in 0..4 {
+            let l = client
+                .node_allocations_listed("n1", 5, Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert_eq!(l.value.len(), 1);
+        }
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            seen,
+            vec![(0, false), (0, false), (0, true), (1, false)],
+            "small, large (kept), the next closes its connection, then a new one"
         );
     }
 
