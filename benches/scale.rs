@@ -9,7 +9,9 @@
 //!    and, for N = 200, at max-parallel = the machine's cores.
 //! 3. 400 releases with a 150 ms unpublish, measured / ideal schedule, in both modes.
 //! 4. The agent's RSS, all and anonymous: idle, with 200 published volumes, after a
-//!    400-volume teardown (each the least of 20 samples over 2 s).
+//!    400-volume teardown (each the least of 20 samples over 2 s); and its heap (jemalloc's
+//!    allocated bytes, `dhv_binder_heap_allocated_bytes` from its metrics endpoint) before
+//!    and after the release part's teardown, printed with part 3.
 //! 5. fsync-class system calls per publish (`strace -f` attached to the agent).
 //! 6. Plugin execs in 10 s while the agent is idle.
 //!
@@ -346,6 +348,21 @@ impl Node {
         least
     }
 
+    /// The agent's heap (`dhv_binder_heap_allocated_bytes`, jemalloc's live bytes) from its
+    /// metrics endpoint at `addr`, in KiB; `None` when it cannot be read.
+    async fn heap_kib(addr: &str) -> Option<u64> {
+        let text = reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("dhv_binder_heap_allocated_bytes "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(|b| b / 1024)
+    }
+
     fn calls(&self) -> Vec<Call> {
         std::fs::read_to_string(self.sb.join("calls.log"))
             .unwrap_or_default()
@@ -659,12 +676,20 @@ struct Release {
     rss_after: Rss,
     /// After the terminal allocations were garbage-collected and a resync dropped them.
     rss_gc: Rss,
+    /// The agent's heap (KiB) at the idle and after-GC points, from its metrics endpoint.
+    heap_before: Option<u64>,
+    heap_gc: Option<u64>,
 }
 
 /// Part 3: 400 volumes published, then all 400 allocations complete in one frame; the
 /// unpublishes (150 ms each) against the ideal schedule.
 async fn release(mode: WatchMode) -> Release {
     let n = 400;
+    // The metrics endpoint on a free loopback port, for the heap figures.
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     // A short resync, so that the allocations garbage-collected after the teardown leave the
     // agent's view within seconds (a GC wakes neither watch mode; docs/scale.md).
     let mut node = Node::start_with(
@@ -673,13 +698,17 @@ async fn release(mode: WatchMode) -> Release {
         n,
         (200, 150_000),
         MAX_PARALLEL,
-        &[("DHV_BINDER_RESYNC_INTERVAL", "2s")],
+        &[
+            ("DHV_BINDER_RESYNC_INTERVAL", "2s"),
+            ("DHV_BINDER_METRICS_ADDR", metrics.as_str()),
+        ],
     )
     .await;
     let exec = exec_cost(&node);
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let rss_before = node.rss_settled().await;
+    let heap_before = Node::heap_kib(&metrics).await;
     node.place(&allocs, "running");
     node.wait_calls("publish", n).await;
     let rss_full = node.rss_settled().await;
@@ -728,6 +757,7 @@ async fn release(mode: WatchMode) -> Release {
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss_gc = node.rss_settled().await;
+    let heap_gc = Node::heap_kib(&metrics).await;
     if let Some(secs) = std::env::var("BENCH_HOLD")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -747,6 +777,8 @@ async fn release(mode: WatchMode) -> Release {
         rss_full,
         rss_after,
         rss_gc,
+        heap_before,
+        heap_gc,
     }
 }
 
@@ -945,6 +977,13 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
             r.elapsed_ms,
             r.ideal_ms,
             r.elapsed_ms / r.ideal_ms
+        );
+        let kib = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
+        println!(
+            "   {:<6} heap (jemalloc allocated, KiB): 400 records idle {}, after the teardown and GC {}",
+            mode_name(mode),
+            kib(r.heap_before),
+            kib(r.heap_gc)
         );
         if mode == WatchMode::Poll {
             rss_400 = r.rss_full;
