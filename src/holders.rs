@@ -457,22 +457,19 @@ pub fn scan_many(
     // host's) is held by a process exactly when that mount's reference count says so
     // (`mounts::busy`). Those the kernel finds idle need no pass 2.
     let mut slow: Vec<usize> = Vec::with_capacity(wanted.len());
-    for (i, (_, target)) in wanted.iter().enumerate() {
-        let alone = match target_mounts[i] {
-            Some(id) => {
-                usages[i].holders.is_empty()
+    for (i, (volume, target)) in wanted.iter().enumerate() {
+        let idle = match target_mounts[i] {
+            Some(id)
+                if usages[i].holders.is_empty()
                     && usages[i].uninspected.is_empty()
                     && volume_mounts[i].len() == 1
-                    && volume_mounts[i].contains(&id)
-            }
-            None => false,
-        };
-        let dev = wanted[i].0.dev;
-        let idle = alone
-            && target_mounts[i].is_some_and(|id| {
-                crate::mounts::busy::mount_use(target, id, dev)
+                    && volume_mounts[i].contains(&id) =>
+            {
+                crate::mounts::busy::mount_use(target, id, volume.dev)
                     == crate::mounts::busy::MountUse::Idle
-            });
+            }
+            _ => false,
+        };
         if idle {
             usages[i].by_kernel = true;
         } else {
@@ -785,8 +782,9 @@ fn fdinfo_mount(text: &str) -> Option<u32> {
 /// `map_files/…`) leads to: `statx(2)` with `STATX_MNT_ID`, `AT_STATX_DONT_SYNC` and
 /// `AT_NO_AUTOMOUNT` (one system call; NFS, FUSE, CIFS and Ceph answer from their cache, so
 /// a dead server does not hang it, and a working directory on an automount trigger starts
-/// no mount, whose daemon or server could make it wait); when that fails (kernels before 5.8, a filesystem that refuses getattr) opened
-/// with `O_PATH` and read from our own fdinfo, which calls no filesystem.
+/// no mount, whose daemon or server could make it wait); when that fails (kernels before
+/// 5.8, a filesystem that refuses getattr) opened with `O_PATH` and read from our own
+/// fdinfo, which calls no filesystem.
 fn link_mount(dir: &OwnedFd, name: &str) -> std::io::Result<Option<u32>> {
     use rustix::fs::{openat, statx, AtFlags, Mode, OFlags, StatxFlags};
     match statx(
