@@ -26,8 +26,8 @@
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
 //! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
 //! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it);
-//! `BENCH_TRACE` (print each burst's calls as start/duration/concurrency, and the release
-//! part's slot turnaround).
+//! `BENCH_TRACE` (print each latency sample's commit and plugin start times, each burst's
+//! calls as start/duration/concurrency, and the release part's slot turnaround).
 //! Needs root (mounts) and `strace` (scripts/install-deps).
 
 #[path = "../tests/support/inproc.rs"]
@@ -467,6 +467,16 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize) -> (f64, f64) {
             .find(|c| c.op == "publish" && c.alloc == alloc_id(i))
             .expect("publish of the sample's allocation");
         lat.push(ms(c.start.saturating_sub(t0)));
+        if std::env::var_os("BENCH_TRACE").is_some() {
+            // Unix ns, to line up with the agent's own log (`DHV_BINDER_LOG=debug`).
+            eprintln!(
+                "latency {} {} sample {i}: committed {t0}, plugin started {} (+{:.3} ms)",
+                mode_name(mode),
+                if tmpfs { "tmpfs" } else { "disk" },
+                c.start,
+                ms(c.start.saturating_sub(t0))
+            );
+        }
         node.place(&[(i, i % 10)], "complete");
         node.wait_calls("unpublish", i + 1).await;
     }
