@@ -10,11 +10,14 @@
 //!    path at two stream sizes: it must not grow with the number of other nodes' events.
 //! 4. Bytes served by the simulator's scripted front (`nomad_sim::replay`) to one node's
 //!    watcher in each watch mode at small N, beside the model of docs/scale.md.
+//! 5. A poll answer of 100 allocations with their Jobs (the shapes of the real capture of
+//!    `GET /v1/node/:id/allocations`): the watcher's one-pass read of IDs and ModifyIndexes
+//!    ([`ListedAlloc::list`]) beside serde_json decoding it whole, µs per answer.
 //!
 //! Environment: `BENCH_EVENTS` (default 100000), `BENCH_SKIP_FAKE=1` skips part 4.
 
 use dhv_binder::nomad::events::{decode_line, Line, LineBuffer, Piece};
-use dhv_binder::nomad::types::Allocation;
+use dhv_binder::nomad::types::{Allocation, ListedAlloc};
 use dhv_binder::watch::{self, WatchConfig, WatchEvent, WatchMode};
 use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
@@ -349,6 +352,8 @@ fn main() {
     let rss_large = status_kib("VmHWM:");
     println!("peak RSS, watcher path: {rss_small} KiB at {n} events, {rss_large} KiB at {n4} events (process before: {base_rss} KiB)");
 
+    poll_answer();
+
     if std::env::var("BENCH_SKIP_FAKE").is_ok() {
         return;
     }
@@ -363,4 +368,46 @@ fn main() {
         let (p, per) = rt.block_on(measure_mode(WatchMode::Poll, nodes, 400, 10));
         println!("  N = {nodes:>3}: stream {:>9} B ({:>6} B/event), poll {:>9} B ({per} B per change on the node)", s, s / 400, p);
     }
+}
+
+/// Part 5: a poll answer of 100 allocations built from the real capture's allocations (each
+/// with its Job); the watcher's read of it beside a whole decode, best of 3 rounds of 200.
+fn poll_answer() {
+    let text = std::fs::read_to_string(shared(
+        "nomad-captures/node-allocations-3-allocs-1.0.x.json",
+    ))
+    .expect("the capture of a node's allocation list");
+    let shapes: Vec<Value> = serde_json::from_str(&text).expect("a JSON list");
+    let list: Vec<Value> = (0..100)
+        .map(|i| {
+            let mut a = shapes[i % shapes.len()].clone();
+            a["ID"] = uuid(7, i as u64).into();
+            a["ModifyIndex"] = (1000 + i).into();
+            a
+        })
+        .collect();
+    let body = bytes::Bytes::from(serde_json::to_vec(&list).unwrap());
+    let rounds = 200;
+    let (tl, n) = best_of(3, || {
+        (0..rounds)
+            .map(|_| ListedAlloc::list(body.clone()).expect("the list").len())
+            .sum::<usize>()
+    });
+    let (tf, m) = best_of(3, || {
+        (0..rounds)
+            .map(|_| {
+                serde_json::from_slice::<Vec<Allocation>>(&body)
+                    .expect("the list")
+                    .len()
+            })
+            .sum::<usize>()
+    });
+    assert_eq!((n, m), (100 * rounds, 100 * rounds));
+    let us = |t: Duration| t.as_secs_f64() * 1e6 / rounds as f64;
+    println!(
+        "poll answer of 100 allocations ({} KiB): listed (IDs and ModifyIndexes) {:.0} µs, decoded whole {:.0} µs",
+        body.len() / 1024,
+        us(tl),
+        us(tf)
+    );
 }

@@ -3,6 +3,7 @@
 //! Connection settings follow the Nomad CLI's environment conventions (see [`crate::config`]).
 
 pub mod events;
+pub(crate) mod scan;
 pub mod transport;
 pub mod types;
 
@@ -366,6 +367,21 @@ impl Client {
         path: &str,
         what: &str,
     ) -> Result<(Indexed<T>, usize), NomadError> {
+        let (bytes, index) = self.read_bytes(rb, path, what).await?;
+        let value = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
+            what: what.to_string(),
+            source,
+        })?;
+        Ok((Indexed { value, index }, bytes.len()))
+    }
+
+    /// A successful answer's body (at most [`MAX_BODY`] bytes) and its `X-Nomad-Index`.
+    async fn read_bytes(
+        &self,
+        rb: reqwest::RequestBuilder,
+        path: &str,
+        what: &str,
+    ) -> Result<(bytes::Bytes, u64), NomadError> {
         let resp = self.send(rb, what, path).await?;
         let index = header_index(&resp);
         let bytes = body_limited(resp, MAX_BODY)
@@ -375,11 +391,7 @@ impl Client {
                 what: what.to_string(),
                 limit: MAX_BODY,
             })?;
-        let value = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
-            what: what.to_string(),
-            source,
-        })?;
-        Ok((Indexed { value, index }, bytes.len()))
+        Ok((bytes, index))
     }
 
     /// A read where 404 means "absent": `Ok(None)`.
@@ -445,7 +457,13 @@ impl Client {
         index: u64,
         wait: Duration,
     ) -> Result<Indexed<Vec<Allocation>>, NomadError> {
-        self.list_node_allocations(node_id, index, wait).await
+        let what = "list the node's allocations (GET /v1/node/:id/allocations)";
+        let (body, index) = self.list_node_allocations(node_id, index, wait).await?;
+        let value = serde_json::from_slice(&body).map_err(|source| NomadError::Decode {
+            what: what.to_string(),
+            source,
+        })?;
+        Ok(Indexed { value, index })
     }
 
     /// [`Client::node_allocations`], each allocation decoded only as far as its ID and
@@ -456,15 +474,22 @@ impl Client {
         index: u64,
         wait: Duration,
     ) -> Result<Indexed<Vec<ListedAlloc>>, NomadError> {
-        self.list_node_allocations(node_id, index, wait).await
+        let what = "list the node's allocations (GET /v1/node/:id/allocations)";
+        let (body, index) = self.list_node_allocations(node_id, index, wait).await?;
+        let value = ListedAlloc::list(body).map_err(|source| NomadError::Decode {
+            what: what.to_string(),
+            source,
+        })?;
+        Ok(Indexed { value, index })
     }
 
-    async fn list_node_allocations<T: DeserializeOwned>(
+    /// The answer's bytes and its index.
+    async fn list_node_allocations(
         &self,
         node_id: &str,
         index: u64,
         wait: Duration,
-    ) -> Result<Indexed<Vec<T>>, NomadError> {
+    ) -> Result<(bytes::Bytes, u64), NomadError> {
         use std::sync::atomic::Ordering;
         let mut q = vec![];
         if index > 0 {
@@ -476,14 +501,14 @@ impl Client {
         if self.rotate_list.swap(false, Ordering::Relaxed) {
             rb = rb.header(reqwest::header::CONNECTION, "close");
         }
-        let (answer, size) = self
-            .read_json(
+        let answer = self
+            .read_bytes(
                 rb,
                 &path,
                 "list the node's allocations (GET /v1/node/:id/allocations)",
             )
             .await?;
-        if size >= ROTATE_AFTER_BYTES {
+        if answer.0.len() >= ROTATE_AFTER_BYTES {
             self.rotate_list.store(true, Ordering::Relaxed);
         }
         Ok(answer)

@@ -59,43 +59,57 @@ pub struct Allocation {
     pub alloc_modify_index: u64,
 }
 
-/// One allocation of a node's list (`GET /v1/node/:id/allocations`), decoded only as far
-/// as its `ID` and `ModifyIndex`: a poll answer lists every allocation of the node with
-/// its Job, and most are unchanged since the last answer, so only the changed ones are
-/// decoded whole ([`ListedAlloc::decode`]). The rest of the JSON is kept as it came.
+/// One allocation of a node's list (`GET /v1/node/:id/allocations`), read only as far as
+/// its `ID` and `ModifyIndex`: a poll answer lists every allocation of the node with its
+/// Job (terminal ones too, until the servers collect them), and most are unchanged since
+/// the last answer, so only the changed ones are decoded whole ([`ListedAlloc::decode`]).
+/// The rest of its JSON is kept as it came: a slice of the answer, not a copy.
 #[derive(Debug)]
 pub struct ListedAlloc {
     /// `ID`.
     pub id: String,
     /// `ModifyIndex`: raised by every change of the allocation (client or server side).
     pub modify_index: u64,
-    raw: Box<serde_json::value::RawValue>,
+    raw: bytes::Bytes,
 }
 
 impl ListedAlloc {
     /// The whole allocation. Errors: the JSON is not an allocation.
     pub fn decode(&self) -> Result<Allocation, serde_json::Error> {
-        serde_json::from_str(self.raw.get())
+        serde_json::from_slice(&self.raw)
     }
-}
 
-impl<'de> Deserialize<'de> for ListedAlloc {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        /// What a listed allocation is first read for (other keys are skipped).
-        #[derive(Deserialize)]
-        struct Peek {
-            #[serde(rename = "ID", default, deserialize_with = "null_default")]
-            id: String,
-            #[serde(rename = "ModifyIndex", default, deserialize_with = "null_default")]
-            modify_index: u64,
-        }
-        let raw = Box::<serde_json::value::RawValue>::deserialize(d)?;
-        let peek: Peek = serde_json::from_str(raw.get()).map_err(serde::de::Error::custom)?;
-        Ok(Self {
-            id: peek.id,
-            modify_index: peek.modify_index,
-            raw,
-        })
+    /// Reads a node's allocation list (a JSON array of allocations) in one pass over its
+    /// bytes ([`crate::nomad::scan::list`]); each allocation's JSON is validated when it is
+    /// decoded. Errors: the answer is not an array of objects, or an `ID` that is not a
+    /// string (or null) or a `ModifyIndex` that is not an unsigned integer (or null); the
+    /// list is refused whole.
+    pub fn list(body: bytes::Bytes) -> Result<Vec<ListedAlloc>, serde_json::Error> {
+        use serde::de::Error;
+        let elements = crate::nomad::scan::list(&body).map_err(|at| {
+            serde_json::Error::custom(format!(
+                "not a list of allocations: bad JSON near byte {at}"
+            ))
+        })?;
+        let field = |r: &Option<std::ops::Range<usize>>| r.clone().map(|r| &body[r]);
+        elements
+            .iter()
+            .map(|e| {
+                let id = match field(&e.id) {
+                    None | Some(b"null") => String::new(),
+                    Some(raw) => serde_json::from_slice::<String>(raw)?,
+                };
+                let modify_index = match field(&e.modify_index) {
+                    None | Some(b"null") => 0,
+                    Some(raw) => serde_json::from_slice::<u64>(raw)?,
+                };
+                Ok(ListedAlloc {
+                    id,
+                    modify_index,
+                    raw: body.slice(e.whole.clone()),
+                })
+            })
+            .collect()
     }
 }
 
@@ -464,7 +478,7 @@ mod tests {
             {"ModifyIndex": 3},
         ])
         .to_string();
-        let listed: Vec<ListedAlloc> = serde_json::from_str(&body).unwrap();
+        let listed = ListedAlloc::list(body.into()).unwrap();
         assert_eq!(
             listed
                 .iter()
@@ -477,8 +491,14 @@ mod tests {
         assert_eq!(a.client_status, "running");
         assert!(listed[1].decode().is_err(), "TaskStates: 5 is no map");
         // Not a list of objects: refused as a whole.
-        assert!(serde_json::from_str::<Vec<ListedAlloc>>(r#"[{"ID": 5}]"#).is_err());
-        assert!(serde_json::from_str::<Vec<ListedAlloc>>("[1]").is_err());
+        let list = |s: &'static str| ListedAlloc::list(bytes::Bytes::from_static(s.as_bytes()));
+        assert!(list(r#"[{"ID": 5}]"#).is_err());
+        assert!(list(r#"[{"ID": "a", "ModifyIndex": -1}]"#).is_err());
+        assert!(list(r#"[{"ID": "a", "ModifyIndex": 1.5}]"#).is_err());
+        assert!(list("[1]").is_err());
+        assert!(list(r#"[{"ID": "a"}] trailing"#).is_err());
+        // Escapes in an ID are decoded as serde_json would.
+        assert_eq!(list(r#"[{"ID": "\u0061"}]"#).unwrap()[0].id, "a");
     }
 
     fn alloc(desired: &str, client: &str, states: &[(&str, &str)]) -> Allocation {
