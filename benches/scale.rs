@@ -779,6 +779,12 @@ async fn release(mode: WatchMode) -> Release {
             mode_name(mode)
         );
         tokio::time::sleep(Duration::from_secs(secs)).await;
+        println!(
+            "   heap after the hold: {} KiB",
+            Node::heap_kib(&metrics)
+                .await
+                .map_or("?".to_string(), |k| k.to_string())
+        );
     }
     Release {
         elapsed_ms: ms(last.saturating_sub(t0)),

@@ -173,6 +173,9 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// never idles, so it held 0.35–0.85 MiB after a 400-volume teardown (docs/scale.md). A
 /// fresh connection starts at 8 KiB. The next request, not this one: the answer is already
 /// read, and closing the connection it came on would cost the blocking query's next wait.
+/// A list that is no blocking query (`index` 0: the first list, a relist after a fault, in
+/// stream mode every resync) always closes its own connection: it is rare, and the whole
+/// list, and would otherwise leave its grown buffer in the pool for the stream's reads.
 pub const ROTATE_AFTER_BYTES: usize = 256 * 1024;
 
 /// A transport failure as [`NomadError::Unreachable`], with the innermost cause and a hint:
@@ -498,7 +501,9 @@ impl Client {
         }
         let path = format!("/v1/node/{node_id}/allocations");
         let mut rb = self.request(&self.http, Method::GET, &path).query(&q);
-        if self.rotate_list.swap(false, Ordering::Relaxed) {
+        // A list that is not a blocking query (the first, a relist after a fault, and in
+        // stream mode every resync) is rare and the whole list: its own connection closes.
+        if self.rotate_list.swap(false, Ordering::Relaxed) || index == 0 {
             rb = rb.header(reqwest::header::CONNECTION, "close");
         }
         let answer = self
@@ -1026,9 +1031,10 @@ mod tests {
             }
         });
         let client = loopback_client(&addr);
-        for _ in 0..4 {
+        // Blocking queries, then a list that is none (index 0), then a blocking query.
+        for index in [5, 5, 5, 5, 0, 5] {
             let l = client
-                .node_allocations_listed("n1", 5, Duration::from_secs(1))
+                .node_allocations_listed("n1", index, Duration::from_secs(1))
                 .await
                 .unwrap();
             assert_eq!(l.value.len(), 1);
@@ -1036,8 +1042,16 @@ mod tests {
         let seen = seen.lock().unwrap().clone();
         assert_eq!(
             seen,
-            vec![(0, false), (0, false), (0, true), (1, false)],
-            "small, large (kept), the next closes its connection, then a new one"
+            vec![
+                (0, false),
+                (0, false),
+                (0, true),
+                (1, false),
+                (1, true),
+                (2, false)
+            ],
+            "small, large (kept), the next closes its connection, then a new one; a \
+             non-blocking list closes its own"
         );
     }
 
