@@ -3,7 +3,9 @@
 //! (`nomad_sim::replay`) on loopback. See docs/scale.md for what the figures mean.
 //!
 //! 1. Allocation event → plugin exec, p50/p99, in both watch modes, with the state directory on
-//!    disk (the bench's temporary directory) and on a tmpfs mounted under it.
+//!    disk (the bench's temporary directory) and on a tmpfs mounted under it; then on tmpfs
+//!    with the machine idle for 0.5 s before each sample (an allocation on a quiet node).
+//!    Each row also gives a plugin run started by the bench alone in the same rhythm.
 //! 2. N = 1/10/50/200 allocations placed at once (one frame, N volumes), last publish done,
 //!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit, at max-parallel 8
 //!    and, for N = 200, at max-parallel = the machine's cores.
@@ -22,6 +24,8 @@
 //! directory and detached when the node is dropped.
 //!
 //! Environment: `BENCH_SAMPLES` (latency samples per mode and filesystem, default 100);
+//! `BENCH_IDLE_SAMPLES` and `BENCH_IDLE_MS` (latency samples taken after an idle time each,
+//! per mode: default 20 after 500 ms);
 //! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all);
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
 //! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
@@ -455,10 +459,13 @@ fn ms(ns: u64) -> f64 {
 
 /// Part 1: `samples` allocations, one at a time, each on one of 10 volumes; the event →
 /// publish exec latency of each, then the allocation completes and its unpublish is awaited.
-async fn latency(mode: WatchMode, tmpfs: bool, samples: usize) -> (f64, f64) {
+/// With a `gap`, the agent is left idle that long before each sample (allocations that come
+/// now and then, as on most nodes, rather than back to back).
+async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) -> Latency {
     let mut node = Node::start(mode, tmpfs, 10, (200, 200)).await;
     let mut lat = Vec::with_capacity(samples);
     for i in 0..samples {
+        tokio::time::sleep(gap).await;
         let t0 = node.place(&[(i, i % 10)], "running");
         node.wait_calls("publish", i + 1).await;
         let c = node
@@ -481,13 +488,52 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize) -> (f64, f64) {
         node.wait_calls("unpublish", i + 1).await;
     }
     lat.sort_by(|a, b| a.total_cmp(b));
-    (quantile(&lat, 0.5), quantile(&lat, 0.99))
+    // The exec alone, started as the samples were: back to back, or after the same idle.
+    let exec = if gap.is_zero() {
+        exec_cost(&node)
+    } else {
+        exec_cost_after(&node, gap, samples).await
+    };
+    Latency {
+        p50: quantile(&lat, 0.5),
+        p99: quantile(&lat, 0.99),
+        exec,
+    }
+}
+
+/// Part 1's figures for one row (ms).
+struct Latency {
+    p50: f64,
+    p99: f64,
+    /// A whole plugin run (fork, exec, dynamic linking, the plugin's work, exit) started
+    /// by the bench itself in the same rhythm: what the machine charges for an exec.
+    exec: f64,
 }
 
 /// Mean wall time of starting the plugin and waiting for it (a no-op operation): the
 /// "exec" of the ideal schedule.
 fn exec_cost(node: &Node) -> f64 {
     exec_costs(node).0
+}
+
+/// Median wall time (ms) of one plugin run (as [`exec_cost`]) when each starts after `gap`
+/// of idle: the machine's own cost of waking to start a process.
+async fn exec_cost_after(node: &Node, gap: Duration, n: usize) -> f64 {
+    let plugin = node.sb.join("plugins").join(PLUGIN);
+    let mut walls = Vec::with_capacity(n);
+    for _ in 0..n {
+        tokio::time::sleep(gap).await;
+        let t = Instant::now();
+        let _ = Command::new(&plugin)
+            .arg("create")
+            .env_clear()
+            .env("DHV_OPERATION", "create")
+            .stdout(Stdio::null())
+            .status();
+        walls.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    walls.sort_by(f64::total_cmp);
+    quantile(&walls, 0.5)
 }
 
 /// Mean wall time and mean CPU time (user + system, of the child: fork, exec, dynamic
@@ -871,10 +917,7 @@ fn main() {
         eprintln!("benches/scale: the plugin mounts (bind mounts, a tmpfs): run as root");
         std::process::exit(1);
     }
-    let samples: usize = std::env::var("BENCH_SAMPLES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
+    let samples = env_usize("BENCH_SAMPLES", 100);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -903,6 +946,14 @@ fn main() {
     println!("total {:.0} s", started.elapsed().as_secs_f64());
 }
 
+/// A count from the environment, else `default`.
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 async fn interrupted() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
@@ -919,13 +970,30 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
         println!("1. allocation event -> plugin exec (ms; includes the exec):");
         for tmpfs in [false, true] {
             for mode in [WatchMode::Stream, WatchMode::Poll] {
-                let (p50, p99) = latency(mode, tmpfs, samples).await;
+                let l = latency(mode, tmpfs, samples, Duration::ZERO).await;
                 println!(
-                    "   {:<6} state on {:<5}  p50 {p50:>7.2}  p99 {p99:>7.2}",
+                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [a plugin run alone: {:.2}]",
                     mode_name(mode),
                     if tmpfs { "tmpfs" } else { "disk" },
+                    l.p50,
+                    l.p99,
+                    l.exec,
                 );
             }
+        }
+        // Spaced out, as allocations come to most nodes: the machine idles between them
+        // (a process started after 0.3 s or more of idle costs this VM 0.8 ms more).
+        let spaced = env_usize("BENCH_IDLE_SAMPLES", 20);
+        let gap = env_usize("BENCH_IDLE_MS", 500);
+        for mode in [WatchMode::Stream, WatchMode::Poll] {
+            let l = latency(mode, true, spaced, Duration::from_millis(gap as u64)).await;
+            println!(
+                "   {:<6} state on tmpfs, each after {gap} ms idle ({spaced} samples)  p50 {:>7.2}  p99 {:>7.2}  [a plugin run alone, after the same idle: {:.2}]",
+                mode_name(mode),
+                l.p50,
+                l.p99,
+                l.exec,
+            );
         }
     }
 
