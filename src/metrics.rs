@@ -546,6 +546,63 @@ fn answer<B>(m: &Metrics, req: &Request<B>) -> Response<Full<Bytes>> {
 mod tests {
     use super::*;
 
+    /// Every metric family the agent exports.
+    const EXPORTED: [&str; 19] = [
+        "dhv_binder_plugin_call_duration_seconds",
+        "dhv_binder_publish_wait_duration_seconds",
+        "dhv_binder_operations_pending",
+        "dhv_binder_operations_uncertain",
+        "dhv_binder_publish_waiters",
+        "dhv_binder_claim_waits_total",
+        "dhv_binder_claim_losses_total",
+        "dhv_binder_mounts",
+        "dhv_binder_mount_deaths_total",
+        "dhv_binder_watch_state",
+        "dhv_binder_watch_faults_total",
+        "dhv_binder_journal_write_duration_seconds",
+        "dhv_binder_allocations",
+        "dhv_binder_volumes",
+        "dhv_binder_volumes_served",
+        "dhv_binder_plugin_up",
+        "dhv_binder_heap_allocated_bytes",
+        "dhv_binder_heap_resident_bytes",
+        "dhv_binder_build_info",
+    ];
+
+    /// The shipped dashboard and alerting rules name only metrics the agent exports (a
+    /// renamed metric would leave a panel empty or an alert silent).
+    #[test]
+    fn the_dashboard_and_alerts_use_exported_metrics() {
+        let docs = [
+            include_str!("../docs/prometheus-alerts.yml"),
+            include_str!("../docs/grafana-dashboard.json"),
+        ];
+        let mut seen = 0;
+        for text in docs {
+            for (at, _) in text.match_indices("dhv_binder_") {
+                let name: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let family = ["_bucket", "_count", "_sum"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .unwrap_or(&name);
+                assert!(EXPORTED.contains(&family), "{name} is not exported");
+                seen += 1;
+            }
+        }
+        assert!(seen > 20, "the docs name {seen} metrics");
+        // The heap: alerted on, and both gauges on the dashboard.
+        assert!(docs[0].contains("dhv_binder_heap_allocated_bytes"));
+        for name in [
+            "dhv_binder_heap_allocated_bytes",
+            "dhv_binder_heap_resident_bytes",
+        ] {
+            assert!(docs[1].contains(name), "{name} not on the dashboard");
+        }
+    }
+
     fn line_value(text: &str, prefix: &str) -> Option<f64> {
         text.lines()
             .find(|l| l.starts_with(prefix))
@@ -617,27 +674,7 @@ mod tests {
 
         let after = scrape().await;
         // Every metric is exposed (families once they have a member).
-        for name in [
-            "dhv_binder_plugin_call_duration_seconds",
-            "dhv_binder_publish_wait_duration_seconds",
-            "dhv_binder_operations_pending",
-            "dhv_binder_operations_uncertain",
-            "dhv_binder_publish_waiters",
-            "dhv_binder_claim_waits_total",
-            "dhv_binder_claim_losses_total",
-            "dhv_binder_mounts",
-            "dhv_binder_mount_deaths_total",
-            "dhv_binder_watch_state",
-            "dhv_binder_watch_faults_total",
-            "dhv_binder_journal_write_duration_seconds",
-            "dhv_binder_allocations",
-            "dhv_binder_volumes",
-            "dhv_binder_volumes_served",
-            "dhv_binder_plugin_up",
-            "dhv_binder_heap_allocated_bytes",
-            "dhv_binder_heap_resident_bytes",
-            "dhv_binder_build_info",
-        ] {
+        for name in EXPORTED {
             assert!(
                 after.lines().any(|l| l.starts_with(name)),
                 "{name} missing:\n{after}"
