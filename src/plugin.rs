@@ -2,7 +2,7 @@
 //! `publish` and `unpublish` for deferred binding (docs/plugin-protocol.md).
 //!
 //! A plugin is an executable `<plugin_dir>/<plugin_id>`, called with the operation as
-//! argv[1] and in `DHV_OPERATION`, an environment of `DHV_*` variables only (no PATH, as
+//! `argv[1]` and in `DHV_OPERATION`, an environment of `DHV_*` variables only (no PATH, as
 //! Nomad does), stdin from /dev/null, stdout parsed as JSON, stderr kept for errors. It runs
 //! in its own process group; past the timeout the group gets SIGTERM, then SIGKILL.
 
@@ -40,7 +40,7 @@ pub enum Operation {
 }
 
 impl Operation {
-    /// The argv[1] / DHV_OPERATION value.
+    /// The `argv[1]` / `DHV_OPERATION` value.
     pub fn as_str(self) -> &'static str {
         match self {
             Operation::Fingerprint => "fingerprint",
@@ -468,7 +468,7 @@ fn secret_forms(secrets: &BTreeMap<String, String>) -> Vec<String> {
 }
 
 /// Replaces every secret value in `text` with `[redacted]`, in each form it may have been
-/// escaped to ([`secret_forms`]). Call it on raw text, before escaping or truncating.
+/// escaped to (`secret_forms`). Call it on raw text, before escaping or truncating.
 pub fn redact(text: &str, secrets: &BTreeMap<String, String>) -> String {
     let mut out = text.to_string();
     for f in secret_forms(secrets) {
@@ -617,7 +617,7 @@ impl Runner {
     }
 
     /// The periodic rescan's fingerprint: the one remembered from the last good run when
-    /// the plugin's file is the same file, unchanged, since ([`PluginFile`]); else (a new
+    /// the plugin's file is the same file, unchanged, since (`PluginFile`); else (a new
     /// plugin, a changed file, a file that cannot be read now, a last run that failed)
     /// [`Runner::fingerprint`]. Nomad fingerprints plugins only at its start and on
     /// SIGHUP (`Periodic() → false`, client/fingerprint/dynamic_host_volumes.go); running

@@ -59,7 +59,7 @@ pub enum StartError {
     /// Not in the host's mount namespace, or the working directories are unusable.
     #[error(transparent)]
     Host(#[from] crate::host::HostError),
-    /// The placeholder guard cannot be placed (see [`crate::guard`]).
+    /// The placeholder guard cannot be placed (see `crate::guard`).
     #[error(transparent)]
     Guard(#[from] crate::guard::GuardError),
 }

@@ -80,7 +80,7 @@ impl ListedAlloc {
     }
 
     /// Reads a node's allocation list (a JSON array of allocations) in one pass over its
-    /// bytes ([`crate::nomad::scan::list`]); each allocation's JSON is validated when it is
+    /// bytes (`nomad::scan::list`); each allocation's JSON is validated when it is
     /// decoded. Errors: the answer is not an array of objects, or an `ID` that is not a
     /// string (or null) or a `ModifyIndex` that is not an unsigned integer (or null); the
     /// list is refused whole.
