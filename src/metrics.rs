@@ -569,6 +569,16 @@ mod tests {
         "dhv_binder_build_info",
     ];
 
+    /// True for an exported family's name, or a histogram family's series
+    /// (`_bucket`, `_count`, `_sum` of a `_seconds` family).
+    fn exported(name: &str) -> bool {
+        EXPORTED.contains(&name)
+            || ["_bucket", "_count", "_sum"].iter().any(|s| {
+                name.strip_suffix(s)
+                    .is_some_and(|f| f.ends_with("_seconds") && EXPORTED.contains(&f))
+            })
+    }
+
     /// The shipped dashboard and alerting rules name only metrics the agent exports (a
     /// renamed metric would leave a panel empty or an alert silent).
     #[test]
@@ -584,11 +594,7 @@ mod tests {
                     .chars()
                     .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
                     .collect();
-                let family = ["_bucket", "_count", "_sum"]
-                    .iter()
-                    .find_map(|s| name.strip_suffix(s))
-                    .unwrap_or(&name);
-                assert!(EXPORTED.contains(&family), "{name} is not exported");
+                assert!(exported(&name), "{name} is not exported");
                 seen += 1;
             }
         }
@@ -674,11 +680,22 @@ mod tests {
 
         let after = scrape().await;
         // Every metric is exposed (families once they have a member).
+        // Every family has a series of exactly its name (histograms: its `_count`), and
+        // every series belongs to an exported family.
+        let series: Vec<&str> = after
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap_or(l))
+            .collect();
         for name in EXPORTED {
+            let count = format!("{name}_count");
             assert!(
-                after.lines().any(|l| l.starts_with(name)),
+                series.iter().any(|s| *s == name || *s == count),
                 "{name} missing:\n{after}"
             );
+        }
+        for s in &series {
+            assert!(exported(s), "{s} is exported but not listed");
         }
         let has = |l: &str| assert!(after.lines().any(|x| x == l), "no line {l:?} in:\n{after}");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"ok\"} 1");

@@ -372,6 +372,8 @@ impl Watcher {
                 .map(ListedAlloc::decode)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(bad_list)?;
+            // The answer's buffer goes before the agent is waited on.
+            drop(listed);
             return Ok(self.relisted(allocs, index).await);
         }
         let before = self.polled.take().unwrap_or_default();
