@@ -332,6 +332,10 @@ mod tests {
         assert!(!node_id_is(br#"{"Allocation":{"ID":"a"#, "me"));
     }
 
+    fn text2<'a>(p: &'a [u8], r: &Option<std::ops::Range<usize>>) -> Option<&'a [u8]> {
+        r.clone().map(|r| &p[r])
+    }
+
     #[test]
     fn a_list_is_read_for_its_objects_ids_and_modify_indexes() {
         let p = br#" [ {"ID":"a","Job":{"ID":"j","ModifyIndex":99,"S":"}\"{"},"ModifyIndex":7} ,
@@ -352,6 +356,11 @@ mod tests {
         assert_eq!(text(&l[1].modify_index), Some(&b"null"[..]));
         assert_eq!((l[2].id.clone(), l[2].modify_index.clone()), (None, None));
         assert_eq!(list(b"[]"), Ok(vec![]));
+        // A string ending in an escaped backslash ends at its quote.
+        let p = br#"[{"ID":"a\\","X":"\"}","ModifyIndex":1}]"#;
+        let l = list(p).unwrap();
+        assert_eq!(text2(p, &l[0].id), Some(&br#""a\\""#[..]));
+        assert_eq!(text2(p, &l[0].modify_index), Some(&b"1"[..]));
         // Broken structures are errors, never a shorter list, and never a panic.
         for bad in [
             &b""[..],
