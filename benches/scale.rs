@@ -516,20 +516,24 @@ fn exec_cost(node: &Node) -> f64 {
     exec_costs(node).0
 }
 
+/// Runs the node's plugin once, a no-op operation, and waits for it.
+fn run_plugin(node: &Node) {
+    let _ = Command::new(node.sb.join("plugins").join(PLUGIN))
+        .arg("create")
+        .env_clear()
+        .env("DHV_OPERATION", "create")
+        .stdout(Stdio::null())
+        .status();
+}
+
 /// Median wall time (ms) of one plugin run (as [`exec_cost`]) when each starts after `gap`
 /// of idle: the machine's own cost of waking to start a process.
 async fn exec_cost_after(node: &Node, gap: Duration, n: usize) -> f64 {
-    let plugin = node.sb.join("plugins").join(PLUGIN);
     let mut walls = Vec::with_capacity(n);
     for _ in 0..n {
         tokio::time::sleep(gap).await;
         let t = Instant::now();
-        let _ = Command::new(&plugin)
-            .arg("create")
-            .env_clear()
-            .env("DHV_OPERATION", "create")
-            .stdout(Stdio::null())
-            .status();
+        run_plugin(node);
         walls.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     walls.sort_by(f64::total_cmp);
@@ -539,17 +543,11 @@ async fn exec_cost_after(node: &Node, gap: Duration, n: usize) -> f64 {
 /// Mean wall time and mean CPU time (user + system, of the child: fork, exec, dynamic
 /// linking, the plugin's own start) of one plugin run, in ms.
 fn exec_costs(node: &Node) -> (f64, f64) {
-    let plugin = node.sb.join("plugins").join(PLUGIN);
     let n = 30;
     let cpu0 = children_cpu_ms();
     let t = Instant::now();
     for _ in 0..n {
-        let _ = Command::new(&plugin)
-            .arg("create")
-            .env_clear()
-            .env("DHV_OPERATION", "create")
-            .stdout(Stdio::null())
-            .status();
+        run_plugin(node);
     }
     let wall = t.elapsed().as_secs_f64() * 1000.0 / n as f64;
     (wall, (children_cpu_ms() - cpu0) / n as f64)
