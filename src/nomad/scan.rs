@@ -10,43 +10,25 @@
 /// (`None` for `{}` or any object without `Index` and `Events`), or the byte offset
 /// where the structure broke.
 pub fn frame(p: &[u8], mut each: impl FnMut(&[u8], &[u8], &[u8])) -> Result<Option<u64>, usize> {
-    let mut i = expect(p, ws(p, 0), b'{')?;
     let mut index = None;
     let mut saw_events = false;
-    loop {
-        i = ws(p, i);
-        match p.get(i) {
-            Some(b'}') => {
-                i += 1;
-                break;
+    let i = members(p, ws(p, 0), Commas::Optional, |key, i| match key {
+        b"Index" => {
+            let end = value_end(p, i)?;
+            index = std::str::from_utf8(&p[i..end])
+                .ok()
+                .and_then(|n| n.parse().ok());
+            if index.is_none() {
+                return Err(i);
             }
-            Some(b'"') => {}
-            _ => return Err(i),
+            Ok(end)
         }
-        let (key, after) = string(p, i)?;
-        i = ws(p, expect(p, ws(p, after), b':')?);
-        match key {
-            b"Index" => {
-                let end = value_end(p, i)?;
-                index = std::str::from_utf8(&p[i..end])
-                    .ok()
-                    .and_then(|n| n.parse().ok());
-                if index.is_none() {
-                    return Err(i);
-                }
-                i = end;
-            }
-            b"Events" if p.get(i) == Some(&b'[') => {
-                saw_events = true;
-                i = events(p, i, &mut each)?;
-            }
-            _ => i = value_end(p, i)?,
+        b"Events" if p.get(i) == Some(&b'[') => {
+            saw_events = true;
+            events(p, i, &mut each)
         }
-        i = ws(p, i);
-        if p.get(i) == Some(&b',') {
-            i += 1;
-        }
-    }
+        _ => value_end(p, i),
+    })?;
     if ws(p, i) != p.len() {
         return Err(i);
     }
@@ -62,20 +44,8 @@ fn events(p: &[u8], i: usize, each: &mut impl FnMut(&[u8], &[u8], &[u8])) -> Res
             Some(b'{') => {}
             _ => return Err(i),
         }
-        i += 1;
         let (mut topic, mut typ, mut payload): (&[u8], &[u8], &[u8]) = (b"", b"", b"");
-        loop {
-            i = ws(p, i);
-            match p.get(i) {
-                Some(b'}') => {
-                    i += 1;
-                    break;
-                }
-                Some(b'"') => {}
-                _ => return Err(i),
-            }
-            let (key, after) = string(p, i)?;
-            i = ws(p, expect(p, ws(p, after), b':')?);
+        i = members(p, i, Commas::Optional, |key, i| {
             let end = value_end(p, i)?;
             match key {
                 b"Topic" if p[i] == b'"' => topic = &p[i + 1..end - 1],
@@ -83,17 +53,54 @@ fn events(p: &[u8], i: usize, each: &mut impl FnMut(&[u8], &[u8], &[u8])) -> Res
                 b"Payload" => payload = &p[i..end],
                 _ => {}
             }
-            i = ws(p, end);
-            if p.get(i) == Some(&b',') {
-                i += 1;
-            }
-        }
+            Ok(end)
+        })?;
         if !payload.is_empty() {
             each(topic, typ, payload);
         }
         i = ws(p, i);
         if p.get(i) == Some(&b',') {
             i += 1;
+        }
+    }
+}
+
+/// How an object's members are separated: as the frame scanner has always read them (a
+/// comma after a value is optional), or as JSON requires (a comma between members, none
+/// after the last).
+#[derive(Clone, Copy, PartialEq)]
+enum Commas {
+    Optional,
+    Required,
+}
+
+/// Walks the members of the object whose `{` is at `i`: `each(key, value_start)` reads a
+/// member's value and returns where it ends (the key's raw bytes, escapes left as they
+/// are). Returns the index after the closing `}`, or where the structure broke.
+fn members(
+    p: &[u8],
+    i: usize,
+    commas: Commas,
+    mut each: impl FnMut(&[u8], usize) -> Result<usize, usize>,
+) -> Result<usize, usize> {
+    let mut i = expect(p, i, b'{')?;
+    let mut first = true;
+    loop {
+        i = ws(p, i);
+        match p.get(i) {
+            Some(b'}') if first || commas == Commas::Optional => return Ok(i + 1),
+            Some(b'"') => {}
+            _ => return Err(i),
+        }
+        first = false;
+        let (key, after) = string(p, i)?;
+        i = ws(p, expect(p, ws(p, after), b':')?);
+        i = ws(p, each(key, i)?);
+        match (p.get(i), commas) {
+            (Some(b','), _) => i += 1,
+            (Some(b'}'), Commas::Required) => return Ok(i + 1),
+            (_, Commas::Optional) => {}
+            _ => return Err(i),
         }
     }
 }
@@ -252,42 +259,22 @@ pub fn list(p: &[u8]) -> Result<Vec<Element>, usize> {
         loop {
             i = ws(p, i);
             let start = i;
-            i = expect(p, i, b'{')?;
             let (mut id, mut modify_index) = (None, None);
-            i = ws(p, i);
-            if p.get(i) == Some(&b'}') {
-                i += 1;
-            } else {
-                loop {
-                    i = ws(p, i);
-                    if p.get(i) != Some(&b'"') {
+            i = members(p, i, Commas::Required, |key, i| {
+                let end = value_end(p, i)?;
+                let slot = match key {
+                    b"ID" => Some(&mut id),
+                    b"ModifyIndex" => Some(&mut modify_index),
+                    _ => None,
+                };
+                if let Some(slot) = slot {
+                    if slot.is_some() {
                         return Err(i);
                     }
-                    let (key, after) = string(p, i)?;
-                    i = ws(p, expect(p, ws(p, after), b':')?);
-                    let end = value_end(p, i)?;
-                    let slot = match key {
-                        b"ID" => Some(&mut id),
-                        b"ModifyIndex" => Some(&mut modify_index),
-                        _ => None,
-                    };
-                    if let Some(slot) = slot {
-                        if slot.is_some() {
-                            return Err(i);
-                        }
-                        *slot = Some(i..end);
-                    }
-                    i = ws(p, end);
-                    match p.get(i) {
-                        Some(b',') => i += 1,
-                        Some(b'}') => {
-                            i += 1;
-                            break;
-                        }
-                        _ => return Err(i),
-                    }
+                    *slot = Some(i..end);
                 }
-            }
+                Ok(end)
+            })?;
             out.push(Element {
                 whole: start..i,
                 id,
