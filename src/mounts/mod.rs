@@ -11,9 +11,9 @@ pub mod changes;
 pub mod unchanged;
 
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ffi::OsString;
-use std::os::unix::ffi::OsStringExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -23,6 +23,9 @@ pub use changes::MountChanges;
 pub const HOST_MOUNTINFO: &str = "/proc/1/mountinfo";
 /// This process's mount table.
 pub const SELF_MOUNTINFO: &str = "/proc/self/mountinfo";
+
+/// The host's table as [`MountTable::read`] last read it, with the descriptor it polls.
+static HOST: unchanged::Unchanged = unchanged::Unchanged::new();
 
 /// Why a mount table could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -183,9 +186,51 @@ pub enum TargetState {
 
 struct Inner {
     entries: Vec<MountEntry>,
-    /// Indexes into `entries` by mount point, in table order (the last one is usually on
-    /// top; [`MountTable::top_at`] follows the parent links to be sure).
-    by_point: BTreeMap<PathBuf, Vec<usize>>,
+    /// Indexes into `entries`, sorted by the mount point's bytes and, for one mount point,
+    /// in table order (the last one is usually on top; [`MountTable::top_at`] follows the
+    /// parent links to be sure). Byte order keeps every path with a given prefix together,
+    /// so a lookup is a binary search, and building it compares bytes, not components
+    /// (a reading after every plugin call builds one: docs/scale.md).
+    by_point: Vec<u32>,
+}
+
+impl Inner {
+    fn point(&self, i: u32) -> &[u8] {
+        self.entries
+            .get(i as usize)
+            .map_or(&[][..], |e| e.mount_point.as_os_str().as_bytes())
+    }
+
+    /// The part of `by_point` whose mount points start with the bytes `prefix`.
+    fn with_prefix(&self, prefix: &[u8]) -> &[u32] {
+        let lo = self.by_point.partition_point(|&i| self.point(i) < prefix);
+        let len = self.by_point[lo..].partition_point(|&i| self.point(i).starts_with(prefix));
+        &self.by_point[lo..lo + len]
+    }
+
+    /// The part of `by_point` whose mount point is `path` (normalised).
+    fn exactly(&self, path: &[u8]) -> &[u32] {
+        let lo = self.by_point.partition_point(|&i| self.point(i) < path);
+        let len = self.by_point[lo..].partition_point(|&i| self.point(i) == path);
+        &self.by_point[lo..lo + len]
+    }
+}
+
+/// `path` as the kernel writes a mount point: no empty or `.` components, no trailing
+/// slash. `Path` compares by components, so `/a/b/` and `/a//b` name the mount point
+/// `/a/b`; a byte index needs the one spelling.
+fn normal(path: &Path) -> std::borrow::Cow<'_, Path> {
+    let b = path.as_os_str().as_bytes();
+    let plain = !b.windows(2).any(|w| w == b"//")
+        && !b.windows(3).any(|w| w == b"/./")
+        && !b.ends_with(b"/.")
+        && (b.len() <= 1 || !b.ends_with(b"/"))
+        && b != b".";
+    if plain {
+        std::borrow::Cow::Borrowed(path)
+    } else {
+        std::borrow::Cow::Owned(path.components().collect())
+    }
 }
 
 /// A snapshot of one mount namespace's table. Cloning is cheap (shared); lookups by path
@@ -214,8 +259,15 @@ impl MountTable {
     /// is older than [`unchanged::MAX_AGE`]; else the last read's table, which is then the
     /// same as a new read ([`unchanged`]).
     pub fn read() -> Result<Self, MountsError> {
-        static HOST: unchanged::Unchanged = unchanged::Unchanged::new();
         HOST.current(Path::new(HOST_MOUNTINFO))
+    }
+
+    /// How many times [`MountTable::read`] has read the host's table since the agent
+    /// started (not answered from the last reading): each reading costs the kernel's
+    /// formatting and the agent's parsing of every mount on the node
+    /// (`dhv_binder_mount_table_reads_total`).
+    pub fn host_reads() -> u64 {
+        HOST.reads()
     }
 
     /// This process's table ([`SELF_MOUNTINFO`]).
@@ -256,11 +308,24 @@ impl MountTable {
     }
 
     /// A table of the given entries (tests, fixtures).
-    pub fn from_entries(entries: Vec<MountEntry>) -> Self {
-        let mut by_point: BTreeMap<PathBuf, Vec<usize>> = BTreeMap::new();
-        for (i, e) in entries.iter().enumerate() {
-            by_point.entry(e.mount_point.clone()).or_default().push(i);
+    pub fn from_entries(mut entries: Vec<MountEntry>) -> Self {
+        for e in &mut entries {
+            if let std::borrow::Cow::Owned(p) = normal(&e.mount_point) {
+                e.mount_point = p;
+            }
         }
+        let mut by_point: Vec<u32> = (0..entries.len())
+            .map(|i| u32::try_from(i).unwrap_or(u32::MAX))
+            .collect();
+        // Stable: one mount point's entries keep their table order.
+        by_point.sort_by(|a, b| {
+            let p = |i: &u32| {
+                entries
+                    .get(*i as usize)
+                    .map_or(&[][..], |e| e.mount_point.as_os_str().as_bytes())
+            };
+            p(a).cmp(p(b))
+        });
         Self {
             inner: Arc::new(Inner { entries, by_point }),
         }
@@ -293,7 +358,11 @@ impl MountTable {
 
     /// The mount points, in path order.
     pub fn points(&self) -> std::collections::BTreeSet<PathBuf> {
-        self.inner.by_point.keys().cloned().collect()
+        self.inner
+            .entries
+            .iter()
+            .map(|e| e.mount_point.clone())
+            .collect()
     }
 
     /// Every mount, in table order.
@@ -309,16 +378,16 @@ impl MountTable {
     /// The mounts standing at `path` (stacked mounts each count), in table order.
     pub fn at(&self, path: &Path) -> impl Iterator<Item = &MountEntry> + '_ {
         self.inner
-            .by_point
-            .get(path)
-            .into_iter()
-            .flatten()
-            .filter_map(|i| self.inner.entries.get(*i))
+            .exactly(normal(path).as_os_str().as_bytes())
+            .iter()
+            .filter_map(|i| self.inner.entries.get(*i as usize))
     }
 
     /// How many mounts stand at `path`.
     pub fn count(&self, path: &Path) -> usize {
-        self.inner.by_point.get(path).map_or(0, Vec::len)
+        self.inner
+            .exactly(normal(path).as_os_str().as_bytes())
+            .len()
     }
 
     /// True when something is mounted at `path`.
@@ -336,14 +405,19 @@ impl MountTable {
             .copied()
     }
 
-    /// Mounts whose mount point is `root` or below it, in path order.
-    pub fn under<'a>(&'a self, root: &'a Path) -> impl Iterator<Item = &'a MountEntry> + 'a {
-        self.inner
-            .by_point
-            .range(root.to_path_buf()..)
-            .take_while(move |(p, _)| p.starts_with(root))
-            .flat_map(|(_, ix)| ix.iter())
-            .filter_map(|i| self.inner.entries.get(*i))
+    /// Mounts whose mount point is `root` or below it, a mount point before those below
+    /// it (in byte order of their paths).
+    pub fn under<'a>(&'a self, root: &Path) -> impl Iterator<Item = &'a MountEntry> + 'a {
+        let root = normal(root).as_os_str().as_bytes().to_vec();
+        let inner = &self.inner;
+        inner
+            .with_prefix(&root)
+            .iter()
+            .filter_map(|i| inner.entries.get(*i as usize))
+            .filter(move |e| {
+                let p = e.mount_point.as_os_str().as_bytes();
+                p.len() == root.len() || root == b"/" || p.get(root.len()) == Some(&b'/')
+            })
     }
 
     /// What stands at `target`, compared with what its publish established (`expected`,
@@ -762,6 +836,61 @@ mod tests {
         let under: Vec<_> = t.under(Path::new("/srv")).map(|e| e.id).collect();
         assert_eq!(under, vec![40, 41]);
         assert_eq!(t.under(Path::new("/sr")).count(), 0);
+    }
+
+    /// The index compares bytes: a sibling whose name extends a mount point's (`/srv/t-2`,
+    /// `/srv/t2`, which sort between `/srv/t` and `/srv/t/x`) is neither at nor under it,
+    /// and a path spelt with a trailing slash or a doubled one names the same mount point,
+    /// as `Path` equality has it.
+    #[test]
+    fn lookups_by_bytes_keep_path_semantics() {
+        let points = [
+            "/srv/t/x",
+            "/srv/t2",
+            "/srv/t",
+            "/srv/t-2",
+            "/",
+            "/srv/t/x/y",
+            "/srv",
+        ];
+        let t = MountTable::from_points(points.iter().map(PathBuf::from));
+        let ids = |it: Vec<&MountEntry>| -> Vec<String> {
+            let mut v: Vec<String> = it
+                .iter()
+                .map(|e| e.mount_point.display().to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            ids(t.under(Path::new("/srv/t")).collect()),
+            ["/srv/t", "/srv/t/x", "/srv/t/x/y"]
+        );
+        assert_eq!(
+            ids(t.under(Path::new("/srv/t/")).collect()),
+            ids(t.under(Path::new("/srv/t")).collect())
+        );
+        assert_eq!(t.under(Path::new("/")).count(), points.len());
+        assert_eq!(t.under(Path::new("/sr")).count(), 0);
+        for spelling in ["/srv/t", "/srv/t/", "/srv//t", "/srv/./t"] {
+            assert_eq!(t.count(Path::new(spelling)), 1, "{spelling}");
+            assert!(t.top_at(Path::new(spelling)).is_some(), "{spelling}");
+        }
+        assert_eq!(t.count(Path::new("/srv/t-")), 0);
+        assert_eq!(t.count(Path::new("/nowhere")), 0);
+        // A fixture's mount point spelt loosely is kept as the kernel would write it.
+        let loose = MountTable::from_points([PathBuf::from("/a//b/")]);
+        assert_eq!(loose.count(Path::new("/a/b")), 1);
+        // Stacked mounts keep their table order at one mount point.
+        let mut stacked = t.entries().to_vec();
+        let mut top = stacked[2].clone();
+        top.id = 7;
+        top.parent = stacked[2].id;
+        stacked.push(top);
+        let st = MountTable::from_entries(stacked);
+        let at: Vec<u32> = st.at(Path::new("/srv/t")).map(|e| e.id).collect();
+        assert_eq!(at, [t.entries()[2].id, 7]);
+        assert_eq!(st.top_at(Path::new("/srv/t")).map(|e| e.id), Some(7));
     }
 
     /// Real mounts: a tmpfs, then a foreign tmpfs after it is gone, seen in the host table.
