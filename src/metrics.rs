@@ -143,6 +143,7 @@ struct Inner {
     claim_losses: Counter,
     mounts: Family<StateLabels, Gauge>,
     mount_deaths: Counter,
+    mount_table_reads: Counter,
     watch_state: Family<StateLabels, Gauge>,
     watch_faults: Family<FaultLabels, Counter>,
     journal_write: Histogram,
@@ -247,6 +248,12 @@ impl Metrics {
             "Published mounts found dead by the health probes",
             mount_deaths.clone(),
         );
+        let mount_table_reads = Counter::default();
+        r.register(
+            "mount_table_reads",
+            "Readings of the host's mount table (/proc/1/mountinfo) not answered from the last one: each costs the kernel's formatting and the agent's parsing of every mount on the node",
+            mount_table_reads.clone(),
+        );
         let watch_state = Family::<StateLabels, Gauge>::default();
         r.register(
             "watch_state",
@@ -326,6 +333,7 @@ impl Metrics {
             claim_losses,
             mounts,
             mount_deaths,
+            mount_table_reads,
             watch_state,
             watch_faults,
             journal_write,
@@ -463,8 +471,12 @@ impl Metrics {
         }
     }
 
-    /// The OpenMetrics text exposition of every metric (the allocator's figures read now).
+    /// The OpenMetrics text exposition of every metric (the allocator's figures and the
+    /// mount table reading count read now).
     pub fn encode(&self) -> String {
+        let reads = crate::mounts::MountTable::host_reads();
+        let seen = self.0.mount_table_reads.get();
+        self.0.mount_table_reads.inc_by(reads.saturating_sub(seen));
         if let Some((allocated, resident)) = heap_bytes() {
             self.0
                 .heap_allocated
@@ -547,7 +559,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 19] = [
+    const EXPORTED: [&str; 20] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
@@ -557,6 +569,7 @@ mod tests {
         "dhv_binder_claim_losses_total",
         "dhv_binder_mounts",
         "dhv_binder_mount_deaths_total",
+        "dhv_binder_mount_table_reads_total",
         "dhv_binder_watch_state",
         "dhv_binder_watch_faults_total",
         "dhv_binder_journal_write_duration_seconds",
