@@ -8,7 +8,9 @@
 //!    Each row also gives a plugin run started by the bench alone in the same rhythm.
 //! 2. N = 1/10/50/200 allocations placed at once (one frame, N volumes), last publish done,
 //!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit, at max-parallel 8
-//!    and, for N = 200, at max-parallel = the machine's cores.
+//!    and, for N = 200, at max-parallel = the machine's cores; with the agent's and the
+//!    plugins' CPU per publish and the agent's mount table readings during the burst
+//!    (`dhv_binder_mount_table_reads_total`).
 //! 3. 400 releases with a 150 ms unpublish, measured / ideal schedule, in both modes.
 //! 4. The agent's RSS, all and anonymous: idle, with 200 published volumes, after a
 //!    400-volume teardown (each the least of 20 samples over 2 s); and its heap (jemalloc's
@@ -26,12 +28,16 @@
 //! Environment: `BENCH_SAMPLES` (latency samples per mode and filesystem, default 100);
 //! `BENCH_IDLE_SAMPLES` and `BENCH_IDLE_MS` (latency samples taken after an idle time each,
 //! per mode: default 20 after 500 ms);
-//! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all);
+//! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all;
+//! `burst-cores` runs only the bursts at max-parallel = cores);
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
 //! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
 //! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it);
 //! `BENCH_TRACE` (print each latency sample's commit and plugin start times, each burst's
-//! calls as start/duration/concurrency, and the release part's slot turnaround).
+//! calls as start/duration/concurrency, and the release part's slot turnaround);
+//! `BENCH_PERF_CTL` (a `perf record --control fifo:` path: each burst writes `enable` to it
+//! as it places its allocations and `disable` once the last publish is done, so a profiler
+//! started disabled with `-D -1` samples only the bursts).
 //! Needs root (mounts) and `strace` (scripts/install-deps).
 
 #[path = "../tests/support/inproc.rs"]
@@ -355,6 +361,14 @@ impl Node {
     /// The agent's heap (`dhv_binder_heap_allocated_bytes`, jemalloc's live bytes) from its
     /// metrics endpoint at `addr`, in KiB; `None` when it cannot be read.
     async fn heap_kib(addr: &str) -> Option<u64> {
+        Self::metric(addr, "dhv_binder_heap_allocated_bytes")
+            .await
+            .map(|b| b / 1024)
+    }
+
+    /// One unlabelled metric's value from the agent's metrics endpoint at `addr`; `None`
+    /// when it cannot be read.
+    async fn metric(addr: &str, name: &str) -> Option<u64> {
         let text = reqwest::get(format!("http://{addr}/metrics"))
             .await
             .ok()?
@@ -362,9 +376,8 @@ impl Node {
             .await
             .ok()?;
         text.lines()
-            .find_map(|l| l.strip_prefix("dhv_binder_heap_allocated_bytes "))
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(|b| b / 1024)
     }
 
     fn calls(&self) -> Vec<Call> {
@@ -588,6 +601,15 @@ fn agent_cpu_ms(pid: u32) -> (f64, f64) {
     (own as f64 / 1e6, children_ticks as f64 * 10.0)
 }
 
+/// Writes `command` to the `BENCH_PERF_CTL` fifo, if one is given (a profiler's control).
+fn perf_control(command: &str) {
+    if let Some(path) = std::env::var_os("BENCH_PERF_CTL") {
+        if let Err(e) = std::fs::write(&path, format!("{command}\n")) {
+            println!("   BENCH_PERF_CTL {}: {e}", path.to_string_lossy());
+        }
+    }
+}
+
 /// Mean time of one small durable write (write + fdatasync) in the node's state directory:
 /// the "one commit" of the ideal schedule.
 fn commit_cost(node: &Node) -> f64 {
@@ -612,6 +634,9 @@ struct Burst {
     floor_ms: f64,
     /// The agent's own CPU per publish during the burst (its threads, not the plugins).
     agent_cpu_ms: f64,
+    /// Readings of the host's mount table during the burst (`None`: the metrics endpoint
+    /// could not be read).
+    table_reads: Option<u64>,
     /// The plugins' CPU per publish (the agent's waited-for children).
     plugin_cpu_ms: f64,
     /// One plugin run's CPU measured by the bench (fork, exec, start).
@@ -632,16 +657,34 @@ async fn burst(
     idle_window: bool,
     max_parallel: usize,
 ) -> Burst {
-    let mut node = Node::start_with(mode, tmpfs, n, (200, 200), max_parallel, &[]).await;
+    // The metrics endpoint on a free loopback port, for the mount table reading count.
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let mut node = Node::start_with(
+        mode,
+        tmpfs,
+        n,
+        (200, 200),
+        max_parallel,
+        &[("DHV_BINDER_METRICS_ADDR", metrics.as_str())],
+    )
+    .await;
     let (exec, exec_cpu) = exec_costs(&node);
     let commit = commit_cost(&node);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_idle = node.rss_settled().await;
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    let reads = "dhv_binder_mount_table_reads_total";
+    let reads0 = Node::metric(&metrics, reads).await;
     let cpu0 = agent_cpu_ms(node.pid());
+    perf_control("enable");
     let t0 = node.place(&allocs, "running");
     node.wait_calls("publish", n).await;
     let cpu1 = agent_cpu_ms(node.pid());
+    perf_control("disable");
+    let reads1 = Node::metric(&metrics, reads).await;
     let last = node.last_end("publish").unwrap_or(t0);
     if std::env::var_os("BENCH_TRACE").is_some() {
         let mut calls: Vec<Call> = node
@@ -693,6 +736,7 @@ async fn burst(
         ideal_ms: ideal,
         floor_ms: floor,
         agent_cpu_ms: (cpu1.0 - cpu0.0) / n as f64,
+        table_reads: reads0.zip(reads1).map(|(a, b)| b.saturating_sub(a)),
         plugin_cpu_ms: (cpu1.1 - cpu0.1) / n as f64,
         exec_cpu_ms: exec_cpu,
         exec_ms: exec,
@@ -1008,6 +1052,8 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
             (true, &[200], MAX_PARALLEL),
             (false, &[200], cores),
         ]
+    } else if part("burst-cores") {
+        vec![(false, &[200], cores)]
     } else {
         Vec::new()
     };
@@ -1018,7 +1064,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
                     !tmpfs && mode == WatchMode::Poll && n == 200 && max_parallel == MAX_PARALLEL;
                 let b = burst(mode, tmpfs, n, last, max_parallel).await;
                 println!(
-                        "   {:<6} {:<5} max-parallel {max_parallel} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms",
+                        "   {:<6} {:<5} max-parallel {max_parallel} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms; mount table reads {}",
                         mode_name(mode),
                         if tmpfs { "tmpfs" } else { "disk" },
                         b.elapsed_ms,
@@ -1031,6 +1077,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
                         b.commit_ms,
                         b.agent_cpu_ms,
                         b.plugin_cpu_ms,
+                        b.table_reads.map_or("?".to_string(), |r| r.to_string()),
                     );
                 if last {
                     rss_idle = b.rss_idle;
