@@ -9,11 +9,13 @@
 //!   for an expansion), `mount_health` (dead, failing and hung mounts), `retry`
 //!   (one backoff table for every kind of work), `latency`;
 //! - `shell`: the loop, the one place that performs effects; `meter`: what it measures
-//!   for the metrics (counts of what the core decided, timings of what the shell ran).
+//!   for the metrics (counts of what the core decided, timings of what the shell ran);
+//!   `after_calls`: when the shell reads the mount table for plugin calls that finished.
 //!
 //! The publish/unpublish plan itself is `crate::reconcile` (with "allocation lost while
 //! its tasks still run" decided in `crate::view` and `crate::reconcile`).
 
+pub(crate) mod after_calls;
 pub(crate) mod claims;
 pub(crate) mod core;
 pub(crate) mod effect;

@@ -6,6 +6,7 @@
 //! A journal commit runs on a blocking thread; the plugin calls that wait on it start when
 //! it is durable. Commits returned while one is being written are folded into one write.
 
+use crate::agent::after_calls::{AfterCalls, Next};
 use crate::agent::core::{Core, Settings};
 use crate::agent::effect::{Answer, Effect};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
@@ -105,8 +106,8 @@ enum Report {
     /// starts after it ([`Shell::after_calls`]).
     CallDone(Called),
     /// Plugin calls that finished before one mount table read started, decided by that
-    /// reading ([`Called::check`]), and the reading.
-    CallsMounts(Vec<Completion>, Result<MountTable, MountsError>),
+    /// reading ([`Called::check`]), the reading, and how long it took.
+    CallsMounts(Vec<Completion>, Result<MountTable, MountsError>, Duration),
     Mounts(Result<MountTable, MountsError>),
     /// A call, with the mount table read after it arrived.
     Fresh(Box<Input>, Result<MountTable, MountsError>),
@@ -142,11 +143,12 @@ struct Shell {
     reading_mounts: bool,
     /// Publishes and unpublishes that finished and wait for a mount table read started
     /// after them. One read serves every call that finished before it started (at most one
-    /// such read runs): reading mountinfo costs the kernel time in the number of mounts, so
-    /// a read per call made a burst of N publishes cost O(N²).
-    after_calls: Vec<Called>,
-    /// A read for `after_calls` runs.
-    reading_after_calls: bool,
+    /// such read runs), and while other calls run the reads are paced
+    /// ([`AfterCalls`]): reading mountinfo costs the kernel time in the number of mounts,
+    /// so a read per call made a burst of N publishes cost O(N²).
+    after_calls: AfterCalls,
+    /// When the paced read for `after_calls` is due.
+    read_due: Option<tokio::time::Instant>,
     meter: Meter,
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
@@ -186,8 +188,8 @@ impl Shell {
             committing: false,
             queued: None,
             reading_mounts: false,
-            after_calls: Vec::new(),
-            reading_after_calls: false,
+            after_calls: AfterCalls::default(),
+            read_due: None,
             meter,
             rejected_records: catalog::Rejections::default(),
             // Trusts no record until `with_trust` gives the node's keys (fail closed).
@@ -248,6 +250,7 @@ impl Shell {
     /// A call under the plugin-call permits whose outcome the next mount table read decides
     /// ([`Shell::read_after_calls`]); the permit is given back when the call ends.
     fn checked_call(&mut self, call: impl std::future::Future<Output = Called> + Send + 'static) {
+        self.after_calls.started();
         let permits = self.permits.clone();
         self.tasks.spawn(async move {
             let _permit = permits.acquire_owned().await;
@@ -255,18 +258,23 @@ impl Shell {
         });
     }
 
-    /// Starts a mount table read for the calls finished so far, unless one runs.
+    /// Starts a mount table read for the calls finished so far, unless one runs or the
+    /// pace says to wait ([`AfterCalls::next`]; then `read_due` is when).
     fn read_after_calls(&mut self) {
-        if self.reading_after_calls || self.after_calls.is_empty() {
-            return;
+        match self.after_calls.next(std::time::Instant::now()) {
+            Next::Read(calls) => {
+                self.read_due = None;
+                self.tasks.spawn_blocking(move || {
+                    let started = std::time::Instant::now();
+                    let table = MountTable::read();
+                    let took = started.elapsed();
+                    let done = calls.into_iter().map(|c| c.check(table.as_ref())).collect();
+                    Report::CallsMounts(done, table, took)
+                });
+            }
+            Next::At(due) => self.read_due = Some(tokio::time::Instant::from_std(due)),
+            Next::Nothing => {}
         }
-        self.reading_after_calls = true;
-        let calls = std::mem::take(&mut self.after_calls);
-        self.tasks.spawn_blocking(move || {
-            let table = MountTable::read();
-            let done = calls.into_iter().map(|c| c.check(table.as_ref())).collect();
-            Report::CallsMounts(done, table)
-        });
     }
 
     fn call(&mut self, call: impl std::future::Future<Output = Completion> + Send + 'static) {
@@ -490,12 +498,12 @@ impl Shell {
             Report::Done(c) => vec![Input::Done(c)],
             Report::DoneMounts(c, t) => table(t).into_iter().chain([Input::Done(c)]).collect(),
             Report::CallDone(c) => {
-                self.after_calls.push(c);
+                self.after_calls.finished(c);
                 self.read_after_calls();
                 Vec::new()
             }
-            Report::CallsMounts(calls, t) => {
-                self.reading_after_calls = false;
+            Report::CallsMounts(calls, t, took) => {
+                self.after_calls.read_done(std::time::Instant::now(), took);
                 self.read_after_calls();
                 let done = calls.into_iter().map(Input::Done);
                 table(t).into_iter().chain(done).collect()
@@ -556,6 +564,7 @@ impl Shell {
             .next_wakeup()
             .map(tokio::time::Instant::from_std)
             .map_or(floor + src.every, |w| w.max(floor));
+        let read_due = self.read_due;
         let mut inputs: Vec<Input> = tokio::select! {
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
@@ -576,6 +585,11 @@ impl Shell {
             }
             _ = tokio::time::sleep_until(wake) => vec![Input::Tick],
             Some(()) = src.plugins.recv() => vec![Input::PluginsChanged],
+            _ = tokio::time::sleep_until(read_due.unwrap_or(wake)), if read_due.is_some() => {
+                self.read_due = None;
+                self.read_after_calls();
+                Vec::new()
+            }
         };
         while inputs.len() < BATCH {
             if let Ok(ev) = src.watch.try_recv() {
@@ -928,7 +942,7 @@ mod tests {
             inputs.extend(s.on_report(Report::CallDone(unpublished(&format!("v{i}")))));
         }
         assert!(inputs.is_empty(), "no completion before its table read");
-        assert!(s.reading_after_calls);
+        assert!(s.after_calls.reading());
         inputs.extend(drain(&mut s).await);
         let tables = inputs
             .iter()
@@ -947,7 +961,7 @@ mod tests {
             matches!(inputs.first(), Some(Input::MountTable(_))),
             "a table read precedes the completions it serves"
         );
-        assert!(!s.reading_after_calls && s.after_calls.is_empty());
+        assert!(!s.after_calls.reading() && s.after_calls.waiting() == 0);
     }
 
     #[tokio::test(start_paused = true)]

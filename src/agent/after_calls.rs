@@ -1,0 +1,160 @@
+//! When the host's mount table is read for plugin calls that finished (issue 10). A
+//! publish or unpublish is decided by a reading that starts after the call ended
+//! (`executor::Called::check`), and one reading serves every call that finished before
+//! it started. A reading costs the kernel's formatting and the agent's parsing of every
+//! mount on the node (about 1.3 µs a mount: docs/scale.md), so in a burst, where calls end
+//! one after another, a reading per call made the agent's CPU per publish grow with the
+//! node.
+//!
+//! The pace: while other calls are still running (their ends will want a reading too),
+//! the next reading starts no sooner than [`PACE`] times the last one's duration after it
+//! ended, so readings take at most a quarter of one core whatever the number of mounts,
+//! and the calls that end meanwhile share it. A call that ends with no other call running
+//! (a single allocation, the last call of a burst) is read for at once: pacing only ever
+//! waits for calls that are coming.
+
+use crate::executor::Called;
+use std::time::{Duration, Instant};
+
+/// How many times its own duration the agent waits after a reading before the next one,
+/// while other calls run.
+pub(crate) const PACE: u32 = 3;
+
+/// What to do about the finished calls now.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// Start a reading for these calls.
+    Read(Vec<Called>),
+    /// Ask again at this time (or when another call ends).
+    At(Instant),
+    /// Nothing waits, or a reading runs (its end asks again).
+    Nothing,
+}
+
+/// The calls waiting for a reading, and what paces the next one.
+#[derive(Debug, Default)]
+pub(crate) struct AfterCalls {
+    waiting: Vec<Called>,
+    reading: bool,
+    /// Calls started and not yet finished.
+    running: usize,
+    /// When the last reading ended, and how long it took.
+    last: Option<(Instant, Duration)>,
+}
+
+impl AfterCalls {
+    /// A call was started.
+    pub(crate) fn started(&mut self) {
+        self.running += 1;
+    }
+
+    /// A call ended: it waits for a reading that starts after now.
+    pub(crate) fn finished(&mut self, call: Called) {
+        self.running = self.running.saturating_sub(1);
+        self.waiting.push(call);
+    }
+
+    /// The reading started by the last [`Next::Read`] ended at `ended`, taking `took`.
+    pub(crate) fn read_done(&mut self, ended: Instant, took: Duration) {
+        self.reading = false;
+        self.last = Some((ended, took));
+    }
+
+    /// True while a reading runs.
+    #[cfg(test)]
+    pub(crate) fn reading(&self) -> bool {
+        self.reading
+    }
+
+    /// Calls still waiting for a reading.
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether a reading starts now (see the module's doc for the pace).
+    pub(crate) fn next(&mut self, now: Instant) -> Next {
+        if self.reading || self.waiting.is_empty() {
+            return Next::Nothing;
+        }
+        if self.running > 0 {
+            if let Some((ended, took)) = self.last {
+                let due = ended + took * PACE;
+                if now < due {
+                    return Next::At(due);
+                }
+            }
+        }
+        self.reading = true;
+        Next::Read(std::mem::take(&mut self.waiting))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::executor::Called;
+    use crate::volume::VolumeKey;
+    use std::path::PathBuf;
+
+    fn call(name: &str) -> Called {
+        Called::Unpublish {
+            volume: VolumeKey {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            plugin: "p".into(),
+            target: PathBuf::from("/nonexistent").join(name),
+            result: Ok(()),
+            release: None,
+        }
+    }
+
+    fn read(n: Next) -> usize {
+        match n {
+            Next::Read(calls) => calls.len(),
+            other => panic!("expected a reading, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_call_that_ends_alone_is_read_for_at_once() {
+        let t0 = Instant::now();
+        let mut a = AfterCalls::default();
+        a.started();
+        a.finished(call("a"));
+        assert_eq!(read(a.next(t0)), 1);
+        assert!(matches!(a.next(t0), Next::Nothing), "one reading at a time");
+        a.read_done(t0 + Duration::from_millis(1), Duration::from_millis(1));
+        // Right after a long reading, with nothing else running: no wait.
+        a.started();
+        a.finished(call("b"));
+        assert_eq!(read(a.next(t0 + Duration::from_millis(1))), 1);
+    }
+
+    #[test]
+    fn while_calls_run_readings_are_paced_and_shared() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut a = AfterCalls::default();
+        for _ in 0..4 {
+            a.started();
+        }
+        a.finished(call("a"));
+        // No reading yet to pace by: the first starts at once.
+        assert_eq!(read(a.next(t0)), 1);
+        a.read_done(t0 + ms(2), ms(2));
+        // Two more end while two still run: they wait PACE readings' time, together.
+        a.finished(call("b"));
+        assert!(matches!(a.next(t0 + ms(3)), Next::At(t) if t == t0 + ms(2) + ms(2) * PACE));
+        a.finished(call("c"));
+        assert_eq!(a.waiting(), 2);
+        assert!(matches!(a.next(t0 + ms(5)), Next::At(_)));
+        assert_eq!(read(a.next(t0 + ms(2) + ms(2) * PACE)), 2);
+        a.read_done(t0 + ms(9), ms(1));
+        // The last running call ends: nothing more is coming, so no wait.
+        a.finished(call("d"));
+        assert_eq!(read(a.next(t0 + ms(9))), 1);
+        assert!(!a.reading() || a.waiting() == 0);
+    }
+}
