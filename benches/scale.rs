@@ -602,11 +602,30 @@ fn agent_cpu_ms(pid: u32) -> (f64, f64) {
 }
 
 /// Writes `command` to the `BENCH_PERF_CTL` fifo, if one is given (a profiler's control).
+/// Never blocks: a fifo nobody reads (ENXIO) or a path that is not a fifo is reported.
 fn perf_control(command: &str) {
-    if let Some(path) = std::env::var_os("BENCH_PERF_CTL") {
-        if let Err(e) = std::fs::write(&path, format!("{command}\n")) {
-            println!("   BENCH_PERF_CTL {}: {e}", path.to_string_lossy());
-        }
+    use std::io::Write;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let Some(path) = std::env::var_os("BENCH_PERF_CTL") else {
+        return;
+    };
+    let written = std::fs::metadata(&path)
+        .and_then(|m| {
+            if m.file_type().is_fifo() {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("not a fifo"))
+            }
+        })
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+                .open(&path)
+        })
+        .and_then(|mut f| f.write_all(format!("{command}\n").as_bytes()));
+    if let Err(e) = written {
+        println!("   BENCH_PERF_CTL {}: {e}", path.to_string_lossy());
     }
 }
 
@@ -662,15 +681,12 @@ async fn burst(
         .and_then(|l| l.local_addr())
         .map(|a| a.to_string())
         .unwrap_or_default();
-    let mut node = Node::start_with(
-        mode,
-        tmpfs,
-        n,
-        (200, 200),
-        max_parallel,
-        &[("DHV_BINDER_METRICS_ADDR", metrics.as_str())],
-    )
-    .await;
+    let env: &[(&str, &str)] = if metrics.is_empty() {
+        &[]
+    } else {
+        &[("DHV_BINDER_METRICS_ADDR", metrics.as_str())]
+    };
+    let mut node = Node::start_with(mode, tmpfs, n, (200, 200), max_parallel, env).await;
     let (exec, exec_cpu) = exec_costs(&node);
     let commit = commit_cost(&node);
     tokio::time::sleep(Duration::from_millis(500)).await;

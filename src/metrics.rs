@@ -474,9 +474,11 @@ impl Metrics {
     /// The OpenMetrics text exposition of every metric (the allocator's figures and the
     /// mount table reading count read now).
     pub fn encode(&self) -> String {
-        let reads = crate::mounts::MountTable::host_reads();
-        let seen = self.0.mount_table_reads.get();
-        self.0.mount_table_reads.inc_by(reads.saturating_sub(seen));
+        // Raised to the count, never past it (scrapes may run at once).
+        self.0.mount_table_reads.inner().fetch_max(
+            crate::mounts::MountTable::host_reads(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         if let Some((allocated, resident)) = heap_bytes() {
             self.0
                 .heap_allocated
@@ -627,6 +629,21 @@ mod tests {
             .find(|l| l.starts_with(prefix))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
+    }
+
+    /// The readings counter follows the host table's readings, read at each scrape: a
+    /// fresh registry shows every reading the process made so far, never more.
+    #[test]
+    fn the_mount_table_readings_are_counted_at_each_scrape() {
+        crate::mounts::MountTable::read().expect("the host's mount table (tests run as root)");
+        let m = Metrics::new();
+        let shown = line_value(&m.encode(), "dhv_binder_mount_table_reads_total ")
+            .expect("the readings counter is exported");
+        assert!(shown >= 1.0, "a reading was made: {shown}");
+        assert!(shown <= crate::mounts::MountTable::host_reads() as f64);
+        // A scrape never lowers it, and one with no reading between shows the same or more.
+        let again = line_value(&m.encode(), "dhv_binder_mount_table_reads_total ").unwrap();
+        assert!(again >= shown);
     }
 
     #[tokio::test]

@@ -10,8 +10,9 @@
 //! the next reading starts no sooner than [`PACE`] times the last one's duration after it
 //! ended, so readings take at most a quarter of one core whatever the number of mounts,
 //! and the calls that end meanwhile share it. A call that ends with no other call running
-//! (a single allocation, the last call of a burst) is read for at once: pacing only ever
-//! waits for calls that are coming.
+//! or waiting for a permit (a single allocation, the last call of a burst) is read for at
+//! once; any other waits at most three readings' time, however long the calls still
+//! running take (a storage operation, a hung plugin up to its timeout).
 
 use crate::executor::Called;
 use std::time::{Duration, Instant};
@@ -58,6 +59,17 @@ impl AfterCalls {
     pub(crate) fn read_done(&mut self, ended: Instant, took: Duration) {
         self.reading = false;
         self.last = Some((ended, took));
+    }
+
+    /// A task ended without its report (a panic, which nothing should cause): it may have
+    /// been a call, which will never report its end, or the reading, which will never
+    /// decide its calls. One call fewer is counted as running and no reading as under
+    /// way, so that neither makes the pace wait for ever. Both err towards reading early,
+    /// which costs only CPU (a second reading at once is safe: they share one descriptor
+    /// under a lock).
+    pub(crate) fn task_failed(&mut self) {
+        self.running = self.running.saturating_sub(1);
+        self.reading = false;
     }
 
     /// True while a reading runs.
@@ -156,5 +168,24 @@ mod tests {
         a.finished(call("d"));
         assert_eq!(read(a.next(t0 + ms(9))), 1);
         assert!(!a.reading() || a.waiting() == 0);
+    }
+
+    #[test]
+    fn a_failed_task_never_leaves_the_pace_waiting() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut a = AfterCalls::default();
+        a.started();
+        a.started();
+        a.finished(call("a"));
+        assert_eq!(read(a.next(t0)), 1);
+        // The reading's task fails: the next call's reading is not blocked behind it.
+        a.task_failed();
+        a.read_done(t0, ms(5));
+        // The other call's task failed too (counted above): nothing runs, so a call that
+        // ends now is read for at once, not after the pace.
+        a.started();
+        a.finished(call("b"));
+        assert_eq!(read(a.next(t0 + ms(1))), 1);
     }
 }

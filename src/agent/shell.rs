@@ -261,7 +261,10 @@ impl Shell {
     /// Starts a mount table read for the calls finished so far, unless one runs or the
     /// pace says to wait ([`AfterCalls::next`]; then `read_due` is when).
     fn read_after_calls(&mut self) {
-        match self.after_calls.next(std::time::Instant::now()) {
+        match self
+            .after_calls
+            .next(tokio::time::Instant::now().into_std())
+        {
             Next::Read(calls) => {
                 self.read_due = None;
                 self.tasks.spawn_blocking(move || {
@@ -275,6 +278,14 @@ impl Shell {
             Next::At(due) => self.read_due = Some(tokio::time::Instant::from_std(due)),
             Next::Nothing => {}
         }
+    }
+
+    /// An effect's task ended without its report (a panic): it may have been a plugin call
+    /// or the reading for finished calls, neither of which will report now. The readings
+    /// go on for the calls that do ([`AfterCalls::task_failed`]).
+    fn task_failed(&mut self) {
+        self.after_calls.task_failed();
+        self.read_after_calls();
     }
 
     fn call(&mut self, call: impl std::future::Future<Output = Completion> + Send + 'static) {
@@ -503,7 +514,8 @@ impl Shell {
                 Vec::new()
             }
             Report::CallsMounts(calls, t, took) => {
-                self.after_calls.read_done(std::time::Instant::now(), took);
+                self.after_calls
+                    .read_done(tokio::time::Instant::now().into_std(), took);
                 self.read_after_calls();
                 let done = calls.into_iter().map(Input::Done);
                 table(t).into_iter().chain(done).collect()
@@ -574,6 +586,7 @@ impl Shell {
                 Ok(r) => self.on_report(r),
                 Err(e) => {
                     tracing::error!(error = %e, "an effect's task failed");
+                    self.task_failed();
                     Vec::new()
                 }
             },
@@ -597,7 +610,10 @@ impl Shell {
             } else if let Some(done) = self.tasks.try_join_next() {
                 match done {
                     Ok(r) => inputs.extend(self.on_report(r)),
-                    Err(e) => tracing::error!(error = %e, "an effect's task failed"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "an effect's task failed");
+                        self.task_failed();
+                    }
                 }
             } else {
                 break;

@@ -42,8 +42,9 @@ struct State {
     table: Option<(MountTable, Instant)>,
     /// Reads made (tests and the agent's metrics count them).
     reads: u64,
-    /// Bytes of the last read: the next read's buffer starts at about this size, so the
-    /// whole table comes in one or two `read` calls instead of a doubling series of them.
+    /// Bytes of the last read: the next read's buffer starts at about this size, so it is
+    /// not grown and copied as the reading comes in (the kernel gives a seq_file about 4 KiB
+    /// per `read` call whatever the buffer's size).
     last_len: usize,
 }
 
