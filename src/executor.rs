@@ -248,6 +248,22 @@ pub enum Called {
 }
 
 impl Called {
+    /// A successful unpublish of volume `default/<name>` whose target does not exist
+    /// (tests of what waits for the mount table reading).
+    #[cfg(test)]
+    pub(crate) fn unpublished_for_test(name: &str) -> Self {
+        Called::Unpublish {
+            volume: crate::volume::VolumeKey {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            plugin: "p".into(),
+            target: PathBuf::from("/nonexistent/dhv-binder-test").join(name),
+            result: Ok(()),
+            release: None,
+        }
+    }
+
     /// The completion, decided by `table` (the host's table, read after the call ended):
     /// a publish succeeded only when the target is then exactly one mount (whose identity
     /// is returned), an unpublish only when the target is no longer a mount point; then

@@ -106,20 +106,9 @@ impl AfterCalls {
 mod tests {
     use super::*;
     use crate::executor::Called;
-    use crate::volume::VolumeKey;
-    use std::path::PathBuf;
 
     fn call(name: &str) -> Called {
-        Called::Unpublish {
-            volume: VolumeKey {
-                namespace: "default".into(),
-                name: name.into(),
-            },
-            plugin: "p".into(),
-            target: PathBuf::from("/nonexistent").join(name),
-            result: Ok(()),
-            release: None,
-        }
+        Called::unpublished_for_test(name)
     }
 
     fn read(n: Next) -> usize {

@@ -934,16 +934,7 @@ mod tests {
     }
 
     fn unpublished(name: &str) -> Called {
-        Called::Unpublish {
-            volume: crate::volume::VolumeKey {
-                namespace: "default".into(),
-                name: name.into(),
-            },
-            plugin: "p".into(),
-            target: PathBuf::from("/nonexistent/dhv-binder-test").join(name),
-            result: Ok(()),
-            release: None,
-        }
+        Called::unpublished_for_test(name)
     }
 
     /// Issue 10: plugin calls that finish while the mount table is being read share the
