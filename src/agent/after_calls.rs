@@ -26,8 +26,9 @@ pub(crate) const PACE: u32 = 3;
 pub(crate) enum Next {
     /// Start a reading for these calls.
     Read(Vec<Called>),
-    /// Ask again at this time (or when another call ends).
-    At(Instant),
+    /// Ask again at this time (or when another call ends): [`AfterCalls::due`], which the
+    /// shell's timer reads (the time here is what the tests check).
+    At(#[cfg_attr(not(test), allow(dead_code))] Instant),
     /// Nothing waits, or a reading runs (its end asks again).
     Nothing,
 }
@@ -84,18 +85,23 @@ impl AfterCalls {
         self.waiting.len()
     }
 
+    /// When a paced reading is due: calls wait, no reading runs, and other calls still
+    /// run after a reading (`None`: nothing waits, or a reading may start at once). The
+    /// shell's timer for the reading is this.
+    pub(crate) fn due(&self) -> Option<Instant> {
+        if self.reading || self.waiting.is_empty() || self.running == 0 {
+            return None;
+        }
+        self.last.map(|(ended, took)| ended + took * PACE)
+    }
+
     /// Whether a reading starts now (see the module's doc for the pace).
     pub(crate) fn next(&mut self, now: Instant) -> Next {
         if self.reading || self.waiting.is_empty() {
             return Next::Nothing;
         }
-        if self.running > 0 {
-            if let Some((ended, took)) = self.last {
-                let due = ended + took * PACE;
-                if now < due {
-                    return Next::At(due);
-                }
-            }
+        if let Some(due) = self.due().filter(|due| now < *due) {
+            return Next::At(due);
         }
         self.reading = true;
         Next::Read(std::mem::take(&mut self.waiting))

@@ -147,8 +147,6 @@ struct Shell {
     /// ([`AfterCalls`]): reading mountinfo costs the kernel time in the number of mounts,
     /// so a read per call made a burst of N publishes cost O(N²).
     after_calls: AfterCalls,
-    /// When the paced read for `after_calls` is due.
-    read_due: Option<tokio::time::Instant>,
     meter: Meter,
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
@@ -189,7 +187,6 @@ impl Shell {
             queued: None,
             reading_mounts: false,
             after_calls: AfterCalls::default(),
-            read_due: None,
             meter,
             rejected_records: catalog::Rejections::default(),
             // Trusts no record until `with_trust` gives the node's keys (fail closed).
@@ -259,24 +256,20 @@ impl Shell {
     }
 
     /// Starts a mount table read for the calls finished so far, unless one runs or the
-    /// pace says to wait ([`AfterCalls::next`]; then `read_due` is when).
+    /// pace says to wait ([`AfterCalls::next`]; the loop's timer then waits for
+    /// [`AfterCalls::due`]).
     fn read_after_calls(&mut self) {
-        match self
+        if let Next::Read(calls) = self
             .after_calls
             .next(tokio::time::Instant::now().into_std())
         {
-            Next::Read(calls) => {
-                self.read_due = None;
-                self.tasks.spawn_blocking(move || {
-                    let started = std::time::Instant::now();
-                    let table = MountTable::read();
-                    let took = started.elapsed();
-                    let done = calls.into_iter().map(|c| c.check(table.as_ref())).collect();
-                    Report::CallsMounts(done, table, took)
-                });
-            }
-            Next::At(due) => self.read_due = Some(tokio::time::Instant::from_std(due)),
-            Next::Nothing => {}
+            self.tasks.spawn_blocking(move || {
+                let started = std::time::Instant::now();
+                let table = MountTable::read();
+                let took = started.elapsed();
+                let done = calls.into_iter().map(|c| c.check(table.as_ref())).collect();
+                Report::CallsMounts(done, table, took)
+            });
         }
     }
 
@@ -576,7 +569,7 @@ impl Shell {
             .next_wakeup()
             .map(tokio::time::Instant::from_std)
             .map_or(floor + src.every, |w| w.max(floor));
-        let read_due = self.read_due;
+        let read_due = self.after_calls.due().map(tokio::time::Instant::from_std);
         let mut inputs: Vec<Input> = tokio::select! {
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
@@ -599,7 +592,6 @@ impl Shell {
             _ = tokio::time::sleep_until(wake) => vec![Input::Tick],
             Some(()) = src.plugins.recv() => vec![Input::PluginsChanged],
             _ = tokio::time::sleep_until(read_due.unwrap_or(wake)), if read_due.is_some() => {
-                self.read_due = None;
                 self.read_after_calls();
                 Vec::new()
             }

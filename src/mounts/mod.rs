@@ -194,11 +194,16 @@ struct Inner {
     by_point: Vec<u32>,
 }
 
+/// The bytes of entry `i`'s mount point (empty past the end): the index's key.
+fn point_of(entries: &[MountEntry], i: u32) -> &[u8] {
+    entries
+        .get(i as usize)
+        .map_or(&[][..], |e| e.mount_point.as_os_str().as_bytes())
+}
+
 impl Inner {
     fn point(&self, i: u32) -> &[u8] {
-        self.entries
-            .get(i as usize)
-            .map_or(&[][..], |e| e.mount_point.as_os_str().as_bytes())
+        point_of(&self.entries, i)
     }
 
     /// The part of `by_point` whose mount points start with the bytes `prefix`.
@@ -318,14 +323,7 @@ impl MountTable {
             .map(|i| u32::try_from(i).unwrap_or(u32::MAX))
             .collect();
         // Stable: one mount point's entries keep their table order.
-        by_point.sort_by(|a, b| {
-            let p = |i: &u32| {
-                entries
-                    .get(*i as usize)
-                    .map_or(&[][..], |e| e.mount_point.as_os_str().as_bytes())
-            };
-            p(a).cmp(p(b))
-        });
+        by_point.sort_by(|a, b| point_of(&entries, *a).cmp(point_of(&entries, *b)));
         Self {
             inner: Arc::new(Inner { entries, by_point }),
         }
