@@ -38,7 +38,10 @@ fn node_allocation_lists_decode() {
 fn allocation_read_decodes_with_volumes_and_lifecycle() {
     let a: Allocation = serde_json::from_str(&shared("nomad-fixtures", "allocation.json")).unwrap();
     let g = a.group().expect("group");
-    assert_eq!(g.volumes["data"].source, "orders-data");
+    assert_eq!(
+        g.volumes.get("data").map(|v| v.source.as_str()),
+        Some("orders-data")
+    );
     assert!(g
         .tasks
         .iter()
