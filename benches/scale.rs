@@ -9,8 +9,9 @@
 //! 2. N = 1/10/50/200 allocations placed at once (one frame, N volumes), last publish done,
 //!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit, at max-parallel 8
 //!    and, for N = 200, at max-parallel = the machine's cores; with the agent's and the
-//!    plugins' CPU per publish and the agent's mount table readings during the burst
-//!    (`dhv_binder_mount_table_reads_total`).
+//!    plugins' CPU per publish, the agent's mount table readings during the burst
+//!    (`dhv_binder_mount_table_reads_total`), and its heap before the burst and once the
+//!    N volumes are published (jemalloc's allocated bytes, as in part 4).
 //! 3. 400 releases with a 150 ms unpublish, measured / ideal schedule, in both modes.
 //! 4. The agent's RSS, all and anonymous: idle, with 200 published volumes, after a
 //!    400-volume teardown (each the least of 20 samples over 2 s); and its heap (jemalloc's
@@ -664,6 +665,9 @@ struct Burst {
     commit_ms: f64,
     rss_idle: Rss,
     rss_loaded: Rss,
+    /// The agent's heap (KiB, [`Node::heap_kib`]) before the burst and after it, where
+    /// `rss_idle` and `rss_loaded` are taken (`None`: not readable).
+    heap: (Option<u64>, Option<u64>),
     idle_execs: Option<usize>,
 }
 
@@ -691,6 +695,7 @@ async fn burst(
     let commit = commit_cost(&node);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_idle = node.rss_settled().await;
+    let heap_idle = Node::heap_kib(&metrics).await;
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
     let reads = "dhv_binder_mount_table_reads_total";
     let reads0 = Node::metric(&metrics, reads).await;
@@ -731,6 +736,7 @@ async fn burst(
     // Let the agent record the publishes before reading its memory and counting.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let rss_loaded = node.rss_settled().await;
+    let heap_loaded = Node::heap_kib(&metrics).await;
     let idle_execs = if idle_window {
         let before = node.calls().len();
         tokio::time::sleep(Duration::from_secs(10)).await;
@@ -759,6 +765,7 @@ async fn burst(
         commit_ms: commit,
         rss_idle,
         rss_loaded,
+        heap: (heap_idle, heap_loaded),
         idle_execs,
     }
 }
@@ -1080,7 +1087,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
                     !tmpfs && mode == WatchMode::Poll && n == 200 && max_parallel == MAX_PARALLEL;
                 let b = burst(mode, tmpfs, n, last, max_parallel).await;
                 println!(
-                        "   {:<6} {:<5} max-parallel {max_parallel} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms; mount table reads {}",
+                        "   {:<6} {:<5} max-parallel {max_parallel} N = {n:>3}: {:>8.1}  ideal {:>7.1}  ({:>5.1}x)  CPU floor {:>6.1} ({:>4.1}x)  [exec {:.2} ms, {:.2} ms CPU; commit {:.2}] CPU/publish: agent {:.2} ms, plugin {:.2} ms; mount table reads {}; heap {} -> {} KiB",
                         mode_name(mode),
                         if tmpfs { "tmpfs" } else { "disk" },
                         b.elapsed_ms,
@@ -1094,6 +1101,8 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
                         b.agent_cpu_ms,
                         b.plugin_cpu_ms,
                         b.table_reads.map_or("?".to_string(), |r| r.to_string()),
+                        b.heap.0.map_or("?".to_string(), |h| h.to_string()),
+                        b.heap.1.map_or("?".to_string(), |h| h.to_string()),
                     );
                 if last {
                     rss_idle = b.rss_idle;
