@@ -16,6 +16,16 @@ use std::collections::BTreeMap;
 /// in key order.
 pub type SmallMap<V> = litemap::LiteMap<String, V>;
 
+/// Serializes a [`SmallMap`] as a JSON object, also when it is empty (`LiteMap` writes an
+/// empty map as `[]` to human-readable formats).
+fn small_map_as_object<S, V>(m: &SmallMap<V>, s: S) -> Result<S::Ok, S::Error>
+where
+    S: serde::Serializer,
+    V: Serialize,
+{
+    s.collect_map(m.iter())
+}
+
 /// Deserializes `null` (or a missing field, with `#[serde(default)]`) as `T::default()`.
 pub fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
 where
@@ -56,7 +66,11 @@ pub struct Allocation {
     /// `pending`, `running`, `complete`, `failed`, `lost` or `unknown`.
     #[serde(rename = "ClientStatus", deserialize_with = "null_default")]
     pub client_status: String,
-    #[serde(rename = "TaskStates", deserialize_with = "null_default")]
+    #[serde(
+        rename = "TaskStates",
+        deserialize_with = "null_default",
+        serialize_with = "small_map_as_object"
+    )]
     pub task_states: SmallMap<TaskState>,
     #[serde(rename = "CreateIndex", deserialize_with = "null_default")]
     pub create_index: u64,
@@ -228,7 +242,11 @@ pub struct TaskGroup {
     #[serde(rename = "Name", deserialize_with = "null_default")]
     pub name: String,
     /// Alias → volume request.
-    #[serde(rename = "Volumes", deserialize_with = "null_default")]
+    #[serde(
+        rename = "Volumes",
+        deserialize_with = "null_default",
+        serialize_with = "small_map_as_object"
+    )]
     pub volumes: SmallMap<VolumeRequest>,
     #[serde(rename = "Tasks", deserialize_with = "null_default")]
     pub tasks: Vec<Task>,
@@ -526,8 +544,14 @@ mod tests {
         assert_eq!(a.task_states.get("web").map(|s| s.failed), Some(false));
         let group = &a.job.as_ref().unwrap().task_groups[0];
         assert!(group.volumes.is_empty());
-        // What the agent writes back out decodes to the same allocation.
-        let again: Allocation = serde_json::from_value(serde_json::to_value(&a).unwrap()).unwrap();
+        // Written out as objects, empty ones too, as a BTreeMap was; and read back the same.
+        let out = serde_json::to_value(&a).unwrap();
+        assert_eq!(out["TaskStates"]["web"]["State"], "running");
+        assert_eq!(
+            out["Job"]["TaskGroups"][0]["Volumes"],
+            serde_json::json!({})
+        );
+        let again: Allocation = serde_json::from_value(out).unwrap();
         assert_eq!(again, a);
     }
 
