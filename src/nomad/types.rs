@@ -11,10 +11,26 @@ use std::collections::BTreeMap;
 /// A small map sorted by key, kept in one vector: an allocation's task states and its
 /// group's volumes hold one or a few entries each, and a `BTreeMap` gives each map a node
 /// of eleven slots (about 1.2 KiB for task states, 1.7 KiB for volume requests); the
-/// view keeps every allocation of the node (docs/scale.md, memory per allocation).
-/// Decodes from a JSON object like a `BTreeMap` (a later duplicate key wins) and iterates
-/// in key order.
+/// view keeps every allocation of the node (docs/scale.md, memory per allocation). The
+/// fields read and write it as the `BTreeMap` they were (`small_map_from_object`,
+/// `small_map_as_object`); it iterates in key order.
 pub type SmallMap<V> = litemap::LiteMap<String, V>;
+
+/// Deserializes a [`SmallMap`] from a JSON object, or `null` (or a missing field) as an
+/// empty map, as a `BTreeMap` field with [`null_default`] did: anything else (an array
+/// among them, which `LiteMap` alone would take) is an error, and a later duplicate key
+/// wins. The vector holds exactly the entries.
+fn small_map_from_object<'de, D, V>(d: D) -> Result<SmallMap<V>, D::Error>
+where
+    D: Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    let map = Option::<BTreeMap<String, V>>::deserialize(d)?.unwrap_or_default();
+    let mut sorted = Vec::with_capacity(map.len());
+    sorted.extend(map);
+    // A BTreeMap's entries come out sorted by key, each key once.
+    Ok(SmallMap::from_sorted_store_unchecked(sorted))
+}
 
 /// Serializes a [`SmallMap`] as a JSON object, also when it is empty (`LiteMap` writes an
 /// empty map as `[]` to human-readable formats).
@@ -68,7 +84,7 @@ pub struct Allocation {
     pub client_status: String,
     #[serde(
         rename = "TaskStates",
-        deserialize_with = "null_default",
+        deserialize_with = "small_map_from_object",
         serialize_with = "small_map_as_object"
     )]
     pub task_states: SmallMap<TaskState>,
@@ -244,7 +260,7 @@ pub struct TaskGroup {
     /// Alias → volume request.
     #[serde(
         rename = "Volumes",
-        deserialize_with = "null_default",
+        deserialize_with = "small_map_from_object",
         serialize_with = "small_map_as_object"
     )]
     pub volumes: SmallMap<VolumeRequest>,
@@ -544,6 +560,14 @@ mod tests {
         assert_eq!(a.task_states.get("web").map(|s| s.failed), Some(false));
         let group = &a.job.as_ref().unwrap().task_groups[0];
         assert!(group.volumes.is_empty());
+        // Only an object (or null) is a map: an array is refused, as it was.
+        for bad in [
+            r#"{"TaskStates": []}"#,
+            r#"{"TaskStates": [["web", {"State": "running"}]]}"#,
+            r#"{"Job": {"TaskGroups": [{"Volumes": []}]}}"#,
+        ] {
+            assert!(serde_json::from_str::<Allocation>(bad).is_err(), "{bad}");
+        }
         // Written out as objects, empty ones too, as a BTreeMap was; and read back the same.
         let out = serde_json::to_value(&a).unwrap();
         assert_eq!(out["TaskStates"]["web"]["State"], "running");
