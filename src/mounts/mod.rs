@@ -213,11 +213,11 @@ impl Inner {
         &self.by_point[lo..lo + len]
     }
 
-    /// The part of `by_point` whose mount point is `path` (normalised).
+    /// The part of `by_point` whose mount point is `path` (normalised): the start of the
+    /// part that has `path` as a prefix, since a path sorts before its extensions.
     fn exactly(&self, path: &[u8]) -> &[u32] {
-        let lo = self.by_point.partition_point(|&i| self.point(i) < path);
-        let len = self.by_point[lo..].partition_point(|&i| self.point(i) == path);
-        &self.by_point[lo..lo + len]
+        let with = self.with_prefix(path);
+        &with[..with.partition_point(|&i| self.point(i) == path)]
     }
 }
 
