@@ -615,22 +615,30 @@ impl Watcher {
         let mut resync_at = self.last_list + self.cfg.resync_interval;
         let mut health_at = Instant::now();
         let mut bad_seen = false;
-        let mut fetches = Fetches::new(self.client.clone());
+        let mut fetches = Fetches::new(self.client.clone(), &self.cfg.node_id);
         let mut verify_at = Instant::now() + self.cfg.verify_interval;
         loop {
             let verify = !self.verifying.is_empty();
             let next = tokio::select! {
                 n = tokio::time::timeout(self.cfg.idle_timeout, body.next()) => n,
                 _ = tokio::time::sleep_until(resync_at) => return StreamEnd::Resync,
-                Some((id, read)) = fetches.running.next(), if !fetches.running.is_empty() => {
-                    match self.fetched(&mut fetches, id, read).await {
-                        Ok(()) => continue,
-                        Err(end) => return end,
+                Some(answer) = fetches.running.next(), if !fetches.running.is_empty() => {
+                    let reads = match fetches.answered(answer) {
+                        Ok(reads) => reads,
+                        Err(e) => return StreamEnd::Fault(Fault::of(&e), e.to_string()),
+                    };
+                    for (id, read) in reads {
+                        if let Err(end) = self.fetched(&mut fetches, id, read).await {
+                            return end;
+                        }
                     }
+                    fetches.flush(self.known.len());
+                    continue;
                 }
                 _ = tokio::time::sleep_until(verify_at), if verify => {
                     verify_at = Instant::now() + self.cfg.verify_interval;
                     self.verify(&mut fetches);
+                    fetches.flush(self.known.len());
                     continue;
                 }
             };
@@ -708,6 +716,8 @@ impl Watcher {
                     health_at = Instant::now() - Duration::from_secs(10);
                 }
             }
+            // The chunk's reads start together: a burst's many reads become one list.
+            fetches.flush(self.known.len());
             if got_heartbeat && health_at.elapsed() >= Duration::from_secs(5) {
                 health_at = Instant::now();
                 let h = Health::Streaming {
@@ -888,19 +898,39 @@ impl Watcher {
     }
 }
 
-/// How many allocation reads of the stream path run at once.
+/// How many single allocation reads of the stream path run at once.
 const FETCH_PARALLEL: usize = 8;
 
+/// Reads waiting to start that are read together through the node's allocation list
+/// instead, when they are also at least a quarter of the node's allocations
+/// ([`Fetches::flush`]).
+const LIST_MIN: usize = 8;
+
+/// One read of the stream path, answered.
 type Read = (String, Result<Option<Allocation>, NomadError>);
 
-/// The stream path's allocation reads (`GET /v1/allocation/:id`, for the Job), kept off the
-/// stream reader so that a slow read never stalls it: at most one read per allocation
+/// What one of the stream path's requests answered.
+enum Answer {
+    /// `GET /v1/allocation/:id`.
+    One(Read),
+    /// `GET /v1/node/:id/allocations`, read for the allocations `ids`.
+    List(Vec<String>, Result<Vec<ListedAlloc>, NomadError>),
+}
+
+/// The stream path's allocation reads (for the Job: an event's payload has none), kept off
+/// the stream reader so that a slow read never stalls it: at most one read per allocation
 /// (later events of that allocation wait for it, coalesced), at most [`FETCH_PARALLEL`]
-/// reads in flight, the rest queued in arrival order. Dropped (and its reads cancelled)
-/// when the stream ends: the relist that follows covers them.
+/// single reads in flight, the rest queued in arrival order. A burst (at least
+/// [`LIST_MIN`] queued reads, and at least a quarter of the node's allocations) is read
+/// with one request for the node's allocation list, as poll mode reads it, instead of one
+/// request each. Dropped (and its reads cancelled) when the stream ends: the relist that
+/// follows covers them.
 struct Fetches {
     client: Client,
-    running: FuturesUnordered<BoxFuture<'static, Read>>,
+    node_id: String,
+    running: FuturesUnordered<BoxFuture<'static, Answer>>,
+    /// Whether one of `running` is a list read (at most one is).
+    listing: bool,
     queued: VecDeque<String>,
     /// Allocations with a read queued or in flight, and the events of each that arrived
     /// since, oldest first.
@@ -911,41 +941,92 @@ struct Fetches {
 }
 
 impl Fetches {
-    fn new(client: Client) -> Self {
+    fn new(client: Client, node_id: &str) -> Self {
         Self {
             client,
+            node_id: node_id.to_string(),
             running: FuturesUnordered::new(),
+            listing: false,
             queued: VecDeque::new(),
             waiting: HashMap::new(),
             verifies: HashSet::new(),
         }
     }
 
-    /// Reads allocation `id` (now, or once a slot is free).
+    /// Queues a read of allocation `id`; [`Fetches::flush`] starts it.
     fn start(&mut self, id: String) {
         self.waiting.entry(id.clone()).or_default();
-        if self.running.len() < FETCH_PARALLEL {
-            self.spawn(id);
-        } else {
-            self.queued.push_back(id);
+        self.queued.push_back(id);
+    }
+
+    /// Starts queued reads: all of them as one list read when they are a burst (at least
+    /// [`LIST_MIN`], and at least a quarter of the `node_allocs` allocations the node has,
+    /// since a list answer carries every one of them), and no list read runs already;
+    /// otherwise single reads, as many as free slots allow. Every read covered by a list
+    /// was queued before the list is asked for, so the list is at least as new as the
+    /// event that asked for the read.
+    fn flush(&mut self, node_allocs: usize) {
+        let queued = self.queued.len();
+        if !self.listing && queued >= LIST_MIN && queued * 4 >= node_allocs + queued {
+            let ids: Vec<String> = self.queued.drain(..).collect();
+            let (client, node) = (self.client.clone(), self.node_id.clone());
+            self.listing = true;
+            self.running.push(Box::pin(async move {
+                let read = client
+                    .node_allocations_listed(&node, 0, Duration::ZERO)
+                    .await
+                    .map(|l| l.value);
+                Answer::List(ids, read)
+            }));
+        }
+        while self.running.len() - usize::from(self.listing) < FETCH_PARALLEL {
+            let Some(id) = self.queued.pop_front() else {
+                break;
+            };
+            let client = self.client.clone();
+            self.running.push(Box::pin(async move {
+                let read = client.allocation(&id).await;
+                Answer::One((id, read))
+            }));
         }
     }
 
-    fn spawn(&mut self, id: String) {
-        let client = self.client.clone();
-        self.running.push(Box::pin(async move {
-            let read = client.allocation(&id).await;
-            (id, read)
-        }));
+    /// The reads an answer settles. A list answers each allocation it was read for that it
+    /// holds (decoded whole then); one it does not hold is read alone, queued again (the
+    /// allocation may have been deleted since its event, or be in a namespace the token
+    /// lists without: only its own read tells). Errors: the request failed, or an
+    /// allocation of the list that was read for is not an allocation (the stream ends
+    /// and the relist covers every read, as for a failed single read).
+    fn answered(&mut self, answer: Answer) -> Result<Vec<Read>, NomadError> {
+        match answer {
+            Answer::One(read) => Ok(vec![read]),
+            Answer::List(ids, read) => {
+                self.listing = false;
+                let listed = read?;
+                let by_id: HashMap<&str, &ListedAlloc> =
+                    listed.iter().map(|l| (l.id.as_str(), l)).collect();
+                let mut reads = Vec::with_capacity(ids.len());
+                for id in ids {
+                    match by_id.get(id.as_str()) {
+                        Some(l) => {
+                            let full = l.decode().map_err(|source| NomadError::Decode {
+                                what: "list the node's allocations (GET /v1/node/:id/allocations)"
+                                    .to_string(),
+                                source,
+                            })?;
+                            reads.push((id, Ok(Some(full))));
+                        }
+                        None => self.queued.push_back(id),
+                    }
+                }
+                Ok(reads)
+            }
+        }
     }
 
-    /// The read of `id` finished: returns the events held behind it, and starts the next
-    /// queued read.
+    /// The read of `id` was answered: returns the events held behind it.
     fn finish(&mut self, id: &str) -> Vec<Allocation> {
         let held = self.waiting.remove(id).unwrap_or_default();
-        if let Some(next) = self.queued.pop_front() {
-            self.spawn(next);
-        }
         // Give back memory after a burst.
         if self.waiting.is_empty() {
             self.waiting.shrink_to(FETCH_PARALLEL);
@@ -1006,10 +1087,10 @@ mod tests {
         assert_eq!(v["fault"], "auth-failed");
     }
 
-    /// A loopback Nomad for the stream path: an empty node list at index 10, an event
-    /// stream fed by the test, and allocation reads that wait until the test opens
-    /// `gate` (counted in `reads`). Node `node-gone` is unknown (404); any other exists
-    /// and has no allocations.
+    /// A loopback Nomad for the stream path: a node list at index 10 (`list`, empty until
+    /// the test sets it; counted in `lists`), an event stream fed by the test, and
+    /// allocation reads that wait until the test opens `gate` (counted in `reads`). Node
+    /// `node-gone` is unknown (404); any other exists.
     mod slow_nomad {
         use bytes::Bytes;
         use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
@@ -1022,6 +1103,8 @@ mod tests {
         pub struct Server {
             pub addr: String,
             pub reads: Arc<AtomicUsize>,
+            pub lists: Arc<AtomicUsize>,
+            pub list: Arc<Mutex<String>>,
             pub gate: watch::Sender<bool>,
             pub lines: mpsc::UnboundedSender<String>,
         }
@@ -1056,21 +1139,35 @@ mod tests {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = format!("http://{}", listener.local_addr().unwrap());
             let reads = Arc::new(AtomicUsize::new(0));
+            let lists = Arc::new(AtomicUsize::new(0));
+            let list = Arc::new(Mutex::new("[]".to_string()));
             let (gate, gate_rx) = watch::channel(false);
             let (lines, lines_rx) = mpsc::unbounded_channel::<String>();
             let lines_rx = Arc::new(Mutex::new(Some(lines_rx)));
-            let r = reads.clone();
+            let (r, ls, l) = (reads.clone(), lists.clone(), list.clone());
             tokio::spawn(async move {
                 loop {
                     let Ok((sock, _)) = listener.accept().await else {
                         return;
                     };
-                    let (r, gate_rx, lines_rx, full) =
-                        (r.clone(), gate_rx.clone(), lines_rx.clone(), full.clone());
+                    let (r, ls, l, gate_rx, lines_rx, full) = (
+                        r.clone(),
+                        ls.clone(),
+                        l.clone(),
+                        gate_rx.clone(),
+                        lines_rx.clone(),
+                        full.clone(),
+                    );
                     tokio::spawn(async move {
                         let svc = hyper::service::service_fn(move |req| {
-                            let (r, mut gate_rx, lines_rx, full) =
-                                (r.clone(), gate_rx.clone(), lines_rx.clone(), full.clone());
+                            let (r, ls, l, mut gate_rx, lines_rx, full) = (
+                                r.clone(),
+                                ls.clone(),
+                                l.clone(),
+                                gate_rx.clone(),
+                                lines_rx.clone(),
+                                full.clone(),
+                            );
                             async move {
                                 let path = req.uri().path().to_string();
                                 let body: Body = if path == "/v1/node/node-gone" {
@@ -1085,7 +1182,9 @@ mod tests {
                                 {
                                     Full::new(Bytes::from("{}")).boxed()
                                 } else if path.starts_with("/v1/node/") {
-                                    Full::new(Bytes::from("[]")).boxed()
+                                    ls.fetch_add(1, Ordering::SeqCst);
+                                    let answer = l.lock().unwrap().clone();
+                                    Full::new(Bytes::from(answer)).boxed()
                                 } else if path == "/v1/event/stream" {
                                     let rx = lines_rx.lock().unwrap().take().expect("one stream");
                                     let first = futures_util::stream::once(async {
@@ -1121,6 +1220,8 @@ mod tests {
             Server {
                 addr,
                 reads,
+                lists,
+                list,
                 gate,
                 lines,
             }
@@ -1250,6 +1351,62 @@ mod tests {
             WatchEvent::Upsert(a) => assert_eq!(a.id, "c", "{a:?}"),
             ev => panic!("expected c's update (no resend of v), got {ev:?}"),
         }
+        task.abort();
+    }
+
+    /// Issue 10: stream mode reads a burst of new allocations (one frame) with one request
+    /// for the node's allocation list, not one read each; an allocation the list does not
+    /// hold is read alone. Without the change: twelve single reads.
+    #[tokio::test]
+    async fn stream_burst_is_read_with_one_list() {
+        use slow_nomad::{alloc, frame};
+        use std::sync::atomic::Ordering;
+        const ME: &str = "node-me";
+        // The single read answers a9 (the one the list lacks: created after it, say).
+        let server = slow_nomad::start(alloc("a9", ME, "running", 30, true)).await;
+        server.gate.send(true).unwrap();
+        let mut cfg = WatchConfig::new(ME);
+        cfg.mode = WatchMode::Stream;
+        let (tx, mut rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        // The first list (empty) is done before the stream opens.
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), rx.recv()).await {
+                Ok(Some(WatchEvent::Relisted { .. })) => break,
+                Ok(Some(_)) => {}
+                other => panic!("expected the first list, got {other:?}"),
+            }
+        }
+        let ids: Vec<String> = (0..12).map(|i| format!("a{i}")).collect();
+        let listed: Vec<String> = ids
+            .iter()
+            .filter(|id| *id != "a9")
+            .map(|id| alloc(id, ME, "running", 30, true))
+            .collect();
+        *server.list.lock().unwrap() = format!("[{}]", listed.join(","));
+        let events: Vec<String> = ids
+            .iter()
+            .map(|id| alloc(id, ME, "pending", 20, false))
+            .collect();
+        server.lines.send(frame(20, &events)).unwrap();
+        let mut got = BTreeSet::new();
+        while got.len() < ids.len() {
+            match next_alloc_event(&mut rx).await {
+                WatchEvent::Upsert(a) => {
+                    assert!(a.job.is_some(), "read with its Job: {a:?}");
+                    assert_eq!(a.modify_index, 30, "{a:?}");
+                    got.insert(a.id.clone());
+                }
+                ev => panic!("expected the burst's reads, got {ev:?}"),
+            }
+        }
+        assert_eq!(got, ids.iter().cloned().collect::<BTreeSet<_>>());
+        assert_eq!(
+            server.lists.load(Ordering::SeqCst),
+            2,
+            "the first list, the burst's"
+        );
+        assert_eq!(server.reads.load(Ordering::SeqCst), 1, "a9 alone");
         task.abort();
     }
 
