@@ -912,7 +912,7 @@ type Read = (String, Result<Option<Allocation>, NomadError>);
 /// What one of the stream path's requests answered.
 enum Answer {
     /// `GET /v1/allocation/:id`.
-    One(Read),
+    One(Box<Read>),
     /// `GET /v1/node/:id/allocations`, read for the allocations `ids`.
     List(Vec<String>, Result<Vec<ListedAlloc>, NomadError>),
 }
@@ -986,7 +986,7 @@ impl Fetches {
             let client = self.client.clone();
             self.running.push(Box::pin(async move {
                 let read = client.allocation(&id).await;
-                Answer::One((id, read))
+                Answer::One(Box::new((id, read)))
             }));
         }
     }
@@ -999,7 +999,7 @@ impl Fetches {
     /// and the relist covers every read, as for a failed single read).
     fn answered(&mut self, answer: Answer) -> Result<Vec<Read>, NomadError> {
         match answer {
-            Answer::One(read) => Ok(vec![read]),
+            Answer::One(read) => Ok(vec![*read]),
             Answer::List(ids, read) => {
                 self.listing = false;
                 let listed = read?;
