@@ -146,6 +146,8 @@ struct Inner {
     mount_table_reads: Counter,
     watch_state: Family<StateLabels, Gauge>,
     watch_faults: Family<FaultLabels, Counter>,
+    watch_list_allocations: Gauge,
+    watch_list_bytes: Gauge,
     journal_write: Histogram,
     allocations: Gauge,
     volumes: Gauge,
@@ -266,6 +268,19 @@ impl Metrics {
             "Times the allocation watch disconnected, by fault",
             watch_faults.clone(),
         );
+        let watch_list_allocations = Gauge::default();
+        r.register(
+            "watch_list_allocations",
+            "Allocations in the last full list of the node's allocations (GET /v1/node/:id/allocations), terminal ones included: poll mode reads such a list at every answer",
+            watch_list_allocations.clone(),
+        );
+        let watch_list_bytes = Gauge::default();
+        r.register_with_unit(
+            "watch_list",
+            "Size of the last full list of the node's allocations, with their Jobs: what poll mode reads at every answer",
+            Unit::Bytes,
+            watch_list_bytes.clone(),
+        );
         let journal_write = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
         r.register_with_unit(
             "journal_write_duration",
@@ -336,6 +351,8 @@ impl Metrics {
             mount_table_reads,
             watch_state,
             watch_faults,
+            watch_list_allocations,
+            watch_list_bytes,
             journal_write,
             allocations,
             volumes,
@@ -412,12 +429,19 @@ impl Metrics {
 
     /// The watch's health; a change into `disconnected` counts one fault.
     pub fn set_watch(&self, h: &Health) {
-        let (state, fault) = match h {
-            Health::Listing => ("listing", None),
-            Health::Polling { .. } => ("polling", None),
-            Health::Streaming { .. } => ("streaming", None),
-            Health::Disconnected { fault, .. } => ("disconnected", Some(*fault)),
+        let (state, fault, counters) = match h {
+            Health::Listing => ("listing", None, None),
+            Health::Polling { counters, .. } => ("polling", None, Some(counters)),
+            Health::Streaming { counters, .. } => ("streaming", None, Some(counters)),
+            Health::Disconnected {
+                fault, counters, ..
+            } => ("disconnected", Some(*fault), Some(counters)),
         };
+        if let Some(c) = counters {
+            let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            self.0.watch_list_allocations.set(gauge(c.list_allocations));
+            self.0.watch_list_bytes.set(gauge(c.list_bytes));
+        }
         let mut last = self.0.last_watch.lock().unwrap_or_else(|e| e.into_inner());
         if *last == state {
             return;
@@ -561,7 +585,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 20] = [
+    const EXPORTED: [&str; 22] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
@@ -574,6 +598,8 @@ mod tests {
         "dhv_binder_mount_table_reads_total",
         "dhv_binder_watch_state",
         "dhv_binder_watch_faults_total",
+        "dhv_binder_watch_list_allocations",
+        "dhv_binder_watch_list_bytes",
         "dhv_binder_journal_write_duration_seconds",
         "dhv_binder_allocations",
         "dhv_binder_volumes",
@@ -684,7 +710,11 @@ mod tests {
         m.set_mounts(0, 4, 1, 1);
         m.journal_write(Duration::from_millis(2));
         m.set_known(7, 3, 2);
-        let c = crate::watch::Counters::default();
+        let c = crate::watch::Counters {
+            list_allocations: 12,
+            list_bytes: 34_567,
+            ..Default::default()
+        };
         m.set_watch(&Health::Polling {
             index: 1,
             counters: c.clone(),
@@ -740,6 +770,8 @@ mod tests {
         has("dhv_binder_watch_state{state=\"disconnected\"} 1");
         has("dhv_binder_watch_state{state=\"polling\"} 0");
         has("dhv_binder_watch_faults_total{fault=\"unreachable\"} 1");
+        has("dhv_binder_watch_list_allocations 12");
+        has("dhv_binder_watch_list_bytes 34567");
         has("dhv_binder_journal_write_duration_seconds_count 1");
         has("dhv_binder_allocations 7");
         has("dhv_binder_plugin_up{plugin=\"bind\",deferred=\"true\"} 1");

@@ -217,6 +217,11 @@ pub struct Counters {
     /// Times the index went backwards.
     pub index_resets: u64,
     pub auth_failures: u64,
+    /// The last full list of the node's allocations (`GET /v1/node/:id/allocations`: the
+    /// first list, each relist, and in poll mode every answer): how many allocations it
+    /// held, terminal ones included, and its size in bytes. Poll mode pays this per answer.
+    pub list_allocations: u64,
+    pub list_bytes: u64,
 }
 
 /// Reads the token file into `client` (and all its clones). The token is never logged; an
@@ -501,10 +506,14 @@ impl Watcher {
                         ),
                     ),
                     Ok(Err(e)) => self.backoff(attempt, Fault::of(&e), e.to_string()),
-                    Ok(Ok(list)) if list.value.is_empty() && !self.node_known(attempt).await => {
+                    Ok(Ok((list, _)))
+                        if list.value.is_empty() && !self.node_known(attempt).await =>
+                    {
                         self.node_unknown(attempt)
                     }
-                    Ok(Ok(list)) => {
+                    Ok(Ok((list, bytes))) => {
+                        self.counters.list_allocations = list.value.len() as u64;
+                        self.counters.list_bytes = bytes as u64;
                         self.disconnected = false;
                         let index = list.index;
                         if !self.relisted(list.value, index).await {
@@ -557,10 +566,14 @@ impl Watcher {
                         let attempt = self.healthy_reset(attempt, since);
                         self.backoff(attempt, Fault::of(&e), e.to_string())
                     }
-                    Ok(Ok(list)) if list.value.is_empty() && !self.node_known(attempt).await => {
+                    Ok(Ok((list, _)))
+                        if list.value.is_empty() && !self.node_known(attempt).await =>
+                    {
                         self.node_unknown(self.healthy_reset(attempt, since))
                     }
-                    Ok(Ok(list)) => {
+                    Ok(Ok((list, bytes))) => {
+                        self.counters.list_allocations = list.value.len() as u64;
+                        self.counters.list_bytes = bytes as u64;
                         let new = list.index;
                         match self.poll_changes(list.value, new).await {
                             Ok(true) => {}
@@ -975,7 +988,7 @@ impl Fetches {
                 let read = client
                     .node_allocations_listed(&node, 0, Duration::ZERO)
                     .await
-                    .map(|l| l.value);
+                    .map(|(l, _)| l.value);
                 Answer::List(ids, read)
             }));
         }
@@ -1452,6 +1465,43 @@ mod tests {
                 ev => return ev,
             }
         }
+    }
+
+    /// Poll mode's health tells the size of the last list answer (what each answer costs:
+    /// `dhv_binder_watch_list_bytes`, the status line): its allocations and bytes.
+    #[tokio::test]
+    async fn poll_health_tells_the_last_lists_size() {
+        use nomad_sim::replay::Replay;
+        let node = "0b0b0b0b-0000-4000-8000-000000000002";
+        let fake = Replay::start(node, serde_json::json!({"keys": []})).await;
+        let alloc = |id: &str, index: u64| -> serde_json::Value {
+            serde_json::from_str(&slow_nomad::alloc(id, node, "running", index, true)).unwrap()
+        };
+        fake.put_alloc(alloc("a1", 10));
+        fake.put_alloc(alloc("a2", 11));
+        let mut cfg = WatchConfig::new(node);
+        cfg.mode = WatchMode::Poll;
+        let (tx, mut rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&fake.addr), cfg, tx));
+        /// The list's bytes once a poll health tells a list of `want` allocations.
+        async fn polled(rx: &mut mpsc::Receiver<WatchEvent>, want: u64) -> u64 {
+            loop {
+                let ev = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                    .await
+                    .expect("no health from the watcher")
+                    .expect("the watcher stopped");
+                if let WatchEvent::Health(Health::Polling { counters, .. }) = ev {
+                    if counters.list_allocations == want {
+                        return counters.list_bytes;
+                    }
+                }
+            }
+        }
+        let two = polled(&mut rx, 2).await;
+        fake.put_alloc(alloc("a3", 20));
+        let three = polled(&mut rx, 3).await;
+        assert!(two > 100 && three > two, "{two} then {three} bytes");
+        task.abort();
     }
 
     /// Issue 10: in poll mode each answer of the blocking query is the node's whole list;

@@ -213,11 +213,18 @@ pub struct BrokenDoc {
 fn watch_line(w: &serde_json::Value) -> String {
     let state = w["state"].as_str().unwrap_or("unknown");
     let c = &w["counters"];
-    let counters = format!(
+    let mut counters = format!(
         "{} relists, {} reconnects",
         c["relists"].as_u64().unwrap_or(0),
         c["reconnects"].as_u64().unwrap_or(0)
     );
+    // What each poll answer costs: the node's whole list (an older agent does not say).
+    if let (Some(n), Some(b)) = (c["list_allocations"].as_u64(), c["list_bytes"].as_u64()) {
+        counters.push_str(&format!(
+            "; last list {n} allocations, {}",
+            crate::cli::output::bytes(b)
+        ));
+    }
     match state {
         "polling" | "streaming" => format!(
             "{state} (index {}; {counters})",
@@ -428,7 +435,7 @@ mod tests {
         serde_json::json!({
             "node_id": "5a1d0b8e-0000-4000-8000-000000000001",
             "node_pool": "default",
-            "watch": {"state": "polling", "index": 42, "counters": {"relists": 3, "reconnects": 1}},
+            "watch": {"state": "polling", "index": 42, "counters": {"relists": 3, "reconnects": 1, "list_allocations": 57, "list_bytes": 421_888}},
             "view": {"complete": true, "index": 42, "allocations": 2, "departing": 0},
             "volumes": [
                 {"namespace": "default", "name": "shared-data", "id": "x", "plugin_id": "bind", "state": "ready", "served_here": true},
@@ -462,7 +469,7 @@ mod tests {
         let expected = "\
 Node ID        = 5a1d0b8e-0000-4000-8000-000000000001
 Node Pool      = default
-Watch          = polling (index 42; 3 relists, 1 reconnects)
+Watch          = polling (index 42; 3 relists, 1 reconnects; last list 57 allocations, 412.0 kiB)
 Allocations    = 2 on this node, 0 departing (view complete)
 Plugins        = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
 Pending        = 1 publish call(s) waiting, 1 volume(s) waiting

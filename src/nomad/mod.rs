@@ -453,37 +453,41 @@ impl Client {
     }
 
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
-    /// (returns once the allocation table's index exceeds `index`, or after `wait`).
+    /// (returns once the allocation table's index exceeds `index`, or after `wait`). With
+    /// the answer's size in bytes: every allocation of the node with its Job, terminal ones
+    /// too until the servers collect them.
     pub async fn node_allocations(
         &self,
         node_id: &str,
         index: u64,
         wait: Duration,
-    ) -> Result<Indexed<Vec<Allocation>>, NomadError> {
+    ) -> Result<(Indexed<Vec<Allocation>>, usize), NomadError> {
         let what = "list the node's allocations (GET /v1/node/:id/allocations)";
         let (body, index) = self.list_node_allocations(node_id, index, wait).await?;
         let value = serde_json::from_slice(&body).map_err(|source| NomadError::Decode {
             what: what.to_string(),
             source,
         })?;
-        Ok(Indexed { value, index })
+        Ok((Indexed { value, index }, body.len()))
     }
 
     /// [`Client::node_allocations`], each allocation decoded only as far as its ID and
     /// ModifyIndex ([`ListedAlloc`]): for answers of which only the changes are decoded.
+    /// With the answer's size in bytes.
     pub async fn node_allocations_listed(
         &self,
         node_id: &str,
         index: u64,
         wait: Duration,
-    ) -> Result<Indexed<Vec<ListedAlloc>>, NomadError> {
+    ) -> Result<(Indexed<Vec<ListedAlloc>>, usize), NomadError> {
         let what = "list the node's allocations (GET /v1/node/:id/allocations)";
         let (body, index) = self.list_node_allocations(node_id, index, wait).await?;
+        let bytes = body.len();
         let value = ListedAlloc::list(body).map_err(|source| NomadError::Decode {
             what: what.to_string(),
             source,
         })?;
-        Ok(Indexed { value, index })
+        Ok((Indexed { value, index }, bytes))
     }
 
     /// The answer's bytes and its index.
@@ -1037,7 +1041,8 @@ mod tests {
             let l = client
                 .node_allocations_listed("n1", index, Duration::from_secs(1))
                 .await
-                .unwrap();
+                .unwrap()
+                .0;
             assert_eq!(l.value.len(), 1);
         }
         let seen = seen.lock().unwrap().clone();
