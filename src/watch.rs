@@ -945,6 +945,9 @@ struct Fetches {
     /// Whether one of `running` is a list read (at most one is).
     listing: bool,
     queued: VecDeque<String>,
+    /// Reads that a list answered without their allocation: each is read alone, never
+    /// by another list (which would lack it again).
+    alone: VecDeque<String>,
     /// Allocations with a read queued or in flight, and the events of each that arrived
     /// since, oldest first.
     waiting: HashMap<String, Vec<Allocation>>,
@@ -961,6 +964,7 @@ impl Fetches {
             running: FuturesUnordered::new(),
             listing: false,
             queued: VecDeque::new(),
+            alone: VecDeque::new(),
             waiting: HashMap::new(),
             verifies: HashSet::new(),
         }
@@ -993,7 +997,7 @@ impl Fetches {
             }));
         }
         while self.running.len() - usize::from(self.listing) < FETCH_PARALLEL {
-            let Some(id) = self.queued.pop_front() else {
+            let Some(id) = self.alone.pop_front().or_else(|| self.queued.pop_front()) else {
                 break;
             };
             let client = self.client.clone();
@@ -1029,7 +1033,7 @@ impl Fetches {
                             })?;
                             reads.push((id, Ok(Some(full))));
                         }
-                        None => self.queued.push_back(id),
+                        None => self.alone.push_back(id),
                     }
                 }
                 Ok(reads)
@@ -1044,6 +1048,7 @@ impl Fetches {
         if self.waiting.is_empty() {
             self.waiting.shrink_to(FETCH_PARALLEL);
             self.queued.shrink_to(FETCH_PARALLEL);
+            self.alone.shrink_to(FETCH_PARALLEL);
         }
         held
     }
@@ -1420,6 +1425,39 @@ mod tests {
             "the first list, the burst's"
         );
         assert_eq!(server.reads.load(Ordering::SeqCst), 1, "a9 alone");
+        task.abort();
+    }
+
+    /// Issue 10 (review): allocations a burst's list lacks (deleted since their events) are
+    /// read alone, never by another list. Without the fix the same list was asked for
+    /// again and again and the ten were never read.
+    #[tokio::test]
+    async fn reads_a_list_lacks_are_read_alone_not_listed_again() {
+        use slow_nomad::{alloc, frame};
+        use std::sync::atomic::Ordering;
+        const ME: &str = "node-me";
+        let server = slow_nomad::start(alloc("gone", ME, "running", 30, true)).await;
+        server.gate.send(true).unwrap();
+        let mut cfg = WatchConfig::new(ME);
+        cfg.mode = WatchMode::Stream;
+        let (tx, mut rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        let events: Vec<String> = (0..10)
+            .map(|i| alloc(&format!("a{i}"), ME, "pending", 20, false))
+            .collect();
+        server.lines.send(frame(20, &events)).unwrap();
+        for _ in 0..10 {
+            match next_alloc_event(&mut rx).await {
+                WatchEvent::Upsert(_) => {}
+                ev => panic!("expected the single reads' answers, got {ev:?}"),
+            }
+        }
+        assert_eq!(server.reads.load(Ordering::SeqCst), 10, "each read alone");
+        assert_eq!(
+            server.lists.load(Ordering::SeqCst),
+            2,
+            "the first list, the burst's"
+        );
         task.abort();
     }
 

@@ -506,7 +506,8 @@ impl Client {
         let path = format!("/v1/node/{node_id}/allocations");
         let mut rb = self.request(&self.http, Method::GET, &path).query(&q);
         // A list that is not a blocking query (the first, a relist after a fault, and in
-        // stream mode every resync) is rare and the whole list: its own connection closes.
+        // stream mode every resync and a burst's reads) is rare and the whole list: its own
+        // connection closes, so that its read buffer does not stay with a pooled one.
         if self.rotate_list.swap(false, Ordering::Relaxed) || index == 0 {
             rb = rb.header(reqwest::header::CONNECTION, "close");
         }
