@@ -1246,6 +1246,19 @@ mod tests {
         }
     }
 
+    /// A stream-mode watcher of node `node` against the loopback Nomad at `addr`: its
+    /// events, and its task (abort it at the end).
+    fn stream_watcher(
+        addr: &str,
+        node: &str,
+    ) -> (mpsc::Receiver<WatchEvent>, tokio::task::JoinHandle<()>) {
+        let mut cfg = WatchConfig::new(node);
+        cfg.mode = WatchMode::Stream;
+        let (tx, rx) = mpsc::channel(64);
+        let task = tokio::spawn(run(crate::nomad::loopback_client(addr), cfg, tx));
+        (rx, task)
+    }
+
     /// Waits for the next allocation event (health events skipped).
     async fn next_alloc_event(rx: &mut mpsc::Receiver<WatchEvent>) -> WatchEvent {
         loop {
@@ -1271,10 +1284,7 @@ mod tests {
         const ME: &str = "node-me";
         // Nomad answers the read with the allocation as it is then (index 13).
         let server = slow_nomad::start(alloc("a", ME, "running", 13, true)).await;
-        let mut cfg = WatchConfig::new(ME);
-        cfg.mode = WatchMode::Stream;
-        let (tx, mut rx) = mpsc::channel(64);
-        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        let (mut rx, task) = stream_watcher(&server.addr, ME);
         // "a" is new (read needed); then two more updates of "a" (client side, same
         // AllocModifyIndex), an other node's event, and "b" finishing (no read needed).
         let a11 = alloc("a", ME, "pending", 11, false);
@@ -1383,10 +1393,7 @@ mod tests {
         // The single read answers a9 (the one the list lacks: created after it, say).
         let server = slow_nomad::start(alloc("a9", ME, "running", 30, true)).await;
         server.gate.send(true).unwrap();
-        let mut cfg = WatchConfig::new(ME);
-        cfg.mode = WatchMode::Stream;
-        let (tx, mut rx) = mpsc::channel(64);
-        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        let (mut rx, task) = stream_watcher(&server.addr, ME);
         // The first list (empty) is done before the stream opens.
         loop {
             match tokio::time::timeout(Duration::from_secs(20), rx.recv()).await {
@@ -1438,10 +1445,7 @@ mod tests {
         const ME: &str = "node-me";
         let server = slow_nomad::start(alloc("gone", ME, "running", 30, true)).await;
         server.gate.send(true).unwrap();
-        let mut cfg = WatchConfig::new(ME);
-        cfg.mode = WatchMode::Stream;
-        let (tx, mut rx) = mpsc::channel(64);
-        let task = tokio::spawn(run(crate::nomad::loopback_client(&server.addr), cfg, tx));
+        let (mut rx, task) = stream_watcher(&server.addr, ME);
         let events: Vec<String> = (0..10)
             .map(|i| alloc(&format!("a{i}"), ME, "pending", 20, false))
             .collect();
