@@ -20,7 +20,8 @@
 //! 5. fsync-class system calls per publish (`strace -f` attached to the agent).
 //! 6. Plugin execs in 10 s while the agent is idle.
 //!
-//! The plugin is this binary itself (copied into each node's plugin directory): started
+//! The plugin is `benches/support/plugin.rs`, built by the bench into a small static binary
+//! (copied into each node's plugin directory): started
 //! with `DHV_OPERATION` set it bind-mounts (publish) or unmounts (unpublish), stretches its
 //! work to the configured time, and appends `op start_ns end_ns volume alloc` to the node's
 //! call log. Every mount (plugin mounts, the tmpfs) is under the node's own temporary
@@ -32,6 +33,8 @@
 //! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all;
 //! `burst-cores` runs only the bursts at max-parallel = cores);
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
+//! `BENCH_PLUGIN=bench-binary` (run this binary as the plugin instead of the lean static one
+//! built from `benches/support/plugin.rs`; see [`plugin_binary`]);
 //! `BENCH_AGENT_ENV` (extra `KEY=value` pairs for the agent, e.g. allocator settings);
 //! `BENCH_HOLD` (seconds to keep each release node up after its teardown, to inspect it);
 //! `BENCH_TRACE` (print each latency sample's commit and plugin start times, each burst's
@@ -39,7 +42,8 @@
 //! `BENCH_PERF_CTL` (a `perf record --control fifo:` path: each burst writes `enable` to it
 //! as it places its allocations and `disable` once the last publish is done, so a profiler
 //! started disabled with `-D -1` samples only the bursts).
-//! Needs root (mounts) and `strace` (scripts/install-deps).
+//! Needs root (mounts), `strace` (scripts/install-deps), and `rustc` with the static C
+//! library (libc6-dev) to build the plugin.
 
 #[path = "../tests/support/inproc.rs"]
 mod inproc;
@@ -51,105 +55,64 @@ use nomad_sim::replay::Replay;
 use sandbox::Sandbox;
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 const NODE: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
 const PLUGIN: &str = "bench";
 const MAX_PARALLEL: usize = 8;
 
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
+/// The bench's volume plugin ([`plugin_binary`] builds it on its own; this binary runs the
+/// same code when started with `DHV_OPERATION`, for `BENCH_PLUGIN=bench-binary`).
+#[path = "support/plugin.rs"]
+mod plugin;
 
-/// The plugin side of this binary (`DHV_OPERATION` is set by the agent's runner).
-mod plugin {
-    use super::now_ns;
-    use std::io::Write;
-    use std::path::PathBuf;
-    use std::time::Duration;
+use plugin::now_ns;
 
-    fn env(k: &str) -> String {
-        std::env::var(k).unwrap_or_default()
-    }
-
-    /// Stretches the call to `us` microseconds after `start_ns`.
-    fn stretch(start_ns: u64, us: u64) {
-        let end = start_ns + us * 1000;
-        let now = now_ns();
-        if end > now {
-            std::thread::sleep(Duration::from_nanos(end - now));
+/// The plugin binary each node copies into its plugin directory, built once per run.
+///
+/// By default `benches/support/plugin.rs` compiled by `rustc` (`$RUSTC`, else `rustc` on
+/// the PATH) into a static binary under Cargo's `CARGO_TARGET_TMPDIR`: a lean plugin, whose
+/// exec is what issue 10's goal assumes (about 0.7 ms). With `BENCH_PLUGIN=bench-binary`,
+/// this bench binary itself (6.5 MB, dynamically linked: about 1.1 ms per exec here), as the
+/// figures in docs/scale.md before the session of 2026-12-03 were taken.
+///
+/// Exits the bench with what to do when `rustc` or the static C library (`libc6-dev`) is
+/// missing.
+fn plugin_binary() -> &'static std::path::Path {
+    static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if std::env::var("BENCH_PLUGIN").as_deref() == Ok("bench-binary") {
+            return std::env::current_exe().expect("the bench's own path");
         }
-    }
-
-    pub fn main() {
-        let start = now_ns();
-        let op = env("DHV_OPERATION");
-        // <node>/plugins/bench → <node>
-        let node = std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent()?.parent().map(PathBuf::from))
-            .unwrap_or_default();
-        let conf = std::fs::read_to_string(node.join("plugin.conf")).unwrap_or_default();
-        let us: Vec<u64> = conf
-            .split_whitespace()
-            .filter_map(|v| v.parse().ok())
-            .collect();
-        let (publish_us, unpublish_us) = (
-            us.first().copied().unwrap_or(200),
-            us.get(1).copied().unwrap_or(200),
-        );
-        let target = PathBuf::from(env("DHV_TARGET_PATH"));
-        let out = match op.as_str() {
-            "fingerprint" => r#"{"version":"1.0.0","deferred_bind":true}"#.to_string(),
-            "publish" => {
-                let src = PathBuf::from(env("DHV_VOLUMES_DIR"))
-                    .join("store")
-                    .join(env("DHV_VOLUME_ID"));
-                let made =
-                    std::fs::create_dir_all(&src).and_then(|_| std::fs::create_dir_all(&target));
-                if let Err(e) = made.map_err(|e| e.to_string()).and_then(|_| {
-                    nix::mount::mount(
-                        Some(&src),
-                        &target,
-                        None::<&str>,
-                        nix::mount::MsFlags::MS_BIND,
-                        None::<&str>,
-                    )
-                    .map_err(|e| e.to_string())
-                }) {
-                    println!("{}", serde_json::json!({ "error": e }));
-                    std::process::exit(1);
-                }
-                stretch(start, publish_us);
-                serde_json::json!({"path": target, "context": {}}).to_string()
+        let src = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/support/plugin.rs");
+        let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("scale-bench-plugin");
+        let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_string());
+        let built = Command::new(&rustc)
+            .args(["--edition", "2021", "--crate-name", "dhv_bench_plugin"])
+            .args([
+                "-C",
+                "opt-level=2",
+                "-C",
+                "panic=abort",
+                "-C",
+                "strip=symbols",
+            ])
+            .args(["-C", "target-feature=+crt-static", "-o"])
+            .arg(&out)
+            .arg(src)
+            .status();
+        match built {
+            Ok(s) if s.success() => out,
+            other => {
+                eprintln!(
+                    "benches/scale: building the bench plugin ({rustc} {src}, static) failed \
+                     ({other:?}): needs rustc and the static C library (libc6-dev); or run \
+                     with BENCH_PLUGIN=bench-binary"
+                );
+                std::process::exit(1);
             }
-            "unpublish" => {
-                while nix::mount::umount2(&target, nix::mount::MntFlags::empty()).is_ok() {}
-                stretch(start, unpublish_us);
-                "{}".to_string()
-            }
-            _ => "{}".to_string(),
-        };
-        let end = now_ns();
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(node.join("calls.log"))
-        {
-            let _ = f.write_all(
-                format!(
-                    "{op} {start} {end} {} {}\n",
-                    env("DHV_VOLUME_NAME"),
-                    env("DHV_ALLOC_ID")
-                )
-                .as_bytes(),
-            );
         }
-        println!("{out}");
-    }
+    })
 }
 
 /// One plugin call from the node's call log.
@@ -223,11 +186,7 @@ impl Node {
             .expect("mount a tmpfs under the bench's temporary directory");
         }
         std::fs::create_dir_all(sb.join("plugins")).unwrap();
-        std::fs::copy(
-            std::env::current_exe().unwrap(),
-            sb.join("plugins").join(PLUGIN),
-        )
-        .unwrap();
+        std::fs::copy(plugin_binary(), sb.join("plugins").join(PLUGIN)).unwrap();
         std::fs::write(
             sb.join("plugin.conf"),
             format!("{} {}", plugin_us.0, plugin_us.1),
@@ -983,6 +942,8 @@ fn main() {
         std::process::exit(1);
     }
     let samples = env_usize("BENCH_SAMPLES", 100);
+    // Built before anything is timed.
+    let plugin = plugin_binary();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -994,7 +955,9 @@ fn main() {
     let started = Instant::now();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "scale bench: max-parallel {MAX_PARALLEL}, {samples} latency samples; load average {}",
+        "scale bench: max-parallel {MAX_PARALLEL}, {samples} latency samples; plugin {} ({:.1} MB); load average {}",
+        plugin.display(),
+        std::fs::metadata(plugin).map(|m| m.len()).unwrap_or(0) as f64 / 1e6,
         load.split_whitespace()
             .take(3)
             .collect::<Vec<_>>()
