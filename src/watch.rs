@@ -74,6 +74,7 @@ impl Fault {
                 Fault::AuthFailed
             }
             NomadError::Unreachable { .. } => Fault::Unreachable,
+            NomadError::TimedOut { .. } => Fault::Stalled,
             NomadError::NoLeader { .. } => Fault::NoLeader,
             NomadError::Decode { .. } => Fault::BadAnswer,
             _ => Fault::ServerError,
@@ -628,7 +629,11 @@ impl Watcher {
         let mut resync_at = self.last_list + self.cfg.resync_interval;
         let mut health_at = Instant::now();
         let mut bad_seen = false;
-        let mut fetches = Fetches::new(self.client.clone(), &self.cfg.node_id);
+        let mut fetches = Fetches::new(
+            self.client.clone(),
+            &self.cfg.node_id,
+            self.cfg.idle_timeout,
+        );
         let mut verify_at = Instant::now() + self.cfg.verify_interval;
         loop {
             let verify = !self.verifying.is_empty();
@@ -941,6 +946,10 @@ enum Answer {
 struct Fetches {
     client: Client,
     node_id: String,
+    /// How long one read (single or list) may take before it counts as a dead connection
+    /// ([`NomadError::TimedOut`]; the stream then ends and the relist covers the read): the
+    /// watcher's idle timeout, as the relist's own.
+    timeout: Duration,
     running: FuturesUnordered<BoxFuture<'static, Answer>>,
     /// Whether one of `running` is a list read (at most one is).
     listing: bool,
@@ -957,10 +966,11 @@ struct Fetches {
 }
 
 impl Fetches {
-    fn new(client: Client, node_id: &str) -> Self {
+    fn new(client: Client, node_id: &str, timeout: Duration) -> Self {
         Self {
             client,
             node_id: node_id.to_string(),
+            timeout,
             running: FuturesUnordered::new(),
             listing: false,
             queued: VecDeque::new(),
@@ -987,11 +997,19 @@ impl Fetches {
         if !self.listing && queued >= LIST_MIN && queued * 4 >= node_allocs + queued {
             let ids: Vec<String> = self.queued.drain(..).collect();
             let (client, node) = (self.client.clone(), self.node_id.clone());
+            let after = self.timeout;
             self.listing = true;
             self.running.push(Box::pin(async move {
-                let read = client
-                    .node_allocations_listed(&node, 0, Duration::ZERO)
+                let list = client.node_allocations_listed(&node, 0, Duration::ZERO);
+                let read = tokio::time::timeout(after, list)
                     .await
+                    .unwrap_or_else(|_| {
+                        Err(NomadError::TimedOut {
+                            what: "list the node's allocations (GET /v1/node/:id/allocations)"
+                                .to_string(),
+                            after,
+                        })
+                    })
                     .map(|(l, _)| l.value);
                 Answer::List(ids, read)
             }));
@@ -1001,8 +1019,16 @@ impl Fetches {
                 break;
             };
             let client = self.client.clone();
+            let after = self.timeout;
             self.running.push(Box::pin(async move {
-                let read = client.allocation(&id).await;
+                let read = tokio::time::timeout(after, client.allocation(&id))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(NomadError::TimedOut {
+                            what: format!("read allocation {id} (GET /v1/allocation/:id)"),
+                            after,
+                        })
+                    });
                 Answer::One(Box::new((id, read)))
             }));
         }

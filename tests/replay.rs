@@ -602,6 +602,70 @@ async fn b18_stalled_connection(mode: WatchMode) {
     c.stop().await;
 }
 
+/// Stream mode: the event stream flows (heartbeats every 100 ms) but the read of a new
+/// allocation (for its Job) is never answered, its connection half-open. The read gives up
+/// after the idle timeout (300 ms) and the stream restarts, the watcher saying so
+/// (`stalled`), instead of waiting on the HTTP client's 400 s; nothing is published from the
+/// unread allocation meanwhile; once reads are answered again, the relist publishes it.
+/// Without the read's timeout the watcher said `streaming` for the 400 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_allocation_read_ends_the_stream_within_the_idle_timeout() {
+    let c = Case::start(WatchMode::Stream, |cfg, nomad| {
+        nomad.set_heartbeat(Duration::from_millis(100));
+        cfg.stream_idle_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let mut b = fixture("allocation.json");
+    b["ID"] = json!(ALLOC_B);
+    b["ModifyIndex"] = json!(1310);
+    b["AllocModifyIndex"] = json!(1310);
+    c.nomad.put_alloc(b);
+    c.nomad.stall_reads(true);
+    let stalled_at = std::time::Instant::now();
+    // The first allocation completes (its event carries all the agent needs) as the second
+    // is placed (its event lacks the Job: a read), so that the volume is free for it.
+    c.nomad.push(&frame(
+        1310,
+        &[
+            payload(ALLOC, "complete", "stop", 1310),
+            payload(ALLOC_B, "running", "run", 1310),
+        ],
+    ));
+    let mut seen = Value::Null;
+    for _ in 0..150 {
+        let s = status(&c.cfg).await;
+        if s["watch"]["fault"] == "stalled" {
+            seen = s;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = stalled_at.elapsed();
+    assert_eq!(
+        seen["watch"]["fault"],
+        "stalled",
+        "{}",
+        status(&c.cfg).await
+    );
+    assert!(
+        took <= Duration::from_millis(300 + 700),
+        "the stalled read was given up after {took:?}"
+    );
+    let publish_b = format!("publish default/orders-data {ALLOC_B}");
+    assert!(
+        !c.calls().contains(&publish_b),
+        "acted on an unread allocation: {:?}",
+        c.calls()
+    );
+    c.nomad.stall_reads(false);
+    c.converges(
+        "publish once reads are answered again",
+        &[publish_a(), unpublish(), publish_b],
+    )
+    .await;
+    c.stop().await;
+}
+
 /// B30: the token expires (Nomad closes the stream; lists answer 403, a new subscribe is
 /// 200 then EOF without `{}`). The agent classifies it as an auth failure, re-reads the
 /// token file, backs off at least 1 s between tries, acts on nothing meanwhile (the

@@ -68,6 +68,9 @@ struct Shared {
     raw: broadcast::Sender<Bytes>,
     /// Half-open connections while true.
     stalled: watch::Sender<bool>,
+    /// While true, requests other than the event stream are held unanswered (their
+    /// connections half-open) while open event streams flow on, heartbeats included.
+    reads_stalled: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -77,6 +80,11 @@ impl Shared {
 
     async fn healed(&self) {
         let mut rx = self.stalled.subscribe();
+        let _ = rx.wait_for(|s| !*s).await;
+    }
+
+    async fn reads_healed(&self) {
+        let mut rx = self.reads_stalled.subscribe();
         let _ = rx.wait_for(|s| !*s).await;
     }
 
@@ -127,6 +135,7 @@ impl Replay {
             }),
             raw: broadcast::channel(1024).0,
             stalled: watch::channel(false).0,
+            reads_stalled: watch::channel(false).0,
         });
         let replay = Replay {
             addr,
@@ -330,6 +339,13 @@ impl Replay {
         self.shared.stalled.send_replace(on);
     }
 
+    /// Holds (`true`) or releases every request but the event stream: reads are not
+    /// answered (their connections half-open) while open streams deliver frames and
+    /// heartbeats as usual.
+    pub fn stall_reads(&self, on: bool) {
+        self.shared.reads_stalled.send_replace(on);
+    }
+
     /// Gives every held variable lock to another holder (the lock lapsed and another node
     /// took it): the holder's renewals and new acquisitions are refused from now on.
     pub fn steal_locks(&self) {
@@ -506,6 +522,7 @@ async fn faults(
     if !stream {
         // A half-open connection: the request is not answered until healed.
         shared.healed().await;
+        shared.reads_healed().await;
     }
     if denied {
         return ApiError(StatusCode::FORBIDDEN, "ACL token not found".into()).into_response();

@@ -35,6 +35,12 @@ pub enum NomadError {
     #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN or --token-file")]
     Unauthorized { what: String },
     /// 500 "No cluster leader": an election is in progress; retry.
+    /// A read that is not a blocking query got no whole answer in time (`after`, the
+    /// watcher's idle timeout): its connection is taken as dead (half-open) and the watcher
+    /// reconnects.
+    #[error("Nomad did not answer {what} within {after:?}; treating the connection as dead and reconnecting (check the network path to NOMAD_ADDR)")]
+    TimedOut { what: String, after: Duration },
+
     #[error("Nomad has no cluster leader right now ({what}); retrying")]
     NoLeader { what: String },
     /// 409 on a variable write with `cas`: the variable changed; the current one is attached.
