@@ -5,7 +5,10 @@
 //! 1. Allocation event → plugin exec, p50/p99, in both watch modes, with the state directory on
 //!    disk (the bench's temporary directory) and on a tmpfs mounted under it; then on tmpfs
 //!    with the machine idle for 0.5 s before each sample (an allocation on a quiet node).
-//!    Each row also gives a plugin run started by the bench alone in the same rhythm.
+//!    Each row also gives a plugin run started by the bench alone in the same rhythm, and
+//!    splits the latency at the simulator's answer that carries the allocation (a stream
+//!    frame, or in poll mode the node's whole allocation list): the server's share, then
+//!    the agent's and the exec's.
 //! 2. N = 1/10/50/200 allocations placed at once (one frame, N volumes), last publish done,
 //!    beside the ideal ⌈N / max-parallel⌉ × (plugin + exec) + one commit, at max-parallel 8
 //!    and, for N = 200, at max-parallel = the machine's cores; with the agent's and the
@@ -437,6 +440,14 @@ fn ms(ns: u64) -> f64 {
 async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) -> Latency {
     let mut node = Node::start(mode, tmpfs, 10, (200, 200)).await;
     let mut lat = Vec::with_capacity(samples);
+    let mut server = Vec::with_capacity(samples);
+    let mut rest = Vec::with_capacity(samples);
+    // The answer that carries the allocation to the agent: a stream frame, or the node's
+    // whole allocation list for the blocking query.
+    let answer = match mode {
+        WatchMode::Stream => "stream",
+        WatchMode::Poll => "node-allocations",
+    };
     for i in 0..samples {
         tokio::time::sleep(gap).await;
         let t0 = node.place(&[(i, i % 10)], "running");
@@ -447,6 +458,14 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
             .find(|c| c.op == "publish" && c.alloc == alloc_id(i))
             .expect("publish of the sample's allocation");
         lat.push(ms(c.start.saturating_sub(t0)));
+        if let Some(a) = node
+            .fake
+            .answered_since(answer, t0)
+            .filter(|a| *a <= c.start)
+        {
+            server.push(ms(a - t0));
+            rest.push(ms(c.start - a));
+        }
         if std::env::var_os("BENCH_TRACE").is_some() {
             // Unix ns, to line up with the agent's own log (`DHV_BINDER_LOG=debug`).
             eprintln!(
@@ -460,7 +479,9 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
         node.place(&[(i, i % 10)], "complete");
         node.wait_calls("unpublish", i + 1).await;
     }
-    lat.sort_by(|a, b| a.total_cmp(b));
+    for v in [&mut lat, &mut server, &mut rest] {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
     // The exec alone, started as the samples were: back to back, or after the same idle.
     let exec = if gap.is_zero() {
         exec_cost(&node)
@@ -470,6 +491,8 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
     Latency {
         p50: quantile(&lat, 0.5),
         p99: quantile(&lat, 0.99),
+        server: (quantile(&server, 0.5), quantile(&server, 0.99)),
+        agent: (quantile(&rest, 0.5), quantile(&rest, 0.99)),
         exec,
     }
 }
@@ -478,6 +501,13 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
 struct Latency {
     p50: f64,
     p99: f64,
+    /// p50, p99 of the server's share: commit → the answer carrying the allocation ready
+    /// to send (a stream frame; in poll mode the node's whole allocation list, which grows
+    /// with the allocations the node holds).
+    server: (f64, f64),
+    /// p50, p99 of the rest: that answer ready → the plugin started (the agent's read,
+    /// plan, commit and spawn, and the exec).
+    agent: (f64, f64),
     /// A whole plugin run (fork, exec, dynamic linking, the plugin's work, exit) started
     /// by the bench itself in the same rhythm: what the machine charges for an exec.
     exec: f64,
@@ -1000,11 +1030,15 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
             for mode in [WatchMode::Stream, WatchMode::Poll] {
                 let l = latency(mode, tmpfs, samples, Duration::ZERO).await;
                 println!(
-                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [a plugin run alone: {:.2}]",
+                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [server's answer {:.2} / {:.2}, answer -> plugin start {:.2} / {:.2}; a plugin run alone: {:.2}]",
                     mode_name(mode),
                     if tmpfs { "tmpfs" } else { "disk" },
                     l.p50,
                     l.p99,
+                    l.server.0,
+                    l.server.1,
+                    l.agent.0,
+                    l.agent.1,
                     l.exec,
                 );
             }

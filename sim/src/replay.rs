@@ -35,7 +35,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{broadcast, watch};
@@ -60,7 +60,13 @@ struct Record {
     lock_ops: Vec<String>,
     /// Response body bytes by endpoint: `stream`, `node-allocations`, `allocation`.
     bytes_out: BTreeMap<&'static str, u64>,
+    /// When the last [`ANSWERS_KEPT`] counted answers (or event stream chunks) were ready to
+    /// send: endpoint as in `bytes_out`, Unix time in ns.
+    answers: VecDeque<(&'static str, u64)>,
 }
+
+/// How many answer times [`Replay::answered_since`] can look back over.
+const ANSWERS_KEPT: usize = 1024;
 
 struct Shared {
     record: Mutex<Record>,
@@ -89,7 +95,15 @@ impl Shared {
     }
 
     fn count(&self, what: &'static str, n: usize) {
-        *self.record().bytes_out.entry(what).or_default() += n as u64;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mut r = self.record();
+        *r.bytes_out.entry(what).or_default() += n as u64;
+        if r.answers.len() == ANSWERS_KEPT {
+            r.answers.pop_front();
+        }
+        r.answers.push_back((what, now));
     }
 }
 
@@ -132,6 +146,7 @@ impl Replay {
                 tokens_seen: Vec::new(),
                 lock_ops: Vec::new(),
                 bytes_out: BTreeMap::new(),
+                answers: VecDeque::with_capacity(ANSWERS_KEPT),
             }),
             raw: broadcast::channel(1024).0,
             stalled: watch::channel(false).0,
@@ -382,6 +397,18 @@ impl Replay {
     /// `allocation`.
     pub fn bytes_out(&self) -> BTreeMap<&'static str, u64> {
         self.shared.record().bytes_out.clone()
+    }
+
+    /// When the first answer of endpoint `what` (as in [`Replay::bytes_out`]; for `stream`,
+    /// the first chunk) at or after `since_ns` had its body ready to send, in Unix ns; `None`
+    /// when there was none among the last 1024 answers. The server's share of a latency.
+    pub fn answered_since(&self, what: &str, since_ns: u64) -> Option<u64> {
+        self.shared
+            .record()
+            .answers
+            .iter()
+            .find(|(w, t)| *w == what && *t >= since_ns)
+            .map(|(_, t)| *t)
     }
 
     /// The registered host volumes, as `GET /v1/volume/host/:id` encodes them.
