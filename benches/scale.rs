@@ -493,6 +493,7 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
         p99: quantile(&lat, 0.99),
         server: (quantile(&server, 0.5), quantile(&server, 0.99)),
         agent: (quantile(&rest, 0.5), quantile(&rest, 0.99)),
+        split: server.len(),
         exec,
     }
 }
@@ -508,6 +509,8 @@ struct Latency {
     /// p50, p99 of the rest: that answer ready → the plugin started (the agent's read,
     /// plan, commit and spawn, and the exec).
     agent: (f64, f64),
+    /// How many samples `server` and `agent` cover: those whose answer was found.
+    split: usize,
     /// A whole plugin run (fork, exec, dynamic linking, the plugin's work, exit) started
     /// by the bench itself in the same rhythm: what the machine charges for an exec.
     exec: f64,
@@ -1030,11 +1033,12 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
             for mode in [WatchMode::Stream, WatchMode::Poll] {
                 let l = latency(mode, tmpfs, samples, Duration::ZERO).await;
                 println!(
-                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [server's answer {:.2} / {:.2}, answer -> plugin start {:.2} / {:.2}; a plugin run alone: {:.2}]",
+                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [{} split: server's answer {:.2} / {:.2}, answer -> plugin start {:.2} / {:.2}; a plugin run alone: {:.2}]",
                     mode_name(mode),
                     if tmpfs { "tmpfs" } else { "disk" },
                     l.p50,
                     l.p99,
+                    l.split,
                     l.server.0,
                     l.server.1,
                     l.agent.0,

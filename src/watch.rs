@@ -58,7 +58,8 @@ pub enum Fault {
     BadAnswer,
     /// The server ended the event stream (restart, restore, ACL change, slow reader).
     ClosedByServer,
-    /// Nothing at all (not even a heartbeat) for longer than the idle timeout.
+    /// Nothing at all (not even a heartbeat) for longer than the idle timeout; or, in
+    /// stream mode, a read of allocations ([`NomadError::TimedOut`]) unanswered that long.
     Stalled,
     /// The index went backwards: snapshot restore or a new cluster.
     IndexReset,

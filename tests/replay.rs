@@ -647,6 +647,14 @@ async fn a_stalled_allocation_read_ends_the_stream_within_the_idle_timeout() {
         "{}",
         status(&c.cfg).await
     );
+    // The read's timeout, not the stream's own silence (a starved machine could miss
+    // heartbeats).
+    assert!(
+        seen["watch"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("read allocation")),
+        "{seen}"
+    );
     assert!(
         took <= Duration::from_millis(300 + 700),
         "the stalled read was given up after {took:?}"

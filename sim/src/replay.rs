@@ -95,10 +95,11 @@ impl Shared {
     }
 
     fn count(&self, what: &'static str, n: usize) {
+        // The clock is read under the lock, so that the times are in the queue's order.
+        let mut r = self.record();
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        let mut r = self.record();
         *r.bytes_out.entry(what).or_default() += n as u64;
         if r.answers.len() == ANSWERS_KEPT {
             r.answers.pop_front();
@@ -354,9 +355,9 @@ impl Replay {
         self.shared.stalled.send_replace(on);
     }
 
-    /// Holds (`true`) or releases every request but the event stream: reads are not
-    /// answered (their connections half-open) while open streams deliver frames and
-    /// heartbeats as usual.
+    /// Holds (`true`) or releases every new request but the event stream (the JWKS
+    /// included): they are not answered (their connections half-open) while open streams
+    /// deliver frames and heartbeats as usual. A request already being answered finishes.
     pub fn stall_reads(&self, on: bool) {
         self.shared.reads_stalled.send_replace(on);
     }
@@ -400,12 +401,17 @@ impl Replay {
     }
 
     /// When the first answer of endpoint `what` (as in [`Replay::bytes_out`]; for `stream`,
-    /// the first chunk) at or after `since_ns` had its body ready to send, in Unix ns; `None`
-    /// when there was none among the last 1024 answers. The server's share of a latency.
+    /// the first chunk: a frame, a heartbeat or raw bytes) at or after `since_ns` had its
+    /// body ready to send, in Unix ns: the server's share of a latency. `None` when there
+    /// was none, or when answers after `since_ns` were already dropped (only the last 1024
+    /// are kept), since the first of them may be among those.
     pub fn answered_since(&self, what: &str, since_ns: u64) -> Option<u64> {
-        self.shared
-            .record()
-            .answers
+        let r = self.shared.record();
+        let full = r.answers.len() == ANSWERS_KEPT;
+        if full && r.answers.front().is_some_and(|(_, t)| *t > since_ns) {
+            return None;
+        }
+        r.answers
             .iter()
             .find(|(w, t)| *w == what && *t >= since_ns)
             .map(|(_, t)| *t)

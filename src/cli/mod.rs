@@ -164,7 +164,9 @@ impl Failure {
 impl From<NomadError> for Failure {
     fn from(e: NomadError) -> Self {
         let code = match &e {
-            NomadError::Unreachable { .. } | NomadError::NoLeader { .. } => EXIT_UNAVAILABLE,
+            NomadError::Unreachable { .. }
+            | NomadError::NoLeader { .. }
+            | NomadError::TimedOut { .. } => EXIT_UNAVAILABLE,
             NomadError::Config(_) => EXIT_CONFIG,
             _ => EXIT_FAILED,
         };

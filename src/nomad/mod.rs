@@ -34,13 +34,12 @@ pub enum NomadError {
     /// 401: no token, or an expired or unknown one.
     #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN or --token-file")]
     Unauthorized { what: String },
-    /// 500 "No cluster leader": an election is in progress; retry.
     /// A read that is not a blocking query got no whole answer in time (`after`, the
     /// watcher's idle timeout): its connection is taken as dead (half-open) and the watcher
-    /// reconnects.
-    #[error("Nomad did not answer {what} within {after:?}; treating the connection as dead and reconnecting (check the network path to NOMAD_ADDR)")]
+    /// reconnects. Transient.
+    #[error("Nomad did not answer the request to {what} within {after:?}; treating the connection as dead and reconnecting (check the network path to NOMAD_ADDR, or raise --stream-idle-timeout for a slow link)")]
     TimedOut { what: String, after: Duration },
-
+    /// 500 "No cluster leader": an election is in progress; retry.
     #[error("Nomad has no cluster leader right now ({what}); retrying")]
     NoLeader { what: String },
     /// 409 on a variable write with `cas`: the variable changed; the current one is attached.
@@ -75,7 +74,9 @@ impl NomadError {
     /// True for errors worth retrying with backoff (network, leader election, 5xx).
     pub fn is_transient(&self) -> bool {
         match self {
-            NomadError::Unreachable { .. } | NomadError::NoLeader { .. } => true,
+            NomadError::Unreachable { .. }
+            | NomadError::NoLeader { .. }
+            | NomadError::TimedOut { .. } => true,
             NomadError::Status { status, .. } => *status >= 500 || *status == 429,
             _ => false,
         }
