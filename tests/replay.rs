@@ -428,6 +428,19 @@ impl Case {
         panic!("watcher never {want}: {}", status(&self.cfg).await);
     }
 
+    /// The agent's status once `cond` holds, asked every 20 ms at most `tries` times;
+    /// `Value::Null` when it never did.
+    async fn status_when(&self, tries: usize, cond: impl Fn(&Value) -> bool) -> Value {
+        for _ in 0..tries {
+            let s = status(&self.cfg).await;
+            if cond(&s) {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Value::Null
+    }
+
     /// Asserts the calls converge to `want` and stay there (nothing lost or repeated).
     async fn converges(&self, what: &str, want: &[String]) {
         eventually(20, what, || self.calls().len() >= want.len()).await;
@@ -579,15 +592,9 @@ async fn b18_stalled_connection(mode: WatchMode) {
     let stalled_at = std::time::Instant::now();
     c.nomad
         .apply_silently(&frame(1450, &[payload(ALLOC, "complete", "stop", 1450)]));
-    let mut seen = Value::Null;
-    for _ in 0..100 {
-        let s = status(&c.cfg).await;
-        if s["watch"]["state"] == "disconnected" {
-            seen = s;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let seen = c
+        .status_when(100, |s| s["watch"]["state"] == "disconnected")
+        .await;
     let took = stalled_at.elapsed();
     assert_eq!(seen["watch"]["fault"], "stalled", "{seen}");
     let bound = match mode {
@@ -631,15 +638,9 @@ async fn a_stalled_allocation_read_ends_the_stream_within_the_idle_timeout() {
             payload(ALLOC_B, "running", "run", 1310),
         ],
     ));
-    let mut seen = Value::Null;
-    for _ in 0..150 {
-        let s = status(&c.cfg).await;
-        if s["watch"]["fault"] == "stalled" {
-            seen = s;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let seen = c
+        .status_when(150, |s| s["watch"]["fault"] == "stalled")
+        .await;
     let took = stalled_at.elapsed();
     assert_eq!(
         seen["watch"]["fault"],
