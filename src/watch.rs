@@ -83,13 +83,32 @@ impl Fault {
     }
 }
 
+/// What a read of the node's allocation list is, in errors.
+const LIST_WHAT: &str = "list the node's allocations (GET /v1/node/:id/allocations)";
+
 /// A poll answer with an allocation that does not decode: refused whole, as a list that
 /// does not decode.
 fn bad_list(source: serde_json::Error) -> NomadError {
     NomadError::Decode {
-        what: "list the node's allocations (GET /v1/node/:id/allocations)".to_string(),
+        what: LIST_WHAT.to_string(),
         source,
     }
+}
+
+/// `read` (a request that is not a blocking query), given up after `after`: then
+/// [`NomadError::TimedOut`] (fault `stalled`) saying `what()`, its connection taken as dead. The relist and
+/// stream mode's allocation reads are bounded by the idle timeout this way.
+async fn within<T>(
+    after: Duration,
+    what: impl FnOnce() -> String,
+    read: impl std::future::Future<Output = Result<T, NomadError>>,
+) -> Result<T, NomadError> {
+    tokio::time::timeout(after, read).await.unwrap_or_else(|_| {
+        Err(NomadError::TimedOut {
+            what: what(),
+            after,
+        })
+    })
 }
 
 /// The watcher's connection health and counters, for status output.
@@ -498,22 +517,12 @@ impl Watcher {
                 let list = self
                     .client
                     .node_allocations(&self.cfg.node_id, 0, Duration::ZERO);
-                match tokio::time::timeout(self.cfg.idle_timeout, list).await {
-                    Err(_) => self.backoff(
-                        attempt,
-                        Fault::Stalled,
-                        format!(
-                            "listing the node's allocations got no answer within {:?}",
-                            self.cfg.idle_timeout
-                        ),
-                    ),
-                    Ok(Err(e)) => self.backoff(attempt, Fault::of(&e), e.to_string()),
-                    Ok(Ok((list, _)))
-                        if list.value.is_empty() && !self.node_known(attempt).await =>
-                    {
+                match within(self.cfg.idle_timeout, || LIST_WHAT.into(), list).await {
+                    Err(e) => self.backoff(attempt, Fault::of(&e), e.to_string()),
+                    Ok((list, _)) if list.value.is_empty() && !self.node_known(attempt).await => {
                         self.node_unknown(attempt)
                     }
-                    Ok(Ok((list, bytes))) => {
+                    Ok((list, bytes)) => {
                         self.counters.list_allocations = list.value.len() as u64;
                         self.counters.list_bytes = bytes as u64;
                         self.disconnected = false;
@@ -1002,15 +1011,8 @@ impl Fetches {
             self.listing = true;
             self.running.push(Box::pin(async move {
                 let list = client.node_allocations_listed(&node, 0, Duration::ZERO);
-                let read = tokio::time::timeout(after, list)
+                let read = within(after, || LIST_WHAT.into(), list)
                     .await
-                    .unwrap_or_else(|_| {
-                        Err(NomadError::TimedOut {
-                            what: "list the node's allocations (GET /v1/node/:id/allocations)"
-                                .to_string(),
-                            after,
-                        })
-                    })
                     .map(|(l, _)| l.value);
                 Answer::List(ids, read)
             }));
@@ -1022,14 +1024,8 @@ impl Fetches {
             let client = self.client.clone();
             let after = self.timeout;
             self.running.push(Box::pin(async move {
-                let read = tokio::time::timeout(after, client.allocation(&id))
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(NomadError::TimedOut {
-                            what: format!("read allocation {id} (GET /v1/allocation/:id)"),
-                            after,
-                        })
-                    });
+                let what = || format!("read allocation {id} (GET /v1/allocation/:id)");
+                let read = within(after, what, client.allocation(&id)).await;
                 Answer::One(Box::new((id, read)))
             }));
         }

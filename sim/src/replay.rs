@@ -72,11 +72,18 @@ struct Shared {
     record: Mutex<Record>,
     /// Raw bytes for every open event stream.
     raw: broadcast::Sender<Bytes>,
-    /// Half-open connections while true.
-    stalled: watch::Sender<bool>,
-    /// While true, requests other than the event stream are held unanswered (their
-    /// connections half-open) while open event streams flow on, heartbeats included.
-    reads_stalled: watch::Sender<bool>,
+    /// Which connections are half-open.
+    stalled: watch::Sender<Stall>,
+}
+
+/// The half-open connections a test scripted ([`Replay::stall`], [`Replay::stall_reads`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stall {
+    None,
+    /// New requests other than the event stream are held; open streams flow on.
+    Reads,
+    /// Everything: streams deliver nothing, requests are answered only after healing.
+    All,
 }
 
 impl Shared {
@@ -84,14 +91,13 @@ impl Shared {
         self.record.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn healed(&self) {
+    /// Waits until no stall holds a new request; `answered`: one already answered, which
+    /// only a stall of everything holds.
+    async fn healed(&self, answered: bool) {
         let mut rx = self.stalled.subscribe();
-        let _ = rx.wait_for(|s| !*s).await;
-    }
-
-    async fn reads_healed(&self) {
-        let mut rx = self.reads_stalled.subscribe();
-        let _ = rx.wait_for(|s| !*s).await;
+        let _ = rx
+            .wait_for(|s| *s == Stall::None || (answered && *s == Stall::Reads))
+            .await;
     }
 
     fn count(&self, what: &'static str, n: usize) {
@@ -150,8 +156,7 @@ impl Replay {
                 answers: VecDeque::with_capacity(ANSWERS_KEPT),
             }),
             raw: broadcast::channel(1024).0,
-            stalled: watch::channel(false).0,
-            reads_stalled: watch::channel(false).0,
+            stalled: watch::channel(Stall::None).0,
         });
         let replay = Replay {
             addr,
@@ -352,14 +357,17 @@ impl Replay {
     /// Half-opens (`true`) or heals every connection: while half-open, event streams deliver
     /// nothing (not even heartbeats) and other requests are answered only after healing.
     pub fn stall(&self, on: bool) {
-        self.shared.stalled.send_replace(on);
+        let to = if on { Stall::All } else { Stall::None };
+        self.shared.stalled.send_replace(to);
     }
 
     /// Holds (`true`) or releases every new request but the event stream (the JWKS
     /// included): they are not answered (their connections half-open) while open streams
     /// deliver frames and heartbeats as usual. A request already being answered finishes.
+    /// It replaces a [`Replay::stall`] (one stall state; `false` heals both).
     pub fn stall_reads(&self, on: bool) {
-        self.shared.reads_stalled.send_replace(on);
+        let to = if on { Stall::Reads } else { Stall::None };
+        self.shared.stalled.send_replace(to);
     }
 
     /// Gives every held variable lock to another holder (the lock lapsed and another node
@@ -554,8 +562,7 @@ async fn faults(
     }
     if !stream {
         // A half-open connection: the request is not answered until healed.
-        shared.healed().await;
-        shared.reads_healed().await;
+        shared.healed(false).await;
     }
     if denied {
         return ApiError(StatusCode::FORBIDDEN, "ACL token not found".into()).into_response();
@@ -570,7 +577,7 @@ async fn faults(
     let resp = next.run(req).await;
     if !stream {
         // A blocking query that returned while the connection went half-open.
-        shared.healed().await;
+        shared.healed(true).await;
     }
     let status = resp.status();
     if status == StatusCode::OK && path.starts_with("/v1/var/") {
@@ -616,7 +623,7 @@ async fn faults(
                 },
                 _ = tx.closed() => return,
             };
-            if *shared.stalled.borrow() {
+            if *shared.stalled.borrow() == Stall::All {
                 continue;
             }
             shared.count("stream", chunk.len());
