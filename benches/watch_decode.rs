@@ -18,7 +18,7 @@
 
 use dhv_binder::nomad::events::{decode_line, Line, LineBuffer, Piece};
 use dhv_binder::nomad::types::{Allocation, ListedAlloc};
-use dhv_binder::watch::{self, WatchConfig, WatchEvent, WatchMode};
+use dhv_binder::nomad::watch::{self, WatchConfig, WatchEvent, WatchMode};
 use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::io::{BufWriter, Read, Write};

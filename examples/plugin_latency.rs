@@ -10,9 +10,9 @@
 //! Arguments after the round count: `KEY=VALUE` parameters, `secret:KEY=VALUE` secrets,
 //! `capacity=BYTES`.
 
-use dhv_binder::environment::{self, NodeEnv};
-use dhv_binder::journal::{MountRecord, MountState};
-use dhv_binder::plugin::{self, CreateResult, Operation, PublishResult, Runner};
+use dhv_binder::node::journal::{MountRecord, MountState};
+use dhv_binder::storage::environment::{self, NodeEnv};
+use dhv_binder::storage::plugin::{self, CreateResult, Operation, PublishResult, Runner};
 use dhv_binder::volume::{Capability, VolumeRecord, VolumeSpec};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

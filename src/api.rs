@@ -13,7 +13,7 @@
 //! unknown paths (404) and methods (405) answer with the same error body. [`serve`]'s
 //! accept loop hands each connection, with its peer UID, to hyper's HTTP/1 server.
 
-use crate::identity::{Claims, Verifier};
+use crate::nomad::identity::{Claims, Verifier};
 use crate::volume::is_alloc_id;
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Extension, Query, State};
@@ -545,7 +545,7 @@ async fn publish(
     let wait = wait_of(query)?;
     let token = token_of(headers).ok_or(ApiError::NoToken)?;
     let claims: Claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
-        crate::identity::IdentityError::Jwks(_) => ApiError::KeysUnavailable(e.to_string()),
+        crate::nomad::identity::IdentityError::Jwks(_) => ApiError::KeysUnavailable(e.to_string()),
         _ => ApiError::TokenRejected(e.to_string()),
     })?;
     if claims.nomad_allocation_id != alloc_id {

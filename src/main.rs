@@ -52,9 +52,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Agent(mut cfg) => {
             cfg.validate().map_err(config_err)?;
             // Before anything else: the host's mount namespace, and real directory paths.
-            dhv_binder::host::preflight(&mut cfg).map_err(|e| Failure {
+            dhv_binder::node::host::preflight(&mut cfg).map_err(|e| Failure {
                 code: match e {
-                    dhv_binder::host::HostError::Mounts(_) => cli::EXIT_FAILED,
+                    dhv_binder::node::host::HostError::Mounts(_) => cli::EXIT_FAILED,
                     _ => cli::EXIT_CONFIG,
                 },
                 message: e.to_string(),
@@ -82,7 +82,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         dhv_binder::agent::StartError::AgentSelf(_) => cli::EXIT_UNAVAILABLE,
                         dhv_binder::agent::StartError::NotAClient(_) => cli::EXIT_CONFIG,
                         dhv_binder::agent::StartError::Host(
-                            dhv_binder::host::HostError::Mounts(_),
+                            dhv_binder::node::host::HostError::Mounts(_),
                         ) => cli::EXIT_FAILED,
                         dhv_binder::agent::StartError::Host(_)
                         | dhv_binder::agent::StartError::Trust(_)

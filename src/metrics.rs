@@ -7,8 +7,8 @@
 //! from allocation IDs, volume names or error text. See docs/operations.md for the list,
 //! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
 
-use crate::plugin::{Fingerprint, Operation, PluginError};
-use crate::watch::Health;
+use crate::nomad::watch::Health;
+use crate::storage::plugin::{Fingerprint, Operation, PluginError};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode};
@@ -500,7 +500,7 @@ impl Metrics {
     pub fn encode(&self) -> String {
         // Raised to the count, never past it (scrapes may run at once).
         self.0.mount_table_reads.inner().fetch_max(
-            crate::mounts::MountTable::host_reads(),
+            crate::node::mounts::MountTable::host_reads(),
             std::sync::atomic::Ordering::Relaxed,
         );
         if let Some((allocated, resident)) = heap_bytes() {
@@ -661,12 +661,13 @@ mod tests {
     /// fresh registry shows every reading the process made so far, never more.
     #[test]
     fn the_mount_table_readings_are_counted_at_each_scrape() {
-        crate::mounts::MountTable::read().expect("the host's mount table (tests run as root)");
+        crate::node::mounts::MountTable::read()
+            .expect("the host's mount table (tests run as root)");
         let m = Metrics::new();
         let shown = line_value(&m.encode(), "dhv_binder_mount_table_reads_total ")
             .expect("the readings counter is exported");
         assert!(shown >= 1.0, "a reading was made: {shown}");
-        assert!(shown <= crate::mounts::MountTable::host_reads() as f64);
+        assert!(shown <= crate::node::mounts::MountTable::host_reads() as f64);
         // A scrape never lowers it, and one with no reading between shows the same or more.
         let again = line_value(&m.encode(), "dhv_binder_mount_table_reads_total ").unwrap();
         assert!(again >= shown);
@@ -710,7 +711,7 @@ mod tests {
         m.set_mounts(0, 4, 1, 1);
         m.journal_write(Duration::from_millis(2));
         m.set_known(7, 3, 2);
-        let c = crate::watch::Counters {
+        let c = crate::nomad::watch::Counters {
             list_allocations: 12,
             list_bytes: 34_567,
             ..Default::default()
@@ -720,7 +721,7 @@ mod tests {
             counters: c.clone(),
         });
         let down = Health::Disconnected {
-            fault: crate::watch::Fault::Unreachable,
+            fault: crate::nomad::watch::Fault::Unreachable,
             reason: "refused".into(),
             counters: c,
         };

@@ -82,8 +82,8 @@ async fn example_job_round_trip(c: &Cluster, storage: Option<PathBuf>) {
     assert_eq!(prestart["Failed"], false, "{alloc}");
     let other = 1 - node;
     let target = c.target(node, "shared-data");
-    assert!(dhv_binder::mounts::is_mount_point(&target));
-    assert!(!dhv_binder::mounts::is_mount_point(
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(
         &c.target(other, "shared-data")
     ));
     read_until(
@@ -109,7 +109,7 @@ async fn example_job_round_trip(c: &Cluster, storage: Option<PathBuf>) {
             .map(|_| ())
     })
     .await;
-    assert!(!dhv_binder::mounts::is_mount_point(&target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
     let events: Vec<String> = c
         .journal(node)
         .iter()
@@ -147,7 +147,7 @@ async fn example_job_round_trip(c: &Cluster, storage: Option<PathBuf>) {
     c.wait_for(
         60,
         "the placeholder unmounted after the second run",
-        || async { (!dhv_binder::mounts::is_mount_point(&target)).then_some(()) },
+        || async { (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(()) },
     )
     .await;
 
@@ -520,7 +520,7 @@ async fn dead_fuse_mount_is_republished_and_the_allocation_restarted() {
     );
     c.stop_job(&job, false).await;
     c.wait_for(60, "unpublished after the job stopped", || async {
-        (!dhv_binder::mounts::is_mount_point(&target)).then_some(())
+        (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(())
     })
     .await;
 }

@@ -173,7 +173,7 @@ impl Replay {
             nomad.push(&line);
         }
         eventually(20, "published", || {
-            dhv_binder::mounts::is_mount_point(&target)
+            dhv_binder::node::mounts::is_mount_point(&target)
         })
         .await;
         let token = fixture("workload-identity.json")["default_identity"]["compact"]
@@ -251,10 +251,11 @@ impl Replay {
             0,
             "unpublished under the task"
         );
-        assert!(dhv_binder::mounts::is_mount_point(&self.target));
+        assert!(dhv_binder::node::mounts::is_mount_point(&self.target));
         task.end();
         eventually(90, "unpublished once the task is gone", || {
-            self.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&self.target)
+            self.plugin_calls("unpublish") == 1
+                && !dhv_binder::node::mounts::is_mount_point(&self.target)
         })
         .await;
     }
@@ -342,7 +343,7 @@ async fn prestart_is_answered_from_the_kernel_not_the_journal() {
         r.plugin_calls("publish default/orders-data failed") > 0
     })
     .await;
-    assert!(!dhv_binder::mounts::is_mount_point(&r.target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&r.target));
 
     // A foreign tmpfs on the target: reported, not accepted, not published over.
     nix::mount::mount(
@@ -374,7 +375,7 @@ async fn prestart_is_answered_from_the_kernel_not_the_journal() {
     r.repair_publish();
     let ok = r.prestart("20s").await.expect("published again");
     assert_eq!(ok["volumes"][0]["path"], r.target.display().to_string());
-    assert!(dhv_binder::mounts::is_mount_point(&r.target));
+    assert!(dhv_binder::node::mounts::is_mount_point(&r.target));
     r.stop().await;
 }
 
@@ -393,7 +394,7 @@ async fn a_failed_republish_leaves_no_writable_directory() {
     })
     .await;
     assert!(r.target.is_dir());
-    assert!(!dhv_binder::mounts::is_mount_point(&r.target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&r.target));
     assert!(
         erofs(std::fs::write(r.target.join("data.txt"), "lost")),
         "the placeholder is writable"
@@ -489,7 +490,7 @@ async fn a_list_that_goes_back_in_time_undoes_nothing() {
         r.nomad.push(&line);
     }
     eventually(20, "unpublished after complete", || {
-        r.plugin_calls("unpublish") == 1 && !dhv_binder::mounts::is_mount_point(&r.target)
+        r.plugin_calls("unpublish") == 1 && !dhv_binder::node::mounts::is_mount_point(&r.target)
     })
     .await;
     let mut old = fixture("allocation.json");
@@ -515,7 +516,7 @@ async fn a_list_that_goes_back_in_time_undoes_nothing() {
         1,
         "published again from an older list"
     );
-    assert!(!dhv_binder::mounts::is_mount_point(&r.target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&r.target));
     r.stop().await;
 }
 

@@ -3,10 +3,10 @@
 //! or hang. A failing case proptest finds is saved under tests/fuzz.proptest-regressions and
 //! becomes a regression test.
 
+use dhv_binder::cluster::trust::RecordTrust;
 use dhv_binder::nomad::events::{decode_line, LineBuffer, Piece};
 use dhv_binder::nomad::types::{AllocStub, Allocation, HostVolumeStub, Variable, VariableMeta};
-use dhv_binder::plugin::{self, CreateResult, Fingerprint, Operation, PublishResult};
-use dhv_binder::trust::RecordTrust;
+use dhv_binder::storage::plugin::{self, CreateResult, Fingerprint, Operation, PublishResult};
 use dhv_binder::volume::{parse_spec, VolumeRecord};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -148,7 +148,7 @@ proptest! {
         let token = format!("{}.{}.{sig}", e(&header), e(&payload));
         let key = jsonwebtoken::DecodingKey::from_ed_der(&[3u8; 32]);
         for alg in [jsonwebtoken::Algorithm::EdDSA, jsonwebtoken::Algorithm::RS256] {
-            prop_assert!(dhv_binder::identity::verify_with(&token, &key, alg, &["nomadproject.io".into()], None).is_err());
+            prop_assert!(dhv_binder::nomad::identity::verify_with(&token, &key, alg, &["nomadproject.io".into()], None).is_err());
         }
         let _ = jsonwebtoken::decode_header(&token);
     }
@@ -159,7 +159,7 @@ proptest! {
         "[ -~\\\\]{0,80}",
         any::<String>().prop_map(|s| s.chars().take(80).collect()),
     ], 0..20)) {
-        let _ = dhv_binder::mounts::MountTable::parse(lines.join("\n").as_bytes(), std::path::Path::new("fuzz"));
+        let _ = dhv_binder::node::mounts::MountTable::parse(lines.join("\n").as_bytes(), std::path::Path::new("fuzz"));
     }
 }
 
@@ -186,7 +186,7 @@ fn socket_requests() {
         };
         tokio::spawn(serve_with(
             listener,
-            dhv_binder::identity::Verifier::new(client, &[]),
+            dhv_binder::nomad::identity::Verifier::new(client, &[]),
             tx,
             limits,
         ));

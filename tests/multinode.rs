@@ -111,8 +111,12 @@ async fn drain_moves_the_volume_with_the_allocation_and_never_overlaps() {
         "clean hand-over on drain: {} ms from unpublish done on the old node to publish done on the new one",
         at(to, "publish-done").saturating_sub(at(from, "unpublish-done"))
     );
-    assert!(!dhv_binder::mounts::is_mount_point(&c.target(from, VOLUME)));
-    assert!(dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)));
+    assert!(!dhv_binder::node::mounts::is_mount_point(
+        &c.target(from, VOLUME)
+    ));
+    assert!(dhv_binder::node::mounts::is_mount_point(
+        &c.target(to, VOLUME)
+    ));
     assert_never_on_two_nodes(&c);
     c.stop_job(&job, false).await;
 }
@@ -185,7 +189,7 @@ async fn lost_node_hands_over_after_claim_expiry_and_cleans_up_on_return() {
     c.wait_for(
         30,
         "the stale mount removed on the returning node",
-        || async { (!dhv_binder::mounts::is_mount_point(&target)).then_some(()) },
+        || async { (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(()) },
     )
     .await;
     let after: Vec<(String, u128, String, String)> = c
@@ -204,7 +208,9 @@ async fn lost_node_hands_over_after_claim_expiry_and_cleans_up_on_return() {
         !after.iter().any(|x| x.2 == "publish"),
         "the returning node published again: {after:?}"
     );
-    assert!(dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)));
+    assert!(dhv_binder::node::mounts::is_mount_point(
+        &c.target(to, VOLUME)
+    ));
     c.kill_agent(lost, Signal::SIGTERM);
 }
 
@@ -220,7 +226,7 @@ async fn sigkill_mid_publish_then_restart_leaves_exactly_one_mount() {
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
     let target = c.target(0, VOLUME);
     c.wait_for(30, "the plugin mounted (publish still running)", || async {
-        dhv_binder::mounts::is_mount_point(&target).then_some(())
+        dhv_binder::node::mounts::is_mount_point(&target).then_some(())
     })
     .await;
     let events: Vec<String> = c
@@ -375,7 +381,7 @@ async fn gc_of_a_live_allocation_is_seen_within_seconds(mode: &str) {
         .await;
     let target = c.target(0, VOLUME);
     assert!(
-        dhv_binder::mounts::is_mount_point(&target),
+        dhv_binder::node::mounts::is_mount_point(&target),
         "the volume stays while the poststop task runs"
     );
     // Let the daemon see the failed status (its watcher's index reaches the update), then GC.
@@ -406,7 +412,7 @@ async fn gc_of_a_live_allocation_is_seen_within_seconds(mode: &str) {
             .then_some(())
     })
     .await;
-    assert!(!dhv_binder::mounts::is_mount_point(&target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -498,10 +504,12 @@ async fn a_canary_on_another_node_waits_for_the_claim_and_says_why() {
     let old = c.get(&format!("/v1/allocation/{first_id}")).await;
     assert_eq!(old["DesiredStatus"], "run");
     assert_eq!(old["ClientStatus"], "running");
-    assert!(dhv_binder::mounts::is_mount_point(
+    assert!(dhv_binder::node::mounts::is_mount_point(
         &c.target(holder, VOLUME)
     ));
-    assert!(!dhv_binder::mounts::is_mount_point(&c.target(on, VOLUME)));
+    assert!(!dhv_binder::node::mounts::is_mount_point(
+        &c.target(on, VOLUME)
+    ));
     let dep = c.get(&format!("/v1/job/{job}/deployment")).await;
     assert_eq!(
         dep["TaskGroups"]["app"]["PlacedCanaries"],
@@ -530,7 +538,7 @@ async fn a_canary_on_another_node_waits_for_the_claim_and_says_why() {
     let next = running_alloc(&c, &job, &[first_id.clone(), canary_id.clone()]).await;
     let to = c.node_index(next["NodeID"].as_str().unwrap());
     c.wait_for(30, "the volume published for the replacement", || async {
-        dhv_binder::mounts::is_mount_point(&c.target(to, VOLUME)).then_some(())
+        dhv_binder::node::mounts::is_mount_point(&c.target(to, VOLUME)).then_some(())
     })
     .await;
     let old = c.get(&format!("/v1/allocation/{first_id}")).await;

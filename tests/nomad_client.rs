@@ -155,16 +155,17 @@ async fn blocking_queries_without_an_index_do_not_spin() {
         "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]".to_string()
     })
     .await;
-    let mut wcfg = dhv_binder::watch::WatchConfig::new("3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40");
-    wcfg.mode = dhv_binder::watch::WatchMode::Poll;
+    let mut wcfg =
+        dhv_binder::nomad::watch::WatchConfig::new("3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40");
+    wcfg.mode = dhv_binder::nomad::watch::WatchMode::Poll;
     let (wtx, mut wrx) = tokio::sync::mpsc::channel(64);
-    let watch = tokio::spawn(dhv_binder::watch::run(client(&addr), wcfg, wtx));
+    let watch = tokio::spawn(dhv_binder::nomad::watch::run(client(&addr), wcfg, wtx));
     let (ctx, mut crx) = tokio::sync::mpsc::channel(64);
-    let cat = tokio::spawn(dhv_binder::catalog::run(
+    let cat = tokio::spawn(dhv_binder::cluster::catalog::run(
         client(&addr),
         std::time::Duration::from_secs(300),
-        dhv_binder::trust::RecordTrust::Unverified,
-        dhv_binder::catalog::Rejections::default(),
+        dhv_binder::cluster::trust::RecordTrust::Unverified,
+        dhv_binder::cluster::catalog::Rejections::default(),
         ctx,
     ));
     let drain = tokio::spawn(async move {
@@ -198,8 +199,9 @@ async fn blocking_queries_without_an_index_do_not_spin() {
         "{n} requests in {window:?} ({polls} allocation polls) against a Nomad that never blocks"
     );
     // At most one query per floor interval per loop, plus the first of each.
-    let bound =
-        2 * (window.as_millis() / dhv_binder::watch::MIN_QUERY_INTERVAL.as_millis()) as usize + 2;
+    let bound = 2
+        * (window.as_millis() / dhv_binder::nomad::watch::MIN_QUERY_INTERVAL.as_millis()) as usize
+        + 2;
     assert!(n <= bound, "{n} requests in {window:?} (bound {bound})");
     assert!(polls >= 2, "the poll loop did not run: {polls}");
 }

@@ -246,7 +246,7 @@ fn a_lazy_unmount_fails_the_kit() {
         "{report}"
     );
     assert!(
-        dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"
     );
 }
@@ -273,7 +273,7 @@ esac
     assert!(report.contains("FAIL  fingerprint "), "{report}");
     assert!(sb.path().join("scratch").exists());
     assert!(
-        dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"
     );
 }
@@ -327,7 +327,7 @@ esac
     assert!(report.contains("FAIL  paths confined "), "{report}");
     assert!(report.contains("publish SUCCEEDED"), "{report}");
     assert!(
-        dhv_binder::mounts::mounts_under(sb.path()).is_empty(),
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"
     );
 }

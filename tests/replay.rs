@@ -7,7 +7,7 @@
 mod support;
 
 use dhv_binder::config::AgentConfig;
-use dhv_binder::watch::WatchMode;
+use dhv_binder::nomad::watch::WatchMode;
 use nomad_sim::replay::Replay;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -85,14 +85,14 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
     }
     // The recording plugin logs the call before it mounts: wait for both.
     eventually(10, "publish after PlanResult", || {
-        calls(&plugins).len() == 1 && dhv_binder::mounts::is_mount_point(&target)
+        calls(&plugins).len() == 1 && dhv_binder::node::mounts::is_mount_point(&target)
     })
     .await;
     assert_eq!(
         calls(&plugins),
         vec![format!("publish default/orders-data {ALLOC}")]
     );
-    assert!(dhv_binder::mounts::is_mount_point(&target));
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
 
     // The prestart task's call, with the task's real (fixture) workload identity token.
     let wi = fixture("workload-identity.json");
@@ -139,7 +139,7 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
         "unpublished on DesiredStatus=stop: {:?}",
         calls(&plugins)
     );
-    assert!(dhv_binder::mounts::is_mount_point(&target));
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
 
     // ClientStatus=complete: exactly one unpublish.
     for line in lines.iter().filter(|l| frame_index(l) >= 1245) {
@@ -157,7 +157,7 @@ async fn fixture_stream_publishes_once_and_unpublishes_after_terminal() {
             "unpublish default/orders-data".to_string()
         ]
     );
-    assert!(!dhv_binder::mounts::is_mount_point(&target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
     let log = std::fs::read_to_string(sb.join("state/journal.log")).unwrap();
     let events: Vec<String> = log
         .lines()

@@ -3,7 +3,7 @@
 
 use dhv_binder::api::{serve_with, Limits, Request2Agent};
 use dhv_binder::config::NomadConfig;
-use dhv_binder::identity::Verifier;
+use dhv_binder::nomad::identity::Verifier;
 use dhv_binder::nomad::Client;
 use std::path::Path;
 use std::time::{Duration, Instant};

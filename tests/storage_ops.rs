@@ -9,14 +9,14 @@
 mod support;
 
 use clap::Parser;
+use dhv_binder::cluster::expansion::{self, Expansion, ExpansionState, Step};
+use dhv_binder::cluster::snapshot::{self, SnapshotRecord};
+use dhv_binder::cluster::worker::Published;
 use dhv_binder::config::NomadConfig;
-use dhv_binder::environment::{self, NodeEnv};
-use dhv_binder::expansion::{self, Expansion, ExpansionState, Step};
 use dhv_binder::nomad::Client;
-use dhv_binder::plugin::{Operation, Runner};
-use dhv_binder::snapshot::{self, SnapshotRecord};
+use dhv_binder::storage::environment::{self, NodeEnv};
+use dhv_binder::storage::plugin::{Operation, Runner};
 use dhv_binder::volume::{self, VolumeRecord, VolumeState};
-use dhv_binder::worker::Published;
 use std::path::Path;
 use std::time::Duration;
 use support::cluster::{repo, Cluster, NOBODY_GID, NOBODY_UID};
@@ -31,7 +31,8 @@ struct Args {
 fn runner(c: &Cluster) -> Runner {
     let images = c.sb.join("images");
     std::fs::create_dir_all(&images).unwrap();
-    let roots = dhv_binder::plugin::allowed_roots(&[format!("ext4={}", images.display())]).unwrap();
+    let roots = dhv_binder::storage::plugin::allowed_roots(&[format!("ext4={}", images.display())])
+        .unwrap();
     Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots)
 }
 
@@ -84,17 +85,17 @@ async fn publish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Path
         .call(&rec.spec.plugin_id, Operation::Publish, &env, &rec.secrets)
         .await
         .unwrap();
-    assert!(dhv_binder::mounts::is_mount_point(target));
+    assert!(dhv_binder::node::mounts::is_mount_point(target));
 }
 
 async fn unpublish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Path) {
     let env = environment::unpublish_env(
         n,
-        &dhv_binder::journal::MountRecord {
+        &dhv_binder::node::journal::MountRecord {
             volume: rec.key(),
             volume_id: rec.id.clone(),
             plugin_id: rec.spec.plugin_id.clone(),
-            state: dhv_binder::journal::MountState::Unpublishing,
+            state: dhv_binder::node::journal::MountState::Unpublishing,
             target: target.into(),
             read_only: false,
             publish_context: serde_json::Value::Null,
@@ -114,7 +115,7 @@ async fn unpublish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Pa
         )
         .await
         .unwrap();
-    assert!(!dhv_binder::mounts::is_mount_point(target));
+    assert!(!dhv_binder::node::mounts::is_mount_point(target));
 }
 
 async fn create(client: &Client, runner: &Runner, n: &NodeEnv, spec: &str) -> VolumeRecord {
@@ -127,7 +128,7 @@ async fn create(client: &Client, runner: &Runner, n: &NodeEnv, spec: &str) -> Vo
     let mut rec = VolumeRecord::from_variable(&var).unwrap();
     // The create step of the agent, with the source's variables (as the integration adds).
     // These records are unsigned (the agent-driven test below signs); trust them here.
-    let trust = dhv_binder::trust::RecordTrust::Unverified;
+    let trust = dhv_binder::cluster::trust::RecordTrust::Unverified;
     let (snap, clone) = snapshot::read_source(client, &rec, &trust).await.unwrap();
     let extra = snapshot::source_env(&rec, snap.as_ref(), clone.as_ref(), None).unwrap();
     let mut env = environment::create_env(n, &rec);
@@ -136,8 +137,9 @@ async fn create(client: &Client, runner: &Runner, n: &NodeEnv, spec: &str) -> Vo
         .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)
         .await
         .unwrap();
-    let res: dhv_binder::plugin::CreateResult =
-        dhv_binder::plugin::parse(&rec.spec.plugin_id, Operation::Create, &out.stdout).unwrap();
+    let res: dhv_binder::storage::plugin::CreateResult =
+        dhv_binder::storage::plugin::parse(&rec.spec.plugin_id, Operation::Create, &out.stdout)
+            .unwrap();
     rec.state = VolumeState::Ready;
     rec.context = res.context;
     rec.capacity_bytes = res.bytes;
@@ -166,13 +168,13 @@ async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
     let t1 = c.sb.join("node-1/mnt/data");
     publish(&runner, &n1, &vol, &t1).await;
     std::fs::write(t1.join("state"), "at snapshot time").unwrap();
-    assert!(dhv_binder::worker::runs_here(
+    assert!(dhv_binder::cluster::worker::runs_here(
         "node-1",
         "",
         Published::Here,
         true
     ));
-    assert!(!dhv_binder::worker::runs_here(
+    assert!(!dhv_binder::cluster::worker::runs_here(
         "node-2",
         "",
         Published::Elsewhere,
@@ -236,7 +238,7 @@ async fn snapshot_restore_on_another_node_and_growth_through_the_records() {
         .await
         .unwrap();
     let vol = VolumeRecord::from_variable(&var).unwrap();
-    let online = fp.supports(dhv_binder::plugin::Capability::ExpandOnline);
+    let online = fp.supports(dhv_binder::storage::plugin::Capability::ExpandOnline);
     let vol = match expansion::step(&vol, "node-1", Published::Here, Some(&fp)) {
         Step::Run { online: true } => {
             assert!(online);
@@ -572,7 +574,7 @@ async fn stop(c: &Cluster, job: &str, i: usize, volume: &str) {
             .into_iter()
             .rev()
             .find(|e| e["volume"] == key.as_str())?;
-        (last["event"] == "unpublish-done" && !dhv_binder::mounts::is_mount_point(&target))
+        (last["event"] == "unpublish-done" && !dhv_binder::node::mounts::is_mount_point(&target))
             .then_some(())
     })
     .await;
@@ -858,7 +860,8 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
         volumes_dir,
         plugin_dir: repo().join("plugins"),
     };
-    let roots = dhv_binder::plugin::allowed_roots(&[format!("bind={}", export.display())]).unwrap();
+    let roots = dhv_binder::storage::plugin::allowed_roots(&[format!("bind={}", export.display())])
+        .unwrap();
     let runner =
         Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots);
     let record = |name: &str, context: serde_json::Value| {
@@ -891,18 +894,18 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
     );
     // The plugin's words (kept out of records and callers' answers, see docs/security.md).
     let said = match publish(stolen, sb.join("t1")).await.unwrap_err() {
-        dhv_binder::plugin::PluginError::Failed {
+        dhv_binder::storage::plugin::PluginError::Failed {
             message, stderr, ..
         } => format!("{message} {stderr}"),
         other => panic!("{other}"),
     };
     assert!(said.contains("does not belong"), "{said}");
-    assert!(!dhv_binder::mounts::is_mount_point(&sb.join("t1")));
+    assert!(!dhv_binder::node::mounts::is_mount_point(&sb.join("t1")));
     // Registered storage under its own name: published.
     let registered = record("legacy", serde_json::json!({"export_path": legacy}));
     let target = sb.join("t2");
     publish(registered.clone(), target.clone()).await.unwrap();
-    assert!(dhv_binder::mounts::is_mount_point(&target));
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
     unpublish(&runner, &n, &registered, &target).await;
 }
 
@@ -935,7 +938,8 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
         volumes_dir,
         plugin_dir: repo().join("plugins"),
     };
-    let roots = dhv_binder::plugin::allowed_roots(&[format!("ext4={}", images.display())]).unwrap();
+    let roots = dhv_binder::storage::plugin::allowed_roots(&[format!("ext4={}", images.display())])
+        .unwrap();
     let runner =
         Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots);
     let (spec, secrets) = volume::parse_spec(&format!(
@@ -953,8 +957,8 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
         )
         .await
         .unwrap();
-    let made: dhv_binder::plugin::CreateResult =
-        dhv_binder::plugin::parse("ext4", Operation::Create, &out.stdout).unwrap();
+    let made: dhv_binder::storage::plugin::CreateResult =
+        dhv_binder::storage::plugin::parse("ext4", Operation::Create, &out.stdout).unwrap();
     rec.context = made.context;
     rec.state = VolumeState::Ready;
     let img = std::path::PathBuf::from(rec.context["image"].as_str().unwrap());
@@ -995,7 +999,9 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
         .await
     {
         // Exit code 75: not now, the agent calls again after a backoff.
-        Err(e @ dhv_binder::plugin::PluginError::Failed { .. }) if e.is_temporary() => e.detail(),
+        Err(e @ dhv_binder::storage::plugin::PluginError::Failed { .. }) if e.is_temporary() => {
+            e.detail()
+        }
         other => panic!("expand of a filesystem still mounted elsewhere: {other:?}"),
     };
     assert!(

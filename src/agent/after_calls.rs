@@ -14,7 +14,7 @@
 //! once; any other waits at most three readings' time, however long the calls still
 //! running take (a storage operation, a hung plugin up to its timeout).
 
-use crate::executor::Called;
+use crate::agent::executor::Called;
 use std::time::{Duration, Instant};
 
 /// How many times its own duration the agent waits after a reading before the next one,
@@ -111,7 +111,7 @@ impl AfterCalls {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::executor::Called;
+    use crate::agent::executor::Called;
 
     fn call(name: &str) -> Called {
         Called::unpublished_for_test(name)

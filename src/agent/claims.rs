@@ -1,14 +1,14 @@
-//! Decides this node's single-node claims ([`crate::claims`]): when a held claim is renewed
+//! Decides this node's single-node claims ([`crate::cluster::claims`]): when a held claim is renewed
 //! (every TTL/3), what a failed acquire means for the caller waiting on the volume, and
 //! when a claim is lost ("claim lost": a renewal that finds the lock gone). Whether a
-//! claim is taken or given back is the plan's decision ([`crate::reconcile`]); this module
+//! claim is taken or given back is the plan's decision ([`crate::agent::reconcile`]); this module
 //! keeps the claims' state and timing.
 
 use crate::agent::effect::Effect;
+use crate::agent::reconcile::{ClaimState, Waiting};
 use crate::agent::retry::{Work, CLAIM_RETRY};
-use crate::claims::{ClaimError, ClaimSettings};
-use crate::journal::MountRecord;
-use crate::reconcile::{ClaimState, Waiting};
+use crate::cluster::claims::{ClaimError, ClaimSettings};
+use crate::node::journal::MountRecord;
 use crate::retry::Retries;
 use crate::volume::VolumeKey;
 use std::collections::{BTreeMap, BTreeSet};
@@ -348,7 +348,7 @@ mod tests {
     fn claims_from_the_journal_are_renewed_at_once_after_a_restart() {
         let t0 = Instant::now() + Duration::from_secs(100);
         let mut c = claims();
-        let mut m = crate::journal::tests::rec(crate::journal::MountState::Published);
+        let mut m = crate::node::journal::tests::rec(crate::node::journal::MountState::Published);
         m.volume = key();
         m.claim_id = Some("lock-9".into());
         c.restore([&m], t0);

@@ -3,7 +3,7 @@
 
 use crate::agent::input::ReplyId;
 use crate::api::{ApiError, PublishReply};
-use crate::journal::{Commit, MountRecord};
+use crate::node::journal::{Commit, MountRecord};
 use crate::volume::{VolumeKey, VolumeRecord};
 use std::path::PathBuf;
 
@@ -18,7 +18,7 @@ pub(crate) enum Effect {
         alloc_id: String,
         /// What the last publish established at the target: anything else found there
         /// is not published over.
-        expected: Option<crate::mounts::MountIdentity>,
+        expected: Option<crate::node::mounts::MountIdentity>,
     },
     /// Plugin `unpublish` of a journal record; `keep_dir` re-creates the empty target
     /// directory afterwards (a placeholder host volume still points at it).
@@ -30,14 +30,14 @@ pub(crate) enum Effect {
     /// Fingerprint the plugins in the plugin directory: every one when `changed_only` is
     /// false (at start, and when the directory watch saw a change), else (the periodic
     /// rescan) only those whose file changed since their last good fingerprint, the rest
-    /// keeping it without an exec ([`crate::plugin::Runner::fingerprint_if_changed`]).
+    /// keeping it without an exec ([`crate::storage::plugin::Runner::fingerprint_if_changed`]).
     Fingerprint { changed_only: bool },
     /// Plugin `create` (with the record's check-and-set claim).
     Create(Box<VolumeRecord>),
     /// Plugin `delete` (with the record's check-and-set claim).
     Delete(Box<VolumeRecord>),
     /// A snapshot or expansion step (agent/storage_ops.rs decides, taken by check-and-set).
-    Storage(crate::executor::storage::StorageOp),
+    Storage(crate::agent::executor::storage::StorageOp),
     /// Nomad: list this node's placeholder host volumes.
     ListPlaceholders,
     /// Nomad: register the placeholder host volume of `volume` at `target`; `id` set

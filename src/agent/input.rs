@@ -1,12 +1,12 @@
 //! What the core is told: every message the shell receives, and every completion of an
 //! effect it performed, as one typed [`Input`]. Completions carry the modules' typed errors.
 
+pub(crate) use crate::agent::executor::Completion;
 use crate::api::PublishRequest;
-use crate::catalog::Catalogue;
-pub(crate) use crate::executor::Completion;
-use crate::journal::JournalError;
-use crate::mounts::MountTable;
-use crate::watch::WatchEvent;
+use crate::cluster::catalog::Catalogue;
+use crate::node::journal::JournalError;
+use crate::node::mounts::MountTable;
+use crate::nomad::watch::WatchEvent;
 
 /// Names one caller waiting for an answer; the shell keeps the reply channel, so the core
 /// stays plain data.
@@ -30,7 +30,7 @@ pub(crate) enum Input {
     /// A fresh copy of the cluster's volume records.
     Catalogue(Catalogue),
     /// A fresh copy of the cluster's snapshot records.
-    Snapshots(crate::snapshot::Snapshots),
+    Snapshots(crate::cluster::snapshot::Snapshots),
     /// A caller on the local API; answer with [`crate::agent::effect::Effect::Reply`].
     Api { reply: ReplyId, call: ApiCall },
     /// The caller went away (its connection closed) before it was answered.

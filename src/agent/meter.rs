@@ -12,12 +12,12 @@
 
 use crate::agent::core::Core;
 use crate::agent::effect::{Answer, Effect};
+use crate::agent::executor::{StepError, WorkerError};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::api::{ApiError, PublishReply};
-use crate::claims::ClaimError;
-use crate::executor::{StepError, WorkerError};
+use crate::cluster::claims::ClaimError;
 use crate::metrics::{Metrics, Outcome, WaitOutcome};
-use crate::plugin::{CallObserver, PluginError};
+use crate::storage::plugin::{CallObserver, PluginError};
 use crate::volume::VolumeKey;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

@@ -12,21 +12,25 @@
 //!   for the metrics (counts of what the core decided, timings of what the shell ran);
 //!   `after_calls`: when the shell reads the mount table for plugin calls that finished.
 //!
-//! The publish/unpublish plan itself is `crate::reconcile` (with "allocation lost while
-//! its tasks still run" decided in `crate::view` and `crate::reconcile`).
+//! The publish/unpublish plan itself is `crate::agent::reconcile` (with "allocation lost while
+//! its tasks still run" decided in `crate::agent::view` and `crate::agent::reconcile`).
 
 pub(crate) mod after_calls;
 pub(crate) mod claims;
 pub(crate) mod core;
 pub(crate) mod effect;
+pub(crate) mod executor;
+pub(crate) mod gate;
 pub(crate) mod input;
 pub(crate) mod latency;
 pub(crate) mod meter;
 pub(crate) mod mount_health;
 pub(crate) mod placeholders;
+pub(crate) mod reconcile;
 pub(crate) mod retry;
 pub(crate) mod shell;
 pub(crate) mod storage_ops;
+pub(crate) mod view;
 pub(crate) mod waiters;
 pub(crate) mod workers;
 

@@ -5,8 +5,8 @@
 //! Probes run every `interval`; none while a plugin call on the volume is in flight.
 
 use crate::agent::effect::Effect;
-use crate::health::Probe;
-use crate::journal::{MountRecord, MountState, UserKey};
+use crate::node::health::Probe;
+use crate::node::journal::{MountRecord, MountState, UserKey};
 use crate::volume::VolumeKey;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -367,7 +367,7 @@ mod tests {
     fn probes_run_once_per_interval_on_published_mounted_idle_volumes() {
         let mut m = MountHealth::new(Duration::from_secs(10));
         let t0 = Instant::now();
-        let mut rec = crate::journal::tests::rec(MountState::Published);
+        let mut rec = crate::node::journal::tests::rec(MountState::Published);
         rec.target = "/mnt/x".into();
         let mounts = BTreeMap::from([(key(), rec)]);
         let mounted = BTreeSet::from([PathBuf::from("/mnt/x")]);

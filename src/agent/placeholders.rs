@@ -12,8 +12,8 @@
 //! volume was in flight or finished leaves what we know of that volume alone.
 
 use crate::agent::effect::Effect;
+use crate::agent::executor::{ListedPlaceholder, PlaceholderError};
 use crate::agent::retry::{Work, STEP_RETRY};
-use crate::executor::{ListedPlaceholder, PlaceholderError};
 use crate::nomad::NomadError;
 use crate::retry::Retries;
 use crate::volume::{VolumeKey, VolumeRecord};
@@ -193,7 +193,7 @@ impl Placeholders {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reconcile::tests::volume;
+    use crate::agent::reconcile::tests::volume;
 
     fn listed(id: &str, available: bool) -> ListedPlaceholder {
         ListedPlaceholder {

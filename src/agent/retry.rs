@@ -19,7 +19,7 @@ pub(crate) enum Work {
     /// Taking the volume's single-node claim.
     Claim(VolumeKey),
     /// A snapshot or expansion step (agent/storage_ops.rs).
-    Storage(crate::worker::OpKey),
+    Storage(crate::cluster::worker::OpKey),
 }
 
 /// Plugin calls, placeholders, create/delete: 1 s doubling to 60 s.

@@ -9,22 +9,22 @@
 use crate::agent::after_calls::{AfterCalls, Next};
 use crate::agent::core::{Core, Settings};
 use crate::agent::effect::{Answer, Effect};
+use crate::agent::executor::{self, Called};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::agent::meter::Meter;
 use crate::api::{ApiError, PublishReply, Request2Agent};
-use crate::catalog::{self, Catalogue};
-use crate::claims::ClaimSettings;
+use crate::cluster::catalog::{self, Catalogue};
+use crate::cluster::claims::ClaimSettings;
 use crate::config::AgentConfig;
-use crate::environment::NodeEnv;
-use crate::executor::{self, Called};
-use crate::guard::Guard;
-use crate::identity::Verifier;
-use crate::journal::{Commit, JournalError, Store};
 use crate::metrics::Metrics;
-use crate::mounts::{MountTable, MountsError};
+use crate::node::guard::Guard;
+use crate::node::journal::{Commit, JournalError, Store};
+use crate::node::mounts::{MountTable, MountsError};
+use crate::nomad::identity::Verifier;
+use crate::nomad::watch::{self, WatchConfig, WatchEvent};
 use crate::nomad::Client;
-use crate::plugin::Runner;
-use crate::watch::{self, WatchConfig, WatchEvent};
+use crate::storage::environment::NodeEnv;
+use crate::storage::plugin::Runner;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -53,16 +53,16 @@ pub enum StartError {
     AlreadyRunning(PathBuf),
     /// The record keys (`--record-keys`) are unreadable or malformed (issue 13 §1).
     #[error(transparent)]
-    Trust(#[from] crate::trust::TrustError),
+    Trust(#[from] crate::cluster::trust::TrustError),
     /// A `--plugin-root` is not an absolute, existing directory (issue 13 §1).
     #[error(transparent)]
-    PluginRoot(#[from] crate::plugin::RootError),
+    PluginRoot(#[from] crate::storage::plugin::RootError),
     /// Not in the host's mount namespace, or the working directories are unusable.
     #[error(transparent)]
-    Host(#[from] crate::host::HostError),
-    /// The placeholder guard cannot be placed (see `crate::guard`).
+    Host(#[from] crate::node::host::HostError),
+    /// The placeholder guard cannot be placed (see `crate::node::guard`).
     #[error(transparent)]
-    Guard(#[from] crate::guard::GuardError),
+    Guard(#[from] crate::node::guard::GuardError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -134,7 +134,7 @@ struct Shell {
     store: Store,
     tasks: JoinSet<Report>,
     permits: Arc<Semaphore>,
-    /// Permits for mount probes ([`crate::health::PROBE_THREADS`]).
+    /// Permits for mount probes ([`crate::node::health::PROBE_THREADS`]).
     probes: Arc<Semaphore>,
     replies: HashMap<ReplyId, Pending>,
     next_reply: u64,
@@ -152,8 +152,8 @@ struct Shell {
     /// status answer as `rejected_records` (issue 13 §1).
     rejected_records: catalog::Rejections,
     /// The record keys: a `create` from a snapshot or a clone uses its source only if the
-    /// source's record verifies (`crate::snapshot::read_source`).
-    trust: crate::trust::RecordTrust,
+    /// source's record verifies (`crate::cluster::snapshot::read_source`).
+    trust: crate::cluster::trust::RecordTrust,
     /// The placeholder guard, and whether it stands (placed at start, else retried).
     guard: Guard,
     guarded: bool,
@@ -174,7 +174,7 @@ impl Shell {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer()),
             permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
-            probes: Arc::new(Semaphore::new(crate::health::PROBE_THREADS)),
+            probes: Arc::new(Semaphore::new(crate::node::health::PROBE_THREADS)),
             cfg,
             client,
             node,
@@ -190,7 +190,7 @@ impl Shell {
             meter,
             rejected_records: catalog::Rejections::default(),
             // Trusts no record until `with_trust` gives the node's keys (fail closed).
-            trust: crate::trust::RecordTrust::Keys(Vec::new()),
+            trust: crate::cluster::trust::RecordTrust::Keys(Vec::new()),
             // Placed (or not) by `run`; a shell without it never retries.
             guard: Guard::new(&cfg_state),
             guarded: true,
@@ -217,7 +217,7 @@ impl Shell {
     fn with_trust(
         mut self,
         allowed_roots: std::collections::BTreeMap<String, String>,
-        trust: crate::trust::RecordTrust,
+        trust: crate::cluster::trust::RecordTrust,
         rejected_records: catalog::Rejections,
     ) -> Self {
         self.runner = self.runner.with_allowed_roots(allowed_roots);
@@ -373,7 +373,7 @@ impl Shell {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
                 let permits = self.probes.clone();
                 self.tasks.spawn(async move {
-                    let probe = crate::health::probe(target.clone(), timeout, permits).await;
+                    let probe = crate::node::health::probe(target.clone(), timeout, permits).await;
                     Report::Done(Completion::Probed {
                         volume,
                         target,
@@ -383,7 +383,7 @@ impl Shell {
             }
             Effect::Detach { volume, target } => {
                 self.tasks.spawn_blocking(move || {
-                    let result = crate::health::lazy_unmount(&target);
+                    let result = crate::node::health::lazy_unmount(&target);
                     Report::DoneMounts(Completion::Detached { volume, result }, MountTable::read())
                 });
             }
@@ -542,8 +542,8 @@ impl Shell {
 struct Sources {
     watch: mpsc::Receiver<WatchEvent>,
     catalogue: mpsc::Receiver<Catalogue>,
-    /// The snapshot records (`crate::snapshot::watch`).
-    snapshots: mpsc::Receiver<crate::snapshot::Snapshots>,
+    /// The snapshot records (`crate::cluster::snapshot::watch`).
+    snapshots: mpsc::Receiver<crate::cluster::snapshot::Snapshots>,
     api: mpsc::Receiver<Request2Agent>,
     plugins: mpsc::Receiver<()>,
     /// The periodic tick (`--tick`).
@@ -625,13 +625,13 @@ pub async fn run(
 ) -> Result<(), StartError> {
     // The host's mount namespace and real directory paths, before anything else.
     let mut cfg = cfg;
-    crate::host::preflight(&mut cfg)?;
+    crate::node::host::preflight(&mut cfg)?;
     // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
-    let trust = crate::trust::RecordTrust::from_settings(
+    let trust = crate::cluster::trust::RecordTrust::from_settings(
         cfg.record_keys.as_deref(),
         cfg.allow_unsigned_records,
     )?;
-    let allowed_roots = crate::plugin::allowed_roots(&cfg.plugin_roots)?;
+    let allowed_roots = crate::storage::plugin::allowed_roots(&cfg.plugin_roots)?;
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
@@ -646,13 +646,13 @@ pub async fn run(
         std::fs::create_dir_all(&dir).map_err(|source| StartError::Socket { path: dir, source })?;
     }
     let _state_lock = StateLock::acquire(&cfg.state_dir)?;
-    // Unpublished placeholders are never writable (see crate::guard). Mounts published
+    // Unpublished placeholders are never writable (see crate::node::guard). Mounts published
     // below the placeholder root before the guard existed are left alone: the guard is
     // placed once they are gone (retried on every tick).
     let guard = Guard::new(&cfg.state_dir);
     let guarded = match guard.establish() {
         Ok(()) => true,
-        Err(e @ crate::guard::GuardError::MountsBelow { .. }) => {
+        Err(e @ crate::node::guard::GuardError::MountsBelow { .. }) => {
             tracing::warn!(error = %e, "placeholders stay writable until the guard is placed");
             false
         }
@@ -671,7 +671,7 @@ pub async fn run(
     let rejected_records = catalog::Rejections::default();
     let (watch_tx, watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, cat_rx) = mpsc::channel::<Catalogue>(4);
-    let (snap_tx, snap_rx) = mpsc::channel::<crate::snapshot::Snapshots>(4);
+    let (snap_tx, snap_rx) = mpsc::channel::<crate::cluster::snapshot::Snapshots>(4);
     let (api_tx, api_rx) = mpsc::channel::<Request2Agent>(256);
     let (plugins_tx, plugins_rx) = mpsc::channel::<()>(1);
 
@@ -689,7 +689,7 @@ pub async fn run(
             rejected_records.clone(),
             cat_tx,
         )),
-        tokio::spawn(crate::snapshot::watch(
+        tokio::spawn(crate::cluster::snapshot::watch(
             client.clone(),
             Duration::from_secs(300),
             trust.clone(),
@@ -702,7 +702,10 @@ pub async fn run(
             api_tx,
             crate::api::Limits::default(),
         )),
-        tokio::spawn(crate::discovery::run(cfg.plugin_dir.clone(), plugins_tx)),
+        tokio::spawn(crate::storage::discovery::run(
+            cfg.plugin_dir.clone(),
+            plugins_tx,
+        )),
     ];
 
     // This node's record for `plugin status`, `node status` and `volume create`'s
@@ -712,10 +715,10 @@ pub async fn run(
         .pointer("/NodeName")
         .and_then(|v| v.as_str())
         .unwrap_or_default();
-    let (node_record, node_publisher) = crate::nodes::spawn_publisher(
+    let (node_record, node_publisher) = crate::cluster::nodes::spawn_publisher(
         client.clone(),
-        crate::nodes::NodeRecord::new(&node_id, node_name, &node_pool),
-        crate::nodes::HEARTBEAT,
+        crate::cluster::nodes::NodeRecord::new(&node_id, node_name, &node_pool),
+        crate::cluster::nodes::HEARTBEAT,
     );
     let node = NodeEnv {
         node_id: node_id.clone(),
@@ -806,8 +809,8 @@ mod tests {
     //! once it is durable; the loop (shell and core together) wakes a failed publish
     //! exactly at its retry table's delay.
     use super::*;
-    use crate::journal::tests::rec;
-    use crate::journal::{EventKind, Journal, MountState};
+    use crate::node::journal::tests::rec;
+    use crate::node::journal::{EventKind, Journal, MountState};
 
     fn shell(dir: &std::path::Path) -> (Shell, Journal) {
         let cfg = AgentConfig {
@@ -995,8 +998,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
         use crate::agent::effect::publishes;
+        use crate::agent::reconcile::tests::{alloc, key, volume};
         use crate::agent::retry::STEP_RETRY;
-        use crate::reconcile::tests::{alloc, key, volume};
         let dir = tempfile::tempdir().expect("temp dir");
         let (mut s, journal) = shell(dir.path());
         let now = || tokio::time::Instant::now().into_std();
@@ -1028,7 +1031,7 @@ mod tests {
             every,
         };
         let fingerprinted = || {
-            let fp = crate::plugin::Fingerprint {
+            let fp = crate::storage::plugin::Fingerprint {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),

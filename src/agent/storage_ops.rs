@@ -1,5 +1,5 @@
 //! Decides which storage operations this node runs: snapshot creates and deletes, and
-//! volume expansions (`crate::snapshot::step`, `crate::expansion::step`), where "published
+//! volume expansions (`crate::cluster::snapshot::step`, `crate::cluster::expansion::step`), where "published
 //! here" is this node's journal (a `published` mount record, with its target) and "taken
 //! by another node" is the record's `worker_node` / expansion `node` (set by the node that
 //! won the check-and-set, or by the CLI to the node where the volume is published). Also:
@@ -11,16 +11,16 @@
 //! wait on the retry table before the next attempt.
 
 use crate::agent::effect::Effect;
+use crate::agent::executor::storage::StorageOp;
 use crate::agent::retry::{Work, STEP_RETRY};
-use crate::catalog::Catalogue;
-use crate::executor::storage::StorageOp;
-use crate::expansion;
-use crate::journal::{MountRecord, MountState};
-use crate::plugin::{Capability, Fingerprint};
+use crate::cluster::catalog::Catalogue;
+use crate::cluster::expansion;
+use crate::cluster::snapshot::{self, Snapshots};
+use crate::cluster::worker::{OpError, OpKey, Published};
+use crate::node::journal::{MountRecord, MountState};
 use crate::retry::Retries;
-use crate::snapshot::{self, Snapshots};
+use crate::storage::plugin::{Capability, Fingerprint};
 use crate::volume::{ExpansionState, VolumeKey, VolumeRecord, VolumeState};
-use crate::worker::{OpError, OpKey, Published};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -257,8 +257,8 @@ impl StorageOps {
 mod tests {
     //! Decisions driven with plain `Instant`s: no tokio, no Nomad, no plugin.
     use super::*;
-    use crate::snapshot::SnapshotRecord;
-    use crate::worker::TakeError;
+    use crate::cluster::snapshot::SnapshotRecord;
+    use crate::cluster::worker::TakeError;
     use std::time::Duration;
 
     const ME: &str = "node-1";
@@ -471,7 +471,7 @@ mod tests {
     #[test]
     fn an_expansion_is_deferred_while_published_here_without_online_growth_then_run_offline() {
         let mut v = volume();
-        crate::expansion::request(&mut v, 128 << 20);
+        crate::cluster::expansion::request(&mut v, 128 << 20);
         let p = plugins(&["expand"]);
         let mut s = StorageOps::default();
         let retries = Retries::new(1);
@@ -517,7 +517,7 @@ mod tests {
         assert!(holds_publish(&theirs, fingerprint(&p, "ext4")));
         // Online-capable and published here: grown in place at the target.
         let mut s = StorageOps::default();
-        crate::expansion::request(&mut v, 128 << 20);
+        crate::cluster::expansion::request(&mut v, 128 << 20);
         let online = plugins(&["expand", "expand_online"]);
         let out = pass(
             &mut s,
@@ -547,7 +547,7 @@ mod tests {
             &v,
             fingerprint(&plugins(&["expand"]), "ext4")
         ));
-        crate::expansion::request(&mut v, 128 << 20);
+        crate::cluster::expansion::request(&mut v, 128 << 20);
         assert!(holds_publish(
             &v,
             fingerprint(&plugins(&["expand"]), "ext4")

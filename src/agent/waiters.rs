@@ -4,11 +4,11 @@
 //! does not exist), or "publish timed out" (its deadline passed first).
 
 use crate::agent::input::ReplyId;
+use crate::agent::reconcile::Waiting;
+use crate::agent::view::{requests, View};
 use crate::api::{ApiError, PublishReply, PublishedVolume};
-use crate::catalog::Catalogue;
-use crate::journal::{Journal, UserKey};
-use crate::reconcile::Waiting;
-use crate::view::{requests, View};
+use crate::cluster::catalog::Catalogue;
+use crate::node::journal::{Journal, UserKey};
 use crate::volume::VolumeKey;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;

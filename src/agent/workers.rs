@@ -5,8 +5,8 @@
 //! mount). Another node winning the record is not a failure worth a warning.
 
 use crate::agent::effect::Effect;
+use crate::agent::executor::WorkerError;
 use crate::agent::retry::{Work, STEP_RETRY};
-use crate::executor::WorkerError;
 use crate::retry::Retries;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use std::collections::BTreeSet;

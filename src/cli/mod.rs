@@ -1,7 +1,8 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
 //! `volume snapshot create|list|delete` ([`storage`]),
 //! `plugin check|status`, `node status`; one file per command group, [`output`] for the
-//! readable (Nomad-style) and JSON forms every read command prints.
+//! readable (Nomad-style) and JSON forms every read command prints, [`records`] for the
+//! volume records both `volume` and the storage commands read.
 //!
 //! Exit codes: 0 success; 1 the operation failed or was refused; 2 usage error (clap);
 //! 64 bad configuration or input; 69 Nomad or the local agent could not be reached;
@@ -23,6 +24,7 @@ pub mod node;
 pub mod output;
 pub mod plugin;
 pub mod prestart;
+pub mod records;
 pub mod status;
 pub mod storage;
 pub mod volume;

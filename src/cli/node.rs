@@ -1,10 +1,10 @@
 //! `dhv-binder node status`: every node running dhv-binder, from the records the agents
-//! publish (see [`crate::nodes`]); a node not seen for a while is shown as stale.
+//! publish (see [`crate::cluster::nodes`]); a node not seen for a while is shown as stale.
 
 use super::output::{ago, now_unix, table, OutputArgs};
 use super::Failure;
+use crate::cluster::nodes::{self, Liveness, NodeRecord};
 use crate::config::NomadConfig;
-use crate::nodes::{self, Liveness, NodeRecord};
 use crate::nomad::Client;
 use clap::Subcommand;
 use serde::Serialize;

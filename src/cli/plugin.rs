@@ -1,10 +1,10 @@
 //! `dhv-binder plugin check` (the conformance kit) and `dhv-binder plugin status [id]` (which
-//! nodes have which plugin, from the node records in [`crate::nodes`]).
+//! nodes have which plugin, from the node records in [`crate::cluster::nodes`]).
 
 use super::output::{ago, kv, now_unix, table, OutputArgs};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
+use crate::cluster::nodes::{self, Liveness, NodeRecord};
 use crate::config::NomadConfig;
-use crate::nodes::{self, Liveness, NodeRecord};
 use crate::nomad::Client;
 use clap::Subcommand;
 use serde::Serialize;
@@ -343,7 +343,7 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::nodes::PluginInfo;
+    use crate::cluster::nodes::PluginInfo;
 
     pub(crate) fn records() -> Vec<NodeRecord> {
         let mut a = NodeRecord::new("aaaaaaaa-1111-4222-8333-444455556666", "node-1", "default");

@@ -1,5 +1,5 @@
 //! `dhv-binder volume snapshot create|list|delete` (shaped like `nomad volume snapshot`), and
-//! growing a volume with `volume create` on an existing volume (see [`crate::expansion`]).
+//! growing a volume with `volume create` on an existing volume (see [`crate::cluster::expansion`]).
 //!
 //! Where the plugin is installed on the machine the command runs on (`--plugin-dir`, default
 //! the agent's), its fingerprint is read first and an operation it does not declare is refused
@@ -7,13 +7,13 @@
 //! operation refuses it the same way, and the command reports that.
 
 use super::output::{bytes, table, OutputArgs};
-use super::volume::{read_record, users_of, SigningArgs};
+use super::records::{read_record, users_of, SigningArgs};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
-use crate::expansion::{self, ExpansionState, Update};
+use crate::cluster::expansion::{self, ExpansionState, Update};
+use crate::cluster::snapshot::{self, SnapshotRecord, SNAPSHOT_PREFIX};
+use crate::cluster::trust::SigningKey;
 use crate::nomad::Client;
-use crate::plugin::{Capability, Operation, Runner};
-use crate::snapshot::{self, SnapshotRecord, SNAPSHOT_PREFIX};
-use crate::trust::SigningKey;
+use crate::storage::plugin::{Capability, Operation, Runner};
 use crate::volume::{VolumeRecord, VolumeSource, VolumeSpec, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -186,8 +186,8 @@ pub async fn precheck_nodes(
     plugin_id: &str,
     cap: Capability,
 ) -> Result<(), Failure> {
-    let (records, _) = crate::nodes::list(client).await?;
-    match crate::nodes::missing_capability(&records, plugin_id, &cap.to_string(), now()) {
+    let (records, _) = crate::cluster::nodes::list(client).await?;
+    match crate::cluster::nodes::missing_capability(&records, plugin_id, &cap.to_string(), now()) {
         Some(why) => Err(Failure::new(EXIT_FAILED, why)),
         None => Ok(()),
     }
@@ -311,7 +311,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             if let Some(k) = &key {
                 k.sign(&mut snap);
             }
-            crate::worker::put_cas(client, &snap.to_variable(), 0)
+            crate::cluster::worker::put_cas(client, &snap.to_variable(), 0)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
             outln!("==> Snapshot {} of volume {} requested", snap.id, vol.key());
@@ -356,7 +356,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                     .iter()
                     .map(|r| format!("{plugin}={}", r.display()))
                     .collect::<Vec<_>>();
-                let roots = crate::plugin::allowed_roots(&roots)
+                let roots = crate::storage::plugin::allowed_roots(&roots)
                     .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
                 let runner = Runner::new(&local.plugin_dir, Duration::from_secs(60))
                     .with_allowed_roots(roots);
@@ -401,7 +401,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             if let Some(k) = &key {
                 k.sign_delete(&mut snap);
             }
-            crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index)
+            crate::cluster::worker::put_cas(client, &snap.to_variable(), snap.modify_index)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
             outln!("==> Delete of snapshot {} requested", snap.id);
@@ -437,7 +437,7 @@ async fn list_from_plugin(
         .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
     fp.require(plugin, Operation::SnapshotList)
         .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
-    let node = crate::environment::NodeEnv {
+    let node = crate::storage::environment::NodeEnv {
         node_id: String::new(),
         node_pool: String::new(),
         volumes_dir: PathBuf::from("/var/lib/dhv-binder/volumes"),
@@ -451,11 +451,21 @@ async fn list_from_plugin(
             &secrets,
         )
         .await
-        .map_err(|e| Failure::new(EXIT_FAILED, crate::plugin::redact(&e.to_string(), &secrets)))?;
-    let listed: crate::plugin::SnapshotListResult =
-        crate::plugin::parse(plugin, Operation::SnapshotList, &out.stdout).map_err(|e| {
-            Failure::new(EXIT_FAILED, crate::plugin::redact(&e.to_string(), &secrets))
+        .map_err(|e| {
+            Failure::new(
+                EXIT_FAILED,
+                crate::storage::plugin::redact(&e.to_string(), &secrets),
+            )
         })?;
+    let listed: crate::storage::plugin::SnapshotListResult =
+        crate::storage::plugin::parse(plugin, Operation::SnapshotList, &out.stdout).map_err(
+            |e| {
+                Failure::new(
+                    EXIT_FAILED,
+                    crate::storage::plugin::redact(&e.to_string(), &secrets),
+                )
+            },
+        )?;
     outln!("\nHeld by plugin {plugin:?} (snapshot_list)");
     for s in listed.snapshots {
         let known = records.iter().any(|r| r.id == s.id);
@@ -515,7 +525,7 @@ pub async fn create_existing(
                 }
                 None => {}
             }
-            crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
+            crate::cluster::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
             outln!(
@@ -621,10 +631,10 @@ pub async fn check_source(
     }
 }
 
-impl From<crate::worker::TakeError> for Failure {
-    fn from(e: crate::worker::TakeError) -> Self {
+impl From<crate::cluster::worker::TakeError> for Failure {
+    fn from(e: crate::cluster::worker::TakeError) -> Self {
         match e {
-            crate::worker::TakeError::Nomad(n) => n.into(),
+            crate::cluster::worker::TakeError::Nomad(n) => n.into(),
             lost => Failure::new(EXIT_FAILED, lost.to_string()),
         }
     }

@@ -3,10 +3,12 @@
 //! to the node's storage roots.
 
 use super::{strict_object, Kit};
-use crate::environment;
-use crate::expansion;
-use crate::plugin::{Capability, ExpandResult, Operation, SnapshotListResult, SnapshotResult};
-use crate::snapshot::{self, SnapshotRecord};
+use crate::cluster::expansion;
+use crate::cluster::snapshot::{self, SnapshotRecord};
+use crate::storage::environment;
+use crate::storage::plugin::{
+    Capability, ExpandResult, Operation, SnapshotListResult, SnapshotResult,
+};
 use crate::volume::{VolumeRecord, VolumeSource, VolumeState};
 use std::path::{Path, PathBuf};
 
@@ -451,7 +453,7 @@ async fn expand_rule(kit: &mut Kit) {
         Ok(note)
     }
     .await;
-    if outcome.is_err() && crate::mounts::is_mount_point(&t) {
+    if outcome.is_err() && crate::node::mounts::is_mount_point(&t) {
         let _ = kit.unpublish(&t, &pctx).await;
     }
     if outcome.is_ok() {
@@ -558,7 +560,7 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
             let _ = std::fs::create_dir_all(&t);
             let penv = kit.publish_env_of(&bad, &t, false);
             let p = kit.call(Operation::Publish, &penv).await;
-            let mounted = crate::mounts::is_mount_point(&t);
+            let mounted = crate::node::mounts::is_mount_point(&t);
             if mounted {
                 let _ = nix::mount::umount2(&t, nix::mount::MntFlags::MNT_DETACH);
             }

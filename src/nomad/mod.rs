@@ -3,9 +3,11 @@
 //! Connection settings follow the Nomad CLI's environment conventions (see [`crate::config`]).
 
 pub mod events;
+pub mod identity;
 pub(crate) mod scan;
 pub mod transport;
 pub mod types;
+pub mod watch;
 
 use crate::config::NomadConfig;
 use reqwest::{Method, StatusCode};

@@ -126,7 +126,7 @@ impl Cluster {
         std::fs::create_dir_all(&export).unwrap();
         std::fs::create_dir_all(sb.join("images")).unwrap();
         // The operator's signing key (the CLI signs records) and the nodes' trusted keys.
-        let (key, text) = dhv_binder::trust::SigningKey::generate().unwrap();
+        let (key, text) = dhv_binder::cluster::trust::SigningKey::generate().unwrap();
         {
             use std::io::Write as _;
             use std::os::unix::fs::OpenOptionsExt;

@@ -33,7 +33,7 @@ impl Running {
 /// Settings for a test agent in the sandbox: fast tick, short plugin timeout.
 pub fn agent_config(sb: &Sandbox) -> AgentConfig {
     AgentConfig {
-        watch_mode: dhv_binder::watch::WatchMode::Stream,
+        watch_mode: dhv_binder::nomad::watch::WatchMode::Stream,
         token_file: None,
         state_dir: sb.join("state"),
         socket: sb.join("run/api.sock"),
@@ -150,7 +150,9 @@ pub fn frame(index: u64, event_type: &str, alloc: &Value) -> String {
 /// The agent's journal as stored in `state` (`journal.json` with the changes of
 /// `journal.wal` applied), as JSON text (`{"node_id":..,"mounts":[..],"users":[..]}`), for
 /// tests that wait for a record to be written.
-pub fn journal_text(state: &std::path::Path) -> Result<String, dhv_binder::journal::JournalError> {
-    dhv_binder::journal::read_stored(state)
+pub fn journal_text(
+    state: &std::path::Path,
+) -> Result<String, dhv_binder::node::journal::JournalError> {
+    dhv_binder::node::journal::read_stored(state)
         .map(|s| serde_json::to_string(&s).expect("the state serialises"))
 }

@@ -28,7 +28,7 @@ impl Sandbox {
 
     /// Detaches every mount below the sandbox.
     pub fn unmount_all(&self) {
-        let mut mounts = dhv_binder::mounts::mounts_under(self.dir.path());
+        let mut mounts = dhv_binder::node::mounts::mounts_under(self.dir.path());
         mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
         for m in mounts {
             let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);

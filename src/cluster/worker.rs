@@ -52,7 +52,7 @@ pub enum OpError {
     /// The plugin call timed out: its outcome is unknown; the same node calls again.
     #[error("{0}")]
     Uncertain(String),
-    /// The plugin refused for now (exit code 75, [`crate::plugin::EXIT_TEMPORARY`]): the
+    /// The plugin refused for now (exit code 75, [`crate::storage::plugin::EXIT_TEMPORARY`]): the
     /// operation stays pending and the same node calls again after a backoff.
     #[error("{0}")]
     NotNow(String),
@@ -69,10 +69,10 @@ impl OpError {
     /// again on this node: a timeout (outcome unknown) or a "not now" refusal (exit code 75).
     /// `None` for a failure the record keeps. Redacted with `secrets`.
     pub fn retried(
-        e: &crate::plugin::PluginError,
+        e: &crate::storage::plugin::PluginError,
         secrets: &std::collections::BTreeMap<String, String>,
     ) -> Option<OpError> {
-        let text = || crate::plugin::redact(&e.to_string(), secrets);
+        let text = || crate::storage::plugin::redact(&e.to_string(), secrets);
         if e.is_uncertain() {
             Some(OpError::Uncertain(text()))
         } else if e.is_temporary() {

@@ -7,17 +7,17 @@
 //! source volume, a size, a creation time and whether it is ready.
 //!
 //! A snapshot request is signed by the operator's CLI like a volume record
-//! ([`crate::trust::Signed`]): its place (namespace, path, ID) and its source (volume name
+//! ([`crate::cluster::trust::Signed`]): its place (namespace, path, ID) and its source (volume name
 //! and ID), name, plugin, secrets and creation time; a delete request carries its own
 //! signature. Nodes act only on requests that verify ([`admit`]); a volume created from a
 //! snapshot uses it only if it verifies ([`read_source`]).
 
-use crate::environment::NodeEnv;
+use crate::cluster::trust::{RecordTrust, Signed};
+use crate::cluster::worker::OpError;
 use crate::nomad::types::Variable;
-use crate::plugin::{self, Operation, Runner, SnapshotResult};
-use crate::trust::{RecordTrust, Signed};
+use crate::storage::environment::NodeEnv;
+use crate::storage::plugin::{self, Operation, Runner, SnapshotResult};
 use crate::volume::{self, VolumeRecord, VolumeSource, VolumeState};
-use crate::worker::OpError;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -57,7 +57,7 @@ pub struct SnapshotRecord {
     pub worker_node: String,
     /// Last error (redacted).
     pub error: String,
-    /// The operator's signature over the request (`crate::trust`); empty when unsigned.
+    /// The operator's signature over the request (`crate::cluster::trust`); empty when unsigned.
     pub signature: String,
     /// The operator's signature of the delete request; empty unless `volume snapshot
     /// delete` signed one.
@@ -212,7 +212,7 @@ impl SnapshotRecord {
 /// not decode, or `trust` refuses it: unsigned, forged, re-pointed at another volume, or a
 /// delete request without the operator's delete signature).
 pub fn admit(var: &Variable, trust: &RecordTrust) -> Result<SnapshotRecord, String> {
-    crate::trust::admit(var, trust, SnapshotRecord::from_variable)
+    crate::cluster::trust::admit(var, trust, SnapshotRecord::from_variable)
 }
 
 /// Environment of `snapshot_create`: the source volume's identity, secrets and `DHV_CONTEXT`,
@@ -224,7 +224,7 @@ pub fn create_env(
     snap: &SnapshotRecord,
     target: Option<&Path>,
 ) -> Vec<(String, String)> {
-    let mut env = crate::environment::identity_env(node, vol);
+    let mut env = crate::storage::environment::identity_env(node, vol);
     env.extend([
         ("DHV_CONTEXT".into(), vol.context.to_string()),
         ("DHV_SNAPSHOT_ID".into(), snap.id.clone()),
@@ -240,7 +240,7 @@ pub fn create_env(
 /// Environment of `snapshot_delete`: identity from the snapshot record (the volume may be
 /// gone), its secrets, `DHV_SNAPSHOT_ID` and `DHV_SNAPSHOT_CONTEXT`.
 pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)> {
-    let mut env = crate::environment::node_env(node);
+    let mut env = crate::storage::environment::node_env(node);
     env.extend([
         ("DHV_NAMESPACE".into(), snap.namespace.clone()),
         ("DHV_VOLUME_NAME".into(), snap.volume.clone()),
@@ -258,7 +258,7 @@ pub fn delete_env(node: &NodeEnv, snap: &SnapshotRecord) -> Vec<(String, String)
 /// Environment of `snapshot_list` (run by `volume snapshot list --plugin` on the node where
 /// it is typed): the node's directories and the secrets the caller gave.
 pub fn list_env(node: &NodeEnv, secrets: &BTreeMap<String, String>) -> Vec<(String, String)> {
-    let mut env = crate::environment::node_env(node);
+    let mut env = crate::storage::environment::node_env(node);
     env.push((
         "DHV_SECRETS".into(),
         serde_json::to_string(secrets).unwrap_or_default(),
@@ -406,7 +406,7 @@ pub fn admit_source(
         VolumeSource::SnapshotId(_) => admit(var, trust)
             .map(|s| (Some(s), None))
             .map_err(SourceError::Untrusted),
-        VolumeSource::CloneId(_) => crate::catalog::admit(var, trust)
+        VolumeSource::CloneId(_) => crate::cluster::catalog::admit(var, trust)
             .map(|v| (None, Some(v)))
             .map_err(SourceError::Untrusted),
     }
@@ -494,10 +494,10 @@ pub enum Step {
 pub fn step(
     snap: &SnapshotRecord,
     me: &str,
-    published: crate::worker::Published,
-    fp: Option<&crate::plugin::Fingerprint>,
+    published: crate::cluster::worker::Published,
+    fp: Option<&crate::storage::plugin::Fingerprint>,
 ) -> Step {
-    use crate::worker::{runs_here, Published};
+    use crate::cluster::worker::{runs_here, Published};
     let want = match snap.state {
         VolumeState::Pending => Step::Create,
         VolumeState::Creating if snap.worker_node == me => Step::Create,
@@ -576,7 +576,7 @@ pub async fn delete(
         .await
         .map_err(|e| match e {
             crate::nomad::NomadError::CasConflict { .. } => {
-                OpError::Take(crate::worker::TakeError::Lost {
+                OpError::Take(crate::cluster::worker::TakeError::Lost {
                     path: record_path(&snap.id),
                     index: snap.modify_index,
                 })
@@ -589,7 +589,8 @@ async fn write(
     client: &crate::nomad::Client,
     snap: &SnapshotRecord,
 ) -> Result<SnapshotRecord, OpError> {
-    let var = crate::worker::put_cas(client, &snap.to_variable(), snap.modify_index).await?;
+    let var =
+        crate::cluster::worker::put_cas(client, &snap.to_variable(), snap.modify_index).await?;
     Ok(SnapshotRecord::from_variable(&var)?)
 }
 
@@ -606,7 +607,7 @@ pub async fn watch(
     client: crate::nomad::Client,
     wait: std::time::Duration,
     trust: RecordTrust,
-    rejected: crate::catalog::Rejections,
+    rejected: crate::cluster::catalog::Rejections,
     tx: tokio::sync::mpsc::Sender<Snapshots>,
 ) {
     use std::time::Duration;
@@ -653,7 +654,10 @@ pub async fn watch(
         match loaded {
             Ok(i) => {
                 attempt = 0;
-                rejected.replace_under(SNAPSHOT_PREFIX, crate::catalog::rejections_of(&cache));
+                rejected.replace_under(
+                    SNAPSHOT_PREFIX,
+                    crate::cluster::catalog::rejections_of(&cache),
+                );
                 let all: Snapshots = cache
                     .values()
                     .filter_map(|(_, r)| r.clone().and_then(Result::ok))
@@ -753,8 +757,8 @@ mod tests {
         assert_eq!(get(&env, "DHV_SECRETS"), r#"{"k":"v"}"#);
     }
 
-    fn keys() -> (crate::trust::SigningKey, RecordTrust) {
-        let (key, _) = crate::trust::SigningKey::generate().unwrap();
+    fn keys() -> (crate::cluster::trust::SigningKey, RecordTrust) {
+        let (key, _) = crate::cluster::trust::SigningKey::generate().unwrap();
         let trust = RecordTrust::parse_keys(&key.public_line(), "keys").unwrap();
         (key, trust)
     }
@@ -898,8 +902,8 @@ mod tests {
 
     #[test]
     fn taken_where_published_else_anywhere_refused_without_the_capability() {
-        use crate::worker::Published::*;
-        let fp = |caps: &[&str]| crate::plugin::Fingerprint {
+        use crate::cluster::worker::Published::*;
+        let fp = |caps: &[&str]| crate::storage::plugin::Fingerprint {
             version: "1.0.0".into(),
             deferred_bind: true,
             capabilities: caps.iter().map(|c| c.to_string()).collect(),

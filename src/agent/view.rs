@@ -132,7 +132,7 @@ impl View {
     /// index: it would bring back (and publish for) an allocation that is done. (Going the
     /// other way, an older state that says finished, is taken: a snapshot restore is the
     /// truth, and no volume is unpublished while a process still uses it, see
-    /// `crate::holders`.)
+    /// `crate::node::holders`.)
     fn is_stale(&self, a: &Allocation) -> bool {
         !a.tasks_finished()
             && self

@@ -188,7 +188,7 @@ mod tests {
             std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
         let (_watcher, mut rx) = start_watch(dir.path()).unwrap();
-        let runner = crate::plugin::Runner::new(dir.path(), Duration::from_secs(10));
+        let runner = crate::storage::plugin::Runner::new(dir.path(), Duration::from_secs(10));
         for _ in 0..20 {
             runner.fingerprint("fake").await.unwrap();
             std::fs::read(&plugin).unwrap();

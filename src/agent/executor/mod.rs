@@ -2,17 +2,17 @@
 //! [`Completion`], with the modules' typed errors. It holds no state of its own; the
 //! agent's shell runs these as tasks.
 
-use crate::claims::{self, ClaimError, ClaimSettings};
-use crate::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
-use crate::guard::Guard;
-use crate::health::Probe;
-use crate::journal::MountRecord;
-use crate::mounts;
+use crate::cluster::claims::{self, ClaimError, ClaimSettings};
+use crate::node::guard::Guard;
+use crate::node::health::Probe;
+use crate::node::journal::MountRecord;
+use crate::node::mounts;
 use crate::nomad::types::Allocation;
 use crate::nomad::types::HostVolume;
 use crate::nomad::{Client, NomadError};
-use crate::plugin::Fingerprint;
-use crate::plugin::{self, CreateResult, Operation, PluginError, PublishResult, Runner};
+use crate::storage::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
+use crate::storage::plugin::Fingerprint;
+use crate::storage::plugin::{self, CreateResult, Operation, PluginError, PublishResult, Runner};
 use crate::volume::{RecordError, VolumeKey, VolumeRecord, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -88,8 +88,8 @@ pub enum Completion {
     },
     /// A storage operation (snapshot, expansion) ran ([`storage::perform`]).
     Storage {
-        op: crate::worker::OpKey,
-        result: Result<(), crate::worker::OpError>,
+        op: crate::cluster::worker::OpKey,
+        result: Result<(), crate::cluster::worker::OpError>,
     },
 }
 
@@ -131,25 +131,25 @@ pub enum StepError {
     #[error("{} is still in use: {}; not unpublished (the claim is kept, retried)", target.display(), usage.summary(5))]
     InUse {
         target: PathBuf,
-        usage: crate::holders::Usage,
+        usage: crate::node::holders::Usage,
     },
     #[error("cannot check who uses {}: {source}", target.display())]
     Holders {
         target: PathBuf,
         #[source]
-        source: crate::holders::HoldersError,
+        source: crate::node::holders::HoldersError,
     },
     #[error("cannot prepare the placeholder {}: {source}", target.display())]
     Placeholder {
         target: PathBuf,
         #[source]
-        source: crate::guard::GuardError,
+        source: crate::node::guard::GuardError,
     },
     #[error("cannot read the mount table to check {}: {source}", target.display())]
     MountTable {
         target: PathBuf,
         #[source]
-        source: crate::mounts::MountsError,
+        source: crate::node::mounts::MountsError,
     },
 }
 
@@ -160,7 +160,7 @@ pub enum PlaceholderError {
     Dir {
         path: PathBuf,
         #[source]
-        source: crate::guard::GuardError,
+        source: crate::node::guard::GuardError,
     },
     #[error(transparent)]
     Nomad(#[from] NomadError),
@@ -395,7 +395,7 @@ pub async fn publish(
 }
 
 /// Runs `unpublish` only when no process on the node uses the volume any more
-/// ([`crate::holders`]: other mount namespaces, open files, working directories...);
+/// ([`crate::node::holders`]: other mount namespaces, open files, working directories...);
 /// success requires the target to be no longer mounted ([`Called::check`]). Then removes
 /// the target directory if (and only if) it is empty (rmdir fails on a mount point),
 /// unless `keep_dir` (a placeholder host volume points at it, and the read-only guard keeps
@@ -413,13 +413,13 @@ pub async fn unpublish(
     let secrets = secrets_of(rec.as_ref());
     let result = async {
         let target = m.target.clone();
-        let usage = crate::holders::before_unpublish_shared(target)
+        let usage = crate::node::holders::before_unpublish_shared(target)
             .await
             .map_err(|source| StepError::Holders {
                 target: m.target.clone(),
                 source,
             })?;
-        if let Some(usage) = usage.filter(crate::holders::Usage::in_use) {
+        if let Some(usage) = usage.filter(crate::node::holders::Usage::in_use) {
             // Tasks of allocations Nomad places on another node are not this node's (a
             // single host simulating several nodes shows them); anything unknown counts.
             let mut elsewhere = std::collections::BTreeSet::new();
@@ -607,7 +607,7 @@ pub async fn create(
     node: NodeEnv,
     mut rec: VolumeRecord,
     mount_root: PathBuf,
-    trust: crate::trust::RecordTrust,
+    trust: crate::cluster::trust::RecordTrust,
 ) -> Completion {
     let key = rec.key();
     let result = async {
@@ -752,7 +752,7 @@ pub async fn release_claim(client: Client, volume: VolumeKey, lock_id: String) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mounts::{MountIdentity, MountTable, MountsError};
+    use crate::node::mounts::{MountIdentity, MountTable, MountsError};
 
     fn key() -> VolumeKey {
         VolumeKey {

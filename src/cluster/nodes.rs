@@ -9,9 +9,9 @@
 //! `volume create`.
 
 use crate::nomad::types::Variable;
+use crate::nomad::watch::Health;
 use crate::nomad::{Client, NomadError};
-use crate::plugin::Fingerprint;
-use crate::watch::Health;
+use crate::storage::plugin::Fingerprint;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -389,7 +389,7 @@ mod tests {
     #[test]
     fn watch_progress_is_no_change_but_a_disconnect_is() {
         let mut r = rec();
-        let c = crate::watch::Counters::default();
+        let c = crate::nomad::watch::Counters::default();
         assert!(r.set_watch(&Health::Polling {
             index: 1,
             counters: c.clone()
@@ -399,7 +399,7 @@ mod tests {
             counters: c.clone()
         }));
         assert!(r.set_watch(&Health::Disconnected {
-            fault: crate::watch::Fault::Unreachable,
+            fault: crate::nomad::watch::Fault::Unreachable,
             reason: "connection refused".into(),
             counters: c,
         }));

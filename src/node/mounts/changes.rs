@@ -76,7 +76,7 @@ impl MountChanges {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mounts::scratch::Scratch;
+    use crate::node::mounts::scratch::Scratch;
     use std::time::Duration;
 
     #[tokio::test]

@@ -6,10 +6,10 @@
 //! otherwise while the volume is published nowhere (at the latest right before its next
 //! publish). Shrinking is refused.
 
-use crate::environment::NodeEnv;
-use crate::plugin::{self, Capability, ExpandResult, Fingerprint, Operation, Runner};
+use crate::cluster::worker::OpError;
+use crate::storage::environment::NodeEnv;
+use crate::storage::plugin::{self, Capability, ExpandResult, Fingerprint, Operation, Runner};
 use crate::volume::{VolumeRecord, VolumeSpec, VolumeState};
-use crate::worker::OpError;
 use std::path::Path;
 
 pub use crate::volume::{Expansion, ExpansionState};
@@ -139,10 +139,10 @@ pub enum Step {
 pub fn step(
     rec: &VolumeRecord,
     me: &str,
-    published: crate::worker::Published,
+    published: crate::cluster::worker::Published,
     fp: Option<&Fingerprint>,
 ) -> Step {
-    use crate::worker::Published;
+    use crate::cluster::worker::Published;
     let Some(x) = &rec.expansion else {
         return Step::None;
     };
@@ -152,7 +152,7 @@ pub fn step(
     if x.state == ExpansionState::Running && x.node != me {
         return Step::None;
     }
-    if !crate::worker::runs_here(me, &x.node, published, fp.is_some()) {
+    if !crate::cluster::worker::runs_here(me, &x.node, published, fp.is_some()) {
         return Step::None;
     }
     let Some(fp) = fp else { return Step::None };
@@ -184,7 +184,7 @@ pub fn expand_env(
     bytes: u64,
     target: Option<&Path>,
 ) -> Vec<(String, String)> {
-    let mut env = crate::environment::identity_env(node, rec);
+    let mut env = crate::storage::environment::identity_env(node, rec);
     env.extend([
         ("DHV_CONTEXT".into(), rec.context.to_string()),
         ("DHV_CAPACITY_MIN_BYTES".into(), bytes.to_string()),
@@ -302,14 +302,14 @@ pub async fn refuse(
 }
 
 async fn write(client: &crate::nomad::Client, rec: &VolumeRecord) -> Result<VolumeRecord, OpError> {
-    let var = crate::worker::put_cas(client, &rec.to_variable(), rec.modify_index).await?;
+    let var = crate::cluster::worker::put_cas(client, &rec.to_variable(), rec.modify_index).await?;
     Ok(VolumeRecord::from_variable(&var)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::Published;
+    use crate::cluster::worker::Published;
     use std::collections::BTreeMap;
 
     fn ready(min: u64, bytes: u64) -> VolumeRecord {

@@ -11,9 +11,9 @@
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
 
-use crate::environment::{self, NodeEnv};
-use crate::journal::{MountRecord, MountState};
-use crate::plugin::{Operation, PluginError, Runner};
+use crate::node::journal::{MountRecord, MountState};
+use crate::storage::environment::{self, NodeEnv};
+use crate::storage::plugin::{Operation, PluginError, Runner};
 use crate::volume::{Capability, VolumeRecord, VolumeSpec, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -184,7 +184,7 @@ fn strict_object(stdout: &[u8]) -> Result<serde_json::Value, String> {
 }
 
 fn mount_count(target: &Path) -> usize {
-    crate::mounts::mount_count(target)
+    crate::node::mounts::mount_count(target)
 }
 
 fn median(v: &[u64]) -> u64 {
@@ -325,7 +325,7 @@ impl Kit {
                 ));
             }
         }
-        if !crate::mounts::is_mount_point(target) {
+        if !crate::node::mounts::is_mount_point(target) {
             return Err(format!(
                 "succeeded but {} is not a mount point",
                 target.display()
@@ -348,7 +348,7 @@ impl Kit {
         let env = self.unpublish_env_of(rec, target, ctx);
         let c = self.call(Operation::Unpublish, &env).await;
         c.result.map_err(|e| e.to_string())?;
-        if crate::mounts::is_mount_point(target) {
+        if crate::node::mounts::is_mount_point(target) {
             return Err(format!(
                 "succeeded but {} is still mounted",
                 target.display()
@@ -437,7 +437,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
     };
     run_rules(&mut kit).await;
     // Leave nothing behind, whatever happened.
-    let mut left = crate::mounts::mounts_under(&scratch);
+    let mut left = crate::node::mounts::mounts_under(&scratch);
     left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     let leftover = left.clone();
     for m in left {
@@ -701,7 +701,7 @@ async fn run_rules(kit: &mut Kit) {
                 ),
             );
             // A plugin that wrongly succeeded may have stacked a mount: undo it.
-            while crate::mounts::is_mount_point(&busy) {
+            while crate::node::mounts::is_mount_point(&busy) {
                 if nix::mount::umount2(&busy, nix::mount::MntFlags::MNT_DETACH).is_err() {
                     break;
                 }
@@ -741,7 +741,7 @@ async fn run_rules(kit: &mut Kit) {
             let file = std::fs::File::create(held.join("held-open"));
             let env = kit.unpublish_env(&held, &c);
             let call = kit.call(Operation::Unpublish, &env).await;
-            let still = crate::mounts::MountTable::read_self()
+            let still = crate::node::mounts::MountTable::read_self()
                 .map(|t| t.contains(&held))
                 .map_err(|e| e.to_string());
             drop(file);
@@ -792,7 +792,7 @@ async fn run_rules(kit: &mut Kit) {
     .await;
     kit.calls += 8;
     let unpub_ok = unpubs.iter().filter(|r| r.is_ok()).count();
-    let left = crate::mounts::is_mount_point(&t2);
+    let left = crate::node::mounts::is_mount_point(&t2);
     kit.report.push(
         "concurrent calls",
         pub_ok == 4 && stacked == 1 && unpub_ok == 4 && !left,
@@ -802,7 +802,7 @@ async fn run_rules(kit: &mut Kit) {
             if left { "STILL MOUNTED" } else { "unmounted" }
         ),
     );
-    while crate::mounts::is_mount_point(&t2) {
+    while crate::node::mounts::is_mount_point(&t2) {
         if nix::mount::umount2(&t2, nix::mount::MntFlags::MNT_DETACH).is_err() {
             break;
         }

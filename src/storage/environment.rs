@@ -2,7 +2,7 @@
 //! (docs/plugin-protocol.md). Used by the executor for real calls and by the conformance
 //! kit (`dhv-binder plugin check`) for its test calls, so both speak the same contract.
 
-use crate::journal::MountRecord;
+use crate::node::journal::MountRecord;
 use crate::volume::VolumeRecord;
 use std::path::{Path, PathBuf};
 
@@ -17,7 +17,7 @@ pub struct NodeEnv {
 
 /// The variables about this node every call but `fingerprint` gets: `DHV_VOLUMES_DIR`,
 /// `DHV_PLUGIN_DIR`, `DHV_NODE_ID`, `DHV_NODE_POOL`. (`DHV_ALLOWED_ROOTS` is set by the
-/// runner from the node's `--plugin-root`s, [`crate::plugin::Runner::with_allowed_roots`].)
+/// runner from the node's `--plugin-root`s, [`crate::storage::plugin::Runner::with_allowed_roots`].)
 pub fn node_env(node: &NodeEnv) -> Vec<(String, String)> {
     vec![
         (

@@ -17,7 +17,7 @@
 //!
 //! The count covers the mount itself in the calling (host) namespace only: a task's
 //! namespace holds a copy of the mount with a count of its own, and another bind of the
-//! same content is another mount. The holder scan reads those first (`crate::holders`)
+//! same content is another mount. The holder scan reads those first (`crate::node::holders`)
 //! and asks the kernel only for a volume with no other mount anywhere. The count is a
 //! superset of what a scan of `/proc` can find (it also counts a loop device backed by a
 //! file on the mount, a descriptor in flight on a unix socket, the agent's own probes), so
@@ -163,8 +163,8 @@ pub fn mount_use(target: &Path, mount_id: u32, dev: DeviceId) -> MountUse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mounts::scratch::Scratch;
-    use crate::mounts::MountTable;
+    use crate::node::mounts::scratch::Scratch;
+    use crate::node::mounts::MountTable;
     use std::process::{Child, Command, Stdio};
 
     /// The mount ID and device of the mount on top of `target`, from the table.

@@ -12,9 +12,9 @@
 //! the unpublishes that wait together ([`before_unpublish_shared`]). The descriptors and
 //! mappings are read only for a volume the kernel cannot answer for: one whose only mount
 //! anywhere is the target's, and that the kernel finds idle by that mount's reference
-//! count ([`crate::mounts::busy`]), is free without them.
+//! count ([`crate::node::mounts::busy`]), is free without them.
 
-use crate::mounts::{DeviceId, MountIdentity, MountTable};
+use crate::node::mounts::{DeviceId, MountIdentity, MountTable};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::ErrorKind;
@@ -32,7 +32,7 @@ pub enum HoldersError {
     Proc(#[source] std::io::Error),
     /// The host's mount table could not be read.
     #[error(transparent)]
-    Mounts(#[from] crate::mounts::MountsError),
+    Mounts(#[from] crate::node::mounts::MountsError),
 }
 
 /// What an unpublish of `target` must wait for: `None` when nothing is mounted there,
@@ -252,7 +252,7 @@ pub struct Usage {
     /// Processes (or parts of them) that could not be read. A process whose mount table
     /// cannot be read may hide a mount of the volume: see [`Usage::in_use`].
     pub uninspected: Vec<Uninspected>,
-    /// True when the kernel answered for the host's mount ([`crate::mounts::busy`]):
+    /// True when the kernel answered for the host's mount ([`crate::node::mounts::busy`]):
     /// nothing held it, so no process's descriptors or mappings were read.
     #[serde(skip)]
     pub by_kernel: bool,
@@ -334,7 +334,7 @@ pub fn scan(
 ///
 /// Pass 1 reads every other mount namespace's table for copies of the volumes. A volume
 /// with no mount but the target's (no copy in another namespace, no other bind in the
-/// host's) is then asked of the kernel ([`crate::mounts::busy::mount_use`]): every file,
+/// host's) is then asked of the kernel ([`crate::node::mounts::busy::mount_use`]): every file,
 /// directory, mapping or mount on that mount holds a reference to it, so an idle answer
 /// is the whole answer ([`Usage::by_kernel`]). Pass 2 (each process's descriptors, working
 /// directory, root, executable and mappings: about 60 system calls a process) runs only
@@ -404,13 +404,13 @@ pub fn scan_many(
                 none()
             }
             None => match MountTable::read_pid(pid) {
-                Ok(t) if ns.is_none() && crate::host::same_namespace(host, &t) => none(),
+                Ok(t) if ns.is_none() && crate::node::host::same_namespace(host, &t) => none(),
                 Ok(t) => {
                     let points: Vec<Vec<PathBuf>> = wanted
                         .iter()
                         .zip(volume_mounts.iter_mut())
                         .map(|((volume, _), mounts)| {
-                            let mine: Vec<&crate::mounts::MountEntry> =
+                            let mine: Vec<&crate::node::mounts::MountEntry> =
                                 t.entries().iter().filter(|e| e.shows(volume)).collect();
                             mounts.extend(mine.iter().map(|e| e.id));
                             mine.iter().map(|e| e.mount_point.clone()).collect()
@@ -421,7 +421,9 @@ pub fn scan_many(
                     }
                     points
                 }
-                Err(crate::mounts::MountsError::Read { source, .. }) if gone(&source) => continue,
+                Err(crate::node::mounts::MountsError::Read { source, .. }) if gone(&source) => {
+                    continue
+                }
                 Err(e) => {
                     let comm = comm_of(pid);
                     for usage in &mut usages {
@@ -465,8 +467,8 @@ pub fn scan_many(
                     && volume_mounts[i].len() == 1
                     && volume_mounts[i].contains(&id) =>
             {
-                crate::mounts::busy::mount_use(target, id, volume.dev)
-                    == crate::mounts::busy::MountUse::Idle
+                crate::node::mounts::busy::mount_use(target, id, volume.dev)
+                    == crate::node::mounts::busy::MountUse::Idle
             }
             _ => false,
         };
@@ -898,7 +900,7 @@ fn mapped(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mounts::scratch::Scratch;
+    use crate::node::mounts::scratch::Scratch;
     use std::process::{Child, Command, Stdio};
 
     #[test]

@@ -10,7 +10,7 @@
 //! directory target, so the plugin protocol is unchanged. The agent creates and removes
 //! placeholders through the writable backing directory, which no task is given.
 
-use crate::mounts::{MountTable, MountsError};
+use crate::node::mounts::{MountTable, MountsError};
 use nix::mount::MsFlags;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -209,7 +209,7 @@ impl Guard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mounts::scratch::Scratch;
+    use crate::node::mounts::scratch::Scratch;
 
     fn write(dir: &Path) -> std::io::Result<()> {
         std::fs::write(dir.join("data.txt"), "written")

@@ -9,8 +9,8 @@
 //! runs `dhv-binder prestart` or calls the socket itself). Any other such task may start on
 //! the empty placeholder: the agent says so in its log and status.
 
+use crate::agent::view::Request;
 use crate::nomad::types::{Allocation, TaskGroup};
-use crate::view::Request;
 use crate::volume::VolumeKey;
 use serde::Serialize;
 
@@ -58,7 +58,7 @@ impl std::fmt::Display for Ungated {
 }
 
 /// The tasks of `alloc` that mount one of its deferred volumes (`requests`, from
-/// [`crate::view::requests`]) without the gate; `socket_volume` is the source of the
+/// [`crate::agent::view::requests`]) without the gate; `socket_volume` is the source of the
 /// socket's host volume ([`SOCKET_VOLUME`] by default). Empty without the allocation's Job.
 pub fn ungated(alloc: &Allocation, requests: &[Request], socket_volume: &str) -> Vec<Ungated> {
     let Some(group) = alloc.group() else {

@@ -19,11 +19,11 @@
 //!   idempotent call again in the direction now desired;
 //! - a volume with a call in flight gets no new step (calls on one volume are serialized);
 //! - a volume with a single-node access mode is published only while this node holds its
-//!   claim ([`crate::claims`]); a lost claim is unpublished first, whatever else holds.
+//!   claim ([`crate::cluster::claims`]); a lost claim is unpublished first, whatever else holds.
 
-use crate::claims::is_exclusive;
-use crate::journal::{MountRecord, MountState, UserKey};
-use crate::view::{requests, View};
+use crate::agent::view::{requests, View};
+use crate::cluster::claims::is_exclusive;
+use crate::node::journal::{MountRecord, MountState, UserKey};
 use crate::volume::{VolumeKey, VolumeRecord};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -105,7 +105,7 @@ pub enum Scope<'a> {
     Volumes {
         dirty: &'a BTreeSet<VolumeKey>,
         /// Volume → the allocations recorded as its users
-        /// ([`crate::journal::Journal::users_by_volume`]).
+        /// ([`crate::node::journal::Journal::users_by_volume`]).
         users: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
     },
 }
@@ -172,7 +172,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         Scope::Volumes { dirty, users } => {
             let mut v: Vec<UserKey> = dirty
                 .iter()
-                .flat_map(|key| crate::journal::users_of(users, key))
+                .flat_map(|key| crate::node::journal::users_of(users, key))
                 .collect();
             v.sort();
             v
@@ -322,7 +322,7 @@ fn still_mounted_by(i: Inputs<'_>, scope: Scope<'_>, key: &VolumeKey) -> Option<
         i.view
             .allocs()
             .get(alloc_id)
-            .filter(|a| !a.tasks_finished() && crate::view::mounts_source(a, key))
+            .filter(|a| !a.tasks_finished() && crate::agent::view::mounts_source(a, key))
             .map(|_| alloc_id.to_string())
     };
     match scope {

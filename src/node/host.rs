@@ -5,7 +5,7 @@
 //! a container without the host's mount namespace) is seen by nobody else: Nomad's bind
 //! mounts into tasks would find an empty placeholder. So the agent refuses to start there.
 
-use crate::mounts::{MountTable, MountsError};
+use crate::node::mounts::{MountTable, MountsError};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -113,7 +113,7 @@ mod tests {
     /// shares no mount with pid 1.
     #[test]
     fn a_private_namespace_shares_no_mount_id() {
-        let _serial = crate::mounts::scratch::serial();
+        let _serial = crate::node::mounts::scratch::serial();
         let out = std::process::Command::new("unshare")
             .args([
                 "--mount",

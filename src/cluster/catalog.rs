@@ -1,12 +1,12 @@
 //! The volume catalogue: every deferred volume record in the cluster, kept current with a
 //! blocking query on the records' variables (Nomad API: `GET /v1/vars?prefix=dhv-binder/volumes/&namespace=*`).
 
+use crate::cluster::trust::RecordTrust;
 use crate::nomad::types::VariableMeta;
+use crate::nomad::watch::MIN_QUERY_INTERVAL;
 use crate::nomad::Client;
 use crate::retry::backoff_delay;
-use crate::trust::RecordTrust;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
-use crate::watch::MIN_QUERY_INTERVAL;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -116,7 +116,7 @@ pub(crate) fn rejections_of<'a, T: 'a>(
 
 /// Decodes and checks one variable; `Err` says why it must not be acted on.
 pub fn admit(var: &crate::nomad::types::Variable, trust: &RecordTrust) -> Decoded {
-    crate::trust::admit(var, trust, VolumeRecord::from_variable)
+    crate::cluster::trust::admit(var, trust, VolumeRecord::from_variable)
 }
 
 async fn load(
@@ -171,13 +171,13 @@ mod tests {
     fn each_watcher_replaces_only_the_rejections_under_its_prefix() {
         let r = Rejections::default();
         let vol = format!("default/{RECORD_PREFIX}data");
-        let snap = format!("default/{}x", crate::snapshot::SNAPSHOT_PREFIX);
+        let snap = format!("default/{}x", crate::cluster::snapshot::SNAPSHOT_PREFIX);
         r.replace_under(
             RECORD_PREFIX,
             BTreeMap::from([(vol.clone(), "unsigned".into())]),
         );
         r.replace_under(
-            crate::snapshot::SNAPSHOT_PREFIX,
+            crate::cluster::snapshot::SNAPSHOT_PREFIX,
             BTreeMap::from([(snap.clone(), "forged".into())]),
         );
         assert_eq!(r.snapshot().len(), 2, "{:?}", r.snapshot());
@@ -187,7 +187,7 @@ mod tests {
             r.snapshot(),
             BTreeMap::from([(snap.clone(), "forged".to_string())])
         );
-        r.replace_under(crate::snapshot::SNAPSHOT_PREFIX, BTreeMap::new());
+        r.replace_under(crate::cluster::snapshot::SNAPSHOT_PREFIX, BTreeMap::new());
         assert!(r.snapshot().is_empty());
     }
 }

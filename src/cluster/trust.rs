@@ -4,7 +4,7 @@
 //! The operator's CLI signs, with an Ed25519 key kept off the cluster, what decides what a node
 //! does as root: the record's ID, its variable (namespace and path), its spec and its secrets
 //! ([`signed_payload`]), and separately each delete request ([`delete_payload`]). Snapshot
-//! requests are signed the same way ([`Signed`]; their fields in `crate::snapshot`). Agents verify
+//! requests are signed the same way ([`Signed`]; their fields in `crate::cluster::snapshot`). Agents verify
 //! with public keys configured on the node (`--record-keys`), never read from Nomad. Fields a
 //! node writes back (state, plugin context, capacity, worker node, error) are not signed: they
 //! are treated as untrusted input (plugins confine every path to roots configured on the node;

@@ -4,14 +4,14 @@
 //! [`Completion::Storage`].
 
 use super::Completion;
-use crate::environment::NodeEnv;
-use crate::expansion;
+use crate::cluster::expansion;
+use crate::cluster::snapshot::{self, SnapshotRecord};
+use crate::cluster::trust::RecordTrust;
+use crate::cluster::worker::OpKey;
 use crate::nomad::Client;
-use crate::plugin::{Capability, Runner};
-use crate::snapshot::{self, SnapshotRecord};
-use crate::trust::RecordTrust;
+use crate::storage::environment::NodeEnv;
+use crate::storage::plugin::{Capability, Runner};
 use crate::volume::{VolumeRecord, VolumeSource};
-use crate::worker::OpKey;
 use std::path::{Path, PathBuf};
 
 /// One storage operation for the shell to perform, with what it needs.
@@ -104,7 +104,7 @@ pub enum SourceFailure {
     Source(#[from] snapshot::SourceError),
     /// The plugin does not declare `snapshot` or `clone`.
     #[error(transparent)]
-    Capability(#[from] crate::plugin::CapabilityError),
+    Capability(#[from] crate::storage::plugin::CapabilityError),
     /// The source record could not be read (retried).
     #[error("cannot read the volume's source: {0}")]
     Read(String),
@@ -140,7 +140,7 @@ pub async fn source_env(
         })?;
     let target = clone.as_ref().and_then(|v| {
         let t = mount_root.join(&v.spec.namespace).join(&v.spec.name);
-        crate::mounts::is_mount_point(&t).then_some(t)
+        crate::node::mounts::is_mount_point(&t).then_some(t)
     });
     Ok(snapshot::source_env(
         rec,

@@ -98,7 +98,7 @@ pub struct MountRecord {
     /// What the last successful publish mounted at the target (device, root, type,
     /// source), read from the host's mount table: "published" means this stands there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mount: Option<crate::mounts::MountIdentity>,
+    pub mount: Option<crate::node::mounts::MountIdentity>,
 }
 
 /// One allocation's use of one published volume.

@@ -1,0 +1,273 @@
+//! How the core takes a finished piece of work: a journal commit that became durable (or
+//! failed), and a typed completion of an effect the shell ran (plugin call, Nomad call).
+
+use super::*;
+
+impl Core {
+    pub(super) fn on_committed(
+        &mut self,
+        seq: u64,
+        result: Result<(), JournalError>,
+        out: &mut Vec<Effect>,
+    ) {
+        match result {
+            Ok(()) => {
+                self.durable = self.durable.max(seq);
+                let durable = self.durable;
+                self.gated.retain(|s, _| *s > durable);
+                let (ready, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(s, _, _)| *s <= durable);
+                self.held = keep;
+                for (_, to, reply) in ready {
+                    out.push(Effect::Reply {
+                        to,
+                        answer: Answer::Publish(Ok(reply)),
+                    });
+                }
+            }
+            Err(e) => {
+                // The plugin calls of this commit were not started: fail them (their
+                // intents stay in memory and are written with the next commit), and
+                // answer no caller from records that are not on disk.
+                tracing::error!(error = %e, "journal write failed; the calls that waited on it do not run");
+                self.journal.redo();
+                let failed: Vec<u64> = self.gated.range(..=seq).map(|(s, _)| *s).collect();
+                for s in failed {
+                    for volume in self.gated.remove(&s).unwrap_or_default() {
+                        self.busy.remove(&volume);
+                        self.dirty.insert(volume.clone());
+                        self.last_error
+                            .insert(volume.clone(), format!("journal write failed: {e}"));
+                        self.retries
+                            .failed(&Work::Mount(volume), STEP_RETRY, self.now);
+                    }
+                }
+                let (failed, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(s, _, _)| *s <= seq);
+                self.held = keep;
+                for (_, to, _) in failed {
+                    out.push(Effect::Reply {
+                        to,
+                        answer: Answer::Publish(Err(ApiError::Journal(e.to_string()))),
+                    });
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_done(&mut self, done: Completion, now: Instant, out: &mut Vec<Effect>) {
+        match &done {
+            Completion::Published { volume, .. }
+            | Completion::Unpublished { volume, .. }
+            | Completion::ClaimAcquired { volume, .. }
+            | Completion::ClaimRenewed { volume, .. }
+            | Completion::ClaimReleased { volume, .. } => {
+                self.dirty.insert(volume.clone());
+            }
+            _ => {}
+        }
+        // Chores (placeholders, creates and deletes) are a pass over every volume: due on
+        // what can change them, not on every unpublish of a wave (that made a wave of N
+        // unpublishes O(N²)). An unpublish matters to them only when its volume is no
+        // longer ready (a delete waits for it); the tick runs them anyway.
+        let unpublished_chore = matches!(
+            &done,
+            Completion::Unpublished { volume, .. }
+                if !self.volumes.get(volume).is_some_and(|r| r.state == VolumeState::Ready)
+        );
+        if unpublished_chore
+            || matches!(
+                done,
+                Completion::PlaceholdersListed(_)
+                    | Completion::Placeholder { .. }
+                    | Completion::Worker { .. }
+            )
+        {
+            self.chores_due = true;
+        }
+        match done {
+            Completion::Published {
+                volume,
+                result,
+                elapsed,
+            } => {
+                self.busy.remove(&volume);
+                let Some(mut m) = self.journal.mounts().get(&volume).cloned() else {
+                    return;
+                };
+                match result {
+                    Ok(p) => {
+                        m.state = MountState::Published;
+                        m.publish_context = p.context;
+                        m.mount = Some(p.mount);
+                        m.last_error.clear();
+                        self.retries.succeeded(&Work::Mount(volume.clone()));
+                        self.last_error.remove(&volume);
+                        let ms = elapsed.as_millis() as u64;
+                        self.latency.record(ms);
+                        tracing::info!(%volume, target = %m.target.display(), ms, "published");
+                        self.journal.set_mount(m, EventKind::PublishDone, None);
+                        // What the publish established is now what "published" means.
+                        if self.scoped {
+                            self.check_touched();
+                        } else {
+                            self.check_all_targets();
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
+                        m.last_error = e.to_string();
+                        self.last_error.insert(volume.clone(), e.to_string());
+                        self.retries.failed(&Work::Mount(volume), STEP_RETRY, now);
+                        self.journal.set_mount(m, EventKind::PublishFailed, None);
+                    }
+                }
+            }
+            Completion::Unpublished { volume, result } => {
+                self.busy.remove(&volume);
+                match result {
+                    Ok(()) => {
+                        self.retries.succeeded(&Work::Mount(volume.clone()));
+                        self.last_error.remove(&volume);
+                        self.holders.remove(&volume);
+                        tracing::info!(%volume, "unpublished");
+                        self.journal.remove_mount(&volume, EventKind::UnpublishDone);
+                        self.claims.on_unpublished(&volume);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
+                        if let crate::agent::executor::StepError::InUse { usage, .. } = &e {
+                            self.holders.insert(volume.clone(), usage.clone());
+                        }
+                        self.last_error.insert(volume.clone(), e.to_string());
+                        self.retries
+                            .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
+                        if let Some(mut m) = self.journal.mounts().get(&volume).cloned() {
+                            m.last_error = e.to_string();
+                            self.journal.set_mount(m, EventKind::UnpublishFailed, None);
+                        }
+                    }
+                }
+            }
+            Completion::Plugins(map) => {
+                self.fingerprinting = false;
+                let map: BTreeMap<String, Result<Fingerprint, String>> = map
+                    .into_iter()
+                    .map(|(id, r)| (id, r.map_err(|e| e.to_string())))
+                    .collect();
+                for (id, r) in &map {
+                    if self.plugins.get(id) == Some(r) {
+                        continue;
+                    }
+                    match r {
+                        Ok(fp) if fp.deferred_bind => {
+                            tracing::info!(plugin = %id, version = %fp.version, "plugin fingerprinted (deferred_bind)")
+                        }
+                        Ok(fp) => {
+                            tracing::warn!(plugin = %id, version = %fp.version, "plugin is not deferred (no deferred_bind): dhv-binder will not use it")
+                        }
+                        Err(e) => {
+                            tracing::warn!(plugin = %id, error = %e, "plugin fingerprint failed")
+                        }
+                    }
+                }
+                let before = self.deferred_plugins();
+                self.plugins = map;
+                if !self.plugins_loaded || self.deferred_plugins() != before {
+                    self.replan_all = true;
+                }
+                self.plugins_loaded = true;
+                self.chores_due = true;
+            }
+            Completion::PluginsUnreadable { dir, error } => {
+                // Never "no plugins" (issue 13 §2): the plugins known before stand, and the
+                // next fingerprint runs every plugin again.
+                self.fingerprinting = false;
+                self.fingerprint_every = true;
+                tracing::warn!(plugin_dir = %dir.display(), %error, "plugin directory unreadable: keeping the plugins known before");
+            }
+            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
+            Completion::Placeholder { volume, result } => {
+                self.placeholders
+                    .on_done(volume, result, &mut self.retries, now)
+            }
+            Completion::Worker { volume, result } => {
+                self.workers.on_done(volume, result, &mut self.retries, now)
+            }
+            Completion::Storage { op, result } => {
+                if let Some(v) = self.storage_ops.on_done(op, result, &mut self.retries, now) {
+                    self.busy.remove(&v);
+                }
+            }
+            Completion::ClaimAcquired { volume, result } => {
+                self.busy.remove(&volume);
+                self.claims
+                    .on_acquired(volume, result, &mut self.retries, now);
+            }
+            Completion::ClaimRenewed { volume, result } => {
+                let mounted_here = self.journal.mounts().contains_key(&volume);
+                self.claims.on_renewed(&volume, result, mounted_here, now);
+            }
+            Completion::ClaimReleased { volume, result } => {
+                self.busy.remove(&volume);
+                self.claims.on_released(&volume, result);
+            }
+            Completion::AllocFetched { alloc_id, result } => {
+                self.fetching.remove(&alloc_id);
+                let fail = match result {
+                    Ok(Some(a)) if a.node_id == self.s.node.node_id => {
+                        self.view.upsert(*a);
+                        None
+                    }
+                    Ok(Some(a)) => Some(ApiError::OtherNode {
+                        alloc_id: alloc_id.clone(),
+                        node: a.node_id.clone(),
+                        here: self.s.node.node_id.clone(),
+                    }),
+                    Ok(None) => Some(ApiError::UnknownAllocation {
+                        alloc_id: alloc_id.clone(),
+                    }),
+                    Err(e) => Some(ApiError::Nomad(e.to_string())),
+                };
+                if let Some(err) = fail {
+                    for (to, r) in self.waiters.fail(&alloc_id, err) {
+                        out.push(Effect::Reply {
+                            to,
+                            answer: Answer::Publish(r),
+                        });
+                    }
+                }
+            }
+            Completion::Probed {
+                volume,
+                target,
+                probe,
+            } => {
+                let busy = self.busy.contains(&volume);
+                out.extend(self.mount_health.on_probe(
+                    &volume,
+                    &target,
+                    probe,
+                    busy,
+                    self.journal.users(),
+                ));
+            }
+            Completion::Detached { volume, result } => {
+                if let Err(e) = result {
+                    tracing::warn!(%volume, error = %e, "cannot detach the dead mount");
+                }
+            }
+            Completion::Restarted {
+                volume,
+                alloc_id,
+                result,
+            } => self.mount_health.on_restarted(
+                &volume,
+                &alloc_id,
+                result.err().map(|e| e.to_string()),
+            ),
+        }
+    }
+}

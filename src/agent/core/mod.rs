@@ -1,0 +1,689 @@
+//! The agent core: all node state as plain data, changed only by [`Core::handle`], which
+//! returns the effects to perform. No I/O, no tokio, no spawning; the clock is the `now`
+//! passed in. Each pass: apply the input, compute the reconcile plan, turn its steps into
+//! journal intents and effects, answer the callers whose outcome is decided, and gather
+//! every journal change of the pass into at most one commit, ahead of its plugin calls.
+
+mod completions;
+mod mount_table;
+mod status;
+
+use crate::agent::claims::Claims;
+use crate::agent::effect::{Answer, Effect};
+use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
+use crate::agent::latency::Latency;
+use crate::agent::mount_health::MountHealth;
+use crate::agent::placeholders::Placeholders;
+use crate::agent::reconcile::{self, ClaimState, Inputs, Scope, Step, Waiting};
+use crate::agent::retry::{Retries, Work, STEP_RETRY};
+use crate::agent::storage_ops::{self, StorageOps};
+use crate::agent::view::View;
+use crate::agent::waiters::{Known, Waiter, Waiters};
+use crate::agent::workers::Workers;
+use crate::api::{ApiError, PublishReply};
+use crate::cluster::catalog::Catalogue;
+use crate::cluster::claims::ClaimSettings;
+use crate::node::journal::{EventKind, Journal, JournalError, MountRecord, MountState};
+use crate::node::mounts::MountTable;
+use crate::nomad::watch::{Health, WatchEvent};
+use crate::storage::environment::NodeEnv;
+use crate::storage::plugin::Fingerprint;
+use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// True when this node serves `rec`: its plugin is here (deferred) and the volume is for
+/// this node's pool (or any pool).
+fn serves(rec: &VolumeRecord, deferred: &BTreeSet<String>, node_pool: &str) -> bool {
+    deferred.contains(&rec.spec.plugin_id)
+        && (rec.spec.node_pool.is_empty() || rec.spec.node_pool == node_pool)
+}
+
+/// The core's fixed settings.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub node: NodeEnv,
+    /// Where volumes are mounted: `<mount_root>/<namespace>/<name>`.
+    pub mount_root: PathBuf,
+    /// How often plugins are fingerprinted again without a directory change.
+    pub plugin_rescan: Duration,
+    pub claims: ClaimSettings,
+    /// How often published mounts are probed.
+    pub health_interval: Duration,
+    /// Seeds the retry jitter.
+    pub seed: u64,
+}
+
+/// The agent's state.
+#[derive(Debug)]
+pub(crate) struct Core {
+    s: Settings,
+    journal: Journal,
+    view: View,
+    watch: Health,
+    volumes: Catalogue,
+    volumes_loaded: bool,
+    plugins: BTreeMap<String, Result<Fingerprint, String>>,
+    plugins_loaded: bool,
+    fingerprinting: bool,
+    last_fingerprint: Option<Instant>,
+    /// The next fingerprint runs every plugin (at start, after a directory change), not
+    /// only those whose file changed (the periodic rescan).
+    fingerprint_every: bool,
+    /// Volumes with a plugin or claim call in flight (calls on one volume are serialized).
+    busy: BTreeSet<VolumeKey>,
+    last_error: BTreeMap<VolumeKey, String>,
+    retries: Retries<Work>,
+    waiters: Waiters,
+    fetching: BTreeSet<String>,
+    placeholders: Placeholders,
+    workers: Workers,
+    storage_ops: StorageOps,
+    claims: Claims,
+    mount_health: MountHealth,
+    waiting: Vec<Waiting>,
+    latency: Latency,
+    /// The host's mount table, as last read.
+    table: MountTable,
+    /// Targets where the host's table shows what their publish established (the
+    /// kernel's answer to "published?", kept current by [`Core::on_table`]).
+    mounted: BTreeSet<PathBuf>,
+    /// False until the first mount table reading was checked against every record.
+    targets_checked: bool,
+    /// Volumes whose target holds something other than what their publish established:
+    /// never published over, never answered as published (why, for the log and status).
+    foreign: BTreeMap<VolumeKey, String>,
+    /// Who still used a volume when its unpublish was refused (cleared once unpublished).
+    holders: BTreeMap<VolumeKey, crate::node::holders::Usage>,
+    /// Allocations with tasks that may start on a deferred volume before it is published.
+    ungated: BTreeMap<String, Vec<crate::agent::gate::Ungated>>,
+    /// The last commit handed to the shell, and the last one known durable.
+    issued: u64,
+    durable: u64,
+    /// Plugin calls waiting on a commit, by commit: failed if the commit fails.
+    gated: BTreeMap<u64, Vec<VolumeKey>>,
+    /// Successful answers held until the commit that recorded them is durable.
+    held: Vec<(u64, ReplyId, PublishReply)>,
+    now: Instant,
+    /// Scoped planning: the volumes the inputs since the last pass can have affected, or
+    /// `replan_all` for the cases that need every volume (start, relist, catalogue or
+    /// plugin set loaded).
+    dirty: BTreeSet<VolumeKey>,
+    replan_all: bool,
+    /// Volumes whose step waits on a retry deadline: dirty again once it is due.
+    parked: BTreeSet<VolumeKey>,
+    /// The plan's waiting volumes, kept per volume across scoped passes.
+    plan_waiting: BTreeMap<VolumeKey, Waiting>,
+    /// Placeholders and create/delete workers are driven only when their inputs can have
+    /// changed (catalogue, plugins, their own completions, an unpublish, the tick).
+    chores_due: bool,
+    /// Planning work so far (allocations, user records, claims and mount records visited,
+    /// targets checked against the mount table).
+    plan_visits: u64,
+    /// False in tests that compare scoped planning with a full plan on every pass.
+    scoped: bool,
+}
+
+impl Core {
+    /// A core starting from the journal's records, at `now`.
+    pub(crate) fn new(s: Settings, journal: Journal, now: Instant) -> Self {
+        let mut claims = Claims::new(s.claims);
+        claims.restore(journal.mounts().values(), now);
+        Self {
+            retries: Retries::new(s.seed),
+            mount_health: MountHealth::new(s.health_interval),
+            s,
+            journal,
+            view: View::default(),
+            watch: Health::Listing,
+            volumes: Catalogue::new(),
+            volumes_loaded: false,
+            plugins: BTreeMap::new(),
+            plugins_loaded: false,
+            fingerprinting: false,
+            last_fingerprint: None,
+            fingerprint_every: true,
+            busy: BTreeSet::new(),
+            last_error: BTreeMap::new(),
+            waiters: Waiters::default(),
+            fetching: BTreeSet::new(),
+            placeholders: Placeholders::default(),
+            workers: Workers::default(),
+            storage_ops: StorageOps::default(),
+            claims,
+            waiting: Vec::new(),
+            latency: Latency::default(),
+            table: MountTable::default(),
+            mounted: BTreeSet::new(),
+            targets_checked: false,
+            foreign: BTreeMap::new(),
+            holders: BTreeMap::new(),
+            ungated: BTreeMap::new(),
+            issued: 0,
+            durable: 0,
+            gated: BTreeMap::new(),
+            held: Vec::new(),
+            now,
+            dirty: BTreeSet::new(),
+            replan_all: true,
+            parked: BTreeSet::new(),
+            plan_waiting: BTreeMap::new(),
+            chores_due: true,
+            plan_visits: 0,
+            scoped: true,
+        }
+    }
+
+    /// Planning work so far: allocations, user records, claims and mount records the
+    /// planner visited (what a burst's cost is counted in).
+    #[cfg(test)]
+    pub(crate) fn plan_visits(&self) -> u64 {
+        self.plan_visits
+    }
+
+    /// Plans every volume on every pass and checks every record against every mount table
+    /// reading (the reference the scoped planner and target checks are tested against).
+    #[cfg(test)]
+    pub(crate) fn plan_everything(&mut self) {
+        self.scoped = false;
+    }
+
+    /// The journal's records.
+    #[cfg(test)]
+    pub(crate) fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// The plugins fingerprinted on this node, once they have been read at least once.
+    pub(crate) fn plugins(&self) -> Option<&BTreeMap<String, Result<Fingerprint, String>>> {
+        self.plugins_loaded.then_some(&self.plugins)
+    }
+
+    /// The allocation watcher's health as last reported.
+    pub(crate) fn watch_health(&self) -> &Health {
+        &self.watch
+    }
+
+    /// Applies one input at `now` and returns the effects to perform, in order.
+    pub(crate) fn handle(&mut self, input: Input, now: Instant) -> Vec<Effect> {
+        self.handle_all(vec![input], now)
+    }
+
+    /// Applies inputs that arrived together (a burst), then plans once: a burst of N
+    /// messages costs one planning pass, not N.
+    pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
+        self.now = now;
+        let mut out = Vec::new();
+        for input in inputs {
+            self.apply(input, now, &mut out);
+        }
+        self.drive(now, &mut out);
+        out
+    }
+
+    fn apply(&mut self, input: Input, now: Instant, out: &mut Vec<Effect>) {
+        match input {
+            Input::Watch(ev) => self.on_watch(ev),
+            Input::Catalogue(c) => {
+                if self.volumes_loaded {
+                    // The records that changed, appeared or went.
+                    for (k, v) in &c {
+                        if self.volumes.get(k) != Some(v) {
+                            self.dirty.insert(k.clone());
+                        }
+                    }
+                    for k in self.volumes.keys() {
+                        if !c.contains_key(k) {
+                            self.dirty.insert(k.clone());
+                        }
+                    }
+                } else {
+                    self.replan_all = true;
+                }
+                self.volumes = c;
+                self.volumes_loaded = true;
+                self.chores_due = true;
+                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                ids.iter().for_each(|id| self.check_gate(id));
+            }
+            Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
+            Input::Api { reply, call } => match call {
+                ApiCall::Status => out.push(Effect::Reply {
+                    to: reply,
+                    answer: Answer::Status(Box::new(self.status())),
+                }),
+                ApiCall::Publish(req) => {
+                    if !self.view.allocs().contains_key(&req.alloc_id)
+                        && self.fetching.insert(req.alloc_id.clone())
+                    {
+                        out.push(Effect::FetchAlloc {
+                            alloc_id: req.alloc_id.clone(),
+                        });
+                    }
+                    self.waiters.push(Waiter {
+                        reply,
+                        alloc_id: req.alloc_id,
+                        namespace: req.namespace,
+                        deadline: now + req.wait,
+                    });
+                }
+            },
+            Input::CallerGone(reply) => self.waiters.gone(reply),
+            Input::PluginsChanged => {
+                self.last_fingerprint = None;
+                self.fingerprint_every = true;
+                self.on_tick(now, out);
+            }
+            Input::MountTable(t) => self.on_table(t),
+            Input::Committed { seq, result } => self.on_committed(seq, result, out),
+            Input::Done(c) => self.on_done(c, now, out),
+            Input::Tick => {
+                self.chores_due = true;
+                self.on_tick(now, out)
+            }
+        }
+    }
+
+    /// The earliest time something is due without any input (a retry, a caller's
+    /// deadline, a claim renewal, a probe round, a fingerprint).
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
+        [
+            self.retries.next_after(self.now),
+            self.waiters.next_wakeup(),
+            self.claims.next_wakeup(),
+            self.mount_health.next_wakeup(),
+            self.last_fingerprint.map(|t| t + self.s.plugin_rescan),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn deferred_plugins(&self) -> BTreeSet<String> {
+        self.plugins
+            .iter()
+            .filter(|(_, f)| matches!(f, Ok(fp) if fp.deferred_bind))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// The volume's mount point under the mount root; `None` (logged) for a key that is not
+    /// a valid identifier pair, so no path leaves the root (issue 13 §5).
+    fn target_of(&self, key: &VolumeKey) -> Option<PathBuf> {
+        match key.relative_path() {
+            Ok(rel) => Some(self.s.mount_root.join(rel)),
+            Err(e) => {
+                tracing::error!(volume = %key, error = %e, "refusing a volume key that is not a valid path");
+                None
+            }
+        }
+    }
+
+    fn serves(&self, rec: &VolumeRecord, deferred: &BTreeSet<String>) -> bool {
+        serves(rec, deferred, &self.s.node.node_pool)
+    }
+
+    fn on_watch(&mut self, ev: WatchEvent) {
+        match ev {
+            WatchEvent::Relisted { allocs, index } => {
+                tracing::debug!(
+                    count = allocs.len(),
+                    index,
+                    "relisted the node's allocations"
+                );
+                self.view.replace_all_at(allocs, index, self.now);
+                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                self.ungated.retain(|id, _| ids.contains(id));
+                ids.iter().for_each(|id| self.check_gate(id));
+            }
+            WatchEvent::Upsert(a) => {
+                let a = *a;
+                tracing::debug!(alloc_id = %a.id, client_status = %a.client_status, desired = %a.desired_status, "allocation update");
+                let id = a.id.clone();
+                self.view.upsert(a);
+                self.check_gate(&id);
+            }
+            WatchEvent::Removed(id) => {
+                self.view.remove_at(&id, self.now);
+                self.ungated.remove(&id);
+            }
+            WatchEvent::Health(h) => self.watch = h,
+        }
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let gone = self.view.expire(now);
+        if gone > 0 {
+            tracing::info!(
+                count = gone,
+                "allocations removed from Nomad are past their kill grace"
+            );
+        }
+        let due = self
+            .last_fingerprint
+            .is_none_or(|t| now.saturating_duration_since(t) >= self.s.plugin_rescan);
+        if due && !self.fingerprinting {
+            self.fingerprinting = true;
+            self.last_fingerprint = Some(now);
+            out.push(Effect::Fingerprint {
+                changed_only: !std::mem::take(&mut self.fingerprint_every),
+            });
+        }
+        out.extend(self.placeholders.list(now));
+        out.extend(self.claims.renewals(now));
+        out.extend(
+            self.mount_health
+                .tick(now, self.journal.mounts(), &self.mounted, &self.busy),
+        );
+        out.push(Effect::ReadMountTable);
+    }
+
+    /// Plans and turns steps into effects, keeps placeholders and records current,
+    /// answers callers, and commits the pass's journal changes.
+    fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let deferred = self.deferred_plugins();
+        let all = self.collect_dirty(now);
+        let dirty = std::mem::take(&mut self.dirty);
+        let claims: BTreeMap<VolumeKey, ClaimState> = if all {
+            self.claims.states()
+        } else {
+            self.claims.states_of(&dirty)
+        };
+        let scope = if all {
+            Scope::All
+        } else {
+            Scope::Volumes {
+                dirty: &dirty,
+                users: self.journal.users_by_volume(),
+            }
+        };
+        let (plan, visits) = reconcile::plan_in(
+            Inputs {
+                view: &self.view,
+                volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+                volumes: &self.volumes,
+                mounts: self.journal.mounts(),
+                users: self.journal.users(),
+                mounted: &self.mounted,
+                plugins: &deferred,
+                busy: &self.busy,
+                claims: &claims,
+            },
+            scope,
+        );
+        self.plan_visits += visits as u64;
+        if all {
+            self.plan_waiting.clear();
+        } else {
+            for k in &dirty {
+                self.plan_waiting.remove(k);
+            }
+        }
+        for w in plan.waiting {
+            self.plan_waiting.insert(w.volume.clone(), w);
+        }
+        self.waiting = self.plan_waiting.values().cloned().collect();
+        self.waiting.extend(self.claims.waiting());
+        let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+        for step in plan.steps {
+            match step {
+                Step::AddUser(u) => add.push(u),
+                Step::RemoveUser(u) => remove.push(u),
+                other => steps.push(other),
+            }
+        }
+        self.journal.change_users(&add, &remove);
+        let mut calls = Vec::new();
+        let mut gated = Vec::new();
+        for step in steps {
+            match step {
+                Step::AddUser(_) | Step::RemoveUser(_) => {}
+                Step::Publish {
+                    volume,
+                    alloc_id,
+                    read_only,
+                } => {
+                    if let Some(why) = self.foreign.get(&volume) {
+                        // Never published over, never accepted: reported until it is gone.
+                        self.last_error.insert(volume.clone(), why.clone());
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: why.clone(),
+                        });
+                        continue;
+                    }
+                    if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        self.parked.insert(volume);
+                        continue;
+                    }
+                    if self.publish_held(&volume) {
+                        self.waiting.push(Waiting {
+                            reason: "a requested expansion runs before the next publish".into(),
+                            volume,
+                        });
+                        continue;
+                    }
+                    if let Some(e) = self.start_publish(volume.clone(), alloc_id, read_only) {
+                        gated.push(volume);
+                        calls.push(e);
+                    }
+                }
+                Step::Unpublish { volume } => {
+                    if !self.retries.ready(&Work::Mount(volume.clone()), now) {
+                        self.parked.insert(volume);
+                        continue;
+                    }
+                    if let Some(e) = self.start_unpublish(volume.clone()) {
+                        gated.push(volume);
+                        calls.push(e);
+                    }
+                }
+                Step::AcquireClaim { volume } => {
+                    if !self.retries.ready(&Work::Claim(volume.clone()), now) {
+                        self.parked.insert(volume);
+                        continue;
+                    }
+                    let Some(rec) = self.volumes.get(&volume) else {
+                        continue;
+                    };
+                    let volume_id = rec.id.clone();
+                    self.busy.insert(volume.clone());
+                    out.push(Effect::AcquireClaim { volume, volume_id });
+                }
+                Step::ReleaseClaim { volume } => {
+                    let Some(lock_id) = self.claims.lock_id(&volume).map(str::to_string) else {
+                        continue;
+                    };
+                    self.busy.insert(volume.clone());
+                    out.push(Effect::ReleaseClaim { volume, lock_id });
+                }
+            }
+        }
+        let chores = std::mem::take(&mut self.chores_due);
+        if chores && self.placeholders_ready() {
+            let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self
+                .volumes
+                .values()
+                .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
+                .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
+                .collect();
+            // A pass over every volume: counted with the planning work.
+            self.plan_visits += self.volumes.len() as u64;
+            out.extend(self.placeholders.drive(&want, &self.retries, now));
+        }
+        if chores && self.plugins_loaded {
+            self.plan_visits += self.volumes.len() as u64;
+            let pool = &self.s.node.node_pool;
+            let me = self.s.node.node_id.as_str();
+            let served = self
+                .volumes
+                .values()
+                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me));
+            let (journal, placeholders) = (&self.journal, &self.placeholders);
+            let in_use =
+                |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);
+            out.extend(self.workers.drive(
+                served,
+                &self.s.node.node_id,
+                in_use,
+                &self.retries,
+                now,
+            ));
+        }
+        if self.placeholders_ready() {
+            out.extend(self.storage_ops.drive(
+                &self.volumes,
+                &self.plugins,
+                self.journal.mounts(),
+                &mut self.busy,
+                &self.s.node.node_id,
+                &self.s.node.node_pool,
+                &self.retries,
+                now,
+            ));
+        }
+        self.answer_waiters(now, out);
+        if let Some(commit) = self.journal.take_commit() {
+            self.issued = commit.seq;
+            if !gated.is_empty() {
+                self.gated.insert(commit.seq, gated);
+            }
+            out.push(Effect::Commit {
+                commit,
+                then: calls,
+            });
+        } else {
+            // Calls always come with intents, so with no commit there are none.
+            out.extend(calls);
+        }
+    }
+
+    /// A publish of `volume` waits for its pending expansion (storage_ops::holds_publish).
+    fn publish_held(&self, volume: &VolumeKey) -> bool {
+        self.volumes.get(volume).is_some_and(|r| {
+            let fp = self
+                .plugins
+                .get(&r.spec.plugin_id)
+                .and_then(|f| f.as_ref().ok());
+            storage_ops::holds_publish(r, fp)
+        })
+    }
+
+    /// Gathers what the inputs since the last pass dirtied: the view's changes (with the
+    /// volumes the changed allocations are recorded as using), and parked volumes whose
+    /// retry is due. Returns true when every volume is to be planned.
+    fn collect_dirty(&mut self, now: Instant) -> bool {
+        let changes = self.view.take_changes();
+        self.dirty.extend(changes.volumes);
+        for id in &changes.allocs {
+            self.dirty.extend(self.journal.volumes_of(id).cloned());
+        }
+        let due: Vec<VolumeKey> = self
+            .parked
+            .iter()
+            .filter(|v| {
+                self.retries.ready(&Work::Mount((*v).clone()), now)
+                    && self.retries.ready(&Work::Claim((*v).clone()), now)
+            })
+            .cloned()
+            .collect();
+        for v in due {
+            self.parked.remove(&v);
+            self.dirty.insert(v);
+        }
+        let all = std::mem::take(&mut self.replan_all) || changes.relisted || !self.scoped;
+        if all {
+            self.dirty.clear();
+            self.parked.clear();
+        }
+        all
+    }
+
+    fn placeholders_ready(&self) -> bool {
+        self.volumes_loaded && self.plugins_loaded
+    }
+
+    /// Records the publish intent; the call itself waits for the commit.
+    fn start_publish(
+        &mut self,
+        volume: VolumeKey,
+        alloc_id: String,
+        read_only: bool,
+    ) -> Option<Effect> {
+        let rec = self.volumes.get(&volume)?.clone();
+        let prev = self.journal.mounts().get(&volume);
+        let target = match prev {
+            Some(p) => p.target.clone(),
+            None => self.target_of(&volume)?,
+        };
+        let m = MountRecord {
+            volume: volume.clone(),
+            volume_id: rec.id.clone(),
+            plugin_id: rec.spec.plugin_id.clone(),
+            state: MountState::Publishing,
+            target: target.clone(),
+            read_only,
+            publish_context: prev.map(|p| p.publish_context.clone()).unwrap_or_default(),
+            since: 0,
+            last_error: String::new(),
+            claim_id: self.claims.lock_id(&volume).map(str::to_string),
+            mount: prev.and_then(|p| p.mount.clone()),
+        };
+        let expected = m.mount.clone();
+        self.journal
+            .set_mount(m, EventKind::PublishIntent, Some(&alloc_id));
+        tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
+        self.busy.insert(volume);
+        Some(Effect::Publish {
+            volume: Box::new(rec),
+            target,
+            read_only,
+            alloc_id,
+            expected,
+        })
+    }
+
+    /// Records the unpublish intent; the call itself waits for the commit.
+    fn start_unpublish(&mut self, volume: VolumeKey) -> Option<Effect> {
+        let mut m = self.journal.mounts().get(&volume)?.clone();
+        m.state = MountState::Unpublishing;
+        self.journal
+            .set_mount(m.clone(), EventKind::UnpublishIntent, None);
+        tracing::info!(%volume, target = %m.target.display(), "unpublishing");
+        self.busy.insert(volume.clone());
+        Some(Effect::Unpublish {
+            keep_dir: self.placeholders.contains(&volume),
+            volume: self.volumes.get(&volume).cloned().map(Box::new),
+            mount: Box::new(m),
+        })
+    }
+
+    fn answer_waiters(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let known = Known {
+            view: &self.view,
+            volumes: &self.volumes,
+            journal: &self.journal,
+            last_error: &self.last_error,
+            busy: &self.busy,
+            waiting: &self.waiting,
+            mounted: &self.mounted,
+        };
+        let answers = self.waiters.answer(&known, now);
+        // A success rests on records that may not be on disk yet: it waits for them.
+        let pending = self.journal.is_dirty() || self.issued > self.durable;
+        let seq = self.issued + u64::from(self.journal.is_dirty());
+        for (to, r) in answers {
+            match r {
+                Ok(reply) if pending => self.held.push((seq, to, reply)),
+                r => out.push(Effect::Reply {
+                    to,
+                    answer: Answer::Publish(r),
+                }),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

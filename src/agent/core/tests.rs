@@ -1,0 +1,1100 @@
+//! The core's decisions, driven with plain `Instant`s: no tokio, no root, no I/O.
+use super::*;
+use crate::agent::effect::publishes;
+use crate::agent::executor::{StepError, WorkerError};
+use crate::agent::reconcile::tests::{alloc, key, volume};
+use crate::api::PublishRequest;
+use crate::cluster::claims::ClaimError;
+use crate::node::journal::Journal;
+use crate::node::mounts::MountTable;
+
+const NODE: &str = "node-1";
+
+fn settings() -> Settings {
+    Settings {
+        node: NodeEnv {
+            node_id: NODE.into(),
+            node_pool: "default".into(),
+            volumes_dir: "/v".into(),
+            plugin_dir: "/p".into(),
+        },
+        mount_root: "/m".into(),
+        plugin_rescan: Duration::from_secs(60),
+        claims: ClaimSettings {
+            ttl: Duration::from_secs(15),
+            lock_delay: Duration::from_secs(15),
+        },
+        health_interval: Duration::from_secs(10),
+        seed: 1,
+    }
+}
+
+fn target(name: &str) -> PathBuf {
+    PathBuf::from(format!("/m/default/{name}"))
+}
+
+/// What a publish of `name` established, as `MountTable::from_points` shows it.
+fn mounted_at(name: &str) -> crate::agent::executor::PublishedMount {
+    crate::agent::executor::PublishedMount {
+        context: serde_json::Value::Null,
+        mount: crate::node::mounts::MountIdentity::of_point(&target(name)),
+    }
+}
+
+struct H {
+    core: Core,
+    t: Instant,
+    /// Every effect of the set-up.
+    setup: Vec<Effect>,
+}
+
+impl H {
+    /// A core that knows its plugin (`bind`), the volumes and the allocations.
+    fn new(volumes: &[(&str, &str)], allocs: Vec<crate::nomad::types::Allocation>) -> Self {
+        let t = Instant::now();
+        let mut h = H {
+            core: Core::new(settings(), Journal::new(NODE), t),
+            t,
+            setup: Vec::new(),
+        };
+        h.feed(Input::MountTable(MountTable::default()));
+        h.feed(Input::Done(Completion::PlaceholdersListed(Ok(
+            BTreeMap::new(),
+        ))));
+        let fp = Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+            capabilities: Vec::new(),
+        };
+        h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+            "bind".to_string(),
+            Ok(fp),
+        )]))));
+        let e = h.feed(Input::Catalogue(
+            volumes
+                .iter()
+                .map(|(n, m)| (key(n), volume(n, m)))
+                .collect(),
+        ));
+        h.setup.extend(e);
+        let e = h.feed(Input::Watch(WatchEvent::Relisted { allocs, index: 1 }));
+        h.setup.extend(e);
+        h
+    }
+
+    fn feed(&mut self, i: Input) -> Vec<Effect> {
+        self.core.handle(i, self.t)
+    }
+
+    fn at(&mut self, after: Duration, i: Input) -> Vec<Effect> {
+        self.t += after;
+        self.feed(i)
+    }
+
+    fn api_publish(&mut self, reply: u64, alloc_id: &str, wait: Duration) -> Vec<Effect> {
+        self.feed(Input::Api {
+            reply: ReplyId(reply),
+            call: ApiCall::Publish(PublishRequest {
+                alloc_id: alloc_id.into(),
+                namespace: "default".into(),
+                wait,
+            }),
+        })
+    }
+
+    /// Completes a publish of `name` with its mount now in the table.
+    fn published(&mut self, name: &str) -> Vec<Effect> {
+        self.feed(Input::MountTable(MountTable::from_points([target(name)])));
+        self.feed(Input::Done(Completion::Published {
+            volume: key(name),
+            result: Ok(mounted_at(name)),
+            elapsed: Duration::from_millis(3),
+        }))
+    }
+
+    fn committed(&mut self, e: &[Effect]) -> Vec<Effect> {
+        let seq = commits(e).last().map(|(s, _)| *s).expect("a commit");
+        self.feed(Input::Committed {
+            seq,
+            result: Ok(()),
+        })
+    }
+}
+
+/// The commits of `e`: (seq, the effects waiting on it).
+fn commits(e: &[Effect]) -> Vec<(u64, &Vec<Effect>)> {
+    e.iter()
+        .filter_map(|e| match e {
+            Effect::Commit { commit, then } => Some((commit.seq, then)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn unpublishes(e: &[Effect]) -> usize {
+    e.iter()
+        .map(|e| match e {
+            Effect::Unpublish { .. } => 1,
+            Effect::Commit { then, .. } => unpublishes(then),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn replies(e: &[Effect]) -> Vec<(u64, &Result<PublishReply, ApiError>)> {
+    e.iter()
+        .filter_map(|e| match e {
+            Effect::Reply {
+                to,
+                answer: Answer::Publish(r),
+            } => Some((to.0, r)),
+            _ => None,
+        })
+        .collect()
+}
+
+const A1: &str = "a1";
+
+#[test]
+fn a_publish_starts_only_after_its_intent_is_committed() {
+    let t = Instant::now();
+    let mut core = Core::new(settings(), Journal::new(NODE), t);
+    let mut all = Vec::new();
+    all.extend(core.handle(Input::MountTable(MountTable::default()), t));
+    let fp = Fingerprint {
+        version: "1".into(),
+        deferred_bind: true,
+        capabilities: Vec::new(),
+    };
+    all.extend(core.handle(
+        Input::Done(Completion::Plugins(BTreeMap::from([(
+            "bind".into(),
+            Ok(fp),
+        )]))),
+        t,
+    ));
+    all.extend(core.handle(
+        Input::Catalogue(BTreeMap::from([(
+            key("d"),
+            volume("d", "multi-node-multi-writer"),
+        )])),
+        t,
+    ));
+    let e = core.handle(
+        Input::Watch(WatchEvent::Relisted {
+            allocs: vec![alloc(A1, &["d"], "pending", "run")],
+            index: 1,
+        }),
+        t,
+    );
+    assert_eq!(publishes(&all), 0);
+    let c = commits(&e);
+    assert_eq!(c.len(), 1, "{e:?}");
+    assert_eq!(publishes(c[0].1), 1, "the publish waits on the commit");
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::Publish { .. })),
+        "no publish outside the commit"
+    );
+    assert_eq!(
+        core.journal().mounts()[&key("d")].state,
+        MountState::Publishing
+    );
+}
+
+#[test]
+fn a_burst_of_allocations_is_one_commit_with_every_publish() {
+    let names: Vec<String> = (0..50).map(|i| format!("v{i}")).collect();
+    let vols: Vec<(&str, &str)> = names
+        .iter()
+        .map(|n| (n.as_str(), "multi-node-multi-writer"))
+        .collect();
+    let t = Instant::now();
+    let mut h = H {
+        core: Core::new(settings(), Journal::new(NODE), t),
+        t,
+        setup: Vec::new(),
+    };
+    h.feed(Input::MountTable(MountTable::default()));
+    h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+        "bind".to_string(),
+        Ok(Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+            capabilities: Vec::new(),
+        }),
+    )]))));
+    h.feed(Input::Catalogue(
+        vols.iter().map(|(n, m)| (key(n), volume(n, m))).collect(),
+    ));
+    let allocs = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| alloc(&format!("a{i}"), &[n.as_str()], "pending", "run"))
+        .collect();
+    let e = h.feed(Input::Watch(WatchEvent::Relisted { allocs, index: 1 }));
+    let c = commits(&e);
+    assert_eq!(c.len(), 1);
+    assert_eq!(publishes(c[0].1), 50);
+}
+
+#[test]
+fn a_caller_is_answered_once_its_user_record_is_durable() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    assert!(replies(&h.api_publish(7, A1, Duration::from_secs(30))).is_empty());
+    let e = h.published("d");
+    assert!(
+        replies(&e).is_empty(),
+        "held until the user record is on disk"
+    );
+    assert_eq!(
+        commits(&e).len(),
+        1,
+        "publish-done and the user record, one commit"
+    );
+    let e = h.committed(&e);
+    let r = replies(&e);
+    assert_eq!(r.len(), 1);
+    let (to, Ok(reply)) = r[0] else {
+        panic!("{r:?}")
+    };
+    assert_eq!(to, 7);
+    assert_eq!(reply.volumes[0].path, target("d").display().to_string());
+}
+
+#[test]
+fn a_failed_commit_starts_nothing_and_answers_no_success() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.api_publish(7, A1, Duration::from_secs(30));
+    let e = h.published("d");
+    let seq = commits(&e)[0].0;
+    let err = JournalError::Write {
+        path: "/s/journal.json".into(),
+        source: std::io::Error::other("disk full"),
+    };
+    let e = h.feed(Input::Committed {
+        seq,
+        result: Err(err),
+    });
+    let r = replies(&e);
+    assert!(matches!(r[..], [(7, Err(ApiError::Journal(_)))]), "{r:?}");
+    assert_eq!(commits(&e).len(), 1, "the state is written again");
+}
+
+#[test]
+fn publish_timed_out_when_the_deadline_passes_first() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.api_publish(7, A1, Duration::from_secs(2));
+    assert_eq!(h.core.next_wakeup(), Some(h.t + Duration::from_secs(2)));
+    assert!(replies(&h.at(Duration::from_secs(1), Input::Tick)).is_empty());
+    let e = h.at(Duration::from_secs(1), Input::Tick);
+    assert!(
+        matches!(
+            replies(&e)[..],
+            [(7, Err(ApiError::NotPublishedInTime { .. }))]
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_caller_for_an_allocation_not_seen_yet_times_out_after_a_fetch() {
+    let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+    let e = h.api_publish(7, A1, Duration::from_secs(1));
+    assert!(
+        matches!(&e[..], [Effect::FetchAlloc { alloc_id }] if alloc_id == A1),
+        "{e:?}"
+    );
+    let e = h.at(Duration::from_secs(1), Input::Tick);
+    assert!(matches!(
+        replies(&e)[..],
+        [(7, Err(ApiError::AllocationNotSeen { .. }))]
+    ));
+}
+
+#[test]
+fn an_allocation_nomad_does_not_know_is_not_found() {
+    let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+    h.api_publish(7, A1, Duration::from_secs(30));
+    let e = h.feed(Input::Done(Completion::AllocFetched {
+        alloc_id: A1.into(),
+        result: Ok(None),
+    }));
+    assert!(matches!(
+        replies(&e)[..],
+        [(7, Err(ApiError::UnknownAllocation { .. }))]
+    ));
+}
+
+#[test]
+fn a_caller_that_went_away_is_forgotten() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.api_publish(7, A1, Duration::from_secs(30));
+    h.feed(Input::CallerGone(ReplyId(7)));
+    let e = h.at(Duration::from_secs(31), Input::Tick);
+    assert!(replies(&e).is_empty());
+}
+
+#[test]
+fn a_failed_publish_fails_its_caller_and_is_retried_after_its_backoff() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.api_publish(7, A1, Duration::from_secs(30));
+    let err = StepError::NotMounted {
+        plugin: "bind".into(),
+        target: target("d"),
+    };
+    let e = h.feed(Input::Done(Completion::Published {
+        volume: key("d"),
+        result: Err(err),
+        elapsed: Duration::from_millis(1),
+    }));
+    assert!(
+        matches!(replies(&e)[..], [(7, Err(ApiError::PublishFailed { .. }))]),
+        "{e:?}"
+    );
+    assert_eq!(publishes(&e), 0, "not again at once");
+    let wake = h.core.next_wakeup().unwrap();
+    assert!(
+        wake <= h.t + Duration::from_millis(1200),
+        "the retry is a wake-up"
+    );
+    let e = h.at(Duration::from_millis(1200), Input::Tick);
+    assert_eq!(publishes(&e), 1);
+}
+
+#[test]
+fn a_stopped_allocation_is_refused_and_its_volume_unpublished() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    let e = h.published("d");
+    h.committed(&e);
+    let mut a = alloc(A1, &["d"], "complete", "stop");
+    a.modify_index = 5;
+    let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+    assert_eq!(unpublishes(&e), 1, "{e:?}");
+    let e = h.api_publish(8, A1, Duration::from_secs(30));
+    assert!(matches!(
+        replies(&e)[..],
+        [(8, Err(ApiError::AllocationStopped { .. }))]
+    ));
+}
+
+#[test]
+fn a_lost_claim_is_unpublished_and_then_forgotten() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    // Not published before the claim is held.
+    let e = h.feed(Input::Tick);
+    assert_eq!(publishes(&e), 0);
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        result: Err(ClaimError::Lost { volume: key("d") }),
+    }));
+    assert_eq!(
+        unpublishes(&e),
+        1,
+        "claim lost: unpublished first, though still needed"
+    );
+    let e = h.feed(Input::Done(Completion::Unpublished {
+        volume: key("d"),
+        result: Ok(()),
+    }));
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::ReleaseClaim { .. })),
+        "a lost claim is not released"
+    );
+    assert!(h.core.claims.states().is_empty());
+}
+
+#[test]
+fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let mut a = alloc(A1, &["d"], "complete", "stop");
+    a.modify_index = 5;
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+    let e = h.feed(Input::Done(Completion::Unpublished {
+        volume: key("d"),
+        result: Ok(()),
+    }));
+    let released: Vec<_> = e
+        .iter()
+        .filter(|x| matches!(x, Effect::ReleaseClaim { lock_id, .. } if lock_id == "lock"))
+        .collect();
+    assert_eq!(released.len(), 1, "{e:?}");
+    let e = h.feed(Input::Tick);
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::ReleaseClaim { .. })),
+        "once"
+    );
+}
+
+#[test]
+fn placeholders_follow_the_ready_volumes_this_node_serves() {
+    let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+    let e = std::mem::take(&mut h.setup);
+    let regs: Vec<_> = e
+        .iter()
+        .filter(|x| matches!(x, Effect::RegisterPlaceholder { target: t, .. } if *t == target("d")))
+        .collect();
+    assert_eq!(regs.len(), 1, "{e:?}");
+    assert!(
+        !h.feed(Input::Tick)
+            .iter()
+            .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+        "once in flight"
+    );
+    h.feed(Input::Done(Completion::Placeholder {
+        volume: key("d"),
+        result: Ok(Some("hv-1".into())),
+    }));
+    let e = h.feed(Input::Catalogue(BTreeMap::new()));
+    assert!(e
+        .iter()
+        .any(|x| matches!(x, Effect::DeregisterPlaceholder { id, .. } if id == "hv-1")));
+}
+
+#[test]
+fn pending_volumes_are_created_and_a_mounted_one_is_not_deleted() {
+    let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+    let mut rec = volume("d", "multi-node-multi-writer");
+    rec.state = VolumeState::Pending;
+    let e = h.feed(Input::Catalogue(BTreeMap::from([(key("d"), rec.clone())])));
+    assert_eq!(
+        e.iter().filter(|x| matches!(x, Effect::Create(_))).count(),
+        1
+    );
+    h.feed(Input::Done(Completion::Worker {
+        volume: key("d"),
+        result: Err(WorkerError::TakenByOther),
+    }));
+    let e = h.feed(Input::Tick);
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::Create(_))),
+        "backs off"
+    );
+    // A volume being deleted while a placeholder still points at it waits.
+    rec.state = VolumeState::Deleting;
+    h.feed(Input::Done(Completion::Placeholder {
+        volume: key("d"),
+        result: Ok(Some("hv-1".into())),
+    }));
+    let e = h.at(
+        Duration::from_secs(5),
+        Input::Catalogue(BTreeMap::from([(key("d"), rec)])),
+    );
+    assert!(!e.iter().any(|x| matches!(x, Effect::Delete(_))), "{e:?}");
+}
+
+#[test]
+fn plugins_are_fingerprinted_on_change_and_once_per_rescan() {
+    let mut h = H::new(&[], vec![]);
+    // The fingerprints asked for: `changed_only` of each.
+    let fp = |e: &[Effect]| -> Vec<bool> {
+        e.iter()
+            .filter_map(|x| match x {
+                Effect::Fingerprint { changed_only } => Some(*changed_only),
+                _ => None,
+            })
+            .collect()
+    };
+    let done = |h: &mut H| h.feed(Input::Done(Completion::Plugins(BTreeMap::new())));
+    assert_eq!(fp(&h.feed(Input::Tick)), [false], "every plugin at start");
+    assert_eq!(fp(&h.feed(Input::Tick)), [] as [bool; 0], "one in flight");
+    done(&mut h);
+    assert_eq!(
+        fp(&h.at(Duration::from_secs(1), Input::Tick)),
+        [] as [bool; 0]
+    );
+    assert_eq!(
+        fp(&h.feed(Input::PluginsChanged)),
+        [false],
+        "every plugin on a change"
+    );
+    done(&mut h);
+    // The periodic rescan runs only the plugins whose file changed (no exec while idle).
+    assert_eq!(fp(&h.at(Duration::from_secs(61), Input::Tick)), [true]);
+    // A change seen while a rescan is in flight runs every plugin after it.
+    assert_eq!(
+        fp(&h.feed(Input::PluginsChanged)),
+        [] as [bool; 0],
+        "one in flight"
+    );
+    done(&mut h);
+    assert_eq!(fp(&h.feed(Input::Tick)), [false]);
+    // A directory that could not be read: the next fingerprint runs every plugin.
+    h.feed(Input::Done(Completion::PluginsUnreadable {
+        dir: "/plugins".into(),
+        error: std::io::Error::other("EIO"),
+    }));
+    assert_eq!(fp(&h.at(Duration::from_secs(61), Input::Tick)), [false]);
+    done(&mut h);
+    assert_eq!(fp(&h.at(Duration::from_secs(61), Input::Tick)), [true]);
+}
+
+#[test]
+fn the_mount_table_is_read_on_the_tick_not_per_message() {
+    let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+    let reads = |e: &[Effect]| {
+        e.iter()
+            .filter(|x| matches!(x, Effect::ReadMountTable))
+            .count()
+    };
+    let e = h.feed(Input::Watch(WatchEvent::Relisted {
+        allocs: vec![alloc(A1, &["d"], "pending", "run")],
+        index: 2,
+    }));
+    assert_eq!(reads(&e), 0);
+    assert_eq!(reads(&h.feed(Input::Tick)), 1);
+}
+
+#[test]
+fn a_dead_mount_is_detached_and_published_again() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let e = h.published("d");
+    h.committed(&e);
+    let e = h.at(Duration::from_secs(10), Input::Tick);
+    assert!(e.iter().any(|x| matches!(x, Effect::Probe { .. })), "{e:?}");
+    let e = h.feed(Input::Done(Completion::Probed {
+        volume: key("d"),
+        target: target("d"),
+        probe: crate::node::health::Probe::Dead("ENOTCONN".into()),
+    }));
+    assert!(e.iter().any(|x| matches!(x, Effect::Detach { .. })));
+    let mut e = h.feed(Input::MountTable(MountTable::default()));
+    e.extend(h.feed(Input::Done(Completion::Detached {
+        volume: key("d"),
+        result: Ok(()),
+    })));
+    assert_eq!(publishes(&e), 1, "the plan publishes it again");
+}
+
+#[test]
+fn messages_that_arrive_together_are_planned_once() {
+    let names: Vec<String> = (0..50).map(|i| format!("v{i}")).collect();
+    let vols: Vec<(&str, &str)> = names
+        .iter()
+        .map(|n| (n.as_str(), "multi-node-multi-writer"))
+        .collect();
+    let mut h = H::new(&vols, vec![]);
+    let burst = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let mut a = alloc(&format!("a{i}"), &[n.as_str()], "pending", "run");
+            a.modify_index = 10;
+            Input::Watch(WatchEvent::Upsert(Box::new(a)))
+        })
+        .collect();
+    let e = h.core.handle_all(burst, h.t);
+    let c = commits(&e);
+    assert_eq!(c.len(), 1);
+    assert_eq!(publishes(c[0].1), 50);
+}
+
+/// A deterministic generator for the property tests (no dependency, reproducible).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as usize) % n
+    }
+}
+
+/// The effects as comparable lines (a commit's history, not its wall-clock stamps).
+fn lines(e: &[Effect]) -> Vec<String> {
+    let mut out = Vec::new();
+    for x in e {
+        match x {
+            Effect::Commit { commit, then } => {
+                out.push(format!("commit {} {:?}", commit.seq, commit.events()));
+                out.extend(lines(then).into_iter().map(|l| format!("  {l}")));
+            }
+            Effect::Reply {
+                answer: Answer::Status(_),
+                to,
+            } => out.push(format!("status {to:?}")),
+            other => out.push(format!("{other:?}")),
+        }
+    }
+    out
+}
+
+/// A call the world still owes the cores an answer for.
+#[derive(Debug, Clone)]
+enum Owed {
+    Publish(VolumeKey),
+    Unpublish(VolumeKey),
+    Acquire(VolumeKey),
+    Release(VolumeKey),
+    Renew(VolumeKey),
+    Commit(u64, Vec<Owed>),
+}
+
+fn owed(e: &[Effect], out: &mut Vec<Owed>) {
+    for x in e {
+        match x {
+            Effect::Publish { volume, .. } => out.push(Owed::Publish(volume.key())),
+            Effect::Unpublish { mount, .. } => out.push(Owed::Unpublish(mount.volume.clone())),
+            Effect::AcquireClaim { volume, .. } => out.push(Owed::Acquire(volume.clone())),
+            Effect::ReleaseClaim { volume, .. } => out.push(Owed::Release(volume.clone())),
+            Effect::RenewClaim { volume, .. } => out.push(Owed::Renew(volume.clone())),
+            Effect::Commit { commit, then } => {
+                let mut calls = Vec::new();
+                owed(then, &mut calls);
+                out.push(Owed::Commit(commit.seq, calls));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Two cores fed the same inputs: one plans only dirty volumes, one plans everything.
+struct Twin {
+    scoped: Core,
+    full: Core,
+    t: Instant,
+    owed: Vec<Owed>,
+    mounted: BTreeSet<PathBuf>,
+    allocs: BTreeMap<String, crate::nomad::types::Allocation>,
+    index: u64,
+    catalogues: [Catalogue; 3],
+}
+
+impl Twin {
+    fn new() -> Self {
+        let t = Instant::now();
+        let mut full = Core::new(settings(), Journal::new(NODE), t);
+        full.plan_everything();
+        Twin {
+            scoped: Core::new(settings(), Journal::new(NODE), t),
+            full,
+            t,
+            owed: Vec::new(),
+            mounted: BTreeSet::new(),
+            allocs: BTreeMap::new(),
+            index: 1,
+            catalogues: {
+                let ready: Catalogue = [
+                    ("a", "single-node-writer"),
+                    ("b", "multi-node-multi-writer"),
+                    ("c", "multi-node-multi-writer"),
+                ]
+                .iter()
+                .map(|(n, m)| (key(n), volume(n, m)))
+                .collect();
+                let mut deleting = ready.clone();
+                if let Some(c) = deleting.get_mut(&key("c")) {
+                    c.state = VolumeState::Deleting;
+                }
+                let mut gone = ready.clone();
+                gone.remove(&key("c"));
+                [ready, deleting, gone]
+            },
+        }
+    }
+
+    /// Feeds both cores (the input is built twice: inputs are not `Clone`) and checks
+    /// that they did the same.
+    fn feed(&mut self, make: impl Fn() -> Input, step: &str) {
+        let a = self.scoped.handle(make(), self.t);
+        let b = self.full.handle(make(), self.t);
+        assert_eq!(lines(&a), lines(&b), "after {step}");
+        assert_eq!(self.scoped.waiting, self.full.waiting, "after {step}");
+        owed(&a, &mut self.owed);
+    }
+
+    fn mount_table(&mut self) {
+        let points = self.mounted.clone();
+        self.feed(
+            || Input::MountTable(MountTable::from_points(points.clone())),
+            "mount table",
+        );
+    }
+
+    /// The catalogue with volume `c` ready (0), being deleted (1) or gone (2); the
+    /// records are made once (their IDs are random).
+    fn catalogue(&mut self, c_state: usize) {
+        let c = self.catalogues[c_state].clone();
+        self.feed(|| Input::Catalogue(c.clone()), "catalogue");
+    }
+
+    fn answer(&mut self, o: Owed, ok: bool) {
+        let err = || StepError::NotMounted {
+            plugin: "bind".into(),
+            target: target("x"),
+        };
+        match o {
+            Owed::Publish(v) => {
+                if ok {
+                    self.mounted.insert(target(&v.name));
+                    self.mount_table();
+                }
+                self.feed(
+                    || {
+                        Input::Done(Completion::Published {
+                            volume: v.clone(),
+                            result: if ok {
+                                Ok(mounted_at(&v.name))
+                            } else {
+                                Err(err())
+                            },
+                            elapsed: Duration::from_millis(1),
+                        })
+                    },
+                    "published",
+                );
+            }
+            Owed::Unpublish(v) => {
+                if ok {
+                    self.mounted.remove(&target(&v.name));
+                    self.mount_table();
+                }
+                self.feed(
+                    || {
+                        Input::Done(Completion::Unpublished {
+                            volume: v.clone(),
+                            result: if ok { Ok(()) } else { Err(err()) },
+                        })
+                    },
+                    "unpublished",
+                );
+            }
+            Owed::Acquire(v) => self.feed(
+                || {
+                    Input::Done(Completion::ClaimAcquired {
+                        volume: v.clone(),
+                        result: if ok {
+                            Ok(format!("lock-{}", v.name))
+                        } else {
+                            Err(ClaimError::Held {
+                                volume: v.clone(),
+                                holder: "node-2".into(),
+                            })
+                        },
+                    })
+                },
+                "acquired",
+            ),
+            Owed::Release(v) => self.feed(
+                || {
+                    Input::Done(Completion::ClaimReleased {
+                        volume: v.clone(),
+                        result: Ok(()),
+                    })
+                },
+                "released",
+            ),
+            Owed::Renew(v) => self.feed(
+                || {
+                    Input::Done(Completion::ClaimRenewed {
+                        volume: v.clone(),
+                        result: if ok {
+                            Ok(())
+                        } else {
+                            Err(ClaimError::Lost { volume: v.clone() })
+                        },
+                    })
+                },
+                "renewed",
+            ),
+            Owed::Commit(seq, calls) => {
+                self.feed(
+                    || Input::Committed {
+                        seq,
+                        result: if ok {
+                            Ok(())
+                        } else {
+                            Err(JournalError::Write {
+                                path: "/j".into(),
+                                source: std::io::Error::other("disk full"),
+                            })
+                        },
+                    },
+                    "committed",
+                );
+                if ok {
+                    self.owed.extend(calls);
+                }
+            }
+        }
+    }
+}
+
+/// Scoped planning (only the volumes a message can affect, found through the view's
+/// volume index and the journal's user index) does exactly what planning every volume
+/// on every pass does, over random sequences of allocation updates and removals,
+/// relists, catalogue changes, lost mounts, failed and successful plugin, claim and
+/// journal calls, and retries coming due.
+#[test]
+fn scoped_planning_does_what_a_full_plan_does() {
+    let statuses = ["pending", "running", "complete", "failed", "lost"];
+    let desired = ["run", "stop"];
+    let sources: [&[&str]; 5] = [&["a"], &["b"], &["a", "b"], &["c"], &["b", "c"]];
+    let ids = ["x1", "x2", "x3", "x4"];
+    let mut r = Lcg(99);
+    for _ in 0..60 {
+        let mut w = Twin::new();
+        w.mount_table();
+        let fp = || Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+            capabilities: Vec::new(),
+        };
+        w.feed(
+            || {
+                Input::Done(Completion::Plugins(BTreeMap::from([(
+                    "bind".into(),
+                    Ok(fp()),
+                )])))
+            },
+            "plugins",
+        );
+        w.catalogue(0);
+        w.feed(
+            || {
+                Input::Watch(WatchEvent::Relisted {
+                    allocs: vec![],
+                    index: 1,
+                })
+            },
+            "first list",
+        );
+        for _ in 0..80 {
+            match r.below(12) {
+                0..=2 => {
+                    w.index += 1;
+                    let mut a = alloc(
+                        ids[r.below(4)],
+                        sources[r.below(5)],
+                        statuses[r.below(5)],
+                        desired[r.below(2)],
+                    );
+                    a.modify_index = w.index;
+                    w.allocs.insert(a.id.clone(), a.clone());
+                    w.feed(
+                        || Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))),
+                        "upsert",
+                    );
+                }
+                3 => {
+                    let id = ids[r.below(4)].to_string();
+                    w.allocs.remove(&id);
+                    w.feed(|| Input::Watch(WatchEvent::Removed(id.clone())), "removed");
+                }
+                4 if r.below(4) == 0 => {
+                    let allocs: Vec<_> = w.allocs.values().cloned().collect();
+                    let index = w.index;
+                    w.feed(
+                        || {
+                            Input::Watch(WatchEvent::Relisted {
+                                allocs: allocs.clone(),
+                                index,
+                            })
+                        },
+                        "relist",
+                    );
+                }
+                5 if r.below(3) == 0 => w.catalogue(r.below(3)),
+                6..=8 if !w.owed.is_empty() => {
+                    let o = w.owed.remove(r.below(w.owed.len()));
+                    let ok = r.below(5) != 0;
+                    w.answer(o, ok);
+                }
+                9 if !w.mounted.is_empty() && r.below(3) == 0 => {
+                    let lost = w.mounted.iter().nth(r.below(w.mounted.len())).cloned();
+                    w.mounted.remove(&lost.unwrap());
+                    w.mount_table();
+                }
+                _ => {
+                    w.t += Duration::from_millis(r.below(4000) as u64);
+                    w.feed(|| Input::Tick, "tick");
+                }
+            }
+        }
+        assert_eq!(w.scoped.journal().mounts(), w.full.journal().mounts());
+        assert_eq!(w.scoped.journal().users(), w.full.journal().users());
+    }
+}
+
+/// A core serving volumes `v0`..`v{n-1}`, one allocation each, placed and published
+/// one at a time (each upsert plans its publish, each publish completes); returns the
+/// core, the volume names and the planning work (visits) of the burst.
+fn published_one_at_a_time(n: usize) -> (H, Vec<String>, u64) {
+    let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+    let vols: Vec<(&str, &str)> = names
+        .iter()
+        .map(|n| (n.as_str(), "multi-node-multi-writer"))
+        .collect();
+    let mut h = H::new(&vols, vec![]);
+    let before = h.core.plan_visits();
+    for (i, name) in names.iter().enumerate() {
+        let mut a = alloc(&format!("a{i:04}"), &[name], "pending", "run");
+        a.modify_index = 10 + i as u64;
+        let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+        assert_eq!(publishes(&e), 1, "{e:?}");
+        h.committed(&e);
+        let points: Vec<PathBuf> = names[..=i].iter().map(|n| target(n)).collect();
+        h.feed(Input::MountTable(MountTable::from_points(points)));
+        let e = h.feed(Input::Done(Completion::Published {
+            volume: key(name),
+            result: Ok(mounted_at(name)),
+            elapsed: Duration::from_millis(1),
+        }));
+        h.committed(&e);
+    }
+    assert_eq!(
+        h.core.journal().users().len(),
+        n,
+        "every allocation is a user"
+    );
+    let work = h.core.plan_visits() - before;
+    (h, names, work)
+}
+
+/// The planning work (visits of records, counted by the core) of a burst of `n`
+/// allocations whose messages arrive one at a time.
+fn burst_planning_work(n: usize) -> u64 {
+    published_one_at_a_time(n).2
+}
+
+/// Issue 10: a 200-allocation burst whose messages arrive one at a time costs O(N)
+/// planning work. Counted, not timed.
+#[test]
+fn a_burst_costs_planning_work_linear_in_its_size() {
+    let w50 = burst_planning_work(50);
+    let w200 = burst_planning_work(200);
+    println!("planning work: N=50: {w50} visits, N=200: {w200} visits");
+    assert_eq!(
+        w200,
+        4 * w50,
+        "planning work is not linear: {w50} for 50, {w200} for 200"
+    );
+}
+
+/// The planning work (visits of records, counted by the core) of stopping `n`
+/// allocations one at a time after [`published_one_at_a_time`] published their volumes:
+/// each stop plans an unpublish, each unpublish completes.
+fn wave_planning_work(n: usize) -> u64 {
+    let (mut h, names, _) = published_one_at_a_time(n);
+    let points: Vec<PathBuf> = names.iter().map(|n| target(n)).collect();
+    let before = h.core.plan_visits();
+    for (i, name) in names.iter().enumerate().rev() {
+        let mut a = alloc(&format!("a{i:04}"), &[name], "complete", "stop");
+        a.modify_index = 10_000 + i as u64;
+        let e = h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+        assert_eq!(unpublishes(&e), 1, "{name}: {e:?}");
+        h.committed(&e);
+        // The last mounted first: `from_points` numbers mounts by position, and the
+        // mount IDs of the others must not change (they do not in a real table).
+        h.feed(Input::MountTable(MountTable::from_points(
+            points[..i].iter().cloned(),
+        )));
+        let e = h.feed(Input::Done(Completion::Unpublished {
+            volume: key(name),
+            result: Ok(()),
+        }));
+        h.committed(&e);
+    }
+    assert!(
+        h.core.journal().mounts().is_empty(),
+        "every volume unpublished"
+    );
+    h.core.plan_visits() - before
+}
+
+/// Issue 10: a wave of N unpublishes (a job of N allocations stopped) costs O(N)
+/// work, chores included (a pass over every volume per unpublish made it O(N²)).
+#[test]
+fn a_wave_of_unpublishes_costs_work_linear_in_its_size() {
+    let w50 = wave_planning_work(50);
+    let w200 = wave_planning_work(200);
+    println!("unpublish wave work: N=50: {w50} visits, N=200: {w200} visits");
+    assert!(
+        w200 <= 4 * w50 + 8,
+        "the wave's work is not linear: {w50} for 50, {w200} for 200"
+    );
+}
+
+// Issue 13 (security): an unreadable plugin directory and invalid volume keys.
+
+#[test]
+fn an_unreadable_plugin_directory_keeps_the_plugins_known_before() {
+    let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
+    h.feed(Input::Done(Completion::Placeholder {
+        volume: key("d"),
+        result: Ok(Some("hv-1".into())),
+    }));
+    let mut e = h.feed(Input::Done(Completion::PluginsUnreadable {
+        dir: "/p".into(),
+        error: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+    }));
+    // A catalogue change plans again with the plugins the core now knows.
+    e.extend(h.at(
+        Duration::from_secs(1),
+        Input::Catalogue(BTreeMap::from([
+            (key("d"), volume("d", "multi-node-multi-writer")),
+            (key("e"), volume("e", "multi-node-multi-writer")),
+        ])),
+    ));
+    assert!(
+        !e.iter()
+            .any(|x| matches!(x, Effect::DeregisterPlaceholder { .. })),
+        "a read error is not \"no plugins\": {e:?}"
+    );
+}
+
+#[test]
+fn a_volume_key_that_is_not_a_path_gets_no_target() {
+    let mut h = H::new(&[], vec![]);
+    let e = h.feed(Input::Catalogue(BTreeMap::from([(
+        key(".."),
+        volume("..", "multi-node-multi-writer"),
+    )])));
+    assert!(
+        !e.iter()
+            .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
+        "{e:?}"
+    );
+}

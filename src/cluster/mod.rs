@@ -1,0 +1,20 @@
+//! The cluster's shared records, kept in Nomad Variables, and the cluster-wide operations
+//! that act on them.
+//!
+//! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables;
+//! - [`trust`]: operator signatures on volume records and snapshot requests, verified by
+//!   agents;
+//! - `claims`: single-node access modes enforced across nodes with Nomad Variables locks;
+//! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
+//! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from
+//!   them;
+//! - [`expansion`]: growing a volume (`volume create` again with a larger `capacity_min`);
+//! - [`nodes`]: the node records each agent publishes (plugins, health, last seen).
+
+pub mod catalog;
+pub(crate) mod claims;
+pub mod expansion;
+pub mod nodes;
+pub mod snapshot;
+pub mod trust;
+pub mod worker;

@@ -1,0 +1,20 @@
+//! This node: what its kernel says and what it remembers.
+//!
+//! Nothing here talks to Nomad or runs a plugin; every answer comes from the host itself.
+//! - [`mounts`]: the mount table ([`mounts::MountTable`]), read as bytes, notice of its
+//!   changes ([`mounts::MountChanges`]), and the kernel's answer whether one mount is in
+//!   use ([`mounts::busy`]);
+//! - [`host`]: the host's mount namespace (the agent must run in it) and resolved
+//!   directories;
+//! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
+//! - `holders`: the processes still using a published volume;
+//! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
+//! - [`journal`]: the node's durable record of its mounts (records in memory,
+//!   group-committed ahead of the plugin calls of each planning pass).
+
+pub(crate) mod guard;
+pub(crate) mod health;
+pub(crate) mod holders;
+pub mod host;
+pub mod journal;
+pub mod mounts;

@@ -1,0 +1,10 @@
+//! The storage plugins: how dhv-binder runs them and what it tells them.
+//!
+//! - [`plugin`]: the plugin runner (Nomad's DHV protocol extended with publish/unpublish;
+//!   docs/plugin-protocol.md);
+//! - [`environment`]: the plugin environment contract (the variables of each operation);
+//! - `discovery`: notices plugin files added, changed or removed.
+
+pub(crate) mod discovery;
+pub mod environment;
+pub mod plugin;
