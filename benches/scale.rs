@@ -53,7 +53,7 @@ mod inproc;
 #[path = "../tests/support/sandbox.rs"]
 mod sandbox;
 
-use dhv_binder::watch::WatchMode;
+use dhv_binder::nomad::watch::WatchMode;
 use nomad_sim::replay::Replay;
 use sandbox::Sandbox;
 use serde_json::{json, Value};
@@ -76,8 +76,8 @@ use plugin::now_ns;
 /// By default `benches/support/plugin.rs` compiled by `rustc` (`$RUSTC`, else `rustc` on
 /// the PATH) into a static binary under Cargo's `CARGO_TARGET_TMPDIR`: a lean plugin, whose
 /// exec is what issue 10's goal assumes (about 0.7 ms). With `BENCH_PLUGIN=bench-binary`,
-/// this bench binary itself (6.5 MB, dynamically linked: about 1.1 ms per exec here), as the
-/// figures in docs/scale.md before the session of 2026-12-03 were taken.
+/// this bench binary itself (6.5 MB, dynamically linked: about 1.1 ms per exec here), with
+/// which the figures docs/scale.md marks `BENCH_PLUGIN=bench-binary` were taken.
 ///
 /// Exits the bench with what to do when `rustc` or the static C library (`libc6-dev`) is
 /// missing.
