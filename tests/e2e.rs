@@ -677,14 +677,38 @@ async fn b26_reader_volume_is_read_only_and_unpublished_at_the_stored_path() {
     assert_eq!(support::cluster::mount_count(&target), 0);
 }
 
-/// B15: `job stop -purge` deletes the job, not its allocations (`handleJobDeregister` →
-/// `DeleteJobTxn`): the scheduler stops them (events), the client kills the tasks, and the
-/// volume is unpublished exactly once, after every task of the allocation is dead. (A GC
-/// deletion of a still-live allocation is `multinode::gc_of_a_live_allocation_*`.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
-    let c = Cluster::start(1).await;
+/// B15 (docs/simulator.md, issue 34 table, row 1): `job stop -purge` deletes the job's
+/// allocations at once, the running one included (`DeleteJobTxn` → `deleteAllocsForJobTxn`),
+/// with no allocation event and no rise of the node's allocation index; the client kills the
+/// tasks. The daemon notices within seconds in either watch mode (stream: the Job topic's
+/// `JobDeregistered` with `Deleted`; poll: the allocation's processes gone, then a 404 on
+/// it), unpublishes once the task is gone, exactly once, and releases the claim, within 30 s
+/// with the default settings (the resync alone would take 300 s).
+async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str) {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_WATCH_MODE", mode)]).await;
     c.create_volume("shared-data", "single-node-writer");
+    // Another allocation on the node (on a real node, the daemon's own), so that the
+    // node's allocation list's index stays the highest ModifyIndex of its allocations and
+    // the purge does not raise it.
+    let sleeper = c.sb.join("sleeper.nomad.hcl");
+    std::fs::write(
+        &sleeper,
+        r#"job "sleeper" {
+  datacenters = ["*"]
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sleep"
+        args    = ["1000"]
+      }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    c.run_job(&sleeper).await;
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
     let alloc = c
         .wait_for(60, "the main task running", || async {
@@ -695,32 +719,28 @@ async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
         })
         .await;
     let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let claim = "/v1/var/dhv-binder/claims/shared-data";
+    let held = c.get(claim).await;
+    assert!(held["Lock"]["ID"].is_string(), "no claim held: {held}");
     let purged_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
     c.stop_job(&job, true).await;
-    c.wait_for(
-        40,
-        "the allocation complete with every task dead (or already garbage-collected)",
-        || async {
-            // The purged job's terminal allocation is GC-eligible at once (Nomad:
-            // nomad/core_sched.go allocGCEligible with no job), so it may be gone already.
-            let Some(a) = c.get_opt(&format!("/v1/allocation/{alloc_id}")).await else {
-                return Some(());
-            };
-            let dead = a["TaskStates"]
-                .as_object()
-                .is_some_and(|t| t.values().all(|s| s["State"] == "dead"));
-            (a["ClientStatus"] == "complete" && dead).then_some(())
-        },
-    )
-    .await;
-    c.wait_for(40, "the unpublish", || async {
-        c.journal(0)
+    assert!(
+        c.get_opt(&format!("/v1/allocation/{alloc_id}"))
+            .await
+            .is_none(),
+        "the purge left the allocation"
+    );
+    c.wait_for(30, "the unpublish and the claim's release", || async {
+        let done = c
+            .journal(0)
             .last()
-            .filter(|e| e["event"] == "unpublish-done")
-            .cloned()
+            .is_some_and(|e| e["event"] == "unpublish-done");
+        let v = c.get_opt(claim).await;
+        let released = v.is_none_or(|v| v.get("Lock").is_none_or(|l| l.is_null()));
+        (done && released).then_some(())
     })
     .await;
     let intents: Vec<u64> = c
@@ -731,11 +751,21 @@ async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
         .collect();
     assert_eq!(intents.len(), 1);
     eprintln!(
-        "B15: unpublished {} ms after the purge",
+        "B15 ({mode}): unpublished {} ms after the purge",
         intents[0] - purged_at
     );
     assert_eq!(
         support::cluster::mount_count(&c.target(0, "shared-data")),
         0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_poll_mode() {
+    b15_purged_job_is_unpublished_and_its_claim_released("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_stream_mode() {
+    b15_purged_job_is_unpublished_and_its_claim_released("stream").await;
 }

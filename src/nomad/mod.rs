@@ -544,12 +544,15 @@ impl Client {
         .await
     }
 
-    /// Nomad API: `GET /v1/event/stream?topic=Allocation&namespace=*&index=N`.
-    /// Returns the open response; read it as NDJSON with [`events::decode_line`].
+    /// Nomad API: `GET /v1/event/stream?topic=Allocation&topic=Job&namespace=*&index=N`
+    /// (the Job topic for its deletions: a purge deletes the job's allocations with no
+    /// allocation event). Returns the open response; read it as NDJSON with
+    /// [`events::decode_line`].
     pub async fn event_stream(&self, index: u64) -> Result<reqwest::Response, NomadError> {
         let path = "/v1/event/stream";
         let rb = self.request(&self.streaming, Method::GET, path).query(&[
             ("topic", "Allocation".to_string()),
+            ("topic", "Job".to_string()),
             ("namespace", "*".to_string()),
             ("index", index.to_string()),
         ]);
