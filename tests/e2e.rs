@@ -760,6 +760,96 @@ async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str) {
     );
 }
 
+/// Issue 34 row 2: after a server-side stop Nomad kills the main task, then runs the
+/// poststop task (`killTasks`, the lifecycle coordinator). A poststop task that uses the
+/// deferred volume finds it still published and writes to it; the unpublish waits for its
+/// end (the allocation stays `running` until then, and its task is not yet `dead`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poststop_task_after_a_stop_writes_to_the_volume_before_the_unpublish() {
+    let c = Cluster::start(1).await;
+    c.create_volume("shared-data", "single-node-writer");
+    let storage = c
+        .export
+        .join("default")
+        .join(volume_id(&c, "shared-data").await);
+    let src = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let flush = r#"    task "flush" {
+      lifecycle {
+        hook = "poststop"
+      }
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "sleep 3; mountpoint -q /data || exit 1; echo \"flushed by poststop of $NOMAD_ALLOC_ID\" >> /data/greetings.txt"]
+      }
+      volume_mount {
+        volume      = "data"
+        destination = "/data"
+      }
+    }
+
+    task "app" {"#;
+    let with_poststop = src.replacen("    task \"app\" {", flush, 1);
+    assert_ne!(with_poststop, src, "the example job has no task \"app\"");
+    let jobspec = c.sb.join("poststop.nomad.hcl");
+    std::fs::write(&jobspec, with_poststop).unwrap();
+    let job = c.run_job(&jobspec).await;
+    let alloc = c
+        .wait_for(60, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    c.stop_job(&job, false).await;
+    let done = c
+        .wait_for(60, "the allocation complete", || async {
+            let a = c.get(&format!("/v1/allocation/{alloc_id}")).await;
+            (a["ClientStatus"] == "complete").then_some(a)
+        })
+        .await;
+    let flush = task_state(&done, "flush");
+    assert_eq!(flush["State"], "dead", "{done}");
+    assert_eq!(
+        flush["Failed"], false,
+        "the poststop task found no mount: {done}"
+    );
+    let text = std::fs::read_to_string(storage.join("greetings.txt")).unwrap();
+    assert!(
+        text.contains(&format!("flushed by poststop of {alloc_id}")),
+        "the poststop task's write is not in the volume: {text:?}"
+    );
+    c.wait_for(30, "the unpublish", || async {
+        c.journal(0)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .cloned()
+    })
+    .await;
+    let finished = chrono_ms(flush["FinishedAt"].as_str().unwrap());
+    let intent = c
+        .journal(0)
+        .into_iter()
+        .find(|e| e["event"] == "unpublish-intent")
+        .unwrap();
+    assert!(
+        intent["unix_ms"].as_u64().unwrap() >= finished,
+        "unpublished at {} ms, before the poststop task ended at {finished} ms",
+        intent["unix_ms"]
+    );
+}
+
+/// Milliseconds since the Unix epoch of an RFC 3339 time as Nomad writes it.
+fn chrono_ms(t: &str) -> u64 {
+    humantime::parse_rfc3339(t)
+        .unwrap_or_else(|e| panic!("not an RFC 3339 time {t:?}: {e}"))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b15_purged_job_is_unpublished_and_its_claim_released_in_poll_mode() {
     b15_purged_job_is_unpublished_and_its_claim_released("poll").await;
