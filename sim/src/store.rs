@@ -513,6 +513,7 @@ impl Server {
                 "cannot register volume: host path is required".into(),
             ));
         }
+        self.validate_volume_update(&v)?;
         if v.ID.is_empty() {
             v.ID = uuid::Uuid::new_v4().to_string();
         }
@@ -604,6 +605,37 @@ impl Server {
         });
         self.reschedule_all();
         Ok(registered)
+    }
+
+    /// `validateVolumeUpdate` (nomad/host_volume_endpoint.go), before the client is asked:
+    /// a volume registered with an ID must exist ("cannot update volume %q: volume does not
+    /// exist"), and `HostVolume.ValidateUpdate` (nomad/structs/host_volumes.go) refuses an
+    /// update of a volume that allocations not client-terminal claim ("cannot update a
+    /// volume in use: claimed by allocs (…)"). Plain errors: HTTP 500.
+    fn validate_volume_update(&self, v: &HostVolume) -> Result<(), StoreError> {
+        if v.ID.is_empty() {
+            return Ok(());
+        }
+        let Some(existing) = self.host_volume(&v.Namespace, &v.ID) else {
+            return Err(StoreError::Internal(format!(
+                "cannot update volume {:?}: volume does not exist",
+                v.ID
+            )));
+        };
+        let users: Vec<String> = existing
+            .Allocations
+            .iter()
+            .flatten()
+            .filter_map(|a| a["ID"].as_str().map(String::from))
+            .collect();
+        if !users.is_empty() {
+            return Err(StoreError::Internal(format!(
+                "validating volume {:?} update failed: cannot update a volume in use: claimed by allocs ({})",
+                v.ID,
+                users.join(", ")
+            )));
+        }
+        Ok(())
     }
 
     /// Host volume with denormalized non-terminal `Allocations` stubs.
