@@ -677,14 +677,38 @@ async fn b26_reader_volume_is_read_only_and_unpublished_at_the_stored_path() {
     assert_eq!(support::cluster::mount_count(&target), 0);
 }
 
-/// B15: `job stop -purge` deletes the job, not its allocations (`handleJobDeregister` →
-/// `DeleteJobTxn`): the scheduler stops them (events), the client kills the tasks, and the
-/// volume is unpublished exactly once, after every task of the allocation is dead. (A GC
-/// deletion of a still-live allocation is `multinode::gc_of_a_live_allocation_*`.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
-    let c = Cluster::start(1).await;
+/// B15 (docs/simulator.md, issue 34 table, row 1): `job stop -purge` deletes the job's
+/// allocations at once, the running one included (`DeleteJobTxn` → `deleteAllocsForJobTxn`),
+/// with no allocation event and no rise of the node's allocation index; the client kills the
+/// tasks. The daemon notices within seconds in either watch mode (stream: the Job topic's
+/// `JobDeregistered` with `Deleted`; poll: the allocation's processes gone, then a 404 on
+/// it), unpublishes once the task is gone, exactly once, and releases the claim, within 30 s
+/// with the default settings (the resync alone would take 300 s).
+async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str) {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_WATCH_MODE", mode)]).await;
     c.create_volume("shared-data", "single-node-writer");
+    // Another allocation on the node (on a real node, the daemon's own), so that the
+    // node's allocation list's index stays the highest ModifyIndex of its allocations and
+    // the purge does not raise it.
+    let sleeper = c.sb.join("sleeper.nomad.hcl");
+    std::fs::write(
+        &sleeper,
+        r#"job "sleeper" {
+  datacenters = ["*"]
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sleep"
+        args    = ["1000"]
+      }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    c.run_job(&sleeper).await;
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
     let alloc = c
         .wait_for(60, "the main task running", || async {
@@ -695,32 +719,28 @@ async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
         })
         .await;
     let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let claim = "/v1/var/dhv-binder/claims/shared-data";
+    let held = c.get(claim).await;
+    assert!(held["Lock"]["ID"].is_string(), "no claim held: {held}");
     let purged_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
     c.stop_job(&job, true).await;
-    c.wait_for(
-        40,
-        "the allocation complete with every task dead (or already garbage-collected)",
-        || async {
-            // The purged job's terminal allocation is GC-eligible at once (Nomad:
-            // nomad/core_sched.go allocGCEligible with no job), so it may be gone already.
-            let Some(a) = c.get_opt(&format!("/v1/allocation/{alloc_id}")).await else {
-                return Some(());
-            };
-            let dead = a["TaskStates"]
-                .as_object()
-                .is_some_and(|t| t.values().all(|s| s["State"] == "dead"));
-            (a["ClientStatus"] == "complete" && dead).then_some(())
-        },
-    )
-    .await;
-    c.wait_for(40, "the unpublish", || async {
-        c.journal(0)
+    assert!(
+        c.get_opt(&format!("/v1/allocation/{alloc_id}"))
+            .await
+            .is_none(),
+        "the purge left the allocation"
+    );
+    c.wait_for(30, "the unpublish and the claim's release", || async {
+        let done = c
+            .journal(0)
             .last()
-            .filter(|e| e["event"] == "unpublish-done")
-            .cloned()
+            .is_some_and(|e| e["event"] == "unpublish-done");
+        let v = c.get_opt(claim).await;
+        let released = v.is_none_or(|v| v.get("Lock").is_none_or(|l| l.is_null()));
+        (done && released).then_some(())
     })
     .await;
     let intents: Vec<u64> = c
@@ -731,11 +751,111 @@ async fn b15_purged_job_is_unpublished_after_its_tasks_are_gone() {
         .collect();
     assert_eq!(intents.len(), 1);
     eprintln!(
-        "B15: unpublished {} ms after the purge",
+        "B15 ({mode}): unpublished {} ms after the purge",
         intents[0] - purged_at
     );
     assert_eq!(
         support::cluster::mount_count(&c.target(0, "shared-data")),
         0
     );
+}
+
+/// Issue 34 row 2: after a server-side stop Nomad kills the main task, then runs the
+/// poststop task (`killTasks`, the lifecycle coordinator). A poststop task that uses the
+/// deferred volume finds it still published and writes to it; the unpublish waits for its
+/// end (the allocation stays `running` until then, and its task is not yet `dead`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poststop_task_after_a_stop_writes_to_the_volume_before_the_unpublish() {
+    let c = Cluster::start(1).await;
+    c.create_volume("shared-data", "single-node-writer");
+    let storage = c
+        .export
+        .join("default")
+        .join(volume_id(&c, "shared-data").await);
+    let src = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let flush = r#"    task "flush" {
+      lifecycle {
+        hook = "poststop"
+      }
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "sleep 3; mountpoint -q /data || exit 1; echo \"flushed by poststop of $NOMAD_ALLOC_ID\" >> /data/greetings.txt"]
+      }
+      volume_mount {
+        volume      = "data"
+        destination = "/data"
+      }
+    }
+
+    task "app" {"#;
+    let with_poststop = src.replacen("    task \"app\" {", flush, 1);
+    assert_ne!(with_poststop, src, "the example job has no task \"app\"");
+    let jobspec = c.sb.join("poststop.nomad.hcl");
+    std::fs::write(&jobspec, with_poststop).unwrap();
+    let job = c.run_job(&jobspec).await;
+    let alloc = c
+        .wait_for(60, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    c.stop_job(&job, false).await;
+    let done = c
+        .wait_for(60, "the allocation complete", || async {
+            let a = c.get(&format!("/v1/allocation/{alloc_id}")).await;
+            (a["ClientStatus"] == "complete").then_some(a)
+        })
+        .await;
+    let flush = task_state(&done, "flush");
+    assert_eq!(flush["State"], "dead", "{done}");
+    assert_eq!(
+        flush["Failed"], false,
+        "the poststop task found no mount: {done}"
+    );
+    let text = std::fs::read_to_string(storage.join("greetings.txt")).unwrap();
+    assert!(
+        text.contains(&format!("flushed by poststop of {alloc_id}")),
+        "the poststop task's write is not in the volume: {text:?}"
+    );
+    c.wait_for(30, "the unpublish", || async {
+        c.journal(0)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .cloned()
+    })
+    .await;
+    let finished = chrono_ms(flush["FinishedAt"].as_str().unwrap());
+    let intent = c
+        .journal(0)
+        .into_iter()
+        .find(|e| e["event"] == "unpublish-intent")
+        .unwrap();
+    assert!(
+        intent["unix_ms"].as_u64().unwrap() >= finished,
+        "unpublished at {} ms, before the poststop task ended at {finished} ms",
+        intent["unix_ms"]
+    );
+}
+
+/// Milliseconds since the Unix epoch of an RFC 3339 time as Nomad writes it.
+fn chrono_ms(t: &str) -> u64 {
+    humantime::parse_rfc3339(t)
+        .unwrap_or_else(|e| panic!("not an RFC 3339 time {t:?}: {e}"))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_poll_mode() {
+    b15_purged_job_is_unpublished_and_its_claim_released("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_stream_mode() {
+    b15_purged_job_is_unpublished_and_its_claim_released("stream").await;
 }

@@ -308,7 +308,7 @@ fn failed_with_poststop_job(sb_dir: &std::path::Path) -> std::path::PathBuf {
       driver = "exec"
       config {{
         command = "/bin/sh"
-        args    = ["-c", "trap 'exit 0' TERM; while true; do sleep 1; done"]
+        args    = ["-c", "while [ ! -e \"$NOMAD_ALLOC_DIR/done\" ]; do sleep 1; done"]
       }}
       volume_mount {{
         volume      = "data"
@@ -362,8 +362,10 @@ const SLEEPER: &str = r#"job "sleeper" {
 /// Issue 11 #2 and #9: (#9) an allocation reported `failed` while its poststop task still runs
 /// keeps its volume; (#2) when Nomad's GC then deletes it, the node's allocation index does
 /// not rise (it is the highest ModifyIndex of the node's allocations) and no event is sent,
-/// yet the daemon sees the deletion within seconds (not at the 5 min resync) and unpublishes
-/// once the client has killed the tasks. Run in both watch modes.
+/// yet the daemon sees the deletion within seconds (not at the 5 min resync). The client
+/// does not kill the poststop task of a deleted allocation (`destroyImpl` → `killTasks`
+/// spares poststop tasks), so the volume stays while it runs and is unpublished once it
+/// ends. Run in both watch modes.
 async fn gc_of_a_live_allocation_is_seen_within_seconds(mode: &str) {
     let c = Cluster::start_with(1, "", &[("DHV_BINDER_WATCH_MODE", mode)]).await;
     c.create_volume(VOLUME, "single-node-writer");
@@ -405,12 +407,28 @@ async fn gc_of_a_live_allocation_is_seen_within_seconds(mode: &str) {
         .as_array()
         .is_some_and(|l| l.is_empty());
     assert!(gone, "the GC deleted the failed allocation");
-    c.wait_for(60, "the unpublish after the GC", || async {
-        c.journal(0)
-            .iter()
-            .any(|e| e["event"] == "unpublish-done")
-            .then_some(())
-    })
+    // Past the kill grace (10 s) the poststop task still runs: the volume stays.
+    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
+    assert!(
+        dhv_binder::node::mounts::is_mount_point(&target),
+        "unpublished while the deleted allocation's poststop task still ran"
+    );
+    let done = c.sb.join(&format!(
+        "sim/{}/alloc/{}/alloc/done",
+        alloc["NodeName"].as_str().unwrap(),
+        alloc["ID"].as_str().unwrap()
+    ));
+    std::fs::write(&done, "").unwrap();
+    c.wait_for(
+        60,
+        "the unpublish after the poststop task ended",
+        || async {
+            c.journal(0)
+                .iter()
+                .any(|e| e["event"] == "unpublish-done")
+                .then_some(())
+        },
+    )
     .await;
     assert!(!dhv_binder::node::mounts::is_mount_point(&target));
 }

@@ -310,6 +310,7 @@ macro_rules! both_modes {
 }
 
 both_modes!(
+    purge_of_a_running_allocation,
     disconnect_mid_frame,
     duplicate_and_out_of_order_events,
     b17_gap_beyond_the_buffer,
@@ -462,6 +463,44 @@ fn publish_a() -> String {
 
 fn unpublish() -> String {
     "unpublish default/orders-data".to_string()
+}
+
+/// Issue 34 row 1: a purge deletes the running allocation with no allocation event, and the
+/// node's list index does not rise (the node has another allocation: the daemon's own).
+/// Stream mode reads it again on the Job topic's deletion; poll mode when its processes
+/// are gone (a process with its `NOMAD_ALLOC_ID` stands for the task). Either way the read
+/// answers 404 and the volume is unpublished once, after the kill grace (10 s), long
+/// before the resync (300 s).
+async fn purge_of_a_running_allocation(mode: WatchMode) {
+    let c = Case::start(mode, |_, _| {}).await;
+    for a in fixture("node-allocations.json").as_array().unwrap() {
+        if a["JobID"] == "dhv-binder" {
+            c.nomad.put_alloc(a.clone());
+        }
+    }
+    let mut task = std::process::Command::new("sleep")
+        .arg("60")
+        .env("NOMAD_ALLOC_ID", ALLOC)
+        .spawn()
+        .expect("spawn sleep");
+    // Poll mode's probe runs every 5 s: let it see the task's process.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let index = c.nomad.index();
+    c.nomad.delete_alloc(ALLOC);
+    c.nomad.push(
+        &json!({"Index": 0, "Events": [{"Topic": "Job", "Type": "JobDeregistered",
+            "Key": "orders", "Namespace": "default", "FilterKeys": null, "Index": 0,
+            "Payload": {"Job": {"ID": "orders", "Namespace": "default", "Stop": true},
+                        "Deleted": true}}]})
+        .to_string(),
+    );
+    assert!(c.nomad.index() > index);
+    task.kill().unwrap();
+    task.wait().unwrap();
+    eventually(30, "unpublish after the purge", || c.calls().len() >= 2).await;
+    c.converges("unpublish after the purge", &[publish_a(), unpublish()])
+        .await;
+    c.stop().await;
 }
 
 /// The connection breaks in the middle of the frame that says the allocation completed; the

@@ -23,8 +23,11 @@ pub const ALLOC_SYNC_INTERVAL: Duration = Duration::from_millis(200);
 enum Directive {
     /// The server's current view of the alloc.
     Alloc(Box<Allocation>),
-    /// Alloc deleted from state (purge/GC) or client shutdown: kill and stop reporting.
+    /// Alloc deleted from state (purge/GC): killed as a server-side stop is
+    /// (`allocRunner.destroyImpl` → `killTasks`: poststop tasks then run).
     Destroy,
+    /// The sim agent shuts down: every task is killed, poststop ones included.
+    Shutdown,
 }
 
 struct RunnerHandle {
@@ -153,7 +156,7 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
         }
     }
     for h in runners.values() {
-        let _ = h.tx.send(Directive::Destroy);
+        let _ = h.tx.send(Directive::Shutdown);
     }
     for (_, h) in runners {
         let _ = h.join.await;
@@ -295,10 +298,14 @@ async fn run_alloc(
         .collect();
 
     let wants_stop = |d: &Directive| match d {
-        Directive::Destroy => true,
+        Directive::Destroy | Directive::Shutdown => true,
         Directive::Alloc(a) => a.server_terminal(),
     };
     let mut stopping = wants_stop(&rx.borrow());
+    let mut shutdown = matches!(&*rx.borrow(), Directive::Shutdown);
+    // Poststop tasks run after a stop only in an allocation that ran.
+    let began = !stopping;
+    let mut poststop_started = false;
     let mut phase = 0; // 0 prestart, 1 main, 2 poststop, 3 done
     if !stopping {
         for n in &prestart {
@@ -412,9 +419,45 @@ async fn run_alloc(
                 report(&states, &alloc, &upd);
             }
         }
-        if stopping {
+        if stopping && shutdown {
             kill_all(&slots, KillRequest::default());
             mark_unstarted_dead(&mut slots, &[]);
+            report(&states, &alloc, &upd);
+            if slots.values().all(|s| s.outcome.is_some()) {
+                break;
+            }
+        } else if stopping {
+            // A server-side stop or a deletion (`client/allocrunner/alloc_runner.go`
+            // `handleAllocUpdate`, `destroyImpl` → `killTasks`): leader, main and sidecar
+            // tasks are killed, never the poststop ones; once every other task is dead the
+            // coordinator runs the poststop tasks (`tasklifecycle/coordinator.go`
+            // `nextStateLocked`: `isAllocDone` reaches the poststop state from any state).
+            for (n, s) in slots.iter() {
+                if s.outcome.is_none() && !poststop.contains(n) {
+                    s.kill.send_if_modified(|k| {
+                        let unset = k.is_none();
+                        if unset {
+                            *k = Some(KillRequest::default());
+                        }
+                        unset
+                    });
+                }
+            }
+            mark_unstarted_dead(&mut slots, &poststop);
+            let others_dead = slots
+                .iter()
+                .all(|(n, s)| poststop.contains(n) || s.outcome.is_some());
+            if others_dead && !poststop_started {
+                poststop_started = true;
+                phase = 2;
+                for n in &poststop {
+                    let idle = slots[n].join.is_none() && slots[n].outcome.is_none();
+                    if began && idle {
+                        start(&mut slots, n);
+                    }
+                }
+                mark_unstarted_dead(&mut slots, &[]);
+            }
             report(&states, &alloc, &upd);
             if slots.values().all(|s| s.outcome.is_some()) {
                 break;
@@ -462,6 +505,7 @@ async fn run_alloc(
         tokio::select! {
             r = rx.changed() => {
                 if r.is_err() || wants_stop(&rx.borrow()) { stopping = true; }
+                if r.is_err() || matches!(&*rx.borrow(), Directive::Shutdown) { shutdown = true; }
                 // Back from a disconnect: the server has the allocation `unknown`; the client
                 // logs "Reconnected" on every task and sends its state (`alloc_runner.go`
                 // `Reconnect`, `client.go` `updateAlloc`).

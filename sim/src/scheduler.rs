@@ -692,23 +692,6 @@ pub fn reconcile_all(st: &mut State) {
             }
         }
     }
-    // Allocations of purged jobs: the reconciler stops every non-terminal one
-    // (`scheduler/reconciler`, `filterByTerminal`); terminal ones stay until GC.
-    let orphans: Vec<String> = pass
-        .work
-        .values()
-        .filter(|a| !a.terminal())
-        .filter(|a| {
-            !pass
-                .st
-                .jobs
-                .contains_key(&(a.Namespace.clone(), a.JobID.clone()))
-        })
-        .map(|a| a.ID.clone())
-        .collect();
-    for id in orphans {
-        pass.stop(&id, "alloc not needed due to job update");
-    }
     // Migrations (drain, `alloc stop`).
     let migrating: Vec<String> = pass
         .work

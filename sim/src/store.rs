@@ -341,10 +341,14 @@ impl Server {
         Ok((eval_id, job_modify_index, idx))
     }
 
-    /// Deregisters a job: stop (Job.Stop = true) or purge (the job is deleted,
-    /// `nomad/fsm.go` `handleJobDeregister` → `DeleteJobTxn`, which leaves the allocations).
-    /// Either way the scheduler then stops the allocations (PlanResult, "alloc not needed due
-    /// to job update"); purged allocations stay until GC.
+    /// Deregisters a job: stop (Job.Stop = true: the scheduler then stops the allocations,
+    /// PlanResult "alloc not needed due to job update") or purge (`nomad/fsm.go`
+    /// `handleJobDeregister` → `nomad/state/state_store.go` `DeleteJobTxn`): the job, its
+    /// deployments and, through `deleteAllocsForJobTxn`, every allocation of the job, running
+    /// ones included, are deleted in the same write. An allocation deletion publishes no
+    /// event (the `Deleted()` branch of `eventFromChange` has no allocs case); the allocs
+    /// table index rises, no allocation's ModifyIndex does. The clients kill the deleted
+    /// allocations' tasks when they see them gone.
     pub fn deregister_job(
         &self,
         ns: &str,
@@ -363,6 +367,15 @@ impl Server {
                 st.jobs.remove(&key);
                 job.Status = "dead".into();
                 st.emit_job("JobDeregistered", &job, true);
+                st.allocs
+                    .retain(|_, a| !(a.Namespace == job.Namespace && a.JobID == job.ID));
+                st.tables.allocs = idx;
+                let before = st.deployments.len();
+                st.deployments
+                    .retain(|_, d| !(d.Namespace == job.Namespace && d.JobID == job.ID));
+                if st.deployments.len() != before {
+                    st.tables.deployments = idx;
+                }
             } else {
                 job.Stop = true;
                 job.Version += 1;
@@ -500,6 +513,7 @@ impl Server {
                 "cannot register volume: host path is required".into(),
             ));
         }
+        self.validate_volume_update(&v)?;
         if v.ID.is_empty() {
             v.ID = uuid::Uuid::new_v4().to_string();
         }
@@ -591,6 +605,37 @@ impl Server {
         });
         self.reschedule_all();
         Ok(registered)
+    }
+
+    /// `validateVolumeUpdate` (nomad/host_volume_endpoint.go), before the client is asked:
+    /// a volume registered with an ID must exist ("cannot update volume %q: volume does not
+    /// exist"), and `HostVolume.ValidateUpdate` (nomad/structs/host_volumes.go) refuses an
+    /// update of a volume that allocations not client-terminal claim ("cannot update a
+    /// volume in use: claimed by allocs (…)"). Plain errors: HTTP 500.
+    fn validate_volume_update(&self, v: &HostVolume) -> Result<(), StoreError> {
+        if v.ID.is_empty() {
+            return Ok(());
+        }
+        let Some(existing) = self.host_volume(&v.Namespace, &v.ID) else {
+            return Err(StoreError::Internal(format!(
+                "cannot update volume {:?}: volume does not exist",
+                v.ID
+            )));
+        };
+        let users: Vec<String> = existing
+            .Allocations
+            .iter()
+            .flatten()
+            .filter_map(|a| a["ID"].as_str().map(String::from))
+            .collect();
+        if !users.is_empty() {
+            return Err(StoreError::Internal(format!(
+                "validating volume {:?} update failed: cannot update a volume in use: claimed by allocs ({})",
+                v.ID,
+                users.join(", ")
+            )));
+        }
+        Ok(())
     }
 
     /// Host volume with denormalized non-terminal `Allocations` stubs.

@@ -8,7 +8,8 @@
 //! (`NewHTTPServers` serves the builtin listener with `newAuthMiddleware`;
 //! `authMiddleware.ServeHTTP`: no token is 401 "Unauthorized", a token `ACL.WhoAmI` refuses
 //! or that is neither an ACL token nor a workload identity is 403 "Forbidden", both
-//! text/plain; `parseToken` takes `X-Nomad-Token`, else `Authorization: Bearer`).
+//! text/plain; a failed `ACL.WhoAmI` RPC, as during a leader election, is 500 "Server error
+//! authenticating request"; `parseToken` takes `X-Nomad-Token`, else `Authorization: Bearer`).
 
 use crate::api::{router, AppState};
 use axum::http::{HeaderMap, StatusCode};
@@ -74,6 +75,16 @@ async fn authenticate(
     let Some(token) = token_of(req.headers()) else {
         return plain(StatusCode::UNAUTHORIZED);
     };
+    // `ACL.WhoAmI` fails while the servers elect a leader: the middleware answers 500
+    // "Server error authenticating request" (text/plain, with a newline).
+    if st.server.read().leaderless {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [("content-type", "text/plain; charset=utf-8")],
+            "Server error authenticating request\n",
+        )
+            .into_response();
+    }
     if crate::acl::authenticate(&st.server, &token).is_err() {
         return plain(StatusCode::FORBIDDEN);
     }

@@ -146,9 +146,8 @@ async fn allocation_events_have_nomad_shape() {
                     .to_string();
             }
         }
-        // Purge deletes the job only (`handleJobDeregister` → `DeleteJobTxn`): the complete
-        // allocation is terminal, so the scheduler leaves it (no Allocation event), and it
-        // stays readable until GC.
+        // A purge deletes the job and its allocations (`DeleteJobTxn` →
+        // `deleteAllocsForJobTxn`), with no Allocation event.
         let alloc_id = a["ID"].as_str().unwrap().to_string();
         while s.frame(1).await.is_some() {} // the client's last updates of the complete alloc
         sim.req(
@@ -168,7 +167,139 @@ async fn allocation_events_have_nomad_shape() {
                 None,
             )
             .await;
-        assert_eq!(st, 200, "a purge leaves the allocations to the GC");
+        assert_eq!(st, 404, "a purge deletes the job's allocations");
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A job that runs `sleep` with raw_exec, its pid in `<alloc dir>/pid`.
+fn sleeper(name: &str) -> String {
+    format!(
+        r#"job "{name}" {{
+  group "g" {{
+    task "t" {{
+      driver = "raw_exec"
+      config {{
+        command = "/bin/sh"
+        args = ["-c", "echo $$ > $NOMAD_ALLOC_DIR/pid; exec sleep 600"]
+      }}
+    }}
+  }}
+}}"#
+    )
+}
+
+/// A purge deletes the job's allocations in the same write, running ones included
+/// (`nomad/state/state_store.go` `DeleteJobTxn` → `deleteAllocsForJobTxn`, since 1.8): the
+/// allocation reads 404 at once, no Allocation event is published (the Job topic has
+/// `JobDeregistered` with `Deleted`), and the node's allocation index does not rise while
+/// the node has other allocations (`Node.GetAllocs`: the highest ModifyIndex of the node's
+/// allocations), so a blocking query on the node's allocations is not woken. The client then
+/// kills the deleted allocation's tasks.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_purge_deletes_running_allocations_at_once_without_an_allocation_event() {
+    tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        let sim = Sim::start(CFG).await;
+        let node = sim.node_id("node-1");
+        let keep = sim.run_job(&sleeper("keep")).await;
+        let job = sim.run_job(&sleeper("purged")).await;
+        for j in [&keep, &job] {
+            sim.wait_for(30, "the job running", || async {
+                sim.job_allocs(j)
+                    .await
+                    .into_iter()
+                    .find(|a| a["ClientStatus"] == "running")
+            })
+            .await;
+        }
+        let alloc = sim.job_allocs(&job).await.remove(0);
+        let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+        let pid_file = sim
+            .path()
+            .join("data/node-1/alloc")
+            .join(&alloc_id)
+            .join("alloc/pid");
+        let pid: i32 = sim
+            .wait_for(10, "the task's pid", || async {
+                std::fs::read_to_string(&pid_file)
+                    .ok()
+                    .and_then(|p| p.trim().parse().ok())
+            })
+            .await;
+        let nodes_allocs = format!("/v1/node/{node}/allocations");
+        let (_, before, _) = sim.req(reqwest::Method::GET, &nodes_allocs, None).await;
+        let mut s = Stream::open(
+            &sim,
+            &format!(
+                "topic=Allocation&topic=Job&namespace=*&index={}",
+                before + 1
+            ),
+        )
+        .await;
+        while s.frame(1).await.is_some() {}
+        let blocked = {
+            let sim = &sim;
+            let q = format!("{nodes_allocs}?index={before}&wait=2s");
+            async move { sim.req(reqwest::Method::GET, &q, None).await }
+        };
+        let purge = async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            sim.req(
+                reqwest::Method::DELETE,
+                &format!("/v1/job/{job}?purge=true"),
+                None,
+            )
+            .await
+        };
+        let started = std::time::Instant::now();
+        let ((st, after, body), (purged, _, _)) = tokio::join!(blocked, purge);
+        assert_eq!(purged, 200);
+        assert_eq!(st, 200);
+        assert!(
+            started.elapsed() >= std::time::Duration::from_secs(2),
+            "the purge woke the node's allocations query"
+        );
+        assert_eq!(after, before, "the node's allocation index rose");
+        let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(
+            !listed.to_string().contains(&alloc_id),
+            "the purged allocation is still listed"
+        );
+        let (st, _, _) = sim
+            .req(
+                reqwest::Method::GET,
+                &format!("/v1/allocation/{alloc_id}"),
+                None,
+            )
+            .await;
+        assert_eq!(st, 404, "a purge deletes a running allocation at once");
+        let f = s.frame(5).await.expect("the purge's frame");
+        let events = f["Events"].as_array().unwrap();
+        assert!(
+            events.iter().all(|e| e["Topic"] != "Allocation"),
+            "an allocation event for a purge: {f}"
+        );
+        let dereg = events
+            .iter()
+            .find(|e| e["Topic"] == "Job")
+            .expect("the Job topic's deregistration");
+        assert_eq!(dereg["Type"], "JobDeregistered");
+        assert_eq!(dereg["Key"], job.as_str());
+        assert_eq!(dereg["Payload"]["Deleted"], true);
+        assert!(
+            s.frame(2).await.is_none_or(|f| f["Events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["Topic"] != "Allocation")),
+            "an allocation event after the purge"
+        );
+        sim.wait_for(15, "the task killed by its client", || async {
+            let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+            (!alive).then_some(())
+        })
+        .await;
     })
     .await
     .expect("test timed out");

@@ -358,3 +358,89 @@ async fn exec_chroot_env_nested_destination() {
     .await
     .expect("test timed out");
 }
+
+/// A job whose main task sleeps and whose poststop task writes `<alloc dir>/poststop`
+/// (after a second), with raw_exec.
+const WITH_POSTSTOP: &str = r#"job "post" {
+  group "g" {
+    task "main" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sleep"
+        args    = ["600"]
+      }
+    }
+    task "cleanup" {
+      lifecycle {
+        hook = "poststop"
+      }
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "sleep 1; echo ran > $NOMAD_ALLOC_DIR/poststop"]
+      }
+    }
+  }
+}"#;
+
+/// Poststop tasks run after a server-side stop (job stop, alloc stop, drain, update) and
+/// after a purge: the client kills the leader, main and sidecar tasks, never the poststop
+/// ones (`client/allocrunner/alloc_runner.go` `handleAllocUpdate`, `destroyImpl` →
+/// `killTasks`), and the coordinator runs the poststop tasks once every other task is dead
+/// (`client/allocrunner/tasklifecycle/coordinator.go` `nextStateLocked`, `isAllocDone`).
+/// The allocation stays `running` while the poststop task runs, then turns `complete`.
+#[tokio::test(flavor = "multi_thread")]
+async fn poststop_tasks_run_after_a_server_side_stop_and_a_purge() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        for purge in [false, true] {
+            let job = sim.run_job(WITH_POSTSTOP).await;
+            let alloc = sim
+                .wait_for(30, "the main task running", || async {
+                    sim.job_allocs(&job)
+                        .await
+                        .into_iter()
+                        .find(|a| task_state(a, "main") == "running")
+                })
+                .await;
+            let id = alloc["ID"].as_str().unwrap().to_string();
+            let marker = sim
+                .path()
+                .join("data/node-1/alloc")
+                .join(&id)
+                .join("alloc/poststop");
+            sim.req(
+                reqwest::Method::DELETE,
+                &format!("/v1/job/{job}?purge={purge}"),
+                None,
+            )
+            .await;
+            if !purge {
+                let a = sim
+                    .wait_for(15, "the poststop task running", || async {
+                        let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                        (task_state(&a, "cleanup") == "running").then_some(a)
+                    })
+                    .await;
+                assert_eq!(task_state(&a, "main"), "dead");
+                assert_eq!(a["ClientStatus"], "running", "{a}");
+                let a = sim
+                    .wait_for(15, "the allocation complete", || async {
+                        let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                        (a["ClientStatus"] == "complete").then_some(a)
+                    })
+                    .await;
+                assert_eq!(task_state(&a, "cleanup"), "dead");
+                assert!(event_types(&a, "cleanup").contains(&"Started".to_string()));
+            }
+            sim.wait_for(15, "the poststop task's file", || async {
+                std::fs::read_to_string(&marker)
+                    .ok()
+                    .filter(|s| s.trim() == "ran")
+            })
+            .await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}

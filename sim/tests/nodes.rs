@@ -514,3 +514,95 @@ async fn a_disconnected_node_makes_allocations_unknown_then_reconnects_or_loses_
     .await
     .expect("test timed out");
 }
+
+/// Registering a host volume with an ID: the volume must exist, and allocations that use it
+/// and are not client-terminal make the update refused (`nomad/host_volume_endpoint.go`
+/// `validateVolumeUpdate`; `nomad/structs/host_volumes.go` `HostVolume.ValidateUpdate`),
+/// both HTTP 500. Once the allocation is client-terminal the same registration passes (a
+/// restarted client's `unavailable` volume can be registered again only then).
+#[tokio::test(flavor = "multi_thread")]
+async fn registering_a_volume_again_is_refused_while_allocations_use_it() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let path = sim.path().join("data");
+        std::fs::create_dir_all(&path).unwrap();
+        let body = |id: &str| {
+            json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": path, "ID": id}})
+        };
+        let (s, _, b) = sim
+            .req(
+                reqwest::Method::PUT,
+                "/v1/volume/host/register",
+                Some(body("0b5a6e4c-0000-4000-8000-000000000001")),
+            )
+            .await;
+        assert_eq!(s, 500, "{b}");
+        assert_eq!(
+            b,
+            "cannot update volume \"0b5a6e4c-0000-4000-8000-000000000001\": volume does not exist"
+        );
+        let r = sim
+            .put(
+                "/v1/volume/host/register",
+                json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": path}}),
+            )
+            .await;
+        let id = r["Volume"]["ID"].as_str().unwrap().to_string();
+        sim.wait_for(5, "volume ready", || async {
+            (sim.get(&format!("/v1/volume/host/{id}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+        let job = sim
+            .run_job(
+                r#"job "uses" {
+  group "g" {
+    volume "data" {
+      type   = "host"
+      source = "data"
+    }
+    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }
+  }
+}"#,
+            )
+            .await;
+        let alloc = sim
+            .wait_for(20, "the task running", || async {
+                sim.job_allocs(&job)
+                    .await
+                    .into_iter()
+                    .find(|a| a["ClientStatus"] == "running")
+            })
+            .await;
+        let (s, _, b) = sim
+            .req(reqwest::Method::PUT, "/v1/volume/host/register", Some(body(&id)))
+            .await;
+        assert_eq!(s, 500, "{b}");
+        assert_eq!(
+            b,
+            format!(
+                "validating volume {id:?} update failed: cannot update a volume in use: claimed by allocs ({})",
+                alloc["ID"].as_str().unwrap()
+            )
+        );
+        sim.req(reqwest::Method::DELETE, &format!("/v1/job/{job}"), None)
+            .await;
+        sim.wait_for(20, "the allocation complete", || async {
+            sim.job_allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["ClientStatus"] == "complete")
+        })
+        .await;
+        sim.put("/v1/volume/host/register", body(&id)).await;
+    })
+    .await
+    .expect("test timed out");
+}

@@ -82,6 +82,48 @@ async fn task_api_socket_requires_a_token_and_goes_away_with_the_task() {
         let (s, body) = over(&sock, "/v1/agent/self", Some(("Authorization", &bearer))).await;
         assert_eq!(s, 200, "{body}");
 
+        // Through a client agent an uncoded server error carries `rpc error: `
+        // (`helper/pool/pool.go` `ConnPool.RPC`); the server's own address has none.
+        let gone = "/v1/volume/host/00000000-0000-0000-0000-000000000000";
+        let node_addr = &sim.nodes[0].2;
+        for (addr, want) in [
+            (&sim.server, "no such volume: "),
+            (node_addr, "rpc error: no such volume: "),
+        ] {
+            let r = sim
+                .http
+                .delete(format!("{addr}{gone}"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 500);
+            let body = r.text().await.unwrap();
+            assert!(body.starts_with(want), "{addr}: {body}");
+        }
+        // During an election the Task API cannot authenticate (`ACL.WhoAmI` fails):
+        // 500 "Server error authenticating request"; the client agent's address answers a
+        // forwarded request with "rpc error: No cluster leader".
+        sim.put("/v1/sim/leader?leader=false", serde_json::json!({}))
+            .await;
+        let token_header = Some(("X-Nomad-Token", token.trim()));
+        let (s, body) = over(&sock, "/v1/agent/self", token_header).await;
+        assert_eq!(
+            (s, body.as_str()),
+            (500, "Server error authenticating request\n")
+        );
+        let r = sim
+            .http
+            .get(format!("{node_addr}/v1/jobs"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 500);
+        assert_eq!(r.text().await.unwrap(), "rpc error: No cluster leader");
+        sim.put("/v1/sim/leader?leader=true", serde_json::json!({}))
+            .await;
+        let (s, body) = over(&sock, "/v1/agent/self", token_header).await;
+        assert_eq!(s, 200, "{body}");
+
         let r = sim
             .http
             .delete(format!("{}/v1/job/{job}", sim.server))

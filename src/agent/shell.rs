@@ -615,6 +615,23 @@ impl Shell {
     }
 }
 
+/// The watcher's process probe: the allocations with a process on this node, read from
+/// `/proc` (`crate::node::holders::AllocProcesses`); a failed read is logged and concludes
+/// nothing.
+fn process_probe() -> watch::ProcessProbe {
+    let procs = std::sync::Mutex::new(crate::node::holders::AllocProcesses::default());
+    watch::ProcessProbe(std::sync::Arc::new(move || {
+        let mut procs = procs.lock().unwrap_or_else(|e| e.into_inner());
+        match procs.scan() {
+            Ok(found) => Some(found),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell which allocations have processes here");
+                None
+            }
+        }
+    }))
+}
+
 /// Starts the agent and runs it until `shutdown` resolves, keeping `metrics` current
 /// (served by `crate::metrics::serve` when `--metrics-addr` is set).
 pub async fn run(
@@ -680,6 +697,7 @@ pub async fn run(
     wcfg.resync_interval = cfg.resync_interval;
     wcfg.mode = cfg.watch_mode;
     wcfg.token_file = cfg.token_file.clone();
+    wcfg.processes = Some(process_probe());
     let background = [
         tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
         tokio::spawn(catalog::run(

@@ -677,6 +677,34 @@ fn alloc_of(pid: u32) -> Option<String> {
         .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
+/// The allocations that have a process on this node: `NOMAD_ALLOC_ID` in the environment
+/// each process in `/proc` started with (Nomad sets it in every task's environment, and
+/// children inherit it). Each process is read once: its allocation is remembered by its
+/// pid and the inode number of its `/proc` directory (a pid used again is a new
+/// directory), so a scan lists `/proc` and reads only the processes new since the last.
+#[derive(Debug, Default)]
+pub struct AllocProcesses {
+    seen: std::collections::HashMap<(u32, u64), Option<String>>,
+}
+
+impl AllocProcesses {
+    /// Lists `/proc` and returns the allocation IDs of its processes. Blocking: call it
+    /// from a blocking task. Errors: `/proc` cannot be listed.
+    pub fn scan(&mut self) -> Result<BTreeSet<String>, HoldersError> {
+        let listed = pids()?;
+        let mut seen = std::collections::HashMap::with_capacity(listed.len());
+        for (pid, ino) in listed {
+            let alloc = match self.seen.remove(&(pid, ino)) {
+                Some(known) if ino > 1 => known,
+                _ => alloc_of(pid),
+            };
+            seen.insert((pid, ino), alloc);
+        }
+        self.seen = seen;
+        Ok(self.seen.values().flatten().cloned().collect())
+    }
+}
+
 /// ENOENT/ESRCH: the process exited while being read; EINVAL: it is exiting and has no
 /// mount namespace any more (its namespace, if others still use it, is read through them).
 fn gone(e: &std::io::Error) -> bool {
@@ -922,6 +950,26 @@ mod tests {
         // And a real /proc file, whose size the kernel shows as 0.
         let own = read_whole(std::fs::File::open("/proc/self/maps").unwrap()).unwrap();
         assert!(own.lines().count() > 5, "{own}");
+    }
+
+    #[test]
+    fn allocations_are_found_by_their_processes_environment() {
+        let id = format!("probe-{}", std::process::id());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env("NOMAD_ALLOC_ID", &id)
+            .spawn()
+            .expect("spawn sleep");
+        let mut procs = AllocProcesses::default();
+        let first = procs.scan().unwrap();
+        assert!(first.contains(&id), "{first:?}");
+        assert!(procs.scan().unwrap().contains(&id), "a remembered process");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            !procs.scan().unwrap().contains(&id),
+            "a process that is gone"
+        );
     }
 
     #[test]

@@ -29,7 +29,21 @@ pub enum Line {
         allocations: Vec<AllocationEvent>,
         /// Allocation events of other nodes, skipped without decoding their payloads.
         skipped: usize,
+        /// Jobs deleted from Nomad's state: the Job topic's `JobDeregistered` (a purge) or
+        /// `JobBatchDeregistered` (the GC of a dead job) with `Deleted`. Their allocations
+        /// were deleted in the same write, with no allocation event
+        /// (`nomad/state/state_store.go` `DeleteJobTxn` → `deleteAllocsForJobTxn`).
+        deleted_jobs: Vec<JobRef>,
     },
+}
+
+/// A job, by namespace and ID.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobRef {
+    /// `Namespace`.
+    pub namespace: String,
+    /// `ID`.
+    pub id: String,
 }
 
 /// One allocation event for this node.
@@ -61,7 +75,26 @@ struct FullPayload {
     allocation: Allocation,
 }
 
-/// Decodes one line of the stream, keeping only allocation events whose `NodeID` is `node_id`.
+/// A Job event's payload `{"Job":{…},"Deleted":true}` (`nomad/structs/event.go`
+/// `JobEvent`), read as far as the job's namespace and ID.
+#[derive(Deserialize)]
+struct JobPayload {
+    #[serde(rename = "Job")]
+    job: JobIds,
+    #[serde(rename = "Deleted", default)]
+    deleted: bool,
+}
+
+#[derive(Deserialize)]
+struct JobIds {
+    #[serde(rename = "ID")]
+    id: String,
+    #[serde(rename = "Namespace", default)]
+    namespace: String,
+}
+
+/// Decodes one line of the stream, keeping only allocation events whose `NodeID` is `node_id`
+/// and the jobs a Job event says were deleted (its other events are skipped undecoded).
 ///
 /// Blank lines are heartbeats too (a keep-alive of some proxies). Lines longer than
 /// `max_len` bytes are refused without being parsed.
@@ -74,10 +107,27 @@ pub fn decode_line(line: &[u8], node_id: &str, max_len: usize) -> Result<Line, L
         return Ok(Line::Heartbeat);
     }
     let mut allocations = Vec::new();
+    let mut deleted_jobs = Vec::new();
     let mut skipped = 0;
     let mut err = None;
     let index = scan::frame(trimmed, |topic, event_type, payload| {
-        if topic != b"Allocation" || err.is_some() {
+        if err.is_some() {
+            return;
+        }
+        if topic == b"Job" {
+            if matches!(event_type, b"JobDeregistered" | b"JobBatchDeregistered") {
+                match serde_json::from_slice::<JobPayload>(payload) {
+                    Ok(p) if p.deleted => deleted_jobs.push(JobRef {
+                        namespace: p.job.namespace,
+                        id: p.job.id,
+                    }),
+                    Ok(_) => {}
+                    Err(e) => err = Some(e),
+                }
+            }
+            return;
+        }
+        if topic != b"Allocation" {
             return;
         }
         if !scan::node_id_is(payload, node_id) {
@@ -103,6 +153,7 @@ pub fn decode_line(line: &[u8], node_id: &str, max_len: usize) -> Result<Line, L
         index,
         allocations,
         skipped,
+        deleted_jobs,
     })
 }
 
@@ -210,6 +261,7 @@ mod tests {
             index,
             allocations,
             skipped,
+            deleted_jobs,
         } = decode_line(line, "me", 1 << 20).unwrap()
         else {
             panic!("expected a frame")
@@ -219,6 +271,32 @@ mod tests {
         assert_eq!(allocations.len(), 1);
         assert_eq!(allocations[0].allocation.id, "a2");
         assert_eq!(allocations[0].event_type, "AllocationUpdated");
+        assert!(deleted_jobs.is_empty());
+    }
+
+    /// A purge's Job event (`JobDeregistered` with `Deleted`) names the deleted job; a stop
+    /// (no `Deleted`) and other Job events do not; a Job payload that is not a job is an
+    /// error as any other.
+    #[test]
+    fn deleted_jobs_are_read_from_the_job_topic() {
+        let line = br#"{"Index":9,"Events":[
+            {"Topic":"Job","Type":"JobDeregistered","Key":"web","Namespace":"apps","Index":9,"Payload":{"Job":{"Stop":true,"Namespace":"apps","ID":"web","TaskGroups":[{"Name":"g"}]},"Deleted":true}},
+            {"Topic":"Job","Type":"JobDeregistered","Key":"db","Namespace":"default","Index":9,"Payload":{"Job":{"Namespace":"default","ID":"db"}}},
+            {"Topic":"Job","Type":"JobRegistered","Key":"x","Namespace":"default","Index":9,"Payload":{"Job":{"ID":"x"},"Deleted":true}},
+            {"Topic":"Job","Type":"JobBatchDeregistered","Key":"old","Namespace":"default","Index":9,"Payload":{"Job":{"Namespace":"default","ID":"old"},"Deleted":true}}]}"#;
+        let Line::Frame { deleted_jobs, .. } = decode_line(line, "me", 1 << 20).unwrap() else {
+            panic!("expected a frame")
+        };
+        let job = |namespace: &str, id: &str| JobRef {
+            namespace: namespace.into(),
+            id: id.into(),
+        };
+        assert_eq!(deleted_jobs, [job("apps", "web"), job("default", "old")]);
+        let bad = br#"{"Index":9,"Events":[{"Topic":"Job","Type":"JobDeregistered","Payload":{"Job":7,"Deleted":true}}]}"#;
+        assert!(matches!(
+            decode_line(bad, "me", 1 << 20),
+            Err(LineError::Malformed(_))
+        ));
     }
 
     #[test]

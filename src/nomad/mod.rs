@@ -41,8 +41,10 @@ pub enum NomadError {
     /// reconnects. Transient.
     #[error("Nomad did not answer the request to {what} within {after:?}; treating the connection as dead and reconnecting (check the network path to NOMAD_ADDR, or raise --stream-idle-timeout for a slow link)")]
     TimedOut { what: String, after: Duration },
-    /// 500 "No cluster leader": an election is in progress; retry.
-    #[error("Nomad has no cluster leader right now ({what}); retrying")]
+    /// 500 "No cluster leader" (an election is in progress), or the Task API's 500 "Server
+    /// error authenticating request" (it could not reach the servers to check the token:
+    /// an election, or its agent restarting); retry.
+    #[error("Nomad has no cluster leader right now, or its agent cannot reach the servers ({what}); retrying")]
     NoLeader { what: String },
     /// 409 on a variable write with `cas`: the variable changed; the current one is attached.
     #[error("variable {path} changed concurrently (check-and-set conflict)")]
@@ -348,7 +350,14 @@ impl Client {
             StatusCode::UNAUTHORIZED => NomadError::Unauthorized {
                 what: what.to_string(),
             },
-            StatusCode::INTERNAL_SERVER_ERROR if body.contains("No cluster leader") => {
+            // "No cluster leader" (through a client agent "rpc error: No cluster leader"),
+            // or the Task API's "Server error authenticating request": its `ACL.WhoAmI`
+            // failed (an election, or the client agent not registered yet after a restart;
+            // `command/agent/http.go` `authMiddleware.ServeHTTP`). Both pass; retry.
+            StatusCode::INTERNAL_SERVER_ERROR
+                if body.contains("No cluster leader")
+                    || body.contains("Server error authenticating request") =>
+            {
                 NomadError::NoLeader {
                     what: what.to_string(),
                 }
@@ -544,12 +553,15 @@ impl Client {
         .await
     }
 
-    /// Nomad API: `GET /v1/event/stream?topic=Allocation&namespace=*&index=N`.
-    /// Returns the open response; read it as NDJSON with [`events::decode_line`].
+    /// Nomad API: `GET /v1/event/stream?topic=Allocation&topic=Job&namespace=*&index=N`
+    /// (the Job topic for its deletions: a purge deletes the job's allocations with no
+    /// allocation event). Returns the open response; read it as NDJSON with
+    /// [`events::decode_line`].
     pub async fn event_stream(&self, index: u64) -> Result<reqwest::Response, NomadError> {
         let path = "/v1/event/stream";
         let rb = self.request(&self.streaming, Method::GET, path).query(&[
             ("topic", "Allocation".to_string()),
+            ("topic", "Job".to_string()),
             ("namespace", "*".to_string()),
             ("index", index.to_string()),
         ]);
@@ -662,10 +674,11 @@ impl Client {
         {
             Ok(_) | Err(NomadError::Status { status: 404, .. }) => Ok(()),
             // `HostVolume.Delete` (nomad/host_volume_endpoint.go) answers a volume that is
-            // already gone with a plain error, HTTP 500 "no such volume: <id>".
+            // already gone with a plain error, HTTP 500 "no such volume: <id>"; through a
+            // client agent "rpc error: no such volume: <id>" (`helper/pool` `ConnPool.RPC`).
             Err(NomadError::Status {
                 status: 500, body, ..
-            }) if body.starts_with("no such volume") => Ok(()),
+            }) if body.contains("no such volume: ") => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -1169,6 +1182,13 @@ mod tests {
     async fn deleting_a_host_volume_that_is_gone_is_success() {
         let c = answering("500 Internal Server Error", "no such volume: 1234").await;
         c.delete_host_volume("default", "1234").await.unwrap();
+        // Through a client agent (`helper/pool` `ConnPool.RPC` wraps uncoded errors).
+        let c = answering(
+            "500 Internal Server Error",
+            "rpc error: no such volume: 1234",
+        )
+        .await;
+        c.delete_host_volume("default", "1234").await.unwrap();
         let c = answering(
             "500 Internal Server Error",
             "volume 1234 in use by allocations: [a]",
@@ -1176,5 +1196,21 @@ mod tests {
         .await;
         let e = c.delete_host_volume("default", "1234").await.unwrap_err();
         assert!(matches!(e, NomadError::Status { status: 500, .. }), "{e}");
+    }
+
+    /// An election answers "No cluster leader", through a client agent with `rpc error: `,
+    /// and the Task API "Server error authenticating request" (`ACL.WhoAmI` failed): all
+    /// are [`NomadError::NoLeader`], which the callers retry.
+    #[tokio::test]
+    async fn an_election_through_a_client_agent_or_the_task_api_is_no_leader() {
+        for body in [
+            "No cluster leader",
+            "rpc error: No cluster leader",
+            "Server error authenticating request\n",
+        ] {
+            let c = answering("500 Internal Server Error", body).await;
+            let e = c.delete_host_volume("default", "1234").await.unwrap_err();
+            assert!(matches!(e, NomadError::NoLeader { .. }), "{body}: {e}");
+        }
     }
 }

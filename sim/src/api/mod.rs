@@ -384,7 +384,43 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             no_leader_guard,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            rpc_error_prefix,
+        ))
         .with_state(state)
+}
+
+/// A client agent forwards a request to the servers over RPC, and an uncoded error that
+/// comes back (a 500: "no such volume", "No cluster leader", state-store errors) is wrapped
+/// as `rpc error: <message>` (`helper/pool/pool.go` `ConnPool.RPC`; coded errors, 4xx, pass
+/// unwrapped, and `command/agent/http.go` `errCodeFromHandler` strips a 403's prefix). The
+/// server's own address answers without the prefix.
+async fn rpc_error_prefix(
+    State(st): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    let forwarded = !(path.starts_with("/v1/sim/") || path == "/v1/agent/self");
+    if st.agent.node_id.is_none()
+        || !forwarded
+        || resp.status() != StatusCode::INTERNAL_SERVER_ERROR
+    {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 1 << 20).await else {
+        return ApiError(parts.status, String::new()).into_response();
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let text = if text.starts_with("rpc error: ") {
+        text.into_owned()
+    } else {
+        format!("rpc error: {text}")
+    };
+    ApiError(parts.status, text).into_response()
 }
 
 /// While the sim plays a leader election (`PUT /v1/sim/leader?leader=false`), every request an

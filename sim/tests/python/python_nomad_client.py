@@ -255,11 +255,9 @@ step("job.deregister_job  DELETE /v1/job/:id")
 n.job.deregister_job("py", purge=True)  # python-nomad sends purge=True (Go ParseBool accepts it)
 expect(exc.URLNotFoundNomadException, n.job.get_job, "py")
 assert "py" not in n.jobs
-# A purge deletes the job only; its (terminal) allocations stay until the GC.
-assert [a for a in n.allocations.get_allocations() if a["JobID"] == "py"]
-n.system.initiate_garbage_collection()
+# A purge deletes the job and its allocations (DeleteJobTxn -> deleteAllocsForJobTxn).
 assert not [a for a in n.allocations.get_allocations() if a["JobID"] == "py"]
-step("job.deregister_job(purge=True)  DELETE /v1/job/:id?purge=True, then GC")
+step("job.deregister_job(purge=True)  DELETE /v1/job/:id?purge=True deletes its allocations")
 
 # --------------------------------------------------------------------------- event stream content
 frames = []

@@ -2,8 +2,9 @@
 //!
 //! Two sources of truth, chosen by [`WatchMode`], feed the same [`WatchEvent`]s:
 //! - `stream`: list (`GET /v1/node/:id/allocations`, record the index) → stream
-//!   (`GET /v1/event/stream?topic=Allocation&namespace=*&index=<list index + 1>`), reading
-//!   only `NodeID` of other nodes' events;
+//!   (`GET /v1/event/stream?topic=Allocation&topic=Job&namespace=*&index=<list index + 1>`),
+//!   reading only `NodeID` of other nodes' allocation events, and of Job events only the
+//!   deletions (a purge deletes the job's allocations with no allocation event);
 //! - `poll`: list → blocking query `GET /v1/node/:id/allocations?index=<last>&wait=…`, each
 //!   answer a full list of the node's allocations (with their Jobs).
 //!
@@ -17,7 +18,7 @@
 mod reads;
 mod stream;
 
-use crate::nomad::events::{decode_line, Line, LineBuffer, Piece};
+use crate::nomad::events::{decode_line, JobRef, Line, LineBuffer, Piece};
 use crate::nomad::types::{Allocation, ListedAlloc};
 use crate::nomad::{Client, NomadError};
 use crate::retry::backoff_delay;
@@ -156,6 +157,25 @@ pub struct WatchConfig {
     /// no index (poll) and emits no event (stream). Poll mode shortens its blocking query's
     /// `wait` to this; stream mode reads each such allocation (`GET /v1/allocation/:id`).
     pub verify_interval: Duration,
+    /// Poll mode: which allocations have a process on this node, from the kernel. A purge
+    /// deletes a job's running allocations with no rise of the list's index (and the GC a
+    /// live one), so an allocation whose processes were seen and are gone is read by its
+    /// ID (`GET /v1/allocation/:id`, 404 → [`WatchEvent::Removed`]) at the next probe,
+    /// every `verify_interval`. `None`: no probe (the next full answer, at the latest
+    /// after `resync_interval`, shows the deletion).
+    pub processes: Option<ProcessProbe>,
+}
+
+/// Which allocations have a process on this node (`NOMAD_ALLOC_ID` in the environment of a
+/// process), read by the caller from the kernel; `None` when it could not be read (nothing
+/// is concluded then). Called on a blocking thread.
+#[derive(Clone)]
+pub struct ProcessProbe(pub std::sync::Arc<dyn Fn() -> Option<BTreeSet<String>> + Send + Sync>);
+
+impl std::fmt::Debug for ProcessProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProcessProbe")
+    }
 }
 
 impl WatchConfig {
@@ -172,6 +192,7 @@ impl WatchConfig {
             healthy_after: Duration::from_secs(60),
             token_file: None,
             verify_interval: Duration::from_secs(5),
+            processes: None,
         }
     }
 
@@ -248,6 +269,14 @@ pub struct Counters {
     pub list_bytes: u64,
 }
 
+/// An allocation's job.
+fn job_of(a: &Allocation) -> JobRef {
+    JobRef {
+        namespace: a.namespace.clone(),
+        id: a.job_id.clone(),
+    }
+}
+
 /// Reads the token file into `client` (and all its clones). The token is never logged; an
 /// unreadable file keeps the current token.
 pub fn read_token_file(client: &Client, path: &std::path::Path) {
@@ -272,6 +301,7 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         cfg,
         tx,
         known: HashMap::new(),
+        jobs: HashMap::new(),
         polled: None,
         last_whole: Instant::now(),
         verifying: BTreeSet::new(),
@@ -280,6 +310,9 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         last_list: Instant::now(),
         bad_streak: 0,
         disconnected: false,
+        live: BTreeSet::new(),
+        running_here: BTreeSet::new(),
+        probe_at: Instant::now(),
     };
     let mut state = State::List { attempt: 0 };
     loop {
@@ -296,6 +329,9 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
     /// AllocModifyIndex of each allocation whose Job we have sent.
     known: HashMap<String, u64>,
+    /// The job of each allocation in the view: a deleted job's allocations are read again
+    /// (stream mode).
+    jobs: HashMap<String, JobRef>,
     /// Poll mode: the ModifyIndex of each allocation of the last answer, once a full list
     /// was sent; the next answers are sent as their changes ([`Watcher::poll_changes`]).
     /// `None` after a fault: the next answer is sent whole.
@@ -313,6 +349,13 @@ struct Watcher {
     bad_streak: u32,
     /// Health says disconnected until a list succeeds again.
     disconnected: bool,
+    /// Poll mode: the allocations whose tasks may run here ([`Allocation::tasks_finished`]
+    /// false), for the process probe ([`WatchConfig::processes`]).
+    live: BTreeSet<String>,
+    /// Poll mode: those of `live` that had a process at the last probe.
+    running_here: BTreeSet<String>,
+    /// Poll mode: when the process probe runs next.
+    probe_at: Instant,
 }
 
 enum StreamEnd {
@@ -324,6 +367,62 @@ enum StreamEnd {
 impl Watcher {
     async fn emit(&self, ev: WatchEvent) -> bool {
         self.tx.send(ev).await.is_ok()
+    }
+
+    /// Forgets an allocation Nomad no longer has.
+    fn forget(&mut self, id: &str) {
+        self.known.remove(id);
+        self.jobs.remove(id);
+        self.verifying.remove(id);
+        self.live.remove(id);
+        self.running_here.remove(id);
+    }
+
+    /// Poll mode's process probe ([`WatchConfig::processes`]): an allocation of `live` whose
+    /// processes were seen at an earlier probe and are gone now is read by its ID; a 404
+    /// (purged or garbage-collected: no index rose) is sent as [`WatchEvent::Removed`] and
+    /// taken out of the poll's last answer. One read per disappearance: a task between two
+    /// runs costs one read, not one per probe; a read that fails is tried again at the next
+    /// probe. False when the agent is gone.
+    async fn probe(&mut self) -> bool {
+        let Some(probe) = self.cfg.processes.clone() else {
+            return true;
+        };
+        if self.live.is_empty() {
+            return true;
+        }
+        let Ok(Some(alive)) = tokio::task::spawn_blocking(move || (probe.0)()).await else {
+            return true;
+        };
+        let mut gone = Vec::new();
+        for id in &self.live {
+            if alive.contains(id) {
+                self.running_here.insert(id.clone());
+            } else if self.running_here.remove(id) {
+                gone.push(id.clone());
+            }
+        }
+        for id in gone {
+            let what = || format!("read allocation {id} (GET /v1/allocation/:id)");
+            match within(self.cfg.idle_timeout, what, self.client.allocation(&id)).await {
+                Ok(None) => {
+                    tracing::info!(alloc_id = %id, "the allocation's processes are gone and Nomad no longer has it (purged or garbage-collected)");
+                    self.forget(&id);
+                    if let Some(polled) = self.polled.as_mut() {
+                        polled.remove(&id);
+                    }
+                    if !self.emit(WatchEvent::Removed(id)).await {
+                        return false;
+                    }
+                }
+                Ok(Some(_)) => {}
+                Err(e) => {
+                    tracing::warn!(alloc_id = %id, error = %e, "the allocation's processes are gone and reading it failed; reading it again at the next probe");
+                    self.running_here.insert(id);
+                }
+            }
+        }
+        true
     }
 
     fn refresh_token(&self) {
@@ -354,6 +453,12 @@ impl Watcher {
         self.known = allocs
             .iter()
             .map(|a| (a.id.clone(), a.alloc_modify_index))
+            .collect();
+        self.jobs = allocs.iter().map(|a| (a.id.clone(), job_of(a))).collect();
+        self.live = allocs
+            .iter()
+            .filter(|a| !a.tasks_finished())
+            .map(|a| a.id.clone())
             .collect();
         self.polled = Some(
             allocs
@@ -421,6 +526,12 @@ impl Watcher {
             let a = l.decode().map_err(bad_list)?;
             now.insert(a.id.clone(), a.modify_index);
             self.known.insert(a.id.clone(), a.alloc_modify_index);
+            self.jobs.insert(a.id.clone(), job_of(&a));
+            if a.tasks_finished() {
+                self.live.remove(&a.id);
+            } else {
+                self.live.insert(a.id.clone());
+            }
             if a.may_vanish_while_live() {
                 self.verifying.insert(a.id.clone());
             } else {
@@ -429,8 +540,7 @@ impl Watcher {
             events.push(WatchEvent::Upsert(Box::new(a)));
         }
         for id in before.keys().filter(|id| !now.contains_key(*id)) {
-            self.known.remove(id);
-            self.verifying.remove(id);
+            self.forget(id);
             events.push(WatchEvent::Removed(id.clone()));
         }
         self.polled = Some(now);
@@ -563,11 +673,26 @@ impl Watcher {
                 // wait is the verifying read.
                 let wait = self.cfg.poll_wait(!self.verifying.is_empty());
                 let deadline = wait + wait / 16 + self.cfg.idle_timeout;
-                let query =
-                    self.client
-                        .node_allocations_listed(&self.cfg.node_id, index.max(1), wait);
+                let (client, node) = (self.client.clone(), self.cfg.node_id.clone());
+                let query = async move {
+                    client
+                        .node_allocations_listed(&node, index.max(1), wait)
+                        .await
+                };
                 let asked = tokio::time::Instant::now();
-                match tokio::time::timeout(deadline, query).await {
+                tokio::pin!(query);
+                let answer = loop {
+                    tokio::select! {
+                        a = tokio::time::timeout_at(asked + deadline, &mut query) => break a,
+                        _ = tokio::time::sleep_until(self.probe_at), if self.cfg.processes.is_some() => {
+                            self.probe_at = Instant::now() + self.cfg.verify_interval;
+                            if !self.probe().await {
+                                return State::Stopped;
+                            }
+                        }
+                    }
+                };
+                match answer {
                     Err(_) => {
                         let attempt = self.healthy_reset(attempt, since);
                         self.backoff(

@@ -11,9 +11,20 @@ impl Watcher {
     /// becomes [`WatchEvent::Removed`] in [`Watcher::fetched`].
     pub(super) fn verify(&self, fetches: &mut Fetches) {
         for id in &self.verifying {
-            if !fetches.waiting.contains_key(id) {
-                fetches.verifies.insert(id.clone());
-                fetches.start(id.clone());
+            verify_one(fetches, id);
+        }
+    }
+
+    /// Stream mode: jobs were deleted (a purge, or the GC of a dead job: the Job topic's
+    /// deregistration with `Deleted`), and with them their allocations, running ones
+    /// included, with no allocation event (`nomad/state/state_store.go` `DeleteJobTxn` →
+    /// `deleteAllocsForJobTxn`). Each allocation of theirs known here is read at once, off
+    /// the reader; a 404 becomes [`WatchEvent::Removed`] in [`Watcher::fetched`].
+    pub(super) fn job_deleted(&self, jobs: &[JobRef], fetches: &mut Fetches) {
+        for (id, job) in &self.jobs {
+            if jobs.contains(job) {
+                tracing::debug!(alloc_id = %id, job = %job.id, namespace = %job.namespace, "the allocation's job was deleted; reading the allocation");
+                verify_one(fetches, id);
             }
         }
     }
@@ -34,6 +45,7 @@ impl Watcher {
     /// pending waits behind it, to keep the allocation's updates in order; any other is
     /// sent at once. False when the agent is gone.
     pub(super) async fn allocation(&mut self, a: Allocation, fetches: &mut Fetches) -> bool {
+        self.jobs.insert(a.id.clone(), job_of(&a));
         if a.may_vanish_while_live() {
             self.verifying.insert(a.id.clone());
         } else {
@@ -65,8 +77,7 @@ impl Watcher {
             Err(e) => return Err(StreamEnd::Fault(Fault::of(&e), e.to_string())),
             Ok(None) => {
                 // Gone (garbage-collected or purged): its older updates no longer matter.
-                self.known.remove(&id);
-                self.verifying.remove(&id);
+                self.forget(&id);
                 return if self.emit(WatchEvent::Removed(id)).await {
                     Ok(())
                 } else {
@@ -104,6 +115,14 @@ impl Watcher {
             }
         }
         Ok(())
+    }
+}
+
+/// Reads `id` to see whether it still exists, unless a read of it is pending (which covers it).
+fn verify_one(fetches: &mut Fetches, id: &str) {
+    if !fetches.waiting.contains_key(id) {
+        fetches.verifies.insert(id.to_string());
+        fetches.start(id.to_string());
     }
 }
 

@@ -1,6 +1,6 @@
-//! Stream mode: after the list, the event stream of the Allocation topic, read line by
-//! line; this node's events become reads (or deletions), other nodes' are dropped after
-//! reading their `NodeID`.
+//! Stream mode: after the list, the event stream of the Allocation and Job topics, read line
+//! by line; this node's allocation events become reads (or deletions), other nodes' are
+//! dropped after reading their `NodeID`; a deleted job's allocations here are read again.
 
 use super::*;
 use futures_util::StreamExt;
@@ -161,6 +161,7 @@ impl Watcher {
                 index,
                 allocations,
                 skipped,
+                deleted_jobs,
             }) => {
                 *got_heartbeat = true;
                 self.counters.frames += 1;
@@ -187,6 +188,9 @@ impl Watcher {
                     if !self.allocation(ev.allocation, fetches).await {
                         return Err(StreamEnd::Closed);
                     }
+                }
+                if !deleted_jobs.is_empty() {
+                    self.job_deleted(&deleted_jobs, fetches);
                 }
                 Ok(false)
             }
