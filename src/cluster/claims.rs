@@ -4,7 +4,8 @@
 //! `PUT /v1/var/:path?lock-acquire|lock-renew|lock-release`), held with a TTL and renewed
 //! while the volume is published. A node that cannot renew (partition, lost node, daemon
 //! frozen) loses the claim when the TTL lapses; after Nomad's lock delay another node may
-//! take it. A node that finds its claim lost unpublishes before anything else.
+//! take it. Before that moment the holder fences the volume on itself (docs/architecture.md,
+//! "Fencing"). A node that finds its claim lost unpublishes before anything else.
 
 use crate::nomad::types::{Variable, VariableLock};
 use crate::nomad::{Client, LockOp, NomadError};
@@ -34,6 +35,10 @@ pub struct ClaimSettings {
     pub ttl: Duration,
     /// Nomad's lock delay after a TTL expiry, before anyone may acquire again.
     pub lock_delay: Duration,
+    /// How long before its lease ends a claim that could not be renewed is fenced on this
+    /// node ([`crate::agent`]'s claims: the lease ends TTL + lock delay after the last
+    /// renewal that succeeded was sent).
+    pub fence_margin: Duration,
 }
 
 /// Why a claim call did not succeed.

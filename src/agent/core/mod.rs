@@ -94,6 +94,10 @@ pub(crate) struct Core {
     /// Volumes whose target holds something other than what their publish established:
     /// never published over, never answered as published (why, for the log and status).
     foreign: BTreeMap<VolumeKey, String>,
+    /// Volumes fenced on this node (the claim's lease was about to end without a renewal):
+    /// when, and what the fence did once it ran (cleared when the claim is renewed or the
+    /// volume unpublished).
+    fenced: BTreeMap<VolumeKey, serde_json::Value>,
     /// Who still used a volume when its unpublish was refused (cleared once unpublished).
     holders: BTreeMap<VolumeKey, crate::node::holders::Usage>,
     /// Allocations with tasks that may start on a deferred volume before it is published.
@@ -158,6 +162,7 @@ impl Core {
             mounted: BTreeSet::new(),
             targets_checked: false,
             foreign: BTreeMap::new(),
+            fenced: BTreeMap::new(),
             holders: BTreeMap::new(),
             ungated: BTreeMap::new(),
             issued: 0,
@@ -215,6 +220,9 @@ impl Core {
     pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
         self.now = now;
         let mut out = Vec::new();
+        // Leases first, before any input (a paused agent resumes here; docs/architecture.md,
+        // "Fencing").
+        self.fence_due(now, &mut out);
         for input in inputs {
             self.apply(input, now, &mut out);
         }
@@ -489,6 +497,7 @@ impl Core {
                     };
                     let volume_id = rec.id.clone();
                     self.busy.insert(volume.clone());
+                    self.claims.acquire_sent(&volume, now);
                     out.push(Effect::AcquireClaim { volume, volume_id });
                 }
                 Step::ReleaseClaim { volume } => {
@@ -556,6 +565,44 @@ impl Core {
         } else {
             // Calls always come with intents, so with no commit there are none.
             out.extend(calls);
+        }
+    }
+
+    /// Fences every volume whose claim's lease is about to end without a renewal: the
+    /// kernel makes it unwritable here ([`Effect::Fence`]), recorded in the journal, the
+    /// log and the status.
+    fn fence_due(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        for volume in self.claims.fences_due(now) {
+            self.dirty.insert(volume.clone());
+            let left = self
+                .claims
+                .lease_end(&volume)
+                .map(|end| end.saturating_duration_since(now).as_millis() as u64);
+            let Some(m) = self.journal.mounts().get(&volume) else {
+                tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end; nothing is mounted here");
+                continue;
+            };
+            let target = m.target.clone();
+            tracing::error!(%volume, target = %target.display(), lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end (another node may take it then); making the volume unwritable here");
+            let detail = serde_json::json!({"target": target, "lease_left_ms": left});
+            self.journal.note(EventKind::Fenced, &volume, detail);
+            self.fenced.insert(
+                volume.clone(),
+                serde_json::json!({"since": crate::node::journal::now_secs(), "target": target, "lease_left_ms": left, "fence": null}),
+            );
+            let mut mine: BTreeSet<String> = self.view.allocs().keys().cloned().collect();
+            mine.extend(
+                self.journal
+                    .users()
+                    .iter()
+                    .filter(|u| u.volume == volume)
+                    .map(|u| u.alloc_id.clone()),
+            );
+            out.push(Effect::Fence {
+                volume,
+                target,
+                mine,
+            });
         }
     }
 
