@@ -129,8 +129,9 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
         .await;
     let first_id = first["ID"].as_str().unwrap().to_string();
     let old = c.node_index(first["NodeID"].as_str().unwrap());
-    c.wait_for(30, "the writer's lines", || async {
-        (log_lines(&c).len() >= 10).then_some(())
+    // Past the acquire's 2 x TTL lease into steady renewals, for a representative timeline.
+    c.wait_for(60, "the writer's lines for 12 s", || async {
+        (log_lines(&c).len() >= 120).then_some(())
     })
     .await;
 

@@ -286,7 +286,9 @@ impl Claims {
                 };
                 c.renewed = now;
                 c.failing = false;
-                c.lease_end = Some(c.lease_end.map_or(end, |e| e.max(end)));
+                // Replaced, not extended: Nomad resets the timer to 1 x TTL on a renewal, so
+                // the lease can end before the acquire's 2 x TTL would have.
+                c.lease_end = Some(end);
                 if c.state == ClaimState::Fenced {
                     c.state = ClaimState::Held;
                     tracing::warn!(%volume, "claim renewed after the fence: it is still this node's; restoring the volume");
@@ -499,7 +501,11 @@ mod tests {
             c.on_renewed(&key(), Ok(()), true, t0 + s(12)),
             Renewal::Kept
         );
-        assert_eq!(c.lease_end(&key()), Some(t0 + s(45)), "never shortened");
+        assert_eq!(
+            c.lease_end(&key()),
+            Some(t0 + s(38)),
+            "a renewal resets the lock's timer to 1 x TTL: the lease can shorten"
+        );
         assert_eq!(c.renewals(t0 + s(17)).len(), 1);
         c.on_renewed(&key(), Ok(()), true, t0 + s(17));
         assert_eq!(c.lease_end(&key()), Some(t0 + s(47)));
