@@ -418,7 +418,7 @@ pub(crate) mod tests {
                     name: "g".into(),
                     volumes,
                     tasks: vec![],
-                    shutdown_delay: 0,
+                    ..Default::default()
                 }],
             }),
             client_status: client.into(),

@@ -100,6 +100,9 @@ pub(crate) struct Core {
     fenced: BTreeMap<VolumeKey, serde_json::Value>,
     /// Who still used a volume when its unpublish was refused (cleared once unpublished).
     holders: BTreeMap<VolumeKey, crate::node::holders::Usage>,
+    /// Allocations that write a single-node volume with no Nomad-side fence (no
+    /// `disconnect { stop_on_client_after }` within the lease), with the warning.
+    unfenced: BTreeMap<String, String>,
     /// Allocations with tasks that may start on a deferred volume before it is published.
     ungated: BTreeMap<String, Vec<crate::agent::gate::Ungated>>,
     /// The last commit handed to the shell, and the last one known durable.
@@ -163,6 +166,7 @@ impl Core {
             targets_checked: false,
             foreign: BTreeMap::new(),
             fenced: BTreeMap::new(),
+            unfenced: BTreeMap::new(),
             holders: BTreeMap::new(),
             ungated: BTreeMap::new(),
             issued: 0,
@@ -343,6 +347,7 @@ impl Core {
                 self.view.replace_all_at(allocs, index, self.now);
                 let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
                 self.ungated.retain(|id, _| ids.contains(id));
+                self.unfenced.retain(|id, _| ids.contains(id));
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             WatchEvent::Upsert(a) => {
@@ -355,6 +360,7 @@ impl Core {
             WatchEvent::Removed(id) => {
                 self.view.remove_at(&id, self.now);
                 self.ungated.remove(&id);
+                self.unfenced.remove(&id);
             }
             WatchEvent::Health(h) => self.watch = h,
         }

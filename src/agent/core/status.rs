@@ -49,6 +49,7 @@ impl Core {
             "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
             "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
+            "unfenced": self.unfenced,
             "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
         })
     }

@@ -525,6 +525,40 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 31: an allocation writing a single-node volume without Nomad's own fence
+/// (`disconnect { stop_on_client_after }` within TTL + lock delay) is flagged `unfenced`;
+/// readers and fenced groups are not.
+#[test]
+fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let st = h.core.status();
+    let w = st["unfenced"][A1].as_str().unwrap_or_default().to_string();
+    assert!(
+        w.contains("stop_on_client_after") && w.contains("30s"),
+        "{st}"
+    );
+    let mut a = alloc(A1, &["d"], "running", "run");
+    a.modify_index = 5;
+    for g in &mut a.job.as_mut().unwrap().task_groups {
+        g.disconnect.stop_on_client_after = Some(Duration::from_secs(45).as_nanos() as u64);
+    }
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))));
+    let st = h.core.status();
+    assert!(
+        st["unfenced"][A1].as_str().unwrap().contains("longer than"),
+        "{st}"
+    );
+    a.modify_index = 6;
+    for g in &mut a.job.as_mut().unwrap().task_groups {
+        g.disconnect.stop_on_client_after = Some(Duration::from_secs(20).as_nanos() as u64);
+    }
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+    assert!(h.core.status()["unfenced"].as_object().unwrap().is_empty());
+}
+
 #[test]
 fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
     let mut h = H::new(
