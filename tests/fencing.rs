@@ -20,15 +20,21 @@ fn now_ms() -> u64 {
 /// A service job whose main task appends `<alloc id> <n>` to `/data/log.txt` ten times a
 /// second, failing as soon as a write fails; the example's prestart task gates the volume.
 fn writer_job(sb_dir: &std::path::Path) -> std::path::PathBuf {
+    writer_job_named(sb_dir, "writer", "")
+}
+
+/// [`writer_job`] named `name`, with `extra` lines in its group (a constraint).
+fn writer_job_named(sb_dir: &std::path::Path, name: &str, extra: &str) -> std::path::PathBuf {
     let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
     let start = example.find("    task \"publish-volumes\"").unwrap();
     let end = example.find("    task \"app\"").unwrap();
     let prestart = &example[start..end];
     let hcl = format!(
-        r#"job "writer" {{
+        r#"job "{name}" {{
   type        = "service"
   datacenters = ["*"]
   group "app" {{
+{extra}
     volume "data" {{
       type            = "host"
       source          = "{VOLUME}"
@@ -63,7 +69,7 @@ fn writer_job(sb_dir: &std::path::Path) -> std::path::PathBuf {
 }}
 "#
     );
-    let path = sb_dir.join("writer.nomad.hcl");
+    let path = sb_dir.join(format!("{name}.nomad.hcl"));
     std::fs::write(&path, hcl).unwrap();
     path
 }
@@ -199,4 +205,72 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
         &c.target(new, VOLUME)
     ));
     c.stop_job(&job, false).await;
+}
+
+/// Hand-over on evidence: the holder's dhv-binder is killed while its writer keeps running
+/// on a node Nomad reports `ready`. Another node that wants the volume waits past the lock's
+/// lapse (TTL 10 s + lock delay 2 s here) and never publishes: its prestart says who holds the
+/// volume (node, allocation, job). The volume is never mounted on two nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_agent_is_down_while_its_task_runs_is_never_taken_over() {
+    let mut c = Cluster::start_with(
+        2,
+        "",
+        &[
+            ("DHV_BINDER_CLAIM_TTL", "10s"),
+            ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
+        ],
+    )
+    .await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let holder = c.node_index(first["NodeID"].as_str().unwrap());
+    let other = 1 - holder;
+    c.kill_agent(holder, nix::sys::signal::Signal::SIGKILL);
+    let second = c
+        .run_job(&writer_job_named(
+            c.sb.path(),
+            "second",
+            &format!(
+                "    constraint {{\n      attribute = \"${{node.unique.id}}\"\n      value     = \"{}\"\n    }}",
+                c.nodes[other].id
+            ),
+        ))
+        .await;
+    // Past the lapse: 2 x TTL + lock delay after the last renewal at the latest.
+    tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+    let (_, status) = c.status(other);
+    let st: Value = serde_json::from_str(&status).unwrap();
+    let waiting = st["waiting"].to_string();
+    assert!(
+        waiting.contains("still runs with it") && waiting.contains(first["ID"].as_str().unwrap()),
+        "the waiting node names the holder's allocation: {st}"
+    );
+    assert!(
+        !dhv_binder::node::mounts::is_mount_point(&c.target(other, VOLUME)),
+        "published on a second node while the holder's task runs"
+    );
+    assert!(c
+        .allocs(&second)
+        .await
+        .iter()
+        .all(|a| a["TaskStates"]["app"]["State"] != "running"));
+    let iv = c.published_intervals();
+    for (i, a) in iv.iter().enumerate() {
+        for b in iv.iter().skip(i + 1) {
+            assert!(
+                a.0 == b.0 || a.2 <= b.1 || b.2 <= a.1,
+                "published on two nodes at once: {a:?} and {b:?}"
+            );
+        }
+    }
 }
