@@ -142,6 +142,13 @@ pub struct AgentConfig {
     /// Lock delay after a claim's TTL lapses, before another node may take it.
     #[arg(long, env = "DHV_BINDER_CLAIM_LOCK_DELAY", default_value = "15s", value_parser = humantime::parse_duration)]
     pub claim_lock_delay: Duration,
+    /// How long before a claim's lease ends (TTL + lock delay after the last renewal that
+    /// succeeded was sent) the node fences the volume on itself when no renewal succeeded
+    /// (docs/architecture.md, "Fencing"). Default: the claim TTL (at most the largest legal
+    /// margin). At most the lock delay plus a third of the TTL, so that two renewals can fail
+    /// before a fence.
+    #[arg(long, env = "DHV_BINDER_CLAIM_FENCE_MARGIN", value_parser = humantime::parse_duration)]
+    pub claim_fence_margin: Option<Duration>,
     /// File of the operators' public keys (`ed25519 <base64>` per line): the agent acts only on
     /// volume records signed by one of them (docs/security.md). Keep it on the node, root-owned.
     #[arg(long, env = "DHV_BINDER_RECORD_KEYS")]
@@ -195,6 +202,9 @@ pub enum ConfigError {
     HalfClientCert,
     #[error("{what} must be greater than zero")]
     Zero { what: &'static str },
+    /// A fence margin that leaves no room for renewals before the fence.
+    #[error("--claim-fence-margin {got:?} is too large: at most --claim-lock-delay + --claim-ttl/3 ({max:?}), so that a claim is fenced only after two renewals failed; lower the margin or raise --claim-lock-delay")]
+    FenceMargin { got: Duration, max: Duration },
     /// Outside the range Nomad accepts.
     #[error(
         "{what} must lie between {min:?} and {max:?} (Nomad refuses other values), got {got:?}"
@@ -328,7 +338,26 @@ impl AgentConfig {
                 what: "--claim-lock-delay",
             });
         }
+        let max = self.claim_lock_delay + self.claim_ttl / 3;
+        let margin = self.fence_margin();
+        if margin.is_zero() {
+            return Err(ConfigError::Zero {
+                what: "--claim-fence-margin",
+            });
+        }
+        if margin > max {
+            return Err(ConfigError::FenceMargin { got: margin, max });
+        }
         Ok(())
+    }
+
+    /// The fence margin: `--claim-fence-margin`, by default the claim TTL (or the largest
+    /// legal margin, lock delay + TTL/3, when that is smaller).
+    pub fn fence_margin(&self) -> Duration {
+        self.claim_fence_margin.unwrap_or_else(|| {
+            self.claim_ttl
+                .min(self.claim_lock_delay + self.claim_ttl / 3)
+        })
     }
 
     /// DHV_VOLUMES_DIR for plugins.
@@ -398,6 +427,26 @@ mod tests {
             Err(ConfigError::Zero {
                 what: "--claim-lock-delay"
             })
+        ));
+    }
+
+    /// The fence comes a margin before the lease ends; the margin defaults to the TTL and
+    /// must leave two renewal periods (2 x TTL/3) after the last renewal that succeeded.
+    #[test]
+    fn the_fence_margin_defaults_to_the_ttl_and_leaves_room_for_renewals() {
+        assert_eq!(agent(&[]).fence_margin(), Duration::from_secs(15));
+        let short = agent(&["--claim-ttl", "30s", "--claim-lock-delay", "2s"]);
+        assert_eq!(short.fence_margin(), Duration::from_secs(12), "capped");
+        assert!(short.validate().is_ok());
+        let err = agent(&["--claim-fence-margin", "21s"])
+            .validate()
+            .unwrap_err();
+        assert!(matches!(err, ConfigError::FenceMargin { .. }), "{err}");
+        assert!(err.to_string().contains("--claim-lock-delay"), "{err}");
+        assert!(agent(&["--claim-fence-margin", "20s"]).validate().is_ok());
+        assert!(matches!(
+            agent(&["--claim-fence-margin", "0s"]).validate(),
+            Err(ConfigError::Zero { .. })
         ));
     }
 }

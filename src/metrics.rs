@@ -141,6 +141,7 @@ struct Inner {
     waiters: Gauge,
     claim_waits: Counter,
     claim_losses: Counter,
+    claim_fences: Counter,
     mounts: Family<StateLabels, Gauge>,
     mount_deaths: Counter,
     mount_table_reads: Counter,
@@ -237,6 +238,12 @@ impl Metrics {
             "claim_losses",
             "Claims this node held and lost (renewal refused or lapsed)",
             claim_losses.clone(),
+        );
+        let claim_fences = Counter::default();
+        r.register(
+            "claim_fences",
+            "Volumes this node fenced on itself: a claim's lease was about to end without a renewal",
+            claim_fences.clone(),
         );
         let mounts = Family::<StateLabels, Gauge>::default();
         r.register(
@@ -346,6 +353,7 @@ impl Metrics {
             waiters,
             claim_waits,
             claim_losses,
+            claim_fences,
             mounts,
             mount_deaths,
             mount_table_reads,
@@ -401,6 +409,11 @@ impl Metrics {
     /// A held claim was lost.
     pub fn claim_lost(&self) {
         self.0.claim_losses.inc();
+    }
+
+    /// A volume was fenced on this node (its claim's lease was about to end).
+    pub fn claim_fenced(&self) {
+        self.0.claim_fences.inc();
     }
 
     /// Mounts on this node by state (`dead`: found dead by the probes, not yet republished).
@@ -585,7 +598,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 22] = [
+    const EXPORTED: [&str; 23] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
@@ -593,6 +606,7 @@ mod tests {
         "dhv_binder_publish_waiters",
         "dhv_binder_claim_waits_total",
         "dhv_binder_claim_losses_total",
+        "dhv_binder_claim_fences_total",
         "dhv_binder_mounts",
         "dhv_binder_mount_deaths_total",
         "dhv_binder_mount_table_reads_total",

@@ -189,6 +189,23 @@ pub fn set_heartbeat_stopped(server: &Server, id: &str, stopped: bool) -> Result
     })
 }
 
+/// Sim-only: cut a node off from the servers, or heal it. Its heartbeats stop (as with
+/// [`set_heartbeat_stopped`]: Nomad marks it down after the grace, `nomad/heartbeat.go`) and
+/// every request made through its client agent's HTTP API that needs a server fails as the
+/// client's RPC forwarding fails with no reachable server (`api::partition_guard`); its
+/// tasks keep running.
+pub fn set_partitioned(server: &Server, id: &str, on: bool) -> Result<(), StoreError> {
+    set_heartbeat_stopped(server, id, on)?;
+    server.write(|st| {
+        if on {
+            st.partitioned.insert(id.to_string());
+        } else {
+            st.partitioned.remove(id);
+        }
+    });
+    Ok(())
+}
+
 /// Marks a node `down` or `ready` (NodeStreamEvent) and reschedules.
 pub fn set_status(server: &Server, id: &str, status: &str) {
     let changed = server.write(|st| {

@@ -65,6 +65,9 @@ pub struct State {
     pub(crate) acl: AclState,
     pub(crate) leaderless: bool,
     pub(crate) stopped_heartbeats: BTreeSet<String>,
+    /// Nodes cut off from the servers (`PUT /v1/sim/node/:id/partition`): heartbeats stopped
+    /// and every request their client agent forwards fails (see `api::partition_guard`).
+    pub(crate) partitioned: BTreeSet<String>,
     /// Draining nodes → when their drain deadline forces the rest off (ns; `None` = none).
     pub(crate) drain_deadlines: BTreeMap<String, Option<i64>>,
     pub(crate) lock_timers: LockTimers,
@@ -91,6 +94,7 @@ impl State {
             acl,
             leaderless: false,
             stopped_heartbeats: BTreeSet::new(),
+            partitioned: BTreeSet::new(),
             drain_deadlines: BTreeMap::new(),
             lock_timers: Default::default(),
             pending_events: Vec::new(),

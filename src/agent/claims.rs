@@ -1,8 +1,21 @@
-//! Decides this node's single-node claims ([`crate::cluster::claims`]): when a held claim is renewed
-//! (every TTL/3), what a failed acquire means for the caller waiting on the volume, and
-//! when a claim is lost ("claim lost": a renewal that finds the lock gone). Whether a
-//! claim is taken or given back is the plan's decision ([`crate::agent::reconcile`]); this module
-//! keeps the claims' state and timing.
+//! Decides this node's single-node claims ([`crate::cluster::claims`]): when a held claim is
+//! renewed (every TTL/3), what a failed acquire means for the caller waiting on the volume,
+//! when a claim is lost ("claim lost": a renewal that finds the lock gone), and when the node
+//! must fence itself.
+//!
+//! **The lease.** Nomad arms a lock's timer with 2 x TTL when it takes an acquire or a renewal
+//! and keeps the lock for the lock delay after the timer fires (`nomad/locks.go`,
+//! `CreateVariableLockTTLTimer`, `invalidateVariableLock`). Nomad receives a call after it was
+//! sent, so no other node can take the claim before `sent + 2 x TTL + lock delay`, where `sent`
+//! is when this node sent its last acquire or renewal that succeeded. That moment is the
+//! claim's *lease end*, measured on this node's monotonic clock (only clock *rates* matter,
+//! not clock sync). A `fence_margin` before it (default one TTL), a claim whose renewals have
+//! not succeeded is *fenced*: the core makes the volume unwritable on this node without the
+//! network (see [`crate::node::fence`]) before anything else. A later successful renewal of
+//! the same lock restores the volume; a renewal that finds the lock gone loses the claim (the
+//! volume is unpublished once its holders are gone). Whether a claim is taken or given back is
+//! the plan's decision ([`crate::agent::reconcile`]); this module keeps the claims' state and
+//! timing.
 
 use crate::agent::effect::Effect;
 use crate::agent::reconcile::{ClaimState, Waiting};
@@ -19,7 +32,25 @@ use std::time::Instant;
 pub(crate) struct Claim {
     pub id: String,
     pub state: ClaimState,
+    /// When the last renewal finished (renewals are scheduled from here).
     pub renewed: Instant,
+    /// The claim's lease end: no other node can take it before this moment (see the module
+    /// documentation). `None` after a restart, until a renewal succeeds: how long the agent
+    /// was down is unknown.
+    pub lease_end: Option<Instant>,
+    /// A renewal failed since the last one that succeeded.
+    pub failing: bool,
+}
+
+/// What a finished renewal changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// Renewed (or failed and retried): nothing else to do.
+    Kept,
+    /// A fenced claim was renewed: it is still this node's, restore the volume.
+    Restored,
+    /// The lock is gone: another node may use the volume now.
+    Lost,
 }
 
 /// Every claim of this node, and why publishes wait for one.
@@ -29,7 +60,10 @@ pub(crate) struct Claims {
     held: BTreeMap<VolumeKey, Claim>,
     /// Volumes whose acquire failed, with the reason a waiting caller is told.
     wait: BTreeMap<VolumeKey, String>,
-    renewing: BTreeSet<VolumeKey>,
+    /// Renewals in flight, with when they were sent.
+    renewing: BTreeMap<VolumeKey, Instant>,
+    /// Acquires in flight, with when they were sent.
+    acquiring: BTreeMap<VolumeKey, Instant>,
 }
 
 impl Claims {
@@ -38,12 +72,15 @@ impl Claims {
             settings,
             held: BTreeMap::new(),
             wait: BTreeMap::new(),
-            renewing: BTreeSet::new(),
+            renewing: BTreeMap::new(),
+            acquiring: BTreeMap::new(),
         }
     }
 
-    /// Claims recorded in the journal before a restart are renewed at once: a failed renew
-    /// means another node may have the volume now, and the mount here is removed first.
+    /// Claims recorded in the journal before a restart are renewed at once: a renewal that
+    /// finds the lock gone means another node may have the volume now, and the mount here is
+    /// removed first; one that fails otherwise fences the volume at once (the lease's end is
+    /// unknown after a restart).
     pub(crate) fn restore<'a>(
         &mut self,
         mounts: impl IntoIterator<Item = &'a MountRecord>,
@@ -58,6 +95,8 @@ impl Claims {
                         id: id.clone(),
                         state: ClaimState::Held,
                         renewed: stale,
+                        lease_end: None,
+                        failing: false,
                     },
                 );
             }
@@ -92,34 +131,93 @@ impl Claims {
         self.settings.ttl / 3
     }
 
-    /// Renewals due at `now`: held claims renewed a third of the TTL ago or more.
+    /// Renewals due at `now`: held (or fenced) claims renewed a third of the TTL ago or more.
     pub(crate) fn renewals(&mut self, now: Instant) -> Vec<Effect> {
         let every = self.every();
         let due: Vec<(VolumeKey, String)> = self
             .held
             .iter()
             .filter(|(k, c)| {
-                c.state == ClaimState::Held
+                c.state != ClaimState::Lost
                     && now.saturating_duration_since(c.renewed) >= every
-                    && !self.renewing.contains(*k)
+                    && !self.renewing.contains_key(*k)
             })
             .map(|(k, c)| (k.clone(), c.id.clone()))
             .collect();
         due.into_iter()
             .map(|(volume, lock_id)| {
-                self.renewing.insert(volume.clone());
+                self.renewing.insert(volume.clone(), now);
                 Effect::RenewClaim { volume, lock_id }
             })
             .collect()
     }
 
-    /// When the next renewal is due.
-    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
-        self.held
+    /// An acquire of `volume` is sent at `now` (its lease runs from here if it succeeds).
+    pub(crate) fn acquire_sent(&mut self, volume: &VolumeKey, now: Instant) {
+        self.acquiring.insert(volume.clone(), now);
+    }
+
+    /// When a held claim is fenced: a margin before its lease end, or at once for a claim
+    /// restored after a restart whose first renewal failed.
+    fn fence_at(&self, c: &Claim) -> Option<Instant> {
+        match c.lease_end {
+            Some(end) => Some(end.checked_sub(self.settings.fence_margin).unwrap_or(end)),
+            None if c.failing => Some(c.renewed),
+            None => None,
+        }
+    }
+
+    /// The claims whose fence moment has come at `now` without a renewal that succeeded:
+    /// each is marked fenced and returned (the core fences the volume before anything else).
+    /// Checked first on every pass, so an agent that was paused (SIGSTOP, a suspended VM)
+    /// fences before it acts on anything else.
+    pub(crate) fn fences_due(&mut self, now: Instant) -> Vec<VolumeKey> {
+        let due: Vec<VolumeKey> = self
+            .held
             .iter()
-            .filter(|(k, c)| c.state == ClaimState::Held && !self.renewing.contains(*k))
-            .map(|(_, c)| c.renewed + self.every())
-            .min()
+            .filter(|(_, c)| c.state == ClaimState::Held)
+            .filter(|(_, c)| self.fence_at(c).is_some_and(|t| now >= t))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &due {
+            if let Some(c) = self.held.get_mut(k) {
+                c.state = ClaimState::Fenced;
+            }
+        }
+        due
+    }
+
+    /// The lease end of this node's claim on `volume`, when known.
+    pub(crate) fn lease_end(&self, volume: &VolumeKey) -> Option<Instant> {
+        self.held.get(volume).and_then(|c| c.lease_end)
+    }
+
+    /// When the next renewal or fence is due.
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
+        let renew = self
+            .held
+            .iter()
+            .filter(|(k, c)| c.state != ClaimState::Lost && !self.renewing.contains_key(*k))
+            .map(|(_, c)| c.renewed + self.every());
+        let fence = self
+            .held
+            .values()
+            .filter(|c| c.state == ClaimState::Held)
+            .filter_map(|c| self.fence_at(c));
+        renew.chain(fence).min()
+    }
+
+    /// The lease end of a lock taken or renewed by a call sent at `sent`: Nomad arms the
+    /// lock's timer with 2 x TTL on an acquire (`nomad/locks.go`
+    /// `CreateVariableLockTTLTimer`) and resets it to 1 x TTL on a renewal (`RenewTTLTimer`,
+    /// `nomad/lock/ttl.go` `Create`: `Reset(ttl)`), then keeps the lock for the lock delay.
+    fn lease_from(&self, sent: Instant, acquired: bool) -> Instant {
+        let ttl = if acquired {
+            self.settings.ttl * 2
+        } else {
+            self.settings.ttl
+        };
+        sent + ttl + self.settings.lock_delay
     }
 
     /// An acquire finished. A failure keeps the volume waiting, with the reason a caller
@@ -137,16 +235,21 @@ impl Claims {
                 tracing::info!(%volume, "claim acquired");
                 self.wait.remove(&volume);
                 retries.succeeded(&Work::Claim(volume.clone()));
+                let sent = self.acquiring.remove(&volume).unwrap_or(now);
+                let lease_end = Some(self.lease_from(sent, true));
                 self.held.insert(
                     volume,
                     Claim {
                         id,
                         state: ClaimState::Held,
                         renewed: now,
+                        lease_end,
+                        failing: false,
                     },
                 );
             }
             Err(e) => {
+                self.acquiring.remove(&volume);
                 let reason = match &e {
                     ClaimError::Held { .. } => format!(
                         "publish waits for the single-node claim: {e}. A single-node volume is used on one node at a time: this allocation starts once the holder's allocations using it stop (the claim is released after their unpublish, or lapses about 2 x --claim-ttl + --claim-lock-delay after its node goes silent). A canary or a rolling update placed on another node waits until the old allocation stops, which with canaries is only after promotion: for such a volume the job author can use `update {{ canary = 0, max_parallel = 1 }}` (the old allocation stops first), keep the group on the holder's node (a constraint on the node), or use a multi-node access mode; and the prestart task's timeout must cover the hand-over"
@@ -162,22 +265,36 @@ impl Claims {
         }
     }
 
-    /// A renewal finished. "Claim lost": the lock is gone (expired or taken over), so
+    /// A renewal finished. "Claim lost": the lock is gone (expired, or taken over), so
     /// another node may use the volume now; the plan unpublishes it here before anything
-    /// else. Any other failure is retried at the next renewal time.
+    /// else. Any other failure is retried after half a renewal period (the fence comes at
+    /// its own time, [`Claims::fences_due`]). A success extends the lease from when the
+    /// renewal was sent, and restores a fenced claim.
     pub(crate) fn on_renewed(
         &mut self,
         volume: &VolumeKey,
         result: Result<(), ClaimError>,
         mounted_here: bool,
         now: Instant,
-    ) {
-        self.renewing.remove(volume);
+    ) -> Renewal {
+        let sent = self.renewing.remove(volume).unwrap_or(now);
         match result {
             Ok(()) => {
-                if let Some(c) = self.held.get_mut(volume) {
-                    c.renewed = now;
+                let end = self.lease_from(sent, false);
+                let Some(c) = self.held.get_mut(volume) else {
+                    return Renewal::Kept;
+                };
+                c.renewed = now;
+                c.failing = false;
+                // Replaced, not extended: Nomad resets the timer to 1 x TTL on a renewal, so
+                // the lease can end before the acquire's 2 x TTL would have.
+                c.lease_end = Some(end);
+                if c.state == ClaimState::Fenced {
+                    c.state = ClaimState::Held;
+                    tracing::warn!(%volume, "claim renewed after the fence: it is still this node's; restoring the volume");
+                    return Renewal::Restored;
                 }
+                Renewal::Kept
             }
             Err(e @ ClaimError::Lost { .. }) => {
                 tracing::warn!(%volume, reason = %e, "claim lost: another node may use the volume now; unpublishing here before anything else");
@@ -187,14 +304,20 @@ impl Claims {
                 if !mounted_here {
                     self.held.remove(volume);
                 }
+                Renewal::Lost
             }
             Err(e) => {
-                tracing::warn!(%volume, error = %e, "claim renewal failed; retrying");
                 let back = self.every() / 2;
                 if let Some(c) = self.held.get_mut(volume) {
+                    let left = c
+                        .lease_end
+                        .map(|end| end.saturating_duration_since(now).as_secs());
+                    tracing::warn!(%volume, error = %e, lease_left_secs = ?left, "claim renewal failed; retrying (the volume is fenced here if no renewal succeeds before its lease ends)");
+                    c.failing = true;
                     // Try again after half a renewal period.
                     c.renewed = now.checked_sub(back).unwrap_or(now);
                 }
+                Renewal::Kept
             }
         }
     }
@@ -231,7 +354,7 @@ impl Claims {
             })
     }
 
-    /// For `dhv-binder status`: volume → "held" / "lost".
+    /// For `dhv-binder status`: volume → "held" / "fenced" / "lost".
     pub(crate) fn status(&self) -> BTreeMap<String, String> {
         self.held
             .iter()
@@ -256,6 +379,7 @@ mod tests {
         Claims::new(ClaimSettings {
             ttl: Duration::from_secs(15),
             lock_delay: Duration::from_secs(15),
+            fence_margin: Duration::from_secs(15),
         })
     }
 
@@ -355,5 +479,130 @@ mod tests {
         assert!(
             matches!(&c.renewals(t0)[..], [Effect::RenewClaim { lock_id, .. }] if lock_id == "lock-9")
         );
+    }
+
+    /// The lease runs from when the call was *sent*: 2 x TTL + lock delay after an acquire,
+    /// TTL + lock delay after a renewal (Nomad resets the timer to 1 x TTL on a renewal).
+    /// The fence comes a margin (15 s here) before the lease ends.
+    #[test]
+    fn the_lease_runs_from_the_sent_call_and_the_fence_comes_a_margin_before_its_end() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut c = claims();
+        let mut r = Retries::new(1);
+        c.acquire_sent(&key(), t0);
+        // Answered 3 s later: the lease still runs from t0.
+        c.on_acquired(key(), Ok("lock-1".into()), &mut r, t0 + s(3));
+        assert_eq!(c.lease_end(&key()), Some(t0 + s(45)));
+        assert!(c.fences_due(t0 + s(29)).is_empty());
+        // A renewal sent at t0 + 8 and answered at t0 + 12: TTL + lock delay from t0 + 8.
+        assert_eq!(c.renewals(t0 + s(8)).len(), 1);
+        assert_eq!(
+            c.on_renewed(&key(), Ok(()), true, t0 + s(12)),
+            Renewal::Kept
+        );
+        assert_eq!(
+            c.lease_end(&key()),
+            Some(t0 + s(38)),
+            "a renewal resets the lock's timer to 1 x TTL: the lease can shorten"
+        );
+        assert_eq!(c.renewals(t0 + s(17)).len(), 1);
+        c.on_renewed(&key(), Ok(()), true, t0 + s(17));
+        assert_eq!(c.lease_end(&key()), Some(t0 + s(47)));
+        // No renewal succeeds any more: fenced at lease end - margin = t0 + 32.
+        assert_eq!(c.next_wakeup(), Some(t0 + s(22)));
+        assert!(c.fences_due(t0 + s(31)).is_empty());
+        assert_eq!(c.fences_due(t0 + s(32)), vec![key()]);
+        assert_eq!(c.states()[&key()], ClaimState::Fenced);
+        assert!(c.fences_due(t0 + s(40)).is_empty(), "fenced once");
+        assert_eq!(c.status()["default/db"], "fenced");
+    }
+
+    /// A fenced claim keeps being renewed: a renewal that succeeds restores it, one that
+    /// finds the lock gone loses it.
+    #[test]
+    fn a_fenced_claim_is_restored_by_a_renewal_or_lost_when_the_lock_is_gone() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        for lost in [false, true] {
+            let mut c = claims();
+            held(&mut c, t0);
+            let nomad = || ClaimError::Nomad {
+                volume: key(),
+                source: crate::nomad::NomadError::Status {
+                    what: "lock-renew".into(),
+                    status: 500,
+                    body: "rpc error: failed to get conn: dial tcp: i/o timeout".into(),
+                },
+            };
+            assert_eq!(c.renewals(t0 + s(5)).len(), 1);
+            assert_eq!(
+                c.on_renewed(&key(), Err(nomad()), true, t0 + s(15)),
+                Renewal::Kept
+            );
+            assert_eq!(c.fences_due(t0 + s(30)), vec![key()]);
+            assert_eq!(
+                c.renewals(t0 + s(30)).len(),
+                1,
+                "renewals go on while fenced"
+            );
+            let result = if lost {
+                Err(ClaimError::Lost { volume: key() })
+            } else {
+                Ok(())
+            };
+            let r = c.on_renewed(&key(), result, true, t0 + s(31));
+            if lost {
+                assert_eq!(r, Renewal::Lost);
+                assert_eq!(c.states()[&key()], ClaimState::Lost);
+            } else {
+                assert_eq!(r, Renewal::Restored);
+                assert_eq!(c.states()[&key()], ClaimState::Held);
+                assert_eq!(c.lease_end(&key()), Some(t0 + s(60)));
+            }
+        }
+    }
+
+    /// An agent paused past its fence moment (SIGSTOP) finds the fence due on its first
+    /// pass, whatever it was doing before.
+    #[test]
+    fn a_paused_agent_finds_the_fence_due_at_once() {
+        let t0 = Instant::now();
+        let mut c = claims();
+        held(&mut c, t0);
+        assert_eq!(c.renewals(t0 + Duration::from_secs(5)).len(), 1);
+        // Paused with the renewal in flight; resumed a minute later.
+        assert_eq!(c.fences_due(t0 + Duration::from_secs(65)), vec![key()]);
+    }
+
+    /// After a restart the lease's end is unknown: no fence while the first renewal is in
+    /// flight, a fence at once when it fails, none when it succeeds.
+    #[test]
+    fn a_restored_claim_is_fenced_when_its_first_renewal_fails() {
+        let t0 = Instant::now() + Duration::from_secs(100);
+        let mut m = crate::node::journal::tests::rec(crate::node::journal::MountState::Published);
+        m.volume = key();
+        m.claim_id = Some("lock-9".into());
+        for ok in [true, false] {
+            let mut c = claims();
+            c.restore([&m], t0);
+            assert_eq!(c.renewals(t0).len(), 1);
+            assert!(c.fences_due(t0 + Duration::from_secs(1)).is_empty());
+            let result = if ok {
+                Ok(())
+            } else {
+                Err(ClaimError::Nomad {
+                    volume: key(),
+                    source: crate::nomad::NomadError::Status {
+                        what: "lock-renew".into(),
+                        status: 500,
+                        body: "No cluster leader".into(),
+                    },
+                })
+            };
+            let at = t0 + Duration::from_secs(2);
+            c.on_renewed(&key(), result, true, at);
+            assert_eq!(c.fences_due(at) == vec![key()], !ok, "ok = {ok}");
+        }
     }
 }

@@ -64,6 +64,14 @@ pub(crate) enum Effect {
     RestartAlloc { volume: VolumeKey, alloc_id: String },
     /// Kernel: `stat` a published target, bounded by the probe timeout.
     Probe { volume: VolumeKey, target: PathBuf },
+    /// Kernel: make the volume at `target` unwritable on this node now, without the network
+    /// ([`crate::node::fence::fence`]); `mine` are this node's allocations (their tasks
+    /// may be killed).
+    Fence {
+        volume: VolumeKey,
+        target: PathBuf,
+        mine: std::collections::BTreeSet<String>,
+    },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },
     /// Kernel: read the mount table again (answered by `Input::MountTable`).

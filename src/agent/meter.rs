@@ -164,6 +164,7 @@ impl Meter {
                 self.metrics.mount_died();
                 self.dead.insert(volume.clone());
             }
+            Effect::Fence { .. } => self.metrics.claim_fenced(),
             Effect::Create(_) | Effect::Delete(_) => self.workers += 1,
             Effect::Commit { .. } => self.recount_mounts = true,
             Effect::Reply {

@@ -190,6 +190,36 @@ impl MountHealth {
         }
     }
 
+    /// A fenced volume's claim was renewed: its mount (read-only, or its FUSE connection
+    /// aborted) is detached so that the plan publishes it again, and the allocations that
+    /// used it are restarted onto the new mount, as for a dead mount.
+    pub(crate) fn restore_fenced(
+        &mut self,
+        volume: &VolumeKey,
+        target: &Path,
+        users: &BTreeSet<UserKey>,
+    ) -> Vec<Effect> {
+        let allocations: Vec<String> = users
+            .iter()
+            .filter(|u| &u.volume == volume)
+            .map(|u| u.alloc_id.clone())
+            .collect();
+        self.broken.insert(
+            volume.clone(),
+            Broken {
+                target: target.to_path_buf(),
+                error: "fenced: the claim's lease was about to end without a renewal".into(),
+                since: wall_secs(),
+                action: Phase::Republishing,
+                allocations,
+            },
+        );
+        vec![Effect::Detach {
+            volume: volume.clone(),
+            target: target.to_path_buf(),
+        }]
+    }
+
     fn report_only(
         &mut self,
         volume: &VolumeKey,

@@ -19,7 +19,8 @@
 //!   idempotent call again in the direction now desired;
 //! - a volume with a call in flight gets no new step (calls on one volume are serialized);
 //! - a volume with a single-node access mode is published only while this node holds its
-//!   claim ([`crate::cluster::claims`]); a lost claim is unpublished first, whatever else holds.
+//!   claim ([`crate::cluster::claims`]); a lost claim is unpublished first, whatever else holds;
+//!   a fenced one is neither published nor claimed again until a renewal decides.
 
 use crate::agent::view::{requests, View};
 use crate::cluster::claims::is_exclusive;
@@ -51,6 +52,10 @@ pub struct Inputs<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimState {
     Held,
+    /// Not renewed before its lease was about to end: the volume was made unwritable here
+    /// ([`crate::node::fence`]); renewals go on. Nothing is published for it until a renewal
+    /// succeeds (then it is published again) or finds the lock gone (then it is lost).
+    Fenced,
     /// Expired or taken over: the volume must not stay published here.
     Lost,
 }
@@ -223,6 +228,13 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         if claim == Some(ClaimState::Lost) && i.mounts.contains_key(key) {
             continue; // unpublished above first
         }
+        if claim == Some(ClaimState::Fenced) {
+            plan.waiting.push(Waiting {
+                volume: key.clone(),
+                reason: "fenced: this node's claim could not be renewed before its lease was about to end (another node may take it then), so the volume was made unwritable here; it is published again once a renewal succeeds, or unpublished if another node has it".into(),
+            });
+            continue;
+        }
         let exclusive = is_exclusive(volume.access_mode());
         let claimed = !exclusive || claim == Some(ClaimState::Held);
         let healthy = i
@@ -268,7 +280,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
 
     // A claim nothing here needs any more is given back (an unpublish releases its own).
     for (key, state) in &claims {
-        if *state == ClaimState::Held
+        if matches!(*state, ClaimState::Held | ClaimState::Fenced)
             && !needed.contains_key(key)
             && !i.mounts.contains_key(key)
             && !i.busy.contains(key)
@@ -406,7 +418,7 @@ pub(crate) mod tests {
                     name: "g".into(),
                     volumes,
                     tasks: vec![],
-                    shutdown_delay: 0,
+                    ..Default::default()
                 }],
             }),
             client_status: client.into(),

@@ -381,6 +381,16 @@ impl Shell {
                     })
                 });
             }
+            Effect::Fence {
+                volume,
+                target,
+                mine,
+            } => {
+                self.tasks.spawn_blocking(move || {
+                    let report = crate::node::fence::fence(&target, &mine);
+                    Report::DoneMounts(Completion::Fenced { volume, report }, MountTable::read())
+                });
+            }
             Effect::Detach { volume, target } => {
                 self.tasks.spawn_blocking(move || {
                     let result = crate::node::health::lazy_unmount(&target);
@@ -747,6 +757,7 @@ pub async fn run(
     let claims = ClaimSettings {
         ttl: cfg.claim_ttl,
         lock_delay: cfg.claim_lock_delay,
+        fence_margin: cfg.fence_margin(),
     };
     let now = || tokio::time::Instant::now().into_std();
     let mut core = Core::new(
@@ -847,6 +858,7 @@ mod tests {
             max_parallel: 2,
             claim_ttl: Duration::from_secs(15),
             claim_lock_delay: Duration::from_secs(15),
+            claim_fence_margin: None,
             audiences: vec![],
             metrics_addr: None,
             log_format: Default::default(),
@@ -867,6 +879,7 @@ mod tests {
         let claims = ClaimSettings {
             ttl: cfg.claim_ttl,
             lock_delay: cfg.claim_lock_delay,
+            fence_margin: cfg.fence_margin(),
         };
         (
             Shell::new(

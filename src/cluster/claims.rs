@@ -4,7 +4,8 @@
 //! `PUT /v1/var/:path?lock-acquire|lock-renew|lock-release`), held with a TTL and renewed
 //! while the volume is published. A node that cannot renew (partition, lost node, daemon
 //! frozen) loses the claim when the TTL lapses; after Nomad's lock delay another node may
-//! take it. A node that finds its claim lost unpublishes before anything else.
+//! take it. Before that moment the holder fences the volume on itself (docs/architecture.md,
+//! "Fencing"). A node that finds its claim lost unpublishes before anything else.
 
 use crate::nomad::types::{Variable, VariableLock};
 use crate::nomad::{Client, LockOp, NomadError};
@@ -34,6 +35,10 @@ pub struct ClaimSettings {
     pub ttl: Duration,
     /// Nomad's lock delay after a TTL expiry, before anyone may acquire again.
     pub lock_delay: Duration,
+    /// How long before its lease ends a claim that could not be renewed is fenced on this
+    /// node ([`crate::agent`]'s claims: the lease ends TTL + lock delay after the last
+    /// renewal that succeeded was sent).
+    pub fence_margin: Duration,
 }
 
 /// Why a claim call did not succeed.
@@ -68,7 +73,51 @@ fn var(volume: &VolumeKey, items: BTreeMap<String, String>, lock: VariableLock) 
     }
 }
 
-/// Acquires the claim for this node. Returns the lock ID.
+/// Hand-over on evidence: the last holder named in the claim's Items (`node_id`), when it
+/// is another node that Nomad reports `ready` with a live allocation using the volume. Such a
+/// holder's lock may have lapsed only because its agent is down (an upgrade, a crash loop)
+/// while its tasks still write: the claim is not taken over until that allocation stops, its
+/// node goes down or disconnected (its agent has fenced the volume by then: the lock lapses
+/// only after the holder's fence), or the claim is released. Nomad API: `GET /v1/var/:path`,
+/// `GET /v1/node/:id`, `GET /v1/node/:id/allocations`.
+async fn live_holder(
+    client: &Client,
+    volume: &VolumeKey,
+    node_id: &str,
+) -> Result<Option<String>, NomadError> {
+    let Some(var) = client
+        .variable(&volume.namespace, &claim_path(&volume.name))
+        .await?
+    else {
+        return Ok(None);
+    };
+    let Some(holder) = var.items.get("node_id").filter(|h| *h != node_id) else {
+        return Ok(None);
+    };
+    if client.node_status(holder).await?.as_deref() != Some("ready") {
+        return Ok(None);
+    }
+    let (allocs, _) = client.node_allocations(holder, 0, Duration::ZERO).await?;
+    let live = allocs.value.into_iter().find(|a| {
+        a.namespace == volume.namespace
+            && !a.tasks_finished()
+            && a.group().is_some_and(|g| {
+                g.volumes
+                    .values()
+                    .any(|r| r.volume_type == "host" && r.source == volume.name)
+            })
+    });
+    Ok(live.map(|a| {
+        format!(
+            "node {holder}, where allocation {} of job {} still runs with it (the node is ready in Nomad, its dhv-binder may be down); the claim is taken over only once that allocation stops, its node goes down, or the claim is released",
+            a.id, a.job_id
+        )
+    }))
+}
+
+/// Acquires the claim for this node. Returns the lock ID. Refused ([`ClaimError::Held`])
+/// while the last holder is another node that Nomad reports `ready` with a live allocation
+/// using the volume, even after its lock lapsed (hand-over on evidence, see `live_holder`).
 pub async fn acquire(
     client: &Client,
     settings: ClaimSettings,
@@ -76,6 +125,21 @@ pub async fn acquire(
     node_id: &str,
     volume_id: &str,
 ) -> Result<String, ClaimError> {
+    match live_holder(client, volume, node_id).await {
+        Ok(Some(holder)) => {
+            return Err(ClaimError::Held {
+                volume: volume.clone(),
+                holder,
+            })
+        }
+        Ok(None) => {}
+        Err(source) => {
+            return Err(ClaimError::Nomad {
+                volume: volume.clone(),
+                source,
+            })
+        }
+    }
     let items = BTreeMap::from([
         ("node_id".to_string(), node_id.to_string()),
         ("volume_id".to_string(), volume_id.to_string()),

@@ -178,6 +178,10 @@ pub enum EventKind {
     UnpublishFailed,
     UserAdded,
     UserRemoved,
+    /// The claim's lease was about to end without a renewal: the volume is fenced here.
+    Fenced,
+    /// A fenced claim was renewed: the volume is published again here.
+    Unfenced,
 }
 
 impl EventKind {
@@ -192,6 +196,8 @@ impl EventKind {
             EventKind::UnpublishFailed => "unpublish-failed",
             EventKind::UserAdded => "user-added",
             EventKind::UserRemoved => "user-removed",
+            EventKind::Fenced => "fenced",
+            EventKind::Unfenced => "unfenced",
         }
     }
 }
@@ -279,7 +285,8 @@ pub fn users_of<'a>(
         })
 }
 
-fn now_secs() -> u64 {
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -397,6 +404,12 @@ impl Journal {
     /// old target).
     pub fn take_touched(&mut self) -> BTreeSet<(PathBuf, VolumeKey)> {
         std::mem::take(&mut self.touched)
+    }
+
+    /// Queues a history line that changes no record (`fenced`, `unfenced`); it is written
+    /// with the next commit.
+    pub fn note(&mut self, kind: EventKind, volume: &VolumeKey, detail: serde_json::Value) {
+        self.queue(kind, volume, None, detail);
     }
 
     /// Removes a volume's mount record (after a successful unpublish), and the volume's user

@@ -8,10 +8,13 @@
 //!   directories;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
+//! - `fence`: making a volume unwritable on this node without the network (a claim's lease
+//!   about to end);
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
 
+pub(crate) mod fence;
 pub(crate) mod guard;
 pub(crate) mod health;
 pub(crate) mod holders;

@@ -470,6 +470,24 @@ impl Client {
         .await
     }
 
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`): the node's `Status` (`ready`,
+    /// `down`, `disconnected`, `initializing`), `None` when Nomad does not know the node.
+    pub async fn node_status(&self, node_id: &str) -> Result<Option<String>, NomadError> {
+        #[derive(serde::Deserialize)]
+        struct Node {
+            #[serde(rename = "Status", default)]
+            status: String,
+        }
+        let node: Option<Node> = self
+            .get_optional(
+                &format!("/v1/node/{node_id}"),
+                &[],
+                "read a node (GET /v1/node/:id)",
+            )
+            .await?;
+        Ok(node.map(|n| n.status))
+    }
+
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
     /// (returns once the allocation table's index exceeds `index`, or after `wait`). With
     /// the answer's size in bytes: every allocation of the node with its Job, terminal ones

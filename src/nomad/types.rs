@@ -269,6 +269,37 @@ pub struct TaskGroup {
     /// Nanoseconds (`*time.Duration`, `null` when unset).
     #[serde(rename = "ShutdownDelay", deserialize_with = "null_default")]
     pub shutdown_delay: u64,
+    /// The group's `disconnect` block (`structs.DisconnectStrategy`), `null` when unset.
+    #[serde(rename = "Disconnect", deserialize_with = "null_default")]
+    pub disconnect: Disconnect,
+    /// The older group-level `stop_after_client_disconnect` (nanoseconds, `null` when unset).
+    #[serde(
+        rename = "StopAfterClientDisconnect",
+        deserialize_with = "null_default"
+    )]
+    pub stop_after_client_disconnect: Option<u64>,
+}
+
+impl TaskGroup {
+    /// How long a client that lost its servers keeps this group's allocations running
+    /// before it stops them itself (`client/heartbeatstop.go`), when set: the `disconnect`
+    /// block's `stop_on_client_after`, else the older `stop_after_client_disconnect`.
+    pub fn stop_on_client_after(&self) -> Option<std::time::Duration> {
+        self.disconnect
+            .stop_on_client_after
+            .or(self.stop_after_client_disconnect)
+            .filter(|ns| *ns > 0)
+            .map(std::time::Duration::from_nanos)
+    }
+}
+
+/// `structs.DisconnectStrategy` (`nomad/structs/group.go`): only what the agent reads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Disconnect {
+    /// Nanoseconds (`*time.Duration`, `null` when unset).
+    #[serde(rename = "StopOnClientAfter", deserialize_with = "null_default")]
+    pub stop_on_client_after: Option<u64>,
 }
 
 /// `structs.VolumeRequest` (`nomad/structs/volumes.go`).

@@ -369,6 +369,10 @@ pub fn router(state: AppState) -> Router {
             put(nodes::sim_heartbeat).post(nodes::sim_heartbeat),
         )
         .route(
+            "/v1/sim/node/:id/partition",
+            put(nodes::sim_partition).post(nodes::sim_partition),
+        )
+        .route(
             "/v1/sim/events/close",
             put(faults::close_streams).post(faults::close_streams),
         )
@@ -387,6 +391,12 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             rpc_error_prefix,
+        ))
+        // Outermost: a partitioned node's requests fail before anything else answers
+        // them, with their own `rpc error: ` text.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            partition_guard,
         ))
         .with_state(state)
 }
@@ -446,6 +456,39 @@ async fn no_leader_guard(
         return ApiError(
             StatusCode::INTERNAL_SERVER_ERROR,
             "No cluster leader".into(),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// How long a request through a partitioned client takes to fail: the connection pool's dial
+/// timeout (`helper/pool/pool.go` `getNewConn`: `net.DialTimeout(..., 10*time.Second)`).
+pub const PARTITION_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A request through the HTTP API of a client agent whose node is partitioned
+/// (`PUT /v1/sim/node/:id/partition?on=true`) fails as Nomad's does when no server can be
+/// reached: the client forwards it (`client/rpc.go` `rpc`), the dial times out after
+/// [`PARTITION_DIAL_TIMEOUT`], a dial error is not retried (`canRetry`), and the HTTP layer
+/// answers 500 with the pool's error (`helper/pool/pool.go` `RPC`: "rpc error: failed to get
+/// conn: ..."). Served locally: `/v1/agent/self` and the sim-only API.
+async fn partition_guard(
+    State(st): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = req.uri().path();
+    let local = path == "/v1/agent/self" || path.starts_with("/v1/sim/");
+    let cut = st
+        .agent
+        .node_id
+        .as_ref()
+        .is_some_and(|id| st.server.read().partitioned.contains(id));
+    if cut && !local {
+        tokio::time::sleep(PARTITION_DIAL_TIMEOUT).await;
+        return ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "rpc error: failed to get conn: dial tcp 127.0.0.1:4647: i/o timeout".into(),
         )
         .into_response();
     }

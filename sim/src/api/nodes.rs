@@ -126,6 +126,22 @@ pub(super) async fn sim_heartbeat(
     )
 }
 
+/// `PUT /v1/sim/node/:id/partition?on=true|false`: sim only, cut the node off from the
+/// servers or heal it ([`crate::nodes::set_partitioned`]).
+pub(super) async fn sim_partition(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let on = Query::parse(q).bool("on");
+    crate::nodes::set_partitioned(&st.server, &id, on)?;
+    if on {
+        // Streams bridged through the client to a server break (`client/rpc.go`).
+        st.server.stream_close.send_modify(|g| *g += 1);
+    }
+    ok(st.server.index(), &json!({"NodeID": id, "Partitioned": on}))
+}
+
 /// `PUT /v1/sim/node/:id/restart`: sim only, the node's client agent restarts
 /// ([`crate::nodes::restart_client`]); answers the dynamic host volumes it dropped.
 pub(super) async fn sim_restart(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult {

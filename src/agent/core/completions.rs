@@ -132,6 +132,7 @@ impl Core {
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
                         self.holders.remove(&volume);
+                        self.fenced.remove(&volume);
                         tracing::info!(%volume, "unpublished");
                         self.journal.remove_mount(&volume, EventKind::UnpublishDone);
                         self.claims.on_unpublished(&volume);
@@ -208,7 +209,35 @@ impl Core {
             }
             Completion::ClaimRenewed { volume, result } => {
                 let mounted_here = self.journal.mounts().contains_key(&volume);
-                self.claims.on_renewed(&volume, result, mounted_here, now);
+                let renewal = self.claims.on_renewed(&volume, result, mounted_here, now);
+                if renewal == crate::agent::claims::Renewal::Restored {
+                    self.fenced.remove(&volume);
+                    if let Some(m) = self.journal.mounts().get(&volume) {
+                        let target = m.target.clone();
+                        self.journal.note(
+                            EventKind::Unfenced,
+                            &volume,
+                            serde_json::json!({"target": target}),
+                        );
+                        // The fenced mount (read-only, or its FUSE connection aborted) is
+                        // detached and published again; its allocations are restarted onto it.
+                        out.extend(self.mount_health.restore_fenced(
+                            &volume,
+                            &target,
+                            self.journal.users(),
+                        ));
+                    }
+                }
+            }
+            Completion::Fenced { volume, report } => {
+                if report.complete() {
+                    tracing::warn!(%volume, target = %report.target.display(), fence = %report.summary(), "volume fenced on this node");
+                } else {
+                    tracing::error!(%volume, target = %report.target.display(), fence = %report.summary(), "fence incomplete: a writer may remain on this node");
+                }
+                if let Some(f) = self.fenced.get_mut(&volume) {
+                    f["fence"] = serde_json::json!(report);
+                }
             }
             Completion::ClaimReleased { volume, result } => {
                 self.busy.remove(&volume);

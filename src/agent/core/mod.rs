@@ -94,8 +94,15 @@ pub(crate) struct Core {
     /// Volumes whose target holds something other than what their publish established:
     /// never published over, never answered as published (why, for the log and status).
     foreign: BTreeMap<VolumeKey, String>,
+    /// Volumes fenced on this node (the claim's lease was about to end without a renewal):
+    /// when, and what the fence did once it ran (cleared when the claim is renewed or the
+    /// volume unpublished).
+    fenced: BTreeMap<VolumeKey, serde_json::Value>,
     /// Who still used a volume when its unpublish was refused (cleared once unpublished).
     holders: BTreeMap<VolumeKey, crate::node::holders::Usage>,
+    /// Allocations that write a single-node volume with no Nomad-side fence (no
+    /// `disconnect { stop_on_client_after }` within the lease), with the warning.
+    unfenced: BTreeMap<String, String>,
     /// Allocations with tasks that may start on a deferred volume before it is published.
     ungated: BTreeMap<String, Vec<crate::agent::gate::Ungated>>,
     /// The last commit handed to the shell, and the last one known durable.
@@ -158,6 +165,8 @@ impl Core {
             mounted: BTreeSet::new(),
             targets_checked: false,
             foreign: BTreeMap::new(),
+            fenced: BTreeMap::new(),
+            unfenced: BTreeMap::new(),
             holders: BTreeMap::new(),
             ungated: BTreeMap::new(),
             issued: 0,
@@ -215,6 +224,9 @@ impl Core {
     pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
         self.now = now;
         let mut out = Vec::new();
+        // Leases first, before any input (a paused agent resumes here; docs/architecture.md,
+        // "Fencing").
+        self.fence_due(now, &mut out);
         for input in inputs {
             self.apply(input, now, &mut out);
         }
@@ -335,6 +347,7 @@ impl Core {
                 self.view.replace_all_at(allocs, index, self.now);
                 let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
                 self.ungated.retain(|id, _| ids.contains(id));
+                self.unfenced.retain(|id, _| ids.contains(id));
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             WatchEvent::Upsert(a) => {
@@ -347,6 +360,7 @@ impl Core {
             WatchEvent::Removed(id) => {
                 self.view.remove_at(&id, self.now);
                 self.ungated.remove(&id);
+                self.unfenced.remove(&id);
             }
             WatchEvent::Health(h) => self.watch = h,
         }
@@ -489,6 +503,7 @@ impl Core {
                     };
                     let volume_id = rec.id.clone();
                     self.busy.insert(volume.clone());
+                    self.claims.acquire_sent(&volume, now);
                     out.push(Effect::AcquireClaim { volume, volume_id });
                 }
                 Step::ReleaseClaim { volume } => {
@@ -556,6 +571,44 @@ impl Core {
         } else {
             // Calls always come with intents, so with no commit there are none.
             out.extend(calls);
+        }
+    }
+
+    /// Fences every volume whose claim's lease is about to end without a renewal: the
+    /// kernel makes it unwritable here ([`Effect::Fence`]), recorded in the journal, the
+    /// log and the status.
+    fn fence_due(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        for volume in self.claims.fences_due(now) {
+            self.dirty.insert(volume.clone());
+            let left = self
+                .claims
+                .lease_end(&volume)
+                .map(|end| end.saturating_duration_since(now).as_millis() as u64);
+            let Some(m) = self.journal.mounts().get(&volume) else {
+                tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end; nothing is mounted here");
+                continue;
+            };
+            let target = m.target.clone();
+            tracing::error!(%volume, target = %target.display(), lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end (another node may take it then); making the volume unwritable here");
+            let detail = serde_json::json!({"target": target, "lease_left_ms": left});
+            self.journal.note(EventKind::Fenced, &volume, detail);
+            self.fenced.insert(
+                volume.clone(),
+                serde_json::json!({"since": crate::node::journal::now_secs(), "target": target, "lease_left_ms": left, "fence": null}),
+            );
+            let mut mine: BTreeSet<String> = self.view.allocs().keys().cloned().collect();
+            mine.extend(
+                self.journal
+                    .users()
+                    .iter()
+                    .filter(|u| u.volume == volume)
+                    .map(|u| u.alloc_id.clone()),
+            );
+            out.push(Effect::Fence {
+                volume,
+                target,
+                mine,
+            });
         }
     }
 

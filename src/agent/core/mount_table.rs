@@ -151,12 +151,25 @@ impl Core {
     pub(super) fn check_gate(&mut self, alloc_id: &str) {
         let Some(a) = self.view.allocs().get(alloc_id) else {
             self.ungated.remove(alloc_id);
+            self.unfenced.remove(alloc_id);
             return;
         };
         let found = if a.tasks_finished() {
             Vec::new()
         } else {
             let reqs = crate::agent::view::requests(a, &self.volumes);
+            let lease = self.s.claims.ttl + self.s.claims.lock_delay;
+            match unfenced(alloc_id, a, &reqs, &self.volumes, lease) {
+                Some(w) => {
+                    if self.unfenced.get(alloc_id) != Some(&w) {
+                        tracing::warn!(%alloc_id, "{w}");
+                    }
+                    self.unfenced.insert(alloc_id.to_string(), w);
+                }
+                None => {
+                    self.unfenced.remove(alloc_id);
+                }
+            }
             crate::agent::gate::ungated(a, &reqs, crate::agent::gate::SOCKET_VOLUME)
         };
         if found.is_empty() {
@@ -170,4 +183,39 @@ impl Core {
         }
         self.ungated.insert(alloc_id.to_string(), found);
     }
+}
+
+/// Why an allocation is `unfenced` (a warning, in the log and status): it writes a
+/// `single-node-*` volume while its group has no `disconnect { stop_on_client_after }`
+/// within `lease`, the claim's lease after a renewal (TTL + lock delay): if this node's agent
+/// is frozen or gone while its client loses the servers, nothing stops its tasks before
+/// another node may take the volume (docs/operations.md, "Claims").
+fn unfenced(
+    alloc_id: &str,
+    a: &crate::nomad::types::Allocation,
+    reqs: &[crate::agent::view::Request],
+    volumes: &Catalogue,
+    lease: Duration,
+) -> Option<String> {
+    let writes_exclusive = reqs.iter().find(|r| {
+        !r.read_only
+            && volumes.get(&r.volume).is_some_and(|v| {
+                crate::cluster::claims::is_exclusive(v.access_mode())
+                    && !v.access_mode().ends_with("reader-only")
+            })
+    });
+    let stop = a.group().and_then(|g| g.stop_on_client_after());
+    let why = match (writes_exclusive, stop) {
+            (None, _) => None,
+            (Some(_), Some(d)) if d <= lease => None,
+            (Some(r), Some(d)) => Some(format!(
+                "unfenced: allocation {alloc_id} writes single-node volume {} with disconnect {{ stop_on_client_after = {d:?} }}, longer than the claim's lease after a renewal ({lease:?}: --claim-ttl + --claim-lock-delay); if this node's dhv-binder is down while its client loses the servers, its tasks may still write when another node takes the volume: set stop_on_client_after to {lease:?} or less",
+                r.volume
+            )),
+            (Some(r), None) => Some(format!(
+                "unfenced: allocation {alloc_id} writes single-node volume {} and its group has no disconnect {{ stop_on_client_after }}; if this node's dhv-binder is down while its client loses the servers, nothing stops its tasks before another node takes the volume: set stop_on_client_after to {lease:?} (--claim-ttl + --claim-lock-delay) or less",
+                r.volume
+            )),
+        };
+    why
 }

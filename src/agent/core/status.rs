@@ -44,10 +44,12 @@ impl Core {
             "publish_latency_ms": {"count": self.latency.count(), "median": self.latency.median_bound()},
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.status(),
+            "fenced": self.fenced.iter().map(|(k, f)| (k.to_string(), f.clone())).collect::<BTreeMap<_, _>>(),
             "mount_health": self.mount_health.status(),
             "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
             "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
+            "unfenced": self.unfenced,
             "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
         })
     }

@@ -23,6 +23,7 @@ fn settings() -> Settings {
         claims: ClaimSettings {
             ttl: Duration::from_secs(15),
             lock_delay: Duration::from_secs(15),
+            fence_margin: Duration::from_secs(15),
         },
         health_interval: Duration::from_secs(10),
         seed: 1,
@@ -430,6 +431,132 @@ fn a_lost_claim_is_unpublished_and_then_forgotten() {
         "a lost claim is not released"
     );
     assert!(h.core.claims.states().is_empty());
+}
+
+/// Issue 31: a claim whose renewals fail is fenced a margin before its lease ends, first in
+/// the pass, with the mount's target; it is reported in status and the journal; a renewal
+/// that succeeds afterwards detaches the fenced mount to publish it again.
+#[test]
+fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    // The acquire was sent in the set-up pass (t0): lease end t0 + 2 x 15 + 15, fence at
+    // t0 + 30 (margin 15 s).
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    let failed = || ClaimError::Nomad {
+        volume: key("d"),
+        source: crate::nomad::NomadError::Status {
+            what: "lock-renew".into(),
+            status: 500,
+            body: "rpc error: failed to get conn: dial tcp 10.0.0.1:4647: i/o timeout".into(),
+        },
+    };
+    let e = h.at(
+        Duration::from_secs(10),
+        Input::Done(Completion::ClaimRenewed {
+            volume: key("d"),
+            result: Err(failed()),
+        }),
+    );
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::Fence { .. })),
+        "{e:?}"
+    );
+    // t0 + 30: the pass starts with the fence, whatever its input.
+    let e = h.at(
+        Duration::from_secs(15),
+        Input::Done(Completion::ClaimRenewed {
+            volume: key("d"),
+            result: Err(failed()),
+        }),
+    );
+    assert!(
+        matches!(&e[0], Effect::Fence { target: t, mine, .. } if t == &target("d") && mine.contains(A1)),
+        "{e:?}"
+    );
+    assert_eq!(publishes(&e), 0);
+    let st = h.core.status();
+    assert_eq!(st["claims"]["default/d"], "fenced", "{st}");
+    assert!(st["fenced"]["default/d"].is_object(), "{st}");
+    assert!(
+        st["waiting"].to_string().contains("fenced"),
+        "the volume waits, saying why: {st}"
+    );
+    assert!(
+        e.iter().any(|x| matches!(x, Effect::Commit { commit, .. }
+            if commit.events().iter().any(|ev| ev.kind == EventKind::Fenced))),
+        "the fence is written to the journal: {e:?}"
+    );
+    h.feed(Input::Done(Completion::Fenced {
+        volume: key("d"),
+        report: crate::node::fence::FenceReport {
+            target: target("d"),
+            read_only: true,
+            ..Default::default()
+        },
+    }));
+    assert_eq!(
+        h.core.status()["fenced"]["default/d"]["fence"]["read_only"],
+        true
+    );
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(
+        e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })),
+        "renewals go on"
+    );
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        result: Ok(()),
+    }));
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::Detach { target: t, .. } if t == &target("d"))),
+        "the fenced mount is detached to be published again: {e:?}"
+    );
+    assert_eq!(h.core.status()["claims"]["default/d"], "held");
+}
+
+/// Issue 31: an allocation writing a single-node volume without Nomad's own fence
+/// (`disconnect { stop_on_client_after }` within TTL + lock delay) is flagged `unfenced`;
+/// readers and fenced groups are not.
+#[test]
+fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let st = h.core.status();
+    let w = st["unfenced"][A1].as_str().unwrap_or_default().to_string();
+    assert!(
+        w.contains("stop_on_client_after") && w.contains("30s"),
+        "{st}"
+    );
+    let mut a = alloc(A1, &["d"], "running", "run");
+    a.modify_index = 5;
+    for g in &mut a.job.as_mut().unwrap().task_groups {
+        g.disconnect.stop_on_client_after = Some(Duration::from_secs(45).as_nanos() as u64);
+    }
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))));
+    let st = h.core.status();
+    assert!(
+        st["unfenced"][A1].as_str().unwrap().contains("longer than"),
+        "{st}"
+    );
+    a.modify_index = 6;
+    for g in &mut a.job.as_mut().unwrap().task_groups {
+        g.disconnect.stop_on_client_after = Some(Duration::from_secs(20).as_nanos() as u64);
+    }
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+    assert!(h.core.status()["unfenced"].as_object().unwrap().is_empty());
 }
 
 #[test]

@@ -75,6 +75,11 @@ pub enum Completion {
         target: PathBuf,
         probe: Probe,
     },
+    /// A volume was fenced on this node.
+    Fenced {
+        volume: VolumeKey,
+        report: crate::node::fence::FenceReport,
+    },
     /// A dead mount was detached (lazy unmount).
     Detached {
         volume: VolumeKey,

@@ -1,0 +1,241 @@
+//! Fencing a volume on this node, without the network: what the agent does when its claim's
+//! lease is about to end and no renewal has succeeded (docs/architecture.md, "Fencing").
+//!
+//! In order, each step on its own (a failed step does not stop the next):
+//! 1. a FUSE mount's connection is aborted (`/sys/fs/fuse/connections/<minor>/abort`, the
+//!    kernel's fusectl filesystem, Documentation/filesystems/fuse.rst): every copy of the mount,
+//!    in every mount namespace, answers ENOTCONN at once;
+//! 2. the host's mount of the target is made read-only (`MS_REMOUNT | MS_BIND | MS_RDONLY`):
+//!    whatever is bound from it afterwards (a task restarted by its client) is read-only;
+//! 3. the processes that still use the volume ([`crate::node::holders`]: a task's mount
+//!    namespace holds its own copy of the mount, which step 2 does not reach, and open files
+//!    keep writing) are killed (SIGKILL): processes of this node's allocations and processes
+//!    of no allocation, never tasks of allocations this node does not know (only a
+//!    single-host simulation of several nodes shows them); then step 2 is tried again if it
+//!    failed (EBUSY while a writer held the mount).
+//!
+//! Undoing the fence is the ordinary republish: the dead or read-only mount is detached and
+//! published again, and the allocations that used it are restarted onto it
+//! ([`crate::agent::mount_health`]).
+
+use crate::node::holders::{self, Holder};
+use crate::node::mounts::MountTable;
+use serde::Serialize;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// Where the kernel's fusectl filesystem shows FUSE connections.
+pub const FUSE_CONNECTIONS: &str = "/sys/fs/fuse/connections";
+
+/// What a fence did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct FenceReport {
+    /// The target whose mount was fenced.
+    pub target: PathBuf,
+    /// Nothing was mounted at the target: nothing to fence.
+    pub nothing_mounted: bool,
+    /// The FUSE connection aborted (its number), for a FUSE mount.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fuse_aborted: Option<u32>,
+    /// The host's mount is read-only now.
+    pub read_only: bool,
+    /// The processes killed (pid, name, allocation).
+    pub stopped: Vec<Holder>,
+    /// What failed (each step's error), empty when every step succeeded.
+    pub errors: Vec<String>,
+}
+
+impl FenceReport {
+    /// True when no writer can be left: nothing was mounted, or every step that applies
+    /// succeeded (the holders were killed and the host's mount is read-only or aborted).
+    pub fn complete(&self) -> bool {
+        self.nothing_mounted || self.errors.is_empty()
+    }
+
+    /// One line for the log and the journal.
+    pub fn summary(&self) -> String {
+        if self.nothing_mounted {
+            return "nothing mounted".into();
+        }
+        let mut parts = Vec::new();
+        if let Some(n) = self.fuse_aborted {
+            parts.push(format!("FUSE connection {n} aborted"));
+        }
+        if self.read_only {
+            parts.push("host mount read-only".into());
+        }
+        if !self.stopped.is_empty() {
+            let who: Vec<String> = self.stopped.iter().map(ToString::to_string).collect();
+            parts.push(format!("killed {}", who.join(", ")));
+        }
+        parts.extend(self.errors.iter().map(|e| format!("failed: {e}")));
+        parts.join("; ")
+    }
+}
+
+/// Fences the volume mounted at `target` (blocking: run it off the agent's loop). `mine`
+/// names this node's allocations: a holder that names another allocation is left alone.
+/// Never fails as a whole: what failed is listed in [`FenceReport::errors`].
+pub fn fence(target: &Path, mine: &BTreeSet<String>) -> FenceReport {
+    let mut report = FenceReport {
+        target: target.to_path_buf(),
+        ..FenceReport::default()
+    };
+    let host = match MountTable::read() {
+        Ok(t) => t,
+        Err(e) => {
+            report
+                .errors
+                .push(format!("cannot read the mount table: {e}"));
+            // Still make the target read-only, blind.
+            remount_read_only(target, &mut report);
+            return report;
+        }
+    };
+    let Some(top) = host.top_at(target).cloned() else {
+        report.nothing_mounted = true;
+        return report;
+    };
+    if top.fs_type == "fuse" || top.fs_type.starts_with("fuse.") {
+        match abort_fuse(top.dev.minor) {
+            Ok(()) => report.fuse_aborted = Some(top.dev.minor),
+            Err(e) => report.errors.push(format!(
+                "cannot abort FUSE connection {}: {e}",
+                top.dev.minor
+            )),
+        }
+    }
+    let first = remount(target);
+    match holders::scan_many(&[(top.identity(), target.to_path_buf())], &host) {
+        Ok(mut usages) => {
+            let usage = usages.pop().unwrap_or_default();
+            let me = std::process::id();
+            let mut seen = BTreeSet::new();
+            for h in usage.holders {
+                let ours = h.alloc_id.as_ref().is_none_or(|a| mine.contains(a));
+                if !ours || h.pid == me || h.pid == 1 || !seen.insert(h.pid) {
+                    continue;
+                }
+                let pid = nix::unistd::Pid::from_raw(h.pid as i32);
+                match nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL) {
+                    Ok(()) | Err(nix::errno::Errno::ESRCH) => report.stopped.push(h),
+                    Err(e) => report
+                        .errors
+                        .push(format!("cannot kill pid {} ({}): {e}", h.pid, h.comm)),
+                }
+            }
+        }
+        Err(e) => report
+            .errors
+            .push(format!("cannot find the processes using it: {e}")),
+    }
+    match first {
+        Ok(()) => report.read_only = true,
+        Err(_) => remount_read_only(target, &mut report),
+    }
+    report
+}
+
+fn remount(target: &Path) -> nix::Result<()> {
+    use nix::mount::MsFlags;
+    nix::mount::mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+        None::<&str>,
+    )
+}
+
+/// Makes the mount at `target` read-only, retrying a few times while writers let go (the
+/// kernel refuses with EBUSY while a file is open for writing on it).
+fn remount_read_only(target: &Path, report: &mut FenceReport) {
+    let mut last = None;
+    for _ in 0..20 {
+        match remount(target) {
+            Ok(()) => {
+                report.read_only = true;
+                return;
+            }
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    if let Some(e) = last {
+        report.errors.push(format!(
+            "cannot remount {} read-only: {e}",
+            target.display()
+        ));
+    }
+}
+
+/// Aborts FUSE connection `n` (the minor device number of the FUSE mount), mounting the
+/// fusectl filesystem first when it is not.
+fn abort_fuse(n: u32) -> std::io::Result<()> {
+    let root = Path::new(FUSE_CONNECTIONS);
+    let abort = root.join(n.to_string()).join("abort");
+    if !abort.exists() && root.is_dir() {
+        // Not mounted yet (most distributions mount it at boot); the error, if any, shows
+        // in the write below.
+        let _ = nix::mount::mount(
+            Some("fusectl"),
+            root,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
+    }
+    std::fs::write(&abort, b"1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_target_has_nothing_to_fence() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = fence(dir.path(), &BTreeSet::new());
+        assert!(r.nothing_mounted && r.complete(), "{r:?}");
+        assert_eq!(r.summary(), "nothing mounted");
+    }
+
+    /// A writer in the host's namespace appending to a file on a bind-mounted volume is
+    /// killed, the mount becomes read-only, and nothing more is appended.
+    #[test]
+    fn a_writer_is_stopped_and_the_mount_made_read_only() {
+        let sb = crate::node::mounts::scratch::Scratch::new();
+        let export = sb.tmpfs("export");
+        let target = sb.dir("target");
+        sb.rbind(&export, &target);
+        let file = target.join("log");
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "while :; do echo x >> {}; sleep 0.05; done",
+                file.display()
+            ))
+            .spawn()
+            .unwrap();
+        // Let it write, and open the file for writing for as long as it runs.
+        let mut hold = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec 3>>{}; sleep 60", file.display()))
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let r = fence(&target, &BTreeSet::new());
+        assert!(r.complete(), "{r:?}");
+        assert!(r.read_only, "{r:?}");
+        let pids: BTreeSet<u32> = r.stopped.iter().map(|h| h.pid).collect();
+        assert!(pids.contains(&hold.id()), "{r:?}");
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = hold.wait();
+        let err = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&file)
+            .unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "{err}");
+    }
+}

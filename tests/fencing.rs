@@ -1,0 +1,276 @@
+//! Issue 31, end to end: one writer means one writer. The simulator with three client nodes,
+//! a dhv-binder per node, the bind plugin's shared export, and a task that appends to a file
+//! in a `single-node-writer` volume.
+
+mod support;
+
+use serde_json::{json, Value};
+use std::time::{SystemTime, UNIX_EPOCH};
+use support::cluster::{repo, Cluster};
+
+const VOLUME: &str = "shared-data";
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A service job whose main task appends `<alloc id> <n>` to `/data/log.txt` ten times a
+/// second, failing as soon as a write fails; the example's prestart task gates the volume.
+fn writer_job(sb_dir: &std::path::Path) -> std::path::PathBuf {
+    writer_job_named(sb_dir, "writer", "")
+}
+
+/// [`writer_job`] named `name`, with `extra` lines in its group (a constraint).
+fn writer_job_named(sb_dir: &std::path::Path, name: &str, extra: &str) -> std::path::PathBuf {
+    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let start = example.find("    task \"publish-volumes\"").unwrap();
+    let end = example.find("    task \"app\"").unwrap();
+    let prestart = &example[start..end];
+    let hcl = format!(
+        r#"job "{name}" {{
+  type        = "service"
+  datacenters = ["*"]
+  group "app" {{
+{extra}
+    volume "data" {{
+      type            = "host"
+      source          = "{VOLUME}"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}
+    volume "dhv-binder" {{
+      type      = "host"
+      source    = "dhv-binder-socket"
+      read_only = true
+    }}
+    restart {{
+      attempts = 3
+      interval = "5m"
+      delay    = "5s"
+      mode     = "fail"
+    }}
+{prestart}
+    task "app" {{
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "i=0; while echo \"$NOMAD_ALLOC_ID $i\" >> /data/log.txt; do i=$((i+1)); sleep 0.1; done; echo write failed >&2; exit 1"]
+      }}
+      volume_mount {{
+        volume      = "data"
+        destination = "/data"
+      }}
+      kill_timeout = "1s"
+    }}
+  }}
+}}
+"#
+    );
+    let path = sb_dir.join(format!("{name}.nomad.hcl"));
+    std::fs::write(&path, hcl).unwrap();
+    path
+}
+
+/// The lines of the volume's log (in the bind plugin's storage: `<export>/default/<id>/`),
+/// as (allocation, n), in file order.
+fn log_lines(c: &Cluster) -> Vec<(String, u64)> {
+    let ns = c.export.join("default");
+    let text = std::fs::read_dir(&ns)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("log.txt"))
+        .find(|p| p.is_file())
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let (a, n) = l.split_once(' ')?;
+            Some((a.to_string(), n.parse().ok()?))
+        })
+        .collect()
+}
+
+fn last_event_ms(c: &Cluster, i: usize, ev: &str) -> Option<u64> {
+    c.journal(i)
+        .iter()
+        .filter(|e| e["event"] == ev)
+        .filter_map(|e| e["unix_ms"].as_u64())
+        .next_back()
+}
+
+/// The partition: the writer's node loses the servers (its heartbeats stop, its agent's
+/// calls to its local Nomad fail as Nomad's do) while its task keeps appending. With the
+/// default claim settings, its dhv-binder fences the volume on itself before the claim can
+/// lapse (the writer is killed, the mount read-only); the replacement on another node
+/// publishes only after the lapse. In the file, no line of the old allocation comes after the
+/// new allocation's first line. When the partition heals, the old node finds its claim lost
+/// and unpublishes once its task is gone. Prints the timeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
+    let c = Cluster::start_with(3, "heartbeat_grace = \"2s\"", &[]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    c.wait_for(30, "a ready placeholder on every node", || async {
+        let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+        let n = vols
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["Name"] == VOLUME && v["State"] == "ready")
+            .count();
+        (n == c.nodes.len()).then_some(())
+    })
+    .await;
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let first_id = first["ID"].as_str().unwrap().to_string();
+    let old = c.node_index(first["NodeID"].as_str().unwrap());
+    // Past the acquire's 2 x TTL lease into steady renewals, for a representative timeline.
+    c.wait_for(60, "the writer's lines for 12 s", || async {
+        (log_lines(&c).len() >= 120).then_some(())
+    })
+    .await;
+
+    let t_cut = now_ms();
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=true", c.nodes[old].id),
+        json!({}),
+    )
+    .await;
+    let t_fence = c
+        .wait_for(60, "the old node fencing the volume", || async {
+            last_event_ms(&c, old, "fenced")
+        })
+        .await;
+    let (code, status) = c.status(old);
+    assert_eq!(code, 0, "{status}");
+    let st: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(st["claims"][format!("default/{VOLUME}")], "fenced", "{st}");
+
+    let second: Value = c
+        .wait_for(120, "the replacement writing on another node", || async {
+            let a = c.allocs(&job).await.into_iter().find(|a| {
+                a["ID"] != first_id.as_str() && a["TaskStates"]["app"]["State"] == "running"
+            })?;
+            let id = a["ID"].as_str()?.to_string();
+            log_lines(&c).iter().any(|(x, _)| *x == id).then_some(a)
+        })
+        .await;
+    let second_id = second["ID"].as_str().unwrap().to_string();
+    let new = c.node_index(second["NodeID"].as_str().unwrap());
+    assert_ne!(new, old);
+    let t_take = last_event_ms(&c, new, "publish-done").unwrap();
+    eprintln!(
+        "partition hand-over with the default claim settings: fence on the old node {} ms after the cut, publish on the new node {} ms after the cut ({} ms after the fence)",
+        t_fence.saturating_sub(t_cut),
+        t_take.saturating_sub(t_cut),
+        t_take.saturating_sub(t_fence)
+    );
+    assert!(t_fence < t_take, "fenced before the other node published");
+    // Let both run on: the old task (restarted by its partitioned client) must not append.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let lines = log_lines(&c);
+    let first_new = lines.iter().position(|(a, _)| *a == second_id).unwrap();
+    let last_old = lines.iter().rposition(|(a, _)| *a == first_id).unwrap();
+    assert!(
+        last_old < first_new,
+        "the old allocation wrote after the new one began: line {last_old} vs {first_new}"
+    );
+
+    // The partition heals: the claim is the new node's, so the old node unpublishes once
+    // its task is gone.
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=false", c.nodes[old].id),
+        json!({}),
+    )
+    .await;
+    let target = c.target(old, VOLUME);
+    c.wait_for(
+        180,
+        "the fenced mount removed on the old node (the unpublish retries with backoff)",
+        || async { (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(()) },
+    )
+    .await;
+    assert!(dhv_binder::node::mounts::is_mount_point(
+        &c.target(new, VOLUME)
+    ));
+    c.stop_job(&job, false).await;
+}
+
+/// Hand-over on evidence: the holder's dhv-binder is killed while its writer keeps running
+/// on a node Nomad reports `ready`. Another node that wants the volume waits past the lock's
+/// lapse (TTL 10 s + lock delay 2 s here) and never publishes: its prestart says who holds the
+/// volume (node, allocation, job). The volume is never mounted on two nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_agent_is_down_while_its_task_runs_is_never_taken_over() {
+    let mut c = Cluster::start_with(
+        2,
+        "",
+        &[
+            ("DHV_BINDER_CLAIM_TTL", "10s"),
+            ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
+        ],
+    )
+    .await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let holder = c.node_index(first["NodeID"].as_str().unwrap());
+    let other = 1 - holder;
+    c.kill_agent(holder, nix::sys::signal::Signal::SIGKILL);
+    let second = c
+        .run_job(&writer_job_named(
+            c.sb.path(),
+            "second",
+            &format!(
+                "    constraint {{\n      attribute = \"${{node.unique.id}}\"\n      value     = \"{}\"\n    }}",
+                c.nodes[other].id
+            ),
+        ))
+        .await;
+    // Past the lapse: 2 x TTL + lock delay after the last renewal at the latest.
+    tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+    let (_, status) = c.status(other);
+    let st: Value = serde_json::from_str(&status).unwrap();
+    let waiting = st["waiting"].to_string();
+    assert!(
+        waiting.contains("still runs with it") && waiting.contains(first["ID"].as_str().unwrap()),
+        "the waiting node names the holder's allocation: {st}"
+    );
+    assert!(
+        !dhv_binder::node::mounts::is_mount_point(&c.target(other, VOLUME)),
+        "published on a second node while the holder's task runs"
+    );
+    assert!(c
+        .allocs(&second)
+        .await
+        .iter()
+        .all(|a| a["TaskStates"]["app"]["State"] != "running"));
+    let iv = c.published_intervals();
+    for (i, a) in iv.iter().enumerate() {
+        for b in iv.iter().skip(i + 1) {
+            assert!(
+                a.0 == b.0 || a.2 <= b.1 || b.2 <= a.1,
+                "published on two nodes at once: {a:?} and {b:?}"
+            );
+        }
+    }
+}
