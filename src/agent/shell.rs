@@ -57,6 +57,9 @@ pub enum StartError {
     /// A `--plugin-root` is not an absolute, existing directory (issue 13 §1).
     #[error(transparent)]
     PluginRoot(#[from] crate::storage::plugin::RootError),
+    /// The helper cgroups (`--helper-cgroup`) cannot be made.
+    #[error(transparent)]
+    Helpers(#[from] crate::node::helpers::HelperError),
     /// Not in the host's mount namespace, or the working directories are unusable.
     #[error(transparent)]
     Host(#[from] crate::node::host::HostError),
@@ -659,6 +662,18 @@ pub async fn run(
         Err(e) => return Err(e.into()),
     };
     let (store, journal) = Store::open(&cfg.state_dir, &node_id)?;
+    // Plugins' helpers run in per-volume cgroups outside this one; those of published
+    // volumes, left by the previous agent, are adopted as they are.
+    let helpers =
+        crate::node::helpers::from_settings(&cfg.helper_cgroup, cfg.helper_memory_max.0)?;
+    if let Some(h) = &helpers {
+        let ids: Vec<String> = journal
+            .mounts()
+            .values()
+            .map(|m| m.volume_id.clone())
+            .collect();
+        h.adopt(&ids);
+    }
     let (listener, _socket_guard) =
         crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
             path: cfg.socket.clone(),
@@ -757,6 +772,9 @@ pub async fn run(
     );
     shell.guard = guard;
     shell.guarded = guarded;
+    if let Some(h) = helpers {
+        shell.runner = shell.runner.clone().with_helpers(h);
+    }
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {
@@ -836,6 +854,8 @@ mod tests {
             allow_unsigned_records: true,
             plugin_roots: vec![],
             token_issuer: None,
+            helper_cgroup: crate::config::HelperCgroupSetting::None,
+            helper_memory_max: crate::config::MemoryMax(None),
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
         let client =

@@ -8,12 +8,15 @@
 //!   directories;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
+//! - [`helpers`]: the per-volume cgroups plugins' long-lived helpers run in, outside the
+//!   daemon's own cgroup;
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
 
 pub(crate) mod guard;
 pub(crate) mod health;
+pub mod helpers;
 pub(crate) mod holders;
 pub mod host;
 pub mod journal;
