@@ -140,7 +140,9 @@ fn system_job_runs_the_agent_on_every_client() {
     let port = string(service.body(), "port");
     let network = one(group.body(), "network");
     assert!(
-        blocks(network.body(), "port").iter().any(|p| label(p) == port),
+        blocks(network.body(), "port")
+            .iter()
+            .any(|p| label(p) == port),
         "the service's port {port} is not a port of the group's network"
     );
     assert!(addr.contains(&format!("${{NOMAD_PORT_{port}}}")), "{addr}");

@@ -115,7 +115,11 @@ async fn a_webdav_volume_outlives_the_kill_of_the_agents_cgroup_and_is_adopted()
     let mut gone = c.nodes[0].agent.take().unwrap();
     let _ = gone.wait();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(mount_pids(&target), helper, "the helper died with the agent");
+    assert_eq!(
+        mount_pids(&target),
+        helper,
+        "the helper died with the agent"
+    );
     let before = lines(&std::fs::read_to_string(&log).unwrap()).len();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = lines(&std::fs::read_to_string(&log).unwrap()).len();
@@ -163,15 +167,20 @@ async fn a_webdav_volume_outlives_the_kill_of_the_agents_cgroup_and_is_adopted()
         .expect("the log on the WebDAV server");
     let stored = lines(&stored);
     assert!(
-        stored.iter().enumerate().all(|(i, (n, _))| *n == i as u64 + 1),
+        stored
+            .iter()
+            .enumerate()
+            .all(|(i, (n, _))| *n == i as u64 + 1),
         "lines missing or out of order on the server"
     );
-    let stderr = std::fs::read_to_string(
-        c.sb
-            .join(&format!("sim/node-1/alloc/{alloc_id}/alloc/logs/app.stderr.0")),
-    )
+    let stderr = std::fs::read_to_string(c.sb.join(&format!(
+        "sim/node-1/alloc/{alloc_id}/alloc/logs/app.stderr.0"
+    )))
     .unwrap_or_default();
-    assert!(!stderr.contains("failed"), "the task saw failed writes: {stderr}");
+    assert!(
+        !stderr.contains("failed"),
+        "the task saw failed writes: {stderr}"
+    );
     let during: Vec<_> = stored.iter().filter(|(_, t)| *t >= killed_at).collect();
     let longest = stored
         .windows(2)

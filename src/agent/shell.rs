@@ -629,6 +629,25 @@ pub async fn run(
     // The host's mount namespace and real directory paths, before anything else.
     let mut cfg = cfg;
     crate::node::host::preflight(&mut cfg)?;
+    tokio::pin!(shutdown);
+    // A node not prepared yet (no record keys, a storage root missing): one message per
+    // missing item, then check again after a growing delay; never exit (Nomad would restart
+    // the task for ever) and never spin.
+    let mut backoff = crate::node::install::Backoff::default();
+    loop {
+        let missing = crate::node::install::missing(&cfg);
+        if missing.is_empty() {
+            break;
+        }
+        let delay = backoff.next_delay();
+        for m in &missing {
+            tracing::error!(retry_in = ?delay, "this node is not ready for dhv-binder: {m}");
+        }
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
     // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
     let trust = crate::cluster::trust::RecordTrust::from_settings(
         cfg.record_keys.as_deref(),
@@ -638,7 +657,22 @@ pub async fn run(
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
-    let me = client.agent_self().await.map_err(StartError::AgentSelf)?;
+    // The local Nomad agent may start after this one (a boot, the systemd unit): wait for it.
+    let mut backoff = crate::node::install::Backoff::default();
+    let me = loop {
+        match client.agent_self().await {
+            Ok(me) => break me,
+            Err(e) if e.is_transient() => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "waiting for the local Nomad agent");
+                tokio::select! {
+                    _ = &mut shutdown => return Ok(()),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+            Err(e) => return Err(StartError::AgentSelf(e)),
+        }
+    };
     let node_id = me
         .node_id()
         .ok_or_else(|| StartError::NotAClient(client.address().to_string()))?
@@ -664,8 +698,7 @@ pub async fn run(
     let (store, journal) = Store::open(&cfg.state_dir, &node_id)?;
     // Plugins' helpers run in per-volume cgroups outside this one; those of published
     // volumes, left by the previous agent, are adopted as they are.
-    let helpers =
-        crate::node::helpers::from_settings(&cfg.helper_cgroup, cfg.helper_memory_max.0)?;
+    let helpers = crate::node::helpers::from_settings(&cfg.helper_cgroup, cfg.helper_memory_max.0)?;
     if let Some(h) = &helpers {
         let ids: Vec<String> = journal
             .mounts()
@@ -795,7 +828,6 @@ pub async fn run(
         tick: ticker(cfg.tick),
         every: cfg.tick,
     };
-    tokio::pin!(shutdown);
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,

@@ -31,7 +31,8 @@ impl Scratch {
         }
         let path = base.join(format!("dhv-binder-check-{}", uuid::Uuid::new_v4()));
         for d in [path.clone(), path.join("caller"), path.join("helpers")] {
-            std::fs::create_dir(&d).map_err(|e| format!("cannot make the cgroup {}: {e}", d.display()))?;
+            std::fs::create_dir(&d)
+                .map_err(|e| format!("cannot make the cgroup {}: {e}", d.display()))?;
         }
         Ok(Scratch(path))
     }
@@ -51,7 +52,8 @@ impl Drop for Scratch {
 /// Writes a file through `target` and reads it back.
 fn serves(target: &Path) -> Result<(), String> {
     let probe = target.join(format!(".dhv-check-{}", uuid::Uuid::new_v4()));
-    std::fs::write(&probe, b"still served").map_err(|e| format!("a write through it failed: {e}"))?;
+    std::fs::write(&probe, b"still served")
+        .map_err(|e| format!("a write through it failed: {e}"))?;
     let back = std::fs::read(&probe).map_err(|e| format!("a read through it failed: {e}"))?;
     let _ = std::fs::remove_file(&probe);
     (back == b"still served")
@@ -72,7 +74,13 @@ pub(super) async fn helper_rule(kit: &mut Kit) {
     let caller = scratch.0.join("caller");
     let exe = match std::env::current_exe() {
         Ok(p) => p,
-        Err(e) => return kit.report.push(RULE, false, format!("cannot find the dhv-binder executable to start calls in a cgroup: {e}")),
+        Err(e) => {
+            return kit.report.push(
+                RULE,
+                false,
+                format!("cannot find the dhv-binder executable to start calls in a cgroup: {e}"),
+            )
+        }
     };
     let runner = kit
         .runner
@@ -82,7 +90,11 @@ pub(super) async fn helper_rule(kit: &mut Kit) {
     let rec = kit.rec.clone();
     let target = kit.target("helper");
     if let Err(e) = std::fs::create_dir_all(&target) {
-        return kit.report.push(RULE, false, format!("cannot make {}: {e}", target.display()));
+        return kit.report.push(
+            RULE,
+            false,
+            format!("cannot make {}: {e}", target.display()),
+        );
     }
     let env = kit.publish_env_of(&rec, &target, false);
     let c = kit.call_with(&runner, Operation::Publish, &env).await;

@@ -72,7 +72,10 @@ fn unescape_octal(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -183,8 +186,12 @@ pub fn from_settings(
     };
     let h = HelperCgroups::open(&parent, memory_max)?;
     match (memory_max, h.memory_limited()) {
-        (Some(_), false) => tracing::warn!(parent = %parent.display(), "the memory controller is not available under the helper cgroups' parent: helpers run without memory.max (enable it in the parent's cgroup.subtree_control)"),
-        _ => tracing::info!(parent = %parent.display(), memory_max = ?memory_max, "plugin helpers run in per-volume cgroups"),
+        (Some(_), false) => {
+            tracing::warn!(parent = %parent.display(), "the memory controller is not available under the helper cgroups' parent: helpers run without memory.max (enable it in the parent's cgroup.subtree_control)")
+        }
+        _ => {
+            tracing::info!(parent = %parent.display(), memory_max = ?memory_max, "plugin helpers run in per-volume cgroups")
+        }
     }
     Ok(Some(h))
 }
@@ -356,11 +363,18 @@ mod tests {
             cgroup2_mount_in(hybrid),
             Some(PathBuf::from("/sys/fs/cgroup/unified"))
         );
-        let unified = "35 24 0:30 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n";
-        assert_eq!(cgroup2_mount_in(unified), Some(PathBuf::from("/sys/fs/cgroup")));
+        let unified =
+            "35 24 0:30 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert_eq!(
+            cgroup2_mount_in(unified),
+            Some(PathBuf::from("/sys/fs/cgroup"))
+        );
         let spaced = "35 24 0:30 / /mnt/cg\\040two rw - cgroup2 cgroup2 rw\n";
         assert_eq!(cgroup2_mount_in(spaced), Some(PathBuf::from("/mnt/cg two")));
-        assert_eq!(cgroup2_mount_in("30 24 0:26 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"), None);
+        assert_eq!(
+            cgroup2_mount_in("30 24 0:26 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"),
+            None
+        );
     }
 
     /// On a plain directory standing for a cgroup: a volume's cgroup is named after it, gets
@@ -382,7 +396,10 @@ mod tests {
         let id = "7c1e0c52-2a4f-4b8e-9d1a-0f4f6e0b8a11";
         let p = h.prepare("default", "shared-data", id).unwrap();
         assert_eq!(p, parent.join(format!("default.shared-data.{id}.scope")));
-        assert_eq!(std::fs::read_to_string(p.join("memory.max")).unwrap(), "268435456");
+        assert_eq!(
+            std::fs::read_to_string(p.join("memory.max")).unwrap(),
+            "268435456"
+        );
         // Again: kept as it is.
         assert_eq!(h.prepare("default", "shared-data", id).unwrap(), p);
         let found = h.list();

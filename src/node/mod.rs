@@ -6,6 +6,8 @@
 //!   use ([`mounts::busy`]);
 //! - [`host`]: the host's mount namespace (the agent must run in it) and resolved
 //!   directories;
+//! - [`install`]: what the node must hold before the agent serves (record keys, storage
+//!   roots), and the backoff it waits with meanwhile;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
 //! - [`helpers`]: the per-volume cgroups plugins' long-lived helpers run in, outside the
@@ -19,5 +21,6 @@ pub(crate) mod health;
 pub mod helpers;
 pub(crate) mod holders;
 pub mod host;
+pub mod install;
 pub mod journal;
 pub mod mounts;

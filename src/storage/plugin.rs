@@ -571,7 +571,11 @@ impl Runner {
                 .map(|(_, v)| v.as_str())
                 .unwrap_or_default()
         };
-        let (ns, name, id) = (get("DHV_NAMESPACE"), get("DHV_VOLUME_NAME"), get("DHV_VOLUME_ID"));
+        let (ns, name, id) = (
+            get("DHV_NAMESPACE"),
+            get("DHV_VOLUME_NAME"),
+            get("DHV_VOLUME_ID"),
+        );
         Some((format!("{ns}/{name}"), h.path_of(ns, name, id)))
     }
 
@@ -729,7 +733,9 @@ impl Runner {
         secrets: &BTreeMap<String, String>,
     ) -> Result<Output, PluginError> {
         let started = Instant::now();
-        let r = self.call_in_helper_cgroup(plugin_id, op, env, secrets).await;
+        let r = self
+            .call_in_helper_cgroup(plugin_id, op, env, secrets)
+            .await;
         self.observe(plugin_id, op, &r, started);
         r
     }

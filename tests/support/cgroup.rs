@@ -40,7 +40,11 @@ impl ScratchCgroup {
         helpers::kill(cgroup).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while helpers::populated(cgroup).unwrap() {
-            assert!(Instant::now() < deadline, "{} did not empty", cgroup.display());
+            assert!(
+                Instant::now() < deadline,
+                "{} did not empty",
+                cgroup.display()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }

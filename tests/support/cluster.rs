@@ -312,12 +312,16 @@ impl Cluster {
 
     /// Node `i`'s agent's cgroup (what Nomad kills when the agent's task stops).
     pub fn agent_cgroup(&self, i: usize) -> PathBuf {
-        self.cgroup.path.join(format!("{}.agent", self.nodes[i].name))
+        self.cgroup
+            .path
+            .join(format!("{}.agent", self.nodes[i].name))
     }
 
     /// Node `i`'s helper cgroups' parent (`--helper-cgroup`).
     pub fn helper_cgroups(&self, i: usize) -> PathBuf {
-        self.cgroup.path.join(format!("{}.helpers", self.nodes[i].name))
+        self.cgroup
+            .path
+            .join(format!("{}.helpers", self.nodes[i].name))
     }
 
     /// Stops node `i`'s dhv-binder with `signal`.
