@@ -44,6 +44,20 @@ job "dhv-binder" {
   namespace   = "default"
   datacenters = ["*"]
   node_pool   = "all"
+  # Above ordinary jobs (default 50): with the system scheduler's preemption on (Nomad's
+  # default), a node short of resources makes room for the daemon by preempting
+  # allocations at least 10 priority points lower, instead of leaving it unplaced.
+  priority = 90
+
+  # An update (a new release) replaces the allocation one node at a time
+  # (`scheduler/system_sched.go` `computeJobAllocs`: max_parallel per evaluation). On each
+  # node the old agent's cgroup is killed; published volumes stay mounted and their FUSE
+  # helpers keep serving them from their own cgroups; the new agent reads the journal and
+  # adopts them (docs/operations.md, "Upgrades, helper cgroups and memory").
+  update {
+    max_parallel = 1
+    stagger      = "15s"
+  }
 
   group "agent" {
     # The daemon must outlive the allocations it serves during a drain.
@@ -52,6 +66,25 @@ job "dhv-binder" {
       interval = "5m"
       delay    = "5s"
       mode     = "delay"
+    }
+
+    # Metrics for Prometheus: registered in Nomad's service catalogue (Prometheus's
+    # `nomad_sd_configs` discovers `dhv-binder-metrics`). The endpoint has no
+    # authentication, so it stays on the node's loopback (DHV_BINDER_METRICS_ADDR below):
+    # scrape it with a Prometheus agent on each node, or bind it to a protected network
+    # and change `address` with it.
+    network {
+      port "metrics" {
+        static = 9464
+      }
+    }
+
+    service {
+      provider = "nomad"
+      name     = "dhv-binder-metrics"
+      port     = "metrics"
+      address  = "127.0.0.1"
+      tags     = ["metrics"]
     }
 
     task "agent" {
@@ -90,20 +123,31 @@ job "dhv-binder" {
         DHV_BINDER_PLUGIN_ROOTS = "bind=/srv/dhv-exports"
         DHV_BINDER_LOG         = "info"
         DHV_BINDER_LOG_FORMAT  = "json"
-        # Prometheus metrics on the node's loopback only (unset to turn them off).
-        DHV_BINDER_METRICS_ADDR = "127.0.0.1:9464"
+        # Prometheus metrics on the node's loopback only (unset to turn them off), at the
+        # service's port.
+        DHV_BINDER_METRICS_ADDR = "127.0.0.1:${NOMAD_PORT_metrics}"
         # Operators' public keys (docs/security.md): root-owned, on each node, never in Nomad.
         DHV_BINDER_RECORD_KEYS = "/etc/dhv-binder/record-keys.pub"
+        # Plugins' long-lived helpers run in a cgroup per volume under
+        # <cgroup2 mount>/dhv-binder.slice, outside this task's cgroup, each with its own
+        # memory.max (docs/operations.md, "Upgrades, helper cgroups and memory").
+        DHV_BINDER_HELPER_CGROUP = "auto"
+        DHV_BINDER_HELPER_MEMORY_MAX = "512MiB"
       }
 
-      # Published volumes stay mounted while the daemon restarts or upgrades; a plugin call
-      # cut short is resolved from the journal on start. Nomad caps kill_timeout at the
-      # client's max_kill_timeout (default 30s).
+      # Nomad kills this task's whole cgroup when it stops (an update, a drain, a restart).
+      # Published volumes stay mounted through it: the mounts live in the host's mount
+      # namespace, and plugins run their long-lived helpers (the webdav plugin's rclone) in
+      # per-volume cgroups outside this one, under DHV_BINDER_HELPER_CGROUP; the next agent
+      # adopts them, and a plugin call cut short is resolved from the journal on start.
+      # Nomad caps kill_timeout at the client's max_kill_timeout (default 30s).
       kill_timeout = "30s"
 
+      # The agent's own memory: plugin helpers are accounted in their helper cgroups
+      # (DHV_BINDER_HELPER_MEMORY_MAX each); short plugin calls (mkfs, resize2fs) run here.
       resources {
         cpu    = 100
-        memory = 64
+        memory = 128
       }
     }
   }

@@ -179,6 +179,62 @@ pub struct AgentConfig {
     /// Log line format: `text` for people, `json` (one object a line) for log shippers.
     #[arg(long, env = "DHV_BINDER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Where plugins' long-lived helpers (FUSE servers) run: a directory on the cgroup v2
+    /// filesystem under which every published volume gets a cgroup of its own, outside the
+    /// agent's, so that they outlive the agent's task (docs/operations.md, "Helper
+    /// cgroups"). `auto`: `<cgroup2 mount>/dhv-binder.slice`; `none`: no helper cgroups
+    /// (helpers then share the agent's cgroup, and Nomad kills them with it).
+    #[arg(long, env = "DHV_BINDER_HELPER_CGROUP", default_value = "auto")]
+    pub helper_cgroup: HelperCgroupSetting,
+    /// `memory.max` of each volume's helper cgroup (`512MiB`, `2GiB`, bytes; `max`: no limit),
+    /// applied where the kernel offers the memory controller under the helper cgroups.
+    #[arg(long, env = "DHV_BINDER_HELPER_MEMORY_MAX", default_value = "512MiB")]
+    pub helper_memory_max: MemoryMax,
+}
+
+/// Where helper cgroups live (`--helper-cgroup`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HelperCgroupSetting {
+    /// `<cgroup2 mount>/dhv-binder.slice`, or none when no cgroup v2 filesystem is mounted.
+    Auto,
+    /// No helper cgroups.
+    None,
+    /// Under this directory of the cgroup v2 filesystem.
+    Under(PathBuf),
+}
+
+impl std::str::FromStr for HelperCgroupSetting {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "none" => Ok(Self::None),
+            p if p.starts_with('/') => Ok(Self::Under(PathBuf::from(p))),
+            other => Err(format!(
+                "{other:?} is neither `auto`, `none` nor an absolute directory on the cgroup v2 filesystem"
+            )),
+        }
+    }
+}
+
+/// A memory limit in bytes (`--helper-memory-max`); `None`: no limit (`max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryMax(pub Option<u64>);
+
+impl std::str::FromStr for MemoryMax {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "max" {
+            return Ok(Self(None));
+        }
+        let b: bytesize::ByteSize = s
+            .parse()
+            .map_err(|e| format!("{s:?} is not a size such as 512MiB, 2GiB or `max`: {e}"))?;
+        if b.as_u64() < 1 << 20 {
+            return Err(format!("{s:?} is below 1 MiB: no helper runs in that"));
+        }
+        Ok(Self(Some(b.as_u64())))
+    }
 }
 
 /// The agent's log line format.

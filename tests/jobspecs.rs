@@ -111,11 +111,44 @@ fn system_job_runs_the_agent_on_every_client() {
             .is_some_and(|a| a.contains("unix://${NOMAD_SECRETS_DIR}/api.sock")),
         "NOMAD_ADDR should be the Task API socket, got {addr:?}"
     );
-    let addr = string(env.body(), "DHV_BINDER_METRICS_ADDR");
+    let addr = match attr(env.body(), "DHV_BINDER_METRICS_ADDR") {
+        Some(Expression::String(s)) => s.clone(),
+        Some(Expression::TemplateExpr(t)) => t.to_string(),
+        other => panic!("DHV_BINDER_METRICS_ADDR should be a string, got {other:?}"),
+    };
     assert!(
         addr.starts_with("127.0.0.1:"),
         "metrics beyond loopback: {addr}"
     );
+    // Placed before ordinary jobs, updated one node at a time, metrics discoverable.
+    let priority = attr(job.body(), "priority").map(|p| p.to_string());
+    assert!(
+        priority
+            .as_deref()
+            .and_then(|p| p.parse::<u32>().ok())
+            .is_some_and(|p| p > 50),
+        "the daemon's priority must be above the default 50, got {priority:?}"
+    );
+    let update = one(job.body(), "update");
+    assert_eq!(
+        attr(update.body(), "max_parallel").map(|e| e.to_string()),
+        Some("1".to_string())
+    );
+    let group = one(job.body(), "group");
+    let service = one(group.body(), "service");
+    assert_eq!(string(service.body(), "provider"), "nomad");
+    let port = string(service.body(), "port");
+    let network = one(group.body(), "network");
+    assert!(
+        blocks(network.body(), "port")
+            .iter()
+            .any(|p| label(p) == port),
+        "the service's port {port} is not a port of the group's network"
+    );
+    assert!(addr.contains(&format!("${{NOMAD_PORT_{port}}}")), "{addr}");
+    // Helpers outlive the task: per-volume helper cgroups, each with a memory limit.
+    assert_eq!(string(env.body(), "DHV_BINDER_HELPER_CGROUP"), "auto");
+    assert!(!string(env.body(), "DHV_BINDER_HELPER_MEMORY_MAX").is_empty());
 }
 
 /// The prestart task calls the daemon with its identity through the socket volume, and

@@ -549,43 +549,105 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
 }
 
 /// Configuration an operator got wrong is exit 64 with the reason, before the agent asks
-/// Nomad anything: no record keys (and no --allow-unsigned-records), an unreadable key file,
-/// a plugin root that does not exist.
+/// Nomad anything: no record keys (and no --allow-unsigned-records).
 #[test]
 fn agent_configuration_errors_exit_64_and_say_why() {
     let tmp = tempfile::tempdir().unwrap();
-    let base = |extra: &[&str]| {
-        let out = Command::new(dhv_binder_bin())
-            .arg("agent")
-            .arg("--state-dir")
-            .arg(tmp.path().join("state"))
-            .arg("--socket")
-            .arg(tmp.path().join("api.sock"))
-            .arg("--plugin-dir")
-            .arg(tmp.path().join("plugins"))
-            .args(extra)
-            .env_clear()
-            // Nothing listens here: reaching Nomad would be exit 69, not 64.
-            .env("NOMAD_ADDR", "http://127.0.0.1:9")
-            .output()
-            .expect("run dhv-binder agent");
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
-    let (code, err) = base(&[]);
-    assert_eq!(code, Some(64), "{err}");
+    let out = Command::new(dhv_binder_bin())
+        .arg("agent")
+        .arg("--state-dir")
+        .arg(tmp.path().join("state"))
+        .arg("--socket")
+        .arg(tmp.path().join("api.sock"))
+        .arg("--plugin-dir")
+        .arg(tmp.path().join("plugins"))
+        .env_clear()
+        // Nothing listens here: reaching Nomad would be exit 69, not 64.
+        .env("NOMAD_ADDR", "http://127.0.0.1:9")
+        .output()
+        .expect("run dhv-binder agent");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
     assert!(err.contains("no record keys configured"), "{err}");
-    let missing = tmp.path().join("no-such-keys.pub");
-    let (code, err) = base(&["--record-keys", missing.to_str().unwrap()]);
-    assert_eq!(code, Some(64), "{err}");
-    assert!(err.contains("no-such-keys.pub"), "{err}");
-    let (code, err) = base(&[
-        "--allow-unsigned-records",
-        "--plugin-root",
-        "bind=/nonexistent/dhv-binder-root",
-    ]);
-    assert_eq!(code, Some(64), "{err}");
-    assert!(err.contains("/nonexistent/dhv-binder-root"), "{err}");
+}
+
+/// A node not prepared yet (its record keys file and a storage root missing) gets one
+/// message per missing item and a wait, not an exit (Nomad would restart the task for
+/// ever): within the first delay (5 s) each item is named exactly once. Once both exist the
+/// agent goes on by itself, and waits for the local Nomad agent instead of failing.
+#[test]
+fn an_unprepared_node_names_each_missing_item_once_and_waits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let keys = tmp.path().join("record-keys.pub");
+    let root = tmp.path().join("exports");
+    let log = tmp.path().join("agent.log");
+    /// Killed on drop, also when an assertion fails.
+    struct Agent(std::process::Child);
+    impl Drop for Agent {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut agent = Command::new(dhv_binder_bin())
+        .arg("agent")
+        .arg("--state-dir")
+        .arg(tmp.path().join("state"))
+        .arg("--socket")
+        .arg(tmp.path().join("api.sock"))
+        .arg("--plugin-dir")
+        .arg(tmp.path().join("plugins"))
+        .arg("--record-keys")
+        .arg(&keys)
+        .arg("--plugin-root")
+        .arg(format!("bind={}", root.display()))
+        .arg("--helper-cgroup")
+        .arg("none")
+        .env_clear()
+        .env("NOMAD_ADDR", "http://127.0.0.1:9")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .map(Agent)
+        .expect("run dhv-binder agent");
+    let agent = &mut agent.0;
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(
+        agent.try_wait().unwrap().is_none(),
+        "the agent exited: {}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let count = |needle: &str| text.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(count("record-keys.pub does not exist"), 1, "{text}");
+    assert_eq!(count("exports of plugin \"bind\""), 1, "{text}");
+    assert_eq!(count("not ready for dhv-binder"), 2, "{text}");
+
+    let (key, _) = dhv_binder::cluster::trust::SigningKey::generate().unwrap();
+    std::fs::write(&keys, key.public_line()).unwrap();
+    std::fs::create_dir(&root).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !std::fs::read_to_string(&log)
+        .unwrap()
+        .contains("waiting for the local Nomad agent")
+    {
+        assert!(
+            std::time::Instant::now() < deadline && agent.try_wait().unwrap().is_none(),
+            "the agent did not go on once the node was prepared: {}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = agent.wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
 }

@@ -6,18 +6,23 @@ mod support;
 
 use std::path::Path;
 use std::process::Command;
+use support::cgroup::ScratchCgroup;
 use support::cluster::{dhv_binder_bin, repo};
 use support::sandbox::{script, Sandbox};
 use support::webdav::WebdavServer;
 
 /// Runs the kit on `plugin`; returns (exit code, report). The report is printed, so that a
 /// test run shows it.
+/// The kit's scratch cgroups live under a scratch cgroup of the test's own.
 fn check(sb: &Sandbox, plugin: &Path, args: &[&str]) -> (i32, String) {
+    let cgroup = ScratchCgroup::new();
     let out = Command::new(dhv_binder_bin())
         .args(["plugin", "check"])
         .arg(plugin)
         .args(["--timeout", "30s", "--scratch"])
         .arg(sb.join("scratch"))
+        .arg("--cgroup")
+        .arg(&cgroup.path)
         .args(args)
         .env_clear()
         .output()
@@ -50,6 +55,7 @@ fn assert_conforms(code: i32, report: &str, extra: &[&str]) {
         "unpublish while in use",
         "concurrent calls",
         "killed by the timeout",
+        "helper outlives the caller",
         "delete x10",
         "delete of nothing",
         "unknown operation refused",
@@ -155,6 +161,11 @@ fn webdav_fuse_plugin_conforms() {
         ],
     );
     assert_conforms(code, &report, &[]);
+    // Its rclone runs in the volume's helper cgroup: it outlived the caller's.
+    assert!(
+        report.contains("PASS  helper outlives the caller   1 helper process(es)"),
+        "{report}"
+    );
     // It declares no optional operation: none is called.
     for rule in ["snapshot x2", "clone", "expand"] {
         assert!(report.contains(&format!("SKIP  {rule} ")), "{report}");

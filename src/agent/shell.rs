@@ -57,6 +57,9 @@ pub enum StartError {
     /// A `--plugin-root` is not an absolute, existing directory (issue 13 §1).
     #[error(transparent)]
     PluginRoot(#[from] crate::storage::plugin::RootError),
+    /// The helper cgroups (`--helper-cgroup`) cannot be made.
+    #[error(transparent)]
+    Helpers(#[from] crate::node::helpers::HelperError),
     /// Not in the host's mount namespace, or the working directories are unusable.
     #[error(transparent)]
     Host(#[from] crate::node::host::HostError),
@@ -653,6 +656,25 @@ pub async fn run(
     // The host's mount namespace and real directory paths, before anything else.
     let mut cfg = cfg;
     crate::node::host::preflight(&mut cfg)?;
+    tokio::pin!(shutdown);
+    // A node not prepared yet (no record keys, a storage root missing): one message per
+    // missing item, then check again after a growing delay; never exit (Nomad would restart
+    // the task for ever) and never spin.
+    let mut backoff = crate::node::install::Backoff::default();
+    loop {
+        let missing = crate::node::install::missing(&cfg);
+        if missing.is_empty() {
+            break;
+        }
+        let delay = backoff.next_delay();
+        for m in &missing {
+            tracing::error!(retry_in = ?delay, "this node is not ready for dhv-binder: {m}");
+        }
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
     // Fail closed on record trust and plugin roots before anything runs (issue 13 §1).
     let trust = crate::cluster::trust::RecordTrust::from_settings(
         cfg.record_keys.as_deref(),
@@ -662,7 +684,22 @@ pub async fn run(
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
-    let me = client.agent_self().await.map_err(StartError::AgentSelf)?;
+    // The local Nomad agent may start after this one (a boot, the systemd unit): wait for it.
+    let mut backoff = crate::node::install::Backoff::default();
+    let me = loop {
+        match client.agent_self().await {
+            Ok(me) => break me,
+            Err(e) if e.is_transient() => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "waiting for the local Nomad agent");
+                tokio::select! {
+                    _ = &mut shutdown => return Ok(()),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+            Err(e) => return Err(StartError::AgentSelf(e)),
+        }
+    };
     let node_id = me
         .node_id()
         .ok_or_else(|| StartError::NotAClient(client.address().to_string()))?
@@ -686,6 +723,17 @@ pub async fn run(
         Err(e) => return Err(e.into()),
     };
     let (store, journal) = Store::open(&cfg.state_dir, &node_id)?;
+    // Plugins' helpers run in per-volume cgroups outside this one; those of published
+    // volumes, left by the previous agent, are adopted as they are.
+    let helpers = crate::node::helpers::from_settings(&cfg.helper_cgroup, cfg.helper_memory_max.0)?;
+    if let Some(h) = &helpers {
+        let ids: Vec<String> = journal
+            .mounts()
+            .values()
+            .map(|m| m.volume_id.clone())
+            .collect();
+        h.adopt(&ids);
+    }
     let (listener, _socket_guard) =
         crate::api::bind(&cfg.socket).map_err(|source| StartError::Socket {
             path: cfg.socket.clone(),
@@ -786,6 +834,9 @@ pub async fn run(
     );
     shell.guard = guard;
     shell.guarded = guarded;
+    if let Some(h) = helpers {
+        shell.runner = shell.runner.clone().with_helpers(h);
+    }
     // The mount table first: nothing is planned from an unread one.
     match MountTable::read() {
         Ok(t) => {
@@ -806,7 +857,6 @@ pub async fn run(
         tick: ticker(cfg.tick),
         every: cfg.tick,
     };
-    tokio::pin!(shutdown);
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -866,6 +916,8 @@ mod tests {
             allow_unsigned_records: true,
             plugin_roots: vec![],
             token_issuer: None,
+            helper_cgroup: crate::config::HelperCgroupSetting::None,
+            helper_memory_max: crate::config::MemoryMax(None),
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
         let client =

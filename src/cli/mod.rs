@@ -1,6 +1,6 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
 //! `volume snapshot create|list|delete` ([`storage`]),
-//! `plugin check|status`, `node status`; one file per command group, [`output`] for the
+//! `plugin check|status`, `node status`, `helper run` ([`helper`]); one file per command group, [`output`] for the
 //! readable (Nomad-style) and JSON forms every read command prints, [`records`] for the
 //! volume records both `volume` and the storage commands read.
 //!
@@ -20,6 +20,7 @@ macro_rules! outln {
     }};
 }
 
+pub mod helper;
 pub mod node;
 pub mod output;
 pub mod plugin;
@@ -130,6 +131,10 @@ pub enum Command {
     /// The nodes running dhv-binder, from the records each agent publishes.
     #[command(subcommand)]
     Node(node::NodeCommand),
+    /// Start a plugin's long-lived helper in the volume's helper cgroup (from a plugin's
+    /// `publish`: `helper run --cgroup "$DHV_HELPER_CGROUP" -- <command>…`).
+    #[command(subcommand)]
+    Helper(helper::HelperCommand),
 }
 
 /// Runs any command but `agent` (which `main` runs with its tracing and signals).
@@ -144,6 +149,7 @@ pub async fn run(nomad: &NomadConfig, command: Command) -> Result<(), Failure> {
         Command::Volume(cmd) => volume_cmd(nomad, cmd).await,
         Command::Plugin(cmd) => plugin_cmd(nomad, cmd).await,
         Command::Node(cmd) => node::node_cmd(nomad, cmd).await,
+        Command::Helper(cmd) => helper::helper_cmd(cmd),
     }
 }
 

@@ -48,6 +48,11 @@ pub enum PluginCommand {
         /// dir and the absolute paths given as parameters; repeatable.
         #[arg(long = "plugin-root")]
         roots: Vec<PathBuf>,
+        /// A directory on the cgroup v2 filesystem the kit makes its scratch cgroups under
+        /// (the caller's and the helpers', for the rule `helper outlives the caller`);
+        /// default: the cgroup2 mount. They are removed afterwards.
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
     },
     /// List plugins across the cluster (nodes with each, healthy, deferred), or with an ID,
     /// that plugin on every node (like `nomad plugin status`).
@@ -289,6 +294,7 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
             timeout,
             scratch,
             roots,
+            cgroup,
         } => {
             let secrets = secrets_from(
                 secrets_file.as_deref(),
@@ -303,6 +309,7 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
                 timeout,
                 scratch,
                 roots,
+                cgroup,
             })
             .await
             .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;

@@ -6,7 +6,8 @@
 //! (idempotence); unpublish and delete of something absent; publish to a target that is
 //! already mounted; read-only publish; unpublish while a file is open inside (must fail and
 //! leave the mount); data kept across publishes; concurrent calls on one
-//! volume; calls killed by the timeout, then retried; output shape (one JSON object on
+//! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
+//! caller's cgroup; output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
@@ -19,6 +20,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod helpers;
 mod storage;
 
 /// How many times each operation is repeated.
@@ -45,6 +47,9 @@ pub struct Options {
     /// scratch volumes dir and every parameter value that is an absolute path (the test
     /// volume's own storage).
     pub roots: Vec<PathBuf>,
+    /// Where the kit makes its scratch cgroups (rule `helper outlives the caller`); `None`:
+    /// under the cgroup2 mount.
+    pub cgroup: Option<PathBuf>,
 }
 
 /// A rule's verdict.
@@ -530,6 +535,7 @@ async fn run_rules(kit: &mut Kit) {
             "unpublish while in use",
             "concurrent calls",
             "killed by the timeout",
+            "helper outlives the caller",
         ] {
             kit.report.skip(r, "not deferred");
         }
@@ -649,6 +655,9 @@ async fn run_rules(kit: &mut Kit) {
             (Err(e), _) | (_, Err(e)) => e,
         },
     );
+
+    // A helper must outlive the caller's cgroup (Nomad kills the agent's on every upgrade).
+    helpers::helper_rule(kit).await;
 
     // Unpublish of nothing: a target never published, and a missing target.
     let never = kit.target("never");

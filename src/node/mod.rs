@@ -6,10 +6,14 @@
 //!   use ([`mounts::busy`]);
 //! - [`host`]: the host's mount namespace (the agent must run in it) and resolved
 //!   directories;
+//! - [`install`]: what the node must hold before the agent serves (record keys, storage
+//!   roots), and the backoff it waits with meanwhile;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
 //! - `fence`: making a volume unwritable on this node without the network (a claim's lease
 //!   about to end);
+//! - [`helpers`]: the per-volume cgroups plugins' long-lived helpers run in, outside the
+//!   daemon's own cgroup;
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
@@ -17,7 +21,9 @@
 pub(crate) mod fence;
 pub(crate) mod guard;
 pub(crate) mod health;
+pub mod helpers;
 pub(crate) mod holders;
 pub mod host;
+pub mod install;
 pub mod journal;
 pub mod mounts;

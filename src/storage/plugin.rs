@@ -114,6 +114,13 @@ pub enum PluginError {
         message: String,
         stderr: String,
     },
+    #[error("plugin {plugin:?} {op}: {source}")]
+    Helper {
+        plugin: String,
+        op: Operation,
+        #[source]
+        source: crate::node::helpers::HelperError,
+    },
     #[error("plugin {plugin:?} {op} printed output that is not the expected JSON ({reason}); the output is in the agent's log on this node")]
     BadOutput {
         plugin: String,
@@ -336,6 +343,12 @@ pub struct Runner {
     /// The last good fingerprint of each plugin, with its file as it was just before that
     /// run ([`Runner::fingerprint_if_changed`]); shared by the runner's clones.
     fingerprints: std::sync::Arc<std::sync::Mutex<BTreeMap<String, (PluginFile, Fingerprint)>>>,
+    /// The node's helper cgroups: `publish` and `unpublish` get their volume's as
+    /// `DHV_HELPER_CGROUP`, and an `unpublish` succeeds once that cgroup is empty.
+    helpers: Option<crate::node::helpers::HelperCgroups>,
+    /// A cgroup every call starts in (the conformance kit's stand-in for the daemon's), and
+    /// the dhv-binder executable that puts it there (`helper run`).
+    caller_cgroup: Option<(PathBuf, PathBuf)>,
 }
 
 /// What tells one plugin file from another, or from itself changed: the file's device and
@@ -522,7 +535,48 @@ impl Runner {
             allowed_roots: BTreeMap::new(),
             observer: None,
             fingerprints: Default::default(),
+            helpers: None,
+            caller_cgroup: None,
         }
+    }
+
+    /// The same runner, giving `publish` and `unpublish` the volume's helper cgroup
+    /// (`DHV_HELPER_CGROUP`, made before `publish`), and making an `unpublish` succeed only
+    /// once the helpers in it have exited (waited for up to the call timeout), when the
+    /// cgroup is removed (docs/plugin-protocol.md, "Helpers").
+    pub fn with_helpers(mut self, helpers: crate::node::helpers::HelperCgroups) -> Self {
+        self.helpers = Some(helpers);
+        self
+    }
+
+    /// The same runner, starting every call in the cgroup `cgroup` (a directory on the
+    /// cgroup2 filesystem) through `<dhv_binder> helper run` (the executable, usually
+    /// `std::env::current_exe()`); a call that cannot enter it fails.
+    pub fn in_cgroup(mut self, cgroup: &Path, dhv_binder: &Path) -> Self {
+        self.caller_cgroup = Some((cgroup.to_path_buf(), dhv_binder.to_path_buf()));
+        self
+    }
+
+    /// The helper cgroup of the volume a `publish` or `unpublish` call is about (from its
+    /// `DHV_NAMESPACE`, `DHV_VOLUME_NAME`, `DHV_VOLUME_ID`); `None` for other operations or
+    /// without helper cgroups.
+    fn helper_cgroup(&self, op: Operation, env: &[(String, String)]) -> Option<(String, PathBuf)> {
+        let h = self.helpers.as_ref()?;
+        if !matches!(op, Operation::Publish | Operation::Unpublish) {
+            return None;
+        }
+        let get = |k: &str| {
+            env.iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+                .unwrap_or_default()
+        };
+        let (ns, name, id) = (
+            get("DHV_NAMESPACE"),
+            get("DHV_VOLUME_NAME"),
+            get("DHV_VOLUME_ID"),
+        );
+        Some((format!("{ns}/{name}"), h.path_of(ns, name, id)))
     }
 
     /// The same runner, telling `observer` of every `fingerprint` and `call` it finishes.
@@ -679,9 +733,43 @@ impl Runner {
         secrets: &BTreeMap<String, String>,
     ) -> Result<Output, PluginError> {
         let started = Instant::now();
-        let r = self.run(plugin_id, op, env, secrets, self.timeout).await;
+        let r = self
+            .call_in_helper_cgroup(plugin_id, op, env, secrets)
+            .await;
         self.observe(plugin_id, op, &r, started);
         r
+    }
+
+    async fn call_in_helper_cgroup(
+        &self,
+        plugin_id: &str,
+        op: Operation,
+        env: &[(String, String)],
+        secrets: &BTreeMap<String, String>,
+    ) -> Result<Output, PluginError> {
+        let Some((volume, cgroup)) = self.helper_cgroup(op, env) else {
+            return self.run(plugin_id, op, env, secrets, self.timeout).await;
+        };
+        let helper_error = |source| PluginError::Helper {
+            plugin: plugin_id.into(),
+            op,
+            source,
+        };
+        if op == Operation::Publish {
+            if let Some(h) = &self.helpers {
+                h.make(&cgroup).map_err(helper_error)?;
+            }
+        }
+        let mut env = env.to_vec();
+        env.retain(|(k, _)| k != "DHV_HELPER_CGROUP");
+        env.push(("DHV_HELPER_CGROUP".into(), cgroup.display().to_string()));
+        let out = self.run(plugin_id, op, &env, secrets, self.timeout).await?;
+        if op == Operation::Unpublish {
+            crate::node::helpers::finish(&volume, &cgroup, self.timeout)
+                .await
+                .map_err(helper_error)?;
+        }
+        Ok(out)
     }
 
     async fn run(
@@ -711,7 +799,19 @@ impl Runner {
             });
         }
         let started = Instant::now();
-        let mut cmd = tokio::process::Command::new(&path);
+        // In a caller cgroup (the kit), the call starts through `dhv-binder helper run`,
+        // which enters the cgroup and then execs the plugin (same argv, environment, PID).
+        let mut cmd = match &self.caller_cgroup {
+            Some((cgroup, trampoline)) => {
+                let mut c = tokio::process::Command::new(trampoline);
+                c.args(["helper", "run", "--cgroup"])
+                    .arg(cgroup)
+                    .arg("--")
+                    .arg(&path);
+                c
+            }
+            None => tokio::process::Command::new(&path),
+        };
         cmd.arg(op.as_str())
             .env_clear()
             .env("DHV_OPERATION", op.as_str())

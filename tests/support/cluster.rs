@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+use super::cgroup::ScratchCgroup;
 use super::sandbox::Sandbox;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -57,6 +58,9 @@ pub struct Cluster {
     pub export: PathBuf,
     pub http: reqwest::Client,
     pub agent_env: Vec<(String, String)>,
+    /// The test's cgroup: node `i`'s agent runs in `node-<i>.agent` (as Nomad runs a task in
+    /// its own), its plugins' helpers under `node-<i>.helpers` (`--helper-cgroup`).
+    pub cgroup: ScratchCgroup,
     pub sb: Sandbox,
 }
 
@@ -204,6 +208,7 @@ impl Cluster {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            cgroup: ScratchCgroup::new(),
             sb,
         };
         let ready = cluster.sb.join("sim/ready.json");
@@ -267,9 +272,18 @@ impl Cluster {
             .append(true)
             .open(&n.log)
             .unwrap();
+        let agent_cgroup = self.cgroup.child(&format!("{}.agent", n.name));
+        let helpers = self.cgroup.child(&format!("{}.helpers", n.name));
+        // In its own cgroup, as Nomad runs a raw_exec task (`helper run` enters it, then
+        // execs the agent: same PID).
         let child = Command::new(dhv_binder_bin())
+            .args(["helper", "run", "--cgroup"])
+            .arg(&agent_cgroup)
+            .arg("--")
+            .arg(dhv_binder_bin())
             .arg("agent")
             .env_clear()
+            .env("DHV_BINDER_HELPER_CGROUP", &helpers)
             .env("NOMAD_ADDR", &n.address)
             .env("DHV_BINDER_STATE_DIR", &n.state_dir)
             .env("DHV_BINDER_SOCKET", &n.socket)
@@ -294,6 +308,20 @@ impl Cluster {
             .spawn()
             .expect("start dhv-binder agent");
         n.agent = Some(child);
+    }
+
+    /// Node `i`'s agent's cgroup (what Nomad kills when the agent's task stops).
+    pub fn agent_cgroup(&self, i: usize) -> PathBuf {
+        self.cgroup
+            .path
+            .join(format!("{}.agent", self.nodes[i].name))
+    }
+
+    /// Node `i`'s helper cgroups' parent (`--helper-cgroup`).
+    pub fn helper_cgroups(&self, i: usize) -> PathBuf {
+        self.cgroup
+            .path
+            .join(format!("{}.helpers", self.nodes[i].name))
     }
 
     /// Stops node `i`'s dhv-binder with `signal`.

@@ -56,6 +56,8 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         allow_unsigned_records: true,
         plugin_roots: vec![],
         token_issuer: None,
+        helper_cgroup: dhv_binder::config::HelperCgroupSetting::None,
+        helper_memory_max: dhv_binder::config::MemoryMax(None),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Shared test support: the in-process agent against the simulator's scripted front
 //! (`nomad_sim::replay`), recorded Nomad data, a mount-cleaning sandbox, the end-to-end
-//! cluster, and a WebDAV server on loopback for the FUSE plugin.
+//! cluster, a scratch cgroup, and a WebDAV server on loopback for the FUSE plugin.
+pub mod cgroup;
 pub mod cluster;
 pub mod fixtures;
 pub mod inproc;
