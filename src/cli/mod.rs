@@ -84,26 +84,58 @@ pub struct Cli {
 }
 
 impl Cli {
-    /// Parses the process arguments, accepting the Nomad CLI's single-dash spellings of the
-    /// output flags (`-json`, `-t`) besides `--json` and `--template`: see [`normalize_args`].
+    /// Parses the process arguments, accepting the Nomad CLI's single-dash spellings of
+    /// every long flag (`-namespace`, `-detach`, `-json`, `-verbose`...) besides clap's
+    /// `--namespace`: see [`normalize_args`].
     pub fn parse_args() -> Self {
         Self::parse_from(normalize_args(std::env::args_os()))
     }
 }
 
-/// Rewrites the Nomad CLI's single-dash long flags to clap's spelling: `-json` becomes
-/// `--json` (and `-json=true` stays a usage error). Arguments after `--` are left alone.
+/// Every long flag name of the command line, over all subcommands.
+fn long_flags() -> std::collections::BTreeSet<String> {
+    fn walk(c: &clap::Command, out: &mut std::collections::BTreeSet<String>) {
+        for a in c.get_arguments() {
+            if let Some(l) = a.get_long() {
+                out.insert(l.to_string());
+            }
+            for l in a.get_all_aliases().unwrap_or_default() {
+                out.insert(l.to_string());
+            }
+        }
+        for sc in c.get_subcommands() {
+            walk(sc, out);
+        }
+    }
+    let mut out = std::collections::BTreeSet::new();
+    walk(&<Cli as clap::CommandFactory>::command(), &mut out);
+    out.insert("help".into());
+    out.insert("version".into());
+    out
+}
+
+/// Rewrites the Nomad CLI's single-dash long flags to clap's spelling: `-namespace=prod`
+/// becomes `--namespace=prod`, `-detach` `--detach`, for every long flag the command line
+/// knows (Nomad's CLI spells them with one dash; both work). One-letter flags (`-t`), `-`
+/// (standard input) and anything after `--` are left alone, as is a single-dash word that
+/// names no flag (clap then refuses it).
 pub fn normalize_args<I: IntoIterator<Item = std::ffi::OsString>>(
     args: I,
 ) -> Vec<std::ffi::OsString> {
+    let longs = long_flags();
     let mut out = Vec::new();
     let mut rest = false;
     for a in args {
         if !rest && a == "--" {
             rest = true;
-        } else if !rest && a == "-json" {
-            out.push("--json".into());
-            continue;
+        } else if !rest {
+            if let Some(word) = a.to_str().and_then(|s| s.strip_prefix('-')) {
+                let name = word.split('=').next().unwrap_or_default();
+                if !word.starts_with('-') && name.len() > 1 && longs.contains(name) {
+                    out.push(format!("-{}", a.to_string_lossy()).into());
+                    continue;
+                }
+            }
         }
         out.push(a);
     }
@@ -179,6 +211,51 @@ impl From<NomadError> for Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nomads_single_dash_flags_are_accepted_everywhere_and_double_dashes_still_work() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(normalize_args(args.iter().map(std::ffi::OsString::from)))
+        };
+        let cli = parse(&[
+            "dhv-binder",
+            "-namespace=prod",
+            "volume",
+            "delete",
+            "-detach",
+            "-address",
+            "http://127.0.0.1:4646",
+            "data",
+        ])
+        .unwrap();
+        assert_eq!(cli.nomad.namespace, "prod");
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::Delete { ref wait, .. }) if wait.detach
+        ));
+        let cli = parse(&[
+            "dhv-binder",
+            "volume",
+            "list",
+            "--namespace",
+            "ops",
+            "-verbose",
+        ])
+        .unwrap();
+        assert_eq!(cli.nomad.namespace, "ops");
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::List { out }) if out.verbose
+        ));
+        // `-t` stays a short flag; `-` is standard input; a word that names no flag is refused.
+        let cli = parse(&["dhv-binder", "volume", "list", "-t", "{{.ID}}"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::List { out }) if out.template.as_deref() == Some("{{.ID}}")
+        ));
+        assert!(parse(&["dhv-binder", "volume", "create", "-"]).is_ok());
+        assert!(parse(&["dhv-binder", "volume", "list", "-nosuchflag"]).is_err());
+    }
 
     #[test]
     fn single_dash_json_is_accepted_before_the_separator_only() {

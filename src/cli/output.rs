@@ -16,6 +16,9 @@ pub struct OutputArgs {
     /// `{{range .List}}…{{end}}` repeats for each element (`.` is the element).
     #[arg(short = 't', long = "template")]
     pub template: Option<String>,
+    /// Full IDs instead of their first 8 characters, and more detail.
+    #[arg(long = "verbose")]
+    pub verbose: bool,
 }
 
 impl OutputArgs {
@@ -120,6 +123,16 @@ pub fn table(header: &[&str], rows: &[Vec<String>], empty: &str) -> String {
 /// A byte count as Nomad prints capacity (binary units): `1073741824` is `1.0 GiB`.
 pub fn bytes(n: u64) -> String {
     bytesize::ByteSize(n).to_string_as(true)
+}
+
+/// An ID as tables print it: its first 8 characters (Nomad's short IDs), in full with
+/// `verbose`.
+pub fn short_id(id: &str, verbose: bool) -> String {
+    if verbose {
+        id.to_string()
+    } else {
+        id.chars().take(8).collect()
+    }
 }
 
 /// A duration in the past as `12s ago`, `3m4s ago`; `never` for 0 (no timestamp).
@@ -308,12 +321,12 @@ mod tests {
         assert_eq!(o.render(&v, human).unwrap(), "readable\n");
         let o = OutputArgs {
             json: true,
-            template: None,
+            ..Default::default()
         };
         assert_eq!(o.render(&v, human).unwrap(), "{\n  \"a\": 1\n}\n");
         let o = OutputArgs {
-            json: false,
             template: Some("{{.a}}".into()),
+            ..Default::default()
         };
         assert_eq!(o.render(&v, human).unwrap(), "1");
     }

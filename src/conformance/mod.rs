@@ -156,7 +156,7 @@ impl Call {
     fn describe(&self) -> String {
         match &self.result {
             Ok(out) => format!("ok {}", short(&String::from_utf8_lossy(out))),
-            Err(e) => format!("error: {}", short(&e.to_string())),
+            Err(e) => format!("error: {}", short(&e.report())),
         }
     }
 }
@@ -315,7 +315,7 @@ impl Kit {
         std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
         let env = self.publish_env_of(rec, target, read_only);
         let c = self.call(Operation::Publish, &env).await;
-        let out = c.result.map_err(|e| e.to_string())?;
+        let out = c.result.map_err(|e| e.report())?;
         let v = strict_object(&out)?;
         if let Some(p) = v.get("path").and_then(|p| p.as_str()) {
             if Path::new(p) != target {
@@ -347,7 +347,7 @@ impl Kit {
     ) -> Result<(), String> {
         let env = self.unpublish_env_of(rec, target, ctx);
         let c = self.call(Operation::Unpublish, &env).await;
-        c.result.map_err(|e| e.to_string())?;
+        c.result.map_err(|e| e.report())?;
         if crate::node::mounts::is_mount_point(target) {
             return Err(format!(
                 "succeeded but {} is still mounted",
@@ -486,7 +486,7 @@ async fn run_rules(kit: &mut Kit) {
                 Some(x) => Err(format!("\"deferred_bind\" must be true or false, got {x}")),
             }
         }),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.report()),
     };
     let slowest = fps.iter().map(|c| c.ms).max().unwrap_or(0);
     let same = fps
@@ -553,7 +553,7 @@ async fn run_rules(kit: &mut Kit) {
         match c
             .result
             .as_ref()
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.report())
             .and_then(|o| strict_object(o))
         {
             Ok(v) => contexts.push(v.get("context").cloned().unwrap_or_default()),
@@ -867,7 +867,7 @@ async fn run_rules(kit: &mut Kit) {
     for i in 0..REPEAT {
         let c = kit.call(Operation::Delete, &denv).await;
         if let Err(e) = c.result {
-            errors.push(format!("call {}: {e}", i + 1));
+            errors.push(format!("call {}: {}", i + 1, e.report()));
         }
     }
     kit.report.push(
@@ -905,7 +905,7 @@ async fn plain_rules(kit: &mut Kit) {
         match c
             .result
             .as_ref()
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.report())
             .and_then(|o| strict_object(o))
         {
             Ok(v) => match v.get("path").and_then(|p| p.as_str()) {
@@ -934,7 +934,7 @@ async fn plain_rules(kit: &mut Kit) {
     let mut errors = Vec::new();
     for i in 0..REPEAT {
         if let Err(e) = kit.call(Operation::Delete, &denv).await.result {
-            errors.push(format!("call {}: {e}", i + 1));
+            errors.push(format!("call {}: {}", i + 1, e.report()));
         }
     }
     kit.report.push(
