@@ -309,6 +309,10 @@ esac
         "{publish}"
     );
     assert!(!report.contains("agent's log"), "{report}");
+    // Ten calls that failed alike are one entry, without the plugin's trailing newline.
+    assert!(publish.contains("calls 1-10: plugin \"grumpy\" publish failed (exit code 1): error: cannot reach storage backend; stderr: mount: no route to the export server"), "{publish}");
+    assert!(!publish.contains("call 2"), "{publish}");
+    assert!(!publish.ends_with("\\u{a}"), "{publish}");
 }
 
 /// The `bind` plugin as it was before issues 12 and 13: JSON picked out with sed, and every

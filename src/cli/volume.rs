@@ -58,6 +58,7 @@ pub enum VolumeCommand {
     },
     /// Show one volume: record, allocations using it.
     Status {
+        /// The volume's name, or its ID or a unique prefix of it.
         name: String,
         #[command(flatten)]
         out: OutputArgs,
@@ -65,7 +66,7 @@ pub enum VolumeCommand {
     /// Delete a volume (the plugin's `delete` destroys its storage); refused while any
     /// allocation uses it, and for registered volumes (use `deregister`).
     Delete {
-        /// The volume's name.
+        /// The volume's name, or its ID or a unique prefix of it.
         name: String,
         #[command(flatten)]
         wait: WaitArgs,
@@ -74,7 +75,10 @@ pub enum VolumeCommand {
     },
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.
-    Deregister { name: String },
+    Deregister {
+        /// The volume's name, or its ID or a unique prefix of it.
+        name: String,
+    },
 }
 
 /// How long a command that changes a volume waits for the agents to act on it.
@@ -323,11 +327,12 @@ pub fn render_detail(d: &VolumeDetail) -> String {
     rows.push(("Signed", if d.signed { "yes" } else { "no" }.into()));
     rows.push(("Secrets", format!("{} key(s), not shown", d.secrets)));
     if !d.worker_node.is_empty() {
-        let busy = matches!(s.state.as_str(), "creating" | "deleting");
-        rows.push((
-            if busy { "Worker Node" } else { "Created On" },
-            d.worker_node.clone(),
-        ));
+        let label = match s.state.as_str() {
+            "creating" | "deleting" => "Worker Node",
+            "failed" => "Failed On",
+            _ => "Created On",
+        };
+        rows.push((label, d.worker_node.clone()));
     }
     if !d.error.is_empty() {
         rows.push(("Error", d.error.clone()));
@@ -487,10 +492,19 @@ fn read_spec_text(path: &Path) -> Result<String, Failure> {
         .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", path.display())))
 }
 
-/// Parses a spec, taking the CLI's namespace when the spec names none.
-fn parse(text: &str, ns: &str) -> Result<(volume::VolumeSpec, BTreeMap<String, String>), Failure> {
-    let (mut spec, secrets) =
-        volume::parse_spec(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+/// Parses a spec (a register spec with `register`), taking the CLI's namespace when the
+/// spec names none.
+fn parse(
+    text: &str,
+    ns: &str,
+    register: bool,
+) -> Result<(volume::VolumeSpec, BTreeMap<String, String>), Failure> {
+    let parsed = if register {
+        volume::parse_register_spec(text)
+    } else {
+        volume::parse_spec(text)
+    };
+    let (mut spec, secrets) = parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
         spec.namespace = ns.to_string();
     }
@@ -568,7 +582,7 @@ async fn create(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(spec)?;
-    let (spec, secrets) = parse(&text, ns)?;
+    let (spec, secrets) = parse(&text, ns, false)?;
     if !client.namespace_exists(&spec.namespace).await? {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -703,11 +717,22 @@ fn node_name(records: &[NodeRecord], id: &str) -> String {
 /// missing signature, or no node able to serve it. `None` when nothing explains it.
 pub fn why_waiting(rec: &VolumeRecord, records: &[NodeRecord], now: u64) -> Option<String> {
     let path = volume::record_path(&rec.spec.name);
-    let refusals: Vec<String> = records
+    // Nodes that give the same reason are named together.
+    let mut by_reason: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for n in records {
+        if let Some(why) = n.refusal(&rec.spec.namespace, &path) {
+            by_reason.entry(why).or_default().push(&n.node_name);
+        }
+    }
+    let refusals: Vec<String> = by_reason
         .iter()
-        .filter_map(|n| {
-            n.refusal(&rec.spec.namespace, &path)
-                .map(|why| format!("{} refuses it: {why}", n.node_name))
+        .map(|(why, names)| {
+            let verb = if names.len() == 1 {
+                "refuses"
+            } else {
+                "refuse"
+            };
+            format!("{} {verb} it: {why}", names.join(", "))
         })
         .collect();
     if !refusals.is_empty() {
@@ -799,7 +824,7 @@ async fn register(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
-    let (spec, secrets) = parse(&text, ns)?;
+    let (spec, secrets) = parse(&text, ns, true)?;
     let (context, capacity) = register_extras(&text)?;
     let mut rec = VolumeRecord::new(spec, secrets);
     rec.state = VolumeState::Ready;
@@ -861,6 +886,8 @@ async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure>
 
 async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Result<(), Failure> {
     let (r, registered) = read_var(client, ns, &name).await?;
+    // An ID prefix names the volume too: from here on, its name.
+    let name = r.spec.name.clone();
     let (records, bad) = nodes::list(client).await?;
     for e in bad {
         eprintln!("warning: {}", escape_control(&e.to_string()));
@@ -919,6 +946,8 @@ async fn delete(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let (mut r, registered) = read_var(client, ns, &name).await?;
+    // An ID prefix names the volume too: from here on, its name.
+    let name = r.spec.name.clone();
     if registered {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -996,6 +1025,8 @@ async fn delete(
 
 async fn deregister(client: &Client, ns: &str, name: String) -> Result<(), Failure> {
     let (r, registered) = read_var(client, ns, &name).await?;
+    // An ID prefix names the volume too: from here on, its name.
+    let name = r.spec.name.clone();
     if matches!(r.state, VolumeState::Creating | VolumeState::Deleting) {
         return Err(Failure::new(
             EXIT_FAILED,

@@ -242,7 +242,13 @@ impl NodeRecord {
         let next: BTreeMap<String, String> = refused
             .iter()
             .take(MAX_NODE_VOLUMES)
-            .map(|(k, v)| (k.clone(), bounded(v)))
+            .map(|(k, v)| {
+                // The key names the variable: keep the reason only.
+                let why = v
+                    .split_once(" is not acted on: ")
+                    .map_or(v.as_str(), |(_, r)| r);
+                (k.clone(), bounded(why))
+            })
             .collect();
         let changed = next != self.refused;
         self.refused = next;
@@ -490,7 +496,7 @@ mod tests {
             .all(|v| v.error.chars().count() == MAX_NODE_ERROR));
         let refused = BTreeMap::from([(
             "default/dhv-binder/volumes/x".to_string(),
-            "the record is unsigned".to_string(),
+            "variable dhv-binder/volumes/x in namespace default is not acted on: the record is unsigned".to_string(),
         )]);
         assert!(r.set_refused(&refused));
         assert_eq!(

@@ -170,6 +170,33 @@ fn short(s: &str) -> String {
     }
 }
 
+/// A repeated rule's errors (`call N: why`), consecutive calls that failed the same way
+/// named together (`calls 1-10: why`), so that the plugin's words show once.
+fn joined(errors: &[String]) -> String {
+    let mut groups: Vec<(String, String, String)> = Vec::new();
+    for e in errors {
+        let Some((n, why)) = e.strip_prefix("call ").and_then(|r| r.split_once(": ")) else {
+            groups.push((String::new(), String::new(), e.clone()));
+            continue;
+        };
+        match groups.last_mut() {
+            Some((first, last, w)) if !first.is_empty() && w == why => *last = n.to_string(),
+            _ => groups.push((n.to_string(), n.to_string(), why.to_string())),
+        }
+    }
+    groups
+        .into_iter()
+        .map(
+            |(first, last, why)| match (first.is_empty(), first == last) {
+                (true, _) => why,
+                (false, true) => format!("call {first}: {why}"),
+                (false, false) => format!("calls {first}-{last}: {why}"),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Stdout must be empty or one JSON object and nothing else.
 fn strict_object(stdout: &[u8]) -> Result<serde_json::Value, String> {
     let text = String::from_utf8_lossy(stdout);
@@ -565,7 +592,7 @@ async fn run_rules(kit: &mut Kit) {
         "create x10",
         errors.is_empty() && same,
         if !errors.is_empty() {
-            errors.join("; ")
+            joined(&errors)
         } else if !same {
             format!("contexts differ between calls: {:?}", contexts)
         } else {
@@ -597,7 +624,7 @@ async fn run_rules(kit: &mut Kit) {
                 n
             )
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
     storage::owner_rule(kit, &t1);
@@ -618,7 +645,7 @@ async fn run_rules(kit: &mut Kit) {
         if errors.is_empty() {
             "10 successes; the target is not a mount point".to_string()
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
 
@@ -876,7 +903,7 @@ async fn run_rules(kit: &mut Kit) {
         if errors.is_empty() {
             "10 successes".to_string()
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
     let mut ghost = kit.rec.clone();
@@ -920,7 +947,7 @@ async fn plain_rules(kit: &mut Kit) {
         "create x10 (Nomad contract)",
         errors.is_empty() && same,
         if !errors.is_empty() {
-            errors.join("; ")
+            joined(&errors)
         } else if !same {
             format!("paths differ: {paths:?}")
         } else {
@@ -943,7 +970,7 @@ async fn plain_rules(kit: &mut Kit) {
         if errors.is_empty() {
             "10 successes".to_string()
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
 }

@@ -178,6 +178,11 @@ impl PluginError {
             ),
             _ => return self.to_string(),
         };
+        // A plugin's last newline, escaped, says nothing.
+        let mut detail = detail.as_str();
+        while let Some(d) = detail.strip_suffix("\\u{a}") {
+            detail = d.trim_end();
+        }
         let line = format!("{head}: {detail}");
         if line.chars().count() <= REPORT_LIMIT {
             return line;
