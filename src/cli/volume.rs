@@ -281,8 +281,9 @@ pub fn render_list(vols: &[VolumeSummary], verbose: bool) -> String {
     )
 }
 
-/// The readable `volume status`.
-pub fn render_detail(d: &VolumeDetail) -> String {
+/// The readable `volume status`: allocation and node IDs cut to 8 characters unless
+/// `verbose`.
+pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     let s = &d.summary;
     let mut rows: Vec<(&str, String)> = vec![
         ("ID", s.id.clone()),
@@ -351,7 +352,13 @@ pub fn render_detail(d: &VolumeDetail) -> String {
     let users: Vec<Vec<String>> = d
         .allocations
         .iter()
-        .map(|u| vec![u.alloc_id.clone(), u.alloc_name.clone(), u.node_id.clone()])
+        .map(|u| {
+            vec![
+                short_id(&u.alloc_id, verbose),
+                u.alloc_name.clone(),
+                short_id(&u.node_id, verbose),
+            ]
+        })
         .collect();
     out.push_str(&table(
         &["ID", "Name", "Node ID"],
@@ -374,11 +381,11 @@ pub fn render_detail(d: &VolumeDetail) -> String {
                     } else {
                         ago(n.since, now)
                     },
-                    dash(short_id(&n.host_volume_id, false)),
+                    dash(short_id(&n.host_volume_id, verbose)),
                     dash(
                         n.allocations
                             .iter()
-                            .map(|a| short_id(a, false))
+                            .map(|a| short_id(a, verbose))
                             .collect::<Vec<_>>()
                             .join(","),
                     ),
@@ -935,7 +942,8 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
         waiting,
         nodes,
     };
-    out.print(&d, render_detail)
+    let verbose = out.verbose;
+    out.print(&d, |d| render_detail(d, verbose))
 }
 
 async fn delete(
@@ -1157,7 +1165,7 @@ mod tests {
             waiting: String::new(),
             nodes: Vec::new(),
         };
-        let s = render_detail(&d);
+        let s = render_detail(&d, false);
         assert_eq!(
             s,
             "\
