@@ -162,6 +162,38 @@ pub enum Command {
     /// The nodes running dhv-binder, from the records each agent publishes.
     #[command(subcommand)]
     Node(node::NodeCommand),
+    /// Print a shell completion script (e.g. `dhv-binder completion bash >
+    /// /etc/bash_completion.d/dhv-binder`).
+    Completion {
+        /// The shell: bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (one per command, `dhv-binder.1`, `dhv-binder-volume.1`, …)
+    /// into a directory.
+    #[command(hide = true)]
+    Manpages {
+        /// Where to write them; created if missing.
+        dir: std::path::PathBuf,
+    },
+}
+
+/// Writes the completion script for `shell` to `out`, from the command line's definition.
+pub fn completion(shell: clap_complete::Shell, out: &mut dyn std::io::Write) {
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    clap_complete::generate(shell, &mut cmd, "dhv-binder", out);
+}
+
+/// Writes a manual page per command into `dir` (created if missing), from the command
+/// line's definition.
+pub fn manpages(dir: &std::path::Path) -> Result<(), Failure> {
+    let cannot = |e: std::io::Error| {
+        Failure::new(
+            EXIT_FAILED,
+            format!("cannot write manual pages to {}: {e}", dir.display()),
+        )
+    };
+    std::fs::create_dir_all(dir).map_err(cannot)?;
+    clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), dir).map_err(cannot)
 }
 
 /// Runs any command but `agent` (which `main` runs with its tracing and signals).
@@ -176,6 +208,13 @@ pub async fn run(nomad: &NomadConfig, command: Command) -> Result<(), Failure> {
         Command::Volume(cmd) => volume_cmd(nomad, cmd).await,
         Command::Plugin(cmd) => plugin_cmd(nomad, cmd).await,
         Command::Node(cmd) => node::node_cmd(nomad, cmd).await,
+        Command::Completion { shell } => {
+            let mut out = Vec::new();
+            completion(shell, &mut out);
+            output::print_raw(&String::from_utf8_lossy(&out));
+            Ok(())
+        }
+        Command::Manpages { dir } => manpages(&dir),
     }
 }
 
@@ -255,6 +294,31 @@ mod tests {
         ));
         assert!(parse(&["dhv-binder", "volume", "create", "-"]).is_ok());
         assert!(parse(&["dhv-binder", "volume", "list", "-nosuchflag"]).is_err());
+    }
+
+    /// Issue 37 #9: completions and manual pages come from the command line's definition.
+    #[test]
+    fn completions_and_manual_pages_are_generated_from_the_definition() {
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            let mut out = Vec::new();
+            completion(shell, &mut out);
+            let text = String::from_utf8(out).unwrap();
+            assert!(text.contains("dhv-binder"), "{shell}: {text}");
+            assert!(
+                text.contains("snapshot"),
+                "{shell}: no volume snapshot in it"
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        manpages(dir.path()).unwrap();
+        let page = std::fs::read_to_string(dir.path().join("dhv-binder-volume-create.1")).unwrap();
+        assert!(page.contains(".TH"), "{page}");
+        assert!(page.contains("detach"), "{page}");
+        assert!(dir.path().join("dhv-binder.1").exists());
     }
 
     #[test]
