@@ -699,6 +699,9 @@ async fn create(
         rec.id,
         rec.spec.plugin_id
     );
+    if let Some(note) = access_mode_note(&rec.spec) {
+        outln!("    {note}");
+    }
     match wait {
         None => Ok(()),
         Some(w) => {
@@ -709,6 +712,22 @@ async fn create(
             wait_created(client, &rec, w).await
         }
     }
+}
+
+/// What a job must request for a volume whose first capability is a multi-node mode:
+/// Nomad's host volumes know single-node modes only, so each node's placeholder offers the
+/// single-node counterpart, and a job asking for the multi-node mode is never placed.
+/// `None` for single-node modes.
+pub fn access_mode_note(spec: &volume::VolumeSpec) -> Option<String> {
+    let mode = spec.capabilities.first()?.access_mode.as_str();
+    let single = match mode {
+        "multi-node-multi-writer" => "single-node-multi-writer",
+        "multi-node-reader-only" => "single-node-reader-only",
+        _ => return None,
+    };
+    Some(format!(
+        "Note: jobs request this {mode} volume with access_mode = \"{single}\" (Nomad's host volumes know single-node modes only: each node's placeholder offers {single}; a job asking for {mode} is never placed). Every node may publish it at once."
+    ))
 }
 
 /// `id` as `name (id)` from the node records; the ID alone when no record names it.
@@ -1234,6 +1253,27 @@ a1  example.app[0]  n1
         assert!(why.contains("in node pool \"default\""), "{why}");
         let why = no_eligible_node(&[], "nfs", "", now).unwrap();
         assert!(why.contains("no dhv-binder agent has published"), "{why}");
+    }
+
+    /// Issue 37 #12: a multi-node volume says at create which mode jobs request.
+    #[test]
+    fn a_multi_node_volume_says_which_mode_jobs_request() {
+        let spec = |mode: &str| {
+            volume::parse_spec(&format!(
+                "name = \"v\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"{mode}\"\n}}\n"
+            ))
+            .unwrap()
+            .0
+        };
+        let note = access_mode_note(&spec("multi-node-multi-writer")).unwrap();
+        assert!(
+            note.contains("access_mode = \"single-node-multi-writer\""),
+            "{note}"
+        );
+        assert!(access_mode_note(&spec("multi-node-reader-only"))
+            .unwrap()
+            .contains("\"single-node-reader-only\""));
+        assert_eq!(access_mode_note(&spec("single-node-writer")), None);
     }
 
     #[test]
