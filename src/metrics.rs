@@ -134,6 +134,8 @@ const MOUNT_STATES: [&str; 4] = ["publishing", "published", "unpublishing", "dea
 
 struct Inner {
     registry: Registry,
+    /// The process's own figures, unprefixed as every Prometheus client names them.
+    process: Registry,
     plugin_call: HistogramFamily<PluginCallLabels>,
     publish_wait: HistogramFamily<OutcomeLabels>,
     pending: Gauge,
@@ -170,6 +172,132 @@ pub fn heap_bytes() -> Option<(u64, u64)> {
     let allocated = tikv_jemalloc_ctl::stats::allocated::read().ok()?;
     let resident = tikv_jemalloc_ctl::stats::resident::read().ok()?;
     Some((allocated as u64, resident as u64))
+}
+
+/// A watch fault's label value (its kebab-case name).
+fn fault_name(f: crate::nomad::watch::Fault) -> String {
+    serde_json::to_value(f)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The process's figures from `/proc/self` (Linux), read at each scrape.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ProcessFigures {
+    /// Resident set size, bytes (`/proc/self/statm`, pages × page size).
+    pub resident_bytes: u64,
+    /// Virtual memory size, bytes.
+    pub virtual_bytes: u64,
+    /// User and system CPU time, seconds (`/proc/self/stat` fields 14 and 15).
+    pub cpu_seconds: f64,
+    /// Open file descriptors (entries of `/proc/self/fd`).
+    pub open_fds: u64,
+    /// The soft limit on file descriptors (`RLIMIT_NOFILE`).
+    pub max_fds: u64,
+    /// When the process started, Unix seconds (boot time plus field 22 of `/proc/self/stat`).
+    pub start_time_seconds: f64,
+}
+
+/// Reads [`ProcessFigures`]; `None` when `/proc` cannot be read.
+pub fn process_figures() -> Option<ProcessFigures> {
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|t| *t > 0)? as f64;
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .filter(|p| *p > 0)? as u64;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let field = |n: usize| rest.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let mut statm = statm.split_whitespace().map(|v| v.parse::<u64>().ok());
+    let (size, resident) = (statm.next()??, statm.next()??);
+    let boot = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("btime ")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })?;
+    let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+    let max_fds = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft)
+        .unwrap_or(0);
+    Some(ProcessFigures {
+        resident_bytes: resident * page,
+        virtual_bytes: size * page,
+        cpu_seconds: (field(14)? + field(15)?) as f64 / ticks,
+        open_fds,
+        max_fds,
+        start_time_seconds: boot as f64 + field(22)? as f64 / ticks,
+    })
+}
+
+/// Exports [`ProcessFigures`] as the standard `process_*` metrics.
+#[derive(Debug)]
+struct ProcessCollector;
+
+impl prometheus_client::collector::Collector for ProcessCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let Some(p) = process_figures() else {
+            return Ok(());
+        };
+        let gauges: [(&str, &str, Option<Unit>, f64); 5] = [
+            (
+                "process_resident_memory",
+                "Resident memory size",
+                Some(Unit::Bytes),
+                p.resident_bytes as f64,
+            ),
+            (
+                "process_virtual_memory",
+                "Virtual memory size",
+                Some(Unit::Bytes),
+                p.virtual_bytes as f64,
+            ),
+            (
+                "process_open_fds",
+                "Open file descriptors",
+                None,
+                p.open_fds as f64,
+            ),
+            (
+                "process_max_fds",
+                "The limit on open file descriptors",
+                None,
+                p.max_fds as f64,
+            ),
+            (
+                "process_start_time",
+                "Start time of the process since the Unix epoch",
+                Some(Unit::Seconds),
+                p.start_time_seconds,
+            ),
+        ];
+        for (name, help, unit, v) in gauges {
+            let g = ConstGauge::new(v);
+            let e = encoder.encode_descriptor(name, help, unit.as_ref(), g.metric_type())?;
+            g.encode(e)?;
+        }
+        let c = ConstCounter::new(p.cpu_seconds);
+        let e = encoder.encode_descriptor(
+            "process_cpu",
+            "User and system CPU time spent",
+            Some(&Unit::Seconds),
+            c.metric_type(),
+        )?;
+        c.encode(e)
+    }
 }
 
 /// The agent's metrics. Cheap to clone (one shared registry); every method is safe to
@@ -344,7 +472,39 @@ impl Metrics {
         for s in MOUNT_STATES {
             mounts.get_or_create(&StateLabels { state: s }).set(0);
         }
+        // Closed label sets are exported from the first scrape, at 0 (a panel or an alert
+        // on them shows 0, not "No data", until the first fault or wait).
+        {
+            use crate::nomad::watch::Fault;
+            for f in [
+                Fault::AuthFailed,
+                Fault::Unreachable,
+                Fault::NoLeader,
+                Fault::ServerError,
+                Fault::BadAnswer,
+                Fault::ClosedByServer,
+                Fault::Stalled,
+                Fault::IndexReset,
+                Fault::NodeUnknown,
+            ] {
+                let _ = watch_faults.get_or_create(&FaultLabels {
+                    fault: fault_name(f),
+                });
+            }
+        }
+        for o in [
+            WaitOutcome::Published,
+            WaitOutcome::Failed,
+            WaitOutcome::TimedOut,
+        ] {
+            let _ = publish_wait.get_or_create(&OutcomeLabels {
+                outcome: o.as_str(),
+            });
+        }
+        let mut process = Registry::default();
+        process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
+            process,
             registry: r,
             plugin_call,
             publish_wait,
@@ -467,10 +627,7 @@ impl Metrics {
                 .set(i64::from(s == state));
         }
         if let Some(f) = fault {
-            let fault = serde_json::to_value(f)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_else(|| "unknown".into());
+            let fault = fault_name(f);
             self.0
                 .watch_faults
                 .get_or_create(&FaultLabels { fault })
@@ -525,15 +682,74 @@ impl Metrics {
                 .set(i64::try_from(resident).unwrap_or(i64::MAX));
         }
         let mut s = String::new();
-        if let Err(e) = prometheus_client::encoding::text::encode(&mut s, &self.0.registry) {
+        let encoded = prometheus_client::encoding::text::encode_registry(&mut s, &self.0.process)
+            .and_then(|_| prometheus_client::encoding::text::encode(&mut s, &self.0.registry));
+        if let Err(e) = encoded {
             tracing::warn!(error = %e, "cannot encode metrics");
         }
         s
     }
+
+    /// [`Metrics::encode`] in Prometheus' classic text format (version 0.0.4), for a
+    /// scraper that does not ask for OpenMetrics: no `# UNIT` or `# EOF` lines, counters
+    /// and info metrics described under their samples' names (`..._total`, `..._info`).
+    pub fn encode_classic(&self) -> String {
+        classic(&self.encode())
+    }
+}
+
+/// OpenMetrics text to the classic format ([`Metrics::encode_classic`]).
+fn classic(open: &str) -> String {
+    let mut out = String::with_capacity(open.len());
+    // Family name → the suffix its samples add (counters `_total`, info `_info`).
+    let mut suffix: BTreeMap<String, &str> = BTreeMap::new();
+    for l in open.lines() {
+        if let Some(rest) = l.strip_prefix("# TYPE ") {
+            if let Some((name, kind)) = rest.split_once(' ') {
+                match kind {
+                    "counter" => {
+                        suffix.insert(name.to_string(), "_total");
+                    }
+                    "info" => {
+                        suffix.insert(name.to_string(), "_info");
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    for l in open.lines() {
+        if l.starts_with("# UNIT ") || l == "# EOF" {
+            continue;
+        }
+        let described = ["# TYPE ", "# HELP "]
+            .iter()
+            .find_map(|p| l.strip_prefix(p).map(|rest| (*p, rest)));
+        match described {
+            Some((p, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let add = suffix.get(name).copied().unwrap_or("");
+                let tail = match (p, tail) {
+                    ("# TYPE ", "counter") => "counter",
+                    ("# TYPE ", "info") => "gauge",
+                    (_, t) => t,
+                };
+                out.push_str(&format!("{p}{name}{add} {tail}\n"));
+            }
+            None => {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 /// The OpenMetrics content type of [`Metrics::encode`].
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The classic text format's content type ([`Metrics::encode_classic`]).
+pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Binds the metrics endpoint. Any address is accepted (the operator chose it); a
 /// non-loopback one is logged, since the endpoint has no authentication.
@@ -573,8 +789,16 @@ pub async fn serve(listener: TcpListener, metrics: Metrics) {
 }
 
 fn answer<B>(m: &Metrics, req: &Request<B>) -> Response<Full<Bytes>> {
+    // Content negotiation: OpenMetrics when the scraper accepts it (Prometheus asks for
+    // it first), else the classic text format.
+    let open = req
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|a| a.to_str().ok())
+        .is_some_and(|a| a.contains("application/openmetrics-text"));
     let (status, ctype, body) = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/metrics") => (StatusCode::OK, CONTENT_TYPE, m.encode()),
+        (&Method::GET, "/metrics") if open => (StatusCode::OK, CONTENT_TYPE, m.encode()),
+        (&Method::GET, "/metrics") => (StatusCode::OK, CLASSIC_CONTENT_TYPE, m.encode_classic()),
         (_, "/metrics") => (
             StatusCode::METHOD_NOT_ALLOWED,
             "text/plain",
@@ -624,10 +848,21 @@ mod tests {
         "dhv_binder_build_info",
     ];
 
+    /// The process's own series (the standard, unprefixed names).
+    const PROCESS: [&str; 6] = [
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+        "process_cpu_seconds_total",
+    ];
+
     /// True for an exported family's name, or a histogram family's series
     /// (`_bucket`, `_count`, `_sum` of a `_seconds` family).
     fn exported(name: &str) -> bool {
-        EXPORTED.contains(&name)
+        PROCESS.contains(&name)
+            || EXPORTED.contains(&name)
             || ["_bucket", "_count", "_sum"].iter().any(|s| {
                 name.strip_suffix(s)
                     .is_some_and(|f| f.ends_with("_seconds") && EXPORTED.contains(&f))
@@ -694,7 +929,13 @@ mod tests {
         let addr = l.local_addr().unwrap();
         let server = tokio::spawn(serve(l, m.clone()));
         let scrape = || async {
-            let r = reqwest::get(format!("http://{addr}/metrics"))
+            let r = reqwest::Client::new()
+                .get(format!("http://{addr}/metrics"))
+                .header(
+                    "Accept",
+                    "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+                )
+                .send()
                 .await
                 .unwrap();
             assert_eq!(r.status(), 200);
@@ -791,9 +1032,69 @@ mod tests {
         has("dhv_binder_allocations 7");
         has("dhv_binder_plugin_up{plugin=\"bind\",deferred=\"true\"} 1");
         has("dhv_binder_plugin_up{plugin=\"nfs\",deferred=\"unknown\"} 0");
+        // A scraper that does not ask for OpenMetrics gets the classic text format.
+        let r = reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .unwrap();
+        assert_eq!(r.headers()["content-type"], CLASSIC_CONTENT_TYPE);
+        let text = r.text().await.unwrap();
+        assert!(
+            text.lines()
+                .any(|l| l == "# TYPE dhv_binder_claim_losses_total counter"),
+            "{text}"
+        );
+        assert!(
+            text.lines().any(|l| l == "dhv_binder_claim_losses_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l == "# TYPE dhv_binder_build_info gauge"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("# EOF") && !text.contains("# UNIT"),
+            "{text}"
+        );
         let r = reqwest::get(format!("http://{addr}/other")).await.unwrap();
         assert_eq!(r.status(), 404);
         server.abort();
+    }
+
+    /// Issue 37 #13: closed label sets are there from the first scrape (a dashboard shows
+    /// 0, not "No data"), and so are the process's figures.
+    #[test]
+    fn families_exist_from_the_first_scrape_with_the_process_figures() {
+        let text = Metrics::new().encode();
+        for l in [
+            "dhv_binder_watch_faults_total{fault=\"unreachable\"} 0",
+            "dhv_binder_watch_faults_total{fault=\"node-unknown\"} 0",
+            "dhv_binder_publish_wait_duration_seconds_count{outcome=\"published\"} 0",
+            "dhv_binder_publish_wait_duration_seconds_count{outcome=\"timeout\"} 0",
+        ] {
+            assert!(text.lines().any(|x| x == l), "no line {l:?} in:\n{text}");
+        }
+        let p = process_figures().expect("/proc/self");
+        assert!(
+            p.resident_bytes > 0 && p.open_fds > 0 && p.max_fds > 0,
+            "{p:?}"
+        );
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        assert!(
+            p.start_time_seconds > 1.0e9 && p.start_time_seconds <= now + 1.0,
+            "{p:?}"
+        );
+        for name in PROCESS {
+            assert!(
+                text.lines().any(|l| l.split(' ').next() == Some(name)),
+                "{name} missing:\n{text}"
+            );
+        }
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
     /// The allocator's figures can be read (jemalloc is built with its `stats` feature):

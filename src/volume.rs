@@ -48,6 +48,12 @@ pub enum SpecError {
     TwoSources,
     #[error("snapshot_id {0:?} is not a snapshot ID (a UUID, as `dhv-binder volume snapshot list` shows)")]
     BadSnapshotId(String),
+    #[error("{field:?} is not a volume spec field dhv-binder knows ({known}): remove it (dhv-binder refuses what it cannot honour rather than ignore it)")]
+    UnknownField { field: String, known: String },
+    #[error("constraint blocks are not supported: a deferred volume is offered on every node of its node_pool where its plugin is healthy; use node_pool (or install the plugin only on the nodes that may serve it) instead")]
+    Constraint,
+    #[error("node_id is not supported: a deferred volume is published on whichever node runs its allocation; use node_pool to choose the nodes that may serve it")]
+    NodeId,
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
     TooDeep,
 }
@@ -175,7 +181,59 @@ struct RawSpec {
     clone_id: Option<String>,
 }
 
+/// The top-level fields of a `volume create` spec.
+pub const SPEC_FIELDS: [&str; 12] = [
+    "name",
+    "type",
+    "namespace",
+    "plugin_id",
+    "capacity_min",
+    "capacity_max",
+    "node_pool",
+    "capability",
+    "parameters",
+    "secrets",
+    "snapshot_id",
+    "clone_id",
+];
+
+/// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
+/// plugin's create would have returned.
+pub const REGISTER_FIELDS: [&str; 2] = ["context", "capacity"];
+
+/// Refuses a top-level attribute or block the spec kind does not know, by name (as Nomad's
+/// parser refuses unknown arguments): a dropped `constraint` would publish where the
+/// operator excluded it. `constraint` and `node_id` say what to use instead.
+fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
+    let body: hcl::Body = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
+    let names = body
+        .attributes()
+        .map(|a| a.key().to_string())
+        .chain(body.blocks().map(|b| b.identifier().to_string()));
+    for name in names {
+        let known = SPEC_FIELDS.contains(&name.as_str())
+            || (register && REGISTER_FIELDS.contains(&name.as_str()));
+        if known {
+            continue;
+        }
+        return Err(match name.as_str() {
+            "constraint" => SpecError::Constraint,
+            "node_id" => SpecError::NodeId,
+            _ => SpecError::UnknownField {
+                field: name,
+                known: if register {
+                    [&SPEC_FIELDS[..], &REGISTER_FIELDS[..]].concat().join(", ")
+                } else {
+                    SPEC_FIELDS.join(", ")
+                },
+            },
+        });
+    }
+    Ok(())
+}
+
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawCapability {
     access_mode: Option<String>,
     attachment_mode: Option<String>,
@@ -255,11 +313,27 @@ fn parse_size(field: &'static str, v: Option<&hcl::Value>) -> Result<u64, SpecEr
     }
 }
 
-/// Parses and validates a volume spec file's text. Returns the spec and its secrets.
+/// Parses and validates a `volume create` spec's text. Returns the spec and its secrets.
+/// A field it does not know is refused by name ([`SpecError::UnknownField`]).
 pub fn parse_spec(text: &str) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
+    parse_spec_of(text, false)
+}
+
+/// [`parse_spec`] for a `volume register` spec, which may also carry [`REGISTER_FIELDS`].
+pub fn parse_register_spec(
+    text: &str,
+) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
+    parse_spec_of(text, true)
+}
+
+fn parse_spec_of(
+    text: &str,
+    register: bool,
+) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
     if text.len() > MAX_SPEC_BYTES || nesting_depth(text) > MAX_SPEC_DEPTH {
         return Err(SpecError::TooDeep);
     }
+    check_fields(text, register)?;
     let raw: RawSpec = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let name = raw.name.unwrap_or_default();
     if name.is_empty() {
@@ -834,6 +908,44 @@ mod tests {
             parse_spec("name = \"a\"\nplugin_id = \"p\"\ncapacity_min = \"lots\""),
             Err(SpecError::BadSize { .. })
         ));
+    }
+
+    #[test]
+    fn unknown_fields_and_constraints_are_refused_by_name() {
+        let base = "name = \"a\"\nplugin_id = \"bind\"\n";
+        match parse_spec(&format!("{base}capacity_minimum = \"1GiB\"")) {
+            Err(SpecError::UnknownField { field, known }) => {
+                assert_eq!(field, "capacity_minimum");
+                assert!(known.contains("capacity_min"), "{known}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            parse_spec(&format!(
+                "{base}constraint {{\n  attribute = \"${{node.class}}\"\n  value = \"db\"\n}}"
+            )),
+            Err(SpecError::Constraint)
+        );
+        assert_eq!(
+            parse_spec(&format!("{base}node_id = \"x\"")),
+            Err(SpecError::NodeId)
+        );
+        let e =
+            parse_spec(&format!("{base}mount_options {{\n  fs_type = \"ext4\"\n}}")).unwrap_err();
+        assert!(e.to_string().contains("\"mount_options\""), "{e}");
+        // A typo inside a capability block is refused too.
+        let e = parse_spec(&format!(
+            "{base}capability {{\n  access_mod = \"single-node-writer\"\n}}"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("access_mod"), "{e}");
+        // `context` and `capacity` belong to a register spec only.
+        let reg = format!("{base}capacity = \"1GiB\"\ncontext {{\n  export_path = \"/x\"\n}}");
+        assert!(matches!(
+            parse_spec(&reg),
+            Err(SpecError::UnknownField { ref field, .. }) if field == "capacity"
+        ));
+        assert!(parse_register_spec(&reg).is_ok());
     }
 
     #[test]

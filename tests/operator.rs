@@ -109,6 +109,22 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     let v = json(&out);
     assert_eq!(v[0]["name"], "shared-data", "{out}");
     assert_eq!(v[0]["capacity_bytes"], 64u64 << 20, "{out}");
+    // Issue 37 #5: short IDs by default, full with -verbose; an ID prefix names the volume.
+    let id = v[0]["id"].as_str().unwrap().to_string();
+    let (_, out) = c.cli(&["volume", "list"]);
+    assert!(out.contains(&format!("\n{}  ", &id[..8])), "{out}");
+    assert!(!out.contains(&id), "{out}");
+    let (_, out) = c.cli(&["volume", "list", "-verbose"]);
+    assert!(out.contains(&id), "{out}");
+    let (code, out) = c.cli(&["volume", "status", &id[..8]]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(kv(&out, "Name"), "shared-data");
+    let (code, out) = c.cli(&["volume", "status", "0000dead"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("no volume has that name or ID prefix"),
+        "{out}"
+    );
     let (code, out) = c.cli(&[
         "volume",
         "list",
@@ -117,12 +133,27 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     ]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(out, "shared-data=ready\n");
+    // Nomad's keys and Go template functions.
+    let (code, out) = c.cli(&[
+        "volume",
+        "list",
+        "-t",
+        "{{range .}}{{printf \"%s %s\" .Name .PluginID}}{{if .Registered}} registered{{end}}{{end}}",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out, "shared-data bind");
 
     let (code, out) = c.cli(&["volume", "status", "shared-data"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(kv(&out, "Capacity"), "64.0 MiB");
+    // The node that ran the create, by name and short ID.
     let creator = kv(&out, "Created On");
-    assert!(c.nodes.iter().any(|n| n.id == creator), "{out}");
+    assert!(
+        c.nodes
+            .iter()
+            .any(|n| creator.ends_with(&format!("({})", n.id.chars().take(8).collect::<String>()))),
+        "{out}"
+    );
     assert!(out.contains("No allocations use this volume"), "{out}");
     let (code, out) = c.cli(&["volume", "status", "shared-data", "--json"]);
     assert_eq!(code, 0, "{out}");
@@ -273,6 +304,146 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "metrics scrape: {} bytes, {} samples",
         text.len(),
         text.lines().filter(|l| !l.starts_with('#')).count()
+    );
+}
+
+/// Issue 37 #2 and #4: a create the plugin refuses fails with the plugin's own (redacted)
+/// words and the node that ran it, `volume status` shows them, and `volume create` again
+/// runs the plugin again (it used to answer "already exists" and exit 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_create_says_why_and_runs_again_when_asked() {
+    let c = Cluster::start(1).await;
+    let allow = c.sb.join("flaky-allowed");
+    let plugin = c.plugin_dir.join("flaky");
+    std::fs::write(
+        &plugin,
+        format!(
+            r#"#!/bin/sh
+case "$1" in
+fingerprint) echo '{{"version":"1.0.0","deferred_bind":true}}' ;;
+create)
+  if [ -e "{}" ]; then echo '{{"bytes":0,"context":{{}}}}'; exit 0; fi
+  echo "quota exceeded on pool p1 (password s3cret-pw)" >&2
+  echo '{{"error":"backend said no"}}'
+  exit 1 ;;
+*) echo '{{}}' ;;
+esac
+"#,
+            allow.display()
+        ),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    c.wait_plugin("flaky").await;
+    let spec = c.sb.join("flaky.volume.hcl");
+    std::fs::write(
+        &spec,
+        "name = \"flaky-data\"\ntype = \"host\"\nplugin_id = \"flaky\"\nsecrets {\n  password = \"s3cret-pw\"\n}\n",
+    )
+    .unwrap();
+    let spec = spec.to_str().unwrap();
+    let (code, out) = c.cli(&["volume", "create", spec]);
+    eprintln!("{out}");
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("volume default/flaky-data failed to be created on node node-1 ("),
+        "{out}"
+    );
+    assert!(out.contains("error: backend said no"), "{out}");
+    assert!(out.contains("quota exceeded on pool p1"), "{out}");
+    assert!(
+        !out.contains("s3cret-pw"),
+        "a secret reached the CLI: {out}"
+    );
+    assert!(!out.contains("agent's log"), "{out}");
+    assert!(
+        out.contains("run the same `dhv-binder volume create` again"),
+        "{out}"
+    );
+
+    let (code, out) = c.cli(&["volume", "status", "flaky-data"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(kv(&out, "State"), "failed");
+    assert!(kv(&out, "Failed On").starts_with("node-1 ("), "{out}");
+    assert!(
+        kv(&out, "Error").contains("error: backend said no"),
+        "{out}"
+    );
+
+    std::fs::write(&allow, "").unwrap();
+    let (code, out) = c.cli(&["volume", "create", spec]);
+    eprintln!("{out}");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("running its create again"), "{out}");
+    assert!(out.contains("Volume default/flaky-data is ready"), "{out}");
+    let (code, out) = c.cli(&["volume", "create", spec]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("already exists with this spec"), "{out}");
+}
+
+/// Issue 37 #3: a create no agent acts on (here: unsigned, and every node wants the
+/// operator's signature) gives up after `-timeout` with exit 75, saying what the agents
+/// recorded; `volume status` shows the same reason, and `-detach` returns at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_no_agent_acts_on_gives_up_saying_why() {
+    let c = Cluster::start(2).await;
+    let spec = format!(
+        "name = \"unsigned-data\"\ntype = \"host\"\nplugin_id = \"bind\"\nparameters {{\n  export = \"{}\"\n}}\n",
+        c.export.display()
+    );
+    // Without the operator's key, the spec from standard input (`-`), Nomad's flag spelling.
+    let run = |args: &[&str]| {
+        use std::io::Write as _;
+        let mut child = Command::new(dhv_binder_bin())
+            .args(args)
+            .env_clear()
+            .env("NOMAD_ADDR", &c.server)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(spec.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code().unwrap_or(-1), text)
+    };
+    let (code, out) = run(&["volume", "create", "-timeout", "10s", "-"]);
+    eprintln!("{out}");
+    assert_eq!(code, 75, "{out}");
+    assert!(
+        out.contains("volume default/unsigned-data is still pending after 10s"),
+        "{out}"
+    );
+    assert!(out.contains("node-1, node-2 refuse it:"), "{out}");
+    assert!(out.contains("the record is not signed"), "{out}");
+    let (code, out) = c.cli(&["volume", "status", "unsigned-data"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        kv(&out, "Waiting For").contains("node-1, node-2 refuse it:"),
+        "{out}"
+    );
+    assert!(out.contains("refuses the record:"), "{out}");
+    let (code, out) = c.cli(&["volume", "delete", "unsigned-data"]);
+    assert_eq!(code, 0, "{out}");
+    let started = std::time::Instant::now();
+    let (code, out) = run(&["volume", "create", "-detach", "-"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{out}"
     );
 }
 
@@ -511,6 +682,33 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
             .join("\n")
     );
 
+    // Issue 37 #10: `volume status` shows the volume on each node: mounted since when,
+    // its placeholder and the allocation using it.
+    let short = &alloc_id[..8];
+    let status = c
+        .wait_for(20, "volume status showing the mount on node-1", || async {
+            let (code, out) = c.cli(&["volume", "status", "shared-data"]);
+            (code == 0
+                && out.lines().any(|l| {
+                    l.starts_with("node-1") && l.contains(" published ") && l.contains(short)
+                }))
+            .then_some(out)
+        })
+        .await;
+    eprintln!("{status}");
+    let (code, out) = c.cli(&["volume", "status", "shared-data", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    let v = json(&out);
+    let n = &v["nodes"][0];
+    assert_eq!(n["node_name"], "node-1", "{out}");
+    assert_eq!(n["state"], "published", "{out}");
+    assert!(n["since"].as_u64().is_some_and(|t| t > 0), "{out}");
+    assert!(
+        n["host_volume_id"].as_str().is_some_and(|h| !h.is_empty()),
+        "{out}"
+    );
+    assert_eq!(n["allocations"][0], alloc_id, "{out}");
+
     c.stop_job(&job, false).await;
     let after = c
         .wait_for(
@@ -649,5 +847,44 @@ fn an_unprepared_node_names_each_missing_item_once_and_waits() {
         Some(0),
         "{}",
         std::fs::read_to_string(&log).unwrap()
+    );
+}
+
+/// Issue 37 #7: a spec field dhv-binder does not know is refused by name before anything
+/// is written (Nomad's parser refuses unknown arguments), and a `constraint` block, which
+/// dhv-binder cannot honour, is refused saying what to use instead.
+#[test]
+fn a_spec_field_dhv_binder_cannot_honour_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let create = |body: &str| {
+        let spec = tmp.path().join("v.hcl");
+        std::fs::write(
+            &spec,
+            format!("name = \"v\"\ntype = \"host\"\nplugin_id = \"bind\"\n{body}"),
+        )
+        .unwrap();
+        let out = Command::new(dhv_binder_bin())
+            .args(["volume", "create", "-detach"])
+            .arg(&spec)
+            .env_clear()
+            // Nothing listens here: reaching Nomad would be exit 69, not 64.
+            .env("NOMAD_ADDR", "http://127.0.0.1:9")
+            .output()
+            .expect("run dhv-binder volume create");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) =
+        create("constraint {\n  attribute = \"${node.class}\"\n  value = \"db\"\n}\n");
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("constraint blocks are not supported"), "{err}");
+    assert!(err.contains("use node_pool"), "{err}");
+    let (code, err) = create("capacity_minimum = \"1GiB\"\n");
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("\"capacity_minimum\" is not a volume spec field"),
+        "{err}"
     );
 }

@@ -289,6 +289,43 @@ esac
     );
 }
 
+/// A plugin that fails says why: its `{"error"}` message and its stderr are in the failing
+/// rules' evidence (redacted and escaped as the agent logs them), not "in the agent's log".
+#[test]
+fn a_failing_plugins_error_and_stderr_are_in_the_evidence() {
+    let sb = Sandbox::new();
+    script(
+        &sb.join("plugins/grumpy"),
+        r#"#!/bin/sh
+case "$1" in
+fingerprint) echo '{"version":"1.0.0","deferred_bind":true}' ;;
+create) echo '{}' ;;
+publish) echo "mount: no route to the export server" >&2; echo '{"error":"cannot reach storage backend"}'; exit 1 ;;
+*) exit 0 ;;
+esac
+"#,
+    );
+    let (code, report) = check(&sb, &sb.join("plugins/grumpy"), &[]);
+    assert_eq!(code, 1, "{report}");
+    let publish = report
+        .lines()
+        .find(|l| l.starts_with("FAIL  publish x10 "))
+        .unwrap_or_else(|| panic!("no failing publish rule:\n{report}"));
+    assert!(
+        publish.contains("error: cannot reach storage backend"),
+        "{publish}"
+    );
+    assert!(
+        publish.contains("stderr: mount: no route to the export server"),
+        "{publish}"
+    );
+    assert!(!report.contains("agent's log"), "{report}");
+    // Ten calls that failed alike are one entry, without the plugin's trailing newline.
+    assert!(publish.contains("calls 1-10: plugin \"grumpy\" publish failed (exit code 1): error: cannot reach storage backend; stderr: mount: no route to the export server"), "{publish}");
+    assert!(!publish.contains("call 2"), "{publish}");
+    assert!(!publish.ends_with("\\u{a}"), "{publish}");
+}
+
 /// The `bind` plugin as it was before issues 12 and 13: JSON picked out with sed, and every
 /// path taken from the record as it is. It fails "JSON input parsed" and "paths confined",
 /// and the planted record did not get to the victims.

@@ -870,7 +870,9 @@ pub async fn run(
         shell.meter.after_pass(&core);
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
-            r.set_watch(core.watch_health()) | plugins
+            let volumes = r.set_volumes(core.node_volumes());
+            let refused = r.set_refused(&shell.rejected_records.snapshot());
+            r.set_watch(core.watch_health()) | plugins | volumes | refused
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");

@@ -85,26 +85,58 @@ pub struct Cli {
 }
 
 impl Cli {
-    /// Parses the process arguments, accepting the Nomad CLI's single-dash spellings of the
-    /// output flags (`-json`, `-t`) besides `--json` and `--template`: see [`normalize_args`].
+    /// Parses the process arguments, accepting the Nomad CLI's single-dash spellings of
+    /// every long flag (`-namespace`, `-detach`, `-json`, `-verbose`...) besides clap's
+    /// `--namespace`: see [`normalize_args`].
     pub fn parse_args() -> Self {
         Self::parse_from(normalize_args(std::env::args_os()))
     }
 }
 
-/// Rewrites the Nomad CLI's single-dash long flags to clap's spelling: `-json` becomes
-/// `--json` (and `-json=true` stays a usage error). Arguments after `--` are left alone.
+/// Every long flag name of the command line, over all subcommands.
+fn long_flags() -> std::collections::BTreeSet<String> {
+    fn walk(c: &clap::Command, out: &mut std::collections::BTreeSet<String>) {
+        for a in c.get_arguments() {
+            if let Some(l) = a.get_long() {
+                out.insert(l.to_string());
+            }
+            for l in a.get_all_aliases().unwrap_or_default() {
+                out.insert(l.to_string());
+            }
+        }
+        for sc in c.get_subcommands() {
+            walk(sc, out);
+        }
+    }
+    let mut out = std::collections::BTreeSet::new();
+    walk(&<Cli as clap::CommandFactory>::command(), &mut out);
+    out.insert("help".into());
+    out.insert("version".into());
+    out
+}
+
+/// Rewrites the Nomad CLI's single-dash long flags to clap's spelling: `-namespace=prod`
+/// becomes `--namespace=prod`, `-detach` `--detach`, for every long flag the command line
+/// knows (Nomad's CLI spells them with one dash; both work). One-letter flags (`-t`), `-`
+/// (standard input) and anything after `--` are left alone, as is a single-dash word that
+/// names no flag (clap then refuses it).
 pub fn normalize_args<I: IntoIterator<Item = std::ffi::OsString>>(
     args: I,
 ) -> Vec<std::ffi::OsString> {
+    let longs = long_flags();
     let mut out = Vec::new();
     let mut rest = false;
     for a in args {
         if !rest && a == "--" {
             rest = true;
-        } else if !rest && a == "-json" {
-            out.push("--json".into());
-            continue;
+        } else if !rest {
+            if let Some(word) = a.to_str().and_then(|s| s.strip_prefix('-')) {
+                let name = word.split('=').next().unwrap_or_default();
+                if !word.starts_with('-') && name.len() > 1 && longs.contains(name) {
+                    out.push(format!("-{}", a.to_string_lossy()).into());
+                    continue;
+                }
+            }
         }
         out.push(a);
     }
@@ -135,6 +167,38 @@ pub enum Command {
     /// `publish`: `helper run --cgroup "$DHV_HELPER_CGROUP" -- <command>…`).
     #[command(subcommand)]
     Helper(helper::HelperCommand),
+    /// Print a shell completion script (e.g. `dhv-binder completion bash >
+    /// /etc/bash_completion.d/dhv-binder`).
+    Completion {
+        /// The shell: bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (one per command, `dhv-binder.1`, `dhv-binder-volume.1`, …)
+    /// into a directory.
+    #[command(hide = true)]
+    Manpages {
+        /// Where to write them; created if missing.
+        dir: std::path::PathBuf,
+    },
+}
+
+/// Writes the completion script for `shell` to `out`, from the command line's definition.
+pub fn completion(shell: clap_complete::Shell, out: &mut dyn std::io::Write) {
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    clap_complete::generate(shell, &mut cmd, "dhv-binder", out);
+}
+
+/// Writes a manual page per command into `dir` (created if missing), from the command
+/// line's definition.
+pub fn manpages(dir: &std::path::Path) -> Result<(), Failure> {
+    let cannot = |e: std::io::Error| {
+        Failure::new(
+            EXIT_FAILED,
+            format!("cannot write manual pages to {}: {e}", dir.display()),
+        )
+    };
+    std::fs::create_dir_all(dir).map_err(cannot)?;
+    clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), dir).map_err(cannot)
 }
 
 /// Runs any command but `agent` (which `main` runs with its tracing and signals).
@@ -150,6 +214,13 @@ pub async fn run(nomad: &NomadConfig, command: Command) -> Result<(), Failure> {
         Command::Plugin(cmd) => plugin_cmd(nomad, cmd).await,
         Command::Node(cmd) => node::node_cmd(nomad, cmd).await,
         Command::Helper(cmd) => helper::helper_cmd(cmd),
+        Command::Completion { shell } => {
+            let mut out = Vec::new();
+            completion(shell, &mut out);
+            output::print_raw(&String::from_utf8_lossy(&out));
+            Ok(())
+        }
+        Command::Manpages { dir } => manpages(&dir),
     }
 }
 
@@ -185,6 +256,76 @@ impl From<NomadError> for Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nomads_single_dash_flags_are_accepted_everywhere_and_double_dashes_still_work() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(normalize_args(args.iter().map(std::ffi::OsString::from)))
+        };
+        let cli = parse(&[
+            "dhv-binder",
+            "-namespace=prod",
+            "volume",
+            "delete",
+            "-detach",
+            "-address",
+            "http://127.0.0.1:4646",
+            "data",
+        ])
+        .unwrap();
+        assert_eq!(cli.nomad.namespace, "prod");
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::Delete { ref wait, .. }) if wait.detach
+        ));
+        let cli = parse(&[
+            "dhv-binder",
+            "volume",
+            "list",
+            "--namespace",
+            "ops",
+            "-verbose",
+        ])
+        .unwrap();
+        assert_eq!(cli.nomad.namespace, "ops");
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::List { out }) if out.verbose
+        ));
+        // `-t` stays a short flag; `-` is standard input; a word that names no flag is refused.
+        let cli = parse(&["dhv-binder", "volume", "list", "-t", "{{.ID}}"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Volume(VolumeCommand::List { out }) if out.template.as_deref() == Some("{{.ID}}")
+        ));
+        assert!(parse(&["dhv-binder", "volume", "create", "-"]).is_ok());
+        assert!(parse(&["dhv-binder", "volume", "list", "-nosuchflag"]).is_err());
+    }
+
+    /// Issue 37 #9: completions and manual pages come from the command line's definition.
+    #[test]
+    fn completions_and_manual_pages_are_generated_from_the_definition() {
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            let mut out = Vec::new();
+            completion(shell, &mut out);
+            let text = String::from_utf8(out).unwrap();
+            assert!(text.contains("dhv-binder"), "{shell}: {text}");
+            assert!(
+                text.contains("snapshot"),
+                "{shell}: no volume snapshot in it"
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        manpages(dir.path()).unwrap();
+        let page = std::fs::read_to_string(dir.path().join("dhv-binder-volume-create.1")).unwrap();
+        assert!(page.contains(".TH"), "{page}");
+        assert!(page.contains("detach"), "{page}");
+        assert!(dir.path().join("dhv-binder.1").exists());
+    }
 
     #[test]
     fn single_dash_json_is_accepted_before_the_separator_only() {

@@ -1,6 +1,6 @@
 //! How read commands print: a readable Nomad-style form (aligned `Key = value` blocks and
 //! column tables, as `nomad volume status` prints them), `-json` for machines, and `-t` with
-//! a small Go-template-like format (`{{.Field}}`, `{{range .List}}…{{end}}`).
+//! a Go template over the same JSON, with Nomad's field names too (`{{.ID}}`, `{{.PluginID}}`).
 
 use super::{Failure, EXIT_CONFIG};
 use crate::escape::escape_control;
@@ -12,10 +12,13 @@ pub struct OutputArgs {
     /// Print the full answer as JSON instead of the readable summary (`-json` works too).
     #[arg(long = "json", conflicts_with = "template")]
     pub json: bool,
-    /// Format the JSON answer with a template: `{{.Field.Sub}}` prints a value,
-    /// `{{range .List}}…{{end}}` repeats for each element (`.` is the element).
+    /// Format the JSON answer with a Go template, as Nomad's `-t`: fields by their JSON or
+    /// Nomad name (`{{.ID}}`, `{{.Name}}`, `{{.PluginID}}`), `range`, `if`, `printf`, pipes.
     #[arg(short = 't', long = "template")]
     pub template: Option<String>,
+    /// Full IDs instead of their first 8 characters, and more detail.
+    #[arg(long = "verbose")]
+    pub verbose: bool,
 }
 
 impl OutputArgs {
@@ -122,6 +125,16 @@ pub fn bytes(n: u64) -> String {
     bytesize::ByteSize(n).to_string_as(true)
 }
 
+/// An ID as tables print it: its first 8 characters (Nomad's short IDs), in full with
+/// `verbose`.
+pub fn short_id(id: &str, verbose: bool) -> String {
+    if verbose {
+        id.to_string()
+    } else {
+        id.chars().take(8).collect()
+    }
+}
+
 /// A duration in the past as `12s ago`, `3m4s ago`; `never` for 0 (no timestamp).
 pub fn ago(then_unix_secs: u64, now_unix_secs: u64) -> String {
     if then_unix_secs == 0 {
@@ -140,113 +153,67 @@ pub fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-/// A template that cannot be rendered.
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum TemplateError {
-    #[error("template: unclosed {{{{ at byte {0}")]
-    Unclosed(usize),
-    #[error("template: {{{{{0}}}}} is not supported (use {{{{.Field}}}}, {{{{range .List}}}} and {{{{end}}}})")]
-    Unsupported(String),
-    #[error("template: {{{{range}}}} without {{{{end}}}}")]
-    UnendedRange,
-    #[error("template: {{{{end}}}} without {{{{range}}}}")]
-    StrayEnd,
+/// A template that cannot be parsed or rendered (from Go's template language, as
+/// implemented by the `gtmpl` crate).
+#[derive(Debug, thiserror::Error)]
+#[error("template: {0}")]
+pub struct TemplateError(String);
+
+/// A JSON key in Nomad's casing: `plugin_id` is `PluginID`, `id` `ID`, `capacity_bytes`
+/// `CapacityBytes` (each word capitalised, `id` upper-cased, as Nomad's API structs name
+/// their fields).
+pub fn nomad_key(key: &str) -> String {
+    key.split('_')
+        .map(|w| match w {
+            "id" => "ID".to_string(),
+            w => {
+                let mut c = w.chars();
+                c.next()
+                    .map(|f| f.to_uppercase().chain(c).collect())
+                    .unwrap_or_default()
+            }
+        })
+        .collect()
 }
 
-#[derive(Debug)]
-enum Node {
-    Text(String),
-    Field(Vec<String>),
-    Range(Vec<String>, Vec<Node>),
-}
-
-fn path_of(expr: &str) -> Option<Vec<String>> {
-    let e = expr.trim();
-    if e == "." {
-        return Some(Vec::new());
-    }
-    let rest = e.strip_prefix('.')?;
-    let parts: Vec<String> = rest.split('.').map(str::to_string).collect();
-    parts
-        .iter()
-        .all(|p| !p.is_empty() && p.chars().all(|c| c.is_alphanumeric() || c == '_'))
-        .then_some(parts)
-}
-
-fn parse(t: &str) -> Result<Vec<Node>, TemplateError> {
-    let mut stack: Vec<(Vec<String>, Vec<Node>)> = Vec::new();
-    let mut cur: Vec<Node> = Vec::new();
-    let mut pos = 0;
-    while let Some(open) = t[pos..].find("{{") {
-        let start = pos + open;
-        if start > pos {
-            cur.push(Node::Text(t[pos..start].to_string()));
-        }
-        let close = t[start..]
-            .find("}}")
-            .ok_or(TemplateError::Unclosed(start))?;
-        let action = t[start + 2..start + close].trim();
-        pos = start + close + 2;
-        if let Some(r) = action.strip_prefix("range ") {
-            let p = path_of(r).ok_or_else(|| TemplateError::Unsupported(action.into()))?;
-            stack.push((p, std::mem::take(&mut cur)));
-        } else if action == "end" {
-            let (p, outer) = stack.pop().ok_or(TemplateError::StrayEnd)?;
-            let body = std::mem::replace(&mut cur, outer);
-            cur.push(Node::Range(p, body));
-        } else {
-            let p = path_of(action).ok_or_else(|| TemplateError::Unsupported(action.into()))?;
-            cur.push(Node::Field(p));
-        }
-    }
-    if !stack.is_empty() {
-        return Err(TemplateError::UnendedRange);
-    }
-    if pos < t.len() {
-        cur.push(Node::Text(t[pos..].to_string()));
-    }
-    Ok(cur)
-}
-
-fn lookup<'a>(v: &'a serde_json::Value, path: &[String]) -> &'a serde_json::Value {
-    path.iter()
-        .fold(v, |v, p| v.get(p).unwrap_or(&serde_json::Value::Null))
-}
-
-fn eval(nodes: &[Node], v: &serde_json::Value, out: &mut String) {
-    for n in nodes {
-        match n {
-            Node::Text(s) => out.push_str(s),
-            Node::Field(p) => match lookup(v, p) {
-                serde_json::Value::String(s) => out.push_str(s),
-                serde_json::Value::Null => out.push_str("<no value>"),
-                other => out.push_str(&other.to_string()),
-            },
-            Node::Range(p, body) => match lookup(v, p) {
-                serde_json::Value::Array(items) => {
-                    for i in items {
-                        eval(body, i, out);
-                    }
-                }
-                serde_json::Value::Object(m) => {
-                    for i in m.values() {
-                        eval(body, i, out);
-                    }
-                }
-                _ => {}
-            },
+/// The template's data: the command's JSON, each object's fields under their JSON name and
+/// under Nomad's name ([`nomad_key`]), so that `{{.ID}}`, `{{.Name}}` and `{{.PluginID}}`
+/// work as they do with `nomad ... -t`. Objects behave as Go structs: a field that does not
+/// exist is an error, not an empty string.
+fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
+    use gtmpl::Value as G;
+    match v {
+        serde_json::Value::Null => G::Nil,
+        serde_json::Value::Bool(b) => G::Bool(*b),
+        serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => G::from(u),
+            (None, Some(i)) => G::from(i),
+            _ => G::from(n.as_f64().unwrap_or(0.0)),
+        },
+        serde_json::Value::String(s) => G::String(s.clone()),
+        serde_json::Value::Array(a) => G::Array(a.iter().map(to_gtmpl).collect()),
+        serde_json::Value::Object(m) => {
+            let mut out = std::collections::HashMap::new();
+            for (k, v) in m {
+                let g = to_gtmpl(v);
+                out.insert(nomad_key(k), g.clone());
+                out.insert(k.clone(), g);
+            }
+            G::Object(out)
         }
     }
 }
 
-/// Renders a template over a JSON value (the `-json` form of the same command). Missing
-/// fields print `<no value>`, as Go's templates do; `\n` and `\t` escapes are honoured.
+/// Renders a Go template over a JSON value (the `-json` form of the same command): fields
+/// (`{{.Name}}`), `if`/`else`, `range`, `with`, variables, pipes and the standard functions
+/// (`printf`, `len`, `index`, `eq`, `and`, `or`, `not`...). The escapes `\n` and `\t` typed in a
+/// shell argument are honoured.
 pub fn template(t: &str, v: &serde_json::Value) -> Result<String, TemplateError> {
     let t = t.replace("\\n", "\n").replace("\\t", "\t");
-    let nodes = parse(&t)?;
-    let mut out = String::new();
-    eval(&nodes, v, &mut out);
-    Ok(out)
+    let mut tmpl = gtmpl::Template::default();
+    tmpl.parse(t).map_err(|e| TemplateError(e.to_string()))?;
+    tmpl.render(&gtmpl::Context::from(to_gtmpl(v)))
+        .map_err(|e| TemplateError(e.to_string()))
 }
 
 #[cfg(test)]
@@ -289,15 +256,32 @@ mod tests {
             template("{{.node}}:{{range .plugins}} {{.id}}{{end}}\\n", &v).unwrap(),
             "n1: bind nfs\n"
         );
-        assert_eq!(template("{{.nope}}", &v).unwrap(), "<no value>");
+        // A field that does not exist is an error naming it, as with Go structs.
+        let e = template("{{.nope}}", &v).unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+        assert!(template("{{range .plugins}}", &v).is_err());
+    }
+
+    /// Issue 37 #6: Nomad's keys and Go template basics (if, range, printf, pipes, len).
+    #[test]
+    fn templates_take_nomads_keys_and_go_template_basics() {
+        let v = serde_json::json!([
+            {"id": "0b9c6a6e-1111", "name": "a", "plugin_id": "bind", "capacity_bytes": 1024, "registered": false},
+            {"id": "7f00aa00-2222", "name": "b", "plugin_id": "nfs", "capacity_bytes": 0, "registered": true}
+        ]);
+        assert_eq!(nomad_key("plugin_id"), "PluginID");
+        assert_eq!(nomad_key("capacity_bytes"), "CapacityBytes");
+        assert_eq!(nomad_key("id"), "ID");
+        let t = "{{range .}}{{.ID}} {{.Name}} {{.PluginID}}{{if .Registered}} (registered){{end}}\\n{{end}}";
         assert_eq!(
-            template("{{range .plugins}}", &v),
-            Err(TemplateError::UnendedRange)
+            template(t, &v).unwrap(),
+            "0b9c6a6e-1111 a bind\n7f00aa00-2222 b nfs (registered)\n"
         );
-        assert!(matches!(
-            template("{{len .plugins}}", &v),
-            Err(TemplateError::Unsupported(_))
-        ));
+        assert_eq!(
+            template("{{len .}} {{printf \"%s=%d\" (index . 0).Name (index . 0).CapacityBytes}} {{(index . 1).Name | printf \"<%s>\"}}", &v)
+                .unwrap(),
+            "2 a=1024 <b>"
+        );
     }
 
     #[test]
@@ -308,12 +292,12 @@ mod tests {
         assert_eq!(o.render(&v, human).unwrap(), "readable\n");
         let o = OutputArgs {
             json: true,
-            template: None,
+            ..Default::default()
         };
         assert_eq!(o.render(&v, human).unwrap(), "{\n  \"a\": 1\n}\n");
         let o = OutputArgs {
-            json: false,
             template: Some("{{.a}}".into()),
+            ..Default::default()
         };
         assert_eq!(o.render(&v, human).unwrap(), "1");
     }

@@ -54,19 +54,76 @@ pub(super) async fn read_var(
 ) -> Result<(VolumeRecord, bool), Failure> {
     volume::validate_identifier("name", name, true)
         .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
-    let var = client
+    let var = match client
         .variable(namespace, &volume::record_path(name))
         .await?
-        .ok_or_else(|| {
-            Failure::new(
-                EXIT_FAILED,
-                format!("volume {namespace}/{name} does not exist"),
-            )
-        })?;
+    {
+        Some(var) => var,
+        None => by_id_prefix(client, namespace, name).await?,
+    };
     let registered = var.items.get(REGISTERED_ITEM).is_some_and(|v| v == "true");
     let rec =
         VolumeRecord::from_variable(&var).map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
     Ok((rec, registered))
+}
+
+/// The record whose volume ID starts with `prefix` (as Nomad accepts unique ID
+/// prefixes wherever an ID is): refused when none or several match, naming them.
+async fn by_id_prefix(
+    client: &Client,
+    namespace: &str,
+    prefix: &str,
+) -> Result<crate::nomad::types::Variable, Failure> {
+    let missing = || {
+        Failure::new(
+            EXIT_FAILED,
+            format!("volume {namespace}/{prefix} does not exist (no volume has that name or ID prefix; `dhv-binder volume list` shows them)"),
+        )
+    };
+    if !prefix.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+        return Err(missing());
+    }
+    let metas = client
+        .list_variables(
+            volume::RECORD_PREFIX,
+            namespace,
+            0,
+            std::time::Duration::ZERO,
+        )
+        .await?
+        .value;
+    let mut found = Vec::new();
+    for m in metas {
+        if let Some(var) = client.variable(&m.namespace, &m.path).await? {
+            if var.items.get("id").is_some_and(|id| id.starts_with(prefix)) {
+                found.push(var);
+            }
+        }
+    }
+    match found.len() {
+        0 => Err(missing()),
+        1 => Ok(found.remove(0)),
+        _ => {
+            let names: Vec<String> = found
+                .iter()
+                .map(|v| {
+                    format!(
+                        "{} ({})",
+                        v.path.trim_start_matches(volume::RECORD_PREFIX),
+                        v.items.get("id").map(String::as_str).unwrap_or_default()
+                    )
+                })
+                .collect();
+            Err(Failure::new(
+                EXIT_FAILED,
+                format!(
+                    "ID prefix {prefix:?} matches {} volumes: {}; give more of the ID or the name",
+                    names.len(),
+                    names.join(", ")
+                ),
+            ))
+        }
+    }
 }
 
 pub(super) async fn read_record(

@@ -495,7 +495,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         let v = doc();
         let o = OutputArgs {
             json: true,
-            template: None,
+            ..Default::default()
         };
         let s = o.render(&v, |_| unreachable!()).unwrap();
         let back: serde_json::Value = serde_json::from_str(&s).unwrap();

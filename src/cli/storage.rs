@@ -331,7 +331,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                     format!("snapshot {} failed: {} (delete it with `dhv-binder volume snapshot delete {}`)", done.id, done.error, done.id),
                 ));
             }
-            outln!("==> Snapshot {} is ready ({} bytes)", done.id, done.bytes);
+            outln!("==> Snapshot {} is ready ({})", done.id, bytes(done.bytes));
             Ok(())
         }
         SnapshotCommand::List {
@@ -500,9 +500,9 @@ pub async fn create_existing(
     {
         Update::Unchanged => {
             outln!(
-                "==> Volume {} already exists with this spec ({} bytes)",
+                "==> Volume {} already exists with this spec ({})",
                 rec.key(),
-                rec.capacity_bytes
+                bytes(rec.capacity_bytes)
             );
             Ok(())
         }
@@ -529,8 +529,10 @@ pub async fn create_existing(
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
             outln!(
-                "==> Expansion of volume {} from {from} to {to} bytes requested",
-                rec.key()
+                "==> Expansion of volume {} from {} to {} requested",
+                rec.key(),
+                bytes(from),
+                bytes(to)
             );
             if detach {
                 return Ok(());
@@ -548,11 +550,11 @@ pub async fn create_existing(
             .await?;
             match done {
                 Ok(0) => {
-                    outln!("==> Volume {key} is in use and its plugin cannot grow it online: it grows to {to} bytes before its next publish");
+                    outln!("==> Volume {key} is in use and its plugin cannot grow it online: it grows to {} before its next publish", bytes(to));
                     Ok(())
                 }
                 Ok(bytes) => {
-                    outln!("==> Volume {key} is now {bytes} bytes");
+                    outln!("==> Volume {key} is now {}", super::output::bytes(bytes));
                     Ok(())
                 }
                 Err(e) => Err(Failure::new(EXIT_FAILED, format!("expand failed: {e}"))),

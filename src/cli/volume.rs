@@ -2,7 +2,7 @@
 //! cluster-wide volume records in Nomad Variables (see [`crate::volume`]), signed with the
 //! operator's key ([`crate::cluster::trust`]).
 
-use super::output::{bytes, kv, table, OutputArgs};
+use super::output::{ago, bytes, kv, short_id, table, OutputArgs};
 use super::records::{read_record, read_var, users_of, SigningArgs, VolumeUser, REGISTERED_ITEM};
 use super::storage::{self, LocalPlugins, SnapshotCommand, SnapshotSummary};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
@@ -25,10 +25,10 @@ pub enum VolumeCommand {
     /// again for an existing volume with a larger `capacity_min`, grows it (plugin capability
     /// "expand"); shrinking or changing anything else is refused.
     Create {
+        /// The volume spec (HCL) file, or `-` to read it from standard input.
         spec: PathBuf,
-        /// Return once recorded, without waiting for the plugin's create.
-        #[arg(long)]
-        detach: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
         #[command(flatten)]
         local: LocalPlugins,
         #[command(flatten)]
@@ -58,6 +58,7 @@ pub enum VolumeCommand {
     },
     /// Show one volume: record, allocations using it.
     Status {
+        /// The volume's name, or its ID or a unique prefix of it.
         name: String,
         #[command(flatten)]
         out: OutputArgs,
@@ -65,17 +66,38 @@ pub enum VolumeCommand {
     /// Delete a volume (the plugin's `delete` destroys its storage); refused while any
     /// allocation uses it, and for registered volumes (use `deregister`).
     Delete {
+        /// The volume's name, or its ID or a unique prefix of it.
         name: String,
-        /// Return once the delete is requested, without waiting for the plugin's `delete`
-        /// and the record's removal.
-        #[arg(long)]
-        detach: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
         #[command(flatten)]
         key: SigningArgs,
     },
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.
-    Deregister { name: String },
+    Deregister {
+        /// The volume's name, or its ID or a unique prefix of it.
+        name: String,
+    },
+}
+
+/// How long a command that changes a volume waits for the agents to act on it.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WaitArgs {
+    /// Return once the record is written, without waiting for the agents.
+    #[arg(long)]
+    pub detach: bool,
+    /// How long to wait for the agents (e.g. `30s`, `5m`); past it the command gives up
+    /// with exit 75, saying why no agent acted (the record stays).
+    #[arg(long, default_value = DEFAULT_WAIT, value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+impl WaitArgs {
+    /// How long to wait; `None` with `-detach`.
+    pub fn wait(&self) -> Option<Duration> {
+        (!self.detach).then_some(self.timeout)
+    }
 }
 
 /// Writes a new operator key to `out` (created, mode 0600) and prints its public key line.
@@ -130,6 +152,93 @@ pub struct VolumeDetail {
     pub allocations: Vec<VolumeUser>,
     /// The volume's snapshots, oldest first.
     pub snapshots: Vec<SnapshotSummary>,
+    /// Why a `pending` or `deleting` volume waits (the refusals the agents published, no
+    /// node able to serve it), or empty.
+    pub waiting: String,
+    /// The volume on each node that has it (mounted, a placeholder, an error, a refusal),
+    /// from the node records and placeholders.
+    pub nodes: Vec<NodeDetail>,
+}
+
+/// One volume on one node, for `volume status`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NodeDetail {
+    pub node_id: String,
+    pub node_name: String,
+    /// The mount's state on the node (`published`, `publishing`, `unpublishing`), or
+    /// `not mounted`.
+    pub state: String,
+    /// Unix seconds the state began (the node's clock); 0 when unknown.
+    pub since: u64,
+    /// The placeholder's Nomad host volume ID on the node, or empty.
+    pub host_volume_id: String,
+    /// Allocations on the node using the volume.
+    pub allocations: Vec<String>,
+    /// The node's last error for the volume (the plugin's redacted words), or empty.
+    pub error: String,
+    /// Why the node refuses the volume's record, or empty.
+    pub refused: String,
+}
+
+/// The per-node rows of `volume status`: each node with a mount, an error, a refusal or a
+/// placeholder of the volume.
+pub fn node_details(
+    rec: &VolumeRecord,
+    records: &[NodeRecord],
+    placeholders: &[(String, String)],
+    users: &[VolumeUser],
+) -> Vec<NodeDetail> {
+    let key = rec.key().to_string();
+    let path = volume::record_path(&rec.spec.name);
+    let mut out: BTreeMap<String, NodeDetail> = BTreeMap::new();
+    for n in records {
+        let v = n.volumes.get(&key);
+        let refused = n.refusal(&rec.spec.namespace, &path).unwrap_or_default();
+        if v.is_none() && refused.is_empty() {
+            continue;
+        }
+        let v = v.cloned().unwrap_or_default();
+        out.insert(
+            n.node_id.clone(),
+            NodeDetail {
+                node_id: n.node_id.clone(),
+                node_name: n.node_name.clone(),
+                state: if v.state.is_empty() {
+                    "not mounted".into()
+                } else {
+                    v.state
+                },
+                since: v.since,
+                allocations: v.users,
+                error: v.error,
+                refused: refused.to_string(),
+                ..Default::default()
+            },
+        );
+    }
+    for (node_id, hv) in placeholders {
+        let d = out.entry(node_id.clone()).or_insert_with(|| NodeDetail {
+            node_id: node_id.clone(),
+            node_name: records
+                .iter()
+                .find(|r| &r.node_id == node_id)
+                .map(|r| r.node_name.clone())
+                .unwrap_or_default(),
+            state: "not mounted".into(),
+            ..Default::default()
+        });
+        d.host_volume_id = hv.clone();
+    }
+    for u in users {
+        if let Some(d) = out.get_mut(&u.node_id) {
+            if !d.allocations.contains(&u.alloc_id) {
+                d.allocations.push(u.alloc_id.clone());
+            }
+        }
+    }
+    let mut v: Vec<NodeDetail> = out.into_values().collect();
+    v.sort_by(|a, b| (&a.node_name, &a.node_id).cmp(&(&b.node_name, &b.node_id)));
+    v
 }
 
 fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
@@ -146,13 +255,13 @@ fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
     }
 }
 
-/// The readable `volume list`.
-pub fn render_list(vols: &[VolumeSummary]) -> String {
+/// The readable `volume list`: IDs cut to 8 characters unless `verbose`.
+pub fn render_list(vols: &[VolumeSummary], verbose: bool) -> String {
     let rows: Vec<Vec<String>> = vols
         .iter()
         .map(|v| {
             vec![
-                v.id.clone(),
+                short_id(&v.id, verbose),
                 v.namespace.clone(),
                 v.name.clone(),
                 v.plugin_id.clone(),
@@ -172,8 +281,9 @@ pub fn render_list(vols: &[VolumeSummary]) -> String {
     )
 }
 
-/// The readable `volume status`.
-pub fn render_detail(d: &VolumeDetail) -> String {
+/// The readable `volume status`: allocation and node IDs cut to 8 characters unless
+/// `verbose`.
+pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     let s = &d.summary;
     let mut rows: Vec<(&str, String)> = vec![
         ("ID", s.id.clone()),
@@ -218,14 +328,18 @@ pub fn render_detail(d: &VolumeDetail) -> String {
     rows.push(("Signed", if d.signed { "yes" } else { "no" }.into()));
     rows.push(("Secrets", format!("{} key(s), not shown", d.secrets)));
     if !d.worker_node.is_empty() {
-        let busy = matches!(s.state.as_str(), "creating" | "deleting");
-        rows.push((
-            if busy { "Worker Node" } else { "Created On" },
-            d.worker_node.clone(),
-        ));
+        let label = match s.state.as_str() {
+            "creating" | "deleting" => "Worker Node",
+            "failed" => "Failed On",
+            _ => "Created On",
+        };
+        rows.push((label, d.worker_node.clone()));
     }
     if !d.error.is_empty() {
         rows.push(("Error", d.error.clone()));
+    }
+    if !d.waiting.is_empty() {
+        rows.push(("Waiting For", d.waiting.clone()));
     }
     if !d.source.is_empty() {
         rows.push(("Source", d.source.clone()));
@@ -238,13 +352,64 @@ pub fn render_detail(d: &VolumeDetail) -> String {
     let users: Vec<Vec<String>> = d
         .allocations
         .iter()
-        .map(|u| vec![u.alloc_id.clone(), u.alloc_name.clone(), u.node_id.clone()])
+        .map(|u| {
+            vec![
+                short_id(&u.alloc_id, verbose),
+                u.alloc_name.clone(),
+                short_id(&u.node_id, verbose),
+            ]
+        })
         .collect();
     out.push_str(&table(
         &["ID", "Name", "Node ID"],
         &users,
         "No allocations use this volume",
     ));
+    if !d.nodes.is_empty() {
+        out.push_str("\nNodes\n");
+        let now = super::output::now_unix();
+        let rows: Vec<Vec<String>> = d
+            .nodes
+            .iter()
+            .map(|n| {
+                let dash = |s: String| if s.is_empty() { "-".to_string() } else { s };
+                vec![
+                    dash(n.node_name.clone()),
+                    n.state.clone(),
+                    if n.since == 0 {
+                        "-".into()
+                    } else {
+                        ago(n.since, now)
+                    },
+                    dash(short_id(&n.host_volume_id, verbose)),
+                    dash(
+                        n.allocations
+                            .iter()
+                            .map(|a| short_id(a, verbose))
+                            .collect::<Vec<_>>()
+                            .join(","),
+                    ),
+                    dash(if n.refused.is_empty() {
+                        n.error.clone()
+                    } else {
+                        format!("refuses the record: {}", n.refused)
+                    }),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                "Node",
+                "State",
+                "Since",
+                "Host Volume",
+                "Allocations",
+                "Last Error",
+            ],
+            &rows,
+            "",
+        ));
+    }
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");
         out.push_str(&storage::render_snapshots(&d.snapshots));
@@ -317,15 +482,36 @@ pub fn no_eligible_node(
     ))
 }
 
+/// Reads a spec file, or standard input for `-` (as `nomad volume create -` does).
 fn read_spec_text(path: &Path) -> Result<String, Failure> {
+    if path == Path::new("-") {
+        use std::io::Read as _;
+        let mut text = String::new();
+        std::io::stdin()
+            .take(volume::MAX_SPEC_BYTES as u64 + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| {
+                Failure::new(EXIT_CONFIG, format!("cannot read the spec from stdin: {e}"))
+            })?;
+        return Ok(text);
+    }
     std::fs::read_to_string(path)
         .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", path.display())))
 }
 
-/// Parses a spec, taking the CLI's namespace when the spec names none.
-fn parse(text: &str, ns: &str) -> Result<(volume::VolumeSpec, BTreeMap<String, String>), Failure> {
-    let (mut spec, secrets) =
-        volume::parse_spec(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+/// Parses a spec (a register spec with `register`), taking the CLI's namespace when the
+/// spec names none.
+fn parse(
+    text: &str,
+    ns: &str,
+    register: bool,
+) -> Result<(volume::VolumeSpec, BTreeMap<String, String>), Failure> {
+    let parsed = if register {
+        volume::parse_register_spec(text)
+    } else {
+        volume::parse_spec(text)
+    };
+    let (mut spec, secrets) = parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
         spec.namespace = ns.to_string();
     }
@@ -391,16 +577,19 @@ async fn put_new(
     }
 }
 
+/// How long `volume create` and `volume delete` wait for the agents, unless `-detach`.
+pub const DEFAULT_WAIT: &str = "2m";
+
 async fn create(
     client: &Client,
     ns: &str,
-    spec: PathBuf,
-    detach: bool,
+    spec: &Path,
+    wait: Option<Duration>,
     local: &LocalPlugins,
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
-    let text = read_spec_text(&spec)?;
-    let (spec, secrets) = parse(&text, ns)?;
+    let text = read_spec_text(spec)?;
+    let (spec, secrets) = parse(&text, ns, false)?;
     if !client.namespace_exists(&spec.namespace).await? {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -410,13 +599,45 @@ async fn create(
             ),
         ));
     }
-    if client
+    let existing = match client
         .variable(&spec.namespace, &volume::record_path(&spec.name))
         .await?
-        .is_some()
     {
-        return storage::create_existing(client, &spec, detach, local, key.as_ref()).await;
-    }
+        Some(_) => Some(read_record(client, &spec.namespace, &spec.name).await?),
+        None => None,
+    };
+    let rerun = match existing {
+        Some(cur) if cur.state == VolumeState::Failed => Some(cur),
+        Some(cur) if matches!(cur.state, VolumeState::Pending | VolumeState::Creating) => {
+            if !matches!(
+                crate::cluster::expansion::plan_update(&cur, &spec),
+                Ok(crate::cluster::expansion::Update::Unchanged)
+            ) {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!(
+                        "volume {} is still being created with another spec: wait for it, or delete it (`dhv-binder volume delete {}`) and create it again",
+                        cur.key(),
+                        cur.spec.name
+                    ),
+                ));
+            }
+            outln!(
+                "==> Volume {} is already being created ({})",
+                cur.key(),
+                cur.state.as_str()
+            );
+            return match wait {
+                None => Ok(()),
+                Some(w) => wait_created(client, &cur, w).await,
+            };
+        }
+        Some(_) => {
+            return storage::create_existing(client, &spec, wait.is_none(), local, key.as_ref())
+                .await
+        }
+        None => None,
+    };
     storage::check_source(client, &spec, local).await?;
     let (records, bad) = nodes::list(client).await?;
     for e in bad {
@@ -431,6 +652,23 @@ async fn create(
         return Err(Failure::new(EXIT_FAILED, why));
     }
     let mut rec = VolumeRecord::new(spec, secrets);
+    if let Some(old) = &rerun {
+        // A failed create made no storage (the plugin said so): the same volume (its ID
+        // kept, as Nomad keeps a volume's ID) is created again, with the spec as given now.
+        if key.is_none() && !old.signature.is_empty() {
+            return Err(Failure::new(
+                EXIT_CONFIG,
+                format!("volume {} is signed: give the operator's key (--signing-key or DHV_BINDER_SIGNING_KEY) to create it again", old.key()),
+            ));
+        }
+        rec.id = old.id.clone();
+        rec.modify_index = old.modify_index;
+        outln!(
+            "==> Volume {} failed to be created before ({}); running its create again",
+            old.key(),
+            escape_control(&old.error)
+        );
+    }
     // A clone is made where its source is published, so the plugin can quiesce it.
     rec.worker_node = storage::source_node(client, &rec.spec).await?;
     if let Some(k) = &key {
@@ -438,33 +676,122 @@ async fn create(
     }
     rec.check_size()
         .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
-    put_new(client, &rec.to_variable(), &rec.key().to_string()).await?;
+    if rerun.is_some() {
+        match client
+            .put_variable(&rec.to_variable(), Some(rec.modify_index))
+            .await
+        {
+            Ok(_) => {}
+            Err(NomadError::CasConflict { .. }) => {
+                return Err(Failure::new(
+                    EXIT_FAILED,
+                    format!("volume {} changed meanwhile; try again", rec.key()),
+                ))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    } else {
+        put_new(client, &rec.to_variable(), &rec.key().to_string()).await?;
+    }
     outln!(
         "==> Created volume record {} (ID {}), plugin {:?}",
         rec.key(),
         rec.id,
         rec.spec.plugin_id
     );
-    if detach {
-        return Ok(());
+    if let Some(note) = access_mode_note(&rec.spec) {
+        outln!("    {note}");
     }
-    outln!(
-        "    Waiting for a node with plugin {:?} to run its create…",
-        rec.spec.plugin_id
-    );
-    let name_of = |id: &str| {
-        records
-            .iter()
-            .find(|r| r.node_id == id)
-            .map(|r| format!("{} ({id})", r.node_name))
-            .unwrap_or_else(|| id.to_string())
+    match wait {
+        None => Ok(()),
+        Some(w) => {
+            outln!(
+                "    Waiting for a node with plugin {:?} to run its create…",
+                rec.spec.plugin_id
+            );
+            wait_created(client, &rec, w).await
+        }
+    }
+}
+
+/// What a job must request for a volume whose first capability is a multi-node mode:
+/// Nomad's host volumes know single-node modes only, so each node's placeholder offers the
+/// single-node counterpart, and a job asking for the multi-node mode is never placed.
+/// `None` for single-node modes.
+pub fn access_mode_note(spec: &volume::VolumeSpec) -> Option<String> {
+    let mode = spec.capabilities.first()?.access_mode.as_str();
+    let single = match mode {
+        "multi-node-multi-writer" => "single-node-multi-writer",
+        "multi-node-reader-only" => "single-node-reader-only",
+        _ => return None,
     };
+    Some(format!(
+        "Note: jobs request this {mode} volume with access_mode = \"{single}\" (Nomad's host volumes know single-node modes only: each node's placeholder offers {single}; a job asking for {mode} is never placed). Every node may publish it at once."
+    ))
+}
+
+/// `id` as `name (id)` from the node records; the ID alone when no record names it.
+fn node_name(records: &[NodeRecord], id: &str) -> String {
+    records
+        .iter()
+        .find(|r| r.node_id == id)
+        .map(|r| format!("{} ({})", r.node_name, short_id(id, false)))
+        .unwrap_or_else(|| id.to_string())
+}
+
+/// Why no agent acted on `rec` in time: the refusals nodes published for its record, its
+/// missing signature, or no node able to serve it. `None` when nothing explains it.
+pub fn why_waiting(rec: &VolumeRecord, records: &[NodeRecord], now: u64) -> Option<String> {
+    let path = volume::record_path(&rec.spec.name);
+    // Nodes that give the same reason are named together.
+    let mut by_reason: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for n in records {
+        if let Some(why) = n.refusal(&rec.spec.namespace, &path) {
+            by_reason.entry(why).or_default().push(&n.node_name);
+        }
+    }
+    let refusals: Vec<String> = by_reason
+        .iter()
+        .map(|(why, names)| {
+            let verb = if names.len() == 1 {
+                "refuses"
+            } else {
+                "refuse"
+            };
+            format!("{} {verb} it: {why}", names.join(", "))
+        })
+        .collect();
+    if !refusals.is_empty() {
+        return Some(format!(
+            "{}; fix that and run the command again",
+            refusals.join("; ")
+        ));
+    }
+    if rec.state == VolumeState::Pending || rec.state == VolumeState::Deleting {
+        if let Some(why) = no_eligible_node(records, &rec.spec.plugin_id, &rec.spec.node_pool, now)
+        {
+            return Some(why);
+        }
+    }
+    None
+}
+
+/// Waits until a recorded create is done: `Ok` once ready; the plugin's error with the
+/// node that ran it once failed; after `wait`, exit 75 with why no agent acted.
+async fn wait_created(client: &Client, rec: &VolumeRecord, wait: Duration) -> Result<(), Failure> {
     let mut told = String::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + wait;
+    let mut records = nodes::list(client).await?.0;
     loop {
         let cur = read_record(client, &rec.spec.namespace, &rec.spec.name).await?;
         if !cur.worker_node.is_empty() && cur.worker_node != told {
-            outln!("    Node {} took the create", name_of(&cur.worker_node));
+            if !records.iter().any(|r| r.node_id == cur.worker_node) {
+                records = nodes::list(client).await?.0;
+            }
+            outln!(
+                "    Node {} took the create",
+                node_name(&records, &cur.worker_node)
+            );
             told = cur.worker_node.clone();
         }
         match cur.state {
@@ -477,24 +804,39 @@ async fn create(
                 return Ok(());
             }
             VolumeState::Failed => {
+                let on = if cur.worker_node.is_empty() {
+                    String::new()
+                } else {
+                    format!(" on node {}", node_name(&records, &cur.worker_node))
+                };
                 return Err(Failure::new(
                     EXIT_FAILED,
                     format!(
-                        "plugin create failed: {} (delete the volume and create it again)",
-                        escape_control(&cur.error)
+                        "volume {} failed to be created{on}: {}\nFix the cause and run the same `dhv-binder volume create` again to retry (or `dhv-binder volume delete {}`)",
+                        cur.key(),
+                        escape_control(&cur.error),
+                        cur.spec.name
                     ),
-                ))
+                ));
             }
             _ if Instant::now() > deadline => {
+                let records = nodes::list(client).await?.0;
+                let why = why_waiting(&cur, &records, super::output::now_unix())
+                    .unwrap_or_else(|| {
+                        format!(
+                            "no agent has reported why: see `dhv-binder plugin status {}` and the agents' logs",
+                            cur.spec.plugin_id
+                        )
+                    });
                 return Err(Failure::new(
                     EXIT_TIMEOUT,
                     format!(
-                        "volume {} is still {} after 2m: see `dhv-binder plugin status {}` and the agents' logs",
+                        "volume {} is still {} after {}: {why} (the record stays; `-detach` returns at once)",
                         cur.key(),
                         cur.state.as_str(),
-                        cur.spec.plugin_id
+                        humantime::format_duration(wait)
                     ),
-                ))
+                ));
             }
             _ => tokio::time::sleep(Duration::from_millis(300)).await,
         }
@@ -508,7 +850,7 @@ async fn register(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
-    let (spec, secrets) = parse(&text, ns)?;
+    let (spec, secrets) = parse(&text, ns, true)?;
     let (context, capacity) = register_extras(&text)?;
     let mut rec = VolumeRecord::new(spec, secrets);
     rec.state = VolumeState::Ready;
@@ -564,11 +906,33 @@ async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure>
         }
     }
     vols.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    out.print(&vols, |v| render_list(v))
+    let verbose = out.verbose;
+    out.print(&vols, |v| render_list(v, verbose))
 }
 
 async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Result<(), Failure> {
     let (r, registered) = read_var(client, ns, &name).await?;
+    // An ID prefix names the volume too: from here on, its name.
+    let name = r.spec.name.clone();
+    let (records, bad) = nodes::list(client).await?;
+    for e in bad {
+        eprintln!("warning: {}", escape_control(&e.to_string()));
+    }
+    let placeholders: Vec<(String, String)> = client
+        .list_host_volumes(None, &r.spec.namespace)
+        .await?
+        .into_iter()
+        .filter(|hv| hv.name == r.spec.name)
+        .map(|hv| (hv.node_id, hv.id))
+        .collect();
+    let allocations = users_of(client, ns, &name).await?;
+    let waiting = match r.state {
+        VolumeState::Pending | VolumeState::Deleting | VolumeState::Creating => {
+            why_waiting(&r, &records, super::output::now_unix()).unwrap_or_default()
+        }
+        _ => String::new(),
+    };
+    let nodes = node_details(&r, &records, &placeholders, &allocations);
     let d = VolumeDetail {
         summary: summary(&r, registered),
         capabilities: r.spec.capabilities.clone(),
@@ -576,7 +940,11 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
         context: r.context.clone(),
         secrets: r.secrets.len(),
         signed: !r.signature.is_empty(),
-        worker_node: r.worker_node.clone(),
+        worker_node: if r.worker_node.is_empty() {
+            String::new()
+        } else {
+            node_name(&records, &r.worker_node)
+        },
         error: r.error.clone(),
         source: storage::describe_source(&r.spec.source),
         operation: r
@@ -584,24 +952,29 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
             .as_ref()
             .map(|x| x.describe())
             .unwrap_or_default(),
-        allocations: users_of(client, ns, &name).await?,
+        allocations,
         snapshots: storage::snapshots(client, &r.spec.namespace, Some(&r.spec.name))
             .await?
             .iter()
             .map(SnapshotSummary::of)
             .collect(),
+        waiting,
+        nodes,
     };
-    out.print(&d, render_detail)
+    let verbose = out.verbose;
+    out.print(&d, |d| render_detail(d, verbose))
 }
 
 async fn delete(
     client: &Client,
     ns: &str,
     name: String,
-    detach: bool,
+    wait: Option<Duration>,
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let (mut r, registered) = read_var(client, ns, &name).await?;
+    // An ID prefix names the volume too: from here on, its name.
+    let name = r.spec.name.clone();
     if registered {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -635,10 +1008,10 @@ async fn delete(
         .put_variable(&r.to_variable(), Some(r.modify_index))
         .await?;
     outln!("==> Delete of {} requested", r.key());
-    if detach {
+    let Some(wait) = wait else {
         return Ok(());
-    }
-    let deadline = Instant::now() + Duration::from_secs(120);
+    };
+    let deadline = Instant::now() + wait;
     loop {
         match client
             .variable(&r.spec.namespace, &volume::record_path(&name))
@@ -648,11 +1021,29 @@ async fn delete(
                 outln!("==> Volume {} deleted", r.key());
                 return Ok(());
             }
-            Some(_) if Instant::now() > deadline => {
+            Some(var) if Instant::now() > deadline => {
+                let cur = VolumeRecord::from_variable(&var)
+                    .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+                let records = nodes::list(client).await?.0;
+                let why = if cur.error.is_empty() {
+                    why_waiting(&cur, &records, super::output::now_unix())
+                } else {
+                    Some(format!("the last attempt failed: {}", escape_control(&cur.error)))
+                }
+                .unwrap_or_else(|| {
+                    format!(
+                        "no agent has reported why: see `dhv-binder plugin status {}` and the agents' logs",
+                        cur.spec.plugin_id
+                    )
+                });
                 return Err(Failure::new(
                     EXIT_TIMEOUT,
-                    "delete still pending after 2m; see `dhv-binder volume status`",
-                ))
+                    format!(
+                        "the delete of volume {} is still pending after {}: {why} (the request stays; `dhv-binder volume status {name}` shows it)",
+                        cur.key(),
+                        humantime::format_duration(wait)
+                    ),
+                ));
             }
             Some(_) => tokio::time::sleep(Duration::from_millis(300)).await,
         }
@@ -661,6 +1052,8 @@ async fn delete(
 
 async fn deregister(client: &Client, ns: &str, name: String) -> Result<(), Failure> {
     let (r, registered) = read_var(client, ns, &name).await?;
+    // An ID prefix names the volume too: from here on, its name.
+    let name = r.spec.name.clone();
     if matches!(r.state, VolumeState::Creating | VolumeState::Deleting) {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -709,16 +1102,16 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
         VolumeCommand::Keygen { out } => keygen(&out),
         VolumeCommand::Create {
             spec,
-            detach,
+            wait,
             local,
             key,
-        } => create(&client, ns, spec, detach, &local, key.load()?).await,
+        } => create(&client, ns, &spec, wait.wait(), &local, key.load()?).await,
         VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
         VolumeCommand::Register { spec, key } => register(&client, ns, spec, key.load()?).await,
         VolumeCommand::List { out } => list(&client, ns, out).await,
         VolumeCommand::Status { name, out } => status(&client, ns, name, out).await,
-        VolumeCommand::Delete { name, detach, key } => {
-            delete(&client, ns, name, detach, key.load()?).await
+        VolumeCommand::Delete { name, wait, key } => {
+            delete(&client, ns, name, wait.wait(), key.load()?).await
         }
         VolumeCommand::Deregister { name } => deregister(&client, ns, name).await,
     }
@@ -744,13 +1137,19 @@ mod tests {
 
     #[test]
     fn volume_list_is_a_table_with_human_capacity() {
-        let s = render_list(&[vol()]);
+        let s = render_list(&[vol()], true);
         assert_eq!(
             s,
             "ID                                    Namespace  Name         Plugin ID  Capacity  State\n\
              0b9c6a6e-1111-4222-8333-444455556666  default    shared-data  bind       1.0 GiB   ready\n"
         );
-        assert_eq!(render_list(&[]), "No volumes\n");
+        // Short IDs (8 characters) unless -verbose, as Nomad prints them.
+        assert_eq!(
+            render_list(&[vol()], false),
+            "ID        Namespace  Name         Plugin ID  Capacity  State\n\
+             0b9c6a6e  default    shared-data  bind       1.0 GiB   ready\n"
+        );
+        assert_eq!(render_list(&[], false), "No volumes\n");
         let j = serde_json::to_value([vol()]).unwrap();
         assert_eq!(j[0]["capacity_bytes"], 1u64 << 30);
         assert_eq!(j[0]["name"], "shared-data");
@@ -782,8 +1181,10 @@ mod tests {
                 node_id: "n1".into(),
             }],
             snapshots: Vec::new(),
+            waiting: String::new(),
+            nodes: Vec::new(),
         };
-        let s = render_detail(&d);
+        let s = render_detail(&d, false);
         assert_eq!(
             s,
             "\
@@ -852,6 +1253,27 @@ a1  example.app[0]  n1
         assert!(why.contains("in node pool \"default\""), "{why}");
         let why = no_eligible_node(&[], "nfs", "", now).unwrap();
         assert!(why.contains("no dhv-binder agent has published"), "{why}");
+    }
+
+    /// Issue 37 #12: a multi-node volume says at create which mode jobs request.
+    #[test]
+    fn a_multi_node_volume_says_which_mode_jobs_request() {
+        let spec = |mode: &str| {
+            volume::parse_spec(&format!(
+                "name = \"v\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"{mode}\"\n}}\n"
+            ))
+            .unwrap()
+            .0
+        };
+        let note = access_mode_note(&spec("multi-node-multi-writer")).unwrap();
+        assert!(
+            note.contains("access_mode = \"single-node-multi-writer\""),
+            "{note}"
+        );
+        assert!(access_mode_note(&spec("multi-node-reader-only"))
+            .unwrap()
+            .contains("\"single-node-reader-only\""));
+        assert_eq!(access_mode_note(&spec("single-node-writer")), None);
     }
 
     #[test]

@@ -63,6 +63,48 @@ pub struct NodeRecord {
     pub heartbeat_secs: u64,
     /// Unix seconds (the agent's clock) of the last write.
     pub last_seen: u64,
+    /// The volumes this node has mounted or is working on, `<namespace>/<name>` → what it
+    /// knows (from its journal), for `volume status`; at most [`MAX_NODE_VOLUMES`], absent
+    /// in records of older agents.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub volumes: BTreeMap<String, NodeVolume>,
+    /// Records this agent refuses to act on (unsigned, signed by a key it does not trust,
+    /// malformed), `<namespace>/<variable path>` → why; at most [`MAX_NODE_VOLUMES`].
+    /// `volume create` and `delete` print them when they give up waiting.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub refused: BTreeMap<String, String>,
+}
+
+/// The most entries [`NodeRecord::volumes`] and [`NodeRecord::refused`] hold each (the
+/// record is one Nomad variable, 64 KiB at most): past it, the rest are left out.
+pub const MAX_NODE_VOLUMES: usize = 64;
+/// The most characters of one error or refusal kept in a node record.
+pub const MAX_NODE_ERROR: usize = 200;
+
+/// One volume on one node, as its agent publishes it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NodeVolume {
+    /// The mount's state (`publishing`, `published`, `unpublishing`), empty when the node
+    /// has no mount of it (an error of a claim or a create is all it knows).
+    pub state: String,
+    /// Unix seconds (the agent's clock) the state began; 0 when unknown.
+    pub since: u64,
+    /// The allocations on this node using it (the first 4).
+    pub users: Vec<String>,
+    /// The last error on this node (the plugin's redacted words), cut to
+    /// [`MAX_NODE_ERROR`] characters; empty when the last attempt succeeded.
+    pub error: String,
+}
+
+/// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
+fn bounded(s: &str) -> String {
+    if s.chars().count() <= MAX_NODE_ERROR {
+        return s.to_string();
+    }
+    let mut cut: String = s.chars().take(MAX_NODE_ERROR - 1).collect();
+    cut.push('…');
+    cut
 }
 
 /// Why no live node can run `capability` of `plugin_id`, when every live node that serves
@@ -175,6 +217,49 @@ impl NodeRecord {
         self.watch = state.into();
         self.watch_error = error;
         changed
+    }
+
+    /// Replaces what the record says of this node's volumes, bounded ([`MAX_NODE_VOLUMES`]
+    /// entries, errors cut to [`MAX_NODE_ERROR`]). True when it changed.
+    pub fn set_volumes(&mut self, volumes: BTreeMap<String, NodeVolume>) -> bool {
+        let next: BTreeMap<String, NodeVolume> = volumes
+            .into_iter()
+            .take(MAX_NODE_VOLUMES)
+            .map(|(k, mut v)| {
+                v.error = bounded(&v.error);
+                v.users.truncate(4);
+                (k, v)
+            })
+            .collect();
+        let changed = next != self.volumes;
+        self.volumes = next;
+        changed
+    }
+
+    /// Replaces the refused records, bounded as [`NodeRecord::set_volumes`]. True when
+    /// they changed.
+    pub fn set_refused(&mut self, refused: &BTreeMap<String, String>) -> bool {
+        let next: BTreeMap<String, String> = refused
+            .iter()
+            .take(MAX_NODE_VOLUMES)
+            .map(|(k, v)| {
+                // The key names the variable: keep the reason only.
+                let why = v
+                    .split_once(" is not acted on: ")
+                    .map_or(v.as_str(), |(_, r)| r);
+                (k.clone(), bounded(why))
+            })
+            .collect();
+        let changed = next != self.refused;
+        self.refused = next;
+        changed
+    }
+
+    /// Why this node refuses the record at `path` in `namespace`, if it does.
+    pub fn refusal(&self, namespace: &str, path: &str) -> Option<&str> {
+        self.refused
+            .get(&format!("{namespace}/{path}"))
+            .map(String::as_str)
     }
 
     /// Live or stale at `now` (Unix seconds).
@@ -384,6 +469,51 @@ mod tests {
         assert!(NodeRecord::from_variable(&var).is_err());
         var.items.clear();
         assert!(NodeRecord::from_variable(&var).is_err());
+    }
+
+    #[test]
+    fn volumes_and_refusals_are_bounded_and_older_records_still_decode() {
+        let mut r = rec();
+        let many: BTreeMap<String, NodeVolume> = (0..MAX_NODE_VOLUMES + 50)
+            .map(|i| {
+                (
+                    format!("default/v{i:03}"),
+                    NodeVolume {
+                        state: "published".into(),
+                        since: 5,
+                        users: Vec::new(),
+                        error: "e".repeat(5000),
+                    },
+                )
+            })
+            .collect();
+        assert!(r.set_volumes(many.clone()));
+        assert!(!r.set_volumes(many), "the same volumes are no change");
+        assert_eq!(r.volumes.len(), MAX_NODE_VOLUMES);
+        assert!(r
+            .volumes
+            .values()
+            .all(|v| v.error.chars().count() == MAX_NODE_ERROR));
+        let refused = BTreeMap::from([(
+            "default/dhv-binder/volumes/x".to_string(),
+            "variable dhv-binder/volumes/x in namespace default is not acted on: the record is unsigned".to_string(),
+        )]);
+        assert!(r.set_refused(&refused));
+        assert_eq!(
+            r.refusal("default", "dhv-binder/volumes/x"),
+            Some("the record is unsigned")
+        );
+        assert!(r.to_variable().items["record"].len() < 64 * 1024);
+        assert_eq!(NodeRecord::from_variable(&r.to_variable()).unwrap(), r);
+        // A record written before these fields existed still reads, with none.
+        let old = rec();
+        let text = serde_json::to_string(&old).unwrap();
+        assert!(
+            !text.contains("volumes") && !text.contains("refused"),
+            "{text}"
+        );
+        let back: NodeRecord = serde_json::from_str(&text).unwrap();
+        assert!(back.volumes.is_empty() && back.refused.is_empty());
     }
 
     #[test]

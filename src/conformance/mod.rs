@@ -161,7 +161,7 @@ impl Call {
     fn describe(&self) -> String {
         match &self.result {
             Ok(out) => format!("ok {}", short(&String::from_utf8_lossy(out))),
-            Err(e) => format!("error: {}", short(&e.to_string())),
+            Err(e) => format!("error: {}", short(&e.report())),
         }
     }
 }
@@ -173,6 +173,33 @@ fn short(s: &str) -> String {
     } else {
         s.to_string()
     }
+}
+
+/// A repeated rule's errors (`call N: why`), consecutive calls that failed the same way
+/// named together (`calls 1-10: why`), so that the plugin's words show once.
+fn joined(errors: &[String]) -> String {
+    let mut groups: Vec<(String, String, String)> = Vec::new();
+    for e in errors {
+        let Some((n, why)) = e.strip_prefix("call ").and_then(|r| r.split_once(": ")) else {
+            groups.push((String::new(), String::new(), e.clone()));
+            continue;
+        };
+        match groups.last_mut() {
+            Some((first, last, w)) if !first.is_empty() && w == why => *last = n.to_string(),
+            _ => groups.push((n.to_string(), n.to_string(), why.to_string())),
+        }
+    }
+    groups
+        .into_iter()
+        .map(
+            |(first, last, why)| match (first.is_empty(), first == last) {
+                (true, _) => why,
+                (false, true) => format!("call {first}: {why}"),
+                (false, false) => format!("calls {first}-{last}: {why}"),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Stdout must be empty or one JSON object and nothing else.
@@ -320,7 +347,7 @@ impl Kit {
         std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
         let env = self.publish_env_of(rec, target, read_only);
         let c = self.call(Operation::Publish, &env).await;
-        let out = c.result.map_err(|e| e.to_string())?;
+        let out = c.result.map_err(|e| e.report())?;
         let v = strict_object(&out)?;
         if let Some(p) = v.get("path").and_then(|p| p.as_str()) {
             if Path::new(p) != target {
@@ -352,7 +379,7 @@ impl Kit {
     ) -> Result<(), String> {
         let env = self.unpublish_env_of(rec, target, ctx);
         let c = self.call(Operation::Unpublish, &env).await;
-        c.result.map_err(|e| e.to_string())?;
+        c.result.map_err(|e| e.report())?;
         if crate::node::mounts::is_mount_point(target) {
             return Err(format!(
                 "succeeded but {} is still mounted",
@@ -491,7 +518,7 @@ async fn run_rules(kit: &mut Kit) {
                 Some(x) => Err(format!("\"deferred_bind\" must be true or false, got {x}")),
             }
         }),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.report()),
     };
     let slowest = fps.iter().map(|c| c.ms).max().unwrap_or(0);
     let same = fps
@@ -559,7 +586,7 @@ async fn run_rules(kit: &mut Kit) {
         match c
             .result
             .as_ref()
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.report())
             .and_then(|o| strict_object(o))
         {
             Ok(v) => contexts.push(v.get("context").cloned().unwrap_or_default()),
@@ -571,7 +598,7 @@ async fn run_rules(kit: &mut Kit) {
         "create x10",
         errors.is_empty() && same,
         if !errors.is_empty() {
-            errors.join("; ")
+            joined(&errors)
         } else if !same {
             format!("contexts differ between calls: {:?}", contexts)
         } else {
@@ -603,7 +630,7 @@ async fn run_rules(kit: &mut Kit) {
                 n
             )
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
     storage::owner_rule(kit, &t1);
@@ -624,7 +651,7 @@ async fn run_rules(kit: &mut Kit) {
         if errors.is_empty() {
             "10 successes; the target is not a mount point".to_string()
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
 
@@ -876,7 +903,7 @@ async fn run_rules(kit: &mut Kit) {
     for i in 0..REPEAT {
         let c = kit.call(Operation::Delete, &denv).await;
         if let Err(e) = c.result {
-            errors.push(format!("call {}: {e}", i + 1));
+            errors.push(format!("call {}: {}", i + 1, e.report()));
         }
     }
     kit.report.push(
@@ -885,7 +912,7 @@ async fn run_rules(kit: &mut Kit) {
         if errors.is_empty() {
             "10 successes".to_string()
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
     let mut ghost = kit.rec.clone();
@@ -914,7 +941,7 @@ async fn plain_rules(kit: &mut Kit) {
         match c
             .result
             .as_ref()
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.report())
             .and_then(|o| strict_object(o))
         {
             Ok(v) => match v.get("path").and_then(|p| p.as_str()) {
@@ -929,7 +956,7 @@ async fn plain_rules(kit: &mut Kit) {
         "create x10 (Nomad contract)",
         errors.is_empty() && same,
         if !errors.is_empty() {
-            errors.join("; ")
+            joined(&errors)
         } else if !same {
             format!("paths differ: {paths:?}")
         } else {
@@ -943,7 +970,7 @@ async fn plain_rules(kit: &mut Kit) {
     let mut errors = Vec::new();
     for i in 0..REPEAT {
         if let Err(e) = kit.call(Operation::Delete, &denv).await.result {
-            errors.push(format!("call {}: {e}", i + 1));
+            errors.push(format!("call {}: {}", i + 1, e.report()));
         }
     }
     kit.report.push(
@@ -952,7 +979,7 @@ async fn plain_rules(kit: &mut Kit) {
         if errors.is_empty() {
             "10 successes".to_string()
         } else {
-            errors.join("; ")
+            joined(&errors)
         },
     );
 }

@@ -88,7 +88,7 @@ pub(super) async fn json_input_rule(kit: &mut Kit) {
     let ctx = |c: &super::Call| {
         c.result
             .as_ref()
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.report())
             .and_then(|o| strict_object(o))
             .map(|v| v.get("context").cloned().unwrap_or_default())
     };
@@ -204,7 +204,7 @@ async fn create_twice(
     let mut ctxs = Vec::new();
     for _ in 0..2 {
         let c = kit.call(Operation::Create, &env).await;
-        let out = c.result.map_err(|e| e.to_string())?;
+        let out = c.result.map_err(|e| e.report())?;
         ctxs.push(
             strict_object(&out)?
                 .get("context")
@@ -238,7 +238,7 @@ async fn read_through(
     kit.call(Operation::Delete, &denv)
         .await
         .result
-        .map_err(|e| format!("delete of the new volume: {e}"))?;
+        .map_err(|e| format!("delete of the new volume: {}", e.report()))?;
     Ok(got)
 }
 
@@ -253,7 +253,7 @@ async fn snapshot_rules(kit: &mut Kit) {
         let mut ctxs = Vec::new();
         for _ in 0..2 {
             let c = kit.call(Operation::SnapshotCreate, &env).await;
-            let out = c.result.map_err(|e| e.to_string())?;
+            let out = c.result.map_err(|e| e.report())?;
             let res: SnapshotResult = serde_json::from_value(strict_object(&out)?)
                 .map_err(|e| format!("not {{\"bytes\",\"context\"}}: {e}"))?;
             ctxs.push(res.context);
@@ -296,7 +296,7 @@ async fn snapshot_rules(kit: &mut Kit) {
         let listed = c
             .result
             .as_ref()
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.report())
             .and_then(|o| strict_object(o))
             .and_then(|v| {
                 serde_json::from_value::<SnapshotListResult>(v).map_err(|e| e.to_string())
@@ -431,7 +431,7 @@ async fn expand_rule(kit: &mut Kit) {
         let mut sizes = Vec::new();
         for _ in 0..2 {
             let c = kit.call(Operation::Expand, &env).await;
-            let out = c.result.map_err(|e| e.to_string())?;
+            let out = c.result.map_err(|e| e.report())?;
             let res: ExpandResult = serde_json::from_value(strict_object(&out)?)
                 .map_err(|e| format!("not {{\"bytes\"}}: {e}"))?;
             sizes.push(res.bytes);

@@ -137,6 +137,10 @@ pub use crate::escape::escape_control;
 /// (docs/plugin-protocol.md).
 pub const EXIT_TEMPORARY: i32 = 75;
 
+/// The most characters of [`PluginError::report`]: a volume record holds it (Nomad keeps
+/// 64 KiB per variable) and one terminal line shows it.
+pub const REPORT_LIMIT: usize = 512;
+
 impl PluginError {
     /// The plugin's own words (its `{"error"}` message, stderr tail or stdout), redacted and
     /// escaped, for the agent's local log; empty when there are none.
@@ -154,6 +158,45 @@ impl PluginError {
             PluginError::BadOutput { stdout, .. } => format!("stdout: {stdout}"),
             _ => String::new(),
         }
+    }
+
+    /// One line for whoever is off the node (the volume record, `volume create`, `volume
+    /// status`, the conformance kit's evidence): what failed, with the plugin's own words
+    /// ([`PluginError::detail`]: redacted, escaped) in place of "its output is in the agent's
+    /// log", cut to [`REPORT_LIMIT`] characters. Without plugin words it is the `Display`.
+    pub fn report(&self) -> String {
+        let detail = self.detail();
+        if detail.is_empty() {
+            return self.to_string();
+        }
+        let head = match self {
+            PluginError::Failed {
+                plugin, op, status, ..
+            } => format!("plugin {plugin:?} {op} failed ({status})"),
+            PluginError::TimedOut {
+                plugin, op, after, ..
+            } => format!(
+                "plugin {plugin:?} {op} timed out after {after:?} and was killed; its outcome is unknown"
+            ),
+            PluginError::BadOutput {
+                plugin, op, reason, ..
+            } => format!(
+                "plugin {plugin:?} {op} printed output that is not the expected JSON ({reason})"
+            ),
+            _ => return self.to_string(),
+        };
+        // A plugin's last newline, escaped, says nothing.
+        let mut detail = detail.as_str();
+        while let Some(d) = detail.strip_suffix("\\u{a}") {
+            detail = d.trim_end();
+        }
+        let line = format!("{head}: {detail}");
+        if line.chars().count() <= REPORT_LIMIT {
+            return line;
+        }
+        let mut cut: String = line.chars().take(REPORT_LIMIT - 1).collect();
+        cut.push('…');
+        cut
     }
 
     /// True when the call may have had an effect we did not see (timeout).
@@ -1181,6 +1224,33 @@ mod tests {
         assert!(detail.contains("backend [redacted] refused"), "{detail}");
         assert!(detail.contains("login with [redacted] failed"), "{detail}");
         assert!(!detail.contains("s3cret"), "{detail}");
+        // The report (for records and callers off the node) carries the redacted words.
+        let report = e.report();
+        assert!(report.contains("exit code 3"), "{report}");
+        assert!(report.contains("backend [redacted] refused"), "{report}");
+        assert!(!report.contains("s3cret"), "{report}");
+        assert!(!report.contains("agent's log"), "{report}");
+    }
+
+    #[test]
+    fn a_report_is_bounded_and_without_words_is_the_display() {
+        let e = PluginError::Failed {
+            plugin: "p".into(),
+            op: Operation::Create,
+            status: "exit code 1".into(),
+            message: "x".repeat(5000),
+            stderr: String::new(),
+        };
+        assert_eq!(e.report().chars().count(), REPORT_LIMIT);
+        assert!(e.report().ends_with('…'));
+        let quiet = PluginError::Failed {
+            plugin: "p".into(),
+            op: Operation::Create,
+            status: "exit code 1".into(),
+            message: String::new(),
+            stderr: " ".into(),
+        };
+        assert_eq!(quiet.report(), quiet.to_string());
     }
 
     /// Secrets with quotes, backslashes, newlines and non-ASCII are redacted in every form a

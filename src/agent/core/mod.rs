@@ -209,6 +209,39 @@ impl Core {
         self.plugins_loaded.then_some(&self.plugins)
     }
 
+    /// What this node's record says of its volumes (`volume status`, per node): each mount
+    /// in the journal with its state, since when, its users and last error, and each
+    /// volume with an error but no mount.
+    pub(crate) fn node_volumes(&self) -> BTreeMap<String, crate::cluster::nodes::NodeVolume> {
+        let users = self.journal.users_by_volume();
+        let mut out: BTreeMap<String, crate::cluster::nodes::NodeVolume> = self
+            .journal
+            .mounts()
+            .iter()
+            .map(|(k, m)| {
+                let v = crate::cluster::nodes::NodeVolume {
+                    state: match m.state {
+                        MountState::Publishing => "publishing",
+                        MountState::Published => "published",
+                        MountState::Unpublishing => "unpublishing",
+                    }
+                    .to_string(),
+                    since: m.since,
+                    users: users
+                        .get(k)
+                        .map(|u| u.iter().cloned().collect())
+                        .unwrap_or_default(),
+                    error: self.last_error.get(k).cloned().unwrap_or_default(),
+                };
+                (k.to_string(), v)
+            })
+            .collect();
+        for (k, e) in &self.last_error {
+            out.entry(k.to_string()).or_default().error = e.clone();
+        }
+        out
+    }
+
     /// The allocation watcher's health as last reported.
     pub(crate) fn watch_health(&self) -> &Health {
         &self.watch

@@ -158,6 +158,17 @@ pub enum StepError {
     },
 }
 
+impl StepError {
+    /// What callers off the node see ([`PluginError::report`]: the plugin's redacted,
+    /// bounded words for a plugin failure), else the `Display`.
+    pub fn report(&self) -> String {
+        match self {
+            StepError::Plugin(e) => e.report(),
+            e => e.to_string(),
+        }
+    }
+}
+
 /// Why a placeholder host volume could not be registered or deregistered.
 #[derive(Debug, thiserror::Error)]
 pub enum PlaceholderError {
@@ -671,7 +682,8 @@ pub async fn create(
             Err(e) => {
                 let e = redacted(e, &rec.secrets);
                 rec.state = VolumeState::Failed;
-                rec.error = e.to_string();
+                // The plugin's redacted, bounded words reach `volume create` and `status`.
+                rec.error = e.report();
                 failure = Some(e);
             }
         }
@@ -710,7 +722,7 @@ pub async fn delete(
         {
             let e = redacted(e, &rec.secrets);
             rec.worker_node.clear();
-            rec.error = e.to_string();
+            rec.error = e.report();
             let _ = cas_update(&client, &rec).await;
             return Err(WorkerError::Plugin(e));
         }
