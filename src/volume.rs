@@ -530,6 +530,9 @@ impl Expansion {
     }
 }
 
+/// The item that marks a registered volume's record (`"true"`; absent otherwise).
+pub const REGISTERED_ITEM: &str = "registered";
+
 /// The cluster-wide record of one deferred volume. Its `Debug` shows secret keys, never values.
 #[derive(Clone, PartialEq)]
 pub struct VolumeRecord {
@@ -553,6 +556,15 @@ pub struct VolumeRecord {
     pub expansion: Option<Expansion>,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
+    /// The variable's CreateIndex (Nomad API: `GET /v1/var/:path`, `CreateIndex`): set by
+    /// Nomad when the variable is first written and kept by every later write, so a record
+    /// deleted and written again gets a new one. A delete signature binds it (no replay of a
+    /// saved `deleting` record). 0 before the record is first written.
+    pub create_index: u64,
+    /// True for a volume `volume register` recorded (existing storage, no plugin `create`,
+    /// item `registered`). Its context then comes from the operator and is signed with the
+    /// spec (the `trust` module); plugins are told so (`DHV_CONTEXT_SIGNED`).
+    pub registered: bool,
     /// The operator's signature over ID, place, spec and secrets (the `trust` module); empty when
     /// unsigned. Nodes copy it unchanged when they write the record back.
     pub signature: String,
@@ -578,6 +590,8 @@ impl std::fmt::Debug for VolumeRecord {
             .field("error", &self.error)
             .field("expansion", &self.expansion)
             .field("modify_index", &self.modify_index)
+            .field("create_index", &self.create_index)
+            .field("registered", &self.registered)
             .field("signed", &!self.signature.is_empty())
             .finish()
     }
@@ -660,6 +674,8 @@ impl VolumeRecord {
             error: String::new(),
             expansion: None,
             modify_index: 0,
+            create_index: 0,
+            registered: false,
             signature: String::new(),
             delete_signature: String::new(),
         }
@@ -695,6 +711,9 @@ impl VolumeRecord {
                 "expansion".into(),
                 serde_json::to_string(x).unwrap_or_default(),
             );
+        }
+        if self.registered {
+            items.insert(REGISTERED_ITEM.into(), "true".into());
         }
         for (k, v) in [
             ("signature", &self.signature),
@@ -776,6 +795,8 @@ impl VolumeRecord {
             error: item("error"),
             expansion,
             modify_index: var.modify_index,
+            create_index: var.create_index,
+            registered: item(REGISTERED_ITEM) == "true",
             signature: item("signature"),
             delete_signature: item("delete_signature"),
         })

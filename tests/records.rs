@@ -229,3 +229,128 @@ async fn a_signed_delete_is_carried_out() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("deleted"), "{out}");
 }
+
+/// The plugin context of a created volume, as the record holds it (a JSON string).
+async fn context_of(c: &Cluster, name: &str) -> (Value, std::path::PathBuf) {
+    let v = c
+        .get(&format!(
+            "/v1/var/dhv-binder/volumes/{name}?namespace=default"
+        ))
+        .await;
+    let items = v["Items"].clone();
+    let ctx: Value = serde_json::from_str(items["context"].as_str().unwrap()).unwrap();
+    let dir = std::path::PathBuf::from(ctx["export_path"].as_str().unwrap());
+    (items, dir)
+}
+
+/// Issue 33 §1: whoever may write Variables in the volume's namespace re-points a signed,
+/// created volume's context (not signed: a node wrote it) at another volume's directory,
+/// with a trailing `/`. The bind plugin derives the directory from the signed export,
+/// namespace and ID, so the job using the volume gets nothing of the other volume's data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repointed_context_mounts_nothing_of_another_volume() {
+    let c = Cluster::start(1).await;
+    let out = c.create_volume("prod-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let out = c.create_volume("shared-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let (_, prod_dir) = context_of(&c, "prod-data").await;
+    std::fs::write(prod_dir.join("precious"), "prod's data").unwrap();
+    let (mut items, _) = context_of(&c, "shared-data").await;
+    items["context"] =
+        Value::from(json!({"export_path": format!("{}/", prod_dir.display())}).to_string());
+    c.put(
+        "/v1/var/dhv-binder/volumes/shared-data?namespace=default",
+        body("shared-data", items),
+    )
+    .await;
+    // The signature still verifies (the context is not part of it): the agent acts on the
+    // record, and the plugin refuses the context.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let job = c
+        .run_job(&support::cluster::repo().join("jobspecs/example.nomad.hcl"))
+        .await;
+    let target = c.target(0, "shared-data");
+    c.wait_for(90, "the plugin's refusal of the context", || async {
+        assert!(
+            !target.join("precious").exists(),
+            "prod's directory was mounted for shared-data"
+        );
+        let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
+        log.lines()
+            .any(|l| l.contains("publish failed") && l.contains("does not belong to this record"))
+            .then_some(())
+    })
+    .await;
+    assert!(!target.join("precious").exists());
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let prod = prod_dir.display().to_string();
+    assert!(
+        !mountinfo.lines().any(|l| l.contains(&prod)),
+        "prod's directory is mounted:\n{mountinfo}"
+    );
+    c.stop_job(&job, true).await;
+    assert_eq!(
+        std::fs::read_to_string(prod_dir.join("precious")).unwrap(),
+        "prod's data"
+    );
+}
+
+/// Issue 33 §2: the saved `deleting` record of a deleted volume, operator's delete signature
+/// and all, written back later with another volume's directory as its context. The delete
+/// signature binds the context and the variable's CreateIndex: the record is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_signed_delete_deletes_nothing() {
+    let mut c = Cluster::start(1).await;
+    let out = c.create_volume("prod-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let out = c.create_volume("doomed", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let (_, prod_dir) = context_of(&c, "prod-data").await;
+    std::fs::write(prod_dir.join("precious"), "prod's data").unwrap();
+    // The attacker saves the signed `deleting` record while no node has acted on it yet.
+    c.kill_agent(0, nix::sys::signal::Signal::SIGKILL);
+    let (code, out) = c.cli(&["volume", "delete", "--detach", "doomed"]);
+    assert_eq!(code, 0, "{out}");
+    let (saved, doomed_dir) = context_of(&c, "doomed").await;
+    assert_eq!(saved["state"], "deleting", "{saved}");
+    assert!(
+        saved["delete_signature"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("ed25519:")),
+        "{saved}"
+    );
+    c.start_agent(0);
+    c.wait_for(60, "the operator's delete done", || async {
+        c.get_opt("/v1/var/dhv-binder/volumes/doomed?namespace=default")
+            .await
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(!doomed_dir.exists(), "the signed delete did not delete");
+    // Later: the saved record written back, pointing at prod's directory.
+    let mut replay = saved.clone();
+    replay["context"] = Value::from(json!({"export_path": prod_dir}).to_string());
+    replay["worker_node"] = Value::from("");
+    c.put(
+        "/v1/var/dhv-binder/volumes/doomed?namespace=default",
+        body("doomed", replay),
+    )
+    .await;
+    c.wait_for(30, "the refusal of the replayed delete", || async {
+        let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
+        log.lines()
+            .any(|l| {
+                l.contains("refusing a volume record")
+                    && l.contains("dhv-binder/volumes/doomed")
+                    && l.contains("without a valid operator delete signature")
+            })
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(prod_dir.join("precious")).unwrap(),
+        "prod's data"
+    );
+}

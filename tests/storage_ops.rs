@@ -901,8 +901,14 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
     };
     assert!(said.contains("does not belong"), "{said}");
     assert!(!dhv_binder::node::mounts::is_mount_point(&sb.join("t1")));
-    // Registered storage under its own name: published.
-    let registered = record("legacy", serde_json::json!({"export_path": legacy}));
+    // The same storage named by a context a node wrote (not signed): refused, since a
+    // created volume's directory is derived from its signed export, namespace and ID.
+    let unsigned = record("legacy", serde_json::json!({"export_path": legacy}));
+    assert!(publish(unsigned, sb.join("t3")).await.is_err());
+    assert!(!dhv_binder::node::mounts::is_mount_point(&sb.join("t3")));
+    // Registered storage under its own name (its context signed by the operator): published.
+    let mut registered = record("legacy", serde_json::json!({"export_path": legacy}));
+    registered.registered = true;
     let target = sb.join("t2");
     publish(registered.clone(), target.clone()).await.unwrap();
     assert!(dhv_binder::node::mounts::is_mount_point(&target));

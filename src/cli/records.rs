@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 /// The item a registered record carries (beside [`VolumeRecord`]'s own): `volume delete`
 /// refuses such a volume, since dhv-binder did not create its storage.
-pub const REGISTERED_ITEM: &str = "registered";
+pub use crate::volume::REGISTERED_ITEM;
 
 /// The operator's private key for the records a command writes.
 #[derive(Debug, clap::Args)]

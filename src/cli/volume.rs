@@ -856,15 +856,15 @@ async fn register(
     rec.state = VolumeState::Ready;
     rec.context = context;
     rec.capacity_bytes = capacity;
-    // The signature covers the spec and secrets; the context is untrusted on the nodes as
-    // any a plugin returned (plugins confine it to the node's roots; docs/security.md).
+    // The signature covers the spec, the secrets, the registered mark and this context: the
+    // operator's storage path is the one nodes use (docs/security.md).
+    rec.registered = true;
     if let Some(k) = &key {
         k.sign(&mut rec);
     }
     rec.check_size()
         .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
-    let mut var = rec.to_variable();
-    var.items.insert(REGISTERED_ITEM.into(), "true".into());
+    let var = rec.to_variable();
     put_new(client, &var, &rec.key().to_string()).await?;
     outln!(
         "==> Registered volume {} (ID {}), plugin {:?}: ready, no plugin create was run",

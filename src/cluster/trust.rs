@@ -3,12 +3,16 @@
 //!
 //! The operator's CLI signs, with an Ed25519 key kept off the cluster, what decides what a node
 //! does as root: the record's ID, its variable (namespace and path), its spec and its secrets
-//! ([`signed_payload`]), and separately each delete request ([`delete_payload`]). Snapshot
-//! requests are signed the same way ([`Signed`]; their fields in `crate::cluster::snapshot`). Agents verify
-//! with public keys configured on the node (`--record-keys`), never read from Nomad. Fields a
-//! node writes back (state, plugin context, capacity, worker node, error) are not signed: they
-//! are treated as untrusted input (plugins confine every path to roots configured on the node;
-//! a `deleting` state is acted on only with a valid delete signature).
+//! (and, for a registered volume, the context the operator gave) ([`signed_payload`]), and
+//! separately each delete request, bound to the exact record it deletes: its context and its
+//! variable's CreateIndex ([`delete_payload`]). Snapshot requests are signed the same way
+//! ([`Signed`]; their fields in `crate::cluster::snapshot`). Agents verify with public keys
+//! configured on the node (`--record-keys`), never read from Nomad. Fields a node writes back
+//! (state, a created volume's plugin context, capacity, worker node, error) are not signed:
+//! they are untrusted input. The reference plugins never take a storage path from them: they
+//! derive it from the signed parameters, namespace and ID and refuse a context that names
+//! anything else (docs/security.md); a `deleting` state is acted on only with a valid delete
+//! signature.
 //!
 //! Key files are text: a private key is one line `ed25519-private <base64 PKCS#8>`; a public
 //! key file holds one `ed25519 <base64 32-byte key>` per line (`#` comments, blank lines).
@@ -47,6 +51,11 @@ pub trait Signed {
     fn place(&self) -> (String, String, String);
     /// What the operator signs besides the place, as `(field, value)` in a fixed order.
     fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)>;
+    /// What a delete signature binds besides the place, as `(field, value)` in a fixed
+    /// order: the exact record it deletes (none by default).
+    fn delete_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
+        Vec::new()
+    }
     /// The record signature and the delete signature (empty when absent).
     fn signatures(&self) -> (&str, &str);
     /// The same, to set them.
@@ -63,10 +72,26 @@ impl Signed for VolumeRecord {
             self.id.clone(),
         )
     }
+    /// The spec and secrets; for a registered volume also the mark and the context, which
+    /// the operator gave (a created volume's context comes from a node and is not signed:
+    /// plugins derive its paths from the signed fields).
     fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
-        vec![
+        let mut f = vec![
             ("spec", serde_json::json!(self.spec)),
             ("secrets", serde_json::json!(self.secrets)),
+        ];
+        if self.registered {
+            f.push(("registered", true.into()));
+            f.push(("context", self.context.clone()));
+        }
+        f
+    }
+    /// The context the delete acts on and the variable's CreateIndex: a saved `deleting`
+    /// record written back later (a new CreateIndex) or with another context does not verify.
+    fn delete_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
+        vec![
+            ("context", self.context.clone()),
+            ("create_index", self.create_index.into()),
         ]
     }
     fn signatures(&self) -> (&str, &str) {
@@ -95,8 +120,8 @@ fn placed(rec: &impl Signed, op: Option<&str>) -> serde_json::Map<String, serde_
 }
 
 /// The signed bytes of a record: `{"v":1,"namespace","path","id",<signed fields>}` as
-/// compact JSON (a volume's fields are `spec` and `secrets`; struct and map fields in a
-/// fixed order).
+/// compact JSON (a volume's fields are `spec` and `secrets`, plus `registered` and `context`
+/// for a registered volume; struct and map fields in a fixed order).
 pub fn signed_payload(rec: &impl Signed) -> Vec<u8> {
     let mut m = placed(rec, None);
     for (k, v) in rec.signed_fields() {
@@ -106,9 +131,13 @@ pub fn signed_payload(rec: &impl Signed) -> Vec<u8> {
 }
 
 /// The signed bytes of a delete request for a record: `{"v":1,"op":"delete","namespace",
-/// "path","id"}`.
+/// "path","id",<delete fields>}` (a volume's: `context` and `create_index`).
 pub fn delete_payload(rec: &impl Signed) -> Vec<u8> {
-    serde_json::to_vec(&placed(rec, Some("delete"))).unwrap_or_default()
+    let mut m = placed(rec, Some("delete"));
+    for (k, v) in rec.delete_fields() {
+        m.insert(k.into(), v);
+    }
+    serde_json::to_vec(&m).unwrap_or_default()
 }
 
 /// Decodes a record's variable with `decode` and checks it with `trust`; `Err` says why no
@@ -389,8 +418,8 @@ mod tests {
     }
 
     #[test]
-    fn a_volume_payload_is_the_same_bytes_as_before_snapshots_were_signed() {
-        // Records signed by an earlier CLI must still verify.
+    fn a_created_volume_payload_is_the_same_bytes_as_before_snapshots_were_signed() {
+        // Created volumes' records signed by an earlier CLI must still verify.
         let rec = record();
         let before = serde_json::to_vec(&serde_json::json!({
             "v": 1,
@@ -402,15 +431,65 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(signed_payload(&rec), before);
-        let before = serde_json::to_vec(&serde_json::json!({
+        let mut rec = rec;
+        rec.context = serde_json::json!({"export_path": "/srv/exports/default/x"});
+        rec.create_index = 42;
+        let delete = serde_json::to_vec(&serde_json::json!({
             "v": 1,
             "op": "delete",
             "namespace": rec.spec.namespace,
             "path": record_path(&rec.spec.name),
             "id": rec.id,
+            "context": rec.context,
+            "create_index": 42,
         }))
         .unwrap();
-        assert_eq!(delete_payload(&rec), before);
+        assert_eq!(delete_payload(&rec), delete);
+    }
+
+    #[test]
+    fn a_registered_volume_signs_its_context_and_the_mark() {
+        let (key, _) = SigningKey::generate().unwrap();
+        let trust = trust_of(&key);
+        let mut rec = record();
+        rec.registered = true;
+        rec.context = serde_json::json!({"export_path": "/srv/exports/mine"});
+        key.sign(&mut rec);
+        assert_eq!(trust.verify(&rec), Ok(()));
+        // A Variables writer re-points the context, or drops or adds the mark: refused.
+        let mut moved = rec.clone();
+        moved.context = serde_json::json!({"export_path": "/srv/exports/prod/"});
+        assert_eq!(trust.verify(&moved), Err(TrustError::BadSignature));
+        let mut unmarked = rec.clone();
+        unmarked.registered = false;
+        assert_eq!(trust.verify(&unmarked), Err(TrustError::BadSignature));
+        let mut created = record();
+        key.sign(&mut created);
+        created.registered = true;
+        assert_eq!(trust.verify(&created), Err(TrustError::BadSignature));
+    }
+
+    #[test]
+    fn a_delete_signature_binds_the_exact_record() {
+        let (key, _) = SigningKey::generate().unwrap();
+        let trust = trust_of(&key);
+        let mut rec = record();
+        key.sign(&mut rec);
+        rec.context = serde_json::json!({"export_path": "/srv/exports/default/dev"});
+        rec.create_index = 7;
+        rec.state = VolumeState::Deleting;
+        key.sign_delete(&mut rec);
+        assert_eq!(trust.verify(&rec), Ok(()));
+        // Written back with another context, or written again later (a new CreateIndex).
+        let mut other_context = rec.clone();
+        other_context.context = serde_json::json!({"export_path": "/srv/exports/default/prod"});
+        assert_eq!(
+            trust.verify(&other_context),
+            Err(TrustError::UnsignedDelete)
+        );
+        let mut rewritten = rec.clone();
+        rewritten.create_index = 90;
+        assert_eq!(trust.verify(&rewritten), Err(TrustError::UnsignedDelete));
     }
 
     #[test]

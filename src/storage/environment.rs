@@ -53,7 +53,10 @@ fn base_env(
     env
 }
 
-/// The variables every call on a volume gets: node, volume identity, parameters, secrets.
+/// The variables every call on a volume gets: node, volume identity, parameters, secrets,
+/// and `DHV_CONTEXT_SIGNED`: `true` when the volume's context is covered by the operator's
+/// signature (a registered volume), `false` when a node wrote it (a created volume: plugins
+/// must not take a path from it, docs/security.md).
 pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
     let s = &rec.spec;
     let parameters = if s.parameters.is_empty() {
@@ -62,7 +65,9 @@ pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)>
         serde_json::to_string(&s.parameters).unwrap_or_default()
     };
     let secrets = serde_json::to_string(&rec.secrets).unwrap_or_default();
-    base_env(node, &s.namespace, &s.name, &rec.id, parameters, secrets)
+    let mut env = base_env(node, &s.namespace, &s.name, &rec.id, parameters, secrets);
+    env.push(("DHV_CONTEXT_SIGNED".into(), rec.registered.to_string()));
+    env
 }
 
 /// Environment of `create` (Nomad's create variables, plus DHV_SECRETS).
