@@ -9,6 +9,7 @@ mod support;
 use serde_json::Value;
 use std::time::Instant;
 use support::cluster::{repo, Cluster};
+use support::sandbox::script;
 use support::webdav::{mount_pids, WebdavServer};
 
 fn task_state<'a>(alloc: &'a Value, task: &str) -> &'a Value {
@@ -167,4 +168,95 @@ async fn unpublish_with_the_server_down_keeps_writes_that_are_only_in_the_cache(
     );
     assert!(!dhv_binder::node::mounts::is_mount_point(&target));
     assert!(mount_pids(&target).is_empty());
+}
+
+/// A plugin whose `publish` starts a helper in its own session (`setsid`) that inherits the
+/// call's stdout and stderr and outlives the call; otherwise a bind mount. The helper's PID
+/// is appended to `<plugin_dir>/helper.pids`.
+const LEAKY_HELPER_PLUGIN: &str = r#"#!/bin/sh
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+case "$1" in
+fingerprint) echo '{"version":"1.0.0","deferred_bind":true}' ;;
+create) echo '{"bytes":0,"context":{}}' ;;
+publish)
+  src="$DHV_VOLUMES_DIR/helper/$DHV_VOLUME_ID"
+  mkdir -p "$src" "$DHV_TARGET_PATH"
+  chown 65534:65534 "$src"
+  setsid sleep 600 &
+  echo $! >> "$DHV_PLUGIN_DIR/helper.pids"
+  mountpoint -q "$DHV_TARGET_PATH" || mount --bind "$src" "$DHV_TARGET_PATH"
+  echo "{\"path\":\"$DHV_TARGET_PATH\",\"context\":{}}" ;;
+unpublish)
+  while mountpoint -q "$DHV_TARGET_PATH"; do umount "$DHV_TARGET_PATH"; done
+  echo '{}' ;;
+delete) echo '{}' ;;
+*) exit 1 ;;
+esac
+"#;
+
+/// Kills the helpers a plugin recorded in `pids` when the test ends.
+struct KillPids(std::path::PathBuf);
+
+impl Drop for KillPids {
+    fn drop(&mut self) {
+        for pid in std::fs::read_to_string(&self.0)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+        {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Issue 36, item 2: a helper that keeps the call's stdout open does not wedge the call.
+/// The publish ends when the plugin process exits with its JSON read: one publish, no
+/// timeout, the task runs; the helper is named in the agent's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_holding_the_calls_stdout_does_not_wedge_the_call() {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_PLUGIN_TIMEOUT", "10s")]).await;
+    let pids = c.plugin_dir.join("helper.pids");
+    let _cleanup = KillPids(pids.clone());
+    script(&c.plugin_dir.join("helper"), LEAKY_HELPER_PLUGIN);
+    c.wait_plugin("helper").await;
+    c.create_volume_with("shared-data", "single-node-writer", "helper", &[], &[], "");
+    let started = Instant::now();
+    let (job, _alloc, node) = run_example(&c).await;
+    eprintln!(
+        "the task ran {:.1}s after the job was submitted",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        count(&c, node, "publish-failed"),
+        0,
+        "{:?}",
+        c.journal(node)
+    );
+    assert_eq!(count(&c, node, "publish-done"), 1);
+    let helper: i32 = std::fs::read_to_string(&pids)
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        std::path::Path::new(&format!("/proc/{helper}")).exists(),
+        "the helper (it left the call's process group) was killed"
+    );
+    let log = std::fs::read_to_string(&c.nodes[node].log).unwrap();
+    assert!(
+        log.contains("still hold its stdout or stderr") && log.contains(&format!("pid {helper}")),
+        "the leftover helper is not named in the agent's log: {log}"
+    );
+    c.stop_job(&job, false).await;
+    c.wait_for(30, "the unpublish done", || async {
+        (count(&c, node, "unpublish-done") == 1).then_some(())
+    })
+    .await;
 }
