@@ -260,3 +260,134 @@ async fn a_helper_holding_the_calls_stdout_does_not_wedge_the_call() {
     })
     .await;
 }
+
+/// Sends SIGCONT to the stopped FUSE servers when the test ends (before the cluster's
+/// teardown unmounts), so that nothing stays blocked on them.
+struct Resume(Vec<i32>);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+    }
+}
+
+/// Issue 36, item 3: four FUSE servers hung (SIGSTOP; as many as the probe threads) and a
+/// fifth killed. The hung ones are reported hung (not acted on), the dead one is found
+/// dead, republished, and its allocation restarted. Prints the time to republish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_fuse_mount_among_hung_ones_is_republished() {
+    let c = Cluster::start(1).await;
+    let server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "hung-pw");
+    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let mut jobs = Vec::new();
+    for i in 1..=5 {
+        let name = format!("vol-{i}");
+        c.create_volume_with(
+            &name,
+            "single-node-writer",
+            "webdav",
+            &[("url", &server.url), ("user", "dhv")],
+            &[("password", "hung-pw")],
+            "",
+        );
+        let spec = c.sb.join(&format!("job-{i}.nomad.hcl"));
+        std::fs::write(
+            &spec,
+            example
+                .replace("\"shared-data-demo\"", &format!("\"demo-{i}\""))
+                .replace("\"shared-data\"", &format!("\"{name}\"")),
+        )
+        .unwrap();
+        jobs.push(c.run_job(&spec).await);
+    }
+    let mut allocs = Vec::new();
+    for job in &jobs {
+        let a = c
+            .wait_for(120, &format!("{job}'s main task running"), || async {
+                c.allocs(job)
+                    .await
+                    .into_iter()
+                    .find(|a| task_state(a, "app")["State"] == "running")
+            })
+            .await;
+        allocs.push(a["ID"].as_str().unwrap().to_string());
+    }
+    let targets: Vec<_> = (1..=5).map(|i| c.target(0, &format!("vol-{i}"))).collect();
+    let _cleanup: Vec<_> = targets.iter().map(|t| KillMounts(t.clone())).collect();
+    let mut stopped = Vec::new();
+    for t in &targets[..4] {
+        let pids = mount_pids(t);
+        assert_eq!(pids.len(), 1, "{pids:?}");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pids[0]),
+            nix::sys::signal::Signal::SIGSTOP,
+        )
+        .unwrap();
+        stopped.push(pids[0]);
+    }
+    let _resume = Resume(stopped);
+    // Let the hung probes take every probe thread before the fifth server dies.
+    c.wait_for(30, "the four hung mounts reported", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let text = v["mount_health"].to_string();
+        (1..=4)
+            .all(|i| text.contains(&format!("vol-{i}")))
+            .then_some(())
+    })
+    .await;
+    let dead = mount_pids(&targets[4]);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let killed = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dead[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    c.wait_for(60, "vol-5 published again", || async {
+        (c.journal(0)
+            .iter()
+            .filter(|e| e["event"] == "publish-done" && e["volume"] == "default/vol-5")
+            .count()
+            >= 2)
+            .then_some(())
+    })
+    .await;
+    let republished = killed.elapsed();
+    c.wait_for(60, "vol-5's allocation restarted", || async {
+        c.allocs(&jobs[4]).await.into_iter().find(|a| {
+            a["ID"] == allocs[4].as_str()
+                && task_state(a, "app")["Restarts"].as_u64().unwrap_or(0) >= 1
+                && task_state(a, "app")["State"] == "running"
+        })
+    })
+    .await;
+    eprintln!(
+        "dead mount among 4 hung ones: republished {:.1}s after its server died, allocation restarted {:.1}s after",
+        republished.as_secs_f64(),
+        killed.elapsed().as_secs_f64()
+    );
+    let (_, out) = c.status(0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let health = v["mount_health"].to_string();
+    assert!(
+        health.contains("did not answer"),
+        "hung not reported: {health}"
+    );
+    assert!(
+        health.contains("not connected"),
+        "the dead one not reported: {health}"
+    );
+    assert!(std::fs::metadata(&targets[4]).is_ok());
+    for t in &targets[..4] {
+        assert!(
+            dhv_binder::node::mounts::is_mount_point(t),
+            "a hung mount was touched"
+        );
+    }
+}
