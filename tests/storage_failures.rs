@@ -391,3 +391,117 @@ async fn a_dead_fuse_mount_among_hung_ones_is_republished() {
         );
     }
 }
+
+/// The PIDs whose command line is exactly `args`.
+fn pids_running(args: &[&str]) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let got: Vec<String> = c
+                    .split(|b| *b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                got == args
+            })
+        })
+        .collect()
+}
+
+/// Issue 36, item 4: the ext4 plugin's `snapshot_create` is killed (SIGKILL of its process
+/// group) between its freeze and its thaw. The agent, which started the freezing call,
+/// thaws the volume as soon as the call has died and says so in its log; a task's write
+/// goes through. Prints how long the volume stayed frozen after the kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
+    let c = Cluster::start(1).await;
+    // The first copy of a snapshot takes long (a window to kill the call in).
+    let ext4 = std::fs::read_to_string(c.plugin_dir.join("ext4")).unwrap();
+    let copy = r#"  cp --reflink=auto --sparse=always "$1" "$2" || fail "cannot copy $1""#;
+    assert!(
+        ext4.contains(copy),
+        "the ext4 plugin's copy changed: update this test"
+    );
+    let slow = ext4.replace(
+        copy,
+        &format!("  if mkdir \"$DHV_PLUGIN_DIR/slow-once\" 2>/dev/null; then sleep 31; fi\n{copy}"),
+    );
+    script(&c.plugin_dir.join("ext4"), &slow);
+    c.wait_plugin("ext4").await;
+    let images = c.sb.join("images");
+    c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "ext4",
+        &[
+            ("dir", images.to_str().unwrap()),
+            support::cluster::NOBODY_UID,
+            support::cluster::NOBODY_GID,
+        ],
+        &[],
+        "capacity_min = \"64MiB\"",
+    );
+    let (job, _alloc, node) = run_example(&c).await;
+    let target = c.target(node, "shared-data");
+    let (code, out) = c.cli(&[
+        "volume",
+        "snapshot",
+        "create",
+        "shared-data",
+        "killed",
+        "--detach",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let sleeper = c
+        .wait_for(
+            60,
+            "the snapshot's copy running (the volume frozen)",
+            || async { pids_running(&["sleep", "31"]).first().copied() },
+        )
+        .await;
+    let stat = std::fs::read_to_string(format!("/proc/{sleeper}/stat")).unwrap();
+    let pgid: i32 = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let killed = Instant::now();
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pgid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // A task's write: it blocks while the filesystem is frozen.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let file = target.join("after-kill.txt");
+    std::thread::spawn(move || {
+        let r = std::fs::write(&file, b"written after the kill\n");
+        let _ = tx.send((r.is_ok(), killed.elapsed()));
+    });
+    let (ok, frozen) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the volume stayed frozen for 60 s after the snapshot call was killed");
+    assert!(ok, "the write failed");
+    eprintln!(
+        "frozen for {:.2}s after the snapshot call was killed",
+        frozen.as_secs_f64()
+    );
+    c.wait_for(10, "the thaw in the agent's log", || async {
+        std::fs::read_to_string(&c.nodes[node].log)
+            .ok()
+            .filter(|l| l.contains("was left frozen by a snapshot_create call"))
+            .map(|_| ())
+    })
+    .await;
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the unpublish done", || async {
+        (count(&c, node, "unpublish-done") == 1).then_some(())
+    })
+    .await;
+}

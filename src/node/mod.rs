@@ -8,10 +8,12 @@
 //!   directories;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
+//! - `freeze`: thawing a filesystem a snapshot call left frozen;
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
 
+pub(crate) mod freeze;
 pub(crate) mod guard;
 pub(crate) mod health;
 pub(crate) mod holders;
