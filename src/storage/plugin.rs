@@ -496,7 +496,7 @@ fn pipe_inode(stdout: &tokio::process::ChildStdout) -> Option<u64> {
     use std::os::fd::AsRawFd;
     nix::sys::stat::fstat(stdout.as_raw_fd())
         .ok()
-        .map(|st| st.st_ino as u64)
+        .map(|st| st.st_ino)
 }
 
 /// Processes other than this one and outside process group `group` (the call's, killed
