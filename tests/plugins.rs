@@ -60,6 +60,7 @@ fn assert_conforms(code: i32, report: &str, extra: &[&str]) {
         "delete of nothing",
         "unknown operation refused",
         "output shape",
+        "helpers do not hold the output",
         "within the timeout",
         "nothing left mounted",
     ]
@@ -256,6 +257,55 @@ fn a_lazy_unmount_fails_the_kit() {
             && report.contains("reported success with a file open inside"),
         "{report}"
     );
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// The bind plugin with a publish that starts a helper in its own session which inherits the
+/// call's stdout and stderr: the calls still end (the kit finishes within its timeouts), and
+/// the kit fails "helpers do not hold the output", naming the helper.
+#[test]
+fn a_helper_holding_stdout_fails_the_kit() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    let bind = std::fs::read_to_string(repo().join("plugins/bind")).unwrap();
+    let pids = sb.join("helper.pids");
+    let leaky = bind.replace(
+        "publish)\n  dir_in",
+        &format!(
+            "publish)\n  setsid sleep 120 &\n  echo $! >> {}\n  dir_in",
+            pids.display()
+        ),
+    );
+    assert_ne!(
+        leaky, bind,
+        "the bind plugin's publish changed: update this test"
+    );
+    script(&sb.join("plugins/leaky"), &leaky);
+    let (code, report) = check(
+        &sb,
+        &sb.join("plugins/leaky"),
+        &["--param", &format!("export={}", export.display())],
+    );
+    for pid in std::fs::read_to_string(&pids)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse::<i32>().ok())
+    {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("FAIL  helpers do not hold the output ") && report.contains("(sleep)"),
+        "{report}"
+    );
+    assert!(report.contains("PASS  publish x10 "), "{report}");
     assert!(
         dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"

@@ -137,8 +137,8 @@ struct Shell {
     store: Store,
     tasks: JoinSet<Report>,
     permits: Arc<Semaphore>,
-    /// Permits for mount probes ([`crate::node::health::PROBE_THREADS`]).
-    probes: Arc<Semaphore>,
+    /// The mount probes ([`crate::node::health::Prober`]).
+    probes: crate::node::health::Prober,
     replies: HashMap<ReplyId, Pending>,
     next_reply: u64,
     committing: bool,
@@ -177,7 +177,7 @@ impl Shell {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer()),
             permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
-            probes: Arc::new(Semaphore::new(crate::node::health::PROBE_THREADS)),
+            probes: crate::node::health::Prober::default(),
             cfg,
             client,
             node,
@@ -374,9 +374,9 @@ impl Shell {
             }
             Effect::Probe { volume, target } => {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
-                let permits = self.probes.clone();
+                let prober = self.probes.clone();
                 self.tasks.spawn(async move {
-                    let probe = crate::node::health::probe(target.clone(), timeout, permits).await;
+                    let probe = prober.probe(target.clone(), timeout).await;
                     Report::Done(Completion::Probed {
                         volume,
                         target,

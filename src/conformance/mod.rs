@@ -237,6 +237,8 @@ struct Kit {
     report: Report,
     /// Every failed call's stdout, for the output-shape rule.
     bad_outputs: Vec<String>,
+    /// Calls that ended with a process outside their group still holding stdout or stderr.
+    output_holders: Vec<String>,
     calls: usize,
     /// The optional operations the fingerprint declares.
     capabilities: Vec<String>,
@@ -253,7 +255,14 @@ impl Kit {
         let result = runner
             .call(&self.plugin_id, op, env, &self.rec.secrets)
             .await
-            .map(|o| o.stdout);
+            .map(|o| {
+                if !o.leftover.is_empty() {
+                    let who: Vec<String> = o.leftover.iter().map(|l| l.to_string()).collect();
+                    self.output_holders
+                        .push(format!("{op}: {}", who.join(", ")));
+                }
+                o.stdout
+            });
         let ms = started.elapsed().as_millis() as u64;
         self.calls += 1;
         self.report.timings.entry(op.as_str()).or_default().push(ms);
@@ -465,6 +474,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
             ..Default::default()
         },
         bad_outputs: Vec::new(),
+        output_holders: Vec::new(),
         calls: 0,
     };
     run_rules(&mut kit).await;
@@ -1024,6 +1034,22 @@ async fn output_rules(kit: &mut Kit) {
             )
         } else {
             bad.join("; ")
+        },
+    );
+    let holders = std::mem::take(&mut kit.output_holders);
+    kit.report.push(
+        "helpers do not hold the output",
+        holders.is_empty(),
+        if holders.is_empty() {
+            format!(
+                "{} calls: no process the plugin started kept its stdout or stderr open",
+                kit.calls
+            )
+        } else {
+            format!(
+                "processes outside the call's group still held its stdout or stderr when the plugin exited (start helpers with </dev/null >/dev/null 2>&1): {}",
+                holders.join("; ")
+            )
         },
     );
     let limit = kit.opts.timeout;

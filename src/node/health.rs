@@ -8,9 +8,10 @@
 //! This module is the kernel side (the probe, the detach); what to do about a probe's
 //! outcome is decided by the agent core (`agent/mount_health.rs`).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
 /// What one probe of a mount found.
@@ -26,43 +27,91 @@ pub enum Probe {
     Hung(Duration),
 }
 
-/// How many probes may run at once on the agent's blocking threads. Every published mount
-/// is probed each interval; without a bound a round of 400 mounts started 400 blocking
-/// threads at once (170 seen alive), each with its own allocator arena.
+/// How many probes may wait for an answer at once on the agent's blocking threads. Every
+/// published mount is probed each interval; without a bound a round of 400 mounts started
+/// 400 blocking threads at once (170 seen alive), each with its own allocator arena.
 pub const PROBE_THREADS: usize = 4;
 
-/// Stats `path` on a blocking thread, at most [`PROBE_THREADS`] of them at once (a probe
-/// takes one of `permits`, shared by all probes of the agent), giving up after `timeout`,
-/// which counts the wait for a permit too. A hung `stat` keeps its thread and its permit until
-/// the kernel answers; the monitor never probes that target again meanwhile. While hung
-/// probes hold every permit, the others answer [`Probe::Hung`] after `timeout` (reported
-/// only) instead of starting more threads.
-pub async fn probe(path: PathBuf, timeout: Duration, permits: Arc<Semaphore>) -> Probe {
-    probe_with(timeout, permits, move || {
-        std::fs::metadata(&path).map(|_| ())
-    })
-    .await
+/// The mount probes of one agent: at most [`PROBE_THREADS`] stats waited for at once, and at
+/// most one stat in flight per target. A stat that does not answer within its timeout gives
+/// its permit back (the probe answers [`Probe::Hung`]) but keeps its thread until the kernel
+/// answers; meanwhile that target is not stat'ed again (its probes answer `Hung` at once,
+/// with how long the stat has been out). So hung mounts never starve the probes of the
+/// others (a dead mount among hung ones is still found dead), and the threads are bounded
+/// by [`PROBE_THREADS`] plus one per hung mount. Clones share the permits and the targets.
+#[derive(Clone)]
+pub struct Prober {
+    permits: Arc<Semaphore>,
+    /// Targets whose stat is still out, with when it started.
+    out: Arc<Mutex<HashMap<PathBuf, Instant>>>,
 }
 
-/// [`probe`] with the blocking work given (tests count threads with it).
-async fn probe_with(
-    timeout: Duration,
-    permits: Arc<Semaphore>,
-    work: impl FnOnce() -> std::io::Result<()> + Send + 'static,
-) -> Probe {
-    let run = async move {
-        let permit = permits.acquire_owned().await;
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            work()
-        })
-        .await
-    };
-    match tokio::time::timeout(timeout, run).await {
-        Err(_) => Probe::Hung(timeout),
-        Ok(Err(e)) => Probe::Failing(format!("probe thread failed: {e}")),
-        Ok(Ok(Ok(()))) => Probe::Healthy,
-        Ok(Ok(Err(e))) => classify(&e),
+impl Default for Prober {
+    fn default() -> Self {
+        Self::new(PROBE_THREADS)
+    }
+}
+
+impl Prober {
+    /// A prober with `threads` permits.
+    pub fn new(threads: usize) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(threads)),
+            out: Arc::default(),
+        }
+    }
+
+    /// Stats `path` on a blocking thread; [`Probe::Hung`] when it does not answer within
+    /// `timeout` (the wait for a permit, at most `timeout` per probe ahead, is not counted),
+    /// or at once while an earlier stat of `path` is still out.
+    pub async fn probe(&self, path: PathBuf, timeout: Duration) -> Probe {
+        let p = path.clone();
+        self.probe_with(path, timeout, move || std::fs::metadata(&p).map(|_| ()))
+            .await
+    }
+
+    /// [`Prober::probe`] with the blocking work given (tests count threads with it).
+    async fn probe_with(
+        &self,
+        path: PathBuf,
+        timeout: Duration,
+        work: impl FnOnce() -> std::io::Result<()> + Send + 'static,
+    ) -> Probe {
+        if let Some(since) = self.out_since(&path) {
+            return Probe::Hung(since.elapsed());
+        }
+        let Ok(permit) = self.permits.clone().acquire_owned().await else {
+            return Probe::Failing("the probe permits are closed".into());
+        };
+        if let Some(since) = self.out_since(&path) {
+            return Probe::Hung(since.elapsed());
+        }
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(path.clone(), Instant::now());
+        let out = self.out.clone();
+        let thread = tokio::task::spawn_blocking(move || {
+            let r = work();
+            out.lock().unwrap_or_else(|e| e.into_inner()).remove(&path);
+            r
+        });
+        let answer = tokio::time::timeout(timeout, thread).await;
+        drop(permit);
+        match answer {
+            Err(_) => Probe::Hung(timeout),
+            Ok(Err(e)) => Probe::Failing(format!("probe thread failed: {e}")),
+            Ok(Ok(Ok(()))) => Probe::Healthy,
+            Ok(Ok(Err(e))) => classify(&e),
+        }
+    }
+
+    fn out_since(&self, path: &Path) -> Option<Instant> {
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(path)
+            .copied()
     }
 }
 
@@ -98,12 +147,9 @@ mod tests {
     async fn a_probe_answers_for_a_live_path() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(
-            probe(
-                dir.path().to_path_buf(),
-                Duration::from_secs(5),
-                Arc::new(Semaphore::new(PROBE_THREADS))
-            )
-            .await,
+            Prober::default()
+                .probe(dir.path().to_path_buf(), Duration::from_secs(5))
+                .await,
             Probe::Healthy
         );
     }
@@ -113,23 +159,27 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_round_of_probes_runs_a_bounded_number_at_once() {
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let permits = Arc::new(Semaphore::new(PROBE_THREADS));
+        let prober = Prober::default();
         let running = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let mut round = tokio::task::JoinSet::new();
-        for _ in 0..40 {
-            let (running, most) = (running.clone(), most.clone());
-            round.spawn(probe_with(
-                Duration::from_secs(60),
-                permits.clone(),
-                move || {
-                    let now = running.fetch_add(1, Ordering::SeqCst) + 1;
-                    most.fetch_max(now, Ordering::SeqCst);
-                    std::thread::sleep(Duration::from_millis(20));
-                    running.fetch_sub(1, Ordering::SeqCst);
-                    Ok(())
-                },
-            ));
+        for i in 0..40 {
+            let (running, most, prober) = (running.clone(), most.clone(), prober.clone());
+            round.spawn(async move {
+                prober
+                    .probe_with(
+                        PathBuf::from(format!("/t/{i}")),
+                        Duration::from_secs(60),
+                        move || {
+                            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                            most.fetch_max(now, Ordering::SeqCst);
+                            std::thread::sleep(Duration::from_millis(20));
+                            running.fetch_sub(1, Ordering::SeqCst);
+                            Ok(())
+                        },
+                    )
+                    .await
+            });
         }
         while let Some(p) = round.join_next().await {
             assert_eq!(p.unwrap(), Probe::Healthy);
@@ -141,34 +191,46 @@ mod tests {
         );
     }
 
-    /// A hung probe keeps its permit after its timeout until the stat returns: hung mounts
-    /// cannot make the agent start more threads.
-    #[tokio::test]
-    async fn a_hung_probe_keeps_its_permit_until_its_stat_returns() {
-        let permits = Arc::new(Semaphore::new(1));
+    /// Issue 36: hung stats (as many as there are permits) do not starve the probes of
+    /// other mounts: a dead mount among them is still found dead. A hung target is not
+    /// stat'ed again (no second thread) until its stat returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hung_probes_do_not_starve_the_others() {
+        let prober = Prober::new(2);
         let (release, hung) = std::sync::mpsc::channel::<()>();
-        let first = probe_with(Duration::from_millis(50), permits.clone(), move || {
-            let _ = hung.recv();
-            Ok(())
-        })
-        .await;
-        assert_eq!(first, Probe::Hung(Duration::from_millis(50)));
+        let hung = Arc::new(Mutex::new(hung));
+        let threads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for round in 0..3 {
+            for i in 0..4 {
+                let (hung, threads) = (hung.clone(), threads.clone());
+                let p = prober
+                    .probe_with(
+                        PathBuf::from(format!("/hung/{i}")),
+                        Duration::from_millis(50),
+                        move || {
+                            threads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            let _ = hung.lock().unwrap().recv();
+                            Ok(())
+                        },
+                    )
+                    .await;
+                assert!(matches!(p, Probe::Hung(_)), "round {round}: {p:?}");
+            }
+            let dead = prober
+                .probe_with(PathBuf::from("/dead"), Duration::from_millis(50), || {
+                    Err(std::io::Error::from_raw_os_error(
+                        nix::errno::Errno::ENOTCONN as i32,
+                    ))
+                })
+                .await;
+            assert!(matches!(dead, Probe::Dead(_)), "round {round}: {dead:?}");
+        }
         assert_eq!(
-            permits.available_permits(),
-            0,
-            "the hung stat holds the permit"
+            threads.load(std::sync::atomic::Ordering::SeqCst),
+            4,
+            "a hung target was stat'ed again while its stat was out"
         );
-        release.send(()).unwrap();
-        let again = permits.acquire().await.unwrap();
-        drop(again);
-        assert_eq!(
-            probe(
-                std::env::temp_dir(),
-                Duration::from_secs(5),
-                permits.clone()
-            )
-            .await,
-            Probe::Healthy
-        );
+        assert_eq!(prober.out.lock().unwrap().len(), 4);
+        drop(release);
     }
 }

@@ -14,11 +14,13 @@
 //!   about to end);
 //! - [`helpers`]: the per-volume cgroups plugins' long-lived helpers run in, outside the
 //!   daemon's own cgroup;
+//! - `freeze`: thawing a filesystem a snapshot call left frozen;
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
 
 pub(crate) mod fence;
+pub(crate) mod freeze;
 pub(crate) mod guard;
 pub(crate) mod health;
 pub mod helpers;

@@ -482,6 +482,130 @@ pub struct Output {
     pub stdout: Vec<u8>,
     pub stderr: String,
     pub elapsed: Duration,
+    /// Processes outside the call's process group (a `setsid` helper) that still held the
+    /// call's stdout or stderr when the plugin exited; the call did not wait for them.
+    pub leftover: Vec<Leftover>,
+}
+
+/// A process left over from a plugin call, holding its stdout or stderr.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leftover {
+    pub pid: i32,
+    /// Its command name (`/proc/<pid>/comm`).
+    pub comm: String,
+}
+
+impl std::fmt::Display for Leftover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} ({})", self.pid, escape_control(&self.comm))
+    }
+}
+
+/// How long output is still read once the plugin has exited: what it wrote is in the pipe
+/// already, so only a pipe some other process still holds open waits this long.
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(250);
+
+/// Reads `r` into a buffer (keeping the first `limit` bytes, discarding the rest so the
+/// writer never blocks) until EOF, or, once `exited` holds the plugin's exit time, until
+/// [`DRAIN_AFTER_EXIT`] after it. Returns the bytes and whether the pipe was still held
+/// open by someone else at that point.
+async fn read_output<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    limit: usize,
+    mut exited: tokio::sync::watch::Receiver<Option<Instant>>,
+) -> (Vec<u8>, bool) {
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        let exit_time = *exited.borrow();
+        let n = match exit_time {
+            Some(at) => {
+                let until = tokio::time::Instant::from_std(at + DRAIN_AFTER_EXIT);
+                match tokio::time::timeout_at(until, r.read(&mut chunk)).await {
+                    Ok(n) => n,
+                    Err(_) => return (buf, true),
+                }
+            }
+            None => tokio::select! {
+                n = r.read(&mut chunk) => n,
+                changed = exited.changed() => {
+                    if changed.is_err() {
+                        // The waiter is gone: the call is over either way.
+                        return (buf, false);
+                    }
+                    continue;
+                }
+            },
+        };
+        match n {
+            Ok(0) | Err(_) => return (buf, false),
+            Ok(n) => {
+                let room = limit.saturating_sub(buf.len());
+                buf.extend_from_slice(&chunk[..n.min(room)]);
+            }
+        }
+    }
+}
+
+/// The inode of the pipe behind `stdout`, to find who else holds it.
+fn pipe_inode(stdout: &tokio::process::ChildStdout) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    nix::sys::stat::fstat(stdout.as_raw_fd())
+        .ok()
+        .map(|st| st.st_ino)
+}
+
+/// Processes other than this one and outside process group `group` (the call's, killed
+/// when it ends) with the pipe `inode` open (found in /proc/*/fd).
+fn holders_of_pipe(inode: u64, group: Option<u32>) -> Vec<Leftover> {
+    let want = format!("pipe:[{inode}]");
+    let me = std::process::id() as i32;
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid == me || group.is_some_and(|g| process_group(pid) == Some(g as i32)) {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == want.as_str()));
+        if holds {
+            let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+            out.push(Leftover {
+                pid,
+                comm: comm.trim().to_string(),
+            });
+        }
+    }
+    out
+}
+
+/// The process group of `pid` (field 5 of /proc/<pid>/stat, after the command in
+/// parentheses).
+fn process_group(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(2)?
+        .parse()
+        .ok()
+}
+
+fn describe_leftover(found: &[Leftover]) -> String {
+    found
+        .iter()
+        .map(Leftover::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Shortest line of a multi-line secret redacted on its own (shorter lines, such as a lone
@@ -903,28 +1027,41 @@ impl Runner {
         let pid = child.id();
         let mut stdout = child.stdout.take().expect("stdout is piped");
         let mut stderr = child.stderr.take().expect("stderr is piped");
-        let read_out = async move {
-            let mut buf = Vec::new();
-            let _ = (&mut stdout)
-                .take(STDOUT_LIMIT as u64)
-                .read_to_end(&mut buf)
-                .await;
-            buf
-        };
-        let read_err = async move {
-            let mut buf = Vec::new();
-            let _ = (&mut stderr)
-                .take(4 * STDOUT_LIMIT as u64)
-                .read_to_end(&mut buf)
-                .await;
-            buf
+        let pipe = pipe_inode(&stdout);
+        // The call ends when the plugin process has exited and its output is read, not at
+        // EOF: a helper it started may hold the pipes open for as long as it lives.
+        let (exited_tx, exited) = tokio::sync::watch::channel(None::<Instant>);
+        let read_out = read_output(&mut stdout, STDOUT_LIMIT, exited.clone());
+        let read_err = read_output(&mut stderr, 4 * STDOUT_LIMIT, exited);
+        let wait = async {
+            let status = child.wait().await;
+            let _ = exited_tx.send(Some(Instant::now()));
+            status
         };
         let work = async {
-            let (o, e, status) = tokio::join!(read_out, read_err, child.wait());
-            (o, e, status)
+            let ((out, out_held), (err, err_held), status) = tokio::join!(read_out, read_err, wait);
+            (out, err, status, out_held || err_held)
         };
         match tokio::time::timeout(timeout, work).await {
-            Ok((out, err, status)) => {
+            Ok((out, err, status, held)) => {
+                let leftover = if held {
+                    let found = pipe
+                        .map(|ino| holders_of_pipe(ino, pid))
+                        .unwrap_or_default();
+                    if found.is_empty() {
+                        tracing::debug!(plugin = plugin_id, %op, "plugin exited while processes of its group held its output; they are killed with the group");
+                    } else {
+                        tracing::warn!(
+                            plugin = plugin_id,
+                            %op,
+                            processes = %describe_leftover(&found),
+                            "plugin {op} exited but processes it started still hold its stdout or stderr; the call ended without waiting for them (give such helpers </dev/null >/dev/null 2>&1, docs/plugin-protocol.md#calling-convention)"
+                        );
+                    }
+                    found
+                } else {
+                    Vec::new()
+                };
                 let stderr = sanitize_tail(&err, secrets, STDERR_TAIL);
                 let status = status.map_err(|source| PluginError::Spawn {
                     plugin: plugin_id.into(),
@@ -943,6 +1080,7 @@ impl Runner {
                         stdout: out,
                         stderr,
                         elapsed: started.elapsed(),
+                        leftover,
                     })
                 } else {
                     #[derive(Deserialize)]

@@ -31,18 +31,7 @@ impl WebdavServer {
             .unwrap()
             .port();
         let addr = format!("127.0.0.1:{port}");
-        let log = std::fs::File::create(dir.with_extension("log")).unwrap();
-        let child = Command::new(rclone)
-            .args(["serve", "webdav"])
-            .arg(dir)
-            .args(["--addr", &addr, "--user", user, "--pass", password])
-            .env_clear()
-            .env("RCLONE_CONFIG", dir.with_extension("conf"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start rclone serve webdav");
+        let child = Self::spawn(dir, &addr, user, password);
         let server = WebdavServer {
             child,
             url: format!("http://{addr}/"),
@@ -50,6 +39,38 @@ impl WebdavServer {
             user: user.into(),
             password: password.into(),
         };
+        server.wait_listening();
+        server
+    }
+
+    fn spawn(dir: &Path, addr: &str, user: &str, password: &str) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.with_extension("log"))
+            .unwrap();
+        Command::new("/usr/bin/rclone")
+            .args(["serve", "webdav"])
+            .arg(dir)
+            .args(["--addr", addr, "--user", user, "--pass", password])
+            .env_clear()
+            .env("RCLONE_CONFIG", dir.with_extension("conf"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start rclone serve webdav")
+    }
+
+    fn addr(&self) -> String {
+        self.url
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string()
+    }
+
+    fn wait_listening(&self) {
+        let addr = self.addr();
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(&addr).is_err() {
             assert!(
@@ -58,7 +79,20 @@ impl WebdavServer {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        server
+    }
+
+    /// Kills the server, as a storage server that went down: connections to its address
+    /// are refused until [`WebdavServer::restart`].
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Serves the same directory again on the same address.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = Self::spawn(&self.dir, &self.addr(), &self.user, &self.password);
+        self.wait_listening();
     }
 }
 

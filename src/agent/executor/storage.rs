@@ -67,16 +67,22 @@ pub async fn perform(client: Client, runner: Runner, node: NodeEnv, op: StorageO
             volume,
             snapshot,
             target,
-        } => snapshot::create(
-            &client,
-            &runner,
-            &node,
-            &volume,
-            *snapshot,
-            target.as_deref(),
-        )
-        .await
-        .map(drop),
+        } => {
+            let r = snapshot::create(
+                &client,
+                &runner,
+                &node,
+                &volume,
+                *snapshot,
+                target.as_deref(),
+            )
+            .await
+            .map(drop);
+            if let Some(t) = &target {
+                thaw_after_snapshot(&volume.key().to_string(), t).await;
+            }
+            r
+        }
         StorageOp::SnapshotDelete(s) => snapshot::delete(&client, &runner, &node, *s).await,
         StorageOp::SnapshotRefuse { snapshot, message } => {
             snapshot::refuse(&client, *snapshot, message)
@@ -94,6 +100,28 @@ pub async fn perform(client: Client, runner: Runner, node: NodeEnv, op: StorageO
         }
     };
     Completion::Storage { op: key, result }
+}
+
+/// The agent started a `snapshot_create` that may have frozen the volume's mount at
+/// `target`: once the call has ended, however it ended, the mount is thawed at once. A
+/// mount the call left frozen (a plugin killed between its freeze and its thaw) is an error
+/// in the agent's log, naming the volume.
+async fn thaw_after_snapshot(volume: &str, target: &Path) {
+    use crate::node::freeze::{thaw, Thawed};
+    match thaw(target).await {
+        Thawed::NotFrozen => {}
+        Thawed::WasFrozen => tracing::error!(
+            volume,
+            target = %target.display(),
+            "the volume was left frozen by a snapshot_create call that ended without thawing it (killed or failed part-way); thawed it"
+        ),
+        Thawed::Failed(error) => tracing::error!(
+            volume,
+            target = %target.display(),
+            %error,
+            "cannot make sure the volume is not left frozen after its snapshot_create call: if its tasks' writes hang, run fsfreeze -u on the target"
+        ),
+    }
 }
 
 /// Why a `create` from a source cannot run: the record is failed with this text.

@@ -1,0 +1,507 @@
+//! End to end: the storage path survives its own failures. The real daemon against the
+//! Nomad simulator, with real FUSE mounts (`rclone mount` of a WebDAV server on 127.0.0.1)
+//! and real plugin processes: an unpublish with the storage server down keeps the volume
+//! published until every write is on the server (no acknowledged write lost), and a plugin
+//! whose helper keeps the call's stdout open does not wedge the call.
+
+mod support;
+
+use serde_json::Value;
+use std::time::Instant;
+use support::cluster::{repo, Cluster};
+use support::sandbox::script;
+use support::webdav::{mount_pids, WebdavServer};
+
+fn task_state<'a>(alloc: &'a Value, task: &str) -> &'a Value {
+    &alloc["TaskStates"][task]
+}
+
+async fn volume_id(c: &Cluster, name: &str) -> String {
+    let v = c
+        .get(&format!(
+            "/v1/var/dhv-binder/volumes/{name}?namespace=default"
+        ))
+        .await;
+    v["Items"]["id"].as_str().unwrap().to_string()
+}
+
+/// Runs the example job until its main task runs; returns (job, allocation, node index).
+async fn run_example(c: &Cluster) -> (String, Value, usize) {
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = c
+        .wait_for(90, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
+    (job, alloc, node)
+}
+
+fn count(c: &Cluster, node: usize, event: &str) -> usize {
+    c.journal(node)
+        .iter()
+        .filter(|e| e["event"] == event)
+        .count()
+}
+
+/// Kills what `rclone mount` processes still serve `target` when the test ends (a failed
+/// assertion must not leave one behind).
+struct KillMounts(std::path::PathBuf);
+
+impl Drop for KillMounts {
+    fn drop(&mut self) {
+        for pid in mount_pids(&self.0) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Issue 36, item 1: with the WebDAV server down, a file written through the mount is only
+/// in rclone's cache. Unpublish must not report success (nor kill the rclone that holds the
+/// file): it fails, again on every retry, with the volume still mounted and claimed; once
+/// the server is back the file reaches it and the unpublish completes. Bytes lost: 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpublish_with_the_server_down_keeps_writes_that_are_only_in_the_cache() {
+    let c = Cluster::start(1).await;
+    let mut server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "flush-pw");
+    c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "webdav",
+        &[("url", &server.url), ("user", "dhv"), ("flush_wait", "2")],
+        &[("password", "flush-pw")],
+        "",
+    );
+    let (job, alloc, node) = run_example(&c).await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let target = c.target(node, "shared-data");
+    let _cleanup = KillMounts(target.clone());
+    let on_server = server
+        .dir
+        .join("default")
+        .join(volume_id(&c, "shared-data").await);
+    c.wait_for(30, "the task's line on the server", || async {
+        std::fs::read_to_string(on_server.join("greetings.txt"))
+            .ok()
+            .filter(|t| t.contains(&alloc_id))
+    })
+    .await;
+
+    // The server goes down; a file is written through the mount. rclone's directory cache
+    // (2 s) still lists the volume, so the write is accepted, into rclone's cache only.
+    std::fs::read_dir(&target).unwrap().for_each(drop);
+    server.stop();
+    let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(target.join("unsaved.bin"), &data).expect("write through the mount");
+
+    c.stop_job(&job, false).await;
+    c.wait_for(
+        90,
+        "two failed unpublishes (or one reported done)",
+        || async {
+            (count(&c, node, "unpublish-failed") >= 2 || count(&c, node, "unpublish-done") > 0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count(&c, node, "unpublish-done"),
+        0,
+        "unpublish reported done with the file only in the cache"
+    );
+    assert!(
+        dhv_binder::node::mounts::is_mount_point(&target),
+        "the volume was unmounted with unsaved data"
+    );
+    assert_eq!(
+        mount_pids(&target).len(),
+        1,
+        "the rclone holding the unsaved file is gone"
+    );
+    let log = std::fs::read_to_string(&c.nodes[node].log).unwrap();
+    assert!(
+        log.contains("are not on the WebDAV server yet"),
+        "the agent's log does not say why: {log}"
+    );
+    let (_, status) = c.status(node);
+    let v: Value = serde_json::from_str(&status).unwrap();
+    let m = v["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["volume"]["name"] == "shared-data")
+        .unwrap_or_else(|| panic!("the volume is no longer in status: {status}"));
+    assert_eq!(m["state"], "unpublishing", "{status}");
+    assert!(
+        m["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("unpublish")),
+        "status does not mark it: {status}"
+    );
+
+    let back = Instant::now();
+    server.restart();
+    c.wait_for(
+        120,
+        "the unpublish done once the server is back",
+        || async { (count(&c, node, "unpublish-done") == 1).then_some(()) },
+    )
+    .await;
+    eprintln!(
+        "unpublish completed {:.1}s after the server returned",
+        back.elapsed().as_secs_f64()
+    );
+    let got = std::fs::read(on_server.join("unsaved.bin")).expect("the file on the server");
+    let lost = data
+        .len()
+        .saturating_sub(got.iter().zip(&data).take_while(|(a, b)| a == b).count());
+    eprintln!("bytes lost: {lost} of {}", data.len());
+    assert_eq!(
+        got, data,
+        "the file on the server differs from what was written"
+    );
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
+    assert!(mount_pids(&target).is_empty());
+}
+
+/// A plugin whose `publish` starts a helper in its own session (`setsid`) that inherits the
+/// call's stdout and stderr and outlives the call; otherwise a bind mount. The helper's PID
+/// is appended to `<plugin_dir>/helper.pids`.
+const LEAKY_HELPER_PLUGIN: &str = r#"#!/bin/sh
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+case "$1" in
+fingerprint) echo '{"version":"1.0.0","deferred_bind":true}' ;;
+create) echo '{"bytes":0,"context":{}}' ;;
+publish)
+  src="$DHV_VOLUMES_DIR/helper/$DHV_VOLUME_ID"
+  mkdir -p "$src" "$DHV_TARGET_PATH"
+  chown 65534:65534 "$src"
+  setsid sleep 600 &
+  echo $! >> "$DHV_PLUGIN_DIR/helper.pids"
+  mountpoint -q "$DHV_TARGET_PATH" || mount --bind "$src" "$DHV_TARGET_PATH"
+  echo "{\"path\":\"$DHV_TARGET_PATH\",\"context\":{}}" ;;
+unpublish)
+  while mountpoint -q "$DHV_TARGET_PATH"; do umount "$DHV_TARGET_PATH"; done
+  echo '{}' ;;
+delete) echo '{}' ;;
+*) exit 1 ;;
+esac
+"#;
+
+/// Kills the helpers a plugin recorded in `pids` when the test ends.
+struct KillPids(std::path::PathBuf);
+
+impl Drop for KillPids {
+    fn drop(&mut self) {
+        for pid in std::fs::read_to_string(&self.0)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+        {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Issue 36, item 2: a helper that keeps the call's stdout open does not wedge the call.
+/// The publish ends when the plugin process exits with its JSON read: one publish, no
+/// timeout, the task runs; the helper is named in the agent's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_holding_the_calls_stdout_does_not_wedge_the_call() {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_PLUGIN_TIMEOUT", "10s")]).await;
+    let pids = c.plugin_dir.join("helper.pids");
+    let _cleanup = KillPids(pids.clone());
+    script(&c.plugin_dir.join("helper"), LEAKY_HELPER_PLUGIN);
+    c.wait_plugin("helper").await;
+    c.create_volume_with("shared-data", "single-node-writer", "helper", &[], &[], "");
+    let started = Instant::now();
+    let (job, _alloc, node) = run_example(&c).await;
+    eprintln!(
+        "the task ran {:.1}s after the job was submitted",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        count(&c, node, "publish-failed"),
+        0,
+        "{:?}",
+        c.journal(node)
+    );
+    assert_eq!(count(&c, node, "publish-done"), 1);
+    let helper: i32 = std::fs::read_to_string(&pids)
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        std::path::Path::new(&format!("/proc/{helper}")).exists(),
+        "the helper (it left the call's process group) was killed"
+    );
+    let log = std::fs::read_to_string(&c.nodes[node].log).unwrap();
+    assert!(
+        log.contains("still hold its stdout or stderr") && log.contains(&format!("pid {helper}")),
+        "the leftover helper is not named in the agent's log: {log}"
+    );
+    c.stop_job(&job, false).await;
+    c.wait_for(30, "the unpublish done", || async {
+        (count(&c, node, "unpublish-done") == 1).then_some(())
+    })
+    .await;
+}
+
+/// Sends SIGCONT to the stopped FUSE servers when the test ends (before the cluster's
+/// teardown unmounts), so that nothing stays blocked on them.
+struct Resume(Vec<i32>);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+    }
+}
+
+/// Issue 36, item 3: four FUSE servers hung (SIGSTOP; as many as the probe threads) and a
+/// fifth killed. The hung ones are reported hung (not acted on), the dead one is found
+/// dead, republished, and its allocation restarted. Prints the time to republish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_fuse_mount_among_hung_ones_is_republished() {
+    let c = Cluster::start(1).await;
+    let server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "hung-pw");
+    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let mut jobs = Vec::new();
+    for i in 1..=5 {
+        let name = format!("vol-{i}");
+        c.create_volume_with(
+            &name,
+            "single-node-writer",
+            "webdav",
+            &[("url", &server.url), ("user", "dhv")],
+            &[("password", "hung-pw")],
+            "",
+        );
+        let spec = c.sb.join(&format!("job-{i}.nomad.hcl"));
+        std::fs::write(
+            &spec,
+            example
+                .replace("\"shared-data-demo\"", &format!("\"demo-{i}\""))
+                .replace("\"shared-data\"", &format!("\"{name}\"")),
+        )
+        .unwrap();
+        jobs.push(c.run_job(&spec).await);
+    }
+    let mut allocs = Vec::new();
+    for job in &jobs {
+        let a = c
+            .wait_for(120, &format!("{job}'s main task running"), || async {
+                c.allocs(job)
+                    .await
+                    .into_iter()
+                    .find(|a| task_state(a, "app")["State"] == "running")
+            })
+            .await;
+        allocs.push(a["ID"].as_str().unwrap().to_string());
+    }
+    let targets: Vec<_> = (1..=5).map(|i| c.target(0, &format!("vol-{i}"))).collect();
+    let _cleanup: Vec<_> = targets.iter().map(|t| KillMounts(t.clone())).collect();
+    let mut stopped = Vec::new();
+    for t in &targets[..4] {
+        let pids = mount_pids(t);
+        assert_eq!(pids.len(), 1, "{pids:?}");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pids[0]),
+            nix::sys::signal::Signal::SIGSTOP,
+        )
+        .unwrap();
+        stopped.push(pids[0]);
+    }
+    let _resume = Resume(stopped);
+    // Let the hung probes take every probe thread before the fifth server dies.
+    c.wait_for(30, "the four hung mounts reported", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let text = v["mount_health"].to_string();
+        (1..=4)
+            .all(|i| text.contains(&format!("vol-{i}")))
+            .then_some(())
+    })
+    .await;
+    let dead = mount_pids(&targets[4]);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let killed = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dead[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    c.wait_for(60, "vol-5 published again", || async {
+        (c.journal(0)
+            .iter()
+            .filter(|e| e["event"] == "publish-done" && e["volume"] == "default/vol-5")
+            .count()
+            >= 2)
+            .then_some(())
+    })
+    .await;
+    let republished = killed.elapsed();
+    c.wait_for(60, "vol-5's allocation restarted", || async {
+        c.allocs(&jobs[4]).await.into_iter().find(|a| {
+            a["ID"] == allocs[4].as_str()
+                && task_state(a, "app")["Restarts"].as_u64().unwrap_or(0) >= 1
+                && task_state(a, "app")["State"] == "running"
+        })
+    })
+    .await;
+    eprintln!(
+        "dead mount among 4 hung ones: republished {:.1}s after its server died, allocation restarted {:.1}s after",
+        republished.as_secs_f64(),
+        killed.elapsed().as_secs_f64()
+    );
+    let (_, out) = c.status(0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let health = v["mount_health"].to_string();
+    assert!(
+        health.contains("did not answer"),
+        "hung not reported: {health}"
+    );
+    assert!(
+        health.contains("not connected"),
+        "the dead one not reported: {health}"
+    );
+    assert!(std::fs::metadata(&targets[4]).is_ok());
+    for t in &targets[..4] {
+        assert!(
+            dhv_binder::node::mounts::is_mount_point(t),
+            "a hung mount was touched"
+        );
+    }
+}
+
+/// The PIDs whose command line is exactly `args`.
+fn pids_running(args: &[&str]) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let got: Vec<String> = c
+                    .split(|b| *b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                got == args
+            })
+        })
+        .collect()
+}
+
+/// Issue 36, item 4: the ext4 plugin's `snapshot_create` is killed (SIGKILL of its process
+/// group) between its freeze and its thaw. The agent, which started the freezing call,
+/// thaws the volume as soon as the call has died and says so in its log; a task's write
+/// goes through. Prints how long the volume stayed frozen after the kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
+    let c = Cluster::start(1).await;
+    // The first copy of a snapshot takes long (a window to kill the call in).
+    let ext4 = std::fs::read_to_string(c.plugin_dir.join("ext4")).unwrap();
+    let copy = r#"  cp --reflink=auto --sparse=always "$1" "$2" || fail "cannot copy $1""#;
+    assert!(
+        ext4.contains(copy),
+        "the ext4 plugin's copy changed: update this test"
+    );
+    let slow = ext4.replace(
+        copy,
+        &format!("  if mkdir \"$DHV_PLUGIN_DIR/slow-once\" 2>/dev/null; then sleep 31; fi\n{copy}"),
+    );
+    script(&c.plugin_dir.join("ext4"), &slow);
+    c.wait_plugin("ext4").await;
+    let images = c.sb.join("images");
+    c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "ext4",
+        &[
+            ("dir", images.to_str().unwrap()),
+            support::cluster::NOBODY_UID,
+            support::cluster::NOBODY_GID,
+        ],
+        &[],
+        "capacity_min = \"64MiB\"",
+    );
+    let (job, _alloc, node) = run_example(&c).await;
+    let target = c.target(node, "shared-data");
+    let (code, out) = c.cli(&[
+        "volume",
+        "snapshot",
+        "create",
+        "shared-data",
+        "killed",
+        "--detach",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let sleeper = c
+        .wait_for(
+            60,
+            "the snapshot's copy running (the volume frozen)",
+            || async { pids_running(&["sleep", "31"]).first().copied() },
+        )
+        .await;
+    let stat = std::fs::read_to_string(format!("/proc/{sleeper}/stat")).unwrap();
+    let pgid: i32 = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let killed = Instant::now();
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pgid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // A task's write: it blocks while the filesystem is frozen.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let file = target.join("after-kill.txt");
+    std::thread::spawn(move || {
+        let r = std::fs::write(&file, b"written after the kill\n");
+        let _ = tx.send((r.is_ok(), killed.elapsed()));
+    });
+    let (ok, frozen) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the volume stayed frozen for 60 s after the snapshot call was killed");
+    assert!(ok, "the write failed");
+    eprintln!(
+        "frozen for {:.2}s after the snapshot call was killed",
+        frozen.as_secs_f64()
+    );
+    c.wait_for(10, "the thaw in the agent's log", || async {
+        std::fs::read_to_string(&c.nodes[node].log)
+            .ok()
+            .filter(|l| l.contains("was left frozen by a snapshot_create call"))
+            .map(|_| ())
+    })
+    .await;
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the unpublish done", || async {
+        (count(&c, node, "unpublish-done") == 1).then_some(())
+    })
+    .await;
+}
