@@ -225,7 +225,8 @@ impl TaskRunner {
         (self.notify)();
     }
 
-    fn task_dir(&self) -> PathBuf {
+    /// The task's directory on the host (`<alloc dir>/<task>`).
+    pub fn task_dir(&self) -> PathBuf {
         self.alloc_dir.join(&self.task.Name)
     }
 
@@ -385,6 +386,10 @@ impl TaskRunner {
     }
 
     fn spawn(&self, binds: Vec<BindSpec>) -> Result<tokio::process::Child, String> {
+        if self.task.Driver == "docker" {
+            let env = self.build_env(true);
+            return crate::docker_driver::spawn(self, env, binds);
+        }
         let exec = self.task.Driver == "exec";
         let env = self.build_env(exec);
         let node = &self.node.node;
@@ -570,7 +575,7 @@ impl TaskRunner {
                 Err(msg) => return self.fail_setup("Task hook failed", format!("volumes: {msg}")),
             };
             match self.task.Driver.as_str() {
-                "exec" => {}
+                "exec" | "docker" => {}
                 "raw_exec" => {
                     if !binds.is_empty() {
                         return self.fail_setup(
@@ -584,7 +589,7 @@ impl TaskRunner {
                     return self.fail_setup(
                         "Driver Failure",
                         format!(
-                        "driver {other:?} is not supported by nomad-sim (only exec and raw_exec)"
+                        "driver {other:?} is not supported by nomad-sim (only exec, raw_exec and docker)"
                     ),
                     )
                 }
