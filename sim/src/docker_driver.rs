@@ -14,9 +14,9 @@
 //! - The helper, `nomad-sim docker-task <spec.json>` ([`run`]), is the task's process: it
 //!   creates the container (`docker create`), starts it, copies its logs to the task's log files
 //!   (its own stdout/stderr), waits for it and exits with the container's exit code. On the kill
-//!   signal the task runner sends, it leaves the task's process group (so the runner's SIGKILL
-//!   after `kill_timeout` cannot orphan the container) and stops the container the way Nomad's
-//!   `handle.go` `Kill` does: `docker stop --time <kill_timeout>` when the task sets no
+//!   signal the task runner sends, it stops the container the way Nomad's `handle.go` `Kill`
+//!   does (the runner gives it [`stop_grace`] beyond `kill_timeout` before it SIGKILLs the
+//!   helper, as Nomad's task runner leaves the escalation to the driver's `StopTask`): `docker stop --time <kill_timeout>` when the task sets no
 //!   `kill_signal`, otherwise that signal, `kill_timeout` to exit, then SIGKILL. The container is
 //!   removed once it has exited (`driver.go` `DestroyTask` with `force`).
 //!
@@ -238,6 +238,17 @@ impl DockerSpec {
     }
 }
 
+/// How long the task runner waits, beyond `kill_timeout`, for a stopping task's process
+/// before it SIGKILLs it: for docker the helper must outlive the engine's own SIGKILL (sent at
+/// `kill_timeout`) to remove the container; other drivers get none.
+pub fn stop_grace(driver: &str) -> Duration {
+    if driver == "docker" {
+        Duration::from_secs(10)
+    } else {
+        Duration::ZERO
+    }
+}
+
 /// The engine address: `DOCKER_HOST` of this process, else Docker's default socket.
 pub fn docker_host() -> String {
     std::env::var("DOCKER_HOST")
@@ -428,9 +439,6 @@ pub fn run(spec_path: &Path) -> Result<i32, DockerError> {
             }
             continue;
         }
-        // The task is being killed: leave its process group first, so the runner's SIGKILL
-        // after kill_timeout cannot leave the container running without us.
-        let _ = nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0));
         break stop(&spec, &id, &rx);
     };
     let _ = logs.wait();
@@ -539,7 +547,10 @@ pub fn spawn(
         labels: vec![
             ("com.hashicorp.nomad.alloc_id".into(), a.ID.clone()),
             ("com.hashicorp.nomad.job_name".into(), tr.job.Name.clone()),
-            ("com.hashicorp.nomad.task_group_name".into(), a.TaskGroup.clone()),
+            (
+                "com.hashicorp.nomad.task_group_name".into(),
+                a.TaskGroup.clone(),
+            ),
             ("com.hashicorp.nomad.task_name".into(), tr.task.Name.clone()),
             ("com.hashicorp.nomad.node_id".into(), node.ID.clone()),
         ],
@@ -590,9 +601,11 @@ mod tests {
         assert!(TaskConfig::parse(&m(json!({"command": "x"})))
             .unwrap_err()
             .contains("\"image\""));
-        assert!(TaskConfig::parse(&m(json!({"image": "i", "privileged": true})))
-            .unwrap_err()
-            .contains("\"privileged\""));
+        assert!(
+            TaskConfig::parse(&m(json!({"image": "i", "privileged": true})))
+                .unwrap_err()
+                .contains("\"privileged\"")
+        );
         let c = TaskConfig::parse(&m(json!({"image": "i", "args": ["a"]}))).unwrap();
         assert_eq!(c.args, vec!["a".to_string()]);
     }

@@ -490,7 +490,12 @@ impl TaskRunner {
         if let Some(pg) = pgid {
             let _ = killpg(pg, signal_from_name(&self.task.KillSignal));
         }
-        let status = match tokio::time::timeout(kt, child.wait()).await {
+        let status = match tokio::time::timeout(
+            kt + crate::docker_driver::stop_grace(&self.task.Driver),
+            child.wait(),
+        )
+        .await
+        {
             Ok(s) => s.ok(),
             Err(_) => {
                 if let Some(pg) = pgid {
@@ -687,7 +692,12 @@ impl TaskRunner {
         if let Some(pg) = pgid {
             let _ = killpg(pg, signal_from_name(&self.task.KillSignal));
         }
-        let status = match tokio::time::timeout(kt, child.wait()).await {
+        let status = match tokio::time::timeout(
+            kt + crate::docker_driver::stop_grace(&self.task.Driver),
+            child.wait(),
+        )
+        .await
+        {
             Ok(s) => s.ok(),
             Err(_) => {
                 if let Some(pg) = pgid {
