@@ -494,24 +494,42 @@ fn container_env(
         .collect()
 }
 
+/// What [`spawn`] needs of the task runner.
+pub struct StartCtx<'a> {
+    /// The allocation.
+    pub alloc: &'a crate::structs::Allocation,
+    /// Its job's name.
+    pub job_name: &'a str,
+    /// The task.
+    pub task: &'a crate::structs::Task,
+    /// This node's ID.
+    pub node_id: &'a str,
+    /// The alloc dir on the host.
+    pub alloc_dir: &'a Path,
+    /// The task dir on the host.
+    pub task_dir: PathBuf,
+    /// The nomad-sim executable (runs `docker-task`).
+    pub self_exe: &'a Path,
+    /// The task runner's `${...}` interpolation.
+    pub interpolate: &'a dyn Fn(&str) -> String,
+}
+
 /// Starts the task's helper (`nomad-sim docker-task`): checks the config and the engine,
 /// writes the spec next to the task dir and spawns the helper with the task's log files as its
 /// stdout/stderr. Errors become the task's Driver Failure event.
 pub fn spawn(
-    tr: &crate::taskrunner::TaskRunner,
+    tr: StartCtx<'_>,
     env: std::collections::BTreeMap<String, String>,
     binds: Vec<crate::exec_driver::BindSpec>,
 ) -> Result<tokio::process::Child, String> {
-    use crate::taskrunner::interpolate;
-    let node = &tr.node.node;
     let cfg = TaskConfig::parse(&tr.task.Config)?;
-    let i = |s: &str| interpolate(s, &env, node);
+    let i = |s: &str| (tr.interpolate)(s);
     let image = i(&cfg.image);
     let host = docker_host();
     check_engine(&host, &image)?;
     let mut cmd: Vec<String> = cfg.command.iter().map(|c| i(c)).collect();
     cmd.extend(cfg.args.iter().map(|a| i(a)));
-    let td = tr.task_dir();
+    let td = tr.task_dir.clone();
     let mut mounts = vec![
         (tr.alloc_dir.join("alloc"), "/alloc", false, "private"),
         (td.join("local"), "/local", false, "private"),
@@ -546,13 +564,13 @@ pub fn spawn(
         mounts,
         labels: vec![
             ("com.hashicorp.nomad.alloc_id".into(), a.ID.clone()),
-            ("com.hashicorp.nomad.job_name".into(), tr.job.Name.clone()),
+            ("com.hashicorp.nomad.job_name".into(), tr.job_name.into()),
             (
                 "com.hashicorp.nomad.task_group_name".into(),
                 a.TaskGroup.clone(),
             ),
             ("com.hashicorp.nomad.task_name".into(), tr.task.Name.clone()),
-            ("com.hashicorp.nomad.node_id".into(), node.ID.clone()),
+            ("com.hashicorp.nomad.node_id".into(), tr.node_id.into()),
         ],
         kill_timeout_ns: tr.task.KillTimeout,
         kill_signal: tr.task.KillSignal.clone(),
@@ -568,7 +586,7 @@ pub fn spawn(
             .open(logs.join(format!("{}.{suffix}.0", tr.task.Name)))
             .map_err(|e| format!("opening log file: {e}"))
     };
-    let mut c = tokio::process::Command::new(&tr.node.self_exe);
+    let mut c = tokio::process::Command::new(tr.self_exe);
     c.arg("docker-task")
         .arg(&spec_path)
         .env_clear()

@@ -225,8 +225,7 @@ impl TaskRunner {
         (self.notify)();
     }
 
-    /// The task's directory on the host (`<alloc dir>/<task>`).
-    pub fn task_dir(&self) -> PathBuf {
+    fn task_dir(&self) -> PathBuf {
         self.alloc_dir.join(&self.task.Name)
     }
 
@@ -388,7 +387,18 @@ impl TaskRunner {
     fn spawn(&self, binds: Vec<BindSpec>) -> Result<tokio::process::Child, String> {
         if self.task.Driver == "docker" {
             let env = self.build_env(true);
-            return crate::docker_driver::spawn(self, env, binds);
+            let i = |s: &str| interpolate(s, &env, &self.node.node);
+            let ctx = crate::docker_driver::StartCtx {
+                alloc: &self.alloc,
+                job_name: &self.job.Name,
+                task: &self.task,
+                node_id: &self.node.node.ID,
+                alloc_dir: &self.alloc_dir,
+                task_dir: self.task_dir(),
+                self_exe: &self.node.self_exe,
+                interpolate: &i,
+            };
+            return crate::docker_driver::spawn(ctx, env.clone(), binds);
         }
         let exec = self.task.Driver == "exec";
         let env = self.build_env(exec);
