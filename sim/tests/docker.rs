@@ -254,3 +254,140 @@ async fn docker_without_an_engine_fails_saying_so() {
         "{msg}"
     );
 }
+
+struct Unmount(std::path::PathBuf);
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// A mount made at the volume's path after the container started reaches it with
+/// `propagation_mode = "host-to-task"` (rslave), without a restart, and not with the default
+/// `private`: the running container keeps writing to what it was created with.
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_host_to_task_sees_a_later_mount_and_private_does_not() {
+    use nix::mount::{mount, MsFlags};
+    let engine = DockerEngine::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("vols");
+    std::fs::create_dir_all(&root).unwrap();
+    // rslave needs the volume's path on a shared mount (Docker refuses it on a private one).
+    mount(
+        Some(&root),
+        &root,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap();
+    let _root = Unmount(root.clone());
+    mount(
+        None::<&str>,
+        &root,
+        None::<&str>,
+        MsFlags::MS_SHARED,
+        None::<&str>,
+    )
+    .unwrap();
+    let (slave, private, storage) = (
+        root.join("slave"),
+        root.join("private"),
+        tmp.path().join("storage"),
+    );
+    for d in [&slave, &private, &storage] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let sim = Sim::start_env(
+        &format!(
+            "client \"node-1\" {{\n  host_volume \"slave\" {{\n    path = \"{}\"\n  }}\n  host_volume \"private\" {{\n    path = \"{}\"\n  }}\n}}\n",
+            slave.display(),
+            private.display()
+        ),
+        &[("DOCKER_HOST", engine.host.as_str())],
+    )
+    .await;
+    let job = sim
+        .run_job(&format!(
+            r#"job "prop" {{
+  group "g" {{
+    volume "s" {{
+      type = "host"
+      source = "slave"
+    }}
+    volume "p" {{
+      type = "host"
+      source = "private"
+    }}
+    task "t" {{
+      driver = "docker"
+      volume_mount {{
+        volume = "s"
+        destination = "/s"
+        propagation_mode = "host-to-task"
+      }}
+      volume_mount {{
+        volume = "p"
+        destination = "/p"
+      }}
+      config {{
+        image = "{IMAGE}"
+        command = "/bin/sh"
+        args = ["-c", "touch /alloc/up; while true; do [ -e /s/published ] && echo seen > /s/from-task; [ -e /p/published ] && echo seen > /p/from-task; sleep 0.1; done"]
+      }}
+    }}
+  }}
+}}"#
+        ))
+        .await;
+    let a = sim
+        .wait_for(60, "task running", || async {
+            let a = sim.job_allocs(&job).await.first()?.clone();
+            let id = a["ID"].as_str()?.to_string();
+            let up = sim.nodes[0].3.join("alloc").join(&id).join("alloc/up");
+            (task_state(&a, "t") == "running" && up.exists()).then_some(a)
+        })
+        .await;
+    std::fs::write(storage.join("published"), "").unwrap();
+    mount(
+        Some(&storage),
+        &slave,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap();
+    let _s = Unmount(slave.clone());
+    mount(
+        Some(&storage),
+        &private,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap();
+    let _p = Unmount(private.clone());
+    sim.wait_for(
+        20,
+        "the host-to-task container's write in the storage",
+        || async { storage.join("from-task").exists().then_some(()) },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let id = a["ID"].as_str().unwrap();
+    let a = sim.get(&format!("/v1/allocation/{id}")).await;
+    assert_eq!(a["TaskStates"]["t"]["Restarts"], 0, "no restart");
+    // The private mount still shows the container the empty directory it was created with.
+    let seen = engine.docker(&["exec", &format!("t-{id}"), "ls", "/p"]);
+    assert_eq!(
+        seen, "",
+        "the private container sees the later mount: {seen}"
+    );
+    sim.req(reqwest::Method::DELETE, &format!("/v1/job/{job}"), None)
+        .await;
+    sim.wait_for(30, "task dead", || async {
+        let a = sim.get(&format!("/v1/allocation/{id}")).await;
+        (task_state(&a, "t") == "dead").then_some(())
+    })
+    .await;
+}
