@@ -37,11 +37,14 @@ job "shared-data-demo-docker" {
         entrypoint = ["/bin/sh", "-c"]
         # Retries while dhv-binder answers 503/504 (starting, plugin busy) or its socket is not
         # up yet; fails at once on 4xx (wrong allocation, refused token).
+        # The token never is on a command line: the shell's builtin printf writes the header to
+        # curl's stdin, which `-H @-` reads (curl 7.55+).
         args = [<<-EOT
+          printf 'Authorization: Bearer %s\n' "$NOMAD_TOKEN" |
           curl --silent --show-error --fail-with-body --max-time 130 \
             --retry 20 --retry-delay 3 --retry-connrefused \
             --unix-socket /run/dhv-binder/api.sock \
-            -X POST -H "Authorization: Bearer $NOMAD_TOKEN" \
+            -X POST -H @- \
             "http://dhv-binder/v1/allocations/$NOMAD_ALLOC_ID/publish?wait=2m"
         EOT
         ]

@@ -42,3 +42,43 @@ fn the_readme_demo_runs_to_its_end_and_leaves_nothing_mounted() {
         "the demo left mounts behind:\n{mounts}"
     );
 }
+
+/// `scripts/demo docker`: the same story with jobspecs/example-docker.nomad.hcl, its tasks run
+/// as containers on a private Docker engine the demo starts and stops; the main container's
+/// write is in the volume, and no engine, container or mount is left.
+#[test]
+fn the_docker_demo_runs_to_its_end_and_leaves_nothing_behind() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new("timeout")
+        .args(["600", "scripts/demo", "docker"])
+        .current_dir(root)
+        .env_remove("DEMO_WAIT")
+        .env_remove("DOCKER_HOST")
+        .output()
+        .expect("run scripts/demo docker (needs bash, timeout from coreutils)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "scripts/demo docker failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    for step in [
+        "Starting a private Docker engine",
+        "is published at the placeholder before the main task started",
+        "in the volume: hello from",
+        "placement -> the main task's first write in the volume",
+        "is no longer a mount point",
+        "Done",
+    ] {
+        assert!(
+            stdout.contains(step),
+            "no {step:?} in the demo's output:\n{stdout}"
+        );
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    assert!(
+        !mounts.contains("/dhv-binder-demo."),
+        "the demo left mounts behind:\n{mounts}"
+    );
+}

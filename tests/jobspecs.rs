@@ -263,3 +263,27 @@ fn sample_volume_spec_is_valid() {
     assert_eq!(spec.name, "shared-data");
     assert_eq!(spec.plugin_id, "bind");
 }
+
+/// The docker example's prestart task keeps its token off every command line: only the
+/// shell's builtin `printf` sees it, and curl reads the header from stdin (`-H @-`); a process
+/// listing on the node shows no secret.
+#[test]
+fn docker_example_keeps_the_token_off_command_lines() {
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("jobspecs/example-docker.nomad.hcl"),
+    )
+    .unwrap();
+    let uses: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.contains("$NOMAD_TOKEN") && !l.starts_with('#'))
+        .collect();
+    assert!(!uses.is_empty(), "the prestart task uses its token");
+    for l in uses {
+        assert!(
+            l.starts_with("printf ") && l.ends_with('|'),
+            "the token is on a command line: {l}"
+        );
+    }
+    assert!(text.contains("-H @-"), "curl reads the header from stdin");
+}

@@ -24,7 +24,7 @@ fn node_for(cfg: &AgentConfig, c: &crate::config::ClientConfig, id: &str, addr: 
         json!({"Attributes": {format!("driver.{name}"): "true"}, "Detected": true, "Healthy": true,
                "HealthDescription": "Healthy", "UpdateTime": now})
     };
-    let attrs: BTreeMap<String, String> = [
+    let mut attrs: BTreeMap<String, String> = [
         ("kernel.name", "linux".to_string()),
         ("os.name", "linux".to_string()),
         ("arch", std::env::consts::ARCH.to_string()),
@@ -41,6 +41,15 @@ fn node_for(cfg: &AgentConfig, c: &crate::config::ClientConfig, id: &str, addr: 
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    let mut drivers: BTreeMap<String, serde_json::Value> = [
+        ("exec".to_string(), driver("exec")),
+        ("raw_exec".to_string(), driver("raw_exec")),
+    ]
+    .into();
+    if let Some(d) = crate::docker_driver::node_driver(&now) {
+        attrs.insert("driver.docker".into(), "1".into());
+        drivers.insert("docker".into(), d);
+    }
     Node {
         ID: id.into(),
         Datacenter: c.datacenter.clone(),
@@ -61,11 +70,7 @@ fn node_for(cfg: &AgentConfig, c: &crate::config::ClientConfig, id: &str, addr: 
             json!({"Message": "Node registered", "Subsystem": "Cluster", "Details": null,
             "Timestamp": now, "CreateIndex": 0}),
         ],
-        Drivers: [
-            ("exec".to_string(), driver("exec")),
-            ("raw_exec".to_string(), driver("raw_exec")),
-        ]
-        .into(),
+        Drivers: drivers,
         HostVolumes: c
             .host_volumes
             .iter()

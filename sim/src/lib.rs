@@ -11,7 +11,8 @@
 //!   health, promotion and completion of deployments.
 //! - `api`: HTTP endpoints, one submodule per endpoint family (sim faults in `api::faults`).
 //! - `client`: simulated client nodes and alloc runners; `taskrunner`: tasks, restarts, kills;
-//!   `restart`: `alloc restart`; `exec_driver`: the exec driver's namespace/chroot helper.
+//!   `restart`: `alloc restart`; `exec_driver`: the exec driver's namespace/chroot helper;
+//!   `docker_driver`: the docker driver over a real Docker engine.
 #![forbid(unsafe_code)]
 
 pub mod acl;
@@ -23,6 +24,7 @@ pub mod client;
 pub mod clock;
 pub mod config;
 pub mod deployments;
+pub mod docker_driver;
 pub mod exec_driver;
 pub mod hcl_value;
 pub mod identity;

@@ -15,6 +15,19 @@ fn main() {
         eprintln!("nomad-sim exec driver: {err}");
         std::process::exit(1);
     }
+    if args.get(1).map(String::as_str) == Some("docker-task") {
+        let Some(spec) = args.get(2) else {
+            eprintln!("usage: nomad-sim docker-task <spec.json>");
+            std::process::exit(2);
+        };
+        match nomad_sim::docker_driver::run(std::path::Path::new(spec)) {
+            Ok(code) => std::process::exit(code),
+            Err(err) => {
+                eprintln!("nomad-sim docker driver: {err}");
+                std::process::exit(1);
+            }
+        }
+    }
     let cli = Cli::parse_from(normalize_args(args));
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

@@ -385,6 +385,21 @@ impl TaskRunner {
     }
 
     fn spawn(&self, binds: Vec<BindSpec>) -> Result<tokio::process::Child, String> {
+        if self.task.Driver == "docker" {
+            let env = self.build_env(true);
+            let i = |s: &str| interpolate(s, &env, &self.node.node);
+            let ctx = crate::docker_driver::StartCtx {
+                alloc: &self.alloc,
+                job_name: &self.job.Name,
+                task: &self.task,
+                node_id: &self.node.node.ID,
+                alloc_dir: &self.alloc_dir,
+                task_dir: self.task_dir(),
+                self_exe: &self.node.self_exe,
+                interpolate: &i,
+            };
+            return crate::docker_driver::spawn(ctx, env.clone(), binds);
+        }
         let exec = self.task.Driver == "exec";
         let env = self.build_env(exec);
         let node = &self.node.node;
@@ -485,7 +500,12 @@ impl TaskRunner {
         if let Some(pg) = pgid {
             let _ = killpg(pg, signal_from_name(&self.task.KillSignal));
         }
-        let status = match tokio::time::timeout(kt, child.wait()).await {
+        let status = match tokio::time::timeout(
+            kt + crate::docker_driver::stop_grace(&self.task.Driver),
+            child.wait(),
+        )
+        .await
+        {
             Ok(s) => s.ok(),
             Err(_) => {
                 if let Some(pg) = pgid {
@@ -570,7 +590,7 @@ impl TaskRunner {
                 Err(msg) => return self.fail_setup("Task hook failed", format!("volumes: {msg}")),
             };
             match self.task.Driver.as_str() {
-                "exec" => {}
+                "exec" | "docker" => {}
                 "raw_exec" => {
                     if !binds.is_empty() {
                         return self.fail_setup(
@@ -584,7 +604,7 @@ impl TaskRunner {
                     return self.fail_setup(
                         "Driver Failure",
                         format!(
-                        "driver {other:?} is not supported by nomad-sim (only exec and raw_exec)"
+                        "driver {other:?} is not supported by nomad-sim (only exec, raw_exec and docker)"
                     ),
                     )
                 }
@@ -682,7 +702,12 @@ impl TaskRunner {
         if let Some(pg) = pgid {
             let _ = killpg(pg, signal_from_name(&self.task.KillSignal));
         }
-        let status = match tokio::time::timeout(kt, child.wait()).await {
+        let status = match tokio::time::timeout(
+            kt + crate::docker_driver::stop_grace(&self.task.Driver),
+            child.wait(),
+        )
+        .await
+        {
             Ok(s) => s.ok(),
             Err(_) => {
                 if let Some(pg) = pgid {

@@ -22,6 +22,11 @@ pub fn bin() -> &'static str {
 impl Sim {
     /// Starts an agent; `clients` is HCL appended to the generated config (client blocks etc.).
     pub async fn start(extra: &str) -> Sim {
+        Sim::start_env(extra, &[]).await
+    }
+
+    /// Like [`Sim::start`], with extra environment variables for the agent process.
+    pub async fn start_env(extra: &str, env: &[(&str, &str)]) -> Sim {
         let dir = tempfile::tempdir().expect("tempdir");
         let data = dir.path().join("data");
         let cfg = format!(
@@ -34,6 +39,7 @@ impl Sim {
         let child = Command::new(bin())
             .args(["agent", "-config"])
             .arg(&cfg_path)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
