@@ -6,9 +6,15 @@
 //! it only checks) and cleans up its own temporary directory, mounts included.
 
 use std::process::Command;
+use std::sync::Mutex;
+
+/// The demos run one at a time: each checks that no mount of a demo is left, and a demo
+/// still running would show its own.
+static ONE_DEMO: Mutex<()> = Mutex::new(());
 
 #[test]
 fn the_readme_demo_runs_to_its_end_and_leaves_nothing_mounted() {
+    let _one = ONE_DEMO.lock().unwrap_or_else(|e| e.into_inner());
     let root = env!("CARGO_MANIFEST_DIR");
     let out = Command::new("timeout")
         .args(["600", "scripts/demo"])
@@ -48,6 +54,7 @@ fn the_readme_demo_runs_to_its_end_and_leaves_nothing_mounted() {
 /// write is in the volume, and no engine, container or mount is left.
 #[test]
 fn the_docker_demo_runs_to_its_end_and_leaves_nothing_behind() {
+    let _one = ONE_DEMO.lock().unwrap_or_else(|e| e.into_inner());
     let root = env!("CARGO_MANIFEST_DIR");
     let out = Command::new("timeout")
         .args(["600", "scripts/demo", "docker"])
