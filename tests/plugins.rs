@@ -274,9 +274,9 @@ fn a_helper_holding_stdout_fails_the_kit() {
     let bind = std::fs::read_to_string(repo().join("plugins/bind")).unwrap();
     let pids = sb.join("helper.pids");
     let leaky = bind.replace(
-        "publish)\n  dir_in",
+        "publish)\n  own_dir",
         &format!(
-            "publish)\n  setsid sleep 120 &\n  echo $! >> {}\n  dir_in",
+            "publish)\n  setsid sleep 120 &\n  echo $! >> {}\n  own_dir",
             pids.display()
         ),
     );

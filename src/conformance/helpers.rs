@@ -99,7 +99,9 @@ pub(super) async fn helper_rule(kit: &mut Kit) {
     let env = kit.publish_env_of(&rec, &target, false);
     let c = kit.call_with(&runner, Operation::Publish, &env).await;
     if let Err(e) = &c.result {
-        return kit.report.push(RULE, false, format!("publish failed: {e}"));
+        return kit
+            .report
+            .push(RULE, false, format!("publish failed: {}", e.report()));
     }
     let cgroup = hc.path_of(&rec.spec.namespace, &rec.spec.name, &rec.id);
     let helper_pids = helpers::pids(&cgroup);
@@ -128,7 +130,7 @@ pub(super) async fn helper_rule(kit: &mut Kit) {
     let uenv = kit.unpublish_env_of(&rec, &target, &ctx);
     let u = kit.call_with(&runner, Operation::Unpublish, &uenv).await;
     let verdict = verdict.and_then(|()| match &u.result {
-        Err(e) => Err(format!("unpublish afterwards failed: {e}")),
+        Err(e) => Err(format!("unpublish afterwards failed: {}", e.report())),
         Ok(_) if cgroup.exists() => Err(format!(
             "the helper cgroup {} is still there after unpublish",
             cgroup.display()
