@@ -14,9 +14,9 @@
 //!   again and restarts the (gated) docker allocation, whose new container writes through the
 //!   new mount.
 
-mod support;
 #[path = "../sim/tests/common/docker_engine.rs"]
 mod docker_engine;
+mod support;
 
 use docker_engine::{DockerEngine, IMAGE};
 use serde_json::Value;
@@ -135,7 +135,10 @@ fn read(p: &Path) -> String {
 
 /// The node's disk under a placeholder: the guard's writable backing directory.
 fn backing_is_empty(c: &Cluster, volume: &str) -> bool {
-    let d = c.nodes[0].state_dir.join("placeholders/default").join(volume);
+    let d = c.nodes[0]
+        .state_dir
+        .join("placeholders/default")
+        .join(volume);
     std::fs::read_dir(&d).map(|d| d.count()).unwrap_or(0) == 0
 }
 
@@ -212,9 +215,13 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
     )
     .await;
 
-    let a = alloc_when(&c, &early, 60, "the early container's first write attempt", |a| {
-        task(a, "app")["State"] == "running"
-    })
+    let a = alloc_when(
+        &c,
+        &early,
+        60,
+        "the early container's first write attempt",
+        |a| task(a, "app")["State"] == "running",
+    )
     .await;
     let early_logs = logs(&c, &a);
     c.wait_for(30, "the early container's first write attempt", || async {
@@ -228,7 +235,10 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
         "{}",
         read(&early_logs.join("app.stderr.0"))
     );
-    assert!(backing_is_empty(&c, "early"), "the write landed on the node's disk");
+    assert!(
+        backing_is_empty(&c, "early"),
+        "the write landed on the node's disk"
+    );
     let a = alloc_when(
         &c,
         &early,
@@ -239,14 +249,24 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
     .await;
     let early_id = a["ID"].as_str().unwrap().to_string();
     let target = c.target(0, "early");
-    c.wait_for(30, "the restarted container's write in the volume", || async {
-        read(&target.join("greetings.txt"))
-            .contains(early_id.as_str())
-            .then_some(())
-    })
+    c.wait_for(
+        30,
+        "the restarted container's write in the volume",
+        || async {
+            read(&target.join("greetings.txt"))
+                .contains(early_id.as_str())
+                .then_some(())
+        },
+    )
     .await;
-    assert_eq!(read(&early_logs.join("app.stdout.0")), "WRITE-FAILED\nWROTE\n");
-    assert!(backing_is_empty(&c, "early"), "a write landed on the node's disk");
+    assert_eq!(
+        read(&early_logs.join("app.stdout.0")),
+        "WRITE-FAILED\nWROTE\n"
+    );
+    assert!(
+        backing_is_empty(&c, "early"),
+        "a write landed on the node's disk"
+    );
     let log = read(&c.nodes[0].log);
     assert!(
         log.contains("allocation restarted onto the published volume"),
@@ -260,11 +280,15 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
     let live_logs = logs(&c, &a);
     let live_id = a["ID"].as_str().unwrap().to_string();
     let target = c.target(0, "live");
-    c.wait_for(30, "the host-to-task container's write in the volume", || async {
-        read(&target.join("greetings.txt"))
-            .contains(live_id.as_str())
-            .then_some(())
-    })
+    c.wait_for(
+        30,
+        "the host-to-task container's write in the volume",
+        || async {
+            read(&target.join("greetings.txt"))
+                .contains(live_id.as_str())
+                .then_some(())
+        },
+    )
     .await;
     assert_eq!(
         read(&live_logs.join("app.stdout.0")),
@@ -273,7 +297,10 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
     );
     let a = c.get(&format!("/v1/allocation/{live_id}")).await;
     assert_eq!(task(&a, "app")["Restarts"], 0, "host-to-task was restarted");
-    assert!(backing_is_empty(&c, "live"), "a write landed on the node's disk");
+    assert!(
+        backing_is_empty(&c, "live"),
+        "a write landed on the node's disk"
+    );
     for job in [&early, &live] {
         c.stop_job(job, false).await;
     }

@@ -258,11 +258,7 @@ mod tests {
             .lines()
             .find(|l| l.split(' ').nth(4) == guard.root().to_str())
             .unwrap();
-        let optional: Vec<&str> = line
-            .split(' ')
-            .skip(6)
-            .take_while(|f| *f != "-")
-            .collect();
+        let optional: Vec<&str> = line.split(' ').skip(6).take_while(|f| *f != "-").collect();
         assert!(
             optional.iter().any(|f| f.starts_with("shared:")),
             "the guard is not a shared mount: {line}"
