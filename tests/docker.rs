@@ -359,4 +359,7 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
         (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(())
     })
     .await;
+    for id in [&early_id, &live_id, &fuse_id] {
+        assert_eq!(engine.containers_of(id), "", "containers left behind");
+    }
 }

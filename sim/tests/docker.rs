@@ -25,7 +25,7 @@ fn events(a: &Value, t: &str) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_task_runs_in_a_real_container_with_nomads_mounts_env_and_stop() {
-    let engine = DockerEngine::start();
+    let engine = DockerEngine::shared();
     let tmp = tempfile::tempdir().unwrap();
     let (hv, ro) = (tmp.path().join("hv"), tmp.path().join("ro"));
     std::fs::create_dir_all(&hv).unwrap();
@@ -162,12 +162,12 @@ async fn docker_task_runs_in_a_real_container_with_nomads_mounts_env_and_stop() 
     );
     let term = ev.iter().find(|e| e["Type"] == "Terminated").unwrap();
     assert_eq!(term["ExitCode"], 137, "SIGKILLed by the engine: {term}");
-    assert_eq!(engine.docker(&["ps", "-aq"]), "", "containers left behind");
+    assert_eq!(engine.containers_of(&id), "", "containers left behind");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_exit_codes_follow_the_restart_policy() {
-    let engine = DockerEngine::start();
+    let engine = DockerEngine::shared();
     let sim = Sim::start_env(
         "client \"node-1\" {}\n",
         &[("DOCKER_HOST", engine.host.as_str())],
@@ -209,7 +209,11 @@ async fn docker_exit_codes_follow_the_restart_policy() {
     assert_eq!(codes, [3, 3], "{ev:?}");
     assert_eq!(a["TaskStates"]["t"]["Restarts"], 1);
     assert_eq!(ev.last().unwrap()["Type"], "Not Restarting");
-    assert_eq!(engine.docker(&["ps", "-aq"]), "", "containers left behind");
+    assert_eq!(
+        engine.containers_of(a["ID"].as_str().unwrap()),
+        "",
+        "containers left behind"
+    );
 }
 
 /// A node whose engine does not answer has no `docker` driver (the fingerprint leaves it
@@ -282,7 +286,7 @@ impl Drop for Unmount {
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_host_to_task_sees_a_later_mount_and_private_does_not() {
     use nix::mount::{mount, MsFlags};
-    let engine = DockerEngine::start();
+    let engine = DockerEngine::shared();
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("vols");
     std::fs::create_dir_all(&root).unwrap();
