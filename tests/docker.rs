@@ -6,7 +6,7 @@
 //! - **fail closed, then a restart**: a container started before its volume is published
 //!   (no prestart gate, default `private` propagation) finds an empty read-only directory,
 //!   writes nothing to the node's disk, and gets the volume by the restart the agent asks for
-//!   once the volume is published;
+//!   once the volume is published (that task only: its allocation's other task runs on);
 //! - **host-to-task**: a container started before the publish with
 //!   `propagation_mode = "host-to-task"` sees the volume without a restart (the agent's
 //!   placeholder tree is a shared mount, so Docker accepts `rslave`);
@@ -31,8 +31,32 @@ fn task<'a>(a: &'a Value, t: &str) -> &'a Value {
 
 /// A job of one docker task `app` mounting the deferred volume `volume` at /data with
 /// `propagation`, running `script`; with `gated`, the prestart task of
-/// jobspecs/example-docker.nomad.hcl (curl on the agent's socket, token on stdin) before it.
-fn jobspec(name: &str, volume: &str, propagation: &str, gated: bool, script: &str) -> String {
+/// jobspecs/example-docker.nomad.hcl (curl on the agent's socket, token on stdin) before it;
+/// with `other`, a second task `other` that does not mount the volume.
+fn jobspec(
+    name: &str,
+    volume: &str,
+    propagation: &str,
+    gated: bool,
+    other: bool,
+    script: &str,
+) -> String {
+    let other = if other {
+        format!(
+            r#"
+    task "other" {{
+      driver = "docker"
+      kill_timeout = "1s"
+      config {{
+        image   = "{IMAGE}"
+        command = "/bin/sleep"
+        args    = ["3600"]
+      }}
+    }}"#
+        )
+    } else {
+        String::new()
+    };
     let gate = if gated {
         format!(
             r#"
@@ -79,7 +103,7 @@ fn jobspec(name: &str, volume: &str, propagation: &str, gated: bool, script: &st
       source          = "{volume}"
       access_mode     = "single-node-writer"
       attachment_mode = "file-system"
-    }}{gate}
+    }}{gate}{other}
     task "app" {{
       driver       = "docker"
       kill_timeout = "1s"
@@ -197,6 +221,7 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
             "early",
             "private",
             false,
+            true,
             "if echo hello from $NOMAD_ALLOC_ID > /data/greetings.txt; then echo WROTE; else echo WRITE-FAILED; fi; exec sleep 3600",
         ),
     )
@@ -209,6 +234,7 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
             "live",
             "live",
             "host-to-task",
+            false,
             false,
             "until echo hello from $NOMAD_ALLOC_ID > /data/greetings.txt 2>/dev/null; do [ -e /alloc/waited ] || { echo WAITING; touch /alloc/waited; }; sleep 0.1; done; echo WROTE; exec sleep 3600",
         ),
@@ -248,6 +274,11 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
     )
     .await;
     let early_id = a["ID"].as_str().unwrap().to_string();
+    assert_eq!(
+        task(&a, "other")["Restarts"],
+        0,
+        "the task without the volume was restarted"
+    );
     let target = c.target(0, "early");
     c.wait_for(
         30,
@@ -314,6 +345,7 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
             "fuse",
             "private",
             true,
+            false,
             "echo hello from $NOMAD_ALLOC_ID >> /data/greetings.txt && exec sleep 3600",
         ),
     )

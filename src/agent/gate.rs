@@ -11,7 +11,7 @@
 //! to the node's disk (the placeholder is read-only, `node::guard`), and a bind made before
 //! the publish does not show the volume unless the mount propagates into the task
 //! (`propagation_mode` `host-to-task` or `bidirectional`); for the others the agent restarts
-//! the allocation's running tasks once the volume is published ([`restart_on_publish`]).
+//! such a task (if it runs) once the volume is published ([`restart_on_publish`]).
 
 use crate::agent::view::Request;
 use crate::nomad::types::{Allocation, TaskGroup};
@@ -63,22 +63,22 @@ pub fn propagates(mode: &str) -> bool {
     matches!(mode, "host-to-task" | "bidirectional")
 }
 
-/// The allocations to restart once `volume` is published: those with a task that mounts it
-/// ungated and does not see later mounts (it may have been started on the empty
-/// placeholder). Restarting an allocation restarts its running tasks only: a task that has
-/// not started yet starts on the published volume anyway (Nomad ignores a task that is not
-/// running, `client/allocrunner/alloc_runner.go` `restartTasks`).
+/// The tasks to restart once `volume` is published, as (allocation ID, task name): those
+/// that mount it ungated and do not see later mounts (they may have been started on the
+/// empty placeholder). Only a running task is restarted: one that has not started yet starts
+/// on the published volume anyway (Nomad leaves a task that is not running alone,
+/// `client/allocrunner/alloc_runner.go` `restartTasks`, `ErrTaskNotRunning`).
 pub fn restart_on_publish(
     ungated: &std::collections::BTreeMap<String, Vec<Ungated>>,
     volume: &VolumeKey,
-) -> Vec<String> {
+) -> Vec<(String, String)> {
     ungated
         .iter()
-        .filter(|(_, us)| {
+        .flat_map(|(id, us)| {
             us.iter()
-                .any(|u| &u.volume == volume && !u.sees_later_mounts)
+                .filter(|u| &u.volume == volume && !u.sees_later_mounts)
+                .map(move |u| (id.clone(), u.task.clone()))
         })
-        .map(|(id, _)| id.clone())
         .collect()
 }
 
@@ -95,7 +95,7 @@ impl std::fmt::Display for Ungated {
             if self.sees_later_mounts {
                 "then the volume reaches it without a restart (propagation_mode host-to-task or bidirectional)"
             } else {
-                "and once it is published the agent restarts the allocation's running tasks onto it"
+                "and once it is published the agent restarts the task onto it"
             }
         )
     }
@@ -344,7 +344,10 @@ mod tests {
             name: n.into(),
         };
         assert!(restart_on_publish(&by_alloc, &key("shared")).is_empty());
-        assert_eq!(restart_on_publish(&by_alloc, &key("shard[2]")), vec!["a1"]);
+        assert_eq!(
+            restart_on_publish(&by_alloc, &key("shard[2]")),
+            vec![("a1".to_string(), "mixed".to_string())]
+        );
         assert!(restart_on_publish(&by_alloc, &key("other")).is_empty());
     }
 

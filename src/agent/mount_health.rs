@@ -259,6 +259,7 @@ impl MountHealth {
             .map(|alloc_id| Effect::RestartAlloc {
                 volume: volume.clone(),
                 alloc_id,
+                task: None,
             })
             .collect()
     }

@@ -104,7 +104,7 @@ pub struct UngatedDoc {
     /// `no_gate` or `starts_with_gate`.
     pub reason: String,
     /// True when the task sees the volume once it is published (its mounts of it propagate);
-    /// false: the agent restarts the allocation's running tasks onto it then.
+    /// false: the agent restarts the task onto it then.
     #[serde(default)]
     pub sees_later_mounts: bool,
 }
@@ -337,7 +337,7 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
             let then = if t.sees_later_mounts {
                 "it sees the volume once published (its mount propagates)"
             } else {
-                "its allocation is restarted onto the volume once published"
+                "it is restarted onto the volume once published"
             };
             rows.push((
                 "Ungated Task",
@@ -489,7 +489,7 @@ Last Error     = default/scratch: publish failed: exit 1
 Refused Record = default/dhv-binder/volumes/evil: the record is not signed
 Foreign Mount  = default/other: tmpfs from \"none\" is mounted at the target, not the volume
 In Use         = default/shared-data: pid 41 (sleep) of allocation 0b9a3c2e has /t/f open; pid 42 (sh) works in it
-Ungated Task   = allocation 7d1c9e00 job \"web\" group \"g\" task \"main\" mounts default/shared-data before it is published: its group has no prestart gate; its allocation is restarted onto the volume once published
+Ungated Task   = allocation 7d1c9e00 job \"web\" group \"g\" task \"main\" mounts default/shared-data before it is published: its group has no prestart gate; it is restarted onto the volume once published
 
 Volumes
 Volume               Plugin  State  Here  Mount              Users  Claim  Error

@@ -113,13 +113,14 @@ impl Core {
                         // by a restart (a republish after a dead mount restarts its users
                         // itself, once the mount answers).
                         if !self.mount_health.republishing(&volume) {
-                            for alloc_id in
+                            for (alloc_id, task) in
                                 crate::agent::gate::restart_on_publish(&self.ungated, &volume)
                             {
-                                tracing::info!(%volume, %alloc_id, "restarting an ungated allocation's running tasks onto the published volume");
+                                tracing::info!(%volume, %alloc_id, %task, "restarting an ungated task onto the published volume");
                                 out.push(Effect::RestartAlloc {
                                     volume: volume.clone(),
                                     alloc_id,
+                                    task: Some(task),
                                 });
                             }
                         }
