@@ -241,13 +241,9 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
     )
     .await;
 
-    let a = alloc_when(
-        &c,
-        &early,
-        60,
-        "the early container's first write attempt",
-        |a| task(a, "app")["State"] == "running",
-    )
+    let a = alloc_when(&c, &early, 60, "the early container running", |a| {
+        task(a, "app")["State"] == "running"
+    })
     .await;
     let early_logs = logs(&c, &a);
     c.wait_for(30, "the early container's first write attempt", || async {
