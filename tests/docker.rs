@@ -252,11 +252,12 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
             .then_some(())
     })
     .await;
-    assert!(
-        read(&early_logs.join("app.stderr.0")).contains("Read-only file system"),
-        "{}",
+    c.wait_for(10, "EROFS in the early container's stderr", || async {
         read(&early_logs.join("app.stderr.0"))
-    );
+            .contains("Read-only file system")
+            .then_some(())
+    })
+    .await;
     assert!(
         backing_is_empty(&c, "early"),
         "the write landed on the node's disk"
@@ -286,19 +287,24 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
         },
     )
     .await;
-    assert_eq!(
-        read(&early_logs.join("app.stdout.0")),
-        "WRITE-FAILED\nWROTE\n"
-    );
+    // The container's output reaches the task's log a moment after its write.
+    let out = c
+        .wait_for(10, "the restarted container's output", || async {
+            let out = read(&early_logs.join("app.stdout.0"));
+            out.contains("WROTE").then_some(out)
+        })
+        .await;
+    assert_eq!(out, "WRITE-FAILED\nWROTE\n");
     assert!(
         backing_is_empty(&c, "early"),
         "a write landed on the node's disk"
     );
-    let log = read(&c.nodes[0].log);
-    assert!(
-        log.contains("allocation restarted onto the published volume"),
-        "no restart in the agent's log"
-    );
+    c.wait_for(10, "the restart in the agent's log", || async {
+        read(&c.nodes[0].log)
+            .contains("allocation restarted onto the published volume")
+            .then_some(())
+    })
+    .await;
 
     let a = alloc_when(&c, &live, 30, "the host-to-task container's write", |a| {
         task(a, "app")["State"] == "running"
@@ -317,9 +323,14 @@ async fn docker_tasks_fail_closed_follow_host_to_task_and_restart_onto_a_republi
         },
     )
     .await;
+    let out = c
+        .wait_for(10, "the host-to-task container's output", || async {
+            let out = read(&live_logs.join("app.stdout.0"));
+            out.contains("WROTE").then_some(out)
+        })
+        .await;
     assert_eq!(
-        read(&live_logs.join("app.stdout.0")),
-        "WAITING\nWROTE\n",
+        out, "WAITING\nWROTE\n",
         "the container did not start before the publish"
     );
     let a = c.get(&format!("/v1/allocation/{live_id}")).await;
