@@ -545,7 +545,8 @@ async fn a_restart_still_waits_for_a_task_to_stop() {
 /// the deferred volume without the prestart task. Its main task starts before the volume
 /// is published and finds an empty read-only directory: the write fails with EROFS instead
 /// of landing on the node's disk. The agent names the job, group and task in its log and
-/// status.
+/// status, and restarts the allocation once the volume is published: the task's second run
+/// writes to the volume.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
     let c = support::cluster::Cluster::start(1).await;
@@ -688,5 +689,22 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
     assert!(
         warn.contains("group \\\"app\\\"") || warn.contains("group=app"),
         "{warn}"
+    );
+    // Once the volume is published the agent restarts the task, which binds it this time.
+    let target = c.target(0, "shared-data");
+    c.wait_for(30, "the restarted task's write in the volume", || async {
+        std::fs::read_to_string(logs.join("app.stdout.0"))
+            .ok()
+            .filter(|t| t.contains("WROTE"))
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(target.join("greetings.txt")).unwrap(),
+        "hello\n"
+    );
+    assert_eq!(
+        std::fs::read_dir(&disk).map(|d| d.count()).unwrap_or(0),
+        0,
+        "a write landed on the node's disk"
     );
 }

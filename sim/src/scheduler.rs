@@ -1,7 +1,7 @@
 //! The scheduler: reconciles every job against its allocations and places missing ones.
 //!
 //! Models `scheduler/generic_sched.go`, `scheduler/scheduler_system.go` and the feasibility
-//! checks of `scheduler/feasible/feasible.go` (`HostVolumeChecker`), writing one plan
+//! checks of `scheduler/feasible/feasible.go` (`DriverChecker`, `HostVolumeChecker`), writing one plan
 //! (`PlanResult` events) per pass. Placements that find no feasible node are retried on the next
 //! pass (node or host volume change), like Nomad's blocked evaluations.
 
@@ -50,6 +50,9 @@ pub fn infeasible_reason(
             ));
         }
     }
+    if let Some(d) = g.Tasks.iter().find(|t| !has_driver(node, &t.Driver)) {
+        return Some(format!("missing drivers: {}", d.Driver));
+    }
     for req in g.Volumes.iter().flat_map(|v| v.values()) {
         if req.Type != "host" {
             continue;
@@ -88,6 +91,23 @@ pub fn infeasible_reason(
         }
     }
     None
+}
+
+/// Whether `node` offers the task driver `driver` (`scheduler/feasible/feasible.go`
+/// `DriverChecker.hasDrivers`): its `Drivers` entry must be detected and healthy; a node
+/// without an entry falls back to the attribute `driver.<name>`, read as a Go boolean. A node
+/// whose engine did not answer its fingerprint has no `docker` entry and no attribute, so no
+/// docker task is placed there (filtered as "missing drivers").
+fn has_driver(node: &Node, driver: &str) -> bool {
+    if let Some(info) = node.Drivers.get(driver) {
+        return info["Detected"] == true && info["Healthy"] == true;
+    }
+    matches!(
+        node.Attributes
+            .get(&format!("driver.{driver}"))
+            .map(String::as_str),
+        Some("1" | "t" | "T" | "TRUE" | "true" | "True")
+    )
 }
 
 fn glob_match(pattern: &str, s: &str) -> bool {

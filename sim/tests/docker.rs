@@ -1,7 +1,8 @@
 //! The docker driver against a real, private Docker engine (scripts/dockerd-private): the
 //! container's mounts (alloc, local, secrets, host volumes read-write and read-only), its
 //! environment (the task's only), the workload identity, logs, `kill_timeout` on stop, exit
-//! codes under the restart policy, containers removed; and a clear failure with no engine.
+//! codes under the restart policy, containers removed; no placement on a node without an
+//! engine, and a clear failure when the engine is gone at start.
 
 mod common;
 #[path = "common/docker_engine.rs"]
@@ -24,7 +25,7 @@ fn events(a: &Value, t: &str) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_task_runs_in_a_real_container_with_nomads_mounts_env_and_stop() {
-    let engine = DockerEngine::start();
+    let engine = DockerEngine::shared();
     let tmp = tempfile::tempdir().unwrap();
     let (hv, ro) = (tmp.path().join("hv"), tmp.path().join("ro"));
     std::fs::create_dir_all(&hv).unwrap();
@@ -161,12 +162,12 @@ async fn docker_task_runs_in_a_real_container_with_nomads_mounts_env_and_stop() 
     );
     let term = ev.iter().find(|e| e["Type"] == "Terminated").unwrap();
     assert_eq!(term["ExitCode"], 137, "SIGKILLed by the engine: {term}");
-    assert_eq!(engine.docker(&["ps", "-aq"]), "", "containers left behind");
+    assert_eq!(engine.containers_of(&id), "", "containers left behind");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_exit_codes_follow_the_restart_policy() {
-    let engine = DockerEngine::start();
+    let engine = DockerEngine::shared();
     let sim = Sim::start_env(
         "client \"node-1\" {}\n",
         &[("DOCKER_HOST", engine.host.as_str())],
@@ -208,47 +209,64 @@ async fn docker_exit_codes_follow_the_restart_policy() {
     assert_eq!(codes, [3, 3], "{ev:?}");
     assert_eq!(a["TaskStates"]["t"]["Restarts"], 1);
     assert_eq!(ev.last().unwrap()["Type"], "Not Restarting");
-    assert_eq!(engine.docker(&["ps", "-aq"]), "", "containers left behind");
+    assert_eq!(
+        engine.containers_of(a["ID"].as_str().unwrap()),
+        "",
+        "containers left behind"
+    );
 }
 
+/// A node whose engine does not answer has no `docker` driver (the fingerprint leaves it
+/// out), and the scheduler places no docker task there (`DriverChecker`, "missing drivers"):
+/// the job stays pending with no allocation, while an exec job on the same node is placed.
 #[tokio::test(flavor = "multi_thread")]
-async fn docker_without_an_engine_fails_saying_so() {
+async fn docker_tasks_are_not_placed_on_a_node_without_an_engine() {
     let tmp = tempfile::tempdir().unwrap();
     let host = format!("unix://{}/no-engine.sock", tmp.path().display());
     let sim = Sim::start_env("client \"node-1\" {}\n", &[("DOCKER_HOST", host.as_str())]).await;
     let node = sim.get(&format!("/v1/node/{}", sim.nodes[0].1)).await;
     assert!(node["Drivers"]["docker"].is_null(), "undetected: {node}");
-    let job = sim
-        .run_job(&format!(
-            r#"job "ne" {{
-  group "g" {{
-    restart {{
-      attempts = 0
-      mode = "fail"
-    }}
-    task "t" {{
-      driver = "docker"
-      config {{
-        image = "{IMAGE}"
-        command = "/bin/true"
-      }}
-    }}
-  }}
-}}"#
+    assert!(node["Drivers"]["exec"]["Healthy"] == true, "{node}");
+    let spec = |name: &str, driver: &str, config: &str| {
+        format!(
+            "job \"{name}\" {{\n  group \"g\" {{\n    task \"t\" {{\n      driver = \"{driver}\"\n      config {{\n{config}\n      }}\n    }}\n  }}\n}}\n"
+        )
+    };
+    // Job registration runs the scheduler before it answers: the placement is decided.
+    let docker = sim
+        .run_job(&spec(
+            "dk",
+            "docker",
+            &format!("        image = \"{IMAGE}\"\n        command = \"/bin/true\""),
         ))
         .await;
-    let a = sim
-        .wait_for(30, "task failed", || async {
-            let a = sim.job_allocs(&job).await.first()?.clone();
-            (a["TaskStates"]["t"]["Failed"] == true).then_some(a)
-        })
+    let exec = sim
+        .run_job(&spec(
+            "ex",
+            "exec",
+            "        command = \"/bin/sleep\"\n        args = [\"600\"]",
+        ))
         .await;
-    let ev = events(&a, "t");
-    let failure = ev
-        .iter()
-        .find(|e| e["Type"] == "Driver Failure")
-        .unwrap_or_else(|| panic!("{ev:?}"));
-    let msg = failure["DriverError"].as_str().unwrap();
+    assert_eq!(
+        sim.job_allocs(&exec).await.len(),
+        1,
+        "the exec job is placed"
+    );
+    assert!(
+        sim.job_allocs(&docker).await.is_empty(),
+        "a docker task was placed on a node without the docker driver"
+    );
+    let job = sim.get(&format!("/v1/job/{docker}")).await;
+    assert_eq!(job["Status"], "pending", "{job}");
+}
+
+/// With no engine at start, the driver fails the task with a Driver Failure that says what to
+/// do (reached when the engine went away after the node was fingerprinted).
+#[test]
+fn docker_start_without_an_engine_says_to_start_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let host = format!("unix://{}/no-engine.sock", tmp.path().display());
+    let msg = nomad_sim::docker_driver::check_engine(&host, IMAGE).unwrap_err();
     assert!(
         msg.contains(&host) && msg.contains("needs a running Docker engine"),
         "{msg}"
@@ -268,7 +286,7 @@ impl Drop for Unmount {
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_host_to_task_sees_a_later_mount_and_private_does_not() {
     use nix::mount::{mount, MsFlags};
-    let engine = DockerEngine::start();
+    let engine = DockerEngine::shared();
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("vols");
     std::fs::create_dir_all(&root).unwrap();

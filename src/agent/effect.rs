@@ -60,8 +60,13 @@ pub(crate) enum Effect {
     ReleaseClaim { volume: VolumeKey, lock_id: String },
     /// Nomad: read one allocation (a publish call came before its event).
     FetchAlloc { alloc_id: String },
-    /// Nomad: restart an allocation's running tasks (onto a republished mount).
-    RestartAlloc { volume: VolumeKey, alloc_id: String },
+    /// Nomad: restart an allocation's running tasks (onto a republished mount), or only
+    /// `task` (an ungated task, onto its volume's first publish).
+    RestartAlloc {
+        volume: VolumeKey,
+        alloc_id: String,
+        task: Option<String>,
+    },
     /// Kernel: `stat` a published target, bounded by the probe timeout.
     Probe { volume: VolumeKey, target: PathBuf },
     /// Kernel: make the volume at `target` unwritable on this node now, without the network

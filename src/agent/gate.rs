@@ -7,7 +7,11 @@
 //! mounts a deferred volume is gated when it is a main, poststart or poststop task and its
 //! group has a gate: a non-sidecar prestart task that mounts the agent's socket volume (it
 //! runs `dhv-binder prestart` or calls the socket itself). Any other such task may start on
-//! the empty placeholder: the agent says so in its log and status.
+//! the empty placeholder: the agent says so in its log and status. Such a task cannot write
+//! to the node's disk (the placeholder is read-only, `node::guard`), and a bind made before
+//! the publish does not show the volume unless the mount propagates into the task
+//! (`propagation_mode` `host-to-task` or `bidirectional`); for the others the agent restarts
+//! such a task (if it runs) once the volume is published ([`restart_on_publish`]).
 
 use crate::agent::view::Request;
 use crate::nomad::types::{Allocation, TaskGroup};
@@ -45,14 +49,54 @@ pub struct Ungated {
     pub task: String,
     pub volume: VolumeKey,
     pub reason: Reason,
+    /// True when every `volume_mount` of the volume in the task propagates later mounts into
+    /// it (`host-to-task`, `bidirectional`): the task sees the volume once it is published,
+    /// without a restart.
+    pub sees_later_mounts: bool,
+}
+
+/// Whether a `volume_mount`'s `propagation_mode` carries a mount made on the host after the
+/// task started into the task: Nomad's `host-to-task` and `bidirectional` (rslave, rshared);
+/// `private`, the default, does not (`drivers/docker/driver.go`, and the exec driver's
+/// libcontainer mounts).
+pub fn propagates(mode: &str) -> bool {
+    matches!(mode, "host-to-task" | "bidirectional")
+}
+
+/// The tasks to restart once `volume` is published, as (allocation ID, task name): those
+/// that mount it ungated and do not see later mounts (they may have been started on the
+/// empty placeholder). Only a running task is restarted: one that has not started yet starts
+/// on the published volume anyway (Nomad leaves a task that is not running alone,
+/// `client/allocrunner/alloc_runner.go` `restartTasks`, `ErrTaskNotRunning`).
+pub fn restart_on_publish(
+    ungated: &std::collections::BTreeMap<String, Vec<Ungated>>,
+    volume: &VolumeKey,
+) -> Vec<(String, String)> {
+    ungated
+        .iter()
+        .flat_map(|(id, us)| {
+            us.iter()
+                .filter(|u| &u.volume == volume && !u.sees_later_mounts)
+                .map(move |u| (id.clone(), u.task.clone()))
+        })
+        .collect()
 }
 
 impl std::fmt::Display for Ungated {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "job {:?} group {:?} task {:?} mounts deferred volume {} but {}; until it is published the task sees an empty read-only directory",
-            self.job, self.group, self.task, self.volume, self.reason
+            "job {:?} group {:?} task {:?} mounts deferred volume {} but {}; until it is published the task sees an empty read-only directory, {}",
+            self.job,
+            self.group,
+            self.task,
+            self.volume,
+            self.reason,
+            if self.sees_later_mounts {
+                "then the volume reaches it without a restart (propagation_mode host-to-task or bidirectional)"
+            } else {
+                "and once it is published the agent restarts the task onto it"
+            }
         )
     }
 }
@@ -80,10 +124,12 @@ pub fn ungated(alloc: &Allocation, requests: &[Request], socket_volume: &str) ->
             let Some(volume) = deferred_key(alloc, group, &m.volume, requests) else {
                 continue;
             };
-            if out
-                .iter()
-                .any(|u: &Ungated| u.task == task.name && u.volume == volume)
+            let sees = propagates(&m.propagation_mode);
+            if let Some(u) = out
+                .iter_mut()
+                .find(|u: &&mut Ungated| u.task == task.name && u.volume == volume)
             {
+                u.sees_later_mounts &= sees;
                 continue;
             }
             out.push(Ungated {
@@ -92,6 +138,7 @@ pub fn ungated(alloc: &Allocation, requests: &[Request], socket_volume: &str) ->
                 task: task.name.clone(),
                 volume,
                 reason,
+                sees_later_mounts: sees,
             });
         }
     }
@@ -273,6 +320,35 @@ mod tests {
             names(&ungated(&a, &requests(), SOCKET_VOLUME)),
             vec![("seed".into(), "shared".into(), Reason::StartsWithGate)]
         );
+    }
+
+    #[test]
+    fn only_tasks_that_do_not_see_later_mounts_are_restarted_on_publish() {
+        let mut follows = task("follows", None, &["data"]);
+        follows.volume_mounts[0].propagation_mode = "host-to-task".into();
+        let mut mixed = task("mixed", None, &["shard", "shard"]);
+        mixed.volume_mounts[0].propagation_mode = "bidirectional".into();
+        let a = alloc(vec![follows, mixed]);
+        let u = ungated(&a, &requests(), SOCKET_VOLUME);
+        assert_eq!(
+            u.iter()
+                .map(|u| (u.task.as_str(), u.sees_later_mounts))
+                .collect::<Vec<_>>(),
+            vec![("follows", true), ("mixed", false)]
+        );
+        assert!(u[0].to_string().contains("without a restart"), "{}", u[0]);
+        assert!(u[1].to_string().contains("restarts"), "{}", u[1]);
+        let by_alloc = std::collections::BTreeMap::from([("a1".to_string(), u)]);
+        let key = |n: &str| VolumeKey {
+            namespace: "default".into(),
+            name: n.into(),
+        };
+        assert!(restart_on_publish(&by_alloc, &key("shared")).is_empty());
+        assert_eq!(
+            restart_on_publish(&by_alloc, &key("shard[2]")),
+            vec![("a1".to_string(), "mixed".to_string())]
+        );
+        assert!(restart_on_publish(&by_alloc, &key("other")).is_empty());
     }
 
     #[test]

@@ -259,8 +259,17 @@ impl MountHealth {
             .map(|alloc_id| Effect::RestartAlloc {
                 volume: volume.clone(),
                 alloc_id,
+                task: None,
             })
             .collect()
+    }
+
+    /// True while `volume`'s dead or fenced mount is being published again: its users are
+    /// restarted once it answers.
+    pub(crate) fn republishing(&self, volume: &VolumeKey) -> bool {
+        self.broken
+            .get(volume)
+            .is_some_and(|b| b.action == Phase::Republishing)
     }
 
     /// Records a restart's outcome (`error` when it failed). A failed restart is retried
@@ -274,6 +283,15 @@ impl MountHealth {
         self.restarting
             .remove(&(volume.clone(), alloc_id.to_string()));
         let Some(b) = self.broken.get_mut(volume) else {
+            // A restart after a first publish (an ungated allocation, `gate`).
+            match error {
+                None => {
+                    tracing::info!(%volume, %alloc_id, "allocation restarted onto the published volume")
+                }
+                Some(e) => {
+                    tracing::warn!(%volume, %alloc_id, error = %e, "cannot restart the ungated allocation onto the published volume: its tasks that started before the publish keep an empty read-only directory until they restart")
+                }
+            }
             return;
         };
         match error {

@@ -369,9 +369,11 @@ impl Shell {
                 self.call(executor::release_claim(client, volume, lock_id))
             }
             Effect::FetchAlloc { alloc_id } => self.call(executor::fetch_alloc(client, alloc_id)),
-            Effect::RestartAlloc { volume, alloc_id } => {
-                self.call(executor::restart_alloc(client, volume, alloc_id))
-            }
+            Effect::RestartAlloc {
+                volume,
+                alloc_id,
+                task,
+            } => self.call(executor::restart_alloc(client, volume, alloc_id, task)),
             Effect::Probe { volume, target } => {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
                 let prober = self.probes.clone();

@@ -103,6 +103,10 @@ pub struct UngatedDoc {
     pub volume: KeyDoc,
     /// `no_gate` or `starts_with_gate`.
     pub reason: String,
+    /// True when the task sees the volume once it is published (its mounts of it propagate);
+    /// false: the agent restarts the task onto it then.
+    #[serde(default)]
+    pub sees_later_mounts: bool,
 }
 
 /// The first 8 characters of an ID, as the Nomad CLI prints them.
@@ -330,10 +334,15 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
                 "starts_with_gate" => "it is a prestart task and starts with the gate",
                 _ => "its group has no prestart gate",
             };
+            let then = if t.sees_later_mounts {
+                "it sees the volume once published (its mount propagates)"
+            } else {
+                "it is restarted onto the volume once published"
+            };
             rows.push((
                 "Ungated Task",
                 format!(
-                    "allocation {} job {:?} group {:?} task {:?} mounts {} before it is published: {why}",
+                    "allocation {} job {:?} group {:?} task {:?} mounts {} before it is published: {why}; {then}",
                     short_id(alloc),
                     t.job,
                     t.group,
@@ -480,7 +489,7 @@ Last Error     = default/scratch: publish failed: exit 1
 Refused Record = default/dhv-binder/volumes/evil: the record is not signed
 Foreign Mount  = default/other: tmpfs from \"none\" is mounted at the target, not the volume
 In Use         = default/shared-data: pid 41 (sleep) of allocation 0b9a3c2e has /t/f open; pid 42 (sh) works in it
-Ungated Task   = allocation 7d1c9e00 job \"web\" group \"g\" task \"main\" mounts default/shared-data before it is published: its group has no prestart gate
+Ungated Task   = allocation 7d1c9e00 job \"web\" group \"g\" task \"main\" mounts default/shared-data before it is published: its group has no prestart gate; it is restarted onto the volume once published
 
 Volumes
 Volume               Plugin  State  Here  Mount              Users  Claim  Error

@@ -9,6 +9,12 @@
 //! unpublish removes only its own mounts: the guard stays. Plugins see an ordinary
 //! directory target, so the plugin protocol is unchanged. The agent creates and removes
 //! placeholders through the writable backing directory, which no task is given.
+//!
+//! The guard is a shared mount with a peer group of its own: a publish on a placeholder
+//! propagates into the tasks whose bind of it is a slave (Docker's `rslave`, Nomad's
+//! `propagation_mode = "host-to-task"`). Docker refuses such a bind unless the mount its
+//! source lives on is shared or slave ("... is mounted on ... but it is not a shared or slave
+//! mount"), which a host whose `/` is private would not give; the guard does, on every host.
 
 use crate::node::mounts::{MountTable, MountsError};
 use nix::mount::MsFlags;
@@ -246,6 +252,17 @@ mod tests {
         let table = MountTable::read_self().unwrap();
         assert_eq!(guard.check(&table).unwrap(), GuardState::Guarded);
         assert_eq!(table.count(guard.root()), 1, "establish is idempotent");
+        // Shared, so that Docker accepts a `host-to-task` (rslave) bind of a placeholder.
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = info
+            .lines()
+            .find(|l| l.split(' ').nth(4) == guard.root().to_str())
+            .unwrap();
+        let optional: Vec<&str> = line.split(' ').skip(6).take_while(|f| *f != "-").collect();
+        assert!(
+            optional.iter().any(|f| f.starts_with("shared:")),
+            "the guard is not a shared mount: {line}"
+        );
 
         let target = guard.root().join("default/v1");
         guard.ensure(&target).unwrap();

@@ -619,17 +619,19 @@ impl Client {
     }
 
     /// Nomad API: `PUT /v1/client/allocation/:id/restart` (`nomad alloc restart`): restarts
-    /// the allocation's running tasks (`all_tasks` = every task, prestart ones included).
-    /// Needs `alloc-lifecycle` in the allocation's namespace.
+    /// the task `task` if it runs, or with `task` empty the allocation's running tasks
+    /// (`all_tasks` = every task, prestart ones included). Needs `alloc-lifecycle` in the
+    /// allocation's namespace.
     pub async fn restart_allocation(
         &self,
         alloc_id: &str,
+        task: &str,
         all_tasks: bool,
     ) -> Result<(), NomadError> {
         let path = format!("/v1/client/allocation/{alloc_id}/restart");
         let rb = self
             .request(&self.http, Method::PUT, &path)
-            .json(&serde_json::json!({ "TaskName": "", "AllTasks": all_tasks }));
+            .json(&serde_json::json!({ "TaskName": task, "AllTasks": all_tasks }));
         self.send(
             rb,
             "restart an allocation (PUT /v1/client/allocation/:id/restart)",

@@ -367,6 +367,11 @@ pub struct VolumeMount {
     pub destination: String,
     #[serde(rename = "ReadOnly", deserialize_with = "null_default")]
     pub read_only: bool,
+    /// `private` (or empty: the default), `host-to-task` or `bidirectional`: whether a mount
+    /// made at the volume's path after the task started reaches it (the docker driver maps
+    /// these to `rprivate`, `rslave`, `rshared`, `drivers/docker/driver.go`).
+    #[serde(rename = "PropagationMode", deserialize_with = "null_default")]
+    pub propagation_mode: String,
 }
 
 /// `structs.TaskState`. Times are RFC3339Nano strings or `null` when zero.

@@ -118,6 +118,17 @@ impl Cluster {
 
     /// Like [`Cluster::start`], with extra simulator config and extra agent environment.
     pub async fn start_with(nodes: usize, sim_extra: &str, agent_env: &[(&str, &str)]) -> Cluster {
+        Self::start_full(nodes, sim_extra, agent_env, &[]).await
+    }
+
+    /// Like [`Cluster::start_with`], with extra environment for the simulator (e.g. the
+    /// `DOCKER_HOST` of a private engine for its docker driver).
+    pub async fn start_full(
+        nodes: usize,
+        sim_extra: &str,
+        agent_env: &[(&str, &str)],
+        sim_env: &[(&str, &str)],
+    ) -> Cluster {
         let sb = Sandbox::new();
         let plugin_dir = sb.join("plugins");
         std::fs::create_dir_all(&plugin_dir).unwrap();
@@ -183,6 +194,7 @@ impl Cluster {
         let sim = Command::new(nomad_sim_bin())
             .args(["agent", "-config"])
             .arg(&cfg_path)
+            .envs(sim_env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(sb.join("sim.log")).unwrap())
             .spawn()

@@ -1,11 +1,13 @@
 //! A private Docker engine for a test: `scripts/dockerd-private` under the test's own temp dir
 //! (its data root, exec root, socket; no network plumbing), with the example image
 //! `dhv-binder-example:local` built from busybox and curl. Stopped on drop: containers removed,
-//! dockerd and its containerd ended, nothing left mounted.
+//! dockerd and its containerd ended, nothing left mounted. [`DockerEngine::shared`] lets the
+//! tests of one binary that run at once use one engine.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex, Weak};
 
 /// The image every docker test runs (built locally, never pulled).
 pub const IMAGE: &str = "dhv-binder-example:local";
@@ -49,6 +51,31 @@ impl DockerEngine {
             String::from_utf8_lossy(&out.stderr)
         );
         engine
+    }
+
+    /// The engine shared by the tests of this binary that run at the same time: the first
+    /// caller starts it, and it stops when the last of them drops its handle (a test that
+    /// starts later gets a new one), so no engine outlives the tests that used it.
+    pub fn shared() -> Arc<DockerEngine> {
+        static SHARED: Mutex<Weak<DockerEngine>> = Mutex::new(Weak::new());
+        let mut slot = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = slot.upgrade() {
+            return e;
+        }
+        let e = Arc::new(DockerEngine::start());
+        *slot = Arc::downgrade(&e);
+        e
+    }
+
+    /// IDs of the containers (running or not) of allocation `alloc_id`, by Nomad's label:
+    /// empty when the driver removed them all.
+    pub fn containers_of(&self, alloc_id: &str) -> String {
+        self.docker(&[
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=com.hashicorp.nomad.alloc_id={alloc_id}"),
+        ])
     }
 
     /// Runs the docker CLI against this engine; returns stdout (panics on failure).

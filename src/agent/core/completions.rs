@@ -109,6 +109,21 @@ impl Core {
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
                         self.journal.set_mount(m, EventKind::PublishDone, None);
+                        // Tasks that may have started on the empty placeholder get the volume
+                        // by a restart (a republish after a dead mount restarts its users
+                        // itself, once the mount answers).
+                        if !self.mount_health.republishing(&volume) {
+                            for (alloc_id, task) in
+                                crate::agent::gate::restart_on_publish(&self.ungated, &volume)
+                            {
+                                tracing::info!(%volume, %alloc_id, %task, "restarting an ungated task onto the published volume");
+                                out.push(Effect::RestartAlloc {
+                                    volume: volume.clone(),
+                                    alloc_id,
+                                    task: Some(task),
+                                });
+                            }
+                        }
                         // What the publish established is now what "published" means.
                         if self.scoped {
                             self.check_touched();

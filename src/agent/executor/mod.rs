@@ -594,8 +594,15 @@ pub async fn fetch_alloc(client: Client, alloc_id: String) -> Completion {
 }
 
 /// Restarts an allocation's running tasks (onto a republished mount).
-pub async fn restart_alloc(client: Client, volume: VolumeKey, alloc_id: String) -> Completion {
-    let result = client.restart_allocation(&alloc_id, false).await;
+pub async fn restart_alloc(
+    client: Client,
+    volume: VolumeKey,
+    alloc_id: String,
+    task: Option<String>,
+) -> Completion {
+    let result = client
+        .restart_allocation(&alloc_id, task.as_deref().unwrap_or(""), false)
+        .await;
     Completion::Restarted {
         volume,
         alloc_id,
