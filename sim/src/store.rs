@@ -67,6 +67,12 @@ pub struct Server {
     pub stream_close: watch::Sender<u64>,
     /// `alloc restart` requests, read by the client running the alloc.
     pub restart_tx: tokio::sync::broadcast::Sender<crate::restart::RestartRequest>,
+    /// Nodes whose client agent is restarting (sim only, [`crate::nodes::restart_client`]):
+    /// their HTTP listener and Task API sockets are away until they leave the set.
+    pub restarting: watch::Sender<std::collections::BTreeSet<String>>,
+    /// A node's client agent came back from a restart: its alloc runners run the prestart
+    /// hooks of their restored tasks again (`volume_hook.go` `validateHostVolumes`).
+    pub restored_tx: tokio::sync::broadcast::Sender<String>,
 }
 
 impl Server {
@@ -85,6 +91,8 @@ impl Server {
             keyring,
             stream_close: watch::channel(0).0,
             restart_tx: tokio::sync::broadcast::channel(64).0,
+            restarting: watch::channel(Default::default()).0,
+            restored_tx: tokio::sync::broadcast::channel(64).0,
         })
     }
 

@@ -606,3 +606,133 @@ async fn registering_a_volume_again_is_refused_while_allocations_use_it() {
     .await
     .expect("test timed out");
 }
+
+/// A restarted client runs the prestart hooks of its restored tasks again: a running task
+/// whose group's dynamic host volume did not come back fails its `volumes` hook ("missing
+/// <source>"), goes through its restart policy with its process still running, and is killed
+/// once the policy gives up; the allocation fails. Until then the volume cannot be registered
+/// again (it is in use); once the allocation is client-terminal it can
+/// (`taskrunner/volume_hook.go` `validateHostVolumes`, `task_runner.go` `Run`,
+/// `nomad/host_volume_endpoint.go` `validateVolumeUpdate`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_client_kills_allocations_whose_host_volume_did_not_come_back() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let path = sim.path().join("data");
+        std::fs::create_dir_all(&path).unwrap();
+        let r = sim
+            .put(
+                "/v1/volume/host/register",
+                json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": path}}),
+            )
+            .await;
+        let vol = r["Volume"]["ID"].as_str().unwrap().to_string();
+        sim.wait_for(5, "volume ready", || async {
+            (sim.get(&format!("/v1/volume/host/{vol}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+        let job = sim
+            .run_job(
+                r#"job "uses" {
+  group "g" {
+    reschedule {
+      attempts  = 0
+      unlimited = false
+    }
+    volume "data" {
+      type   = "host"
+      source = "data"
+    }
+    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      restart {
+        attempts = 1
+        delay    = "2s"
+        interval = "1m"
+        mode     = "fail"
+      }
+      config {
+        command = "/bin/sleep"
+        args    = ["1000"]
+      }
+    }
+  }
+}"#,
+            )
+            .await;
+        let alloc = sim
+            .wait_for(20, "the task running", || async {
+                sim.job_allocs(&job)
+                    .await
+                    .into_iter()
+                    .find(|a| a["ClientStatus"] == "running")
+            })
+            .await;
+        let id = alloc["ID"].as_str().unwrap().to_string();
+        std::fs::remove_dir_all(&path).unwrap();
+        let r = sim
+            .put(&format!("/v1/sim/node/{node}/restart"), json!({}))
+            .await;
+        assert_eq!(r["DroppedHostVolumes"], json!([vol]));
+        // The hook failed and the policy restarts: the restored process still runs.
+        let a = sim
+            .wait_for(5, "the volumes hook failed", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                let evs = a["TaskStates"]["t"]["Events"].as_array()?.clone();
+                evs.iter()
+                    .any(|e| e["Type"] == "Restarting")
+                    .then_some(a)
+            })
+            .await;
+        let evs = a["TaskStates"]["t"]["Events"].as_array().unwrap();
+        let hook = evs
+            .iter()
+            .find(|e| e["Type"] == "Task hook failed")
+            .expect("a Task hook failed event");
+        assert_eq!(
+            hook["Message"],
+            "volumes: host volume validation error: 1 error occurred:\n\t* missing data\n\n"
+        );
+        // Restarting: the task is `pending`, so is the allocation (`getClientStatus`).
+        assert_eq!(a["TaskStates"]["t"]["State"], "pending");
+        assert_eq!(a["ClientStatus"], "pending");
+        // In use: the volume cannot be registered again yet.
+        let again = json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": sim.path().join("data"), "ID": vol}});
+        std::fs::create_dir_all(&path).unwrap();
+        let (s, _, b) = sim
+            .req(Method::PUT, "/v1/volume/host/register", Some(again.clone()))
+            .await;
+        assert_eq!(s, 500, "{b}");
+        assert!(b.contains("cannot update a volume in use"), "{b}");
+        // The policy gives up after its one attempt: the task is killed, the allocation fails.
+        let a = sim
+            .wait_for(15, "the allocation failed", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "failed").then_some(a)
+            })
+            .await;
+        let evs: Vec<&str> = a["TaskStates"]["t"]["Events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["Type"].as_str().unwrap())
+            .collect();
+        assert!(evs.ends_with(&["Not Restarting", "Killing", "Terminated", "Killed"]), "{evs:?}");
+        assert_eq!(
+            evs.iter().filter(|t| **t == "Task hook failed").count(),
+            2,
+            "once after the restart, once after the restart delay: {evs:?}"
+        );
+        assert_eq!(a["TaskStates"]["t"]["Failed"], true);
+        // Client-terminal: the volume can be registered again.
+        sim.put("/v1/volume/host/register", again).await;
+        sim.wait_for(5, "volume ready again", || async {
+            (sim.get(&format!("/v1/volume/host/{vol}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}
