@@ -147,6 +147,9 @@ pub struct Client {
     /// The last list of the node's allocations was at least [`ROTATE_AFTER_BYTES`]: the
     /// next one closes its connection. Shared by clones (one watch loop asks).
     rotate_list: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Other agents for claim lock calls while the local one cannot be connected to
+    /// ([`Client::with_fallbacks`]).
+    fallbacks: std::sync::Arc<Vec<Client>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -294,7 +297,32 @@ impl Client {
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
             rotate_list: Default::default(),
+            fallbacks: Default::default(),
         })
+    }
+
+    /// This client, with `addresses` (other Nomad agents, e.g. the servers) to send lock
+    /// operations ([`Client::lock_op`]) to while the configured agent cannot be connected to:
+    /// a local client agent that restarts takes its socket and port away for as long as it
+    /// fingerprints and restores (`client/client.go` `NewClient`), longer than a claim's
+    /// lease may allow. Same TLS settings; the token is shared with this client (a re-read
+    /// token reaches them too). Errors as [`Client::new`].
+    pub fn with_fallbacks(
+        mut self,
+        cfg: &NomadConfig,
+        addresses: &[String],
+    ) -> Result<Self, NomadError> {
+        let mut out = Vec::new();
+        for a in addresses.iter().filter(|a| !a.trim().is_empty()) {
+            let mut c = Client::new(&NomadConfig {
+                address: a.trim().to_string(),
+                ..cfg.clone()
+            })?;
+            c.token = self.token.clone();
+            out.push(c);
+        }
+        self.fallbacks = std::sync::Arc::new(out);
+        Ok(self)
     }
 
     /// Replaces the token of this client and of all its clones. Returns true when it changed.
@@ -842,7 +870,30 @@ impl Client {
     /// `Lock{ID}`: release refuses any `Items` key, even `{}` (400). A lock held by someone
     /// else (or in its lock delay, or a stale ID) is [`NomadError::CasConflict`]: Nomad answers
     /// 409 for all of them (404 on renew when the variable is gone).
+    ///
+    /// When the agent cannot be connected to at all (refused, socket gone: it restarts) and
+    /// fallback agents are set ([`Client::with_fallbacks`]), the operation is sent to them in
+    /// turn; the first one that answers decides.
     pub async fn lock_op(&self, op: LockOp, var: &Variable) -> Result<Variable, NomadError> {
+        let first = self.lock_op_here(op, var).await;
+        let down =
+            matches!(&first, Err(NomadError::Unreachable { source, .. }) if source.is_connect());
+        if !down {
+            return first;
+        }
+        for f in self.fallbacks.iter() {
+            match f.lock_op_here(op, var).await {
+                Err(NomadError::Unreachable { source, .. }) if source.is_connect() => continue,
+                other => {
+                    tracing::info!(local = %self.addr, via = %f.addr, op = op.what(), ok = other.is_ok(), "the local Nomad agent cannot be connected to; lock operation sent to a fallback agent");
+                    return other;
+                }
+            }
+        }
+        first
+    }
+
+    async fn lock_op_here(&self, op: LockOp, var: &Variable) -> Result<Variable, NomadError> {
         let id = var.lock.as_ref().map(|l| l.id.clone()).unwrap_or_default();
         let body = match op {
             LockOp::Acquire => serde_json::json!({
