@@ -736,3 +736,103 @@ async fn a_restarted_client_kills_allocations_whose_host_volume_did_not_come_bac
     .await
     .expect("test timed out");
 }
+
+/// Host volume registration and deletion as `HostVolume.Register` and `HostVolume.Delete`
+/// answer them: their own checks are uncoded errors (500: node ID, host path, `Validate`,
+/// an unknown node); a node the servers have no connection to (down) turns its volumes
+/// `unavailable`, cannot take a registration ("No path to node") and refuses a delete
+/// unless `force=true` (`nomad/host_volume_endpoint.go`, `nomad/client_rpc.go`
+/// `findNodeConnAndForward`, `nomad/state/state_store_host_volumes.go`).
+#[tokio::test(flavor = "multi_thread")]
+async fn host_volume_register_and_delete_answer_as_nomad_on_bad_input_and_a_down_node() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("heartbeat_grace = \"1s\"\nclient \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let path = sim.path().join("v");
+        std::fs::create_dir_all(&path).unwrap();
+        let sim = &sim;
+        let reg = |v: Value| async move {
+            let (s, _, b) = sim
+                .req(Method::PUT, "/v1/volume/host/register", Some(json!({ "Volume": v })))
+                .await;
+            (s, b)
+        };
+        for (v, want) in [
+            (
+                json!({"Name": "v", "HostPath": path}),
+                "cannot register volume: node ID is required".to_string(),
+            ),
+            (
+                json!({"Name": "v", "NodeID": node}),
+                "cannot register volume: host path is required".to_string(),
+            ),
+            (
+                json!({"NodeID": node, "HostPath": path}),
+                "volume validation failed: missing name".to_string(),
+            ),
+            (
+                json!({"Name": "v", "NodeID": node, "HostPath": path, "ID": "not-a-uuid"}),
+                "volume validation failed: invalid ID \"not-a-uuid\"".to_string(),
+            ),
+        ] {
+            assert_eq!(reg(v).await, (500, want));
+        }
+        let (s, b) = reg(json!({"Name": "v", "NodeID": "5c0ffee0-0000-4000-8000-000000000000", "HostPath": path})).await;
+        assert_eq!(s, 500, "{b}");
+        assert!(
+            b.starts_with("validating volume \"") && b.ends_with("against state failed: node \"5c0ffee0-0000-4000-8000-000000000000\" does not exist"),
+            "{b}"
+        );
+        let r = sim
+            .put(
+                "/v1/volume/host/register",
+                json!({"Volume": {"Name": "v", "NodeID": node, "HostPath": path}}),
+            )
+            .await;
+        let id = r["Volume"]["ID"].as_str().unwrap().to_string();
+        sim.wait_for(5, "volume ready", || async {
+            (sim.get(&format!("/v1/volume/host/{id}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+
+        sim.put(&format!("/v1/sim/node/{node}/heartbeat?stop=true"), json!({}))
+            .await;
+        sim.wait_for(10, "the node down", || async {
+            (sim.get(&format!("/v1/node/{node}")).await["Status"] == "down").then_some(())
+        })
+        .await;
+        assert_eq!(
+            sim.get(&format!("/v1/volume/host/{id}")).await["State"],
+            "unavailable"
+        );
+        let (s, b) = reg(json!({"Name": "w", "NodeID": node, "HostPath": path})).await;
+        assert_eq!((s, b.as_str()), (500, "No path to node"));
+        let del = |q: &'static str| {
+            let id = id.clone();
+            let sim = &sim;
+            async move {
+                let (s, _, b) = sim
+                    .req(Method::DELETE, &format!("/v1/volume/host/{id}{q}"), None)
+                    .await;
+                (s, b)
+            }
+        };
+        assert_eq!(
+            del("").await,
+            (
+                500,
+                "volume cannot be removed from unknown node without force=true".into()
+            )
+        );
+        assert_eq!(del("?force=maybe").await, (400, "invalid force value".into()));
+        assert_eq!(del("?force=true").await.0, 200);
+        let (s, _, _) = sim
+            .req(Method::GET, &format!("/v1/volume/host/{id}"), None)
+            .await;
+        assert_eq!(s, 404);
+        sim.put(&format!("/v1/sim/node/{node}/heartbeat?stop=false"), json!({}))
+            .await;
+    })
+    .await
+    .expect("test timed out");
+}
