@@ -319,7 +319,7 @@ pub fn expire(server: &Server) {
             // variable has now, even one acquired after the lapsed lock was released. (The
             // sim also drops that newer lock's timer; Nomad's keeps running and would
             // invalidate once more when it fires.)
-            if !st.vars.get(&key).is_some_and(|v| v.Lock.is_some()) {
+            if st.vars.get(&key).is_none_or(|v| v.Lock.is_none()) {
                 continue;
             }
             st.lock_timers.held.remove(&key);
