@@ -1245,6 +1245,53 @@ mod tests {
         }
     }
 
+    /// Issue 34 item 4: a lock operation the local agent cannot take at all (nothing listens:
+    /// it restarts) goes to the fallback agents in turn; an agent that answers, even with an
+    /// error, is not bypassed (a partitioned agent answers, and its answer decides).
+    #[tokio::test]
+    async fn lock_operations_go_to_a_fallback_only_when_the_local_agent_cannot_be_connected_to() {
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let body = "{\"Namespace\":\"default\",\"Path\":\"p\",\"Lock\":{\"ID\":\"L\"}}";
+        let server = answering("200 OK", body).await;
+        let cfg = NomadConfig::plain(&format!("http://{closed}"));
+        let var = Variable {
+            namespace: "default".into(),
+            path: "dhv-binder/claims/v".into(),
+            lock: Some(VariableLock {
+                id: "L".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let alone = Client::new(&cfg).unwrap();
+        assert!(matches!(
+            alone.lock_op(LockOp::Renew, &var).await,
+            Err(NomadError::Unreachable { .. })
+        ));
+        let unreachable = format!("http://{closed}");
+        let with = Client::new(&cfg)
+            .unwrap()
+            .with_fallbacks(&cfg, &[unreachable, server.address().to_string()])
+            .unwrap();
+        let got = with.lock_op(LockOp::Renew, &var).await.unwrap();
+        assert_eq!(got.lock.map(|l| l.id).as_deref(), Some("L"));
+        // A local agent that answers (here a 500 from a partitioned client) decides.
+        let partitioned =
+            answering("500 Internal Server Error", "rpc error: failed to get conn").await;
+        let pcfg = NomadConfig::plain(partitioned.address());
+        let with = Client::new(&pcfg)
+            .unwrap()
+            .with_fallbacks(&pcfg, &[server.address().to_string()])
+            .unwrap();
+        assert!(matches!(
+            with.lock_op(LockOp::Renew, &var).await,
+            Err(NomadError::Status { status: 500, .. })
+        ));
+    }
+
     /// Issue 11 #7: `HostVolume.Delete` answers a volume already gone with 500 "no such
     /// volume" (nomad/host_volume_endpoint.go); other 500s stay errors.
     #[tokio::test]
