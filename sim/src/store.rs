@@ -535,8 +535,13 @@ impl Server {
         if v.ID.is_empty() {
             v.ID = uuid::Uuid::new_v4().to_string();
         }
+        // `CanonicalizeForRegister` (nomad/structs/host_volumes.go): a registered volume
+        // keeps the PluginID it was sent with (none for a volume made outside Nomad); an
+        // update without one keeps the existing volume's.
         if v.PluginID.is_empty() {
-            v.PluginID = "default".into();
+            if let Some(old) = self.host_volume(&v.Namespace, &v.ID) {
+                v.PluginID = old.PluginID;
+            }
         }
         if v.RequestedCapabilities.is_empty() {
             v.RequestedCapabilities = vec![HostVolumeCapability {

@@ -790,6 +790,8 @@ async fn host_volume_register_and_delete_answer_as_nomad_on_bad_input_and_a_down
             )
             .await;
         let id = r["Volume"]["ID"].as_str().unwrap().to_string();
+        // `CanonicalizeForRegister` leaves a registered volume's PluginID as sent (none).
+        assert_eq!(r["Volume"]["PluginID"], "", "{r}");
         sim.wait_for(5, "volume ready", || async {
             (sim.get(&format!("/v1/volume/host/{id}")).await["State"] == "ready").then_some(())
         })
