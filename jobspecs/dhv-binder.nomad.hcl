@@ -121,6 +121,10 @@ job "dhv-binder" {
         # export, ext4's images); a path in a volume record outside these and the volumes dir
         # is refused by the plugin (docs/security.md).
         DHV_BINDER_PLUGIN_ROOTS = "bind=/srv/dhv-exports"
+        # The servers' HTTP addresses, for claim renewals while the local client agent
+        # restarts (its socket is gone meanwhile; docs/operations.md, "Restarting the local
+        # Nomad client"). Same token and TLS settings as NOMAD_ADDR.
+        # DHV_BINDER_FALLBACK_ADDRESSES = "https://nomad-server-1:4646,https://nomad-server-2:4646"
         DHV_BINDER_LOG         = "info"
         DHV_BINDER_LOG_FORMAT  = "json"
         # Prometheus metrics on the node's loopback only (unset to turn them off), at the

@@ -142,6 +142,18 @@ pub struct AgentConfig {
     /// Lock delay after a claim's TTL lapses, before another node may take it.
     #[arg(long, env = "DHV_BINDER_CLAIM_LOCK_DELAY", default_value = "15s", value_parser = humantime::parse_duration)]
     pub claim_lock_delay: Duration,
+    /// Other Nomad agents' HTTP addresses (servers, `http(s)://host:4646`, comma-separated),
+    /// used for claim lock calls (acquire, renew, release) only while the local agent at
+    /// NOMAD_ADDR cannot be connected to at all (restarting: its socket or port is gone), so
+    /// that held claims are renewed through a local agent restart longer than the fence
+    /// margin allows (docs/architecture.md, "Fencing"). Same token and TLS settings as
+    /// NOMAD_ADDR. Unset: no fallback; such a restart fences the claims.
+    #[arg(
+        long = "fallback-address",
+        env = "DHV_BINDER_FALLBACK_ADDRESSES",
+        value_delimiter = ','
+    )]
+    pub fallback_addresses: Vec<String>,
     /// How long before a claim's lease ends (TTL + lock delay after the last renewal that
     /// succeeded was sent) the node fences the volume on itself when no renewal succeeded
     /// (docs/architecture.md, "Fencing"). Default: the claim TTL (at most the largest legal

@@ -60,7 +60,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 message: e.to_string(),
             })?;
             init_tracing(cfg.log_format);
-            let client = dhv_binder::nomad::Client::new(&cli.nomad)?;
+            let client = dhv_binder::nomad::Client::new(&cli.nomad)?
+                .with_fallbacks(&cli.nomad, &cfg.fallback_addresses)?;
             // One registry, always kept by the agent; served only with --metrics-addr.
             let metrics = dhv_binder::metrics::Metrics::new();
             let _metrics_endpoint = match cfg.metrics_addr {

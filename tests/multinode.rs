@@ -564,3 +564,84 @@ async fn a_canary_on_another_node_waits_for_the_claim_and_says_why() {
     assert_never_on_two_nodes(&c);
     c.stop_job(&job, false).await;
 }
+
+/// Issue 34 item 4: the local Nomad client agent restarts for 60 s (its port refuses
+/// connections, as a real client's does while it fingerprints and restores) while a task
+/// uses a `single-node-writer` volume. The cluster's heartbeat grace covers the restart, so
+/// the node stays `ready` and the task runs on. dhv-binder renews its claim through the
+/// fallback address (the server) while its local agent cannot be connected to: no fence, no
+/// unpublish, the claim is the same lock afterwards. Real time: the restart lasts 60 s
+/// (the longest restart the issue asks to ride out; with the default claim settings the
+/// fence would come 15 s after the last renewal), the only test that waits that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_60s_client_restart_with_claims_held_loses_none_and_unpublishes_nothing() {
+    let mut c = Cluster::start_with(1, "heartbeat_grace = \"90s\"", &[]).await;
+    // The server's address is known only now: the agent restarts with it as its fallback.
+    c.agent_env
+        .push(("DHV_BINDER_FALLBACK_ADDRESSES".into(), c.server.clone()));
+    c.kill_agent(0, Signal::SIGTERM);
+    c.start_agent(0);
+    c.wait_plugin("bind").await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    ready_everywhere(&c).await;
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = running_alloc(&c, &job, &[]).await;
+    let id = alloc["ID"].as_str().unwrap().to_string();
+    let claim_path = format!("/v1/var/dhv-binder/claims/{VOLUME}?namespace=default");
+    let lock_before = c.get(&claim_path).await["Lock"]["ID"].clone();
+    assert!(lock_before.is_string(), "the claim is held: {lock_before}");
+    let journal_before = c.journal(0).len();
+    let calls_before = c.plugin_log().len();
+
+    let t0 = std::time::Instant::now();
+    c.put(
+        &format!("/v1/sim/node/{}/restart?down=60s", c.nodes[0].id),
+        json!({}),
+    )
+    .await;
+    let took = t0.elapsed();
+    assert!(took >= std::time::Duration::from_secs(60), "{took:?}");
+    // One renewal period after the agent is back (TTL/3 = 5 s), then look.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+
+    let a = c.get(&format!("/v1/allocation/{id}")).await;
+    assert_eq!(a["ClientStatus"], "running", "{a}");
+    assert_eq!(
+        a["TaskStates"]["app"]["StartedAt"], alloc["TaskStates"]["app"]["StartedAt"],
+        "the task never stopped"
+    );
+    let since: Vec<String> = c.journal(0)[journal_before..]
+        .iter()
+        .map(|e| e["event"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(
+        !since
+            .iter()
+            .any(|e| e == "fenced" || e.starts_with("unpublish")),
+        "fenced or unpublished during the client restart: {since:?}"
+    );
+    let calls: Vec<String> = c.plugin_log()[calls_before..]
+        .iter()
+        .filter(|(p, ..)| p == "start")
+        .map(|x| x.2.clone())
+        .collect();
+    assert!(
+        !calls.iter().any(|m| m == "unpublish"),
+        "the plugin was asked to unpublish: {calls:?}"
+    );
+    assert!(dhv_binder::node::mounts::is_mount_point(
+        &c.target(0, VOLUME)
+    ));
+    assert_eq!(
+        c.get(&claim_path).await["Lock"]["ID"],
+        lock_before,
+        "the claim is still the same lock"
+    );
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
+    assert!(
+        log.contains("lock operation sent to a fallback agent"),
+        "renewals went through the fallback"
+    );
+    c.stop_job(&job, false).await;
+}

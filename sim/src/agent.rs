@@ -99,6 +99,65 @@ async fn serve(listener: TcpListener, state: AppState, mut shutdown: watch::Rece
         .await;
 }
 
+/// Serves a client node's HTTP API. While its client agent restarts (the node is in
+/// [`Server::restarting`]) the listener is closed, its connections dropped (a restarting
+/// agent's port refuses connections), and bound again on the same address once it is back.
+async fn serve_node(
+    listener: TcpListener,
+    state: AppState,
+    node_id: String,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let Ok(addr) = listener.local_addr() else {
+        return;
+    };
+    let app = router(state.clone());
+    let mut restarting = state.server.restarting.subscribe();
+    let mut listener = Some(listener);
+    loop {
+        if let Some(l) = listener.take() {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    a = l.accept() => {
+                        let Ok((stream, _)) = a else { continue };
+                        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                        conns.spawn(async move {
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                                .await;
+                        });
+                    }
+                    Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                    _ = restarting.wait_for(|s| s.contains(&node_id)) => break,
+                    _ = shutdown.wait_for(|s| *s) => return,
+                }
+            }
+            // Dropping the listener and the connections: the port refuses, open requests
+            // (blocking queries, event streams) end with a reset.
+            conns.abort_all();
+        }
+        tokio::select! {
+            _ = restarting.wait_for(|s| !s.contains(&node_id)) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        // Bind the same address again (retried while the kernel still holds it).
+        for _ in 0..50 {
+            match TcpListener::bind(addr).await {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        if listener.is_none() {
+            tracing::error!(node = %node_id, %addr, "cannot bind the client's address again after its restart");
+            return;
+        }
+    }
+}
+
 /// Runs the agent until SIGINT/SIGTERM.
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.data_dir)
@@ -174,9 +233,10 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
                 heartbeat: cfg.event_heartbeat_interval,
             }),
         };
-        http_tasks.push(tokio::spawn(serve(
+        http_tasks.push(tokio::spawn(serve_node(
             listener,
             client_state.clone(),
+            id.clone(),
             shutdown_rx.clone(),
         )));
         let ctx = Arc::new(NodeCtx {

@@ -326,6 +326,22 @@ pub async fn run_client_cmd(cmd: Cmd) -> anyhow::Result<()> {
         },
         Cmd::Alloc { cmd } => match cmd {
             AllocCmd::Status { id } => {
+                // As `nomad alloc status` (command/alloc_status.go): an ID prefix is resolved
+                // through the allocation list; the read itself takes the exact ID.
+                let matches = api
+                    .call(M::GET, &format!("/v1/allocations?prefix={id}"), None)
+                    .await?;
+                let ids: Vec<String> = matches
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|a| a["ID"].as_str().map(String::from))
+                    .collect();
+                let id = match ids.as_slice() {
+                    [one] => one.clone(),
+                    [] => anyhow::bail!("No allocation(s) with prefix or id {id:?} found"),
+                    _ => anyhow::bail!("Prefix matched multiple allocations: {}", ids.join(", ")),
+                };
                 let a = api
                     .call(M::GET, &format!("/v1/allocation/{id}"), None)
                     .await?;

@@ -231,6 +231,10 @@ async fn run_alloc(
         Arc::new(move || server.node(&id))
     };
     let mut slots: BTreeMap<String, TaskSlot> = BTreeMap::new();
+    // Bumped when this node's client agent comes back from a restart (see
+    // `TaskRunner::rerun_prestart_hooks`).
+    let (restored_tx, restored_rx) = watch::channel(0u64);
+    let mut node_restored = server.restored_tx.subscribe();
     for t in &group.Tasks {
         let (kill, _) = watch::channel(None);
         slots.insert(
@@ -257,6 +261,7 @@ async fn run_alloc(
             states: states.clone(),
             notify: notify.clone(),
             node_view: node_view.clone(),
+            restored: restored_rx.clone(),
             fresh: !states
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -517,6 +522,11 @@ async fn run_alloc(
                         push_event(&states, &t.Name, e, None);
                     }
                     report(&states, &alloc, &upd);
+                }
+            }
+            r = node_restored.recv() => {
+                if matches!(r, Ok(ref n) if *n == ctx.node.ID) && !stopping {
+                    restored_tx.send_modify(|g| *g += 1);
                 }
             }
             r = restart_rx.recv() => {

@@ -187,9 +187,9 @@ fn restart_policy(ctx: &str, body: &Body) -> Result<Option<RestartPolicy>, HclEr
     let attrs = attributes(ctx, &b.body)?;
     let a = Attrs::new(&format!("{ctx}.restart"), &attrs);
     Ok(Some(RestartPolicy {
-        Attempts: a.int("attempts")?.unwrap_or(0),
-        Interval: a.duration_ns("interval")?.unwrap_or(0),
-        Delay: a.duration_ns("delay")?.unwrap_or(0),
+        Attempts: a.int("attempts")?.unwrap_or(RestartPolicy::UNSET),
+        Interval: a.duration_ns("interval")?.unwrap_or(RestartPolicy::UNSET),
+        Delay: a.duration_ns("delay")?.unwrap_or(RestartPolicy::UNSET),
         Mode: a.str("mode")?.unwrap_or_default(),
         RenderTemplates: a.bool("render_templates")?.unwrap_or(false),
     }))
@@ -404,5 +404,54 @@ job "orders" {
             g.Tasks[1].VolumeMounts.as_ref().unwrap()[0].PropagationMode,
             "private"
         );
+    }
+
+    /// `restart` blocks merge field by field: the group's set fields over the job type's
+    /// default, a task's set fields over its group's (`api/tasks.go` `RestartPolicy.Merge`,
+    /// `TaskGroup.Canonicalize`, `Task.Canonicalize`); a task without one takes its group's.
+    #[test]
+    fn restart_blocks_merge_field_by_field() {
+        let src = r#"
+job "r" {
+  group "g" {
+    restart {
+      attempts = 1
+    }
+    task "a" {
+      driver = "raw_exec"
+      restart {
+        delay = "2s"
+        mode  = "delay"
+      }
+      config { command = "/bin/true" }
+    }
+    task "b" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+    }
+  }
+}"#;
+        let mut job = parse(src).unwrap();
+        job.canonicalize("global");
+        let g = &job.TaskGroups[0];
+        let s = 1_000_000_000i64;
+        let group = g.RestartPolicy.clone().unwrap();
+        assert_eq!(
+            (
+                group.Attempts,
+                group.Interval,
+                group.Delay,
+                group.Mode.as_str()
+            ),
+            (1, 1800 * s, 15 * s, "fail"),
+            "the group's attempts over the service default"
+        );
+        let a = g.Tasks[0].RestartPolicy.clone().unwrap();
+        assert_eq!(
+            (a.Attempts, a.Interval, a.Delay, a.Mode.as_str()),
+            (1, 1800 * s, 2 * s, "delay"),
+            "the task's delay and mode over the group's"
+        );
+        assert_eq!(g.Tasks[1].RestartPolicy.as_ref(), Some(&group));
     }
 }

@@ -213,7 +213,8 @@ fn acquire(server: &Server, key: Key, body: Variable) -> Result<(u64, Value), St
         st.lock_timers
             .held
             .insert(key.clone(), (Instant::now() + 2 * ttl, ttl, delay));
-        st.lock_timers.lapsed.remove(&key);
+        // A pending delayed invalidation of an earlier lock is not cancelled: its
+        // `time.AfterFunc` runs whatever happened since (`nomad/locks.go`).
         emit(st, &v);
         Ok((idx, json!(v)))
     })
@@ -268,7 +269,9 @@ fn release(server: &Server, key: Key, body: Variable) -> Result<(u64, Value), St
         st.vars.insert(key.clone(), v.clone());
         st.tables.vars = idx;
         st.lock_timers.held.remove(&key);
-        st.lock_timers.lapsed.remove(&key);
+        // `RemoveVariableLockTTLTimer` stops the TTL timer only: a lock whose timer already
+        // fired keeps its delayed invalidation, which later removes whatever lock the
+        // variable then has (see [`expire`]).
         emit(st, &v);
         // The answer echoes the request's (absent) Items with the written metadata.
         Ok((idx, json!(v.metadata())))
@@ -311,6 +314,15 @@ pub fn expire(server: &Server) {
         let idx = st.next_index();
         for key in released {
             st.lock_timers.lapsed.remove(&key);
+            // `invalidateVariableLock` applies a release without a lock ID
+            // (`VarLockRelease` then skips the ID check): it removes whatever lock the
+            // variable has now, even one acquired after the lapsed lock was released. (The
+            // sim also drops that newer lock's timer; Nomad's keeps running and would
+            // invalidate once more when it fires.)
+            if st.vars.get(&key).is_none_or(|v| v.Lock.is_none()) {
+                continue;
+            }
+            st.lock_timers.held.remove(&key);
             if let Some(v) = st.vars.get_mut(&key) {
                 v.Lock = None;
                 v.ModifyIndex = idx;
@@ -545,6 +557,54 @@ mod tests {
         assert!(!locked(&s), "released after the delay");
         let other = http_lock(&s, "default", "c/x", "lock-acquire", req(json!({}), None));
         assert_eq!(status(&other), 200);
+    }
+
+    /// `nomad/locks.go`: once a lock's timer fired, its invalidation runs after the lock delay
+    /// whatever happened meanwhile, and removes the variable's lock without checking its ID
+    /// (`invalidateVariableLock` → `VarLockRelease` with no lock): a holder that releases
+    /// during the delay lets another acquire, and that new lock vanishes when the delay ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_during_the_lock_delay_leaves_the_delayed_invalidation_armed() {
+        let s = server();
+        let first = acquire_id(&s, "10s", "5s");
+        tokio::time::advance(Duration::from_secs(21)).await;
+        expire(&s);
+        assert!(locked(&s), "fired, in its delay");
+        let rel = http_lock(
+            &s,
+            "default",
+            "c/x",
+            "lock-release",
+            req(json!({"ID": first}), None),
+        );
+        assert_eq!(
+            status(&rel),
+            200,
+            "the holder may still release during the delay"
+        );
+        let second = acquire_id(&s, "10s", "5s");
+        assert_ne!(second, first);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        expire(&s);
+        assert!(locked(&s), "the new lock stands until the old delay ends");
+        tokio::time::advance(Duration::from_secs(3)).await;
+        expire(&s);
+        assert!(
+            !locked(&s),
+            "the old lock's delayed invalidation removed the new holder's lock"
+        );
+        let renew = http_lock(
+            &s,
+            "default",
+            "c/x",
+            "lock-renew",
+            req(json!({"ID": second}), None),
+        );
+        assert_eq!(
+            status(&renew),
+            409,
+            "the new holder's renewal finds no lock"
+        );
     }
 
     /// `restoreLockTTLTimers`: a new leader gives every lock a fresh 2×TTL, even one in its

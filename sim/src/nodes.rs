@@ -248,19 +248,49 @@ pub fn set_status(server: &Server, id: &str, status: &str) {
     }
 }
 
-/// Sim-only: the node's client agent restarts (`PUT /v1/sim/node/:id/restart`). Its tasks keep
-/// running: Nomad's client re-attaches to them and does not re-run a finished prestart task
-/// (`client/allocrunner/alloc_runner.go` `Restore`, `taskrunner/task_runner.go` `Restore`), so
-/// the sim's runners are left alone. What the servers see is the re-registration: dynamic
-/// host volumes are restored by a `stat` of their path, and one that fails (gone, or a dead
-/// FUSE mount answering ENOTCONN) is left out of the node's fingerprint
+/// Sim-only: the node's client agent restarts (`PUT /v1/sim/node/:id/restart?down=<d>`).
+///
+/// While it is away (`down`, 0 by default: an instant restart) the client neither heartbeats
+/// nor reports allocation updates (the server marks the node down after the heartbeat grace,
+/// as for any silent client), its HTTP address refuses connections and every Task API socket
+/// of its tasks is gone: Nomad's agent fingerprints and restores first and serves HTTP only
+/// afterwards (`client/client.go` `NewClient` waits for the first fingerprints before
+/// registering and restoring; `command/agent/http.go` `builtinAPI.Serve` holds the Task API
+/// listeners of restored tasks until the HTTP servers exist, `apiHook.Prestart` creating the
+/// socket again). Its tasks keep running: Nomad's client re-attaches to them and does not
+/// re-run a finished prestart task (`client/allocrunner/alloc_runner.go` `Restore`,
+/// `taskrunner/task_runner.go` `Restore`). Then it re-registers: dynamic host volumes are
+/// restored by a `stat` of their path, and one that fails (gone, or a dead FUSE mount
+/// answering ENOTCONN) is left out of the node's fingerprint
 /// (`client/hostvolumemanager/host_volumes.go` `restoreForRegister`); the server then marks it
 /// `unavailable` (`nomad/state/state_store_host_volumes.go` `upsertHostVolumeForNode`).
-/// Returns the IDs of the volumes dropped.
-pub fn restart_client(server: &Server, id: &str) -> Result<Vec<String>, StoreError> {
+/// Finally the restored task runners run their prestart hooks again (`task_runner.go` `Run`:
+/// the volume hook never reports itself done), so a running task whose group's host volume
+/// did not come back fails its `volumes` hook and goes through its restart policy until it is
+/// killed (`volume_hook.go` `validateHostVolumes`; the client's alloc runners are told through
+/// [`Server::restored_tx`]). Returns the IDs of the volumes dropped.
+pub async fn restart_client(
+    server: &Server,
+    id: &str,
+    down: std::time::Duration,
+) -> Result<Vec<String>, StoreError> {
     let node = server
         .node(id)
         .ok_or_else(|| StoreError::NotFound("node not found".into()))?;
+    if !down.is_zero() {
+        let was_stopped = server.read().heartbeat_stopped(id);
+        set_heartbeat_stopped(server, id, true)?;
+        server.restarting.send_modify(|s| {
+            s.insert(id.to_string());
+        });
+        tokio::time::sleep(down).await;
+        server.restarting.send_modify(|s| {
+            s.remove(id);
+        });
+        set_heartbeat_stopped(server, id, was_stopped)?;
+    }
+    // The node as it is now (a drain or eligibility change may have come meanwhile).
+    let node = server.node(id).unwrap_or(node);
     // The stats run outside the state lock: a hung mount must not stop the server.
     let dropped: Vec<String> = node
         .HostVolumes
@@ -289,6 +319,7 @@ pub fn restart_client(server: &Server, id: &str) -> Result<Vec<String>, StoreErr
         }
     });
     server.reschedule_all();
+    let _ = server.restored_tx.send(id.to_string());
     Ok(dropped)
 }
 

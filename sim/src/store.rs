@@ -67,6 +67,12 @@ pub struct Server {
     pub stream_close: watch::Sender<u64>,
     /// `alloc restart` requests, read by the client running the alloc.
     pub restart_tx: tokio::sync::broadcast::Sender<crate::restart::RestartRequest>,
+    /// Nodes whose client agent is restarting (sim only, [`crate::nodes::restart_client`]):
+    /// their HTTP listener and Task API sockets are away until they leave the set.
+    pub restarting: watch::Sender<std::collections::BTreeSet<String>>,
+    /// A node's client agent came back from a restart: its alloc runners run the prestart
+    /// hooks of their restored tasks again (`volume_hook.go` `validateHostVolumes`).
+    pub restored_tx: tokio::sync::broadcast::Sender<String>,
 }
 
 impl Server {
@@ -85,6 +91,8 @@ impl Server {
             keyring,
             stream_close: watch::channel(0).0,
             restart_tx: tokio::sync::broadcast::channel(64).0,
+            restarting: watch::channel(Default::default()).0,
+            restored_tx: tokio::sync::broadcast::channel(64).0,
         })
     }
 
@@ -500,25 +508,40 @@ impl Server {
         if v.Namespace.is_empty() {
             v.Namespace = "default".into();
         }
-        if v.Name.is_empty() {
-            return Err(StoreError::BadRequest("missing volume name".into()));
-        }
+        // `HostVolume.Register` (nomad/host_volume_endpoint.go): node ID, then host path,
+        // then `HostVolume.Validate` (nomad/structs/host_volumes.go); all uncoded: HTTP 500.
         if v.NodeID.is_empty() {
-            return Err(StoreError::BadRequest(
+            return Err(StoreError::Internal(
                 "cannot register volume: node ID is required".into(),
             ));
         }
         if v.HostPath.is_empty() {
-            return Err(StoreError::BadRequest(
+            return Err(StoreError::Internal(
                 "cannot register volume: host path is required".into(),
+            ));
+        }
+        if !v.ID.is_empty() && uuid::Uuid::try_parse(&v.ID).is_err() {
+            return Err(StoreError::Internal(format!(
+                "volume validation failed: invalid ID {:?}",
+                v.ID
+            )));
+        }
+        if v.Name.is_empty() {
+            return Err(StoreError::Internal(
+                "volume validation failed: missing name".into(),
             ));
         }
         self.validate_volume_update(&v)?;
         if v.ID.is_empty() {
             v.ID = uuid::Uuid::new_v4().to_string();
         }
+        // `CanonicalizeForRegister` (nomad/structs/host_volumes.go): a registered volume
+        // keeps the PluginID it was sent with (none for a volume made outside Nomad); an
+        // update without one keeps the existing volume's.
         if v.PluginID.is_empty() {
-            v.PluginID = "default".into();
+            if let Some(old) = self.host_volume(&v.Namespace, &v.ID) {
+                v.PluginID = old.PluginID;
+            }
         }
         if v.RequestedCapabilities.is_empty() {
             v.RequestedCapabilities = vec![HostVolumeCapability {
@@ -526,9 +549,19 @@ impl Server {
                 AccessMode: "single-node-writer".into(),
             }];
         }
-        let node = self
-            .node(&v.NodeID)
-            .ok_or_else(|| StoreError::BadRequest(format!("node {:?} does not exist", v.NodeID)))?;
+        // `validateVolumeForState`: uncoded, HTTP 500, with the (new) volume ID.
+        let node = self.node(&v.NodeID).ok_or_else(|| {
+            StoreError::Internal(format!(
+                "validating volume {:?} against state failed: node {:?} does not exist",
+                v.ID, v.NodeID
+            ))
+        })?;
+        // `registerVolume` asks the node's client (`ClientHostVolume.Register`); with no
+        // connection to it (down, disconnected, silent) `findNodeConnAndForward` answers
+        // `structs.ErrNoNodeConn` (nomad/client_rpc.go): HTTP 500 "No path to node".
+        if !self.node_connected(&node.ID) {
+            return Err(StoreError::Internal("No path to node".into()));
+        }
         if let Some(existing) = node.HostVolumes.get(&v.Name) {
             if !existing.ID.is_empty() && existing.ID != v.ID {
                 return Err(StoreError::BadRequest(format!(
@@ -657,8 +690,29 @@ impl Server {
         Some(v)
     }
 
-    /// Deletes a host volume (refused while claimed by non-terminal allocs).
-    pub fn delete_host_volume(&self, ns: &str, id: &str) -> Result<u64, StoreError> {
+    /// Whether the servers have a connection to the node's client: it exists, is neither
+    /// `down` nor `disconnected`, and heartbeats (not partitioned, not restarting).
+    pub fn node_connected(&self, node_id: &str) -> bool {
+        let st = self.read();
+        st.nodes
+            .get(node_id)
+            .is_some_and(|n| !matches!(n.Status.as_str(), "down" | "disconnected"))
+            && !st.heartbeat_stopped(node_id)
+    }
+
+    /// Deletes a host volume (refused while claimed by non-terminal allocs). The node's
+    /// client is asked first (`deleteVolume`); when the servers have no connection to it
+    /// (`IsErrUnknownNode`, `IsErrNoNodeConn`) the delete is refused unless `force`
+    /// ("volume cannot be removed from unknown node without force=true", HTTP 500), and
+    /// with `force` the volume is removed from the state only
+    /// (nomad/host_volume_endpoint.go `Delete`).
+    pub fn delete_host_volume(&self, ns: &str, id: &str, force: bool) -> Result<u64, StoreError> {
+        let node_of = self
+            .read()
+            .host_volumes
+            .get(&(ns.to_string(), id.to_string()))
+            .map(|v| v.NodeID.clone());
+        let reachable = node_of.as_deref().is_some_and(|n| self.node_connected(n));
         let r = self.write(|st| {
             let key = (ns.to_string(), id.to_string());
             // `HostVolume.Delete` (nomad/host_volume_endpoint.go) returns plain errors: HTTP
@@ -676,6 +730,11 @@ impl Server {
                 return Err(StoreError::Internal(format!(
                     "volume {id} in use by allocations: {users:?}"
                 )));
+            }
+            if !reachable && !force {
+                return Err(StoreError::Internal(
+                    "volume cannot be removed from unknown node without force=true".into(),
+                ));
             }
             let idx = st.next_index();
             st.host_volumes.remove(&key);

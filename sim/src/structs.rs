@@ -27,8 +27,12 @@ pub struct Constraint {
     pub Operand: String,
 }
 
-/// Restart policy (`structs.RestartPolicy`); durations in ns.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+/// Restart policy (`structs.RestartPolicy`); durations in ns. Before [`Job::canonicalize`] a
+/// field the job did not set is [`RestartPolicy::UNSET`] (a number) or empty (`Mode`), as
+/// the API's pointer fields are nil: canonicalizing merges the set fields over the group's
+/// policy, and the group's over the job type's default (`api/tasks.go`
+/// `RestartPolicy.Merge`, `TaskGroup.Canonicalize`, `Task.Canonicalize`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(default)]
 pub struct RestartPolicy {
     pub Attempts: i64,
@@ -38,7 +42,39 @@ pub struct RestartPolicy {
     pub RenderTemplates: bool,
 }
 
+impl Default for RestartPolicy {
+    /// Every field unset.
+    fn default() -> Self {
+        RestartPolicy {
+            Attempts: Self::UNSET,
+            Interval: Self::UNSET,
+            Delay: Self::UNSET,
+            Mode: String::new(),
+            RenderTemplates: false,
+        }
+    }
+}
+
 impl RestartPolicy {
+    /// A number the job did not set.
+    pub const UNSET: i64 = -1;
+
+    /// `self` with the fields `over` sets put over it (`api/tasks.go` `RestartPolicy.Merge`).
+    pub fn merged(&self, over: &RestartPolicy) -> RestartPolicy {
+        let pick = |o: i64, s: i64| if o == Self::UNSET { s } else { o };
+        RestartPolicy {
+            Attempts: pick(over.Attempts, self.Attempts),
+            Interval: pick(over.Interval, self.Interval),
+            Delay: pick(over.Delay, self.Delay),
+            Mode: if over.Mode.is_empty() {
+                self.Mode.clone()
+            } else {
+                over.Mode.clone()
+            },
+            RenderTemplates: over.RenderTemplates || self.RenderTemplates,
+        }
+    }
+
     /// Nomad's default for service jobs (`DefaultServiceJobRestartPolicy`).
     pub fn service_default() -> Self {
         RestartPolicy {
@@ -559,15 +595,7 @@ impl Job {
             };
             let rp = match tg.RestartPolicy.take() {
                 None => default_rp,
-                Some(mut p) => {
-                    if p.Mode.is_empty() {
-                        p.Mode = default_rp.Mode.clone();
-                    }
-                    if p.Interval == 0 {
-                        p.Interval = default_rp.Interval;
-                    }
-                    p
-                }
+                Some(p) => default_rp.merged(&p),
             };
             tg.RestartPolicy = Some(rp.clone());
             if tg.ReschedulePolicy.is_none() {
@@ -594,9 +622,10 @@ impl Job {
                 if t.LogConfig.is_null() {
                     t.LogConfig = json!({"MaxFiles":10,"MaxFileSizeMB":10,"Disabled":false});
                 }
+                // `Task.Canonicalize`: the group's policy with the task's set fields over it.
                 t.RestartPolicy = Some(match t.RestartPolicy.take() {
                     None => rp.clone(),
-                    Some(p) => p,
+                    Some(p) => rp.merged(&p),
                 });
                 if let Some(l) = &t.Lifecycle {
                     if l.Hook.is_empty() {

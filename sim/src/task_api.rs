@@ -115,17 +115,54 @@ impl TaskApi {
             self.state.clone(),
             authenticate,
         ));
+        let node_id = self.state.agent.node_id.clone().unwrap_or_default();
+        let mut restarting = self.state.server.restarting.subscribe();
+        let sock = path.clone();
         let task = tokio::spawn(async move {
+            let mut listener = Some(listener);
             loop {
-                let Ok((stream, _)) = listener.accept().await else {
+                if let Some(l) = listener.take() {
+                    let mut conns = tokio::task::JoinSet::new();
+                    loop {
+                        tokio::select! {
+                            a = l.accept() => {
+                                let Ok((stream, _)) = a else { return };
+                                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                                conns.spawn(async move {
+                                    let _ = hyper::server::conn::http1::Builder::new()
+                                        .serve_connection(TokioIo::new(stream), svc)
+                                        .await;
+                                });
+                            }
+                            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                            _ = restarting.wait_for(|s| s.contains(&node_id)) => break,
+                        }
+                    }
+                    // The client agent restarts: its listeners close (Go's unix listener
+                    // unlinks the socket on close) and open requests end.
+                    conns.abort_all();
+                    drop(l);
+                    let _ = std::fs::remove_file(&sock);
+                }
+                if restarting
+                    .wait_for(|s| !s.contains(&node_id))
+                    .await
+                    .is_err()
+                {
                     return;
-                };
-                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-                tokio::spawn(async move {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
+                }
+                // Back: the restored task's `apiHook.Prestart` creates the socket again.
+                match tokio::net::UnixListener::bind(&sock) {
+                    Ok(l) => {
+                        let _ =
+                            std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666));
+                        listener = Some(l);
+                    }
+                    Err(e) => {
+                        tracing::warn!(path = %sock.display(), error = %e, "error creating task api socket");
+                        return;
+                    }
+                }
             }
         });
         Some(Guard { path, task })

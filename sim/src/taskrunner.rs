@@ -114,6 +114,9 @@ pub struct TaskRunner {
     pub node_view: Arc<dyn Fn() -> Option<Node> + Send + Sync>,
     /// False when the runner restarts a task that was set up before (no new Task Setup event).
     pub fresh: bool,
+    /// Changes when the node's client agent came back from a restart: a running task runs
+    /// its prestart hooks again ([`TaskRunner::rerun_prestart_hooks`]).
+    pub restored: watch::Receiver<u64>,
 }
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -550,6 +553,8 @@ impl TaskRunner {
             window_start: tokio::time::Instant::now(),
         };
         let mut first = self.fresh;
+        let mut restored = self.restored.clone();
+        restored.mark_unchanged();
         // The Task API socket, kept across restarts, removed when the runner ends.
         let mut task_api: Option<crate::task_api::Guard> = None;
         loop {
@@ -624,9 +629,20 @@ impl TaskRunner {
                         Some("running"),
                     );
                     self.report();
-                    let status = tokio::select! {
-                        s = child.wait() => Some(s.ok()),
-                        _ = kill.wait_for(|k| k.is_some()) => None,
+                    let status = loop {
+                        let came_back = tokio::select! {
+                            s = child.wait() => break Some(s.ok()),
+                            _ = kill.wait_for(|k| k.is_some()) => break None,
+                            Ok(()) = restored.changed() => true,
+                        };
+                        if came_back {
+                            if let Some(out) = self
+                                .rerun_prestart_hooks(&mut child, &mut tracker, &mut kill)
+                                .await
+                            {
+                                return out;
+                            }
+                        }
                     };
                     match status {
                         Some(s) => Some(s),
@@ -686,6 +702,102 @@ impl TaskRunner {
                     push_state(&self.states, &name, "dead");
                     self.report();
                     return Outcome::Failed;
+                }
+            }
+        }
+    }
+
+    /// The group's host volumes this node does not have: Nomad's volume hook checks every
+    /// host volume the group requests, mounted by this task or not
+    /// (`volume_hook.go` `prepareHostVolumes` → `validateHostVolumes`, a multierror of
+    /// "missing <source>").
+    fn missing_host_volumes(&self, node: &Node) -> Option<String> {
+        let vols = self.group.Volumes.clone().unwrap_or_default();
+        let missing: Vec<String> = vols
+            .values()
+            .filter(|r| r.Type == "host")
+            .map(|r| r.source_for(&self.alloc.Name))
+            .filter(|src| !node.HostVolumes.contains_key(src))
+            .collect();
+        if missing.is_empty() {
+            return None;
+        }
+        let mut msg = format!(
+            "host volume validation error: {} error{} occurred:\n",
+            missing.len(),
+            if missing.len() == 1 { "" } else { "s" }
+        );
+        for m in missing {
+            msg.push_str(&format!("\t* missing {m}\n"));
+        }
+        msg.push('\n');
+        Some(msg)
+    }
+
+    /// The client agent came back from a restart while this task runs: its prestart hooks
+    /// run again on the restored task (`task_runner.go` `Run` → `prestart`; the volume hook
+    /// never reports itself done). When the group's host volume did not come back, the
+    /// `volumes` hook fails ("Task hook failed", `emitHookError`), the failure is a
+    /// recoverable start error (`SetStartError`) and the restart policy decides: each
+    /// restart waits its delay (task `pending`, the restored process still running) and runs
+    /// the hooks again; once the policy gives up ("Not Restarting", the task failed) the
+    /// process is killed (`Run`: a handle left after the MAIN loop is killed). `None`: the
+    /// hooks passed, the task runs on.
+    async fn rerun_prestart_hooks(
+        &self,
+        child: &mut tokio::process::Child,
+        tracker: &mut RestartTracker,
+        kill: &mut watch::Receiver<Option<KillRequest>>,
+    ) -> Option<Outcome> {
+        let name = self.task.Name.clone();
+        loop {
+            let node = (self.node_view)().unwrap_or_else(|| self.node.node.clone());
+            let msg = self.missing_host_volumes(&node)?;
+            // `emitHookError`: `SetMessage("<hook>: <err>")`, shown as the display message.
+            let mut e = ev("Task hook failed", &format!("volumes: {msg}"));
+            e.Message = format!("volumes: {msg}");
+            push_event(&self.states, &name, e, None);
+            self.report();
+            match tracker.next() {
+                Decision::Restart(delay) => {
+                    let mut e = ev(
+                        "Restarting",
+                        &format!("Task restarting in {}", go_duration_string(delay)),
+                    );
+                    e.RestartReason = "Restart within policy".into();
+                    e.StartDelay = delay.as_nanos() as i64;
+                    push_event(&self.states, &name, e, Some("pending"));
+                    with_state(&self.states, &name, |s| {
+                        s.Restarts += 1;
+                        s.LastRestart = Some(now_rfc3339());
+                    });
+                    self.report();
+                    let killed = tokio::select! {
+                        _ = tokio::time::sleep(delay) => false,
+                        _ = kill.wait_for(|k| k.is_some()) => true,
+                    };
+                    if killed {
+                        let req = kill.borrow().clone().unwrap_or_default();
+                        self.kill(child, &req).await;
+                        return Some(Outcome::Killed);
+                    }
+                }
+                Decision::Fail(reason) => {
+                    let mut e = ev("Not Restarting", &reason);
+                    e.RestartReason = reason;
+                    e.FailsTask = true;
+                    push_event(&self.states, &name, e, None);
+                    with_state(&self.states, &name, |s| s.Failed = true);
+                    self.report();
+                    self.kill(
+                        child,
+                        &KillRequest {
+                            no_delay: true,
+                            ..Default::default()
+                        },
+                    )
+                    .await;
+                    return Some(Outcome::Failed);
                 }
             }
         }

@@ -63,3 +63,30 @@ async fn query_meta_headers_and_error_bodies() {
     .await
     .expect("test timed out");
 }
+
+/// `GET /v1/allocation/:id` reads the exact ID (`Alloc.GetAlloc` → `AllocByID`): a prefix is
+/// 404 "alloc not found"; the CLI resolves prefixes through `GET /v1/allocations?prefix=`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_allocation_is_read_by_its_exact_id_only() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let job = sim
+            .run_job("job \"x\" {\n  group \"g\" {\n    task \"t\" {\n      driver = \"raw_exec\"\n      kill_timeout = \"1s\"\n      config {\n        command = \"/bin/sleep\"\n        args = [\"100\"]\n      }\n    }\n  }\n}")
+            .await;
+        let id = sim
+            .wait_for(20, "an allocation", || async {
+                sim.job_allocs(&job).await.first()?["ID"].as_str().map(String::from)
+            })
+            .await;
+        let (s, _, _) = sim.req(Method::GET, &format!("/v1/allocation/{id}"), None).await;
+        assert_eq!(s, 200);
+        let (s, _, b) = sim
+            .req(Method::GET, &format!("/v1/allocation/{}", &id[..8]), None)
+            .await;
+        assert_eq!((s, b.as_str()), (404, "alloc not found"));
+        let list = sim.get(&format!("/v1/allocations?prefix={}", &id[..8])).await;
+        assert_eq!(list[0]["ID"], id.as_str());
+    })
+    .await
+    .expect("test timed out");
+}

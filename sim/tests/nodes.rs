@@ -606,3 +606,235 @@ async fn registering_a_volume_again_is_refused_while_allocations_use_it() {
     .await
     .expect("test timed out");
 }
+
+/// A restarted client runs the prestart hooks of its restored tasks again: a running task
+/// whose group's dynamic host volume did not come back fails its `volumes` hook ("missing
+/// <source>"), goes through its restart policy with its process still running, and is killed
+/// once the policy gives up; the allocation fails. Until then the volume cannot be registered
+/// again (it is in use); once the allocation is client-terminal it can
+/// (`taskrunner/volume_hook.go` `validateHostVolumes`, `task_runner.go` `Run`,
+/// `nomad/host_volume_endpoint.go` `validateVolumeUpdate`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_client_kills_allocations_whose_host_volume_did_not_come_back() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let path = sim.path().join("data");
+        std::fs::create_dir_all(&path).unwrap();
+        let r = sim
+            .put(
+                "/v1/volume/host/register",
+                json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": path}}),
+            )
+            .await;
+        let vol = r["Volume"]["ID"].as_str().unwrap().to_string();
+        sim.wait_for(5, "volume ready", || async {
+            (sim.get(&format!("/v1/volume/host/{vol}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+        let job = sim
+            .run_job(
+                r#"job "uses" {
+  group "g" {
+    reschedule {
+      attempts  = 0
+      unlimited = false
+    }
+    volume "data" {
+      type   = "host"
+      source = "data"
+    }
+    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      restart {
+        attempts = 1
+        delay    = "2s"
+        interval = "1m"
+        mode     = "fail"
+      }
+      config {
+        command = "/bin/sleep"
+        args    = ["1000"]
+      }
+    }
+  }
+}"#,
+            )
+            .await;
+        let alloc = sim
+            .wait_for(20, "the task running", || async {
+                sim.job_allocs(&job)
+                    .await
+                    .into_iter()
+                    .find(|a| a["ClientStatus"] == "running")
+            })
+            .await;
+        let id = alloc["ID"].as_str().unwrap().to_string();
+        std::fs::remove_dir_all(&path).unwrap();
+        let r = sim
+            .put(&format!("/v1/sim/node/{node}/restart"), json!({}))
+            .await;
+        assert_eq!(r["DroppedHostVolumes"], json!([vol]));
+        // The hook failed and the policy restarts: the restored process still runs.
+        let a = sim
+            .wait_for(5, "the volumes hook failed", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                let evs = a["TaskStates"]["t"]["Events"].as_array()?.clone();
+                evs.iter()
+                    .any(|e| e["Type"] == "Restarting")
+                    .then_some(a)
+            })
+            .await;
+        let evs = a["TaskStates"]["t"]["Events"].as_array().unwrap();
+        let hook = evs
+            .iter()
+            .find(|e| e["Type"] == "Task hook failed")
+            .expect("a Task hook failed event");
+        assert_eq!(
+            hook["Message"],
+            "volumes: host volume validation error: 1 error occurred:\n\t* missing data\n\n"
+        );
+        // Restarting: the task is `pending`, so is the allocation (`getClientStatus`).
+        assert_eq!(a["TaskStates"]["t"]["State"], "pending");
+        assert_eq!(a["ClientStatus"], "pending");
+        // In use: the volume cannot be registered again yet.
+        let again = json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": sim.path().join("data"), "ID": vol}});
+        std::fs::create_dir_all(&path).unwrap();
+        let (s, _, b) = sim
+            .req(Method::PUT, "/v1/volume/host/register", Some(again.clone()))
+            .await;
+        assert_eq!(s, 500, "{b}");
+        assert!(b.contains("cannot update a volume in use"), "{b}");
+        // The policy gives up after its one attempt: the task is killed, the allocation fails.
+        let a = sim
+            .wait_for(15, "the allocation failed", || async {
+                let a = sim.get(&format!("/v1/allocation/{id}")).await;
+                (a["ClientStatus"] == "failed").then_some(a)
+            })
+            .await;
+        let evs: Vec<&str> = a["TaskStates"]["t"]["Events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["Type"].as_str().unwrap())
+            .collect();
+        assert!(evs.ends_with(&["Not Restarting", "Killing", "Terminated", "Killed"]), "{evs:?}");
+        assert_eq!(
+            evs.iter().filter(|t| **t == "Task hook failed").count(),
+            2,
+            "once after the restart, once after the restart delay: {evs:?}"
+        );
+        assert_eq!(a["TaskStates"]["t"]["Failed"], true);
+        // Client-terminal: the volume can be registered again.
+        sim.put("/v1/volume/host/register", again).await;
+        sim.wait_for(5, "volume ready again", || async {
+            (sim.get(&format!("/v1/volume/host/{vol}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Host volume registration and deletion as `HostVolume.Register` and `HostVolume.Delete`
+/// answer them: their own checks are uncoded errors (500: node ID, host path, `Validate`,
+/// an unknown node); a node the servers have no connection to (down) turns its volumes
+/// `unavailable`, cannot take a registration ("No path to node") and refuses a delete
+/// unless `force=true` (`nomad/host_volume_endpoint.go`, `nomad/client_rpc.go`
+/// `findNodeConnAndForward`, `nomad/state/state_store_host_volumes.go`).
+#[tokio::test(flavor = "multi_thread")]
+async fn host_volume_register_and_delete_answer_as_nomad_on_bad_input_and_a_down_node() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("heartbeat_grace = \"1s\"\nclient \"node-1\" {}\n").await;
+        let node = sim.node_id("node-1");
+        let path = sim.path().join("v");
+        std::fs::create_dir_all(&path).unwrap();
+        let sim = &sim;
+        let reg = |v: Value| async move {
+            let (s, _, b) = sim
+                .req(Method::PUT, "/v1/volume/host/register", Some(json!({ "Volume": v })))
+                .await;
+            (s, b)
+        };
+        for (v, want) in [
+            (
+                json!({"Name": "v", "HostPath": path}),
+                "cannot register volume: node ID is required".to_string(),
+            ),
+            (
+                json!({"Name": "v", "NodeID": node}),
+                "cannot register volume: host path is required".to_string(),
+            ),
+            (
+                json!({"NodeID": node, "HostPath": path}),
+                "volume validation failed: missing name".to_string(),
+            ),
+            (
+                json!({"Name": "v", "NodeID": node, "HostPath": path, "ID": "not-a-uuid"}),
+                "volume validation failed: invalid ID \"not-a-uuid\"".to_string(),
+            ),
+        ] {
+            assert_eq!(reg(v).await, (500, want));
+        }
+        let (s, b) = reg(json!({"Name": "v", "NodeID": "5c0ffee0-0000-4000-8000-000000000000", "HostPath": path})).await;
+        assert_eq!(s, 500, "{b}");
+        assert!(
+            b.starts_with("validating volume \"") && b.ends_with("against state failed: node \"5c0ffee0-0000-4000-8000-000000000000\" does not exist"),
+            "{b}"
+        );
+        let r = sim
+            .put(
+                "/v1/volume/host/register",
+                json!({"Volume": {"Name": "v", "NodeID": node, "HostPath": path}}),
+            )
+            .await;
+        let id = r["Volume"]["ID"].as_str().unwrap().to_string();
+        // `CanonicalizeForRegister` leaves a registered volume's PluginID as sent (none).
+        assert_eq!(r["Volume"]["PluginID"], "", "{r}");
+        sim.wait_for(5, "volume ready", || async {
+            (sim.get(&format!("/v1/volume/host/{id}")).await["State"] == "ready").then_some(())
+        })
+        .await;
+
+        sim.put(&format!("/v1/sim/node/{node}/heartbeat?stop=true"), json!({}))
+            .await;
+        sim.wait_for(10, "the node down", || async {
+            (sim.get(&format!("/v1/node/{node}")).await["Status"] == "down").then_some(())
+        })
+        .await;
+        assert_eq!(
+            sim.get(&format!("/v1/volume/host/{id}")).await["State"],
+            "unavailable"
+        );
+        let (s, b) = reg(json!({"Name": "w", "NodeID": node, "HostPath": path})).await;
+        assert_eq!((s, b.as_str()), (500, "No path to node"));
+        let del = |q: &'static str| {
+            let id = id.clone();
+            let sim = &sim;
+            async move {
+                let (s, _, b) = sim
+                    .req(Method::DELETE, &format!("/v1/volume/host/{id}{q}"), None)
+                    .await;
+                (s, b)
+            }
+        };
+        assert_eq!(
+            del("").await,
+            (
+                500,
+                "volume cannot be removed from unknown node without force=true".into()
+            )
+        );
+        assert_eq!(del("?force=maybe").await, (400, "invalid force value".into()));
+        assert_eq!(del("?force=true").await.0, 200);
+        let (s, _, _) = sim
+            .req(Method::GET, &format!("/v1/volume/host/{id}"), None)
+            .await;
+        assert_eq!(s, 404);
+        sim.put(&format!("/v1/sim/node/{node}/heartbeat?stop=false"), json!({}))
+            .await;
+    })
+    .await
+    .expect("test timed out");
+}

@@ -912,6 +912,7 @@ mod tests {
             max_parallel: 2,
             claim_ttl: Duration::from_secs(15),
             claim_lock_delay: Duration::from_secs(15),
+            fallback_addresses: Vec::new(),
             claim_fence_margin: None,
             audiences: vec![],
             metrics_addr: None,

@@ -147,6 +147,9 @@ pub struct Client {
     /// The last list of the node's allocations was at least [`ROTATE_AFTER_BYTES`]: the
     /// next one closes its connection. Shared by clones (one watch loop asks).
     rotate_list: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Other agents for claim lock calls while the local one cannot be connected to
+    /// ([`Client::with_fallbacks`]).
+    fallbacks: std::sync::Arc<Vec<Client>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -294,7 +297,32 @@ impl Client {
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
             rotate_list: Default::default(),
+            fallbacks: Default::default(),
         })
+    }
+
+    /// This client, with `addresses` (other Nomad agents, e.g. the servers) to send lock
+    /// operations ([`Client::lock_op`]) to while the configured agent cannot be connected to:
+    /// a local client agent that restarts takes its socket and port away for as long as it
+    /// fingerprints and restores (`client/client.go` `NewClient`), longer than a claim's
+    /// lease may allow. Same TLS settings; the token is shared with this client (a re-read
+    /// token reaches them too). Errors as [`Client::new`].
+    pub fn with_fallbacks(
+        mut self,
+        cfg: &NomadConfig,
+        addresses: &[String],
+    ) -> Result<Self, NomadError> {
+        let mut out = Vec::new();
+        for a in addresses.iter().filter(|a| !a.trim().is_empty()) {
+            let mut c = Client::new(&NomadConfig {
+                address: a.trim().to_string(),
+                ..cfg.clone()
+            })?;
+            c.token = self.token.clone();
+            out.push(c);
+        }
+        self.fallbacks = std::sync::Arc::new(out);
+        Ok(self)
     }
 
     /// Replaces the token of this client and of all its clones. Returns true when it changed.
@@ -844,7 +872,30 @@ impl Client {
     /// `Lock{ID}`: release refuses any `Items` key, even `{}` (400). A lock held by someone
     /// else (or in its lock delay, or a stale ID) is [`NomadError::CasConflict`]: Nomad answers
     /// 409 for all of them (404 on renew when the variable is gone).
+    ///
+    /// When the agent cannot be connected to at all (refused, socket gone: it restarts) and
+    /// fallback agents are set ([`Client::with_fallbacks`]), the operation is sent to them in
+    /// turn; the first one that answers decides.
     pub async fn lock_op(&self, op: LockOp, var: &Variable) -> Result<Variable, NomadError> {
+        let first = self.lock_op_here(op, var).await;
+        let down =
+            matches!(&first, Err(NomadError::Unreachable { source, .. }) if source.is_connect());
+        if !down {
+            return first;
+        }
+        for f in self.fallbacks.iter() {
+            match f.lock_op_here(op, var).await {
+                Err(NomadError::Unreachable { source, .. }) if source.is_connect() => continue,
+                other => {
+                    tracing::info!(local = %self.addr, via = %f.addr, op = op.what(), ok = other.is_ok(), "the local Nomad agent cannot be connected to; lock operation sent to a fallback agent");
+                    return other;
+                }
+            }
+        }
+        first
+    }
+
+    async fn lock_op_here(&self, op: LockOp, var: &Variable) -> Result<Variable, NomadError> {
         let id = var.lock.as_ref().map(|l| l.id.clone()).unwrap_or_default();
         let body = match op {
             LockOp::Acquire => serde_json::json!({
@@ -1194,6 +1245,53 @@ mod tests {
             assert!(body.get("Items").is_none(), "{op:?} sent Items: {body}");
             assert_eq!(body["Lock"], serde_json::json!({"ID": "L"}), "{op:?}");
         }
+    }
+
+    /// Issue 34 item 4: a lock operation the local agent cannot take at all (nothing listens:
+    /// it restarts) goes to the fallback agents in turn; an agent that answers, even with an
+    /// error, is not bypassed (a partitioned agent answers, and its answer decides).
+    #[tokio::test]
+    async fn lock_operations_go_to_a_fallback_only_when_the_local_agent_cannot_be_connected_to() {
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let body = "{\"Namespace\":\"default\",\"Path\":\"p\",\"Lock\":{\"ID\":\"L\"}}";
+        let server = answering("200 OK", body).await;
+        let cfg = NomadConfig::plain(&format!("http://{closed}"));
+        let var = Variable {
+            namespace: "default".into(),
+            path: "dhv-binder/claims/v".into(),
+            lock: Some(VariableLock {
+                id: "L".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let alone = Client::new(&cfg).unwrap();
+        assert!(matches!(
+            alone.lock_op(LockOp::Renew, &var).await,
+            Err(NomadError::Unreachable { .. })
+        ));
+        let unreachable = format!("http://{closed}");
+        let with = Client::new(&cfg)
+            .unwrap()
+            .with_fallbacks(&cfg, &[unreachable, server.address().to_string()])
+            .unwrap();
+        let got = with.lock_op(LockOp::Renew, &var).await.unwrap();
+        assert_eq!(got.lock.map(|l| l.id).as_deref(), Some("L"));
+        // A local agent that answers (here a 500 from a partitioned client) decides.
+        let partitioned =
+            answering("500 Internal Server Error", "rpc error: failed to get conn").await;
+        let pcfg = NomadConfig::plain(partitioned.address());
+        let with = Client::new(&pcfg)
+            .unwrap()
+            .with_fallbacks(&pcfg, &[server.address().to_string()])
+            .unwrap();
+        assert!(matches!(
+            with.lock_op(LockOp::Renew, &var).await,
+            Err(NomadError::Status { status: 500, .. })
+        ));
     }
 
     /// Issue 11 #7: `HostVolume.Delete` answers a volume already gone with 500 "no such

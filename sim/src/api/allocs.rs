@@ -46,17 +46,9 @@ pub(super) async fn alloc_get(
 ) -> ApiResult {
     let q = Query::parse(q);
     let idx = blocking(&st, &q, |t| t.allocs).await?;
-    let alloc = {
-        let s = st.server.read();
-        s.allocs.get(&id).cloned().or_else(|| {
-            let m: Vec<_> = s
-                .allocs
-                .values()
-                .filter(|a| a.ID.starts_with(&id))
-                .collect();
-            (m.len() == 1 && id.len() >= 4).then(|| m[0].clone())
-        })
-    };
+    // `Alloc.GetAlloc` (nomad/alloc_endpoint.go) reads `AllocByID`: the exact ID only. A
+    // prefix is the CLI's business (`GET /v1/allocations?prefix=`).
+    let alloc = st.server.read().allocs.get(&id).cloned();
     let alloc = alloc.ok_or_else(|| ApiError(StatusCode::NOT_FOUND, "alloc not found".into()))?;
     authorize(
         &st,

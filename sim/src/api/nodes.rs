@@ -144,8 +144,23 @@ pub(super) async fn sim_partition(
 
 /// `PUT /v1/sim/node/:id/restart`: sim only, the node's client agent restarts
 /// ([`crate::nodes::restart_client`]); answers the dynamic host volumes it dropped.
-pub(super) async fn sim_restart(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult {
-    let dropped = crate::nodes::restart_client(&st.server, &id)?;
+/// `down` (a Go duration, default 0) is how long the agent is away; the answer comes once it
+/// is back.
+pub(super) async fn sim_restart(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult {
+    let down = match Query::parse(q).get("down") {
+        None | Some("") => Duration::ZERO,
+        Some(d) => crate::clock::parse_go_duration(d).map_err(|e| {
+            ApiError(
+                StatusCode::BAD_REQUEST,
+                format!("Invalid down duration: {e}"),
+            )
+        })?,
+    };
+    let dropped = crate::nodes::restart_client(&st.server, &id, down).await?;
     ok(
         st.server.index(),
         &json!({"NodeID": id, "DroppedHostVolumes": dropped}),

@@ -52,8 +52,13 @@ pub(super) async fn volume_delete(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult {
-    let (_, ns) = in_namespace(&st, &headers, q, "host-volume-delete")?;
-    let idx = st.server.delete_host_volume(&ns, &id)?;
+    let (q, ns) = in_namespace(&st, &headers, q, "host-volume-delete")?;
+    // `command/agent/host_volume_endpoint.go` `deleteVolume`: `force` by `ParseBool`.
+    let force = q
+        .go_bool("force")
+        .map_err(|_| bad("invalid force value"))?
+        .unwrap_or(false);
+    let idx = st.server.delete_host_volume(&ns, &id, force)?;
     ok(idx, &json!({"Index": idx}))
 }
 
