@@ -67,6 +67,8 @@ pub struct Server {
     pub stream_close: watch::Sender<u64>,
     /// `alloc restart` requests, read by the client running the alloc.
     pub restart_tx: tokio::sync::broadcast::Sender<crate::restart::RestartRequest>,
+    /// Requests and response bytes per endpoint over every listener (`crate::counters`).
+    pub counters: crate::counters::Counters,
 }
 
 impl Server {
@@ -85,6 +87,7 @@ impl Server {
             keyring,
             stream_close: watch::channel(0).0,
             restart_tx: tokio::sync::broadcast::channel(64).0,
+            counters: crate::counters::Counters::default(),
         })
     }
 
