@@ -3,7 +3,7 @@
 //! has no such endpoint (its nearest is the `nomad.http.*` telemetry timers, which count
 //! requests but not bytes).
 //!
-//! Read with `GET /v1/sim/counters` (JSON object: route template such as `/v1/vars` →
+//! Read with `GET /v1/sim/counters` (JSON object: method and route template such as `GET /v1/vars` →
 //! `{"requests": n, "bytes": b}`, bytes = response body bytes, streamed bodies counted as
 //! they are sent) or in-process with [`Counters::snapshot`]; `PUT /v1/sim/counters/reset`
 //! zeroes them.
@@ -81,18 +81,18 @@ mod tests {
     #[test]
     fn counts_add_up_per_route_and_reset_clears() {
         let c = Counters::default();
-        c.request("/v1/vars").add(10);
-        c.request("/v1/vars").add(5);
-        c.request("/v1/var/*path");
+        c.request("GET /v1/vars").add(10);
+        c.request("GET /v1/vars").add(5);
+        c.request("GET /v1/var/*path");
         let s = c.snapshot();
         assert_eq!(
-            s["/v1/vars"],
+            s["GET /v1/vars"],
             Count {
                 requests: 2,
                 bytes: 15
             }
         );
-        assert_eq!(s["/v1/var/*path"].requests, 1);
+        assert_eq!(s["GET /v1/var/*path"].requests, 1);
         c.reset();
         assert!(c.snapshot().is_empty());
     }

@@ -423,9 +423,9 @@ async fn a_prefix_list_wakes_on_any_variable_write_and_is_counted() {
         assert!(idx > li, "the table index rose: {idx} > {li}");
         assert_eq!(body, first, "same records, only the index moved");
         let c = sim.get("/v1/sim/counters").await;
-        assert_eq!(c["/v1/vars"]["requests"], 1, "{c}");
-        assert_eq!(c["/v1/vars"]["bytes"], body.len() as u64, "{c}");
-        assert_eq!(c["/v1/var/*path"]["requests"], 1, "{c}");
+        assert_eq!(c["GET /v1/vars"]["requests"], 1, "{c}");
+        assert_eq!(c["GET /v1/vars"]["bytes"], body.len() as u64, "{c}");
+        assert_eq!(c["PUT /v1/var/*path"]["requests"], 1, "{c}");
     })
     .await
     .expect("test timed out");

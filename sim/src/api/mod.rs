@@ -411,7 +411,8 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// The counting front (`crate::counters`): one request to the matched route template, and
+/// The counting front (`crate::counters`): one request to the method and matched route
+/// template (`GET /v1/vars`), and
 /// its response body's bytes as they are sent. The counters endpoints count themselves too.
 async fn count_request(
     State(st): State<AppState>,
@@ -423,6 +424,7 @@ async fn count_request(
         .get::<axum::extract::MatchedPath>()
         .map(|m| m.as_str().to_string())
         .unwrap_or_else(|| req.uri().path().to_string());
+    let route = format!("{} {route}", req.method());
     let sink = st.server.counters.request(&route);
     let resp = next.run(req).await;
     let (parts, body) = resp.into_parts();
