@@ -199,6 +199,36 @@ async fn load(
 mod tests {
     use super::*;
 
+    /// The default floor (`--record-floor 10s`) with its jitter keeps a record change within
+    /// 15 s of every node (issue 35): the next list starts between 1 and 1.2 floors after
+    /// an answer, and a blocking list answers at once when the index moved meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn the_default_floor_lists_again_within_fifteen_seconds() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            agent: crate::config::AgentConfig,
+        }
+        let cfg = <Cli as clap::Parser>::try_parse_from(["dhv-binder"])
+            .expect("defaults parse")
+            .agent;
+        let pace = Pace::new(cfg.record_floor);
+        for _ in 0..50 {
+            let t = tokio::time::Instant::now();
+            pace.wait_from(t).await;
+            let waited = t.elapsed();
+            assert!(
+                waited >= Duration::from_secs(10) && waited <= Duration::from_secs(12),
+                "{waited:?}"
+            );
+        }
+        // A nudge (an allocation names a volume with no record) ends the wait at once.
+        let t = tokio::time::Instant::now();
+        pace.nudge.notify_one();
+        pace.wait_from(t).await;
+        assert_eq!(t.elapsed(), Duration::ZERO);
+    }
+
     #[test]
     fn each_watcher_replaces_only_the_rejections_under_its_prefix() {
         let r = Rejections::default();
