@@ -164,6 +164,7 @@ async fn blocking_queries_without_an_index_do_not_spin() {
     let cat = tokio::spawn(dhv_binder::cluster::catalog::run(
         client(&addr),
         std::time::Duration::from_secs(300),
+        dhv_binder::cluster::catalog::Pace::new(std::time::Duration::ZERO),
         dhv_binder::cluster::trust::RecordTrust::Unverified,
         dhv_binder::cluster::catalog::Rejections::default(),
         ctx,
@@ -204,4 +205,69 @@ async fn blocking_queries_without_an_index_do_not_spin() {
         + 2;
     assert!(n <= bound, "{n} requests in {window:?} (bound {bound})");
     assert!(polls >= 2, "the poll loop did not run: {polls}");
+}
+
+/// A Nomad where some variable is written all the time: every blocking variables list
+/// answers at once with a higher index (the variables table index, issue 35). The volume
+/// records' watch lists at most once per floor (1 s here, plus up to 0.2 s of jitter), not
+/// once per write; a nudge (an allocation names a volume the node has no record for) ends
+/// the floor wait at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_watch_lists_once_per_floor_however_often_variables_change() {
+    let _ = poison_proxy().await;
+    let index = Arc::new(std::sync::atomic::AtomicU64::new(10));
+    let i = index.clone();
+    let (addr, hits, _) = server(move || {
+        let n = i.fetch_add(1, Ordering::SeqCst);
+        format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Nomad-Index: {n}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]")
+    })
+    .await;
+    let run = |floor: std::time::Duration| {
+        let pace = dhv_binder::cluster::catalog::Pace::new(floor);
+        let nudge = pace.nudge.clone();
+        let (ctx, mut crx) = tokio::sync::mpsc::channel(64);
+        let cat = tokio::spawn(dhv_binder::cluster::catalog::run(
+            client(&addr),
+            std::time::Duration::from_secs(300),
+            pace,
+            dhv_binder::cluster::trust::RecordTrust::Unverified,
+            dhv_binder::cluster::catalog::Rejections::default(),
+            ctx,
+        ));
+        let drain = tokio::spawn(async move { while crx.recv().await.is_some() {} });
+        (cat, drain, nudge)
+    };
+    // The floor: over 3 s, the first list and at most 3 more (every 1–1.2 s).
+    let (cat, drain, _) = run(std::time::Duration::from_secs(1));
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    cat.abort();
+    drain.abort();
+    let n = hits.swap(0, Ordering::SeqCst);
+    assert!(
+        (2..=4).contains(&n),
+        "{n} lists in 3 s with a 1 s floor against a variables index that always rose"
+    );
+    // The nudge: with a 60 s floor, each notification lists again at once.
+    let (cat, drain, nudge) = run(std::time::Duration::from_secs(60));
+    let wait_hits = |want: usize| {
+        let hits = hits.clone();
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while hits.load(Ordering::SeqCst) < want {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{} lists, want {want}: the nudge did not end the floor wait",
+                    hits.load(Ordering::SeqCst)
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    wait_hits(1).await;
+    nudge.notify_one();
+    wait_hits(2).await;
+    nudge.notify_one();
+    wait_hits(3).await;
+    cat.abort();
+    drain.abort();
 }

@@ -23,6 +23,7 @@ pub mod cli;
 pub mod client;
 pub mod clock;
 pub mod config;
+pub mod counters;
 pub mod deployments;
 pub mod docker_driver;
 pub mod exec_driver;

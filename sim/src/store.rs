@@ -73,6 +73,8 @@ pub struct Server {
     /// A node's client agent came back from a restart: its alloc runners run the prestart
     /// hooks of their restored tasks again (`volume_hook.go` `validateHostVolumes`).
     pub restored_tx: tokio::sync::broadcast::Sender<String>,
+    /// Requests and response bytes per endpoint over every listener (`crate::counters`).
+    pub counters: crate::counters::Counters,
 }
 
 impl Server {
@@ -93,6 +95,7 @@ impl Server {
             restart_tx: tokio::sync::broadcast::channel(64).0,
             restarting: watch::channel(Default::default()).0,
             restored_tx: tokio::sync::broadcast::channel(64).0,
+            counters: crate::counters::Counters::default(),
         })
     }
 

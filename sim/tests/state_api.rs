@@ -373,3 +373,60 @@ async fn namespaces_are_not_created_on_demand() {
     .await
     .expect("test timed out");
 }
+
+/// A blocking variables list wakes on the variables table index, which every variable write
+/// raises, whatever its path or namespace (`nomad/variables_endpoint.go` `Variables.List`
+/// watches the `variables` table; docs/simulator.md). A prefix-filtered list thus answers an
+/// unrelated write with the same records at a higher index. The counting front
+/// (`GET /v1/sim/counters`) counts each list and its bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prefix_list_wakes_on_any_variable_write_and_is_counted() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("").await;
+        sim.put("/v1/var/dhv-binder/volumes/a", json!({"Items": {"k": "v"}}))
+            .await;
+        let (_, li, first) = sim
+            .req(
+                Method::GET,
+                "/v1/vars?prefix=dhv-binder/volumes/&namespace=*",
+                None,
+            )
+            .await;
+        let (s, _, _) = sim.req(Method::PUT, "/v1/sim/counters/reset", None).await;
+        assert_eq!(s, 200);
+        let h = {
+            let (http, url) = (
+                sim.http.clone(),
+                format!(
+                    "{}/v1/vars?prefix=dhv-binder/volumes/&namespace=*&index={li}&wait=20s",
+                    sim.server
+                ),
+            );
+            tokio::spawn(async move {
+                let r = http.get(url).send().await.unwrap();
+                let idx: u64 = r.headers()["x-nomad-index"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                (idx, r.text().await.unwrap())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Unrelated: another application's variable, in another path.
+        sim.put("/v1/var/other-app/config", json!({"Items": {"x": "1"}}))
+            .await;
+        let (idx, body) = tokio::time::timeout(Duration::from_secs(5), h)
+            .await
+            .expect("the list woke on an unrelated write")
+            .unwrap();
+        assert!(idx > li, "the table index rose: {idx} > {li}");
+        assert_eq!(body, first, "same records, only the index moved");
+        let c = sim.get("/v1/sim/counters").await;
+        assert_eq!(c["GET /v1/vars"]["requests"], 1, "{c}");
+        assert_eq!(c["GET /v1/vars"]["bytes"], body.len() as u64, "{c}");
+        assert_eq!(c["PUT /v1/var/*path"]["requests"], 1, "{c}");
+    })
+    .await
+    .expect("test timed out");
+}

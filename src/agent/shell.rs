@@ -25,7 +25,8 @@ use crate::nomad::watch::{self, WatchConfig, WatchEvent};
 use crate::nomad::Client;
 use crate::storage::environment::NodeEnv;
 use crate::storage::plugin::Runner;
-use std::collections::HashMap;
+use crate::volume::VolumeKey;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -758,11 +759,16 @@ pub async fn run(
     wcfg.mode = cfg.watch_mode;
     wcfg.token_file = cfg.token_file.clone();
     wcfg.processes = Some(process_probe());
+    // The record watches list at most once per floor (issue 35); the volume records' watch
+    // lists at once when an allocation names a volume this node has no record for.
+    let record_pace = catalog::Pace::new(cfg.record_floor);
+    let record_nudge = record_pace.nudge.clone();
     let background = [
         tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
         tokio::spawn(catalog::run(
             client.clone(),
             Duration::from_secs(300),
+            record_pace,
             trust.clone(),
             rejected_records.clone(),
             cat_tx,
@@ -770,6 +776,7 @@ pub async fn run(
         tokio::spawn(crate::cluster::snapshot::watch(
             client.clone(),
             Duration::from_secs(300),
+            catalog::Pace::new(cfg.record_floor),
             trust.clone(),
             rejected_records.clone(),
             snap_tx,
@@ -859,6 +866,7 @@ pub async fn run(
         tick: ticker(cfg.tick),
         every: cfg.tick,
     };
+    let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -870,6 +878,13 @@ pub async fn run(
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
         shell.meter.after_pass(&core);
+        // A volume named by an allocation and not in the catalogue: list the records now
+        // rather than after the floor (once per such volume, not once per pass).
+        let unknown: BTreeSet<VolumeKey> = core.unknown_named_volumes().cloned().collect();
+        if unknown.iter().any(|k| !asked_for.contains(k)) {
+            record_nudge.notify_one();
+        }
+        asked_for = unknown;
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = r.set_volumes(core.node_volumes());
@@ -906,6 +921,7 @@ mod tests {
             plugin_timeout: Duration::from_secs(10),
             stream_idle_timeout: Duration::from_secs(95),
             resync_interval: Duration::from_secs(300),
+            record_floor: Duration::from_secs(10),
             tick: Duration::from_millis(200),
             plugin_rescan: Duration::from_secs(60),
             health_interval: Duration::from_secs(10),

@@ -187,6 +187,11 @@ impl View {
         std::mem::take(&mut self.changes)
     }
 
+    /// Every volume some allocation of this node names, whether or not a record exists.
+    pub fn named_volumes(&self) -> impl Iterator<Item = &VolumeKey> + '_ {
+        self.needing.keys()
+    }
+
     /// The IDs of the allocations whose group names `volume` (live or not, usable or
     /// not: the plan checks), in ID order.
     pub fn needing(&self, volume: &VolumeKey) -> impl Iterator<Item = &String> + '_ {

@@ -42,12 +42,48 @@ impl Rejections {
 /// What a cached variable decoded to: a record to act on, or why it is left out.
 type Decoded = Result<VolumeRecord, String>;
 
-/// Watches the records and sends a full catalogue after every change.
-/// Records that do not decode or that `trust` refuses are logged, listed in `rejected` and
-/// left out (never deleted, never acted on).
+/// The pace of a record watch: after each answer the next list waits `floor` plus up to a
+/// fifth of it (uniform jitter, so the nodes' lists spread out), unless `nudge` is notified
+/// first (an allocation names a volume the node has no record for: list at once). In Nomad
+/// a blocking variables list wakes on every variable write in the cluster (the variables
+/// table index, `nomad/variables_endpoint.go` `Variables.List`), so without a floor each
+/// agent lists once per write anywhere; with it, at most once per floor (docs/scale.md).
+#[derive(Debug, Clone)]
+pub struct Pace {
+    /// The least time between two lists (at least [`MIN_QUERY_INTERVAL`]).
+    pub floor: Duration,
+    /// Ends the current floor wait early; a notification that arrives while a list is under
+    /// way ends the next one (`tokio::sync::Notify` keeps one permit).
+    pub nudge: Arc<tokio::sync::Notify>,
+}
+
+impl Pace {
+    /// A pace of `floor` with its own nudge.
+    pub fn new(floor: Duration) -> Self {
+        Pace {
+            floor,
+            nudge: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// Waits out the floor from `answered`, or until nudged.
+    pub async fn wait_from(&self, answered: tokio::time::Instant) {
+        let floor = self.floor.max(MIN_QUERY_INTERVAL);
+        let jitter = floor.mul_f64(rand::random::<f64>() / 5.0);
+        tokio::select! {
+            _ = tokio::time::sleep_until(answered + floor + jitter) => {}
+            _ = self.nudge.notified() => {}
+        }
+    }
+}
+
+/// Watches the records and sends a full catalogue after every change, listing at most once
+/// per `pace` (see [`Pace`]). Records that do not decode or that `trust` refuses are logged,
+/// listed in `rejected` and left out (never deleted, never acted on).
 pub async fn run(
     client: Client,
     wait: Duration,
+    pace: Pace,
     trust: RecordTrust,
     rejected: Rejections,
     tx: mpsc::Sender<Catalogue>,
@@ -55,13 +91,11 @@ pub async fn run(
     let mut index = 0u64;
     let mut attempt = 0u32;
     let mut cache: HashMap<(String, String), (u64, Option<Decoded>)> = HashMap::new();
-    let mut last_query: Option<tokio::time::Instant> = None;
+    let mut last_answer: Option<tokio::time::Instant> = None;
     loop {
-        // A previous answer that did not move the index forward: wait out the floor.
-        if let Some(t) = last_query.take() {
-            tokio::time::sleep_until(t + MIN_QUERY_INTERVAL).await;
+        if let Some(t) = last_answer.take() {
+            pace.wait_from(t).await;
         }
-        let asked = tokio::time::Instant::now();
         let list = match client.list_variables(RECORD_PREFIX, "*", index, wait).await {
             Ok(l) => l,
             Err(e) => {
@@ -77,9 +111,7 @@ pub async fn run(
             }
         };
         attempt = 0;
-        if list.index <= index {
-            last_query = Some(asked);
-        }
+        last_answer = Some(tokio::time::Instant::now());
         if list.index < index {
             // Index went backwards (restore): start over.
             cache.clear();
@@ -166,6 +198,36 @@ async fn load(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default floor (`--record-floor 10s`) with its jitter keeps a record change within
+    /// 15 s of every node (issue 35): the next list starts between 1 and 1.2 floors after
+    /// an answer, and a blocking list answers at once when the index moved meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn the_default_floor_lists_again_within_fifteen_seconds() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            agent: crate::config::AgentConfig,
+        }
+        let cfg = <Cli as clap::Parser>::try_parse_from(["dhv-binder"])
+            .expect("defaults parse")
+            .agent;
+        let pace = Pace::new(cfg.record_floor);
+        for _ in 0..50 {
+            let t = tokio::time::Instant::now();
+            pace.wait_from(t).await;
+            let waited = t.elapsed();
+            assert!(
+                waited >= Duration::from_secs(10) && waited <= Duration::from_secs(12),
+                "{waited:?}"
+            );
+        }
+        // A nudge (an allocation names a volume with no record) ends the wait at once.
+        let t = tokio::time::Instant::now();
+        pace.nudge.notify_one();
+        pace.wait_from(t).await;
+        assert_eq!(t.elapsed(), Duration::ZERO);
+    }
 
     #[test]
     fn each_watcher_replaces_only_the_rejections_under_its_prefix() {

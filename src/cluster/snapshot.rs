@@ -599,13 +599,14 @@ pub type Snapshots = BTreeMap<String, SnapshotRecord>;
 
 /// Watches the snapshot records (Nomad API: `GET /v1/vars?prefix=dhv-binder/snapshots/&namespace=*`
 /// as a blocking query of `wait`) and sends every record `trust` admits after each change, as
-/// the volume catalogue does for volume records. A record is read again only when its
+/// the volume catalogue does for volume records, at most once per `pace` (`catalog::Pace`). A record is read again only when its
 /// `ModifyIndex` moved; one that does not decode or that `trust` refuses ([`admit`]) is
 /// logged once (per index), listed in `rejected` and left out (never deleted, never acted
 /// on). Nomad errors are retried with a backoff of 0.5 s doubling to 30 s.
 pub async fn watch(
     client: crate::nomad::Client,
     wait: std::time::Duration,
+    pace: crate::cluster::catalog::Pace,
     trust: RecordTrust,
     rejected: crate::cluster::catalog::Rejections,
     tx: tokio::sync::mpsc::Sender<Snapshots>,
@@ -615,7 +616,11 @@ pub async fn watch(
     let mut index = 0u64;
     let mut attempt = 0u32;
     let mut cache: BTreeMap<(String, String), (u64, Decoded)> = BTreeMap::new();
+    let mut last_answer: Option<tokio::time::Instant> = None;
     loop {
+        if let Some(t) = last_answer.take() {
+            pace.wait_from(t).await;
+        }
         let loaded = async {
             let list = client
                 .list_variables(SNAPSHOT_PREFIX, "*", index, wait)
@@ -654,6 +659,7 @@ pub async fn watch(
         match loaded {
             Ok(i) => {
                 attempt = 0;
+                last_answer = Some(tokio::time::Instant::now());
                 rejected.replace_under(
                     SNAPSHOT_PREFIX,
                     crate::cluster::catalog::rejections_of(&cache),

@@ -16,6 +16,14 @@ pub fn dhv_binder_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_dhv-binder"))
 }
 
+/// The binary the cluster runs (agents and CLI): `BENCH_AGENT_BIN` when set (another build, e.g. the
+/// one before a change, for a bench's before/after table), else [`dhv_binder_bin`].
+pub fn agent_bin() -> PathBuf {
+    std::env::var_os("BENCH_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(dhv_binder_bin)
+}
+
 /// The simulator binary: built by `cargo build --workspace` next to dhv-binder.
 pub fn nomad_sim_bin() -> PathBuf {
     let p = dhv_binder_bin().with_file_name("nomad-sim");
@@ -288,11 +296,11 @@ impl Cluster {
         let helpers = self.cgroup.child(&format!("{}.helpers", n.name));
         // In its own cgroup, as Nomad runs a raw_exec task (`helper run` enters it, then
         // execs the agent: same PID).
-        let child = Command::new(dhv_binder_bin())
+        let child = Command::new(agent_bin())
             .args(["helper", "run", "--cgroup"])
             .arg(&agent_cgroup)
             .arg("--")
-            .arg(dhv_binder_bin())
+            .arg(agent_bin())
             .arg("agent")
             .env_clear()
             .env("DHV_BINDER_HELPER_CGROUP", &helpers)
@@ -346,7 +354,7 @@ impl Cluster {
 
     /// Runs the dhv-binder CLI against the server; returns (status code, stdout + stderr).
     pub fn cli(&self, args: &[&str]) -> (i32, String) {
-        let out = Command::new(dhv_binder_bin())
+        let out = Command::new(agent_bin())
             .args(args)
             .env_clear()
             .env("NOMAD_ADDR", &self.server)

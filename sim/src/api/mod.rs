@@ -384,6 +384,16 @@ pub fn router(state: AppState) -> Router {
             "/v1/sim/leader",
             put(faults::set_leader).post(faults::set_leader),
         )
+        .route("/v1/sim/counters", get(sim_counters))
+        .route(
+            "/v1/sim/counters/reset",
+            put(sim_counters_reset).post(sim_counters_reset),
+        )
+        // Counts what each matched route answers, after every guard below has had its say.
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_request,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             no_leader_guard,
@@ -399,6 +409,48 @@ pub fn router(state: AppState) -> Router {
             partition_guard,
         ))
         .with_state(state)
+}
+
+/// The counting front (`crate::counters`): one request to the method and matched route
+/// template (`GET /v1/vars`), and
+/// its response body's bytes as they are sent. The counters endpoints count themselves too.
+async fn count_request(
+    State(st): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_string())
+        .unwrap_or_else(|| req.uri().path().to_string());
+    let route = format!("{} {route}", req.method());
+    let sink = st.server.counters.request(&route);
+    let resp = next.run(req).await;
+    let (parts, body) = resp.into_parts();
+    if let Some(n) = axum::body::HttpBody::size_hint(&body).exact() {
+        sink.add(n as usize);
+        return Response::from_parts(parts, body);
+    }
+    use futures_util::StreamExt;
+    let counted = body.into_data_stream().map(move |chunk| {
+        if let Ok(c) = &chunk {
+            sink.add(c.len());
+        }
+        chunk
+    });
+    Response::from_parts(parts, axum::body::Body::from_stream(counted))
+}
+
+/// Sim only: `GET /v1/sim/counters`, the counting front's figures (`crate::counters`).
+async fn sim_counters(State(st): State<AppState>) -> Response {
+    axum::Json(st.server.counters.snapshot()).into_response()
+}
+
+/// Sim only: `PUT /v1/sim/counters/reset` zeroes the counting front.
+async fn sim_counters_reset(State(st): State<AppState>) -> Response {
+    st.server.counters.reset();
+    StatusCode::OK.into_response()
 }
 
 /// A client agent forwards a request to the servers over RPC, and an uncoded error that

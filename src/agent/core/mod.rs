@@ -242,6 +242,14 @@ impl Core {
         out
     }
 
+    /// Volumes this node's allocations name that the catalogue has no record for (yet): the
+    /// shell has the volume-record watch list at once when one appears (`catalog::Pace`).
+    pub(crate) fn unknown_named_volumes(&self) -> impl Iterator<Item = &VolumeKey> + '_ {
+        self.view
+            .named_volumes()
+            .filter(|k| !self.volumes.contains_key(*k))
+    }
+
     /// The allocation watcher's health as last reported.
     pub(crate) fn watch_health(&self) -> &Health {
         &self.watch
