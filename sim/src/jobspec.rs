@@ -7,7 +7,8 @@
 //! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
 //! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
 //! network/service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
-//! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader).
+//! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader, artifact with
+//! source, destination and `options { checksum }`: see [`crate::artifact`]).
 
 use crate::hcl_value::{attributes, label, map_attr_or_block, Attrs, HclError};
 use crate::structs::{
@@ -327,6 +328,31 @@ fn parse_task(group_ctx: &str, t: &hcl::Block) -> Result<Task, HclError> {
                     task.Identity = Some(ident);
                 } else {
                     task.Identities.get_or_insert_with(Vec::new).push(ident);
+                }
+            }
+            "artifact" => {
+                let attrs = attributes(&bctx, &b.body)?;
+                let aa = Attrs::new(&bctx, &attrs);
+                let mut checksum = None;
+                for o in b
+                    .body
+                    .blocks()
+                    .filter(|o| o.identifier.as_str() == "options")
+                {
+                    let octx = format!("{bctx}.options");
+                    let oattrs = attributes(&octx, &o.body)?;
+                    checksum = Attrs::new(&octx, &oattrs).str("checksum")?;
+                }
+                let a = crate::artifact::Artifact {
+                    source: aa.str("source")?.ok_or_else(|| {
+                        HclError::Invalid(bctx.clone(), "artifact without source".into())
+                    })?,
+                    checksum,
+                    destination: aa.str("destination")?.unwrap_or_else(|| "local/".into()),
+                };
+                match &mut task.Artifacts {
+                    serde_json::Value::Array(list) => list.push(a.to_json()),
+                    other => *other = serde_json::Value::Array(vec![a.to_json()]),
                 }
             }
             "resources" => {
