@@ -9,6 +9,20 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Serves `body` for every request on a loopback port; returns the port.
+/// Submits `hcl` as `nomad job run -var sha=<sha>` does: `/v1/jobs/parse` with `Variables`.
+async fn run_with_sha(sim: &Sim, hcl: &str, sha: Option<&str>) {
+    let vars = sha.map(|s| format!("sha = \"{s}\"\n")).unwrap_or_default();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/jobs/parse", sim.server))
+        .json(&serde_json::json!({"JobHCL": hcl, "Canonicalize": true, "Variables": vars}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let job: serde_json::Value = resp.json().await.unwrap();
+    sim.put("/v1/jobs", serde_json::json!({"Job": job})).await;
+}
+
 async fn serve(body: Vec<u8>) -> u16 {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
@@ -33,9 +47,15 @@ async fn serve(body: Vec<u8>) -> u16 {
     port
 }
 
-fn job(name: &str, port: u16, sha: &str) -> String {
+/// A batch job whose artifact's checksum is the variable `sha` (default all zeros).
+fn job(name: &str, port: u16) -> String {
     format!(
-        r#"job "{name}" {{
+        r#"variable "sha" {{
+  type    = string
+  default = "0000000000000000000000000000000000000000000000000000000000000000"
+}}
+
+job "{name}" {{
   type = "batch"
   group "g" {{
     restart {{
@@ -48,7 +68,7 @@ fn job(name: &str, port: u16, sha: &str) -> String {
         source      = "http://127.0.0.1:{port}/hello_0.1.0.tar.gz"
         destination = "local/"
         options {{
-          checksum = "sha256:{sha}"
+          checksum = "sha256:${{var.sha}}"
         }}
       }}
       config {{
@@ -86,7 +106,7 @@ async fn a_checked_tarball_is_unpacked_into_the_task_dir_and_a_mismatch_fails() 
         let port = serve(body).await;
         let sim = Sim::start("client \"node-1\" {}").await;
 
-        sim.run_job(&job("good", port, &sha)).await;
+        run_with_sha(&sim, &job("good", port), Some(&sha)).await;
         let a = sim
             .wait_for(20, "the good job to finish", || async {
                 let a = sim.job_allocs("good").await.first()?.clone();
@@ -98,8 +118,9 @@ async fn a_checked_tarball_is_unpacked_into_the_task_dir_and_a_mismatch_fails() 
         assert_eq!(a["ClientStatus"], "complete", "{types:?} {a:#}");
         assert!(types.contains(&"Downloading Artifacts"), "{types:?}");
 
+        // The variable's default: the wrong sum.
         let wrong = "0".repeat(64);
-        sim.run_job(&job("bad", port, &wrong)).await;
+        run_with_sha(&sim, &job("bad", port), None).await;
         let a = sim
             .wait_for(20, "the bad job to fail", || async {
                 let a = sim.job_allocs("bad").await.first()?.clone();
