@@ -87,7 +87,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         ) => cli::EXIT_FAILED,
                         dhv_binder::agent::StartError::Host(_)
                         | dhv_binder::agent::StartError::Trust(_)
-                        | dhv_binder::agent::StartError::PluginRoot(_) => cli::EXIT_CONFIG,
+                        | dhv_binder::agent::StartError::PluginRoot(_)
+                        | dhv_binder::agent::StartError::Journal(
+                            dhv_binder::node::journal::JournalError::NewerFormat { .. },
+                        ) => cli::EXIT_CONFIG,
                         _ => cli::EXIT_FAILED,
                     },
                     message: e.to_string(),

@@ -7,7 +7,8 @@
 //! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
 //! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
 //! network/service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
-//! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader).
+//! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader, artifact with
+//! source, destination and `options { checksum }`: see [`crate::artifact`]).
 
 use crate::hcl_value::{attributes, label, map_attr_or_block, Attrs, HclError};
 use crate::structs::{
@@ -17,9 +18,24 @@ use crate::structs::{
 use hcl::Body;
 use std::collections::BTreeMap;
 
-/// Parses a jobspec. Errors carry the path of the offending attribute.
+/// Parses a jobspec with its variables' defaults. Errors carry the path of the offending
+/// attribute.
 pub fn parse(src: &str) -> Result<Job, HclError> {
-    let body: Body = hcl::parse(src)?;
+    parse_with_variables(src, "")
+}
+
+/// Parses a jobspec, its `variable` blocks set from `var_file` (HCL attributes,
+/// `name = "value"`: what `nomad job run -var name=value` and `-var-file` send as
+/// `Variables` to `POST /v1/jobs/parse`), else from their `default`. A variable is used as
+/// `var.<name>` or `${var.<name>}` inside a string (Nomad: `jobspec2/parse.go` `ParseWithConfig`,
+/// `jobspec2/types.variables.go` `collectVariableValues`). Errors: a variable set but not
+/// declared, used but not declared, or declared without a default and not set.
+pub fn parse_with_variables(src: &str, var_file: &str) -> Result<Job, HclError> {
+    let mut body: Body = hcl::parse(src)?;
+    let vars = variables(&body, var_file)?;
+    body.0
+        .retain(|s| !matches!(s, hcl::Structure::Block(b) if b.identifier.as_str() == "variable"));
+    substitute_body(&mut body, &vars)?;
     let job_block = body
         .blocks()
         .find(|b| b.identifier.as_str() == "job")
@@ -60,6 +76,128 @@ pub fn parse(src: &str) -> Result<Job, HclError> {
         job.TaskGroups.push(tg);
     }
     Ok(job)
+}
+
+/// The variables' values: `var_file`'s settings over the declared defaults.
+fn variables(body: &Body, var_file: &str) -> Result<BTreeMap<String, String>, HclError> {
+    let mut declared = BTreeMap::new();
+    for b in body
+        .blocks()
+        .filter(|b| b.identifier.as_str() == "variable")
+    {
+        let name = label(b, 0)
+            .ok_or_else(|| HclError::Invalid("variable".into(), "missing name label".into()))?;
+        let ctx = format!("variable.{name}");
+        // `type` is a type expression (`string`), `description` text: only `default` matters.
+        let default = match b.body.attributes().find(|a| a.key.as_str() == "default") {
+            Some(a) => Some(
+                match crate::hcl_value::expr_to_json(&format!("{ctx}.default"), &a.expr)? {
+                    serde_json::Value::String(s) => s,
+                    other => other.to_string(),
+                },
+            ),
+            None => None,
+        };
+        declared.insert(name, default);
+    }
+    let set: Body = hcl::parse(var_file)?;
+    for a in set.attributes() {
+        let name = a.key.as_str();
+        let slot = declared.get_mut(name).ok_or_else(|| {
+            HclError::Invalid(
+                format!("variable.{name}"),
+                "Undefined -var variable: a variable set must be declared in the jobspec".into(),
+            )
+        })?;
+        let v = crate::hcl_value::expr_to_json(name, &a.expr)?;
+        *slot = Some(match v {
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        });
+    }
+    declared
+        .into_iter()
+        .map(|(k, v)| {
+            v.map(|v| (k.clone(), v)).ok_or_else(|| {
+                HclError::Invalid(
+                    format!("variable.{k}"),
+                    "Unset variable: a used variable must be set or have a default value".into(),
+                )
+            })
+        })
+        .collect()
+}
+
+fn substitute_body(body: &mut Body, vars: &BTreeMap<String, String>) -> Result<(), HclError> {
+    for s in body.0.iter_mut() {
+        match s {
+            hcl::Structure::Attribute(a) => substitute(&mut a.expr, vars)?,
+            hcl::Structure::Block(b) => substitute_body(&mut b.body, vars)?,
+        }
+    }
+    Ok(())
+}
+
+/// Replaces `var.<name>` (an expression) and `${var.<name>}` (in a string) by the value.
+fn substitute(e: &mut hcl::Expression, vars: &BTreeMap<String, String>) -> Result<(), HclError> {
+    use hcl::{Expression, TemplateExpr, TraversalOperator};
+    let undeclared = |name: &str| {
+        HclError::Invalid(
+            format!("var.{name}"),
+            "Reference to undeclared input variable".into(),
+        )
+    };
+    match e {
+        Expression::Traversal(t) => {
+            if let (Expression::Variable(root), [TraversalOperator::GetAttr(name)]) =
+                (&t.expr, t.operators.as_slice())
+            {
+                if root.as_str() == "var" {
+                    let v = vars
+                        .get(name.as_str())
+                        .ok_or_else(|| undeclared(name.as_str()))?;
+                    *e = Expression::String(v.clone());
+                }
+            }
+        }
+        Expression::TemplateExpr(t) => {
+            let (text, quoted) = match t.as_mut() {
+                TemplateExpr::QuotedString(s) => (s, true),
+                TemplateExpr::Heredoc(h) => (&mut h.template, false),
+            };
+            let mut out = String::with_capacity(text.len());
+            let mut rest = text.as_str();
+            while let Some(at) = rest.find("${var.") {
+                let end = rest[at..]
+                    .find('}')
+                    .map(|i| at + i)
+                    .ok_or_else(|| undeclared(&rest[at..]))?;
+                let name = &rest[at + "${var.".len()..end];
+                let v = vars.get(name).ok_or_else(|| undeclared(name))?;
+                out.push_str(&rest[..at]);
+                if quoted {
+                    out.push_str(&v.replace('\\', "\\\\").replace('"', "\\\""));
+                } else {
+                    out.push_str(v);
+                }
+                rest = &rest[end + 1..];
+            }
+            out.push_str(rest);
+            *text = out;
+        }
+        Expression::Array(a) => {
+            for x in a {
+                substitute(x, vars)?;
+            }
+        }
+        Expression::Object(o) => {
+            for x in o.values_mut() {
+                substitute(x, vars)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn constraints(ctx: &str, body: &Body) -> Result<Option<Vec<Constraint>>, HclError> {
@@ -329,6 +467,31 @@ fn parse_task(group_ctx: &str, t: &hcl::Block) -> Result<Task, HclError> {
                     task.Identities.get_or_insert_with(Vec::new).push(ident);
                 }
             }
+            "artifact" => {
+                let attrs = attributes(&bctx, &b.body)?;
+                let aa = Attrs::new(&bctx, &attrs);
+                let mut checksum = None;
+                for o in b
+                    .body
+                    .blocks()
+                    .filter(|o| o.identifier.as_str() == "options")
+                {
+                    let octx = format!("{bctx}.options");
+                    let oattrs = attributes(&octx, &o.body)?;
+                    checksum = Attrs::new(&octx, &oattrs).str("checksum")?;
+                }
+                let a = crate::artifact::Artifact {
+                    source: aa.str("source")?.ok_or_else(|| {
+                        HclError::Invalid(bctx.clone(), "artifact without source".into())
+                    })?,
+                    checksum,
+                    destination: aa.str("destination")?.unwrap_or_else(|| "local/".into()),
+                };
+                match &mut task.Artifacts {
+                    serde_json::Value::Array(list) => list.push(a.to_json()),
+                    other => *other = serde_json::Value::Array(vec![a.to_json()]),
+                }
+            }
             "resources" => {
                 let attrs = attributes(&bctx, &b.body)?;
                 let ra = Attrs::new(&bctx, &attrs);
@@ -350,6 +513,51 @@ fn parse_task(group_ctx: &str, t: &hcl::Block) -> Result<Task, HclError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The repository's system job: its variables' defaults, then `-var`-style settings,
+    /// reach the artifact block (a bare `var.x` and a `${var.x}` inside a string).
+    #[test]
+    fn the_system_jobs_variables_are_set_from_defaults_and_overrides() {
+        let src = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../jobspecs/dhv-binder.nomad.hcl"),
+        )
+        .unwrap();
+        let artifact = |job: &Job| job.TaskGroups[0].Tasks[0].Artifacts[0].clone();
+        let a = artifact(&parse(&src).unwrap());
+        assert!(
+            a["GetterSource"].as_str().unwrap().starts_with("https://"),
+            "{a}"
+        );
+        assert_eq!(
+            a["GetterOptions"]["checksum"],
+            format!("sha256:{}", "0".repeat(64))
+        );
+        let sha = "ab".repeat(32);
+        let job = parse_with_variables(
+            &src,
+            &format!("release_url = \"http://127.0.0.1:1/r.tar.gz\"\nrelease_sha256 = \"{sha}\"\n"),
+        )
+        .unwrap();
+        let a = artifact(&job);
+        assert_eq!(a["GetterSource"], "http://127.0.0.1:1/r.tar.gz");
+        assert_eq!(a["GetterOptions"]["checksum"], format!("sha256:{sha}"));
+        assert_eq!(a["RelativeDest"], "local/");
+        // Runtime interpolations stay for the client.
+        assert!(serde_json::to_string(&job)
+            .unwrap()
+            .contains("${NOMAD_SECRETS_DIR}"));
+        let err = parse_with_variables(&src, "nope = \"x\"").unwrap_err();
+        assert!(err.to_string().contains("Undefined -var variable"), "{err}");
+        let err =
+            parse("variable \"a\" {}\njob \"j\" {\n  meta {\n    x = var.a\n  }\n}\n").unwrap_err();
+        assert!(err.to_string().contains("Unset variable"), "{err}");
+        let err = parse("job \"j\" {\n  meta {\n    x = \"${var.b}\"\n  }\n}\n").unwrap_err();
+        assert!(
+            err.to_string().contains("undeclared input variable"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn parses_and_canonicalizes() {

@@ -18,6 +18,7 @@
 pub mod acl;
 pub mod agent;
 pub mod api;
+pub mod artifact;
 pub mod broker;
 pub mod cli;
 pub mod client;

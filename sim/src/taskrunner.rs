@@ -614,8 +614,38 @@ impl TaskRunner {
                     )
                 }
             }
-            let exit = match self.spawn(binds) {
+            let artifacts = crate::artifact::Artifact::list(&self.task.Artifacts);
+            let mut fetched = Ok(());
+            if !artifacts.is_empty() {
+                push_event(
+                    &self.states,
+                    &name,
+                    ev("Downloading Artifacts", "Client is downloading artifacts"),
+                    None,
+                );
+                self.report();
+                let env = self.build_env(self.task.Driver == "exec");
+                for mut a in artifacts {
+                    a.source = interpolate(&a.source, &env, &node_now);
+                    fetched = crate::artifact::fetch(&a, &self.task_dir()).await;
+                    if fetched.is_err() {
+                        break;
+                    }
+                }
+            }
+            let spawned = match fetched {
                 Err(msg) => {
+                    let mut e = ev("Failed Artifact Download", &msg);
+                    e.DownloadError = msg.clone();
+                    e.Message = msg;
+                    push_event(&self.states, &name, e, None);
+                    Err(None)
+                }
+                Ok(()) => self.spawn(binds).map_err(Some),
+            };
+            let exit = match spawned {
+                Err(None) => None,
+                Err(Some(msg)) => {
                     let mut e = ev("Driver Failure", &msg);
                     e.DriverError = msg;
                     push_event(&self.states, &name, e, None);

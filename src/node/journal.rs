@@ -15,8 +15,8 @@
 //!   (`{"seq":7,"sync":true,"mounts":[[<key>,<record or null>]],"users":[[<user>,<bool>]]}`),
 //!   appended; a commit with intents is synced with one `fdatasync`, others are not (what
 //!   unsynced bytes can lose is lost only with the machine: see [`Commit`]);
-//! - `journal.json`: the whole state as of a `seq` (version 2; version 1, without `seq`,
-//!   is read), replaced atomically (temp file, fsync, rename, fsync of the directory) when
+//! - `journal.json`: the whole state as of a `seq`, with its format version (`version`:
+//!   2 is written; 1, without `seq`, is read; a newer one is refused, see [`VERSION`]), replaced atomically (temp file, fsync, rename, fsync of the directory) when
 //!   the log has outgrown it (or 256 KiB) and after a failed write; the log is emptied
 //!   then, so neither file grows with history;
 //! - `journal.log`: the history, one JSON object per line, appended after each commit
@@ -35,8 +35,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The version of `journal.json` written; version 1 (no `seq`, no `journal.wal`) is read.
-const VERSION: u32 = 2;
+/// The format version of `journal.json` this build writes (the `version` field; the lines
+/// of `journal.wal` are in the format of the snapshot they follow). Versions from
+/// [`OLDEST_READ`] up to it are read; the first write after reading an older one rewrites
+/// the snapshot in this version. A newer version is refused with
+/// [`JournalError::NewerFormat`]. Releases: 0.1.0 writes 2. Each version has a fixture
+/// under `testdata/journal/` that `tests/journal_format.rs` starts the agent on.
+pub const VERSION: u32 = 2;
+/// The oldest format version of `journal.json` this build reads (1: no `seq`, no
+/// `journal.wal`).
+pub const OLDEST_READ: u32 = 1;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
 /// The state directory's mode: only root reads the journal (issue 13 §5).
 const DIR_MODE: u32 = 0o700;
@@ -60,6 +68,15 @@ pub enum JournalError {
     },
     #[error("journal {path} is corrupt ({reason}); it was left untouched: move it aside only after checking the mounts under the state directory")]
     Corrupt { path: PathBuf, reason: String },
+    /// The journal was written by a newer dhv-binder (a downgrade): this build cannot know
+    /// what its records mean, so it starts on nothing rather than on a guess.
+    #[error("journal {path} has format version {found}, written by a newer dhv-binder; this build reads versions {oldest} to {newest}: run the newer release again (a downgrade needs every volume of this node unpublished first, then the state directory moved aside); the journal was left untouched")]
+    NewerFormat {
+        path: PathBuf,
+        found: u32,
+        oldest: u32,
+        newest: u32,
+    },
 }
 
 /// Where a volume's node-level mount stands. `Publishing` and `Unpublishing` are written
@@ -591,12 +608,30 @@ fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
     };
     match fs::read(&path) {
         Ok(bytes) => {
+            // The version first: a newer format's records need not parse as this one's.
+            #[derive(Deserialize)]
+            struct Versioned {
+                version: u32,
+            }
+            let v: Versioned =
+                serde_json::from_slice(&bytes).map_err(|e| corrupt(&path, e.to_string()))?;
+            if v.version > VERSION {
+                return Err(JournalError::NewerFormat {
+                    path,
+                    found: v.version,
+                    oldest: OLDEST_READ,
+                    newest: VERSION,
+                });
+            }
             let d: OnDisk =
                 serde_json::from_slice(&bytes).map_err(|e| corrupt(&path, e.to_string()))?;
-            if d.version != VERSION && d.version != 1 {
+            if d.version < OLDEST_READ {
                 return Err(corrupt(
                     &path,
-                    format!("version {} (this build reads 1 and {VERSION})", d.version),
+                    format!(
+                        "format version {} (this build reads {OLDEST_READ} to {VERSION})",
+                        d.version
+                    ),
                 ));
             }
             node_id = d.node_id;
@@ -1237,6 +1272,28 @@ pub(crate) mod tests {
         let stored = read_stored(dir.path()).unwrap();
         assert_eq!(stored.node_id, "node-1");
         assert!(stored.mounts.is_empty());
+    }
+
+    /// A journal of a newer format (a downgrade) is refused as such, before its records
+    /// are parsed (they need not parse as this format's), and left untouched.
+    #[test]
+    fn a_newer_format_is_refused_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let newer = format!(
+            r#"{{"version":{},"node_id":"node-1","mounts":{{"new":[]}}}}"#,
+            VERSION + 1
+        );
+        fs::write(dir.path().join("journal.json"), &newer).unwrap();
+        let err = open(dir.path(), "node-1").unwrap_err();
+        assert!(
+            matches!(err, JournalError::NewerFormat { found, .. } if found == VERSION + 1),
+            "{err}"
+        );
+        assert!(err.to_string().contains("newer dhv-binder"), "{err}");
+        assert_eq!(
+            fs::read_to_string(dir.path().join("journal.json")).unwrap(),
+            newer
+        );
     }
 
     #[test]

@@ -37,7 +37,14 @@ pub(super) async fn jobs_parse(State(st): State<AppState>, body: Bytes) -> ApiRe
         .get("JobHCL")
         .and_then(Value::as_str)
         .ok_or_else(|| bad("Job spec is empty"))?;
-    let mut job = crate::jobspec::parse(hcl).map_err(|e| bad(e.to_string()))?;
+    // `Variables`: HCL variable-file content (`name = "value"` lines), as `nomad job run
+    // -var`/`-var-file` send it (`api/jobs.go` `JobsParseRequest.Variables`).
+    let vars = v
+        .get("Variables")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let mut job =
+        crate::jobspec::parse_with_variables(hcl, vars).map_err(|e| bad(e.to_string()))?;
     if v.get("Canonicalize")
         .and_then(Value::as_bool)
         .unwrap_or(false)
