@@ -13,8 +13,9 @@
 //! - release: a missing lock ID → 400 "missing lock information"; any `Items`, even `{}` (Go
 //!   decodes it into a non-nil map) → 400 "lock release operation doesn't take variable
 //!   items"; no variable or no lock → 500; another ID → 409;
-//! - lifetime: the timer is armed with 2×TTL on acquire and reset to 1×TTL on every renew
-//!   (`RenewTTLTimer`; `nomad/lock/ttl.go` `Create` resets an existing timer). When it fires the
+//! - lifetime: the timer is armed with 2×TTL on acquire and reset to 2×TTL on every renew
+//!   (`RenewTTLTimer` doubles the TTL as a grace for the client; `nomad/lock/ttl.go` `Create`
+//!   resets an existing timer). When it fires the
 //!   lock stays on the variable for `LockDelay` (renew and acquire get 409), then a raft
 //!   release removes it (a `VariableUpdated` event). A new leader re-arms every lock with a
 //!   fresh 2×TTL (`restoreLockTTLTimers`): see [`restore_timers`].
@@ -238,10 +239,10 @@ fn renew(server: &Server, key: Key, body: Variable) -> Result<(u64, Value), Stor
         let Some(timer) = st.lock_timers.held.get_mut(&key) else {
             return Err(locked_409("attempting to modify locked variable"));
         };
-        // `RenewTTLTimer` resets the timer to 1×TTL (`lockTTLTimer.Create(id, Lock.TTL, nil)`,
-        // `nomad/lock/ttl.go` `Create`: `Reset(ttl)` on an existing timer); only an acquire
-        // and a new leader arm 2×TTL.
-        timer.0 = Instant::now() + timer.1;
+        // `RenewTTLTimer` resets the timer to 2×TTL (`lockTTL := variable.Lock.TTL * 2`, then
+        // `lockTTLTimer.Create`, which is `Reset(lockTTL)` on an existing timer:
+        // `nomad/lock/ttl.go` `Create`), as an acquire and a new leader arm it.
+        timer.0 = Instant::now() + 2 * timer.1;
         Ok((cur.ModifyIndex, json!(cur.metadata())))
     })
 }
@@ -509,10 +510,10 @@ mod tests {
         assert_eq!(status(&gone), 500, "release of a missing variable");
     }
 
-    /// `nomad/locks.go`: 2×TTL after the last renew, then the lock stays through its delay
-    /// (renew and acquire refused), then a release removes it.
+    /// `nomad/locks.go`: 2×TTL after the acquire and after the last renew, then the lock
+    /// stays through its delay (renew and acquire refused), then a release removes it.
     #[tokio::test(start_paused = true)]
-    async fn a_silent_holder_keeps_the_lock_two_ttls_plus_the_delay_one_ttl_after_a_renewal() {
+    async fn a_silent_holder_keeps_the_lock_two_ttls_plus_the_delay_after_its_last_renewal() {
         let s = server();
         let id = acquire_id(&s, "10s", "5s");
         tokio::time::advance(Duration::from_secs(19)).await;
@@ -526,15 +527,15 @@ mod tests {
             req(json!({"ID": id}), None),
         );
         assert_eq!(status(&renew), 200, "renewable before 2×TTL");
-        // A renewal resets the timer to 1×TTL, not 2×TTL (`RenewTTLTimer`).
-        tokio::time::advance(Duration::from_secs(9)).await;
+        // A renewal resets the timer to 2×TTL (`RenewTTLTimer`), not to 1×TTL.
+        tokio::time::advance(Duration::from_secs(19)).await;
         expire(&s);
         assert!(
             s.read()
                 .lock_timers
                 .held
                 .contains_key(&("default".to_string(), "c/x".to_string())),
-            "held within a TTL of the renewal"
+            "held within 2×TTL of the renewal"
         );
         tokio::time::advance(Duration::from_secs(2)).await;
         expire(&s);
