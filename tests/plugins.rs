@@ -104,9 +104,17 @@ fn bind_plugin_conforms() {
             "snapshot_delete x2",
             "clone",
             "paths confined",
+            "fence",
+            "fence x2",
+            "fence of nothing",
         ],
     );
     assert!(report.contains("SKIP  expand "), "{report}");
+    // A directory tree has no per-node access rule: fence_node is not offered, not failed.
+    assert!(
+        report.contains("SKIP  fence_node and unfence_node x2 "),
+        "{report}"
+    );
 }
 
 #[test]
@@ -140,6 +148,8 @@ fn ext4_plugin_conforms() {
             "paths confined",
         ],
     );
+    // No fence of its own (the agent's remount and kill stand alone): not offered, not failed.
+    assert!(report.contains("SKIP  fence "), "{report}");
 }
 
 #[test]
@@ -161,14 +171,15 @@ fn webdav_fuse_plugin_conforms() {
             secrets.to_str().unwrap(),
         ],
     );
-    assert_conforms(code, &report, &[]);
+    // Its fence aborts the FUSE connection, with the server unreachable.
+    assert_conforms(code, &report, &["fence", "fence x2", "fence of nothing"]);
     // Its rclone runs in the volume's helper cgroup: it outlived the caller's.
     assert!(
         report.contains("PASS  helper outlives the caller   1 helper process(es)"),
         "{report}"
     );
-    // It declares no optional operation: none is called.
-    for rule in ["snapshot x2", "clone", "expand"] {
+    // It declares no other optional operation: none is called.
+    for rule in ["snapshot x2", "clone", "expand", "fence_node and unfence_node x2"] {
         assert!(report.contains(&format!("SKIP  {rule} ")), "{report}");
     }
     // The volume's directory lived on the server, and delete removed it.

@@ -254,8 +254,32 @@ impl Kit {
         let started = Instant::now();
         let result = runner
             .call(&self.plugin_id, op, env, &self.rec.secrets)
-            .await
-            .map(|o| {
+            .await;
+        self.finish(op, started, result)
+    }
+
+    /// [`Kit::call`] bounded by `timeout` instead of the kit's call timeout.
+    async fn call_within(
+        &mut self,
+        op: Operation,
+        env: &[(String, String)],
+        timeout: std::time::Duration,
+    ) -> Call {
+        let started = Instant::now();
+        let result = self
+            .runner
+            .call_within(&self.plugin_id, op, env, &self.rec.secrets, timeout)
+            .await;
+        self.finish(op, started, result)
+    }
+
+    fn finish(
+        &mut self,
+        op: Operation,
+        started: Instant,
+        result: Result<crate::storage::plugin::Output, PluginError>,
+    ) -> Call {
+        let result = result.map(|o| {
                 if !o.leftover.is_empty() {
                     let who: Vec<String> = o.leftover.iter().map(|l| l.to_string()).collect();
                     self.output_holders
