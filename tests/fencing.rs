@@ -315,7 +315,10 @@ async fn a_partitioned_node_calls_the_plugins_fence() {
         .collect();
     assert_eq!(calls.len(), 1, "one fence call by the plugin: {calls:?}");
     assert!(fence["read_only"] == true, "{fence}");
-    c.put(&format!("/v1/sim/node/{node}/partition?on=false"), json!({}))
-        .await;
+    c.put(
+        &format!("/v1/sim/node/{node}/partition?on=false"),
+        json!({}),
+    )
+    .await;
     c.stop_job(&job, false).await;
 }

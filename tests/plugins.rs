@@ -179,7 +179,12 @@ fn webdav_fuse_plugin_conforms() {
         "{report}"
     );
     // It declares no other optional operation: none is called.
-    for rule in ["snapshot x2", "clone", "expand", "fence_node and unfence_node x2"] {
+    for rule in [
+        "snapshot x2",
+        "clone",
+        "expand",
+        "fence_node and unfence_node x2",
+    ] {
         assert!(report.contains(&format!("SKIP  {rule} ")), "{report}");
     }
     // The volume's directory lived on the server, and delete removed it.

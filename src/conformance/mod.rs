@@ -9,6 +9,9 @@
 //! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
 //! caller's cgroup; output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
+//! The optional operations a plugin declares (snapshots, clones, expand, `fence`,
+//! `fence_node`/`unfence_node`) have their own rules ([`storage`]); one not declared is
+//! reported as skipped, never failed.
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
 
@@ -280,13 +283,13 @@ impl Kit {
         result: Result<crate::storage::plugin::Output, PluginError>,
     ) -> Call {
         let result = result.map(|o| {
-                if !o.leftover.is_empty() {
-                    let who: Vec<String> = o.leftover.iter().map(|l| l.to_string()).collect();
-                    self.output_holders
-                        .push(format!("{op}: {}", who.join(", ")));
-                }
-                o.stdout
-            });
+            if !o.leftover.is_empty() {
+                let who: Vec<String> = o.leftover.iter().map(|l| l.to_string()).collect();
+                self.output_holders
+                    .push(format!("{op}: {}", who.join(", ")));
+            }
+            o.stdout
+        });
         let ms = started.elapsed().as_millis() as u64;
         self.calls += 1;
         self.report.timings.entry(op.as_str()).or_default().push(ms);

@@ -1,4 +1,4 @@
-//! Conformance rules for the optional storage operations (snapshots, clones, expand; checked
+//! Conformance rules for the optional storage operations (snapshots, clones, expand, fencing; checked
 //! only when the fingerprint declares them), for JSON input parsing, and for path confinement
 //! to the node's storage roots.
 
@@ -178,7 +178,10 @@ pub(super) async fn optional_rules(kit: &mut Kit) {
         fence_rules(kit).await;
     } else {
         for r in ["fence", "fence x2", "fence of nothing"] {
-            kit.report.skip(r, "\"fence\" not declared (not offered: dhv-binder's own fence stands alone)");
+            kit.report.skip(
+                r,
+                "\"fence\" not declared (not offered: dhv-binder's own fence stands alone)",
+            );
         }
     }
     if has(kit, Capability::FenceNode) {
@@ -239,8 +242,11 @@ async fn fence_rules(kit: &mut Kit) {
     let pctx = match kit.publish(&target, false).await {
         Ok(c) => c,
         Err(e) => {
-            kit.report
-                .push("fence", false, format!("publish before the fence failed: {e}"));
+            kit.report.push(
+                "fence",
+                false,
+                format!("publish before the fence failed: {e}"),
+            );
             return;
         }
     };
@@ -330,7 +336,9 @@ async fn fence_node_rules(kit: &mut Kit) {
         }
         Err(e) => {
             ok = false;
-            notes.push(format!("publish on this node after fencing another failed: {e}"));
+            notes.push(format!(
+                "publish on this node after fencing another failed: {e}"
+            ));
         }
     }
     for op in [Operation::UnfenceNode, Operation::UnfenceNode] {

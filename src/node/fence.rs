@@ -71,9 +71,10 @@ impl FenceReport {
     pub fn summary(&self) -> String {
         let mut parts = Vec::new();
         match &self.plugin {
-            Some(PluginFenced { plugin, error: None }) => {
-                parts.push(format!("plugin {plugin:?} fenced it"))
-            }
+            Some(PluginFenced {
+                plugin,
+                error: None,
+            }) => parts.push(format!("plugin {plugin:?} fenced it")),
             Some(PluginFenced {
                 plugin,
                 error: Some(e),
