@@ -227,6 +227,36 @@ mod tests {
         assert_eq!(r.summary(), "nothing mounted");
     }
 
+    #[test]
+    fn the_plugins_fence_is_in_the_summary_and_does_not_decide_completeness() {
+        let mut r = FenceReport {
+            read_only: true,
+            plugin: Some(PluginFenced {
+                plugin: "bind".into(),
+                error: Some("plugin \"bind\" fence failed (exit code 1): busy".into()),
+            }),
+            ..FenceReport::default()
+        };
+        assert!(r.complete(), "{r:?}");
+        assert_eq!(
+            r.summary(),
+            "plugin \"bind\" fence failed: plugin \"bind\" fence failed (exit code 1): busy; host mount read-only"
+        );
+        r.plugin = Some(PluginFenced {
+            plugin: "bind".into(),
+            error: None,
+        });
+        assert_eq!(
+            serde_json::to_value(&r).unwrap()["plugin"],
+            serde_json::json!({"plugin": "bind"})
+        );
+        assert!(
+            r.summary().starts_with("plugin \"bind\" fenced it; "),
+            "{}",
+            r.summary()
+        );
+    }
+
     /// A writer in the host's namespace appending to a file on a bind-mounted volume is
     /// killed, the mount becomes read-only, and nothing more is appended.
     #[test]
