@@ -274,3 +274,51 @@ async fn a_holder_whose_agent_is_down_while_its_task_runs_is_never_taken_over() 
         }
     }
 }
+
+/// Storage-side fencing, node side: the bind plugin declares `fence`, so when a partitioned
+/// node fences its claim, dhv-binder calls the plugin's `fence` for the mount (beside its own
+/// remount and kill), and the status's fence report says the plugin fenced it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_node_calls_the_plugins_fence() {
+    let c = Cluster::start_with(
+        1,
+        "",
+        &[
+            ("DHV_BINDER_CLAIM_TTL", "10s"),
+            ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
+        ],
+    )
+    .await;
+    c.log_plugin_calls("bind", "0");
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    c.wait_for(120, "the writer's first lines", || async {
+        (!log_lines(&c).is_empty()).then_some(())
+    })
+    .await;
+    let node = c.nodes[0].id.clone();
+    c.put(&format!("/v1/sim/node/{node}/partition?on=true"), json!({}))
+        .await;
+    let fence: Value = c
+        .wait_for(60, "the node's fence report", || async {
+            let (_, status) = c.status(0);
+            let st: Value = serde_json::from_str(&status).ok()?;
+            let f = st["fenced"][format!("default/{VOLUME}")]["fence"].clone();
+            (!f.is_null()).then_some(f)
+        })
+        .await;
+    assert_eq!(fence["plugin"], json!({"plugin": "bind"}), "{fence}");
+    let calls: Vec<_> = c
+        .plugin_log()
+        .into_iter()
+        .filter(|(what, _, op, n)| what == "end" && op == "fence" && *n == node)
+        .collect();
+    assert_eq!(calls.len(), 1, "one fence call by the plugin: {calls:?}");
+    assert!(fence["read_only"] == true, "{fence}");
+    c.put(
+        &format!("/v1/sim/node/{node}/partition?on=false"),
+        json!({}),
+    )
+    .await;
+    c.stop_job(&job, false).await;
+}

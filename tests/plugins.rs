@@ -104,9 +104,17 @@ fn bind_plugin_conforms() {
             "snapshot_delete x2",
             "clone",
             "paths confined",
+            "fence",
+            "fence x2",
+            "fence of nothing",
         ],
     );
     assert!(report.contains("SKIP  expand "), "{report}");
+    // A directory tree has no per-node access rule: fence_node is not offered, not failed.
+    assert!(
+        report.contains("SKIP  fence_node and unfence_node x2 "),
+        "{report}"
+    );
 }
 
 #[test]
@@ -140,6 +148,8 @@ fn ext4_plugin_conforms() {
             "paths confined",
         ],
     );
+    // No fence of its own (the agent's remount and kill stand alone): not offered, not failed.
+    assert!(report.contains("SKIP  fence "), "{report}");
 }
 
 #[test]
@@ -161,14 +171,20 @@ fn webdav_fuse_plugin_conforms() {
             secrets.to_str().unwrap(),
         ],
     );
-    assert_conforms(code, &report, &[]);
+    // Its fence aborts the FUSE connection, with the server unreachable.
+    assert_conforms(code, &report, &["fence", "fence x2", "fence of nothing"]);
     // Its rclone runs in the volume's helper cgroup: it outlived the caller's.
     assert!(
         report.contains("PASS  helper outlives the caller   1 helper process(es)"),
         "{report}"
     );
-    // It declares no optional operation: none is called.
-    for rule in ["snapshot x2", "clone", "expand"] {
+    // It declares no other optional operation: none is called.
+    for rule in [
+        "snapshot x2",
+        "clone",
+        "expand",
+        "fence_node and unfence_node x2",
+    ] {
         assert!(report.contains(&format!("SKIP  {rule} ")), "{report}");
     }
     // The volume's directory lived on the server, and delete removed it.
@@ -424,6 +440,56 @@ esac
     assert!(report.contains("FAIL  JSON input parsed "), "{report}");
     assert!(report.contains("FAIL  paths confined "), "{report}");
     assert!(report.contains("publish SUCCEEDED"), "{report}");
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// The fencing rules can fail, and `fence_node` is checked when declared: the `bind` plugin
+/// wrapped so that its `fence` waits on its "storage server" (it sleeps past the 2 s fence
+/// deadline, as a fence that needs the network does in a partition), and with a
+/// `fence_node`/`unfence_node` that keeps an export rule per fenced node.
+#[test]
+fn a_fence_that_waits_on_the_network_fails_and_fence_node_is_checked() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    script(
+        &sb.join("plugins/netfence"),
+        &format!(
+            r#"#!/bin/sh
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+rules="{rules}"
+case "$1" in
+fingerprint) echo '{{"version":"1.0.0","deferred_bind":true,"capabilities":["fence","fence_node"]}}' ;;
+fence) sleep 5; echo '{{}}' ;;
+fence_node) mkdir -p "$rules"; touch "$rules/$DHV_FENCED_NODE_ID"; echo '{{}}' ;;
+unfence_node) rm -f "$rules/$DHV_FENCED_NODE_ID"; echo '{{}}' ;;
+*) exec {bind} "$@" ;;
+esac
+"#,
+            rules = sb.join("rules").display(),
+            bind = repo().join("plugins/bind").display()
+        ),
+    );
+    let (code, report) = check(
+        &sb,
+        &sb.join("plugins/netfence"),
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_eq!(code, 1, "{report}");
+    let fence = report
+        .lines()
+        .find(|l| l.starts_with("FAIL  fence "))
+        .unwrap_or_else(|| panic!("the waiting fence did not fail:\n{report}"));
+    assert!(fence.contains("timed out after 2s"), "{fence}");
+    assert!(
+        report.contains("PASS  fence_node and unfence_node x2 "),
+        "{report}"
+    );
+    // unfence_node removed the rule fence_node made.
+    assert_eq!(std::fs::read_dir(sb.join("rules")).unwrap().count(), 0);
     assert!(
         dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"

@@ -71,11 +71,13 @@ pub(crate) enum Effect {
     Probe { volume: VolumeKey, target: PathBuf },
     /// Kernel: make the volume at `target` unwritable on this node now, without the network
     /// ([`crate::node::fence::fence`]); `mine` are this node's allocations (their tasks
-    /// may be killed).
+    /// may be killed). With `plugin` (its fingerprint declares `fence`), the plugin's
+    /// `fence` runs beside it, bounded by [`crate::storage::plugin::FENCE_TIMEOUT`].
     Fence {
         volume: VolumeKey,
         target: PathBuf,
         mine: std::collections::BTreeSet<String>,
+        plugin: Option<Box<PluginFence>>,
     },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },
@@ -106,4 +108,12 @@ pub(crate) fn publishes(effects: &[Effect]) -> usize {
             _ => 0,
         })
         .sum()
+}
+
+/// What a plugin's `fence` call needs: the mount and, when known, the volume's record (its
+/// context and secrets).
+#[derive(Debug, Clone)]
+pub(crate) struct PluginFence {
+    pub mount: MountRecord,
+    pub record: Option<VolumeRecord>,
 }

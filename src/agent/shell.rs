@@ -391,10 +391,35 @@ impl Shell {
                 volume,
                 target,
                 mine,
+                plugin,
             } => {
-                self.tasks.spawn_blocking(move || {
-                    let report = crate::node::fence::fence(&target, &mine);
-                    Report::DoneMounts(Completion::Fenced { volume, report }, MountTable::read())
+                // The plugin's `fence` (bounded, FENCE_TIMEOUT) runs beside the kernel's.
+                let plugin_fence = plugin.map(|p| executor::plugin_fence(runner, node, *p));
+                self.tasks.spawn(async move {
+                    let kernel = tokio::task::spawn_blocking(move || {
+                        crate::node::fence::fence(&target, &mine)
+                    });
+                    let by_plugin = match plugin_fence {
+                        Some(f) => Some(f.await),
+                        None => None,
+                    };
+                    let mut report =
+                        kernel
+                            .await
+                            .unwrap_or_else(|e| crate::node::fence::FenceReport {
+                                errors: vec![format!("the fence did not finish: {e}")],
+                                ..Default::default()
+                            });
+                    report.plugin = by_plugin;
+                    let table = tokio::task::spawn_blocking(MountTable::read)
+                        .await
+                        .unwrap_or_else(|e| {
+                            Err(crate::node::mounts::MountsError::Read {
+                                path: crate::node::mounts::HOST_MOUNTINFO.into(),
+                                source: std::io::Error::other(e),
+                            })
+                        });
+                    Report::DoneMounts(Completion::Fenced { volume, report }, table)
                 });
             }
             Effect::Detach { volume, target } => {

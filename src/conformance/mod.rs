@@ -9,6 +9,9 @@
 //! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
 //! caller's cgroup; output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
+//! The optional operations a plugin declares (snapshots, clones, expand, `fence`,
+//! `fence_node`/`unfence_node`) have their own rules ([`storage`]); one not declared is
+//! reported as skipped, never failed.
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
 
@@ -254,15 +257,39 @@ impl Kit {
         let started = Instant::now();
         let result = runner
             .call(&self.plugin_id, op, env, &self.rec.secrets)
-            .await
-            .map(|o| {
-                if !o.leftover.is_empty() {
-                    let who: Vec<String> = o.leftover.iter().map(|l| l.to_string()).collect();
-                    self.output_holders
-                        .push(format!("{op}: {}", who.join(", ")));
-                }
-                o.stdout
-            });
+            .await;
+        self.finish(op, started, result)
+    }
+
+    /// [`Kit::call`] bounded by `timeout` instead of the kit's call timeout.
+    async fn call_within(
+        &mut self,
+        op: Operation,
+        env: &[(String, String)],
+        timeout: std::time::Duration,
+    ) -> Call {
+        let started = Instant::now();
+        let result = self
+            .runner
+            .call_within(&self.plugin_id, op, env, &self.rec.secrets, timeout)
+            .await;
+        self.finish(op, started, result)
+    }
+
+    fn finish(
+        &mut self,
+        op: Operation,
+        started: Instant,
+        result: Result<crate::storage::plugin::Output, PluginError>,
+    ) -> Call {
+        let result = result.map(|o| {
+            if !o.leftover.is_empty() {
+                let who: Vec<String> = o.leftover.iter().map(|l| l.to_string()).collect();
+                self.output_holders
+                    .push(format!("{op}: {}", who.join(", ")));
+            }
+            o.stdout
+        });
         let ms = started.elapsed().as_millis() as u64;
         self.calls += 1;
         self.report.timings.entry(op.as_str()).or_default().push(ms);

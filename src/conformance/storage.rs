@@ -1,4 +1,4 @@
-//! Conformance rules for the optional storage operations (snapshots, clones, expand; checked
+//! Conformance rules for the optional storage operations (snapshots, clones, expand, fencing; checked
 //! only when the fingerprint declares them), for JSON input parsing, and for path confinement
 //! to the node's storage roots.
 
@@ -7,7 +7,7 @@ use crate::cluster::expansion;
 use crate::cluster::snapshot::{self, SnapshotRecord};
 use crate::storage::environment;
 use crate::storage::plugin::{
-    Capability, ExpandResult, Operation, SnapshotListResult, SnapshotResult,
+    Capability, ExpandResult, Operation, SnapshotListResult, SnapshotResult, FENCE_TIMEOUT,
 };
 use crate::volume::{VolumeRecord, VolumeSource, VolumeState};
 use std::path::{Path, PathBuf};
@@ -174,6 +174,179 @@ pub(super) async fn optional_rules(kit: &mut Kit) {
     } else {
         kit.report.skip("expand", "\"expand\" not declared");
     }
+    if has(kit, Capability::Fence) {
+        fence_rules(kit).await;
+    } else {
+        for r in ["fence", "fence x2", "fence of nothing"] {
+            kit.report.skip(
+                r,
+                "\"fence\" not declared (not offered: dhv-binder's own fence stands alone)",
+            );
+        }
+    }
+    if has(kit, Capability::FenceNode) {
+        fence_node_rules(kit).await;
+    } else {
+        kit.report.skip(
+            "fence_node and unfence_node x2",
+            "\"fence_node\" not declared (not offered: a take-over relies on the old node's own fence)",
+        );
+    }
+}
+
+/// A loopback TCP listener that never accepts: a connection to it opens (the kernel's
+/// backlog) and is never answered, as a storage server behind a partition.
+fn unanswering_listener() -> std::io::Result<std::net::TcpListener> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+}
+
+/// The volume's record with every parameter that is a URL pointed at `addr` (a listener that
+/// never answers): a `fence` that goes over the network hangs and is killed at its deadline.
+fn unreachable_storage(rec: &VolumeRecord, addr: std::net::SocketAddr) -> VolumeRecord {
+    let mut rec = rec.clone();
+    for v in rec.spec.parameters.values_mut() {
+        if v.starts_with("http://") || v.starts_with("https://") {
+            *v = format!("http://{addr}/");
+        }
+    }
+    rec
+}
+
+/// Whether a new file can be made at `target`, bounded (a hung FUSE mount must not hang
+/// the kit): `Ok(())` when it could, else how it failed.
+async fn try_write(target: &Path) -> Result<(), String> {
+    let file = target.join(format!("fence-{}", uuid::Uuid::new_v4()));
+    let f = file.clone();
+    let r = tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        tokio::task::spawn_blocking(move || std::fs::write(&f, b"x")),
+    )
+    .await;
+    match r {
+        Ok(Ok(Ok(()))) => {
+            let _ = std::fs::remove_file(&file);
+            Ok(())
+        }
+        Ok(Ok(Err(e))) => Err(e.to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("the write hung for 3 s".into()),
+    }
+}
+
+/// `fence` (capability `fence`): on a published volume, with the storage unreachable (URL
+/// parameters pointed at a listener that never answers), it succeeds within
+/// [`FENCE_TIMEOUT`] and a write at the target fails afterwards; a second call succeeds
+/// too; a fence of a target never published succeeds.
+async fn fence_rules(kit: &mut Kit) {
+    let target = kit.target("fence");
+    let pctx = match kit.publish(&target, false).await {
+        Ok(c) => c,
+        Err(e) => {
+            kit.report.push(
+                "fence",
+                false,
+                format!("publish before the fence failed: {e}"),
+            );
+            return;
+        }
+    };
+    let listener = unanswering_listener();
+    let rec = match &listener {
+        Ok(l) => match l.local_addr() {
+            Ok(a) => unreachable_storage(&kit.rec, a),
+            Err(_) => kit.rec.clone(),
+        },
+        Err(_) => kit.rec.clone(),
+    };
+    let env = kit.unpublish_env_of(&rec, &target, &pctx);
+    let writable_before = try_write(&target).await;
+    let c = kit.call_within(Operation::Fence, &env, FENCE_TIMEOUT).await;
+    let after = try_write(&target).await;
+    let ok = c.ok() && writable_before.is_ok() && after.is_err();
+    kit.report.push(
+        "fence",
+        ok,
+        match (&c.result, &writable_before, &after) {
+            (Err(e), _, _) => format!(
+                "fence with the storage unreachable failed in {} ms (it must not need the network, and finish within {FENCE_TIMEOUT:?}): {}",
+                c.ms,
+                e.report()
+            ),
+            (Ok(_), Err(e), _) => format!("the published volume was not writable before the fence: {e}"),
+            (Ok(_), Ok(()), Ok(())) => format!("fence succeeded in {} ms but a new file could still be written at the target", c.ms),
+            (Ok(_), Ok(()), Err(e)) => format!(
+                "with the storage unreachable, fence took {} ms (limit {FENCE_TIMEOUT:?}); a write at the target then failed: {e}",
+                c.ms
+            ),
+        },
+    );
+    let again = kit.call_within(Operation::Fence, &env, FENCE_TIMEOUT).await;
+    kit.report.push(
+        "fence x2",
+        again.ok(),
+        format!("fence of a volume already fenced: {}", again.describe()),
+    );
+    drop(listener);
+    if let Err(e) = kit.unpublish(&target, &pctx).await {
+        kit.report.push(
+            "fence",
+            false,
+            format!("unpublish of the fenced volume failed (the fenced mount must still be released): {e}"),
+        );
+    }
+    let never = kit.target("never-fenced");
+    let env = kit.unpublish_env(&never, &serde_json::Value::Null);
+    let c = kit.call_within(Operation::Fence, &env, FENCE_TIMEOUT).await;
+    kit.report.push(
+        "fence of nothing",
+        c.ok(),
+        format!("fence of a target never published: {}", c.describe()),
+    );
+}
+
+/// `fence_node` / `unfence_node` (capability `fence_node`): each called twice for another
+/// node succeeds both times, and this node still publishes and writes the volume between.
+async fn fence_node_rules(kit: &mut Kit) {
+    let rule = "fence_node and unfence_node x2";
+    let mut env = environment::delete_env(&kit.node, &kit.rec);
+    env.push((
+        "DHV_FENCED_NODE_ID".into(),
+        "00000000-0000-4000-8000-0000000000ff".into(),
+    ));
+    let mut notes = Vec::new();
+    let mut ok = true;
+    for op in [Operation::FenceNode, Operation::FenceNode] {
+        let c = kit.call(op, &env).await;
+        ok &= c.ok();
+        notes.push(format!("{op}: {}", c.describe()));
+    }
+    let target = kit.target("fence-node");
+    match kit.publish(&target, false).await {
+        Ok(pctx) => {
+            let w = try_write(&target).await;
+            ok &= w.is_ok();
+            notes.push(match w {
+                Ok(()) => "this node published and wrote it".into(),
+                Err(e) => format!("this node published it but cannot write it (fence_node of another node must leave this node alone): {e}"),
+            });
+            if let Err(e) = kit.unpublish(&target, &pctx).await {
+                ok = false;
+                notes.push(format!("unpublish failed: {e}"));
+            }
+        }
+        Err(e) => {
+            ok = false;
+            notes.push(format!(
+                "publish on this node after fencing another failed: {e}"
+            ));
+        }
+    }
+    for op in [Operation::UnfenceNode, Operation::UnfenceNode] {
+        let c = kit.call(op, &env).await;
+        ok &= c.ok();
+        notes.push(format!("{op}: {}", c.describe()));
+    }
+    kit.report.push(rule, ok, notes.join("; "));
 }
 
 fn now() -> u64 {

@@ -43,6 +43,21 @@ pub struct FenceReport {
     pub stopped: Vec<Holder>,
     /// What failed (each step's error), empty when every step succeeded.
     pub errors: Vec<String>,
+    /// The plugin's own `fence`, when its fingerprint declares it (run beside these steps by
+    /// the agent, docs/plugin-protocol.md "fence"). Its failure is reported, and does not
+    /// make the fence incomplete: the steps above decide whether a writer can remain.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<PluginFenced>,
+}
+
+/// What a plugin's `fence` call did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PluginFenced {
+    /// The plugin's ID.
+    pub plugin: String,
+    /// `None` when the call succeeded; else its one-line report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl FenceReport {
@@ -54,10 +69,22 @@ impl FenceReport {
 
     /// One line for the log and the journal.
     pub fn summary(&self) -> String {
-        if self.nothing_mounted {
-            return "nothing mounted".into();
-        }
         let mut parts = Vec::new();
+        match &self.plugin {
+            Some(PluginFenced {
+                plugin,
+                error: None,
+            }) => parts.push(format!("plugin {plugin:?} fenced it")),
+            Some(PluginFenced {
+                plugin,
+                error: Some(e),
+            }) => parts.push(format!("plugin {plugin:?} fence failed: {e}")),
+            None => {}
+        }
+        if self.nothing_mounted {
+            parts.push("nothing mounted".into());
+            return parts.join("; ");
+        }
         if let Some(n) = self.fuse_aborted {
             parts.push(format!("FUSE connection {n} aborted"));
         }
@@ -198,6 +225,36 @@ mod tests {
         let r = fence(dir.path(), &BTreeSet::new());
         assert!(r.nothing_mounted && r.complete(), "{r:?}");
         assert_eq!(r.summary(), "nothing mounted");
+    }
+
+    #[test]
+    fn the_plugins_fence_is_in_the_summary_and_does_not_decide_completeness() {
+        let mut r = FenceReport {
+            read_only: true,
+            plugin: Some(PluginFenced {
+                plugin: "bind".into(),
+                error: Some("plugin \"bind\" fence failed (exit code 1): busy".into()),
+            }),
+            ..FenceReport::default()
+        };
+        assert!(r.complete(), "{r:?}");
+        assert_eq!(
+            r.summary(),
+            "plugin \"bind\" fence failed: plugin \"bind\" fence failed (exit code 1): busy; host mount read-only"
+        );
+        r.plugin = Some(PluginFenced {
+            plugin: "bind".into(),
+            error: None,
+        });
+        assert_eq!(
+            serde_json::to_value(&r).unwrap()["plugin"],
+            serde_json::json!({"plugin": "bind"})
+        );
+        assert!(
+            r.summary().starts_with("plugin \"bind\" fenced it; "),
+            "{}",
+            r.summary()
+        );
     }
 
     /// A writer in the host's namespace appending to a file on a bind-mounted volume is

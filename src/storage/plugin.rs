@@ -37,7 +37,20 @@ pub enum Operation {
     SnapshotList,
     /// Optional (capability `expand`, online with `expand_online`): grows a volume.
     Expand,
+    /// Optional (capability `fence`): makes the volume published at `DHV_TARGET_PATH`
+    /// unwritable on this node now, without the network, bounded by [`FENCE_TIMEOUT`].
+    Fence,
+    /// Optional (capability `fence_node`): revokes node `DHV_FENCED_NODE_ID`'s access to the
+    /// volume at the storage, before this node publishes a volume it takes over.
+    FenceNode,
+    /// Optional (capability `fence_node`): gives node `DHV_FENCED_NODE_ID` its access back.
+    UnfenceNode,
 }
+
+/// The most a `fence` call may take: it runs when the claim's lease is about to end, and
+/// must not wait on the network (docs/plugin-protocol.md, "fence"). Past it the call's
+/// process group is killed and the agent's own fence stands alone.
+pub const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Operation {
     /// The `argv[1]` / `DHV_OPERATION` value.
@@ -52,6 +65,9 @@ impl Operation {
             Operation::SnapshotDelete => "snapshot_delete",
             Operation::SnapshotList => "snapshot_list",
             Operation::Expand => "expand",
+            Operation::Fence => "fence",
+            Operation::FenceNode => "fence_node",
+            Operation::UnfenceNode => "unfence_node",
         }
     }
 
@@ -62,6 +78,8 @@ impl Operation {
             Operation::SnapshotCreate | Operation::SnapshotDelete => Some(Capability::Snapshot),
             Operation::SnapshotList => Some(Capability::SnapshotList),
             Operation::Expand => Some(Capability::Expand),
+            Operation::Fence => Some(Capability::Fence),
+            Operation::FenceNode | Operation::UnfenceNode => Some(Capability::FenceNode),
             _ => None,
         }
     }
@@ -271,16 +289,23 @@ pub enum Capability {
     Expand,
     /// `expand` while the volume is published (the filesystem grows under its users).
     ExpandOnline,
+    /// `fence`: makes the volume unwritable on this node now, without the network.
+    Fence,
+    /// `fence_node` and `unfence_node`: revoke and restore another node's access at the
+    /// storage (an export rule, a blocklist entry, a reservation).
+    FenceNode,
 }
 
 impl Capability {
     /// Every capability, in documentation order.
-    pub const ALL: [Capability; 5] = [
+    pub const ALL: [Capability; 7] = [
         Capability::Snapshot,
         Capability::SnapshotList,
         Capability::Clone,
         Capability::Expand,
         Capability::ExpandOnline,
+        Capability::Fence,
+        Capability::FenceNode,
     ];
 
     /// The name in the fingerprint.
@@ -291,6 +316,8 @@ impl Capability {
             Capability::Clone => "clone",
             Capability::Expand => "expand",
             Capability::ExpandOnline => "expand_online",
+            Capability::Fence => "fence",
+            Capability::FenceNode => "fence_node",
         }
     }
 }
@@ -907,6 +934,22 @@ impl Runner {
         r
     }
 
+    /// [`Runner::call`] bounded by `timeout` instead of the runner's own (`fence` runs with
+    /// [`FENCE_TIMEOUT`]); never in a helper cgroup.
+    pub async fn call_within(
+        &self,
+        plugin_id: &str,
+        op: Operation,
+        env: &[(String, String)],
+        secrets: &BTreeMap<String, String>,
+        timeout: Duration,
+    ) -> Result<Output, PluginError> {
+        let started = Instant::now();
+        let r = self.run(plugin_id, op, env, secrets, timeout).await;
+        self.observe(plugin_id, op, &r, started);
+        r
+    }
+
     async fn call_in_helper_cgroup(
         &self,
         plugin_id: &str,
@@ -1195,6 +1238,50 @@ mod tests {
         let p = dir.join(name);
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[test]
+    fn fencing_operations_need_their_capabilities() {
+        let fp: Fingerprint = serde_json::from_str(
+            r#"{"version":"1","deferred_bind":true,"capabilities":["fence","fence_node","later"]}"#,
+        )
+        .unwrap();
+        assert!(fp.supports(Capability::Fence) && fp.supports(Capability::FenceNode));
+        for op in [
+            Operation::Fence,
+            Operation::FenceNode,
+            Operation::UnfenceNode,
+        ] {
+            assert!(fp.require("p", op).is_ok(), "{op}");
+        }
+        assert_eq!(Operation::FenceNode.as_str(), "fence_node");
+        assert_eq!(Operation::UnfenceNode.as_str(), "unfence_node");
+        let bare: Fingerprint = serde_json::from_str(r#"{"version":"1"}"#).unwrap();
+        let e = bare.require("p", Operation::UnfenceNode).unwrap_err();
+        assert_eq!(e.capability, Capability::FenceNode);
+        assert!(e.to_string().contains("fence_node"), "{e}");
+        assert!(bare.require("p", Operation::Fence).is_err());
+    }
+
+    /// `fence` is bounded by its own short timeout, not the runner's.
+    #[tokio::test]
+    async fn a_call_within_a_short_timeout_is_killed_at_it() {
+        let dir = tempfile::tempdir().unwrap();
+        plugin(dir.path(), "p", "exec /bin/sleep 30");
+        let r = Runner::new(dir.path(), Duration::from_secs(60));
+        let started = Instant::now();
+        let e = r
+            .call_within(
+                "p",
+                Operation::Fence,
+                &[],
+                &BTreeMap::new(),
+                Duration::from_millis(300),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, PluginError::TimedOut { .. }), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{e}");
     }
 
     #[tokio::test]

@@ -9,7 +9,7 @@ mod mount_table;
 mod status;
 
 use crate::agent::claims::Claims;
-use crate::agent::effect::{Answer, Effect};
+use crate::agent::effect::{Answer, Effect, PluginFence};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::agent::latency::Latency;
 use crate::agent::mount_health::MountHealth;
@@ -27,7 +27,7 @@ use crate::node::journal::{EventKind, Journal, JournalError, MountRecord, MountS
 use crate::node::mounts::MountTable;
 use crate::nomad::watch::{Health, WatchEvent};
 use crate::storage::environment::NodeEnv;
-use crate::storage::plugin::Fingerprint;
+use crate::storage::plugin::{Capability, Fingerprint};
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -625,7 +625,7 @@ impl Core {
                 .claims
                 .lease_end(&volume)
                 .map(|end| end.saturating_duration_since(now).as_millis() as u64);
-            let Some(m) = self.journal.mounts().get(&volume) else {
+            let Some(m) = self.journal.mounts().get(&volume).cloned() else {
                 tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end; nothing is mounted here");
                 continue;
             };
@@ -645,10 +645,22 @@ impl Core {
                     .filter(|u| u.volume == volume)
                     .map(|u| u.alloc_id.clone()),
             );
+            let plugin = self
+                .plugins
+                .get(&m.plugin_id)
+                .and_then(|f| f.as_ref().ok())
+                .filter(|f| f.supports(Capability::Fence))
+                .map(|_| {
+                    Box::new(PluginFence {
+                        mount: m.clone(),
+                        record: self.volumes.get(&volume).cloned(),
+                    })
+                });
             out.push(Effect::Fence {
                 volume,
                 target,
                 mine,
+                plugin,
             });
         }
     }

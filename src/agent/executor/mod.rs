@@ -470,6 +470,32 @@ pub async fn unpublish(
     }
 }
 
+/// Runs the plugin's `fence` for a mount this node is fencing, bounded by
+/// [`crate::storage::plugin::FENCE_TIMEOUT`] (the plugin must not wait on the network); the
+/// outcome for [`crate::node::fence::FenceReport::plugin`]: `Ok` with the plugin's ID, or
+/// the plugin's error (its words redacted, [`PluginError::report`]).
+pub async fn plugin_fence(
+    runner: Runner,
+    node: NodeEnv,
+    p: crate::agent::effect::PluginFence,
+) -> crate::node::fence::PluginFenced {
+    let env = unpublish_env(&node, &p.mount, p.record.as_ref());
+    let secrets = secrets_of(p.record.as_ref());
+    let r = runner
+        .call_within(
+            &p.mount.plugin_id,
+            Operation::Fence,
+            &env,
+            &secrets,
+            crate::storage::plugin::FENCE_TIMEOUT,
+        )
+        .await;
+    crate::node::fence::PluginFenced {
+        plugin: p.mount.plugin_id.clone(),
+        error: r.err().map(|e| e.report()),
+    }
+}
+
 /// Lists and fingerprints every plugin in the runner's directory; with `changed_only` (the
 /// periodic rescan), a plugin whose file is unchanged since its last good fingerprint keeps
 /// it without an exec ([`Runner::fingerprint_if_changed`]).
