@@ -274,3 +274,75 @@ async fn a_holder_whose_agent_is_down_while_its_task_runs_is_never_taken_over() 
         }
     }
 }
+
+/// Kills and reaps a process when dropped (a holder the test started), even on failure.
+struct Holder(std::process::Child);
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Delete on evidence: the writer's job stops, but a process on its node keeps the mount
+/// (its working directory is in the volume), so the unpublish is refused and retried. No
+/// allocation uses the volume any more, yet `volume delete` is refused naming that node, and
+/// the storage survives. Once the holder is gone and the node has unmounted, the delete runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_while_a_node_keeps_the_mount_is_refused_naming_the_node() {
+    let c = Cluster::start(2).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let node = c.node_index(first["NodeID"].as_str().unwrap());
+    c.wait_for(30, "the writer's first lines", || async {
+        (!log_lines(&c).is_empty()).then_some(())
+    })
+    .await;
+    let target = c.target(node, VOLUME);
+    let holder = Holder(
+        std::process::Command::new("sleep")
+            .arg("600")
+            .current_dir(&target)
+            .spawn()
+            .expect("start a holder in the volume"),
+    );
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the writer stopped", || async {
+        c.allocs(&job)
+            .await
+            .iter()
+            .all(|a| a["ClientStatus"] != "running")
+            .then_some(())
+    })
+    .await;
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
+
+    let (code, out) = c.cli(&["volume", "delete", VOLUME]);
+    assert_ne!(code, 0, "the delete was accepted under a live mount: {out}");
+    assert!(
+        out.contains(&c.nodes[node].id) && out.contains("still mounted"),
+        "the refusal names the node: {out}"
+    );
+    assert!(
+        !log_lines(&c).is_empty(),
+        "the storage was removed under the live mount"
+    );
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
+
+    drop(holder);
+    c.wait_for(90, "the mount released once its holder is gone", || async {
+        (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(())
+    })
+    .await;
+    let (code, out) = c.cli(&["volume", "delete", VOLUME]);
+    assert_eq!(code, 0, "{out}");
+}
