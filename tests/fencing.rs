@@ -346,3 +346,60 @@ async fn a_delete_while_a_node_keeps_the_mount_is_refused_naming_the_node() {
     let (code, out) = c.cli(&["volume", "delete", VOLUME]);
     assert_eq!(code, 0, "{out}");
 }
+
+/// The claim named in `dhv-binder status` on node `i` ("held", "fenced", "lost"; "" when none).
+fn claim_state(c: &Cluster, i: usize) -> String {
+    let (_, status) = c.status(i);
+    serde_json::from_str::<Value>(&status).unwrap_or_default()["claims"]
+        [format!("default/{VOLUME}")]
+    .as_str()
+    .unwrap_or_default()
+    .to_string()
+}
+
+/// Claims that were never lost are not given up: after a leader change, the new leader
+/// answers the holder's renewals 409 until it has re-armed its lock timers (here for 8 s,
+/// several renewals with a 10 s TTL). The holder reads the claim, finds it still its own, and
+/// keeps it: never `lost`, `held` again once a renewal succeeds, and its writer runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_CLAIM_TTL", "10s")]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    c.wait_for(30, "the claim held", || async {
+        (claim_state(&c, 0) == "held").then_some(())
+    })
+    .await;
+    c.put("/v1/sim/leader?leader=false", json!({})).await;
+    c.put("/v1/sim/leader?leader=true&timers_after=8", json!({}))
+        .await;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < until {
+        let st = claim_state(&c, 0);
+        assert_ne!(st, "lost", "a claim refused by a new leader was given up");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    c.wait_for(30, "the claim held again", || async {
+        (claim_state(&c, 0) == "held").then_some(())
+    })
+    .await;
+    let lines = log_lines(&c).len();
+    c.wait_for(10, "the writer still writing", || async {
+        (log_lines(&c).len() > lines).then_some(())
+    })
+    .await;
+    assert!(c
+        .allocs(&job)
+        .await
+        .iter()
+        .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
+    c.stop_job(&job, false).await;
+}

@@ -296,6 +296,22 @@ impl Claims {
                 }
                 Renewal::Kept
             }
+            // A refusal that proves no other holder is lost only once the lease has ended
+            // (the lock may have lapsed with no one taking it); before, it is retried.
+            Err(ClaimError::Unproven { volume: v })
+                if self
+                    .held
+                    .get(volume)
+                    .and_then(|c| c.lease_end)
+                    .is_some_and(|end| now >= end) =>
+            {
+                self.on_renewed(
+                    volume,
+                    Err(ClaimError::Lost { volume: v }),
+                    mounted_here,
+                    now,
+                )
+            }
             Err(e @ ClaimError::Lost { .. }) => {
                 tracing::warn!(%volume, reason = %e, "claim lost: another node may use the volume now; unpublishing here before anything else");
                 if let Some(c) = self.held.get_mut(volume) {

@@ -771,8 +771,13 @@ pub async fn acquire_claim(
 }
 
 /// Renews a held claim.
-pub async fn renew_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
-    let result = claims::renew(&client, &volume, &lock_id).await;
+pub async fn renew_claim(
+    client: Client,
+    volume: VolumeKey,
+    lock_id: String,
+    node_id: String,
+) -> Completion {
+    let result = claims::renew(&client, &volume, &lock_id, &node_id).await;
     Completion::ClaimRenewed { volume, result }
 }
 
