@@ -405,6 +405,21 @@ mod tests {
     }
 
     #[test]
+    fn an_unproven_refusal_is_retried_until_the_lease_ends_then_lost() {
+        let t0 = Instant::now();
+        let mut c = claims();
+        held(&mut c, t0);
+        let unproven = || Err(ClaimError::Unproven { volume: key() });
+        let r = c.on_renewed(&key(), unproven(), true, t0 + Duration::from_secs(5));
+        assert_eq!(r, Renewal::Kept);
+        assert_eq!(c.status()["default/db"], "held");
+        // The acquire's lease: 2 x TTL + lock delay = 45 s.
+        let r = c.on_renewed(&key(), unproven(), true, t0 + Duration::from_secs(46));
+        assert_eq!(r, Renewal::Lost);
+        assert_eq!(c.status()["default/db"], "lost");
+    }
+
+    #[test]
     fn a_held_claim_is_renewed_every_third_of_its_ttl() {
         let t0 = Instant::now();
         let mut c = claims();
