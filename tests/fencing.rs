@@ -403,3 +403,48 @@ async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
         .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
     c.stop_job(&job, false).await;
 }
+
+/// A paused agent (SIGSTOP, as a suspended VM) does not resume on a lapsed lease: the holder's
+/// dhv-binder is stopped past its lease (TTL 10 s + lock delay 2 s) while its writer runs;
+/// the first thing it records after SIGCONT is the fence, and the volume is unwritable here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
+    let c = Cluster::start_with(
+        1,
+        "",
+        &[
+            ("DHV_BINDER_CLAIM_TTL", "10s"),
+            ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
+        ],
+    )
+    .await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    c.wait_for(120, "the writer writing", || async {
+        (log_lines(&c).len() >= 10).then_some(())
+    })
+    .await;
+    c.signal_agent(0, nix::sys::signal::Signal::SIGSTOP);
+    tokio::time::sleep(std::time::Duration::from_secs(16)).await;
+    let t_resume = now_ms();
+    c.signal_agent(0, nix::sys::signal::Signal::SIGCONT);
+    c.wait_for(20, "the fence after the resume", || async {
+        last_event_ms(&c, 0, "fenced").filter(|t| *t >= t_resume)
+    })
+    .await;
+    let after: Vec<String> = c
+        .journal(0)
+        .iter()
+        .filter(|e| e["unix_ms"].as_u64().is_some_and(|t| t >= t_resume))
+        .map(|e| e["event"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        after.first().map(String::as_str),
+        Some("fenced"),
+        "the first event after the resume: {after:?}"
+    );
+    let lines = log_lines(&c).len();
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(log_lines(&c).len(), lines, "written after the fence");
+    c.stop_job(&job, false).await;
+}
