@@ -409,12 +409,12 @@ mod tests {
         let t0 = Instant::now();
         let mut c = claims();
         held(&mut c, t0);
-        let unproven = || Err(ClaimError::Unproven { volume: key() });
-        let r = c.on_renewed(&key(), unproven(), true, t0 + Duration::from_secs(5));
+        let unproven = || ClaimError::Unproven { volume: key() };
+        let r = c.on_renewed(&key(), Err(unproven()), true, t0 + Duration::from_secs(5));
         assert_eq!(r, Renewal::Kept);
         assert_eq!(c.status()["default/db"], "held");
         // The acquire's lease: 2 x TTL + lock delay = 45 s.
-        let r = c.on_renewed(&key(), unproven(), true, t0 + Duration::from_secs(46));
+        let r = c.on_renewed(&key(), Err(unproven()), true, t0 + Duration::from_secs(46));
         assert_eq!(r, Renewal::Lost);
         assert_eq!(c.status()["default/db"], "lost");
     }
