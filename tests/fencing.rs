@@ -322,3 +322,177 @@ async fn a_partitioned_node_calls_the_plugins_fence() {
     .await;
     c.stop_job(&job, false).await;
 }
+
+/// Kills and reaps a process when dropped (a holder the test started), even on failure.
+struct Holder(std::process::Child);
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Delete on evidence: the writer's job stops, but a process on its node keeps the mount
+/// (its working directory is in the volume), so the unpublish is refused and retried. No
+/// allocation uses the volume any more, yet `volume delete` is refused naming that node, and
+/// the storage survives. Once the holder is gone and the node has unmounted, the delete runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_while_a_node_keeps_the_mount_is_refused_naming_the_node() {
+    let c = Cluster::start(2).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let node = c.node_index(first["NodeID"].as_str().unwrap());
+    c.wait_for(30, "the writer's first lines", || async {
+        (!log_lines(&c).is_empty()).then_some(())
+    })
+    .await;
+    let target = c.target(node, VOLUME);
+    let holder = Holder(
+        std::process::Command::new("sleep")
+            .arg("600")
+            .current_dir(&target)
+            .spawn()
+            .expect("start a holder in the volume"),
+    );
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the writer stopped", || async {
+        c.allocs(&job)
+            .await
+            .iter()
+            .all(|a| a["ClientStatus"] != "running")
+            .then_some(())
+    })
+    .await;
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
+
+    let (code, out) = c.cli(&["volume", "delete", VOLUME]);
+    assert_ne!(code, 0, "the delete was accepted under a live mount: {out}");
+    assert!(
+        out.contains(&c.nodes[node].id) && out.contains("still mounted"),
+        "the refusal names the node: {out}"
+    );
+    assert!(
+        !log_lines(&c).is_empty(),
+        "the storage was removed under the live mount"
+    );
+    assert!(dhv_binder::node::mounts::is_mount_point(&target));
+
+    drop(holder);
+    c.wait_for(90, "the mount released once its holder is gone", || async {
+        (!dhv_binder::node::mounts::is_mount_point(&target)).then_some(())
+    })
+    .await;
+    let (code, out) = c.cli(&["volume", "delete", VOLUME]);
+    assert_eq!(code, 0, "{out}");
+}
+
+/// The claim named in `dhv-binder status` on node `i` ("held", "fenced", "lost"; "" when none).
+fn claim_state(c: &Cluster, i: usize) -> String {
+    let (_, status) = c.status(i);
+    serde_json::from_str::<Value>(&status).unwrap_or_default()["claims"]
+        [format!("default/{VOLUME}")]
+    .as_str()
+    .unwrap_or_default()
+    .to_string()
+}
+
+/// Claims that were never lost are not given up: after a leader change, the new leader
+/// answers the holder's renewals 409 until it has re-armed its lock timers (here for 8 s,
+/// several renewals with a 10 s TTL). The holder reads the claim, finds it still its own, and
+/// keeps it: never `lost`, `held` again once a renewal succeeds, and its writer runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_CLAIM_TTL", "10s")]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .wait_for(120, "the writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    c.wait_for(30, "the claim held", || async {
+        (claim_state(&c, 0) == "held").then_some(())
+    })
+    .await;
+    c.put("/v1/sim/leader?leader=false", json!({})).await;
+    c.put("/v1/sim/leader?leader=true&timers_after=8", json!({}))
+        .await;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < until {
+        let st = claim_state(&c, 0);
+        assert_ne!(st, "lost", "a claim refused by a new leader was given up");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    c.wait_for(30, "the claim held again", || async {
+        (claim_state(&c, 0) == "held").then_some(())
+    })
+    .await;
+    let lines = log_lines(&c).len();
+    c.wait_for(10, "the writer still writing", || async {
+        (log_lines(&c).len() > lines).then_some(())
+    })
+    .await;
+    assert!(c
+        .allocs(&job)
+        .await
+        .iter()
+        .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
+    c.stop_job(&job, false).await;
+}
+
+/// A paused agent (SIGSTOP, as a suspended VM) does not resume on a lapsed lease: the holder's
+/// dhv-binder is stopped past its lease (TTL 10 s + lock delay 2 s) while its writer runs;
+/// the first thing it records after SIGCONT is the fence, and the volume is unwritable here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
+    let c = Cluster::start_with(
+        1,
+        "",
+        &[
+            ("DHV_BINDER_CLAIM_TTL", "10s"),
+            ("DHV_BINDER_CLAIM_LOCK_DELAY", "2s"),
+        ],
+    )
+    .await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    c.wait_for(120, "the writer writing", || async {
+        (log_lines(&c).len() >= 10).then_some(())
+    })
+    .await;
+    c.signal_agent(0, nix::sys::signal::Signal::SIGSTOP);
+    tokio::time::sleep(std::time::Duration::from_secs(16)).await;
+    let t_resume = now_ms();
+    c.signal_agent(0, nix::sys::signal::Signal::SIGCONT);
+    c.wait_for(20, "the fence after the resume", || async {
+        last_event_ms(&c, 0, "fenced").filter(|t| *t >= t_resume)
+    })
+    .await;
+    let after: Vec<String> = c
+        .journal(0)
+        .iter()
+        .filter(|e| e["unix_ms"].as_u64().is_some_and(|t| t >= t_resume))
+        .map(|e| e["event"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        after.first().map(String::as_str),
+        Some("fenced"),
+        "the first event after the resume: {after:?}"
+    );
+    let lines = log_lines(&c).len();
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(log_lines(&c).len(), lines, "written after the fence");
+    c.stop_job(&job, false).await;
+}

@@ -296,6 +296,22 @@ impl Claims {
                 }
                 Renewal::Kept
             }
+            // A refusal that proves no other holder is lost only once the lease has ended
+            // (the lock may have lapsed with no one taking it); before, it is retried.
+            Err(ClaimError::Unproven { volume: v })
+                if self
+                    .held
+                    .get(volume)
+                    .and_then(|c| c.lease_end)
+                    .is_some_and(|end| now >= end) =>
+            {
+                self.on_renewed(
+                    volume,
+                    Err(ClaimError::Lost { volume: v }),
+                    mounted_here,
+                    now,
+                )
+            }
             Err(e @ ClaimError::Lost { .. }) => {
                 tracing::warn!(%volume, reason = %e, "claim lost: another node may use the volume now; unpublishing here before anything else");
                 if let Some(c) = self.held.get_mut(volume) {
@@ -386,6 +402,21 @@ mod tests {
     fn held(c: &mut Claims, now: Instant) {
         let mut r = Retries::new(1);
         c.on_acquired(key(), Ok("lock-1".into()), &mut r, now);
+    }
+
+    #[test]
+    fn an_unproven_refusal_is_retried_until_the_lease_ends_then_lost() {
+        let t0 = Instant::now();
+        let mut c = claims();
+        held(&mut c, t0);
+        let unproven = || ClaimError::Unproven { volume: key() };
+        let r = c.on_renewed(&key(), Err(unproven()), true, t0 + Duration::from_secs(5));
+        assert_eq!(r, Renewal::Kept);
+        assert_eq!(c.status()["default/db"], "held");
+        // The acquire's lease: 2 x TTL + lock delay = 45 s.
+        let r = c.on_renewed(&key(), Err(unproven()), true, t0 + Duration::from_secs(46));
+        assert_eq!(r, Renewal::Lost);
+        assert_eq!(c.status()["default/db"], "lost");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use super::output::{ago, bytes, kv, short_id, table, OutputArgs};
 use super::records::{read_record, read_var, users_of, SigningArgs, VolumeUser, REGISTERED_ITEM};
 use super::storage::{self, LocalPlugins, SnapshotCommand, SnapshotSummary};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
+use crate::cluster::mounted;
 use crate::cluster::nodes::{self, Liveness, NodeRecord};
 use crate::cluster::trust::SigningKey;
 use crate::config::NomadConfig;
@@ -420,7 +421,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
 async fn refuse_in_use(client: &Client, r: &VolumeRecord) -> Result<(), Failure> {
     let users = users_of(client, &r.spec.namespace, &r.spec.name).await?;
     if users.is_empty() {
-        return Ok(());
+        return refuse_mounted(client, r).await;
     }
     let list: Vec<String> = users
         .iter()
@@ -434,6 +435,25 @@ async fn refuse_in_use(client: &Client, r: &VolumeRecord) -> Result<(), Failure>
             list.join(", ")
         ),
     ))
+}
+
+/// Delete and deregister on evidence: refused while a node's record shows the volume
+/// mounted, publishing or unpublishing, a stale record lists it, or a node holds its claim
+/// (`cluster::mounted`). A node's record follows its mounts within a moment, so a volume
+/// whose last unpublish has just finished is given up to 5 s to clear.
+async fn refuse_mounted(client: &Client, r: &VolumeRecord) -> Result<(), Failure> {
+    let key = r.key();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let on = mounted::evidence(client, &key, super::output::now_unix()).await?;
+        if on.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Failure::new(EXIT_FAILED, mounted::refusal(&key, &on)));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Why no node can serve a plugin, naming what each node has; `None` when one can.

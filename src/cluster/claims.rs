@@ -50,6 +50,12 @@ pub enum ClaimError {
     /// Our lock is gone (expired, or taken over): the volume must be unpublished here.
     #[error("this node lost its claim on {volume}")]
     Lost { volume: VolumeKey },
+    /// A renewal was refused (409 or 404), but reading the claim proves no other holder: the
+    /// lock is still held under this ID, or its Items still name this node (a new leader that
+    /// has not re-armed its lock timers answers so). Retried like a transient error until the
+    /// lease ends; past it, the claim is lost.
+    #[error("the renewal of the claim on {volume} was refused, but the claim still names this node (a new Nomad leader re-arming its lock timers?); retrying")]
+    Unproven { volume: VolumeKey },
     /// Nomad could not be asked; try again.
     #[error("claim on {volume}: {source}")]
     Nomad {
@@ -195,8 +201,15 @@ pub async fn acquire(
     }
 }
 
-/// Renews the claim. [`ClaimError::Lost`] when Nomad no longer knows this lock ID.
-pub async fn renew(client: &Client, volume: &VolumeKey, lock_id: &str) -> Result<(), ClaimError> {
+/// Renews the claim of `node_id`. A refusal (409, or 404) is checked by reading the claim
+/// (`lost_or_not`): [`ClaimError::Lost`] only when another holder, or no lock, is proven;
+/// [`ClaimError::Unproven`] otherwise.
+pub async fn renew(
+    client: &Client,
+    volume: &VolumeKey,
+    lock_id: &str,
+    node_id: &str,
+) -> Result<(), ClaimError> {
     let lock = VariableLock {
         id: lock_id.to_string(),
         ..Default::default()
@@ -206,13 +219,55 @@ pub async fn renew(client: &Client, volume: &VolumeKey, lock_id: &str) -> Result
         .await
     {
         Ok(_) => Ok(()),
-        Err(NomadError::CasConflict { .. }) => Err(ClaimError::Lost {
-            volume: volume.clone(),
-        }),
+        Err(NomadError::CasConflict { .. }) => {
+            Err(lost_or_not(client, volume, lock_id, node_id).await)
+        }
         Err(source) => Err(ClaimError::Nomad {
             volume: volume.clone(),
             source,
         }),
+    }
+}
+
+/// A renewal answered 409 or 404 proves no other holder by itself: a new leader answers so
+/// until it has re-armed its lock timers (`nomad/leader.go` `establishLeadership` runs
+/// `restoreLockTTLTimers`; `nomad/locks.go` `RenewTTLTimer` fails without a timer). The claim
+/// is read first. [`ClaimError::Lost`] when the variable is gone, its lock is held under
+/// another ID, or its Items name another node (an acquire rewrites them); otherwise
+/// [`ClaimError::Unproven`]: the lock is still held under this ID, or (a token that may not
+/// see `Lock`: `Variables.Read` hides it from non-management tokens) the Items still name
+/// this node. Nomad API: `GET /v1/var/:path`.
+async fn lost_or_not(
+    client: &Client,
+    volume: &VolumeKey,
+    lock_id: &str,
+    node_id: &str,
+) -> ClaimError {
+    let lost = ClaimError::Lost {
+        volume: volume.clone(),
+    };
+    match client
+        .variable(&volume.namespace, &claim_path(&volume.name))
+        .await
+    {
+        Ok(None) => lost,
+        Ok(Some(v)) => {
+            let ours = match v.lock.as_ref().filter(|l| !l.id.is_empty()) {
+                Some(l) => l.id == lock_id,
+                None => v.items.get("node_id").map(String::as_str) == Some(node_id),
+            };
+            if ours {
+                ClaimError::Unproven {
+                    volume: volume.clone(),
+                }
+            } else {
+                lost
+            }
+        }
+        Err(source) => ClaimError::Nomad {
+            volume: volume.clone(),
+            source,
+        },
     }
 }
 

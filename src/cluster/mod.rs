@@ -9,11 +9,14 @@
 //! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from
 //!   them;
 //! - [`expansion`]: growing a volume (`volume create` again with a larger `capacity_min`);
-//! - [`nodes`]: the node records each agent publishes (plugins, health, last seen).
+//! - [`nodes`]: the node records each agent publishes (plugins, health, last seen);
+//! - [`mounted`]: where a volume is still mounted, from those records and its claim (no
+//!   delete under a live mount).
 
 pub mod catalog;
 pub(crate) mod claims;
 pub mod expansion;
+pub mod mounted;
 pub mod nodes;
 pub mod snapshot;
 pub mod trust;

@@ -342,7 +342,8 @@ pub async fn list(client: &Client) -> Result<(Vec<NodeRecord>, Vec<NodeRecordErr
     Ok((good, bad))
 }
 
-fn now_unix() -> u64 {
+/// This host's clock, in Unix seconds (0 before 1970).
+pub fn now_unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

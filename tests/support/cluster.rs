@@ -344,6 +344,13 @@ impl Cluster {
             .join(format!("{}.helpers", self.nodes[i].name))
     }
 
+    /// Sends `signal` to node `i`'s dhv-binder and leaves it running (SIGSTOP, SIGCONT).
+    pub fn signal_agent(&self, i: usize, signal: nix::sys::signal::Signal) {
+        let a = self.nodes[i].agent.as_ref().expect("the agent runs");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.id() as i32), signal)
+            .expect("signal the agent");
+    }
+
     /// Stops node `i`'s dhv-binder with `signal`.
     pub fn kill_agent(&mut self, i: usize, signal: nix::sys::signal::Signal) {
         if let Some(mut a) = self.nodes[i].agent.take() {

@@ -195,6 +195,10 @@ pub enum WorkerError {
     /// The plugin failed; the record says so (state `failed`, or its error for a delete).
     #[error(transparent)]
     Plugin(#[from] PluginError),
+    /// A delete found the volume still mounted (or possibly mounted) on a node: the plugin's
+    /// `delete` did not run; the record says why and the delete is retried.
+    #[error("{0}")]
+    Mounted(String),
     /// The volume's source (snapshot or clone) cannot be used; the record is failed.
     #[error(transparent)]
     Source(#[from] storage::SourceFailure),
@@ -748,6 +752,18 @@ pub async fn delete(
             rec.worker_node = node.node_id.clone();
             rec = cas_update(&client, &rec).await?;
         }
+        // No delete under a live mount: checked again here, just before the plugin runs
+        // (the request may predate a mount, or come from an older CLI).
+        let on =
+            crate::cluster::mounted::evidence(&client, &key, crate::cluster::nodes::now_unix())
+                .await?;
+        if !on.is_empty() {
+            let why = crate::cluster::mounted::refusal(&key, &on);
+            rec.worker_node.clear();
+            rec.error = format!("the delete waits: {why}");
+            let _ = cas_update(&client, &rec).await;
+            return Err(WorkerError::Mounted(why));
+        }
         let env = delete_env(&node, &rec);
         if let Err(e) = runner
             .call(&rec.spec.plugin_id, Operation::Delete, &env, &rec.secrets)
@@ -788,8 +804,13 @@ pub async fn acquire_claim(
 }
 
 /// Renews a held claim.
-pub async fn renew_claim(client: Client, volume: VolumeKey, lock_id: String) -> Completion {
-    let result = claims::renew(&client, &volume, &lock_id).await;
+pub async fn renew_claim(
+    client: Client,
+    volume: VolumeKey,
+    lock_id: String,
+    node_id: String,
+) -> Completion {
+    let result = claims::renew(&client, &volume, &lock_id, &node_id).await;
     Completion::ClaimRenewed { volume, result }
 }
 
