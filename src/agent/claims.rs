@@ -209,15 +209,11 @@ impl Claims {
 
     /// The lease end of a lock taken or renewed by a call sent at `sent`: Nomad arms the
     /// lock's timer with 2 x TTL on an acquire (`nomad/locks.go`
-    /// `CreateVariableLockTTLTimer`) and resets it to 1 x TTL on a renewal (`RenewTTLTimer`,
-    /// `nomad/lock/ttl.go` `Create`: `Reset(ttl)`), then keeps the lock for the lock delay.
-    fn lease_from(&self, sent: Instant, acquired: bool) -> Instant {
-        let ttl = if acquired {
-            self.settings.ttl * 2
-        } else {
-            self.settings.ttl
-        };
-        sent + ttl + self.settings.lock_delay
+    /// `CreateVariableLockTTLTimer`) and re-arms it with 2 x TTL on a renewal (`RenewTTLTimer`
+    /// doubles the TTL too; `nomad/lock/ttl.go` `Create` resets the running timer), then
+    /// keeps the lock for the lock delay.
+    fn lease_from(&self, sent: Instant) -> Instant {
+        sent + self.settings.ttl * 2 + self.settings.lock_delay
     }
 
     /// An acquire finished. A failure keeps the volume waiting, with the reason a caller
@@ -236,7 +232,7 @@ impl Claims {
                 self.wait.remove(&volume);
                 retries.succeeded(&Work::Claim(volume.clone()));
                 let sent = self.acquiring.remove(&volume).unwrap_or(now);
-                let lease_end = Some(self.lease_from(sent, true));
+                let lease_end = Some(self.lease_from(sent));
                 self.held.insert(
                     volume,
                     Claim {
@@ -280,14 +276,14 @@ impl Claims {
         let sent = self.renewing.remove(volume).unwrap_or(now);
         match result {
             Ok(()) => {
-                let end = self.lease_from(sent, false);
+                let end = self.lease_from(sent);
                 let Some(c) = self.held.get_mut(volume) else {
                     return Renewal::Kept;
                 };
                 c.renewed = now;
                 c.failing = false;
-                // Replaced, not extended: Nomad resets the timer to 1 x TTL on a renewal, so
-                // the lease can end before the acquire's 2 x TTL would have.
+                // Replaced, not extended: Nomad resets the timer on a renewal (to 2 x TTL from
+                // when it arrives), so the lease runs from this renewal's sending.
                 c.lease_end = Some(end);
                 if c.state == ClaimState::Fenced {
                     c.state = ClaimState::Held;
@@ -512,8 +508,8 @@ mod tests {
         );
     }
 
-    /// The lease runs from when the call was *sent*: 2 x TTL + lock delay after an acquire,
-    /// TTL + lock delay after a renewal (Nomad resets the timer to 1 x TTL on a renewal).
+    /// The lease runs from when the call was *sent*: 2 x TTL + lock delay after an acquire
+    /// and after each renewal (Nomad re-arms the timer with 2 x TTL on both).
     /// The fence comes a margin (15 s here) before the lease ends.
     #[test]
     fn the_lease_runs_from_the_sent_call_and_the_fence_comes_a_margin_before_its_end() {
@@ -526,7 +522,7 @@ mod tests {
         c.on_acquired(key(), Ok("lock-1".into()), &mut r, t0 + s(3));
         assert_eq!(c.lease_end(&key()), Some(t0 + s(45)));
         assert!(c.fences_due(t0 + s(29)).is_empty());
-        // A renewal sent at t0 + 8 and answered at t0 + 12: TTL + lock delay from t0 + 8.
+        // A renewal sent at t0 + 8 and answered at t0 + 12: 2 x TTL + lock delay from t0 + 8.
         assert_eq!(c.renewals(t0 + s(8)).len(), 1);
         assert_eq!(
             c.on_renewed(&key(), Ok(()), true, t0 + s(12)),
@@ -534,18 +530,18 @@ mod tests {
         );
         assert_eq!(
             c.lease_end(&key()),
-            Some(t0 + s(38)),
-            "a renewal resets the lock's timer to 1 x TTL: the lease can shorten"
+            Some(t0 + s(53)),
+            "a renewal re-arms the lock's timer: the lease runs from its sending"
         );
         assert_eq!(c.renewals(t0 + s(17)).len(), 1);
         c.on_renewed(&key(), Ok(()), true, t0 + s(17));
-        assert_eq!(c.lease_end(&key()), Some(t0 + s(47)));
-        // No renewal succeeds any more: fenced at lease end - margin = t0 + 32.
+        assert_eq!(c.lease_end(&key()), Some(t0 + s(62)));
+        // No renewal succeeds any more: fenced at lease end - margin = t0 + 47.
         assert_eq!(c.next_wakeup(), Some(t0 + s(22)));
-        assert!(c.fences_due(t0 + s(31)).is_empty());
-        assert_eq!(c.fences_due(t0 + s(32)), vec![key()]);
+        assert!(c.fences_due(t0 + s(46)).is_empty());
+        assert_eq!(c.fences_due(t0 + s(47)), vec![key()]);
         assert_eq!(c.states()[&key()], ClaimState::Fenced);
-        assert!(c.fences_due(t0 + s(40)).is_empty(), "fenced once");
+        assert!(c.fences_due(t0 + s(55)).is_empty(), "fenced once");
         assert_eq!(c.status()["default/db"], "fenced");
     }
 
@@ -589,7 +585,7 @@ mod tests {
             } else {
                 assert_eq!(r, Renewal::Restored);
                 assert_eq!(c.states()[&key()], ClaimState::Held);
-                assert_eq!(c.lease_end(&key()), Some(t0 + s(60)));
+                assert_eq!(c.lease_end(&key()), Some(t0 + s(75)));
             }
         }
     }

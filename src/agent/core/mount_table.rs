@@ -187,7 +187,8 @@ impl Core {
 
 /// Why an allocation is `unfenced` (a warning, in the log and status): it writes a
 /// `single-node-*` volume while its group has no `disconnect { stop_on_client_after }`
-/// within `lease`, the claim's lease after a renewal (TTL + lock delay): if this node's agent
+/// within `lease` (TTL + lock delay: a TTL before another node may take the claim, whose
+/// lease is 2 x TTL + lock delay after the last renewal): if this node's agent
 /// is frozen or gone while its client loses the servers, nothing stops its tasks before
 /// another node may take the volume (docs/operations.md, "Claims").
 fn unfenced(
@@ -209,7 +210,7 @@ fn unfenced(
             (None, _) => None,
             (Some(_), Some(d)) if d <= lease => None,
             (Some(r), Some(d)) => Some(format!(
-                "unfenced: allocation {alloc_id} writes single-node volume {} with disconnect {{ stop_on_client_after = {d:?} }}, longer than the claim's lease after a renewal ({lease:?}: --claim-ttl + --claim-lock-delay); if this node's dhv-binder is down while its client loses the servers, its tasks may still write when another node takes the volume: set stop_on_client_after to {lease:?} or less",
+                "unfenced: allocation {alloc_id} writes single-node volume {} with disconnect {{ stop_on_client_after = {d:?} }}, longer than {lease:?} (--claim-ttl + --claim-lock-delay, a TTL before another node could take the volume); if this node's dhv-binder is down while its client loses the servers, its tasks may still write when another node takes the volume: set stop_on_client_after to {lease:?} or less",
                 r.volume
             )),
             (Some(r), None) => Some(format!(
