@@ -763,11 +763,25 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
     Ok(l)
 }
 
+/// How many scrape connections the endpoint holds at once; further ones are closed at
+/// once (issue 33: 300 idle connections used up the agent's file descriptors).
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// How long a connection may take to send a request's headers (also the longest an idle
+/// kept-alive connection is held) before it is closed.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest any one scrape connection is kept, whatever it does.
+pub const MAX_CONNECTION_LIFE: Duration = Duration::from_secs(60);
+
 /// Serves `GET /metrics` on `listener` until the task is dropped; other paths are 404,
-/// other methods 405.
+/// other methods 405. At most [`MAX_CONNECTIONS`] connections are served at once (more
+/// are closed at once); each must send its headers within [`HEADER_READ_TIMEOUT`] and is
+/// closed after [`MAX_CONNECTION_LIFE`].
 pub async fn serve(listener: TcpListener, metrics: Metrics) {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "metrics accept failed");
@@ -775,15 +789,23 @@ pub async fn serve(listener: TcpListener, metrics: Metrics) {
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, limit = MAX_CONNECTIONS, "metrics connection refused: too many open");
+            drop(stream);
+            continue;
+        };
         let m = metrics.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let m = m.clone();
                 async move { Ok::<_, std::convert::Infallible>(answer(&m, &req)) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), svc);
+            let _ = tokio::time::timeout(MAX_CONNECTION_LIFE, conn).await;
         });
     }
 }

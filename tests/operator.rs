@@ -888,3 +888,64 @@ fn a_spec_field_dhv_binder_cannot_honour_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// Issue 33 finding 5: 300 idle TCP connections to the metrics endpoint of an agent whose
+/// file-descriptor limit is 256 (the attack in the issue) neither exhaust its descriptors
+/// nor keep the endpoint shut: the unix-socket `status` answers at once and a scrape within
+/// a few seconds (the connections over the cap are closed at once, the rest when their
+/// headers are late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_exhaust_the_metrics_endpoint() {
+    let c = observed_cluster(1).await;
+    let addr = metrics_addr(&c, 0);
+    scrape(&addr).await;
+    let pid = c.nodes[0].agent.as_ref().expect("the agent runs").id();
+    let out = Command::new("prlimit")
+        .arg(format!("--pid={pid}"))
+        .arg("--nofile=256:256")
+        .output()
+        .expect("run prlimit (util-linux)");
+    assert!(out.status.success(), "prlimit: {out:?}");
+
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let start = std::time::Instant::now();
+    // The unix socket answers while the connections are held.
+    let status = tokio::task::spawn_blocking({
+        let socket = c.nodes[0].socket.clone();
+        move || {
+            Command::new("timeout")
+                .arg("5")
+                .arg(dhv_binder_bin())
+                .args(["status", "-json"])
+                .env_clear()
+                .env("DHV_BINDER_SOCKET", &socket)
+                .output()
+                .expect("run dhv-binder status")
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        status.status.success(),
+        "status with 300 idle metrics connections: {status:?}"
+    );
+    // A scrape answers within a few seconds (once the idle ones' header time is up).
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let scraped = loop {
+        match client.get(format!("http://{addr}/metrics")).send().await {
+            Ok(r) if r.status() == 200 => break start.elapsed(),
+            other if start.elapsed() > std::time::Duration::from_secs(12) => {
+                panic!("no scrape answered in 12 s with 300 idle connections: {other:?}")
+            }
+            _ => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+        }
+    };
+    eprintln!("300 idle metrics connections: status answered, a scrape after {scraped:?}");
+    drop(idle);
+}
