@@ -39,6 +39,10 @@ pub enum TrustError {
     Malformed(String),
     #[error("cannot read key file {path}: {reason}")]
     KeyFile { path: String, reason: String },
+    /// The key file could be changed by a user other than root and the agent: whoever
+    /// can write it chooses which records this node acts on.
+    #[error("refusing key file {path}: {reason}; make it root's and writable by its owner only: run `chown root {path} && chmod go-w {path}`")]
+    UnsafeKeyFile { path: String, reason: String },
     #[error("no record keys configured: give the agent --record-keys <file> (operators' public keys, see docs/security.md), or --allow-unsigned-records on a test cluster only")]
     NotConfigured,
 }
@@ -268,6 +272,41 @@ pub enum RecordTrust {
     Unverified,
 }
 
+/// Reads a record-keys file, refusing it ([`TrustError::UnsafeKeyFile`]) unless it is owned
+/// by root or the agent's own uid and writable by neither group nor others. The checks are
+/// made on the opened file, so the file read is the file checked.
+fn read_key_file(p: &Path) -> Result<String, TrustError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::MetadataExt as _;
+    let shown = p.display().to_string();
+    let io = |e: std::io::Error| TrustError::KeyFile {
+        path: shown.clone(),
+        reason: e.to_string(),
+    };
+    let mut f = std::fs::File::open(p).map_err(io)?;
+    let meta = f.metadata().map_err(io)?;
+    let me = nix::unistd::geteuid().as_raw();
+    let unsafe_file = |reason: String| TrustError::UnsafeKeyFile {
+        path: shown.clone(),
+        reason,
+    };
+    if meta.uid() != 0 && meta.uid() != me {
+        return Err(unsafe_file(format!(
+            "owned by uid {}, not root (or the agent's uid {me})",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(unsafe_file(format!(
+            "mode {:o} lets group or others write it",
+            meta.mode() & 0o7777
+        )));
+    }
+    let mut text = String::new();
+    f.read_to_string(&mut text).map_err(io)?;
+    Ok(text)
+}
+
 impl RecordTrust {
     /// Parses a public key file's text.
     pub fn parse_keys(text: &str, path: &str) -> Result<Self, TrustError> {
@@ -310,10 +349,7 @@ impl RecordTrust {
         match (record_keys, allow_unsigned) {
             (Some(p), _) => {
                 let shown = p.display().to_string();
-                let text = std::fs::read_to_string(p).map_err(|e| TrustError::KeyFile {
-                    path: shown.clone(),
-                    reason: e.to_string(),
-                })?;
+                let text = read_key_file(p)?;
                 Self::parse_keys(&text, &shown)
             }
             (None, true) => Ok(RecordTrust::Unverified),
@@ -511,6 +547,47 @@ mod tests {
         other.state = VolumeState::Deleting;
         other.delete_signature = rec.delete_signature.clone();
         assert_eq!(trust.verify(&other), Err(TrustError::UnsignedDelete));
+    }
+
+    /// Issue 33: a record-keys file another user could write is refused, with what to run.
+    #[test]
+    fn a_key_file_others_can_write_or_own_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let (key, _) = SigningKey::generate().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("record-keys.pub");
+        std::fs::write(&p, key.public_line()).unwrap();
+        let mode =
+            |m: u32| std::fs::set_permissions(&p, std::fs::Permissions::from_mode(m)).unwrap();
+        mode(0o644);
+        assert!(matches!(
+            RecordTrust::from_settings(Some(&p), false),
+            Ok(RecordTrust::Keys(_))
+        ));
+        for m in [0o664, 0o646, 0o666, 0o620] {
+            mode(m);
+            let e = RecordTrust::from_settings(Some(&p), false).unwrap_err();
+            assert!(
+                matches!(e, TrustError::UnsafeKeyFile { .. }),
+                "{m:o}: {e:?}"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("chmod go-w {}", p.display())),
+                "{text}"
+            );
+        }
+        mode(0o600);
+        assert!(RecordTrust::from_settings(Some(&p), false).is_ok());
+        // Owned by another user (tests run as root, so `nobody` is neither root nor us).
+        std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
+        let e = RecordTrust::from_settings(Some(&p), false).unwrap_err();
+        assert!(matches!(e, TrustError::UnsafeKeyFile { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains(&format!("chown root {}", p.display())),
+            "{e}"
+        );
     }
 
     #[test]
