@@ -744,6 +744,36 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     for message in ["published", "unpublishing", "unpublished"] {
         assert_eq!(line(message)["volume"], "default/shared-data", "{log}");
     }
+
+    // Issue 33: a storage delete is logged at info, before and after, naming the volume,
+    // its ID, namespace, plugin, node and the context the plugin deletes.
+    let id = json(&c.cli(&["volume", "status", "shared-data", "-json"]).1)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (code, out) = c.cli(&["volume", "delete", "shared-data"]);
+    assert_eq!(code, 0, "{out}");
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    for message in [
+        "deleting the volume's storage",
+        "deleted the volume's storage",
+    ] {
+        let l = log
+            .lines()
+            .map(json)
+            .find(|l| l["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} line:\n{log}"));
+        assert_eq!(l["level"], "INFO", "{l}");
+        assert_eq!(l["volume"], "default/shared-data", "{l}");
+        assert_eq!(l["volume_id"], id.as_str(), "{l}");
+        assert_eq!(l["namespace"], "default", "{l}");
+        assert_eq!(l["plugin"], "bind", "{l}");
+        assert_eq!(l["node"], c.nodes[0].id.as_str(), "{l}");
+        assert!(
+            l["context"].as_str().is_some_and(|x| x.contains(&id)),
+            "{l}"
+        );
+    }
 }
 
 /// Configuration an operator got wrong is exit 64 with the reason, before the agent asks

@@ -461,6 +461,19 @@ pub async fn run_delete(
     snap: &SnapshotRecord,
 ) -> Result<(), OpError> {
     let env = delete_env(node, snap);
+    // Every storage delete is logged at info, naming what it deletes (issue 33).
+    let context = plugin::redact(&snap.context.to_string(), &snap.secrets);
+    tracing::info!(
+        snapshot_id = %snap.id,
+        snapshot = %snap.name,
+        namespace = %snap.namespace,
+        volume = %snap.volume,
+        volume_id = %snap.volume_id,
+        plugin = %snap.plugin_id,
+        node = %node.node_id,
+        %context,
+        "deleting the snapshot's storage"
+    );
     runner
         .call(
             &snap.plugin_id,
@@ -469,8 +482,19 @@ pub async fn run_delete(
             &snap.secrets,
         )
         .await
-        .map(|_| ())
-        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))
+        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))?;
+    tracing::info!(
+        snapshot_id = %snap.id,
+        snapshot = %snap.name,
+        namespace = %snap.namespace,
+        volume = %snap.volume,
+        volume_id = %snap.volume_id,
+        plugin = %snap.plugin_id,
+        node = %node.node_id,
+        %context,
+        "deleted the snapshot's storage"
+    );
+    Ok(())
 }
 
 /// What a node does about one snapshot record.
