@@ -659,6 +659,8 @@ fn secret_forms(secrets: &BTreeMap<String, String>) -> Vec<String> {
                 .to_string(),
         );
         forms.push(escape_control(v));
+        forms.extend(unicode_escaped_forms(v));
+        forms.extend(url_encoded_forms(v));
         if v.contains(['\n', '\r']) {
             forms.extend(
                 v.split(['\n', '\r'])
@@ -671,6 +673,84 @@ fn secret_forms(secrets: &BTreeMap<String, String>) -> Vec<String> {
     forms.retain(|f| !f.is_empty());
     forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
     forms.dedup();
+    forms
+}
+
+/// `c` as `\uXXXX` (two for a character beyond the BMP, as JSON writes it), in lower or
+/// upper hex.
+fn u_escape(c: char, upper: bool, out: &mut String) {
+    use std::fmt::Write as _;
+    let mut units = [0u16; 2];
+    for u in c.encode_utf16(&mut units) {
+        let _ = if upper {
+            write!(out, "\\u{u:04X}")
+        } else {
+            write!(out, "\\u{u:04x}")
+        };
+    }
+}
+
+/// A secret in the `\uXXXX` forms JSON encoders write (issue 33): every character escaped
+/// (lower and upper hex), and the JSON form with only non-ASCII (Python's `ensure_ascii`),
+/// only `<`, `>`, `&` (Go's `encoding/json`), or both escaped.
+fn unicode_escaped_forms(v: &str) -> Vec<String> {
+    let mut forms = Vec::new();
+    for upper in [false, true] {
+        let mut all = String::new();
+        for c in v.chars() {
+            u_escape(c, upper, &mut all);
+        }
+        forms.push(all);
+    }
+    let json = serde_json::to_string(v).unwrap_or_default();
+    let inner = json
+        .get(1..json.len().saturating_sub(1))
+        .unwrap_or_default();
+    let html = |c: char| matches!(c, '<' | '>' | '&');
+    let rules: [&dyn Fn(char) -> bool; 3] = [&|c: char| !c.is_ascii(), &html, &|c: char| {
+        !c.is_ascii() || html(c)
+    }];
+    for escape in rules {
+        let mut f = String::new();
+        for c in inner.chars() {
+            if escape(c) {
+                u_escape(c, false, &mut f);
+            } else {
+                f.push(c);
+            }
+        }
+        forms.push(f);
+    }
+    forms
+}
+
+/// A secret URL-encoded (issue 33): percent-encoding all but RFC 3986's unreserved
+/// characters, all but those `encodeURIComponent` keeps, and form encoding (space as `+`);
+/// upper and lower hex.
+fn url_encoded_forms(v: &str) -> Vec<String> {
+    use std::fmt::Write as _;
+    let unreserved = |c: u8| c.is_ascii_alphanumeric() || b"-._~".contains(&c);
+    let component = |c: u8| c.is_ascii_alphanumeric() || b"-_.!~*'()".contains(&c);
+    let form = |c: u8| c.is_ascii_alphanumeric() || b"*-._".contains(&c);
+    let keeps: [&dyn Fn(u8) -> bool; 3] = [&unreserved, &component, &form];
+    let mut forms = Vec::new();
+    for (i, keep) in keeps.into_iter().enumerate() {
+        for upper in [true, false] {
+            let mut f = String::new();
+            for &b in v.as_bytes() {
+                if keep(b) {
+                    f.push(char::from(b));
+                } else if b == b' ' && i == 2 {
+                    f.push('+');
+                } else if upper {
+                    let _ = write!(f, "%{b:02X}");
+                } else {
+                    let _ = write!(f, "%{b:02x}");
+                }
+            }
+            forms.push(f);
+        }
+    }
     forms
 }
 
@@ -1476,6 +1556,41 @@ mod tests {
             stderr: " ".into(),
         };
         assert_eq!(quiet.report(), quiet.to_string());
+    }
+
+    /// Issue 33: secrets in `\uXXXX`-escaped form (every character, or only non-ASCII and
+    /// `<>&` as Python's and Go's JSON encoders write them) and URL-encoded (RFC 3986,
+    /// form encoding with `+`, lowercase hex) are redacted too.
+    #[test]
+    fn unicode_escaped_and_url_encoded_secrets_are_redacted() {
+        let secrets = BTreeMap::from([
+            ("a".to_string(), "p@ss wörd&<x>".to_string()),
+            ("b".to_string(), "k😀ey!".to_string()),
+        ]);
+        let forms = [
+            r"\u0070\u0040\u0073\u0073\u0020\u0077\u00f6\u0072\u0064\u0026\u003c\u0078\u003e",
+            r"\u0070\u0040\u0073\u0073\u0020\u0077\u00F6\u0072\u0064\u0026\u003C\u0078\u003E",
+            r"p@ss w\u00f6rd&<x>",
+            r"p@ss wörd\u0026\u003cx\u003e",
+            r"p@ss w\u00f6rd\u0026\u003cx\u003e",
+            "p%40ss%20w%C3%B6rd%26%3Cx%3E",
+            "p%40ss+w%C3%B6rd%26%3Cx%3E",
+            "p%40ss%20w%c3%b6rd%26%3cx%3e",
+            r"\u006b\ud83d\ude00\u0065\u0079\u0021",
+            r"k\ud83d\ude00ey!",
+            "k%F0%9F%98%80ey%21",
+            "k%F0%9F%98%80ey!",
+        ];
+        for f in forms {
+            let text = format!("before {f} after");
+            assert_eq!(
+                redact(&text, &secrets),
+                "before [redacted] after",
+                "form {f:?} leaked"
+            );
+        }
+        // Text that only looks alike stays.
+        assert_eq!(redact("p%40ss", &secrets), "p%40ss");
     }
 
     /// Secrets with quotes, backslashes, newlines and non-ASCII are redacted in every form a
