@@ -115,7 +115,7 @@ pub struct TaskRunner {
     /// False when the runner restarts a task that was set up before (no new Task Setup event).
     pub fresh: bool,
     /// Changes when the node's client agent came back from a restart: a running task runs
-    /// its prestart hooks again ([`TaskRunner::rerun_prestart_hooks`]).
+    /// its prestart hooks again (`TaskRunner::rerun_prestart_hooks`).
     pub restored: watch::Receiver<u64>,
 }
 
