@@ -1,0 +1,248 @@
+//! The deployed shape, end to end: the repository's own system job
+//! (jobspecs/dhv-binder.nomad.hcl, only its variables and host paths changed) submitted to
+//! the simulator as `nomad job run -var` does, its artifact (the freshly built binary and the
+//! reference plugins, packed as a release) served over loopback HTTP and checked against its
+//! real SHA-256; the agent runs as the raw_exec task on every node, talking to Nomad through
+//! its Task API socket with its workload identity; then the example exec job
+//! (jobspecs/example.nomad.hcl) gets its deferred volume published on its node only.
+
+mod support;
+
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use support::cluster::{dhv_binder_bin, repo, Cluster};
+
+/// Packs the release archive the jobspec's artifact expects: `dhv-binder/dhv-binder` and
+/// `dhv-binder/plugins/*` in a tar.gz (as `scripts/release` lays it out); returns its path
+/// and SHA-256 (hex).
+fn pack_release(dir: &Path, name: &str) -> (PathBuf, String) {
+    let root = dir.join(format!("{name}.d"));
+    let top = root.join("dhv-binder");
+    std::fs::create_dir_all(top.join("plugins")).unwrap();
+    std::fs::copy(dhv_binder_bin(), top.join("dhv-binder")).unwrap();
+    for e in std::fs::read_dir(repo().join("plugins")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), top.join("plugins").join(e.file_name())).unwrap();
+    }
+    let archive = dir.join(name);
+    let st = Command::new("tar")
+        .arg("-czf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&root)
+        .arg("dhv-binder")
+        .status()
+        .expect("run tar (needs tar and gzip)");
+    assert!(st.success(), "tar failed");
+    std::fs::remove_dir_all(&root).unwrap();
+    let out = Command::new("sha256sum")
+        .arg(&archive)
+        .output()
+        .expect("run sha256sum (coreutils)");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let sum = text.split_whitespace().next().unwrap().to_string();
+    assert_eq!(sum.len(), 64, "sha256sum: {text}");
+    (archive, sum)
+}
+
+/// Serves the files of `dir` over HTTP/1.0 on a loopback port, one thread, until the test
+/// process ends; returns the base URL.
+fn serve(dir: PathBuf) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&buf[..n]),
+                }
+            }
+            let req = String::from_utf8_lossy(&req);
+            let path = req.split_whitespace().nth(1).unwrap_or("/");
+            let file = dir.join(path.trim_start_matches('/'));
+            let _ = match std::fs::read(&file) {
+                Ok(body) => conn
+                    .write_all(
+                        format!(
+                            "HTTP/1.0 200 OK\r\nContent-Type: application/gzip\r\nContent-Length: {}\r\n\r\n",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    )
+                    .and_then(|_| conn.write_all(&body)),
+                Err(_) => conn.write_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"),
+            };
+        }
+    });
+    url
+}
+
+/// The repository's system job with only host paths changed: every simulated node runs on
+/// this one host, so each node's state, socket and helper cgroups live under the sandbox at
+/// `<sandbox>/<node name>/...` (`${node.unique.name}`, interpolated by the client).
+fn system_job(c: &Cluster) -> String {
+    let job = std::fs::read_to_string(repo().join("jobspecs/dhv-binder.nomad.hcl")).unwrap();
+    let sb = c.sb.path().display().to_string();
+    let helpers = c.cgroup.child("node-1.helpers");
+    let _ = c.cgroup.child("node-2.helpers");
+    let helpers = helpers
+        .display()
+        .to_string()
+        .replace("node-1.helpers", "${node.unique.name}.helpers");
+    let replaced = [
+        (
+            "\"/var/lib/dhv-binder/socket/api.sock\"",
+            format!("\"{sb}/${{node.unique.name}}/run/api.sock\""),
+        ),
+        (
+            "\"/var/lib/dhv-binder\"",
+            format!("\"{sb}/${{node.unique.name}}/state\""),
+        ),
+        (
+            "bind=/srv/dhv-exports",
+            format!("bind={}", c.export.display()),
+        ),
+        (
+            "\"/etc/dhv-binder/record-keys.pub\"",
+            format!("\"{}\"", c.sb.join("record-keys.pub").display()),
+        ),
+        (
+            "DHV_BINDER_HELPER_CGROUP = \"auto\"",
+            format!("DHV_BINDER_HELPER_CGROUP = \"{helpers}\""),
+        ),
+    ];
+    let mut job = job;
+    for (from, to) in replaced {
+        assert!(job.contains(from), "the system job no longer has {from}");
+        job = job.replace(from, &to);
+    }
+    job
+}
+
+/// Parses `hcl` with `-var` values (`POST /v1/jobs/parse` with `Variables`, as `nomad job
+/// run -var` sends them) and registers it; returns the job ID.
+async fn run_with_vars(c: &Cluster, hcl: &str, vars: &str) -> String {
+    let r = c
+        .http
+        .post(format!("{}/v1/jobs/parse", c.server))
+        .json(&json!({"JobHCL": hcl, "Variables": vars, "Canonicalize": true}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        r.status().is_success(),
+        "parse: {}",
+        r.text().await.unwrap()
+    );
+    let job: Value = r.json().await.unwrap();
+    let r = c
+        .http
+        .put(format!("{}/v1/jobs", c.server))
+        .json(&json!({"Job": job}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        r.status().is_success(),
+        "register: {}",
+        r.text().await.unwrap()
+    );
+    job["ID"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_repositorys_system_job_runs_the_agent_and_serves_the_example_job() {
+    let c = Cluster::start_sim(2, "", &[], &[]).await;
+    let releases = c.sb.join("releases");
+    std::fs::create_dir_all(&releases).unwrap();
+    let (_, sum) = pack_release(&releases, "dhv-binder_test_linux_amd64.tar.gz");
+    let url = format!("{}/dhv-binder_test_linux_amd64.tar.gz", serve(releases));
+    let vars = format!("release_url = \"{url}\"\nrelease_sha256 = \"{sum}\"\n");
+    let system = run_with_vars(&c, &system_job(&c), &vars).await;
+    assert_eq!(system, "dhv-binder");
+
+    // One allocation per node, its agent task running, the agent's node record healthy.
+    let allocs = c
+        .wait_for(
+            60,
+            "the system job's agent running on every node",
+            || async {
+                let a = c.allocs(&system).await;
+                let running: Vec<Value> = a
+                    .into_iter()
+                    .filter(|a| a["TaskStates"]["agent"]["State"] == "running")
+                    .collect();
+                (running.len() == c.nodes.len()).then_some(running)
+            },
+        )
+        .await;
+    let mut on: Vec<&str> = allocs
+        .iter()
+        .map(|a| a["NodeID"].as_str().unwrap())
+        .collect();
+    on.sort();
+    let mut nodes: Vec<&str> = c.nodes.iter().map(|n| n.id.as_str()).collect();
+    nodes.sort();
+    assert_eq!(on, nodes, "not one agent per node");
+    c.wait_plugin("bind").await;
+
+    // The deferred volume and the example job.
+    let out = c.create_volume("shared-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    let alloc = c
+        .wait_for(60, "the example's main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let i = c.node_index(alloc["NodeID"].as_str().unwrap());
+    let alloc_id = alloc["ID"].as_str().unwrap();
+    let greetings = c.target(i, "shared-data").join("greetings.txt");
+    let text = c
+        .wait_for(20, "the task's write in the volume", || async {
+            std::fs::read_to_string(&greetings)
+                .ok()
+                .filter(|t| t.contains(&format!("written by allocation {alloc_id}")))
+        })
+        .await;
+    assert!(text.ends_with('\n'), "{text}");
+    assert_eq!(
+        support::cluster::mount_count(&c.target(i, "shared-data")),
+        1
+    );
+    let other = 1 - i;
+    assert_eq!(
+        support::cluster::mount_count(&c.target(other, "shared-data")),
+        0,
+        "the volume is mounted on the other node too"
+    );
+
+    // Stop both jobs: the volume is unpublished, then the agents stop with their tasks.
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "the unpublish done in the journal", || async {
+        c.journal(i)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .map(|_| ())
+    })
+    .await;
+    c.stop_job(&system, false).await;
+    c.wait_for(60, "the agents stopped", || async {
+        c.allocs(&system)
+            .await
+            .iter()
+            .all(|a| a["ClientStatus"] == "complete" || a["ClientStatus"] == "failed")
+            .then_some(())
+    })
+    .await;
+}
