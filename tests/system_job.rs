@@ -84,8 +84,8 @@ fn serve(dir: PathBuf) -> String {
     url
 }
 
-/// The repository's system job with only host paths changed: every simulated node runs on
-/// this one host, so each node's state, socket and helper cgroups live under the sandbox at
+/// The repository's system job with only host paths (and its static metrics port) changed:
+/// every simulated node runs on this one host, so each node's state, socket and helper cgroups live under the sandbox at
 /// `<sandbox>/<node name>/...` (`${node.unique.name}`, interpolated by the client).
 fn system_job(c: &Cluster) -> String {
     let job = std::fs::read_to_string(repo().join("jobspecs/dhv-binder.nomad.hcl")).unwrap();
@@ -113,6 +113,9 @@ fn system_job(c: &Cluster) -> String {
             "\"/etc/dhv-binder/record-keys.pub\"",
             format!("\"{}\"", c.sb.join("record-keys.pub").display()),
         ),
+        // The metrics port is the host's too: the simulated nodes share this host (and other
+        // tests may run beside this one), so it becomes a dynamic port, one per allocation.
+        ("static = 9464", String::new()),
         (
             "DHV_BINDER_HELPER_CGROUP = \"auto\"",
             format!("DHV_BINDER_HELPER_CGROUP = \"{helpers}\""),
@@ -192,6 +195,17 @@ async fn the_repositorys_system_job_runs_the_agent_and_serves_the_example_job() 
     nodes.sort();
     assert_eq!(on, nodes, "not one agent per node");
     c.wait_plugin("bind").await;
+    // Each agent serves its metrics at its allocation's port (NOMAD_PORT_metrics).
+    for a in &allocs {
+        let a = c
+            .get(&format!("/v1/allocation/{}", a["ID"].as_str().unwrap()))
+            .await;
+        let ports = &a["AllocatedResources"]["Shared"]["Ports"];
+        assert_eq!(ports[0]["Label"], "metrics", "{ports}");
+        let url = format!("http://127.0.0.1:{}/metrics", ports[0]["Value"]);
+        let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
+        assert!(text.contains("dhv_binder"), "{url}: {text}");
+    }
 
     // The deferred volume and the example job.
     let out = c.create_volume("shared-data", "single-node-writer");
