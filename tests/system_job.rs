@@ -22,6 +22,8 @@ fn pack_release(dir: &Path, name: &str) -> (PathBuf, String) {
     let root = dir.join(format!("{name}.d"));
     let top = root.join("dhv-binder");
     std::fs::create_dir_all(top.join("plugins")).unwrap();
+    // The release's name in it: each archive (and its checksum) differs from the others.
+    std::fs::write(top.join("RELEASE"), name).unwrap();
     std::fs::copy(dhv_binder_bin(), top.join("dhv-binder")).unwrap();
     for e in std::fs::read_dir(repo().join("plugins")).unwrap() {
         let e = e.unwrap();
@@ -29,7 +31,8 @@ fn pack_release(dir: &Path, name: &str) -> (PathBuf, String) {
     }
     let archive = dir.join(name);
     let st = Command::new("tar")
-        .arg("-czf")
+        // gzip's fastest level: the debug binary is tens of MB (a .tar.gz all the same).
+        .args(["-I", "gzip -1", "-cf"])
         .arg(&archive)
         .arg("-C")
         .arg(&root)
@@ -160,6 +163,44 @@ async fn run_with_vars(c: &Cluster, hcl: &str, vars: &str) -> String {
     job["ID"].as_str().unwrap().to_string()
 }
 
+/// The example job with a main task that appends a numbered, timestamped line to
+/// `/data/log` every 50 ms, opening the file each time (each write goes through the mount).
+fn writer_job(dir: &Path) -> PathBuf {
+    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let start = example.find("<<-EOT").expect("the example's heredoc") + "<<-EOT".len();
+    let end = start + example[start..].find("EOT").unwrap();
+    let body = r#"
+          i=0
+          while true; do
+            i=$((i + 1))
+            echo "line $i $(date +%s%N)" >> /data/log || echo "write $i failed" >&2
+            sleep 0.05
+          done
+        "#;
+    let job = format!("{}{}{}", &example[..start], body, &example[end..]);
+    let path = dir.join("writer.nomad.hcl");
+    std::fs::write(&path, job).unwrap();
+    path
+}
+
+/// The numbered lines of the writer's log, in order, with their times (ns).
+fn lines(text: &str) -> Vec<(u64, u128)> {
+    text.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next()? == "line").then_some(())?;
+            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_repositorys_system_job_runs_the_agent_and_serves_the_example_job() {
     let c = Cluster::start_sim(2, "", &[], &[]).await;
@@ -241,9 +282,113 @@ async fn the_repositorys_system_job_runs_the_agent_and_serves_the_example_job() 
         "the volume is mounted on the other node too"
     );
 
-    // Stop both jobs: the volume is unpublished, then the agents stop with their tasks.
+    // Stop the example: the volume is unpublished.
     c.stop_job(&job, false).await;
     c.wait_for(60, "the unpublish done in the journal", || async {
+        c.journal(i)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .map(|_| ())
+    })
+    .await;
+
+    // An upgrade: the same binary re-packed (another checksum) submitted as a new version of
+    // the system job while a task writes to the volume every 50 ms. Every agent is replaced;
+    // the volume stays mounted under the task and is never published again.
+    let writer = c.run_job(&writer_job(c.sb.path())).await;
+    let walloc = c
+        .wait_for(60, "the writer running", || async {
+            c.allocs(&writer)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let i = c.node_index(walloc["NodeID"].as_str().unwrap());
+    let target = c.target(i, "shared-data");
+    let log = target.join("log");
+    c.wait_for(20, "the writer's first lines", || async {
+        std::fs::read_to_string(&log)
+            .ok()
+            .filter(|t| lines(t).len() >= 5)
+    })
+    .await;
+    let publishes = |c: &Cluster| {
+        c.journal(i)
+            .iter()
+            .filter(|e| e["event"] == "publish-done")
+            .count()
+    };
+    let published = publishes(&c);
+    let (_, sum2) = pack_release(
+        c.sb.join("releases").as_path(),
+        "dhv-binder_test2_linux_amd64.tar.gz",
+    );
+    assert_ne!(sum2, sum, "the re-packed release has the same checksum");
+    let vars = format!(
+        "release_url = \"{}\"\nrelease_sha256 = \"{sum2}\"\n",
+        url.replace("dhv-binder_test_", "dhv-binder_test2_")
+    );
+    let upgraded_at = now_ns();
+    run_with_vars(&c, &system_job(&c), &vars).await;
+    c.wait_for(
+        60,
+        "the new version's agent running on every node",
+        || async {
+            let a = c.allocs(&system).await;
+            let new = a
+                .iter()
+                .filter(|a| a["JobVersion"] == 1 && a["TaskStates"]["agent"]["State"] == "running")
+                .count();
+            let old = a
+                .iter()
+                .filter(|a| a["JobVersion"] == 0 && a["ClientStatus"] == "running")
+                .count();
+            (new == c.nodes.len() && old == 0).then_some(())
+        },
+    )
+    .await;
+    // The new agents are up: their node records healthy again, then a little writing.
+    c.wait_plugin("bind").await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(
+        support::cluster::mount_count(&target),
+        1,
+        "the volume was remounted or lost"
+    );
+    assert_eq!(
+        publishes(&c),
+        published,
+        "published again: {:?}",
+        c.journal(i)
+    );
+    let written = lines(&std::fs::read_to_string(&log).unwrap());
+    assert!(
+        written
+            .iter()
+            .enumerate()
+            .all(|(k, (n, _))| *n == k as u64 + 1),
+        "lines missing or out of order"
+    );
+    let after: Vec<_> = written.iter().filter(|(_, t)| *t >= upgraded_at).collect();
+    assert!(
+        after.len() >= 20,
+        "the writes stopped during the upgrade: {} after it",
+        after.len()
+    );
+    let longest = written
+        .windows(2)
+        .map(|w| w[1].1.saturating_sub(w[0].1))
+        .max()
+        .unwrap_or(0);
+    eprintln!(
+        "system job upgrade: {} writes after the update reached the volume ({} bytes); longest gap between two writes {} ms (the writer pauses 50 ms)",
+        after.len(),
+        after.iter().map(|(n, t)| format!("line {n} {t}\n").len()).sum::<usize>(),
+        longest / 1_000_000
+    );
+    c.stop_job(&writer, false).await;
+    c.wait_for(60, "the writer's unpublish done in the journal", || async {
         c.journal(i)
             .last()
             .filter(|e| e["event"] == "unpublish-done")
