@@ -52,6 +52,10 @@ pub struct StatusDoc {
     pub holders: BTreeMap<String, UsageDoc>,
     /// Tasks that mount a deferred volume without the prestart gate, by allocation ID.
     pub ungated: BTreeMap<String, Vec<UngatedDoc>>,
+    /// Whether the journal can be written: `{"failing": false}`, or `{"failing": true,
+    /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations.md, "The state
+    /// directory's filesystem is full").
+    pub journal: serde_json::Value,
 }
 
 /// A scan of the processes using a volume (the agent's `holders::Usage`).
@@ -313,6 +317,17 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
         ),
         ("Broken Mounts", doc.mount_health.broken.len().to_string()),
     ];
+    if doc.journal["failing"] == true {
+        rows.push((
+            "Journal",
+            format!(
+                "cannot be written for {}s ({} failed writes): {}; new publishes and unpublishes wait until it can (free space in the state directory)",
+                now.saturating_sub(doc.journal["failing_since"].as_u64().unwrap_or(now)),
+                doc.journal["failed_writes"].as_u64().unwrap_or(0),
+                doc.journal["error"].as_str().unwrap_or("unknown error"),
+            ),
+        ));
+    }
     for w in &doc.waiting {
         rows.push(("Waiting", format!("{}: {}", w.volume, w.reason)));
     }
@@ -497,6 +512,19 @@ default/scratch      nfs     ready  no    -                  0      -
 default/shared-data  bind    ready  yes   published 12s ago  1      held
 ";
         assert_eq!(s, expected, "got:\n{s}");
+    }
+
+    #[test]
+    fn a_journal_that_cannot_be_written_is_a_row() {
+        let mut v = doc();
+        v["journal"] = serde_json::json!({"failing": true, "failing_since": 940, "error": "No space left on device (os error 28)", "failed_writes": 61});
+        let s = render(&serde_json::from_value(v).unwrap(), 1000);
+        assert!(
+            s.contains("Journal        = cannot be written for 60s (61 failed writes): No space left on device (os error 28); new publishes"),
+            "{s}"
+        );
+        let s = render(&serde_json::from_value(doc()).unwrap(), 1000);
+        assert!(!s.contains("Journal"), "{s}");
     }
 
     #[test]
