@@ -4,7 +4,7 @@
 //! The document is the agent's `GET /v1/status` answer (see [`crate::api`]); [`StatusDoc`]
 //! reads the fields it prints and ignores the rest, so `-json` prints the answer unchanged.
 
-use super::output::{ago, kv, now_unix, table, OutputArgs};
+use super::output::{ago, kv, now_unix, plural, table, OutputArgs};
 use super::{Failure, EXIT_FAILED, EXIT_UNAVAILABLE};
 use crate::api::client::{call, CallError};
 use serde::Deserialize;
@@ -116,7 +116,10 @@ fn holders_cell(u: &UsageDoc, max: usize) -> String {
         parts.push(format!("{} more", u.holders.len() - max));
     }
     if !u.uninspected.is_empty() {
-        parts.push(format!("{} process(es) not readable", u.uninspected.len()));
+        parts.push(format!(
+            "{} not readable",
+            plural(u.uninspected.len() as u64, "process", "processes")
+        ));
     }
     parts.extend(
         u.other_mounts
@@ -214,14 +217,19 @@ fn watch_line(w: &serde_json::Value) -> String {
     let state = w["state"].as_str().unwrap_or("unknown");
     let c = &w["counters"];
     let mut counters = format!(
-        "{} relists, {} reconnects",
-        c["relists"].as_u64().unwrap_or(0),
-        c["reconnects"].as_u64().unwrap_or(0)
+        "{}, {}",
+        plural(c["relists"].as_u64().unwrap_or(0), "relist", "relists"),
+        plural(
+            c["reconnects"].as_u64().unwrap_or(0),
+            "reconnect",
+            "reconnects"
+        )
     );
     // What each poll answer costs: the node's whole list (an older agent does not say).
     if let (Some(n), Some(b)) = (c["list_allocations"].as_u64(), c["list_bytes"].as_u64()) {
         counters.push_str(&format!(
-            "; last list {n} allocations, {}",
+            "; last list {}, {}",
+            plural(n, "allocation", "allocations"),
             crate::cli::output::bytes(b)
         ));
     }
@@ -292,17 +300,17 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
         (
             "Pending",
             format!(
-                "{} publish call(s) waiting, {} volume(s) waiting",
-                doc.pending_publish_calls,
-                doc.waiting.len()
+                "{} waiting, {} waiting",
+                plural(doc.pending_publish_calls, "publish call", "publish calls"),
+                plural(doc.waiting.len() as u64, "volume", "volumes")
             ),
         ),
         (
             "Publish Wait",
             match doc.publish_latency_ms.median {
                 Some(m) => format!(
-                    "median {m}ms over {} publish(es)",
-                    doc.publish_latency_ms.count
+                    "median {m}ms over {}",
+                    plural(doc.publish_latency_ms.count, "publish", "publishes")
                 ),
                 None => "no publishes yet".into(),
             },
@@ -469,11 +477,11 @@ mod tests {
         let expected = "\
 Node ID        = 5a1d0b8e-0000-4000-8000-000000000001
 Node Pool      = default
-Watch          = polling (index 42; 3 relists, 1 reconnects; last list 57 allocations, 412.0 kiB)
+Watch          = polling (index 42; 3 relists, 1 reconnect; last list 57 allocations, 412.0 KiB)
 Allocations    = 2 on this node, 0 departing (view complete)
 Plugins        = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
-Pending        = 1 publish call(s) waiting, 1 volume(s) waiting
-Publish Wait   = median 120ms over 3 publish(es)
+Pending        = 1 publish call waiting, 1 volume waiting
+Publish Wait   = median 120ms over 3 publishes
 Broken Mounts  = 0
 Waiting        = default/scratch: plugin nfs is not installed on this node
 Last Error     = default/scratch: publish failed: exit 1
@@ -507,7 +515,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         let w = serde_json::json!({"state": "disconnected", "fault": "auth-failed", "reason": "token expired", "counters": {"relists": 1, "reconnects": 4}});
         assert_eq!(
             watch_line(&w),
-            "disconnected: token expired (auth-failed; 1 relists, 4 reconnects)"
+            "disconnected: token expired (auth-failed; 1 relist, 4 reconnects)"
         );
     }
 }
