@@ -417,16 +417,30 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
     s
 }
 
+/// What `status` says when the agent's socket cannot be opened: a permission error says it
+/// is one (the agent may well be running), anything else asks whether the agent runs.
+fn connect_failure(path: &str, source: &std::io::Error) -> Failure {
+    if source.kind() == std::io::ErrorKind::PermissionDenied {
+        return Failure::new(
+            EXIT_FAILED,
+            format!(
+                "permission denied opening dhv-binder's socket {path}: this user may not open it or its directory; run as root (sudo dhv-binder status) or pass a socket you can open with --socket or DHV_BINDER_SOCKET"
+            ),
+        );
+    }
+    Failure::new(
+        EXIT_UNAVAILABLE,
+        format!(
+            "cannot reach dhv-binder at {path}: {source} (is the agent running on this node? pass its socket with --socket or DHV_BINDER_SOCKET)"
+        ),
+    )
+}
+
 /// Runs `status`: asks the local agent and prints its state.
 pub async fn status(args: StatusArgs) -> Result<(), Failure> {
     let v = match call(&args.socket.path, hyper::Method::GET, "/v1/status", None).await {
         Ok(v) => v,
-        Err(CallError::Connect { path, source }) => return Err(Failure::new(
-            EXIT_UNAVAILABLE,
-            format!(
-                "cannot reach dhv-binder at {path}: {source} (is the agent running on this node? pass its socket with --socket or DHV_BINDER_SOCKET)"
-            ),
-        )),
+        Err(CallError::Connect { path, source }) => return Err(connect_failure(&path, &source)),
         Err(e) => return Err(Failure::new(EXIT_FAILED, e.to_string())),
     };
     args.out.print(&v, |v| {
@@ -438,6 +452,34 @@ pub async fn status(args: StatusArgs) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_permission_error_on_the_socket_says_it_is_one() {
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        let f = connect_failure("/run/dhv-binder/api.sock", &denied);
+        assert_eq!(f.code, EXIT_FAILED);
+        assert!(
+            f.message.starts_with(
+                "permission denied opening dhv-binder's socket /run/dhv-binder/api.sock"
+            ),
+            "{}",
+            f.message
+        );
+        assert!(
+            f.message.contains("sudo dhv-binder status"),
+            "{}",
+            f.message
+        );
+        assert!(!f.message.contains("is the agent running"), "{}", f.message);
+        let gone = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let f = connect_failure("/run/dhv-binder/api.sock", &gone);
+        assert_eq!(f.code, EXIT_UNAVAILABLE);
+        assert!(
+            f.message.contains("is the agent running on this node?"),
+            "{}",
+            f.message
+        );
+    }
 
     fn doc() -> serde_json::Value {
         serde_json::json!({
