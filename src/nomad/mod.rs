@@ -144,6 +144,8 @@ pub struct Client {
     /// Shared by every clone, so that a token re-read from its file reaches all callers.
     token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
+    /// NOMAD_HTTP_AUTH as (user, password): basic auth sent with every request.
+    http_auth: Option<(String, Option<String>)>,
     /// The last list of the node's allocations was at least [`ROTATE_AFTER_BYTES`]: the
     /// next one closes its connection. Shared by clones (one watch loop asks).
     rotate_list: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -220,11 +222,56 @@ fn unreachable(addr: &str, what: impl Into<String>, source: reqwest::Error) -> N
             format!(" ({d})")
         },
         hint: if tls {
-            "a TLS handshake failed: check NOMAD_CACERT (the only CA trusted), and NOMAD_CLIENT_CERT/NOMAD_CLIENT_KEY when the agent verifies clients (verify_https_client); the agent's certificate must name the address in NOMAD_ADDR"
+            "a TLS handshake failed: check NOMAD_CACERT or NOMAD_CAPATH (the only CAs trusted), and NOMAD_CLIENT_CERT/NOMAD_CLIENT_KEY when the agent verifies clients (verify_https_client); the agent's certificate must name the host in NOMAD_ADDR, or set NOMAD_TLS_SERVER_NAME to a name it carries (e.g. server.global.nomad)"
         } else {
             "check NOMAD_ADDR and that the local Nomad agent runs"
         },
     }
+}
+
+/// The PEM certificates of a CA file (`what` names its setting in errors). A bundle may hold
+/// several CAs (the Nomad CLI trusts each of them). Errors when the file cannot be read or
+/// holds no certificate.
+fn ca_file(path: &std::path::Path, what: &str) -> Result<Vec<reqwest::Certificate>, NomadError> {
+    let pem = std::fs::read(path)
+        .map_err(|e| NomadError::Config(format!("{what} {}: {e}", path.display())))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| NomadError::Config(format!("{what} {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(NomadError::Config(format!(
+            "{what} {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
+            path.display()
+        )));
+    }
+    Ok(certs)
+}
+
+/// The certificates of every file under NOMAD_CAPATH, walked as go-rootcerts `LoadCAPath`
+/// does: each file must hold a PEM certificate (a stray file is an error naming it), and a
+/// directory with none is refused.
+fn ca_dir(dir: &std::path::Path) -> Result<Vec<reqwest::Certificate>, NomadError> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let rd = std::fs::read_dir(&d)
+            .map_err(|e| NomadError::Config(format!("NOMAD_CAPATH {}: {e}", d.display())))?;
+        let mut entries: Vec<_> = rd.filter_map(Result::ok).map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.extend(ca_file(&p, "NOMAD_CAPATH")?);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(NomadError::Config(format!(
+            "NOMAD_CAPATH {}: no certificate in the directory (it must hold the CA that signed the Nomad agent's certificate)",
+            dir.display()
+        )));
+    }
+    Ok(out)
 }
 
 impl Client {
@@ -232,6 +279,20 @@ impl Client {
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
         let endpoint = transport::Endpoint::parse(&cfg.address)
             .map_err(|e| NomadError::Config(e.to_string()))?;
+        let server_name = match (&cfg.tls_server_name, &endpoint) {
+            (Some(n), transport::Endpoint::Tcp(base)) if !n.trim().is_empty() => {
+                Some(transport::ServerName::new(base, n.trim())?)
+            }
+            _ => None,
+        };
+        let http_auth =
+            cfg.http_auth
+                .as_deref()
+                .filter(|a| !a.is_empty())
+                .map(|a| match a.split_once(':') {
+                    Some((u, p)) => (u.to_string(), Some(p.to_string())),
+                    None => (a.to_string(), None),
+                });
         let build = |timeout: Option<Duration>| -> Result<reqwest::Client, NomadError> {
             let mut b = reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(10))
@@ -251,25 +312,21 @@ impl Client {
             if is_loopback(&cfg.address) {
                 b = b.no_proxy();
             }
-            if let Some(ca) = &cfg.ca_cert {
-                let pem = std::fs::read(ca).map_err(|e| {
-                    NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
-                })?;
-                // A bundle may hold several CAs (the Nomad CLI trusts each of them).
-                let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
-                    NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
-                })?;
-                if certs.is_empty() {
-                    return Err(NomadError::Config(format!(
-                        "NOMAD_CACERT {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
-                        ca.display()
-                    )));
-                }
-                // NOMAD_CACERT replaces the trust roots (the Nomad CLI trusts only it).
+            // NOMAD_CACERT wins over NOMAD_CAPATH (go-rootcerts `LoadCACerts`); either
+            // replaces the trust roots (the Nomad CLI trusts only them).
+            let roots = match (&cfg.ca_cert, &cfg.ca_path) {
+                (Some(ca), _) => Some(ca_file(ca, "NOMAD_CACERT")?),
+                (None, Some(dir)) => Some(ca_dir(dir)?),
+                (None, None) => None,
+            };
+            if let Some(certs) = roots {
                 b = b.tls_built_in_root_certs(false);
                 for cert in certs {
                     b = b.add_root_certificate(cert);
                 }
+            }
+            if let Some(name) = &server_name {
+                b = b.dns_resolver(std::sync::Arc::new(name.clone()));
             }
             if let (Some(cert), Some(key)) = (&cfg.client_cert, &cfg.client_key) {
                 let mut pem = std::fs::read(cert).map_err(|e| {
@@ -293,9 +350,13 @@ impl Client {
             http: build(Some(Duration::from_secs(400)))?,
             streaming: build(None)?,
             addr: cfg.address.trim_end_matches('/').to_string(),
-            base: endpoint.base_url(),
+            base: match &server_name {
+                Some(n) => n.base_url(),
+                None => endpoint.base_url(),
+            },
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
+            http_auth,
             rotate_list: Default::default(),
             fallbacks: Default::default(),
         })
@@ -350,6 +411,9 @@ impl Client {
         }
         if let Some(r) = &self.region {
             rb = rb.query(&[("region", r)]);
+        }
+        if let Some((user, password)) = &self.http_auth {
+            rb = rb.basic_auth(user, password.as_ref());
         }
         rb
     }
