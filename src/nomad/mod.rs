@@ -580,6 +580,24 @@ impl Client {
         Ok(node.map(|n| n.status))
     }
 
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`): the node's `Name`, `None`
+    /// when Nomad does not know the node.
+    pub async fn node_name(&self, node_id: &str) -> Result<Option<String>, NomadError> {
+        #[derive(serde::Deserialize)]
+        struct Node {
+            #[serde(rename = "Name", default)]
+            name: String,
+        }
+        let node: Option<Node> = self
+            .get_optional(
+                &format!("/v1/node/{node_id}"),
+                &[],
+                "read a node (GET /v1/node/:id)",
+            )
+            .await?;
+        Ok(node.map(|n| n.name))
+    }
+
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
     /// (returns once the allocation table's index exceeds `index`, or after `wait`). With
     /// the answer's size in bytes: every allocation of the node with its Job, terminal ones
