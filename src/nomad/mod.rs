@@ -30,9 +30,15 @@ pub enum NomadError {
         /// What to check: the TLS settings for a handshake failure, else the address.
         hint: &'static str,
     },
-    /// 403: the token lacks a capability.
-    #[error("Nomad refused {what}: permission denied; the token needs {needs} (see jobspecs/dhv-binder-policy.hcl)")]
-    PermissionDenied { what: String, needs: &'static str },
+    /// 403: the token lacks a capability. `reason` is Nomad's own answer (its body, bounded
+    /// and control-escaped, e.g. "Permission denied"); `needs` the capability the call
+    /// takes, for the hint.
+    #[error("Nomad refused {what}: {reason} (HTTP 403); the token needs {needs}: the daemon's policy is jobspecs/dhv-binder-policy.hcl, an operator's jobspecs/operator-policy.hcl")]
+    PermissionDenied {
+        what: String,
+        reason: String,
+        needs: String,
+    },
     /// 401: no token, or an expired or unknown one.
     #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN or --token-file")]
     Unauthorized { what: String },
@@ -160,19 +166,32 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn capability_for(path: &str) -> &'static str {
-    if path.starts_with("/v1/var") {
-        "variables read/write on path dhv-binder/*"
+fn capability_for(path: &str) -> String {
+    let path = path.split('?').next().unwrap_or_default();
+    if let Some(var) = path
+        .strip_prefix("/v1/var/")
+        .or_else(|| path.strip_prefix("/v1/vars"))
+    {
+        // dhv-binder/<kind>/<name>: the rule is on dhv-binder/<kind>/*.
+        let mut parts = var.trim_start_matches('/').splitn(3, '/');
+        match (parts.next(), parts.next()) {
+            (Some(root), Some(kind)) if !kind.is_empty() => format!(
+                "the variables capability the call takes (read, list, write or destroy) on path \"{root}/{kind}/*\" in the volume's namespace"
+            ),
+            _ => "variables list on path \"dhv-binder/*\" in the namespace".into(),
+        }
+    } else if path.starts_with("/v1/namespace") {
+        "a capability in that namespace (a namespace block naming it)".into()
     } else if path.starts_with("/v1/volume") {
-        "host-volume-register and host-volume-read"
+        "host-volume-register and host-volume-read".into()
     } else if path.starts_with("/v1/node") {
-        "node:read and namespace read-job"
+        "node:read and namespace read-job".into()
     } else if path.starts_with("/v1/client/allocation") {
-        "namespace alloc-lifecycle"
+        "namespace alloc-lifecycle".into()
     } else if path.starts_with("/v1/event") || path.starts_with("/v1/allocation") {
-        "namespace read-job in every namespace (namespace \"*\")"
+        "namespace read-job in every namespace (namespace \"*\")".into()
     } else {
-        "agent:read"
+        "agent:read".into()
     }
 }
 
@@ -437,6 +456,7 @@ impl Client {
         Err(match status {
             StatusCode::FORBIDDEN => NomadError::PermissionDenied {
                 what: what.to_string(),
+                reason: forbidden_reason(&body),
                 needs: capability_for(path),
             },
             StatusCode::UNAUTHORIZED => NomadError::Unauthorized {
@@ -1021,6 +1041,7 @@ impl Client {
         Err(match status {
             StatusCode::FORBIDDEN => NomadError::PermissionDenied {
                 what: what.into(),
+                reason: forbidden_reason(&body),
                 needs: capability_for(path),
             },
             StatusCode::UNAUTHORIZED => NomadError::Unauthorized { what: what.into() },
@@ -1073,6 +1094,17 @@ async fn body_limited(
 }
 
 /// An error body's start, as text: at most [`MAX_ERROR_BODY`] bytes are read.
+/// Nomad's reason for a 403, bounded; "Permission denied" (Nomad's
+/// `structs.ErrPermissionDenied`) when it sent no body.
+fn forbidden_reason(body: &str) -> String {
+    let b: String = body.trim().chars().take(300).collect();
+    if b.is_empty() {
+        "Permission denied".into()
+    } else {
+        b
+    }
+}
+
 async fn error_text(mut resp: reqwest::Response) -> String {
     let mut buf = Vec::new();
     while let Ok(Some(chunk)) = resp.chunk().await {
