@@ -6,7 +6,7 @@
 //! min_healthy_time, healthy_deadline, progress_deadline, stagger; the job's block is merged
 //! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
 //! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
-//! network ports (`static`, `to`; see [`networks`]), service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
+//! network ports (`static`, `to`; see `networks`), service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
 //! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader, artifact with
 //! source, destination and `options { checksum }`: see [`crate::artifact`]).
 
