@@ -73,7 +73,8 @@ async fn reset(c: &Cluster) {
 
 async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
     let t0 = Instant::now();
-    let c = Cluster::start(n).await;
+    // The agents' own default floor, not the tests' shortened one (tests/support/cluster.rs).
+    let c = Cluster::start_with(n, "", &[("DHV_BINDER_RECORD_FLOOR", "10s")]).await;
     eprintln!("[{label}] {n} agents up in {:?}", t0.elapsed());
     let export = c.export.display().to_string();
     let create = |names: Vec<String>| {

@@ -38,6 +38,25 @@ pub struct NomadConfig {
     /// PEM CA certificate to verify Nomad's TLS certificate.
     #[arg(long = "ca-cert", env = "NOMAD_CACERT", global = true)]
     pub ca_cert: Option<PathBuf>,
+    /// Directory of PEM CA certificates to verify Nomad's TLS certificate: every file in it
+    /// (and its subdirectories) must hold at least one certificate. NOMAD_CACERT, when also
+    /// set, wins (as Nomad's `go-rootcerts` `LoadCACerts`).
+    #[arg(long = "ca-path", env = "NOMAD_CAPATH", global = true)]
+    pub ca_path: Option<PathBuf>,
+    /// Name to verify Nomad's TLS certificate against (and send as SNI) instead of the host in
+    /// NOMAD_ADDR, e.g. `server.global.nomad` when the address is an IP.
+    #[arg(long = "tls-server-name", env = "NOMAD_TLS_SERVER_NAME", global = true)]
+    pub tls_server_name: Option<String>,
+    /// HTTP basic auth for every request to Nomad, `user:password` (or `user`), for an agent
+    /// behind an authenticating proxy. Never logged; prefer the variable to the flag (a flag
+    /// shows in the process list).
+    #[arg(
+        long = "http-auth",
+        env = "NOMAD_HTTP_AUTH",
+        hide_env_values = true,
+        global = true
+    )]
+    pub http_auth: Option<String>,
     /// PEM client certificate for mutual TLS.
     #[arg(long = "client-cert", env = "NOMAD_CLIENT_CERT", global = true)]
     pub client_cert: Option<PathBuf>,
@@ -343,6 +362,9 @@ impl NomadConfig {
             region: None,
             namespace: "default".into(),
             ca_cert: None,
+            ca_path: None,
+            tls_server_name: None,
+            http_auth: None,
             client_cert: None,
             client_key: None,
             skip_verify: false,

@@ -152,6 +152,8 @@ struct Inner {
     watch_list_allocations: Gauge,
     watch_list_bytes: Gauge,
     journal_write: Histogram,
+    journal_write_failing: Gauge,
+    journal_write_failures: Counter,
     allocations: Gauge,
     volumes: Gauge,
     volumes_served: Gauge,
@@ -501,6 +503,18 @@ impl Metrics {
                 outcome: o.as_str(),
             });
         }
+        let journal_write_failing = Gauge::default();
+        r.register(
+            "journal_write_failing",
+            "1 while the agent's journal cannot be written (state disk full or failing): new publishes and unpublishes wait; 0 otherwise",
+            journal_write_failing.clone(),
+        );
+        let journal_write_failures = Counter::default();
+        r.register(
+            "journal_write_failures",
+            "Journal writes that failed (retried about once a second while failing)",
+            journal_write_failures.clone(),
+        );
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
@@ -522,6 +536,8 @@ impl Metrics {
             watch_list_allocations,
             watch_list_bytes,
             journal_write,
+            journal_write_failing,
+            journal_write_failures,
             allocations,
             volumes,
             volumes_served,
@@ -559,6 +575,14 @@ impl Metrics {
         self.0.pending.set(pending as i64);
         self.0.uncertain.set(uncertain as i64);
         self.0.waiters.set(waiters as i64);
+    }
+
+    /// A journal write ended: ok, or failed (the failing gauge follows the last write).
+    pub fn journal_write_result(&self, ok: bool) {
+        self.0.journal_write_failing.set(i64::from(!ok));
+        if !ok {
+            self.0.journal_write_failures.inc();
+        }
     }
 
     /// A claim had to wait for another node.

@@ -252,8 +252,10 @@ async fn a_holder_whose_agent_is_down_while_its_task_runs_is_never_taken_over() 
     let st: Value = serde_json::from_str(&status).unwrap();
     let waiting = st["waiting"].to_string();
     assert!(
-        waiting.contains("still runs with it") && waiting.contains(first["ID"].as_str().unwrap()),
-        "the waiting node names the holder's allocation: {st}"
+        waiting.contains("still runs with it")
+            && waiting.contains(&first["ID"].as_str().unwrap()[..8])
+            && waiting.contains(first["NodeName"].as_str().unwrap()),
+        "the waiting node names the holder's allocation (short ID) and node: {st}"
     );
     assert!(
         !dhv_binder::node::mounts::is_mount_point(&c.target(other, VOLUME)),

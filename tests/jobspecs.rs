@@ -255,6 +255,61 @@ fn policy_grants_what_the_daemon_calls() {
     assert_eq!(string(one(&body, "agent").body(), "policy"), "read");
 }
 
+/// The operator's policy (issue 37 #14) parses and grants what the CLI calls: the records and
+/// snapshots read/list/write/destroy, claims and node records read, host volumes and jobs
+/// read, node read; nothing for the daemon's own work (host-volume-register, alloc-lifecycle).
+#[test]
+fn operator_policy_grants_what_the_cli_calls() {
+    let body = read("operator-policy.hcl");
+    let namespaces = blocks(&body, "namespace");
+    assert_eq!(
+        namespaces.iter().map(|b| label(b)).collect::<Vec<_>>(),
+        ["default"]
+    );
+    let caps: Vec<String> = match attr(namespaces[0].body(), "capabilities") {
+        Some(Expression::Array(a)) => a
+            .iter()
+            .map(|e| match e {
+                Expression::String(s) => s.clone(),
+                o => panic!("{o:?}"),
+            })
+            .collect(),
+        o => panic!("capabilities: {o:?}"),
+    };
+    assert_eq!(caps, ["read-job", "host-volume-read"]);
+    let paths: Vec<(String, String)> = one(namespaces[0].body(), "variables")
+        .body()
+        .blocks()
+        .filter(|b| b.identifier() == "path")
+        .map(|b| {
+            let c = match attr(b.body(), "capabilities") {
+                Some(Expression::Array(a)) => format!("{a:?}"),
+                o => panic!("{o:?}"),
+            };
+            (label(b).to_string(), c)
+        })
+        .collect();
+    let names: Vec<&str> = paths.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "dhv-binder/volumes/*",
+            "dhv-binder/snapshots/*",
+            "dhv-binder/claims/*",
+            "dhv-binder/nodes/*"
+        ]
+    );
+    for (p, c) in &paths[..2] {
+        for cap in ["read", "list", "write", "destroy"] {
+            assert!(c.contains(&format!("\"{cap}\"")), "{p} lacks {cap}: {c}");
+        }
+    }
+    for (p, c) in &paths[2..] {
+        assert!(!c.contains("write") && c.contains("\"read\""), "{p}: {c}");
+    }
+    assert_eq!(string(one(&body, "node").body(), "policy"), "read");
+}
+
 #[test]
 fn sample_volume_spec_is_valid() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("jobspecs/volume.hcl");

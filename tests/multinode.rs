@@ -507,15 +507,23 @@ async fn a_canary_on_another_node_waits_for_the_claim_and_says_why() {
                 .filter(|s| s.contains("publish failed"))
         })
         .await;
+    // Issue 37 #11: one short line naming the holder (job, allocation short ID, node name)
+    // and what the job author can change; the details are in docs/operations.md.
+    let line = said
+        .lines()
+        .find(|l| l.contains("publish waits for the single-node claim"))
+        .unwrap_or_else(|| panic!("no claim-wait line in the prestart's error: {said}"));
+    assert!(line.len() < 450, "the claim-wait line is long: {line}");
     for part in [
-        "publish waits for the single-node claim",
-        "A canary or a rolling update placed on another node waits until the old allocation stops",
-        "only after promotion",
-        "update { canary = 0, max_parallel = 1 }",
+        format!("held by job {job}"),
+        format!("allocation {}", &first_id[..8]),
+        format!("on node {}", first["NodeName"].as_str().unwrap()),
+        "update { canary = 0, max_parallel = 1 }".to_string(),
+        "docs/operations.md".to_string(),
     ] {
         assert!(
-            said.contains(part),
-            "{part:?} missing from the prestart's error: {said}"
+            line.contains(&part),
+            "{part:?} missing from the prestart's claim-wait line: {line}"
         );
     }
     // The claim stayed with the old allocation.

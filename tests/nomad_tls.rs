@@ -2,6 +2,10 @@
 //! root, `NOMAD_CLIENT_CERT`/`NOMAD_CLIENT_KEY` answer a server that asks for a client
 //! certificate (Nomad's `verify_https_client`), `NOMAD_SKIP_VERIFY` skips the server check.
 //!
+//! `NOMAD_TLS_SERVER_NAME` checks the certificate against a name other than the address's
+//! host, `NOMAD_CAPATH` trusts every CA in a directory, `NOMAD_HTTP_AUTH` sends basic auth
+//! (issue 37 item 8).
+//!
 //! Every certificate is made here (rcgen); the server is a loopback TLS listener (rustls)
 //! answering `GET /v1/agent/self`.
 
@@ -40,6 +44,16 @@ impl Ca {
         (cert.pem(), key.serialize_pem())
     }
 
+    /// A leaf carrying only the DNS `names` (no IP address).
+    fn leaf_named(&self, names: &[&str]) -> (String, String) {
+        let mut p = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap();
+        p.distinguished_name.push(DnType::CommonName, names[0]);
+        let key = KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
     fn pem(&self) -> String {
         self.cert.pem()
     }
@@ -61,6 +75,16 @@ fn key(pem: &str) -> rustls::pki_types::PrivateKeyDer<'static> {
 /// A loopback TLS server with `leaf` (cert, key); when `client_ca` is given it requires a
 /// client certificate signed by it. Returns `https://127.0.0.1:<port>`.
 async fn server(leaf: (String, String), client_ca: Option<&Ca>) -> String {
+    recording_server(leaf, client_ca).await.0
+}
+
+/// [`server`], also returning the head of every request it was sent.
+async fn recording_server(
+    leaf: (String, String),
+    client_ca: Option<&Ca>,
+) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen_by_server = seen.clone();
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -86,12 +110,16 @@ async fn server(leaf: (String, String), client_ca: Option<&Ca>) -> String {
     tokio::spawn(async move {
         while let Ok((tcp, _)) = l.accept().await {
             let acceptor = acceptor.clone();
+            let seen = seen_by_server.clone();
             tokio::spawn(async move {
                 let Ok(mut s) = acceptor.accept(tcp).await else {
                     return;
                 };
                 let mut buf = vec![0u8; 8192];
-                let _ = s.read(&mut buf).await;
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&buf[..n]).to_string());
                 let body =
                     r#"{"config":{"Region":"global"},"stats":{"client":{"node_id":"tls-node"}}}"#;
                 let _ = s
@@ -107,7 +135,7 @@ async fn server(leaf: (String, String), client_ca: Option<&Ca>) -> String {
             });
         }
     });
-    addr
+    (addr, seen)
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -233,4 +261,131 @@ fn an_unreadable_or_bad_cacert_is_a_configuration_error() {
         matches!(e, Some(NomadError::Config(_))),
         "a file with no certificate must be refused: {e:?}"
     );
+}
+
+/// The agent's certificate names `server.global.nomad` only, the address is an IP: refused,
+/// until NOMAD_TLS_SERVER_NAME names what the certificate carries (as `nomad
+/// -tls-server-name`); a name it does not carry is still refused.
+#[tokio::test]
+async fn tls_server_name_verifies_a_certificate_that_does_not_name_the_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("nomad-ca");
+    let addr = server(ca.leaf_named(&["server.global.nomad"]), None).await;
+    let ca_pem = write(dir.path(), "ca.pem", &ca.pem());
+    let with = |name: Option<&str>| NomadConfig {
+        ca_cert: Some(ca_pem.clone()),
+        tls_server_name: name.map(str::to_string),
+        ..NomadConfig::plain(&addr)
+    };
+    let e = ask(with(None)).await.unwrap_err();
+    assert!(
+        e.to_string().contains("NOMAD_TLS_SERVER_NAME"),
+        "the hint must point at the server name setting: {e}"
+    );
+    assert_eq!(
+        ask(with(Some("server.global.nomad"))).await.unwrap(),
+        "tls-node"
+    );
+    assert!(ask(with(Some("client.global.nomad"))).await.is_err());
+    let Err(e) = Client::new(&with(Some("10.0.0.1"))) else {
+        panic!("an IP address as the server name was accepted")
+    };
+    assert!(matches!(e, NomadError::Config(_)), "{e:?}");
+}
+
+/// NOMAD_CAPATH: every CA in the directory (and below) is trusted, nothing else; a file in it
+/// that holds no certificate is an error naming it; NOMAD_CACERT wins when both are set.
+#[tokio::test]
+async fn ca_path_trusts_every_ca_in_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ours, other) = (Ca::new("nomad-ca"), Ca::new("another-ca"));
+    let addr = server(ours.leaf("server.global.nomad"), None).await;
+    let good = dir.path().join("good");
+    std::fs::create_dir_all(good.join("sub")).unwrap();
+    write(&good, "a-other.pem", &other.pem());
+    write(&good.join("sub"), "ours.crt", &ours.pem());
+    let cfg = NomadConfig {
+        ca_path: Some(good.clone()),
+        ..NomadConfig::plain(&addr)
+    };
+    assert_eq!(ask(cfg).await.unwrap(), "tls-node");
+
+    let wrong = dir.path().join("wrong");
+    std::fs::create_dir(&wrong).unwrap();
+    write(&wrong, "other.pem", &other.pem());
+    let cfg = NomadConfig {
+        ca_path: Some(wrong.clone()),
+        ..NomadConfig::plain(&addr)
+    };
+    let e = ask(cfg).await.unwrap_err();
+    assert!(matches!(e, NomadError::Unreachable { .. }), "{e:?}");
+
+    // NOMAD_CACERT wins over NOMAD_CAPATH (go-rootcerts LoadCACerts).
+    let cfg = NomadConfig {
+        ca_cert: Some(write(dir.path(), "ours.pem", &ours.pem())),
+        ca_path: Some(wrong.clone()),
+        ..NomadConfig::plain(&addr)
+    };
+    assert_eq!(ask(cfg).await.unwrap(), "tls-node");
+
+    write(&wrong, "README", "not a certificate");
+    let cfg = NomadConfig {
+        ca_path: Some(wrong),
+        ..NomadConfig::plain(&addr)
+    };
+    let Err(e) = Client::new(&cfg) else {
+        panic!("a CA directory with a non-certificate file was accepted")
+    };
+    assert!(
+        e.to_string().contains("NOMAD_CAPATH") && e.to_string().contains("README"),
+        "{e}"
+    );
+    let cfg = NomadConfig {
+        ca_path: Some(dir.path().join("missing")),
+        ..NomadConfig::plain(&addr)
+    };
+    assert!(matches!(Client::new(&cfg), Err(NomadError::Config(_))));
+}
+
+/// NOMAD_HTTP_AUTH `user:password` reaches the server as basic auth on the request.
+#[tokio::test]
+async fn http_auth_is_sent_as_basic_auth() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("nomad-ca");
+    let (addr, seen) = recording_server(ca.leaf("server.global.nomad"), None).await;
+    let cfg = NomadConfig {
+        ca_cert: Some(write(dir.path(), "ca.pem", &ca.pem())),
+        http_auth: Some("ops:s3cret".into()),
+        ..NomadConfig::plain(&addr)
+    };
+    assert_eq!(ask(cfg).await.unwrap(), "tls-node");
+    let req = seen.lock().unwrap().join("\n").to_ascii_lowercase();
+    // base64("ops:s3cret")
+    assert!(
+        req.contains("authorization: basic b3bzonmzy3jlda=="),
+        "no basic auth in the request: {req}"
+    );
+}
+
+/// The flags parse with the Nomad CLI's single dash, and the variables are read.
+#[test]
+fn tls_server_name_ca_path_and_http_auth_parse_as_nomad_spells_them() {
+    use clap::Parser;
+    let args = [
+        "dhv-binder",
+        "-tls-server-name=server.global.nomad",
+        "-ca-path",
+        "/etc/nomad.d/ca",
+        "-http-auth=ops:pw",
+        "volume",
+        "list",
+    ]
+    .map(std::ffi::OsString::from);
+    let c = dhv_binder::cli::Cli::try_parse_from(dhv_binder::cli::normalize_args(args)).unwrap();
+    assert_eq!(
+        c.nomad.tls_server_name.as_deref(),
+        Some("server.global.nomad")
+    );
+    assert_eq!(c.nomad.ca_path, Some(PathBuf::from("/etc/nomad.d/ca")));
+    assert_eq!(c.nomad.http_auth.as_deref(), Some("ops:pw"));
 }

@@ -1,5 +1,7 @@
 //! The daemon works with the narrowed ACL policy of jobspecs/dhv-binder-policy.hcl, against
-//! the simulator with ACLs enabled, and the policy refuses what the daemon never needs.
+//! the simulator with ACLs enabled, and the policy refuses what the daemon never needs; an
+//! operator with jobspecs/operator-policy.hcl can create, inspect, snapshot and delete a
+//! volume, and a token without it gets Nomad's reason and the policy to use (issue 37 #14).
 
 mod support;
 
@@ -25,12 +27,12 @@ async fn req(c: &Cluster, method: reqwest::Method, path: &str, body: Option<Valu
     r.json().await.unwrap_or(Value::Null)
 }
 
-fn cli(c: &Cluster, args: &[&str]) -> (i32, String) {
+fn cli(c: &Cluster, token: &str, args: &[&str]) -> (i32, String) {
     let out = std::process::Command::new(dhv_binder_bin())
         .args(args)
         .env_clear()
         .env("NOMAD_ADDR", &c.server)
-        .env("NOMAD_TOKEN", ROOT)
+        .env("NOMAD_TOKEN", token)
         .env("DHV_BINDER_SIGNING_KEY", c.sb.join("operator.key"))
         .output()
         .unwrap();
@@ -64,6 +66,38 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     )
     .await;
     let secret = tok["SecretID"].as_str().unwrap().to_string();
+    // An operator's token from jobspecs/operator-policy.hcl, and one without it.
+    let operator_rules =
+        std::fs::read_to_string(repo().join("jobspecs/operator-policy.hcl")).unwrap();
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/acl/policy/dhv-binder-operator",
+        Some(json!({"Name": "dhv-binder-operator", "Rules": operator_rules})),
+    )
+    .await;
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/acl/policy/node-reader",
+        Some(json!({"Name": "node-reader", "Rules": "namespace \"default\" {\n  capabilities = [\"read-job\"]\n}\nnode {\n  policy = \"read\"\n}\n"})),
+    )
+    .await;
+    let token_of = |policy: &'static str| {
+        let c = &c;
+        async move {
+            let t = req(
+                c,
+                reqwest::Method::PUT,
+                "/v1/acl/token",
+                Some(json!({"Name": policy, "Type": "client", "Policies": [policy]})),
+            )
+            .await;
+            t["SecretID"].as_str().unwrap().to_string()
+        }
+    };
+    let operator = token_of("dhv-binder-operator").await;
+    let bystander = token_of("node-reader").await;
     // Run the agent with the policy's token; its node record is written with it.
     c.kill_agent(0, nix::sys::signal::Signal::SIGKILL);
     c.agent_env.retain(|(k, _)| k != "NOMAD_TOKEN");
@@ -91,7 +125,21 @@ async fn the_daemon_works_with_the_narrowed_policy() {
         ),
     )
     .unwrap();
-    let (code, out) = cli(&c, &["volume", "create", spec.to_str().unwrap()]);
+    // Without the operator policy: Nomad's reason, the capability and the policy to use.
+    let (code, out) = cli(
+        &c,
+        &bystander,
+        &["volume", "create", spec.to_str().unwrap()],
+    );
+    assert_ne!(code, 0, "{out}");
+    for says in [
+        "Permission denied",
+        "dhv-binder/volumes/*",
+        "jobspecs/operator-policy.hcl",
+    ] {
+        assert!(out.contains(says), "{says:?} missing from the 403: {out}");
+    }
+    let (code, out) = cli(&c, &operator, &["volume", "create", spec.to_str().unwrap()]);
     assert_eq!(
         code,
         0,
@@ -115,11 +163,21 @@ async fn the_daemon_works_with_the_narrowed_policy() {
             .then_some(())
     })
     .await;
+    let (code, out) = cli(&c, &operator, &["volume", "status", "shared-data"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cli(&c, &operator, &["volume", "snapshot", "list"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cli(&c, &operator, &["volume", "list"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("shared-data"), "{out}");
     // A signed delete: the agent runs the plugin's delete and destroys the record.
-    let (code, out) = cli(&c, &["volume", "delete", "shared-data"]);
+    let (code, out) = cli(&c, &operator, &["volume", "delete", "shared-data"]);
     assert_eq!(code, 0, "{out}");
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
-    assert!(!log.contains("permission denied"), "{log}");
+    assert!(
+        !log.to_ascii_lowercase().contains("permission denied"),
+        "{log}"
+    );
 
     // What the policy refuses the daemon's token.
     let client = Client::new(&NomadConfig {

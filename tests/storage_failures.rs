@@ -505,3 +505,204 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
     })
     .await;
 }
+
+/// A tmpfs under the test's own directory, detached when the test ends (even on failure).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("run mount");
+        assert!(out.status.success(), "mount tmpfs: {out:?}");
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// Issue 36, item 5: the agent's state directory fills up. The journal write fails into a
+/// reported condition (status `journal.failing`, metric), logged once a minute at most (not
+/// once per attempt); a new publish waits with the reason while the published volume stays
+/// mounted; once space returns the agent converges by itself (the waiting publish succeeds)
+/// without a restart, and the journal still decodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
+    let mut c = Cluster::start_with(1, "", &[("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0")]).await;
+    // The agent again, its state directory on a small tmpfs.
+    c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
+    let state = c.sb.join("statefs");
+    let _fs = Tmpfs::mount(&state, "4m");
+    c.nodes[0].state_dir = state.clone();
+    c.start_agent(0);
+    c.wait_plugin("bind").await;
+    c.create_volume("shared-data", "single-node-writer");
+    let (_job, alloc, node) = run_example(&c).await;
+    assert_eq!(node, 0);
+    let target = c.target(0, "shared-data");
+    assert_eq!(support::cluster::mount_count(&target), 1, "{alloc}");
+
+    // Fill the state filesystem until ENOSPC.
+    let filler = state.join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        // Down to single bytes: the filesystem ends with no free block.
+        for size in [64 * 1024, 512, 1] {
+            let block = vec![0u8; size];
+            loop {
+                match f.write_all(&block).and_then(|_| f.sync_all()) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(28) => break,
+                    Err(e) => panic!("filling the state filesystem: {e}"),
+                }
+            }
+        }
+    }
+    // The new job asks for four volumes: their intents need more than the slack in the
+    // last pages of the journal's files (a small append there still succeeds).
+    let mut extra = String::new();
+    for i in 0..4 {
+        c.create_volume(&format!("second-{i}"), "single-node-writer");
+        extra.push_str(&format!(
+            "    volume \"x{i}\" {{\n      type = \"host\"\n      source = \"second-{i}\"\n      access_mode = \"single-node-writer\"\n      attachment_mode = \"file-system\"\n    }}\n"
+        ));
+    }
+    let spec = c.sb.join("second.nomad.hcl");
+    let text = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl"))
+        .unwrap()
+        .replace("\"shared-data-demo\"", "\"second-demo\"")
+        .replace("\"shared-data\"", "\"second-0\"")
+        .replacen(
+            "    volume \"data\" {",
+            &format!("{extra}    volume \"data\" {{"),
+            1,
+        );
+    std::fs::write(&spec, text).unwrap();
+    let second = c.run_job(&spec).await;
+    let st = c
+        .wait_for(
+            60,
+            "status saying the journal cannot be written",
+            || async {
+                let (_, out) = c.status(0);
+                let v: Value = serde_json::from_str(&out).ok()?;
+                (v["journal"]["failing"] == true).then_some(v)
+            },
+        )
+        .await;
+    eprintln!("journal: {}", st["journal"]);
+    // A publish that starts now needs a durable intent: it waits, with the reason.
+    c.create_volume("third-data", "single-node-writer");
+    let spec3 = c.sb.join("third.nomad.hcl");
+    let text = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl"))
+        .unwrap()
+        .replace("\"shared-data-demo\"", "\"third-demo\"")
+        .replace("\"shared-data\"", "\"third-data\"");
+    std::fs::write(&spec3, text).unwrap();
+    let third = c.run_job(&spec3).await;
+    c.wait_for(60, "the third volume waiting on the journal", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        v["waiting"].as_array()?.iter().find(|w| {
+            w["volume"] == "default/third-data"
+                && w["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("state journal cannot be written"))
+        })?;
+        Some(())
+    })
+    .await;
+    let log_len = |c: &Cluster| {
+        std::fs::read_to_string(&c.nodes[0].log)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let journal_lines = |c: &Cluster| {
+        std::fs::read_to_string(&c.nodes[0].log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("journal write"))
+            .count()
+    };
+    let (l0, j0, t0) = (log_len(&c), journal_lines(&c), Instant::now());
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let (l1, j1, dt) = (log_len(&c), journal_lines(&c), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "while full: {:.0} log lines/min in all, {:.0} journal failure lines/min",
+        (l1 - l0) as f64 * 60.0 / dt,
+        (j1 - j0) as f64 * 60.0 / dt
+    );
+    assert!(
+        j1 - j0 <= 1,
+        "journal failures logged per attempt: {}",
+        j1 - j0
+    );
+    assert!(
+        (l1 - l0) as f64 * 60.0 / dt < 600.0,
+        "the log grows fast while full: {} lines in {dt:.1}s",
+        l1 - l0
+    );
+    let (_, st) = c.status(0);
+    let st: Value = serde_json::from_str(&st).unwrap();
+    assert!(
+        st["journal"]["failed_writes"].as_u64().unwrap() >= 2,
+        "{st}"
+    );
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    let addr = log
+        .lines()
+        .rfind(|l| l.contains("serving metrics at /metrics"))
+        .and_then(|l| l.split("addr=").nth(1))
+        .map(|a| a.split_whitespace().next().unwrap().to_string())
+        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
+    let metrics = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("dhv_binder_journal_write_failing 1"),
+        "{metrics}"
+    );
+    assert_eq!(support::cluster::mount_count(&target), 1, "kept published");
+    assert!(
+        c.allocs(&third)
+            .await
+            .iter()
+            .all(|a| task_state(a, "app")["State"] != "running"),
+        "a publish ran without a durable intent"
+    );
+
+    // Space returns: the waiting publish succeeds without a restart.
+    std::fs::remove_file(&filler).unwrap();
+    let t = Instant::now();
+    for job in [&second, &third] {
+        c.wait_for(60, "the jobs' tasks running", || async {
+            c.allocs(job)
+                .await
+                .into_iter()
+                .find(|a| task_state(a, "app")["State"] == "running")
+        })
+        .await;
+    }
+    eprintln!(
+        "converged {:.1}s after space returned",
+        t.elapsed().as_secs_f64()
+    );
+    let (_, st) = c.status(0);
+    let st: Value = serde_json::from_str(&st).unwrap();
+    assert_eq!(st["journal"]["failing"], false, "{st}");
+    assert_eq!(support::cluster::mount_count(&target), 1);
+    assert!(!c.journal(0).is_empty(), "the history still decodes");
+    c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
+}

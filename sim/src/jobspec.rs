@@ -6,7 +6,7 @@
 //! min_healthy_time, healthy_deadline, progress_deadline, stagger; the job's block is merged
 //! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
 //! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
-//! network/service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
+//! network ports (`static`, `to`; see `networks`), service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
 //! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader, artifact with
 //! source, destination and `options { checksum }`: see [`crate::artifact`]).
 
@@ -333,6 +333,48 @@ fn restart_policy(ctx: &str, body: &Body) -> Result<Option<RestartPolicy>, HclEr
     }))
 }
 
+/// A group's `network` blocks as Nomad's `[]*NetworkResource` (`Mode`, `ReservedPorts` for
+/// ports with `static`, `DynamicPorts` for the others, each `{Label, Value, To,
+/// HostNetwork}`); `null` when there is none. Other network settings are not modelled.
+fn networks(ctx: &str, body: &hcl::Body) -> Result<serde_json::Value, HclError> {
+    let mut out = Vec::new();
+    for n in body.blocks().filter(|b| b.identifier.as_str() == "network") {
+        let nctx = format!("{ctx}.network");
+        let attrs = attributes(&nctx, &n.body)?;
+        let na = Attrs::new(&nctx, &attrs);
+        let (mut reserved, mut dynamic) = (Vec::new(), Vec::new());
+        for p in n.body.blocks().filter(|b| b.identifier.as_str() == "port") {
+            let l = label(p, 0)
+                .ok_or_else(|| HclError::Invalid(nctx.clone(), "port without label".into()))?;
+            let pctx = format!("{nctx}.port.{l}");
+            let attrs = attributes(&pctx, &p.body)?;
+            let pa = Attrs::new(&pctx, &attrs);
+            let stat = pa.int("static")?.unwrap_or(0);
+            let port = serde_json::json!({
+                "Label": l,
+                "Value": stat,
+                "To": pa.int("to")?.unwrap_or(0),
+                "HostNetwork": pa.str("host_network")?.unwrap_or_else(|| "default".into()),
+            });
+            if stat > 0 {
+                reserved.push(port);
+            } else {
+                dynamic.push(port);
+            }
+        }
+        out.push(serde_json::json!({
+            "Mode": na.str("mode")?.unwrap_or_else(|| "host".into()),
+            "ReservedPorts": reserved,
+            "DynamicPorts": dynamic,
+        }));
+    }
+    Ok(if out.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::Value::Array(out)
+    })
+}
+
 fn parse_group(job_ctx: &str, g: &hcl::Block) -> Result<TaskGroup, HclError> {
     let name = label(g, 0)
         .ok_or_else(|| HclError::Invalid(job_ctx.into(), "group without name".into()))?;
@@ -396,6 +438,7 @@ fn parse_group(job_ctx: &str, g: &hcl::Block) -> Result<TaskGroup, HclError> {
     if !vols.is_empty() {
         tg.Volumes = Some(vols);
     }
+    tg.Networks = networks(&ctx, &g.body)?;
     for t in g.body.blocks().filter(|b| b.identifier.as_str() == "task") {
         tg.Tasks.push(parse_task(&ctx, t)?);
     }
@@ -516,6 +559,34 @@ mod tests {
 
     /// The repository's system job: its variables' defaults, then `-var`-style settings,
     /// reach the artifact block (a bare `var.x` and a `${var.x}` inside a string).
+    #[test]
+    fn group_network_ports_are_reserved_or_dynamic() {
+        let job = parse(
+            r#"job "j" {
+  group "g" {
+    network {
+      port "metrics" {
+        static = 9464
+      }
+      port "http" {
+        to = 8080
+      }
+    }
+    task "t" {
+      driver = "raw_exec"
+    }
+  }
+}"#,
+        )
+        .unwrap();
+        let n = &job.TaskGroups[0].Networks[0];
+        assert_eq!(n["Mode"], "host");
+        assert_eq!(n["ReservedPorts"][0]["Label"], "metrics");
+        assert_eq!(n["ReservedPorts"][0]["Value"], 9464);
+        assert_eq!(n["DynamicPorts"][0]["Label"], "http");
+        assert_eq!(n["DynamicPorts"][0]["To"], 8080);
+    }
+
     #[test]
     fn the_system_jobs_variables_are_set_from_defaults_and_overrides() {
         let src = std::fs::read_to_string(

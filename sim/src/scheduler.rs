@@ -153,6 +153,56 @@ fn constraint_ok(node: &Node, l: &str, op: &str, r: &str) -> bool {
     }
 }
 
+/// Nomad's default dynamic port range (`nomad/structs/network.go` `DefaultMinDynamicPort`,
+/// `DefaultMaxDynamicPort`).
+const DYNAMIC_PORTS: std::ops::RangeInclusive<u16> = 20000..=32000;
+
+/// The group's network ports as an allocation's `AllocatedResources.Shared.Ports`
+/// (`[{Label, Value, To, HostIP}]`, `null` when none): a static port keeps its value, a
+/// dynamic one gets a port of [`DYNAMIC_PORTS`] that is free on the host's loopback now
+/// (every simulated node shares the host's ports and address 127.0.0.1), as Nomad's
+/// `NetworkIndex.AssignPorts` picks one free on the node.
+fn allocated_ports(g: &TaskGroup) -> Value {
+    let Some(nets) = g.Networks.as_array() else {
+        return Value::Null;
+    };
+    let mut out = Vec::new();
+    for n in nets {
+        for (kind, ports) in [
+            ("ReservedPorts", &n["ReservedPorts"]),
+            ("DynamicPorts", &n["DynamicPorts"]),
+        ] {
+            for p in ports.as_array().into_iter().flatten() {
+                let value = if kind == "ReservedPorts" {
+                    p["Value"].as_i64().unwrap_or(0)
+                } else {
+                    free_dynamic_port()
+                };
+                out.push(json!({"Label": p["Label"], "Value": value,
+                    "To": p["To"].as_i64().unwrap_or(0), "HostIP": "127.0.0.1"}));
+            }
+        }
+    }
+    if out.is_empty() {
+        Value::Null
+    } else {
+        Value::Array(out)
+    }
+}
+
+/// A port of [`DYNAMIC_PORTS`] that 127.0.0.1 can bind now (0 if 100 tries found none).
+fn free_dynamic_port() -> i64 {
+    use rand::Rng as _;
+    let mut rng = rand::thread_rng();
+    for _ in 0..100 {
+        let port = rng.gen_range(DYNAMIC_PORTS);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port as i64;
+        }
+    }
+    0
+}
+
 fn resources_json(g: &TaskGroup) -> (Value, Value, Value, Value) {
     let mut tasks = serde_json::Map::new();
     let mut lifecycles = serde_json::Map::new();
@@ -176,7 +226,7 @@ fn resources_json(g: &TaskGroup) -> (Value, Value, Value, Value) {
         .and_then(Value::as_i64)
         .unwrap_or(300);
     let allocated = json!({"Tasks": tasks, "TaskLifecycles": lifecycles,
-        "Shared": {"Networks": null, "DiskMB": disk, "Ports": null}});
+        "Shared": {"Networks": null, "DiskMB": disk, "Ports": allocated_ports(g)}});
     let res = |c: i64, m: i64, d: i64| {
         json!({"CPU":c,"Cores":0,"MemoryMB":m,"MemoryMaxMB":0,"DiskMB":d,"IOPS":0,
                "Networks":null,"Devices":null,"NUMA":null,"SecretsMB":0})

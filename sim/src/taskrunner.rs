@@ -115,7 +115,7 @@ pub struct TaskRunner {
     /// False when the runner restarts a task that was set up before (no new Task Setup event).
     pub fresh: bool,
     /// Changes when the node's client agent came back from a restart: a running task runs
-    /// its prestart hooks again ([`TaskRunner::rerun_prestart_hooks`]).
+    /// its prestart hooks again (`TaskRunner::rerun_prestart_hooks`).
     pub restored: watch::Receiver<u64>,
 }
 
@@ -301,6 +301,30 @@ impl TaskRunner {
                     env.insert("NOMAD_TOKEN".into(), tok.clone());
                 }
             }
+        }
+        // The group's network ports (`client/taskenv/env.go` `addPorts`, from the
+        // allocation's `AllocatedResources.Shared.Ports`).
+        let ports = self
+            .alloc
+            .AllocatedResources
+            .as_ref()
+            .and_then(|r| r["Shared"]["Ports"].as_array().cloned())
+            .unwrap_or_default();
+        for p in ports {
+            let (Some(l), Some(value)) = (p["Label"].as_str(), p["Value"].as_i64()) else {
+                continue;
+            };
+            let ip = p["HostIP"].as_str().unwrap_or("127.0.0.1");
+            let to = p["To"].as_i64().unwrap_or(0);
+            let port = if to > 0 { to } else { value }.to_string();
+            let addr = format!("{ip}:{value}");
+            env.insert(format!("NOMAD_ADDR_{l}"), addr.clone());
+            env.insert(format!("NOMAD_HOST_ADDR_{l}"), addr);
+            env.insert(format!("NOMAD_IP_{l}"), ip.to_string());
+            env.insert(format!("NOMAD_HOST_IP_{l}"), ip.to_string());
+            env.insert(format!("NOMAD_PORT_{l}"), port.clone());
+            env.insert(format!("NOMAD_ALLOC_PORT_{l}"), port);
+            env.insert(format!("NOMAD_HOST_PORT_{l}"), value.to_string());
         }
         let snapshot = env.clone();
         for (k, v) in self.task.Env.iter().flatten() {

@@ -247,9 +247,8 @@ impl Claims {
             Err(e) => {
                 self.acquiring.remove(&volume);
                 let reason = match &e {
-                    ClaimError::Held { .. } => format!(
-                        "publish waits for the single-node claim: {e}. A single-node volume is used on one node at a time: this allocation starts once the holder's allocations using it stop (the claim is released after their unpublish, or lapses about 2 x --claim-ttl + --claim-lock-delay after its node goes silent). A canary or a rolling update placed on another node waits until the old allocation stops, which with canaries is only after promotion: for such a volume the job author can use `update {{ canary = 0, max_parallel = 1 }}` (the old allocation stops first), keep the group on the holder's node (a constraint on the node), or use a multi-node access mode; and the prestart task's timeout must cover the hand-over"
-                    ),
+                    ClaimError::Held { holder, .. } => format!(
+                        "publish waits for the single-node claim on {volume}: held by {holder}; it moves once that stops. Job author: `update {{ canary = 0, max_parallel = 1 }}`, a constraint to that node, a multi-node access mode, or a longer prestart timeout (docs/operations.md \"Waiting for a claim\")"),
                     _ => format!("cannot take the claim: {e}"),
                 };
                 if self.wait.get(&volume) != Some(&reason) {
@@ -486,9 +485,16 @@ mod tests {
             "update {",
             "multi-node",
             "timeout",
+            "docs/operations.md",
         ] {
             assert!(w[0].reason.contains(says), "{says:?} missing: {w:?}");
         }
+        // Issue 37 #11: one short line; the details are in the docs.
+        assert!(
+            !w[0].reason.contains('\n') && w[0].reason.len() < 400,
+            "{:?}",
+            w[0].reason
+        );
         assert!(!r.ready(&Work::Claim(key()), t0));
         assert!(r.ready(&Work::Claim(key()), t0 + Duration::from_millis(600)));
         held(&mut c, t0);

@@ -99,6 +99,7 @@ impl Meter {
                 self.arrived.remove(reply);
             }
             Input::Catalogue(_) => self.recount_served = true,
+            Input::Committed { result, .. } => self.metrics.journal_write_result(result.is_ok()),
             Input::Done(c) => self.completion(c),
             _ => {}
         }

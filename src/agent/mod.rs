@@ -22,6 +22,7 @@ pub(crate) mod effect;
 pub(crate) mod executor;
 pub(crate) mod gate;
 pub(crate) mod input;
+pub(crate) mod journal_trouble;
 pub(crate) mod latency;
 pub(crate) mod meter;
 pub(crate) mod mount_health;

@@ -322,6 +322,25 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                 });
             }
         }
+    } else {
+        // Kept without proof that it is still needed: say why (docs/operations.md).
+        let why = match (i.view.is_complete(), i.volumes_loaded) {
+            (false, false) => "this node's allocations and the volume records have not been read in full yet",
+            (false, true) => "this node's allocations have not been listed in full yet (a list or read failed, or the agent just started)",
+            _ => "the volume records have not been read in full yet (a read failed, or the agent just started)",
+        };
+        for (key, _) in mounts {
+            if needed.contains_key(key)
+                || i.busy.contains(key)
+                || i.claims.get(key) == Some(&ClaimState::Lost)
+            {
+                continue;
+            }
+            plan.waiting.push(Waiting {
+                volume: key.clone(),
+                reason: format!("kept published: {why}; nothing is unpublished until they are"),
+            });
+        }
     }
     (plan, visits)
 }
@@ -732,7 +751,12 @@ pub(crate) mod tests {
             alloc_id: A1.into(),
             volume: key("data"),
         });
-        assert_eq!(w.plan(), Plan::default());
+        let p = w.plan();
+        assert!(p.steps.is_empty(), "{p:?}");
+        assert!(
+            matches!(&p.waiting[..], [x] if x.reason.starts_with("kept published:")),
+            "{p:?}"
+        );
         w.view.replace_all_at(vec![], 50, std::time::Instant::now());
         w.settle();
         assert_eq!(w.unpublishes, 1);
@@ -1026,6 +1050,28 @@ pub(crate) mod tests {
     /// B15 / §5 row 11: an allocation purged or garbage-collected (no event, gone from the
     /// list) while its tasks were last seen running keeps its volume through its kill
     /// grace (the client may still be killing it), then the volume is unpublished once.
+    #[test]
+    fn a_volume_kept_with_an_incomplete_picture_says_why() {
+        let mut w = World::new(
+            &[volume("data", "multi-node-multi-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        // After a restart, before the allocations are listed in full.
+        w.view = View::default();
+        let p = w.plan();
+        assert!(p.steps.iter().all(|s| !matches!(s, Step::Unpublish { .. })));
+        assert!(
+            p.waiting.iter().any(|x| x.volume == key("data")
+                && x.reason.starts_with(
+                    "kept published: this node's allocations have not been listed in full"
+                )),
+            "{:?}",
+            p.waiting
+        );
+    }
+
     #[test]
     fn b15_vanished_alloc_is_unpublished_after_its_kill_grace() {
         use std::time::{Duration, Instant};

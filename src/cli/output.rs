@@ -120,9 +120,27 @@ pub fn table(header: &[&str], rows: &[Vec<String>], empty: &str) -> String {
     s
 }
 
-/// A byte count as Nomad prints capacity (binary units): `1073741824` is `1.0 GiB`.
+/// A byte count in binary units with IEC symbols, one decimal: `1073741824` is `1.0 GiB`,
+/// `421888` is `412.0 KiB` (capital K: bytesize 1.x prints `kiB`), below 1 KiB `512 B`.
 pub fn bytes(n: u64) -> String {
-    bytesize::ByteSize(n).to_string_as(true)
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    // Compared as printed (one decimal), so 1048575 is `1.0 MiB`, not `1024.0 KiB`.
+    while (value * 10.0).round() >= 10240.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// `n` and the noun, singular for 1: `plural(1, "reconnect", "reconnects")` is
+/// `1 reconnect`, `plural(3, ..)` is `3 reconnects`.
+pub fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 /// An ID as tables print it: its first 8 characters (Nomad's short IDs), in full with
@@ -244,6 +262,12 @@ mod tests {
     fn capacity_and_ages_are_human_readable() {
         assert_eq!(bytes(1 << 30), "1.0 GiB");
         assert_eq!(bytes(64 << 20), "64.0 MiB");
+        assert_eq!(bytes(421_888), "412.0 KiB");
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes((1 << 20) - 1), "1.0 MiB");
+        assert_eq!(bytes(u64::MAX), "16.0 EiB");
+        assert_eq!(plural(1, "volume", "volumes"), "1 volume");
+        assert_eq!(plural(0, "volume", "volumes"), "0 volumes");
         assert_eq!(ago(100, 112), "12s ago");
         assert_eq!(ago(100, 100 + 184), "3m4s ago");
         assert_eq!(ago(0, 5), "never");

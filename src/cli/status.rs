@@ -4,7 +4,7 @@
 //! The document is the agent's `GET /v1/status` answer (see [`crate::api`]); [`StatusDoc`]
 //! reads the fields it prints and ignores the rest, so `-json` prints the answer unchanged.
 
-use super::output::{ago, kv, now_unix, table, OutputArgs};
+use super::output::{ago, kv, now_unix, plural, table, OutputArgs};
 use super::{Failure, EXIT_FAILED, EXIT_UNAVAILABLE};
 use crate::api::client::{call, CallError};
 use serde::Deserialize;
@@ -52,6 +52,10 @@ pub struct StatusDoc {
     pub holders: BTreeMap<String, UsageDoc>,
     /// Tasks that mount a deferred volume without the prestart gate, by allocation ID.
     pub ungated: BTreeMap<String, Vec<UngatedDoc>>,
+    /// Whether the journal can be written: `{"failing": false}`, or `{"failing": true,
+    /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations.md, "The state
+    /// directory's filesystem is full").
+    pub journal: serde_json::Value,
 }
 
 /// A scan of the processes using a volume (the agent's `holders::Usage`).
@@ -120,7 +124,10 @@ fn holders_cell(u: &UsageDoc, max: usize) -> String {
         parts.push(format!("{} more", u.holders.len() - max));
     }
     if !u.uninspected.is_empty() {
-        parts.push(format!("{} process(es) not readable", u.uninspected.len()));
+        parts.push(format!(
+            "{} not readable",
+            plural(u.uninspected.len() as u64, "process", "processes")
+        ));
     }
     parts.extend(
         u.other_mounts
@@ -218,14 +225,19 @@ fn watch_line(w: &serde_json::Value) -> String {
     let state = w["state"].as_str().unwrap_or("unknown");
     let c = &w["counters"];
     let mut counters = format!(
-        "{} relists, {} reconnects",
-        c["relists"].as_u64().unwrap_or(0),
-        c["reconnects"].as_u64().unwrap_or(0)
+        "{}, {}",
+        plural(c["relists"].as_u64().unwrap_or(0), "relist", "relists"),
+        plural(
+            c["reconnects"].as_u64().unwrap_or(0),
+            "reconnect",
+            "reconnects"
+        )
     );
     // What each poll answer costs: the node's whole list (an older agent does not say).
     if let (Some(n), Some(b)) = (c["list_allocations"].as_u64(), c["list_bytes"].as_u64()) {
         counters.push_str(&format!(
-            "; last list {n} allocations, {}",
+            "; last list {}, {}",
+            plural(n, "allocation", "allocations"),
             crate::cli::output::bytes(b)
         ));
     }
@@ -296,23 +308,34 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
         (
             "Pending",
             format!(
-                "{} publish call(s) waiting, {} volume(s) waiting",
-                doc.pending_publish_calls,
-                doc.waiting.len()
+                "{} waiting, {} waiting",
+                plural(doc.pending_publish_calls, "publish call", "publish calls"),
+                plural(doc.waiting.len() as u64, "volume", "volumes")
             ),
         ),
         (
             "Publish Wait",
             match doc.publish_latency_ms.median {
                 Some(m) => format!(
-                    "median {m}ms over {} publish(es)",
-                    doc.publish_latency_ms.count
+                    "median {m}ms over {}",
+                    plural(doc.publish_latency_ms.count, "publish", "publishes")
                 ),
                 None => "no publishes yet".into(),
             },
         ),
         ("Broken Mounts", doc.mount_health.broken.len().to_string()),
     ];
+    if doc.journal["failing"] == true {
+        rows.push((
+            "Journal",
+            format!(
+                "cannot be written for {}s ({} failed writes): {}; new publishes and unpublishes wait until it can (free space in the state directory)",
+                now.saturating_sub(doc.journal["failing_since"].as_u64().unwrap_or(now)),
+                doc.journal["failed_writes"].as_u64().unwrap_or(0),
+                doc.journal["error"].as_str().unwrap_or("unknown error"),
+            ),
+        ));
+    }
     for w in &doc.waiting {
         rows.push(("Waiting", format!("{}: {}", w.volume, w.reason)));
     }
@@ -418,16 +441,30 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
     s
 }
 
+/// What `status` says when the agent's socket cannot be opened: a permission error says it
+/// is one (the agent may well be running), anything else asks whether the agent runs.
+fn connect_failure(path: &str, source: &std::io::Error) -> Failure {
+    if source.kind() == std::io::ErrorKind::PermissionDenied {
+        return Failure::new(
+            EXIT_FAILED,
+            format!(
+                "permission denied opening dhv-binder's socket {path}: this user may not open it or its directory; run as root (sudo dhv-binder status) or pass a socket you can open with --socket or DHV_BINDER_SOCKET"
+            ),
+        );
+    }
+    Failure::new(
+        EXIT_UNAVAILABLE,
+        format!(
+            "cannot reach dhv-binder at {path}: {source} (is the agent running on this node? pass its socket with --socket or DHV_BINDER_SOCKET)"
+        ),
+    )
+}
+
 /// Runs `status`: asks the local agent and prints its state.
 pub async fn status(args: StatusArgs) -> Result<(), Failure> {
     let v = match call(&args.socket.path, hyper::Method::GET, "/v1/status", None).await {
         Ok(v) => v,
-        Err(CallError::Connect { path, source }) => return Err(Failure::new(
-            EXIT_UNAVAILABLE,
-            format!(
-                "cannot reach dhv-binder at {path}: {source} (is the agent running on this node? pass its socket with --socket or DHV_BINDER_SOCKET)"
-            ),
-        )),
+        Err(CallError::Connect { path, source }) => return Err(connect_failure(&path, &source)),
         Err(e) => return Err(Failure::new(EXIT_FAILED, e.to_string())),
     };
     args.out.print(&v, |v| {
@@ -439,6 +476,34 @@ pub async fn status(args: StatusArgs) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_permission_error_on_the_socket_says_it_is_one() {
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        let f = connect_failure("/run/dhv-binder/api.sock", &denied);
+        assert_eq!(f.code, EXIT_FAILED);
+        assert!(
+            f.message.starts_with(
+                "permission denied opening dhv-binder's socket /run/dhv-binder/api.sock"
+            ),
+            "{}",
+            f.message
+        );
+        assert!(
+            f.message.contains("sudo dhv-binder status"),
+            "{}",
+            f.message
+        );
+        assert!(!f.message.contains("is the agent running"), "{}", f.message);
+        let gone = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let f = connect_failure("/run/dhv-binder/api.sock", &gone);
+        assert_eq!(f.code, EXIT_UNAVAILABLE);
+        assert!(
+            f.message.contains("is the agent running on this node?"),
+            "{}",
+            f.message
+        );
+    }
 
     fn doc() -> serde_json::Value {
         serde_json::json!({
@@ -478,11 +543,11 @@ mod tests {
         let expected = "\
 Node ID        = 5a1d0b8e-0000-4000-8000-000000000001
 Node Pool      = default
-Watch          = polling (index 42; 3 relists, 1 reconnects; last list 57 allocations, 412.0 kiB)
+Watch          = polling (index 42; 3 relists, 1 reconnect; last list 57 allocations, 412.0 KiB)
 Allocations    = 2 on this node, 0 departing (view complete)
 Plugins        = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
-Pending        = 1 publish call(s) waiting, 1 volume(s) waiting
-Publish Wait   = median 120ms over 3 publish(es)
+Pending        = 1 publish call waiting, 1 volume waiting
+Publish Wait   = median 120ms over 3 publishes
 Broken Mounts  = 0
 Waiting        = default/scratch: plugin nfs is not installed on this node
 Last Error     = default/scratch: publish failed: exit 1
@@ -497,6 +562,19 @@ default/scratch      nfs     ready  no    -                  0      -
 default/shared-data  bind    ready  yes   published 12s ago  1      held
 ";
         assert_eq!(s, expected, "got:\n{s}");
+    }
+
+    #[test]
+    fn a_journal_that_cannot_be_written_is_a_row() {
+        let mut v = doc();
+        v["journal"] = serde_json::json!({"failing": true, "failing_since": 940, "error": "No space left on device (os error 28)", "failed_writes": 61});
+        let s = render(&serde_json::from_value(v).unwrap(), 1000);
+        assert!(
+            s.contains("Journal        = cannot be written for 60s (61 failed writes): No space left on device (os error 28); new publishes"),
+            "{s}"
+        );
+        let s = render(&serde_json::from_value(doc()).unwrap(), 1000);
+        assert!(!s.contains("Journal"), "{s}");
     }
 
     #[test]
@@ -516,7 +594,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         let w = serde_json::json!({"state": "disconnected", "fault": "auth-failed", "reason": "token expired", "counters": {"relists": 1, "reconnects": 4}});
         assert_eq!(
             watch_line(&w),
-            "disconnected: token expired (auth-failed; 1 relists, 4 reconnects)"
+            "disconnected: token expired (auth-failed; 1 relist, 4 reconnects)"
         );
     }
 }

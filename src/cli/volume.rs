@@ -2,7 +2,7 @@
 //! cluster-wide volume records in Nomad Variables (see [`crate::volume`]), signed with the
 //! operator's key ([`crate::cluster::trust`]).
 
-use super::output::{ago, bytes, kv, short_id, table, OutputArgs};
+use super::output::{ago, bytes, kv, plural, short_id, table, OutputArgs};
 use super::records::{read_record, read_var, users_of, SigningArgs, VolumeUser, REGISTERED_ITEM};
 use super::storage::{self, LocalPlugins, SnapshotCommand, SnapshotSummary};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
@@ -327,7 +327,10 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
         serde_json::to_string(&d.parameters).unwrap_or_default(),
     ));
     rows.push(("Signed", if d.signed { "yes" } else { "no" }.into()));
-    rows.push(("Secrets", format!("{} key(s), not shown", d.secrets)));
+    rows.push((
+        "Secrets",
+        format!("{}, not shown", plural(d.secrets as u64, "key", "keys")),
+    ));
     if !d.worker_node.is_empty() {
         let label = match s.state.as_str() {
             "creating" | "deleting" => "Worker Node",
@@ -1218,7 +1221,7 @@ Node Pool  = (any)
 Capability = single-node-writer / file-system
 Parameters = {\"export\":\"/srv\"}
 Signed     = yes
-Secrets    = 2 key(s), not shown
+Secrets    = 2 keys, not shown
 Error      = bad\\u{1b}[2J\\u{a}fake
 
 Allocations

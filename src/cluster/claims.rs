@@ -113,12 +113,66 @@ async fn live_holder(
                     .any(|r| r.volume_type == "host" && r.source == volume.name)
             })
     });
+    let name = node_name(client, holder).await;
     Ok(live.map(|a| {
         format!(
-            "node {holder}, where allocation {} of job {} still runs with it (the node is ready in Nomad, its dhv-binder may be down); the claim is taken over only once that allocation stops, its node goes down, or the claim is released",
-            a.id, a.job_id
+            "job {}, allocation {} on node {name}, which still runs with it",
+            a.job_id,
+            short(&a.id)
         )
     }))
+}
+
+/// The first 8 characters of an ID, as Nomad's CLI shows it.
+fn short(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+/// The node's name for messages, else its short ID. Nomad API: `GET /v1/node/:id`.
+async fn node_name(client: &Client, node_id: &str) -> String {
+    match client.node_name(node_id).await {
+        Ok(Some(n)) if !n.is_empty() => n,
+        _ => short(node_id).to_string(),
+    }
+}
+
+/// Who holds the claim, for the claim-wait message, best effort: "job J, allocation A on
+/// node N" when a live allocation on the holder's node uses the volume, else "node N". The
+/// holder is the `node_id` of the claim's Items (every reader sees them: Nomad hides `Lock`
+/// from non-management tokens, `Variables.Read`, and the 409 body names only the path; Items
+/// keep the last holder through its lock delay). Nomad API: `GET /v1/var/:path`,
+/// `GET /v1/node/:id`, `GET /v1/node/:id/allocations`.
+async fn holder_of(client: &Client, volume: &VolumeKey) -> String {
+    let Ok(Some(var)) = client
+        .variable(&volume.namespace, &claim_path(&volume.name))
+        .await
+    else {
+        return "another node".into();
+    };
+    let Some(node) = var.items.get("node_id") else {
+        return "another node".into();
+    };
+    let name = node_name(client, node).await;
+    let live = match client.node_allocations(node, 0, Duration::ZERO).await {
+        Ok((allocs, _)) => allocs.value.into_iter().find(|a| {
+            a.namespace == volume.namespace
+                && !a.tasks_finished()
+                && a.group().is_some_and(|g| {
+                    g.volumes
+                        .values()
+                        .any(|r| r.volume_type == "host" && r.source == volume.name)
+                })
+        }),
+        Err(_) => None,
+    };
+    match live {
+        Some(a) => format!(
+            "job {}, allocation {} on node {name}",
+            a.job_id,
+            short(&a.id)
+        ),
+        None => format!("node {name} (its allocation stopped: the claim is released soon, or lapses after its lock delay)"),
+    }
 }
 
 /// Acquires the claim for this node. Returns the lock ID. Refused ([`ClaimError::Held`])
@@ -171,24 +225,7 @@ pub async fn acquire(
             }),
         },
         Err(NomadError::CasConflict { .. }) => {
-            // Name the holder for the operator, best effort, from the Items every reader sees:
-            // Nomad hides `Lock` from non-management tokens (`Variables.Read`), and the 409
-            // body names only the path. Items keep the last holder through its lock delay.
-            let holder = match client
-                .variable(&volume.namespace, &claim_path(&volume.name))
-                .await
-            {
-                Ok(Some(v)) => v
-                    .items
-                    .get("node_id")
-                    .map(|n| {
-                        format!(
-                            "node {n} (or the claim is in its lock delay after that node lost it)"
-                        )
-                    })
-                    .unwrap_or_else(|| "another node".into()),
-                Ok(None) | Err(_) => "another node".into(),
-            };
+            let holder = holder_of(client, volume).await;
             Err(ClaimError::Held {
                 volume: volume.clone(),
                 holder,

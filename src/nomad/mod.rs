@@ -30,9 +30,15 @@ pub enum NomadError {
         /// What to check: the TLS settings for a handshake failure, else the address.
         hint: &'static str,
     },
-    /// 403: the token lacks a capability.
-    #[error("Nomad refused {what}: permission denied; the token needs {needs} (see jobspecs/dhv-binder-policy.hcl)")]
-    PermissionDenied { what: String, needs: &'static str },
+    /// 403: the token lacks a capability. `reason` is Nomad's own answer (its body, bounded
+    /// and control-escaped, e.g. "Permission denied"); `needs` the capability the call
+    /// takes, for the hint.
+    #[error("Nomad refused {what}: {reason} (HTTP 403); the token needs {needs}: the daemon's policy is jobspecs/dhv-binder-policy.hcl, an operator's jobspecs/operator-policy.hcl")]
+    PermissionDenied {
+        what: String,
+        reason: String,
+        needs: String,
+    },
     /// 401: no token, or an expired or unknown one.
     #[error("Nomad refused {what}: the token is missing, unknown or expired; set NOMAD_TOKEN or --token-file")]
     Unauthorized { what: String },
@@ -144,6 +150,8 @@ pub struct Client {
     /// Shared by every clone, so that a token re-read from its file reaches all callers.
     token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
+    /// NOMAD_HTTP_AUTH as (user, password): basic auth sent with every request.
+    http_auth: Option<(String, Option<String>)>,
     /// The last list of the node's allocations was at least [`ROTATE_AFTER_BYTES`]: the
     /// next one closes its connection. Shared by clones (one watch loop asks).
     rotate_list: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -158,19 +166,32 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn capability_for(path: &str) -> &'static str {
-    if path.starts_with("/v1/var") {
-        "variables read/write on path dhv-binder/*"
+fn capability_for(path: &str) -> String {
+    let path = path.split('?').next().unwrap_or_default();
+    if let Some(var) = path
+        .strip_prefix("/v1/var/")
+        .or_else(|| path.strip_prefix("/v1/vars"))
+    {
+        // dhv-binder/<kind>/<name>: the rule is on dhv-binder/<kind>/*.
+        let mut parts = var.trim_start_matches('/').splitn(3, '/');
+        match (parts.next(), parts.next()) {
+            (Some(root), Some(kind)) if !kind.is_empty() => format!(
+                "the variables capability the call takes (read, list, write or destroy) on path \"{root}/{kind}/*\" in the volume's namespace"
+            ),
+            _ => "variables list on path \"dhv-binder/*\" in the namespace".into(),
+        }
+    } else if path.starts_with("/v1/namespace") {
+        "a capability in that namespace (a namespace block naming it)".into()
     } else if path.starts_with("/v1/volume") {
-        "host-volume-register and host-volume-read"
+        "host-volume-register and host-volume-read".into()
     } else if path.starts_with("/v1/node") {
-        "node:read and namespace read-job"
+        "node:read and namespace read-job".into()
     } else if path.starts_with("/v1/client/allocation") {
-        "namespace alloc-lifecycle"
+        "namespace alloc-lifecycle".into()
     } else if path.starts_with("/v1/event") || path.starts_with("/v1/allocation") {
-        "namespace read-job in every namespace (namespace \"*\")"
+        "namespace read-job in every namespace (namespace \"*\")".into()
     } else {
-        "agent:read"
+        "agent:read".into()
     }
 }
 
@@ -220,11 +241,56 @@ fn unreachable(addr: &str, what: impl Into<String>, source: reqwest::Error) -> N
             format!(" ({d})")
         },
         hint: if tls {
-            "a TLS handshake failed: check NOMAD_CACERT (the only CA trusted), and NOMAD_CLIENT_CERT/NOMAD_CLIENT_KEY when the agent verifies clients (verify_https_client); the agent's certificate must name the address in NOMAD_ADDR"
+            "a TLS handshake failed: check NOMAD_CACERT or NOMAD_CAPATH (the only CAs trusted), and NOMAD_CLIENT_CERT/NOMAD_CLIENT_KEY when the agent verifies clients (verify_https_client); the agent's certificate must name the host in NOMAD_ADDR, or set NOMAD_TLS_SERVER_NAME to a name it carries (e.g. server.global.nomad)"
         } else {
             "check NOMAD_ADDR and that the local Nomad agent runs"
         },
     }
+}
+
+/// The PEM certificates of a CA file (`what` names its setting in errors). A bundle may hold
+/// several CAs (the Nomad CLI trusts each of them). Errors when the file cannot be read or
+/// holds no certificate.
+fn ca_file(path: &std::path::Path, what: &str) -> Result<Vec<reqwest::Certificate>, NomadError> {
+    let pem = std::fs::read(path)
+        .map_err(|e| NomadError::Config(format!("{what} {}: {e}", path.display())))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| NomadError::Config(format!("{what} {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(NomadError::Config(format!(
+            "{what} {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
+            path.display()
+        )));
+    }
+    Ok(certs)
+}
+
+/// The certificates of every file under NOMAD_CAPATH, walked as go-rootcerts `LoadCAPath`
+/// does: each file must hold a PEM certificate (a stray file is an error naming it), and a
+/// directory with none is refused.
+fn ca_dir(dir: &std::path::Path) -> Result<Vec<reqwest::Certificate>, NomadError> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let rd = std::fs::read_dir(&d)
+            .map_err(|e| NomadError::Config(format!("NOMAD_CAPATH {}: {e}", d.display())))?;
+        let mut entries: Vec<_> = rd.filter_map(Result::ok).map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.extend(ca_file(&p, "NOMAD_CAPATH")?);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(NomadError::Config(format!(
+            "NOMAD_CAPATH {}: no certificate in the directory (it must hold the CA that signed the Nomad agent's certificate)",
+            dir.display()
+        )));
+    }
+    Ok(out)
 }
 
 impl Client {
@@ -232,6 +298,20 @@ impl Client {
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
         let endpoint = transport::Endpoint::parse(&cfg.address)
             .map_err(|e| NomadError::Config(e.to_string()))?;
+        let server_name = match (&cfg.tls_server_name, &endpoint) {
+            (Some(n), transport::Endpoint::Tcp(base)) if !n.trim().is_empty() => {
+                Some(transport::ServerName::new(base, n.trim())?)
+            }
+            _ => None,
+        };
+        let http_auth =
+            cfg.http_auth
+                .as_deref()
+                .filter(|a| !a.is_empty())
+                .map(|a| match a.split_once(':') {
+                    Some((u, p)) => (u.to_string(), Some(p.to_string())),
+                    None => (a.to_string(), None),
+                });
         let build = |timeout: Option<Duration>| -> Result<reqwest::Client, NomadError> {
             let mut b = reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(10))
@@ -251,25 +331,21 @@ impl Client {
             if is_loopback(&cfg.address) {
                 b = b.no_proxy();
             }
-            if let Some(ca) = &cfg.ca_cert {
-                let pem = std::fs::read(ca).map_err(|e| {
-                    NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
-                })?;
-                // A bundle may hold several CAs (the Nomad CLI trusts each of them).
-                let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
-                    NomadError::Config(format!("NOMAD_CACERT {}: {e}", ca.display()))
-                })?;
-                if certs.is_empty() {
-                    return Err(NomadError::Config(format!(
-                        "NOMAD_CACERT {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
-                        ca.display()
-                    )));
-                }
-                // NOMAD_CACERT replaces the trust roots (the Nomad CLI trusts only it).
+            // NOMAD_CACERT wins over NOMAD_CAPATH (go-rootcerts `LoadCACerts`); either
+            // replaces the trust roots (the Nomad CLI trusts only them).
+            let roots = match (&cfg.ca_cert, &cfg.ca_path) {
+                (Some(ca), _) => Some(ca_file(ca, "NOMAD_CACERT")?),
+                (None, Some(dir)) => Some(ca_dir(dir)?),
+                (None, None) => None,
+            };
+            if let Some(certs) = roots {
                 b = b.tls_built_in_root_certs(false);
                 for cert in certs {
                     b = b.add_root_certificate(cert);
                 }
+            }
+            if let Some(name) = &server_name {
+                b = b.dns_resolver(std::sync::Arc::new(name.clone()));
             }
             if let (Some(cert), Some(key)) = (&cfg.client_cert, &cfg.client_key) {
                 let mut pem = std::fs::read(cert).map_err(|e| {
@@ -293,9 +369,13 @@ impl Client {
             http: build(Some(Duration::from_secs(400)))?,
             streaming: build(None)?,
             addr: cfg.address.trim_end_matches('/').to_string(),
-            base: endpoint.base_url(),
+            base: match &server_name {
+                Some(n) => n.base_url(),
+                None => endpoint.base_url(),
+            },
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
+            http_auth,
             rotate_list: Default::default(),
             fallbacks: Default::default(),
         })
@@ -351,6 +431,9 @@ impl Client {
         if let Some(r) = &self.region {
             rb = rb.query(&[("region", r)]);
         }
+        if let Some((user, password)) = &self.http_auth {
+            rb = rb.basic_auth(user, password.as_ref());
+        }
         rb
     }
 
@@ -373,6 +456,7 @@ impl Client {
         Err(match status {
             StatusCode::FORBIDDEN => NomadError::PermissionDenied {
                 what: what.to_string(),
+                reason: forbidden_reason(&body),
                 needs: capability_for(path),
             },
             StatusCode::UNAUTHORIZED => NomadError::Unauthorized {
@@ -514,6 +598,24 @@ impl Client {
             )
             .await?;
         Ok(node.map(|n| n.status))
+    }
+
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`): the node's `Name`, `None`
+    /// when Nomad does not know the node.
+    pub async fn node_name(&self, node_id: &str) -> Result<Option<String>, NomadError> {
+        #[derive(serde::Deserialize)]
+        struct Node {
+            #[serde(rename = "Name", default)]
+            name: String,
+        }
+        let node: Option<Node> = self
+            .get_optional(
+                &format!("/v1/node/{node_id}"),
+                &[],
+                "read a node (GET /v1/node/:id)",
+            )
+            .await?;
+        Ok(node.map(|n| n.name))
     }
 
     /// Nomad API: `GET /v1/node/:node_id/allocations`, a blocking query when `index > 0`
@@ -939,6 +1041,7 @@ impl Client {
         Err(match status {
             StatusCode::FORBIDDEN => NomadError::PermissionDenied {
                 what: what.into(),
+                reason: forbidden_reason(&body),
                 needs: capability_for(path),
             },
             StatusCode::UNAUTHORIZED => NomadError::Unauthorized { what: what.into() },
@@ -991,6 +1094,17 @@ async fn body_limited(
 }
 
 /// An error body's start, as text: at most [`MAX_ERROR_BODY`] bytes are read.
+/// Nomad's reason for a 403, bounded; "Permission denied" (Nomad's
+/// `structs.ErrPermissionDenied`) when it sent no body.
+fn forbidden_reason(body: &str) -> String {
+    let b: String = body.trim().chars().take(300).collect();
+    if b.is_empty() {
+        "Permission denied".into()
+    } else {
+        b
+    }
+}
+
 async fn error_text(mut resp: reqwest::Response) -> String {
     let mut buf = Vec::new();
     while let Ok(Some(chunk)) = resp.chunk().await {

@@ -29,6 +29,71 @@ impl Endpoint {
     }
 }
 
+/// NOMAD_TLS_SERVER_NAME on a TCP address: requests go to the URL with the host replaced by
+/// the name (so TLS sends it as SNI and verifies the certificate against it, as Go's
+/// `tls.Config.ServerName`), and this resolver sends that name to the address's real host.
+/// Nomad ignores the Host header, so the changed Host is harmless.
+#[derive(Debug, Clone)]
+pub struct ServerName {
+    /// The name certificates are checked against.
+    name: String,
+    /// The host of NOMAD_ADDR: an IP address or a DNS name (resolved on every connect).
+    real: String,
+    /// The base URL with the host replaced by `name`.
+    base: String,
+}
+
+impl ServerName {
+    /// For `base` (`https://host:port`) and the server name. Errors when the name is not a
+    /// valid host name.
+    pub fn new(base: &str, name: &str) -> Result<Self, crate::nomad::NomadError> {
+        let bad = |e: String| {
+            crate::nomad::NomadError::Config(format!("NOMAD_TLS_SERVER_NAME {name:?}: {e}"))
+        };
+        let mut url = reqwest::Url::parse(base).map_err(|e| bad(e.to_string()))?;
+        let real = url
+            .host_str()
+            .ok_or_else(|| bad("NOMAD_ADDR has no host".into()))?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        if name.parse::<std::net::IpAddr>().is_ok() || name.contains(['/', ':', '@', ' ']) {
+            return Err(bad(
+                "not a DNS name (the name the Nomad agent's certificate carries)".into(),
+            ));
+        }
+        url.set_host(Some(name)).map_err(|e| bad(e.to_string()))?;
+        Ok(Self {
+            name: name.to_ascii_lowercase(),
+            real,
+            base: url.as_str().trim_end_matches('/').to_string(),
+        })
+    }
+
+    /// The base URL request paths are appended to.
+    pub fn base_url(&self) -> String {
+        self.base.clone()
+    }
+}
+
+impl reqwest::dns::Resolve for ServerName {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        // The port is the URL's: the connector replaces the one resolved here.
+        let host = if name.as_str().eq_ignore_ascii_case(&self.name) {
+            self.real.clone()
+        } else {
+            name.as_str().to_string()
+        };
+        Box::pin(async move {
+            let addrs: Vec<std::net::SocketAddr> = match host.parse::<std::net::IpAddr>() {
+                Ok(ip) => vec![(ip, 0).into()],
+                Err(_) => tokio::net::lookup_host((host.as_str(), 0)).await?.collect(),
+            };
+            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,6 +140,9 @@ mod tests {
             region: None,
             namespace: "default".into(),
             ca_cert: None,
+            ca_path: None,
+            tls_server_name: None,
+            http_auth: None,
             client_cert: None,
             client_key: None,
             skip_verify: false,

@@ -12,6 +12,14 @@ impl Core {
     ) {
         match result {
             Ok(()) => {
+                if self.journal_trouble.succeeded(self.now) {
+                    // The publishes and unpublishes that waited for it start now.
+                    self.replan_all = true;
+                    self.last_error.retain(|_, e| {
+                        !e.contains("state journal cannot be written")
+                            && !e.starts_with("journal write failed")
+                    });
+                }
                 self.durable = self.durable.max(seq);
                 let durable = self.durable;
                 self.gated.retain(|s, _| *s > durable);
@@ -30,17 +38,19 @@ impl Core {
                 // The plugin calls of this commit were not started: fail them (their
                 // intents stay in memory and are written with the next commit), and
                 // answer no caller from records that are not on disk.
-                tracing::error!(error = %e, "journal write failed; the calls that waited on it do not run");
+                // Logged once when writes start failing and then at most once a minute
+                // (agent/journal_trouble.rs), not once per attempt.
+                self.journal_trouble.failed(&e.to_string(), self.now);
                 self.journal.redo();
                 let failed: Vec<u64> = self.gated.range(..=seq).map(|(s, _)| *s).collect();
                 for s in failed {
                     for volume in self.gated.remove(&s).unwrap_or_default() {
                         self.busy.remove(&volume);
                         self.dirty.insert(volume.clone());
+                        // Not backed off per volume: the journal's own pace holds every
+                        // publish and unpublish until a write succeeds.
                         self.last_error
-                            .insert(volume.clone(), format!("journal write failed: {e}"));
-                        self.retries
-                            .failed(&Work::Mount(volume), STEP_RETRY, self.now);
+                            .insert(volume, format!("journal write failed: {e}"));
                     }
                 }
                 let (failed, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)

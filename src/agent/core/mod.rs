@@ -112,6 +112,8 @@ pub(crate) struct Core {
     gated: BTreeMap<u64, Vec<VolumeKey>>,
     /// Successful answers held until the commit that recorded them is durable.
     held: Vec<(u64, ReplyId, PublishReply)>,
+    /// Whether the journal can be written: while not, no publish or unpublish starts.
+    journal_trouble: crate::agent::journal_trouble::JournalTrouble,
     now: Instant,
     /// Scoped planning: the volumes the inputs since the last pass can have affected, or
     /// `replan_all` for the cases that need every volume (start, relist, catalogue or
@@ -173,6 +175,7 @@ impl Core {
             durable: 0,
             gated: BTreeMap::new(),
             held: Vec::new(),
+            journal_trouble: Default::default(),
             now,
             dirty: BTreeSet::new(),
             replan_all: true,
@@ -307,6 +310,14 @@ impl Core {
                     answer: Answer::Status(Box::new(self.status())),
                 }),
                 ApiCall::Publish(req) => {
+                    if let Some(why) = self.journal_trouble.refusal() {
+                        // Refused at once, not left to time out: the caller retries.
+                        out.push(Effect::Reply {
+                            to: reply,
+                            answer: Answer::Publish(Err(ApiError::Journal(why))),
+                        });
+                        return;
+                    }
                     if !self.view.allocs().contains_key(&req.alloc_id)
                         && self.fetching.insert(req.alloc_id.clone())
                     {
@@ -347,6 +358,7 @@ impl Core {
             self.claims.next_wakeup(),
             self.mount_health.next_wakeup(),
             self.last_fingerprint.map(|t| t + self.s.plugin_rescan),
+            self.journal_trouble.next_wakeup(),
         ]
         .into_iter()
         .flatten()
@@ -512,6 +524,15 @@ impl Core {
                         self.parked.insert(volume);
                         continue;
                     }
+                    if let Some(why) = self.journal_trouble.refusal() {
+                        self.last_error.insert(volume.clone(), why.clone());
+                        self.parked.insert(volume.clone());
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: why,
+                        });
+                        continue;
+                    }
                     if self.publish_held(&volume) {
                         self.waiting.push(Waiting {
                             reason: "a requested expansion runs before the next publish".into(),
@@ -527,6 +548,15 @@ impl Core {
                 Step::Unpublish { volume } => {
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
                         self.parked.insert(volume);
+                        continue;
+                    }
+                    if let Some(why) = self.journal_trouble.refusal() {
+                        self.last_error.insert(volume.clone(), why.clone());
+                        self.parked.insert(volume.clone());
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: why,
+                        });
                         continue;
                     }
                     if let Some(e) = self.start_unpublish(volume.clone()) {
@@ -600,7 +630,10 @@ impl Core {
             ));
         }
         self.answer_waiters(now, out);
-        if let Some(commit) = self.journal.take_commit() {
+        // While writes fail, the state is written again at a steady pace, not on every
+        // pass (no publish or unpublish started above, so no call waits on it).
+        let take = !calls.is_empty() || self.journal_trouble.may_write(now);
+        if let Some(commit) = take.then(|| self.journal.take_commit()).flatten() {
             self.issued = commit.seq;
             if !gated.is_empty() {
                 self.gated.insert(commit.seq, gated);

@@ -284,7 +284,75 @@ fn a_failed_commit_starts_nothing_and_answers_no_success() {
     });
     let r = replies(&e);
     assert!(matches!(r[..], [(7, Err(ApiError::Journal(_)))]), "{r:?}");
+    assert!(commits(&e).is_empty(), "written again only after a pause");
+    let e = h.at(crate::agent::journal_trouble::RETRY_AFTER, Input::Tick);
     assert_eq!(commits(&e).len(), 1, "the state is written again");
+}
+
+fn disk_full() -> JournalError {
+    JournalError::Write {
+        path: "/s/journal.wal".into(),
+        source: std::io::Error::from_raw_os_error(28),
+    }
+}
+
+/// A journal that cannot be written is a paced, reported condition: no write on every
+/// pass, no publish started, new publish callers refused at once with the reason, the
+/// status says so; the first write that succeeds starts the waiting publish.
+#[test]
+fn a_full_state_disk_pauses_new_work_and_resumes_by_itself() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    let seq = commits(&h.setup)[0].0;
+    let e = h.feed(Input::Committed {
+        seq,
+        result: Err(disk_full()),
+    });
+    assert!(commits(&e).is_empty() && publishes(&e) == 0, "{e:?}");
+    assert_eq!(h.core.status()["journal"]["failing"], true);
+    let why = h.core.status()["waiting"].to_string();
+    assert!(why.contains("state journal cannot be written"), "{why}");
+    // Passes in between write nothing and start nothing.
+    for _ in 0..50 {
+        let e = h.at(Duration::from_millis(10), Input::Tick);
+        assert!(commits(&e).is_empty() && publishes(&e) == 0, "{e:?}");
+    }
+    let e = h.api_publish(9, A1, Duration::from_secs(30));
+    let r = replies(&e);
+    assert!(
+        matches!(&r[..], [(9, Err(ApiError::Journal(m)))] if m.contains("free space")),
+        "{r:?}"
+    );
+    // Tried again about once a second; still failing.
+    assert!(h
+        .core
+        .next_wakeup()
+        .is_some_and(|w| w <= h.t + Duration::from_secs(1)));
+    let e = h.at(Duration::from_secs(1), Input::Tick);
+    let c = commits(&e);
+    assert_eq!(c.len(), 1, "{e:?}");
+    assert_eq!(publishes(c[0].1), 0, "no publish rides on a retry write");
+    let e = h.feed(Input::Committed {
+        seq: c[0].0,
+        result: Err(disk_full()),
+    });
+    assert!(commits(&e).is_empty());
+    assert_eq!(h.core.status()["journal"]["failed_writes"], 2);
+    // Space returns: the next write succeeds and the publish starts.
+    let e = h.at(Duration::from_secs(1), Input::Tick);
+    let seq = commits(&e)[0].0;
+    let e = h.feed(Input::Committed {
+        seq,
+        result: Ok(()),
+    });
+    assert_eq!(h.core.status()["journal"]["failing"], false);
+    let c = commits(&e);
+    assert_eq!(c.len(), 1, "{e:?}");
+    assert_eq!(publishes(c[0].1), 1, "the waiting publish starts");
+    let e = h.api_publish(10, A1, Duration::from_secs(30));
+    assert!(replies(&e).is_empty(), "a new caller waits for the publish");
 }
 
 #[test]
