@@ -9,10 +9,13 @@ use std::collections::BTreeMap;
 /// Variable path prefix under which volume records live.
 pub const RECORD_PREFIX: &str = "dhv-binder/volumes/";
 
-/// Access modes a deferred volume may declare (CSI's names, as Nomad uses them).
-pub const ACCESS_MODES: [&str; 5] = [
+/// Access modes a deferred volume may declare (CSI's names, as Nomad uses them, plus
+/// Nomad 1.10's host-volume mode `single-node-single-writer`: one writing allocation at a
+/// time, even on one node).
+pub const ACCESS_MODES: [&str; 6] = [
     "single-node-reader-only",
     "single-node-writer",
+    "single-node-single-writer",
     "single-node-multi-writer",
     "multi-node-reader-only",
     "multi-node-multi-writer",

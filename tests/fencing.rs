@@ -498,3 +498,105 @@ async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     assert_eq!(log_lines(&c).len(), lines, "written after the fence");
     c.stop_job(&job, false).await;
 }
+
+/// `single-node-single-writer`: one writing allocation, even on one node. On a one-node
+/// cluster, a destructive update of the writer job stops the old allocation and places the
+/// new one in the same plan (Nomad's scheduler does not count an allocation its own plan
+/// stops); its poststop task appends to the volume for two seconds after that. The new
+/// allocation's prestart waits, its status naming the holder (allocation, job, node), and
+/// its task starts only after the old one's finished: no line of the old allocation comes
+/// after the new allocation's first line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_single_writer() {
+    let c = Cluster::start_with(1, "", &[]).await;
+    c.create_volume(VOLUME, "single-node-single-writer");
+    // A poststop task appends to the volume for two seconds after the main task stopped:
+    // the allocation is not finished until it did.
+    let poststop = r#"    task "flush" {
+      lifecycle {
+        hook = "poststop"
+      }
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "i=1000; while [ $i -lt 1020 ]; do echo \"$NOMAD_ALLOC_ID $i\" >> /data/log.txt; i=$((i+1)); sleep 0.1; done"]
+      }
+      volume_mount {
+        volume      = "data"
+        destination = "/data"
+      }
+    }"#;
+    let spec = |version: &str| {
+        let path = writer_job_named(
+            c.sb.path(),
+            "ssw",
+            &format!("    meta {{\n      v = \"{version}\"\n    }}\n{poststop}"),
+        );
+        let hcl = std::fs::read_to_string(&path).unwrap().replace(
+            "access_mode     = \"single-node-writer\"",
+            "access_mode     = \"single-node-single-writer\"",
+        );
+        std::fs::write(&path, hcl).unwrap();
+        path
+    };
+    let job = c.run_job(&spec("v1")).await;
+    let old: Value = c
+        .wait_for(60, "the first writer running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let old_id = old["ID"].as_str().unwrap().to_string();
+    c.wait_for(10, "the first writer's lines", || async {
+        log_lines(&c)
+            .iter()
+            .any(|(a, _)| *a == old_id)
+            .then_some(())
+    })
+    .await;
+    c.run_job(&spec("v2")).await;
+    // While the old task still writes, the new allocation waits and the status says why.
+    let waiting = c
+        .wait_for(10, "the second writer waiting", || async {
+            let (_, s) = c.status(0);
+            let st: Value = serde_json::from_str(&s).ok()?;
+            let w = st["waiting"].to_string();
+            w.contains("single-node-single-writer").then_some(w)
+        })
+        .await;
+    for part in [old_id.as_str(), "ssw", c.nodes[0].id.as_str()] {
+        assert!(waiting.contains(part), "{part} not named: {waiting}");
+    }
+    let new: Value = c
+        .wait_for(60, "the second writer running", || async {
+            c.allocs(&job).await.into_iter().find(|a| {
+                a["ID"] != old_id.as_str() && a["TaskStates"]["app"]["State"] == "running"
+            })
+        })
+        .await;
+    let new_id = new["ID"].as_str().unwrap().to_string();
+    c.wait_for(10, "the second writer's lines", || async {
+        log_lines(&c)
+            .iter()
+            .any(|(a, _)| *a == new_id)
+            .then_some(())
+    })
+    .await;
+    let lines = log_lines(&c);
+    let first_new = lines.iter().position(|(a, _)| *a == new_id).unwrap();
+    let old_after = lines[first_new..]
+        .iter()
+        .filter(|(a, _)| *a == old_id)
+        .count();
+    assert_eq!(
+        old_after, 0,
+        "two writers at once: {} lines of the old allocation after the new one's first",
+        old_after
+    );
+    assert!(
+        lines.iter().any(|(a, n)| *a == old_id && *n >= 1000),
+        "the old allocation's poststop wrote: {lines:?}"
+    );
+}

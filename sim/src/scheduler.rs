@@ -14,8 +14,12 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Why a node is infeasible for a group (for logs and tests).
+///
+/// `work` is the pass's view of every allocation (the store's plus this plan's placements
+/// and stops), from which the node's proposed allocations are taken.
 pub fn infeasible_reason(
     st: &State,
+    work: &BTreeMap<String, Allocation>,
     job: &Job,
     g: &TaskGroup,
     alloc_name: &str,
@@ -88,6 +92,77 @@ pub fn infeasible_reason(
                     "dynamic host volume {source} lacks capability {am}/{att}"
                 ));
             }
+            match am.as_str() {
+                "single-node-reader-only" if !req.ReadOnly => {
+                    return Some(format!("host volume {source} is single-node-reader-only"));
+                }
+                "single-node-writer" if req.ReadOnly => {
+                    return Some(format!(
+                        "host volume {source} is single-node-writer, requested read-only"
+                    ));
+                }
+                "single-node-single-writer" => {
+                    if let Some(w) = single_writer_on(st, work, job, &vol.Name, node) {
+                        return Some(format!(
+                            "host volume {source} is single-node-single-writer and allocation {w} writes it on this node"
+                        ));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    None
+}
+
+/// An allocation proposed on `node` whose group writes the dynamic host volume `vol_name`
+/// (`scheduler/feasible/feasible.go` `HostVolumeChecker.hostVolumeIsAvailable`, case
+/// single-node-single-writer, over `scheduler/feasible/context.go`
+/// `EvalContext.ProposedAllocs`): the node's allocations that are not client-terminal,
+/// minus those this plan stops for `job`, plus this plan's placements (an allocation stopped by an
+/// earlier plan whose tasks still run counts). Each group is read from the job's current
+/// version in the state; a job or group that is gone counts as a writer (it cannot be
+/// proven not to use the volume). Sources match as `HostVolume.MatchesRequestSource`
+/// (`per_alloc` adds the allocation's `[N]`).
+fn single_writer_on(
+    st: &State,
+    work: &BTreeMap<String, Allocation>,
+    job: &Job,
+    vol_name: &str,
+    node: &Node,
+) -> Option<String> {
+    let mut seen = BTreeSet::new();
+    for a in work.values() {
+        if a.NodeID != node.ID || a.client_terminal() {
+            continue;
+        }
+        // A pass plans every job; Nomad's plan is one evaluation's, of one job.
+        let stopped_by_this_plan = a.server_terminal()
+            && a.Namespace == job.Namespace
+            && a.JobID == job.ID
+            && st
+                .allocs
+                .get(&a.ID)
+                .is_none_or(|before| !before.server_terminal());
+        if stopped_by_this_plan {
+            continue;
+        }
+        if !seen.insert((a.Namespace.clone(), a.JobID.clone(), a.TaskGroup.clone())) {
+            continue;
+        }
+        let Some(job) = st.jobs.get(&(a.Namespace.clone(), a.JobID.clone())) else {
+            return Some(a.ID.clone());
+        };
+        let Some(g) = job.TaskGroups.iter().find(|g| g.Name == a.TaskGroup) else {
+            return Some(a.ID.clone());
+        };
+        let writes = g
+            .Volumes
+            .iter()
+            .flat_map(|v| v.values())
+            .any(|r| r.Type == "host" && r.source_for(&a.Name) == vol_name && !r.ReadOnly);
+        if writes {
+            return Some(a.ID.clone());
         }
     }
     None
@@ -275,7 +350,7 @@ impl Pass<'_> {
             .nodes
             .values()
             .filter(|n| only_node.is_none_or(|o| o == n.ID))
-            .filter(|n| infeasible_reason(self.st, job, g, &name, n).is_none())
+            .filter(|n| infeasible_reason(self.st, &self.work, job, g, &name, n).is_none())
             .collect();
         let in_pool = self
             .st
@@ -852,7 +927,7 @@ pub fn reconcile_all(st: &mut State) {
                     }
                     let node = &pass.st.nodes[&nid];
                     let name = format!("{}.{}[0]", job.ID, g.Name);
-                    if infeasible_reason(pass.st, job, g, &name, node).is_none() {
+                    if infeasible_reason(pass.st, &pass.work, job, g, &name, node).is_none() {
                         pass.place(job, g, 0, Some(&nid), None);
                     }
                 }

@@ -430,3 +430,55 @@ async fn a_prefix_list_wakes_on_any_variable_write_and_is_counted() {
     .await
     .expect("test timed out");
 }
+
+/// `single-node-single-writer` (Nomad 1.10, `scheduler/feasible/feasible.go`
+/// `HostVolumeChecker.hostVolumeIsAvailable`): a node where a proposed allocation's group
+/// writes the volume is infeasible for another one, of the same job (count 2) or another
+/// job; an allocation stopped by the plan that placed the other one does not count, one
+/// stopped earlier counts until its client reports it terminal.
+#[tokio::test(flavor = "multi_thread")]
+async fn single_node_single_writer_places_one_writer_per_node() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(TWO_NODES).await;
+        let n2 = sim.node_id("node-2");
+        let path = sim.path().join("vol-ssw");
+        std::fs::create_dir_all(&path).unwrap();
+        sim.put("/v1/volume/host/register", json!({"Volume": {"Namespace": "default", "Name": "ssw", "NodeID": n2,
+            "HostPath": path, "RequestedCapabilities": [{"AccessMode": "single-node-single-writer", "AttachmentMode": "file-system"}]}}))
+            .await;
+        let vol = r#"volume "d" {
+      type = "host"
+      source = "ssw"
+      access_mode = "single-node-single-writer"
+      attachment_mode = "file-system"
+    }
+    count = 2"#;
+        sim.run_job(&sleeper("w1", vol, "default")).await;
+        sim.wait_for(5, "one placement", || async {
+            (sim.job_allocs("w1").await.len() == 1).then_some(())
+        })
+        .await;
+        let other = vol.replace("count = 2", "count = 1");
+        sim.run_job(&sleeper("w2", &other, "default")).await;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(sim.job_allocs("w1").await.len(), 1, "two writers of w1 on one node");
+        assert!(sim.job_allocs("w2").await.is_empty(), "a second job's writer placed");
+        // w1 stopped: w2 is placed once w1's allocation is client-terminal.
+        sim.req(Method::DELETE, "/v1/job/w1", None).await;
+        let a = sim
+            .wait_for(10, "w2 placed after w1 stopped", || async {
+                let a = sim.job_allocs("w2").await;
+                (a.len() == 1).then_some(a)
+            })
+            .await;
+        assert_eq!(a[0]["NodeID"], n2);
+        for w1 in sim.job_allocs("w1").await {
+            assert!(
+                matches!(w1["ClientStatus"].as_str(), Some("complete" | "failed")),
+                "w2 placed while w1 still runs: {w1}"
+            );
+        }
+    })
+    .await
+    .expect("test timed out");
+}

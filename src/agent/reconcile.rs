@@ -242,7 +242,15 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
             .get(key)
             .is_some_and(|m| m.state == MountState::Published && i.mounted.contains(&m.target));
         if healthy {
-            for (alloc_id, _) in allocs {
+            let writer = single_writer(i, key, volume, allocs);
+            let mut held_back = Vec::new();
+            for (alloc_id, read_only) in allocs {
+                if let Some(w) = &writer {
+                    if !read_only && alloc_id != w {
+                        held_back.push(alloc_id.as_str());
+                        continue;
+                    }
+                }
                 let u = UserKey {
                     alloc_id: alloc_id.clone(),
                     volume: key.clone(),
@@ -250,6 +258,12 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                 if !i.users.contains(&u) {
                     plan.steps.push(Step::AddUser(u));
                 }
+            }
+            if let (Some(w), false) = (&writer, held_back.is_empty()) {
+                plan.waiting.push(Waiting {
+                    volume: key.clone(),
+                    reason: writer_holds(i, w, &held_back),
+                });
             }
             if !claimed {
                 // Published before this agent knew of claims (or the record lost its ID).
@@ -343,6 +357,59 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         }
     }
     (plan, visits)
+}
+
+/// The one allocation that may write `key` on this node when its access mode is
+/// `single-node-single-writer` (Nomad 1.10: one writing allocation, even on one node), or
+/// `None` for any other mode. The writer already recorded as a user keeps it until its
+/// tasks finish on this node (an allocation told to stop whose tasks still run keeps it:
+/// a rolling update or a canary on the same node waits); otherwise the oldest writing
+/// allocation (lowest create index, then ID) takes it. Readers are never held back.
+fn single_writer(
+    i: Inputs<'_>,
+    key: &VolumeKey,
+    volume: &VolumeRecord,
+    allocs: &[(String, bool)],
+) -> Option<String> {
+    if volume.access_mode() != SINGLE_WRITER {
+        return None;
+    }
+    let writers = allocs.iter().filter(|(_, ro)| !ro).map(|(id, _)| id);
+    if let Some(w) = writers.clone().find(|id| {
+        i.users.contains(&UserKey {
+            alloc_id: (*id).clone(),
+            volume: key.clone(),
+        })
+    }) {
+        return Some(w.clone());
+    }
+    writers
+        .min_by_key(|id| {
+            (
+                i.view
+                    .allocs()
+                    .get(*id)
+                    .map_or(u64::MAX, |a| a.create_index),
+                (*id).clone(),
+            )
+        })
+        .cloned()
+}
+
+/// The access mode that allows one writing allocation at a time, even on one node.
+pub const SINGLE_WRITER: &str = "single-node-single-writer";
+
+/// Why writers of a `single-node-single-writer` volume wait: who holds it (job,
+/// allocation, node), for their prestart and status.
+fn writer_holds(i: Inputs<'_>, writer: &str, waiting: &[&str]) -> String {
+    let (job, name, node) = i.view.allocs().get(writer).map_or_else(
+        || ("?".to_string(), "?".to_string(), "?".to_string()),
+        |a| (a.job_id.clone(), a.name.clone(), a.node_id.clone()),
+    );
+    format!(
+        "single-node-single-writer: allocation {writer} ({name}) of job {job:?} on node {node} writes the volume; allocation {} waits until its tasks finish (one writing allocation at a time, even on one node)",
+        waiting.join(", ")
+    )
 }
 
 /// A recorded user of `key` whose tasks may still run on this node and whose group still
@@ -590,6 +657,59 @@ pub(crate) mod tests {
         }));
         // Planning again after applying the plan yields nothing.
         assert_eq!(w.plan(), Plan::default());
+    }
+
+    /// `single-node-single-writer` (issue 31): of two writing allocations on this node,
+    /// the older one is the volume's user; the other waits, its reason naming the holder
+    /// (allocation, job, node), while the holder is told to stop but its tasks still run,
+    /// and becomes the user only once they finished. A reader is never held back.
+    #[test]
+    fn single_node_single_writer_admits_one_writing_allocation() {
+        const A3: &str = "00000000-0000-4000-8000-000000000003";
+        let v = volume("data", SINGLE_WRITER);
+        let mut a1 = alloc(A1, &["data"], "running", "run");
+        a1.create_index = 5;
+        let mut a2 = alloc(A2, &["data"], "pending", "run");
+        a2.create_index = 6;
+        a2.name = "job.g[1]".into();
+        let mut a3 = alloc(A3, &["data"], "pending", "run");
+        for g in &mut a3.job.as_mut().unwrap().task_groups {
+            for (_, r) in g.volumes.iter_mut() {
+                r.read_only = true;
+            }
+        }
+        let mut w = World::new(&[v], vec![a2.clone(), a1.clone(), a3]);
+        w.claims.insert(key("data"), ClaimState::Held);
+        w.settle();
+        let user = |id: &str| UserKey {
+            alloc_id: id.into(),
+            volume: key("data"),
+        };
+        assert!(w.users.contains(&user(A1)));
+        assert!(!w.users.contains(&user(A2)), "two writers on one node");
+        assert!(w.users.contains(&user(A3)), "a reader is not held back");
+        let waiting = w.plan().waiting;
+        assert_eq!(waiting.len(), 1, "{waiting:?}");
+        for part in [A1, "job.g[0]", "\"job\"", NODE, A2] {
+            assert!(waiting[0].reason.contains(part), "{part}: {waiting:?}");
+        }
+        // Told to stop, tasks still running (a rolling update): the holder keeps it.
+        let mut stopping = a1.clone();
+        stopping.desired_status = "stop".into();
+        w.update(stopping.clone());
+        w.settle();
+        assert!(w.users.contains(&user(A1)) && !w.users.contains(&user(A2)));
+        // Its tasks finished: the waiting writer takes it, in the same pass.
+        stopping.client_status = "complete".into();
+        w.update(stopping);
+        w.settle();
+        assert!(!w.users.contains(&user(A1)));
+        assert!(w.users.contains(&user(A2)));
+        assert!(w.plan().waiting.is_empty());
+        assert_eq!(
+            w.publishes, 1,
+            "published once, never unpublished between writers"
+        );
     }
 
     /// A volume that is not a deferred volume record, or a CSI volume, is left alone.
