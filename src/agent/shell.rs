@@ -358,6 +358,7 @@ impl Shell {
             }
             Effect::AcquireClaim { volume, volume_id } => self.call(executor::acquire_claim(
                 client,
+                self.trust.clone(),
                 self.claims,
                 node.node_id,
                 volume,

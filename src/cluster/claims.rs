@@ -7,6 +7,7 @@
 //! take it. Before that moment the holder fences the volume on itself (docs/architecture.md,
 //! "Fencing"). A node that finds its claim lost unpublishes before anything else.
 
+use super::trust::RecordTrust;
 use crate::nomad::types::{Variable, VariableLock};
 use crate::nomad::{Client, LockOp, NomadError};
 use crate::volume::{encode_name, VolumeKey};
@@ -84,10 +85,12 @@ fn var(volume: &VolumeKey, items: BTreeMap<String, String>, lock: VariableLock) 
 /// holder's lock may have lapsed only because its agent is down (an upgrade, a crash loop)
 /// while its tasks still write: the claim is not taken over until that allocation stops, its
 /// node goes down or disconnected (its agent has fenced the volume by then: the lock lapses
-/// only after the holder's fence), or the claim is released. Nomad API: `GET /v1/var/:path`,
+/// only after the holder's fence), or the claim is released (cleanly, or by an operator's
+/// signed mark). Nomad API: `GET /v1/var/:path`,
 /// `GET /v1/node/:id`, `GET /v1/node/:id/allocations`.
 async fn live_holder(
     client: &Client,
+    trust: &RecordTrust,
     volume: &VolumeKey,
     node_id: &str,
 ) -> Result<Option<String>, NomadError> {
@@ -100,6 +103,12 @@ async fn live_holder(
     let Some(holder) = var.items.get("node_id").filter(|h| *h != node_id) else {
         return Ok(None);
     };
+    if super::claim_release::released_by_operator(client, trust, volume, holder, var.modify_index)
+        .await?
+    {
+        tracing::warn!(%volume, holder = %holder, "claim released by operator (signed `volume claim release`): taking it over without waiting for the holder's allocation to stop");
+        return Ok(None);
+    }
     if client.node_status(holder).await?.as_deref() != Some("ready") {
         return Ok(None);
     }
@@ -123,15 +132,18 @@ async fn live_holder(
 
 /// Acquires the claim for this node. Returns the lock ID. Refused ([`ClaimError::Held`])
 /// while the last holder is another node that Nomad reports `ready` with a live allocation
-/// using the volume, even after its lock lapsed (hand-over on evidence, see `live_holder`).
+/// using the volume, even after its lock lapsed (hand-over on evidence, see `live_holder`),
+/// unless an operator released that holder's claim with a mark `trust` verifies
+/// ([`super::claim_release`]).
 pub async fn acquire(
     client: &Client,
+    trust: &RecordTrust,
     settings: ClaimSettings,
     volume: &VolumeKey,
     node_id: &str,
     volume_id: &str,
 ) -> Result<String, ClaimError> {
-    match live_holder(client, volume, node_id).await {
+    match live_holder(client, trust, volume, node_id).await {
         Ok(Some(holder)) => {
             return Err(ClaimError::Held {
                 volume: volume.clone(),
