@@ -15,8 +15,8 @@ use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
 use crate::cluster::claim_release::ReleaseMark;
 use crate::cluster::claims::claim_path;
 use crate::cluster::nodes;
-use crate::nomad::types::{Variable, VariableLock};
-use crate::nomad::{Client, LockOp, NomadError};
+use crate::nomad::types::VariableLock;
+use crate::nomad::Client;
 use crate::volume::VolumeKey;
 use std::io::{BufRead as _, IsTerminal as _, Write as _};
 use std::time::Duration;
@@ -178,19 +178,14 @@ async fn release(
     // Release the lock first: its release changes the claim's ModifyIndex, which the mark
     // names. Until the mark is written, nodes still refuse to take a live holder's claim.
     if let Some(lock) = claim.lock.as_ref().filter(|l| !l.id.is_empty()) {
-        let var = Variable {
-            namespace: volume.namespace.clone(),
-            path: claim.path.clone(),
-            lock: Some(VariableLock {
-                id: lock.id.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        match client.lock_op(LockOp::Release, &var).await {
-            Ok(_) | Err(NomadError::CasConflict { .. }) => {}
-            Err(e) => return Err(e.into()),
-        }
+        crate::cluster::claims::release(client, &volume, &lock.id)
+            .await
+            .map_err(|e| {
+                Failure::new(
+                    super::EXIT_UNAVAILABLE,
+                    format!("{e}; nothing was released, try again"),
+                )
+            })?;
     }
     let current = client
         .variable(&volume.namespace, &claim_path(&volume.name))
