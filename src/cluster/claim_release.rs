@@ -145,6 +145,23 @@ pub async fn released_by_operator(
     }
 }
 
+/// The operator's last release of `holder`'s claim on `volume`, whatever claim index it
+/// named, when its signature verifies with `trust`: for the audit line of a node that finds
+/// its claim lost. Errors and malformed or unverified marks are `None`.
+pub async fn last_release_of(
+    client: &Client,
+    trust: &RecordTrust,
+    volume: &VolumeKey,
+    holder: &str,
+) -> Option<ReleaseMark> {
+    let var = client
+        .variable(&volume.namespace, &release_path(&volume.name))
+        .await
+        .ok()??;
+    let mark = ReleaseMark::from_variable(volume, &var)?;
+    (mark.holder == holder && trust.verify(&mark).is_ok()).then_some(mark)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

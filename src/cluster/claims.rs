@@ -215,9 +215,11 @@ pub async fn acquire(
 
 /// Renews the claim of `node_id`. A refusal (409, or 404) is checked by reading the claim
 /// (`lost_or_not`): [`ClaimError::Lost`] only when another holder, or no lock, is proven;
-/// [`ClaimError::Unproven`] otherwise.
+/// [`ClaimError::Unproven`] otherwise. A loss that an operator's signed release explains
+/// is logged at warn as `claim released by operator`.
 pub async fn renew(
     client: &Client,
+    trust: &RecordTrust,
     volume: &VolumeKey,
     lock_id: &str,
     node_id: &str,
@@ -232,7 +234,15 @@ pub async fn renew(
     {
         Ok(_) => Ok(()),
         Err(NomadError::CasConflict { .. }) => {
-            Err(lost_or_not(client, volume, lock_id, node_id).await)
+            let e = lost_or_not(client, volume, lock_id, node_id).await;
+            if matches!(e, ClaimError::Lost { .. }) {
+                if let Some(m) =
+                    super::claim_release::last_release_of(client, trust, volume, node_id).await
+                {
+                    tracing::warn!(%volume, released_unix_ms = m.unix_ms, claim_index = m.claim_index, "claim released by operator (signed `volume claim release`)");
+                }
+            }
+            Err(e)
         }
         Err(source) => Err(ClaimError::Nomad {
             volume: volume.clone(),

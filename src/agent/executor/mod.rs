@@ -807,11 +807,12 @@ pub async fn acquire_claim(
 /// Renews a held claim.
 pub async fn renew_claim(
     client: Client,
+    trust: crate::cluster::trust::RecordTrust,
     volume: VolumeKey,
     lock_id: String,
     node_id: String,
 ) -> Completion {
-    let result = claims::renew(&client, &volume, &lock_id, &node_id).await;
+    let result = claims::renew(&client, &trust, &volume, &lock_id, &node_id).await;
     Completion::ClaimRenewed { volume, result }
 }
 
