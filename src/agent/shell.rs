@@ -358,14 +358,19 @@ impl Shell {
             }
             Effect::AcquireClaim { volume, volume_id } => self.call(executor::acquire_claim(
                 client,
+                self.trust.clone(),
                 self.claims,
                 node.node_id,
                 volume,
                 volume_id,
             )),
-            Effect::RenewClaim { volume, lock_id } => {
-                self.call(executor::renew_claim(client, volume, lock_id, node.node_id))
-            }
+            Effect::RenewClaim { volume, lock_id } => self.call(executor::renew_claim(
+                client,
+                self.trust.clone(),
+                volume,
+                lock_id,
+                node.node_id,
+            )),
             Effect::ReleaseClaim { volume, lock_id } => {
                 self.call(executor::release_claim(client, volume, lock_id))
             }

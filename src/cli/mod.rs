@@ -1,5 +1,5 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
-//! `volume snapshot create|list|delete` ([`storage`]),
+//! `volume snapshot create|list|delete` ([`storage`]), `volume claim release` ([`claim`]),
 //! `plugin check|status`, `node status`, `helper run` ([`helper`]); one file per command group, [`output`] for the
 //! readable (Nomad-style) and JSON forms every read command prints, [`records`] for the
 //! volume records both `volume` and the storage commands read.
@@ -20,6 +20,7 @@ macro_rules! outln {
     }};
 }
 
+pub mod claim;
 pub mod helper;
 pub mod node;
 pub mod output;

@@ -38,6 +38,9 @@ pub enum VolumeCommand {
     /// Snapshot volumes, list and delete snapshots (like `nomad volume snapshot`).
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
+    /// Claims of single-node volumes: `volume claim release` (the operator's override).
+    #[command(subcommand)]
+    Claim(super::claim::ClaimCommand),
     /// Register a volume that already exists in the storage (like `nomad volume register`):
     /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
     /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
@@ -1130,6 +1133,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             key,
         } => create(&client, ns, &spec, wait.wait(), &local, key.load()?).await,
         VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
+        VolumeCommand::Claim(cmd) => super::claim::claim_cmd(&client, ns, cmd).await,
         VolumeCommand::Register { spec, key } => register(&client, ns, spec, key.load()?).await,
         VolumeCommand::List { out } => list(&client, ns, out).await,
         VolumeCommand::Status { name, out } => status(&client, ns, name, out).await,

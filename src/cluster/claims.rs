@@ -7,6 +7,7 @@
 //! take it. Before that moment the holder fences the volume on itself (docs/architecture.md,
 //! "Fencing"). A node that finds its claim lost unpublishes before anything else.
 
+use super::trust::RecordTrust;
 use crate::nomad::types::{Variable, VariableLock};
 use crate::nomad::{Client, LockOp, NomadError};
 use crate::volume::{encode_name, VolumeKey};
@@ -84,10 +85,12 @@ fn var(volume: &VolumeKey, items: BTreeMap<String, String>, lock: VariableLock) 
 /// holder's lock may have lapsed only because its agent is down (an upgrade, a crash loop)
 /// while its tasks still write: the claim is not taken over until that allocation stops, its
 /// node goes down or disconnected (its agent has fenced the volume by then: the lock lapses
-/// only after the holder's fence), or the claim is released. Nomad API: `GET /v1/var/:path`,
+/// only after the holder's fence), or the claim is released (cleanly, or by an operator's
+/// signed mark). Nomad API: `GET /v1/var/:path`,
 /// `GET /v1/node/:id`, `GET /v1/node/:id/allocations`.
 async fn live_holder(
     client: &Client,
+    trust: &RecordTrust,
     volume: &VolumeKey,
     node_id: &str,
 ) -> Result<Option<String>, NomadError> {
@@ -100,6 +103,12 @@ async fn live_holder(
     let Some(holder) = var.items.get("node_id").filter(|h| *h != node_id) else {
         return Ok(None);
     };
+    if super::claim_release::released_by_operator(client, trust, volume, holder, var.modify_index)
+        .await?
+    {
+        tracing::warn!(%volume, holder = %holder, "claim released by operator (signed `volume claim release`): taking it over without waiting for the holder's allocation to stop");
+        return Ok(None);
+    }
     if client.node_status(holder).await?.as_deref() != Some("ready") {
         return Ok(None);
     }
@@ -177,15 +186,18 @@ async fn holder_of(client: &Client, volume: &VolumeKey) -> String {
 
 /// Acquires the claim for this node. Returns the lock ID. Refused ([`ClaimError::Held`])
 /// while the last holder is another node that Nomad reports `ready` with a live allocation
-/// using the volume, even after its lock lapsed (hand-over on evidence, see `live_holder`).
+/// using the volume, even after its lock lapsed (hand-over on evidence, see `live_holder`),
+/// unless an operator released that holder's claim with a mark `trust` verifies
+/// ([`super::claim_release`]).
 pub async fn acquire(
     client: &Client,
+    trust: &RecordTrust,
     settings: ClaimSettings,
     volume: &VolumeKey,
     node_id: &str,
     volume_id: &str,
 ) -> Result<String, ClaimError> {
-    match live_holder(client, volume, node_id).await {
+    match live_holder(client, trust, volume, node_id).await {
         Ok(Some(holder)) => {
             return Err(ClaimError::Held {
                 volume: volume.clone(),
@@ -240,9 +252,11 @@ pub async fn acquire(
 
 /// Renews the claim of `node_id`. A refusal (409, or 404) is checked by reading the claim
 /// (`lost_or_not`): [`ClaimError::Lost`] only when another holder, or no lock, is proven;
-/// [`ClaimError::Unproven`] otherwise.
+/// [`ClaimError::Unproven`] otherwise. A loss that an operator's signed release explains
+/// is logged at warn as `claim released by operator`.
 pub async fn renew(
     client: &Client,
+    trust: &RecordTrust,
     volume: &VolumeKey,
     lock_id: &str,
     node_id: &str,
@@ -257,7 +271,15 @@ pub async fn renew(
     {
         Ok(_) => Ok(()),
         Err(NomadError::CasConflict { .. }) => {
-            Err(lost_or_not(client, volume, lock_id, node_id).await)
+            let e = lost_or_not(client, volume, lock_id, node_id).await;
+            if matches!(e, ClaimError::Lost { .. }) {
+                if let Some(m) =
+                    super::claim_release::last_release_of(client, trust, volume, node_id).await
+                {
+                    tracing::warn!(%volume, released_unix_ms = m.unix_ms, claim_index = m.claim_index, "claim released by operator (signed `volume claim release`)");
+                }
+            }
+            Err(e)
         }
         Err(source) => Err(ClaimError::Nomad {
             volume: volume.clone(),

@@ -4,6 +4,8 @@
 //! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables;
 //! - [`trust`]: operator signatures on volume records and snapshot requests, verified by
 //!   agents;
+//! - [`claim_release`]: an operator's signed release of a node's claim (`volume claim
+//!   release`), one of the evidences for hand-over;
 //! - `claims`: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
 //! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from
@@ -14,6 +16,7 @@
 //!   delete under a live mount).
 
 pub mod catalog;
+pub mod claim_release;
 pub(crate) mod claims;
 pub mod expansion;
 pub mod mounted;

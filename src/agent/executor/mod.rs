@@ -814,23 +814,25 @@ pub async fn delete(
 /// Acquires the claim on a single-node volume.
 pub async fn acquire_claim(
     client: Client,
+    trust: crate::cluster::trust::RecordTrust,
     settings: ClaimSettings,
     node_id: String,
     volume: VolumeKey,
     volume_id: String,
 ) -> Completion {
-    let result = claims::acquire(&client, settings, &volume, &node_id, &volume_id).await;
+    let result = claims::acquire(&client, &trust, settings, &volume, &node_id, &volume_id).await;
     Completion::ClaimAcquired { volume, result }
 }
 
 /// Renews a held claim.
 pub async fn renew_claim(
     client: Client,
+    trust: crate::cluster::trust::RecordTrust,
     volume: VolumeKey,
     lock_id: String,
     node_id: String,
 ) -> Completion {
-    let result = claims::renew(&client, &volume, &lock_id, &node_id).await;
+    let result = claims::renew(&client, &trust, &volume, &lock_id, &node_id).await;
     Completion::ClaimRenewed { volume, result }
 }
 
