@@ -853,6 +853,7 @@ fn an_unprepared_node_names_each_missing_item_once_and_waits() {
 
     let (key, _) = dhv_binder::cluster::trust::SigningKey::generate().unwrap();
     std::fs::write(&keys, key.public_line()).unwrap();
+    std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
     std::fs::create_dir(&root).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     while !std::fs::read_to_string(&log)

@@ -178,6 +178,12 @@ impl Cluster {
                 .unwrap();
         }
         std::fs::write(sb.join("record-keys.pub"), key.public_line()).unwrap();
+        // Whatever the umask: the agent refuses a key file others may write.
+        std::fs::set_permissions(
+            sb.join("record-keys.pub"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )
+        .unwrap();
         let mut cfg = format!(
             "data_dir = \"{}\"\nbind_addr = \"127.0.0.1\"\nports {{\n  http = 0\n}}\nevent_heartbeat_interval = \"2s\"\n",
             sb.join("sim").display()
