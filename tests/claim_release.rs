@@ -71,7 +71,9 @@ fn waiting_on_holder(c: &Cluster, i: usize, alloc: &str) -> bool {
     let (_, status) = c.status(i);
     let st: Value = serde_json::from_str(&status).unwrap_or_default();
     let w = st["waiting"].to_string();
-    w.contains("still runs with it") && w.contains(alloc)
+    // The waiting line names the holder's allocation by its short ID (docs/operations.md,
+    // "Waiting for a claim").
+    w.contains("still runs with it") && w.contains(&alloc[..8])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
