@@ -868,7 +868,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 23] = [
+    const EXPORTED: [&str; 25] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
@@ -885,6 +885,8 @@ mod tests {
         "dhv_binder_watch_list_allocations",
         "dhv_binder_watch_list_bytes",
         "dhv_binder_journal_write_duration_seconds",
+        "dhv_binder_journal_write_failing",
+        "dhv_binder_journal_write_failures_total",
         "dhv_binder_allocations",
         "dhv_binder_volumes",
         "dhv_binder_volumes_served",
