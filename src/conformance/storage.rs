@@ -262,7 +262,12 @@ async fn fence_rules(kit: &mut Kit) {
     let writable_before = try_write(&target).await;
     let c = kit.call_within(Operation::Fence, &env, FENCE_TIMEOUT).await;
     let after = try_write(&target).await;
-    let ok = c.ok() && writable_before.is_ok() && after.is_err();
+    // A fence may end the mount itself (an aborted FUSE connection makes rclone exit and
+    // unmount): a write then lands in the directory beneath, not in the volume (on a node,
+    // that directory is dhv-binder's read-only placeholder). Unwritable means: the write
+    // failed, or the target is no longer a mount point.
+    let gone = after.is_ok() && !crate::node::mounts::is_mount_point(&target);
+    let ok = c.ok() && writable_before.is_ok() && (after.is_err() || gone);
     kit.report.push(
         "fence",
         ok,
@@ -273,6 +278,10 @@ async fn fence_rules(kit: &mut Kit) {
                 e.report()
             ),
             (Ok(_), Err(e), _) => format!("the published volume was not writable before the fence: {e}"),
+            (Ok(_), Ok(()), Ok(())) if gone => format!(
+                "with the storage unreachable, fence took {} ms (limit {FENCE_TIMEOUT:?}); the mount then went away (the target is no longer a mount point)",
+                c.ms
+            ),
             (Ok(_), Ok(()), Ok(())) => format!("fence succeeded in {} ms but a new file could still be written at the target", c.ms),
             (Ok(_), Ok(()), Err(e)) => format!(
                 "with the storage unreachable, fence took {} ms (limit {FENCE_TIMEOUT:?}); a write at the target then failed: {e}",
