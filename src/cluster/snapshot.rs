@@ -463,17 +463,21 @@ pub async fn run_delete(
     let env = delete_env(node, snap);
     // Every storage delete is logged at info, naming what it deletes (issue 33).
     let context = plugin::redact(&snap.context.to_string(), &snap.secrets);
-    tracing::info!(
-        snapshot_id = %snap.id,
-        snapshot = %snap.name,
-        namespace = %snap.namespace,
-        volume = %snap.volume,
-        volume_id = %snap.volume_id,
-        plugin = %snap.plugin_id,
-        node = %node.node_id,
-        %context,
-        "deleting the snapshot's storage"
-    );
+    // The same fields before and after the plugin's call.
+    let log_delete = |what: &str| {
+        tracing::info!(
+            snapshot_id = %snap.id,
+            snapshot = %snap.name,
+            namespace = %snap.namespace,
+            volume = %snap.volume,
+            volume_id = %snap.volume_id,
+            plugin = %snap.plugin_id,
+            node = %node.node_id,
+            %context,
+            "{what}"
+        );
+    };
+    log_delete("deleting the snapshot's storage");
     runner
         .call(
             &snap.plugin_id,
@@ -483,17 +487,7 @@ pub async fn run_delete(
         )
         .await
         .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))?;
-    tracing::info!(
-        snapshot_id = %snap.id,
-        snapshot = %snap.name,
-        namespace = %snap.namespace,
-        volume = %snap.volume,
-        volume_id = %snap.volume_id,
-        plugin = %snap.plugin_id,
-        node = %node.node_id,
-        %context,
-        "deleted the snapshot's storage"
-    );
+    log_delete("deleted the snapshot's storage");
     Ok(())
 }
 

@@ -767,15 +767,19 @@ pub async fn delete(
         let env = delete_env(&node, &rec);
         // Every storage delete is logged at info, naming what it deletes (issue 33).
         let context = crate::storage::plugin::redact(&rec.context.to_string(), &rec.secrets);
-        tracing::info!(
-            volume = %key,
-            volume_id = %rec.id,
-            namespace = %rec.spec.namespace,
-            plugin = %rec.spec.plugin_id,
-            node = %node.node_id,
-            %context,
-            "deleting the volume's storage"
-        );
+        // The same fields before and after the plugin's call.
+        let log_delete = |what: &str| {
+            tracing::info!(
+                volume = %key,
+                volume_id = %rec.id,
+                namespace = %rec.spec.namespace,
+                plugin = %rec.spec.plugin_id,
+                node = %node.node_id,
+                %context,
+                "{what}"
+            );
+        };
+        log_delete("deleting the volume's storage");
         if let Err(e) = runner
             .call(&rec.spec.plugin_id, Operation::Delete, &env, &rec.secrets)
             .await
@@ -786,15 +790,7 @@ pub async fn delete(
             let _ = cas_update(&client, &rec).await;
             return Err(WorkerError::Plugin(e));
         }
-        tracing::info!(
-            volume = %key,
-            volume_id = %rec.id,
-            namespace = %rec.spec.namespace,
-            plugin = %rec.spec.plugin_id,
-            node = %node.node_id,
-            %context,
-            "deleted the volume's storage"
-        );
+        log_delete("deleted the volume's storage");
         client
             .delete_variable(
                 &rec.spec.namespace,
