@@ -431,6 +431,74 @@ async fn a_prefix_list_wakes_on_any_variable_write_and_is_counted() {
     .expect("test timed out");
 }
 
+/// A blocking read of one variable (`GET /v1/var/<path>?index=N`) wakes only when that
+/// variable changes (`nomad/variables_endpoint.go` `Variables.Read`: the answer's index is the
+/// variable's ModifyIndex, and `blockingRPC` re-runs the query until it passes `index`), not on
+/// other variable writes; a missing variable answers 404 with the variables table index, so
+/// its blocking read wakes on any write (the change marker, docs/scale.md).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_blocking_single_variable_read_wakes_only_when_that_variable_changes() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("").await;
+        sim.put("/v1/var/marker", json!({"Items": {"seq": "1"}})).await;
+        let (s, mi, _) = sim.req(Method::GET, "/v1/var/marker", None).await;
+        assert_eq!(s, 200);
+        let read = |path: &str, index: u64| {
+            let (http, url) = (
+                sim.http.clone(),
+                format!("{}/v1/var/{path}?index={index}&wait=20s", sim.server),
+            );
+            tokio::spawn(async move {
+                let r = http.get(url).send().await.unwrap();
+                let idx: u64 = r.headers()["x-nomad-index"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                (r.status().as_u16(), idx)
+            })
+        };
+        let mut h = read("marker", mi);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Other variables' writes (sets, a delete) do not wake it.
+        for i in 0..5 {
+            sim.put("/v1/var/other-app/config", json!({"Items": {"x": i.to_string()}}))
+                .await;
+        }
+        sim.req(Method::DELETE, "/v1/var/other-app/config", None).await;
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), &mut h)
+                .await
+                .is_err(),
+            "the read of one variable woke on other variables' writes"
+        );
+        // Its own write does, with its new ModifyIndex.
+        sim.put("/v1/var/marker", json!({"Items": {"seq": "2"}})).await;
+        let (s, idx) = tokio::time::timeout(Duration::from_secs(5), h)
+            .await
+            .expect("the read did not wake on its variable's write")
+            .unwrap();
+        assert_eq!(s, 200);
+        let (_, now, _) = sim.req(Method::GET, "/v1/var/marker", None).await;
+        assert!(idx > mi && idx == now, "{idx} {mi} {now}");
+        // A missing variable: 404 at the table index, woken by any write.
+        let (s, ti, _) = sim.req(Method::GET, "/v1/var/missing", None).await;
+        assert_eq!(s, 404);
+        let h = read("missing", ti);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        sim.put("/v1/var/other-app/config", json!({"Items": {"x": "y"}}))
+            .await;
+        let (s, idx) = tokio::time::timeout(Duration::from_secs(5), h)
+            .await
+            .expect("a missing variable's read did not wake on the table index")
+            .unwrap();
+        assert_eq!(s, 404);
+        assert!(idx > ti, "{idx} > {ti}");
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// `single-node-single-writer` (Nomad 1.10, `scheduler/feasible/feasible.go`
 /// `HostVolumeChecker.hostVolumeIsAvailable`): a node where a proposed allocation's group
 /// writes the volume is infeasible for another one, of the same job (count 2) or another

@@ -87,13 +87,26 @@ pub(super) async fn var_handler(
                 tok.as_deref(),
                 crate::acl::Need::Variable(&ns, &path, "read"),
             )?;
-            let idx = blocking(&st, &q, |t| t.vars).await?;
-            let v = st
-                .server
-                .read()
-                .vars
-                .get(&(ns.clone(), path.clone()))
-                .cloned();
+            // `Variables.Read` (nomad/variables_endpoint.go): a blocking read watches the one
+            // variable (`GetVariable`'s `FirstWatch` on its key) and answers only when its index
+            // passes `index`: the variable's ModifyIndex when it exists, the variables table
+            // index when it does not (`setReplyQueryMeta(..., TableVariables, ...)`). So a
+            // read of an existing variable sleeps through every other variable write.
+            let key = (ns.clone(), path.clone());
+            let read_index = |s: &crate::state::State| {
+                s.vars
+                    .get(&key)
+                    .map(|v| v.ModifyIndex)
+                    .unwrap_or(s.tables.vars)
+            };
+            let (index, wait) = q.blocking()?;
+            if index > 0 {
+                st.server.block_until_with(index, wait, read_index).await;
+            }
+            let (idx, v) = {
+                let s = st.server.read();
+                (read_index(&s), s.vars.get(&key).cloned())
+            };
             // `Variables.Read` hides the Lock from all but management tokens.
             let management =
                 crate::acl::check(&st.server, tok.as_deref(), crate::acl::Need::Management).is_ok();
@@ -102,9 +115,17 @@ pub(super) async fn var_handler(
                     if !management {
                         v.Lock = None;
                     }
-                    ok(v.ModifyIndex.max(idx.min(v.ModifyIndex)), &v)
+                    ok(idx, &v)
                 }
-                None => Err(ApiError(StatusCode::NOT_FOUND, "variable not found".into())),
+                // `variableQuery` (command/agent/variable_endpoint.go) sets the query's meta
+                // (`X-Nomad-Index`) before its 404 "variable not found".
+                None => {
+                    let mut r = ApiError(StatusCode::NOT_FOUND, "variable not found".into())
+                        .into_response();
+                    r.headers_mut()
+                        .insert("x-nomad-index", HeaderValue::from(idx.max(1)));
+                    Ok(r)
+                }
             }
         }
         Method::PUT | Method::POST => {
