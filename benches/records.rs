@@ -2,8 +2,9 @@
 //! N real `dhv-binder agent` processes (default 50) against one simulator with V volume
 //! records (default 60), the simulator's counting front (`GET /v1/sim/counters`) giving
 //! what the agents ask of the servers for records: `GET /v1/vars` (the volume and snapshot
-//! record lists) and `GET /v1/var/*path` (record reads). Three phases of `BENCH_PHASE_SECS`
-//! (default 20 s) each:
+//! record lists) and `GET /v1/var/*path` (record reads and, since the change marker, the
+//! marker's blocking reads; the counting front also gives these by path, so the table splits
+//! them). Three phases of `BENCH_PHASE_SECS` (default 20 s) each:
 //!
 //! 1. idle: nothing written but the agents' own node records (each every 30 s);
 //! 2. unrelated writes: another application's variable written `BENCH_WRITE_RATE` times a
@@ -34,16 +35,43 @@ fn env_num(k: &str, d: u64) -> u64 {
         .unwrap_or(d)
 }
 
+/// Requests and bytes under `keys` in a counters answer.
+fn sum(c: &Value, keys: &[&str]) -> (f64, f64) {
+    keys.iter().fold((0.0, 0.0), |(r, b), k| {
+        (
+            r + c[*k]["requests"].as_f64().unwrap_or(0.0),
+            b + c[*k]["bytes"].as_f64().unwrap_or(0.0),
+        )
+    })
+}
+
 /// Record requests and bytes (`GET /v1/vars` + `GET /v1/var/*path`) in a counters answer.
 fn records(c: &Value) -> (f64, f64) {
-    ["GET /v1/vars", "GET /v1/var/*path"]
-        .iter()
-        .fold((0.0, 0.0), |(r, b), k| {
-            (
-                r + c[*k]["requests"].as_f64().unwrap_or(0.0),
-                b + c[*k]["bytes"].as_f64().unwrap_or(0.0),
-            )
-        })
+    sum(c, &["GET /v1/vars", "GET /v1/var/*path"])
+}
+
+/// The split of a phase's record requests: lists, marker reads, record reads.
+fn split(c: &Value) -> [f64; 3] {
+    [
+        sum(c, &["GET /v1/vars"]).0,
+        sum(c, &["GET /v1/var/dhv-binder/records-changed"]).0,
+        sum(
+            c,
+            &[
+                "GET /v1/var/dhv-binder/volumes",
+                "GET /v1/var/dhv-binder/snapshots",
+            ],
+        )
+        .0,
+    ]
+}
+
+/// The change marker's sequence number (0 when there is none).
+async fn marker_seq(c: &Cluster) -> u64 {
+    c.get_opt("/v1/var/dhv-binder/records-changed?namespace=default")
+        .await
+        .and_then(|m| m["Items"]["seq"].as_str().and_then(|s| s.parse().ok()))
+        .unwrap_or(0)
 }
 
 struct Figures {
@@ -53,6 +81,10 @@ struct Figures {
     write_bytes: f64,
     change_req: f64,
     change_bytes: f64,
+    /// Per agent per change, above idle: lists, marker reads, record reads.
+    change_split: [f64; 3],
+    /// Marker updates (record writes announced) per change.
+    marker_updates: f64,
     writes: u64,
     changes: u64,
 }
@@ -73,8 +105,17 @@ async fn reset(c: &Cluster) {
 
 async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
     let t0 = Instant::now();
-    // The agents' own default floor, not the tests' shortened one (tests/support/cluster.rs).
-    let c = Cluster::start_with(n, "", &[("DHV_BINDER_RECORD_FLOOR", "10s")]).await;
+    // The agents' own defaults, not the tests' shortened relist (tests/support/cluster.rs):
+    // the floor of the agents before the marker, the relist of those after it.
+    let c = Cluster::start_with(
+        n,
+        "",
+        &[
+            ("DHV_BINDER_RECORD_FLOOR", "10s"),
+            ("DHV_BINDER_RECORD_RELIST", "5m"),
+        ],
+    )
+    .await;
     eprintln!("[{label}] {n} agents up in {:?}", t0.elapsed());
     let export = c.export.display().to_string();
     let create = |names: Vec<String>| {
@@ -107,7 +148,9 @@ async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
 
     reset(&c).await;
     tokio::time::sleep(phase).await;
-    let (idle_req, idle_bytes) = records(&counters(&c).await);
+    let idle = counters(&c).await;
+    let (idle_req, idle_bytes) = records(&idle);
+    let idle_split = split(&idle);
 
     let rate = env_num("BENCH_WRITE_RATE", 2);
     reset(&c).await;
@@ -129,6 +172,7 @@ async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
     let (wr, wb) = records(&counters(&c).await);
 
     let changes = env_num("BENCH_CHANGES", 4);
+    let seq0 = marker_seq(&c).await;
     reset(&c).await;
     let start = Instant::now();
     for i in 0..changes {
@@ -139,8 +183,11 @@ async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
         .await;
     }
     let took = start.elapsed();
-    let (cr, cb) = records(&counters(&c).await);
+    let changed = counters(&c).await;
+    let (cr, cb) = records(&changed);
+    let change_split = split(&changed);
     let scale = took.as_secs_f64() / phase.as_secs_f64();
+    let marker_updates = (marker_seq(&c).await - seq0) as f64 / changes as f64;
     drop(c);
     Figures {
         idle_req: per_agent(idle_req),
@@ -149,6 +196,9 @@ async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
         write_bytes: per_agent(wb - idle_bytes) / writes as f64,
         change_req: per_agent(cr - idle_req * scale) / changes as f64,
         change_bytes: per_agent(cb - idle_bytes * scale) / changes as f64,
+        change_split: [0, 1, 2]
+            .map(|i| per_agent(change_split[i] - idle_split[i] * scale) / changes as f64),
+        marker_updates,
         writes,
         changes,
     }
@@ -186,6 +236,17 @@ async fn main() {
         eprintln!(
             "[{label}] {} unrelated writes, {} record changes",
             f.writes, f.changes
+        );
+    }
+    println!();
+    println!("Per agent per record change, above idle: lists, marker reads, record reads; marker updates (record writes) per change");
+    println!("| agent | lists | marker reads | record reads | marker updates per change |");
+    println!("|---|---|---|---|---|");
+    for (label, f) in &rows {
+        let [l, m, r] = f.change_split;
+        println!(
+            "| {label} | {l:.2} | {m:.2} | {r:.2} | {:.1} |",
+            f.marker_updates
         );
     }
 }

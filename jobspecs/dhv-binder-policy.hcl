@@ -15,7 +15,10 @@
 #   under dhv-binder/ and nothing outside it. Records are verified against operator keys on each
 #   node, so this write access cannot steer what a node mounts or deletes;
 # - in namespace "default" only, also this node's record (dhv-binder/nodes/<node-id>, read by
-#   `node status`, `plugin status` and `volume create`'s fail-fast check). Nomad applies the
+#   `node status`, `plugin status` and `volume create`'s fail-fast check), and the record
+#   change marker dhv-binder/records-changed (read: every agent follows it with a blocking
+#   read; write: a node that writes a record back updates it; docs/scale.md "The change
+#   marker"; without it agents list the records every 10 s). Nomad applies the
 #   rule of an exact namespace match instead of a glob's (acl/acl.go), so the "default" block
 #   repeats every capability of the "*" block: keep the two in step;
 # - node read: the node's allocation list; agent read: the local node ID.
@@ -49,6 +52,9 @@ namespace "default" {
       capabilities = ["read", "list", "write", "destroy"]
     }
     path "dhv-binder/nodes/*" {
+      capabilities = ["read", "write"]
+    }
+    path "dhv-binder/records-changed" {
       capabilities = ["read", "write"]
     }
   }

@@ -10,10 +10,14 @@
 # - variables dhv-binder/claims/* (read): who holds a single-node volume, for `volume status`;
 # - variables dhv-binder/nodes/* (read, namespace "default" only): the agents' node records,
 #   read by `volume create`'s fail-fast check, `volume status`, `node status`, `plugin status`;
+# - variable dhv-binder/records-changed (read, write; namespace "default" only): the change
+#   marker each record write updates, so that agents read the new record at once (without
+#   it the command warns and agents see the record at their next relist, within 5 min);
 # - host-volume-read: the placeholder host volumes shown by `volume status`;
 # - read-job and node read: the allocations using a volume, node names and status.
 # Replace "default" with the operator's namespaces (one block each; Nomad applies an exact
-# namespace match instead of a glob's, acl/acl.go); keep the nodes/* path in "default".
+# namespace match instead of a glob's, acl/acl.go); keep the nodes/* and records-changed paths
+# in "default".
 namespace "default" {
   capabilities = ["read-job", "host-volume-read"]
 
@@ -29,6 +33,9 @@ namespace "default" {
     }
     path "dhv-binder/nodes/*" {
       capabilities = ["read", "list"]
+    }
+    path "dhv-binder/records-changed" {
+      capabilities = ["read", "write"]
     }
   }
 }

@@ -140,14 +140,16 @@ pub struct AgentConfig {
     /// (in poll mode: the blocking query's wait).
     #[arg(long, env = "DHV_BINDER_RESYNC_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]
     pub resync_interval: Duration,
-    /// The record watches' floor (volume and snapshot records, blocking
-    /// `GET /v1/vars?prefix=...`): after an answer, the next list waits this long plus up
-    /// to a fifth of it (jitter), whatever else changed in the variables table meanwhile, so
-    /// an agent lists at most about once per floor however often variables are written in
-    /// the cluster. A record change reaches the node within about 1.2 × the floor; an
-    /// allocation that names a volume the node has no record for lists at once (docs/scale.md).
-    #[arg(long, env = "DHV_BINDER_RECORD_FLOOR", default_value = "10s", value_parser = humantime::parse_duration)]
-    pub record_floor: Duration,
+    /// The record watches' safety relist (volume and snapshot records): every record is
+    /// listed again this long (plus up to a fifth of it, jitter) after the last full list.
+    /// Between lists an agent follows the change marker that every record writer updates
+    /// (`dhv-binder/records-changed`, a blocking read of one variable) and reads only the
+    /// records it names, so a change reaches every node within about a second; the relist
+    /// catches a writer that did not update the marker (an older CLI, `nomad var put`).
+    /// While the marker cannot be read (a policy without it) records are listed every 10 s
+    /// (docs/scale.md "The change marker").
+    #[arg(long, env = "DHV_BINDER_RECORD_RELIST", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub record_relist: Duration,
     /// Period of the agent's housekeeping round: the mount table is re-read, placeholders
     /// and volume create/delete work are driven again, callers that went away are dropped.
     /// Retries, claim renewals (TTL/3), mount probes and plugin rescans run when due.

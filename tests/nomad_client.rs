@@ -161,10 +161,16 @@ async fn blocking_queries_without_an_index_do_not_spin() {
     let (wtx, mut wrx) = tokio::sync::mpsc::channel(64);
     let watch = tokio::spawn(dhv_binder::nomad::watch::run(client(&addr), wcfg, wtx));
     let (ctx, mut crx) = tokio::sync::mpsc::channel(64);
+    // The record watch with the marker unreadable: it lists on its fallback pace.
+    let (_marker, marker) =
+        tokio::sync::watch::channel(dhv_binder::cluster::changes::MarkerView::Unavailable);
     let cat = tokio::spawn(dhv_binder::cluster::catalog::run(
         client(&addr),
-        std::time::Duration::from_secs(300),
-        dhv_binder::cluster::catalog::Pace::new(std::time::Duration::ZERO),
+        dhv_binder::cluster::catalog::Follow {
+            marker,
+            relist: std::time::Duration::ZERO,
+            reads: Default::default(),
+        },
         dhv_binder::cluster::trust::RecordTrust::Unverified,
         dhv_binder::cluster::catalog::Rejections::default(),
         ctx,
@@ -207,67 +213,245 @@ async fn blocking_queries_without_an_index_do_not_spin() {
     assert!(polls >= 2, "the poll loop did not run: {polls}");
 }
 
-/// A Nomad where some variable is written all the time: every blocking variables list
-/// answers at once with a higher index (the variables table index, issue 35). The volume
-/// records' watch lists at most once per floor (1 s here, plus up to 0.2 s of jitter), not
-/// once per write; a nudge (an allocation names a volume the node has no record for) ends
-/// the floor wait at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_record_watch_lists_once_per_floor_however_often_variables_change() {
-    let _ = poison_proxy().await;
-    let index = Arc::new(std::sync::atomic::AtomicU64::new(10));
-    let i = index.clone();
-    let (addr, hits, _) = server(move || {
-        let n = i.fetch_add(1, Ordering::SeqCst);
-        format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Nomad-Index: {n}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]")
-    })
-    .await;
-    let run = |floor: std::time::Duration| {
-        let pace = dhv_binder::cluster::catalog::Pace::new(floor);
-        let nudge = pace.nudge.clone();
-        let (ctx, mut crx) = tokio::sync::mpsc::channel(64);
-        let cat = tokio::spawn(dhv_binder::cluster::catalog::run(
-            client(&addr),
+/// A record watch as the agent runs it: the one marker watch and the volume records' follow
+/// loop, against `nomad`; returns the catalogues it sends, the reads handle and the tasks.
+fn follow_records(
+    nomad: &nomad_sim::replay::Replay,
+    relist: std::time::Duration,
+) -> (
+    tokio::sync::mpsc::Receiver<dhv_binder::cluster::catalog::Catalogue>,
+    dhv_binder::cluster::catalog::Reads,
+    [tokio::task::JoinHandle<()>; 2],
+) {
+    use dhv_binder::cluster::{catalog, changes};
+    let (mtx, mrx) = tokio::sync::watch::channel(changes::MarkerView::Unknown);
+    let reads = catalog::Reads::default();
+    let (ctx, crx) = tokio::sync::mpsc::channel(64);
+    let tasks = [
+        tokio::spawn(changes::watch(
+            client(&nomad.addr),
             std::time::Duration::from_secs(300),
-            pace,
+            mtx,
+        )),
+        tokio::spawn(catalog::run(
+            client(&nomad.addr),
+            catalog::Follow {
+                marker: mrx,
+                relist,
+                reads: reads.clone(),
+            },
             dhv_binder::cluster::trust::RecordTrust::Unverified,
-            dhv_binder::cluster::catalog::Rejections::default(),
+            catalog::Rejections::default(),
             ctx,
-        ));
-        let drain = tokio::spawn(async move { while crx.recv().await.is_some() {} });
-        (cat, drain, nudge)
-    };
-    // The floor: over 3 s, the first list and at most 3 more (every 1–1.2 s).
-    let (cat, drain, _) = run(std::time::Duration::from_secs(1));
-    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-    cat.abort();
-    drain.abort();
-    let n = hits.swap(0, Ordering::SeqCst);
-    assert!(
-        (2..=4).contains(&n),
-        "{n} lists in 3 s with a 1 s floor against a variables index that always rose"
-    );
-    // The nudge: with a 60 s floor, each notification lists again at once.
-    let (cat, drain, nudge) = run(std::time::Duration::from_secs(60));
-    let wait_hits = |want: usize| {
-        let hits = hits.clone();
-        async move {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-            while hits.load(Ordering::SeqCst) < want {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{} lists, want {want}: the nudge did not end the floor wait",
-                    hits.load(Ordering::SeqCst)
-                );
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        )),
+    ];
+    (crx, reads, tasks)
+}
+
+/// A volume record variable named `name` (unsigned: the watch under test runs unverified).
+fn record_var(name: &str) -> dhv_binder::nomad::types::Variable {
+    let (spec, secrets) = dhv_binder::volume::parse_spec(&format!(
+        "name = \"{name}\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}"
+    ))
+    .unwrap();
+    dhv_binder::volume::VolumeRecord::new(spec, secrets).to_variable()
+}
+
+/// Requests since `from` (an index into `Replay::requests`) whose line starts with `prefix`.
+fn count_since(nomad: &nomad_sim::replay::Replay, from: usize, prefix: &str) -> usize {
+    nomad.requests()[from..]
+        .iter()
+        .filter(|r| r.starts_with(prefix))
+        .count()
+}
+
+/// Waits (up to 10 s) for a catalogue that `ok` accepts; the last catalogue received.
+async fn catalogue_where(
+    rx: &mut tokio::sync::mpsc::Receiver<dhv_binder::cluster::catalog::Catalogue>,
+    what: &str,
+    ok: impl Fn(&dhv_binder::cluster::catalog::Catalogue) -> bool,
+) {
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while let Some(c) = rx.recv().await {
+            if ok(&c) {
+                return;
             }
         }
+        panic!("the record watch ended");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no catalogue {what} within 10 s"));
+}
+
+/// The change marker (issue 35): variable writes that are not record changes (other
+/// applications', node records, claims) wake no agent: no list, no record read, no new
+/// marker read. A record written through a writer that updates the marker reaches the
+/// catalogue with one marker answer and one read of that record, no list. More changes than
+/// the marker's ring holds between two reads make the agent list once (the gap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_watch_reads_what_the_marker_names_and_sleeps_through_other_writes() {
+    use dhv_binder::cluster::changes;
+    use dhv_binder::volume::VolumeKey;
+    let _ = poison_proxy().await;
+    let nomad = nomad_sim::replay::Replay::start("node-1", serde_json::json!({"keys": []})).await;
+    let writer = client(&nomad.addr);
+    for name in ["a", "b", "c"] {
+        changes::put_record(&writer, &record_var(name), Some(0))
+            .await
+            .unwrap();
+    }
+    let (mut rx, _reads, tasks) = follow_records(&nomad, std::time::Duration::from_secs(300));
+    catalogue_where(&mut rx, "with the 3 records", |c| c.len() == 3).await;
+    // Let the marker watch settle into its blocking read.
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+
+    // 1. 60 writes that are not record changes: another application's variable, a node
+    //    record, a claim.
+    let from = nomad.requests().len();
+    for i in 0..20 {
+        for path in [
+            "other-app/config",
+            "dhv-binder/nodes/node-1",
+            "dhv-binder/claims/default/a",
+        ] {
+            nomad.put_var("default", path, serde_json::json!({"n": i.to_string()}));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let after = nomad.requests();
+    assert_eq!(
+        after.len() - from,
+        0,
+        "requests after 60 unrelated variable writes: {:?}",
+        &after[from..]
+    );
+
+    // 2. A record change through the marker: one marker answer, one read of that record.
+    let from = nomad.requests().len();
+    changes::put_record(&writer, &record_var("d"), Some(0))
+        .await
+        .unwrap();
+    let d = VolumeKey {
+        namespace: "default".into(),
+        name: "d".into(),
     };
-    wait_hits(1).await;
-    nudge.notify_one();
-    wait_hits(2).await;
-    nudge.notify_one();
-    wait_hits(3).await;
-    cat.abort();
-    drain.abort();
+    catalogue_where(&mut rx, "with the new record", |c| c.contains_key(&d)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    let agent = |p: &str| count_since(&nomad, from, p);
+    // The writer's own requests: its record PUT, the marker's GET and PUT.
+    assert_eq!(agent("GET /v1/vars"), 0, "{:?}", &nomad.requests()[from..]);
+    assert_eq!(agent("GET /v1/var/dhv-binder/volumes/d"), 1);
+    assert_eq!(agent("GET /v1/var/dhv-binder/volumes/"), 1);
+    // The writer's read of the marker, and the agent's next blocking read (its answer).
+    assert_eq!(agent("GET /v1/var/dhv-binder/records-changed"), 2);
+
+    // 3. More changes than the ring holds between two reads of the marker (written here as
+    //    one marker update): a gap, one list, which reads the new records.
+    let from = nomad.requests().len();
+    let cur = writer
+        .variable(changes::MARKER_NAMESPACE, changes::MARKER_PATH)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut m = changes::Marker::from_variable(&cur).unwrap();
+    for i in 0..changes::RING + 4 {
+        let v = writer
+            .put_variable(&record_var(&format!("e{i}")), Some(0))
+            .await
+            .unwrap();
+        m.push("default", &v.path, v.modify_index);
+    }
+    writer
+        .put_variable(&m.to_variable(), Some(cur.modify_index))
+        .await
+        .unwrap();
+    catalogue_where(&mut rx, "with every new record", |c| {
+        c.len() == 4 + changes::RING + 4
+    })
+    .await;
+    assert_eq!(
+        count_since(&nomad, from, "GET /v1/vars"),
+        1,
+        "{:?}",
+        &nomad.requests()[from..]
+    );
+    assert_eq!(
+        count_since(&nomad, from, "GET /v1/var/dhv-binder/volumes/"),
+        changes::RING + 4
+    );
+    for t in tasks {
+        t.abort();
+    }
+}
+
+/// Writers that update the marker at once: each conflict (409 on `?cas=`) is read again and
+/// retried, so no change is lost; the ring holds the last [`RING`] in sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_marker_updates_retry_their_conflicts_and_lose_no_change() {
+    use dhv_binder::cluster::changes::{self, Marker, RING};
+    let _ = poison_proxy().await;
+    let nomad = nomad_sim::replay::Replay::start("node-1", serde_json::json!({"keys": []})).await;
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let c = client(&nomad.addr);
+            tokio::spawn(async move {
+                for i in 0..5 {
+                    changes::announce(&c, "default", &format!("dhv-binder/volumes/w{w}-{i}"), 1)
+                        .await
+                        .expect("an update lost to conflicts");
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.await.unwrap();
+    }
+    let var = client(&nomad.addr)
+        .variable(changes::MARKER_NAMESPACE, changes::MARKER_PATH)
+        .await
+        .unwrap()
+        .expect("the marker exists");
+    let m = Marker::from_variable(&var).unwrap();
+    assert_eq!(m.seq, 40, "every change numbered once");
+    assert_eq!(m.ring.len(), RING);
+    let puts = nomad
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("PUT /v1/var/dhv-binder/records-changed"))
+        .count();
+    assert!(
+        puts > 40,
+        "{puts} writes for 40 changes: no conflict happened"
+    );
+}
+
+/// An allocation names a volume the node has no record for: its record is read at once
+/// (`Reads::ask`), even when its writer did not update the marker and the relist is far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_asked_for_is_read_at_once_without_the_marker() {
+    use dhv_binder::volume::VolumeKey;
+    let _ = poison_proxy().await;
+    let nomad = nomad_sim::replay::Replay::start("node-1", serde_json::json!({"keys": []})).await;
+    let (mut rx, reads, tasks) = follow_records(&nomad, std::time::Duration::from_secs(300));
+    catalogue_where(&mut rx, "(the first, empty)", |c| c.is_empty()).await;
+    let var = record_var("quiet");
+    client(&nomad.addr)
+        .put_variable(&var, Some(0))
+        .await
+        .unwrap();
+    let key = VolumeKey {
+        namespace: "default".into(),
+        name: "quiet".into(),
+    };
+    let from = nomad.requests().len();
+    reads.ask("default", &dhv_binder::volume::record_path("quiet"));
+    catalogue_where(&mut rx, "with the record asked for", |c| {
+        c.contains_key(&key)
+    })
+    .await;
+    assert_eq!(count_since(&nomad, from, "GET /v1/vars"), 0);
+    for t in tasks {
+        t.abort();
+    }
 }

@@ -140,6 +140,7 @@ async fn the_daemon_works_with_the_narrowed_policy() {
         assert!(out.contains(says), "{says:?} missing from the 403: {out}");
     }
     let (code, out) = cli(&c, &operator, &["volume", "create", spec.to_str().unwrap()]);
+    assert!(!out.contains("change marker"), "{out}");
     assert_eq!(
         code,
         0,
@@ -178,6 +179,21 @@ async fn the_daemon_works_with_the_narrowed_policy() {
         !log.to_ascii_lowercase().contains("permission denied"),
         "{log}"
     );
+    // The operator's writes and the agent's write-backs updated the change marker (issue
+    // 35), which the agent followed: create (pending), take, ready, delete requested, gone.
+    let marker = req(
+        &c,
+        reqwest::Method::GET,
+        "/v1/var/dhv-binder/records-changed?namespace=default",
+        None,
+    )
+    .await;
+    let seq: u64 = marker["Items"]["seq"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    assert!(seq >= 4, "the change marker: {marker}");
+    assert!(!log.contains("change marker"), "{log}");
 
     // What the policy refuses the daemon's token.
     let client = Client::new(&NomadConfig {

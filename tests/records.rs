@@ -354,3 +354,57 @@ async fn a_replayed_signed_delete_deletes_nothing() {
         "prod's data"
     );
 }
+
+/// Issue 35: with the agents' default record settings (`--record-relist 5m`: no shortened
+/// relist), a volume just created reaches every node through the change marker: its
+/// placeholder is registered and ready on each node about a second after the CLI reports the
+/// volume ready (the issue asks for 15 s; the bound here is 5 s, below any list the agent
+/// could fall back on: the 10 s fallback pace, the 5 min relist). A job submitted at once
+/// runs: its prestart is not held back by anything record-related.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_record_reaches_every_node_at_once_and_its_job_starts() {
+    let c = Cluster::start_with(2, "", &[("DHV_BINDER_RECORD_RELIST", "5m")]).await;
+    // Let the agents' first full lists pass (each lists at start, then follows the marker).
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let out = c.create_volume("shared-data", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let ready = std::time::Instant::now();
+    c.wait_for(
+        15,
+        "a ready placeholder of shared-data on every node",
+        || async {
+            let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+            let n = vols
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|v| v["Name"] == "shared-data" && v["State"] == "ready")
+                .count();
+            (n == c.nodes.len()).then_some(())
+        },
+    )
+    .await;
+    let everywhere = ready.elapsed();
+    eprintln!(
+        "the new record's placeholder was ready on every node {everywhere:?} after the volume"
+    );
+    assert!(
+        everywhere < std::time::Duration::from_secs(5),
+        "{everywhere:?}: the record reached the nodes by a relist, not through the marker"
+    );
+    let job = c
+        .run_job(&support::cluster::repo().join("jobspecs/example.nomad.hcl"))
+        .await;
+    let submitted = std::time::Instant::now();
+    c.wait_for(30, "the example job's main task running", || async {
+        c.allocs(&job)
+            .await
+            .into_iter()
+            .find(|a| a["TaskStates"]["app"]["State"] == "running")
+    })
+    .await;
+    eprintln!(
+        "the job's main task ran {:?} after submission",
+        submitted.elapsed()
+    );
+}

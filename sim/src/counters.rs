@@ -5,8 +5,9 @@
 //!
 //! Read with `GET /v1/sim/counters` (JSON object: method and route template such as `GET /v1/vars` →
 //! `{"requests": n, "bytes": b}`, bytes = response body bytes, streamed bodies counted as
-//! they are sent) or in-process with [`Counters::snapshot`]; `PUT /v1/sim/counters/reset`
-//! zeroes them.
+//! they are sent; a variable's requests also under `<method> /v1/var/<first two path
+//! segments>`, e.g. `GET /v1/var/dhv-binder/records-changed`) or in-process with
+//! [`Counters::snapshot`]; `PUT /v1/sim/counters/reset` zeroes them.
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -34,22 +35,37 @@ pub struct Counters(Arc<Mutex<BTreeMap<String, Arc<Cell>>>>);
 
 /// A handle that adds bytes to one endpoint's count as a body streams out.
 #[derive(Debug, Clone)]
-pub struct ByteSink(Arc<Cell>);
+pub struct ByteSink(Vec<Arc<Cell>>);
 
 impl ByteSink {
     /// Adds `n` bytes.
     pub fn add(&self, n: usize) {
-        self.0.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        for c in &self.0 {
+            c.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
     }
 }
 
 impl Counters {
     /// Counts one request to `route` and returns where its body's bytes go.
     pub fn request(&self, route: &str) -> ByteSink {
+        self.request_under(&[route])
+    }
+
+    /// Counts one request under each of `keys` (a route and a finer key: variable requests
+    /// also count under their path's first two segments, `GET /v1/var/dhv-binder/volumes`);
+    /// the sink adds its bytes to each.
+    pub fn request_under(&self, keys: &[&str]) -> ByteSink {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let cell = m.entry(route.to_string()).or_default().clone();
-        cell.requests.fetch_add(1, Ordering::Relaxed);
-        ByteSink(cell)
+        ByteSink(
+            keys.iter()
+                .map(|k| {
+                    let cell = m.entry(k.to_string()).or_default().clone();
+                    cell.requests.fetch_add(1, Ordering::Relaxed);
+                    cell
+                })
+                .collect(),
+        )
     }
 
     /// The figures so far, by route template.
@@ -93,6 +109,23 @@ mod tests {
             }
         );
         assert_eq!(s["GET /v1/var/*path"].requests, 1);
+        c.request_under(&["GET /v1/var/*path", "GET /v1/var/a/b"])
+            .add(7);
+        let s = c.snapshot();
+        assert_eq!(
+            s["GET /v1/var/*path"],
+            Count {
+                requests: 2,
+                bytes: 7
+            }
+        );
+        assert_eq!(
+            s["GET /v1/var/a/b"],
+            Count {
+                requests: 1,
+                bytes: 7
+            }
+        );
         c.reset();
         assert!(c.snapshot().is_empty());
     }

@@ -440,7 +440,8 @@ async fn a_prefix_list_wakes_on_any_variable_write_and_is_counted() {
 async fn a_blocking_single_variable_read_wakes_only_when_that_variable_changes() {
     tokio::time::timeout(Duration::from_secs(60), async {
         let sim = Sim::start("").await;
-        sim.put("/v1/var/marker", json!({"Items": {"seq": "1"}})).await;
+        sim.put("/v1/var/marker", json!({"Items": {"seq": "1"}}))
+            .await;
         let (s, mi, _) = sim.req(Method::GET, "/v1/var/marker", None).await;
         assert_eq!(s, 200);
         let read = |path: &str, index: u64| {
@@ -462,10 +463,14 @@ async fn a_blocking_single_variable_read_wakes_only_when_that_variable_changes()
         tokio::time::sleep(Duration::from_millis(200)).await;
         // Other variables' writes (sets, a delete) do not wake it.
         for i in 0..5 {
-            sim.put("/v1/var/other-app/config", json!({"Items": {"x": i.to_string()}}))
-                .await;
+            sim.put(
+                "/v1/var/other-app/config",
+                json!({"Items": {"x": i.to_string()}}),
+            )
+            .await;
         }
-        sim.req(Method::DELETE, "/v1/var/other-app/config", None).await;
+        sim.req(Method::DELETE, "/v1/var/other-app/config", None)
+            .await;
         assert!(
             tokio::time::timeout(Duration::from_millis(500), &mut h)
                 .await
@@ -473,7 +478,8 @@ async fn a_blocking_single_variable_read_wakes_only_when_that_variable_changes()
             "the read of one variable woke on other variables' writes"
         );
         // Its own write does, with its new ModifyIndex.
-        sim.put("/v1/var/marker", json!({"Items": {"seq": "2"}})).await;
+        sim.put("/v1/var/marker", json!({"Items": {"seq": "2"}}))
+            .await;
         let (s, idx) = tokio::time::timeout(Duration::from_secs(5), h)
             .await
             .expect("the read did not wake on its variable's write")

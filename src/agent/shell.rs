@@ -14,6 +14,7 @@ use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::agent::meter::Meter;
 use crate::api::{ApiError, PublishReply, Request2Agent};
 use crate::cluster::catalog::{self, Catalogue};
+use crate::cluster::changes::MarkerView;
 use crate::cluster::claims::ClaimSettings;
 use crate::config::AgentConfig;
 use crate::metrics::Metrics;
@@ -789,24 +790,36 @@ pub async fn run(
     wcfg.mode = cfg.watch_mode;
     wcfg.token_file = cfg.token_file.clone();
     wcfg.processes = Some(process_probe());
-    // The record watches list at most once per floor (issue 35); the volume records' watch
-    // lists at once when an allocation names a volume this node has no record for.
-    let record_pace = catalog::Pace::new(cfg.record_floor);
-    let record_nudge = record_pace.nudge.clone();
+    // The record watches follow the change marker (one blocking read of one variable per
+    // agent, issue 35); the volume records' watch reads a record at once when an allocation
+    // names a volume this node has no record for.
+    let (marker_tx, marker_rx) = tokio::sync::watch::channel(MarkerView::Unknown);
+    let record_reads = catalog::Reads::default();
+    let follow = catalog::Follow {
+        marker: marker_rx,
+        relist: cfg.record_relist,
+        reads: record_reads.clone(),
+    };
     let background = [
         tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
-        tokio::spawn(catalog::run(
+        tokio::spawn(crate::cluster::changes::watch(
             client.clone(),
             Duration::from_secs(300),
-            record_pace,
+            marker_tx,
+        )),
+        tokio::spawn(catalog::run(
+            client.clone(),
+            follow.clone(),
             trust.clone(),
             rejected_records.clone(),
             cat_tx,
         )),
         tokio::spawn(crate::cluster::snapshot::watch(
             client.clone(),
-            Duration::from_secs(300),
-            catalog::Pace::new(cfg.record_floor),
+            catalog::Follow {
+                reads: catalog::Reads::default(),
+                ..follow
+            },
             trust.clone(),
             rejected_records.clone(),
             snap_tx,
@@ -908,11 +921,11 @@ pub async fn run(
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
         shell.meter.after_pass(&core);
-        // A volume named by an allocation and not in the catalogue: list the records now
-        // rather than after the floor (once per such volume, not once per pass).
+        // A volume named by an allocation and not in the catalogue: read its record now
+        // (once per such volume, not once per pass), whatever the marker says.
         let unknown: BTreeSet<VolumeKey> = core.unknown_named_volumes().cloned().collect();
-        if unknown.iter().any(|k| !asked_for.contains(k)) {
-            record_nudge.notify_one();
+        for k in unknown.difference(&asked_for) {
+            record_reads.ask(&k.namespace, &crate::volume::record_path(&k.name));
         }
         asked_for = unknown;
         node_record.send_if_modified(|r| {
@@ -951,7 +964,7 @@ mod tests {
             plugin_timeout: Duration::from_secs(10),
             stream_idle_timeout: Duration::from_secs(95),
             resync_interval: Duration::from_secs(300),
-            record_floor: Duration::from_secs(10),
+            record_relist: Duration::from_secs(300),
             tick: Duration::from_millis(200),
             plugin_rescan: Duration::from_secs(60),
             health_interval: Duration::from_secs(10),

@@ -379,13 +379,13 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             if matches!(snap.state, VolumeState::Pending | VolumeState::Failed)
                 && snap.context.is_null()
             {
-                client
-                    .delete_variable(
-                        ns,
-                        &snapshot::record_path(&snap.id),
-                        Some(snap.modify_index),
-                    )
-                    .await?;
+                crate::cluster::changes::delete_record(
+                    client,
+                    ns,
+                    &snapshot::record_path(&snap.id),
+                    Some(snap.modify_index),
+                )
+                .await?;
                 outln!(
                     "==> Deleted snapshot record {} (the plugin had made nothing)",
                     snap.id

@@ -593,7 +593,7 @@ async fn put_new(
     var: &crate::nomad::types::Variable,
     key: &str,
 ) -> Result<(), Failure> {
-    match client.put_variable(var, Some(0)).await {
+    match crate::cluster::changes::put_record(client, var, Some(0)).await {
         Ok(_) => Ok(()),
         Err(NomadError::CasConflict { .. }) => Err(Failure::new(
             EXIT_FAILED,
@@ -703,9 +703,12 @@ async fn create(
     rec.check_size()
         .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
     if rerun.is_some() {
-        match client
-            .put_variable(&rec.to_variable(), Some(rec.modify_index))
-            .await
+        match crate::cluster::changes::put_record(
+            client,
+            &rec.to_variable(),
+            Some(rec.modify_index),
+        )
+        .await
         {
             Ok(_) => {}
             Err(NomadError::CasConflict { .. }) => {
@@ -1012,13 +1015,13 @@ async fn delete(
     }
     refuse_in_use(client, &r).await?;
     if matches!(r.state, VolumeState::Failed | VolumeState::Pending) {
-        client
-            .delete_variable(
-                &r.spec.namespace,
-                &volume::record_path(&name),
-                Some(r.modify_index),
-            )
-            .await?;
+        crate::cluster::changes::delete_record(
+            client,
+            &r.spec.namespace,
+            &volume::record_path(&name),
+            Some(r.modify_index),
+        )
+        .await?;
         outln!(
             "==> Deleted volume record {} (no storage had been created)",
             r.key()
@@ -1030,9 +1033,7 @@ async fn delete(
     if let Some(k) = &key {
         k.sign_delete(&mut r);
     }
-    client
-        .put_variable(&r.to_variable(), Some(r.modify_index))
-        .await?;
+    crate::cluster::changes::put_record(client, &r.to_variable(), Some(r.modify_index)).await?;
     outln!("==> Delete of {} requested", r.key());
     let Some(wait) = wait else {
         return Ok(());
@@ -1091,13 +1092,13 @@ async fn deregister(client: &Client, ns: &str, name: String) -> Result<(), Failu
         ));
     }
     refuse_in_use(client, &r).await?;
-    match client
-        .delete_variable(
-            &r.spec.namespace,
-            &volume::record_path(&name),
-            Some(r.modify_index),
-        )
-        .await
+    match crate::cluster::changes::delete_record(
+        client,
+        &r.spec.namespace,
+        &volume::record_path(&name),
+        Some(r.modify_index),
+    )
+    .await
     {
         Ok(()) => {}
         Err(NomadError::CasConflict { .. }) => {

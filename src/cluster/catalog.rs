@@ -1,13 +1,15 @@
-//! The volume catalogue: every deferred volume record in the cluster, kept current with a
-//! blocking query on the records' variables (Nomad API: `GET /v1/vars?prefix=dhv-binder/volumes/&namespace=*`).
+//! The volume catalogue: every deferred volume record in the cluster, kept current by
+//! following the change marker ([`crate::cluster::changes`]): one list at start (Nomad API:
+//! `GET /v1/vars?prefix=dhv-binder/volumes/&namespace=*`), then only the records the marker
+//! names (`GET /v1/var/:path`), and a full list again after a gap and every `--record-relist`.
 
+use crate::cluster::changes::{MarkerView, Seen, Since};
 use crate::cluster::trust::RecordTrust;
-use crate::nomad::types::VariableMeta;
-use crate::nomad::watch::MIN_QUERY_INTERVAL;
-use crate::nomad::Client;
+use crate::nomad::types::Variable;
+use crate::nomad::{Client, NomadError};
 use crate::retry::backoff_delay;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -42,64 +44,175 @@ impl Rejections {
 /// What a cached variable decoded to: a record to act on, or why it is left out.
 type Decoded = Result<VolumeRecord, String>;
 
-/// The pace of a record watch: after each answer the next list waits `floor` plus up to a
-/// fifth of it (uniform jitter, so the nodes' lists spread out), unless `nudge` is notified
-/// first (an allocation names a volume the node has no record for: list at once). In Nomad
-/// a blocking variables list wakes on every variable write in the cluster (the variables
-/// table index, `nomad/variables_endpoint.go` `Variables.List`), so without a floor each
-/// agent lists once per write anywhere; with it, at most once per floor (docs/scale.md).
+/// A record watch's cache: `(namespace, path)` → (ModifyIndex, what the variable decoded to;
+/// `None`: it was gone when read).
+pub(crate) type Cache<T> = BTreeMap<(String, String), (u64, Option<Result<T, String>>)>;
+
+/// Lists every record again when nothing else made a record watch list for this long
+/// (`--record-relist`, default 5 min), plus up to a fifth of it (jitter), and every
+/// [`FALLBACK_RELIST`] while the change marker cannot be read.
+pub const FALLBACK_RELIST: Duration = Duration::from_secs(10);
+
+/// Records to read at once, by `(namespace, variable path)`: an allocation names a volume the
+/// node has no record for (the agent's loop asks, [`Reads::ask`]); the watch reads each with
+/// one `GET /v1/var/:path`, whatever the marker says, so a prestart never waits for it.
+#[derive(Debug, Clone, Default)]
+pub struct Reads {
+    want: Arc<Mutex<BTreeSet<(String, String)>>>,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl Reads {
+    /// Asks the watch to read the record at `path` in `namespace` now.
+    pub fn ask(&self, namespace: &str, path: &str) {
+        if let Ok(mut w) = self.want.lock() {
+            w.insert((namespace.to_string(), path.to_string()));
+        }
+        self.notify.notify_one();
+    }
+
+    fn take(&self) -> BTreeSet<(String, String)> {
+        self.want
+            .lock()
+            .map(|mut w| std::mem::take(&mut *w))
+            .unwrap_or_default()
+    }
+}
+
+/// How a record watch follows the records: the change marker's latest state (from
+/// [`crate::cluster::changes::watch`]), the safety relist, and the records to read at once.
 #[derive(Debug, Clone)]
-pub struct Pace {
-    /// The least time between two lists (at least [`MIN_QUERY_INTERVAL`]).
-    pub floor: Duration,
-    /// Ends the current floor wait early; a notification that arrives while a list is under
-    /// way ends the next one (`tokio::sync::Notify` keeps one permit).
-    pub nudge: Arc<tokio::sync::Notify>,
+pub struct Follow {
+    /// The marker, as the agent's one marker watch last read it.
+    pub marker: tokio::sync::watch::Receiver<MarkerView>,
+    /// Every record is listed again after this long without a full list (plus up to a fifth
+    /// of it), in case a writer did not update the marker.
+    pub relist: Duration,
+    /// Records to read at once.
+    pub reads: Reads,
 }
 
-impl Pace {
-    /// A pace of `floor` with its own nudge.
-    pub fn new(floor: Duration) -> Self {
-        Pace {
-            floor,
-            nudge: Arc::new(tokio::sync::Notify::new()),
-        }
-    }
-
-    /// Waits out the floor from `answered`, or until nudged.
-    pub async fn wait_from(&self, answered: tokio::time::Instant) {
-        let floor = self.floor.max(MIN_QUERY_INTERVAL);
-        let jitter = floor.mul_f64(rand::random::<f64>() / 5.0);
-        tokio::select! {
-            _ = tokio::time::sleep_until(answered + floor + jitter) => {}
-            _ = self.nudge.notified() => {}
-        }
-    }
+/// One kind of record a watch follows: its variable prefix, how a variable decodes and is
+/// checked, and the warning for one refused.
+pub(crate) struct Kind<T> {
+    pub prefix: &'static str,
+    pub admit: fn(&Variable, &RecordTrust) -> Result<T, String>,
+    pub refused: fn(namespace: &str, path: &str, reason: &str),
 }
 
-/// Watches the records and sends a full catalogue after every change, listing at most once
-/// per `pace` (see [`Pace`]). Records that do not decode or that `trust` refuses are logged,
-/// listed in `rejected` and left out (never deleted, never acted on).
-pub async fn run(
+/// Follows the records under `kind.prefix` and sends `out(cache)` on `tx` after every change:
+/// one list (`GET /v1/vars?prefix=...&namespace=*`, not blocking) at start, after a gap in the
+/// marker's ring, after an error and every `relist`; in between, only the records the marker
+/// names (`GET /v1/var/:path`, skipped when the cache already holds that ModifyIndex) and
+/// those asked for through [`Reads`]. Records that do not decode or that `trust` refuses are
+/// logged, listed in `rejected` and left out (never deleted, never acted on). Returns when
+/// `tx` or the marker watch is gone.
+pub(crate) async fn follow<T: Clone, Out>(
     client: Client,
-    wait: Duration,
-    pace: Pace,
+    kind: Kind<T>,
+    mut f: Follow,
     trust: RecordTrust,
     rejected: Rejections,
-    tx: mpsc::Sender<Catalogue>,
+    out: fn(&Cache<T>) -> Out,
+    tx: mpsc::Sender<Out>,
 ) {
-    let mut index = 0u64;
+    let mut cache: Cache<T> = BTreeMap::new();
+    let mut seen: Option<Seen> = None;
+    let mut full = true;
     let mut attempt = 0u32;
-    let mut cache: HashMap<(String, String), (u64, Option<Decoded>)> = HashMap::new();
-    let mut last_answer: Option<tokio::time::Instant> = None;
+    let mut relist_at = tokio::time::Instant::now();
+    let jittered = |d: Duration| d + d.mul_f64(rand::random::<f64>() / 5.0);
+    // The first list is the base the marker's changes are counted from: wait (briefly) for
+    // the marker's first answer so that one list is enough.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        f.marker.wait_for(|m| *m != MarkerView::Unknown),
+    )
+    .await;
     loop {
-        if let Some(t) = last_answer.take() {
-            pace.wait_from(t).await;
-        }
-        let list = match client.list_variables(RECORD_PREFIX, "*", index, wait).await {
-            Ok(l) => l,
+        let step: Result<bool, NomadError> = if full {
+            let base = f.marker.borrow_and_update().clone();
+            match list_all(&client, &kind, &trust, &mut cache).await {
+                Ok(()) => {
+                    full = false;
+                    let (s, every) = match &base {
+                        MarkerView::Seen(m) => (Some(m.seen()), f.relist),
+                        MarkerView::Unavailable => (None, FALLBACK_RELIST),
+                        MarkerView::Unknown => (None, f.relist),
+                    };
+                    seen = s;
+                    relist_at = tokio::time::Instant::now() + jittered(every);
+                    Ok(true)
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            tokio::select! {
+                r = f.marker.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    let view = f.marker.borrow_and_update().clone();
+                    match view {
+                        MarkerView::Seen(m) => match m.since(seen) {
+                            Since::Nothing => Ok(false),
+                            Since::Gap => {
+                                full = true;
+                                continue;
+                            }
+                            Since::Changes(changes) => {
+                                let mine = changes
+                                    .into_iter()
+                                    .filter(|c| c.path.starts_with(kind.prefix))
+                                    .map(|c| ((c.namespace, c.path), c.index));
+                                let r = read_some(&client, &kind, &trust, &mut cache, mine).await;
+                                match r {
+                                    Ok(changed) => {
+                                        seen = Some(m.seen());
+                                        Ok(changed)
+                                    }
+                                    Err(e) => {
+                                        full = true;
+                                        Err(e)
+                                    }
+                                }
+                            }
+                        },
+                        MarkerView::Unavailable => {
+                            relist_at = relist_at
+                                .min(tokio::time::Instant::now() + jittered(FALLBACK_RELIST));
+                            Ok(false)
+                        }
+                        MarkerView::Unknown => Ok(false),
+                    }
+                }
+                _ = tokio::time::sleep_until(relist_at) => {
+                    full = true;
+                    continue;
+                }
+                _ = f.reads.notify.notified() => {
+                    let want = f
+                        .reads
+                        .take()
+                        .into_iter()
+                        .filter(|(_, p)| p.starts_with(kind.prefix))
+                        .map(|k| (k, 0));
+                    read_some(&client, &kind, &trust, &mut cache, want).await
+                }
+            }
+        };
+        match step {
+            Ok(changed) => {
+                attempt = 0;
+                if changed {
+                    rejected.replace_under(kind.prefix, rejections_of(&cache));
+                    if tx.send(out(&cache)).await.is_err() {
+                        return;
+                    }
+                }
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot list volume records; retrying");
+                tracing::warn!(error = %e, prefix = kind.prefix, "cannot read records; retrying");
                 tokio::time::sleep(backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(30),
@@ -107,29 +220,118 @@ pub async fn run(
                 ))
                 .await;
                 attempt = attempt.saturating_add(1);
-                continue;
-            }
-        };
-        attempt = 0;
-        last_answer = Some(tokio::time::Instant::now());
-        if list.index < index {
-            // Index went backwards (restore): start over.
-            cache.clear();
-        }
-        match load(&client, &list.value, &trust, &mut cache).await {
-            Ok(cat) => {
-                rejected.replace_under(RECORD_PREFIX, rejections_of(&cache));
-                if tx.send(cat).await.is_err() {
-                    return;
-                }
-                index = list.index.max(1);
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read volume records; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     }
+}
+
+/// Lists every record under the prefix and reads those whose ModifyIndex the cache lacks.
+async fn list_all<T: Clone>(
+    client: &Client,
+    kind: &Kind<T>,
+    trust: &RecordTrust,
+    cache: &mut Cache<T>,
+) -> Result<(), NomadError> {
+    let list = client
+        .list_variables(kind.prefix, "*", 0, Duration::ZERO)
+        .await?;
+    let mut seen = BTreeMap::new();
+    for m in &list.value {
+        let k = (m.namespace.clone(), m.path.clone());
+        let entry = match cache.get(&k).filter(|(idx, _)| *idx == m.modify_index) {
+            Some(c) => c.clone(),
+            None => read_one(client, kind, trust, &k).await?,
+        };
+        seen.insert(k, entry);
+    }
+    *cache = seen;
+    Ok(())
+}
+
+/// Reads the named records (`(namespace, path)` → the ModifyIndex a change announced, 0 when
+/// not known) unless the cache already holds that index or a later one; true when the cache
+/// changed.
+async fn read_some<T: Clone>(
+    client: &Client,
+    kind: &Kind<T>,
+    trust: &RecordTrust,
+    cache: &mut Cache<T>,
+    names: impl Iterator<Item = ((String, String), u64)>,
+) -> Result<bool, NomadError> {
+    let mut wanted: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for (k, i) in names {
+        let e = wanted.entry(k).or_insert(i);
+        *e = (*e).max(i);
+    }
+    let mut changed = false;
+    for (k, index) in wanted {
+        if index > 0 && cache.get(&k).is_some_and(|(have, _)| *have >= index) {
+            continue;
+        }
+        let (idx, rec) = read_one(client, kind, trust, &k).await?;
+        match rec {
+            None => changed |= cache.remove(&k).is_some(),
+            Some(rec) => {
+                if cache.get(&k).is_none_or(|(have, _)| *have != idx) {
+                    cache.insert(k, (idx, Some(rec)));
+                    changed = true;
+                }
+            }
+        }
+    }
+    Ok(changed)
+}
+
+/// Reads one record (`GET /v1/var/:path`) and checks it; `(0, None)` when it is gone.
+async fn read_one<T>(
+    client: &Client,
+    kind: &Kind<T>,
+    trust: &RecordTrust,
+    (namespace, path): &(String, String),
+) -> Result<(u64, Option<Result<T, String>>), NomadError> {
+    let Some(var) = client.variable(namespace, path).await? else {
+        return Ok((0, None));
+    };
+    let rec = (kind.admit)(&var, trust);
+    if let Err(reason) = &rec {
+        (kind.refused)(namespace, path, reason);
+    }
+    Ok((var.modify_index, Some(rec)))
+}
+
+/// Follows the volume records (`dhv-binder/volumes/`) and sends a full catalogue after every
+/// change (see [`follow`]).
+pub async fn run(
+    client: Client,
+    follow_by: Follow,
+    trust: RecordTrust,
+    rejected: Rejections,
+    tx: mpsc::Sender<Catalogue>,
+) {
+    let kind = Kind {
+        prefix: RECORD_PREFIX,
+        admit,
+        refused: |namespace, path, reason| {
+            let name = path.rsplit('/').next().unwrap_or(path);
+            let volume = crate::escape::escape_control(&format!("{namespace}/{name}"));
+            tracing::warn!(
+                %volume,
+                namespace = %crate::escape::escape_control(namespace),
+                path = %crate::escape::escape_control(path),
+                reason = %crate::escape::escape_control(reason),
+                "refusing a volume record: nothing is mounted, created or deleted for it"
+            );
+        },
+    };
+    follow(client, kind, follow_by, trust, rejected, catalogue_of, tx).await
+}
+
+fn catalogue_of(cache: &Cache<VolumeRecord>) -> Catalogue {
+    cache
+        .values()
+        .filter_map(|(_, r)| r.clone().and_then(Result::ok))
+        .map(|r| (r.key(), r))
+        .collect()
 }
 
 /// The refused entries of a watcher's cache (`(namespace, path)` → (index, decoded)), as
@@ -147,87 +349,13 @@ pub(crate) fn rejections_of<'a, T: 'a>(
 }
 
 /// Decodes and checks one variable; `Err` says why it must not be acted on.
-pub fn admit(var: &crate::nomad::types::Variable, trust: &RecordTrust) -> Decoded {
+pub fn admit(var: &Variable, trust: &RecordTrust) -> Decoded {
     crate::cluster::trust::admit(var, trust, VolumeRecord::from_variable)
-}
-
-async fn load(
-    client: &Client,
-    metas: &[VariableMeta],
-    trust: &RecordTrust,
-    cache: &mut HashMap<(String, String), (u64, Option<Decoded>)>,
-) -> Result<Catalogue, crate::nomad::NomadError> {
-    let mut seen = HashMap::new();
-    for m in metas {
-        let k = (m.namespace.clone(), m.path.clone());
-        let cached = cache
-            .get(&k)
-            .filter(|(idx, _)| *idx == m.modify_index)
-            .cloned();
-        let entry = match cached {
-            Some(c) => c,
-            None => {
-                let rec = client
-                    .variable(&m.namespace, &m.path)
-                    .await?
-                    .map(|var| admit(&var, trust));
-                if let Some(Err(reason)) = &rec {
-                    let name = m.path.rsplit('/').next().unwrap_or(&m.path);
-                    let volume = crate::escape::escape_control(&format!("{}/{name}", m.namespace));
-                    tracing::warn!(
-                        %volume,
-                        namespace = %crate::escape::escape_control(&m.namespace),
-                        path = %crate::escape::escape_control(&m.path),
-                        reason = %crate::escape::escape_control(reason),
-                        "refusing a volume record: nothing is mounted, created or deleted for it"
-                    );
-                }
-                (m.modify_index, rec)
-            }
-        };
-        seen.insert(k, entry);
-    }
-    *cache = seen;
-    Ok(cache
-        .values()
-        .filter_map(|(_, r)| r.clone().and_then(Result::ok))
-        .map(|r| (r.key(), r))
-        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The default floor (`--record-floor 10s`) with its jitter keeps a record change within
-    /// 15 s of every node (issue 35): the next list starts between 1 and 1.2 floors after
-    /// an answer, and a blocking list answers at once when the index moved meanwhile.
-    #[tokio::test(start_paused = true)]
-    async fn the_default_floor_lists_again_within_fifteen_seconds() {
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            agent: crate::config::AgentConfig,
-        }
-        let cfg = <Cli as clap::Parser>::try_parse_from(["dhv-binder"])
-            .expect("defaults parse")
-            .agent;
-        let pace = Pace::new(cfg.record_floor);
-        for _ in 0..50 {
-            let t = tokio::time::Instant::now();
-            pace.wait_from(t).await;
-            let waited = t.elapsed();
-            assert!(
-                waited >= Duration::from_secs(10) && waited <= Duration::from_secs(12),
-                "{waited:?}"
-            );
-        }
-        // A nudge (an allocation names a volume with no record) ends the wait at once.
-        let t = tokio::time::Instant::now();
-        pace.nudge.notify_one();
-        pace.wait_from(t).await;
-        assert_eq!(t.elapsed(), Duration::ZERO);
-    }
 
     #[test]
     fn each_watcher_replaces_only_the_rejections_under_its_prefix() {

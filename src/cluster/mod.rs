@@ -1,7 +1,9 @@
 //! The cluster's shared records, kept in Nomad Variables, and the cluster-wide operations
 //! that act on them.
 //!
-//! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables;
+//! - [`catalog`]: the cluster-wide volume records, watched in Nomad Variables (and the
+//!   follow loop the snapshot records share);
+//! - [`changes`]: the change marker every record writer updates and every agent follows;
 //! - [`trust`]: operator signatures on volume records and snapshot requests, verified by
 //!   agents;
 //! - [`claim_release`]: an operator's signed release of a node's claim (`volume claim
@@ -16,6 +18,7 @@
 //!   delete under a live mount).
 
 pub mod catalog;
+pub mod changes;
 pub mod claim_release;
 pub(crate) mod claims;
 pub mod expansion;

@@ -585,22 +585,22 @@ pub async fn delete(
         let _ = write(client, &snap).await;
         return Err(e);
     }
-    client
-        .delete_variable(
-            &snap.namespace,
-            &record_path(&snap.id),
-            Some(snap.modify_index),
-        )
-        .await
-        .map_err(|e| match e {
-            crate::nomad::NomadError::CasConflict { .. } => {
-                OpError::Take(crate::cluster::worker::TakeError::Lost {
-                    path: record_path(&snap.id),
-                    index: snap.modify_index,
-                })
-            }
-            e => OpError::Take(e.into()),
-        })
+    crate::cluster::changes::delete_record(
+        client,
+        &snap.namespace,
+        &record_path(&snap.id),
+        Some(snap.modify_index),
+    )
+    .await
+    .map_err(|e| match e {
+        crate::nomad::NomadError::CasConflict { .. } => {
+            OpError::Take(crate::cluster::worker::TakeError::Lost {
+                path: record_path(&snap.id),
+                index: snap.modify_index,
+            })
+        }
+        e => OpError::Take(e.into()),
+    })
 }
 
 async fn write(
@@ -615,95 +615,41 @@ async fn write(
 /// Every snapshot record in the cluster, by snapshot ID.
 pub type Snapshots = BTreeMap<String, SnapshotRecord>;
 
-/// Watches the snapshot records (Nomad API: `GET /v1/vars?prefix=dhv-binder/snapshots/&namespace=*`
-/// as a blocking query of `wait`) and sends every record `trust` admits after each change, as
-/// the volume catalogue does for volume records, at most once per `pace` (`catalog::Pace`). A record is read again only when its
-/// `ModifyIndex` moved; one that does not decode or that `trust` refuses ([`admit`]) is
+/// Follows the snapshot records (`dhv-binder/snapshots/`) as the volume catalogue follows the
+/// volume records (`catalog::follow`: one list at start, then the records the change marker
+/// names, a full list after a gap and every relist) and sends every record `trust` admits
+/// after each change. One that does not decode or that `trust` refuses ([`admit`]) is
 /// logged once (per index), listed in `rejected` and left out (never deleted, never acted
 /// on). Nomad errors are retried with a backoff of 0.5 s doubling to 30 s.
 pub async fn watch(
     client: crate::nomad::Client,
-    wait: std::time::Duration,
-    pace: crate::cluster::catalog::Pace,
+    follow: crate::cluster::catalog::Follow,
     trust: RecordTrust,
     rejected: crate::cluster::catalog::Rejections,
     tx: tokio::sync::mpsc::Sender<Snapshots>,
 ) {
-    use std::time::Duration;
-    type Decoded = Option<Result<SnapshotRecord, String>>;
-    let mut index = 0u64;
-    let mut attempt = 0u32;
-    let mut cache: BTreeMap<(String, String), (u64, Decoded)> = BTreeMap::new();
-    let mut last_answer: Option<tokio::time::Instant> = None;
-    loop {
-        if let Some(t) = last_answer.take() {
-            pace.wait_from(t).await;
-        }
-        let loaded = async {
-            let list = client
-                .list_variables(SNAPSHOT_PREFIX, "*", index, wait)
-                .await?;
-            if list.index < index {
-                cache.clear();
-            }
-            let mut seen = BTreeMap::new();
-            for m in &list.value {
-                let k = (m.namespace.clone(), m.path.clone());
-                let entry = match cache.get(&k).filter(|(i, _)| *i == m.modify_index) {
-                    Some(c) => c.clone(),
-                    None => {
-                        let rec = client
-                            .variable(&m.namespace, &m.path)
-                            .await?
-                            .map(|v| admit(&v, &trust));
-                        if let Some(Err(reason)) = &rec {
-                            use crate::escape::escape_control;
-                            tracing::warn!(
-                                namespace = %escape_control(&m.namespace),
-                                path = %escape_control(&m.path),
-                                reason = %escape_control(reason),
-                                "refusing a snapshot record: no snapshot is taken, deleted or restored from it"
-                            );
-                        }
-                        (m.modify_index, rec)
-                    }
-                };
-                seen.insert(k, entry);
-            }
-            cache = seen;
-            Ok::<u64, crate::nomad::NomadError>(list.index)
-        }
-        .await;
-        match loaded {
-            Ok(i) => {
-                attempt = 0;
-                last_answer = Some(tokio::time::Instant::now());
-                rejected.replace_under(
-                    SNAPSHOT_PREFIX,
-                    crate::cluster::catalog::rejections_of(&cache),
-                );
-                let all: Snapshots = cache
-                    .values()
-                    .filter_map(|(_, r)| r.clone().and_then(Result::ok))
-                    .map(|r| (r.id.clone(), r))
-                    .collect();
-                if tx.send(all).await.is_err() {
-                    return;
-                }
-                index = i.max(1);
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read snapshot records; retrying");
-                tokio::time::sleep(crate::retry::backoff_delay(
-                    Duration::from_millis(500),
-                    Duration::from_secs(30),
-                    attempt,
-                ))
-                .await;
-                attempt = attempt.saturating_add(1);
-            }
-        }
-    }
+    let kind = crate::cluster::catalog::Kind {
+        prefix: SNAPSHOT_PREFIX,
+        admit,
+        refused: |namespace, path, reason| {
+            use crate::escape::escape_control;
+            tracing::warn!(
+                namespace = %escape_control(namespace),
+                path = %escape_control(path),
+                reason = %escape_control(reason),
+                "refusing a snapshot record: no snapshot is taken, deleted or restored from it"
+            );
+        },
+    };
+    crate::cluster::catalog::follow(client, kind, follow, trust, rejected, snapshots_of, tx).await
+}
+
+fn snapshots_of(cache: &crate::cluster::catalog::Cache<SnapshotRecord>) -> Snapshots {
+    cache
+        .values()
+        .filter_map(|(_, r)| r.clone().and_then(Result::ok))
+        .map(|r| (r.id.clone(), r))
+        .collect()
 }
 
 #[cfg(test)]

@@ -108,8 +108,7 @@ impl std::fmt::Display for OpKey {
 
 /// Writes `var` if its ModifyIndex is still `index` (0 = must not exist yet).
 pub async fn put_cas(client: &Client, var: &Variable, index: u64) -> Result<Variable, TakeError> {
-    client
-        .put_variable(var, Some(index))
+    crate::cluster::changes::put_record(client, var, Some(index))
         .await
         .map_err(|e| match e {
             NomadError::CasConflict { .. } => TakeError::Lost {

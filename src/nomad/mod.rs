@@ -872,6 +872,53 @@ impl Client {
         .await
     }
 
+    /// Nomad API: `GET /v1/var/:path?namespace=ns&index=N&wait=W`, a blocking read of one
+    /// variable when `index > 0`: Nomad answers when the variable's `ModifyIndex` passes
+    /// `index` (or `wait` ends), not on other variables' writes (`nomad/variables_endpoint.go`
+    /// `Variables.Read`; docs/scale.md "The change marker"). `value` is `None` on 404, with
+    /// the variables table index as `index` (a missing variable's read wakes on any write).
+    pub async fn variable_blocking(
+        &self,
+        namespace: &str,
+        path: &str,
+        index: u64,
+        wait: Duration,
+    ) -> Result<Indexed<Option<Variable>>, NomadError> {
+        let what = "read a variable (GET /v1/var/:path)";
+        let url_path = format!("/v1/var/{path}");
+        let mut q = vec![("namespace", namespace.to_string())];
+        if index > 0 {
+            q.push(("index", index.to_string()));
+            q.push(("wait", format!("{}s", wait.as_secs().max(1))));
+        }
+        let resp = self
+            .request(&self.http, Method::GET, &url_path)
+            .query(&q)
+            .send()
+            .await
+            .map_err(|source| unreachable(&self.addr, what, source))?;
+        let index = header_index(&resp);
+        if resp.status() == StatusCode::NOT_FOUND {
+            return Ok(Indexed { value: None, index });
+        }
+        let resp = self.check(resp, what, &url_path).await?;
+        let bytes = body_limited(resp, MAX_BODY)
+            .await
+            .map_err(|source| unreachable(&self.addr, what, source))?
+            .ok_or_else(|| NomadError::TooLarge {
+                what: what.into(),
+                limit: MAX_BODY,
+            })?;
+        let v: Variable = serde_json::from_slice(&bytes).map_err(|source| NomadError::Decode {
+            what: what.into(),
+            source,
+        })?;
+        Ok(Indexed {
+            value: Some(v),
+            index,
+        })
+    }
+
     /// Nomad API: `PUT /v1/var/:path?namespace=ns[&cas=N]`. `cas = Some(0)` creates only if
     /// absent. A CAS conflict (409) is [`NomadError::CasConflict`] with the current variable.
     pub async fn put_variable(

@@ -342,10 +342,11 @@ impl Cluster {
             .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
             .env("DHV_BINDER_RECORD_KEYS", self.sb.join("record-keys.pub"))
-            // The record watches' floor (default 10 s, docs/scale.md "The record watches")
-            // at 1 s, as the tick and the health interval are shortened: the tests wait for
-            // records to arrive, not for the floor. Tests of the floor set their own.
-            .env("DHV_BINDER_RECORD_FLOOR", "1s")
+            // The record watches' safety relist (default 5 min, docs/scale.md "The change
+            // marker") at 1 s, as the tick and the health interval are shortened: several
+            // tests plant records with plain variable writes, which do not update the change
+            // marker. Tests of the marker's latency set the default back (`agent_env`).
+            .env("DHV_BINDER_RECORD_RELIST", "1s")
             .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)

@@ -42,7 +42,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         plugin_timeout: Duration::from_secs(10),
         stream_idle_timeout: Duration::from_secs(95),
         resync_interval: Duration::from_secs(300),
-        record_floor: Duration::from_secs(10),
+        record_relist: Duration::from_secs(300),
         tick: Duration::from_millis(200),
         plugin_rescan: Duration::from_millis(500),
         health_interval: Duration::from_secs(10),

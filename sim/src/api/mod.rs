@@ -424,8 +424,22 @@ async fn count_request(
         .get::<axum::extract::MatchedPath>()
         .map(|m| m.as_str().to_string())
         .unwrap_or_else(|| req.uri().path().to_string());
-    let route = format!("{} {route}", req.method());
-    let sink = st.server.counters.request(&route);
+    // A variable's requests also count under its path's first two segments
+    // (`GET /v1/var/dhv-binder/records-changed`, `GET /v1/var/dhv-binder/volumes`).
+    let folder = req
+        .uri()
+        .path()
+        .strip_prefix("/v1/var/")
+        .map(|p| p.splitn(3, '/').take(2).collect::<Vec<_>>().join("/"));
+    let method = req.method().clone();
+    let route = format!("{method} {route}");
+    let sink = match folder {
+        Some(f) => st
+            .server
+            .counters
+            .request_under(&[&route, &format!("{method} /v1/var/{f}")]),
+        None => st.server.counters.request(&route),
+    };
     let resp = next.run(req).await;
     let (parts, body) = resp.into_parts();
     if let Some(n) = axum::body::HttpBody::size_hint(&body).exact() {

@@ -246,7 +246,7 @@ impl Core {
     }
 
     /// Volumes this node's allocations name that the catalogue has no record for (yet): the
-    /// shell has the volume-record watch list at once when one appears (`catalog::Pace`).
+    /// shell has the volume-record watch read its record at once (`catalog::Reads`).
     pub(crate) fn unknown_named_volumes(&self) -> impl Iterator<Item = &VolumeKey> + '_ {
         self.view
             .named_volumes()

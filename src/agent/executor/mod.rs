@@ -641,13 +641,13 @@ pub async fn restart_alloc(
 }
 
 async fn cas_update(client: &Client, rec: &VolumeRecord) -> Result<VolumeRecord, WorkerError> {
-    let var = client
-        .put_variable(&rec.to_variable(), Some(rec.modify_index))
-        .await
-        .map_err(|e| match e {
-            NomadError::CasConflict { .. } => WorkerError::TakenByOther,
-            e => WorkerError::Nomad(e),
-        })?;
+    let var =
+        crate::cluster::changes::put_record(client, &rec.to_variable(), Some(rec.modify_index))
+            .await
+            .map_err(|e| match e {
+                NomadError::CasConflict { .. } => WorkerError::TakenByOther,
+                e => WorkerError::Nomad(e),
+            })?;
     Ok(VolumeRecord::from_variable(&var)?)
 }
 
@@ -791,13 +791,13 @@ pub async fn delete(
             return Err(WorkerError::Plugin(e));
         }
         log_delete("deleted the volume's storage");
-        client
-            .delete_variable(
-                &rec.spec.namespace,
-                &rec.to_variable().path,
-                Some(rec.modify_index),
-            )
-            .await?;
+        crate::cluster::changes::delete_record(
+            &client,
+            &rec.spec.namespace,
+            &rec.to_variable().path,
+            Some(rec.modify_index),
+        )
+        .await?;
         Ok(())
     }
     .await;
