@@ -356,19 +356,22 @@ async fn a_replayed_signed_delete_deletes_nothing() {
 }
 
 /// Issue 35: with the agents' default record settings (`--record-relist 5m`: no shortened
-/// relist), a volume just created reaches every node through the change marker: its
-/// placeholder is registered and ready on each node about a second after the CLI reports the
-/// volume ready (the issue asks for 15 s; the bound here is 5 s, below any list the agent
-/// could fall back on: the 10 s fallback pace, the 5 min relist). A job submitted at once
-/// runs: its prestart is not held back by anything record-related.
+/// relist), a volume created reaches every node through the change marker: from the start
+/// of `volume create` (an agent must see the pending record, take it, run the plugin, write
+/// it ready; every other agent must see it ready) to a ready placeholder on every node takes
+/// about a second. The issue asks for 15 s; the bound here is 5 s, below any list the
+/// agents could fall back on (the 10 s fallback pace, the 5 min relist; agents that listed
+/// on a 10 s floor took 6 s or more to take the create alone). A job submitted at once runs:
+/// its prestart is not held back by anything record-related.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_record_reaches_every_node_at_once_and_its_job_starts() {
     let c = Cluster::start_with(2, "", &[("DHV_BINDER_RECORD_RELIST", "5m")]).await;
     // Let the agents' first full lists pass (each lists at start, then follows the marker).
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let asked = std::time::Instant::now();
     let out = c.create_volume("shared-data", "single-node-writer");
     assert!(out.contains("is ready"), "{out}");
-    let ready = std::time::Instant::now();
+    let created = asked.elapsed();
     c.wait_for(
         15,
         "a ready placeholder of shared-data on every node",
@@ -384,13 +387,13 @@ async fn a_new_record_reaches_every_node_at_once_and_its_job_starts() {
         },
     )
     .await;
-    let everywhere = ready.elapsed();
+    let everywhere = asked.elapsed();
     eprintln!(
-        "the new record's placeholder was ready on every node {everywhere:?} after the volume"
+        "volume create took {created:?}; a ready placeholder on every node {everywhere:?} after it started"
     );
     assert!(
         everywhere < std::time::Duration::from_secs(5),
-        "{everywhere:?}: the record reached the nodes by a relist, not through the marker"
+        "{everywhere:?}: the record reached the nodes by a list, not through the marker"
     );
     let job = c
         .run_job(&support::cluster::repo().join("jobspecs/example.nomad.hcl"))
