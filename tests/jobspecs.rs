@@ -233,7 +233,7 @@ fn policy_grants_what_the_daemon_calls() {
         "\"default\" must repeat \"*\""
     );
     // Only the records, the claims and the snapshot records: nothing else under dhv-binder/,
-    // nothing outside it; in "default" also the node records.
+    // nothing outside it; in "default" also the node records and the change marker.
     assert_eq!(
         paths_of(namespaces[0]),
         [
@@ -248,7 +248,8 @@ fn policy_grants_what_the_daemon_calls() {
             "dhv-binder/volumes/*",
             "dhv-binder/claims/*",
             "dhv-binder/snapshots/*",
-            "dhv-binder/nodes/*"
+            "dhv-binder/nodes/*",
+            "dhv-binder/records-changed"
         ]
     );
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");
@@ -256,7 +257,8 @@ fn policy_grants_what_the_daemon_calls() {
 }
 
 /// The operator's policy (issue 37 #14) parses and grants what the CLI calls: the records and
-/// snapshots read/list/write/destroy, claims and node records read, host volumes and jobs
+/// snapshots read/list/write/destroy, claims and node records read, the change marker read
+/// and write, host volumes and jobs
 /// read, node read; nothing for the daemon's own work (host-volume-register, alloc-lifecycle).
 #[test]
 fn operator_policy_grants_what_the_cli_calls() {
@@ -296,7 +298,8 @@ fn operator_policy_grants_what_the_cli_calls() {
             "dhv-binder/volumes/*",
             "dhv-binder/snapshots/*",
             "dhv-binder/claims/*",
-            "dhv-binder/nodes/*"
+            "dhv-binder/nodes/*",
+            "dhv-binder/records-changed"
         ]
     );
     for (p, c) in &paths[..2] {
@@ -304,9 +307,15 @@ fn operator_policy_grants_what_the_cli_calls() {
             assert!(c.contains(&format!("\"{cap}\"")), "{p} lacks {cap}: {c}");
         }
     }
-    for (p, c) in &paths[2..] {
+    for (p, c) in &paths[2..4] {
         assert!(!c.contains("write") && c.contains("\"read\""), "{p}: {c}");
     }
+    // The change marker every record write updates (issue 35): read and write, no list.
+    let (p, c) = &paths[4];
+    assert!(
+        c.contains("\"read\"") && c.contains("\"write\"") && !c.contains("list"),
+        "{p}: {c}"
+    );
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");
 }
 
