@@ -42,7 +42,9 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         plugin_timeout: Duration::from_secs(10),
         stream_idle_timeout: Duration::from_secs(95),
         resync_interval: Duration::from_secs(300),
-        record_relist: Duration::from_secs(300),
+        // Records are planted with plain variable writes (`volume_record`), which do not
+        // update the change marker: the relist finds them (docs/scale.md "The change marker").
+        record_relist: Duration::from_secs(1),
         tick: Duration::from_millis(200),
         plugin_rescan: Duration::from_millis(500),
         health_interval: Duration::from_secs(10),
