@@ -300,7 +300,7 @@ async fn read_one<T>(
 }
 
 /// Follows the volume records (`dhv-binder/volumes/`) and sends a full catalogue after every
-/// change (see [`follow`]).
+/// change: one list at start, then the records the change marker names (see `follow`).
 pub async fn run(
     client: Client,
     follow_by: Follow,

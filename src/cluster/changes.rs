@@ -224,7 +224,7 @@ impl Marker {
 ///
 /// Errors: the reads' and writes' [`NomadError`]s (permission: the token lacks `read` and
 /// `write` on [`MARKER_PATH`] in `default`, see jobspecs/*-policy.hcl), or
-/// [`NomadError::CasConflict`] after [`MAX_ATTEMPTS`] conflicts in a row.
+/// [`NomadError::CasConflict`] after 20 conflicts in a row.
 pub async fn announce(
     client: &Client,
     namespace: &str,
