@@ -2,9 +2,9 @@
 //! N real `dhv-binder agent` processes (default 50) against one simulator with V volume
 //! records (default 60), the simulator's counting front (`GET /v1/sim/counters`) giving
 //! what the agents ask of the servers for records: `GET /v1/vars` (the volume and snapshot
-//! record lists) and `GET /v1/var/*path` (record reads and, since the change marker, the
-//! marker's blocking reads; the counting front also gives these by path, so the table splits
-//! them). Three phases of `BENCH_PHASE_SECS` (default 20 s) each:
+//! record lists), `GET /v1/var/dhv-binder/volumes/...` and `.../snapshots/...` (record reads)
+//! and `GET /v1/var/dhv-binder/records-changed` (the change marker's blocking reads), from the
+//! counting front's per-path counts (the CLI's reads of the node records are left out). Three phases of `BENCH_PHASE_SECS` (default 20 s) each:
 //!
 //! 1. idle: nothing written but the agents' own node records (each every 30 s);
 //! 2. unrelated writes: another application's variable written `BENCH_WRITE_RATE` times a
@@ -45,24 +45,28 @@ fn sum(c: &Value, keys: &[&str]) -> (f64, f64) {
     })
 }
 
-/// Record requests and bytes (`GET /v1/vars` + `GET /v1/var/*path`) in a counters answer.
+/// Record requests and bytes in a counters answer: the lists (`GET /v1/vars`), the change
+/// marker's reads and the record reads (`GET /v1/var/dhv-binder/{volumes,snapshots}/...`).
+/// Other variable reads are left out: the CLI's reads of the node records (`volume create`
+/// reads all N of them twice) are the CLI's, not the agents'.
 fn records(c: &Value) -> (f64, f64) {
-    sum(c, &["GET /v1/vars", "GET /v1/var/*path"])
+    split(c)
+        .iter()
+        .fold((0.0, 0.0), |(r, b), (r1, b1)| (r + r1, b + b1))
 }
 
-/// The split of a phase's record requests: lists, marker reads, record reads.
-fn split(c: &Value) -> [f64; 3] {
+/// The split of a phase's record requests and bytes: lists, marker reads, record reads.
+fn split(c: &Value) -> [(f64, f64); 3] {
     [
-        sum(c, &["GET /v1/vars"]).0,
-        sum(c, &["GET /v1/var/dhv-binder/records-changed"]).0,
+        sum(c, &["GET /v1/vars"]),
+        sum(c, &["GET /v1/var/dhv-binder/records-changed"]),
         sum(
             c,
             &[
                 "GET /v1/var/dhv-binder/volumes",
                 "GET /v1/var/dhv-binder/snapshots",
             ],
-        )
-        .0,
+        ),
     ]
 }
 
@@ -81,8 +85,8 @@ struct Figures {
     write_bytes: f64,
     change_req: f64,
     change_bytes: f64,
-    /// Per agent per change, above idle: lists, marker reads, record reads.
-    change_split: [f64; 3],
+    /// Per agent per change, above idle: (requests, bytes) of lists, marker reads, record reads.
+    change_split: [(f64, f64); 3],
     /// Marker updates (record writes announced) per change.
     marker_updates: f64,
     writes: u64,
@@ -196,8 +200,13 @@ async fn run(label: &str, n: usize, v: usize, phase: Duration) -> Figures {
         write_bytes: per_agent(wb - idle_bytes) / writes as f64,
         change_req: per_agent(cr - idle_req * scale) / changes as f64,
         change_bytes: per_agent(cb - idle_bytes * scale) / changes as f64,
-        change_split: [0, 1, 2]
-            .map(|i| per_agent(change_split[i] - idle_split[i] * scale) / changes as f64),
+        change_split: [0, 1, 2].map(|i| {
+            let per = |x: f64, idle: f64| per_agent(x - idle * scale) / changes as f64;
+            (
+                per(change_split[i].0, idle_split[i].0),
+                per(change_split[i].1, idle_split[i].1),
+            )
+        }),
         marker_updates,
         writes,
         changes,
@@ -217,7 +226,7 @@ async fn main() {
     }
     rows.push(("this build", run("after", n, v, phase).await));
     println!(
-        "N = {n} agents, V = {v} records, phases of {} s; record requests (GET /v1/vars + GET /v1/var/*path) per agent",
+        "N = {n} agents, V = {v} records, phases of {} s; record requests (GET /v1/vars + GET /v1/var/dhv-binder/{{volumes,snapshots,records-changed}}/...) per agent",
         phase.as_secs()
     );
     println!("| agent | idle req/s | idle B/s | req per unrelated write | B per unrelated write | req per record change | B per record change |");
@@ -239,14 +248,14 @@ async fn main() {
         );
     }
     println!();
-    println!("Per agent per record change, above idle: lists, marker reads, record reads; marker updates (record writes) per change");
+    println!("Per agent per record change (a volume create), above idle: requests (bytes) of lists, marker reads, record reads; marker updates (announced record writes) per change");
     println!("| agent | lists | marker reads | record reads | marker updates per change |");
     println!("|---|---|---|---|---|");
     for (label, f) in &rows {
         let [l, m, r] = f.change_split;
         println!(
-            "| {label} | {l:.2} | {m:.2} | {r:.2} | {:.1} |",
-            f.marker_updates
+            "| {label} | {:.2} ({:.0} B) | {:.2} ({:.0} B) | {:.2} ({:.0} B) | {:.1} |",
+            l.0, l.1, m.0, m.1, r.0, r.1, f.marker_updates
         );
     }
 }
