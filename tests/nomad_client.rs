@@ -146,8 +146,9 @@ fn skip_verify_flag_and_env_parse_through_clap() {
 }
 
 /// A Nomad that answers every blocking query at once without `X-Nomad-Index`: the allocation
-/// poll and the record catalogue wait [`MIN_QUERY_INTERVAL`] between queries instead of
-/// spinning (the review saw 420–930 requests per 30 s).
+/// poll waits [`MIN_QUERY_INTERVAL`] between queries, and the record catalogue (its marker
+/// unreadable) lists once, then on its 10 s fallback pace, instead of spinning (the review
+/// saw 420–930 requests per 30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_queries_without_an_index_do_not_spin() {
     let _ = poison_proxy().await;
