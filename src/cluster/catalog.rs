@@ -48,9 +48,9 @@ type Decoded = Result<VolumeRecord, String>;
 /// `None`: it was gone when read).
 pub(crate) type Cache<T> = BTreeMap<(String, String), (u64, Option<Result<T, String>>)>;
 
-/// Lists every record again when nothing else made a record watch list for this long
-/// (`--record-relist`, default 5 min), plus up to a fifth of it (jitter), and every
-/// [`FALLBACK_RELIST`] while the change marker cannot be read.
+/// How often a record watch lists every record while the change marker cannot be read (a
+/// token whose policy lacks it), plus up to a fifth of it (jitter); with the marker, the
+/// watch lists every `--record-relist` (default 5 min) instead.
 pub const FALLBACK_RELIST: Duration = Duration::from_secs(10);
 
 /// Records to read at once, by `(namespace, variable path)`: an allocation names a volume the
