@@ -73,6 +73,42 @@ pub struct NodeRecord {
     /// `volume create` and `delete` print them when they give up waiting.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub refused: BTreeMap<String, String>,
+    /// The recent publish, unpublish and fence events of this node's volumes (from its
+    /// journal since the agent started), `<namespace>/<name>` → events, oldest first: at
+    /// most [`MAX_NODE_HISTORY`] per volume and [`MAX_HISTORY_VOLUMES`] volumes (those with
+    /// the latest events); absent in records of older agents. `volume status -verbose`
+    /// prints them.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub history: BTreeMap<String, Vec<NodeEvent>>,
+}
+
+/// The most events per volume a node record keeps in [`NodeRecord::history`].
+pub const MAX_NODE_HISTORY: usize = 10;
+/// The most volumes with events a node record keeps in [`NodeRecord::history`].
+pub const MAX_HISTORY_VOLUMES: usize = 16;
+
+/// One event of a volume on a node, as its agent publishes it (kept short: a node record
+/// holds up to [`MAX_NODE_HISTORY`] × [`MAX_HISTORY_VOLUMES`] of them).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NodeEvent {
+    /// Unix seconds (the agent's clock).
+    pub time: u64,
+    /// `publish`, `unpublish`, `fence` or `unfence`.
+    pub event: String,
+    /// The allocation a publish was for; empty otherwise.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub alloc_id: String,
+    /// The operation succeeded (a fence: the volume was fenced).
+    pub ok: bool,
+    /// How long the plugin call took, measured by the agent (milliseconds); 0 when not
+    /// measured.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The most entries [`NodeRecord::volumes`] and [`NodeRecord::refused`] hold each (the
@@ -252,6 +288,27 @@ impl NodeRecord {
             .collect();
         let changed = next != self.refused;
         self.refused = next;
+        changed
+    }
+
+    /// Replaces the recent events, bounded: the last [`MAX_NODE_HISTORY`] of each volume,
+    /// of the [`MAX_HISTORY_VOLUMES`] volumes whose last event is the latest. True when
+    /// they changed.
+    pub fn set_history(&mut self, history: BTreeMap<String, Vec<NodeEvent>>) -> bool {
+        let mut by_latest: Vec<(String, Vec<NodeEvent>)> = history
+            .into_iter()
+            .filter(|(_, ev)| !ev.is_empty())
+            .map(|(k, mut ev)| {
+                let cut = ev.len().saturating_sub(MAX_NODE_HISTORY);
+                ev.drain(..cut);
+                (k, ev)
+            })
+            .collect();
+        by_latest.sort_by_key(|(_, ev)| std::cmp::Reverse(ev.last().map_or(0, |e| e.time)));
+        by_latest.truncate(MAX_HISTORY_VOLUMES);
+        let next: BTreeMap<String, Vec<NodeEvent>> = by_latest.into_iter().collect();
+        let changed = next != self.history;
+        self.history = next;
         changed
     }
 
