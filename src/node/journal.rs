@@ -222,7 +222,7 @@ impl EventKind {
 /// The most recent events [`Journal::recent`] keeps per volume.
 pub const RECENT_PER_VOLUME: usize = 10;
 /// The most volumes [`Journal::recent`] keeps events of (those with the latest events).
-pub const RECENT_VOLUMES: usize = 16;
+pub const RECENT_VOLUMES: usize = 8;
 
 /// One outcome in a volume's recent history on this node (in memory since the agent
 /// started; the full history is `journal.log`): a publish, unpublish, fence or unfence.
@@ -1129,6 +1129,57 @@ pub(crate) mod tests {
         assert_eq!(back.mounts()[&at(7).volume].state, MountState::Unpublishing);
         assert!(back.mounts().contains_key(&at(8).volume));
         assert!(!back.mounts().contains_key(&at(9).volume));
+    }
+
+    /// The recent outcomes per volume (what the node record shows): publish with the
+    /// allocation of its intent and its measured time, unpublish, fence; intents and
+    /// user records are not events; bounded per volume and in volumes.
+    #[test]
+    fn recent_outcomes_are_kept_per_volume_with_the_intents_allocation() {
+        let mut j = Journal::new("n1");
+        let r = rec(MountState::Publishing);
+        let key = r.volume.clone();
+        j.set_mount(r.clone(), EventKind::PublishIntent, Some("a1"));
+        j.change_users(
+            &[UserKey {
+                alloc_id: "a1".into(),
+                volume: key.clone(),
+            }],
+            &[],
+        );
+        let mut done = r.clone();
+        done.state = MountState::Published;
+        j.set_mount(done.clone(), EventKind::PublishDone, None);
+        j.measured(&key, 132);
+        j.note(EventKind::Fenced, &key, serde_json::Value::Null);
+        let mut un = done;
+        un.state = MountState::Unpublishing;
+        j.set_mount(un, EventKind::UnpublishIntent, None);
+        j.remove_mount(&key, EventKind::UnpublishDone);
+        let got: Vec<(EventKind, Option<&str>, u64)> = j.recent()[&key]
+            .iter()
+            .map(|e| (e.kind, e.alloc_id.as_deref(), e.ms))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (EventKind::PublishDone, Some("a1"), 132),
+                (EventKind::Fenced, None, 0),
+                (EventKind::UnpublishDone, None, 0),
+            ]
+        );
+        for _ in 0..RECENT_PER_VOLUME + 3 {
+            j.note(EventKind::Unfenced, &key, serde_json::Value::Null);
+        }
+        assert_eq!(j.recent()[&key].len(), RECENT_PER_VOLUME);
+        for i in 0..RECENT_VOLUMES + 2 {
+            let k = VolumeKey {
+                namespace: "default".into(),
+                name: format!("v{i}"),
+            };
+            j.note(EventKind::Fenced, &k, serde_json::Value::Null);
+        }
+        assert_eq!(j.recent().len(), RECENT_VOLUMES);
     }
 
     #[test]
