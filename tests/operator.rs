@@ -650,6 +650,28 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
     let alloc = running(&c, &job, "app").await;
     let alloc_id = alloc["ID"].as_str().unwrap();
+    // Issue 37 #15: the prestart task says how long it waited, as measured.
+    let prestart = std::fs::read_to_string(c.sb.join(&format!(
+        "sim/node-1/alloc/{alloc_id}/alloc/logs/publish-volumes.stdout.0"
+    )))
+    .unwrap_or_default();
+    let line = prestart
+        .lines()
+        .find(|l| l.contains("published at"))
+        .unwrap_or_else(|| panic!("no published line in the prestart's output:\n{prestart}"));
+    let took = line
+        .rsplit_once(" after ")
+        .map(|(_, d)| d)
+        .unwrap_or_else(|| panic!("no measured wait: {line}"));
+    assert!(
+        took.strip_suffix("ms")
+            .is_some_and(|n| n.parse::<u64>().is_ok())
+            || took
+                .strip_suffix('s')
+                .is_some_and(|n| n.parse::<f64>().is_ok()),
+        "{line}"
+    );
+    eprintln!("{line}");
     // The main task runs only after the prestart caller was answered: the wait and the
     // publish are counted by then, and the gauges follow within the same pass.
     let during = scrape(&addr).await;
