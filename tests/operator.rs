@@ -722,7 +722,14 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
     // Issue 37 #6: Nomad's keys (`ID`, `Name`, `PluginID`), RFC 3339 times.
-    for key in ["ID", "Name", "PluginID", "Namespace", "CapacityBytes", "State"] {
+    for key in [
+        "ID",
+        "Name",
+        "PluginID",
+        "Namespace",
+        "CapacityBytes",
+        "State",
+    ] {
         assert!(v.get(key).is_some(), "no {key}: {out}");
     }
     assert!(v.get("plugin_id").is_none(), "{out}");
@@ -765,14 +772,18 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     // Issue 37 #10: `-verbose` adds the recent events from the node records, newest first:
     // the unpublish, then the publish for the allocation with its measured time.
     let verbose = c
-        .wait_for(20, "volume status -verbose showing the unpublish", || async {
-            let (code, out) = c.cli(&["volume", "status", "shared-data", "-verbose"]);
-            (code == 0
-                && out
-                    .lines()
-                    .any(|l| l.contains(" node-1  unpublish ") && l.ends_with(" ok")))
-            .then_some(out)
-        })
+        .wait_for(
+            20,
+            "volume status -verbose showing the unpublish",
+            || async {
+                let (code, out) = c.cli(&["volume", "status", "shared-data", "-verbose"]);
+                (code == 0
+                    && out
+                        .lines()
+                        .any(|l| l.contains(" node-1  unpublish ") && l.ends_with(" ok")))
+                .then_some(out)
+            },
+        )
         .await;
     eprintln!("{verbose}");
     let events = verbose
@@ -796,7 +807,10 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
         .unwrap_or_else(|| panic!("{out}"));
     assert_eq!(publish["AllocID"], alloc_id, "{out}");
     assert_eq!(publish["NodeName"], "node-1", "{out}");
-    assert!(publish["Time"].as_str().is_some_and(|t| t.ends_with('Z')), "{out}");
+    assert!(
+        publish["Time"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{out}"
+    );
 
     // The log lines about the volume name it as ns/name; those about the allocation, its ID.
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();

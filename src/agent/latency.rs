@@ -89,6 +89,10 @@ mod tests {
             l.record(7);
         }
         assert_eq!(l.median_bound(), Some(10));
-        assert_eq!(std::mem::size_of::<Latency>(), 16 * 8 + 16, "fixed size: the buckets and the last value");
+        assert_eq!(
+            std::mem::size_of::<Latency>(),
+            16 * 8 + 16,
+            "fixed size: the buckets and the last value"
+        );
     }
 }

@@ -311,7 +311,10 @@ mod tests {
     #[test]
     fn times_are_rfc3339_in_utc_and_unknown_is_null() {
         assert_eq!(rfc3339(0), None);
-        assert_eq!(rfc3339(1_733_350_200).as_deref(), Some("2024-12-04T22:10:00Z"));
+        assert_eq!(
+            rfc3339(1_733_350_200).as_deref(),
+            Some("2024-12-04T22:10:00Z")
+        );
         #[derive(Serialize)]
         struct T {
             #[serde(serialize_with = "ser_rfc3339")]

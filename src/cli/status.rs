@@ -317,22 +317,19 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
                 plural(doc.waiting.len() as u64, "volume", "volumes")
             ),
         ),
-        (
-            "Publish Wait",
-            {
-                let l = &doc.publish_latency_ms;
-                let over = plural(l.count, "publish", "publishes");
-                match (l.last, l.median) {
-                    (Some(last), Some(m)) => format!(
-                        "last {}, median ≤ {} over {over}",
-                        super::volume::millis(last),
-                        super::volume::millis(m)
-                    ),
-                    (None, Some(m)) => format!("median ≤ {} over {over}", super::volume::millis(m)),
-                    (_, None) => "no publishes yet".into(),
-                }
-            },
-        ),
+        ("Publish Wait", {
+            let l = &doc.publish_latency_ms;
+            let over = plural(l.count, "publish", "publishes");
+            match (l.last, l.median) {
+                (Some(last), Some(m)) => format!(
+                    "last {}, median ≤ {} over {over}",
+                    super::volume::millis(last),
+                    super::volume::millis(m)
+                ),
+                (None, Some(m)) => format!("median ≤ {} over {over}", super::volume::millis(m)),
+                (_, None) => "no publishes yet".into(),
+            }
+        }),
         ("Broken Mounts", doc.mount_health.broken.len().to_string()),
     ];
     if doc.journal["failing"] == true {
@@ -587,7 +584,10 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         );
         v["publish_latency_ms"] = serde_json::json!({"count": 1, "median": 2000});
         let s = render(&serde_json::from_value(v.clone()).unwrap(), 1000);
-        assert!(s.contains("Publish Wait   = median ≤ 2.0s over 1 publish\n"), "{s}");
+        assert!(
+            s.contains("Publish Wait   = median ≤ 2.0s over 1 publish\n"),
+            "{s}"
+        );
         v["publish_latency_ms"] = serde_json::json!({"count": 0, "median": null, "last": null});
         let s = render(&serde_json::from_value(v).unwrap(), 1000);
         assert!(s.contains("Publish Wait   = no publishes yet\n"), "{s}");

@@ -1105,7 +1105,12 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
     let nodes = node_details(&r, &records, &placeholders, &allocations);
     let d = VolumeDetail {
         summary: summary(&r, registered),
-        requested_capabilities: r.spec.capabilities.iter().map(CapabilityOut::from).collect(),
+        requested_capabilities: r
+            .spec
+            .capabilities
+            .iter()
+            .map(CapabilityOut::from)
+            .collect(),
         parameters: r.spec.parameters.clone(),
         context: r.context.clone(),
         secrets: r.secrets.len(),
@@ -1331,7 +1336,12 @@ mod tests {
     #[test]
     fn volume_list_json_has_nomads_keys_and_templates_read_them() {
         let j = serde_json::to_value([vol()]).unwrap();
-        let keys: Vec<&str> = j[0].as_object().unwrap().keys().map(String::as_str).collect();
+        let keys: Vec<&str> = j[0]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
         assert_eq!(
             keys,
             [
@@ -1467,8 +1477,10 @@ a1  example.app[0]  n1
             "default/shared-data".into(),
             vec![ev(1_733_350_030, "publish", "b2222222-0000", false, 2_400)],
         );
-        n2.history
-            .insert("default/other".into(), vec![ev(1_733_350_099, "fence", "", true, 0)]);
+        n2.history.insert(
+            "default/other".into(),
+            vec![ev(1_733_350_099, "fence", "", true, 0)],
+        );
         let h = history(&rec, &[n1, n2]);
         assert_eq!(
             render_history(&h, false),

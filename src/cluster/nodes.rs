@@ -637,7 +637,10 @@ mod tests {
         let mut h: BTreeMap<String, Vec<NodeEvent>> = (0..MAX_HISTORY_VOLUMES as u64 + 1)
             .map(|i| (format!("default/v{i:02}"), vec![ev(100 + i)]))
             .collect();
-        h.insert("default/busy".into(), (0..15).map(|t| ev(1000 + t)).collect());
+        h.insert(
+            "default/busy".into(),
+            (0..15).map(|t| ev(1000 + t)).collect(),
+        );
         h.insert("default/none".into(), Vec::new());
         assert!(r.set_history(h.clone()));
         assert!(!r.set_history(h), "the same history is no change");

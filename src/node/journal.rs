@@ -387,9 +387,7 @@ impl Journal {
                 None
             }
             EventKind::UnpublishFailed | EventKind::Fenced | EventKind::Unfenced => None,
-            EventKind::UnpublishIntent | EventKind::UserAdded | EventKind::UserRemoved => {
-                return
-            }
+            EventKind::UnpublishIntent | EventKind::UserAdded | EventKind::UserRemoved => return,
         };
         if !self.recent.contains_key(volume) && self.recent.len() >= RECENT_VOLUMES {
             // The volume whose latest event is the oldest makes room.

@@ -149,8 +149,7 @@ impl Core {
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
                         self.journal.set_mount(m, EventKind::PublishFailed, None);
-                        self.journal
-                            .measured(&volume, elapsed.as_millis() as u64);
+                        self.journal.measured(&volume, elapsed.as_millis() as u64);
                     }
                 }
             }

@@ -247,9 +247,7 @@ impl Core {
 
     /// What this node's record says of its volumes' recent events (`volume status
     /// -verbose`): the journal's recent publish, unpublish and fence outcomes.
-    pub(crate) fn node_history(
-        &self,
-    ) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
+    pub(crate) fn node_history(&self) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
         self.journal
             .recent()
             .iter()
