@@ -919,7 +919,8 @@ pub async fn run(
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = r.set_volumes(core.node_volumes());
             let refused = r.set_refused(&shell.rejected_records.snapshot());
-            r.set_watch(core.watch_health()) | plugins | volumes | refused
+            let history = r.set_history(core.node_history());
+            r.set_watch(core.watch_health()) | plugins | volumes | refused | history
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");

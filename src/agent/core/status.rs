@@ -41,7 +41,7 @@ impl Core {
             "waiting": self.waiting.iter().map(|w| serde_json::json!({"volume": w.volume.to_string(), "reason": w.reason})).collect::<Vec<_>>(),
             "errors": self.last_error.iter().map(|(k, e)| (k.to_string(), e.clone())).collect::<BTreeMap<_, _>>(),
             "plugins": plugins,
-            "publish_latency_ms": {"count": self.latency.count(), "median": self.latency.median_bound()},
+            "publish_latency_ms": {"count": self.latency.count(), "median": self.latency.median_bound(), "last": self.latency.last()},
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.status(),
             "fenced": self.fenced.iter().map(|(k, f)| (k.to_string(), f.clone())).collect::<BTreeMap<_, _>>(),
