@@ -410,24 +410,75 @@ fn pids_running(args: &[&str]) -> Vec<i32> {
         .collect()
 }
 
+/// `dhv-binder status` in its readable form, as an operator reads it.
+fn status_text(c: &Cluster, node: usize) -> String {
+    let out = std::process::Command::new(support::cluster::dhv_binder_bin())
+        .arg("status")
+        .env_clear()
+        .env("DHV_BINDER_SOCKET", &c.nodes[node].socket)
+        .output()
+        .expect("run dhv-binder status");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The agent's metrics page (the agent runs with `DHV_BINDER_METRICS_ADDR=127.0.0.1:0`).
+async fn metrics(c: &Cluster, node: usize) -> String {
+    let log = std::fs::read_to_string(&c.nodes[node].log).unwrap();
+    let addr = log
+        .lines()
+        .rfind(|l| l.contains("serving metrics at /metrics"))
+        .and_then(|l| l.split("addr=").nth(1))
+        .map(|a| a.split_whitespace().next().unwrap().to_string())
+        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Thaws the volume when the test ends, even on failure (a write blocked on a frozen
+/// filesystem would keep the test process from exiting).
+struct ThawOnDrop(std::path::PathBuf);
+
+impl Drop for ThawOnDrop {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("fsfreeze")
+            .arg("-u")
+            .arg(&self.0)
+            .output();
+    }
+}
+
 /// Issue 36, item 4: the ext4 plugin's `snapshot_create` is killed (SIGKILL of its process
-/// group) between its freeze and its thaw. The agent, which started the freezing call,
-/// thaws the volume as soon as the call has died and says so in its log; a task's write
-/// goes through. Prints how long the volume stayed frozen after the kill.
+/// group) between its freeze and its thaw. While it runs, the volume is a reported
+/// condition (`dhv-binder status`: volume, operation, since when; the gauge
+/// `dhv_binder_volumes_frozen`). The agent, which started the freezing call, thaws the volume
+/// as soon as the call has died and says so in its log; a task's write goes through. Later
+/// attempts of the snapshot fail before freezing (so only the agent can thaw it). Prints how
+/// long the volume stayed frozen after the kill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
-    let c = Cluster::start(1).await;
-    // The first copy of a snapshot takes long (a window to kill the call in).
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0")]).await;
+    // The first snapshot_create sleeps with the volume frozen (a window to kill the call
+    // in); any later one fails before it freezes anything.
     let ext4 = std::fs::read_to_string(c.plugin_dir.join("ext4")).unwrap();
-    let copy = r#"  cp --reflink=auto --sparse=always "$1" "$2" || fail "cannot copy $1""#;
+    let trap = "  trap thaw EXIT\n";
+    let freeze = "  for m in $FROZEN; do fsfreeze -f \"$m\" || fail \"cannot freeze $m\"; done\n";
     assert!(
-        ext4.contains(copy),
-        "the ext4 plugin's copy changed: update this test"
+        ext4.contains(trap) && ext4.contains(freeze),
+        "the ext4 plugin's freeze changed: update this test"
     );
-    let slow = ext4.replace(
-        copy,
-        &format!("  if mkdir \"$DHV_PLUGIN_DIR/slow-once\" 2>/dev/null; then sleep 31; fi\n{copy}"),
-    );
+    let slow = ext4
+        .replace(
+            trap,
+            &format!("  [ ! -e \"$DHV_PLUGIN_DIR/froze-once\" ] || fail \"this test lets only the first snapshot_create freeze the volume\"\n{trap}"),
+        )
+        .replace(
+            freeze,
+            &format!("{freeze}  if mkdir \"$DHV_PLUGIN_DIR/froze-once\" 2>/dev/null; then sleep 31; fi\n"),
+        );
     script(&c.plugin_dir.join("ext4"), &slow);
     c.wait_plugin("ext4").await;
     let images = c.sb.join("images");
@@ -445,6 +496,7 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
     );
     let (job, _alloc, node) = run_example(&c).await;
     let target = c.target(node, "shared-data");
+    let _thaw = ThawOnDrop(target.clone());
     let (code, out) = c.cli(&[
         "volume",
         "snapshot",
@@ -461,6 +513,26 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
             || async { pids_running(&["sleep", "31"]).first().copied() },
         )
         .await;
+    // Frozen is a reported condition: status names the volume, the operation and since
+    // when; the gauge counts it.
+    let (_, st) = c.status(node);
+    let st: Value = serde_json::from_str(&st).unwrap();
+    let f = &st["frozen"]["default/shared-data"];
+    assert!(
+        f["operation"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("snapshot_create of snapshot ")),
+        "status does not report the frozen volume: {st}"
+    );
+    assert!(f["since"].as_u64().is_some_and(|s| s > 0), "{st}");
+    let text = status_text(&c, node);
+    assert!(
+        text.lines().any(|l| l.starts_with("Frozen ")
+            && l.contains("default/shared-data: by snapshot_create of snapshot")),
+        "{text}"
+    );
+    let m = metrics(&c, node).await;
+    assert!(m.contains("dhv_binder_volumes_frozen 1"), "{m}");
     let stat = std::fs::read_to_string(format!("/proc/{sleeper}/stat")).unwrap();
     let pgid: i32 = stat
         .rsplit_once(')')
@@ -485,8 +557,8 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
         let _ = tx.send((r.is_ok(), killed.elapsed()));
     });
     let (ok, frozen) = rx
-        .recv_timeout(std::time::Duration::from_secs(60))
-        .expect("the volume stayed frozen for 60 s after the snapshot call was killed");
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the volume stayed frozen for 20 s after the snapshot call was killed");
     assert!(ok, "the write failed");
     eprintln!(
         "frozen for {:.2}s after the snapshot call was killed",
@@ -499,6 +571,14 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
             .map(|_| ())
     })
     .await;
+    c.wait_for(10, "the frozen report gone", || async {
+        let (_, st) = c.status(node);
+        let st: Value = serde_json::from_str(&st).ok()?;
+        st["frozen"].as_object()?.is_empty().then_some(())
+    })
+    .await;
+    let m = metrics(&c, node).await;
+    assert!(m.contains("dhv_binder_volumes_frozen 0"), "{m}");
     c.stop_job(&job, false).await;
     c.wait_for(60, "the unpublish done", || async {
         (count(&c, node, "unpublish-done") == 1).then_some(())
@@ -657,19 +737,7 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
         st["journal"]["failed_writes"].as_u64().unwrap() >= 2,
         "{st}"
     );
-    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
-    let addr = log
-        .lines()
-        .rfind(|l| l.contains("serving metrics at /metrics"))
-        .and_then(|l| l.split("addr=").nth(1))
-        .map(|a| a.split_whitespace().next().unwrap().to_string())
-        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
-    let metrics = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&c, 0).await;
     assert!(
         metrics.contains("dhv_binder_journal_write_failing 1"),
         "{metrics}"
