@@ -586,40 +586,98 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
     .await;
 }
 
-/// A tmpfs under the test's own directory, detached when the test ends (even on failure).
-struct Tmpfs(std::path::PathBuf);
+/// Runs a command; fails the test, saying what and why, when it cannot run or fails.
+fn run(cmd: &str, args: &[&std::ffi::OsStr]) -> String {
+    let out = std::process::Command::new(cmd)
+        .args(args)
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {cmd} (install e2fsprogs and util-linux: scripts/install-deps): {e}")
+        });
+    assert!(out.status.success(), "{cmd} {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
 
-impl Tmpfs {
-    fn mount(dir: &std::path::Path, size: &str) -> Tmpfs {
-        std::fs::create_dir_all(dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir)
-            .output()
-            .expect("run mount");
-        assert!(out.status.success(), "mount tmpfs: {out:?}");
-        Tmpfs(dir.to_path_buf())
+/// A small ext4 filesystem in an image file under its own temporary directory, loop-mounted
+/// at `dir`. On drop (even on failure) every mount stacked at `dir` is detached, then the
+/// loop device; declare it before the cluster, so that the agent using it is gone first.
+struct LoopFs {
+    _tmp: tempfile::TempDir,
+    dir: std::path::PathBuf,
+    device: String,
+}
+
+impl LoopFs {
+    fn mount(mib: u64) -> LoopFs {
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("state.img");
+        let dir = tmp.path().join("state");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(mib << 20)
+            .unwrap();
+        run(
+            "mkfs.ext4",
+            &["-q".as_ref(), "-F".as_ref(), img.as_os_str()],
+        );
+        run(
+            "mount",
+            &[
+                "-o".as_ref(),
+                "loop".as_ref(),
+                img.as_os_str(),
+                dir.as_os_str(),
+            ],
+        );
+        let device = run(
+            "findmnt",
+            &[
+                "-rn".as_ref(),
+                "-o".as_ref(),
+                "SOURCE".as_ref(),
+                dir.as_os_str(),
+            ],
+        );
+        LoopFs {
+            _tmp: tmp,
+            dir,
+            device,
+        }
     }
 }
 
-impl Drop for Tmpfs {
+impl Drop for LoopFs {
     fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        while dhv_binder::node::mounts::is_mount_point(&self.dir) {
+            if nix::mount::umount2(&self.dir, nix::mount::MntFlags::MNT_DETACH).is_err() {
+                break;
+            }
+        }
+        // `mount -o loop` sets autoclear; detach it in case the last user is gone already.
+        let _ = std::process::Command::new("losetup")
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .args(["-d", &self.device])
+            .output();
     }
 }
 
-/// Issue 36, item 5: the agent's state directory fills up. The journal write fails into a
-/// reported condition (status `journal.failing`, metric), logged once a minute at most (not
-/// once per attempt); a new publish waits with the reason while the published volume stays
-/// mounted; once space returns the agent converges by itself (the waiting publish succeeds)
-/// without a restart, and the journal still decodes.
+/// Issue 36, item 5: the agent's state directory (an 8 MiB loop-mounted ext4) fills up.
+/// The journal write fails into a reported condition (status `journal.failing`, metric),
+/// logged once a minute at most (not once per attempt); a new publish waits with the reason
+/// while the published volume stays mounted; once space returns the agent converges by
+/// itself (the waiting publish succeeds) without a restart. The journal still decodes: a
+/// restarted agent finds every volume published. (A read-only state directory, EROFS, goes
+/// through the same path:
+/// `agent::core::tests::a_read_only_state_directory_is_reported_and_recovered_after_remount_rw`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
+    let fs = LoopFs::mount(8);
     let mut c = Cluster::start_with(1, "", &[("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0")]).await;
-    // The agent again, its state directory on a small tmpfs.
+    // The agent again, its state directory on the loop-mounted filesystem.
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
-    let state = c.sb.join("statefs");
-    let _fs = Tmpfs::mount(&state, "4m");
+    let state = fs.dir.clone();
     c.nodes[0].state_dir = state.clone();
     c.start_agent(0);
     c.wait_plugin("bind").await;
@@ -628,6 +686,19 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     assert_eq!(node, 0);
     let target = c.target(0, "shared-data");
     assert_eq!(support::cluster::mount_count(&target), 1, "{alloc}");
+
+    // The volumes the later jobs ask for, with their placeholders (directories on the state
+    // filesystem, which take blocks on ext4) made while there is space.
+    for v in ["second-0", "second-1", "second-2", "second-3", "third-data"] {
+        c.create_volume(v, "single-node-writer");
+    }
+    c.wait_for(60, "the placeholders registered", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let vols = v["volumes"].as_array()?;
+        (vols.len() == 6 && vols.iter().all(|v| !v["placeholder_id"].is_null())).then_some(())
+    })
+    .await;
 
     // Fill the state filesystem until ENOSPC.
     let filler = state.join("filler");
@@ -650,7 +721,6 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     // last pages of the journal's files (a small append there still succeeds).
     let mut extra = String::new();
     for i in 0..4 {
-        c.create_volume(&format!("second-{i}"), "single-node-writer");
         extra.push_str(&format!(
             "    volume \"x{i}\" {{\n      type = \"host\"\n      source = \"second-{i}\"\n      access_mode = \"single-node-writer\"\n      attachment_mode = \"file-system\"\n    }}\n"
         ));
@@ -680,7 +750,6 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
         .await;
     eprintln!("journal: {}", st["journal"]);
     // A publish that starts now needs a durable intent: it waits, with the reason.
-    c.create_volume("third-data", "single-node-writer");
     let spec3 = c.sb.join("third.nomad.hcl");
     let text = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl"))
         .unwrap()
@@ -737,10 +806,10 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
         st["journal"]["failed_writes"].as_u64().unwrap() >= 2,
         "{st}"
     );
-    let metrics = metrics(&c, 0).await;
+    let page = metrics(&c, 0).await;
     assert!(
-        metrics.contains("dhv_binder_journal_write_failing 1"),
-        "{metrics}"
+        page.contains("dhv_binder_journal_write_failing 1"),
+        "{page}"
     );
     assert_eq!(support::cluster::mount_count(&target), 1, "kept published");
     assert!(
@@ -772,5 +841,29 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     assert_eq!(st["journal"]["failing"], false, "{st}");
     assert_eq!(support::cluster::mount_count(&target), 1);
     assert!(!c.journal(0).is_empty(), "the history still decodes");
+
+    // Never truncated nor undecodable: a restarted agent reads every volume back published.
+    c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
+    c.start_agent(0);
+    let names = [
+        "shared-data",
+        "second-0",
+        "second-1",
+        "second-2",
+        "second-3",
+        "third-data",
+    ];
+    c.wait_for(30, "the restarted agent's status", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let published: Vec<&str> = v["mounts"]
+            .as_array()?
+            .iter()
+            .filter(|m| m["state"] == "published")
+            .filter_map(|m| m["volume"]["name"].as_str())
+            .collect();
+        names.iter().all(|n| published.contains(n)).then_some(())
+    })
+    .await;
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
 }
