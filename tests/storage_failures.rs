@@ -867,3 +867,60 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     .await;
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
 }
+
+/// Issue 36, item 6: the agent restarts while its node is cut off from the servers (the
+/// simulator's partition: every request through the node's client fails, so the
+/// allocations list and the volume records cannot be read). The volume it had published
+/// stays mounted, and `dhv-binder status` says why it is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_kept_after_a_restart_with_an_incomplete_picture_says_why_in_status() {
+    let mut c = Cluster::start(1).await;
+    c.wait_plugin("bind").await;
+    c.create_volume("shared-data", "single-node-writer");
+    let (_job, _alloc, node) = run_example(&c).await;
+    let target = c.target(node, "shared-data");
+    c.kill_agent(node, nix::sys::signal::Signal::SIGTERM);
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=true", c.nodes[node].id),
+        Value::Null,
+    )
+    .await;
+    c.start_agent(node);
+    let line = c
+        .wait_for(30, "status saying why the volume is kept", || async {
+            status_text(&c, node)
+                .lines()
+                .find(|l| {
+                    l.starts_with("Waiting ") && l.contains("default/shared-data: kept published")
+                })
+                .map(str::to_string)
+        })
+        .await;
+    eprintln!("{line}");
+    assert!(
+        line.contains("have not been") && line.contains("nothing is unpublished until"),
+        "{line}"
+    );
+    let (_, st) = c.status(node);
+    let st: Value = serde_json::from_str(&st).unwrap();
+    assert_eq!(st["view"]["complete"], false, "{st}");
+    assert_eq!(support::cluster::mount_count(&target), 1, "kept published");
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=false", c.nodes[node].id),
+        Value::Null,
+    )
+    .await;
+    c.wait_for(
+        30,
+        "the reason gone once the picture is complete",
+        || async {
+            let (_, st) = c.status(node);
+            let st: Value = serde_json::from_str(&st).ok()?;
+            (st["view"]["complete"] == true
+                && !st["waiting"].to_string().contains("kept published"))
+            .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(support::cluster::mount_count(&target), 1, "still published");
+}
