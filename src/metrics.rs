@@ -153,6 +153,7 @@ struct Inner {
     watch_list_bytes: Gauge,
     journal_write: Histogram,
     journal_write_failing: Gauge,
+    volumes_frozen: Gauge,
     journal_write_failures: Counter,
     allocations: Gauge,
     volumes: Gauge,
@@ -515,6 +516,12 @@ impl Metrics {
             "Journal writes that failed (retried about once a second while failing)",
             journal_write_failures.clone(),
         );
+        let volumes_frozen = Gauge::default();
+        r.register(
+            "volumes_frozen",
+            "Volumes a freezing storage operation of this node (a snapshot_create given the mount) may hold frozen now, and volumes whose thaw afterwards failed; their tasks' writes wait while frozen",
+            volumes_frozen.clone(),
+        );
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
@@ -538,6 +545,7 @@ impl Metrics {
             journal_write,
             journal_write_failing,
             journal_write_failures,
+            volumes_frozen,
             allocations,
             volumes,
             volumes_served,
@@ -583,6 +591,11 @@ impl Metrics {
         if !ok {
             self.0.journal_write_failures.inc();
         }
+    }
+
+    /// Volumes a freezing operation may hold frozen now.
+    pub fn set_frozen(&self, volumes: usize) {
+        self.0.volumes_frozen.set(volumes as i64);
     }
 
     /// A claim had to wait for another node.
@@ -868,7 +881,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 25] = [
+    const EXPORTED: [&str; 26] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
@@ -887,6 +900,7 @@ mod tests {
         "dhv_binder_journal_write_duration_seconds",
         "dhv_binder_journal_write_failing",
         "dhv_binder_journal_write_failures_total",
+        "dhv_binder_volumes_frozen",
         "dhv_binder_allocations",
         "dhv_binder_volumes",
         "dhv_binder_volumes_served",

@@ -208,6 +208,7 @@ impl Meter {
         if std::mem::take(&mut self.recount_served) {
             self.served = core.volumes_served();
         }
+        self.metrics.set_frozen(core.frozen_count());
         let (allocations, volumes) = core.known();
         self.metrics.set_known(allocations, volumes, self.served);
     }

@@ -56,6 +56,22 @@ pub struct StatusDoc {
     /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations.md, "The state
     /// directory's filesystem is full").
     pub journal: serde_json::Value,
+    /// Volumes a freezing storage operation may hold frozen (`namespace/name` →
+    /// `{"operation", "since": unix s, "target", "thaw_error"}`; docs/operations.md, "A
+    /// frozen volume").
+    pub frozen: BTreeMap<String, FrozenDoc>,
+}
+
+/// A volume a freezing operation may hold frozen (the agent's `storage_ops::Frozen`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct FrozenDoc {
+    pub operation: String,
+    /// Unix seconds.
+    pub since: u64,
+    pub target: String,
+    /// Set when the agent's thaw after the operation failed.
+    pub thaw_error: Option<String>,
 }
 
 /// A scan of the processes using a volume (the agent's `holders::Usage`).
@@ -343,6 +359,24 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
             ),
         ));
     }
+    for (k, f) in &doc.frozen {
+        rows.push((
+            "Frozen",
+            match &f.thaw_error {
+                None => format!(
+                    "{k}: by {} for {}s (its tasks' writes wait until it is thawed; the agent thaws it when the call ends)",
+                    f.operation,
+                    now.saturating_sub(f.since)
+                ),
+                Some(e) => format!(
+                    "{k}: left by {} {}s ago, and the agent's thaw failed: {e}; run fsfreeze -u {}",
+                    f.operation,
+                    now.saturating_sub(f.since),
+                    f.target
+                ),
+            },
+        ));
+    }
     for w in &doc.waiting {
         rows.push(("Waiting", format!("{}: {}", w.volume, w.reason)));
     }
@@ -604,6 +638,27 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         );
         let s = render(&serde_json::from_value(doc()).unwrap(), 1000);
         assert!(!s.contains("Journal"), "{s}");
+    }
+
+    #[test]
+    fn a_frozen_volume_is_a_row_naming_the_operation_and_since_when() {
+        let mut v = doc();
+        v["frozen"] = serde_json::json!({"default/shared-data": {"operation": "snapshot_create of snapshot s1", "since": 988, "target": "/m/default/shared-data", "thaw_error": null}});
+        let s = render(&serde_json::from_value(v.clone()).unwrap(), 1000);
+        assert!(
+            s.contains(
+                "Frozen         = default/shared-data: by snapshot_create of snapshot s1 for 12s"
+            ),
+            "{s}"
+        );
+        v["frozen"]["default/shared-data"]["thaw_error"] = "fsfreeze: not found".into();
+        let s = render(&serde_json::from_value(v).unwrap(), 1000);
+        assert!(
+            s.contains("thaw failed: fsfreeze: not found; run fsfreeze -u /m/default/shared-data"),
+            "{s}"
+        );
+        let s = render(&serde_json::from_value(doc()).unwrap(), 1000);
+        assert!(!s.contains("Frozen"), "{s}");
     }
 
     #[test]

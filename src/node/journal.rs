@@ -908,7 +908,14 @@ impl Store {
         drop(disk);
         result?;
         self.commits.fetch_add(1, Ordering::Relaxed);
-        self.append_history(&commit.events)
+        let history = self.append_history(&commit.events);
+        if history.is_err() {
+            // The directory refuses writes by path (read-only, full): the next write
+            // replaces the whole state, by path too, so the failure is not papered over by
+            // an append through the log's file descriptor, opened before.
+            self.disk.lock().unwrap_or_else(|e| e.into_inner()).compact = true;
+        }
+        history
     }
 
     /// Appends the commit's changes to `journal.wal`, synced if it carries intents.

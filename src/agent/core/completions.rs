@@ -225,8 +225,11 @@ impl Core {
             Completion::Worker { volume, result } => {
                 self.workers.on_done(volume, result, &mut self.retries, now)
             }
-            Completion::Storage { op, result } => {
-                if let Some(v) = self.storage_ops.on_done(op, result, &mut self.retries, now) {
+            Completion::Storage { op, result, thawed } => {
+                if let Some(v) =
+                    self.storage_ops
+                        .on_done(op, result, thawed, &mut self.retries, now)
+                {
                     self.busy.remove(&v);
                 }
             }

@@ -47,6 +47,7 @@ impl Core {
             "fenced": self.fenced.iter().map(|(k, f)| (k.to_string(), f.clone())).collect::<BTreeMap<_, _>>(),
             "mount_health": self.mount_health.status(),
             "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
+            "frozen": self.storage_ops.frozen().iter().map(|(k, f)| (k.to_string(), f)).collect::<BTreeMap<_, _>>(),
             "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
             "unfenced": self.unfenced,
@@ -71,6 +72,11 @@ impl Core {
             .values()
             .filter(|r| self.serves(r, &deferred))
             .count()
+    }
+
+    /// Volumes a freezing operation may hold frozen (O(1)).
+    pub(crate) fn frozen_count(&self) -> usize {
+        self.storage_ops.frozen().len()
     }
 
     /// Mount records by state: publishing, published, unpublishing (a pass over the
