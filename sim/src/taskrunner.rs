@@ -429,7 +429,7 @@ impl TaskRunner {
 
     /// Kills what is left in the task's cgroup and removes it (the wrangler hook's `Stop`),
     /// when the task runner ends.
-    fn destroy_cgroup(&self) {
+    async fn destroy_cgroup(&self) {
         let Some(cgroups) = &self.node.cgroups else {
             return;
         };
@@ -437,7 +437,12 @@ impl TaskRunner {
             return;
         }
         let path = cgroups.path(&self.alloc.ID, &self.task.Name);
-        if let Err(e) = crate::cgroup::destroy(&path, Duration::from_secs(5)) {
+        // Off the runtime's threads: the wait for the cgroup to empty polls.
+        let done = tokio::task::spawn_blocking(move || {
+            crate::cgroup::destroy(&path, Duration::from_secs(5))
+        })
+        .await;
+        if let Ok(Err(e)) = done {
             tracing::warn!(task = %self.task.Name, alloc = %self.alloc.ID, error = %e, "removing the task's cgroup");
         }
     }
@@ -631,7 +636,7 @@ impl TaskRunner {
     pub async fn run(self, kill: watch::Receiver<Option<KillRequest>>) -> Outcome {
         let out = self.run_task(kill).await;
         if out != Outcome::Restarted {
-            self.destroy_cgroup();
+            self.destroy_cgroup().await;
         }
         out
     }
