@@ -67,7 +67,8 @@ pub struct Cluster {
     pub http: reqwest::Client,
     pub agent_env: Vec<(String, String)>,
     /// The test's cgroup: node `i`'s agent runs in `node-<i>.agent` (as Nomad runs a task in
-    /// its own), its plugins' helpers under `node-<i>.helpers` (`--helper-cgroup`).
+    /// its own), its plugins' helpers under `node-<i>.helpers` (`--helper-cgroup`), and the
+    /// simulator runs node `i`'s tasks under `node-<i>.nomad` (its `cgroup_parent`).
     pub cgroup: ScratchCgroup,
     pub sb: Sandbox,
 }
