@@ -250,6 +250,19 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
                 .collect(),
             self_exe: self_exe.clone(),
             task_api: Some(crate::task_api::TaskApi::new(client_state)),
+            cgroups: match &c.cgroup_parent {
+                None => None,
+                Some(p) => {
+                    let parent = crate::cgroup::resolve_parent(p)?;
+                    let cg = crate::cgroup::TaskCgroups::open(&parent)?;
+                    if cg.memory_limited() {
+                        tracing::info!(node = %c.name, parent = %parent.display(), "tasks run in their own cgroups");
+                    } else {
+                        tracing::warn!(node = %c.name, parent = %parent.display(), "tasks run in their own cgroups without memory.max: the memory controller is not offered under the cgroup parent (a hybrid host keeps it on cgroup v1)");
+                    }
+                    Some(cg)
+                }
+            },
         });
         node_tasks.push(tokio::spawn(run_node(
             server.clone(),

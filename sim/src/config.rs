@@ -47,6 +47,10 @@ pub struct ClientConfig {
     pub host_volumes: Vec<StaticHostVolume>,
     /// Node meta.
     pub meta: BTreeMap<String, String>,
+    /// `cgroup_parent`: the parent of this node's task cgroups (absolute, or relative to the
+    /// cgroup2 mount as Nomad's `cgroup_parent`); `None`: tasks run without cgroups (the
+    /// simulator has no default, so it never uses the host's own `nomad.slice`).
+    pub cgroup_parent: Option<PathBuf>,
 }
 
 /// ACL settings (`acl { enabled = true }`), plus the sim's bootstrap token.
@@ -177,6 +181,7 @@ impl AgentConfig {
                         chroot_env: BTreeMap::new(),
                         host_volumes: Vec::new(),
                         meta: ca.string_map("meta")?.unwrap_or_default(),
+                        cgroup_parent: ca.str("cgroup_parent")?.map(PathBuf::from),
                     };
                     let mut chroot_set = ca.string_map("chroot_env")?;
                     for inner in b.body.blocks() {

@@ -905,6 +905,16 @@ pub async fn run(
         for i in &inputs {
             shell.meter.input(i);
         }
+        // This node wrote a volume record itself (its create or delete is done): list the
+        // records now rather than after the floor, so that its placeholder follows the
+        // create at once (a job submitted right after `volume create` places here without
+        // waiting up to 1.2 floors).
+        if inputs
+            .iter()
+            .any(|i| matches!(i, Input::Done(Completion::Worker { result: Ok(()), .. })))
+        {
+            record_nudge.notify_one();
+        }
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
         shell.meter.after_pass(&core);
