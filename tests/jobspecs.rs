@@ -375,7 +375,10 @@ fn the_systemd_unit_is_hardened_and_stays_in_the_hosts_mount_namespace() {
             "{option} gives the agent a mount namespace of its own: its mounts would be invisible to Nomad and to tasks"
         );
     }
-    assert!(text.contains("\nKillMode=process\n"), "published FUSE helpers must outlive a restart");
+    assert!(
+        text.contains("\nKillMode=process\n"),
+        "published FUSE helpers must outlive a restart"
+    );
     assert!(
         text.contains("CAP_SYS_ADMIN"),
         "the capability bounding set must keep CAP_SYS_ADMIN (mounts)"

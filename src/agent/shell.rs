@@ -813,7 +813,9 @@ pub async fn run(
         )),
         tokio::spawn(crate::api::serve_with(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(
+                crate::nomad::identity::IssuerRule::from_setting(cfg.token_issuer.as_deref()),
+            ),
             api_tx,
             crate::api::Limits::default(),
         )),
