@@ -222,26 +222,27 @@ fn policy_grants_what_the_daemon_calls() {
             .map(|b| label(b).to_string())
             .collect()
     };
-    let caps = caps_of(namespaces[0]);
-    for c in ["read-job", "host-volume-register", "host-volume-read"] {
-        assert!(caps.contains(&c.to_string()), "policy lacks {c}");
-    }
-    // Nomad applies an exact namespace match instead of the glob: "default" repeats "*".
+    // Every namespace: read-job only (the stream's namespace=* and the node's allocations),
+    // no variables, no host volumes, no lifecycle (issue 33 finding 6: least privilege).
+    assert_eq!(caps_of(namespaces[0]), ["read-job"], "\"*\" grants only read-job");
+    assert!(
+        blocks(namespaces[0].body(), "variables").is_empty(),
+        "\"*\" grants no variables"
+    );
+    // The served namespace: what the daemon calls there, and read-job again (Nomad applies
+    // an exact namespace match instead of the glob).
     assert_eq!(
         caps_of(namespaces[1]),
-        caps,
-        "\"default\" must repeat \"*\""
+        [
+            "read-job",
+            "alloc-lifecycle",
+            "host-volume-register",
+            "host-volume-read",
+            "host-volume-delete"
+        ]
     );
     // Only the records, the claims and the snapshot records: nothing else under dhv-binder/,
     // nothing outside it; in "default" also the node records.
-    assert_eq!(
-        paths_of(namespaces[0]),
-        [
-            "dhv-binder/volumes/*",
-            "dhv-binder/claims/*",
-            "dhv-binder/snapshots/*"
-        ]
-    );
     assert_eq!(
         paths_of(namespaces[1]),
         [

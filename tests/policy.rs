@@ -181,7 +181,7 @@ async fn the_daemon_works_with_the_narrowed_policy() {
 
     // What the policy refuses the daemon's token.
     let client = Client::new(&NomadConfig {
-        token: Some(secret),
+        token: Some(secret.clone()),
         ..NomadConfig::plain(&c.server)
     })
     .unwrap();
@@ -232,5 +232,48 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     assert!(
         matches!(r, Err(NomadError::PermissionDenied { .. })),
         "a node record outside namespace default: {r:?}"
+    );
+    // Issue 33 finding 6: nothing but read-job in a namespace the daemon does not serve:
+    // no volume record, claim or snapshot written there, no placeholder registered there.
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/namespace/prod",
+        Some(json!({"Name": "prod"})),
+    )
+    .await;
+    for path in [
+        "dhv-binder/volumes/planted",
+        "dhv-binder/claims/planted",
+        "dhv-binder/snapshots/planted",
+    ] {
+        let v = Variable {
+            namespace: "prod".into(),
+            path: path.into(),
+            items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+            ..Default::default()
+        };
+        let r = client.put_variable(&v, None).await;
+        assert!(
+            matches!(r, Err(NomadError::PermissionDenied { .. })),
+            "{path} in namespace prod, which the daemon does not serve: {r:?}"
+        );
+    }
+    let dir = c.sb.join("prod-placeholder");
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = c
+        .http
+        .put(format!("{}/v1/volume/host/register", c.server))
+        .header("X-Nomad-Token", &secret)
+        .json(&json!({"Volume": {"Name": "planted", "Namespace": "prod",
+            "NodeID": c.nodes[0].id, "HostPath": dir}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        403,
+        "a placeholder in namespace prod: {}",
+        r.text().await.unwrap_or_default()
     );
 }
