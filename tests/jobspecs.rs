@@ -224,7 +224,11 @@ fn policy_grants_what_the_daemon_calls() {
     };
     // Every namespace: read-job only (the stream's namespace=* and the node's allocations),
     // no variables, no host volumes, no lifecycle (issue 33 finding 6: least privilege).
-    assert_eq!(caps_of(namespaces[0]), ["read-job"], "\"*\" grants only read-job");
+    assert_eq!(
+        caps_of(namespaces[0]),
+        ["read-job"],
+        "\"*\" grants only read-job"
+    );
     assert!(
         blocks(namespaces[0].body(), "variables").is_empty(),
         "\"*\" grants no variables"

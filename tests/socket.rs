@@ -279,3 +279,28 @@ async fn one_callers_flood_locks_out_neither_another_allocation_nor_root() {
         warns.join("\n")
     );
 }
+
+/// Issue 33 finding 7: the issuer is the cluster's by default. A cluster with
+/// `server { oidc_issuer }` puts it in every workload identity and names it in its OIDC
+/// discovery document; the agent, given no `--token-issuer`, learns it there and the
+/// example job's prestart is answered (its token carries exactly that `iss`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_with_an_oidc_issuer_publishes_with_the_default_issuer_check() {
+    let c = support::cluster::Cluster::start_with(
+        1,
+        "server {\n  oidc_issuer = \"https://nomad.example:4646\"\n}\n",
+        &[],
+    )
+    .await;
+    c.create_volume("shared-data", "single-node-writer");
+    let job = c
+        .run_job(&support::cluster::repo().join("jobspecs/example.nomad.hcl"))
+        .await;
+    c.wait_for(60, "the example job's main task running", || async {
+        c.allocs(&job).await.into_iter().find(|a| {
+            a["TaskStates"]["app"]["State"] == "running"
+                && a["TaskStates"]["publish-volumes"]["Failed"] == false
+        })
+    })
+    .await;
+}
