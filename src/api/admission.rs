@@ -156,7 +156,8 @@ impl<K: std::hash::Hash + Eq + Clone> WarnBudget<K> {
 /// Counts per key, released by [`Slot`]'s drop.
 type Counts<K> = Arc<Mutex<HashMap<K, usize>>>;
 
-/// One place in a [`Counts`] map, given back when dropped.
+/// One place in a count per key (a caller's connections, an allocation's publish calls),
+/// given back when dropped.
 pub struct Slot<K: std::hash::Hash + Eq> {
     counts: Counts<K>,
     key: K,
