@@ -538,7 +538,8 @@ pub struct Output {
     pub stderr: String,
     pub elapsed: Duration,
     /// Processes outside the call's process group (a `setsid` helper) that still held the
-    /// call's stdout or stderr when the plugin exited; the call did not wait for them.
+    /// call's stdout or stderr when the plugin exited; the call did not wait for them. They
+    /// were killed, except after `publish` and `unpublish` ([`LeftoverFate`]).
     pub leftover: Vec<Leftover>,
 }
 
@@ -1290,12 +1291,13 @@ impl Runner {
                 };
                 // What the call left behind: its group killed, holders outside it killed
                 // or (a publish or unpublish helper) left and named; all counted.
-                let leftover = self.clean_up_after(plugin_id, op, pid, holders, Vec::new());
-                if !leftover.is_empty() {
+                let left = self.clean_up_after(plugin_id, op, pid, holders.clone(), Vec::new());
+                let leftover = holders;
+                if !left.is_empty() {
                     tracing::warn!(
                         plugin = plugin_id,
                         %op,
-                        processes = %describe_leftover(&leftover),
+                        processes = %describe_leftover(&left),
                         "plugin {op} exited but processes it started still hold its stdout or stderr; the call ended without waiting for them (give such helpers </dev/null >/dev/null 2>&1, docs/plugin-protocol.md#calling-convention)"
                     );
                 }
