@@ -2,13 +2,14 @@
 #   nomad acl policy apply -namespace default -job dhv-binder dhv-binder jobspecs/dhv-binder-policy.hcl
 #
 # Every Nomad call the agent makes, and what it needs (src/nomad/mod.rs, one function per
-# call; tests/jobspecs.rs and tests/policy.rs check this file):
-# - every namespace ("*"), read-job only: the allocation event stream subscribes with
-#   namespace=*, which Nomad allows only to a token with read-job in every namespace
-#   (nomad/event_endpoint.go validateACL), and the agent reads the allocations placed on its
-#   node (GET /v1/allocation/:id), whatever their job's namespace;
+# call; tests/jobspecs.rs checks this file, tests/policy.rs runs the agent under it):
+# - node read: the node, and its allocation list (GET /v1/node/:id/allocations, the default
+#   --watch-mode poll; Nomad lists only the allocations of namespaces the token has read-job
+#   in: nomad/node_endpoint.go GetAllocs); agent read: the local node ID;
 # - in each namespace it serves volumes in (here "default"; copy the block below for each
-#   other one, without the nodes path):
+#   other one, without the nodes path), and nowhere else:
+#   - read-job: the allocations placed on its node that may use the namespace's volumes
+#     (GET /v1/allocation/:id);
 #   - host-volume-register, host-volume-read, host-volume-delete: the placeholder host
 #     volumes of that namespace's deferred volumes (PUT /v1/volume/host/register, GET
 #     /v1/volumes, DELETE /v1/volume/host/:id; Nomad cannot scope these to one node or path);
@@ -17,11 +18,11 @@
 #   - variables: the volume records (read, list; write to report create/delete progress;
 #     destroy after a signed delete), the single-node claims (locks: write; destroy on
 #     release) and the snapshot records (progress; destroy after a signed delete); nothing
-#     else under dhv-binder/ and nothing outside it;
+#     else under dhv-binder/ and nothing outside it (the record watches list namespace=*,
+#     which Nomad filters to what the token may list);
 #   - in "default" only, also this node's record (dhv-binder/nodes/<node-id>: read, write).
-#   Nomad applies the rule of an exact namespace match instead of the glob's (acl/acl.go),
-#   so each served namespace's block repeats read-job.
-# - node read: the node and its allocation list; agent read: the local node ID.
+# A job in another namespace cannot use these volumes anyway (host volumes are namespaced),
+# so the agent need not see its allocations.
 #
 # What a holder of this token (or anyone who may write the variables of a served namespace)
 # can and cannot do, with signed records (docs/security.md "Threat model"):
@@ -33,14 +34,12 @@
 #   (state short of an acted-on delete, a created volume's context, which plugins refuse
 #   unless it names the volume's own storage, sizes, errors), write back an older signed
 #   version of a record (its own storage, or nothing), delete records, claims and placeholder
-#   host volumes, hold or release claims, restart allocations: denial of service, and forged
-#   node records in "default" that mislead `node status` and `volume create`;
-# - can read every job's allocations in every namespace (read-job): job specs, including
-#   environment values they carry, but no variables outside dhv-binder/.
-namespace "*" {
-  capabilities = ["read-job"]
-}
-
+#   host volumes, hold or release claims, restart or stop allocations, register a host volume
+#   at any path on any node (Nomad cannot scope host-volume-register): denial of service,
+#   and jobs of that namespace mounting what such a volume names; forge node records in
+#   "default" that mislead `node status` and `volume create`;
+# - can read the jobs and allocations of those namespaces (read-job), environment values in
+#   job specs included, and every node; no variables outside dhv-binder/.
 namespace "default" {
   capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
 
@@ -75,6 +74,14 @@ namespace "default" {
 #       capabilities = ["read", "list", "write", "destroy"]
 #     }
 #   }
+# }
+
+# With --watch-mode stream only: the allocation event stream subscribes with namespace=*,
+# which Nomad allows only with read-job in every namespace (nomad/event_endpoint.go
+# validateACL). Uncomment this block for it (and the agent then reads every job's
+# allocations on its node):
+# namespace "*" {
+#   capabilities = ["read-job"]
 # }
 
 node {
