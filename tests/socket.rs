@@ -242,12 +242,12 @@ async fn one_callers_flood_locks_out_neither_another_allocation_nor_root() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // The log: a bounded number of WARN lines however long the flood lasts (15 s here;
+    // The log: a bounded number of WARN lines however long the flood lasts (12 s here;
     // DHV_FLOOD_SECS=30 for the figure in docs/security.md).
     let secs = std::env::var("DHV_FLOOD_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(15u64);
+        .unwrap_or(12u64);
     let until = flood_started + Duration::from_secs(secs);
     if let Some(rest) = until.checked_duration_since(Instant::now()) {
         tokio::time::sleep(rest).await;
