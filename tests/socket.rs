@@ -1,5 +1,7 @@
-//! The local socket cannot be starved (issue 13 §2): idle and slow connections are bounded
-//! per peer UID and overall, slow headers time out, and a caller still gets an answer.
+//! The local socket cannot be starved (issue 13 §2, issue 33 finding 4): idle and slow
+//! connections are bounded per caller (UID, cgroup, mount namespace) and overall, host root
+//! has its own pool, slow headers time out, warnings about refusals are rate-limited, and
+//! other callers still get an answer; the workload identity's issuer is the cluster's.
 
 mod support;
 
