@@ -97,6 +97,13 @@ struct PluginCallLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeftoverLabels {
+    plugin: String,
+    operation: &'static str,
+    fate: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: &'static str,
 }
@@ -137,6 +144,7 @@ struct Inner {
     /// The process's own figures, unprefixed as every Prometheus client names them.
     process: Registry,
     plugin_call: HistogramFamily<PluginCallLabels>,
+    plugin_leftovers: Family<LeftoverLabels, Counter>,
     publish_wait: HistogramFamily<OutcomeLabels>,
     pending: Gauge,
     uncertain: Gauge,
@@ -331,6 +339,12 @@ impl Metrics {
             "Plugin calls by plugin, operation and outcome (ok, error, timeout)",
             Unit::Seconds,
             plugin_call.clone(),
+        );
+        let plugin_leftovers = Family::<LeftoverLabels, Counter>::default();
+        r.register(
+            "plugin_leftover_processes",
+            "Processes plugin calls left behind when they ended, by plugin, operation and fate (killed: in the call's process group, or holding its output outside it; left: a publish or unpublish helper outside the group holding its output)",
+            plugin_leftovers.clone(),
         );
         let publish_wait: HistogramFamily<OutcomeLabels> =
             Family::new_with_constructor(wait_buckets);
@@ -528,6 +542,7 @@ impl Metrics {
             process,
             registry: r,
             plugin_call,
+            plugin_leftovers,
             publish_wait,
             pending,
             uncertain,
@@ -566,6 +581,24 @@ impl Metrics {
                 outcome: outcome.as_str(),
             })
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// A plugin call left `n` processes behind, killed or left running (`fate`).
+    pub fn plugin_leftovers(
+        &self,
+        plugin: &str,
+        op: Operation,
+        fate: crate::storage::plugin::LeftoverFate,
+        n: usize,
+    ) {
+        self.0
+            .plugin_leftovers
+            .get_or_create(&LeftoverLabels {
+                plugin: plugin.to_string(),
+                operation: op.as_str(),
+                fate: fate.as_str(),
+            })
+            .inc_by(n as u64);
     }
 
     /// A prestart caller's publish call was answered after `elapsed`.
@@ -883,6 +916,7 @@ mod tests {
     /// Every metric family the agent exports.
     const EXPORTED: [&str; 26] = [
         "dhv_binder_plugin_call_duration_seconds",
+        "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
         "dhv_binder_operations_uncertain",
@@ -1023,6 +1057,12 @@ mod tests {
             Duration::from_secs(60),
         );
         m.publish_wait(WaitOutcome::Published, Duration::from_millis(200));
+        m.plugin_leftovers(
+            "bind",
+            Operation::Create,
+            crate::storage::plugin::LeftoverFate::Killed,
+            2,
+        );
         m.claim_lost();
         m.set_pending(2, 1, 3);
         m.set_mounts(0, 4, 1, 1);
@@ -1077,6 +1117,7 @@ mod tests {
         }
         let has = |l: &str| assert!(after.lines().any(|x| x == l), "no line {l:?} in:\n{after}");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"ok\"} 1");
+        has("dhv_binder_plugin_leftover_processes_total{plugin=\"bind\",operation=\"create\",fate=\"killed\"} 2");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"timeout\"} 1");
         has("dhv_binder_publish_wait_duration_seconds_count{outcome=\"published\"} 1");
         has("dhv_binder_claim_losses_total 1");

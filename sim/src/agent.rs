@@ -164,7 +164,12 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", cfg.data_dir.display()))?;
     let ready_path = cfg.data_dir.join("ready.json");
     let _ = std::fs::remove_file(&ready_path);
-    let keyring = Arc::new(tokio::task::spawn_blocking(Keyring::generate).await??);
+    let issuer = cfg.oidc_issuer.clone();
+    let keyring = Arc::new(
+        tokio::task::spawn_blocking(Keyring::generate)
+            .await??
+            .with_issuer(issuer),
+    );
     let mut acl = crate::policy::AclState {
         enabled: cfg.acl.enabled,
         ..Default::default()

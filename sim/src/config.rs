@@ -83,6 +83,11 @@ pub struct AgentConfig {
     pub heartbeat_grace: Duration,
     /// ACLs.
     pub acl: AclConfig,
+    /// `server { oidc_issuer = "..." }`: the `iss` of every workload identity and the
+    /// issuer of `/.well-known/openid-configuration`; unset, tokens carry no `iss` and that
+    /// endpoint answers 404 (Nomad: `nomad/encrypter.go` `SignClaims`,
+    /// `command/agent/keyring_endpoint.go` `OIDCDiscoveryRequest`).
+    pub oidc_issuer: Option<String>,
     /// Simulated client nodes.
     pub clients: Vec<ClientConfig>,
 }
@@ -148,6 +153,7 @@ impl AgentConfig {
             )?,
             heartbeat_grace: duration(&a, "heartbeat_grace", Duration::from_secs(10))?,
             acl: AclConfig::default(),
+            oidc_issuer: None,
             clients: Vec::new(),
         };
         for b in body.blocks() {
@@ -158,6 +164,12 @@ impl AgentConfig {
                         cfg.http_port = u16::try_from(p)
                             .map_err(|_| ConfigError::Invalid("ports.http out of range".into()))?;
                     }
+                }
+                "server" => {
+                    let sa = attributes("server", &b.body)?;
+                    cfg.oidc_issuer = Attrs::new("server", &sa)
+                        .str("oidc_issuer")?
+                        .filter(|s| !s.is_empty());
                 }
                 "acl" => {
                     let aa = attributes("acl", &b.body)?;

@@ -176,7 +176,8 @@ impl Shell {
         let cfg_state = cfg.state_dir.clone();
         Self {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
-                .observed(meter.plugin_observer()),
+                .observed(meter.plugin_observer())
+                .on_leftovers(meter.plugin_leftover_observer()),
             permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
             probes: crate::node::health::Prober::default(),
             cfg,
@@ -813,7 +814,9 @@ pub async fn run(
         )),
         tokio::spawn(crate::api::serve_with(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(
+                crate::nomad::identity::IssuerRule::from_setting(cfg.token_issuer.as_deref()),
+            ),
             api_tx,
             crate::api::Limits::default(),
         )),
