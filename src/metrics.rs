@@ -914,7 +914,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 26] = [
+    const EXPORTED: [&str; 27] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
