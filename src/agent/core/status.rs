@@ -73,6 +73,17 @@ impl Core {
             .count()
     }
 
+    /// This node's claims: `[held, fenced, lost, waiting]`, and the claims' version (count
+    /// again only when it moved, see `Claims::version`).
+    pub(crate) fn claims_by_state(&self) -> ([usize; 4], u64) {
+        (self.claims.counts(), self.claims.version())
+    }
+
+    /// The claims' version alone (O(1)).
+    pub(crate) fn claims_version(&self) -> u64 {
+        self.claims.version()
+    }
+
     /// Mount records by state: publishing, published, unpublishing (a pass over the
     /// records: ask after a pass that commits, which writes them all anyway).
     pub(crate) fn mounts_by_state(&self) -> [usize; 3] {
