@@ -627,6 +627,13 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let before = scrape(&addr).await;
     assert_eq!(sample(&before, publish_ok), None, "{before}");
     assert_eq!(sample(&before, published), Some(0.0), "{before}");
+    let unsigned = r#"dhv_binder_records_refused_total{reason="unsigned"}"#;
+    assert_eq!(sample(&before, unsigned), Some(0.0), "{before}");
+    assert_eq!(
+        sample(&before, r#"dhv_binder_claims{state="held"}"#),
+        Some(0.0),
+        "{before}"
+    );
     assert!(
         sample(
             &before,
@@ -656,6 +663,9 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let exactly = [
         (publish_ok, 1.0),
         (published, 1.0),
+        // Issue 37 #13: the single-node volume's claim, held by this node.
+        (r#"dhv_binder_claims{state="held"}"#, 1.0),
+        (r#"dhv_binder_claims{state="waiting"}"#, 0.0),
         ("dhv_binder_volumes_served", 1.0),
         (r#"dhv_binder_watch_state{state="polling"}"#, 1.0),
     ];
@@ -774,6 +784,44 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
             "{l}"
         );
     }
+
+    // Issue 37 #13: a record written without the operator's key is refused and counted,
+    // by reason; the claim was given back with the unpublish.
+    let spec = c.sb.join("unsigned.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"unsigned-data\"\ntype = \"host\"\nplugin_id = \"bind\"\nparameters {{\n  export = \"{}\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(dhv_binder_bin())
+        .args(["volume", "create", "-detach", spec.to_str().unwrap()])
+        .env_clear()
+        .env("NOMAD_ADDR", &c.server)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let refused = c
+        .wait_for(20, "the unsigned record counted as refused", || async {
+            let t = scrape(&addr).await;
+            (sample(&t, unsigned) == Some(1.0)).then_some(t)
+        })
+        .await;
+    assert_eq!(
+        sample(
+            &refused,
+            r#"dhv_binder_records_refused_total{reason="bad-signature"}"#
+        ),
+        Some(0.0),
+        "{refused}"
+    );
+    assert_eq!(
+        sample(&refused, r#"dhv_binder_claims{state="held"}"#),
+        Some(0.0),
+        "{refused}"
+    );
 }
 
 /// Configuration an operator got wrong is exit 64 with the reason, before the agent asks
