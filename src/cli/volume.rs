@@ -45,6 +45,8 @@ pub enum VolumeCommand {
     /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
     /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
     Register {
+        /// The register spec (HCL) file, with a `context { ... }` block and `capacity`, or
+        /// `-` to read it from standard input.
         spec: PathBuf,
         #[command(flatten)]
         key: SigningArgs,
