@@ -968,6 +968,70 @@ fn a_spec_field_dhv_binder_cannot_honour_is_refused_by_name() {
     );
 }
 
+/// Issue 37 #15: a spec error names the file and the line, as a compiler does
+/// (`spec.hcl:7: …`, `<stdin>:7: …` for `-`); a syntax error also its column.
+#[test]
+fn a_spec_error_names_the_file_and_the_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = tmp.path().join("spec.hcl");
+    let head = "name      = \"data\"\ntype      = \"host\"\nplugin_id = \"bind\"\n\ncapability {\n  access_mode     = \"single-node-writer\"\n";
+    let create = |body: &str, stdin: bool| {
+        use std::io::Write as _;
+        std::fs::write(&spec, format!("{head}{body}")).unwrap();
+        let mut cmd = Command::new(dhv_binder_bin());
+        cmd.args(["volume", "create", "-detach"])
+            .current_dir(tmp.path())
+            .env_clear()
+            // Nothing listens here: reaching Nomad would be exit 69, not 64.
+            .env("NOMAD_ADDR", "http://127.0.0.1:9")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.arg(if stdin { "-" } else { "spec.hcl" });
+        let mut child = cmd.spawn().expect("run dhv-binder volume create");
+        let text = std::fs::read(&spec).unwrap();
+        child.stdin.take().unwrap().write_all(&text).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // An unknown field of the capability block, on line 7.
+    let (code, err) = create("  attachment_mod  = \"file-system\"\n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7: \"attachment_mod\" is not a field of a capability block"),
+        "{err}"
+    );
+    let (_, err) = create("  attachment_mod  = \"file-system\"\n}\n", true);
+    assert!(
+        err.contains("Error: <stdin>:7: \"attachment_mod\""),
+        "{err}"
+    );
+    // A bad value on line 7.
+    let (code, err) = create("  attachment_mode = \"floppy\"\n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7: attachment_mode \"floppy\" is not one of"),
+        "{err}"
+    );
+    // A syntax error on line 7, column 21.
+    let (code, err) = create("  attachment_mode = \n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7:21: not valid HCL: invalid expression"),
+        "{err}"
+    );
+    // A top-level field after the block, on line 9.
+    let (code, err) = create("}\n\ncapacity_min = \"lots\"\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:9: capacity_min \"lots\" is not a size"),
+        "{err}"
+    );
+}
+
 /// Issue 33 finding 5: 300 idle TCP connections to the metrics endpoint of an agent whose
 /// file-descriptor limit is 256 (the attack in the issue) neither exhaust its descriptors
 /// nor keep the endpoint shut: the unix-socket `status` answers at once and a scrape within

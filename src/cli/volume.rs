@@ -527,9 +527,20 @@ fn read_spec_text(path: &Path) -> Result<String, Failure> {
         .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", path.display())))
 }
 
-/// Parses a spec (a register spec with `register`), taking the CLI's namespace when the
-/// spec names none.
+/// How a spec's errors name it: the path as the user gave it, or `<stdin>` for `-`.
+fn spec_source(path: &Path) -> String {
+    if path == Path::new("-") {
+        "<stdin>".into()
+    } else {
+        path.display().to_string()
+    }
+}
+
+/// Parses a spec (a register spec with `register`) read from `source` (as
+/// [`spec_source`] names it), taking the CLI's namespace when the spec names none. An error
+/// names the file and the line: `spec.hcl:7: …`.
 fn parse(
+    source: &str,
     text: &str,
     ns: &str,
     register: bool,
@@ -539,7 +550,8 @@ fn parse(
     } else {
         volume::parse_spec(text)
     };
-    let (mut spec, secrets) = parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    let (mut spec, secrets) =
+        parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.located(source, text)))?;
     if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
         spec.namespace = ns.to_string();
     }
@@ -555,18 +567,25 @@ struct RegisterExtras {
 }
 
 /// Reads `context` (as a JSON object of strings and numbers) and `capacity` (bytes, or a
-/// size such as `"10GiB"`) from a register spec.
-pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> {
-    let x: RegisterExtras =
-        hcl::from_str(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+/// size such as `"10GiB"`) from a register spec read from `source`; an error names the file
+/// and, for a bad field, its line.
+pub fn register_extras(source: &str, text: &str) -> Result<(serde_json::Value, u64), Failure> {
+    let at = |field: &str, message: String| {
+        let place = match volume::spec_line(text, None, field, None) {
+            Some(line) => format!("{source}:{line}"),
+            None => source.to_string(),
+        };
+        Failure::new(EXIT_CONFIG, format!("{place}: {message}"))
+    };
+    let x: RegisterExtras = hcl::from_str(text).map_err(|e| at("context", e.to_string()))?;
     if x.context.is_empty() {
         return Err(Failure::new(
             EXIT_CONFIG,
-            "a register spec needs a `context { ... }` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)",
+            format!("{source}: a register spec needs a `context {{ ... }}` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)"),
         ));
     }
-    let context = serde_json::to_value(&x.context)
-        .map_err(|e| Failure::new(EXIT_CONFIG, format!("context: {e}")))?;
+    let context =
+        serde_json::to_value(&x.context).map_err(|e| at("context", format!("context: {e}")))?;
     let capacity = match &x.capacity {
         None => 0,
         Some(hcl::Value::Number(n)) => n.as_u64().unwrap_or(0),
@@ -575,14 +594,14 @@ pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> 
             .parse::<u64>()
             .or_else(|_| s.trim().parse::<bytesize::ByteSize>().map(|b| b.as_u64()))
             .map_err(|_| {
-                Failure::new(
-                    EXIT_CONFIG,
+                at(
+                    "capacity",
                     format!("capacity {s:?} is not a size (e.g. \"10GiB\")"),
                 )
             })?,
         Some(other) => {
-            return Err(Failure::new(
-                EXIT_CONFIG,
+            return Err(at(
+                "capacity",
                 format!("capacity {other} is not a size (e.g. \"10GiB\")"),
             ))
         }
@@ -617,7 +636,7 @@ async fn create(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(spec)?;
-    let (spec, secrets) = parse(&text, ns, false)?;
+    let (spec, secrets) = parse(&spec_source(spec), &text, ns, false)?;
     if !client.namespace_exists(&spec.namespace).await? {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -878,8 +897,9 @@ async fn register(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
-    let (spec, secrets) = parse(&text, ns, true)?;
-    let (context, capacity) = register_extras(&text)?;
+    let source = spec_source(&spec);
+    let (spec, secrets) = parse(&source, &text, ns, true)?;
+    let (context, capacity) = register_extras(&source, &text)?;
     let mut rec = VolumeRecord::new(spec, secrets);
     rec.state = VolumeState::Ready;
     rec.context = context;
@@ -1308,12 +1328,24 @@ a1  example.app[0]  n1
     #[test]
     fn a_register_spec_needs_a_context_and_reads_its_capacity() {
         let (ctx, cap) = register_extras(
+            "r.hcl",
             "name = \"x\"\nplugin_id = \"bind\"\ncapacity = \"2GiB\"\ncontext {\n  export_path = \"/srv/x\"\n}\n",
         )
         .unwrap();
         assert_eq!(ctx, serde_json::json!({"export_path": "/srv/x"}));
         assert_eq!(cap, 2 << 30);
-        let e = register_extras("name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
+        let e = register_extras("r.hcl", "name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
         assert!(e.message.contains("context"), "{}", e.message);
+        // Issue 37 #15: a bad field names the file and its line.
+        let e = register_extras(
+            "r.hcl",
+            "name = \"x\"\nplugin_id = \"bind\"\ncontext {\n  export_path = \"/srv/x\"\n}\ncapacity = \"lots\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.message.starts_with("r.hcl:6: capacity \"lots\""),
+            "{}",
+            e.message
+        );
     }
 }
