@@ -387,6 +387,17 @@ impl Claims {
         self.held.remove(volume);
     }
 
+    /// Ends the waits of the volumes `done` says no publish waits for any more (the
+    /// allocations that needed them ended): a wait is kept only while the plan still asks
+    /// for the claim.
+    pub(crate) fn forget_waits(&mut self, done: impl Fn(&VolumeKey) -> bool) {
+        let before = self.wait.len();
+        self.wait.retain(|k, _| !done(k));
+        if self.wait.len() != before {
+            self.version += 1;
+        }
+    }
+
     /// Volumes waiting for a claim this node does not hold, with the reason.
     pub(crate) fn waiting(&self) -> impl Iterator<Item = Waiting> + '_ {
         self.wait

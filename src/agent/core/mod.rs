@@ -490,6 +490,19 @@ impl Core {
         for w in plan.waiting {
             self.plan_waiting.insert(w.volume.clone(), w);
         }
+        // A claim wait lasts while the plan asks for the claim (or its acquire is in
+        // flight): once the allocations that needed the volume end, it ends too.
+        let acquiring: BTreeSet<&VolumeKey> = plan
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::AcquireClaim { volume } => Some(volume),
+                _ => None,
+            })
+            .collect();
+        self.claims.forget_waits(|k| {
+            (all || dirty.contains(k)) && !self.busy.contains(k) && !acquiring.contains(k)
+        });
         self.waiting = self.plan_waiting.values().cloned().collect();
         self.waiting.extend(self.claims.waiting());
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
