@@ -184,6 +184,11 @@ pub struct NodeDetail {
     pub error: String,
     /// Why the node refuses the volume's record, or empty.
     pub refused: String,
+    /// The node's claim on the (single-node) volume: `held`, `fenced`, `lost`, or empty.
+    pub claim: String,
+    /// Why a publish of the volume waits on the node (e.g. the claim another node holds,
+    /// naming its job, allocation and node), or empty.
+    pub waiting: String,
 }
 
 /// The per-node rows of `volume status`: each node with a mount, an error, a refusal or a
@@ -218,6 +223,8 @@ pub fn node_details(
                 allocations: v.users,
                 error: v.error,
                 refused: refused.to_string(),
+                claim: v.claim,
+                waiting: v.waiting,
                 ..Default::default()
             },
         );
@@ -384,7 +391,11 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 let dash = |s: String| if s.is_empty() { "-".to_string() } else { s };
                 vec![
                     dash(n.node_name.clone()),
-                    n.state.clone(),
+                    if n.claim.is_empty() {
+                        n.state.clone()
+                    } else {
+                        format!("{} (claim {})", n.state, n.claim)
+                    },
                     if n.since == 0 {
                         "-".into()
                     } else {
@@ -398,10 +409,12 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                             .collect::<Vec<_>>()
                             .join(","),
                     ),
-                    dash(if n.refused.is_empty() {
-                        n.error.clone()
-                    } else {
+                    dash(if !n.refused.is_empty() {
                         format!("refuses the record: {}", n.refused)
+                    } else if n.error.is_empty() && !n.waiting.is_empty() {
+                        format!("waiting: {}", n.waiting)
+                    } else {
+                        n.error.clone()
                     }),
                 ]
             })
@@ -1260,6 +1273,66 @@ a1  example.app[0]  n1
         assert_eq!(j["secrets"], 2);
         assert_eq!(j["signed"], true);
         assert_eq!(j["allocations"][0]["alloc_id"], "a1");
+    }
+
+    /// Issue 37 #10: per node, the claim it holds and, for a node where a publish waits,
+    /// what it waits for (the holder's job, allocation and node), from the node records.
+    #[test]
+    fn the_nodes_table_shows_the_claim_and_what_a_node_waits_for() {
+        let rec = VolumeRecord::new(
+            volume::parse_spec("name = \"shared-data\"\nplugin_id = \"bind\"")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        let mut n1 = NodeRecord::new("id-1", "node-1", "default");
+        let mut n2 = NodeRecord::new("id-2", "node-2", "default");
+        n1.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                state: "published".into(),
+                since: 1,
+                users: vec!["d5e2d42f-0000-4000-8000-000000000000".into()],
+                claim: "held".into(),
+                ..Default::default()
+            },
+        )]));
+        let reason = "publish waits for the single-node claim on default/shared-data: held by job shared-data-demo, allocation d5e2d42f on node node-1, which still runs with it";
+        n2.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                waiting: reason.into(),
+                ..Default::default()
+            },
+        )]));
+        let nodes = node_details(&rec, &[n1, n2], &[], &[]);
+        assert_eq!(nodes[0].claim, "held");
+        assert!(nodes[1].waiting.starts_with("publish waits"), "{nodes:?}");
+        let d = VolumeDetail {
+            summary: vol(),
+            capabilities: Vec::new(),
+            parameters: BTreeMap::new(),
+            context: serde_json::Value::Null,
+            secrets: 0,
+            signed: true,
+            worker_node: String::new(),
+            error: String::new(),
+            source: String::new(),
+            operation: String::new(),
+            allocations: Vec::new(),
+            snapshots: Vec::new(),
+            waiting: String::new(),
+            nodes,
+        };
+        let s = render_detail(&d, false);
+        let row = |name: &str| {
+            s.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} row:\n{s}"))
+                .to_string()
+        };
+        assert!(row("node-1").contains("published (claim held)"), "{s}");
+        assert!(row("node-2").contains(&format!("waiting: {reason}")), "{s}");
     }
 
     fn node(name: &str, pool: &str, plugin: Option<(&str, bool)>, seen: u64) -> NodeRecord {

@@ -95,6 +95,15 @@ pub struct NodeVolume {
     /// The last error on this node (the plugin's redacted words), cut to
     /// [`MAX_NODE_ERROR`] characters; empty when the last attempt succeeded.
     pub error: String,
+    /// This node's claim on a single-node volume: `held`, `fenced` or `lost`; empty when
+    /// it holds none.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub claim: String,
+    /// Why a publish of it waits on this node (another node holds its claim, its plugin is
+    /// missing, another writer holds it), cut to [`MAX_NODE_ERROR`] characters; empty when
+    /// nothing waits.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub waiting: String,
 }
 
 /// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
@@ -227,6 +236,7 @@ impl NodeRecord {
             .take(MAX_NODE_VOLUMES)
             .map(|(k, mut v)| {
                 v.error = bounded(&v.error);
+                v.waiting = bounded(&v.waiting);
                 v.users.truncate(4);
                 (k, v)
             })
@@ -484,6 +494,8 @@ mod tests {
                         since: 5,
                         users: Vec::new(),
                         error: "e".repeat(5000),
+                        waiting: "w".repeat(5000),
+                        ..Default::default()
                     },
                 )
             })
@@ -494,7 +506,8 @@ mod tests {
         assert!(r
             .volumes
             .values()
-            .all(|v| v.error.chars().count() == MAX_NODE_ERROR));
+            .all(|v| v.error.chars().count() == MAX_NODE_ERROR
+                && v.waiting.chars().count() == MAX_NODE_ERROR));
         let refused = BTreeMap::from([(
             "default/dhv-binder/volumes/x".to_string(),
             "variable dhv-binder/volumes/x in namespace default is not acted on: the record is unsigned".to_string(),

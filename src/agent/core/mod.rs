@@ -213,8 +213,8 @@ impl Core {
     }
 
     /// What this node's record says of its volumes (`volume status`, per node): each mount
-    /// in the journal with its state, since when, its users and last error, and each
-    /// volume with an error but no mount.
+    /// in the journal with its state, since when, its users and last error, each volume
+    /// with an error but no mount, this node's claims and why a publish here waits.
     pub(crate) fn node_volumes(&self) -> BTreeMap<String, crate::cluster::nodes::NodeVolume> {
         let users = self.journal.users_by_volume();
         let mut out: BTreeMap<String, crate::cluster::nodes::NodeVolume> = self
@@ -235,12 +235,19 @@ impl Core {
                         .map(|u| u.iter().cloned().collect())
                         .unwrap_or_default(),
                     error: self.last_error.get(k).cloned().unwrap_or_default(),
+                    ..Default::default()
                 };
                 (k.to_string(), v)
             })
             .collect();
         for (k, e) in &self.last_error {
             out.entry(k.to_string()).or_default().error = e.clone();
+        }
+        for (k, state) in self.claims.status() {
+            out.entry(k).or_default().claim = state;
+        }
+        for w in &self.waiting {
+            out.entry(w.volume.to_string()).or_default().waiting = w.reason.clone();
         }
         out
     }

@@ -639,6 +639,8 @@ fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
     }));
     let e = h.published("d");
     h.committed(&e);
+    // The node record says the claim is held here (issue 37 #10).
+    assert_eq!(h.core.node_volumes()["default/d"].claim, "held");
     let mut a = alloc(A1, &["d"], "complete", "stop");
     a.modify_index = 5;
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
@@ -1312,6 +1314,9 @@ fn a_claim_wait_ends_with_the_allocation_that_waited() {
     let st = h.core.status();
     assert_eq!(st["waiting"].as_array().map(Vec::len), Some(1), "{st}");
     assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
+    // The node record says what the volume waits for here (issue 37 #10).
+    let nv = h.core.node_volumes();
+    assert!(nv["default/d"].waiting.contains("held by job x"), "{nv:?}");
     // Retried while the allocation waits: the wait stays.
     h.feed(Input::Tick);
     assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
@@ -1321,4 +1326,11 @@ fn a_claim_wait_ends_with_the_allocation_that_waited() {
     let st = h.core.status();
     assert_eq!(st["waiting"].as_array().map(Vec::len), Some(0), "{st}");
     assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 0]);
+    assert!(
+        h.core
+            .node_volumes()
+            .get("default/d")
+            .is_none_or(|v| v.waiting.is_empty()),
+        "the wait is gone from the node record"
+    );
 }
