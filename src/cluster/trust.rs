@@ -35,7 +35,7 @@ pub enum TrustError {
     BadSignature,
     /// The signature names a key (its ID, [`key_id`]) that is not in this node's
     /// `--record-keys`.
-    #[error("the record is signed by key {0}, which this node does not trust: add that operator's public key to the --record-keys file on every node (the `ed25519 …` line `dhv-binder volume keygen` printed when the key was made), or sign the record with a key the nodes trust")]
+    #[error("the record is signed by key {0}, which this node does not trust: add that key's public line (from `volume keygen`) to --record-keys on every node, or sign with a trusted key")]
     UntrustedKey(String),
     #[error("the record is in state deleting without a valid operator delete signature: run `dhv-binder volume delete` (or `volume snapshot delete`) with `--signing-key <file>`")]
     UnsignedDelete,
@@ -547,9 +547,10 @@ mod tests {
             trust.verify(&foreign),
             Err(TrustError::UntrustedKey(kid.clone()))
         );
-        assert!(TrustError::UntrustedKey(kid.clone())
-            .to_string()
-            .contains(&kid));
+        // Whole within a node record's 200 characters (`volume status`, `volume create`).
+        let shown = TrustError::UntrustedKey(kid.clone()).to_string();
+        assert!(shown.contains(&kid), "{shown}");
+        assert!(shown.chars().count() <= 200, "{shown}");
     }
 
     /// Issue 37 #13: each refusal of a record is one of the closed set of reasons the
