@@ -98,6 +98,13 @@ struct PluginCallLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeftoverLabels {
+    plugin: String,
+    operation: &'static str,
+    fate: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: &'static str,
 }
@@ -158,6 +165,7 @@ struct Inner {
     /// The process's own figures, unprefixed as every Prometheus client names them.
     process: Registry,
     plugin_call: HistogramFamily<PluginCallLabels>,
+    plugin_leftovers: Family<LeftoverLabels, Counter>,
     publish_wait: HistogramFamily<OutcomeLabels>,
     pending: Gauge,
     uncertain: Gauge,
@@ -176,6 +184,7 @@ struct Inner {
     watch_list_bytes: Gauge,
     journal_write: Histogram,
     journal_write_failing: Gauge,
+    volumes_frozen: Gauge,
     journal_write_failures: Counter,
     allocations: Gauge,
     volumes: Gauge,
@@ -353,6 +362,12 @@ impl Metrics {
             "Plugin calls by plugin, operation and outcome (ok, error, timeout)",
             Unit::Seconds,
             plugin_call.clone(),
+        );
+        let plugin_leftovers = Family::<LeftoverLabels, Counter>::default();
+        r.register(
+            "plugin_leftover_processes",
+            "Processes plugin calls left behind when they ended, by plugin, operation and fate (killed: in the call's process group, or holding its output outside it; left: a publish or unpublish helper outside the group holding its output)",
+            plugin_leftovers.clone(),
         );
         let publish_wait: HistogramFamily<OutcomeLabels> =
             Family::new_with_constructor(wait_buckets);
@@ -556,12 +571,19 @@ impl Metrics {
             "Journal writes that failed (retried about once a second while failing)",
             journal_write_failures.clone(),
         );
+        let volumes_frozen = Gauge::default();
+        r.register(
+            "volumes_frozen",
+            "Volumes a freezing storage operation of this node (a snapshot_create given the mount) may hold frozen now, and volumes whose thaw afterwards failed; their tasks' writes wait while frozen",
+            volumes_frozen.clone(),
+        );
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
             process,
             registry: r,
             plugin_call,
+            plugin_leftovers,
             publish_wait,
             pending,
             uncertain,
@@ -581,6 +603,7 @@ impl Metrics {
             journal_write,
             journal_write_failing,
             journal_write_failures,
+            volumes_frozen,
             allocations,
             volumes,
             volumes_served,
@@ -601,6 +624,24 @@ impl Metrics {
                 outcome: outcome.as_str(),
             })
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// A plugin call left `n` processes behind, killed or left running (`fate`).
+    pub fn plugin_leftovers(
+        &self,
+        plugin: &str,
+        op: Operation,
+        fate: crate::storage::plugin::LeftoverFate,
+        n: usize,
+    ) {
+        self.0
+            .plugin_leftovers
+            .get_or_create(&LeftoverLabels {
+                plugin: plugin.to_string(),
+                operation: op.as_str(),
+                fate: fate.as_str(),
+            })
+            .inc_by(n as u64);
     }
 
     /// A prestart caller's publish call was answered after `elapsed`.
@@ -626,6 +667,11 @@ impl Metrics {
         if !ok {
             self.0.journal_write_failures.inc();
         }
+    }
+
+    /// Volumes a freezing operation may hold frozen now.
+    pub fn set_frozen(&self, volumes: usize) {
+        self.0.volumes_frozen.set(volumes as i64);
     }
 
     /// A claim had to wait for another node.
@@ -934,8 +980,9 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 27] = [
+    const EXPORTED: [&str; 29] = [
         "dhv_binder_plugin_call_duration_seconds",
+        "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
         "dhv_binder_operations_uncertain",
@@ -955,6 +1002,7 @@ mod tests {
         "dhv_binder_journal_write_duration_seconds",
         "dhv_binder_journal_write_failing",
         "dhv_binder_journal_write_failures_total",
+        "dhv_binder_volumes_frozen",
         "dhv_binder_allocations",
         "dhv_binder_volumes",
         "dhv_binder_volumes_served",
@@ -1077,6 +1125,12 @@ mod tests {
             Duration::from_secs(60),
         );
         m.publish_wait(WaitOutcome::Published, Duration::from_millis(200));
+        m.plugin_leftovers(
+            "bind",
+            Operation::Create,
+            crate::storage::plugin::LeftoverFate::Killed,
+            2,
+        );
         m.claim_lost();
         m.set_claims(ClaimCounts {
             held: 2,
@@ -1140,6 +1194,7 @@ mod tests {
         }
         let has = |l: &str| assert!(after.lines().any(|x| x == l), "no line {l:?} in:\n{after}");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"ok\"} 1");
+        has("dhv_binder_plugin_leftover_processes_total{plugin=\"bind\",operation=\"create\",fate=\"killed\"} 2");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"timeout\"} 1");
         has("dhv_binder_publish_wait_duration_seconds_count{outcome=\"published\"} 1");
         has("dhv_binder_claim_losses_total 1");
@@ -1243,6 +1298,7 @@ mod tests {
             .collect();
         let by_plugin = [
             "dhv_binder_plugin_call_duration_seconds",
+            "dhv_binder_plugin_leftover_processes_total",
             "dhv_binder_plugin_up",
         ];
         for name in EXPORTED.iter().filter(|n| !by_plugin.contains(n)) {

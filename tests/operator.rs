@@ -107,10 +107,10 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     let (code, out) = c.cli(&["volume", "list", "-json"]);
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
-    assert_eq!(v[0]["name"], "shared-data", "{out}");
-    assert_eq!(v[0]["capacity_bytes"], 64u64 << 20, "{out}");
+    assert_eq!(v[0]["Name"], "shared-data", "{out}");
+    assert_eq!(v[0]["CapacityBytes"], 64u64 << 20, "{out}");
     // Issue 37 #5: short IDs by default, full with -verbose; an ID prefix names the volume.
-    let id = v[0]["id"].as_str().unwrap().to_string();
+    let id = v[0]["ID"].as_str().unwrap().to_string();
     let (_, out) = c.cli(&["volume", "list"]);
     assert!(out.contains(&format!("\n{}  ", &id[..8])), "{out}");
     assert!(!out.contains(&id), "{out}");
@@ -129,7 +129,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "volume",
         "list",
         "-t",
-        "{{range .}}{{.name}}={{.state}}\\n{{end}}",
+        "{{range .}}{{.Name}}={{.State}}\\n{{end}}",
     ]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(out, "shared-data=ready\n");
@@ -158,9 +158,9 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     let (code, out) = c.cli(&["volume", "status", "shared-data", "--json"]);
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
-    assert_eq!(v["plugin_id"], "bind");
-    assert!(v["context"]["export_path"].is_string(), "{out}");
-    assert!(v.get("secrets").is_some_and(|s| s.is_u64()), "{out}");
+    assert_eq!(v["PluginID"], "bind");
+    assert!(v["Context"]["export_path"].is_string(), "{out}");
+    assert!(v.get("Secrets").is_some_and(|s| s.is_u64()), "{out}");
 
     let (code, out) = c.cli(&["plugin", "status"]);
     assert_eq!(code, 0, "{out}");
@@ -179,9 +179,9 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|p| p["id"] == "bind")
+        .find(|p| p["ID"] == "bind")
         .unwrap();
-    assert_eq!(bind["nodes_healthy"], 2, "{out}");
+    assert_eq!(bind["NodesHealthy"], 2, "{out}");
     let (code, out) = c.cli(&["plugin", "status", "bind"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(kv(&out, "Nodes Healthy"), "2");
@@ -209,8 +209,8 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
     assert_eq!(v.as_array().unwrap().len(), 2, "{out}");
-    assert_eq!(v[0]["stale"], false, "{out}");
-    assert_eq!(v[0]["plugins"]["bind"]["deferred_bind"], true, "{out}");
+    assert_eq!(v[0]["Stale"], false, "{out}");
+    assert_eq!(v[0]["Plugins"]["bind"]["DeferredBind"], true, "{out}");
 
     let out = readable_status(&c, 0);
     assert!(out.starts_with("Node ID"), "{out}");
@@ -657,6 +657,28 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
     let alloc = running(&c, &job, "app").await;
     let alloc_id = alloc["ID"].as_str().unwrap();
+    // Issue 37 #15: the prestart task says how long it waited, as measured.
+    let prestart = std::fs::read_to_string(c.sb.join(&format!(
+        "sim/node-1/alloc/{alloc_id}/alloc/logs/publish-volumes.stdout.0"
+    )))
+    .unwrap_or_default();
+    let line = prestart
+        .lines()
+        .find(|l| l.contains("published at"))
+        .unwrap_or_else(|| panic!("no published line in the prestart's output:\n{prestart}"));
+    let took = line
+        .rsplit_once(" after ")
+        .map(|(_, d)| d)
+        .unwrap_or_else(|| panic!("no measured wait: {line}"));
+    assert!(
+        took.strip_suffix("ms")
+            .is_some_and(|n| n.parse::<u64>().is_ok())
+            || took
+                .strip_suffix('s')
+                .is_some_and(|n| n.parse::<f64>().is_ok()),
+        "{line}"
+    );
+    eprintln!("{line}");
     // The main task runs only after the prestart caller was answered: the wait and the
     // publish are counted by then, and the gauges follow within the same pass.
     let during = scrape(&addr).await;
@@ -709,15 +731,33 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let (code, out) = c.cli(&["volume", "status", "shared-data", "-json"]);
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
-    let n = &v["nodes"][0];
-    assert_eq!(n["node_name"], "node-1", "{out}");
-    assert_eq!(n["state"], "published", "{out}");
-    assert!(n["since"].as_u64().is_some_and(|t| t > 0), "{out}");
+    // Issue 37 #6: Nomad's keys (`ID`, `Name`, `PluginID`), RFC 3339 times.
+    for key in [
+        "ID",
+        "Name",
+        "PluginID",
+        "Namespace",
+        "CapacityBytes",
+        "State",
+    ] {
+        assert!(v.get(key).is_some(), "no {key}: {out}");
+    }
+    assert!(v.get("plugin_id").is_none(), "{out}");
+    assert_eq!(v["Name"], "shared-data", "{out}");
+    assert_eq!(v["PluginID"], "bind", "{out}");
+    let n = &v["Nodes"][0];
+    assert_eq!(n["NodeName"], "node-1", "{out}");
+    assert_eq!(n["State"], "published", "{out}");
+    let since = n["Since"].as_str().unwrap_or_else(|| panic!("{out}"));
     assert!(
-        n["host_volume_id"].as_str().is_some_and(|h| !h.is_empty()),
+        since.len() == 20 && since.as_bytes()[10] == b'T' && since.ends_with('Z'),
+        "Since is not RFC 3339: {out}"
+    );
+    assert!(
+        n["HostVolumeID"].as_str().is_some_and(|h| !h.is_empty()),
         "{out}"
     );
-    assert_eq!(n["allocations"][0], alloc_id, "{out}");
+    assert_eq!(n["Allocations"][0], alloc_id, "{out}");
 
     c.stop_job(&job, false).await;
     let after = c
@@ -739,6 +779,49 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
         assert_eq!(sample(&after, series), Some(want), "{series}:\n{after}");
     }
 
+    // Issue 37 #10: `-verbose` adds the recent events from the node records, newest first:
+    // the unpublish, then the publish for the allocation with its measured time.
+    let verbose = c
+        .wait_for(
+            20,
+            "volume status -verbose showing the unpublish",
+            || async {
+                let (code, out) = c.cli(&["volume", "status", "shared-data", "-verbose"]);
+                (code == 0
+                    && out
+                        .lines()
+                        .any(|l| l.contains(" node-1  unpublish ") && l.ends_with(" ok")))
+                .then_some(out)
+            },
+        )
+        .await;
+    eprintln!("{verbose}");
+    let events = verbose
+        .split("\nRecent Events\n")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no Recent Events:\n{verbose}"));
+    let rows: Vec<&str> = events.lines().skip(1).collect();
+    assert!(rows[0].contains(" node-1  unpublish  -"), "{verbose}");
+    let publish = rows
+        .iter()
+        .find(|l| l.contains(" node-1  publish "))
+        .unwrap_or_else(|| panic!("no publish event:\n{verbose}"));
+    assert!(publish.contains(alloc_id), "{verbose}");
+    assert!(publish.contains(" ok in "), "{verbose}");
+    let (code, out) = c.cli(&["volume", "status", "shared-data", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    let h = &json(&out)["History"];
+    let publish = h
+        .as_array()
+        .and_then(|h| h.iter().find(|e| e["Event"] == "publish"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(publish["AllocID"], alloc_id, "{out}");
+    assert_eq!(publish["NodeName"], "node-1", "{out}");
+    assert!(
+        publish["Time"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{out}"
+    );
+
     // The log lines about the volume name it as ns/name; those about the allocation, its ID.
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
     let lines: Vec<Value> = log.lines().map(json).collect();
@@ -757,7 +840,7 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
 
     // Issue 33: a storage delete is logged at info, before and after, naming the volume,
     // its ID, namespace, plugin, node and the context the plugin deletes.
-    let id = json(&c.cli(&["volume", "status", "shared-data", "-json"]).1)["id"]
+    let id = json(&c.cli(&["volume", "status", "shared-data", "-json"]).1)["ID"]
         .as_str()
         .unwrap()
         .to_string();

@@ -90,6 +90,12 @@ impl Meter {
         )
     }
 
+    /// Counts the processes plugin calls leave behind.
+    pub(crate) fn plugin_leftover_observer(&self) -> crate::storage::plugin::LeftoverObserver {
+        let m = self.metrics.clone();
+        Arc::new(move |plugin: &str, op, fate, n| m.plugin_leftovers(plugin, op, fate, n))
+    }
+
     /// An input on its way to the core.
     pub(crate) fn input(&mut self, i: &Input) {
         match i {
@@ -222,6 +228,7 @@ impl Meter {
         if std::mem::take(&mut self.recount_served) {
             self.served = core.volumes_served();
         }
+        self.metrics.set_frozen(core.frozen_count());
         let (allocations, volumes) = core.known();
         self.metrics.set_known(allocations, volumes, self.served);
     }

@@ -176,7 +176,8 @@ impl Shell {
         let cfg_state = cfg.state_dir.clone();
         Self {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
-                .observed(meter.plugin_observer()),
+                .observed(meter.plugin_observer())
+                .on_leftovers(meter.plugin_leftover_observer()),
             permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
             probes: crate::node::health::Prober::default(),
             cfg,
@@ -817,7 +818,9 @@ pub async fn run(
         )),
         tokio::spawn(crate::api::serve_with(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(
+                crate::nomad::identity::IssuerRule::from_setting(cfg.token_issuer.as_deref()),
+            ),
             api_tx,
             crate::api::Limits::default(),
         )),
@@ -909,6 +912,16 @@ pub async fn run(
         for i in &inputs {
             shell.meter.input(i);
         }
+        // This node wrote a volume record itself (its create or delete is done): list the
+        // records now rather than after the floor, so that its placeholder follows the
+        // create at once (a job submitted right after `volume create` places here without
+        // waiting up to 1.2 floors).
+        if inputs
+            .iter()
+            .any(|i| matches!(i, Input::Done(Completion::Worker { result: Ok(()), .. })))
+        {
+            record_nudge.notify_one();
+        }
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
         shell.meter.after_pass(&core);
@@ -923,7 +936,8 @@ pub async fn run(
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = r.set_volumes(core.node_volumes());
             let refused = r.set_refused(&shell.rejected_records.snapshot());
-            r.set_watch(core.watch_health()) | plugins | volumes | refused
+            let history = r.set_history(core.node_history());
+            r.set_watch(core.watch_health()) | plugins | volumes | refused | history
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");

@@ -80,17 +80,25 @@ pub enum SnapshotCommand {
     },
 }
 
-/// One snapshot as `volume snapshot list` and `volume status` show it (`-json` prints these).
+/// One snapshot as `volume snapshot list` and `volume status` show it (`-json` prints these,
+/// under the names of Nomad's `CSISnapshot`, `api/csi.go`, where it has the field: `ID`,
+/// `SizeBytes`, `CreateTime` in Unix seconds as Nomad's, `IsReady`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct SnapshotSummary {
+    #[serde(rename = "ID")]
     pub id: String,
     pub namespace: String,
+    /// The source volume's name.
     pub volume: String,
     pub name: String,
     /// Size in bytes, as the plugin's `snapshot_create` reported it (0 until ready).
+    #[serde(rename = "SizeBytes")]
     pub bytes: u64,
     /// Unix seconds when the snapshot was requested.
+    #[serde(rename = "CreateTime")]
     pub created_at: u64,
+    #[serde(rename = "IsReady")]
     pub ready: bool,
     /// `pending`, `creating`, `ready`, `failed`, `deleting`.
     pub state: String,

@@ -252,6 +252,37 @@ impl Core {
         out
     }
 
+    /// What this node's record says of its volumes' recent events (`volume status
+    /// -verbose`): the journal's recent publish, unpublish and fence outcomes.
+    pub(crate) fn node_history(&self) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
+        self.journal
+            .recent()
+            .iter()
+            .map(|(k, r)| {
+                let events = r
+                    .iter()
+                    .map(|e| crate::cluster::nodes::NodeEvent {
+                        time: e.time,
+                        event: match e.kind {
+                            EventKind::PublishDone | EventKind::PublishFailed => "publish",
+                            EventKind::UnpublishDone | EventKind::UnpublishFailed => "unpublish",
+                            EventKind::Fenced => "fence",
+                            _ => "unfence",
+                        }
+                        .to_string(),
+                        alloc_id: e.alloc_id.clone().unwrap_or_default(),
+                        ok: !matches!(
+                            e.kind,
+                            EventKind::PublishFailed | EventKind::UnpublishFailed
+                        ),
+                        ms: e.ms,
+                    })
+                    .collect();
+                (k.to_string(), events)
+            })
+            .collect()
+    }
+
     /// Volumes this node's allocations name that the catalogue has no record for (yet): the
     /// shell has the volume-record watch list at once when one appears (`catalog::Pace`).
     pub(crate) fn unknown_named_volumes(&self) -> impl Iterator<Item = &VolumeKey> + '_ {
