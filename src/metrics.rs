@@ -7,6 +7,7 @@
 //! from allocation IDs, volume names or error text. See docs/operations.md for the list,
 //! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
 
+use crate::cluster::trust::RefusedReason;
 use crate::nomad::watch::Health;
 use crate::storage::plugin::{Fingerprint, Operation, PluginError};
 use bytes::Bytes;
@@ -114,6 +115,11 @@ struct StateLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FaultLabels {
     fault: String,
 }
@@ -138,6 +144,21 @@ fn wait_buckets() -> Histogram {
 
 const WATCH_STATES: [&str; 4] = ["listing", "polling", "streaming", "disconnected"];
 const MOUNT_STATES: [&str; 4] = ["publishing", "published", "unpublishing", "dead"];
+const CLAIM_STATES: [&str; 4] = ["held", "fenced", "lost", "waiting"];
+
+/// This node's single-node claims by state, for [`Metrics::set_claims`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClaimCounts {
+    /// Held and renewed in time.
+    pub held: usize,
+    /// Not renewed before the lease was about to end: the volume was made unwritable here.
+    pub fenced: usize,
+    /// A renewal found the lock gone: the volume is being unpublished here.
+    pub lost: usize,
+    /// Volumes whose acquire was refused (another node holds the claim) or failed, not held
+    /// here: a publish waits for them.
+    pub waiting: usize,
+}
 
 struct Inner {
     registry: Registry,
@@ -152,6 +173,8 @@ struct Inner {
     claim_waits: Counter,
     claim_losses: Counter,
     claim_fences: Counter,
+    claims: Family<StateLabels, Gauge>,
+    records_refused: Family<ReasonLabels, Counter>,
     mounts: Family<StateLabels, Gauge>,
     mount_deaths: Counter,
     mount_table_reads: Counter,
@@ -390,6 +413,18 @@ impl Metrics {
             "Volumes this node fenced on itself: a claim's lease was about to end without a renewal",
             claim_fences.clone(),
         );
+        let claims = Family::<StateLabels, Gauge>::default();
+        r.register(
+            "claims",
+            "This node's single-node claims by state (held, fenced, lost), and volumes waiting for a claim another node holds (waiting)",
+            claims.clone(),
+        );
+        let records_refused = Family::<ReasonLabels, Counter>::default();
+        r.register(
+            "records_refused",
+            "Volume and snapshot records this agent read and refused to act on, by reason (malformed, unsigned, malformed-signature, untrusted-key, bad-signature, unsigned-delete); each version of a record once",
+            records_refused.clone(),
+        );
         let mounts = Family::<StateLabels, Gauge>::default();
         r.register(
             "mounts",
@@ -489,6 +524,12 @@ impl Metrics {
         for s in MOUNT_STATES {
             mounts.get_or_create(&StateLabels { state: s }).set(0);
         }
+        for s in CLAIM_STATES {
+            claims.get_or_create(&StateLabels { state: s }).set(0);
+        }
+        for r in RefusedReason::ALL {
+            let _ = records_refused.get_or_create(&ReasonLabels { reason: r.as_str() });
+        }
         // Closed label sets are exported from the first scrape, at 0 (a panel or an alert
         // on them shows 0, not "No data", until the first fault or wait).
         {
@@ -550,6 +591,8 @@ impl Metrics {
             claim_waits,
             claim_losses,
             claim_fences,
+            claims,
+            records_refused,
             mounts,
             mount_deaths,
             mount_table_reads,
@@ -644,6 +687,29 @@ impl Metrics {
     /// A volume was fenced on this node (its claim's lease was about to end).
     pub fn claim_fenced(&self) {
         self.0.claim_fences.inc();
+    }
+
+    /// This node's claims by state.
+    pub fn set_claims(&self, c: ClaimCounts) {
+        for (s, n) in CLAIM_STATES
+            .iter()
+            .zip([c.held, c.fenced, c.lost, c.waiting])
+        {
+            self.0
+                .claims
+                .get_or_create(&StateLabels { state: s })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// A watcher read a volume or snapshot record and refused it.
+    pub fn record_refused(&self, reason: RefusedReason) {
+        self.0
+            .records_refused
+            .get_or_create(&ReasonLabels {
+                reason: reason.as_str(),
+            })
+            .inc();
     }
 
     /// Mounts on this node by state (`dead`: found dead by the probes, not yet republished).
@@ -914,7 +980,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 27] = [
+    const EXPORTED: [&str; 29] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
@@ -924,6 +990,8 @@ mod tests {
         "dhv_binder_claim_waits_total",
         "dhv_binder_claim_losses_total",
         "dhv_binder_claim_fences_total",
+        "dhv_binder_claims",
+        "dhv_binder_records_refused_total",
         "dhv_binder_mounts",
         "dhv_binder_mount_deaths_total",
         "dhv_binder_mount_table_reads_total",
@@ -1064,6 +1132,15 @@ mod tests {
             2,
         );
         m.claim_lost();
+        m.set_claims(ClaimCounts {
+            held: 2,
+            fenced: 1,
+            lost: 0,
+            waiting: 3,
+        });
+        m.record_refused(RefusedReason::UntrustedKey);
+        m.record_refused(RefusedReason::UntrustedKey);
+        m.record_refused(RefusedReason::Unsigned);
         m.set_pending(2, 1, 3);
         m.set_mounts(0, 4, 1, 1);
         m.journal_write(Duration::from_millis(2));
@@ -1121,6 +1198,13 @@ mod tests {
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"timeout\"} 1");
         has("dhv_binder_publish_wait_duration_seconds_count{outcome=\"published\"} 1");
         has("dhv_binder_claim_losses_total 1");
+        has("dhv_binder_claims{state=\"held\"} 2");
+        has("dhv_binder_claims{state=\"fenced\"} 1");
+        has("dhv_binder_claims{state=\"lost\"} 0");
+        has("dhv_binder_claims{state=\"waiting\"} 3");
+        has("dhv_binder_records_refused_total{reason=\"untrusted-key\"} 2");
+        has("dhv_binder_records_refused_total{reason=\"unsigned\"} 1");
+        has("dhv_binder_records_refused_total{reason=\"bad-signature\"} 0");
         has("dhv_binder_operations_pending 2");
         has("dhv_binder_operations_uncertain 1");
         has("dhv_binder_publish_waiters 3");
@@ -1200,6 +1284,56 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
+    /// Issue 37 #13: every family is there from the first scrape, before anything
+    /// happened: the claims by state and the refused records by reason at 0 for every
+    /// state and reason; the families labelled by plugin appear with the first plugin
+    /// found (its fingerprint is a timed call).
+    #[test]
+    fn every_family_but_the_plugin_ones_is_there_at_the_first_scrape() {
+        let text = Metrics::new().encode();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap_or(l))
+            .collect();
+        let by_plugin = [
+            "dhv_binder_plugin_call_duration_seconds",
+            "dhv_binder_plugin_leftover_processes_total",
+            "dhv_binder_plugin_up",
+        ];
+        for name in EXPORTED.iter().filter(|n| !by_plugin.contains(n)) {
+            let count = format!("{name}_count");
+            assert!(
+                series.iter().any(|s| s == name || *s == count),
+                "{name} missing at the first scrape:\n{text}"
+            );
+        }
+        for state in ["held", "fenced", "lost", "waiting"] {
+            let l = format!("dhv_binder_claims{{state=\"{state}\"}} 0");
+            assert!(text.lines().any(|x| x == l), "no line {l:?} in:\n{text}");
+        }
+        for r in RefusedReason::ALL {
+            let l = format!(
+                "dhv_binder_records_refused_total{{reason=\"{}\"}} 0",
+                r.as_str()
+            );
+            assert!(text.lines().any(|x| x == l), "no line {l:?} in:\n{text}");
+        }
+        // The classic format has them too, described under their samples' names.
+        let classic = Metrics::new().encode_classic();
+        for l in [
+            "# TYPE dhv_binder_records_refused_total counter",
+            "# TYPE dhv_binder_claims gauge",
+            "dhv_binder_records_refused_total{reason=\"untrusted-key\"} 0",
+            "dhv_binder_claims{state=\"held\"} 0",
+        ] {
+            assert!(
+                classic.lines().any(|x| x == l),
+                "no line {l:?} in:\n{classic}"
+            );
+        }
+    }
+
     /// The allocator's figures can be read (jemalloc is built with its `stats` feature):
     /// without them a scrape would show the heap gauges at 0.
     #[test]
@@ -1228,6 +1362,7 @@ mod tests {
                             "state",
                             "fault",
                             "deferred",
+                            "reason",
                             "version",
                             "le"
                         ]

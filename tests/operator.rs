@@ -627,6 +627,13 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let before = scrape(&addr).await;
     assert_eq!(sample(&before, publish_ok), None, "{before}");
     assert_eq!(sample(&before, published), Some(0.0), "{before}");
+    let unsigned = r#"dhv_binder_records_refused_total{reason="unsigned"}"#;
+    assert_eq!(sample(&before, unsigned), Some(0.0), "{before}");
+    assert_eq!(
+        sample(&before, r#"dhv_binder_claims{state="held"}"#),
+        Some(0.0),
+        "{before}"
+    );
     assert!(
         sample(
             &before,
@@ -678,6 +685,9 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let exactly = [
         (publish_ok, 1.0),
         (published, 1.0),
+        // Issue 37 #13: the single-node volume's claim, held by this node.
+        (r#"dhv_binder_claims{state="held"}"#, 1.0),
+        (r#"dhv_binder_claims{state="waiting"}"#, 0.0),
         ("dhv_binder_volumes_served", 1.0),
         (r#"dhv_binder_watch_state{state="polling"}"#, 1.0),
     ];
@@ -857,6 +867,44 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
             "{l}"
         );
     }
+
+    // Issue 37 #13: a record written without the operator's key is refused and counted,
+    // by reason; the claim was given back with the unpublish.
+    let spec = c.sb.join("unsigned.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"unsigned-data\"\ntype = \"host\"\nplugin_id = \"bind\"\nparameters {{\n  export = \"{}\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(dhv_binder_bin())
+        .args(["volume", "create", "-detach", spec.to_str().unwrap()])
+        .env_clear()
+        .env("NOMAD_ADDR", &c.server)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let refused = c
+        .wait_for(20, "the unsigned record counted as refused", || async {
+            let t = scrape(&addr).await;
+            (sample(&t, unsigned) == Some(1.0)).then_some(t)
+        })
+        .await;
+    assert_eq!(
+        sample(
+            &refused,
+            r#"dhv_binder_records_refused_total{reason="bad-signature"}"#
+        ),
+        Some(0.0),
+        "{refused}"
+    );
+    assert_eq!(
+        sample(&refused, r#"dhv_binder_claims{state="held"}"#),
+        Some(0.0),
+        "{refused}"
+    );
 }
 
 /// Configuration an operator got wrong is exit 64 with the reason, before the agent asks
@@ -999,6 +1047,70 @@ fn a_spec_field_dhv_binder_cannot_honour_is_refused_by_name() {
     assert_eq!(code, Some(64), "{err}");
     assert!(
         err.contains("\"capacity_minimum\" is not a volume spec field"),
+        "{err}"
+    );
+}
+
+/// Issue 37 #15: a spec error names the file and the line, as a compiler does
+/// (`spec.hcl:7: …`, `<stdin>:7: …` for `-`); a syntax error also its column.
+#[test]
+fn a_spec_error_names_the_file_and_the_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = tmp.path().join("spec.hcl");
+    let head = "name      = \"data\"\ntype      = \"host\"\nplugin_id = \"bind\"\n\ncapability {\n  access_mode     = \"single-node-writer\"\n";
+    let create = |body: &str, stdin: bool| {
+        use std::io::Write as _;
+        std::fs::write(&spec, format!("{head}{body}")).unwrap();
+        let mut cmd = Command::new(dhv_binder_bin());
+        cmd.args(["volume", "create", "-detach"])
+            .current_dir(tmp.path())
+            .env_clear()
+            // Nothing listens here: reaching Nomad would be exit 69, not 64.
+            .env("NOMAD_ADDR", "http://127.0.0.1:9")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.arg(if stdin { "-" } else { "spec.hcl" });
+        let mut child = cmd.spawn().expect("run dhv-binder volume create");
+        let text = std::fs::read(&spec).unwrap();
+        child.stdin.take().unwrap().write_all(&text).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // An unknown field of the capability block, on line 7.
+    let (code, err) = create("  attachment_mod  = \"file-system\"\n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7: \"attachment_mod\" is not a field of a capability block"),
+        "{err}"
+    );
+    let (_, err) = create("  attachment_mod  = \"file-system\"\n}\n", true);
+    assert!(
+        err.contains("Error: <stdin>:7: \"attachment_mod\""),
+        "{err}"
+    );
+    // A bad value on line 7.
+    let (code, err) = create("  attachment_mode = \"floppy\"\n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7: attachment_mode \"floppy\" is not one of"),
+        "{err}"
+    );
+    // A syntax error on line 7, column 21.
+    let (code, err) = create("  attachment_mode = \n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7:21: not valid HCL: invalid expression"),
+        "{err}"
+    );
+    // A top-level field after the block, on line 9.
+    let (code, err) = create("}\n\ncapacity_min = \"lots\"\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:9: capacity_min \"lots\" is not a size"),
         "{err}"
     );
 }

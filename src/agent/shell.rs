@@ -777,7 +777,11 @@ pub async fn run(
         tracing::warn!(plugin_dir = %cfg.plugin_dir.display(), "the plugin directory does not exist: this node serves no volume until plugins are installed there");
     }
 
-    let rejected_records = catalog::Rejections::default();
+    // Each refused record version is counted (dhv_binder_records_refused_total).
+    let refusals = metrics.clone();
+    let rejected_records = catalog::Rejections::observed(std::sync::Arc::new(move |reason| {
+        refusals.record_refused(reason)
+    }));
     let (watch_tx, watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, cat_rx) = mpsc::channel::<Catalogue>(4);
     let (snap_tx, snap_rx) = mpsc::channel::<crate::cluster::snapshot::Snapshots>(4);

@@ -45,6 +45,8 @@ pub enum VolumeCommand {
     /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
     /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
     Register {
+        /// The register spec (HCL) file, with a `context { ... }` block and `capacity`, or
+        /// `-` to read it from standard input.
         spec: PathBuf,
         #[command(flatten)]
         key: SigningArgs,
@@ -225,6 +227,11 @@ pub struct NodeDetail {
     pub error: String,
     /// Why the node refuses the volume's record, or empty.
     pub refused: String,
+    /// The node's claim on the (single-node) volume: `held`, `fenced`, `lost`, or empty.
+    pub claim: String,
+    /// Why a publish of the volume waits on the node (e.g. the claim another node holds,
+    /// naming its job, allocation and node), or empty.
+    pub waiting: String,
 }
 
 /// One event of a volume on one node, from the node's journal (via its node record).
@@ -281,6 +288,8 @@ pub fn node_details(
                 allocations: v.users,
                 error: v.error,
                 refused: refused.to_string(),
+                claim: v.claim,
+                waiting: v.waiting,
                 ..Default::default()
             },
         );
@@ -522,7 +531,11 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 let dash = |s: String| if s.is_empty() { "-".to_string() } else { s };
                 vec![
                     dash(n.node_name.clone()),
-                    n.state.clone(),
+                    if n.claim.is_empty() {
+                        n.state.clone()
+                    } else {
+                        format!("{} (claim {})", n.state, n.claim)
+                    },
                     if n.since == 0 {
                         "-".into()
                     } else {
@@ -536,10 +549,12 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                             .collect::<Vec<_>>()
                             .join(","),
                     ),
-                    dash(if n.refused.is_empty() {
-                        n.error.clone()
-                    } else {
+                    dash(if !n.refused.is_empty() {
                         format!("refuses the record: {}", n.refused)
+                    } else if n.error.is_empty() && !n.waiting.is_empty() {
+                        format!("waiting: {}", n.waiting)
+                    } else {
+                        n.error.clone()
                     }),
                 ]
             })
@@ -669,9 +684,20 @@ fn read_spec_text(path: &Path) -> Result<String, Failure> {
         .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", path.display())))
 }
 
-/// Parses a spec (a register spec with `register`), taking the CLI's namespace when the
-/// spec names none.
+/// How a spec's errors name it: the path as the user gave it, or `<stdin>` for `-`.
+fn spec_source(path: &Path) -> String {
+    if path == Path::new("-") {
+        "<stdin>".into()
+    } else {
+        path.display().to_string()
+    }
+}
+
+/// Parses a spec (a register spec with `register`) read from `source` (as
+/// [`spec_source`] names it), taking the CLI's namespace when the spec names none. An error
+/// names the file and the line: `spec.hcl:7: …`.
 fn parse(
+    source: &str,
     text: &str,
     ns: &str,
     register: bool,
@@ -681,7 +707,8 @@ fn parse(
     } else {
         volume::parse_spec(text)
     };
-    let (mut spec, secrets) = parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    let (mut spec, secrets) =
+        parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.located(source, text)))?;
     if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
         spec.namespace = ns.to_string();
     }
@@ -697,18 +724,25 @@ struct RegisterExtras {
 }
 
 /// Reads `context` (as a JSON object of strings and numbers) and `capacity` (bytes, or a
-/// size such as `"10GiB"`) from a register spec.
-pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> {
-    let x: RegisterExtras =
-        hcl::from_str(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+/// size such as `"10GiB"`) from a register spec read from `source`; an error names the file
+/// and, for a bad field, its line.
+pub fn register_extras(source: &str, text: &str) -> Result<(serde_json::Value, u64), Failure> {
+    let at = |field: &str, message: String| {
+        let place = match volume::spec_line(text, None, field, None) {
+            Some(line) => format!("{source}:{line}"),
+            None => source.to_string(),
+        };
+        Failure::new(EXIT_CONFIG, format!("{place}: {message}"))
+    };
+    let x: RegisterExtras = hcl::from_str(text).map_err(|e| at("context", e.to_string()))?;
     if x.context.is_empty() {
         return Err(Failure::new(
             EXIT_CONFIG,
-            "a register spec needs a `context { ... }` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)",
+            format!("{source}: a register spec needs a `context {{ ... }}` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)"),
         ));
     }
-    let context = serde_json::to_value(&x.context)
-        .map_err(|e| Failure::new(EXIT_CONFIG, format!("context: {e}")))?;
+    let context =
+        serde_json::to_value(&x.context).map_err(|e| at("context", format!("context: {e}")))?;
     let capacity = match &x.capacity {
         None => 0,
         Some(hcl::Value::Number(n)) => n.as_u64().unwrap_or(0),
@@ -717,14 +751,14 @@ pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> 
             .parse::<u64>()
             .or_else(|_| s.trim().parse::<bytesize::ByteSize>().map(|b| b.as_u64()))
             .map_err(|_| {
-                Failure::new(
-                    EXIT_CONFIG,
+                at(
+                    "capacity",
                     format!("capacity {s:?} is not a size (e.g. \"10GiB\")"),
                 )
             })?,
         Some(other) => {
-            return Err(Failure::new(
-                EXIT_CONFIG,
+            return Err(at(
+                "capacity",
                 format!("capacity {other} is not a size (e.g. \"10GiB\")"),
             ))
         }
@@ -759,7 +793,7 @@ async fn create(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(spec)?;
-    let (spec, secrets) = parse(&text, ns, false)?;
+    let (spec, secrets) = parse(&spec_source(spec), &text, ns, false)?;
     if !client.namespace_exists(&spec.namespace).await? {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -1020,8 +1054,9 @@ async fn register(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
-    let (spec, secrets) = parse(&text, ns, true)?;
-    let (context, capacity) = register_extras(&text)?;
+    let source = spec_source(&spec);
+    let (spec, secrets) = parse(&source, &text, ns, true)?;
+    let (context, capacity) = register_extras(&source, &text)?;
     let mut rec = VolumeRecord::new(spec, secrets);
     rec.state = VolumeState::Ready;
     rec.context = context;
@@ -1514,9 +1549,70 @@ Time                  Node    Event      Allocation  Outcome
         let j = serde_json::to_value([n.clone(), NodeDetail::default()]).unwrap();
         assert_eq!(
             j[0],
-            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": ""})
+            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": ""})
         );
         assert_eq!(j[1]["Since"], serde_json::Value::Null);
+    }
+
+    /// Issue 37 #10: per node, the claim it holds and, for a node where a publish waits,
+    /// what it waits for (the holder's job, allocation and node), from the node records.
+    #[test]
+    fn the_nodes_table_shows_the_claim_and_what_a_node_waits_for() {
+        let rec = VolumeRecord::new(
+            volume::parse_spec("name = \"shared-data\"\nplugin_id = \"bind\"")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        let mut n1 = NodeRecord::new("id-1", "node-1", "default");
+        let mut n2 = NodeRecord::new("id-2", "node-2", "default");
+        n1.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                state: "published".into(),
+                since: 1,
+                users: vec!["d5e2d42f-0000-4000-8000-000000000000".into()],
+                claim: "held".into(),
+                ..Default::default()
+            },
+        )]));
+        let reason = "publish waits for the single-node claim on default/shared-data: held by job shared-data-demo, allocation d5e2d42f on node node-1, which still runs with it";
+        n2.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                waiting: reason.into(),
+                ..Default::default()
+            },
+        )]));
+        let nodes = node_details(&rec, &[n1, n2], &[], &[]);
+        assert_eq!(nodes[0].claim, "held");
+        assert!(nodes[1].waiting.starts_with("publish waits"), "{nodes:?}");
+        let d = VolumeDetail {
+            summary: vol(),
+            requested_capabilities: Vec::new(),
+            parameters: BTreeMap::new(),
+            context: serde_json::Value::Null,
+            secrets: 0,
+            signed: true,
+            worker_node: String::new(),
+            error: String::new(),
+            source: String::new(),
+            operation: String::new(),
+            allocations: Vec::new(),
+            snapshots: Vec::new(),
+            waiting: String::new(),
+            nodes,
+            history: Vec::new(),
+        };
+        let s = render_detail(&d, false);
+        let row = |name: &str| {
+            s.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} row:\n{s}"))
+                .to_string()
+        };
+        assert!(row("node-1").contains("published (claim held)"), "{s}");
+        assert!(row("node-2").contains(&format!("waiting: {reason}")), "{s}");
     }
 
     fn node(name: &str, pool: &str, plugin: Option<(&str, bool)>, seen: u64) -> NodeRecord {
@@ -1585,12 +1681,24 @@ Time                  Node    Event      Allocation  Outcome
     #[test]
     fn a_register_spec_needs_a_context_and_reads_its_capacity() {
         let (ctx, cap) = register_extras(
+            "r.hcl",
             "name = \"x\"\nplugin_id = \"bind\"\ncapacity = \"2GiB\"\ncontext {\n  export_path = \"/srv/x\"\n}\n",
         )
         .unwrap();
         assert_eq!(ctx, serde_json::json!({"export_path": "/srv/x"}));
         assert_eq!(cap, 2 << 30);
-        let e = register_extras("name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
+        let e = register_extras("r.hcl", "name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
         assert!(e.message.contains("context"), "{}", e.message);
+        // Issue 37 #15: a bad field names the file and its line.
+        let e = register_extras(
+            "r.hcl",
+            "name = \"x\"\nplugin_id = \"bind\"\ncontext {\n  export_path = \"/srv/x\"\n}\ncapacity = \"lots\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.message.starts_with("r.hcl:6: capacity \"lots\""),
+            "{}",
+            e.message
+        );
     }
 }

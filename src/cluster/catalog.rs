@@ -1,7 +1,7 @@
 //! The volume catalogue: every deferred volume record in the cluster, kept current with a
 //! blocking query on the records' variables (Nomad API: `GET /v1/vars?prefix=dhv-binder/volumes/&namespace=*`).
 
-use crate::cluster::trust::RecordTrust;
+use crate::cluster::trust::{RecordTrust, Refusal, RefusedReason};
 use crate::nomad::types::VariableMeta;
 use crate::nomad::watch::MIN_QUERY_INTERVAL;
 use crate::nomad::Client;
@@ -15,21 +15,50 @@ use tokio::sync::mpsc;
 /// A full snapshot of the catalogue.
 pub type Catalogue = BTreeMap<VolumeKey, VolumeRecord>;
 
+/// Told of each refusal as it happens: a record version read and refused, with why (the
+/// agent's metrics count them).
+pub type RefusalObserver = Arc<dyn Fn(RefusedReason) + Send + Sync>;
+
 /// Records left out of the catalogue, by `<namespace>/<variable path>`, with the reason
 /// (malformed, unsigned, forged, an unsigned delete). Shared with the status document.
-#[derive(Debug, Clone, Default)]
-pub struct Rejections(Arc<Mutex<BTreeMap<String, String>>>);
+#[derive(Clone, Default)]
+pub struct Rejections {
+    current: Arc<Mutex<BTreeMap<String, String>>>,
+    observer: Option<RefusalObserver>,
+}
+
+impl std::fmt::Debug for Rejections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Rejections").field(&self.snapshot()).finish()
+    }
+}
 
 impl Rejections {
+    /// Rejections that also tell `observer` of every refusal: each version of a record
+    /// (its variable's ModifyIndex) once, when a watcher reads and refuses it.
+    pub fn observed(observer: RefusalObserver) -> Self {
+        Rejections {
+            current: Arc::default(),
+            observer: Some(observer),
+        }
+    }
+
+    /// A watcher read a record version and refused it.
+    pub(crate) fn refused(&self, reason: RefusedReason) {
+        if let Some(o) = &self.observer {
+            o(reason);
+        }
+    }
+
     /// The current rejections, `<namespace>/<path>` → reason.
     pub fn snapshot(&self) -> BTreeMap<String, String> {
-        self.0.lock().map(|m| m.clone()).unwrap_or_default()
+        self.current.lock().map(|m| m.clone()).unwrap_or_default()
     }
 
     /// Replaces the rejections of records whose variable path starts with `prefix` (each
     /// watcher owns its prefix: volume records, snapshot records) with `now`.
     pub(crate) fn replace_under(&self, prefix: &str, now: BTreeMap<String, String>) {
-        if let Ok(mut m) = self.0.lock() {
+        if let Ok(mut m) = self.current.lock() {
             m.retain(|k, _| {
                 !k.split_once('/')
                     .is_some_and(|(_, path)| path.starts_with(prefix))
@@ -79,7 +108,8 @@ impl Pace {
 
 /// Watches the records and sends a full catalogue after every change, listing at most once
 /// per `pace` (see [`Pace`]). Records that do not decode or that `trust` refuses are logged,
-/// listed in `rejected` and left out (never deleted, never acted on).
+/// listed in `rejected` (and told to its observer, once per record version) and left out
+/// (never deleted, never acted on).
 pub async fn run(
     client: Client,
     wait: Duration,
@@ -116,7 +146,7 @@ pub async fn run(
             // Index went backwards (restore): start over.
             cache.clear();
         }
-        match load(&client, &list.value, &trust, &mut cache).await {
+        match load(&client, &list.value, &trust, &rejected, &mut cache).await {
             Ok(cat) => {
                 rejected.replace_under(RECORD_PREFIX, rejections_of(&cache));
                 if tx.send(cat).await.is_err() {
@@ -147,7 +177,10 @@ pub(crate) fn rejections_of<'a, T: 'a>(
 }
 
 /// Decodes and checks one variable; `Err` says why it must not be acted on.
-pub fn admit(var: &crate::nomad::types::Variable, trust: &RecordTrust) -> Decoded {
+pub fn admit(
+    var: &crate::nomad::types::Variable,
+    trust: &RecordTrust,
+) -> Result<VolumeRecord, Refusal> {
     crate::cluster::trust::admit(var, trust, VolumeRecord::from_variable)
 }
 
@@ -155,6 +188,7 @@ async fn load(
     client: &Client,
     metas: &[VariableMeta],
     trust: &RecordTrust,
+    rejected: &Rejections,
     cache: &mut HashMap<(String, String), (u64, Option<Decoded>)>,
 ) -> Result<Catalogue, crate::nomad::NomadError> {
     let mut seen = HashMap::new();
@@ -167,10 +201,12 @@ async fn load(
         let entry = match cached {
             Some(c) => c,
             None => {
-                let rec = client
-                    .variable(&m.namespace, &m.path)
-                    .await?
-                    .map(|var| admit(&var, trust));
+                let rec = client.variable(&m.namespace, &m.path).await?.map(|var| {
+                    admit(&var, trust).map_err(|r| {
+                        rejected.refused(r.reason);
+                        r.message
+                    })
+                });
                 if let Some(Err(reason)) = &rec {
                     let name = m.path.rsplit('/').next().unwrap_or(&m.path);
                     let volume = crate::escape::escape_control(&format!("{}/{name}", m.namespace));

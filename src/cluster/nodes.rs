@@ -131,6 +131,15 @@ pub struct NodeVolume {
     /// The last error on this node (the plugin's redacted words), cut to
     /// [`MAX_NODE_ERROR`] characters; empty when the last attempt succeeded.
     pub error: String,
+    /// This node's claim on a single-node volume: `held`, `fenced` or `lost`; empty when
+    /// it holds none.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub claim: String,
+    /// Why a publish of it waits on this node (another node holds its claim, its plugin is
+    /// missing, another writer holds it), cut to [`MAX_NODE_ERROR`] characters; empty when
+    /// nothing waits.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub waiting: String,
 }
 
 /// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
@@ -263,6 +272,13 @@ impl NodeRecord {
             .take(MAX_NODE_VOLUMES)
             .map(|(k, mut v)| {
                 v.error = bounded(&v.error);
+                // One of the two is shown (`volume status` prints the wait only where
+                // there is no error), so the record's size bound counts one of them.
+                v.waiting = if v.error.is_empty() {
+                    bounded(&v.waiting)
+                } else {
+                    String::new()
+                };
                 v.users.truncate(4);
                 (k, v)
             })
@@ -541,6 +557,8 @@ mod tests {
                         since: 5,
                         users: Vec::new(),
                         error: "e".repeat(5000),
+                        waiting: "w".repeat(5000),
+                        ..Default::default()
                     },
                 )
             })
@@ -551,7 +569,17 @@ mod tests {
         assert!(r
             .volumes
             .values()
-            .all(|v| v.error.chars().count() == MAX_NODE_ERROR));
+            .all(|v| v.error.chars().count() == MAX_NODE_ERROR && v.waiting.is_empty()));
+        // Without an error, the wait is kept, bounded the same.
+        let mut w = rec();
+        w.set_volumes(BTreeMap::from([(
+            "default/w".to_string(),
+            NodeVolume {
+                waiting: "w".repeat(5000),
+                ..Default::default()
+            },
+        )]));
+        assert_eq!(w.volumes["default/w"].waiting.chars().count(), MAX_NODE_ERROR);
         let refused = BTreeMap::from([(
             "default/dhv-binder/volumes/x".to_string(),
             "variable dhv-binder/volumes/x in namespace default is not acted on: the record is unsigned".to_string(),
@@ -591,6 +619,8 @@ mod tests {
                             since: 1_733_350_000,
                             users: vec![id.to_string(); 4],
                             error: "e".repeat(MAX_NODE_ERROR),
+                            claim: "fenced".into(),
+                            waiting: "w".repeat(MAX_NODE_ERROR),
                         },
                     )
                 })

@@ -74,6 +74,17 @@ impl Core {
             .count()
     }
 
+    /// This node's claims: `[held, fenced, lost, waiting]`, and the claims' version (count
+    /// again only when it moved, see `Claims::version`).
+    pub(crate) fn claims_by_state(&self) -> ([usize; 4], u64) {
+        (self.claims.counts(), self.claims.version())
+    }
+
+    /// The claims' version alone (O(1)).
+    pub(crate) fn claims_version(&self) -> u64 {
+        self.claims.version()
+    }
+
     /// Volumes a freezing operation may hold frozen (O(1)).
     pub(crate) fn frozen_count(&self) -> usize {
         self.storage_ops.frozen().len()

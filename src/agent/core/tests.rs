@@ -757,6 +757,8 @@ fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
     }));
     let e = h.published("d");
     h.committed(&e);
+    // The node record says the claim is held here (issue 37 #10).
+    assert_eq!(h.core.node_volumes()["default/d"].claim, "held");
     let mut a = alloc(A1, &["d"], "complete", "stop");
     a.modify_index = 5;
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
@@ -1409,5 +1411,44 @@ fn a_volume_key_that_is_not_a_path_gets_no_target() {
         !e.iter()
             .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
         "{e:?}"
+    );
+}
+
+/// Issue 37 #13: a volume waiting for another node's claim stops waiting (in the status
+/// and in `dhv_binder_claims{state="waiting"}`) once the allocation that needed it ends.
+#[test]
+fn a_claim_wait_ends_with_the_allocation_that_waited() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(crate::cluster::claims::ClaimError::Held {
+            volume: key("d"),
+            holder: "job x".into(),
+        }),
+    }));
+    let st = h.core.status();
+    assert_eq!(st["waiting"].as_array().map(Vec::len), Some(1), "{st}");
+    assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
+    // The node record says what the volume waits for here (issue 37 #10).
+    let nv = h.core.node_volumes();
+    assert!(nv["default/d"].waiting.contains("held by job x"), "{nv:?}");
+    // Retried while the allocation waits: the wait stays.
+    h.feed(Input::Tick);
+    assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
+    let mut a = alloc(A1, &["d"], "complete", "stop");
+    a.modify_index = 5;
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+    let st = h.core.status();
+    assert_eq!(st["waiting"].as_array().map(Vec::len), Some(0), "{st}");
+    assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 0]);
+    assert!(
+        h.core
+            .node_volumes()
+            .get("default/d")
+            .is_none_or(|v| v.waiting.is_empty()),
+        "the wait is gone from the node record"
     );
 }
