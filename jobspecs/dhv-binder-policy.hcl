@@ -1,43 +1,48 @@
-# ACL policy for the dhv-binder system job (least privilege; see README "ACL policy" for what
-# remains broad and why, and docs/security.md for the threat model).
+# ACL policy for the dhv-binder system job: least privilege, for the namespaces it serves.
 #   nomad acl policy apply -namespace default -job dhv-binder dhv-binder jobspecs/dhv-binder-policy.hcl
 #
-# - read-job in every namespace: the event stream (topic Allocation, namespace=*) and
-#   allocation reads (Nomad has no per-node scope for them);
-# - host-volume-register / host-volume-read / host-volume-delete: the placeholder host
-#   volumes each node offers for deferred volumes (Nomad cannot scope these to one node or
-#   one path);
-# - alloc-lifecycle: restart an allocation whose published FUSE mount died and was
-#   published again (the tasks get a fresh bind of the new mount);
-# - variables: the volume records (read, list; write to report create/delete progress;
-#   destroy after a signed delete), the single-node claims (locks) and the snapshot records
-#   (issue 14: a node reports a snapshot's progress and removes a deleted one), nothing else
-#   under dhv-binder/ and nothing outside it. Records are verified against operator keys on each
-#   node, so this write access cannot steer what a node mounts or deletes;
-# - in namespace "default" only, also this node's record (dhv-binder/nodes/<node-id>, read by
-#   `node status`, `plugin status` and `volume create`'s fail-fast check), and the record
-#   change marker dhv-binder/records-changed (read: every agent follows it with a blocking
-#   read; write: a node that writes a record back updates it; docs/scale.md "The change
-#   marker"; without it agents list the records every 10 s). Nomad applies the
-#   rule of an exact namespace match instead of a glob's (acl/acl.go), so the "default" block
-#   repeats every capability of the "*" block: keep the two in step;
-# - node read: the node's allocation list; agent read: the local node ID.
-namespace "*" {
-  capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
-
-  variables {
-    path "dhv-binder/volumes/*" {
-      capabilities = ["read", "list", "write", "destroy"]
-    }
-    path "dhv-binder/claims/*" {
-      capabilities = ["read", "list", "write", "destroy"]
-    }
-    path "dhv-binder/snapshots/*" {
-      capabilities = ["read", "list", "write", "destroy"]
-    }
-  }
-}
-
+# Every Nomad call the agent makes, and what it needs (src/nomad/mod.rs, one function per
+# call; tests/jobspecs.rs checks this file, tests/policy.rs runs the agent under it):
+# - node read: the node, and its allocation list (GET /v1/node/:id/allocations, the default
+#   --watch-mode poll; Nomad lists only the allocations of namespaces the token has read-job
+#   in: nomad/node_endpoint.go GetAllocs); agent read: the local node ID;
+# - in each namespace it serves volumes in (here "default"; copy the block below for each
+#   other one, without the nodes path), and nowhere else:
+#   - read-job: the allocations placed on its node that may use the namespace's volumes
+#     (GET /v1/allocation/:id);
+#   - host-volume-register, host-volume-read, host-volume-delete: the placeholder host
+#     volumes of that namespace's deferred volumes (PUT /v1/volume/host/register, GET
+#     /v1/volumes, DELETE /v1/volume/host/:id; Nomad cannot scope these to one node or path);
+#   - alloc-lifecycle: restart an allocation whose published FUSE mount died and was
+#     published again (PUT /v1/client/allocation/:id/restart);
+#   - variables: the volume records (read, list; write to report create/delete progress;
+#     destroy after a signed delete), the single-node claims (locks: write; destroy on
+#     release) and the snapshot records (progress; destroy after a signed delete); nothing
+#     else under dhv-binder/ and nothing outside it (the record watches list namespace=*,
+#     which Nomad filters to what the token may list);
+#   - in "default" only, also this node's record (dhv-binder/nodes/<node-id>: read, write)
+#     and the record change marker dhv-binder/records-changed (read: every agent follows it
+#     with a blocking read; write: a node that writes a record back updates it; docs/scale.md
+#     "The change marker"; without it agents list the records every 10 s).
+# A job in another namespace cannot use these volumes anyway (host volumes are namespaced),
+# so the agent need not see its allocations.
+#
+# What a holder of this token (or anyone who may write the variables of a served namespace)
+# can and cannot do, with signed records (docs/security.md "Threat model"):
+# - cannot make a node mount, create, copy or delete storage the operator did not sign:
+#   every spec, parameter, secret, registered context and delete is signed with the
+#   operator's key (kept off the cluster), a delete is bound to the exact record it deletes,
+#   and a node takes no storage path from unsigned fields;
+# - can, in the namespaces this policy names: rewrite the unsigned fields nodes write back
+#   (state short of an acted-on delete, a created volume's context, which plugins refuse
+#   unless it names the volume's own storage, sizes, errors), write back an older signed
+#   version of a record (its own storage, or nothing), delete records, claims and placeholder
+#   host volumes, hold or release claims, restart or stop allocations, register a host volume
+#   at any path on any node (Nomad cannot scope host-volume-register): denial of service,
+#   and jobs of that namespace mounting what such a volume names; forge node records in
+#   "default" that mislead `node status` and `volume create`;
+# - can read the jobs and allocations of those namespaces (read-job), environment values in
+#   job specs included, and every node; no variables outside dhv-binder/.
 namespace "default" {
   capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
 
@@ -59,6 +64,31 @@ namespace "default" {
     }
   }
 }
+
+# Another namespace whose volumes this daemon serves (uncomment, rename, one per namespace):
+# namespace "prod" {
+#   capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
+#
+#   variables {
+#     path "dhv-binder/volumes/*" {
+#       capabilities = ["read", "list", "write", "destroy"]
+#     }
+#     path "dhv-binder/claims/*" {
+#       capabilities = ["read", "list", "write", "destroy"]
+#     }
+#     path "dhv-binder/snapshots/*" {
+#       capabilities = ["read", "list", "write", "destroy"]
+#     }
+#   }
+# }
+
+# With --watch-mode stream only: the allocation event stream subscribes with namespace=*,
+# which Nomad allows only with read-job in every namespace (nomad/event_endpoint.go
+# validateACL). Uncomment this block for it (and the agent then reads every job's
+# allocations on its node):
+# namespace "*" {
+#   capabilities = ["read-job"]
+# }
 
 node {
   policy = "read"

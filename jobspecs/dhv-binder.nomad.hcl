@@ -49,8 +49,9 @@ job "dhv-binder" {
   # allocations at least 10 priority points lower, instead of leaving it unplaced.
   priority = 90
 
-  # An update (a new release) replaces the allocation one node at a time
-  # (`scheduler/system_sched.go` `computeJobAllocs`: max_parallel per evaluation). On each
+  # An update (a new release) replaces the allocation one node at a time, the next node
+  # `stagger` later (Nomad 1.10 `scheduler/scheduler_system.go` `computeJobAllocs`,
+  # `evictAndPlace`; from 1.11 also after the batch is healthy). On each
   # node the old agent's cgroup is killed; published volumes stay mounted and their FUSE
   # helpers keep serving them from their own cgroups; the new agent reads the journal and
   # adopts them (docs/operations.md, "Upgrades, helper cgroups and memory").

@@ -206,8 +206,10 @@ pub struct AgentConfig {
         value_delimiter = ','
     )]
     pub plugin_roots: Vec<String>,
-    /// The issuer (`iss`) workload identity tokens must carry: the cluster's `oidc_issuer`,
-    /// when it sets one (Nomad then puts it in every token). Unset: any issuer.
+    /// The issuer (`iss`) workload identity tokens must carry. Unset (or `cluster`): the
+    /// cluster's own, learnt with its keys from `GET /.well-known/openid-configuration` (the
+    /// servers' `oidc_issuer`; a cluster without one answers 404 and its tokens must carry no
+    /// `iss`). A URL: exactly that issuer. `any`: not checked.
     #[arg(long = "token-issuer", env = "DHV_BINDER_TOKEN_ISSUER")]
     pub token_issuer: Option<String>,
     /// Extra audiences accepted on workload identity tokens, besides `nomadproject.io`.

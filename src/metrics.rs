@@ -7,6 +7,7 @@
 //! from allocation IDs, volume names or error text. See docs/operations.md for the list,
 //! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
 
+use crate::cluster::trust::RefusedReason;
 use crate::nomad::watch::Health;
 use crate::storage::plugin::{Fingerprint, Operation, PluginError};
 use bytes::Bytes;
@@ -97,6 +98,13 @@ struct PluginCallLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeftoverLabels {
+    plugin: String,
+    operation: &'static str,
+    fate: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: &'static str,
 }
@@ -104,6 +112,11 @@ struct OutcomeLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -131,12 +144,28 @@ fn wait_buckets() -> Histogram {
 
 const WATCH_STATES: [&str; 4] = ["listing", "polling", "streaming", "disconnected"];
 const MOUNT_STATES: [&str; 4] = ["publishing", "published", "unpublishing", "dead"];
+const CLAIM_STATES: [&str; 4] = ["held", "fenced", "lost", "waiting"];
+
+/// This node's single-node claims by state, for [`Metrics::set_claims`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClaimCounts {
+    /// Held and renewed in time.
+    pub held: usize,
+    /// Not renewed before the lease was about to end: the volume was made unwritable here.
+    pub fenced: usize,
+    /// A renewal found the lock gone: the volume is being unpublished here.
+    pub lost: usize,
+    /// Volumes whose acquire was refused (another node holds the claim) or failed, not held
+    /// here: a publish waits for them.
+    pub waiting: usize,
+}
 
 struct Inner {
     registry: Registry,
     /// The process's own figures, unprefixed as every Prometheus client names them.
     process: Registry,
     plugin_call: HistogramFamily<PluginCallLabels>,
+    plugin_leftovers: Family<LeftoverLabels, Counter>,
     publish_wait: HistogramFamily<OutcomeLabels>,
     pending: Gauge,
     uncertain: Gauge,
@@ -144,6 +173,8 @@ struct Inner {
     claim_waits: Counter,
     claim_losses: Counter,
     claim_fences: Counter,
+    claims: Family<StateLabels, Gauge>,
+    records_refused: Family<ReasonLabels, Counter>,
     mounts: Family<StateLabels, Gauge>,
     mount_deaths: Counter,
     mount_table_reads: Counter,
@@ -153,6 +184,7 @@ struct Inner {
     watch_list_bytes: Gauge,
     journal_write: Histogram,
     journal_write_failing: Gauge,
+    volumes_frozen: Gauge,
     journal_write_failures: Counter,
     allocations: Gauge,
     volumes: Gauge,
@@ -331,6 +363,12 @@ impl Metrics {
             Unit::Seconds,
             plugin_call.clone(),
         );
+        let plugin_leftovers = Family::<LeftoverLabels, Counter>::default();
+        r.register(
+            "plugin_leftover_processes",
+            "Processes plugin calls left behind when they ended, by plugin, operation and fate (killed: in the call's process group, or holding its output outside it; left: a publish or unpublish helper outside the group holding its output)",
+            plugin_leftovers.clone(),
+        );
         let publish_wait: HistogramFamily<OutcomeLabels> =
             Family::new_with_constructor(wait_buckets);
         r.register_with_unit(
@@ -374,6 +412,18 @@ impl Metrics {
             "claim_fences",
             "Volumes this node fenced on itself: a claim's lease was about to end without a renewal",
             claim_fences.clone(),
+        );
+        let claims = Family::<StateLabels, Gauge>::default();
+        r.register(
+            "claims",
+            "This node's single-node claims by state (held, fenced, lost), and volumes waiting for a claim another node holds (waiting)",
+            claims.clone(),
+        );
+        let records_refused = Family::<ReasonLabels, Counter>::default();
+        r.register(
+            "records_refused",
+            "Volume and snapshot records this agent read and refused to act on, by reason (malformed, unsigned, malformed-signature, untrusted-key, bad-signature, unsigned-delete); each version of a record once",
+            records_refused.clone(),
         );
         let mounts = Family::<StateLabels, Gauge>::default();
         r.register(
@@ -474,6 +524,12 @@ impl Metrics {
         for s in MOUNT_STATES {
             mounts.get_or_create(&StateLabels { state: s }).set(0);
         }
+        for s in CLAIM_STATES {
+            claims.get_or_create(&StateLabels { state: s }).set(0);
+        }
+        for r in RefusedReason::ALL {
+            let _ = records_refused.get_or_create(&ReasonLabels { reason: r.as_str() });
+        }
         // Closed label sets are exported from the first scrape, at 0 (a panel or an alert
         // on them shows 0, not "No data", until the first fault or wait).
         {
@@ -515,12 +571,19 @@ impl Metrics {
             "Journal writes that failed (retried about once a second while failing)",
             journal_write_failures.clone(),
         );
+        let volumes_frozen = Gauge::default();
+        r.register(
+            "volumes_frozen",
+            "Volumes a freezing storage operation of this node (a snapshot_create given the mount) may hold frozen now, and volumes whose thaw afterwards failed; their tasks' writes wait while frozen",
+            volumes_frozen.clone(),
+        );
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
             process,
             registry: r,
             plugin_call,
+            plugin_leftovers,
             publish_wait,
             pending,
             uncertain,
@@ -528,6 +591,8 @@ impl Metrics {
             claim_waits,
             claim_losses,
             claim_fences,
+            claims,
+            records_refused,
             mounts,
             mount_deaths,
             mount_table_reads,
@@ -538,6 +603,7 @@ impl Metrics {
             journal_write,
             journal_write_failing,
             journal_write_failures,
+            volumes_frozen,
             allocations,
             volumes,
             volumes_served,
@@ -558,6 +624,24 @@ impl Metrics {
                 outcome: outcome.as_str(),
             })
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// A plugin call left `n` processes behind, killed or left running (`fate`).
+    pub fn plugin_leftovers(
+        &self,
+        plugin: &str,
+        op: Operation,
+        fate: crate::storage::plugin::LeftoverFate,
+        n: usize,
+    ) {
+        self.0
+            .plugin_leftovers
+            .get_or_create(&LeftoverLabels {
+                plugin: plugin.to_string(),
+                operation: op.as_str(),
+                fate: fate.as_str(),
+            })
+            .inc_by(n as u64);
     }
 
     /// A prestart caller's publish call was answered after `elapsed`.
@@ -585,6 +669,11 @@ impl Metrics {
         }
     }
 
+    /// Volumes a freezing operation may hold frozen now.
+    pub fn set_frozen(&self, volumes: usize) {
+        self.0.volumes_frozen.set(volumes as i64);
+    }
+
     /// A claim had to wait for another node.
     pub fn claim_wait(&self) {
         self.0.claim_waits.inc();
@@ -598,6 +687,29 @@ impl Metrics {
     /// A volume was fenced on this node (its claim's lease was about to end).
     pub fn claim_fenced(&self) {
         self.0.claim_fences.inc();
+    }
+
+    /// This node's claims by state.
+    pub fn set_claims(&self, c: ClaimCounts) {
+        for (s, n) in CLAIM_STATES
+            .iter()
+            .zip([c.held, c.fenced, c.lost, c.waiting])
+        {
+            self.0
+                .claims
+                .get_or_create(&StateLabels { state: s })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// A watcher read a volume or snapshot record and refused it.
+    pub fn record_refused(&self, reason: RefusedReason) {
+        self.0
+            .records_refused
+            .get_or_create(&ReasonLabels {
+                reason: reason.as_str(),
+            })
+            .inc();
     }
 
     /// Mounts on this node by state (`dead`: found dead by the probes, not yet republished).
@@ -868,8 +980,9 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 25] = [
+    const EXPORTED: [&str; 29] = [
         "dhv_binder_plugin_call_duration_seconds",
+        "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
         "dhv_binder_operations_pending",
         "dhv_binder_operations_uncertain",
@@ -877,6 +990,8 @@ mod tests {
         "dhv_binder_claim_waits_total",
         "dhv_binder_claim_losses_total",
         "dhv_binder_claim_fences_total",
+        "dhv_binder_claims",
+        "dhv_binder_records_refused_total",
         "dhv_binder_mounts",
         "dhv_binder_mount_deaths_total",
         "dhv_binder_mount_table_reads_total",
@@ -887,6 +1002,7 @@ mod tests {
         "dhv_binder_journal_write_duration_seconds",
         "dhv_binder_journal_write_failing",
         "dhv_binder_journal_write_failures_total",
+        "dhv_binder_volumes_frozen",
         "dhv_binder_allocations",
         "dhv_binder_volumes",
         "dhv_binder_volumes_served",
@@ -1009,7 +1125,22 @@ mod tests {
             Duration::from_secs(60),
         );
         m.publish_wait(WaitOutcome::Published, Duration::from_millis(200));
+        m.plugin_leftovers(
+            "bind",
+            Operation::Create,
+            crate::storage::plugin::LeftoverFate::Killed,
+            2,
+        );
         m.claim_lost();
+        m.set_claims(ClaimCounts {
+            held: 2,
+            fenced: 1,
+            lost: 0,
+            waiting: 3,
+        });
+        m.record_refused(RefusedReason::UntrustedKey);
+        m.record_refused(RefusedReason::UntrustedKey);
+        m.record_refused(RefusedReason::Unsigned);
         m.set_pending(2, 1, 3);
         m.set_mounts(0, 4, 1, 1);
         m.journal_write(Duration::from_millis(2));
@@ -1063,9 +1194,17 @@ mod tests {
         }
         let has = |l: &str| assert!(after.lines().any(|x| x == l), "no line {l:?} in:\n{after}");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"ok\"} 1");
+        has("dhv_binder_plugin_leftover_processes_total{plugin=\"bind\",operation=\"create\",fate=\"killed\"} 2");
         has("dhv_binder_plugin_call_duration_seconds_count{plugin=\"bind\",operation=\"publish\",outcome=\"timeout\"} 1");
         has("dhv_binder_publish_wait_duration_seconds_count{outcome=\"published\"} 1");
         has("dhv_binder_claim_losses_total 1");
+        has("dhv_binder_claims{state=\"held\"} 2");
+        has("dhv_binder_claims{state=\"fenced\"} 1");
+        has("dhv_binder_claims{state=\"lost\"} 0");
+        has("dhv_binder_claims{state=\"waiting\"} 3");
+        has("dhv_binder_records_refused_total{reason=\"untrusted-key\"} 2");
+        has("dhv_binder_records_refused_total{reason=\"unsigned\"} 1");
+        has("dhv_binder_records_refused_total{reason=\"bad-signature\"} 0");
         has("dhv_binder_operations_pending 2");
         has("dhv_binder_operations_uncertain 1");
         has("dhv_binder_publish_waiters 3");
@@ -1145,6 +1284,56 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
+    /// Issue 37 #13: every family is there from the first scrape, before anything
+    /// happened: the claims by state and the refused records by reason at 0 for every
+    /// state and reason; the families labelled by plugin appear with the first plugin
+    /// found (its fingerprint is a timed call).
+    #[test]
+    fn every_family_but_the_plugin_ones_is_there_at_the_first_scrape() {
+        let text = Metrics::new().encode();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap_or(l))
+            .collect();
+        let by_plugin = [
+            "dhv_binder_plugin_call_duration_seconds",
+            "dhv_binder_plugin_leftover_processes_total",
+            "dhv_binder_plugin_up",
+        ];
+        for name in EXPORTED.iter().filter(|n| !by_plugin.contains(n)) {
+            let count = format!("{name}_count");
+            assert!(
+                series.iter().any(|s| s == name || *s == count),
+                "{name} missing at the first scrape:\n{text}"
+            );
+        }
+        for state in ["held", "fenced", "lost", "waiting"] {
+            let l = format!("dhv_binder_claims{{state=\"{state}\"}} 0");
+            assert!(text.lines().any(|x| x == l), "no line {l:?} in:\n{text}");
+        }
+        for r in RefusedReason::ALL {
+            let l = format!(
+                "dhv_binder_records_refused_total{{reason=\"{}\"}} 0",
+                r.as_str()
+            );
+            assert!(text.lines().any(|x| x == l), "no line {l:?} in:\n{text}");
+        }
+        // The classic format has them too, described under their samples' names.
+        let classic = Metrics::new().encode_classic();
+        for l in [
+            "# TYPE dhv_binder_records_refused_total counter",
+            "# TYPE dhv_binder_claims gauge",
+            "dhv_binder_records_refused_total{reason=\"untrusted-key\"} 0",
+            "dhv_binder_claims{state=\"held\"} 0",
+        ] {
+            assert!(
+                classic.lines().any(|x| x == l),
+                "no line {l:?} in:\n{classic}"
+            );
+        }
+    }
+
     /// The allocator's figures can be read (jemalloc is built with its `stats` feature):
     /// without them a scrape would show the heap gauges at 0.
     #[test]
@@ -1173,6 +1362,7 @@ mod tests {
                             "state",
                             "fault",
                             "deferred",
+                            "reason",
                             "version",
                             "le"
                         ]

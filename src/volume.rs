@@ -59,6 +59,128 @@ pub enum SpecError {
     NodeId,
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
     TooDeep,
+    /// The text is not HCL: the parser stopped at `line`, `column` (both 1-based).
+    #[error("volume spec is not valid HCL: line {line}, column {column}: {message}")]
+    Syntax {
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    /// A field of a block the spec kind does not know (`capability { acces_mode = … }`).
+    #[error("{field:?} is not a field of a {block} block ({known}): remove it or fix its name")]
+    UnknownBlockField {
+        block: &'static str,
+        field: String,
+        known: &'static str,
+    },
+    /// A field that takes a string was given something else.
+    #[error("{field} must be a string (in double quotes)")]
+    NotAString { field: String },
+    /// A field that is a block (`parameters { … }`) was given as an attribute, or the
+    /// other way round.
+    #[error("{field} must be {shape}")]
+    WrongShape {
+        field: &'static str,
+        shape: &'static str,
+    },
+}
+
+impl SpecError {
+    /// The line (1-based) of `text` the error is about, when it names a place: the
+    /// attribute or block it refuses (for a bad access or attachment mode, the capability
+    /// attribute with that value), or where the HCL parser stopped. `None` for an error
+    /// about the spec as a whole (a required field missing, too deep).
+    pub fn line_in(&self, text: &str) -> Option<usize> {
+        let top = |field: &str| spec_line(text, None, field, None);
+        match self {
+            SpecError::Syntax { line, .. } => Some(*line),
+            SpecError::Missing { .. } | SpecError::TooDeep | SpecError::Hcl(_) => None,
+            SpecError::BadIdentifier { field, .. } | SpecError::BadSize { field, .. } => top(field),
+            SpecError::BadType(_) => top("type"),
+            SpecError::BadAccessMode(v) => {
+                spec_line(text, Some("capability"), "access_mode", Some(v))
+            }
+            SpecError::BadAttachmentMode(v) => {
+                spec_line(text, Some("capability"), "attachment_mode", Some(v))
+            }
+            SpecError::CapacityOrder { .. } => top("capacity_min"),
+            // The second of the two is the one too many.
+            SpecError::TwoSources => top("snapshot_id").max(top("clone_id")),
+            SpecError::BadSnapshotId(_) => top("snapshot_id"),
+            SpecError::UnknownField { field, .. } => top(field),
+            SpecError::Constraint => top("constraint"),
+            SpecError::NodeId => top("node_id"),
+            SpecError::UnknownBlockField { block, field, .. } => {
+                spec_line(text, Some(block), field, None)
+            }
+            SpecError::NotAString { field } => match field.split_once('.') {
+                Some((block, f)) => spec_line(text, Some(block), f, None),
+                None => top(field),
+            },
+            SpecError::WrongShape { field, .. } => top(field),
+        }
+    }
+
+    /// The error as a compiler would print it: `<source>:<line>: <error>` (the line from
+    /// [`SpecError::line_in`]), `<source>:<line>:<column>: …` for a syntax error, or
+    /// `<source>: <error>` when it names no place. `source` is the file as the user gave
+    /// it, or `<stdin>`.
+    pub fn located(&self, source: &str, text: &str) -> String {
+        match (self, self.line_in(text)) {
+            (
+                SpecError::Syntax {
+                    line,
+                    column,
+                    message,
+                },
+                _,
+            ) => format!("{source}:{line}:{column}: not valid HCL: {message}"),
+            (_, Some(line)) => format!("{source}:{line}: {self}"),
+            (_, None) => format!("{source}: {self}"),
+        }
+    }
+}
+
+/// The line (1-based) in a spec's `text` of the attribute or block `field`, at the top level
+/// or in the blocks named `block`; with `value`, the first whose value is that string (else
+/// the first of that name). `None` when the text does not parse or has no such field.
+pub fn spec_line(
+    text: &str,
+    block: Option<&str>,
+    field: &str,
+    value: Option<&str>,
+) -> Option<usize> {
+    use hcl::edit::structure::{Body, Structure};
+    use hcl::edit::Span as _;
+    let body = hcl::edit::parser::parse_body(text).ok()?;
+    fn named<'a>(body: &'a Body, field: &'a str) -> impl Iterator<Item = &'a Structure> + 'a {
+        body.iter().filter(move |st| match st {
+            Structure::Attribute(a) => a.key.as_str() == field,
+            Structure::Block(b) => b.ident.as_str() == field,
+        })
+    }
+    let candidates: Vec<&Structure> = match block {
+        None => named(&body, field).collect(),
+        Some(block) => named(&body, block)
+            .filter_map(|st| st.as_block())
+            .flat_map(|b| named(&b.body, field))
+            .collect(),
+    };
+    let with_value = value.and_then(|v| {
+        candidates.iter().find(|st| {
+            st.as_attribute().is_some_and(
+                |a| matches!(&a.value, hcl::edit::expr::Expression::String(s) if s.as_str() == v),
+            )
+        })
+    });
+    let st = with_value.or(candidates.first())?;
+    let start = match st {
+        Structure::Attribute(a) => a.key.span(),
+        Structure::Block(b) => b.ident.span(),
+    }
+    .or_else(|| st.span())?
+    .start;
+    Some(text.get(..start)?.matches('\n').count() + 1)
 }
 
 /// Where a new volume's content comes from (`snapshot_id` or `clone_id` in the spec).
@@ -208,11 +330,91 @@ pub const REGISTER_FIELDS: [&str; 2] = ["context", "capacity"];
 /// parser refuses unknown arguments): a dropped `constraint` would publish where the
 /// operator excluded it. `constraint` and `node_id` say what to use instead.
 fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
-    let body: hcl::Body = hcl::from_str(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
-    let names = body
-        .attributes()
-        .map(|a| a.key().to_string())
-        .chain(body.blocks().map(|b| b.identifier().to_string()));
+    use hcl::edit::expr::Expression;
+    use hcl::edit::structure::Structure;
+    let body = hcl::edit::parser::parse_body(text).map_err(|e| SpecError::Syntax {
+        line: e.location().line(),
+        column: e.location().column(),
+        message: e.message().to_string(),
+    })?;
+    // Shapes first, in the order of the text: a string where a string goes, a block where
+    // a block goes, and only known fields in a capability block.
+    let blocks: [&'static str; 4] = ["capability", "parameters", "secrets", "context"];
+    let strings = [
+        "name",
+        "type",
+        "namespace",
+        "plugin_id",
+        "node_pool",
+        "snapshot_id",
+        "clone_id",
+    ];
+    let is_string = |e: &Expression| {
+        matches!(
+            e,
+            Expression::String(_) | Expression::StringTemplate(_) | Expression::HeredocTemplate(_)
+        )
+    };
+    for st in body.iter() {
+        match st {
+            Structure::Attribute(a) => {
+                let key = a.key.as_str();
+                if let Some(b) = blocks.iter().find(|b| **b == key) {
+                    if !(register || *b != "context") {
+                        continue;
+                    }
+                    return Err(SpecError::WrongShape {
+                        field: b,
+                        shape: match *b {
+                            "capability" => "a block: `capability { access_mode = \"…\" attachment_mode = \"…\" }`",
+                            _ => "a block of `key = \"value\"` lines, e.g. `parameters { export = \"/srv\" }`",
+                        },
+                    });
+                }
+                if strings.contains(&key) && !is_string(&a.value) {
+                    return Err(SpecError::NotAString { field: key.into() });
+                }
+            }
+            Structure::Block(b) => {
+                let ident = b.ident.as_str();
+                if let Some(f) = strings.iter().find(|f| **f == ident) {
+                    return Err(SpecError::WrongShape {
+                        field: f,
+                        shape: "an attribute: `name = \"value\"`",
+                    });
+                }
+                if ident != "capability" {
+                    continue;
+                }
+                for inner in b.body.iter() {
+                    let key = match inner {
+                        Structure::Attribute(a) => a.key.as_str(),
+                        Structure::Block(b) => b.ident.as_str(),
+                    };
+                    match inner.as_attribute() {
+                        Some(a) if ["access_mode", "attachment_mode"].contains(&key) => {
+                            if !is_string(&a.value) {
+                                return Err(SpecError::NotAString {
+                                    field: format!("capability.{key}"),
+                                });
+                            }
+                        }
+                        _ => {
+                            return Err(SpecError::UnknownBlockField {
+                                block: "capability",
+                                field: key.into(),
+                                known: "access_mode, attachment_mode",
+                            })
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let names = body.iter().map(|st| match st {
+        Structure::Attribute(a) => a.key.as_str().to_string(),
+        Structure::Block(b) => b.ident.as_str().to_string(),
+    });
     for name in names {
         let known = SPEC_FIELDS.contains(&name.as_str())
             || (register && REGISTER_FIELDS.contains(&name.as_str()));
@@ -873,6 +1075,58 @@ impl std::fmt::Display for VolumeKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+    /// Issue 37 #15: each error that names a place in the spec gives its line, and
+    /// `located` prints it as `<source>:<line>: …`.
+    #[test]
+    fn spec_errors_name_their_line() {
+        let head = "name = \"data\"\ntype = \"host\"\nplugin_id = \"bind\"\n\ncapability {\n  access_mode = \"single-node-writer\"\n";
+        let cases: [(&str, &str); 6] = [
+            (
+                "  attachment_mod = \"file-system\"\n}\n",
+                "spec.hcl:7: \"attachment_mod\" is not a field of a capability block",
+            ),
+            (
+                "  attachment_mode = \"floppy\"\n}\n",
+                "spec.hcl:7: attachment_mode \"floppy\" is not one of",
+            ),
+            (
+                "  attachment_mode = 7\n}\n",
+                "spec.hcl:7: capability.attachment_mode must be a string",
+            ),
+            (
+                "  attachment_mode = \n}\n",
+                "spec.hcl:7:21: not valid HCL: invalid expression",
+            ),
+            (
+                "}\nparameters = 5\n",
+                "spec.hcl:8: parameters must be a block",
+            ),
+            (
+                "}\n\n\n\nnode_id = \"n1\"\n",
+                "spec.hcl:11: node_id is not supported",
+            ),
+        ];
+        for (body, want) in cases {
+            let text = format!("{head}{body}");
+            let e = parse_spec(&text).unwrap_err();
+            let shown = e.located("spec.hcl", &text);
+            assert!(shown.starts_with(want), "{shown}\n(wanted {want})");
+        }
+        // Two capability blocks: the line of the bad one.
+        let text = "name = \"d\"\nplugin_id = \"bind\"\ncapability {\n  access_mode = \"single-node-writer\"\n}\ncapability {\n  access_mode = \"sometimes\"\n}\n";
+        let e = parse_spec(text).unwrap_err();
+        assert_eq!(e.line_in(text), Some(7), "{e}");
+        // Top-level fields after comments and blank lines.
+        let text = "# a comment\n\nname = \"d\"\n/* two\nlines */\nplugin_id = \"b/ad\"\n";
+        let e = parse_spec(text).unwrap_err();
+        assert_eq!(
+            e.located("<stdin>", text).split(": ").next(),
+            Some("<stdin>:6")
+        );
+        // An error about the spec as a whole names the file only.
+        let e = parse_spec("plugin_id = \"bind\"\n").unwrap_err();
+        assert_eq!(e.located("v.hcl", ""), "v.hcl: name is required");
+    }
 
     const SPEC: &str = r#"
         name      = "shared-data"

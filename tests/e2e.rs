@@ -25,8 +25,13 @@ async fn volume_id(c: &Cluster, name: &str) -> String {
 }
 
 async fn wait_placeholders(c: &Cluster, name: &str, want: usize) {
+    wait_placeholders_within(c, name, want, 30).await
+}
+
+/// [`wait_placeholders`] with a deadline of `secs`.
+async fn wait_placeholders_within(c: &Cluster, name: &str, want: usize, secs: u64) {
     c.wait_for(
-        30,
+        secs,
         &format!("{want} ready placeholder(s) of {name}"),
         || async {
             let vols = c.get("/v1/volumes?type=host&namespace=*").await;
@@ -858,4 +863,36 @@ async fn b15_purged_job_is_unpublished_and_its_claim_released_in_poll_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b15_purged_job_is_unpublished_and_its_claim_released_in_stream_mode() {
     b15_purged_job_is_unpublished_and_its_claim_released("stream").await;
+}
+
+/// The node that ran a volume's create registers its placeholder right after, not at the
+/// safety relist (`--record-relist`, 60 s here): its worker's record write updates the change
+/// marker, which the agent follows, so a job submitted once `volume create` says ready places
+/// there at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_creating_node_registers_its_placeholder_without_waiting_for_a_relist() {
+    let mut c = Cluster::start_sim(1, "", &[("DHV_BINDER_RECORD_RELIST", "60s")], &[]).await;
+    // The record is written while the agent is down (its node record, which `volume create`
+    // asks for, stays): its first listing after the start finds it pending.
+    c.start_agent(0);
+    c.wait_plugin("bind").await;
+    c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
+    let spec = c.sb.join("floor.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"floor-data\"\ntype = \"host\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = c.cli(&["volume", "create", "-detach", spec.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    c.start_agent(0);
+    let started = std::time::Instant::now();
+    wait_placeholders_within(&c, "floor-data", 1, 15).await;
+    eprintln!(
+        "agent start to placeholder registered: {:.1} s (relist 60 s)",
+        started.elapsed().as_secs_f64()
+    );
 }

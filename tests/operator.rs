@@ -107,10 +107,10 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     let (code, out) = c.cli(&["volume", "list", "-json"]);
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
-    assert_eq!(v[0]["name"], "shared-data", "{out}");
-    assert_eq!(v[0]["capacity_bytes"], 64u64 << 20, "{out}");
+    assert_eq!(v[0]["Name"], "shared-data", "{out}");
+    assert_eq!(v[0]["CapacityBytes"], 64u64 << 20, "{out}");
     // Issue 37 #5: short IDs by default, full with -verbose; an ID prefix names the volume.
-    let id = v[0]["id"].as_str().unwrap().to_string();
+    let id = v[0]["ID"].as_str().unwrap().to_string();
     let (_, out) = c.cli(&["volume", "list"]);
     assert!(out.contains(&format!("\n{}  ", &id[..8])), "{out}");
     assert!(!out.contains(&id), "{out}");
@@ -129,7 +129,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "volume",
         "list",
         "-t",
-        "{{range .}}{{.name}}={{.state}}\\n{{end}}",
+        "{{range .}}{{.Name}}={{.State}}\\n{{end}}",
     ]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(out, "shared-data=ready\n");
@@ -158,9 +158,9 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     let (code, out) = c.cli(&["volume", "status", "shared-data", "--json"]);
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
-    assert_eq!(v["plugin_id"], "bind");
-    assert!(v["context"]["export_path"].is_string(), "{out}");
-    assert!(v.get("secrets").is_some_and(|s| s.is_u64()), "{out}");
+    assert_eq!(v["PluginID"], "bind");
+    assert!(v["Context"]["export_path"].is_string(), "{out}");
+    assert!(v.get("Secrets").is_some_and(|s| s.is_u64()), "{out}");
 
     let (code, out) = c.cli(&["plugin", "status"]);
     assert_eq!(code, 0, "{out}");
@@ -179,9 +179,9 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|p| p["id"] == "bind")
+        .find(|p| p["ID"] == "bind")
         .unwrap();
-    assert_eq!(bind["nodes_healthy"], 2, "{out}");
+    assert_eq!(bind["NodesHealthy"], 2, "{out}");
     let (code, out) = c.cli(&["plugin", "status", "bind"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(kv(&out, "Nodes Healthy"), "2");
@@ -209,8 +209,8 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
     assert_eq!(v.as_array().unwrap().len(), 2, "{out}");
-    assert_eq!(v[0]["stale"], false, "{out}");
-    assert_eq!(v[0]["plugins"]["bind"]["deferred_bind"], true, "{out}");
+    assert_eq!(v[0]["Stale"], false, "{out}");
+    assert_eq!(v[0]["Plugins"]["bind"]["DeferredBind"], true, "{out}");
 
     let out = readable_status(&c, 0);
     assert!(out.starts_with("Node ID"), "{out}");
@@ -627,6 +627,13 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let before = scrape(&addr).await;
     assert_eq!(sample(&before, publish_ok), None, "{before}");
     assert_eq!(sample(&before, published), Some(0.0), "{before}");
+    let unsigned = r#"dhv_binder_records_refused_total{reason="unsigned"}"#;
+    assert_eq!(sample(&before, unsigned), Some(0.0), "{before}");
+    assert_eq!(
+        sample(&before, r#"dhv_binder_claims{state="held"}"#),
+        Some(0.0),
+        "{before}"
+    );
     assert!(
         sample(
             &before,
@@ -650,12 +657,37 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
     let alloc = running(&c, &job, "app").await;
     let alloc_id = alloc["ID"].as_str().unwrap();
+    // Issue 37 #15: the prestart task says how long it waited, as measured.
+    let prestart = std::fs::read_to_string(c.sb.join(&format!(
+        "sim/node-1/alloc/{alloc_id}/alloc/logs/publish-volumes.stdout.0"
+    )))
+    .unwrap_or_default();
+    let line = prestart
+        .lines()
+        .find(|l| l.contains("published at"))
+        .unwrap_or_else(|| panic!("no published line in the prestart's output:\n{prestart}"));
+    let took = line
+        .rsplit_once(" after ")
+        .map(|(_, d)| d)
+        .unwrap_or_else(|| panic!("no measured wait: {line}"));
+    assert!(
+        took.strip_suffix("ms")
+            .is_some_and(|n| n.parse::<u64>().is_ok())
+            || took
+                .strip_suffix('s')
+                .is_some_and(|n| n.parse::<f64>().is_ok()),
+        "{line}"
+    );
+    eprintln!("{line}");
     // The main task runs only after the prestart caller was answered: the wait and the
     // publish are counted by then, and the gauges follow within the same pass.
     let during = scrape(&addr).await;
     let exactly = [
         (publish_ok, 1.0),
         (published, 1.0),
+        // Issue 37 #13: the single-node volume's claim, held by this node.
+        (r#"dhv_binder_claims{state="held"}"#, 1.0),
+        (r#"dhv_binder_claims{state="waiting"}"#, 0.0),
         ("dhv_binder_volumes_served", 1.0),
         (r#"dhv_binder_watch_state{state="polling"}"#, 1.0),
     ];
@@ -699,15 +731,33 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     let (code, out) = c.cli(&["volume", "status", "shared-data", "-json"]);
     assert_eq!(code, 0, "{out}");
     let v = json(&out);
-    let n = &v["nodes"][0];
-    assert_eq!(n["node_name"], "node-1", "{out}");
-    assert_eq!(n["state"], "published", "{out}");
-    assert!(n["since"].as_u64().is_some_and(|t| t > 0), "{out}");
+    // Issue 37 #6: Nomad's keys (`ID`, `Name`, `PluginID`), RFC 3339 times.
+    for key in [
+        "ID",
+        "Name",
+        "PluginID",
+        "Namespace",
+        "CapacityBytes",
+        "State",
+    ] {
+        assert!(v.get(key).is_some(), "no {key}: {out}");
+    }
+    assert!(v.get("plugin_id").is_none(), "{out}");
+    assert_eq!(v["Name"], "shared-data", "{out}");
+    assert_eq!(v["PluginID"], "bind", "{out}");
+    let n = &v["Nodes"][0];
+    assert_eq!(n["NodeName"], "node-1", "{out}");
+    assert_eq!(n["State"], "published", "{out}");
+    let since = n["Since"].as_str().unwrap_or_else(|| panic!("{out}"));
     assert!(
-        n["host_volume_id"].as_str().is_some_and(|h| !h.is_empty()),
+        since.len() == 20 && since.as_bytes()[10] == b'T' && since.ends_with('Z'),
+        "Since is not RFC 3339: {out}"
+    );
+    assert!(
+        n["HostVolumeID"].as_str().is_some_and(|h| !h.is_empty()),
         "{out}"
     );
-    assert_eq!(n["allocations"][0], alloc_id, "{out}");
+    assert_eq!(n["Allocations"][0], alloc_id, "{out}");
 
     c.stop_job(&job, false).await;
     let after = c
@@ -729,6 +779,49 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
         assert_eq!(sample(&after, series), Some(want), "{series}:\n{after}");
     }
 
+    // Issue 37 #10: `-verbose` adds the recent events from the node records, newest first:
+    // the unpublish, then the publish for the allocation with its measured time.
+    let verbose = c
+        .wait_for(
+            20,
+            "volume status -verbose showing the unpublish",
+            || async {
+                let (code, out) = c.cli(&["volume", "status", "shared-data", "-verbose"]);
+                (code == 0
+                    && out
+                        .lines()
+                        .any(|l| l.contains(" node-1  unpublish ") && l.ends_with(" ok")))
+                .then_some(out)
+            },
+        )
+        .await;
+    eprintln!("{verbose}");
+    let events = verbose
+        .split("\nRecent Events\n")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no Recent Events:\n{verbose}"));
+    let rows: Vec<&str> = events.lines().skip(1).collect();
+    assert!(rows[0].contains(" node-1  unpublish  -"), "{verbose}");
+    let publish = rows
+        .iter()
+        .find(|l| l.contains(" node-1  publish "))
+        .unwrap_or_else(|| panic!("no publish event:\n{verbose}"));
+    assert!(publish.contains(alloc_id), "{verbose}");
+    assert!(publish.contains(" ok in "), "{verbose}");
+    let (code, out) = c.cli(&["volume", "status", "shared-data", "-json"]);
+    assert_eq!(code, 0, "{out}");
+    let h = &json(&out)["History"];
+    let publish = h
+        .as_array()
+        .and_then(|h| h.iter().find(|e| e["Event"] == "publish"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(publish["AllocID"], alloc_id, "{out}");
+    assert_eq!(publish["NodeName"], "node-1", "{out}");
+    assert!(
+        publish["Time"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{out}"
+    );
+
     // The log lines about the volume name it as ns/name; those about the allocation, its ID.
     let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
     let lines: Vec<Value> = log.lines().map(json).collect();
@@ -747,7 +840,7 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
 
     // Issue 33: a storage delete is logged at info, before and after, naming the volume,
     // its ID, namespace, plugin, node and the context the plugin deletes.
-    let id = json(&c.cli(&["volume", "status", "shared-data", "-json"]).1)["id"]
+    let id = json(&c.cli(&["volume", "status", "shared-data", "-json"]).1)["ID"]
         .as_str()
         .unwrap()
         .to_string();
@@ -774,6 +867,44 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
             "{l}"
         );
     }
+
+    // Issue 37 #13: a record written without the operator's key is refused and counted,
+    // by reason; the claim was given back with the unpublish.
+    let spec = c.sb.join("unsigned.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"unsigned-data\"\ntype = \"host\"\nplugin_id = \"bind\"\nparameters {{\n  export = \"{}\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(dhv_binder_bin())
+        .args(["volume", "create", "-detach", spec.to_str().unwrap()])
+        .env_clear()
+        .env("NOMAD_ADDR", &c.server)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let refused = c
+        .wait_for(20, "the unsigned record counted as refused", || async {
+            let t = scrape(&addr).await;
+            (sample(&t, unsigned) == Some(1.0)).then_some(t)
+        })
+        .await;
+    assert_eq!(
+        sample(
+            &refused,
+            r#"dhv_binder_records_refused_total{reason="bad-signature"}"#
+        ),
+        Some(0.0),
+        "{refused}"
+    );
+    assert_eq!(
+        sample(&refused, r#"dhv_binder_claims{state="held"}"#),
+        Some(0.0),
+        "{refused}"
+    );
 }
 
 /// Configuration an operator got wrong is exit 64 with the reason, before the agent asks
@@ -916,6 +1047,70 @@ fn a_spec_field_dhv_binder_cannot_honour_is_refused_by_name() {
     assert_eq!(code, Some(64), "{err}");
     assert!(
         err.contains("\"capacity_minimum\" is not a volume spec field"),
+        "{err}"
+    );
+}
+
+/// Issue 37 #15: a spec error names the file and the line, as a compiler does
+/// (`spec.hcl:7: …`, `<stdin>:7: …` for `-`); a syntax error also its column.
+#[test]
+fn a_spec_error_names_the_file_and_the_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = tmp.path().join("spec.hcl");
+    let head = "name      = \"data\"\ntype      = \"host\"\nplugin_id = \"bind\"\n\ncapability {\n  access_mode     = \"single-node-writer\"\n";
+    let create = |body: &str, stdin: bool| {
+        use std::io::Write as _;
+        std::fs::write(&spec, format!("{head}{body}")).unwrap();
+        let mut cmd = Command::new(dhv_binder_bin());
+        cmd.args(["volume", "create", "-detach"])
+            .current_dir(tmp.path())
+            .env_clear()
+            // Nothing listens here: reaching Nomad would be exit 69, not 64.
+            .env("NOMAD_ADDR", "http://127.0.0.1:9")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.arg(if stdin { "-" } else { "spec.hcl" });
+        let mut child = cmd.spawn().expect("run dhv-binder volume create");
+        let text = std::fs::read(&spec).unwrap();
+        child.stdin.take().unwrap().write_all(&text).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // An unknown field of the capability block, on line 7.
+    let (code, err) = create("  attachment_mod  = \"file-system\"\n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7: \"attachment_mod\" is not a field of a capability block"),
+        "{err}"
+    );
+    let (_, err) = create("  attachment_mod  = \"file-system\"\n}\n", true);
+    assert!(
+        err.contains("Error: <stdin>:7: \"attachment_mod\""),
+        "{err}"
+    );
+    // A bad value on line 7.
+    let (code, err) = create("  attachment_mode = \"floppy\"\n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7: attachment_mode \"floppy\" is not one of"),
+        "{err}"
+    );
+    // A syntax error on line 7, column 21.
+    let (code, err) = create("  attachment_mode = \n}\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:7:21: not valid HCL: invalid expression"),
+        "{err}"
+    );
+    // A top-level field after the block, on line 9.
+    let (code, err) = create("}\n\ncapacity_min = \"lots\"\n", false);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("Error: spec.hcl:9: capacity_min \"lots\" is not a size"),
         "{err}"
     );
 }

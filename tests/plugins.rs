@@ -167,12 +167,25 @@ fn webdav_fuse_plugin_conforms() {
             &format!("url={}", server.url),
             "--param",
             "user=dhv",
+            // An unpublish with unsaved writes fails after 3 s (not the default 20 s).
+            "--param",
+            "flush_wait=3",
             "--secrets-file",
             secrets.to_str().unwrap(),
         ],
     );
-    // Its fence aborts the FUSE connection, with the server unreachable.
-    assert_conforms(code, &report, &["fence", "fence x2", "fence of nothing"]);
+    // Its fence aborts the FUSE connection, with the server unreachable; its unpublish
+    // fails while a write is only in rclone's cache.
+    assert_conforms(
+        code,
+        &report,
+        &[
+            "fence",
+            "fence x2",
+            "fence of nothing",
+            "unpublish that cannot flush",
+        ],
+    );
     // Its rclone runs in the volume's helper cgroup: it outlived the caller's.
     assert!(
         report.contains("PASS  helper outlives the caller   1 helper process(es)"),
@@ -195,6 +208,64 @@ fn webdav_fuse_plugin_conforms() {
             .count(),
         0,
         "delete left the volume's directory on the server"
+    );
+}
+
+/// The webdav plugin with the unpublish of the issue 36 report: when the real unpublish
+/// fails (rclone's cache still holds writes), it ends the mount's rclone, detaches the mount
+/// and reports success anyway.
+const FORGETFUL_UNPUBLISH: &str = r#"#!/bin/sh
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+op="${1:-${DHV_OPERATION:-}}"
+if [ "$op" = unpublish ] && ! WEBDAV "$@" >/dev/null; then
+  tgt="$DHV_TARGET_PATH"
+  pkill -KILL -f "^rclone mount [^ ]* $tgt " 2>/dev/null || true
+  while findmnt -rn --mountpoint "$tgt" >/dev/null; do umount -l "$tgt"; done
+  echo '{}'
+  exit 0
+fi
+exec WEBDAV "$@"
+"#;
+
+/// Issue 36: a plugin whose unpublish reports success while a write acknowledged through
+/// the mount is only in its cache (the storage unreachable) fails the kit's rule
+/// `unpublish that cannot flush`.
+#[test]
+fn an_unpublish_that_forgets_unsaved_writes_fails_the_kit() {
+    let sb = Sandbox::new();
+    let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "conformance-pw");
+    let secrets = sb.join("secrets.txt");
+    std::fs::write(&secrets, "password=conformance-pw\n").unwrap();
+    let plugin = sb.join("plugins/forgetful");
+    script(
+        &plugin,
+        &FORGETFUL_UNPUBLISH.replace("WEBDAV", repo().join("plugins/webdav").to_str().unwrap()),
+    );
+    let (code, report) = check(
+        &sb,
+        &plugin,
+        &[
+            "--param",
+            &format!("url={}", server.url),
+            "--param",
+            "user=dhv",
+            "--param",
+            "flush_wait=3",
+            "--secrets-file",
+            secrets.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 1, "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.contains(" unpublish that cannot flush "))
+        .unwrap_or_else(|| panic!("no such rule:\n{report}"));
+    assert!(
+        line.starts_with("FAIL")
+            && line.contains("unpublish reported success")
+            && line.contains("with the storage unreachable"),
+        "{line}"
     );
 }
 

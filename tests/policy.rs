@@ -120,7 +120,7 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     std::fs::write(
         &spec,
         format!(
-            "name = \"shared-data\"\nplugin_id = \"bind\"\nparameters {{\n  export = \"{}\"\n}}\n",
+            "name = \"shared-data\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n  uid = \"65534\"\n  gid = \"65534\"\n}}\n",
             c.export.display()
         ),
     )
@@ -164,6 +164,56 @@ async fn the_daemon_works_with_the_narrowed_policy() {
             .then_some(())
     })
     .await;
+    // A job using it: the agent sees its allocation (the node's list, filtered by read-job),
+    // reads it, publishes for its prestart task; after the stop, unpublishes.
+    let hcl = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let job = req(
+        &c,
+        reqwest::Method::POST,
+        "/v1/jobs/parse",
+        Some(json!({"JobHCL": hcl, "Canonicalize": true})),
+    )
+    .await;
+    let job_id = job["ID"].as_str().unwrap().to_string();
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/jobs",
+        Some(json!({"Job": job})),
+    )
+    .await;
+    c.wait_for(60, "the example job's main task running", || async {
+        let allocs = req(
+            &c,
+            reqwest::Method::GET,
+            &format!("/v1/job/{job_id}/allocations"),
+            None,
+        )
+        .await;
+        allocs.as_array().and_then(|a| {
+            a.iter()
+                .find(|a| {
+                    a["TaskStates"]["app"]["State"] == "running"
+                        && a["TaskStates"]["publish-volumes"]["Failed"] == false
+                })
+                .cloned()
+        })
+    })
+    .await;
+    req(
+        &c,
+        reqwest::Method::DELETE,
+        &format!("/v1/job/{job_id}?purge=false"),
+        None,
+    )
+    .await;
+    c.wait_for(60, "the unpublish", || async {
+        c.journal(0)
+            .last()
+            .filter(|e| e["event"] == "unpublish-done")
+            .map(|_| ())
+    })
+    .await;
     let (code, out) = cli(&c, &operator, &["volume", "status", "shared-data"]);
     assert_eq!(code, 0, "{out}");
     let (code, out) = cli(&c, &operator, &["volume", "snapshot", "list"]);
@@ -197,7 +247,7 @@ async fn the_daemon_works_with_the_narrowed_policy() {
 
     // What the policy refuses the daemon's token.
     let client = Client::new(&NomadConfig {
-        token: Some(secret),
+        token: Some(secret.clone()),
         ..NomadConfig::plain(&c.server)
     })
     .unwrap();
@@ -248,5 +298,56 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     assert!(
         matches!(r, Err(NomadError::PermissionDenied { .. })),
         "a node record outside namespace default: {r:?}"
+    );
+    // Issue 33 finding 6: nothing in a namespace the daemon does not serve: no allocation
+    // read, no volume record, claim or snapshot written, no placeholder registered there.
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/namespace/prod",
+        Some(json!({"Name": "prod"})),
+    )
+    .await;
+    for path in [
+        "dhv-binder/volumes/planted",
+        "dhv-binder/claims/planted",
+        "dhv-binder/snapshots/planted",
+    ] {
+        let v = Variable {
+            namespace: "prod".into(),
+            path: path.into(),
+            items: BTreeMap::from([("a".to_string(), "b".to_string())]),
+            ..Default::default()
+        };
+        let r = client.put_variable(&v, None).await;
+        assert!(
+            matches!(r, Err(NomadError::PermissionDenied { .. })),
+            "{path} in namespace prod, which the daemon does not serve: {r:?}"
+        );
+    }
+    let r = c
+        .http
+        .get(format!("{}/v1/allocations?namespace=prod", c.server))
+        .header("X-Nomad-Token", &secret)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403, "reading prod's allocations");
+    let dir = c.sb.join("prod-placeholder");
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = c
+        .http
+        .put(format!("{}/v1/volume/host/register", c.server))
+        .header("X-Nomad-Token", &secret)
+        .json(&json!({"Volume": {"Name": "planted", "Namespace": "prod",
+            "NodeID": c.nodes[0].id, "HostPath": dir}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        403,
+        "a placeholder in namespace prod: {}",
+        r.text().await.unwrap_or_default()
     );
 }

@@ -410,24 +410,75 @@ fn pids_running(args: &[&str]) -> Vec<i32> {
         .collect()
 }
 
+/// `dhv-binder status` in its readable form, as an operator reads it.
+fn status_text(c: &Cluster, node: usize) -> String {
+    let out = std::process::Command::new(support::cluster::dhv_binder_bin())
+        .arg("status")
+        .env_clear()
+        .env("DHV_BINDER_SOCKET", &c.nodes[node].socket)
+        .output()
+        .expect("run dhv-binder status");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The agent's metrics page (the agent runs with `DHV_BINDER_METRICS_ADDR=127.0.0.1:0`).
+async fn metrics(c: &Cluster, node: usize) -> String {
+    let log = std::fs::read_to_string(&c.nodes[node].log).unwrap();
+    let addr = log
+        .lines()
+        .rfind(|l| l.contains("serving metrics at /metrics"))
+        .and_then(|l| l.split("addr=").nth(1))
+        .map(|a| a.split_whitespace().next().unwrap().to_string())
+        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Thaws the volume when the test ends, even on failure (a write blocked on a frozen
+/// filesystem would keep the test process from exiting).
+struct ThawOnDrop(std::path::PathBuf);
+
+impl Drop for ThawOnDrop {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("fsfreeze")
+            .arg("-u")
+            .arg(&self.0)
+            .output();
+    }
+}
+
 /// Issue 36, item 4: the ext4 plugin's `snapshot_create` is killed (SIGKILL of its process
-/// group) between its freeze and its thaw. The agent, which started the freezing call,
-/// thaws the volume as soon as the call has died and says so in its log; a task's write
-/// goes through. Prints how long the volume stayed frozen after the kill.
+/// group) between its freeze and its thaw. While it runs, the volume is a reported
+/// condition (`dhv-binder status`: volume, operation, since when; the gauge
+/// `dhv_binder_volumes_frozen`). The agent, which started the freezing call, thaws the volume
+/// as soon as the call has died and says so in its log; a task's write goes through. Later
+/// attempts of the snapshot fail before freezing (so only the agent can thaw it). Prints how
+/// long the volume stayed frozen after the kill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
-    let c = Cluster::start(1).await;
-    // The first copy of a snapshot takes long (a window to kill the call in).
+    let c = Cluster::start_with(1, "", &[("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0")]).await;
+    // The first snapshot_create sleeps with the volume frozen (a window to kill the call
+    // in); any later one fails before it freezes anything.
     let ext4 = std::fs::read_to_string(c.plugin_dir.join("ext4")).unwrap();
-    let copy = r#"  cp --reflink=auto --sparse=always "$1" "$2" || fail "cannot copy $1""#;
+    let trap = "  trap thaw EXIT\n";
+    let freeze = "  for m in $FROZEN; do fsfreeze -f \"$m\" || fail \"cannot freeze $m\"; done\n";
     assert!(
-        ext4.contains(copy),
-        "the ext4 plugin's copy changed: update this test"
+        ext4.contains(trap) && ext4.contains(freeze),
+        "the ext4 plugin's freeze changed: update this test"
     );
-    let slow = ext4.replace(
-        copy,
-        &format!("  if mkdir \"$DHV_PLUGIN_DIR/slow-once\" 2>/dev/null; then sleep 31; fi\n{copy}"),
-    );
+    let slow = ext4
+        .replace(
+            trap,
+            &format!("  [ ! -e \"$DHV_PLUGIN_DIR/froze-once\" ] || fail \"this test lets only the first snapshot_create freeze the volume\"\n{trap}"),
+        )
+        .replace(
+            freeze,
+            &format!("{freeze}  if mkdir \"$DHV_PLUGIN_DIR/froze-once\" 2>/dev/null; then sleep 31; fi\n"),
+        );
     script(&c.plugin_dir.join("ext4"), &slow);
     c.wait_plugin("ext4").await;
     let images = c.sb.join("images");
@@ -445,6 +496,7 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
     );
     let (job, _alloc, node) = run_example(&c).await;
     let target = c.target(node, "shared-data");
+    let _thaw = ThawOnDrop(target.clone());
     let (code, out) = c.cli(&[
         "volume",
         "snapshot",
@@ -461,6 +513,26 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
             || async { pids_running(&["sleep", "31"]).first().copied() },
         )
         .await;
+    // Frozen is a reported condition: status names the volume, the operation and since
+    // when; the gauge counts it.
+    let (_, st) = c.status(node);
+    let st: Value = serde_json::from_str(&st).unwrap();
+    let f = &st["frozen"]["default/shared-data"];
+    assert!(
+        f["operation"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("snapshot_create of snapshot ")),
+        "status does not report the frozen volume: {st}"
+    );
+    assert!(f["since"].as_u64().is_some_and(|s| s > 0), "{st}");
+    let text = status_text(&c, node);
+    assert!(
+        text.lines().any(|l| l.starts_with("Frozen ")
+            && l.contains("default/shared-data: by snapshot_create of snapshot")),
+        "{text}"
+    );
+    let m = metrics(&c, node).await;
+    assert!(m.contains("dhv_binder_volumes_frozen 1"), "{m}");
     let stat = std::fs::read_to_string(format!("/proc/{sleeper}/stat")).unwrap();
     let pgid: i32 = stat
         .rsplit_once(')')
@@ -485,8 +557,8 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
         let _ = tx.send((r.is_ok(), killed.elapsed()));
     });
     let (ok, frozen) = rx
-        .recv_timeout(std::time::Duration::from_secs(60))
-        .expect("the volume stayed frozen for 60 s after the snapshot call was killed");
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the volume stayed frozen for 20 s after the snapshot call was killed");
     assert!(ok, "the write failed");
     eprintln!(
         "frozen for {:.2}s after the snapshot call was killed",
@@ -499,6 +571,14 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
             .map(|_| ())
     })
     .await;
+    c.wait_for(10, "the frozen report gone", || async {
+        let (_, st) = c.status(node);
+        let st: Value = serde_json::from_str(&st).ok()?;
+        st["frozen"].as_object()?.is_empty().then_some(())
+    })
+    .await;
+    let m = metrics(&c, node).await;
+    assert!(m.contains("dhv_binder_volumes_frozen 0"), "{m}");
     c.stop_job(&job, false).await;
     c.wait_for(60, "the unpublish done", || async {
         (count(&c, node, "unpublish-done") == 1).then_some(())
@@ -506,40 +586,98 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
     .await;
 }
 
-/// A tmpfs under the test's own directory, detached when the test ends (even on failure).
-struct Tmpfs(std::path::PathBuf);
+/// Runs a command; fails the test, saying what and why, when it cannot run or fails.
+fn run(cmd: &str, args: &[&std::ffi::OsStr]) -> String {
+    let out = std::process::Command::new(cmd)
+        .args(args)
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {cmd} (install e2fsprogs and util-linux: scripts/install-deps): {e}")
+        });
+    assert!(out.status.success(), "{cmd} {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
 
-impl Tmpfs {
-    fn mount(dir: &std::path::Path, size: &str) -> Tmpfs {
-        std::fs::create_dir_all(dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir)
-            .output()
-            .expect("run mount");
-        assert!(out.status.success(), "mount tmpfs: {out:?}");
-        Tmpfs(dir.to_path_buf())
+/// A small ext4 filesystem in an image file under its own temporary directory, loop-mounted
+/// at `dir`. On drop (even on failure) every mount stacked at `dir` is detached, then the
+/// loop device; declare it before the cluster, so that the agent using it is gone first.
+struct LoopFs {
+    _tmp: tempfile::TempDir,
+    dir: std::path::PathBuf,
+    device: String,
+}
+
+impl LoopFs {
+    fn mount(mib: u64) -> LoopFs {
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("state.img");
+        let dir = tmp.path().join("state");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(mib << 20)
+            .unwrap();
+        run(
+            "mkfs.ext4",
+            &["-q".as_ref(), "-F".as_ref(), img.as_os_str()],
+        );
+        run(
+            "mount",
+            &[
+                "-o".as_ref(),
+                "loop".as_ref(),
+                img.as_os_str(),
+                dir.as_os_str(),
+            ],
+        );
+        let device = run(
+            "findmnt",
+            &[
+                "-rn".as_ref(),
+                "-o".as_ref(),
+                "SOURCE".as_ref(),
+                dir.as_os_str(),
+            ],
+        );
+        LoopFs {
+            _tmp: tmp,
+            dir,
+            device,
+        }
     }
 }
 
-impl Drop for Tmpfs {
+impl Drop for LoopFs {
     fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        while dhv_binder::node::mounts::is_mount_point(&self.dir) {
+            if nix::mount::umount2(&self.dir, nix::mount::MntFlags::MNT_DETACH).is_err() {
+                break;
+            }
+        }
+        // `mount -o loop` sets autoclear; detach it in case the last user is gone already.
+        let _ = std::process::Command::new("losetup")
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .args(["-d", &self.device])
+            .output();
     }
 }
 
-/// Issue 36, item 5: the agent's state directory fills up. The journal write fails into a
-/// reported condition (status `journal.failing`, metric), logged once a minute at most (not
-/// once per attempt); a new publish waits with the reason while the published volume stays
-/// mounted; once space returns the agent converges by itself (the waiting publish succeeds)
-/// without a restart, and the journal still decodes.
+/// Issue 36, item 5: the agent's state directory (an 8 MiB loop-mounted ext4) fills up.
+/// The journal write fails into a reported condition (status `journal.failing`, metric),
+/// logged once a minute at most (not once per attempt); a new publish waits with the reason
+/// while the published volume stays mounted; once space returns the agent converges by
+/// itself (the waiting publish succeeds) without a restart. The journal still decodes: a
+/// restarted agent finds every volume published. (A read-only state directory, EROFS, goes
+/// through the same path:
+/// `agent::core::tests::a_read_only_state_directory_is_reported_and_recovered_after_remount_rw`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
+    let fs = LoopFs::mount(8);
     let mut c = Cluster::start_with(1, "", &[("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0")]).await;
-    // The agent again, its state directory on a small tmpfs.
+    // The agent again, its state directory on the loop-mounted filesystem.
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
-    let state = c.sb.join("statefs");
-    let _fs = Tmpfs::mount(&state, "4m");
+    let state = fs.dir.clone();
     c.nodes[0].state_dir = state.clone();
     c.start_agent(0);
     c.wait_plugin("bind").await;
@@ -548,6 +686,19 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     assert_eq!(node, 0);
     let target = c.target(0, "shared-data");
     assert_eq!(support::cluster::mount_count(&target), 1, "{alloc}");
+
+    // The volumes the later jobs ask for, with their placeholders (directories on the state
+    // filesystem, which take blocks on ext4) made while there is space.
+    for v in ["second-0", "second-1", "second-2", "second-3", "third-data"] {
+        c.create_volume(v, "single-node-writer");
+    }
+    c.wait_for(60, "the placeholders registered", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let vols = v["volumes"].as_array()?;
+        (vols.len() == 6 && vols.iter().all(|v| !v["placeholder_id"].is_null())).then_some(())
+    })
+    .await;
 
     // Fill the state filesystem until ENOSPC.
     let filler = state.join("filler");
@@ -570,7 +721,6 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     // last pages of the journal's files (a small append there still succeeds).
     let mut extra = String::new();
     for i in 0..4 {
-        c.create_volume(&format!("second-{i}"), "single-node-writer");
         extra.push_str(&format!(
             "    volume \"x{i}\" {{\n      type = \"host\"\n      source = \"second-{i}\"\n      access_mode = \"single-node-writer\"\n      attachment_mode = \"file-system\"\n    }}\n"
         ));
@@ -600,7 +750,6 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
         .await;
     eprintln!("journal: {}", st["journal"]);
     // A publish that starts now needs a durable intent: it waits, with the reason.
-    c.create_volume("third-data", "single-node-writer");
     let spec3 = c.sb.join("third.nomad.hcl");
     let text = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl"))
         .unwrap()
@@ -657,22 +806,10 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
         st["journal"]["failed_writes"].as_u64().unwrap() >= 2,
         "{st}"
     );
-    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
-    let addr = log
-        .lines()
-        .rfind(|l| l.contains("serving metrics at /metrics"))
-        .and_then(|l| l.split("addr=").nth(1))
-        .map(|a| a.split_whitespace().next().unwrap().to_string())
-        .unwrap_or_else(|| panic!("no metrics address logged:\n{log}"));
-    let metrics = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics(&c, 0).await;
     assert!(
-        metrics.contains("dhv_binder_journal_write_failing 1"),
-        "{metrics}"
+        page.contains("dhv_binder_journal_write_failing 1"),
+        "{page}"
     );
     assert_eq!(support::cluster::mount_count(&target), 1, "kept published");
     assert!(
@@ -704,5 +841,86 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     assert_eq!(st["journal"]["failing"], false, "{st}");
     assert_eq!(support::cluster::mount_count(&target), 1);
     assert!(!c.journal(0).is_empty(), "the history still decodes");
+
+    // Never truncated nor undecodable: a restarted agent reads every volume back published.
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
+    c.start_agent(0);
+    let names = [
+        "shared-data",
+        "second-0",
+        "second-1",
+        "second-2",
+        "second-3",
+        "third-data",
+    ];
+    c.wait_for(30, "the restarted agent's status", || async {
+        let (_, out) = c.status(0);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let published: Vec<&str> = v["mounts"]
+            .as_array()?
+            .iter()
+            .filter(|m| m["state"] == "published")
+            .filter_map(|m| m["volume"]["name"].as_str())
+            .collect();
+        names.iter().all(|n| published.contains(n)).then_some(())
+    })
+    .await;
+    c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
+}
+
+/// Issue 36, item 6: the agent restarts while its node is cut off from the servers (the
+/// simulator's partition: every request through the node's client fails, so the
+/// allocations list and the volume records cannot be read). The volume it had published
+/// stays mounted, and `dhv-binder status` says why it is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_kept_after_a_restart_with_an_incomplete_picture_says_why_in_status() {
+    let mut c = Cluster::start(1).await;
+    c.wait_plugin("bind").await;
+    c.create_volume("shared-data", "single-node-writer");
+    let (_job, _alloc, node) = run_example(&c).await;
+    let target = c.target(node, "shared-data");
+    c.kill_agent(node, nix::sys::signal::Signal::SIGTERM);
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=true", c.nodes[node].id),
+        Value::Null,
+    )
+    .await;
+    c.start_agent(node);
+    let line = c
+        .wait_for(30, "status saying why the volume is kept", || async {
+            status_text(&c, node)
+                .lines()
+                .find(|l| {
+                    l.starts_with("Waiting ") && l.contains("default/shared-data: kept published")
+                })
+                .map(str::to_string)
+        })
+        .await;
+    eprintln!("{line}");
+    assert!(
+        line.contains("have not been") && line.contains("nothing is unpublished until"),
+        "{line}"
+    );
+    let (_, st) = c.status(node);
+    let st: Value = serde_json::from_str(&st).unwrap();
+    assert_eq!(st["view"]["complete"], false, "{st}");
+    assert_eq!(support::cluster::mount_count(&target), 1, "kept published");
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=false", c.nodes[node].id),
+        Value::Null,
+    )
+    .await;
+    c.wait_for(
+        30,
+        "the reason gone once the picture is complete",
+        || async {
+            let (_, st) = c.status(node);
+            let st: Value = serde_json::from_str(&st).ok()?;
+            (st["view"]["complete"] == true
+                && !st["waiting"].to_string().contains("kept published"))
+            .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(support::cluster::mount_count(&target), 1, "still published");
 }

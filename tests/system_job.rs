@@ -4,7 +4,10 @@
 //! reference plugins, packed as a release) served over loopback HTTP and checked against its
 //! real SHA-256; the agent runs as the raw_exec task on every node, talking to Nomad through
 //! its Task API socket with its workload identity; then the example exec job
-//! (jobspecs/example.nomad.hcl) gets its deferred volume published on its node only.
+//! (jobspecs/example.nomad.hcl) gets its deferred volume published on its node only. Every
+//! simulated task runs in its own cgroup under the test's scratch cgroup, as Nomad runs it.
+//! The second test upgrades the system job while an ext4 and a webdav volume are written,
+//! then kills the new agent's cgroup outright.
 
 mod support;
 
@@ -13,7 +16,9 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use support::cgroup::ScratchCgroup;
 use support::cluster::{dhv_binder_bin, repo, Cluster};
+use support::webdav::{mount_pids, WebdavServer};
 
 /// Packs the release archive the jobspec's artifact expects: `dhv-binder/dhv-binder` and
 /// `dhv-binder/plugins/*` in a tar.gz (as `scripts/release` lays it out); returns its path
@@ -110,7 +115,11 @@ fn system_job(c: &Cluster) -> String {
         ),
         (
             "bind=/srv/dhv-exports",
-            format!("bind={}", c.export.display()),
+            format!(
+                "bind={},ext4={}",
+                c.export.display(),
+                c.sb.join("images").display()
+            ),
         ),
         (
             "\"/etc/dhv-binder/record-keys.pub\"",
@@ -163,9 +172,10 @@ async fn run_with_vars(c: &Cluster, hcl: &str, vars: &str) -> String {
     job["ID"].as_str().unwrap().to_string()
 }
 
-/// The example job with a main task that appends a numbered, timestamped line to
-/// `/data/log` every 50 ms, opening the file each time (each write goes through the mount).
-fn writer_job(dir: &Path) -> PathBuf {
+/// The example job, named `name` and using volume `volume`, with a main task that appends a
+/// numbered, timestamped line to `/data/log` every 50 ms, opening the file each time (each
+/// write goes through the mount), and reports every failed write on stderr.
+fn writer_job(dir: &Path, name: &str, volume: &str) -> PathBuf {
     let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
     let start = example.find("<<-EOT").expect("the example's heredoc") + "<<-EOT".len();
     let end = start + example[start..].find("EOT").unwrap();
@@ -173,12 +183,25 @@ fn writer_job(dir: &Path) -> PathBuf {
           i=0
           while true; do
             i=$((i + 1))
-            echo "line $i $(date +%s%N)" >> /data/log || echo "write $i failed" >&2
+            now=$(date +%s%N)
+            echo "line $i $now" >> /data/log || echo "write $i failed at $now" >&2
             sleep 0.05
           done
         "#;
     let job = format!("{}{}{}", &example[..start], body, &example[end..]);
-    let path = dir.join("writer.nomad.hcl");
+    for from in [
+        "job \"shared-data-demo\"",
+        "source          = \"shared-data\"",
+    ] {
+        assert!(job.contains(from), "the example job no longer has {from}");
+    }
+    let job = job
+        .replace("job \"shared-data-demo\"", &format!("job \"{name}\""))
+        .replace(
+            "source          = \"shared-data\"",
+            &format!("source          = \"{volume}\""),
+        );
+    let path = dir.join(format!("{name}.nomad.hcl"));
     std::fs::write(&path, job).unwrap();
     path
 }
@@ -292,109 +315,6 @@ async fn the_repositorys_system_job_runs_the_agent_and_serves_the_example_job() 
     })
     .await;
 
-    // An upgrade: the same binary re-packed (another checksum) submitted as a new version of
-    // the system job while a task writes to the volume every 50 ms. Every agent is replaced;
-    // the volume stays mounted under the task and is never published again.
-    let writer = c.run_job(&writer_job(c.sb.path())).await;
-    let walloc = c
-        .wait_for(60, "the writer running", || async {
-            c.allocs(&writer)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
-        .await;
-    let i = c.node_index(walloc["NodeID"].as_str().unwrap());
-    let target = c.target(i, "shared-data");
-    let log = target.join("log");
-    c.wait_for(20, "the writer's first lines", || async {
-        std::fs::read_to_string(&log)
-            .ok()
-            .filter(|t| lines(t).len() >= 5)
-    })
-    .await;
-    let publishes = |c: &Cluster| {
-        c.journal(i)
-            .iter()
-            .filter(|e| e["event"] == "publish-done")
-            .count()
-    };
-    let published = publishes(&c);
-    let (_, sum2) = pack_release(
-        c.sb.join("releases").as_path(),
-        "dhv-binder_test2_linux_amd64.tar.gz",
-    );
-    assert_ne!(sum2, sum, "the re-packed release has the same checksum");
-    let vars = format!(
-        "release_url = \"{}\"\nrelease_sha256 = \"{sum2}\"\n",
-        url.replace("dhv-binder_test_", "dhv-binder_test2_")
-    );
-    let upgraded_at = now_ns();
-    run_with_vars(&c, &system_job(&c), &vars).await;
-    c.wait_for(
-        60,
-        "the new version's agent running on every node",
-        || async {
-            let a = c.allocs(&system).await;
-            let new = a
-                .iter()
-                .filter(|a| a["JobVersion"] == 1 && a["TaskStates"]["agent"]["State"] == "running")
-                .count();
-            let old = a
-                .iter()
-                .filter(|a| a["JobVersion"] == 0 && a["ClientStatus"] == "running")
-                .count();
-            (new == c.nodes.len() && old == 0).then_some(())
-        },
-    )
-    .await;
-    // The new agents are up: their node records healthy again, then a little writing.
-    c.wait_plugin("bind").await;
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    assert_eq!(
-        support::cluster::mount_count(&target),
-        1,
-        "the volume was remounted or lost"
-    );
-    assert_eq!(
-        publishes(&c),
-        published,
-        "published again: {:?}",
-        c.journal(i)
-    );
-    let written = lines(&std::fs::read_to_string(&log).unwrap());
-    assert!(
-        written
-            .iter()
-            .enumerate()
-            .all(|(k, (n, _))| *n == k as u64 + 1),
-        "lines missing or out of order"
-    );
-    let after: Vec<_> = written.iter().filter(|(_, t)| *t >= upgraded_at).collect();
-    assert!(
-        after.len() >= 20,
-        "the writes stopped during the upgrade: {} after it",
-        after.len()
-    );
-    let longest = written
-        .windows(2)
-        .map(|w| w[1].1.saturating_sub(w[0].1))
-        .max()
-        .unwrap_or(0);
-    eprintln!(
-        "system job upgrade: {} writes after the update reached the volume ({} bytes); longest gap between two writes {} ms (the writer pauses 50 ms)",
-        after.len(),
-        after.iter().map(|(n, t)| format!("line {n} {t}\n").len()).sum::<usize>(),
-        longest / 1_000_000
-    );
-    c.stop_job(&writer, false).await;
-    c.wait_for(60, "the writer's unpublish done in the journal", || async {
-        c.journal(i)
-            .last()
-            .filter(|e| e["event"] == "unpublish-done")
-            .map(|_| ())
-    })
-    .await;
     c.stop_job(&system, false).await;
     c.wait_for(60, "the agents stopped", || async {
         c.allocs(&system)
@@ -404,4 +324,268 @@ async fn the_repositorys_system_job_runs_the_agent_and_serves_the_example_job() 
             .then_some(())
     })
     .await;
+}
+
+/// The written lines of a writer job's log on `volume` (read through its mount on node 0).
+fn written(c: &Cluster, volume: &str) -> Vec<(u64, u128)> {
+    lines(&std::fs::read_to_string(c.target(0, volume).join("log")).unwrap_or_default())
+}
+
+/// Lines `1..=n` each once, in order.
+fn contiguous(l: &[(u64, u128)]) -> bool {
+    l.iter().enumerate().all(|(k, (n, _))| *n == k as u64 + 1)
+}
+
+/// The longest gap between two consecutive writes, in ms.
+fn longest_gap_ms(l: &[(u64, u128)]) -> u128 {
+    l.windows(2)
+        .map(|w| w[1].1.saturating_sub(w[0].1))
+        .max()
+        .unwrap_or(0)
+        / 1_000_000
+}
+
+/// The lines written in `[from, to)` that are in `stored`: how many, their bytes, and the
+/// longest gap (ms) between two writes that ends in the window.
+fn written_between(stored: &[(u64, u128)], from: u128, to: u128) -> (usize, usize, u128) {
+    let during: Vec<_> = stored
+        .iter()
+        .filter(|(_, t)| *t >= from && *t < to)
+        .collect();
+    let gap = stored
+        .windows(2)
+        .filter(|w| w[1].1 >= from && w[1].1 < to)
+        .map(|w| w[1].1.saturating_sub(w[0].1))
+        .max()
+        .unwrap_or(0);
+    (
+        during.len(),
+        during
+            .iter()
+            .map(|(n, t)| format!("line {n} {t}\n").len())
+            .sum(),
+        gap / 1_000_000,
+    )
+}
+
+/// An upgrade as operators run it, with an ext4 and a webdav (rclone FUSE) volume in use by
+/// writing tasks: the repository's system job updated to a new release replaces the agent
+/// (its task cgroup killed by the simulator, as Nomad kills it); both volumes stay mounted
+/// under their tasks, nothing is published again, every write lands. Then the new agent's
+/// cgroup is killed outright (a crash, an OOM kill): the FUSE server lives in the volume's
+/// helper cgroup and keeps serving; the restarted agent adopts it. One node: the rolling pace
+/// of several nodes is `nodes::a_system_job_update_goes_node_by_node_under_max_parallel_and_stagger`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_and_a_killed_agent_cgroup_keep_ext4_and_webdav_volumes_mounted_and_lose_nothing(
+) {
+    let c = Cluster::start_sim(1, "", &[], &[]).await;
+    let server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", "upgrade-pw");
+    let releases = c.sb.join("releases");
+    std::fs::create_dir_all(&releases).unwrap();
+    let (_, sum) = pack_release(&releases, "dhv-binder_v1_linux_amd64.tar.gz");
+    let base = serve(releases.clone());
+    let vars = |name: &str, sum: &str| {
+        format!("release_url = \"{base}/{name}\"\nrelease_sha256 = \"{sum}\"\n")
+    };
+    let system = run_with_vars(
+        &c,
+        &system_job(&c),
+        &vars("dhv-binder_v1_linux_amd64.tar.gz", &sum),
+    )
+    .await;
+    c.wait_for(60, "the agent running", || async {
+        c.allocs(&system)
+            .await
+            .into_iter()
+            .find(|a| a["TaskStates"]["agent"]["State"] == "running")
+    })
+    .await;
+    c.wait_plugin("ext4").await;
+    c.wait_plugin("webdav").await;
+
+    let images = c.sb.join("images");
+    let out = c.create_volume_with(
+        "ext4-data",
+        "single-node-writer",
+        "ext4",
+        &[
+            ("dir", images.to_str().unwrap()),
+            support::cluster::NOBODY_UID,
+            support::cluster::NOBODY_GID,
+        ],
+        &[],
+        "capacity_min = \"32MiB\"",
+    );
+    assert!(out.contains("is ready"), "{out}");
+    let out = c.create_volume_with(
+        "dav-data",
+        "single-node-writer",
+        "webdav",
+        &[("url", &server.url), ("user", "dhv")],
+        &[("password", "upgrade-pw")],
+        "",
+    );
+    assert!(out.contains("is ready"), "{out}");
+    let dav: Value = c
+        .get("/v1/var/dhv-binder/volumes/dav-data?namespace=default")
+        .await;
+    let dav_id = dav["Items"]["id"].as_str().unwrap().to_string();
+    let jobs = [
+        c.run_job(&writer_job(c.sb.path(), "ext4-writer", "ext4-data"))
+            .await,
+        c.run_job(&writer_job(c.sb.path(), "dav-writer", "dav-data"))
+            .await,
+    ];
+    for volume in ["ext4-data", "dav-data"] {
+        c.wait_for(90, "the writer's first lines", || async {
+            (written(&c, volume).len() >= 5).then_some(())
+        })
+        .await;
+    }
+    let journal_count = |event: &str| c.journal(0).iter().filter(|e| e["event"] == event).count();
+    assert_eq!(journal_count("publish-done"), 2);
+    let rclone = mount_pids(&c.target(0, "dav-data"));
+    assert_eq!(rclone.len(), 1, "one rclone serves the mount: {rclone:?}");
+
+    // The upgrade: a new release (another archive, another checksum).
+    let (_, sum2) = pack_release(&releases, "dhv-binder_v2_linux_amd64.tar.gz");
+    assert_ne!(sum2, sum);
+    let upgraded_at = now_ns();
+    run_with_vars(
+        &c,
+        &system_job(&c),
+        &vars("dhv-binder_v2_linux_amd64.tar.gz", &sum2),
+    )
+    .await;
+    let new = c
+        .wait_for(
+            60,
+            "the new version's agent running, the old one stopped",
+            || async {
+                let a = c.allocs(&system).await;
+                let old_gone = a
+                    .iter()
+                    .filter(|a| a["JobVersion"] == 0)
+                    .all(|a| a["ClientStatus"] == "complete" || a["ClientStatus"] == "failed");
+                let new = a.into_iter().find(|a| {
+                    a["JobVersion"] == 1 && a["TaskStates"]["agent"]["State"] == "running"
+                });
+                new.filter(|_| old_gone)
+            },
+        )
+        .await;
+    let new_id = new["ID"].as_str().unwrap().to_string();
+    // The new agent is up (its node record healthy again), then a little writing.
+    c.wait_plugin("webdav").await;
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    for volume in ["ext4-data", "dav-data"] {
+        assert_eq!(
+            support::cluster::mount_count(&c.target(0, volume)),
+            1,
+            "{volume} was remounted or lost in the upgrade"
+        );
+    }
+    assert_eq!(
+        journal_count("publish-done"),
+        2,
+        "published again: {:?}",
+        c.journal(0)
+    );
+    assert_eq!(
+        mount_pids(&c.target(0, "dav-data")),
+        rclone,
+        "the FUSE server died with the old agent"
+    );
+
+    // The new agent's cgroup killed outright (what Nomad's executor does to a task's cgroup,
+    // here without the task being stopped: a crash or an OOM kill).
+    let agent_cgroup = c
+        .cgroup
+        .path
+        .join(format!("node-1.nomad/share.slice/{new_id}.agent.scope"));
+    assert!(
+        agent_cgroup.join("cgroup.procs").exists(),
+        "the agent does not run in its task cgroup {}",
+        agent_cgroup.display()
+    );
+    let agent_log = c.sb.join(&format!(
+        "sim/node-1/alloc/{new_id}/alloc/logs/agent.stderr.0"
+    ));
+    let adoptions = || {
+        std::fs::read_to_string(&agent_log)
+            .unwrap_or_default()
+            .matches("adopted the helper cgroup of a published volume")
+            .count()
+    };
+    let adopted_before = adoptions();
+    assert!(
+        adopted_before >= 1,
+        "the new agent did not adopt the helper cgroup at its start"
+    );
+    let killed_at = now_ns();
+    ScratchCgroup::kill(&agent_cgroup);
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert_eq!(
+        mount_pids(&c.target(0, "dav-data")),
+        rclone,
+        "the FUSE server died with the agent's cgroup"
+    );
+    let before = written(&c, "dav-data").len();
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(
+        written(&c, "dav-data").len() > before,
+        "the task's writes to the webdav volume stopped with the agent"
+    );
+    // The task restarts the agent (the jobspec's restart delay), which adopts the helper.
+    c.wait_for(
+        30,
+        "the restarted agent adopting the helper cgroup",
+        || async { (adoptions() > adopted_before).then_some(()) },
+    )
+    .await;
+    let restarted_at = now_ns();
+    c.wait_plugin("webdav").await;
+    for volume in ["ext4-data", "dav-data"] {
+        assert_eq!(support::cluster::mount_count(&c.target(0, volume)), 1);
+    }
+    assert_eq!(journal_count("publish-done"), 2, "{:?}", c.journal(0));
+
+    // Stop the writers: both volumes unpublished (the webdav one after rclone uploaded).
+    let ext4_lines = written(&c, "ext4-data");
+    for job in &jobs {
+        c.stop_job(job, false).await;
+    }
+    c.wait_for(60, "both unpublishes done", || async {
+        (journal_count("unpublish-done") == 2).then_some(())
+    })
+    .await;
+    let dav_lines = lines(
+        &std::fs::read_to_string(server.dir.join("default").join(&dav_id).join("log"))
+            .expect("the log on the WebDAV server"),
+    );
+    for (volume, l) in [("ext4-data", &ext4_lines), ("dav-data", &dav_lines)] {
+        assert!(contiguous(l), "{volume}: lines missing or out of order");
+        assert!(
+            l.iter().filter(|(_, t)| *t >= upgraded_at).count() >= 20,
+            "{volume}: the writes stopped during the upgrade"
+        );
+    }
+    for job in &jobs {
+        let a = &c.allocs(job).await[0];
+        let stderr = std::fs::read_to_string(c.sb.join(&format!(
+            "sim/node-1/alloc/{}/alloc/logs/app.stderr.0",
+            a["ID"].as_str().unwrap()
+        )))
+        .unwrap_or_default();
+        assert!(!stderr.contains("failed"), "{job}: failed writes: {stderr}");
+    }
+    for (volume, l) in [("ext4", &ext4_lines), ("webdav", &dav_lines)] {
+        let (n, bytes, gap) = written_between(l, upgraded_at, killed_at);
+        let (kn, kbytes, kgap) = written_between(l, killed_at, restarted_at);
+        eprintln!(
+            "{volume}: upgrade: {n} writes ({bytes} bytes) reached the storage, longest gap {gap} ms; agent cgroup killed until the restarted agent adopted the helpers: {kn} writes ({kbytes} bytes), longest gap {kgap} ms; whole run: longest gap {} ms (the writer pauses 50 ms), 0 failed writes",
+            longest_gap_ms(l)
+        );
+    }
+    c.stop_job(&system, false).await;
 }

@@ -164,7 +164,12 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", cfg.data_dir.display()))?;
     let ready_path = cfg.data_dir.join("ready.json");
     let _ = std::fs::remove_file(&ready_path);
-    let keyring = Arc::new(tokio::task::spawn_blocking(Keyring::generate).await??);
+    let issuer = cfg.oidc_issuer.clone();
+    let keyring = Arc::new(
+        tokio::task::spawn_blocking(Keyring::generate)
+            .await??
+            .with_issuer(issuer),
+    );
     let mut acl = crate::policy::AclState {
         enabled: cfg.acl.enabled,
         ..Default::default()
@@ -250,6 +255,19 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
                 .collect(),
             self_exe: self_exe.clone(),
             task_api: Some(crate::task_api::TaskApi::new(client_state)),
+            cgroups: match &c.cgroup_parent {
+                None => None,
+                Some(p) => {
+                    let parent = crate::cgroup::resolve_parent(p)?;
+                    let cg = crate::cgroup::TaskCgroups::open(&parent)?;
+                    if cg.memory_limited() {
+                        tracing::info!(node = %c.name, parent = %parent.display(), "tasks run in their own cgroups");
+                    } else {
+                        tracing::warn!(node = %c.name, parent = %parent.display(), "tasks run in their own cgroups without memory.max: the memory controller is not offered under the cgroup parent (a hybrid host keeps it on cgroup v1)");
+                    }
+                    Some(cg)
+                }
+            },
         });
         node_tasks.push(tokio::spawn(run_node(
             server.clone(),

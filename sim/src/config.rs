@@ -47,6 +47,10 @@ pub struct ClientConfig {
     pub host_volumes: Vec<StaticHostVolume>,
     /// Node meta.
     pub meta: BTreeMap<String, String>,
+    /// `cgroup_parent`: the parent of this node's task cgroups (absolute, or relative to the
+    /// cgroup2 mount as Nomad's `cgroup_parent`); `None`: tasks run without cgroups (the
+    /// simulator has no default, so it never uses the host's own `nomad.slice`).
+    pub cgroup_parent: Option<PathBuf>,
 }
 
 /// ACL settings (`acl { enabled = true }`), plus the sim's bootstrap token.
@@ -79,6 +83,11 @@ pub struct AgentConfig {
     pub heartbeat_grace: Duration,
     /// ACLs.
     pub acl: AclConfig,
+    /// `server { oidc_issuer = "..." }`: the `iss` of every workload identity and the
+    /// issuer of `/.well-known/openid-configuration`; unset, tokens carry no `iss` and that
+    /// endpoint answers 404 (Nomad: `nomad/encrypter.go` `SignClaims`,
+    /// `command/agent/keyring_endpoint.go` `OIDCDiscoveryRequest`).
+    pub oidc_issuer: Option<String>,
     /// Simulated client nodes.
     pub clients: Vec<ClientConfig>,
 }
@@ -144,6 +153,7 @@ impl AgentConfig {
             )?,
             heartbeat_grace: duration(&a, "heartbeat_grace", Duration::from_secs(10))?,
             acl: AclConfig::default(),
+            oidc_issuer: None,
             clients: Vec::new(),
         };
         for b in body.blocks() {
@@ -154,6 +164,12 @@ impl AgentConfig {
                         cfg.http_port = u16::try_from(p)
                             .map_err(|_| ConfigError::Invalid("ports.http out of range".into()))?;
                     }
+                }
+                "server" => {
+                    let sa = attributes("server", &b.body)?;
+                    cfg.oidc_issuer = Attrs::new("server", &sa)
+                        .str("oidc_issuer")?
+                        .filter(|s| !s.is_empty());
                 }
                 "acl" => {
                     let aa = attributes("acl", &b.body)?;
@@ -177,6 +193,7 @@ impl AgentConfig {
                         chroot_env: BTreeMap::new(),
                         host_volumes: Vec::new(),
                         meta: ca.string_map("meta")?.unwrap_or_default(),
+                        cgroup_parent: ca.str("cgroup_parent")?.map(PathBuf::from),
                     };
                     let mut chroot_set = ca.string_map("chroot_env")?;
                     for inner in b.body.blocks() {

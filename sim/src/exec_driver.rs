@@ -65,6 +65,9 @@ pub struct ExecSpec {
     /// The user the command runs as: the task's `user`, or `nobody` when it sets none.
     #[serde(default = "nobody")]
     pub user: String,
+    /// The task's cgroup, entered first (see [`crate::cgroup`]); `None`: none.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
 }
 
 fn nobody() -> String {
@@ -254,6 +257,9 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
     let raw = std::fs::read(spec_path).map_err(|e| ExecError::Spec(e.to_string()))?;
     let spec: ExecSpec =
         serde_json::from_slice(&raw).map_err(|e| ExecError::Spec(e.to_string()))?;
+    if let Some(cg) = &spec.cgroup {
+        crate::cgroup::enter_self(cg).map_err(|e| ExecError::Io("cgroup".into(), e))?;
+    }
     // Looked up on the host, before the task's root replaces it.
     let user = nix::unistd::User::from_name(&spec.user)
         .ok()

@@ -29,6 +29,8 @@ pub struct Keyring {
     decoding: DecodingKey,
     n: String,
     e: String,
+    /// The server's `oidc_issuer`: the `iss` claim, and the OIDC discovery document.
+    issuer: Option<String>,
 }
 
 /// Claims of a default workload identity.
@@ -66,7 +68,30 @@ impl Keyring {
             decoding,
             n,
             e,
+            issuer: None,
         })
+    }
+
+    /// Sets the issuer (`server { oidc_issuer }`): `SignClaims` (`nomad/encrypter.go`) adds
+    /// it as `iss` to every identity when set, and only then.
+    pub fn with_issuer(mut self, issuer: Option<String>) -> Self {
+        self.issuer = issuer;
+        self
+    }
+
+    /// `GET /.well-known/openid-configuration` body, `None` without an issuer (Nomad answers
+    /// 404 "OIDC Discovery endpoint disabled": `command/agent/keyring_endpoint.go`
+    /// `OIDCDiscoveryRequest`; the document: `nomad/structs/keyring.go`
+    /// `NewOIDCDiscoveryConfig`).
+    pub fn openid_configuration(&self) -> Option<Value> {
+        let iss = self.issuer.as_ref()?;
+        Some(json!({
+            "issuer": iss,
+            "jwks_uri": format!("{}/.well-known/jwks.json", iss.trim_end_matches('/')),
+            "id_token_signing_alg_values_supported": ["RS256", "EdDSA"],
+            "response_types_supported": ["code"],
+            "subject_types_supported": ["public"],
+        }))
     }
 
     /// `GET /.well-known/jwks.json` body.
@@ -97,7 +122,7 @@ impl Keyring {
         alloc_id: &str,
     ) -> Result<String, IdentityError> {
         let now = crate::clock::now_secs();
-        let claims = json!({
+        let mut claims = json!({
             "aud": "nomadproject.io",
             "iat": now,
             "jti": uuid::Uuid::new_v4().to_string(),
@@ -108,6 +133,9 @@ impl Keyring {
             "nomad_task": task,
             "sub": format!("{region}:{namespace}:{job_id}:{group}:{task}:default"),
         });
+        if let (Some(iss), Some(m)) = (&self.issuer, claims.as_object_mut()) {
+            m.insert("iss".into(), json!(iss));
+        }
         self.sign(&claims)
     }
 
@@ -119,5 +147,31 @@ impl Keyring {
         v.validate_exp = false;
         let data = jsonwebtoken::decode::<WorkloadClaims>(token, &self.decoding, &v)?;
         Ok(data.claims)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payload(token: &str) -> Value {
+        let p = token.split('.').nth(1).unwrap();
+        serde_json::from_slice(&URL_SAFE_NO_PAD.decode(p).unwrap()).unwrap()
+    }
+
+    /// `SignClaims` (`nomad/encrypter.go`): `iss` only when the server has an issuer.
+    #[test]
+    fn identities_carry_iss_only_with_an_oidc_issuer() {
+        let k = Keyring::generate().unwrap();
+        let t = k
+            .sign_default_identity("global", "default", "j", "g", "t", "a")
+            .unwrap();
+        assert!(payload(&t).get("iss").is_none());
+        assert!(k.openid_configuration().is_none());
+        let k = k.with_issuer(Some("https://nomad.example".into()));
+        let t = k
+            .sign_default_identity("global", "default", "j", "g", "t", "a")
+            .unwrap();
+        assert_eq!(payload(&t)["iss"], "https://nomad.example");
     }
 }

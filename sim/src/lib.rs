@@ -12,7 +12,7 @@
 //! - `api`: HTTP endpoints, one submodule per endpoint family (sim faults in `api::faults`).
 //! - `client`: simulated client nodes and alloc runners; `taskrunner`: tasks, restarts, kills;
 //!   `restart`: `alloc restart`; `exec_driver`: the exec driver's namespace/chroot helper;
-//!   `docker_driver`: the docker driver over a real Docker engine.
+//!   `docker_driver`: the docker driver over a real Docker engine; `cgroup`: the tasks' cgroups.
 #![forbid(unsafe_code)]
 
 pub mod acl;
@@ -20,6 +20,7 @@ pub mod agent;
 pub mod api;
 pub mod artifact;
 pub mod broker;
+pub mod cgroup;
 pub mod cli;
 pub mod client;
 pub mod clock;

@@ -15,6 +15,24 @@ fn main() {
         eprintln!("nomad-sim exec driver: {err}");
         std::process::exit(1);
     }
+    if args.get(1).map(String::as_str) == Some("cgroup-exec") {
+        // `nomad-sim cgroup-exec <cgroup> <command> [args...]`: the raw_exec driver's start in
+        // the task's cgroup (Nomad's executor: `UseCgroupFD`); the environment, working
+        // directory and file descriptors are the task's already.
+        let (Some(cgroup), Some(command)) = (args.get(2), args.get(3)) else {
+            eprintln!("usage: nomad-sim cgroup-exec <cgroup> <command> [args...]");
+            std::process::exit(2);
+        };
+        if let Err(e) = nomad_sim::cgroup::enter_self(std::path::Path::new(cgroup)) {
+            eprintln!("nomad-sim raw_exec driver: {e}");
+            std::process::exit(1);
+        }
+        let err = std::os::unix::process::CommandExt::exec(
+            std::process::Command::new(command).args(&args[4..]),
+        );
+        eprintln!("nomad-sim raw_exec driver: failed to exec {command}: {err}");
+        std::process::exit(1);
+    }
     if args.get(1).map(String::as_str) == Some("docker-task") {
         let Some(spec) = args.get(2) else {
             eprintln!("usage: nomad-sim docker-task <spec.json>");

@@ -549,7 +549,9 @@ async fn faults(
         r.requests.push(format!("{method} {path}?{query}"));
         let denied = r.required_token.is_some()
             && r.required_token != token
-            && path != "/.well-known/jwks.json";
+            // Nomad's keyring endpoints are public (no token): the JWKS and the OIDC
+            // discovery document (`command/agent/keyring_endpoint.go`).
+            && !path.starts_with("/.well-known/");
         r.tokens_seen.push(token);
         denied
     };

@@ -856,6 +856,8 @@ pub fn reconcile_all(st: &mut State) {
         }
     }
     for job in &jobs {
+        // node → the system allocation this pass stops there for a new version.
+        let mut system_replaces: BTreeMap<String, String> = BTreeMap::new();
         let job_allocs: Vec<Allocation> = pass
             .work
             .values()
@@ -891,7 +893,41 @@ pub fn reconcile_all(st: &mut State) {
                 .then(|| UpdateStrategy::of(&g.Update))
                 .flatten()
         };
-        for a in job_allocs.iter().filter(|a| !a.server_terminal()) {
+        // A system job's rolling update (Nomad 1.10 `scheduler_system.go` `computeJobAllocs`):
+        // with the job's `update` block rolling (`UpdateStrategy.Rolling`: stagger and
+        // max_parallel both set), an evaluation replaces at most `max_parallel` allocations of
+        // an older version (`evictAndPlace`) and, the limit reached, leaves the rest to a
+        // follow-up evaluation `stagger` later (`Evaluation.NextRollingEval`). Here: a batch
+        // `stagger` after the previous one, whose time is the newest replacement's.
+        let rolling = (job.Type == "system")
+            .then(|| {
+                let n = |k: &str| job.Update.get(k).and_then(Value::as_i64).unwrap_or(0);
+                (n("Stagger") > 0 && n("MaxParallel") > 0).then(|| (n("MaxParallel"), n("Stagger")))
+            })
+            .flatten();
+        let mut system_limit = rolling.map(|(max_parallel, stagger)| {
+            let last_batch = job_allocs
+                .iter()
+                .filter(|a| a.Job.as_ref().map(|j| j.Version) == Some(job.Version))
+                .filter(|a| !a.PreviousAllocation.is_empty())
+                .map(|a| a.CreateTime)
+                .max();
+            match last_batch {
+                Some(t) if now < t.saturating_add(stagger) => 0,
+                _ => max_parallel,
+            }
+        });
+        let mut outdated: Vec<&Allocation> =
+            job_allocs.iter().filter(|a| !a.server_terminal()).collect();
+        // Nodes in name order: the order the batches take.
+        outdated.sort_by_key(|a| {
+            pass.st
+                .nodes
+                .get(&a.NodeID)
+                .map(|n| n.Name.clone())
+                .unwrap_or_default()
+        });
+        for a in outdated {
             let version = a.Job.as_ref().map(|j| j.Version).unwrap_or(0);
             match job.group(&a.TaskGroup) {
                 None => pass.stop(&a.ID, "alloc not needed due to job update"),
@@ -900,7 +936,15 @@ pub fn reconcile_all(st: &mut State) {
                 }
                 // Groups with an update strategy are updated by their deployment below.
                 Some(g) if version != job.Version && strategy(g).is_none() => {
-                    pass.stop(&a.ID, "alloc is being updated due to job update")
+                    match system_limit.as_mut() {
+                        Some(0) => continue,
+                        Some(n) => *n -= 1,
+                        None => {}
+                    }
+                    pass.stop(&a.ID, "alloc is being updated due to job update");
+                    if job.Type == "system" {
+                        system_replaces.insert(a.NodeID.clone(), a.ID.clone());
+                    }
                 }
                 _ => {}
             }
@@ -928,7 +972,10 @@ pub fn reconcile_all(st: &mut State) {
                     let node = &pass.st.nodes[&nid];
                     let name = format!("{}.{}[0]", job.ID, g.Name);
                     if infeasible_reason(pass.st, &pass.work, job, g, &name, node).is_none() {
-                        pass.place(job, g, 0, Some(&nid), None);
+                        // A replacement records the allocation it replaces
+                        // (`computePlacements`: `PreviousAllocation`).
+                        let prev = system_replaces.get(&nid).map(String::as_str);
+                        pass.place(job, g, 0, Some(&nid), prev);
                     }
                 }
                 continue;

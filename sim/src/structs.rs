@@ -559,7 +559,15 @@ impl Job {
         if self.NodePool.is_empty() {
             self.NodePool = "default".into();
         }
-        let is_service_like = self.Type == "service" || self.Type == "system";
+        // `api/jobs.go` `Job.Canonicalize`: a service job without an `update` block gets the
+        // default strategy; any other job keeps none (a system job then replaces every
+        // allocation at once: `UpdateStrategy.Rolling` is false for the zero value).
+        let is_service_like =
+            self.Type == "service" || (self.Type == "system" && !self.Update.is_null());
+        if self.Type == "system" && self.Update.is_null() {
+            self.Update = json!({"Stagger":0,"MaxParallel":0,"HealthCheck":"","MinHealthyTime":0,
+                "HealthyDeadline":0,"ProgressDeadline":0,"AutoRevert":false,"AutoPromote":false,"Canary":0});
+        }
         if is_service_like {
             let defaults = json!({"Stagger":30_000_000_000i64,"MaxParallel":1,"HealthCheck":"","MinHealthyTime":0,
                 "HealthyDeadline":0,"ProgressDeadline":0,"AutoRevert":false,"AutoPromote":false,"Canary":0});

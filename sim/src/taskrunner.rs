@@ -56,6 +56,8 @@ pub struct NodeCtx {
     pub self_exe: PathBuf,
     /// Serves each task's Task API socket (see [`crate::task_api`]).
     pub task_api: Option<crate::task_api::TaskApi>,
+    /// The tasks' cgroups (`cgroup_parent`); `None`: tasks run in process groups only.
+    pub cgroups: Option<crate::cgroup::TaskCgroups>,
 }
 
 /// Shared task-state table of an allocation; every change is reported by `notify`.
@@ -411,6 +413,54 @@ impl TaskRunner {
         Ok(())
     }
 
+    /// The task's cgroup, made with its memory limits, when the node has `cgroup_parent`
+    /// (see [`crate::cgroup`]); `None` otherwise.
+    fn setup_cgroup(&self) -> Result<Option<PathBuf>, String> {
+        let Some(cgroups) = &self.node.cgroups else {
+            return Ok(None);
+        };
+        let r = &self.task.Resources;
+        let limits = crate::cgroup::memory_limits(r.MemoryMB, r.MemoryMaxMB);
+        cgroups
+            .setup(&self.alloc.ID, &self.task.Name, limits)
+            .map(Some)
+            .map_err(|e| format!("failed to configure cgroup for executor: {e}"))
+    }
+
+    /// Kills what is left in the task's cgroup and removes it (the wrangler hook's `Stop`),
+    /// when the task runner ends.
+    async fn destroy_cgroup(&self) {
+        let Some(cgroups) = &self.node.cgroups else {
+            return;
+        };
+        if self.task.Driver == "docker" {
+            return;
+        }
+        let path = cgroups.path(&self.alloc.ID, &self.task.Name);
+        // Off the runtime's threads: the wait for the cgroup to empty polls.
+        let done = tokio::task::spawn_blocking(move || {
+            crate::cgroup::destroy(&path, Duration::from_secs(5))
+        })
+        .await;
+        if let Ok(Err(e)) = done {
+            tracing::warn!(task = %self.task.Name, alloc = %self.alloc.ID, error = %e, "removing the task's cgroup");
+        }
+    }
+
+    /// Whether `command` names an existing file: relative to the task dir when it has a
+    /// `/`, otherwise in the task's `PATH` (the sim's own when the task sets none).
+    fn resolvable(&self, command: &str, env: &BTreeMap<String, String>) -> bool {
+        if command.contains('/') {
+            return self.task_dir().join(command).exists();
+        }
+        let path = env
+            .get("PATH")
+            .cloned()
+            .or_else(|| std::env::var("PATH").ok())
+            .unwrap_or_default();
+        std::env::split_paths(&path).any(|d| d.join(command).is_file())
+    }
+
     fn spawn(&self, binds: Vec<BindSpec>) -> Result<tokio::process::Child, String> {
         if self.task.Driver == "docker" {
             let env = self.build_env(true);
@@ -429,6 +479,7 @@ impl TaskRunner {
         }
         let exec = self.task.Driver == "exec";
         let env = self.build_env(exec);
+        let cgroup = self.setup_cgroup()?;
         let node = &self.node.node;
         let command = self
             .task
@@ -466,6 +517,7 @@ impl TaskRunner {
                 command: command.clone(),
                 args,
                 env: env.into_iter().collect(),
+                cgroup: cgroup.clone(),
                 // Nomad's exec driver runs a task that sets no user as `nobody`.
                 user: if self.task.User.is_empty() {
                     "nobody".into()
@@ -480,6 +532,24 @@ impl TaskRunner {
                 .map_err(|e| format!("writing exec spec: {e}"))?;
             let mut c = tokio::process::Command::new(&self.node.self_exe);
             c.arg("exec-task").arg(&spec_path).env_clear();
+            c
+        } else if let Some(cg) = &cgroup {
+            // Started in its cgroup by `nomad-sim cgroup-exec`, which execs the command; a
+            // command that cannot be found fails the start here, as the executor's does.
+            if !self.resolvable(&command, &env) {
+                return Err(format!(
+                    "failed to launch command with executor: {command}: {}",
+                    std::io::Error::from(std::io::ErrorKind::NotFound)
+                ));
+            }
+            let mut c = tokio::process::Command::new(&self.node.self_exe);
+            c.arg("cgroup-exec")
+                .arg(cg)
+                .arg(&command)
+                .args(&args)
+                .env_clear()
+                .envs(&env)
+                .current_dir(self.task_dir());
             c
         } else {
             let mut c = tokio::process::Command::new(&command);
@@ -561,7 +631,17 @@ impl TaskRunner {
     }
 
     /// Runs the task to completion. `kill` carries a kill request (Some) once the task must die.
-    pub async fn run(self, mut kill: watch::Receiver<Option<KillRequest>>) -> Outcome {
+    /// When the runner ends (not for a restart), whatever is left in the task's cgroup is killed
+    /// and the cgroup removed.
+    pub async fn run(self, kill: watch::Receiver<Option<KillRequest>>) -> Outcome {
+        let out = self.run_task(kill).await;
+        if out != Outcome::Restarted {
+            self.destroy_cgroup().await;
+        }
+        out
+    }
+
+    async fn run_task(&self, mut kill: watch::Receiver<Option<KillRequest>>) -> Outcome {
         let name = self.task.Name.clone();
         let on_success_restart = self.job.Type == "service" || self.job.Type == "system";
         let restarts_on_success = on_success_restart

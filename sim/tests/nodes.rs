@@ -838,3 +838,123 @@ async fn host_volume_register_and_delete_answer_as_nomad_on_bad_input_and_a_down
     .await
     .expect("test timed out");
 }
+
+/// A system job's allocations, as (node ID, job version, desired status, create time ns).
+async fn system_allocs(sim: &Sim, job: &str) -> Vec<(String, u64, String, i64)> {
+    sim.job_allocs(job)
+        .await
+        .into_iter()
+        .map(|a| {
+            (
+                a["NodeID"].as_str().unwrap().to_string(),
+                a["JobVersion"].as_u64().unwrap(),
+                a["DesiredStatus"].as_str().unwrap().to_string(),
+                a["CreateTime"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Nomad 1.10's system scheduler (`scheduler/scheduler_system.go` `computeJobAllocs`,
+/// `evictAndPlace`; `Evaluation.NextRollingEval`): with a rolling `update` block an update
+/// replaces `max_parallel` allocations, then the next ones `stagger` later, node by node; a
+/// replacement names the allocation it replaces. Without an `update` block every node's
+/// allocation is replaced at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_system_job_update_goes_node_by_node_under_max_parallel_and_stagger() {
+    let sim =
+        Sim::start("client \"node-1\" {}\nclient \"node-2\" {}\nclient \"node-3\" {}\n").await;
+    let job = |name: &str, update: &str, version: &str| {
+        format!(
+            r#"job "{name}" {{
+  type = "system"
+  {update}
+  group "d" {{
+    task "d" {{
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      env {{
+        RELEASE = "{version}"
+      }}
+      config {{
+        command = "/bin/sleep"
+        args = ["1000"]
+      }}
+    }}
+  }}
+}}"#
+        )
+    };
+    let rolling = "update {\n    max_parallel = 1\n    stagger = \"2s\"\n  }";
+    for (name, update) in [("rolling", rolling), ("at-once", "")] {
+        sim.run_job(&job(name, update, "1")).await;
+        sim.wait_for(30, "three running allocations", || async {
+            let a = sim.job_allocs(name).await;
+            (a.iter().filter(|a| a["ClientStatus"] == "running").count() == 3).then_some(())
+        })
+        .await;
+    }
+    let at_once = sim.get("/v1/job/at-once").await;
+    assert_eq!(at_once["Update"]["MaxParallel"], 0, "{}", at_once["Update"]);
+    let updated_at = std::time::Instant::now();
+    for (name, update) in [("rolling", rolling), ("at-once", "")] {
+        sim.run_job(&job(name, update, "2")).await;
+    }
+
+    // Without an update block: all three replaced in one plan.
+    sim.wait_for(10, "every at-once allocation replaced", || async {
+        let a = system_allocs(&sim, "at-once").await;
+        (a.iter().filter(|a| a.1 == 1 && a.2 == "run").count() == 3).then_some(())
+    })
+    .await;
+    // Rolling: one node first; the others stay on version 0 until the stagger passes.
+    sim.wait_for(10, "the first rolling replacement", || async {
+        let a = system_allocs(&sim, "rolling").await;
+        (a.iter().any(|a| a.1 == 1)).then_some(())
+    })
+    .await;
+    if updated_at.elapsed() < Duration::from_millis(1500) {
+        let a = system_allocs(&sim, "rolling").await;
+        let new = a.iter().filter(|a| a.1 == 1).count();
+        let old_running = a.iter().filter(|a| a.1 == 0 && a.2 == "run").count();
+        assert_eq!((new, old_running), (1, 2), "not one node at a time: {a:?}");
+    }
+    sim.wait_for(20, "every rolling allocation replaced", || async {
+        let a = system_allocs(&sim, "rolling").await;
+        (a.iter().filter(|a| a.1 == 1 && a.2 == "run").count() == 3).then_some(())
+    })
+    .await;
+    let allocs = sim.job_allocs("rolling").await;
+    let mut created: Vec<i64> = allocs
+        .iter()
+        .filter(|a| a["JobVersion"] == 1)
+        .map(|a| a["CreateTime"].as_i64().unwrap())
+        .collect();
+    created.sort();
+    for w in created.windows(2) {
+        assert!(
+            w[1] - w[0] >= 2_000_000_000,
+            "replacements less than the stagger apart: {created:?}"
+        );
+    }
+    let mut nodes: Vec<&str> = allocs
+        .iter()
+        .filter(|a| a["JobVersion"] == 1)
+        .map(|a| a["NodeID"].as_str().unwrap())
+        .collect();
+    nodes.sort();
+    nodes.dedup();
+    assert_eq!(nodes.len(), 3, "not one replacement per node");
+    for a in allocs.iter().filter(|a| a["JobVersion"] == 1) {
+        let a = sim
+            .get(&format!("/v1/allocation/{}", a["ID"].as_str().unwrap()))
+            .await;
+        let prev = a["PreviousAllocation"].as_str().unwrap();
+        let old = allocs
+            .iter()
+            .find(|o| o["ID"] == prev)
+            .unwrap_or_else(|| panic!("replacement {} names no old allocation", a["ID"]));
+        assert_eq!(old["NodeID"], a["NodeID"]);
+        assert_eq!(old["JobVersion"], 0);
+    }
+}

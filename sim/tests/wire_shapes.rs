@@ -627,3 +627,36 @@ async fn deployment_matches_the_capture() {
     .await
     .expect("test timed out");
 }
+
+/// `GET /.well-known/openid-configuration`: 404 "OIDC Discovery endpoint disabled" without
+/// `server { oidc_issuer }`, the discovery document naming it with one
+/// (`command/agent/keyring_endpoint.go` `OIDCDiscoveryRequest`).
+#[tokio::test]
+async fn oidc_discovery_is_off_without_an_issuer_and_names_it_with_one() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let (status, _, body) = sim
+            .req(
+                reqwest::Method::GET,
+                "/.well-known/openid-configuration",
+                None,
+            )
+            .await;
+        assert_eq!(
+            (status, body.trim()),
+            (404, "OIDC Discovery endpoint disabled")
+        );
+        let sim = Sim::start(
+            "server {\n  oidc_issuer = \"https://nomad.example:4646\"\n}\nclient \"node-1\" {}\n",
+        )
+        .await;
+        let doc = sim.get("/.well-known/openid-configuration").await;
+        assert_eq!(doc["issuer"], "https://nomad.example:4646");
+        assert_eq!(
+            doc["jwks_uri"],
+            "https://nomad.example:4646/.well-known/jwks.json"
+        );
+    })
+    .await
+    .unwrap();
+}

@@ -64,6 +64,8 @@ pub(crate) struct Claims {
     renewing: BTreeMap<VolumeKey, Instant>,
     /// Acquires in flight, with when they were sent.
     acquiring: BTreeMap<VolumeKey, Instant>,
+    /// Moves whenever a claim's state may have changed (see [`Claims::version`]).
+    version: u64,
 }
 
 impl Claims {
@@ -74,7 +76,30 @@ impl Claims {
             wait: BTreeMap::new(),
             renewing: BTreeMap::new(),
             acquiring: BTreeMap::new(),
+            version: 0,
         }
+    }
+
+    /// A number that moves whenever a claim is taken, renewed, fenced, lost or given back,
+    /// or a volume starts or stops waiting for one: the metrics count the claims again
+    /// only when it moved (O(1) per pass otherwise).
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// This node's claims by state and the volumes waiting for one: `[held, fenced, lost,
+    /// waiting]` (a pass over the claims: ask when [`Claims::version`] moved).
+    pub(crate) fn counts(&self) -> [usize; 4] {
+        let mut n = [0; 4];
+        for c in self.held.values() {
+            n[match c.state {
+                ClaimState::Held => 0,
+                ClaimState::Fenced => 1,
+                ClaimState::Lost => 2,
+            }] += 1;
+        }
+        n[3] = self.waiting().count();
+        n
     }
 
     /// Claims recorded in the journal before a restart are renewed at once: a renewal that
@@ -87,6 +112,7 @@ impl Claims {
         now: Instant,
     ) {
         let stale = now.checked_sub(self.settings.ttl).unwrap_or(now);
+        self.version += 1;
         for m in mounts {
             if let Some(id) = &m.claim_id {
                 self.held.insert(
@@ -184,6 +210,9 @@ impl Claims {
                 c.state = ClaimState::Fenced;
             }
         }
+        if !due.is_empty() {
+            self.version += 1;
+        }
         due
     }
 
@@ -226,6 +255,7 @@ impl Claims {
         retries: &mut Retries<Work>,
         now: Instant,
     ) {
+        self.version += 1;
         match result {
             Ok(id) => {
                 tracing::info!(%volume, "claim acquired");
@@ -272,6 +302,7 @@ impl Claims {
         mounted_here: bool,
         now: Instant,
     ) -> Renewal {
+        self.version += 1;
         let sent = self.renewing.remove(volume).unwrap_or(now);
         match result {
             Ok(()) => {
@@ -336,6 +367,7 @@ impl Claims {
     /// The volume was unpublished here: a lost claim is forgotten (a held one is given
     /// back by the plan, unless an allocation here still needs the volume).
     pub(crate) fn on_unpublished(&mut self, volume: &VolumeKey) {
+        self.version += 1;
         if self
             .held
             .get(volume)
@@ -348,10 +380,22 @@ impl Claims {
     /// A release finished; the claim is forgotten either way (a failed release expires
     /// with its TTL).
     pub(crate) fn on_released(&mut self, volume: &VolumeKey, result: Result<(), ClaimError>) {
+        self.version += 1;
         if let Err(e) = result {
             tracing::warn!(%volume, error = %e, "claim release failed; it expires with its TTL");
         }
         self.held.remove(volume);
+    }
+
+    /// Ends the waits of the volumes `done` says no publish waits for any more (the
+    /// allocations that needed them ended): a wait is kept only while the plan still asks
+    /// for the claim.
+    pub(crate) fn forget_waits(&mut self, done: impl Fn(&VolumeKey) -> bool) {
+        let before = self.wait.len();
+        self.wait.retain(|k, _| !done(k));
+        if self.wait.len() != before {
+            self.version += 1;
+        }
     }
 
     /// Volumes waiting for a claim this node does not hold, with the reason.
@@ -397,6 +441,57 @@ mod tests {
     fn held(c: &mut Claims, now: Instant) {
         let mut r = Retries::new(1);
         c.on_acquired(key(), Ok("lock-1".into()), &mut r, now);
+    }
+
+    /// Issue 37 #13: the counts behind `dhv_binder_claims{state}`, and a version that
+    /// moves with every change of them (the meter counts again only then).
+    #[test]
+    fn the_claims_are_counted_by_state_and_each_change_moves_the_version() {
+        let t0 = Instant::now();
+        let mut c = claims();
+        assert_eq!(c.counts(), [0, 0, 0, 0]);
+        let mut r = Retries::new(1);
+        let other = VolumeKey {
+            namespace: "default".into(),
+            name: "logs".into(),
+        };
+        let v = c.version();
+        c.on_acquired(
+            other.clone(),
+            Err(ClaimError::Held {
+                volume: other.clone(),
+                holder: "job web, allocation 1234abcd on node node-2".into(),
+            }),
+            &mut r,
+            t0,
+        );
+        assert_eq!(c.counts(), [0, 0, 0, 1], "one volume waits");
+        assert!(c.version() > v);
+        let v = c.version();
+        held(&mut c, t0);
+        assert_eq!(c.counts(), [1, 0, 0, 1]);
+        assert!(c.version() > v);
+        // Renewals sent change nothing counted; the fence does.
+        let v = c.version();
+        let _ = c.renewals(t0 + Duration::from_secs(5));
+        assert_eq!(c.version(), v);
+        assert_eq!(c.fences_due(t0 + Duration::from_secs(31)), vec![key()]);
+        assert_eq!(c.counts(), [0, 1, 0, 1]);
+        assert!(c.version() > v);
+        let v = c.version();
+        let lost = c.on_renewed(
+            &key(),
+            Err(ClaimError::Lost { volume: key() }),
+            true,
+            t0 + Duration::from_secs(32),
+        );
+        assert_eq!(lost, Renewal::Lost);
+        assert_eq!(c.counts(), [0, 0, 1, 1]);
+        assert!(c.version() > v);
+        let v = c.version();
+        c.on_unpublished(&key());
+        assert_eq!(c.counts(), [0, 0, 0, 1]);
+        assert!(c.version() > v);
     }
 
     #[test]

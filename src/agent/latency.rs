@@ -21,10 +21,11 @@ const BOUNDS_MS: [u64; 16] = [
     u64::MAX,
 ];
 
-/// Counts of publish durations by bucket.
+/// Counts of publish durations by bucket, and the last one as measured.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Latency {
     counts: [u64; BOUNDS_MS.len()],
+    last: Option<u64>,
 }
 
 impl Latency {
@@ -35,6 +36,12 @@ impl Latency {
             .position(|b| ms <= *b)
             .unwrap_or(BOUNDS_MS.len() - 1);
         self.counts[i] += 1;
+        self.last = Some(ms);
+    }
+
+    /// How long the last publish took (ms, measured); `None` before the first.
+    pub(crate) fn last(&self) -> Option<u64> {
+        self.last
     }
 
     /// How many publishes were recorded.
@@ -76,11 +83,16 @@ mod tests {
             l.record(ms);
         }
         assert_eq!(l.count(), 5);
+        assert_eq!(l.last(), Some(900_000), "the last one, as measured");
         assert_eq!(l.median_bound(), Some(5));
         for _ in 0..100_000 {
             l.record(7);
         }
         assert_eq!(l.median_bound(), Some(10));
-        assert_eq!(std::mem::size_of::<Latency>(), 16 * 8, "fixed size");
+        assert_eq!(
+            std::mem::size_of::<Latency>(),
+            16 * 8 + 16,
+            "fixed size: the buckets and the last value"
+        );
     }
 }

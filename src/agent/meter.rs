@@ -7,8 +7,9 @@
 //!
 //! Nothing here grows with the node per pass: counts are kept as things happen; the
 //! mounts by state are counted again only after a pass that commits (a commit already
-//! writes every mount record), and the volumes this node serves only when the catalogue
-//! or the plugins changed.
+//! writes every mount record), the claims by state only when they changed (the claims'
+//! version moved), and the volumes this node serves only when the catalogue or the
+//! plugins changed.
 
 use crate::agent::core::Core;
 use crate::agent::effect::{Answer, Effect};
@@ -16,7 +17,7 @@ use crate::agent::executor::{StepError, WorkerError};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::api::{ApiError, PublishReply};
 use crate::cluster::claims::ClaimError;
-use crate::metrics::{Metrics, Outcome, WaitOutcome};
+use crate::metrics::{ClaimCounts, Metrics, Outcome, WaitOutcome};
 use crate::storage::plugin::{CallObserver, PluginError};
 use crate::volume::VolumeKey;
 use std::collections::{BTreeSet, HashMap};
@@ -53,6 +54,8 @@ pub(crate) struct Meter {
     workers: usize,
     /// Volume records this node serves, as last counted.
     served: usize,
+    /// The claims' version when they were last counted (`None`: never).
+    claims_counted: Option<u64>,
     /// A commit was issued in this pass: count the mounts again.
     recount_mounts: bool,
     /// The catalogue or the plugins changed in this pass: count what this node serves.
@@ -70,6 +73,7 @@ impl Meter {
             uncertain: BTreeSet::new(),
             workers: 0,
             served: 0,
+            claims_counted: None,
             recount_mounts: true,
             recount_served: true,
             plugins_changed: false,
@@ -84,6 +88,12 @@ impl Meter {
                 m.plugin_call(plugin, op, Outcome::of_error(error), elapsed)
             },
         )
+    }
+
+    /// Counts the processes plugin calls leave behind.
+    pub(crate) fn plugin_leftover_observer(&self) -> crate::storage::plugin::LeftoverObserver {
+        let m = self.metrics.clone();
+        Arc::new(move |plugin: &str, op, fate, n| m.plugin_leftovers(plugin, op, fate, n))
     }
 
     /// An input on its way to the core.
@@ -205,9 +215,20 @@ impl Meter {
                 self.plugins_changed = false;
             }
         }
+        if self.claims_counted != Some(core.claims_version()) {
+            let ([held, fenced, lost, waiting], version) = core.claims_by_state();
+            self.metrics.set_claims(ClaimCounts {
+                held,
+                fenced,
+                lost,
+                waiting,
+            });
+            self.claims_counted = Some(version);
+        }
         if std::mem::take(&mut self.recount_served) {
             self.served = core.volumes_served();
         }
+        self.metrics.set_frozen(core.frozen_count());
         let (allocations, volumes) = core.known();
         self.metrics.set_known(allocations, volumes, self.served);
     }

@@ -177,7 +177,8 @@ impl Shell {
         let cfg_state = cfg.state_dir.clone();
         Self {
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
-                .observed(meter.plugin_observer()),
+                .observed(meter.plugin_observer())
+                .on_leftovers(meter.plugin_leftover_observer()),
             permits: Arc::new(Semaphore::new(cfg.max_parallel.max(1))),
             probes: crate::node::health::Prober::default(),
             cfg,
@@ -777,7 +778,11 @@ pub async fn run(
         tracing::warn!(plugin_dir = %cfg.plugin_dir.display(), "the plugin directory does not exist: this node serves no volume until plugins are installed there");
     }
 
-    let rejected_records = catalog::Rejections::default();
+    // Each refused record version is counted (dhv_binder_records_refused_total).
+    let refusals = metrics.clone();
+    let rejected_records = catalog::Rejections::observed(std::sync::Arc::new(move |reason| {
+        refusals.record_refused(reason)
+    }));
     let (watch_tx, watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, cat_rx) = mpsc::channel::<Catalogue>(4);
     let (snap_tx, snap_rx) = mpsc::channel::<crate::cluster::snapshot::Snapshots>(4);
@@ -826,7 +831,9 @@ pub async fn run(
         )),
         tokio::spawn(crate::api::serve_with(
             listener,
-            Verifier::new(client.clone(), &cfg.audiences).with_issuer(cfg.token_issuer.clone()),
+            Verifier::new(client.clone(), &cfg.audiences).with_issuer(
+                crate::nomad::identity::IssuerRule::from_setting(cfg.token_issuer.as_deref()),
+            ),
             api_tx,
             crate::api::Limits::default(),
         )),
@@ -932,7 +939,8 @@ pub async fn run(
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = r.set_volumes(core.node_volumes());
             let refused = r.set_refused(&shell.rejected_records.snapshot());
-            r.set_watch(core.watch_health()) | plugins | volumes | refused
+            let history = r.set_history(core.node_history());
+            r.set_watch(core.watch_health()) | plugins | volumes | refused | history
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");

@@ -17,6 +17,7 @@ use crate::cluster::catalog::Catalogue;
 use crate::cluster::expansion;
 use crate::cluster::snapshot::{self, Snapshots};
 use crate::cluster::worker::{OpError, OpKey, Published};
+use crate::node::freeze::Thawed;
 use crate::node::journal::{MountRecord, MountState};
 use crate::retry::Retries;
 use crate::storage::plugin::{Capability, Fingerprint};
@@ -36,6 +37,29 @@ pub(crate) struct StorageOps {
     /// Finished operations and the ModifyIndex they started from: a record still at that
     /// index is a stale copy (the watch has not brought the write back yet), not new work.
     finished: BTreeMap<OpKey, u64>,
+    /// Volumes a freezing operation of this node may hold frozen (for `status` and the
+    /// `dhv_binder_volumes_frozen` gauge).
+    frozen: BTreeMap<VolumeKey, Frozen>,
+}
+
+/// A volume that a storage operation this node started may hold frozen: a
+/// `snapshot_create` on a volume published here is handed the mount's target so that it can
+/// quiesce it (the ext4 plugin runs `fsfreeze -f` for its copy), and the volume's tasks'
+/// writes wait while it is frozen. The entry lasts while the call runs; when the call ends,
+/// however it ended, the agent thaws the mount (`node::freeze::thaw`) and the entry goes, unless
+/// that thaw failed: then it stays, with the error, until the volume is unpublished here
+/// or a later operation's thaw succeeds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub(crate) struct Frozen {
+    /// Which operation: `snapshot_create of snapshot <id>`.
+    pub(crate) operation: String,
+    /// When the operation started (Unix seconds).
+    pub(crate) since: u64,
+    /// Where the volume is mounted on this node.
+    pub(crate) target: PathBuf,
+    /// Why the agent's thaw after the operation failed (the volume may still be frozen:
+    /// `fsfreeze -u <target>` thaws it); `None` while the operation runs.
+    pub(crate) thaw_error: Option<String>,
 }
 
 /// A plugin this node has, deferred, fingerprinted healthy.
@@ -95,6 +119,11 @@ impl StorageOps {
         self.running.keys().map(|k| k.to_string()).collect()
     }
 
+    /// Volumes a freezing operation may hold frozen (for `status` and the metrics).
+    pub(crate) fn frozen(&self) -> &BTreeMap<VolumeKey, Frozen> {
+        &self.frozen
+    }
+
     fn wants(&self, key: &OpKey, index: u64, retries: &Retries<Work>, now: Instant) -> bool {
         !self.running.contains_key(key)
             && self.finished.get(key) != Some(&index)
@@ -130,6 +159,9 @@ impl StorageOps {
             OpKey::Snapshot(id) => snapshots.get(id).is_some_and(|s| s.modify_index == *i),
             OpKey::Expansion(v) => volumes.get(v).is_some_and(|r| r.modify_index == *i),
         });
+        // A thaw that failed is reported until the volume is no longer mounted here.
+        self.frozen
+            .retain(|k, f| f.thaw_error.is_none() || mounts.contains_key(k));
         let mut out = Vec::new();
         let snaps: Vec<_> = self.snapshots.values().cloned().collect();
         for snap in snaps {
@@ -158,6 +190,17 @@ impl StorageOps {
                 snapshot::Step::None => {}
                 snapshot::Step::Create => {
                     let Some(vol) = vol else { continue };
+                    if let Some(t) = &target {
+                        self.frozen.insert(
+                            vkey.clone(),
+                            Frozen {
+                                operation: format!("snapshot_create of snapshot {}", snap.id),
+                                since: crate::node::journal::now_secs(),
+                                target: t.clone(),
+                                thaw_error: None,
+                            },
+                        );
+                    }
                     self.start(key, snap.modify_index, Some(vkey.clone()));
                     busy.insert(vkey);
                     out.push(Effect::Storage(StorageOp::SnapshotCreate {
@@ -221,15 +264,31 @@ impl StorageOps {
 
     /// An operation finished. Returns the volume it held busy, to release. A lost
     /// check-and-set (another node took it) is logged at debug; any failure waits on the
-    /// retry table before this node looks at the record again.
+    /// retry table before this node looks at the record again. `thawed`: what the thaw
+    /// after a freezing operation found (`None`: the operation had nothing to thaw); the
+    /// volume stays reported frozen only when that thaw failed.
     pub(crate) fn on_done(
         &mut self,
         op: OpKey,
         result: Result<(), OpError>,
+        thawed: Option<Thawed>,
         retries: &mut Retries<Work>,
         now: Instant,
     ) -> Option<VolumeKey> {
         let volume = self.running.remove(&op).flatten();
+        if let Some(v) = &volume {
+            match thawed {
+                Some(Thawed::Failed(e)) => {
+                    if let Some(f) = self.frozen.get_mut(v) {
+                        f.thaw_error = Some(e);
+                    }
+                }
+                Some(_) => {
+                    self.frozen.remove(v);
+                }
+                None => {}
+            }
+        }
         let index = self.started.remove(&op);
         let work = Work::Storage(op.clone());
         match result {
@@ -381,6 +440,97 @@ mod tests {
         assert!(ops(&again).is_empty(), "{again:?}");
     }
 
+    /// Issue 36, item 4: a volume a freezing snapshot may hold frozen is reported (volume,
+    /// since, operation) while the call runs; its thaw ends the report, a failed thaw keeps
+    /// it (with the error) until the volume is no longer mounted here.
+    #[test]
+    fn a_volume_under_a_freezing_snapshot_is_reported_frozen_until_thawed() {
+        let v = volume();
+        let snap = snapshot_of(&v);
+        let key = OpKey::Snapshot(snap.id.clone());
+        let mut s = StorageOps::default();
+        s.on_snapshots(Snapshots::from([(snap.id.clone(), snap.clone())]));
+        let mut retries = Retries::new(1);
+        let p = plugins(&["snapshot"]);
+        let now = Instant::now();
+        let out = pass(
+            &mut s,
+            &v,
+            &p,
+            &published(&v),
+            &mut BTreeSet::new(),
+            &retries,
+            now,
+        );
+        assert_eq!(ops(&out).len(), 1);
+        let f = s
+            .frozen()
+            .get(&v.key())
+            .expect("reported frozen while the call runs");
+        assert_eq!(
+            f.operation,
+            format!("snapshot_create of snapshot {}", snap.id)
+        );
+        assert_eq!(f.target, std::path::Path::new("/m/default/data"));
+        assert!(f.since > 0 && f.thaw_error.is_none());
+        // The call died with the volume frozen; the agent's thaw ended it.
+        let died = OpError::Plugin("killed by signal 9".into());
+        s.on_done(
+            key.clone(),
+            Err(died),
+            Some(Thawed::WasFrozen),
+            &mut retries,
+            now,
+        );
+        assert!(s.frozen().is_empty(), "{:?}", s.frozen());
+        // Again, and this time the thaw fails: still reported, with why.
+        let later = now + std::time::Duration::from_secs(120);
+        let out = pass(
+            &mut s,
+            &v,
+            &p,
+            &published(&v),
+            &mut BTreeSet::new(),
+            &retries,
+            later,
+        );
+        assert_eq!(ops(&out).len(), 1);
+        s.on_done(
+            key,
+            Ok(()),
+            Some(Thawed::Failed("fsfreeze: no such file".into())),
+            &mut retries,
+            later,
+        );
+        assert_eq!(
+            s.frozen()[&v.key()].thaw_error.as_deref(),
+            Some("fsfreeze: no such file")
+        );
+        pass(
+            &mut s,
+            &v,
+            &p,
+            &published(&v),
+            &mut BTreeSet::new(),
+            &retries,
+            later,
+        );
+        assert_eq!(s.frozen().len(), 1, "kept while mounted here");
+        pass(
+            &mut s,
+            &v,
+            &p,
+            &BTreeMap::new(),
+            &mut BTreeSet::new(),
+            &retries,
+            later,
+        );
+        assert!(
+            s.frozen().is_empty(),
+            "gone once the volume is not mounted here"
+        );
+    }
+
     #[test]
     fn a_snapshot_taken_by_another_node_or_of_a_volume_in_transition_is_left_alone() {
         let v = volume();
@@ -454,7 +604,7 @@ mod tests {
             index: 20,
         });
         assert_eq!(
-            s.on_done(key.clone(), Err(lost), &mut retries, t0),
+            s.on_done(key.clone(), Err(lost), None, &mut retries, t0),
             Some(v.key())
         );
         let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, t0);
@@ -463,7 +613,7 @@ mod tests {
         let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, later);
         assert_eq!(ops(&out).len(), 1, "tried again after the backoff");
         // It succeeds; the watch still shows the old copy: not started again.
-        s.on_done(key.clone(), Ok(()), &mut retries, later);
+        s.on_done(key.clone(), Ok(()), None, &mut retries, later);
         let out = pass(&mut s, &v, &p, &none, &mut BTreeSet::new(), &retries, later);
         assert!(ops(&out).is_empty(), "stale copy: {out:?}");
     }

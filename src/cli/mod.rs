@@ -258,6 +258,49 @@ impl From<NomadError> for Failure {
 mod tests {
     use super::*;
 
+    /// Issue 37 #15: every positional argument of every command is shown in `--help` with a
+    /// value name and a line of help (the `Arguments:` section).
+    #[test]
+    fn every_positional_argument_has_a_name_and_help_in_help() {
+        fn walk(c: &mut clap::Command, path: &str, missing: &mut Vec<String>, seen: &mut usize) {
+            let help = c.render_help().to_string();
+            for a in c.get_positionals() {
+                *seen += 1;
+                let name = a
+                    .get_value_names()
+                    .and_then(|v| v.first().map(|n| n.to_string()))
+                    .unwrap_or_default();
+                let text = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+                // Its line in the Arguments section: `  <NAME>  help` or `  [NAME]  help`.
+                let shown = help.lines().any(|l| {
+                    let l = l.trim_start();
+                    [format!("<{name}>"), format!("[{name}]")].iter().any(|p| {
+                        l.strip_prefix(p.as_str()).is_some_and(|rest| {
+                            let rest = rest.trim_start_matches("...").trim();
+                            !rest.is_empty()
+                        })
+                    })
+                });
+                if name.is_empty() || text.trim().is_empty() || !shown {
+                    missing.push(format!("{path} {}", a.get_id()));
+                }
+            }
+            for sc in c.get_subcommands_mut() {
+                let p = format!("{path} {}", sc.get_name());
+                walk(sc, &p, missing, seen);
+            }
+        }
+        let mut cmd = <Cli as clap::CommandFactory>::command();
+        cmd.build();
+        let (mut missing, mut seen) = (Vec::new(), 0);
+        walk(&mut cmd, "dhv-binder", &mut missing, &mut seen);
+        assert!(seen >= 12, "only {seen} positional arguments found");
+        assert!(
+            missing.is_empty(),
+            "positional arguments without a value name or help in --help: {missing:?}"
+        );
+    }
+
     #[test]
     fn nomads_single_dash_flags_are_accepted_everywhere_and_double_dashes_still_work() {
         let parse = |args: &[&str]| {

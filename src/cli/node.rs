@@ -8,6 +8,7 @@ use crate::config::NomadConfig;
 use crate::nomad::Client;
 use clap::Subcommand;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
@@ -19,20 +20,114 @@ pub enum NodeCommand {
     },
 }
 
-/// One node in `node status -json`: the record plus what the CLI concluded.
+/// One node in `node status -json`: its record under Nomad's names (as Nomad's node stub:
+/// `ID`, `Name`, `NodePool`), times as RFC 3339 strings, and what the CLI concluded
+/// (`Stale`).
 #[derive(Debug, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct NodeStatus {
-    #[serde(flatten)]
-    pub record: NodeRecord,
+    #[serde(rename = "ID")]
+    pub node_id: String,
+    #[serde(rename = "Name")]
+    pub node_name: String,
+    pub node_pool: String,
+    /// The dhv-binder version of the node's agent.
+    pub agent_version: String,
+    /// Plugin ID to what the node knows of it.
+    pub plugins: BTreeMap<String, PluginOut>,
+    /// The allocation watch: `listing`, `polling`, `streaming` or `disconnected`.
+    pub watch: String,
+    pub watch_error: String,
+    pub heartbeat_secs: u64,
+    /// The agent's last write (its clock); Unix seconds here, RFC 3339 in `-json`.
+    #[serde(serialize_with = "super::output::ser_rfc3339")]
+    pub last_seen: u64,
+    /// Not rewritten for three heartbeats.
     pub stale: bool,
+    /// The volumes the node has mounted or is working on, `<namespace>/<name>` → state.
+    pub volumes: BTreeMap<String, NodeVolumeOut>,
+    /// Records the node refuses, `<namespace>/<path>` → why.
+    pub refused: BTreeMap<String, String>,
+}
+
+/// A plugin on a node, in `node status -json`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct PluginOut {
+    pub version: String,
+    pub deferred_bind: bool,
+    pub healthy: bool,
+    pub error: String,
+    /// The optional operations the plugin declares; `null` when the agent does not say.
+    pub capabilities: Option<Vec<String>>,
+}
+
+/// A volume on a node, in `node status -json`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct NodeVolumeOut {
+    pub state: String,
+    #[serde(serialize_with = "super::output::ser_rfc3339")]
+    pub since: u64,
+    /// Allocation IDs using it (the first 4).
+    pub users: Vec<String>,
+    pub error: String,
+}
+
+impl NodeStatus {
+    /// The output form of a record, stale or live at `now` (Unix seconds).
+    pub fn of(r: NodeRecord, now: u64) -> Self {
+        NodeStatus {
+            stale: r.liveness(now) == Liveness::Stale,
+            node_id: r.node_id,
+            node_name: r.node_name,
+            node_pool: r.node_pool,
+            agent_version: r.agent_version,
+            plugins: r
+                .plugins
+                .into_iter()
+                .map(|(id, p)| {
+                    (
+                        id,
+                        PluginOut {
+                            version: p.version,
+                            deferred_bind: p.deferred_bind,
+                            healthy: p.healthy,
+                            error: p.error,
+                            capabilities: p.capabilities,
+                        },
+                    )
+                })
+                .collect(),
+            watch: r.watch,
+            watch_error: r.watch_error,
+            heartbeat_secs: r.heartbeat_secs,
+            last_seen: r.last_seen,
+            volumes: r
+                .volumes
+                .into_iter()
+                .map(|(k, v)| {
+                    (
+                        k,
+                        NodeVolumeOut {
+                            state: v.state,
+                            since: v.since,
+                            users: v.users,
+                            error: v.error,
+                        },
+                    )
+                })
+                .collect(),
+            refused: r.refused,
+        }
+    }
 }
 
 /// The readable `node status`, at `now` (Unix seconds).
 pub fn render(list: &[NodeStatus], now: u64) -> String {
     let rows: Vec<Vec<String>> = list
         .iter()
-        .map(|n| {
-            let r = &n.record;
+        .map(|r| {
             let plugins: Vec<String> = r
                 .plugins
                 .iter()
@@ -51,7 +146,7 @@ pub fn render(list: &[NodeStatus], now: u64) -> String {
                 r.node_name.clone(),
                 r.node_pool.clone(),
                 r.agent_version.clone(),
-                if n.stale {
+                if r.stale {
                     "stale".into()
                 } else if r.watch == "disconnected" {
                     format!("disconnected: {}", r.watch_error)
@@ -93,10 +188,7 @@ pub async fn node_cmd(nomad: &NomadConfig, cmd: NodeCommand) -> Result<(), Failu
     let now = now_unix();
     let list: Vec<NodeStatus> = records
         .into_iter()
-        .map(|record| NodeStatus {
-            stale: record.liveness(now) == Liveness::Stale,
-            record,
-        })
+        .map(|r| NodeStatus::of(r, now))
         .collect();
     out.print(&list, |l| render(l, now))
 }
@@ -110,10 +202,7 @@ mod tests {
         let now = 1010;
         let list: Vec<NodeStatus> = crate::cli::plugin::tests::records()
             .into_iter()
-            .map(|record| NodeStatus {
-                stale: record.liveness(now) == Liveness::Stale,
-                record,
-            })
+            .map(|r| NodeStatus::of(r, now))
             .collect();
         let s = render(&list, now);
         let v = env!("CARGO_PKG_VERSION");
@@ -128,9 +217,12 @@ bbbbbbbb  node-2  gpu      {v}    stale    bind,nfs(unhealthy)  3m30s ago
             )
         );
         let j = serde_json::to_value(&list).unwrap();
-        assert_eq!(j[1]["stale"], true);
-        assert_eq!(j[0]["node_name"], "node-1");
-        assert_eq!(j[0]["plugins"]["bind"]["deferred_bind"], true);
+        assert_eq!(j[1]["Stale"], true);
+        assert_eq!(j[0]["Name"], "node-1");
+        assert_eq!(j[0]["ID"], "aaaaaaaa-1111-4222-8333-444455556666");
+        assert_eq!(j[0]["Plugins"]["bind"]["DeferredBind"], true);
+        assert_eq!(j[0]["LastSeen"], "1970-01-01T00:16:40Z");
+        assert!(j[0].get("node_name").is_none(), "{j}");
         assert_eq!(render(&[], now).lines().count(), 1);
     }
 }

@@ -1,6 +1,9 @@
 //! How read commands print: a readable Nomad-style form (aligned `Key = value` blocks and
 //! column tables, as `nomad volume status` prints them), `-json` for machines, and `-t` with
-//! a Go template over the same JSON, with Nomad's field names too (`{{.ID}}`, `{{.PluginID}}`).
+//! a Go template over the same JSON. The JSON is the commands' output structs, whose fields
+//! are named as Nomad's API names them (`ID`, `Name`, `PluginID`, `CapacityBytes`), each
+//! struct by `#[serde(rename_all = "PascalCase")]` and explicit renames for the `ID`
+//! acronyms; dhv-binder's own times are RFC 3339 strings ([`rfc3339`]).
 
 use super::{Failure, EXIT_CONFIG};
 use crate::escape::escape_control;
@@ -12,8 +15,9 @@ pub struct OutputArgs {
     /// Print the full answer as JSON instead of the readable summary (`-json` works too).
     #[arg(long = "json", conflicts_with = "template")]
     pub json: bool,
-    /// Format the JSON answer with a Go template, as Nomad's `-t`: fields by their JSON or
-    /// Nomad name (`{{.ID}}`, `{{.Name}}`, `{{.PluginID}}`), `range`, `if`, `printf`, pipes.
+    /// Format the JSON answer with a Go template, as Nomad's `-t`: fields by their JSON
+    /// name, which is Nomad's (`{{.ID}}`, `{{.Name}}`, `{{.PluginID}}`); `range`, `if`,
+    /// `printf`, pipes.
     #[arg(short = 't', long = "template")]
     pub template: Option<String>,
     /// Full IDs instead of their first 8 characters, and more detail.
@@ -177,27 +181,29 @@ pub fn now_unix() -> u64 {
 #[error("template: {0}")]
 pub struct TemplateError(String);
 
-/// A JSON key in Nomad's casing: `plugin_id` is `PluginID`, `id` `ID`, `capacity_bytes`
-/// `CapacityBytes` (each word capitalised, `id` upper-cased, as Nomad's API structs name
-/// their fields).
-pub fn nomad_key(key: &str) -> String {
-    key.split('_')
-        .map(|w| match w {
-            "id" => "ID".to_string(),
-            w => {
-                let mut c = w.chars();
-                c.next()
-                    .map(|f| f.to_uppercase().chain(c).collect())
-                    .unwrap_or_default()
-            }
-        })
-        .collect()
+/// Unix seconds as an RFC 3339 time in UTC, to the second (`2026-12-04T22:10:00Z`): how
+/// `-json` prints dhv-binder's own times; `None` for 0 (unknown).
+pub fn rfc3339(unix_secs: u64) -> Option<String> {
+    if unix_secs == 0 {
+        return None;
+    }
+    let t = std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(unix_secs))?;
+    Some(humantime::format_rfc3339_seconds(t).to_string())
 }
 
-/// The template's data: the command's JSON, each object's fields under their JSON name and
-/// under Nomad's name ([`nomad_key`]), so that `{{.ID}}`, `{{.Name}}` and `{{.PluginID}}`
-/// work as they do with `nomad ... -t`. Objects behave as Go structs: a field that does not
-/// exist is an error, not an empty string.
+/// Serializes a Unix-seconds field as [`rfc3339`]: a string, or `null` when 0 (unknown).
+/// For `#[serde(serialize_with = "...")]` on the output structs of `-json`.
+pub fn ser_rfc3339<S: serde::Serializer>(unix_secs: &u64, s: S) -> Result<S::Ok, S::Error> {
+    match rfc3339(*unix_secs) {
+        Some(t) => s.serialize_str(&t),
+        None => s.serialize_none(),
+    }
+}
+
+/// The template's data: the command's JSON as it is (the output structs name their fields
+/// as Nomad's API does, so `{{.ID}}`, `{{.Name}}` and `{{.PluginID}}` work as they do with
+/// `nomad ... -t`). Objects behave as Go structs: a field that does not exist is an error,
+/// not an empty string.
 fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
     use gtmpl::Value as G;
     match v {
@@ -211,13 +217,7 @@ fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
         serde_json::Value::String(s) => G::String(s.clone()),
         serde_json::Value::Array(a) => G::Array(a.iter().map(to_gtmpl).collect()),
         serde_json::Value::Object(m) => {
-            let mut out = std::collections::HashMap::new();
-            for (k, v) in m {
-                let g = to_gtmpl(v);
-                out.insert(nomad_key(k), g.clone());
-                out.insert(k.clone(), g);
-            }
-            G::Object(out)
+            G::Object(m.iter().map(|(k, v)| (k.clone(), to_gtmpl(v))).collect())
         }
     }
 }
@@ -286,16 +286,14 @@ mod tests {
         assert!(template("{{range .plugins}}", &v).is_err());
     }
 
-    /// Issue 37 #6: Nomad's keys and Go template basics (if, range, printf, pipes, len).
+    /// Issue 37 #6: Go template basics (if, range, printf, pipes, len) over Nomad's keys,
+    /// which the JSON itself carries: a snake_case key is not also offered under Nomad's name.
     #[test]
-    fn templates_take_nomads_keys_and_go_template_basics() {
+    fn templates_take_go_template_basics_over_the_json_as_it_is() {
         let v = serde_json::json!([
-            {"id": "0b9c6a6e-1111", "name": "a", "plugin_id": "bind", "capacity_bytes": 1024, "registered": false},
-            {"id": "7f00aa00-2222", "name": "b", "plugin_id": "nfs", "capacity_bytes": 0, "registered": true}
+            {"ID": "0b9c6a6e-1111", "Name": "a", "PluginID": "bind", "CapacityBytes": 1024, "Registered": false},
+            {"ID": "7f00aa00-2222", "Name": "b", "PluginID": "nfs", "CapacityBytes": 0, "Registered": true}
         ]);
-        assert_eq!(nomad_key("plugin_id"), "PluginID");
-        assert_eq!(nomad_key("capacity_bytes"), "CapacityBytes");
-        assert_eq!(nomad_key("id"), "ID");
         let t = "{{range .}}{{.ID}} {{.Name}} {{.PluginID}}{{if .Registered}} (registered){{end}}\\n{{end}}";
         assert_eq!(
             template(t, &v).unwrap(),
@@ -305,6 +303,30 @@ mod tests {
             template("{{len .}} {{printf \"%s=%d\" (index . 0).Name (index . 0).CapacityBytes}} {{(index . 1).Name | printf \"<%s>\"}}", &v)
                 .unwrap(),
             "2 a=1024 <b>"
+        );
+        let snake = serde_json::json!({"plugin_id": "bind"});
+        assert!(template("{{.PluginID}}", &snake).is_err());
+    }
+
+    #[test]
+    fn times_are_rfc3339_in_utc_and_unknown_is_null() {
+        assert_eq!(rfc3339(0), None);
+        assert_eq!(
+            rfc3339(1_733_350_200).as_deref(),
+            Some("2024-12-04T22:10:00Z")
+        );
+        #[derive(Serialize)]
+        struct T {
+            #[serde(serialize_with = "ser_rfc3339")]
+            at: u64,
+        }
+        assert_eq!(
+            serde_json::to_value(T { at: 1_733_350_200 }).unwrap(),
+            serde_json::json!({"at": "2024-12-04T22:10:00Z"})
+        );
+        assert_eq!(
+            serde_json::to_value(T { at: 0 }).unwrap(),
+            serde_json::json!({"at": null})
         );
     }
 

@@ -111,9 +111,12 @@ pub(super) fn key_value(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
 }
 
-/// One plugin across the cluster (`plugin status -json`).
+/// One plugin across the cluster (`plugin status -json`), under the names of Nomad's plugin
+/// stub (`ID`, `NodesHealthy`, `NodesExpected`).
 #[derive(Debug, Serialize, PartialEq)]
+#[serde(rename_all = "PascalCase")]
 pub struct PluginSummary {
+    #[serde(rename = "ID")]
     pub id: String,
     /// Versions seen, sorted; more than one during a rollout.
     pub versions: Vec<String>,
@@ -124,9 +127,12 @@ pub struct PluginSummary {
     pub nodes_expected: usize,
 }
 
-/// One node's copy of a plugin (`plugin status <id> -json`).
+/// One node's copy of a plugin (`plugin status <id> -json`), under Nomad's names (`NodeID`),
+/// `LastSeen` as an RFC 3339 string.
 #[derive(Debug, Serialize, PartialEq)]
+#[serde(rename_all = "PascalCase")]
 pub struct PluginOnNode {
+    #[serde(rename = "NodeID")]
     pub node_id: String,
     pub node_name: String,
     pub node_pool: String,
@@ -135,6 +141,8 @@ pub struct PluginOnNode {
     pub healthy: bool,
     pub error: String,
     pub stale: bool,
+    /// The node's last record write (its clock); Unix seconds here, RFC 3339 in `-json`.
+    #[serde(serialize_with = "super::output::ser_rfc3339")]
     pub last_seen: u64,
 }
 
@@ -400,8 +408,8 @@ nfs   -            no        0/1
 "
         );
         let j = serde_json::to_value(&l).unwrap();
-        assert_eq!(j[0]["id"], "bind");
-        assert_eq!(j[0]["nodes_healthy"], 1);
+        assert_eq!(j[0]["ID"], "bind");
+        assert_eq!(j[0]["NodesHealthy"], 1);
         assert_eq!(render_summary(&[]), "No plugins reported by any node\n");
     }
 
@@ -426,7 +434,8 @@ bbbbbbbb  node-2  gpu      0.1.0    yes       stale    3m30s ago
 "
         );
         let j = serde_json::to_value(&l).unwrap();
-        assert_eq!(j[1]["stale"], true);
-        assert_eq!(j[1]["node_id"], "bbbbbbbb-1111-4222-8333-444455556666");
+        assert_eq!(j[1]["Stale"], true);
+        assert_eq!(j[1]["NodeID"], "bbbbbbbb-1111-4222-8333-444455556666");
+        assert_eq!(j[1]["LastSeen"], "1970-01-01T00:13:20Z");
     }
 }

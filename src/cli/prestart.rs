@@ -20,6 +20,19 @@ pub struct PrestartArgs {
     pub timeout: Duration,
 }
 
+/// What `prestart` prints for a published volume: where, and how long this prestart waited
+/// for it (measured from its start to the agent's answer, retries included).
+pub fn published_line(v: &crate::api::PublishedVolume, waited: Duration) -> String {
+    format!(
+        "dhv-binder: volume {}/{} published at {}{} after {}",
+        v.namespace,
+        v.name,
+        v.path,
+        if v.read_only { " (read-only)" } else { "" },
+        super::volume::millis(waited.as_millis() as u64)
+    )
+}
+
 /// Runs `prestart`: calls the local API, retrying retryable errors until the timeout.
 pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), Failure> {
     let token = match token.filter(|t| !t.is_empty()) {
@@ -48,7 +61,8 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
             format!("NOMAD_ALLOC_ID {alloc_id:?} is not an allocation ID"),
         ));
     }
-    let deadline = Instant::now() + args.timeout;
+    let started = Instant::now();
+    let deadline = started + args.timeout;
     let mut attempt = 0u32;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -67,14 +81,9 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                         reply.alloc_id
                     );
                 }
+                let waited = started.elapsed();
                 for v in reply.volumes {
-                    outln!(
-                        "dhv-binder: volume {}/{} published at {}{}",
-                        v.namespace,
-                        v.name,
-                        v.path,
-                        if v.read_only { " (read-only)" } else { "" }
-                    );
+                    outln!("{}", published_line(&v, waited));
                 }
                 return Ok(());
             }
@@ -100,5 +109,24 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                 ));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 37 #15: the wait printed is the one measured, not a configured constant.
+    #[test]
+    fn the_published_line_says_how_long_this_prestart_waited() {
+        let v: crate::api::PublishedVolume = serde_json::from_value(serde_json::json!({
+            "namespace": "default", "name": "shared-data", "path": "/srv/x", "read_only": true
+        }))
+        .unwrap();
+        assert_eq!(
+            published_line(&v, Duration::from_millis(1234)),
+            "dhv-binder: volume default/shared-data published at /srv/x (read-only) after 1.2s"
+        );
+        assert!(published_line(&v, Duration::from_millis(87)).ends_with(" after 87ms"));
     }
 }

@@ -39,11 +39,16 @@ impl SigningArgs {
     }
 }
 
-/// An allocation using a volume, from the placeholder Nomad keeps on its node.
+/// An allocation using a volume, from the placeholder Nomad keeps on its node; in `-json`
+/// under the names of Nomad's allocation stub (`ID`, `Name`, `NodeID`), as in the
+/// `Allocations` of Nomad's host volume.
 #[derive(Debug, Serialize)]
 pub struct VolumeUser {
+    #[serde(rename = "ID")]
     pub alloc_id: String,
+    #[serde(rename = "Name")]
     pub alloc_name: String,
+    #[serde(rename = "NodeID")]
     pub node_id: String,
 }
 

@@ -56,6 +56,22 @@ pub struct StatusDoc {
     /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations.md, "The state
     /// directory's filesystem is full").
     pub journal: serde_json::Value,
+    /// Volumes a freezing storage operation may hold frozen (`namespace/name` →
+    /// `{"operation", "since": unix s, "target", "thaw_error"}`; docs/operations.md, "A
+    /// frozen volume").
+    pub frozen: BTreeMap<String, FrozenDoc>,
+}
+
+/// A volume a freezing operation may hold frozen (the agent's `storage_ops::Frozen`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct FrozenDoc {
+    pub operation: String,
+    /// Unix seconds.
+    pub since: u64,
+    pub target: String,
+    /// Set when the agent's thaw after the operation failed.
+    pub thaw_error: Option<String>,
 }
 
 /// A scan of the processes using a volume (the agent's `holders::Usage`).
@@ -198,12 +214,16 @@ pub struct WaitingDoc {
     pub reason: String,
 }
 
-/// Publish latencies seen by prestart callers.
+/// How long this node's publishes took (the plugin's `publish` and the mount check).
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 pub struct LatencyDoc {
     pub count: u64,
+    /// The upper bound (ms) of the histogram bucket holding the median: a bucket's bound,
+    /// not a measured value.
     pub median: Option<u64>,
+    /// The last publish, as measured (ms); absent from older agents.
+    pub last: Option<u64>,
 }
 
 /// Dead mounts found by the probes.
@@ -313,16 +333,19 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
                 plural(doc.waiting.len() as u64, "volume", "volumes")
             ),
         ),
-        (
-            "Publish Wait",
-            match doc.publish_latency_ms.median {
-                Some(m) => format!(
-                    "median {m}ms over {}",
-                    plural(doc.publish_latency_ms.count, "publish", "publishes")
+        ("Publish Wait", {
+            let l = &doc.publish_latency_ms;
+            let over = plural(l.count, "publish", "publishes");
+            match (l.last, l.median) {
+                (Some(last), Some(m)) => format!(
+                    "last {}, median ≤ {} over {over}",
+                    super::volume::millis(last),
+                    super::volume::millis(m)
                 ),
-                None => "no publishes yet".into(),
-            },
-        ),
+                (None, Some(m)) => format!("median ≤ {} over {over}", super::volume::millis(m)),
+                (_, None) => "no publishes yet".into(),
+            }
+        }),
         ("Broken Mounts", doc.mount_health.broken.len().to_string()),
     ];
     if doc.journal["failing"] == true {
@@ -334,6 +357,24 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
                 doc.journal["failed_writes"].as_u64().unwrap_or(0),
                 doc.journal["error"].as_str().unwrap_or("unknown error"),
             ),
+        ));
+    }
+    for (k, f) in &doc.frozen {
+        rows.push((
+            "Frozen",
+            match &f.thaw_error {
+                None => format!(
+                    "{k}: by {} for {}s (its tasks' writes wait until it is thawed; the agent thaws it when the call ends)",
+                    f.operation,
+                    now.saturating_sub(f.since)
+                ),
+                Some(e) => format!(
+                    "{k}: left by {} {}s ago, and the agent's thaw failed: {e}; run fsfreeze -u {}",
+                    f.operation,
+                    now.saturating_sub(f.since),
+                    f.target
+                ),
+            },
         ));
     }
     for w in &doc.waiting {
@@ -520,7 +561,7 @@ mod tests {
             "waiting": [{"volume": "default/scratch", "reason": "plugin nfs is not installed on this node"}],
             "errors": {"default/scratch": "publish failed: exit 1"},
             "plugins": {"bind": {"version": "0.2.0", "deferred_bind": true}, "nfs": {"error": "fingerprint timed out"}},
-            "publish_latency_ms": {"count": 3, "median": 120},
+            "publish_latency_ms": {"count": 3, "median": 200, "last": 132},
             "pending_publish_calls": 1,
             "claims": {"default/shared-data": "held"},
             "mount_health": {"interval_ms": 10000, "broken": {}, "recovered": []},
@@ -547,7 +588,7 @@ Watch          = polling (index 42; 3 relists, 1 reconnect; last list 57 allocat
 Allocations    = 2 on this node, 0 departing (view complete)
 Plugins        = bind 0.2.0 (deferred), nfs (unhealthy: fingerprint timed out)
 Pending        = 1 publish call waiting, 1 volume waiting
-Publish Wait   = median 120ms over 3 publishes
+Publish Wait   = last 132ms, median ≤ 200ms over 3 publishes
 Broken Mounts  = 0
 Waiting        = default/scratch: plugin nfs is not installed on this node
 Last Error     = default/scratch: publish failed: exit 1
@@ -564,6 +605,28 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         assert_eq!(s, expected, "got:\n{s}");
     }
 
+    /// Issue 37 #15: the publish time printed is the last one as measured; the median is
+    /// said to be a bucket's bound (an older agent sends no measured value).
+    #[test]
+    fn the_publish_wait_is_the_measured_last_one_and_the_median_a_bound() {
+        let mut v = doc();
+        v["publish_latency_ms"] = serde_json::json!({"count": 1, "median": 2000, "last": 1234});
+        let s = render(&serde_json::from_value(v.clone()).unwrap(), 1000);
+        assert!(
+            s.contains("Publish Wait   = last 1.2s, median ≤ 2.0s over 1 publish\n"),
+            "{s}"
+        );
+        v["publish_latency_ms"] = serde_json::json!({"count": 1, "median": 2000});
+        let s = render(&serde_json::from_value(v.clone()).unwrap(), 1000);
+        assert!(
+            s.contains("Publish Wait   = median ≤ 2.0s over 1 publish\n"),
+            "{s}"
+        );
+        v["publish_latency_ms"] = serde_json::json!({"count": 0, "median": null, "last": null});
+        let s = render(&serde_json::from_value(v).unwrap(), 1000);
+        assert!(s.contains("Publish Wait   = no publishes yet\n"), "{s}");
+    }
+
     #[test]
     fn a_journal_that_cannot_be_written_is_a_row() {
         let mut v = doc();
@@ -575,6 +638,27 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         );
         let s = render(&serde_json::from_value(doc()).unwrap(), 1000);
         assert!(!s.contains("Journal"), "{s}");
+    }
+
+    #[test]
+    fn a_frozen_volume_is_a_row_naming_the_operation_and_since_when() {
+        let mut v = doc();
+        v["frozen"] = serde_json::json!({"default/shared-data": {"operation": "snapshot_create of snapshot s1", "since": 988, "target": "/m/default/shared-data", "thaw_error": null}});
+        let s = render(&serde_json::from_value(v.clone()).unwrap(), 1000);
+        assert!(
+            s.contains(
+                "Frozen         = default/shared-data: by snapshot_create of snapshot s1 for 12s"
+            ),
+            "{s}"
+        );
+        v["frozen"]["default/shared-data"]["thaw_error"] = "fsfreeze: not found".into();
+        let s = render(&serde_json::from_value(v).unwrap(), 1000);
+        assert!(
+            s.contains("thaw failed: fsfreeze: not found; run fsfreeze -u /m/default/shared-data"),
+            "{s}"
+        );
+        let s = render(&serde_json::from_value(doc()).unwrap(), 1000);
+        assert!(!s.contains("Frozen"), "{s}");
     }
 
     #[test]

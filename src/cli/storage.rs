@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 pub enum SnapshotCommand {
     /// Snapshot a volume (its plugin must declare "snapshot"). Prints the snapshot ID.
     Create {
+        /// The volume to snapshot: its name, or its ID or a unique prefix of it.
         volume: String,
         /// A name for the snapshot, shown by `list`.
         name: Option<String>,
@@ -37,6 +38,8 @@ pub enum SnapshotCommand {
     },
     /// List snapshots (of one volume if named): ID, volume, name, size, creation time, state.
     List {
+        /// Only this volume's snapshots (the volume's name); without it, every snapshot in
+        /// the namespace.
         volume: Option<String>,
         /// Also ask this plugin, installed on this machine, what its storage holds
         /// (operation `snapshot_list`, capability "snapshot_list"), with the secrets of
@@ -66,6 +69,7 @@ pub enum SnapshotCommand {
     },
     /// Delete a snapshot by ID.
     Delete {
+        /// The snapshot's ID, as `volume snapshot list` shows it.
         snapshot_id: String,
         /// Return once the delete is requested, without waiting for the plugin's
         /// `snapshot_delete` and the record's removal.
@@ -76,17 +80,25 @@ pub enum SnapshotCommand {
     },
 }
 
-/// One snapshot as `volume snapshot list` and `volume status` show it (`-json` prints these).
+/// One snapshot as `volume snapshot list` and `volume status` show it (`-json` prints these,
+/// under the names of Nomad's `CSISnapshot`, `api/csi.go`, where it has the field: `ID`,
+/// `SizeBytes`, `CreateTime` in Unix seconds as Nomad's, `IsReady`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct SnapshotSummary {
+    #[serde(rename = "ID")]
     pub id: String,
     pub namespace: String,
+    /// The source volume's name.
     pub volume: String,
     pub name: String,
     /// Size in bytes, as the plugin's `snapshot_create` reported it (0 until ready).
+    #[serde(rename = "SizeBytes")]
     pub bytes: u64,
     /// Unix seconds when the snapshot was requested.
+    #[serde(rename = "CreateTime")]
     pub created_at: u64,
+    #[serde(rename = "IsReady")]
     pub ready: bool,
     /// `pending`, `creating`, `ready`, `failed`, `deleting`.
     pub state: String,

@@ -45,6 +45,8 @@ pub enum VolumeCommand {
     /// no plugin `create` runs; the spec's `context { ... }` block is what the plugin's
     /// create would have returned (e.g. `export_path` for the bind plugin), `capacity` its size.
     Register {
+        /// The register spec (HCL) file, with a `context { ... }` block and `capacity`, or
+        /// `-` to read it from standard input.
         spec: PathBuf,
         #[command(flatten)]
         key: SigningArgs,
@@ -122,31 +124,65 @@ fn keygen(out: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-/// What `volume list -json` prints per volume (never the secrets).
+/// What `volume list -json` prints per volume (never the secrets): the fields of Nomad's
+/// `HostVolumeStub` (`api/host_volumes.go`) under Nomad's names (`ID`, `PluginID`,
+/// `CapacityBytes`, `CreateIndex`...), and dhv-binder's own (`AccessMode`, `Registered`).
 #[derive(Debug, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct VolumeSummary {
+    #[serde(rename = "ID")]
     pub id: String,
     pub namespace: String,
     pub name: String,
+    #[serde(rename = "PluginID")]
     pub plugin_id: String,
+    /// `pending`, `creating`, `ready`, `failed`, `deleting`.
     pub state: String,
     pub capacity_bytes: u64,
     pub node_pool: String,
+    /// The first capability's access mode.
     pub access_mode: String,
     pub registered: bool,
+    /// The record variable's `CreateIndex` (Nomad's index when it was first written).
+    pub create_index: u64,
+    /// The record variable's `ModifyIndex`.
+    pub modify_index: u64,
 }
 
-/// What `volume status -json` prints (never the secrets, only their count).
+/// One requested capability in `-json`, as Nomad's `HostVolumeCapability`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct CapabilityOut {
+    pub attachment_mode: String,
+    pub access_mode: String,
+}
+
+impl From<&volume::Capability> for CapabilityOut {
+    fn from(c: &volume::Capability) -> Self {
+        CapabilityOut {
+            attachment_mode: c.attachment_mode.clone(),
+            access_mode: c.access_mode.clone(),
+        }
+    }
+}
+
+/// What `volume status -json` prints (never the secrets, only their count): the summary's
+/// fields, then Nomad's `RequestedCapabilities`, `Parameters` and `Allocations` (as
+/// Nomad's allocation stubs name them: `ID`, `Name`, `NodeID`), then dhv-binder's own.
 #[derive(Debug, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct VolumeDetail {
     #[serde(flatten)]
     pub summary: VolumeSummary,
-    pub capabilities: Vec<volume::Capability>,
+    pub requested_capabilities: Vec<CapabilityOut>,
     pub parameters: BTreeMap<String, String>,
+    /// What the plugin's `create` returned as `context` (its own keys).
     pub context: serde_json::Value,
+    /// How many secrets the record holds (never their keys or values).
     pub secrets: usize,
     /// The record carries an operator signature (agents verify it; see docs/security.md).
     pub signed: bool,
+    /// The node that runs (or ran) the create or delete, as `name (short ID)`, or empty.
     pub worker_node: String,
     pub error: String,
     /// Where the content came from: `snapshot <id>`, `clone of volume <name>`, or empty.
@@ -162,26 +198,62 @@ pub struct VolumeDetail {
     /// The volume on each node that has it (mounted, a placeholder, an error, a refusal),
     /// from the node records and placeholders.
     pub nodes: Vec<NodeDetail>,
+    /// The recent publish, unpublish and fence events of the volume on every node, newest
+    /// first (each node publishes its last [`nodes::MAX_NODE_HISTORY`] per volume);
+    /// `volume status -verbose` prints them.
+    pub history: Vec<HistoryEvent>,
 }
 
 /// One volume on one node, for `volume status`.
 #[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct NodeDetail {
+    #[serde(rename = "NodeID")]
     pub node_id: String,
     pub node_name: String,
     /// The mount's state on the node (`published`, `publishing`, `unpublishing`), or
     /// `not mounted`.
     pub state: String,
-    /// Unix seconds the state began (the node's clock); 0 when unknown.
+    /// When the state began (the node's clock): Unix seconds here, an RFC 3339 string in
+    /// `-json`, `null` when unknown.
+    #[serde(serialize_with = "super::output::ser_rfc3339")]
     pub since: u64,
     /// The placeholder's Nomad host volume ID on the node, or empty.
+    #[serde(rename = "HostVolumeID")]
     pub host_volume_id: String,
-    /// Allocations on the node using the volume.
+    /// Allocations on the node using the volume (their IDs).
     pub allocations: Vec<String>,
     /// The node's last error for the volume (the plugin's redacted words), or empty.
     pub error: String,
     /// Why the node refuses the volume's record, or empty.
     pub refused: String,
+    /// The node's claim on the (single-node) volume: `held`, `fenced`, `lost`, or empty.
+    pub claim: String,
+    /// Why a publish of the volume waits on the node (e.g. the claim another node holds,
+    /// naming its job, allocation and node), or empty.
+    pub waiting: String,
+}
+
+/// One event of a volume on one node, from the node's journal (via its node record).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct HistoryEvent {
+    /// When (the node's clock): Unix seconds here, an RFC 3339 string in `-json`.
+    #[serde(serialize_with = "super::output::ser_rfc3339")]
+    pub time: u64,
+    #[serde(rename = "NodeID")]
+    pub node_id: String,
+    pub node_name: String,
+    /// `publish`, `unpublish`, `fence` or `unfence`.
+    pub event: String,
+    /// The allocation the publish was for; empty for the others.
+    #[serde(rename = "AllocID")]
+    pub alloc_id: String,
+    /// `ok` or `failed`.
+    pub outcome: String,
+    /// How long the plugin call took, measured by the agent, in milliseconds; 0 when not
+    /// measured (fence events).
+    pub duration_ms: u64,
 }
 
 /// The per-node rows of `volume status`: each node with a mount, an error, a refusal or a
@@ -216,6 +288,8 @@ pub fn node_details(
                 allocations: v.users,
                 error: v.error,
                 refused: refused.to_string(),
+                claim: v.claim,
+                waiting: v.waiting,
                 ..Default::default()
             },
         );
@@ -245,6 +319,79 @@ pub fn node_details(
     v
 }
 
+/// The recent events of `rec` on every node, from the node records, newest first (events
+/// of the same second: by node name, then as the node listed them, latest first).
+pub fn history(rec: &VolumeRecord, records: &[NodeRecord]) -> Vec<HistoryEvent> {
+    let key = rec.key().to_string();
+    let mut out: Vec<(usize, HistoryEvent)> = Vec::new();
+    for n in records {
+        for (i, e) in n.history.get(&key).into_iter().flatten().enumerate() {
+            out.push((
+                i,
+                HistoryEvent {
+                    time: e.time,
+                    node_id: n.node_id.clone(),
+                    node_name: n.node_name.clone(),
+                    event: e.event.clone(),
+                    alloc_id: e.alloc_id.clone(),
+                    outcome: if e.ok { "ok" } else { "failed" }.into(),
+                    duration_ms: e.ms,
+                },
+            ));
+        }
+    }
+    out.sort_by(|(ia, a), (ib, b)| {
+        b.time
+            .cmp(&a.time)
+            .then_with(|| a.node_name.cmp(&b.node_name))
+            .then_with(|| ib.cmp(ia))
+    });
+    out.into_iter().map(|(_, e)| e).collect()
+}
+
+/// A measured duration as the CLI prints it: `132ms` below a second, else `1.2s`.
+pub fn millis(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    }
+}
+
+/// The readable `Recent Events` table of `volume status -verbose`.
+pub fn render_history(events: &[HistoryEvent], verbose: bool) -> String {
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            let name = if e.node_name.is_empty() {
+                short_id(&e.node_id, verbose)
+            } else {
+                e.node_name.clone()
+            };
+            vec![
+                super::output::rfc3339(e.time).unwrap_or_else(|| "-".into()),
+                name,
+                e.event.clone(),
+                if e.alloc_id.is_empty() {
+                    "-".into()
+                } else {
+                    short_id(&e.alloc_id, verbose)
+                },
+                match (e.outcome.as_str(), e.duration_ms) {
+                    (o, 0) => o.to_string(),
+                    ("ok", ms) => format!("ok in {}", millis(ms)),
+                    (o, ms) => format!("{o} after {}", millis(ms)),
+                },
+            ]
+        })
+        .collect();
+    table(
+        &["Time", "Node", "Event", "Allocation", "Outcome"],
+        &rows,
+        "No recent events on any node",
+    )
+}
+
 fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
     VolumeSummary {
         id: r.id.clone(),
@@ -256,6 +403,8 @@ fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
         node_pool: r.spec.node_pool.clone(),
         access_mode: r.access_mode().to_string(),
         registered,
+        create_index: r.create_index,
+        modify_index: r.modify_index,
     }
 }
 
@@ -319,7 +468,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
             },
         ),
     ];
-    for c in &d.capabilities {
+    for c in &d.requested_capabilities {
         rows.push((
             "Capability",
             format!("{} / {}", c.access_mode, c.attachment_mode),
@@ -382,7 +531,11 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 let dash = |s: String| if s.is_empty() { "-".to_string() } else { s };
                 vec![
                     dash(n.node_name.clone()),
-                    n.state.clone(),
+                    if n.claim.is_empty() {
+                        n.state.clone()
+                    } else {
+                        format!("{} (claim {})", n.state, n.claim)
+                    },
                     if n.since == 0 {
                         "-".into()
                     } else {
@@ -396,10 +549,12 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                             .collect::<Vec<_>>()
                             .join(","),
                     ),
-                    dash(if n.refused.is_empty() {
-                        n.error.clone()
-                    } else {
+                    dash(if !n.refused.is_empty() {
                         format!("refuses the record: {}", n.refused)
+                    } else if n.error.is_empty() && !n.waiting.is_empty() {
+                        format!("waiting: {}", n.waiting)
+                    } else {
+                        n.error.clone()
                     }),
                 ]
             })
@@ -420,6 +575,10 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");
         out.push_str(&storage::render_snapshots(&d.snapshots));
+    }
+    if verbose {
+        out.push_str("\nRecent Events\n");
+        out.push_str(&render_history(&d.history, verbose));
     }
     out
 }
@@ -525,9 +684,20 @@ fn read_spec_text(path: &Path) -> Result<String, Failure> {
         .map_err(|e| Failure::new(EXIT_CONFIG, format!("cannot read {}: {e}", path.display())))
 }
 
-/// Parses a spec (a register spec with `register`), taking the CLI's namespace when the
-/// spec names none.
+/// How a spec's errors name it: the path as the user gave it, or `<stdin>` for `-`.
+fn spec_source(path: &Path) -> String {
+    if path == Path::new("-") {
+        "<stdin>".into()
+    } else {
+        path.display().to_string()
+    }
+}
+
+/// Parses a spec (a register spec with `register`) read from `source` (as
+/// [`spec_source`] names it), taking the CLI's namespace when the spec names none. An error
+/// names the file and the line: `spec.hcl:7: …`.
 fn parse(
+    source: &str,
     text: &str,
     ns: &str,
     register: bool,
@@ -537,7 +707,8 @@ fn parse(
     } else {
         volume::parse_spec(text)
     };
-    let (mut spec, secrets) = parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    let (mut spec, secrets) =
+        parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.located(source, text)))?;
     if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
         spec.namespace = ns.to_string();
     }
@@ -553,18 +724,25 @@ struct RegisterExtras {
 }
 
 /// Reads `context` (as a JSON object of strings and numbers) and `capacity` (bytes, or a
-/// size such as `"10GiB"`) from a register spec.
-pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> {
-    let x: RegisterExtras =
-        hcl::from_str(text).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+/// size such as `"10GiB"`) from a register spec read from `source`; an error names the file
+/// and, for a bad field, its line.
+pub fn register_extras(source: &str, text: &str) -> Result<(serde_json::Value, u64), Failure> {
+    let at = |field: &str, message: String| {
+        let place = match volume::spec_line(text, None, field, None) {
+            Some(line) => format!("{source}:{line}"),
+            None => source.to_string(),
+        };
+        Failure::new(EXIT_CONFIG, format!("{place}: {message}"))
+    };
+    let x: RegisterExtras = hcl::from_str(text).map_err(|e| at("context", e.to_string()))?;
     if x.context.is_empty() {
         return Err(Failure::new(
             EXIT_CONFIG,
-            "a register spec needs a `context { ... }` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)",
+            format!("{source}: a register spec needs a `context {{ ... }}` block: what the plugin's create would have returned for this storage (e.g. export_path for the bind plugin; see docs/plugin-protocol.md)"),
         ));
     }
-    let context = serde_json::to_value(&x.context)
-        .map_err(|e| Failure::new(EXIT_CONFIG, format!("context: {e}")))?;
+    let context =
+        serde_json::to_value(&x.context).map_err(|e| at("context", format!("context: {e}")))?;
     let capacity = match &x.capacity {
         None => 0,
         Some(hcl::Value::Number(n)) => n.as_u64().unwrap_or(0),
@@ -573,14 +751,14 @@ pub fn register_extras(text: &str) -> Result<(serde_json::Value, u64), Failure> 
             .parse::<u64>()
             .or_else(|_| s.trim().parse::<bytesize::ByteSize>().map(|b| b.as_u64()))
             .map_err(|_| {
-                Failure::new(
-                    EXIT_CONFIG,
+                at(
+                    "capacity",
                     format!("capacity {s:?} is not a size (e.g. \"10GiB\")"),
                 )
             })?,
         Some(other) => {
-            return Err(Failure::new(
-                EXIT_CONFIG,
+            return Err(at(
+                "capacity",
                 format!("capacity {other} is not a size (e.g. \"10GiB\")"),
             ))
         }
@@ -615,7 +793,7 @@ async fn create(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(spec)?;
-    let (spec, secrets) = parse(&text, ns, false)?;
+    let (spec, secrets) = parse(&spec_source(spec), &text, ns, false)?;
     if !client.namespace_exists(&spec.namespace).await? {
         return Err(Failure::new(
             EXIT_FAILED,
@@ -879,8 +1057,9 @@ async fn register(
     key: Option<SigningKey>,
 ) -> Result<(), Failure> {
     let text = read_spec_text(&spec)?;
-    let (spec, secrets) = parse(&text, ns, true)?;
-    let (context, capacity) = register_extras(&text)?;
+    let source = spec_source(&spec);
+    let (spec, secrets) = parse(&source, &text, ns, true)?;
+    let (context, capacity) = register_extras(&source, &text)?;
     let mut rec = VolumeRecord::new(spec, secrets);
     rec.state = VolumeState::Ready;
     rec.context = context;
@@ -964,7 +1143,12 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
     let nodes = node_details(&r, &records, &placeholders, &allocations);
     let d = VolumeDetail {
         summary: summary(&r, registered),
-        capabilities: r.spec.capabilities.clone(),
+        requested_capabilities: r
+            .spec
+            .capabilities
+            .iter()
+            .map(CapabilityOut::from)
+            .collect(),
         parameters: r.spec.parameters.clone(),
         context: r.context.clone(),
         secrets: r.secrets.len(),
@@ -988,6 +1172,7 @@ async fn status(client: &Client, ns: &str, name: String, out: OutputArgs) -> Res
             .map(SnapshotSummary::of)
             .collect(),
         waiting,
+        history: history(&r, &records),
         nodes,
     };
     let verbose = out.verbose;
@@ -1160,6 +1345,8 @@ mod tests {
             node_pool: String::new(),
             access_mode: "single-node-writer".into(),
             registered: false,
+            create_index: 11,
+            modify_index: 12,
         }
     }
 
@@ -1178,9 +1365,53 @@ mod tests {
              0b9c6a6e  default    shared-data  bind       1.0 GiB   ready\n"
         );
         assert_eq!(render_list(&[], false), "No volumes\n");
+    }
+
+    /// Issue 37 #6: `-json` uses Nomad's field names (those of `HostVolumeStub`,
+    /// `api/host_volumes.go`), and `-t` reads the same JSON.
+    #[test]
+    fn volume_list_json_has_nomads_keys_and_templates_read_them() {
         let j = serde_json::to_value([vol()]).unwrap();
-        assert_eq!(j[0]["capacity_bytes"], 1u64 << 30);
-        assert_eq!(j[0]["name"], "shared-data");
+        let keys: Vec<&str> = j[0]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "ID",
+                "Namespace",
+                "Name",
+                "PluginID",
+                "State",
+                "CapacityBytes",
+                "NodePool",
+                "AccessMode",
+                "Registered",
+                "CreateIndex",
+                "ModifyIndex"
+            ]
+        );
+        assert_eq!(j[0]["CapacityBytes"], 1u64 << 30);
+        assert_eq!(j[0]["PluginID"], "bind");
+        let mut other = vol();
+        other.name = "scratch".into();
+        other.plugin_id = "nfs".into();
+        other.capacity_bytes = 0;
+        other.registered = true;
+        let out = OutputArgs {
+            template: Some(
+                "{{range .}}{{printf \"%.8s\" .ID}} {{.Name | printf \"%-12s\"}}{{.PluginID}}{{if .Registered}} registered{{else}} {{.CapacityBytes}}{{end}}\\n{{end}}"
+                    .into(),
+            ),
+            ..Default::default()
+        };
+        assert_eq!(
+            out.render(&vec![vol(), other], |_| unreachable!()).unwrap(),
+            "0b9c6a6e shared-data bind 1073741824\n0b9c6a6e scratch     nfs registered\n"
+        );
     }
 
     #[test]
@@ -1190,7 +1421,7 @@ mod tests {
                 registered: true,
                 ..vol()
             },
-            capabilities: vec![volume::Capability {
+            requested_capabilities: vec![CapabilityOut {
                 access_mode: "single-node-writer".into(),
                 attachment_mode: "file-system".into(),
             }],
@@ -1211,6 +1442,7 @@ mod tests {
             snapshots: Vec::new(),
             waiting: String::new(),
             nodes: Vec::new(),
+            history: Vec::new(),
         };
         let s = render_detail(&d, false);
         assert_eq!(
@@ -1235,10 +1467,153 @@ a1  example.app[0]  n1
 "
         );
         let j = serde_json::to_value(&d).unwrap();
-        assert_eq!(j["registered"], true);
-        assert_eq!(j["secrets"], 2);
-        assert_eq!(j["signed"], true);
-        assert_eq!(j["allocations"][0]["alloc_id"], "a1");
+        assert_eq!(j["ID"], "0b9c6a6e-1111-4222-8333-444455556666");
+        assert_eq!(j["Registered"], true);
+        assert_eq!(j["Secrets"], 2);
+        assert_eq!(j["Signed"], true);
+        assert_eq!(j["PluginID"], "bind");
+        assert_eq!(
+            j["RequestedCapabilities"][0],
+            serde_json::json!({"AttachmentMode": "file-system", "AccessMode": "single-node-writer"})
+        );
+        assert_eq!(
+            j["Allocations"][0],
+            serde_json::json!({"ID": "a1", "Name": "example.app[0]", "NodeID": "n1"})
+        );
+        assert_eq!(j["History"], serde_json::json!([]));
+    }
+
+    /// Issue 37 #10: `-verbose` adds the recent events of every node, newest first, from
+    /// the node records; `-json` has them with RFC 3339 times.
+    #[test]
+    fn verbose_status_shows_the_recent_events_of_every_node_newest_first() {
+        let rec = VolumeRecord::new(
+            volume::parse_spec("name = \"shared-data\"\nplugin_id = \"bind\"\n")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        let ev = |time: u64, event: &str, alloc: &str, ok: bool, ms: u64| nodes::NodeEvent {
+            time,
+            event: event.into(),
+            alloc_id: alloc.into(),
+            ok,
+            ms,
+        };
+        let mut n1 = node("node-1", "default", None, 0);
+        n1.history.insert(
+            "default/shared-data".into(),
+            vec![
+                ev(1_733_350_000, "publish", "a1111111-0000", true, 132),
+                ev(1_733_350_060, "unpublish", "", true, 0),
+            ],
+        );
+        let mut n2 = node("node-2", "default", None, 0);
+        n2.history.insert(
+            "default/shared-data".into(),
+            vec![ev(1_733_350_030, "publish", "b2222222-0000", false, 2_400)],
+        );
+        n2.history.insert(
+            "default/other".into(),
+            vec![ev(1_733_350_099, "fence", "", true, 0)],
+        );
+        let h = history(&rec, &[n1, n2]);
+        assert_eq!(
+            render_history(&h, false),
+            "\
+Time                  Node    Event      Allocation  Outcome
+2024-12-04T22:07:40Z  node-1  unpublish  -           ok
+2024-12-04T22:07:10Z  node-2  publish    b2222222    failed after 2.4s
+2024-12-04T22:06:40Z  node-1  publish    a1111111    ok in 132ms
+"
+        );
+        let j = serde_json::to_value(&h).unwrap();
+        assert_eq!(
+            j[2],
+            serde_json::json!({"Time": "2024-12-04T22:06:40Z", "NodeID": "id-node-1", "NodeName": "node-1", "Event": "publish", "AllocID": "a1111111-0000", "Outcome": "ok", "DurationMs": 132})
+        );
+        assert_eq!(render_history(&[], false), "No recent events on any node\n");
+    }
+
+    /// The per-node rows in `-json`: Nomad-style IDs, `Since` as RFC 3339 (null unknown).
+    #[test]
+    fn node_rows_in_json_have_nomads_keys_and_rfc3339_times() {
+        let n = NodeDetail {
+            node_id: "n1".into(),
+            node_name: "node-1".into(),
+            state: "published".into(),
+            since: 1_733_350_000,
+            host_volume_id: "hv1".into(),
+            allocations: vec!["a1".into()],
+            ..Default::default()
+        };
+        let j = serde_json::to_value([n.clone(), NodeDetail::default()]).unwrap();
+        assert_eq!(
+            j[0],
+            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": ""})
+        );
+        assert_eq!(j[1]["Since"], serde_json::Value::Null);
+    }
+
+    /// Issue 37 #10: per node, the claim it holds and, for a node where a publish waits,
+    /// what it waits for (the holder's job, allocation and node), from the node records.
+    #[test]
+    fn the_nodes_table_shows_the_claim_and_what_a_node_waits_for() {
+        let rec = VolumeRecord::new(
+            volume::parse_spec("name = \"shared-data\"\nplugin_id = \"bind\"")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        let mut n1 = NodeRecord::new("id-1", "node-1", "default");
+        let mut n2 = NodeRecord::new("id-2", "node-2", "default");
+        n1.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                state: "published".into(),
+                since: 1,
+                users: vec!["d5e2d42f-0000-4000-8000-000000000000".into()],
+                claim: "held".into(),
+                ..Default::default()
+            },
+        )]));
+        let reason = "publish waits for the single-node claim on default/shared-data: held by job shared-data-demo, allocation d5e2d42f on node node-1, which still runs with it";
+        n2.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                waiting: reason.into(),
+                ..Default::default()
+            },
+        )]));
+        let nodes = node_details(&rec, &[n1, n2], &[], &[]);
+        assert_eq!(nodes[0].claim, "held");
+        assert!(nodes[1].waiting.starts_with("publish waits"), "{nodes:?}");
+        let d = VolumeDetail {
+            summary: vol(),
+            requested_capabilities: Vec::new(),
+            parameters: BTreeMap::new(),
+            context: serde_json::Value::Null,
+            secrets: 0,
+            signed: true,
+            worker_node: String::new(),
+            error: String::new(),
+            source: String::new(),
+            operation: String::new(),
+            allocations: Vec::new(),
+            snapshots: Vec::new(),
+            waiting: String::new(),
+            nodes,
+            history: Vec::new(),
+        };
+        let s = render_detail(&d, false);
+        let row = |name: &str| {
+            s.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} row:\n{s}"))
+                .to_string()
+        };
+        assert!(row("node-1").contains("published (claim held)"), "{s}");
+        assert!(row("node-2").contains(&format!("waiting: {reason}")), "{s}");
     }
 
     fn node(name: &str, pool: &str, plugin: Option<(&str, bool)>, seen: u64) -> NodeRecord {
@@ -1307,12 +1682,24 @@ a1  example.app[0]  n1
     #[test]
     fn a_register_spec_needs_a_context_and_reads_its_capacity() {
         let (ctx, cap) = register_extras(
+            "r.hcl",
             "name = \"x\"\nplugin_id = \"bind\"\ncapacity = \"2GiB\"\ncontext {\n  export_path = \"/srv/x\"\n}\n",
         )
         .unwrap();
         assert_eq!(ctx, serde_json::json!({"export_path": "/srv/x"}));
         assert_eq!(cap, 2 << 30);
-        let e = register_extras("name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
+        let e = register_extras("r.hcl", "name = \"x\"\nplugin_id = \"bind\"\n").unwrap_err();
         assert!(e.message.contains("context"), "{}", e.message);
+        // Issue 37 #15: a bad field names the file and its line.
+        let e = register_extras(
+            "r.hcl",
+            "name = \"x\"\nplugin_id = \"bind\"\ncontext {\n  export_path = \"/srv/x\"\n}\ncapacity = \"lots\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.message.starts_with("r.hcl:6: capacity \"lots\""),
+            "{}",
+            e.message
+        );
     }
 }

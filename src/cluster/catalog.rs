@@ -4,7 +4,7 @@
 //! names (`GET /v1/var/:path`), and a full list again after a gap and every `--record-relist`.
 
 use crate::cluster::changes::{MarkerView, Seen, Since};
-use crate::cluster::trust::RecordTrust;
+use crate::cluster::trust::{RecordTrust, Refusal, RefusedReason};
 use crate::nomad::types::Variable;
 use crate::nomad::{Client, NomadError};
 use crate::retry::backoff_delay;
@@ -17,21 +17,50 @@ use tokio::sync::mpsc;
 /// A full snapshot of the catalogue.
 pub type Catalogue = BTreeMap<VolumeKey, VolumeRecord>;
 
+/// Told of each refusal as it happens: a record version read and refused, with why (the
+/// agent's metrics count them).
+pub type RefusalObserver = Arc<dyn Fn(RefusedReason) + Send + Sync>;
+
 /// Records left out of the catalogue, by `<namespace>/<variable path>`, with the reason
 /// (malformed, unsigned, forged, an unsigned delete). Shared with the status document.
-#[derive(Debug, Clone, Default)]
-pub struct Rejections(Arc<Mutex<BTreeMap<String, String>>>);
+#[derive(Clone, Default)]
+pub struct Rejections {
+    current: Arc<Mutex<BTreeMap<String, String>>>,
+    observer: Option<RefusalObserver>,
+}
+
+impl std::fmt::Debug for Rejections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Rejections").field(&self.snapshot()).finish()
+    }
+}
 
 impl Rejections {
+    /// Rejections that also tell `observer` of every refusal: each version of a record
+    /// (its variable's ModifyIndex) once, when a watcher reads and refuses it.
+    pub fn observed(observer: RefusalObserver) -> Self {
+        Rejections {
+            current: Arc::default(),
+            observer: Some(observer),
+        }
+    }
+
+    /// A watcher read a record version and refused it.
+    pub(crate) fn refused(&self, reason: RefusedReason) {
+        if let Some(o) = &self.observer {
+            o(reason);
+        }
+    }
+
     /// The current rejections, `<namespace>/<path>` → reason.
     pub fn snapshot(&self) -> BTreeMap<String, String> {
-        self.0.lock().map(|m| m.clone()).unwrap_or_default()
+        self.current.lock().map(|m| m.clone()).unwrap_or_default()
     }
 
     /// Replaces the rejections of records whose variable path starts with `prefix` (each
     /// watcher owns its prefix: volume records, snapshot records) with `now`.
     pub(crate) fn replace_under(&self, prefix: &str, now: BTreeMap<String, String>) {
-        if let Ok(mut m) = self.0.lock() {
+        if let Ok(mut m) = self.current.lock() {
             m.retain(|k, _| {
                 !k.split_once('/')
                     .is_some_and(|(_, path)| path.starts_with(prefix))
@@ -40,9 +69,6 @@ impl Rejections {
         }
     }
 }
-
-/// What a cached variable decoded to: a record to act on, or why it is left out.
-type Decoded = Result<VolumeRecord, String>;
 
 /// A record watch's cache: `(namespace, path)` → (ModifyIndex, what the variable decoded to;
 /// `None`: it was gone when read).
@@ -96,7 +122,7 @@ pub struct Follow {
 /// checked, and the warning for one refused.
 pub(crate) struct Kind<T> {
     pub prefix: &'static str,
-    pub admit: fn(&Variable, &RecordTrust) -> Result<T, String>,
+    pub admit: fn(&Variable, &RecordTrust) -> Result<T, Refusal>,
     pub refused: fn(namespace: &str, path: &str, reason: &str),
 }
 
@@ -132,7 +158,7 @@ pub(crate) async fn follow<T: Clone, Out>(
     loop {
         let step: Result<bool, NomadError> = if full {
             let base = f.marker.borrow_and_update().clone();
-            match list_all(&client, &kind, &trust, &mut cache).await {
+            match list_all(&client, &kind, &trust, &rejected, &mut cache).await {
                 Ok(()) => {
                     full = false;
                     let (s, every) = match &base {
@@ -165,7 +191,7 @@ pub(crate) async fn follow<T: Clone, Out>(
                                     .into_iter()
                                     .filter(|c| c.path.starts_with(kind.prefix))
                                     .map(|c| ((c.namespace, c.path), c.index));
-                                let r = read_some(&client, &kind, &trust, &mut cache, mine).await;
+                                let r = read_some(&client, &kind, &trust, &rejected, &mut cache, mine).await;
                                 match r {
                                     Ok(changed) => {
                                         seen = Some(m.seen());
@@ -197,7 +223,7 @@ pub(crate) async fn follow<T: Clone, Out>(
                         .into_iter()
                         .filter(|(_, p)| p.starts_with(kind.prefix))
                         .map(|k| (k, 0));
-                    read_some(&client, &kind, &trust, &mut cache, want).await
+                    read_some(&client, &kind, &trust, &rejected, &mut cache, want).await
                 }
             }
         };
@@ -230,6 +256,7 @@ async fn list_all<T: Clone>(
     client: &Client,
     kind: &Kind<T>,
     trust: &RecordTrust,
+    rejected: &Rejections,
     cache: &mut Cache<T>,
 ) -> Result<(), NomadError> {
     let list = client
@@ -240,7 +267,7 @@ async fn list_all<T: Clone>(
         let k = (m.namespace.clone(), m.path.clone());
         let entry = match cache.get(&k).filter(|(idx, _)| *idx == m.modify_index) {
             Some(c) => c.clone(),
-            None => read_one(client, kind, trust, &k).await?,
+            None => read_one(client, kind, trust, rejected, &k).await?,
         };
         seen.insert(k, entry);
     }
@@ -255,6 +282,7 @@ async fn read_some<T: Clone>(
     client: &Client,
     kind: &Kind<T>,
     trust: &RecordTrust,
+    rejected: &Rejections,
     cache: &mut Cache<T>,
     names: impl Iterator<Item = ((String, String), u64)>,
 ) -> Result<bool, NomadError> {
@@ -268,7 +296,7 @@ async fn read_some<T: Clone>(
         if index > 0 && cache.get(&k).is_some_and(|(have, _)| *have >= index) {
             continue;
         }
-        let (idx, rec) = read_one(client, kind, trust, &k).await?;
+        let (idx, rec) = read_one(client, kind, trust, rejected, &k).await?;
         match rec {
             None => changed |= cache.remove(&k).is_some(),
             Some(rec) => {
@@ -282,17 +310,23 @@ async fn read_some<T: Clone>(
     Ok(changed)
 }
 
-/// Reads one record (`GET /v1/var/:path`) and checks it; `(0, None)` when it is gone.
+/// Reads one record (`GET /v1/var/:path`) and checks it; `(0, None)` when it is gone. A
+/// refusal is told to `rejected`'s observer (each record version is read once: the caches
+/// skip an index they hold).
 async fn read_one<T>(
     client: &Client,
     kind: &Kind<T>,
     trust: &RecordTrust,
+    rejected: &Rejections,
     (namespace, path): &(String, String),
 ) -> Result<(u64, Option<Result<T, String>>), NomadError> {
     let Some(var) = client.variable(namespace, path).await? else {
         return Ok((0, None));
     };
-    let rec = (kind.admit)(&var, trust);
+    let rec = (kind.admit)(&var, trust).map_err(|r| {
+        rejected.refused(r.reason);
+        r.message
+    });
     if let Err(reason) = &rec {
         (kind.refused)(namespace, path, reason);
     }
@@ -349,7 +383,7 @@ pub(crate) fn rejections_of<'a, T: 'a>(
 }
 
 /// Decodes and checks one variable; `Err` says why it must not be acted on.
-pub fn admit(var: &Variable, trust: &RecordTrust) -> Decoded {
+pub fn admit(var: &Variable, trust: &RecordTrust) -> Result<VolumeRecord, Refusal> {
     crate::cluster::trust::admit(var, trust, VolumeRecord::from_variable)
 }
 

@@ -128,6 +128,7 @@ mod tests {
                 } else {
                     String::new()
                 },
+                ..Default::default()
             },
         );
         r

@@ -73,6 +73,42 @@ pub struct NodeRecord {
     /// `volume create` and `delete` print them when they give up waiting.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub refused: BTreeMap<String, String>,
+    /// The recent publish, unpublish and fence events of this node's volumes (from its
+    /// journal since the agent started), `<namespace>/<name>` → events, oldest first: at
+    /// most [`MAX_NODE_HISTORY`] per volume and [`MAX_HISTORY_VOLUMES`] volumes (those with
+    /// the latest events); absent in records of older agents. `volume status -verbose`
+    /// prints them.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub history: BTreeMap<String, Vec<NodeEvent>>,
+}
+
+/// The most events per volume a node record keeps in [`NodeRecord::history`].
+pub const MAX_NODE_HISTORY: usize = 10;
+/// The most volumes with events a node record keeps in [`NodeRecord::history`].
+pub const MAX_HISTORY_VOLUMES: usize = 8;
+
+/// One event of a volume on a node, as its agent publishes it (kept short: a node record
+/// holds up to [`MAX_NODE_HISTORY`] × [`MAX_HISTORY_VOLUMES`] of them).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NodeEvent {
+    /// Unix seconds (the agent's clock).
+    pub time: u64,
+    /// `publish`, `unpublish`, `fence` or `unfence`.
+    pub event: String,
+    /// The allocation a publish was for; empty otherwise.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub alloc_id: String,
+    /// The operation succeeded (a fence: the volume was fenced).
+    pub ok: bool,
+    /// How long the plugin call took, measured by the agent (milliseconds); 0 when not
+    /// measured.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The most entries [`NodeRecord::volumes`] and [`NodeRecord::refused`] hold each (the
@@ -95,6 +131,15 @@ pub struct NodeVolume {
     /// The last error on this node (the plugin's redacted words), cut to
     /// [`MAX_NODE_ERROR`] characters; empty when the last attempt succeeded.
     pub error: String,
+    /// This node's claim on a single-node volume: `held`, `fenced` or `lost`; empty when
+    /// it holds none.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub claim: String,
+    /// Why a publish of it waits on this node (another node holds its claim, its plugin is
+    /// missing, another writer holds it), cut to [`MAX_NODE_ERROR`] characters; empty when
+    /// nothing waits.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub waiting: String,
 }
 
 /// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
@@ -227,6 +272,13 @@ impl NodeRecord {
             .take(MAX_NODE_VOLUMES)
             .map(|(k, mut v)| {
                 v.error = bounded(&v.error);
+                // One of the two is shown (`volume status` prints the wait only where
+                // there is no error), so the record's size bound counts one of them.
+                v.waiting = if v.error.is_empty() {
+                    bounded(&v.waiting)
+                } else {
+                    String::new()
+                };
                 v.users.truncate(4);
                 (k, v)
             })
@@ -252,6 +304,27 @@ impl NodeRecord {
             .collect();
         let changed = next != self.refused;
         self.refused = next;
+        changed
+    }
+
+    /// Replaces the recent events, bounded: the last [`MAX_NODE_HISTORY`] of each volume,
+    /// of the [`MAX_HISTORY_VOLUMES`] volumes whose last event is the latest. True when
+    /// they changed.
+    pub fn set_history(&mut self, history: BTreeMap<String, Vec<NodeEvent>>) -> bool {
+        let mut by_latest: Vec<(String, Vec<NodeEvent>)> = history
+            .into_iter()
+            .filter(|(_, ev)| !ev.is_empty())
+            .map(|(k, mut ev)| {
+                let cut = ev.len().saturating_sub(MAX_NODE_HISTORY);
+                ev.drain(..cut);
+                (k, ev)
+            })
+            .collect();
+        by_latest.sort_by_key(|(_, ev)| std::cmp::Reverse(ev.last().map_or(0, |e| e.time)));
+        by_latest.truncate(MAX_HISTORY_VOLUMES);
+        let next: BTreeMap<String, Vec<NodeEvent>> = by_latest.into_iter().collect();
+        let changed = next != self.history;
+        self.history = next;
         changed
     }
 
@@ -484,6 +557,8 @@ mod tests {
                         since: 5,
                         users: Vec::new(),
                         error: "e".repeat(5000),
+                        waiting: "w".repeat(5000),
+                        ..Default::default()
                     },
                 )
             })
@@ -494,7 +569,17 @@ mod tests {
         assert!(r
             .volumes
             .values()
-            .all(|v| v.error.chars().count() == MAX_NODE_ERROR));
+            .all(|v| v.error.chars().count() == MAX_NODE_ERROR && v.waiting.is_empty()));
+        // Without an error, the wait is kept, bounded the same.
+        let mut w = rec();
+        w.set_volumes(BTreeMap::from([(
+            "default/w".to_string(),
+            NodeVolume {
+                waiting: "w".repeat(5000),
+                ..Default::default()
+            },
+        )]));
+        assert_eq!(w.volumes["default/w"].waiting.chars().count(), MAX_NODE_ERROR);
         let refused = BTreeMap::from([(
             "default/dhv-binder/volumes/x".to_string(),
             "variable dhv-binder/volumes/x in namespace default is not acted on: the record is unsigned".to_string(),
@@ -515,6 +600,86 @@ mod tests {
         );
         let back: NodeRecord = serde_json::from_str(&text).unwrap();
         assert!(back.volumes.is_empty() && back.refused.is_empty());
+    }
+
+    /// A record at every bound (volumes, users, errors, refusals, history) stays within one
+    /// Nomad variable (64 KiB); the figure is in docs/scale.md ("The node record's size").
+    #[test]
+    fn a_record_at_every_bound_fits_in_one_variable() {
+        let mut r = rec();
+        let id = "0b9c6a6e-1111-4222-8333-444455556666";
+        let name = |i: usize| format!("namespace-of-length-32-chars-xx/volume-name-{i:03}");
+        r.set_volumes(
+            (0..MAX_NODE_VOLUMES)
+                .map(|i| {
+                    (
+                        name(i),
+                        NodeVolume {
+                            state: "unpublishing".into(),
+                            since: 1_733_350_000,
+                            users: vec![id.to_string(); 4],
+                            error: "e".repeat(MAX_NODE_ERROR),
+                            claim: "fenced".into(),
+                            waiting: "w".repeat(MAX_NODE_ERROR),
+                        },
+                    )
+                })
+                .collect(),
+        );
+        r.set_refused(
+            &(0..MAX_NODE_VOLUMES)
+                .map(|i| (format!("{}/dhv-binder/volumes/x", name(i)), "r".repeat(500)))
+                .collect(),
+        );
+        let events: Vec<NodeEvent> = (0..MAX_NODE_HISTORY + 5)
+            .map(|i| NodeEvent {
+                time: 1_733_350_000 + i as u64,
+                event: "unpublish".into(),
+                alloc_id: id.into(),
+                ok: false,
+                ms: 123_456,
+            })
+            .collect();
+        assert!(r.set_history(
+            (0..MAX_HISTORY_VOLUMES + 8)
+                .map(|i| (name(i), events.clone()))
+                .collect()
+        ));
+        assert_eq!(r.history.len(), MAX_HISTORY_VOLUMES);
+        assert!(r.history.values().all(|e| e.len() == MAX_NODE_HISTORY));
+        let size = r.to_variable().items["record"].len();
+        let history = serde_json::to_string(&r.history).unwrap().len();
+        println!("node record at every bound: {size} bytes, {history} of them history");
+        assert!(size < 64 * 1024, "{size}");
+        assert_eq!(NodeRecord::from_variable(&r.to_variable()).unwrap(), r);
+    }
+
+    /// The history keeps each volume's latest events, and the volumes with the latest.
+    #[test]
+    fn history_keeps_the_latest_events_of_the_latest_volumes() {
+        let mut r = rec();
+        let ev = |t: u64| NodeEvent {
+            time: t,
+            event: "publish".into(),
+            ok: true,
+            ..Default::default()
+        };
+        let mut h: BTreeMap<String, Vec<NodeEvent>> = (0..MAX_HISTORY_VOLUMES as u64 + 1)
+            .map(|i| (format!("default/v{i:02}"), vec![ev(100 + i)]))
+            .collect();
+        h.insert(
+            "default/busy".into(),
+            (0..15).map(|t| ev(1000 + t)).collect(),
+        );
+        h.insert("default/none".into(), Vec::new());
+        assert!(r.set_history(h.clone()));
+        assert!(!r.set_history(h), "the same history is no change");
+        assert_eq!(r.history.len(), MAX_HISTORY_VOLUMES);
+        assert!(!r.history.contains_key("default/v00") && !r.history.contains_key("default/v01"));
+        assert!(!r.history.contains_key("default/none"));
+        let busy = &r.history["default/busy"];
+        assert_eq!(busy.len(), MAX_NODE_HISTORY);
+        assert_eq!((busy[0].time, busy[9].time), (1005, 1014));
     }
 
     #[test]

@@ -211,7 +211,10 @@ impl SnapshotRecord {
 /// Decodes and checks one snapshot variable; `Err` says why no node may act on it (it does
 /// not decode, or `trust` refuses it: unsigned, forged, re-pointed at another volume, or a
 /// delete request without the operator's delete signature).
-pub fn admit(var: &Variable, trust: &RecordTrust) -> Result<SnapshotRecord, String> {
+pub fn admit(
+    var: &Variable,
+    trust: &RecordTrust,
+) -> Result<SnapshotRecord, crate::cluster::trust::Refusal> {
     crate::cluster::trust::admit(var, trust, SnapshotRecord::from_variable)
 }
 
@@ -405,10 +408,10 @@ pub fn admit_source(
         VolumeSource::Empty => Ok((None, None)),
         VolumeSource::SnapshotId(_) => admit(var, trust)
             .map(|s| (Some(s), None))
-            .map_err(SourceError::Untrusted),
+            .map_err(|r| SourceError::Untrusted(r.message)),
         VolumeSource::CloneId(_) => crate::cluster::catalog::admit(var, trust)
             .map(|v| (None, Some(v)))
-            .map_err(SourceError::Untrusted),
+            .map_err(|r| SourceError::Untrusted(r.message)),
     }
 }
 
@@ -745,7 +748,7 @@ mod tests {
         let vol = volume();
         let mut snap = SnapshotRecord::new(&vol, "nightly", 1);
         // Unsigned: refused, saying how to sign it; admitted only on a test cluster.
-        let e = admit(&stored(&snap), &trust).unwrap_err();
+        let e = admit(&stored(&snap), &trust).unwrap_err().message;
         assert!(
             e.contains("not signed") && e.contains("--signing-key"),
             "{e}"
@@ -775,7 +778,7 @@ mod tests {
         for t in tamper {
             let mut bad = snap.clone();
             t(&mut bad);
-            let e = admit(&stored(&bad), &trust).unwrap_err();
+            let e = admit(&stored(&bad), &trust).unwrap_err().message;
             assert!(e.contains("does not verify"), "{e}");
         }
         // Copied to another ID (its path follows): refused.
@@ -797,7 +800,7 @@ mod tests {
         let mut snap = SnapshotRecord::new(&vol, "", 1);
         key.sign(&mut snap);
         snap.state = VolumeState::Deleting;
-        let e = admit(&stored(&snap), &trust).unwrap_err();
+        let e = admit(&stored(&snap), &trust).unwrap_err().message;
         assert!(e.contains("snapshot delete"), "{e}");
         // Neither the request's own signature nor the volume's delete signature will do.
         snap.delete_signature = snap.signature.clone();

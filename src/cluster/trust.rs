@@ -31,8 +31,12 @@ const SIG_PREFIX: &str = "ed25519:";
 pub enum TrustError {
     #[error("the record is not signed: write it with the operator's key (`dhv-binder volume create` or `volume snapshot create` with `--signing-key <file>`)")]
     Unsigned,
-    #[error("the record's signature does not verify with any key in --record-keys (forged or altered record, or a key this node does not trust)")]
+    #[error("the record's signature does not verify with the key it names: the record was changed after it was signed (forged or altered); write it again with the operator's key")]
     BadSignature,
+    /// The signature names a key (its ID, [`key_id`]) that is not in this node's
+    /// `--record-keys`.
+    #[error("the record is signed by key {0}, which this node does not trust: add that key's public line (from `volume keygen`) to --record-keys on every node, or sign with a trusted key")]
+    UntrustedKey(String),
     #[error("the record is in state deleting without a valid operator delete signature: run `dhv-binder volume delete` (or `volume snapshot delete`) with `--signing-key <file>`")]
     UnsignedDelete,
     #[error("the signature field {0:?} is not `ed25519:<key id>:<base64>`")]
@@ -45,6 +49,83 @@ pub enum TrustError {
     UnsafeKeyFile { path: String, reason: String },
     #[error("no record keys configured: give the agent --record-keys <file> (operators' public keys, see docs/security.md), or --allow-unsigned-records on a test cluster only")]
     NotConfigured,
+}
+
+/// Why an agent refused a record: the closed set the refused-records metric counts
+/// (`dhv_binder_records_refused_total{reason}`, docs/operations.md "Metrics").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RefusedReason {
+    /// The variable does not decode as a record: a field missing or of the wrong shape, an
+    /// ID that is no UUID, a record copied to another path or namespace.
+    Malformed,
+    /// No signature ([`TrustError::Unsigned`]).
+    Unsigned,
+    /// The signature field is not `ed25519:<key id>:<base64>` ([`TrustError::Malformed`]).
+    MalformedSignature,
+    /// Signed by a key this node does not trust ([`TrustError::UntrustedKey`]).
+    UntrustedKey,
+    /// The signature does not verify with the key it names: the record was changed after
+    /// it was signed ([`TrustError::BadSignature`]).
+    BadSignature,
+    /// `deleting` without a valid delete signature for this very record: none, or one
+    /// replayed from another record or from an earlier record of the same name (a delete
+    /// signature binds the variable's CreateIndex) ([`TrustError::UnsignedDelete`]).
+    UnsignedDelete,
+}
+
+impl RefusedReason {
+    /// Every reason, in the order the metrics list them.
+    pub const ALL: [RefusedReason; 6] = [
+        RefusedReason::Malformed,
+        RefusedReason::Unsigned,
+        RefusedReason::MalformedSignature,
+        RefusedReason::UntrustedKey,
+        RefusedReason::BadSignature,
+        RefusedReason::UnsignedDelete,
+    ];
+
+    /// The metric's label value (kebab-case).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusedReason::Malformed => "malformed",
+            RefusedReason::Unsigned => "unsigned",
+            RefusedReason::MalformedSignature => "malformed-signature",
+            RefusedReason::UntrustedKey => "untrusted-key",
+            RefusedReason::BadSignature => "bad-signature",
+            RefusedReason::UnsignedDelete => "unsigned-delete",
+        }
+    }
+}
+
+impl TrustError {
+    /// The refusal this error is when a record fails [`RecordTrust::verify`]; `None` for
+    /// the key-file errors, which refuse no record.
+    pub fn refused_reason(&self) -> Option<RefusedReason> {
+        match self {
+            TrustError::Unsigned => Some(RefusedReason::Unsigned),
+            TrustError::BadSignature => Some(RefusedReason::BadSignature),
+            TrustError::UntrustedKey(_) => Some(RefusedReason::UntrustedKey),
+            TrustError::UnsignedDelete => Some(RefusedReason::UnsignedDelete),
+            TrustError::Malformed(_) => Some(RefusedReason::MalformedSignature),
+            TrustError::KeyFile { .. }
+            | TrustError::UnsafeKeyFile { .. }
+            | TrustError::NotConfigured => None,
+        }
+    }
+}
+
+/// A record no node may act on: why, as the metrics count it, and the message the log,
+/// the status document and the node record carry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    pub reason: RefusedReason,
+    pub message: String,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 /// A record an operator signs: a volume record or a snapshot request. Every signature binds
@@ -150,13 +231,17 @@ pub fn admit<R: Signed, E: std::fmt::Display>(
     var: &crate::nomad::types::Variable,
     trust: &RecordTrust,
     decode: impl FnOnce(&crate::nomad::types::Variable) -> Result<R, E>,
-) -> Result<R, String> {
-    let rec = decode(var).map_err(|e| e.to_string())?;
-    trust.verify(&rec).map_err(|e| {
-        format!(
+) -> Result<R, Refusal> {
+    let rec = decode(var).map_err(|e| Refusal {
+        reason: RefusedReason::Malformed,
+        message: e.to_string(),
+    })?;
+    trust.verify(&rec).map_err(|e| Refusal {
+        reason: e.refused_reason().unwrap_or(RefusedReason::BadSignature),
+        message: format!(
             "variable {} in namespace {} is not acted on: {e}",
             var.path, var.namespace
-        )
+        ),
     })?;
     Ok(rec)
 }
@@ -370,7 +455,13 @@ impl RecordTrust {
         let raw = B64
             .decode(b64)
             .map_err(|_| TrustError::Malformed(sig.chars().take(40).collect()))?;
-        let ok = keys.iter().filter(|k| key_id(k) == kid).any(|k| {
+        let mut named = keys.iter().filter(|k| key_id(k) == kid).peekable();
+        if named.peek().is_none() {
+            return Err(TrustError::UntrustedKey(crate::escape::escape_control(
+                &kid.chars().take(40).collect::<String>(),
+            )));
+        }
+        let ok = named.any(|k| {
             UnparsedPublicKey::new(&ED25519, k)
                 .verify(msg, &raw)
                 .is_ok()
@@ -446,11 +537,56 @@ mod tests {
             t(&mut bad);
             assert_eq!(trust.verify(&bad), Err(TrustError::BadSignature));
         }
-        // Another operator's key is not trusted.
+        // Another operator's key is not trusted, and the refusal names it (issue 37 #13:
+        // an untrusted key is told apart from an altered record).
         let (other, _) = SigningKey::generate().unwrap();
         let mut foreign = record();
         other.sign(&mut foreign);
-        assert_eq!(trust.verify(&foreign), Err(TrustError::BadSignature));
+        let kid = key_id(other.pair.public_key().as_ref());
+        assert_eq!(
+            trust.verify(&foreign),
+            Err(TrustError::UntrustedKey(kid.clone()))
+        );
+        // Whole within a node record's 200 characters (`volume status`, `volume create`).
+        let shown = TrustError::UntrustedKey(kid.clone()).to_string();
+        assert!(shown.contains(&kid), "{shown}");
+        assert!(shown.chars().count() <= 200, "{shown}");
+    }
+
+    /// Issue 37 #13: each refusal of a record is one of the closed set of reasons the
+    /// metrics count, whatever makes it.
+    #[test]
+    fn every_refusal_has_its_reason() {
+        let (key, _) = SigningKey::generate().unwrap();
+        let trust = trust_of(&key);
+        let stored = |r: &VolumeRecord| r.to_variable();
+        let reason = |r: &VolumeRecord| {
+            admit(&stored(r), &trust, VolumeRecord::from_variable)
+                .err()
+                .map(|e| e.reason)
+        };
+        let mut rec = record();
+        assert_eq!(reason(&rec), Some(RefusedReason::Unsigned));
+        rec.signature = "rsa:nonsense".into();
+        assert_eq!(reason(&rec), Some(RefusedReason::MalformedSignature));
+        let (other, _) = SigningKey::generate().unwrap();
+        other.sign(&mut rec);
+        assert_eq!(reason(&rec), Some(RefusedReason::UntrustedKey));
+        key.sign(&mut rec);
+        assert_eq!(reason(&rec), None);
+        let mut altered = rec.clone();
+        altered.secrets.insert("password".into(), "other".into());
+        assert_eq!(reason(&altered), Some(RefusedReason::BadSignature));
+        let mut deleting = rec.clone();
+        deleting.state = VolumeState::Deleting;
+        assert_eq!(reason(&deleting), Some(RefusedReason::UnsignedDelete));
+        let mut var = stored(&rec);
+        var.items.insert("spec".into(), "{not json".into());
+        let e = admit(&var, &trust, VolumeRecord::from_variable).unwrap_err();
+        assert_eq!(e.reason, RefusedReason::Malformed);
+        let labels: std::collections::BTreeSet<&str> =
+            RefusedReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(labels.len(), RefusedReason::ALL.len());
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! already mounted; read-only publish; unpublish while a file is open inside (must fail and
 //! leave the mount); data kept across publishes; concurrent calls on one
 //! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
-//! caller's cgroup; output shape (one JSON object on
+//! caller's cgroup; an unpublish with the storage unreachable and a write only in the
+//! plugin's cache (must fail, [`flush`]); output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
 //! The optional operations a plugin declares (snapshots, clones, expand, `fence`,
 //! `fence_node`/`unfence_node`) have their own rules ([`storage`]); one not declared is
@@ -23,6 +24,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod flush;
 mod helpers;
 mod storage;
 
@@ -929,6 +931,9 @@ async fn run_rules(kit: &mut Kit) {
     }
     kit.report
         .push("killed by the timeout", ok, notes.join("; "));
+
+    // An unpublish with the storage unreachable and a write only in the plugin's cache.
+    flush::unflushed_unpublish_rule(kit).await;
 
     // Optional operations (when declared), then confinement, while the volume exists.
     storage::optional_rules(kit).await;

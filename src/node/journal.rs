@@ -219,6 +219,26 @@ impl EventKind {
     }
 }
 
+/// The most recent events [`Journal::recent`] keeps per volume.
+pub const RECENT_PER_VOLUME: usize = 10;
+/// The most volumes [`Journal::recent`] keeps events of (those with the latest events).
+pub const RECENT_VOLUMES: usize = 8;
+
+/// One outcome in a volume's recent history on this node (in memory since the agent
+/// started; the full history is `journal.log`): a publish, unpublish, fence or unfence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recent {
+    /// Unix seconds.
+    pub time: u64,
+    /// `PublishDone`, `PublishFailed`, `UnpublishDone`, `UnpublishFailed`, `Fenced` or
+    /// `Unfenced`.
+    pub kind: EventKind,
+    /// The allocation whose publish intent the outcome ends; `None` for the others.
+    pub alloc_id: Option<String>,
+    /// How long the call took, measured ([`Journal::measured`]); 0 when not measured.
+    pub ms: u64,
+}
+
 /// One history line.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
@@ -284,6 +304,11 @@ pub struct Journal {
     /// The pending changes include intents (see [`Commit`]).
     durable: bool,
     seq: u64,
+    /// Each volume's recent outcomes, oldest first, bounded ([`RECENT_PER_VOLUME`],
+    /// [`RECENT_VOLUMES`]): what the node record shows (`volume status -verbose`).
+    recent: BTreeMap<VolumeKey, std::collections::VecDeque<Recent>>,
+    /// The allocation of each volume's last publish intent, named by its outcome.
+    intent_alloc: BTreeMap<VolumeKey, String>,
 }
 
 /// The user records of `key` in a volume → allocations index
@@ -325,7 +350,66 @@ impl Journal {
             dirty: false,
             durable: false,
             seq: 0,
+            recent: BTreeMap::new(),
+            intent_alloc: BTreeMap::new(),
         }
+    }
+
+    /// Each volume's recent publish, unpublish and fence outcomes on this node, oldest
+    /// first (since the agent started; bounded by [`RECENT_PER_VOLUME`] and
+    /// [`RECENT_VOLUMES`]).
+    pub fn recent(&self) -> &BTreeMap<VolumeKey, std::collections::VecDeque<Recent>> {
+        &self.recent
+    }
+
+    /// Records how long the call behind `key`'s latest outcome took (`ms`, measured by the
+    /// caller around the plugin call).
+    pub fn measured(&mut self, key: &VolumeKey, ms: u64) {
+        if let Some(last) = self.recent.get_mut(key).and_then(|r| r.back_mut()) {
+            last.ms = ms;
+        }
+    }
+
+    /// Keeps `kind` in `volume`'s recent history when it is an outcome worth showing.
+    fn remember(&mut self, kind: EventKind, volume: &VolumeKey, alloc: Option<&str>) {
+        let alloc_id = match kind {
+            EventKind::PublishIntent => {
+                if let Some(a) = alloc {
+                    self.intent_alloc.insert(volume.clone(), a.to_string());
+                }
+                return;
+            }
+            EventKind::PublishDone | EventKind::PublishFailed => {
+                self.intent_alloc.get(volume).cloned()
+            }
+            EventKind::UnpublishDone => {
+                self.intent_alloc.remove(volume);
+                None
+            }
+            EventKind::UnpublishFailed | EventKind::Fenced | EventKind::Unfenced => None,
+            EventKind::UnpublishIntent | EventKind::UserAdded | EventKind::UserRemoved => return,
+        };
+        if !self.recent.contains_key(volume) && self.recent.len() >= RECENT_VOLUMES {
+            // The volume whose latest event is the oldest makes room.
+            let oldest = self
+                .recent
+                .iter()
+                .min_by_key(|(_, r)| r.back().map_or(0, |e| e.time))
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                self.recent.remove(&k);
+            }
+        }
+        let r = self.recent.entry(volume.clone()).or_default();
+        if r.len() >= RECENT_PER_VOLUME {
+            r.pop_front();
+        }
+        r.push_back(Recent {
+            time: now_secs(),
+            kind,
+            alloc_id,
+            ms: 0,
+        });
     }
 
     /// Loads records (from disk), with their indexes.
@@ -482,6 +566,7 @@ impl Journal {
         detail: serde_json::Value,
     ) {
         self.dirty = true;
+        self.remember(kind, volume, alloc);
         self.events.push(Event {
             kind,
             volume: volume.clone(),
@@ -823,7 +908,14 @@ impl Store {
         drop(disk);
         result?;
         self.commits.fetch_add(1, Ordering::Relaxed);
-        self.append_history(&commit.events)
+        let history = self.append_history(&commit.events);
+        if history.is_err() {
+            // The directory refuses writes by path (read-only, full): the next write
+            // replaces the whole state, by path too, so the failure is not papered over by
+            // an append through the log's file descriptor, opened before.
+            self.disk.lock().unwrap_or_else(|e| e.into_inner()).compact = true;
+        }
+        history
     }
 
     /// Appends the commit's changes to `journal.wal`, synced if it carries intents.
@@ -1042,6 +1134,57 @@ pub(crate) mod tests {
         assert_eq!(back.mounts()[&at(7).volume].state, MountState::Unpublishing);
         assert!(back.mounts().contains_key(&at(8).volume));
         assert!(!back.mounts().contains_key(&at(9).volume));
+    }
+
+    /// The recent outcomes per volume (what the node record shows): publish with the
+    /// allocation of its intent and its measured time, unpublish, fence; intents and
+    /// user records are not events; bounded per volume and in volumes.
+    #[test]
+    fn recent_outcomes_are_kept_per_volume_with_the_intents_allocation() {
+        let mut j = Journal::new("n1");
+        let r = rec(MountState::Publishing);
+        let key = r.volume.clone();
+        j.set_mount(r.clone(), EventKind::PublishIntent, Some("a1"));
+        j.change_users(
+            &[UserKey {
+                alloc_id: "a1".into(),
+                volume: key.clone(),
+            }],
+            &[],
+        );
+        let mut done = r.clone();
+        done.state = MountState::Published;
+        j.set_mount(done.clone(), EventKind::PublishDone, None);
+        j.measured(&key, 132);
+        j.note(EventKind::Fenced, &key, serde_json::Value::Null);
+        let mut un = done;
+        un.state = MountState::Unpublishing;
+        j.set_mount(un, EventKind::UnpublishIntent, None);
+        j.remove_mount(&key, EventKind::UnpublishDone);
+        let got: Vec<(EventKind, Option<&str>, u64)> = j.recent()[&key]
+            .iter()
+            .map(|e| (e.kind, e.alloc_id.as_deref(), e.ms))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (EventKind::PublishDone, Some("a1"), 132),
+                (EventKind::Fenced, None, 0),
+                (EventKind::UnpublishDone, None, 0),
+            ]
+        );
+        for _ in 0..RECENT_PER_VOLUME + 3 {
+            j.note(EventKind::Unfenced, &key, serde_json::Value::Null);
+        }
+        assert_eq!(j.recent()[&key].len(), RECENT_PER_VOLUME);
+        for i in 0..RECENT_VOLUMES + 2 {
+            let k = VolumeKey {
+                namespace: "default".into(),
+                name: format!("v{i}"),
+            };
+            j.note(EventKind::Fenced, &k, serde_json::Value::Null);
+        }
+        assert_eq!(j.recent().len(), RECENT_VOLUMES);
     }
 
     #[test]

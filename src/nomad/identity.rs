@@ -43,7 +43,7 @@ pub enum IdentityError {
 pub struct Verifier {
     client: Client,
     audiences: Vec<String>,
-    issuer: Option<String>,
+    issuer: IssuerRule,
     cache: RwLock<Cached>,
     fetching: Mutex<()>,
     ttl: Duration,
@@ -54,6 +54,49 @@ pub struct Verifier {
 struct Cached {
     set: Option<JwkSet>,
     fetched: Option<Instant>,
+    /// The cluster's issuer as fetched with the keys ([`IssuerRule::Cluster`]): `Some(None)`
+    /// when the cluster has none.
+    issuer: Option<Option<String>>,
+}
+
+/// Which `iss` a workload identity token must carry (`--token-issuer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IssuerRule {
+    /// The cluster's own (the default): learnt with the keys from
+    /// `GET /.well-known/openid-configuration`; a cluster without an `oidc_issuer` answers
+    /// 404 there, and then a token must carry no `iss` at all.
+    Cluster,
+    /// Exactly this issuer (an operator's override).
+    Pinned(String),
+    /// Not checked (`--token-issuer any`).
+    Any,
+}
+
+impl IssuerRule {
+    /// The rule of a `--token-issuer` setting: unset, empty or `cluster` → [`Cluster`],
+    /// `any` → [`Any`], anything else → [`Pinned`].
+    ///
+    /// [`Cluster`]: IssuerRule::Cluster
+    /// [`Any`]: IssuerRule::Any
+    /// [`Pinned`]: IssuerRule::Pinned
+    pub fn from_setting(setting: Option<&str>) -> Self {
+        match setting.map(str::trim) {
+            None | Some("") | Some("cluster") => IssuerRule::Cluster,
+            Some("any") => IssuerRule::Any,
+            Some(iss) => IssuerRule::Pinned(iss.to_string()),
+        }
+    }
+}
+
+/// What [`verify_with`] checks of `iss`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IssuerCheck<'a> {
+    /// Anything, or nothing.
+    Any,
+    /// Required, and equal to this.
+    Equals(&'a str),
+    /// Must be absent (the cluster sets no issuer, so none of its tokens has one).
+    Absent,
 }
 
 /// Shortest time between two refetches for unknown `kid`s.
@@ -64,14 +107,15 @@ pub const JWKS_TTL: Duration = Duration::from_secs(300);
 pub const IAT_SKEW: u64 = 60;
 
 impl Verifier {
-    /// A verifier accepting `nomadproject.io` and `extra_audiences`, any issuer.
+    /// A verifier accepting `nomadproject.io` and `extra_audiences`, with the cluster's
+    /// issuer ([`IssuerRule::Cluster`]).
     pub fn new(client: Client, extra_audiences: &[String]) -> Self {
         let mut audiences = vec!["nomadproject.io".to_string()];
         audiences.extend(extra_audiences.iter().cloned());
         Self {
             client,
             audiences,
-            issuer: None,
+            issuer: IssuerRule::Cluster,
             cache: RwLock::new(Cached::default()),
             fetching: Mutex::new(()),
             ttl: JWKS_TTL,
@@ -86,19 +130,21 @@ impl Verifier {
         self
     }
 
-    /// Also requires `iss` to equal `issuer` (the cluster's `oidc_issuer`, when it sets one).
-    pub fn with_issuer(mut self, issuer: Option<String>) -> Self {
-        self.issuer = issuer.filter(|i| !i.is_empty());
+    /// Sets which `iss` tokens must carry ([`IssuerRule`]).
+    pub fn with_issuer(mut self, issuer: IssuerRule) -> Self {
+        self.issuer = issuer;
         self
     }
 
-    async fn key_set(&self, kid: &str) -> Result<JwkSet, IdentityError> {
+    /// The keys that may have signed `kid`'s tokens, and the cluster's issuer (`None` unless
+    /// the rule is [`IssuerRule::Cluster`]; `Some(None)`: the cluster has none).
+    async fn key_set(&self, kid: &str) -> Result<(JwkSet, Option<Option<String>>), IdentityError> {
         let asked = Instant::now();
-        let usable = |c: &Cached| -> Option<JwkSet> {
+        let usable = |c: &Cached| -> Option<(JwkSet, Option<Option<String>>)> {
             let (set, at) = (c.set.as_ref()?, c.fetched?);
             let age = at.elapsed();
             (age < self.ttl && (set.find(kid).is_some() || age < self.refetch_min))
-                .then(|| set.clone())
+                .then(|| (set.clone(), c.issuer.clone()))
         };
         if let Some(set) = usable(&*self.cache.read().await) {
             return Ok(set);
@@ -109,19 +155,25 @@ impl Verifier {
             let c = self.cache.read().await;
             if let (Some(set), Some(at)) = (&c.set, c.fetched) {
                 if at >= asked {
-                    return Ok(set.clone());
+                    return Ok((set.clone(), c.issuer.clone()));
                 }
             }
-            if let Some(set) = usable(&c) {
-                return Ok(set);
+            if let Some(found) = usable(&c) {
+                return Ok(found);
             }
         }
         let set = self.client.jwks().await?;
+        // The issuer is fetched with the keys and trusted as long.
+        let issuer = match self.issuer {
+            IssuerRule::Cluster => Some(self.client.oidc_issuer().await?),
+            _ => None,
+        };
         *self.cache.write().await = Cached {
             set: Some(set.clone()),
             fetched: Some(Instant::now()),
+            issuer: issuer.clone(),
         };
-        Ok(set)
+        Ok((set, issuer))
     }
 
     /// Verifies `token` and returns its claims.
@@ -130,18 +182,18 @@ impl Verifier {
         let kid = header
             .kid
             .ok_or_else(|| IdentityError::Malformed("no kid in the header".into()))?;
-        let set = self.key_set(&kid).await?;
+        let (set, cluster_issuer) = self.key_set(&kid).await?;
         let jwk = set
             .find(&kid)
             .ok_or_else(|| IdentityError::UnknownKey(crate::escape::escape_control(&kid)))?;
         let key = DecodingKey::from_jwk(jwk).map_err(|e| IdentityError::Invalid(e.to_string()))?;
-        verify_with(
-            token,
-            &key,
-            header.alg,
-            &self.audiences,
-            self.issuer.as_deref(),
-        )
+        let check = match (&self.issuer, &cluster_issuer) {
+            (IssuerRule::Any, _) => IssuerCheck::Any,
+            (IssuerRule::Pinned(iss), _) => IssuerCheck::Equals(iss),
+            (IssuerRule::Cluster, Some(Some(iss))) => IssuerCheck::Equals(iss),
+            (IssuerRule::Cluster, _) => IssuerCheck::Absent,
+        };
+        verify_with(token, &key, header.alg, &self.audiences, check)
     }
 }
 
@@ -149,17 +201,19 @@ impl Verifier {
 struct Times {
     #[serde(default)]
     iat: Option<u64>,
+    #[serde(default)]
+    iss: Option<serde_json::Value>,
 }
 
 /// Verifies a token with a known key: algorithm RS256 or EdDSA, a required `aud` among
-/// `audiences`, `iss` when `issuer` is given, `nbf`, `exp` only when present, and `iat` not
-/// more than [`IAT_SKEW`] seconds in the future.
+/// `audiences`, `iss` as `issuer` says ([`IssuerCheck`]), `nbf`, `exp` only when present,
+/// and `iat` not more than [`IAT_SKEW`] seconds in the future.
 pub fn verify_with(
     token: &str,
     key: &DecodingKey,
     alg: Algorithm,
     audiences: &[String],
-    issuer: Option<&str>,
+    issuer: IssuerCheck<'_>,
 ) -> Result<Claims, IdentityError> {
     if !matches!(alg, Algorithm::RS256 | Algorithm::EdDSA) {
         return Err(IdentityError::Invalid(format!(
@@ -171,7 +225,7 @@ pub fn verify_with(
     v.validate_nbf = true;
     v.leeway = 30;
     v.set_audience(audiences);
-    if let Some(iss) = issuer {
+    if let IssuerCheck::Equals(iss) = issuer {
         v.set_issuer(&[iss]);
         v.required_spec_claims.insert("iss".into());
     }
@@ -179,6 +233,11 @@ pub fn verify_with(
         .map_err(|e| IdentityError::Invalid(e.to_string()))?;
     let times: Times = serde_json::from_value(data.claims.clone())
         .map_err(|e| IdentityError::Invalid(format!("iat: {e}")))?;
+    if issuer == IssuerCheck::Absent && times.iss.is_some() {
+        return Err(IdentityError::Invalid(
+            "the token has an issuer (iss) but this cluster sets none (its OIDC discovery endpoint answers 404): it was not issued by this cluster; if it was, set --token-issuer to the servers' oidc_issuer".into(),
+        ));
+    }
     let now = jsonwebtoken::get_current_timestamp();
     if times
         .iat
@@ -216,7 +275,7 @@ mod tests {
             &key,
             Algorithm::RS256,
             &["nomadproject.io".into()],
-            None,
+            IssuerCheck::Any,
         )
         .unwrap();
         assert_eq!(
@@ -225,7 +284,14 @@ mod tests {
         );
         assert_eq!(c.nomad_task, "dhv-wait");
         // Wrong audience is refused.
-        assert!(verify_with(token, &key, Algorithm::RS256, &["other".into()], None).is_err());
+        assert!(verify_with(
+            token,
+            &key,
+            Algorithm::RS256,
+            &["other".into()],
+            IssuerCheck::Any
+        )
+        .is_err());
         // A tampered payload is refused.
         let mut parts: Vec<&str> = token.split('.').collect();
         let forged = "eyJub21hZF9hbGxvY2F0aW9uX2lkIjoieCIsIm5vbWFkX25hbWVzcGFjZSI6ImRlZmF1bHQiLCJhdWQiOiJub21hZHByb2plY3QuaW8ifQ";
@@ -235,7 +301,7 @@ mod tests {
             &key,
             Algorithm::RS256,
             &["nomadproject.io".into()],
-            None
+            IssuerCheck::Any,
         )
         .is_err());
     }
@@ -286,20 +352,27 @@ mod tests {
                 serde_json::json!({"aud": "nomadproject.io", "iat": now, "iss": "https://nomad.example"}),
             ),
         );
-        assert!(verify_with(&ok, &dec, Algorithm::EdDSA, &aud, None).is_ok());
+        assert!(verify_with(&ok, &dec, Algorithm::EdDSA, &aud, IssuerCheck::Any).is_ok());
         assert!(verify_with(
             &ok,
             &dec,
             Algorithm::EdDSA,
             &aud,
-            Some("https://nomad.example")
+            IssuerCheck::Equals("https://nomad.example")
         )
         .is_ok());
-        let e = verify_with(&ok, &dec, Algorithm::EdDSA, &aud, Some("https://other")).unwrap_err();
+        let e = verify_with(
+            &ok,
+            &dec,
+            Algorithm::EdDSA,
+            &aud,
+            IssuerCheck::Equals("https://other"),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
         // No aud at all: refused (jsonwebtoken would otherwise skip the audience check).
         let no_aud = token(&enc, "k1", claims(serde_json::json!({"iat": now})));
-        assert!(verify_with(&no_aud, &dec, Algorithm::EdDSA, &aud, None).is_err());
+        assert!(verify_with(&no_aud, &dec, Algorithm::EdDSA, &aud, IssuerCheck::Any).is_err());
         // No iss while one is pinned: refused.
         let no_iss = token(
             &enc,
@@ -311,29 +384,37 @@ mod tests {
             &dec,
             Algorithm::EdDSA,
             &aud,
-            Some("https://nomad.example")
+            IssuerCheck::Equals("https://nomad.example")
         )
         .is_err());
-        assert!(verify_with(&no_iss, &dec, Algorithm::EdDSA, &aud, None).is_ok());
+        assert!(verify_with(&no_iss, &dec, Algorithm::EdDSA, &aud, IssuerCheck::Any).is_ok());
         // Issued an hour from now: refused; within the skew: accepted.
         let future = token(
             &enc,
             "k1",
             claims(serde_json::json!({"aud": "nomadproject.io", "iat": now + 3600})),
         );
-        let e = verify_with(&future, &dec, Algorithm::EdDSA, &aud, None).unwrap_err();
+        let e = verify_with(&future, &dec, Algorithm::EdDSA, &aud, IssuerCheck::Any).unwrap_err();
         assert!(e.to_string().contains("in the future"), "{e}");
         let skewed = token(
             &enc,
             "k1",
             claims(serde_json::json!({"aud": "nomadproject.io", "iat": now + 10})),
         );
-        assert!(verify_with(&skewed, &dec, Algorithm::EdDSA, &aud, None).is_ok());
+        assert!(verify_with(&skewed, &dec, Algorithm::EdDSA, &aud, IssuerCheck::Any).is_ok());
     }
 
-    /// A loopback JWKS server that counts its requests and serves whatever `keys` holds.
+    /// A loopback JWKS server that counts its JWKS requests and serves whatever `keys` holds;
+    /// its OIDC discovery document names `issuer`, or answers 404 without one (as Nomad).
     async fn jwks_server(
         keys: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        discovery_server(keys, None).await
+    }
+
+    async fn discovery_server(
+        keys: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+        issuer: Option<&'static str>,
     ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -347,7 +428,18 @@ mod tests {
                 let h = h.clone();
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
-                    let _ = s.read(&mut buf).await;
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    if String::from_utf8_lossy(&buf[..n]).contains("openid-configuration") {
+                        let resp = match issuer {
+                            Some(iss) => {
+                                let body = serde_json::json!({"issuer": iss}).to_string();
+                                format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
+                            }
+                            None => "HTTP/1.1 404 Not Found\r\nContent-Length: 32\r\nConnection: close\r\n\r\nOIDC Discovery endpoint disabled".to_string(),
+                        };
+                        let _ = s.write_all(resp.as_bytes()).await;
+                        return;
+                    }
                     h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     // Slow enough that concurrent callers pile up behind one fetch.
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -418,5 +510,57 @@ mod tests {
             }
         }
         assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    /// Issue 33 finding 7: by default the issuer is the cluster's. A cluster without an
+    /// `oidc_issuer` (discovery 404) signs tokens without `iss`, so one with an `iss` is
+    /// refused; a cluster with one requires exactly it; `--token-issuer` overrides.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_clusters_issuer_is_checked_by_default() {
+        let (jwk, enc, _) = ed_key("k1");
+        let keys = std::sync::Arc::new(std::sync::Mutex::new(vec![jwk]));
+        let plain = token(
+            &enc,
+            "k1",
+            claims(serde_json::json!({"aud": "nomadproject.io"})),
+        );
+        let with_iss = |iss: &str| {
+            token(
+                &enc,
+                "k1",
+                claims(serde_json::json!({"aud": "nomadproject.io", "iss": iss})),
+            )
+        };
+        // No oidc_issuer in the cluster: no iss allowed.
+        let (addr, _) = discovery_server(keys.clone(), None).await;
+        let v = Verifier::new(client(&addr), &[]);
+        assert!(v.verify(&plain).await.is_ok());
+        let e = v.verify(&with_iss("https://elsewhere")).await.unwrap_err();
+        assert!(e.to_string().contains("sets none"), "{e}");
+        // With one: exactly it, and required.
+        let (addr, _) = discovery_server(keys.clone(), Some("https://nomad.example:4646")).await;
+        let v = Verifier::new(client(&addr), &[]);
+        assert!(v
+            .verify(&with_iss("https://nomad.example:4646"))
+            .await
+            .is_ok());
+        assert!(v.verify(&with_iss("https://elsewhere")).await.is_err());
+        assert!(v.verify(&plain).await.is_err(), "iss is required");
+        // The override: pinned, or not checked.
+        let v = Verifier::new(client(&addr), &[])
+            .with_issuer(IssuerRule::from_setting(Some("https://elsewhere")));
+        assert!(v.verify(&with_iss("https://elsewhere")).await.is_ok());
+        assert!(v
+            .verify(&with_iss("https://nomad.example:4646"))
+            .await
+            .is_err());
+        let v =
+            Verifier::new(client(&addr), &[]).with_issuer(IssuerRule::from_setting(Some("any")));
+        assert!(v.verify(&plain).await.is_ok());
+        assert_eq!(IssuerRule::from_setting(None), IssuerRule::Cluster);
+        assert_eq!(
+            IssuerRule::from_setting(Some("cluster")),
+            IssuerRule::Cluster
+        );
     }
 }

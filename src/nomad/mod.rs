@@ -1061,6 +1061,25 @@ impl Client {
         self.write_variable(var, &q, body, op.what(), true).await
     }
 
+    /// Nomad API: `GET /.well-known/openid-configuration` (public, no ACL): the cluster's
+    /// workload identity issuer (the servers' `oidc_issuer`, which Nomad puts in every
+    /// token's `iss`), or `None` when the cluster sets none (Nomad then answers 404 "OIDC
+    /// Discovery endpoint disabled" and its tokens carry no `iss`).
+    pub async fn oidc_issuer(&self) -> Result<Option<String>, NomadError> {
+        #[derive(serde::Deserialize)]
+        struct Discovery {
+            issuer: String,
+        }
+        let doc: Option<Discovery> = self
+            .get_optional(
+                "/.well-known/openid-configuration",
+                &[],
+                "read the OIDC discovery document (GET /.well-known/openid-configuration)",
+            )
+            .await?;
+        Ok(doc.map(|d| d.issuer).filter(|i| !i.is_empty()))
+    }
+
     /// Nomad API: `GET /.well-known/jwks.json` (public, no ACL): the keys that sign workload
     /// identities.
     pub async fn jwks(&self) -> Result<jsonwebtoken::jwk::JwkSet, NomadError> {

@@ -402,6 +402,33 @@ pub struct PublishResult {
 pub type CallObserver =
     std::sync::Arc<dyn Fn(&str, Operation, Option<&PluginError>, Duration) + Send + Sync>;
 
+/// What became of processes a plugin call left behind when it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftoverFate {
+    /// Killed: in the call's process group, or (any operation but `publish` and
+    /// `unpublish`, which may start a long-lived helper) outside it but still holding the
+    /// call's stdout or stderr.
+    Killed,
+    /// Left running: a `publish` or `unpublish` helper outside the call's process group
+    /// still holding its output (named in the log; docs/plugin-protocol.md "Helpers").
+    Left,
+}
+
+impl LeftoverFate {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeftoverFate::Killed => "killed",
+            LeftoverFate::Left => "left",
+        }
+    }
+}
+
+/// Told of the processes one plugin call left behind: plugin ID, operation, what became of
+/// them and how many. The agent counts them in a metric.
+pub type LeftoverObserver =
+    std::sync::Arc<dyn Fn(&str, Operation, LeftoverFate, usize) + Send + Sync>;
+
 /// Runs plugins from one directory.
 #[derive(Clone)]
 pub struct Runner {
@@ -410,6 +437,7 @@ pub struct Runner {
     /// Per plugin ID: the node-configured roots passed as `DHV_ALLOWED_ROOTS`.
     allowed_roots: BTreeMap<String, String>,
     observer: Option<CallObserver>,
+    leftover_observer: Option<LeftoverObserver>,
     /// The last good fingerprint of each plugin, with its file as it was just before that
     /// run ([`Runner::fingerprint_if_changed`]); shared by the runner's clones.
     fingerprints: std::sync::Arc<std::sync::Mutex<BTreeMap<String, (PluginFile, Fingerprint)>>>,
@@ -510,7 +538,8 @@ pub struct Output {
     pub stderr: String,
     pub elapsed: Duration,
     /// Processes outside the call's process group (a `setsid` helper) that still held the
-    /// call's stdout or stderr when the plugin exited; the call did not wait for them.
+    /// call's stdout or stderr when the plugin exited; the call did not wait for them. They
+    /// were killed, except after `publish` and `unpublish` ([`LeftoverFate`]).
     pub leftover: Vec<Leftover>,
 }
 
@@ -613,6 +642,34 @@ fn holders_of_pipe(inode: u64, group: Option<u32>) -> Vec<Leftover> {
         }
     }
     out
+}
+
+/// The live processes (not zombies) of process group `group`, from /proc.
+fn group_members(group: i32) -> Vec<Leftover> {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|p| p.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| process_group(*pid) == Some(group))
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .and_then(|(_, r)| r.split_whitespace().next().map(|st| st != "Z"))
+                })
+                .unwrap_or(false)
+        })
+        .map(|pid| Leftover {
+            pid,
+            comm: std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        })
+        .collect()
 }
 
 /// The process group of `pid` (field 5 of /proc/<pid>/stat, after the command in
@@ -808,6 +865,7 @@ impl Runner {
             timeout,
             allowed_roots: BTreeMap::new(),
             observer: None,
+            leftover_observer: None,
             fingerprints: Default::default(),
             helpers: None,
             caller_cgroup: None,
@@ -857,6 +915,64 @@ impl Runner {
     pub fn observed(mut self, observer: CallObserver) -> Self {
         self.observer = Some(observer);
         self
+    }
+
+    /// The same runner, telling `observer` of the processes each call left behind.
+    pub fn on_leftovers(mut self, observer: LeftoverObserver) -> Self {
+        self.leftover_observer = Some(observer);
+        self
+    }
+
+    /// Kills and counts what a call left behind once it ended (its plugin process `pid`
+    /// exited or was killed): every process still in its process group, then, unless `op`
+    /// may start a long-lived helper, the processes outside it that still hold the call's
+    /// output (`holders`); `killed` are those the caller killed already (a timed-out
+    /// call's group). Returns the holders left running.
+    fn clean_up_after(
+        &self,
+        plugin_id: &str,
+        op: Operation,
+        pid: Option<u32>,
+        holders: Vec<Leftover>,
+        mut killed: Vec<Leftover>,
+    ) -> Vec<Leftover> {
+        use nix::sys::signal::{kill, killpg, Signal};
+        use nix::unistd::Pid;
+        // Signal 0 first: a scan of /proc only when something of the group is left.
+        if let Some(pg) = pid.map(|p| Pid::from_raw(p as i32)) {
+            if killpg(pg, None).is_ok() {
+                killed.extend(group_members(pg.as_raw()));
+                let _ = killpg(pg, Signal::SIGKILL);
+            }
+        }
+        let helpers_allowed = matches!(op, Operation::Publish | Operation::Unpublish);
+        let (left, kill_now): (Vec<_>, Vec<_>) = holders.into_iter().partition(|_| helpers_allowed);
+        for l in kill_now {
+            // A `setsid` child leads a group of its own: kill that group with it.
+            if process_group(l.pid) == Some(l.pid) {
+                let _ = killpg(Pid::from_raw(l.pid), Signal::SIGKILL);
+            } else {
+                let _ = kill(Pid::from_raw(l.pid), Signal::SIGKILL);
+            }
+            killed.push(l);
+        }
+        if !killed.is_empty() {
+            tracing::warn!(
+                plugin = plugin_id,
+                %op,
+                processes = %describe_leftover(&killed),
+                "plugin {op} left processes behind; killed them (a plugin must not leave processes behind, except a publish helper outside the call's process group and in DHV_HELPER_CGROUP: docs/plugin-protocol.md#calling-convention)"
+            );
+        }
+        if let Some(o) = &self.leftover_observer {
+            if !killed.is_empty() {
+                o(plugin_id, op, LeftoverFate::Killed, killed.len());
+            }
+            if !left.is_empty() {
+                o(plugin_id, op, LeftoverFate::Left, left.len());
+            }
+        }
+        left
     }
 
     fn observe<T>(&self, plugin_id: &str, op: Operation, r: &Result<T, PluginError>, t: Instant) {
@@ -1167,37 +1283,30 @@ impl Runner {
         };
         match tokio::time::timeout(timeout, work).await {
             Ok((out, err, status, held)) => {
-                let leftover = if held {
-                    let found = pipe
-                        .map(|ino| holders_of_pipe(ino, pid))
-                        .unwrap_or_default();
-                    if found.is_empty() {
-                        tracing::debug!(plugin = plugin_id, %op, "plugin exited while processes of its group held its output; they are killed with the group");
-                    } else {
-                        tracing::warn!(
-                            plugin = plugin_id,
-                            %op,
-                            processes = %describe_leftover(&found),
-                            "plugin {op} exited but processes it started still hold its stdout or stderr; the call ended without waiting for them (give such helpers </dev/null >/dev/null 2>&1, docs/plugin-protocol.md#calling-convention)"
-                        );
-                    }
-                    found
+                let holders = if held {
+                    pipe.map(|ino| holders_of_pipe(ino, pid))
+                        .unwrap_or_default()
                 } else {
                     Vec::new()
                 };
+                // What the call left behind: its group killed, holders outside it killed
+                // or (a publish or unpublish helper) left and named; all counted.
+                let left = self.clean_up_after(plugin_id, op, pid, holders.clone(), Vec::new());
+                let leftover = holders;
+                if !left.is_empty() {
+                    tracing::warn!(
+                        plugin = plugin_id,
+                        %op,
+                        processes = %describe_leftover(&left),
+                        "plugin {op} exited but processes it started still hold its stdout or stderr; the call ended without waiting for them (give such helpers </dev/null >/dev/null 2>&1, docs/plugin-protocol.md#calling-convention)"
+                    );
+                }
                 let stderr = sanitize_tail(&err, secrets, STDERR_TAIL);
                 let status = status.map_err(|source| PluginError::Spawn {
                     plugin: plugin_id.into(),
                     op,
                     source,
                 })?;
-                // A plugin that exits while its children still hold the group: clean up.
-                if let Some(pid) = pid {
-                    let _ = nix::sys::signal::killpg(
-                        nix::unistd::Pid::from_raw(pid as i32),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
                 if status.success() {
                     Ok(Output {
                         stdout: out,
@@ -1225,9 +1334,17 @@ impl Runner {
                 }
             }
             Err(_) => {
+                // The plugin's own processes but itself, killed with it: counted too.
+                let mut stragglers = Vec::new();
                 if let Some(pid) = pid {
+                    stragglers = group_members(pid as i32);
+                    stragglers.retain(|l| l.pid != pid as i32);
                     kill_group(pid).await;
                 }
+                let holders = pipe
+                    .map(|ino| holders_of_pipe(ino, pid))
+                    .unwrap_or_default();
+                self.clean_up_after(plugin_id, op, pid, holders, stragglers);
                 Err(PluginError::TimedOut {
                     plugin: plugin_id.into(),
                     op,
@@ -1757,6 +1874,96 @@ exit 1"#,
                 .unwrap_or(true)
         });
         assert!(gone, "plugin's child {pid} survived the timeout");
+    }
+
+    fn alive(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.contains(") Z "))
+            .unwrap_or(false)
+    }
+
+    /// Issue 33 finding 7: a plugin that leaves children behind. Its `create` leaves one in
+    /// its process group (output redirected) and one detached (`setsid`) holding the call's
+    /// stdout: the call ends at once, both are killed and counted. A `publish` helper outside
+    /// the group is left running (a FUSE server may be one) and counted as left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn children_a_call_leaves_behind_are_killed_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let pids = dir.path().join("pids");
+        plugin(
+            dir.path(),
+            "p",
+            &format!(
+                "/bin/sleep 300 </dev/null >/dev/null 2>&1 &\necho $! >> {p}\n/usr/bin/setsid /bin/sleep 300 &\necho $! >> {p}\necho '{{}}'",
+                p = pids.display()
+            ),
+        );
+        let counted = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let c = counted.clone();
+        let r = Runner::new(dir.path(), Duration::from_secs(20)).on_leftovers(std::sync::Arc::new(
+            move |plugin: &str, op, fate, n| {
+                c.lock().unwrap().push((plugin.to_string(), op, fate, n))
+            },
+        ));
+        let started = Instant::now();
+        r.call("p", Operation::Create, &[], &BTreeMap::new())
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        let left: Vec<i32> = std::fs::read_to_string(&pids)
+            .unwrap()
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect();
+        let survivors: Vec<i32> = (0..40)
+            .map(|_| {
+                std::thread::sleep(Duration::from_millis(50));
+                left.iter()
+                    .copied()
+                    .filter(|p| alive(*p))
+                    .collect::<Vec<_>>()
+            })
+            .find(|s| s.is_empty())
+            .unwrap_or_else(|| left.iter().copied().filter(|p| alive(*p)).collect());
+        for p in &survivors {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        assert!(took < Duration::from_secs(5), "the call waited {took:?}");
+        assert!(survivors.is_empty(), "children left running: {survivors:?}");
+        assert_eq!(
+            *counted.lock().unwrap(),
+            vec![("p".to_string(), Operation::Create, LeftoverFate::Killed, 2)]
+        );
+
+        // A publish helper outside the group: left, and counted as left.
+        std::fs::remove_file(&pids).unwrap();
+        counted.lock().unwrap().clear();
+        r.call("p", Operation::Publish, &[], &BTreeMap::new())
+            .await
+            .unwrap();
+        let left: Vec<i32> = std::fs::read_to_string(&pids)
+            .unwrap()
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect();
+        let helper_alive = alive(left[1]);
+        for p in &left {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        assert!(helper_alive, "the publish helper was killed");
+        assert_eq!(
+            *counted.lock().unwrap(),
+            vec![
+                ("p".to_string(), Operation::Publish, LeftoverFate::Killed, 1),
+                ("p".to_string(), Operation::Publish, LeftoverFate::Left, 1)
+            ]
+        );
     }
 
     #[tokio::test]

@@ -67,7 +67,8 @@ pub struct Cluster {
     pub http: reqwest::Client,
     pub agent_env: Vec<(String, String)>,
     /// The test's cgroup: node `i`'s agent runs in `node-<i>.agent` (as Nomad runs a task in
-    /// its own), its plugins' helpers under `node-<i>.helpers` (`--helper-cgroup`).
+    /// its own), its plugins' helpers under `node-<i>.helpers` (`--helper-cgroup`), and the
+    /// simulator runs node `i`'s tasks under `node-<i>.nomad` (its `cgroup_parent`).
     pub cgroup: ScratchCgroup,
     pub sb: Sandbox,
 }
@@ -209,11 +210,15 @@ impl Cluster {
         .filter(|p| Path::new(p).exists())
         .map(|p| format!("    \"{p}\" = \"{p}\"\n"))
         .collect();
+        // The test's scratch cgroup: each node's tasks run in cgroups under
+        // `node-<i>.nomad` (the simulator's `cgroup_parent`, as Nomad's `nomad.slice`).
+        let cgroup = ScratchCgroup::new();
         for i in 1..=nodes {
             let run = sb.join(&format!("node-{i}/run"));
             std::fs::create_dir_all(&run).unwrap();
             cfg.push_str(&format!(
-                "client \"node-{i}\" {{\n  chroot_env = {{\n{}    \"{}\" = \"/usr/local/bin\"\n  }}\n  host_volume \"dhv-binder-socket\" {{\n    path = \"{}\"\n    read_only = true\n  }}\n}}\n",
+                "client \"node-{i}\" {{\n  cgroup_parent = \"{}\"\n  chroot_env = {{\n{}    \"{}\" = \"/usr/local/bin\"\n  }}\n  host_volume \"dhv-binder-socket\" {{\n    path = \"{}\"\n    read_only = true\n  }}\n}}\n",
+                cgroup.path.join(format!("node-{i}.nomad")).display(),
                 chroot,
                 dhv_binder_bin().parent().unwrap().display(),
                 run.display()
@@ -250,7 +255,7 @@ impl Cluster {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-            cgroup: ScratchCgroup::new(),
+            cgroup,
             sb,
         };
         let ready = cluster.sb.join("sim/ready.json");

@@ -334,6 +334,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/volumes", get(volumes::volumes_list))
         .route("/.well-known/jwks.json", get(system::jwks))
+        .route(
+            "/.well-known/openid-configuration",
+            get(system::openid_configuration),
+        )
         .route("/v1/system/gc", put(system::system_gc))
         .route(
             "/v1/acl/bootstrap",

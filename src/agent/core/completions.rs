@@ -119,6 +119,7 @@ impl Core {
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
                         self.journal.set_mount(m, EventKind::PublishDone, None);
+                        self.journal.measured(&volume, ms);
                         // Tasks that may have started on the empty placeholder get the volume
                         // by a restart (a republish after a dead mount restarts its users
                         // itself, once the mount answers).
@@ -145,8 +146,10 @@ impl Core {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
                         m.last_error = e.report();
                         self.last_error.insert(volume.clone(), e.report());
-                        self.retries.failed(&Work::Mount(volume), STEP_RETRY, now);
+                        self.retries
+                            .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
                         self.journal.set_mount(m, EventKind::PublishFailed, None);
+                        self.journal.measured(&volume, elapsed.as_millis() as u64);
                     }
                 }
             }
@@ -222,8 +225,11 @@ impl Core {
             Completion::Worker { volume, result } => {
                 self.workers.on_done(volume, result, &mut self.retries, now)
             }
-            Completion::Storage { op, result } => {
-                if let Some(v) = self.storage_ops.on_done(op, result, &mut self.retries, now) {
+            Completion::Storage { op, result, thawed } => {
+                if let Some(v) =
+                    self.storage_ops
+                        .on_done(op, result, thawed, &mut self.retries, now)
+                {
                     self.busy.remove(&v);
                 }
             }

@@ -213,8 +213,8 @@ impl Core {
     }
 
     /// What this node's record says of its volumes (`volume status`, per node): each mount
-    /// in the journal with its state, since when, its users and last error, and each
-    /// volume with an error but no mount.
+    /// in the journal with its state, since when, its users and last error, each volume
+    /// with an error but no mount, this node's claims and why a publish here waits.
     pub(crate) fn node_volumes(&self) -> BTreeMap<String, crate::cluster::nodes::NodeVolume> {
         let users = self.journal.users_by_volume();
         let mut out: BTreeMap<String, crate::cluster::nodes::NodeVolume> = self
@@ -235,6 +235,7 @@ impl Core {
                         .map(|u| u.iter().cloned().collect())
                         .unwrap_or_default(),
                     error: self.last_error.get(k).cloned().unwrap_or_default(),
+                    ..Default::default()
                 };
                 (k.to_string(), v)
             })
@@ -242,7 +243,44 @@ impl Core {
         for (k, e) in &self.last_error {
             out.entry(k.to_string()).or_default().error = e.clone();
         }
+        for (k, state) in self.claims.status() {
+            out.entry(k).or_default().claim = state;
+        }
+        for w in &self.waiting {
+            out.entry(w.volume.to_string()).or_default().waiting = w.reason.clone();
+        }
         out
+    }
+
+    /// What this node's record says of its volumes' recent events (`volume status
+    /// -verbose`): the journal's recent publish, unpublish and fence outcomes.
+    pub(crate) fn node_history(&self) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
+        self.journal
+            .recent()
+            .iter()
+            .map(|(k, r)| {
+                let events = r
+                    .iter()
+                    .map(|e| crate::cluster::nodes::NodeEvent {
+                        time: e.time,
+                        event: match e.kind {
+                            EventKind::PublishDone | EventKind::PublishFailed => "publish",
+                            EventKind::UnpublishDone | EventKind::UnpublishFailed => "unpublish",
+                            EventKind::Fenced => "fence",
+                            _ => "unfence",
+                        }
+                        .to_string(),
+                        alloc_id: e.alloc_id.clone().unwrap_or_default(),
+                        ok: !matches!(
+                            e.kind,
+                            EventKind::PublishFailed | EventKind::UnpublishFailed
+                        ),
+                        ms: e.ms,
+                    })
+                    .collect();
+                (k.to_string(), events)
+            })
+            .collect()
     }
 
     /// Volumes this node's allocations name that the catalogue has no record for (yet): the
@@ -490,6 +528,19 @@ impl Core {
         for w in plan.waiting {
             self.plan_waiting.insert(w.volume.clone(), w);
         }
+        // A claim wait lasts while the plan asks for the claim (or its acquire is in
+        // flight): once the allocations that needed the volume end, it ends too.
+        let acquiring: BTreeSet<&VolumeKey> = plan
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::AcquireClaim { volume } => Some(volume),
+                _ => None,
+            })
+            .collect();
+        self.claims.forget_waits(|k| {
+            (all || dirty.contains(k)) && !self.busy.contains(k) && !acquiring.contains(k)
+        });
         self.waiting = self.plan_waiting.values().cloned().collect();
         self.waiting.extend(self.claims.waiting());
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());

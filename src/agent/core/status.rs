@@ -41,12 +41,13 @@ impl Core {
             "waiting": self.waiting.iter().map(|w| serde_json::json!({"volume": w.volume.to_string(), "reason": w.reason})).collect::<Vec<_>>(),
             "errors": self.last_error.iter().map(|(k, e)| (k.to_string(), e.clone())).collect::<BTreeMap<_, _>>(),
             "plugins": plugins,
-            "publish_latency_ms": {"count": self.latency.count(), "median": self.latency.median_bound()},
+            "publish_latency_ms": {"count": self.latency.count(), "median": self.latency.median_bound(), "last": self.latency.last()},
             "pending_publish_calls": self.waiters.len(),
             "claims": self.claims.status(),
             "fenced": self.fenced.iter().map(|(k, f)| (k.to_string(), f.clone())).collect::<BTreeMap<_, _>>(),
             "mount_health": self.mount_health.status(),
             "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
+            "frozen": self.storage_ops.frozen().iter().map(|(k, f)| (k.to_string(), f)).collect::<BTreeMap<_, _>>(),
             "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
             "unfenced": self.unfenced,
@@ -71,6 +72,22 @@ impl Core {
             .values()
             .filter(|r| self.serves(r, &deferred))
             .count()
+    }
+
+    /// This node's claims: `[held, fenced, lost, waiting]`, and the claims' version (count
+    /// again only when it moved, see `Claims::version`).
+    pub(crate) fn claims_by_state(&self) -> ([usize; 4], u64) {
+        (self.claims.counts(), self.claims.version())
+    }
+
+    /// The claims' version alone (O(1)).
+    pub(crate) fn claims_version(&self) -> u64 {
+        self.claims.version()
+    }
+
+    /// Volumes a freezing operation may hold frozen (O(1)).
+    pub(crate) fn frozen_count(&self) -> usize {
+        self.storage_ops.frozen().len()
     }
 
     /// Mount records by state: publishing, published, unpublishing (a pass over the

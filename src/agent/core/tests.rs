@@ -52,9 +52,18 @@ struct H {
 impl H {
     /// A core that knows its plugin (`bind`), the volumes and the allocations.
     fn new(volumes: &[(&str, &str)], allocs: Vec<crate::nomad::types::Allocation>) -> Self {
+        Self::with_journal(Journal::new(NODE), volumes, allocs)
+    }
+
+    /// [`H::new`] with the journal a [`crate::node::journal::Store`] read.
+    fn with_journal(
+        journal: Journal,
+        volumes: &[(&str, &str)],
+        allocs: Vec<crate::nomad::types::Allocation>,
+    ) -> Self {
         let t = Instant::now();
         let mut h = H {
-            core: Core::new(settings(), Journal::new(NODE), t),
+            core: Core::new(settings(), journal, t),
             t,
             setup: Vec::new(),
         };
@@ -355,6 +364,115 @@ fn a_full_state_disk_pauses_new_work_and_resumes_by_itself() {
     assert!(replies(&e).is_empty(), "a new caller waits for the publish");
 }
 
+/// Every mount stacked at a test's directory, detached on drop (even on failure).
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        while crate::node::mounts::is_mount_point(&self.0) {
+            if nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+/// Issue 36, item 5: the state directory turns read-only under a running journal (EROFS,
+/// for real: a superblock `remount,ro` is refused while the journal's log is open for
+/// writing, so the directory is bound onto itself and that mount remounted read-only; every
+/// write by path fails with EROFS). It is the same condition as a full disk: reported, no
+/// publish started, tried again about once a second; after `remount,bind,rw` the next
+/// write succeeds and the waiting publish starts. The journal read back afterwards holds
+/// the publish's intent: never truncated, never undecodable.
+#[test]
+fn a_read_only_state_directory_is_reported_and_recovered_after_remount_rw() {
+    use crate::node::journal::Store;
+    use nix::mount::{mount, MsFlags};
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let (store, journal) = Store::open(&state, NODE).unwrap();
+    let mut h = H::with_journal(
+        journal,
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    let remount = |flags: MsFlags| {
+        mount(None::<&str>, &state, None::<&str>, flags, None::<&str>)
+            .unwrap_or_else(|e| panic!("remount {}: {e} (the test needs root)", state.display()))
+    };
+    mount(
+        Some(&state),
+        &state,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap_or_else(|e| panic!("bind {}: {e} (the test needs root)", state.display()));
+    let _unmount = Unmount(state.clone());
+    remount(MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY);
+
+    // Each commit the core asks for is written for real.
+    let write = |e: &[Effect]| -> Vec<(u64, Result<(), crate::node::journal::JournalError>)> {
+        e.iter()
+            .filter_map(|e| match e {
+                Effect::Commit { commit, .. } => Some((commit.seq, store.write(commit))),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut w = write(&h.setup);
+    assert_eq!(w.len(), 1, "{:?}", h.setup);
+    let (seq, result) = w.remove(0);
+    let err = result
+        .as_ref()
+        .expect_err("a write to a read-only directory");
+    assert!(err.to_string().contains("Read-only file system"), "{err}");
+    let e = h.feed(Input::Committed { seq, result });
+    assert!(commits(&e).is_empty() && publishes(&e) == 0, "{e:?}");
+    let st = h.core.status();
+    assert_eq!(st["journal"]["failing"], true, "{st}");
+    assert!(
+        st["journal"]["error"]
+            .as_str()
+            .is_some_and(|m| m.contains("Read-only file system")),
+        "{st}"
+    );
+    assert!(st["waiting"]
+        .to_string()
+        .contains("state journal cannot be written"));
+    // Tried again about once a second, whole; still read-only.
+    let e = h.at(Duration::from_secs(1), Input::Tick);
+    let mut w = write(&e);
+    assert_eq!(w.len(), 1, "{e:?}");
+    let (seq, result) = w.remove(0);
+    assert!(result.is_err());
+    h.feed(Input::Committed { seq, result });
+    assert_eq!(h.core.status()["journal"]["failed_writes"], 2);
+
+    // Writable again: the next write succeeds and the waiting publish starts.
+    remount(MsFlags::MS_REMOUNT | MsFlags::MS_BIND);
+    let e = h.at(Duration::from_secs(1), Input::Tick);
+    let mut w = write(&e);
+    assert_eq!(w.len(), 1, "{e:?}");
+    let (seq, result) = w.remove(0);
+    result.as_ref().expect("a write after remount rw");
+    let e = h.feed(Input::Committed { seq, result });
+    assert_eq!(h.core.status()["journal"]["failing"], false);
+    let c = commits(&e);
+    assert_eq!(c.len(), 1, "{e:?}");
+    assert_eq!(publishes(c[0].1), 1, "the waiting publish starts");
+    for (_, r) in write(&e) {
+        r.unwrap();
+    }
+    drop(store);
+
+    // The journal decodes, with the publish's intent.
+    let (_, back) = Store::open(&state, NODE).expect("the journal decodes");
+    let m = back.mounts().get(&key("d")).expect("the intent is kept");
+    assert_eq!(m.state, MountState::Publishing);
+}
+
 #[test]
 fn publish_timed_out_when_the_deadline_passes_first() {
     let mut h = H::new(
@@ -639,6 +757,8 @@ fn a_claim_is_released_by_the_plan_once_nothing_uses_it() {
     }));
     let e = h.published("d");
     h.committed(&e);
+    // The node record says the claim is held here (issue 37 #10).
+    assert_eq!(h.core.node_volumes()["default/d"].claim, "held");
     let mut a = alloc(A1, &["d"], "complete", "stop");
     a.modify_index = 5;
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
@@ -1291,5 +1411,44 @@ fn a_volume_key_that_is_not_a_path_gets_no_target() {
         !e.iter()
             .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),
         "{e:?}"
+    );
+}
+
+/// Issue 37 #13: a volume waiting for another node's claim stops waiting (in the status
+/// and in `dhv_binder_claims{state="waiting"}`) once the allocation that needed it ends.
+#[test]
+fn a_claim_wait_ends_with_the_allocation_that_waited() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(crate::cluster::claims::ClaimError::Held {
+            volume: key("d"),
+            holder: "job x".into(),
+        }),
+    }));
+    let st = h.core.status();
+    assert_eq!(st["waiting"].as_array().map(Vec::len), Some(1), "{st}");
+    assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
+    // The node record says what the volume waits for here (issue 37 #10).
+    let nv = h.core.node_volumes();
+    assert!(nv["default/d"].waiting.contains("held by job x"), "{nv:?}");
+    // Retried while the allocation waits: the wait stays.
+    h.feed(Input::Tick);
+    assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
+    let mut a = alloc(A1, &["d"], "complete", "stop");
+    a.modify_index = 5;
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
+    let st = h.core.status();
+    assert_eq!(st["waiting"].as_array().map(Vec::len), Some(0), "{st}");
+    assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 0]);
+    assert!(
+        h.core
+            .node_volumes()
+            .get("default/d")
+            .is_none_or(|v| v.waiting.is_empty()),
+        "the wait is gone from the node record"
     );
 }

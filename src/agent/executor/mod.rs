@@ -95,6 +95,9 @@ pub enum Completion {
     Storage {
         op: crate::cluster::worker::OpKey,
         result: Result<(), crate::cluster::worker::OpError>,
+        /// What the thaw after a freezing operation (a `snapshot_create` of a volume
+        /// mounted here) found; `None` for any other operation.
+        thawed: Option<crate::node::freeze::Thawed>,
     },
 }
 

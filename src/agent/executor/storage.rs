@@ -62,6 +62,7 @@ impl StorageOp {
 /// Performs `op` and reports it.
 pub async fn perform(client: Client, runner: Runner, node: NodeEnv, op: StorageOp) -> Completion {
     let key = op.key();
+    let mut thawed = None;
     let result = match op {
         StorageOp::SnapshotCreate {
             volume,
@@ -79,7 +80,7 @@ pub async fn perform(client: Client, runner: Runner, node: NodeEnv, op: StorageO
             .await
             .map(drop);
             if let Some(t) = &target {
-                thaw_after_snapshot(&volume.key().to_string(), t).await;
+                thawed = Some(thaw_after_snapshot(&volume.key().to_string(), t).await);
             }
             r
         }
@@ -99,16 +100,22 @@ pub async fn perform(client: Client, runner: Runner, node: NodeEnv, op: StorageO
             expansion::refuse(&client, *volume, message).await.map(drop)
         }
     };
-    Completion::Storage { op: key, result }
+    Completion::Storage {
+        op: key,
+        result,
+        thawed,
+    }
 }
 
 /// The agent started a `snapshot_create` that may have frozen the volume's mount at
 /// `target`: once the call has ended, however it ended, the mount is thawed at once. A
 /// mount the call left frozen (a plugin killed between its freeze and its thaw) is an error
-/// in the agent's log, naming the volume.
-async fn thaw_after_snapshot(volume: &str, target: &Path) {
+/// in the agent's log, naming the volume. Returns what the thaw found (the core keeps the
+/// volume reported frozen when it failed).
+async fn thaw_after_snapshot(volume: &str, target: &Path) -> crate::node::freeze::Thawed {
     use crate::node::freeze::{thaw, Thawed};
-    match thaw(target).await {
+    let thawed = thaw(target).await;
+    match &thawed {
         Thawed::NotFrozen => {}
         Thawed::WasFrozen => tracing::error!(
             volume,
@@ -122,6 +129,7 @@ async fn thaw_after_snapshot(volume: &str, target: &Path) {
             "cannot make sure the volume is not left frozen after its snapshot_create call: if its tasks' writes hang, run fsfreeze -u on the target"
         ),
     }
+    thawed
 }
 
 /// Why a `create` from a source cannot run: the record is failed with this text.

@@ -13,8 +13,11 @@
 //! unknown paths (404) and methods (405) answer with the same error body. [`serve`]'s
 //! accept loop hands each connection, with its peer UID, to hyper's HTTP/1 server.
 
+pub mod admission;
+
 use crate::nomad::identity::{Claims, Verifier};
 use crate::volume::is_alloc_id;
+use admission::{Admission, CallerKey, Refused, WarnBudget};
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Extension, Query, State};
 use axum::response::IntoResponse;
@@ -101,6 +104,15 @@ pub enum ApiError {
     AllocationNotSeen { alloc_id: String },
     #[error("volumes of allocation {alloc_id} were not published in time")]
     NotPublishedInTime { alloc_id: String },
+    /// The allocation already waits in as many publish calls as one allocation may.
+    #[error("allocation {alloc_id} already waits in {max} publish calls: wait for one to end (each waits until the volumes are published or its wait is over)")]
+    TooManyCalls { alloc_id: String, max: usize },
+    /// The request carries a body larger than the API takes (none of its calls has one).
+    #[error("the request body is larger than {max} bytes: the local API's calls take no body")]
+    BodyTooLarge { max: usize },
+    /// The request's body did not arrive in time.
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(Duration),
 }
 
 impl ApiError {
@@ -124,6 +136,9 @@ impl ApiError {
             AllocationNotSeen { .. } | NotPublishedInTime { .. } => {
                 (StatusCode::GATEWAY_TIMEOUT, true)
             }
+            TooManyCalls { .. } => (StatusCode::TOO_MANY_REQUESTS, true),
+            BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, false),
+            BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, true),
             Journal(_) => (StatusCode::INTERNAL_SERVER_ERROR, true),
         }
     }
@@ -179,6 +194,10 @@ pub enum Request2Agent {
 struct Ctx {
     verifier: Verifier,
     agent: mpsc::Sender<Request2Agent>,
+    admission: Arc<Admission>,
+    /// Warnings about refused connections and calls, at most one per kind per interval.
+    warnings: Arc<WarnBudget<String>>,
+    limits: Limits,
 }
 
 /// The caller (`SO_PEERCRED` of its connection): its UID for root-only endpoints, both
@@ -196,10 +215,12 @@ struct Peer {
 #[derive(Debug, Clone)]
 struct Refusal(String);
 
-/// Every refused call (a 4xx answer) writes one audit line (target `dhv_binder::audit`):
-/// the caller's uid and pid, the allocation asked for, the status and the reason, so an
-/// operator sees every attempt.
+/// A refused call (a 4xx answer) writes an audit line (target `dhv_binder::audit`): the
+/// caller's uid and pid, the allocation asked for, the status and the reason. At most one
+/// line per status per [`Limits::warn_interval`]; each line counts the refusals of its status
+/// not logged since the one before (`not_logged_before`).
 async fn audit(
+    State(ctx): State<Arc<Ctx>>,
     Extension(peer): Extension<Peer>,
     req: hyper::Request<axum::body::Body>,
     next: axum::middleware::Next,
@@ -208,6 +229,11 @@ async fn audit(
     let path = req.uri().path().to_string();
     let resp = next.run(req).await;
     if resp.status().is_client_error() {
+        // One line per status per interval: a flood of bad calls cannot flood the log.
+        let kind = format!("refused socket call {}", resp.status().as_u16());
+        let Some(not_logged) = ctx.warnings.note(kind, std::time::Instant::now()) else {
+            return resp;
+        };
         let alloc_id = path
             .strip_prefix("/v1/allocations/")
             .and_then(|r| r.split('/').next())
@@ -222,7 +248,9 @@ async fn audit(
             %path,
             status = resp.status().as_u16(),
             reason = %resp.extensions().get::<Refusal>().map(|r| r.0.as_str()).unwrap_or_default(),
-            "refused socket call"
+            not_logged_before = not_logged,
+            "refused socket call (at most one line per status every {:?}; not_logged_before counts those in between)",
+            ctx.limits.warn_interval
         );
     }
     resp
@@ -238,7 +266,11 @@ fn router(ctx: Arc<Ctx>) -> Router {
         .route("/v1/status", get(status_route).fallback(method_not_allowed))
         .route("/v1/health", get(health_route).fallback(no_such_endpoint))
         .fallback(no_such_endpoint)
-        .layer(axum::middleware::from_fn(audit))
+        .layer(axum::middleware::from_fn_with_state(
+            ctx.clone(),
+            bounded_body,
+        ))
+        .layer(axum::middleware::from_fn_with_state(ctx.clone(), audit))
         .with_state(ctx)
 }
 
@@ -290,49 +322,47 @@ pub fn bind(path: &Path) -> std::io::Result<(UnixListener, SocketGuard)> {
 }
 
 /// Bounds on the local API's connections (the socket is world-writable: any process on the
-/// node, in or out of a task, may connect).
+/// node, in or out of a task, may connect). Every task runs as `nobody` (or root in a
+/// container), so callers are told apart by [`CallerKey`] (UID, cgroup and mount namespace of
+/// the connecting process), and after authentication by allocation.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Connections open at once, all callers but root together.
+    /// Connections open at once, all callers but host root together.
     pub max_connections: usize,
-    /// Connections open at once per peer UID (root has its own pool of this size, so a
-    /// flood by task users never locks out `dhv-binder status`).
-    pub max_per_uid: usize,
-    /// Time allowed for a request's headers to arrive, from the connection's start.
+    /// Connections open at once per caller ([`CallerKey`]): one task's flood takes no more.
+    pub max_per_caller: usize,
+    /// Connections of host root (UID 0 in the agent's own mount namespace, `dhv-binder
+    /// status`): a pool of its own that no task can take.
+    pub root_connections: usize,
+    /// Publish calls waiting at once per allocation (after its workload identity verified).
+    pub max_per_allocation: usize,
+    /// Time allowed for a request's headers to arrive, from the connection's start (also
+    /// for a connection that sends nothing).
     pub header_read_timeout: Duration,
+    /// Time allowed for a request's body (the API's calls have none; a client that announces
+    /// one must send it at once).
+    pub body_read_timeout: Duration,
+    /// The largest body taken, in bytes.
+    pub max_body_bytes: usize,
     /// The longest a connection may live: the longest publish wait plus a margin.
     pub max_connection_life: Duration,
+    /// At most one warning line per kind of refusal in this interval (each says how many
+    /// were not logged since the one before).
+    pub warn_interval: Duration,
 }
 
 impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: 256,
-            max_per_uid: 64,
-            header_read_timeout: Duration::from_secs(10),
+            max_per_caller: 16,
+            root_connections: 8,
+            max_per_allocation: 4,
+            header_read_timeout: Duration::from_secs(5),
+            body_read_timeout: Duration::from_secs(5),
+            max_body_bytes: 4096,
             max_connection_life: MAX_WAIT + Duration::from_secs(30),
-        }
-    }
-}
-
-/// Open connections by peer UID (`None`: the UID could not be read).
-type PerUid = Arc<std::sync::Mutex<std::collections::HashMap<Option<u32>, usize>>>;
-
-/// Releases a connection's per-UID slot when the connection ends.
-struct UidSlot {
-    per_uid: PerUid,
-    uid: Option<u32>,
-}
-
-impl Drop for UidSlot {
-    fn drop(&mut self) {
-        if let Ok(mut m) = self.per_uid.lock() {
-            if let Some(n) = m.get_mut(&self.uid) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    m.remove(&self.uid);
-                }
-            }
+            warn_interval: Duration::from_secs(10),
         }
     }
 }
@@ -357,76 +387,172 @@ pub async fn serve(listener: UnixListener, verifier: Verifier, agent: mpsc::Send
     serve_with(listener, verifier, agent, Limits::default()).await
 }
 
-/// Serves the API with explicit connection [`Limits`]. A connection over its UID's bound is
-/// closed at once; past the overall bound the agent stops accepting until one ends. Each
-/// connection serves one request (no keep-alive), must send its headers within
-/// `header_read_timeout`, and is closed after `max_connection_life`.
+/// What a connection refused before it is served gets: a 503 the caller may retry.
+const REFUSED_ANSWER: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: 86\r\n\r\n{\"error\":\"the agent serves as many connections as it may; try again\",\"retryable\":true}";
+
+/// Logs a refused connection or call, at most one line per kind per interval.
+fn warn_refused(warnings: &WarnBudget<String>, why: Refused, caller: &CallerKey) {
+    if let Some(not_logged) = warnings.note(format!("{why:?}"), std::time::Instant::now()) {
+        tracing::warn!(
+            caller = %caller,
+            not_logged_before = not_logged,
+            "{} (at most one line of this kind every interval; not_logged_before counts those in between)",
+            why.what()
+        );
+    }
+}
+
+/// Serves the API with explicit connection [`Limits`]. Every connection is accepted at
+/// once (so host root's never waits behind a flood in the kernel's backlog) and then served
+/// or closed with a 503: host root's from its own pool, any other's if the overall pool and
+/// its caller's share have room. Each connection serves one request (no keep-alive), must
+/// send its headers within `header_read_timeout` and any body within `body_read_timeout`,
+/// and is closed after `max_connection_life`.
 pub async fn serve_with(
     listener: UnixListener,
     verifier: Verifier,
     agent: mpsc::Sender<Request2Agent>,
     limits: Limits,
 ) {
-    let app = router(Arc::new(Ctx { verifier, agent }));
-    let others = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    let per_uid: PerUid = Arc::default();
+    let admission = Arc::new(Admission::new(
+        limits.max_connections,
+        limits.max_per_caller,
+        limits.root_connections,
+        limits.max_per_allocation,
+    ));
+    let warnings = Arc::new(WarnBudget::new(limits.warn_interval));
+    let ctx = Arc::new(Ctx {
+        verifier,
+        agent,
+        admission: admission.clone(),
+        warnings: warnings.clone(),
+        limits,
+    });
+    let app = router(ctx);
+    // The counts of refusals not yet logged, once their interval is over.
+    let flusher = tokio::spawn({
+        let warnings = warnings.clone();
+        async move {
+            let mut tick = tokio::time::interval(limits.warn_interval);
+            loop {
+                tick.tick().await;
+                for (kind, n) in warnings.flush(std::time::Instant::now()) {
+                    tracing::warn!(
+                        kind = %kind,
+                        not_logged = n,
+                        "local API: refusals not logged in the last {:?}",
+                        limits.warn_interval
+                    );
+                }
+            }
+        }
+    });
+    let _flusher = AbortOnDrop(flusher);
     loop {
-        // Wait for a free slot before accepting: a flood queues in the kernel's backlog
-        // instead of taking file descriptors the journal and plugins need.
-        let permit = match others.clone().acquire_owned().await {
-            Ok(p) => p,
-            Err(_) => return,
-        };
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "local API accept failed");
+                if let Some(n) = warnings.note("accept".into(), std::time::Instant::now()) {
+                    tracing::warn!(error = %e, not_logged_before = n, "local API accept failed");
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
         let cred = stream.peer_cred().ok();
         let uid = cred.map(|c| c.uid());
-        // Root's connections do not count against the shared pool.
-        let permit = (uid != Some(0)).then_some(permit);
-        let slot = {
-            let Ok(mut m) = per_uid.lock() else { continue };
-            let n = m.entry(uid).or_insert(0);
-            if *n >= limits.max_per_uid {
-                tracing::warn!(
-                    uid = ?uid,
-                    open = *n,
-                    "local API: too many connections from this user; closing the new one"
-                );
+        let pid = cred.and_then(|c| c.pid());
+        // `/v1/status` and root's own pool are for root outside any task: a root caller in
+        // another mount namespace (a task) is treated as unprivileged.
+        let host_root = uid == Some(0) && same_mount_namespace(pid);
+        let caller = CallerKey::of(uid, pid);
+        let ticket = match admission.connection(&caller, host_root) {
+            Ok(t) => t,
+            Err(why) => {
+                warn_refused(&warnings, why, &caller);
+                // Best effort, never waits: the caller learns to retry.
+                let _ = stream.try_write(REFUSED_ANSWER);
                 continue;
             }
-            *n += 1;
-            UidSlot {
-                per_uid: per_uid.clone(),
-                uid,
-            }
         };
-        // `/v1/status` is for root outside any task: a root caller in another mount
-        // namespace (a task) is treated as unprivileged.
-        let peer_uid = uid.filter(|u| *u != 0 || same_mount_namespace(cred.and_then(|c| c.pid())));
         let peer = Peer {
-            uid: peer_uid,
+            uid: if host_root {
+                Some(0)
+            } else {
+                uid.filter(|u| *u != 0)
+            },
             real_uid: uid,
-            pid: cred.and_then(|c| c.pid()),
+            pid,
         };
-        let svc = TowerToHyperService::new(app.clone().layer(Extension(peer)));
+        let headers_in = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let inner = TowerToHyperService::new(app.clone().layer(Extension(peer)));
+        let seen = headers_in.clone();
+        let svc = hyper::service::service_fn(move |req| {
+            seen.store(true, std::sync::atomic::Ordering::Relaxed);
+            hyper::service::Service::call(&inner, req)
+        });
         tokio::spawn(async move {
-            let _permit = permit;
-            let _slot = slot;
+            let _ticket = ticket;
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
                 .keep_alive(false)
                 .max_buf_size(16 * 1024)
                 .serve_connection(TokioIo::new(stream), svc);
-            let _ = tokio::time::timeout(limits.max_connection_life, conn).await;
+            tokio::pin!(conn);
+            let started = tokio::time::Instant::now();
+            // Headers within their time, counted from the connection's start whatever
+            // hyper's timer counts from; dropping the connection closes it.
+            tokio::select! {
+                _ = &mut conn => return,
+                _ = tokio::time::sleep_until(started + limits.header_read_timeout) => {}
+            }
+            if !headers_in.load(std::sync::atomic::Ordering::Relaxed) {
+                return;
+            }
+            let _ = tokio::time::timeout_at(started + limits.max_connection_life, conn).await;
         });
     }
+}
+
+/// Aborts a task when dropped (the warning flusher ends with the server).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads a request's body, at most [`Limits::max_body_bytes`] within
+/// [`Limits::body_read_timeout`], before the route runs: a slow or endless body cannot hold
+/// a connection.
+async fn bounded_body(
+    State(ctx): State<Arc<Ctx>>,
+    req: hyper::Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let max = ctx.limits.max_body_bytes;
+    let announced = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > max as u64) {
+        return ApiError::BodyTooLarge { max }.into_response();
+    }
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, max);
+    let bytes = match tokio::time::timeout(ctx.limits.body_read_timeout, limited.collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(_)) => return ApiError::BodyTooLarge { max }.into_response(),
+        Err(_) => return ApiError::BodyTimeout(ctx.limits.body_read_timeout).into_response(),
+    };
+    next.run(hyper::Request::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
 }
 
 fn json<T: Serialize>(status: StatusCode, body: &T) -> Response<Full<Bytes>> {
@@ -554,6 +680,19 @@ async fn publish(
             alloc_id,
         });
     }
+    // Held while the call waits: one allocation cannot hold the agent in more calls.
+    let _slot = ctx.admission.publish(&alloc_id).map_err(|why| {
+        if let Some(n) = ctx
+            .warnings
+            .note(format!("{why:?}"), std::time::Instant::now())
+        {
+            tracing::warn!(alloc_id = %alloc_id, not_logged_before = n, "{}", why.what());
+        }
+        ApiError::TooManyCalls {
+            alloc_id: alloc_id.clone(),
+            max: ctx.limits.max_per_allocation,
+        }
+    })?;
     let (tx, rx) = oneshot::channel();
     let request = PublishRequest {
         alloc_id,
