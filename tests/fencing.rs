@@ -499,39 +499,55 @@ async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     c.stop_job(&job, false).await;
 }
 
-/// `single-node-single-writer`: one writing allocation, even on one node. On a one-node
-/// cluster, a destructive update of the writer job stops the old allocation and places the
-/// new one in the same plan (Nomad's scheduler does not count an allocation its own plan
-/// stops); its poststop task appends to the volume for two seconds after that. The new
-/// allocation's prestart waits, its status naming the holder (allocation, job, node), and
-/// its task starts only after the old one's finished: no line of the old allocation comes
-/// after the new allocation's first line.
+/// `single-node-single-writer`: one writing allocation, even on one node. Nomad lets two
+/// writers of one volume overlap on a node in one case: an allocation whose status is `failed`
+/// while its poststop task still runs (`getClientStatus` gives `failed` precedence) is
+/// client-terminal, so the scheduler places another writer there and its client starts it (a
+/// replacement of the same job would wait for the previous allocation to be client-terminal,
+/// which a `failed` one already is; another job has no previous allocation). Here the first
+/// job's allocation fails (a sibling task exits 1) and its poststop task appends to the volume
+/// for four seconds after that; a second job's writer is placed meanwhile. Its prestart waits,
+/// its status naming the holder (allocation, job, node), and its task starts only after the old
+/// allocation's tasks are all dead: no line of the old allocation comes after the new
+/// allocation's first line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_single_writer() {
     let c = Cluster::start_with(1, "", &[]).await;
     c.create_volume(VOLUME, "single-node-single-writer");
-    // A poststop task appends to the volume for two seconds after the main task stopped:
-    // the allocation is not finished until it did.
-    let poststop = r#"    task "flush" {
+    // The first job fails three seconds after its tasks start (no restart, no reschedule); its
+    // poststop task then appends to the volume for four seconds: the allocation is `failed`
+    // but not finished until it did.
+    let first_extra = r#"    reschedule {
+      attempts  = 0
+      unlimited = false
+    }
+    task "trip" {
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "sleep 3; exit 1"]
+      }
+      restart {
+        attempts = 0
+        mode     = "fail"
+      }
+    }
+    task "flush" {
       lifecycle {
         hook = "poststop"
       }
       driver = "exec"
       config {
         command = "/bin/sh"
-        args    = ["-c", "i=1000; while [ $i -lt 1020 ]; do echo \"$NOMAD_ALLOC_ID $i\" >> /data/log.txt; i=$((i+1)); sleep 0.1; done"]
+        args    = ["-c", "i=1000; while [ $i -lt 1040 ]; do echo \"$NOMAD_ALLOC_ID $i\" >> /data/log.txt; i=$((i+1)); sleep 0.1; done"]
       }
       volume_mount {
         volume      = "data"
         destination = "/data"
       }
     }"#;
-    let spec = |version: &str| {
-        let path = writer_job_named(
-            c.sb.path(),
-            "ssw",
-            &format!("    meta {{\n      v = \"{version}\"\n    }}\n{poststop}"),
-        );
+    let spec = |name: &str, extra: &str| {
+        let path = writer_job_named(c.sb.path(), name, extra);
         let hcl = std::fs::read_to_string(&path).unwrap().replace(
             "access_mode     = \"single-node-writer\"",
             "access_mode     = \"single-node-single-writer\"",
@@ -539,7 +555,7 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
         std::fs::write(&path, hcl).unwrap();
         path
     };
-    let job = c.run_job(&spec("v1")).await;
+    let job = c.run_job(&spec("ssw", first_extra)).await;
     let old: Value = c
         .wait_for(60, "the first writer running", || async {
             c.allocs(&job)
@@ -556,10 +572,12 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
             .then_some(())
     })
     .await;
-    c.run_job(&spec("v2")).await;
-    // While the old task still writes, the new allocation waits and the status says why.
+    // Not placed while the first allocation runs; placed once it is `failed`, while its
+    // poststop task still writes.
+    let job2 = c.run_job(&spec("ssw2", "")).await;
+    // While the old poststop task still writes, the new allocation waits and the status says why.
     let waiting = c
-        .wait_for(10, "the second writer waiting", || async {
+        .wait_for(20, "the second writer waiting", || async {
             let (_, s) = c.status(0);
             let st: Value = serde_json::from_str(&s).ok()?;
             let w = st["waiting"].to_string();
@@ -569,11 +587,19 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
     for part in [old_id.as_str(), "ssw", c.nodes[0].id.as_str()] {
         assert!(waiting.contains(part), "{part} not named: {waiting}");
     }
+    let old_now: Value = c
+        .allocs(&job)
+        .await
+        .into_iter()
+        .find(|a| a["ID"] == old_id.as_str())
+        .unwrap();
+    assert_eq!(old_now["ClientStatus"], "failed", "{old_now}");
     let new: Value = c
         .wait_for(60, "the second writer running", || async {
-            c.allocs(&job).await.into_iter().find(|a| {
-                a["ID"] != old_id.as_str() && a["TaskStates"]["app"]["State"] == "running"
-            })
+            c.allocs(&job2)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
         })
         .await;
     let new_id = new["ID"].as_str().unwrap().to_string();

@@ -185,6 +185,63 @@ fn report(
     });
 }
 
+/// The `await_previous_allocations` prerun hook: an allocation that replaces another
+/// (`PreviousAllocation`) or preempts others (`PreemptedAllocations`) starts no task until each
+/// of them is client-terminal (complete, failed, lost), `unknown`, or gone from the state.
+///
+/// Nomad: `client/allocrunner/upstream_allocs_hook.go` `upstreamAllocsHook.Prerun` waits on the
+/// watcher `client/allocwatcher/alloc_watcher.go` `NewAllocWatcher` builds: `localPrevAlloc.Wait`
+/// when the previous allocation's runner is on this node (it returns once that allocation is
+/// `Terminated()`), `remotePrevAlloc.Wait` otherwise (blocking `Alloc.GetAlloc` until terminal,
+/// `unknown` or GC'd), whatever the ephemeral disk; `sticky`/`migrate` only add the disk
+/// migration afterwards, which the sim does not model. Both are read here from the server's
+/// view, which the previous allocation's client updates every `ALLOC_SYNC_INTERVAL`. The tasks
+/// stay `pending` with their `Received` event meanwhile. Sim: a stop, destroy or shutdown of the
+/// waiting allocation ends the wait (Nomad keeps waiting, then runs no task of a stopped
+/// allocation either).
+async fn await_previous_allocations(
+    server: &Server,
+    alloc: &Allocation,
+    rx: &mut watch::Receiver<Directive>,
+) {
+    let mut watched: Vec<&str> = Vec::new();
+    if !alloc.PreviousAllocation.is_empty() {
+        watched.push(&alloc.PreviousAllocation);
+    }
+    watched.extend(
+        alloc
+            .PreemptedAllocations
+            .iter()
+            .flatten()
+            .map(String::as_str),
+    );
+    if watched.is_empty() {
+        return;
+    }
+    let mut index_rx = server.subscribe_index();
+    loop {
+        let done = {
+            let st = server.read();
+            watched.iter().all(|id| {
+                st.allocs
+                    .get(*id)
+                    .is_none_or(|p| p.client_terminal() || p.ClientStatus == "unknown")
+            })
+        };
+        let stop = match &*rx.borrow() {
+            Directive::Destroy | Directive::Shutdown => true,
+            Directive::Alloc(a) => a.server_terminal(),
+        };
+        if done || stop {
+            return;
+        }
+        tokio::select! {
+            r = index_rx.changed() => if r.is_err() { return },
+            r = rx.changed() => if r.is_err() { return },
+        }
+    }
+}
+
 struct TaskSlot {
     kill: watch::Sender<Option<KillRequest>>,
     join: Option<JoinHandle<Outcome>>,
@@ -222,6 +279,7 @@ async fn run_alloc(
     if let Err(e) = build_alloc_dir(&alloc_dir) {
         tracing::error!(alloc = %alloc.ID, error = %e, "building alloc dir");
     }
+    await_previous_allocations(&server, &alloc, &mut rx).await;
     let notify: Arc<dyn Fn() + Send + Sync> = {
         let (states, alloc, upd) = (states.clone(), alloc.clone(), upd.clone());
         Arc::new(move || report(&states, &alloc, &upd))

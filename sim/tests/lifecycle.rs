@@ -444,3 +444,106 @@ async fn poststop_tasks_run_after_a_server_side_stop_and_a_purge() {
     .await
     .expect("test timed out");
 }
+
+/// A destructive update's replacement on the same node names the old allocation
+/// (`PreviousAllocation`) and starts no task until the old one is client-terminal: its main
+/// task ignores SIGINT and SIGTERM (killed at `kill_timeout`, 2 s) and its poststop task runs 1 s after
+/// that. Meanwhile the replacement stays `pending` (`client/allocrunner/upstream_allocs_hook.go`
+/// `Prerun`, `client/allocwatcher/alloc_watcher.go` `localPrevAlloc.Wait`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replacement_on_the_same_node_waits_for_the_previous_allocation() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let log = sim.path().join("order.log");
+        let spec = |v: u32| {
+            format!(
+                r#"job "prev" {{
+  group "g" {{
+    task "main" {{
+      driver       = "raw_exec"
+      kill_timeout = "2s"
+      env {{
+        LOG = "{log}"
+        V   = "{v}"
+      }}
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "trap '' INT TERM; echo start $V >> $LOG; while true; do sleep 0.1; done"]
+      }}
+    }}
+    task "cleanup" {{
+      lifecycle {{
+        hook = "poststop"
+      }}
+      driver = "raw_exec"
+      env {{
+        LOG = "{log}"
+        V   = "{v}"
+      }}
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "sleep 1; echo poststop $V >> $LOG"]
+      }}
+    }}
+  }}
+}}"#,
+                log = log.display()
+            )
+        };
+        let job = sim.run_job(&spec(1)).await;
+        let old = sim
+            .wait_for(30, "version 1 running", || async {
+                sim.job_allocs(&job)
+                    .await
+                    .into_iter()
+                    .find(|a| task_state(a, "main") == "running")
+            })
+            .await;
+        let old_id = old["ID"].as_str().unwrap().to_string();
+        sim.run_job(&spec(2)).await;
+        let new = sim
+            .wait_for(15, "the replacement placed", || async {
+                sim.job_allocs(&job)
+                    .await
+                    .into_iter()
+                    .find(|a| a["ID"] != old_id.as_str())
+            })
+            .await;
+        let new_id = new["ID"].as_str().unwrap().to_string();
+        let a = sim.get(&format!("/v1/allocation/{new_id}")).await;
+        assert_eq!(a["PreviousAllocation"], old_id.as_str(), "{a}");
+        assert_eq!(a["NodeID"], old["NodeID"], "{a}");
+        // While the old main task waits out its kill_timeout, the replacement is held.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let a = sim.get(&format!("/v1/allocation/{new_id}")).await;
+        let o = sim.get(&format!("/v1/allocation/{old_id}")).await;
+        assert_eq!(
+            a["ClientStatus"], "pending",
+            "old: {} {}\nnew: {a}",
+            o["ClientStatus"], o["TaskStates"]
+        );
+        assert_eq!(task_state(&a, "main"), "pending", "{a}");
+        assert!(
+            !event_types(&a, "main").contains(&"Started".to_string()),
+            "{a}"
+        );
+        sim.wait_for(20, "version 2 running", || async {
+            let a = sim.get(&format!("/v1/allocation/{new_id}")).await;
+            (task_state(&a, "main") == "running").then_some(())
+        })
+        .await;
+        let old = sim.get(&format!("/v1/allocation/{old_id}")).await;
+        assert_eq!(old["ClientStatus"], "complete", "{old}");
+        let order = sim
+            .wait_for(10, "version 2's start line", || async {
+                std::fs::read_to_string(&log)
+                    .ok()
+                    .filter(|s| s.contains("start 2"))
+            })
+            .await;
+        let lines: Vec<&str> = order.lines().collect();
+        assert_eq!(lines, ["start 1", "poststop 1", "start 2"], "{order}");
+    })
+    .await
+    .expect("test timed out");
+}

@@ -362,8 +362,8 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
 /// The one allocation that may write `key` on this node when its access mode is
 /// `single-node-single-writer` (Nomad 1.10: one writing allocation, even on one node), or
 /// `None` for any other mode. The writer already recorded as a user keeps it until its
-/// tasks finish on this node (an allocation told to stop whose tasks still run keeps it:
-/// a rolling update or a canary on the same node waits); otherwise the oldest writing
+/// tasks finish on this node (an allocation told to stop whose tasks still run, or one
+/// already `failed` while its poststop task runs, keeps it); otherwise the oldest writing
 /// allocation (lowest create index, then ID) takes it. Readers are never held back.
 fn single_writer(
     i: Inputs<'_>,
