@@ -219,7 +219,7 @@ pub struct Shape<'a> {
 
 /// Go's initialisms as Nomad's API spells them (`NodeID`, `AllocIDs`, `FSType`,
 /// `CPUShares`): the words of a snake_case name that [`pascal_case`] writes in capitals.
-const INITIALISMS: &[(&str, &str)] = &[
+pub const INITIALISMS: &[(&str, &str)] = &[
     ("acl", "ACL"),
     ("api", "API"),
     ("cpu", "CPU"),

@@ -708,7 +708,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         v["mount_health"] = serde_json::json!({"interval_ms": 10000,
             "broken": {"default/scratch": {"target": "/s", "error": "ENOTCONN", "since": 1_733_350_200, "action": "hung", "allocations": ["a"]}},
             "recovered": [{"volume": "default/old", "target": "/o", "error": "ENOTCONN", "since": 0}]});
-        v["storage_ops"] = serde_json::json!({"snapshots": 2, "running": 0});
+        v["storage_ops"] = serde_json::json!({"snapshots": 2, "running": ["snapshot s1"]});
         v["frozen"] = serde_json::json!({"default/shared-data": {"operation": "snapshot_create of snapshot s1", "since": 1_733_350_200, "target": "/t", "thaw_error": null}});
         v["holders"]["default/shared-data"]["other_mounts"] = serde_json::json!(["/elsewhere"]);
         v["holders"]["default/shared-data"]["uninspected"] =
@@ -752,7 +752,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
             "MountHealth": {"IntervalMs": 10000,
                 "Broken": {"default/scratch": {"Target": "/s", "Error": "ENOTCONN", "Since": t, "Action": "hung", "Allocations": ["a"]}},
                 "Recovered": [{"Volume": "default/old", "Target": "/o", "Error": "ENOTCONN", "Since": null}]},
-            "StorageOps": {"Snapshots": 2, "Running": 0},
+            "StorageOps": {"Snapshots": 2, "Running": ["snapshot s1"]},
             "Frozen": {"default/shared-data": {"Operation": "snapshot_create of snapshot s1", "Since": t, "Target": "/t", "ThawError": null}},
             "RejectedRecords": {"default/dhv-binder/volumes/evil": "the record is not signed"},
             "ForeignMounts": {"default/other": "tmpfs from \"none\" is mounted at the target, not the volume"},
