@@ -637,13 +637,8 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
     );
     let status = c
         .wait_for(30, "the ungated task in status", || async {
-            let out = std::process::Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
-                .args(["status", "-json"])
-                .env_clear()
-                .env("DHV_BINDER_SOCKET", &c.nodes[0].socket)
-                .output()
-                .ok()?;
-            let doc: Value = serde_json::from_slice(&out.stdout).ok()?;
+            let (code, out) = c.status(0);
+            let doc: Value = serde_json::from_str(&out).ok().filter(|_| code == 0)?;
             let u = doc["ungated"][alloc_id.as_str()][0].clone();
             (u["job"] == "no-gate").then_some(u)
         })
@@ -663,7 +658,7 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
         ),
         "{status}"
     );
-    eprintln!("what the operator sees (status -json, ungated): {status}");
+    eprintln!("what the agent's API says (GET /v1/status, ungated): {status}");
     let readable = std::process::Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
         .arg("status")
         .env_clear()

@@ -223,9 +223,49 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "{out}"
     );
     assert!(out.contains("default/shared-data"), "{out}");
+    // The socket's document is the agent's API, in snake_case.
     let (code, out) = c.status(0);
     assert_eq!(code, 0, "{out}");
     assert_eq!(json(&out)["node_id"], c.nodes[0].id.as_str());
+    // Issue 37 #6: `status -json` and `-t` use Nomad's casing; data keys (plugin IDs,
+    // `namespace/name`) stay as they are.
+    let status_cli = |args: &[&str]| {
+        let out = Command::new(dhv_binder_bin())
+            .arg("status")
+            .args(args)
+            .env_clear()
+            .env("DHV_BINDER_SOCKET", &c.nodes[0].socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let out = status_cli(&["-json"]);
+    eprintln!("what the operator sees (status -json):\n{out}");
+    let v = json(&out);
+    assert_eq!(v["NodeID"], c.nodes[0].id.as_str(), "{out}");
+    assert_eq!(v["NodePool"], "default", "{out}");
+    assert_eq!(v["View"]["Complete"], true, "{out}");
+    assert_eq!(v["Plugins"]["bind"]["DeferredBind"], true, "{out}");
+    let vol = v["Volumes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["Name"] == "shared-data"))
+        .unwrap_or_else(|| panic!("no shared-data in Volumes: {out}"));
+    assert_eq!(vol["PluginID"], "bind", "{out}");
+    assert!(vol["PlaceholderID"].is_string(), "{out}");
+    assert!(
+        v.get("node_id").is_none() && v.get("volumes").is_none(),
+        "{out}"
+    );
+    let out = status_cli(&[
+        "-t",
+        "{{.NodeID}}{{range .Volumes}} {{.Namespace}}/{{.Name}}={{.PluginID}}{{end}}",
+    ]);
+    assert_eq!(
+        out,
+        format!("{} default/shared-data=bind", c.nodes[0].id),
+        "{out}"
+    );
 
     // Through a task's Task API socket, with its workload identity: no address, no TLS.
     let spec = c.sb.join("api.nomad.hcl");

@@ -6,7 +6,11 @@
 //!   every deferred volume of that allocation is published on this node. 200 with
 //!   `{"alloc_id","volumes":[{"namespace","name","path","read_only"}]}`; errors are
 //!   `{"error":"...","retryable":bool}` with the status codes of [`ApiError`].
-//! - `GET /v1/status`: the agent's state, for callers with peer UID 0 only.
+//! - `GET /v1/status`: the agent's state, for callers with peer UID 0 only. The document is
+//!   this API's own, in snake_case (`node_id`, `volumes[].plugin_id`, `mount_health`), with
+//!   times as Unix seconds in fields named `since` or `*_since`; `dhv-binder status -json`
+//!   prints it in Nomad's casing ([`crate::cli::output::nomad_json`]), this answer stays as
+//!   it is.
 //! - `GET /v1/health`: `{"ready":bool}` (anyone).
 //!
 //! Routing is axum's [`Router`] (paths, methods, path parameters and the query string);

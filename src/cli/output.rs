@@ -3,7 +3,9 @@
 //! a Go template over the same JSON. The JSON is the commands' output structs, whose fields
 //! are named as Nomad's API names them (`ID`, `Name`, `PluginID`, `CapacityBytes`), each
 //! struct by `#[serde(rename_all = "PascalCase")]` and explicit renames for the `ID`
-//! acronyms; dhv-binder's own times are RFC 3339 strings ([`rfc3339`]).
+//! acronyms; dhv-binder's own times are RFC 3339 strings ([`rfc3339`]). The agent's status
+//! document, which the agent builds as snake_case JSON for its local API, is converted by
+//! one rule instead ([`nomad_json`]), so fields added to it follow without a mirror struct.
 
 use super::{Failure, EXIT_CONFIG};
 use crate::escape::escape_control;
@@ -200,6 +202,128 @@ pub fn ser_rfc3339<S: serde::Serializer>(unix_secs: &u64, s: S) -> Result<S::Ok,
     }
 }
 
+/// Where a snake_case document's objects are not structs, for [`nomad_json`]. Paths are
+/// the document's own field names joined with `.`, from the top; arrays are transparent
+/// (`mounts.publish_context` is the field of every element of `mounts`) and a map's keys
+/// are written `*` (`holders.*.holders`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shape<'a> {
+    /// Objects whose keys are data (plugin IDs, `namespace/name`, allocation IDs), not field
+    /// names: their keys stay as they are, their values are converted. Keys that are no
+    /// snake_case word (`default/data`, a UUID) are never converted, so only maps keyed by
+    /// words (plugin IDs) must be listed.
+    pub maps: &'a [&'a str],
+    /// Values copied as they are, keys and all: JSON a plugin returned (its `context`).
+    pub opaque: &'a [&'a str],
+}
+
+/// Go's initialisms as Nomad's API spells them (`NodeID`, `AllocIDs`, `FSType`,
+/// `CPUShares`): the words of a snake_case name that [`pascal_case`] writes in capitals.
+pub const INITIALISMS: &[(&str, &str)] = &[
+    ("acl", "ACL"),
+    ("api", "API"),
+    ("cpu", "CPU"),
+    ("fs", "FS"),
+    ("http", "HTTP"),
+    ("id", "ID"),
+    ("ids", "IDs"),
+    ("ip", "IP"),
+    ("json", "JSON"),
+    ("rss", "RSS"),
+    ("tls", "TLS"),
+    ("ttl", "TTL"),
+    ("uid", "UID"),
+    ("url", "URL"),
+    ("urls", "URLs"),
+    ("uuid", "UUID"),
+];
+
+/// True for a snake_case field name: lowercase words of letters and digits joined by
+/// single underscores, starting with a letter (`node_id`, `list_bytes`, `p95`).
+fn is_snake_field(key: &str) -> bool {
+    key.starts_with(|c: char| c.is_ascii_lowercase())
+        && key.split('_').all(|w| {
+            !w.is_empty()
+                && w.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        })
+}
+
+/// A snake_case field name in Nomad's casing: each word capitalised, Go's initialisms in
+/// capitals ([`INITIALISMS`]): `node_id` is `NodeID`, `publish_latency_ms` is
+/// `PublishLatencyMs`, `fs_type` is `FSType`. Anything else (`default/data`, a UUID, an
+/// already PascalCase name) is returned as it is.
+pub fn pascal_case(key: &str) -> String {
+    if !is_snake_field(key) {
+        return key.to_string();
+    }
+    key.split('_')
+        .map(|w| match INITIALISMS.iter().find(|(s, _)| *s == w) {
+            Some((_, caps)) => (*caps).to_string(),
+            None => {
+                let mut c = w.chars();
+                c.next()
+                    .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                    .unwrap_or_default()
+            }
+        })
+        .collect()
+}
+
+/// True for a field the agent's documents hold Unix seconds in: `since` and `*_since`.
+fn is_time_field(key: &str) -> bool {
+    key == "since" || key.ends_with("_since")
+}
+
+/// A snake_case JSON document (the agent's `GET /v1/status`) in Nomad's casing, as `-json`
+/// prints dhv-binder's own structs: every field name through [`pascal_case`], except the
+/// keys of `shape.maps` and everything under `shape.opaque`; the Unix seconds of fields
+/// named `since` or `*_since` as [`rfc3339`] strings (`null` for 0). Values (states,
+/// reasons, IDs) are unchanged. The rule is applied to whatever the document holds, so a
+/// field added to it is converted without being listed anywhere; only a new map keyed by
+/// words (like plugin IDs) or a new plugin-returned object needs a line in its `Shape`.
+pub fn nomad_json(v: &serde_json::Value, shape: &Shape) -> serde_json::Value {
+    convert(v, "", shape)
+}
+
+fn convert(v: &serde_json::Value, path: &str, shape: &Shape) -> serde_json::Value {
+    use serde_json::Value;
+    let join = |k: &str| {
+        if path.is_empty() {
+            k.to_string()
+        } else {
+            format!("{path}.{k}")
+        }
+    };
+    match v {
+        Value::Array(a) => Value::Array(a.iter().map(|e| convert(e, path, shape)).collect()),
+        Value::Object(m) if shape.maps.contains(&path) => {
+            let p = join("*");
+            Value::Object(
+                m.iter()
+                    .map(|(k, e)| (k.clone(), convert(e, &p, shape)))
+                    .collect(),
+            )
+        }
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .map(|(k, e)| {
+                    let p = join(if is_snake_field(k) { k } else { "*" });
+                    let e = if shape.opaque.contains(&p.as_str()) {
+                        e.clone()
+                    } else if let (true, Some(secs)) = (is_time_field(k), e.as_u64()) {
+                        rfc3339(secs).map_or(Value::Null, Value::String)
+                    } else {
+                        convert(e, &p, shape)
+                    };
+                    (pascal_case(k), e)
+                })
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
 /// The template's data: the command's JSON as it is (the output structs name their fields
 /// as Nomad's API does, so `{{.ID}}`, `{{.Name}}` and `{{.PluginID}}` work as they do with
 /// `nomad ... -t`). Objects behave as Go structs: a field that does not exist is an error,
@@ -327,6 +451,68 @@ mod tests {
         assert_eq!(
             serde_json::to_value(T { at: 0 }).unwrap(),
             serde_json::json!({"at": null})
+        );
+    }
+
+    #[test]
+    fn snake_case_names_take_nomads_casing_and_initialisms() {
+        for (snake, nomad) in [
+            ("node_id", "NodeID"),
+            ("alloc_ids", "AllocIDs"),
+            ("placeholder_id", "PlaceholderID"),
+            ("publish_latency_ms", "PublishLatencyMs"),
+            ("fs_type", "FSType"),
+            ("check_url", "CheckURL"),
+            ("cpu_rss", "CPURSS"),
+            ("p95", "P95"),
+            ("since", "Since"),
+        ] {
+            assert_eq!(pascal_case(snake), nomad);
+        }
+        // Data is no field name: it stays as it is.
+        for data in [
+            "default/data",
+            "0b9c6a6e-1111",
+            "NodeID",
+            "a__b",
+            "_x",
+            "x_",
+            "Bind",
+        ] {
+            assert_eq!(pascal_case(data), data);
+        }
+    }
+
+    #[test]
+    fn nomad_json_converts_fields_times_and_arrays_but_not_data() {
+        let v = serde_json::json!({
+            "node_id": "n",
+            "plugins": {"bind": {"deferred_bind": true}},
+            "errors": {"default/a": "boom"},
+            "unlisted": {"default/a": {"alloc_id": "x"}},
+            "mounts": [{"since": 1_733_350_200, "publish_context": {"dev_path": "/dev/x"}, "volume": {"name": "a"}}],
+            "journal": {"failing_since": 0, "state": "some_value"}
+        });
+        let shape = Shape {
+            maps: &["plugins", "errors"],
+            opaque: &["mounts.publish_context"],
+        };
+        assert_eq!(
+            nomad_json(&v, &shape),
+            serde_json::json!({
+                "NodeID": "n",
+                "Plugins": {"bind": {"DeferredBind": true}},
+                "Errors": {"default/a": "boom"},
+                "Unlisted": {"default/a": {"AllocID": "x"}},
+                "Mounts": [{"Since": "2024-12-04T22:10:00Z", "PublishContext": {"dev_path": "/dev/x"}, "Volume": {"Name": "a"}}],
+                "Journal": {"FailingSince": null, "State": "some_value"}
+            })
+        );
+        // Without the map listed, its word keys would be taken for fields.
+        let v = serde_json::json!({"plugins": {"bind": {}}});
+        assert_eq!(
+            nomad_json(&v, &Shape::default()),
+            serde_json::json!({"Plugins": {"Bind": {}}})
         );
     }
 

@@ -1,10 +1,14 @@
 //! `dhv-binder status`: the local agent's state in a few lines (node, watch health, plugins,
 //! pending work, last errors, then one row per volume with its mount state and users).
 //!
-//! The document is the agent's `GET /v1/status` answer (see [`crate::api`]); [`StatusDoc`]
-//! reads the fields it prints and ignores the rest, so `-json` prints the answer unchanged.
+//! The document is the agent's `GET /v1/status` answer (see [`crate::api`]), snake_case as
+//! the local API serves it; [`StatusDoc`] reads the fields the readable form prints and
+//! ignores the rest. `-json` and `-t` print the whole answer in Nomad's casing, converted by
+//! one rule ([`nomad_json`] with [`SHAPE`]) rather than a mirror of its fields, so a field
+//! added to the document appears in `-json` (`NodeID`, `Volumes`, `PublishLatencyMs`; times
+//! in RFC 3339) without a change here.
 
-use super::output::{ago, kv, now_unix, plural, table, OutputArgs};
+use super::output::{ago, kv, nomad_json, now_unix, plural, table, OutputArgs, Shape};
 use super::{Failure, EXIT_FAILED, EXIT_UNAVAILABLE};
 use crate::api::client::{call, CallError};
 use serde::Deserialize;
@@ -18,6 +22,29 @@ pub struct StatusArgs {
     #[command(flatten)]
     pub out: OutputArgs,
 }
+
+/// The status document's objects that are not structs, for [`nomad_json`]: maps keyed by
+/// plugin ID (the other maps are keyed by `namespace/name` or allocation ID, which are kept
+/// anyway, and are listed so that the rule does not depend on it), and the plugin's own
+/// `context` of a mount, which keeps the plugin's keys. A new map keyed by plugin IDs or
+/// other plain words, or a new object a plugin returned, needs a line here; any other new
+/// field is converted as it is.
+pub const SHAPE: Shape<'static> = Shape {
+    maps: &[
+        "plugins",
+        "errors",
+        "claims",
+        "fenced",
+        "frozen",
+        "foreign_mounts",
+        "holders",
+        "rejected_records",
+        "unfenced",
+        "ungated",
+        "mount_health.broken",
+    ],
+    opaque: &["mounts.publish_context"],
+};
 
 /// The parts of the agent's status document that the readable form prints. Every field
 /// defaults, so an older or newer agent's document still renders.
@@ -508,7 +535,7 @@ pub async fn status(args: StatusArgs) -> Result<(), Failure> {
         Err(CallError::Connect { path, source }) => return Err(connect_failure(&path, &source)),
         Err(e) => return Err(Failure::new(EXIT_FAILED, e.to_string())),
     };
-    args.out.print(&v, |v| {
+    args.out.print(&nomad_json(&v, &SHAPE), |_| {
         let doc: StatusDoc = serde_json::from_value(v.clone()).unwrap_or_default();
         render(&doc, now_unix())
     })
@@ -661,16 +688,105 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         assert!(!s.contains("Frozen"), "{s}");
     }
 
+    /// Every field the agent's document has today (core/status.rs, shell.rs), with a
+    /// value in each map and list.
+    fn full_doc() -> serde_json::Value {
+        let mut v = doc();
+        v["watch"] = serde_json::json!({"state": "streaming", "index": 42, "counters": {
+            "relists": 3, "reconnects": 1, "frames": 9, "skipped_other_nodes": 2, "stale_frames": 0,
+            "bad_lines": 0, "index_resets": 0, "auth_failures": 0, "list_allocations": 57, "list_bytes": 421_888}});
+        v["volumes"][0]["placeholder_id"] = "9d2e0f00-3333-4000-8000-000000000004".into();
+        v["volumes"][1]["placeholder_id"] = serde_json::Value::Null;
+        v["mounts"][0]["publish_context"] =
+            serde_json::json!({"dev_path": "/dev/loop3", "lun_id": 1});
+        v["mounts"][0]["last_error"] = "".into();
+        v["mounts"][0]["claim_id"] = "c-1".into();
+        v["mounts"][0]["mount"] = serde_json::json!({"dev": {"major": 0, "minor": 57}, "root": "/", "fs_type": "tmpfs", "source": "/srv"});
+        v["mounts"][0]["since"] = 1_733_350_200.into();
+        v["fenced"] = serde_json::json!({"default/shared-data": {"since": 1_733_350_200, "target": "/t", "lease_left_ms": 1500,
+            "fence": {"target": "/t", "nothing_mounted": false, "read_only": true, "stopped": [{"pid": 41, "comm": "sleep", "how": {"kind": "cwd"}}], "errors": [], "plugin": {"plugin": "bind"}}}});
+        v["mount_health"] = serde_json::json!({"interval_ms": 10000,
+            "broken": {"default/scratch": {"target": "/s", "error": "ENOTCONN", "since": 1_733_350_200, "action": "hung", "allocations": ["a"]}},
+            "recovered": [{"volume": "default/old", "target": "/o", "error": "ENOTCONN", "since": 0}]});
+        v["storage_ops"] = serde_json::json!({"snapshots": 2, "running": ["snapshot s1"]});
+        v["frozen"] = serde_json::json!({"default/shared-data": {"operation": "snapshot_create of snapshot s1", "since": 1_733_350_200, "target": "/t", "thaw_error": null}});
+        v["holders"]["default/shared-data"]["other_mounts"] = serde_json::json!(["/elsewhere"]);
+        v["holders"]["default/shared-data"]["uninspected"] =
+            serde_json::json!([{"pid": 7, "comm": "x", "what": "fd", "error": "EACCES"}]);
+        v["unfenced"] =
+            serde_json::json!({"7d1c9e00-2222-4000-8000-000000000003": "set kill_timeout"});
+        v["journal"] = serde_json::json!({"failing": true, "failing_since": 1_733_350_200, "error": "ENOSPC", "failed_writes": 3});
+        v["ungated"]["7d1c9e00-2222-4000-8000-000000000003"][0]["sees_later_mounts"] = false.into();
+        v
+    }
+
+    /// Issue 37 #6: `-json` is the whole document in Nomad's casing (fields PascalCase with
+    /// `ID`, times RFC 3339), map keys and the plugin's context as the agent has them.
     #[test]
-    fn json_status_is_the_agents_document_unchanged() {
-        let v = doc();
+    fn json_status_is_the_agents_document_in_nomads_casing() {
+        let got = nomad_json(&full_doc(), &SHAPE);
+        let t = "2024-12-04T22:10:00Z";
+        let want = serde_json::json!({
+            "NodeID": "5a1d0b8e-0000-4000-8000-000000000001",
+            "NodePool": "default",
+            "Watch": {"State": "streaming", "Index": 42, "Counters": {
+                "Relists": 3, "Reconnects": 1, "Frames": 9, "SkippedOtherNodes": 2, "StaleFrames": 0,
+                "BadLines": 0, "IndexResets": 0, "AuthFailures": 0, "ListAllocations": 57, "ListBytes": 421_888}},
+            "View": {"Complete": true, "Index": 42, "Allocations": 2, "Departing": 0},
+            "Volumes": [
+                {"Namespace": "default", "Name": "shared-data", "ID": "x", "PluginID": "bind", "State": "ready", "ServedHere": true, "PlaceholderID": "9d2e0f00-3333-4000-8000-000000000004"},
+                {"Namespace": "default", "Name": "scratch", "ID": "y", "PluginID": "nfs", "State": "ready", "ServedHere": false, "PlaceholderID": null}
+            ],
+            "Mounts": [{"Volume": {"Namespace": "default", "Name": "shared-data"}, "VolumeID": "x", "PluginID": "bind", "State": "published", "Target": "/t", "ReadOnly": false, "Since": t,
+                "PublishContext": {"dev_path": "/dev/loop3", "lun_id": 1}, "LastError": "", "ClaimID": "c-1",
+                "Mount": {"Dev": {"Major": 0, "Minor": 57}, "Root": "/", "FSType": "tmpfs", "Source": "/srv"}}],
+            "Users": [{"AllocID": "a", "Volume": {"Namespace": "default", "Name": "shared-data"}}],
+            "Waiting": [{"Volume": "default/scratch", "Reason": "plugin nfs is not installed on this node"}],
+            "Errors": {"default/scratch": "publish failed: exit 1"},
+            "Plugins": {"bind": {"Version": "0.2.0", "DeferredBind": true}, "nfs": {"Error": "fingerprint timed out"}},
+            "PublishLatencyMs": {"Count": 3, "Median": 200, "Last": 132},
+            "PendingPublishCalls": 1,
+            "Claims": {"default/shared-data": "held"},
+            "Fenced": {"default/shared-data": {"Since": t, "Target": "/t", "LeaseLeftMs": 1500,
+                "Fence": {"Target": "/t", "NothingMounted": false, "ReadOnly": true, "Stopped": [{"Pid": 41, "Comm": "sleep", "How": {"Kind": "cwd"}}], "Errors": [], "Plugin": {"Plugin": "bind"}}}},
+            "MountHealth": {"IntervalMs": 10000,
+                "Broken": {"default/scratch": {"Target": "/s", "Error": "ENOTCONN", "Since": t, "Action": "hung", "Allocations": ["a"]}},
+                "Recovered": [{"Volume": "default/old", "Target": "/o", "Error": "ENOTCONN", "Since": null}]},
+            "StorageOps": {"Snapshots": 2, "Running": ["snapshot s1"]},
+            "Frozen": {"default/shared-data": {"Operation": "snapshot_create of snapshot s1", "Since": t, "Target": "/t", "ThawError": null}},
+            "RejectedRecords": {"default/dhv-binder/volumes/evil": "the record is not signed"},
+            "ForeignMounts": {"default/other": "tmpfs from \"none\" is mounted at the target, not the volume"},
+            "Holders": {"default/shared-data": {"Holders": [
+                {"Pid": 41, "Comm": "sleep", "How": {"Kind": "open_file", "Fd": 3, "Path": "/t/f"}, "AllocID": "0b9a3c2e-1111-4000-8000-000000000002"},
+                {"Pid": 42, "Comm": "sh", "How": {"Kind": "cwd"}}
+            ], "OtherMounts": ["/elsewhere"], "Uninspected": [{"Pid": 7, "Comm": "x", "What": "fd", "Error": "EACCES"}]}},
+            "Unfenced": {"7d1c9e00-2222-4000-8000-000000000003": "set kill_timeout"},
+            "Journal": {"Failing": true, "FailingSince": t, "Error": "ENOSPC", "FailedWrites": 3},
+            "Ungated": {"7d1c9e00-2222-4000-8000-000000000003": [
+                {"Job": "web", "Group": "g", "Task": "main", "Volume": {"Namespace": "default", "Name": "shared-data"}, "Reason": "no_gate", "SeesLaterMounts": false}
+            ]}
+        });
+        assert_eq!(
+            got,
+            want,
+            "got:\n{}",
+            serde_json::to_string_pretty(&got).unwrap()
+        );
+        // `-json` prints it, and `-t` reads the same keys.
         let o = OutputArgs {
             json: true,
             ..Default::default()
         };
-        let s = o.render(&v, |_| unreachable!()).unwrap();
-        let back: serde_json::Value = serde_json::from_str(&s).unwrap();
-        assert_eq!(back, v);
+        let s = o.render(&got, |_| unreachable!()).unwrap();
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&s).unwrap(), want);
+        let o = OutputArgs {
+            template: Some("{{.NodeID}}{{range .Volumes}} {{.Name}}={{.PluginID}}{{end}} {{.Plugins.bind.Version}}".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            o.render(&got, |_| unreachable!()).unwrap(),
+            "5a1d0b8e-0000-4000-8000-000000000001 shared-data=bind scratch=nfs 0.2.0"
+        );
     }
 
     #[test]

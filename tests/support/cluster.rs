@@ -457,22 +457,48 @@ impl Cluster {
         out
     }
 
-    /// `dhv-binder status -json` of node `i`'s agent: (exit code, output).
+    /// Node `i`'s agent's status document, read from its socket (`GET /v1/status`, the
+    /// agent's API: snake_case keys, Unix-second times): (0, the document as pretty JSON),
+    /// or the exit code `dhv-binder status` gives for the failure (69 when the socket
+    /// cannot be reached, else 1) and the error. The CLI's `status -json` prints the same
+    /// document in Nomad's casing; tests read the API's form, which the agent's other
+    /// engineers extend.
+    ///
+    /// Blocking, for sync and async callers alike: the call runs on a thread of its own with a
+    /// current-thread runtime (a runtime cannot be started on a thread that runs one).
     pub fn status(&self, i: usize) -> (i32, String) {
-        let out = Command::new(dhv_binder_bin())
-            .args(["status", "-json"])
-            .env_clear()
-            .env("DHV_BINDER_SOCKET", &self.nodes[i].socket)
-            .output()
-            .expect("run dhv-binder status");
-        (
-            out.status.code().unwrap_or(-1),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+        let socket = self.nodes[i].socket.clone();
+        let answer = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the status call")
+                .block_on(async {
+                    tokio::time::timeout(
+                        Duration::from_secs(30),
+                        dhv_binder::api::client::call(
+                            &socket,
+                            hyper::Method::GET,
+                            "/v1/status",
+                            None,
+                        ),
+                    )
+                    .await
+                })
+        })
+        .join()
+        .expect("the status call's thread panicked");
+        use dhv_binder::api::client::CallError;
+        use dhv_binder::cli::{EXIT_FAILED, EXIT_UNAVAILABLE};
+        match answer {
+            Ok(Ok(v)) => (0, serde_json::to_string_pretty(&v).unwrap()),
+            Ok(Err(e @ CallError::Connect { .. })) => (EXIT_UNAVAILABLE, e.to_string()),
+            Ok(Err(e)) => (EXIT_FAILED, e.to_string()),
+            Err(_) => (
+                EXIT_FAILED,
+                format!("GET /v1/status on node {i}'s socket: no answer in 30 s"),
             ),
-        )
+        }
     }
 
     pub async fn get(&self, path: &str) -> Value {

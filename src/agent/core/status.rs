@@ -4,7 +4,10 @@
 use super::*;
 
 impl Core {
-    /// The status document (`GET /v1/status`).
+    /// The status document (`GET /v1/status`): snake_case field names, times as Unix seconds
+    /// in fields named `since` or `*_since` (the CLI's `-json` converts both by that rule:
+    /// `crate::cli::output::nomad_json`; a new map keyed by plain words such as plugin IDs
+    /// needs a line in `crate::cli::status::SHAPE`).
     pub(super) fn status(&self) -> serde_json::Value {
         let deferred = self.deferred_plugins();
         let volumes: Vec<_> = self
