@@ -1117,6 +1117,7 @@ impl Runner {
                     .map(String::as_str)
                     .unwrap_or(""),
             )
+            .envs(dhv_binder_exe().map(|p| ("DHV_BINDER", p)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -1307,6 +1308,21 @@ pub fn parse_with<T: serde::de::DeserializeOwned>(
         tracing::warn!(plugin, %op, detail = %e.detail(), "{e}");
         e
     })
+}
+
+/// The dhv-binder executable plugins call for `dhv-binder helper` (`DHV_BINDER`): this
+/// process's own when it is dhv-binder (the agent, `plugin check`), else `DHV_BINDER` from
+/// this process's environment (a test binary running plugins in-process), else none (the
+/// plugin then looks for `dhv-binder` on its `PATH`).
+pub fn dhv_binder_exe() -> Option<&'static Path> {
+    static EXE: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        std::env::current_exe()
+            .ok()
+            .filter(|p| p.file_name().is_some_and(|n| n == "dhv-binder"))
+            .or_else(|| std::env::var_os("DHV_BINDER").map(PathBuf::from))
+    })
+    .as_deref()
 }
 
 #[cfg(test)]
