@@ -7,7 +7,8 @@
 //! already mounted; read-only publish; unpublish while a file is open inside (must fail and
 //! leave the mount); data kept across publishes; concurrent calls on one
 //! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
-//! caller's cgroup; output shape (one JSON object on
+//! caller's cgroup; a directory swapped for a symlink to the outside while publishing,
+//! creating and deleting ([`race`]); output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
 //! The optional operations a plugin declares (snapshots, clones, expand, `fence`,
 //! `fence_node`/`unfence_node`) have their own rules ([`storage`]); one not declared is
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod helpers;
+mod race;
 mod storage;
 
 /// How many times each operation is repeated.
@@ -933,6 +935,7 @@ async fn run_rules(kit: &mut Kit) {
     // Optional operations (when declared), then confinement, while the volume exists.
     storage::optional_rules(kit).await;
     storage::confinement_rule(kit).await;
+    race::race_rule(kit).await;
 
     // delete x10, then delete of a volume that never existed.
     let denv = environment::delete_env(&kit.node, &kit.rec);
