@@ -245,16 +245,15 @@ fn exec(
         .ok_or_else(|| Failure::new(EXIT_CONFIG, "no command given after --"))?;
     let args: Vec<OsString> = args
         .iter()
-        .map(|a| {
-            let mut s = a.to_string_lossy().into_owned();
-            if s == a.to_str().unwrap_or_default() {
+        .map(|a| match a.to_str() {
+            Some(text) => {
+                let mut s = text.to_string();
                 for (i, p) in paths.iter().enumerate() {
                     s = s.replace(&format!("{{{i}}}"), p);
                 }
                 OsString::from(s)
-            } else {
-                a.clone()
             }
+            None => a.clone(),
         })
         .collect();
     let e = std::process::Command::new(program).args(&args).exec();

@@ -383,7 +383,13 @@ pub fn bind_mount(source: &Beneath, target: &Path, read_only: bool) -> Result<()
     if read_only {
         // The handle opened before the mount names the directory beneath it: open the
         // target again to reach the new mount.
-        let m = open_target()?;
+        let m = match open_target() {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = umount2(target, MntFlags::empty());
+                return Err(e);
+            }
+        };
         let m_path = proc_path(m.as_fd());
         let r = mount(
             None::<&str>,
