@@ -2,7 +2,8 @@
 //! can be steered out of its storage root by whoever may write along the path (a task
 //! writing inside its own volume, when other storage lies below it), by swapping a directory
 //! for a symlink between the check and the use. The kit does exactly that: test volumes are
-//! made in a fresh directory `<param>/kit-race-…` beneath each parameter that names a path,
+//! made in a fresh directory `<param>/kit-race-…` beneath each parameter that names an
+//! existing directory,
 //! that directory's tree is copied outside the roots (marked), and a thread then swaps the
 //! directory with a symlink to the copy (`renameat2(RENAME_EXCHANGE)`, atomically, every
 //! few hundred microseconds) while the kit publishes, creates and deletes. The plugin fails
@@ -150,13 +151,13 @@ pub(super) async fn race_rule(kit: &mut Kit) {
         .spec
         .parameters
         .iter()
-        .filter(|(_, v)| v.starts_with('/'))
+        .filter(|(_, v)| v.starts_with('/') && Path::new(v).is_dir())
         .map(|(k, v)| (k.clone(), PathBuf::from(v)))
         .collect();
     if params.is_empty() {
         return kit.report.skip(
             RULE,
-            "no parameter names a path: nothing the kit can race (give the storage directory as a --param)",
+            "no parameter names an existing directory: nothing the kit can race (give the storage directory as a --param)",
         );
     }
     let tag = &uuid::Uuid::new_v4().simple().to_string()[..8];
