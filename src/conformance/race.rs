@@ -3,11 +3,10 @@
 //! writing inside its own volume, when other storage lies below it), by swapping a directory
 //! for a symlink between the check and the use. The kit does exactly that: test volumes are
 //! made in a fresh directory `<param>/kit-race-…` beneath each parameter that names an
-//! existing directory,
-//! that directory's tree is copied outside the roots (marked), and a thread then swaps the
-//! directory with a symlink to the copy (`renameat2(RENAME_EXCHANGE)`, atomically, every
-//! few hundred microseconds) while the kit publishes, creates and deletes. The plugin fails
-//! if anything outside was mounted, created or removed.
+//! existing directory, that directory's tree is copied outside the roots (marked), and a
+//! thread then swaps the directory with a symlink to the copy (`renameat2(RENAME_EXCHANGE)`,
+//! atomically, every few hundred microseconds) while the kit publishes, creates and deletes.
+//! The plugin fails if anything outside was mounted, created or removed.
 
 use super::{strict_object, Kit};
 use crate::storage::environment;
