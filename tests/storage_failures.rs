@@ -419,7 +419,7 @@ async fn a_snapshot_killed_while_frozen_is_thawed_by_the_agent() {
     let c = Cluster::start(1).await;
     // The first copy of a snapshot takes long (a window to kill the call in).
     let ext4 = std::fs::read_to_string(c.plugin_dir.join("ext4")).unwrap();
-    let copy = r#"  cp --reflink=auto --sparse=always "$1" "$2" || fail "cannot copy $1""#;
+    let copy = r#"  by_handle exec --open "$1" --create "$2" -- cp --reflink=auto --sparse=always '{0}' '{1}'"#;
     assert!(
         ext4.contains(copy),
         "the ext4 plugin's copy changed: update this test"
