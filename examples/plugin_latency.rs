@@ -8,7 +8,8 @@
 //! cargo run --release --example plugin_latency -- plugins/webdav 20 url=http://127.0.0.1:8080/ secret:password=pw
 //! ```
 //! Arguments after the round count: `KEY=VALUE` parameters, `secret:KEY=VALUE` secrets,
-//! `capacity=BYTES`.
+//! `capacity=BYTES`. The reference plugins call `dhv-binder helper`: build the binary too
+//! (`cargo build --release`), or name one in `DHV_BINDER`.
 
 use dhv_binder::node::journal::{MountRecord, MountState};
 use dhv_binder::storage::environment::{self, NodeEnv};
@@ -57,8 +58,20 @@ async fn main() -> anyhow::Result<()> {
             p.canonicalize().unwrap_or(p).display().to_string()
         })
         .collect();
-    let runner = Runner::new(plugin.parent().unwrap(), Duration::from_secs(60))
+    let mut runner = Runner::new(plugin.parent().unwrap(), Duration::from_secs(60))
         .with_allowed_roots(BTreeMap::from([(id.clone(), roots.join(":"))]));
+    // The reference plugins call `dhv-binder helper` (DHV_BINDER): the build's own binary
+    // beside this example's directory, unless DHV_BINDER names one.
+    if std::env::var_os("DHV_BINDER").is_none() {
+        let built = std::env::current_exe()
+            .ok()
+            .and_then(|e| Some(e.parent()?.parent()?.join("dhv-binder")))
+            .filter(|p| p.is_file());
+        match built {
+            Some(b) => runner = runner.with_dhv_binder(&b),
+            None => eprintln!("warning: no dhv-binder built beside this example and DHV_BINDER unset: the reference plugins will look for dhv-binder on PATH (cargo build --release first)"),
+        }
+    }
     let node = NodeEnv {
         node_id: uuid::Uuid::new_v4().to_string(),
         node_pool: "default".into(),

@@ -104,6 +104,7 @@ fn bind_plugin_conforms() {
             "snapshot_delete x2",
             "clone",
             "paths confined",
+            "symlink race",
             "fence",
             "fence x2",
             "fence of nothing",
@@ -120,12 +121,17 @@ fn bind_plugin_conforms() {
 #[test]
 fn ext4_plugin_conforms() {
     let sb = Sandbox::new();
+    // The images directory as a parameter: the kit races a directory beneath it.
+    let images = sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
     let (code, report) = check(
         &sb,
         &repo().join("plugins/ext4"),
         &[
             "--capacity",
             &(64u64 << 20).to_string(),
+            "--param",
+            &format!("dir={}", images.display()),
             "--param",
             "uid=65534",
             "--param",
@@ -146,6 +152,7 @@ fn ext4_plugin_conforms() {
             "clone",
             "expand",
             "paths confined",
+            "symlink race",
         ],
     );
     // No fence of its own (the agent's remount and kill stand alone): not offered, not failed.
@@ -511,6 +518,41 @@ esac
     assert!(report.contains("FAIL  JSON input parsed "), "{report}");
     assert!(report.contains("FAIL  paths confined "), "{report}");
     assert!(report.contains("publish SUCCEEDED"), "{report}");
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// Issue 33 §3: the `bind` plugin as it was before `dhv-binder helper` (it checks each path
+/// with `realpath` and uses it again with `mount --bind`, `mkdir`, `find -delete`), kept in
+/// testdata/plugins/bind-before-handles, fails "symlink race": while a directory beneath its
+/// export is swapped with a symlink to a copy outside the roots, it mounts, creates or
+/// removes something outside. The kit cleans up after it.
+#[test]
+fn a_plugin_that_checks_a_path_then_uses_it_again_fails_the_symlink_race() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    std::fs::create_dir_all(sb.join("plugins")).unwrap();
+    let plugin = sb.join("plugins/oldbind");
+    std::fs::copy(repo().join("testdata/plugins/bind-before-handles"), &plugin).unwrap();
+    let (code, report) = check(
+        &sb,
+        &plugin,
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_eq!(code, 1, "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.contains("symlink race"))
+        .unwrap_or_else(|| panic!("no symlink race rule in the report:\n{report}"));
+    assert!(
+        line.starts_with("FAIL") && line.contains("outside the roots"),
+        "{report}"
+    );
+    // The rules before it still pass: only the race tells it from the reference plugin.
+    assert!(report.contains("PASS  paths confined "), "{report}");
     assert!(
         dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
         "the kit left mounts behind"

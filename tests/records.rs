@@ -411,3 +411,205 @@ async fn a_new_record_reaches_every_node_at_once_and_its_job_starts() {
         submitted.elapsed()
     );
 }
+
+/// Swaps `dir` and `link` (a symlink to a directory outside the roots) with
+/// `renameat2(RENAME_EXCHANGE)` until dropped: `dir` is the symlink about 40% of the time,
+/// flipping every few hundred microseconds. Dropping it (also on a panic) stops the thread
+/// and leaves `dir` a directory.
+struct Flipper {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<usize>>,
+}
+
+impl Flipper {
+    fn start(dir: std::path::PathBuf, link: std::path::PathBuf) -> Self {
+        use rustix::fs::{renameat_with, RenameFlags, CWD};
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut swaps = 0;
+            let swap = || renameat_with(CWD, &dir, CWD, &link, RenameFlags::EXCHANGE).is_ok();
+            while !s.load(Ordering::Relaxed) {
+                if swap() {
+                    swaps += 1;
+                    std::thread::sleep(std::time::Duration::from_micros(400));
+                    while !swap() {}
+                    swaps += 1;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(600));
+            }
+            swaps
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops the thread; returns how many swaps it made.
+    fn stop(&mut self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread
+            .take()
+            .map(|t| t.join().unwrap_or(0))
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Flipper {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Volumes published at once in the symlink race (each one publish attempt, retried by the
+/// agent after a refusal until one succeeds).
+const RACED_VOLUMES: usize = 10;
+/// How long the directory is swapped while the agent publishes.
+const RACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Issue 33 §3, the symlink race end to end: the real agent and the bind plugin, with the
+/// simulator. The operator keeps other volumes' storage beneath the directory of the volume
+/// `team` (their export is that directory), which `team`'s task may write. The task (here
+/// the test, writing where the task writes: `team`'s directory on the host) swaps the
+/// `default` directory in it, again and again, with a symlink to a host directory outside
+/// every storage root holding a file for each volume's ID. A job then uses
+/// [`RACED_VOLUMES`] of the nested volumes while the swapping goes on for [`RACE`]; no
+/// publish attempt (each refusal is retried by the agent) may mount the outside directory,
+/// and once the swapping stops every volume is published from its own directory. (The context
+/// cannot be tampered with any more: since §1 the plugin derives the directory from the
+/// signed export, namespace and ID, so the race is on the path itself.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_swapped_for_a_symlink_never_gets_the_outside_mounted() {
+    let c = Cluster::start(1).await;
+    c.log_plugin_calls("bind", "0");
+    let out = c.create_volume("team", "single-node-writer");
+    assert!(out.contains("is ready"), "{out}");
+    let (_, team_dir) = context_of(&c, "team").await;
+    let team = team_dir.display().to_string();
+    let outside = c.sb.join("outside");
+    let mut names = Vec::new();
+    for i in 0..RACED_VOLUMES {
+        let name = format!("nested-{i}");
+        let out = c.create_volume_with(
+            &name,
+            "single-node-writer",
+            "bind",
+            &[("export", &team)],
+            &[],
+            "",
+        );
+        assert!(out.contains("is ready"), "{out}");
+        let (_, dir) = context_of(&c, &name).await;
+        assert!(dir.starts_with(&team_dir), "{}", dir.display());
+        // What the attacker wants mounted: a directory outside the roots where the volume's
+        // own directory would be.
+        let victim = outside.join(dir.file_name().unwrap());
+        std::fs::create_dir_all(&victim).unwrap();
+        std::fs::write(victim.join("precious"), "outside the roots").unwrap();
+        names.push(name);
+    }
+    let swapped = team_dir.join("default");
+    let link = team_dir.join("default.swap");
+    std::os::unix::fs::symlink(&outside, &link).unwrap();
+    let mut flipper = Flipper::start(swapped.clone(), link.clone());
+    // One job using every nested volume; the prestart waits until all are published.
+    let volumes: String = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            format!(
+                "    volume \"v{i}\" {{\n      type = \"host\"\n      source = \"{n}\"\n      access_mode = \"single-node-writer\"\n      attachment_mode = \"file-system\"\n    }}\n"
+            )
+        })
+        .collect();
+    let example =
+        std::fs::read_to_string(support::cluster::repo().join("jobspecs/example.nomad.hcl"))
+            .unwrap();
+    let head = "    volume \"data\" {\n      type            = \"host\"\n      source          = \"shared-data\"\n      access_mode     = \"single-node-writer\"\n      attachment_mode = \"file-system\"\n    }\n";
+    assert!(example.contains(head), "jobspecs/example.nomad.hcl changed");
+    let spec = example
+        .replace(head, &volumes)
+        .replace("job \"shared-data-demo\"", "job \"race\"")
+        .replace("mountpoint -q /data ||", "true ||")
+        .replace(
+            "      volume_mount {\n        volume      = \"data\"\n        destination = \"/data\"\n      }\n",
+            "",
+        )
+        .replace(">> /data/greetings.txt", ">/dev/null")
+        .replace("cat /data/greetings.txt", "true");
+    let jobspec = c.sb.join("race.nomad.hcl");
+    std::fs::write(&jobspec, spec).unwrap();
+    let job = c.run_job(&jobspec).await;
+    let targets: Vec<_> = names.iter().map(|n| c.target(0, n)).collect();
+    // The race: the agent publishes, is refused, retries; every 20 ms the test looks for
+    // the outside directory at a target or in the mount table.
+    let outside_text = outside.display().to_string();
+    let mut escaped = std::collections::BTreeSet::new();
+    let mut outside_mounts = std::collections::BTreeSet::new();
+    let started = std::time::Instant::now();
+    while started.elapsed() < RACE {
+        for t in &targets {
+            if t.join("precious").exists() {
+                escaped.insert(t.display().to_string());
+            }
+        }
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        outside_mounts.extend(
+            mountinfo
+                .lines()
+                .filter(|l| l.contains(&outside_text))
+                .map(String::from),
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let swaps = flipper.stop();
+    let attempts = c
+        .plugin_log()
+        .iter()
+        .filter(|(phase, _, op, _)| phase == "start" && op == "publish")
+        .count();
+    let mounted = targets
+        .iter()
+        .filter(|t| dhv_binder::node::mounts::is_mount_point(t))
+        .count();
+    eprintln!(
+        "symlink race: {} of {attempts} publish attempts mounted the outside directory ({swaps} swaps; {mounted} of {RACED_VOLUMES} volumes mounted at the end of the race)",
+        escaped.len().max(outside_mounts.len().min(1))
+    );
+    assert!(
+        escaped.is_empty() && outside_mounts.is_empty(),
+        "{} of {attempts} publish attempts mounted the directory outside the roots: {escaped:?}\n{outside_mounts:?}",
+        escaped.len()
+    );
+    assert!(attempts >= RACED_VOLUMES, "only {attempts} publishes");
+    // Refusals name the symlink.
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
+    assert!(
+        attempts == RACED_VOLUMES || log.contains("is a symbolic link"),
+        "{attempts} publishes but no refusal naming the symlink in the agent's log"
+    );
+    // Once the swapping stops, every volume is published: from its own directory.
+    c.wait_for(
+        90,
+        "every raced volume published after the race",
+        || async {
+            targets
+                .iter()
+                .all(|t| dhv_binder::node::mounts::is_mount_point(t))
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(targets.iter().all(|t| !t.join("precious").exists()));
+    c.stop_job(&job, true).await;
+    c.wait_for(60, "the raced volumes unpublished", || async {
+        targets
+            .iter()
+            .all(|t| !dhv_binder::node::mounts::is_mount_point(t))
+            .then_some(())
+    })
+    .await;
+    let _ = std::fs::remove_file(&link);
+}

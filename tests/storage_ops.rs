@@ -33,7 +33,9 @@ fn runner(c: &Cluster) -> Runner {
     std::fs::create_dir_all(&images).unwrap();
     let roots = dhv_binder::storage::plugin::allowed_roots(&[format!("ext4={}", images.display())])
         .unwrap();
-    Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots)
+    Runner::new(&repo().join("plugins"), Duration::from_secs(60))
+        .with_allowed_roots(roots)
+        .with_dhv_binder(&support::cluster::dhv_binder_bin())
 }
 
 fn node(c: &Cluster, name: &str) -> NodeEnv {
@@ -862,8 +864,9 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
     };
     let roots = dhv_binder::storage::plugin::allowed_roots(&[format!("bind={}", export.display())])
         .unwrap();
-    let runner =
-        Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots);
+    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60))
+        .with_allowed_roots(roots)
+        .with_dhv_binder(&support::cluster::dhv_binder_bin());
     let record = |name: &str, context: serde_json::Value| {
         let (spec, secrets) = volume::parse_spec(&format!(
             "name = \"{name}\"\nplugin_id = \"bind\"\nparameters {{\n export = \"{}\"\n}}\n",
@@ -946,8 +949,9 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
     };
     let roots = dhv_binder::storage::plugin::allowed_roots(&[format!("ext4={}", images.display())])
         .unwrap();
-    let runner =
-        Runner::new(&repo().join("plugins"), Duration::from_secs(60)).with_allowed_roots(roots);
+    let runner = Runner::new(&repo().join("plugins"), Duration::from_secs(60))
+        .with_allowed_roots(roots)
+        .with_dhv_binder(&support::cluster::dhv_binder_bin());
     let (spec, secrets) = volume::parse_spec(&format!(
         "name = \"live\"\nplugin_id = \"ext4\"\ncapacity_min = \"64MiB\"\nparameters {{\n dir = \"{}\"\n}}\n",
         images.display()

@@ -1,12 +1,19 @@
-//! `dhv-binder helper run --cgroup <dir> -- <command> [args…]`: starts a plugin's long-lived
-//! helper (a FUSE server) in the volume's helper cgroup (`DHV_HELPER_CGROUP`), outside the
-//! cgroup of the agent that called the plugin, so that it outlives the agent's task
-//! (docs/plugin-protocol.md, "Helpers"). The process moves itself into the cgroup, then
-//! becomes `<command>` (exec): same PID, environment, descriptors and session.
+//! `dhv-binder helper …`: what plugins call.
+//!
+//! - `helper run --cgroup <dir> -- <command> [args…]`: starts a plugin's long-lived helper
+//!   (a FUSE server) in the volume's helper cgroup (`DHV_HELPER_CGROUP`), outside the cgroup
+//!   of the agent that called the plugin, so that it outlives the agent's task
+//!   (docs/plugin-protocol.md, "Helpers"). The process moves itself into the cgroup, then
+//!   becomes `<command>` (exec): same PID, environment, descriptors and session.
+//! - `helper bind-mount`, `remove`, `mkdir`, `rename`, `exec`: the path-sensitive steps of a
+//!   plugin done by handle beneath the node's storage roots ([`crate::node::beneath`];
+//!   docs/plugin-protocol.md, "Paths are used by handle"), so that nothing can swap a
+//!   directory for a symlink between a check and a use.
 
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
+use crate::node::beneath::{self, Beneath, BeneathError, DirAttrs, Roots};
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// `dhv-binder helper …`.
 #[derive(Debug, clap::Subcommand)]
@@ -21,12 +28,161 @@ pub enum HelperCommand {
         #[arg(required = true, last = true)]
         command: Vec<OsString>,
     },
+    /// Bind-mount a directory beneath a storage root onto a target, from its handle
+    /// (`/proc/self/fd/N`): no symlink beneath the root is followed.
+    BindMount {
+        #[command(flatten)]
+        roots: RootArgs,
+        /// Remount the new mount read-only.
+        #[arg(long)]
+        read_only: bool,
+        /// The directory to mount (absolute, beneath a root).
+        source: PathBuf,
+        /// Where to mount it (a directory, e.g. `$DHV_TARGET_PATH`).
+        target: PathBuf,
+    },
+    /// Remove a file or a directory tree beneath a storage root without following any
+    /// symlink and without crossing a mount; a missing path is success.
+    Remove {
+        #[command(flatten)]
+        roots: RootArgs,
+        /// What to remove (absolute, beneath a root, not a root itself).
+        path: PathBuf,
+    },
+    /// Make a directory beneath a storage root, following no symlink.
+    Mkdir {
+        #[command(flatten)]
+        roots: RootArgs,
+        /// Make missing parents too; an existing directory is success.
+        #[arg(long, short = 'p')]
+        parents: bool,
+        /// Owner of the directory, `UID:GID` (numbers), set by handle.
+        #[arg(long)]
+        owner: Option<String>,
+        /// Mode of the directory, octal (`0755`), set by handle.
+        #[arg(long)]
+        mode: Option<String>,
+        /// The directory (absolute, beneath a root).
+        path: PathBuf,
+    },
+    /// Rename a file or directory beneath a storage root (both paths beneath the same root).
+    Rename {
+        #[command(flatten)]
+        roots: RootArgs,
+        /// What to rename.
+        from: PathBuf,
+        /// Its new path.
+        to: PathBuf,
+    },
+    /// Open paths beneath a storage root (no symlink followed) and run a command with
+    /// `{0}`, `{1}`… in its arguments replaced by `/proc/self/fd/N` of each: the `--open`
+    /// paths first, then the `--create` ones.
+    Exec {
+        #[command(flatten)]
+        roots: RootArgs,
+        /// A path that must exist (file or directory), opened with `O_PATH`.
+        #[arg(long = "open")]
+        open: Vec<PathBuf>,
+        /// A regular file opened read-write, made (mode 0600) if missing.
+        #[arg(long = "create")]
+        create: Vec<PathBuf>,
+        /// The command and its arguments (after `--`).
+        #[arg(required = true, last = true)]
+        command: Vec<OsString>,
+    },
 }
 
-/// Runs `helper run`: returns only on failure (exec replaces this process).
+/// The storage roots the path-sensitive helpers act beneath.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RootArgs {
+    /// A storage root (repeatable); default: `DHV_VOLUMES_DIR` and the `:`-separated
+    /// `DHV_ALLOWED_ROOTS` of the plugin call.
+    #[arg(long = "root")]
+    root: Vec<PathBuf>,
+}
+
+impl RootArgs {
+    fn roots(&self) -> Roots {
+        if self.root.is_empty() {
+            Roots::from_env()
+        } else {
+            Roots::new(self.root.iter().cloned())
+        }
+    }
+
+    fn locate(&self, path: &Path) -> Result<Beneath, Failure> {
+        self.roots().locate(path).map_err(refused)
+    }
+}
+
+fn refused(e: BeneathError) -> Failure {
+    Failure::new(EXIT_FAILED, e.to_string())
+}
+
+/// Runs `helper …`. `run` and `exec` return only on failure (exec replaces this process).
 pub fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
+    match cmd {
+        HelperCommand::Run { cgroup, command } => run(&cgroup, &command),
+        HelperCommand::BindMount {
+            roots,
+            read_only,
+            source,
+            target,
+        } => beneath::bind_mount(&roots.locate(&source)?, &target, read_only).map_err(refused),
+        HelperCommand::Remove { roots, path } => beneath::remove(&roots.locate(&path)?)
+            .map(|_| ())
+            .map_err(refused),
+        HelperCommand::Mkdir {
+            roots,
+            parents,
+            owner,
+            mode,
+            path,
+        } => {
+            let attrs = DirAttrs {
+                owner: owner.as_deref().map(parse_owner).transpose()?,
+                mode: mode
+                    .as_deref()
+                    .map(|m| {
+                        u32::from_str_radix(m, 8)
+                            .ok()
+                            .filter(|m| *m <= 0o7777)
+                            .ok_or_else(|| {
+                                Failure::new(
+                                    EXIT_CONFIG,
+                                    format!("--mode {m:?} is not an octal mode like 0755"),
+                                )
+                            })
+                    })
+                    .transpose()?,
+            };
+            beneath::make_dir(&roots.locate(&path)?, parents, attrs).map_err(refused)
+        }
+        HelperCommand::Rename { roots, from, to } => {
+            beneath::rename(&roots.locate(&from)?, &roots.locate(&to)?).map_err(refused)
+        }
+        HelperCommand::Exec {
+            roots,
+            open,
+            create,
+            command,
+        } => exec(&roots, &open, &create, &command),
+    }
+}
+
+fn parse_owner(s: &str) -> Result<(u32, u32), Failure> {
+    s.split_once(':')
+        .and_then(|(u, g)| Some((u.parse().ok()?, g.parse().ok()?)))
+        .ok_or_else(|| {
+            Failure::new(
+                EXIT_CONFIG,
+                format!("--owner {s:?} is not UID:GID (numbers)"),
+            )
+        })
+}
+
+fn run(cgroup: &Path, command: &[OsString]) -> Result<(), Failure> {
     use std::os::unix::process::CommandExt;
-    let HelperCommand::Run { cgroup, command } = cmd;
     let procs = cgroup.join("cgroup.procs");
     std::fs::write(&procs, "0").map_err(|e| {
         Failure::new(
@@ -42,6 +198,65 @@ pub fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
         .split_first()
         .ok_or_else(|| Failure::new(EXIT_CONFIG, "no command given after --"))?;
     let e = std::process::Command::new(program).args(args).exec();
+    Err(Failure::new(
+        EXIT_FAILED,
+        format!("cannot run {}: {e}", PathBuf::from(program).display()),
+    ))
+}
+
+fn exec(
+    roots: &RootArgs,
+    open: &[PathBuf],
+    create: &[PathBuf],
+    command: &[OsString],
+) -> Result<(), Failure> {
+    use rustix::fd::IntoRawFd;
+    use rustix::fs::{Mode, OFlags};
+    use std::os::unix::process::CommandExt;
+    let mut fds = Vec::new();
+    for p in open {
+        fds.push(
+            roots
+                .locate(p)?
+                .open(OFlags::PATH, Mode::empty())
+                .map_err(refused)?,
+        );
+    }
+    for p in create {
+        fds.push(
+            roots
+                .locate(p)?
+                .open(
+                    OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW,
+                    Mode::from_raw_mode(0o600),
+                )
+                .map_err(refused)?,
+        );
+    }
+    let mut paths = Vec::new();
+    for fd in fds {
+        // Kept open across the exec (no FD_CLOEXEC): the command reaches it by number.
+        rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::empty())
+            .map_err(|e| Failure::new(EXIT_FAILED, format!("cannot keep a handle open: {e}")))?;
+        paths.push(format!("/proc/self/fd/{}", fd.into_raw_fd()));
+    }
+    let (program, args) = command
+        .split_first()
+        .ok_or_else(|| Failure::new(EXIT_CONFIG, "no command given after --"))?;
+    let args: Vec<OsString> = args
+        .iter()
+        .map(|a| match a.to_str() {
+            Some(text) => {
+                let mut s = text.to_string();
+                for (i, p) in paths.iter().enumerate() {
+                    s = s.replace(&format!("{{{i}}}"), p);
+                }
+                OsString::from(s)
+            }
+            None => a.clone(),
+        })
+        .collect();
+    let e = std::process::Command::new(program).args(&args).exec();
     Err(Failure::new(
         EXIT_FAILED,
         format!("cannot run {}: {e}", PathBuf::from(program).display()),

@@ -1,6 +1,6 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
 //! `volume snapshot create|list|delete` ([`storage`]), `volume claim release` ([`claim`]),
-//! `plugin check|status`, `node status`, `helper run` ([`helper`]); one file per command group, [`output`] for the
+//! `plugin check|status`, `node status`, `helper run|bind-mount|remove|mkdir|rename|exec` ([`helper`], for plugins); one file per command group, [`output`] for the
 //! readable (Nomad-style) and JSON forms every read command prints, [`records`] for the
 //! volume records both `volume` and the storage commands read.
 //!
@@ -164,9 +164,9 @@ pub enum Command {
     /// The nodes running dhv-binder, from the records each agent publishes.
     #[command(subcommand)]
     Node(node::NodeCommand),
-    /// Start a plugin's long-lived helper in the volume's helper cgroup (from a plugin's
-    /// `publish`: `helper run --cgroup "$DHV_HELPER_CGROUP" -- <command>…`).
-    #[command(subcommand)]
+    /// What plugins call: start a long-lived helper in the volume's helper cgroup (`helper
+    /// run`), and mount, remove, make and open paths by handle beneath the storage roots.
+    #[command(subcommand, hide = true)]
     Helper(helper::HelperCommand),
     /// Print a shell completion script (e.g. `dhv-binder completion bash >
     /// /etc/bash_completion.d/dhv-binder`).

@@ -8,7 +8,8 @@
 //! leave the mount); data kept across publishes; concurrent calls on one
 //! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
 //! caller's cgroup; an unpublish with the storage unreachable and a write only in the
-//! plugin's cache (must fail, [`flush`]); output shape (one JSON object on
+//! plugin's cache (must fail, [`flush`]); a directory swapped for a symlink to the outside
+//! while publishing, creating and deleting ([`race`]); output shape (one JSON object on
 //! stdout, `{"error":…}` on failure, unknown operations refused); nothing left mounted.
 //! The optional operations a plugin declares (snapshots, clones, expand, `fence`,
 //! `fence_node`/`unfence_node`) have their own rules ([`storage`]); one not declared is
@@ -26,6 +27,7 @@ use std::time::{Duration, Instant};
 
 mod flush;
 mod helpers;
+mod race;
 mod storage;
 
 /// How many times each operation is repeated.
@@ -938,6 +940,7 @@ async fn run_rules(kit: &mut Kit) {
     // Optional operations (when declared), then confinement, while the volume exists.
     storage::optional_rules(kit).await;
     storage::confinement_rule(kit).await;
+    race::race_rule(kit).await;
 
     // delete x10, then delete of a volume that never existed.
     let denv = environment::delete_env(&kit.node, &kit.rec);

@@ -12,6 +12,8 @@
 //! - `holders`: the processes still using a published volume;
 //! - `fence`: making a volume unwritable on this node without the network (a claim's lease
 //!   about to end);
+//! - [`beneath`]: paths beneath a storage root, resolved once with no symlink followed and
+//!   used by handle (bind mounts, removals, directories, renames for `dhv-binder helper`);
 //! - [`helpers`]: the per-volume cgroups plugins' long-lived helpers run in, outside the
 //!   daemon's own cgroup;
 //! - `freeze`: thawing a filesystem a snapshot call left frozen;
@@ -19,6 +21,7 @@
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
 
+pub mod beneath;
 pub(crate) mod fence;
 pub(crate) mod freeze;
 pub(crate) mod guard;

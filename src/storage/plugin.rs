@@ -447,6 +447,8 @@ pub struct Runner {
     /// A cgroup every call starts in (the conformance kit's stand-in for the daemon's), and
     /// the dhv-binder executable that puts it there (`helper run`).
     caller_cgroup: Option<(PathBuf, PathBuf)>,
+    /// The dhv-binder executable plugins call for `dhv-binder helper` (`DHV_BINDER`).
+    dhv_binder: Option<PathBuf>,
 }
 
 /// What tells one plugin file from another, or from itself changed: the file's device and
@@ -869,7 +871,16 @@ impl Runner {
             fingerprints: Default::default(),
             helpers: None,
             caller_cgroup: None,
+            dhv_binder: dhv_binder_exe().map(Path::to_path_buf),
         }
+    }
+
+    /// The same runner, giving plugins `dhv_binder` as `DHV_BINDER` (the executable they
+    /// call for `dhv-binder helper`) instead of [`dhv_binder_exe`]'s answer: for a program
+    /// that runs plugins in-process and is not dhv-binder itself (a test binary).
+    pub fn with_dhv_binder(mut self, dhv_binder: &Path) -> Self {
+        self.dhv_binder = Some(dhv_binder.to_path_buf());
+        self
     }
 
     /// The same runner, giving `publish` and `unpublish` the volume's helper cgroup
@@ -1233,6 +1244,7 @@ impl Runner {
                     .map(String::as_str)
                     .unwrap_or(""),
             )
+            .envs(self.dhv_binder.iter().map(|p| ("DHV_BINDER", p)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -1424,6 +1436,21 @@ pub fn parse_with<T: serde::de::DeserializeOwned>(
         tracing::warn!(plugin, %op, detail = %e.detail(), "{e}");
         e
     })
+}
+
+/// The dhv-binder executable plugins call for `dhv-binder helper` (`DHV_BINDER`): this
+/// process's own when it is dhv-binder (the agent, `plugin check`), else `DHV_BINDER` from
+/// this process's environment, else none (the plugin then looks for `dhv-binder` on its
+/// `PATH`). A runner can be given another ([`Runner::with_dhv_binder`]).
+pub fn dhv_binder_exe() -> Option<&'static Path> {
+    static EXE: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        std::env::current_exe()
+            .ok()
+            .filter(|p| p.file_name().is_some_and(|n| n == "dhv-binder"))
+            .or_else(|| std::env::var_os("DHV_BINDER").map(PathBuf::from))
+    })
+    .as_deref()
 }
 
 #[cfg(test)]
