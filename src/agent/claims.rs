@@ -20,7 +20,7 @@
 use crate::agent::effect::Effect;
 use crate::agent::reconcile::{ClaimState, Waiting};
 use crate::agent::retry::{Work, CLAIM_RETRY};
-use crate::cluster::claims::{ClaimError, ClaimSettings};
+use crate::cluster::claims::{Acquired, ClaimError, ClaimSettings};
 use crate::node::journal::MountRecord;
 use crate::retry::Retries;
 use crate::volume::VolumeKey;
@@ -40,6 +40,9 @@ pub(crate) struct Claim {
     pub lease_end: Option<Instant>,
     /// A renewal failed since the last one that succeeded.
     pub failing: bool,
+    /// The claim variable's ModifyIndex after this node's acquire (`None` after a restart):
+    /// an operator's release mark at or after it released this claim.
+    pub index: Option<u64>,
 }
 
 /// What a finished renewal changed.
@@ -51,6 +54,9 @@ pub(crate) enum Renewal {
     Restored,
     /// The lock is gone: another node may use the volume now.
     Lost,
+    /// An operator released the claim (a verified mark for this claim): another node may
+    /// publish now, so the volume is fenced here at once, then unpublished (as lost).
+    Released,
 }
 
 /// Every claim of this node, and why publishes wait for one.
@@ -97,6 +103,7 @@ impl Claims {
                         renewed: stale,
                         lease_end: None,
                         failing: false,
+                        index: None,
                     },
                 );
             }
@@ -134,7 +141,7 @@ impl Claims {
     /// Renewals due at `now`: held (or fenced) claims renewed a third of the TTL ago or more.
     pub(crate) fn renewals(&mut self, now: Instant) -> Vec<Effect> {
         let every = self.every();
-        let due: Vec<(VolumeKey, String)> = self
+        let due: Vec<(VolumeKey, String, Option<u64>)> = self
             .held
             .iter()
             .filter(|(k, c)| {
@@ -142,12 +149,16 @@ impl Claims {
                     && now.saturating_duration_since(c.renewed) >= every
                     && !self.renewing.contains_key(*k)
             })
-            .map(|(k, c)| (k.clone(), c.id.clone()))
+            .map(|(k, c)| (k.clone(), c.id.clone(), c.index))
             .collect();
         due.into_iter()
-            .map(|(volume, lock_id)| {
+            .map(|(volume, lock_id, acquired_index)| {
                 self.renewing.insert(volume.clone(), now);
-                Effect::RenewClaim { volume, lock_id }
+                Effect::RenewClaim {
+                    volume,
+                    lock_id,
+                    acquired_index,
+                }
             })
             .collect()
     }
@@ -222,12 +233,12 @@ impl Claims {
     pub(crate) fn on_acquired(
         &mut self,
         volume: VolumeKey,
-        result: Result<String, ClaimError>,
+        result: Result<Acquired, ClaimError>,
         retries: &mut Retries<Work>,
         now: Instant,
     ) {
         match result {
-            Ok(id) => {
+            Ok(acq) => {
                 tracing::info!(%volume, "claim acquired");
                 self.wait.remove(&volume);
                 retries.succeeded(&Work::Claim(volume.clone()));
@@ -236,11 +247,12 @@ impl Claims {
                 self.held.insert(
                     volume,
                     Claim {
-                        id,
+                        id: acq.lock_id,
                         state: ClaimState::Held,
                         renewed: now,
                         lease_end,
                         failing: false,
+                        index: (acq.index > 0).then_some(acq.index),
                     },
                 );
             }
@@ -306,6 +318,16 @@ impl Claims {
                     mounted_here,
                     now,
                 )
+            }
+            Err(e @ ClaimError::ReleasedByOperator { .. }) => {
+                tracing::error!(%volume, reason = %e, "claim released by an operator: fencing the volume here at once, then unpublishing it");
+                if let Some(c) = self.held.get_mut(volume) {
+                    c.state = ClaimState::Lost;
+                }
+                if !mounted_here {
+                    self.held.remove(volume);
+                }
+                Renewal::Released
             }
             Err(e @ ClaimError::Lost { .. }) => {
                 tracing::warn!(%volume, reason = %e, "claim lost: another node may use the volume now; unpublishing here before anything else");

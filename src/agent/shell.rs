@@ -356,20 +356,31 @@ impl Shell {
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))
             }
-            Effect::AcquireClaim { volume, volume_id } => self.call(executor::acquire_claim(
+            Effect::AcquireClaim {
+                volume,
+                volume_id,
+                fencing,
+            } => self.call(executor::acquire_claim(
                 client,
                 self.trust.clone(),
                 self.claims,
-                node.node_id,
+                runner,
+                node,
                 volume,
                 volume_id,
+                fencing,
             )),
-            Effect::RenewClaim { volume, lock_id } => self.call(executor::renew_claim(
+            Effect::RenewClaim {
+                volume,
+                lock_id,
+                acquired_index,
+            } => self.call(executor::renew_claim(
                 client,
                 self.trust.clone(),
                 volume,
                 lock_id,
                 node.node_id,
+                acquired_index,
             )),
             Effect::ReleaseClaim { volume, lock_id } => {
                 self.call(executor::release_claim(client, volume, lock_id))
