@@ -107,11 +107,15 @@ fn last_event_ms(c: &Cluster, i: usize, ev: &str) -> Option<u64> {
 /// default claim settings, its dhv-binder fences the volume on itself before the claim can
 /// lapse (the writer is killed, the mount read-only); the replacement on another node
 /// publishes only after the lapse. In the file, no line of the old allocation comes after the
-/// new allocation's first line. When the partition heals, the old node finds its claim lost
-/// and unpublishes once its task is gone. Prints the timeline.
+/// new allocation's first line. The new node's plugin revokes the old node's access at the
+/// storage (`fence_node`, the bind plugin's deny marker) before its publish. When the partition
+/// heals, the old node finds its claim lost and unpublishes once its task is gone; when it
+/// takes the claim again later, it restores its own access (`unfence_node`) before its
+/// publish, which the marker would refuse otherwise. Prints the timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
     let c = Cluster::start_with(3, "heartbeat_grace = \"2s\"", &[]).await;
+    c.log_plugin_calls("bind", "0");
     c.create_volume(VOLUME, "single-node-writer");
     c.wait_for(30, "a ready placeholder on every node", || async {
         let vols = c.get("/v1/volumes?type=host&namespace=*").await;
@@ -177,6 +181,28 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
         t_take.saturating_sub(t_fence)
     );
     assert!(t_fence < t_take, "fenced before the other node published");
+    // Storage-side fence: the new node's plugin fenced the old node before the publish.
+    let (old_id, new_id) = (c.nodes[old].id.clone(), c.nodes[new].id.clone());
+    let publish_start = c
+        .plugin_log()
+        .into_iter()
+        .filter(|(w, _, op, n)| w == "start" && op == "publish" && *n == new_id)
+        .map(|(_, t, _, _)| t)
+        .next_back()
+        .expect("the new node's publish in the plugin log");
+    let fenced = c.node_fence_calls();
+    assert!(
+        fenced.iter().any(|(t, op, by, rc, who)| op == "fence_node"
+            && *by == new_id
+            && *rc == 0
+            && *who == old_id
+            && *t < publish_start),
+        "no fence_node of the old node {old_id} by the new node {new_id} before its publish: {fenced:?}"
+    );
+    assert!(
+        last_event_ms(&c, new, "node-fenced").is_some(),
+        "the new node's journal records the storage-side fence"
+    );
     // Let both run on: the old task (restarted by its partitioned client) must not append.
     tokio::time::sleep(std::time::Duration::from_secs(8)).await;
     let lines = log_lines(&c);
@@ -205,6 +231,37 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
         &c.target(new, VOLUME)
     ));
     c.stop_job(&job, false).await;
+    // The old node is allowed back once it takes the claim again: its plugin's
+    // `unfence_node` for itself comes before its publish (the deny marker refuses it).
+    let back = c
+        .run_job(&writer_job_named(
+            c.sb.path(),
+            "back",
+            &format!(
+                "    constraint {{\n      attribute = \"${{node.unique.id}}\"\n      value     = \"{old_id}\"\n    }}"
+            ),
+        ))
+        .await;
+    let back_alloc: Value = c
+        .wait_for(120, "the old node writing the volume again", || async {
+            let a = c
+                .allocs(&back)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")?;
+            let id = a["ID"].as_str()?.to_string();
+            log_lines(&c).iter().any(|(x, _)| *x == id).then_some(a)
+        })
+        .await;
+    assert_eq!(back_alloc["NodeID"], old_id.as_str());
+    let fenced = c.node_fence_calls();
+    assert!(
+        fenced
+            .iter()
+            .any(|(_, op, by, rc, who)| op == "unfence_node" && *by == old_id && *rc == 0 && *who == old_id),
+        "the old node unfenced itself before publishing again: {fenced:?}"
+    );
+    c.stop_job(&back, false).await;
 }
 
 /// Hand-over on evidence: the holder's dhv-binder is killed while its writer keeps running

@@ -593,6 +593,52 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 31: a renewal that finds an operator's verified release mark for this very claim
+/// (`volume claim release`) fences the volume at once, well before the lease's end, records
+/// `claim-released` and `fenced` in the journal, and then unpublishes it as a lost claim.
+#[test]
+fn an_operator_release_of_this_claim_fences_at_once() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    // t0 + 5: the lease has 40 s left, its fence moment is 25 s away.
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        result: Err(ClaimError::ReleasedByOperator {
+            volume: key("d"),
+            claim_index: 42,
+        }),
+    }));
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::Fence { target: t, mine, .. } if t == &target("d") && mine.contains(A1))),
+        "fenced at once: {e:?}"
+    );
+    let events: Vec<EventKind> = e
+        .iter()
+        .filter_map(|x| match x {
+            Effect::Commit { commit, .. } => Some(commit.events().iter().map(|ev| ev.kind)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(
+        events.contains(&EventKind::ClaimReleased) && events.contains(&EventKind::Fenced),
+        "the release and the fence are in the journal: {events:?}"
+    );
+    assert!(h.core.status()["fenced"]["default/d"].is_object());
+    assert_eq!(h.core.status()["claims"]["default/d"], "lost");
+}
+
 /// Issue 31: an allocation writing a single-node volume without Nomad's own fence
 /// (`disconnect { stop_on_client_after }` within TTL + lock delay) is flagged `unfenced`;
 /// readers and fenced groups are not.
@@ -1001,7 +1047,7 @@ impl Twin {
                     Input::Done(Completion::ClaimAcquired {
                         volume: v.clone(),
                         result: if ok {
-                            Ok(format!("lock-{}", v.name))
+                            Ok(format!("lock-{}", v.name).as_str().into())
                         } else {
                             Err(ClaimError::Held {
                                 volume: v.clone(),
