@@ -630,6 +630,35 @@ mod tests {
         assert_eq!(c.fences_due(t0 + Duration::from_secs(65)), vec![key()]);
     }
 
+    /// The lease counts a VM suspend (issue 31): a lease with 40 s left, then a 60 s suspend.
+    /// On the monotonic clock the resumed agent would see 40 s left and go on writing; on the
+    /// agent's clock (`CLOCK_BOOTTIME`, [`crate::node::clock::BootClock`]) the fence is due at
+    /// the first pass.
+    #[test]
+    fn a_vm_suspend_counts_in_the_lease() {
+        use crate::node::clock::{BootClock, SuspendSource};
+        struct Fake(std::sync::Mutex<Duration>);
+        impl SuspendSource for Fake {
+            fn gap(&self) -> Option<Duration> {
+                Some(*self.0.lock().unwrap())
+            }
+        }
+        let s = Duration::from_secs;
+        let fake = std::sync::Arc::new(Fake(std::sync::Mutex::new(s(3))));
+        let clock = BootClock::new(fake.clone());
+        let mono = Instant::now();
+        let mut c = claims();
+        held(&mut c, clock.at(mono));
+        assert_eq!(c.renewals(clock.at(mono + s(5))).len(), 1);
+        // Suspended with the renewal in flight for 60 s; resumed 1 s (monotonic) later.
+        *fake.0.lock().unwrap() = s(63);
+        assert_eq!(
+            c.fences_due(clock.at(mono + s(6))),
+            vec![key()],
+            "the suspend counts: the fence is due on resume"
+        );
+    }
+
     /// After a restart the lease's end is unknown: no fence while the first renewal is in
     /// flight, a fence at once when it fails, none when it succeeds.
     #[test]
