@@ -382,6 +382,66 @@ async fn a_partitioned_node_calls_the_plugins_fence() {
     c.stop_job(&job, false).await;
 }
 
+/// Nomad's own fence: a writer whose group sets `disconnect { stop_on_client_after }` below
+/// the claim's fence deadline is stopped by its partitioned client (the simulator follows
+/// `client/heartbeatstop.go`) before dhv-binder's fence is due: its lines end about that
+/// long after the cut, while the agent has not fenced yet, and it is not flagged `unfenced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_client_stops_a_writer_with_stop_on_client_after_before_the_fence() {
+    let c = Cluster::start_with(1, "", &[]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c
+        .run_job(&writer_job_named(
+            c.sb.path(),
+            "stopping",
+            "    disconnect {\n      stop_on_client_after = \"8s\"\n    }",
+        ))
+        .await;
+    c.wait_for(120, "the writer's first lines", || async {
+        (!log_lines(&c).is_empty()).then_some(())
+    })
+    .await;
+    let (_, status) = c.status(0);
+    let st: Value = serde_json::from_str(&status).unwrap();
+    assert!(
+        st["unfenced"].as_object().is_some_and(|o| o.is_empty()),
+        "stop_on_client_after within the fence deadline: not flagged: {st}"
+    );
+    let node = c.nodes[0].id.clone();
+    let t_cut = now_ms();
+    c.put(&format!("/v1/sim/node/{node}/partition?on=true"), json!({}))
+        .await;
+    // The writer appends every 100 ms: 2 s without a new line means it stopped.
+    let mut last = (log_lines(&c).len(), now_ms());
+    let t_stopped = c
+        .wait_for(40, "the writer stopped by its client", || {
+            let n = log_lines(&c).len();
+            let t = now_ms();
+            if n != last.0 {
+                last = (n, t);
+            }
+            let stopped = (t - last.1 >= 2_000).then_some(last.1);
+            async move { stopped }
+        })
+        .await;
+    let after = t_stopped.saturating_sub(t_cut);
+    eprintln!("the partitioned client stopped the writer {after} ms after the cut");
+    assert!(
+        (6_000..20_000).contains(&after),
+        "stopped {after} ms after the cut (stop_on_client_after = 8 s)"
+    );
+    assert!(
+        last_event_ms(&c, 0, "fenced").is_none_or(|t| t > t_stopped),
+        "the client stopped the writer before dhv-binder fenced"
+    );
+    c.put(
+        &format!("/v1/sim/node/{node}/partition?on=false"),
+        json!({}),
+    )
+    .await;
+    c.stop_job(&job, false).await;
+}
+
 /// Kills and reaps a process when dropped (a holder the test started), even on failure.
 struct Holder(std::process::Child);
 
