@@ -258,7 +258,10 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
     assert!(
         fenced
             .iter()
-            .any(|(_, op, by, rc, who)| op == "unfence_node" && *by == old_id && *rc == 0 && *who == old_id),
+            .any(|(_, op, by, rc, who)| op == "unfence_node"
+                && *by == old_id
+                && *rc == 0
+                && *who == old_id),
         "the old node unfenced itself before publishing again: {fenced:?}"
     );
     c.stop_job(&back, false).await;

@@ -885,10 +885,7 @@ async fn a_client_that_cannot_heartbeat_stops_groups_with_stop_on_client_after()
             })
             .await;
         let id_of = |g: &str| {
-            allocs
-                .iter()
-                .find(|a| a["TaskGroup"] == g)
-                .unwrap()["ID"]
+            allocs.iter().find(|a| a["TaskGroup"] == g).unwrap()["ID"]
                 .as_str()
                 .unwrap()
                 .to_string()
@@ -930,9 +927,15 @@ async fn a_client_that_cannot_heartbeat_stops_groups_with_stop_on_client_after()
         assert!(t_old > t_stop, "each group by its own timeout");
         assert!(alive(&keep), "a group without the setting keeps running");
         // The node was never marked down (grace 30 s): the client stopped them by itself.
-        assert_eq!(sim.get(&format!("/v1/node/{node}")).await["Status"], "ready");
-        sim.put(&format!("/v1/sim/node/{node}/partition?on=false"), json!({}))
-            .await;
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "ready"
+        );
+        sim.put(
+            &format!("/v1/sim/node/{node}/partition?on=false"),
+            json!({}),
+        )
+        .await;
     })
     .await
     .expect("test timed out");

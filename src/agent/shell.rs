@@ -367,11 +367,10 @@ impl Shell {
                 client,
                 self.trust.clone(),
                 self.claims,
-                runner,
                 node,
                 volume,
                 volume_id,
-                fencing,
+                fencing.map(|rec| (runner, rec)),
             )),
             Effect::RenewClaim {
                 volume,

@@ -77,7 +77,10 @@ impl BootClock {
     /// The time the machine was suspended since this clock was made (read now).
     pub fn suspended(&self) -> Duration {
         if let Some(gap) = self.source.gap() {
-            let ns = gap.saturating_sub(self.start).as_nanos().min(u64::MAX as u128) as u64;
+            let ns = gap
+                .saturating_sub(self.start)
+                .as_nanos()
+                .min(u64::MAX as u128) as u64;
             self.seen.fetch_max(ns, Ordering::Relaxed);
         }
         self.seen()
@@ -130,6 +133,9 @@ mod tests {
         let clock = BootClock::default();
         let t = Instant::now();
         assert!(clock.at(t) >= t);
-        assert!(Kernel.gap().is_some(), "CLOCK_BOOTTIME and CLOCK_MONOTONIC readable");
+        assert!(
+            Kernel.gap().is_some(),
+            "CLOCK_BOOTTIME and CLOCK_MONOTONIC readable"
+        );
     }
 }

@@ -636,8 +636,9 @@ exit $rc
             .lines()
             .filter_map(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
-                (f.first() == Some(&"end") && f.get(2).is_some_and(|op| op.ends_with("fence_node")))
-                    .then_some(())?;
+                (f.first() == Some(&"end")
+                    && f.get(2).is_some_and(|op| op.ends_with("fence_node")))
+                .then_some(())?;
                 Some((
                     f.get(1)?.parse().ok()?,
                     f.get(2)?.to_string(),

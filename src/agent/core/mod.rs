@@ -674,12 +674,7 @@ impl Core {
     /// Makes `volume` unwritable here now ([`Effect::Fence`], with the plugin's `fence` when
     /// it declares it), recorded in the journal, the log and the status. `lease_left_ms`: how
     /// long the claim's lease had left (`None` when the claim was released by an operator).
-    fn fence(
-        &mut self,
-        volume: VolumeKey,
-        lease_left_ms: Option<u64>,
-        out: &mut Vec<Effect>,
-    ) {
+    fn fence(&mut self, volume: VolumeKey, lease_left_ms: Option<u64>, out: &mut Vec<Effect>) {
         let left = lease_left_ms;
         self.dirty.insert(volume.clone());
         let Some(m) = self.journal.mounts().get(&volume).cloned() else {

@@ -807,8 +807,8 @@ pub async fn delete(
     }
 }
 
-/// Acquires the claim on a single-node volume. With `fencing` (the volume's record, when its
-/// plugin declares `fence_node`), a take-over then runs the plugin's `fence_node` for each
+/// Acquires the claim on a single-node volume. With `fencing` (the plugin runner and the
+/// volume's record, when its plugin declares `fence_node`), a take-over then runs the plugin's `fence_node` for each
 /// node the claim lists as fenced (the previous holder among them) and, when this node was
 /// fenced itself, `unfence_node` for this node, all before the claim counts as taken (so
 /// before the publish; docs/plugin-protocol.md, "fence_node and unfence_node"). A failed call
@@ -818,11 +818,10 @@ pub async fn acquire_claim(
     client: Client,
     trust: crate::cluster::trust::RecordTrust,
     settings: ClaimSettings,
-    runner: Runner,
     node: NodeEnv,
     volume: VolumeKey,
     volume_id: String,
-    fencing: Option<Box<VolumeRecord>>,
+    fencing: Option<(Runner, Box<VolumeRecord>)>,
 ) -> Completion {
     let result = claims::acquire(
         &client,
@@ -835,7 +834,7 @@ pub async fn acquire_claim(
     )
     .await;
     let result = match (result, fencing) {
-        (Ok(acq), Some(rec)) if !acq.fence.is_empty() || acq.unfence => {
+        (Ok(acq), Some((runner, rec))) if !acq.fence.is_empty() || acq.unfence => {
             match fence_at_storage(&runner, &node, &rec, &acq).await {
                 Ok(()) => Ok(acq),
                 Err(e) => {
@@ -871,11 +870,16 @@ async fn fence_at_storage(
         let mut env = delete_env(node, rec);
         env.push(("DHV_FENCED_NODE_ID".into(), fenced.to_string()));
         let volume = rec.key();
-        match runner.call(&rec.spec.plugin_id, op, &env, &rec.secrets).await {
-            Ok(_) => tracing::warn!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "{}", match op {
-                Operation::FenceNode => "took the volume over: the old holder's access is revoked at the storage (plugin fence_node) before the publish here",
-                _ => "this node's access to the volume is restored at the storage (plugin unfence_node): it holds the claim again",
-            }),
+        match runner
+            .call(&rec.spec.plugin_id, op, &env, &rec.secrets)
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "{}", match op {
+                    Operation::FenceNode => "took the volume over: the old holder's access is revoked at the storage (plugin fence_node) before the publish here",
+                    _ => "this node's access to the volume is restored at the storage (plugin unfence_node): it holds the claim again",
+                })
+            }
             Err(e) => {
                 let e = redacted(e, &rec.secrets);
                 tracing::error!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, error = %e.report(), "storage-side {op} failed; the volume is not published here until it succeeds (retried)");
