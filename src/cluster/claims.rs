@@ -492,6 +492,47 @@ pub async fn release(client: &Client, volume: &VolumeKey, lock_id: &str) -> Resu
 mod tests {
     use super::*;
 
+    /// Who is fenced and unfenced at the storage by an acquire (docs/plugin-protocol.md,
+    /// "fence_node and unfence_node").
+    #[test]
+    fn an_acquire_fences_a_holder_taken_over_and_the_listed_nodes_and_unfences_itself() {
+        let items = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // A holder taken over (its node down): fenced.
+        let (fence, unfence) = storage_fencing(
+            "b",
+            &items(&[("node_id", "a")]),
+            &Previous::TakenOver("a".into()),
+        );
+        assert_eq!((fence, unfence), (vec!["a".to_string()], false));
+        // A clean release: nobody fenced.
+        let (fence, unfence) = storage_fencing("b", &items(&[("node_id", "a")]), &Previous::Clean);
+        assert_eq!((fence, unfence), (vec![], false));
+        // Listed nodes stay fenced (fenced again: idempotent), the acquiring one is unfenced.
+        let (fence, unfence) = storage_fencing(
+            "a",
+            &items(&[("node_id", "b"), (FENCED_NODES_ITEM, "a,c")]),
+            &Previous::Clean,
+        );
+        assert_eq!((fence, unfence), (vec!["c".to_string()], true));
+        // The last holder itself (a take-over of its own stopped half-way): unfenced again,
+        // and the listed node fenced again.
+        let (fence, unfence) = storage_fencing(
+            "b",
+            &items(&[("node_id", "b"), (FENCED_NODES_ITEM, "a")]),
+            &Previous::None,
+        );
+        assert_eq!((fence, unfence), (vec!["a".to_string()], true));
+        assert_eq!(
+            fenced_nodes(&items(&[(FENCED_NODES_ITEM, "a,,b")])),
+            vec!["a".to_string(), "b".to_string()]
+        );
+    }
+
     #[test]
     fn exclusive_modes() {
         assert!(is_exclusive("single-node-writer"));
