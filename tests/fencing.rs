@@ -575,8 +575,9 @@ async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
 }
 
 /// A paused agent (SIGSTOP, as a suspended VM) does not resume on a lapsed lease: the holder's
-/// dhv-binder is stopped past its lease (TTL 10 s + lock delay 2 s) while its writer runs;
-/// the first thing it records after SIGCONT is the fence, and the volume is unwritable here.
+/// dhv-binder is stopped past its lease (2 x TTL 10 s + lock delay 2 s = 22 s after its last
+/// renewal) while its writer runs; the first thing it records after SIGCONT is the fence, and
+/// the volume is unwritable here (the lock is gone by then, so no renewal restores it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     let c = Cluster::start_with(
@@ -595,7 +596,10 @@ async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     })
     .await;
     c.signal_agent(0, nix::sys::signal::Signal::SIGSTOP);
-    tokio::time::sleep(std::time::Duration::from_secs(16)).await;
+    // Past the lease: with 16 s (the lease's length before Nomad's renewal was read as 2 x
+    // TTL) the lock was still held, a renewal after the resume restored the volume and the
+    // writer wrote again within the check's 2 s under load.
+    tokio::time::sleep(std::time::Duration::from_secs(24)).await;
     let t_resume = now_ms();
     c.signal_agent(0, nix::sys::signal::Signal::SIGCONT);
     c.wait_for(20, "the fence after the resume", || async {
