@@ -251,7 +251,12 @@ impl Core {
                         serde_json::json!({"by": "operator", "mounted_here": mounted_here}),
                     );
                     if mounted_here && !self.fenced.contains_key(&volume) {
-                        self.fence(volume.clone(), None, out);
+                        self.fence(
+                            volume.clone(),
+                            None,
+                            "an operator released this node's claim (`volume claim release`; another node may take it now)",
+                            out,
+                        );
                     }
                 }
                 if renewal == crate::agent::claims::Renewal::Restored {

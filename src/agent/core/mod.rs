@@ -667,22 +667,34 @@ impl Core {
                 .claims
                 .lease_end(&volume)
                 .map(|end| end.saturating_duration_since(now).as_millis() as u64);
-            self.fence(volume, left, out);
+            self.fence(
+                volume,
+                left,
+                "no renewal succeeded before its lease was about to end (another node may take it then)",
+                out,
+            );
         }
     }
 
     /// Makes `volume` unwritable here now ([`Effect::Fence`], with the plugin's `fence` when
     /// it declares it), recorded in the journal, the log and the status. `lease_left_ms`: how
-    /// long the claim's lease had left (`None` when the claim was released by an operator).
-    fn fence(&mut self, volume: VolumeKey, lease_left_ms: Option<u64>, out: &mut Vec<Effect>) {
+    /// long the claim's lease had left (`None` when the claim was released by an operator);
+    /// `why`: for the log.
+    fn fence(
+        &mut self,
+        volume: VolumeKey,
+        lease_left_ms: Option<u64>,
+        why: &str,
+        out: &mut Vec<Effect>,
+    ) {
         let left = lease_left_ms;
         self.dirty.insert(volume.clone());
         let Some(m) = self.journal.mounts().get(&volume).cloned() else {
-            tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end; nothing is mounted here");
+            tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: {why}; nothing is mounted here");
             return;
         };
         let target = m.target.clone();
-        tracing::error!(%volume, target = %target.display(), lease_left_ms = ?left, "claim fenced: another node may take it now or soon; making the volume unwritable here");
+        tracing::error!(%volume, target = %target.display(), lease_left_ms = ?left, "claim fenced: {why}; making the volume unwritable here");
         let detail = serde_json::json!({"target": target, "lease_left_ms": left});
         self.journal.note(EventKind::Fenced, &volume, detail);
         self.fenced.insert(
