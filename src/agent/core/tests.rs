@@ -593,6 +593,62 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 31: the acquire carries the volume's record for the storage-side fence only when the
+/// plugin declares `fence_node` (otherwise no `fence_node`/`unfence_node` call is made), and
+/// a take-over's fence is recorded in the journal (`node-fenced`).
+#[test]
+fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let fencing = |e: &[Effect]| {
+        e.iter().find_map(|x| match x {
+            Effect::AcquireClaim { fencing, .. } => Some(fencing.is_some()),
+            _ => None,
+        })
+    };
+    assert_eq!(
+        fencing(&h.setup),
+        Some(false),
+        "bind without fence_node: {:?}",
+        h.setup
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(ClaimError::Held {
+            volume: key("d"),
+            holder: "node-2".into(),
+        }),
+    }));
+    h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+        "bind".to_string(),
+        Ok(Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+            capabilities: vec!["fence_node".into()],
+        }),
+    )]))));
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert_eq!(fencing(&e), Some(true), "{e:?}");
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok(crate::cluster::claims::Acquired {
+            lock_id: "lock".into(),
+            index: 7,
+            fence: vec!["node-2".into()],
+            unfence: false,
+        }),
+    }));
+    assert!(
+        e.iter().any(|x| matches!(x, Effect::Commit { commit, .. }
+            if commit.events().iter().any(|ev| ev.kind == EventKind::NodeFenced
+                && ev.detail["fenced_nodes"] == serde_json::json!(["node-2"])))),
+        "the take-over's storage-side fence is in the journal: {e:?}"
+    );
+    assert_eq!(h.core.status()["claims"]["default/d"], "held");
+}
+
 /// Issue 31: a renewal that finds an operator's verified release mark for this very claim
 /// (`volume claim release`) fences the volume at once, well before the lease's end, records
 /// `claim-released` and `fenced` in the journal, and then unpublishes it as a lost claim.
