@@ -649,6 +649,38 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 31: a take-over whose `fence_node` failed (the claim given back by the executor)
+/// publishes nothing: the volume waits, saying which call failed for which node, and the
+/// acquire is retried.
+#[test]
+fn a_failed_fence_node_blocks_the_publish_and_is_retried() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(ClaimError::StorageFence {
+            volume: key("d"),
+            op: "fence_node",
+            node: "node-2".into(),
+            error: "export rule not written: server unreachable".into(),
+        }),
+    }));
+    assert_eq!(publishes(&e), 0);
+    let w = h.core.status()["waiting"].to_string();
+    assert!(
+        w.contains("fence_node") && w.contains("node-2") && w.contains("not published"),
+        "{w}"
+    );
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(
+        e.iter().any(|x| matches!(x, Effect::AcquireClaim { .. })),
+        "the take-over is retried: {e:?}"
+    );
+    assert_eq!(publishes(&e), 0);
+}
+
 /// Issue 31: a renewal that finds an operator's verified release mark for this very claim
 /// (`volume claim release`) fences the volume at once, well before the lease's end, records
 /// `claim-released` and `fenced` in the journal, and then unpublishes it as a lost claim.
