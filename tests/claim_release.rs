@@ -189,3 +189,56 @@ async fn an_operator_releases_the_claim_of_a_holder_whose_agent_is_down() {
 fn var_url(path: &str) -> String {
     format!("/v1/var/{path}")
 }
+
+fn last_event_ms(c: &Cluster, i: usize, ev: &str) -> Option<u64> {
+    c.journal(i)
+        .iter()
+        .filter(|e| e["event"] == ev)
+        .filter_map(|e| e["unix_ms"].as_u64())
+        .next_back()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// The holder's agent runs when the operator releases its claim: its next renewal is refused,
+/// it finds the verified release mark for this very claim, records `claim-released` in its
+/// journal and fences the volume at once, not when the lease would have ended (with the
+/// default settings, 30 s after its last renewal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_holder_fences_at_once_when_an_operator_releases_its_claim() {
+    let c = Cluster::start_with(1, "", &[]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path(), "writer", "")).await;
+    c.wait_for(120, "the writer running", || async {
+        c.allocs(&job)
+            .await
+            .into_iter()
+            .find(|a| a["TaskStates"]["app"]["State"] == "running")
+    })
+    .await;
+    c.wait_for(30, "the volume published", || async {
+        dhv_binder::node::mounts::is_mount_point(&c.target(0, VOLUME)).then_some(())
+    })
+    .await;
+    let t_release = now_ms();
+    let (code, out) = c.cli(&["volume", "claim", "release", "-yes", VOLUME]);
+    assert_eq!(code, 0, "{out}");
+    let t_fence = c
+        .wait_for(40, "the holder's fence", || async {
+            last_event_ms(&c, 0, "fenced")
+        })
+        .await;
+    let released = last_event_ms(&c, 0, "claim-released").expect("claim-released in the journal");
+    let after = t_fence.saturating_sub(t_release);
+    eprintln!("the holder fenced {after} ms after the operator's release");
+    assert!(
+        released <= t_fence && after < 12_000,
+        "fenced {after} ms after the release: at once (the next renewal), not at the lease's end"
+    );
+    c.stop_job(&job, false).await;
+}

@@ -107,11 +107,15 @@ fn last_event_ms(c: &Cluster, i: usize, ev: &str) -> Option<u64> {
 /// default claim settings, its dhv-binder fences the volume on itself before the claim can
 /// lapse (the writer is killed, the mount read-only); the replacement on another node
 /// publishes only after the lapse. In the file, no line of the old allocation comes after the
-/// new allocation's first line. When the partition heals, the old node finds its claim lost
-/// and unpublishes once its task is gone. Prints the timeline.
+/// new allocation's first line. The new node's plugin revokes the old node's access at the
+/// storage (`fence_node`, the bind plugin's deny marker) before its publish. When the partition
+/// heals, the old node finds its claim lost and unpublishes once its task is gone; when it
+/// takes the claim again later, it restores its own access (`unfence_node`) before its
+/// publish, which the marker would refuse otherwise. Prints the timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
     let c = Cluster::start_with(3, "heartbeat_grace = \"2s\"", &[]).await;
+    c.log_plugin_calls("bind", "0");
     c.create_volume(VOLUME, "single-node-writer");
     c.wait_for(30, "a ready placeholder on every node", || async {
         let vols = c.get("/v1/volumes?type=host&namespace=*").await;
@@ -177,6 +181,28 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
         t_take.saturating_sub(t_fence)
     );
     assert!(t_fence < t_take, "fenced before the other node published");
+    // Storage-side fence: the new node's plugin fenced the old node before the publish.
+    let (old_id, new_id) = (c.nodes[old].id.clone(), c.nodes[new].id.clone());
+    let publish_start = c
+        .plugin_log()
+        .into_iter()
+        .filter(|(w, _, op, n)| w == "start" && op == "publish" && *n == new_id)
+        .map(|(_, t, _, _)| t)
+        .next_back()
+        .expect("the new node's publish in the plugin log");
+    let fenced = c.node_fence_calls();
+    assert!(
+        fenced.iter().any(|(t, op, by, rc, who)| op == "fence_node"
+            && *by == new_id
+            && *rc == 0
+            && *who == old_id
+            && *t < publish_start),
+        "no fence_node of the old node {old_id} by the new node {new_id} before its publish: {fenced:?}"
+    );
+    assert!(
+        last_event_ms(&c, new, "node-fenced").is_some(),
+        "the new node's journal records the storage-side fence"
+    );
     // Let both run on: the old task (restarted by its partitioned client) must not append.
     tokio::time::sleep(std::time::Duration::from_secs(8)).await;
     let lines = log_lines(&c);
@@ -205,6 +231,40 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
         &c.target(new, VOLUME)
     ));
     c.stop_job(&job, false).await;
+    // The old node is allowed back once it takes the claim again: its plugin's
+    // `unfence_node` for itself comes before its publish (the deny marker refuses it).
+    let back = c
+        .run_job(&writer_job_named(
+            c.sb.path(),
+            "back",
+            &format!(
+                "    constraint {{\n      attribute = \"${{node.unique.id}}\"\n      value     = \"{old_id}\"\n    }}"
+            ),
+        ))
+        .await;
+    let back_alloc: Value = c
+        .wait_for(120, "the old node writing the volume again", || async {
+            let a = c
+                .allocs(&back)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")?;
+            let id = a["ID"].as_str()?.to_string();
+            log_lines(&c).iter().any(|(x, _)| *x == id).then_some(a)
+        })
+        .await;
+    assert_eq!(back_alloc["NodeID"], old_id.as_str());
+    let fenced = c.node_fence_calls();
+    assert!(
+        fenced
+            .iter()
+            .any(|(_, op, by, rc, who)| op == "unfence_node"
+                && *by == old_id
+                && *rc == 0
+                && *who == old_id),
+        "the old node unfenced itself before publishing again: {fenced:?}"
+    );
+    c.stop_job(&back, false).await;
 }
 
 /// Hand-over on evidence: the holder's dhv-binder is killed while its writer keeps running
@@ -317,6 +377,66 @@ async fn a_partitioned_node_calls_the_plugins_fence() {
         .collect();
     assert_eq!(calls.len(), 1, "one fence call by the plugin: {calls:?}");
     assert!(fence["read_only"] == true, "{fence}");
+    c.put(
+        &format!("/v1/sim/node/{node}/partition?on=false"),
+        json!({}),
+    )
+    .await;
+    c.stop_job(&job, false).await;
+}
+
+/// Nomad's own fence: a writer whose group sets `disconnect { stop_on_client_after }` below
+/// the claim's fence deadline is stopped by its partitioned client (the simulator follows
+/// `client/heartbeatstop.go`) before dhv-binder's fence is due: its lines end about that
+/// long after the cut, while the agent has not fenced yet, and it is not flagged `unfenced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_client_stops_a_writer_with_stop_on_client_after_before_the_fence() {
+    let c = Cluster::start_with(1, "", &[]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c
+        .run_job(&writer_job_named(
+            c.sb.path(),
+            "stopping",
+            "    disconnect {\n      stop_on_client_after = \"8s\"\n    }",
+        ))
+        .await;
+    c.wait_for(120, "the writer's first lines", || async {
+        (!log_lines(&c).is_empty()).then_some(())
+    })
+    .await;
+    let (_, status) = c.status(0);
+    let st: Value = serde_json::from_str(&status).unwrap();
+    assert!(
+        st["unfenced"].as_object().is_some_and(|o| o.is_empty()),
+        "stop_on_client_after within the fence deadline: not flagged: {st}"
+    );
+    let node = c.nodes[0].id.clone();
+    let t_cut = now_ms();
+    c.put(&format!("/v1/sim/node/{node}/partition?on=true"), json!({}))
+        .await;
+    // The writer appends every 100 ms: 2 s without a new line means it stopped.
+    let mut last = (log_lines(&c).len(), now_ms());
+    let t_stopped = c
+        .wait_for(40, "the writer stopped by its client", || {
+            let n = log_lines(&c).len();
+            let t = now_ms();
+            if n != last.0 {
+                last = (n, t);
+            }
+            let stopped = (t - last.1 >= 2_000).then_some(last.1);
+            async move { stopped }
+        })
+        .await;
+    let after = t_stopped.saturating_sub(t_cut);
+    eprintln!("the partitioned client stopped the writer {after} ms after the cut");
+    assert!(
+        (6_000..20_000).contains(&after),
+        "stopped {after} ms after the cut (stop_on_client_after = 8 s)"
+    );
+    assert!(
+        last_event_ms(&c, 0, "fenced").is_none_or(|t| t > t_stopped),
+        "the client stopped the writer before dhv-binder fenced"
+    );
     c.put(
         &format!("/v1/sim/node/{node}/partition?on=false"),
         json!({}),
@@ -455,8 +575,9 @@ async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
 }
 
 /// A paused agent (SIGSTOP, as a suspended VM) does not resume on a lapsed lease: the holder's
-/// dhv-binder is stopped past its lease (TTL 10 s + lock delay 2 s) while its writer runs;
-/// the first thing it records after SIGCONT is the fence, and the volume is unwritable here.
+/// dhv-binder is stopped past its lease (2 x TTL 10 s + lock delay 2 s = 22 s after its last
+/// renewal) while its writer runs; the first thing it records after SIGCONT is the fence, and
+/// the volume is unwritable here (the lock is gone by then, so no renewal restores it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     let c = Cluster::start_with(
@@ -475,7 +596,10 @@ async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     })
     .await;
     c.signal_agent(0, nix::sys::signal::Signal::SIGSTOP);
-    tokio::time::sleep(std::time::Duration::from_secs(16)).await;
+    // Past the lease: with 16 s (the lease's length before Nomad's renewal was read as 2 x
+    // TTL) the lock was still held, a renewal after the resume restored the volume and the
+    // writer wrote again within the check's 2 s under load.
+    tokio::time::sleep(std::time::Duration::from_secs(24)).await;
     let t_resume = now_ms();
     c.signal_agent(0, nix::sys::signal::Signal::SIGCONT);
     c.wait_for(20, "the fence after the resume", || async {

@@ -3,6 +3,15 @@
 //! Models `client/client.go` (alloc watching, `allocSyncIntv` = 200 ms batching, `-dev` destroy
 //! on shutdown) and `client/allocrunner/alloc_runner.go` + `tasklifecycle/coordinator.go`
 //! (prestart → main → poststart → poststop ordering, `getClientStatus`).
+//!
+//! Heartbeat stop (`client/heartbeatstop.go`, `heartbeatStop.watch` and `shouldStopAfter`):
+//! the client keeps the time of its last heartbeat that reached the servers (`lastOk`, set
+//! when it starts and on every heartbeat); an allocation whose group sets
+//! `disconnect { stop_on_client_after }` (or the older `stop_after_client_disconnect`,
+//! `TaskGroup.GetDisconnectStopTimeout`) is destroyed (`stopAlloc` → `AllocRunner.Destroy`:
+//! its tasks are killed, poststop ones run, nothing restarts it) once that long has passed
+//! since `lastOk` without a heartbeat: here, while the node's heartbeats are stopped (a
+//! partition, `PUT /v1/sim/node/:id/partition`).
 
 use crate::store::{ClientAllocUpdate, Server};
 use crate::structs::{client_status, Allocation, TaskEvent, TaskState};
@@ -76,6 +85,9 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
     let mut runners: BTreeMap<String, RunnerHandle> = BTreeMap::new();
     let mut finished: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
     let mut index_rx = server.subscribe_index();
+    // `heartbeatStop.lastOk`: set when the client starts (`watch`) and on every heartbeat.
+    let mut last_ok = tokio::time::Instant::now();
+    let mut heartbeat_stopped: std::collections::BTreeSet<String> = Default::default();
     loop {
         if *shutdown.borrow() {
             break;
@@ -84,6 +96,36 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
         let present: std::collections::BTreeSet<String> =
             allocs.iter().map(|a| a.ID.clone()).collect();
         let heartbeating = sim_heartbeating(&server, &node_id);
+        let now = tokio::time::Instant::now();
+        let mut next_stop: Option<tokio::time::Instant> = None;
+        if heartbeating {
+            last_ok = now;
+        } else {
+            // `heartbeatStop.watch`: each allocation with a stop timeout is destroyed once
+            // `shouldStopAfter` (now past lastOk + timeout), once.
+            for (id, h) in &runners {
+                if heartbeat_stopped.contains(id) {
+                    continue;
+                }
+                let timeout = match &*h.tx.borrow() {
+                    Directive::Alloc(a) => stop_timeout(a),
+                    _ => None,
+                };
+                let Some(d) = timeout else { continue };
+                if now > last_ok + d {
+                    eprintln!(
+                        "nomad-sim: node {node_id}: no heartbeat for {:?} (stop_on_client_after {d:?}): stopping allocation {id}",
+                        now - last_ok
+                    );
+                    let _ = h.tx.send(Directive::Destroy);
+                    heartbeat_stopped.insert(id.clone());
+                } else {
+                    let at = last_ok + d + Duration::from_millis(1);
+                    next_stop = Some(next_stop.map_or(at, |n| n.min(at)));
+                }
+            }
+        }
+        heartbeat_stopped.retain(|id| runners.contains_key(id));
         for a in allocs {
             if !heartbeating {
                 break; // a partitioned client does not see server changes
@@ -124,7 +166,6 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
             }
         }
         // Purged/GC'd allocs: the client notices "a moment later" and destroys them.
-        let now = tokio::time::Instant::now();
         for (id, h) in runners.iter_mut() {
             if !present.contains(id) && heartbeating {
                 match h.gone_since {
@@ -149,6 +190,7 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
         } else {
             Duration::from_secs(1)
         };
+        let wait = next_stop.map_or(wait, |t| wait.min(t.saturating_duration_since(now)));
         tokio::select! {
             _ = index_rx.changed() => {}
             _ = tokio::time::sleep(wait) => {}
@@ -163,6 +205,16 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
     }
     let _ = flush_stop_tx.send(true);
     let _ = flusher.await;
+}
+
+/// `getDisconnectStopTimeout`: the stop timeout of the allocation's group, if it sets one.
+fn stop_timeout(a: &Allocation) -> Option<Duration> {
+    a.Job
+        .as_ref()?
+        .TaskGroups
+        .iter()
+        .find(|g| g.Name == a.TaskGroup)?
+        .stop_on_client_after()
 }
 
 fn sim_heartbeating(server: &Server, node_id: &str) -> bool {

@@ -5,7 +5,8 @@
 //! update (job and group: max_parallel, canary, auto_promote, auto_revert, health_check,
 //! min_healthy_time, healthy_deadline, progress_deadline, stagger; the job's block is merged
 //! under each group's as `TaskGroup.Canonicalize` does), group (count, volume, restart,
-//! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect;
+//! reschedule, constraint, meta, shutdown_delay, disconnect, max_client_disconnect,
+//! stop_after_client_disconnect;
 //! network ports (`static`, `to`; see `networks`), service ignored), task (driver, user, config, env, meta, lifecycle, volume_mount, identity,
 //! kill_timeout, kill_signal, shutdown_delay, resources, restart, leader, artifact with
 //! source, destination and `options { checksum }`: see [`crate::artifact`]).
@@ -390,6 +391,7 @@ fn parse_group(job_ctx: &str, g: &hcl::Block) -> Result<TaskGroup, HclError> {
         ShutdownDelay: a.duration_ns("shutdown_delay")?,
         Update: update(&ctx, &g.body)?,
         MaxClientDisconnect: a.duration_ns("max_client_disconnect")?,
+        StopAfterClientDisconnect: a.duration_ns("stop_after_client_disconnect")?,
         Disconnect: disconnect(&ctx, &g.body)?,
         ..Default::default()
     };

@@ -448,6 +448,18 @@ impl TaskGroup {
             .unwrap_or(0)
     }
 
+    /// `GetDisconnectStopTimeout` (`nomad/structs/structs.go`): the group's
+    /// `disconnect.stop_on_client_after`, else the older `stop_after_client_disconnect`;
+    /// `None` when neither is set. A client that has not heartbeated for this long stops the
+    /// group's allocations (`client/heartbeatstop.go`, see [`crate::client`]).
+    pub fn stop_on_client_after(&self) -> Option<std::time::Duration> {
+        self.Disconnect
+            .get("StopOnClientAfter")
+            .and_then(Value::as_i64)
+            .or(self.StopAfterClientDisconnect)
+            .map(|ns| std::time::Duration::from_nanos(ns.max(0) as u64))
+    }
+
     /// `Replace`: whether an `unknown` allocation is replaced while its node is disconnected
     /// (`disconnect.replace`, default true).
     pub fn replace_on_disconnect(&self) -> bool {

@@ -958,3 +958,105 @@ async fn a_system_job_update_goes_node_by_node_under_max_parallel_and_stagger() 
         assert_eq!(old["JobVersion"], 0);
     }
 }
+
+/// `client/heartbeatstop.go`: a client that cannot heartbeat stops, after the group's
+/// `disconnect { stop_on_client_after }` (or the older `stop_after_client_disconnect`), the
+/// allocations of the groups that set it, while it is still cut off; a group without the
+/// setting keeps running.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_cannot_heartbeat_stops_groups_with_stop_on_client_after() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start("heartbeat_grace = \"30s\"\nclient \"node-1\" {}\n").await;
+        let task = r#"    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }"#;
+        sim.run_job(&format!(
+            r#"job "hbstop" {{
+  group "keep" {{
+{task}
+  }}
+  group "stop" {{
+    disconnect {{
+      stop_on_client_after = "2s"
+    }}
+{task}
+  }}
+  group "old" {{
+    stop_after_client_disconnect = "3s"
+{task}
+  }}
+}}"#
+        ))
+        .await;
+        let allocs = sim
+            .wait_for(20, "three running allocations", || async {
+                let a: Vec<Value> = sim
+                    .job_allocs("hbstop")
+                    .await
+                    .into_iter()
+                    .filter(|a| a["ClientStatus"] == "running")
+                    .collect();
+                (a.len() == 3).then_some(a)
+            })
+            .await;
+        let id_of = |g: &str| {
+            allocs.iter().find(|a| a["TaskGroup"] == g).unwrap()["ID"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        let alive = |id: &str| {
+            std::fs::read_dir("/proc")
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .any(|e| {
+                    std::fs::read_to_string(e.path().join("environ"))
+                        .map(|env| env.contains(id))
+                        .unwrap_or(false)
+                })
+        };
+        let (keep, stop, old) = (id_of("keep"), id_of("stop"), id_of("old"));
+        let node = sim.node_id("node-1");
+        // Running well past 3 s while the client heartbeats.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(alive(&keep) && alive(&stop) && alive(&old));
+        let cut = std::time::Instant::now();
+        sim.put(&format!("/v1/sim/node/{node}/partition?on=true"), json!({}))
+            .await;
+        sim.wait_for(10, "stop_on_client_after's task killed", || async {
+            (!alive(&stop)).then_some(())
+        })
+        .await;
+        let t_stop = cut.elapsed();
+        sim.wait_for(10, "stop_after_client_disconnect's task killed", || async {
+            (!alive(&old)).then_some(())
+        })
+        .await;
+        let t_old = cut.elapsed();
+        // The client's last heartbeat (its loop's last look, at most 1 s before the cut)
+        // starts the count, as Nomad's `lastOk` is its last heartbeat, not the cut.
+        assert!(
+            t_stop >= Duration::from_secs(1) && t_old >= Duration::from_secs(2),
+            "stopped before the timeout: {t_stop:?}, {t_old:?}"
+        );
+        assert!(t_old > t_stop, "each group by its own timeout");
+        assert!(alive(&keep), "a group without the setting keeps running");
+        // The node was never marked down (grace 30 s): the client stopped them by itself.
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "ready"
+        );
+        sim.put(
+            &format!("/v1/sim/node/{node}/partition?on=false"),
+            json!({}),
+        )
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}

@@ -20,7 +20,7 @@
 use crate::agent::effect::Effect;
 use crate::agent::reconcile::{ClaimState, Waiting};
 use crate::agent::retry::{Work, CLAIM_RETRY};
-use crate::cluster::claims::{ClaimError, ClaimSettings};
+use crate::cluster::claims::{Acquired, ClaimError, ClaimSettings};
 use crate::node::journal::MountRecord;
 use crate::retry::Retries;
 use crate::volume::VolumeKey;
@@ -40,6 +40,9 @@ pub(crate) struct Claim {
     pub lease_end: Option<Instant>,
     /// A renewal failed since the last one that succeeded.
     pub failing: bool,
+    /// The claim variable's ModifyIndex after this node's acquire (`None` after a restart):
+    /// an operator's release mark at or after it released this claim.
+    pub index: Option<u64>,
 }
 
 /// What a finished renewal changed.
@@ -51,6 +54,9 @@ pub(crate) enum Renewal {
     Restored,
     /// The lock is gone: another node may use the volume now.
     Lost,
+    /// An operator released the claim (a verified mark for this claim): another node may
+    /// publish now, so the volume is fenced here at once, then unpublished (as lost).
+    Released,
 }
 
 /// Every claim of this node, and why publishes wait for one.
@@ -123,6 +129,7 @@ impl Claims {
                         renewed: stale,
                         lease_end: None,
                         failing: false,
+                        index: None,
                     },
                 );
             }
@@ -160,7 +167,7 @@ impl Claims {
     /// Renewals due at `now`: held (or fenced) claims renewed a third of the TTL ago or more.
     pub(crate) fn renewals(&mut self, now: Instant) -> Vec<Effect> {
         let every = self.every();
-        let due: Vec<(VolumeKey, String)> = self
+        let due: Vec<(VolumeKey, String, Option<u64>)> = self
             .held
             .iter()
             .filter(|(k, c)| {
@@ -168,12 +175,16 @@ impl Claims {
                     && now.saturating_duration_since(c.renewed) >= every
                     && !self.renewing.contains_key(*k)
             })
-            .map(|(k, c)| (k.clone(), c.id.clone()))
+            .map(|(k, c)| (k.clone(), c.id.clone(), c.index))
             .collect();
         due.into_iter()
-            .map(|(volume, lock_id)| {
+            .map(|(volume, lock_id, acquired_index)| {
                 self.renewing.insert(volume.clone(), now);
-                Effect::RenewClaim { volume, lock_id }
+                Effect::RenewClaim {
+                    volume,
+                    lock_id,
+                    acquired_index,
+                }
             })
             .collect()
     }
@@ -251,13 +262,13 @@ impl Claims {
     pub(crate) fn on_acquired(
         &mut self,
         volume: VolumeKey,
-        result: Result<String, ClaimError>,
+        result: Result<Acquired, ClaimError>,
         retries: &mut Retries<Work>,
         now: Instant,
     ) {
         self.version += 1;
         match result {
-            Ok(id) => {
+            Ok(acq) => {
                 tracing::info!(%volume, "claim acquired");
                 self.wait.remove(&volume);
                 retries.succeeded(&Work::Claim(volume.clone()));
@@ -266,11 +277,12 @@ impl Claims {
                 self.held.insert(
                     volume,
                     Claim {
-                        id,
+                        id: acq.lock_id,
                         state: ClaimState::Held,
                         renewed: now,
                         lease_end,
                         failing: false,
+                        index: (acq.index > 0).then_some(acq.index),
                     },
                 );
             }
@@ -337,6 +349,16 @@ impl Claims {
                     mounted_here,
                     now,
                 )
+            }
+            Err(e @ ClaimError::ReleasedByOperator { .. }) => {
+                tracing::error!(%volume, reason = %e, "claim released by an operator: fencing the volume here at once, then unpublishing it");
+                if let Some(c) = self.held.get_mut(volume) {
+                    c.state = ClaimState::Lost;
+                }
+                if !mounted_here {
+                    self.held.remove(volume);
+                }
+                Renewal::Released
             }
             Err(e @ ClaimError::Lost { .. }) => {
                 tracing::warn!(%volume, reason = %e, "claim lost: another node may use the volume now; unpublishing here before anything else");
@@ -701,6 +723,35 @@ mod tests {
         assert_eq!(c.renewals(t0 + Duration::from_secs(5)).len(), 1);
         // Paused with the renewal in flight; resumed a minute later.
         assert_eq!(c.fences_due(t0 + Duration::from_secs(65)), vec![key()]);
+    }
+
+    /// The lease counts a VM suspend (issue 31): a lease with 40 s left, then a 60 s suspend.
+    /// On the monotonic clock the resumed agent would see 40 s left and go on writing; on the
+    /// agent's clock (`CLOCK_BOOTTIME`, [`crate::node::clock::BootClock`]) the fence is due at
+    /// the first pass.
+    #[test]
+    fn a_vm_suspend_counts_in_the_lease() {
+        use crate::node::clock::{BootClock, SuspendSource};
+        struct Fake(std::sync::Mutex<Duration>);
+        impl SuspendSource for Fake {
+            fn gap(&self) -> Option<Duration> {
+                Some(*self.0.lock().unwrap())
+            }
+        }
+        let s = Duration::from_secs;
+        let fake = std::sync::Arc::new(Fake(std::sync::Mutex::new(s(3))));
+        let clock = BootClock::new(fake.clone());
+        let mono = Instant::now();
+        let mut c = claims();
+        held(&mut c, clock.at(mono));
+        assert_eq!(c.renewals(clock.at(mono + s(5))).len(), 1);
+        // Suspended with the renewal in flight for 60 s; resumed 1 s (monotonic) later.
+        *fake.0.lock().unwrap() = s(63);
+        assert_eq!(
+            c.fences_due(clock.at(mono + s(6))),
+            vec![key()],
+            "the suspend counts: the fence is due on resume"
+        );
     }
 
     /// After a restart the lease's end is unknown: no fence while the first renewal is in

@@ -49,13 +49,20 @@ pub(crate) enum Effect {
     },
     /// Nomad: deregister a placeholder host volume.
     DeregisterPlaceholder { volume: VolumeKey, id: String },
-    /// Nomad: take the single-node claim.
+    /// Nomad: take the single-node claim. With `fencing` (the volume's record; its plugin
+    /// declares `fence_node`), a take-over fences the old holder at the storage (and unfences
+    /// this node when it was fenced) before the claim counts as taken.
     AcquireClaim {
         volume: VolumeKey,
         volume_id: String,
+        fencing: Option<Box<VolumeRecord>>,
     },
-    /// Nomad: renew the claim's lock.
-    RenewClaim { volume: VolumeKey, lock_id: String },
+    /// Nomad: renew the claim's lock (acquired at the claim's ModifyIndex `acquired_index`).
+    RenewClaim {
+        volume: VolumeKey,
+        lock_id: String,
+        acquired_index: Option<u64>,
+    },
     /// Nomad: give the claim back.
     ReleaseClaim { volume: VolumeKey, lock_id: String },
     /// Nomad: read one allocation (a publish call came before its event).

@@ -152,6 +152,8 @@ struct Shell {
     /// ([`AfterCalls`]): reading mountinfo costs the kernel time in the number of mounts,
     /// so a read per call made a burst of N publishes cost O(N²).
     after_calls: AfterCalls,
+    /// The core's clock: monotonic, counting suspends (`CLOCK_BOOTTIME`).
+    clock: crate::node::clock::BootClock,
     meter: Meter,
     /// Volume records the catalogue refused (unsigned, forged, malformed), added to every
     /// status answer as `rejected_records` (issue 13 §1).
@@ -193,6 +195,7 @@ impl Shell {
             queued: None,
             reading_mounts: false,
             after_calls: AfterCalls::default(),
+            clock: crate::node::clock::BootClock::default(),
             meter,
             rejected_records: catalog::Rejections::default(),
             // Trusts no record until `with_trust` gives the node's keys (fail closed).
@@ -358,20 +361,30 @@ impl Shell {
             Effect::DeregisterPlaceholder { volume, id } => {
                 self.call(executor::deregister_placeholder(client, volume, id))
             }
-            Effect::AcquireClaim { volume, volume_id } => self.call(executor::acquire_claim(
+            Effect::AcquireClaim {
+                volume,
+                volume_id,
+                fencing,
+            } => self.call(executor::acquire_claim(
                 client,
                 self.trust.clone(),
                 self.claims,
-                node.node_id,
+                node,
                 volume,
                 volume_id,
+                fencing.map(|rec| (runner, rec)),
             )),
-            Effect::RenewClaim { volume, lock_id } => self.call(executor::renew_claim(
+            Effect::RenewClaim {
+                volume,
+                lock_id,
+                acquired_index,
+            } => self.call(executor::renew_claim(
                 client,
                 self.trust.clone(),
                 volume,
                 lock_id,
                 node.node_id,
+                acquired_index,
             )),
             Effect::ReleaseClaim { volume, lock_id } => {
                 self.call(executor::release_claim(client, volume, lock_id))
@@ -615,7 +628,7 @@ impl Shell {
         let floor = tokio::time::Instant::now() + Duration::from_millis(10);
         let wake = core
             .next_wakeup()
-            .map(tokio::time::Instant::from_std)
+            .map(|w| tokio::time::Instant::from_std(self.clock.monotonic(w)))
             .map_or(floor + src.every, |w| w.max(floor));
         let read_due = self.after_calls.due().map(tokio::time::Instant::from_std);
         let mut inputs: Vec<Input> = tokio::select! {
@@ -866,7 +879,10 @@ pub async fn run(
         lock_delay: cfg.claim_lock_delay,
         fence_margin: cfg.fence_margin(),
     };
-    let now = || tokio::time::Instant::now().into_std();
+    // Every `now` of the core counts the time the machine was suspended (a VM suspend must
+    // not leave a lease looking younger than it is): `node::clock`.
+    let clock = crate::node::clock::BootClock::default();
+    let now = || clock.at(tokio::time::Instant::now().into_std());
     let mut core = Core::new(
         Settings {
             node: node.clone(),
@@ -893,6 +909,7 @@ pub async fn run(
     );
     shell.guard = guard;
     shell.guarded = guarded;
+    shell.clock = clock.clone();
     if let Some(h) = helpers {
         shell.runner = shell.runner.clone().with_helpers(h);
     }

@@ -28,6 +28,55 @@ pub fn claim_path(name: &str) -> String {
     format!("{CLAIM_PREFIX}{}", encode_name(name))
 }
 
+/// The claim's item listing the nodes fenced at the storage for this volume
+/// (comma-separated node IDs): each node that takes the claim over adds the previous holder it
+/// fenced (plugin `fence_node`) and removes itself. A node stays listed until it takes the
+/// claim again, so a taker that dies before its `fence_node` finished leaves the fence for the
+/// next taker to make.
+pub const FENCED_NODES_ITEM: &str = "fenced_nodes";
+
+/// What an acquire found and took: the lock ID, the claim variable's ModifyIndex after the
+/// acquire (an operator's release mark of this claim names an index at least as high), and
+/// the storage-side fencing owed before the publish (docs/plugin-protocol.md,
+/// "fence_node and unfence_node").
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Acquired {
+    /// The Nomad lock ID.
+    pub lock_id: String,
+    /// The claim variable's ModifyIndex after the acquire (0 when unknown).
+    pub index: u64,
+    /// Nodes whose access to the volume the plugin's `fence_node` must revoke before this
+    /// node publishes: the previous holder when it was taken over (its node not `ready` in
+    /// Nomad, or released by an operator's mark), and any node already listed.
+    pub fence: Vec<String>,
+    /// This node was listed as fenced (or was the last holder itself: a fence or unfence of
+    /// its own take-over may not have finished): the plugin's `unfence_node` restores its
+    /// access before its publish.
+    pub unfence: bool,
+}
+
+impl From<&str> for Acquired {
+    fn from(lock_id: &str) -> Self {
+        Self {
+            lock_id: lock_id.to_string(),
+            ..Default::default()
+        }
+    }
+}
+
+/// The node IDs listed in a claim's [`FENCED_NODES_ITEM`].
+pub fn fenced_nodes(items: &BTreeMap<String, String>) -> Vec<String> {
+    items
+        .get(FENCED_NODES_ITEM)
+        .map(|s| {
+            s.split(',')
+                .filter(|n| !n.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Claim timing.
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimSettings {
@@ -57,6 +106,21 @@ pub enum ClaimError {
     /// lease ends; past it, the claim is lost.
     #[error("the renewal of the claim on {volume} was refused, but the claim still names this node (a new Nomad leader re-arming its lock timers?); retrying")]
     Unproven { volume: VolumeKey },
+    /// The claim was taken over, but the plugin's `fence_node` (revoke the old holder's
+    /// access) or `unfence_node` (restore this node's) failed: the claim is given back and
+    /// the take-over retried; the volume is not published meanwhile.
+    #[error("took the claim on {volume}, but the plugin's {op} for node {node} failed, so the volume is not published here yet (retried; fix the storage-side fence, docs/plugin-protocol.md \"fence_node and unfence_node\"): {error}")]
+    StorageFence {
+        volume: VolumeKey,
+        op: &'static str,
+        node: String,
+        error: String,
+    },
+    /// An operator released this node's claim (`volume claim release`, a verified mark that
+    /// names this node and this claim): another node may publish the volume now, so it is
+    /// fenced here at once.
+    #[error("the claim on {volume} was released by an operator (signed `volume claim release` at claim index {claim_index}); another node may take the volume now")]
+    ReleasedByOperator { volume: VolumeKey, claim_index: u64 },
     /// Nomad could not be asked; try again.
     #[error("claim on {volume}: {source}")]
     Nomad {
@@ -80,39 +144,57 @@ fn var(volume: &VolumeKey, items: BTreeMap<String, String>, lock: VariableLock) 
     }
 }
 
+/// What the claim's last holder, another node, is to a node that wants the claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Previous {
+    /// No claim yet, or this node was the last holder.
+    None,
+    /// Another node held it and is `ready` in Nomad with no live allocation using the
+    /// volume: it released cleanly (or its tasks ended): no fence.
+    Clean,
+    /// Another node held it and may still write: its node is not `ready` (down,
+    /// disconnected, gone; it fenced itself before its lock could lapse) or an operator
+    /// released its claim. Taken over, with the storage-side fence of that node first.
+    TakenOver(String),
+    /// Another node holds it with a live allocation using the volume on a `ready` node: not
+    /// taken over (message for the waiting caller).
+    Live(String),
+}
+
 /// Hand-over on evidence: the last holder named in the claim's Items (`node_id`), when it
 /// is another node that Nomad reports `ready` with a live allocation using the volume. Such a
 /// holder's lock may have lapsed only because its agent is down (an upgrade, a crash loop)
 /// while its tasks still write: the claim is not taken over until that allocation stops, its
 /// node goes down or disconnected (its agent has fenced the volume by then: the lock lapses
 /// only after the holder's fence), or the claim is released (cleanly, or by an operator's
-/// signed mark). Nomad API: `GET /v1/var/:path`,
+/// signed mark). Also returns the claim's Items. Nomad API: `GET /v1/var/:path`,
 /// `GET /v1/node/:id`, `GET /v1/node/:id/allocations`.
-async fn live_holder(
+async fn previous_holder(
     client: &Client,
     trust: &RecordTrust,
     volume: &VolumeKey,
     node_id: &str,
-) -> Result<Option<String>, NomadError> {
+) -> Result<(Previous, BTreeMap<String, String>), NomadError> {
     let Some(var) = client
         .variable(&volume.namespace, &claim_path(&volume.name))
         .await?
     else {
-        return Ok(None);
+        return Ok((Previous::None, BTreeMap::new()));
     };
     let Some(holder) = var.items.get("node_id").filter(|h| *h != node_id) else {
-        return Ok(None);
+        return Ok((Previous::None, var.items));
     };
-    if super::claim_release::released_by_operator(client, trust, volume, holder, var.modify_index)
+    let holder = holder.clone();
+    if super::claim_release::released_by_operator(client, trust, volume, &holder, var.modify_index)
         .await?
     {
         tracing::warn!(%volume, holder = %holder, "claim released by operator (signed `volume claim release`): taking it over without waiting for the holder's allocation to stop");
-        return Ok(None);
+        return Ok((Previous::TakenOver(holder), var.items));
     }
-    if client.node_status(holder).await?.as_deref() != Some("ready") {
-        return Ok(None);
+    if client.node_status(&holder).await?.as_deref() != Some("ready") {
+        return Ok((Previous::TakenOver(holder), var.items));
     }
-    let (allocs, _) = client.node_allocations(holder, 0, Duration::ZERO).await?;
+    let (allocs, _) = client.node_allocations(&holder, 0, Duration::ZERO).await?;
     let live = allocs.value.into_iter().find(|a| {
         a.namespace == volume.namespace
             && !a.tasks_finished()
@@ -122,14 +204,39 @@ async fn live_holder(
                     .any(|r| r.volume_type == "host" && r.source == volume.name)
             })
     });
-    let name = node_name(client, holder).await;
-    Ok(live.map(|a| {
-        format!(
+    let Some(a) = live else {
+        return Ok((Previous::Clean, var.items));
+    };
+    let name = node_name(client, &holder).await;
+    Ok((
+        Previous::Live(format!(
             "job {}, allocation {} on node {name}, which still runs with it",
             a.job_id,
             short(&a.id)
-        )
-    }))
+        )),
+        var.items,
+    ))
+}
+
+/// The storage-side fencing an acquire by `node_id` owes, from the claim's Items before it
+/// and what its last holder is: the nodes to fence (the listed ones and a holder taken over,
+/// never this node), whether this node unfences itself (it was listed, or was the last
+/// holder: a take-over of its own may have stopped half-way), and the list to write.
+fn storage_fencing(
+    node_id: &str,
+    items: &BTreeMap<String, String>,
+    previous: &Previous,
+) -> (Vec<String>, bool) {
+    let listed = fenced_nodes(items);
+    let mut fence: Vec<String> = listed.iter().filter(|n| *n != node_id).cloned().collect();
+    if let Previous::TakenOver(h) = previous {
+        if !fence.contains(h) {
+            fence.push(h.clone());
+        }
+    }
+    let last = items.get("node_id").map(String::as_str);
+    let unfence = listed.iter().any(|n| n == node_id) || last == Some(node_id);
+    (fence, unfence)
 }
 
 /// The first 8 characters of an ID, as Nomad's CLI shows it.
@@ -184,11 +291,13 @@ async fn holder_of(client: &Client, volume: &VolumeKey) -> String {
     }
 }
 
-/// Acquires the claim for this node. Returns the lock ID. Refused ([`ClaimError::Held`])
-/// while the last holder is another node that Nomad reports `ready` with a live allocation
-/// using the volume, even after its lock lapsed (hand-over on evidence, see `live_holder`),
-/// unless an operator released that holder's claim with a mark `trust` verifies
-/// ([`super::claim_release`]).
+/// Acquires the claim for this node. Refused ([`ClaimError::Held`]) while the last holder
+/// is another node that Nomad reports `ready` with a live allocation using the volume, even
+/// after its lock lapsed (hand-over on evidence, see `previous_holder`), unless an operator
+/// released that holder's claim with a mark `trust` verifies ([`super::claim_release`]).
+/// With `storage_fence` (the volume's plugin declares `fence_node`), the answer says which
+/// nodes to fence at the storage and whether to unfence this node before the publish
+/// ([`Acquired`]), and the claim's [`FENCED_NODES_ITEM`] lists the fenced nodes.
 pub async fn acquire(
     client: &Client,
     trust: &RecordTrust,
@@ -196,26 +305,35 @@ pub async fn acquire(
     volume: &VolumeKey,
     node_id: &str,
     volume_id: &str,
-) -> Result<String, ClaimError> {
-    match live_holder(client, trust, volume, node_id).await {
-        Ok(Some(holder)) => {
+    storage_fence: bool,
+) -> Result<Acquired, ClaimError> {
+    let (previous, before) = match previous_holder(client, trust, volume, node_id).await {
+        Ok((Previous::Live(holder), _)) => {
             return Err(ClaimError::Held {
                 volume: volume.clone(),
                 holder,
             })
         }
-        Ok(None) => {}
+        Ok(p) => p,
         Err(source) => {
             return Err(ClaimError::Nomad {
                 volume: volume.clone(),
                 source,
             })
         }
-    }
-    let items = BTreeMap::from([
+    };
+    let (fence, unfence) = if storage_fence {
+        storage_fencing(node_id, &before, &previous)
+    } else {
+        (Vec::new(), false)
+    };
+    let mut items = BTreeMap::from([
         ("node_id".to_string(), node_id.to_string()),
         ("volume_id".to_string(), volume_id.to_string()),
     ]);
+    if !fence.is_empty() {
+        items.insert(FENCED_NODES_ITEM.to_string(), fence.join(","));
+    }
     let lock = VariableLock {
         id: String::new(),
         ttl: go_duration(settings.ttl).into(),
@@ -226,7 +344,12 @@ pub async fn acquire(
         .await
     {
         Ok(v) => match v.lock.filter(|l| !l.id.is_empty()) {
-            Some(l) => Ok(l.id),
+            Some(l) => Ok(Acquired {
+                lock_id: l.id,
+                index: v.modify_index,
+                fence,
+                unfence,
+            }),
             None => Err(ClaimError::Nomad {
                 volume: volume.clone(),
                 source: NomadError::Status {
@@ -250,16 +373,20 @@ pub async fn acquire(
     }
 }
 
-/// Renews the claim of `node_id`. A refusal (409, or 404) is checked by reading the claim
+/// Renews the claim of `node_id`, acquired at the claim variable's ModifyIndex
+/// `acquired_index` (`None`: unknown, a claim restored after a restart). A refusal (409, or
+/// 404) is checked first against an operator's release mark: one that verifies with `trust`,
+/// names this node and an index at or after `acquired_index` released this very claim
+/// ([`ClaimError::ReleasedByOperator`]: fence at once). Otherwise the claim is read
 /// (`lost_or_not`): [`ClaimError::Lost`] only when another holder, or no lock, is proven;
-/// [`ClaimError::Unproven`] otherwise. A loss that an operator's signed release explains
-/// is logged at warn as `claim released by operator`.
+/// [`ClaimError::Unproven`] otherwise.
 pub async fn renew(
     client: &Client,
     trust: &RecordTrust,
     volume: &VolumeKey,
     lock_id: &str,
     node_id: &str,
+    acquired_index: Option<u64>,
 ) -> Result<(), ClaimError> {
     let lock = VariableLock {
         id: lock_id.to_string(),
@@ -271,13 +398,19 @@ pub async fn renew(
     {
         Ok(_) => Ok(()),
         Err(NomadError::CasConflict { .. }) => {
-            let e = lost_or_not(client, volume, lock_id, node_id).await;
-            if matches!(e, ClaimError::Lost { .. }) {
-                if let Some(m) =
-                    super::claim_release::last_release_of(client, trust, volume, node_id).await
-                {
-                    tracing::warn!(%volume, released_unix_ms = m.unix_ms, claim_index = m.claim_index, "claim released by operator (signed `volume claim release`)");
+            let mark = super::claim_release::last_release_of(client, trust, volume, node_id).await;
+            if let Some(m) = &mark {
+                if acquired_index.is_some_and(|i| m.claim_index >= i) {
+                    tracing::warn!(%volume, released_unix_ms = m.unix_ms, claim_index = m.claim_index, "claim released by operator (signed `volume claim release`): fencing the volume here at once");
+                    return Err(ClaimError::ReleasedByOperator {
+                        volume: volume.clone(),
+                        claim_index: m.claim_index,
+                    });
                 }
+            }
+            let e = lost_or_not(client, volume, lock_id, node_id).await;
+            if let (ClaimError::Lost { .. }, Some(m)) = (&e, &mark) {
+                tracing::warn!(%volume, released_unix_ms = m.unix_ms, claim_index = m.claim_index, "claim released by operator (signed `volume claim release`)");
             }
             Err(e)
         }
@@ -358,6 +491,47 @@ pub async fn release(client: &Client, volume: &VolumeKey, lock_id: &str) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Who is fenced and unfenced at the storage by an acquire (docs/plugin-protocol.md,
+    /// "fence_node and unfence_node").
+    #[test]
+    fn an_acquire_fences_a_holder_taken_over_and_the_listed_nodes_and_unfences_itself() {
+        let items = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // A holder taken over (its node down): fenced.
+        let (fence, unfence) = storage_fencing(
+            "b",
+            &items(&[("node_id", "a")]),
+            &Previous::TakenOver("a".into()),
+        );
+        assert_eq!((fence, unfence), (vec!["a".to_string()], false));
+        // A clean release: nobody fenced.
+        let (fence, unfence) = storage_fencing("b", &items(&[("node_id", "a")]), &Previous::Clean);
+        assert_eq!((fence, unfence), (vec![], false));
+        // Listed nodes stay fenced (fenced again: idempotent), the acquiring one is unfenced.
+        let (fence, unfence) = storage_fencing(
+            "a",
+            &items(&[("node_id", "b"), (FENCED_NODES_ITEM, "a,c")]),
+            &Previous::Clean,
+        );
+        assert_eq!((fence, unfence), (vec!["c".to_string()], true));
+        // The last holder itself (a take-over of its own stopped half-way): unfenced again,
+        // and the listed node fenced again.
+        let (fence, unfence) = storage_fencing(
+            "b",
+            &items(&[("node_id", "b"), (FENCED_NODES_ITEM, "a")]),
+            &Previous::None,
+        );
+        assert_eq!((fence, unfence), (vec!["a".to_string()], true));
+        assert_eq!(
+            fenced_nodes(&items(&[(FENCED_NODES_ITEM, "a,,b")])),
+            vec!["a".to_string(), "b".to_string()]
+        );
+    }
 
     #[test]
     fn exclusive_modes() {

@@ -494,9 +494,13 @@ pub fn scan_many(
         }
     }
     for usage in &mut usages {
-        for h in &mut usage.holders {
+        // A holder gone since it was read (a short-lived child such as a task loop's
+        // `sleep`) holds nothing any more; counted, it would be a holder of no allocation,
+        // which blocks the unpublish.
+        usage.holders.retain_mut(|h| {
             h.alloc_id = alloc_of(h.pid);
-        }
+            h.alloc_id.is_some() || std::path::Path::new(&format!("/proc/{}", h.pid)).exists()
+        });
         usage.holders.sort();
         usage.holders.dedup();
     }

@@ -199,6 +199,12 @@ pub enum EventKind {
     Fenced,
     /// A fenced claim was renewed: the volume is published again here.
     Unfenced,
+    /// This node took the claim over: the plugin's `fence_node` revoked the old holder's
+    /// access at the storage (and `unfence_node` restored this node's) before the publish.
+    NodeFenced,
+    /// An operator released this node's claim (a verified `volume claim release` mark): the
+    /// volume is fenced here at once.
+    ClaimReleased,
 }
 
 impl EventKind {
@@ -215,6 +221,8 @@ impl EventKind {
             EventKind::UserRemoved => "user-removed",
             EventKind::Fenced => "fenced",
             EventKind::Unfenced => "unfenced",
+            EventKind::NodeFenced => "node-fenced",
+            EventKind::ClaimReleased => "claim-released",
         }
     }
 }

@@ -8,6 +8,8 @@
 //!   directories;
 //! - [`install`]: what the node must hold before the agent serves (record keys, storage
 //!   roots), and the backoff it waits with meanwhile;
+//! - [`clock`]: the agent's clock, monotonic and counting the time the machine was
+//!   suspended (`CLOCK_BOOTTIME`), for the claims' lease;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - `holders`: the processes still using a published volume;
 //! - `fence`: making a volume unwritable on this node without the network (a claim's lease
@@ -22,6 +24,7 @@
 //!   group-committed ahead of the plugin calls of each planning pass).
 
 pub mod beneath;
+pub mod clock;
 pub(crate) mod fence;
 pub(crate) mod freeze;
 pub(crate) mod guard;

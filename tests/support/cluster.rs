@@ -635,7 +635,7 @@ echo "start $(date +%s%N) $1 $DHV_NODE_ID $DHV_VOLUME_NAME" >> "$log"
 {real} "$@"
 rc=$?
 if [ "$1" = publish ] && [ $rc = 0 ]; then sleep {publish_delay}; fi
-echo "end $(date +%s%N) $1 $DHV_NODE_ID $DHV_VOLUME_NAME $rc" >> "$log"
+echo "end $(date +%s%N) $1 $DHV_NODE_ID $DHV_VOLUME_NAME $rc ${{DHV_FENCED_NODE_ID:-}}" >> "$log"
 exit $rc
 "#,
                 real = real.display()
@@ -655,6 +655,28 @@ exit $rc
                     f.get(1)?.parse().ok()?,
                     f.get(2)?.to_string(),
                     f.get(3)?.to_string(),
+                ))
+            })
+            .collect()
+    }
+
+    /// The storage-side fence calls that ended: (unix ns, op, calling node, rc, fenced node),
+    /// for `fence_node` and `unfence_node`.
+    pub fn node_fence_calls(&self) -> Vec<(u128, String, String, i32, String)> {
+        std::fs::read_to_string(self.plugin_dir.join("calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.first() == Some(&"end")
+                    && f.get(2).is_some_and(|op| op.ends_with("fence_node")))
+                .then_some(())?;
+                Some((
+                    f.get(1)?.parse().ok()?,
+                    f.get(2)?.to_string(),
+                    f.get(3)?.to_string(),
+                    f.get(5)?.parse().ok()?,
+                    f.get(6)?.to_string(),
                 ))
             })
             .collect()

@@ -235,12 +235,36 @@ impl Core {
             }
             Completion::ClaimAcquired { volume, result } => {
                 self.busy.remove(&volume);
+                if let Ok(acq) = &result {
+                    if !acq.fence.is_empty() || acq.unfence {
+                        self.journal.note(
+                            EventKind::NodeFenced,
+                            &volume,
+                            serde_json::json!({"fenced_nodes": acq.fence, "unfenced_self": acq.unfence}),
+                        );
+                    }
+                }
                 self.claims
                     .on_acquired(volume, result, &mut self.retries, now);
             }
             Completion::ClaimRenewed { volume, result } => {
                 let mounted_here = self.journal.mounts().contains_key(&volume);
                 let renewal = self.claims.on_renewed(&volume, result, mounted_here, now);
+                if renewal == crate::agent::claims::Renewal::Released {
+                    self.journal.note(
+                        EventKind::ClaimReleased,
+                        &volume,
+                        serde_json::json!({"by": "operator", "mounted_here": mounted_here}),
+                    );
+                    if mounted_here && !self.fenced.contains_key(&volume) {
+                        self.fence(
+                            volume.clone(),
+                            None,
+                            "an operator released this node's claim (`volume claim release`; another node may take it now)",
+                            out,
+                        );
+                    }
+                }
                 if renewal == crate::agent::claims::Renewal::Restored {
                     self.fenced.remove(&volume);
                     if let Some(m) = self.journal.mounts().get(&volume) {

@@ -624,9 +624,19 @@ impl Core {
                         continue;
                     };
                     let volume_id = rec.id.clone();
+                    let fencing = self
+                        .plugins
+                        .get(&rec.spec.plugin_id)
+                        .and_then(|f| f.as_ref().ok())
+                        .filter(|f| f.supports(Capability::FenceNode))
+                        .map(|_| Box::new(rec.clone()));
                     self.busy.insert(volume.clone());
                     self.claims.acquire_sent(&volume, now);
-                    out.push(Effect::AcquireClaim { volume, volume_id });
+                    out.push(Effect::AcquireClaim {
+                        volume,
+                        volume_id,
+                        fencing,
+                    });
                 }
                 Step::ReleaseClaim { volume } => {
                     let Some(lock_id) = self.claims.lock_id(&volume).map(str::to_string) else {
@@ -704,49 +714,69 @@ impl Core {
     /// log and the status.
     fn fence_due(&mut self, now: Instant, out: &mut Vec<Effect>) {
         for volume in self.claims.fences_due(now) {
-            self.dirty.insert(volume.clone());
             let left = self
                 .claims
                 .lease_end(&volume)
                 .map(|end| end.saturating_duration_since(now).as_millis() as u64);
-            let Some(m) = self.journal.mounts().get(&volume).cloned() else {
-                tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end; nothing is mounted here");
-                continue;
-            };
-            let target = m.target.clone();
-            tracing::error!(%volume, target = %target.display(), lease_left_ms = ?left, "claim fenced: no renewal succeeded before its lease was about to end (another node may take it then); making the volume unwritable here");
-            let detail = serde_json::json!({"target": target, "lease_left_ms": left});
-            self.journal.note(EventKind::Fenced, &volume, detail);
-            self.fenced.insert(
-                volume.clone(),
-                serde_json::json!({"since": crate::node::journal::now_secs(), "target": target, "lease_left_ms": left, "fence": null}),
-            );
-            let mut mine: BTreeSet<String> = self.view.allocs().keys().cloned().collect();
-            mine.extend(
-                self.journal
-                    .users()
-                    .iter()
-                    .filter(|u| u.volume == volume)
-                    .map(|u| u.alloc_id.clone()),
-            );
-            let plugin = self
-                .plugins
-                .get(&m.plugin_id)
-                .and_then(|f| f.as_ref().ok())
-                .filter(|f| f.supports(Capability::Fence))
-                .map(|_| {
-                    Box::new(PluginFence {
-                        mount: m.clone(),
-                        record: self.volumes.get(&volume).cloned(),
-                    })
-                });
-            out.push(Effect::Fence {
+            self.fence(
                 volume,
-                target,
-                mine,
-                plugin,
-            });
+                left,
+                "no renewal succeeded before its lease was about to end (another node may take it then)",
+                out,
+            );
         }
+    }
+
+    /// Makes `volume` unwritable here now ([`Effect::Fence`], with the plugin's `fence` when
+    /// it declares it), recorded in the journal, the log and the status. `lease_left_ms`: how
+    /// long the claim's lease had left (`None` when the claim was released by an operator);
+    /// `why`: for the log.
+    fn fence(
+        &mut self,
+        volume: VolumeKey,
+        lease_left_ms: Option<u64>,
+        why: &str,
+        out: &mut Vec<Effect>,
+    ) {
+        let left = lease_left_ms;
+        self.dirty.insert(volume.clone());
+        let Some(m) = self.journal.mounts().get(&volume).cloned() else {
+            tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: {why}; nothing is mounted here");
+            return;
+        };
+        let target = m.target.clone();
+        tracing::error!(%volume, target = %target.display(), lease_left_ms = ?left, "claim fenced: {why}; making the volume unwritable here");
+        let detail = serde_json::json!({"target": target, "lease_left_ms": left});
+        self.journal.note(EventKind::Fenced, &volume, detail);
+        self.fenced.insert(
+            volume.clone(),
+            serde_json::json!({"since": crate::node::journal::now_secs(), "target": target, "lease_left_ms": left, "fence": null}),
+        );
+        let mut mine: BTreeSet<String> = self.view.allocs().keys().cloned().collect();
+        mine.extend(
+            self.journal
+                .users()
+                .iter()
+                .filter(|u| u.volume == volume)
+                .map(|u| u.alloc_id.clone()),
+        );
+        let plugin = self
+            .plugins
+            .get(&m.plugin_id)
+            .and_then(|f| f.as_ref().ok())
+            .filter(|f| f.supports(Capability::Fence))
+            .map(|_| {
+                Box::new(PluginFence {
+                    mount: m.clone(),
+                    record: self.volumes.get(&volume).cloned(),
+                })
+            });
+        out.push(Effect::Fence {
+            volume,
+            target,
+            mine,
+            plugin,
+        });
     }
 
     /// A publish of `volume` waits for its pending expansion (storage_ops::holds_publish).

@@ -711,6 +711,140 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 31: the acquire carries the volume's record for the storage-side fence only when the
+/// plugin declares `fence_node` (otherwise no `fence_node`/`unfence_node` call is made), and
+/// a take-over's fence is recorded in the journal (`node-fenced`).
+#[test]
+fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let fencing = |e: &[Effect]| {
+        e.iter().find_map(|x| match x {
+            Effect::AcquireClaim { fencing, .. } => Some(fencing.is_some()),
+            _ => None,
+        })
+    };
+    assert_eq!(
+        fencing(&h.setup),
+        Some(false),
+        "bind without fence_node: {:?}",
+        h.setup
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(ClaimError::Held {
+            volume: key("d"),
+            holder: "node-2".into(),
+        }),
+    }));
+    h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
+        "bind".to_string(),
+        Ok(Fingerprint {
+            version: "1".into(),
+            deferred_bind: true,
+            capabilities: vec!["fence_node".into()],
+        }),
+    )]))));
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert_eq!(fencing(&e), Some(true), "{e:?}");
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok(crate::cluster::claims::Acquired {
+            lock_id: "lock".into(),
+            index: 7,
+            fence: vec!["node-2".into()],
+            unfence: false,
+        }),
+    }));
+    assert!(
+        e.iter().any(|x| matches!(x, Effect::Commit { commit, .. }
+            if commit.events().iter().any(|ev| ev.kind == EventKind::NodeFenced
+                && ev.detail["fenced_nodes"] == serde_json::json!(["node-2"])))),
+        "the take-over's storage-side fence is in the journal: {e:?}"
+    );
+    assert_eq!(h.core.status()["claims"]["default/d"], "held");
+}
+
+/// Issue 31: a take-over whose `fence_node` failed (the claim given back by the executor)
+/// publishes nothing: the volume waits, saying which call failed for which node, and the
+/// acquire is retried.
+#[test]
+fn a_failed_fence_node_blocks_the_publish_and_is_retried() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(ClaimError::StorageFence {
+            volume: key("d"),
+            op: "fence_node",
+            node: "node-2".into(),
+            error: "export rule not written: server unreachable".into(),
+        }),
+    }));
+    assert_eq!(publishes(&e), 0);
+    let w = h.core.status()["waiting"].to_string();
+    assert!(
+        w.contains("fence_node") && w.contains("node-2") && w.contains("not published"),
+        "{w}"
+    );
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(
+        e.iter().any(|x| matches!(x, Effect::AcquireClaim { .. })),
+        "the take-over is retried: {e:?}"
+    );
+    assert_eq!(publishes(&e), 0);
+}
+
+/// Issue 31: a renewal that finds an operator's verified release mark for this very claim
+/// (`volume claim release`) fences the volume at once, well before the lease's end, records
+/// `claim-released` and `fenced` in the journal, and then unpublishes it as a lost claim.
+#[test]
+fn an_operator_release_of_this_claim_fences_at_once() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let e = h.at(Duration::from_secs(5), Input::Tick);
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    // t0 + 5: the lease has 40 s left, its fence moment is 25 s away.
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        result: Err(ClaimError::ReleasedByOperator {
+            volume: key("d"),
+            claim_index: 42,
+        }),
+    }));
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::Fence { target: t, mine, .. } if t == &target("d") && mine.contains(A1))),
+        "fenced at once: {e:?}"
+    );
+    let events: Vec<EventKind> = e
+        .iter()
+        .filter_map(|x| match x {
+            Effect::Commit { commit, .. } => Some(commit.events().iter().map(|ev| ev.kind)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(
+        events.contains(&EventKind::ClaimReleased) && events.contains(&EventKind::Fenced),
+        "the release and the fence are in the journal: {events:?}"
+    );
+    assert!(h.core.status()["fenced"]["default/d"].is_object());
+    assert_eq!(h.core.status()["claims"]["default/d"], "lost");
+}
+
 /// Issue 31: an allocation writing a single-node volume without Nomad's own fence
 /// (`disconnect { stop_on_client_after }` within TTL + lock delay) is flagged `unfenced`;
 /// readers and fenced groups are not.
@@ -1121,7 +1255,7 @@ impl Twin {
                     Input::Done(Completion::ClaimAcquired {
                         volume: v.clone(),
                         result: if ok {
-                            Ok(format!("lock-{}", v.name))
+                            Ok(format!("lock-{}", v.name).as_str().into())
                         } else {
                             Err(ClaimError::Held {
                                 volume: v.clone(),

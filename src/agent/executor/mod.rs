@@ -51,10 +51,10 @@ pub enum Completion {
         volume: VolumeKey,
         result: Result<(), WorkerError>,
     },
-    /// A claim acquire: the lock ID.
+    /// A claim acquire: the lock ID, and what was fenced at the storage before it counts.
     ClaimAcquired {
         volume: VolumeKey,
-        result: Result<String, ClaimError>,
+        result: Result<claims::Acquired, ClaimError>,
     },
     ClaimRenewed {
         volume: VolumeKey,
@@ -810,28 +810,104 @@ pub async fn delete(
     }
 }
 
-/// Acquires the claim on a single-node volume.
+/// Acquires the claim on a single-node volume. With `fencing` (the plugin runner and the
+/// volume's record, when its plugin declares `fence_node`), a take-over then runs the plugin's `fence_node` for each
+/// node the claim lists as fenced (the previous holder among them) and, when this node was
+/// fenced itself, `unfence_node` for this node, all before the claim counts as taken (so
+/// before the publish; docs/plugin-protocol.md, "fence_node and unfence_node"). A failed call
+/// gives the claim back ([`ClaimError::StorageFence`]; the next acquire finds the list in the
+/// claim and calls again).
 pub async fn acquire_claim(
     client: Client,
     trust: crate::cluster::trust::RecordTrust,
     settings: ClaimSettings,
-    node_id: String,
+    node: NodeEnv,
     volume: VolumeKey,
     volume_id: String,
+    fencing: Option<(Runner, Box<VolumeRecord>)>,
 ) -> Completion {
-    let result = claims::acquire(&client, &trust, settings, &volume, &node_id, &volume_id).await;
+    let result = claims::acquire(
+        &client,
+        &trust,
+        settings,
+        &volume,
+        &node.node_id,
+        &volume_id,
+        fencing.is_some(),
+    )
+    .await;
+    let result = match (result, fencing) {
+        (Ok(acq), Some((runner, rec))) if !acq.fence.is_empty() || acq.unfence => {
+            match fence_at_storage(&runner, &node, &rec, &acq).await {
+                Ok(()) => Ok(acq),
+                Err(e) => {
+                    if let Err(r) = claims::release(&client, &volume, &acq.lock_id).await {
+                        tracing::warn!(%volume, error = %r, "cannot give back the claim after the failed storage-side fence; it lapses with its TTL");
+                    }
+                    Err(e)
+                }
+            }
+        }
+        (r, _) => r,
+    };
     Completion::ClaimAcquired { volume, result }
 }
 
-/// Renews a held claim.
+/// The plugin's `fence_node` for each node in `acq.fence`, then `unfence_node` for this node
+/// when `acq.unfence`, each with `DHV_FENCED_NODE_ID` (environment as for `delete`).
+async fn fence_at_storage(
+    runner: &Runner,
+    node: &NodeEnv,
+    rec: &VolumeRecord,
+    acq: &claims::Acquired,
+) -> Result<(), ClaimError> {
+    let calls = acq
+        .fence
+        .iter()
+        .map(|n| (Operation::FenceNode, n.as_str()))
+        .chain(
+            acq.unfence
+                .then_some((Operation::UnfenceNode, node.node_id.as_str())),
+        );
+    for (op, fenced) in calls {
+        let mut env = delete_env(node, rec);
+        env.push(("DHV_FENCED_NODE_ID".into(), fenced.to_string()));
+        let volume = rec.key();
+        match runner
+            .call(&rec.spec.plugin_id, op, &env, &rec.secrets)
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "{}", match op {
+                    Operation::FenceNode => "took the volume over: the old holder's access is revoked at the storage (plugin fence_node) before the publish here",
+                    _ => "this node's access to the volume is restored at the storage (plugin unfence_node): it holds the claim again",
+                })
+            }
+            Err(e) => {
+                let e = redacted(e, &rec.secrets);
+                tracing::error!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, error = %e.report(), "storage-side {op} failed; the volume is not published here until it succeeds (retried)");
+                return Err(ClaimError::StorageFence {
+                    volume,
+                    op: op.as_str(),
+                    node: fenced.to_string(),
+                    error: e.report(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Renews a held claim (acquired at the claim's ModifyIndex `acquired_index`, when known).
 pub async fn renew_claim(
     client: Client,
     trust: crate::cluster::trust::RecordTrust,
     volume: VolumeKey,
     lock_id: String,
     node_id: String,
+    acquired_index: Option<u64>,
 ) -> Completion {
-    let result = claims::renew(&client, &trust, &volume, &lock_id, &node_id).await;
+    let result = claims::renew(&client, &trust, &volume, &lock_id, &node_id, acquired_index).await;
     Completion::ClaimRenewed { volume, result }
 }
 
