@@ -394,7 +394,11 @@ impl Journal {
                 self.intent_alloc.remove(volume);
                 None
             }
-            EventKind::UnpublishFailed | EventKind::Fenced | EventKind::Unfenced => None,
+            EventKind::UnpublishFailed
+            | EventKind::Fenced
+            | EventKind::Unfenced
+            | EventKind::NodeFenced
+            | EventKind::ClaimReleased => None,
             EventKind::UnpublishIntent | EventKind::UserAdded | EventKind::UserRemoved => return,
         };
         if !self.recent.contains_key(volume) && self.recent.len() >= RECENT_VOLUMES {

@@ -267,6 +267,8 @@ impl Core {
                             EventKind::PublishDone | EventKind::PublishFailed => "publish",
                             EventKind::UnpublishDone | EventKind::UnpublishFailed => "unpublish",
                             EventKind::Fenced => "fence",
+                            EventKind::NodeFenced => "fence-node",
+                            EventKind::ClaimReleased => "claim-released",
                             _ => "unfence",
                         }
                         .to_string(),
