@@ -579,7 +579,10 @@ mod tests {
                 ..Default::default()
             },
         )]));
-        assert_eq!(w.volumes["default/w"].waiting.chars().count(), MAX_NODE_ERROR);
+        assert_eq!(
+            w.volumes["default/w"].waiting.chars().count(),
+            MAX_NODE_ERROR
+        );
         let refused = BTreeMap::from([(
             "default/dhv-binder/volumes/x".to_string(),
             "variable dhv-binder/volumes/x in namespace default is not acted on: the record is unsigned".to_string(),
