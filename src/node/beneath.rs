@@ -415,7 +415,12 @@ pub fn bind_mount(source: &Beneath, target: &Path, read_only: bool) -> Result<()
 /// directory on another filesystem fails the removal). A missing path is success
 /// (`Ok(false)`); a root itself is refused.
 pub fn remove(path: &Beneath) -> Result<bool, BeneathError> {
-    let (parent, name) = path.parent()?;
+    // A missing ancestor means there is nothing to remove, as a missing path does.
+    let (parent, name) = match path.parent() {
+        Ok(p) => p,
+        Err(BeneathError::Missing { .. }) => return Ok(false),
+        Err(e) => return Err(e),
+    };
     let st = match fs::statat(&parent, &name, AtFlags::SYMLINK_NOFOLLOW) {
         Ok(st) => st,
         Err(Errno::NOENT) => return Ok(false),
@@ -664,6 +669,8 @@ mod tests {
         assert!(!v.exists());
         assert!(outside.join("precious").exists());
         assert!(!remove(&roots.locate(&v).unwrap()).unwrap());
+        // A missing ancestor: nothing to remove either.
+        assert!(!remove(&roots.locate(&v.join("gone/x")).unwrap()).unwrap());
         // rename beneath one root
         make_dir(&roots.locate(&v).unwrap(), true, DirAttrs::default()).unwrap();
         rename(
