@@ -349,18 +349,54 @@ fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
 /// Renders a Go template over a JSON value (the `-json` form of the same command): fields
 /// (`{{.Name}}`), `if`/`else`, `range`, `with`, variables, pipes and the standard functions
 /// (`printf`, `len`, `index`, `eq`, `and`, `or`, `not`...). The escapes `\n` and `\t` typed in a
-/// shell argument are honoured.
+/// shell argument are honoured in the template's text; inside an action (`{{printf "%s\n"
+/// .ID}}`) they are the template language's own string escapes, as in Nomad's `-t`.
 pub fn template(t: &str, v: &serde_json::Value) -> Result<String, TemplateError> {
-    let t = t.replace("\\n", "\n").replace("\\t", "\t");
+    let t = text_escapes(t);
     let mut tmpl = gtmpl::Template::default();
     tmpl.parse(t).map_err(|e| TemplateError(e.to_string()))?;
     tmpl.render(&gtmpl::Context::from(to_gtmpl(v)))
         .map_err(|e| TemplateError(e.to_string()))
 }
 
+/// `\n` and `\t` outside the template's actions (`{{ ... }}`) made a newline and a tab; the
+/// actions are left as written, so their quoted strings keep their escapes for the template
+/// language to read.
+fn text_escapes(t: &str) -> String {
+    let mut out = String::with_capacity(t.len());
+    let mut rest = t;
+    while !rest.is_empty() {
+        let (text, action) = match rest.find("{{") {
+            Some(i) => {
+                let end = rest[i..].find("}}").map_or(rest.len(), |j| i + j + 2);
+                (&rest[..i], &rest[i..end])
+            }
+            None => (rest, ""),
+        };
+        out.push_str(&text.replace("\\n", "\n").replace("\\t", "\t"));
+        out.push_str(action);
+        rest = &rest[text.len() + action.len()..];
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn escapes_in_an_actions_string_are_the_template_languages_own() {
+        let v = serde_json::json!({"ID": "abc", "Tags": ["x", "y"]});
+        assert_eq!(template(r#"{{printf "%s\n" .ID}}"#, &v).unwrap(), "abc\n");
+        assert_eq!(
+            template(r#"{{.ID}}{{"\t"}}{{.ID}}"#, &v).unwrap(),
+            "abc\tabc"
+        );
+        assert_eq!(
+            template(r#"{{range .Tags}}{{.}}\n{{end}}"#, &v).unwrap(),
+            "x\ny\n"
+        );
+    }
 
     #[test]
     fn kv_aligns_keys_on_the_longest() {
