@@ -10,54 +10,20 @@ use dhv_binder::cluster::trust::SigningKey;
 use dhv_binder::volume::VolumeKey;
 use serde_json::{json, Value};
 use std::time::Duration;
-use support::cluster::{repo, Cluster};
+use support::cluster::Cluster;
 
 const VOLUME: &str = "shared-data";
 
 /// A service job named `name` whose task appends to `/data/log.txt` in the volume, with
 /// `extra` lines in its group; the example's prestart task gates the volume.
 fn writer_job(sb_dir: &std::path::Path, name: &str, extra: &str) -> std::path::PathBuf {
-    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
-    let start = example.find("    task \"publish-volumes\"").unwrap();
-    let end = example.find("    task \"app\"").unwrap();
-    let prestart = &example[start..end];
-    let hcl = format!(
-        r#"job "{name}" {{
-  type        = "service"
-  datacenters = ["*"]
-  group "app" {{
-{extra}
-    volume "data" {{
-      type            = "host"
-      source          = "{VOLUME}"
-      access_mode     = "single-node-writer"
-      attachment_mode = "file-system"
-    }}
-    volume "dhv-binder" {{
-      type      = "host"
-      source    = "dhv-binder-socket"
-      read_only = true
-    }}
-{prestart}
-    task "app" {{
-      driver = "exec"
-      config {{
-        command = "/bin/sh"
-        args    = ["-c", "while echo \"$NOMAD_ALLOC_ID\" >> /data/log.txt; do sleep 0.2; done; exit 1"]
-      }}
-      volume_mount {{
-        volume      = "data"
-        destination = "/data"
-      }}
-      kill_timeout = "1s"
-    }}
-  }}
-}}
-"#
-    );
-    let path = sb_dir.join(format!("{name}.nomad.hcl"));
-    std::fs::write(&path, hcl).unwrap();
-    path
+    support::jobs::exec_writer_job(
+        sb_dir,
+        name,
+        VOLUME,
+        extra,
+        r#"while echo \"$NOMAD_ALLOC_ID\" >> /data/log.txt; do sleep 0.2; done; exit 1"#,
+    )
 }
 
 async fn claim(c: &Cluster) -> Value {
@@ -90,12 +56,7 @@ async fn an_operator_releases_the_claim_of_a_holder_whose_agent_is_down() {
     c.create_volume(VOLUME, "single-node-writer");
     let job = c.run_job(&writer_job(c.sb.path(), "writer", "")).await;
     let first: Value = c
-        .wait_for(120, "the writer running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job, "app", 120, "the writer running")
         .await;
     let first_id = first["ID"].as_str().unwrap().to_string();
     let holder = c.node_index(first["NodeID"].as_str().unwrap());
@@ -214,13 +175,8 @@ async fn the_holder_fences_at_once_when_an_operator_releases_its_claim() {
     let c = Cluster::start_with(1, "", &[]).await;
     c.create_volume(VOLUME, "single-node-writer");
     let job = c.run_job(&writer_job(c.sb.path(), "writer", "")).await;
-    c.wait_for(120, "the writer running", || async {
-        c.allocs(&job)
-            .await
-            .into_iter()
-            .find(|a| a["TaskStates"]["app"]["State"] == "running")
-    })
-    .await;
+    c.running_alloc(&job, "app", 120, "the writer running")
+        .await;
     c.wait_for(30, "the volume published", || async {
         dhv_binder::node::mounts::is_mount_point(&c.target(0, VOLUME)).then_some(())
     })

@@ -6,7 +6,7 @@ mod support;
 
 use serde_json::{json, Value};
 use std::time::{SystemTime, UNIX_EPOCH};
-use support::cluster::{repo, Cluster};
+use support::cluster::Cluster;
 
 const VOLUME: &str = "shared-data";
 
@@ -25,53 +25,16 @@ fn writer_job(sb_dir: &std::path::Path) -> std::path::PathBuf {
 
 /// [`writer_job`] named `name`, with `extra` lines in its group (a constraint).
 fn writer_job_named(sb_dir: &std::path::Path, name: &str, extra: &str) -> std::path::PathBuf {
-    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
-    let start = example.find("    task \"publish-volumes\"").unwrap();
-    let end = example.find("    task \"app\"").unwrap();
-    let prestart = &example[start..end];
-    let hcl = format!(
-        r#"job "{name}" {{
-  type        = "service"
-  datacenters = ["*"]
-  group "app" {{
-{extra}
-    volume "data" {{
-      type            = "host"
-      source          = "{VOLUME}"
-      access_mode     = "single-node-writer"
-      attachment_mode = "file-system"
-    }}
-    volume "dhv-binder" {{
-      type      = "host"
-      source    = "dhv-binder-socket"
-      read_only = true
-    }}
-    restart {{
-      attempts = 3
-      interval = "5m"
-      delay    = "5s"
-      mode     = "fail"
-    }}
-{prestart}
-    task "app" {{
-      driver = "exec"
-      config {{
-        command = "/bin/sh"
-        args    = ["-c", "i=0; while echo \"$NOMAD_ALLOC_ID $i\" >> /data/log.txt; do i=$((i+1)); sleep 0.1; done; echo write failed >&2; exit 1"]
-      }}
-      volume_mount {{
-        volume      = "data"
-        destination = "/data"
-      }}
-      kill_timeout = "1s"
-    }}
-  }}
-}}
-"#
+    let group = format!(
+        "{extra}\n    restart {{\n      attempts = 3\n      interval = \"5m\"\n      delay    = \"5s\"\n      mode     = \"fail\"\n    }}"
     );
-    let path = sb_dir.join(format!("{name}.nomad.hcl"));
-    std::fs::write(&path, hcl).unwrap();
-    path
+    support::jobs::exec_writer_job(
+        sb_dir,
+        name,
+        VOLUME,
+        &group,
+        r#"i=0; while echo \"$NOMAD_ALLOC_ID $i\" >> /data/log.txt; do i=$((i+1)); sleep 0.1; done; echo write failed >&2; exit 1"#,
+    )
 }
 
 /// The lines of the volume's log (in the bind plugin's storage: `<export>/default/<id>/`),
@@ -130,12 +93,7 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
     .await;
     let job = c.run_job(&writer_job(c.sb.path())).await;
     let first: Value = c
-        .wait_for(120, "the writer running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job, "app", 120, "the writer running")
         .await;
     let first_id = first["ID"].as_str().unwrap().to_string();
     let old = c.node_index(first["NodeID"].as_str().unwrap());
@@ -286,12 +244,7 @@ async fn a_holder_whose_agent_is_down_while_its_task_runs_is_never_taken_over() 
     c.create_volume(VOLUME, "single-node-writer");
     let job = c.run_job(&writer_job(c.sb.path())).await;
     let first: Value = c
-        .wait_for(120, "the writer running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job, "app", 120, "the writer running")
         .await;
     let holder = c.node_index(first["NodeID"].as_str().unwrap());
     let other = 1 - holder;
@@ -465,12 +418,7 @@ async fn a_delete_while_a_node_keeps_the_mount_is_refused_naming_the_node() {
     c.create_volume(VOLUME, "single-node-writer");
     let job = c.run_job(&writer_job(c.sb.path())).await;
     let first: Value = c
-        .wait_for(120, "the writer running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job, "app", 120, "the writer running")
         .await;
     let node = c.node_index(first["NodeID"].as_str().unwrap());
     c.wait_for(30, "the writer's first lines", || async {
@@ -537,12 +485,7 @@ async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
     c.create_volume(VOLUME, "single-node-writer");
     let job = c.run_job(&writer_job(c.sb.path())).await;
     let first: Value = c
-        .wait_for(120, "the writer running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job, "app", 120, "the writer running")
         .await;
     c.wait_for(30, "the claim held", || async {
         (claim_state(&c, 0) == "held").then_some(())
@@ -681,12 +624,7 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
     };
     let job = c.run_job(&spec("ssw", first_extra)).await;
     let old: Value = c
-        .wait_for(60, "the first writer running", || async {
-            c.allocs(&job)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job, "app", 60, "the first writer running")
         .await;
     let old_id = old["ID"].as_str().unwrap().to_string();
     c.wait_for(10, "the first writer's lines", || async {
@@ -719,12 +657,7 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
         .unwrap();
     assert_eq!(old_now["ClientStatus"], "failed", "{old_now}");
     let new: Value = c
-        .wait_for(60, "the second writer running", || async {
-            c.allocs(&job2)
-                .await
-                .into_iter()
-                .find(|a| a["TaskStates"]["app"]["State"] == "running")
-        })
+        .running_alloc(&job2, "app", 60, "the second writer running")
         .await;
     let new_id = new["ID"].as_str().unwrap().to_string();
     c.wait_for(10, "the second writer's lines", || async {

@@ -176,45 +176,12 @@ async fn run_with_vars(c: &Cluster, hcl: &str, vars: &str) -> String {
 /// numbered, timestamped line to `/data/log` every 50 ms, opening the file each time (each
 /// write goes through the mount), and reports every failed write on stderr.
 fn writer_job(dir: &Path, name: &str, volume: &str) -> PathBuf {
-    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
-    let start = example.find("<<-EOT").expect("the example's heredoc") + "<<-EOT".len();
-    let end = start + example[start..].find("EOT").unwrap();
-    let body = r#"
-          i=0
-          while true; do
-            i=$((i + 1))
-            now=$(date +%s%N)
-            echo "line $i $now" >> /data/log || echo "write $i failed at $now" >&2
-            sleep 0.05
-          done
-        "#;
-    let job = format!("{}{}{}", &example[..start], body, &example[end..]);
-    for from in [
-        "job \"shared-data-demo\"",
-        "source          = \"shared-data\"",
-    ] {
-        assert!(job.contains(from), "the example job no longer has {from}");
-    }
-    let job = job
-        .replace("job \"shared-data-demo\"", &format!("job \"{name}\""))
-        .replace(
-            "source          = \"shared-data\"",
-            &format!("source          = \"{volume}\""),
-        );
-    let path = dir.join(format!("{name}.nomad.hcl"));
-    std::fs::write(&path, job).unwrap();
-    path
+    support::jobs::line_writer_example(dir, &format!("{name}.nomad.hcl"), name, volume)
 }
 
 /// The numbered lines of the writer's log, in order, with their times (ns).
 fn lines(text: &str) -> Vec<(u64, u128)> {
-    text.lines()
-        .filter_map(|l| {
-            let mut w = l.split_whitespace();
-            (w.next()? == "line").then_some(())?;
-            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
-        })
-        .collect()
+    support::jobs::log_lines(text)
 }
 
 fn now_ns() -> u128 {

@@ -10,29 +10,14 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use support::cgroup::ScratchCgroup;
-use support::cluster::{repo, Cluster};
+use support::cluster::Cluster;
 use support::webdav::{mount_pids, WebdavServer};
 
 /// The example job with a main task that appends a numbered, timestamped line to
 /// `/data/log` every 50 ms, opening the file each time (each write goes through the mount),
 /// and reports every failed write on stderr with its time.
 fn writer_job(dir: &Path) -> PathBuf {
-    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
-    let start = example.find("<<-EOT").expect("the example's heredoc") + "<<-EOT".len();
-    let end = start + example[start..].find("EOT").unwrap();
-    let body = r#"
-          i=0
-          while true; do
-            i=$((i + 1))
-            now=$(date +%s%N)
-            echo "line $i $now" >> /data/log || echo "write $i failed at $now" >&2
-            sleep 0.05
-          done
-        "#;
-    let job = format!("{}{}{}", &example[..start], body, &example[end..]);
-    let path = dir.join("writer.nomad.hcl");
-    std::fs::write(&path, job).unwrap();
-    path
+    support::jobs::line_writer_example(dir, "writer.nomad.hcl", "shared-data-demo", "shared-data")
 }
 
 /// The cgroup v2 path of `pid` (relative to the cgroup2 mount).
@@ -44,13 +29,7 @@ fn cgroup_of(pid: i32) -> String {
 
 /// The numbered lines of the writer's log, in order, with their times (ns).
 fn lines(text: &str) -> Vec<(u64, u128)> {
-    text.lines()
-        .filter_map(|l| {
-            let mut w = l.split_whitespace();
-            (w.next()? == "line").then_some(())?;
-            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
-        })
-        .collect()
+    support::jobs::log_lines(text)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

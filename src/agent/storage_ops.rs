@@ -367,6 +367,13 @@ mod tests {
         )])
     }
 
+    /// Storage operations that know of `snap` (as the snapshot watch tells them).
+    fn ops_knowing(snap: &SnapshotRecord) -> StorageOps {
+        let mut s = StorageOps::default();
+        s.on_snapshots(Snapshots::from([(snap.id.clone(), snap.clone())]));
+        s
+    }
+
     fn snapshot_of(v: &VolumeRecord) -> SnapshotRecord {
         let mut s = SnapshotRecord::new(v, "before", 1);
         s.modify_index = 20;
@@ -399,9 +406,8 @@ mod tests {
     #[test]
     fn a_snapshot_of_a_volume_published_here_is_taken_here_with_its_target_and_holds_it_busy() {
         let v = volume();
-        let mut s = StorageOps::default();
         let snap = snapshot_of(&v);
-        s.on_snapshots(Snapshots::from([(snap.id.clone(), snap.clone())]));
+        let mut s = ops_knowing(&snap);
         let retries = Retries::new(1);
         let mut busy = BTreeSet::new();
         let now = Instant::now();
@@ -448,8 +454,7 @@ mod tests {
         let v = volume();
         let snap = snapshot_of(&v);
         let key = OpKey::Snapshot(snap.id.clone());
-        let mut s = StorageOps::default();
-        s.on_snapshots(Snapshots::from([(snap.id.clone(), snap.clone())]));
+        let mut s = ops_knowing(&snap);
         let mut retries = Retries::new(1);
         let p = plugins(&["snapshot"]);
         let now = Instant::now();
@@ -536,8 +541,7 @@ mod tests {
         let v = volume();
         let mut snap = snapshot_of(&v);
         snap.worker_node = "node-2".into();
-        let mut s = StorageOps::default();
-        s.on_snapshots(Snapshots::from([(snap.id.clone(), snap.clone())]));
+        let mut s = ops_knowing(&snap);
         let retries = Retries::new(1);
         let now = Instant::now();
         let p = plugins(&["snapshot"]);
@@ -590,8 +594,7 @@ mod tests {
         let v = volume();
         let snap = snapshot_of(&v);
         let key = OpKey::Snapshot(snap.id.clone());
-        let mut s = StorageOps::default();
-        s.on_snapshots(Snapshots::from([(snap.id.clone(), snap.clone())]));
+        let mut s = ops_knowing(&snap);
         let mut retries = Retries::new(1);
         let p = plugins(&["snapshot"]);
         let none = BTreeMap::new();

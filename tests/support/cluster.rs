@@ -572,6 +572,18 @@ impl Cluster {
             .unwrap_or_default()
     }
 
+    /// Waits up to `secs` for an allocation of `job` whose task `task` is running, and
+    /// returns it; panics naming `what` after that.
+    pub async fn running_alloc(&self, job: &str, task: &str, secs: u64, what: &str) -> Value {
+        self.wait_for(secs, what, || async {
+            self.allocs(job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"][task]["State"] == "running")
+        })
+        .await
+    }
+
     /// Waits until `f` returns Some, polling every 100 ms.
     pub async fn wait_for<T, F, Fut>(&self, secs: u64, what: &str, mut f: F) -> T
     where
