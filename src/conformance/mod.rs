@@ -303,9 +303,24 @@ impl Kit {
                     self.bad_outputs.push(format!("{op}: {e}"));
                 }
             }
-            Err(PluginError::Failed { message, .. }) if message.is_empty() => {
-                self.bad_outputs
-                    .push(format!("{op} failed without {{\"error\":\"…\"}} on stdout"));
+            Err(PluginError::Failed {
+                message,
+                status,
+                stderr,
+                ..
+            }) if message.is_empty() => {
+                let tail: String = stderr
+                    .trim()
+                    .chars()
+                    .rev()
+                    .take(300)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
+                self.bad_outputs.push(format!(
+                    "{op} failed ({status}) without {{\"error\":\"…\"}} on stdout; stderr: {tail}"
+                ));
             }
             Err(PluginError::BadOutput { .. }) => {}
             Err(_) => {}
