@@ -91,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
         }],
         parameters: params,
         source: Default::default(),
+        mount_options: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);
     let out = runner

@@ -6,8 +6,9 @@
 //! Layout, by layer (each folder imports only from the folders above it in this list):
 //! - cross-cutting: [`config`] (typed settings, the Nomad CLI's environment conventions),
 //!   [`escape`] (terminal-safe text from plugins, callers and Nomad), `retry` (exponential
-//!   backoff with jitter) and [`volume`] (volume specs, records, keys and identifier
-//!   validation: the vocabulary every layer shares);
+//!   backoff with jitter), [`mount_options`] (a volume's mount flags, `nosuid,nodev` by
+//!   default) and [`volume`] (volume specs, records, keys and identifier validation: the
+//!   vocabulary every layer shares);
 //! - [`nomad`]: Nomad's HTTP API (client, wire types, events, transport), the allocation
 //!   watcher ([`nomad::watch`]: list, then blocking queries or the event stream) and
 //!   workload identity verification ([`nomad::identity`]);
@@ -33,6 +34,7 @@ pub mod config;
 pub(crate) mod conformance;
 pub mod escape;
 pub mod metrics;
+pub mod mount_options;
 pub mod node;
 pub mod nomad;
 pub(crate) mod retry;

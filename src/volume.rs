@@ -2,6 +2,7 @@
 //! and the cluster-wide record dhv-binder keeps for it in a Nomad Variable
 //! (`dhv-binder/volumes/<name>` in the volume's namespace).
 
+use crate::mount_options::{MountOptions, MountOptionsError};
 use crate::nomad::types::Variable;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -83,6 +84,10 @@ pub enum SpecError {
         field: &'static str,
         shape: &'static str,
     },
+    /// `mount_options` asks for a flag outside the allow-list, contradicting flags, or a
+    /// bad `fs_type`.
+    #[error(transparent)]
+    MountOptions(#[from] MountOptionsError),
 }
 
 impl SpecError {
@@ -117,7 +122,16 @@ impl SpecError {
                 Some((block, f)) => spec_line(text, Some(block), f, None),
                 None => top(field),
             },
-            SpecError::WrongShape { field, .. } => top(field),
+            SpecError::WrongShape { field, .. } => match field.split_once('.') {
+                Some((block, f)) => spec_line(text, Some(block), f, None),
+                None => top(field),
+            },
+            SpecError::MountOptions(MountOptionsError::BadFsType(_)) => {
+                spec_line(text, Some("mount_options"), "fs_type", None)
+            }
+            SpecError::MountOptions(_) => {
+                spec_line(text, Some("mount_options"), "mount_flags", None)
+            }
         }
     }
 
@@ -283,6 +297,10 @@ pub struct VolumeSpec {
     /// Where the volume's content comes from; only read by `create`.
     #[serde(default, skip_serializing_if = "VolumeSource::is_empty")]
     pub source: VolumeSource,
+    /// `mount_options { mount_flags fs_type }`: the flags every publish applies over the
+    /// `nosuid,nodev` default ([`crate::mount_options`]); omitted from the record when empty.
+    #[serde(default, skip_serializing_if = "MountOptions::is_empty")]
+    pub mount_options: MountOptions,
 }
 
 #[derive(Deserialize)]
@@ -304,10 +322,21 @@ struct RawSpec {
     secrets: BTreeMap<String, hcl::Value>,
     snapshot_id: Option<String>,
     clone_id: Option<String>,
+    #[serde(default)]
+    mount_options: Option<RawMountOptions>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMountOptions {
+    #[serde(default)]
+    mount_flags: Vec<String>,
+    #[serde(default)]
+    fs_type: String,
 }
 
 /// The top-level fields of a `volume create` spec.
-pub const SPEC_FIELDS: [&str; 12] = [
+pub const SPEC_FIELDS: [&str; 13] = [
     "name",
     "type",
     "namespace",
@@ -320,6 +349,7 @@ pub const SPEC_FIELDS: [&str; 12] = [
     "secrets",
     "snapshot_id",
     "clone_id",
+    "mount_options",
 ];
 
 /// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
@@ -339,7 +369,13 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
     })?;
     // Shapes first, in the order of the text: a string where a string goes, a block where
     // a block goes, and only known fields in a capability block.
-    let blocks: [&'static str; 4] = ["capability", "parameters", "secrets", "context"];
+    let blocks: [&'static str; 5] = [
+        "capability",
+        "parameters",
+        "secrets",
+        "context",
+        "mount_options",
+    ];
     let strings = [
         "name",
         "type",
@@ -367,6 +403,7 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                         field: b,
                         shape: match *b {
                             "capability" => "a block: `capability { access_mode = \"…\" attachment_mode = \"…\" }`",
+                            "mount_options" => "a block: `mount_options { mount_flags = [\"noexec\"] }`",
                             _ => "a block of `key = \"value\"` lines, e.g. `parameters { export = \"/srv\" }`",
                         },
                     });
@@ -382,6 +419,10 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                         field: f,
                         shape: "an attribute: `name = \"value\"`",
                     });
+                }
+                if ident == "mount_options" {
+                    check_mount_options_block(b)?;
+                    continue;
                 }
                 if ident != "capability" {
                     continue;
@@ -433,6 +474,43 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                 },
             },
         });
+    }
+    Ok(())
+}
+
+/// The fields of a `mount_options` block: `mount_flags` a list of strings, `fs_type` a
+/// string, nothing else.
+fn check_mount_options_block(b: &hcl::edit::structure::Block) -> Result<(), SpecError> {
+    use hcl::edit::expr::Expression;
+    use hcl::edit::structure::Structure;
+    for inner in b.body.iter() {
+        let (key, value) = match inner {
+            Structure::Attribute(a) => (a.key.as_str(), Some(&a.value)),
+            Structure::Block(b) => (b.ident.as_str(), None),
+        };
+        match (key, value) {
+            ("mount_flags", Some(Expression::Array(items)))
+                if items.iter().all(|e| matches!(e, Expression::String(_))) => {}
+            ("mount_flags", _) => {
+                return Err(SpecError::WrongShape {
+                    field: "mount_options.mount_flags",
+                    shape: "a list of strings: `mount_flags = [\"noexec\"]`",
+                })
+            }
+            ("fs_type", Some(Expression::String(_))) => {}
+            ("fs_type", _) => {
+                return Err(SpecError::NotAString {
+                    field: "mount_options.fs_type".into(),
+                })
+            }
+            _ => {
+                return Err(SpecError::UnknownBlockField {
+                    block: "mount_options",
+                    field: key.into(),
+                    known: "mount_flags, fs_type",
+                })
+            }
+        }
     }
     Ok(())
 }
@@ -625,6 +703,10 @@ fn parse_spec_of(
         .iter()
         .map(|(k, v)| (k.clone(), hcl_string(v)))
         .collect();
+    let mount_options = match raw.mount_options {
+        None => MountOptions::default(),
+        Some(m) => MountOptions::new(m.mount_flags, m.fs_type)?,
+    };
     Ok((
         VolumeSpec {
             name,
@@ -636,6 +718,7 @@ fn parse_spec_of(
             capabilities,
             parameters,
             source,
+            mount_options,
         },
         secrets,
     ))

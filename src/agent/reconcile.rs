@@ -466,6 +466,7 @@ pub(crate) mod tests {
                 }],
                 parameters: Default::default(),
                 source: Default::default(),
+                mount_options: Default::default(),
             },
             Default::default(),
         );

@@ -11,6 +11,7 @@
 //!   directory for a symlink between a check and a use.
 
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
+use crate::mount_options::MountFlags;
 use crate::node::beneath::{self, Beneath, BeneathError, DirAttrs, Roots};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -33,9 +34,13 @@ pub enum HelperCommand {
     BindMount {
         #[command(flatten)]
         roots: RootArgs,
-        /// Remount the new mount read-only.
+        /// Make the mount read-only (before any task can see it).
         #[arg(long)]
         read_only: bool,
+        /// The mount's flags, `,`-separated as `DHV_MOUNT_FLAGS` gives them (`nosuid`,
+        /// `nodev`, `noexec`, `suid`, `dev`, atime modes); default `nosuid,nodev`.
+        #[arg(long, default_value = "nosuid,nodev")]
+        flags: String,
         /// The directory to mount (absolute, beneath a root).
         source: PathBuf,
         /// Where to mount it (a directory, e.g. `$DHV_TARGET_PATH`).
@@ -126,9 +131,14 @@ pub fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
         HelperCommand::BindMount {
             roots,
             read_only,
+            flags,
             source,
             target,
-        } => beneath::bind_mount(&roots.locate(&source)?, &target, read_only).map_err(refused),
+        } => {
+            let flags = MountFlags::parse_list(&flags)
+                .map_err(|e| Failure::new(EXIT_CONFIG, format!("--flags: {e}")))?;
+            beneath::bind_mount(&roots.locate(&source)?, &target, read_only, flags).map_err(refused)
+        }
         HelperCommand::Remove { roots, path } => beneath::remove(&roots.locate(&path)?)
             .map(|_| ())
             .map_err(refused),

@@ -15,6 +15,7 @@
 //! The roots are the node's configuration (`DHV_VOLUMES_DIR` and `DHV_ALLOWED_ROOTS`): a
 //! root itself is opened as configured (symlinks in it followed); nothing beneath it is.
 
+use crate::mount_options::{Atime, MountFlags};
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
@@ -354,60 +355,186 @@ pub fn proc_path(fd: BorrowedFd<'_>) -> PathBuf {
 
 /// Bind-mounts the directory `source` (beneath its root, no symlink followed) onto `target`
 /// (a directory; the agent's placeholder, not followed if it is a symlink), from the
-/// handle: `mount --bind /proc/self/fd/N`. With `read_only` the new mount is then remounted
-/// read-only (and removed again if that fails).
-pub fn bind_mount(source: &Beneath, target: &Path, read_only: bool) -> Result<(), BeneathError> {
-    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+/// handle, with `flags` (`nosuid,nodev` unless the volume's spec asks otherwise) and, with
+/// `read_only`, read-only. A flag the source's own mount has (read-only, `nosuid`, ...) is
+/// kept, never lifted.
+///
+/// The mount is complete before it becomes visible (issue 44 §4): a bind onto a shared
+/// mount propagates at once into every slave copy (a task bound with Nomad's
+/// `propagation_mode = "host-to-task"`), and a remount made afterwards reaches none of them.
+/// So the source is cloned as a detached mount (`open_tree(OPEN_TREE_CLONE)`, by handle),
+/// attached in a private mount namespace of a short-lived thread where nothing propagates,
+/// given its flags there (`MS_REMOUNT | MS_BIND`), cloned again (the clone keeps them) and
+/// only then attached onto the target (`move_mount`), which propagates it with its flags.
+///
+/// Errors: the source refused ([`Beneath::open`]); a system call failed, among them
+/// `ENOSYS` on a kernel without `open_tree`/`move_mount` (before Linux 5.2), where a mount
+/// cannot be made read-only before a task sees it: refused rather than done unsafely.
+pub fn bind_mount(
+    source: &Beneath,
+    target: &Path,
+    read_only: bool,
+    flags: MountFlags,
+) -> Result<(), BeneathError> {
+    use rustix::mount::{move_mount, open_tree, MoveMountFlags, OpenTreeFlags};
     let src = source.open(OFlags::PATH | OFlags::DIRECTORY, Mode::empty())?;
-    let open_target = || {
-        fs::open(
-            target,
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| io("cannot open the target", target, e))
+    let tgt = fs::open(
+        target,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io("cannot open the target", target, e))?;
+    let ms = ms_flags(&src, read_only, flags, &source.path)?;
+    let sys = |what: &'static str| {
+        move |e: Errno| BeneathError::Io {
+            what,
+            path: source.path.clone(),
+            source: if e == Errno::NOSYS {
+                std::io::Error::other(
+                    "this kernel has no open_tree/move_mount (Linux 5.2): a mount cannot be made read-only, nosuid and nodev before a task sees it; refused",
+                )
+            } else {
+                e.into()
+            },
+        }
     };
-    let tgt = open_target()?;
-    mount(
-        Some(&proc_path(src.as_fd())),
-        &proc_path(tgt.as_fd()),
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
+    let tree = open_tree(
+        &src,
+        "",
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | OpenTreeFlags::AT_EMPTY_PATH,
+    )
+    .map_err(sys("cannot clone the mount of"))?;
+    let target_owned = target.to_path_buf();
+    let finished = std::thread::Builder::new()
+        .name("dhv-bind-staging".into())
+        .spawn(move || staged(tree, &target_owned, ms))
+        .map_err(|e| BeneathError::Io {
+            what: "cannot start the staging thread for",
+            path: source.path.clone(),
+            source: e,
+        })?
+        .join()
+        .map_err(|_| BeneathError::Io {
+            what: "the staging thread panicked for",
+            path: source.path.clone(),
+            source: std::io::Error::other("panic"),
+        })??;
+    move_mount(
+        &finished,
+        "",
+        &tgt,
+        "",
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
     )
     .map_err(|e| BeneathError::Io {
-        what: "cannot bind-mount onto the target",
-        path: source.path.clone(),
+        what: "cannot mount onto the target",
+        path: target.to_path_buf(),
         source: e.into(),
-    })?;
-    if read_only {
-        // The handle opened before the mount names the directory beneath it: open the
-        // target again to reach the new mount.
-        let m = match open_target() {
-            Ok(m) => m,
-            Err(e) => {
-                let _ = umount2(target, MntFlags::empty());
-                return Err(e);
-            }
-        };
-        let m_path = proc_path(m.as_fd());
-        let r = mount(
-            None::<&str>,
-            &m_path,
-            None::<&str>,
-            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
-            None::<&str>,
-        );
-        if let Err(e) = r {
-            let _ = umount2(&m_path, MntFlags::empty());
-            return Err(BeneathError::Io {
-                what: "cannot remount read-only",
-                path: target.to_path_buf(),
-                source: e.into(),
-            });
+    })
+}
+
+/// The `MS_*` flags of the remount: `flags` and `read_only`, plus every restriction the
+/// source's own mount has (from `fstatvfs` of the handle).
+fn ms_flags(
+    src: &OwnedFd,
+    read_only: bool,
+    flags: MountFlags,
+    path: &Path,
+) -> Result<nix::mount::MsFlags, BeneathError> {
+    use nix::mount::MsFlags;
+    use rustix::fs::StatVfsMountFlags as St;
+    let have = fs::fstatvfs(src)
+        .map_err(|e| io("cannot read the mount flags of", path, e))?
+        .f_flag;
+    let mut ms = MsFlags::MS_REMOUNT | MsFlags::MS_BIND;
+    let mut set = |on: bool, st: St, f: MsFlags| {
+        if on || have.contains(st) {
+            ms |= f;
         }
+    };
+    set(read_only, St::RDONLY, MsFlags::MS_RDONLY);
+    set(!flags.suid, St::NOSUID, MsFlags::MS_NOSUID);
+    set(!flags.dev, St::NODEV, MsFlags::MS_NODEV);
+    set(flags.noexec, St::NOEXEC, MsFlags::MS_NOEXEC);
+    set(flags.nodiratime, St::NODIRATIME, MsFlags::MS_NODIRATIME);
+    match flags.atime {
+        Some(Atime::NoAtime) => ms |= MsFlags::MS_NOATIME,
+        Some(Atime::StrictAtime) => ms |= MsFlags::MS_STRICTATIME,
+        // relatime is the kernel's default for a remount without the others.
+        Some(Atime::RelAtime) => {}
+        None if have.contains(St::NOATIME) => ms |= MsFlags::MS_NOATIME,
+        None => {}
     }
-    Ok(())
+    Ok(ms)
+}
+
+/// In this thread's own mount namespace (private: nothing mounted here reaches any other
+/// namespace), attaches the detached `tree`, gives it `ms`, and returns a detached clone
+/// of it, which carries those flags. The namespace ends with the thread.
+fn staged(tree: OwnedFd, target: &Path, ms: nix::mount::MsFlags) -> Result<OwnedFd, BeneathError> {
+    use nix::mount::{mount, MsFlags};
+    use rustix::mount::{move_mount, open_tree, MoveMountFlags, OpenTreeFlags};
+    let fail = |what: &'static str| {
+        move |e: Errno| BeneathError::Io {
+            what,
+            path: target.to_path_buf(),
+            source: e.into(),
+        }
+    };
+    let nix_fail = |what: &'static str| {
+        move |e: nix::Error| BeneathError::Io {
+            what,
+            path: target.to_path_buf(),
+            source: e.into(),
+        }
+    };
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).map_err(nix_fail(
+        "cannot make a private mount namespace to prepare the mount for",
+    ))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(nix_fail("cannot make the staging namespace private for"))?;
+    // Where the tree is attached in this namespace matters to nobody (nothing here
+    // propagates, and the tree is used by its own handle from now on).
+    let point = fs::open(
+        target,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(fail("cannot open the staging point"))?;
+    move_mount(
+        &tree,
+        "",
+        &point,
+        "",
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+    )
+    .map_err(fail("cannot attach the staged mount for"))?;
+    mount(
+        None::<&str>,
+        &proc_path(tree.as_fd()),
+        None::<&str>,
+        ms,
+        None::<&str>,
+    )
+    .map_err(nix_fail(
+        "cannot set the mount flags (read-only, nosuid, nodev, ...) of",
+    ))?;
+    open_tree(
+        &tree,
+        "",
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | OpenTreeFlags::AT_EMPTY_PATH,
+    )
+    .map_err(fail("cannot clone the staged mount for"))
 }
 
 /// Removes `path` (a file, or a directory and everything in it) beneath its root, following
@@ -641,6 +768,166 @@ mod tests {
             remove(&roots.locate(&root).unwrap()),
             Err(BeneathError::IsRoot { .. })
         ));
+    }
+
+    /// The options of the mount at `path`, from this process's mount table (the kernel's
+    /// word, not the plugin's): the per-mount options (field 6) of the topmost mount there.
+    fn options_at(path: &Path) -> Vec<String> {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = info
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == path.to_str())
+            .last()
+            .unwrap_or_else(|| panic!("nothing mounted at {}", path.display()));
+        line.split(' ')
+            .nth(5)
+            .unwrap()
+            .split(',')
+            .map(String::from)
+            .collect()
+    }
+
+    fn erofs(r: std::io::Result<()>) -> bool {
+        matches!(r, Err(e) if e.raw_os_error() == Some(nix::libc::EROFS))
+    }
+
+    /// Issue 44 §4: a read-only publish onto a shared placeholder reaches a task bound
+    /// before it (a slave copy, Nomad's `host-to-task`) read-only, `nosuid` and `nodev`.
+    /// A bind then a remount propagated the bind at once and the remount never: the task's
+    /// copy was writable.
+    #[test]
+    fn a_read_only_publish_reaches_a_slave_copy_made_before_it_read_only() {
+        use crate::node::mounts::scratch::Scratch;
+        use nix::mount::{mount, MsFlags};
+        let s = Scratch::new();
+        let root = s.dir("root");
+        let vol = s.dir("root/vol");
+        std::fs::write(vol.join("f"), "f").unwrap();
+        // The guard: a shared mount holding the placeholder.
+        let guard = s.dir("guard");
+        s.rbind(&guard, &guard);
+        mount(
+            None::<&str>,
+            &guard,
+            None::<&str>,
+            MsFlags::MS_SHARED,
+            None::<&str>,
+        )
+        .unwrap();
+        let placeholder = s.dir("guard/p");
+        // A task bound before the publish, host-to-task: a slave copy of the guard.
+        let task = s.path().join("task");
+        s.rbind(&guard, &task);
+        mount(
+            None::<&str>,
+            &task,
+            None::<&str>,
+            MsFlags::MS_REC | MsFlags::MS_SLAVE,
+            None::<&str>,
+        )
+        .unwrap();
+
+        let roots = Roots::new([root]);
+        bind_mount(
+            &roots.locate(&vol).unwrap(),
+            &placeholder,
+            true,
+            MountFlags::default(),
+        )
+        .unwrap();
+        let seen = task.join("p");
+        assert_eq!(std::fs::read_to_string(seen.join("f")).unwrap(), "f");
+        assert!(
+            erofs(std::fs::write(seen.join("g"), "task")),
+            "the task's copy of a read-only publish is writable: {:?}",
+            options_at(&seen)
+        );
+        assert!(erofs(std::fs::write(placeholder.join("g"), "host")));
+        for o in ["ro", "nosuid", "nodev"] {
+            assert!(
+                options_at(&seen).iter().any(|x| x == o),
+                "{o}: {:?}",
+                options_at(&seen)
+            );
+            assert!(options_at(&placeholder).iter().any(|x| x == o));
+        }
+        assert!(!vol.join("g").exists());
+    }
+
+    /// Issue 49: the published mount carries `nosuid,nodev` by default and the spec's
+    /// flags (`noexec`) on top, as the mount table shows; a setuid binary brought into the
+    /// volume does not run setuid through it.
+    #[test]
+    fn a_publish_is_nosuid_nodev_by_default_and_carries_the_specs_flags() {
+        use crate::node::mounts::scratch::Scratch;
+        use std::os::unix::fs::PermissionsExt;
+        let s = Scratch::new();
+        let root = s.dir("root");
+        let vol = s.dir("root/vol");
+        let roots = Roots::new([root]);
+        // A setuid-root copy of `id`, as a task with root in its volume could leave there.
+        std::fs::copy("/usr/bin/id", vol.join("id")).unwrap();
+        std::fs::set_permissions(vol.join("id"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+        std::fs::set_permissions(s.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let euid_through = |dir: &Path| {
+            let out = std::process::Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                .arg(dir.join("id"))
+                .arg("-u")
+                .output()
+                .expect("run setpriv (util-linux)");
+            assert!(out.status.success(), "{out:?}");
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        // The test's own premise: the source's filesystem honours setuid.
+        assert_eq!(
+            euid_through(&vol),
+            "0",
+            "the scratch filesystem is mounted nosuid"
+        );
+
+        let plain = s.dir("plain");
+        bind_mount(
+            &roots.locate(&vol).unwrap(),
+            &plain,
+            false,
+            MountFlags::default(),
+        )
+        .unwrap();
+        let o = options_at(&plain);
+        assert!(
+            o.contains(&"nosuid".into()) && o.contains(&"nodev".into()),
+            "{o:?}"
+        );
+        assert!(
+            !o.contains(&"noexec".into()) && o.contains(&"rw".into()),
+            "{o:?}"
+        );
+        assert_eq!(
+            euid_through(&plain),
+            "65534",
+            "a setuid binary ran setuid: {o:?}"
+        );
+
+        let noexec = s.dir("noexec");
+        let flags = MountFlags::parse(&["noexec"]).unwrap();
+        bind_mount(&roots.locate(&vol).unwrap(), &noexec, false, flags).unwrap();
+        let o = options_at(&noexec);
+        for f in ["noexec", "nosuid", "nodev", "rw"] {
+            assert!(o.contains(&f.into()), "{f}: {o:?}");
+        }
+        let ran = std::process::Command::new(noexec.join("id")).output();
+        assert!(
+            matches!(&ran, Err(e) if e.raw_os_error() == Some(nix::libc::EACCES)),
+            "{ran:?}"
+        );
+
+        // Asked for: suid honoured (the spec's explicit choice).
+        let suid = s.dir("suid");
+        let flags = MountFlags::parse(&["suid"]).unwrap();
+        bind_mount(&roots.locate(&vol).unwrap(), &suid, false, flags).unwrap();
+        assert!(!options_at(&suid).contains(&"nosuid".into()));
+        assert_eq!(euid_through(&suid), "0");
     }
 
     #[test]

@@ -92,7 +92,9 @@ pub fn delete_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
     env
 }
 
-/// Environment of `publish`.
+/// Environment of `publish`: with `DHV_MOUNT_FLAGS`, the flags the published mount must
+/// carry (`nosuid,nodev` unless the spec's `mount_options` say otherwise,
+/// [`crate::mount_options::MountFlags::to_list`]), and `DHV_FS_TYPE` when the spec names one.
 pub fn publish_env(
     node: &NodeEnv,
     rec: &VolumeRecord,
@@ -115,7 +117,14 @@ pub fn publish_env(
             cap.map(|c| c.attachment_mode.clone()).unwrap_or_default(),
         ),
         ("DHV_ALLOC_ID".into(), alloc_id.to_string()),
+        (
+            "DHV_MOUNT_FLAGS".into(),
+            rec.spec.mount_options.flags().to_list(),
+        ),
     ]);
+    if !rec.spec.mount_options.fs_type.is_empty() {
+        env.push(("DHV_FS_TYPE".into(), rec.spec.mount_options.fs_type.clone()));
+    }
     env
 }
 
