@@ -470,6 +470,28 @@ fn ms_flags(
     Ok(ms)
 }
 
+/// The restrictions the mount at `path` has now (`statvfs`), as the `MS_*` flags a bind
+/// remount must repeat to keep them: `nosuid`, `nodev`, `noexec`, `noatime`,
+/// `nodiratime` (a bind remount sets every per-mount flag; one left out is lifted).
+pub fn restrictions_at(path: &Path) -> nix::Result<nix::mount::MsFlags> {
+    use nix::mount::MsFlags;
+    use nix::sys::statvfs::FsFlags;
+    let have = nix::sys::statvfs::statvfs(path)?.flags();
+    let mut ms = MsFlags::empty();
+    for (st, f) in [
+        (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+        (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+    ] {
+        if have.contains(st) {
+            ms |= f;
+        }
+    }
+    Ok(ms)
+}
+
 /// In this thread's own mount namespace (private: nothing mounted here reaches any other
 /// namespace), attaches the detached `tree`, gives it `ms`, and returns a detached clone
 /// of it, which carries those flags. The namespace ends with the thread.

@@ -163,13 +163,16 @@ pub fn fence(target: &Path, mine: &BTreeSet<String>) -> FenceReport {
     report
 }
 
+/// `MS_REMOUNT | MS_BIND | MS_RDONLY`, keeping the mount's other flags (`nosuid`, `nodev`,
+/// `noexec`, atime): a bind remount sets them all, so one left out would be lifted.
 fn remount(target: &Path) -> nix::Result<()> {
     use nix::mount::MsFlags;
+    let kept = crate::node::beneath::restrictions_at(target)?;
     nix::mount::mount(
         None::<&str>,
         target,
         None::<&str>,
-        MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+        MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | kept,
         None::<&str>,
     )
 }
@@ -294,5 +297,38 @@ mod tests {
             .open(&file)
             .unwrap_err();
         assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "{err}");
+    }
+
+    /// The fence's read-only remount keeps the mount's `nosuid`, `nodev` and `noexec`: a
+    /// bind remount sets every per-mount flag, and one left out was lifted (a fenced
+    /// volume ran setuid binaries).
+    #[test]
+    fn the_fence_keeps_nosuid_nodev_and_noexec() {
+        use nix::mount::MsFlags;
+        use nix::sys::statvfs::{statvfs, FsFlags};
+        let sb = crate::node::mounts::scratch::Scratch::new();
+        let export = sb.tmpfs("export");
+        let target = sb.dir("target");
+        sb.rbind(&export, &target);
+        let hard = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+        nix::mount::mount(
+            None::<&str>,
+            &target,
+            None::<&str>,
+            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | hard,
+            None::<&str>,
+        )
+        .unwrap();
+        let r = fence(&target, &BTreeSet::new());
+        assert!(r.complete() && r.read_only, "{r:?}");
+        let f = statvfs(&target).unwrap().flags();
+        for st in [
+            FsFlags::ST_RDONLY,
+            FsFlags::ST_NOSUID,
+            FsFlags::ST_NODEV,
+            FsFlags::ST_NOEXEC,
+        ] {
+            assert!(f.contains(st), "{st:?} lifted by the fence: {f:?}");
+        }
     }
 }
