@@ -145,6 +145,44 @@ pub fn ungated(alloc: &Allocation, requests: &[Request], socket_volume: &str) ->
     out
 }
 
+/// The tasks of `alloc` that mount `volume` read-only (the group's `volume { read_only }` or
+/// the mount's own `read_only`) with a `propagation_mode` that carries later mounts into
+/// them ([`propagates`]). A mount made on the placeholder after such a task was bound
+/// reaches it as a copy with the host mount's flags: a writer volume's `rw` (issue 44 §4),
+/// whatever the task asked. Empty without the allocation's Job.
+pub fn read_only_propagating(alloc: &Allocation, volume: &VolumeKey) -> Vec<String> {
+    let Some(group) = alloc.group() else {
+        return Vec::new();
+    };
+    if alloc.namespace != volume.namespace {
+        return Vec::new();
+    }
+    let names = |alias: &str| -> Option<bool> {
+        let req = group.volumes.get(alias)?;
+        if req.volume_type != "host" {
+            return None;
+        }
+        let name = if req.per_alloc {
+            format!("{}{}", req.source, alloc.alloc_suffix()?)
+        } else {
+            req.source.clone()
+        };
+        (name == volume.name).then_some(req.read_only)
+    };
+    group
+        .tasks
+        .iter()
+        .filter(|t| {
+            t.volume_mounts.iter().any(|m| {
+                names(&m.volume).is_some_and(|group_ro| {
+                    (group_ro || m.read_only) && propagates(&m.propagation_mode)
+                })
+            })
+        })
+        .map(|t| t.name.clone())
+        .collect()
+}
+
 /// True when the group has a non-sidecar prestart task mounting the socket volume.
 fn has_gate(group: &TaskGroup, socket_volume: &str) -> bool {
     group.tasks.iter().any(|t| {

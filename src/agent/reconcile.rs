@@ -279,6 +279,11 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                     volume.spec.plugin_id
                 ),
             });
+        } else if let Some(reason) = read_only_propagating(i, key, volume, allocs) {
+            plan.waiting.push(Waiting {
+                volume: key.clone(),
+                reason,
+            });
         } else if !claimed {
             plan.steps.push(Step::AcquireClaim {
                 volume: key.clone(),
@@ -401,6 +406,36 @@ pub const SINGLE_WRITER: &str = "single-node-single-writer";
 
 /// Why writers of a `single-node-single-writer` volume wait: who holds it (job,
 /// allocation, node), for their prestart and status.
+/// Why a writer volume is not published here: a task of a live allocation needing it
+/// mounts it read-only with `propagation_mode` `host-to-task` or `bidirectional` (issue 44
+/// §4). Such a task may be bound to the placeholder before the publish, and the publish
+/// would reach it as a copy with the host mount's flags, `rw`: refused while it may run.
+fn read_only_propagating(
+    i: Inputs<'_>,
+    key: &VolumeKey,
+    volume: &VolumeRecord,
+    allocs: &[(String, bool)],
+) -> Option<String> {
+    if publish_read_only(volume) {
+        return None;
+    }
+    let found: Vec<String> = allocs
+        .iter()
+        .filter_map(|(id, _)| {
+            let alloc = i.view.allocs().get(id)?;
+            let tasks = crate::agent::gate::read_only_propagating(alloc, key);
+            (!tasks.is_empty()).then(|| format!("allocation {id} task(s) {}", tasks.join(", ")))
+        })
+        .collect();
+    if found.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "publish refused: {} mount(s) this writer volume read-only with propagation_mode host-to-task or bidirectional, and a publish would reach such a task writable (a mount propagated into it carries the host mount's flags); use propagation_mode \"private\" for a read-only mount, or a reader access mode for the volume",
+        found.join("; ")
+    ))
+}
+
 fn writer_holds(i: Inputs<'_>, writer: &str, waiting: &[&str]) -> String {
     let (job, name, node) = i.view.allocs().get(writer).map_or_else(
         || ("?".to_string(), "?".to_string(), "?".to_string()),
@@ -928,6 +963,57 @@ pub(crate) mod tests {
             }
         ));
         w.settle();
+    }
+
+    /// Issue 44 §4: a writer volume is not published while a task of an allocation needing
+    /// it mounts it read-only with host-to-task propagation (the publish would reach that
+    /// task writable); a private read-only mount, or a reader access mode, is published.
+    #[test]
+    fn a_read_only_host_to_task_mount_of_a_writer_volume_is_refused() {
+        use crate::nomad::types::{Task, VolumeMount};
+        let with_task = |mode: &str, group_ro: bool, mount_ro: bool, prop: &str| {
+            let mut a = alloc(A1, &["data"], "pending", "run");
+            let g = &mut a.job.as_mut().unwrap().task_groups[0];
+            g.volumes.get_mut("v-data").unwrap().read_only = group_ro;
+            g.tasks.push(Task {
+                name: "app".into(),
+                volume_mounts: vec![VolumeMount {
+                    volume: "v-data".into(),
+                    destination: "/data".into(),
+                    read_only: mount_ro,
+                    propagation_mode: prop.into(),
+                }],
+                ..Default::default()
+            });
+            World::new(&[volume("data", mode)], vec![a]).plan()
+        };
+        for (group_ro, mount_ro, prop) in [
+            (true, false, "host-to-task"),
+            (false, true, "host-to-task"),
+            (true, true, "bidirectional"),
+        ] {
+            let p = with_task("multi-node-multi-writer", group_ro, mount_ro, prop);
+            assert!(p.steps.is_empty(), "{p:?}");
+            assert!(
+                p.waiting[0].reason.contains("publish refused")
+                    && p.waiting[0].reason.contains("task(s) app"),
+                "{p:?}"
+            );
+        }
+        let p = with_task("single-node-writer", true, false, "host-to-task");
+        assert!(p.steps.is_empty() && p.waiting.len() == 1, "{p:?}");
+        // Allowed: private propagation, a writable mount, or a reader volume.
+        for (mode, group_ro, prop) in [
+            ("multi-node-multi-writer", true, "private"),
+            ("multi-node-multi-writer", false, "host-to-task"),
+            ("multi-node-reader-only", true, "host-to-task"),
+        ] {
+            let p = with_task(mode, group_ro, false, prop);
+            assert!(
+                matches!(p.steps[..], [Step::Publish { .. }]),
+                "{mode} {group_ro} {prop}: {p:?}"
+            );
+        }
     }
 
     /// Multi-node modes need no claim: publish directly.

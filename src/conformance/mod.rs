@@ -4,7 +4,9 @@
 //!
 //! Rules: fingerprint shape and speed; deferred binding; each operation repeated 10 times
 //! (idempotence); unpublish and delete of something absent; publish to a target that is
-//! already mounted; read-only publish; unpublish while a file is open inside (must fail and
+//! already mounted; read-only publish; the mount flags on the target (`nosuid,nodev` by
+//! default, a spec's `noexec`, read from the mount table); unpublish while a file is open
+//! inside (must fail and
 //! leave the mount); data kept across publishes; concurrent calls on one
 //! volume; calls killed by the timeout, then retried; a helper outliving the kill of the
 //! caller's cgroup; an unpublish with the storage unreachable and a write only in the
@@ -17,6 +19,7 @@
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
 
+use crate::mount_options::MountOptions;
 use crate::node::journal::{MountRecord, MountState};
 use crate::storage::environment::{self, NodeEnv};
 use crate::storage::plugin::{Operation, PluginError, Runner};
@@ -616,6 +619,7 @@ async fn run_rules(kit: &mut Kit) {
             "unpublish of nothing",
             "publish to occupied target",
             "read-only publish",
+            "mount flags",
             "unpublish while in use",
             "concurrent calls",
             "killed by the timeout",
@@ -822,6 +826,7 @@ async fn run_rules(kit: &mut Kit) {
     let ok = verdict.is_ok();
     kit.report
         .push("read-only publish", ok, verdict.unwrap_or_else(|e| e));
+    mount_flags_rule(kit).await;
 
     // Unpublish while in use: a file held open inside the volume makes the unmount fail
     // (EBUSY); the plugin must report failure and leave the filesystem mounted, never
@@ -1136,4 +1141,65 @@ async fn output_rules(kit: &mut Kit) {
             )
         },
     );
+}
+
+/// The flags of the published mount, from the kernel's mount table (never the plugin's
+/// word): a publish without `mount_options` carries `nosuid,nodev`, one of a volume whose
+/// spec asks `mount_flags = ["noexec"]` carries `noexec,nosuid,nodev` (`DHV_MOUNT_FLAGS`).
+async fn mount_flags_rule(kit: &mut Kit) {
+    let mut verdicts = Vec::new();
+    let mut ok = true;
+    for (name, asked) in [
+        ("flags-default", &[][..]),
+        ("flags-noexec", &["noexec"][..]),
+    ] {
+        let mut rec = kit.rec.clone();
+        rec.spec.mount_options =
+            match MountOptions::new(asked.iter().map(|s| s.to_string()).collect(), String::new()) {
+                Ok(m) => m,
+                Err(e) => {
+                    ok = false;
+                    verdicts.push(format!("{asked:?}: {e}"));
+                    continue;
+                }
+            };
+        let want = rec.spec.mount_options.flags().to_list();
+        let target = kit.target(name);
+        let published = kit.publish_rec(&rec, &target, false).await;
+        let verdict = match &published {
+            Err(e) => Err(format!("publish with DHV_MOUNT_FLAGS={want}: {e}")),
+            Ok(_) => match crate::node::mounts::MountTable::read_self() {
+                Err(e) => Err(e.to_string()),
+                Ok(t) => match t.top_at(&target) {
+                    None => Err(format!("nothing mounted at {}", target.display())),
+                    Some(m) => {
+                        let have: Vec<&str> = m.options.split(',').collect();
+                        let missing: Vec<&str> =
+                            want.split(',').filter(|f| !have.contains(f)).collect();
+                        if missing.is_empty() {
+                            Ok(format!(
+                                "DHV_MOUNT_FLAGS={want}: the mount table shows {}",
+                                m.options
+                            ))
+                        } else {
+                            Err(format!(
+                                "DHV_MOUNT_FLAGS={want}, but the mount table shows {} (missing {})",
+                                m.options,
+                                missing.join(",")
+                            ))
+                        }
+                    }
+                },
+            },
+        };
+        if let Ok(c) = published {
+            if let Err(e) = kit.unpublish_rec(&rec, &target, &c).await {
+                ok = false;
+                verdicts.push(format!("unpublish: {e}"));
+            }
+        }
+        ok &= verdict.is_ok();
+        verdicts.push(verdict.unwrap_or_else(|e| e));
+    }
+    kit.report.push("mount flags", ok, verdicts.join("; "));
 }
