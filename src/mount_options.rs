@@ -312,4 +312,53 @@ mod tests {
             opts(&["noexec"]).unwrap()
         );
     }
+
+    /// The spec's block (issue 49): parsed into the record, refused by name when it says
+    /// something dhv-binder cannot honour, with the line of the fault.
+    #[test]
+    fn a_spec_s_mount_options_block_is_parsed_and_checked() {
+        use crate::volume::{parse_spec, SpecError};
+        let spec = |block: &str| format!("name = \"v\"\nplugin_id = \"bind\"\n{block}\n");
+        let (s, _) = parse_spec(&spec("mount_options {\n  mount_flags = [\"noexec\"]\n}")).unwrap();
+        assert_eq!(s.mount_options.mount_flags, ["noexec"]);
+        assert_eq!(s.mount_options.flags().to_list(), "nosuid,nodev,noexec");
+        let (s, _) = parse_spec(&spec("")).unwrap();
+        assert!(s.mount_options.is_empty());
+        assert_eq!(s.mount_options.flags().to_list(), "nosuid,nodev");
+        // Without mount_options the record's spec is what it was (old signatures verify).
+        assert!(!serde_json::to_string(&s).unwrap().contains("mount_options"));
+        let (s, _) = parse_spec(&spec("mount_options {\n  fs_type = \"ext4\"\n}")).unwrap();
+        assert_eq!(s.mount_options.fs_type, "ext4");
+
+        let text = spec("mount_options {\n  mount_flags = [\"ro\"]\n}");
+        let e = parse_spec(&text).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SpecError::MountOptions(MountOptionsError::Unknown { .. })
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("access mode"), "{e}");
+        assert_eq!(e.line_in(&text), Some(4));
+        let text = spec("mount_options {\n  mount_flags = \"noexec\"\n}");
+        let e = parse_spec(&text).unwrap_err();
+        assert!(matches!(e, SpecError::WrongShape { .. }), "{e}");
+        assert_eq!(e.line_in(&text), Some(4));
+        let e = parse_spec(&spec("mount_options {\n  options = [\"x\"]\n}")).unwrap_err();
+        assert!(matches!(e, SpecError::UnknownBlockField { .. }), "{e}");
+        let e = parse_spec(&spec("mount_options = { mount_flags = [] }")).unwrap_err();
+        assert!(matches!(e, SpecError::WrongShape { .. }), "{e}");
+        let e = parse_spec(&spec(
+            "mount_options {\n  mount_flags = [\"suid\", \"nosuid\"]\n}",
+        ))
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SpecError::MountOptions(MountOptionsError::Contradiction { .. })
+            ),
+            "{e}"
+        );
+    }
 }

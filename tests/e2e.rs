@@ -682,6 +682,104 @@ async fn b26_reader_volume_is_read_only_and_unpublished_at_the_stored_path() {
     assert_eq!(support::cluster::mount_count(&target), 0);
 }
 
+/// Issue 44 §4: a task bound to the placeholder before a read-only publish, with
+/// `propagation_mode = "host-to-task"` (no prestart gate: it starts on the empty
+/// placeholder), gets the volume read-only, nosuid and nodev. The publish reaches the task
+/// as a copy of the mount as it was when it appeared; with a bind then a remount, that copy
+/// was writable (the task printed WRITABLE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_to_task_task_under_a_read_only_publish_cannot_write() {
+    let c = Cluster::start(1).await;
+    c.create_volume("ro-h2t", "single-node-reader-only");
+    let id = volume_id(&c, "ro-h2t").await;
+    std::fs::write(c.export.join("default").join(&id).join("seed"), "seed").unwrap();
+    // The publish waits until the task runs on the empty placeholder (the file `go`).
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    let go = c.sb.join("go");
+    script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            "#!/bin/sh\nif [ \"$1\" = publish ]; then\n  i=0\n  while [ ! -e '{go}' ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done\nfi\nexec '{real}' \"$@\"\n",
+            go = go.display(),
+            real = real.display()
+        ),
+    );
+    let spec = c.sb.join("ro-h2t.nomad.hcl");
+    std::fs::write(
+        &spec,
+        r#"job "ro-h2t" {
+  type        = "service"
+  datacenters = ["*"]
+  group "app" {
+    volume "data" {
+      type            = "host"
+      source          = "ro-h2t"
+      access_mode     = "single-node-reader-only"
+      attachment_mode = "file-system"
+      read_only       = true
+    }
+    task "app" {
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "echo waiting; until [ -e /data/seed ]; do sleep 0.2; done; grep ' /data ' /proc/self/mountinfo | tail -n 1; if touch /data/probe 2>/tmp/err; then echo WRITABLE; else cat /tmp/err; fi; sleep 600"]
+      }
+      volume_mount {
+        volume           = "data"
+        destination      = "/data"
+        propagation_mode = "host-to-task"
+      }
+      kill_timeout = "1s"
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    let job = c.run_job(&spec).await;
+    let alloc = c
+        .running_alloc(&job, "app", 60, "the task running before the publish")
+        .await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let log = c.sb.join(&format!(
+        "sim/node-1/alloc/{alloc_id}/alloc/logs/app.stdout.0"
+    ));
+    c.wait_for(30, "the task waiting on the empty placeholder", || async {
+        std::fs::read_to_string(&log)
+            .ok()
+            .filter(|t| t.contains("waiting"))
+            .map(|_| ())
+    })
+    .await;
+    std::fs::write(&go, "").unwrap();
+    let out = c
+        .wait_for(60, "the task's write attempt", || async {
+            std::fs::read_to_string(&log)
+                .ok()
+                .filter(|t| t.contains("Read-only") || t.contains("WRITABLE"))
+        })
+        .await;
+    assert!(out.contains("Read-only file system"), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.contains(" /data "))
+        .unwrap_or_else(|| panic!("no /data line in {out}"));
+    let opts: Vec<&str> = line.split(' ').nth(5).unwrap().split(',').collect();
+    for o in ["ro", "nosuid", "nodev"] {
+        assert!(opts.contains(&o), "{o} missing in the task's copy: {line}");
+    }
+    assert!(!c.export.join("default").join(&id).join("probe").exists());
+    let a = c.get(&format!("/v1/allocation/{alloc_id}")).await;
+    assert_eq!(
+        task_state(&a, "app")["Restarts"],
+        0,
+        "the task was restarted: {a}"
+    );
+    c.stop_job(&job, false).await;
+}
+
 /// B15 (docs/simulator.md, issue 34 table, row 1): `job stop -purge` deletes the job's
 /// allocations at once, the running one included (`DeleteJobTxn` → `deleteAllocsForJobTxn`),
 /// with no allocation event and no rise of the node's allocation index; the client kills the

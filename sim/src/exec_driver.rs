@@ -1,7 +1,11 @@
 //! The `exec` driver's isolation helper (`nomad-sim exec-task <spec.json>`).
 //!
 //! Runs single-threaded before any async runtime: unshares the mount namespace, makes `/`
-//! recursively private, builds the chroot in the task dir from `chroot_env` (read-only binds,
+//! recursively a slave (libcontainer's default root propagation, `MS_SLAVE | MS_REC`, which
+//! Nomad's executor keeps: `drivers/shared/executor/executor_linux_cgo.go` sets no
+//! `RootPropagation`; runc `libcontainer/rootfs_linux.go` `prepareRoot`), so that a host
+//! volume bound with `propagation_mode = "host-to-task"` receives the host's later mounts
+//! as in Nomad and nothing of the task's reaches the host, builds the chroot in the task dir from `chroot_env` (read-only binds,
 //! parents before nested destinations),
 //! binds `/proc` and `/dev`, binds the shared alloc dir at `/alloc`, bind-mounts each host volume
 //! at its destination (recursively, so a mount point under the host path is carried along;
@@ -271,10 +275,10 @@ fn setup_and_exec(spec_path: &Path) -> Result<std::convert::Infallible, ExecErro
         None::<&str>,
         "/",
         None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
         None::<&str>,
     )
-    .map_err(|e| ExecError::Sys("make / rprivate".into(), e))?;
+    .map_err(|e| ExecError::Sys("make / rslave".into(), e))?;
     let root = &spec.root;
     let mut overlays = Vec::new();
     // Outer destinations first, so a nested one is bound on top of its parent.

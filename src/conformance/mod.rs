@@ -1145,7 +1145,9 @@ async fn output_rules(kit: &mut Kit) {
 
 /// The flags of the published mount, from the kernel's mount table (never the plugin's
 /// word): a publish without `mount_options` carries `nosuid,nodev`, one of a volume whose
-/// spec asks `mount_flags = ["noexec"]` carries `noexec,nosuid,nodev` (`DHV_MOUNT_FLAGS`).
+/// spec asks `mount_flags = ["noexec"]` carries `noexec,nosuid,nodev` (`DHV_MOUNT_FLAGS`)
+/// or is refused (a plugin that cannot apply a flag fails the publish; one that succeeds
+/// without it fails the rule).
 async fn mount_flags_rule(kit: &mut Kit) {
     let mut verdicts = Vec::new();
     let mut ok = true;
@@ -1167,6 +1169,10 @@ async fn mount_flags_rule(kit: &mut Kit) {
         let target = kit.target(name);
         let published = kit.publish_rec(&rec, &target, false).await;
         let verdict = match &published {
+            // A plugin may refuse a flag it cannot apply: nothing is published without it.
+            Err(e) if !asked.is_empty() => Ok(format!(
+                "DHV_MOUNT_FLAGS={want}: refused ({e}); nothing published without the flags"
+            )),
             Err(e) => Err(format!("publish with DHV_MOUNT_FLAGS={want}: {e}")),
             Ok(_) => match crate::node::mounts::MountTable::read_self() {
                 Err(e) => Err(e.to_string()),
