@@ -422,7 +422,7 @@ impl Metrics {
         let records_refused = Family::<ReasonLabels, Counter>::default();
         r.register(
             "records_refused",
-            "Volume and snapshot records this agent read and refused to act on, by reason (malformed, unsigned, malformed-signature, untrusted-key, bad-signature, unsigned-delete); each version of a record once",
+            "Volume and snapshot records this agent read and refused to act on, by reason (malformed, unsigned, malformed-signature, untrusted-key, bad-signature, unsigned-delete; marker-line: a line of the change marker that names no record, each line once); each version of a record once",
             records_refused.clone(),
         );
         let mounts = Family::<StateLabels, Gauge>::default();
