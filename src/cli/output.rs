@@ -343,13 +343,11 @@ fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
         },
         serde_json::Value::String(s) => G::String(escape_control(s)),
         serde_json::Value::Array(a) => G::Array(a.iter().map(to_gtmpl).collect()),
-        serde_json::Value::Object(m) => {
-            G::Object(
-                m.iter()
-                    .map(|(k, v)| (escape_control(k), to_gtmpl(v)))
-                    .collect(),
-            )
-        }
+        serde_json::Value::Object(m) => G::Object(
+            m.iter()
+                .map(|(k, v)| (escape_control(k), to_gtmpl(v)))
+                .collect(),
+        ),
     }
 }
 
@@ -454,7 +452,11 @@ mod tests {
             "disk \\u{1b}[2Jgone\\u{d}\\u{a}fake: ok\\u{202e}\n"
         );
         assert_eq!(
-            template("{{range $k, $v := .Context}}{{$k}}={{$v}}{{\"\\t\"}}{{end}}", &v).unwrap(),
+            template(
+                "{{range $k, $v := .Context}}{{$k}}={{$v}}{{\"\\t\"}}{{end}}",
+                &v
+            )
+            .unwrap(),
             "k\\u{7}ey=v\\u{1b}]0;title\\u{7}\t"
         );
         let out = template("{{.Error}}{{printf \"%s\" .Error}}", &v).unwrap();
