@@ -422,7 +422,7 @@ impl Metrics {
         let records_refused = Family::<ReasonLabels, Counter>::default();
         r.register(
             "records_refused",
-            "Volume and snapshot records this agent read and refused to act on, by reason (malformed, unsigned, malformed-signature, untrusted-key, bad-signature, unsigned-delete); each version of a record once",
+            "Volume and snapshot records this agent read and refused to act on, by reason (malformed, unsigned, malformed-signature, untrusted-key, bad-signature, unsigned-delete; marker-line: a line of the change marker that names no record, each line once); each version of a record once",
             records_refused.clone(),
         );
         let mounts = Family::<StateLabels, Gauge>::default();
@@ -903,19 +903,57 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
 /// once (issue 33: 300 idle connections used up the agent's file descriptors).
 pub const MAX_CONNECTIONS: usize = 64;
 
-/// How long a connection may take to send a request's headers (also the longest an idle
-/// kept-alive connection is held) before it is closed.
+/// How many of those one peer (an IP address) may hold: a flood of idle connections from one
+/// address leaves room for the scraper's.
+pub const MAX_PER_PEER: usize = 8;
+
+/// How long a connection may take to send a request's headers, counted from its start
+/// (also for one that sends nothing), before it is closed.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The longest any one scrape connection is kept, whatever it does.
 pub const MAX_CONNECTION_LIFE: Duration = Duration::from_secs(60);
 
+/// Connections open per peer address; a [`PeerSlot`] gives its place back when dropped.
+#[derive(Default)]
+struct PeerSlots(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One open connection of a peer, counted in [`PeerSlots`] while it lives.
+struct PeerSlot(std::sync::Arc<PeerSlots>, std::net::IpAddr);
+
+impl PeerSlots {
+    /// A place for one more connection of `peer`, or `None` when it holds [`MAX_PER_PEER`].
+    fn take(self: &std::sync::Arc<Self>, peer: std::net::IpAddr) -> Option<PeerSlot> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(peer).or_default();
+        if *n >= MAX_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot(self.clone(), peer))
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut m = (self.0).0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
+        }
+    }
+}
+
 /// Serves `GET /metrics` on `listener` until the task is dropped; other paths are 404,
-/// other methods 405. At most [`MAX_CONNECTIONS`] connections are served at once (more
-/// are closed at once); each must send its headers within [`HEADER_READ_TIMEOUT`] and is
-/// closed after [`MAX_CONNECTION_LIFE`].
+/// other methods 405. At most [`MAX_CONNECTIONS`] connections are served at once, at most
+/// [`MAX_PER_PEER`] of one address (more are closed at once); each must send its first
+/// request's headers within [`HEADER_READ_TIMEOUT`] of its start and is closed after
+/// [`MAX_CONNECTION_LIFE`].
 pub async fn serve(listener: TcpListener, metrics: Metrics) {
     let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let peers = std::sync::Arc::new(PeerSlots::default());
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -925,6 +963,11 @@ pub async fn serve(listener: TcpListener, metrics: Metrics) {
                 continue;
             }
         };
+        let Some(peer_slot) = peers.take(peer.ip()) else {
+            tracing::debug!(%peer, limit = MAX_PER_PEER, "metrics connection refused: too many open from this address");
+            drop(stream);
+            continue;
+        };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             tracing::debug!(%peer, limit = MAX_CONNECTIONS, "metrics connection refused: too many open");
             drop(stream);
@@ -932,8 +975,11 @@ pub async fn serve(listener: TcpListener, metrics: Metrics) {
         };
         let m = metrics.clone();
         tokio::spawn(async move {
-            let _slot = slot;
+            let _slots = (slot, peer_slot);
+            let headers_in = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let seen = headers_in.clone();
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                seen.store(true, std::sync::atomic::Ordering::Relaxed);
                 let m = m.clone();
                 async move { Ok::<_, std::convert::Infallible>(answer(&m, &req)) }
             });
@@ -941,7 +987,18 @@ pub async fn serve(listener: TcpListener, metrics: Metrics) {
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), svc);
-            let _ = tokio::time::timeout(MAX_CONNECTION_LIFE, conn).await;
+            tokio::pin!(conn);
+            let started = tokio::time::Instant::now();
+            // The first headers within their time from the connection's start, whatever
+            // hyper's timer counts from (as the local API does); dropping closes it.
+            tokio::select! {
+                _ = &mut conn => return,
+                _ = tokio::time::sleep_until(started + HEADER_READ_TIMEOUT) => {}
+            }
+            if !headers_in.load(std::sync::atomic::Ordering::Relaxed) {
+                return;
+            }
+            let _ = tokio::time::timeout_at(started + MAX_CONNECTION_LIFE, conn).await;
         });
     }
 }
@@ -1084,6 +1141,44 @@ mod tests {
         // A scrape never lowers it, and one with no reading between shows the same or more.
         let again = line_value(&m.encode(), "dhv_binder_mount_table_reads_total ").unwrap();
         assert!(again >= shown);
+    }
+
+    /// Issue 44 #9: many idle connections from one address do not starve a scrape from
+    /// another (80 took every place before), and one that sends nothing is closed after
+    /// [`HEADER_READ_TIMEOUT`] from its start.
+    #[tokio::test]
+    async fn idle_connections_from_one_peer_leave_room_for_a_scrape() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let _server = tokio::spawn(serve(l, Metrics::new()));
+        let mut idle = Vec::new();
+        for _ in 0..80 {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            idle.push(s.connect(addr).await.unwrap());
+        }
+        // Let the server accept them all.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut answer)).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+        // An idle connection the server kept is closed after the header timeout.
+        let mut buf = [0u8; 1];
+        let mut kept = idle.pop().unwrap();
+        for c in idle.iter_mut().rev() {
+            if matches!(c.try_read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            {
+                std::mem::swap(c, &mut kept);
+                break;
+            }
+        }
+        let closed = tokio::time::timeout(HEADER_READ_TIMEOUT * 3, kept.read(&mut buf)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
     }
 
     #[tokio::test]

@@ -456,3 +456,108 @@ async fn a_record_asked_for_is_read_at_once_without_the_marker() {
         t.abort();
     }
 }
+
+/// Issue 44 #3: crafted lines in the change marker (a path with a blocking query of its
+/// own, one that climbs to `/v1/acl/token/self`, a stale alias `<name>?x`) are refused,
+/// counted and never read: no request leaves for them, and a new record the marker names
+/// after them still reaches the catalogue at once (with the lines used as written, the
+/// blocking query held the whole read for its 300 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crafted_marker_lines_are_refused_and_do_not_delay_a_new_record() {
+    use dhv_binder::cluster::{catalog, changes};
+    use dhv_binder::volume::VolumeKey;
+    let _ = poison_proxy().await;
+    let nomad = nomad_sim::replay::Replay::start("node-1", serde_json::json!({"keys": []})).await;
+    let writer = client(&nomad.addr);
+    changes::put_record(&writer, &record_var("data"), Some(0))
+        .await
+        .unwrap();
+    let refused = Arc::new(AtomicUsize::new(0));
+    let (mtx, mrx) = tokio::sync::watch::channel(changes::MarkerView::Unknown);
+    let (ctx, mut rx) = tokio::sync::mpsc::channel(64);
+    let counted = refused.clone();
+    let tasks = [
+        tokio::spawn(changes::watch_observed(
+            client(&nomad.addr),
+            std::time::Duration::from_secs(300),
+            mtx,
+            Arc::new(move |_| {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }),
+        )),
+        tokio::spawn(catalog::run(
+            client(&nomad.addr),
+            catalog::Follow {
+                marker: mrx,
+                relist: std::time::Duration::from_secs(300),
+                reads: catalog::Reads::default(),
+            },
+            dhv_binder::cluster::trust::RecordTrust::Unverified,
+            catalog::Rejections::default(),
+            ctx,
+        )),
+    ];
+    catalogue_where(&mut rx, "with the first record", |c| c.len() == 1).await;
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+
+    // A writer of the marker adds its lines (`crafted` at once), then a volume is created
+    // (`name`): its record must arrive as if the lines were not there.
+    let from = nomad.requests().len();
+    let round = |crafted: &'static [&'static str], name: &'static str| {
+        let writer = client(&nomad.addr);
+        async move {
+            let cur = writer
+                .variable(changes::MARKER_NAMESPACE, changes::MARKER_PATH)
+                .await
+                .unwrap()
+                .unwrap();
+            let mut m = changes::Marker::from_variable(&cur).unwrap();
+            for path in crafted {
+                m.push("default", path, 999);
+            }
+            writer
+                .put_variable(&m.to_variable(), Some(cur.modify_index))
+                .await
+                .unwrap();
+            changes::put_record(&writer, &record_var(name), Some(0))
+                .await
+                .unwrap();
+            VolumeKey {
+                namespace: "default".into(),
+                name: name.into(),
+            }
+        }
+    };
+    // A line with a blocking query of its own: as written, it held the read for 300 s.
+    let fresh = round(
+        &["dhv-binder/volumes/data?index=99999999&wait=300s"],
+        "fresh",
+    )
+    .await;
+    catalogue_where(&mut rx, "with the new record", |c| c.contains_key(&fresh)).await;
+    // A line to another endpoint (with the agent's token), a stale alias of a record.
+    let crafted: &[&str] = &[
+        "dhv-binder/volumes/../../../acl/token/self",
+        "dhv-binder/volumes/data?x",
+    ];
+    let later = round(crafted, "later").await;
+    catalogue_where(&mut rx, "with the next record", |c| c.contains_key(&later)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let sent = nomad.requests()[from..].to_vec();
+    for r in &sent {
+        assert!(
+            !r.contains("acl") && !r.contains("99999999") && !r.contains("data%3F"),
+            "a request for a crafted line: {r} (all: {sent:?})"
+        );
+    }
+    assert_eq!(
+        count_since(&nomad, from, "GET /v1/var/dhv-binder/volumes/data"),
+        0,
+        "{sent:?}"
+    );
+    assert_eq!(count_since(&nomad, from, "GET /v1/vars"), 0, "{sent:?}");
+    assert_eq!(refused.load(Ordering::SeqCst), 3);
+    for t in tasks {
+        t.abort();
+    }
+}

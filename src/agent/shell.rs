@@ -820,10 +820,14 @@ pub async fn run(
     };
     let background = [
         tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
-        tokio::spawn(crate::cluster::changes::watch(
+        tokio::spawn(crate::cluster::changes::watch_observed(
             client.clone(),
             Duration::from_secs(300),
             marker_tx,
+            {
+                let m = metrics.clone();
+                std::sync::Arc::new(move |reason| m.record_refused(reason))
+            },
         )),
         tokio::spawn(catalog::run(
             client.clone(),

@@ -327,7 +327,10 @@ fn convert(v: &serde_json::Value, path: &str, shape: &Shape) -> serde_json::Valu
 /// The template's data: the command's JSON as it is (the output structs name their fields
 /// as Nomad's API does, so `{{.ID}}`, `{{.Name}}` and `{{.PluginID}}` work as they do with
 /// `nomad ... -t`). Objects behave as Go structs: a field that does not exist is an error,
-/// not an empty string.
+/// not an empty string. Every string and key is terminal-escaped ([`escape_control`]), as
+/// the readable output is: record fields come from records, plugins and Nomad, and a
+/// template prints them to a terminal; the template's own text (its `\n`, `{{"\t"}}`) is
+/// not data and stays as written.
 fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
     use gtmpl::Value as G;
     match v {
@@ -338,11 +341,13 @@ fn to_gtmpl(v: &serde_json::Value) -> gtmpl::Value {
             (None, Some(i)) => G::from(i),
             _ => G::from(n.as_f64().unwrap_or(0.0)),
         },
-        serde_json::Value::String(s) => G::String(s.clone()),
+        serde_json::Value::String(s) => G::String(escape_control(s)),
         serde_json::Value::Array(a) => G::Array(a.iter().map(to_gtmpl).collect()),
-        serde_json::Value::Object(m) => {
-            G::Object(m.iter().map(|(k, v)| (k.clone(), to_gtmpl(v))).collect())
-        }
+        serde_json::Value::Object(m) => G::Object(
+            m.iter()
+                .map(|(k, v)| (escape_control(k), to_gtmpl(v)))
+                .collect(),
+        ),
     }
 }
 
@@ -431,6 +436,31 @@ mod tests {
         assert_eq!(ago(100, 112), "12s ago");
         assert_eq!(ago(100, 100 + 184), "3m4s ago");
         assert_eq!(ago(0, 5), "never");
+    }
+
+    /// Issue 44 #8: fields printed through `-t` are escaped as in the readable output (a
+    /// record's escape sequences never reach the terminal); the template's own newlines and
+    /// tabs are kept.
+    #[test]
+    fn template_output_escapes_control_characters_of_the_data() {
+        let v = serde_json::json!({
+            "Error": "disk \u{1b}[2Jgone\r\nfake: ok\u{202e}",
+            "Context": {"k\u{7}ey": "v\u{1b}]0;title\u{7}"},
+        });
+        assert_eq!(
+            template("{{.Error}}\\n", &v).unwrap(),
+            "disk \\u{1b}[2Jgone\\u{d}\\u{a}fake: ok\\u{202e}\n"
+        );
+        assert_eq!(
+            template(
+                "{{range $k, $v := .Context}}{{$k}}={{$v}}{{\"\\t\"}}{{end}}",
+                &v
+            )
+            .unwrap(),
+            "k\\u{7}ey=v\\u{1b}]0;title\\u{7}\t"
+        );
+        let out = template("{{.Error}}{{printf \"%s\" .Error}}", &v).unwrap();
+        assert!(!out.chars().any(|c| c.is_control()), "{out:?}");
     }
 
     #[test]

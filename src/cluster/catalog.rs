@@ -191,15 +191,24 @@ pub(crate) async fn follow<T: Clone, Out>(
                                     .into_iter()
                                     .filter(|c| c.path.starts_with(kind.prefix))
                                     .map(|c| ((c.namespace, c.path), c.index));
-                                let r = read_some(&client, &kind, &trust, &rejected, &mut cache, mine).await;
+                                // The relist comes at its time, whatever reads are in flight.
+                                let r = tokio::time::timeout_at(
+                                    relist_at,
+                                    read_some(&client, &kind, &trust, &rejected, &mut cache, mine),
+                                )
+                                .await;
                                 match r {
-                                    Ok(changed) => {
+                                    Ok(Ok(changed)) => {
                                         seen = Some(m.seen());
                                         Ok(changed)
                                     }
-                                    Err(e) => {
+                                    Ok(Err(e)) => {
                                         full = true;
                                         Err(e)
+                                    }
+                                    Err(_) => {
+                                        full = true;
+                                        continue;
                                     }
                                 }
                             }
@@ -223,7 +232,18 @@ pub(crate) async fn follow<T: Clone, Out>(
                         .into_iter()
                         .filter(|(_, p)| p.starts_with(kind.prefix))
                         .map(|k| (k, 0));
-                    read_some(&client, &kind, &trust, &rejected, &mut cache, want).await
+                    match tokio::time::timeout_at(
+                        relist_at,
+                        read_some(&client, &kind, &trust, &rejected, &mut cache, want),
+                    )
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => {
+                            full = true;
+                            continue;
+                        }
+                    }
                 }
             }
         };
@@ -276,8 +296,8 @@ async fn list_all<T: Clone>(
 }
 
 /// Reads the named records (`(namespace, path)` → the ModifyIndex a change announced, 0 when
-/// not known) unless the cache already holds that index or a later one; true when the cache
-/// changed.
+/// not known) unless the cache already holds that index or a later one, and only those that
+/// name a record ([`crate::cluster::changes::check_target`]); true when the cache changed.
 async fn read_some<T: Clone>(
     client: &Client,
     kind: &Kind<T>,
@@ -294,6 +314,17 @@ async fn read_some<T: Clone>(
     let mut changed = false;
     for (k, index) in wanted {
         if index > 0 && cache.get(&k).is_some_and(|(have, _)| *have >= index) {
+            continue;
+        }
+        // Only a record's path in a valid namespace is read (the marker's lines are checked
+        // when it is read; a path asked for through `Reads` here).
+        if let Err(reason) = crate::cluster::changes::check_target(&k.0, &k.1) {
+            tracing::warn!(
+                namespace = %crate::escape::escape_control(&k.0),
+                path = %crate::escape::escape_control(&k.1),
+                reason = %crate::escape::escape_control(&reason),
+                "not reading a record path that names no record"
+            );
             continue;
         }
         let (idx, rec) = read_one(client, kind, trust, rejected, &k).await?;

@@ -15,13 +15,73 @@
 //! The marker is a hint, not a record: what an agent acts on is still the record it reads,
 //! verified as every record is (`cluster::trust`). A marker that lies or is never updated
 //! (a writer that does not bump it: an older CLI, `nomad var put`) costs reads or delays a
-//! record until the next safety relist; it cannot make a node act on a record.
+//! record until the next safety relist; it cannot make a node act on a record. Every line is
+//! checked before anything is read for it ([`check_target`]): a valid namespace name and a
+//! record's path (the volume prefix and an encoded volume name, or the snapshot prefix and a
+//! snapshot ID), nothing else; a line that fails is logged, counted
+//! (`dhv_binder_records_refused_total{reason="marker-line"}`) and skipped, and no request
+//! leaves for it.
 
+use crate::cluster::trust::RefusedReason;
 use crate::nomad::types::Variable;
 use crate::nomad::watch::MIN_QUERY_INTERVAL;
 use crate::nomad::{Client, NomadError};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// The snapshot records' variable prefix (`cluster::snapshot::SNAPSHOT_PREFIX`, a module that
+/// imports this one).
+const SNAPSHOT_RECORDS: &str = "dhv-binder/snapshots/";
+
+/// Checks that a change names a record: `namespace` a valid namespace name
+/// ([`crate::volume::validate_identifier`]) and `path` a volume record's path
+/// ([`crate::volume::RECORD_PREFIX`] and the encoded name of a valid volume name, as
+/// [`crate::volume::record_path`] writes it) or a snapshot record's (the snapshot prefix and
+/// a lower-case hyphenated UUID). `Err` says why not. Nothing else is ever read for a
+/// marker line or asked to be read.
+pub fn check_target(namespace: &str, path: &str) -> Result<(), String> {
+    crate::volume::validate_identifier("namespace", namespace, false).map_err(|e| e.to_string())?;
+    if let Some(encoded) = path.strip_prefix(crate::volume::RECORD_PREFIX) {
+        let name = decode_name(encoded)
+            .ok_or_else(|| format!("{encoded:?} is not an encoded volume name"))?;
+        crate::volume::validate_identifier("name", &name, true).map_err(|e| e.to_string())?;
+        if crate::volume::encode_name(&name) != encoded {
+            return Err(format!("{encoded:?} is not how a volume name is encoded"));
+        }
+        return Ok(());
+    }
+    if let Some(id) = path.strip_prefix(SNAPSHOT_RECORDS) {
+        return if crate::volume::is_alloc_id(id) {
+            Ok(())
+        } else {
+            Err(format!("{id:?} is not a snapshot ID"))
+        };
+    }
+    Err(format!(
+        "{path:?} is not under {} or {SNAPSHOT_RECORDS}",
+        crate::volume::RECORD_PREFIX
+    ))
+}
+
+/// The name [`crate::volume::encode_name`] encoded: `~xx` back to its byte; `None` when the
+/// text holds other bytes than the encoding writes or is no UTF-8.
+fn decode_name(encoded: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(encoded.len());
+    let mut bytes = encoded.bytes();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'~' => {
+                let hex = [bytes.next()?, bytes.next()?];
+                let hex = std::str::from_utf8(&hex).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+            }
+            b if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' => out.push(b),
+            _ => return None,
+        }
+    }
+    String::from_utf8(out).ok()
+}
 
 /// The marker's variable path.
 pub const MARKER_PATH: &str = "dhv-binder/records-changed";
@@ -204,16 +264,27 @@ impl Marker {
             return Since::Nothing;
         }
         // The ring must hold every change after `seen.seq`, starting with the next one.
+        // Lines that name no record ([`Marker::refused`]) are skipped.
         match self.ring.front() {
             Some(first) if first.seq <= seen.seq + 1 => Since::Changes(
                 self.ring
                     .iter()
                     .filter(|c| c.seq > seen.seq)
+                    .filter(|c| check_target(&c.namespace, &c.path).is_ok())
                     .cloned()
                     .collect(),
             ),
             _ => Since::Gap,
         }
+    }
+
+    /// The lines of the ring that name no record ([`check_target`]), with why: never read,
+    /// never followed.
+    pub fn refused(&self) -> Vec<(&Change, String)> {
+        self.ring
+            .iter()
+            .filter_map(|c| check_target(&c.namespace, &c.path).err().map(|r| (c, r)))
+            .collect()
     }
 }
 
@@ -318,14 +389,31 @@ pub enum MarkerView {
     Seen(Marker),
 }
 
+/// Told of each marker line refused ([`RefusedReason::MarkerLine`]), once per line.
+pub type LineObserver = Arc<dyn Fn(RefusedReason) + Send + Sync>;
+
+/// [`watch_observed`] with no one told of refused lines (they are still logged and skipped).
+pub async fn watch(client: Client, wait: Duration, tx: tokio::sync::watch::Sender<MarkerView>) {
+    watch_observed(client, wait, tx, Arc::new(|_| {})).await
+}
+
 /// Follows the marker with blocking reads of its one variable (`wait` per query; the next one
 /// [`MIN_QUERY_INTERVAL`] after each answer, so a burst of changes is read as one) and publishes each
 /// new state on `tx`. A missing marker is created empty (`cas=0`): a missing variable's
 /// blocking read would wake on every variable write (Nomad answers it with the table index).
 /// A marker that cannot be read or created for lack of permission makes the view
-/// [`MarkerView::Unavailable`] (logged once), and is tried again every minute. Returns when
-/// every receiver is gone.
-pub async fn watch(client: Client, wait: Duration, tx: tokio::sync::watch::Sender<MarkerView>) {
+/// [`MarkerView::Unavailable`] (logged once), and is tried again every minute. Each line
+/// that names no record ([`Marker::refused`]) is logged and told to `refused` once (the
+/// followers skip it). Returns when every receiver is gone.
+pub async fn watch_observed(
+    client: Client,
+    wait: Duration,
+    tx: tokio::sync::watch::Sender<MarkerView>,
+    refused: LineObserver,
+) {
+    // The last refused line told, by (marker epoch, sequence number): a line stays in the
+    // ring for the next reads.
+    let mut told = (0u64, 0u64);
     let mut index = 0u64;
     let mut attempt = 0u32;
     let mut warned = false;
@@ -344,6 +432,21 @@ pub async fn watch(client: Client, wait: Duration, tx: tokio::sync::watch::Sende
                     // answer came at once: follow from there.
                     index = var.modify_index.max(1);
                     let m = Marker::read(&var);
+                    for (c, reason) in m.refused() {
+                        if m.epoch == told.0 && c.seq <= told.1 {
+                            continue;
+                        }
+                        told = (m.epoch, c.seq);
+                        refused(RefusedReason::MarkerLine);
+                        tracing::warn!(
+                            marker = MARKER_PATH,
+                            seq = c.seq,
+                            namespace = %crate::escape::escape_control(&c.namespace),
+                            path = %crate::escape::escape_control(&c.path),
+                            reason = %crate::escape::escape_control(&reason),
+                            "a change marker line names no record: nothing is read for it (a writer of the marker wrote it; see docs/security.md)"
+                        );
+                    }
                     tx.send_if_modified(|v| {
                         let new = MarkerView::Seen(m);
                         let changed = *v != new;
@@ -477,5 +580,64 @@ mod tests {
         let reversed = reversed.join("\n");
         var.items.insert("changes".into(), reversed);
         assert!(Marker::from_variable(&var).is_err());
+    }
+
+    /// Issue 44 #3: a marker line names a record or nothing is read for it: a query, dot
+    /// segments, another endpoint, a stale alias, a namespace that is none.
+    #[test]
+    fn marker_lines_that_name_no_record_are_refused_and_skipped() {
+        let snap = "dhv-binder/snapshots/0b9c6a6e-1111-4c2a-9d6e-2f1f3a4b5c6d";
+        assert_eq!(check_target("default", "dhv-binder/volumes/data"), Ok(()));
+        assert_eq!(
+            check_target("team-a", "dhv-binder/volumes/db~5b0~5d"),
+            Ok(())
+        );
+        assert_eq!(check_target("default", snap), Ok(()));
+        for (ns, path) in [
+            (
+                "default",
+                "dhv-binder/volumes/data?index=99999999&wait=300s",
+            ),
+            ("default", "dhv-binder/volumes/../../../acl/token/self"),
+            ("default", "dhv-binder/volumes/data?x"),
+            ("default", "dhv-binder/volumes/"),
+            ("default", "dhv-binder/volumes/~2e~2e"),
+            ("default", "dhv-binder/volumes/da~74a"),
+            ("default", "dhv-binder/nodes/n1"),
+            ("default", "dhv-binder/snapshots/not-a-uuid"),
+            ("default", "other/path"),
+            ("*", "dhv-binder/volumes/data"),
+            ("a/b", "dhv-binder/volumes/data"),
+            ("..", "dhv-binder/volumes/data"),
+        ] {
+            assert!(check_target(ns, path).is_err(), "{ns} {path}");
+        }
+        // A marker holding crafted lines decodes (its sequence is intact), but the lines are
+        // refused and never among the changes to read.
+        let mut m = marker_with(1);
+        m.push(
+            "default",
+            "dhv-binder/volumes/x?index=99999999&wait=300s",
+            5,
+        );
+        m.push("default", "dhv-binder/volumes/../../../acl/token/self", 6);
+        m.push("default", "dhv-binder/volumes/v0?x", 7);
+        m.push("default", "dhv-binder/volumes/fresh", 8);
+        let back = Marker::from_variable(&m.to_variable()).unwrap();
+        assert!(!back.malformed);
+        let refused: Vec<u64> = back.refused().iter().map(|(c, _)| c.seq).collect();
+        assert_eq!(refused, [2, 3, 4]);
+        match back.since(Some(Seen { epoch: 7, seq: 1 })) {
+            Since::Changes(c) => assert_eq!(
+                c.iter().map(|c| c.path.as_str()).collect::<Vec<_>>(),
+                ["dhv-binder/volumes/fresh"]
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_snapshot_prefix_is_the_snapshot_records() {
+        assert_eq!(SNAPSHOT_RECORDS, crate::cluster::snapshot::SNAPSHOT_PREFIX);
     }
 }

@@ -71,17 +71,22 @@ pub enum RefusedReason {
     /// replayed from another record or from an earlier record of the same name (a delete
     /// signature binds the variable's CreateIndex) ([`TrustError::UnsignedDelete`]).
     UnsignedDelete,
+    /// A line of the change marker (`cluster::changes`) that names no record: a namespace
+    /// or a path that is not a record's (a query, `..`, another endpoint). Nothing is read
+    /// for it.
+    MarkerLine,
 }
 
 impl RefusedReason {
     /// Every reason, in the order the metrics list them.
-    pub const ALL: [RefusedReason; 6] = [
+    pub const ALL: [RefusedReason; 7] = [
         RefusedReason::Malformed,
         RefusedReason::Unsigned,
         RefusedReason::MalformedSignature,
         RefusedReason::UntrustedKey,
         RefusedReason::BadSignature,
         RefusedReason::UnsignedDelete,
+        RefusedReason::MarkerLine,
     ];
 
     /// The metric's label value (kebab-case).
@@ -93,6 +98,7 @@ impl RefusedReason {
             RefusedReason::UntrustedKey => "untrusted-key",
             RefusedReason::BadSignature => "bad-signature",
             RefusedReason::UnsignedDelete => "unsigned-delete",
+            RefusedReason::MarkerLine => "marker-line",
         }
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod events;
 pub mod identity;
+pub mod route;
 pub(crate) mod scan;
 pub mod transport;
 pub mod types;
@@ -11,6 +12,7 @@ pub mod watch;
 
 use crate::config::NomadConfig;
 use reqwest::{Method, StatusCode};
+use route::{capability_for, Route};
 use serde::de::DeserializeOwned;
 use std::time::Duration;
 use types::*;
@@ -78,6 +80,18 @@ pub enum NomadError {
     /// The client itself could not be built (bad TLS files, bad address).
     #[error("cannot configure the Nomad client: {0}")]
     Config(String),
+    /// A request that is refused before it is sent: a value that cannot be a path segment
+    /// or a variable path (see [`route::Route`]). Nothing left the node.
+    #[error("not sent: {what}: {reason}")]
+    BadRequest { what: String, reason: String },
+    /// Nomad answered a variable read with another variable (its `Path` or `Namespace`
+    /// differs from what was asked): the answer is dropped.
+    #[error("Nomad's answer to {what} is for {got}, not {asked}; dropped")]
+    Mismatch {
+        what: String,
+        asked: String,
+        got: String,
+    },
 }
 
 impl NomadError {
@@ -145,8 +159,9 @@ pub struct Client {
     streaming: reqwest::Client,
     /// The address as configured, for messages.
     addr: String,
-    /// The URL base of requests (see [`transport::Endpoint::base_url`]).
-    base: String,
+    /// The URL base of requests (see [`transport::Endpoint::base_url`]); each request's
+    /// [`Route`] is appended segment by segment.
+    base: reqwest::Url,
     /// Shared by every clone, so that a token re-read from its file reaches all callers.
     token: std::sync::Arc<std::sync::RwLock<Option<String>>>,
     region: Option<String>,
@@ -166,34 +181,10 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn capability_for(path: &str) -> String {
-    let path = path.split('?').next().unwrap_or_default();
-    if let Some(var) = path
-        .strip_prefix("/v1/var/")
-        .or_else(|| path.strip_prefix("/v1/vars"))
-    {
-        // dhv-binder/<kind>/<name>: the rule is on dhv-binder/<kind>/*.
-        let mut parts = var.trim_start_matches('/').splitn(3, '/');
-        match (parts.next(), parts.next()) {
-            (Some(root), Some(kind)) if !kind.is_empty() => format!(
-                "the variables capability the call takes (read, list, write or destroy) on path \"{root}/{kind}/*\" in the volume's namespace"
-            ),
-            _ => "variables list on path \"dhv-binder/*\" in the namespace".into(),
-        }
-    } else if path.starts_with("/v1/namespace") {
-        "a capability in that namespace (a namespace block naming it)".into()
-    } else if path.starts_with("/v1/volume") {
-        "host-volume-register and host-volume-read".into()
-    } else if path.starts_with("/v1/node") {
-        "node:read and namespace read-job".into()
-    } else if path.starts_with("/v1/client/allocation") {
-        "namespace alloc-lifecycle".into()
-    } else if path.starts_with("/v1/event") || path.starts_with("/v1/allocation") {
-        "namespace read-job in every namespace (namespace \"*\")".into()
-    } else {
-        "agent:read".into()
-    }
-}
+/// The longest a single variable read (`GET /v1/var/:path` that is no blocking query) may
+/// take, answer included: a record read for the catalogue or a prestart never waits longer
+/// on one request (blocking queries have the client's 400 s for their `wait`).
+pub const VARIABLE_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Idle connections kept to the Nomad agent, per client (the agent uses two).
 const POOL_IDLE_PER_HOST: usize = 4;
@@ -248,51 +239,6 @@ fn unreachable(addr: &str, what: impl Into<String>, source: reqwest::Error) -> N
     }
 }
 
-/// The PEM certificates of a CA file (`what` names its setting in errors). A bundle may hold
-/// several CAs (the Nomad CLI trusts each of them). Errors when the file cannot be read or
-/// holds no certificate.
-fn ca_file(path: &std::path::Path, what: &str) -> Result<Vec<reqwest::Certificate>, NomadError> {
-    let pem = std::fs::read(path)
-        .map_err(|e| NomadError::Config(format!("{what} {}: {e}", path.display())))?;
-    let certs = reqwest::Certificate::from_pem_bundle(&pem)
-        .map_err(|e| NomadError::Config(format!("{what} {}: {e}", path.display())))?;
-    if certs.is_empty() {
-        return Err(NomadError::Config(format!(
-            "{what} {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
-            path.display()
-        )));
-    }
-    Ok(certs)
-}
-
-/// The certificates of every file under NOMAD_CAPATH, walked as go-rootcerts `LoadCAPath`
-/// does: each file must hold a PEM certificate (a stray file is an error naming it), and a
-/// directory with none is refused.
-fn ca_dir(dir: &std::path::Path) -> Result<Vec<reqwest::Certificate>, NomadError> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let rd = std::fs::read_dir(&d)
-            .map_err(|e| NomadError::Config(format!("NOMAD_CAPATH {}: {e}", d.display())))?;
-        let mut entries: Vec<_> = rd.filter_map(Result::ok).map(|e| e.path()).collect();
-        entries.sort();
-        for p in entries {
-            if p.is_dir() {
-                todo.push(p);
-            } else {
-                out.extend(ca_file(&p, "NOMAD_CAPATH")?);
-            }
-        }
-    }
-    if out.is_empty() {
-        return Err(NomadError::Config(format!(
-            "NOMAD_CAPATH {}: no certificate in the directory (it must hold the CA that signed the Nomad agent's certificate)",
-            dir.display()
-        )));
-    }
-    Ok(out)
-}
-
 impl Client {
     /// Builds a client from Nomad CLI-style settings. Errors when TLS files cannot be read.
     pub fn new(cfg: &NomadConfig) -> Result<Self, NomadError> {
@@ -334,8 +280,8 @@ impl Client {
             // NOMAD_CACERT wins over NOMAD_CAPATH (go-rootcerts `LoadCACerts`); either
             // replaces the trust roots (the Nomad CLI trusts only them).
             let roots = match (&cfg.ca_cert, &cfg.ca_path) {
-                (Some(ca), _) => Some(ca_file(ca, "NOMAD_CACERT")?),
-                (None, Some(dir)) => Some(ca_dir(dir)?),
+                (Some(ca), _) => Some(transport::ca_file(ca, "NOMAD_CACERT")?),
+                (None, Some(dir)) => Some(transport::ca_dir(dir)?),
                 (None, None) => None,
             };
             if let Some(certs) = roots {
@@ -369,10 +315,11 @@ impl Client {
             http: build(Some(Duration::from_secs(400)))?,
             streaming: build(None)?,
             addr: cfg.address.trim_end_matches('/').to_string(),
-            base: match &server_name {
+            base: reqwest::Url::parse(&match &server_name {
                 Some(n) => n.base_url(),
                 None => endpoint.base_url(),
-            },
+            })
+            .map_err(|e| NomadError::Config(format!("NOMAD_ADDR {}: {e}", cfg.address)))?,
             token: std::sync::Arc::new(std::sync::RwLock::new(cfg.token.clone())),
             region: cfg.region.clone(),
             http_auth,
@@ -418,13 +365,15 @@ impl Client {
         &self.addr
     }
 
+    /// A request to `route` (its URL built from encoded segments, [`Route::url`]) with the
+    /// token, region and basic auth. Errors: [`NomadError::BadRequest`].
     fn request(
         &self,
         client: &reqwest::Client,
         method: Method,
-        path: &str,
-    ) -> reqwest::RequestBuilder {
-        let mut rb = client.request(method, format!("{}{}", self.base, path));
+        route: &Route,
+    ) -> Result<reqwest::RequestBuilder, NomadError> {
+        let mut rb = client.request(method, route.url(&self.base)?);
         if let Some(t) = &*self.token.read().unwrap_or_else(|e| e.into_inner()) {
             rb = rb.header("X-Nomad-Token", t);
         }
@@ -434,14 +383,14 @@ impl Client {
         if let Some((user, password)) = &self.http_auth {
             rb = rb.basic_auth(user, password.as_ref());
         }
-        rb
+        Ok(rb)
     }
 
     async fn send(
         &self,
         rb: reqwest::RequestBuilder,
         what: &str,
-        path: &str,
+        path: &Route,
     ) -> Result<reqwest::Response, NomadError> {
         let resp = rb
             .send()
@@ -484,11 +433,11 @@ impl Client {
 
     async fn get_json<T: DeserializeOwned>(
         &self,
-        path: &str,
+        path: &Route,
         query: &[(&str, String)],
         what: &str,
     ) -> Result<Indexed<T>, NomadError> {
-        let rb = self.request(&self.http, Method::GET, path).query(query);
+        let rb = self.request(&self.http, Method::GET, path)?.query(query);
         Ok(self.read_json(rb, path, what).await?.0)
     }
 
@@ -497,7 +446,7 @@ impl Client {
     async fn read_json<T: DeserializeOwned>(
         &self,
         rb: reqwest::RequestBuilder,
-        path: &str,
+        path: &Route,
         what: &str,
     ) -> Result<(Indexed<T>, usize), NomadError> {
         let (bytes, index) = self.read_bytes(rb, path, what).await?;
@@ -512,7 +461,7 @@ impl Client {
     async fn read_bytes(
         &self,
         rb: reqwest::RequestBuilder,
-        path: &str,
+        path: &Route,
         what: &str,
     ) -> Result<(bytes::Bytes, u64), NomadError> {
         let resp = self.send(rb, what, path).await?;
@@ -530,7 +479,7 @@ impl Client {
     /// A read where 404 means "absent": `Ok(None)`.
     async fn get_optional<T: DeserializeOwned>(
         &self,
-        path: &str,
+        path: &Route,
         query: &[(&str, String)],
         what: &str,
     ) -> Result<Option<T>, NomadError> {
@@ -545,7 +494,7 @@ impl Client {
     pub async fn agent_self(&self) -> Result<AgentSelf, NomadError> {
         Ok(self
             .get_json(
-                "/v1/agent/self",
+                &Route::v1(&["agent", "self"]),
                 &[],
                 "read the local agent (GET /v1/agent/self)",
             )
@@ -558,14 +507,14 @@ impl Client {
     /// on demand, so a job or host volume in a missing one is refused.
     pub async fn namespace_exists(&self, name: &str) -> Result<bool, NomadError> {
         self.exists(
-            &format!("/v1/namespace/{name}"),
+            &Route::v1(&["namespace", name]),
             "read a namespace (GET /v1/namespace/:name)",
         )
         .await
     }
 
     /// A read of `path` for its existence only: false on 404.
-    async fn exists(&self, path: &str, what: &str) -> Result<bool, NomadError> {
+    async fn exists(&self, path: &Route, what: &str) -> Result<bool, NomadError> {
         let found: Option<serde::de::IgnoredAny> = self.get_optional(path, &[], what).await?;
         Ok(found.is_some())
     }
@@ -576,7 +525,7 @@ impl Client {
     /// (`nomad/node_endpoint.go` `GetAllocs`), which looks like a node with nothing on it.
     pub async fn node_exists(&self, node_id: &str) -> Result<bool, NomadError> {
         self.exists(
-            &format!("/v1/node/{node_id}"),
+            &Route::v1(&["node", node_id]),
             "read this node (GET /v1/node/:id)",
         )
         .await
@@ -592,7 +541,7 @@ impl Client {
         }
         let node: Option<Node> = self
             .get_optional(
-                &format!("/v1/node/{node_id}"),
+                &Route::v1(&["node", node_id]),
                 &[],
                 "read a node (GET /v1/node/:id)",
             )
@@ -610,7 +559,7 @@ impl Client {
         }
         let node: Option<Node> = self
             .get_optional(
-                &format!("/v1/node/{node_id}"),
+                &Route::v1(&["node", node_id]),
                 &[],
                 "read a node (GET /v1/node/:id)",
             )
@@ -669,8 +618,8 @@ impl Client {
             q.push(("index", index.to_string()));
             q.push(("wait", format!("{}s", wait.as_secs().max(1))));
         }
-        let path = format!("/v1/node/{node_id}/allocations");
-        let mut rb = self.request(&self.http, Method::GET, &path).query(&q);
+        let path = Route::v1(&["node", node_id, "allocations"]);
+        let mut rb = self.request(&self.http, Method::GET, &path)?.query(&q);
         // A list that is not a blocking query (the first, a relist after a fault, and in
         // stream mode every resync and a burst's reads) is rare and the whole list: its own
         // connection closes, so that its read buffer does not stay with a pooled one.
@@ -694,7 +643,7 @@ impl Client {
     /// Nomad API: `GET /v1/allocation/:id` (with its Job). `Ok(None)` on 404.
     pub async fn allocation(&self, id: &str) -> Result<Option<Allocation>, NomadError> {
         self.get_optional(
-            &format!("/v1/allocation/{id}"),
+            &Route::v1(&["allocation", id]),
             &[("namespace", "*".to_string())],
             "read an allocation (GET /v1/allocation/:id)",
         )
@@ -706,8 +655,8 @@ impl Client {
     /// allocation event). Returns the open response; read it as NDJSON with
     /// [`events::decode_line`].
     pub async fn event_stream(&self, index: u64) -> Result<reqwest::Response, NomadError> {
-        let path = "/v1/event/stream";
-        let rb = self.request(&self.streaming, Method::GET, path).query(&[
+        let path = &Route::v1(&["event", "stream"]);
+        let rb = self.request(&self.streaming, Method::GET, path)?.query(&[
             ("topic", "Allocation".to_string()),
             ("topic", "Job".to_string()),
             ("namespace", "*".to_string()),
@@ -728,10 +677,10 @@ impl Client {
             #[serde(rename = "Volume")]
             volume: HostVolume,
         }
-        let path = "/v1/volume/host/register";
+        let path = &Route::v1(&["volume", "host", "register"]);
         let what = "register a placeholder host volume (PUT /v1/volume/host/register)";
         let rb = self
-            .request(&self.http, Method::PUT, path)
+            .request(&self.http, Method::PUT, path)?
             .json(&serde_json::json!({ "Volume": vol, "PolicyOverride": false }));
         let resp = self.send(rb, what, path).await?;
         let bytes = body_limited(resp, MAX_BODY)
@@ -758,9 +707,9 @@ impl Client {
         task: &str,
         all_tasks: bool,
     ) -> Result<(), NomadError> {
-        let path = format!("/v1/client/allocation/{alloc_id}/restart");
+        let path = Route::v1(&["client", "allocation", alloc_id, "restart"]);
         let rb = self
-            .request(&self.http, Method::PUT, &path)
+            .request(&self.http, Method::PUT, &path)?
             .json(&serde_json::json!({ "TaskName": task, "AllTasks": all_tasks }));
         self.send(
             rb,
@@ -786,7 +735,7 @@ impl Client {
         }
         Ok(self
             .get_json(
-                "/v1/volumes",
+                &Route::v1(&["volumes"]),
                 &q,
                 "list host volumes (GET /v1/volumes?type=host)",
             )
@@ -801,7 +750,7 @@ impl Client {
         id: &str,
     ) -> Result<Option<HostVolume>, NomadError> {
         self.get_optional(
-            &format!("/v1/volume/host/{id}"),
+            &Route::v1(&["volume", "host", id]),
             &[("namespace", namespace.to_string())],
             "read a host volume (GET /v1/volume/host/:id)",
         )
@@ -810,9 +759,9 @@ impl Client {
 
     /// Nomad API: `DELETE /v1/volume/host/:id?namespace=ns`. A missing volume is success.
     pub async fn delete_host_volume(&self, namespace: &str, id: &str) -> Result<(), NomadError> {
-        let path = format!("/v1/volume/host/{id}");
+        let path = Route::v1(&["volume", "host", id]);
         let rb = self
-            .request(&self.http, Method::DELETE, &path)
+            .request(&self.http, Method::DELETE, &path)?
             .query(&[("namespace", namespace)]);
         match self
             .send(
@@ -850,7 +799,7 @@ impl Client {
             q.push(("wait", format!("{}s", wait.as_secs().max(1))));
         }
         let r: Indexed<Option<Vec<VariableMeta>>> = self
-            .get_json("/v1/vars", &q, "list variables (GET /v1/vars)")
+            .get_json(&Route::v1(&["vars"]), &q, "list variables (GET /v1/vars)")
             .await?;
         Ok(Indexed {
             value: r.value.unwrap_or_default(),
@@ -858,18 +807,19 @@ impl Client {
         })
     }
 
-    /// Nomad API: `GET /v1/var/:path?namespace=ns`. `Ok(None)` on 404.
+    /// Nomad API: `GET /v1/var/:path?namespace=ns`. `Ok(None)` on 404. The whole read takes
+    /// at most [`VARIABLE_READ_TIMEOUT`] (then [`NomadError::TimedOut`]), and an answer for
+    /// another path or namespace is [`NomadError::Mismatch`]; a path that is no variable
+    /// path is [`NomadError::BadRequest`] and is not sent.
     pub async fn variable(
         &self,
         namespace: &str,
         path: &str,
     ) -> Result<Option<Variable>, NomadError> {
-        self.get_optional(
-            &format!("/v1/var/{path}"),
-            &[("namespace", namespace.to_string())],
-            "read a variable (GET /v1/var/:path)",
-        )
-        .await
+        Ok(self
+            .variable_blocking(namespace, path, 0, Duration::ZERO)
+            .await?
+            .value)
     }
 
     /// Nomad API: `GET /v1/var/:path?namespace=ns&index=N&wait=W`, a blocking read of one
@@ -877,6 +827,8 @@ impl Client {
     /// `index` (or `wait` ends), not on other variables' writes (`nomad/variables_endpoint.go`
     /// `Variables.Read`; docs/scale.md "The change marker"). `value` is `None` on 404, with
     /// the variables table index as `index` (a missing variable's read wakes on any write).
+    /// With `index` 0 it is a single read, bounded by [`VARIABLE_READ_TIMEOUT`]. Errors as
+    /// [`Client::variable`].
     pub async fn variable_blocking(
         &self,
         namespace: &str,
@@ -885,18 +837,26 @@ impl Client {
         wait: Duration,
     ) -> Result<Indexed<Option<Variable>>, NomadError> {
         let what = "read a variable (GET /v1/var/:path)";
-        let url_path = format!("/v1/var/{path}");
+        let url_path = Route::var(path)?;
         let mut q = vec![("namespace", namespace.to_string())];
+        let mut rb = self.request(&self.http, Method::GET, &url_path)?;
         if index > 0 {
             q.push(("index", index.to_string()));
             q.push(("wait", format!("{}s", wait.as_secs().max(1))));
+        } else {
+            rb = rb.timeout(VARIABLE_READ_TIMEOUT);
         }
-        let resp = self
-            .request(&self.http, Method::GET, &url_path)
-            .query(&q)
-            .send()
-            .await
-            .map_err(|source| unreachable(&self.addr, what, source))?;
+        let failed = |source: reqwest::Error| {
+            if source.is_timeout() {
+                NomadError::TimedOut {
+                    what: what.into(),
+                    after: VARIABLE_READ_TIMEOUT,
+                }
+            } else {
+                unreachable(&self.addr, what, source)
+            }
+        };
+        let resp = rb.query(&q).send().await.map_err(failed)?;
         let index = header_index(&resp);
         if resp.status() == StatusCode::NOT_FOUND {
             return Ok(Indexed { value: None, index });
@@ -904,7 +864,7 @@ impl Client {
         let resp = self.check(resp, what, &url_path).await?;
         let bytes = body_limited(resp, MAX_BODY)
             .await
-            .map_err(|source| unreachable(&self.addr, what, source))?
+            .map_err(failed)?
             .ok_or_else(|| NomadError::TooLarge {
                 what: what.into(),
                 limit: MAX_BODY,
@@ -913,6 +873,13 @@ impl Client {
             what: what.into(),
             source,
         })?;
+        if v.path != path || v.namespace != namespace {
+            return Err(NomadError::Mismatch {
+                what: what.into(),
+                asked: format!("{namespace}/{path}"),
+                got: crate::escape::escape_control(&format!("{}/{}", v.namespace, v.path)),
+            });
+        }
         Ok(Indexed {
             value: Some(v),
             index,
@@ -947,9 +914,9 @@ impl Client {
         what: &str,
         missing_is_conflict: bool,
     ) -> Result<Variable, NomadError> {
-        let path = format!("/v1/var/{}", var.path);
+        let path = Route::var(&var.path)?;
         let rb = self
-            .request(&self.http, Method::PUT, &path)
+            .request(&self.http, Method::PUT, &path)?
             .query(query)
             .json(&body);
         let resp = rb
@@ -992,13 +959,13 @@ impl Client {
         path: &str,
         cas: Option<u64>,
     ) -> Result<(), NomadError> {
-        let url_path = format!("/v1/var/{path}");
+        let url_path = Route::var(path)?;
         let mut q = vec![("namespace", namespace.to_string())];
         if let Some(c) = cas {
             q.push(("cas", c.to_string()));
         }
         let rb = self
-            .request(&self.http, Method::DELETE, &url_path)
+            .request(&self.http, Method::DELETE, &url_path)?
             .query(&q);
         match self
             .send(rb, "delete a variable (DELETE /v1/var/:path)", &url_path)
@@ -1072,7 +1039,7 @@ impl Client {
         }
         let doc: Option<Discovery> = self
             .get_optional(
-                "/.well-known/openid-configuration",
+                &Route::root(&[".well-known", "openid-configuration"]),
                 &[],
                 "read the OIDC discovery document (GET /.well-known/openid-configuration)",
             )
@@ -1085,7 +1052,7 @@ impl Client {
     pub async fn jwks(&self) -> Result<jsonwebtoken::jwk::JwkSet, NomadError> {
         Ok(self
             .get_json(
-                "/.well-known/jwks.json",
+                &Route::root(&[".well-known", "jwks.json"]),
                 &[],
                 "read the JWKS (GET /.well-known/jwks.json)",
             )
@@ -1097,7 +1064,7 @@ impl Client {
         &self,
         resp: reqwest::Response,
         what: &str,
-        path: &str,
+        path: &Route,
     ) -> Result<reqwest::Response, NomadError> {
         if resp.status().is_success() {
             return Ok(resp);

@@ -94,6 +94,57 @@ impl reqwest::dns::Resolve for ServerName {
     }
 }
 
+/// The PEM certificates of a CA file (`what` names its setting in errors). A bundle may hold
+/// several CAs (the Nomad CLI trusts each of them). Errors when the file cannot be read or
+/// holds no certificate.
+pub(super) fn ca_file(
+    path: &std::path::Path,
+    what: &str,
+) -> Result<Vec<reqwest::Certificate>, crate::nomad::NomadError> {
+    let pem = std::fs::read(path)
+        .map_err(|e| crate::nomad::NomadError::Config(format!("{what} {}: {e}", path.display())))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| crate::nomad::NomadError::Config(format!("{what} {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(crate::nomad::NomadError::Config(format!(
+            "{what} {}: no PEM certificate in the file (it must hold the CA that signed the Nomad agent's certificate)",
+            path.display()
+        )));
+    }
+    Ok(certs)
+}
+
+/// The certificates of every file under NOMAD_CAPATH, walked as go-rootcerts `LoadCAPath`
+/// does: each file must hold a PEM certificate (a stray file is an error naming it), and a
+/// directory with none is refused.
+pub(super) fn ca_dir(
+    dir: &std::path::Path,
+) -> Result<Vec<reqwest::Certificate>, crate::nomad::NomadError> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let rd = std::fs::read_dir(&d).map_err(|e| {
+            crate::nomad::NomadError::Config(format!("NOMAD_CAPATH {}: {e}", d.display()))
+        })?;
+        let mut entries: Vec<_> = rd.filter_map(Result::ok).map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.extend(ca_file(&p, "NOMAD_CAPATH")?);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(crate::nomad::NomadError::Config(format!(
+            "NOMAD_CAPATH {}: no certificate in the directory (it must hold the CA that signed the Nomad agent's certificate)",
+            dir.display()
+        )));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,8 +3,10 @@
 //! - [`plugin`]: the plugin runner (Nomad's DHV protocol extended with publish/unpublish;
 //!   docs/plugin-protocol.md);
 //! - [`environment`]: the plugin environment contract (the variables of each operation);
+//! - [`redact`]: secrets taken out of plugin text in the forms plugins print them;
 //! - `discovery`: notices plugin files added, changed or removed.
 
 pub(crate) mod discovery;
 pub mod environment;
 pub mod plugin;
+pub mod redact;

@@ -145,7 +145,7 @@ impl Core {
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
                         m.last_error = e.report();
-                        self.last_error.insert(volume.clone(), e.report());
+                        self.step_failed(&volume, &e);
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
                         self.journal.set_mount(m, EventKind::PublishFailed, None);
@@ -170,7 +170,7 @@ impl Core {
                         if let crate::agent::executor::StepError::InUse { usage, .. } = &e {
                             self.holders.insert(volume.clone(), usage.clone());
                         }
-                        self.last_error.insert(volume.clone(), e.report());
+                        self.step_failed(&volume, &e);
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
                         if let Some(mut m) = self.journal.mounts().get(&volume).cloned() {

@@ -74,6 +74,10 @@ pub(crate) struct Core {
     /// Volumes with a plugin or claim call in flight (calls on one volume are serialized).
     busy: BTreeSet<VolumeKey>,
     last_error: BTreeMap<VolumeKey, String>,
+    /// What the node record says of a failed step ([`Core::step_failed`]): the `last_error`
+    /// it stands for, and the text without the plugin's words. Used while `last_error`
+    /// still holds that error.
+    node_errors: BTreeMap<VolumeKey, (String, String)>,
     retries: Retries<Work>,
     waiters: Waiters,
     fetching: BTreeSet<String>,
@@ -155,6 +159,7 @@ impl Core {
             fingerprint_every: true,
             busy: BTreeSet::new(),
             last_error: BTreeMap::new(),
+            node_errors: BTreeMap::new(),
             waiters: Waiters::default(),
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
@@ -234,14 +239,21 @@ impl Core {
                         .get(k)
                         .map(|u| u.iter().cloned().collect())
                         .unwrap_or_default(),
-                    error: self.last_error.get(k).cloned().unwrap_or_default(),
                     ..Default::default()
                 };
                 (k.to_string(), v)
             })
             .collect();
         for (k, e) in &self.last_error {
-            out.entry(k.to_string()).or_default().error = e.clone();
+            // A plugin's words (redacted) reach the volume's own callers (its record, a
+            // prestart, `volume status` through the record); the node record, readable in
+            // namespace default by every node token, says only what failed and that the
+            // words are in this node's log.
+            let shown = match self.node_errors.get(k) {
+                Some((report, public)) if report == e => public,
+                _ => e,
+            };
+            out.entry(k.to_string()).or_default().error = shown.clone();
         }
         for (k, state) in self.claims.status() {
             out.entry(k).or_default().claim = state;
@@ -250,6 +262,16 @@ impl Core {
             out.entry(w.volume.to_string()).or_default().waiting = w.reason.clone();
         }
         out
+    }
+
+    /// Notes a failed publish or unpublish of `volume`: `last_error` holds its report (the
+    /// plugin's redacted words, for the volume's own callers), the node record its
+    /// `Display`, which never carries the plugin's words ([`Core::node_volumes`]).
+    fn step_failed(&mut self, volume: &VolumeKey, e: &crate::agent::executor::StepError) {
+        let report = e.report();
+        self.node_errors
+            .insert(volume.clone(), (report.clone(), e.to_string()));
+        self.last_error.insert(volume.clone(), report);
     }
 
     /// What this node's record says of its volumes' recent events (`volume status

@@ -1586,3 +1586,40 @@ fn a_claim_wait_ends_with_the_allocation_that_waited() {
         "the wait is gone from the node record"
     );
 }
+
+/// Issue 44 #6: a failed publish's plugin words (redacted) reach the volume's own caller,
+/// never the node record, which every node token reads in namespace default: there it is
+/// what failed and that the words are in this node's log.
+#[test]
+fn the_node_record_carries_no_plugin_words() {
+    let mut h = H::new(
+        &[("d", "multi-node-multi-writer")],
+        vec![alloc(A1, &["d"], "pending", "run")],
+    );
+    h.api_publish(7, A1, Duration::from_secs(30));
+    let err = StepError::Plugin(crate::storage::plugin::PluginError::Failed {
+        plugin: "bind".into(),
+        op: crate::storage::plugin::Operation::Publish,
+        status: "exit code 1".into(),
+        message: "backend said: bucket team-a-secrets is gone".into(),
+        stderr: String::new(),
+    });
+    let e = h.feed(Input::Done(Completion::Published {
+        volume: key("d"),
+        result: Err(err),
+        elapsed: Duration::from_millis(1),
+    }));
+    match &replies(&e)[..] {
+        [(7, Err(ApiError::PublishFailed { error, .. }))] => {
+            assert!(error.contains("team-a-secrets"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let shown = &h.core.node_volumes()["default/d"].error;
+    assert!(!shown.contains("team-a-secrets"), "{shown}");
+    assert!(
+        shown.contains("plugin \"bind\" publish failed (exit code 1)")
+            && shown.contains("agent's log on this node"),
+        "{shown}"
+    );
+}
