@@ -709,7 +709,10 @@ pub async fn run(
     let cgroups = crate::node::identity::NodeCgroups::from_settings(
         cfg.nomad_cgroup_parent.as_deref(),
         &cfg.other_node_cgroups,
-        crate::node::helpers::cgroup2_mount().ok().flatten().as_deref(),
+        crate::node::helpers::cgroup2_mount()
+            .ok()
+            .flatten()
+            .as_deref(),
     );
     if !crate::node::identity::configure(cgroups.clone())
         && crate::node::identity::node() != &cgroups

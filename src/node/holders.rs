@@ -62,7 +62,10 @@ pub fn before_unpublish_many(targets: &[PathBuf]) -> Result<Vec<Option<Usage>>, 
             wanted.len() - 1
         }));
     }
-    let mut usages: Vec<Option<Usage>> = scan_many(&wanted, &host, identity::node())?.into_iter().map(Some).collect();
+    let mut usages: Vec<Option<Usage>> = scan_many(&wanted, &host, identity::node())?
+        .into_iter()
+        .map(Some)
+        .collect();
     Ok(slots
         .into_iter()
         .map(|slot| slot.and_then(|i| usages.get_mut(i).and_then(Option::take)))
@@ -323,7 +326,11 @@ pub fn scan(
     target: &Path,
     host: &MountTable,
 ) -> Result<Usage, HoldersError> {
-    let mut all = scan_many(&[(volume.clone(), target.to_path_buf())], host, identity::node())?;
+    let mut all = scan_many(
+        &[(volume.clone(), target.to_path_buf())],
+        host,
+        identity::node(),
+    )?;
     Ok(all.pop().unwrap_or_default())
 }
 
@@ -504,11 +511,13 @@ pub fn scan_many(
         // allocation's and no other node's (fail closed: the fence kills it, it blocks the
         // unpublish).
         usage.holders.retain_mut(|h| {
-            let w = whose.entry(h.pid).or_insert_with(|| match identity::of_pid(h.pid, node) {
-                Ok(w) => Some(w),
-                Err(e) if gone(&e) => None,
-                Err(_) => Some(Whose::Unknown),
-            });
+            let w = whose
+                .entry(h.pid)
+                .or_insert_with(|| match identity::of_pid(h.pid, node) {
+                    Ok(w) => Some(w),
+                    Err(e) if gone(&e) => None,
+                    Err(_) => Some(Whose::Unknown),
+                });
             let Some(w) = w else {
                 return false;
             };
@@ -1063,11 +1072,19 @@ mod tests {
             .unwrap();
         let of = |pid: u32| u.holders.iter().find(|h| h.pid == pid).cloned();
         let t = of(task.pid()).expect("the task holds it");
-        assert_eq!((t.alloc_id.as_deref(), t.other_node), (Some(A), false), "{t:?}");
+        assert_eq!(
+            (t.alloc_id.as_deref(), t.other_node),
+            (Some(A), false),
+            "{t:?}"
+        );
         let o = of(theirs.pid()).expect("the other node's task holds it");
         assert_eq!((o.alloc_id.as_deref(), o.other_node), (None, true), "{o:?}");
         let l = of(liar.pid()).expect("the liar holds it");
-        assert_eq!((l.alloc_id.as_deref(), l.other_node), (None, false), "{l:?}");
+        assert_eq!(
+            (l.alloc_id.as_deref(), l.other_node),
+            (None, false),
+            "{l:?}"
+        );
         let mine = u.clone().without_other_nodes();
         let pids: BTreeSet<u32> = mine.holders.iter().map(|h| h.pid).collect();
         assert_eq!(pids, BTreeSet::from([task.pid(), liar.pid()]));

@@ -146,7 +146,11 @@ pub fn of_cgroup(text: &str, node: &NodeCgroups) -> Whose {
         .collect();
     let v2 = lines.iter().find(|(c, _)| c.is_empty()).map(|(_, p)| *p);
     if let Some(p) = v2 {
-        if node.other_nodes.iter().any(|o| p == o || under(p, o).is_some()) {
+        if node
+            .other_nodes
+            .iter()
+            .any(|o| p == o || under(p, o).is_some())
+        {
             return Whose::OtherNode;
         }
     }
@@ -227,9 +231,8 @@ fn container(path: &str) -> Option<Whose> {
         .strip_prefix("docker-")
         .and_then(|l| l.strip_suffix(".scope"))
         .or_else(|| (dir == "docker" || dir.ends_with("/docker")).then_some(last))?;
-    (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| Whose::Container {
-        id: id.to_string(),
-    })
+    (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| Whose::Container { id: id.to_string() })
 }
 
 #[cfg(test)]
@@ -261,7 +264,11 @@ mod tests {
             "/nomad.slice/share.slice/not-a-uuid.app.scope".into(),
             "/user.slice/user-0.slice/session-1.scope".into(),
         ] {
-            assert_eq!(of_cgroup(&format!("0::{path}\n"), &n), Whose::Unknown, "{path}");
+            assert_eq!(
+                of_cgroup(&format!("0::{path}\n"), &n),
+                Whose::Unknown,
+                "{path}"
+            );
         }
     }
 
@@ -303,7 +310,10 @@ mod tests {
         let mount = std::path::Path::new("/sys/fs/cgroup/unified");
         let n = NodeCgroups::from_settings(
             Some("/sys/fs/cgroup/unified/t/node-1.nomad"),
-            &["/sys/fs/cgroup/unified/t/node-2.nomad".into(), "t/node-2.agent/".into()],
+            &[
+                "/sys/fs/cgroup/unified/t/node-2.nomad".into(),
+                "t/node-2.agent/".into(),
+            ],
             Some(mount),
         );
         assert_eq!(n.parent_v2, "t/node-1.nomad");
