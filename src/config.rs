@@ -233,6 +233,22 @@ pub struct AgentConfig {
     /// applied where the kernel offers the memory controller under the helper cgroups.
     #[arg(long, env = "DHV_BINDER_HELPER_MEMORY_MAX", default_value = "512MiB")]
     pub helper_memory_max: MemoryMax,
+    /// The local Nomad client's `cgroup_parent`: its tasks run in cgroups under it, which
+    /// name their allocations (docs/architecture.md, "Whose process"). A directory under
+    /// the cgroup2 mount or a cgroup path. Unset: Nomad's default (`nomad.slice` on cgroups
+    /// v2, `/nomad` on v1).
+    #[arg(long, env = "DHV_BINDER_NOMAD_CGROUP_PARENT")]
+    pub nomad_cgroup_parent: Option<String>,
+    /// Cgroups whose processes are on other Nomad nodes simulated on this host (a test
+    /// cluster: each simulated client's `cgroup_parent`, its agent's and helpers' cgroups),
+    /// comma-separated: the fence does not kill them and an unpublish does not wait for
+    /// them. Never set on a real node: every process of the host is the node's.
+    #[arg(
+        long = "other-node-cgroup",
+        env = "DHV_BINDER_OTHER_NODE_CGROUPS",
+        value_delimiter = ','
+    )]
+    pub other_node_cgroups: Vec<String>,
 }
 
 /// Where helper cgroups live (`--helper-cgroup`).

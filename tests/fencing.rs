@@ -225,6 +225,95 @@ async fn a_partitioned_writer_is_fenced_before_another_node_takes_the_volume() {
     c.stop_job(&back, false).await;
 }
 
+/// Issue 44 item 1: a task that lies about who it is does not outlive the fence. Its writer
+/// runs under a false `NOMAD_ALLOC_ID` (an allocation no node knows); whose a process is
+/// comes from its cgroup, so when its node is partitioned the fence kills it as any other
+/// holder (the status's fence report names it with its real allocation, read from its
+/// cgroup), and no line of the old allocation comes after the new allocation's first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_under_a_false_alloc_id_is_killed_by_the_fence() {
+    let c = Cluster::start_with(3, "heartbeat_grace = \"2s\"", &[]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    c.wait_for(30, "a ready placeholder on every node", || async {
+        let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+        let n = vols
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["Name"] == VOLUME && v["State"] == "ready")
+            .count();
+        (n == c.nodes.len()).then_some(())
+    })
+    .await;
+    let group = "    restart {\n      attempts = 3\n      interval = \"5m\"\n      delay    = \"5s\"\n      mode     = \"fail\"\n    }";
+    let job = c
+        .run_job(&support::jobs::exec_writer_job(
+            c.sb.path(),
+            "liar",
+            VOLUME,
+            group,
+            r#"A=$NOMAD_ALLOC_ID exec env NOMAD_ALLOC_ID=00000000-0000-4000-8000-000000000000 sh -c 'i=0; while echo \"$A $i\" >> /data/log.txt; do i=$((i+1)); sleep 0.1; done; echo write failed >&2; exit 1'"#,
+        ))
+        .await;
+    let first: Value = c.running_alloc(&job, "app", 120, "the liar writing").await;
+    let first_id = first["ID"].as_str().unwrap().to_string();
+    let old = c.node_index(first["NodeID"].as_str().unwrap());
+    c.wait_for(60, "the liar's lines", || async {
+        (log_lines(&c).iter().filter(|(a, _)| *a == first_id).count() >= 30).then_some(())
+    })
+    .await;
+    c.put(
+        &format!("/v1/sim/node/{}/partition?on=true", c.nodes[old].id),
+        json!({}),
+    )
+    .await;
+    let report: Value = c
+        .wait_for(60, "the old node's fence report", || async {
+            let (code, status) = c.status(old);
+            let st: Value = serde_json::from_str(&status).ok()?;
+            let r = st["fenced"][format!("default/{VOLUME}")]["fence"].clone();
+            (code == 0 && r.is_object()).then_some(r)
+        })
+        .await;
+    let killed: Vec<&Value> = report["stopped"]
+        .as_array()
+        .map(|s| s.iter().collect())
+        .unwrap_or_default();
+    eprintln!("the old node's fence: {report}");
+    assert!(
+        killed.iter().any(|h| h["alloc_id"] == first_id.as_str()),
+        "the fence killed no process of the liar's allocation {first_id} (named by its cgroup): {report}"
+    );
+    let second: Value = c
+        .wait_for(120, "the replacement writing on another node", || async {
+            let a = c.allocs(&job).await.into_iter().find(|a| {
+                a["ID"] != first_id.as_str() && a["TaskStates"]["app"]["State"] == "running"
+            })?;
+            let id = a["ID"].as_str()?.to_string();
+            log_lines(&c).iter().any(|(x, _)| *x == id).then_some(a)
+        })
+        .await;
+    let second_id = second["ID"].as_str().unwrap().to_string();
+    assert_ne!(c.node_index(second["NodeID"].as_str().unwrap()), old);
+    // Let both run on: the old task (restarted by its partitioned client) must not append.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let lines = log_lines(&c);
+    let first_new = lines.iter().position(|(a, _)| *a == second_id).unwrap();
+    let old_after = lines[first_new..]
+        .iter()
+        .filter(|(a, _)| *a == first_id)
+        .count();
+    eprintln!(
+        "lines of the old allocation after the new one's first: {old_after} (of {} lines)",
+        lines.len()
+    );
+    assert_eq!(
+        old_after, 0,
+        "the old allocation wrote after the new one began"
+    );
+    c.stop_job(&job, false).await;
+}
+
 /// Hand-over on evidence: the holder's dhv-binder is killed while its writer keeps running
 /// on a node Nomad reports `ready`. Another node that wants the volume waits past the lock's
 /// lapse (TTL 10 s + lock delay 2 s here) and never publishes: its prestart says who holds the

@@ -77,13 +77,12 @@ pub(crate) enum Effect {
     /// Kernel: `stat` a published target, bounded by the probe timeout.
     Probe { volume: VolumeKey, target: PathBuf },
     /// Kernel: make the volume at `target` unwritable on this node now, without the network
-    /// ([`crate::node::fence::fence`]); `mine` are this node's allocations (their tasks
-    /// may be killed). With `plugin` (its fingerprint declares `fence`), the plugin's
-    /// `fence` runs beside it, bounded by [`crate::storage::plugin::FENCE_TIMEOUT`].
+    /// ([`crate::node::fence::fence`]: every process holding it but the agent is killed).
+    /// With `plugin` (its fingerprint declares `fence`), the plugin's `fence` runs beside
+    /// it, bounded by [`crate::storage::plugin::FENCE_TIMEOUT`].
     Fence {
         volume: VolumeKey,
         target: PathBuf,
-        mine: std::collections::BTreeSet<String>,
         plugin: Option<Box<PluginFence>>,
     },
     /// Kernel: lazily unmount a dead mount.

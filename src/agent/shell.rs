@@ -319,7 +319,6 @@ impl Shell {
                 volume,
                 keep_dir,
             } => self.checked_call(executor::unpublish(
-                client,
                 runner,
                 node,
                 self.guard.clone(),
@@ -410,14 +409,13 @@ impl Shell {
             Effect::Fence {
                 volume,
                 target,
-                mine,
                 plugin,
             } => {
                 // The plugin's `fence` (bounded, FENCE_TIMEOUT) runs beside the kernel's.
                 let plugin_fence = plugin.map(|p| executor::plugin_fence(runner, node, *p));
                 self.tasks.spawn(async move {
                     let kernel = tokio::task::spawn_blocking(move || {
-                        crate::node::fence::fence(&target, &mine)
+                        crate::node::fence::fence(&target, crate::node::identity::node())
                     });
                     let by_plugin = match plugin_fence {
                         Some(f) => Some(f.await),
@@ -677,10 +675,12 @@ impl Shell {
 }
 
 /// The watcher's process probe: the allocations with a process on this node, read from
-/// `/proc` (`crate::node::holders::AllocProcesses`); a failed read is logged and concludes
-/// nothing.
+/// each process's cgroup (`crate::node::holders::AllocProcesses`); a failed read is logged
+/// and concludes nothing.
 fn process_probe() -> watch::ProcessProbe {
-    let procs = std::sync::Mutex::new(crate::node::holders::AllocProcesses::default());
+    let procs = std::sync::Mutex::new(crate::node::holders::AllocProcesses::new(
+        crate::node::identity::node().clone(),
+    ));
     watch::ProcessProbe(std::sync::Arc::new(move || {
         let mut procs = procs.lock().unwrap_or_else(|e| e.into_inner());
         match procs.scan() {
@@ -704,6 +704,21 @@ pub async fn run(
     // The host's mount namespace and real directory paths, before anything else.
     let mut cfg = cfg;
     crate::node::host::preflight(&mut cfg)?;
+    // Whose a process is, from its cgroup: this node's Nomad tasks' cgroups, and those of
+    // other nodes simulated on this host (docs/architecture.md, "Whose process").
+    let cgroups = crate::node::identity::NodeCgroups::from_settings(
+        cfg.nomad_cgroup_parent.as_deref(),
+        &cfg.other_node_cgroups,
+        crate::node::helpers::cgroup2_mount()
+            .ok()
+            .flatten()
+            .as_deref(),
+    );
+    if !crate::node::identity::configure(cgroups.clone())
+        && crate::node::identity::node() != &cgroups
+    {
+        tracing::warn!(configured = ?crate::node::identity::node(), ignored = ?cgroups, "this process's task cgroups were set before (another agent in the same process): the first setting holds");
+    }
     tokio::pin!(shutdown);
     // A node not prepared yet (no record keys, a storage root missing): one message per
     // missing item, then check again after a growing delay; never exit (Nomad would restart
@@ -1011,6 +1026,8 @@ mod tests {
             token_issuer: None,
             helper_cgroup: crate::config::HelperCgroupSetting::None,
             helper_memory_max: crate::config::MemoryMax(None),
+            nomad_cgroup_parent: None,
+            other_node_cgroups: vec![],
         };
         let (store, journal) = Store::open(&cfg.state_dir, "node-1").expect("journal");
         let client =

@@ -1,46 +1,65 @@
 //! Who may hold a connection to the local API, and how many: per-caller fairness that one
-//! task cannot exhaust, a cap for all callers together, a pool of its own for host root,
-//! a bound on the publish calls one allocation waits in at once, and warnings about refused
-//! callers at most one per interval per kind.
+//! task cannot exhaust, a cap for all callers together, a pool of its own for host root, a
+//! share kept for every allocation that has authenticated, a bound on the publish calls one
+//! allocation waits in at once, and warnings about refused callers at most one per interval
+//! per kind.
 //!
-//! Every task runs as `nobody` (or root in a container), so the peer UID says little about
-//! who is calling. Before authentication the agent tells callers apart by what a task cannot
-//! leave on its own: its UID, its cgroup (Nomad makes one per task: `nomad.slice/...` on
-//! cgroups v2) and its mount namespace (the exec and docker drivers make one per task), read
-//! from `/proc/<pid>` of the connecting process ([`CallerKey`]). After authentication the
-//! workload identity names the allocation, and [`Admission::publish`] bounds its waits.
+//! Before authentication the agent tells callers apart by what a task cannot change: the
+//! cgroup of the process that connected ([`CallerKey`], [`crate::node::identity`]). Every
+//! process in a Nomad task's cgroup is its allocation's, whatever its UID or mount
+//! namespace: a root task that forks children under many UIDs, or makes new mount
+//! namespaces, is still one caller. A process in no task cgroup is told apart by its UID,
+//! its cgroup and its mount namespace. After authentication the workload identity names the
+//! allocation: [`Admission::authenticated`] keeps a share of connections for it that no
+//! flood can take, and [`Admission::publish`] bounds its waits.
 
-use std::collections::HashMap;
+use crate::node::identity::{NodeCgroups, Whose};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// What tells one caller from another before it has authenticated: the peer UID of its
-/// connection, and the cgroup and mount namespace of the process that connected (`None`
-/// when they could not be read, e.g. the process already exited: such callers of one UID
-/// share one key).
+/// What tells one caller from another before it has authenticated, from the process that
+/// connected (the connection's `SO_PEERCRED` pid).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct CallerKey {
-    pub uid: Option<u32>,
-    /// `/proc/<pid>/cgroup`, the cgroup v2 line's path (or the whole file on cgroups v1).
-    pub cgroup: Option<String>,
-    /// `/proc/<pid>/ns/mnt`, e.g. `mnt:[4026531841]`.
-    pub mount_ns: Option<String>,
+pub enum CallerKey {
+    /// A process in a task cgroup of this node's Nomad client: its allocation, whatever
+    /// its UID and mount namespace.
+    Allocation(String),
+    /// A process in a docker container's cgroup: the container (its ID).
+    Container(String),
+    /// Any other process: its UID, cgroup and mount namespace (`None` when they could not
+    /// be read, e.g. the process already exited: such callers of one UID share one key).
+    Process {
+        uid: Option<u32>,
+        /// `/proc/<pid>/cgroup`, the cgroup v2 line's path (or the whole file on cgroups
+        /// v1).
+        cgroup: Option<String>,
+        /// `/proc/<pid>/ns/mnt`, e.g. `mnt:[4026531841]`.
+        mount_ns: Option<String>,
+    },
 }
 
 impl CallerKey {
-    /// The key of the process `pid` (the connection's `SO_PEERCRED`) running as `uid`.
-    pub fn of(uid: Option<u32>, pid: Option<i32>) -> Self {
+    /// The key of the process `pid` running as `uid`, with this node's task cgroups `node`
+    /// (the agent passes [`crate::node::identity::node`]).
+    pub fn of(uid: Option<u32>, pid: Option<i32>, node: &NodeCgroups) -> Self {
         let pid = pid.filter(|p| *p > 0);
-        let cgroup = pid
-            .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/cgroup")).ok())
-            .map(|t| cgroup_path(&t));
+        let text = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/cgroup")).ok());
+        match text
+            .as_deref()
+            .map(|t| crate::node::identity::of_cgroup(t, node))
+        {
+            Some(Whose::Task { alloc_id, .. }) => return Self::Allocation(alloc_id),
+            Some(Whose::Container { id }) => return Self::Container(id),
+            _ => {}
+        }
         let mount_ns = pid
             .and_then(|p| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok())
             .map(|l| l.to_string_lossy().into_owned());
-        Self {
+        Self::Process {
             uid,
-            cgroup,
+            cgroup: text.as_deref().map(cgroup_path),
             mount_ns,
         }
     }
@@ -49,15 +68,21 @@ impl CallerKey {
 impl std::fmt::Display for CallerKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let unknown = "unknown";
-        write!(
-            f,
-            "uid {} cgroup {} {}",
-            self.uid
-                .map(|u| u.to_string())
-                .unwrap_or_else(|| unknown.into()),
-            crate::escape::escape_control(self.cgroup.as_deref().unwrap_or(unknown)),
-            self.mount_ns.as_deref().unwrap_or("mnt:unknown"),
-        )
+        match self {
+            CallerKey::Allocation(a) => write!(f, "allocation {a}"),
+            CallerKey::Container(c) => write!(f, "container {c}"),
+            CallerKey::Process {
+                uid,
+                cgroup,
+                mount_ns,
+            } => write!(
+                f,
+                "uid {} cgroup {} {}",
+                uid.map(|u| u.to_string()).unwrap_or_else(|| unknown.into()),
+                crate::escape::escape_control(cgroup.as_deref().unwrap_or(unknown)),
+                mount_ns.as_deref().unwrap_or("mnt:unknown"),
+            ),
+        }
     }
 }
 
@@ -194,11 +219,20 @@ fn take<K: std::hash::Hash + Eq + Clone>(
     })
 }
 
-/// What a served connection holds until it ends: its place in the pools.
+/// What a served connection holds until it ends: its place in the pools (one of host
+/// root's, every other caller's, or the share kept for its allocation).
 pub struct Ticket {
-    _pool: OwnedSemaphorePermit,
+    _pool: Option<OwnedSemaphorePermit>,
+    _kept: Option<Slot<String>>,
     _caller: Option<Slot<CallerKey>>,
 }
+
+/// The allocations that have authenticated, most recent last, at most [`KNOWN_MAX`].
+type Known = Mutex<VecDeque<String>>;
+
+/// How many authenticated allocations keep a share: the oldest is forgotten beyond (a node
+/// runs far fewer allocations at once).
+pub const KNOWN_MAX: usize = 4096;
 
 /// The bounds, shared by every connection of one listener.
 pub struct Admission {
@@ -206,28 +240,62 @@ pub struct Admission {
     root: Arc<Semaphore>,
     per_caller: usize,
     per_allocation: usize,
+    kept_per_allocation: usize,
     callers: Counts<CallerKey>,
     allocations: Counts<String>,
+    kept: Counts<String>,
+    known: Known,
 }
 
 impl Admission {
     /// `max_connections` for all callers but host root together, `per_caller` for one
     /// [`CallerKey`], `root_connections` for host root alone, `per_allocation` publish calls
-    /// waiting at once for one allocation.
+    /// waiting at once for one allocation, and `kept_per_allocation` connections kept for
+    /// each allocation that has authenticated, beyond `max_connections` (taken only when
+    /// those are all in use).
     pub fn new(
         max_connections: usize,
         per_caller: usize,
         root_connections: usize,
         per_allocation: usize,
+        kept_per_allocation: usize,
     ) -> Self {
         Self {
             others: Arc::new(Semaphore::new(max_connections)),
             root: Arc::new(Semaphore::new(root_connections)),
             per_caller,
             per_allocation,
+            kept_per_allocation,
             callers: Arc::default(),
             allocations: Arc::default(),
+            kept: Arc::default(),
+            known: Mutex::default(),
         }
+    }
+
+    /// A caller whose workload identity names `alloc_id` was verified: when its cgroup names
+    /// the same allocation (`caller`), the allocation keeps a share of connections from now
+    /// on, which callers of other keys cannot take. A token presented from another cgroup
+    /// earns nothing.
+    pub fn authenticated(&self, alloc_id: &str, caller: &CallerKey) {
+        if *caller != CallerKey::Allocation(alloc_id.to_string()) {
+            return;
+        }
+        let Ok(mut known) = self.known.lock() else {
+            return;
+        };
+        if let Some(i) = known.iter().position(|a| a == alloc_id) {
+            known.remove(i);
+        } else if known.len() >= KNOWN_MAX {
+            known.pop_front();
+        }
+        known.push_back(alloc_id.to_string());
+    }
+
+    fn is_known(&self, alloc_id: &str) -> bool {
+        self.known
+            .lock()
+            .is_ok_and(|k| k.iter().any(|a| a == alloc_id))
     }
 
     /// A new connection from `caller`; `host_root` when it is root in the agent's own
@@ -239,20 +307,28 @@ impl Admission {
                 .clone()
                 .try_acquire_owned()
                 .map(|p| Ticket {
-                    _pool: p,
+                    _pool: Some(p),
+                    _kept: None,
                     _caller: None,
                 })
                 .map_err(|_| Refused::RootPoolFull);
         }
-        let pool = self
-            .others
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Refused::AllInUse)?;
         let slot =
             take(&self.callers, caller.clone(), self.per_caller).ok_or(Refused::CallerOverLimit)?;
+        let (pool, kept) = match self.others.clone().try_acquire_owned() {
+            Ok(p) => (Some(p), None),
+            Err(_) => match caller {
+                CallerKey::Allocation(a) if self.is_known(a) => {
+                    let kept = take(&self.kept, a.clone(), self.kept_per_allocation)
+                        .ok_or(Refused::AllInUse)?;
+                    (None, Some(kept))
+                }
+                _ => return Err(Refused::AllInUse),
+            },
+        };
         Ok(Ticket {
             _pool: pool,
+            _kept: kept,
             _caller: Some(slot),
         })
     }
@@ -269,16 +345,19 @@ mod tests {
     use super::*;
 
     fn key(uid: u32, ns: &str) -> CallerKey {
-        CallerKey {
+        CallerKey::Process {
             uid: Some(uid),
             cgroup: Some("/".into()),
             mount_ns: Some(ns.into()),
         }
     }
 
+    const A: &str = "0b9a3c2e-1111-4000-8000-00000000000a";
+    const B: &str = "0b9a3c2e-1111-4000-8000-00000000000b";
+
     #[test]
     fn one_caller_cannot_take_another_callers_or_roots_places() {
-        let a = Admission::new(10, 3, 2, 1);
+        let a = Admission::new(10, 3, 2, 1, 2);
         let flood = key(65534, "mnt:[1]");
         let held: Vec<_> = (0..3)
             .map(|_| a.connection(&flood, false).unwrap())
@@ -287,7 +366,7 @@ mod tests {
             a.connection(&flood, false).err(),
             Some(Refused::CallerOverLimit)
         );
-        // Same UID, another task (mount namespace): its own share.
+        // Same UID, another process outside any task (mount namespace): its own share.
         let other = a.connection(&key(65534, "mnt:[2]"), false).unwrap();
         let r1 = a.connection(&key(0, "mnt:[0]"), true).unwrap();
         let _r2 = a.connection(&key(0, "mnt:[0]"), true).unwrap();
@@ -314,6 +393,54 @@ mod tests {
         assert!(a.publish("other").is_ok());
         drop(p);
         assert!(a.publish("alloc").is_ok());
+    }
+
+    /// Every process of a task's cgroup is its allocation, whatever its UID or mount
+    /// namespace; a process elsewhere is its UID, cgroup and namespace.
+    #[test]
+    fn a_task_cgroup_is_one_caller_whatever_the_uid() {
+        let node = NodeCgroups::default();
+        let mine = format!("0::/nomad.slice/share.slice/{A}.app.scope\n");
+        let w = crate::node::identity::of_cgroup(&mine, &node);
+        assert_eq!(w.alloc_id(), Some(A));
+        // The process of this test: no task's.
+        let me = CallerKey::of(Some(0), Some(std::process::id() as i32), &node);
+        assert!(
+            matches!(me, CallerKey::Process { uid: Some(0), .. }),
+            "{me:?}"
+        );
+        assert_eq!(
+            CallerKey::of(Some(7), None, &node),
+            CallerKey::Process {
+                uid: Some(7),
+                cgroup: None,
+                mount_ns: None
+            }
+        );
+    }
+
+    /// An allocation that has authenticated keeps its share when every other place is
+    /// taken; one that has not, or a token shown from another cgroup, does not.
+    #[test]
+    fn an_authenticated_allocation_keeps_a_share_when_the_pool_is_full() {
+        let a = Admission::new(4, 4, 1, 1, 2);
+        let (ka, kb) = (
+            CallerKey::Allocation(A.into()),
+            CallerKey::Allocation(B.into()),
+        );
+        a.authenticated(A, &ka);
+        // B's token shown by a process outside B's cgroup earns B nothing.
+        a.authenticated(B, &key(0, "mnt:[9]"));
+        let flood: Vec<_> = (0..4)
+            .map(|i| a.connection(&key(1, &format!("mnt:[{i}]")), false).unwrap())
+            .collect();
+        assert_eq!(a.connection(&kb, false).err(), Some(Refused::AllInUse));
+        let kept: Vec<_> = (0..2).map(|_| a.connection(&ka, false).unwrap()).collect();
+        assert_eq!(a.connection(&ka, false).err(), Some(Refused::AllInUse));
+        drop(kept);
+        assert!(a.connection(&ka, false).is_ok());
+        drop(flood);
+        assert!(a.connection(&kb, false).is_ok());
     }
 
     #[test]

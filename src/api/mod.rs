@@ -206,13 +206,16 @@ struct Ctx {
 
 /// The caller (`SO_PEERCRED` of its connection): its UID for root-only endpoints, both
 /// for the audit line of a refused call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Peer {
     /// The UID that counts for root-only endpoints (root in a task counts as no one).
     uid: Option<u32>,
     /// The caller's own UID and pid, for the audit line.
     real_uid: Option<u32>,
     pid: Option<i32>,
+    /// Who it is for admission ([`CallerKey`]: its allocation when it runs in a task's
+    /// cgroup).
+    caller: Arc<CallerKey>,
 }
 
 /// Why a call was refused (the error's message), carried on its response for the audit.
@@ -327,19 +330,25 @@ pub fn bind(path: &Path) -> std::io::Result<(UnixListener, SocketGuard)> {
 
 /// Bounds on the local API's connections (the socket is world-writable: any process on the
 /// node, in or out of a task, may connect). Every task runs as `nobody` (or root in a
-/// container), so callers are told apart by [`CallerKey`] (UID, cgroup and mount namespace of
-/// the connecting process), and after authentication by allocation.
+/// container, which may take any UID), so callers are told apart by [`CallerKey`]: a process
+/// in a task's cgroup by its allocation alone, any other by its UID, cgroup and mount
+/// namespace; an allocation that authenticated keeps a share of its own.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Connections open at once, all callers but host root together.
     pub max_connections: usize,
-    /// Connections open at once per caller ([`CallerKey`]): one task's flood takes no more.
+    /// Connections open at once per caller ([`CallerKey`]): one task's flood, under however
+    /// many UIDs, takes no more.
     pub max_per_caller: usize,
     /// Connections of host root (UID 0 in the agent's own mount namespace, `dhv-binder
     /// status`): a pool of its own that no task can take.
     pub root_connections: usize,
     /// Publish calls waiting at once per allocation (after its workload identity verified).
     pub max_per_allocation: usize,
+    /// Connections kept for each allocation whose workload identity was verified from its
+    /// own task cgroup, beyond `max_connections`: taken when those are all in use, so that
+    /// no flood of other callers shuts an allocation out.
+    pub kept_per_allocation: usize,
     /// Time allowed for a request's headers to arrive, from the connection's start (also
     /// for a connection that sends nothing).
     pub header_read_timeout: Duration,
@@ -362,6 +371,7 @@ impl Default for Limits {
             max_per_caller: 16,
             root_connections: 8,
             max_per_allocation: 4,
+            kept_per_allocation: 4,
             header_read_timeout: Duration::from_secs(5),
             body_read_timeout: Duration::from_secs(5),
             max_body_bytes: 4096,
@@ -423,6 +433,7 @@ pub async fn serve_with(
         limits.max_per_caller,
         limits.root_connections,
         limits.max_per_allocation,
+        limits.kept_per_allocation,
     ));
     let warnings = Arc::new(WarnBudget::new(limits.warn_interval));
     let ctx = Arc::new(Ctx {
@@ -469,7 +480,7 @@ pub async fn serve_with(
         // `/v1/status` and root's own pool are for root outside any task: a root caller in
         // another mount namespace (a task) is treated as unprivileged.
         let host_root = uid == Some(0) && same_mount_namespace(pid);
-        let caller = CallerKey::of(uid, pid);
+        let caller = CallerKey::of(uid, pid, crate::node::identity::node());
         let ticket = match admission.connection(&caller, host_root) {
             Ok(t) => t,
             Err(why) => {
@@ -487,6 +498,7 @@ pub async fn serve_with(
             },
             real_uid: uid,
             pid,
+            caller: Arc::new(caller),
         };
         let headers_in = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let inner = TowerToHyperService::new(app.clone().layer(Extension(peer)));
@@ -652,6 +664,7 @@ async fn status_route(
 
 async fn publish_route(
     State(ctx): State<Arc<Ctx>>,
+    Extension(peer): Extension<Peer>,
     alloc_id: Result<axum::extract::Path<String>, PathRejection>,
     query: Result<Query<PublishQuery>, QueryRejection>,
     headers: HeaderMap,
@@ -659,12 +672,13 @@ async fn publish_route(
     let alloc_id = alloc_id
         .map(|p| p.0)
         .map_err(|e| ApiError::NotAnAllocId(e.body_text()))?;
-    let reply = publish(&ctx, alloc_id, query, &headers).await?;
+    let reply = publish(&ctx, &peer.caller, alloc_id, query, &headers).await?;
     Ok(json(StatusCode::OK, &reply))
 }
 
 async fn publish(
     ctx: &Ctx,
+    caller: &CallerKey,
     alloc_id: String,
     query: Result<Query<PublishQuery>, QueryRejection>,
     headers: &HeaderMap,
@@ -684,6 +698,7 @@ async fn publish(
             alloc_id,
         });
     }
+    ctx.admission.authenticated(&alloc_id, caller);
     // Held while the call waits: one allocation cannot hold the agent in more calls.
     let _slot = ctx.admission.publish(&alloc_id).map_err(|why| {
         if let Some(n) = ctx

@@ -9,16 +9,19 @@
 //!    whatever is bound from it afterwards (a task restarted by its client) is read-only;
 //! 3. the processes that still use the volume ([`crate::node::holders`]: a task's mount
 //!    namespace holds its own copy of the mount, which step 2 does not reach, and open files
-//!    keep writing) are killed (SIGKILL): processes of this node's allocations and processes
-//!    of no allocation, never tasks of allocations this node does not know (only a
-//!    single-host simulation of several nodes shows them); then step 2 is tried again if it
-//!    failed (EBUSY while a writer held the mount).
+//!    keep writing) are killed (SIGKILL): every process on this node that holds the volume
+//!    but the agent itself, whatever it says about itself. Whose a process is comes from its
+//!    cgroup ([`crate::node::identity`]), never its environment; only processes in the
+//!    cgroups the operator names as other nodes' (`--other-node-cgroup`, several nodes
+//!    simulated on one host) are left. Then step 2 is tried again if it failed (EBUSY while a
+//!    writer held the mount).
 //!
 //! Undoing the fence is the ordinary republish: the dead or read-only mount is detached and
 //! published again, and the allocations that used it are restarted onto it
 //! ([`crate::agent::mount_health`]).
 
 use crate::node::holders::{self, Holder};
+use crate::node::identity::NodeCgroups;
 use crate::node::mounts::MountTable;
 use serde::Serialize;
 use std::collections::BTreeSet;
@@ -100,10 +103,11 @@ impl FenceReport {
     }
 }
 
-/// Fences the volume mounted at `target` (blocking: run it off the agent's loop). `mine`
-/// names this node's allocations: a holder that names another allocation is left alone.
-/// Never fails as a whole: what failed is listed in [`FenceReport::errors`].
-pub fn fence(target: &Path, mine: &BTreeSet<String>) -> FenceReport {
+/// Fences the volume mounted at `target` (blocking: run it off the agent's loop). Every
+/// process that holds it is killed but the agent and the processes in `node`'s other nodes'
+/// cgroups (the agent passes [`crate::node::identity::node`]). Never fails as a whole: what
+/// failed is listed in [`FenceReport::errors`].
+pub fn fence(target: &Path, node: &NodeCgroups) -> FenceReport {
     let mut report = FenceReport {
         target: target.to_path_buf(),
         ..FenceReport::default()
@@ -133,14 +137,14 @@ pub fn fence(target: &Path, mine: &BTreeSet<String>) -> FenceReport {
         }
     }
     let first = remount(target);
-    match holders::scan_many(&[(top.identity(), target.to_path_buf())], &host) {
+    match holders::scan_many(&[(top.identity(), target.to_path_buf())], &host, node) {
         Ok(mut usages) => {
-            let usage = usages.pop().unwrap_or_default();
+            let usage = usages.pop().unwrap_or_default().without_other_nodes();
             let me = std::process::id();
             let mut seen = BTreeSet::new();
             for h in usage.holders {
-                let ours = h.alloc_id.as_ref().is_none_or(|a| mine.contains(a));
-                if !ours || h.pid == me || h.pid == 1 || !seen.insert(h.pid) {
+                // Pid 1 cannot be killed by a signal it does not handle (signal(7)).
+                if h.pid == me || h.pid == 1 || !seen.insert(h.pid) {
                     continue;
                 }
                 let pid = nix::unistd::Pid::from_raw(h.pid as i32);
@@ -225,7 +229,7 @@ mod tests {
     #[test]
     fn an_empty_target_has_nothing_to_fence() {
         let dir = tempfile::tempdir().unwrap();
-        let r = fence(dir.path(), &BTreeSet::new());
+        let r = fence(dir.path(), &NodeCgroups::default());
         assert!(r.nothing_mounted && r.complete(), "{r:?}");
         assert_eq!(r.summary(), "nothing mounted");
     }
@@ -261,7 +265,8 @@ mod tests {
     }
 
     /// A writer in the host's namespace appending to a file on a bind-mounted volume is
-    /// killed, the mount becomes read-only, and nothing more is appended.
+    /// killed (also when its environment names another allocation), the mount becomes
+    /// read-only, and nothing more is appended.
     #[test]
     fn a_writer_is_stopped_and_the_mount_made_read_only() {
         let sb = crate::node::mounts::scratch::Scratch::new();
@@ -278,13 +283,15 @@ mod tests {
             .spawn()
             .unwrap();
         // Let it write, and open the file for writing for as long as it runs.
+        // It says it is a task of an allocation this node does not know: no matter.
         let mut hold = std::process::Command::new("sh")
             .arg("-c")
             .arg(format!("exec 3>>{}; sleep 60", file.display()))
+            .env("NOMAD_ALLOC_ID", "0b9a3c2e-1111-4000-8000-0000000000ff")
             .spawn()
             .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(300));
-        let r = fence(&target, &BTreeSet::new());
+        let r = fence(&target, &NodeCgroups::default());
         assert!(r.complete(), "{r:?}");
         assert!(r.read_only, "{r:?}");
         let pids: BTreeSet<u32> = r.stopped.iter().map(|h| h.pid).collect();

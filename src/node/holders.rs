@@ -14,6 +14,7 @@
 //! anywhere is the target's, and that the kernel finds idle by that mount's reference
 //! count ([`crate::node::mounts::busy`]), is free without them.
 
+use crate::node::identity::{self, NodeCgroups, Whose};
 use crate::node::mounts::{DeviceId, MountIdentity, MountTable};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -61,7 +62,10 @@ pub fn before_unpublish_many(targets: &[PathBuf]) -> Result<Vec<Option<Usage>>, 
             wanted.len() - 1
         }));
     }
-    let mut usages: Vec<Option<Usage>> = scan_many(&wanted, &host)?.into_iter().map(Some).collect();
+    let mut usages: Vec<Option<Usage>> = scan_many(&wanted, &host, identity::node())?
+        .into_iter()
+        .map(Some)
+        .collect();
     Ok(slots
         .into_iter()
         .map(|slot| slot.and_then(|i| usages.get_mut(i).and_then(Option::take)))
@@ -203,10 +207,15 @@ pub struct Holder {
     /// `/proc/<pid>/comm` (the name the kernel shows, at most 15 bytes).
     pub comm: String,
     pub how: Hold,
-    /// `NOMAD_ALLOC_ID` from its environment: the allocation whose task it is (Nomad
-    /// sets it in every task), if any.
+    /// The allocation whose task it is, from its cgroup (`crate::node::identity`: the task's
+    /// cgroup names it), if it runs in one of this node's task cgroups. Never from its
+    /// environment.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alloc_id: Option<String>,
+    /// It runs in a cgroup of another node simulated on this host (`--other-node-cgroup`):
+    /// not this node's process.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub other_node: bool,
 }
 
 impl std::fmt::Display for Holder {
@@ -214,6 +223,9 @@ impl std::fmt::Display for Holder {
         write!(f, "pid {} ({})", self.pid, self.comm)?;
         if let Some(a) = &self.alloc_id {
             write!(f, " of allocation {a}")?;
+        }
+        if self.other_node {
+            write!(f, " of another node")?;
         }
         match &self.how {
             Hold::Mount { mount_point } => {
@@ -268,19 +280,10 @@ impl Usage {
         !self.holders.is_empty() || self.uninspected.iter().any(|u| u.what == "mountinfo")
     }
 
-    /// The allocations named by the holders (`NOMAD_ALLOC_ID`).
-    pub fn allocs(&self) -> BTreeSet<String> {
-        self.holders
-            .iter()
-            .filter_map(|h| h.alloc_id.clone())
-            .collect()
-    }
-
-    /// Drops the holders of `allocs` (tasks of allocations Nomad places on another node:
-    /// only a single-host simulation of several nodes shows them).
-    pub fn without_allocs(mut self, allocs: &BTreeSet<String>) -> Self {
-        self.holders
-            .retain(|h| h.alloc_id.as_ref().is_none_or(|a| !allocs.contains(a)));
+    /// Drops the holders in another simulated node's cgroups ([`Holder::other_node`]: the
+    /// operator's `--other-node-cgroup`, only set where several nodes share one host).
+    pub fn without_other_nodes(mut self) -> Self {
+        self.holders.retain(|h| !h.other_node);
         self
     }
 
@@ -323,7 +326,11 @@ pub fn scan(
     target: &Path,
     host: &MountTable,
 ) -> Result<Usage, HoldersError> {
-    let mut all = scan_many(&[(volume.clone(), target.to_path_buf())], host)?;
+    let mut all = scan_many(
+        &[(volume.clone(), target.to_path_buf())],
+        host,
+        identity::node(),
+    )?;
     Ok(all.pop().unwrap_or_default())
 }
 
@@ -342,6 +349,7 @@ pub fn scan(
 pub fn scan_many(
     wanted: &[(MountIdentity, PathBuf)],
     host: &MountTable,
+    node: &NodeCgroups,
 ) -> Result<Vec<Usage>, HoldersError> {
     let me = std::process::id();
     let mut usages: Vec<Usage> = Vec::with_capacity(wanted.len());
@@ -448,6 +456,7 @@ pub fn scan_many(
                         comm: comm.clone(),
                         how: Hold::Mount { mount_point },
                         alloc_id: None,
+                        other_node: false,
                     }));
             }
         }
@@ -493,13 +502,28 @@ pub fn scan_many(
             }
         }
     }
+    // Whose each holder is, from its cgroup (read once per process).
+    let mut whose: BTreeMap<u32, Option<Whose>> = BTreeMap::new();
     for usage in &mut usages {
         // A holder gone since it was read (a short-lived child such as a task loop's
         // `sleep`) holds nothing any more; counted, it would be a holder of no allocation,
-        // which blocks the unpublish.
+        // which blocks the unpublish. One whose cgroup cannot be read otherwise is no
+        // allocation's and no other node's (fail closed: the fence kills it, it blocks the
+        // unpublish).
         usage.holders.retain_mut(|h| {
-            h.alloc_id = alloc_of(h.pid);
-            h.alloc_id.is_some() || std::path::Path::new(&format!("/proc/{}", h.pid)).exists()
+            let w = whose
+                .entry(h.pid)
+                .or_insert_with(|| match identity::of_pid(h.pid, node) {
+                    Ok(w) => Some(w),
+                    Err(e) if gone(&e) => None,
+                    Err(_) => Some(Whose::Unknown),
+                });
+            let Some(w) = w else {
+                return false;
+            };
+            h.alloc_id = w.alloc_id().map(str::to_string);
+            h.other_node = *w == Whose::OtherNode;
+            true
         });
         usage.holders.sort();
         usage.holders.dedup();
@@ -636,6 +660,7 @@ fn report(
                     comm: comm.clone(),
                     how: how.clone(),
                     alloc_id: None,
+                    other_node: false,
                 }),
         );
         usage
@@ -673,25 +698,27 @@ fn comm_of(pid: u32) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-/// `NOMAD_ALLOC_ID` in the environment `pid` started with.
-fn alloc_of(pid: u32) -> Option<String> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|b| *b == 0)
-        .find_map(|kv| kv.strip_prefix(b"NOMAD_ALLOC_ID="))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-}
-
-/// The allocations that have a process on this node: `NOMAD_ALLOC_ID` in the environment
-/// each process in `/proc` started with (Nomad sets it in every task's environment, and
-/// children inherit it). Each process is read once: its allocation is remembered by its
-/// pid and the inode number of its `/proc` directory (a pid used again is a new
-/// directory), so a scan lists `/proc` and reads only the processes new since the last.
-#[derive(Debug, Default)]
+/// The allocations that have a process on this node: the task cgroups of this node's Nomad
+/// client that hold a process (`crate::node::identity`: each process's cgroup names its
+/// allocation, whatever its environment says). A process found in a task cgroup is
+/// remembered by its pid and the inode number of its `/proc` directory (a pid used again is
+/// a new directory), so a scan reads only the processes new since the last and those in no
+/// task cgroup (which may have been moved into one since).
+#[derive(Debug)]
 pub struct AllocProcesses {
-    seen: std::collections::HashMap<(u32, u64), Option<String>>,
+    node: NodeCgroups,
+    seen: std::collections::HashMap<(u32, u64), String>,
 }
 
 impl AllocProcesses {
+    /// The allocations of `node`'s task cgroups (the agent passes [`identity::node`]).
+    pub fn new(node: NodeCgroups) -> Self {
+        Self {
+            node,
+            seen: std::collections::HashMap::new(),
+        }
+    }
+
     /// Lists `/proc` and returns the allocation IDs of its processes. Blocking: call it
     /// from a blocking task. Errors: `/proc` cannot be listed.
     pub fn scan(&mut self) -> Result<BTreeSet<String>, HoldersError> {
@@ -699,13 +726,17 @@ impl AllocProcesses {
         let mut seen = std::collections::HashMap::with_capacity(listed.len());
         for (pid, ino) in listed {
             let alloc = match self.seen.remove(&(pid, ino)) {
-                Some(known) if ino > 1 => known,
-                _ => alloc_of(pid),
+                Some(known) if ino > 1 => Some(known),
+                _ => identity::of_pid(pid, &self.node)
+                    .ok()
+                    .and_then(|w| w.alloc_id().map(str::to_string)),
             };
-            seen.insert((pid, ino), alloc);
+            if let Some(alloc) = alloc {
+                seen.insert((pid, ino), alloc);
+            }
         }
         self.seen = seen;
-        Ok(self.seen.values().flatten().cloned().collect())
+        Ok(self.seen.values().cloned().collect())
     }
 }
 
@@ -956,24 +987,115 @@ mod tests {
         assert!(own.lines().count() > 5, "{own}");
     }
 
+    /// A scratch cgroup v2 tree under the cgroup2 mount, for processes a test puts in task
+    /// cgroups; on drop every process in it is killed and every cgroup removed.
+    struct TestCgroups(PathBuf);
+
+    impl TestCgroups {
+        fn new() -> Self {
+            let mount = crate::node::helpers::cgroup2_mount()
+                .unwrap()
+                .expect("no cgroup v2 filesystem is mounted (see /proc/self/mountinfo): these tests need one");
+            let p = mount.join(format!("dhv-binder-unit-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir(&p).expect("make a scratch cgroup (the tests run as root)");
+            Self(p)
+        }
+
+        /// The cgroup `rel` under the scratch cgroup, made.
+        fn child(&self, rel: &str) -> PathBuf {
+            let p = self.0.join(rel);
+            std::fs::create_dir_all(&p).unwrap();
+            p
+        }
+
+        /// The scratch cgroup's path as `/proc/<pid>/cgroup` shows it, plus `rel`.
+        fn rel(&self, rel: &str) -> String {
+            let mount = crate::node::helpers::cgroup2_mount().unwrap().unwrap();
+            let base = self.0.strip_prefix(&mount).unwrap().display().to_string();
+            format!("{base}/{rel}")
+        }
+    }
+
+    impl Drop for TestCgroups {
+        fn drop(&mut self) {
+            let _ = crate::node::helpers::kill(&self.0);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while crate::node::helpers::populated(&self.0).unwrap_or(false)
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            let _ = crate::node::helpers::remove(&self.0);
+        }
+    }
+
+    /// A shell that enters `cgroup` before it says ready.
+    fn in_cgroup(cgroup: &Path, then: &str) -> Command {
+        sh(&format!(
+            "echo $$ > '{}' && echo ready && {then}",
+            cgroup.join("cgroup.procs").display()
+        ))
+    }
+
+    const A: &str = "0b9a3c2e-1111-4000-8000-00000000000a";
+    const B: &str = "0b9a3c2e-1111-4000-8000-00000000000b";
+    const LIE: &str = "0b9a3c2e-1111-4000-8000-0000000000ff";
+
+    /// Holders are named by their cgroup: a task's process by its allocation, another
+    /// node's as another node's, and a process that only claims an allocation in its
+    /// environment (`NOMAD_ALLOC_ID`) as nobody's. The allocations with a process here are
+    /// those of this node's task cgroups.
     #[test]
-    fn allocations_are_found_by_their_processes_environment() {
-        let id = format!("probe-{}", std::process::id());
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .env("NOMAD_ALLOC_ID", &id)
-            .spawn()
-            .expect("spawn sleep");
-        let mut procs = AllocProcesses::default();
-        let first = procs.scan().unwrap();
-        assert!(first.contains(&id), "{first:?}");
-        assert!(procs.scan().unwrap().contains(&id), "a remembered process");
-        child.kill().unwrap();
-        child.wait().unwrap();
-        assert!(
-            !procs.scan().unwrap().contains(&id),
-            "a process that is gone"
+    fn holders_and_allocations_are_named_by_cgroup_not_environment() {
+        let s = Scratch::new();
+        let (target, id) = volume(&s);
+        let cg = TestCgroups::new();
+        let a = cg.child(&format!("n1.nomad/share.slice/{A}.app.scope"));
+        let b = cg.child(&format!("n2.nomad/share.slice/{B}.app.scope"));
+        let node = NodeCgroups {
+            parent_v2: cg.rel("n1.nomad"),
+            parent_v1: "nomad".into(),
+            other_nodes: vec![cg.rel("n2.nomad")],
+        };
+        let task = Proc::spawn(in_cgroup(&a, "exec sleep 600").current_dir(&target)).ready();
+        let theirs = Proc::spawn(in_cgroup(&b, "exec sleep 600").current_dir(&target)).ready();
+        let liar = Proc::spawn(
+            sh("echo ready; exec sleep 600")
+                .current_dir(&target)
+                .env("NOMAD_ALLOC_ID", LIE),
+        )
+        .ready();
+        let host = MountTable::read().unwrap();
+        let u = scan_many(&[(id, target.clone())], &host, &node)
+            .unwrap()
+            .pop()
+            .unwrap();
+        let of = |pid: u32| u.holders.iter().find(|h| h.pid == pid).cloned();
+        let t = of(task.pid()).expect("the task holds it");
+        assert_eq!(
+            (t.alloc_id.as_deref(), t.other_node),
+            (Some(A), false),
+            "{t:?}"
         );
+        let o = of(theirs.pid()).expect("the other node's task holds it");
+        assert_eq!((o.alloc_id.as_deref(), o.other_node), (None, true), "{o:?}");
+        let l = of(liar.pid()).expect("the liar holds it");
+        assert_eq!(
+            (l.alloc_id.as_deref(), l.other_node),
+            (None, false),
+            "{l:?}"
+        );
+        let mine = u.clone().without_other_nodes();
+        let pids: BTreeSet<u32> = mine.holders.iter().map(|h| h.pid).collect();
+        assert_eq!(pids, BTreeSet::from([task.pid(), liar.pid()]));
+
+        let mut procs = AllocProcesses::new(node);
+        let found = procs.scan().unwrap();
+        assert!(found.contains(A), "{found:?}");
+        assert!(!found.contains(B) && !found.contains(LIE), "{found:?}");
+        assert!(procs.scan().unwrap().contains(A), "a remembered process");
+        drop(task);
+        assert!(!procs.scan().unwrap().contains(A), "a process that is gone");
     }
 
     #[test]
@@ -1160,15 +1282,11 @@ mod tests {
             "{:?}",
             u.holders
         );
+        // Its environment names an allocation; its cgroup (the host's) names none.
         assert!(u
             .holders
             .iter()
-            .any(|h| h.pid == open.pid() && h.alloc_id.as_deref() == Some("a1")));
-        let others = u
-            .clone()
-            .without_allocs(&BTreeSet::from(["a1".to_string()]));
-        assert!(others.holders.iter().all(|h| h.pid != open.pid()));
-        assert!(others.holders.iter().any(|h| h.pid == cwd.pid()));
+            .any(|h| h.pid == open.pid() && h.alloc_id.is_none() && !h.other_node));
         drop((open, cwd));
         let u = scan_now(&id, &target);
         assert!(!u.in_use() && u.by_kernel, "{u:?}");
@@ -1257,6 +1375,7 @@ mod tests {
                 (ii.clone(), idle.clone()),
             ],
             &host,
+            identity::node(),
         )
         .unwrap();
         assert_eq!(many.len(), 3);

@@ -11,6 +11,8 @@
 //! - [`clock`]: the agent's clock, monotonic and counting the time the machine was
 //!   suspended (`CLOCK_BOOTTIME`), for the claims' lease;
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
+//! - [`identity`]: whose process it is (a Nomad task's, a container's, another simulated
+//!   node's), from its cgroup, never its environment;
 //! - `holders`: the processes still using a published volume;
 //! - `fence`: making a volume unwritable on this node without the network (a claim's lease
 //!   about to end);
@@ -32,6 +34,7 @@ pub(crate) mod health;
 pub mod helpers;
 pub(crate) mod holders;
 pub mod host;
+pub mod identity;
 pub mod install;
 pub mod journal;
 pub mod mounts;

@@ -311,6 +311,22 @@ impl Cluster {
 
     /// Starts (or restarts) node `i`'s dhv-binder, as the system job would run it.
     pub fn start_agent(&mut self, i: usize) {
+        let name = self.nodes[i].name.clone();
+        // Whose process is whose: this node's tasks run under `<name>.nomad` (the
+        // simulator's `cgroup_parent`); the other nodes' tasks, agents and helpers are
+        // theirs, not this node's (operator configuration, as on one host per node).
+        let parent = self.cgroup.path.join(format!("{}.nomad", name));
+        let others: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|o| o.name != name)
+            .flat_map(|o| {
+                ["nomad", "agent", "helpers"].map(|k| {
+                    let p = self.cgroup.path.join(format!("{}.{k}", o.name));
+                    p.display().to_string()
+                })
+            })
+            .collect();
         let n = &mut self.nodes[i];
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -329,6 +345,8 @@ impl Cluster {
             .arg("agent")
             .env_clear()
             .env("DHV_BINDER_HELPER_CGROUP", &helpers)
+            .env("DHV_BINDER_NOMAD_CGROUP_PARENT", &parent)
+            .env("DHV_BINDER_OTHER_NODE_CGROUPS", others.join(","))
             .env("NOMAD_ADDR", &n.address)
             .env("DHV_BINDER_STATE_DIR", &n.state_dir)
             .env("DHV_BINDER_SOCKET", &n.socket)

@@ -62,6 +62,8 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         token_issuer: None,
         helper_cgroup: dhv_binder::config::HelperCgroupSetting::None,
         helper_memory_max: dhv_binder::config::MemoryMax(None),
+        nomad_cgroup_parent: None,
+        other_node_cgroups: vec![],
     }
 }
 

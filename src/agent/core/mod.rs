@@ -776,14 +776,6 @@ impl Core {
             volume.clone(),
             serde_json::json!({"since": crate::node::journal::now_secs(), "target": target, "lease_left_ms": left, "fence": null}),
         );
-        let mut mine: BTreeSet<String> = self.view.allocs().keys().cloned().collect();
-        mine.extend(
-            self.journal
-                .users()
-                .iter()
-                .filter(|u| u.volume == volume)
-                .map(|u| u.alloc_id.clone()),
-        );
         let plugin = self
             .plugins
             .get(&m.plugin_id)
@@ -798,7 +790,6 @@ impl Core {
         out.push(Effect::Fence {
             volume,
             target,
-            mine,
             plugin,
         });
     }

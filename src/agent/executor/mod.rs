@@ -424,7 +424,6 @@ pub async fn publish(
 /// unless `keep_dir` (a placeholder host volume points at it, and the read-only guard keeps
 /// it unwritable).
 pub async fn unpublish(
-    client: Client,
     runner: Runner,
     node: NodeEnv,
     guard: Guard,
@@ -443,17 +442,10 @@ pub async fn unpublish(
                 source,
             })?;
         if let Some(usage) = usage.filter(crate::node::holders::Usage::in_use) {
-            // Tasks of allocations Nomad places on another node are not this node's (a
-            // single host simulating several nodes shows them); anything unknown counts.
-            let mut elsewhere = std::collections::BTreeSet::new();
-            for id in usage.allocs() {
-                if let Ok(Some(a)) = client.allocation(&id).await {
-                    if !a.node_id.is_empty() && a.node_id != node.node_id {
-                        elsewhere.insert(id);
-                    }
-                }
-            }
-            let usage = usage.without_allocs(&elsewhere);
+            // Every holder counts, whatever its environment says, but the processes in the
+            // cgroups the operator names as other nodes' (several nodes simulated on one
+            // host, `--other-node-cgroup`): whose a process is comes from its cgroup.
+            let usage = usage.without_other_nodes();
             if usage.in_use() {
                 return Err(StepError::InUse {
                     target: m.target.clone(),

@@ -166,9 +166,10 @@ pub struct WatchConfig {
     pub processes: Option<ProcessProbe>,
 }
 
-/// Which allocations have a process on this node (`NOMAD_ALLOC_ID` in the environment of a
-/// process), read by the caller from the kernel; `None` when it could not be read (nothing
-/// is concluded then). Called on a blocking thread.
+/// Which allocations have a process on this node (a process in the allocation's task
+/// cgroup: the agent's probe reads each process's cgroup, never its environment), read by
+/// the caller from the kernel; `None` when it could not be read (nothing is concluded then).
+/// Called on a blocking thread.
 #[derive(Clone)]
 pub struct ProcessProbe(pub std::sync::Arc<dyn Fn() -> Option<BTreeSet<String>> + Send + Sync>);
 
