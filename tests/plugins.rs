@@ -556,6 +556,50 @@ fn a_plugin_that_checks_a_path_then_uses_it_again_fails_the_symlink_race() {
     );
 }
 
+/// Issue 44 §2: a plugin that does every step by handle but copies a volume by name
+/// (testdata/plugins/bind-copy-by-name: `helper exec --open SRC --open DST -- cp -a`) fails
+/// "symlink race": while a directory inside the volume is swapped with a symlink to a
+/// directory outside the roots, its snapshots and clones hold files from outside.
+#[test]
+fn a_plugin_that_copies_a_volume_by_name_fails_the_symlink_race_inside_a_volume() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    std::fs::create_dir_all(sb.join("plugins")).unwrap();
+    let plugin = sb.join("plugins/cpbind");
+    std::fs::copy(repo().join("testdata/plugins/bind-copy-by-name"), &plugin).unwrap();
+    let (code, report) = check(
+        &sb,
+        &plugin,
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_eq!(code, 1, "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.contains("symlink race"))
+        .unwrap_or_else(|| panic!("no symlink race rule in the report:\n{report}"));
+    assert!(
+        line.starts_with("FAIL") && line.contains("file(s) from outside the roots"),
+        "{report}"
+    );
+    // Everything else passes: only the copy tells it from the reference plugin.
+    for rule in [
+        "snapshot x2",
+        "create from snapshot",
+        "clone",
+        "paths confined",
+    ] {
+        assert!(
+            report.contains(&format!("PASS  {rule} ")),
+            "{rule}: {report}"
+        );
+    }
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
 /// The fencing rules can fail, and `fence_node` is checked when declared: the `bind` plugin
 /// wrapped so that its `fence` waits on its "storage server" (it sleeps past the 2 s fence
 /// deadline, as a fence that needs the network does in a partition), and with a

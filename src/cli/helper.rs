@@ -9,6 +9,8 @@
 //!   plugin done by handle beneath the node's storage roots ([`crate::node::beneath`];
 //!   docs/plugin-protocol.md, "Paths are used by handle"), so that nothing can swap a
 //!   directory for a symlink between a check and a use.
+//! - `helper copy`: a directory tree copied by handle ([`crate::node::copy`]), the copy of a
+//!   snapshot, clone or create-from-snapshot, which `cp -a` did by name.
 
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
 use crate::mount_options::MountFlags;
@@ -78,6 +80,19 @@ pub enum HelperCommand {
         from: PathBuf,
         /// Its new path.
         to: PathBuf,
+    },
+    /// Copy everything in a directory into an empty directory, both beneath storage roots,
+    /// by handle: every entry opened relative to its directory's handle, no symlink followed
+    /// (copied as a symlink), owners, modes, times and hard links kept as `cp -a` keeps them;
+    /// device nodes and directories on another filesystem are refused.
+    Copy {
+        #[command(flatten)]
+        roots: RootArgs,
+        /// The directory to copy (absolute, beneath a root).
+        source: PathBuf,
+        /// The empty directory to copy into (absolute, beneath a root); it gets the owner,
+        /// mode and times of `source`.
+        destination: PathBuf,
     },
     /// Open paths beneath a storage root (no symlink followed) and run a command with
     /// `{0}`, `{1}`… in its arguments replaced by `/proc/self/fd/N` of each: the `--open`
@@ -171,6 +186,13 @@ pub fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
         HelperCommand::Rename { roots, from, to } => {
             beneath::rename(&roots.locate(&from)?, &roots.locate(&to)?).map_err(refused)
         }
+        HelperCommand::Copy {
+            roots,
+            source,
+            destination,
+        } => crate::node::copy::copy_tree(&roots.locate(&source)?, &roots.locate(&destination)?)
+            .map(|_| ())
+            .map_err(|e| Failure::new(EXIT_FAILED, e.to_string())),
         HelperCommand::Exec {
             roots,
             open,

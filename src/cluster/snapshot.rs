@@ -9,7 +9,8 @@
 //! A snapshot request is signed by the operator's CLI like a volume record
 //! ([`crate::cluster::trust::Signed`]): its place (namespace, path, ID) and its source (volume name
 //! and ID), name, plugin, secrets and creation time; a delete request carries its own
-//! signature. Nodes act only on requests that verify ([`admit`]); a volume created from a
+//! signature, bound to the exact record it deletes (its context and its variable's
+//! CreateIndex), as a volume's is. Nodes act only on requests that verify ([`admit`]); a volume created from a
 //! snapshot uses it only if it verifies ([`read_source`]).
 
 use crate::cluster::trust::{RecordTrust, Signed};
@@ -64,6 +65,10 @@ pub struct SnapshotRecord {
     pub delete_signature: String,
     /// The variable's ModifyIndex, for check-and-set updates.
     pub modify_index: u64,
+    /// The variable's CreateIndex (Nomad's, not stored in the items): bound by the delete
+    /// signature, so that a signed delete of this record does not verify for a record
+    /// written again later under the same ID.
+    pub create_index: u64,
 }
 
 impl Signed for SnapshotRecord {
@@ -82,6 +87,15 @@ impl Signed for SnapshotRecord {
             ("plugin_id", self.plugin_id.clone().into()),
             ("secrets", serde_json::json!(self.secrets)),
             ("created_at", self.created_at.into()),
+        ]
+    }
+    /// The context `snapshot_delete` acts on and the variable's CreateIndex, as a volume's
+    /// delete binds them: a saved `deleting` record written back later (a new CreateIndex)
+    /// or with another context does not verify.
+    fn delete_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
+        vec![
+            ("context", self.context.clone()),
+            ("create_index", self.create_index.into()),
         ]
     }
     fn signatures(&self) -> (&str, &str) {
@@ -133,6 +147,7 @@ impl SnapshotRecord {
             signature: String::new(),
             delete_signature: String::new(),
             modify_index: 0,
+            create_index: 0,
         }
     }
 
@@ -204,6 +219,7 @@ impl SnapshotRecord {
             signature: item("signature"),
             delete_signature: item("delete_signature"),
             modify_index: var.modify_index,
+            create_index: var.create_index,
         })
     }
 }
@@ -817,6 +833,38 @@ mod tests {
         assert!(admit(&stored(&snap), &trust).is_err());
         key.sign_delete(&mut snap);
         assert!(admit(&stored(&snap), &trust).is_ok());
+    }
+
+    /// Issue 44 §11: a delete signature binds the exact snapshot record (its context and its
+    /// variable's CreateIndex), as a volume's does: the operator's signed delete of one
+    /// record of an ID, written back with another context or as a record made again later
+    /// under that ID, is refused.
+    #[test]
+    fn a_snapshot_delete_signature_binds_the_exact_record() {
+        let (key, trust) = keys();
+        let vol = volume();
+        let mut snap = SnapshotRecord::new(&vol, "", 1);
+        key.sign(&mut snap);
+        snap.state = VolumeState::Deleting;
+        snap.context = serde_json::json!({"snapshot_path": "/srv/exports/default/.snapshots/a"});
+        let stored_at = |s: &SnapshotRecord, create_index: u64| {
+            let mut var = stored(s);
+            var.create_index = create_index;
+            var
+        };
+        snap.create_index = 7;
+        key.sign_delete(&mut snap);
+        assert!(admit(&stored_at(&snap, 7), &trust).is_ok());
+        // The same signed delete with another context: refused.
+        let mut other_context = snap.clone();
+        other_context.context =
+            serde_json::json!({"snapshot_path": "/srv/exports/default/.snapshots/b"});
+        let e = admit(&stored_at(&other_context, 7), &trust)
+            .unwrap_err()
+            .message;
+        assert!(e.contains("delete signature"), "{e}");
+        // The same signed record written again later (a new CreateIndex): refused.
+        assert!(admit(&stored_at(&snap, 90), &trust).is_err());
     }
 
     #[test]

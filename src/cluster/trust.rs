@@ -222,7 +222,7 @@ pub fn signed_payload(rec: &impl Signed) -> Vec<u8> {
 }
 
 /// The signed bytes of a delete request for a record: `{"v":1,"op":"delete","namespace",
-/// "path","id",<delete fields>}` (a volume's: `context` and `create_index`).
+/// "path","id",<delete fields>}` (a volume's and a snapshot's: `context` and `create_index`).
 pub fn delete_payload(rec: &impl Signed) -> Vec<u8> {
     let mut m = placed(rec, Some("delete"));
     for (k, v) in rec.delete_fields() {

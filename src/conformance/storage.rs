@@ -53,7 +53,7 @@ pub(super) fn capabilities_rule(kit: &mut Kit, fp: &serde_json::Value) {
     }
 }
 
-fn has(kit: &Kit, cap: Capability) -> bool {
+pub(super) fn has(kit: &Kit, cap: Capability) -> bool {
     kit.capabilities.iter().any(|c| c == cap.as_str())
 }
 

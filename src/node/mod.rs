@@ -18,6 +18,8 @@
 //!   about to end);
 //! - [`beneath`]: paths beneath a storage root, resolved once with no symlink followed and
 //!   used by handle (bind mounts, removals, directories, renames for `dhv-binder helper`);
+//! - [`copy`]: a directory tree copied by handle, every entry opened relative to its
+//!   directory's handle with no symlink followed (`dhv-binder helper copy`);
 //! - [`helpers`]: the per-volume cgroups plugins' long-lived helpers run in, outside the
 //!   daemon's own cgroup;
 //! - `freeze`: thawing a filesystem a snapshot call left frozen;
@@ -27,6 +29,7 @@
 
 pub mod beneath;
 pub mod clock;
+pub mod copy;
 pub(crate) mod fence;
 pub(crate) mod freeze;
 pub(crate) mod guard;
