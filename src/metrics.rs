@@ -120,6 +120,38 @@ struct ReasonLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    call: &'static str,
+}
+
+/// `dhv_binder_nomad_retries_total{call}`: the failures of each loop that retries a call to
+/// Nomad after a backoff ([`crate::retry::Call`], counted by [`crate::retry::FailureLog`]),
+/// read at each scrape.
+#[derive(Debug)]
+struct NomadRetriesCollector;
+
+impl prometheus_client::collector::Collector for NomadRetriesCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        let mut family = encoder.encode_descriptor(
+            "nomad_retries",
+            "Failed calls to Nomad that a loop tries again after a backoff, by call (agent_self, allocation_watch, record_watch, change_marker, node_record, placeholder_list, placeholder_change, allocation_restart)",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for call in crate::retry::Call::ALL {
+            let labels = CallLabels { call: call.name() };
+            ConstCounter::new(call.retries()).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FaultLabels {
     fault: String,
 }
@@ -577,6 +609,7 @@ impl Metrics {
             "Volumes a freezing storage operation of this node (a snapshot_create given the mount) may hold frozen now, and volumes whose thaw afterwards failed; their tasks' writes wait while frozen",
             volumes_frozen.clone(),
         );
+        r.register_collector(Box::new(NomadRetriesCollector));
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
@@ -1037,7 +1070,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 29] = [
+    const EXPORTED: [&str; 30] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
@@ -1067,6 +1100,7 @@ mod tests {
         "dhv_binder_heap_allocated_bytes",
         "dhv_binder_heap_resident_bytes",
         "dhv_binder_build_info",
+        "dhv_binder_nomad_retries_total",
     ];
 
     /// The process's own series (the standard, unprefixed names).
@@ -1314,6 +1348,17 @@ mod tests {
         has("dhv_binder_allocations 7");
         has("dhv_binder_plugin_up{plugin=\"bind\",deferred=\"true\"} 1");
         has("dhv_binder_plugin_up{plugin=\"nfs\",deferred=\"unknown\"} 0");
+        // Every loop that retries a call to Nomad has its counter (issue 45 #2).
+        for call in crate::retry::Call::ALL {
+            let prefix = format!(
+                "dhv_binder_nomad_retries_total{{call=\"{}\"}} ",
+                call.name()
+            );
+            assert!(
+                after.lines().any(|l| l.starts_with(&prefix)),
+                "{prefix}missing:\n{after}"
+            );
+        }
         // A scraper that does not ask for OpenMetrics gets the classic text format.
         let r = reqwest::get(format!("http://{addr}/metrics"))
             .await
@@ -1459,6 +1504,7 @@ mod tests {
                             "deferred",
                             "reason",
                             "version",
+                            "call",
                             "le"
                         ]
                         .contains(&key),

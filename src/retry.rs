@@ -1,10 +1,134 @@
 //! Retry timing: exponential backoff with jitter, and one table of retry deadlines keyed by
 //! what is retried. Pure: the clock is an [`Instant`] the caller passes in, and the jitter
 //! comes from a seeded generator, so tests are deterministic.
+//!
+//! Every loop that calls Nomad and tries a failed call again names itself with a [`Call`]
+//! and keeps a [`FailureLog`]: its failures are counted (`dhv_binder_nomad_retries_total`,
+//! [`Call::retries`]) and a run of them is logged at most once per [`LOG_EVERY`], with how
+//! many failures the line stands for.
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// The loops that call Nomad and retry a failed call after a backoff (docs/operations.md,
+/// "Retries against Nomad"). Each failure is counted in
+/// `dhv_binder_nomad_retries_total{call="<name>"}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Call {
+    /// Waiting for the local Nomad agent at start (`GET /v1/agent/self`).
+    AgentSelf,
+    /// The allocation watch (this node's allocation list, or the event stream).
+    AllocationWatch,
+    /// The volume and snapshot record watches (`GET /v1/vars`, `GET /v1/var/:path`).
+    RecordWatch,
+    /// The record change marker's blocking read (`dhv-binder/records-changed`).
+    ChangeMarker,
+    /// This node's record (`PUT /v1/var/dhv-binder/nodes/<node-id>`).
+    NodeRecord,
+    /// The listing of this node's placeholder host volumes (`GET /v1/volumes?type=host`,
+    /// `GET /v1/volume/host/:id`).
+    PlaceholderList,
+    /// Registering or deregistering a placeholder host volume.
+    PlaceholderChange,
+    /// Restarting an allocation onto a republished mount
+    /// (`PUT /v1/client/allocation/:id/restart`).
+    AllocationRestart,
+}
+
+const CALLS: usize = 8;
+static RETRIES: [AtomicU64; CALLS] = [const { AtomicU64::new(0) }; CALLS];
+
+impl Call {
+    /// Every call, in metric order.
+    pub const ALL: [Call; CALLS] = [
+        Call::AgentSelf,
+        Call::AllocationWatch,
+        Call::RecordWatch,
+        Call::ChangeMarker,
+        Call::NodeRecord,
+        Call::PlaceholderList,
+        Call::PlaceholderChange,
+        Call::AllocationRestart,
+    ];
+
+    /// The metric's `call` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Call::AgentSelf => "agent_self",
+            Call::AllocationWatch => "allocation_watch",
+            Call::RecordWatch => "record_watch",
+            Call::ChangeMarker => "change_marker",
+            Call::NodeRecord => "node_record",
+            Call::PlaceholderList => "placeholder_list",
+            Call::PlaceholderChange => "placeholder_change",
+            Call::AllocationRestart => "allocation_restart",
+        }
+    }
+
+    /// Failures of this call counted in this process so far.
+    pub fn retries(self) -> u64 {
+        RETRIES[self as usize].load(Ordering::Relaxed)
+    }
+
+    /// Counts one failure of this call.
+    pub fn count(self) {
+        RETRIES[self as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// How often a run of failures of one call is logged, at most.
+pub const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The log lines of a run of failures of one [`Call`]: the first failure is logged at once,
+/// later ones at most once per `every`, each line standing for the failures since the one
+/// before; every failure is counted ([`Call::count`]). Pure: the clock is passed in.
+#[derive(Debug, Clone)]
+pub struct FailureLog {
+    call: Call,
+    every: Duration,
+    last: Option<Instant>,
+    unlogged: u64,
+    run: u64,
+}
+
+impl FailureLog {
+    /// A log of `call`'s failures, one line per `every` at most.
+    pub fn new(call: Call, every: Duration) -> Self {
+        Self {
+            call,
+            every,
+            last: None,
+            unlogged: 0,
+            run: 0,
+        }
+    }
+
+    /// A failure at `now`: counted; `Some(n)` when a line is due, `n` the failures it stands
+    /// for (this one included), `None` when it is left to a later line.
+    pub fn failed(&mut self, now: Instant) -> Option<u64> {
+        self.call.count();
+        self.run += 1;
+        self.unlogged += 1;
+        let due = self
+            .last
+            .is_none_or(|t| now.saturating_duration_since(t) >= self.every);
+        if !due {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
+
+    /// A success: the run is over. Returns how many failures it had (0: none), for a
+    /// "recovered" line; the next failure is logged at once.
+    pub fn succeeded(&mut self) -> u64 {
+        self.last = None;
+        self.unlogged = 0;
+        std::mem::take(&mut self.run)
+    }
+}
 
 /// How long to wait after failures: `base * 2^attempt`, capped at `cap`, then ±20 % jitter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +248,22 @@ mod tests {
         );
         r.succeeded(&"a");
         assert!(r.ready(&"a", t0));
+    }
+
+    /// Issue 45 #2: a run of failures is logged once per interval, each line with the count
+    /// it stands for, and every failure is counted; a success starts afresh.
+    #[test]
+    fn a_run_of_failures_is_logged_once_per_interval_with_its_count() {
+        let t0 = Instant::now();
+        let before = Call::AgentSelf.retries();
+        let mut log = FailureLog::new(Call::AgentSelf, Duration::from_secs(60));
+        let lines: Vec<(u64, u64)> = (0..120u64)
+            .filter_map(|s| log.failed(t0 + Duration::from_secs(s)).map(|n| (s, n)))
+            .collect();
+        assert_eq!(lines, vec![(0, 1), (60, 60)]);
+        assert!(Call::AgentSelf.retries() >= before + 120);
+        assert_eq!(log.succeeded(), 120);
+        assert_eq!(log.failed(t0 + Duration::from_secs(121)), Some(1));
     }
 
     #[test]

@@ -351,3 +351,114 @@ async fn the_daemon_works_with_the_narrowed_policy() {
         r.text().await.unwrap_or_default()
     );
 }
+
+/// Issue 45 #1: with ACLs on, the daemon's documented policy (host-volume-read in the
+/// namespaces it serves only) and another team's ordinary host volume on the node (namespace
+/// `team-b`, registered by an administrator), the deferred volume still gets its
+/// placeholder. Nomad lists every namespace's host volumes to the daemon's token
+/// (`nomad/host_volume_endpoint.go` `HostVolume.List` checks the request's namespace `*`)
+/// and refuses the foreign one by ID (403); the agent read every listed volume of its node
+/// by ID and failed the whole listing on that 403, so no placeholder was ever registered
+/// (and the listing was retried at every tick).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_namespaces_host_volume_does_not_stop_the_placeholders() {
+    let acl = format!("acl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\n");
+    let mut c = Cluster::start_with(1, &acl, &[("NOMAD_TOKEN", ROOT)]).await;
+    let rules = std::fs::read_to_string(repo().join("jobspecs/dhv-binder-policy.hcl")).unwrap();
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/acl/policy/dhv-binder",
+        Some(json!({"Name": "dhv-binder", "Rules": rules})),
+    )
+    .await;
+    let tok = req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/acl/token",
+        Some(json!({"Name": "binder", "Type": "client", "Policies": ["dhv-binder"]})),
+    )
+    .await;
+    let secret = tok["SecretID"].as_str().unwrap().to_string();
+    // Another team's namespace, with an ordinary host volume on the node.
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/namespace/team-b",
+        Some(json!({"Name": "team-b"})),
+    )
+    .await;
+    let dir = c.sb.join("team-b-scratch");
+    std::fs::create_dir_all(&dir).unwrap();
+    req(
+        &c,
+        reqwest::Method::PUT,
+        "/v1/volume/host/register",
+        Some(json!({"Volume": {"Name": "scratch", "Namespace": "team-b",
+            "NodeID": c.nodes[0].id, "HostPath": dir}})),
+    )
+    .await;
+    // The agent runs with the policy's token.
+    c.kill_agent(0, nix::sys::signal::Signal::SIGKILL);
+    c.agent_env.retain(|(k, _)| k != "NOMAD_TOKEN");
+    c.agent_env.push(("NOMAD_TOKEN".into(), secret.clone()));
+    req(
+        &c,
+        reqwest::Method::DELETE,
+        &format!(
+            "/v1/var/dhv-binder/nodes/{}?namespace=default",
+            c.nodes[0].id
+        ),
+        None,
+    )
+    .await;
+    c.start_agent(0);
+    c.wait_plugin("bind").await;
+    let spec = c.sb.join("v.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"shared-data\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n  uid = \"65534\"\n  gid = \"65534\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = cli(&c, ROOT, &["volume", "create", spec.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let vols = req(
+            &c,
+            reqwest::Method::GET,
+            "/v1/volumes?type=host&namespace=*",
+            None,
+        )
+        .await;
+        let registered = vols.as_array().unwrap().iter().any(|v| {
+            v["Name"] == "shared-data" && v["Namespace"] == "default" && v["State"] == "ready"
+        });
+        if registered {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no placeholder after 30 s: {vols}\n{}",
+            std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap_or_default();
+    assert!(
+        !log.contains("cannot list this node's placeholder host volumes"),
+        "{log}"
+    );
+    // Team-b's volume is left alone.
+    let vols = req(
+        &c,
+        reqwest::Method::GET,
+        "/v1/volumes?type=host&namespace=team-b",
+        None,
+    )
+    .await;
+    assert_eq!(vols.as_array().map(Vec::len), Some(1), "{vols}");
+}

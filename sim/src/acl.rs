@@ -24,6 +24,13 @@ pub enum Need<'a> {
     Management,
     /// Namespace capability (namespace, capability); namespace `*` = every existing namespace.
     Namespace(&'a str, &'a str),
+    /// A namespace capability asked of the wildcard namespace `*` as Nomad's
+    /// `acl/acl.go` `AllowNamespaceOperation` answers it: granted when **any** namespace rule
+    /// of the token's policies (exact or glob, merged per name, `deny` winning) grants it,
+    /// whichever namespaces exist (`anyNamespaceAllowsOp`). `nomad/host_volume_endpoint.go`
+    /// `HostVolume.List` checks only this for `namespace=*`, and then filters nothing by
+    /// namespace.
+    AnyNamespace(&'a str),
     /// Variable capability (namespace, path, read|write|list|destroy).
     Variable(&'a str, &'a str, &'a str),
 }
@@ -122,6 +129,29 @@ fn ns_allows(pols: &[ParsedPolicy], ns: &str, cap: &str) -> bool {
         .any(|r| r.capabilities.iter().any(|c| c == cap))
 }
 
+/// Nomad's `anyNamespaceAllowsOp` (`acl/acl.go`): the rules of one namespace name are merged
+/// across policies (`NewACL`: `deny` clears the set), and the capability is granted when
+/// any name's merged set holds it.
+fn any_ns_allows(pols: &[ParsedPolicy], cap: &str) -> bool {
+    let names: std::collections::BTreeSet<&str> = pols
+        .iter()
+        .flat_map(|p| p.namespaces.iter().map(|(n, _)| n.as_str()))
+        .collect();
+    names.into_iter().any(|name| {
+        let rules: Vec<&NamespaceRule> = pols
+            .iter()
+            .flat_map(|p| p.namespaces.iter().filter(|(n, _)| n == name))
+            .map(|(_, r)| r)
+            .collect();
+        !rules
+            .iter()
+            .any(|r| r.capabilities.iter().any(|c| c == "deny"))
+            && rules
+                .iter()
+                .any(|r| r.capabilities.iter().any(|c| c == cap))
+    })
+}
+
 fn var_allows(pols: &[ParsedPolicy], ns: &str, path: &str, op: &str) -> bool {
     let mut best: Option<(&str, &Vec<String>)> = None;
     for r in pols.iter().filter_map(|p| ns_rule(p, ns)) {
@@ -188,6 +218,7 @@ impl Caller {
                 namespaces.iter().all(|ns| ns_allows(pols, ns, cap))
             }
             Need::Namespace(ns, cap) => ns_allows(pols, ns, cap),
+            Need::AnyNamespace(cap) => any_ns_allows(pols, cap),
             Need::Variable(ns, path, op) => {
                 let implicit = wi.as_ref().is_some_and(|(wns, job, group, task)| {
                     wns == ns

@@ -258,3 +258,67 @@ async fn a_variables_list_resolves_its_token_before_it_blocks() {
     .await
     .expect("test timed out");
 }
+
+/// Issue 45 #1: `GET /v1/volumes?type=host&namespace=*` answers as Nomad's
+/// `nomad/host_volume_endpoint.go` `HostVolume.List`: the selector checks the request's
+/// namespace (`*`), which `acl/acl.go` `AllowNamespaceOperation` allows when any namespace
+/// grants `host-volume-read`, so a token with it in `default` only is shown every
+/// namespace's volumes (a foreign one is then 403 by ID, `HostVolume.Get`); a namespace the
+/// token may not read, or `*` for a token with the capability nowhere, lists nothing (200
+/// `[]`, never 403). The simulator used to refuse the whole `*` list with 403 as soon as one
+/// existing namespace lacked the capability.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_volume_list_of_every_namespace_checks_the_wildcard_only() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim = Sim::start(&format!("acl {{\n  enabled = true\n  bootstrap_token = \"{ROOT}\"\n}}\nclient \"node-1\" {{}}\n")).await;
+        let root = Some(ROOT);
+        let n1 = sim.node_id("node-1");
+        let (s, _, b) = sim.req_tok(Method::PUT, "/v1/namespace/team-b", Some(json!({"Name": "team-b"})), root).await;
+        assert_eq!(s, 200, "{b}");
+        let mut ids = Vec::new();
+        for ns in ["default", "team-b"] {
+            let path = sim.path().join(format!("vol-{ns}"));
+            std::fs::create_dir_all(&path).unwrap();
+            let (s, _, b) = sim
+                .req_tok(Method::PUT, "/v1/volume/host/register", Some(json!({"Volume": {"Namespace": ns, "Name": format!("data-{ns}"), "NodeID": n1, "HostPath": path}})), root)
+                .await;
+            assert_eq!(s, 200, "{b}");
+            let v: Value = serde_json::from_str(&b).unwrap();
+            ids.push(v["Volume"]["ID"].as_str().unwrap().to_string());
+        }
+        let token_of = |name: &'static str, rules: &'static str| {
+            let sim = &sim;
+            async move {
+                let (s, _, b) = sim.req_tok(Method::PUT, &format!("/v1/acl/policy/{name}"), Some(json!({"Name": name, "Rules": rules})), root).await;
+                assert_eq!(s, 200, "{b}");
+                let (_, _, b) = sim.req_tok(Method::PUT, "/v1/acl/token", Some(json!({"Name": name, "Type": "client", "Policies": [name]})), root).await;
+                serde_json::from_str::<Value>(&b).unwrap()["SecretID"].as_str().unwrap().to_string()
+            }
+        };
+        let reader = token_of("default-reader", "namespace \"default\" {\n  capabilities = [\"host-volume-read\"]\n}\n").await;
+        let nobody = token_of("jobs-only", "namespace \"default\" {\n  capabilities = [\"read-job\"]\n}\n").await;
+        let names = |b: &str| -> Vec<String> {
+            let l: Value = serde_json::from_str(b).unwrap();
+            let mut v: Vec<String> = l.as_array().unwrap().iter().map(|v| v["Namespace"].as_str().unwrap().to_string()).collect();
+            v.sort();
+            v
+        };
+        let (s, _, b) = sim.req_tok(Method::GET, "/v1/volumes?type=host&namespace=*", None, Some(&reader)).await;
+        assert_eq!(s, 200, "{b}");
+        assert_eq!(names(&b), ["default", "team-b"], "every namespace's volumes: {b}");
+        let (s, _, b) = sim.req_tok(Method::GET, &format!("/v1/volumes?type=host&namespace=*&node_id={n1}"), None, Some(&reader)).await;
+        assert_eq!((s, names(&b)), (200, vec!["default".to_string(), "team-b".to_string()]), "{b}");
+        let (s, _, b) = sim.req_tok(Method::GET, "/v1/volumes?type=host&namespace=team-b", None, Some(&reader)).await;
+        assert_eq!((s, b.trim()), (200, "[]"), "a namespace the token may not read lists nothing");
+        let (s, _, b) = sim.req_tok(Method::GET, &format!("/v1/volume/host/{}?namespace=team-b", ids[1]), None, Some(&reader)).await;
+        assert_eq!((s, b.as_str()), (403, "Permission denied"), "the foreign volume by ID");
+        let (s, _, b) = sim.req_tok(Method::GET, &format!("/v1/volume/host/{}?namespace=default", ids[0]), None, Some(&reader)).await;
+        assert_eq!(s, 200, "{b}");
+        let (s, _, b) = sim.req_tok(Method::GET, "/v1/volumes?type=host&namespace=*", None, Some(&nobody)).await;
+        assert_eq!((s, b.trim()), (200, "[]"), "no namespace grants host-volume-read");
+        let (s, _, b) = sim.req_tok(Method::GET, "/v1/volumes?type=host&namespace=*", None, Some("0b1d2a3c-0000-4000-8000-0000000000ff")).await;
+        assert_eq!((s, b.as_str()), (403, "Permission denied"), "an unknown token");
+    })
+    .await
+    .expect("test timed out");
+}

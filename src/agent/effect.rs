@@ -38,8 +38,11 @@ pub(crate) enum Effect {
     Delete(Box<VolumeRecord>),
     /// A snapshot or expansion step (agent/storage_ops.rs decides, taken by check-and-set).
     Storage(crate::agent::executor::storage::StorageOp),
-    /// Nomad: list this node's placeholder host volumes.
-    ListPlaceholders,
+    /// Nomad: list this node's placeholder host volumes, reading only those of
+    /// `namespaces` (the namespaces this node serves volumes or knows placeholders in).
+    ListPlaceholders {
+        namespaces: std::collections::BTreeSet<String>,
+    },
     /// Nomad: register the placeholder host volume of `volume` at `target`; `id` set
     /// registers an existing (unavailable) one again.
     RegisterPlaceholder {

@@ -15,7 +15,7 @@ use crate::agent::effect::Effect;
 use crate::agent::executor::{ListedPlaceholder, PlaceholderError};
 use crate::agent::retry::{Work, STEP_RETRY};
 use crate::nomad::NomadError;
-use crate::retry::Retries;
+use crate::retry::{Call, FailureLog, Retries, LOG_EVERY};
 use crate::volume::{VolumeKey, VolumeRecord};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 pub(crate) const RELIST: Duration = Duration::from_secs(60);
 
 /// This node's placeholders (volume → host volume ID) and the calls in flight.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Placeholders {
     ids: BTreeMap<VolumeKey, String>,
     /// Placeholders Nomad reports `unavailable`: registered again with their ID.
@@ -33,10 +33,33 @@ pub(crate) struct Placeholders {
     loaded: bool,
     listing: bool,
     listed_at: Option<Instant>,
+    /// The namespaces the listing in flight reads, and those the last good one read.
+    asked: BTreeSet<String>,
+    covered: BTreeSet<String>,
     busy: BTreeSet<VolumeKey>,
     /// Volumes whose registration finished while a listing was in flight: that listing
     /// may predate it and says nothing about them.
     touched: BTreeSet<VolumeKey>,
+    list_log: FailureLog,
+    change_log: FailureLog,
+}
+
+impl Default for Placeholders {
+    fn default() -> Self {
+        Self {
+            ids: BTreeMap::new(),
+            unavailable: BTreeSet::new(),
+            loaded: false,
+            listing: false,
+            listed_at: None,
+            asked: BTreeSet::new(),
+            covered: BTreeSet::new(),
+            busy: BTreeSet::new(),
+            touched: BTreeSet::new(),
+            list_log: FailureLog::new(Call::PlaceholderList, LOG_EVERY),
+            change_log: FailureLog::new(Call::PlaceholderChange, LOG_EVERY),
+        }
+    }
 }
 
 impl Placeholders {
@@ -49,29 +72,53 @@ impl Placeholders {
         self.ids.contains_key(volume)
     }
 
-    /// A listing of this node's placeholders: when none is known yet, or the last one is
-    /// [`RELIST`] old; never two at once.
-    pub(crate) fn list(&mut self, now: Instant) -> Option<Effect> {
+    /// The namespaces of the placeholders known: a listing keeps reading them (a stale one
+    /// whose record went is found and deregistered).
+    pub(crate) fn namespaces(&self) -> impl Iterator<Item = &String> + '_ {
+        self.ids.keys().map(|k| &k.namespace)
+    }
+
+    /// A listing of this node's placeholders in `namespaces`: when none is known yet, the
+    /// last one is [`RELIST`] old, or a namespace is not covered yet; never two at once, and
+    /// after a failure not before its backoff.
+    pub(crate) fn list(
+        &mut self,
+        now: Instant,
+        namespaces: BTreeSet<String>,
+        retries: &Retries<Work>,
+    ) -> Option<Effect> {
         let due = !self.loaded
+            || !namespaces.is_subset(&self.covered)
             || self
                 .listed_at
                 .is_none_or(|t| now.saturating_duration_since(t) >= RELIST);
-        if self.listing || !due {
+        if self.listing || !due || !retries.ready(&Work::PlaceholderList, now) {
             return None;
         }
         self.listing = true;
         self.touched.clear();
-        Some(Effect::ListPlaceholders)
+        self.asked = namespaces.clone();
+        Some(Effect::ListPlaceholders { namespaces })
     }
 
     pub(crate) fn on_listed(
         &mut self,
         result: Result<BTreeMap<VolumeKey, ListedPlaceholder>, NomadError>,
+        retries: &mut Retries<Work>,
         now: Instant,
     ) {
         self.listing = false;
         match result {
             Ok(mut map) => {
+                retries.succeeded(&Work::PlaceholderList);
+                let failures = self.list_log.succeeded();
+                if failures > 0 {
+                    tracing::info!(
+                        failures,
+                        "this node's placeholder host volumes are listed again"
+                    );
+                }
+                self.covered = std::mem::take(&mut self.asked);
                 // Volumes with a call in flight or finished since the listing started keep
                 // what we know of them.
                 for key in self.busy.iter().chain(&self.touched) {
@@ -101,9 +148,9 @@ impl Placeholders {
                 self.listed_at = Some(now);
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot list this node's placeholder host volumes; retrying");
-                if self.loaded {
-                    self.listed_at = Some(now);
+                let at = retries.failed(&Work::PlaceholderList, STEP_RETRY, now);
+                if let Some(failures) = self.list_log.failed(now) {
+                    tracing::warn!(error = %e, failures, retry_in = ?at.saturating_duration_since(now), "cannot list this node's placeholder host volumes; retrying after a backoff (logged at most once a minute)");
                 }
             }
         }
@@ -125,7 +172,10 @@ impl Placeholders {
             let work = Work::Placeholder(key.clone());
             let known = self.ids.get(key);
             let again = known.is_some() && self.unavailable.contains(key);
-            if (known.is_some() && !again) || self.busy.contains(key) || !retries.ready(&work, now)
+            if (known.is_some() && !again)
+                || self.busy.contains(key)
+                || !retries.ready(&work, now)
+                || !self.covered.contains(&key.namespace)
             {
                 continue;
             }
@@ -183,8 +233,10 @@ impl Placeholders {
                 self.ids.remove(&volume);
             }
             Err(e) => {
-                tracing::warn!(%volume, error = %e, "placeholder host volume change failed; will retry");
                 retries.failed(&work, STEP_RETRY, now);
+                if let Some(failures) = self.change_log.failed(now) {
+                    tracing::warn!(%volume, error = %e, failures, "placeholder host volume change failed; retrying after a backoff (logged at most once a minute, failures of every volume counted)");
+                }
             }
         }
     }
@@ -200,6 +252,10 @@ mod tests {
             id: id.into(),
             available,
         }
+    }
+
+    fn ns() -> BTreeSet<String> {
+        BTreeSet::from(["default".to_string()])
     }
 
     fn registrations(e: &[Effect]) -> Vec<(String, Option<String>)> {
@@ -219,7 +275,7 @@ mod tests {
     #[test]
     fn relisting_repairs_a_vanished_or_unavailable_placeholder() {
         let t = Instant::now();
-        let retries = Retries::new(1);
+        let mut retries = Retries::new(1);
         let (d, e) = (
             volume("d", "single-node-writer"),
             volume("e", "single-node-writer"),
@@ -229,21 +285,32 @@ mod tests {
             (e.key(), (&e, PathBuf::from("/m/default/e"))),
         ]);
         let mut p = Placeholders::default();
-        assert!(matches!(p.list(t), Some(Effect::ListPlaceholders)));
-        assert!(p.list(t).is_none(), "one listing at a time");
+        assert!(matches!(
+            p.list(t, ns(), &retries),
+            Some(Effect::ListPlaceholders { .. })
+        ));
+        assert!(p.list(t, ns(), &retries).is_none(), "one listing at a time");
         p.on_listed(
             Ok(BTreeMap::from([
                 (d.key(), listed("hv-d", true)),
                 (e.key(), listed("hv-e", true)),
             ])),
+            &mut retries,
             t,
         );
         assert!(registrations(&p.drive(&want, &retries, t)).is_empty());
-        assert!(p.list(t + RELIST / 2).is_none(), "not yet due");
+        assert!(
+            p.list(t + RELIST / 2, ns(), &retries).is_none(),
+            "not yet due"
+        );
         let t = t + RELIST;
-        assert!(p.list(t).is_some(), "due again");
+        assert!(p.list(t, ns(), &retries).is_some(), "due again");
         // "d" was deregistered by hand; "e" is unavailable.
-        p.on_listed(Ok(BTreeMap::from([(e.key(), listed("hv-e", false))])), t);
+        p.on_listed(
+            Ok(BTreeMap::from([(e.key(), listed("hv-e", false))])),
+            &mut retries,
+            t,
+        );
         assert_eq!(
             registrations(&p.drive(&want, &retries, t)),
             vec![
@@ -262,14 +329,66 @@ mod tests {
         let d = volume("d", "single-node-writer");
         let want = BTreeMap::from([(d.key(), (&d, PathBuf::from("/m/default/d")))]);
         let mut p = Placeholders::default();
-        p.list(t);
-        p.on_listed(Ok(BTreeMap::new()), t);
+        p.list(t, ns(), &retries);
+        p.on_listed(Ok(BTreeMap::new()), &mut retries, t);
         assert_eq!(registrations(&p.drive(&want, &retries, t)).len(), 1);
         let t = t + RELIST;
-        assert!(p.list(t).is_some());
+        assert!(p.list(t, ns(), &retries).is_some());
         p.on_done(d.key(), Ok(Some("hv-d".into())), &mut retries, t);
-        p.on_listed(Ok(BTreeMap::new()), t);
+        p.on_listed(Ok(BTreeMap::new()), &mut retries, t);
         assert_eq!(p.id(&d.key()).map(String::as_str), Some("hv-d"));
         assert!(registrations(&p.drive(&want, &retries, t)).is_empty());
+    }
+
+    /// Issue 45 #1: a volume of a namespace no listing has read yet (a record in a new
+    /// namespace) is registered only after a listing of that namespace, which the new
+    /// namespace makes due at once.
+    #[test]
+    fn a_new_namespace_is_listed_before_its_placeholders_are_registered() {
+        let t = Instant::now();
+        let mut retries = Retries::new(1);
+        let mut p = Placeholders::default();
+        p.list(t, ns(), &retries);
+        p.on_listed(Ok(BTreeMap::new()), &mut retries, t);
+        let mut d = volume("d", "single-node-writer");
+        d.spec.namespace = "team-b".into();
+        let want = BTreeMap::from([(d.key(), (&d, PathBuf::from("/m/team-b/d")))]);
+        assert!(registrations(&p.drive(&want, &retries, t)).is_empty());
+        let both = BTreeSet::from(["default".to_string(), "team-b".to_string()]);
+        match p.list(t, both.clone(), &retries) {
+            Some(Effect::ListPlaceholders { namespaces }) => assert_eq!(namespaces, both),
+            other => panic!("a listing of the new namespace is due at once: {other:?}"),
+        }
+        p.on_listed(Ok(BTreeMap::new()), &mut retries, t);
+        assert_eq!(registrations(&p.drive(&want, &retries, t)).len(), 1);
+    }
+
+    /// Issue 45 #2: a listing that fails is tried again after a growing backoff, not at
+    /// every pass: over 60 s of passes every 100 ms, a handful of listings (1 s doubling,
+    /// ±20 %: at about 0, 1, 3, 7, 15, 31 s) instead of one per pass. The code before listed
+    /// again at every pass until one succeeded (600 here).
+    #[test]
+    fn a_failing_listing_backs_off() {
+        let t0 = Instant::now();
+        let mut retries = Retries::new(1);
+        let mut p = Placeholders::default();
+        let mut at = Vec::new();
+        for i in 0..600u64 {
+            let t = t0 + Duration::from_millis(100 * i);
+            if p.list(t, ns(), &retries).is_some() {
+                at.push(t - t0);
+                p.on_listed(
+                    Err(NomadError::NoLeader {
+                        what: "list host volumes".into(),
+                    }),
+                    &mut retries,
+                    t,
+                );
+            }
+        }
+        assert!((5..=7).contains(&at.len()), "listings at {at:?}");
+        for w in at.windows(3) {
+            assert!(w[2] - w[1] > w[1] - w[0], "the waits grow: {at:?}");
+        }
     }
 }

@@ -14,6 +14,8 @@ pub(crate) enum Work {
     Mount(VolumeKey),
     /// Registering or deregistering the volume's placeholder host volume.
     Placeholder(VolumeKey),
+    /// Listing this node's placeholder host volumes (agent/placeholders.rs).
+    PlaceholderList,
     /// Creating or deleting the volume.
     Worker(VolumeKey),
     /// Taking the volume's single-node claim.
@@ -22,7 +24,7 @@ pub(crate) enum Work {
     Storage(crate::cluster::worker::OpKey),
 }
 
-/// Plugin calls, placeholders, create/delete: 1 s doubling to 60 s.
+/// Plugin calls, placeholders (their listing too), create/delete: 1 s doubling to 60 s.
 pub(crate) const STEP_RETRY: Policy = Policy {
     base: Duration::from_secs(1),
     cap: Duration::from_secs(60),

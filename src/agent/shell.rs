@@ -342,10 +342,11 @@ impl Shell {
                 Called::Other(executor::storage::perform(client, runner, node, op).await)
             }),
             Effect::Delete(rec) => self.plugin_call(executor::delete(client, runner, node, *rec)),
-            Effect::ListPlaceholders => self.call(executor::list_placeholders(
+            Effect::ListPlaceholders { namespaces } => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),
                 self.guard.clone(),
+                namespaces,
             )),
             Effect::RegisterPlaceholder { volume, target, id } => {
                 self.call(executor::register_placeholder(
@@ -1299,5 +1300,134 @@ mod tests {
             "the 200 ms ticks before the retry passed without it ({turns_between} turns)"
         );
         drain(&mut s).await;
+    }
+
+    /// A writer of log lines into a shared buffer (the test's own subscriber).
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Issue 45 #2: the loop (shell and core) against a Nomad that cannot be reached
+    /// (`127.0.0.1:1`), for 60 s of tokio's paused clock with a 200 ms tick: the placeholder
+    /// listing, which fails each time, is sent again after a growing backoff (1 s doubling,
+    /// ±20 %), and its failure is logged at most once a minute with a count. The code before
+    /// listed again at every tick and logged every failure: 301 listings and 301 WARN lines
+    /// in 60 s here (364 lines a minute on the issue's cluster).
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
+        use crate::agent::reconcile::tests::{key, volume};
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _log = tracing::subscriber::set_default(subscriber);
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut s, journal) = shell(dir.path());
+        let now = || tokio::time::Instant::now().into_std();
+        let mut core = Core::new(
+            Settings {
+                node: s.node.clone(),
+                mount_root: s.cfg.mount_root(),
+                plugin_rescan: Duration::from_secs(600),
+                claims: s.claims,
+                health_interval: Duration::from_secs(10),
+                seed: 1,
+            },
+            journal,
+            now(),
+        );
+        let (_watch, watch) = mpsc::channel(1);
+        let (_catalogue, catalogue) = mpsc::channel(1);
+        let (_snapshots, snapshots) = mpsc::channel(1);
+        let (_api, api) = mpsc::channel(1);
+        let (_plugins, plugins) = mpsc::channel(1);
+        let every = Duration::from_millis(200);
+        let mut src = Sources {
+            watch,
+            catalogue,
+            snapshots,
+            api,
+            plugins,
+            tick: ticker(every),
+            every,
+        };
+        let fingerprinted = || {
+            let fp = crate::storage::plugin::Fingerprint {
+                version: "1".into(),
+                deferred_bind: true,
+                capabilities: Vec::new(),
+            };
+            Input::Done(Completion::Plugins(
+                [("bind".to_string(), Ok(fp))].into_iter().collect(),
+            ))
+        };
+        let mut next = vec![
+            Input::MountTable(MountTable::default()),
+            fingerprinted(),
+            Input::Catalogue(
+                [(key("d"), volume("d", "multi-node-multi-writer"))]
+                    .into_iter()
+                    .collect(),
+            ),
+        ];
+        let start = now();
+        let mut listings = Vec::new();
+        while now() < start + Duration::from_secs(60) {
+            let inputs = match std::mem::take(&mut next) {
+                v if v.is_empty() => s.next_inputs(&core, &mut src).await,
+                v => v,
+            };
+            let e = core.handle_all(inputs, now());
+            let (fp, e): (Vec<Effect>, Vec<Effect>) = e
+                .into_iter()
+                .partition(|e| matches!(e, Effect::Fingerprint { .. }));
+            if !fp.is_empty() {
+                next.push(fingerprinted());
+            }
+            listings.extend(
+                e.iter()
+                    .filter(|e| matches!(e, Effect::ListPlaceholders { .. }))
+                    .map(|_| now() - start),
+            );
+            s.perform(e);
+        }
+        drain(&mut s).await;
+        let text = String::from_utf8_lossy(&lines.0.lock().unwrap_or_else(|e| e.into_inner()))
+            .into_owned();
+        let warned = text
+            .lines()
+            .filter(|l| l.contains("cannot list this node's placeholder host volumes"))
+            .count();
+        eprintln!(
+            "{} listings in 60 s at {listings:?}; {warned} WARN lines",
+            listings.len()
+        );
+        assert!(
+            (4..=8).contains(&listings.len()),
+            "listings in 60 s at {listings:?}"
+        );
+        for w in listings.windows(3) {
+            assert!(w[2] - w[1] > w[1] - w[0], "the waits grow: {listings:?}");
+        }
+        assert!((1..=2).contains(&warned), "{warned} WARN lines:\n{text}");
+        assert!(
+            text.contains("failures="),
+            "each line counts the failures it stands for:\n{text}"
+        );
     }
 }

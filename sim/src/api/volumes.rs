@@ -72,12 +72,21 @@ pub(super) async fn volumes_list(
     if q.get("type") != Some("host") {
         return ok(st.server.index(), &Vec::<Value>::new());
     }
-    authorize(
-        &st,
-        &headers,
-        crate::acl::Need::Namespace(&ns, "host-volume-read"),
-    )?;
+    // `nomad/host_volume_endpoint.go` `HostVolume.List`: the token is resolved first (an
+    // unknown one: 403), then the selector keeps a volume when
+    // `NamespaceValidator(host-volume-read)(aclObj, ns)` holds for the REQUEST's namespace
+    // `ns`, never the volume's. With `namespace=*` that is `AllowNamespaceOperation("*")`:
+    // true when any namespace of the token grants the capability, and then every
+    // namespace's volumes are listed; a namespace (or `*`) without it lists nothing (200,
+    // empty), never 403.
+    let caller = crate::acl::caller(&st.server, token(&headers).as_deref())?;
+    let need = if ns == "*" {
+        crate::acl::Need::AnyNamespace("host-volume-read")
+    } else {
+        crate::acl::Need::Namespace(&ns, "host-volume-read")
+    };
     let idx = blocking(&st, &q, |t| t.host_volumes).await?;
+    let allowed = caller.check(&st.server, need).is_ok();
     let node = q.get("node_id").unwrap_or("");
     let pool = q.get("node_pool").unwrap_or("");
     let prefix = q.get("prefix").unwrap_or("");
@@ -86,6 +95,7 @@ pub(super) async fn volumes_list(
         .read()
         .host_volumes
         .values()
+        .filter(|_| allowed)
         .filter(|v| ns_visible(&ns, &v.Namespace))
         .filter(|v| node.is_empty() || v.NodeID == node)
         .filter(|v| pool.is_empty() || v.NodePool == pool)

@@ -217,7 +217,9 @@ impl Core {
                 self.fingerprint_every = true;
                 tracing::warn!(plugin_dir = %dir.display(), %error, "plugin directory unreadable: keeping the plugins known before");
             }
-            Completion::PlaceholdersListed(r) => self.placeholders.on_listed(r, now),
+            Completion::PlaceholdersListed(r) => {
+                self.placeholders.on_listed(r, &mut self.retries, now)
+            }
             Completion::Placeholder { volume, result } => {
                 self.placeholders
                     .on_done(volume, result, &mut self.retries, now)

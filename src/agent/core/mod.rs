@@ -499,7 +499,17 @@ impl Core {
                 changed_only: !std::mem::take(&mut self.fingerprint_every),
             });
         }
-        out.extend(self.placeholders.list(now));
+        // Not before the records are known: the listing reads only the namespaces served.
+        if self.volumes_loaded {
+            let namespaces = self
+                .volumes
+                .keys()
+                .map(|k| &k.namespace)
+                .chain(self.placeholders.namespaces())
+                .cloned()
+                .collect();
+            out.extend(self.placeholders.list(now, namespaces, &self.retries));
+        }
         out.extend(self.claims.renewals(now));
         out.extend(
             self.mount_health

@@ -14,7 +14,7 @@ use crate::storage::environment::{create_env, delete_env, publish_env, unpublish
 use crate::storage::plugin::Fingerprint;
 use crate::storage::plugin::{self, CreateResult, Operation, PluginError, PublishResult, Runner};
 use crate::volume::{RecordError, VolumeKey, VolumeRecord, VolumeState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -530,14 +530,27 @@ pub struct ListedPlaceholder {
 }
 
 /// Finds this node's placeholders: host volumes on the node whose path is under `mount_root`.
+/// Only the volumes of `namespaces` (those this node serves) are read by ID: Nomad lists
+/// every namespace's host volumes to a token that may read those of any one
+/// (`nomad/host_volume_endpoint.go` `HostVolume.List` checks the request's namespace `*`),
+/// and reading another team's by ID is refused (403), which must not stop this node's
+/// placeholders. No namespace: nothing to list, and Nomad is not asked.
 /// The directory of each is made again (through the guard) if it is missing: after an
 /// upgrade that placed the guard, they live in its backing directory.
-pub async fn list_placeholders(client: Client, node_id: String, guard: Guard) -> Completion {
+pub async fn list_placeholders(
+    client: Client,
+    node_id: String,
+    guard: Guard,
+    namespaces: BTreeSet<String>,
+) -> Completion {
     let mount_root = guard.root().to_path_buf();
     let result = async {
         let mut out = BTreeMap::new();
+        if namespaces.is_empty() {
+            return Ok(out);
+        }
         for stub in client.list_host_volumes(Some(&node_id), "*").await? {
-            if stub.node_id != node_id {
+            if stub.node_id != node_id || !namespaces.contains(&stub.namespace) {
                 continue;
             }
             if let Some(hv) = client.host_volume(&stub.namespace, &stub.id).await? {
