@@ -192,6 +192,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         }
     }
     let server = Server::new(&cfg.region, cfg.event_buffer_size, keyring, acl);
+    crate::nodes::set_heartbeat_settings(&server, cfg.heartbeat);
     let self_exe = std::env::current_exe().context("locating nomad-sim executable")?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let server_listener = TcpListener::bind((cfg.bind_addr.as_str(), cfg.http_port))

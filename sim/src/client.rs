@@ -43,6 +43,9 @@ struct RunnerHandle {
     tx: watch::Sender<Directive>,
     join: JoinHandle<()>,
     gone_since: Option<tokio::time::Instant>,
+    /// When the runner was added (`heartbeatStop.allocHook`: the watch's timer restarts then,
+    /// so it is checked no earlier than its timeout after this).
+    hooked: tokio::time::Instant,
 }
 
 /// Runs one node until `shutdown` flips to true; then kills every task (with kill timeouts).
@@ -85,8 +88,13 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
     let mut runners: BTreeMap<String, RunnerHandle> = BTreeMap::new();
     let mut finished: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
     let mut index_rx = server.subscribe_index();
-    // `heartbeatStop.lastOk`: set when the client starts (`watch`) and on every heartbeat.
+    // `heartbeatStop.lastOk`: set when the client starts (`watch`) and registers
+    // (`registerNode`), then on every heartbeat that succeeds (`updateNodeStatus`), never on a
+    // failed one. The client heartbeats once per TTL the server answered with
+    // (`registerAndHeartbeat`: `time.After(c.heartbeatTTL)`); a `-dev` client sends its first
+    // heartbeat at once and retries a failed one after 1 s (`devModeRetryIntv`).
     let mut last_ok = tokio::time::Instant::now();
+    let mut next_heartbeat = last_ok;
     let mut heartbeat_stopped: std::collections::BTreeSet<String> = Default::default();
     loop {
         if *shutdown.borrow() {
@@ -97,32 +105,38 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
             allocs.iter().map(|a| a.ID.clone()).collect();
         let heartbeating = sim_heartbeating(&server, &node_id);
         let now = tokio::time::Instant::now();
+        if now >= next_heartbeat {
+            if heartbeating {
+                last_ok = now;
+                next_heartbeat = now + crate::nodes::heartbeat_ttl(&server);
+            } else {
+                next_heartbeat = now + Duration::from_secs(1);
+            }
+        }
         let mut next_stop: Option<tokio::time::Instant> = None;
-        if heartbeating {
-            last_ok = now;
-        } else {
-            // `heartbeatStop.watch`: each allocation with a stop timeout is destroyed once
-            // `shouldStopAfter` (now past lastOk + timeout), once.
-            for (id, h) in &runners {
-                if heartbeat_stopped.contains(id) {
-                    continue;
-                }
-                let timeout = match &*h.tx.borrow() {
-                    Directive::Alloc(a) => stop_timeout(a),
-                    _ => None,
-                };
-                let Some(d) = timeout else { continue };
-                if now > last_ok + d {
-                    eprintln!(
-                        "nomad-sim: node {node_id}: no heartbeat for {:?} (stop_on_client_after {d:?}): stopping allocation {id}",
-                        now - last_ok
-                    );
-                    let _ = h.tx.send(Directive::Destroy);
-                    heartbeat_stopped.insert(id.clone());
-                } else {
-                    let at = last_ok + d + Duration::from_millis(1);
-                    next_stop = Some(next_stop.map_or(at, |n| n.min(at)));
-                }
+        // `heartbeatStop.watch`: each allocation with a stop timeout is destroyed once
+        // `shouldStopAfter` (now past lastOk + timeout), once: whether the client is cut off
+        // or only between two heartbeats further apart than the timeout.
+        for (id, h) in &runners {
+            if heartbeat_stopped.contains(id) {
+                continue;
+            }
+            let timeout = match &*h.tx.borrow() {
+                Directive::Alloc(a) => stop_timeout(a),
+                _ => None,
+            };
+            let Some(d) = timeout else { continue };
+            let due = (last_ok + d).max(h.hooked + d);
+            if now > due {
+                eprintln!(
+                    "nomad-sim: node {node_id}: no heartbeat for {:?} (stop_on_client_after {d:?}): stopping allocation {id}",
+                    now - last_ok
+                );
+                let _ = h.tx.send(Directive::Destroy);
+                heartbeat_stopped.insert(id.clone());
+            } else {
+                let at = due + Duration::from_millis(1);
+                next_stop = Some(next_stop.map_or(at, |n| n.min(at)));
             }
         }
         heartbeat_stopped.retain(|id| runners.contains_key(id));
@@ -131,6 +145,8 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
                 break; // a partitioned client does not see server changes
             }
             match runners.get_mut(&a.ID) {
+                // Destroyed by the heartbeat stop: no later view of the server revives it.
+                Some(_) if heartbeat_stopped.contains(&a.ID) => {}
                 Some(h) => {
                     h.gone_since = None;
                     h.tx.send_if_modified(|d| {
@@ -160,6 +176,7 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
                             tx,
                             join,
                             gone_since: None,
+                            hooked: tokio::time::Instant::now(),
                         },
                     );
                 }
@@ -191,6 +208,7 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
             Duration::from_secs(1)
         };
         let wait = next_stop.map_or(wait, |t| wait.min(t.saturating_duration_since(now)));
+        let wait = wait.min(next_heartbeat.saturating_duration_since(now));
         tokio::select! {
             _ = index_rx.changed() => {}
             _ = tokio::time::sleep(wait) => {}

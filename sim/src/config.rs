@@ -81,6 +81,10 @@ pub struct AgentConfig {
     pub event_heartbeat_interval: Duration,
     /// Node heartbeat TTL: a node that stops heartbeating is marked down after this.
     pub heartbeat_grace: Duration,
+    /// `server { min_heartbeat_ttl, max_heartbeats_per_second }`: the TTL the servers give
+    /// each client, and so how often it heartbeats (`nomad/heartbeat.go`
+    /// `resetHeartbeatTimer`; 10 s and 50 by default, 10–20 s up to 500 nodes).
+    pub heartbeat: crate::nodes::HeartbeatSettings,
     /// ACLs.
     pub acl: AclConfig,
     /// `server { oidc_issuer = "..." }`: the `iss` of every workload identity and the
@@ -152,6 +156,7 @@ impl AgentConfig {
                 Duration::from_secs(30),
             )?,
             heartbeat_grace: duration(&a, "heartbeat_grace", Duration::from_secs(10))?,
+            heartbeat: Default::default(),
             acl: AclConfig::default(),
             oidc_issuer: None,
             clients: Vec::new(),
@@ -167,9 +172,22 @@ impl AgentConfig {
                 }
                 "server" => {
                     let sa = attributes("server", &b.body)?;
-                    cfg.oidc_issuer = Attrs::new("server", &sa)
-                        .str("oidc_issuer")?
-                        .filter(|s| !s.is_empty());
+                    let sa = Attrs::new("server", &sa);
+                    cfg.oidc_issuer = sa.str("oidc_issuer")?.filter(|s| !s.is_empty());
+                    // `command/agent/agent.go` `convertServerConfig`: 0 keeps the default.
+                    let min_ttl = duration(&sa, "min_heartbeat_ttl", Duration::ZERO)?;
+                    if !min_ttl.is_zero() {
+                        cfg.heartbeat.min_ttl = min_ttl;
+                    }
+                    match sa.float("max_heartbeats_per_second")? {
+                        Some(r) if r < 0.0 || !r.is_finite() => {
+                            return Err(ConfigError::Invalid(
+                                "server.max_heartbeats_per_second must be a positive number".into(),
+                            ))
+                        }
+                        Some(r) if r > 0.0 => cfg.heartbeat.max_per_second = r,
+                        _ => {}
+                    }
                 }
                 "acl" => {
                     let aa = attributes("acl", &b.body)?;

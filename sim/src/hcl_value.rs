@@ -149,6 +149,15 @@ impl<'a> Attrs<'a> {
             Some(_) => Err(self.bad(k, "integer")),
         }
     }
+    /// Number attribute (an integer or a fraction).
+    pub fn float(&self, k: &str) -> Result<Option<f64>, HclError> {
+        match self.map.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => n.as_f64().map(Some).ok_or_else(|| self.bad(k, "number")),
+            Some(Value::String(s)) => s.parse().map(Some).map_err(|_| self.bad(k, "number")),
+            Some(_) => Err(self.bad(k, "number")),
+        }
+    }
     /// Duration attribute ("5s") in ns.
     pub fn duration_ns(&self, k: &str) -> Result<Option<i64>, HclError> {
         match self.map.get(k) {

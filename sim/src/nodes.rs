@@ -172,6 +172,63 @@ pub fn drain_tick(server: &Server) {
     server.reschedule_all();
 }
 
+/// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`;
+/// Nomad's defaults 10 s and 50, `nomad/config.go` `DefaultConfig`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeartbeatSettings {
+    /// `min_heartbeat_ttl`: the shortest TTL a server gives a client.
+    pub min_ttl: std::time::Duration,
+    /// `max_heartbeats_per_second`: the cluster-wide heartbeat rate the TTL aims at.
+    pub max_per_second: f64,
+}
+
+impl Default for HeartbeatSettings {
+    fn default() -> Self {
+        HeartbeatSettings {
+            min_ttl: std::time::Duration::from_secs(10),
+            max_per_second: 50.0,
+        }
+    }
+}
+
+/// `helper/cluster.go` `RateScaledInterval`: the interval at which `n` actors each acting once
+/// per interval make `rate` actions a second in all, at least `min`.
+pub fn rate_scaled_interval(rate: f64, min: std::time::Duration, n: usize) -> std::time::Duration {
+    if rate <= 0.001 {
+        return min;
+    }
+    std::time::Duration::from_secs_f64(n as f64 / rate).max(min)
+}
+
+/// `helper/cluster.go` `RandomStagger`: a random duration in `[0, d)`.
+pub fn random_stagger(d: std::time::Duration) -> std::time::Duration {
+    use rand::Rng as _;
+    if d.is_zero() {
+        return d;
+    }
+    std::time::Duration::from_nanos(rand::thread_rng().gen_range(0..d.as_nanos() as u64))
+}
+
+/// The TTL a server answers a client's registration or heartbeat with (`nomad/heartbeat.go`
+/// `resetHeartbeatTimer`): `RateScaledInterval(max_heartbeats_per_second, min_heartbeat_ttl,
+/// n)` over the `n` nodes with a heartbeat timer (every node not `down`), plus a random
+/// stagger of up to as much again. The client heartbeats once per TTL (`client/client.go`
+/// `registerAndHeartbeat`): 10–20 s up to 500 nodes with Nomad's defaults.
+pub fn heartbeat_ttl(server: &Server) -> std::time::Duration {
+    let (settings, n) = {
+        let st = server.read();
+        let n = st.nodes.values().filter(|n| n.Status != "down").count();
+        (st.heartbeat, n)
+    };
+    let ttl = rate_scaled_interval(settings.max_per_second, settings.min_ttl, n);
+    ttl + random_stagger(ttl)
+}
+
+/// Sets the servers' heartbeat settings (the agent config's `server` block).
+pub fn set_heartbeat_settings(server: &Server, settings: HeartbeatSettings) {
+    server.write(|st| st.heartbeat = settings);
+}
+
 /// Sim-only: stop or resume a node's heartbeats (a partitioned client). While stopped the node
 /// neither heartbeats nor reports alloc updates nor sees new allocations; after the heartbeat
 /// grace the server marks it down (its allocs become `lost` and are replaced).

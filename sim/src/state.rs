@@ -71,6 +71,8 @@ pub struct State {
     /// Draining nodes → when their drain deadline forces the rest off (ns; `None` = none).
     pub(crate) drain_deadlines: BTreeMap<String, Option<i64>>,
     pub(crate) lock_timers: LockTimers,
+    /// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`).
+    pub(crate) heartbeat: crate::nodes::HeartbeatSettings,
     pending_events: Vec<Event>,
 }
 
@@ -97,6 +99,7 @@ impl State {
             partitioned: BTreeSet::new(),
             drain_deadlines: BTreeMap::new(),
             lock_timers: Default::default(),
+            heartbeat: Default::default(),
             pending_events: Vec::new(),
         }
     }

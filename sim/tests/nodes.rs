@@ -966,7 +966,11 @@ async fn a_system_job_update_goes_node_by_node_under_max_parallel_and_stagger() 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_cannot_heartbeat_stops_groups_with_stop_on_client_after() {
     tokio::time::timeout(Duration::from_secs(90), async {
-        let sim = Sim::start("heartbeat_grace = \"30s\"\nclient \"node-1\" {}\n").await;
+        // Heartbeats every 0.5–1 s (`min_heartbeat_ttl`): both timeouts are longer.
+        let sim = Sim::start(
+            "heartbeat_grace = \"30s\"\nserver {\n  min_heartbeat_ttl = \"500ms\"\n}\nclient \"node-1\" {}\n",
+        )
+        .await;
         let task = r#"    task "t" {
       driver = "raw_exec"
       kill_timeout = "1s"
@@ -1038,7 +1042,7 @@ async fn a_client_that_cannot_heartbeat_stops_groups_with_stop_on_client_after()
         })
         .await;
         let t_old = cut.elapsed();
-        // The client's last heartbeat (its loop's last look, at most 1 s before the cut)
+        // The client's last heartbeat (at most 1 s before the cut: `min_heartbeat_ttl`)
         // starts the count, as Nomad's `lastOk` is its last heartbeat, not the cut.
         assert!(
             t_stop >= Duration::from_secs(1) && t_old >= Duration::from_secs(2),
@@ -1056,6 +1060,88 @@ async fn a_client_that_cannot_heartbeat_stops_groups_with_stop_on_client_after()
             json!({}),
         )
         .await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// `client/heartbeatstop.go` counts `stop_on_client_after` from the client's last heartbeat
+/// that succeeded (`client/client.go` `updateNodeStatus` → `setLastOk`), and the client
+/// heartbeats once per server-given TTL (`nomad/heartbeat.go` `resetHeartbeatTimer`: 10–20 s
+/// on a small cluster with Nomad's defaults): a timeout below that interval stops a healthy
+/// client's allocation between two heartbeats; a longer one never does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_on_client_after_below_the_heartbeat_interval_stops_a_healthy_client() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let sim = Sim::start("client \"node-1\" {}\n").await;
+        let task = r#"    task "t" {
+      driver = "raw_exec"
+      kill_timeout = "1s"
+      config {
+        command = "/bin/sleep"
+        args = ["1000"]
+      }
+    }"#;
+        sim.run_job(&format!(
+            r#"job "hbshort" {{
+  group "short" {{
+    disconnect {{
+      stop_on_client_after = "3s"
+    }}
+{task}
+  }}
+  group "long" {{
+    disconnect {{
+      stop_on_client_after = "25s"
+    }}
+{task}
+  }}
+}}"#
+        ))
+        .await;
+        let node = sim.node_id("node-1");
+        let allocs = sim
+            .wait_for(20, "two running allocations", || async {
+                let a: Vec<Value> = sim
+                    .job_allocs("hbshort")
+                    .await
+                    .into_iter()
+                    .filter(|a| a["ClientStatus"] == "running")
+                    .collect();
+                (a.len() == 2).then_some(a)
+            })
+            .await;
+        let id_of = |g: &str| {
+            allocs.iter().find(|a| a["TaskGroup"] == g).unwrap()["ID"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        let alive = |id: &str| {
+            std::fs::read_dir("/proc")
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .any(|e| {
+                    std::fs::read_to_string(e.path().join("environ"))
+                        .map(|env| env.contains(id))
+                        .unwrap_or(false)
+                })
+        };
+        let (short, long) = (id_of("short"), id_of("long"));
+        // Nothing cuts the client off; its next heartbeat is at least 10 s after the last.
+        sim.wait_for(30, "the short group's task killed", || async {
+            (!alive(&short)).then_some(())
+        })
+        .await;
+        assert!(
+            alive(&long),
+            "a timeout above the heartbeat interval keeps running"
+        );
+        assert_eq!(
+            sim.get(&format!("/v1/node/{node}")).await["Status"],
+            "ready",
+            "the node was never cut off"
+        );
     })
     .await
     .expect("test timed out");
