@@ -57,12 +57,17 @@ pub(crate) enum Effect {
         volume_id: String,
         fencing: Option<Box<VolumeRecord>>,
     },
-    /// Nomad: renew the claim's lock (acquired at the claim's ModifyIndex `acquired_index`).
+    /// The renewal thread ([`crate::agent::renewer`]): renew the claim's lock (acquired at
+    /// the claim's ModifyIndex `acquired_index`) every TTL/3 from now on, the first time at
+    /// once with `at_once` (a claim restored after a restart), until [`Effect::StopRenewing`].
     RenewClaim {
         volume: VolumeKey,
         lock_id: String,
         acquired_index: Option<u64>,
+        at_once: bool,
     },
+    /// The renewal thread: stop renewing the volume's claim (released, lost or forgotten).
+    StopRenewing { volume: VolumeKey },
     /// Nomad: give the claim back.
     ReleaseClaim { volume: VolumeKey, lock_id: String },
     /// Nomad: read one allocation (a publish call came before its event).

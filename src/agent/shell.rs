@@ -68,6 +68,9 @@ pub enum StartError {
     /// The placeholder guard cannot be placed (see `crate::node::guard`).
     #[error(transparent)]
     Guard(#[from] crate::node::guard::GuardError),
+    /// The claim renewals' thread cannot be started.
+    #[error("cannot start the claim renewals' thread: {0}")]
+    Renewals(#[source] std::io::Error),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -164,6 +167,12 @@ struct Shell {
     /// The placeholder guard, and whether it stands (placed at start, else retried).
     guard: Guard,
     guarded: bool,
+    /// The claim renewals' thread ([`crate::agent::renewer`]), once started by `run`.
+    renewer: Option<crate::agent::renewer::Renewer>,
+    /// The renewals' outcomes, handed to the core before anything else of a pass.
+    renewed: mpsc::UnboundedReceiver<Completion>,
+    /// Given to the renewal thread when it starts.
+    renewed_tx: mpsc::UnboundedSender<Completion>,
 }
 
 impl Shell {
@@ -177,7 +186,11 @@ impl Shell {
         meter: Meter,
     ) -> Self {
         let cfg_state = cfg.state_dir.clone();
+        let (renewed_tx, renewed) = mpsc::unbounded_channel();
         Self {
+            renewer: None,
+            renewed,
+            renewed_tx,
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer())
                 .on_leftovers(meter.plugin_leftover_observer()),
@@ -294,6 +307,22 @@ impl Shell {
         self.tasks.spawn(async move { Report::Done(call.await) });
     }
 
+    fn order_renewals(&mut self, order: crate::agent::renewer::Order) {
+        match &self.renewer {
+            Some(r) => r.order(order),
+            None => tracing::debug!(?order, "no renewal thread: order dropped"),
+        }
+    }
+
+    /// The renewals' outcomes that have arrived, without waiting.
+    fn renewals_arrived(&mut self) -> Vec<Input> {
+        let mut out = Vec::new();
+        while let Ok(c) = self.renewed.try_recv() {
+            out.push(Input::Done(c));
+        }
+        out
+    }
+
     fn perform_one(&mut self, e: Effect) {
         self.meter.effect(&e);
         let (client, runner, node) = (self.client.clone(), self.runner.clone(), self.node.clone());
@@ -378,14 +407,16 @@ impl Shell {
                 volume,
                 lock_id,
                 acquired_index,
-            } => self.call(executor::renew_claim(
-                client,
-                self.trust.clone(),
+                at_once,
+            } => self.order_renewals(crate::agent::renewer::Order::Keep {
                 volume,
                 lock_id,
-                node.node_id,
                 acquired_index,
-            )),
+                at_once,
+            }),
+            Effect::StopRenewing { volume } => {
+                self.order_renewals(crate::agent::renewer::Order::Stop { volume })
+            }
             Effect::ReleaseClaim { volume, lock_id } => {
                 self.call(executor::release_claim(client, volume, lock_id))
             }
@@ -632,6 +663,8 @@ impl Shell {
             .map_or(floor + src.every, |w| w.max(floor));
         let read_due = self.after_calls.due().map(tokio::time::Instant::from_std);
         let mut inputs: Vec<Input> = tokio::select! {
+            biased;
+            Some(c) = self.renewed.recv() => vec![Input::Done(c)],
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
             Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
@@ -910,6 +943,18 @@ pub async fn run(
     shell.guard = guard;
     shell.guarded = guarded;
     shell.clock = clock.clone();
+    // Claim renewals on a thread of their own, over connections of their own.
+    shell.renewer = Some(
+        crate::agent::renewer::Renewer::start(
+            shell.client.with_own_connections()?,
+            shell.trust.clone(),
+            node_id.clone(),
+            claims,
+            clock.clone(),
+            shell.renewed_tx.clone(),
+        )
+        .map_err(StartError::Renewals)?,
+    );
     if let Some(h) = helpers {
         shell.runner = shell.runner.clone().with_helpers(h);
     }
@@ -942,6 +987,9 @@ pub async fn run(
         for i in &inputs {
             shell.meter.input(i);
         }
+        // The freshest renewal outcomes: the pass's fence decision weighs every answer in.
+        let mut inputs = inputs;
+        inputs.extend(shell.renewals_arrived());
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
         shell.meter.after_pass(&core);

@@ -247,9 +247,16 @@ impl Core {
                 self.claims
                     .on_acquired(volume, result, &mut self.retries, now);
             }
-            Completion::ClaimRenewed { volume, result } => {
+            Completion::ClaimRenewed {
+                volume,
+                lock_id,
+                sent,
+                result,
+            } => {
                 let mounted_here = self.journal.mounts().contains_key(&volume);
-                let renewal = self.claims.on_renewed(&volume, result, mounted_here, now);
+                let renewal =
+                    self.claims
+                        .on_renewed(&volume, &lock_id, sent, result, mounted_here, now);
                 if renewal == crate::agent::claims::Renewal::Released {
                     self.journal.note(
                         EventKind::ClaimReleased,

@@ -308,13 +308,24 @@ impl Core {
     pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
         self.now = now;
         let mut out = Vec::new();
-        // Leases first, before any input (a paused agent resumes here; docs/architecture.md,
+        // The renewals' outcomes first: the fence decides on every answer that has arrived
+        // (a renewal answered late still extends the lease from its sending).
+        let (renewals, inputs): (Vec<Input>, Vec<Input>) = inputs
+            .into_iter()
+            .partition(|i| matches!(i, Input::Done(Completion::ClaimRenewed { .. })));
+        for input in renewals {
+            self.apply(input, now, &mut out);
+        }
+        // Leases before any other input (a paused agent resumes here; docs/architecture.md,
         // "Fencing").
-        self.fence_due(now, &mut out);
+        let mut fences = Vec::new();
+        self.fence_due(now, &mut fences);
+        out.splice(0..0, fences);
         for input in inputs {
             self.apply(input, now, &mut out);
         }
         self.drive(now, &mut out);
+        out.extend(self.claims.orders());
         out
     }
 
@@ -478,7 +489,6 @@ impl Core {
             });
         }
         out.extend(self.placeholders.list(now));
-        out.extend(self.claims.renewals(now));
         out.extend(
             self.mount_health
                 .tick(now, self.journal.mounts(), &self.mounted, &self.busy),
@@ -645,6 +655,8 @@ impl Core {
                         continue;
                     };
                     self.busy.insert(volume.clone());
+                    self.claims.releasing(&volume);
+                    out.extend(self.claims.orders());
                     out.push(Effect::ReleaseClaim { volume, lock_id });
                 }
             }

@@ -591,18 +591,28 @@ fn a_lost_claim_is_unpublished_and_then_forgotten() {
     // Not published before the claim is held.
     let e = h.feed(Input::Tick);
     assert_eq!(publishes(&e), 0);
-    h.feed(Input::Done(Completion::ClaimAcquired {
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
         volume: key("d"),
         result: Ok("lock".into()),
     }));
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
     let e = h.published("d");
     h.committed(&e);
-    let e = h.at(Duration::from_secs(5), Input::Tick);
-    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
-    let e = h.feed(Input::Done(Completion::ClaimRenewed {
-        volume: key("d"),
-        result: Err(ClaimError::Lost { volume: key("d") }),
-    }));
+    let sent = h.t + Duration::from_secs(5);
+    let e = h.at(
+        Duration::from_secs(5),
+        Input::Done(Completion::ClaimRenewed {
+            volume: key("d"),
+            lock_id: "lock".into(),
+            sent,
+            result: Err(ClaimError::Lost { volume: key("d") }),
+        }),
+    );
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::StopRenewing { volume } if *volume == key("d"))),
+        "{e:?}"
+    );
     assert_eq!(
         unpublishes(&e),
         1,
@@ -630,14 +640,18 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     );
     // The acquire was sent in the set-up pass (t0): lease end t0 + 2 x 15 + 15, fence at
     // t0 + 30 (margin 15 s).
-    h.feed(Input::Done(Completion::ClaimAcquired {
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
         volume: key("d"),
         result: Ok("lock".into()),
     }));
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
     let e = h.published("d");
     h.committed(&e);
     let e = h.at(Duration::from_secs(5), Input::Tick);
-    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })),
+        "renewals are the renewal thread's"
+    );
     let failed = || ClaimError::Nomad {
         volume: key("d"),
         source: crate::nomad::NomadError::Status {
@@ -646,10 +660,13 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
             body: "rpc error: failed to get conn: dial tcp 10.0.0.1:4647: i/o timeout".into(),
         },
     };
+    let sent = h.t;
     let e = h.at(
         Duration::from_secs(10),
         Input::Done(Completion::ClaimRenewed {
             volume: key("d"),
+            lock_id: "lock".into(),
+            sent,
             result: Err(failed()),
         }),
     );
@@ -658,10 +675,13 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
         "{e:?}"
     );
     // t0 + 30: the pass starts with the fence, whatever its input.
+    let sent = h.t;
     let e = h.at(
         Duration::from_secs(15),
         Input::Done(Completion::ClaimRenewed {
             volume: key("d"),
+            lock_id: "lock".into(),
+            sent,
             result: Err(failed()),
         }),
     );
@@ -696,11 +716,14 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     );
     let e = h.at(Duration::from_secs(5), Input::Tick);
     assert!(
-        e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })),
+        !e.iter().any(|x| matches!(x, Effect::StopRenewing { .. })),
         "renewals go on"
     );
+    let sent = h.t;
     let e = h.feed(Input::Done(Completion::ClaimRenewed {
         volume: key("d"),
+        lock_id: "lock".into(),
+        sent,
         result: Ok(()),
     }));
     assert!(
@@ -808,17 +831,20 @@ fn an_operator_release_of_this_claim_fences_at_once() {
         &[("d", "single-node-writer")],
         vec![alloc(A1, &["d"], "running", "run")],
     );
-    h.feed(Input::Done(Completion::ClaimAcquired {
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
         volume: key("d"),
         result: Ok("lock".into()),
     }));
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
     let e = h.published("d");
     h.committed(&e);
-    let e = h.at(Duration::from_secs(5), Input::Tick);
-    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    h.at(Duration::from_secs(5), Input::Tick);
     // t0 + 5: the lease has 40 s left, its fence moment is 25 s away.
+    let sent = h.t;
     let e = h.feed(Input::Done(Completion::ClaimRenewed {
         volume: key("d"),
+        lock_id: "lock".into(),
+        sent,
         result: Err(ClaimError::ReleasedByOperator {
             volume: key("d"),
             claim_index: 42,
@@ -1117,7 +1143,7 @@ enum Owed {
     Unpublish(VolumeKey),
     Acquire(VolumeKey),
     Release(VolumeKey),
-    Renew(VolumeKey),
+    Renew(VolumeKey, String),
     Commit(u64, Vec<Owed>),
 }
 
@@ -1128,7 +1154,9 @@ fn owed(e: &[Effect], out: &mut Vec<Owed>) {
             Effect::Unpublish { mount, .. } => out.push(Owed::Unpublish(mount.volume.clone())),
             Effect::AcquireClaim { volume, .. } => out.push(Owed::Acquire(volume.clone())),
             Effect::ReleaseClaim { volume, .. } => out.push(Owed::Release(volume.clone())),
-            Effect::RenewClaim { volume, .. } => out.push(Owed::Renew(volume.clone())),
+            Effect::RenewClaim {
+                volume, lock_id, ..
+            } => out.push(Owed::Renew(volume.clone(), lock_id.clone())),
             Effect::Commit { commit, then } => {
                 let mut calls = Vec::new();
                 owed(then, &mut calls);
@@ -1275,19 +1303,24 @@ impl Twin {
                 },
                 "released",
             ),
-            Owed::Renew(v) => self.feed(
-                || {
-                    Input::Done(Completion::ClaimRenewed {
-                        volume: v.clone(),
-                        result: if ok {
-                            Ok(())
-                        } else {
-                            Err(ClaimError::Lost { volume: v.clone() })
-                        },
-                    })
-                },
-                "renewed",
-            ),
+            Owed::Renew(v, lock_id) => {
+                let t = self.t;
+                self.feed(
+                    || {
+                        Input::Done(Completion::ClaimRenewed {
+                            volume: v.clone(),
+                            lock_id: lock_id.clone(),
+                            sent: t,
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(ClaimError::Lost { volume: v.clone() })
+                            },
+                        })
+                    },
+                    "renewed",
+                )
+            }
             Owed::Commit(seq, calls) => {
                 self.feed(
                     || Input::Committed {
