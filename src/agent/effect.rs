@@ -85,11 +85,20 @@ pub(crate) enum Effect {
     /// ([`crate::node::fence::fence`]); `mine` are this node's allocations (their tasks
     /// may be killed). With `plugin` (its fingerprint declares `fence`), the plugin's
     /// `fence` runs beside it, bounded by [`crate::storage::plugin::FENCE_TIMEOUT`].
+    ///
+    /// `lease_of`: the lock ID of the claim whose lease is ending (`None` for a fence that
+    /// no renewal undoes: an operator's release). Right before the fence runs, the shell
+    /// checks the renewal thread's evidence ([`crate::agent::renewer::Evidence`]): when a
+    /// renewal of that lock succeeded that keeps the lease beyond the fence moment, nothing
+    /// is killed and the fence is withdrawn ([`Completion::FenceWithdrawn`]).
+    ///
+    /// [`Completion::FenceWithdrawn`]: crate::agent::executor::Completion::FenceWithdrawn
     Fence {
         volume: VolumeKey,
         target: PathBuf,
         mine: std::collections::BTreeSet<String>,
         plugin: Option<Box<PluginFence>>,
+        lease_of: Option<String>,
     },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },

@@ -26,7 +26,8 @@ use crate::cluster::trust::RecordTrust;
 use crate::node::clock::BootClock;
 use crate::nomad::Client;
 use crate::volume::VolumeKey;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -212,6 +213,44 @@ impl Schedule {
     }
 }
 
+/// The last renewal that succeeded, per volume: (lock ID, when it was sent), written by the
+/// renewal thread the moment its answer arrives. The fence reads it right before it kills
+/// anything ([`crate::agent::effect::Effect::Fence`]): the freshest evidence this node has
+/// that the servers still hold the claim for it. Cheap to clone: clones share the record.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Evidence(Arc<Mutex<HashMap<VolumeKey, (String, Instant)>>>);
+
+impl Evidence {
+    fn record(&self, volume: &VolumeKey, lock_id: &str, sent: Instant) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.insert(volume.clone(), (lock_id.to_string(), sent));
+    }
+
+    /// When the last renewal of `lock_id` on `volume` that succeeded was sent.
+    pub(crate) fn last_success(&self, volume: &VolumeKey, lock_id: &str) -> Option<Instant> {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(volume)
+            .filter(|(id, _)| id == lock_id)
+            .map(|(_, sent)| *sent)
+    }
+
+    /// The renewal that keeps the claim under `lock_id` beyond its fence moment at `now`,
+    /// if one succeeded: its sending (the lease ends `2 x TTL + lock delay` after it, and
+    /// the fence comes the margin before that; docs/architecture.md, "Fencing").
+    pub(crate) fn withdraws_fence(
+        &self,
+        volume: &VolumeKey,
+        lock_id: &str,
+        settings: &ClaimSettings,
+        now: Instant,
+    ) -> Option<Instant> {
+        let sent = self.last_success(volume, lock_id)?;
+        let end = sent + settings.ttl * 2 + settings.lock_delay;
+        let fence_at = end.checked_sub(settings.fence_margin).unwrap_or(end);
+        (now < fence_at).then_some(sent)
+    }
+}
+
 /// The handle of the renewal thread: orders go in; outcomes come back on the channel given
 /// to [`Renewer::start`]. The thread ends when the handle is dropped.
 #[derive(Debug)]
@@ -230,6 +269,7 @@ impl Renewer {
         node_id: String,
         settings: ClaimSettings,
         clock: BootClock,
+        evidence: Evidence,
         outcomes: mpsc::UnboundedSender<Completion>,
     ) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -241,7 +281,15 @@ impl Renewer {
             .spawn(move || {
                 raise_priority();
                 let every = settings.ttl / 3;
-                rt.block_on(run(client, trust, node_id, every, clock, rx, outcomes));
+                let ctx = Context {
+                    client,
+                    trust,
+                    node_id,
+                    every,
+                    clock,
+                    evidence,
+                };
+                rt.block_on(run(ctx, rx, outcomes));
             })?;
         Ok(Self { orders: tx })
     }
@@ -268,15 +316,29 @@ fn raise_priority() {
     }
 }
 
-async fn run(
+/// What the renewal thread works with.
+struct Context {
     client: Client,
     trust: RecordTrust,
     node_id: String,
     every: Duration,
     clock: BootClock,
+    evidence: Evidence,
+}
+
+async fn run(
+    ctx: Context,
     mut orders: mpsc::UnboundedReceiver<Order>,
     outcomes: mpsc::UnboundedSender<Completion>,
 ) {
+    let Context {
+        client,
+        trust,
+        node_id,
+        every,
+        clock,
+        evidence,
+    } = ctx;
     let now = || clock.at(Instant::now());
     let mut schedule = Schedule::new(every);
     loop {
@@ -313,6 +375,9 @@ async fn run(
                     },
                 }),
             };
+            if result.is_ok() {
+                evidence.record(&due.volume, &due.lock_id, sent);
+            }
             schedule.done(&due.volume, &due.lock_id, sent, &result);
             let report = Completion::ClaimRenewed {
                 volume: due.volume,
@@ -429,6 +494,160 @@ mod tests {
             100,
             "the backlog sent within half an interval and more"
         );
+    }
+
+    /// The fence's evidence: a renewal of the same lock that succeeded, sent late enough
+    /// that the lease outlives the fence moment (sent + 2 x TTL + lock delay − margin).
+    #[test]
+    fn a_renewal_that_succeeded_withdraws_a_fence_only_while_it_keeps_the_lease() {
+        let s = Duration::from_secs;
+        let settings = ClaimSettings {
+            ttl: s(15),
+            lock_delay: s(15),
+            fence_margin: s(15),
+        };
+        let t0 = Instant::now();
+        let ev = Evidence::default();
+        assert_eq!(ev.withdraws_fence(&key(1), "lock-1", &settings, t0), None);
+        ev.record(&key(1), "lock-1", t0);
+        assert_eq!(
+            ev.withdraws_fence(&key(1), "lock-1", &settings, t0 + s(29)),
+            Some(t0)
+        );
+        assert_eq!(
+            ev.withdraws_fence(&key(1), "lock-1", &settings, t0 + s(30)),
+            None
+        );
+        assert_eq!(
+            ev.withdraws_fence(&key(1), "lock-2", &settings, t0 + s(1)),
+            None,
+            "another lock's renewal is no evidence"
+        );
+    }
+
+    /// Issue 50: the renewal thread renews every claim over one kept-alive connection, one
+    /// request at a time, and reports each outcome with its sending. Against a fake Nomad
+    /// that answers every renewal at once; prints the requests per second of the last
+    /// interval. The figures of docs/scale.md ("Claim renewals") come from
+    /// `RENEWER_CLAIMS=1000 RENEWER_TTL_SECS=15 cargo test --lib renewer::tests::renewals -- --nocapture`
+    /// (defaults: 200 claims, TTL 3 s, three intervals).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn renewals_go_one_at_a_time_over_one_connection() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+        let env = |k: &str, d: u64| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
+        let n = env("RENEWER_CLAIMS", 200) as usize;
+        let ttl = Duration::from_secs(env("RENEWER_TTL_SECS", 3));
+        let every = ttl / 3;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (conns, reqs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let stamps = Arc::new(Mutex::new(Vec::<Instant>::new()));
+        let (c2, r2, s2) = (conns.clone(), reqs.clone(), stamps.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((sock, _)) = l.accept().await else {
+                    return;
+                };
+                c2.fetch_add(1, Ordering::SeqCst);
+                let (r, s) = (r2.clone(), s2.clone());
+                tokio::spawn(async move {
+                    let (rd, mut wr) = sock.into_split();
+                    let mut rd = BufReader::new(rd);
+                    loop {
+                        let mut len = 0usize;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if rd.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                            if let Some(v) =
+                                line.to_ascii_lowercase().strip_prefix("content-length:")
+                            {
+                                len = v.trim().parse().unwrap_or(0);
+                            }
+                        }
+                        let mut body = vec![0; len];
+                        if rd.read_exact(&mut body).await.is_err() {
+                            return;
+                        }
+                        r.fetch_add(1, Ordering::SeqCst);
+                        s.lock().unwrap().push(Instant::now());
+                        let answer = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+                        if wr.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let client = Client::new(&crate::config::NomadConfig::plain(&format!(
+            "http://{addr}"
+        )))
+        .unwrap();
+        let (tx, mut outcomes) = mpsc::unbounded_channel();
+        let settings = ClaimSettings {
+            ttl,
+            lock_delay: ttl,
+            fence_margin: ttl,
+        };
+        let r = Renewer::start(
+            client,
+            RecordTrust::Keys(Vec::new()),
+            "node-1".into(),
+            settings,
+            BootClock::default(),
+            Evidence::default(),
+            tx,
+        )
+        .unwrap();
+        let start = Instant::now();
+        for i in 0..n {
+            r.order(keep(i, false));
+        }
+        let mut renewed = BTreeSet::new();
+        let deadline = tokio::time::Instant::now() + every * 3;
+        while let Ok(Some(c)) = tokio::time::timeout_at(deadline, outcomes.recv()).await {
+            match c {
+                Completion::ClaimRenewed {
+                    volume,
+                    result,
+                    sent,
+                    ..
+                } => {
+                    assert!(result.is_ok(), "{result:?}");
+                    assert!(sent >= start);
+                    renewed.insert(volume);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let last: Vec<Instant> = stamps
+            .lock()
+            .unwrap()
+            .iter()
+            .copied()
+            .filter(|t| *t >= start + every * 2)
+            .collect();
+        let rate = last.len() as f64 / every.as_secs_f64();
+        eprintln!(
+            "{n} claims, TTL {ttl:?}: {} requests in {:?}, {rate:.1} requests/s in the last interval (expected {:.1}), {} connection(s)",
+            reqs.load(Ordering::SeqCst),
+            start.elapsed(),
+            n as f64 / every.as_secs_f64(),
+            conns.load(Ordering::SeqCst)
+        );
+        assert_eq!(conns.load(Ordering::SeqCst), 1, "one connection, reused");
+        assert_eq!(renewed.len(), n, "every claim renewed");
     }
 
     /// A failure is retried after half an interval; a lost or released claim is no longer

@@ -173,6 +173,9 @@ struct Shell {
     renewed: mpsc::UnboundedReceiver<Completion>,
     /// Given to the renewal thread when it starts.
     renewed_tx: mpsc::UnboundedSender<Completion>,
+    /// The renewals that succeeded, as the renewal thread records them: a fence checks it
+    /// right before it runs.
+    evidence: crate::agent::renewer::Evidence,
 }
 
 impl Shell {
@@ -191,6 +194,7 @@ impl Shell {
             renewer: None,
             renewed,
             renewed_tx,
+            evidence: Default::default(),
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer())
                 .on_leftovers(meter.plugin_leftover_observer()),
@@ -443,10 +447,27 @@ impl Shell {
                 target,
                 mine,
                 plugin,
+                lease_of,
             } => {
                 // The plugin's `fence` (bounded, FENCE_TIMEOUT) runs beside the kernel's.
                 let plugin_fence = plugin.map(|p| executor::plugin_fence(runner, node, *p));
+                let (evidence, settings, clock) =
+                    (self.evidence.clone(), self.claims, self.clock.clone());
                 self.tasks.spawn(async move {
+                    // The evidence first, right before anything is killed: a renewal that
+                    // succeeded since the core decided keeps the claim this node's.
+                    if let Some(lock_id) = lease_of {
+                        let now = clock.at(tokio::time::Instant::now().into_std());
+                        if let Some(sent) =
+                            evidence.withdraws_fence(&volume, &lock_id, &settings, now)
+                        {
+                            return Report::Done(Completion::FenceWithdrawn {
+                                volume,
+                                lock_id,
+                                sent,
+                            });
+                        }
+                    }
                     let kernel = tokio::task::spawn_blocking(move || {
                         crate::node::fence::fence(&target, &mine)
                     });
@@ -951,6 +972,7 @@ pub async fn run(
             node_id.clone(),
             claims,
             clock.clone(),
+            shell.evidence.clone(),
             shell.renewed_tx.clone(),
         )
         .map_err(StartError::Renewals)?,

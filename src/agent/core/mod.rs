@@ -732,9 +732,11 @@ impl Core {
                 .claims
                 .lease_end(&volume)
                 .map(|end| end.saturating_duration_since(now).as_millis() as u64);
+            let lease_of = self.claims.lock_id(&volume).map(str::to_string);
             self.fence(
                 volume,
                 left,
+                lease_of,
                 "no renewal succeeded before its lease was about to end (another node may take it then)",
                 out,
             );
@@ -744,11 +746,13 @@ impl Core {
     /// Makes `volume` unwritable here now ([`Effect::Fence`], with the plugin's `fence` when
     /// it declares it), recorded in the journal, the log and the status. `lease_left_ms`: how
     /// long the claim's lease had left (`None` when the claim was released by an operator);
-    /// `why`: for the log.
+    /// `lease_of`: the lock whose lease is ending (a renewal of it that succeeded withdraws
+    /// the fence, [`Effect::Fence`]); `why`: for the log.
     fn fence(
         &mut self,
         volume: VolumeKey,
         lease_left_ms: Option<u64>,
+        lease_of: Option<String>,
         why: &str,
         out: &mut Vec<Effect>,
     ) {
@@ -790,6 +794,7 @@ impl Core {
             target,
             mine,
             plugin,
+            lease_of,
         });
     }
 

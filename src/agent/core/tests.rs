@@ -734,6 +734,89 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 50: a renewal that succeeded after the core decided a fence, found by the shell
+/// right before the fence runs, withdraws it: nothing is killed and nothing republished, the
+/// claim is held again with its lease from that renewal's sending. One that succeeds while
+/// the fence runs restores the volume once the fence's report is in, not before.
+#[test]
+fn a_late_renewal_withdraws_the_fence_or_restores_after_a_running_one() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let t0 = h.t;
+    let s = Duration::from_secs;
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let restores = |e: &[Effect]| {
+        e.iter()
+            .any(|x| matches!(x, Effect::Detach { .. } | Effect::RestartAlloc { .. }))
+    };
+    // No renewal answered yet: the fence at t0 + 30, for the lease of lock "lock".
+    let e = h.at(s(30), Input::Tick);
+    assert!(
+        matches!(&e[0], Effect::Fence { lease_of: Some(l), .. } if l == "lock"),
+        "{e:?}"
+    );
+    // Right before it ran, the shell found a renewal sent at t0 + 25 that succeeded.
+    let e = h.feed(Input::Done(Completion::FenceWithdrawn {
+        volume: key("d"),
+        lock_id: "lock".into(),
+        sent: t0 + s(25),
+    }));
+    assert!(!restores(&e), "nothing to restore: {e:?}");
+    let st = h.core.status();
+    assert_eq!(st["claims"]["default/d"], "held", "{st}");
+    assert!(st["fenced"]["default/d"].is_null(), "{st}");
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        lock_id: "lock".into(),
+        sent: t0 + s(25),
+        result: Ok(()),
+    }));
+    assert!(
+        !restores(&e),
+        "the renewal's own report changes nothing: {e:?}"
+    );
+    // The lease from t0 + 25: the next fence at t0 + 55, and a renewal that succeeds
+    // while that fence runs.
+    let e = h.at(s(24), Input::Tick);
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::Fence { .. })),
+        "{e:?}"
+    );
+    let e = h.at(s(1), Input::Tick);
+    assert!(matches!(&e[0], Effect::Fence { .. }), "{e:?}");
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        lock_id: "lock".into(),
+        sent: t0 + s(54),
+        result: Ok(()),
+    }));
+    assert!(
+        !restores(&e),
+        "not before the running fence's report: {e:?}"
+    );
+    let e = h.feed(Input::Done(Completion::Fenced {
+        volume: key("d"),
+        report: crate::node::fence::FenceReport {
+            target: target("d"),
+            read_only: true,
+            ..Default::default()
+        },
+    }));
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::Detach { target: t, .. } if t == &target("d"))),
+        "the fenced mount is detached to be published again: {e:?}"
+    );
+    assert_eq!(h.core.status()["claims"]["default/d"], "held");
+}
+
 /// Issue 31: the acquire carries the volume's record for the storage-side fence only when the
 /// plugin declares `fence_node` (otherwise no `fence_node`/`unfence_node` call is made), and
 /// a take-over's fence is recorded in the journal (`node-fenced`).

@@ -68,6 +68,14 @@ pub enum Completion {
         volume: VolumeKey,
         result: Result<(), ClaimError>,
     },
+    /// A fence was not run: right before it, the renewal thread's evidence showed a
+    /// renewal of `lock_id`, sent at `sent`, that succeeded and keeps the lease beyond the
+    /// fence moment (nothing was killed or remounted).
+    FenceWithdrawn {
+        volume: VolumeKey,
+        lock_id: String,
+        sent: std::time::Instant,
+    },
     /// One allocation read from Nomad (`None`: it does not exist).
     AllocFetched {
         alloc_id: String,
