@@ -150,8 +150,12 @@ job "dhv-binder" {
 
       # The agent's own memory: plugin helpers are accounted in their helper cgroups
       # (DHV_BINDER_HELPER_MEMORY_MAX each); short plugin calls (mkfs, resize2fs) run here.
+      # `cpu` is also the weight of this task's cgroup when the node's CPUs are saturated
+      # (cgroups v1 cpu.shares; v2 cpu.weight derived from it): well above the tasks' own, so
+      # that claim renewals are not starved by the tasks they protect (the renewal thread
+      # also runs at nice -10 within this cgroup; docs/operations.md "A loaded node").
       resources {
-        cpu    = 100
+        cpu    = 1000
         memory = 128
       }
     }

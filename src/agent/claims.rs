@@ -1,7 +1,8 @@
-//! Decides this node's single-node claims ([`crate::cluster::claims`]): when a held claim is
-//! renewed (every TTL/3), what a failed acquire means for the caller waiting on the volume,
-//! when a claim is lost ("claim lost": a renewal that finds the lock gone), and when the node
-//! must fence itself.
+//! Decides this node's single-node claims ([`crate::cluster::claims`]): which claims the
+//! renewal thread renews ([`crate::agent::renewer`], every TTL/3 on its own schedule, out of
+//! the loop's reach), what a failed acquire means for the caller waiting on the volume, when
+//! a claim is lost ("claim lost": a renewal that finds the lock gone), and when the node must
+//! fence itself.
 //!
 //! **The lease.** Nomad arms a lock's timer with 2 x TTL when it takes an acquire or a renewal
 //! and keeps the lock for the lock delay after the timer fires (`nomad/locks.go`,
@@ -32,7 +33,8 @@ use std::time::Instant;
 pub(crate) struct Claim {
     pub id: String,
     pub state: ClaimState,
-    /// When the last renewal finished (renewals are scheduled from here).
+    /// When the last renewal outcome arrived (a claim restored after a restart whose first
+    /// renewal failed is fenced from here).
     pub renewed: Instant,
     /// The claim's lease end: no other node can take it before this moment (see the module
     /// documentation). `None` after a restart, until a renewal succeeds: how long the agent
@@ -40,9 +42,6 @@ pub(crate) struct Claim {
     pub lease_end: Option<Instant>,
     /// A renewal failed since the last one that succeeded.
     pub failing: bool,
-    /// The claim variable's ModifyIndex after this node's acquire (`None` after a restart):
-    /// an operator's release mark at or after it released this claim.
-    pub index: Option<u64>,
 }
 
 /// What a finished renewal changed.
@@ -66,8 +65,8 @@ pub(crate) struct Claims {
     held: BTreeMap<VolumeKey, Claim>,
     /// Volumes whose acquire failed, with the reason a waiting caller is told.
     wait: BTreeMap<VolumeKey, String>,
-    /// Renewals in flight, with when they were sent.
-    renewing: BTreeMap<VolumeKey, Instant>,
+    /// Orders for the renewal thread not handed out yet ([`Claims::orders`]).
+    orders: Vec<Effect>,
     /// Acquires in flight, with when they were sent.
     acquiring: BTreeMap<VolumeKey, Instant>,
     /// Moves whenever a claim's state may have changed (see [`Claims::version`]).
@@ -80,7 +79,7 @@ impl Claims {
             settings,
             held: BTreeMap::new(),
             wait: BTreeMap::new(),
-            renewing: BTreeMap::new(),
+            orders: Vec::new(),
             acquiring: BTreeMap::new(),
             version: 0,
         }
@@ -121,6 +120,12 @@ impl Claims {
         self.version += 1;
         for m in mounts {
             if let Some(id) = &m.claim_id {
+                self.orders.push(Effect::RenewClaim {
+                    volume: m.volume.clone(),
+                    lock_id: id.clone(),
+                    acquired_index: None,
+                    at_once: true,
+                });
                 self.held.insert(
                     m.volume.clone(),
                     Claim {
@@ -129,7 +134,6 @@ impl Claims {
                         renewed: stale,
                         lease_end: None,
                         failing: false,
-                        index: None,
                     },
                 );
             }
@@ -160,33 +164,21 @@ impl Claims {
         self.held.get(volume).map(|c| c.id.as_str())
     }
 
-    fn every(&self) -> std::time::Duration {
-        self.settings.ttl / 3
+    /// The orders for the renewal thread decided since the last call: start renewing a
+    /// claim taken or restored, stop renewing one released, lost or forgotten.
+    pub(crate) fn orders(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.orders)
     }
 
-    /// Renewals due at `now`: held (or fenced) claims renewed a third of the TTL ago or more.
-    pub(crate) fn renewals(&mut self, now: Instant) -> Vec<Effect> {
-        let every = self.every();
-        let due: Vec<(VolumeKey, String, Option<u64>)> = self
-            .held
-            .iter()
-            .filter(|(k, c)| {
-                c.state != ClaimState::Lost
-                    && now.saturating_duration_since(c.renewed) >= every
-                    && !self.renewing.contains_key(*k)
-            })
-            .map(|(k, c)| (k.clone(), c.id.clone(), c.index))
-            .collect();
-        due.into_iter()
-            .map(|(volume, lock_id, acquired_index)| {
-                self.renewing.insert(volume.clone(), now);
-                Effect::RenewClaim {
-                    volume,
-                    lock_id,
-                    acquired_index,
-                }
-            })
-            .collect()
+    fn stop_renewing(&mut self, volume: &VolumeKey) {
+        self.orders.push(Effect::StopRenewing {
+            volume: volume.clone(),
+        });
+    }
+
+    /// The claim on `volume` is about to be released: its renewals stop first.
+    pub(crate) fn releasing(&mut self, volume: &VolumeKey) {
+        self.stop_renewing(volume);
     }
 
     /// An acquire of `volume` is sent at `now` (its lease runs from here if it succeeds).
@@ -232,19 +224,13 @@ impl Claims {
         self.held.get(volume).and_then(|c| c.lease_end)
     }
 
-    /// When the next renewal or fence is due.
+    /// When the next fence is due (renewals are the renewal thread's).
     pub(crate) fn next_wakeup(&self) -> Option<Instant> {
-        let renew = self
-            .held
-            .iter()
-            .filter(|(k, c)| c.state != ClaimState::Lost && !self.renewing.contains_key(*k))
-            .map(|(_, c)| c.renewed + self.every());
-        let fence = self
-            .held
+        self.held
             .values()
             .filter(|c| c.state == ClaimState::Held)
-            .filter_map(|c| self.fence_at(c));
-        renew.chain(fence).min()
+            .filter_map(|c| self.fence_at(c))
+            .min()
     }
 
     /// The lease end of a lock taken or renewed by a call sent at `sent`: Nomad arms the
@@ -274,6 +260,12 @@ impl Claims {
                 retries.succeeded(&Work::Claim(volume.clone()));
                 let sent = self.acquiring.remove(&volume).unwrap_or(now);
                 let lease_end = Some(self.lease_from(sent));
+                self.orders.push(Effect::RenewClaim {
+                    volume: volume.clone(),
+                    lock_id: acq.lock_id.clone(),
+                    acquired_index: (acq.index > 0).then_some(acq.index),
+                    at_once: false,
+                });
                 self.held.insert(
                     volume,
                     Claim {
@@ -282,7 +274,6 @@ impl Claims {
                         renewed: now,
                         lease_end,
                         failing: false,
-                        index: (acq.index > 0).then_some(acq.index),
                     },
                 );
             }
@@ -302,20 +293,26 @@ impl Claims {
         }
     }
 
-    /// A renewal finished. "Claim lost": the lock is gone (expired, or taken over), so
-    /// another node may use the volume now; the plan unpublishes it here before anything
-    /// else. Any other failure is retried after half a renewal period (the fence comes at
-    /// its own time, [`Claims::fences_due`]). A success extends the lease from when the
-    /// renewal was sent, and restores a fenced claim.
+    /// A renewal of the claim under `lock_id`, sent at `sent`, finished (an outcome for
+    /// another lock, one released or replaced since, changes nothing). "Claim lost": the
+    /// lock is gone (expired, or taken over), so another node may use the volume now; the
+    /// plan unpublishes it here before anything else. Any other failure is retried by the
+    /// renewal thread after half a renewal period (the fence comes at its own time,
+    /// [`Claims::fences_due`]). A success extends the lease from when the renewal was
+    /// *sent*, however late its answer came, and restores a fenced claim.
     pub(crate) fn on_renewed(
         &mut self,
         volume: &VolumeKey,
+        lock_id: &str,
+        sent: Instant,
         result: Result<(), ClaimError>,
         mounted_here: bool,
         now: Instant,
     ) -> Renewal {
+        if self.held.get(volume).is_none_or(|c| c.id != lock_id) {
+            return Renewal::Kept;
+        }
         self.version += 1;
-        let sent = self.renewing.remove(volume).unwrap_or(now);
         match result {
             Ok(()) => {
                 let end = self.lease_from(sent);
@@ -345,6 +342,8 @@ impl Claims {
             {
                 self.on_renewed(
                     volume,
+                    lock_id,
+                    sent,
                     Err(ClaimError::Lost { volume: v }),
                     mounted_here,
                     now,
@@ -352,6 +351,7 @@ impl Claims {
             }
             Err(e @ ClaimError::ReleasedByOperator { .. }) => {
                 tracing::error!(%volume, reason = %e, "claim released by an operator: fencing the volume here at once, then unpublishing it");
+                self.stop_renewing(volume);
                 if let Some(c) = self.held.get_mut(volume) {
                     c.state = ClaimState::Lost;
                 }
@@ -362,6 +362,7 @@ impl Claims {
             }
             Err(e @ ClaimError::Lost { .. }) => {
                 tracing::warn!(%volume, reason = %e, "claim lost: another node may use the volume now; unpublishing here before anything else");
+                self.stop_renewing(volume);
                 if let Some(c) = self.held.get_mut(volume) {
                     c.state = ClaimState::Lost;
                 }
@@ -371,15 +372,13 @@ impl Claims {
                 Renewal::Lost
             }
             Err(e) => {
-                let back = self.every() / 2;
                 if let Some(c) = self.held.get_mut(volume) {
                     let left = c
                         .lease_end
                         .map(|end| end.saturating_duration_since(now).as_secs());
                     tracing::warn!(%volume, error = %e, lease_left_secs = ?left, "claim renewal failed; retrying (the volume is fenced here if no renewal succeeds before its lease ends)");
                     c.failing = true;
-                    // Try again after half a renewal period.
-                    c.renewed = now.checked_sub(back).unwrap_or(now);
+                    c.renewed = now;
                 }
                 Renewal::Kept
             }
@@ -493,9 +492,9 @@ mod tests {
         held(&mut c, t0);
         assert_eq!(c.counts(), [1, 0, 0, 1]);
         assert!(c.version() > v);
-        // Renewals sent change nothing counted; the fence does.
+        // Orders for the renewal thread change nothing counted; the fence does.
         let v = c.version();
-        let _ = c.renewals(t0 + Duration::from_secs(5));
+        assert_eq!(c.orders().len(), 1);
         assert_eq!(c.version(), v);
         assert_eq!(c.fences_due(t0 + Duration::from_secs(31)), vec![key()]);
         assert_eq!(c.counts(), [0, 1, 0, 1]);
@@ -503,6 +502,8 @@ mod tests {
         let v = c.version();
         let lost = c.on_renewed(
             &key(),
+            "lock-1",
+            t0 + Duration::from_secs(30),
             Err(ClaimError::Lost { volume: key() }),
             true,
             t0 + Duration::from_secs(32),
@@ -522,30 +523,47 @@ mod tests {
         let mut c = claims();
         held(&mut c, t0);
         let unproven = || ClaimError::Unproven { volume: key() };
-        let r = c.on_renewed(&key(), Err(unproven()), true, t0 + Duration::from_secs(5));
+        let at = |s| t0 + Duration::from_secs(s);
+        let r = c.on_renewed(&key(), "lock-1", at(4), Err(unproven()), true, at(5));
         assert_eq!(r, Renewal::Kept);
         assert_eq!(c.status()["default/db"], "held");
         // The acquire's lease: 2 x TTL + lock delay = 45 s.
-        let r = c.on_renewed(&key(), Err(unproven()), true, t0 + Duration::from_secs(46));
+        let r = c.on_renewed(&key(), "lock-1", at(44), Err(unproven()), true, at(46));
         assert_eq!(r, Renewal::Lost);
         assert_eq!(c.status()["default/db"], "lost");
     }
 
+    /// Issue 50: a claim taken is handed to the renewal thread (renewed on its schedule,
+    /// not the loop's); the loop wakes only for the fence.
     #[test]
-    fn a_held_claim_is_renewed_every_third_of_its_ttl() {
+    fn a_taken_claim_is_handed_to_the_renewal_thread() {
         let t0 = Instant::now();
         let mut c = claims();
         held(&mut c, t0);
-        assert!(c.renewals(t0 + Duration::from_secs(4)).is_empty());
-        assert_eq!(c.next_wakeup(), Some(t0 + Duration::from_secs(5)));
-        let due = c.renewals(t0 + Duration::from_secs(5));
-        assert!(matches!(&due[..], [Effect::RenewClaim { lock_id, .. }] if lock_id == "lock-1"));
-        assert!(
-            c.renewals(t0 + Duration::from_secs(6)).is_empty(),
-            "one renewal in flight at a time"
+        assert!(matches!(
+            &c.orders()[..],
+            [Effect::RenewClaim { lock_id, at_once: false, .. }] if lock_id == "lock-1"
+        ));
+        assert!(c.orders().is_empty(), "handed out once");
+        assert_eq!(c.next_wakeup(), Some(t0 + Duration::from_secs(30)));
+    }
+
+    /// An outcome for another lock (released or replaced since) changes nothing.
+    #[test]
+    fn an_outcome_for_another_lock_changes_nothing() {
+        let t0 = Instant::now();
+        let mut c = claims();
+        held(&mut c, t0);
+        let r = c.on_renewed(
+            &key(),
+            "lock-0",
+            t0,
+            Err(ClaimError::Lost { volume: key() }),
+            true,
+            t0 + Duration::from_secs(1),
         );
-        c.on_renewed(&key(), Ok(()), true, t0 + Duration::from_secs(6));
-        assert_eq!(c.next_wakeup(), Some(t0 + Duration::from_secs(11)));
+        assert_eq!(r, Renewal::Kept);
+        assert_eq!(c.status()["default/db"], "held");
     }
 
     #[test]
@@ -553,17 +571,19 @@ mod tests {
         let t0 = Instant::now();
         let mut c = claims();
         held(&mut c, t0);
-        c.renewals(t0 + Duration::from_secs(5));
+        c.orders();
         c.on_renewed(
             &key(),
+            "lock-1",
+            t0 + Duration::from_secs(5),
             Err(ClaimError::Lost { volume: key() }),
             true,
             t0 + Duration::from_secs(5),
         );
         assert_eq!(c.states()[&key()], ClaimState::Lost);
         assert!(
-            c.renewals(t0 + Duration::from_secs(60)).is_empty(),
-            "a lost claim is not renewed"
+            matches!(&c.orders()[..], [Effect::StopRenewing { volume }] if *volume == key()),
+            "a lost claim is no longer renewed"
         );
         c.on_unpublished(&key());
         assert!(c.states().is_empty(), "forgotten once unpublished");
@@ -574,8 +594,14 @@ mod tests {
         let t0 = Instant::now();
         let mut c = claims();
         held(&mut c, t0);
-        c.renewals(t0 + Duration::from_secs(5));
-        c.on_renewed(&key(), Err(ClaimError::Lost { volume: key() }), false, t0);
+        c.on_renewed(
+            &key(),
+            "lock-1",
+            t0,
+            Err(ClaimError::Lost { volume: key() }),
+            false,
+            t0,
+        );
         assert!(c.states().is_empty());
     }
 
@@ -626,9 +652,10 @@ mod tests {
         m.volume = key();
         m.claim_id = Some("lock-9".into());
         c.restore([&m], t0);
-        assert!(
-            matches!(&c.renewals(t0)[..], [Effect::RenewClaim { lock_id, .. }] if lock_id == "lock-9")
-        );
+        assert!(matches!(
+            &c.orders()[..],
+            [Effect::RenewClaim { lock_id, at_once: true, .. }] if lock_id == "lock-9"
+        ));
     }
 
     /// The lease runs from when the call was *sent*: 2 x TTL + lock delay after an acquire
@@ -646,9 +673,8 @@ mod tests {
         assert_eq!(c.lease_end(&key()), Some(t0 + s(45)));
         assert!(c.fences_due(t0 + s(29)).is_empty());
         // A renewal sent at t0 + 8 and answered at t0 + 12: 2 x TTL + lock delay from t0 + 8.
-        assert_eq!(c.renewals(t0 + s(8)).len(), 1);
         assert_eq!(
-            c.on_renewed(&key(), Ok(()), true, t0 + s(12)),
+            c.on_renewed(&key(), "lock-1", t0 + s(8), Ok(()), true, t0 + s(12)),
             Renewal::Kept
         );
         assert_eq!(
@@ -656,11 +682,10 @@ mod tests {
             Some(t0 + s(53)),
             "a renewal re-arms the lock's timer: the lease runs from its sending"
         );
-        assert_eq!(c.renewals(t0 + s(17)).len(), 1);
-        c.on_renewed(&key(), Ok(()), true, t0 + s(17));
+        c.on_renewed(&key(), "lock-1", t0 + s(17), Ok(()), true, t0 + s(17));
         assert_eq!(c.lease_end(&key()), Some(t0 + s(62)));
         // No renewal succeeds any more: fenced at lease end - margin = t0 + 47.
-        assert_eq!(c.next_wakeup(), Some(t0 + s(22)));
+        assert_eq!(c.next_wakeup(), Some(t0 + s(47)));
         assert!(c.fences_due(t0 + s(46)).is_empty());
         assert_eq!(c.fences_due(t0 + s(47)), vec![key()]);
         assert_eq!(c.states()[&key()], ClaimState::Fenced);
@@ -685,15 +710,15 @@ mod tests {
                     body: "rpc error: failed to get conn: dial tcp: i/o timeout".into(),
                 },
             };
-            assert_eq!(c.renewals(t0 + s(5)).len(), 1);
             assert_eq!(
-                c.on_renewed(&key(), Err(nomad()), true, t0 + s(15)),
+                c.on_renewed(&key(), "lock-1", t0 + s(5), Err(nomad()), true, t0 + s(15)),
                 Renewal::Kept
             );
             assert_eq!(c.fences_due(t0 + s(30)), vec![key()]);
-            assert_eq!(
-                c.renewals(t0 + s(30)).len(),
-                1,
+            assert!(
+                !c.orders()
+                    .iter()
+                    .any(|o| matches!(o, Effect::StopRenewing { .. })),
                 "renewals go on while fenced"
             );
             let result = if lost {
@@ -701,7 +726,7 @@ mod tests {
             } else {
                 Ok(())
             };
-            let r = c.on_renewed(&key(), result, true, t0 + s(31));
+            let r = c.on_renewed(&key(), "lock-1", t0 + s(30), result, true, t0 + s(31));
             if lost {
                 assert_eq!(r, Renewal::Lost);
                 assert_eq!(c.states()[&key()], ClaimState::Lost);
@@ -720,7 +745,6 @@ mod tests {
         let t0 = Instant::now();
         let mut c = claims();
         held(&mut c, t0);
-        assert_eq!(c.renewals(t0 + Duration::from_secs(5)).len(), 1);
         // Paused with the renewal in flight; resumed a minute later.
         assert_eq!(c.fences_due(t0 + Duration::from_secs(65)), vec![key()]);
     }
@@ -744,7 +768,6 @@ mod tests {
         let mono = Instant::now();
         let mut c = claims();
         held(&mut c, clock.at(mono));
-        assert_eq!(c.renewals(clock.at(mono + s(5))).len(), 1);
         // Suspended with the renewal in flight for 60 s; resumed 1 s (monotonic) later.
         *fake.0.lock().unwrap() = s(63);
         assert_eq!(
@@ -765,7 +788,7 @@ mod tests {
         for ok in [true, false] {
             let mut c = claims();
             c.restore([&m], t0);
-            assert_eq!(c.renewals(t0).len(), 1);
+            assert_eq!(c.orders().len(), 1);
             assert!(c.fences_due(t0 + Duration::from_secs(1)).is_empty());
             let result = if ok {
                 Ok(())
@@ -780,7 +803,7 @@ mod tests {
                 })
             };
             let at = t0 + Duration::from_secs(2);
-            c.on_renewed(&key(), result, true, at);
+            c.on_renewed(&key(), "lock-9", t0, result, true, at);
             assert_eq!(c.fences_due(at) == vec![key()], !ok, "ok = {ok}");
         }
     }

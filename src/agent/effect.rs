@@ -60,12 +60,17 @@ pub(crate) enum Effect {
         volume_id: String,
         fencing: Option<Box<VolumeRecord>>,
     },
-    /// Nomad: renew the claim's lock (acquired at the claim's ModifyIndex `acquired_index`).
+    /// The renewal thread ([`crate::agent::renewer`]): renew the claim's lock (acquired at
+    /// the claim's ModifyIndex `acquired_index`) every TTL/3 from now on, the first time at
+    /// once with `at_once` (a claim restored after a restart), until [`Effect::StopRenewing`].
     RenewClaim {
         volume: VolumeKey,
         lock_id: String,
         acquired_index: Option<u64>,
+        at_once: bool,
     },
+    /// The renewal thread: stop renewing the volume's claim (released, lost or forgotten).
+    StopRenewing { volume: VolumeKey },
     /// Nomad: give the claim back.
     ReleaseClaim { volume: VolumeKey, lock_id: String },
     /// Nomad: read one allocation (a publish call came before its event).
@@ -83,10 +88,19 @@ pub(crate) enum Effect {
     /// ([`crate::node::fence::fence`]: every process holding it but the agent is killed).
     /// With `plugin` (its fingerprint declares `fence`), the plugin's `fence` runs beside
     /// it, bounded by [`crate::storage::plugin::FENCE_TIMEOUT`].
+    ///
+    /// `lease_of`: the lock ID of the claim whose lease is ending (`None` for a fence that
+    /// no renewal undoes: an operator's release). Right before the fence runs, the shell
+    /// checks the renewal thread's evidence ([`crate::agent::renewer::Evidence`]): when a
+    /// renewal of that lock succeeded that keeps the lease beyond the fence moment, nothing
+    /// is killed and the fence is withdrawn ([`Completion::FenceWithdrawn`]).
+    ///
+    /// [`Completion::FenceWithdrawn`]: crate::agent::executor::Completion::FenceWithdrawn
     Fence {
         volume: VolumeKey,
         target: PathBuf,
         plugin: Option<Box<PluginFence>>,
+        lease_of: Option<String>,
     },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },

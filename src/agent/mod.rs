@@ -28,6 +28,7 @@ pub(crate) mod meter;
 pub(crate) mod mount_health;
 pub(crate) mod placeholders;
 pub(crate) mod reconcile;
+pub(crate) mod renewer;
 pub(crate) mod retry;
 pub(crate) mod shell;
 pub(crate) mod storage_ops;

@@ -68,6 +68,9 @@ pub enum StartError {
     /// The placeholder guard cannot be placed (see `crate::node::guard`).
     #[error(transparent)]
     Guard(#[from] crate::node::guard::GuardError),
+    /// The claim renewals' thread cannot be started.
+    #[error("cannot start the claim renewals' thread: {0}")]
+    Renewals(#[source] std::io::Error),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -164,6 +167,15 @@ struct Shell {
     /// The placeholder guard, and whether it stands (placed at start, else retried).
     guard: Guard,
     guarded: bool,
+    /// The claim renewals' thread ([`crate::agent::renewer`]), once started by `run`.
+    renewer: Option<crate::agent::renewer::Renewer>,
+    /// The renewals' outcomes, handed to the core before anything else of a pass.
+    renewed: mpsc::UnboundedReceiver<Completion>,
+    /// Given to the renewal thread when it starts.
+    renewed_tx: mpsc::UnboundedSender<Completion>,
+    /// The renewals that succeeded, as the renewal thread records them: a fence checks it
+    /// right before it runs.
+    evidence: crate::agent::renewer::Evidence,
 }
 
 impl Shell {
@@ -177,7 +189,12 @@ impl Shell {
         meter: Meter,
     ) -> Self {
         let cfg_state = cfg.state_dir.clone();
+        let (renewed_tx, renewed) = mpsc::unbounded_channel();
         Self {
+            renewer: None,
+            renewed,
+            renewed_tx,
+            evidence: Default::default(),
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer())
                 .on_leftovers(meter.plugin_leftover_observer()),
@@ -294,6 +311,22 @@ impl Shell {
         self.tasks.spawn(async move { Report::Done(call.await) });
     }
 
+    fn order_renewals(&mut self, order: crate::agent::renewer::Order) {
+        match &self.renewer {
+            Some(r) => r.order(order),
+            None => tracing::debug!(?order, "no renewal thread: order dropped"),
+        }
+    }
+
+    /// The renewals' outcomes that have arrived, without waiting.
+    fn renewals_arrived(&mut self) -> Vec<Input> {
+        let mut out = Vec::new();
+        while let Ok(c) = self.renewed.try_recv() {
+            out.push(Input::Done(c));
+        }
+        out
+    }
+
     fn perform_one(&mut self, e: Effect) {
         self.meter.effect(&e);
         let (client, runner, node) = (self.client.clone(), self.runner.clone(), self.node.clone());
@@ -378,14 +411,16 @@ impl Shell {
                 volume,
                 lock_id,
                 acquired_index,
-            } => self.call(executor::renew_claim(
-                client,
-                self.trust.clone(),
+                at_once,
+            } => self.order_renewals(crate::agent::renewer::Order::Keep {
                 volume,
                 lock_id,
-                node.node_id,
                 acquired_index,
-            )),
+                at_once,
+            }),
+            Effect::StopRenewing { volume } => {
+                self.order_renewals(crate::agent::renewer::Order::Stop { volume })
+            }
             Effect::ReleaseClaim { volume, lock_id } => {
                 self.call(executor::release_claim(client, volume, lock_id))
             }
@@ -411,10 +446,27 @@ impl Shell {
                 volume,
                 target,
                 plugin,
+                lease_of,
             } => {
                 // The plugin's `fence` (bounded, FENCE_TIMEOUT) runs beside the kernel's.
                 let plugin_fence = plugin.map(|p| executor::plugin_fence(runner, node, *p));
+                let (evidence, settings, clock) =
+                    (self.evidence.clone(), self.claims, self.clock.clone());
                 self.tasks.spawn(async move {
+                    // The evidence first, right before anything is killed: a renewal that
+                    // succeeded since the core decided keeps the claim this node's.
+                    if let Some(lock_id) = lease_of {
+                        let now = clock.at(tokio::time::Instant::now().into_std());
+                        if let Some(sent) =
+                            evidence.withdraws_fence(&volume, &lock_id, &settings, now)
+                        {
+                            return Report::Done(Completion::FenceWithdrawn {
+                                volume,
+                                lock_id,
+                                sent,
+                            });
+                        }
+                    }
                     let kernel = tokio::task::spawn_blocking(move || {
                         crate::node::fence::fence(&target, crate::node::identity::node())
                     });
@@ -631,6 +683,8 @@ impl Shell {
             .map_or(floor + src.every, |w| w.max(floor));
         let read_due = self.after_calls.due().map(tokio::time::Instant::from_std);
         let mut inputs: Vec<Input> = tokio::select! {
+            biased;
+            Some(c) = self.renewed.recv() => vec![Input::Done(c)],
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
             Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
@@ -930,6 +984,19 @@ pub async fn run(
     shell.guard = guard;
     shell.guarded = guarded;
     shell.clock = clock.clone();
+    // Claim renewals on a thread of their own, over connections of their own.
+    shell.renewer = Some(
+        crate::agent::renewer::Renewer::start(
+            shell.client.with_own_connections()?,
+            shell.trust.clone(),
+            node_id.clone(),
+            claims,
+            clock.clone(),
+            shell.evidence.clone(),
+            shell.renewed_tx.clone(),
+        )
+        .map_err(StartError::Renewals)?,
+    );
     if let Some(h) = helpers {
         shell.runner = shell.runner.clone().with_helpers(h);
     }
@@ -962,6 +1029,9 @@ pub async fn run(
         for i in &inputs {
             shell.meter.input(i);
         }
+        // The freshest renewal outcomes: the pass's fence decision weighs every answer in.
+        let mut inputs = inputs;
+        inputs.extend(shell.renewals_arrived());
         let effects = core.handle_all(inputs, now());
         shell.perform(effects);
         shell.meter.after_pass(&core);

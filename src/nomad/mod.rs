@@ -173,6 +173,8 @@ pub struct Client {
     /// Other agents for claim lock calls while the local one cannot be connected to
     /// ([`Client::with_fallbacks`]).
     fallbacks: std::sync::Arc<Vec<Client>>,
+    /// The settings this client was built from ([`Client::with_own_connections`]).
+    settings: std::sync::Arc<NomadConfig>,
 }
 
 impl std::fmt::Debug for Client {
@@ -325,7 +327,24 @@ impl Client {
             http_auth,
             rotate_list: Default::default(),
             fallbacks: Default::default(),
+            settings: std::sync::Arc::new(cfg.clone()),
         })
+    }
+
+    /// A client to the same agents (and fallbacks) with connections of its own, sharing
+    /// this one's token: a client's connections are driven by the runtime that opened them,
+    /// so work on another runtime (the claim renewals' thread, `crate::agent::renewer`) needs
+    /// its own. Errors as [`Client::new`].
+    pub fn with_own_connections(&self) -> Result<Client, NomadError> {
+        let mut c = Client::new(&self.settings)?;
+        c.token = self.token.clone();
+        c.fallbacks = std::sync::Arc::new(
+            self.fallbacks
+                .iter()
+                .map(Client::with_own_connections)
+                .collect::<Result<_, _>>()?,
+        );
+        Ok(c)
     }
 
     /// This client, with `addresses` (other Nomad agents, e.g. the servers) to send lock

@@ -249,9 +249,16 @@ impl Core {
                 self.claims
                     .on_acquired(volume, result, &mut self.retries, now);
             }
-            Completion::ClaimRenewed { volume, result } => {
+            Completion::ClaimRenewed {
+                volume,
+                lock_id,
+                sent,
+                result,
+            } => {
                 let mounted_here = self.journal.mounts().contains_key(&volume);
-                let renewal = self.claims.on_renewed(&volume, result, mounted_here, now);
+                let renewal =
+                    self.claims
+                        .on_renewed(&volume, &lock_id, sent, result, mounted_here, now);
                 if renewal == crate::agent::claims::Renewal::Released {
                     self.journal.note(
                         EventKind::ClaimReleased,
@@ -262,12 +269,23 @@ impl Core {
                         self.fence(
                             volume.clone(),
                             None,
+                            None,
                             "an operator released this node's claim (`volume claim release`; another node may take it now)",
                             out,
                         );
                     }
                 }
-                if renewal == crate::agent::claims::Renewal::Restored {
+                // A fence still running (its report not in) may yet be withdrawn: the restore
+                // waits for its report ([`Completion::Fenced`]).
+                let running = self
+                    .fenced
+                    .get(&volume)
+                    .is_some_and(|f| f["fence"].is_null());
+                if renewal == crate::agent::claims::Renewal::Restored && running {
+                    if let Some(f) = self.fenced.get_mut(&volume) {
+                        f["renewed"] = serde_json::json!(true);
+                    }
+                } else if renewal == crate::agent::claims::Renewal::Restored {
                     self.fenced.remove(&volume);
                     if let Some(m) = self.journal.mounts().get(&volume) {
                         let target = m.target.clone();
@@ -294,6 +312,46 @@ impl Core {
                 }
                 if let Some(f) = self.fenced.get_mut(&volume) {
                     f["fence"] = serde_json::json!(report);
+                }
+                // Renewed while the fence ran: the claim is still this node's, restore now.
+                if self
+                    .fenced
+                    .get(&volume)
+                    .is_some_and(|f| f["renewed"] == true)
+                {
+                    self.fenced.remove(&volume);
+                    if let Some(m) = self.journal.mounts().get(&volume) {
+                        let target = m.target.clone();
+                        self.journal.note(
+                            EventKind::Unfenced,
+                            &volume,
+                            serde_json::json!({"target": target}),
+                        );
+                        out.extend(self.mount_health.restore_fenced(
+                            &volume,
+                            &target,
+                            self.journal.users(),
+                        ));
+                    }
+                }
+            }
+            Completion::FenceWithdrawn {
+                volume,
+                lock_id,
+                sent,
+            } => {
+                let mounted_here = self.journal.mounts().contains_key(&volume);
+                let _ = self
+                    .claims
+                    .on_renewed(&volume, &lock_id, sent, Ok(()), mounted_here, now);
+                tracing::warn!(%volume, "fence withdrawn before it ran: a renewal that succeeded keeps the claim this node's (nothing was killed)");
+                if self.fenced.remove(&volume).is_some() {
+                    let target = self.journal.mounts().get(&volume).map(|m| m.target.clone());
+                    self.journal.note(
+                        EventKind::Unfenced,
+                        &volume,
+                        serde_json::json!({"target": target, "withdrawn": true}),
+                    );
                 }
             }
             Completion::ClaimReleased { volume, result } => {

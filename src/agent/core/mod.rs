@@ -330,13 +330,24 @@ impl Core {
     pub(crate) fn handle_all(&mut self, inputs: Vec<Input>, now: Instant) -> Vec<Effect> {
         self.now = now;
         let mut out = Vec::new();
-        // Leases first, before any input (a paused agent resumes here; docs/architecture.md,
+        // The renewals' outcomes first: the fence decides on every answer that has arrived
+        // (a renewal answered late still extends the lease from its sending).
+        let (renewals, inputs): (Vec<Input>, Vec<Input>) = inputs
+            .into_iter()
+            .partition(|i| matches!(i, Input::Done(Completion::ClaimRenewed { .. })));
+        for input in renewals {
+            self.apply(input, now, &mut out);
+        }
+        // Leases before any other input (a paused agent resumes here; docs/architecture.md,
         // "Fencing").
-        self.fence_due(now, &mut out);
+        let mut fences = Vec::new();
+        self.fence_due(now, &mut fences);
+        out.splice(0..0, fences);
         for input in inputs {
             self.apply(input, now, &mut out);
         }
         self.drive(now, &mut out);
+        out.extend(self.claims.orders());
         out
     }
 
@@ -510,7 +521,6 @@ impl Core {
                 .collect();
             out.extend(self.placeholders.list(now, namespaces, &self.retries));
         }
-        out.extend(self.claims.renewals(now));
         out.extend(
             self.mount_health
                 .tick(now, self.journal.mounts(), &self.mounted, &self.busy),
@@ -677,6 +687,8 @@ impl Core {
                         continue;
                     };
                     self.busy.insert(volume.clone());
+                    self.claims.releasing(&volume);
+                    out.extend(self.claims.orders());
                     out.push(Effect::ReleaseClaim { volume, lock_id });
                 }
             }
@@ -752,9 +764,11 @@ impl Core {
                 .claims
                 .lease_end(&volume)
                 .map(|end| end.saturating_duration_since(now).as_millis() as u64);
+            let lease_of = self.claims.lock_id(&volume).map(str::to_string);
             self.fence(
                 volume,
                 left,
+                lease_of,
                 "no renewal succeeded before its lease was about to end (another node may take it then)",
                 out,
             );
@@ -764,11 +778,13 @@ impl Core {
     /// Makes `volume` unwritable here now ([`Effect::Fence`], with the plugin's `fence` when
     /// it declares it), recorded in the journal, the log and the status. `lease_left_ms`: how
     /// long the claim's lease had left (`None` when the claim was released by an operator);
-    /// `why`: for the log.
+    /// `lease_of`: the lock whose lease is ending (a renewal of it that succeeded withdraws
+    /// the fence, [`Effect::Fence`]); `why`: for the log.
     fn fence(
         &mut self,
         volume: VolumeKey,
         lease_left_ms: Option<u64>,
+        lease_of: Option<String>,
         why: &str,
         out: &mut Vec<Effect>,
     ) {
@@ -801,6 +817,7 @@ impl Core {
             volume,
             target,
             plugin,
+            lease_of,
         });
     }
 

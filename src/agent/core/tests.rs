@@ -600,18 +600,28 @@ fn a_lost_claim_is_unpublished_and_then_forgotten() {
     // Not published before the claim is held.
     let e = h.feed(Input::Tick);
     assert_eq!(publishes(&e), 0);
-    h.feed(Input::Done(Completion::ClaimAcquired {
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
         volume: key("d"),
         result: Ok("lock".into()),
     }));
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
     let e = h.published("d");
     h.committed(&e);
-    let e = h.at(Duration::from_secs(5), Input::Tick);
-    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
-    let e = h.feed(Input::Done(Completion::ClaimRenewed {
-        volume: key("d"),
-        result: Err(ClaimError::Lost { volume: key("d") }),
-    }));
+    let sent = h.t + Duration::from_secs(5);
+    let e = h.at(
+        Duration::from_secs(5),
+        Input::Done(Completion::ClaimRenewed {
+            volume: key("d"),
+            lock_id: "lock".into(),
+            sent,
+            result: Err(ClaimError::Lost { volume: key("d") }),
+        }),
+    );
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::StopRenewing { volume } if *volume == key("d"))),
+        "{e:?}"
+    );
     assert_eq!(
         unpublishes(&e),
         1,
@@ -639,14 +649,18 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     );
     // The acquire was sent in the set-up pass (t0): lease end t0 + 2 x 15 + 15, fence at
     // t0 + 30 (margin 15 s).
-    h.feed(Input::Done(Completion::ClaimAcquired {
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
         volume: key("d"),
         result: Ok("lock".into()),
     }));
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
     let e = h.published("d");
     h.committed(&e);
     let e = h.at(Duration::from_secs(5), Input::Tick);
-    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })),
+        "renewals are the renewal thread's"
+    );
     let failed = || ClaimError::Nomad {
         volume: key("d"),
         source: crate::nomad::NomadError::Status {
@@ -655,10 +669,13 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
             body: "rpc error: failed to get conn: dial tcp 10.0.0.1:4647: i/o timeout".into(),
         },
     };
+    let sent = h.t;
     let e = h.at(
         Duration::from_secs(10),
         Input::Done(Completion::ClaimRenewed {
             volume: key("d"),
+            lock_id: "lock".into(),
+            sent,
             result: Err(failed()),
         }),
     );
@@ -667,10 +684,13 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
         "{e:?}"
     );
     // t0 + 30: the pass starts with the fence, whatever its input.
+    let sent = h.t;
     let e = h.at(
         Duration::from_secs(15),
         Input::Done(Completion::ClaimRenewed {
             volume: key("d"),
+            lock_id: "lock".into(),
+            sent,
             result: Err(failed()),
         }),
     );
@@ -705,12 +725,98 @@ fn a_claim_not_renewed_in_time_is_fenced_first_and_restored_by_a_renewal() {
     );
     let e = h.at(Duration::from_secs(5), Input::Tick);
     assert!(
-        e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })),
+        !e.iter().any(|x| matches!(x, Effect::StopRenewing { .. })),
         "renewals go on"
     );
+    let sent = h.t;
     let e = h.feed(Input::Done(Completion::ClaimRenewed {
         volume: key("d"),
+        lock_id: "lock".into(),
+        sent,
         result: Ok(()),
+    }));
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::Detach { target: t, .. } if t == &target("d"))),
+        "the fenced mount is detached to be published again: {e:?}"
+    );
+    assert_eq!(h.core.status()["claims"]["default/d"], "held");
+}
+
+/// Issue 50: a renewal that succeeded after the core decided a fence, found by the shell
+/// right before the fence runs, withdraws it: nothing is killed and nothing republished, the
+/// claim is held again with its lease from that renewal's sending. One that succeeds while
+/// the fence runs restores the volume once the fence's report is in, not before.
+#[test]
+fn a_late_renewal_withdraws_the_fence_or_restores_after_a_running_one() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let t0 = h.t;
+    let s = Duration::from_secs;
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok("lock".into()),
+    }));
+    let e = h.published("d");
+    h.committed(&e);
+    let restores = |e: &[Effect]| {
+        e.iter()
+            .any(|x| matches!(x, Effect::Detach { .. } | Effect::RestartAlloc { .. }))
+    };
+    // No renewal answered yet: the fence at t0 + 30, for the lease of lock "lock".
+    let e = h.at(s(30), Input::Tick);
+    assert!(
+        matches!(&e[0], Effect::Fence { lease_of: Some(l), .. } if l == "lock"),
+        "{e:?}"
+    );
+    // Right before it ran, the shell found a renewal sent at t0 + 25 that succeeded.
+    let e = h.feed(Input::Done(Completion::FenceWithdrawn {
+        volume: key("d"),
+        lock_id: "lock".into(),
+        sent: t0 + s(25),
+    }));
+    assert!(!restores(&e), "nothing to restore: {e:?}");
+    let st = h.core.status();
+    assert_eq!(st["claims"]["default/d"], "held", "{st}");
+    assert!(st["fenced"]["default/d"].is_null(), "{st}");
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        lock_id: "lock".into(),
+        sent: t0 + s(25),
+        result: Ok(()),
+    }));
+    assert!(
+        !restores(&e),
+        "the renewal's own report changes nothing: {e:?}"
+    );
+    // The lease from t0 + 25: the next fence at t0 + 55, and a renewal that succeeds
+    // while that fence runs.
+    let e = h.at(s(24), Input::Tick);
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::Fence { .. })),
+        "{e:?}"
+    );
+    let e = h.at(s(1), Input::Tick);
+    assert!(matches!(&e[0], Effect::Fence { .. }), "{e:?}");
+    let e = h.feed(Input::Done(Completion::ClaimRenewed {
+        volume: key("d"),
+        lock_id: "lock".into(),
+        sent: t0 + s(54),
+        result: Ok(()),
+    }));
+    assert!(
+        !restores(&e),
+        "not before the running fence's report: {e:?}"
+    );
+    let e = h.feed(Input::Done(Completion::Fenced {
+        volume: key("d"),
+        report: crate::node::fence::FenceReport {
+            target: target("d"),
+            read_only: true,
+            ..Default::default()
+        },
     }));
     assert!(
         e.iter()
@@ -817,17 +923,20 @@ fn an_operator_release_of_this_claim_fences_at_once() {
         &[("d", "single-node-writer")],
         vec![alloc(A1, &["d"], "running", "run")],
     );
-    h.feed(Input::Done(Completion::ClaimAcquired {
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
         volume: key("d"),
         result: Ok("lock".into()),
     }));
+    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
     let e = h.published("d");
     h.committed(&e);
-    let e = h.at(Duration::from_secs(5), Input::Tick);
-    assert!(e.iter().any(|x| matches!(x, Effect::RenewClaim { .. })));
+    h.at(Duration::from_secs(5), Input::Tick);
     // t0 + 5: the lease has 40 s left, its fence moment is 25 s away.
+    let sent = h.t;
     let e = h.feed(Input::Done(Completion::ClaimRenewed {
         volume: key("d"),
+        lock_id: "lock".into(),
+        sent,
         result: Err(ClaimError::ReleasedByOperator {
             volume: key("d"),
             claim_index: 42,
@@ -1127,7 +1236,7 @@ enum Owed {
     Unpublish(VolumeKey),
     Acquire(VolumeKey),
     Release(VolumeKey),
-    Renew(VolumeKey),
+    Renew(VolumeKey, String),
     Commit(u64, Vec<Owed>),
 }
 
@@ -1138,7 +1247,9 @@ fn owed(e: &[Effect], out: &mut Vec<Owed>) {
             Effect::Unpublish { mount, .. } => out.push(Owed::Unpublish(mount.volume.clone())),
             Effect::AcquireClaim { volume, .. } => out.push(Owed::Acquire(volume.clone())),
             Effect::ReleaseClaim { volume, .. } => out.push(Owed::Release(volume.clone())),
-            Effect::RenewClaim { volume, .. } => out.push(Owed::Renew(volume.clone())),
+            Effect::RenewClaim {
+                volume, lock_id, ..
+            } => out.push(Owed::Renew(volume.clone(), lock_id.clone())),
             Effect::Commit { commit, then } => {
                 let mut calls = Vec::new();
                 owed(then, &mut calls);
@@ -1285,19 +1396,24 @@ impl Twin {
                 },
                 "released",
             ),
-            Owed::Renew(v) => self.feed(
-                || {
-                    Input::Done(Completion::ClaimRenewed {
-                        volume: v.clone(),
-                        result: if ok {
-                            Ok(())
-                        } else {
-                            Err(ClaimError::Lost { volume: v.clone() })
-                        },
-                    })
-                },
-                "renewed",
-            ),
+            Owed::Renew(v, lock_id) => {
+                let t = self.t;
+                self.feed(
+                    || {
+                        Input::Done(Completion::ClaimRenewed {
+                            volume: v.clone(),
+                            lock_id: lock_id.clone(),
+                            sent: t,
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(ClaimError::Lost { volume: v.clone() })
+                            },
+                        })
+                    },
+                    "renewed",
+                )
+            }
             Owed::Commit(seq, calls) => {
                 self.feed(
                     || Input::Committed {

@@ -56,13 +56,25 @@ pub enum Completion {
         volume: VolumeKey,
         result: Result<claims::Acquired, ClaimError>,
     },
+    /// A renewal by the renewal thread ([`crate::agent::renewer`]) of the claim under
+    /// `lock_id`, sent at `sent` (the core's clock: the lease counts from here).
     ClaimRenewed {
         volume: VolumeKey,
+        lock_id: String,
+        sent: std::time::Instant,
         result: Result<(), ClaimError>,
     },
     ClaimReleased {
         volume: VolumeKey,
         result: Result<(), ClaimError>,
+    },
+    /// A fence was not run: right before it, the renewal thread's evidence showed a
+    /// renewal of `lock_id`, sent at `sent`, that succeeded and keeps the lease beyond the
+    /// fence moment (nothing was killed or remounted).
+    FenceWithdrawn {
+        volume: VolumeKey,
+        lock_id: String,
+        sent: std::time::Instant,
     },
     /// One allocation read from Nomad (`None`: it does not exist).
     AllocFetched {
@@ -901,19 +913,6 @@ async fn fence_at_storage(
         }
     }
     Ok(())
-}
-
-/// Renews a held claim (acquired at the claim's ModifyIndex `acquired_index`, when known).
-pub async fn renew_claim(
-    client: Client,
-    trust: crate::cluster::trust::RecordTrust,
-    volume: VolumeKey,
-    lock_id: String,
-    node_id: String,
-    acquired_index: Option<u64>,
-) -> Completion {
-    let result = claims::renew(&client, &trust, &volume, &lock_id, &node_id, acquired_index).await;
-    Completion::ClaimRenewed { volume, result }
 }
 
 /// Releases a claim.
