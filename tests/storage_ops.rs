@@ -380,6 +380,23 @@ async fn snapshot_and_growth_commands_record_requests_and_refuse_what_cannot_be_
     ]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("already exists with this spec"), "{out}");
+    // Issue 46 #1: the size the volume has, given again, withdraws the growth not yet made
+    // (it was "cannot shrink below its current 134217728 bytes" while status said 64 MiB).
+    std::fs::write(&path, &spec).unwrap();
+    let (code, out) = c.cli(&[
+        "volume",
+        "create",
+        path.to_str().unwrap(),
+        "--detach",
+        "--plugin-dir",
+        plugins,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("withdrawn: it stays 64.0 MiB"), "{out}");
+    let rec = read(&client, "data").await;
+    assert_eq!((rec.spec.capacity_min, rec.expansion), (64 << 20, None));
+    let (_, out) = c.cli(&["volume", "status", "data"]);
+    assert!(!out.contains("expand to"), "{out}");
 
     // A pending snapshot the plugin never made is deleted at once.
     let (code, out) = c.cli(&["volume", "snapshot", "delete", &id, "--detach"]);
@@ -1146,4 +1163,120 @@ async fn exec_tasks_run_as_nobody_unless_they_set_a_user() {
     .await;
     assert_eq!(read(roots.join("uid")), "0");
     stop(&c, &job, 0, "roots").await;
+}
+
+/// Issue 46 #1: a single-node volume published on one node while a job on the other node
+/// waits for its claim. Both placeholders list an allocation (Nomad denormalizes every
+/// non-terminal allocation that asks for the volume), and `volume snapshot create` used the
+/// first one listed, so the snapshot ran on the waiting node, without the writer's freeze,
+/// whenever that node's placeholder ID sorted first. Run with each order of the placeholder
+/// IDs (`waiter_listed_first`: the waiting node's placeholder is the first Nomad lists); the
+/// snapshot runs on the node whose mount table has the volume, and the command says so.
+async fn a_snapshot_runs_where_the_volume_is_mounted(waiter_listed_first: bool) {
+    let c = Cluster::start(2).await;
+    let export = c.export.display().to_string();
+    c.create_volume_with(
+        "held",
+        "single-node-writer",
+        "bind",
+        &[("export", &export), NOBODY_UID, NOBODY_GID],
+        &[],
+        "",
+    );
+    // Both placeholders, in the order Nomad lists them (by ID).
+    let placeholders = c
+        .wait_for(30, "a ready placeholder of held on each node", || async {
+            let mut v: Vec<(String, String)> = c
+                .get("/v1/volumes?type=host&namespace=default")
+                .await
+                .as_array()?
+                .iter()
+                .filter(|v| v["Name"] == "held" && v["State"] == "ready")
+                .map(|v| {
+                    (
+                        v["ID"].as_str().unwrap_or_default().to_string(),
+                        v["NodeID"].as_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect();
+            v.sort();
+            (v.len() == 2).then_some(v)
+        })
+        .await;
+    let (first, last) = (&placeholders[0], &placeholders[1]);
+    let (waiter_ph, publisher_ph) = if waiter_listed_first {
+        (first, last)
+    } else {
+        (last, first)
+    };
+    let p = c.node_index(&publisher_ph.1);
+    let w = c.node_index(&waiter_ph.1);
+    let job = c
+        .run_job(&storage_job(
+            &c,
+            "holder",
+            "held",
+            &c.nodes[p].name,
+            "echo before > /data/state",
+        ))
+        .await;
+    file(&c, c.target(p, "held").join("state"), "the holder's write").await;
+    // Node p's record says the volume is published there (the CLI reads node records).
+    let record = format!(
+        "/v1/var/dhv-binder/nodes/{}?namespace=default",
+        c.nodes[p].id
+    );
+    c.wait_for(30, "the publisher's node record", || async {
+        let v = c.get(&record).await;
+        let rec: serde_json::Value = serde_json::from_str(v["Items"]["record"].as_str()?).ok()?;
+        (rec["volumes"]["default/held"]["state"] == "published").then_some(())
+    })
+    .await;
+    c.run_job(&storage_job(&c, "waiter", "held", &c.nodes[w].name, "true"))
+        .await;
+    // The waiter's allocation is on its node's placeholder, and its prestart waits.
+    let waiter_ph_path = format!("/v1/volume/host/{}?namespace=default", waiter_ph.0);
+    c.wait_for(60, "the waiting allocation on its placeholder", || async {
+        let v = c.get(&waiter_ph_path).await;
+        (!v["Allocations"].as_array()?.is_empty()).then_some(())
+    })
+    .await;
+    let (code, out) = c.cli(&["volume", "snapshot", "create", "held", "during-wait"]);
+    assert_eq!(code, 0, "{out}");
+    let id = out
+        .split_whitespace()
+        .find(|w| uuid::Uuid::parse_str(w).is_ok())
+        .unwrap_or_else(|| panic!("no snapshot ID in {out}"))
+        .to_string();
+    let client = Client::new(&Args::parse_from(["t", "--address", &c.server]).nomad).unwrap();
+    let var = client
+        .variable("default", &snapshot::record_path(&id))
+        .await
+        .unwrap()
+        .unwrap();
+    let snap = SnapshotRecord::from_variable(&var).unwrap();
+    assert_eq!(snap.state, VolumeState::Ready, "{snap:?}");
+    assert_eq!(
+        snap.worker_node, c.nodes[p].id,
+        "the snapshot ran on node {} (the waiting one is {}, the publisher {}): {out}",
+        snap.worker_node, c.nodes[w].id, c.nodes[p].id
+    );
+    let publisher = format!("node {} (the volume is mounted there)", c.nodes[p].name);
+    assert!(out.contains(&publisher), "{publisher:?} not in: {out}");
+    assert!(
+        out.contains(&format!("taken on node {}", c.nodes[p].name)),
+        "{out}"
+    );
+    c.stop_job("waiter", false).await;
+    stop(&c, &job, p, "held").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_runs_where_the_volume_is_mounted_when_the_waiter_is_listed_first() {
+    a_snapshot_runs_where_the_volume_is_mounted(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_runs_where_the_volume_is_mounted_when_the_waiter_is_listed_last() {
+    a_snapshot_runs_where_the_volume_is_mounted(false).await;
 }

@@ -7,9 +7,10 @@
 //! operation refuses it the same way, and the command reports that.
 
 use super::output::{bytes, table, OutputArgs};
-use super::records::{read_record, users_of, SigningArgs};
+use super::records::{read_record, SigningArgs};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
 use crate::cluster::expansion::{self, ExpansionState, Update};
+use crate::cluster::nodes::{Liveness, NodeRecord};
 use crate::cluster::snapshot::{self, SnapshotRecord, SNAPSHOT_PREFIX};
 use crate::cluster::trust::SigningKey;
 use crate::nomad::Client;
@@ -317,7 +318,8 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                 return Err(unsigned_request("a snapshot of", &vol.key().to_string()));
             }
             let mut snap = SnapshotRecord::new(&vol, name.as_deref().unwrap_or(""), now());
-            snap.worker_node = published_on(client, &vol.spec.namespace, &vol.spec.name).await?;
+            let on = place(client, &vol, Capability::Snapshot).await?;
+            snap.worker_node = on.node_id.clone();
             // Nodes take the snapshot only if the request verifies: the signature binds its
             // source volume (name and ID), so it cannot be re-pointed at another volume.
             if let Some(k) = &key {
@@ -326,7 +328,12 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             crate::cluster::worker::put_cas(client, &snap.to_variable(), 0)
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
-            outln!("==> Snapshot {} of volume {} requested", snap.id, vol.key());
+            outln!(
+                "==> Snapshot {} of volume {} requested, to run on {}",
+                snap.id,
+                vol.key(),
+                on.describe()
+            );
             if detach {
                 return Ok(());
             }
@@ -343,7 +350,12 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                     format!("snapshot {} failed: {} (delete it with `dhv-binder volume snapshot delete {}`)", done.id, done.error, done.id),
                 ));
             }
-            outln!("==> Snapshot {} is ready ({})", done.id, bytes(done.bytes));
+            outln!(
+                "==> Snapshot {} is ready ({}), taken on node {}",
+                done.id,
+                bytes(done.bytes),
+                node_name(client, &done.worker_node).await
+            );
             Ok(())
         }
         SnapshotCommand::List {
@@ -524,8 +536,9 @@ pub async fn create_existing(
             // The new size is part of the signed spec: nodes grow a volume only up to it.
             expansion::request(&mut rec, to);
             rec.spec.capacity_max = spec.capacity_max;
+            let on = place(client, &rec, Capability::Expand).await?;
             if let Some(x) = rec.expansion.as_mut() {
-                x.node = published_on(client, &rec.spec.namespace, &rec.spec.name).await?;
+                x.node = on.node_id.clone();
             }
             match key {
                 Some(k) => k.sign(&mut rec),
@@ -541,10 +554,11 @@ pub async fn create_existing(
                 .await
                 .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
             outln!(
-                "==> Expansion of volume {} from {} to {} requested",
+                "==> Expansion of volume {} from {} to {} requested, to run on {}",
                 rec.key(),
                 bytes(from),
-                bytes(to)
+                bytes(to),
+                on.describe()
             );
             if detach {
                 return Ok(());
@@ -569,30 +583,184 @@ pub async fn create_existing(
                     outln!("==> Volume {key} is now {}", super::output::bytes(bytes));
                     Ok(())
                 }
-                Err(e) => Err(Failure::new(EXIT_FAILED, format!("expand failed: {e}"))),
+                Err(e) => Err(Failure::new(
+                    EXIT_FAILED,
+                    format!("expand failed on {}: {e} (ask again with the same spec to retry, placed anew; give the size it has, {}, to withdraw it)", on.describe(), bytes(from)),
+                )),
             }
+        }
+        Update::Withdraw { pending, to } => {
+            expansion::withdraw(&mut rec, to);
+            rec.spec.capacity_max = spec.capacity_max;
+            match key {
+                Some(k) => k.sign(&mut rec),
+                None if !rec.signature.is_empty() => {
+                    return Err(Failure::new(
+                        EXIT_CONFIG,
+                        format!("volume {} is signed and withdrawing its growth changes its spec: give the operator's key (--signing-key or DHV_BINDER_SIGNING_KEY)", rec.key()),
+                    ))
+                }
+                None => {}
+            }
+            crate::cluster::worker::put_cas(client, &rec.to_variable(), rec.modify_index)
+                .await
+                .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            outln!(
+                "==> Growth of volume {} to {} withdrawn: it stays {}",
+                rec.key(),
+                bytes(pending),
+                bytes(rec.capacity_bytes.max(to))
+            );
+            Ok(())
         }
     }
 }
 
-/// The node where a volume is published (the first, for a multi-node volume), from the
-/// allocations its placeholders list; `""` when none. An operation request names it so
-/// that only that node runs it, where the plugin can quiesce or grow the mounted volume.
-async fn published_on(client: &Client, namespace: &str, name: &str) -> Result<String, Failure> {
-    Ok(users_of(client, namespace, name)
-        .await?
-        .into_iter()
-        .map(|u| u.node_id)
-        .next()
-        .unwrap_or_default())
+/// A node's name from its record, for messages; its ID when it has no record (or `""`).
+async fn node_name(client: &Client, node_id: &str) -> String {
+    if node_id.is_empty() {
+        return "(none)".into();
+    }
+    match crate::cluster::nodes::list(client).await {
+        Ok((records, _)) => records
+            .into_iter()
+            .find(|r| r.node_id == node_id && !r.node_name.is_empty())
+            .map_or_else(|| node_id.to_string(), |r| r.node_name),
+        Err(_) => node_id.to_string(),
+    }
 }
 
-/// For a clone: the node where its source volume is published (`""` when none, or for a
-/// volume without a clone source).
-pub async fn source_node(client: &Client, spec: &VolumeSpec) -> Result<String, Failure> {
+/// Where a storage operation on a volume runs, and why (the CLI says so).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The node's ID, as the request names it (`""`: any node with the plugin takes it).
+    pub node_id: String,
+    /// The node's name for messages (its ID when its record has none).
+    pub node_name: String,
+    /// Why that node: `the volume is mounted there`, ...
+    pub why: String,
+}
+
+impl Placement {
+    /// One line for the CLI: `node node-1 (the volume is mounted there)`.
+    pub fn describe(&self) -> String {
+        if self.node_id.is_empty() {
+            format!("any node with the plugin ({})", self.why)
+        } else {
+            format!("node {} ({})", self.node_name, self.why)
+        }
+    }
+}
+
+/// Decides where an operation on `rec` (namespace/name) runs, from the node records
+/// (`dhv-binder/nodes/<id>`, each written by its node's agent from its journal and mount
+/// table, [`crate::cluster::nodes`]): the node whose record says the volume is `published`
+/// there (mounted: the plugin quiesces or grows it under its users; the first by name of a
+/// multi-node volume), or one where a publish or unpublish of it is under way (the agent
+/// runs the operation there once it settles). When no node has it: a live node serving the
+/// plugin that can reach its storage, the one that last published it, else the one that
+/// created it; else any node with the plugin. Never the node of an allocation that only
+/// waits for the volume (its placeholder lists it, but nothing is mounted there).
+/// `now` in Unix seconds.
+pub fn placement(
+    records: &[NodeRecord],
+    rec: &VolumeRecord,
+    cap: Capability,
+    now: u64,
+) -> Placement {
+    let key = rec.key().to_string();
+    let name_of = |r: &NodeRecord| {
+        if r.node_name.is_empty() {
+            r.node_id.clone()
+        } else {
+            r.node_name.clone()
+        }
+    };
+    let stale = |r: &NodeRecord| {
+        if r.liveness(now) == Liveness::Stale {
+            "; its agent's node record is stale: the operation waits for that agent"
+        } else {
+            ""
+        }
+    };
+    for (state, why) in [
+        ("published", "the volume is mounted there"),
+        ("publishing", "the volume is being published there"),
+        ("unpublishing", "the volume is being unpublished there"),
+    ] {
+        if let Some(r) = records
+            .iter()
+            .find(|r| r.volumes.get(&key).is_some_and(|v| v.state == state))
+        {
+            return Placement {
+                node_id: r.node_id.clone(),
+                node_name: name_of(r),
+                why: format!("{why}{}", stale(r)),
+            };
+        }
+    }
+    let cap = cap.to_string();
+    let can = |r: &NodeRecord| {
+        r.can_serve(&rec.spec.plugin_id, &rec.spec.node_pool, now)
+            && r.plugins
+                .get(&rec.spec.plugin_id)
+                .and_then(|p| p.capabilities.as_ref())
+                .is_none_or(|c| c.iter().any(|c| *c == cap))
+    };
+    let last_publisher = records
+        .iter()
+        .filter(|r| can(r))
+        .filter_map(|r| {
+            let t = r
+                .history
+                .get(&key)?
+                .iter()
+                .filter(|e| e.event == "publish" && e.ok)
+                .map(|e| e.time)
+                .max()?;
+            Some((t, r))
+        })
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, r)| r);
+    if let Some(r) = last_publisher {
+        return Placement {
+            node_id: r.node_id.clone(),
+            node_name: name_of(r),
+            why: "the volume is mounted nowhere; that node published it last".into(),
+        };
+    }
+    if let Some(r) = records
+        .iter()
+        .find(|r| r.node_id == rec.worker_node && can(r))
+    {
+        return Placement {
+            node_id: r.node_id.clone(),
+            node_name: name_of(r),
+            why: "the volume is mounted nowhere; that node created it".into(),
+        };
+    }
+    Placement {
+        node_id: String::new(),
+        node_name: String::new(),
+        why: "the volume is mounted nowhere".into(),
+    }
+}
+
+/// [`placement`] from the node records read now.
+async fn place(client: &Client, rec: &VolumeRecord, cap: Capability) -> Result<Placement, Failure> {
+    let (records, _) = crate::cluster::nodes::list(client).await?;
+    Ok(placement(&records, rec, cap, now()))
+}
+
+/// For a clone: where it is made, from where its source is ([`placement`]); `None` for a
+/// volume without a clone source.
+pub async fn source_node(client: &Client, spec: &VolumeSpec) -> Result<Option<Placement>, Failure> {
     match &spec.source {
-        VolumeSource::CloneId(name) => published_on(client, &spec.namespace, name).await,
-        _ => Ok(String::new()),
+        VolumeSource::CloneId(name) => {
+            let source = read_record(client, &spec.namespace, name).await?;
+            Ok(Some(place(client, &source, Capability::Clone).await?))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -657,6 +825,103 @@ impl From<crate::cluster::worker::TakeError> for Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn node(id: &str, state: Option<&str>) -> NodeRecord {
+        let mut r = NodeRecord::new(id, &format!("name-{id}"), "default");
+        r.last_seen = 1000;
+        r.plugins.insert(
+            "ext4".into(),
+            crate::cluster::nodes::PluginInfo {
+                version: "1".into(),
+                deferred_bind: true,
+                healthy: true,
+                capabilities: Some(vec!["snapshot".into(), "expand".into()]),
+                ..Default::default()
+            },
+        );
+        if let Some(s) = state {
+            r.volumes.insert(
+                "default/data".into(),
+                crate::cluster::nodes::NodeVolume {
+                    state: s.into(),
+                    ..Default::default()
+                },
+            );
+        }
+        r
+    }
+
+    /// Issue 46 #1: the node whose record says the volume is mounted runs the operation,
+    /// whatever the order of the records (a node that only waits for the claim lists the
+    /// waiting allocation on its placeholder, but has nothing mounted); when no node has it
+    /// mounted, the node that published it last, else the one that created it, else any.
+    #[test]
+    fn an_operation_runs_where_the_volume_is_mounted_else_where_its_storage_was() {
+        let (spec, _) = crate::volume::parse_spec("name = \"data\"\nplugin_id = \"ext4\"").unwrap();
+        let mut rec = VolumeRecord::new(spec, BTreeMap::new());
+        rec.worker_node = "c".into();
+        let mut waiting = node("a", None);
+        waiting.volumes.insert(
+            "default/data".into(),
+            crate::cluster::nodes::NodeVolume {
+                waiting: "the single-node claim is held by node name-b".into(),
+                ..Default::default()
+            },
+        );
+        for records in [
+            vec![
+                waiting.clone(),
+                node("b", Some("published")),
+                node("c", None),
+            ],
+            vec![
+                node("c", None),
+                node("b", Some("published")),
+                waiting.clone(),
+            ],
+        ] {
+            let p = placement(&records, &rec, Capability::Snapshot, 1010);
+            assert_eq!(p.node_id, "b", "{p:?}");
+            assert_eq!(p.describe(), "node name-b (the volume is mounted there)");
+        }
+        // Mounted nowhere: the last publisher that can run it, else the creator, else any.
+        let mut last = node("a", None);
+        last.history.insert(
+            "default/data".into(),
+            vec![crate::cluster::nodes::NodeEvent {
+                time: 900,
+                event: "publish".into(),
+                ok: true,
+                ..Default::default()
+            }],
+        );
+        let p = placement(
+            &[last.clone(), node("c", None)],
+            &rec,
+            Capability::Expand,
+            1010,
+        );
+        assert_eq!(p.node_id, "a", "{p:?}");
+        let p = placement(
+            &[node("a", None), node("c", None)],
+            &rec,
+            Capability::Expand,
+            1010,
+        );
+        assert_eq!(p.node_id, "c", "{p:?}");
+        assert!(p.describe().contains("created it"), "{p:?}");
+        // The creator is stale: any node with the plugin takes it.
+        let mut gone = node("c", None);
+        gone.last_seen = 0;
+        let p = placement(&[node("a", None), gone], &rec, Capability::Expand, 1010);
+        assert_eq!(p.node_id, "", "{p:?}");
+        // Mounted on a node whose agent is stale: still there (not torn elsewhere), said so.
+        let mut stale = node("b", Some("published"));
+        stale.last_seen = 0;
+        let p = placement(&[node("a", None), stale], &rec, Capability::Snapshot, 1010);
+        assert_eq!(p.node_id, "b");
+        assert!(p.why.contains("stale"), "{p:?}");
+    }
 
     #[tokio::test]
     async fn an_undeclared_operation_is_refused_naming_plugin_and_capability() {

@@ -873,8 +873,20 @@ async fn create(
             escape_control(&old.error)
         );
     }
-    // A clone is made where its source is published, so the plugin can quiesce it.
-    rec.worker_node = storage::source_node(client, &rec.spec).await?;
+    // A clone is made where its source is mounted, so the plugin can quiesce it (or where
+    // its storage is reachable when it is mounted nowhere), by a node of the clone's pool.
+    if let Some(on) = storage::source_node(client, &rec.spec).await? {
+        let now = super::output::now_unix();
+        let serves = |id: &str| {
+            records.iter().any(|r| {
+                r.node_id == id && r.can_serve(&rec.spec.plugin_id, &rec.spec.node_pool, now)
+            })
+        };
+        if on.node_id.is_empty() || serves(&on.node_id) {
+            outln!("==> The clone is made on {}", on.describe());
+            rec.worker_node = on.node_id;
+        }
+    }
     if let Some(k) = &key {
         k.sign(&mut rec);
     }

@@ -19,6 +19,8 @@ pub use crate::volume::{Expansion, ExpansionState};
 pub enum UpdateError {
     #[error("volume {volume} exists with a different {field}: only capacity_min and capacity_max can change on an existing volume (delete it and create it again, or use clone_id)")]
     Immutable { volume: String, field: &'static str },
+    /// `current` is the size the volume has (what `volume status` shows), not a growth
+    /// still pending.
     #[error("volume {volume} cannot shrink: capacity_min {asked} bytes is below its current {current} bytes (shrinking a filesystem is not supported; create a smaller volume and copy the data)")]
     Shrink {
         volume: String,
@@ -33,6 +35,13 @@ pub enum UpdateError {
     },
     #[error("volume {volume} is {state}: it can grow once it is ready")]
     NotReady { volume: String, state: &'static str },
+    /// A growth is running on a node: it can be neither withdrawn nor replaced now.
+    #[error("volume {volume} is growing to {bytes} bytes on node {node} now: wait for it to finish (`dhv-binder volume status`), then give the spec again")]
+    Running {
+        volume: String,
+        bytes: u64,
+        node: String,
+    },
 }
 
 /// What applying a spec again does.
@@ -42,6 +51,10 @@ pub enum Update {
     Unchanged,
     /// Grow from the current size to `to` bytes.
     Grow { from: u64, to: u64 },
+    /// Withdraw the pending growth to `pending` bytes (requested, waiting for the next
+    /// publish, or failed): the spec's `capacity_min` goes back to `to` (at least the
+    /// volume's current size), and nothing grows.
+    Withdraw { pending: u64, to: u64 },
 }
 
 /// Compares a spec given again with the existing record: growth, no change, or refusal.
@@ -83,10 +96,32 @@ pub fn plan_update(existing: &VolumeRecord, new: &VolumeSpec) -> Result<Update, 
         });
     }
     if new.capacity_min < old.capacity_min {
+        // Back to the size the volume has: withdraws a growth not yet applied (the record's
+        // spec says the growth's size until then, `volume status` the volume's).
+        match &existing.expansion {
+            Some(x) if new.capacity_min >= current && x.state == ExpansionState::Running => {
+                return Err(UpdateError::Running {
+                    volume,
+                    bytes: x.bytes,
+                    node: x.node.clone(),
+                })
+            }
+            Some(x) if new.capacity_min >= current => {
+                return Ok(Update::Withdraw {
+                    pending: x.bytes,
+                    to: new.capacity_min,
+                })
+            }
+            _ => {}
+        }
         return Err(UpdateError::Shrink {
             volume,
             asked: new.capacity_min,
-            current: current.max(old.capacity_min),
+            current: if new.capacity_min < current {
+                current
+            } else {
+                old.capacity_min
+            },
         });
     }
     if new.capacity_min <= current {
@@ -110,6 +145,14 @@ pub fn plan_update(existing: &VolumeRecord, new: &VolumeSpec) -> Result<Update, 
         from: current,
         to: new.capacity_min,
     })
+}
+
+/// Withdraws `rec`'s pending growth as `volume create` with the smaller size asks: the
+/// spec's `capacity_min` becomes `to` (the operator signs the spec again), and the request
+/// is gone (a publish held for it goes ahead).
+pub fn withdraw(rec: &mut VolumeRecord, to: u64) {
+    rec.spec.capacity_min = to;
+    rec.expansion = None;
 }
 
 /// Records a growth of `rec` to `to` bytes as `volume create` requests it: the spec's
@@ -374,6 +417,50 @@ mod tests {
             plan_update(&pending, &spec),
             Err(UpdateError::NotReady { .. })
         ));
+    }
+
+    /// Issue 46 #1: a growth that failed (or still waits) is withdrawn by giving the size
+    /// the volume has again, and a real shrink names the size `volume status` shows, not
+    /// the pending growth's; a growth that runs now can only be waited for.
+    #[test]
+    fn a_pending_or_failed_growth_is_withdrawn_and_a_shrink_names_the_real_size() {
+        let mut rec = ready(64 << 20, 64 << 20);
+        request(&mut rec, 128 << 20);
+        rec.expansion.as_mut().unwrap().state = ExpansionState::Failed;
+        let mut spec = rec.spec.clone();
+        spec.capacity_min = 64 << 20;
+        assert_eq!(
+            plan_update(&rec, &spec),
+            Ok(Update::Withdraw {
+                pending: 128 << 20,
+                to: 64 << 20
+            })
+        );
+        // The failed growth asked again: a new request (placed again by the CLI).
+        spec.capacity_min = 128 << 20;
+        assert_eq!(
+            plan_update(&rec, &spec),
+            Ok(Update::Grow {
+                from: 64 << 20,
+                to: 128 << 20
+            })
+        );
+        spec.capacity_min = 32 << 20;
+        let e = plan_update(&rec, &spec).unwrap_err();
+        assert!(
+            e.to_string().contains("below its current 67108864 bytes"),
+            "{e}"
+        );
+        let x = rec.expansion.as_mut().unwrap();
+        x.state = ExpansionState::Running;
+        x.node = "n2".into();
+        spec.capacity_min = 64 << 20;
+        let e = plan_update(&rec, &spec).unwrap_err();
+        assert!(matches!(e, UpdateError::Running { .. }), "{e}");
+        assert!(e.to_string().contains("node n2"), "{e}");
+        let mut done = rec.clone();
+        withdraw(&mut done, 64 << 20);
+        assert_eq!((done.spec.capacity_min, done.expansion), (64 << 20, None));
     }
 
     fn fp(caps: &[&str]) -> Fingerprint {

@@ -54,7 +54,8 @@ pub struct SnapshotRecord {
     pub bytes: u64,
     /// Unix seconds when it was requested.
     pub created_at: u64,
-    /// Node running `snapshot_create` or `snapshot_delete` right now.
+    /// Node running `snapshot_create` or `snapshot_delete` right now; after a
+    /// `snapshot_create`, the node that ran it (`volume snapshot create` says which).
     pub worker_node: String,
     /// Last error (redacted).
     pub error: String,
@@ -469,7 +470,8 @@ pub async fn run_create(
             snap.error = plugin::redact(&e.to_string(), &vol.secrets);
         }
     }
-    snap.worker_node.clear();
+    // Kept: the node that ran it (a ready or failed snapshot is no node's work any more).
+    snap.worker_node = node.node_id.clone();
     Ok(snap)
 }
 
