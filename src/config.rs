@@ -403,6 +403,82 @@ impl NomadConfig {
     }
 }
 
+/// The Nomad settings `dhv-binder agent` uses, and what it set aside
+/// ([`NomadConfig::for_agent`]).
+#[derive(Debug, Clone)]
+pub struct AgentNomad {
+    /// The settings to build the agent's client from.
+    pub config: NomadConfig,
+    /// One line per setting set aside, saying why and what to do instead.
+    pub set_aside: Vec<String>,
+}
+
+impl NomadConfig {
+    /// What `dhv-binder agent` makes of the Nomad settings, most of which may come from a
+    /// Nomad client's own environment: a client passes its `NOMAD_*` variables to the
+    /// raw_exec and exec tasks it starts, all but `NOMAD_TOKEN` and `NOMAD_LICENSE*`
+    /// (`client/allocrunner/taskrunner/task_dir_hook.go` `setEnvvars`,
+    /// `client/taskenv/env.go` `SetHostEnvvars`, deny list
+    /// `command/agent/host/host.go` `DefaultEnvDenyList`); the task's own `env` block and
+    /// `NOMAD_REGION`/`NOMAD_NAMESPACE` (set from the allocation) win over them
+    /// (`Builder.buildEnv`). So, for the agent:
+    /// - `NOMAD_SKIP_VERIFY` from the environment (`skip_verify_from_env`) is set aside:
+    ///   TLS certificates stay verified; only `--tls-skip-verify` on the command line turns
+    ///   the check off (testing only);
+    /// - with a `unix://` address (the Task API socket) and no `fallback_addresses`, the TLS
+    ///   settings (`NOMAD_CACERT`, `NOMAD_CAPATH`, `NOMAD_CLIENT_CERT`, `NOMAD_CLIENT_KEY`,
+    ///   `NOMAD_TLS_SERVER_NAME`, `NOMAD_SKIP_VERIFY`) and `NOMAD_HTTP_AUTH` are set aside:
+    ///   nothing on a socket uses them, a file the task cannot read (an exec task's chroot)
+    ///   must not stop the agent, and a proxy's password is not sent to the local agent;
+    /// - with fallback addresses they apply to those (`https://` servers).
+    pub fn for_agent(
+        &self,
+        skip_verify_from_env: bool,
+        fallback_addresses: &[String],
+    ) -> AgentNomad {
+        let mut config = self.clone();
+        let mut set_aside = Vec::new();
+        if config.skip_verify && skip_verify_from_env {
+            config.skip_verify = false;
+            set_aside.push("NOMAD_SKIP_VERIFY is set in the environment (a Nomad client passes its own NOMAD_* variables to the raw_exec and exec tasks it starts): TLS certificates are verified anyway; to turn the check off for the agent (testing only), pass --tls-skip-verify".to_string());
+        }
+        let socket_only = matches!(Endpoint::parse(&config.address), Ok(Endpoint::Unix(_)))
+            && fallback_addresses.iter().all(|a| a.trim().is_empty());
+        if socket_only {
+            let mut unused = Vec::new();
+            if config.ca_cert.take().is_some() {
+                unused.push("NOMAD_CACERT");
+            }
+            if config.ca_path.take().is_some() {
+                unused.push("NOMAD_CAPATH");
+            }
+            if config.client_cert.take().is_some() {
+                unused.push("NOMAD_CLIENT_CERT");
+            }
+            if config.client_key.take().is_some() {
+                unused.push("NOMAD_CLIENT_KEY");
+            }
+            if config.tls_server_name.take().is_some() {
+                unused.push("NOMAD_TLS_SERVER_NAME");
+            }
+            if std::mem::take(&mut config.skip_verify) {
+                unused.push("NOMAD_SKIP_VERIFY");
+            }
+            if config.http_auth.take().is_some() {
+                unused.push("NOMAD_HTTP_AUTH");
+            }
+            if !unused.is_empty() {
+                set_aside.push(format!(
+                    "{} not used: NOMAD_ADDR is the Task API socket {} and no --fallback-address is set (a Nomad client passes its own NOMAD_* variables to the tasks it starts)",
+                    unused.join(", "),
+                    config.address
+                ));
+            }
+        }
+        AgentNomad { config, set_aside }
+    }
+}
+
 impl AgentConfig {
     /// Checks the settings without touching the filesystem.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -566,5 +642,65 @@ mod tests {
             agent(&["--claim-fence-margin", "0s"]).validate(),
             Err(ConfigError::Zero { .. })
         ));
+    }
+
+    /// Issue 45 #7: what the agent makes of NOMAD_* variables it may have inherited from
+    /// its Nomad client. An inherited NOMAD_SKIP_VERIFY does not turn TLS verification off
+    /// (only --tls-skip-verify does); over the Task API socket without fallbacks the TLS
+    /// settings and the proxy password are set aside (an unreadable inherited CA path no
+    /// longer stops the agent); with fallback servers they apply to those.
+    #[test]
+    fn the_agent_sets_aside_what_a_nomad_client_passes_down() {
+        let inherited = NomadConfig {
+            ca_cert: Some("/etc/nomad.d/ca.pem".into()),
+            client_cert: Some("/etc/nomad.d/cli.pem".into()),
+            client_key: Some("/etc/nomad.d/cli-key.pem".into()),
+            http_auth: Some("proxy:secret".into()),
+            skip_verify: true,
+            ..NomadConfig::plain("https://127.0.0.1:4646")
+        };
+        let a = inherited.for_agent(true, &[]);
+        assert!(!a.config.skip_verify, "inherited: verification stays on");
+        assert_eq!(a.config.ca_cert, inherited.ca_cert, "TCP: the CA applies");
+        assert_eq!(a.set_aside.len(), 1, "{:?}", a.set_aside);
+        assert!(
+            a.set_aside[0].contains("--tls-skip-verify"),
+            "{:?}",
+            a.set_aside
+        );
+        let flag = inherited.for_agent(false, &[]);
+        assert!(
+            flag.config.skip_verify,
+            "--tls-skip-verify on the command line"
+        );
+        assert!(flag.set_aside.is_empty());
+
+        let socket = NomadConfig {
+            address: "unix:///alloc/secrets/api.sock".into(),
+            ..inherited.clone()
+        };
+        let a = socket.for_agent(true, &[]);
+        assert_eq!(
+            (
+                &a.config.ca_cert,
+                &a.config.client_cert,
+                &a.config.client_key,
+                &a.config.http_auth,
+                a.config.skip_verify
+            ),
+            (&None, &None, &None, &None, false)
+        );
+        assert!(
+            a.set_aside[1].starts_with(
+                "NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY, NOMAD_HTTP_AUTH not used"
+            ),
+            "{:?}",
+            a.set_aside
+        );
+        // With fallback servers, the TLS settings are theirs.
+        let a = socket.for_agent(false, &["https://nomad-1:4646".to_string()]);
+        assert_eq!(a.config.ca_cert, inherited.ca_cert);
+        assert_eq!(a.config.http_auth, inherited.http_auth);
+        assert!(a.config.skip_verify);
     }
 }

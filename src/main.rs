@@ -60,8 +60,17 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 message: e.to_string(),
             })?;
             init_tracing(cfg.log_format);
-            let client = dhv_binder::nomad::Client::new(&cli.nomad)?
-                .with_fallbacks(&cli.nomad, &cfg.fallback_addresses)?;
+            // A Nomad client passes its own NOMAD_* variables to the tasks it starts: what
+            // the agent sets aside of them (docs/operations.md, "Inherited NOMAD_* variables").
+            let nomad = cli
+                .nomad
+                .for_agent(cli.skip_verify_from_env, &cfg.fallback_addresses);
+            for why in &nomad.set_aside {
+                tracing::warn!("{why}");
+            }
+            tracing::info!(address = %nomad.config.address, "talking to Nomad");
+            let client = dhv_binder::nomad::Client::new(&nomad.config)?
+                .with_fallbacks(&nomad.config, &cfg.fallback_addresses)?;
             // One registry, always kept by the agent; served only with --metrics-addr.
             let metrics = dhv_binder::metrics::Metrics::new();
             let _metrics_endpoint = match cfg.metrics_addr {

@@ -389,3 +389,107 @@ fn tls_server_name_ca_path_and_http_auth_parse_as_nomad_spells_them() {
     assert_eq!(c.nomad.ca_path, Some(PathBuf::from("/etc/nomad.d/ca")));
     assert_eq!(c.nomad.http_auth.as_deref(), Some("ops:pw"));
 }
+
+/// Runs `dhv-binder agent` for `seconds` with `env` only (as a Nomad client's task would
+/// see it) and `args` after `agent`; returns its stderr.
+fn agent_for(dir: &Path, seconds: u32, env: &[(&str, &str)], args: &[&str]) -> String {
+    let out = std::process::Command::new("timeout")
+        .arg(seconds.to_string())
+        .arg(env!("CARGO_BIN_EXE_dhv-binder"))
+        .arg("agent")
+        .arg("--allow-unsigned-records")
+        .args(["--helper-cgroup", "none"])
+        .args(args)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--socket")
+        .arg(dir.join("api.sock"))
+        .arg("--plugin-dir")
+        .arg(dir.join("plugins"))
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the agent");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Issue 45 #7: a Nomad client passes its own NOMAD_* variables (all but the token and
+/// licence ones) to the raw_exec and exec tasks it starts, so the agent run as a system job
+/// may inherit the client's NOMAD_SKIP_VERIFY. Inherited, it does not turn TLS verification
+/// off: the agent refuses a certificate it cannot verify and says why (before, it connected
+/// to anyone); `--tls-skip-verify` on the command line still does. Over the Task API socket
+/// an inherited CA path that this task cannot read is set aside instead of stopping the
+/// agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inherited_nomad_skip_verify_does_not_turn_verification_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let untrusted = Ca::new("someone-else");
+    let (addr, seen) = recording_server(untrusted.leaf("server.global.nomad"), None).await;
+    let d = dir.path().to_path_buf();
+    let addr1 = addr.clone();
+    let log = tokio::task::spawn_blocking(move || {
+        agent_for(
+            &d,
+            4,
+            &[("NOMAD_ADDR", addr1.as_str()), ("NOMAD_SKIP_VERIFY", "1")],
+            &[],
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        log.contains("NOMAD_SKIP_VERIFY is set in the environment")
+            && log.contains("--tls-skip-verify"),
+        "the agent says it set the variable aside: {log}"
+    );
+    assert!(
+        log.contains("waiting for the local Nomad agent") && log.contains("UnknownIssuer"),
+        "the certificate is refused: {log}"
+    );
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "no request reached the unverified server"
+    );
+    // On the command line, the flag still skips the check (testing only).
+    let d = dir.path().to_path_buf();
+    let addr2 = addr.clone();
+    let log = tokio::task::spawn_blocking(move || {
+        agent_for(
+            &d,
+            4,
+            &[("NOMAD_ADDR", addr2.as_str())],
+            &["--tls-skip-verify"],
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.starts_with("GET /v1/agent/self")),
+        "with --tls-skip-verify the agent asked the server: {log}"
+    );
+    // Over a unix socket, an inherited CA file the task cannot read does not stop it.
+    let sock = format!("unix://{}", dir.path().join("nomad.sock").display());
+    let d = dir.path().to_path_buf();
+    let log = tokio::task::spawn_blocking(move || {
+        agent_for(
+            &d,
+            3,
+            &[
+                ("NOMAD_ADDR", sock.as_str()),
+                ("NOMAD_CACERT", "/nonexistent/nomad-ca.pem"),
+            ],
+            &[],
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        log.contains("NOMAD_CACERT not used") && log.contains("waiting for the local Nomad agent"),
+        "the inherited CA path is set aside, the agent waits for the socket: {log}"
+    );
+    assert!(!log.contains("nomad-ca.pem:"), "{log}");
+}

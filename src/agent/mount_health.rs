@@ -3,10 +3,16 @@
 //! publishes it again, and once it answers again the allocations that used it are
 //! restarted onto the new mount; a failing or hung mount is reported, not acted on.
 //! Probes run every `interval`; none while a plugin call on the volume is in flight.
+//! A restart that fails is tried again at a later probe round, after a backoff
+//! ([`STEP_RETRY`] from the round's time: in effect 10, 10, 10, 10, 20, 40 s, then every
+//! 60 s), logged at most once a minute with a count and counted
+//! (`dhv_binder_nomad_retries_total{call="allocation_restart"}`).
 
 use crate::agent::effect::Effect;
+use crate::agent::retry::STEP_RETRY;
 use crate::node::health::Probe;
 use crate::node::journal::{MountRecord, MountState, UserKey};
+use crate::retry::{Call, FailureLog, Retries, LOG_EVERY};
 use crate::volume::VolumeKey;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -55,6 +61,10 @@ pub(crate) struct MountHealth {
     restarting: BTreeSet<(VolumeKey, String)>,
     /// The last dead mounts that were republished, newest last (at most 20).
     recovered: VecDeque<(VolumeKey, Broken)>,
+    /// Volumes whose restart of an allocation failed: not restarted again before their
+    /// backoff, counted from the probe round's time.
+    restart_retry: Retries<VolumeKey>,
+    restart_failures: FailureLog,
 }
 
 fn wall_secs() -> u64 {
@@ -74,6 +84,8 @@ impl MountHealth {
             broken: BTreeMap::new(),
             restarting: BTreeSet::new(),
             recovered: VecDeque::new(),
+            restart_retry: Retries::new(0),
+            restart_failures: FailureLog::new(Call::AllocationRestart, LOG_EVERY),
         }
     }
 
@@ -142,6 +154,14 @@ impl MountHealth {
                 Some(b) if b.action == Phase::Republishing && b.allocations.is_empty() => {
                     tracing::info!(%volume, target = %target.display(), "the dead mount is published again");
                     self.resolve(volume);
+                    Vec::new()
+                }
+                Some(b)
+                    if b.action == Phase::Republishing
+                        && self
+                            .last
+                            .is_some_and(|t| !self.restart_retry.ready(volume, t)) =>
+                {
                     Vec::new()
                 }
                 Some(b) if b.action == Phase::Republishing => {
@@ -303,14 +323,20 @@ impl MountHealth {
                 }
             }
             Some(e) => {
-                tracing::warn!(%volume, %alloc_id, error = %e, "cannot restart the allocation; trying again");
                 b.action = Phase::Republishing;
                 b.error = format!("restart of allocation {alloc_id} failed: {e}");
+                if let Some(now) = self.last {
+                    self.restart_retry.failed(volume, STEP_RETRY, now);
+                    if let Some(failures) = self.restart_failures.failed(now) {
+                        tracing::warn!(%volume, %alloc_id, error = %e, failures, "cannot restart the allocation; trying again at a later probe round, after a backoff (logged at most once a minute)");
+                    }
+                }
             }
         }
     }
 
     fn resolve(&mut self, volume: &VolumeKey) {
+        self.restart_retry.succeeded(volume);
         if let Some(mut b) = self.broken.remove(volume) {
             b.action = Phase::Recovered;
             self.recovered.push_back((volume.clone(), b));
@@ -454,5 +480,36 @@ mod tests {
                 .len(),
             1
         );
+    }
+
+    /// Issue 45 #2: a restart that keeps failing is tried again after a growing backoff,
+    /// not at every probe round: over 300 s of rounds every 10 s, 9 restarts (10, 10, 10,
+    /// 10, 20, 40, 60, 60, 60 s apart) instead of 30.
+    #[test]
+    fn a_failing_restart_backs_off_over_probe_rounds() {
+        let mut m = MountHealth::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let mut rec = crate::node::journal::tests::rec(MountState::Published);
+        rec.target = "/mnt/x".into();
+        let t = rec.target.clone();
+        let mounts = BTreeMap::from([(key(), rec)]);
+        let mounted = BTreeSet::from([t.clone()]);
+        let users: BTreeSet<UserKey> = BTreeSet::from([UserKey {
+            alloc_id: "a1".into(),
+            volume: key(),
+        }]);
+        m.tick(t0, &mounts, &mounted, &BTreeSet::new());
+        m.on_probe(&key(), &t, Probe::Dead("ENOTCONN".into()), false, &users);
+        let mut restarts = 0;
+        for round in 1..=30u64 {
+            let now = t0 + Duration::from_secs(10 * round);
+            assert_eq!(m.tick(now, &mounts, &mounted, &BTreeSet::new()).len(), 1);
+            let e = m.on_probe(&key(), &t, Probe::Healthy, false, &users);
+            for alloc in self::restarts(&e) {
+                restarts += 1;
+                m.on_restarted(&key(), &alloc, Some("500 no cluster leader".into()));
+            }
+        }
+        assert!((8..=10).contains(&restarts), "{restarts} restarts in 300 s");
     }
 }

@@ -803,13 +803,23 @@ pub async fn run(
         watch::read_token_file(&client, path);
     }
     // The local Nomad agent may start after this one (a boot, the systemd unit): wait for it.
-    let mut backoff = crate::node::install::Backoff::default();
+    // 1 s doubling to 60 s, jitter ±20 %; one line a minute at most, with a count.
+    let mut attempt = 0u32;
+    let mut failures =
+        crate::retry::FailureLog::new(crate::retry::Call::AgentSelf, crate::retry::LOG_EVERY);
     let me = loop {
         match client.agent_self().await {
             Ok(me) => break me,
             Err(e) if e.is_transient() => {
-                let delay = backoff.next_delay();
-                tracing::warn!(error = %e, retry_in = ?delay, "waiting for the local Nomad agent");
+                let delay = crate::retry::backoff_delay(
+                    Duration::from_secs(1),
+                    Duration::from_secs(60),
+                    attempt,
+                );
+                attempt = attempt.saturating_add(1);
+                if let Some(failures) = failures.failed(std::time::Instant::now()) {
+                    tracing::warn!(error = %e, retry_in = ?delay, failures, "waiting for the local Nomad agent (logged at most once a minute)");
+                }
                 tokio::select! {
                     _ = &mut shutdown => return Ok(()),
                     _ = tokio::time::sleep(delay) => {}

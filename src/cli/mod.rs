@@ -83,6 +83,11 @@ pub struct Cli {
     pub nomad: NomadConfig,
     #[command(subcommand)]
     pub command: Command,
+    /// True when NOMAD_SKIP_VERIFY came from the environment rather than
+    /// `--tls-skip-verify` on the command line (`dhv-binder agent` sets it aside:
+    /// [`crate::config::NomadConfig::for_agent`]).
+    #[arg(skip)]
+    pub skip_verify_from_env: bool,
 }
 
 impl Cli {
@@ -90,7 +95,12 @@ impl Cli {
     /// every long flag (`-namespace`, `-detach`, `-json`, `-verbose`...) besides clap's
     /// `--namespace`: see [`normalize_args`].
     pub fn parse_args() -> Self {
-        Self::parse_from(normalize_args(std::env::args_os()))
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Self::command().get_matches_from(normalize_args(std::env::args_os()));
+        let mut cli = Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        cli.skip_verify_from_env =
+            matches.value_source("skip_verify") == Some(clap::parser::ValueSource::EnvVariable);
+        cli
     }
 }
 

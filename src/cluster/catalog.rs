@@ -146,6 +146,8 @@ pub(crate) async fn follow<T: Clone, Out>(
     let mut seen: Option<Seen> = None;
     let mut full = true;
     let mut attempt = 0u32;
+    let mut failures =
+        crate::retry::FailureLog::new(crate::retry::Call::RecordWatch, crate::retry::LOG_EVERY);
     let mut relist_at = tokio::time::Instant::now();
     let jittered = |d: Duration| d + d.mul_f64(rand::random::<f64>() / 5.0);
     // The first list is the base the marker's changes are counted from: wait (briefly) for
@@ -258,7 +260,9 @@ pub(crate) async fn follow<T: Clone, Out>(
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, prefix = kind.prefix, "cannot read records; retrying");
+                if let Some(failures) = failures.failed(std::time::Instant::now()) {
+                    tracing::warn!(error = %e, prefix = kind.prefix, failures, "cannot read records; retrying after a backoff (logged at most once a minute)");
+                }
                 tokio::time::sleep(backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(30),

@@ -417,6 +417,8 @@ pub async fn watch_observed(
     let mut index = 0u64;
     let mut attempt = 0u32;
     let mut warned = false;
+    let mut failures =
+        crate::retry::FailureLog::new(crate::retry::Call::ChangeMarker, crate::retry::LOG_EVERY);
     loop {
         if tx.is_closed() {
             return;
@@ -486,7 +488,9 @@ pub async fn watch_observed(
                 });
                 tokio::time::sleep(Duration::from_secs(60)).await;
             } else {
-                tracing::warn!(error = %e, "cannot read the record change marker; retrying");
+                if let Some(failures) = failures.failed(std::time::Instant::now()) {
+                    tracing::warn!(error = %e, failures, "cannot read the record change marker; retrying after a backoff (logged at most once a minute)");
+                }
                 tokio::time::sleep(crate::retry::backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(30),

@@ -425,8 +425,11 @@ pub fn now_unix() -> u64 {
 
 /// Starts the task that keeps this node's record in Nomad: it writes when the record sent
 /// on the returned channel changes (use `send_if_modified` with [`NodeRecord::set_plugins`]
-/// and [`NodeRecord::set_watch`]) and every `heartbeat` otherwise; a failed write is
-/// logged and retried at the next heartbeat. The task ends when the sender is dropped.
+/// and [`NodeRecord::set_watch`]) and every `heartbeat` otherwise. A failed write is tried
+/// again (with the latest record) after a backoff of 1 s doubling to `heartbeat`, jitter
+/// ±20 %, whatever changes meanwhile; failures are logged at most once a minute with a
+/// count, and counted (`dhv_binder_nomad_retries_total{call="node_record"}`). The task ends
+/// when the sender is dropped.
 pub fn spawn_publisher(
     client: Client,
     mut record: NodeRecord,
@@ -435,13 +438,29 @@ pub fn spawn_publisher(
     record.heartbeat_secs = heartbeat.as_secs().max(1);
     let (tx, mut rx) = watch::channel(record);
     let task = tokio::spawn(async move {
+        let mut attempt = 0u32;
+        let mut failures =
+            crate::retry::FailureLog::new(crate::retry::Call::NodeRecord, crate::retry::LOG_EVERY);
         loop {
             let mut rec = rx.borrow_and_update().clone();
             rec.last_seen = now_unix();
             match client.put_variable(&rec.to_variable(), None).await {
-                Ok(_) => tracing::debug!(node_id = %rec.node_id, "node record published"),
+                Ok(_) => {
+                    attempt = 0;
+                    tracing::debug!(node_id = %rec.node_id, "node record published")
+                }
                 Err(e) => {
-                    tracing::warn!(node_id = %rec.node_id, error = %e, "cannot publish this node's record; `plugin status` and `volume create` will see it as stale")
+                    if let Some(failures) = failures.failed(std::time::Instant::now()) {
+                        tracing::warn!(node_id = %rec.node_id, error = %e, failures, "cannot publish this node's record; `plugin status` and `volume create` will see it as stale (retrying after a backoff, logged at most once a minute)")
+                    }
+                    let delay =
+                        crate::retry::backoff_delay(Duration::from_secs(1), heartbeat, attempt);
+                    attempt = attempt.saturating_add(1);
+                    if rx.has_changed().is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(delay).await;
+                    continue;
                 }
             }
             tokio::select! {

@@ -314,6 +314,10 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         live: BTreeSet::new(),
         running_here: BTreeSet::new(),
         probe_at: Instant::now(),
+        failures: crate::retry::FailureLog::new(
+            crate::retry::Call::AllocationWatch,
+            crate::retry::LOG_EVERY,
+        ),
     };
     let mut state = State::List { attempt: 0 };
     loop {
@@ -357,6 +361,8 @@ struct Watcher {
     running_here: BTreeSet<String>,
     /// Poll mode: when the process probe runs next.
     probe_at: Instant,
+    /// The disconnections' log lines (one a minute at most, with a count) and their metric.
+    failures: crate::retry::FailureLog,
 }
 
 enum StreamEnd {
@@ -607,7 +613,9 @@ impl Watcher {
                 reason,
             } => {
                 let delay = fault_delay(&self.cfg, fault, attempt);
-                tracing::warn!(?fault, %reason, attempt, ?delay, mode = ?self.cfg.mode, "allocation watch disconnected; relisting after backoff");
+                if let Some(failures) = self.failures.failed(Instant::now().into_std()) {
+                    tracing::warn!(?fault, %reason, attempt, failures, ?delay, mode = ?self.cfg.mode, "allocation watch disconnected; relisting after backoff (logged at most once a minute)");
+                }
                 let health = Health::Disconnected {
                     fault,
                     reason,
