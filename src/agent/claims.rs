@@ -296,7 +296,7 @@ impl Claims {
                 // end with the advice that fits: agent/waiters.rs).
                 let reason = match &e {
                     ClaimError::Held { holder, .. } => {
-                        format!("the single-node claim on {volume} is held by {holder}")
+                        format!("single-node claim on {volume} held by {holder}")
                     }
                     _ => format!("cannot take the claim: {e}"),
                 };
@@ -616,7 +616,7 @@ mod tests {
         // the answer at the end (agent/waiters.rs), where the waiting job is known.
         assert_eq!(
             w[0].reason,
-            "the single-node claim on default/db is held by job web, allocation 1234abcd on node node-2"
+            "single-node claim on default/db held by job web, allocation 1234abcd on node node-2"
         );
         assert_eq!(c.holder_jobs().get(&key()).map(String::as_str), Some("web"));
         assert!(!r.ready(&Work::Claim(key()), t0));

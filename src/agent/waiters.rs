@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 pub(crate) const CHANGE_GAP: Duration = Duration::from_secs(5);
 
 /// The most characters of the reason given to a caller (its prestart prints it in one line
-/// under 200 characters, with its own words around it).
-pub(crate) const MAX_REASON: usize = 150;
+/// under 200 characters, with its own words around it: `Error: publish failed after 2m 0s: `).
+pub(crate) const MAX_REASON: usize = 160;
 
 /// One caller waiting for its allocation's volumes.
 #[derive(Debug, Clone)]
@@ -265,14 +265,11 @@ fn bounded(s: &str, max: usize) -> String {
 /// What the caller is told to do when its wait ends on another node's claim, only where
 /// it fits: its own job holds the claim (an update or a canary placed on another node) →
 /// let the old allocation stop first; another job → nothing to change in this job.
-fn advice(holder_job: Option<&String>, job: &str) -> String {
-    const DOCS: &str = "docs/operations.md \"Waiting for a claim\"";
+fn advice(holder_job: Option<&String>, job: &str) -> &'static str {
     match holder_job {
-        Some(j) if j == job => format!(
-            " (this job's own allocation: `update {{ canary = 0, max_parallel = 1 }}` stops it first; {DOCS})"
-        ),
-        Some(_) => format!(" (it moves when that allocation stops; {DOCS})"),
-        None => String::new(),
+        Some(j) if j == job => " (own job: `update { canary = 0, max_parallel = 1 }`)",
+        Some(_) => " (it moves when that allocation stops)",
+        None => "",
     }
 }
 
@@ -333,7 +330,7 @@ mod tests {
         fn held_by(&mut self, holder: &str) {
             self.waiting = vec![Waiting {
                 volume: key("d"),
-                reason: format!("the single-node claim on default/d is held by {holder}"),
+                reason: format!("single-node claim on default/d held by {holder}"),
             }];
         }
     }
