@@ -705,7 +705,7 @@ pub fn placement(
             && r.plugins
                 .get(&rec.spec.plugin_id)
                 .and_then(|p| p.capabilities.as_ref())
-                .is_none_or(|c| c.iter().any(|c| *c == cap))
+                .is_none_or(|c| c.contains(&cap))
     };
     let last_publisher = records
         .iter()
