@@ -1283,7 +1283,8 @@ async fn a_snapshot_runs_where_the_volume_is_mounted_when_the_waiter_is_listed_l
 
 /// Issue 46 #2: a job whose volume's single-node claim another node's job holds. Its
 /// prestart's log, read 5 s after the wait began (the waiting node's agent logged it), already
-/// says why it waits, naming the holder (job, allocation, node), in one line under 200
+/// says why it waits, naming the holder (job, allocation, node), then how long it has waited
+/// at each progress tick (`--progress-every 2s` here), each in one line under 200
 /// characters. (Before, it was empty until the prestart's timeout.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_prestart_names_the_holder_within_seconds() {
@@ -1311,9 +1312,16 @@ async fn a_waiting_prestart_names_the_holder_within_seconds() {
         .running_alloc(&job, "app", 30, "the holder's allocation")
         .await;
     let holder_id = holder["ID"].as_str().unwrap().to_string();
-    let waiter = c
-        .run_job(&storage_job(&c, "waiter", "held", &c.nodes[1].name, "true"))
-        .await;
+    // Its progress lines every 2 s (30 s by default) to see them in this test too.
+    let spec = storage_job(&c, "waiter", "held", &c.nodes[1].name, "true");
+    let hcl = std::fs::read_to_string(&spec).unwrap();
+    let fast = hcl.replace(
+        r#"args    = ["prestart", "--timeout", "2m"]"#,
+        r#"args    = ["prestart", "--timeout", "2m", "--progress-every", "2s"]"#,
+    );
+    assert_ne!(fast, hcl, "the job's prestart has no --timeout 2m");
+    std::fs::write(&spec, fast).unwrap();
+    let waiter = c.run_job(&spec).await;
     c.wait_for(60, "node 1's agent to log the claim wait", || async {
         std::fs::read_to_string(&c.nodes[1].log)
             .ok()?
@@ -1334,6 +1342,7 @@ async fn a_waiting_prestart_names_the_holder_within_seconds() {
         alloc["ID"].as_str().unwrap()
     ));
     let said = std::fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("the prestart's log 5 s into the wait:\n{said}");
     let line = said
         .lines()
         .find(|l| l.starts_with("dhv-binder: waiting: "))
@@ -1348,8 +1357,21 @@ async fn a_waiting_prestart_names_the_holder_within_seconds() {
     ] {
         assert!(line.contains(&part), "{part:?} missing: {line}");
     }
-    assert!(line.chars().count() < 200, "{line}");
-    assert_eq!(said.lines().count(), 1, "one line so far: {said}");
+    // Then a short line every 2 s: how long, and that nothing changed.
+    let ticks: Vec<&str> = said
+        .lines()
+        .filter(|l| {
+            l.starts_with("dhv-binder: still waiting after ") && l.contains(", unchanged: ")
+        })
+        .collect();
+    assert!(
+        !ticks.is_empty(),
+        "no progress line 5 s into the wait: {said}"
+    );
+    assert!(
+        said.lines().all(|l| l.chars().count() < 200),
+        "a line of 200 characters or more: {said}"
+    );
     c.stop_job(&waiter, false).await;
     stop(&c, &job, 0, "held").await;
 }
