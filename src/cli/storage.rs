@@ -580,7 +580,11 @@ pub async fn create_existing(
                     Ok(())
                 }
                 Ok(bytes) => {
-                    outln!("==> Volume {key} is now {}", super::output::bytes(bytes));
+                    outln!(
+                        "==> Volume {key} is now {}, grown on {}",
+                        super::output::bytes(bytes),
+                        on.describe()
+                    );
                     Ok(())
                 }
                 Err(e) => Err(Failure::new(
