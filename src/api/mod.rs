@@ -949,6 +949,35 @@ mod tests {
         assert_eq!(status_of(&p, Method::GET, "/v1/status", None).await, want);
     }
 
+    /// Issue 46 #2: `progress` and `seen` are read when given (a `seen` that is not a
+    /// report's digest counts as nothing seen); without them the call answers at the end
+    /// only, as for an older prestart.
+    #[test]
+    fn progress_is_asked_for_with_the_query_and_absent_without() {
+        let q = |wait: Option<&str>, progress: Option<&str>, seen: Option<&str>| {
+            wait_of(Ok(Query(PublishQuery {
+                wait: wait.map(String::from),
+                progress: progress.map(String::from),
+                seen: seen.map(String::from),
+            })))
+        };
+        assert_eq!(q(None, None, None).unwrap(), (DEFAULT_WAIT, None));
+        let id = WaitReport::of("held".into()).id;
+        assert_eq!(id.len(), 16);
+        let (wait, p) = q(Some("90000ms"), Some("30s"), Some(&id)).unwrap();
+        assert_eq!(wait, Duration::from_secs(90));
+        assert_eq!(
+            p,
+            Some(Progress {
+                after: Duration::from_secs(30),
+                seen: id
+            })
+        );
+        let (_, p) = q(None, Some("1s"), Some("not-a-digest")).unwrap();
+        assert_eq!(p.unwrap().seen, "");
+        assert!(q(None, Some("soon"), None).is_err());
+    }
+
     #[tokio::test]
     async fn errors_carry_their_message_and_whether_to_retry() {
         let (_dir, p, _pubs) = start().await;
