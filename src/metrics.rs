@@ -203,6 +203,10 @@ struct Inner {
     uncertain: Gauge,
     waiters: Gauge,
     claim_waits: Counter,
+    claim_waiters: Gauge,
+    claim_wait_oldest: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// When the oldest current claim wait began (its age is read at each scrape).
+    claim_wait_since: Mutex<Option<std::time::Instant>>,
     claim_losses: Counter,
     claim_fences: Counter,
     claims: Family<StateLabels, Gauge>,
@@ -430,8 +434,21 @@ impl Metrics {
         let claim_waits = Counter::default();
         r.register(
             "claim_waits",
-            "Times a single-node volume had to wait for another node's claim",
+            "Allocations that had to wait for a single-node claim another node holds, each counted once when its wait began",
             claim_waits.clone(),
+        );
+        let claim_waiters = Gauge::default();
+        r.register(
+            "claim_waiters",
+            "Allocations waiting now for a single-node claim another node holds",
+            claim_waiters.clone(),
+        );
+        let claim_wait_oldest = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        r.register_with_unit(
+            "claim_wait_oldest",
+            "Age of the oldest current claim wait (0 when none), read at each scrape",
+            Unit::Seconds,
+            claim_wait_oldest.clone(),
         );
         let claim_losses = Counter::default();
         r.register(
@@ -622,6 +639,9 @@ impl Metrics {
             uncertain,
             waiters,
             claim_waits,
+            claim_waiters,
+            claim_wait_oldest,
+            claim_wait_since: Mutex::new(None),
             claim_losses,
             claim_fences,
             claims,
@@ -707,9 +727,16 @@ impl Metrics {
         self.0.volumes_frozen.set(volumes as i64);
     }
 
-    /// A claim had to wait for another node.
-    pub fn claim_wait(&self) {
-        self.0.claim_waits.inc();
+    /// Claim waits: `begun` allocations started waiting for another node's claim since the
+    /// last call, `current` wait now, the oldest since `oldest`.
+    pub fn claim_waits(&self, begun: u64, current: usize, oldest: Option<std::time::Instant>) {
+        self.0.claim_waits.inc_by(begun);
+        self.0
+            .claim_waiters
+            .set(i64::try_from(current).unwrap_or(i64::MAX));
+        if let Ok(mut since) = self.0.claim_wait_since.lock() {
+            *since = oldest;
+        }
     }
 
     /// A held claim was lost.
@@ -842,6 +869,10 @@ impl Metrics {
             crate::node::mounts::MountTable::host_reads(),
             std::sync::atomic::Ordering::Relaxed,
         );
+        let oldest = self.0.claim_wait_since.lock().ok().and_then(|s| *s);
+        self.0
+            .claim_wait_oldest
+            .set(oldest.map_or(0.0, |t| t.elapsed().as_secs_f64()));
         if let Some((allocated, resident)) = heap_bytes() {
             self.0
                 .heap_allocated
@@ -1070,7 +1101,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 30] = [
+    const EXPORTED: [&str; 32] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
@@ -1078,6 +1109,8 @@ mod tests {
         "dhv_binder_operations_uncertain",
         "dhv_binder_publish_waiters",
         "dhv_binder_claim_waits_total",
+        "dhv_binder_claim_waiters",
+        "dhv_binder_claim_wait_oldest_seconds",
         "dhv_binder_claim_losses_total",
         "dhv_binder_claim_fences_total",
         "dhv_binder_claims",

@@ -1280,3 +1280,98 @@ async fn a_snapshot_runs_where_the_volume_is_mounted_when_the_waiter_is_listed_f
 async fn a_snapshot_runs_where_the_volume_is_mounted_when_the_waiter_is_listed_last() {
     a_snapshot_runs_where_the_volume_is_mounted(false).await;
 }
+
+/// Issue 46 #2: a job whose volume's single-node claim another node's job holds. Its
+/// prestart's log, read 5 s after the wait began (the waiting node's agent logged it), already
+/// says why it waits, naming the holder (job, allocation, node), then how long it has waited
+/// at each progress tick (`--progress-every 2s` here), each in one line under 200
+/// characters. (Before, it was empty until the prestart's timeout.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_prestart_names_the_holder_within_seconds() {
+    let c = Cluster::start(2).await;
+    let export = c.export.display().to_string();
+    c.create_volume_with(
+        "held",
+        "single-node-writer",
+        "bind",
+        &[("export", &export), NOBODY_UID, NOBODY_GID],
+        &[],
+        "",
+    );
+    let job = c
+        .run_job(&storage_job(
+            &c,
+            "holder",
+            "held",
+            &c.nodes[0].name,
+            "echo before > /data/state",
+        ))
+        .await;
+    file(&c, c.target(0, "held").join("state"), "the holder's write").await;
+    let holder = c
+        .running_alloc(&job, "app", 30, "the holder's allocation")
+        .await;
+    let holder_id = holder["ID"].as_str().unwrap().to_string();
+    // Its progress lines every 2 s (30 s by default) to see them in this test too.
+    let spec = storage_job(&c, "waiter", "held", &c.nodes[1].name, "true");
+    let hcl = std::fs::read_to_string(&spec).unwrap();
+    let fast = hcl.replace(
+        r#"args    = ["prestart", "--timeout", "2m"]"#,
+        r#"args    = ["prestart", "--timeout", "2m", "--progress-every", "2s"]"#,
+    );
+    assert_ne!(fast, hcl, "the job's prestart has no --timeout 2m");
+    std::fs::write(&spec, fast).unwrap();
+    let waiter = c.run_job(&spec).await;
+    c.wait_for(60, "node 1's agent to log the claim wait", || async {
+        std::fs::read_to_string(&c.nodes[1].log)
+            .ok()?
+            .contains("publish waits for the claim")
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let alloc = c
+        .allocs(&waiter)
+        .await
+        .into_iter()
+        .next()
+        .expect("the waiter's allocation");
+    let log = c.sb.join(&format!(
+        "sim/{}/alloc/{}/alloc/logs/publish-volumes.stderr.0",
+        c.nodes[1].name,
+        alloc["ID"].as_str().unwrap()
+    ));
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("the prestart's log 5 s into the wait:\n{said}");
+    let line = said
+        .lines()
+        .find(|l| l.starts_with("dhv-binder: waiting: "))
+        .unwrap_or_else(|| {
+            panic!("5 s into the wait, the prestart's log says no reason: {said:?}")
+        });
+    for part in [
+        "single-node claim on default/held".to_string(),
+        "held by job holder".to_string(),
+        format!("allocation {}", &holder_id[..8]),
+        format!("node {}", c.nodes[0].name),
+    ] {
+        assert!(line.contains(&part), "{part:?} missing: {line}");
+    }
+    // Then a short line every 2 s: how long, and that nothing changed.
+    let ticks: Vec<&str> = said
+        .lines()
+        .filter(|l| {
+            l.starts_with("dhv-binder: still waiting after ") && l.contains(", unchanged: ")
+        })
+        .collect();
+    assert!(
+        !ticks.is_empty(),
+        "no progress line 5 s into the wait: {said}"
+    );
+    assert!(
+        said.lines().all(|l| l.chars().count() < 200),
+        "a line of 200 characters or more: {said}"
+    );
+    c.stop_job(&waiter, false).await;
+    stop(&c, &job, 0, "held").await;
+}

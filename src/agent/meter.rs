@@ -1,9 +1,10 @@
 //! What the shell measures for the metrics (`crate::metrics`). The meter sees every input
 //! before the core does, every effect the shell performs and every journal commit, and
 //! reads the core's counts after each pass. It decides nothing: it counts what the core's
-//! decisions say (an `Effect::Detach` is "a published mount found dead", a claim acquire
-//! answered `ClaimError::Held` is "a claim wait", a renewal answered `ClaimError::Lost` is
-//! "claim lost", an `Effect::Reply` to a prestart caller ends its publish wait).
+//! decisions say (an `Effect::Detach` is "a published mount found dead", a renewal answered
+//! `ClaimError::Lost` is "claim lost", an `Effect::Reply` to a prestart caller ends its
+//! publish wait unless it is a progress report; the allocations waiting for a claim are the
+//! core's `claim_waits`).
 //!
 //! Nothing here grows with the node per pass: counts are kept as things happen; the
 //! mounts by state are counted again only after a pass that commits (a commit already
@@ -42,8 +43,14 @@ pub(crate) fn wait_outcome(r: &Result<PublishReply, ApiError>) -> WaitOutcome {
 #[derive(Debug)]
 pub(crate) struct Meter {
     metrics: Metrics,
-    /// When each waiting prestart caller arrived.
+    /// When each waiting prestart caller arrived (or, for a call after a progress report,
+    /// when the first call of that wait did).
     arrived: HashMap<ReplyId, Instant>,
+    /// Allocations whose last call ended with a progress report: when their wait began (the
+    /// next call carries it on; dropped after [`crate::api::MAX_WAIT`] if none comes).
+    carried: HashMap<String, Instant>,
+    /// Claim waits begun as last counted.
+    claim_waits: u64,
     /// Mount records by state (publishing, published, unpublishing) as last counted.
     mounts: [usize; 3],
     /// Published mounts found dead and not published again yet.
@@ -68,6 +75,8 @@ impl Meter {
         Self {
             metrics,
             arrived: HashMap::new(),
+            carried: HashMap::new(),
+            claim_waits: 0,
             mounts: [0; 3],
             dead: BTreeSet::new(),
             uncertain: BTreeSet::new(),
@@ -101,9 +110,13 @@ impl Meter {
         match i {
             Input::Api {
                 reply,
-                call: ApiCall::Publish(_),
+                call: ApiCall::Publish(req),
             } => {
-                self.arrived.insert(*reply, Instant::now());
+                let now = Instant::now();
+                self.carried
+                    .retain(|_, t| now.duration_since(*t) < crate::api::MAX_WAIT);
+                let began = self.carried.remove(&req.alloc_id).unwrap_or(now);
+                self.arrived.insert(*reply, began);
             }
             Input::CallerGone(reply) => {
                 self.arrived.remove(reply);
@@ -143,10 +156,6 @@ impl Meter {
                 };
                 self.settled(volume, timed_out);
             }
-            Completion::ClaimAcquired {
-                result: Err(ClaimError::Held { .. }),
-                ..
-            } => self.metrics.claim_wait(),
             Completion::ClaimRenewed {
                 result: Err(ClaimError::Lost { .. }),
                 ..
@@ -182,8 +191,13 @@ impl Meter {
                 to,
                 answer: Answer::Publish(r),
             } => {
-                if let Some(t) = self.arrived.remove(to) {
-                    self.metrics.publish_wait(wait_outcome(r), t.elapsed());
+                match (self.arrived.remove(to), r) {
+                    // A progress report: the wait goes on in the caller's next call.
+                    (Some(t), Ok(reply)) if reply.waiting.is_some() => {
+                        self.carried.insert(reply.alloc_id.clone(), t);
+                    }
+                    (Some(t), r) => self.metrics.publish_wait(wait_outcome(r), t.elapsed()),
+                    (None, _) => {}
                 }
             }
             _ => {}
@@ -225,6 +239,10 @@ impl Meter {
             });
             self.claims_counted = Some(version);
         }
+        let (begun, current, oldest) = core.claim_waits();
+        self.metrics
+            .claim_waits(begun.saturating_sub(self.claim_waits), current, oldest);
+        self.claim_waits = begun;
         if std::mem::take(&mut self.recount_served) {
             self.served = core.volumes_served();
         }
@@ -243,6 +261,7 @@ mod tests {
         let ok = Ok(PublishReply {
             alloc_id: "a".into(),
             volumes: Vec::new(),
+            waiting: None,
         });
         assert_eq!(wait_outcome(&ok), WaitOutcome::Published);
         let late = Err(ApiError::NotPublishedInTime {

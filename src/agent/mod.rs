@@ -4,7 +4,8 @@
 //! - `core`: the state machine (`handle(input, now) -> effects`, `next_wakeup`);
 //! - `input` / `effect`: what goes in (messages, typed completions) and what comes out;
 //! - decisions, by what they decide: `waiters` (the answer to a prestart caller, "publish
-//!   timed out"), `claims` (renewal timing, "claim lost"), `placeholders`, `workers`
+//!   timed out"), `claims` (renewal timing, "claim lost"), `claim_waits` (which allocations
+//!   wait for another node's claim, since when), `placeholders`, `workers`
 //!   (volume create/delete), `storage_ops` (snapshots, expansions, the publish that waits
 //!   for an expansion), `mount_health` (dead, failing and hung mounts), `retry`
 //!   (one backoff table for every kind of work), `latency`;
@@ -16,6 +17,7 @@
 //! its tasks still run" decided in `crate::agent::view` and `crate::agent::reconcile`).
 
 pub(crate) mod after_calls;
+pub(crate) mod claim_waits;
 pub(crate) mod claims;
 pub(crate) mod core;
 pub(crate) mod effect;

@@ -1,17 +1,29 @@
 //! Decides the answer to a prestart caller waiting on `POST /v1/allocations/<id>/publish`:
 //! published (every deferred volume of the allocation has this allocation as a user),
 //! failed (a publish of one of them failed, the allocation is stopped, belongs elsewhere or
-//! does not exist), or "publish timed out" (its deadline passed first).
+//! does not exist), or "publish timed out" (its deadline passed first). A caller that asked
+//! for progress reports ([`crate::api::Progress`]) is also answered early, with why it
+//! still waits: at once when the allocation starts to wait for something outside the agent
+//! (a claim another node holds, a missing plugin) or that changes (at most one change every
+//! [`CHANGE_GAP`] after the first), and when its `progress` time has passed in the call.
 
 use crate::agent::input::ReplyId;
 use crate::agent::reconcile::Waiting;
 use crate::agent::view::{requests, View};
-use crate::api::{ApiError, PublishReply, PublishedVolume};
+use crate::api::{ApiError, Progress, PublishReply, PublishedVolume, WaitReport};
 use crate::cluster::catalog::Catalogue;
 use crate::node::journal::{Journal, UserKey};
 use crate::volume::VolumeKey;
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// A change of why an allocation waits is reported at once the first time, and then at most
+/// once in this long per call (a holder that flaps cannot flood the prestart's log).
+pub(crate) const CHANGE_GAP: Duration = Duration::from_secs(5);
+
+/// The most characters of the reason given to a caller (its prestart prints it in one line
+/// under 200 characters, with its own words around it: `Error: publish failed after 2m 0s: `).
+pub(crate) const MAX_REASON: usize = 160;
 
 /// One caller waiting for its allocation's volumes.
 #[derive(Debug, Clone)]
@@ -21,6 +33,17 @@ pub(crate) struct Waiter {
     /// The namespace of the caller's workload identity.
     pub namespace: String,
     pub deadline: Instant,
+    /// When this call arrived.
+    pub since: Instant,
+    /// The progress reports it asked for.
+    pub progress: Option<Progress>,
+}
+
+impl Waiter {
+    /// When this call is due a progress report even if nothing changed.
+    fn report_at(&self) -> Option<Instant> {
+        self.progress.as_ref().map(|p| self.since + p.after)
+    }
 }
 
 /// What a waiter's answer is decided from.
@@ -37,6 +60,9 @@ pub(crate) struct Known<'a> {
     /// Targets where the host's mount table shows what their publish established: a
     /// caller is answered only from these, never from the journal alone.
     pub mounted: &'a BTreeSet<std::path::PathBuf>,
+    /// The job of the allocation holding each volume's claim on another node, where known
+    /// (the advice given at the end differs when it is the caller's own job).
+    pub holder_jobs: &'a BTreeMap<VolumeKey, String>,
 }
 
 /// The callers waiting, in arrival order.
@@ -54,9 +80,20 @@ impl Waiters {
         self.list.len()
     }
 
-    /// The earliest deadline.
+    /// The earliest deadline or progress report due.
     pub(crate) fn next_wakeup(&self) -> Option<Instant> {
-        self.list.iter().map(|w| w.deadline).min()
+        self.list
+            .iter()
+            .flat_map(|w| {
+                let change = w
+                    .progress
+                    .as_ref()
+                    .filter(|p| !p.seen.is_empty())
+                    .map(|_| w.since + CHANGE_GAP);
+                [Some(w.deadline), w.report_at(), change]
+            })
+            .flatten()
+            .min()
     }
 
     /// Forgets a caller that went away.
@@ -112,6 +149,16 @@ pub(crate) fn outcome(
                 alloc_id: w.alloc_id.clone(),
             }));
         }
+        if w.report_at().is_some_and(|t| now >= t) {
+            return Some(Ok(PublishReply {
+                alloc_id: w.alloc_id.clone(),
+                volumes: Vec::new(),
+                waiting: Some(WaitReport::of(format!(
+                    "allocation {} is not known on this node yet (the agent reads it from Nomad)",
+                    w.alloc_id
+                ))),
+            }));
+        }
         return None;
     };
     if alloc.namespace != w.namespace {
@@ -130,6 +177,9 @@ pub(crate) fn outcome(
     alloc.job.as_ref()?;
     let reqs = requests(alloc, k.volumes);
     let mut done = Vec::new();
+    // Why it waits, for a progress report: outside waits, and what is under way.
+    let mut outside = Vec::new();
+    let mut under_way = Vec::new();
     for r in &reqs {
         let user = UserKey {
             alloc_id: w.alloc_id.clone(),
@@ -155,14 +205,22 @@ pub(crate) fn outcome(
             }));
         } else if let Some(wt) = k.waiting.iter().find(|x| x.volume == r.volume) {
             if now >= w.deadline {
-                return Some(Err(ApiError::Waiting(wt.reason.clone())));
+                let advice = advice(k.holder_jobs.get(&r.volume), &alloc.job_id);
+                let reason = bounded(&wt.reason, MAX_REASON.saturating_sub(advice.len()));
+                return Some(Err(ApiError::Waiting(format!("{reason}{advice}"))));
             }
+            outside.push(wt.reason.as_str());
+        } else if k.busy.contains(&r.volume) {
+            under_way.push(format!("the publish of {} is under way", r.volume));
+        } else {
+            under_way.push(format!("{} is not published yet", r.volume));
         }
     }
     if done.len() == reqs.len() {
         return Some(Ok(PublishReply {
             alloc_id: w.alloc_id.clone(),
             volumes: done,
+            waiting: None,
         }));
     }
     if now >= w.deadline {
@@ -170,5 +228,182 @@ pub(crate) fn outcome(
             alloc_id: w.alloc_id.clone(),
         }));
     }
+    let p = w.progress.as_ref()?;
+    let report = |reason: String| {
+        Some(Ok(PublishReply {
+            alloc_id: w.alloc_id.clone(),
+            volumes: Vec::new(),
+            waiting: Some(WaitReport::of(bounded(&reason, MAX_REASON))),
+        }))
+    };
+    if !outside.is_empty() {
+        let reason = outside.join("; ");
+        let changed = WaitReport::of(bounded(&reason, MAX_REASON)).id != p.seen;
+        // The first report at once; later changes at most once per CHANGE_GAP.
+        if changed && (p.seen.is_empty() || now >= w.since + CHANGE_GAP) {
+            return report(reason);
+        }
+    }
+    if w.report_at().is_some_and(|t| now >= t) {
+        let mut all: Vec<String> = outside.iter().map(|s| s.to_string()).collect();
+        all.extend(under_way);
+        return report(all.join("; "));
+    }
     None
+}
+
+/// `s` cut to `max` characters (an ellipsis marks a cut).
+fn bounded(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut cut: String = s.chars().take(max.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
+}
+
+/// What the caller is told to do when its wait ends on another node's claim, only where
+/// it fits: its own job holds the claim (an update or a canary placed on another node) →
+/// let the old allocation stop first; another job → nothing to change in this job.
+fn advice(holder_job: Option<&String>, job: &str) -> &'static str {
+    match holder_job {
+        Some(j) if j == job => " (own job: `update { canary = 0, max_parallel = 1 }`)",
+        Some(_) => " (it moves when that allocation stops)",
+        None => "",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Progress reports decided with plain `Instant`s (the allocation and volumes of the
+    //! reconcile tests; no tokio, no Nomad).
+    use super::*;
+    use crate::agent::reconcile::tests::{alloc, key, volume};
+
+    const A: &str = "00000000-0000-4000-8000-0000000000a1";
+
+    struct Fixture {
+        view: View,
+        volumes: Catalogue,
+        journal: Journal,
+        last_error: BTreeMap<VolumeKey, String>,
+        busy: BTreeSet<VolumeKey>,
+        waiting: Vec<Waiting>,
+        mounted: BTreeSet<std::path::PathBuf>,
+        holder_jobs: BTreeMap<VolumeKey, String>,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            let mut view = View::default();
+            let mut a = alloc(A, &["d"], "pending", "run");
+            if let Some(j) = a.job.as_mut() {
+                j.id = "web".into();
+            }
+            a.job_id = "web".into();
+            view.upsert(a);
+            Self {
+                view,
+                volumes: Catalogue::from([(key("d"), volume("d", "single-node-writer"))]),
+                journal: Journal::new("node-1"),
+                last_error: BTreeMap::new(),
+                busy: BTreeSet::new(),
+                waiting: Vec::new(),
+                mounted: BTreeSet::new(),
+                holder_jobs: BTreeMap::new(),
+            }
+        }
+
+        fn known(&self) -> Known<'_> {
+            Known {
+                view: &self.view,
+                volumes: &self.volumes,
+                journal: &self.journal,
+                last_error: &self.last_error,
+                busy: &self.busy,
+                waiting: &self.waiting,
+                mounted: &self.mounted,
+                holder_jobs: &self.holder_jobs,
+            }
+        }
+
+        fn held_by(&mut self, holder: &str) {
+            self.waiting = vec![Waiting {
+                volume: key("d"),
+                reason: format!("single-node claim on default/d held by {holder}"),
+            }];
+        }
+    }
+
+    fn waiter(t0: Instant, seen: &str) -> Waiter {
+        Waiter {
+            reply: ReplyId(1),
+            alloc_id: A.into(),
+            namespace: "default".into(),
+            deadline: t0 + Duration::from_secs(120),
+            since: t0,
+            progress: Some(Progress {
+                after: Duration::from_secs(30),
+                seen: seen.into(),
+            }),
+        }
+    }
+
+    fn report(r: Option<Result<PublishReply, ApiError>>) -> Option<WaitReport> {
+        match r {
+            Some(Ok(p)) => p.waiting,
+            None => None,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Issue 46 #2: a caller that asked for progress is told at once that its allocation
+    /// waits and why (the holder), then nothing until its progress time while nothing
+    /// changes, and a change at once (after the first, at most one per CHANGE_GAP); one
+    /// that did not ask is answered at the end only, with the advice that fits.
+    #[test]
+    fn a_waiting_caller_is_told_why_at_once_then_at_its_progress_time_and_on_change() {
+        let t0 = Instant::now();
+        let mut f = Fixture::new();
+        let w = waiter(t0, "");
+        // Nothing to say yet (the publish is not under way, nothing waits outside).
+        assert!(outcome(&w, &f.known(), t0).is_none());
+        f.held_by("job other, allocation 1234abcd on node node-2");
+        let r = report(outcome(&w, &f.known(), t0)).expect("told at once");
+        assert!(
+            r.reason
+                .contains("held by job other, allocation 1234abcd on node node-2"),
+            "{r:?}"
+        );
+        // The next call, having printed it: nothing new until its progress time.
+        let w = waiter(t0, &r.id);
+        assert!(outcome(&w, &f.known(), t0 + Duration::from_secs(29)).is_none());
+        let tick = report(outcome(&w, &f.known(), t0 + Duration::from_secs(30))).unwrap();
+        assert_eq!(tick.id, r.id);
+        // A change: at once, once the call is CHANGE_GAP old.
+        f.held_by("node node-2 (its allocation stopped)");
+        assert!(outcome(&w, &f.known(), t0 + Duration::from_secs(1)).is_none());
+        let changed = report(outcome(&w, &f.known(), t0 + CHANGE_GAP)).unwrap();
+        assert_ne!(changed.id, r.id);
+        // Without progress: the end only, with the advice that fits the holder.
+        let mut quiet = waiter(t0, "");
+        quiet.progress = None;
+        assert!(outcome(&quiet, &f.known(), t0 + Duration::from_secs(60)).is_none());
+        f.held_by("job other, allocation 1234abcd on node node-2");
+        f.holder_jobs.insert(key("d"), "other".into());
+        let end = t0 + Duration::from_secs(120);
+        match outcome(&quiet, &f.known(), end) {
+            Some(Err(ApiError::Waiting(m))) => {
+                assert!(m.contains("it moves when that allocation stops"), "{m}");
+                assert!(!m.contains("canary"), "advice that does not fit: {m}");
+                assert!(m.chars().count() <= MAX_REASON, "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        f.holder_jobs.insert(key("d"), "web".into());
+        match outcome(&quiet, &f.known(), end) {
+            Some(Err(ApiError::Waiting(m))) => assert!(m.contains("canary = 0"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -5,7 +5,13 @@
 //!   workload identity token (`Authorization: Bearer <jwt>` or `X-Nomad-Token`): blocks until
 //!   every deferred volume of that allocation is published on this node. 200 with
 //!   `{"alloc_id","volumes":[{"namespace","name","path","read_only"}]}`; errors are
-//!   `{"error":"...","retryable":bool}` with the status codes of [`ApiError`].
+//!   `{"error":"...","retryable":bool}` with the status codes of [`ApiError`]. With
+//!   `progress=<duration>` (and `seen=<id>`), the call also ends early with 202 and
+//!   `{"alloc_id","volumes":[],"waiting":{"reason","id"}}` ([`WaitReport`]) when the
+//!   allocation starts to wait for something outside the agent (a claim another node holds,
+//!   a missing plugin) or that reason changes from `seen`, and after `progress` while it still
+//!   waits: the caller prints it and calls again. An agent older than this ignores both
+//!   parameters (it answers at the end only), a caller older than this sends neither.
 //! - `GET /v1/status`: the agent's state, for callers with peer UID 0 only. The document is
 //!   this API's own, in snake_case (`node_id`, `volumes[].plugin_id`, `mount_health`), with
 //!   times as Unix seconds in fields named `since` or `*_since`; `dhv-binder status -json`
@@ -169,6 +175,38 @@ pub struct PublishedVolume {
 pub struct PublishReply {
     pub alloc_id: String,
     pub volumes: Vec<PublishedVolume>,
+    /// Set on a progress report (the call asked for `progress`): the allocation still
+    /// waits, `volumes` is empty, and the caller calls again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<WaitReport>,
+}
+
+/// Why an allocation's publish still waits, as a progress report tells it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WaitReport {
+    /// One line per waiting volume, joined by `"; "` (the holder of a claim: job,
+    /// allocation, node), or what is under way.
+    pub reason: String,
+    /// A digest of `reason` (16 hex digits), for the next call's `seen`.
+    pub id: String,
+}
+
+impl WaitReport {
+    /// The report of `reason`, with its digest.
+    pub fn of(reason: String) -> Self {
+        let d = ring::digest::digest(&ring::digest::SHA256, reason.as_bytes());
+        let id = d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect();
+        Self { reason, id }
+    }
+}
+
+/// What a caller asked to be told while it waits (`progress`, `seen`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    /// Report after this long in this call if the allocation still waits.
+    pub after: Duration,
+    /// The [`WaitReport::id`] the caller last printed (empty: none yet).
+    pub seen: String,
 }
 
 /// A verified caller's publish request.
@@ -179,6 +217,8 @@ pub struct PublishRequest {
     pub namespace: String,
     /// How long the caller waits at most.
     pub wait: Duration,
+    /// Progress reports the caller asked for; `None`: answer at the end only.
+    pub progress: Option<Progress>,
 }
 
 /// A request for the agent's owner loop.
@@ -616,22 +656,42 @@ fn token_of(h: &HeaderMap) -> Option<String> {
 struct PublishQuery {
     /// How long to wait, as a duration (`90s`, `5m`); capped at [`MAX_WAIT`].
     wait: Option<String>,
+    /// Report progress after this long (a duration), see [`Progress`].
+    progress: Option<String>,
+    /// The last [`WaitReport::id`] the caller printed.
+    seen: Option<String>,
 }
 
-fn wait_of(q: Result<Query<PublishQuery>, QueryRejection>) -> Result<Duration, ApiError> {
-    let q = q.map_err(|e| ApiError::BadWait {
-        value: String::new(),
-        reason: e.body_text(),
-    })?;
-    let Some(v) = q.0.wait else {
-        return Ok(DEFAULT_WAIT);
-    };
+fn duration_of(v: String) -> Result<Duration, ApiError> {
     humantime::parse_duration(&v)
         .map(|d| d.min(MAX_WAIT))
         .map_err(|e| ApiError::BadWait {
             value: v,
             reason: e.to_string(),
         })
+}
+
+fn wait_of(
+    q: Result<Query<PublishQuery>, QueryRejection>,
+) -> Result<(Duration, Option<Progress>), ApiError> {
+    let q = q.map_err(|e| ApiError::BadWait {
+        value: String::new(),
+        reason: e.body_text(),
+    })?;
+    let wait = q.0.wait.map_or(Ok(DEFAULT_WAIT), duration_of)?;
+    let progress = match q.0.progress {
+        None => None,
+        Some(p) => Some(Progress {
+            after: duration_of(p)?,
+            // A digest: 16 hex digits; anything else is "nothing seen".
+            seen: q
+                .0
+                .seen
+                .filter(|s| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+                .unwrap_or_default(),
+        }),
+    };
+    Ok((wait, progress))
 }
 
 async fn no_such_endpoint(uri: hyper::Uri) -> ApiError {
@@ -673,7 +733,12 @@ async fn publish_route(
         .map(|p| p.0)
         .map_err(|e| ApiError::NotAnAllocId(e.body_text()))?;
     let reply = publish(&ctx, &peer.caller, alloc_id, query, &headers).await?;
-    Ok(json(StatusCode::OK, &reply))
+    let status = if reply.waiting.is_some() {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    Ok(json(status, &reply))
 }
 
 async fn publish(
@@ -686,7 +751,7 @@ async fn publish(
     if !is_alloc_id(&alloc_id) {
         return Err(ApiError::NotAnAllocId(alloc_id));
     }
-    let wait = wait_of(query)?;
+    let (wait, progress) = wait_of(query)?;
     let token = token_of(headers).ok_or(ApiError::NoToken)?;
     let claims: Claims = ctx.verifier.verify(&token).await.map_err(|e| match e {
         crate::nomad::identity::IdentityError::Jwks(_) => ApiError::KeysUnavailable(e.to_string()),
@@ -717,6 +782,7 @@ async fn publish(
         alloc_id,
         namespace: claims.nomad_namespace,
         wait,
+        progress,
     };
     ctx.agent
         .send(Request2Agent::Publish { request, reply: tx })
@@ -896,6 +962,35 @@ mod tests {
         let root = nix::unistd::geteuid().is_root();
         let want = if root { 200 } else { 403 };
         assert_eq!(status_of(&p, Method::GET, "/v1/status", None).await, want);
+    }
+
+    /// Issue 46 #2: `progress` and `seen` are read when given (a `seen` that is not a
+    /// report's digest counts as nothing seen); without them the call answers at the end
+    /// only, as for an older prestart.
+    #[test]
+    fn progress_is_asked_for_with_the_query_and_absent_without() {
+        let q = |wait: Option<&str>, progress: Option<&str>, seen: Option<&str>| {
+            wait_of(Ok(Query(PublishQuery {
+                wait: wait.map(String::from),
+                progress: progress.map(String::from),
+                seen: seen.map(String::from),
+            })))
+        };
+        assert_eq!(q(None, None, None).unwrap(), (DEFAULT_WAIT, None));
+        let id = WaitReport::of("held".into()).id;
+        assert_eq!(id.len(), 16);
+        let (wait, p) = q(Some("90000ms"), Some("30s"), Some(&id)).unwrap();
+        assert_eq!(wait, Duration::from_secs(90));
+        assert_eq!(
+            p,
+            Some(Progress {
+                after: Duration::from_secs(30),
+                seen: id
+            })
+        );
+        let (_, p) = q(None, Some("1s"), Some("not-a-digest")).unwrap();
+        assert_eq!(p.unwrap().seen, "");
+        assert!(q(None, Some("soon"), None).is_err());
     }
 
     #[tokio::test]

@@ -1,5 +1,10 @@
 //! `dhv-binder prestart`: what a job's prestart task runs; waits until this allocation's
-//! deferred volumes are published on the node.
+//! deferred volumes are published on the node. While it waits it says why, in its task's
+//! log (stderr): once the wait starts (within a second: the agent answers a call that asked
+//! for `progress` as soon as the allocation waits for something outside it), then a short
+//! line every `--progress-every` (what changed, how long), and the final reason once. Each
+//! line is one line under [`MAX_LINE`] characters. An agent older than this answers only at
+//! the end (the final reason is then all the log says).
 
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNAVAILABLE};
 use crate::api::client::{call, CallError};
@@ -18,6 +23,73 @@ pub struct PrestartArgs {
     /// How long to wait in total, retrying retryable errors.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
+    /// How often a waiting prestart says it still waits (and since how long).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub progress_every: Duration,
+}
+
+/// The longest line `prestart` prints (the issue's bound: one line, under 200 characters).
+pub const MAX_LINE: usize = 199;
+
+/// `line` cut to [`MAX_LINE`] characters (an ellipsis marks a cut), on one line.
+fn one_line(line: &str) -> String {
+    bounded_line(line, MAX_LINE)
+}
+
+/// The final failure, printed as `Error: <message>` (src/main.rs): `message` bounded so
+/// that the whole line stays within [`MAX_LINE`].
+fn final_line(message: &str) -> String {
+    bounded_line(message, MAX_LINE - "Error: ".len())
+}
+
+fn bounded_line(line: &str, max: usize) -> String {
+    let flat: String = line
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut cut: String = flat.chars().take(max - 1).collect();
+    cut.push('…');
+    cut
+}
+
+/// A wait in whole seconds, as `1m 30s`.
+fn secs(d: Duration) -> String {
+    humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
+}
+
+/// What the prestart printed last about its wait.
+#[derive(Debug, Default)]
+struct Told {
+    /// The reason last printed and its digest.
+    reason: String,
+    id: String,
+    /// When a line was last printed.
+    at: Option<Instant>,
+}
+
+impl Told {
+    /// The line for a progress report `w` received `waited` after the start: the first
+    /// reason, a changed one, or (at a progress tick) the same one again, with how long.
+    fn line(&mut self, w: &crate::api::WaitReport, waited: Duration, now: Instant) -> String {
+        let t = secs(waited);
+        let line = if self.id.is_empty() {
+            format!("dhv-binder: waiting: {}", w.reason)
+        } else if w.id != self.id {
+            format!("dhv-binder: still waiting after {t}, now: {}", w.reason)
+        } else {
+            format!(
+                "dhv-binder: still waiting after {t}, unchanged: {}",
+                w.reason
+            )
+        };
+        self.reason = w.reason.clone();
+        self.id = w.id.clone();
+        self.at = Some(now);
+        one_line(&line)
+    }
 }
 
 /// What `prestart` prints for a published volume: where, and how long this prestart waited
@@ -63,18 +135,41 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
     }
     let started = Instant::now();
     let deadline = started + args.timeout;
+    let every = args.progress_every.max(Duration::from_secs(1));
+    let mut told = Told::default();
     let mut attempt = 0u32;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let now = Instant::now();
+        let left = deadline.saturating_duration_since(now);
+        let next_line = told.at.unwrap_or(started) + every;
         let uri = format!(
-            "/v1/allocations/{}/publish?wait={}s",
+            "/v1/allocations/{}/publish?wait={}ms&progress={}ms&seen={}",
             alloc_id,
-            left.as_secs().max(1)
+            left.as_millis().max(1000),
+            next_line
+                .saturating_duration_since(now)
+                .as_millis()
+                .max(1000),
+            told.id
         );
         match call(&args.socket.path, hyper::Method::POST, &uri, Some(&token)).await {
             Ok(v) => {
                 let reply: crate::api::PublishReply = serde_json::from_value(v)
                     .map_err(|e| Failure::new(EXIT_FAILED, format!("unexpected answer: {e}")))?;
+                if let Some(w) = &reply.waiting {
+                    eprintln!("{}", told.line(w, started.elapsed(), Instant::now()));
+                    if Instant::now() >= deadline {
+                        return Err(Failure::new(
+                            EXIT_TIMEOUT,
+                            final_line(&format!(
+                                "publish failed after {}: {}",
+                                secs(started.elapsed()),
+                                w.reason
+                            )),
+                        ));
+                    }
+                    continue;
+                }
                 if reply.volumes.is_empty() {
                     outln!(
                         "dhv-binder: allocation {} uses no deferred volumes",
@@ -87,8 +182,14 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                 }
                 return Ok(());
             }
-            Err(e) if e.is_retryable() && Instant::now() < deadline => {
-                eprintln!("dhv-binder: {e}; retrying");
+            // Retried while more than a second is left (the agent's own deadline is this
+            // call's wait: its answer at the end is the final reason, printed once below).
+            Err(e)
+                if e.is_retryable()
+                    && deadline.saturating_duration_since(Instant::now())
+                        > Duration::from_secs(1) =>
+            {
+                eprintln!("{}", one_line(&format!("dhv-binder: {e}; retrying")));
                 let d = crate::retry::backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(10),
@@ -103,9 +204,16 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                     _ if e.is_retryable() => EXIT_TIMEOUT,
                     _ => EXIT_FAILED,
                 };
+                let message = match &e {
+                    CallError::Api { message, .. } => message.clone(),
+                    other => other.to_string(),
+                };
                 return Err(Failure::new(
                     code,
-                    format!("dhv-binder: publish failed: {e}"),
+                    final_line(&format!(
+                        "publish failed after {}: {message}",
+                        secs(started.elapsed())
+                    )),
                 ));
             }
         }
@@ -115,6 +223,41 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 46 #2: the first reason, a tick with the same reason, a changed one: one line
+    /// each, under 200 characters, saying how long; the final line within the bound too.
+    #[test]
+    fn progress_lines_say_why_what_changed_and_how_long_in_one_short_line() {
+        let now = Instant::now();
+        let mut told = Told::default();
+        let held = crate::api::WaitReport::of(
+            "the single-node claim on default/data is held by job web, allocation 1234abcd on node node-1".into(),
+        );
+        assert_eq!(
+            told.line(&held, Duration::from_millis(300), now),
+            "dhv-binder: waiting: the single-node claim on default/data is held by job web, allocation 1234abcd on node node-1"
+        );
+        let l = told.line(&held, Duration::from_millis(30_400), now);
+        assert!(
+            l.starts_with("dhv-binder: still waiting after 30s, unchanged: the single-node claim"),
+            "{l}"
+        );
+        let other = crate::api::WaitReport::of(
+            "the single-node claim on default/data is held by node node-1 (its allocation stopped)"
+                .into(),
+        );
+        let l = told.line(&other, Duration::from_secs(75), now);
+        assert!(
+            l.starts_with("dhv-binder: still waiting after 1m 15s, now: "),
+            "{l}"
+        );
+        let long = crate::api::WaitReport::of(format!("{}\nsecond line", "x".repeat(400)));
+        let l = told.line(&long, Duration::from_secs(90), now);
+        assert_eq!(l.chars().count(), MAX_LINE);
+        assert!(!l.contains('\n'), "{l}");
+        let f = final_line(&"y".repeat(500));
+        assert_eq!(format!("Error: {f}").chars().count(), MAX_LINE);
+    }
 
     /// Issue 37 #15: the wait printed is the one measured, not a configured constant.
     #[test]

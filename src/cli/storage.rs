@@ -580,7 +580,11 @@ pub async fn create_existing(
                     Ok(())
                 }
                 Ok(bytes) => {
-                    outln!("==> Volume {key} is now {}", super::output::bytes(bytes));
+                    outln!(
+                        "==> Volume {key} is now {}, grown on {}",
+                        super::output::bytes(bytes),
+                        on.describe()
+                    );
                     Ok(())
                 }
                 Err(e) => Err(Failure::new(
@@ -705,7 +709,7 @@ pub fn placement(
             && r.plugins
                 .get(&rec.spec.plugin_id)
                 .and_then(|p| p.capabilities.as_ref())
-                .is_none_or(|c| c.iter().any(|c| *c == cap))
+                .is_none_or(|c| c.contains(&cap))
     };
     let last_publisher = records
         .iter()

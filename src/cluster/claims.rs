@@ -96,7 +96,12 @@ pub struct ClaimSettings {
 pub enum ClaimError {
     /// Another node holds the claim (or it is in its lock-delay period after an expiry).
     #[error("the claim on {volume} is held by {holder}")]
-    Held { volume: VolumeKey, holder: String },
+    Held {
+        volume: VolumeKey,
+        holder: String,
+        /// The job of the holder's allocation using the volume, when one is known.
+        job: Option<String>,
+    },
     /// Our lock is gone (expired, or taken over): the volume must be unpublished here.
     #[error("this node lost its claim on {volume}")]
     Lost { volume: VolumeKey },
@@ -157,8 +162,8 @@ enum Previous {
     /// released its claim. Taken over, with the storage-side fence of that node first.
     TakenOver(String),
     /// Another node holds it with a live allocation using the volume on a `ready` node: not
-    /// taken over (message for the waiting caller).
-    Live(String),
+    /// taken over (message for the waiting caller, and the allocation's job).
+    Live(String, String),
 }
 
 /// Hand-over on evidence: the last holder named in the claim's Items (`node_id`), when it
@@ -209,11 +214,14 @@ async fn previous_holder(
     };
     let name = node_name(client, &holder).await;
     Ok((
-        Previous::Live(format!(
-            "job {}, allocation {} on node {name}, which still runs with it",
-            a.job_id,
-            short(&a.id)
-        )),
+        Previous::Live(
+            format!(
+                "job {}, allocation {} on node {name}",
+                a.job_id,
+                short(&a.id)
+            ),
+            a.job_id.clone(),
+        ),
         var.items,
     ))
 }
@@ -253,20 +261,21 @@ async fn node_name(client: &Client, node_id: &str) -> String {
 }
 
 /// Who holds the claim, for the claim-wait message, best effort: "job J, allocation A on
-/// node N" when a live allocation on the holder's node uses the volume, else "node N". The
+/// node N" (and job J) when a live allocation on the holder's node uses the volume, else
+/// "node N". The
 /// holder is the `node_id` of the claim's Items (every reader sees them: Nomad hides `Lock`
 /// from non-management tokens, `Variables.Read`, and the 409 body names only the path; Items
 /// keep the last holder through its lock delay). Nomad API: `GET /v1/var/:path`,
 /// `GET /v1/node/:id`, `GET /v1/node/:id/allocations`.
-async fn holder_of(client: &Client, volume: &VolumeKey) -> String {
+async fn holder_of(client: &Client, volume: &VolumeKey) -> (String, Option<String>) {
     let Ok(Some(var)) = client
         .variable(&volume.namespace, &claim_path(&volume.name))
         .await
     else {
-        return "another node".into();
+        return ("another node".into(), None);
     };
     let Some(node) = var.items.get("node_id") else {
-        return "another node".into();
+        return ("another node".into(), None);
     };
     let name = node_name(client, node).await;
     let live = match client.node_allocations(node, 0, Duration::ZERO).await {
@@ -282,12 +291,15 @@ async fn holder_of(client: &Client, volume: &VolumeKey) -> String {
         Err(_) => None,
     };
     match live {
-        Some(a) => format!(
-            "job {}, allocation {} on node {name}",
-            a.job_id,
-            short(&a.id)
+        Some(a) => (
+            format!(
+                "job {}, allocation {} on node {name}",
+                a.job_id,
+                short(&a.id)
+            ),
+            Some(a.job_id),
         ),
-        None => format!("node {name} (its allocation stopped: the claim is released soon, or lapses after its lock delay)"),
+        None => (format!("node {name} (its allocation stopped: the claim is released soon, or lapses after its lock delay)"), None),
     }
 }
 
@@ -308,10 +320,11 @@ pub async fn acquire(
     storage_fence: bool,
 ) -> Result<Acquired, ClaimError> {
     let (previous, before) = match previous_holder(client, trust, volume, node_id).await {
-        Ok((Previous::Live(holder), _)) => {
+        Ok((Previous::Live(holder, job), _)) => {
             return Err(ClaimError::Held {
                 volume: volume.clone(),
                 holder,
+                job: Some(job),
             })
         }
         Ok(p) => p,
@@ -360,10 +373,11 @@ pub async fn acquire(
             }),
         },
         Err(NomadError::CasConflict { .. }) => {
-            let holder = holder_of(client, volume).await;
+            let (holder, job) = holder_of(client, volume).await;
             Err(ClaimError::Held {
                 volume: volume.clone(),
                 holder,
+                job,
             })
         }
         Err(source) => Err(ClaimError::Nomad {

@@ -8,6 +8,7 @@ mod completions;
 mod mount_table;
 mod status;
 
+use crate::agent::claim_waits::ClaimWaits;
 use crate::agent::claims::Claims;
 use crate::agent::effect::{Answer, Effect, PluginFence};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
@@ -80,6 +81,8 @@ pub(crate) struct Core {
     node_errors: BTreeMap<VolumeKey, (String, String)>,
     retries: Retries<Work>,
     waiters: Waiters,
+    /// The allocations waiting for another node's claim (for the metrics).
+    claim_waits: ClaimWaits,
     fetching: BTreeSet<String>,
     placeholders: Placeholders,
     workers: Workers,
@@ -161,6 +164,7 @@ impl Core {
             last_error: BTreeMap::new(),
             node_errors: BTreeMap::new(),
             waiters: Waiters::default(),
+            claim_waits: ClaimWaits::default(),
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
             workers: Workers::default(),
@@ -403,6 +407,8 @@ impl Core {
                         alloc_id: req.alloc_id,
                         namespace: req.namespace,
                         deadline: now + req.wait,
+                        since: now,
+                        progress: req.progress,
                     });
                 }
             },
@@ -587,6 +593,19 @@ impl Core {
         });
         self.waiting = self.plan_waiting.values().cloned().collect();
         self.waiting.extend(self.claims.waiting());
+        // The allocations that wait for another node's claim (each counted once).
+        let view = &self.view;
+        let claim_waiters: BTreeSet<String> = self
+            .claims
+            .waiting()
+            .flat_map(|w| view.needing(&w.volume).cloned().collect::<Vec<_>>())
+            .filter(|id| {
+                view.allocs()
+                    .get(id)
+                    .is_some_and(|a| !a.tasks_finished() && a.desired_status == "run")
+            })
+            .collect();
+        self.claim_waits.update(claim_waiters, now);
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for step in plan.steps {
             match step {
@@ -930,6 +949,7 @@ impl Core {
             busy: &self.busy,
             waiting: &self.waiting,
             mounted: &self.mounted,
+            holder_jobs: self.claims.holder_jobs(),
         };
         let answers = self.waiters.answer(&known, now);
         // A success rests on records that may not be on disk yet: it waits for them.
@@ -937,7 +957,8 @@ impl Core {
         let seq = self.issued + u64::from(self.journal.is_dirty());
         for (to, r) in answers {
             match r {
-                Ok(reply) if pending => self.held.push((seq, to, reply)),
+                // A progress report rests on nothing written: it goes at once.
+                Ok(reply) if pending && reply.waiting.is_none() => self.held.push((seq, to, reply)),
                 r => out.push(Effect::Reply {
                     to,
                     answer: Answer::Publish(r),

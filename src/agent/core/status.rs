@@ -83,6 +83,12 @@ impl Core {
         (self.claims.counts(), self.claims.version())
     }
 
+    /// Claim waits begun since the start, current ones, and when the oldest began.
+    pub(crate) fn claim_waits(&self) -> (u64, usize, Option<Instant>) {
+        let w = &self.claim_waits;
+        (w.begun(), w.current(), w.oldest())
+    }
+
     /// The claims' version alone (O(1)).
     pub(crate) fn claims_version(&self) -> u64 {
         self.claims.version()

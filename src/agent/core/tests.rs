@@ -117,6 +117,7 @@ impl H {
                 alloc_id: alloc_id.into(),
                 namespace: "default".into(),
                 wait,
+                progress: None,
             }),
         })
     }
@@ -852,6 +853,7 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
         result: Err(ClaimError::Held {
             volume: key("d"),
             holder: "node-2".into(),
+            job: None,
         }),
     }));
     h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
@@ -1381,6 +1383,7 @@ impl Twin {
                             Err(ClaimError::Held {
                                 volume: v.clone(),
                                 holder: "node-2".into(),
+                                job: None,
                             })
                         },
                     })
@@ -1687,6 +1690,7 @@ fn a_claim_wait_ends_with_the_allocation_that_waited() {
         result: Err(crate::cluster::claims::ClaimError::Held {
             volume: key("d"),
             holder: "job x".into(),
+            job: Some("x".into()),
         }),
     }));
     let st = h.core.status();
@@ -1695,15 +1699,26 @@ fn a_claim_wait_ends_with_the_allocation_that_waited() {
     // The node record says what the volume waits for here (issue 37 #10).
     let nv = h.core.node_volumes();
     assert!(nv["default/d"].waiting.contains("held by job x"), "{nv:?}");
-    // Retried while the allocation waits: the wait stays.
+    // Retried while the allocation waits: the wait stays, counted once (issue 46 #6).
     h.feed(Input::Tick);
     assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 1]);
+    h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Err(ClaimError::Held {
+            volume: key("d"),
+            holder: "job x".into(),
+            job: Some("x".into()),
+        }),
+    }));
+    let (begun, current, oldest) = h.core.claim_waits();
+    assert_eq!((begun, current, oldest), (1, 1, Some(h.t)));
     let mut a = alloc(A1, &["d"], "complete", "stop");
     a.modify_index = 5;
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
     let st = h.core.status();
     assert_eq!(st["waiting"].as_array().map(Vec::len), Some(0), "{st}");
     assert_eq!(h.core.claims_by_state().0, [0, 0, 0, 0]);
+    assert_eq!(h.core.claim_waits(), (1, 0, None));
     assert!(
         h.core
             .node_volumes()
