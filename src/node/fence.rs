@@ -326,7 +326,7 @@ mod tests {
             None::<&str>,
         )
         .unwrap();
-        let r = fence(&target, &BTreeSet::new());
+        let r = fence(&target, &NodeCgroups::default());
         assert!(r.complete() && r.read_only, "{r:?}");
         let f = statvfs(&target).unwrap().flags();
         for st in [
