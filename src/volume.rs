@@ -1291,9 +1291,8 @@ mod tests {
             parse_spec(&format!("{base}node_id = \"x\"")),
             Err(SpecError::NodeId)
         );
-        let e =
-            parse_spec(&format!("{base}mount_options {{\n  fs_type = \"ext4\"\n}}")).unwrap_err();
-        assert!(e.to_string().contains("\"mount_options\""), "{e}");
+        let e = parse_spec(&format!("{base}topology_request {{\n  rack = \"r1\"\n}}")).unwrap_err();
+        assert!(e.to_string().contains("\"topology_request\""), "{e}");
         // A typo inside a capability block is refused too.
         let e = parse_spec(&format!(
             "{base}capability {{\n  access_mod = \"single-node-writer\"\n}}"

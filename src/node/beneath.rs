@@ -798,8 +798,7 @@ mod tests {
         let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         let line = info
             .lines()
-            .filter(|l| l.split(' ').nth(4) == path.to_str())
-            .last()
+            .rfind(|l| l.split(' ').nth(4) == path.to_str())
             .unwrap_or_else(|| panic!("nothing mounted at {}", path.display()));
         line.split(' ')
             .nth(5)
