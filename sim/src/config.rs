@@ -62,6 +62,54 @@ pub struct AclConfig {
     pub bootstrap_token: Option<String>,
 }
 
+/// The Nomad version the simulator speaks (`nomad_version = "1.10.5"`, sim-only; default
+/// 2.0.5): where Nomad's behaviour differs between the versions dhv-binder supports, the
+/// simulator follows this one (docs/simulator.md, "Versions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NomadVersion(pub u32, pub u32, pub u32);
+
+impl Default for NomadVersion {
+    fn default() -> Self {
+        NomadVersion(2, 0, 5)
+    }
+}
+
+impl std::fmt::Display for NomadVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+    }
+}
+
+impl std::str::FromStr for NomadVersion {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        let bad = || {
+            ConfigError::Invalid(format!(
+                "nomad_version {s:?}: expected MAJOR.MINOR.PATCH, 1.10.0 or later"
+            ))
+        };
+        let mut parts = s.split('.').map(|p| p.parse::<u32>().map_err(|_| bad()));
+        let v = NomadVersion(
+            parts.next().ok_or_else(bad)??,
+            parts.next().ok_or_else(bad)??,
+            parts.next().ok_or_else(bad)??,
+        );
+        if parts.next().is_some() || v < NomadVersion(1, 10, 0) {
+            return Err(bad());
+        }
+        Ok(v)
+    }
+}
+
+impl NomadVersion {
+    /// Whether a Job event of a job deleted from the state carries `"Deleted": true`
+    /// (`nomad/structs/event.go` `JobEvent.Deleted`, hashicorp/nomad#27614: v1.11.3 and
+    /// v2.0.0 on; before, `nomad/state/events.go` `eventFromChange` sends `{"Job": …}` only).
+    pub fn job_event_deleted(self) -> bool {
+        self >= NomadVersion(1, 11, 3)
+    }
+}
+
 /// The whole agent config.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -94,6 +142,8 @@ pub struct AgentConfig {
     pub oidc_issuer: Option<String>,
     /// Simulated client nodes.
     pub clients: Vec<ClientConfig>,
+    /// `nomad_version` (sim-only): the Nomad version whose shapes the simulator speaks.
+    pub nomad_version: NomadVersion,
 }
 
 /// Nomad's exec driver default `chroot_env` (`drivers/shared/executor` `chrootEnv`).
@@ -160,6 +210,10 @@ impl AgentConfig {
             acl: AclConfig::default(),
             oidc_issuer: None,
             clients: Vec::new(),
+            nomad_version: match a.str("nomad_version")? {
+                None => NomadVersion::default(),
+                Some(v) => v.parse()?,
+            },
         };
         for b in body.blocks() {
             match b.identifier.as_str() {
