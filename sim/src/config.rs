@@ -62,6 +62,25 @@ pub struct AclConfig {
     pub bootstrap_token: Option<String>,
 }
 
+/// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`;
+/// Nomad's defaults 10 s and 50, `nomad/config.go` `DefaultConfig`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeartbeatSettings {
+    /// `min_heartbeat_ttl`: the shortest TTL a server gives a client.
+    pub min_ttl: std::time::Duration,
+    /// `max_heartbeats_per_second`: the cluster-wide heartbeat rate the TTL aims at.
+    pub max_per_second: f64,
+}
+
+impl Default for HeartbeatSettings {
+    fn default() -> Self {
+        HeartbeatSettings {
+            min_ttl: std::time::Duration::from_secs(10),
+            max_per_second: 50.0,
+        }
+    }
+}
+
 /// The Nomad version the simulator speaks (`nomad_version = "1.10.5"`, sim-only; default
 /// 2.0.5): where Nomad's behaviour differs between the versions dhv-binder supports, the
 /// simulator follows this one (docs/simulator.md, "Versions").
@@ -132,7 +151,7 @@ pub struct AgentConfig {
     /// `server { min_heartbeat_ttl, max_heartbeats_per_second }`: the TTL the servers give
     /// each client, and so how often it heartbeats (`nomad/heartbeat.go`
     /// `resetHeartbeatTimer`; 10 s and 50 by default, 10–20 s up to 500 nodes).
-    pub heartbeat: crate::nodes::HeartbeatSettings,
+    pub heartbeat: HeartbeatSettings,
     /// ACLs.
     pub acl: AclConfig,
     /// `server { oidc_issuer = "..." }`: the `iss` of every workload identity and the
@@ -372,5 +391,40 @@ client "node-2" {}
         assert_eq!(cfg.clients[0].chroot_env.len(), 1);
         assert!(cfg.clients[0].host_volumes[0].read_only);
         assert!(cfg.clients[1].chroot_env.contains_key("/usr"));
+    }
+
+    /// `server { min_heartbeat_ttl, max_heartbeats_per_second }` as Nomad reads them (0 keeps
+    /// the default) and the sim's `nomad_version` (1.10.0 on).
+    #[test]
+    fn parses_heartbeat_settings_and_the_nomad_version() {
+        let cfg = AgentConfig::parse(
+            "data_dir = \"/tmp/x\"\nnomad_version = \"1.11.2\"\nserver {\n  min_heartbeat_ttl = \"500ms\"\n  max_heartbeats_per_second = 0\n}\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.heartbeat.min_ttl, Duration::from_millis(500));
+        assert_eq!(cfg.heartbeat.max_per_second, 50.0);
+        assert_eq!(cfg.nomad_version, NomadVersion(1, 11, 2));
+        assert!(!cfg.nomad_version.job_event_deleted());
+        assert!(NomadVersion(1, 11, 3).job_event_deleted());
+        assert!(AgentConfig::parse("data_dir = \"/tmp/x\"\nnomad_version = \"1.9.7\"\n").is_err());
+        assert!(AgentConfig::parse("data_dir = \"/tmp/x\"\nnomad_version = \"2.0\"\n").is_err());
+    }
+
+    /// `RateScaledInterval(50, 10 s, n)`: 10 s up to 500 nodes, n/50 s above.
+    #[test]
+    fn the_heartbeat_ttl_scales_with_the_nodes() {
+        let rate = crate::nodes::rate_scaled_interval;
+        assert_eq!(
+            rate(50.0, Duration::from_secs(10), 3),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            rate(50.0, Duration::from_secs(10), 500),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            rate(50.0, Duration::from_secs(10), 1000),
+            Duration::from_secs(20)
+        );
     }
 }

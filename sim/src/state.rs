@@ -72,7 +72,7 @@ pub struct State {
     pub(crate) drain_deadlines: BTreeMap<String, Option<i64>>,
     pub(crate) lock_timers: LockTimers,
     /// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`).
-    pub(crate) heartbeat: crate::nodes::HeartbeatSettings,
+    pub(crate) heartbeat: crate::config::HeartbeatSettings,
     /// The Nomad version whose shapes the simulator speaks (`nomad_version`).
     pub(crate) version: crate::config::NomadVersion,
     pending_events: Vec<Event>,
