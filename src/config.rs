@@ -171,6 +171,16 @@ pub struct AgentConfig {
     /// Lock delay after a claim's TTL lapses, before another node may take it.
     #[arg(long, env = "DHV_BINDER_CLAIM_LOCK_DELAY", default_value = "15s", value_parser = humantime::parse_duration)]
     pub claim_lock_delay: Duration,
+    /// The longest interval between two heartbeats of a Nomad client of this cluster: the
+    /// servers give each client a TTL of `max(min_heartbeat_ttl, nodes /
+    /// max_heartbeats_per_second)` plus a random stagger of up to as much again, and the client
+    /// heartbeats once per TTL (Nomad: `nomad/heartbeat.go` `resetHeartbeatTimer`; with the
+    /// servers' defaults 10 s and 50: 20 s up to 500 nodes, `nodes / 25` seconds above). A
+    /// group's `disconnect { stop_on_client_after }` must be longer than this (plus 5 s
+    /// for a heartbeat's round trip and a retry), or Nomad stops healthy allocations between two
+    /// heartbeats (docs/operations.md, "Claims").
+    #[arg(long, env = "DHV_BINDER_HEARTBEAT_INTERVAL_MAX", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub heartbeat_interval_max: Duration,
     /// Other Nomad agents' HTTP addresses (servers, `http(s)://host:4646`, comma-separated),
     /// used for claim lock calls (acquire, renew, release) only while the local agent at
     /// NOMAD_ADDR cannot be connected to at all (restarting: its socket or port is gone), so
@@ -513,6 +523,7 @@ impl AgentConfig {
             ("--health-interval", self.health_interval),
             ("--stream-idle-timeout", self.stream_idle_timeout),
             ("--claim-ttl", self.claim_ttl),
+            ("--heartbeat-interval-max", self.heartbeat_interval_max),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero { what });

@@ -784,11 +784,18 @@ async fn a_host_to_task_task_under_a_read_only_publish_cannot_write() {
 /// allocations at once, the running one included (`DeleteJobTxn` → `deleteAllocsForJobTxn`),
 /// with no allocation event and no rise of the node's allocation index; the client kills the
 /// tasks. The daemon notices within seconds in either watch mode (stream: the Job topic's
-/// `JobDeregistered` with `Deleted`; poll: the allocation's processes gone, then a 404 on
-/// it), unpublishes once the task is gone, exactly once, and releases the claim, within 30 s
-/// with the default settings (the resync alone would take 300 s).
-async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str) {
-    let c = Cluster::start_with(1, "", &[("DHV_BINDER_WATCH_MODE", mode)]).await;
+/// `JobDeregistered`, with `Deleted` from Nomad 1.11.3, without it before (issue 45: the
+/// simulator speaks `nomad_version`'s shape), then a 404 on the job's allocation here; in
+/// both modes the allocation's processes gone, then a 404 on it), unpublishes once the task
+/// is gone, exactly once, and releases the claim, within 30 s with the default settings (the
+/// resync alone would take 300 s).
+async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str, nomad_version: &str) {
+    let c = Cluster::start_with(
+        1,
+        &format!("nomad_version = \"{nomad_version}\""),
+        &[("DHV_BINDER_WATCH_MODE", mode)],
+    )
+    .await;
     c.create_volume("shared-data", "single-node-writer");
     // Another allocation on the node (on a real node, the daemon's own), so that the
     // node's allocation list's index stays the highest ModifyIndex of its allocations and
@@ -854,7 +861,7 @@ async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str) {
         .collect();
     assert_eq!(intents.len(), 1);
     eprintln!(
-        "B15 ({mode}): unpublished {} ms after the purge",
+        "B15 ({mode}, Nomad {nomad_version}): unpublished {} ms after the purge",
         intents[0] - purged_at
     );
     assert_eq!(
@@ -955,12 +962,30 @@ fn chrono_ms(t: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b15_purged_job_is_unpublished_and_its_claim_released_in_poll_mode() {
-    b15_purged_job_is_unpublished_and_its_claim_released("poll").await;
+    b15_purged_job_is_unpublished_and_its_claim_released("poll", "2.0.5").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b15_purged_job_is_unpublished_and_its_claim_released_in_stream_mode() {
-    b15_purged_job_is_unpublished_and_its_claim_released("stream").await;
+    b15_purged_job_is_unpublished_and_its_claim_released("stream", "2.0.5").await;
+}
+
+/// Issue 45: on Nomad 1.10.x–1.11.2 a purge's Job event has no `Deleted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_stream_mode_on_nomad_1_10() {
+    b15_purged_job_is_unpublished_and_its_claim_released("stream", "1.10.5").await;
+}
+
+/// Issue 45: the last version before `Deleted` (hashicorp/nomad#27614).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_stream_mode_on_nomad_1_11_2() {
+    b15_purged_job_is_unpublished_and_its_claim_released("stream", "1.11.2").await;
+}
+
+/// Issue 45: a version with `Deleted`, in poll mode too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b15_purged_job_is_unpublished_and_its_claim_released_in_poll_mode_on_nomad_1_10() {
+    b15_purged_job_is_unpublished_and_its_claim_released("poll", "1.10.5").await;
 }
 
 /// The node that ran a volume's create registers its placeholder right after, not at the

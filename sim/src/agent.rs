@@ -28,7 +28,7 @@ fn node_for(cfg: &AgentConfig, c: &crate::config::ClientConfig, id: &str, addr: 
         ("kernel.name", "linux".to_string()),
         ("os.name", "linux".to_string()),
         ("arch", std::env::consts::ARCH.to_string()),
-        ("nomad.version", "2.0.5-sim".to_string()),
+        ("nomad.version", format!("{}-sim", cfg.nomad_version)),
         ("nomad.revision", "nomad-sim".to_string()),
         ("nomad.advertise.address", addr.to_string()),
         ("unique.hostname", c.name.clone()),
@@ -193,6 +193,8 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     }
     let server = Server::new(&cfg.region, cfg.event_buffer_size, keyring, acl);
     crate::nodes::set_heartbeat_settings(&server, cfg.heartbeat);
+    let version = cfg.nomad_version;
+    server.write(|st| st.version = version);
     let self_exe = std::env::current_exe().context("locating nomad-sim executable")?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let server_listener = TcpListener::bind((cfg.bind_addr.as_str(), cfg.http_port))

@@ -455,6 +455,9 @@ async fn run_alloc(
     let mut sibling_failed = false;
     let mut restart_all_pending = false;
     let mut restart_rx = server.restart_tx.subscribe();
+    // `alloc restart` requests waiting for their tasks' kill: (tasks, reply).
+    type Reply = mpsc::UnboundedSender<Result<(), String>>;
+    let mut restart_replies: Vec<(Vec<String>, Reply)> = Vec::new();
     loop {
         // Collect finished tasks.
         for (name, slot) in slots.iter_mut() {
@@ -478,6 +481,14 @@ async fn run_alloc(
             .filter(|(_, s)| s.outcome == Some(Outcome::Restarted))
             .map(|(n, _)| n.clone())
             .collect();
+        // `restartImpl` returns once the task exited (restarted, or ended another way).
+        restart_replies.retain_mut(|(tasks, reply)| {
+            tasks.retain(|t| slots.get(t).is_some_and(|s| s.outcome.is_none()));
+            if tasks.is_empty() {
+                let _ = reply.send(Ok(()));
+            }
+            !tasks.is_empty()
+        });
         if !stopping && !restart_all_pending {
             for n in restarted {
                 if let Some(s) = slots.get_mut(&n) {
@@ -659,22 +670,45 @@ async fn run_alloc(
             }
             r = restart_rx.recv() => {
                 if let Ok(req) = r {
-                    if req.alloc_id == alloc.ID && !stopping {
+                    if req.alloc_id == alloc.ID && stopping {
+                        // `restartTasks`: `shouldRun` is false once the allocation stops.
+                        let _ = req.reply.send(Err("restart of an alloc that should not run".into()));
+                    } else if req.alloc_id == alloc.ID {
                         if req.all_tasks {
                             restart_all_pending = true;
                         }
                         let restart = Some(KillRequest { restart: true, no_delay: true, ..Default::default() });
+                        let mut killed = Vec::new();
                         for (n, s) in slots.iter() {
-                            let running = s.join.is_some() && s.outcome.is_none();
+                            // `TaskRunner.Restart`: a pending or dead task is not running.
+                            let state_running = states
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get(n)
+                                .is_some_and(|t| t.State == "running");
+                            let running = s.join.is_some() && s.outcome.is_none() && state_running;
                             if running && (req.task.is_empty() || req.task == *n) {
                                 s.kill.send_replace(restart.clone());
+                                killed.push(n.clone());
                             }
+                        }
+                        if !req.task.is_empty() && killed.is_empty() {
+                            // `RestartTask` → `TaskRunner.Restart`: `ErrTaskNotRunning`.
+                            let _ = req.reply.send(Err("Task not running".into()));
+                        } else if killed.is_empty() {
+                            // `restartTasks` ignores `ErrTaskNotRunning`.
+                            let _ = req.reply.send(Ok(()));
+                        } else {
+                            restart_replies.push((killed, req.reply.clone()));
                         }
                     }
                 }
             }
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
         }
+    }
+    for (_, reply) in restart_replies {
+        let _ = reply.send(Ok(()));
     }
     report(&states, &alloc, &upd);
 }

@@ -62,6 +62,73 @@ pub struct AclConfig {
     pub bootstrap_token: Option<String>,
 }
 
+/// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`;
+/// Nomad's defaults 10 s and 50, `nomad/config.go` `DefaultConfig`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeartbeatSettings {
+    /// `min_heartbeat_ttl`: the shortest TTL a server gives a client.
+    pub min_ttl: std::time::Duration,
+    /// `max_heartbeats_per_second`: the cluster-wide heartbeat rate the TTL aims at.
+    pub max_per_second: f64,
+}
+
+impl Default for HeartbeatSettings {
+    fn default() -> Self {
+        HeartbeatSettings {
+            min_ttl: std::time::Duration::from_secs(10),
+            max_per_second: 50.0,
+        }
+    }
+}
+
+/// The Nomad version the simulator speaks (`nomad_version = "1.10.5"`, sim-only; default
+/// 2.0.5): where Nomad's behaviour differs between the versions dhv-binder supports, the
+/// simulator follows this one (docs/simulator.md, "Versions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NomadVersion(pub u32, pub u32, pub u32);
+
+impl Default for NomadVersion {
+    fn default() -> Self {
+        NomadVersion(2, 0, 5)
+    }
+}
+
+impl std::fmt::Display for NomadVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+    }
+}
+
+impl std::str::FromStr for NomadVersion {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        let bad = || {
+            ConfigError::Invalid(format!(
+                "nomad_version {s:?}: expected MAJOR.MINOR.PATCH, 1.10.0 or later"
+            ))
+        };
+        let mut parts = s.split('.').map(|p| p.parse::<u32>().map_err(|_| bad()));
+        let v = NomadVersion(
+            parts.next().ok_or_else(bad)??,
+            parts.next().ok_or_else(bad)??,
+            parts.next().ok_or_else(bad)??,
+        );
+        if parts.next().is_some() || v < NomadVersion(1, 10, 0) {
+            return Err(bad());
+        }
+        Ok(v)
+    }
+}
+
+impl NomadVersion {
+    /// Whether a Job event of a job deleted from the state carries `"Deleted": true`
+    /// (`nomad/structs/event.go` `JobEvent.Deleted`, hashicorp/nomad#27614: v1.11.3 and
+    /// v2.0.0 on; before, `nomad/state/events.go` `eventFromChange` sends `{"Job": …}` only).
+    pub fn job_event_deleted(self) -> bool {
+        self >= NomadVersion(1, 11, 3)
+    }
+}
+
 /// The whole agent config.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -84,7 +151,7 @@ pub struct AgentConfig {
     /// `server { min_heartbeat_ttl, max_heartbeats_per_second }`: the TTL the servers give
     /// each client, and so how often it heartbeats (`nomad/heartbeat.go`
     /// `resetHeartbeatTimer`; 10 s and 50 by default, 10–20 s up to 500 nodes).
-    pub heartbeat: crate::nodes::HeartbeatSettings,
+    pub heartbeat: HeartbeatSettings,
     /// ACLs.
     pub acl: AclConfig,
     /// `server { oidc_issuer = "..." }`: the `iss` of every workload identity and the
@@ -94,6 +161,8 @@ pub struct AgentConfig {
     pub oidc_issuer: Option<String>,
     /// Simulated client nodes.
     pub clients: Vec<ClientConfig>,
+    /// `nomad_version` (sim-only): the Nomad version whose shapes the simulator speaks.
+    pub nomad_version: NomadVersion,
 }
 
 /// Nomad's exec driver default `chroot_env` (`drivers/shared/executor` `chrootEnv`).
@@ -160,6 +229,10 @@ impl AgentConfig {
             acl: AclConfig::default(),
             oidc_issuer: None,
             clients: Vec::new(),
+            nomad_version: match a.str("nomad_version")? {
+                None => NomadVersion::default(),
+                Some(v) => v.parse()?,
+            },
         };
         for b in body.blocks() {
             match b.identifier.as_str() {
@@ -318,5 +391,40 @@ client "node-2" {}
         assert_eq!(cfg.clients[0].chroot_env.len(), 1);
         assert!(cfg.clients[0].host_volumes[0].read_only);
         assert!(cfg.clients[1].chroot_env.contains_key("/usr"));
+    }
+
+    /// `server { min_heartbeat_ttl, max_heartbeats_per_second }` as Nomad reads them (0 keeps
+    /// the default) and the sim's `nomad_version` (1.10.0 on).
+    #[test]
+    fn parses_heartbeat_settings_and_the_nomad_version() {
+        let cfg = AgentConfig::parse(
+            "data_dir = \"/tmp/x\"\nnomad_version = \"1.11.2\"\nserver {\n  min_heartbeat_ttl = \"500ms\"\n  max_heartbeats_per_second = 0\n}\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.heartbeat.min_ttl, Duration::from_millis(500));
+        assert_eq!(cfg.heartbeat.max_per_second, 50.0);
+        assert_eq!(cfg.nomad_version, NomadVersion(1, 11, 2));
+        assert!(!cfg.nomad_version.job_event_deleted());
+        assert!(NomadVersion(1, 11, 3).job_event_deleted());
+        assert!(AgentConfig::parse("data_dir = \"/tmp/x\"\nnomad_version = \"1.9.7\"\n").is_err());
+        assert!(AgentConfig::parse("data_dir = \"/tmp/x\"\nnomad_version = \"2.0\"\n").is_err());
+    }
+
+    /// `RateScaledInterval(50, 10 s, n)`: 10 s up to 500 nodes, n/50 s above.
+    #[test]
+    fn the_heartbeat_ttl_scales_with_the_nodes() {
+        let rate = crate::nodes::rate_scaled_interval;
+        assert_eq!(
+            rate(50.0, Duration::from_secs(10), 3),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            rate(50.0, Duration::from_secs(10), 500),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            rate(50.0, Duration::from_secs(10), 1000),
+            Duration::from_secs(20)
+        );
     }
 }

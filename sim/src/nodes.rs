@@ -172,25 +172,6 @@ pub fn drain_tick(server: &Server) {
     server.reschedule_all();
 }
 
-/// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`;
-/// Nomad's defaults 10 s and 50, `nomad/config.go` `DefaultConfig`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HeartbeatSettings {
-    /// `min_heartbeat_ttl`: the shortest TTL a server gives a client.
-    pub min_ttl: std::time::Duration,
-    /// `max_heartbeats_per_second`: the cluster-wide heartbeat rate the TTL aims at.
-    pub max_per_second: f64,
-}
-
-impl Default for HeartbeatSettings {
-    fn default() -> Self {
-        HeartbeatSettings {
-            min_ttl: std::time::Duration::from_secs(10),
-            max_per_second: 50.0,
-        }
-    }
-}
-
 /// `helper/cluster.go` `RateScaledInterval`: the interval at which `n` actors each acting once
 /// per interval make `rate` actions a second in all, at least `min`.
 pub fn rate_scaled_interval(rate: f64, min: std::time::Duration, n: usize) -> std::time::Duration {
@@ -225,7 +206,7 @@ pub fn heartbeat_ttl(server: &Server) -> std::time::Duration {
 }
 
 /// Sets the servers' heartbeat settings (the agent config's `server` block).
-pub fn set_heartbeat_settings(server: &Server, settings: HeartbeatSettings) {
+pub fn set_heartbeat_settings(server: &Server, settings: crate::config::HeartbeatSettings) {
     server.write(|st| st.heartbeat = settings);
 }
 

@@ -1,5 +1,9 @@
-//! `nomad alloc restart` (`client/allocrunner/alloc_runner.go` `RestartTask` / `RestartRunning` /
-//! `RestartAll`): requests are broadcast to the client that runs the allocation.
+//! `nomad alloc restart` (`client/client.go` `RestartAllocation` → `client/allocrunner/alloc_runner.go`
+//! `RestartTask` / `RestartRunning` / `RestartAll`): requests are broadcast to the client that
+//! runs the allocation, which answers on the request's `reply` once the kill is done
+//! (`client/allocrunner/taskrunner/lifecycle.go` `restartImpl` waits for the task to exit);
+//! a named task that is not running (pending or dead) is refused with "Task not running"
+//! (`TaskRunner.Restart`, `ErrTaskNotRunning`), which the HTTP API answers with 500.
 
 use crate::structs::Allocation;
 
@@ -12,6 +16,8 @@ pub struct RestartRequest {
     pub task: String,
     /// Restart every task, prestart ones included (coordinator back to init).
     pub all_tasks: bool,
+    /// Where the client answers: `Ok` once the restarted tasks were killed, or the error.
+    pub reply: tokio::sync::mpsc::UnboundedSender<Result<(), String>>,
 }
 
 /// Why a restart request is refused (`Allocations.Restart`, `client/alloc_endpoint.go`).
@@ -33,7 +39,12 @@ pub enum RestartError {
 
 impl RestartRequest {
     /// Validates a request for `alloc` (the stored allocation, `None` when unknown).
-    pub fn new(alloc: Option<&Allocation>, task: &str, all: bool) -> Result<Self, RestartError> {
+    pub fn new(
+        alloc: Option<&Allocation>,
+        task: &str,
+        all: bool,
+        reply: tokio::sync::mpsc::UnboundedSender<Result<(), String>>,
+    ) -> Result<Self, RestartError> {
         let a = alloc.ok_or(RestartError::UnknownAllocation)?;
         if a.terminal() {
             return Err(RestartError::NotRunning);
@@ -55,6 +66,7 @@ impl RestartRequest {
             alloc_id: a.ID.clone(),
             task: task.into(),
             all_tasks: all,
+            reply,
         })
     }
 }

@@ -72,7 +72,9 @@ pub struct State {
     pub(crate) drain_deadlines: BTreeMap<String, Option<i64>>,
     pub(crate) lock_timers: LockTimers,
     /// The servers' heartbeat settings (`server { min_heartbeat_ttl, max_heartbeats_per_second }`).
-    pub(crate) heartbeat: crate::nodes::HeartbeatSettings,
+    pub(crate) heartbeat: crate::config::HeartbeatSettings,
+    /// The Nomad version whose shapes the simulator speaks (`nomad_version`).
+    pub(crate) version: crate::config::NomadVersion,
     pending_events: Vec<Event>,
 }
 
@@ -100,6 +102,7 @@ impl State {
             drain_deadlines: BTreeMap::new(),
             lock_timers: Default::default(),
             heartbeat: Default::default(),
+            version: Default::default(),
             pending_events: Vec::new(),
         }
     }
@@ -159,10 +162,11 @@ impl State {
         );
     }
 
-    /// Job event (Key = job ID, no FilterKeys).
+    /// Job event (Key = job ID, no FilterKeys). A deleted job's carries `"Deleted": true` from
+    /// Nomad 1.11.3 on ([`crate::config::NomadVersion::job_event_deleted`]).
     pub(crate) fn emit_job(&mut self, kind: &str, job: &Job, deleted: bool) {
         let mut payload = json!({ "Job": job });
-        if deleted {
+        if deleted && self.version.job_event_deleted() {
             payload["Deleted"] = json!(true);
         }
         self.emit("Job", kind, &job.ID, &job.Namespace, None, payload);

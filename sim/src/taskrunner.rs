@@ -871,70 +871,43 @@ impl TaskRunner {
     /// The client agent came back from a restart while this task runs: its prestart hooks
     /// run again on the restored task (`task_runner.go` `Run` → `prestart`; the volume hook
     /// never reports itself done). When the group's host volume did not come back, the
-    /// `volumes` hook fails ("Task hook failed", `emitHookError`), the failure is a
-    /// recoverable start error (`SetStartError`) and the restart policy decides: each
-    /// restart waits its delay (task `pending`, the restored process still running) and runs
-    /// the hooks again; once the policy gives up ("Not Restarting", the task failed) the
-    /// process is killed (`Run`: a handle left after the MAIN loop is killed). `None`: the
-    /// hooks passed, the task runs on.
+    /// `volumes` hook fails ("Task hook failed", `emitHookError`) with a plain error, which
+    /// `prestart` wraps with `structs.WrapRecoverable`: recoverable only if the hook's error
+    /// was, and `validateHostVolumes`'s is not. So `SetStartError` gets an unrecoverable error
+    /// and the restart tracker gives up at once (`restarts.go` `handleStartError`: "Not
+    /// Restarting", "Error was unrecoverable", the task failed), whatever the restart policy;
+    /// the process is killed (`Run`: a handle left after the MAIN loop is killed). `None`:
+    /// the hooks passed, the task runs on.
     async fn rerun_prestart_hooks(
         &self,
         child: &mut tokio::process::Child,
-        tracker: &mut RestartTracker,
-        kill: &mut watch::Receiver<Option<KillRequest>>,
+        _tracker: &mut RestartTracker,
+        _kill: &mut watch::Receiver<Option<KillRequest>>,
     ) -> Option<Outcome> {
         let name = self.task.Name.clone();
-        loop {
-            let node = (self.node_view)().unwrap_or_else(|| self.node.node.clone());
-            let msg = self.missing_host_volumes(&node)?;
-            // `emitHookError`: `SetMessage("<hook>: <err>")`, shown as the display message.
-            let mut e = ev("Task hook failed", &format!("volumes: {msg}"));
-            e.Message = format!("volumes: {msg}");
-            push_event(&self.states, &name, e, None);
-            self.report();
-            match tracker.next() {
-                Decision::Restart(delay) => {
-                    let mut e = ev(
-                        "Restarting",
-                        &format!("Task restarting in {}", go_duration_string(delay)),
-                    );
-                    e.RestartReason = "Restart within policy".into();
-                    e.StartDelay = delay.as_nanos() as i64;
-                    push_event(&self.states, &name, e, Some("pending"));
-                    with_state(&self.states, &name, |s| {
-                        s.Restarts += 1;
-                        s.LastRestart = Some(now_rfc3339());
-                    });
-                    self.report();
-                    let killed = tokio::select! {
-                        _ = tokio::time::sleep(delay) => false,
-                        _ = kill.wait_for(|k| k.is_some()) => true,
-                    };
-                    if killed {
-                        let req = kill.borrow().clone().unwrap_or_default();
-                        self.kill(child, &req).await;
-                        return Some(Outcome::Killed);
-                    }
-                }
-                Decision::Fail(reason) => {
-                    let mut e = ev("Not Restarting", &reason);
-                    e.RestartReason = reason;
-                    e.FailsTask = true;
-                    push_event(&self.states, &name, e, None);
-                    with_state(&self.states, &name, |s| s.Failed = true);
-                    self.report();
-                    self.kill(
-                        child,
-                        &KillRequest {
-                            no_delay: true,
-                            ..Default::default()
-                        },
-                    )
-                    .await;
-                    return Some(Outcome::Failed);
-                }
-            }
-        }
+        let node = (self.node_view)().unwrap_or_else(|| self.node.node.clone());
+        let msg = self.missing_host_volumes(&node)?;
+        // `emitHookError`: `SetMessage("<hook>: <err>")`, shown as the display message.
+        let mut e = ev("Task hook failed", &format!("volumes: {msg}"));
+        e.Message = format!("volumes: {msg}");
+        push_event(&self.states, &name, e, None);
+        self.report();
+        let reason = "Error was unrecoverable".to_string();
+        let mut e = ev("Not Restarting", &reason);
+        e.RestartReason = reason;
+        e.FailsTask = true;
+        push_event(&self.states, &name, e, None);
+        with_state(&self.states, &name, |s| s.Failed = true);
+        self.report();
+        self.kill(
+            child,
+            &KillRequest {
+                no_delay: true,
+                ..Default::default()
+            },
+        )
+        .await;
+        Some(Outcome::Failed)
     }
 
     async fn restart_kill(&self, child: &mut tokio::process::Child) {

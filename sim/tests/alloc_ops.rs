@@ -109,6 +109,22 @@ async fn restart_task_running_and_all() {
             )
             .await;
         assert_eq!(s, 400);
+        // A named task that is not running (the prestart task is dead): 500 "Task not
+        // running" (`client/allocrunner/taskrunner/lifecycle.go` `Restart`,
+        // `ErrTaskNotRunning`); the running tasks are not touched.
+        sim.wait_for(10, "the prestart task dead", || async {
+            (alloc(&sim, &id).await["TaskStates"]["pre"]["State"] == "dead").then_some(())
+        })
+        .await;
+        let (s, _, b) = sim
+            .req(
+                Method::PUT,
+                &format!("/v1/client/allocation/{id}/restart"),
+                Some(json!({"TaskName": "pre"})),
+            )
+            .await;
+        assert_eq!((s, b.trim()), (500, "Task not running"));
+        assert_eq!(starts(&sim, &id), "pre\nmain\nmain\nmain\npre\nmain\n");
     })
     .await
     .expect("test timed out");

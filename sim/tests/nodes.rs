@@ -609,11 +609,12 @@ async fn registering_a_volume_again_is_refused_while_allocations_use_it() {
 
 /// A restarted client runs the prestart hooks of its restored tasks again: a running task
 /// whose group's dynamic host volume did not come back fails its `volumes` hook ("missing
-/// <source>"), goes through its restart policy with its process still running, and is killed
-/// once the policy gives up; the allocation fails. Until then the volume cannot be registered
-/// again (it is in use); once the allocation is client-terminal it can
-/// (`taskrunner/volume_hook.go` `validateHostVolumes`, `task_runner.go` `Run`,
-/// `nomad/host_volume_endpoint.go` `validateVolumeUpdate`).
+/// <source>"), an unrecoverable start error (`task_runner_hooks.go` `prestart` wraps it with
+/// `structs.WrapRecoverable`, recoverable only if the hook's error was): it is not restarted
+/// whatever its policy, its process is killed and the allocation fails; then the volume can
+/// be registered again (`taskrunner/volume_hook.go` `validateHostVolumes`, `task_runner.go`
+/// `Run`, `restarts.go` `handleStartError`, `nomad/host_volume_endpoint.go`
+/// `validateVolumeUpdate`).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restarted_client_kills_allocations_whose_host_volume_did_not_come_back() {
     tokio::time::timeout(Duration::from_secs(60), async {
@@ -676,18 +677,16 @@ async fn a_restarted_client_kills_allocations_whose_host_volume_did_not_come_bac
             .put(&format!("/v1/sim/node/{node}/restart"), json!({}))
             .await;
         assert_eq!(r["DroppedHostVolumes"], json!([vol]));
-        // The hook failed and the policy restarts: the restored process still runs.
+        // The hook fails with an unrecoverable error: no restart, whatever the policy (one
+        // attempt here); the task is killed and the allocation fails.
         let a = sim
-            .wait_for(5, "the volumes hook failed", || async {
+            .wait_for(15, "the allocation failed", || async {
                 let a = sim.get(&format!("/v1/allocation/{id}")).await;
-                let evs = a["TaskStates"]["t"]["Events"].as_array()?.clone();
-                evs.iter()
-                    .any(|e| e["Type"] == "Restarting")
-                    .then_some(a)
+                (a["ClientStatus"] == "failed").then_some(a)
             })
             .await;
-        let evs = a["TaskStates"]["t"]["Events"].as_array().unwrap();
-        let hook = evs
+        let events = a["TaskStates"]["t"]["Events"].as_array().unwrap();
+        let hook = events
             .iter()
             .find(|e| e["Type"] == "Task hook failed")
             .expect("a Task hook failed event");
@@ -695,37 +694,23 @@ async fn a_restarted_client_kills_allocations_whose_host_volume_did_not_come_bac
             hook["Message"],
             "volumes: host volume validation error: 1 error occurred:\n\t* missing data\n\n"
         );
-        // Restarting: the task is `pending`, so is the allocation (`getClientStatus`).
-        assert_eq!(a["TaskStates"]["t"]["State"], "pending");
-        assert_eq!(a["ClientStatus"], "pending");
-        // In use: the volume cannot be registered again yet.
-        let again = json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": sim.path().join("data"), "ID": vol}});
-        std::fs::create_dir_all(&path).unwrap();
-        let (s, _, b) = sim
-            .req(Method::PUT, "/v1/volume/host/register", Some(again.clone()))
-            .await;
-        assert_eq!(s, 500, "{b}");
-        assert!(b.contains("cannot update a volume in use"), "{b}");
-        // The policy gives up after its one attempt: the task is killed, the allocation fails.
-        let a = sim
-            .wait_for(15, "the allocation failed", || async {
-                let a = sim.get(&format!("/v1/allocation/{id}")).await;
-                (a["ClientStatus"] == "failed").then_some(a)
-            })
-            .await;
-        let evs: Vec<&str> = a["TaskStates"]["t"]["Events"]
-            .as_array()
-            .unwrap()
+        let not_restarting = events
+            .iter()
+            .find(|e| e["Type"] == "Not Restarting")
+            .expect("a Not Restarting event");
+        assert_eq!(not_restarting["RestartReason"], "Error was unrecoverable");
+        let evs: Vec<&str> = events
             .iter()
             .map(|e| e["Type"].as_str().unwrap())
             .collect();
-        assert!(evs.ends_with(&["Not Restarting", "Killing", "Terminated", "Killed"]), "{evs:?}");
-        assert_eq!(
-            evs.iter().filter(|t| **t == "Task hook failed").count(),
-            2,
-            "once after the restart, once after the restart delay: {evs:?}"
+        assert!(
+            evs.ends_with(&["Task hook failed", "Not Restarting", "Killing", "Terminated", "Killed"]),
+            "{evs:?}"
         );
+        assert!(!evs.contains(&"Restarting"), "not restarted: {evs:?}");
         assert_eq!(a["TaskStates"]["t"]["Failed"], true);
+        let again = json!({"Volume": {"Name": "data", "NodeID": node, "HostPath": sim.path().join("data"), "ID": vol}});
+        std::fs::create_dir_all(&path).unwrap();
         // Client-terminal: the volume can be registered again.
         sim.put("/v1/volume/host/register", again).await;
         sim.wait_for(5, "volume ready again", || async {

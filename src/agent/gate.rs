@@ -66,8 +66,12 @@ pub fn propagates(mode: &str) -> bool {
 /// The tasks to restart once `volume` is published, as (allocation ID, task name): those
 /// that mount it ungated and do not see later mounts (they may have been started on the
 /// empty placeholder). Only a running task is restarted: one that has not started yet starts
-/// on the published volume anyway (Nomad leaves a task that is not running alone,
-/// `client/allocrunner/alloc_runner.go` `restartTasks`, `ErrTaskNotRunning`).
+/// on the published volume anyway. A restart naming a task that is not running (pending or
+/// dead) is refused by Nomad with 500 "Task not running" (`client/client.go`
+/// `RestartAllocation` → `client/allocrunner/alloc_runner.go` `RestartTask` →
+/// `client/allocrunner/taskrunner/lifecycle.go` `TaskRunner.Restart`, `ErrTaskNotRunning`);
+/// the agent logs that as nothing to restart. A restart of a running task answers once the
+/// task was killed (`restartImpl` waits for it to exit).
 pub fn restart_on_publish(
     ungated: &std::collections::BTreeMap<String, Vec<Ungated>>,
     volume: &VolumeKey,

@@ -308,6 +308,12 @@ impl MountHealth {
                 None => {
                     tracing::info!(%volume, %alloc_id, "allocation restarted onto the published volume")
                 }
+                // `TaskRunner.Restart` (`client/allocrunner/taskrunner/lifecycle.go`):
+                // `ErrTaskNotRunning`, answered 500. A pending task starts on the published
+                // volume; a dead one no longer uses it.
+                Some(e) if e.contains("Task not running") => {
+                    tracing::info!(%volume, %alloc_id, "the ungated task is not running (Nomad: \"Task not running\"): it starts on the published volume, or has ended; nothing to restart")
+                }
                 Some(e) => {
                     tracing::warn!(%volume, %alloc_id, error = %e, "cannot restart the ungated allocation onto the published volume: its tasks that started before the publish keep an empty read-only directory until they restart")
                 }

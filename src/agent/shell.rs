@@ -974,6 +974,7 @@ pub async fn run(
             plugin_rescan: cfg.plugin_rescan,
             claims,
             health_interval: cfg.health_interval,
+            heartbeat_interval_max: cfg.heartbeat_interval_max,
             seed: std::process::id() as u64
                 ^ u64::from(
                     std::time::UNIX_EPOCH
@@ -1096,6 +1097,7 @@ mod tests {
             max_parallel: 2,
             claim_ttl: Duration::from_secs(15),
             claim_lock_delay: Duration::from_secs(15),
+            heartbeat_interval_max: Duration::from_secs(20),
             fallback_addresses: Vec::new(),
             claim_fence_margin: None,
             audiences: vec![],
@@ -1284,6 +1286,7 @@ mod tests {
                 plugin_rescan: Duration::from_secs(60),
                 claims: s.claims,
                 health_interval: Duration::from_secs(10),
+                heartbeat_interval_max: Duration::from_secs(20),
                 seed: 1,
             },
             journal,

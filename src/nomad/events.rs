@@ -29,11 +29,15 @@ pub enum Line {
         allocations: Vec<AllocationEvent>,
         /// Allocation events of other nodes, skipped without decoding their payloads.
         skipped: usize,
-        /// Jobs deleted from Nomad's state: the Job topic's `JobDeregistered` (a purge) or
-        /// `JobBatchDeregistered` (the GC of a dead job) with `Deleted`. Their allocations
-        /// were deleted in the same write, with no allocation event
-        /// (`nomad/state/state_store.go` `DeleteJobTxn` → `deleteAllocsForJobTxn`).
-        deleted_jobs: Vec<JobRef>,
+        /// Jobs that may have been deleted from Nomad's state: the Job topic's
+        /// `JobDeregistered` (a stop or a purge) and `JobBatchDeregistered` (the GC of a dead
+        /// job). A deleted job's allocations were deleted in the same write, with no
+        /// allocation event (`nomad/state/state_store.go` `DeleteJobTxn` →
+        /// `deleteAllocsForJobTxn`). Nomad 1.11.3 and 2.0 mark a deletion with `Deleted`
+        /// (hashicorp/nomad#27614); before, a deletion's payload is `{"Job": …}` as a stop's
+        /// is (`nomad/state/events.go` `eventFromChange`), so every one is listed and the
+        /// watch reads the allocations it holds of them.
+        deregistered_jobs: Vec<JobRef>,
     },
 }
 
@@ -76,13 +80,12 @@ struct FullPayload {
 }
 
 /// A Job event's payload `{"Job":{…},"Deleted":true}` (`nomad/structs/event.go`
-/// `JobEvent`), read as far as the job's namespace and ID.
+/// `JobEvent`; `Deleted` from Nomad 1.11.3, absent before), read as far as the job's
+/// namespace and ID.
 #[derive(Deserialize)]
 struct JobPayload {
     #[serde(rename = "Job")]
     job: JobIds,
-    #[serde(rename = "Deleted", default)]
-    deleted: bool,
 }
 
 #[derive(Deserialize)]
@@ -107,7 +110,7 @@ pub fn decode_line(line: &[u8], node_id: &str, max_len: usize) -> Result<Line, L
         return Ok(Line::Heartbeat);
     }
     let mut allocations = Vec::new();
-    let mut deleted_jobs = Vec::new();
+    let mut deregistered_jobs = Vec::new();
     let mut skipped = 0;
     let mut err = None;
     let index = scan::frame(trimmed, |topic, event_type, payload| {
@@ -117,11 +120,10 @@ pub fn decode_line(line: &[u8], node_id: &str, max_len: usize) -> Result<Line, L
         if topic == b"Job" {
             if matches!(event_type, b"JobDeregistered" | b"JobBatchDeregistered") {
                 match serde_json::from_slice::<JobPayload>(payload) {
-                    Ok(p) if p.deleted => deleted_jobs.push(JobRef {
+                    Ok(p) => deregistered_jobs.push(JobRef {
                         namespace: p.job.namespace,
                         id: p.job.id,
                     }),
-                    Ok(_) => {}
                     Err(e) => err = Some(e),
                 }
             }
@@ -153,7 +155,7 @@ pub fn decode_line(line: &[u8], node_id: &str, max_len: usize) -> Result<Line, L
         index,
         allocations,
         skipped,
-        deleted_jobs,
+        deregistered_jobs,
     })
 }
 
@@ -261,7 +263,7 @@ mod tests {
             index,
             allocations,
             skipped,
-            deleted_jobs,
+            deregistered_jobs,
         } = decode_line(line, "me", 1 << 20).unwrap()
         else {
             panic!("expected a frame")
@@ -271,27 +273,38 @@ mod tests {
         assert_eq!(allocations.len(), 1);
         assert_eq!(allocations[0].allocation.id, "a2");
         assert_eq!(allocations[0].event_type, "AllocationUpdated");
-        assert!(deleted_jobs.is_empty());
+        assert!(deregistered_jobs.is_empty());
     }
 
-    /// A purge's Job event (`JobDeregistered` with `Deleted`) names the deleted job; a stop
-    /// (no `Deleted`) and other Job events do not; a Job payload that is not a job is an
+    /// A deregistration's Job event names the job, with `Deleted` (a purge from Nomad
+    /// 1.11.3) or without it (a stop, or a purge before 1.11.3: the two look alike); other
+    /// Job events do not; a Job payload that is not a job is an
     /// error as any other.
     #[test]
-    fn deleted_jobs_are_read_from_the_job_topic() {
+    fn deregistered_jobs_are_read_from_the_job_topic() {
         let line = br#"{"Index":9,"Events":[
             {"Topic":"Job","Type":"JobDeregistered","Key":"web","Namespace":"apps","Index":9,"Payload":{"Job":{"Stop":true,"Namespace":"apps","ID":"web","TaskGroups":[{"Name":"g"}]},"Deleted":true}},
             {"Topic":"Job","Type":"JobDeregistered","Key":"db","Namespace":"default","Index":9,"Payload":{"Job":{"Namespace":"default","ID":"db"}}},
             {"Topic":"Job","Type":"JobRegistered","Key":"x","Namespace":"default","Index":9,"Payload":{"Job":{"ID":"x"},"Deleted":true}},
             {"Topic":"Job","Type":"JobBatchDeregistered","Key":"old","Namespace":"default","Index":9,"Payload":{"Job":{"Namespace":"default","ID":"old"},"Deleted":true}}]}"#;
-        let Line::Frame { deleted_jobs, .. } = decode_line(line, "me", 1 << 20).unwrap() else {
+        let Line::Frame {
+            deregistered_jobs, ..
+        } = decode_line(line, "me", 1 << 20).unwrap()
+        else {
             panic!("expected a frame")
         };
         let job = |namespace: &str, id: &str| JobRef {
             namespace: namespace.into(),
             id: id.into(),
         };
-        assert_eq!(deleted_jobs, [job("apps", "web"), job("default", "old")]);
+        assert_eq!(
+            deregistered_jobs,
+            [
+                job("apps", "web"),
+                job("default", "db"),
+                job("default", "old")
+            ]
+        );
         let bad = br#"{"Index":9,"Events":[{"Topic":"Job","Type":"JobDeregistered","Payload":{"Job":7,"Deleted":true}}]}"#;
         assert!(matches!(
             decode_line(bad, "me", 1 << 20),

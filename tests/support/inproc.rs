@@ -51,6 +51,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         max_parallel: 8,
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),
+        heartbeat_interval_max: Duration::from_secs(20),
         fallback_addresses: Vec::new(),
         claim_fence_margin: None,
         audiences: vec![],

@@ -87,15 +87,26 @@ pub(super) async fn alloc_restart(
         .to_string();
     let all = v.get("AllTasks").and_then(Value::as_bool).unwrap_or(false);
     let alloc = st.server.read().allocs.get(&id).cloned();
-    let req = crate::restart::RestartRequest::new(alloc.as_ref(), &task, all).map_err(|e| {
-        let status = match e {
-            RestartError::UnknownAllocation => StatusCode::NOT_FOUND,
-            _ => StatusCode::BAD_REQUEST,
-        };
-        ApiError(status, e.to_string())
-    })?;
+    let (reply, mut answer) = tokio::sync::mpsc::unbounded_channel();
+    let req =
+        crate::restart::RestartRequest::new(alloc.as_ref(), &task, all, reply).map_err(|e| {
+            let status = match e {
+                RestartError::UnknownAllocation => StatusCode::NOT_FOUND,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            ApiError(status, e.to_string())
+        })?;
     let _ = st.server.restart_tx.send(req);
-    ok(st.server.index(), &json!({}))
+    // The client answers once the kill is done (`lifecycle.go` `restartImpl`); no alloc
+    // runner for it on any client: `getAllocRunner`'s unknown allocation.
+    match tokio::time::timeout(std::time::Duration::from_secs(60), answer.recv()).await {
+        Ok(Some(Ok(()))) => ok(st.server.index(), &json!({})),
+        Ok(Some(Err(msg))) => Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, msg)),
+        _ => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            RestartError::UnknownAllocation.to_string(),
+        )),
+    }
 }
 
 /// `alloc-lifecycle` in the allocation's namespace (`nomad/alloc_endpoint.go` `Stop`,

@@ -52,6 +52,9 @@ pub(crate) struct Settings {
     pub claims: ClaimSettings,
     /// How often published mounts are probed.
     pub health_interval: Duration,
+    /// `--heartbeat-interval-max`: the longest interval between two heartbeats of the local
+    /// Nomad client, the lower bound of a safe `stop_on_client_after`.
+    pub heartbeat_interval_max: Duration,
     /// Seeds the retry jitter.
     pub seed: u64,
 }

@@ -159,7 +159,8 @@ impl Core {
         } else {
             let reqs = crate::agent::view::requests(a, &self.volumes);
             let lease = self.s.claims.ttl + self.s.claims.lock_delay;
-            match unfenced(alloc_id, a, &reqs, &self.volumes, lease) {
+            let heartbeat_max = self.s.heartbeat_interval_max;
+            match unfenced(alloc_id, a, &reqs, &self.volumes, lease, heartbeat_max) {
                 Some(w) => {
                     if self.unfenced.get(alloc_id) != Some(&w) {
                         tracing::warn!(%alloc_id, "{w}");
@@ -185,18 +186,29 @@ impl Core {
     }
 }
 
+/// How much longer than the client's heartbeat interval `stop_on_client_after` must be: a
+/// heartbeat's round trip and a retry after one that failed (a client whose heartbeat fails
+/// with its TTL passed retries after 1–2 s: `client/client.go` `getHeartbeatRetryIntv`).
+pub(crate) const HEARTBEAT_SLACK: Duration = Duration::from_secs(5);
+
 /// Why an allocation is `unfenced` (a warning, in the log and status): it writes a
 /// `single-node-*` volume while its group has no `disconnect { stop_on_client_after }`
 /// within `lease` (TTL + lock delay: a TTL before another node may take the claim, whose
 /// lease is 2 x TTL + lock delay after the last renewal): if this node's agent
 /// is frozen or gone while its client loses the servers, nothing stops its tasks before
-/// another node may take the volume (docs/operations.md, "Claims").
+/// another node may take the volume (docs/operations.md, "Claims"). Or its group's
+/// `stop_on_client_after` is not longer than the client's heartbeat interval (up to
+/// `heartbeat_max`) plus [`HEARTBEAT_SLACK`]: Nomad's client counts it from its last heartbeat
+/// that succeeded (`client/heartbeatstop.go` `shouldStopAfter`, `client/client.go`
+/// `updateNodeStatus` → `setLastOk`), so it stops the group's healthy allocations between two
+/// heartbeats.
 fn unfenced(
     alloc_id: &str,
     a: &crate::nomad::types::Allocation,
     reqs: &[crate::agent::view::Request],
     volumes: &Catalogue,
     lease: Duration,
+    heartbeat_max: Duration,
 ) -> Option<String> {
     let writes_exclusive = reqs.iter().find(|r| {
         !r.read_only
@@ -206,17 +218,25 @@ fn unfenced(
             })
     });
     let stop = a.group().and_then(|g| g.stop_on_client_after());
-    let why = match (writes_exclusive, stop) {
-            (None, _) => None,
-            (Some(_), Some(d)) if d <= lease => None,
-            (Some(r), Some(d)) => Some(format!(
-                "unfenced: allocation {alloc_id} writes single-node volume {} with disconnect {{ stop_on_client_after = {d:?} }}, longer than {lease:?} (--claim-ttl + --claim-lock-delay, a TTL before another node could take the volume); if this node's dhv-binder is down while its client loses the servers, its tasks may still write when another node takes the volume: set stop_on_client_after to {lease:?} or less",
-                r.volume
-            )),
-            (Some(r), None) => Some(format!(
-                "unfenced: allocation {alloc_id} writes single-node volume {} and its group has no disconnect {{ stop_on_client_after }}; if this node's dhv-binder is down while its client loses the servers, nothing stops its tasks before another node takes the volume: set stop_on_client_after to {lease:?} (--claim-ttl + --claim-lock-delay) or less",
-                r.volume
-            )),
-        };
-    why
+    let low = heartbeat_max + HEARTBEAT_SLACK;
+    let advice = if low <= lease {
+        format!("set stop_on_client_after between {low:?} (--heartbeat-interval-max + {HEARTBEAT_SLACK:?}) and {lease:?} (--claim-ttl + --claim-lock-delay)")
+    } else {
+        format!("no stop_on_client_after is safe: the client's heartbeat interval (up to {heartbeat_max:?}, --heartbeat-interval-max) plus {HEARTBEAT_SLACK:?} exceeds {lease:?} (--claim-ttl + --claim-lock-delay); raise --claim-ttl or --claim-lock-delay until their sum is at least {low:?}, then set stop_on_client_after between the two")
+    };
+    match (writes_exclusive, stop) {
+        (_, Some(d)) if !reqs.is_empty() && d < low => Some(format!(
+            "unfenced: allocation {alloc_id} has disconnect {{ stop_on_client_after = {d:?} }}, shorter than its client's heartbeat interval (up to {heartbeat_max:?}, --heartbeat-interval-max) plus {HEARTBEAT_SLACK:?}: Nomad counts it from the last heartbeat, so it stops the group's healthy allocations between two heartbeats; {advice}"
+        )),
+        (None, _) => None,
+        (Some(_), Some(d)) if d <= lease => None,
+        (Some(r), Some(d)) => Some(format!(
+            "unfenced: allocation {alloc_id} writes single-node volume {} with disconnect {{ stop_on_client_after = {d:?} }}, longer than {lease:?} (--claim-ttl + --claim-lock-delay, a TTL before another node could take the volume); if this node's dhv-binder is down while its client loses the servers, its tasks may still write when another node takes the volume: {advice}",
+            r.volume
+        )),
+        (Some(r), None) => Some(format!(
+            "unfenced: allocation {alloc_id} writes single-node volume {} and its group has no disconnect {{ stop_on_client_after }}; if this node's dhv-binder is down while its client loses the servers, nothing stops its tasks before another node takes the volume: {advice}",
+            r.volume
+        )),
+    }
 }

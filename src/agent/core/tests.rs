@@ -26,6 +26,7 @@ fn settings() -> Settings {
             fence_margin: Duration::from_secs(15),
         },
         health_interval: Duration::from_secs(10),
+        heartbeat_interval_max: Duration::from_secs(20),
         seed: 1,
     }
 }
@@ -966,8 +967,9 @@ fn an_operator_release_of_this_claim_fences_at_once() {
 }
 
 /// Issue 31: an allocation writing a single-node volume without Nomad's own fence
-/// (`disconnect { stop_on_client_after }` within TTL + lock delay) is flagged `unfenced`;
-/// readers and fenced groups are not.
+/// (`disconnect { stop_on_client_after }` within TTL + lock delay) is flagged `unfenced`, and
+/// so is one whose `stop_on_client_after` is not longer than the heartbeat interval + 5 s;
+/// readers and groups fenced within that window are not.
 #[test]
 fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
     let mut h = H::new(
@@ -993,10 +995,23 @@ fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
     );
     a.modify_index = 6;
     for g in &mut a.job.as_mut().unwrap().task_groups {
+        g.disconnect.stop_on_client_after = Some(Duration::from_secs(28).as_nanos() as u64);
+    }
+    h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))));
+    assert!(h.core.status()["unfenced"].as_object().unwrap().is_empty());
+    // Issue 45: below the client's heartbeat interval (20 s) + 5 s, Nomad stops the healthy
+    // allocation between two heartbeats.
+    a.modify_index = 7;
+    for g in &mut a.job.as_mut().unwrap().task_groups {
         g.disconnect.stop_on_client_after = Some(Duration::from_secs(20).as_nanos() as u64);
     }
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));
-    assert!(h.core.status()["unfenced"].as_object().unwrap().is_empty());
+    let st = h.core.status();
+    let w = st["unfenced"][A1].as_str().unwrap_or_default();
+    assert!(
+        w.contains("shorter than its client's heartbeat interval") && w.contains("between 25s"),
+        "{st}"
+    );
 }
 
 #[test]

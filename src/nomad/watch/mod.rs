@@ -157,9 +157,10 @@ pub struct WatchConfig {
     /// no index (poll) and emits no event (stream). Poll mode shortens its blocking query's
     /// `wait` to this; stream mode reads each such allocation (`GET /v1/allocation/:id`).
     pub verify_interval: Duration,
-    /// Poll mode: which allocations have a process on this node, from the kernel. A purge
-    /// deletes a job's running allocations with no rise of the list's index (and the GC a
-    /// live one), so an allocation whose processes were seen and are gone is read by its
+    /// Which allocations have a process on this node, from the kernel, in both modes. A
+    /// purge deletes a job's running allocations with no rise of the list's index (and the
+    /// GC a live one) and no allocation event; its Job event says so only from Nomad 1.11.3
+    /// (`Deleted`). So an allocation whose processes were seen and are gone is read by its
     /// ID (`GET /v1/allocation/:id`, 404 → [`WatchEvent::Removed`]) at the next probe,
     /// every `verify_interval`. `None`: no probe (the next full answer, at the latest
     /// after `resync_interval`, shows the deletion).
@@ -354,12 +355,12 @@ struct Watcher {
     bad_streak: u32,
     /// Health says disconnected until a list succeeds again.
     disconnected: bool,
-    /// Poll mode: the allocations whose tasks may run here ([`Allocation::tasks_finished`]
-    /// false), for the process probe ([`WatchConfig::processes`]).
+    /// The allocations whose tasks may run here ([`Allocation::tasks_finished`] false), for
+    /// the process probe ([`WatchConfig::processes`]).
     live: BTreeSet<String>,
-    /// Poll mode: those of `live` that had a process at the last probe.
+    /// Those of `live` that had a process at the last probe.
     running_here: BTreeSet<String>,
-    /// Poll mode: when the process probe runs next.
+    /// When the process probe runs next.
     probe_at: Instant,
     /// The disconnections' log lines (one a minute at most, with a count) and their metric.
     failures: crate::retry::FailureLog,
@@ -385,21 +386,19 @@ impl Watcher {
         self.running_here.remove(id);
     }
 
-    /// Poll mode's process probe ([`WatchConfig::processes`]): an allocation of `live` whose
-    /// processes were seen at an earlier probe and are gone now is read by its ID; a 404
-    /// (purged or garbage-collected: no index rose) is sent as [`WatchEvent::Removed`] and
-    /// taken out of the poll's last answer. One read per disappearance: a task between two
-    /// runs costs one read, not one per probe; a read that fails is tried again at the next
-    /// probe. False when the agent is gone.
-    async fn probe(&mut self) -> bool {
+    /// The process probe ([`WatchConfig::processes`]), in both modes: the allocations of
+    /// `live` whose processes were seen at an earlier probe and are gone now. Each is then
+    /// read by its ID (one read per disappearance: a task between two runs costs one read,
+    /// not one per probe). Empty when there is no probe or the kernel could not be read.
+    async fn probe_gone(&mut self) -> Vec<String> {
         let Some(probe) = self.cfg.processes.clone() else {
-            return true;
+            return Vec::new();
         };
         if self.live.is_empty() {
-            return true;
+            return Vec::new();
         }
         let Ok(Some(alive)) = tokio::task::spawn_blocking(move || (probe.0)()).await else {
-            return true;
+            return Vec::new();
         };
         let mut gone = Vec::new();
         for id in &self.live {
@@ -409,7 +408,16 @@ impl Watcher {
                 gone.push(id.clone());
             }
         }
-        for id in gone {
+        gone
+    }
+
+    /// Poll mode's process probe: an allocation whose processes are gone
+    /// ([`Watcher::probe_gone`]) is read by its ID; a 404 (purged or garbage-collected: no
+    /// index rose) is sent as [`WatchEvent::Removed`] and taken out of the poll's last
+    /// answer; a read that fails is tried again at the next probe. False when the agent is
+    /// gone.
+    async fn probe(&mut self) -> bool {
+        for id in self.probe_gone().await {
             let what = || format!("read allocation {id} (GET /v1/allocation/:id)");
             match within(self.cfg.idle_timeout, what, self.client.allocation(&id)).await {
                 Ok(None) => {

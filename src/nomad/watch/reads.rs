@@ -15,18 +15,28 @@ impl Watcher {
         }
     }
 
-    /// Stream mode: jobs were deleted (a purge, or the GC of a dead job: the Job topic's
-    /// deregistration with `Deleted`), and with them their allocations, running ones
-    /// included, with no allocation event (`nomad/state/state_store.go` `DeleteJobTxn` →
-    /// `deleteAllocsForJobTxn`). Each allocation of theirs known here is read at once, off
-    /// the reader; a 404 becomes [`WatchEvent::Removed`] in [`Watcher::fetched`].
-    pub(super) fn job_deleted(&self, jobs: &[JobRef], fetches: &mut Fetches) {
+    /// Stream mode: jobs were deregistered (the Job topic's `JobDeregistered` or
+    /// `JobBatchDeregistered`), so maybe deleted (a purge, or the GC of a dead job), and with
+    /// them their allocations, running ones included, with no allocation event
+    /// (`nomad/state/state_store.go` `DeleteJobTxn` → `deleteAllocsForJobTxn`). Nomad says
+    /// which with `Deleted` only from 1.11.3; before, a deletion's payload is `{"Job": …}` as a
+    /// stop's is (`nomad/state/events.go` `eventFromChange`). Each allocation of theirs known
+    /// here is read at once, off the reader; a 404 becomes [`WatchEvent::Removed`] in
+    /// [`Watcher::fetched`].
+    pub(super) fn job_deregistered(&self, jobs: &[JobRef], fetches: &mut Fetches) {
         for (id, job) in &self.jobs {
             if jobs.contains(job) {
-                tracing::debug!(alloc_id = %id, job = %job.id, namespace = %job.namespace, "the allocation's job was deleted; reading the allocation");
+                tracing::debug!(alloc_id = %id, job = %job.id, namespace = %job.namespace, "the allocation's job was deregistered; reading the allocation");
                 verify_one(fetches, id);
             }
         }
+    }
+
+    /// Stream mode's process probe: an allocation whose processes are gone is read off the
+    /// reader like a deregistered job's; a 404 becomes [`WatchEvent::Removed`].
+    pub(super) fn verify_gone(&self, id: &str, fetches: &mut Fetches) {
+        tracing::debug!(alloc_id = %id, "the allocation's processes are gone; reading the allocation");
+        verify_one(fetches, id);
     }
 
     /// True when an event of this node's allocation needs the full allocation (with its
@@ -46,6 +56,11 @@ impl Watcher {
     /// sent at once. False when the agent is gone.
     pub(super) async fn allocation(&mut self, a: Allocation, fetches: &mut Fetches) -> bool {
         self.jobs.insert(a.id.clone(), job_of(&a));
+        if a.tasks_finished() {
+            self.live.remove(&a.id);
+        } else {
+            self.live.insert(a.id.clone());
+        }
         if a.may_vanish_while_live() {
             self.verifying.insert(a.id.clone());
         } else {
@@ -90,6 +105,11 @@ impl Watcher {
             self.verifying.insert(full.id.clone());
         } else {
             self.verifying.remove(&full.id);
+        }
+        if full.tasks_finished() {
+            self.live.remove(&full.id);
+        } else {
+            self.live.insert(full.id.clone());
         }
         if verify_only && held.is_empty() {
             // Still there, and no event arrived meanwhile: the stream brings its changes.

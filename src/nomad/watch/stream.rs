@@ -1,6 +1,7 @@
 //! Stream mode: after the list, the event stream of the Allocation and Job topics, read line
 //! by line; this node's allocation events become reads (or deletions), other nodes' are
-//! dropped after reading their `NodeID`; a deleted job's allocations here are read again.
+//! dropped after reading their `NodeID`; a deregistered job's allocations here are read
+//! again, and so is one whose processes are gone (the process probe).
 
 use super::*;
 use futures_util::StreamExt;
@@ -45,6 +46,16 @@ impl Watcher {
                 _ = tokio::time::sleep_until(verify_at), if verify => {
                     verify_at = Instant::now() + self.cfg.verify_interval;
                     self.verify(&mut fetches);
+                    fetches.flush(self.known.len());
+                    continue;
+                }
+                _ = tokio::time::sleep_until(self.probe_at), if self.cfg.processes.is_some() => {
+                    // A purge on Nomad before 1.11.3 says nothing this node can tell from a
+                    // stop: an allocation whose processes are gone is read (404: Removed).
+                    self.probe_at = Instant::now() + self.cfg.verify_interval;
+                    for id in self.probe_gone().await {
+                        self.verify_gone(&id, &mut fetches);
+                    }
                     fetches.flush(self.known.len());
                     continue;
                 }
@@ -161,7 +172,7 @@ impl Watcher {
                 index,
                 allocations,
                 skipped,
-                deleted_jobs,
+                deregistered_jobs,
             }) => {
                 *got_heartbeat = true;
                 self.counters.frames += 1;
@@ -189,8 +200,8 @@ impl Watcher {
                         return Err(StreamEnd::Closed);
                     }
                 }
-                if !deleted_jobs.is_empty() {
-                    self.job_deleted(&deleted_jobs, fetches);
+                if !deregistered_jobs.is_empty() {
+                    self.job_deregistered(&deregistered_jobs, fetches);
                 }
                 Ok(false)
             }
