@@ -479,14 +479,17 @@ async fn purge_of_a_running_allocation(mode: WatchMode) {
             c.nomad.put_alloc(a.clone());
         }
     }
-    let parent = support::cgroup::ScratchCgroup::at(&support::inproc::nomad_cgroup_parent());
-    let scope = parent.child(&format!("share.slice/{ALLOC}.app.scope"));
+    // Only poll mode reads processes (the stream mode case runs beside it, in this process
+    // whose agents share one cgroup parent).
+    let parent = (mode == WatchMode::Poll)
+        .then(|| support::cgroup::ScratchCgroup::at(&support::inproc::nomad_cgroup_parent()));
+    let enter = parent.as_ref().map_or(String::new(), |p| {
+        let scope = p.child(&format!("share.slice/{ALLOC}.app.scope"));
+        format!("echo $$ > '{}' && ", scope.join("cgroup.procs").display())
+    });
     let mut task = std::process::Command::new("sh")
         .arg("-c")
-        .arg(format!(
-            "echo $$ > '{}' && exec sleep 60",
-            scope.join("cgroup.procs").display()
-        ))
+        .arg(format!("{enter}exec sleep 60"))
         .spawn()
         .expect("spawn sleep");
     // Poll mode's probe runs every 5 s: let it see the task's process.
