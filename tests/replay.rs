@@ -468,7 +468,8 @@ fn unpublish() -> String {
 /// Issue 34 row 1: a purge deletes the running allocation with no allocation event, and the
 /// node's list index does not rise (the node has another allocation: the daemon's own).
 /// Stream mode reads it again on the Job topic's deletion; poll mode when its processes
-/// are gone (a process with its `NOMAD_ALLOC_ID` stands for the task). Either way the read
+/// are gone (a process in the allocation's task cgroup, under the in-process agents' Nomad
+/// cgroup parent, stands for the task). Either way the read
 /// answers 404 and the volume is unpublished once, after the kill grace (10 s), long
 /// before the resync (300 s).
 async fn purge_of_a_running_allocation(mode: WatchMode) {
@@ -478,9 +479,17 @@ async fn purge_of_a_running_allocation(mode: WatchMode) {
             c.nomad.put_alloc(a.clone());
         }
     }
-    let mut task = std::process::Command::new("sleep")
-        .arg("60")
-        .env("NOMAD_ALLOC_ID", ALLOC)
+    // Only poll mode reads processes (the stream mode case runs beside it, in this process
+    // whose agents share one cgroup parent).
+    let parent = (mode == WatchMode::Poll)
+        .then(|| support::cgroup::ScratchCgroup::at(&support::inproc::nomad_cgroup_parent()));
+    let enter = parent.as_ref().map_or(String::new(), |p| {
+        let scope = p.child(&format!("share.slice/{ALLOC}.app.scope"));
+        format!("echo $$ > '{}' && ", scope.join("cgroup.procs").display())
+    });
+    let mut task = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{enter}exec sleep 60"))
         .spawn()
         .expect("spawn sleep");
     // Poll mode's probe runs every 5 s: let it see the task's process.

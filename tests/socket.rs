@@ -1,6 +1,7 @@
-//! The local socket cannot be starved (issue 13 §2, issue 33 finding 4): idle and slow
-//! connections are bounded per caller (UID, cgroup, mount namespace) and overall, host root
-//! has its own pool, slow headers time out, warnings about refusals are rate-limited, and
+//! The local socket cannot be starved (issue 13 §2, issue 33 finding 4, issue 44 item 5):
+//! idle and slow connections are bounded per caller (a task's allocation, by its cgroup,
+//! whatever its UIDs; else UID, cgroup, mount namespace) and overall, host root has its own
+//! pool, slow headers time out, warnings about refusals are rate-limited, and
 //! other callers still get an answer; the workload identity's issuer is the cluster's.
 
 mod support;
@@ -142,6 +143,12 @@ async fn status_is_refused_to_root_in_another_mount_namespace() {
 /// (0 stays root, as in a container) and keeps `n` connections open to `socket`, each sending
 /// the start of a request and nothing more; a closed one is opened again after 0.3 s.
 fn flooder(socket: &Path, n: usize, uid: u32) -> std::process::Child {
+    flooder_in(None, socket, n, uid)
+}
+
+/// [`flooder`], entering `cgroup` first when given (a task's cgroup: the process and all it
+/// starts are the task's).
+fn flooder_in(cgroup: Option<&Path>, socket: &Path, n: usize, uid: u32) -> std::process::Child {
     const SCRIPT: &str = r#"
 import asyncio, os, sys
 path, n, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -162,8 +169,8 @@ async def main():
     await asyncio.gather(*(one() for _ in range(n)))
 asyncio.run(main())
 "#;
-    std::process::Command::new("unshare")
-        .args(["--mount", "--", "python3", "-c", SCRIPT])
+    in_cgroup(cgroup)
+        .args(["unshare", "--mount", "--", "python3", "-c", SCRIPT])
         .arg(socket)
         .arg(n.to_string())
         .arg(uid.to_string())
@@ -171,6 +178,21 @@ asyncio.run(main())
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("unshare --mount (util-linux) and python3, as root")
+}
+
+/// A command whose arguments are the program to run, in `cgroup` when given (`sh` enters
+/// it, then execs the program).
+fn in_cgroup(cgroup: Option<&Path>) -> std::process::Command {
+    let mut c = std::process::Command::new("sh");
+    match cgroup {
+        Some(cg) => c.args([
+            "-c",
+            r#"echo $$ > "$0/cgroup.procs" && exec "$@""#,
+            &cg.display().to_string(),
+        ]),
+        None => c.args(["-c", r#"exec "$@""#, "sh"]),
+    };
+    c
 }
 
 /// Kills the flooders when the test ends, passed or not.
@@ -279,6 +301,75 @@ async fn one_callers_flood_locks_out_neither_another_allocation_nor_root() {
         "{} WARN lines in {flood_lasted:?} of flood:\n{}",
         warns.len(),
         warns.join("\n")
+    );
+}
+
+/// Issue 44 item 5: a container's root mints socket callers. One task (its processes in
+/// its allocation's cgroup) forks children under 17 UIDs, each in a mount namespace of its
+/// own, holding 16 connections each: 272 connections, more than the shared pool's 256.
+/// Every process of a task's cgroup is one caller (its allocation), so the flood holds at
+/// most one caller's share, and another allocation (its own task cgroup) gets an answer to
+/// each of its 20 calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_uid_flood_from_one_task_leaves_another_allocation_its_answers() {
+    let c = support::cluster::Cluster::start(1).await;
+    let socket = c.nodes[0].socket.clone();
+    // Task cgroups of the node's Nomad client (the simulator's `cgroup_parent`).
+    let share = format!("{}.nomad/share.slice", c.nodes[0].name);
+    let flood_cg = c
+        .cgroup
+        .child(&format!("{share}/{}.flood.scope", uuid::Uuid::new_v4()));
+    let other_cg = c
+        .cgroup
+        .child(&format!("{share}/{}.check.scope", uuid::Uuid::new_v4()));
+    let _flood = Flooders(
+        (0..17)
+            .map(|i| flooder_in(Some(&flood_cg), &socket, 16, 1000 + i))
+            .collect(),
+    );
+    // Let the flood fill whatever it can.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    const CHECK: &str = r#"
+import os, socket, sys, time
+path = sys.argv[1]
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+ok = 0
+for _ in range(20):
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(3)
+        s.connect(path)
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        b = b""
+        while True:
+            d = s.recv(4096)
+            if not d:
+                break
+            b += d
+        if b.startswith(b"HTTP/1.1 200"):
+            ok += 1
+    except Exception:
+        pass
+    time.sleep(0.2)
+print(ok)
+"#;
+    let out = tokio::task::spawn_blocking(move || {
+        in_cgroup(Some(&other_cg))
+            .args(["unshare", "--mount", "--", "python3", "-c", CHECK])
+            .arg(&socket)
+            .output()
+            .expect("unshare --mount (util-linux) and python3, as root")
+    })
+    .await
+    .unwrap();
+    let answered: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the checker's output: {out:?}"));
+    eprintln!("a flood of 17 UIDs x 16 connections from one task: another allocation got {answered} answers in 20");
+    assert_eq!(
+        answered, 20,
+        "another allocation's calls were refused during the flood"
     );
 }
 

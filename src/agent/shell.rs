@@ -1430,6 +1430,7 @@ mod tests {
                 claims: s.claims,
                 health_interval: Duration::from_secs(10),
                 seed: 1,
+                heartbeat_interval_max: Duration::from_secs(20),
             },
             journal,
             now(),

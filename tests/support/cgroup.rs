@@ -28,6 +28,20 @@ impl ScratchCgroup {
         ScratchCgroup { path }
     }
 
+    /// The cgroup `<cgroup2 mount>/<name>` (made; fails the test if it exists), removed on
+    /// drop as [`ScratchCgroup::new`]'s.
+    pub fn at(name: &str) -> ScratchCgroup {
+        let mount = helpers::cgroup2_mount()
+            .expect("read /proc/self/mountinfo")
+            .expect(
+                "no cgroup v2 filesystem is mounted on this machine (see /proc/self/mountinfo)",
+            );
+        let path = mount.join(name);
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|e| panic!("cannot make the scratch cgroup {}: {e}", path.display()));
+        ScratchCgroup { path }
+    }
+
     /// A child cgroup, made if missing.
     pub fn child(&self, name: &str) -> PathBuf {
         let p = self.path.join(name);

@@ -31,6 +31,15 @@ impl Running {
 }
 
 /// Settings for a test agent in the sandbox: fast tick, short plugin timeout.
+/// The Nomad cgroup parent of every in-process agent of this test binary (one process: its
+/// task cgroups are set once, `dhv_binder::node::identity::configure`): a cgroup path
+/// relative to the cgroup2 mount, named after this process. A test that stands for a task
+/// makes it (`support::cgroup::ScratchCgroup::at`) and puts a process in
+/// `share.slice/<alloc id>.<task>.scope` under it.
+pub fn nomad_cgroup_parent() -> String {
+    format!("dhv-binder-test-inproc-{}", std::process::id())
+}
+
 pub fn agent_config(sb: &Sandbox) -> AgentConfig {
     AgentConfig {
         watch_mode: dhv_binder::nomad::watch::WatchMode::Stream,
@@ -63,7 +72,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         token_issuer: None,
         helper_cgroup: dhv_binder::config::HelperCgroupSetting::None,
         helper_memory_max: dhv_binder::config::MemoryMax(None),
-        nomad_cgroup_parent: None,
+        nomad_cgroup_parent: Some(nomad_cgroup_parent()),
         other_node_cgroups: vec![],
     }
 }
