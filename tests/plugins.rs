@@ -273,6 +273,95 @@ fn an_unpublish_that_forgets_unsaved_writes_fails_the_kit() {
     );
 }
 
+/// Issue 44 §7: the webdav plugin knows the rclone it started by the PID and start time it
+/// recorded, not by a command line any local process can imitate. A process running as
+/// `rclone mount <the volume's remote> <its target> …` (a shell reading a script named
+/// `mount`) neither keeps the unpublish waiting for it to "finish uploading" (it failed after
+/// `flush_wait`, "rclone is still uploading"), nor is killed by the next publish as a stale
+/// rclone of the volume.
+#[test]
+fn webdav_is_not_fooled_by_a_process_that_imitates_its_rclone() {
+    use std::os::unix::process::CommandExt;
+    let sb = Sandbox::new();
+    let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "pw");
+    let target = sb.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let id = "0e3a5f7c-44a7-4c1e-9d1e-6b7a1c2d3e4f";
+    let call = |op: &str| {
+        let out = Command::new(repo().join("plugins/webdav"))
+            .arg(op)
+            .env_clear()
+            .env("DHV_OPERATION", op)
+            .env("DHV_VOLUMES_DIR", sb.join("volumes"))
+            .env("DHV_NAMESPACE", "default")
+            .env("DHV_VOLUME_NAME", "imitated")
+            .env("DHV_VOLUME_ID", id)
+            .env(
+                "DHV_PARAMETERS",
+                format!(
+                    r#"{{"url":"{}","user":"dhv","flush_wait":"2"}}"#,
+                    server.url
+                ),
+            )
+            .env("DHV_SECRETS", r#"{"password":"pw"}"#)
+            .env("DHV_TARGET_PATH", &target)
+            .env("DHV_READ_ONLY", "false")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    assert!(call("create").0);
+    let (ok, out) = call("publish");
+    assert!(ok, "{out}");
+    // The imitation: argv "rclone mount :webdav:default/<id> <target> --imitation", a shell
+    // running ./mount (a sleep) from its working directory.
+    let fake = sb.join("imitation");
+    std::fs::create_dir_all(&fake).unwrap();
+    std::fs::write(fake.join("mount"), "sleep 600\n").unwrap();
+    let mut imitation = Command::new("/bin/sh")
+        .arg0("rclone")
+        .arg("mount")
+        .arg(format!(":webdav:default/{id}"))
+        .arg(&target)
+        .arg("--imitation")
+        .current_dir(&fake)
+        .spawn()
+        .unwrap();
+    // Its command line is set a moment after spawn() returns (the exec still loading it).
+    let mut cmdline = Vec::new();
+    for _ in 0..100 {
+        cmdline = std::fs::read(format!("/proc/{}/cmdline", imitation.id())).unwrap();
+        if !cmdline.is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        String::from_utf8_lossy(&cmdline).starts_with("rclone\0mount\0:webdav:default/"),
+        "the imitation's command line: {cmdline:?}"
+    );
+    let (ok, out) = call("unpublish");
+    assert!(ok, "the unpublish waited on the imitation: {out}");
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
+    // The next publish finds no rclone of its own to stop: the imitation lives on.
+    let (ok, out) = call("publish");
+    assert!(ok, "{out}");
+    assert!(
+        imitation.try_wait().unwrap().is_none(),
+        "the publish killed a process that only looked like its rclone"
+    );
+    let (ok, out) = call("unpublish");
+    assert!(ok, "{out}");
+    let _ = imitation.kill();
+    let _ = imitation.wait();
+    assert!(call("delete").0);
+}
+
 /// Nomad's own contract (nomad-facts §4): fingerprint/create/delete, no deferred_bind. Works
 /// as Nomad's built-in `mkdir` does.
 const PLAIN_NOMAD_PLUGIN: &str = r#"#!/bin/sh

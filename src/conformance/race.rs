@@ -409,12 +409,12 @@ fn from_outside(dir: &Path) -> usize {
         let p = e.path();
         match std::fs::symlink_metadata(&p) {
             Ok(m) if m.is_dir() => n += from_outside(&p),
-            Ok(m) if m.is_file() => {
-                if e.file_name() == MARKER
-                    || std::fs::read(&p).is_ok_and(|b| b == FROM_OUTSIDE.as_bytes())
-                {
-                    n += 1;
-                }
+            Ok(m)
+                if m.is_file()
+                    && (e.file_name() == MARKER
+                        || std::fs::read(&p).is_ok_and(|b| b == FROM_OUTSIDE.as_bytes())) =>
+            {
+                n += 1;
             }
             _ => {}
         }

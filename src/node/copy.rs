@@ -485,7 +485,7 @@ mod tests {
         std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o750)).unwrap();
         rustix::fs::mkfifoat(
             rustix::fs::CWD,
-            &src.join("pipe"),
+            src.join("pipe"),
             Mode::from_raw_mode(0o640),
         )
         .unwrap();
@@ -532,7 +532,7 @@ mod tests {
         // /dev/null's numbers (1, 3).
         rustix::fs::mknodat(
             rustix::fs::CWD,
-            &src.join("sub/null"),
+            src.join("sub/null"),
             FileType::CharacterDevice,
             Mode::from_raw_mode(0o666),
             rustix::fs::makedev(1, 3),
