@@ -4,9 +4,13 @@
 //!
 //! One simulated node, `LOADED_N` (default 24) `single-node-writer` bind volumes used by a
 //! `per_alloc` job of that count, then busy loops of 2 x the cores for `LOADED_SECS`
-//! (default 60 s: past a whole lease, 2 x TTL + lock delay = 45 s). The issue's measurement
-//! is the same test with 200 volumes for 5 minutes:
-//! `LOADED_N=200 LOADED_SECS=300 cargo test --test loaded -- --nocapture`.
+//! (default 60 s: past a whole lease, 2 x TTL + lock delay = 45 s). The node's HTTP listener
+//! allows `LOADED_CONNS` (default N/4) connections per client address
+//! (`http_max_conns_per_client`: a client over it has new connections closed unanswered,
+//! "error sending request", the failure of the issue's renewals; Nomad's default is 100). The
+//! issue's measurement is the same test with 200 volumes and Nomad's default limit for 5
+//! minutes: `LOADED_N=200 LOADED_CONNS=100 LOADED_SECS=300 cargo test --test loaded --
+//! --nocapture`.
 
 mod support;
 
@@ -116,14 +120,17 @@ fn events(c: &Cluster, ev: &str) -> Vec<Value> {
         .collect()
 }
 
-/// Issue 50: under a CPU load of 2 x the cores, no claim is fenced or lost; cut off from the
+/// Issue 50: under a CPU load of 2 x the cores, no renewal fails and no claim is fenced or
+/// lost; cut off from the
 /// servers under the same load, every volume is fenced before its lease could end (the last
 /// renewal that succeeded was sent before the cut: lease end ≤ cut + 2 x TTL + lock delay).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loaded_node_keeps_its_claims_and_a_cut_off_one_still_fences_in_time() {
     let n = env_num("LOADED_N", 24);
     let secs = env_num("LOADED_SECS", 60);
-    let c = Cluster::start(1).await;
+    let conns = env_num("LOADED_CONNS", n / 4);
+    let limits = format!("limits {{\n  http_max_conns_per_client = {conns}\n}}");
+    let c = Cluster::start_with(1, &limits, &[]).await;
     for i in 0..n {
         c.create_volume(&format!("data[{i}]"), "single-node-writer");
     }
@@ -149,6 +156,8 @@ async fn a_loaded_node_keeps_its_claims_and_a_cut_off_one_still_fences_in_time()
     let st: Value = serde_json::from_str(&st).unwrap();
     assert_eq!(claims_held(&st), n, "{st}");
 
+    let log = || std::fs::read_to_string(c.sb.join("node-1/agent.log")).unwrap_or_default();
+    let failed_before = log().matches("claim renewal failed").count();
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let started = Instant::now();
     let load = Load::start(2 * cores, secs + 120);
@@ -160,8 +169,8 @@ async fn a_loaded_node_keeps_its_claims_and_a_cut_off_one_still_fences_in_time()
     let fenced = events(&c, "fenced");
     let (_, st) = c.status(0);
     let st: Value = serde_json::from_str(&st).unwrap();
-    let log = std::fs::read_to_string(c.sb.join("node-1/agent.log")).unwrap_or_default();
-    let failed = log.matches("claim renewal failed").count();
+    let log = log();
+    let failed = log.matches("claim renewal failed").count() - failed_before;
     let lost = log.matches("claim lost").count();
     eprintln!(
         "after {:?} under load: {} fences, {lost} claims lost, {failed} failed renewals, {} of {n} claims held",
@@ -171,6 +180,9 @@ async fn a_loaded_node_keeps_its_claims_and_a_cut_off_one_still_fences_in_time()
     );
     assert!(fenced.is_empty(), "fenced under load: {fenced:?}");
     assert_eq!(lost, 0, "claims lost under load");
+    // What the storm grows from: renewals that do not get through (each claim's own
+    // connection refused over the limit, "error sending request").
+    assert_eq!(failed, 0, "renewals failed under load");
     assert_eq!(claims_held(&st), n, "{st}");
 
     // Cut off from the servers, still loaded: every volume fenced before its lease ends.

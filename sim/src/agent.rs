@@ -12,7 +12,7 @@ use crate::structs::{ClientHostVolumeConfig, Node};
 use crate::taskrunner::NodeCtx;
 use anyhow::Context;
 use serde_json::json;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -102,10 +102,41 @@ async fn serve(listener: TcpListener, state: AppState, mut shutdown: watch::Rece
 /// Serves a client node's HTTP API. While its client agent restarts (the node is in
 /// [`Server::restarting`]) the listener is closed, its connections dropped (a restarting
 /// agent's port refuses connections), and bound again on the same address once it is back.
+/// Open connections per peer address, for `http_max_conns_per_client`.
+#[derive(Clone, Default)]
+struct ConnCount(Arc<std::sync::Mutex<HashMap<std::net::IpAddr, usize>>>);
+
+/// One open connection of a peer, counted until dropped.
+struct Counted(ConnCount, std::net::IpAddr);
+
+impl ConnCount {
+    /// Counts a new connection from `ip`, or `None` when it already has `limit` open (0: no
+    /// limit).
+    fn admit(&self, ip: std::net::IpAddr, limit: usize) -> Option<Counted> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if limit > 0 && *n >= limit {
+            return None;
+        }
+        *n += 1;
+        Some(Counted(self.clone(), ip))
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        let mut m = (self.0).0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.1) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
 async fn serve_node(
     listener: TcpListener,
     state: AppState,
     node_id: String,
+    max_conns: usize,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let Ok(addr) = listener.local_addr() else {
@@ -114,15 +145,24 @@ async fn serve_node(
     let app = router(state.clone());
     let mut restarting = state.server.restarting.subscribe();
     let mut listener = Some(listener);
+    let open = ConnCount::default();
     loop {
         if let Some(l) = listener.take() {
             let mut conns = tokio::task::JoinSet::new();
             loop {
                 tokio::select! {
                     a = l.accept() => {
-                        let Ok((stream, _)) = a else { continue };
+                        let Ok((stream, peer)) = a else { continue };
+                        // Over the per-address limit: closed at once, unanswered (go-connlimit
+                        // `HTTPConnStateFunc` closes it on `StateNew`).
+                        let Some(counted) = open.admit(peer.ip(), max_conns) else {
+                            tracing::debug!(%peer, max_conns, "connection refused: http_max_conns_per_client");
+                            drop(stream);
+                            continue;
+                        };
                         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
                         conns.spawn(async move {
+                            let _counted = counted;
                             let _ = hyper::server::conn::http1::Builder::new()
                                 .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                                 .await;
@@ -245,6 +285,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
             listener,
             client_state.clone(),
             id.clone(),
+            cfg.http_max_conns_per_client,
             shutdown_rx.clone(),
         )));
         let ctx = Arc::new(NodeCtx {
@@ -361,5 +402,27 @@ async fn heartbeat_monitor(server: Arc<Server>, grace: Duration) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `http_max_conns_per_client`: an address at the limit has its next connection
+    /// refused until one of its connections closes; 0 is no limit.
+    #[test]
+    fn connections_over_the_per_address_limit_are_closed() {
+        let open = ConnCount::default();
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let other: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+        let a = open.admit(ip, 2).expect("first");
+        let _b = open.admit(ip, 2).expect("second");
+        assert!(open.admit(ip, 2).is_none(), "a third is over the limit");
+        assert!(open.admit(other, 2).is_some(), "the limit is per address");
+        drop(a);
+        assert!(open.admit(ip, 2).is_some(), "room again once one closed");
+        let many: Vec<_> = (0..10).map(|_| open.admit(ip, 0)).collect();
+        assert!(many.iter().all(Option::is_some), "0: no limit");
     }
 }

@@ -159,6 +159,11 @@ pub struct AgentConfig {
     /// endpoint answers 404 (Nomad: `nomad/encrypter.go` `SignClaims`,
     /// `command/agent/keyring_endpoint.go` `OIDCDiscoveryRequest`).
     pub oidc_issuer: Option<String>,
+    /// `limits { http_max_conns_per_client = N }` (default 100, 0: no limit): a client
+    /// node's HTTP listener closes a new connection at once while its peer address already
+    /// has this many open (Nomad: `command/agent/http.go` `makeConnState`, go-connlimit's
+    /// `HTTPConnStateFunc`; the default in `command/agent/config.go` `DefaultConfig`).
+    pub http_max_conns_per_client: usize,
     /// Simulated client nodes.
     pub clients: Vec<ClientConfig>,
     /// `nomad_version` (sim-only): the Nomad version whose shapes the simulator speaks.
@@ -228,6 +233,7 @@ impl AgentConfig {
             heartbeat: Default::default(),
             acl: AclConfig::default(),
             oidc_issuer: None,
+            http_max_conns_per_client: 100,
             clients: Vec::new(),
             nomad_version: match a.str("nomad_version")? {
                 None => NomadVersion::default(),
@@ -241,6 +247,15 @@ impl AgentConfig {
                     if let Some(p) = Attrs::new("ports", &pa).int("http")? {
                         cfg.http_port = u16::try_from(p)
                             .map_err(|_| ConfigError::Invalid("ports.http out of range".into()))?;
+                    }
+                }
+                "limits" => {
+                    let la = attributes("limits", &b.body)?;
+                    if let Some(n) = Attrs::new("limits", &la).int("http_max_conns_per_client")? {
+                        // `command/agent/http.go` `newHTTPServer`: negative is refused.
+                        cfg.http_max_conns_per_client = usize::try_from(n).map_err(|_| {
+                            ConfigError::Invalid("http_max_conns_per_client must be >= 0".into())
+                        })?;
                     }
                 }
                 "server" => {
