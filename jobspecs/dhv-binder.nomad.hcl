@@ -55,6 +55,10 @@ job "dhv-binder" {
   # node the old agent's cgroup is killed; published volumes stay mounted and their FUSE
   # helpers keep serving them from their own cgroups; the new agent reads the journal and
   # adopts them (docs/operations.md, "Upgrades, helper cgroups and memory").
+  # One node's agent is replaced at a time. Nomad 1.10 paces the batches with `stagger`
+  # (scheduler/scheduler_system.go); from Nomad 1.11 a system job's update is a deployment:
+  # the next node waits until this one's agent has run for `min_healthy_time` (default 10s)
+  # and `stagger` is unused. docs/operations.md, "Upgrading the system job".
   update {
     max_parallel = 1
     stagger      = "15s"

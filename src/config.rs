@@ -243,10 +243,12 @@ pub struct AgentConfig {
     /// applied where the kernel offers the memory controller under the helper cgroups.
     #[arg(long, env = "DHV_BINDER_HELPER_MEMORY_MAX", default_value = "512MiB")]
     pub helper_memory_max: MemoryMax,
-    /// The local Nomad client's `cgroup_parent`: its tasks run in cgroups under it, which
-    /// name their allocations (docs/architecture.md, "Whose process"). A directory under
-    /// the cgroup2 mount or a cgroup path. Unset: Nomad's default (`nomad.slice` on cgroups
-    /// v2, `/nomad` on v1).
+    /// The cgroup under which the local Nomad client runs its tasks, whose cgroups name
+    /// their allocations (docs/architecture.md, "Whose process"). A directory under the
+    /// cgroup2 mount or a cgroup path. Unset: Nomad's (`nomad.slice` on cgroups v2, `/nomad`
+    /// on v1: `client/lib/cgroupslib/switch_linux.go` `NomadCgroupParent`, which the
+    /// client's `cgroup_parent` setting does not change). Set it only for a simulated
+    /// cluster, whose clients each have their own.
     #[arg(long, env = "DHV_BINDER_NOMAD_CGROUP_PARENT")]
     pub nomad_cgroup_parent: Option<String>,
     /// Cgroups whose processes are on other Nomad nodes simulated on this host (a test
