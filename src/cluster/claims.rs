@@ -216,7 +216,7 @@ async fn previous_holder(
     Ok((
         Previous::Live(
             format!(
-                "job {}, allocation {} on node {name}",
+                "job {}, allocation {} on node {name}, which still runs with it",
                 a.job_id,
                 short(&a.id)
             ),
