@@ -87,7 +87,7 @@ async fn restart_task_running_and_all() {
         // Running tasks (default).
         sim.put(&format!("/v1/client/allocation/{id}/restart"), json!({}))
             .await;
-        sim.wait_for(10, "running tasks restarted", || async {
+        sim.wait_for(30, "running tasks restarted", || async {
             (starts(&sim, &id) == "pre\nmain\nmain\nmain\n").then_some(())
         })
         .await;
@@ -97,7 +97,7 @@ async fn restart_task_running_and_all() {
             json!({"AllTasks": true}),
         )
         .await;
-        sim.wait_for(10, "all tasks restarted", || async {
+        sim.wait_for(30, "all tasks restarted", || async {
             (starts(&sim, &id) == "pre\nmain\nmain\nmain\npre\nmain\n").then_some(())
         })
         .await;
