@@ -275,6 +275,22 @@ impl Core {
                         );
                     }
                 }
+                // A claim lost (its lease ended: a paused or starved agent learns it from the
+                // renewal's answer before its own clock's fence) is fenced at once where the
+                // volume is still mounted: its writers must stop before another node takes
+                // it, and an unpublish is refused while they hold the mount.
+                if renewal == crate::agent::claims::Renewal::Lost
+                    && mounted_here
+                    && !self.fenced.contains_key(&volume)
+                {
+                    self.fence(
+                        volume.clone(),
+                        None,
+                        None,
+                        "this node lost its claim (its lease ended; another node may take it now)",
+                        out,
+                    );
+                }
                 // A fence still running (its report not in) may yet be withdrawn: the restore
                 // waits for its report ([`Completion::Fenced`]).
                 let running = self
