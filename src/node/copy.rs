@@ -215,12 +215,16 @@ impl Walker<'_> {
 
     /// The result of making destination entry `rel`: an existing one is [`CopyError::Exists`].
     fn create(&self, r: rustix::io::Result<()>, rel: &Path) -> Result<(), CopyError> {
-        match r {
-            Ok(()) => Ok(()),
-            Err(Errno::EXIST) => Err(CopyError::Exists {
+        r.map_err(|e| self.create_error(e, rel))
+    }
+
+    /// The error of making `rel` beneath the destination: [`CopyError::Exists`] for `EEXIST`.
+    fn create_error(&self, e: Errno, rel: &Path) -> CopyError {
+        match e {
+            Errno::EXIST => CopyError::Exists {
                 path: self.dst.join(rel),
-            }),
-            Err(e) => Err(io("cannot make", &self.dst.join(rel), e)),
+            },
+            e => io("cannot make", &self.dst.join(rel), e),
         }
     }
 
@@ -257,10 +261,7 @@ impl Walker<'_> {
             Mode::from_raw_mode(0o600),
         ) {
             Ok(o) => o,
-            Err(err) => {
-                self.create(Err(err), rel)?;
-                unreachable!("create() returns an error for every Err")
-            }
+            Err(err) => return Err(self.create_error(err, rel)),
         };
         self.copied.bytes += contents(&input, &out, st.st_size as u64)
             .map_err(|err| io("cannot copy the contents of", &self.src.join(rel), err))?;
