@@ -804,8 +804,10 @@ async fn garbage_line(mode: WatchMode) {
     if mode == WatchMode::Stream {
         let s = status(&c.cfg).await;
         assert_eq!(s["watch"]["state"], "streaming", "{s}");
+        // At least the first: the relist it asks for ends that connection, and a line
+        // still unread on it is gone with it (the relist covers what it could have said).
         assert!(
-            s["watch"]["counters"]["bad_lines"].as_u64().unwrap() >= 2,
+            s["watch"]["counters"]["bad_lines"].as_u64().unwrap() >= 1,
             "{s}"
         );
         assert_eq!(s["watch"]["counters"]["reconnects"], 0, "{s}");
