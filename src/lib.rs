@@ -5,11 +5,11 @@
 //!
 //! Layout, by layer (each folder imports only from the folders above it in this list):
 //! - cross-cutting: [`config`] (typed settings, the Nomad CLI's environment conventions),
-//!   [`escape`] (terminal-safe text from plugins, callers and Nomad), `retry` (exponential
-//!   backoff with jitter), [`mount_options`] (a volume's mount flags, `nosuid,nodev` by
-//!   default) and [`volume`] (volume specs, records, keys and identifier validation: the
+//!   [`escape`] (terminal-safe text from plugins, callers and Nomad) and [`volume`] (volume
+//!   specs, records, keys, identifier validation and [`volume::mount_options`]: the
 //!   vocabulary every layer shares);
-//! - [`nomad`]: Nomad's HTTP API (client, wire types, events, transport), the allocation
+//! - [`nomad`]: Nomad's HTTP API (client, wire types, events, transport, `retry`: backoff
+//!   with jitter for every loop that calls it), the allocation
 //!   watcher ([`nomad::watch`]: list, then blocking queries or the event stream) and
 //!   workload identity verification ([`nomad::identity`]);
 //! - [`node`]: what this node's kernel says (mounts, host namespace, the read-only guard,
@@ -34,9 +34,7 @@ pub mod config;
 pub(crate) mod conformance;
 pub mod escape;
 pub mod metrics;
-pub mod mount_options;
 pub mod node;
 pub mod nomad;
-pub(crate) mod retry;
 pub mod storage;
 pub mod volume;

@@ -125,7 +125,7 @@ struct CallLabels {
 }
 
 /// `dhv_binder_nomad_retries_total{call}`: the failures of each loop that retries a call to
-/// Nomad after a backoff ([`crate::retry::Call`], counted by [`crate::retry::FailureLog`]),
+/// Nomad after a backoff ([`crate::nomad::retry::Call`], counted by [`crate::nomad::retry::FailureLog`]),
 /// read at each scrape.
 #[derive(Debug)]
 struct NomadRetriesCollector;
@@ -143,7 +143,7 @@ impl prometheus_client::collector::Collector for NomadRetriesCollector {
             None,
             prometheus_client::metrics::MetricType::Counter,
         )?;
-        for call in crate::retry::Call::ALL {
+        for call in crate::nomad::retry::Call::ALL {
             let labels = CallLabels { call: call.name() };
             ConstCounter::new(call.retries()).encode(family.encode_family(&labels)?)?;
         }
@@ -1382,7 +1382,7 @@ mod tests {
         has("dhv_binder_plugin_up{plugin=\"bind\",deferred=\"true\"} 1");
         has("dhv_binder_plugin_up{plugin=\"nfs\",deferred=\"unknown\"} 0");
         // Every loop that retries a call to Nomad has its counter (issue 45 #2).
-        for call in crate::retry::Call::ALL {
+        for call in crate::nomad::retry::Call::ALL {
             let prefix = format!(
                 "dhv_binder_nomad_retries_total{{call=\"{}\"}} ",
                 call.name()

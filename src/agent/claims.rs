@@ -23,7 +23,7 @@ use crate::agent::reconcile::{ClaimState, Waiting};
 use crate::agent::retry::{Work, CLAIM_RETRY};
 use crate::cluster::claims::{Acquired, ClaimError, ClaimSettings};
 use crate::node::journal::MountRecord;
-use crate::retry::Retries;
+use crate::nomad::retry::Retries;
 use crate::volume::VolumeKey;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;

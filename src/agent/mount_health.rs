@@ -12,7 +12,7 @@ use crate::agent::effect::Effect;
 use crate::agent::retry::STEP_RETRY;
 use crate::node::health::Probe;
 use crate::node::journal::{MountRecord, MountState, UserKey};
-use crate::retry::{Call, FailureLog, Retries, LOG_EVERY};
+use crate::nomad::retry::{Call, FailureLog, Retries, LOG_EVERY};
 use crate::volume::VolumeKey;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

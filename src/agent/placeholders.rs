@@ -14,8 +14,8 @@
 use crate::agent::effect::Effect;
 use crate::agent::executor::{ListedPlaceholder, PlaceholderError};
 use crate::agent::retry::{Work, STEP_RETRY};
+use crate::nomad::retry::{Call, FailureLog, Retries, LOG_EVERY};
 use crate::nomad::NomadError;
-use crate::retry::{Call, FailureLog, Retries, LOG_EVERY};
 use crate::volume::{VolumeKey, VolumeRecord};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

@@ -1,11 +1,11 @@
 //! What the agent retries, and how fast: one [`Retries`] table keyed by [`Work`] for every
 //! kind of work, feeding the core's `next_wakeup`.
 
-use crate::retry::Policy;
+use crate::nomad::retry::Policy;
 use crate::volume::VolumeKey;
 use std::time::Duration;
 
-pub(crate) use crate::retry::Retries;
+pub(crate) use crate::nomad::retry::Retries;
 
 /// One retried piece of work.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]

@@ -805,13 +805,15 @@ pub async fn run(
     // The local Nomad agent may start after this one (a boot, the systemd unit): wait for it.
     // 1 s doubling to 60 s, jitter ±20 %; one line a minute at most, with a count.
     let mut attempt = 0u32;
-    let mut failures =
-        crate::retry::FailureLog::new(crate::retry::Call::AgentSelf, crate::retry::LOG_EVERY);
+    let mut failures = crate::nomad::retry::FailureLog::new(
+        crate::nomad::retry::Call::AgentSelf,
+        crate::nomad::retry::LOG_EVERY,
+    );
     let me = loop {
         match client.agent_self().await {
             Ok(me) => break me,
             Err(e) if e.is_transient() => {
-                let delay = crate::retry::backoff_delay(
+                let delay = crate::nomad::retry::backoff_delay(
                     Duration::from_secs(1),
                     Duration::from_secs(60),
                     attempt,

@@ -19,7 +19,7 @@ use crate::cluster::snapshot::{self, Snapshots};
 use crate::cluster::worker::{OpError, OpKey, Published};
 use crate::node::freeze::Thawed;
 use crate::node::journal::{MountRecord, MountState};
-use crate::retry::Retries;
+use crate::nomad::retry::Retries;
 use crate::storage::plugin::{Capability, Fingerprint};
 use crate::volume::{ExpansionState, VolumeKey, VolumeRecord, VolumeState};
 use std::collections::{BTreeMap, BTreeSet};

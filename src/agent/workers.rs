@@ -7,7 +7,7 @@
 use crate::agent::effect::Effect;
 use crate::agent::executor::WorkerError;
 use crate::agent::retry::{Work, STEP_RETRY};
-use crate::retry::Retries;
+use crate::nomad::retry::Retries;
 use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
 use std::collections::BTreeSet;
 use std::time::Instant;

@@ -13,8 +13,8 @@
 //!   snapshot, clone or create-from-snapshot, which `cp -a` did by name.
 
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
-use crate::mount_options::MountFlags;
 use crate::node::beneath::{self, Beneath, BeneathError, DirAttrs, Roots};
+use crate::volume::mount_options::MountFlags;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 

@@ -190,7 +190,7 @@ pub async fn prestart(args: PrestartArgs, token: Option<String>) -> Result<(), F
                         > Duration::from_secs(1) =>
             {
                 eprintln!("{}", one_line(&format!("dhv-binder: {e}; retrying")));
-                let d = crate::retry::backoff_delay(
+                let d = crate::nomad::retry::backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(10),
                     attempt,

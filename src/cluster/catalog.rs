@@ -5,9 +5,9 @@
 
 use crate::cluster::changes::{MarkerView, Seen, Since};
 use crate::cluster::trust::{RecordTrust, Refusal, RefusedReason};
+use crate::nomad::retry::backoff_delay;
 use crate::nomad::types::Variable;
 use crate::nomad::{Client, NomadError};
-use crate::retry::backoff_delay;
 use crate::volume::{VolumeKey, VolumeRecord, RECORD_PREFIX};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -146,8 +146,10 @@ pub(crate) async fn follow<T: Clone, Out>(
     let mut seen: Option<Seen> = None;
     let mut full = true;
     let mut attempt = 0u32;
-    let mut failures =
-        crate::retry::FailureLog::new(crate::retry::Call::RecordWatch, crate::retry::LOG_EVERY);
+    let mut failures = crate::nomad::retry::FailureLog::new(
+        crate::nomad::retry::Call::RecordWatch,
+        crate::nomad::retry::LOG_EVERY,
+    );
     let mut relist_at = tokio::time::Instant::now();
     let jittered = |d: Duration| d + d.mul_f64(rand::random::<f64>() / 5.0);
     // The first list is the base the marker's changes are counted from: wait (briefly) for

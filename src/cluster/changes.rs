@@ -417,8 +417,10 @@ pub async fn watch_observed(
     let mut index = 0u64;
     let mut attempt = 0u32;
     let mut warned = false;
-    let mut failures =
-        crate::retry::FailureLog::new(crate::retry::Call::ChangeMarker, crate::retry::LOG_EVERY);
+    let mut failures = crate::nomad::retry::FailureLog::new(
+        crate::nomad::retry::Call::ChangeMarker,
+        crate::nomad::retry::LOG_EVERY,
+    );
     loop {
         if tx.is_closed() {
             return;
@@ -491,7 +493,7 @@ pub async fn watch_observed(
                 if let Some(failures) = failures.failed(std::time::Instant::now()) {
                     tracing::warn!(error = %e, failures, "cannot read the record change marker; retrying after a backoff (logged at most once a minute)");
                 }
-                tokio::time::sleep(crate::retry::backoff_delay(
+                tokio::time::sleep(crate::nomad::retry::backoff_delay(
                     Duration::from_millis(500),
                     Duration::from_secs(30),
                     attempt,

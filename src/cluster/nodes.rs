@@ -439,8 +439,10 @@ pub fn spawn_publisher(
     let (tx, mut rx) = watch::channel(record);
     let task = tokio::spawn(async move {
         let mut attempt = 0u32;
-        let mut failures =
-            crate::retry::FailureLog::new(crate::retry::Call::NodeRecord, crate::retry::LOG_EVERY);
+        let mut failures = crate::nomad::retry::FailureLog::new(
+            crate::nomad::retry::Call::NodeRecord,
+            crate::nomad::retry::LOG_EVERY,
+        );
         loop {
             let mut rec = rx.borrow_and_update().clone();
             rec.last_seen = now_unix();
@@ -453,8 +455,11 @@ pub fn spawn_publisher(
                     if let Some(failures) = failures.failed(std::time::Instant::now()) {
                         tracing::warn!(node_id = %rec.node_id, error = %e, failures, "cannot publish this node's record; `plugin status` and `volume create` will see it as stale (retrying after a backoff, logged at most once a minute)")
                     }
-                    let delay =
-                        crate::retry::backoff_delay(Duration::from_secs(1), heartbeat, attempt);
+                    let delay = crate::nomad::retry::backoff_delay(
+                        Duration::from_secs(1),
+                        heartbeat,
+                        attempt,
+                    );
                     attempt = attempt.saturating_add(1);
                     if rx.has_changed().is_err() {
                         return;

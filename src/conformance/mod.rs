@@ -19,10 +19,10 @@
 //! A plugin without `deferred_bind` is checked against Nomad's plain DHV contract
 //! (fingerprint, create, delete) and reported as not deferred.
 
-use crate::mount_options::MountOptions;
 use crate::node::journal::{MountRecord, MountState};
 use crate::storage::environment::{self, NodeEnv};
 use crate::storage::plugin::{Operation, PluginError, Runner};
+use crate::volume::mount_options::MountOptions;
 use crate::volume::{Capability, VolumeRecord, VolumeSpec, VolumeState};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

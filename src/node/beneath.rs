@@ -15,7 +15,7 @@
 //! The roots are the node's configuration (`DHV_VOLUMES_DIR` and `DHV_ALLOWED_ROOTS`): a
 //! root itself is opened as configured (symlinks in it followed); nothing beneath it is.
 
-use crate::mount_options::{Atime, MountFlags};
+use crate::volume::mount_options::{Atime, MountFlags};
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;

@@ -94,7 +94,7 @@ pub fn delete_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)> {
 
 /// Environment of `publish`: with `DHV_MOUNT_FLAGS`, the flags the published mount must
 /// carry (`nosuid,nodev` unless the spec's `mount_options` say otherwise,
-/// [`crate::mount_options::MountFlags::to_list`]), and `DHV_FS_TYPE` when the spec names one.
+/// [`crate::volume::mount_options::MountFlags::to_list`]), and `DHV_FS_TYPE` when the spec names one.
 pub fn publish_env(
     node: &NodeEnv,
     rec: &VolumeRecord,

@@ -19,9 +19,9 @@ mod reads;
 mod stream;
 
 use crate::nomad::events::{decode_line, JobRef, Line, LineBuffer, Piece};
+use crate::nomad::retry::backoff_delay;
 use crate::nomad::types::{Allocation, ListedAlloc};
 use crate::nomad::{Client, NomadError};
-use crate::retry::backoff_delay;
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use reads::Fetches;
@@ -315,9 +315,9 @@ pub async fn run(client: Client, cfg: WatchConfig, tx: mpsc::Sender<WatchEvent>)
         live: BTreeSet::new(),
         running_here: BTreeSet::new(),
         probe_at: Instant::now(),
-        failures: crate::retry::FailureLog::new(
-            crate::retry::Call::AllocationWatch,
-            crate::retry::LOG_EVERY,
+        failures: crate::nomad::retry::FailureLog::new(
+            crate::nomad::retry::Call::AllocationWatch,
+            crate::nomad::retry::LOG_EVERY,
         ),
     };
     let mut state = State::List { attempt: 0 };
@@ -363,7 +363,7 @@ struct Watcher {
     /// When the process probe runs next.
     probe_at: Instant,
     /// The disconnections' log lines (one a minute at most, with a count) and their metric.
-    failures: crate::retry::FailureLog,
+    failures: crate::nomad::retry::FailureLog,
 }
 
 enum StreamEnd {

@@ -2,8 +2,10 @@
 //! and the cluster-wide record dhv-binder keeps for it in a Nomad Variable
 //! (`dhv-binder/volumes/<name>` in the volume's namespace).
 
-use crate::mount_options::{MountOptions, MountOptionsError};
+pub mod mount_options;
+
 use crate::nomad::types::Variable;
+use crate::volume::mount_options::{MountOptions, MountOptionsError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -298,7 +300,7 @@ pub struct VolumeSpec {
     #[serde(default, skip_serializing_if = "VolumeSource::is_empty")]
     pub source: VolumeSource,
     /// `mount_options { mount_flags fs_type }`: the flags every publish applies over the
-    /// `nosuid,nodev` default ([`crate::mount_options`]); omitted from the record when empty.
+    /// `nosuid,nodev` default ([`crate::volume::mount_options`]); omitted from the record when empty.
     #[serde(default, skip_serializing_if = "MountOptions::is_empty")]
     pub mount_options: MountOptions,
 }
