@@ -147,7 +147,7 @@ pub struct AgentConfig {
     /// records it names, so a change reaches every node within about a second; the relist
     /// catches a writer that did not update the marker (an older CLI, `nomad var put`).
     /// While the marker cannot be read (a policy without it) records are listed every 10 s
-    /// (docs/scale.md "The change marker").
+    /// (docs/records.md "The change marker").
     #[arg(long, env = "DHV_BINDER_RECORD_RELIST", default_value = "5m", value_parser = humantime::parse_duration)]
     pub record_relist: Duration,
     /// Period of the agent's housekeeping round: the mount table is re-read, placeholders

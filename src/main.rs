@@ -113,7 +113,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 /// holder scans) waits for work before it ends. Tokio's default is 10 s; a burst of
 /// unpublishes grows the pool to about `--max-parallel` threads, and work now and then (a
 /// resync, one publish) hands a task to the longest-idle thread, so with 10 s none ever
-/// ended and the burst's threads and stacks stayed (docs/scale.md, memory). A thread is
+/// ended and the burst's threads and stacks stayed (docs/performance.md, "Allocator, connections and threads"). A thread is
 /// started again in about 0.05 ms when needed.
 const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 

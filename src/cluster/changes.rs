@@ -10,7 +10,7 @@
 //! as a prefix list does. On a change an agent reads only the records the ring names since
 //! the sequence number it last saw, or lists them all when the ring no longer reaches back
 //! that far ([`Marker::since`]). Node records, claims and other applications' variables do
-//! not touch the marker, so they wake no agent (docs/scale.md, "The change marker").
+//! not touch the marker, so they wake no agent (docs/records.md, "The change marker").
 //!
 //! The marker is a hint, not a record: what an agent acts on is still the record it reads,
 //! verified as every record is (`cluster::trust`). A marker that lies or is never updated

@@ -630,7 +630,7 @@ mod tests {
     }
 
     /// A record at every bound (volumes, users, errors, refusals, history) stays within one
-    /// Nomad variable (64 KiB); the figure is in docs/scale.md ("The node record's size").
+    /// Nomad variable (64 KiB); the figure is in docs/records.md ("The node record's size").
     #[test]
     fn a_record_at_every_bound_fits_in_one_variable() {
         let mut r = rec();

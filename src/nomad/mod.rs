@@ -845,7 +845,7 @@ impl Client {
     /// Nomad API: `GET /v1/var/:path?namespace=ns&index=N&wait=W`, a blocking read of one
     /// variable when `index > 0`: Nomad answers when the variable's `ModifyIndex` passes
     /// `index` (or `wait` ends), not on other variables' writes (`nomad/variables_endpoint.go`
-    /// `Variables.Read`; docs/scale.md "The change marker"). `value` is `None` on 404, with
+    /// `Variables.Read`; docs/records.md "The change marker"). `value` is `None` on 404, with
     /// the variables table index as `index` (a missing variable's read wakes on any write).
     /// With `index` 0 it is a single read, bounded by [`VARIABLE_READ_TIMEOUT`]. Errors as
     /// [`Client::variable`].
