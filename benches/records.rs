@@ -14,7 +14,7 @@
 //!
 //! With `BENCH_BEFORE_BIN` (an agent built before the change) the same phases run first with
 //! that agent, then with this build's: one run, one machine, a before/after table
-//! (docs/scale.md). `BENCH_AGENTS`, `BENCH_RECORDS` change N and V. Needs root (the cluster
+//! (docs/records.md). `BENCH_AGENTS`, `BENCH_RECORDS` change N and V. Needs root (the cluster
 //! harness's cgroups and the bind plugin), as the tests do.
 
 #[path = "../tests/support/cgroup.rs"]

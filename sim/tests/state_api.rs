@@ -435,7 +435,7 @@ async fn a_prefix_list_wakes_on_any_variable_write_and_is_counted() {
 /// variable changes (`nomad/variables_endpoint.go` `Variables.Read`: the answer's index is the
 /// variable's ModifyIndex, and `blockingRPC` re-runs the query until it passes `index`), not on
 /// other variable writes; a missing variable answers 404 with the variables table index, so
-/// its blocking read wakes on any write (the change marker, docs/scale.md).
+/// its blocking read wakes on any write (the change marker, docs/records.md).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_blocking_single_variable_read_wakes_only_when_that_variable_changes() {
     tokio::time::timeout(Duration::from_secs(60), async {

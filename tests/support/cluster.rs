@@ -365,7 +365,7 @@ impl Cluster {
             .env("DHV_BINDER_HEALTH_INTERVAL", "1s")
             .env("DHV_BINDER_LOG", "info,dhv_binder=debug")
             .env("DHV_BINDER_RECORD_KEYS", self.sb.join("record-keys.pub"))
-            // The record watches' safety relist (default 5 min, docs/scale.md "The change
+            // The record watches' safety relist (default 5 min, docs/records.md "The change
             // marker") at 1 s, as the tick and the health interval are shortened: several
             // tests plant records with plain variable writes, which do not update the change
             // marker. Tests of the marker's latency set the default back (`agent_env`).

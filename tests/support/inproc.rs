@@ -52,7 +52,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         stream_idle_timeout: Duration::from_secs(95),
         resync_interval: Duration::from_secs(300),
         // Records are planted with plain variable writes (`volume_record`), which do not
-        // update the change marker: the relist finds them (docs/scale.md "The change marker").
+        // update the change marker: the relist finds them (docs/records.md "The change marker").
         record_relist: Duration::from_secs(1),
         tick: Duration::from_millis(200),
         plugin_rescan: Duration::from_millis(500),
