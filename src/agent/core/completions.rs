@@ -12,13 +12,15 @@ impl Core {
     ) {
         match result {
             Ok(()) => {
-                if self.journal_trouble.succeeded(self.now) {
-                    // The publishes and unpublishes that waited for it start now.
+                if let Some(blamed) = self.journal_trouble.succeeded(self.now) {
+                    // The publishes and unpublishes that waited for it start now, and the
+                    // errors it gave are over (not one another step gave since).
                     self.replan_all = true;
-                    self.last_error.retain(|_, e| {
-                        !e.contains("state journal cannot be written")
-                            && !e.starts_with("journal write failed")
-                    });
+                    for (volume, why) in blamed {
+                        if self.last_error.get(&volume) == Some(&why) {
+                            self.last_error.remove(&volume);
+                        }
+                    }
                 }
                 self.durable = self.durable.max(seq);
                 let durable = self.durable;
@@ -49,8 +51,9 @@ impl Core {
                         self.dirty.insert(volume.clone());
                         // Not backed off per volume: the journal's own pace holds every
                         // publish and unpublish until a write succeeds.
-                        self.last_error
-                            .insert(volume, format!("journal write failed: {e}"));
+                        let why = format!("journal write failed: {e}");
+                        self.journal_trouble.blame(&volume, &why);
+                        self.last_error.insert(volume, why);
                     }
                 }
                 let (failed, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)

@@ -641,7 +641,7 @@ impl Core {
                         self.parked.insert(volume);
                         continue;
                     }
-                    if let Some(why) = self.journal_trouble.refusal() {
+                    if let Some(why) = self.journal_trouble.refuse(&volume) {
                         self.last_error.insert(volume.clone(), why.clone());
                         self.parked.insert(volume.clone());
                         self.waiting.push(Waiting {
@@ -667,7 +667,7 @@ impl Core {
                         self.parked.insert(volume);
                         continue;
                     }
-                    if let Some(why) = self.journal_trouble.refusal() {
+                    if let Some(why) = self.journal_trouble.refuse(&volume) {
                         self.last_error.insert(volume.clone(), why.clone());
                         self.parked.insert(volume.clone());
                         self.waiting.push(Waiting {
