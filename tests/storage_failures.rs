@@ -841,6 +841,30 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     assert_eq!(st["journal"]["failing"], false, "{st}");
     assert_eq!(support::cluster::mount_count(&target), 1);
     assert!(!c.journal(0).is_empty(), "the history still decodes");
+    // The history lost nothing: each volume published now has, after its last
+    // `publish-intent`, its `publish-done` (an outcome whose commit failed while the disk
+    // was full is written with the next commit that succeeds).
+    let published: Vec<String> = st["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["state"] == "published")
+        .filter_map(|m| m["volume"]["name"].as_str().map(|n| format!("default/{n}")))
+        .collect();
+    assert_eq!(published.len(), 6, "{st}");
+    let history = c.journal(0);
+    for v in &published {
+        let events: Vec<&str> = history
+            .iter()
+            .filter(|e| e["volume"] == v.as_str())
+            .filter_map(|e| e["event"].as_str())
+            .collect();
+        let last_intent = events.iter().rposition(|e| *e == "publish-intent");
+        assert!(
+            last_intent.is_some_and(|i| events[i..].contains(&"publish-done")),
+            "{v}: published, but journal.log has {events:?}"
+        );
+    }
 
     // Never truncated nor undecodable: a restarted agent reads every volume back published.
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);

@@ -22,6 +22,10 @@
 //! - `journal.log`: the history, one JSON object per line, appended after each commit
 //!   without a sync of its own (it is for operators and tests, never read back), rotated at
 //!   16 MiB (`{"time":<unix s>,"unix_ms":<unix ms>,"event":"publish-done","volume":"ns/name",..}`).
+//!   Lines a failed write could not append (a full or read-only state disk) are kept in
+//!   memory and appended, in order and with the time of their commit, by the next write
+//!   that succeeds; beyond [`UNLOGGED_MAX`] the oldest are dropped and a `history-lost`
+//!   line says how many.
 //!
 //! Secrets never enter any of them.
 
@@ -46,6 +50,9 @@ pub const VERSION: u32 = 2;
 /// `journal.wal`).
 pub const OLDEST_READ: u32 = 1;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
+/// History lines kept in memory while `journal.log` cannot be written (about 200 bytes
+/// each); beyond it the oldest are dropped and counted.
+pub const UNLOGGED_MAX: usize = 10_000;
 /// The state directory's mode: only root reads the journal (issue 13 §5).
 const DIR_MODE: u32 = 0o700;
 /// The journal files' mode.
@@ -640,6 +647,11 @@ struct Disk {
     /// The next write replaces `journal.json` and empties `journal.wal`: set when a write
     /// failed (a line may be torn, or missing), and when the log had a torn tail on open.
     compact: bool,
+    /// History lines of commits whose write failed, not yet in `journal.log`, oldest
+    /// first (each ends with a newline), and how many were dropped beyond
+    /// [`UNLOGGED_MAX`].
+    unlogged: std::collections::VecDeque<String>,
+    dropped: u64,
 }
 
 /// One line of `journal.wal`: the records changed by one commit (the later state of each:
@@ -914,18 +926,26 @@ impl Store {
         } else {
             self.append(&mut disk, commit)
         };
+        // The commit's history lines, stamped now, after those earlier writes could not
+        // append: written together once a write succeeds, never lost with a failed one.
+        let lines = history_lines(&commit.events);
+        disk.unlogged.extend(lines);
+        if disk.unlogged.len() > UNLOGGED_MAX {
+            let over = disk.unlogged.len() - UNLOGGED_MAX;
+            disk.unlogged.drain(..over);
+            disk.dropped += over as u64;
+        }
         if result.is_err() {
             disk.compact = true;
         }
-        drop(disk);
         result?;
         self.commits.fetch_add(1, Ordering::Relaxed);
-        let history = self.append_history(&commit.events);
+        let history = self.append_history(&mut disk);
         if history.is_err() {
             // The directory refuses writes by path (read-only, full): the next write
             // replaces the whole state, by path too, so the failure is not papered over by
             // an append through the log's file descriptor, opened before.
-            self.disk.lock().unwrap_or_else(|e| e.into_inner()).compact = true;
+            disk.compact = true;
         }
         history
     }
@@ -1027,8 +1047,11 @@ impl Store {
         Ok(())
     }
 
-    fn append_history(&self, events: &[Event]) -> Result<(), JournalError> {
-        if events.is_empty() {
+    /// Appends the history lines not yet in `journal.log` (`disk.unlogged`, after a
+    /// `history-lost` line if some were dropped); they stay queued if the append fails,
+    /// and what it wrote of them is cut off again.
+    fn append_history(&self, disk: &mut Disk) -> Result<(), JournalError> {
+        if disk.unlogged.is_empty() && disk.dropped == 0 {
             return Ok(());
         }
         let path = self.dir.join("journal.log");
@@ -1042,27 +1065,58 @@ impl Store {
         {
             fs::rename(&path, self.dir.join("journal.log.1")).map_err(werr)?;
         }
-        let unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
         let mut text = String::new();
-        for e in events {
+        if disk.dropped > 0 {
+            let unix_ms = unix_ms();
             let line = serde_json::json!({
-                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": e.kind.as_str(),
-                "volume": e.volume.to_string(), "alloc_id": e.alloc_id, "detail": e.detail,
+                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": "history-lost",
+                "detail": {"lines": disk.dropped,
+                    "why": "the state directory could not be written for longer than the history kept in memory"},
             });
             text.push_str(&line.to_string());
             text.push('\n');
         }
+        disk.unlogged.iter().for_each(|l| text.push_str(l));
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)
             .mode(FILE_MODE)
             .open(&path)
             .map_err(werr)?;
-        f.write_all(text.as_bytes()).map_err(werr)
+        let before = f.metadata().map_err(werr)?.len();
+        if let Err(e) = f.write_all(text.as_bytes()) {
+            // A part written (ENOSPC after some blocks) is cut off: the lines are written
+            // whole with the next write, never a torn line in between.
+            let _ = f.set_len(before);
+            return Err(werr(e));
+        }
+        disk.unlogged.clear();
+        disk.dropped = 0;
+        Ok(())
     }
+}
+
+/// Milliseconds since the Unix epoch (0 before it).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The `journal.log` lines of `events`, stamped now, each with its newline.
+fn history_lines(events: &[Event]) -> Vec<String> {
+    let unix_ms = unix_ms();
+    events
+        .iter()
+        .map(|e| {
+            let line = serde_json::json!({
+                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": e.kind.as_str(),
+                "volume": e.volume.to_string(), "alloc_id": e.alloc_id, "detail": e.detail,
+            });
+            format!("{line}\n")
+        })
+        .collect()
 }
 
 #[cfg(test)]
