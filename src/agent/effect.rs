@@ -102,6 +102,12 @@ pub(crate) enum Effect {
         plugin: Option<Box<PluginFence>>,
         lease_of: Option<String>,
     },
+    /// Kernel: wait for the processes `pids` that held `volume` when its unpublish was
+    /// refused to exit (pidfds, [`crate::node::holders::exits`]); answered by
+    /// [`Completion::HoldersExited`] once all have. Replaces the volume's earlier watch.
+    ///
+    /// [`Completion::HoldersExited`]: crate::agent::executor::Completion::HoldersExited
+    WatchHolders { volume: VolumeKey, pids: Vec<u32> },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },
     /// Kernel: read the mount table again (answered by `Input::MountTable`).

@@ -173,6 +173,8 @@ struct Shell {
     renewed: mpsc::UnboundedReceiver<Completion>,
     /// Given to the renewal thread when it starts.
     renewed_tx: mpsc::UnboundedSender<Completion>,
+    /// The waits on the processes refused unpublishes named.
+    holder_watches: crate::agent::holder_watch::HolderWatches,
     /// The renewals that succeeded, as the renewal thread records them: a fence checks it
     /// right before it runs.
     evidence: crate::agent::renewer::Evidence,
@@ -194,6 +196,7 @@ impl Shell {
             renewer: None,
             renewed,
             renewed_tx,
+            holder_watches: Default::default(),
             evidence: Default::default(),
             runner: Runner::new(&cfg.plugin_dir, cfg.plugin_timeout)
                 .observed(meter.plugin_observer())
@@ -493,6 +496,7 @@ impl Shell {
                     Report::DoneMounts(Completion::Fenced { volume, report }, table)
                 });
             }
+            Effect::WatchHolders { volume, pids } => self.holder_watches.watch(volume, pids),
             Effect::Detach { volume, target } => {
                 self.tasks.spawn_blocking(move || {
                     let result = crate::node::health::lazy_unmount(&target);
@@ -685,6 +689,7 @@ impl Shell {
         let mut inputs: Vec<Input> = tokio::select! {
             biased;
             Some(c) = self.renewed.recv() => vec![Input::Done(c)],
+            Some(c) = self.holder_watches.next() => vec![Input::Done(c)],
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
             Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],

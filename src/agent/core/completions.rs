@@ -171,6 +171,12 @@ impl Core {
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
                         if let crate::agent::executor::StepError::InUse { usage, .. } = &e {
+                            // Retried as soon as the processes it names exit, not only
+                            // on the backoff.
+                            out.push(Effect::WatchHolders {
+                                volume: volume.clone(),
+                                pids: usage.pids(),
+                            });
                             self.holders.insert(volume.clone(), usage.clone());
                         }
                         self.step_failed(&volume, &e);
@@ -416,6 +422,15 @@ impl Core {
                     busy,
                     self.journal.users(),
                 ));
+            }
+            Completion::HoldersExited { volume } => {
+                // The evidence the unpublish waits on: retried now (the retry scans again;
+                // a new holder is refused and watched as before).
+                if self.holders.contains_key(&volume) {
+                    tracing::info!(%volume, "the processes that held the volume exited: unpublish retried now");
+                    self.retries.due_at(&Work::Mount(volume.clone()), now);
+                    self.dirty.insert(volume);
+                }
             }
             Completion::Detached { volume, result } => {
                 if let Err(e) = result {

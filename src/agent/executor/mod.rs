@@ -92,6 +92,9 @@ pub enum Completion {
         volume: VolumeKey,
         report: crate::node::fence::FenceReport,
     },
+    /// Every process an unpublish of `volume` was refused for has exited
+    /// ([`crate::agent::effect::Effect::WatchHolders`]).
+    HoldersExited { volume: VolumeKey },
     /// A dead mount was detached (lazy unmount).
     Detached {
         volume: VolumeKey,

@@ -17,6 +17,7 @@
 use crate::node::identity::{self, NodeCgroups, Whose};
 use crate::node::mounts::{DeviceId, MountIdentity, MountTable};
 use serde::Serialize;
+pub mod exits;
 mod procfs;
 
 use procfs::{comm_of, gone, inspect_all, pids, report, without_kernel_threads};
@@ -279,6 +280,25 @@ impl Usage {
     /// EBUSY, which the plugin reports.
     pub fn in_use(&self) -> bool {
         !self.holders.is_empty() || self.uninspected.iter().any(|u| u.what == "mountinfo")
+    }
+
+    /// The processes whose exit can end the refusal: each holder and each process whose
+    /// mount table could not be read, by pid, once each ([`exits::all_exited`] waits on them).
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .holders
+            .iter()
+            .map(|h| h.pid)
+            .chain(
+                self.uninspected
+                    .iter()
+                    .filter(|u| u.what == "mountinfo")
+                    .map(|u| u.pid),
+            )
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
     }
 
     /// Drops the holders in another simulated node's cgroups ([`Holder::other_node`]: the
