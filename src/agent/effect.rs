@@ -76,11 +76,14 @@ pub(crate) enum Effect {
     /// Nomad: read one allocation (a publish call came before its event).
     FetchAlloc { alloc_id: String },
     /// Nomad: restart an allocation's running tasks (onto a republished mount), or only
-    /// `task` (an ungated task, onto its volume's first publish).
+    /// `task` (an ungated task, onto its volume's first publish), or with `all_tasks` every
+    /// task, those that exited included (an ungated task that exited on the placeholder
+    /// while its allocation runs on).
     RestartAlloc {
         volume: VolumeKey,
         alloc_id: String,
         task: Option<String>,
+        all_tasks: bool,
     },
     /// Kernel: `stat` a published target, bounded by the probe timeout.
     Probe { volume: VolumeKey, target: PathBuf },

@@ -127,14 +127,25 @@ impl Core {
                         // by a restart (a republish after a dead mount restarts its users
                         // itself, once the mount answers).
                         if !self.mount_health.republishing(&volume) {
+                            let mut all_restarted = BTreeSet::new();
                             for (alloc_id, task) in
                                 crate::agent::gate::restart_on_publish(&self.ungated, &volume)
                             {
-                                tracing::info!(%volume, %alloc_id, %task, "restarting an ungated task onto the published volume");
+                                // A task that already exited (on the placeholder) is not
+                                // running: Nomad refuses to restart it by name, so the
+                                // allocation's tasks are restarted all, that one included.
+                                let exited = self.view.allocs().get(&alloc_id).is_some_and(|a| {
+                                    a.task_states.get(&task).is_some_and(|t| t.state == "dead")
+                                });
+                                if exited && !all_restarted.insert(alloc_id.clone()) {
+                                    continue;
+                                }
+                                tracing::info!(%volume, %alloc_id, %task, exited, "restarting an ungated task onto the published volume");
                                 out.push(Effect::RestartAlloc {
                                     volume: volume.clone(),
                                     alloc_id,
-                                    task: Some(task),
+                                    task: (!exited).then_some(task),
+                                    all_tasks: exited,
                                 });
                             }
                         }

@@ -115,6 +115,10 @@ pub(crate) struct Core {
     unfenced: BTreeMap<String, String>,
     /// Allocations with tasks that may start on a deferred volume before it is published.
     ungated: BTreeMap<String, Vec<crate::agent::gate::Ungated>>,
+    /// Ungated tasks whose allocation finished while their volume was not published here:
+    /// they ran, if at all, on the empty read-only placeholder (allocation ID, task), the
+    /// last [`crate::agent::gate::EXITED_KEPT`].
+    ungated_exited: std::collections::VecDeque<(String, crate::agent::gate::Ungated)>,
     /// The last commit handed to the shell, and the last one known durable.
     issued: u64,
     durable: u64,
@@ -183,6 +187,7 @@ impl Core {
             unfenced: BTreeMap::new(),
             holders: BTreeMap::new(),
             ungated: BTreeMap::new(),
+            ungated_exited: Default::default(),
             issued: 0,
             durable: 0,
             gated: BTreeMap::new(),
@@ -267,6 +272,28 @@ impl Core {
         }
         for w in &self.waiting {
             out.entry(w.volume.to_string()).or_default().waiting = w.reason.clone();
+        }
+        // Jobs that mount a volume without the gate: those whose allocation ended before
+        // the publish first (most recent first), then those that run.
+        let short = |id: &str| id.chars().take(8).collect::<String>();
+        for (id, u) in self.ungated_exited.iter().rev() {
+            out.entry(u.volume.to_string())
+                .or_default()
+                .ungated
+                .push(format!(
+                    "{}/{} ({}): ended before the publish",
+                    u.job,
+                    u.task,
+                    short(id)
+                ));
+        }
+        for (id, us) in &self.ungated {
+            for u in us {
+                out.entry(u.volume.to_string())
+                    .or_default()
+                    .ungated
+                    .push(format!("{}/{} ({})", u.job, u.task, short(id)));
+            }
         }
         out
     }

@@ -652,9 +652,10 @@ pub async fn restart_alloc(
     volume: VolumeKey,
     alloc_id: String,
     task: Option<String>,
+    all_tasks: bool,
 ) -> Completion {
     let result = client
-        .restart_allocation(&alloc_id, task.as_deref().unwrap_or(""), false)
+        .restart_allocation(&alloc_id, task.as_deref().unwrap_or(""), all_tasks)
         .await;
     Completion::Restarted {
         volume,

@@ -432,7 +432,10 @@ impl Shell {
                 volume,
                 alloc_id,
                 task,
-            } => self.call(executor::restart_alloc(client, volume, alloc_id, task)),
+                all_tasks,
+            } => self.call(executor::restart_alloc(
+                client, volume, alloc_id, task, all_tasks,
+            )),
             Effect::Probe { volume, target } => {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
                 let prober = self.probes.clone();

@@ -10,6 +10,7 @@ use crate::node::mounts::MountTable;
 
 mod claims;
 mod planning;
+mod ungated;
 
 const NODE: &str = "node-1";
 
