@@ -68,6 +68,8 @@ pub(crate) struct Core {
     watch: Health,
     volumes: Catalogue,
     volumes_loaded: bool,
+    /// Why the volume records cannot be read, while they cannot.
+    records_unreadable: Option<String>,
     plugins: BTreeMap<String, Result<Fingerprint, String>>,
     plugins_loaded: bool,
     fingerprinting: bool,
@@ -162,6 +164,7 @@ impl Core {
             watch: Health::Listing,
             volumes: Catalogue::new(),
             volumes_loaded: false,
+            records_unreadable: None,
             plugins: BTreeMap::new(),
             plugins_loaded: false,
             fingerprinting: false,
@@ -411,6 +414,11 @@ impl Core {
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
+            Input::RecordsUnreadable(why) => {
+                // Said for every volume kept while the records are unknown.
+                self.replan_all |= why != self.records_unreadable;
+                self.records_unreadable = why;
+            }
             Input::Api { reply, call } => match call {
                 ApiCall::Status => out.push(Effect::Reply {
                     to: reply,
@@ -587,6 +595,7 @@ impl Core {
             Inputs {
                 view: &self.view,
                 volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+                records_error: self.records_unreadable.as_deref(),
                 volumes: &self.volumes,
                 mounts: self.journal.mounts(),
                 users: self.journal.users(),

@@ -665,6 +665,8 @@ struct Sources {
     snapshots: mpsc::Receiver<crate::cluster::snapshot::Snapshots>,
     api: mpsc::Receiver<Request2Agent>,
     plugins: mpsc::Receiver<()>,
+    /// Why the volume records cannot be read, while they cannot (`catalog::Follow::failing`).
+    records_failing: tokio::sync::watch::Receiver<Option<String>>,
     /// The periodic tick (`--tick`).
     tick: tokio::time::Interval,
     every: Duration,
@@ -695,6 +697,9 @@ impl Shell {
             Some(c) = self.holder_watches.next() => vec![Input::Done(c)],
             Some(ev) = src.watch.recv() => vec![Input::Watch(ev)],
             Some(cat) = src.catalogue.recv() => vec![Input::Catalogue(cat)],
+            Ok(()) = src.records_failing.changed() => {
+                vec![Input::RecordsUnreadable(src.records_failing.borrow_and_update().clone())]
+            }
             Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
             Some(req) = src.api.recv() => self.admit(req).into_iter().collect(),
             Some(done) = self.tasks.join_next() => match done {
@@ -903,10 +908,12 @@ pub async fn run(
     // names a volume this node has no record for.
     let (marker_tx, marker_rx) = tokio::sync::watch::channel(MarkerView::Unknown);
     let record_reads = catalog::Reads::default();
+    let (records_failing_tx, records_failing) = tokio::sync::watch::channel(None);
     let follow = catalog::Follow {
         marker: marker_rx,
         relist: cfg.record_relist,
         reads: record_reads.clone(),
+        failing: Some(records_failing_tx),
     };
     let background = [
         tokio::spawn(watch::run(client.clone(), wcfg, watch_tx)),
@@ -930,6 +937,7 @@ pub async fn run(
             client.clone(),
             catalog::Follow {
                 reads: catalog::Reads::default(),
+                failing: None,
                 ..follow
             },
             trust.clone(),
@@ -1038,6 +1046,7 @@ pub async fn run(
         snapshots: snap_rx,
         api: api_rx,
         plugins: plugins_rx,
+        records_failing,
         tick: ticker(cfg.tick),
         every: cfg.tick,
     };

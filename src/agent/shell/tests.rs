@@ -231,6 +231,7 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
         snapshots,
         api,
         plugins,
+        records_failing: tokio::sync::watch::channel(None).1,
         tick: ticker(every),
         every,
     };
@@ -374,6 +375,7 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
         snapshots,
         api,
         plugins,
+        records_failing: tokio::sync::watch::channel(None).1,
         tick: ticker(every),
         every,
     };
