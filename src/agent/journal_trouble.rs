@@ -83,9 +83,7 @@ impl JournalTrouble {
     /// A write succeeded at `now`: when it ends a failing period, the errors this trouble
     /// gave, by volume (each still the volume's last error unless another replaced it since).
     pub(crate) fn succeeded(&mut self, now: Instant) -> Option<BTreeMap<VolumeKey, String>> {
-        let Some(f) = self.failing.take() else {
-            return None;
-        };
+        let f = self.failing.take()?;
         tracing::warn!(
             failures = f.failures,
             failed_for_ms = now.saturating_duration_since(f.since).as_millis() as u64,
