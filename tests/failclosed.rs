@@ -703,3 +703,105 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
         "a write landed on the node's disk"
     );
 }
+
+/// Issue 46, item 5: a batch job without the prestart task whose task tries its write and
+/// exits before the (slow) publish: Nomad reports it `complete`, its write failed on the
+/// read-only placeholder. The agent says so loudly: an error in its log, the task in
+/// `status` (`ungated_exited`), and `volume status` lists the job among the volume's ungated
+/// jobs, "ended before the publish".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_without_the_prestart_task_that_ends_before_the_publish_is_reported() {
+    let c = support::cluster::Cluster::start(1).await;
+    c.create_volume("shared-data", "single-node-writer");
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            "#!/bin/sh\n[ \"$1\" = publish ] && sleep 5\nexec {} \"$@\"\n",
+            real.display()
+        ),
+    );
+    c.wait_for(30, "the placeholder ready", || async {
+        let vols = c.get("/v1/volumes?type=host&namespace=*").await;
+        vols.as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["Name"] == "shared-data" && v["State"] == "ready")
+            .then_some(())
+    })
+    .await;
+    let jobspec = c.sb.join("no-gate-batch.nomad.hcl");
+    std::fs::write(
+        &jobspec,
+        r#"job "no-gate-batch" {
+  type        = "batch"
+  datacenters = ["*"]
+  group "app" {
+    volume "data" {
+      type            = "host"
+      source          = "shared-data"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+    task "report" {
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "sleep 1; echo done > /data/report.txt || echo WRITE-FAILED; exit 0"]
+      }
+      volume_mount {
+        volume      = "data"
+        destination = "/data"
+      }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    let job = c.run_job(&jobspec).await;
+    let alloc = c
+        .wait_for(60, "the batch allocation complete", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["ClientStatus"] == "complete")
+        })
+        .await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let exited = c
+        .wait_for(30, "the ended ungated task in status", || async {
+            let (code, out) = c.status(0);
+            let doc: Value = serde_json::from_str(&out).ok().filter(|_| code == 0)?;
+            doc["ungated_exited"]
+                .as_array()?
+                .iter()
+                .find(|e| e["alloc_id"] == alloc_id.as_str())
+                .cloned()
+        })
+        .await;
+    assert_eq!(
+        (&exited["task"]["job"], &exited["task"]["task"]),
+        (&json!("no-gate-batch"), &json!("report")),
+        "{exited}"
+    );
+    let log = std::fs::read_to_string(&c.nodes[0].log).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("ended before deferred volume") && l.contains(&alloc_id))
+        .unwrap_or_else(|| panic!("no error in the agent's log:\n{log}"));
+    eprintln!("what the operator sees (log): {line}");
+    let out = c
+        .wait_for(30, "volume status naming the ungated job", || async {
+            let (code, out) = c.cli(&["volume", "status", "shared-data"]);
+            (code == 0 && out.contains("Ungated Jobs")).then_some(out)
+        })
+        .await;
+    eprintln!("what the operator sees (volume status):\n{out}");
+    assert!(
+        out.contains("no-gate-batch/report (") && out.contains("ended before the publish"),
+        "{out}"
+    );
+}

@@ -832,3 +832,120 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
         "the old allocation's poststop wrote: {lines:?}"
     );
 }
+
+/// A process in a private mount namespace of its own (as a task's) with the volume bound in.
+/// Killed and reaped on drop; its bind goes with its namespace.
+struct NamespaceHolder(std::process::Child);
+
+impl NamespaceHolder {
+    fn holding(target: &std::path::Path, inner: &std::path::Path) -> NamespaceHolder {
+        use std::io::BufRead;
+        std::fs::create_dir_all(inner).unwrap();
+        let mut child = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                target.display(),
+                inner.display()
+            ))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("unshare (util-linux), as root");
+        let out = child.stdout.take().unwrap();
+        let holder = NamespaceHolder(child);
+        let mut line = String::new();
+        std::io::BufReader::new(out).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "the holder did not start");
+        holder
+    }
+
+    fn end(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for NamespaceHolder {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// Issue 46: a busy unpublish follows the evidence, not its backoff. After the writer's job
+/// stops, a process in a private mount namespace still holds the volume: the unpublish is
+/// refused, naming it, five times (the backoff then waits 13 s or more), while a job on the
+/// other node waits for the claim. Once that process dies, the unpublish comes within a
+/// second or two (its exit is watched by a pidfd), and the other node takes the claim and
+/// publishes. Prints the timeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_follows_the_last_holders_exit_not_the_unpublish_backoff() {
+    let c = Cluster::start(2).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .running_alloc(&job, "app", 120, "the writer running")
+        .await;
+    let holder = c.node_index(first["NodeID"].as_str().unwrap());
+    let other = 1 - holder;
+    let mut process = NamespaceHolder::holding(
+        &c.target(holder, VOLUME),
+        &c.sb.path().join("holder-ns/data"),
+    );
+    let pid = process.0.id();
+    c.stop_job(&job, false).await;
+    c.run_job(&writer_job_named(
+        c.sb.path(),
+        "second",
+        &format!(
+            "    constraint {{\n      attribute = \"${{node.unique.id}}\"\n      value     = \"{}\"\n    }}",
+            c.nodes[other].id
+        ),
+    ))
+    .await;
+    let refused = |c: &Cluster| {
+        c.journal(holder)
+            .iter()
+            .filter(|e| e["event"] == "unpublish-failed")
+            .count()
+    };
+    c.wait_for(60, "five refused unpublishes", || async {
+        (refused(&c) >= 5).then_some(())
+    })
+    .await;
+    let (_, st) = c.status(holder);
+    assert!(
+        st.contains(&format!("\"pid\":{pid}")) || st.contains(&format!("\"pid\": {pid}")),
+        "the holder is named: {st}"
+    );
+    assert!(dhv_binder::node::mounts::is_mount_point(
+        &c.target(holder, VOLUME)
+    ));
+    let died = now_ms();
+    process.end();
+    let unpublished = c
+        .wait_for(30, "the unpublish after the holder's exit", || async {
+            last_event_ms(&c, holder, "unpublish-done")
+        })
+        .await;
+    let published = c
+        .wait_for(30, "the volume published on the other node", || async {
+            last_event_ms(&c, other, "publish-done")
+        })
+        .await;
+    eprintln!(
+        "holder pid {pid} killed; unpublished {} ms later (after {} refusals), published on the other node {} ms later",
+        unpublished.saturating_sub(died),
+        refused(&c),
+        published.saturating_sub(died)
+    );
+    assert!(
+        unpublished.saturating_sub(died) < 3_000,
+        "the unpublish waited {} ms after the last holder's exit (its backoff, not the evidence)",
+        unpublished.saturating_sub(died)
+    );
+    assert!(
+        published.saturating_sub(died) < 6_000,
+        "the other node published {} ms after the last holder's exit",
+        published.saturating_sub(died)
+    );
+}

@@ -841,6 +841,30 @@ async fn a_full_state_disk_is_reported_paced_and_recovered_without_a_restart() {
     assert_eq!(st["journal"]["failing"], false, "{st}");
     assert_eq!(support::cluster::mount_count(&target), 1);
     assert!(!c.journal(0).is_empty(), "the history still decodes");
+    // The history lost nothing: each volume published now has, after its last
+    // `publish-intent`, its `publish-done` (an outcome whose commit failed while the disk
+    // was full is written with the next commit that succeeds).
+    let published: Vec<String> = st["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["state"] == "published")
+        .filter_map(|m| m["volume"]["name"].as_str().map(|n| format!("default/{n}")))
+        .collect();
+    assert_eq!(published.len(), 6, "{st}");
+    let history = c.journal(0);
+    for v in &published {
+        let events: Vec<&str> = history
+            .iter()
+            .filter(|e| e["volume"] == v.as_str())
+            .filter_map(|e| e["event"].as_str())
+            .collect();
+        let last_intent = events.iter().rposition(|e| *e == "publish-intent");
+        assert!(
+            last_intent.is_some_and(|i| events[i..].contains(&"publish-done")),
+            "{v}: published, but journal.log has {events:?}"
+        );
+    }
 
     // Never truncated nor undecodable: a restarted agent reads every volume back published.
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
@@ -923,4 +947,42 @@ async fn a_volume_kept_after_a_restart_with_an_incomplete_picture_says_why_in_st
     )
     .await;
     assert_eq!(support::cluster::mount_count(&target), 1, "still published");
+}
+
+/// Issue 46: the agent restarts after the volume's record was purged (its variable deleted)
+/// while the job that uses it still runs: the volume is kept published, and status says why
+/// (the record is gone, the allocation still runs with it mounted), naming the allocation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_kept_after_a_restart_with_its_record_purged_says_why_in_status() {
+    let mut c = Cluster::start(1).await;
+    c.wait_plugin("bind").await;
+    c.create_volume("shared-data", "single-node-writer");
+    let (_job, alloc, node) = run_example(&c).await;
+    let alloc_id = alloc["ID"].as_str().unwrap().to_string();
+    let target = c.target(node, "shared-data");
+    c.kill_agent(node, nix::sys::signal::Signal::SIGTERM);
+    let r = reqwest::Client::new()
+        .delete(format!(
+            "{}/v1/var/dhv-binder/volumes/shared-data?namespace=default",
+            c.server
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    c.start_agent(node);
+    let line = c
+        .wait_for(30, "status saying why the volume is kept", || async {
+            status_text(&c, node)
+                .lines()
+                .find(|l| l.starts_with("Waiting ") && l.contains("default/shared-data: "))
+                .map(str::to_string)
+        })
+        .await;
+    eprintln!("{line}");
+    assert!(
+        line.contains("volume record is gone") && line.contains(&alloc_id),
+        "{line}"
+    );
+    assert_eq!(support::cluster::mount_count(&target), 1, "kept published");
 }

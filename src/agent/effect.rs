@@ -76,11 +76,14 @@ pub(crate) enum Effect {
     /// Nomad: read one allocation (a publish call came before its event).
     FetchAlloc { alloc_id: String },
     /// Nomad: restart an allocation's running tasks (onto a republished mount), or only
-    /// `task` (an ungated task, onto its volume's first publish).
+    /// `task` (an ungated task, onto its volume's first publish), or with `all_tasks` every
+    /// task, those that exited included (an ungated task that exited on the placeholder
+    /// while its allocation runs on).
     RestartAlloc {
         volume: VolumeKey,
         alloc_id: String,
         task: Option<String>,
+        all_tasks: bool,
     },
     /// Kernel: `stat` a published target, bounded by the probe timeout.
     Probe { volume: VolumeKey, target: PathBuf },
@@ -102,6 +105,12 @@ pub(crate) enum Effect {
         plugin: Option<Box<PluginFence>>,
         lease_of: Option<String>,
     },
+    /// Kernel: wait for the processes `pids` that held `volume` when its unpublish was
+    /// refused to exit (pidfds, [`crate::node::holders::exits`]); answered by
+    /// [`Completion::HoldersExited`] once all have. Replaces the volume's earlier watch.
+    ///
+    /// [`Completion::HoldersExited`]: crate::agent::executor::Completion::HoldersExited
+    WatchHolders { volume: VolumeKey, pids: Vec<u32> },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },
     /// Kernel: read the mount table again (answered by `Input::MountTable`).

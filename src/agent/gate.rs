@@ -22,6 +22,9 @@ use serde::Serialize;
 /// socket to prestart tasks, as in jobspecs/dhv-binder.nomad.hcl.
 pub const SOCKET_VOLUME: &str = "dhv-binder-socket";
 
+/// How many ungated tasks whose allocation ended before the publish the agent reports.
+pub const EXITED_KEPT: usize = 64;
+
 /// Why a task is not gated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -29,6 +29,9 @@ pub(crate) enum Input {
     Watch(WatchEvent),
     /// A fresh copy of the cluster's volume records.
     Catalogue(Catalogue),
+    /// Why the volume records cannot be read now (the last list's or read's error, e.g.
+    /// Nomad's 403), or `None` once they are read again.
+    RecordsUnreadable(Option<String>),
     /// A fresh copy of the cluster's snapshot records.
     Snapshots(crate::cluster::snapshot::Snapshots),
     /// A caller on the local API; answer with [`crate::agent::effect::Effect::Reply`].

@@ -5,6 +5,8 @@
 //! write succeeds. The log gets one line when writes start failing, at most one per
 //! [`LOG_EVERY`] while they keep failing, and one when they succeed again.
 
+use crate::volume::VolumeKey;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// How long after a failed write the next one is tried (the state is written whole then).
@@ -28,6 +30,9 @@ struct Failing {
 #[derive(Debug, Default)]
 pub(crate) struct JournalTrouble {
     failing: Option<Failing>,
+    /// The volumes whose last error is this trouble's, with the error they were given:
+    /// cleared when writes succeed again ([`JournalTrouble::succeeded`]).
+    blamed: BTreeMap<VolumeKey, String>,
 }
 
 impl JournalTrouble {
@@ -62,17 +67,29 @@ impl JournalTrouble {
         }
     }
 
-    /// A write succeeded at `now`: true if it ends a failing period.
-    pub(crate) fn succeeded(&mut self, now: Instant) -> bool {
-        let Some(f) = self.failing.take() else {
-            return false;
-        };
+    /// Notes that `volume`'s last error is now `error`, given for this trouble.
+    pub(crate) fn blame(&mut self, volume: &VolumeKey, error: &str) {
+        self.blamed.insert(volume.clone(), error.to_string());
+    }
+
+    /// The refusal ([`JournalTrouble::refusal`]) for a step of `volume`, noted as its last
+    /// error ([`JournalTrouble::blame`]); `None` while writes succeed.
+    pub(crate) fn refuse(&mut self, volume: &VolumeKey) -> Option<String> {
+        let why = self.refusal()?;
+        self.blame(volume, &why);
+        Some(why)
+    }
+
+    /// A write succeeded at `now`: when it ends a failing period, the errors this trouble
+    /// gave, by volume (each still the volume's last error unless another replaced it since).
+    pub(crate) fn succeeded(&mut self, now: Instant) -> Option<BTreeMap<VolumeKey, String>> {
+        let f = self.failing.take()?;
         tracing::warn!(
             failures = f.failures,
             failed_for_ms = now.saturating_duration_since(f.since).as_millis() as u64,
             "journal writes succeed again: new publishes and unpublishes resume"
         );
-        true
+        Some(std::mem::take(&mut self.blamed))
     }
 
     /// True while writes fail: no new work that needs a durable intent starts.
@@ -132,8 +149,15 @@ mod tests {
         j.failed("No space left on device", t + RETRY_AFTER);
         assert_eq!(j.status()["failed_writes"], 2);
         assert!(j.refusal().unwrap().contains("No space left"));
-        assert!(j.succeeded(t + RETRY_AFTER * 2));
-        assert!(!j.is_failing() && !j.succeeded(t + RETRY_AFTER * 3));
+        let v = VolumeKey {
+            namespace: "default".into(),
+            name: "v".into(),
+        };
+        let why = j.refuse(&v).unwrap();
+        let blamed = j.succeeded(t + RETRY_AFTER * 2).unwrap();
+        assert_eq!(blamed.get(&v), Some(&why));
+        assert!(!j.is_failing() && j.succeeded(t + RETRY_AFTER * 3).is_none());
+        assert!(j.refuse(&v).is_none());
         assert_eq!(j.status()["failing"], false);
     }
 }

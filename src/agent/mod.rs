@@ -11,7 +11,8 @@
 //!   (one backoff table for every kind of work), `latency`;
 //! - `shell`: the loop, the one place that performs effects; `meter`: what it measures
 //!   for the metrics (counts of what the core decided, timings of what the shell ran);
-//!   `after_calls`: when the shell reads the mount table for plugin calls that finished.
+//!   `after_calls`: when the shell reads the mount table for plugin calls that finished;
+//!   `holder_watch`: the waits on the processes a refused unpublish named.
 //!
 //! The publish/unpublish plan itself is `crate::agent::reconcile` (with "allocation lost while
 //! its tasks still run" decided in `crate::agent::view` and `crate::agent::reconcile`).
@@ -23,6 +24,7 @@ pub(crate) mod core;
 pub(crate) mod effect;
 pub(crate) mod executor;
 pub(crate) mod gate;
+pub(crate) mod holder_watch;
 pub(crate) mod input;
 pub(crate) mod journal_trouble;
 pub(crate) mod latency;

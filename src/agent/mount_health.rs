@@ -280,6 +280,7 @@ impl MountHealth {
                 volume: volume.clone(),
                 alloc_id,
                 task: None,
+                all_tasks: false,
             })
             .collect()
     }

@@ -35,6 +35,9 @@ pub struct Inputs<'a> {
     pub view: &'a View,
     /// False until the volume records have been read once.
     pub volumes_loaded: bool,
+    /// Why the volume records cannot be read, while they cannot (the reason a volume kept
+    /// before they are read in full gives).
+    pub records_error: Option<&'a str>,
     pub volumes: &'a BTreeMap<VolumeKey, VolumeRecord>,
     pub mounts: &'a BTreeMap<VolumeKey, MountRecord>,
     pub users: &'a BTreeSet<UserKey>,
@@ -343,10 +346,13 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         }
     } else {
         // Kept without proof that it is still needed: say why (docs/operations.md).
-        let why = match (i.view.is_complete(), i.volumes_loaded) {
-            (false, false) => "this node's allocations and the volume records have not been read in full yet",
-            (false, true) => "this node's allocations have not been listed in full yet (a list or read failed, or the agent just started)",
-            _ => "the volume records have not been read in full yet (a read failed, or the agent just started)",
+        let unreadable = |e: &str| format!("the volume records cannot be read ({e})");
+        let why = match (i.view.is_complete(), i.volumes_loaded, i.records_error) {
+            (false, false, Some(e)) => format!("this node's allocations have not been read in full yet and {}", unreadable(e)),
+            (false, false, None) => "this node's allocations and the volume records have not been read in full yet".into(),
+            (false, true, _) => "this node's allocations have not been listed in full yet (a list or read failed, or the agent just started)".into(),
+            (true, _, Some(e)) => unreadable(e),
+            _ => "the volume records have not been read in full yet (a read failed, or the agent just started)".into(),
         };
         for (key, _) in mounts {
             if needed.contains_key(key)
@@ -559,6 +565,8 @@ pub(crate) mod tests {
         plugins: BTreeSet<String>,
         busy: BTreeSet<VolumeKey>,
         claims: BTreeMap<VolumeKey, ClaimState>,
+        /// The records not read (after a restart) and why: `None` when they were read.
+        records_unread: Option<Option<String>>,
         publishes: usize,
         unpublishes: usize,
     }
@@ -576,6 +584,7 @@ pub(crate) mod tests {
                 plugins: BTreeSet::from(["bind".to_string()]),
                 busy: BTreeSet::new(),
                 claims: BTreeMap::new(),
+                records_unread: None,
                 publishes: 0,
                 unpublishes: 0,
             }
@@ -584,7 +593,8 @@ pub(crate) mod tests {
         fn plan(&self) -> Plan {
             plan(Inputs {
                 view: &self.view,
-                volumes_loaded: true,
+                volumes_loaded: self.records_unread.is_none(),
+                records_error: self.records_unread.as_ref().and_then(Option::as_deref),
                 volumes: &self.volumes,
                 mounts: &self.mounts,
                 users: &self.users,
@@ -1276,6 +1286,34 @@ pub(crate) mod tests {
                 )),
             "{:?}",
             p.waiting
+        );
+    }
+
+    /// Issue 46: after a restart while Nomad refuses the list of volume records (a 403),
+    /// the volume is kept, and the reason names the refusal (not "the agent just started").
+    #[test]
+    fn a_volume_kept_while_the_records_cannot_be_read_says_why() {
+        let mut w = World::new(
+            &[volume("data", "multi-node-multi-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        w.volumes.clear();
+        let refused = "HTTP 403 Permission denied: list variables (GET /v1/vars)";
+        w.records_unread = Some(Some(refused.into()));
+        let p = w.plan();
+        assert!(p.steps.iter().all(|s| !matches!(s, Step::Unpublish { .. })));
+        let why = p
+            .waiting
+            .iter()
+            .find(|x| x.volume == key("data"))
+            .map(|x| x.reason.as_str())
+            .unwrap_or_default();
+        assert!(
+            why.starts_with("kept published: the volume records cannot be read (")
+                && why.contains(refused),
+            "{why:?}"
         );
     }
 

@@ -232,6 +232,9 @@ pub struct NodeDetail {
     /// Why a publish of the volume waits on the node (e.g. the claim another node holds,
     /// naming its job, allocation and node), or empty.
     pub waiting: String,
+    /// Jobs on the node that mount the volume without the prestart task (the node record's
+    /// `ungated`: job, task, allocation, and whether it ended before the publish).
+    pub ungated: Vec<String>,
 }
 
 /// One event of a volume on one node, from the node's journal (via its node record).
@@ -290,6 +293,7 @@ pub fn node_details(
                 refused: refused.to_string(),
                 claim: v.claim,
                 waiting: v.waiting,
+                ungated: v.ungated,
                 ..Default::default()
             },
         );
@@ -571,6 +575,19 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
             &rows,
             "",
         ));
+        let ungated: Vec<Vec<String>> = d
+            .nodes
+            .iter()
+            .flat_map(|n| {
+                n.ungated
+                    .iter()
+                    .map(|u| vec![n.node_name.clone(), u.clone()])
+            })
+            .collect();
+        if !ungated.is_empty() {
+            out.push_str("\nUngated Jobs (mount it without the prestart task)\n");
+            out.push_str(&table(&["Node", "Job/Task (Allocation)"], &ungated, ""));
+        }
     }
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");

@@ -116,6 +116,10 @@ pub struct Follow {
     pub relist: Duration,
     /// Records to read at once.
     pub reads: Reads,
+    /// Told why the records cannot be read (the error of the last list or read, e.g.
+    /// Nomad's 403), and `None` once they are read again: what the agent says of the
+    /// volumes it keeps meanwhile. `None`: not told.
+    pub failing: Option<tokio::sync::watch::Sender<Option<String>>>,
 }
 
 /// One kind of record a watch follows: its variable prefix, how a variable decodes and is
@@ -254,6 +258,9 @@ pub(crate) async fn follow<T: Clone, Out>(
         match step {
             Ok(changed) => {
                 attempt = 0;
+                if let Some(tx) = &f.failing {
+                    tx.send_if_modified(|e| e.take().is_some());
+                }
                 if changed {
                     rejected.replace_under(kind.prefix, rejections_of(&cache));
                     if tx.send(out(&cache)).await.is_err() {
@@ -262,6 +269,12 @@ pub(crate) async fn follow<T: Clone, Out>(
                 }
             }
             Err(e) => {
+                if let Some(tx) = &f.failing {
+                    let why = e.to_string();
+                    tx.send_if_modified(|e| {
+                        (e.as_ref() != Some(&why)).then(|| *e = Some(why)).is_some()
+                    });
+                }
                 if let Some(failures) = failures.failed(std::time::Instant::now()) {
                     tracing::warn!(error = %e, prefix = kind.prefix, failures, "cannot read records; retrying after a backoff (logged at most once a minute)");
                 }

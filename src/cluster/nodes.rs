@@ -140,7 +140,20 @@ pub struct NodeVolume {
     /// nothing waits.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub waiting: String,
+    /// Jobs on this node that mount the volume without the prestart gate
+    /// (`crate::agent::gate`): `<job>/<task> (<allocation short ID>)`, with `: ended before
+    /// the publish` for one whose allocation ended before the volume was published here;
+    /// the first [`MAX_NODE_UNGATED`], each cut to [`MAX_UNGATED_CHARS`] characters.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ungated: Vec<String>,
 }
+
+/// The most ungated jobs a node record names per volume (those whose allocation ended
+/// before the publish first), and the most characters of each: the record at every bound
+/// stays one variable.
+pub const MAX_NODE_UNGATED: usize = 1;
+/// See [`MAX_NODE_UNGATED`].
+pub const MAX_UNGATED_CHARS: usize = 64;
 
 /// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
 fn bounded(s: &str) -> String {
@@ -280,6 +293,12 @@ impl NodeRecord {
                     String::new()
                 };
                 v.users.truncate(4);
+                v.ungated.truncate(MAX_NODE_UNGATED);
+                for u in &mut v.ungated {
+                    if u.chars().count() > MAX_UNGATED_CHARS {
+                        *u = u.chars().take(MAX_UNGATED_CHARS - 1).chain(['…']).collect();
+                    }
+                }
                 (k, v)
             })
             .collect();
@@ -648,6 +667,7 @@ mod tests {
                             error: "e".repeat(MAX_NODE_ERROR),
                             claim: "fenced".into(),
                             waiting: "w".repeat(MAX_NODE_ERROR),
+                            ungated: vec!["u".repeat(MAX_UNGATED_CHARS + 9); MAX_NODE_UNGATED + 1],
                         },
                     )
                 })

@@ -196,6 +196,14 @@ impl<K: Ord + Clone> Retries<K> {
         not_before
     }
 
+    /// Makes failed `key` due at `at` if it was due later (evidence that its cause is
+    /// gone); the next failure's delay still grows from the last one. No entry: nothing.
+    pub fn due_at(&mut self, key: &K, at: Instant) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.not_before = e.not_before.min(at);
+        }
+    }
+
     /// Records a success: the next failure starts from the base delay again.
     pub fn succeeded(&mut self, key: &K) {
         self.entries.remove(key);

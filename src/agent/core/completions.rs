@@ -12,13 +12,15 @@ impl Core {
     ) {
         match result {
             Ok(()) => {
-                if self.journal_trouble.succeeded(self.now) {
-                    // The publishes and unpublishes that waited for it start now.
+                if let Some(blamed) = self.journal_trouble.succeeded(self.now) {
+                    // The publishes and unpublishes that waited for it start now, and the
+                    // errors it gave are over (not one another step gave since).
                     self.replan_all = true;
-                    self.last_error.retain(|_, e| {
-                        !e.contains("state journal cannot be written")
-                            && !e.starts_with("journal write failed")
-                    });
+                    for (volume, why) in blamed {
+                        if self.last_error.get(&volume) == Some(&why) {
+                            self.last_error.remove(&volume);
+                        }
+                    }
                 }
                 self.durable = self.durable.max(seq);
                 let durable = self.durable;
@@ -49,8 +51,9 @@ impl Core {
                         self.dirty.insert(volume.clone());
                         // Not backed off per volume: the journal's own pace holds every
                         // publish and unpublish until a write succeeds.
-                        self.last_error
-                            .insert(volume, format!("journal write failed: {e}"));
+                        let why = format!("journal write failed: {e}");
+                        self.journal_trouble.blame(&volume, &why);
+                        self.last_error.insert(volume, why);
                     }
                 }
                 let (failed, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
@@ -124,14 +127,25 @@ impl Core {
                         // by a restart (a republish after a dead mount restarts its users
                         // itself, once the mount answers).
                         if !self.mount_health.republishing(&volume) {
+                            let mut all_restarted = BTreeSet::new();
                             for (alloc_id, task) in
                                 crate::agent::gate::restart_on_publish(&self.ungated, &volume)
                             {
-                                tracing::info!(%volume, %alloc_id, %task, "restarting an ungated task onto the published volume");
+                                // A task that already exited (on the placeholder) is not
+                                // running: Nomad refuses to restart it by name, so the
+                                // allocation's tasks are restarted all, that one included.
+                                let exited = self.view.allocs().get(&alloc_id).is_some_and(|a| {
+                                    a.task_states.get(&task).is_some_and(|t| t.state == "dead")
+                                });
+                                if exited && !all_restarted.insert(alloc_id.clone()) {
+                                    continue;
+                                }
+                                tracing::info!(%volume, %alloc_id, %task, exited, "restarting an ungated task onto the published volume");
                                 out.push(Effect::RestartAlloc {
                                     volume: volume.clone(),
                                     alloc_id,
-                                    task: Some(task),
+                                    task: (!exited).then_some(task),
+                                    all_tasks: exited,
                                 });
                             }
                         }
@@ -168,6 +182,12 @@ impl Core {
                     Err(e) => {
                         tracing::warn!(%volume, error = %e, "unpublish failed; will retry with backoff");
                         if let crate::agent::executor::StepError::InUse { usage, .. } = &e {
+                            // Retried as soon as the processes it names exit, not only
+                            // on the backoff.
+                            out.push(Effect::WatchHolders {
+                                volume: volume.clone(),
+                                pids: usage.pids(),
+                            });
                             self.holders.insert(volume.clone(), usage.clone());
                         }
                         self.step_failed(&volume, &e);
@@ -413,6 +433,15 @@ impl Core {
                     busy,
                     self.journal.users(),
                 ));
+            }
+            Completion::HoldersExited { volume } => {
+                // The evidence the unpublish waits on: retried now (the retry scans again;
+                // a new holder is refused and watched as before).
+                if self.holders.contains_key(&volume) {
+                    tracing::info!(%volume, "the processes that held the volume exited: unpublish retried now");
+                    self.retries.due_at(&Work::Mount(volume.clone()), now);
+                    self.dirty.insert(volume);
+                }
             }
             Completion::Detached { volume, result } => {
                 if let Err(e) = result {

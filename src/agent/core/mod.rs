@@ -68,6 +68,8 @@ pub(crate) struct Core {
     watch: Health,
     volumes: Catalogue,
     volumes_loaded: bool,
+    /// Why the volume records cannot be read, while they cannot.
+    records_unreadable: Option<String>,
     plugins: BTreeMap<String, Result<Fingerprint, String>>,
     plugins_loaded: bool,
     fingerprinting: bool,
@@ -115,6 +117,10 @@ pub(crate) struct Core {
     unfenced: BTreeMap<String, String>,
     /// Allocations with tasks that may start on a deferred volume before it is published.
     ungated: BTreeMap<String, Vec<crate::agent::gate::Ungated>>,
+    /// Ungated tasks whose allocation finished while their volume was not published here:
+    /// they ran, if at all, on the empty read-only placeholder (allocation ID, task), the
+    /// last [`crate::agent::gate::EXITED_KEPT`].
+    ungated_exited: std::collections::VecDeque<(String, crate::agent::gate::Ungated)>,
     /// The last commit handed to the shell, and the last one known durable.
     issued: u64,
     durable: u64,
@@ -158,6 +164,7 @@ impl Core {
             watch: Health::Listing,
             volumes: Catalogue::new(),
             volumes_loaded: false,
+            records_unreadable: None,
             plugins: BTreeMap::new(),
             plugins_loaded: false,
             fingerprinting: false,
@@ -183,6 +190,7 @@ impl Core {
             unfenced: BTreeMap::new(),
             holders: BTreeMap::new(),
             ungated: BTreeMap::new(),
+            ungated_exited: Default::default(),
             issued: 0,
             durable: 0,
             gated: BTreeMap::new(),
@@ -267,6 +275,28 @@ impl Core {
         }
         for w in &self.waiting {
             out.entry(w.volume.to_string()).or_default().waiting = w.reason.clone();
+        }
+        // Jobs that mount a volume without the gate: those whose allocation ended before
+        // the publish first (most recent first), then those that run.
+        let short = |id: &str| id.chars().take(8).collect::<String>();
+        for (id, u) in self.ungated_exited.iter().rev() {
+            out.entry(u.volume.to_string())
+                .or_default()
+                .ungated
+                .push(format!(
+                    "{}/{} ({}): ended before the publish",
+                    u.job,
+                    u.task,
+                    short(id)
+                ));
+        }
+        for (id, us) in &self.ungated {
+            for u in us {
+                out.entry(u.volume.to_string())
+                    .or_default()
+                    .ungated
+                    .push(format!("{}/{} ({})", u.job, u.task, short(id)));
+            }
         }
         out
     }
@@ -384,6 +414,11 @@ impl Core {
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
+            Input::RecordsUnreadable(why) => {
+                // Said for every volume kept while the records are unknown.
+                self.replan_all |= why != self.records_unreadable;
+                self.records_unreadable = why;
+            }
             Input::Api { reply, call } => match call {
                 ApiCall::Status => out.push(Effect::Reply {
                     to: reply,
@@ -560,6 +595,7 @@ impl Core {
             Inputs {
                 view: &self.view,
                 volumes_loaded: self.volumes_loaded && self.plugins_loaded,
+                records_error: self.records_unreadable.as_deref(),
                 volumes: &self.volumes,
                 mounts: self.journal.mounts(),
                 users: self.journal.users(),
@@ -641,7 +677,7 @@ impl Core {
                         self.parked.insert(volume);
                         continue;
                     }
-                    if let Some(why) = self.journal_trouble.refusal() {
+                    if let Some(why) = self.journal_trouble.refuse(&volume) {
                         self.last_error.insert(volume.clone(), why.clone());
                         self.parked.insert(volume.clone());
                         self.waiting.push(Waiting {
@@ -667,7 +703,7 @@ impl Core {
                         self.parked.insert(volume);
                         continue;
                     }
-                    if let Some(why) = self.journal_trouble.refusal() {
+                    if let Some(why) = self.journal_trouble.refuse(&volume) {
                         self.last_error.insert(volume.clone(), why.clone());
                         self.parked.insert(volume.clone());
                         self.waiting.push(Waiting {

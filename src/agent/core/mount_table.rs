@@ -155,6 +155,22 @@ impl Core {
             return;
         };
         let found = if a.tasks_finished() {
+            // An ungated task whose allocation ended before its volume was published here
+            // never saw the volume: its work did not reach it. Said loudly (log, status,
+            // `volume status`), since Nomad reports the job as it ended.
+            for u in self.ungated.remove(alloc_id).unwrap_or_default() {
+                let published = self.journal.mounts().get(&u.volume).is_some_and(|m| {
+                    m.state == MountState::Published && self.mounted.contains(&m.target)
+                });
+                if published {
+                    continue;
+                }
+                tracing::error!(%alloc_id, job = %u.job, group = %u.group, task = %u.task, volume = %u.volume, "allocation {alloc_id} ended before deferred volume {} was published on this node: its task {:?} ran on the empty read-only placeholder, and nothing it wrote reached the volume; run the job again with the prestart task (jobspecs/example.nomad.hcl)", u.volume, u.task);
+                self.ungated_exited.push_back((alloc_id.to_string(), u));
+                while self.ungated_exited.len() > crate::agent::gate::EXITED_KEPT {
+                    self.ungated_exited.pop_front();
+                }
+            }
             Vec::new()
         } else {
             let reqs = crate::agent::view::requests(a, &self.volumes);

@@ -56,6 +56,8 @@ impl Core {
             "unfenced": self.unfenced,
             "journal": self.journal_trouble.status(),
             "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
+            // Ungated tasks whose allocation ended before their volume was published here.
+            "ungated_exited": self.ungated_exited.iter().map(|(id, u)| serde_json::json!({"alloc_id": id, "task": u})).collect::<Vec<_>>(),
         })
     }
 }

@@ -92,6 +92,9 @@ pub enum Completion {
         volume: VolumeKey,
         report: crate::node::fence::FenceReport,
     },
+    /// Every process an unpublish of `volume` was refused for has exited
+    /// ([`crate::agent::effect::Effect::WatchHolders`]).
+    HoldersExited { volume: VolumeKey },
     /// A dead mount was detached (lazy unmount).
     Detached {
         volume: VolumeKey,
@@ -649,9 +652,10 @@ pub async fn restart_alloc(
     volume: VolumeKey,
     alloc_id: String,
     task: Option<String>,
+    all_tasks: bool,
 ) -> Completion {
     let result = client
-        .restart_allocation(&alloc_id, task.as_deref().unwrap_or(""), false)
+        .restart_allocation(&alloc_id, task.as_deref().unwrap_or(""), all_tasks)
         .await;
     Completion::Restarted {
         volume,

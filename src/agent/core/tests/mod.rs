@@ -10,6 +10,7 @@ use crate::node::mounts::MountTable;
 
 mod claims;
 mod planning;
+mod ungated;
 
 const NODE: &str = "node-1";
 
@@ -337,6 +338,11 @@ fn a_full_state_disk_pauses_new_work_and_resumes_by_itself() {
     assert_eq!(h.core.status()["journal"]["failing"], true);
     let why = h.core.status()["waiting"].to_string();
     assert!(why.contains("state journal cannot be written"), "{why}");
+    let errors = h.core.status()["errors"].to_string();
+    assert!(
+        errors.contains("state journal cannot be written"),
+        "{errors}"
+    );
     // Passes in between write nothing and start nothing.
     for _ in 0..50 {
         let e = h.at(Duration::from_millis(10), Input::Tick);
@@ -371,6 +377,8 @@ fn a_full_state_disk_pauses_new_work_and_resumes_by_itself() {
         result: Ok(()),
     });
     assert_eq!(h.core.status()["journal"]["failing"], false);
+    // The errors the trouble gave end with it.
+    assert_eq!(h.core.status()["errors"], serde_json::json!({}));
     let c = commits(&e);
     assert_eq!(c.len(), 1, "{e:?}");
     assert_eq!(publishes(c[0].1), 1, "the waiting publish starts");

@@ -22,6 +22,10 @@
 //! - `journal.log`: the history, one JSON object per line, appended after each commit
 //!   without a sync of its own (it is for operators and tests, never read back), rotated at
 //!   16 MiB (`{"time":<unix s>,"unix_ms":<unix ms>,"event":"publish-done","volume":"ns/name",..}`).
+//!   Lines a failed write could not append (a full or read-only state disk) are kept in
+//!   memory and appended, in order and with the time of their commit, by the next write
+//!   that succeeds; beyond [`UNLOGGED_MAX`] the oldest are dropped and a `history-lost`
+//!   line says how many.
 //!
 //! Secrets never enter any of them.
 
@@ -46,6 +50,9 @@ pub const VERSION: u32 = 2;
 /// `journal.wal`).
 pub const OLDEST_READ: u32 = 1;
 const LOG_ROTATE_BYTES: u64 = 16 << 20;
+/// History lines kept in memory while `journal.log` cannot be written (about 200 bytes
+/// each); beyond it the oldest are dropped and counted.
+pub const UNLOGGED_MAX: usize = 10_000;
 /// The state directory's mode: only root reads the journal (issue 13 §5).
 const DIR_MODE: u32 = 0o700;
 /// The journal files' mode.
@@ -640,6 +647,11 @@ struct Disk {
     /// The next write replaces `journal.json` and empties `journal.wal`: set when a write
     /// failed (a line may be torn, or missing), and when the log had a torn tail on open.
     compact: bool,
+    /// History lines of commits whose write failed, not yet in `journal.log`, oldest
+    /// first (each ends with a newline), and how many were dropped beyond
+    /// [`UNLOGGED_MAX`].
+    unlogged: std::collections::VecDeque<String>,
+    dropped: u64,
 }
 
 /// One line of `journal.wal`: the records changed by one commit (the later state of each:
@@ -914,18 +926,26 @@ impl Store {
         } else {
             self.append(&mut disk, commit)
         };
+        // The commit's history lines, stamped now, after those earlier writes could not
+        // append: written together once a write succeeds, never lost with a failed one.
+        let lines = history_lines(&commit.events);
+        disk.unlogged.extend(lines);
+        if disk.unlogged.len() > UNLOGGED_MAX {
+            let over = disk.unlogged.len() - UNLOGGED_MAX;
+            disk.unlogged.drain(..over);
+            disk.dropped += over as u64;
+        }
         if result.is_err() {
             disk.compact = true;
         }
-        drop(disk);
         result?;
         self.commits.fetch_add(1, Ordering::Relaxed);
-        let history = self.append_history(&commit.events);
+        let history = self.append_history(&mut disk);
         if history.is_err() {
             // The directory refuses writes by path (read-only, full): the next write
             // replaces the whole state, by path too, so the failure is not papered over by
             // an append through the log's file descriptor, opened before.
-            self.disk.lock().unwrap_or_else(|e| e.into_inner()).compact = true;
+            disk.compact = true;
         }
         history
     }
@@ -1027,8 +1047,11 @@ impl Store {
         Ok(())
     }
 
-    fn append_history(&self, events: &[Event]) -> Result<(), JournalError> {
-        if events.is_empty() {
+    /// Appends the history lines not yet in `journal.log` (`disk.unlogged`, after a
+    /// `history-lost` line if some were dropped); they stay queued if the append fails,
+    /// and what it wrote of them is cut off again.
+    fn append_history(&self, disk: &mut Disk) -> Result<(), JournalError> {
+        if disk.unlogged.is_empty() && disk.dropped == 0 {
             return Ok(());
         }
         let path = self.dir.join("journal.log");
@@ -1042,458 +1065,59 @@ impl Store {
         {
             fs::rename(&path, self.dir.join("journal.log.1")).map_err(werr)?;
         }
-        let unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
         let mut text = String::new();
-        for e in events {
+        if disk.dropped > 0 {
+            let unix_ms = unix_ms();
             let line = serde_json::json!({
-                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": e.kind.as_str(),
-                "volume": e.volume.to_string(), "alloc_id": e.alloc_id, "detail": e.detail,
+                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": "history-lost",
+                "detail": {"lines": disk.dropped,
+                    "why": "the state directory could not be written for longer than the history kept in memory"},
             });
             text.push_str(&line.to_string());
             text.push('\n');
         }
+        disk.unlogged.iter().for_each(|l| text.push_str(l));
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)
             .mode(FILE_MODE)
             .open(&path)
             .map_err(werr)?;
-        f.write_all(text.as_bytes()).map_err(werr)
+        let before = f.metadata().map_err(werr)?.len();
+        if let Err(e) = f.write_all(text.as_bytes()) {
+            // A part written (ENOSPC after some blocks) is cut off: the lines are written
+            // whole with the next write, never a torn line in between.
+            let _ = f.set_len(before);
+            return Err(werr(e));
+        }
+        disk.unlogged.clear();
+        disk.dropped = 0;
+        Ok(())
     }
+}
+
+/// Milliseconds since the Unix epoch (0 before it).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The `journal.log` lines of `events`, stamped now, each with its newline.
+fn history_lines(events: &[Event]) -> Vec<String> {
+    let unix_ms = unix_ms();
+    events
+        .iter()
+        .map(|e| {
+            let line = serde_json::json!({
+                "time": unix_ms / 1000, "unix_ms": unix_ms, "event": e.kind.as_str(),
+                "volume": e.volume.to_string(), "alloc_id": e.alloc_id, "detail": e.detail,
+            });
+            format!("{line}\n")
+        })
+        .collect()
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-
-    fn key() -> VolumeKey {
-        VolumeKey {
-            namespace: "default".into(),
-            name: "data".into(),
-        }
-    }
-
-    /// A mount record of `default/data` at `/x` (shared test fixture).
-    pub(crate) fn rec(state: MountState) -> MountRecord {
-        MountRecord {
-            volume: key(),
-            volume_id: "id".into(),
-            plugin_id: "bind".into(),
-            state,
-            target: "/x".into(),
-            read_only: false,
-            publish_context: serde_json::Value::Null,
-            since: 0,
-            last_error: String::new(),
-            claim_id: None,
-            mount: None,
-        }
-    }
-
-    fn open(dir: &Path, node: &str) -> Result<(Store, Journal), JournalError> {
-        Store::open(dir, node)
-    }
-
-    /// Records allocation a1's publish intent for `default/data`.
-    fn publish_intent(j: &mut Journal) {
-        j.set_mount(
-            rec(MountState::Publishing),
-            EventKind::PublishIntent,
-            Some("a1"),
-        );
-    }
-
-    /// Issue 10: a commit carries what changed since the last one, not every record (its
-    /// building on the agent's loop was O(records) per plan); the store writes the whole
-    /// state from its own copy, also after a failed write, and folded commits keep the
-    /// later state.
-    #[test]
-    fn a_commit_carries_only_what_changed_and_the_file_holds_everything() {
-        let dir = tempfile::tempdir().unwrap();
-        let at = |i: usize| {
-            let mut m = rec(MountState::Published);
-            m.volume.name = format!("v{i:03}");
-            m.target = format!("/x/{i}").into();
-            m
-        };
-        {
-            let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            for i in 0..100 {
-                j.set_mount(at(i), EventKind::PublishDone, None);
-            }
-            let c = j.take_commit().unwrap();
-            assert_eq!(c.delta.mounts.len(), 100);
-            store.write(&c).unwrap();
-            let mut m = at(7);
-            m.state = MountState::Unpublishing;
-            j.set_mount(m, EventKind::UnpublishIntent, None);
-            let c = j.take_commit().unwrap();
-            assert_eq!(c.delta.mounts.len(), 1, "one record changed, one carried");
-            store.write(&c).unwrap();
-            // Folded: the later state wins; removed then written again is present.
-            j.remove_mount(&at(8).volume, EventKind::UnpublishDone);
-            let mut first = j.take_commit().unwrap();
-            j.set_mount(at(8), EventKind::PublishDone, None);
-            j.remove_mount(&at(9).volume, EventKind::UnpublishDone);
-            first.absorb(j.take_commit().unwrap());
-            store.write(&first).unwrap();
-        }
-        let (_, back) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(back.mounts().len(), 99, "100 written, v009 removed");
-        assert_eq!(back.mounts()[&at(7).volume].state, MountState::Unpublishing);
-        assert!(back.mounts().contains_key(&at(8).volume));
-        assert!(!back.mounts().contains_key(&at(9).volume));
-    }
-
-    /// The recent outcomes per volume (what the node record shows): publish with the
-    /// allocation of its intent and its measured time, unpublish, fence; intents and
-    /// user records are not events; bounded per volume and in volumes.
-    #[test]
-    fn recent_outcomes_are_kept_per_volume_with_the_intents_allocation() {
-        let mut j = Journal::new("n1");
-        let r = rec(MountState::Publishing);
-        let key = r.volume.clone();
-        j.set_mount(r.clone(), EventKind::PublishIntent, Some("a1"));
-        j.change_users(
-            &[UserKey {
-                alloc_id: "a1".into(),
-                volume: key.clone(),
-            }],
-            &[],
-        );
-        let mut done = r.clone();
-        done.state = MountState::Published;
-        j.set_mount(done.clone(), EventKind::PublishDone, None);
-        j.measured(&key, 132);
-        j.note(EventKind::Fenced, &key, serde_json::Value::Null);
-        let mut un = done;
-        un.state = MountState::Unpublishing;
-        j.set_mount(un, EventKind::UnpublishIntent, None);
-        j.remove_mount(&key, EventKind::UnpublishDone);
-        let got: Vec<(EventKind, Option<&str>, u64)> = j.recent()[&key]
-            .iter()
-            .map(|e| (e.kind, e.alloc_id.as_deref(), e.ms))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                (EventKind::PublishDone, Some("a1"), 132),
-                (EventKind::Fenced, None, 0),
-                (EventKind::UnpublishDone, None, 0),
-            ]
-        );
-        for _ in 0..RECENT_PER_VOLUME + 3 {
-            j.note(EventKind::Unfenced, &key, serde_json::Value::Null);
-        }
-        assert_eq!(j.recent()[&key].len(), RECENT_PER_VOLUME);
-        for i in 0..RECENT_VOLUMES + 2 {
-            let k = VolumeKey {
-                namespace: "default".into(),
-                name: format!("v{i}"),
-            };
-            j.note(EventKind::Fenced, &k, serde_json::Value::Null);
-        }
-        assert_eq!(j.recent().len(), RECENT_VOLUMES);
-    }
-
-    #[test]
-    fn survives_reopen_and_logs_history() {
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            publish_intent(&mut j);
-            store.write(&j.take_commit().unwrap()).unwrap();
-            j.set_mount(
-                rec(MountState::Published),
-                EventKind::PublishDone,
-                Some("a1"),
-            );
-            j.change_users(
-                &[UserKey {
-                    alloc_id: "a1".into(),
-                    volume: key(),
-                }],
-                &[],
-            );
-            store.write(&j.take_commit().unwrap()).unwrap();
-            assert!(j.take_commit().is_none(), "nothing changed since");
-        }
-        let (_, j) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(j.mounts()[&key()].state, MountState::Published);
-        assert_eq!(j.users().len(), 1);
-        let log = fs::read_to_string(dir.path().join("journal.log")).unwrap();
-        assert_eq!(log.lines().count(), 3);
-        assert!(log.contains("\"publish-done\""));
-    }
-
-    #[test]
-    fn corrupt_or_foreign_journal_is_refused_and_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        fs::write(dir.path().join("journal.json"), b"{not json").unwrap();
-        assert!(matches!(
-            open(dir.path(), "n"),
-            Err(JournalError::Corrupt { .. })
-        ));
-        assert_eq!(
-            fs::read(dir.path().join("journal.json")).unwrap(),
-            b"{not json"
-        );
-        let dir = tempfile::tempdir().unwrap();
-        open(dir.path(), "node-1").unwrap();
-        assert!(matches!(
-            open(dir.path(), "node-2"),
-            Err(JournalError::Corrupt { .. })
-        ));
-    }
-
-    /// A whole plan's intents cost one durable write (one line appended to the log and
-    /// one `fdatasync`), however many volumes it touches; outcomes and the history add
-    /// none of their own.
-    #[test]
-    fn a_plan_of_many_intents_is_one_durable_write() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        let (syncs, commits) = (store.syncs(), store.commits());
-        for i in 0..50 {
-            let mut r = rec(MountState::Publishing);
-            r.volume.name = format!("v{i}");
-            j.set_mount(r, EventKind::PublishIntent, Some("a1"));
-        }
-        let users: Vec<UserKey> = (0..50)
-            .map(|i| UserKey {
-                alloc_id: format!("a{i}"),
-                volume: key(),
-            })
-            .collect();
-        j.change_users(&users, &[]);
-        store.write(&j.take_commit().unwrap()).unwrap();
-        assert_eq!(store.commits() - commits, 1);
-        assert_eq!(store.syncs() - syncs, 1);
-        // The outcomes of the whole plan: appended, not synced.
-        for i in 0..50 {
-            let mut r = rec(MountState::Published);
-            r.volume.name = format!("v{i}");
-            j.set_mount(r, EventKind::PublishDone, None);
-        }
-        j.remove_mount(&key(), EventKind::UnpublishDone);
-        store.write(&j.take_commit().unwrap()).unwrap();
-        assert_eq!(store.syncs() - syncs, 1, "outcomes are not synced");
-        let (_, back) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(back.mounts().len(), 50);
-        assert!(
-            back.users().is_empty(),
-            "removed with default/data's record"
-        );
-        let log = fs::read_to_string(dir.path().join("journal.log")).unwrap();
-        // 50 intents, 50 users, 50 outcomes, 50 users removed with default/data.
-        assert_eq!(log.lines().count(), 200);
-    }
-
-    /// Commits queued while one is written fold into one write of the latest state.
-    #[test]
-    fn queued_commits_fold_into_the_latest_state() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        publish_intent(&mut j);
-        let mut first = j.take_commit().unwrap();
-        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
-        let second = j.take_commit().unwrap();
-        let last = second.seq;
-        assert!(last > first.seq);
-        first.absorb(second);
-        assert_eq!(first.seq, last);
-        assert_eq!(first.events().len(), 2);
-        store.write(&first).unwrap();
-        let (_, j) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(j.mounts()[&key()].state, MountState::Published);
-    }
-
-    /// The state files hold the state, not its history: the log is compacted into the
-    /// snapshot, so churn does not grow them, and the state survives every compaction.
-    #[test]
-    fn the_state_files_do_not_grow_with_history() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        let size = |name: &str| fs::metadata(dir.path().join(name)).unwrap().len();
-        let mut keep = rec(MountState::Published);
-        keep.volume.name = "kept".into();
-        j.set_mount(keep.clone(), EventKind::PublishDone, None);
-        let mut most = 0;
-        for round in 0..3000 {
-            // Outcomes only, so no syncs: the churn of a long life, quickly.
-            j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
-            store.write(&j.take_commit().unwrap()).unwrap();
-            if round % 2 == 0 {
-                j.remove_mount(&key(), EventKind::UnpublishDone);
-                store.write(&j.take_commit().unwrap()).unwrap();
-            }
-            most = most.max(size("journal.json") + size("journal.wal"));
-        }
-        assert!(
-            most < 2 * COMPACT_MIN_BYTES,
-            "{most} bytes: the log was not compacted"
-        );
-        assert!(store.syncs() > 0 && store.syncs() < 20, "{}", store.syncs());
-        let (_, back) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(back.mounts().len(), 2);
-        assert_eq!(back.mounts()[&keep.volume], {
-            let mut k = keep.clone();
-            k.since = back.mounts()[&keep.volume].since;
-            k
-        });
-    }
-
-    /// A crash while a line was appended leaves a torn last line: it is dropped (it held
-    /// changes that were never synced), the rest loads, and the next write compacts.
-    #[test]
-    fn a_torn_last_line_of_the_log_is_dropped_and_compacted_away() {
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            publish_intent(&mut j);
-            store.write(&j.take_commit().unwrap()).unwrap();
-        }
-        let wal = dir.path().join("journal.wal");
-        let whole = fs::read(&wal).unwrap();
-        assert!(!whole.is_empty(), "the intent is a line of the log");
-        let mut torn = whole.clone();
-        torn.extend_from_slice(br#"{"seq":3,"sync":false,"mounts":[[{"namespa"#);
-        fs::write(&wal, &torn).unwrap();
-        let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(j.mounts()[&key()].state, MountState::Publishing);
-        assert_eq!(fs::read(&wal).unwrap(), torn, "open changes nothing");
-        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
-        store.write(&j.take_commit().unwrap()).unwrap();
-        assert_eq!(fs::metadata(&wal).unwrap().len(), 0, "compacted");
-        let (_, back) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(back.mounts()[&key()].state, MountState::Published);
-    }
-
-    /// An unreadable line before a synced one is not a torn tail (the sync made every byte
-    /// before it durable): the journal is refused and left as it is; so is a log whose
-    /// snapshot is gone, or one that skips a line.
-    #[test]
-    fn an_unreadable_line_before_a_synced_one_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let (store, mut j) = open(dir.path(), "node-1").unwrap();
-            publish_intent(&mut j);
-            store.write(&j.take_commit().unwrap()).unwrap();
-            let mut other = rec(MountState::Publishing);
-            other.volume.name = "other".into();
-            j.set_mount(other, EventKind::PublishIntent, None);
-            store.write(&j.take_commit().unwrap()).unwrap();
-        }
-        let wal = dir.path().join("journal.wal");
-        let text = fs::read_to_string(&wal).unwrap();
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 2);
-        let bad = format!("{{not json\n{}\n", lines[1]);
-        fs::write(&wal, &bad).unwrap();
-        let err = open(dir.path(), "node-1").unwrap_err();
-        assert!(matches!(err, JournalError::Corrupt { .. }), "{err}");
-        assert!(err.to_string().contains("synced line follows"), "{err}");
-        assert_eq!(fs::read_to_string(&wal).unwrap(), bad, "left untouched");
-        // A skipped line (seq 2 missing).
-        fs::write(&wal, format!("{}\n", lines[1])).unwrap();
-        let err = open(dir.path(), "node-1").unwrap_err();
-        assert!(err.to_string().contains("seq"), "{err}");
-        // The snapshot gone, the log not.
-        fs::write(&wal, &text).unwrap();
-        fs::remove_file(dir.path().join("journal.json")).unwrap();
-        let err = open(dir.path(), "node-1").unwrap_err();
-        assert!(err.to_string().contains("gone"), "{err}");
-    }
-
-    /// A version 1 journal (a state file and no log) loads, and is written as version 2.
-    #[test]
-    fn a_version_1_journal_loads() {
-        let dir = tempfile::tempdir().unwrap();
-        let v1 = serde_json::json!({
-            "version": 1, "node_id": "node-1",
-            "mounts": [rec(MountState::Published)],
-            "users": [UserKey { alloc_id: "a1".into(), volume: key() }],
-        });
-        fs::write(dir.path().join("journal.json"), v1.to_string()).unwrap();
-        let (store, mut j) = open(dir.path(), "node-1").unwrap();
-        assert_eq!(j.users().len(), 1);
-        j.remove_mount(&key(), EventKind::UnpublishDone);
-        store.write(&j.take_commit().unwrap()).unwrap();
-        let (_, back) = open(dir.path(), "node-1").unwrap();
-        assert!(back.mounts().is_empty() && back.users().is_empty());
-        let stored = read_stored(dir.path()).unwrap();
-        assert_eq!(stored.node_id, "node-1");
-        assert!(stored.mounts.is_empty());
-    }
-
-    /// A journal of a newer format (a downgrade) is refused as such, before its records
-    /// are parsed (they need not parse as this format's), and left untouched.
-    #[test]
-    fn a_newer_format_is_refused_and_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let newer = format!(
-            r#"{{"version":{},"node_id":"node-1","mounts":{{"new":[]}}}}"#,
-            VERSION + 1
-        );
-        fs::write(dir.path().join("journal.json"), &newer).unwrap();
-        let err = open(dir.path(), "node-1").unwrap_err();
-        assert!(
-            matches!(err, JournalError::NewerFormat { found, .. } if found == VERSION + 1),
-            "{err}"
-        );
-        assert!(err.to_string().contains("newer dhv-binder"), "{err}");
-        assert_eq!(
-            fs::read_to_string(dir.path().join("journal.json")).unwrap(),
-            newer
-        );
-    }
-
-    #[test]
-    fn the_state_dir_is_0700_and_the_journal_files_0600() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("state");
-        // An existing directory and history file with loose modes are tightened too.
-        fs::create_dir(&dir).unwrap();
-        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
-        fs::write(dir.join("journal.log"), b"").unwrap();
-        fs::set_permissions(dir.join("journal.log"), fs::Permissions::from_mode(0o644)).unwrap();
-        let (store, mut j) = open(&dir, "n").unwrap();
-        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
-        store.write(&j.take_commit().unwrap()).unwrap();
-        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode(&dir), 0o700, "state directory");
-        for name in ["journal.json", "journal.wal", "journal.log"] {
-            assert_eq!(mode(&dir.join(name)), 0o600, "{name}");
-        }
-    }
-
-    #[test]
-    fn no_user_record_outlives_its_mount_record() {
-        let mut j = Journal::new("n");
-        j.set_mount(rec(MountState::Published), EventKind::PublishDone, None);
-        let other = VolumeKey {
-            namespace: "default".into(),
-            name: "other".into(),
-        };
-        let users = [
-            UserKey {
-                alloc_id: "a1".into(),
-                volume: key(),
-            },
-            UserKey {
-                alloc_id: "a2".into(),
-                volume: other.clone(),
-            },
-        ];
-        j.change_users(&users, &[]);
-        j.remove_mount(&key(), EventKind::UnpublishDone);
-        assert_eq!(
-            j.users().iter().cloned().collect::<Vec<_>>(),
-            vec![users[1].clone()],
-            "the unpublished volume's user record goes with its mount record"
-        );
-    }
-}
+pub(crate) mod tests;
