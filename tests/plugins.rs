@@ -204,6 +204,39 @@ fn ext4_plugin_conforms() {
     assert!(report.contains("SKIP  fence "), "{report}");
 }
 
+/// Issue 46: the ext4 plugin refuses to create a volume without `dir`: the images would live
+/// in this node's own volumes dir, which no other node of the cluster sees.
+#[test]
+fn the_ext4_plugin_refuses_a_volume_without_a_dir() {
+    let sb = Sandbox::new();
+    let volumes = sb.join("volumes");
+    std::fs::create_dir_all(&volumes).unwrap();
+    let out = Command::new(repo().join("plugins/ext4"))
+        .arg("create")
+        .env_clear()
+        .env("DHV_OPERATION", "create")
+        .env("DHV_VOLUMES_DIR", &volumes)
+        .env("DHV_ALLOWED_ROOTS", &volumes)
+        .env("DHV_NAMESPACE", "default")
+        .env("DHV_VOLUME_NAME", "local")
+        .env("DHV_VOLUME_ID", "0e3a5f7c-44a7-4c1e-9d1e-6b7a1c2d3e4f")
+        .env("DHV_CAPACITY_MIN_BYTES", (64u64 << 20).to_string())
+        .env("DHV_PARAMETERS", r#"{"uid":"65534"}"#)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "created without dir: {stdout}");
+    assert!(
+        stdout.contains("parameter dir is not set") && stdout.contains("every node"),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&volumes).unwrap().count(),
+        0,
+        "an image was made in the node's own volumes dir"
+    );
+}
+
 #[test]
 fn webdav_fuse_plugin_conforms() {
     let sb = Sandbox::new();

@@ -898,7 +898,21 @@ async fn run_rules(kit: &mut Kit) {
             "4 concurrent publishes: {pub_ok} succeeded, {stacked} mount entr{} at the target; 4 concurrent unpublishes: {unpub_ok} succeeded, target {}",
             if stacked == 1 { "y" } else { "ies" },
             if left { "STILL MOUNTED" } else { "unmounted" }
-        ),
+        ) + &{
+            // The failing calls' own words, each way of failing once.
+            let errors: Vec<String> = pubs
+                .iter()
+                .map(|r| ("publish", r))
+                .chain(unpubs.iter().map(|r| ("unpublish", r)))
+                .filter_map(|(op, r)| r.as_ref().err().map(|e| format!("{op}: {}", e.report())))
+                .collect();
+            let errors = counted(&errors);
+            if errors.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", errors.join("; "))
+            }
+        },
     );
         while crate::node::mounts::is_mount_point(&t2) {
             if nix::mount::umount2(&t2, nix::mount::MntFlags::MNT_DETACH).is_err() {
