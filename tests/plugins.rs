@@ -215,6 +215,7 @@ fn the_ext4_plugin_refuses_a_volume_without_a_dir() {
         .arg("create")
         .env_clear()
         .env("DHV_OPERATION", "create")
+        .env("DHV_BINDER", dhv_binder_bin())
         .env("DHV_VOLUMES_DIR", &volumes)
         .env("DHV_ALLOWED_ROOTS", &volumes)
         .env("DHV_NAMESPACE", "default")
