@@ -155,6 +155,13 @@ impl Report {
         for r in waived {
             self.record(r, Verdict::Waived, String::new());
         }
+        // In the order of [`RULES`] (the table of docs/plugin-protocol.md), waived rules too.
+        self.rules.sort_by_key(|r| {
+            RULES
+                .iter()
+                .position(|n| *n == r.rule)
+                .unwrap_or(RULES.len())
+        });
     }
 
     fn names(&self, v: Verdict) -> Vec<&'static str> {
