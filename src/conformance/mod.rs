@@ -80,6 +80,8 @@ pub enum CheckError {
     Missing(PathBuf),
     #[error("there is no rule {0:?}; the rules: {rules}", rules = RULES.join(", "))]
     UnknownRule(String),
+    #[error("the rule {0:?} cannot be skipped: the other rules need what it does (fingerprint, create, delete, nothing left mounted)")]
+    NotSkippable(String),
     #[error("cannot prepare the scratch directory {path}: {source}")]
     Scratch {
         path: PathBuf,
@@ -411,6 +413,18 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         .find(|r| !RULES.contains(&r.as_str()))
     {
         return Err(CheckError::UnknownRule(r.clone()));
+    }
+    if let Some(r) = opts.skip.iter().find(|r| {
+        [
+            "fingerprint",
+            "deferred_bind",
+            "create x10",
+            "delete x10",
+            "nothing left mounted",
+        ]
+        .contains(&r.as_str())
+    }) {
+        return Err(CheckError::NotSkippable(r.clone()));
     }
     let plugin = std::path::absolute(&opts.plugin).unwrap_or(opts.plugin.clone());
     if !plugin.is_file() {
@@ -1245,6 +1259,40 @@ async fn mount_flags_rule(kit: &mut Kit) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn options(only: &[&str], skip: &[&str]) -> Options {
+        Options {
+            plugin: "/nonexistent/plugin".into(),
+            parameters: BTreeMap::new(),
+            secrets: BTreeMap::new(),
+            capacity: 64 << 20,
+            timeout: Duration::from_secs(1),
+            scratch: None,
+            roots: Vec::new(),
+            cgroup: None,
+            only: only.iter().map(|s| s.to_string()).collect(),
+            skip: skip.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_rule_named_wrongly_or_that_others_need_is_refused_before_anything_runs() {
+        let e = check(options(&["symlink races"], &[])).await.unwrap_err();
+        assert!(
+            matches!(&e, CheckError::UnknownRule(r) if r == "symlink races"),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("the rules: fingerprint, deferred_bind"),
+            "{e}"
+        );
+        let e = check(options(&[], &["create x10"])).await.unwrap_err();
+        assert!(
+            matches!(&e, CheckError::NotSkippable(r) if r == "create x10"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn evidence_that_repeats_is_said_once_with_a_count() {
