@@ -10,6 +10,15 @@ job "shared-data-demo" {
   group "app" {
     count = 1
 
+    # Nomad's own fence: a client cut off from the servers stops this group 25 s after its
+    # last heartbeat: after the longest heartbeat interval (dhv-binder's
+    # --heartbeat-interval-max, 20 s, plus 5 s) and before another node may take the
+    # single-node volume (--claim-ttl + --claim-lock-delay, 30 s). Without it the agent
+    # warns `unfenced` (docs/operations.md, "Claims"); change it with those flags.
+    disconnect {
+      stop_on_client_after = "25s"
+    }
+
     volume "data" {
       type            = "host"
       source          = "shared-data"

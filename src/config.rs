@@ -210,6 +210,8 @@ pub struct AgentConfig {
     pub allow_unsigned_records: bool,
     /// A directory a plugin may touch, `<plugin_id>=<dir>`, repeatable: passed to that plugin
     /// as `DHV_ALLOWED_ROOTS` (docs/security.md). Node configuration, never from a record.
+    /// Read at start (plugins themselves are picked up live): a new plugin's root takes a
+    /// restart of the agent.
     #[arg(
         long = "plugin-root",
         env = "DHV_BINDER_PLUGIN_ROOTS",

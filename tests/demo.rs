@@ -77,3 +77,103 @@ fn the_docker_demo_runs_to_its_end_and_leaves_nothing_behind() {
         ],
     );
 }
+
+/// Issue 46: `DEMO_WAIT=1 scripts/demo` started in the background by a shell without job
+/// control (SIGINT ignored when it starts, as `scripts/demo &` in a script or nohup leaves
+/// it) prints the cluster's environment to export, which works from another process, and
+/// stops at SIGINT, cleaning up: its directory removed, nothing of it mounted.
+#[test]
+fn a_waiting_demo_in_the_background_prints_its_environment_and_stops_at_sigint() {
+    use std::io::BufRead as _;
+    let _one = ONE_DEMO.lock().unwrap_or_else(|e| e.into_inner());
+    let mut child = Command::new("sh")
+        .args(["-c", "trap '' INT; exec scripts/demo"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("DEMO_WAIT", "1")
+        .env_remove("DOCKER_HOST")
+        .env_remove("DHV_DEMO_SIGNALS")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run scripts/demo");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    /// Stops the demo if the test fails before it does.
+    struct Stop(nix::unistd::Pid);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGTERM);
+        }
+    }
+    let _stop = Stop(pid);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let mut env = std::collections::BTreeMap::new();
+    while !env.contains_key("DHV_BINDER_SIGNING_KEY") {
+        let line = rx
+            .recv_timeout(std::time::Duration::from_secs(600))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "the demo did not print its environment ({e}):\n{}",
+                    seen.join("\n")
+                )
+            });
+        if let Some((k, v)) = line
+            .trim()
+            .strip_prefix("export ")
+            .and_then(|l| l.split_once('='))
+        {
+            env.insert(k.to_string(), v.to_string());
+        }
+        seen.push(line);
+    }
+    let text = seen.join("\n");
+    assert!(
+        text.contains("stop it with Ctrl-C, or kill -TERM"),
+        "{text}"
+    );
+    // The environment, as printed, reaches the cluster from another process.
+    let out = Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
+        .args(["volume", "status", "shared-data"])
+        .env_clear()
+        .env("NOMAD_ADDR", &env["NOMAD_ADDR"])
+        .env("DHV_BINDER_SIGNING_KEY", &env["DHV_BINDER_SIGNING_KEY"])
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && status.contains("shared-data"),
+        "{status}"
+    );
+    let work = std::path::Path::new(&env["DHV_BINDER_SIGNING_KEY"])
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    assert!(work.is_dir(), "{}", work.display());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the demo did not stop within 120 s of SIGINT"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(code.code(), Some(130), "{code}");
+    assert!(!work.exists(), "the demo left {} behind", work.display());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    assert!(
+        !mounts.contains(&work.display().to_string()),
+        "the demo left mounts behind:\n{mounts}"
+    );
+}

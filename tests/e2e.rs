@@ -98,6 +98,16 @@ async fn example_job_round_trip(c: &Cluster, storage: Option<PathBuf>) {
         &[&alloc_id],
     )
     .await;
+    // The shipped example is fenced by Nomad (its `disconnect { stop_on_client_after }`
+    // lies in the range the agent asks for): no `unfenced` warning about it.
+    let (code, st) = c.status(node);
+    assert_eq!(code, 0, "{st}");
+    let st: Value = serde_json::from_str(&st).unwrap();
+    assert!(
+        st["unfenced"].as_object().is_some_and(|o| o.is_empty()),
+        "the example job triggers the agent's own warning: {}",
+        st["unfenced"]
+    );
 
     c.stop_job(&job, false).await;
     c.wait_for(60, "the allocation complete", || async {

@@ -92,6 +92,9 @@ fn bind_plugin_conforms() {
             "gid=65534",
             "--param",
             "mode=0750",
+            // A local plugin keeps no cache the kit could cut off from its storage.
+            "-skip",
+            "unpublish that cannot flush",
         ],
     );
     assert_conforms(
@@ -113,6 +116,49 @@ fn bind_plugin_conforms() {
         ],
     );
     assert!(report.contains("SKIP  expand "), "{report}");
+    assert!(
+        report.contains("SKIP  unpublish that cannot flush    -skip: the plugin's author says it does not apply")
+            && report.contains("; skipped by -skip: unpublish that cannot flush\n")
+            && report.contains("deferred: yes (every rule run passed; not run by -skip: unpublish that cannot flush)"),
+        "{report}"
+    );
+}
+
+/// Issue 46 §4: without a `--param` naming the storage directory's owner and mode, and with
+/// no URL to cut, the rules `owner and mode` and `unpublish that cannot flush` cannot run:
+/// the run fails, saying what each needs, and `deferred: yes` is not printed. (The
+/// whole kit, as an author runs it first; `-skip` is shown by `bind_plugin_conforms`.)
+#[test]
+fn a_rule_that_cannot_run_fails_the_kit_unless_the_author_skips_it() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    let (code, report) = check(
+        &sb,
+        &repo().join("plugins/bind"),
+        &["--param", &format!("export={}", export.display())],
+    );
+    assert_eq!(code, 1, "a rule that never ran passed the kit:\n{report}");
+    assert!(
+        report.contains("FAIL  owner and mode                 not run: no --param uid=, gid= or mode= given to check"),
+        "{report}"
+    );
+    assert!(
+        report.contains("FAIL  unpublish that cannot flush    not run: no http(s):// parameter"),
+        "{report}"
+    );
+    assert!(
+        report.contains("could not run: owner and mode, unpublish that cannot flush"),
+        "{report}"
+    );
+    assert!(
+        report.contains("deferred: declared, but NOT conforming: owner and mode, unpublish that cannot flush did not pass"),
+        "{report}"
+    );
+    assert!(!report.contains("deferred: yes"), "{report}");
+    // Every rule that could run still ran and passed.
+    assert!(report.contains("PASS  symlink race "), "{report}");
+    assert!(report.contains("PASS  paths confined "), "{report}");
 }
 
 #[test]
@@ -135,6 +181,8 @@ fn ext4_plugin_conforms() {
             "gid=65534",
             "--param",
             "mode=0770",
+            "-skip",
+            "unpublish that cannot flush",
         ],
     );
     assert_conforms(
@@ -154,6 +202,40 @@ fn ext4_plugin_conforms() {
     );
     // No fence of its own (the agent's remount and kill stand alone): not offered, not failed.
     assert!(report.contains("SKIP  fence "), "{report}");
+}
+
+/// Issue 46: the ext4 plugin refuses to create a volume without `dir`: the images would live
+/// in this node's own volumes dir, which no other node of the cluster sees.
+#[test]
+fn the_ext4_plugin_refuses_a_volume_without_a_dir() {
+    let sb = Sandbox::new();
+    let volumes = sb.join("volumes");
+    std::fs::create_dir_all(&volumes).unwrap();
+    let out = Command::new(repo().join("plugins/ext4"))
+        .arg("create")
+        .env_clear()
+        .env("DHV_OPERATION", "create")
+        .env("DHV_BINDER", dhv_binder_bin())
+        .env("DHV_VOLUMES_DIR", &volumes)
+        .env("DHV_ALLOWED_ROOTS", &volumes)
+        .env("DHV_NAMESPACE", "default")
+        .env("DHV_VOLUME_NAME", "local")
+        .env("DHV_VOLUME_ID", "0e3a5f7c-44a7-4c1e-9d1e-6b7a1c2d3e4f")
+        .env("DHV_CAPACITY_MIN_BYTES", (64u64 << 20).to_string())
+        .env("DHV_PARAMETERS", r#"{"uid":"65534"}"#)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "created without dir: {stdout}");
+    assert!(
+        stdout.contains("parameter dir is not set") && stdout.contains("every node"),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&volumes).unwrap().count(),
+        0,
+        "an image was made in the node's own volumes dir"
+    );
 }
 
 #[test]
@@ -176,6 +258,14 @@ fn webdav_fuse_plugin_conforms() {
             "flush_wait=3",
             "--secrets-file",
             secrets.to_str().unwrap(),
+            // Its storage is the server's, reached by URL: no node path to confine or race,
+            // and rclone sets no owner or mode.
+            "-skip",
+            "paths confined",
+            "-skip",
+            "symlink race",
+            "-skip",
+            "owner and mode",
         ],
     );
     // Its fence aborts the FUSE connection, with the server unreachable; its unpublish
@@ -192,7 +282,7 @@ fn webdav_fuse_plugin_conforms() {
     );
     // Its rclone runs in the volume's helper cgroup: it outlived the caller's.
     assert!(
-        report.contains("PASS  helper outlives the caller   1 helper process(es)"),
+        report.contains("PASS  helper outlives the caller     1 helper process(es)"),
         "{report}"
     );
     // It declares no other optional operation: none is called.
@@ -258,12 +348,14 @@ fn an_unpublish_that_forgets_unsaved_writes_fails_the_kit() {
             "flush_wait=3",
             "--secrets-file",
             secrets.to_str().unwrap(),
+            "-rule",
+            "unpublish that cannot flush",
         ],
     );
     assert_eq!(code, 1, "{report}");
     let line = report
         .lines()
-        .find(|l| l.contains(" unpublish that cannot flush "))
+        .find(|l| !l.starts_with("-rule:") && l.contains(" unpublish that cannot flush "))
         .unwrap_or_else(|| panic!("no such rule:\n{report}"));
     assert!(
         line.starts_with("FAIL")
@@ -429,7 +521,12 @@ fn a_lazy_unmount_fails_the_kit() {
     let (code, report) = check(
         &sb,
         &sb.join("plugins/lazy"),
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "-rule",
+            "unpublish while in use",
+        ],
     );
     assert_eq!(code, 1, "{report}");
     assert!(
@@ -465,10 +562,16 @@ fn a_helper_holding_stdout_fails_the_kit() {
         "the bind plugin's publish changed: update this test"
     );
     script(&sb.join("plugins/leaky"), &leaky);
+    // The rule that watches every call, reached through the publishes of one rule.
     let (code, report) = check(
         &sb,
         &sb.join("plugins/leaky"),
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "-rule",
+            "publish x10",
+        ],
     );
     for pid in std::fs::read_to_string(&pids)
         .unwrap_or_default()
@@ -598,7 +701,14 @@ esac
     let (code, report) = check(
         &sb,
         &sb.join("plugins/oldbind"),
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "-rule",
+            "JSON input parsed",
+            "-rule",
+            "paths confined",
+        ],
     );
     assert_eq!(code, 1, "{report}");
     assert!(report.contains("FAIL  JSON input parsed "), "{report}");
@@ -626,12 +736,19 @@ fn a_plugin_that_checks_a_path_then_uses_it_again_fails_the_symlink_race() {
     let (code, report) = check(
         &sb,
         &plugin,
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "-rule",
+            "symlink race",
+            "-rule",
+            "paths confined",
+        ],
     );
     assert_eq!(code, 1, "{report}");
     let line = report
         .lines()
-        .find(|l| l.contains("symlink race"))
+        .find(|l| !l.starts_with("-rule:") && l.contains("symlink race"))
         .unwrap_or_else(|| panic!("no symlink race rule in the report:\n{report}"));
     assert!(
         line.starts_with("FAIL") && line.contains("outside the roots"),
@@ -660,12 +777,25 @@ fn a_plugin_that_copies_a_volume_by_name_fails_the_symlink_race_inside_a_volume(
     let (code, report) = check(
         &sb,
         &plugin,
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "-rule",
+            "symlink race",
+            "-rule",
+            "snapshot x2",
+            "-rule",
+            "create from snapshot",
+            "-rule",
+            "clone",
+            "-rule",
+            "paths confined",
+        ],
     );
     assert_eq!(code, 1, "{report}");
     let line = report
         .lines()
-        .find(|l| l.contains("symlink race"))
+        .find(|l| !l.starts_with("-rule:") && l.contains("symlink race"))
         .unwrap_or_else(|| panic!("no symlink race rule in the report:\n{report}"));
     assert!(
         line.starts_with("FAIL") && line.contains("file(s) from outside the roots"),
@@ -719,7 +849,14 @@ esac
     let (code, report) = check(
         &sb,
         &sb.join("plugins/netfence"),
-        &["--param", &format!("export={}", export.display())],
+        &[
+            "--param",
+            &format!("export={}", export.display()),
+            "-rule",
+            "fence",
+            "-rule",
+            "fence_node and unfence_node x2",
+        ],
     );
     assert_eq!(code, 1, "{report}");
     let fence = report

@@ -355,6 +355,61 @@ async fn a_replayed_signed_delete_deletes_nothing() {
     );
 }
 
+/// Issue 46 §3: a pending volume signed with a key no node trusts is refused by every node,
+/// whose refusal says to sign it with a trusted key and run the command again; running
+/// `volume create` again with the operator's (trusted) key signs the pending record again,
+/// and the volume is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_volume_signed_with_an_untrusted_key_is_fixed_by_creating_it_again_with_the_right_key(
+) {
+    let c = Cluster::start(1).await;
+    let (_, stranger) = dhv_binder::cluster::trust::SigningKey::generate().unwrap();
+    let stranger_key = c.sb.join("stranger.key");
+    {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&stranger_key)
+            .and_then(|mut f| f.write_all(stranger.as_bytes()))
+            .unwrap();
+    }
+    let spec = c.sb.join("resigned.volume.hcl");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"resigned\"\ntype = \"host\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n}}\n",
+            c.export.display()
+        ),
+    )
+    .unwrap();
+    let spec = spec.to_str().unwrap();
+    let out = std::process::Command::new(support::cluster::agent_bin())
+        .args(["volume", "create", "-timeout", "10s", spec])
+        .env_clear()
+        .env("NOMAD_ADDR", &c.server)
+        .env("DHV_BINDER_SIGNING_KEY", &stranger_key)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(75), "{text}");
+    assert!(
+        text.contains("does not trust") && text.contains("run the command again"),
+        "{text}"
+    );
+    // The advice followed: the same command with the trusted key.
+    let (code, out) = c.cli(&["volume", "create", "-timeout", "30s", spec]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("signed it again with key"), "{out}");
+    assert!(out.contains("is ready"), "{out}");
+}
+
 /// Issue 35: with the agents' default record settings (`--record-relist 5m`: no shortened
 /// relist), a volume created reaches every node through the change marker: from the start
 /// of `volume create` (an agent must see the pending record, take it, run the plugin, write

@@ -53,6 +53,15 @@ pub enum PluginCommand {
         /// default: the cgroup2 mount. They are removed afterwards.
         #[arg(long)]
         cgroup: Option<PathBuf>,
+        /// Run only this rule (repeatable), with the steps it needs (fingerprint, one create,
+        /// one delete): e.g. `-rule 'symlink race'`. The report does not judge `deferred`.
+        #[arg(long = "rule", value_name = "RULE")]
+        rules: Vec<String>,
+        /// A rule that does not apply to this plugin (repeatable): not run, shown as skipped
+        /// in the summary. Any other rule that cannot run with what the kit was given (no
+        /// `--param` naming the storage directory, no uid/gid/mode, no http(s) URL) fails.
+        #[arg(long = "skip", value_name = "RULE")]
+        skip: Vec<String>,
     },
     /// List plugins across the cluster (nodes with each, healthy, deferred), or with an ID,
     /// that plugin on every node (like `nomad plugin status`).
@@ -303,6 +312,8 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
             scratch,
             roots,
             cgroup,
+            rules,
+            skip,
         } => {
             let secrets = secrets_from(
                 secrets_file.as_deref(),
@@ -318,6 +329,8 @@ pub async fn plugin_cmd(nomad: &NomadConfig, cmd: PluginCommand) -> Result<(), F
                 scratch,
                 roots,
                 cgroup,
+                only: rules,
+                skip,
             })
             .await
             .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;

@@ -163,3 +163,48 @@ pub(super) async fn users_of(
     }
     Ok(out)
 }
+
+/// The key ID a record's signature names (`ed25519:<key id>:<sig>`), or `unsigned`.
+fn signer(rec: &VolumeRecord) -> String {
+    match rec.signature.split(':').nth(1) {
+        Some(id) if !rec.signature.is_empty() => format!("key {id}"),
+        _ if rec.signature.is_empty() => "no key (unsigned)".into(),
+        _ => "a malformed signature".into(),
+    }
+}
+
+/// Signs a pending record (no node has taken its create) again with `key`, the fix a node's
+/// refusal names ("sign with a trusted key", "write it with the operator's key"): written
+/// only when the signature changes, with the record's ModifyIndex (Nomad API:
+/// `PUT /v1/var/:path?cas=<index>`). Returns the record as written and a line saying what
+/// changed, or `None` when it already carries this key's signature.
+pub(super) async fn resign_pending(
+    client: &Client,
+    cur: &VolumeRecord,
+    key: &SigningKey,
+) -> Result<Option<(VolumeRecord, String)>, Failure> {
+    let mut rec = cur.clone();
+    key.sign(&mut rec);
+    if rec.signature == cur.signature {
+        return Ok(None);
+    }
+    let line = format!(
+        "==> Volume {} is pending, signed by {}: signed it again with key {}",
+        cur.key(),
+        signer(cur),
+        rec.signature.split(':').nth(1).unwrap_or_default()
+    );
+    match crate::cluster::changes::put_record(client, &rec.to_variable(), Some(cur.modify_index))
+        .await
+    {
+        Ok(_) => Ok(Some((rec, line))),
+        Err(crate::nomad::NomadError::CasConflict { .. }) => Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "volume {} changed while it was being signed again (a node took its create, or another operator wrote it): run the command again",
+                cur.key()
+            ),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}

@@ -843,11 +843,22 @@ async fn create(
                     ),
                 ));
             }
-            outln!(
-                "==> Volume {} is already being created ({})",
-                cur.key(),
-                cur.state.as_str()
-            );
+            // A pending record no node has taken, with the operator's key: signed again (the
+            // fix a node's "not signed" or "key … not trusted" refusal names).
+            let resigned = match &key {
+                Some(k) if cur.state == VolumeState::Pending && cur.worker_node.is_empty() => {
+                    super::records::resign_pending(client, &cur, k).await?
+                }
+                _ => None,
+            };
+            match resigned {
+                Some((_, line)) => outln!("{line}"),
+                None => outln!(
+                    "==> Volume {} is already being created ({})",
+                    cur.key(),
+                    cur.state.as_str()
+                ),
+            }
             return match wait {
                 None => Ok(()),
                 Some(w) => wait_created(client, &cur, w).await,

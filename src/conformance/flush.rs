@@ -163,9 +163,9 @@ pub(super) async fn unflushed_unpublish_rule(kit: &mut Kit) {
         }
     }
     if relays.is_empty() {
-        kit.report.skip(
+        kit.report.not_run(
             RULE,
-            "no http(s):// parameter: the kit cannot make this plugin's storage unreachable (a local plugin has no cache to lose)",
+            "no http(s):// parameter: the kit cannot make this plugin's storage unreachable (a local plugin, with no cache to lose, skips it)",
         );
         return;
     }

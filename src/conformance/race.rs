@@ -174,9 +174,9 @@ pub(super) async fn race_rule(kit: &mut Kit) {
         .map(|(k, v)| (k.clone(), PathBuf::from(v)))
         .collect();
     if params.is_empty() {
-        return kit.report.skip(
+        return kit.report.not_run(
             RULE,
-            "no parameter names an existing directory: nothing the kit can race (give the storage directory as a --param)",
+            "no parameter names an existing directory: nothing the kit can race (give the storage directory as --param KEY=/dir)",
         );
     }
     let tag = &uuid::Uuid::new_v4().simple().to_string()[..8];

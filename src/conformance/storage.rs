@@ -120,8 +120,10 @@ pub(super) fn owner_rule(kit: &mut Kit, target: &Path) {
     let p = &kit.rec.spec.parameters;
     let (uid, gid, mode) = (p.get("uid"), p.get("gid"), p.get("mode"));
     if uid.is_none() && gid.is_none() && mode.is_none() {
-        kit.report
-            .skip(rule, "no --param uid=, gid= or mode= given to check");
+        kit.report.not_run(
+            rule,
+            "no --param uid=, gid= or mode= given to check (give the owner and mode the plugin sets, e.g. --param uid=65534 --param gid=65534 --param mode=0750)",
+        );
         return;
     }
     let meta = match std::fs::metadata(target) {
@@ -157,25 +159,42 @@ pub(super) fn owner_rule(kit: &mut Kit, target: &Path) {
 
 /// Snapshot, create from snapshot, clone and expand, each when declared.
 pub(super) async fn optional_rules(kit: &mut Kit) {
+    let wants = |names: &[&str]| names.iter().any(|r| kit.report.wants(r));
     if has(kit, Capability::Snapshot) {
-        snapshot_rules(kit).await;
+        if wants(&[
+            "snapshot x2",
+            "snapshot_list",
+            "create from snapshot",
+            "snapshot_delete x2",
+        ]) {
+            snapshot_rules(kit).await;
+        }
     } else {
         for r in ["snapshot x2", "create from snapshot", "snapshot_delete x2"] {
             kit.report.skip(r, "\"snapshot\" not declared");
         }
     }
     if has(kit, Capability::Clone) {
-        clone_rule(kit).await;
+        if kit.report.wants("clone") {
+            clone_rule(kit).await;
+        }
     } else {
         kit.report.skip("clone", "\"clone\" not declared");
     }
     if has(kit, Capability::Expand) {
-        expand_rule(kit).await;
+        if kit.report.wants("expand") {
+            expand_rule(kit).await;
+        }
     } else {
         kit.report.skip("expand", "\"expand\" not declared");
     }
     if has(kit, Capability::Fence) {
-        fence_rules(kit).await;
+        if ["fence", "fence x2", "fence of nothing"]
+            .iter()
+            .any(|r| kit.report.wants(r))
+        {
+            fence_rules(kit).await;
+        }
     } else {
         for r in ["fence", "fence x2", "fence of nothing"] {
             kit.report.skip(
@@ -185,7 +204,9 @@ pub(super) async fn optional_rules(kit: &mut Kit) {
         }
     }
     if has(kit, Capability::FenceNode) {
-        fence_node_rules(kit).await;
+        if kit.report.wants("fence_node and unfence_node x2") {
+            fence_node_rules(kit).await;
+        }
     } else {
         kit.report.skip(
             "fence_node and unfence_node x2",
@@ -789,7 +810,9 @@ pub(super) async fn confinement_rule(kit: &mut Kit) {
     if planted_any {
         kit.report.push(rule, ok, notes.join("; "));
     } else {
-        kit.report
-            .skip(rule, "neither the context nor the parameters name a path");
+        kit.report.not_run(
+            rule,
+            "neither the create context nor the parameters name a path (give the storage directory as --param KEY=/dir)",
+        );
     }
 }

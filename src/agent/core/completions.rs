@@ -258,9 +258,16 @@ impl Core {
             Completion::ClaimAcquired { volume, result } => {
                 self.busy.remove(&volume);
                 if let Ok(acq) = &result {
-                    if !acq.fence.is_empty() || acq.unfence {
+                    // A take-over fenced other nodes; a node taking back a claim it held
+                    // last (or was fenced from) only restored its own access.
+                    let kind = if !acq.fence.is_empty() {
+                        Some(EventKind::NodeFenced)
+                    } else {
+                        acq.unfence.then_some(EventKind::NodeUnfenced)
+                    };
+                    if let Some(kind) = kind {
                         self.journal.note(
-                            EventKind::NodeFenced,
+                            kind,
                             &volume,
                             serde_json::json!({"fenced_nodes": acq.fence, "unfenced_self": acq.unfence}),
                         );

@@ -327,6 +327,7 @@ impl Core {
                             EventKind::UnpublishDone | EventKind::UnpublishFailed => "unpublish",
                             EventKind::Fenced => "fence",
                             EventKind::NodeFenced => "fence-node",
+                            EventKind::NodeUnfenced => "unfence-node",
                             EventKind::ClaimReleased => "claim-released",
                             _ => "unfence",
                         }

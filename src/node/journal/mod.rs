@@ -209,6 +209,10 @@ pub enum EventKind {
     /// This node took the claim over: the plugin's `fence_node` revoked the old holder's
     /// access at the storage (and `unfence_node` restored this node's) before the publish.
     NodeFenced,
+    /// This node took a claim it held last (or was listed as fenced) without taking it from
+    /// another node: the plugin's `unfence_node` restored this node's access at the storage
+    /// (no other node was fenced).
+    NodeUnfenced,
     /// An operator released this node's claim (a verified `volume claim release` mark): the
     /// volume is fenced here at once.
     ClaimReleased,
@@ -229,6 +233,7 @@ impl EventKind {
             EventKind::Fenced => "fenced",
             EventKind::Unfenced => "unfenced",
             EventKind::NodeFenced => "node-fenced",
+            EventKind::NodeUnfenced => "node-unfenced",
             EventKind::ClaimReleased => "claim-released",
         }
     }
@@ -405,6 +410,7 @@ impl Journal {
             | EventKind::Fenced
             | EventKind::Unfenced
             | EventKind::NodeFenced
+            | EventKind::NodeUnfenced
             | EventKind::ClaimReleased => None,
             EventKind::UnpublishIntent | EventKind::UserAdded | EventKind::UserRemoved => return,
         };

@@ -295,6 +295,44 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
     assert_eq!(h.core.status()["claims"]["default/d"], "held");
 }
 
+/// Issue 46: a node that takes back a claim it held last fences no other node: its
+/// `unfence_node` is journaled as `node-unfenced` and shown as `unfence-node`, never as a
+/// `fence-node` (a take-over).
+#[test]
+fn a_node_retaking_its_own_claim_records_no_fence_node() {
+    let mut h = H::new(
+        &[("d", "single-node-writer")],
+        vec![alloc(A1, &["d"], "running", "run")],
+    );
+    let e = h.feed(Input::Done(Completion::ClaimAcquired {
+        volume: key("d"),
+        result: Ok(crate::cluster::claims::Acquired {
+            lock_id: "lock".into(),
+            index: 7,
+            fence: vec![],
+            unfence: true,
+        }),
+    }));
+    let kinds: Vec<EventKind> = e
+        .iter()
+        .filter_map(|x| match x {
+            Effect::Commit { commit, .. } => Some(commit.events().iter().map(|ev| ev.kind)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(
+        kinds.contains(&EventKind::NodeUnfenced) && !kinds.contains(&EventKind::NodeFenced),
+        "{kinds:?}"
+    );
+    let history = serde_json::to_string(&h.core.node_history()).unwrap();
+    assert!(
+        history.contains("\"event\":\"unfence-node\"")
+            && !history.contains("\"event\":\"fence-node\""),
+        "{history}"
+    );
+}
+
 /// Issue 31: a take-over whose `fence_node` failed (the claim given back by the executor)
 /// publishes nothing: the volume waits, saying which call failed for which node, and the
 /// acquire is retried.
