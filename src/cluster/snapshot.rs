@@ -443,14 +443,18 @@ pub async fn run_create(
     mut snap: SnapshotRecord,
     target: Option<&Path>,
 ) -> Result<SnapshotRecord, OpError> {
-    let env = create_env(node, vol, &snap, target);
+    let mut env = create_env(node, vol, &snap, target);
+    // The volume's referenced secrets, read now (never stored in the snapshot record).
+    let secrets = match runner.secrets_for(Operation::SnapshotCreate, vol).await {
+        Ok(s) => s,
+        Err(e) => {
+            return Err(OpError::retried(&e, &vol.secrets)
+                .unwrap_or_else(|| OpError::Plugin(plugin::redact(&e.to_string(), &vol.secrets))))
+        }
+    };
+    crate::storage::environment::set_secrets(&mut env, &secrets);
     let out = runner
-        .call(
-            &snap.plugin_id,
-            Operation::SnapshotCreate,
-            &env,
-            &vol.secrets,
-        )
+        .call(&snap.plugin_id, Operation::SnapshotCreate, &env, &secrets)
         .await
         .and_then(|o| {
             plugin::parse::<SnapshotResult>(&snap.plugin_id, Operation::SnapshotCreate, &o.stdout)
@@ -463,11 +467,11 @@ pub async fn run_create(
             snap.error.clear();
         }
         Err(e) => {
-            if let Some(again) = OpError::retried(&e, &vol.secrets) {
+            if let Some(again) = OpError::retried(&e, &secrets) {
                 return Err(again);
             }
             snap.state = VolumeState::Failed;
-            snap.error = plugin::redact(&e.to_string(), &vol.secrets);
+            snap.error = plugin::redact(&e.to_string(), &secrets);
         }
     }
     // Kept: the node that ran it (a ready or failed snapshot is no node's work any more).

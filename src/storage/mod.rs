@@ -6,6 +6,7 @@
 //!   and a call that did not succeed;
 //! - `process`: the processes of one call (output, leftovers, the kill at a timeout);
 //! - [`environment`]: the plugin environment contract (the variables of each operation);
+//! - [`secrets`]: the secrets a volume references, read where they live at each call;
 //! - [`redact`]: secrets taken out of plugin text in the forms plugins print them;
 //! - `discovery`: notices plugin files added, changed or removed.
 
@@ -15,3 +16,4 @@ pub mod plugin;
 mod process;
 pub mod protocol;
 pub mod redact;
+pub mod secrets;

@@ -79,6 +79,8 @@ pub struct Runner {
     caller_cgroup: Option<(PathBuf, PathBuf)>,
     /// The dhv-binder executable plugins call for `dhv-binder helper` (`DHV_BINDER`).
     dhv_binder: Option<PathBuf>,
+    /// Where referenced secrets are read ([`Runner::secrets_for`]); `None`: none are.
+    secrets: Option<super::secrets::SecretSource>,
 }
 
 /// What tells one plugin file from another, or from itself changed: the file's device and
@@ -213,6 +215,37 @@ impl Runner {
             helpers: None,
             caller_cgroup: None,
             dhv_binder: dhv_binder_exe().map(Path::to_path_buf),
+            secrets: None,
+        }
+    }
+
+    /// The same runner, reading the secrets volumes reference from `source`
+    /// ([`Runner::secrets_for`]).
+    pub fn with_secret_source(mut self, source: super::secrets::SecretSource) -> Self {
+        self.secrets = Some(source);
+        self
+    }
+
+    /// The secrets of `rec` for a call of `op`: its inline ones and every `secret_ref` read
+    /// now ([`super::secrets::SecretSource::resolve`]), for the call's `DHV_SECRETS`
+    /// ([`super::environment::set_secrets`]) and redaction; never to be stored. A reference
+    /// that cannot be read is [`PluginError::Secret`] (the plugin is not called).
+    pub async fn secrets_for(
+        &self,
+        op: Operation,
+        rec: &crate::volume::VolumeRecord,
+    ) -> Result<BTreeMap<String, String>, PluginError> {
+        if rec.spec.secret_refs.is_empty() {
+            return Ok(rec.secrets.clone());
+        }
+        let failed = |source| PluginError::Secret {
+            plugin: rec.spec.plugin_id.clone(),
+            op,
+            source: Box::new(source),
+        };
+        match &self.secrets {
+            Some(s) => s.resolve(rec).await.map_err(failed),
+            None => Err(failed(super::secrets::SecretError::NoSource)),
         }
     }
 

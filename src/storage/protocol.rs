@@ -133,6 +133,14 @@ pub enum PluginError {
         #[source]
         source: crate::node::helpers::HelperError,
     },
+    /// A secret the volume references could not be read; the plugin was not called.
+    #[error("plugin {plugin:?} {op} not called: {source}")]
+    Secret {
+        plugin: String,
+        op: Operation,
+        #[source]
+        source: Box<super::secrets::SecretError>,
+    },
     #[error("plugin {plugin:?} {op} printed output that is not the expected JSON ({reason}); the output is in the agent's log on this node")]
     BadOutput {
         plugin: String,
@@ -217,8 +225,14 @@ impl PluginError {
     /// True when the plugin refused for now and asks to be called again later: exit code
     /// [`EXIT_TEMPORARY`] (for example ext4's `expand` while the filesystem is still mounted
     /// somewhere). The operation stays pending and is retried with backoff.
+    /// A referenced secret that could not be read for now (Nomad or Vault unreachable, a
+    /// variable not written yet) is temporary too: the plugin was not called.
     pub fn is_temporary(&self) -> bool {
-        matches!(self, PluginError::Failed { status, .. } if *status == format!("exit code {EXIT_TEMPORARY}"))
+        match self {
+            PluginError::Failed { status, .. } => *status == format!("exit code {EXIT_TEMPORARY}"),
+            PluginError::Secret { source, .. } => source.is_transient(),
+            _ => false,
+        }
     }
 }
 
