@@ -235,16 +235,40 @@ impl Runner {
         op: Operation,
         rec: &crate::volume::VolumeRecord,
     ) -> Result<BTreeMap<String, String>, PluginError> {
-        if rec.spec.secret_refs.is_empty() {
-            return Ok(rec.secrets.clone());
+        self.secrets_of(
+            &rec.spec.plugin_id,
+            op,
+            &rec.spec.namespace,
+            &rec.secrets,
+            &rec.spec.secret_refs,
+        )
+        .await
+    }
+
+    /// [`Runner::secrets_for`] from the parts: a call of `plugin`'s `op` with the `inline`
+    /// secrets and the references `refs`, variables read in `namespace` (a snapshot record
+    /// keeps its volume's, for a `snapshot_delete` after the volume is gone).
+    pub async fn secrets_of(
+        &self,
+        plugin: &str,
+        op: Operation,
+        namespace: &str,
+        inline: &BTreeMap<String, String>,
+        refs: &BTreeMap<String, crate::volume::secret_refs::SecretRef>,
+    ) -> Result<BTreeMap<String, String>, PluginError> {
+        if refs.is_empty() {
+            return Ok(inline.clone());
         }
         let failed = |source| PluginError::Secret {
-            plugin: rec.spec.plugin_id.clone(),
+            plugin: plugin.to_string(),
             op,
             source: Box::new(source),
         };
         match &self.secrets {
-            Some(s) => s.resolve(rec).await.map_err(failed),
+            Some(s) => s
+                .resolve_refs(namespace, inline, refs)
+                .await
+                .map_err(failed),
             None => Err(failed(super::secrets::SecretError::NoSource)),
         }
     }

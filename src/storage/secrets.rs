@@ -269,11 +269,22 @@ impl SecretSource {
         &self,
         rec: &VolumeRecord,
     ) -> Result<BTreeMap<String, String>, SecretError> {
-        let mut out = rec.secrets.clone();
-        let namespace = &rec.spec.namespace;
+        self.resolve_refs(&rec.spec.namespace, &rec.secrets, &rec.spec.secret_refs)
+            .await
+    }
+
+    /// `inline` and every one of `refs` read now, variables in `namespace`.
+    pub async fn resolve_refs(
+        &self,
+        namespace: &str,
+        inline: &BTreeMap<String, String>,
+        refs: &BTreeMap<String, SecretRef>,
+    ) -> Result<BTreeMap<String, String>, SecretError> {
+        let mut out = inline.clone();
+        let namespace = &namespace.to_string();
         let mut variables: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
         let mut vault: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
-        for (name, r) in &rec.spec.secret_refs {
+        for (name, r) in refs {
             let value = match r {
                 SecretRef::Variable { path, item } => {
                     if !path.starts_with(&self.path) {
