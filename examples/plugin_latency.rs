@@ -92,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
         parameters: params,
         source: Default::default(),
         mount_options: Default::default(),
+        secret_refs: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);
     let out = runner

@@ -18,8 +18,11 @@
 #   - variables: the volume records (read, list; write to report create/delete progress;
 #     destroy after a signed delete), the single-node claims (locks: write; destroy on
 #     release) and the snapshot records (progress; destroy after a signed delete); nothing
-#     else under dhv-binder/ and nothing outside it (the record watches list namespace=*,
-#     which Nomad filters to what the token may list);
+#     else under dhv-binder/ (the record watches list namespace=*, which Nomad filters to
+#     what the token may list);
+#   - variables: read (no list, no write) under the agent's --secrets-path (default
+#     dhv-binder-secrets/): the secrets volumes reference with `secret_ref`, read at each
+#     plugin call (docs/security.md "Secrets"); nothing else outside dhv-binder/;
 #   - in "default" only, also this node's record (dhv-binder/nodes/<node-id>: read, write)
 #     and the record change marker dhv-binder/records-changed (read: every agent follows it
 #     with a blocking read; write: a node that writes a record back updates it; docs/scale.md
@@ -42,7 +45,8 @@
 #   and jobs of that namespace mounting what such a volume names; forge node records in
 #   "default" that mislead `node status` and `volume create`;
 # - can read the jobs and allocations of those namespaces (read-job), environment values in
-#   job specs included, and every node; no variables outside dhv-binder/.
+#   job specs included, and every node; the secrets under dhv-binder-secrets/ of those
+#   namespaces (read only); no other variables outside dhv-binder/.
 namespace "default" {
   capabilities = ["read-job", "alloc-lifecycle", "host-volume-register", "host-volume-read", "host-volume-delete"]
 
@@ -62,6 +66,9 @@ namespace "default" {
     path "dhv-binder/records-changed" {
       capabilities = ["read", "write"]
     }
+    path "dhv-binder-secrets/*" {
+      capabilities = ["read"]
+    }
   }
 }
 
@@ -78,6 +85,9 @@ namespace "default" {
 #     }
 #     path "dhv-binder/snapshots/*" {
 #       capabilities = ["read", "list", "write", "destroy"]
+#     }
+#     path "dhv-binder-secrets/*" {
+#       capabilities = ["read"]
 #     }
 #   }
 # }

@@ -218,6 +218,22 @@ pub struct AgentConfig {
         value_delimiter = ','
     )]
     pub plugin_roots: Vec<String>,
+    /// The Nomad Variables prefix the volumes' `secret_ref` blocks may name, in each
+    /// volume's namespace (read with this agent's token; its ACL policy grants `read` there
+    /// and nothing broader, jobspecs/dhv-binder-policy.hcl). A reference elsewhere is refused.
+    #[arg(
+        long,
+        env = "DHV_BINDER_SECRETS_PATH",
+        default_value = "dhv-binder-secrets/"
+    )]
+    pub secrets_path: String,
+    /// Vault's address for `secret_ref { vault = … }` (https, or http on loopback only);
+    /// unset: no Vault references are read on this node.
+    #[arg(long, env = "VAULT_ADDR")]
+    pub vault_addr: Option<String>,
+    /// The node's Vault token (sent as X-Vault-Token). Never logged.
+    #[arg(long, env = "VAULT_TOKEN", hide_env_values = true)]
+    pub vault_token: Option<String>,
     /// The issuer (`iss`) workload identity tokens must carry. Unset (or `cluster`): the
     /// cluster's own, learnt with its keys from `GET /.well-known/openid-configuration` (the
     /// servers' `oidc_issuer`; a cluster without one answers 404 and its tokens must carry no

@@ -236,8 +236,9 @@ fn policy_grants_what_the_daemon_calls() {
             "host-volume-delete"
         ]
     );
-    // Only the records, the claims and the snapshot records: nothing else under dhv-binder/,
-    // nothing outside it; in "default" also the node records and the change marker.
+    // Only the records, the claims and the snapshot records: nothing else under dhv-binder/;
+    // in "default" also the node records and the change marker; outside it only the
+    // secrets path the agent is told to use (--secrets-path), read only.
     assert_eq!(
         paths_of(namespaces[0]),
         [
@@ -245,8 +246,20 @@ fn policy_grants_what_the_daemon_calls() {
             "dhv-binder/claims/*",
             "dhv-binder/snapshots/*",
             "dhv-binder/nodes/*",
-            "dhv-binder/records-changed"
+            "dhv-binder/records-changed",
+            "dhv-binder-secrets/*"
         ]
+    );
+    let secrets = one(namespaces[0].body(), "variables")
+        .body()
+        .blocks()
+        .find(|b| label(b) == "dhv-binder-secrets/*")
+        .unwrap();
+    assert_eq!(
+        attr(secrets.body(), "capabilities")
+            .map(|e| e.to_string().split_whitespace().collect::<String>()),
+        Some(r#"["read"]"#.to_string()),
+        "the agent reads secrets, never lists or writes them"
     );
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");
     assert_eq!(string(one(&body, "agent").body(), "policy"), "read");

@@ -115,12 +115,43 @@ async fn the_daemon_works_with_the_narrowed_policy() {
     c.start_agent(0);
     c.wait_plugin("bind").await;
 
-    // Create: the agent reads the record, runs the plugin, writes the result back.
+    // A secret the volume references, and one outside the agent's secrets path.
+    for path in ["dhv-binder-secrets/shared-data", "team-secrets/db"] {
+        req(
+            &c,
+            reqwest::Method::PUT,
+            &format!("/v1/var/{path}?namespace=default"),
+            Some(json!({"Namespace": "default", "Path": path, "Items": {"password": "pw"}})),
+        )
+        .await;
+    }
+    // The policy's token reads the secrets path, and nothing else outside dhv-binder/; it
+    // never writes there (Nomad's variables ACL, enforced by the simulator).
+    for (method, path, want) in [
+        (reqwest::Method::GET, "dhv-binder-secrets/shared-data", 200),
+        (reqwest::Method::GET, "team-secrets/db", 403),
+        (reqwest::Method::PUT, "dhv-binder-secrets/shared-data", 403),
+    ] {
+        let r = c
+            .http
+            .request(
+                method.clone(),
+                format!("{}/v1/var/{path}?namespace=default", c.server),
+            )
+            .header("X-Nomad-Token", &secret)
+            .json(&json!({"Namespace": "default", "Path": path, "Items": {"password": "x"}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), want, "{method} {path}");
+    }
+    // Create: the agent reads the record and the referenced secret, runs the plugin, writes
+    // the result back.
     let spec = c.sb.join("v.volume.hcl");
     std::fs::write(
         &spec,
         format!(
-            "name = \"shared-data\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n  uid = \"65534\"\n  gid = \"65534\"\n}}\n",
+            "name = \"shared-data\"\nplugin_id = \"bind\"\ncapability {{\n  access_mode = \"single-node-writer\"\n  attachment_mode = \"file-system\"\n}}\nparameters {{\n  export = \"{}\"\n  uid = \"65534\"\n  gid = \"65534\"\n}}\nsecret_ref \"password\" {{\n  variable = \"dhv-binder-secrets/shared-data\"\n  item = \"password\"\n}}\n",
             c.export.display()
         ),
     )

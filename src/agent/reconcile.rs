@@ -508,6 +508,7 @@ pub(crate) mod tests {
                 parameters: Default::default(),
                 source: Default::default(),
                 mount_options: Default::default(),
+                secret_refs: Default::default(),
             },
             Default::default(),
         );

@@ -257,9 +257,18 @@ pub async fn run_expand(
     let Some(mut x) = rec.expansion.clone() else {
         return Ok(rec);
     };
-    let env = expand_env(node, &rec, x.bytes, target);
+    let mut env = expand_env(node, &rec, x.bytes, target);
+    // The volume's referenced secrets, read now (never stored in `rec`, written back).
+    let secrets = match runner.secrets_for(Operation::Expand, &rec).await {
+        Ok(s) => s,
+        Err(e) => {
+            return Err(OpError::retried(&e, &rec.secrets)
+                .unwrap_or_else(|| OpError::Plugin(plugin::redact(&e.to_string(), &rec.secrets))))
+        }
+    };
+    crate::storage::environment::set_secrets(&mut env, &secrets);
     let out = runner
-        .call(&rec.spec.plugin_id, Operation::Expand, &env, &rec.secrets)
+        .call(&rec.spec.plugin_id, Operation::Expand, &env, &secrets)
         .await
         .and_then(|o| {
             plugin::parse::<ExpandResult>(&rec.spec.plugin_id, Operation::Expand, &o.stdout)
@@ -280,11 +289,11 @@ pub async fn run_expand(
             rec.expansion = Some(x);
         }
         Err(e) => {
-            if let Some(again) = OpError::retried(&e, &rec.secrets) {
+            if let Some(again) = OpError::retried(&e, &secrets) {
                 return Err(again);
             }
             x.state = ExpansionState::Failed;
-            x.error = plugin::redact(&e.to_string(), &rec.secrets);
+            x.error = plugin::redact(&e.to_string(), &secrets);
             rec.expansion = Some(x);
         }
     }

@@ -47,6 +47,9 @@ pub struct SnapshotRecord {
     /// The source volume's secrets, copied at request time (the snapshot may outlive the
     /// volume, and `snapshot_delete` needs them). Never printed.
     pub secrets: BTreeMap<String, String>,
+    /// The source volume's `secret_ref`s, copied at request time (read at each call, as
+    /// the volume's; only the references are stored).
+    pub secret_refs: BTreeMap<String, crate::volume::secret_refs::SecretRef>,
     pub state: VolumeState,
     /// What `snapshot_create` returned as `context`.
     pub context: serde_json::Value,
@@ -81,14 +84,19 @@ impl Signed for SnapshotRecord {
         )
     }
     fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
-        vec![
+        let mut f = vec![
             ("volume", self.volume.clone().into()),
             ("volume_id", self.volume_id.clone().into()),
             ("name", self.name.clone().into()),
             ("plugin_id", self.plugin_id.clone().into()),
             ("secrets", serde_json::json!(self.secrets)),
             ("created_at", self.created_at.into()),
-        ]
+        ];
+        // Signed when present (a record without references signs as before).
+        if !self.secret_refs.is_empty() {
+            f.push(("secret_refs", serde_json::json!(self.secret_refs)));
+        }
+        f
     }
     /// The context `snapshot_delete` acts on and the variable's CreateIndex, as a volume's
     /// delete binds them: a saved `deleting` record written back later (a new CreateIndex)
@@ -139,6 +147,7 @@ impl SnapshotRecord {
             volume_id: vol.id.clone(),
             plugin_id: vol.spec.plugin_id.clone(),
             secrets: vol.secrets.clone(),
+            secret_refs: vol.spec.secret_refs.clone(),
             state: VolumeState::Pending,
             context: serde_json::Value::Null,
             bytes: 0,
@@ -164,6 +173,14 @@ impl SnapshotRecord {
             (
                 "secrets",
                 serde_json::to_string(&self.secrets).unwrap_or_default(),
+            ),
+            (
+                "secret_refs",
+                if self.secret_refs.is_empty() {
+                    String::new()
+                } else {
+                    serde_json::to_string(&self.secret_refs).unwrap_or_default()
+                },
             ),
             ("state", self.state.as_str().into()),
             ("context", self.context.to_string()),
@@ -203,6 +220,10 @@ impl SnapshotRecord {
         volume::validate_identifier("plugin_id", &plugin_id, false)
             .map_err(|e| err(e.to_string()))?;
         let (secrets, state, context) = volume::common_items(var)?;
+        let secret_refs = match item("secret_refs").as_str() {
+            "" => BTreeMap::new(),
+            s => serde_json::from_str(s).map_err(|e| err(format!("secret_refs: {e}")))?,
+        };
         Ok(Self {
             id,
             name: item("name"),
@@ -211,6 +232,7 @@ impl SnapshotRecord {
             volume_id: item("volume_id"),
             plugin_id,
             secrets,
+            secret_refs,
             state,
             context,
             bytes: item("bytes").parse().unwrap_or(0),
@@ -443,14 +465,18 @@ pub async fn run_create(
     mut snap: SnapshotRecord,
     target: Option<&Path>,
 ) -> Result<SnapshotRecord, OpError> {
-    let env = create_env(node, vol, &snap, target);
+    let mut env = create_env(node, vol, &snap, target);
+    // The volume's referenced secrets, read now (never stored in the snapshot record).
+    let secrets = match runner.secrets_for(Operation::SnapshotCreate, vol).await {
+        Ok(s) => s,
+        Err(e) => {
+            return Err(OpError::retried(&e, &vol.secrets)
+                .unwrap_or_else(|| OpError::Plugin(plugin::redact(&e.to_string(), &vol.secrets))))
+        }
+    };
+    crate::storage::environment::set_secrets(&mut env, &secrets);
     let out = runner
-        .call(
-            &snap.plugin_id,
-            Operation::SnapshotCreate,
-            &env,
-            &vol.secrets,
-        )
+        .call(&snap.plugin_id, Operation::SnapshotCreate, &env, &secrets)
         .await
         .and_then(|o| {
             plugin::parse::<SnapshotResult>(&snap.plugin_id, Operation::SnapshotCreate, &o.stdout)
@@ -463,11 +489,11 @@ pub async fn run_create(
             snap.error.clear();
         }
         Err(e) => {
-            if let Some(again) = OpError::retried(&e, &vol.secrets) {
+            if let Some(again) = OpError::retried(&e, &secrets) {
                 return Err(again);
             }
             snap.state = VolumeState::Failed;
-            snap.error = plugin::redact(&e.to_string(), &vol.secrets);
+            snap.error = plugin::redact(&e.to_string(), &secrets);
         }
     }
     // Kept: the node that ran it (a ready or failed snapshot is no node's work any more).
@@ -481,9 +507,23 @@ pub async fn run_delete(
     node: &NodeEnv,
     snap: &SnapshotRecord,
 ) -> Result<(), OpError> {
-    let env = delete_env(node, snap);
+    let secrets = runner
+        .secrets_of(
+            &snap.plugin_id,
+            Operation::SnapshotDelete,
+            &snap.namespace,
+            &snap.secrets,
+            &snap.secret_refs,
+        )
+        .await
+        .map_err(|e| {
+            OpError::retried(&e, &snap.secrets)
+                .unwrap_or_else(|| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))
+        })?;
+    let mut env = delete_env(node, snap);
+    crate::storage::environment::set_secrets(&mut env, &secrets);
     // Every storage delete is logged at info, naming what it deletes (issue 33).
-    let context = plugin::redact(&snap.context.to_string(), &snap.secrets);
+    let context = plugin::redact(&snap.context.to_string(), &secrets);
     // The same fields before and after the plugin's call.
     let log_delete = |what: &str| {
         tracing::info!(
@@ -500,14 +540,9 @@ pub async fn run_delete(
     };
     log_delete("deleting the snapshot's storage");
     runner
-        .call(
-            &snap.plugin_id,
-            Operation::SnapshotDelete,
-            &env,
-            &snap.secrets,
-        )
+        .call(&snap.plugin_id, Operation::SnapshotDelete, &env, &secrets)
         .await
-        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))?;
+        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &secrets)))?;
     log_delete("deleted the snapshot's storage");
     Ok(())
 }
@@ -716,6 +751,34 @@ mod tests {
         // A record whose ID does not match its path is refused.
         var.path = record_path(&uuid::Uuid::new_v4().to_string());
         assert!(SnapshotRecord::from_variable(&var).is_err());
+    }
+
+    /// A snapshot keeps its volume's references (for a `snapshot_delete` after the volume is
+    /// gone), never their values, and the operator's signature binds them.
+    #[test]
+    fn a_snapshot_keeps_its_volumes_secret_references_signed() {
+        let (spec, secrets) = crate::volume::parse_spec(
+            "name = \"data\"\nplugin_id = \"webdav\"\nsecret_ref \"password\" {\n variable = \"dhv-binder-secrets/data\"\n item = \"password\"\n}",
+        )
+        .unwrap();
+        let vol = VolumeRecord::new(spec, secrets);
+        let (key, _) = crate::cluster::trust::SigningKey::generate().unwrap();
+        let trust =
+            crate::cluster::trust::RecordTrust::parse_keys(&key.public_line(), "k").unwrap();
+        let mut snap = SnapshotRecord::new(&vol, "", 1_700_000_000);
+        key.sign(&mut snap);
+        let back = SnapshotRecord::from_variable(&snap.to_variable()).unwrap();
+        assert_eq!(back.secret_refs, vol.spec.secret_refs);
+        assert_eq!(trust.verify(&back), Ok(()));
+        let mut moved = back.clone();
+        moved.secret_refs.insert(
+            "password".into(),
+            crate::volume::secret_refs::SecretRef::Variable {
+                path: "dhv-binder-secrets/other".into(),
+                item: "password".into(),
+            },
+        );
+        assert!(trust.verify(&moved).is_err());
     }
 
     fn get<'a>(env: &'a [(String, String)], k: &str) -> &'a str {

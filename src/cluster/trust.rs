@@ -503,7 +503,7 @@ mod tests {
 
     fn record() -> VolumeRecord {
         let (spec, secrets) = parse_spec(
-            "name = \"data\"\nplugin_id = \"bind\"\nparameters { export = \"/srv/exports\" }\nsecrets { password = \"pw\" }",
+            "name = \"data\"\nplugin_id = \"bind\"\nparameters { export = \"/srv/exports\" }\nsecrets { password = \"pw\" }\nsecret_ref \"token\" {\n variable = \"dhv-binder-secrets/data\"\n item = \"token\"\n}",
         )
         .unwrap();
         VolumeRecord::new(spec, secrets)
@@ -526,7 +526,17 @@ mod tests {
         rec.context = serde_json::json!({"export_path": "/srv/exports/default/x"});
         rec.state = VolumeState::Ready;
         assert_eq!(trust.verify(&rec), Ok(()));
-        let tamper: [fn(&mut VolumeRecord); 6] = [
+        let tamper: [fn(&mut VolumeRecord); 7] = [
+            // A reference moved to another variable: a secret the operator did not name.
+            |r| {
+                r.spec.secret_refs.insert(
+                    "token".into(),
+                    crate::volume::secret_refs::SecretRef::Variable {
+                        path: "dhv-binder-secrets/other".into(),
+                        item: "token".into(),
+                    },
+                );
+            },
             |r| {
                 r.spec.parameters.insert("export".into(), "/".into());
             },

@@ -465,6 +465,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         parameters: opts.parameters.clone(),
         source: Default::default(),
         mount_options: Default::default(),
+        secret_refs: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
     rec.state = VolumeState::Ready;

@@ -4,6 +4,7 @@
 
 use crate::node::journal::MountRecord;
 use crate::volume::VolumeRecord;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// What every plugin call on a volume is told about this node.
@@ -68,6 +69,16 @@ pub fn identity_env(node: &NodeEnv, rec: &VolumeRecord) -> Vec<(String, String)>
     let mut env = base_env(node, &s.namespace, &s.name, &rec.id, parameters, secrets);
     env.push(("DHV_CONTEXT_SIGNED".into(), rec.registered.to_string()));
     env
+}
+
+/// Replaces `DHV_SECRETS` in `env` with `secrets` (the record's inline secrets and the
+/// referenced ones read for this call, [`crate::storage::plugin::Runner::secrets_for`]).
+pub fn set_secrets(env: &mut Vec<(String, String)>, secrets: &BTreeMap<String, String>) {
+    env.retain(|(k, _)| k != "DHV_SECRETS");
+    env.push((
+        "DHV_SECRETS".into(),
+        serde_json::to_string(secrets).unwrap_or_default(),
+    ));
 }
 
 /// Environment of `create` (Nomad's create variables, plus DHV_SECRETS).

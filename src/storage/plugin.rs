@@ -6,396 +6,26 @@
 //! Nomad does), stdin from /dev/null, stdout parsed as JSON, stderr kept for errors. It runs
 //! in its own process group; past the timeout the group gets SIGTERM, then SIGKILL.
 
+pub use super::process::Leftover;
+use super::process::{
+    describe, describe_leftover, group_members, holders_of_pipe, kill_group, pipe_inode,
+    process_group, read_output,
+};
+pub use super::protocol::{
+    parse, parse_with, Capability, CapabilityError, CreateResult, ExpandResult, Fingerprint,
+    ListedSnapshot, Operation, PluginError, PublishResult, SnapshotListResult, SnapshotResult,
+    EXIT_TEMPORARY, FENCE_TIMEOUT, FINGERPRINT_TIMEOUT, REPORT_LIMIT,
+};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-use tokio::io::AsyncReadExt;
 
 const STDOUT_LIMIT: usize = 1 << 20;
 const STDERR_TAIL: usize = 2048;
-/// Characters of unparsable stdout kept for the node's log (after redaction).
-const BAD_OUTPUT_KEPT: usize = 200;
-const KILL_GRACE: Duration = Duration::from_secs(3);
-/// Nomad gives fingerprint 1 s; we allow a little more for slow disks.
-pub const FINGERPRINT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A plugin operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Operation {
-    Fingerprint,
-    Create,
-    Delete,
-    Publish,
-    Unpublish,
-    /// Optional (capability `snapshot`): copies a volume's content into a new snapshot.
-    SnapshotCreate,
-    /// Optional (capability `snapshot`): removes a snapshot.
-    SnapshotDelete,
-    /// Optional (capability `snapshot_list`): lists the snapshots the storage holds.
-    SnapshotList,
-    /// Optional (capability `expand`, online with `expand_online`): grows a volume.
-    Expand,
-    /// Optional (capability `fence`): makes the volume published at `DHV_TARGET_PATH`
-    /// unwritable on this node now, without the network, bounded by [`FENCE_TIMEOUT`].
-    Fence,
-    /// Optional (capability `fence_node`): revokes node `DHV_FENCED_NODE_ID`'s access to the
-    /// volume at the storage, before this node publishes a volume it takes over.
-    FenceNode,
-    /// Optional (capability `fence_node`): gives node `DHV_FENCED_NODE_ID` its access back.
-    UnfenceNode,
-}
-
-/// The most a `fence` call may take: it runs when the claim's lease is about to end, and
-/// must not wait on the network (docs/plugin-protocol.md, "fence"). Past it the call's
-/// process group is killed and the agent's own fence stands alone.
-pub const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
-
-impl Operation {
-    /// The `argv[1]` / `DHV_OPERATION` value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Operation::Fingerprint => "fingerprint",
-            Operation::Create => "create",
-            Operation::Delete => "delete",
-            Operation::Publish => "publish",
-            Operation::Unpublish => "unpublish",
-            Operation::SnapshotCreate => "snapshot_create",
-            Operation::SnapshotDelete => "snapshot_delete",
-            Operation::SnapshotList => "snapshot_list",
-            Operation::Expand => "expand",
-            Operation::Fence => "fence",
-            Operation::FenceNode => "fence_node",
-            Operation::UnfenceNode => "unfence_node",
-        }
-    }
-
-    /// The capability a plugin must declare in its fingerprint for this operation, `None` for
-    /// the operations every deferred plugin has.
-    pub fn capability(self) -> Option<Capability> {
-        match self {
-            Operation::SnapshotCreate | Operation::SnapshotDelete => Some(Capability::Snapshot),
-            Operation::SnapshotList => Some(Capability::SnapshotList),
-            Operation::Expand => Some(Capability::Expand),
-            Operation::Fence => Some(Capability::Fence),
-            Operation::FenceNode | Operation::UnfenceNode => Some(Capability::FenceNode),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for Operation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A plugin call that did not succeed. Its `Display` (what reaches API callers, records and
-/// the journal) never carries the plugin's output: `message` and `stderr` are the plugin's
-/// own words, redacted and control-escaped, for the agent's log only ([`PluginError::detail`]).
-#[derive(Debug, thiserror::Error)]
-pub enum PluginError {
-    #[error("plugin ID {0:?} is not a valid name (letters, digits, '_', '.', '-')")]
-    BadId(String),
-    #[error("plugin {plugin:?} not found: {path} is missing or not executable")]
-    NotFound { plugin: String, path: PathBuf },
-    #[error("plugin {plugin:?} at {path} is refused: {reason}")]
-    Unsafe {
-        plugin: String,
-        path: PathBuf,
-        reason: String,
-    },
-    #[error("cannot start plugin {plugin:?} {op}: {source}")]
-    Spawn {
-        plugin: String,
-        op: Operation,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error(
-        "plugin {plugin:?} {op} timed out after {after:?} and was killed; its outcome is unknown (its output is in the agent's log)"
-    )]
-    TimedOut {
-        plugin: String,
-        op: Operation,
-        after: Duration,
-        stderr: String,
-    },
-    #[error(
-        "plugin {plugin:?} {op} failed ({status}); its output is in the agent's log on this node"
-    )]
-    Failed {
-        plugin: String,
-        op: Operation,
-        status: String,
-        message: String,
-        stderr: String,
-    },
-    #[error("plugin {plugin:?} {op}: {source}")]
-    Helper {
-        plugin: String,
-        op: Operation,
-        #[source]
-        source: crate::node::helpers::HelperError,
-    },
-    #[error("plugin {plugin:?} {op} printed output that is not the expected JSON ({reason}); the output is in the agent's log on this node")]
-    BadOutput {
-        plugin: String,
-        op: Operation,
-        reason: String,
-        stdout: String,
-    },
-}
 
 pub use crate::escape::escape_control;
-
-/// Exit code of a plugin call that refuses for now and is to be retried (`EX_TEMPFAIL` of
-/// sysexits.h); any other non-zero code is a failure. Used by the optional operations
-/// (docs/plugin-protocol.md).
-pub const EXIT_TEMPORARY: i32 = 75;
-
-/// The most characters of [`PluginError::report`]: a volume record holds it (Nomad keeps
-/// 64 KiB per variable) and one terminal line shows it.
-pub const REPORT_LIMIT: usize = 512;
-
-impl PluginError {
-    /// The plugin's own words (its `{"error"}` message, stderr tail or stdout), redacted and
-    /// escaped, for the agent's local log; empty when there are none.
-    pub fn detail(&self) -> String {
-        match self {
-            PluginError::Failed {
-                message, stderr, ..
-            } => match (message.is_empty(), stderr.trim().is_empty()) {
-                (true, true) => String::new(),
-                (false, true) => format!("error: {message}"),
-                (true, false) => format!("stderr: {}", stderr.trim()),
-                (false, false) => format!("error: {message}; stderr: {}", stderr.trim()),
-            },
-            PluginError::TimedOut { stderr, .. } => stderr.trim().to_string(),
-            PluginError::BadOutput { stdout, .. } => format!("stdout: {stdout}"),
-            _ => String::new(),
-        }
-    }
-
-    /// One line for whoever is off the node (the volume record, `volume create`, `volume
-    /// status`, the conformance kit's evidence): what failed, with the plugin's own words
-    /// ([`PluginError::detail`]: redacted, escaped) in place of "its output is in the agent's
-    /// log", cut to [`REPORT_LIMIT`] characters. Without plugin words it is the `Display`.
-    pub fn report(&self) -> String {
-        let detail = self.detail();
-        if detail.is_empty() {
-            return self.to_string();
-        }
-        let head = match self {
-            PluginError::Failed {
-                plugin, op, status, ..
-            } => format!("plugin {plugin:?} {op} failed ({status})"),
-            PluginError::TimedOut {
-                plugin, op, after, ..
-            } => format!(
-                "plugin {plugin:?} {op} timed out after {after:?} and was killed; its outcome is unknown"
-            ),
-            PluginError::BadOutput {
-                plugin, op, reason, ..
-            } => format!(
-                "plugin {plugin:?} {op} printed output that is not the expected JSON ({reason})"
-            ),
-            _ => return self.to_string(),
-        };
-        // A plugin's last newline, escaped, says nothing.
-        let mut detail = detail.as_str();
-        while let Some(d) = detail.strip_suffix("\\u{a}") {
-            detail = d.trim_end();
-        }
-        let line = format!("{head}: {detail}");
-        if line.chars().count() <= REPORT_LIMIT {
-            return line;
-        }
-        let mut cut: String = line.chars().take(REPORT_LIMIT - 1).collect();
-        cut.push('…');
-        cut
-    }
-
-    /// True when the call may have had an effect we did not see (timeout).
-    pub fn is_uncertain(&self) -> bool {
-        matches!(self, PluginError::TimedOut { .. })
-    }
-
-    /// True when the plugin refused for now and asks to be called again later: exit code
-    /// [`EXIT_TEMPORARY`] (for example ext4's `expand` while the filesystem is still mounted
-    /// somewhere). The operation stays pending and is retried with backoff.
-    pub fn is_temporary(&self) -> bool {
-        matches!(self, PluginError::Failed { status, .. } if *status == format!("exit code {EXIT_TEMPORARY}"))
-    }
-}
-
-/// What `fingerprint` prints:
-/// `{"version":"1.0.0","deferred_bind":true,"capabilities":["snapshot","clone"]}`.
-///
-/// Nomad parses only `version` (unknown keys are ignored by Go's `json.Unmarshal`,
-/// `client/hostvolumemanager/host_volume_plugin.go`), so the extra keys keep the plugin a
-/// valid Nomad DHV plugin.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct Fingerprint {
-    pub version: String,
-    #[serde(default)]
-    pub deferred_bind: bool,
-    /// The optional operations the plugin declares, as written (unknown names are kept and
-    /// ignored, so a newer plugin runs under an older agent).
-    #[serde(default)]
-    pub capabilities: Vec<String>,
-}
-
-impl Fingerprint {
-    /// True when the fingerprint declares `cap`.
-    pub fn supports(&self, cap: Capability) -> bool {
-        self.capabilities.iter().any(|c| c == cap.as_str())
-    }
-
-    /// `Ok` when the plugin declares what `op` needs; else the error that names the plugin
-    /// and the missing capability.
-    pub fn require(&self, plugin: &str, op: Operation) -> Result<(), CapabilityError> {
-        match op.capability() {
-            Some(cap) => self.require_capability(plugin, cap),
-            None => Ok(()),
-        }
-    }
-
-    /// `Ok` when the plugin declares `cap`; else the error that names the plugin and `cap`.
-    pub fn require_capability(&self, plugin: &str, cap: Capability) -> Result<(), CapabilityError> {
-        if self.supports(cap) {
-            Ok(())
-        } else {
-            Err(CapabilityError {
-                plugin: plugin.into(),
-                capability: cap,
-                declared: self.capabilities.clone(),
-            })
-        }
-    }
-}
-
-/// An optional operation a plugin may declare in its fingerprint's `capabilities`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Capability {
-    /// `snapshot_create`, `snapshot_delete`, and `create` with `DHV_SNAPSHOT_ID`.
-    Snapshot,
-    /// `snapshot_list`: what the storage holds, with the caller's secrets.
-    SnapshotList,
-    /// `create` with `DHV_CLONE_ID`: a new volume with another volume's content.
-    Clone,
-    /// `expand` while the volume is not published.
-    Expand,
-    /// `expand` while the volume is published (the filesystem grows under its users).
-    ExpandOnline,
-    /// `fence`: makes the volume unwritable on this node now, without the network.
-    Fence,
-    /// `fence_node` and `unfence_node`: revoke and restore another node's access at the
-    /// storage (an export rule, a blocklist entry, a reservation).
-    FenceNode,
-}
-
-impl Capability {
-    /// Every capability, in documentation order.
-    pub const ALL: [Capability; 7] = [
-        Capability::Snapshot,
-        Capability::SnapshotList,
-        Capability::Clone,
-        Capability::Expand,
-        Capability::ExpandOnline,
-        Capability::Fence,
-        Capability::FenceNode,
-    ];
-
-    /// The name in the fingerprint.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Capability::Snapshot => "snapshot",
-            Capability::SnapshotList => "snapshot_list",
-            Capability::Clone => "clone",
-            Capability::Expand => "expand",
-            Capability::ExpandOnline => "expand_online",
-            Capability::Fence => "fence",
-            Capability::FenceNode => "fence_node",
-        }
-    }
-}
-
-impl std::fmt::Display for Capability {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// An optional operation was asked of a plugin that does not declare it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "plugin {plugin:?} does not support {capability}: its fingerprint declares capabilities {declared:?}, without {:?} (use a plugin that declares it, see docs/plugin-protocol.md#optional-operations)",
-    capability.as_str()
-)]
-pub struct CapabilityError {
-    pub plugin: String,
-    pub capability: Capability,
-    pub declared: Vec<String>,
-}
-
-/// What `snapshot_create` prints: `{"bytes":N,"context":{...}}`. `context` is stored in the
-/// snapshot record and handed to `snapshot_delete` and to `create` from the snapshot.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct SnapshotResult {
-    #[serde(default)]
-    pub bytes: u64,
-    #[serde(default)]
-    pub context: serde_json::Value,
-}
-
-/// One entry of `snapshot_list`'s `{"snapshots":[{"id":…,"bytes":…,"ready":true}]}`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ListedSnapshot {
-    /// The snapshot ID dhv-binder gave at `snapshot_create` (DHV_SNAPSHOT_ID).
-    pub id: String,
-    #[serde(default)]
-    pub bytes: u64,
-    #[serde(default = "yes")]
-    pub ready: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-/// What `snapshot_list` prints.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct SnapshotListResult {
-    #[serde(default)]
-    pub snapshots: Vec<ListedSnapshot>,
-}
-
-/// What `expand` prints: `{"bytes":N}`, the volume's size afterwards.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ExpandResult {
-    #[serde(default)]
-    pub bytes: u64,
-}
-
-/// What `create` prints for a deferred plugin: `{"bytes":N,"context":{...}}`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct CreateResult {
-    #[serde(default)]
-    pub bytes: u64,
-    #[serde(default)]
-    pub context: serde_json::Value,
-}
-
-/// What `publish` prints: `{"path":"/target","context":{...}}`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct PublishResult {
-    #[serde(default)]
-    pub path: Option<String>,
-    #[serde(default)]
-    pub context: serde_json::Value,
-}
 
 /// Told of every finished plugin call: the plugin ID, the operation, the error (`None`:
 /// it succeeded) and how long it ran. The agent times its calls with it for the metrics.
@@ -449,6 +79,8 @@ pub struct Runner {
     caller_cgroup: Option<(PathBuf, PathBuf)>,
     /// The dhv-binder executable plugins call for `dhv-binder helper` (`DHV_BINDER`).
     dhv_binder: Option<PathBuf>,
+    /// Where referenced secrets are read ([`Runner::secrets_for`]); `None`: none are.
+    secrets: Option<super::secrets::SecretSource>,
 }
 
 /// What tells one plugin file from another, or from itself changed: the file's device and
@@ -545,155 +177,6 @@ pub struct Output {
     pub leftover: Vec<Leftover>,
 }
 
-/// A process left over from a plugin call, holding its stdout or stderr.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Leftover {
-    pub pid: i32,
-    /// Its command name (`/proc/<pid>/comm`).
-    pub comm: String,
-}
-
-impl std::fmt::Display for Leftover {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "pid {} ({})", self.pid, escape_control(&self.comm))
-    }
-}
-
-/// How long output is still read once the plugin has exited: what it wrote is in the pipe
-/// already, so only a pipe some other process still holds open waits this long.
-const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(250);
-
-/// Reads `r` into a buffer (keeping the first `limit` bytes, discarding the rest so the
-/// writer never blocks) until EOF, or, once `exited` holds the plugin's exit time, until
-/// [`DRAIN_AFTER_EXIT`] after it. Returns the bytes and whether the pipe was still held
-/// open by someone else at that point.
-async fn read_output<R: tokio::io::AsyncRead + Unpin>(
-    r: &mut R,
-    limit: usize,
-    mut exited: tokio::sync::watch::Receiver<Option<Instant>>,
-) -> (Vec<u8>, bool) {
-    let mut buf = Vec::new();
-    let mut chunk = vec![0u8; 16 * 1024];
-    loop {
-        let exit_time = *exited.borrow();
-        let n = match exit_time {
-            Some(at) => {
-                let until = tokio::time::Instant::from_std(at + DRAIN_AFTER_EXIT);
-                match tokio::time::timeout_at(until, r.read(&mut chunk)).await {
-                    Ok(n) => n,
-                    Err(_) => return (buf, true),
-                }
-            }
-            None => tokio::select! {
-                n = r.read(&mut chunk) => n,
-                changed = exited.changed() => {
-                    if changed.is_err() {
-                        // The waiter is gone: the call is over either way.
-                        return (buf, false);
-                    }
-                    continue;
-                }
-            },
-        };
-        match n {
-            Ok(0) | Err(_) => return (buf, false),
-            Ok(n) => {
-                let room = limit.saturating_sub(buf.len());
-                buf.extend_from_slice(&chunk[..n.min(room)]);
-            }
-        }
-    }
-}
-
-/// The inode of the pipe behind `stdout`, to find who else holds it.
-fn pipe_inode(stdout: &tokio::process::ChildStdout) -> Option<u64> {
-    use std::os::fd::AsRawFd;
-    nix::sys::stat::fstat(stdout.as_raw_fd())
-        .ok()
-        .map(|st| st.st_ino)
-}
-
-/// Processes other than this one and outside process group `group` (the call's, killed
-/// when it ends) with the pipe `inode` open (found in /proc/*/fd).
-fn holders_of_pipe(inode: u64, group: Option<u32>) -> Vec<Leftover> {
-    let want = format!("pipe:[{inode}]");
-    let me = std::process::id() as i32;
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for p in procs.flatten() {
-        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        if pid == me || group.is_some_and(|g| process_group(pid) == Some(g as i32)) {
-            continue;
-        }
-        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
-            continue;
-        };
-        let holds = fds
-            .flatten()
-            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == want.as_str()));
-        if holds {
-            let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
-            out.push(Leftover {
-                pid,
-                comm: comm.trim().to_string(),
-            });
-        }
-    }
-    out
-}
-
-/// The live processes (not zombies) of process group `group`, from /proc.
-fn group_members(group: i32) -> Vec<Leftover> {
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    procs
-        .flatten()
-        .filter_map(|p| p.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| process_group(*pid) == Some(group))
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')
-                        .and_then(|(_, r)| r.split_whitespace().next().map(|st| st != "Z"))
-                })
-                .unwrap_or(false)
-        })
-        .map(|pid| Leftover {
-            pid,
-            comm: std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .unwrap_or_default()
-                .trim()
-                .to_string(),
-        })
-        .collect()
-}
-
-/// The process group of `pid` (field 5 of /proc/<pid>/stat, after the command in
-/// parentheses).
-fn process_group(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(2)?
-        .parse()
-        .ok()
-}
-
-fn describe_leftover(found: &[Leftover]) -> String {
-    found
-        .iter()
-        .map(Leftover::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 pub use super::redact::{redact, sanitize_tail};
 
 /// Why a plugin file may not be run as root: not a regular file, not owned by root (or the
@@ -732,6 +215,61 @@ impl Runner {
             helpers: None,
             caller_cgroup: None,
             dhv_binder: dhv_binder_exe().map(Path::to_path_buf),
+            secrets: None,
+        }
+    }
+
+    /// The same runner, reading the secrets volumes reference from `source`
+    /// ([`Runner::secrets_for`]).
+    pub fn with_secret_source(mut self, source: super::secrets::SecretSource) -> Self {
+        self.secrets = Some(source);
+        self
+    }
+
+    /// The secrets of `rec` for a call of `op`: its inline ones and every `secret_ref` read
+    /// now ([`super::secrets::SecretSource::resolve`]), for the call's `DHV_SECRETS`
+    /// ([`super::environment::set_secrets`]) and redaction; never to be stored. A reference
+    /// that cannot be read is [`PluginError::Secret`] (the plugin is not called).
+    pub async fn secrets_for(
+        &self,
+        op: Operation,
+        rec: &crate::volume::VolumeRecord,
+    ) -> Result<BTreeMap<String, String>, PluginError> {
+        self.secrets_of(
+            &rec.spec.plugin_id,
+            op,
+            &rec.spec.namespace,
+            &rec.secrets,
+            &rec.spec.secret_refs,
+        )
+        .await
+    }
+
+    /// [`Runner::secrets_for`] from the parts: a call of `plugin`'s `op` with the `inline`
+    /// secrets and the references `refs`, variables read in `namespace` (a snapshot record
+    /// keeps its volume's, for a `snapshot_delete` after the volume is gone).
+    pub async fn secrets_of(
+        &self,
+        plugin: &str,
+        op: Operation,
+        namespace: &str,
+        inline: &BTreeMap<String, String>,
+        refs: &BTreeMap<String, crate::volume::secret_refs::SecretRef>,
+    ) -> Result<BTreeMap<String, String>, PluginError> {
+        if refs.is_empty() {
+            return Ok(inline.clone());
+        }
+        let failed = |source| PluginError::Secret {
+            plugin: plugin.to_string(),
+            op,
+            source: Box::new(source),
+        };
+        match &self.secrets {
+            Some(s) => s
+                .resolve_refs(namespace, inline, refs)
+                .await
+                .map_err(failed),
+            None => Err(failed(super::secrets::SecretError::NoSource)),
         }
     }
 
@@ -1228,76 +766,6 @@ impl Runner {
     }
 }
 
-async fn kill_group(pid: u32) {
-    use nix::sys::signal::{killpg, Signal};
-    let pg = nix::unistd::Pid::from_raw(pid as i32);
-    if killpg(pg, Signal::SIGTERM).is_err() {
-        return;
-    }
-    let deadline = Instant::now() + KILL_GRACE;
-    while Instant::now() < deadline {
-        // Signal 0 probes whether any process of the group is left.
-        if killpg(pg, None).is_err() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let _ = killpg(pg, Signal::SIGKILL);
-}
-
-fn describe(status: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exit code {c}"),
-        (None, Some(s)) => format!("killed by signal {s}"),
-        _ => "unknown status".into(),
-    }
-}
-
-/// Parses a plugin's stdout as `T`. Empty stdout parses as `{}`.
-pub fn parse<T: serde::de::DeserializeOwned>(
-    plugin: &str,
-    op: Operation,
-    stdout: &[u8],
-) -> Result<T, PluginError> {
-    parse_with(plugin, op, stdout, &BTreeMap::new())
-}
-
-/// [`parse`] for an operation that was given `secrets`: on bad output the stdout kept in the
-/// error (and logged here, on the node only) is redacted before it is escaped and cut.
-pub fn parse_with<T: serde::de::DeserializeOwned>(
-    plugin: &str,
-    op: Operation,
-    stdout: &[u8],
-    secrets: &BTreeMap<String, String>,
-) -> Result<T, PluginError> {
-    let text = String::from_utf8_lossy(stdout);
-    let text = if text.trim().is_empty() {
-        "{}"
-    } else {
-        text.trim()
-    };
-    // serde_json's messages may quote the offending value: keep only its kind and place.
-    serde_json::from_str(text).map_err(|e| {
-        let e = PluginError::BadOutput {
-            plugin: plugin.into(),
-            op,
-            reason: format!(
-                "{:?} error at line {} column {}",
-                e.classify(),
-                e.line(),
-                e.column()
-            ),
-            stdout: escape_control(&redact(text, secrets))
-                .chars()
-                .take(BAD_OUTPUT_KEPT)
-                .collect(),
-        };
-        tracing::warn!(plugin, %op, detail = %e.detail(), "{e}");
-        e
-    })
-}
-
 /// The dhv-binder executable plugins call for `dhv-binder helper` (`DHV_BINDER`): this
 /// process's own when it is dhv-binder (the agent, `plugin check`), else `DHV_BINDER` from
 /// this process's environment, else none (the plugin then looks for `dhv-binder` on its
@@ -1322,29 +790,6 @@ mod tests {
         let p = dir.join(name);
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-
-    #[test]
-    fn fencing_operations_need_their_capabilities() {
-        let fp: Fingerprint = serde_json::from_str(
-            r#"{"version":"1","deferred_bind":true,"capabilities":["fence","fence_node","later"]}"#,
-        )
-        .unwrap();
-        assert!(fp.supports(Capability::Fence) && fp.supports(Capability::FenceNode));
-        for op in [
-            Operation::Fence,
-            Operation::FenceNode,
-            Operation::UnfenceNode,
-        ] {
-            assert!(fp.require("p", op).is_ok(), "{op}");
-        }
-        assert_eq!(Operation::FenceNode.as_str(), "fence_node");
-        assert_eq!(Operation::UnfenceNode.as_str(), "unfence_node");
-        let bare: Fingerprint = serde_json::from_str(r#"{"version":"1"}"#).unwrap();
-        let e = bare.require("p", Operation::UnfenceNode).unwrap_err();
-        assert_eq!(e.capability, Capability::FenceNode);
-        assert!(e.to_string().contains("fence_node"), "{e}");
-        assert!(bare.require("p", Operation::Fence).is_err());
     }
 
     /// `fence` is bounded by its own short timeout, not the runner's.
@@ -1541,27 +986,6 @@ mod tests {
         assert!(!report.contains("agent's log"), "{report}");
     }
 
-    #[test]
-    fn a_report_is_bounded_and_without_words_is_the_display() {
-        let e = PluginError::Failed {
-            plugin: "p".into(),
-            op: Operation::Create,
-            status: "exit code 1".into(),
-            message: "x".repeat(5000),
-            stderr: String::new(),
-        };
-        assert_eq!(e.report().chars().count(), REPORT_LIMIT);
-        assert!(e.report().ends_with('…'));
-        let quiet = PluginError::Failed {
-            plugin: "p".into(),
-            op: Operation::Create,
-            status: "exit code 1".into(),
-            message: String::new(),
-            stderr: " ".into(),
-        };
-        assert_eq!(quiet.report(), quiet.to_string());
-    }
-
     /// Secrets with quotes, backslashes, newlines and non-ASCII are redacted in every form a
     /// plugin (or our escaping) may print them, before escaping and truncation.
     #[tokio::test]
@@ -1632,35 +1056,6 @@ exit 1"#,
         assert_eq!(res.path.as_deref(), Some(target.to_str().unwrap()));
         assert!(!out.stderr.contains("vol-data"), "{}", out.stderr);
         assert!(out.stderr.contains("[redacted]"), "{}", out.stderr);
-    }
-
-    #[test]
-    fn redaction_happens_before_truncation_and_escaping() {
-        let secrets = BTreeMap::from([("k".to_string(), "top\nsecret\"value".to_string())]);
-        // The secret straddles the cut: redacting after cutting would leak its tail.
-        let raw = format!("{}top\nsecret\"value and more", "x".repeat(30));
-        let t = sanitize_tail(raw.as_bytes(), &secrets, 25);
-        assert!(!t.contains("value"), "{t}");
-        assert!(!t.contains("secret"), "{t}");
-        assert_eq!(
-            escape_control("a\u{1b}[2Jb\r\u{202e}c\\"),
-            "a\\u{1b}[2Jb\\u{d}\\u{202e}c\\\\"
-        );
-        // Cut on a character boundary.
-        assert_eq!(sanitize_tail("ééé".as_bytes(), &BTreeMap::new(), 3), "é");
-    }
-
-    #[test]
-    fn unparsable_stdout_is_redacted_before_it_is_cut() {
-        let secret = "s3cr3t-value-longer-than-the-cut";
-        let secrets = BTreeMap::from([("k".to_string(), secret.to_string())]);
-        // The secret straddles the 200-character cut: cutting first would keep its head.
-        let out = format!("{}{secret} not json", "x".repeat(BAD_OUTPUT_KEPT - 10));
-        let e = parse_with::<Fingerprint>("p", Operation::Publish, out.as_bytes(), &secrets)
-            .unwrap_err();
-        let shown = format!("{e} {}", e.detail());
-        assert!(!shown.contains(&secret[..10]), "{shown}");
-        assert!(shown.contains("[redac"), "{shown}");
     }
 
     #[tokio::test]
@@ -1830,39 +1225,6 @@ exit 1"#,
             r.fingerprint("absent").await,
             Err(PluginError::NotFound { .. })
         ));
-    }
-
-    #[test]
-    fn capabilities_are_read_from_the_fingerprint_and_required_by_name() {
-        let fp: Fingerprint = parse(
-            "ext4",
-            Operation::Fingerprint,
-            br#"{"version":"1.0.0","deferred_bind":true,"capabilities":["snapshot","expand","from-the-future"]}"#,
-        )
-        .unwrap();
-        assert!(fp.supports(Capability::Snapshot));
-        assert!(fp.supports(Capability::Expand));
-        assert!(!fp.supports(Capability::ExpandOnline));
-        assert!(fp.require("ext4", Operation::SnapshotCreate).is_ok());
-        assert!(fp.require("ext4", Operation::Publish).is_ok());
-        let e = fp.require("ext4", Operation::SnapshotList).unwrap_err();
-        assert_eq!(e.capability, Capability::SnapshotList);
-        let text = e.to_string();
-        assert!(
-            text.contains("\"ext4\"") && text.contains("snapshot_list"),
-            "{text}"
-        );
-        // A fingerprint without capabilities (every plain Nomad plugin) declares none.
-        let plain: Fingerprint =
-            parse("webdav", Operation::Fingerprint, br#"{"version":"1.0.0"}"#).unwrap();
-        for op in [
-            Operation::SnapshotCreate,
-            Operation::SnapshotDelete,
-            Operation::SnapshotList,
-            Operation::Expand,
-        ] {
-            assert!(plain.require("webdav", op).is_err(), "{op}");
-        }
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 //! (`dhv-binder/volumes/<name>` in the volume's namespace).
 
 pub mod mount_options;
+pub mod secret_refs;
 
 use crate::nomad::types::Variable;
 use crate::volume::mount_options::{MountOptions, MountOptionsError};
@@ -90,6 +91,9 @@ pub enum SpecError {
     /// bad `fs_type`.
     #[error(transparent)]
     MountOptions(#[from] MountOptionsError),
+    /// A `secret_ref` block that names no usable place.
+    #[error(transparent)]
+    SecretRef(#[from] secret_refs::SecretRefError),
 }
 
 impl SpecError {
@@ -134,6 +138,7 @@ impl SpecError {
             SpecError::MountOptions(_) => {
                 spec_line(text, Some("mount_options"), "mount_flags", None)
             }
+            SpecError::SecretRef(_) => top("secret_ref"),
         }
     }
 
@@ -303,6 +308,10 @@ pub struct VolumeSpec {
     /// `nosuid,nodev` default ([`crate::volume::mount_options`]); omitted from the record when empty.
     #[serde(default, skip_serializing_if = "MountOptions::is_empty")]
     pub mount_options: MountOptions,
+    /// `secret_ref "<name>" { … }`: where each secret the record does not hold lives, read
+    /// by the node at each plugin call ([`secret_refs`]); omitted from the record when empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secret_refs: BTreeMap<String, secret_refs::SecretRef>,
 }
 
 #[derive(Deserialize)]
@@ -338,7 +347,7 @@ struct RawMountOptions {
 }
 
 /// The top-level fields of a `volume create` spec.
-pub const SPEC_FIELDS: [&str; 13] = [
+pub const SPEC_FIELDS: [&str; 14] = [
     "name",
     "type",
     "namespace",
@@ -352,6 +361,7 @@ pub const SPEC_FIELDS: [&str; 13] = [
     "snapshot_id",
     "clone_id",
     "mount_options",
+    "secret_ref",
 ];
 
 /// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
@@ -371,12 +381,13 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
     })?;
     // Shapes first, in the order of the text: a string where a string goes, a block where
     // a block goes, and only known fields in a capability block.
-    let blocks: [&'static str; 5] = [
+    let blocks: [&'static str; 6] = [
         "capability",
         "parameters",
         "secrets",
         "context",
         "mount_options",
+        "secret_ref",
     ];
     let strings = [
         "name",
@@ -406,6 +417,7 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                         shape: match *b {
                             "capability" => "a block: `capability { access_mode = \"…\" attachment_mode = \"…\" }`",
                             "mount_options" => "a block: `mount_options { mount_flags = [\"noexec\"] }`",
+                            "secret_ref" => "a labelled block: `secret_ref \"password\" { variable = \"…\" item = \"…\" }`",
                             _ => "a block of `key = \"value\"` lines, e.g. `parameters { export = \"/srv\" }`",
                         },
                     });
@@ -709,6 +721,8 @@ fn parse_spec_of(
         None => MountOptions::default(),
         Some(m) => MountOptions::new(m.mount_flags, m.fs_type)?,
     };
+    let body = hcl::edit::parser::parse_body(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
+    let secret_refs = secret_refs::parse(&body, &secrets)?;
     Ok((
         VolumeSpec {
             name,
@@ -721,6 +735,7 @@ fn parse_spec_of(
             parameters,
             source,
             mount_options,
+            secret_refs,
         },
         secrets,
     ))

@@ -10,7 +10,9 @@ use crate::node::mounts;
 use crate::nomad::types::Allocation;
 use crate::nomad::types::HostVolume;
 use crate::nomad::{Client, NomadError};
-use crate::storage::environment::{create_env, delete_env, publish_env, unpublish_env, NodeEnv};
+use crate::storage::environment::{
+    create_env, delete_env, publish_env, set_secrets, unpublish_env, NodeEnv,
+};
 use crate::storage::plugin::Fingerprint;
 use crate::storage::plugin::{self, CreateResult, Operation, PluginError, PublishResult, Runner};
 use crate::volume::{RecordError, VolumeKey, VolumeRecord, VolumeState};
@@ -404,13 +406,16 @@ pub async fn publish(
                 }
             }
         }
-        let env = publish_env(&node, &rec, &target, read_only, &alloc_id);
+        // Referenced secrets are read now: a changed value is used by this call.
+        let secrets = runner.secrets_for(Operation::Publish, &rec).await?;
+        let mut env = publish_env(&node, &rec, &target, read_only, &alloc_id);
+        set_secrets(&mut env, &secrets);
         let out = runner
-            .call(&plugin_id, Operation::Publish, &env, &rec.secrets)
+            .call(&plugin_id, Operation::Publish, &env, &secrets)
             .await
-            .map_err(|e| redacted(e, &rec.secrets))?;
+            .map_err(|e| redacted(e, &secrets))?;
         let res: PublishResult =
-            plugin::parse_with(&plugin_id, Operation::Publish, &out.stdout, &rec.secrets)?;
+            plugin::parse_with(&plugin_id, Operation::Publish, &out.stdout, &secrets)?;
         if let Some(p) = &res.path {
             if Path::new(p) != target {
                 return Err(StepError::WrongPath {
@@ -446,9 +451,13 @@ pub async fn unpublish(
     rec: Option<VolumeRecord>,
     keep_dir: bool,
 ) -> Called {
-    let env = unpublish_env(&node, &m, rec.as_ref());
-    let secrets = secrets_of(rec.as_ref());
+    let mut env = unpublish_env(&node, &m, rec.as_ref());
     let result = async {
+        let secrets = match &rec {
+            Some(r) => runner.secrets_for(Operation::Unpublish, r).await?,
+            None => BTreeMap::new(),
+        };
+        set_secrets(&mut env, &secrets);
         let target = m.target.clone();
         let usage = crate::node::holders::before_unpublish_shared(target)
             .await
@@ -707,15 +716,21 @@ pub async fn create(
             }
         }
         let mut failure = None;
+        // Referenced secrets, read now; never stored in `rec` (written back below).
+        let secrets = runner
+            .secrets_for(Operation::Create, &rec)
+            .await
+            .map_err(WorkerError::Plugin)?;
+        set_secrets(&mut env, &secrets);
         match runner
-            .call(&rec.spec.plugin_id, Operation::Create, &env, &rec.secrets)
+            .call(&rec.spec.plugin_id, Operation::Create, &env, &secrets)
             .await
             .and_then(|o| {
                 plugin::parse_with::<CreateResult>(
                     &rec.spec.plugin_id,
                     Operation::Create,
                     &o.stdout,
-                    &rec.secrets,
+                    &secrets,
                 )
             }) {
             Ok(res) => {
@@ -738,10 +753,10 @@ pub async fn create(
                 }
             }
             Err(e @ PluginError::TimedOut { .. }) => {
-                return Err(WorkerError::Plugin(redacted(e, &rec.secrets)))
+                return Err(WorkerError::Plugin(redacted(e, &secrets)))
             }
             Err(e) => {
-                let e = redacted(e, &rec.secrets);
+                let e = redacted(e, &secrets);
                 rec.state = VolumeState::Failed;
                 // The plugin's redacted, bounded words reach `volume create` and `status`.
                 rec.error = e.report();
@@ -788,9 +803,14 @@ pub async fn delete(
             let _ = cas_update(&client, &rec).await;
             return Err(WorkerError::Mounted(why));
         }
-        let env = delete_env(&node, &rec);
+        let secrets = runner
+            .secrets_for(Operation::Delete, &rec)
+            .await
+            .map_err(WorkerError::Plugin)?;
+        let mut env = delete_env(&node, &rec);
+        set_secrets(&mut env, &secrets);
         // Every storage delete is logged at info, naming what it deletes (issue 33).
-        let context = crate::storage::plugin::redact(&rec.context.to_string(), &rec.secrets);
+        let context = crate::storage::plugin::redact(&rec.context.to_string(), &secrets);
         // The same fields before and after the plugin's call.
         let log_delete = |what: &str| {
             tracing::info!(
@@ -805,10 +825,10 @@ pub async fn delete(
         };
         log_delete("deleting the volume's storage");
         if let Err(e) = runner
-            .call(&rec.spec.plugin_id, Operation::Delete, &env, &rec.secrets)
+            .call(&rec.spec.plugin_id, Operation::Delete, &env, &secrets)
             .await
         {
-            let e = redacted(e, &rec.secrets);
+            let e = redacted(e, &secrets);
             rec.worker_node.clear();
             rec.error = e.report();
             let _ = cas_update(&client, &rec).await;
@@ -891,13 +911,20 @@ async fn fence_at_storage(
                 .then_some((Operation::UnfenceNode, node.node_id.as_str())),
         );
     for (op, fenced) in calls {
-        let mut env = delete_env(node, rec);
-        env.push(("DHV_FENCED_NODE_ID".into(), fenced.to_string()));
         let volume = rec.key();
-        match runner
-            .call(&rec.spec.plugin_id, op, &env, &rec.secrets)
+        let secrets = runner
+            .secrets_for(op, rec)
             .await
-        {
+            .map_err(|e| ClaimError::StorageFence {
+                volume: volume.clone(),
+                op: op.as_str(),
+                node: fenced.to_string(),
+                error: e.report(),
+            })?;
+        let mut env = delete_env(node, rec);
+        set_secrets(&mut env, &secrets);
+        env.push(("DHV_FENCED_NODE_ID".into(), fenced.to_string()));
+        match runner.call(&rec.spec.plugin_id, op, &env, &secrets).await {
             Ok(_) => {
                 tracing::warn!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "{}", match op {
                     Operation::FenceNode => "took the volume over: the old holder's access is revoked at the storage (plugin fence_node) before the publish here",
@@ -905,7 +932,7 @@ async fn fence_at_storage(
                 })
             }
             Err(e) => {
-                let e = redacted(e, &rec.secrets);
+                let e = redacted(e, &secrets);
                 tracing::error!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, error = %e.report(), "storage-side {op} failed; the volume is not published here until it succeeds (retried)");
                 return Err(ClaimError::StorageFence {
                     volume,

@@ -68,6 +68,9 @@ pub enum StartError {
     /// The placeholder guard cannot be placed (see `crate::node::guard`).
     #[error(transparent)]
     Guard(#[from] crate::node::guard::GuardError),
+    /// `--secrets-path` or the Vault settings cannot be used.
+    #[error(transparent)]
+    Secrets(#[from] crate::storage::secrets::SettingError),
     /// The claim renewals' thread cannot be started.
     #[error("cannot start the claim renewals' thread: {0}")]
     Renewals(#[source] std::io::Error),
@@ -812,6 +815,12 @@ pub async fn run(
         cfg.allow_unsigned_records,
     )?;
     let allowed_roots = crate::storage::plugin::allowed_roots(&cfg.plugin_roots)?;
+    let secret_source = crate::storage::secrets::SecretSource::from_settings(
+        client.clone(),
+        &cfg.secrets_path,
+        cfg.vault_addr.as_deref(),
+        cfg.vault_token.clone(),
+    )?;
     if let Some(path) = &cfg.token_file {
         watch::read_token_file(&client, path);
     }
@@ -1010,6 +1019,7 @@ pub async fn run(
         trust,
         rejected_records,
     );
+    shell.runner = shell.runner.with_secret_source(secret_source);
     shell.guard = guard;
     shell.guarded = guarded;
     shell.clock = clock.clone();
