@@ -385,6 +385,15 @@ fn text_escapes(t: &str) -> String {
     out
 }
 
+/// A measured duration as the CLI prints it: `132ms` below a second, else `1.2s`.
+pub fn millis(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

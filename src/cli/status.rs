@@ -366,10 +366,10 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
             match (l.last, l.median) {
                 (Some(last), Some(m)) => format!(
                     "last {}, median ≤ {} over {over}",
-                    super::volume::millis(last),
-                    super::volume::millis(m)
+                    super::output::millis(last),
+                    super::output::millis(m)
                 ),
-                (None, Some(m)) => format!("median ≤ {} over {over}", super::volume::millis(m)),
+                (None, Some(m)) => format!("median ≤ {} over {over}", super::output::millis(m)),
                 (_, None) => "no publishes yet".into(),
             }
         }),
