@@ -50,6 +50,15 @@ pub struct VolumeUser {
     pub alloc_name: String,
     #[serde(rename = "NodeID")]
     pub node_id: String,
+    /// The allocation's job.
+    #[serde(rename = "JobID")]
+    pub job_id: String,
+    /// The allocation's client status as Nomad reports it (`pending`, `running`, ...).
+    #[serde(rename = "ClientStatus")]
+    pub client_status: String,
+    /// Where the placeholder (and the volume, once published) is on the node.
+    #[serde(rename = "HostPath")]
+    pub host_path: String,
 }
 
 pub(super) async fn read_var(
@@ -157,6 +166,9 @@ pub(super) async fn users_of(
                     alloc_id: a.id,
                     alloc_name: a.name,
                     node_id: hv.node_id.clone(),
+                    job_id: a.job_id,
+                    client_status: a.client_status,
+                    host_path: hv.host_path.clone(),
                 });
             }
         }

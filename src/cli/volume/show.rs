@@ -2,10 +2,11 @@
 //! placeholders, the allocations) and their readable and JSON forms.
 
 use super::super::output::{ago, bytes, kv, millis, plural, short_id, table, OutputArgs};
-use super::super::records::{read_var, users_of, VolumeUser, REGISTERED_ITEM};
+use super::super::records::{read_var, VolumeUser, REGISTERED_ITEM};
 use super::super::storage::{self, SnapshotSummary};
 use super::super::Failure;
 use super::eligibility::{node_name, why_waiting};
+use crate::cluster::claims::claim_path;
 use crate::cluster::nodes::{self, NodeRecord};
 use crate::escape::escape_control;
 use crate::nomad::Client;
@@ -85,12 +86,16 @@ pub struct VolumeDetail {
     /// Why a `pending` or `deleting` volume waits (the refusals the agents published, no
     /// node able to serve it), or empty.
     pub waiting: String,
+    /// Who holds the single-node claim, from the claim variable: `name (short ID)`, and the
+    /// job and allocation there using the volume; empty when no node holds it.
+    pub claim_holder: String,
     /// The volume on each node that has it (mounted, a placeholder, an error, a refusal),
     /// from the node records and placeholders.
     pub nodes: Vec<NodeDetail>,
     /// The recent publish, unpublish and fence events of the volume on every node, newest
-    /// first (each node publishes its last [`nodes::MAX_NODE_HISTORY`] per volume);
-    /// `volume status -verbose` prints them.
+    /// first (each node publishes its last [`nodes::MAX_NODE_HISTORY`] per volume), then
+    /// those of the record itself ([`record_events`]: create or register, snapshots,
+    /// expansion, claim); `volume status -verbose` prints them.
     pub history: Vec<HistoryEvent>,
 }
 
@@ -101,13 +106,16 @@ pub struct NodeDetail {
     #[serde(rename = "NodeID")]
     pub node_id: String,
     pub node_name: String,
-    /// The mount's state on the node (`published`, `publishing`, `unpublishing`), or
-    /// `not mounted`.
+    /// The mount's state on the node (`published`, `publishing`, `unpublishing`), else
+    /// `waiting` when a publish waits there (see `waiting`), else `not mounted`.
     pub state: String,
     /// When the state began (the node's clock): Unix seconds here, an RFC 3339 string in
     /// `-json`, `null` when unknown.
     #[serde(serialize_with = "super::super::output::ser_rfc3339")]
     pub since: u64,
+    /// Where the volume is (or will be) mounted on the node: its placeholder's `HostPath`,
+    /// or empty when the node has no placeholder.
+    pub target: String,
     /// The placeholder's Nomad host volume ID on the node, or empty.
     #[serde(rename = "HostVolumeID")]
     pub host_volume_id: String,
@@ -134,7 +142,8 @@ pub struct HistoryEvent {
     #[serde(rename = "NodeID")]
     pub node_id: String,
     pub node_name: String,
-    /// `publish`, `unpublish`, `fence` or `unfence`.
+    /// `publish`, `unpublish`, `fence` or `unfence` (from a node's journal); `create`,
+    /// `register`, `snapshot`, `expand` or `claim` (from the records).
     pub event: String,
     /// The allocation the publish was for; empty for the others.
     #[serde(rename = "AllocID")]
@@ -144,6 +153,131 @@ pub struct HistoryEvent {
     /// How long the plugin call took, measured by the agent, in milliseconds; 0 when not
     /// measured (fence events).
     pub duration_ms: u64,
+    /// What a record event is about (`snapshot 3f2a…`, `to 128.0 MiB`), or empty.
+    pub detail: String,
+}
+
+/// The events the records themselves tell of (no node journal has them): the create or
+/// register (where it ran, its state), each snapshot (when it was requested), an expansion
+/// (requested, running, failed) and who holds the claim. Only snapshots carry a time (the
+/// records keep none for the others: `Time` is unknown, `null` in `-json`).
+pub fn record_events(
+    rec: &VolumeRecord,
+    records: &[NodeRecord],
+    snapshots: &[SnapshotSummary],
+    claim_node: Option<&str>,
+) -> Vec<HistoryEvent> {
+    let name_of = |id: &str| {
+        records
+            .iter()
+            .find(|r| r.node_id == id)
+            .map(|r| r.node_name.clone())
+            .unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    let created = match rec.state {
+        VolumeState::Ready => "ok",
+        VolumeState::Failed => "failed",
+        other => other.as_str(),
+    };
+    out.push(HistoryEvent {
+        node_id: rec.worker_node.clone(),
+        node_name: name_of(&rec.worker_node),
+        event: if rec.registered { "register" } else { "create" }.into(),
+        outcome: created.into(),
+        detail: if rec.registered {
+            "no plugin create".into()
+        } else if rec.capacity_bytes > 0 {
+            bytes(rec.capacity_bytes)
+        } else {
+            String::new()
+        },
+        ..Default::default()
+    });
+    for s in snapshots {
+        out.push(HistoryEvent {
+            time: s.created_at,
+            event: "snapshot".into(),
+            outcome: match s.state.as_str() {
+                "ready" => "ok".into(),
+                other => other.to_string(),
+            },
+            detail: format!("{} ({})", short_id(&s.id, false), s.name),
+            ..Default::default()
+        });
+    }
+    if let Some(x) = &rec.expansion {
+        out.push(HistoryEvent {
+            node_id: x.node.clone(),
+            node_name: name_of(&x.node),
+            event: "expand".into(),
+            outcome: x.state.as_str().into(),
+            detail: format!("to {}", bytes(x.bytes)),
+            ..Default::default()
+        });
+    }
+    if let Some(node) = claim_node {
+        out.push(HistoryEvent {
+            node_id: node.to_string(),
+            node_name: name_of(node),
+            event: "claim".into(),
+            outcome: "held".into(),
+            ..Default::default()
+        });
+    }
+    out
+}
+
+/// Node and record events in one list: newest first, events without a time last.
+pub fn merge_events(mut nodes: Vec<HistoryEvent>, records: Vec<HistoryEvent>) -> Vec<HistoryEvent> {
+    nodes.extend(records);
+    nodes.sort_by_key(|e| (e.time == 0, std::cmp::Reverse(e.time)));
+    nodes
+}
+
+/// One placeholder (Nomad host volume) of a deferred volume on a node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placeholder {
+    pub node_id: String,
+    /// The host volume's ID.
+    pub id: String,
+    /// The host volume's `HostPath`: where the volume is mounted once published.
+    pub host_path: String,
+}
+
+/// The placeholders of volume `name` and the allocations Nomad lists on them (with their
+/// job and client status). Nomad API: `GET /v1/volumes?type=host`, `GET /v1/volume/host/:id`.
+pub async fn placeholders_of(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<(Vec<Placeholder>, Vec<VolumeUser>), Failure> {
+    let mut places = Vec::new();
+    let mut users = Vec::new();
+    for stub in client.list_host_volumes(None, namespace).await? {
+        if stub.name != name {
+            continue;
+        }
+        let Some(hv) = client.host_volume(namespace, &stub.id).await? else {
+            continue;
+        };
+        for a in &hv.allocations {
+            users.push(VolumeUser {
+                alloc_id: a.id.clone(),
+                alloc_name: a.name.clone(),
+                node_id: hv.node_id.clone(),
+                job_id: a.job_id.clone(),
+                client_status: a.client_status.clone(),
+                host_path: hv.host_path.clone(),
+            });
+        }
+        places.push(Placeholder {
+            node_id: hv.node_id,
+            id: hv.id,
+            host_path: hv.host_path,
+        });
+    }
+    Ok((places, users))
 }
 
 /// The per-node rows of `volume status`: each node with a mount, an error, a refusal or a
@@ -151,7 +285,7 @@ pub struct HistoryEvent {
 pub fn node_details(
     rec: &VolumeRecord,
     records: &[NodeRecord],
-    placeholders: &[(String, String)],
+    placeholders: &[Placeholder],
     users: &[VolumeUser],
 ) -> Vec<NodeDetail> {
     let key = rec.key().to_string();
@@ -169,10 +303,12 @@ pub fn node_details(
             NodeDetail {
                 node_id: n.node_id.clone(),
                 node_name: n.node_name.clone(),
-                state: if v.state.is_empty() {
-                    "not mounted".into()
-                } else {
+                state: if !v.state.is_empty() {
                     v.state
+                } else if !v.waiting.is_empty() {
+                    "waiting".into()
+                } else {
+                    "not mounted".into()
                 },
                 since: v.since,
                 allocations: v.users,
@@ -184,18 +320,19 @@ pub fn node_details(
             },
         );
     }
-    for (node_id, hv) in placeholders {
-        let d = out.entry(node_id.clone()).or_insert_with(|| NodeDetail {
-            node_id: node_id.clone(),
+    for p in placeholders {
+        let d = out.entry(p.node_id.clone()).or_insert_with(|| NodeDetail {
+            node_id: p.node_id.clone(),
             node_name: records
                 .iter()
-                .find(|r| &r.node_id == node_id)
+                .find(|r| r.node_id == p.node_id)
                 .map(|r| r.node_name.clone())
                 .unwrap_or_default(),
             state: "not mounted".into(),
             ..Default::default()
         });
-        d.host_volume_id = hv.clone();
+        d.host_volume_id = p.id.clone();
+        d.target = p.host_path.clone();
     }
     for u in users {
         if let Some(d) = out.get_mut(&u.node_id) {
@@ -226,6 +363,7 @@ pub fn history(rec: &VolumeRecord, records: &[NodeRecord]) -> Vec<HistoryEvent> 
                     alloc_id: e.alloc_id.clone(),
                     outcome: if e.ok { "ok" } else { "failed" }.into(),
                     duration_ms: e.ms,
+                    detail: String::new(),
                 },
             ));
         }
@@ -244,7 +382,9 @@ pub fn render_history(events: &[HistoryEvent], verbose: bool) -> String {
     let rows: Vec<Vec<String>> = events
         .iter()
         .map(|e| {
-            let name = if e.node_name.is_empty() {
+            let name = if e.node_id.is_empty() {
+                "-".into()
+            } else if e.node_name.is_empty() {
                 short_id(&e.node_id, verbose)
             } else {
                 e.node_name.clone()
@@ -253,10 +393,12 @@ pub fn render_history(events: &[HistoryEvent], verbose: bool) -> String {
                 super::super::output::rfc3339(e.time).unwrap_or_else(|| "-".into()),
                 name,
                 e.event.clone(),
-                if e.alloc_id.is_empty() {
-                    "-".into()
+                if !e.alloc_id.is_empty() {
+                    format!("allocation {}", short_id(&e.alloc_id, verbose))
+                } else if !e.detail.is_empty() {
+                    e.detail.clone()
                 } else {
-                    short_id(&e.alloc_id, verbose)
+                    "-".into()
                 },
                 match (e.outcome.as_str(), e.duration_ms) {
                     (o, 0) => o.to_string(),
@@ -267,7 +409,7 @@ pub fn render_history(events: &[HistoryEvent], verbose: bool) -> String {
         })
         .collect();
     table(
-        &["Time", "Node", "Event", "Allocation", "Outcome"],
+        &["Time", "Node", "Event", "Detail", "Outcome"],
         &rows,
         "No recent events on any node",
     )
@@ -333,7 +475,9 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
             },
         ),
         (
-            "Capacity",
+            // What the create asked for and the plugin reported: not a measure of the
+            // storage or of its usage.
+            "Requested Size",
             if s.capacity_bytes > 0 {
                 bytes(s.capacity_bytes)
             } else {
@@ -378,6 +522,37 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     if !d.waiting.is_empty() {
         rows.push(("Waiting For", d.waiting.clone()));
     }
+    let now = super::super::output::now_unix();
+    let mounted: Vec<String> = d
+        .nodes
+        .iter()
+        .filter(|n| n.state == "published")
+        .map(|n| {
+            let mut s = if n.node_name.is_empty() {
+                short_id(&n.node_id, verbose)
+            } else {
+                n.node_name.clone()
+            };
+            if !n.target.is_empty() {
+                s.push_str(&format!(" at {}", n.target));
+            }
+            if let Some(t) = super::super::output::rfc3339(n.since) {
+                s.push_str(&format!(" since {t} ({})", ago(n.since, now)));
+            }
+            s
+        })
+        .collect();
+    rows.push((
+        "Mounted On",
+        if mounted.is_empty() {
+            "no node".into()
+        } else {
+            mounted.join("; ")
+        },
+    ));
+    if !d.claim_holder.is_empty() {
+        rows.push(("Claim Holder", d.claim_holder.clone()));
+    }
     if !d.source.is_empty() {
         rows.push(("Source", d.source.clone()));
     }
@@ -390,21 +565,29 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
         .allocations
         .iter()
         .map(|u| {
+            let dash = |s: &str| {
+                if s.is_empty() {
+                    "-".to_string()
+                } else {
+                    s.to_string()
+                }
+            };
             vec![
                 short_id(&u.alloc_id, verbose),
                 u.alloc_name.clone(),
+                dash(&u.job_id),
                 short_id(&u.node_id, verbose),
+                dash(&u.client_status),
             ]
         })
         .collect();
     out.push_str(&table(
-        &["ID", "Name", "Node ID"],
+        &["ID", "Name", "Job", "Node ID", "Status"],
         &users,
         "No allocations use this volume",
     ));
     if !d.nodes.is_empty() {
         out.push_str("\nNodes\n");
-        let now = super::super::output::now_unix();
         let rows: Vec<Vec<String>> = d
             .nodes
             .iter()
@@ -422,6 +605,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                     } else {
                         ago(n.since, now)
                     },
+                    dash(n.target.clone()),
                     dash(short_id(&n.host_volume_id, verbose)),
                     dash(
                         n.allocations
@@ -432,10 +616,12 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                     ),
                     dash(if !n.refused.is_empty() {
                         format!("refuses the record: {}", n.refused)
-                    } else if n.error.is_empty() && !n.waiting.is_empty() {
-                        format!("waiting: {}", n.waiting)
+                    } else if !n.waiting.is_empty() {
+                        n.waiting.clone()
+                    } else if !n.error.is_empty() {
+                        format!("last error: {}", n.error)
                     } else {
-                        n.error.clone()
+                        String::new()
                     }),
                 ]
             })
@@ -445,9 +631,10 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 "Node",
                 "State",
                 "Since",
+                "Target",
                 "Host Volume",
                 "Allocations",
-                "Last Error",
+                "Why",
             ],
             &rows,
             "",
@@ -499,14 +686,39 @@ pub async fn status(
     for e in bad {
         eprintln!("warning: {}", escape_control(&e.to_string()));
     }
-    let placeholders: Vec<(String, String)> = client
-        .list_host_volumes(None, &r.spec.namespace)
+    let (placeholders, allocations) = placeholders_of(client, &r.spec.namespace, &name).await?;
+    let claim_node = client
+        .variable(&r.spec.namespace, &claim_path(&name))
         .await?
-        .into_iter()
-        .filter(|hv| hv.name == r.spec.name)
-        .map(|hv| (hv.node_id, hv.id))
-        .collect();
-    let allocations = users_of(client, ns, &name).await?;
+        .and_then(|v| v.items.get("node_id").cloned());
+    let claim_holder = claim_node
+        .as_deref()
+        .map(|n| {
+            let mut s = node_name(&records, n);
+            let users: Vec<String> = allocations
+                .iter()
+                .filter(|u| u.node_id == n)
+                .map(|u| {
+                    format!(
+                        "job {}, allocation {} ({})",
+                        u.job_id,
+                        short_id(&u.alloc_id, out.verbose),
+                        u.client_status
+                    )
+                })
+                .collect();
+            if !users.is_empty() {
+                s.push_str(&format!(": {}", users.join("; ")));
+            }
+            s
+        })
+        .unwrap_or_default();
+    let snapshots: Vec<SnapshotSummary> =
+        storage::snapshots(client, &r.spec.namespace, Some(&r.spec.name))
+            .await?
+            .iter()
+            .map(SnapshotSummary::of)
+            .collect();
     let waiting = match r.state {
         VolumeState::Pending | VolumeState::Deleting | VolumeState::Creating => {
             why_waiting(&r, &records, super::super::output::now_unix()).unwrap_or_default()
@@ -539,13 +751,13 @@ pub async fn status(
             .map(|x| x.describe())
             .unwrap_or_default(),
         allocations,
-        snapshots: storage::snapshots(client, &r.spec.namespace, Some(&r.spec.name))
-            .await?
-            .iter()
-            .map(SnapshotSummary::of)
-            .collect(),
+        history: merge_events(
+            history(&r, &records),
+            record_events(&r, &records, &snapshots, claim_node.as_deref()),
+        ),
+        snapshots,
         waiting,
-        history: history(&r, &records),
+        claim_holder,
         nodes,
     };
     let verbose = out.verbose;
@@ -660,9 +872,13 @@ mod tests {
                 alloc_id: "a1".into(),
                 alloc_name: "example.app[0]".into(),
                 node_id: "n1".into(),
+                job_id: "example".into(),
+                client_status: "running".into(),
+                host_path: "/srv/hv".into(),
             }],
             snapshots: Vec::new(),
             waiting: String::new(),
+            claim_holder: "node-1 (n1): job example, allocation a1 (running)".into(),
             nodes: Vec::new(),
             history: Vec::new(),
         };
@@ -670,22 +886,24 @@ mod tests {
         assert_eq!(
             s,
             "\
-ID         = 0b9c6a6e-1111-4222-8333-444455556666
-Name       = shared-data
-Namespace  = default
-Plugin ID  = bind
-State      = ready (registered)
-Capacity   = 1.0 GiB
-Node Pool  = (any)
-Capability = single-node-writer / file-system
-Parameters = {\"export\":\"/srv\"}
-Signed     = yes
-Secrets    = 2 keys, not shown
-Error      = bad\\u{1b}[2J\\u{a}fake
+ID             = 0b9c6a6e-1111-4222-8333-444455556666
+Name           = shared-data
+Namespace      = default
+Plugin ID      = bind
+State          = ready (registered)
+Requested Size = 1.0 GiB
+Node Pool      = (any)
+Capability     = single-node-writer / file-system
+Parameters     = {\"export\":\"/srv\"}
+Signed         = yes
+Secrets        = 2 keys, not shown
+Error          = bad\\u{1b}[2J\\u{a}fake
+Mounted On     = no node
+Claim Holder   = node-1 (n1): job example, allocation a1 (running)
 
 Allocations
-ID  Name            Node ID
-a1  example.app[0]  n1
+ID  Name            Job      Node ID  Status
+a1  example.app[0]  example  n1       running
 "
         );
         let j = serde_json::to_value(&d).unwrap();
@@ -700,7 +918,7 @@ a1  example.app[0]  n1
         );
         assert_eq!(
             j["Allocations"][0],
-            serde_json::json!({"ID": "a1", "Name": "example.app[0]", "NodeID": "n1"})
+            serde_json::json!({"ID": "a1", "Name": "example.app[0]", "NodeID": "n1", "JobID": "example", "ClientStatus": "running", "HostPath": "/srv/hv"})
         );
         assert_eq!(j["History"], serde_json::json!([]));
     }
@@ -743,16 +961,49 @@ a1  example.app[0]  n1
         assert_eq!(
             render_history(&h, false),
             "\
-Time                  Node    Event      Allocation  Outcome
-2024-12-04T22:07:40Z  node-1  unpublish  -           ok
-2024-12-04T22:07:10Z  node-2  publish    b2222222    failed after 2.4s
-2024-12-04T22:06:40Z  node-1  publish    a1111111    ok in 132ms
+Time                  Node    Event      Detail               Outcome
+2024-12-04T22:07:40Z  node-1  unpublish  -                    ok
+2024-12-04T22:07:10Z  node-2  publish    allocation b2222222  failed after 2.4s
+2024-12-04T22:06:40Z  node-1  publish    allocation a1111111  ok in 132ms
 "
         );
         let j = serde_json::to_value(&h).unwrap();
         assert_eq!(
             j[2],
-            serde_json::json!({"Time": "2024-12-04T22:06:40Z", "NodeID": "id-node-1", "NodeName": "node-1", "Event": "publish", "AllocID": "a1111111-0000", "Outcome": "ok", "DurationMs": 132})
+            serde_json::json!({"Time": "2024-12-04T22:06:40Z", "NodeID": "id-node-1", "NodeName": "node-1", "Event": "publish", "AllocID": "a1111111-0000", "Outcome": "ok", "DurationMs": 132, "Detail": ""})
+        );
+        // Issue 46 #7: the record's own events (create, snapshot, expansion, claim) beside
+        // the nodes': timed ones in order, the rest last.
+        let mut rec = rec;
+        rec.state = VolumeState::Ready;
+        rec.capacity_bytes = 64 << 20;
+        rec.worker_node = "id-node-1".into();
+        rec.expansion = Some(volume::Expansion::requested(128 << 20));
+        let snap = SnapshotSummary {
+            id: "5a5a5a5a-0000".into(),
+            namespace: "default".into(),
+            volume: "shared-data".into(),
+            name: "nightly".into(),
+            bytes: 1,
+            created_at: 1_733_350_045,
+            ready: true,
+            state: "ready".into(),
+            error: String::new(),
+        };
+        let n1 = NodeRecord::new("id-node-1", "node-1", "default");
+        let all = merge_events(h, record_events(&rec, &[n1], &[snap], Some("id-node-1")));
+        assert_eq!(
+            render_history(&all, false),
+            "\
+Time                  Node    Event      Detail               Outcome
+2024-12-04T22:07:40Z  node-1  unpublish  -                    ok
+2024-12-04T22:07:25Z  -       snapshot   5a5a5a5a (nightly)   ok
+2024-12-04T22:07:10Z  node-2  publish    allocation b2222222  failed after 2.4s
+2024-12-04T22:06:40Z  node-1  publish    allocation a1111111  ok in 132ms
+-                     node-1  create     64.0 MiB             ok
+-                     -       expand     to 128.0 MiB         requested
+-                     node-1  claim      -                    held
+"
         );
         assert_eq!(render_history(&[], false), "No recent events on any node\n");
     }
@@ -772,7 +1023,7 @@ Time                  Node    Event      Allocation  Outcome
         let j = serde_json::to_value([n.clone(), NodeDetail::default()]).unwrap();
         assert_eq!(
             j[0],
-            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": ""})
+            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "Target": "", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": ""})
         );
         assert_eq!(j[1]["Since"], serde_json::Value::Null);
     }
@@ -824,6 +1075,7 @@ Time                  Node    Event      Allocation  Outcome
             allocations: Vec::new(),
             snapshots: Vec::new(),
             waiting: String::new(),
+            claim_holder: String::new(),
             nodes,
             history: Vec::new(),
         };
@@ -835,6 +1087,17 @@ Time                  Node    Event      Allocation  Outcome
                 .to_string()
         };
         assert!(row("node-1").contains("published (claim held)"), "{s}");
-        assert!(row("node-2").contains(&format!("waiting: {reason}")), "{s}");
+        // Issue 46: a node where a publish waits says `waiting` (not `not mounted`), and
+        // the reason stands in the `Why` column, not as an error.
+        assert!(
+            row("node-2").starts_with("node-2  waiting ") && row("node-2").ends_with(reason),
+            "{s}"
+        );
+        assert!(s.contains("  Why\n"), "{s}");
+        assert!(!s.contains("Last Error"), "{s}");
+        assert!(
+            s.contains("Mounted On     = node-1 since 1970-01-01T00:00:01Z"),
+            "{s}"
+        );
     }
 }
