@@ -128,6 +128,133 @@ async fn put_new(
         Err(e) => Err(e.into()),
     }
 }
+/// `volume create -dry-run`: what a create of `spec` would do, writing nothing: each node
+/// with a dhv-binder record and whether it would offer the volume (or why not), the plugin
+/// (its versions on those nodes) that would run the create, and what would be refused (a
+/// volume that exists, no node to serve it, a source no node can reach, an unsigned record
+/// with no key given). Exit 0 when the create would be accepted, 1 when refused.
+pub async fn dry_run(
+    client: &Client,
+    ns: &str,
+    spec: &Path,
+    local: &LocalPlugins,
+    key: Option<&SigningKey>,
+) -> Result<(), Failure> {
+    let text = read_spec_text(spec)?;
+    let (spec, _secrets) = parse(&spec_source(spec), &text, ns, false)?;
+    let now = super::super::output::now_unix();
+    let mut refused: Vec<String> = Vec::new();
+    if !client.namespace_exists(&spec.namespace).await? {
+        refused.push(format!(
+            "namespace {:?} does not exist in Nomad (`nomad namespace apply {}`)",
+            spec.namespace, spec.namespace
+        ));
+    }
+    if let Some(var) = client
+        .variable(&spec.namespace, &volume::record_path(&spec.name))
+        .await?
+    {
+        let state = var.items.get("state").cloned().unwrap_or_default();
+        refused.push(format!(
+            "volume {}/{} exists ({state}): a create of it would grow it or run its failed create again, nothing else (`dhv-binder volume status {}`)",
+            spec.namespace, spec.name, spec.name
+        ));
+    }
+    if let Err(e) = storage::check_source(client, &spec, local).await {
+        refused.push(e.message);
+    }
+    let (records, bad) = nodes::list(client).await?;
+    for e in bad {
+        eprintln!("warning: {e}");
+    }
+    if let Some(why) = no_eligible_node(&records, &spec.plugin_id, &spec.node_pool, now) {
+        refused.push(why);
+    }
+    if key.is_none() {
+        refused.push("no operator key given (--signing-key or DHV_BINDER_SIGNING_KEY): the record would be unsigned, and agents started with --record-keys refuse it".into());
+    }
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            let why = super::eligibility::why_not(r, &spec.plugin_id, &spec.node_pool, now);
+            vec![
+                r.node_name.clone(),
+                r.node_pool.clone(),
+                match &why {
+                    None => "offers it".into(),
+                    Some(w) => format!("no: {w}"),
+                },
+                r.plugins
+                    .get(&spec.plugin_id)
+                    .map(|p| p.version.clone())
+                    .filter(|v| !v.is_empty())
+                    .unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let serving: Vec<&str> = records
+        .iter()
+        .filter(|r| r.can_serve(&spec.plugin_id, &spec.node_pool, now))
+        .map(|r| r.node_name.as_str())
+        .collect();
+    outln!(
+        "==> Dry run of the create of {}/{} (nothing is written)",
+        spec.namespace,
+        spec.name
+    );
+    outln!(
+        "    Plugin {:?} would run the create on {}",
+        spec.plugin_id,
+        if serving.is_empty() {
+            "no node".to_string()
+        } else {
+            format!(
+                "one of: {} (the first agent to take the record)",
+                serving.join(", ")
+            )
+        }
+    );
+    if let Some(note) = access_mode_note(&spec) {
+        outln!("    {note}");
+    }
+    outln!();
+    outln!(
+        "{}",
+        super::super::output::table(
+            &["Node", "Pool", "Offers The Volume", "Plugin Version"],
+            &rows,
+            "No node has published a dhv-binder record",
+        )
+        .trim_end()
+    );
+    // An unsigned record is a warning only: agents without --record-keys accept it.
+    let blocking: Vec<&String> = refused
+        .iter()
+        .filter(|r| !r.starts_with("no operator key"))
+        .collect();
+    outln!();
+    if refused.is_empty() {
+        outln!("==> The create would be accepted");
+        return Ok(());
+    }
+    for r in &refused {
+        outln!("    - {r}");
+    }
+    if blocking.is_empty() {
+        outln!("==> The create would be accepted (see the warning above)");
+        Ok(())
+    } else {
+        Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "the create would be refused ({} reason{}); nothing was written",
+                blocking.len(),
+                if blocking.len() == 1 { "" } else { "s" }
+            ),
+        ))
+    }
+}
+
 /// `volume create`: a new record (or the re-run of a failed create, or an expansion of an
 /// existing volume), then the wait for the agents unless `wait` is `None` (`-detach`).
 pub async fn create(

@@ -6,6 +6,27 @@ use crate::cluster::nodes::{Liveness, NodeRecord};
 use crate::volume::{self, VolumeRecord, VolumeState};
 use std::collections::BTreeMap;
 
+/// Why node `r` cannot serve a volume of `plugin_id` in `node_pool` (`stale`, `pool gpu`,
+/// `no such plugin`, `plugin unhealthy: …`, `plugin is not deferred_bind`); `None` when it
+/// can. `now` in Unix seconds.
+pub fn why_not(r: &NodeRecord, plugin_id: &str, node_pool: &str, now: u64) -> Option<String> {
+    if r.can_serve(plugin_id, node_pool, now) {
+        return None;
+    }
+    Some(if r.liveness(now) == Liveness::Stale {
+        "stale".to_string()
+    } else if !node_pool.is_empty() && r.node_pool != node_pool {
+        format!("pool {}", r.node_pool)
+    } else {
+        match r.plugins.get(plugin_id) {
+            None => "no such plugin".into(),
+            Some(p) if !p.healthy => format!("plugin unhealthy: {}", p.error),
+            Some(p) if p.deferred_bind => "cannot serve it".into(),
+            Some(_) => "plugin is not deferred_bind".into(),
+        }
+    })
+}
+
 /// Why no node can serve a plugin, naming what each node has; `None` when one can.
 pub fn no_eligible_node(
     records: &[NodeRecord],
@@ -32,17 +53,7 @@ pub fn no_eligible_node(
     let seen: Vec<String> = records
         .iter()
         .map(|r| {
-            let why = if r.liveness(now) == Liveness::Stale {
-                "stale".to_string()
-            } else if !node_pool.is_empty() && r.node_pool != node_pool {
-                format!("pool {}", r.node_pool)
-            } else {
-                match r.plugins.get(plugin_id) {
-                    None => "no such plugin".into(),
-                    Some(p) if !p.healthy => format!("plugin unhealthy: {}", p.error),
-                    Some(_) => "plugin is not deferred_bind".into(),
-                }
-            };
+            let why = why_not(r, plugin_id, node_pool, now).unwrap_or_default();
             format!("{} ({why})", r.node_name)
         })
         .collect();

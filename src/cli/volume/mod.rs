@@ -31,6 +31,10 @@ pub enum VolumeCommand {
     Create {
         /// The volume spec (HCL) file, or `-` to read it from standard input.
         spec: PathBuf,
+        /// Write nothing: say which nodes would offer the volume, which plugin would create
+        /// it, and what would be refused (exit 1 when the create would be).
+        #[arg(long)]
+        dry_run: bool,
         #[command(flatten)]
         wait: WaitArgs,
         #[command(flatten)]
@@ -138,9 +142,17 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
         VolumeCommand::Keygen { out } => keygen(&out),
         VolumeCommand::Create {
             spec,
+            dry_run: true,
+            local,
+            key,
+            ..
+        } => create::dry_run(&client, ns, &spec, &local, key.load()?.as_ref()).await,
+        VolumeCommand::Create {
+            spec,
             wait,
             local,
             key,
+            ..
         } => create::create(&client, ns, &spec, wait.wait(), &local, key.load()?).await,
         VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
         VolumeCommand::Claim(cmd) => super::claim::claim_cmd(&client, ns, cmd).await,
