@@ -141,7 +141,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "{{range .}}{{printf \"%s %s\" .Name .PluginID}}{{if .Registered}} registered{{end}}{{end}}",
     ]);
     assert_eq!(code, 0, "{out}");
-    assert_eq!(out, "shared-data bind");
+    assert_eq!(out, "shared-data bind\n");
 
     let (code, out) = c.cli(&["volume", "status", "shared-data"]);
     assert_eq!(code, 0, "{out}");
@@ -263,7 +263,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     ]);
     assert_eq!(
         out,
-        format!("{} default/shared-data=bind", c.nodes[0].id),
+        format!("{} default/shared-data=bind\n", c.nodes[0].id),
         "{out}"
     );
 

@@ -43,7 +43,13 @@ impl OutputArgs {
         if let Some(t) = &self.template {
             let v = serde_json::to_value(value)
                 .map_err(|e| Failure::new(super::EXIT_FAILED, e.to_string()))?;
-            return template(t, &v).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()));
+            // A template's output ends with a newline, as Nomad's `-t` (its UI's `Output`).
+            let mut s =
+                template(t, &v).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+            if !s.is_empty() && !s.ends_with('\n') {
+                s.push('\n');
+            }
+            return Ok(s);
         }
         Ok(human(value))
     }
@@ -361,7 +367,31 @@ pub fn template(t: &str, v: &serde_json::Value) -> Result<String, TemplateError>
     let mut tmpl = gtmpl::Template::default();
     tmpl.parse(t).map_err(|e| TemplateError(e.to_string()))?;
     tmpl.render(&gtmpl::Context::from(to_gtmpl(v)))
-        .map_err(|e| TemplateError(e.to_string()))
+        .map_err(|e| TemplateError(readable_template_error(&e.to_string(), v)))
+}
+
+/// The template engine's error, without the internal dump of the value it names: "no field
+/// X for {…}" becomes which fields there are (those of the top-level object, or of the
+/// first element of a list).
+fn readable_template_error(message: &str, v: &serde_json::Value) -> String {
+    let Some((field, _)) = message
+        .strip_prefix("no field ")
+        .and_then(|m| m.split_once(" for "))
+    else {
+        return message.to_string();
+    };
+    let object = match v {
+        serde_json::Value::Array(a) => a.first(),
+        other => Some(other),
+    };
+    let fields: Vec<&str> = object
+        .and_then(|o| o.as_object())
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    format!(
+        "no field {field:?} in the template's data; its fields are: {} (`-json` prints the data)",
+        fields.join(", ")
+    )
 }
 
 /// `\n` and `\t` outside the template's actions (`{{ ... }}`) made a newline and a tab; the
@@ -410,6 +440,23 @@ mod tests {
             template(r#"{{range .Tags}}{{.}}\n{{end}}"#, &v).unwrap(),
             "x\ny\n"
         );
+    }
+
+    /// Issue 46: an unknown field names the fields there are, not a Rust `Debug` dump; a
+    /// template's output ends with a newline.
+    #[test]
+    fn an_unknown_field_names_the_fields_and_output_ends_with_a_newline() {
+        let v = serde_json::json!([{"ID": "abc", "Name": "x"}]);
+        let e = template("{{range .}}{{.Nope}}{{end}}", &v).unwrap_err().to_string();
+        assert!(
+            e.contains("no field \"Nope\"") && e.contains("ID, Name") && !e.contains("String("),
+            "{e}"
+        );
+        let out = OutputArgs {
+            template: Some("{{range .}}{{.ID}}{{end}}".into()),
+            ..Default::default()
+        };
+        assert_eq!(out.render(&v, |_| unreachable!()).unwrap(), "abc\n");
     }
 
     #[test]
@@ -606,6 +653,6 @@ mod tests {
             template: Some("{{.a}}".into()),
             ..Default::default()
         };
-        assert_eq!(o.render(&v, human).unwrap(), "1");
+        assert_eq!(o.render(&v, human).unwrap(), "1\n");
     }
 }

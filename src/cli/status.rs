@@ -785,7 +785,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         };
         assert_eq!(
             o.render(&got, |_| unreachable!()).unwrap(),
-            "5a1d0b8e-0000-4000-8000-000000000001 shared-data=bind scratch=nfs 0.2.0"
+            "5a1d0b8e-0000-4000-8000-000000000001 shared-data=bind scratch=nfs 0.2.0\n"
         );
     }
 
