@@ -148,6 +148,28 @@ async fn the_first_hours_questions_have_answers() {
     assert_eq!(code, 0, "{out}");
     assert!(out.lines().next().unwrap().contains("Operations"), "{out}");
 
+    // `-namespace '*'` finds the volume in whichever namespace has it.
+    let (code, out) = c.cli(&["volume", "status", "-namespace", "*", VOLUME]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("Namespace      = default"), "{out}");
+
+    // `claim release` warns that the holder's agent is alive and its task runs (refused
+    // here: no terminal, no -yes).
+    let (code, out) = c.cli(&["volume", "claim", "release", VOLUME]);
+    eprintln!("$ dhv-binder volume claim release {VOLUME}\n{out}");
+    assert_eq!(code, 64, "{out}");
+    assert!(
+        out.contains("the holder's dhv-binder agent is alive"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "a task on the holder still runs with the volume (allocation {first_id} of job writer)"
+        )),
+        "{out}"
+    );
+    assert!(!out.contains("(Unix s)"), "{out}");
+
     // Item 10: a dry run writes nothing and says who would offer and what is refused.
     let spec = c.sb.join("dry.volume.hcl");
     std::fs::write(

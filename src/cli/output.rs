@@ -44,8 +44,7 @@ impl OutputArgs {
             let v = serde_json::to_value(value)
                 .map_err(|e| Failure::new(super::EXIT_FAILED, e.to_string()))?;
             // A template's output ends with a newline, as Nomad's `-t` (its UI's `Output`).
-            let mut s =
-                template(t, &v).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+            let mut s = template(t, &v).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
             if !s.is_empty() && !s.ends_with('\n') {
                 s.push('\n');
             }
@@ -447,7 +446,9 @@ mod tests {
     #[test]
     fn an_unknown_field_names_the_fields_and_output_ends_with_a_newline() {
         let v = serde_json::json!([{"ID": "abc", "Name": "x"}]);
-        let e = template("{{range .}}{{.Nope}}{{end}}", &v).unwrap_err().to_string();
+        let e = template("{{range .}}{{.Nope}}{{end}}", &v)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("no field \"Nope\"") && e.contains("ID, Name") && !e.contains("String("),
             "{e}"

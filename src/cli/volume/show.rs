@@ -414,6 +414,19 @@ pub fn render_history(events: &[HistoryEvent], verbose: bool) -> String {
         "No recent events on any node",
     )
 }
+/// A pending or failed expansion for `volume status`: the size in human units, the node by
+/// name.
+pub fn describe_expansion(x: &volume::Expansion, records: &[NodeRecord]) -> String {
+    let mut s = format!("expand to {}: {}", bytes(x.bytes), x.state.as_str());
+    if !x.node.is_empty() {
+        s.push_str(&format!(" (node {})", node_name(records, &x.node)));
+    }
+    if !x.error.is_empty() {
+        s.push_str(&format!(": {}", x.error));
+    }
+    s
+}
+
 /// The list row of a record.
 pub fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
     VolumeSummary {
@@ -748,7 +761,7 @@ pub async fn status(
         operation: r
             .expansion
             .as_ref()
-            .map(|x| x.describe())
+            .map(|x| describe_expansion(x, &records))
             .unwrap_or_default(),
         allocations,
         history: merge_events(
