@@ -112,7 +112,7 @@ pub fn volumes_of(
                 } else if !v.waiting.is_empty() {
                     v.waiting
                 } else if !v.error.is_empty() {
-                    format!("last error: {}", v.error)
+                    format!("last error: {}", super::output::plugin_text(&v.error))
                 } else {
                     String::new()
                 },

@@ -221,10 +221,10 @@ pub fn render_one(n: &NodeStatus, now: u64, verbose: bool) -> String {
                         .collect::<Vec<_>>()
                         .join(","),
                 ),
-                dash(if !v.waiting.is_empty() {
-                    &v.waiting
+                dash(&if !v.waiting.is_empty() {
+                    v.waiting.clone()
                 } else {
-                    &v.error
+                    super::output::plugin_text(&v.error)
                 }),
             ]
         })

@@ -414,6 +414,42 @@ fn text_escapes(t: &str) -> String {
     out
 }
 
+/// A plugin's failure as a record keeps it (the agent's one-line report: `… failed (exit
+/// code 1): error: X; stderr: Y`, the plugin's line breaks escaped as `\u{a}`), made one
+/// readable line: the escaped line breaks become `; `, and stderr that only repeats the
+/// plugin's error is left out. Not terminal-safe by itself: printed through [`kv`],
+/// [`table`] or `escape_control` as every record's text is.
+pub fn plugin_text(s: &str) -> String {
+    let s = s.replace("\\u{d}", "").replace("\\u{a}", "\n");
+    let (head, stderr) = match s.split_once("; stderr: ") {
+        Some((h, e)) => (h.to_string(), Some(e.to_string())),
+        None => (s.clone(), None),
+    };
+    let lines = |t: &str| -> Vec<String> {
+        t.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    let mut out = lines(&head).join("; ");
+    if let Some(e) = stderr {
+        let error = head
+            .rsplit_once("error: ")
+            .map(|(_, m)| m.trim())
+            .unwrap_or("");
+        let e: Vec<String> = lines(&e)
+            .into_iter()
+            .filter(|l| error.is_empty() || !error.contains(l.as_str()))
+            .collect();
+        if !e.is_empty() {
+            out.push_str("; stderr: ");
+            out.push_str(&e.join("; "));
+        }
+    }
+    out
+}
+
 /// A measured duration as the CLI prints it: `132ms` below a second, else `1.2s`.
 pub fn millis(ms: u64) -> String {
     if ms < 1000 {
@@ -439,6 +475,23 @@ mod tests {
             template(r#"{{range .Tags}}{{.}}\n{{end}}"#, &v).unwrap(),
             "x\ny\n"
         );
+    }
+
+    /// Issue 46: a plugin's failure is one line without `\u{a}` escapes, and stderr that
+    /// repeats the plugin's error is not printed twice.
+    #[test]
+    fn a_plugin_failure_is_one_line_said_once() {
+        let rec = r#"plugin "bind" create failed (exit code 1): error: export /srv is not a directory; stderr: export /srv is not a directory\u{a}"#;
+        assert_eq!(
+            plugin_text(rec),
+            r#"plugin "bind" create failed (exit code 1): error: export /srv is not a directory"#
+        );
+        let rec = r#"plugin "x" create failed (exit code 1): error: no room; stderr: mkfs: 1\u{a}mkfs: 2\u{a}"#;
+        assert_eq!(
+            plugin_text(rec),
+            r#"plugin "x" create failed (exit code 1): error: no room; stderr: mkfs: 1; mkfs: 2"#
+        );
+        assert_eq!(plugin_text("plain"), "plain");
     }
 
     /// Issue 46: an unknown field names the fields there are, not a Rust `Debug` dump; a

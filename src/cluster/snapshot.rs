@@ -507,7 +507,7 @@ pub async fn run_delete(
             &snap.secrets,
         )
         .await
-        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &snap.secrets)))?;
+        .map_err(|e| OpError::Plugin(plugin::redact(&e.report(), &snap.secrets)))?;
     log_delete("deleted the snapshot's storage");
     Ok(())
 }

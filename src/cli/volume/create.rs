@@ -1,7 +1,7 @@
 //! `volume create` and `volume register`: the spec read and checked, the record written
 //! (signed), and the wait for the node that runs the plugin's create.
 
-use super::super::output::bytes;
+use super::super::output::{bytes, plugin_text};
 use super::super::records::read_record;
 use super::super::storage::{self, LocalPlugins};
 use super::super::{Failure, EXIT_CONFIG, EXIT_FAILED, EXIT_TIMEOUT};
@@ -309,10 +309,7 @@ pub async fn create(
                 Some(w) => wait_created(client, &cur, w).await,
             };
         }
-        Some(_) => {
-            return storage::create_existing(client, &spec, wait.is_none(), local, key.as_ref())
-                .await
-        }
+        Some(_) => return storage::create_existing(client, &spec, wait, local, key.as_ref()).await,
         None => None,
     };
     storage::check_source(client, &spec, local).await?;
@@ -343,7 +340,7 @@ pub async fn create(
         outln!(
             "==> Volume {} failed to be created before ({}); running its create again",
             old.key(),
-            escape_control(&old.error)
+            escape_control(&plugin_text(&old.error))
         );
     }
     // A clone is made where its source is mounted, so the plugin can quiesce it (or where
@@ -460,7 +457,7 @@ async fn wait_created(client: &Client, rec: &VolumeRecord, wait: Duration) -> Re
                     format!(
                         "volume {} failed to be created{on}: {}\nFix the cause and run the same `dhv-binder volume create` again to retry (or `dhv-binder volume delete {}`)",
                         cur.key(),
-                        escape_control(&cur.error),
+                        escape_control(&plugin_text(&cur.error)),
                         cur.spec.name
                     ),
                 ));

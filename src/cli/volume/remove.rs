@@ -112,7 +112,7 @@ pub async fn delete(
                 let why = if cur.error.is_empty() {
                     why_waiting(&cur, &records, super::super::output::now_unix())
                 } else {
-                    Some(format!("the last attempt failed: {}", escape_control(&cur.error)))
+                    Some(format!("the last attempt failed: {}", escape_control(&super::super::output::plugin_text(&cur.error))))
                 }
                 .unwrap_or_else(|| {
                     format!(

@@ -1,7 +1,9 @@
 //! `volume list` and `volume status`: what they read (the record, the node records, the
 //! placeholders, the allocations) and their readable and JSON forms.
 
-use super::super::output::{ago, bytes, kv, millis, plural, short_id, table, OutputArgs};
+use super::super::output::{
+    ago, bytes, kv, millis, plugin_text, plural, short_id, table, OutputArgs,
+};
 use super::super::records::{read_var, VolumeUser, REGISTERED_ITEM};
 use super::super::storage::{self, SnapshotSummary};
 use super::super::Failure;
@@ -422,7 +424,7 @@ pub fn describe_expansion(x: &volume::Expansion, records: &[NodeRecord]) -> Stri
         s.push_str(&format!(" (node {})", node_name(records, &x.node)));
     }
     if !x.error.is_empty() {
-        s.push_str(&format!(": {}", x.error));
+        s.push_str(&format!(": {}", plugin_text(&x.error)));
     }
     s
 }
@@ -530,7 +532,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
         rows.push((label, d.worker_node.clone()));
     }
     if !d.error.is_empty() {
-        rows.push(("Error", d.error.clone()));
+        rows.push(("Error", plugin_text(&d.error)));
     }
     if !d.waiting.is_empty() {
         rows.push(("Waiting For", d.waiting.clone()));
@@ -632,7 +634,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                     } else if !n.waiting.is_empty() {
                         n.waiting.clone()
                     } else if !n.error.is_empty() {
-                        format!("last error: {}", n.error)
+                        format!("last error: {}", plugin_text(&n.error))
                     } else {
                         String::new()
                     }),
@@ -655,7 +657,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     }
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");
-        out.push_str(&storage::render_snapshots(&d.snapshots));
+        out.push_str(&storage::render_snapshots(&d.snapshots, verbose));
     }
     if verbose {
         out.push_str("\nRecent Events\n");
@@ -910,7 +912,7 @@ Capability     = single-node-writer / file-system
 Parameters     = {\"export\":\"/srv\"}
 Signed         = yes
 Secrets        = 2 keys, not shown
-Error          = bad\\u{1b}[2J\\u{a}fake
+Error          = bad\\u{1b}[2J; fake
 Mounted On     = no node
 Claim Holder   = node-1 (n1): job example, allocation a1 (running)
 
