@@ -55,12 +55,47 @@ fn parse(
     } else {
         volume::parse_spec(text)
     };
-    let (mut spec, secrets) =
-        parsed.map_err(|e| Failure::new(EXIT_CONFIG, e.located(source, text)))?;
+    let (mut spec, secrets) = parsed.map_err(|e| {
+        let mut message = e.located(source, text);
+        // The parser notices a block left open only at the end of the file: name the line
+        // that opened it.
+        if message.contains("expected `}`") {
+            if let Some(line) = unclosed_block(text) {
+                message.push_str(&format!(" (the block opened on line {line} is not closed)"));
+            }
+        }
+        Failure::new(EXIT_CONFIG, message)
+    })?;
     if spec.namespace == "default" && ns != "default" && ns != "*" && !text.contains("namespace") {
         spec.namespace = ns.to_string();
     }
     Ok((spec, secrets))
+}
+
+/// The line (1-based) of the last `{` in `text` that no `}` closes, outside strings and
+/// comments; `None` when every block is closed.
+pub fn unclosed_block(text: &str) -> Option<usize> {
+    let mut open: Vec<usize> = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let mut in_string = false;
+        let mut chars = line.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' if in_string => {
+                    chars.next();
+                }
+                '"' => in_string = !in_string,
+                '#' if !in_string => break,
+                '/' if !in_string && chars.peek() == Some(&'/') => break,
+                '{' if !in_string => open.push(n + 1),
+                '}' if !in_string => {
+                    open.pop();
+                }
+                _ => {}
+            }
+        }
+    }
+    open.last().copied()
 }
 
 /// The register-only fields of a spec: `context { ... }` and `capacity`.
@@ -170,9 +205,6 @@ pub async fn dry_run(
     if let Some(why) = no_eligible_node(&records, &spec.plugin_id, &spec.node_pool, now) {
         refused.push(why);
     }
-    if key.is_none() {
-        refused.push("no operator key given (--signing-key or DHV_BINDER_SIGNING_KEY): the record would be unsigned, and agents started with --record-keys refuse it".into());
-    }
     let rows: Vec<Vec<String>> = records
         .iter()
         .map(|r| {
@@ -227,32 +259,29 @@ pub async fn dry_run(
         )
         .trim_end()
     );
-    // An unsigned record is a warning only: agents without --record-keys accept it.
-    let blocking: Vec<&String> = refused
-        .iter()
-        .filter(|r| !r.starts_with("no operator key"))
-        .collect();
     outln!();
     if refused.is_empty() {
-        outln!("==> The create would be accepted");
+        outln!(
+            "==> The create would be accepted{}",
+            if key.is_none() {
+                " (unsigned: see the warning above)"
+            } else {
+                ""
+            }
+        );
         return Ok(());
     }
     for r in &refused {
         outln!("    - {r}");
     }
-    if blocking.is_empty() {
-        outln!("==> The create would be accepted (see the warning above)");
-        Ok(())
-    } else {
-        Err(Failure::new(
-            EXIT_FAILED,
-            format!(
-                "the create would be refused ({} reason{}); nothing was written",
-                blocking.len(),
-                if blocking.len() == 1 { "" } else { "s" }
-            ),
-        ))
-    }
+    Err(Failure::new(
+        EXIT_FAILED,
+        format!(
+            "the create would be refused ({} reason{}); nothing was written",
+            refused.len(),
+            if refused.len() == 1 { "" } else { "s" }
+        ),
+    ))
 }
 
 /// `volume create`: a new record (or the re-run of a failed create, or an expansion of an
@@ -555,6 +584,22 @@ mod tests {
             .unwrap()
             .contains("\"single-node-reader-only\""));
         assert_eq!(access_mode_note(&spec("single-node-writer")), None);
+    }
+
+    /// Issue 46: a block left open is named by the line that opened it, not only the end
+    /// of the file where the parser notices it.
+    #[test]
+    fn an_unclosed_block_names_the_line_that_opened_it() {
+        let text = "name = \"x\"\nplugin_id = \"bind\"\ncapability {\n  access_mode = \"single-node-writer\"\n\n\n\nparameters {\n  export = \"/s{rv\"\n}\n";
+        assert_eq!(unclosed_block(text), Some(3));
+        let e = parse("c.hcl", text, "default", false).unwrap_err();
+        assert!(
+            e.message
+                .contains("(the block opened on line 3 is not closed)"),
+            "{}",
+            e.message
+        );
+        assert_eq!(unclosed_block("a {\n  b = \"}\"\n}\n"), None);
     }
 
     #[test]
