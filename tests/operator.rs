@@ -141,11 +141,11 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
         "{{range .}}{{printf \"%s %s\" .Name .PluginID}}{{if .Registered}} registered{{end}}{{end}}",
     ]);
     assert_eq!(code, 0, "{out}");
-    assert_eq!(out, "shared-data bind");
+    assert_eq!(out, "shared-data bind\n");
 
     let (code, out) = c.cli(&["volume", "status", "shared-data"]);
     assert_eq!(code, 0, "{out}");
-    assert_eq!(kv(&out, "Capacity"), "64.0 MiB");
+    assert_eq!(kv(&out, "Requested Size"), "64.0 MiB");
     // The node that ran the create, by name and short ID.
     let creator = kv(&out, "Created On");
     assert!(
@@ -263,7 +263,7 @@ async fn every_read_command_prints_a_readable_and_a_json_form() {
     ]);
     assert_eq!(
         out,
-        format!("{} default/shared-data=bind", c.nodes[0].id),
+        format!("{} default/shared-data=bind\n", c.nodes[0].id),
         "{out}"
     );
 
@@ -578,7 +578,7 @@ async fn a_registered_volume_is_published_without_create_and_deregistered_withou
     assert!(out.contains("no plugin create was run"), "{out}");
     let (_, out) = c.cli(&["volume", "status", "shared-data"]);
     assert_eq!(kv(&out, "State"), "ready (registered)");
-    assert_eq!(kv(&out, "Capacity"), "10.0 GiB");
+    assert_eq!(kv(&out, "Requested Size"), "10.0 GiB");
     ready_placeholders(&c, "shared-data", 2).await;
 
     let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;

@@ -53,15 +53,36 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Who holds the claim, in lines for the operator.
+/// Why releasing the claim is dangerous now, one line each: the holder's agent is alive (it
+/// holds the claim on purpose and keeps the volume mounted), a task of the holder's still
+/// runs with the volume (two nodes would write at once). Empty when neither.
+pub fn release_warnings(agent_alive: bool, running: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    if agent_alive {
+        out.push("the holder's dhv-binder agent is alive (its node record is fresh): it holds the claim because a task there uses the volume; stop that job instead of releasing the claim".to_string());
+    }
+    if !running.is_empty() {
+        out.push(format!(
+            "a task on the holder still runs with the volume ({}): after the release another node may publish it while this one writes; stop it first (`nomad alloc stop`)",
+            running.join(", ")
+        ));
+    }
+    out
+}
+
+/// Who holds the claim, in lines for the operator, and the warnings of
+/// [`release_warnings`].
 async fn describe_holder(
     client: &Client,
     volume: &VolumeKey,
     holder: &str,
     lock: Option<&VariableLock>,
-) -> Result<Vec<String>, Failure> {
+) -> Result<(Vec<String>, Vec<String>), Failure> {
     let records = nodes::list(client).await?.0;
     let rec = records.iter().find(|r| r.node_id == holder);
+    let agent_alive =
+        rec.is_some_and(|r| r.liveness(super::output::now_unix()) == nodes::Liveness::Live);
+    let mut running = Vec::new();
     let status = client
         .node_status(holder)
         .await?
@@ -77,13 +98,13 @@ async fn describe_holder(
     });
     match rec.and_then(|r| r.volumes.get(&volume.to_string())) {
         Some(v) => out.push(format!(
-            "Node reports = {} since {} (Unix s), used by [{}]{}",
+            "Node reports = {} since {}, used by [{}]{}",
             if v.state.is_empty() {
                 "no mount"
             } else {
                 &v.state
             },
-            v.since,
+            super::output::rfc3339(v.since).unwrap_or_else(|| "(unknown)".into()),
             v.users.join(", "),
             if v.error.is_empty() {
                 String::new()
@@ -116,9 +137,12 @@ async fn describe_holder(
                     "running"
                 }
             ));
+            if !a.tasks_finished() {
+                running.push(format!("allocation {} of job {}", a.id, a.job_id));
+            }
         }
     }
-    Ok(out)
+    Ok((out, release_warnings(agent_alive, &running)))
 }
 
 fn confirm(yes: bool, question: &str) -> Result<(), Failure> {
@@ -166,8 +190,12 @@ async fn release(
         return Ok(());
     };
     let key = key.load()?;
-    for line in describe_holder(client, &volume, &holder, claim.lock.as_ref()).await? {
+    let (lines, warnings) = describe_holder(client, &volume, &holder, claim.lock.as_ref()).await?;
+    for line in lines {
         outln!("{line}");
+    }
+    for w in &warnings {
+        eprintln!("warning: {w}");
     }
     confirm(
         yes,

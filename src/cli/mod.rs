@@ -1,6 +1,6 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
 //! `volume snapshot create|list|delete` ([`storage`]), `volume claim release` ([`claim`]),
-//! `plugin check|status`, `node status`, `helper run|bind-mount|remove|mkdir|rename|exec` ([`helper`], for plugins); one file per command group, [`output`] for the
+//! `plugin check|status`, `node status [node]`, `alloc status` ([`alloc`]), `helper run|bind-mount|remove|mkdir|rename|exec` ([`helper`], for plugins); one file per command group, [`output`] for the
 //! readable (Nomad-style) and JSON forms every read command prints, [`records`] for the
 //! volume records both `volume` and the storage commands read.
 //!
@@ -20,6 +20,7 @@ macro_rules! outln {
     }};
 }
 
+pub mod alloc;
 pub mod claim;
 pub mod helper;
 pub mod node;
@@ -174,6 +175,9 @@ pub enum Command {
     /// The nodes running dhv-binder, from the records each agent publishes.
     #[command(subcommand)]
     Node(node::NodeCommand),
+    /// One allocation: why its prestart waits or failed, per deferred volume.
+    #[command(subcommand)]
+    Alloc(alloc::AllocCommand),
     /// What plugins call: start a long-lived helper in the volume's helper cgroup (`helper
     /// run`), and mount, remove, make and open paths by handle beneath the storage roots.
     #[command(subcommand, hide = true)]
@@ -224,6 +228,7 @@ pub async fn run(nomad: &NomadConfig, command: Command) -> Result<(), Failure> {
         Command::Volume(cmd) => volume_cmd(nomad, cmd).await,
         Command::Plugin(cmd) => plugin_cmd(nomad, cmd).await,
         Command::Node(cmd) => node::node_cmd(nomad, cmd).await,
+        Command::Alloc(cmd) => alloc::alloc_cmd(nomad, cmd).await,
         Command::Helper(cmd) => helper::helper_cmd(cmd),
         Command::Completion { shell } => {
             let mut out = Vec::new();

@@ -1,8 +1,10 @@
-//! `dhv-binder node status`: every node running dhv-binder, from the records the agents
-//! publish (see [`crate::cluster::nodes`]); a node not seen for a while is shown as stale.
+//! `dhv-binder node status [node]`: every node running dhv-binder, or one node's agent,
+//! plugins (with the operations they declare), volumes and claims, from the records the
+//! agents publish (see [`crate::cluster::nodes`]); a node not seen for a while is shown as
+//! stale.
 
-use super::output::{ago, now_unix, table, OutputArgs};
-use super::Failure;
+use super::output::{ago, kv, now_unix, short_id, table, OutputArgs};
+use super::{Failure, EXIT_FAILED};
 use crate::cluster::nodes::{self, Liveness, NodeRecord};
 use crate::config::NomadConfig;
 use crate::nomad::Client;
@@ -13,8 +15,11 @@ use std::collections::BTreeMap;
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
     /// List the nodes whose dhv-binder published a record: pool, agent version, watch
-    /// health, plugins, last seen.
+    /// health, plugins, last seen. Given a node (name, ID or ID prefix): its agent, its
+    /// plugins with the operations they declare, its volumes and claims.
     Status {
+        /// One node: its name, or its ID or a unique prefix of it.
+        node: Option<String>,
         #[command(flatten)]
         out: OutputArgs,
     },
@@ -72,6 +77,10 @@ pub struct NodeVolumeOut {
     /// Allocation IDs using it (the first 4).
     pub users: Vec<String>,
     pub error: String,
+    /// The node's claim on it: `held`, `fenced`, `lost`, or empty.
+    pub claim: String,
+    /// Why a publish of it waits on the node, or empty.
+    pub waiting: String,
 }
 
 impl NodeStatus {
@@ -114,6 +123,8 @@ impl NodeStatus {
                             since: v.since,
                             users: v.users,
                             error: v.error,
+                            claim: v.claim,
+                            waiting: v.waiting,
                         },
                     )
                 })
@@ -123,8 +134,121 @@ impl NodeStatus {
     }
 }
 
-/// The readable `node status`, at `now` (Unix seconds).
-pub fn render(list: &[NodeStatus], now: u64) -> String {
+/// The readable `node status <node>`: the agent, its plugins with the operations they
+/// declare, its volumes with their claims, the records it refuses; IDs cut to 8 characters
+/// unless `verbose`. `now` in Unix seconds.
+pub fn render_one(n: &NodeStatus, now: u64, verbose: bool) -> String {
+    let dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_string()
+        } else {
+            s.to_string()
+        }
+    };
+    let mut out = kv(&[
+        ("ID", short_id(&n.node_id, verbose)),
+        ("Name", n.node_name.clone()),
+        ("Node Pool", n.node_pool.clone()),
+        ("Agent Version", n.agent_version.clone()),
+        (
+            "Status",
+            if n.stale {
+                "stale (no record written for 3 heartbeats: is its agent running?)".into()
+            } else if n.watch == "disconnected" {
+                format!("disconnected: {}", n.watch_error)
+            } else {
+                n.watch.clone()
+            },
+        ),
+        (
+            "Last Seen",
+            match super::output::rfc3339(n.last_seen) {
+                Some(t) => format!("{t} ({})", ago(n.last_seen, now)),
+                None => "-".into(),
+            },
+        ),
+    ]);
+    out.push_str("\nPlugins\n");
+    let rows: Vec<Vec<String>> = n
+        .plugins
+        .iter()
+        .map(|(id, p)| {
+            vec![
+                id.clone(),
+                dash(&p.version),
+                if p.deferred_bind { "yes" } else { "no" }.into(),
+                if p.healthy {
+                    "yes".into()
+                } else {
+                    format!("no: {}", p.error)
+                },
+                match &p.capabilities {
+                    None => "(not reported by this agent)".into(),
+                    Some(c) if c.is_empty() => "(none beyond create/publish)".into(),
+                    Some(c) => c.join(","),
+                },
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &["ID", "Version", "Deferred", "Healthy", "Operations"],
+        &rows,
+        "No plugins",
+    ));
+    out.push_str("\nVolumes\n");
+    let rows: Vec<Vec<String>> = n
+        .volumes
+        .iter()
+        .map(|(k, v)| {
+            vec![
+                k.clone(),
+                if !v.state.is_empty() {
+                    v.state.clone()
+                } else if !v.waiting.is_empty() {
+                    "waiting".into()
+                } else {
+                    "not mounted".into()
+                },
+                match super::output::rfc3339(v.since) {
+                    Some(_) => ago(v.since, now),
+                    None => "-".into(),
+                },
+                dash(&v.claim),
+                dash(
+                    &v.users
+                        .iter()
+                        .map(|u| short_id(u, verbose))
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ),
+                dash(&if !v.waiting.is_empty() {
+                    v.waiting.clone()
+                } else {
+                    super::output::plugin_text(&v.error)
+                }),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &["Volume", "State", "Since", "Claim", "Allocations", "Why"],
+        &rows,
+        "No volumes on this node",
+    ));
+    if !n.refused.is_empty() {
+        out.push_str("\nRefused Records\n");
+        let rows: Vec<Vec<String>> = n
+            .refused
+            .iter()
+            .map(|(k, why)| vec![k.clone(), why.clone()])
+            .collect();
+        out.push_str(&table(&["Record", "Why"], &rows, ""));
+    }
+    out
+}
+
+/// The readable `node status`, at `now` (Unix seconds); IDs cut to 8 characters unless
+/// `verbose`.
+pub fn render(list: &[NodeStatus], now: u64, verbose: bool) -> String {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|r| {
@@ -142,7 +266,7 @@ pub fn render(list: &[NodeStatus], now: u64) -> String {
                 })
                 .collect();
             vec![
-                r.node_id.chars().take(8).collect(),
+                short_id(&r.node_id, verbose),
                 r.node_name.clone(),
                 r.node_pool.clone(),
                 r.agent_version.clone(),
@@ -179,18 +303,47 @@ pub fn render(list: &[NodeStatus], now: u64) -> String {
 
 /// Runs a `node` subcommand.
 pub async fn node_cmd(nomad: &NomadConfig, cmd: NodeCommand) -> Result<(), Failure> {
-    let NodeCommand::Status { out } = cmd;
+    let NodeCommand::Status { node, out } = cmd;
     let client = Client::new(nomad)?;
     let (records, bad) = nodes::list(&client).await?;
     for e in bad {
         eprintln!("warning: {e}");
     }
     let now = now_unix();
+    let verbose = out.verbose;
     let list: Vec<NodeStatus> = records
         .into_iter()
         .map(|r| NodeStatus::of(r, now))
         .collect();
-    out.print(&list, |l| render(l, now))
+    let Some(want) = node else {
+        return out.print(&list, |l| render(l, now, verbose));
+    };
+    let mut found: Vec<NodeStatus> = list
+        .into_iter()
+        .filter(|n| n.node_name == want || n.node_id.starts_with(&want))
+        .collect();
+    match found.len() {
+        1 => {
+            let n = found.remove(0);
+            out.print(&n, |n| render_one(n, now, verbose))
+        }
+        0 => Err(Failure::new(
+            EXIT_FAILED,
+            format!("no dhv-binder node record has the name or ID prefix {want:?} (`dhv-binder node status` lists them)"),
+        )),
+        _ => Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "{want:?} matches {} nodes ({}): give more of the ID",
+                found.len(),
+                found
+                    .iter()
+                    .map(|n| format!("{} {}", n.node_name, n.node_id))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -204,7 +357,7 @@ mod tests {
             .into_iter()
             .map(|r| NodeStatus::of(r, now))
             .collect();
-        let s = render(&list, now);
+        let s = render(&list, now, false);
         let v = env!("CARGO_PKG_VERSION");
         assert_eq!(
             s,
@@ -223,6 +376,8 @@ bbbbbbbb  node-2  gpu      {v}    stale    bind,nfs(unhealthy)  3m30s ago
         assert_eq!(j[0]["Plugins"]["bind"]["DeferredBind"], true);
         assert_eq!(j[0]["LastSeen"], "1970-01-01T00:16:40Z");
         assert!(j[0].get("node_name").is_none(), "{j}");
-        assert_eq!(render(&[], now).lines().count(), 1);
+        assert_eq!(render(&[], now, false).lines().count(), 1);
+        // Issue 46: -verbose gives full IDs.
+        assert!(render(&list, now, true).contains("aaaaaaaa-1111-4222-8333-444455556666  node-1"));
     }
 }

@@ -43,7 +43,12 @@ impl OutputArgs {
         if let Some(t) = &self.template {
             let v = serde_json::to_value(value)
                 .map_err(|e| Failure::new(super::EXIT_FAILED, e.to_string()))?;
-            return template(t, &v).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()));
+            // A template's output ends with a newline, as Nomad's `-t` (its UI's `Output`).
+            let mut s = template(t, &v).map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+            if !s.is_empty() && !s.ends_with('\n') {
+                s.push('\n');
+            }
+            return Ok(s);
         }
         Ok(human(value))
     }
@@ -361,7 +366,31 @@ pub fn template(t: &str, v: &serde_json::Value) -> Result<String, TemplateError>
     let mut tmpl = gtmpl::Template::default();
     tmpl.parse(t).map_err(|e| TemplateError(e.to_string()))?;
     tmpl.render(&gtmpl::Context::from(to_gtmpl(v)))
-        .map_err(|e| TemplateError(e.to_string()))
+        .map_err(|e| TemplateError(readable_template_error(&e.to_string(), v)))
+}
+
+/// The template engine's error, without the internal dump of the value it names: "no field
+/// X for {…}" becomes which fields there are (those of the top-level object, or of the
+/// first element of a list).
+fn readable_template_error(message: &str, v: &serde_json::Value) -> String {
+    let Some((field, _)) = message
+        .strip_prefix("no field ")
+        .and_then(|m| m.split_once(" for "))
+    else {
+        return message.to_string();
+    };
+    let object = match v {
+        serde_json::Value::Array(a) => a.first(),
+        other => Some(other),
+    };
+    let fields: Vec<&str> = object
+        .and_then(|o| o.as_object())
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    format!(
+        "no field {field:?} in the template's data; its fields are: {} (`-json` prints the data)",
+        fields.join(", ")
+    )
 }
 
 /// `\n` and `\t` outside the template's actions (`{{ ... }}`) made a newline and a tab; the
@@ -385,6 +414,51 @@ fn text_escapes(t: &str) -> String {
     out
 }
 
+/// A plugin's failure as a record keeps it (the agent's one-line report: `… failed (exit
+/// code 1): error: X; stderr: Y`, the plugin's line breaks escaped as `\u{a}`), made one
+/// readable line: the escaped line breaks become `; `, and stderr that only repeats the
+/// plugin's error is left out. Not terminal-safe by itself: printed through [`kv`],
+/// [`table`] or `escape_control` as every record's text is.
+pub fn plugin_text(s: &str) -> String {
+    let s = s.replace("\\u{d}", "").replace("\\u{a}", "\n");
+    let (head, stderr) = match s.split_once("; stderr: ") {
+        Some((h, e)) => (h.to_string(), Some(e.to_string())),
+        None => (s.clone(), None),
+    };
+    let lines = |t: &str| -> Vec<String> {
+        t.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    let mut out = lines(&head).join("; ");
+    if let Some(e) = stderr {
+        let error = head
+            .rsplit_once("error: ")
+            .map(|(_, m)| m.trim())
+            .unwrap_or("");
+        let e: Vec<String> = lines(&e)
+            .into_iter()
+            .filter(|l| error.is_empty() || !error.contains(l.as_str()))
+            .collect();
+        if !e.is_empty() {
+            out.push_str("; stderr: ");
+            out.push_str(&e.join("; "));
+        }
+    }
+    out
+}
+
+/// A measured duration as the CLI prints it: `132ms` below a second, else `1.2s`.
+pub fn millis(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,6 +475,42 @@ mod tests {
             template(r#"{{range .Tags}}{{.}}\n{{end}}"#, &v).unwrap(),
             "x\ny\n"
         );
+    }
+
+    /// Issue 46: a plugin's failure is one line without `\u{a}` escapes, and stderr that
+    /// repeats the plugin's error is not printed twice.
+    #[test]
+    fn a_plugin_failure_is_one_line_said_once() {
+        let rec = r#"plugin "bind" create failed (exit code 1): error: export /srv is not a directory; stderr: export /srv is not a directory\u{a}"#;
+        assert_eq!(
+            plugin_text(rec),
+            r#"plugin "bind" create failed (exit code 1): error: export /srv is not a directory"#
+        );
+        let rec = r#"plugin "x" create failed (exit code 1): error: no room; stderr: mkfs: 1\u{a}mkfs: 2\u{a}"#;
+        assert_eq!(
+            plugin_text(rec),
+            r#"plugin "x" create failed (exit code 1): error: no room; stderr: mkfs: 1; mkfs: 2"#
+        );
+        assert_eq!(plugin_text("plain"), "plain");
+    }
+
+    /// Issue 46: an unknown field names the fields there are, not a Rust `Debug` dump; a
+    /// template's output ends with a newline.
+    #[test]
+    fn an_unknown_field_names_the_fields_and_output_ends_with_a_newline() {
+        let v = serde_json::json!([{"ID": "abc", "Name": "x"}]);
+        let e = template("{{range .}}{{.Nope}}{{end}}", &v)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no field \"Nope\"") && e.contains("ID, Name") && !e.contains("String("),
+            "{e}"
+        );
+        let out = OutputArgs {
+            template: Some("{{range .}}{{.ID}}{{end}}".into()),
+            ..Default::default()
+        };
+        assert_eq!(out.render(&v, |_| unreachable!()).unwrap(), "abc\n");
     }
 
     #[test]
@@ -597,6 +707,6 @@ mod tests {
             template: Some("{{.a}}".into()),
             ..Default::default()
         };
-        assert_eq!(o.render(&v, human).unwrap(), "1");
+        assert_eq!(o.render(&v, human).unwrap(), "1\n");
     }
 }

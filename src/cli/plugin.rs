@@ -130,6 +130,10 @@ pub struct PluginSummary {
     /// Versions seen, sorted; more than one during a rollout.
     pub versions: Vec<String>,
     pub deferred_bind: bool,
+    /// The optional operations (`snapshot`, `clone`, `expand`, `fence_node`, ...) any node
+    /// reports it declares, sorted; `create`, `delete`, `publish` and `unpublish` are
+    /// every plugin's.
+    pub operations: Vec<String>,
     /// Live nodes where it fingerprinted healthy.
     pub nodes_healthy: usize,
     /// Nodes that report it (live or stale).
@@ -165,6 +169,7 @@ pub fn summarize(records: &[NodeRecord], now: u64) -> Vec<PluginSummary> {
                 id: id.clone(),
                 versions: Vec::new(),
                 deferred_bind: false,
+                operations: Vec::new(),
                 nodes_healthy: 0,
                 nodes_expected: 0,
             });
@@ -173,6 +178,12 @@ pub fn summarize(records: &[NodeRecord], now: u64) -> Vec<PluginSummary> {
                 s.nodes_healthy += 1;
             }
             s.deferred_bind |= p.deferred_bind;
+            for c in p.capabilities.iter().flatten() {
+                if !s.operations.contains(c) {
+                    s.operations.push(c.clone());
+                    s.operations.sort();
+                }
+            }
             if !p.version.is_empty() && !s.versions.contains(&p.version) {
                 s.versions.push(p.version.clone());
                 s.versions.sort();
@@ -215,12 +226,23 @@ pub fn render_summary(list: &[PluginSummary]) -> String {
                     p.versions.join(",")
                 },
                 if p.deferred_bind { "yes" } else { "no" }.into(),
+                if p.operations.is_empty() {
+                    "-".into()
+                } else {
+                    p.operations.join(",")
+                },
                 format!("{}/{}", p.nodes_healthy, p.nodes_expected),
             ]
         })
         .collect();
     table(
-        &["ID", "Version", "Deferred", "Nodes Healthy/Expected"],
+        &[
+            "ID",
+            "Version",
+            "Deferred",
+            "Operations",
+            "Nodes Healthy/Expected",
+        ],
         &rows,
         "No plugins reported by any node",
     )
@@ -415,9 +437,9 @@ pub(crate) mod tests {
         assert_eq!(
             s,
             "\
-ID    Version      Deferred  Nodes Healthy/Expected
-bind  0.1.0,0.2.0  yes       1/2
-nfs   -            no        0/1
+ID    Version      Deferred  Operations  Nodes Healthy/Expected
+bind  0.1.0,0.2.0  yes       -           1/2
+nfs   -            no        -           0/1
 "
         );
         let j = serde_json::to_value(&l).unwrap();

@@ -101,7 +101,7 @@ pub fn published_line(v: &crate::api::PublishedVolume, waited: Duration) -> Stri
         v.name,
         v.path,
         if v.read_only { " (read-only)" } else { "" },
-        super::volume::millis(waited.as_millis() as u64)
+        super::output::millis(waited.as_millis() as u64)
     )
 }
 

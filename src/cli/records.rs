@@ -50,6 +50,15 @@ pub struct VolumeUser {
     pub alloc_name: String,
     #[serde(rename = "NodeID")]
     pub node_id: String,
+    /// The allocation's job.
+    #[serde(rename = "JobID")]
+    pub job_id: String,
+    /// The allocation's client status as Nomad reports it (`pending`, `running`, ...).
+    #[serde(rename = "ClientStatus")]
+    pub client_status: String,
+    /// Where the placeholder (and the volume, once published) is on the node.
+    #[serde(rename = "HostPath")]
+    pub host_path: String,
 }
 
 pub(super) async fn read_var(
@@ -59,6 +68,9 @@ pub(super) async fn read_var(
 ) -> Result<(VolumeRecord, bool), Failure> {
     volume::validate_identifier("name", name, true)
         .map_err(|e| Failure::new(EXIT_CONFIG, e.to_string()))?;
+    if namespace == "*" {
+        return in_any_namespace(client, name).await;
+    }
     let var = match client
         .variable(namespace, &volume::record_path(name))
         .await?
@@ -70,6 +82,54 @@ pub(super) async fn read_var(
     let rec =
         VolumeRecord::from_variable(&var).map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
     Ok((rec, registered))
+}
+
+/// `-namespace '*'`: the one record, in any namespace, whose name is `name` or whose ID
+/// starts with it (as `nomad volume status -namespace '*'` finds a volume); refused when
+/// several namespaces have one, naming them.
+async fn in_any_namespace(client: &Client, name: &str) -> Result<(VolumeRecord, bool), Failure> {
+    let metas = client
+        .list_variables(volume::RECORD_PREFIX, "*", 0, std::time::Duration::ZERO)
+        .await?
+        .value;
+    let path = volume::record_path(name);
+    let hex = name.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
+    let mut found = Vec::new();
+    for m in metas {
+        if m.path != path && !hex {
+            continue;
+        }
+        if let Some(var) = client.variable(&m.namespace, &m.path).await? {
+            if m.path == path || var.items.get("id").is_some_and(|id| id.starts_with(name)) {
+                found.push(var);
+            }
+        }
+    }
+    match found.len() {
+        0 => Err(Failure::new(
+            EXIT_FAILED,
+            format!("no namespace has a volume named {name:?} or with that ID prefix (`dhv-binder volume list -namespace '*'` shows them)"),
+        )),
+        1 => {
+            let var = found.remove(0);
+            let registered = var.items.get(REGISTERED_ITEM).is_some_and(|v| v == "true");
+            let rec = VolumeRecord::from_variable(&var)
+                .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            Ok((rec, registered))
+        }
+        _ => Err(Failure::new(
+            EXIT_FAILED,
+            format!(
+                "{name:?} names a volume in {} namespaces ({}): give -namespace",
+                found.len(),
+                found
+                    .iter()
+                    .map(|v| v.namespace.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+    }
 }
 
 /// The record whose volume ID starts with `prefix` (as Nomad accepts unique ID
@@ -157,6 +217,9 @@ pub(super) async fn users_of(
                     alloc_id: a.id,
                     alloc_name: a.name,
                     node_id: hv.node_id.clone(),
+                    job_id: a.job_id,
+                    client_status: a.client_status,
+                    host_path: hv.host_path.clone(),
                 });
             }
         }

@@ -366,10 +366,10 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
             match (l.last, l.median) {
                 (Some(last), Some(m)) => format!(
                     "last {}, median ≤ {} over {over}",
-                    super::volume::millis(last),
-                    super::volume::millis(m)
+                    super::output::millis(last),
+                    super::output::millis(m)
                 ),
-                (None, Some(m)) => format!("median ≤ {} over {over}", super::volume::millis(m)),
+                (None, Some(m)) => format!("median ≤ {} over {over}", super::output::millis(m)),
                 (_, None) => "no publishes yet".into(),
             }
         }),
@@ -785,7 +785,7 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
         };
         assert_eq!(
             o.render(&got, |_| unreachable!()).unwrap(),
-            "5a1d0b8e-0000-4000-8000-000000000001 shared-data=bind scratch=nfs 0.2.0"
+            "5a1d0b8e-0000-4000-8000-000000000001 shared-data=bind scratch=nfs 0.2.0\n"
         );
     }
 

@@ -32,6 +32,10 @@ pub enum SnapshotCommand {
         /// Return once recorded, without waiting for the plugin.
         #[arg(long)]
         detach: bool,
+        /// How long to wait for the plugin (e.g. `30s`, `5m`); past it the command gives up
+        /// with exit 75 (the request stays).
+        #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
         #[command(flatten)]
         local: LocalPlugins,
         #[command(flatten)]
@@ -70,12 +74,16 @@ pub enum SnapshotCommand {
     },
     /// Delete a snapshot by ID.
     Delete {
-        /// The snapshot's ID, as `volume snapshot list` shows it.
+        /// The snapshot's ID, or a unique prefix of it, as `volume snapshot list` shows it.
         snapshot_id: String,
         /// Return once the delete is requested, without waiting for the plugin's
         /// `snapshot_delete` and the record's removal.
         #[arg(long)]
         detach: bool,
+        /// How long to wait for the plugin (e.g. `30s`, `5m`); past it the command gives up
+        /// with exit 75 (the request stays).
+        #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
         #[command(flatten)]
         key: SigningArgs,
     },
@@ -123,13 +131,14 @@ impl SnapshotSummary {
     }
 }
 
-/// The readable snapshot table: ID, volume, name, size, creation time, ready.
-pub fn render_snapshots(rows: &[SnapshotSummary]) -> String {
+/// The readable snapshot table: ID (its first 8 characters unless `verbose`), volume,
+/// name, size, creation time, ready.
+pub fn render_snapshots(rows: &[SnapshotSummary], verbose: bool) -> String {
     let rows: Vec<Vec<String>> = rows
         .iter()
         .map(|s| {
             vec![
-                s.id.clone(),
+                super::output::short_id(&s.id, verbose),
                 s.volume.clone(),
                 if s.name.is_empty() {
                     "-".into()
@@ -143,7 +152,11 @@ pub fn render_snapshots(rows: &[SnapshotSummary]) -> String {
                 } else if s.error.is_empty() {
                     format!("false ({})", s.state)
                 } else {
-                    format!("false ({}: {})", s.state, s.error)
+                    format!(
+                        "false ({}: {})",
+                        s.state,
+                        super::output::plugin_text(&s.error)
+                    )
                 },
             ]
         })
@@ -223,12 +236,34 @@ async fn read_snapshot(
     id: &str,
 ) -> Result<Option<SnapshotRecord>, Failure> {
     if uuid::Uuid::parse_str(id).is_err() {
-        return Err(Failure::new(
-            EXIT_CONFIG,
-            format!(
-                "{id:?} is not a snapshot ID (a UUID, as `dhv-binder volume snapshot list` shows)"
-            ),
-        ));
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+            return Err(Failure::new(
+                EXIT_CONFIG,
+                format!(
+                    "{id:?} is not a snapshot ID or ID prefix (as `dhv-binder volume snapshot list` shows)"
+                ),
+            ));
+        }
+        // A unique prefix names the snapshot, as Nomad accepts ID prefixes.
+        let mut found: Vec<SnapshotRecord> = snapshots(client, ns, None)
+            .await?
+            .into_iter()
+            .filter(|s| s.id.starts_with(id))
+            .collect();
+        return match found.len() {
+            0 | 1 => Ok(found.pop()),
+            n => Err(Failure::new(
+                EXIT_FAILED,
+                format!(
+                    "ID prefix {id:?} matches {n} snapshots ({}): give more of the ID",
+                    found
+                        .iter()
+                        .map(|s| s.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        };
     }
     match client.variable(ns, &snapshot::record_path(id)).await? {
         None => Ok(None),
@@ -262,12 +297,13 @@ pub async fn snapshots(
     Ok(out)
 }
 
-/// Waits until `done` says the record at `path` is finished; `Err` after 2 minutes.
+/// Waits until `poll` says the record is finished; exit 75 after `timeout`.
 async fn wait<T>(
     what: &str,
+    timeout: Duration,
     mut poll: impl AsyncFnMut() -> Result<Option<T>, Failure>,
 ) -> Result<T, Failure> {
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + timeout;
     loop {
         if let Some(t) = poll().await? {
             return Ok(t);
@@ -275,7 +311,7 @@ async fn wait<T>(
         if Instant::now() > deadline {
             return Err(Failure::new(
                 EXIT_TIMEOUT,
-                format!("{what} still pending after 2m: is dhv-binder running on a node with the plugin? (`dhv-binder volume snapshot list`, `dhv-binder volume status`)"),
+                format!("{what} still pending after {}: is dhv-binder running on a node with the plugin? (`dhv-binder volume snapshot list`, `dhv-binder volume status`; the request stays, `-detach` returns at once)", humantime::format_duration(timeout)),
             ));
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -297,6 +333,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             volume,
             name,
             detach,
+            timeout,
             local,
             key,
         } => {
@@ -338,7 +375,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
                 return Ok(());
             }
             let id = snap.id.clone();
-            let done = wait("snapshot", async || {
+            let done = wait("snapshot", timeout, async || {
                 Ok(read_snapshot(client, ns, &id)
                     .await?
                     .filter(|s| matches!(s.state, VolumeState::Ready | VolumeState::Failed)))
@@ -347,7 +384,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             if done.state == VolumeState::Failed {
                 return Err(Failure::new(
                     EXIT_FAILED,
-                    format!("snapshot {} failed: {} (delete it with `dhv-binder volume snapshot delete {}`)", done.id, done.error, done.id),
+                    format!("snapshot {} failed: {} (delete it with `dhv-binder volume snapshot delete {}`)", done.id, crate::escape::escape_control(&super::output::plugin_text(&done.error)), done.id),
                 ));
             }
             outln!(
@@ -369,7 +406,8 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
         } => {
             let snaps = snapshots(client, ns, volume.as_deref()).await?;
             let rows: Vec<SnapshotSummary> = snaps.iter().map(SnapshotSummary::of).collect();
-            out.print(&rows, |r| render_snapshots(r))?;
+            let verbose = out.verbose;
+            out.print(&rows, |r| render_snapshots(r, verbose))?;
             if let Some(plugin) = plugin {
                 let secrets = super::plugin::secrets_from(
                     secrets_file.as_deref(),
@@ -391,6 +429,7 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
         SnapshotCommand::Delete {
             snapshot_id,
             detach,
+            timeout,
             key,
         } => {
             let key = key.load()?;
@@ -432,7 +471,8 @@ pub async fn snapshot_cmd(client: &Client, ns: &str, cmd: SnapshotCommand) -> Re
             if detach {
                 return Ok(());
             }
-            wait("snapshot delete", async || {
+            let snapshot_id = snap.id.clone();
+            wait("snapshot delete", timeout, async || {
                 Ok(client
                     .variable(ns, &snapshot::record_path(&snapshot_id))
                     .await?
@@ -509,12 +549,12 @@ async fn list_from_plugin(
 }
 
 /// `volume create` for a volume that exists: the same spec again is success; a larger
-/// `capacity_min` requests an expansion (and waits for it unless `detach`); anything else,
-/// shrinking included, is refused with the reason.
+/// `capacity_min` requests an expansion (and waits for it up to `wait`, unless `None`:
+/// `-detach`); anything else, shrinking included, is refused with the reason.
 pub async fn create_existing(
     client: &Client,
     spec: &VolumeSpec,
-    detach: bool,
+    wait_for: Option<Duration>,
     local: &LocalPlugins,
     key: Option<&SigningKey>,
 ) -> Result<(), Failure> {
@@ -560,11 +600,11 @@ pub async fn create_existing(
                 bytes(to),
                 on.describe()
             );
-            if detach {
+            let Some(timeout) = wait_for else {
                 return Ok(());
-            }
+            };
             let key = rec.key();
-            let done = wait("expansion", async || {
+            let done = wait("expansion", timeout, async || {
                 let cur: VolumeRecord = read_record(client, &key.namespace, &key.name).await?;
                 Ok(match &cur.expansion {
                     None => Some(Ok(cur.capacity_bytes)),
@@ -589,7 +629,7 @@ pub async fn create_existing(
                 }
                 Err(e) => Err(Failure::new(
                     EXIT_FAILED,
-                    format!("expand failed on {}: {e} (ask again with the same spec to retry, placed anew; give the size it has, {}, to withdraw it)", on.describe(), bytes(from)),
+                    format!("expand failed on {}: {} (ask again with the same spec to retry, placed anew; give the size it has, {}, to withdraw it)", on.describe(), crate::escape::escape_control(&super::output::plugin_text(&e)), bytes(from)),
                 )),
             }
         }

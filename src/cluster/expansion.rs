@@ -293,7 +293,9 @@ pub async fn run_expand(
                 return Err(again);
             }
             x.state = ExpansionState::Failed;
-            x.error = plugin::redact(&e.to_string(), &secrets);
+            // The plugin's redacted words, as a failed create records them: the operator's
+            // `volume create` and `volume status` show them on their machine.
+            x.error = plugin::redact(&e.report(), &secrets);
             rec.expansion = Some(x);
         }
     }
@@ -573,8 +575,14 @@ mod tests {
         let failed = run_expand(&runner, &node, rec.clone(), None).await.unwrap();
         let x = failed.expansion.unwrap();
         assert_eq!(x.state, ExpansionState::Failed);
-        // The plugin's own words stay in the node's log (plugin output never reaches records).
-        assert!(x.error.contains("expand failed"), "{}", x.error);
+        // Issue 46: the plugin's own (redacted) words are in the record, as a create's are,
+        // not a pointer to the agent's log on another machine.
+        assert!(
+            x.error.contains("expand failed") && x.error.contains("no room"),
+            "{}",
+            x.error
+        );
+        assert!(!x.error.contains("agent's log"), "{}", x.error);
         assert_eq!(failed.capacity_bytes, 64 << 20);
         // Exit code 75: not now. Nothing is recorded; the agent calls again after a backoff.
         request(&mut rec, 512 << 20);

@@ -542,7 +542,7 @@ pub async fn run_delete(
     runner
         .call(&snap.plugin_id, Operation::SnapshotDelete, &env, &secrets)
         .await
-        .map_err(|e| OpError::Plugin(plugin::redact(&e.to_string(), &secrets)))?;
+        .map_err(|e| OpError::Plugin(plugin::redact(&e.report(), &secrets)))?;
     log_delete("deleted the snapshot's storage");
     Ok(())
 }

@@ -1,0 +1,158 @@
+//! Which nodes can serve a volume, and why no agent acts on its record: the refusals the
+//! nodes published, a plugin no live node has.
+
+use super::super::output::short_id;
+use crate::cluster::nodes::{Liveness, NodeRecord};
+use crate::volume::{self, VolumeRecord, VolumeState};
+use std::collections::BTreeMap;
+
+/// Why node `r` cannot serve a volume of `plugin_id` in `node_pool` (`stale`, `pool gpu`,
+/// `no such plugin`, `plugin unhealthy: …`, `plugin is not deferred_bind`); `None` when it
+/// can. `now` in Unix seconds.
+pub fn why_not(r: &NodeRecord, plugin_id: &str, node_pool: &str, now: u64) -> Option<String> {
+    if r.can_serve(plugin_id, node_pool, now) {
+        return None;
+    }
+    Some(if r.liveness(now) == Liveness::Stale {
+        "stale".to_string()
+    } else if !node_pool.is_empty() && r.node_pool != node_pool {
+        format!("pool {}", r.node_pool)
+    } else {
+        match r.plugins.get(plugin_id) {
+            None => "no such plugin".into(),
+            Some(p) if !p.healthy => format!("plugin unhealthy: {}", p.error),
+            Some(p) if p.deferred_bind => "cannot serve it".into(),
+            Some(_) => "plugin is not deferred_bind".into(),
+        }
+    })
+}
+
+/// Why no node can serve a plugin, naming what each node has; `None` when one can.
+pub fn no_eligible_node(
+    records: &[NodeRecord],
+    plugin_id: &str,
+    node_pool: &str,
+    now: u64,
+) -> Option<String> {
+    if records
+        .iter()
+        .any(|r| r.can_serve(plugin_id, node_pool, now))
+    {
+        return None;
+    }
+    let pool = if node_pool.is_empty() {
+        String::new()
+    } else {
+        format!(" in node pool {node_pool:?}")
+    };
+    if records.is_empty() {
+        return Some(format!(
+            "no dhv-binder agent has published its node record, so no node can run plugin {plugin_id:?}{pool}: is the dhv-binder system job running (see `dhv-binder node status`)?"
+        ));
+    }
+    let seen: Vec<String> = records
+        .iter()
+        .map(|r| {
+            let why = why_not(r, plugin_id, node_pool, now).unwrap_or_default();
+            format!("{} ({why})", r.node_name)
+        })
+        .collect();
+    Some(format!(
+        "no live node has a healthy deferred plugin {plugin_id:?}{pool}: {}; install the plugin in the plugin directory of a node{pool} (see `dhv-binder plugin status`)",
+        seen.join(", ")
+    ))
+}
+
+/// `id` as `name (id)` from the node records; the ID alone when no record names it.
+pub fn node_name(records: &[NodeRecord], id: &str) -> String {
+    records
+        .iter()
+        .find(|r| r.node_id == id)
+        .map(|r| format!("{} ({})", r.node_name, short_id(id, false)))
+        .unwrap_or_else(|| id.to_string())
+}
+
+/// Why no agent acted on `rec` in time: the refusals nodes published for its record, its
+/// missing signature, or no node able to serve it. `None` when nothing explains it.
+pub fn why_waiting(rec: &VolumeRecord, records: &[NodeRecord], now: u64) -> Option<String> {
+    let path = volume::record_path(&rec.spec.name);
+    // Nodes that give the same reason are named together.
+    let mut by_reason: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for n in records {
+        if let Some(why) = n.refusal(&rec.spec.namespace, &path) {
+            by_reason.entry(why).or_default().push(&n.node_name);
+        }
+    }
+    let refusals: Vec<String> = by_reason
+        .iter()
+        .map(|(why, names)| {
+            let verb = if names.len() == 1 {
+                "refuses"
+            } else {
+                "refuse"
+            };
+            format!("{} {verb} it: {why}", names.join(", "))
+        })
+        .collect();
+    if !refusals.is_empty() {
+        return Some(format!(
+            "{}; fix that and run the command again",
+            refusals.join("; ")
+        ));
+    }
+    if rec.state == VolumeState::Pending || rec.state == VolumeState::Deleting {
+        if let Some(why) = no_eligible_node(records, &rec.spec.plugin_id, &rec.spec.node_pool, now)
+        {
+            return Some(why);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::nodes;
+
+    fn node(name: &str, pool: &str, plugin: Option<(&str, bool)>, seen: u64) -> NodeRecord {
+        let mut r = NodeRecord::new(&format!("id-{name}"), name, pool);
+        if let Some((id, deferred)) = plugin {
+            r.plugins.insert(
+                id.into(),
+                nodes::PluginInfo {
+                    version: "1".into(),
+                    deferred_bind: deferred,
+                    healthy: true,
+                    error: String::new(),
+                    capabilities: None,
+                },
+            );
+        }
+        r.last_seen = seen;
+        r
+    }
+
+    #[test]
+    fn create_fails_fast_naming_what_each_node_lacks() {
+        let now = 10_000;
+        let recs = vec![
+            node("node-1", "default", Some(("bind", true)), now),
+            node("node-2", "gpu", Some(("nfs", true)), now),
+            node("node-3", "default", Some(("nfs", false)), now),
+            node("node-4", "default", Some(("nfs", true)), now - 1000),
+        ];
+        assert_eq!(no_eligible_node(&recs, "bind", "", now), None);
+        assert_eq!(no_eligible_node(&recs, "nfs", "gpu", now), None);
+        let why = no_eligible_node(&recs, "nfs", "default", now).unwrap();
+        assert!(why.contains("node-1 (no such plugin)"), "{why}");
+        assert!(why.contains("node-2 (pool gpu)"), "{why}");
+        assert!(
+            why.contains("node-3 (plugin is not deferred_bind)"),
+            "{why}"
+        );
+        assert!(why.contains("node-4 (stale)"), "{why}");
+        assert!(why.contains("in node pool \"default\""), "{why}");
+        let why = no_eligible_node(&[], "nfs", "", now).unwrap();
+        assert!(why.contains("no dhv-binder agent has published"), "{why}");
+    }
+}
