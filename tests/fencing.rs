@@ -709,6 +709,15 @@ async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
         Some("fenced"),
         "the first event after the resume: {after:?}"
     );
+    // The event is the decision; the writer may append until the fence is carried out (its
+    // holders killed, the mount read-only), which its report in status says.
+    c.wait_for(20, "the fence's report", || async {
+        let (_, status) = c.status(0);
+        let st: Value = serde_json::from_str(&status).ok()?;
+        let f = st["fenced"][format!("default/{VOLUME}")]["fence"].clone();
+        (!f.is_null()).then_some(())
+    })
+    .await;
     let lines = log_lines(&c).len();
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert_eq!(log_lines(&c).len(), lines, "written after the fence");
