@@ -133,7 +133,9 @@ pub struct NodeDetail {
     /// naming its job, allocation and node), or empty.
     pub waiting: String,
     /// Jobs on the node that mount the volume without the prestart task (the node record's
-    /// `ungated`: job, task, allocation, and whether it ended before the publish).
+    /// `ungated`: job, task, allocation, and whether it ended before the publish); left out
+    /// of `-json` when empty.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ungated: Vec<String>,
 }
 
