@@ -142,8 +142,24 @@ async fn a_bind_volumes_password_lives_in_a_variable_and_each_call_reads_it_anew
         format!("pw-one-{}", uuid::Uuid::new_v4().simple()),
         format!("pw-two-{}", uuid::Uuid::new_v4().simple()),
     );
-    set_password(&c, &one).await;
     let export = c.export.display().to_string();
+    // Without the Variable, the create fails saying which reference and what to do.
+    std::fs::write(
+        c.sb.join("early.volume.hcl"),
+        format!(
+            "name = \"shared-data\"\nplugin_id = \"bindpw\"\nparameters {{\n  export = \"{export}\"\n}}\n{SECRET_REF}"
+        ),
+    )
+    .unwrap();
+    let early = c.sb.join("early.volume.hcl");
+    let (code, out) = c.cli(&["volume", "create", early.to_str().unwrap()]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!("variable {SECRET_PATH} does not exist"))
+            && out.contains("nomad var put"),
+        "{out}"
+    );
+    set_password(&c, &one).await;
     let out = c.create_volume_with(
         "shared-data",
         "single-node-writer",

@@ -717,10 +717,17 @@ pub async fn create(
         }
         let mut failure = None;
         // Referenced secrets, read now; never stored in `rec` (written back below).
-        let secrets = runner
-            .secrets_for(Operation::Create, &rec)
-            .await
-            .map_err(WorkerError::Plugin)?;
+        let secrets = match runner.secrets_for(Operation::Create, &rec).await {
+            Ok(s) => s,
+            Err(e) => {
+                // A secret that cannot be read: the volume cannot be made as asked, and
+                // `volume create` says which reference and what to do (run it again after).
+                rec.state = VolumeState::Failed;
+                rec.error = e.report();
+                cas_update(&client, &rec).await?;
+                return Err(WorkerError::Plugin(e));
+            }
+        };
         set_secrets(&mut env, &secrets);
         match runner
             .call(&rec.spec.plugin_id, Operation::Create, &env, &secrets)
