@@ -988,6 +988,12 @@ pub async fn run(
         journal,
         now(),
     );
+    let usage = crate::agent::volume_usage::UsageHandle::start(
+        cfg.usage_interval,
+        crate::agent::volume_usage::READ_TIMEOUT,
+        &cfg.state_dir,
+        metrics.clone(),
+    );
     let meter = Meter::new(metrics);
     let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter).with_trust(
         allowed_roots,
@@ -1055,9 +1061,10 @@ pub async fn run(
             record_reads.ask(&k.namespace, &crate::volume::record_path(&k.name));
         }
         asked_for = unknown;
+        usage.follow(core.journal());
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
-            let volumes = r.set_volumes(core.node_volumes());
+            let volumes = r.set_volumes(usage.annotate(core.node_volumes()));
             let refused = r.set_refused(&shell.rejected_records.snapshot());
             let history = r.set_history(core.node_history());
             r.set_watch(core.watch_health()) | plugins | volumes | refused | history
@@ -1096,6 +1103,7 @@ mod tests {
             tick: Duration::from_millis(200),
             plugin_rescan: Duration::from_secs(60),
             health_interval: Duration::from_secs(10),
+            usage_interval: Duration::from_secs(60),
             max_parallel: 2,
             claim_ttl: Duration::from_secs(15),
             claim_lock_delay: Duration::from_secs(15),

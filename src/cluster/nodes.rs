@@ -140,6 +140,21 @@ pub struct NodeVolume {
     /// nothing waits.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub waiting: String,
+    /// Percent of the mount's filesystem in use (bytes, by `statfs`, rounded down: the
+    /// record is written again only when it moves by a whole percent); `None` before the
+    /// first reading or while the mount does not answer. The full figures are in the
+    /// node's metrics (`dhv_binder_volume_stats_*`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub used_percent: Option<u8>,
+    /// The mount's condition: `healthy`, or the class of what is wrong (`inaccessible`,
+    /// `degraded`, `data-loss`; the words are in the node's log and `dhv-binder status`);
+    /// empty before the first reading.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub condition: String,
+    /// Unix seconds when the volume's last user on this node went away; `None` while it
+    /// is in use here, or when it never was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unused_since: Option<u64>,
 }
 
 /// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
@@ -648,6 +663,9 @@ mod tests {
                             error: "e".repeat(MAX_NODE_ERROR),
                             claim: "fenced".into(),
                             waiting: "w".repeat(MAX_NODE_ERROR),
+                            used_percent: Some(100),
+                            condition: "inaccessible".into(),
+                            unused_since: Some(u64::MAX),
                         },
                     )
                 })

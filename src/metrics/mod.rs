@@ -4,7 +4,9 @@
 //! Names follow Prometheus conventions (`dhv_binder_` prefix, base units, `_total` on
 //! counters, `_seconds` on durations). Label values come from closed sets (operations,
 //! outcomes, states, faults) or from plugin IDs (bounded by the plugin directory): never
-//! from allocation IDs, volume names or error text. See docs/operations.md for the list,
+//! from allocation IDs or error text, and volume names only in the per-volume families of
+//! `volume_stats` (kubelet's `kubelet_volume_stats_*` carry them too; bounded by the
+//! volumes this node has). See docs/operations.md for the list,
 //! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
 
 use crate::cluster::trust::RefusedReason;
@@ -24,6 +26,7 @@ use std::time::Duration;
 
 mod endpoint;
 mod process;
+mod volume_stats;
 
 pub use endpoint::{
     bind, serve, CLASSIC_CONTENT_TYPE, CONTENT_TYPE, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
@@ -31,6 +34,8 @@ pub use endpoint::{
 };
 use process::ProcessCollector;
 pub use process::{heap_bytes, process_figures, ProcessFigures};
+pub use volume_stats::VolumeFigures;
+use volume_stats::VolumeStatsCollector;
 
 /// The endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -234,6 +239,7 @@ struct Inner {
     heap_allocated: Gauge,
     heap_resident: Gauge,
     last_watch: Mutex<&'static str>,
+    volume_stats: VolumeStatsCollector,
 }
 
 /// A watch fault's label value (its kebab-case name).
@@ -501,6 +507,8 @@ impl Metrics {
             volumes_frozen.clone(),
         );
         r.register_collector(Box::new(NomadRetriesCollector));
+        let volume_stats = VolumeStatsCollector::default();
+        r.register_collector(Box::new(volume_stats.clone()));
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
@@ -538,6 +546,7 @@ impl Metrics {
             heap_allocated,
             heap_resident,
             last_watch: Mutex::new(""),
+            volume_stats,
         }))
     }
 
@@ -735,6 +744,17 @@ impl Metrics {
         }
     }
 
+    /// Every published volume's usage and condition (each call replaces the last: a
+    /// volume left out loses its series), and the unused-since times (namespace, volume,
+    /// Unix seconds) of volumes no longer used here.
+    pub fn set_volume_stats(
+        &self,
+        volumes: Vec<VolumeFigures>,
+        unused: Vec<(String, String, u64)>,
+    ) {
+        self.0.volume_stats.set(volumes, unused);
+    }
+
     /// The OpenMetrics text exposition of every metric (the allocator's figures and the
     /// mount table reading count read now).
     pub fn encode(&self) -> String {
@@ -827,6 +847,7 @@ mod tests {
     fn exported(name: &str) -> bool {
         PROCESS.contains(&name)
             || EXPORTED.contains(&name)
+            || volume_stats::FAMILIES.contains(&name)
             || ["_bucket", "_count", "_sum"].iter().any(|s| {
                 name.strip_suffix(s)
                     .is_some_and(|f| f.ends_with("_seconds") && EXPORTED.contains(&f))
