@@ -232,6 +232,15 @@ pub struct NodeDetail {
     /// Why a publish of the volume waits on the node (e.g. the claim another node holds,
     /// naming its job, allocation and node), or empty.
     pub waiting: String,
+    /// The mount's condition on the node: `healthy`, `inaccessible`, `degraded`,
+    /// `data-loss`, or empty before its first reading.
+    pub condition: String,
+    /// Percent of the mount's filesystem in use (`statfs`), `null` when not read.
+    pub used_percent: Option<u8>,
+    /// When the volume's last user on the node went away: Unix seconds here, an RFC 3339
+    /// string in `-json`, `null` while in use there or never used there.
+    #[serde(serialize_with = "super::output::ser_rfc3339")]
+    pub unused_since: u64,
 }
 
 /// One event of a volume on one node, from the node's journal (via its node record).
@@ -290,6 +299,9 @@ pub fn node_details(
                 refused: refused.to_string(),
                 claim: v.claim,
                 waiting: v.waiting,
+                condition: v.condition,
+                used_percent: v.used_percent,
+                unused_since: v.unused_since.unwrap_or_default(),
                 ..Default::default()
             },
         );
@@ -559,18 +571,34 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 ]
             })
             .collect();
-        out.push_str(&table(
-            &[
-                "Node",
-                "State",
-                "Since",
-                "Host Volume",
-                "Allocations",
-                "Last Error",
-            ],
-            &rows,
-            "",
-        ));
+        // Usage and condition columns once an agent reports them.
+        let health = d.nodes.iter().any(|n| !n.condition.is_empty());
+        let mut head = vec![
+            "Node",
+            "State",
+            "Since",
+            "Host Volume",
+            "Allocations",
+            "Last Error",
+        ];
+        let mut rows = rows;
+        if health {
+            head.extend(["Used", "Condition", "Unused Since"]);
+            for (r, n) in rows.iter_mut().zip(&d.nodes) {
+                r.push(n.used_percent.map_or("-".into(), |p| format!("{p}%")));
+                r.push(if n.condition.is_empty() {
+                    "-".into()
+                } else {
+                    n.condition.clone()
+                });
+                r.push(if n.unused_since == 0 {
+                    "-".into()
+                } else {
+                    ago(n.unused_since, now)
+                });
+            }
+        }
+        out.push_str(&table(&head, &rows, ""));
     }
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");
