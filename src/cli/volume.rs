@@ -1590,7 +1590,7 @@ Time                  Node    Event      Allocation  Outcome
         let j = serde_json::to_value([n.clone(), NodeDetail::default()]).unwrap();
         assert_eq!(
             j[0],
-            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": ""})
+            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": "", "Condition": "", "UsedPercent": null, "UnusedSince": null})
         );
         assert_eq!(j[1]["Since"], serde_json::Value::Null);
     }
