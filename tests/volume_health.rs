@@ -249,3 +249,179 @@ async fn usage_condition_and_unused_since_of_each_volume() {
         "the unused time started before the restart, not at it: {after}"
     );
 }
+
+/// Runs `cmd args` and returns its stdout; panics with its stderr when it fails.
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The ext4 image of volume `name`.
+async fn image_of(c: &Cluster, name: &str) -> std::path::PathBuf {
+    let v = c
+        .get(&format!(
+            "/v1/var/dhv-binder/volumes/{name}?namespace=default"
+        ))
+        .await;
+    let id = v["Items"]["id"].as_str().unwrap().to_string();
+    c.sb.join("images/default").join(format!("{id}.img"))
+}
+
+/// Waits until node 0's journal has `n` `unpublish-done` events for `volume`.
+async fn unpublished(c: &Cluster, volume: &str, n: usize) {
+    let key = format!("default/{volume}");
+    c.wait_for(60, &format!("{volume} unpublished ({n})"), || async {
+        (c.journal(0)
+            .iter()
+            .filter(|e| e["event"] == "unpublish-done" && e["volume"] == key.as_str())
+            .count()
+            >= n)
+            .then_some(())
+    })
+    .await;
+}
+
+/// The first line of node 0's agent log that contains `text`, once there is one.
+async fn agent_log_line(c: &Cluster, what: &str, text: &str) -> String {
+    c.wait_for(120, what, || async {
+        std::fs::read_to_string(&c.nodes[0].log)
+            .ok()?
+            .lines()
+            .find(|l| l.contains(text))
+            .map(str::to_string)
+    })
+    .await
+}
+
+/// The ext4 plugin checks before it trusts: an image left unclean is checked (`e2fsck -p`)
+/// before it is mounted again; damage preen cannot repair fails the publish with the
+/// checker's words and the image is not mounted; an image that carries a partition table
+/// and no filesystem is refused, never formatted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ext4_image_is_checked_before_it_is_mounted_and_a_foreign_one_never_formatted() {
+    let c = Cluster::start(1).await;
+    let images = c.sb.join("images");
+    for name in ["data", "foreign"] {
+        let out = c.create_volume_with(
+            name,
+            "single-node-writer",
+            "ext4",
+            &[("dir", images.to_str().unwrap()), NOBODY_UID, NOBODY_GID],
+            &[],
+            "capacity_min = \"32MiB\"",
+        );
+        assert!(out.contains("is ready"), "{out}");
+    }
+    let job = run_on(&c, "data").await;
+    for f in ["f1", "f2"] {
+        std::fs::write(c.target(0, "data").join(f), b"four").unwrap();
+    }
+    c.stop_job(&job, false).await;
+    unpublished(&c, "data", 1).await;
+    let img = image_of(&c, "data").await;
+    let img_s = img.to_str().unwrap();
+
+    // Left unclean (as by a node that died with it mounted): checked before the mount (a
+    // full check stamps the superblock's "Last checked"; the seconds differ from mkfs's).
+    run("debugfs", &["-w", "-R", "ssv state 0", img_s]);
+    let last_checked = || {
+        run("dumpe2fs", &["-h", img_s])
+            .lines()
+            .find(|l| l.starts_with("Last checked:"))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let formatted = last_checked();
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let job = run_on(&c, "data").await;
+    let checked = last_checked();
+    assert_ne!(
+        checked, formatted,
+        "the unclean filesystem was mounted unchecked"
+    );
+    c.stop_job(&job, false).await;
+    unpublished(&c, "data", 2).await;
+
+    // Damage preen cannot repair (two files claim one block), left unclean: not mounted.
+    let block = run("debugfs", &["-R", "bmap f1 0", img_s]);
+    run(
+        "debugfs",
+        &[
+            "-w",
+            "-R",
+            &format!("sif f2 block[5] {}", block.trim()),
+            img_s,
+        ],
+    );
+    run("debugfs", &["-w", "-R", "ssv state 0", img_s]);
+    let example = std::fs::read_to_string(repo().join("jobspecs/example.nomad.hcl")).unwrap();
+    let spec = c.sb.join("job-data-again.nomad.hcl");
+    std::fs::write(
+        &spec,
+        example
+            .replace("\"shared-data-demo\"", "\"demo-data-again\"")
+            .replace("\"shared-data\"", "\"data\""),
+    )
+    .unwrap();
+    c.run_job(&spec).await;
+    // The publish fails with the checker's words (the plugin's words reach the volume's
+    // callers and this node's log; the node record says only that it failed).
+    let failure = agent_log_line(
+        &c,
+        "the damaged image's publish failing",
+        "UNEXPECTED INCONSISTENCY",
+    )
+    .await;
+    assert!(failure.contains("data-loss: e2fsck -p"), "{failure}");
+    assert!(
+        !dhv_binder::node::mounts::is_mount_point(&c.target(0, "data")),
+        "the damaged image was mounted"
+    );
+    c.stop_job("demo-data-again", true).await;
+
+    // A partition table and no filesystem: refused, and the image is left as it was.
+    let foreign = image_of(&c, "foreign").await;
+    {
+        use std::io::{Seek, SeekFrom};
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&foreign)
+            .unwrap();
+        let mut entry = vec![0u8, 0, 0, 0, 0x83, 0, 0, 0];
+        entry.extend(2048u32.to_le_bytes());
+        entry.extend(16384u32.to_le_bytes());
+        f.seek(SeekFrom::Start(446)).unwrap();
+        f.write_all(&entry).unwrap();
+        f.seek(SeekFrom::Start(510)).unwrap();
+        f.write_all(&[0x55, 0xaa]).unwrap();
+        f.sync_all().unwrap();
+    }
+    let before = std::fs::read(&foreign).unwrap();
+    let spec = c.sb.join("job-foreign.nomad.hcl");
+    std::fs::write(
+        &spec,
+        example
+            .replace("\"shared-data-demo\"", "\"demo-foreign\"")
+            .replace("\"shared-data\"", "\"foreign\""),
+    )
+    .unwrap();
+    c.run_job(&spec).await;
+    let refusal = agent_log_line(&c, "the foreign image refused", "refusing to format").await;
+    assert!(
+        refusal.contains("(dos)"),
+        "the signature is named: {refusal}"
+    );
+    assert!(
+        std::fs::read(&foreign).unwrap() == before,
+        "the foreign image was written to"
+    );
+    c.stop_job("demo-foreign", true).await;
+}
