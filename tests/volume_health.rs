@@ -237,6 +237,17 @@ async fn usage_condition_and_unused_since_of_each_volume() {
     };
     assert!(since.to_string().contains("\"data\""), "{since}");
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    // `volume list -unused` finds it (from the node record), not the volume still in use.
+    let idle = c
+        .wait_for(30, "data listed as unused", || async {
+            let (_, out) = c.cli(&["volume", "list", "-unused", "1s"]);
+            out.contains("data").then_some(out)
+        })
+        .await;
+    assert!(idle.contains(" ago"), "{idle}");
+    assert!(!idle.contains("remote"), "{idle}");
+    let (_, none) = c.cli(&["volume", "list", "-unused", "720h"]);
+    assert!(none.contains("No volume unused that long"), "{none}");
     c.kill_agent(0, nix::sys::signal::Signal::SIGTERM);
     c.start_agent(0);
     let after = c

@@ -59,6 +59,10 @@ pub enum VolumeCommand {
     },
     /// List deferred volumes.
     List {
+        /// Only volumes no allocation has used for at least this long on any node (`720h`),
+        /// and those never used, with when their last user left (node records).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        unused: Option<Duration>,
         #[command(flatten)]
         out: OutputArgs,
     },
@@ -1136,7 +1140,12 @@ async fn register(
     Ok(())
 }
 
-async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure> {
+async fn list(
+    client: &Client,
+    ns: &str,
+    unused: Option<Duration>,
+    out: OutputArgs,
+) -> Result<(), Failure> {
     let metas = client
         .list_variables(volume::RECORD_PREFIX, ns, 0, Duration::ZERO)
         .await?
@@ -1154,6 +1163,32 @@ async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure>
         }
     }
     vols.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    if let Some(d) = unused {
+        let (records, _) = nodes::list(client).await?;
+        let now = super::output::now_unix();
+        let idle = |v: &VolumeSummary| {
+            super::unused::idle(
+                &records,
+                &volume::VolumeKey {
+                    namespace: v.namespace.clone(),
+                    name: v.name.clone(),
+                },
+            )
+        };
+        vols.retain(|v| super::unused::idle_for(idle(v), d.as_secs(), now));
+        let rows: Vec<_> = vols
+            .iter()
+            .map(|v| {
+                (
+                    v.namespace.clone(),
+                    v.name.clone(),
+                    v.plugin_id.clone(),
+                    idle(v),
+                )
+            })
+            .collect();
+        return out.print(&vols, |_| super::unused::render(&rows, now));
+    }
     let verbose = out.verbose;
     out.print(&vols, |v| render_list(v, verbose))
 }
@@ -1361,7 +1396,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
         VolumeCommand::Snapshot(cmd) => storage::snapshot_cmd(&client, ns, cmd).await,
         VolumeCommand::Claim(cmd) => super::claim::claim_cmd(&client, ns, cmd).await,
         VolumeCommand::Register { spec, key } => register(&client, ns, spec, key.load()?).await,
-        VolumeCommand::List { out } => list(&client, ns, out).await,
+        VolumeCommand::List { unused, out } => list(&client, ns, unused, out).await,
         VolumeCommand::Status { name, out } => status(&client, ns, name, out).await,
         VolumeCommand::Delete { name, wait, key } => {
             delete(&client, ns, name, wait.wait(), key.load()?).await
