@@ -199,6 +199,24 @@ async fn usage_condition_and_unused_since_of_each_volume() {
         "ext4 used {used_before} -> {} bytes after writing {N}; remote abnormal",
         sample(&during, used, "data").unwrap()
     );
+    // So does the agent's status (`dhv-binder status -json`).
+    let (_, out) = c.status(0);
+    let doc: Value = serde_json::from_str(&out).unwrap();
+    let usage = &doc["volume_usage"];
+    assert_eq!(
+        usage["default/remote"]["condition"]["class"], "inaccessible",
+        "{usage}"
+    );
+    assert_eq!(
+        usage["default/data"]["condition"]["abnormal"], false,
+        "{usage}"
+    );
+    assert!(
+        usage["default/data"]["usage"]["used_bytes"]
+            .as_f64()
+            .is_some_and(|u| u >= used_before + N as f64),
+        "{usage}"
+    );
     // The node record says so too (`volume status`, per node).
     let status = c
         .wait_for(30, "the node record's condition", || async {

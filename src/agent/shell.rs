@@ -169,6 +169,8 @@ struct Shell {
     guarded: bool,
     /// The claim renewals' thread ([`crate::agent::renewer`]), once started by `run`.
     renewer: Option<crate::agent::renewer::Renewer>,
+    /// Each volume's usage, condition and unused time (`volume_usage` in the status).
+    usage: Option<crate::agent::volume_usage::UsageHandle>,
     /// The renewals' outcomes, handed to the core before anything else of a pass.
     renewed: mpsc::UnboundedReceiver<Completion>,
     /// Given to the renewal thread when it starts.
@@ -192,6 +194,7 @@ impl Shell {
         let (renewed_tx, renewed) = mpsc::unbounded_channel();
         Self {
             renewer: None,
+            usage: None,
             renewed,
             renewed_tx,
             evidence: Default::default(),
@@ -527,6 +530,9 @@ impl Shell {
                     if let Some(o) = v.as_object_mut() {
                         let refused = serde_json::json!(self.rejected_records.snapshot());
                         o.insert("rejected_records".into(), refused);
+                        if let Some(u) = &self.usage {
+                            o.insert("volume_usage".into(), u.status());
+                        }
                     }
                     let _ = tx.send(*v);
                 }
@@ -988,7 +994,7 @@ pub async fn run(
         journal,
         now(),
     );
-    let usage = crate::agent::volume_usage::UsageHandle::start(
+    let usage_handle = crate::agent::volume_usage::UsageHandle::start(
         cfg.usage_interval,
         crate::agent::volume_usage::READ_TIMEOUT,
         &cfg.state_dir,
@@ -1001,6 +1007,7 @@ pub async fn run(
         rejected_records,
     );
     shell.guard = guard;
+    shell.usage = Some(usage_handle);
     shell.guarded = guarded;
     shell.clock = clock.clone();
     // Claim renewals on a thread of their own, over connections of their own.
@@ -1061,10 +1068,12 @@ pub async fn run(
             record_reads.ask(&k.namespace, &crate::volume::record_path(&k.name));
         }
         asked_for = unknown;
-        usage.follow(core.journal());
+        let usage = shell.usage.as_ref();
+        usage.inspect(|u| u.follow(core.journal()));
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
-            let volumes = r.set_volumes(usage.annotate(core.node_volumes()));
+            let volumes = core.node_volumes();
+            let volumes = r.set_volumes(usage.map_or(volumes.clone(), |u| u.annotate(volumes)));
             let refused = r.set_refused(&shell.rejected_records.snapshot());
             let history = r.set_history(core.node_history());
             r.set_watch(core.watch_health()) | plugins | volumes | refused | history

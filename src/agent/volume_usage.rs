@@ -243,6 +243,32 @@ impl UsageHandle {
     }
 }
 
+impl UsageHandle {
+    /// The status document's `volume_usage`: per `namespace/name`, the last reading's
+    /// `usage` (bytes and inodes, `null` when the mount did not answer) and `condition`
+    /// (`abnormal`, `class`, `message`) of each published volume, and `unused_since` (Unix
+    /// seconds) of each volume whose last user here went away.
+    pub(crate) fn status(&self) -> serde_json::Value {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = serde_json::Map::new();
+        for (k, f) in &s.figures {
+            out.insert(
+                k.to_string(),
+                serde_json::json!({"usage": f.usage, "condition": f.condition}),
+            );
+        }
+        for (k, t) in &s.unused {
+            let e = out
+                .entry(k.to_string())
+                .or_insert_with(|| serde_json::json!({}));
+            if let Some(o) = e.as_object_mut() {
+                o.insert("unused_since".into(), serde_json::json!(t));
+            }
+        }
+        serde_json::Value::Object(out)
+    }
+}
+
 impl Drop for UsageHandle {
     fn drop(&mut self) {
         self.task.abort();
