@@ -1047,6 +1047,7 @@ pub async fn run(
         every: cfg.tick,
     };
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
+    let mut follow_usage = true;
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -1059,6 +1060,8 @@ pub async fn run(
         let mut inputs = inputs;
         inputs.extend(shell.renewals_arrived());
         let effects = core.handle_all(inputs, now());
+        // Mounts and users change only by a journal commit.
+        follow_usage |= effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
         shell.perform(effects);
         shell.meter.after_pass(&core);
         // A volume named by an allocation and not in the catalogue: read its record now
@@ -1069,7 +1072,9 @@ pub async fn run(
         }
         asked_for = unknown;
         let usage = shell.usage.as_ref();
-        usage.inspect(|u| u.follow(core.journal()));
+        if std::mem::take(&mut follow_usage) {
+            usage.inspect(|u| u.follow(core.journal()));
+        }
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = core.node_volumes();
