@@ -2,7 +2,7 @@
 //! with a loop-mounted ext4 volume and a FUSE WebDAV one (`rclone mount` of a server on
 //! 127.0.0.1): each published volume's usage under kubelet's metric names, read by `statfs`
 //! on the agent's schedule; a hung FUSE mount is reported abnormal while the healthy volume
-//! beside it keeps fresh figures; when a volume's last user leaves, its unused time starts,
+//! beside it keeps fresh figures, and a killed one is abnormal until it is republished; when a volume's last user leaves, its unused time starts,
 //! and it holds across an agent restart.
 
 mod support;
@@ -238,6 +238,42 @@ async fn usage_condition_and_unused_since_of_each_volume() {
         nix::sys::signal::Signal::SIGCONT,
     )
     .unwrap();
+    c.wait_for(30, "the resumed mount healthy", || async {
+        (sample(&metrics(&c, 0).await, abnormal, "remote") == Some(0.0)).then_some(())
+    })
+    .await;
+    // Its FUSE server killed: abnormal within 30 s, healthy again once it is republished.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pids[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // (The agent republishes a dead mount at once: the 1 lasts until the new mount is read,
+    // under a second here, so the log says it.)
+    let seen = c
+        .wait_for(30, "the dead mount abnormal", || async {
+            std::fs::read_to_string(&c.nodes[0].log)
+                .ok()?
+                .lines()
+                .find(|l| {
+                    l.contains("volume is abnormal")
+                        && l.contains("default/remote")
+                        && l.contains("server is gone")
+                })
+                .map(str::to_string)
+        })
+        .await;
+    assert!(seen.contains("inaccessible"), "{seen}");
+    c.wait_for(60, "the republished mount healthy", || async {
+        let healthy_again = std::fs::read_to_string(&c.nodes[0].log)
+            .ok()?
+            .lines()
+            .skip_while(|l| !l.contains("server is gone"))
+            .any(|l| l.contains("volume is healthy again") && l.contains("default/remote"));
+        (healthy_again && sample(&metrics(&c, 0).await, abnormal, "remote") == Some(0.0))
+            .then_some(())
+    })
+    .await;
 
     // The last user of `data` leaves: its unused time starts and holds across a restart.
     let unused = "dhv_binder_volume_unused_seconds";

@@ -1059,8 +1059,9 @@ pub async fn run(
         // The freshest renewal outcomes: the pass's fence decision weighs every answer in.
         let mut inputs = inputs;
         inputs.extend(shell.renewals_arrived());
+        // Mounts and users change only by a journal commit, what is mounted by a reading.
+        follow_usage |= inputs.iter().any(|i| matches!(i, Input::MountTable(_)));
         let effects = core.handle_all(inputs, now());
-        // Mounts and users change only by a journal commit.
         follow_usage |= effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
         shell.perform(effects);
         shell.meter.after_pass(&core);
@@ -1073,7 +1074,7 @@ pub async fn run(
         asked_for = unknown;
         let usage = shell.usage.as_ref();
         if std::mem::take(&mut follow_usage) {
-            usage.inspect(|u| u.follow(core.journal()));
+            usage.inspect(|u| u.follow(core.journal(), core.mounted()));
         }
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));

@@ -36,6 +36,9 @@ pub(crate) struct Known {
     pub target: PathBuf,
     /// Published (its mount is read); else publishing or unpublishing (left alone).
     pub published: bool,
+    /// The mount table shows its target mounted. Published and not mounted: its mount is
+    /// gone (a dead mount detached to be published again), `inaccessible` without a read.
+    pub mounted: bool,
     /// Allocations using it here.
     pub users: usize,
 }
@@ -70,7 +73,7 @@ fn wall_secs() -> u64 {
 }
 
 /// The journal's volumes: published mounts (read by `statfs`) and every volume with users.
-pub(crate) fn known(journal: &Journal) -> BTreeMap<VolumeKey, Known> {
+pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<VolumeKey, Known> {
     let users = journal.users_by_volume();
     let mut out: BTreeMap<VolumeKey, Known> = journal
         .mounts()
@@ -82,6 +85,7 @@ pub(crate) fn known(journal: &Journal) -> BTreeMap<VolumeKey, Known> {
                     plugin: m.plugin_id.clone(),
                     target: m.target.clone(),
                     published: m.state == MountState::Published,
+                    mounted: mounted.contains(&m.target),
                     users: users.get(k).map_or(0, |u| u.len()),
                 },
             )
@@ -92,6 +96,7 @@ pub(crate) fn known(journal: &Journal) -> BTreeMap<VolumeKey, Known> {
             plugin: String::new(),
             target: PathBuf::new(),
             published: false,
+            mounted: false,
             users: u.len(),
         });
     }
@@ -170,8 +175,13 @@ impl State {
             };
         }
         self.in_use = used;
-        self.figures
-            .retain(|k, _| known.get(k).is_some_and(|k| k.published));
+        // A volume being published again keeps its last (abnormal) reading until it is
+        // read again; one whose mount record is gone loses it.
+        self.figures.retain(|k, _| {
+            known
+                .get(k)
+                .is_some_and(|k| k.published || !k.target.as_os_str().is_empty())
+        });
         changed
     }
 }
@@ -203,8 +213,8 @@ impl UsageHandle {
 
     /// Hands the task the journal's volumes (after each pass; the task wakes only when
     /// they changed).
-    pub(crate) fn follow(&self, journal: &Journal) {
-        let next = known(journal);
+    pub(crate) fn follow(&self, journal: &Journal, mounted: &BTreeSet<PathBuf>) {
+        let next = known(journal, mounted);
         self.tx.send_if_modified(|k| {
             if *k == next {
                 return false;
@@ -333,13 +343,30 @@ async fn run(
                 tracing::warn!(error = %e, "cannot keep the volumes' unused-since times (they are kept in memory)");
             }
         }
-        // A newly published volume is read at once; every one on the schedule.
+        // A newly published volume, and an abnormal one whose journal or mount changed,
+        // is read at once; every one on the schedule. One whose mount is gone is not read.
         let due = tokio::time::Instant::now() >= next_round;
         let to_read: BTreeMap<VolumeKey, Known> = {
-            let s = state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            for (k, _) in known.iter().filter(|(_, v)| v.published && !v.mounted) {
+                let gone = Figures {
+                    usage: None,
+                    condition: Condition::abnormal(
+                        crate::node::usage::ConditionClass::Inaccessible,
+                        "not mounted: its mount is gone (a dead mount is published again)",
+                    ),
+                };
+                if s.figures.get(k) != Some(&gone) {
+                    tracing::warn!(volume = %k, "volume is abnormal: its mount is gone");
+                }
+                s.figures.insert(k.clone(), gone);
+            }
             known
                 .iter()
-                .filter(|(k, v)| v.published && (due || !s.figures.contains_key(*k)))
+                .filter(|(k, v)| {
+                    let stale = s.figures.get(*k).is_none_or(|f| f.condition.abnormal);
+                    v.published && v.mounted && (due || stale)
+                })
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect()
         };
@@ -358,8 +385,8 @@ async fn run(
                         tracing::info!(volume = %k, "volume is healthy again");
                     }
                 }
-                // Still published (the journal may have moved on during the round).
-                if known.get(&k).is_some_and(|v| v.published) {
+                // Still known (the journal may have moved on during the round).
+                if known.contains_key(&k) {
                     s.figures.insert(k, f);
                 }
             }
@@ -412,6 +439,7 @@ mod tests {
             plugin: "bind".into(),
             target: "/x".into(),
             published: true,
+            mounted: true,
             users,
         }
     }
