@@ -162,6 +162,11 @@ pub struct AgentConfig {
     /// How often published mounts are probed (a dead FUSE mount is republished).
     #[arg(long, env = "DHV_BINDER_HEALTH_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
     pub health_interval: Duration,
+    /// How often every published volume's usage is read by `statfs` of its mount (each
+    /// call bounded by 5 s, never two out for one mount; a newly published volume is read
+    /// at once).
+    #[arg(long, env = "DHV_BINDER_USAGE_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub usage_interval: Duration,
     /// Plugin calls on different volumes run in parallel up to this bound.
     #[arg(long, env = "DHV_BINDER_MAX_PARALLEL", default_value_t = 8)]
     pub max_parallel: usize,
@@ -541,6 +546,7 @@ impl AgentConfig {
             ("--plugin-timeout", self.plugin_timeout),
             ("--tick", self.tick),
             ("--health-interval", self.health_interval),
+            ("--usage-interval", self.usage_interval),
             ("--stream-idle-timeout", self.stream_idle_timeout),
             ("--claim-ttl", self.claim_ttl),
             ("--heartbeat-interval-max", self.heartbeat_interval_max),

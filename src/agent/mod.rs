@@ -37,6 +37,7 @@ pub(crate) mod retry;
 pub(crate) mod shell;
 pub(crate) mod storage_ops;
 pub(crate) mod view;
+pub(crate) mod volume_usage;
 pub(crate) mod waiters;
 pub(crate) mod workers;
 

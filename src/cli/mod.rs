@@ -30,6 +30,7 @@ pub mod prestart;
 pub mod records;
 pub mod status;
 pub mod storage;
+pub mod unused;
 pub mod volume;
 
 use crate::config::{AgentConfig, NomadConfig};
@@ -349,13 +350,13 @@ mod tests {
         assert_eq!(cli.nomad.namespace, "ops");
         assert!(matches!(
             cli.command,
-            Command::Volume(VolumeCommand::List { out }) if out.verbose
+            Command::Volume(VolumeCommand::List { out, .. }) if out.verbose
         ));
         // `-t` stays a short flag; `-` is standard input; a word that names no flag is refused.
         let cli = parse(&["dhv-binder", "volume", "list", "-t", "{{.ID}}"]).unwrap();
         assert!(matches!(
             cli.command,
-            Command::Volume(VolumeCommand::List { out }) if out.template.as_deref() == Some("{{.ID}}")
+            Command::Volume(VolumeCommand::List { out, .. }) if out.template.as_deref() == Some("{{.ID}}")
         ));
         assert!(parse(&["dhv-binder", "volume", "create", "-"]).is_ok());
         assert!(parse(&["dhv-binder", "volume", "list", "-nosuchflag"]).is_err());
@@ -399,7 +400,7 @@ mod tests {
         .unwrap();
         assert!(matches!(
             cli.command,
-            Command::Volume(VolumeCommand::List { out }) if out.json
+            Command::Volume(VolumeCommand::List { out, .. }) if out.json
         ));
     }
 }

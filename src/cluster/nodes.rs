@@ -146,6 +146,21 @@ pub struct NodeVolume {
     /// the first [`MAX_NODE_UNGATED`], each cut to [`MAX_UNGATED_CHARS`] characters.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ungated: Vec<String>,
+    /// Percent of the mount's filesystem in use (bytes, by `statfs`, rounded down: the
+    /// record is written again only when it moves by a whole percent); `None` before the
+    /// first reading or while the mount does not answer. The full figures are in the
+    /// node's metrics (`dhv_binder_volume_stats_*`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub used_percent: Option<u8>,
+    /// The mount's condition: `healthy`, or the class of what is wrong (`inaccessible`,
+    /// `degraded`, `data-loss`; the words are in the node's log and `dhv-binder status`);
+    /// empty before the first reading.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub condition: String,
+    /// Unix seconds when the volume's last user on this node went away; `None` while it
+    /// is in use here, or when it never was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unused_since: Option<u64>,
 }
 
 /// The most ungated jobs a node record names per volume (those whose allocation ended
@@ -668,6 +683,9 @@ mod tests {
                             claim: "fenced".into(),
                             waiting: "w".repeat(MAX_NODE_ERROR),
                             ungated: vec!["u".repeat(MAX_UNGATED_CHARS + 9); MAX_NODE_UNGATED + 1],
+                            used_percent: Some(100),
+                            condition: "inaccessible".into(),
+                            unused_since: Some(u64::MAX),
                         },
                     )
                 })

@@ -24,6 +24,8 @@
 //!   daemon's own cgroup;
 //! - `freeze`: thawing a filesystem a snapshot call left frozen;
 //! - `health`: the mount probe (`stat` with a timeout) and the lazy detach;
+//! - [`usage`]: a mounted filesystem's usage by `statfs` (a thread per call, a timeout,
+//!   one call out per target) and a volume's condition;
 //! - [`journal`]: the node's durable record of its mounts (records in memory,
 //!   group-committed ahead of the plugin calls of each planning pass).
 
@@ -41,3 +43,4 @@ pub mod identity;
 pub mod install;
 pub mod journal;
 pub mod mounts;
+pub mod usage;

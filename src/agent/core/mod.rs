@@ -222,7 +222,6 @@ impl Core {
     }
 
     /// The journal's records.
-    #[cfg(test)]
     pub(crate) fn journal(&self) -> &Journal {
         &self.journal
     }

@@ -96,6 +96,11 @@ impl Core {
         self.claims.version()
     }
 
+    /// The targets the mount table shows mounted (the usage task reads only those).
+    pub(crate) fn mounted(&self) -> &BTreeSet<PathBuf> {
+        &self.mounted
+    }
+
     /// Volumes a freezing operation may hold frozen (O(1)).
     pub(crate) fn frozen_count(&self) -> usize {
         self.storage_ops.frozen().len()

@@ -172,6 +172,8 @@ struct Shell {
     guarded: bool,
     /// The claim renewals' thread ([`crate::agent::renewer`]), once started by `run`.
     renewer: Option<crate::agent::renewer::Renewer>,
+    /// Each volume's usage, condition and unused time (`volume_usage` in the status).
+    usage: Option<crate::agent::volume_usage::UsageHandle>,
     /// The renewals' outcomes, handed to the core before anything else of a pass.
     renewed: mpsc::UnboundedReceiver<Completion>,
     /// Given to the renewal thread when it starts.
@@ -197,6 +199,7 @@ impl Shell {
         let (renewed_tx, renewed) = mpsc::unbounded_channel();
         Self {
             renewer: None,
+            usage: None,
             renewed,
             renewed_tx,
             holder_watches: Default::default(),
@@ -537,6 +540,9 @@ impl Shell {
                     if let Some(o) = v.as_object_mut() {
                         let refused = serde_json::json!(self.rejected_records.snapshot());
                         o.insert("rejected_records".into(), refused);
+                        if let Some(u) = &self.usage {
+                            o.insert("volume_usage".into(), u.status());
+                        }
                     }
                     let _ = tx.send(*v);
                 }
@@ -1013,6 +1019,12 @@ pub async fn run(
         journal,
         now(),
     );
+    let usage_handle = crate::agent::volume_usage::UsageHandle::start(
+        cfg.usage_interval,
+        crate::agent::volume_usage::READ_TIMEOUT,
+        &cfg.state_dir,
+        metrics.clone(),
+    );
     let meter = Meter::new(metrics);
     let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter).with_trust(
         allowed_roots,
@@ -1021,6 +1033,7 @@ pub async fn run(
     );
     shell.runner = shell.runner.with_secret_source(secret_source);
     shell.guard = guard;
+    shell.usage = Some(usage_handle);
     shell.guarded = guarded;
     shell.clock = clock.clone();
     // Claim renewals on a thread of their own, over connections of their own.
@@ -1061,6 +1074,7 @@ pub async fn run(
         every: cfg.tick,
     };
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
+    let mut follow_usage = true;
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -1072,7 +1086,10 @@ pub async fn run(
         // The freshest renewal outcomes: the pass's fence decision weighs every answer in.
         let mut inputs = inputs;
         inputs.extend(shell.renewals_arrived());
+        // Mounts and users change only by a journal commit, what is mounted by a reading.
+        follow_usage |= inputs.iter().any(|i| matches!(i, Input::MountTable(_)));
         let effects = core.handle_all(inputs, now());
+        follow_usage |= effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
         shell.perform(effects);
         shell.meter.after_pass(&core);
         // A volume named by an allocation and not in the catalogue: read its record now
@@ -1082,9 +1099,14 @@ pub async fn run(
             record_reads.ask(&k.namespace, &crate::volume::record_path(&k.name));
         }
         asked_for = unknown;
+        let usage = shell.usage.as_ref();
+        if std::mem::take(&mut follow_usage) {
+            usage.inspect(|u| u.follow(core.journal(), core.mounted()));
+        }
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
-            let volumes = r.set_volumes(core.node_volumes());
+            let volumes = core.node_volumes();
+            let volumes = r.set_volumes(usage.map_or(volumes.clone(), |u| u.annotate(volumes)));
             let refused = r.set_refused(&shell.rejected_records.snapshot());
             let history = r.set_history(core.node_history());
             r.set_watch(core.watch_health()) | plugins | volumes | refused | history

@@ -21,6 +21,7 @@ fn shell(dir: &std::path::Path) -> (Shell, Journal) {
         tick: Duration::from_millis(200),
         plugin_rescan: Duration::from_secs(60),
         health_interval: Duration::from_secs(10),
+        usage_interval: Duration::from_secs(60),
         max_parallel: 2,
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),

@@ -66,6 +66,10 @@ pub enum VolumeCommand {
     },
     /// List deferred volumes.
     List {
+        /// Only volumes no allocation has used for at least this long on any node (`720h`),
+        /// and those never used, with when their last user left (node records).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        unused: Option<Duration>,
         #[command(flatten)]
         out: OutputArgs,
     },
@@ -159,7 +163,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
         VolumeCommand::Register { spec, key } => {
             create::register(&client, ns, spec, key.load()?).await
         }
-        VolumeCommand::List { out } => show::list(&client, ns, out).await,
+        VolumeCommand::List { unused, out } => show::list(&client, ns, unused, out).await,
         VolumeCommand::Status { name, out } => show::status(&client, ns, name, out).await,
         VolumeCommand::Delete { name, wait, key } => {
             remove::delete(&client, ns, name, wait.wait(), key.load()?).await

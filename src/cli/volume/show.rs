@@ -137,6 +137,15 @@ pub struct NodeDetail {
     /// of `-json` when empty.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ungated: Vec<String>,
+    /// The mount's condition on the node: `healthy`, `inaccessible`, `degraded`,
+    /// `data-loss`, or empty before its first reading.
+    pub condition: String,
+    /// Percent of the mount's filesystem in use (`statfs`), `null` when not read.
+    pub used_percent: Option<u8>,
+    /// When the volume's last user on the node went away: Unix seconds here, an RFC 3339
+    /// string in `-json`, `null` while in use there or never used there.
+    #[serde(serialize_with = "super::super::output::ser_rfc3339")]
+    pub unused_since: u64,
 }
 
 /// One event of a volume on one node, from the node's journal (via its node record).
@@ -324,6 +333,9 @@ pub fn node_details(
                 claim: v.claim,
                 waiting: v.waiting,
                 ungated: v.ungated,
+                condition: v.condition,
+                used_percent: v.used_percent,
+                unused_since: v.unused_since.unwrap_or_default(),
                 ..Default::default()
             },
         );
@@ -647,19 +659,35 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 ]
             })
             .collect();
-        out.push_str(&table(
-            &[
-                "Node",
-                "State",
-                "Since",
-                "Target",
-                "Host Volume",
-                "Allocations",
-                "Why",
-            ],
-            &rows,
-            "",
-        ));
+        // Usage and condition columns once an agent reports them.
+        let health = d.nodes.iter().any(|n| !n.condition.is_empty());
+        let mut head = vec![
+            "Node",
+            "State",
+            "Since",
+            "Target",
+            "Host Volume",
+            "Allocations",
+            "Why",
+        ];
+        let mut rows = rows;
+        if health {
+            head.extend(["Used", "Condition", "Unused Since"]);
+            for (r, n) in rows.iter_mut().zip(&d.nodes) {
+                r.push(n.used_percent.map_or("-".into(), |p| format!("{p}%")));
+                r.push(if n.condition.is_empty() {
+                    "-".into()
+                } else {
+                    n.condition.clone()
+                });
+                r.push(if n.unused_since == 0 {
+                    "-".into()
+                } else {
+                    ago(n.unused_since, now)
+                });
+            }
+        }
+        out.push_str(&table(&head, &rows, ""));
         let ungated: Vec<Vec<String>> = d
             .nodes
             .iter()
@@ -685,7 +713,12 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     out
 }
 /// `volume list`: every record in the namespace (`*`: all).
-pub async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Failure> {
+pub async fn list(
+    client: &Client,
+    ns: &str,
+    unused: Option<Duration>,
+    out: OutputArgs,
+) -> Result<(), Failure> {
     let metas = client
         .list_variables(volume::RECORD_PREFIX, ns, 0, Duration::ZERO)
         .await?
@@ -703,6 +736,32 @@ pub async fn list(client: &Client, ns: &str, out: OutputArgs) -> Result<(), Fail
         }
     }
     vols.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    if let Some(d) = unused {
+        let (records, _) = nodes::list(client).await?;
+        let now = super::super::output::now_unix();
+        let idle = |v: &VolumeSummary| {
+            super::super::unused::idle(
+                &records,
+                &volume::VolumeKey {
+                    namespace: v.namespace.clone(),
+                    name: v.name.clone(),
+                },
+            )
+        };
+        vols.retain(|v| super::super::unused::idle_for(idle(v), d.as_secs(), now));
+        let rows: Vec<_> = vols
+            .iter()
+            .map(|v| {
+                (
+                    v.namespace.clone(),
+                    v.name.clone(),
+                    v.plugin_id.clone(),
+                    idle(v),
+                )
+            })
+            .collect();
+        return out.print(&vols, |_| super::super::unused::render(&rows, now));
+    }
     let verbose = out.verbose;
     out.print(&vols, |v| render_list(v, verbose))
 }
@@ -1057,7 +1116,7 @@ Time                  Node    Event      Detail               Outcome
         let j = serde_json::to_value([n.clone(), NodeDetail::default()]).unwrap();
         assert_eq!(
             j[0],
-            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "Target": "", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": ""})
+            serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "Target": "", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": "", "Condition": "", "UsedPercent": null, "UnusedSince": null})
         );
         assert_eq!(j[1]["Since"], serde_json::Value::Null);
     }

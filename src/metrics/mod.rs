@@ -4,16 +4,14 @@
 //! Names follow Prometheus conventions (`dhv_binder_` prefix, base units, `_total` on
 //! counters, `_seconds` on durations). Label values come from closed sets (operations,
 //! outcomes, states, faults) or from plugin IDs (bounded by the plugin directory): never
-//! from allocation IDs, volume names or error text. See docs/operations.md for the list,
+//! from allocation IDs or error text, and volume names only in the per-volume families of
+//! `volume_stats` (kubelet's `kubelet_volume_stats_*` carry them too; bounded by the
+//! volumes this node has). See docs/operations.md for the list,
 //! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
 
 use crate::cluster::trust::RefusedReason;
 use crate::nomad::watch::Health;
 use crate::storage::plugin::{Fingerprint, Operation, PluginError};
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -25,7 +23,19 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::net::TcpListener;
+
+mod endpoint;
+mod process;
+mod volume_stats;
+
+pub use endpoint::{
+    bind, serve, CLASSIC_CONTENT_TYPE, CONTENT_TYPE, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
+    MAX_CONNECTION_LIFE, MAX_PER_PEER,
+};
+use process::ProcessCollector;
+pub use process::{heap_bytes, process_figures, ProcessFigures};
+pub use volume_stats::VolumeFigures;
+use volume_stats::VolumeStatsCollector;
 
 /// The endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -229,19 +239,7 @@ struct Inner {
     heap_allocated: Gauge,
     heap_resident: Gauge,
     last_watch: Mutex<&'static str>,
-}
-
-/// The allocator's figures (jemalloc, `src/main.rs`), read afresh: bytes handed out and not
-/// given back (`stats.allocated`), and bytes of the allocator's pages resident in memory
-/// (`stats.resident`: the heap, its metadata and freed pages not yet returned). `None` when
-/// they cannot be read (jemalloc without its `stats` feature). In a binary whose global
-/// allocator is not jemalloc (the library's own tests), they are jemalloc's idle figures.
-pub fn heap_bytes() -> Option<(u64, u64)> {
-    // The figures are cached by jemalloc until its epoch advances.
-    tikv_jemalloc_ctl::epoch::advance().ok()?;
-    let allocated = tikv_jemalloc_ctl::stats::allocated::read().ok()?;
-    let resident = tikv_jemalloc_ctl::stats::resident::read().ok()?;
-    Some((allocated as u64, resident as u64))
+    volume_stats: VolumeStatsCollector,
 }
 
 /// A watch fault's label value (its kebab-case name).
@@ -250,124 +248,6 @@ fn fault_name(f: crate::nomad::watch::Fault) -> String {
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_else(|| "unknown".into())
-}
-
-/// The process's figures from `/proc/self` (Linux), read at each scrape.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct ProcessFigures {
-    /// Resident set size, bytes (`/proc/self/statm`, pages × page size).
-    pub resident_bytes: u64,
-    /// Virtual memory size, bytes.
-    pub virtual_bytes: u64,
-    /// User and system CPU time, seconds (`/proc/self/stat` fields 14 and 15).
-    pub cpu_seconds: f64,
-    /// Open file descriptors (entries of `/proc/self/fd`).
-    pub open_fds: u64,
-    /// The soft limit on file descriptors (`RLIMIT_NOFILE`).
-    pub max_fds: u64,
-    /// When the process started, Unix seconds (boot time plus field 22 of `/proc/self/stat`).
-    pub start_time_seconds: f64,
-}
-
-/// Reads [`ProcessFigures`]; `None` when `/proc` cannot be read.
-pub fn process_figures() -> Option<ProcessFigures> {
-    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .filter(|t| *t > 0)? as f64;
-    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .filter(|p| *p > 0)? as u64;
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the command name, which is in parentheses and may hold spaces.
-    let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let field = |n: usize| rest.get(n - 3).and_then(|v| v.parse::<u64>().ok());
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let mut statm = statm.split_whitespace().map(|v| v.parse::<u64>().ok());
-    let (size, resident) = (statm.next()??, statm.next()??);
-    let boot = std::fs::read_to_string("/proc/stat")
-        .ok()?
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("btime ")
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        })?;
-    let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
-    let max_fds = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-        .map(|(soft, _)| soft)
-        .unwrap_or(0);
-    Some(ProcessFigures {
-        resident_bytes: resident * page,
-        virtual_bytes: size * page,
-        cpu_seconds: (field(14)? + field(15)?) as f64 / ticks,
-        open_fds,
-        max_fds,
-        start_time_seconds: boot as f64 + field(22)? as f64 / ticks,
-    })
-}
-
-/// Exports [`ProcessFigures`] as the standard `process_*` metrics.
-#[derive(Debug)]
-struct ProcessCollector;
-
-impl prometheus_client::collector::Collector for ProcessCollector {
-    fn encode(
-        &self,
-        mut encoder: prometheus_client::encoding::DescriptorEncoder,
-    ) -> Result<(), std::fmt::Error> {
-        use prometheus_client::encoding::EncodeMetric;
-        use prometheus_client::metrics::counter::ConstCounter;
-        use prometheus_client::metrics::gauge::ConstGauge;
-        let Some(p) = process_figures() else {
-            return Ok(());
-        };
-        let gauges: [(&str, &str, Option<Unit>, f64); 5] = [
-            (
-                "process_resident_memory",
-                "Resident memory size",
-                Some(Unit::Bytes),
-                p.resident_bytes as f64,
-            ),
-            (
-                "process_virtual_memory",
-                "Virtual memory size",
-                Some(Unit::Bytes),
-                p.virtual_bytes as f64,
-            ),
-            (
-                "process_open_fds",
-                "Open file descriptors",
-                None,
-                p.open_fds as f64,
-            ),
-            (
-                "process_max_fds",
-                "The limit on open file descriptors",
-                None,
-                p.max_fds as f64,
-            ),
-            (
-                "process_start_time",
-                "Start time of the process since the Unix epoch",
-                Some(Unit::Seconds),
-                p.start_time_seconds,
-            ),
-        ];
-        for (name, help, unit, v) in gauges {
-            let g = ConstGauge::new(v);
-            let e = encoder.encode_descriptor(name, help, unit.as_ref(), g.metric_type())?;
-            g.encode(e)?;
-        }
-        let c = ConstCounter::new(p.cpu_seconds);
-        let e = encoder.encode_descriptor(
-            "process_cpu",
-            "User and system CPU time spent",
-            Some(&Unit::Seconds),
-            c.metric_type(),
-        )?;
-        c.encode(e)
-    }
 }
 
 /// The agent's metrics. Cheap to clone (one shared registry); every method is safe to
@@ -627,6 +507,8 @@ impl Metrics {
             volumes_frozen.clone(),
         );
         r.register_collector(Box::new(NomadRetriesCollector));
+        let volume_stats = VolumeStatsCollector::default();
+        r.register_collector(Box::new(volume_stats.clone()));
         let mut process = Registry::default();
         process.register_collector(Box::new(ProcessCollector));
         Self(Arc::new(Inner {
@@ -664,6 +546,7 @@ impl Metrics {
             heap_allocated,
             heap_resident,
             last_watch: Mutex::new(""),
+            volume_stats,
         }))
     }
 
@@ -861,6 +744,17 @@ impl Metrics {
         }
     }
 
+    /// Every published volume's usage and condition (each call replaces the last: a
+    /// volume left out loses its series), and the unused-since times (namespace, volume,
+    /// Unix seconds) of volumes no longer used here.
+    pub fn set_volume_stats(
+        &self,
+        volumes: Vec<VolumeFigures>,
+        unused: Vec<(String, String, u64)>,
+    ) {
+        self.0.volume_stats.set(volumes, unused);
+    }
+
     /// The OpenMetrics text exposition of every metric (the allocator's figures and the
     /// mount table reading count read now).
     pub fn encode(&self) -> String {
@@ -894,206 +788,8 @@ impl Metrics {
     /// scraper that does not ask for OpenMetrics: no `# UNIT` or `# EOF` lines, counters
     /// and info metrics described under their samples' names (`..._total`, `..._info`).
     pub fn encode_classic(&self) -> String {
-        classic(&self.encode())
+        endpoint::classic(&self.encode())
     }
-}
-
-/// OpenMetrics text to the classic format ([`Metrics::encode_classic`]).
-fn classic(open: &str) -> String {
-    let mut out = String::with_capacity(open.len());
-    // Family name → the suffix its samples add (counters `_total`, info `_info`).
-    let mut suffix: BTreeMap<String, &str> = BTreeMap::new();
-    for l in open.lines() {
-        if let Some(rest) = l.strip_prefix("# TYPE ") {
-            if let Some((name, kind)) = rest.split_once(' ') {
-                match kind {
-                    "counter" => {
-                        suffix.insert(name.to_string(), "_total");
-                    }
-                    "info" => {
-                        suffix.insert(name.to_string(), "_info");
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-    for l in open.lines() {
-        if l.starts_with("# UNIT ") || l == "# EOF" {
-            continue;
-        }
-        let described = ["# TYPE ", "# HELP "]
-            .iter()
-            .find_map(|p| l.strip_prefix(p).map(|rest| (*p, rest)));
-        match described {
-            Some((p, rest)) => {
-                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
-                let add = suffix.get(name).copied().unwrap_or("");
-                let tail = match (p, tail) {
-                    ("# TYPE ", "counter") => "counter",
-                    ("# TYPE ", "info") => "gauge",
-                    (_, t) => t,
-                };
-                out.push_str(&format!("{p}{name}{add} {tail}\n"));
-            }
-            None => {
-                out.push_str(l);
-                out.push('\n');
-            }
-        }
-    }
-    out
-}
-
-/// The OpenMetrics content type of [`Metrics::encode`].
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
-/// The classic text format's content type ([`Metrics::encode_classic`]).
-pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
-/// Binds the metrics endpoint. Any address is accepted (the operator chose it); a
-/// non-loopback one is logged, since the endpoint has no authentication.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
-    let l = TcpListener::bind(addr)
-        .await
-        .map_err(|source| MetricsError::Bind { addr, source })?;
-    if !addr.ip().is_loopback() {
-        tracing::warn!(%addr, "the metrics endpoint listens beyond loopback and has no authentication");
-    }
-    Ok(l)
-}
-
-/// How many scrape connections the endpoint holds at once; further ones are closed at
-/// once (issue 33: 300 idle connections used up the agent's file descriptors).
-pub const MAX_CONNECTIONS: usize = 64;
-
-/// How many of those one peer (an IP address) may hold: a flood of idle connections from one
-/// address leaves room for the scraper's.
-pub const MAX_PER_PEER: usize = 8;
-
-/// How long a connection may take to send a request's headers, counted from its start
-/// (also for one that sends nothing), before it is closed.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The longest any one scrape connection is kept, whatever it does.
-pub const MAX_CONNECTION_LIFE: Duration = Duration::from_secs(60);
-
-/// Connections open per peer address; a [`PeerSlot`] gives its place back when dropped.
-#[derive(Default)]
-struct PeerSlots(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
-
-/// One open connection of a peer, counted in [`PeerSlots`] while it lives.
-struct PeerSlot(std::sync::Arc<PeerSlots>, std::net::IpAddr);
-
-impl PeerSlots {
-    /// A place for one more connection of `peer`, or `None` when it holds [`MAX_PER_PEER`].
-    fn take(self: &std::sync::Arc<Self>, peer: std::net::IpAddr) -> Option<PeerSlot> {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let n = m.entry(peer).or_default();
-        if *n >= MAX_PER_PEER {
-            return None;
-        }
-        *n += 1;
-        Some(PeerSlot(self.clone(), peer))
-    }
-}
-
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        let mut m = (self.0).0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = m.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.1);
-            }
-        }
-    }
-}
-
-/// Serves `GET /metrics` on `listener` until the task is dropped; other paths are 404,
-/// other methods 405. At most [`MAX_CONNECTIONS`] connections are served at once, at most
-/// [`MAX_PER_PEER`] of one address (more are closed at once); each must send its first
-/// request's headers within [`HEADER_READ_TIMEOUT`] of its start and is closed after
-/// [`MAX_CONNECTION_LIFE`].
-pub async fn serve(listener: TcpListener, metrics: Metrics) {
-    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let peers = std::sync::Arc::new(PeerSlots::default());
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "metrics accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Some(peer_slot) = peers.take(peer.ip()) else {
-            tracing::debug!(%peer, limit = MAX_PER_PEER, "metrics connection refused: too many open from this address");
-            drop(stream);
-            continue;
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, limit = MAX_CONNECTIONS, "metrics connection refused: too many open");
-            drop(stream);
-            continue;
-        };
-        let m = metrics.clone();
-        tokio::spawn(async move {
-            let _slots = (slot, peer_slot);
-            let headers_in = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let seen = headers_in.clone();
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                seen.store(true, std::sync::atomic::Ordering::Relaxed);
-                let m = m.clone();
-                async move { Ok::<_, std::convert::Infallible>(answer(&m, &req)) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), svc);
-            tokio::pin!(conn);
-            let started = tokio::time::Instant::now();
-            // The first headers within their time from the connection's start, whatever
-            // hyper's timer counts from (as the local API does); dropping closes it.
-            tokio::select! {
-                _ = &mut conn => return,
-                _ = tokio::time::sleep_until(started + HEADER_READ_TIMEOUT) => {}
-            }
-            if !headers_in.load(std::sync::atomic::Ordering::Relaxed) {
-                return;
-            }
-            let _ = tokio::time::timeout_at(started + MAX_CONNECTION_LIFE, conn).await;
-        });
-    }
-}
-
-fn answer<B>(m: &Metrics, req: &Request<B>) -> Response<Full<Bytes>> {
-    // Content negotiation: OpenMetrics when the scraper accepts it (Prometheus asks for
-    // it first), else the classic text format.
-    let open = req
-        .headers()
-        .get(hyper::header::ACCEPT)
-        .and_then(|a| a.to_str().ok())
-        .is_some_and(|a| a.contains("application/openmetrics-text"));
-    let (status, ctype, body) = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/metrics") if open => (StatusCode::OK, CONTENT_TYPE, m.encode()),
-        (&Method::GET, "/metrics") => (StatusCode::OK, CLASSIC_CONTENT_TYPE, m.encode_classic()),
-        (_, "/metrics") => (
-            StatusCode::METHOD_NOT_ALLOWED,
-            "text/plain",
-            "use GET\n".into(),
-        ),
-        _ => (
-            StatusCode::NOT_FOUND,
-            "text/plain",
-            "metrics are at /metrics\n".into(),
-        ),
-    };
-    Response::builder()
-        .status(status)
-        .header("Content-Type", ctype)
-        .body(Full::new(Bytes::from(body)))
-        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -1151,6 +847,7 @@ mod tests {
     fn exported(name: &str) -> bool {
         PROCESS.contains(&name)
             || EXPORTED.contains(&name)
+            || volume_stats::FAMILIES.contains(&name)
             || ["_bucket", "_count", "_sum"].iter().any(|s| {
                 name.strip_suffix(s)
                     .is_some_and(|f| f.ends_with("_seconds") && EXPORTED.contains(&f))
@@ -1162,8 +859,8 @@ mod tests {
     #[test]
     fn the_dashboard_and_alerts_use_exported_metrics() {
         let docs = [
-            include_str!("../docs/prometheus-alerts.yml"),
-            include_str!("../docs/grafana-dashboard.json"),
+            include_str!("../../docs/prometheus-alerts.yml"),
+            include_str!("../../docs/grafana-dashboard.json"),
         ];
         let mut seen = 0;
         for text in docs {

@@ -1,0 +1,498 @@
+//! How each volume on this node is: its usage and condition, read by `statfs` of its
+//! mount on a bounded schedule, and since when it has been unused. It runs beside the core
+//! on a task of its own and never stalls it: the shell hands it the journal's mounts and
+//! users after each pass ([`UsageHandle::follow`]); each round reads every published mount
+//! at most [`READS_AT_ONCE`] at a time, each `statfs` on its own thread with its own
+//! timeout and never two out for one mount (`crate::node::usage`), so a hung mount costs
+//! one thread and is reported as `inaccessible` while the others keep fresh figures.
+//!
+//! Unused-since: when a volume's last user on this node goes away, the time is kept in
+//! `<state_dir>/unused-since.json` (replaced atomically), so it survives an agent restart;
+//! a volume this node never saw in use has no time ("never used").
+
+use crate::metrics::{Metrics, VolumeFigures};
+use crate::node::journal::{Journal, MountState};
+use crate::node::usage::{Condition, Reading, Usage, UsageReader};
+use crate::volume::VolumeKey;
+use futures_util::StreamExt;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How many `statfs` calls of one round wait for an answer at once.
+pub(crate) const READS_AT_ONCE: usize = 8;
+
+/// How long one `statfs` may take before its mount is reported `inaccessible`.
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The most volumes whose unused-since time is kept (the oldest are forgotten first).
+const MAX_UNUSED: usize = 10_000;
+
+/// One volume of the journal, as the usage task sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Known {
+    pub plugin: String,
+    pub target: PathBuf,
+    /// Published (its mount is read); else publishing or unpublishing (left alone).
+    pub published: bool,
+    /// The mount table shows its target mounted. Published and not mounted: its mount is
+    /// gone (a dead mount detached to be published again), `inaccessible` without a read.
+    pub mounted: bool,
+    /// Allocations using it here.
+    pub users: usize,
+}
+
+/// The last reading of one published volume.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Figures {
+    pub usage: Option<Usage>,
+    pub condition: Condition,
+}
+
+/// What the task knows, shared with the shell (it annotates the node record).
+#[derive(Debug, Default)]
+struct State {
+    figures: BTreeMap<VolumeKey, Figures>,
+    unused: BTreeMap<VolumeKey, u64>,
+    in_use: BTreeSet<VolumeKey>,
+}
+
+/// The shell's side of the usage task.
+pub(crate) struct UsageHandle {
+    tx: tokio::sync::watch::Sender<BTreeMap<VolumeKey, Known>>,
+    state: Arc<Mutex<State>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn wall_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+/// The journal's volumes: published mounts (read by `statfs`) and every volume with users.
+pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<VolumeKey, Known> {
+    let users = journal.users_by_volume();
+    let mut out: BTreeMap<VolumeKey, Known> = journal
+        .mounts()
+        .iter()
+        .map(|(k, m)| {
+            (
+                k.clone(),
+                Known {
+                    plugin: m.plugin_id.clone(),
+                    target: m.target.clone(),
+                    published: m.state == MountState::Published,
+                    mounted: mounted.contains(&m.target),
+                    users: users.get(k).map_or(0, |u| u.len()),
+                },
+            )
+        })
+        .collect();
+    for (k, u) in users {
+        out.entry(k.clone()).or_insert_with(|| Known {
+            plugin: String::new(),
+            target: PathBuf::new(),
+            published: false,
+            mounted: false,
+            users: u.len(),
+        });
+    }
+    out
+}
+
+/// `<state_dir>/unused-since.json`.
+fn unused_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("unused-since.json")
+}
+
+/// The unused-since times kept by an earlier agent; empty when there are none or the file
+/// cannot be read (logged: the times start again from now on).
+fn load_unused(state_dir: &Path) -> BTreeMap<VolumeKey, u64> {
+    let path = unused_path(state_dir);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return BTreeMap::new(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot read the volumes' unused-since times; they start again from now");
+            return BTreeMap::new();
+        }
+    };
+    match serde_json::from_slice::<Vec<(VolumeKey, u64)>>(&text) {
+        Ok(v) => v
+            .into_iter()
+            .filter(|(k, _)| k.relative_path().is_ok())
+            .take(MAX_UNUSED)
+            .collect(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "the volumes' unused-since file is malformed; the times start again from now");
+            BTreeMap::new()
+        }
+    }
+}
+
+/// Replaces the unused-since file (temp file, fsync, rename, fsync of the directory).
+fn save_unused(state_dir: &Path, unused: &BTreeMap<VolumeKey, u64>) -> std::io::Result<()> {
+    use std::io::Write;
+    let path = unused_path(state_dir);
+    let tmp = state_dir.join("unused-since.json.tmp");
+    let body = serde_json::to_vec(&unused.iter().collect::<Vec<_>>())?;
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&body)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    std::fs::File::open(state_dir)?.sync_all()
+}
+
+impl State {
+    /// Notes who uses what now: a volume whose last user went away since the last look is
+    /// unused from `now`. True when the unused-since times changed.
+    fn observe(&mut self, known: &BTreeMap<VolumeKey, Known>, now: u64) -> bool {
+        let mut changed = false;
+        let used: BTreeSet<VolumeKey> = known
+            .iter()
+            .filter(|(_, k)| k.users > 0)
+            .map(|(v, _)| v.clone())
+            .collect();
+        for v in &used {
+            changed |= self.unused.remove(v).is_some();
+        }
+        for gone in self.in_use.difference(&used) {
+            self.unused.insert(gone.clone(), now);
+            changed = true;
+        }
+        while self.unused.len() > MAX_UNUSED {
+            let oldest = self
+                .unused
+                .iter()
+                .min_by_key(|(_, t)| **t)
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => self.unused.remove(&k),
+                None => break,
+            };
+        }
+        self.in_use = used;
+        // A volume being published again keeps its last (abnormal) reading until it is
+        // read again; one whose mount record is gone loses it.
+        self.figures.retain(|k, _| {
+            known
+                .get(k)
+                .is_some_and(|k| k.published || !k.target.as_os_str().is_empty())
+        });
+        changed
+    }
+}
+
+impl UsageHandle {
+    /// Starts the usage task: a round every `every`, each `statfs` bounded by `timeout`;
+    /// unused-since times kept under `state_dir`; figures exported on `metrics`.
+    pub(crate) fn start(
+        every: Duration,
+        timeout: Duration,
+        state_dir: &Path,
+        metrics: Metrics,
+    ) -> Self {
+        let state = Arc::new(Mutex::new(State {
+            unused: load_unused(state_dir),
+            ..Default::default()
+        }));
+        let (tx, rx) = tokio::sync::watch::channel(BTreeMap::new());
+        let task = tokio::spawn(run(
+            rx,
+            every,
+            timeout,
+            state_dir.to_path_buf(),
+            state.clone(),
+            metrics,
+        ));
+        Self { tx, state, task }
+    }
+
+    /// Hands the task the journal's volumes (after each pass; the task wakes only when
+    /// they changed).
+    pub(crate) fn follow(&self, journal: &Journal, mounted: &BTreeSet<PathBuf>) {
+        let next = known(journal, mounted);
+        self.tx.send_if_modified(|k| {
+            if *k == next {
+                return false;
+            }
+            *k = next;
+            true
+        });
+    }
+
+    /// `volumes` (the core's view for the node record) with each one's usage (whole
+    /// percents), condition class and unused-since time; volumes unused
+    /// here and no longer mounted are added.
+    pub(crate) fn annotate(
+        &self,
+        mut volumes: BTreeMap<String, crate::cluster::nodes::NodeVolume>,
+    ) -> BTreeMap<String, crate::cluster::nodes::NodeVolume> {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, f) in &s.figures {
+            let v = volumes.entry(k.to_string()).or_default();
+            v.used_percent = f.usage.map(used_percent);
+            v.condition = f.condition.class_word();
+        }
+        // The most recently unused first, so the record's bound keeps those.
+        let mut unused: Vec<_> = s.unused.iter().collect();
+        unused.sort_by_key(|(_, t)| std::cmp::Reverse(**t));
+        for (k, t) in unused {
+            let name = k.to_string();
+            if volumes.len() >= crate::cluster::nodes::MAX_NODE_VOLUMES
+                && !volumes.contains_key(&name)
+            {
+                continue;
+            }
+            volumes.entry(name).or_default().unused_since = Some(*t);
+        }
+        volumes
+    }
+}
+
+impl UsageHandle {
+    /// The status document's `volume_usage`: per `namespace/name`, the last reading's
+    /// `usage` (bytes and inodes, `null` when the mount did not answer) and `condition`
+    /// (`abnormal`, `class`, `message`) of each published volume, and `unused_since` (Unix
+    /// seconds) of each volume whose last user here went away.
+    pub(crate) fn status(&self) -> serde_json::Value {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = serde_json::Map::new();
+        for (k, f) in &s.figures {
+            out.insert(
+                k.to_string(),
+                serde_json::json!({"usage": f.usage, "condition": f.condition}),
+            );
+        }
+        for (k, t) in &s.unused {
+            let e = out
+                .entry(k.to_string())
+                .or_insert_with(|| serde_json::json!({}));
+            if let Some(o) = e.as_object_mut() {
+                o.insert("unused_since".into(), serde_json::json!(t));
+            }
+        }
+        serde_json::Value::Object(out)
+    }
+}
+
+impl Drop for UsageHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Percent of `u`'s bytes in use, rounded down (0 for a filesystem of no size).
+fn used_percent(u: Usage) -> u8 {
+    let pct = u128::from(u.used_bytes) * 100 / u128::from(u.capacity_bytes.max(1));
+    u8::try_from(pct.min(100)).unwrap_or(100)
+}
+
+/// One round: reads every published volume, at most [`READS_AT_ONCE`] at once.
+async fn round(
+    reader: &UsageReader,
+    known: &BTreeMap<VolumeKey, Known>,
+    timeout: Duration,
+) -> BTreeMap<VolumeKey, Figures> {
+    let targets: Vec<(VolumeKey, PathBuf)> = known
+        .iter()
+        .filter(|(_, k)| k.published)
+        .map(|(v, k)| (v.clone(), k.target.clone()))
+        .collect();
+    futures_util::stream::iter(targets)
+        .map(move |(v, target)| {
+            let reader = reader.clone();
+            async move {
+                let r = reader.read(target, timeout).await;
+                let figures = Figures {
+                    usage: match &r {
+                        Reading::Usage(u) => Some(*u),
+                        _ => None,
+                    },
+                    condition: Condition::of(&r),
+                };
+                (v, figures)
+            }
+        })
+        .buffer_unordered(READS_AT_ONCE)
+        .collect()
+        .await
+}
+
+async fn run(
+    mut rx: tokio::sync::watch::Receiver<BTreeMap<VolumeKey, Known>>,
+    every: Duration,
+    timeout: Duration,
+    state_dir: PathBuf,
+    state: Arc<Mutex<State>>,
+    metrics: Metrics,
+) {
+    let reader = UsageReader::default();
+    let mut next_round = tokio::time::Instant::now();
+    loop {
+        let known = rx.borrow_and_update().clone();
+        let unused = {
+            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            s.observe(&known, wall_secs()).then(|| s.unused.clone())
+        };
+        if let Some(unused) = unused {
+            if let Err(e) = save_unused(&state_dir, &unused) {
+                tracing::warn!(error = %e, "cannot keep the volumes' unused-since times (they are kept in memory)");
+            }
+        }
+        // A newly published volume, and an abnormal one whose journal or mount changed,
+        // is read at once; every one on the schedule. One whose mount is gone is not read.
+        let due = tokio::time::Instant::now() >= next_round;
+        let to_read: BTreeMap<VolumeKey, Known> = {
+            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            for (k, _) in known.iter().filter(|(_, v)| v.published && !v.mounted) {
+                let gone = Figures {
+                    usage: None,
+                    condition: Condition::abnormal(
+                        crate::node::usage::ConditionClass::Inaccessible,
+                        "not mounted: its mount is gone (a dead mount is published again)",
+                    ),
+                };
+                if s.figures.get(k) != Some(&gone) {
+                    tracing::warn!(volume = %k, "volume is abnormal: its mount is gone");
+                }
+                s.figures.insert(k.clone(), gone);
+            }
+            known
+                .iter()
+                .filter(|(k, v)| {
+                    let stale = s.figures.get(*k).is_none_or(|f| f.condition.abnormal);
+                    v.published && v.mounted && (due || stale)
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
+        if due {
+            next_round = tokio::time::Instant::now() + every;
+        }
+        if !to_read.is_empty() {
+            let figures = round(&reader, &to_read, timeout).await;
+            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            for (k, f) in figures {
+                let before = s.figures.get(&k).map(|f| f.condition.clone());
+                if before.as_ref() != Some(&f.condition) {
+                    if f.condition.abnormal {
+                        tracing::warn!(volume = %k, condition = %f.condition.word(), message = %f.condition.message, "volume is abnormal");
+                    } else if before.is_some() {
+                        tracing::info!(volume = %k, "volume is healthy again");
+                    }
+                }
+                // Still known (the journal may have moved on during the round).
+                if known.contains_key(&k) {
+                    s.figures.insert(k, f);
+                }
+            }
+            export(&metrics, &s, &known);
+        } else {
+            let s = state.lock().unwrap_or_else(|e| e.into_inner());
+            export(&metrics, &s, &known);
+        }
+        tokio::select! {
+            r = rx.changed() => if r.is_err() { return },
+            _ = tokio::time::sleep_until(next_round) => {}
+        }
+    }
+}
+
+/// The figures as metrics (series of volumes gone from here vanish).
+fn export(metrics: &Metrics, s: &State, known: &BTreeMap<VolumeKey, Known>) {
+    let figures: Vec<VolumeFigures> = s
+        .figures
+        .iter()
+        .map(|(k, f)| VolumeFigures {
+            namespace: k.namespace.clone(),
+            volume: k.name.clone(),
+            plugin: known.get(k).map(|v| v.plugin.clone()).unwrap_or_default(),
+            usage: f.usage,
+            abnormal: f.condition.abnormal,
+        })
+        .collect();
+    let unused: Vec<(String, String, u64)> = s
+        .unused
+        .iter()
+        .map(|(k, t)| (k.namespace.clone(), k.name.clone(), *t))
+        .collect();
+    metrics.set_volume_stats(figures, unused);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: &str) -> VolumeKey {
+        VolumeKey {
+            namespace: "default".into(),
+            name: n.into(),
+        }
+    }
+
+    fn k(users: usize) -> Known {
+        Known {
+            plugin: "bind".into(),
+            target: "/x".into(),
+            published: true,
+            mounted: true,
+            users,
+        }
+    }
+
+    /// The last user leaving starts the unused time; a new user ends it; a volume never
+    /// used has none.
+    #[test]
+    fn unused_since_starts_when_the_last_user_leaves() {
+        let mut s = State::default();
+        let mut known = BTreeMap::from([(key("a"), k(2)), (key("b"), k(0))]);
+        assert!(!s.observe(&known, 100));
+        assert!(s.unused.is_empty(), "never used: no time");
+        known.insert(key("a"), k(0));
+        assert!(s.observe(&known, 200));
+        assert_eq!(s.unused.get(&key("a")), Some(&200));
+        known.remove(&key("a"));
+        assert!(
+            !s.observe(&known, 300),
+            "unpublished afterwards: the time holds"
+        );
+        assert_eq!(s.unused.get(&key("a")), Some(&200));
+        known.insert(key("a"), k(1));
+        assert!(s.observe(&known, 400));
+        assert!(s.unused.is_empty());
+    }
+
+    /// The times survive a restart: a new agent reads them back (a volume still unused
+    /// keeps its time, whatever the new agent sees first).
+    #[test]
+    fn unused_since_is_kept_across_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let unused = BTreeMap::from([(key("a"), 200u64)]);
+        save_unused(dir.path(), &unused).unwrap();
+        let mut s = State {
+            unused: load_unused(dir.path()),
+            ..Default::default()
+        };
+        assert!(!s.observe(&BTreeMap::from([(key("a"), k(0))]), 500));
+        assert_eq!(s.unused.get(&key("a")), Some(&200));
+        std::fs::write(unused_path(dir.path()), b"not json").unwrap();
+        assert!(load_unused(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn the_node_record_carries_whole_percents() {
+        let u = |used, capacity| Usage {
+            capacity_bytes: capacity,
+            used_bytes: used,
+            ..Default::default()
+        };
+        assert_eq!(used_percent(u(123, 1000)), 12);
+        assert_eq!(used_percent(u(1000, 1000)), 100);
+        assert_eq!(used_percent(u(0, 0)), 0);
+        assert_eq!(used_percent(u(u64::MAX, u64::MAX)), 100);
+    }
+}
