@@ -85,7 +85,7 @@ pub struct NodeRecord {
 /// The most events per volume a node record keeps in [`NodeRecord::history`].
 pub const MAX_NODE_HISTORY: usize = 10;
 /// The most volumes with events a node record keeps in [`NodeRecord::history`].
-pub const MAX_HISTORY_VOLUMES: usize = 8;
+pub const MAX_HISTORY_VOLUMES: usize = 7;
 
 /// One event of a volume on a node, as its agent publishes it (kept short: a node record
 /// holds up to [`MAX_NODE_HISTORY`] × [`MAX_HISTORY_VOLUMES`] of them).
@@ -143,7 +143,8 @@ pub struct NodeVolume {
     /// Jobs on this node that mount the volume without the prestart gate
     /// (`crate::agent::gate`): `<job>/<task> (<allocation short ID>)`, with `: ended before
     /// the publish` for one whose allocation ended before the volume was published here;
-    /// the first [`MAX_NODE_UNGATED`], each cut to [`MAX_UNGATED_CHARS`] characters.
+    /// the first [`MAX_NODE_UNGATED`], each cut to [`MAX_UNGATED_CHARS`] characters, on at
+    /// most [`MAX_UNGATED_VOLUMES`] volumes of the record (the agent's status has them all).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ungated: Vec<String>,
     /// Percent of the mount's filesystem in use (bytes, by `statfs`, rounded down: the
@@ -169,6 +170,8 @@ pub struct NodeVolume {
 pub const MAX_NODE_UNGATED: usize = 1;
 /// See [`MAX_NODE_UNGATED`].
 pub const MAX_UNGATED_CHARS: usize = 64;
+/// The most volumes of a node record that name their ungated jobs (the first by key).
+pub const MAX_UNGATED_VOLUMES: usize = 16;
 
 /// `s` cut to [`MAX_NODE_ERROR`] characters (an ellipsis marks a cut).
 fn bounded(s: &str) -> String {
@@ -295,6 +298,7 @@ impl NodeRecord {
     /// Replaces what the record says of this node's volumes, bounded ([`MAX_NODE_VOLUMES`]
     /// entries, errors cut to [`MAX_NODE_ERROR`]). True when it changed.
     pub fn set_volumes(&mut self, volumes: BTreeMap<String, NodeVolume>) -> bool {
+        let mut with_ungated = 0;
         let next: BTreeMap<String, NodeVolume> = volumes
             .into_iter()
             .take(MAX_NODE_VOLUMES)
@@ -308,7 +312,14 @@ impl NodeRecord {
                     String::new()
                 };
                 v.users.truncate(4);
-                v.ungated.truncate(MAX_NODE_UNGATED);
+                if !v.ungated.is_empty() {
+                    with_ungated += 1;
+                }
+                v.ungated.truncate(if with_ungated > MAX_UNGATED_VOLUMES {
+                    0
+                } else {
+                    MAX_NODE_UNGATED
+                });
                 for u in &mut v.ungated {
                     if u.chars().count() > MAX_UNGATED_CHARS {
                         *u = u.chars().take(MAX_UNGATED_CHARS - 1).chain(['…']).collect();
