@@ -96,6 +96,7 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
     let mut last_ok = tokio::time::Instant::now();
     let mut next_heartbeat = last_ok;
     let mut heartbeat_stopped: std::collections::BTreeSet<String> = Default::default();
+    let mut was_down = false;
     loop {
         if *shutdown.borrow() {
             break;
@@ -105,6 +106,19 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
             allocs.iter().map(|a| a.ID.clone()).collect();
         let heartbeating = sim_heartbeating(&server, &node_id);
         let now = tokio::time::Instant::now();
+        // The client agent restarting ([`crate::nodes::restart_client`]): its heartbeat stop
+        // is a goroutine of the agent, down with it. The agent that comes back starts a new
+        // one (`client/heartbeatstop.go` `newHeartbeatStop`, `watch`: `setLastOk(time.Now())`)
+        // and hooks every restored allocation again (`allocHook`): the clock starts over.
+        let down = server.restarting.borrow().contains(&node_id);
+        if was_down && !down {
+            last_ok = now;
+            next_heartbeat = now;
+            for h in runners.values_mut() {
+                h.hooked = now;
+            }
+        }
+        was_down = down;
         if now >= next_heartbeat {
             if heartbeating {
                 last_ok = now;
@@ -116,9 +130,10 @@ pub async fn run_node(server: Arc<Server>, ctx: Arc<NodeCtx>, mut shutdown: watc
         let mut next_stop: Option<tokio::time::Instant> = None;
         // `heartbeatStop.watch`: each allocation with a stop timeout is destroyed once
         // `shouldStopAfter` (now past lastOk + timeout), once: whether the client is cut off
-        // or only between two heartbeats further apart than the timeout.
+        // or only between two heartbeats further apart than the timeout. Not while the
+        // client agent is down (a restart): nothing of it runs then.
         for (id, h) in &runners {
-            if heartbeat_stopped.contains(id) {
+            if heartbeat_stopped.contains(id) || down {
                 continue;
             }
             let timeout = match &*h.tx.borrow() {
