@@ -13,8 +13,9 @@
 //!
 //! Nomad API: `GET /v1/var/:path`, `PUT /v1/var/:path`.
 
-use super::trust::{Signed, SigningKey};
+use super::trust::{RecordTrust, Refusal, Signed, SigningKey};
 use crate::nomad::types::Variable;
+use crate::nomad::{Client, NomadError};
 use crate::volume::{encode_name, VolumeKey};
 use std::collections::BTreeMap;
 
@@ -83,6 +84,9 @@ pub struct UnpublishRequest {
     pub message: String,
     /// `ed25519:<key id>:<base64>` over the place and the signed fields.
     pub signature: String,
+    /// The variable's ModifyIndex (0 for a request not read from Nomad): the node's answer
+    /// is written by check-and-set on it.
+    pub modify_index: u64,
     no_delete: String,
 }
 
@@ -119,6 +123,7 @@ impl UnpublishRequest {
             state: RequestState::Pending,
             message: String::new(),
             signature: String::new(),
+            modify_index: 0,
             no_delete: String::new(),
         }
     }
@@ -174,12 +179,23 @@ impl UnpublishRequest {
         }
     }
 
-    /// Reads a request from its variable.
-    pub fn from_variable(volume: &VolumeKey, var: &Variable) -> Result<Self, RequestError> {
+    /// Reads a request from its variable (the volume from its namespace and path).
+    pub fn from_variable(var: &Variable) -> Result<Self, RequestError> {
         let bad = |item| RequestError::Malformed {
             path: var.path.clone(),
             item,
         };
+        let volume = var
+            .path
+            .strip_prefix(REQUEST_PREFIX)
+            .and_then(super::changes::decode_name)
+            .filter(|n| crate::volume::validate_identifier("name", n, true).is_ok())
+            .map(|name| VolumeKey {
+                namespace: var.namespace.clone(),
+                name,
+            })
+            .ok_or_else(|| bad("path"))?;
+        let volume = &volume;
         let item = |k: &'static str| var.items.get(k).cloned().ok_or_else(|| bad(k));
         let mut r = Self::new(
             volume.clone(),
@@ -192,8 +208,70 @@ impl UnpublishRequest {
         r.state = RequestState::parse(&item("state")?).ok_or_else(|| bad("state"))?;
         r.message = var.items.get("message").cloned().unwrap_or_default();
         r.signature = var.items.get("signature").cloned().unwrap_or_default();
+        r.modify_index = var.modify_index;
         Ok(r)
     }
+}
+
+/// Decodes a request's variable and checks its signature with `trust` (the record watch's
+/// admission, [`crate::cluster::trust::admit`]).
+pub fn admit(var: &Variable, trust: &RecordTrust) -> Result<UnpublishRequest, Refusal> {
+    super::trust::admit(var, trust, UnpublishRequest::from_variable)
+}
+
+/// The verified requests, by volume.
+pub type Requests = BTreeMap<VolumeKey, UnpublishRequest>;
+
+/// Follows the requests (as [`crate::cluster::snapshot::watch`] follows the snapshot
+/// records: the change marker, then each named variable) and sends every verified one on
+/// `tx` after each change; the agent keeps those that name its node. Refused ones are
+/// logged and listed in `rejected`.
+pub async fn watch(
+    client: Client,
+    follow: super::catalog::Follow,
+    trust: RecordTrust,
+    rejected: super::catalog::Rejections,
+    tx: tokio::sync::mpsc::Sender<Requests>,
+) {
+    let kind = super::catalog::Kind {
+        prefix: REQUEST_PREFIX,
+        admit,
+        refused: |namespace, path, reason| {
+            use crate::escape::escape_control;
+            tracing::warn!(
+                namespace = %escape_control(namespace),
+                path = %escape_control(path),
+                reason = %escape_control(reason),
+                "refusing an unpublish request: no node acts on it"
+            );
+        },
+    };
+    super::catalog::follow(client, kind, follow, trust, rejected, requests_of, tx).await
+}
+
+fn requests_of(cache: &super::catalog::Cache<UnpublishRequest>) -> Requests {
+    cache
+        .values()
+        .filter_map(|(_, r)| r.clone().and_then(Result::ok))
+        .map(|r| (r.volume.clone(), r))
+        .collect()
+}
+
+/// Writes the node's answer into the request's variable (check-and-set on the ModifyIndex
+/// it was read at: a newer request is never overwritten) and announces it. Nomad API:
+/// `PUT /v1/var/:path?cas=N`.
+pub async fn answer(
+    client: &Client,
+    request: &UnpublishRequest,
+    state: RequestState,
+    message: &str,
+) -> Result<(), NomadError> {
+    let mut r = request.clone();
+    r.state = state;
+    r.message = message.to_string();
+    super::changes::put_record(client, &r.to_variable(), Some(request.modify_index))
+        .await
+        .map(|_| ())
 }
 
 impl Signed for UnpublishRequest {
@@ -252,7 +330,7 @@ mod tests {
         assert!(trust.verify(&r).is_err());
         assert_eq!(r.signer(), None);
         r.sign(&key);
-        let back = UnpublishRequest::from_variable(&vol(), &r.to_variable()).unwrap();
+        let back = UnpublishRequest::from_variable(&r.to_variable()).unwrap();
         assert_eq!(trust.verify(&back), Ok(()));
         assert!(back.who().starts_with("ops@laptop (key "), "{}", back.who());
         assert!(!back.who().contains("unsigned"), "{}", back.who());
@@ -306,7 +384,7 @@ mod tests {
         .to_variable();
         v.items.insert("kill".into(), "maybe".into());
         assert_eq!(
-            UnpublishRequest::from_variable(&vol(), &v),
+            UnpublishRequest::from_variable(&v),
             Err(RequestError::Malformed {
                 path: v.path.clone(),
                 item: "kill"

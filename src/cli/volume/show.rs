@@ -369,7 +369,7 @@ pub fn history(rec: &VolumeRecord, records: &[NodeRecord]) -> Vec<HistoryEvent> 
                     alloc_id: e.alloc_id.clone(),
                     outcome: if e.ok { "ok" } else { "failed" }.into(),
                     duration_ms: e.ms,
-                    detail: String::new(),
+                    detail: e.detail.clone(),
                 },
             ));
         }
