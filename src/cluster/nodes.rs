@@ -689,7 +689,8 @@ mod tests {
                 alloc_id: id.into(),
                 ok: false,
                 ms: 123_456,
-                            })
+                detail: String::new(),
+            })
             .collect();
         assert!(r.set_history(
             (0..MAX_HISTORY_VOLUMES + 8)

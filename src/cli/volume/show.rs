@@ -971,6 +971,7 @@ a1  example.app[0]  example  n1       running
             alloc_id: alloc.into(),
             ok,
             ms,
+            detail: String::new(),
         };
         let mut n1 = NodeRecord::new("id-node-1", "node-1", "default");
         n1.history.insert(

@@ -231,7 +231,7 @@ mod tests {
         assert_eq!(resolve_node(&list, "node-2").unwrap().0, "aabb-2");
         assert_eq!(resolve_node(&list, "aaa").unwrap().0, "aaaa-1");
         let e = resolve_node(&list, "aa").unwrap_err();
-        assert!(e.to_string().contains("matches 2 nodes"), "{e}");
+        assert!(e.message.contains("matches 2 nodes"), "{}", e.message);
         assert!(resolve_node(&list, "zz").is_err());
     }
 }
