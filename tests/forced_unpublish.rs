@@ -44,8 +44,10 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
         .running_alloc(&job, "app", 120, "the writer running")
         .await;
     let alloc_id = alloc["ID"].as_str().unwrap().to_string();
-    c.wait_for(30, "the volume published", || async { mounted(&c).then_some(()) })
-        .await;
+    c.wait_for(30, "the volume published", || async {
+        mounted(&c).then_some(())
+    })
+    .await;
     let node = c.nodes[0].id.clone();
 
     // Without -force, while an allocation there runs with it: refused, nothing asked.
@@ -60,14 +62,24 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
     // With -force but without -kill: the task's process holds the mount; the node refuses
     // (naming the holder) and the volume stays.
     let (code, out) = c.cli(&[
-        "volume", "unpublish", "-node", &node, "-force", "-timeout", "60s", VOLUME,
+        "volume",
+        "unpublish",
+        "-node",
+        &node,
+        "-force",
+        "-timeout",
+        "60s",
+        VOLUME,
     ]);
     assert_eq!(code, 1, "refused while a process holds it: {out}");
     assert!(
         out.contains("refused") && out.contains("-kill"),
         "says why and how to go on: {out}"
     );
-    assert!(mounted(&c), "a refused forced unpublish leaves the volume mounted");
+    assert!(
+        mounted(&c),
+        "a refused forced unpublish leaves the volume mounted"
+    );
     let refused = forced_events(&c);
     assert!(
         refused
@@ -78,7 +90,15 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
 
     // With -kill: the holder is killed, the volume unpublished.
     let (code, out) = c.cli(&[
-        "volume", "unpublish", "-node", &node, "-force", "-kill", "-timeout", "60s", VOLUME,
+        "volume",
+        "unpublish",
+        "-node",
+        &node,
+        "-force",
+        "-kill",
+        "-timeout",
+        "60s",
+        VOLUME,
     ]);
     assert_eq!(code, 0, "{out}");
     assert!(
@@ -104,7 +124,12 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
     let status = c
         .wait_for(30, "the event in volume status -verbose", || async {
             let (code, out) = c.cli(&["volume", "status", "-verbose", VOLUME]);
-            (code == 0 && out.contains("forced-unpublish") && out.contains("by ")).then_some(out)
+            (code == 0
+                && out.contains("forced-unpublish")
+                && out.contains(", done; ")
+                && out.contains("killed pid")
+                && out.contains(", refused"))
+            .then_some(out)
         })
         .await;
     eprintln!("{status}");

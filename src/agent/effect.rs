@@ -112,7 +112,7 @@ pub(crate) enum Effect {
     /// [`Completion::HoldersExited`]: crate::agent::executor::Completion::HoldersExited
     WatchHolders { volume: VolumeKey, pids: Vec<u32> },
     /// Kernel: kill the processes holding the volume mounted at `target` for an operator's
-    /// forced unpublish, as the fence kills them ([`crate::node::fence::fence`]: by cgroup
+    /// forced unpublish, as the fence kills them ([`crate::node::fence::kill_holders`]: by cgroup
     /// identity, never the agent; the host's mount is made read-only too). Answered by
     /// [`Completion::HoldersKilled`].
     ///

@@ -88,12 +88,19 @@ impl Forced {
             ));
         }
         let kill = request.kill;
-        self.withdrawn.entry(volume.clone()).or_default().extend(users);
+        self.withdrawn
+            .entry(volume.clone())
+            .or_default()
+            .extend(users);
         self.active.insert(
             volume,
             Active {
                 request,
-                phase: if kill { Phase::Killing } else { Phase::Unpublishing },
+                phase: if kill {
+                    Phase::Killing
+                } else {
+                    Phase::Unpublishing
+                },
                 killed: String::new(),
             },
         );
@@ -188,7 +195,10 @@ mod tests {
         let key = req("r1", false).volume;
         assert_eq!(f.withdrawn()[&key], users);
         assert!(f.unpublished(&key, false).is_some());
-        assert!(f.withdrawn().is_empty(), "refused: the volume is theirs again");
+        assert!(
+            f.withdrawn().is_empty(),
+            "refused: the volume is theirs again"
+        );
     }
 
     #[test]

@@ -464,7 +464,9 @@ fn writer_holds(i: Inputs<'_>, writer: &str, waiting: &[&str]) -> String {
 
 /// True when an operator's forced unpublish withdrew `key` from allocation `alloc_id`.
 fn withdrawn(i: Inputs<'_>, key: &VolumeKey, alloc_id: &str) -> bool {
-    i.withdrawn.get(key).is_some_and(|ids| ids.contains(alloc_id))
+    i.withdrawn
+        .get(key)
+        .is_some_and(|ids| ids.contains(alloc_id))
 }
 
 /// A recorded user of `key` whose tasks may still run on this node and whose group still
@@ -847,7 +849,10 @@ pub(crate) mod tests {
         w.withdrawn
             .insert(key("data"), BTreeSet::from([A1.to_string()]));
         w.settle();
-        assert_eq!(w.unpublishes, 1, "unpublished under the withdrawn allocation");
+        assert_eq!(
+            w.unpublishes, 1,
+            "unpublished under the withdrawn allocation"
+        );
         assert!(w.mounts.is_empty());
         assert_eq!(w.publishes, 1, "not published again for it");
         w.update(alloc(A2, &["data"], "running", "run"));

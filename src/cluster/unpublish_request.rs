@@ -373,15 +373,8 @@ mod tests {
 
     #[test]
     fn a_malformed_request_names_its_item() {
-        let mut v = UnpublishRequest::new(
-            vol(),
-            "n".into(),
-            false,
-            "r".into(),
-            1,
-            "o".into(),
-        )
-        .to_variable();
+        let mut v = UnpublishRequest::new(vol(), "n".into(), false, "r".into(), 1, "o".into())
+            .to_variable();
         v.items.insert("kill".into(), "maybe".into());
         assert_eq!(
             UnpublishRequest::from_variable(&v),

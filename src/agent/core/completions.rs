@@ -454,9 +454,7 @@ impl Core {
                     self.journal.users(),
                 ));
             }
-            Completion::HoldersKilled { volume, report } => {
-                self.on_holders_killed(volume, report)
-            }
+            Completion::HoldersKilled { volume, report } => self.on_holders_killed(volume, report),
             Completion::HoldersExited { volume } => {
                 // The evidence the unpublish waits on: retried now (the retry scans again;
                 // a new holder is refused and watched as before).

@@ -150,17 +150,14 @@ impl Core {
         if !killed.is_empty() {
             detail.push_str(&format!("; {killed}"));
         }
-        self.journal.describe_last(&request.volume, detail);
+        self.journal
+            .describe_last(&request.volume, detail, state == RequestState::Refused);
     }
 
     /// Forgets the withdrawn allocations that no longer run here.
     pub(super) fn forget_ended_withdrawals(&mut self) {
         let view = &self.view;
-        self.forced.forget_ended(|id| {
-            view.allocs()
-                .get(id)
-                .is_some_and(|a| !a.tasks_finished())
-        });
+        self.forced
+            .forget_ended(|id| view.allocs().get(id).is_some_and(|a| !a.tasks_finished()));
     }
 }
-

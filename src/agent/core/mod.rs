@@ -338,10 +338,11 @@ impl Core {
                         }
                         .to_string(),
                         alloc_id: e.alloc_id.clone().unwrap_or_default(),
-                        ok: !matches!(
-                            e.kind,
-                            EventKind::PublishFailed | EventKind::UnpublishFailed
-                        ),
+                        ok: !e.failed
+                            && !matches!(
+                                e.kind,
+                                EventKind::PublishFailed | EventKind::UnpublishFailed
+                            ),
                         ms: e.ms,
                         detail: e.detail.clone(),
                     })

@@ -507,7 +507,8 @@ impl Shell {
             Effect::WatchHolders { volume, pids } => self.holder_watches.watch(volume, pids),
             Effect::KillHolders { volume, target } => {
                 self.tasks.spawn_blocking(move || {
-                    let report = crate::node::fence::fence(&target, crate::node::identity::node());
+                    let report =
+                        crate::node::fence::kill_holders(&target, crate::node::identity::node());
                     Report::DoneMounts(
                         Completion::HoldersKilled { volume, report },
                         MountTable::read(),

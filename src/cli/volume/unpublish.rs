@@ -152,7 +152,9 @@ pub async fn unpublish(
         req.sign(k);
     }
     for line in &running {
-        eprintln!("warning: {line} on node {node_name} runs with the volume: its tasks lose it (-force)");
+        eprintln!(
+            "warning: {line} on node {node_name} runs with the volume: its tasks lose it (-force)"
+        );
     }
     tracing::warn!(%volume, node = %node_id, kill = args.kill, requested_by = %req.who(), "operator forces an unpublish (`volume unpublish -force`)");
     let cas = existing.as_ref().map_or(0, |v| v.modify_index);

@@ -264,6 +264,8 @@ pub struct Recent {
     /// What the outcome is about beyond its kind ([`Journal::describe_last`]); empty when
     /// nothing.
     pub detail: String,
+    /// The outcome failed although its kind does not say so (a refused forced unpublish).
+    pub failed: bool,
 }
 
 /// One history line.
@@ -398,10 +400,12 @@ impl Journal {
     }
 
     /// Describes `key`'s latest outcome in its recent history (`volume status -verbose`'s
-    /// detail column): who asked for a forced unpublish, what it killed.
-    pub fn describe_last(&mut self, key: &VolumeKey, detail: String) {
+    /// detail column): who asked for a forced unpublish, what it killed; `failed` when it
+    /// was refused.
+    pub fn describe_last(&mut self, key: &VolumeKey, detail: String, failed: bool) {
         if let Some(last) = self.recent.get_mut(key).and_then(|r| r.back_mut()) {
             last.detail = detail;
+            last.failed = failed;
         }
     }
 
@@ -451,6 +455,7 @@ impl Journal {
             alloc_id,
             ms: 0,
             detail: String::new(),
+            failed: false,
         });
     }
 
