@@ -116,6 +116,17 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
         "the journal names who asked and what was done: {last}"
     );
 
+    // A single-node volume's claim goes with the unpublish: another node may take it.
+    c.wait_for(30, "the claim's lock released", || async {
+        let claim = c
+            .get(&format!(
+                "/v1/var/dhv-binder/claims/{VOLUME}?namespace=default"
+            ))
+            .await;
+        claim["Lock"].is_null().then_some(())
+    })
+    .await;
+
     // Not published again for the allocation that still runs.
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(!mounted(&c), "published again for the withdrawn allocation");

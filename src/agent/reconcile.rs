@@ -221,6 +221,35 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         }
     }
 
+    // Volumes an operator's forced unpublish withdrew from running allocations, which no
+    // other allocation here needs: say why they are not published for them.
+    for (key, ids) in i.withdrawn {
+        if needed.contains_key(key)
+            || matches!(scope, Scope::Volumes { dirty, .. } if !dirty.contains(key))
+        {
+            continue;
+        }
+        let running: Vec<&str> = ids
+            .iter()
+            .filter(|id| {
+                i.view
+                    .allocs()
+                    .get(*id)
+                    .is_some_and(|a| !a.tasks_finished())
+            })
+            .map(String::as_str)
+            .collect();
+        if !running.is_empty() {
+            plan.waiting.push(Waiting {
+                volume: key.clone(),
+                reason: format!(
+                    "withdrawn by an operator's forced unpublish (`volume unpublish -force`) from allocation {} on this node: not published again for it while it runs; stop it (`nomad alloc stop`) and its replacement gets the volume",
+                    running.join(", ")
+                ),
+            });
+        }
+    }
+
     // A lost claim is unpublished before anything else, even before the view is complete.
     for (key, state) in &claims {
         if *state == ClaimState::Lost && i.mounts.contains_key(key) && !i.busy.contains(key) {
@@ -854,6 +883,14 @@ pub(crate) mod tests {
             "unpublished under the withdrawn allocation"
         );
         assert!(w.mounts.is_empty());
+        let p = w.plan();
+        assert!(
+            p.waiting
+                .iter()
+                .any(|x| x.volume == key("data") && x.reason.contains("forced unpublish")),
+            "says why it is not published for it: {:?}",
+            p.waiting
+        );
         assert_eq!(w.publishes, 1, "not published again for it");
         w.update(alloc(A2, &["data"], "running", "run"));
         w.settle();
