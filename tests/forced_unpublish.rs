@@ -80,6 +80,13 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
         mounted(&c),
         "a refused forced unpublish leaves the volume mounted"
     );
+    // ...and published for its allocation, as the node's journal records it.
+    c.wait_for(30, "the mount record published again", || async {
+        let (_, status) = c.status(0);
+        let st: Value = serde_json::from_str(&status).unwrap_or_default();
+        (st["mounts"][0]["state"] == "published").then_some(())
+    })
+    .await;
     let refused = forced_events(&c);
     assert!(
         refused
@@ -139,7 +146,8 @@ async fn an_operator_unpublishes_a_held_volume_on_one_node_only_with_force_and_k
                 && out.contains("forced-unpublish")
                 && out.contains(", done; ")
                 && out.contains("killed pid")
-                && out.contains(", refused"))
+                && out.contains(", refused")
+                && out.contains("withdrawn by an operator"))
             .then_some(out)
         })
         .await;
