@@ -148,8 +148,9 @@ pub async fn unpublish(
         now_ms(),
         requested_by(),
     );
-    if let Some(k) = &key {
-        req.sign(k);
+    match &key {
+        Some(k) => req.sign(k),
+        None => eprintln!("warning: the request is not signed (no -signing-key): nodes with --record-keys ignore it, only one with --allow-unsigned-records acts on it"),
     }
     for line in &running {
         eprintln!(
