@@ -13,11 +13,20 @@
 //! - the allocations that were running with the volume here when the request was acted on
 //!   lose it and do not get it published again while they run (the operator asked for it
 //!   to go); a new allocation publishes it as usual. An agent restart forgets the
-//!   withdrawal: a still-running allocation then gets the volume published again.
+//!   withdrawal: a still-running allocation then gets the volume published again;
+//! - a request whose unpublish has not come [`GIVE_UP_AFTER`] after it was taken (an
+//!   allocation placed meanwhile needs the volume, its plugin is gone) is given up: answered
+//!   `refused` with the plan's reason, the volume given back to its allocations.
 
 use crate::cluster::unpublish_request::{RequestState, UnpublishRequest};
 use crate::volume::VolumeKey;
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// How long a request may be carried out before it is given up (answered `refused`, the
+/// volume given back to its allocations): the plan may never unpublish it (an allocation
+/// placed meanwhile needs it, the plugin is gone, the picture stays incomplete).
+pub(crate) const GIVE_UP_AFTER: Duration = Duration::from_secs(120);
 
 /// Where a request being carried out stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +44,8 @@ pub(crate) struct Active {
     pub phase: Phase,
     /// What the kill did, for the answer and the journal (empty before, or without `kill`).
     pub killed: String,
+    /// When the node took it.
+    pub started: Instant,
 }
 
 /// The forced unpublishes of this node.
@@ -69,6 +80,7 @@ impl Forced {
         mounted: bool,
         busy: bool,
         users: BTreeSet<String>,
+        now: Instant,
     ) -> Option<Start> {
         if !self.seen.insert(request.id.clone()) || self.active.contains_key(&request.volume) {
             return None;
@@ -102,6 +114,7 @@ impl Forced {
                     Phase::Unpublishing
                 },
                 killed: String::new(),
+                started: now,
             },
         );
         Some(if kill { Start::Kill } else { Start::Unpublish })
@@ -127,6 +140,27 @@ impl Forced {
             self.withdrawn.remove(volume);
         }
         Some(a)
+    }
+
+    /// Gives up the requests carried out for [`GIVE_UP_AFTER`] or longer without their
+    /// unpublish finishing (not while their kill runs): each volume is given back to its
+    /// allocations.
+    pub(crate) fn give_up(&mut self, now: Instant) -> Vec<Active> {
+        let late: Vec<VolumeKey> = self
+            .active
+            .iter()
+            .filter(|(_, a)| {
+                a.phase == Phase::Unpublishing
+                    && now.saturating_duration_since(a.started) >= GIVE_UP_AFTER
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        late.iter()
+            .filter_map(|k| {
+                self.withdrawn.remove(k);
+                self.active.remove(k)
+            })
+            .collect()
     }
 
     /// The allocations each volume is withdrawn from (the plan publishes nothing for them).
@@ -169,6 +203,32 @@ pub(crate) fn done_message(a: &Active, users: &BTreeSet<String>) -> String {
 mod tests {
     use super::*;
 
+    fn t0() -> Instant {
+        Instant::now()
+    }
+
+    /// A request whose unpublish never comes is given up after [`GIVE_UP_AFTER`], and its
+    /// volume given back; one whose holders are still being killed is not.
+    #[test]
+    fn a_request_that_never_unpublishes_is_given_up() {
+        let mut f = Forced::default();
+        let t = t0();
+        let users = BTreeSet::from(["a1".to_string()]);
+        f.start(req("r", false), true, false, users.clone(), t);
+        let mut k = req("k", true);
+        k.volume.name = "other".into();
+        f.start(k, true, false, users, t);
+        assert!(f.give_up(t + GIVE_UP_AFTER / 2).is_empty());
+        let gone = f.give_up(t + GIVE_UP_AFTER);
+        assert_eq!(gone.len(), 1, "{gone:?}");
+        assert_eq!(gone[0].request.id, "r");
+        assert!(!f.withdrawn().contains_key(&req("r", false).volume));
+        assert!(
+            f.withdrawn().keys().any(|k| k.name == "other"),
+            "the kill still runs"
+        );
+    }
+
     fn req(id: &str, kill: bool) -> UnpublishRequest {
         UnpublishRequest::new(
             VolumeKey {
@@ -188,10 +248,13 @@ mod tests {
         let mut f = Forced::default();
         let users = BTreeSet::from(["a1".to_string()]);
         assert_eq!(
-            f.start(req("r1", false), true, false, users.clone()),
+            f.start(req("r1", false), true, false, users.clone(), t0()),
             Some(Start::Unpublish)
         );
-        assert_eq!(f.start(req("r1", false), true, false, users.clone()), None);
+        assert_eq!(
+            f.start(req("r1", false), true, false, users.clone(), t0()),
+            None
+        );
         let key = req("r1", false).volume;
         assert_eq!(f.withdrawn()[&key], users);
         assert!(f.unpublished(&key, false).is_some());
@@ -207,7 +270,7 @@ mod tests {
         let key = req("r", true).volume;
         let users = BTreeSet::from(["a1".to_string()]);
         assert_eq!(
-            f.start(req("r", true), true, false, users),
+            f.start(req("r", true), true, false, users, t0()),
             Some(Start::Kill)
         );
         assert!(f.killed(&key, "killed 42 (sh)".into()));
@@ -222,11 +285,11 @@ mod tests {
     fn not_mounted_is_done_and_in_flight_is_refused() {
         let mut f = Forced::default();
         assert!(matches!(
-            f.start(req("a", false), false, false, BTreeSet::new()),
+            f.start(req("a", false), false, false, BTreeSet::new(), t0()),
             Some(Start::Answer(RequestState::Done, _))
         ));
         assert!(matches!(
-            f.start(req("b", false), true, true, BTreeSet::new()),
+            f.start(req("b", false), true, true, BTreeSet::new(), t0()),
             Some(Start::Answer(RequestState::Refused, _))
         ));
         assert!(f.withdrawn().is_empty());

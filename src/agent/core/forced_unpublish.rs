@@ -10,6 +10,7 @@ use crate::node::fence::FenceReport;
 use crate::node::journal::EventKind;
 use crate::volume::VolumeKey;
 use std::collections::BTreeSet;
+use std::time::Instant;
 
 impl Core {
     /// The allocations running with `volume` on this node (their tasks not finished).
@@ -30,6 +31,7 @@ impl Core {
     pub(super) fn on_unpublish_requests(
         &mut self,
         requests: Vec<UnpublishRequest>,
+        now: Instant,
         out: &mut Vec<Effect>,
     ) {
         for request in requests {
@@ -40,7 +42,7 @@ impl Core {
             let who = request.who();
             let Some(start) = self
                 .forced
-                .start(request.clone(), mounted, busy, users.clone())
+                .start(request.clone(), mounted, busy, users.clone(), now)
             else {
                 continue;
             };
@@ -152,6 +154,35 @@ impl Core {
         }
         self.journal
             .describe_last(&request.volume, detail, state == RequestState::Refused);
+    }
+
+    /// Gives up the requests whose unpublish has not come within
+    /// [`crate::agent::forced::GIVE_UP_AFTER`]: answered `refused` with what the plan says
+    /// of the volume, which goes back to its allocations.
+    pub(super) fn give_up_forced(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        for a in self.forced.give_up(now) {
+            let volume = a.request.volume.clone();
+            self.dirty.insert(volume.clone());
+            let why = self
+                .waiting
+                .iter()
+                .find(|w| w.volume == volume)
+                .map(|w| w.reason.clone())
+                .or_else(|| self.last_error.get(&volume).cloned())
+                .unwrap_or_else(|| "no unpublish ran (another allocation here may need it)".into());
+            let message = format!(
+                "volume {volume} was not unpublished on node {} within {} s; given back to its allocations: {why}",
+                a.request.node_id,
+                crate::agent::forced::GIVE_UP_AFTER.as_secs()
+            );
+            tracing::warn!(%volume, requested_by = %a.request.who(), request = %a.request.id, "operator's forced unpublish given up: {message}");
+            self.note_forced(&a.request, RequestState::Refused, &message, &a.killed);
+            out.push(Effect::AnswerUnpublish {
+                request: Box::new(a.request),
+                state: RequestState::Refused,
+                message,
+            });
+        }
     }
 
     /// Forgets the withdrawn allocations that no longer run here.

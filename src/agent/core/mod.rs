@@ -422,7 +422,7 @@ impl Core {
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
-            Input::UnpublishRequests(r) => self.on_unpublish_requests(r, out),
+            Input::UnpublishRequests(r) => self.on_unpublish_requests(r, now, out),
             Input::RecordsUnreadable(why) => {
                 // Said for every volume kept while the records are unknown.
                 self.replan_all |= why != self.records_unreadable;
@@ -546,6 +546,7 @@ impl Core {
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        self.give_up_forced(now, out);
         let gone = self.view.expire(now);
         if gone > 0 {
             tracing::info!(
