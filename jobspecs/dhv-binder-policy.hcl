@@ -17,7 +17,8 @@
 #     published again (PUT /v1/client/allocation/:id/restart);
 #   - variables: the volume records (read, list; write to report create/delete progress;
 #     destroy after a signed delete), the single-node claims (locks: write; destroy on
-#     release) and the snapshot records (progress; destroy after a signed delete); nothing
+#     release), the snapshot records (progress; destroy after a signed delete) and the
+#     operators' forced-unpublish requests (read, list; write: the node's answer); nothing
 #     else under dhv-binder/ (the record watches list namespace=*, which Nomad filters to
 #     what the token may list);
 #   - variables: read (no list, no write) under the agent's --secrets-path (default
@@ -60,6 +61,9 @@ namespace "default" {
     path "dhv-binder/snapshots/*" {
       capabilities = ["read", "list", "write", "destroy"]
     }
+    path "dhv-binder/unpublish-requests/*" {
+      capabilities = ["read", "list", "write"]
+    }
     path "dhv-binder/nodes/*" {
       capabilities = ["read", "write"]
     }
@@ -85,6 +89,9 @@ namespace "default" {
 #     }
 #     path "dhv-binder/snapshots/*" {
 #       capabilities = ["read", "list", "write", "destroy"]
+#     }
+#     path "dhv-binder/unpublish-requests/*" {
+#       capabilities = ["read", "list", "write"]
 #     }
 #     path "dhv-binder-secrets/*" {
 #       capabilities = ["read"]

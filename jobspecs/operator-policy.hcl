@@ -13,6 +13,8 @@
 # - variable dhv-binder/records-changed (read, write; namespace "default" only): the change
 #   marker each record write updates, so that agents read the new record at once (without
 #   it the command warns and agents see the record at their next relist, within 5 min);
+# - variables dhv-binder/unpublish-requests/* (read, list, write): `volume unpublish -force`
+#   writes its signed request there and reads the node's answer;
 # - host-volume-read: the placeholder host volumes shown by `volume status`;
 # - read-job and node read: the allocations using a volume, node names and status.
 # Replace "default" with the operator's namespaces (one block each; Nomad applies an exact
@@ -36,6 +38,9 @@ namespace "default" {
     }
     path "dhv-binder/records-changed" {
       capabilities = ["read", "write"]
+    }
+    path "dhv-binder/unpublish-requests/*" {
+      capabilities = ["read", "list", "write"]
     }
   }
 }

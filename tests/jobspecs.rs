@@ -236,7 +236,8 @@ fn policy_grants_what_the_daemon_calls() {
             "host-volume-delete"
         ]
     );
-    // Only the records, the claims and the snapshot records: nothing else under dhv-binder/;
+    // Only the records, the claims, the snapshot records and the forced-unpublish requests:
+    // nothing else under dhv-binder/;
     // in "default" also the node records and the change marker; outside it only the
     // secrets path the agent is told to use (--secrets-path), read only.
     assert_eq!(
@@ -245,6 +246,7 @@ fn policy_grants_what_the_daemon_calls() {
             "dhv-binder/volumes/*",
             "dhv-binder/claims/*",
             "dhv-binder/snapshots/*",
+            "dhv-binder/unpublish-requests/*",
             "dhv-binder/nodes/*",
             "dhv-binder/records-changed",
             "dhv-binder-secrets/*"
@@ -267,7 +269,7 @@ fn policy_grants_what_the_daemon_calls() {
 
 /// The operator's policy (issue 37 #14) parses and grants what the CLI calls: the records and
 /// snapshots read/list/write/destroy, claims and node records read, the change marker read
-/// and write, host volumes and jobs
+/// and write, the forced-unpublish requests read/list/write, host volumes and jobs
 /// read, node read; nothing for the daemon's own work (host-volume-register, alloc-lifecycle).
 #[test]
 fn operator_policy_grants_what_the_cli_calls() {
@@ -308,7 +310,8 @@ fn operator_policy_grants_what_the_cli_calls() {
             "dhv-binder/snapshots/*",
             "dhv-binder/claims/*",
             "dhv-binder/nodes/*",
-            "dhv-binder/records-changed"
+            "dhv-binder/records-changed",
+            "dhv-binder/unpublish-requests/*"
         ]
     );
     for (p, c) in &paths[..2] {
@@ -323,6 +326,12 @@ fn operator_policy_grants_what_the_cli_calls() {
     let (p, c) = &paths[4];
     assert!(
         c.contains("\"read\"") && c.contains("\"write\"") && !c.contains("list"),
+        "{p}: {c}"
+    );
+    // `volume unpublish -force`: its request written, the node's answer read; no destroy.
+    let (p, c) = &paths[5];
+    assert!(
+        c.contains("\"write\"") && c.contains("\"read\"") && !c.contains("destroy"),
         "{p}: {c}"
     );
     assert_eq!(string(one(&body, "node").body(), "policy"), "read");

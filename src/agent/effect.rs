@@ -111,6 +111,20 @@ pub(crate) enum Effect {
     ///
     /// [`Completion::HoldersExited`]: crate::agent::executor::Completion::HoldersExited
     WatchHolders { volume: VolumeKey, pids: Vec<u32> },
+    /// Kernel: kill the processes holding the volume mounted at `target` for an operator's
+    /// forced unpublish, as the fence kills them ([`crate::node::fence::kill_holders`]: by cgroup
+    /// identity, never the agent; the host's mount is made read-only too). Answered by
+    /// [`Completion::HoldersKilled`].
+    ///
+    /// [`Completion::HoldersKilled`]: crate::agent::executor::Completion::HoldersKilled
+    KillHolders { volume: VolumeKey, target: PathBuf },
+    /// Nomad: write this node's answer into an operator's forced-unpublish request
+    /// ([`crate::cluster::unpublish_request::answer`]); a failure is logged.
+    AnswerUnpublish {
+        request: Box<crate::cluster::unpublish_request::UnpublishRequest>,
+        state: crate::cluster::unpublish_request::RequestState,
+        message: String,
+    },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },
     /// Kernel: read the mount table again (answered by `Input::MountTable`).

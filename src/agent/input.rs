@@ -34,6 +34,9 @@ pub(crate) enum Input {
     RecordsUnreadable(Option<String>),
     /// A fresh copy of the cluster's snapshot records.
     Snapshots(crate::cluster::snapshot::Snapshots),
+    /// The operator's forced-unpublish requests that name this node, are pending and fresh
+    /// and verify ([`crate::cluster::unpublish_request`]).
+    UnpublishRequests(Vec<crate::cluster::unpublish_request::UnpublishRequest>),
     /// A caller on the local API; answer with [`crate::agent::effect::Effect::Reply`].
     Api { reply: ReplyId, call: ApiCall },
     /// The caller went away (its connection closed) before it was answered.

@@ -7,7 +7,8 @@
 //!   timed out"), `claims` (renewal timing, "claim lost"), `claim_waits` (which allocations
 //!   wait for another node's claim, since when), `placeholders`, `workers`
 //!   (volume create/delete), `storage_ops` (snapshots, expansions, the publish that waits
-//!   for an expansion), `mount_health` (dead, failing and hung mounts), `retry`
+//!   for an expansion), `forced` (an operator's forced unpublish on this node),
+//!   `mount_health` (dead, failing and hung mounts), `retry`
 //!   (one backoff table for every kind of work), `latency`;
 //! - `shell`: the loop, the one place that performs effects; `meter`: what it measures
 //!   for the metrics (counts of what the core decided, timings of what the shell ran);
@@ -23,6 +24,7 @@ pub(crate) mod claims;
 pub(crate) mod core;
 pub(crate) mod effect;
 pub(crate) mod executor;
+pub(crate) mod forced;
 pub(crate) mod gate;
 pub(crate) mod holder_watch;
 pub(crate) mod input;

@@ -20,7 +20,9 @@
 //! - a volume with a call in flight gets no new step (calls on one volume are serialized);
 //! - a volume with a single-node access mode is published only while this node holds its
 //!   claim ([`crate::cluster::claims`]); a lost claim is unpublished first, whatever else holds;
-//!   a fenced one is neither published nor claimed again until a renewal decides.
+//!   a fenced one is neither published nor claimed again until a renewal decides;
+//! - an allocation an operator's forced unpublish withdrew a volume from
+//!   ([`crate::agent::forced`]) neither needs it nor keeps it published.
 
 use crate::agent::view::{requests, View};
 use crate::cluster::claims::is_exclusive;
@@ -49,6 +51,10 @@ pub struct Inputs<'a> {
     pub busy: &'a BTreeSet<VolumeKey>,
     /// This node's claims (single-node access modes).
     pub claims: &'a BTreeMap<VolumeKey, ClaimState>,
+    /// Allocations an operator's forced unpublish withdrew each volume from
+    /// ([`crate::agent::forced`]): nothing is published for them, and they do not keep
+    /// the volume published.
+    pub withdrawn: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
 }
 
 /// Where this node's claim on a volume stands.
@@ -143,6 +149,9 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                     continue;
                 }
                 for r in requests(alloc, i.volumes) {
+                    if withdrawn(i, &r.volume, id) {
+                        continue;
+                    }
                     needed
                         .entry(r.volume)
                         .or_default()
@@ -162,7 +171,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                     }
                     if let Some(r) = requests(alloc, i.volumes)
                         .into_iter()
-                        .find(|r| &r.volume == key)
+                        .find(|r| &r.volume == key && !withdrawn(i, key, id))
                     {
                         needed
                             .entry(r.volume)
@@ -209,6 +218,35 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
             if !i.view.is_live(&u.alloc_id) {
                 plan.steps.push(Step::RemoveUser(u));
             }
+        }
+    }
+
+    // Volumes an operator's forced unpublish withdrew from running allocations, which no
+    // other allocation here needs: say why they are not published for them.
+    for (key, ids) in i.withdrawn {
+        if needed.contains_key(key)
+            || matches!(scope, Scope::Volumes { dirty, .. } if !dirty.contains(key))
+        {
+            continue;
+        }
+        let running: Vec<&str> = ids
+            .iter()
+            .filter(|id| {
+                i.view
+                    .allocs()
+                    .get(*id)
+                    .is_some_and(|a| !a.tasks_finished())
+            })
+            .map(String::as_str)
+            .collect();
+        if !running.is_empty() {
+            plan.waiting.push(Waiting {
+                volume: key.clone(),
+                reason: format!(
+                    "withdrawn by an operator's forced unpublish (`volume unpublish -force`) from allocation {} on this node: not published again for it while it runs; stop it (`nomad alloc stop`) and its replacement gets the volume",
+                    running.join(", ")
+                ),
+            });
         }
     }
 
@@ -453,11 +491,21 @@ fn writer_holds(i: Inputs<'_>, writer: &str, waiting: &[&str]) -> String {
     )
 }
 
+/// True when an operator's forced unpublish withdrew `key` from allocation `alloc_id`.
+fn withdrawn(i: Inputs<'_>, key: &VolumeKey, alloc_id: &str) -> bool {
+    i.withdrawn
+        .get(key)
+        .is_some_and(|ids| ids.contains(alloc_id))
+}
+
 /// A recorded user of `key` whose tasks may still run on this node and whose group still
 /// mounts the volume's placeholder. Visits the volume's users only (the scope's index), or
 /// every user record in a full pass.
 fn still_mounted_by(i: Inputs<'_>, scope: Scope<'_>, key: &VolumeKey) -> Option<String> {
     let live = |alloc_id: &str| {
+        if withdrawn(i, key, alloc_id) {
+            return None;
+        }
         i.view
             .allocs()
             .get(alloc_id)
@@ -568,6 +616,7 @@ pub(crate) mod tests {
         claims: BTreeMap<VolumeKey, ClaimState>,
         /// The records not read (after a restart) and why: `None` when they were read.
         records_unread: Option<Option<String>>,
+        withdrawn: BTreeMap<VolumeKey, BTreeSet<String>>,
         publishes: usize,
         unpublishes: usize,
     }
@@ -586,6 +635,7 @@ pub(crate) mod tests {
                 busy: BTreeSet::new(),
                 claims: BTreeMap::new(),
                 records_unread: None,
+                withdrawn: BTreeMap::new(),
                 publishes: 0,
                 unpublishes: 0,
             }
@@ -603,6 +653,7 @@ pub(crate) mod tests {
                 plugins: &self.plugins,
                 busy: &self.busy,
                 claims: &self.claims,
+                withdrawn: &self.withdrawn,
             })
         }
 
@@ -811,6 +862,39 @@ pub(crate) mod tests {
         assert_eq!(w.unpublishes, 1);
         assert!(w.users.is_empty());
         assert!(w.mounts.is_empty());
+    }
+
+    /// An operator's forced unpublish withdraws the volume from a running allocation: it is
+    /// unpublished under it (its user record no longer keeps it), and not published again
+    /// for it while it runs; a new allocation gets it as usual.
+    #[test]
+    fn a_withdrawn_allocation_neither_needs_nor_keeps_the_volume() {
+        let mut w = World::new(
+            &[volume("data", "single-node-writer")],
+            vec![alloc(A1, &["data"], "running", "run")],
+        );
+        w.settle();
+        assert_eq!(w.publishes, 1);
+        w.withdrawn
+            .insert(key("data"), BTreeSet::from([A1.to_string()]));
+        w.settle();
+        assert_eq!(
+            w.unpublishes, 1,
+            "unpublished under the withdrawn allocation"
+        );
+        assert!(w.mounts.is_empty());
+        let p = w.plan();
+        assert!(
+            p.waiting
+                .iter()
+                .any(|x| x.volume == key("data") && x.reason.contains("forced unpublish")),
+            "says why it is not published for it: {:?}",
+            p.waiting
+        );
+        assert_eq!(w.publishes, 1, "not published again for it");
+        w.update(alloc(A2, &["data"], "running", "run"));
+        w.settle();
+        assert_eq!(w.publishes, 2, "a new allocation publishes it");
     }
 
     /// A record that vanishes (a filtered or empty variables list, a planted deletion)

@@ -33,16 +33,23 @@ use std::time::Duration;
 /// The snapshot records' variable prefix (`cluster::snapshot::SNAPSHOT_PREFIX`, a module that
 /// imports this one).
 const SNAPSHOT_RECORDS: &str = "dhv-binder/snapshots/";
+/// The forced-unpublish requests' variable prefix
+/// (`cluster::unpublish_request::REQUEST_PREFIX`).
+const UNPUBLISH_REQUESTS: &str = "dhv-binder/unpublish-requests/";
 
 /// Checks that a change names a record: `namespace` a valid namespace name
 /// ([`crate::volume::validate_identifier`]) and `path` a volume record's path
 /// ([`crate::volume::RECORD_PREFIX`] and the encoded name of a valid volume name, as
 /// [`crate::volume::record_path`] writes it) or a snapshot record's (the snapshot prefix and
-/// a lower-case hyphenated UUID). `Err` says why not. Nothing else is ever read for a
+/// a lower-case hyphenated UUID); a forced-unpublish request's path is checked as a volume
+/// record's, under its own prefix. `Err` says why not. Nothing else is ever read for a
 /// marker line or asked to be read.
 pub fn check_target(namespace: &str, path: &str) -> Result<(), String> {
     crate::volume::validate_identifier("namespace", namespace, false).map_err(|e| e.to_string())?;
-    if let Some(encoded) = path.strip_prefix(crate::volume::RECORD_PREFIX) {
+    if let Some(encoded) = path
+        .strip_prefix(crate::volume::RECORD_PREFIX)
+        .or_else(|| path.strip_prefix(UNPUBLISH_REQUESTS))
+    {
         let name = decode_name(encoded)
             .ok_or_else(|| format!("{encoded:?} is not an encoded volume name"))?;
         crate::volume::validate_identifier("name", &name, true).map_err(|e| e.to_string())?;
@@ -59,14 +66,14 @@ pub fn check_target(namespace: &str, path: &str) -> Result<(), String> {
         };
     }
     Err(format!(
-        "{path:?} is not under {} or {SNAPSHOT_RECORDS}",
+        "{path:?} is not under {}, {SNAPSHOT_RECORDS} or {UNPUBLISH_REQUESTS}",
         crate::volume::RECORD_PREFIX
     ))
 }
 
 /// The name [`crate::volume::encode_name`] encoded: `~xx` back to its byte; `None` when the
 /// text holds other bytes than the encoding writes or is no UTF-8.
-fn decode_name(encoded: &str) -> Option<String> {
+pub fn decode_name(encoded: &str) -> Option<String> {
     let mut out = Vec::with_capacity(encoded.len());
     let mut bytes = encoded.bytes();
     while let Some(b) = bytes.next() {

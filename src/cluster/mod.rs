@@ -8,6 +8,8 @@
 //!   agents;
 //! - [`claim_release`]: an operator's signed release of a node's claim (`volume claim
 //!   release`), one of the evidences for hand-over;
+//! - [`unpublish_request`]: an operator's signed request that one node unpublish a volume
+//!   (`volume unpublish -node N -force`), answered by that node's agent in the same variable;
 //! - `claims`: single-node access modes enforced across nodes with Nomad Variables locks;
 //! - [`worker`]: which node runs a cluster-wide storage operation, taken by check-and-set;
 //! - [`snapshot`]: snapshot records and the plugin calls that make, remove and clone from
@@ -26,4 +28,5 @@ pub mod mounted;
 pub mod nodes;
 pub mod snapshot;
 pub mod trust;
+pub mod unpublish_request;
 pub mod worker;

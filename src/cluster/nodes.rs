@@ -105,6 +105,10 @@ pub struct NodeEvent {
     /// measured.
     #[serde(skip_serializing_if = "is_zero")]
     pub ms: u64,
+    /// What the event is about beyond its name (a forced unpublish: who asked, what was
+    /// killed); empty otherwise.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub detail: String,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -714,6 +718,7 @@ mod tests {
                 alloc_id: id.into(),
                 ok: false,
                 ms: 123_456,
+                detail: String::new(),
             })
             .collect();
         assert!(r.set_history(

@@ -167,6 +167,38 @@ pub fn fence(target: &Path, node: &NodeCgroups) -> FenceReport {
     report
 }
 
+/// The most rounds [`kill_holders`] fences in.
+pub const KILL_ROUNDS: usize = 10;
+
+/// [`fence`] for an operator's forced unpublish (`volume unpublish -force -kill`): fenced
+/// again, 50 ms apart, until a round finds no process left to kill (a holder's child forked
+/// between a round's scan and its kill holds the mount too), at most [`KILL_ROUNDS`] rounds.
+/// The report lists every process killed; its errors are the last round's, plus one when
+/// the last round still killed a process.
+pub fn kill_holders(target: &Path, node: &NodeCgroups) -> FenceReport {
+    let mut report = fence(target, node);
+    if report.nothing_mounted {
+        return report;
+    }
+    let mut rounds = 1;
+    let mut last_killed = !report.stopped.is_empty();
+    while last_killed && rounds < KILL_ROUNDS {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let again = fence(target, node);
+        rounds += 1;
+        last_killed = !again.stopped.is_empty();
+        report.stopped.extend(again.stopped);
+        report.read_only |= again.read_only;
+        report.errors = again.errors;
+    }
+    if last_killed {
+        report.errors.push(format!(
+            "processes kept taking the mount after {KILL_ROUNDS} rounds of kills"
+        ));
+    }
+    report
+}
+
 /// `MS_REMOUNT | MS_BIND | MS_RDONLY`, keeping the mount's other flags (`nosuid`, `nodev`,
 /// `noexec`, atime): a bind remount sets them all, so one left out would be lifted.
 fn remount(target: &Path) -> nix::Result<()> {
@@ -304,6 +336,43 @@ mod tests {
             .open(&file)
             .unwrap_err();
         assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "{err}");
+    }
+
+    /// A holder that forks a new holder between a round's scan and its kill (a shell loop
+    /// running `sleep`) leaves no process holding the mount after [`kill_holders`].
+    #[test]
+    fn kill_holders_leaves_no_holder_behind() {
+        let sb = crate::node::mounts::scratch::Scratch::new();
+        let export = sb.tmpfs("export");
+        let target = sb.dir("target");
+        sb.rbind(&export, &target);
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("while :; do sleep 0.3 & sleep 0.01; done")
+            .current_dir(&target)
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let r = kill_holders(&target, &NodeCgroups::default());
+        let _ = child.wait();
+        assert!(r.complete(), "{r:?}");
+        let host = MountTable::read().unwrap();
+        let top = host.top_at(&target).cloned().unwrap();
+        let left = holders::scan_many(
+            &[(top.identity(), target.clone())],
+            &host,
+            &NodeCgroups::default(),
+        )
+        .unwrap()
+        .pop()
+        .unwrap_or_default()
+        .without_other_nodes()
+        .holders;
+        let me = std::process::id();
+        assert!(
+            left.iter().all(|h| h.pid == me),
+            "left holding the mount: {left:?}"
+        );
     }
 
     /// The fence's read-only remount keeps the mount's `nosuid`, `nodev` and `noexec`: a

@@ -71,6 +71,19 @@ impl Core {
     }
 
     pub(super) fn on_done(&mut self, done: Completion, now: Instant, out: &mut Vec<Effect>) {
+        let unpublished = match &done {
+            Completion::Unpublished { volume, result } => {
+                Some((volume.clone(), result.as_ref().err().map(|e| e.report())))
+            }
+            _ => None,
+        };
+        self.on_done_inner(done, now, out);
+        if let Some((volume, refused)) = unpublished {
+            self.on_forced_unpublished(&volume, refused, out);
+        }
+    }
+
+    fn on_done_inner(&mut self, done: Completion, now: Instant, out: &mut Vec<Effect>) {
         match &done {
             Completion::Published { volume, .. }
             | Completion::Unpublished { volume, .. }
@@ -441,6 +454,7 @@ impl Core {
                     self.journal.users(),
                 ));
             }
+            Completion::HoldersKilled { volume, report } => self.on_holders_killed(volume, report),
             Completion::HoldersExited { volume } => {
                 // The evidence the unpublish waits on: retried now (the retry scans again;
                 // a new holder is refused and watched as before).

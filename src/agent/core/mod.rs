@@ -5,6 +5,7 @@
 //! every journal change of the pass into at most one commit, ahead of its plugin calls.
 
 mod completions;
+mod forced_unpublish;
 mod mount_table;
 mod status;
 
@@ -148,6 +149,8 @@ pub(crate) struct Core {
     plan_visits: u64,
     /// False in tests that compare scoped planning with a full plan on every pass.
     scoped: bool,
+    /// Operators' forced unpublishes on this node (`volume unpublish -force`).
+    forced: crate::agent::forced::Forced,
 }
 
 impl Core {
@@ -204,6 +207,7 @@ impl Core {
             chores_due: true,
             plan_visits: 0,
             scoped: true,
+            forced: Default::default(),
         }
     }
 
@@ -328,15 +332,18 @@ impl Core {
                             EventKind::NodeFenced => "fence-node",
                             EventKind::NodeUnfenced => "unfence-node",
                             EventKind::ClaimReleased => "claim-released",
+                            EventKind::ForcedUnpublish => "forced-unpublish",
                             _ => "unfence",
                         }
                         .to_string(),
                         alloc_id: e.alloc_id.clone().unwrap_or_default(),
-                        ok: !matches!(
-                            e.kind,
-                            EventKind::PublishFailed | EventKind::UnpublishFailed
-                        ),
+                        ok: !e.failed
+                            && !matches!(
+                                e.kind,
+                                EventKind::PublishFailed | EventKind::UnpublishFailed
+                            ),
                         ms: e.ms,
+                        detail: e.detail.clone(),
                     })
                     .collect();
                 (k.to_string(), events)
@@ -414,6 +421,7 @@ impl Core {
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
+            Input::UnpublishRequests(r) => self.on_unpublish_requests(r, now, out),
             Input::RecordsUnreadable(why) => {
                 // Said for every volume kept while the records are unknown.
                 self.replan_all |= why != self.records_unreadable;
@@ -537,6 +545,7 @@ impl Core {
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        self.give_up_forced(now, out);
         let gone = self.view.expire(now);
         if gone > 0 {
             tracing::info!(
@@ -576,6 +585,7 @@ impl Core {
     /// answers callers, and commits the pass's journal changes.
     fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
         let deferred = self.deferred_plugins();
+        self.forget_ended_withdrawals();
         let all = self.collect_dirty(now);
         let dirty = std::mem::take(&mut self.dirty);
         let claims: BTreeMap<VolumeKey, ClaimState> = if all {
@@ -603,6 +613,7 @@ impl Core {
                 plugins: &deferred,
                 busy: &self.busy,
                 claims: &claims,
+                withdrawn: self.forced.withdrawn(),
             },
             scope,
         );

@@ -97,6 +97,12 @@ pub enum Completion {
     /// Every process an unpublish of `volume` was refused for has exited
     /// ([`crate::agent::effect::Effect::WatchHolders`]).
     HoldersExited { volume: VolumeKey },
+    /// The processes holding `volume` were killed for an operator's forced unpublish
+    /// ([`crate::agent::effect::Effect::KillHolders`]).
+    HoldersKilled {
+        volume: VolumeKey,
+        report: crate::node::fence::FenceReport,
+    },
     /// A dead mount was detached (lazy unmount).
     Detached {
         volume: VolumeKey,

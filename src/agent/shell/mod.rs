@@ -110,6 +110,8 @@ const BATCH: usize = 512;
 
 /// What a finished task reports to the loop.
 enum Report {
+    /// An effect that reports nothing back (its failure is logged).
+    Nothing,
     Done(Completion),
     /// A detach finished; the mount table read right after it.
     DoneMounts(Completion, Result<MountTable, MountsError>),
@@ -506,6 +508,32 @@ impl Shell {
                 });
             }
             Effect::WatchHolders { volume, pids } => self.holder_watches.watch(volume, pids),
+            Effect::KillHolders { volume, target } => {
+                self.tasks.spawn_blocking(move || {
+                    let report =
+                        crate::node::fence::kill_holders(&target, crate::node::identity::node());
+                    Report::DoneMounts(
+                        Completion::HoldersKilled { volume, report },
+                        MountTable::read(),
+                    )
+                });
+            }
+            Effect::AnswerUnpublish {
+                request,
+                state,
+                message,
+            } => {
+                self.tasks.spawn(async move {
+                    if let Err(e) = crate::cluster::unpublish_request::answer(
+                        &client, &request, state, &message,
+                    )
+                    .await
+                    {
+                        tracing::warn!(volume = %request.volume, request = %request.id, error = %e, "cannot write the answer to the operator's unpublish request (the CLI waiting for it times out; the journal has the outcome)");
+                    }
+                    Report::Nothing
+                });
+            }
             Effect::Detach { volume, target } => {
                 self.tasks.spawn_blocking(move || {
                     let result = crate::node::health::lazy_unmount(&target);
@@ -617,6 +645,26 @@ impl Shell {
         gone
     }
 
+    /// The forced-unpublish requests the core may act on: those naming this node, pending
+    /// and fresh ([`UnpublishRequest::actionable`], by the wall clock), as one input.
+    ///
+    /// [`UnpublishRequest::actionable`]: crate::cluster::unpublish_request::UnpublishRequest::actionable
+    fn unpublish_requests(&self, reqs: crate::cluster::unpublish_request::Requests) -> Vec<Input> {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let mine: Vec<_> = reqs
+            .into_values()
+            .filter(|r| r.node_id == self.node.node_id && r.actionable(now_ms))
+            .collect();
+        if mine.is_empty() {
+            Vec::new()
+        } else {
+            vec![Input::UnpublishRequests(mine)]
+        }
+    }
+
     /// Turns a finished task into the core's inputs (a mount table reading first).
     fn on_report(&mut self, r: Report) -> Vec<Input> {
         let table = |t: Result<MountTable, MountsError>| match t {
@@ -627,6 +675,7 @@ impl Shell {
             }
         };
         match r {
+            Report::Nothing => Vec::new(),
             Report::Done(c) => vec![Input::Done(c)],
             Report::DoneMounts(c, t) => table(t).into_iter().chain([Input::Done(c)]).collect(),
             Report::CallDone(c) => {
@@ -672,6 +721,8 @@ struct Sources {
     catalogue: mpsc::Receiver<Catalogue>,
     /// The snapshot records (`crate::cluster::snapshot::watch`).
     snapshots: mpsc::Receiver<crate::cluster::snapshot::Snapshots>,
+    /// The operators' forced-unpublish requests (`crate::cluster::unpublish_request::watch`).
+    unpublish: mpsc::Receiver<crate::cluster::unpublish_request::Requests>,
     api: mpsc::Receiver<Request2Agent>,
     plugins: mpsc::Receiver<()>,
     /// Why the volume records cannot be read, while they cannot (`catalog::Follow::failing`).
@@ -710,6 +761,7 @@ impl Shell {
                 vec![Input::RecordsUnreadable(src.records_failing.borrow_and_update().clone())]
             }
             Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
+            Some(reqs) = src.unpublish.recv() => self.unpublish_requests(reqs),
             Some(req) = src.api.recv() => self.admit(req).into_iter().collect(),
             Some(done) = self.tasks.join_next() => match done {
                 Ok(r) => self.on_report(r),
@@ -909,6 +961,8 @@ pub async fn run(
     let (watch_tx, watch_rx) = mpsc::channel::<WatchEvent>(256);
     let (cat_tx, cat_rx) = mpsc::channel::<Catalogue>(4);
     let (snap_tx, snap_rx) = mpsc::channel::<crate::cluster::snapshot::Snapshots>(4);
+    let (unpublish_tx, unpublish_rx) =
+        mpsc::channel::<crate::cluster::unpublish_request::Requests>(4);
     let (api_tx, api_rx) = mpsc::channel::<Request2Agent>(256);
     let (plugins_tx, plugins_rx) = mpsc::channel::<()>(1);
 
@@ -947,6 +1001,17 @@ pub async fn run(
             trust.clone(),
             rejected_records.clone(),
             cat_tx,
+        )),
+        tokio::spawn(crate::cluster::unpublish_request::watch(
+            client.clone(),
+            catalog::Follow {
+                reads: catalog::Reads::default(),
+                failing: None,
+                ..follow.clone()
+            },
+            trust.clone(),
+            rejected_records.clone(),
+            unpublish_tx,
         )),
         tokio::spawn(crate::cluster::snapshot::watch(
             client.clone(),
@@ -1067,6 +1132,7 @@ pub async fn run(
         watch: watch_rx,
         catalogue: cat_rx,
         snapshots: snap_rx,
+        unpublish: unpublish_rx,
         api: api_rx,
         plugins: plugins_rx,
         records_failing,

@@ -226,6 +226,7 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
     let (_watch, watch) = mpsc::channel(1);
     let (_catalogue, catalogue) = mpsc::channel(1);
     let (_snapshots, snapshots) = mpsc::channel(1);
+    let (_unpublish, unpublish) = mpsc::channel(1);
     let (_api, api) = mpsc::channel(1);
     let (_plugins, plugins) = mpsc::channel(1);
     let every = Duration::from_millis(200);
@@ -233,6 +234,7 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
         watch,
         catalogue,
         snapshots,
+        unpublish,
         api,
         plugins,
         records_failing: tokio::sync::watch::channel(None).1,
@@ -370,6 +372,7 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
     let (_watch, watch) = mpsc::channel(1);
     let (_catalogue, catalogue) = mpsc::channel(1);
     let (_snapshots, snapshots) = mpsc::channel(1);
+    let (_unpublish, unpublish) = mpsc::channel(1);
     let (_api, api) = mpsc::channel(1);
     let (_plugins, plugins) = mpsc::channel(1);
     let every = Duration::from_millis(200);
@@ -377,6 +380,7 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
         watch,
         catalogue,
         snapshots,
+        unpublish,
         api,
         plugins,
         records_failing: tokio::sync::watch::channel(None).1,

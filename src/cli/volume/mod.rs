@@ -3,12 +3,13 @@
 //! operator's key ([`crate::cluster::trust`]). One file per concept: [`show`] (`list`,
 //! `status` and their forms), [`create`] (`create`, `register` and the wait for the agents),
 //! [`eligibility`] (which nodes can serve a volume, and why none acts), [`remove`]
-//! (`delete`, `deregister`).
+//! (`delete`, `deregister`), [`unpublish`] (an operator's forced unpublish on one node).
 
 pub mod create;
 pub mod eligibility;
 pub mod remove;
 pub mod show;
+pub mod unpublish;
 
 use super::claim::ClaimCommand;
 use super::output::OutputArgs;
@@ -85,6 +86,27 @@ pub enum VolumeCommand {
     Delete {
         /// The volume's name, or its ID or a unique prefix of it.
         name: String,
+        #[command(flatten)]
+        wait: WaitArgs,
+        #[command(flatten)]
+        key: SigningArgs,
+    },
+    /// Unpublish a volume on one node for an operator (its agent acts on a signed request
+    /// and answers; audited on the node). Refused without -force while an allocation there
+    /// runs with it: with -force its tasks lose the volume and do not get it back while they
+    /// run. Refused while a process holds the mount unless -kill (killed as the fence kills).
+    Unpublish {
+        /// The volume's name, or its ID or a unique prefix of it.
+        name: String,
+        /// The node: its name, or its ID or a unique prefix of it.
+        #[arg(long)]
+        node: String,
+        /// Unpublish even while allocations on the node run with the volume.
+        #[arg(long)]
+        force: bool,
+        /// Kill the processes that hold the mount (as the fence does) instead of refusing.
+        #[arg(long)]
+        kill: bool,
         #[command(flatten)]
         wait: WaitArgs,
         #[command(flatten)]
@@ -169,5 +191,22 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             remove::delete(&client, ns, name, wait.wait(), key.load()?).await
         }
         VolumeCommand::Deregister { name } => remove::deregister(&client, ns, name).await,
+        VolumeCommand::Unpublish {
+            name,
+            node,
+            force,
+            kill,
+            wait,
+            key,
+        } => {
+            let args = unpublish::UnpublishArgs {
+                name,
+                node,
+                force,
+                kill,
+                wait: wait.wait(),
+            };
+            unpublish::unpublish(&client, ns, args, key).await
+        }
     }
 }

@@ -383,7 +383,7 @@ pub fn history(rec: &VolumeRecord, records: &[NodeRecord]) -> Vec<HistoryEvent> 
                     alloc_id: e.alloc_id.clone(),
                     outcome: if e.ok { "ok" } else { "failed" }.into(),
                     duration_ms: e.ms,
-                    detail: String::new(),
+                    detail: e.detail.clone(),
                 },
             ));
         }
@@ -1032,6 +1032,7 @@ a1  example.app[0]  example  n1       running
             alloc_id: alloc.into(),
             ok,
             ms,
+            detail: String::new(),
         };
         let mut n1 = NodeRecord::new("id-node-1", "node-1", "default");
         n1.history.insert(

@@ -216,6 +216,9 @@ pub enum EventKind {
     /// An operator released this node's claim (a verified `volume claim release` mark): the
     /// volume is fenced here at once.
     ClaimReleased,
+    /// An operator's forced unpublish on this node (a verified `volume unpublish -node N
+    /// -force` request): who asked, whether the holders were killed, and what became of it.
+    ForcedUnpublish,
 }
 
 impl EventKind {
@@ -235,6 +238,7 @@ impl EventKind {
             EventKind::NodeFenced => "node-fenced",
             EventKind::NodeUnfenced => "node-unfenced",
             EventKind::ClaimReleased => "claim-released",
+            EventKind::ForcedUnpublish => "forced-unpublish",
         }
     }
 }
@@ -257,6 +261,11 @@ pub struct Recent {
     pub alloc_id: Option<String>,
     /// How long the call took, measured ([`Journal::measured`]); 0 when not measured.
     pub ms: u64,
+    /// What the outcome is about beyond its kind ([`Journal::describe_last`]); empty when
+    /// nothing.
+    pub detail: String,
+    /// The outcome failed although its kind does not say so (a refused forced unpublish).
+    pub failed: bool,
 }
 
 /// One history line.
@@ -390,6 +399,16 @@ impl Journal {
         }
     }
 
+    /// Describes `key`'s latest outcome in its recent history (`volume status -verbose`'s
+    /// detail column): who asked for a forced unpublish, what it killed; `failed` when it
+    /// was refused.
+    pub fn describe_last(&mut self, key: &VolumeKey, detail: String, failed: bool) {
+        if let Some(last) = self.recent.get_mut(key).and_then(|r| r.back_mut()) {
+            last.detail = detail;
+            last.failed = failed;
+        }
+    }
+
     /// Keeps `kind` in `volume`'s recent history when it is an outcome worth showing.
     fn remember(&mut self, kind: EventKind, volume: &VolumeKey, alloc: Option<&str>) {
         let alloc_id = match kind {
@@ -411,7 +430,8 @@ impl Journal {
             | EventKind::Unfenced
             | EventKind::NodeFenced
             | EventKind::NodeUnfenced
-            | EventKind::ClaimReleased => None,
+            | EventKind::ClaimReleased
+            | EventKind::ForcedUnpublish => None,
             EventKind::UnpublishIntent | EventKind::UserAdded | EventKind::UserRemoved => return,
         };
         if !self.recent.contains_key(volume) && self.recent.len() >= RECENT_VOLUMES {
@@ -434,6 +454,8 @@ impl Journal {
             kind,
             alloc_id,
             ms: 0,
+            detail: String::new(),
+            failed: false,
         });
     }
 
