@@ -1330,6 +1330,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));

@@ -71,6 +71,9 @@ pub enum StartError {
     /// The claim renewals' thread cannot be started.
     #[error("cannot start the claim renewals' thread: {0}")]
     Renewals(#[source] std::io::Error),
+    /// A setting is malformed (`--max-volumes`).
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -977,6 +980,7 @@ pub async fn run(
             claims,
             health_interval: cfg.health_interval,
             heartbeat_interval_max: cfg.heartbeat_interval_max,
+            max_volumes: cfg.max_volumes_by_plugin()?,
             seed: std::process::id() as u64
                 ^ u64::from(
                     std::time::UNIX_EPOCH
@@ -1108,6 +1112,7 @@ mod tests {
             record_keys: None,
             allow_unsigned_records: true,
             plugin_roots: vec![],
+            max_volumes: vec![],
             token_issuer: None,
             helper_cgroup: crate::config::HelperCgroupSetting::None,
             helper_memory_max: crate::config::MemoryMax(None),
@@ -1290,6 +1295,7 @@ mod tests {
                 health_interval: Duration::from_secs(10),
                 heartbeat_interval_max: Duration::from_secs(20),
                 seed: 1,
+                max_volumes: Default::default(),
             },
             journal,
             now(),
@@ -1314,6 +1320,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             };
             Input::Done(Completion::Plugins(
                 [("bind".to_string(), Ok(fp))].into_iter().collect(),
@@ -1432,6 +1439,7 @@ mod tests {
                 claims: s.claims,
                 health_interval: Duration::from_secs(10),
                 seed: 1,
+                max_volumes: Default::default(),
                 heartbeat_interval_max: Duration::from_secs(20),
             },
             journal,
@@ -1457,6 +1465,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             };
             Input::Done(Completion::Plugins(
                 [("bind".to_string(), Ok(fp))].into_iter().collect(),

@@ -490,6 +490,7 @@ mod tests {
                 version: "0.2.0".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }),
         );
         p.insert(
@@ -498,6 +499,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: false,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

@@ -131,6 +131,9 @@ pub enum PluginError {
         status: String,
         message: String,
         stderr: String,
+        /// The `error_class` the plugin printed beside its `error`, if any
+        /// ([`crate::storage::error_class::ErrorClass::of`] reads it with the exit code).
+        class: Option<crate::storage::error_class::ErrorClass>,
     },
     #[error("plugin {plugin:?} {op}: {source}")]
     Helper {
@@ -245,6 +248,11 @@ pub struct Fingerprint {
     /// ignored, so a newer plugin runs under an older agent).
     #[serde(default)]
     pub capabilities: Vec<String>,
+    /// How many of its volumes the node can have published at once (CSI's
+    /// `max_volumes_per_node`); unlimited when absent. The agent's `--max-volumes` overrides
+    /// it (docs/plugin-protocol.md, "Attach limits").
+    #[serde(default)]
+    pub max_volumes: Option<u32>,
 }
 
 impl Fingerprint {
@@ -1190,8 +1198,15 @@ impl Runner {
                     #[derive(Deserialize)]
                     struct ErrOut {
                         error: String,
+                        #[serde(default)]
+                        error_class: Option<String>,
                     }
-                    let message = serde_json::from_slice::<ErrOut>(&out)
+                    let parsed = serde_json::from_slice::<ErrOut>(&out).ok();
+                    let class = parsed
+                        .as_ref()
+                        .and_then(|e| e.error_class.as_deref())
+                        .and_then(crate::storage::error_class::ErrorClass::parse);
+                    let message = parsed
                         .map(|e| sanitize_tail(e.error.as_bytes(), secrets, STDERR_TAIL))
                         .unwrap_or_default();
                     let e = PluginError::Failed {
@@ -1200,6 +1215,7 @@ impl Runner {
                         status: describe(status),
                         message,
                         stderr,
+                        class,
                     };
                     tracing::warn!(plugin = plugin_id, %op, detail = %e.detail(), "{e}");
                     Err(e)
@@ -1384,6 +1400,7 @@ mod tests {
                 version: "1.2.3".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }
         );
         let out = r
@@ -1549,6 +1566,7 @@ mod tests {
             status: "exit code 1".into(),
             message: "x".repeat(5000),
             stderr: String::new(),
+            class: None,
         };
         assert_eq!(e.report().chars().count(), REPORT_LIMIT);
         assert!(e.report().ends_with('…'));
@@ -1558,6 +1576,7 @@ mod tests {
             status: "exit code 1".into(),
             message: String::new(),
             stderr: " ".into(),
+            class: None,
         };
         assert_eq!(quiet.report(), quiet.to_string());
     }

@@ -69,6 +69,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         record_keys: None,
         allow_unsigned_records: true,
         plugin_roots: vec![],
+        max_volumes: vec![],
         token_issuer: None,
         helper_cgroup: dhv_binder::config::HelperCgroupSetting::None,
         helper_memory_max: dhv_binder::config::MemoryMax(None),

@@ -115,6 +115,9 @@ impl Core {
                         m.last_error.clear();
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
+                        self.offers.published(&volume);
+                        // One more attached volume: the plugin may be at its limit now.
+                        self.chores_due = true;
                         let ms = elapsed.as_millis() as u64;
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
@@ -146,6 +149,7 @@ impl Core {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
                         m.last_error = e.report();
                         self.step_failed(&volume, &e);
+                        self.publish_failed_here(&volume, &e, now);
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
                         self.journal.set_mount(m, EventKind::PublishFailed, None);

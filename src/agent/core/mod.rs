@@ -6,6 +6,7 @@
 
 mod completions;
 mod mount_table;
+mod offers;
 mod status;
 
 use crate::agent::claim_waits::ClaimWaits;
@@ -14,6 +15,7 @@ use crate::agent::effect::{Answer, Effect, PluginFence};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::agent::latency::Latency;
 use crate::agent::mount_health::MountHealth;
+use crate::agent::offer::Offers;
 use crate::agent::placeholders::Placeholders;
 use crate::agent::reconcile::{self, ClaimState, Inputs, Scope, Step, Waiting};
 use crate::agent::retry::{Retries, Work, STEP_RETRY};
@@ -57,6 +59,8 @@ pub(crate) struct Settings {
     pub heartbeat_interval_max: Duration,
     /// Seeds the retry jitter.
     pub seed: u64,
+    /// `--max-volumes`: the attach limit of a plugin on this node, over its fingerprint's.
+    pub max_volumes: BTreeMap<String, u32>,
 }
 
 /// The agent's state.
@@ -88,6 +92,9 @@ pub(crate) struct Core {
     claim_waits: ClaimWaits,
     fetching: BTreeSet<String>,
     placeholders: Placeholders,
+    /// Volumes withheld from Nomad here although served: cool-downs (attach limits are
+    /// decided from the journal and the plugins).
+    offers: Offers,
     workers: Workers,
     storage_ops: StorageOps,
     claims: Claims,
@@ -170,6 +177,7 @@ impl Core {
             claim_waits: ClaimWaits::default(),
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
+            offers: Offers::default(),
             workers: Workers::default(),
             storage_ops: StorageOps::default(),
             claims,
@@ -441,6 +449,7 @@ impl Core {
             self.mount_health.next_wakeup(),
             self.last_fingerprint.map(|t| t + self.s.plugin_rescan),
             self.journal_trouble.next_wakeup(),
+            self.offers.next_wakeup(),
         ]
         .into_iter()
         .flatten()
@@ -502,6 +511,9 @@ impl Core {
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        if self.offers.expire(now) {
+            self.chores_due = true;
+        }
         let gone = self.view.expire(now);
         if gone > 0 {
             tracing::info!(
@@ -637,6 +649,18 @@ impl Core {
                         });
                         continue;
                     }
+                    if let Some(w) = self
+                        .volumes
+                        .get(&volume)
+                        .and_then(|r| self.withheld(r, &self.attached_by_plugin(), now))
+                    {
+                        // Not published here: the waiting callers are refused at once.
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: w.reason(now),
+                        });
+                        continue;
+                    }
                     if !self.retries.ready(&Work::Mount(volume.clone()), now) {
                         self.parked.insert(volume);
                         continue;
@@ -717,10 +741,12 @@ impl Core {
         }
         let chores = std::mem::take(&mut self.chores_due);
         if chores && self.placeholders_ready() {
+            let attached = self.attached_by_plugin();
             let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self
                 .volumes
                 .values()
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
+                .filter(|r| self.withheld(r, &attached, now).is_none())
                 .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
                 .collect();
             // A pass over every volume: counted with the planning work.
@@ -944,7 +970,9 @@ impl Core {
     }
 
     fn answer_waiters(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let refused = self.refused_for_waiters(now);
         let known = Known {
+            refused: &refused,
             view: &self.view,
             volumes: &self.volumes,
             journal: &self.journal,

@@ -55,6 +55,7 @@ impl Core {
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
             "unfenced": self.unfenced,
             "journal": self.journal_trouble.status(),
+            "offers": self.offers_status(self.now),
             "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
         })
     }
