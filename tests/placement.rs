@@ -117,3 +117,96 @@ async fn an_attach_limit_withholds_the_other_volumes_while_one_is_published() {
     wait_ready_on(&c, "vb", &["node-1", "node-2"], 60).await;
     assert_eq!(status(&c, 0)["offers"]["plugins"]["bind"]["attached"], 0);
 }
+
+/// Replaces the bind plugin with one whose `publish` fails on node-1 (exit `code`, printing
+/// `error`), and runs the real one elsewhere.
+fn failing_publish_on_node_1(c: &Cluster, code: i32, error: &str) {
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    support::sandbox::script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            r#"#!/bin/sh
+if [ "$1" = publish ] && [ "$DHV_NODE_ID" = "{node}" ]; then
+  echo "publish $(date +%s%N)" >> "$DHV_PLUGIN_DIR/node-1-failures.log"
+  echo '{error}'
+  exit {code}
+fi
+exec {real} "$@"
+"#,
+            node = c.nodes[0].id,
+            real = real.display()
+        ),
+    );
+}
+
+/// The job runs on node-2 within 90 s, on the volume (its app checks that /data is a mount
+/// point), after its allocation on node-1 failed; node-1 withdrew its placeholder.
+async fn moves_to_node_2(c: &Cluster, volume: &str) -> usize {
+    let j = c.run_job(&job(c, "mover", volume, "")).await;
+    let started = std::time::Instant::now();
+    let a = c
+        .running_alloc(&j, "app", 90, "the job running on node-2")
+        .await;
+    assert_eq!(a["NodeName"], "node-2", "{a}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(90));
+    let failed: Vec<Value> = c
+        .allocs(&j)
+        .await
+        .into_iter()
+        .filter(|x| x["NodeName"] == "node-1")
+        .collect();
+    assert!(
+        failed.iter().all(|x| x["ClientStatus"] == "failed"),
+        "{failed:?}"
+    );
+    assert!(!failed.is_empty(), "the job was placed on node-1 first");
+    eprintln!(
+        "DEBUG {}",
+        std::fs::read_to_string(c.sb.join(&format!(
+            "sim/node-1/alloc/{}/alloc/logs/publish-volumes.stderr.0",
+            failed[0]["ID"].as_str().unwrap()
+        )))
+        .unwrap_or_default()
+    );
+    assert_eq!(ready_on(c, volume).await, ["node-2"], "node-1 cools down");
+    std::fs::read_to_string(c.plugin_dir.join("node-1-failures.log"))
+        .unwrap_or_default()
+        .lines()
+        .count()
+}
+
+/// Issue 48 #3: a publish that fails on node-1 with the class "elsewhere" (its error
+/// object's `error_class`) fails the allocation's prestart at once with the plugin's words,
+/// node-1 withdraws its placeholder for a cool-down, and Nomad's reschedule places the job
+/// on node-2, where it runs on the volume. node-1 ran the publish once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_failing_elsewhere_sends_the_job_to_the_other_node() {
+    let c = Cluster::start(2).await;
+    c.create_volume("vm", "single-node-writer");
+    failing_publish_on_node_1(
+        &c,
+        1,
+        r#"{"error":"no path to the array from this node","error_class":"elsewhere"}"#,
+    );
+    wait_ready_on(&c, "vm", &["node-1", "node-2"], 60).await;
+    let calls = moves_to_node_2(&c, "vm").await;
+    assert_eq!(calls, 1, "one publish on node-1, then the cool-down");
+    let s = status(&c, 0);
+    let why = s["offers"]["cooling_down"]["default/vm"]["error"].to_string();
+    assert!(why.contains("no path to the array"), "{s}");
+}
+
+/// Issue 48 #3: a publish that always fails on node-1 with a transient error (exit 1, no
+/// class) is tried there a bounded number of times, then node-1 cools the volume down and
+/// the job runs on node-2 within 90 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_failing_transiently_sends_the_job_to_the_other_node() {
+    let c = Cluster::start(2).await;
+    c.create_volume("vt", "single-node-writer");
+    failing_publish_on_node_1(&c, 1, r#"{"error":"array busy"}"#);
+    wait_ready_on(&c, "vt", &["node-1", "node-2"], 60).await;
+    let calls = moves_to_node_2(&c, "vt").await;
+    assert_eq!(calls, 3, "TRANSIENT_LIMIT publishes on node-1");
+}
