@@ -142,8 +142,9 @@ exec {real} "$@"
 }
 
 /// The job runs on node-2 within 90 s, on the volume (its app checks that /data is a mount
-/// point), after its allocation on node-1 failed; node-1 withdrew its placeholder.
-async fn moves_to_node_2(c: &Cluster, volume: &str) -> usize {
+/// point), after its allocation on node-1 failed at once with the plugin's `words`; node-1
+/// withdrew its placeholder. Returns how many publishes node-1 ran.
+async fn moves_to_node_2(c: &Cluster, volume: &str, words: &str) -> usize {
     let j = c.run_job(&job(c, "mover", volume, "")).await;
     let started = std::time::Instant::now();
     let a = c
@@ -162,13 +163,15 @@ async fn moves_to_node_2(c: &Cluster, volume: &str) -> usize {
         "{failed:?}"
     );
     assert!(!failed.is_empty(), "the job was placed on node-1 first");
-    eprintln!(
-        "DEBUG {}",
-        std::fs::read_to_string(c.sb.join(&format!(
-            "sim/node-1/alloc/{}/alloc/logs/publish-volumes.stderr.0",
-            failed[0]["ID"].as_str().unwrap()
-        )))
-        .unwrap_or_default()
+    // The prestart failed at once with why, in the plugin's words.
+    let said = std::fs::read_to_string(c.sb.join(&format!(
+        "sim/node-1/alloc/{}/alloc/logs/publish-volumes.stderr.0",
+        failed[0]["ID"].as_str().unwrap()
+    )))
+    .unwrap_or_default();
+    assert!(
+        said.contains("is not published on this node") && said.contains(words),
+        "{said}"
     );
     assert_eq!(ready_on(c, volume).await, ["node-2"], "node-1 cools down");
     std::fs::read_to_string(c.plugin_dir.join("node-1-failures.log"))
@@ -191,7 +194,7 @@ async fn a_publish_failing_elsewhere_sends_the_job_to_the_other_node() {
         r#"{"error":"no path to the array from this node","error_class":"elsewhere"}"#,
     );
     wait_ready_on(&c, "vm", &["node-1", "node-2"], 60).await;
-    let calls = moves_to_node_2(&c, "vm").await;
+    let calls = moves_to_node_2(&c, "vm", "no path to the array").await;
     assert_eq!(calls, 1, "one publish on node-1, then the cool-down");
     let s = status(&c, 0);
     let why = s["offers"]["cooling_down"]["default/vm"]["error"].to_string();
@@ -207,6 +210,6 @@ async fn a_publish_failing_transiently_sends_the_job_to_the_other_node() {
     c.create_volume("vt", "single-node-writer");
     failing_publish_on_node_1(&c, 1, r#"{"error":"array busy"}"#);
     wait_ready_on(&c, "vt", &["node-1", "node-2"], 60).await;
-    let calls = moves_to_node_2(&c, "vt").await;
+    let calls = moves_to_node_2(&c, "vt", "array busy").await;
     assert_eq!(calls, 3, "TRANSIENT_LIMIT publishes on node-1");
 }

@@ -42,7 +42,7 @@ impl Withheld {
                 "this node is at its attach limit for plugin {plugin:?} ({published} of {max} volumes published): the job is to run on another node"
             ),
             Withheld::CoolingDown { until, error } => format!(
-                "cannot be published on this node (offered again in {}s): {error}",
+                "{error} (offered here again in {}s)",
                 until.saturating_duration_since(now).as_secs()
             ),
         }
@@ -78,7 +78,7 @@ impl Offers {
             self.transient.remove(volume);
             let error = match class {
                 ErrorClass::RetryHere => {
-                    format!("{TRANSIENT_LIMIT} publishes in a row failed: {report}")
+                    format!("{report} ({TRANSIENT_LIMIT} times in a row)")
                 }
                 _ => report.to_string(),
             };
