@@ -213,3 +213,56 @@ async fn a_publish_failing_transiently_sends_the_job_to_the_other_node() {
     let calls = moves_to_node_2(&c, "vt", "array busy").await;
     assert_eq!(calls, 3, "TRANSIENT_LIMIT publishes on node-1");
 }
+
+/// A bind volume with the spec lines `extra` (constraints).
+fn create_constrained(c: &Cluster, name: &str, extra: &str) {
+    let export = c.export.display().to_string();
+    c.create_volume_with(
+        name,
+        "single-node-writer",
+        "bind",
+        &[
+            ("export", &export),
+            support::cluster::NOBODY_UID,
+            support::cluster::NOBODY_GID,
+        ],
+        &[],
+        extra,
+    );
+}
+
+/// Issue 48 #1: a volume constrained to `${node.unique.name} = node-2` is offered by node-2
+/// only, one constrained to `${meta.rack} = r1` (client meta in the simulator's config) by
+/// node-1 only; a job using each runs on that node, and the other node's status says why it
+/// does not offer the volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constraints_decide_which_nodes_offer_a_volume() {
+    let c = Cluster::start_with_meta(2, &[(0, "rack", "r1"), (1, "rack", "r2")]).await;
+    create_constrained(
+        &c,
+        "by-name",
+        "constraint {\n  attribute = \"${node.unique.name}\"\n  value = \"node-2\"\n}",
+    );
+    create_constrained(
+        &c,
+        "by-rack",
+        "constraint {\n  attribute = \"${meta.rack}\"\n  operator = \"=\"\n  value = \"r1\"\n}",
+    );
+    wait_ready_on(&c, "by-name", &["node-2"], 60).await;
+    wait_ready_on(&c, "by-rack", &["node-1"], 60).await;
+    let a = c.run_job(&job(&c, "on-name", "by-name", "")).await;
+    let b = c.run_job(&job(&c, "on-rack", "by-rack", "")).await;
+    let ra = c.running_alloc(&a, "app", 90, "on-name running").await;
+    let rb = c.running_alloc(&b, "app", 90, "on-rack running").await;
+    assert_eq!(ra["NodeName"], "node-2");
+    assert_eq!(rb["NodeName"], "node-1");
+    let why = status(&c, 0)["offers"]["constraints"]["default/by-name"].to_string();
+    assert!(
+        why.contains("does not satisfy") && why.contains("node-2"),
+        "{why}"
+    );
+    let why = status(&c, 1)["offers"]["constraints"]["default/by-rack"].to_string();
+    assert!(why.contains("${meta.rack} = r1"), "{why}");
+    assert_eq!(ready_on(&c, "by-name").await, ["node-2"]);
+    assert_eq!(ready_on(&c, "by-rack").await, ["node-1"]);
+}

@@ -2,6 +2,7 @@
 //! a plugin at its attach limit (`max_volumes` volumes published here), and a volume whose
 //! publish cannot succeed here for a while (a failure of class "elsewhere", or
 //! [`TRANSIENT_LIMIT`] transient failures in a row: a cool-down of [`COOL_DOWN`]). A
+//! This node not satisfying a volume's `constraint` blocks withholds it too. A
 //! withheld volume has no placeholder here (so no `ready` host volume of its name: Nomad's
 //! feasibility checker places elsewhere) and a publish of it here is refused at once, with
 //! why; a volume published here is never withheld (its users keep it).
@@ -13,6 +14,10 @@ use std::time::{Duration, Instant};
 
 /// How long a node withholds a volume after a publish that cannot succeed here.
 pub(crate) const COOL_DOWN: Duration = Duration::from_secs(300);
+
+/// How often an agent reads its node's attributes and meta again (a node whose attributes
+/// changed stops or starts offering constrained volumes within this long).
+pub(crate) const NODE_REREAD: Duration = Duration::from_secs(30);
 
 /// Transient publish failures in a row on this node after which the volume cools down.
 pub(crate) const TRANSIENT_LIMIT: u32 = 3;
@@ -28,6 +33,10 @@ pub(crate) enum Withheld {
     },
     /// A publish here failed in a way that sends the job elsewhere, until `until`.
     CoolingDown { until: Instant, error: String },
+    /// This node does not satisfy the volume's constraint (as written).
+    Constraint(String),
+    /// The volume has constraints and this node's attributes have not been read yet.
+    NodeUnread,
 }
 
 impl Withheld {
@@ -41,6 +50,10 @@ impl Withheld {
             } => format!(
                 "this node is at its attach limit for plugin {plugin:?} ({published} of {max} volumes published): the job is to run on another node"
             ),
+            Withheld::Constraint(c) => {
+                format!("this node does not satisfy the volume's constraint {c}")
+            }
+            Withheld::NodeUnread => "the volume has constraints and this node's attributes are not read yet (GET /v1/node/:id)".to_string(),
             Withheld::CoolingDown { until, error } => format!(
                 "{error} (offered here again in {}s)",
                 until.saturating_duration_since(now).as_secs()

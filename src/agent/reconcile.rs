@@ -502,6 +502,7 @@ pub(crate) mod tests {
                 parameters: Default::default(),
                 source: Default::default(),
                 mount_options: Default::default(),
+                constraints: Vec::new(),
             },
             Default::default(),
         );

@@ -378,6 +378,7 @@ impl Shell {
                 Called::Other(executor::storage::perform(client, runner, node, op).await)
             }),
             Effect::Delete(rec) => self.plugin_call(executor::delete(client, runner, node, *rec)),
+            Effect::ReadNode => self.call(executor::read_node(client, node.node_id.clone())),
             Effect::ListPlaceholders { namespaces } => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),

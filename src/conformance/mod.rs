@@ -489,6 +489,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         parameters: opts.parameters.clone(),
         source: Default::default(),
         mount_options: Default::default(),
+        constraints: Vec::new(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
     rec.state = VolumeState::Ready;

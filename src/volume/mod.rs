@@ -2,6 +2,7 @@
 //! and the cluster-wide record dhv-binder keeps for it in a Nomad Variable
 //! (`dhv-binder/volumes/<name>` in the volume's namespace).
 
+pub mod constraint;
 pub mod mount_options;
 
 use crate::nomad::types::Variable;
@@ -56,8 +57,9 @@ pub enum SpecError {
     BadSnapshotId(String),
     #[error("{field:?} is not a volume spec field dhv-binder knows ({known}): remove it (dhv-binder refuses what it cannot honour rather than ignore it)")]
     UnknownField { field: String, known: String },
-    #[error("constraint blocks are not supported: a deferred volume is offered on every node of its node_pool where its plugin is healthy; use node_pool (or install the plugin only on the nodes that may serve it) instead")]
-    Constraint,
+    /// A `constraint` block dhv-binder cannot evaluate.
+    #[error(transparent)]
+    Constraint(#[from] constraint::ConstraintError),
     #[error("node_id is not supported: a deferred volume is published on whichever node runs its allocation; use node_pool to choose the nodes that may serve it")]
     NodeId,
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
@@ -115,7 +117,7 @@ impl SpecError {
             SpecError::TwoSources => top("snapshot_id").max(top("clone_id")),
             SpecError::BadSnapshotId(_) => top("snapshot_id"),
             SpecError::UnknownField { field, .. } => top(field),
-            SpecError::Constraint => top("constraint"),
+            SpecError::Constraint(_) => top("constraint"),
             SpecError::NodeId => top("node_id"),
             SpecError::UnknownBlockField { block, field, .. } => {
                 spec_line(text, Some(block), field, None)
@@ -303,6 +305,10 @@ pub struct VolumeSpec {
     /// `nosuid,nodev` default ([`crate::volume::mount_options`]); omitted from the record when empty.
     #[serde(default, skip_serializing_if = "MountOptions::is_empty")]
     pub mount_options: MountOptions,
+    /// `constraint { attribute operator value }` blocks: only nodes that satisfy them all
+    /// offer the volume ([`constraint::Constraint`]); omitted from the record when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<constraint::Constraint>,
 }
 
 #[derive(Deserialize)]
@@ -326,6 +332,20 @@ struct RawSpec {
     clone_id: Option<String>,
     #[serde(default)]
     mount_options: Option<RawMountOptions>,
+    /// One block deserializes as an object, several as an array.
+    #[serde(default)]
+    constraint: Option<hcl::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConstraint {
+    #[serde(default)]
+    attribute: String,
+    #[serde(default)]
+    operator: String,
+    #[serde(default)]
+    value: String,
 }
 
 #[derive(Deserialize)]
@@ -338,7 +358,7 @@ struct RawMountOptions {
 }
 
 /// The top-level fields of a `volume create` spec.
-pub const SPEC_FIELDS: [&str; 13] = [
+pub const SPEC_FIELDS: [&str; 14] = [
     "name",
     "type",
     "namespace",
@@ -352,6 +372,7 @@ pub const SPEC_FIELDS: [&str; 13] = [
     "snapshot_id",
     "clone_id",
     "mount_options",
+    "constraint",
 ];
 
 /// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
@@ -371,7 +392,8 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
     })?;
     // Shapes first, in the order of the text: a string where a string goes, a block where
     // a block goes, and only known fields in a capability block.
-    let blocks: [&'static str; 5] = [
+    let blocks: [&'static str; 6] = [
+        "constraint",
         "capability",
         "parameters",
         "secrets",
@@ -405,6 +427,7 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                         field: b,
                         shape: match *b {
                             "capability" => "a block: `capability { access_mode = \"…\" attachment_mode = \"…\" }`",
+                            "constraint" => "a block: `constraint { attribute = \"${meta.rack}\" value = \"r1\" }`",
                             "mount_options" => "a block: `mount_options { mount_flags = [\"noexec\"] }`",
                             _ => "a block of `key = \"value\"` lines, e.g. `parameters { export = \"/srv\" }`",
                         },
@@ -426,27 +449,37 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                     check_mount_options_block(b)?;
                     continue;
                 }
-                if ident != "capability" {
-                    continue;
-                }
+                let (block, fields, known): (&'static str, &[&str], &'static str) = match ident {
+                    "capability" => (
+                        "capability",
+                        &["access_mode", "attachment_mode"],
+                        "access_mode, attachment_mode",
+                    ),
+                    "constraint" => (
+                        "constraint",
+                        &["attribute", "operator", "value"],
+                        "attribute, operator, value",
+                    ),
+                    _ => continue,
+                };
                 for inner in b.body.iter() {
                     let key = match inner {
                         Structure::Attribute(a) => a.key.as_str(),
                         Structure::Block(b) => b.ident.as_str(),
                     };
                     match inner.as_attribute() {
-                        Some(a) if ["access_mode", "attachment_mode"].contains(&key) => {
+                        Some(a) if fields.contains(&key) => {
                             if !is_string(&a.value) {
                                 return Err(SpecError::NotAString {
-                                    field: format!("capability.{key}"),
+                                    field: format!("{block}.{key}"),
                                 });
                             }
                         }
                         _ => {
                             return Err(SpecError::UnknownBlockField {
-                                block: "capability",
+                                block,
                                 field: key.into(),
-                                known: "access_mode, attachment_mode",
+                                known,
                             })
                         }
                     }
@@ -465,7 +498,6 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
             continue;
         }
         return Err(match name.as_str() {
-            "constraint" => SpecError::Constraint,
             "node_id" => SpecError::NodeId,
             _ => SpecError::UnknownField {
                 field: name,
@@ -709,6 +741,19 @@ fn parse_spec_of(
         None => MountOptions::default(),
         Some(m) => MountOptions::new(m.mount_flags, m.fs_type)?,
     };
+    let raw_constraints: Vec<RawConstraint> = match raw.constraint {
+        None => Vec::new(),
+        Some(v @ hcl::Value::Array(_)) => {
+            hcl::from_value(v).map_err(|e| SpecError::Hcl(format!("constraint: {e}")))?
+        }
+        Some(v) => {
+            vec![hcl::from_value(v).map_err(|e| SpecError::Hcl(format!("constraint: {e}")))?]
+        }
+    };
+    let constraints = raw_constraints
+        .iter()
+        .map(|c| constraint::Constraint::new(&c.attribute, &c.operator, &c.value))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok((
         VolumeSpec {
             name,
@@ -721,6 +766,7 @@ fn parse_spec_of(
             parameters,
             source,
             mount_options,
+            constraints,
         },
         secrets,
     ))
@@ -1283,12 +1329,20 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(
+        assert!(matches!(
             parse_spec(&format!(
-                "{base}constraint {{\n  attribute = \"${{node.class}}\"\n  value = \"db\"\n}}"
+                "{base}constraint {{\n  attribute = \"${{node.klass}}\"\n  value = \"db\"\n}}"
             )),
-            Err(SpecError::Constraint)
-        );
+            Err(SpecError::Constraint(_))
+        ));
+        let (spec, _) = parse_spec(&format!(
+            "{base}constraint {{\n  attribute = \"${{node.class}}\"\n  value = \"db\"\n}}\nconstraint {{\n  attribute = \"${{meta.rack}}\"\n  operator = \"!=\"\n  value = \"r9\"\n}}"
+        ))
+        .unwrap();
+        assert_eq!(spec.constraints.len(), 2);
+        assert_eq!(spec.constraints[0].operator, "=");
+        let e = parse_spec(&format!("{base}constraint {{\n  attribut = \"x\"\n}}")).unwrap_err();
+        assert!(e.to_string().contains("attribut"), "{e}");
         assert_eq!(
             parse_spec(&format!("{base}node_id = \"x\"")),
             Err(SpecError::NodeId)

@@ -98,6 +98,7 @@ impl Core {
             self.chores_due = true;
         }
         match done {
+            Completion::NodeRead(result) => self.on_node_read(result, now),
             Completion::Published {
                 volume,
                 result,

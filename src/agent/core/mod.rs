@@ -95,6 +95,11 @@ pub(crate) struct Core {
     /// Volumes withheld from Nomad here although served: cool-downs (attach limits are
     /// decided from the journal and the plugins).
     offers: Offers,
+    /// This node's attributes and meta (volume constraints), once read; re-read every
+    /// [`crate::agent::offer::NODE_REREAD`].
+    node_facts: Option<crate::volume::constraint::NodeFacts>,
+    node_read_at: Option<Instant>,
+    reading_node: bool,
     workers: Workers,
     storage_ops: StorageOps,
     claims: Claims,
@@ -178,6 +183,9 @@ impl Core {
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
             offers: Offers::default(),
+            node_facts: None,
+            node_read_at: None,
+            reading_node: false,
             workers: Workers::default(),
             storage_ops: StorageOps::default(),
             claims,
@@ -514,6 +522,7 @@ impl Core {
         if self.offers.expire(now) {
             self.chores_due = true;
         }
+        self.read_node_if_due(now, out);
         let gone = self.view.expire(now);
         if gone > 0 {
             tracing::info!(

@@ -41,6 +41,19 @@ impl Core {
         let key = rec.key();
         let own = self.journal.mounts().get(&key);
         let published_here = own.is_some_and(|m| m.state != MountState::Publishing);
+        if published_here {
+            return None;
+        }
+        if !rec.spec.constraints.is_empty() {
+            match &self.node_facts {
+                None => return Some(Withheld::NodeUnread),
+                Some(n) => {
+                    if let Some(c) = n.unsatisfied(&rec.spec.constraints) {
+                        return Some(Withheld::Constraint(c.to_string()));
+                    }
+                }
+            }
+        }
         let plugin = &rec.spec.plugin_id;
         let others = attached
             .get(plugin)
@@ -97,6 +110,55 @@ impl Core {
         }
     }
 
+    /// Reads this node's attributes at start and every
+    /// [`crate::agent::offer::NODE_REREAD`], one read at a time.
+    pub(super) fn read_node_if_due(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let due = self
+            .node_read_at
+            .is_none_or(|t| now.saturating_duration_since(t) >= crate::agent::offer::NODE_REREAD);
+        if due && !self.reading_node {
+            self.reading_node = true;
+            self.node_read_at = Some(now);
+            out.push(Effect::ReadNode);
+        }
+    }
+
+    /// This node's attributes were read: a change makes the placeholders due again (a node
+    /// whose attributes no longer satisfy a volume's constraints withdraws its placeholder).
+    /// A failed read keeps what was known (constrained volumes stay withheld until a first
+    /// read succeeds) and is tried again at the next re-read.
+    pub(super) fn on_node_read(
+        &mut self,
+        result: Result<Option<crate::volume::constraint::NodeFacts>, crate::nomad::NomadError>,
+        now: Instant,
+    ) {
+        self.reading_node = false;
+        match result {
+            Ok(Some(facts)) => {
+                if self.node_facts.as_ref() != Some(&facts) {
+                    tracing::info!(name = %facts.name, class = %facts.class, datacenter = %facts.datacenter, "this node's attributes read (volume constraints are evaluated against them)");
+                    self.node_facts = Some(facts);
+                    self.chores_due = true;
+                    self.replan_all = true;
+                }
+            }
+            Ok(None) => {
+                tracing::warn!(
+                    "Nomad does not know this node: volumes with constraints are not offered here"
+                );
+            }
+            Err(e) => {
+                // Sooner than a full re-read period while nothing is known.
+                if self.node_facts.is_none() {
+                    self.node_read_at = now
+                        .checked_sub(crate::agent::offer::NODE_REREAD / 2)
+                        .or(Some(now));
+                }
+                tracing::warn!(error = %e, "cannot read this node's attributes; volumes with constraints keep their last decision");
+            }
+        }
+    }
+
     /// The attach count and limit of each plugin, and the volumes cooling down here (the
     /// status document's `offers`).
     pub(super) fn offers_status(&self, now: Instant) -> serde_json::Value {
@@ -128,6 +190,21 @@ impl Core {
                 )
             })
             .collect();
-        serde_json::json!({"plugins": limits, "cooling_down": cooling})
+        let constrained: BTreeMap<String, String> = self
+            .volumes
+            .values()
+            .filter(|r| !r.spec.constraints.is_empty())
+            .map(|r| {
+                let why = match &self.node_facts {
+                    None => Withheld::NodeUnread.reason(now),
+                    Some(n) => match n.unsatisfied(&r.spec.constraints) {
+                        Some(c) => Withheld::Constraint(c.to_string()).reason(now),
+                        None => "offered: this node satisfies every constraint".to_string(),
+                    },
+                };
+                (r.key().to_string(), why)
+            })
+            .collect();
+        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained})
     }
 }
