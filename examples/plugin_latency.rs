@@ -92,6 +92,8 @@ async fn main() -> anyhow::Result<()> {
         parameters: params,
         source: Default::default(),
         mount_options: Default::default(),
+        constraints: Vec::new(),
+        availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);
     let out = runner

@@ -266,3 +266,65 @@ async fn constraints_decide_which_nodes_offer_a_volume() {
     assert_eq!(ready_on(&c, "by-name").await, ["node-2"]);
     assert_eq!(ready_on(&c, "by-rack").await, ["node-1"]);
 }
+
+/// The first allocation of `job` on `node` that failed, and its prestart's stderr.
+async fn failed_prestart(c: &Cluster, job: &str, node: &str) -> String {
+    let what = format!("a failed allocation of {job} on {node}");
+    let a = c
+        .wait_for(60, &what, || async {
+            c.allocs(job)
+                .await
+                .into_iter()
+                .find(|a| a["NodeName"] == node && a["ClientStatus"] == "failed")
+        })
+        .await;
+    std::fs::read_to_string(c.sb.join(&format!(
+        "sim/{node}/alloc/{}/alloc/logs/publish-volumes.stderr.0",
+        a["ID"].as_str().unwrap()
+    )))
+    .unwrap_or_default()
+}
+
+/// Issue 48 #4: `volume update -availability=pause` keeps the volume for its current user
+/// on node-1, withdraws node-2's placeholder, and refuses a new allocation on node-1 at once
+/// ("paused by an operator"); `-availability=drain` then unpublishes it when its user ends
+/// and no node offers it; `-availability=active` offers it everywhere again. `volume list`
+/// shows the availability.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_drain_keep_users_and_refuse_new_allocations() {
+    let c = Cluster::start(2).await;
+    c.create_volume("vp", "single-node-writer");
+    wait_ready_on(&c, "vp", &["node-1", "node-2"], 60).await;
+    let user = c.run_job(&job(&c, "user", "vp", &on_node("node-1"))).await;
+    let u = c.running_alloc(&user, "app", 90, "the user running").await;
+    let (code, out) = c.cli(&["volume", "update", "-availability=pause", "vp"]);
+    assert_eq!(code, 0, "{out}");
+    wait_ready_on(&c, "vp", &["node-1"], 30).await;
+    let (_, list) = c.cli(&["volume", "list"]);
+    assert!(list.contains("ready (pause)"), "{list}");
+    let waiter = c
+        .run_job(&job(&c, "waiter", "vp", &on_node("node-1")))
+        .await;
+    let said = failed_prestart(&c, &waiter, "node-1").await;
+    assert!(said.contains("paused by an operator"), "{said}");
+    c.stop_job(&waiter, true).await;
+    let still = c.allocs(&user).await;
+    assert!(
+        still
+            .iter()
+            .any(|x| x["ID"] == u["ID"] && x["TaskStates"]["app"]["State"] == "running"),
+        "the user keeps the volume: {still:?}"
+    );
+    let (code, out) = c.cli(&["volume", "update", "-availability=drain", "vp"]);
+    assert_eq!(code, 0, "{out}");
+    c.stop_job(&user, false).await;
+    let target = c.target(0, "vp");
+    c.wait_for(60, "vp unpublished on node-1", || async {
+        (support::cluster::mount_count(&target) == 0).then_some(())
+    })
+    .await;
+    wait_ready_on(&c, "vp", &[], 60).await;
+    let (code, out) = c.cli(&["volume", "update", "-availability=active", "vp"]);
+    assert_eq!(code, 0, "{out}");
+    wait_ready_on(&c, "vp", &["node-1", "node-2"], 60).await;
+}

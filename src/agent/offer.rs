@@ -37,6 +37,8 @@ pub(crate) enum Withheld {
     Constraint(String),
     /// The volume has constraints and this node's attributes have not been read yet.
     NodeUnread,
+    /// An operator paused or drained the volume (`volume update -availability`).
+    Unavailable(crate::volume::availability::Availability),
 }
 
 impl Withheld {
@@ -53,6 +55,9 @@ impl Withheld {
             Withheld::Constraint(c) => {
                 format!("this node does not satisfy the volume's constraint {c}")
             }
+            Withheld::Unavailable(a) => format!(
+                "paused by an operator (availability {a}): no new allocation gets the volume until `dhv-binder volume update -availability=active`"
+            ),
             Withheld::NodeUnread => "the volume has constraints and this node's attributes are not read yet (GET /v1/node/:id)".to_string(),
             Withheld::CoolingDown { until, error } => format!(
                 "{error} (offered here again in {}s)",

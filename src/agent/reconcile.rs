@@ -503,6 +503,7 @@ pub(crate) mod tests {
                 source: Default::default(),
                 mount_options: Default::default(),
                 constraints: Vec::new(),
+                availability: Default::default(),
             },
             Default::default(),
         );

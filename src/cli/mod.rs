@@ -29,6 +29,7 @@ pub mod prestart;
 pub mod records;
 pub mod status;
 pub mod storage;
+pub mod update;
 pub mod volume;
 
 use crate::config::{AgentConfig, NomadConfig};

@@ -79,6 +79,8 @@ pub enum VolumeCommand {
         #[command(flatten)]
         key: SigningArgs,
     },
+    /// Set whether new allocations may get a volume: `-availability=active|pause|drain`.
+    Update(super::update::UpdateArgs),
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.
     Deregister {
@@ -147,6 +149,18 @@ pub struct VolumeSummary {
     pub create_index: u64,
     /// The record variable's `ModifyIndex`.
     pub modify_index: u64,
+    /// `active`, `pause` or `drain` (`volume update -availability`).
+    pub availability: String,
+}
+
+impl VolumeSummary {
+    /// The state, with the availability when it is not `active`: `ready (pause)`.
+    fn state_shown(&self) -> String {
+        match self.availability.as_str() {
+            "active" | "" => self.state.clone(),
+            a => format!("{} ({a})", self.state),
+        }
+    }
 }
 
 /// One requested capability in `-json`, as Nomad's `HostVolumeCapability`.
@@ -405,6 +419,7 @@ fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
         registered,
         create_index: r.create_index,
         modify_index: r.modify_index,
+        availability: r.spec.availability.as_str().into(),
     }
 }
 
@@ -423,7 +438,7 @@ pub fn render_list(vols: &[VolumeSummary], verbose: bool) -> String {
                 } else {
                     "-".into()
                 },
-                v.state.clone(),
+                v.state_shown(),
             ]
         })
         .collect();
@@ -446,9 +461,9 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
         (
             "State",
             if s.registered {
-                format!("{} (registered)", s.state)
+                format!("{} (registered)", s.state_shown())
             } else {
-                s.state.clone()
+                s.state_shown()
             },
         ),
         (
@@ -1339,6 +1354,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             delete(&client, ns, name, wait.wait(), key.load()?).await
         }
         VolumeCommand::Deregister { name } => deregister(&client, ns, name).await,
+        VolumeCommand::Update(args) => super::update::update(&client, ns, args).await,
     }
 }
 
@@ -1359,6 +1375,7 @@ mod tests {
             registered: false,
             create_index: 11,
             modify_index: 12,
+            availability: "active".into(),
         }
     }
 

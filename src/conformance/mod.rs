@@ -490,6 +490,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         source: Default::default(),
         mount_options: Default::default(),
         constraints: Vec::new(),
+        availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
     rec.state = VolumeState::Ready;

@@ -2,6 +2,7 @@
 //! and the cluster-wide record dhv-binder keeps for it in a Nomad Variable
 //! (`dhv-binder/volumes/<name>` in the volume's namespace).
 
+pub mod availability;
 pub mod constraint;
 pub mod mount_options;
 
@@ -309,6 +310,10 @@ pub struct VolumeSpec {
     /// offer the volume ([`constraint::Constraint`]); omitted from the record when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<constraint::Constraint>,
+    /// Whether new allocations may get the volume (`volume update -availability`); not a
+    /// field of the HCL spec; omitted from the record when `active`.
+    #[serde(default, skip_serializing_if = "availability::Availability::is_active")]
+    pub availability: availability::Availability,
 }
 
 #[derive(Deserialize)]
@@ -767,6 +772,7 @@ fn parse_spec_of(
             source,
             mount_options,
             constraints,
+            availability: Default::default(),
         },
         secrets,
     ))

@@ -633,7 +633,20 @@ impl Core {
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for step in plan.steps {
             match step {
-                Step::AddUser(u) => add.push(u),
+                Step::AddUser(u) => {
+                    // A paused or drained volume gets no new user, even where published.
+                    let refused = self
+                        .volumes
+                        .get(&u.volume)
+                        .and_then(|r| self.not_a_new_user(r, &u.alloc_id));
+                    match refused {
+                        Some(w) => self.waiting.push(Waiting {
+                            volume: u.volume.clone(),
+                            reason: w.reason(now),
+                        }),
+                        None => add.push(u),
+                    }
+                }
                 Step::RemoveUser(u) => remove.push(u),
                 other => steps.push(other),
             }

@@ -44,6 +44,9 @@ impl Core {
         if published_here {
             return None;
         }
+        if !rec.spec.availability.is_active() {
+            return Some(Withheld::Unavailable(rec.spec.availability));
+        }
         if !rec.spec.constraints.is_empty() {
             match &self.node_facts {
                 None => return Some(Withheld::NodeUnread),
@@ -70,6 +73,20 @@ impl Core {
         )
     }
 
+    /// Why `alloc_id` may not become a new user of `rec` here (an operator paused or
+    /// drained it), even where it is published: its current users keep it.
+    pub(super) fn not_a_new_user(&self, rec: &VolumeRecord, alloc_id: &str) -> Option<Withheld> {
+        if rec.spec.availability.is_active() {
+            return None;
+        }
+        let user = crate::node::journal::UserKey {
+            alloc_id: alloc_id.to_string(),
+            volume: rec.key(),
+        };
+        (!self.journal.users().contains(&user))
+            .then_some(Withheld::Unavailable(rec.spec.availability))
+    }
+
     /// The volumes the waiting callers need that are withheld here, with why: they are
     /// refused at once (the job is to go elsewhere), not left to wait out their deadline.
     pub(super) fn refused_for_waiters(&self, now: Instant) -> BTreeMap<VolumeKey, String> {
@@ -83,6 +100,10 @@ impl Core {
                 let Some(rec) = self.volumes.get(&r.volume) else {
                     continue;
                 };
+                if let Some(w) = self.not_a_new_user(rec, alloc_id) {
+                    out.insert(r.volume.clone(), w.reason(now));
+                    continue;
+                }
                 if let Some(w) = self.withheld(rec, &attached, now) {
                     out.insert(r.volume.clone(), w.reason(now));
                 }
