@@ -8,6 +8,7 @@
 //! why; a volume published here is never withheld (its users keep it).
 
 use crate::storage::error_class::ErrorClass;
+use crate::storage::plugin::PluginError;
 use crate::volume::VolumeKey;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -21,6 +22,16 @@ pub(crate) const NODE_REREAD: Duration = Duration::from_secs(30);
 
 /// Transient publish failures in a row on this node after which the volume cools down.
 pub(crate) const TRANSIENT_LIMIT: u32 = 3;
+
+/// The class of a plugin's failure: the `error_class` it printed, else its exit code
+/// ([`ErrorClass::of_status`]); a timeout, a spawn failure and the like are transient.
+pub(crate) fn class_of(e: &PluginError) -> ErrorClass {
+    match e {
+        PluginError::Failed { class: Some(c), .. } => *c,
+        PluginError::Failed { status, .. } => ErrorClass::of_status(status),
+        _ => ErrorClass::RetryHere,
+    }
+}
 
 /// Why this node withholds a volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,6 +181,31 @@ mod tests {
             namespace: "default".into(),
             name: n.into(),
         }
+    }
+
+    /// The declared class wins over the exit code.
+    #[test]
+    fn a_declared_class_wins_over_the_exit_code() {
+        let failed = |status: &str, class| PluginError::Failed {
+            plugin: "p".into(),
+            op: crate::storage::plugin::Operation::Publish,
+            status: status.into(),
+            message: String::new(),
+            stderr: String::new(),
+            class,
+        };
+        assert_eq!(
+            class_of(&failed("exit code 69", None)),
+            ErrorClass::Elsewhere
+        );
+        assert_eq!(
+            class_of(&failed("exit code 1", None)),
+            ErrorClass::RetryHere
+        );
+        assert_eq!(
+            class_of(&failed("exit code 1", Some(ErrorClass::Final))),
+            ErrorClass::Final
+        );
     }
 
     /// A plugin at its limit withholds its other volumes, never one published here, and

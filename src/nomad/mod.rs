@@ -575,7 +575,7 @@ impl Client {
     pub async fn node_facts(
         &self,
         node_id: &str,
-    ) -> Result<Option<crate::volume::constraint::NodeFacts>, NomadError> {
+    ) -> Result<Option<crate::nomad::types::NodeFacts>, NomadError> {
         self.get_optional(
             &Route::v1(&["node", node_id]),
             &[],

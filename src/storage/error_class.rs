@@ -1,8 +1,6 @@
 //! The class of a plugin's failure: what the agent does next (docs/plugin-protocol.md,
 //! "Error classes").
 
-use crate::storage::plugin::{PluginError, EXIT_TEMPORARY};
-
 /// Exit code of a failure this node cannot get past (it cannot reach the storage, a device
 /// is missing, it is at a limit): `EX_UNAVAILABLE` of sysexits.h.
 pub const EXIT_ELSEWHERE: i32 = 69;
@@ -43,17 +41,13 @@ impl ErrorClass {
         }
     }
 
-    /// The class of `e`: the `error_class` the plugin printed, else its exit code
-    /// ([`EXIT_ELSEWHERE`], [`EXIT_FINAL`]; [`EXIT_TEMPORARY`] and every other failure,
-    /// a timeout, a spawn failure: [`ErrorClass::RetryHere`]).
-    pub fn of(e: &PluginError) -> ErrorClass {
-        match e {
-            PluginError::Failed { class: Some(c), .. } => *c,
-            PluginError::Failed { status, .. } => match exit_code(status) {
-                Some(EXIT_ELSEWHERE) => ErrorClass::Elsewhere,
-                Some(EXIT_FINAL) => ErrorClass::Final,
-                Some(EXIT_TEMPORARY) | Some(_) | None => ErrorClass::RetryHere,
-            },
+    /// The class of a failure with no `error_class`, from its status as the runner
+    /// describes it (`exit code N`): [`EXIT_ELSEWHERE`], [`EXIT_FINAL`]; every other code
+    /// (75, `EX_TEMPFAIL`, included), a signal, a timeout: [`ErrorClass::RetryHere`].
+    pub fn of_status(status: &str) -> ErrorClass {
+        match exit_code(status) {
+            Some(EXIT_ELSEWHERE) => ErrorClass::Elsewhere,
+            Some(EXIT_FINAL) => ErrorClass::Final,
             _ => ErrorClass::RetryHere,
         }
     }
@@ -73,46 +67,17 @@ fn exit_code(status: &str) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::plugin::Operation;
 
-    fn failed(status: &str, class: Option<ErrorClass>) -> PluginError {
-        PluginError::Failed {
-            plugin: "p".into(),
-            op: Operation::Publish,
-            status: status.into(),
-            message: String::new(),
-            stderr: String::new(),
-            class,
-        }
-    }
-
-    /// The declared class wins over the exit code; the codes of the protocol map to their
-    /// classes; every other failure is transient.
+    /// The codes of the protocol map to their classes; every other failure is transient.
     #[test]
-    fn a_failure_is_classed_by_its_field_then_its_exit_code() {
+    fn a_status_is_classed_by_its_exit_code() {
+        assert_eq!(ErrorClass::of_status("exit code 69"), ErrorClass::Elsewhere);
+        assert_eq!(ErrorClass::of_status("exit code 65"), ErrorClass::Final);
+        assert_eq!(ErrorClass::of_status("exit code 75"), ErrorClass::RetryHere);
+        assert_eq!(ErrorClass::of_status("exit code 1"), ErrorClass::RetryHere);
         assert_eq!(
-            ErrorClass::of(&failed("exit code 69", None)),
-            ErrorClass::Elsewhere
-        );
-        assert_eq!(
-            ErrorClass::of(&failed("exit code 65", None)),
-            ErrorClass::Final
-        );
-        assert_eq!(
-            ErrorClass::of(&failed("exit code 75", None)),
+            ErrorClass::of_status("killed by signal 9"),
             ErrorClass::RetryHere
-        );
-        assert_eq!(
-            ErrorClass::of(&failed("exit code 1", None)),
-            ErrorClass::RetryHere
-        );
-        assert_eq!(
-            ErrorClass::of(&failed("killed by signal 9", None)),
-            ErrorClass::RetryHere
-        );
-        assert_eq!(
-            ErrorClass::of(&failed("exit code 1", Some(ErrorClass::Final))),
-            ErrorClass::Final
         );
         assert_eq!(ErrorClass::parse("elsewhere"), Some(ErrorClass::Elsewhere));
         assert_eq!(ErrorClass::parse("Elsewhere"), None);

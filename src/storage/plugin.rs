@@ -132,7 +132,7 @@ pub enum PluginError {
         message: String,
         stderr: String,
         /// The `error_class` the plugin printed beside its `error`, if any
-        /// ([`crate::storage::error_class::ErrorClass::of`] reads it with the exit code).
+        /// (it wins over the exit code, [`crate::storage::error_class::ErrorClass::of_status`]).
         class: Option<crate::storage::error_class::ErrorClass>,
     },
     #[error("plugin {plugin:?} {op}: {source}")]

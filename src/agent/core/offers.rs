@@ -51,7 +51,9 @@ impl Core {
             match &self.node_facts {
                 None => return Some(Withheld::NodeUnread),
                 Some(n) => {
-                    if let Some(c) = n.unsatisfied(&rec.spec.constraints) {
+                    if let Some(c) =
+                        crate::volume::constraint::unsatisfied(n, &rec.spec.constraints)
+                    {
                         return Some(Withheld::Constraint(c.to_string()));
                     }
                 }
@@ -122,7 +124,7 @@ impl Core {
         now: Instant,
     ) {
         let class = match e {
-            crate::agent::executor::StepError::Plugin(p) => ErrorClass::of(p),
+            crate::agent::executor::StepError::Plugin(p) => crate::agent::offer::class_of(p),
             _ => ErrorClass::RetryHere,
         };
         if self.offers.publish_failed(volume, class, &e.report(), now) {
@@ -218,7 +220,8 @@ impl Core {
             .map(|r| {
                 let why = match &self.node_facts {
                     None => Withheld::NodeUnread.reason(now),
-                    Some(n) => match n.unsatisfied(&r.spec.constraints) {
+                    Some(n) => match crate::volume::constraint::unsatisfied(n, &r.spec.constraints)
+                    {
                         Some(c) => Withheld::Constraint(c.to_string()).reason(now),
                         None => "offered: this node satisfies every constraint".to_string(),
                     },

@@ -41,7 +41,7 @@ pub enum Completion {
     PluginsUnreadable { dir: PathBuf, error: std::io::Error },
     /// This node's attributes and meta, as Nomad has them (`None`: Nomad does not know the
     /// node).
-    NodeRead(Result<Option<crate::volume::constraint::NodeFacts>, NomadError>),
+    NodeRead(Result<Option<crate::nomad::types::NodeFacts>, NomadError>),
     /// This node's placeholder host volumes (volume → host volume ID).
     PlaceholdersListed(Result<BTreeMap<VolumeKey, ListedPlaceholder>, NomadError>),
     /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
