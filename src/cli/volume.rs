@@ -1420,7 +1420,8 @@ mod tests {
                 "AccessMode",
                 "Registered",
                 "CreateIndex",
-                "ModifyIndex"
+                "ModifyIndex",
+                "Availability"
             ]
         );
         assert_eq!(j[0]["CapacityBytes"], 1u64 << 30);
