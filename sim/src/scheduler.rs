@@ -399,7 +399,11 @@ impl Pass<'_> {
             )
         });
         let node = candidates[0];
-        let penalised = if penalty.contains(&node.ID) { -1.0 } else { 0.0 };
+        let penalised = if penalty.contains(&node.ID) {
+            -1.0
+        } else {
+            0.0
+        };
         let id = uuid::Uuid::new_v4().to_string();
         let (resources, shared, task_res, allocated) = resources_json(g);
         let score = 0.5_f64;
