@@ -102,6 +102,15 @@ async fn an_attach_limit_withholds_the_other_volumes_while_one_is_published() {
     let s = status(&c, 0);
     assert_eq!(s["offers"]["plugins"]["bind"]["attached"], 1, "{s}");
     assert_eq!(s["offers"]["plugins"]["bind"]["max_volumes"], 1, "{s}");
+    c.wait_for(
+        30,
+        "node status showing node-1's count and limit",
+        || async {
+            let (_, out) = c.cli(&["node", "status"]);
+            out.contains("bind(1/1 attached)").then_some(())
+        },
+    )
+    .await;
     let b = c.run_job(&job(&c, "job-b", "vb", "")).await;
     let second = c.running_alloc(&b, "app", 90, "job-b running").await;
     assert_eq!(second["NodeName"], "node-2", "node-1 is at its limit");

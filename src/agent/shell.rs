@@ -1065,7 +1065,8 @@ pub async fn run(
             let volumes = r.set_volumes(core.node_volumes());
             let refused = r.set_refused(&shell.rejected_records.snapshot());
             let history = r.set_history(core.node_history());
-            r.set_watch(core.watch_health()) | plugins | volumes | refused | history
+            let attach = r.set_attach(core.attach_counts());
+            r.set_watch(core.watch_health()) | plugins | volumes | refused | history | attach
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");

@@ -117,8 +117,11 @@ impl Core {
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
                         self.offers.published(&volume);
-                        // One more attached volume: the plugin may be at its limit now.
-                        self.chores_due = true;
+                        // One more attached volume: a plugin with a limit may be at it now
+                        // (its other placeholders go at once, not at the next tick).
+                        if self.max_volumes(&m.plugin_id).is_some() {
+                            self.chores_due = true;
+                        }
                         let ms = elapsed.as_millis() as u64;
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");

@@ -182,6 +182,25 @@ impl Core {
         }
     }
 
+    /// The attach count of each plugin with a limit on this node (the node record's
+    /// `attach`, for `node status`).
+    pub(crate) fn attach_counts(&self) -> BTreeMap<String, crate::cluster::nodes::AttachCount> {
+        let attached = self.attached_by_plugin();
+        self.plugins
+            .keys()
+            .filter_map(|p| {
+                let max = self.max_volumes(p)?;
+                Some((
+                    p.clone(),
+                    crate::cluster::nodes::AttachCount {
+                        attached: attached.get(p).copied().unwrap_or(0) as u64,
+                        max_volumes: max,
+                    },
+                ))
+            })
+            .collect()
+    }
+
     /// The attach count and limit of each plugin, and the volumes cooling down here (the
     /// status document's `offers`).
     pub(super) fn offers_status(&self, now: Instant) -> serde_json::Value {
