@@ -185,6 +185,15 @@ impl Core {
     /// The attach count of each plugin with a limit on this node (the node record's
     /// `attach`, for `node status`).
     pub(crate) fn attach_counts(&self) -> BTreeMap<String, crate::cluster::nodes::AttachCount> {
+        // Most nodes have no limit: no pass over the mounts then.
+        if self.s.max_volumes.is_empty()
+            && !self
+                .plugins
+                .values()
+                .any(|f| f.as_ref().is_ok_and(|f| f.max_volumes.is_some()))
+        {
+            return BTreeMap::new();
+        }
         let attached = self.attached_by_plugin();
         self.plugins
             .keys()
