@@ -72,6 +72,22 @@ fn status(c: &Cluster, i: usize) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// A spec's constraint blocks: one or several, `=` by default, unknown fields refused by
+/// name (an old build refused every `constraint` block).
+#[test]
+fn a_spec_takes_nomads_constraint_blocks() {
+    let base = "name = \"a\"\nplugin_id = \"bind\"\n";
+    let (spec, _) = dhv_binder::volume::parse_spec(&format!(
+        "{base}constraint {{\n  attribute = \"${{node.class}}\"\n  value = \"db\"\n}}\nconstraint {{\n  attribute = \"${{meta.rack}}\"\n  operator = \"!=\"\n  value = \"r9\"\n}}"
+    ))
+    .unwrap();
+    assert_eq!(spec.constraints.len(), 2);
+    assert_eq!(spec.constraints[0].operator, "=");
+    let e = dhv_binder::volume::parse_spec(&format!("{base}constraint {{\n  attribut = \"x\"\n}}"))
+        .unwrap_err();
+    assert!(e.to_string().contains("attribut"), "{e}");
+}
+
 /// Restarts node `i`'s agent with `env` added to its environment.
 async fn restart_agent_with(c: &mut Cluster, i: usize, env: &[(&str, &str)]) {
     c.kill_agent(i, nix::sys::signal::Signal::SIGTERM);

@@ -51,6 +51,33 @@ pub enum ConstraintError {
     Operator(String),
     #[error("constraint on {0} needs a value")]
     NoValue(String),
+    #[error("constraint: {0}")]
+    Shape(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConstraint {
+    #[serde(default)]
+    attribute: String,
+    #[serde(default)]
+    operator: String,
+    #[serde(default)]
+    value: String,
+}
+
+/// The `constraint` blocks of a spec as parsed (one block is an object, several an array),
+/// checked.
+pub fn from_blocks(v: Option<hcl::Value>) -> Result<Vec<Constraint>, ConstraintError> {
+    let shape = |e: hcl::Error| ConstraintError::Shape(e.to_string());
+    let raw: Vec<RawConstraint> = match v {
+        None => Vec::new(),
+        Some(v @ hcl::Value::Array(_)) => hcl::from_value(v).map_err(shape)?,
+        Some(v) => vec![hcl::from_value(v).map_err(shape)?],
+    };
+    raw.iter()
+        .map(|c| Constraint::new(&c.attribute, &c.operator, &c.value))
+        .collect()
 }
 
 impl Constraint {

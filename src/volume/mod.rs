@@ -5,6 +5,7 @@
 pub mod availability;
 pub mod constraint;
 pub mod mount_options;
+mod nesting;
 
 use crate::nomad::types::Variable;
 use crate::volume::mount_options::{MountOptions, MountOptionsError};
@@ -58,7 +59,6 @@ pub enum SpecError {
     BadSnapshotId(String),
     #[error("{field:?} is not a volume spec field dhv-binder knows ({known}): remove it (dhv-binder refuses what it cannot honour rather than ignore it)")]
     UnknownField { field: String, known: String },
-    /// A `constraint` block dhv-binder cannot evaluate.
     #[error(transparent)]
     Constraint(#[from] constraint::ConstraintError),
     #[error("node_id is not supported: a deferred volume is published on whichever node runs its allocation; use node_pool to choose the nodes that may serve it")]
@@ -228,53 +228,6 @@ pub const MAX_SPEC_DEPTH: usize = 32;
 /// Largest spec text accepted, in bytes.
 pub const MAX_SPEC_BYTES: usize = 1 << 20;
 
-/// The deepest nesting of brackets in HCL text, outside strings and comments. Conservative:
-/// brackets inside heredocs count too.
-fn nesting_depth(text: &str) -> usize {
-    let b = text.as_bytes();
-    let (mut depth, mut max, mut i) = (0usize, 0usize, 0usize);
-    while let Some(&c) = b.get(i) {
-        match c {
-            b'"' => {
-                i += 1;
-                while let Some(&d) = b.get(i) {
-                    match d {
-                        b'\\' => i += 1,
-                        b'"' => break,
-                        _ => {}
-                    }
-                    i += 1;
-                }
-            }
-            b'#' => {
-                while b.get(i).is_some_and(|&d| d != b'\n') {
-                    i += 1;
-                }
-            }
-            b'/' if b.get(i + 1) == Some(&b'/') => {
-                while b.get(i).is_some_and(|&d| d != b'\n') {
-                    i += 1;
-                }
-            }
-            b'/' if b.get(i + 1) == Some(&b'*') => {
-                i += 2;
-                while i < b.len() && !(b[i] == b'*' && b.get(i + 1) == Some(&b'/')) {
-                    i += 1;
-                }
-                i += 1;
-            }
-            b'{' | b'[' | b'(' => {
-                depth += 1;
-                max = max.max(depth);
-            }
-            b'}' | b']' | b')' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-        i += 1;
-    }
-    max
-}
-
 /// One `capability { access_mode attachment_mode }` block.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capability {
@@ -306,12 +259,10 @@ pub struct VolumeSpec {
     /// `nosuid,nodev` default ([`crate::volume::mount_options`]); omitted from the record when empty.
     #[serde(default, skip_serializing_if = "MountOptions::is_empty")]
     pub mount_options: MountOptions,
-    /// `constraint { attribute operator value }` blocks: only nodes that satisfy them all
-    /// offer the volume ([`constraint::Constraint`]); omitted from the record when none.
+    /// Only nodes that satisfy every `constraint` block offer the volume; omitted when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<constraint::Constraint>,
-    /// Whether new allocations may get the volume (`volume update -availability`); not a
-    /// field of the HCL spec; omitted from the record when `active`.
+    /// `volume update -availability` (not in the HCL); omitted from the record when `active`.
     #[serde(default, skip_serializing_if = "availability::Availability::is_active")]
     pub availability: availability::Availability,
 }
@@ -337,20 +288,8 @@ struct RawSpec {
     clone_id: Option<String>,
     #[serde(default)]
     mount_options: Option<RawMountOptions>,
-    /// One block deserializes as an object, several as an array.
     #[serde(default)]
     constraint: Option<hcl::Value>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConstraint {
-    #[serde(default)]
-    attribute: String,
-    #[serde(default)]
-    operator: String,
-    #[serde(default)]
-    value: String,
 }
 
 #[derive(Deserialize)]
@@ -454,18 +393,9 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                     check_mount_options_block(b)?;
                     continue;
                 }
-                let (block, fields, known): (&'static str, &[&str], &'static str) = match ident {
-                    "capability" => (
-                        "capability",
-                        &["access_mode", "attachment_mode"],
-                        "access_mode, attachment_mode",
-                    ),
-                    "constraint" => (
-                        "constraint",
-                        &["attribute", "operator", "value"],
-                        "attribute, operator, value",
-                    ),
-                    _ => continue,
+                let Some(&(block, fields, known)) = STRING_BLOCKS.iter().find(|b| b.0 == ident)
+                else {
+                    continue;
                 };
                 for inner in b.body.iter() {
                     let key = match inner {
@@ -516,6 +446,20 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
     }
     Ok(())
 }
+
+/// The blocks of string fields only: name, fields, the fields as the error lists them.
+const STRING_BLOCKS: [(&str, &[&str], &str); 2] = [
+    (
+        "capability",
+        &["access_mode", "attachment_mode"],
+        "access_mode, attachment_mode",
+    ),
+    (
+        "constraint",
+        &["attribute", "operator", "value"],
+        "attribute, operator, value",
+    ),
+];
 
 /// The fields of a `mount_options` block: `mount_flags` a list of strings, `fs_type` a
 /// string, nothing else.
@@ -652,7 +596,7 @@ fn parse_spec_of(
     text: &str,
     register: bool,
 ) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
-    if text.len() > MAX_SPEC_BYTES || nesting_depth(text) > MAX_SPEC_DEPTH {
+    if text.len() > MAX_SPEC_BYTES || nesting::depth(text) > MAX_SPEC_DEPTH {
         return Err(SpecError::TooDeep);
     }
     check_fields(text, register)?;
@@ -746,19 +690,7 @@ fn parse_spec_of(
         None => MountOptions::default(),
         Some(m) => MountOptions::new(m.mount_flags, m.fs_type)?,
     };
-    let raw_constraints: Vec<RawConstraint> = match raw.constraint {
-        None => Vec::new(),
-        Some(v @ hcl::Value::Array(_)) => {
-            hcl::from_value(v).map_err(|e| SpecError::Hcl(format!("constraint: {e}")))?
-        }
-        Some(v) => {
-            vec![hcl::from_value(v).map_err(|e| SpecError::Hcl(format!("constraint: {e}")))?]
-        }
-    };
-    let constraints = raw_constraints
-        .iter()
-        .map(|c| constraint::Constraint::new(&c.attribute, &c.operator, &c.value))
-        .collect::<Result<Vec<_>, _>>()?;
+    let constraints = constraint::from_blocks(raw.constraint)?;
     Ok((
         VolumeSpec {
             name,
@@ -1341,14 +1273,6 @@ mod tests {
             )),
             Err(SpecError::Constraint(_))
         ));
-        let (spec, _) = parse_spec(&format!(
-            "{base}constraint {{\n  attribute = \"${{node.class}}\"\n  value = \"db\"\n}}\nconstraint {{\n  attribute = \"${{meta.rack}}\"\n  operator = \"!=\"\n  value = \"r9\"\n}}"
-        ))
-        .unwrap();
-        assert_eq!(spec.constraints.len(), 2);
-        assert_eq!(spec.constraints[0].operator, "=");
-        let e = parse_spec(&format!("{base}constraint {{\n  attribut = \"x\"\n}}")).unwrap_err();
-        assert!(e.to_string().contains("attribut"), "{e}");
         assert_eq!(
             parse_spec(&format!("{base}node_id = \"x\"")),
             Err(SpecError::NodeId)
@@ -1481,7 +1405,7 @@ mod tests {
             "[".repeat(100)
         );
         assert!(parse_spec(&quoted).is_ok(), "{quoted}");
-        assert_eq!(nesting_depth("a { b { c = [1] } } // {{{{\n/* [[[[ */"), 3);
+        assert_eq!(nesting::depth("a { b { c = [1] } } // {{{{\n/* [[[[ */"), 3);
     }
 
     #[test]
