@@ -9,6 +9,7 @@ use crate::node::journal::Journal;
 use crate::node::mounts::MountTable;
 
 mod claims;
+mod offers;
 mod planning;
 
 const NODE: &str = "node-1";
