@@ -22,12 +22,25 @@ impl Core {
     /// How many volumes of each plugin have a mount record here (published, being
     /// published or unpublished, or a publish that failed and is not cleaned up yet: the
     /// storage may hold an attachment for each).
+    /// Empty (no pass over the mounts) when no plugin has a limit here, as on most nodes.
     pub(super) fn attached_by_plugin(&self) -> BTreeMap<String, usize> {
         let mut out = BTreeMap::new();
+        if !self.any_limit() {
+            return out;
+        }
         for m in self.journal.mounts().values() {
             *out.entry(m.plugin_id.clone()).or_insert(0) += 1;
         }
         out
+    }
+
+    /// True when a plugin has an attach limit on this node.
+    fn any_limit(&self) -> bool {
+        !self.s.max_volumes.is_empty()
+            || self
+                .plugins
+                .values()
+                .any(|f| f.as_ref().is_ok_and(|f| f.max_volumes.is_some()))
     }
 
     /// Why `rec` is withheld on this node at `now`, if it is; `attached` is
@@ -92,8 +105,11 @@ impl Core {
     /// The volumes the waiting callers need that are withheld here, with why: they are
     /// refused at once (the job is to go elsewhere), not left to wait out their deadline.
     pub(super) fn refused_for_waiters(&self, now: Instant) -> BTreeMap<VolumeKey, String> {
-        let attached = self.attached_by_plugin();
         let mut out = BTreeMap::new();
+        if self.waiters.len() == 0 {
+            return out;
+        }
+        let attached = self.attached_by_plugin();
         for alloc_id in self.waiters.allocs() {
             let Some(alloc) = self.view.allocs().get(alloc_id) else {
                 continue;
@@ -185,15 +201,6 @@ impl Core {
     /// The attach count of each plugin with a limit on this node (the node record's
     /// `attach`, for `node status`).
     pub(crate) fn attach_counts(&self) -> BTreeMap<String, crate::cluster::nodes::AttachCount> {
-        // Most nodes have no limit: no pass over the mounts then.
-        if self.s.max_volumes.is_empty()
-            && !self
-                .plugins
-                .values()
-                .any(|f| f.as_ref().is_ok_and(|f| f.max_volumes.is_some()))
-        {
-            return BTreeMap::new();
-        }
         let attached = self.attached_by_plugin();
         self.plugins
             .keys()
