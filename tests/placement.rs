@@ -236,7 +236,9 @@ async fn a_publish_failing_transiently_sends_the_job_to_the_other_node() {
     failing_publish_on_node_1(&c, 1, r#"{"error":"array busy"}"#);
     wait_ready_on(&c, "vt", &["node-1", "node-2"], 60).await;
     let calls = moves_to_node_2(&c, "vt", "array busy").await;
-    assert_eq!(calls, 3, "TRANSIENT_LIMIT publishes on node-1");
+    // TRANSIENT_LIMIT failures cool it down; the publish is still retried (with backoff)
+    // while the failed allocation is on node-1, not after.
+    assert!((3..=6).contains(&calls), "{calls} publishes on node-1");
 }
 
 /// A bind volume with the spec lines `extra` (constraints).

@@ -43,7 +43,13 @@ pub(crate) enum Withheld {
         max: u32,
     },
     /// A publish here failed in a way that sends the job elsewhere, until `until`.
-    CoolingDown { until: Instant, error: String },
+    /// `retried`: the failures were transient, so a publish for an allocation already
+    /// here is still tried (with backoff); after "elsewhere" or "final" it is not.
+    CoolingDown {
+        until: Instant,
+        error: String,
+        retried: bool,
+    },
     /// This node does not satisfy the volume's constraint (as written).
     Constraint(String),
     /// The volume has constraints and this node's attributes have not been read yet.
@@ -53,6 +59,12 @@ pub(crate) enum Withheld {
 }
 
 impl Withheld {
+    /// True for a cool-down after transient failures: a publish for an allocation already
+    /// here is still tried.
+    pub(crate) fn retried_here(&self) -> bool {
+        matches!(self, Withheld::CoolingDown { retried: true, .. })
+    }
+
     /// One line for the caller, the log and the status.
     pub(crate) fn reason(&self, now: Instant) -> String {
         match self {
@@ -70,7 +82,7 @@ impl Withheld {
                 "paused by an operator (availability {a}): no new allocation gets the volume until `dhv-binder volume update -availability=active`"
             ),
             Withheld::NodeUnread => "the volume has constraints and this node's attributes are not read yet (GET /v1/node/:id)".to_string(),
-            Withheld::CoolingDown { until, error } => format!(
+            Withheld::CoolingDown { until, error, .. } => format!(
                 "{error} (offered here again in {}s)",
                 until.saturating_duration_since(now).as_secs()
             ),
@@ -81,7 +93,7 @@ impl Withheld {
 /// The cool-downs and transient failure counts of this node's volumes.
 #[derive(Debug, Default)]
 pub(crate) struct Offers {
-    cooling: BTreeMap<VolumeKey, (Instant, String)>,
+    cooling: BTreeMap<VolumeKey, (Instant, String, bool)>,
     transient: BTreeMap<VolumeKey, u32>,
 }
 
@@ -111,8 +123,9 @@ impl Offers {
                 }
                 _ => report.to_string(),
             };
+            let retried = class == ErrorClass::RetryHere;
             self.cooling
-                .insert(volume.clone(), (now + COOL_DOWN, error));
+                .insert(volume.clone(), (now + COOL_DOWN, error, retried));
         }
         cool
     }
@@ -126,17 +139,17 @@ impl Offers {
     /// Forgets cool-downs that ended; true when one did (the placeholders are due again).
     pub(crate) fn expire(&mut self, now: Instant) -> bool {
         let before = self.cooling.len();
-        self.cooling.retain(|_, (until, _)| *until > now);
+        self.cooling.retain(|_, (until, _, _)| *until > now);
         self.cooling.len() != before
     }
 
     /// When the next cool-down ends.
     pub(crate) fn next_wakeup(&self) -> Option<Instant> {
-        self.cooling.values().map(|(t, _)| *t).min()
+        self.cooling.values().map(|(t, _, _)| *t).min()
     }
 
     /// The volumes cooling down here, with until when and why.
-    pub(crate) fn cooling(&self) -> impl Iterator<Item = (&VolumeKey, &(Instant, String))> {
+    pub(crate) fn cooling(&self) -> impl Iterator<Item = (&VolumeKey, &(Instant, String, bool))> {
         self.cooling.iter()
     }
 
@@ -155,10 +168,12 @@ impl Offers {
         if published_here {
             return None;
         }
-        if let Some((until, error)) = self.cooling.get(volume).filter(|(t, _)| *t > now) {
+        if let Some((until, error, retried)) = self.cooling.get(volume).filter(|(t, _, _)| *t > now)
+        {
             return Some(Withheld::CoolingDown {
                 until: *until,
                 error: error.clone(),
+                retried: *retried,
             });
         }
         match max {

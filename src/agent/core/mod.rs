@@ -671,12 +671,15 @@ impl Core {
                         });
                         continue;
                     }
-                    if let Some(w) = self
+                    // Withheld here: not published (the waiting callers are refused at once),
+                    // but a volume cooling down after transient failures is still retried for
+                    // an allocation already here (a fixed backend publishes it).
+                    let withheld = self
                         .volumes
                         .get(&volume)
                         .and_then(|r| self.withheld(r, &self.attached_by_plugin(), now))
-                    {
-                        // Not published here: the waiting callers are refused at once.
+                        .filter(|w| !w.retried_here());
+                    if let Some(w) = withheld {
                         self.waiting.push(Waiting {
                             volume,
                             reason: w.reason(now),

@@ -237,8 +237,8 @@ impl Core {
         let cooling: BTreeMap<String, serde_json::Value> = self
             .offers
             .cooling()
-            .filter(|(_, (until, _))| *until > now)
-            .map(|(k, (until, error))| {
+            .filter(|(_, (until, _, _))| *until > now)
+            .map(|(k, (until, error, _))| {
                 (
                     k.to_string(),
                     serde_json::json!({
