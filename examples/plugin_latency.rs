@@ -93,6 +93,8 @@ async fn main() -> anyhow::Result<()> {
         source: Default::default(),
         mount_options: Default::default(),
         secret_refs: Default::default(),
+        constraints: Vec::new(),
+        availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);
     let out = runner

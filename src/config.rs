@@ -239,6 +239,16 @@ pub struct AgentConfig {
     /// The node's Vault token (sent as X-Vault-Token). Never logged.
     #[arg(long, env = "VAULT_TOKEN", hide_env_values = true)]
     pub vault_token: Option<String>,
+    /// The attach limit of a plugin on this node, `<plugin_id>=<N>`, repeatable: while N of
+    /// its volumes are published here, the node offers none of its other volumes to Nomad's
+    /// scheduler (docs/operations.md, "Attach limits"). Overrides the plugin's fingerprint
+    /// `max_volumes`.
+    #[arg(
+        long = "max-volumes",
+        env = "DHV_BINDER_MAX_VOLUMES",
+        value_delimiter = ','
+    )]
+    pub max_volumes: Vec<String>,
     /// The issuer (`iss`) workload identity tokens must carry. Unset (or `cluster`): the
     /// cluster's own, learnt with its keys from `GET /.well-known/openid-configuration` (the
     /// servers' `oidc_issuer`; a cluster without one answers 404 and its tokens must carry no
@@ -355,6 +365,9 @@ pub enum ConfigError {
     /// A fence margin that leaves no room for renewals before the fence.
     #[error("--claim-fence-margin {got:?} is too large: at most --claim-lock-delay + --claim-ttl/3 ({max:?}), so that a claim is fenced only after two renewals failed; lower the margin or raise --claim-lock-delay")]
     FenceMargin { got: Duration, max: Duration },
+    /// A `--max-volumes` setting that is not `<plugin_id>=<N>` with N a whole number.
+    #[error("--max-volumes {0:?} must be <plugin_id>=<N> with N a whole number (0 offers none of the plugin's volumes), e.g. ebs=25")]
+    MaxVolumes(String),
     /// Outside the range Nomad accepts.
     #[error(
         "{what} must lie between {min:?} and {max:?} (Nomad refuses other values), got {got:?}"
@@ -579,7 +592,23 @@ impl AgentConfig {
         if margin > max {
             return Err(ConfigError::FenceMargin { got: margin, max });
         }
+        self.max_volumes_by_plugin()?;
         Ok(())
+    }
+
+    /// `--max-volumes` by plugin ID.
+    pub fn max_volumes_by_plugin(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, u32>, ConfigError> {
+        self.max_volumes
+            .iter()
+            .map(|s| {
+                s.split_once('=')
+                    .filter(|(p, _)| !p.is_empty())
+                    .and_then(|(p, n)| Some((p.to_string(), n.trim().parse().ok()?)))
+                    .ok_or_else(|| ConfigError::MaxVolumes(s.clone()))
+            })
+            .collect()
     }
 
     /// The fence margin: `--claim-fence-margin`, by default the claim TTL (or the largest

@@ -1078,11 +1078,16 @@ fn a_spec_field_dhv_binder_cannot_honour_is_refused_by_name() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (code, err) =
-        create("constraint {\n  attribute = \"${node.class}\"\n  value = \"db\"\n}\n");
+    // A constraint dhv-binder cannot evaluate (issue 48 #1: it evaluates Nomad's targets
+    // and operators, not `regexp`).
+    let (code, err) = create(
+        "constraint {\n  attribute = \"${node.class}\"\n  operator = \"regexp\"\n  value = \"d.*\"\n}\n",
+    );
     assert_eq!(code, Some(64), "{err}");
-    assert!(err.contains("constraint blocks are not supported"), "{err}");
-    assert!(err.contains("use node_pool"), "{err}");
+    assert!(
+        err.contains("\"regexp\" is not one dhv-binder evaluates"),
+        "{err}"
+    );
     let (code, err) = create("capacity_minimum = \"1GiB\"\n");
     assert_eq!(code, Some(64), "{err}");
     assert!(

@@ -336,6 +336,30 @@ impl Pass<'_> {
         }
     }
 
+    /// The nodes `getSelectOptions` penalises for a replacement of `prev`: the node `prev`
+    /// failed on, and the nodes of the allocations it replaced in turn (Nomad's
+    /// `RescheduleTracker.Events[].PrevNodeID`).
+    fn penalty_nodes(&self, prev: Option<&str>) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        let mut cur = prev.and_then(|p| self.work.get(p));
+        if let Some(a) = cur.filter(|a| a.ClientStatus == "failed") {
+            out.insert(a.NodeID.clone());
+        }
+        // The history: every earlier allocation of the chain that failed (and so was
+        // rescheduled), each chain walked once.
+        let mut seen = BTreeSet::new();
+        while let Some(a) = cur {
+            if !seen.insert(a.ID.clone()) {
+                break;
+            }
+            cur = self.work.get(&a.PreviousAllocation);
+            if let Some(p) = cur.filter(|p| p.ClientStatus == "failed") {
+                out.insert(p.NodeID.clone());
+            }
+        }
+        out
+    }
+
     fn place(
         &mut self,
         job: &Job,
@@ -362,17 +386,24 @@ impl Pass<'_> {
             tracing::info!(job = %job.ID, group = %g.Name, alloc = %name, "no feasible node; placement blocked");
             return None;
         }
-        // Avoid the node of the allocation being replaced when another one is feasible.
-        if let Some(prev_node) = prev
-            .and_then(|p| self.work.get(p))
-            .map(|a| a.NodeID.clone())
-        {
-            if candidates.len() > 1 {
-                candidates.retain(|n| n.ID != prev_node);
-            }
-        }
-        candidates.sort_by_key(|n| (self.load.get(&n.ID).copied().unwrap_or(0), n.Name.clone()));
+        // The reschedule penalty (`scheduler/generic_sched.go` `getSelectOptions`,
+        // `scheduler/feasible/rank.go` `NodeReschedulingPenaltyIterator.Next`): the node the
+        // replaced allocation failed on and every node of its reschedule history (here: its
+        // `PreviousAllocation` chain) rank below every other feasible node.
+        let penalty = self.penalty_nodes(prev);
+        candidates.sort_by_key(|n| {
+            (
+                penalty.contains(&n.ID),
+                self.load.get(&n.ID).copied().unwrap_or(0),
+                n.Name.clone(),
+            )
+        });
         let node = candidates[0];
+        let penalised = if penalty.contains(&node.ID) {
+            -1.0
+        } else {
+            0.0
+        };
         let id = uuid::Uuid::new_v4().to_string();
         let (resources, shared, task_res, allocated) = resources_json(g);
         let score = 0.5_f64;
@@ -389,7 +420,7 @@ impl Pass<'_> {
             "ClassFiltered": null, "ConstraintFiltered": null, "NodesExhausted": 0, "ClassExhausted": null,
             "DimensionExhausted": null, "QuotaExhausted": null, "ResourcesExhausted": null, "Scores": null,
             "ScoreMetaData": [{"NodeID": node.ID, "Scores": {"binpack": score, "job-anti-affinity": 0.0,
-                "node-reschedule-penalty": 0.0, "node-affinity": 0.0}, "NormScore": score}],
+                "node-reschedule-penalty": penalised, "node-affinity": 0.0}, "NormScore": score}],
             "AllocationTime": 100_000, "CoalescedFailures": 0,
         });
         let mut signed = BTreeMap::new();

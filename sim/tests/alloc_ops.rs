@@ -451,3 +451,56 @@ async fn restart_policy_in_place_and_shutdown_delay() {
     .await
     .expect("test timed out");
 }
+
+/// The reschedule penalty (`scheduler/generic_sched.go` `getSelectOptions`,
+/// `scheduler/feasible/rank.go` `NodeReschedulingPenaltyIterator`): a replacement ranks
+/// below every other feasible node the node its predecessor failed on and every node of the
+/// reschedule history, so an allocation that fails everywhere is tried on three nodes in
+/// turn. (Avoiding only the last node sent the third attempt back to the first node.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rescheduled_allocation_avoids_every_node_it_failed_on() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let sim =
+            Sim::start("client \"node-1\" {}\nclient \"node-2\" {}\nclient \"node-3\" {}\n").await;
+        sim.run_job(
+            r#"job "fail" {
+  group "g" {
+    restart {
+      attempts = 0
+      mode = "fail"
+    }
+    reschedule {
+      attempts = 2
+      interval = "1h"
+      delay = "1s"
+      delay_function = "constant"
+      unlimited = false
+    }
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args = ["-c", "exit 3"]
+      }
+    }
+  }
+}"#,
+        )
+        .await;
+        let allocs = sim
+            .wait_for(30, "three failed allocs", || async {
+                let l = sim.job_allocs("fail").await;
+                (l.len() == 3 && l.iter().all(|a| a["ClientStatus"] == "failed")).then_some(l)
+            })
+            .await;
+        let nodes: std::collections::BTreeSet<&str> =
+            allocs.iter().filter_map(|a| a["NodeID"].as_str()).collect();
+        let names: Vec<&str> = allocs
+            .iter()
+            .filter_map(|a| a["NodeName"].as_str())
+            .collect();
+        assert_eq!(nodes.len(), 3, "the attempts ran on {names:?}");
+    })
+    .await
+    .expect("test timed out");
+}

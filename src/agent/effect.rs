@@ -32,6 +32,9 @@ pub(crate) enum Effect {
     /// rescan) only those whose file changed since their last good fingerprint, the rest
     /// keeping it without an exec ([`crate::storage::plugin::Runner::fingerprint_if_changed`]).
     Fingerprint { changed_only: bool },
+    /// Nomad: read this node's attributes and meta (what volume constraints are evaluated
+    /// against).
+    ReadNode,
     /// Plugin `create` (with the record's check-and-set claim).
     Create(Box<VolumeRecord>),
     /// Plugin `delete` (with the record's check-and-set claim).

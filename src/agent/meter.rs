@@ -21,7 +21,7 @@ use crate::cluster::claims::ClaimError;
 use crate::metrics::{ClaimCounts, Metrics, Outcome, WaitOutcome};
 use crate::storage::plugin::{CallObserver, PluginError};
 use crate::volume::VolumeKey;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -68,6 +68,8 @@ pub(crate) struct Meter {
     /// The catalogue or the plugins changed in this pass: count what this node serves.
     recount_served: bool,
     plugins_changed: bool,
+    /// The attach counts last exported.
+    attach: BTreeMap<String, crate::cluster::nodes::AttachCount>,
 }
 
 impl Meter {
@@ -86,6 +88,7 @@ impl Meter {
             recount_mounts: true,
             recount_served: true,
             plugins_changed: false,
+            attach: BTreeMap::new(),
         }
     }
 
@@ -223,6 +226,11 @@ impl Meter {
         self.metrics
             .set_mounts(publishing, published, unpublishing, self.dead.len());
         self.metrics.set_watch(core.watch_health());
+        let attach = core.attach_counts();
+        if attach != self.attach {
+            self.metrics.set_attach(&attach);
+            self.attach = attach;
+        }
         if self.plugins_changed {
             if let Some(p) = core.plugins() {
                 self.metrics.set_plugins(p);

@@ -5,7 +5,8 @@
 //! - `input` / `effect`: what goes in (messages, typed completions) and what comes out;
 //! - decisions, by what they decide: `waiters` (the answer to a prestart caller, "publish
 //!   timed out"), `claims` (renewal timing, "claim lost"), `claim_waits` (which allocations
-//!   wait for another node's claim, since when), `placeholders`, `workers`
+//!   wait for another node's claim, since when), `placeholders`, `offer` (attach limits, cool-downs: volumes withheld here),
+//!   `workers`
 //!   (volume create/delete), `storage_ops` (snapshots, expansions, the publish that waits
 //!   for an expansion), `forced` (an operator's forced unpublish on this node),
 //!   `mount_health` (dead, failing and hung mounts), `retry`
@@ -32,6 +33,7 @@ pub(crate) mod journal_trouble;
 pub(crate) mod latency;
 pub(crate) mod meter;
 pub(crate) mod mount_health;
+pub(crate) mod offer;
 pub(crate) mod placeholders;
 pub(crate) mod reconcile;
 pub(crate) mod renewer;

@@ -557,6 +557,8 @@ pub(crate) mod tests {
                 source: Default::default(),
                 mount_options: Default::default(),
                 secret_refs: Default::default(),
+                constraints: Vec::new(),
+                availability: Default::default(),
             },
             Default::default(),
         );

@@ -55,6 +55,8 @@ pub(crate) struct Known<'a> {
     pub last_error: &'a BTreeMap<VolumeKey, String>,
     /// Volumes with a call in flight (a failure recorded before it is stale).
     pub busy: &'a BTreeSet<VolumeKey>,
+    /// Volumes this node withholds (attach limit, cool-down), with why: refused at once.
+    pub refused: &'a BTreeMap<VolumeKey, String>,
     /// Why volumes wait (plugin missing, claim held elsewhere).
     pub waiting: &'a [Waiting],
     /// Targets where the host's mount table shows what their publish established: a
@@ -78,6 +80,11 @@ impl Waiters {
 
     pub(crate) fn len(&self) -> usize {
         self.list.len()
+    }
+
+    /// The allocations the callers wait for.
+    pub(crate) fn allocs(&self) -> impl Iterator<Item = &String> + '_ {
+        self.list.iter().map(|w| &w.alloc_id)
     }
 
     /// The earliest deadline or progress report due.
@@ -194,6 +201,11 @@ pub(crate) fn outcome(
                 path: m.target.display().to_string(),
                 read_only: m.read_only,
             });
+        } else if let Some(why) = k.refused.get(&r.volume) {
+            return Some(Err(ApiError::NotOnThisNode {
+                volume: r.volume.clone(),
+                why: bounded(why, MAX_REASON),
+            }));
         } else if let Some(e) = k
             .last_error
             .get(&r.volume)
@@ -291,6 +303,7 @@ mod tests {
         waiting: Vec<Waiting>,
         mounted: BTreeSet<std::path::PathBuf>,
         holder_jobs: BTreeMap<VolumeKey, String>,
+        refused: BTreeMap<VolumeKey, String>,
     }
 
     impl Fixture {
@@ -311,6 +324,7 @@ mod tests {
                 waiting: Vec::new(),
                 mounted: BTreeSet::new(),
                 holder_jobs: BTreeMap::new(),
+                refused: BTreeMap::new(),
             }
         }
 
@@ -324,6 +338,7 @@ mod tests {
                 waiting: &self.waiting,
                 mounted: &self.mounted,
                 holder_jobs: &self.holder_jobs,
+                refused: &self.refused,
             }
         }
 

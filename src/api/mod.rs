@@ -99,6 +99,14 @@ pub enum ApiError {
         volume: crate::volume::VolumeKey,
         error: String,
     },
+    /// This node withholds the volume (an attach limit, a publish that cannot succeed
+    /// here, an operator's pause): not retried here, so that the allocation fails and
+    /// Nomad's reschedule policy places it on another node.
+    #[error("volume {volume} is not published on this node: {why}")]
+    NotOnThisNode {
+        volume: crate::volume::VolumeKey,
+        why: String,
+    },
     /// A volume waits for something outside the agent (a plugin, a claim).
     #[error("{0}")]
     Waiting(String),
@@ -139,7 +147,7 @@ impl ApiError {
             | OtherNode { .. }
             | NotRoot => (StatusCode::FORBIDDEN, false),
             NoSuchEndpoint(_) | UnknownAllocation { .. } => (StatusCode::NOT_FOUND, false),
-            AllocationStopped { .. } => (StatusCode::CONFLICT, false),
+            AllocationStopped { .. } | NotOnThisNode { .. } => (StatusCode::CONFLICT, false),
             KeysUnavailable(_) | PublishFailed { .. } | Waiting(_) | Nomad(_) | ShuttingDown => {
                 (StatusCode::SERVICE_UNAVAILABLE, true)
             }

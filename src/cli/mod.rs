@@ -31,6 +31,7 @@ pub mod records;
 pub mod status;
 pub mod storage;
 pub mod unused;
+pub mod update;
 pub mod volume;
 
 use crate::config::{AgentConfig, NomadConfig};

@@ -65,6 +65,9 @@ pub struct PluginOut {
     pub error: String,
     /// The optional operations the plugin declares; `null` when the agent does not say.
     pub capabilities: Option<Vec<String>>,
+    /// Its volumes attached on the node, and the node's limit (`null` when unlimited).
+    pub attached: Option<u64>,
+    pub max_volumes: Option<u32>,
 }
 
 /// A volume on a node, in `node status -json`.
@@ -96,16 +99,17 @@ impl NodeStatus {
                 .plugins
                 .into_iter()
                 .map(|(id, p)| {
-                    (
-                        id,
-                        PluginOut {
-                            version: p.version,
-                            deferred_bind: p.deferred_bind,
-                            healthy: p.healthy,
-                            error: p.error,
-                            capabilities: p.capabilities,
-                        },
-                    )
+                    let attach = r.attach.get(&id);
+                    let out = PluginOut {
+                        version: p.version,
+                        deferred_bind: p.deferred_bind,
+                        healthy: p.healthy,
+                        error: p.error,
+                        capabilities: p.capabilities,
+                        attached: attach.map(|a| a.attached),
+                        max_volumes: attach.map(|a| a.max_volumes),
+                    };
+                    (id, out)
                 })
                 .collect(),
             watch: r.watch,
@@ -260,6 +264,8 @@ pub fn render(list: &[NodeStatus], now: u64, verbose: bool) -> String {
                         format!("{id}(unhealthy)")
                     } else if !p.deferred_bind {
                         format!("{id}(not deferred)")
+                    } else if let (Some(n), Some(max)) = (p.attached, p.max_volumes) {
+                        format!("{id}({n}/{max} attached)")
                     } else {
                         id.clone()
                     }

@@ -42,6 +42,9 @@ pub const SHAPE: Shape<'static> = Shape {
         "unfenced",
         "ungated",
         "mount_health.broken",
+        "offers.plugins",
+        "offers.cooling_down",
+        "offers.constraints",
     ],
     opaque: &["mounts.publish_context"],
 };

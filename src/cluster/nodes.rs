@@ -80,6 +80,21 @@ pub struct NodeRecord {
     /// prints them.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub history: BTreeMap<String, Vec<NodeEvent>>,
+    /// Per plugin with an attach limit (its fingerprint's `max_volumes` or the agent's
+    /// `--max-volumes`): how many of its volumes are attached here and the limit; absent
+    /// when no plugin has one. `node status` prints them.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub attach: BTreeMap<String, AttachCount>,
+}
+
+/// A plugin's attached volumes on a node and its limit there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AttachCount {
+    /// Its volumes with a mount record on the node.
+    pub attached: u64,
+    /// The node's limit for the plugin.
+    pub max_volumes: u32,
 }
 
 /// The most events per volume a node record keeps in [`NodeRecord::history`].
@@ -256,6 +271,13 @@ impl NodeRecord {
     /// The variable path of a node's record.
     pub fn path_of(node_id: &str) -> String {
         format!("{NODE_PREFIX}{node_id}")
+    }
+
+    /// Replaces the attach counts of the plugins with a limit. True when they changed.
+    pub fn set_attach(&mut self, attach: BTreeMap<String, AttachCount>) -> bool {
+        let changed = self.attach != attach;
+        self.attach = attach;
+        changed
     }
 
     /// Replaces the plugin inventory from the agent's fingerprints. True when it changed.
@@ -539,6 +561,7 @@ mod tests {
                 version: "0.2.0".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }),
         );
         p.insert(
@@ -547,6 +570,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: false,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

@@ -466,6 +466,8 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         source: Default::default(),
         mount_options: Default::default(),
         secret_refs: Default::default(),
+        constraints: Vec::new(),
+        availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
     rec.state = VolumeState::Ready;

@@ -167,6 +167,11 @@ struct FaultLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PluginOnly {
+    plugin: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PluginLabels {
     plugin: String,
     deferred: &'static str,
@@ -236,6 +241,8 @@ struct Inner {
     volumes: Gauge,
     volumes_served: Gauge,
     plugins: Family<PluginLabels, Gauge>,
+    plugin_attached: Family<PluginOnly, Gauge>,
+    plugin_max_volumes: Family<PluginOnly, Gauge>,
     heap_allocated: Gauge,
     heap_resident: Gauge,
     last_watch: Mutex<&'static str>,
@@ -428,6 +435,18 @@ impl Metrics {
             "1 when a plugin's fingerprint succeeded, 0 when it failed",
             plugins.clone(),
         );
+        let plugin_attached = Family::<PluginOnly, Gauge>::default();
+        r.register(
+            "plugin_attached_volumes",
+            "Volumes of a plugin with an attach limit that are attached on this node",
+            plugin_attached.clone(),
+        );
+        let plugin_max_volumes = Family::<PluginOnly, Gauge>::default();
+        r.register(
+            "plugin_max_volumes",
+            "A plugin's attach limit on this node (fingerprint max_volumes or --max-volumes)",
+            plugin_max_volumes.clone(),
+        );
         let heap_allocated = Gauge::default();
         r.register_with_unit(
             "heap_allocated",
@@ -543,6 +562,8 @@ impl Metrics {
             volumes,
             volumes_served,
             plugins,
+            plugin_attached,
+            plugin_max_volumes,
             heap_allocated,
             heap_resident,
             last_watch: Mutex::new(""),
@@ -755,6 +776,24 @@ impl Metrics {
         self.0.volume_stats.set(volumes, unused);
     }
 
+    /// The attach count and limit of each plugin with a limit (series of plugins without
+    /// one are removed).
+    pub fn set_attach(&self, attach: &BTreeMap<String, crate::cluster::nodes::AttachCount>) {
+        self.0.plugin_attached.clear();
+        self.0.plugin_max_volumes.clear();
+        for (id, a) in attach {
+            let l = PluginOnly { plugin: id.clone() };
+            self.0
+                .plugin_attached
+                .get_or_create(&l)
+                .set(a.attached as i64);
+            self.0
+                .plugin_max_volumes
+                .get_or_create(&l)
+                .set(i64::from(a.max_volumes));
+        }
+    }
+
     /// The OpenMetrics text exposition of every metric (the allocator's figures and the
     /// mount table reading count read now).
     pub fn encode(&self) -> String {
@@ -797,7 +836,7 @@ mod tests {
     use super::*;
 
     /// Every metric family the agent exports.
-    const EXPORTED: [&str; 32] = [
+    const EXPORTED: [&str; 34] = [
         "dhv_binder_plugin_call_duration_seconds",
         "dhv_binder_plugin_leftover_processes_total",
         "dhv_binder_publish_wait_duration_seconds",
@@ -826,6 +865,8 @@ mod tests {
         "dhv_binder_volumes",
         "dhv_binder_volumes_served",
         "dhv_binder_plugin_up",
+        "dhv_binder_plugin_attached_volumes",
+        "dhv_binder_plugin_max_volumes",
         "dhv_binder_heap_allocated_bytes",
         "dhv_binder_heap_resident_bytes",
         "dhv_binder_build_info",
@@ -1027,10 +1068,18 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));
         m.set_plugins(&plugins);
+        m.set_attach(&BTreeMap::from([(
+            "bind".to_string(),
+            crate::cluster::nodes::AttachCount {
+                attached: 1,
+                max_volumes: 2,
+            },
+        )]));
 
         let after = scrape().await;
         // Every metric is exposed (families once they have a member).
@@ -1077,6 +1126,8 @@ mod tests {
         has("dhv_binder_journal_write_duration_seconds_count 1");
         has("dhv_binder_allocations 7");
         has("dhv_binder_plugin_up{plugin=\"bind\",deferred=\"true\"} 1");
+        has("dhv_binder_plugin_attached_volumes{plugin=\"bind\"} 1");
+        has("dhv_binder_plugin_max_volumes{plugin=\"bind\"} 2");
         has("dhv_binder_plugin_up{plugin=\"nfs\",deferred=\"unknown\"} 0");
         // Every loop that retries a call to Nomad has its counter (issue 45 #2).
         for call in crate::nomad::retry::Call::ALL {
@@ -1170,6 +1221,8 @@ mod tests {
             "dhv_binder_plugin_call_duration_seconds",
             "dhv_binder_plugin_leftover_processes_total",
             "dhv_binder_plugin_up",
+            "dhv_binder_plugin_attached_volumes",
+            "dhv_binder_plugin_max_volumes",
         ];
         for name in EXPORTED.iter().filter(|n| !by_plugin.contains(n)) {
             let count = format!("{name}_count");

@@ -569,6 +569,21 @@ impl Client {
         Ok(node.map(|n| n.status))
     }
 
+    /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`): what a volume's
+    /// constraints are evaluated against (ID, Name, NodeClass, Datacenter, NodePool,
+    /// Attributes, Meta), `None` when Nomad does not know the node.
+    pub async fn node_facts(
+        &self,
+        node_id: &str,
+    ) -> Result<Option<crate::nomad::types::NodeFacts>, NomadError> {
+        self.get_optional(
+            &Route::v1(&["node", node_id]),
+            &[],
+            "read this node's attributes (GET /v1/node/:id)",
+        )
+        .await
+    }
+
     /// Nomad API: `GET /v1/node/:node_id` (needs `node:read`): the node's `Name`, `None`
     /// when Nomad does not know the node.
     pub async fn node_name(&self, node_id: &str) -> Result<Option<String>, NomadError> {

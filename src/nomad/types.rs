@@ -542,6 +542,51 @@ impl AgentSelf {
     }
 }
 
+/// What a node's constraints are evaluated against: the parts of Nomad's node
+/// (Nomad API: `GET /v1/node/:node_id`) that its scheduler's `resolveTarget`
+/// (`scheduler/feasible/feasible.go`) reads for a constraint's target.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct NodeFacts {
+    #[serde(rename = "ID", default)]
+    pub id: String,
+    #[serde(rename = "Name", default)]
+    pub name: String,
+    #[serde(rename = "NodeClass", default)]
+    pub class: String,
+    #[serde(rename = "Datacenter", default)]
+    pub datacenter: String,
+    #[serde(rename = "NodePool", default)]
+    pub pool: String,
+    #[serde(rename = "Attributes", default)]
+    pub attributes: BTreeMap<String, String>,
+    #[serde(rename = "Meta", default)]
+    pub meta: BTreeMap<String, String>,
+}
+
+impl NodeFacts {
+    /// The value of a constraint target on this node (`resolveTarget`); `None` when the
+    /// attribute or meta key is not set.
+    pub fn resolve(&self, target: &str) -> Option<&str> {
+        let key = |p: &str| target.strip_prefix(p).and_then(|k| k.strip_suffix('}'));
+        match target {
+            "${node.unique.id}" => Some(&self.id),
+            "${node.unique.name}" => Some(&self.name),
+            "${node.class}" => Some(&self.class),
+            "${node.datacenter}" => Some(&self.datacenter),
+            "${node.pool}" => Some(&self.pool),
+            _ => {
+                if let Some(k) = key("${attr.") {
+                    self.attributes.get(k).map(String::as_str)
+                } else if let Some(k) = key("${meta.") {
+                    self.meta.get(k).map(String::as_str)
+                } else {
+                    None
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,10 +8,12 @@
 //! - [`environment`]: the plugin environment contract (the variables of each operation);
 //! - [`secrets`]: the secrets a volume references, read where they live at each call;
 //! - [`redact`]: secrets taken out of plugin text in the forms plugins print them;
+//! - [`error_class`]: what a failure says about where the call can succeed;
 //! - `discovery`: notices plugin files added, changed or removed.
 
 pub(crate) mod discovery;
 pub mod environment;
+pub mod error_class;
 pub mod plugin;
 mod process;
 pub mod protocol;

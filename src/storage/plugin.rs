@@ -728,8 +728,15 @@ impl Runner {
                     #[derive(Deserialize)]
                     struct ErrOut {
                         error: String,
+                        #[serde(default)]
+                        error_class: Option<String>,
                     }
-                    let message = serde_json::from_slice::<ErrOut>(&out)
+                    let parsed = serde_json::from_slice::<ErrOut>(&out).ok();
+                    let class = parsed
+                        .as_ref()
+                        .and_then(|e| e.error_class.as_deref())
+                        .and_then(crate::storage::error_class::ErrorClass::parse);
+                    let message = parsed
                         .map(|e| sanitize_tail(e.error.as_bytes(), secrets, STDERR_TAIL))
                         .unwrap_or_default();
                     let e = PluginError::Failed {
@@ -738,6 +745,7 @@ impl Runner {
                         status: describe(status),
                         message,
                         stderr,
+                        class,
                     };
                     tracing::warn!(plugin = plugin_id, %op, detail = %e.detail(), "{e}");
                     Err(e)
@@ -829,6 +837,7 @@ mod tests {
                 version: "1.2.3".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
+                max_volumes: None,
             }
         );
         let out = r

@@ -125,6 +125,9 @@ pub enum PluginError {
         status: String,
         message: String,
         stderr: String,
+        /// The `error_class` the plugin printed beside its `error`, if any
+        /// (it wins over the exit code, [`crate::storage::error_class::ErrorClass::of_status`]).
+        class: Option<crate::storage::error_class::ErrorClass>,
     },
     #[error("plugin {plugin:?} {op}: {source}")]
     Helper {
@@ -251,6 +254,11 @@ pub struct Fingerprint {
     /// ignored, so a newer plugin runs under an older agent).
     #[serde(default)]
     pub capabilities: Vec<String>,
+    /// How many of its volumes the node can have published at once (CSI's
+    /// `max_volumes_per_node`); unlimited when absent. The agent's `--max-volumes` overrides
+    /// it (docs/plugin-protocol.md, "Attach limits").
+    #[serde(default)]
+    pub max_volumes: Option<u32>,
 }
 
 impl Fingerprint {
@@ -482,6 +490,7 @@ mod tests {
             status: "exit code 1".into(),
             message: "x".repeat(5000),
             stderr: String::new(),
+            class: None,
         };
         assert_eq!(e.report().chars().count(), REPORT_LIMIT);
         assert!(e.report().ends_with('…'));
@@ -491,6 +500,7 @@ mod tests {
             status: "exit code 1".into(),
             message: String::new(),
             stderr: " ".into(),
+            class: None,
         };
         assert_eq!(quiet.report(), quiet.to_string());
     }

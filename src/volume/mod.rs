@@ -2,8 +2,11 @@
 //! and the cluster-wide record dhv-binder keeps for it in a Nomad Variable
 //! (`dhv-binder/volumes/<name>` in the volume's namespace).
 
+pub mod availability;
+pub mod constraint;
 pub mod mount_options;
 pub mod secret_refs;
+mod nesting;
 
 use crate::nomad::types::Variable;
 use crate::volume::mount_options::{MountOptions, MountOptionsError};
@@ -57,8 +60,8 @@ pub enum SpecError {
     BadSnapshotId(String),
     #[error("{field:?} is not a volume spec field dhv-binder knows ({known}): remove it (dhv-binder refuses what it cannot honour rather than ignore it)")]
     UnknownField { field: String, known: String },
-    #[error("constraint blocks are not supported: a deferred volume is offered on every node of its node_pool where its plugin is healthy; use node_pool (or install the plugin only on the nodes that may serve it) instead")]
-    Constraint,
+    #[error(transparent)]
+    Constraint(#[from] constraint::ConstraintError),
     #[error("node_id is not supported: a deferred volume is published on whichever node runs its allocation; use node_pool to choose the nodes that may serve it")]
     NodeId,
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
@@ -119,7 +122,7 @@ impl SpecError {
             SpecError::TwoSources => top("snapshot_id").max(top("clone_id")),
             SpecError::BadSnapshotId(_) => top("snapshot_id"),
             SpecError::UnknownField { field, .. } => top(field),
-            SpecError::Constraint => top("constraint"),
+            SpecError::Constraint(_) => top("constraint"),
             SpecError::NodeId => top("node_id"),
             SpecError::UnknownBlockField { block, field, .. } => {
                 spec_line(text, Some(block), field, None)
@@ -230,53 +233,6 @@ pub const MAX_SPEC_DEPTH: usize = 32;
 /// Largest spec text accepted, in bytes.
 pub const MAX_SPEC_BYTES: usize = 1 << 20;
 
-/// The deepest nesting of brackets in HCL text, outside strings and comments. Conservative:
-/// brackets inside heredocs count too.
-fn nesting_depth(text: &str) -> usize {
-    let b = text.as_bytes();
-    let (mut depth, mut max, mut i) = (0usize, 0usize, 0usize);
-    while let Some(&c) = b.get(i) {
-        match c {
-            b'"' => {
-                i += 1;
-                while let Some(&d) = b.get(i) {
-                    match d {
-                        b'\\' => i += 1,
-                        b'"' => break,
-                        _ => {}
-                    }
-                    i += 1;
-                }
-            }
-            b'#' => {
-                while b.get(i).is_some_and(|&d| d != b'\n') {
-                    i += 1;
-                }
-            }
-            b'/' if b.get(i + 1) == Some(&b'/') => {
-                while b.get(i).is_some_and(|&d| d != b'\n') {
-                    i += 1;
-                }
-            }
-            b'/' if b.get(i + 1) == Some(&b'*') => {
-                i += 2;
-                while i < b.len() && !(b[i] == b'*' && b.get(i + 1) == Some(&b'/')) {
-                    i += 1;
-                }
-                i += 1;
-            }
-            b'{' | b'[' | b'(' => {
-                depth += 1;
-                max = max.max(depth);
-            }
-            b'}' | b']' | b')' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-        i += 1;
-    }
-    max
-}
-
 /// One `capability { access_mode attachment_mode }` block.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capability {
@@ -312,6 +268,12 @@ pub struct VolumeSpec {
     /// by the node at each plugin call ([`secret_refs`]); omitted from the record when empty.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub secret_refs: BTreeMap<String, secret_refs::SecretRef>,
+    /// Only nodes that satisfy every `constraint` block offer the volume; omitted when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<constraint::Constraint>,
+    /// `volume update -availability` (not in the HCL); omitted from the record when `active`.
+    #[serde(default, skip_serializing_if = "availability::Availability::is_active")]
+    pub availability: availability::Availability,
 }
 
 #[derive(Deserialize)]
@@ -335,6 +297,8 @@ struct RawSpec {
     clone_id: Option<String>,
     #[serde(default)]
     mount_options: Option<RawMountOptions>,
+    #[serde(default)]
+    constraint: Option<hcl::Value>,
 }
 
 #[derive(Deserialize)]
@@ -347,7 +311,7 @@ struct RawMountOptions {
 }
 
 /// The top-level fields of a `volume create` spec.
-pub const SPEC_FIELDS: [&str; 14] = [
+pub const SPEC_FIELDS: [&str; 15] = [
     "name",
     "type",
     "namespace",
@@ -362,6 +326,7 @@ pub const SPEC_FIELDS: [&str; 14] = [
     "clone_id",
     "mount_options",
     "secret_ref",
+    "constraint",
 ];
 
 /// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
@@ -381,7 +346,8 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
     })?;
     // Shapes first, in the order of the text: a string where a string goes, a block where
     // a block goes, and only known fields in a capability block.
-    let blocks: [&'static str; 6] = [
+    let blocks: [&'static str; 7] = [
+        "constraint",
         "capability",
         "parameters",
         "secrets",
@@ -416,6 +382,7 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                         field: b,
                         shape: match *b {
                             "capability" => "a block: `capability { access_mode = \"…\" attachment_mode = \"…\" }`",
+                            "constraint" => "a block: `constraint { attribute = \"${meta.rack}\" value = \"r1\" }`",
                             "mount_options" => "a block: `mount_options { mount_flags = [\"noexec\"] }`",
                             "secret_ref" => "a labelled block: `secret_ref \"password\" { variable = \"…\" item = \"…\" }`",
                             _ => "a block of `key = \"value\"` lines, e.g. `parameters { export = \"/srv\" }`",
@@ -438,27 +405,28 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
                     check_mount_options_block(b)?;
                     continue;
                 }
-                if ident != "capability" {
+                let Some(&(block, fields, known)) = STRING_BLOCKS.iter().find(|b| b.0 == ident)
+                else {
                     continue;
-                }
+                };
                 for inner in b.body.iter() {
                     let key = match inner {
                         Structure::Attribute(a) => a.key.as_str(),
                         Structure::Block(b) => b.ident.as_str(),
                     };
                     match inner.as_attribute() {
-                        Some(a) if ["access_mode", "attachment_mode"].contains(&key) => {
+                        Some(a) if fields.contains(&key) => {
                             if !is_string(&a.value) {
                                 return Err(SpecError::NotAString {
-                                    field: format!("capability.{key}"),
+                                    field: format!("{block}.{key}"),
                                 });
                             }
                         }
                         _ => {
                             return Err(SpecError::UnknownBlockField {
-                                block: "capability",
+                                block,
                                 field: key.into(),
-                                known: "access_mode, attachment_mode",
+                                known,
                             })
                         }
                     }
@@ -477,7 +445,6 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
             continue;
         }
         return Err(match name.as_str() {
-            "constraint" => SpecError::Constraint,
             "node_id" => SpecError::NodeId,
             _ => SpecError::UnknownField {
                 field: name,
@@ -491,6 +458,20 @@ fn check_fields(text: &str, register: bool) -> Result<(), SpecError> {
     }
     Ok(())
 }
+
+/// The blocks of string fields only: name, fields, the fields as the error lists them.
+const STRING_BLOCKS: [(&str, &[&str], &str); 2] = [
+    (
+        "capability",
+        &["access_mode", "attachment_mode"],
+        "access_mode, attachment_mode",
+    ),
+    (
+        "constraint",
+        &["attribute", "operator", "value"],
+        "attribute, operator, value",
+    ),
+];
 
 /// The fields of a `mount_options` block: `mount_flags` a list of strings, `fs_type` a
 /// string, nothing else.
@@ -627,7 +608,7 @@ fn parse_spec_of(
     text: &str,
     register: bool,
 ) -> Result<(VolumeSpec, BTreeMap<String, String>), SpecError> {
-    if text.len() > MAX_SPEC_BYTES || nesting_depth(text) > MAX_SPEC_DEPTH {
+    if text.len() > MAX_SPEC_BYTES || nesting::depth(text) > MAX_SPEC_DEPTH {
         return Err(SpecError::TooDeep);
     }
     check_fields(text, register)?;
@@ -723,6 +704,7 @@ fn parse_spec_of(
     };
     let body = hcl::edit::parser::parse_body(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let secret_refs = secret_refs::parse(&body, &secrets)?;
+    let constraints = constraint::from_blocks(raw.constraint)?;
     Ok((
         VolumeSpec {
             name,
@@ -736,6 +718,8 @@ fn parse_spec_of(
             source,
             mount_options,
             secret_refs,
+            constraints,
+            availability: Default::default(),
         },
         secrets,
     ))
@@ -1298,12 +1282,12 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(
+        assert!(matches!(
             parse_spec(&format!(
-                "{base}constraint {{\n  attribute = \"${{node.class}}\"\n  value = \"db\"\n}}"
+                "{base}constraint {{\n  attribute = \"${{node.klass}}\"\n  value = \"db\"\n}}"
             )),
-            Err(SpecError::Constraint)
-        );
+            Err(SpecError::Constraint(_))
+        ));
         assert_eq!(
             parse_spec(&format!("{base}node_id = \"x\"")),
             Err(SpecError::NodeId)
@@ -1436,7 +1420,7 @@ mod tests {
             "[".repeat(100)
         );
         assert!(parse_spec(&quoted).is_ok(), "{quoted}");
-        assert_eq!(nesting_depth("a { b { c = [1] } } // {{{{\n/* [[[[ */"), 3);
+        assert_eq!(nesting::depth("a { b { c = [1] } } // {{{{\n/* [[[[ */"), 3);
     }
 
     #[test]

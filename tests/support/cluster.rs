@@ -154,6 +154,28 @@ impl Cluster {
         agent_env: &[(&str, &str)],
         sim_env: &[(&str, &str)],
     ) -> Cluster {
+        Self::start_sim_with_meta(nodes, sim_extra, agent_env, sim_env, &[]).await
+    }
+
+    /// Like [`Cluster::start`], with client meta: `(node index, key, value)` entries in the
+    /// simulator's client blocks (`client "node-<i+1>" { meta { key = "value" } }`).
+    pub async fn start_with_meta(nodes: usize, meta: &[(usize, &str, &str)]) -> Cluster {
+        let mut c = Self::start_sim_with_meta(nodes, "", &[], &[], meta).await;
+        for i in 0..c.nodes.len() {
+            c.start_agent(i);
+        }
+        c.wait_plugin("bind").await;
+        c
+    }
+
+    /// [`Cluster::start_sim`] with client meta (see [`Cluster::start_with_meta`]).
+    pub async fn start_sim_with_meta(
+        nodes: usize,
+        sim_extra: &str,
+        agent_env: &[(&str, &str)],
+        sim_env: &[(&str, &str)],
+        meta: &[(usize, &str, &str)],
+    ) -> Cluster {
         let sb = Sandbox::new();
         let plugin_dir = sb.join("plugins");
         std::fs::create_dir_all(&plugin_dir).unwrap();
@@ -216,8 +238,18 @@ impl Cluster {
         for i in 1..=nodes {
             let run = sb.join(&format!("node-{i}/run"));
             std::fs::create_dir_all(&run).unwrap();
+            let meta: String = meta
+                .iter()
+                .filter(|(n, _, _)| n + 1 == i)
+                .map(|(_, k, v)| format!("    {k} = \"{v}\"\n"))
+                .collect();
+            let meta = if meta.is_empty() {
+                meta
+            } else {
+                format!("  meta {{\n{meta}  }}\n")
+            };
             cfg.push_str(&format!(
-                "client \"node-{i}\" {{\n  cgroup_parent = \"{}\"\n  chroot_env = {{\n{}    \"{}\" = \"/usr/local/bin\"\n  }}\n  host_volume \"dhv-binder-socket\" {{\n    path = \"{}\"\n    read_only = true\n  }}\n}}\n",
+                "client \"node-{i}\" {{\n{meta}  cgroup_parent = \"{}\"\n  chroot_env = {{\n{}    \"{}\" = \"/usr/local/bin\"\n  }}\n  host_volume \"dhv-binder-socket\" {{\n    path = \"{}\"\n    read_only = true\n  }}\n}}\n",
                 cgroup.path.join(format!("node-{i}.nomad")).display(),
                 chroot,
                 dhv_binder_bin().parent().unwrap().display(),

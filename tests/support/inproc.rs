@@ -73,6 +73,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         secrets_path: dhv_binder::storage::secrets::DEFAULT_SECRETS_PATH.into(),
         vault_addr: None,
         vault_token: None,
+        max_volumes: vec![],
         token_issuer: None,
         helper_cgroup: dhv_binder::config::HelperCgroupSetting::None,
         helper_memory_max: dhv_binder::config::MemoryMax(None),

@@ -114,6 +114,7 @@ impl Core {
             self.chores_due = true;
         }
         match done {
+            Completion::NodeRead(result) => self.on_node_read(result, now),
             Completion::Published {
                 volume,
                 result,
@@ -131,6 +132,12 @@ impl Core {
                         m.last_error.clear();
                         self.retries.succeeded(&Work::Mount(volume.clone()));
                         self.last_error.remove(&volume);
+                        self.offers.published(&volume);
+                        // One more attached volume: a plugin with a limit may be at it now
+                        // (its other placeholders go at once, not at the next tick).
+                        if self.max_volumes(&m.plugin_id).is_some() {
+                            self.chores_due = true;
+                        }
                         let ms = elapsed.as_millis() as u64;
                         self.latency.record(ms);
                         tracing::info!(%volume, target = %m.target.display(), ms, "published");
@@ -173,6 +180,7 @@ impl Core {
                         tracing::warn!(%volume, error = %e, "publish failed; will retry with backoff");
                         m.last_error = e.report();
                         self.step_failed(&volume, &e);
+                        self.publish_failed_here(&volume, &e, now);
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
                         self.journal.set_mount(m, EventKind::PublishFailed, None);

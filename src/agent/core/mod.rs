@@ -7,6 +7,7 @@
 mod completions;
 mod forced_unpublish;
 mod mount_table;
+mod offers;
 mod status;
 
 use crate::agent::claim_waits::ClaimWaits;
@@ -15,6 +16,7 @@ use crate::agent::effect::{Answer, Effect, PluginFence};
 use crate::agent::input::{ApiCall, Completion, Input, ReplyId};
 use crate::agent::latency::Latency;
 use crate::agent::mount_health::MountHealth;
+use crate::agent::offer::Offers;
 use crate::agent::placeholders::Placeholders;
 use crate::agent::reconcile::{self, ClaimState, Inputs, Scope, Step, Waiting};
 use crate::agent::retry::{Retries, Work, STEP_RETRY};
@@ -58,6 +60,8 @@ pub(crate) struct Settings {
     pub heartbeat_interval_max: Duration,
     /// Seeds the retry jitter.
     pub seed: u64,
+    /// `--max-volumes`: the attach limit of a plugin on this node, over its fingerprint's.
+    pub max_volumes: BTreeMap<String, u32>,
 }
 
 /// The agent's state.
@@ -91,6 +95,14 @@ pub(crate) struct Core {
     claim_waits: ClaimWaits,
     fetching: BTreeSet<String>,
     placeholders: Placeholders,
+    /// Volumes withheld from Nomad here although served: cool-downs (attach limits are
+    /// decided from the journal and the plugins).
+    offers: Offers,
+    /// This node's attributes and meta (volume constraints), once read; re-read every
+    /// [`crate::agent::offer::NODE_REREAD`].
+    node_facts: Option<crate::volume::constraint::NodeFacts>,
+    node_read_at: Option<Instant>,
+    reading_node: bool,
     workers: Workers,
     storage_ops: StorageOps,
     claims: Claims,
@@ -180,6 +192,10 @@ impl Core {
             claim_waits: ClaimWaits::default(),
             fetching: BTreeSet::new(),
             placeholders: Placeholders::default(),
+            offers: Offers::default(),
+            node_facts: None,
+            node_read_at: None,
+            reading_node: false,
             workers: Workers::default(),
             storage_ops: StorageOps::default(),
             claims,
@@ -484,6 +500,7 @@ impl Core {
             self.mount_health.next_wakeup(),
             self.last_fingerprint.map(|t| t + self.s.plugin_rescan),
             self.journal_trouble.next_wakeup(),
+            self.offers.next_wakeup(),
         ]
         .into_iter()
         .flatten()
@@ -546,6 +563,10 @@ impl Core {
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Effect>) {
         self.give_up_forced(now, out);
+        if self.offers.expire(now) {
+            self.chores_due = true;
+        }
+        self.read_node_if_due(now, out);
         let gone = self.view.expire(now);
         if gone > 0 {
             tracing::info!(
@@ -659,7 +680,20 @@ impl Core {
         let (mut add, mut remove, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for step in plan.steps {
             match step {
-                Step::AddUser(u) => add.push(u),
+                Step::AddUser(u) => {
+                    // A paused or drained volume gets no new user, even where published.
+                    let refused = self
+                        .volumes
+                        .get(&u.volume)
+                        .and_then(|r| self.not_a_new_user(r, &u.alloc_id));
+                    match refused {
+                        Some(w) => self.waiting.push(Waiting {
+                            volume: u.volume.clone(),
+                            reason: w.reason(now),
+                        }),
+                        None => add.push(u),
+                    }
+                }
                 Step::RemoveUser(u) => remove.push(u),
                 other => steps.push(other),
             }
@@ -681,6 +715,21 @@ impl Core {
                         self.waiting.push(Waiting {
                             volume,
                             reason: why.clone(),
+                        });
+                        continue;
+                    }
+                    // Withheld here: not published (the waiting callers are refused at once),
+                    // but a volume cooling down after transient failures is still retried for
+                    // an allocation already here (a fixed backend publishes it).
+                    let withheld = self
+                        .volumes
+                        .get(&volume)
+                        .and_then(|r| self.withheld(r, &self.attached_by_plugin(), now))
+                        .filter(|w| !w.retried_here());
+                    if let Some(w) = withheld {
+                        self.waiting.push(Waiting {
+                            volume,
+                            reason: w.reason(now),
                         });
                         continue;
                     }
@@ -764,10 +813,12 @@ impl Core {
         }
         let chores = std::mem::take(&mut self.chores_due);
         if chores && self.placeholders_ready() {
+            let attached = self.attached_by_plugin();
             let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self
                 .volumes
                 .values()
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
+                .filter(|r| self.withheld(r, &attached, now).is_none())
                 .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
                 .collect();
             // A pass over every volume: counted with the planning work.
@@ -991,7 +1042,9 @@ impl Core {
     }
 
     fn answer_waiters(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let refused = self.refused_for_waiters(now);
         let known = Known {
+            refused: &refused,
             view: &self.view,
             volumes: &self.volumes,
             journal: &self.journal,

@@ -55,6 +55,7 @@ impl Core {
             "holders": self.holders.iter().map(|(k, u)| (k.to_string(), u)).collect::<BTreeMap<_, _>>(),
             "unfenced": self.unfenced,
             "journal": self.journal_trouble.status(),
+            "offers": self.offers_status(self.now),
             "ungated": self.ungated.iter().map(|(id, u)| (id.clone(), u)).collect::<BTreeMap<_, _>>(),
             // Ungated tasks whose allocation ended before their volume was published here.
             "ungated_exited": self.ungated_exited.iter().map(|(id, u)| serde_json::json!({"alloc_id": id, "task": u})).collect::<Vec<_>>(),

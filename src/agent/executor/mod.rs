@@ -41,6 +41,9 @@ pub enum Completion {
     /// The plugin directory could not be read: the plugins known before stand (an I/O error
     /// is never "no plugins").
     PluginsUnreadable { dir: PathBuf, error: std::io::Error },
+    /// This node's attributes and meta, as Nomad has them (`None`: Nomad does not know the
+    /// node).
+    NodeRead(Result<Option<crate::nomad::types::NodeFacts>, NomadError>),
     /// This node's placeholder host volumes (volume → host volume ID).
     PlaceholdersListed(Result<BTreeMap<VolumeKey, ListedPlaceholder>, NomadError>),
     /// A placeholder was registered (`Some(id)`) or deregistered (`None`).
@@ -605,6 +608,11 @@ pub async fn list_placeholders(
     }
     .await;
     Completion::PlaceholdersListed(result)
+}
+
+/// Reads this node's attributes and meta.
+pub async fn read_node(client: Client, node_id: String) -> Completion {
+    Completion::NodeRead(client.node_facts(&node_id).await)
 }
 
 /// Registers the placeholder host volume for `rec` on this node, creating its directory

@@ -74,6 +74,9 @@ pub enum StartError {
     /// The claim renewals' thread cannot be started.
     #[error("cannot start the claim renewals' thread: {0}")]
     Renewals(#[source] std::io::Error),
+    /// A setting is malformed (`--max-volumes`).
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// An exclusive lock on `<state_dir>/agent.lock`, held for the agent's life: two agents
@@ -386,6 +389,7 @@ impl Shell {
                 Called::Other(executor::storage::perform(client, runner, node, op).await)
             }),
             Effect::Delete(rec) => self.plugin_call(executor::delete(client, runner, node, *rec)),
+            Effect::ReadNode => self.call(executor::read_node(client, node.node_id.clone())),
             Effect::ListPlaceholders { namespaces } => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),
@@ -1073,6 +1077,7 @@ pub async fn run(
             claims,
             health_interval: cfg.health_interval,
             heartbeat_interval_max: cfg.heartbeat_interval_max,
+            max_volumes: cfg.max_volumes_by_plugin()?,
             seed: std::process::id() as u64
                 ^ u64::from(
                     std::time::UNIX_EPOCH
@@ -1175,7 +1180,8 @@ pub async fn run(
             let volumes = r.set_volumes(usage.map_or(volumes.clone(), |u| u.annotate(volumes)));
             let refused = r.set_refused(&shell.rejected_records.snapshot());
             let history = r.set_history(core.node_history());
-            r.set_watch(core.watch_health()) | plugins | volumes | refused | history
+            let attach = r.set_attach(core.attach_counts());
+            r.set_watch(core.watch_health()) | plugins | volumes | refused | history | attach
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");

@@ -34,6 +34,7 @@ fn shell(dir: &std::path::Path) -> (Shell, Journal) {
         record_keys: None,
         allow_unsigned_records: true,
         plugin_roots: vec![],
+        max_volumes: vec![],
         secrets_path: crate::storage::secrets::DEFAULT_SECRETS_PATH.into(),
         vault_addr: None,
         vault_token: None,
@@ -219,6 +220,7 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
             health_interval: Duration::from_secs(10),
             heartbeat_interval_max: Duration::from_secs(20),
             seed: 1,
+            max_volumes: Default::default(),
         },
         journal,
         now(),
@@ -246,6 +248,7 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
+            max_volumes: None,
         };
         Input::Done(Completion::Plugins(
             [("bind".to_string(), Ok(fp))].into_iter().collect(),
@@ -364,6 +367,7 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
             claims: s.claims,
             health_interval: Duration::from_secs(10),
             seed: 1,
+            max_volumes: Default::default(),
             heartbeat_interval_max: Duration::from_secs(20),
         },
         journal,
@@ -392,6 +396,7 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
+            max_volumes: None,
         };
         Input::Done(Completion::Plugins(
             [("bind".to_string(), Ok(fp))].into_iter().collect(),

@@ -112,6 +112,8 @@ pub enum VolumeCommand {
         #[command(flatten)]
         key: SigningArgs,
     },
+    /// Set whether new allocations may get a volume: `-availability=active|pause|drain`.
+    Update(super::update::UpdateArgs),
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.
     Deregister {
@@ -191,6 +193,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
             remove::delete(&client, ns, name, wait.wait(), key.load()?).await
         }
         VolumeCommand::Deregister { name } => remove::deregister(&client, ns, name).await,
+        VolumeCommand::Update(args) => super::update::update(&client, ns, args).await,
         VolumeCommand::Unpublish {
             name,
             node,

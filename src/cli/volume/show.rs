@@ -40,6 +40,18 @@ pub struct VolumeSummary {
     pub create_index: u64,
     /// The record variable's `ModifyIndex`.
     pub modify_index: u64,
+    /// `active`, `pause` or `drain` (`volume update -availability`).
+    pub availability: String,
+}
+
+impl VolumeSummary {
+    /// The state, with the availability when it is not `active`: `ready (pause)`.
+    fn state_shown(&self) -> String {
+        match self.availability.as_str() {
+            "active" | "" => self.state.clone(),
+            a => format!("{} ({a})", self.state),
+        }
+    }
 }
 
 /// One requested capability in `-json`, as Nomad's `HostVolumeCapability`.
@@ -461,6 +473,7 @@ pub fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
         registered,
         create_index: r.create_index,
         modify_index: r.modify_index,
+        availability: r.spec.availability.as_str().into(),
     }
 }
 
@@ -479,7 +492,7 @@ pub fn render_list(vols: &[VolumeSummary], verbose: bool) -> String {
                 } else {
                     "-".into()
                 },
-                v.state.clone(),
+                v.state_shown(),
             ]
         })
         .collect();
@@ -502,9 +515,9 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
         (
             "State",
             if s.registered {
-                format!("{} (registered)", s.state)
+                format!("{} (registered)", s.state_shown())
             } else {
-                s.state.clone()
+                s.state_shown()
             },
         ),
         (
@@ -874,6 +887,7 @@ mod tests {
             registered: false,
             create_index: 11,
             modify_index: 12,
+            availability: "active".into(),
         }
     }
 
@@ -918,7 +932,8 @@ mod tests {
                 "AccessMode",
                 "Registered",
                 "CreateIndex",
-                "ModifyIndex"
+                "ModifyIndex",
+                "Availability"
             ]
         );
         assert_eq!(j[0]["CapacityBytes"], 1u64 << 30);

@@ -9,6 +9,7 @@ use crate::node::journal::Journal;
 use crate::node::mounts::MountTable;
 
 mod claims;
+mod offers;
 mod planning;
 mod ungated;
 
@@ -32,6 +33,7 @@ fn settings() -> Settings {
         health_interval: Duration::from_secs(10),
         heartbeat_interval_max: Duration::from_secs(20),
         seed: 1,
+        max_volumes: Default::default(),
     }
 }
 
@@ -77,6 +79,7 @@ impl H {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
+            max_volumes: None,
         };
         h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
             "bind".to_string(),
@@ -190,6 +193,7 @@ fn a_publish_starts_only_after_its_intent_is_committed() {
         version: "1".into(),
         deferred_bind: true,
         capabilities: Vec::new(),
+        max_volumes: None,
     };
     all.extend(core.handle(
         Input::Done(Completion::Plugins(BTreeMap::from([(
@@ -246,6 +250,7 @@ fn a_burst_of_allocations_is_one_commit_with_every_publish() {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
+            max_volumes: None,
         }),
     )]))));
     h.feed(Input::Catalogue(
@@ -880,6 +885,7 @@ fn the_node_record_carries_no_plugin_words() {
         status: "exit code 1".into(),
         message: "backend said: bucket team-a-secrets is gone".into(),
         stderr: String::new(),
+        class: None,
     });
     let e = h.feed(Input::Done(Completion::Published {
         volume: key("d"),

@@ -1,0 +1,269 @@
+//! The core's side of [`crate::agent::offer`]: the attach limit of each plugin (the agent's
+//! `--max-volumes` over the fingerprint's `max_volumes`), what its volumes count here, and
+//! the volumes withheld from this node's waiting callers.
+
+use super::*;
+use crate::agent::offer::Withheld;
+use crate::agent::view::requests;
+use crate::storage::error_class::ErrorClass;
+
+impl Core {
+    /// The attach limit of `plugin` on this node: the agent's override, else the plugin's
+    /// fingerprint; `None` when unlimited.
+    pub(super) fn max_volumes(&self, plugin: &str) -> Option<u32> {
+        self.s.max_volumes.get(plugin).copied().or_else(|| {
+            self.plugins
+                .get(plugin)
+                .and_then(|f| f.as_ref().ok())
+                .and_then(|f| f.max_volumes)
+        })
+    }
+
+    /// How many volumes of each plugin have a mount record here (published, being
+    /// published or unpublished, or a publish that failed and is not cleaned up yet: the
+    /// storage may hold an attachment for each).
+    /// Empty (no pass over the mounts) when no plugin has a limit here, as on most nodes.
+    pub(super) fn attached_by_plugin(&self) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        if !self.any_limit() {
+            return out;
+        }
+        for m in self.journal.mounts().values() {
+            *out.entry(m.plugin_id.clone()).or_insert(0) += 1;
+        }
+        out
+    }
+
+    /// True when a plugin has an attach limit on this node.
+    fn any_limit(&self) -> bool {
+        !self.s.max_volumes.is_empty()
+            || self
+                .plugins
+                .values()
+                .any(|f| f.as_ref().is_ok_and(|f| f.max_volumes.is_some()))
+    }
+
+    /// Why `rec` is withheld on this node at `now`, if it is; `attached` is
+    /// [`Core::attached_by_plugin`]. A volume published here (or being unpublished) never is.
+    pub(super) fn withheld(
+        &self,
+        rec: &VolumeRecord,
+        attached: &BTreeMap<String, usize>,
+        now: Instant,
+    ) -> Option<Withheld> {
+        let key = rec.key();
+        let own = self.journal.mounts().get(&key);
+        let published_here = own.is_some_and(|m| m.state != MountState::Publishing);
+        if published_here {
+            return None;
+        }
+        if !rec.spec.availability.is_active() {
+            return Some(Withheld::Unavailable(rec.spec.availability));
+        }
+        if !rec.spec.constraints.is_empty() {
+            match &self.node_facts {
+                None => return Some(Withheld::NodeUnread),
+                Some(n) => {
+                    if let Some(c) =
+                        crate::volume::constraint::unsatisfied(n, &rec.spec.constraints)
+                    {
+                        return Some(Withheld::Constraint(c.to_string()));
+                    }
+                }
+            }
+        }
+        let plugin = &rec.spec.plugin_id;
+        let others = attached
+            .get(plugin)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(usize::from(own.is_some()));
+        self.offers.withheld(
+            &key,
+            plugin,
+            published_here,
+            others,
+            self.max_volumes(plugin),
+            now,
+        )
+    }
+
+    /// Why `alloc_id` may not become a new user of `rec` here (an operator paused or
+    /// drained it), even where it is published: its current users keep it.
+    pub(super) fn not_a_new_user(&self, rec: &VolumeRecord, alloc_id: &str) -> Option<Withheld> {
+        if rec.spec.availability.is_active() {
+            return None;
+        }
+        let user = crate::node::journal::UserKey {
+            alloc_id: alloc_id.to_string(),
+            volume: rec.key(),
+        };
+        (!self.journal.users().contains(&user))
+            .then_some(Withheld::Unavailable(rec.spec.availability))
+    }
+
+    /// The volumes the waiting callers need that are withheld here, with why: they are
+    /// refused at once (the job is to go elsewhere), not left to wait out their deadline.
+    pub(super) fn refused_for_waiters(&self, now: Instant) -> BTreeMap<VolumeKey, String> {
+        let mut out = BTreeMap::new();
+        if self.waiters.len() == 0 {
+            return out;
+        }
+        let attached = self.attached_by_plugin();
+        for alloc_id in self.waiters.allocs() {
+            let Some(alloc) = self.view.allocs().get(alloc_id) else {
+                continue;
+            };
+            for r in requests(alloc, &self.volumes) {
+                let Some(rec) = self.volumes.get(&r.volume) else {
+                    continue;
+                };
+                if let Some(w) = self.not_a_new_user(rec, alloc_id) {
+                    out.insert(r.volume.clone(), w.reason(now));
+                    continue;
+                }
+                if let Some(w) = self.withheld(rec, &attached, now) {
+                    out.insert(r.volume.clone(), w.reason(now));
+                }
+            }
+        }
+        out
+    }
+
+    /// A publish of `volume` failed with `e`: the volume cools down here when the failure
+    /// says so ([`crate::agent::offer::Offers::publish_failed`]); then its placeholder is
+    /// withdrawn at the next chores.
+    pub(super) fn publish_failed_here(
+        &mut self,
+        volume: &VolumeKey,
+        e: &crate::agent::executor::StepError,
+        now: Instant,
+    ) {
+        let class = match e {
+            crate::agent::executor::StepError::Plugin(p) => crate::agent::offer::class_of(p),
+            _ => ErrorClass::RetryHere,
+        };
+        if self.offers.publish_failed(volume, class, &e.report(), now) {
+            tracing::warn!(%volume, %class, "publish cannot succeed on this node: its placeholder is withdrawn for a cool-down and waiting allocations are failed so that Nomad places them elsewhere");
+            self.chores_due = true;
+        }
+    }
+
+    /// Reads this node's attributes at start and every
+    /// [`crate::agent::offer::NODE_REREAD`], one read at a time.
+    pub(super) fn read_node_if_due(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let due = self
+            .node_read_at
+            .is_none_or(|t| now.saturating_duration_since(t) >= crate::agent::offer::NODE_REREAD);
+        if due && !self.reading_node {
+            self.reading_node = true;
+            self.node_read_at = Some(now);
+            out.push(Effect::ReadNode);
+        }
+    }
+
+    /// This node's attributes were read: a change makes the placeholders due again (a node
+    /// whose attributes no longer satisfy a volume's constraints withdraws its placeholder).
+    /// A failed read keeps what was known (constrained volumes stay withheld until a first
+    /// read succeeds) and is tried again at the next re-read.
+    pub(super) fn on_node_read(
+        &mut self,
+        result: Result<Option<crate::volume::constraint::NodeFacts>, crate::nomad::NomadError>,
+        now: Instant,
+    ) {
+        self.reading_node = false;
+        match result {
+            Ok(Some(facts)) => {
+                if self.node_facts.as_ref() != Some(&facts) {
+                    tracing::info!(name = %facts.name, class = %facts.class, datacenter = %facts.datacenter, "this node's attributes read (volume constraints are evaluated against them)");
+                    self.node_facts = Some(facts);
+                    self.chores_due = true;
+                    self.replan_all = true;
+                }
+            }
+            Ok(None) => {
+                tracing::warn!(
+                    "Nomad does not know this node: volumes with constraints are not offered here"
+                );
+            }
+            Err(e) => {
+                // Sooner than a full re-read period while nothing is known.
+                if self.node_facts.is_none() {
+                    self.node_read_at = now
+                        .checked_sub(crate::agent::offer::NODE_REREAD / 2)
+                        .or(Some(now));
+                }
+                tracing::warn!(error = %e, "cannot read this node's attributes; volumes with constraints keep their last decision");
+            }
+        }
+    }
+
+    /// The attach count of each plugin with a limit on this node (the node record's
+    /// `attach`, for `node status`).
+    pub(crate) fn attach_counts(&self) -> BTreeMap<String, crate::cluster::nodes::AttachCount> {
+        let attached = self.attached_by_plugin();
+        self.plugins
+            .keys()
+            .filter_map(|p| {
+                let max = self.max_volumes(p)?;
+                Some((
+                    p.clone(),
+                    crate::cluster::nodes::AttachCount {
+                        attached: attached.get(p).copied().unwrap_or(0) as u64,
+                        max_volumes: max,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    /// The attach count and limit of each plugin, and the volumes cooling down here (the
+    /// status document's `offers`).
+    pub(super) fn offers_status(&self, now: Instant) -> serde_json::Value {
+        let attached = self.attached_by_plugin();
+        let limits: BTreeMap<&String, serde_json::Value> = self
+            .plugins
+            .keys()
+            .map(|p| {
+                (
+                    p,
+                    serde_json::json!({
+                        "attached": attached.get(p).copied().unwrap_or(0),
+                        "max_volumes": self.max_volumes(p),
+                    }),
+                )
+            })
+            .collect();
+        let cooling: BTreeMap<String, serde_json::Value> = self
+            .offers
+            .cooling()
+            .filter(|(_, (until, _, _))| *until > now)
+            .map(|(k, (until, error, _))| {
+                (
+                    k.to_string(),
+                    serde_json::json!({
+                        "seconds_left": until.saturating_duration_since(now).as_secs(),
+                        "error": error,
+                    }),
+                )
+            })
+            .collect();
+        let constrained: BTreeMap<String, String> = self
+            .volumes
+            .values()
+            .filter(|r| !r.spec.constraints.is_empty())
+            .map(|r| {
+                let why = match &self.node_facts {
+                    None => Withheld::NodeUnread.reason(now),
+                    Some(n) => match crate::volume::constraint::unsatisfied(n, &r.spec.constraints)
+                    {
+                        Some(c) => Withheld::Constraint(c.to_string()).reason(now),
+                        None => "offered: this node satisfies every constraint".to_string(),
+                    },
+                };
+                (r.key().to_string(), why)
+            })
+            .collect();
+        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained})
+    }
+}

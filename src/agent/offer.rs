@@ -1,0 +1,276 @@
+//! Decides which volumes this node withholds from Nomad's scheduler although it serves them:
+//! a plugin at its attach limit (`max_volumes` volumes published here), and a volume whose
+//! publish cannot succeed here for a while (a failure of class "elsewhere", or
+//! [`TRANSIENT_LIMIT`] transient failures in a row: a cool-down of [`COOL_DOWN`]). A
+//! This node not satisfying a volume's `constraint` blocks withholds it too. A
+//! withheld volume has no placeholder here (so no `ready` host volume of its name: Nomad's
+//! feasibility checker places elsewhere) and a publish of it here is refused at once, with
+//! why; a volume published here is never withheld (its users keep it).
+
+use crate::storage::error_class::ErrorClass;
+use crate::storage::plugin::PluginError;
+use crate::volume::VolumeKey;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// How long a node withholds a volume after a publish that cannot succeed here.
+pub(crate) const COOL_DOWN: Duration = Duration::from_secs(300);
+
+/// How often an agent reads its node's attributes and meta again (a node whose attributes
+/// changed stops or starts offering constrained volumes within this long).
+pub(crate) const NODE_REREAD: Duration = Duration::from_secs(30);
+
+/// Transient publish failures in a row on this node after which the volume cools down.
+pub(crate) const TRANSIENT_LIMIT: u32 = 3;
+
+/// The class of a plugin's failure: the `error_class` it printed, else its exit code
+/// ([`ErrorClass::of_status`]); a timeout, a spawn failure and the like are transient.
+pub(crate) fn class_of(e: &PluginError) -> ErrorClass {
+    match e {
+        PluginError::Failed { class: Some(c), .. } => *c,
+        PluginError::Failed { status, .. } => ErrorClass::of_status(status),
+        _ => ErrorClass::RetryHere,
+    }
+}
+
+/// Why this node withholds a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Withheld {
+    /// `published` of the plugin's volumes are published here, its limit is `max`.
+    AttachLimit {
+        plugin: String,
+        published: usize,
+        max: u32,
+    },
+    /// A publish here failed in a way that sends the job elsewhere, until `until`.
+    /// `retried`: the failures were transient, so a publish for an allocation already
+    /// here is still tried (with backoff); after "elsewhere" or "final" it is not.
+    CoolingDown {
+        until: Instant,
+        error: String,
+        retried: bool,
+    },
+    /// This node does not satisfy the volume's constraint (as written).
+    Constraint(String),
+    /// The volume has constraints and this node's attributes have not been read yet.
+    NodeUnread,
+    /// An operator paused or drained the volume (`volume update -availability`).
+    Unavailable(crate::volume::availability::Availability),
+}
+
+impl Withheld {
+    /// True for a cool-down after transient failures: a publish for an allocation already
+    /// here is still tried.
+    pub(crate) fn retried_here(&self) -> bool {
+        matches!(self, Withheld::CoolingDown { retried: true, .. })
+    }
+
+    /// One line for the caller, the log and the status.
+    pub(crate) fn reason(&self, now: Instant) -> String {
+        match self {
+            Withheld::AttachLimit {
+                plugin,
+                published,
+                max,
+            } => format!(
+                "this node is at its attach limit for plugin {plugin:?} ({published} of {max} volumes published): the job is to run on another node"
+            ),
+            Withheld::Constraint(c) => {
+                format!("this node does not satisfy the volume's constraint {c}")
+            }
+            Withheld::Unavailable(a) => format!(
+                "paused by an operator (availability {a}): no new allocation gets the volume until `dhv-binder volume update -availability=active`"
+            ),
+            Withheld::NodeUnread => "the volume has constraints and this node's attributes are not read yet (GET /v1/node/:id)".to_string(),
+            Withheld::CoolingDown { until, error, .. } => format!(
+                "{error} (offered here again in {}s)",
+                until.saturating_duration_since(now).as_secs()
+            ),
+        }
+    }
+}
+
+/// The cool-downs and transient failure counts of this node's volumes.
+#[derive(Debug, Default)]
+pub(crate) struct Offers {
+    cooling: BTreeMap<VolumeKey, (Instant, String, bool)>,
+    transient: BTreeMap<VolumeKey, u32>,
+}
+
+impl Offers {
+    /// A publish of `volume` failed with `class` and the plugin's words `report`: true when
+    /// the volume now cools down here (class "elsewhere", or the [`TRANSIENT_LIMIT`]th
+    /// transient failure in a row). "final" is the volume's, not this node's: it is
+    /// recorded on the volume by the caller and cools down here too.
+    pub(crate) fn publish_failed(
+        &mut self,
+        volume: &VolumeKey,
+        class: ErrorClass,
+        report: &str,
+        now: Instant,
+    ) -> bool {
+        let n = self.transient.entry(volume.clone()).or_insert(0);
+        *n += 1;
+        let cool = match class {
+            ErrorClass::Elsewhere | ErrorClass::Final => true,
+            ErrorClass::RetryHere => *n >= TRANSIENT_LIMIT,
+        };
+        if cool {
+            self.transient.remove(volume);
+            let error = match class {
+                ErrorClass::RetryHere => {
+                    format!("{report} ({TRANSIENT_LIMIT} times in a row)")
+                }
+                _ => report.to_string(),
+            };
+            let retried = class == ErrorClass::RetryHere;
+            self.cooling
+                .insert(volume.clone(), (now + COOL_DOWN, error, retried));
+        }
+        cool
+    }
+
+    /// A publish of `volume` succeeded: its failures are forgotten.
+    pub(crate) fn published(&mut self, volume: &VolumeKey) {
+        self.transient.remove(volume);
+        self.cooling.remove(volume);
+    }
+
+    /// Forgets cool-downs that ended; true when one did (the placeholders are due again).
+    pub(crate) fn expire(&mut self, now: Instant) -> bool {
+        let before = self.cooling.len();
+        self.cooling.retain(|_, (until, _, _)| *until > now);
+        self.cooling.len() != before
+    }
+
+    /// When the next cool-down ends.
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
+        self.cooling.values().map(|(t, _, _)| *t).min()
+    }
+
+    /// The volumes cooling down here, with until when and why.
+    pub(crate) fn cooling(&self) -> impl Iterator<Item = (&VolumeKey, &(Instant, String, bool))> {
+        self.cooling.iter()
+    }
+
+    /// Why `volume` of `plugin` is withheld here at `now`, if it is. `published_here` is
+    /// true when it is published on this node (never withheld then); `published` counts the
+    /// plugin's volumes published here; `max` is the plugin's limit.
+    pub(crate) fn withheld(
+        &self,
+        volume: &VolumeKey,
+        plugin: &str,
+        published_here: bool,
+        published: usize,
+        max: Option<u32>,
+        now: Instant,
+    ) -> Option<Withheld> {
+        if published_here {
+            return None;
+        }
+        if let Some((until, error, retried)) = self.cooling.get(volume).filter(|(t, _, _)| *t > now)
+        {
+            return Some(Withheld::CoolingDown {
+                until: *until,
+                error: error.clone(),
+                retried: *retried,
+            });
+        }
+        match max {
+            Some(max) if published >= max as usize => Some(Withheld::AttachLimit {
+                plugin: plugin.to_string(),
+                published,
+                max,
+            }),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: &str) -> VolumeKey {
+        VolumeKey {
+            namespace: "default".into(),
+            name: n.into(),
+        }
+    }
+
+    /// The declared class wins over the exit code.
+    #[test]
+    fn a_declared_class_wins_over_the_exit_code() {
+        let failed = |status: &str, class| PluginError::Failed {
+            plugin: "p".into(),
+            op: crate::storage::plugin::Operation::Publish,
+            status: status.into(),
+            message: String::new(),
+            stderr: String::new(),
+            class,
+        };
+        assert_eq!(
+            class_of(&failed("exit code 69", None)),
+            ErrorClass::Elsewhere
+        );
+        assert_eq!(
+            class_of(&failed("exit code 1", None)),
+            ErrorClass::RetryHere
+        );
+        assert_eq!(
+            class_of(&failed("exit code 1", Some(ErrorClass::Final))),
+            ErrorClass::Final
+        );
+    }
+
+    /// A plugin at its limit withholds its other volumes, never one published here, and
+    /// offers them again once one is unpublished.
+    #[test]
+    fn an_attach_limit_withholds_only_unpublished_volumes() {
+        let t = Instant::now();
+        let o = Offers::default();
+        assert!(o.withheld(&key("a"), "bind", true, 1, Some(1), t).is_none());
+        assert!(matches!(
+            o.withheld(&key("b"), "bind", false, 1, Some(1), t),
+            Some(Withheld::AttachLimit {
+                published: 1,
+                max: 1,
+                ..
+            })
+        ));
+        assert!(o
+            .withheld(&key("b"), "bind", false, 0, Some(1), t)
+            .is_none());
+        assert!(o.withheld(&key("b"), "bind", false, 5, None, t).is_none());
+    }
+
+    /// "elsewhere" cools the volume down at once; transient failures only at the
+    /// [`TRANSIENT_LIMIT`]th in a row (a success in between starts the count again); the
+    /// cool-down ends after [`COOL_DOWN`].
+    #[test]
+    fn elsewhere_or_repeated_transient_failures_cool_a_volume_down() {
+        let t = Instant::now();
+        let mut o = Offers::default();
+        assert!(o.publish_failed(&key("a"), ErrorClass::Elsewhere, "no route", t));
+        let w = o.withheld(&key("a"), "bind", false, 0, None, t).unwrap();
+        assert!(w.reason(t).contains("no route"), "{}", w.reason(t));
+        for i in 1..TRANSIENT_LIMIT {
+            assert!(
+                !o.publish_failed(&key("b"), ErrorClass::RetryHere, "busy", t),
+                "{i}"
+            );
+        }
+        o.published(&key("b"));
+        assert!(!o.publish_failed(&key("b"), ErrorClass::RetryHere, "busy", t));
+        for _ in 1..TRANSIENT_LIMIT {
+            o.publish_failed(&key("b"), ErrorClass::RetryHere, "busy", t);
+        }
+        assert!(o.withheld(&key("b"), "bind", false, 0, None, t).is_some());
+        assert_eq!(o.next_wakeup(), Some(t + COOL_DOWN));
+        assert!(!o.expire(t + COOL_DOWN / 2));
+        assert!(o.expire(t + COOL_DOWN));
+        assert!(o
+            .withheld(&key("a"), "bind", false, 0, None, t + COOL_DOWN)
+            .is_none());
+    }
+}
