@@ -5,8 +5,8 @@
 pub mod availability;
 pub mod constraint;
 pub mod mount_options;
-pub mod secret_refs;
 mod nesting;
+pub mod secret_refs;
 
 use crate::nomad::types::Variable;
 use crate::volume::mount_options::{MountOptions, MountOptionsError};
