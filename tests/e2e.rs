@@ -477,6 +477,18 @@ async fn dead_fuse_mount_is_republished_and_the_allocation_restarted() {
     )
     .await;
 
+    // Once rclone's cache marks nothing dirty: a write still dirty when its rclone dies is
+    // kept in that rclone's cache and refuses the unpublish until it reaches the server
+    // (tests/storage_failures.rs covers that); this test is about the republish.
+    let meta = c.nodes[node]
+        .state_dir
+        .join("volumes/webdav/cache")
+        .join(volume_id(&c, "shared-data").await)
+        .join("vfsMeta");
+    c.wait_for(20, "rclone's cache with nothing dirty", || async {
+        (dirty_files(&meta) == 0).then_some(())
+    })
+    .await;
     // The FUSE process dies (as when a storage plugin restarts).
     let pids = mount_pids(&target);
     assert_eq!(pids.len(), 1, "{pids:?}");
@@ -1028,4 +1040,24 @@ async fn the_creating_node_registers_its_placeholder_without_waiting_for_a_relis
         "agent start to placeholder registered: {:.1} s (relist 60 s)",
         started.elapsed().as_secs_f64()
     );
+}
+
+/// Files of rclone's cache metadata under `dir` that mark a file not uploaded yet
+/// (`"Dirty": true`), as the webdav plugin counts them.
+fn dirty_files(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| {
+            let p = e.path();
+            if p.is_dir() {
+                dirty_files(&p)
+            } else {
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                usize::from(text.contains("\"Dirty\": true") || text.contains("\"Dirty\":true"))
+            }
+        })
+        .sum()
 }
