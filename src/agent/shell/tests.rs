@@ -211,49 +211,9 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut s, journal) = shell(dir.path());
     let now = || tokio::time::Instant::now().into_std();
-    let mut core = Core::new(
-        Settings {
-            node: s.node.clone(),
-            mount_root: s.cfg.mount_root(),
-            plugin_rescan: Duration::from_secs(60),
-            claims: s.claims,
-            health_interval: Duration::from_secs(10),
-            heartbeat_interval_max: Duration::from_secs(20),
-            seed: 1,
-            max_volumes: Default::default(),
-        },
-        journal,
-        now(),
-    );
-    let (_watch, watch) = mpsc::channel(1);
-    let (_catalogue, catalogue) = mpsc::channel(1);
-    let (_snapshots, snapshots) = mpsc::channel(1);
-    let (_unpublish, unpublish) = mpsc::channel(1);
-    let (_api, api) = mpsc::channel(1);
-    let (_plugins, plugins) = mpsc::channel(1);
-    let every = Duration::from_millis(200);
-    let mut src = Sources {
-        watch,
-        catalogue,
-        snapshots,
-        unpublish,
-        api,
-        plugins,
-        records_failing: tokio::sync::watch::channel(None).1,
-        tick: ticker(every),
-        every,
-    };
-    let fingerprinted = || {
-        let fp = crate::storage::plugin::Fingerprint {
-            version: "1".into(),
-            deferred_bind: true,
-            capabilities: Vec::new(),
-            max_volumes: None,
-        };
-        Input::Done(Completion::Plugins(
-            [("bind".to_string(), Ok(fp))].into_iter().collect(),
-        ))
-    };
+    let mut core = scripted_core(&s, journal, Duration::from_secs(60), now());
+    let (mut src, _senders) = silent_sources(Duration::from_millis(200));
+    let fingerprinted = bind_fingerprinted;
     // The volume and its allocation arrive with the mount table and the plugin.
     let mut next = vec![
         Input::MountTable(MountTable::default()),
@@ -359,49 +319,9 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut s, journal) = shell(dir.path());
     let now = || tokio::time::Instant::now().into_std();
-    let mut core = Core::new(
-        Settings {
-            node: s.node.clone(),
-            mount_root: s.cfg.mount_root(),
-            plugin_rescan: Duration::from_secs(600),
-            claims: s.claims,
-            health_interval: Duration::from_secs(10),
-            seed: 1,
-            max_volumes: Default::default(),
-            heartbeat_interval_max: Duration::from_secs(20),
-        },
-        journal,
-        now(),
-    );
-    let (_watch, watch) = mpsc::channel(1);
-    let (_catalogue, catalogue) = mpsc::channel(1);
-    let (_snapshots, snapshots) = mpsc::channel(1);
-    let (_unpublish, unpublish) = mpsc::channel(1);
-    let (_api, api) = mpsc::channel(1);
-    let (_plugins, plugins) = mpsc::channel(1);
-    let every = Duration::from_millis(200);
-    let mut src = Sources {
-        watch,
-        catalogue,
-        snapshots,
-        unpublish,
-        api,
-        plugins,
-        records_failing: tokio::sync::watch::channel(None).1,
-        tick: ticker(every),
-        every,
-    };
-    let fingerprinted = || {
-        let fp = crate::storage::plugin::Fingerprint {
-            version: "1".into(),
-            deferred_bind: true,
-            capabilities: Vec::new(),
-            max_volumes: None,
-        };
-        Input::Done(Completion::Plugins(
-            [("bind".to_string(), Ok(fp))].into_iter().collect(),
-        ))
-    };
+    let mut core = scripted_core(&s, journal, Duration::from_secs(600), now());
+    let (mut src, _senders) = silent_sources(Duration::from_millis(200));
+    let fingerprinted = bind_fingerprinted;
     let mut next = vec![
         Input::MountTable(MountTable::default()),
         fingerprinted(),
@@ -455,4 +375,82 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
         text.contains("failures="),
         "each line counts the failures it stands for:\n{text}"
     );
+}
+
+/// A core for the scripted loop tests, with the shell's node, mount root and claim settings.
+fn scripted_core(
+    s: &Shell,
+    journal: Journal,
+    plugin_rescan: Duration,
+    now: std::time::Instant,
+) -> Core {
+    Core::new(
+        Settings {
+            node: s.node.clone(),
+            mount_root: s.cfg.mount_root(),
+            plugin_rescan,
+            claims: s.claims,
+            health_interval: Duration::from_secs(10),
+            heartbeat_interval_max: Duration::from_secs(20),
+            seed: 1,
+            max_volumes: Default::default(),
+        },
+        journal,
+        now,
+    )
+}
+
+/// The senders that keep [`silent_sources`]' channels open (nothing is ever sent on them).
+type Senders = (
+    mpsc::Sender<WatchEvent>,
+    mpsc::Sender<Catalogue>,
+    mpsc::Sender<crate::cluster::snapshot::Snapshots>,
+    mpsc::Sender<crate::cluster::unpublish_request::Requests>,
+    mpsc::Sender<Request2Agent>,
+    mpsc::Sender<()>,
+);
+
+/// The loop's sources with every channel open and silent, and a tick every `every`.
+fn silent_sources(every: Duration) -> (Sources, Senders) {
+    let (watch_tx, watch) = mpsc::channel(1);
+    let (catalogue_tx, catalogue) = mpsc::channel(1);
+    let (snapshots_tx, snapshots) = mpsc::channel(1);
+    let (unpublish_tx, unpublish) = mpsc::channel(1);
+    let (api_tx, api) = mpsc::channel(1);
+    let (plugins_tx, plugins) = mpsc::channel(1);
+    let src = Sources {
+        watch,
+        catalogue,
+        snapshots,
+        unpublish,
+        api,
+        plugins,
+        records_failing: tokio::sync::watch::channel(None).1,
+        tick: ticker(every),
+        every,
+    };
+    (
+        src,
+        (
+            watch_tx,
+            catalogue_tx,
+            snapshots_tx,
+            unpublish_tx,
+            api_tx,
+            plugins_tx,
+        ),
+    )
+}
+
+/// The scripted fingerprint: plugin `bind`, deferred, no optional operations.
+fn bind_fingerprinted() -> Input {
+    let fp = crate::storage::plugin::Fingerprint {
+        version: "1".into(),
+        deferred_bind: true,
+        capabilities: Vec::new(),
+        max_volumes: None,
+    };
+    Input::Done(Completion::Plugins(
+        [("bind".to_string(), Ok(fp))].into_iter().collect(),
+    ))
 }
