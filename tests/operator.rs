@@ -800,14 +800,19 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
     assert_eq!(n["Allocations"][0], alloc_id, "{out}");
 
     c.stop_job(&job, false).await;
+    // The plugin call's counter moves when the call returns, on the worker; the gauges move
+    // when the agent's loop takes the completion in, a moment later. Wait for both.
+    let unpublishing = r#"dhv_binder_mounts{state="unpublishing"}"#;
     let after = c
         .wait_for(
             60,
-            "the unpublish counted and the mount gauge at 0",
+            "the unpublish counted and the mount gauges at 0",
             || async {
                 let t = scrape(&addr).await;
-                (sample(&t, unpublish_ok) == Some(1.0) && sample(&t, published) == Some(0.0))
-                    .then_some(t)
+                (sample(&t, unpublish_ok) == Some(1.0)
+                    && sample(&t, published) == Some(0.0)
+                    && sample(&t, unpublishing) == Some(0.0))
+                .then_some(t)
             },
         )
         .await;
