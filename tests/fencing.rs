@@ -724,6 +724,85 @@ async fn an_agent_paused_past_its_lease_fences_first_on_resume() {
     c.stop_job(&job, false).await;
 }
 
+/// An agent restarted while the servers are out of reach for a few seconds (an upgrade of the
+/// system job during a short outage) keeps its claim and kills nothing: the lease of a claim
+/// restored from the journal is known again from the renewals kept on disk on the same boot
+/// (`<state_dir>/leases.json`), so its failed first renewal fences it only a margin before
+/// that lease ends, as without the restart. The writer writes on throughout. Without the file
+/// the restored claim's lease is unknown and the same restart fences at once (the second half).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_restarted_during_a_short_outage_keeps_its_claim_and_kills_nothing() {
+    let mut c = Cluster::start_with(1, "", &[]).await;
+    c.create_volume(VOLUME, "single-node-writer");
+    let job = c.run_job(&writer_job(c.sb.path())).await;
+    let first: Value = c
+        .running_alloc(&job, "app", 120, "the writer running")
+        .await;
+    c.wait_for(30, "the claim held and a renewal kept on disk", || async {
+        let leases = std::fs::read_to_string(c.nodes[0].state_dir.join("leases.json")).ok()?;
+        (claim_state(&c, 0) == "held" && leases.contains(VOLUME)).then_some(())
+    })
+    .await;
+    let restart = |c: &mut Cluster, forget: bool| {
+        c.kill_agent(0, nix::sys::signal::Signal::SIGKILL);
+        if forget {
+            std::fs::remove_file(c.nodes[0].state_dir.join("leases.json")).unwrap();
+        }
+    };
+    let outage = |on: bool| format!("/v1/sim/node/{}/partition?on={on}", c.nodes[0].id);
+    let (cut, heal) = (outage(true), outage(false));
+
+    restart(&mut c, false);
+    c.put(&cut, json!({})).await;
+    c.start_agent(0);
+    // Long enough for the restored claim's first renewals to fail (one at once, then every
+    // TTL/6 = 2.5 s), short of the lease's fence moment (30 s after the last renewal sent).
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    c.put(&heal, json!({})).await;
+    c.wait_for(30, "the claim renewed after the outage", || async {
+        (claim_state(&c, 0) == "held").then_some(())
+    })
+    .await;
+    let events: Vec<String> = c
+        .journal(0)
+        .iter()
+        .filter_map(|e| e["event"].as_str().map(str::to_string))
+        .collect();
+    assert!(
+        !events.iter().any(|e| e == "fenced"),
+        "a restart during a short outage fenced the volume: {events:?}"
+    );
+    let lines = log_lines(&c).len();
+    c.wait_for(10, "the writer still writing", || async {
+        (log_lines(&c).len() > lines).then_some(())
+    })
+    .await;
+    assert!(c
+        .allocs(&job)
+        .await
+        .iter()
+        .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
+
+    // The same restart without the renewals on disk: the lease is unknown, and the first
+    // failed renewal fences (fail closed).
+    restart(&mut c, true);
+    c.put(&cut, json!({})).await;
+    c.start_agent(0);
+    c.wait_for(
+        20,
+        "the fence of a claim whose lease is unknown",
+        || async {
+            c.journal(0)
+                .iter()
+                .any(|e| e["event"] == "fenced")
+                .then_some(())
+        },
+    )
+    .await;
+    c.put(&heal, json!({})).await;
+    c.stop_job(&job, false).await;
+}
+
 /// `single-node-single-writer`: one writing allocation, even on one node. Nomad lets two
 /// writers of one volume overlap on a node in one case: an allocation whose status is `failed`
 /// while its poststop task still runs (`getClientStatus` gives `failed` precedence) is

@@ -113,7 +113,7 @@ impl Claims {
     /// Claims recorded in the journal before a restart are renewed at once: a renewal that
     /// finds the lock gone means another node may have the volume now, and the mount here is
     /// removed first; one that fails otherwise fences the volume at once (the lease's end is
-    /// unknown after a restart).
+    /// unknown after a restart), unless [`Claims::restore_leases`] gave the lease end back.
     pub(crate) fn restore<'a>(
         &mut self,
         mounts: impl IntoIterator<Item = &'a MountRecord>,
@@ -141,6 +141,40 @@ impl Claims {
                 );
             }
         }
+    }
+
+    /// The leases of claims restored after a restart on the same boot, from the renewals
+    /// kept on disk ([`crate::node::leases`]): volume → (lock ID, how long before `now` its
+    /// last renewal that succeeded was sent). A claim whose lock ID matches gets its lease
+    /// end back, so a failed first renewal fences it a margin before that end, not at once;
+    /// one whose fence moment has already passed keeps an unknown lease (fenced at its first
+    /// failed renewal, as without the file). Returns the claims whose lease was restored,
+    /// with when their renewal was sent.
+    pub(crate) fn restore_leases(
+        &mut self,
+        ages: &BTreeMap<VolumeKey, (String, std::time::Duration)>,
+        now: Instant,
+    ) -> Vec<(VolumeKey, String, Instant)> {
+        let mut restored = Vec::new();
+        for (k, c) in self.held.iter_mut() {
+            let Some((id, age)) = ages.get(k) else {
+                continue;
+            };
+            let Some(sent) = now.checked_sub(*age) else {
+                continue;
+            };
+            let end = sent + self.settings.ttl * 2 + self.settings.lock_delay;
+            let fence_at = end.checked_sub(self.settings.fence_margin).unwrap_or(end);
+            if *id != c.id || c.lease_end.is_some() || now >= fence_at {
+                continue;
+            }
+            c.lease_end = Some(end);
+            restored.push((k.clone(), id.clone(), sent));
+        }
+        if !restored.is_empty() {
+            self.version += 1;
+        }
+        restored
     }
 
     /// Each claim's state, for the plan.
@@ -664,6 +698,53 @@ mod tests {
             &c.orders()[..],
             [Effect::RenewClaim { lock_id, at_once: true, .. }] if lock_id == "lock-9"
         ));
+    }
+
+    /// A claim restored after a restart on the same boot gets its lease back from the
+    /// renewals kept on disk: its first renewal failing fences it a margin before that lease
+    /// ends, not at once. A lease whose fence moment has passed, or another lock's, is not
+    /// restored (fenced at the first failed renewal, as without the file).
+    #[test]
+    fn a_restored_lease_defers_the_fence_of_a_failed_first_renewal() {
+        let s = Duration::from_secs;
+        let t0 = Instant::now() + s(100);
+        let restored = |age: u64, lock: &str| {
+            let mut c = claims();
+            let mut m =
+                crate::node::journal::tests::rec(crate::node::journal::MountState::Published);
+            m.volume = key();
+            m.claim_id = Some("lock-9".into());
+            c.restore([&m], t0);
+            let ages = BTreeMap::from([(key(), (lock.to_string(), s(age)))]);
+            let back = c.restore_leases(&ages, t0);
+            let failed = Err(ClaimError::Nomad {
+                volume: key(),
+                source: crate::nomad::NomadError::Status {
+                    what: "lock-renew".into(),
+                    status: 0,
+                    body: "unreachable".into(),
+                },
+            });
+            c.on_renewed(&key(), "lock-9", t0, failed, true, t0 + s(1));
+            (c, back)
+        };
+        // Sent 5 s before the restart: lease end t0 + 40, fence at t0 + 25.
+        let (mut c, back) = restored(5, "lock-9");
+        assert_eq!(back, vec![(key(), "lock-9".to_string(), t0 - s(5))]);
+        assert_eq!(c.lease_end(&key()), Some(t0 + s(40)));
+        assert!(
+            c.fences_due(t0 + s(24)).is_empty(),
+            "fenced before its lease's margin"
+        );
+        assert_eq!(c.fences_due(t0 + s(25)), vec![key()]);
+        // Sent 31 s before: its fence moment (t0 - 1) has passed: unknown, fenced at once.
+        let (mut c, back) = restored(31, "lock-9");
+        assert!(back.is_empty());
+        assert_eq!(c.fences_due(t0 + s(1)), vec![key()]);
+        // Another lock's renewal says nothing of this claim's lease.
+        let (mut c, back) = restored(1, "lock-8");
+        assert!(back.is_empty());
+        assert_eq!(c.fences_due(t0 + s(1)), vec![key()]);
     }
 
     /// The lease runs from when the call was *sent*: 2 x TTL + lock delay after an acquire

@@ -27,7 +27,7 @@ use crate::node::clock::BootClock;
 use crate::nomad::Client;
 use crate::volume::VolumeKey;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -216,20 +216,108 @@ impl Schedule {
 /// The last renewal that succeeded, per volume: (lock ID, when it was sent), written by the
 /// renewal thread the moment its answer arrives. The fence reads it right before it kills
 /// anything ([`crate::agent::effect::Effect::Fence`]): the freshest evidence this node has
-/// that the servers still hold the claim for it. Cheap to clone: clones share the record.
+/// that the servers still hold the claim for it. It is also kept on disk for a restart on
+/// the same boot ([`crate::node::leases`], [`Evidence::keep_on_disk`]). Cheap to clone:
+/// clones share the record.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Evidence(Arc<Mutex<HashMap<VolumeKey, (String, Instant)>>>);
+pub(crate) struct Evidence(Arc<(Mutex<Renewals>, Condvar)>);
+
+#[derive(Debug, Default)]
+struct Renewals {
+    last: HashMap<VolumeKey, (String, Instant)>,
+    /// Moves with every change of `last` (the disk writer waits for it to move).
+    version: u64,
+    /// No more writes: the agent is stopping.
+    closed: bool,
+}
 
 impl Evidence {
+    fn change(&self, f: impl FnOnce(&mut HashMap<VolumeKey, (String, Instant)>)) {
+        let (m, changed) = &*self.0;
+        let mut r = m.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut r.last);
+        r.version += 1;
+        changed.notify_all();
+    }
+
     fn record(&self, volume: &VolumeKey, lock_id: &str, sent: Instant) {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        m.insert(volume.clone(), (lock_id.to_string(), sent));
+        self.change(|m| {
+            m.insert(volume.clone(), (lock_id.to_string(), sent));
+        });
+    }
+
+    /// A claim restored after a restart whose last renewal that succeeded was sent at
+    /// `sent` (read from [`crate::node::leases`]).
+    pub(crate) fn restored(&self, volume: &VolumeKey, lock_id: &str, sent: Instant) {
+        self.record(volume, lock_id, sent);
+    }
+
+    /// The claim on `volume` is no longer renewed here (released, lost or replaced).
+    fn forget(&self, volume: &VolumeKey) {
+        self.change(|m| {
+            m.remove(volume);
+        });
+    }
+
+    /// Keeps the record in `file` for a restart on the same boot: a thread of its own
+    /// writes it whenever it changed, at most once per [`crate::node::leases::WRITE_EVERY`]
+    /// (a slow state disk never delays a renewal). Ages are measured on `clock`. A failed
+    /// write is logged once until a write succeeds again. The thread ends with
+    /// [`Evidence::close`]. Errors when the thread cannot be made.
+    pub(crate) fn keep_on_disk(
+        &self,
+        file: crate::node::leases::LeaseFile,
+        clock: BootClock,
+    ) -> std::io::Result<()> {
+        let ev = self.clone();
+        std::thread::Builder::new()
+            .name("dhv-leases".into())
+            .spawn(move || {
+                let mut written = 0;
+                let mut failing = false;
+                loop {
+                    let snapshot = {
+                        let (m, changed) = &*ev.0;
+                        let mut r = m.lock().unwrap_or_else(|e| e.into_inner());
+                        while r.version == written && !r.closed {
+                            r = changed.wait(r).unwrap_or_else(|e| e.into_inner());
+                        }
+                        if r.closed {
+                            return;
+                        }
+                        written = r.version;
+                        r.last.clone()
+                    };
+                    let now = clock.at(Instant::now());
+                    let claims = snapshot.iter().map(|(k, (id, sent))| {
+                        (k, id.as_str(), now.saturating_duration_since(*sent))
+                    });
+                    match file.write(claims) {
+                        Ok(()) => failing = false,
+                        Err(e) if !failing => {
+                            failing = true;
+                            tracing::warn!(error = %e, "cannot keep the claims' renewals on disk");
+                        }
+                        Err(_) => {}
+                    }
+                    std::thread::sleep(crate::node::leases::WRITE_EVERY);
+                }
+            })?;
+        Ok(())
+    }
+
+    /// Ends the disk writer of [`Evidence::keep_on_disk`].
+    pub(crate) fn close(&self) {
+        let (m, changed) = &*self.0;
+        m.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+        changed.notify_all();
     }
 
     /// When the last renewal of `lock_id` on `volume` that succeeded was sent.
     pub(crate) fn last_success(&self, volume: &VolumeKey, lock_id: &str) -> Option<Instant> {
-        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(volume)
+        let r = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
+        r.last
+            .get(volume)
             .filter(|(id, _)| id == lock_id)
             .map(|(_, sent)| *sent)
     }
@@ -340,12 +428,18 @@ async fn run(
         evidence,
     } = ctx;
     let now = || clock.at(Instant::now());
+    let apply = |schedule: &mut Schedule, o: Order| {
+        if let Order::Stop { volume } = &o {
+            evidence.forget(volume);
+        }
+        schedule.order(o, now());
+    };
     let mut schedule = Schedule::new(every);
     loop {
         // Every order waiting first: a stop must not be overtaken by a renewal.
         loop {
             match orders.try_recv() {
-                Ok(o) => schedule.order(o, now()),
+                Ok(o) => apply(&mut schedule, o),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => return,
             }
@@ -395,7 +489,7 @@ async fn run(
             .map(|t| tokio::time::Instant::from_std(clock.monotonic(t)));
         tokio::select! {
             o = orders.recv() => match o {
-                Some(o) => schedule.order(o, now()),
+                Some(o) => apply(&mut schedule, o),
                 None => return,
             },
             _ = sleep_until(wake) => {}

@@ -10,6 +10,8 @@
 //!   roots), and the backoff it waits with meanwhile;
 //! - [`clock`]: the agent's clock, monotonic and counting the time the machine was
 //!   suspended (`CLOCK_BOOTTIME`), for the claims' lease;
+//! - [`leases`]: the claims' last renewals that succeeded, kept across an agent restart on
+//!   the same boot (so a restored claim's lease end is known);
 //! - `guard`: the read-only guard that keeps unpublished placeholders unwritable;
 //! - [`identity`]: whose process it is (a Nomad task's, a container's, another simulated
 //!   node's), from its cgroup, never its environment;
@@ -42,5 +44,6 @@ pub mod host;
 pub mod identity;
 pub mod install;
 pub mod journal;
+pub mod leases;
 pub mod mounts;
 pub mod usage;

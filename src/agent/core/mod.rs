@@ -241,6 +241,17 @@ impl Core {
         self.scoped = false;
     }
 
+    /// Gives restored claims their lease end back from the renewals kept on disk
+    /// ([`crate::agent::claims::Claims::restore_leases`]); call right after [`Core::new`]
+    /// with the same `now`. Returns the claims whose lease was restored.
+    pub(crate) fn restore_leases(
+        &mut self,
+        ages: &BTreeMap<VolumeKey, (String, std::time::Duration)>,
+        now: Instant,
+    ) -> Vec<(VolumeKey, String, Instant)> {
+        self.claims.restore_leases(ages, now)
+    }
+
     /// The journal's records.
     pub(crate) fn journal(&self) -> &Journal {
         &self.journal

@@ -1089,6 +1089,16 @@ pub async fn run(
         journal,
         now(),
     );
+    // The leases of the claims restored from the journal, when this restart is on the same
+    // boot as the renewals kept on disk (`node::leases`).
+    let lease_file = crate::node::leases::LeaseFile::new(&cfg.state_dir);
+    let restored_leases = match lease_file.read() {
+        Ok(ages) => core.restore_leases(&ages, now()),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the claims' renewals kept on disk");
+            Vec::new()
+        }
+    };
     let usage_handle = crate::agent::volume_usage::UsageHandle::start(
         cfg.usage_interval,
         crate::agent::volume_usage::READ_TIMEOUT,
@@ -1106,6 +1116,14 @@ pub async fn run(
     shell.usage = Some(usage_handle);
     shell.guarded = guarded;
     shell.clock = clock.clone();
+    for (volume, lock_id, sent) in &restored_leases {
+        tracing::info!(%volume, "claim restored with its lease: its last renewal was sent {:?} ago", now().saturating_duration_since(*sent));
+        shell.evidence.restored(volume, lock_id, *sent);
+    }
+    shell
+        .evidence
+        .keep_on_disk(lease_file, clock.clone())
+        .map_err(StartError::Renewals)?;
     // Claim renewals on a thread of their own, over connections of their own.
     shell.renewer = Some(
         crate::agent::renewer::Renewer::start(
@@ -1185,6 +1203,7 @@ pub async fn run(
         });
     }
     tracing::info!("dhv-binder agent stopping; published volumes stay mounted for their tasks");
+    shell.evidence.close();
     for t in background {
         t.abort();
     }
