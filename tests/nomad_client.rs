@@ -459,6 +459,48 @@ async fn a_record_asked_for_is_read_at_once_without_the_marker() {
     }
 }
 
+/// Issue 50: a restarted agent asks for the record of every volume its allocations name
+/// while the first list is still reading them all; a record the list has read is not read a
+/// second time for the ask (1,000 volumes cost 2,000 reads at a restart when it was).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_asked_for_during_the_first_list_are_read_once() {
+    use dhv_binder::volume::VolumeKey;
+    let _ = poison_proxy().await;
+    let nomad = nomad_sim::replay::Replay::start("node-1", serde_json::json!({"keys": []})).await;
+    let names: Vec<String> = (0..20).map(|i| format!("v{i:02}")).collect();
+    for n in &names {
+        client(&nomad.addr)
+            .put_variable(&record_var(n), Some(0))
+            .await
+            .unwrap();
+    }
+    let from = nomad.requests().len();
+    let (mut rx, reads, tasks) = follow_records(&nomad, std::time::Duration::from_secs(300));
+    for n in &names {
+        reads.ask("default", &dhv_binder::volume::record_path(n));
+    }
+    catalogue_where(&mut rx, "with every record", |c| {
+        names.iter().all(|n| {
+            c.contains_key(&VolumeKey {
+                namespace: "default".into(),
+                name: n.clone(),
+            })
+        })
+    })
+    .await;
+    // Let the asks be taken up after the list.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(
+        count_since(&nomad, from, "GET /v1/var/dhv-binder/volumes/"),
+        names.len(),
+        "{:?}",
+        &nomad.requests()[from..]
+    );
+    for t in tasks {
+        t.abort();
+    }
+}
+
 /// Issue 44 #3: crafted lines in the change marker (a path with a blocking query of its
 /// own, one that climbs to `/v1/acl/token/self`, a stale alias `<name>?x`) are refused,
 /// counted and never read: no request leaves for them, and a new record the marker names

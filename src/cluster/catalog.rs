@@ -315,7 +315,8 @@ async fn list_all<T: Clone>(
 }
 
 /// Reads the named records (`(namespace, path)` → the ModifyIndex a change announced, 0 when
-/// not known) unless the cache already holds that index or a later one, and only those that
+/// asked for through [`Reads`]) unless the cache already holds that index or a later one (for
+/// an ask: unless it holds the record at all), and only those that
 /// name a record ([`crate::cluster::changes::check_target`]); true when the cache changed.
 async fn read_some<T: Clone>(
     client: &Client,
@@ -333,6 +334,13 @@ async fn read_some<T: Clone>(
     let mut changed = false;
     for (k, index) in wanted {
         if index > 0 && cache.get(&k).is_some_and(|(have, _)| *have >= index) {
+            continue;
+        }
+        // Asked for through `Reads` (no index): the agent lacked the record when it asked;
+        // one the cache now holds (a list read it meanwhile, e.g. the first list of a
+        // restart, which the allocations' asks wait behind) reaches the agent with the next
+        // catalogue. A refused one is read again.
+        if index == 0 && cache.get(&k).is_some_and(|(_, rec)| rec.is_some()) {
             continue;
         }
         // Only a record's path in a valid namespace is read (the marker's lines are checked
