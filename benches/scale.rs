@@ -22,6 +22,12 @@
 //!    and after the release part's teardown, printed with part 3.
 //! 5. fsync-class system calls per publish (`strace -f` attached to the agent).
 //! 6. Plugin execs in 10 s while the agent is idle.
+//! 7. A node with 1,000 published volumes (`BENCH_RESTART_VOLUMES`): the burst of 1,000
+//!    placements in one frame against its CPU floor, RSS and heap with them published, the
+//!    agent's CPU, requests and plugin calls in 30 idle seconds, then SIGKILL and a new
+//!    agent on the same state: time and the agent's own CPU until it is ready (status
+//!    complete, every volume published in its records, nothing waiting), its requests to
+//!    the servers meanwhile, and the plugin publish/unpublish calls (there should be none).
 //!
 //! The plugin is `benches/support/plugin.rs`, built by the bench into a small static binary
 //! (copied into each node's plugin directory): started
@@ -33,7 +39,7 @@
 //! Environment: `BENCH_SAMPLES` (latency samples per mode and filesystem, default 100);
 //! `BENCH_IDLE_SAMPLES` and `BENCH_IDLE_MS` (latency samples taken after an idle time each,
 //! per mode: default 20 after 500 ms);
-//! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`; default all;
+//! `BENCH_PARTS` (comma list of `latency`, `burst`, `release`, `fsync`, `restart`; default all;
 //! `burst-cores` runs only the bursts at max-parallel = cores);
 //! `BENCH_AGENT_BIN` (another agent binary, e.g. main's, for a before/after table);
 //! `BENCH_PLUGIN=bench-binary` (run this binary as the plugin instead of the lean static one
@@ -132,6 +138,8 @@ struct Node {
     agent: Option<Child>,
     fake: Replay,
     cfg: dhv_binder::config::AgentConfig,
+    /// Extra environment for the agent (before `BENCH_AGENT_ENV`).
+    env: Vec<(String, String)>,
     /// Dropped last: detaches every mount below the node's directory (plugin mounts,
     /// the tmpfs) once the agent is stopped ([`Node`]'s `Drop`).
     sb: Sandbox,
@@ -208,6 +216,23 @@ impl Node {
         let mut cfg = inproc::agent_config(&sb);
         cfg.watch_mode = mode;
         cfg.max_parallel = max_parallel;
+        let mut node = Node {
+            agent: None,
+            fake,
+            cfg,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            sb,
+        };
+        node.spawn();
+        node.ready(volumes).await;
+        node
+    }
+
+    /// Starts the agent process (again, after [`Node::kill`]) with the node's settings.
+    fn spawn(&mut self) {
         let bin = std::env::var("BENCH_AGENT_BIN")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_dhv-binder").to_string());
         let extra: Vec<(String, String)> = std::env::var("BENCH_AGENT_ENV")
@@ -216,7 +241,12 @@ impl Node {
             .filter_map(|kv| kv.split_once('='))
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let log = std::fs::File::create(sb.join("agent.log")).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.sb.join("agent.log"))
+            .unwrap();
+        let cfg = &self.cfg;
         let agent = Command::new(bin)
             .arg("agent")
             .arg("--state-dir")
@@ -228,29 +258,30 @@ impl Node {
             .arg("--volumes-dir")
             .arg(cfg.volumes_dir())
             .arg("--watch-mode")
-            .arg(mode_name(mode))
+            .arg(mode_name(cfg.watch_mode))
             .arg("--max-parallel")
-            .arg(max_parallel.to_string())
+            .arg(cfg.max_parallel.to_string())
             // The bench plants its records unsigned, as the in-process tests do.
             .arg("--allow-unsigned-records")
             .env_clear()
-            .env("NOMAD_ADDR", &fake.addr)
+            .env("NOMAD_ADDR", &self.fake.addr)
             .env("DHV_BINDER_LOG", "warn")
-            .envs(env.iter().copied())
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .envs(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("start the dhv-binder agent");
-        let node = Node {
-            agent: Some(agent),
-            fake,
-            cfg,
-            sb,
-        };
-        node.ready(volumes).await;
-        node
+        self.agent = Some(agent);
+    }
+
+    /// Kills the agent with SIGKILL (nothing of its own shutdown runs) and reaps it.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     async fn ready(&self, placeholders: usize) {
@@ -663,6 +694,149 @@ struct Burst {
     idle_execs: Option<usize>,
 }
 
+/// Part 7's figures: a node with `n` published volumes, idle, then restarted.
+struct Restart {
+    n: usize,
+    /// The burst that published them: last publish's end after the frame, and the CPU
+    /// floor (every plugin run's CPU over the cores, plus one commit).
+    burst_ms: f64,
+    floor_ms: f64,
+    /// The agent's CPU per publish during that burst.
+    burst_agent_cpu_ms: f64,
+    /// RSS and heap with the `n` records and no allocation, then with `n` published.
+    rss_records: Rss,
+    heap_records_kib: Option<u64>,
+    rss: Rss,
+    heap_kib: Option<u64>,
+    /// The agent's CPU while idle with `n` published, in % of one core, over `idle_s`.
+    idle_cpu_pct: f64,
+    idle_s: u64,
+    /// Requests to the servers and plugin calls while idle.
+    idle_requests: usize,
+    idle_calls: usize,
+    /// From SIGKILL's start of the new agent to ready (status complete, every volume
+    /// published in its records, nothing waiting), wall and the new agent's own CPU.
+    ready_ms: f64,
+    ready_cpu_ms: f64,
+    /// Requests to the servers from the start to ready, and plugin publish/unpublish calls
+    /// from the kill to 5 s after ready.
+    restart_requests: usize,
+    restart_calls: usize,
+    rss_after_restart: Rss,
+}
+
+/// Part 7 (issue 50): `n` allocations on `n` volumes in one frame (poll mode, state on
+/// disk, max-parallel = cores); then the agent idle for `idle_s` seconds; then SIGKILL and
+/// a new agent on the same state, until it is ready.
+async fn restart(n: usize, idle_s: u64) -> Restart {
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let env: &[(&str, &str)] = &[("DHV_BINDER_METRICS_ADDR", metrics.as_str())];
+    let mut node = Node::start_with(WatchMode::Poll, false, n, (200, 200), cores, env).await;
+    let (_, exec_cpu) = exec_costs(&node);
+    let commit = commit_cost(&node);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_records = node.rss_settled().await;
+    let heap_records_kib = Node::heap_kib(&metrics).await;
+    let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    let cpu0 = agent_cpu_ms(node.pid());
+    let t0 = node.place(&allocs, "running");
+    node.wait_calls("publish", n).await;
+    let cpu1 = agent_cpu_ms(node.pid());
+    let last = node.last_end("publish").unwrap_or(t0);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss = node.rss_settled().await;
+    let heap_kib = Node::heap_kib(&metrics).await;
+
+    // Idle: health probes and usage readings go on; nothing else should.
+    let (calls0, req0) = (node.calls().len(), node.fake.requests().len());
+    let idle0 = agent_cpu_ms(node.pid()).0;
+    tokio::time::sleep(Duration::from_secs(idle_s)).await;
+    let idle1 = agent_cpu_ms(node.pid()).0;
+    let (idle_calls, idle_requests) = (
+        node.calls().len() - calls0,
+        node.fake.requests().len() - req0,
+    );
+
+    node.kill();
+    let calls_before = node.calls().len();
+    let req_before = node.fake.requests().len();
+    let started = Instant::now();
+    node.spawn();
+    let deadline = started + Duration::from_secs(120);
+    loop {
+        let s = inproc::status(&node.cfg).await;
+        let mounts = s["mounts"].as_array().map_or(&[][..], |m| &m[..]);
+        if s["view"]["complete"] == true
+            && mounts.len() == n
+            && mounts.iter().all(|m| m["state"] == "published")
+            && s["waiting"].as_array().is_some_and(|w| w.is_empty())
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restarted agent never got ready: {}",
+            std::fs::read_to_string(node.sb.join("agent.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let ready_cpu_ms = agent_cpu_ms(node.pid()).0;
+    let restart_requests = node.fake.requests().len() - req_before;
+    if std::env::var_os("BENCH_TRACE").is_some() {
+        let mut by: std::collections::BTreeMap<String, usize> = Default::default();
+        for r in node.fake.requests().iter().skip(req_before) {
+            let shape: String = r
+                .split('?')
+                .next()
+                .unwrap_or_default()
+                .split('/')
+                .map(|seg| {
+                    if seg.len() > 20 || seg.starts_with('v') && seg.len() == 5 {
+                        "*"
+                    } else {
+                        seg
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("/");
+            *by.entry(shape).or_default() += 1;
+        }
+        println!("   requests until ready, by shape: {by:?}");
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let restart_calls = node
+        .calls()
+        .iter()
+        .skip(calls_before)
+        .filter(|c| c.op == "publish" || c.op == "unpublish")
+        .count();
+    let rss_after_restart = node.rss_settled().await;
+    Restart {
+        n,
+        burst_ms: ms(last.saturating_sub(t0)),
+        floor_ms: n as f64 * exec_cpu / cores as f64 + commit,
+        burst_agent_cpu_ms: (cpu1.0 - cpu0.0) / n as f64,
+        rss_records,
+        heap_records_kib,
+        rss,
+        heap_kib,
+        idle_cpu_pct: (idle1 - idle0) / (idle_s as f64 * 1000.0) * 100.0,
+        idle_s,
+        idle_requests,
+        idle_calls,
+        ready_ms,
+        ready_cpu_ms,
+        restart_requests,
+        restart_calls,
+        rss_after_restart,
+    }
+}
+
 /// Part 2: `n` allocations on `n` volumes in one frame; time to the last publish's end.
 /// With `idle_window`, then counts the plugin execs of 10 idle seconds.
 async fn burst(
@@ -982,8 +1156,8 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let parts =
-        std::env::var("BENCH_PARTS").unwrap_or_else(|_| "latency,burst,release,fsync".to_string());
+    let parts = std::env::var("BENCH_PARTS")
+        .unwrap_or_else(|_| "latency,burst,release,fsync,restart".to_string());
     let part = |p: &str| parts.split(',').any(|x| x.trim() == p);
     let started = Instant::now();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -1162,5 +1336,43 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
     match idle_execs {
         Some(c) => println!("6. plugin execs in 10 s while idle (200 volumes published): {c}"),
         None => println!("6. idle plugin execs: not measured"),
+    }
+    if part("restart") {
+        let n = env_usize("BENCH_RESTART_VOLUMES", 1000);
+        let r = restart(n, 30).await;
+        println!(
+            "7. a node with {} published volumes (poll, disk, max-parallel = cores):",
+            r.n
+        );
+        println!(
+            "   burst of {} placements in one frame: {:.0} ms, CPU floor {:.0} ms ({:.1}x); agent CPU/publish {:.2} ms",
+            r.n,
+            r.burst_ms,
+            r.floor_ms,
+            r.burst_ms / r.floor_ms,
+            r.burst_agent_cpu_ms
+        );
+        let kib = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
+        println!(
+            "   {} records, no allocation: RSS {} MiB, heap {} KiB; {} published: RSS {} MiB, heap {} KiB; idle {} s: agent CPU {:.2} % of one core, {} requests to the servers, {} plugin calls",
+            r.n,
+            r.rss_records,
+            kib(r.heap_records_kib),
+            r.n,
+            r.rss,
+            kib(r.heap_kib),
+            r.idle_s,
+            r.idle_cpu_pct,
+            r.idle_requests,
+            r.idle_calls
+        );
+        println!(
+            "   SIGKILL, then start: ready in {:.0} ms wall, {:.0} ms of the agent's CPU; {} requests to the servers until ready; {} plugin publish/unpublish calls; RSS after {} MiB",
+            r.ready_ms,
+            r.ready_cpu_ms,
+            r.restart_requests,
+            r.restart_calls,
+            r.rss_after_restart
+        );
     }
 }
