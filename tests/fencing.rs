@@ -614,6 +614,21 @@ async fn a_delete_while_a_node_keeps_the_mount_is_refused_naming_the_node() {
     assert_eq!(code, 0, "{out}");
 }
 
+/// The writer still appends to the volume's log, and `first` (the job's first allocation)
+/// still runs: nothing was killed.
+async fn writes_on(c: &Cluster, job: &str, first: &Value) {
+    let lines = log_lines(c).len();
+    c.wait_for(10, "the writer still writing", || async {
+        (log_lines(c).len() > lines).then_some(())
+    })
+    .await;
+    assert!(c
+        .allocs(job)
+        .await
+        .iter()
+        .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
+}
+
 /// The claim named in `dhv-binder status` on node `i` ("held", "fenced", "lost"; "" when none).
 fn claim_state(c: &Cluster, i: usize) -> String {
     let (_, status) = c.status(i);
@@ -653,16 +668,7 @@ async fn a_renewal_refused_after_a_leader_change_loses_no_claim() {
         (claim_state(&c, 0) == "held").then_some(())
     })
     .await;
-    let lines = log_lines(&c).len();
-    c.wait_for(10, "the writer still writing", || async {
-        (log_lines(&c).len() > lines).then_some(())
-    })
-    .await;
-    assert!(c
-        .allocs(&job)
-        .await
-        .iter()
-        .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
+    writes_on(&c, &job, &first).await;
     c.stop_job(&job, false).await;
 }
 
@@ -772,16 +778,7 @@ async fn an_agent_restarted_during_a_short_outage_keeps_its_claim_and_kills_noth
         !events.iter().any(|e| e == "fenced"),
         "a restart during a short outage fenced the volume: {events:?}"
     );
-    let lines = log_lines(&c).len();
-    c.wait_for(10, "the writer still writing", || async {
-        (log_lines(&c).len() > lines).then_some(())
-    })
-    .await;
-    assert!(c
-        .allocs(&job)
-        .await
-        .iter()
-        .any(|a| a["ID"] == first["ID"] && a["TaskStates"]["app"]["State"] == "running"));
+    writes_on(&c, &job, &first).await;
 
     // The same restart without the renewals on disk: the lease is unknown, and the first
     // failed renewal fences (fail closed).
