@@ -355,3 +355,50 @@ async fn pause_and_drain_keep_users_and_refuse_new_allocations() {
     assert_eq!(code, 0, "{out}");
     wait_ready_on(&c, "vp", &["node-1", "node-2"], 60).await;
 }
+
+/// Issue 48 #3: a publish failing on node-1 with the class "final" (exit 65: the volume
+/// itself is broken) fails the allocation's prestart at once with the plugin's words, and
+/// node-1 writes the failure into the record: every node withdraws its placeholder (node-2
+/// too, which never tried), `volume status` says why (where, the plugin's words) and
+/// `-verbose` shows it as an event; `volume update -repaired` clears it and both nodes
+/// offer the volume again. node-1 ran the publish once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_publish_failure_stops_every_node_from_offering_the_volume() {
+    let c = Cluster::start(2).await;
+    c.create_volume("vf", "single-node-writer");
+    failing_publish_on_node_1(
+        &c,
+        65,
+        r#"{"error":"the superblock of the image is corrupt"}"#,
+    );
+    wait_ready_on(&c, "vf", &["node-1", "node-2"], 60).await;
+    let j = c
+        .run_job(&job(&c, "broken", "vf", &on_node("node-1")))
+        .await;
+    let said = failed_prestart(&c, &j, "node-1").await;
+    assert!(
+        said.contains("superblock of the image is corrupt"),
+        "{said}"
+    );
+    wait_ready_on(&c, "vf", &[], 60).await;
+    c.stop_job(&j, true).await;
+    let (code, out) = c.cli(&["volume", "status", "vf"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("Final Failure") && out.contains("node-1") && out.contains("superblock"),
+        "{out}"
+    );
+    let (_, out) = c.cli(&["volume", "status", "-verbose", "vf"]);
+    assert!(out.contains("final-failure"), "{out}");
+    let calls = std::fs::read_to_string(c.plugin_dir.join("node-1-failures.log"))
+        .unwrap_or_default()
+        .lines()
+        .count();
+    assert_eq!(calls, 1, "one publish on node-1");
+    let (code, out) = c.cli(&["volume", "update", "-repaired", "vf"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("cleared"), "{out}");
+    wait_ready_on(&c, "vf", &["node-1", "node-2"], 60).await;
+    let (_, out) = c.cli(&["volume", "status", "vf"]);
+    assert!(!out.contains("Final Failure"), "{out}");
+}

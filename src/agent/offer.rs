@@ -1,16 +1,19 @@
 //! Decides which volumes this node withholds from Nomad's scheduler although it serves them:
-//! a plugin at its attach limit (`max_volumes` volumes published here), and a volume whose
+//! a plugin at its attach limit (`max_volumes` volumes published here); a volume whose
 //! publish cannot succeed here for a while (a failure of class "elsewhere", or
-//! [`TRANSIENT_LIMIT`] transient failures in a row: a cool-down of [`COOL_DOWN`]). A
-//! This node not satisfying a volume's `constraint` blocks withholds it too. A
+//! [`TRANSIENT_LIMIT`] transient failures in a row: a cool-down of [`COOL_DOWN`]); a volume
+//! whose record holds a "final" failure (written by the node that saw it: every node
+//! withholds it until an operator repairs it); a volume whose `constraint` blocks or
+//! `topology_request` this node does not satisfy; a paused or drained volume. A
 //! withheld volume has no placeholder here (so no `ready` host volume of its name: Nomad's
 //! feasibility checker places elsewhere) and a publish of it here is refused at once, with
 //! why; a volume published here is never withheld (its users keep it).
 
 use crate::storage::error_class::ErrorClass;
 use crate::storage::plugin::PluginError;
+use crate::volume::final_failure::FinalFailure;
 use crate::volume::VolumeKey;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// How long a node withholds a volume after a publish that cannot succeed here.
@@ -56,6 +59,8 @@ pub(crate) enum Withheld {
     NodeUnread,
     /// An operator paused or drained the volume (`volume update -availability`).
     Unavailable(crate::volume::availability::Availability),
+    /// A publish failed with the class "final" (the record's `final_failure`, on any node).
+    Final(crate::volume::final_failure::FinalFailure),
 }
 
 impl Withheld {
@@ -81,6 +86,7 @@ impl Withheld {
             Withheld::Unavailable(a) => format!(
                 "paused by an operator (availability {a}): no new allocation gets the volume until `dhv-binder volume update -availability=active`"
             ),
+            Withheld::Final(f) => f.reason(),
             Withheld::NodeUnread => "the volume has constraints and this node's attributes are not read yet (GET /v1/node/:id)".to_string(),
             Withheld::CoolingDown { until, error, .. } => format!(
                 "{error} (offered here again in {}s)",
@@ -90,18 +96,24 @@ impl Withheld {
     }
 }
 
-/// The cool-downs and transient failure counts of this node's volumes.
+/// The cool-downs and transient failure counts of this node's volumes, and the "final"
+/// failures seen here that are to be written into their records.
 #[derive(Debug, Default)]
 pub(crate) struct Offers {
     cooling: BTreeMap<VolumeKey, (Instant, String, bool)>,
     transient: BTreeMap<VolumeKey, u32>,
+    /// Volume → its record's ID, the "final" failure seen here, and whether it is written
+    /// into the record yet: withheld here until an operator clears it.
+    finals: BTreeMap<VolumeKey, (String, FinalFailure, bool)>,
+    /// The marks in flight.
+    marking: BTreeSet<VolumeKey>,
 }
 
 impl Offers {
     /// A publish of `volume` failed with `class` and the plugin's words `report`: true when
     /// the volume now cools down here (class "elsewhere", or the [`TRANSIENT_LIMIT`]th
-    /// transient failure in a row). "final" is the volume's, not this node's: it is
-    /// recorded on the volume by the caller and cools down here too.
+    /// transient failure in a row). "final" is the volume's, not this node's: no cool-down
+    /// (the caller records it, [`Offers::final_failed`]), true.
     pub(crate) fn publish_failed(
         &mut self,
         volume: &VolumeKey,
@@ -109,6 +121,9 @@ impl Offers {
         report: &str,
         now: Instant,
     ) -> bool {
+        if class == ErrorClass::Final {
+            return true;
+        }
         let n = self.transient.entry(volume.clone()).or_insert(0);
         *n += 1;
         let cool = match class {
@@ -128,6 +143,65 @@ impl Offers {
                 .insert(volume.clone(), (now + COOL_DOWN, error, retried));
         }
         cool
+    }
+
+    /// A publish of the volume `volume_id` failed with the class "final": withheld here
+    /// from now on, and the failure is to be written into its record (every node then
+    /// withholds it), until an operator clears it ([`Offers::repaired`]). A failure already
+    /// known for it is kept (the first words).
+    pub(crate) fn final_failed(&mut self, volume: &VolumeKey, volume_id: &str, f: FinalFailure) {
+        self.transient.remove(volume);
+        self.finals
+            .entry(volume.clone())
+            .or_insert_with(|| (volume_id.to_string(), f, false));
+    }
+
+    /// The "final" failure seen here of the volume `volume_id`, if any.
+    pub(crate) fn final_seen(&self, volume: &VolumeKey, volume_id: &str) -> Option<&FinalFailure> {
+        self.finals
+            .get(volume)
+            .filter(|(id, _, _)| id == volume_id)
+            .map(|(_, f, _)| f)
+    }
+
+    /// The marks to write now (not written, not in flight, and `ready`: the backoff allows
+    /// it), each then in flight until [`Offers::marked`].
+    pub(crate) fn marks_due(
+        &mut self,
+        mut ready: impl FnMut(&VolumeKey) -> bool,
+    ) -> Vec<(VolumeKey, String, FinalFailure)> {
+        let due: Vec<_> = self
+            .finals
+            .iter()
+            .filter(|(k, (_, _, written))| !written && !self.marking.contains(*k) && ready(k))
+            .map(|(k, (id, f, _))| (k.clone(), id.clone(), f.clone()))
+            .collect();
+        self.marking.extend(due.iter().map(|(k, _, _)| k.clone()));
+        due
+    }
+
+    /// A mark's write finished: written when `ok`, else tried again after the backoff.
+    pub(crate) fn marked(&mut self, volume: &VolumeKey, ok: bool) {
+        self.marking.remove(volume);
+        if let Some(x) = self.finals.get_mut(volume) {
+            x.2 |= ok;
+        }
+    }
+
+    /// An operator cleared the volume's "final" failure (`volume update -repaired`): this
+    /// node offers it again (its own cool-down of it ends too).
+    pub(crate) fn repaired(&mut self, volume: &VolumeKey) {
+        self.cooling.remove(volume);
+        self.transient.remove(volume);
+        self.finals.remove(volume);
+    }
+
+    /// The "final" failures seen here not yet written into their records (for the status).
+    pub(crate) fn pending_marks(&self) -> impl Iterator<Item = &VolumeKey> {
+        self.finals
+            .iter()
+            .filter(|(_, (_, _, written))| !written)
+            .map(|(k, _)| k)
     }
 
     /// A publish of `volume` succeeded: its failures are forgotten.

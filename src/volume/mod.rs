@@ -4,6 +4,7 @@
 
 pub mod availability;
 pub mod constraint;
+pub mod final_failure;
 pub mod mount_options;
 mod nesting;
 pub mod secret_refs;
@@ -859,6 +860,9 @@ pub struct VolumeRecord {
     pub signature: String,
     /// The operator's signature of the delete request; empty unless `volume delete` signed one.
     pub delete_signature: String,
+    /// A publish failed with the class "final" (unsigned: [`final_failure`]); no node offers
+    /// the volume while it is set.
+    pub final_failure: Option<final_failure::FinalFailure>,
 }
 
 impl std::fmt::Debug for VolumeRecord {
@@ -882,6 +886,7 @@ impl std::fmt::Debug for VolumeRecord {
             .field("create_index", &self.create_index)
             .field("registered", &self.registered)
             .field("signed", &!self.signature.is_empty())
+            .field("final_failure", &self.final_failure)
             .finish()
     }
 }
@@ -967,6 +972,7 @@ impl VolumeRecord {
             registered: false,
             signature: String::new(),
             delete_signature: String::new(),
+            final_failure: None,
         }
     }
 
@@ -1003,6 +1009,9 @@ impl VolumeRecord {
         }
         if self.registered {
             items.insert(REGISTERED_ITEM.into(), "true".into());
+        }
+        if let Some(f) = &self.final_failure {
+            items.insert(final_failure::ITEM.into(), f.to_item());
         }
         for (k, v) in [
             ("signature", &self.signature),
@@ -1088,6 +1097,8 @@ impl VolumeRecord {
             registered: item(REGISTERED_ITEM) == "true",
             signature: item("signature"),
             delete_signature: item("delete_signature"),
+            final_failure: final_failure::FinalFailure::from_item(&item(final_failure::ITEM))
+                .map_err(err)?,
         })
     }
 

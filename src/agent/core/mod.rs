@@ -430,6 +430,7 @@ impl Core {
                 } else {
                     self.replan_all = true;
                 }
+                self.note_repairs(&c);
                 self.volumes = c;
                 self.volumes_loaded = true;
                 self.chores_due = true;
@@ -607,6 +608,7 @@ impl Core {
     fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
         let deferred = self.deferred_plugins();
         self.forget_ended_withdrawals();
+        self.write_final_marks(now, out);
         let all = self.collect_dirty(now);
         let dirty = std::mem::take(&mut self.dirty);
         let claims: BTreeMap<VolumeKey, ClaimState> = if all {

@@ -4,8 +4,10 @@
 
 use super::*;
 use crate::agent::offer::Withheld;
+use crate::agent::retry::{Work, STEP_RETRY};
 use crate::agent::view::requests;
 use crate::storage::error_class::ErrorClass;
+use crate::volume::final_failure::FinalFailure;
 
 impl Core {
     /// The attach limit of `plugin` on this node: the agent's override, else the plugin's
@@ -56,6 +58,13 @@ impl Core {
         let published_here = own.is_some_and(|m| m.state != MountState::Publishing);
         if published_here {
             return None;
+        }
+        if let Some(f) = rec
+            .final_failure
+            .as_ref()
+            .or_else(|| self.offers.final_seen(&key, &rec.id))
+        {
+            return Some(Withheld::Final(f.clone()));
         }
         if !rec.spec.availability.is_active() {
             return Some(Withheld::Unavailable(rec.spec.availability));
@@ -143,9 +152,69 @@ impl Core {
             crate::agent::executor::StepError::Plugin(p) => crate::agent::offer::class_of(p),
             _ => ErrorClass::RetryHere,
         };
+        if class == ErrorClass::Final {
+            if let Some(rec) = self.volumes.get(volume) {
+                let name = self.node_facts.as_ref().map_or("", |n| n.name.as_str());
+                let f = FinalFailure::new(&self.s.node.node_id, name, &e.report());
+                tracing::warn!(%volume, error = %f.error, "publish failed with the class \"final\": the volume is marked broken in its record, and no node offers it until an operator runs `dhv-binder volume update -repaired`");
+                self.offers.final_failed(volume, &rec.id, f);
+            }
+        }
         if self.offers.publish_failed(volume, class, &e.report(), now) {
             tracing::warn!(%volume, %class, "publish cannot succeed on this node: its placeholder is withdrawn for a cool-down and waiting allocations are failed so that Nomad places them elsewhere");
             self.chores_due = true;
+        }
+    }
+
+    /// Writes the "final" failures seen here into their records, each after its backoff.
+    pub(super) fn write_final_marks(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let retries = &self.retries;
+        for (volume, volume_id, failure) in self
+            .offers
+            .marks_due(|k| retries.ready(&Work::FinalMark(k.clone()), now))
+        {
+            out.push(Effect::MarkFinal {
+                volume,
+                volume_id,
+                failure,
+            });
+        }
+    }
+
+    /// A mark's write finished; a failed one is tried again after a backoff.
+    pub(super) fn on_final_marked(
+        &mut self,
+        volume: VolumeKey,
+        result: Result<(), String>,
+        now: Instant,
+    ) {
+        let work = Work::FinalMark(volume.clone());
+        match result {
+            Ok(()) => {
+                self.retries.succeeded(&work);
+                self.offers.marked(&volume, true);
+            }
+            Err(e) => {
+                let at = self.retries.failed(&work, STEP_RETRY, now);
+                self.offers.marked(&volume, false);
+                tracing::warn!(%volume, error = %e, retry_in = ?at.saturating_duration_since(now), "cannot write the volume's \"final\" publish failure into its record; this node withholds it meanwhile, other nodes still offer it; retrying after a backoff");
+            }
+        }
+    }
+
+    /// The records in `next` whose "final" failure an operator cleared since `self.volumes`:
+    /// this node forgets its own cool-down of them (offered again at once).
+    pub(super) fn note_repairs(&mut self, next: &Catalogue) {
+        for (k, old) in &self.volumes {
+            let cleared = old.final_failure.is_some()
+                && next
+                    .get(k)
+                    .is_some_and(|r| r.final_failure.is_none() && r.id == old.id);
+            if cleared {
+                tracing::info!(volume = %k, "the volume's \"final\" publish failure was cleared by an operator: offered again");
+                self.offers.repaired(k);
+                self.chores_due = true;
+            }
         }
     }
 
@@ -264,6 +333,7 @@ impl Core {
                 (r.key().to_string(), why)
             })
             .collect();
-        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained})
+        let marks: Vec<String> = self.offers.pending_marks().map(|k| k.to_string()).collect();
+        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained, "final_marks_pending": marks})
     }
 }

@@ -97,6 +97,9 @@ pub struct VolumeDetail {
     pub allocations: Vec<VolumeUser>,
     /// The volume's snapshots, oldest first.
     pub snapshots: Vec<SnapshotSummary>,
+    /// Why no node offers the volume: a publish failed with the class "final" (where,
+    /// when, the plugin's words); empty when none did.
+    pub final_failure: String,
     /// Why a `pending` or `deleting` volume waits (the refusals the agents published, no
     /// node able to serve it), or empty.
     pub waiting: String,
@@ -241,6 +244,17 @@ pub fn record_events(
             event: "expand".into(),
             outcome: x.state.as_str().into(),
             detail: format!("to {}", bytes(x.bytes)),
+            ..Default::default()
+        });
+    }
+    if let Some(f) = &rec.final_failure {
+        out.push(HistoryEvent {
+            time: f.time,
+            node_id: f.node_id.clone(),
+            node_name: f.node_name.clone(),
+            event: "final-failure".into(),
+            outcome: "withheld everywhere".into(),
+            detail: f.error.clone(),
             ..Default::default()
         });
     }
@@ -565,6 +579,9 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     if !d.error.is_empty() {
         rows.push(("Error", plugin_text(&d.error)));
     }
+    if !d.final_failure.is_empty() {
+        rows.push(("Final Failure", plugin_text(&d.final_failure)));
+    }
     if !d.waiting.is_empty() {
         rows.push(("Waiting For", d.waiting.clone()));
     }
@@ -862,6 +879,11 @@ pub async fn status(
             record_events(&r, &records, &snapshots, claim_node.as_deref()),
         ),
         snapshots,
+        final_failure: r
+            .final_failure
+            .as_ref()
+            .map(|f| f.reason())
+            .unwrap_or_default(),
         waiting,
         claim_holder,
         nodes,
@@ -985,6 +1007,7 @@ mod tests {
                 host_path: "/srv/hv".into(),
             }],
             snapshots: Vec::new(),
+            final_failure: String::new(),
             waiting: String::new(),
             claim_holder: "node-1 (n1): job example, allocation a1 (running)".into(),
             nodes: Vec::new(),
@@ -1183,6 +1206,7 @@ Time                  Node    Event      Detail               Outcome
             operation: String::new(),
             allocations: Vec::new(),
             snapshots: Vec::new(),
+            final_failure: String::new(),
             waiting: String::new(),
             claim_holder: String::new(),
             nodes,
