@@ -402,3 +402,27 @@ async fn a_final_publish_failure_stops_every_node_from_offering_the_volume() {
     let (_, out) = c.cli(&["volume", "status", "vf"]);
     assert!(!out.contains("Final Failure"), "{out}");
 }
+
+/// A spec's `topology_request` in Nomad's CSI shape: required and preferred topologies,
+/// one or several `topology` blocks each; a topology without segments and an unknown field
+/// are refused by name (an old build refused `topology_request` as an unknown field).
+#[test]
+fn a_spec_takes_nomads_topology_request() {
+    let base = "name = \"a\"\nplugin_id = \"bind\"\n";
+    let (spec, _) = dhv_binder::volume::parse_spec(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{\n      segments {{ zone = \"a\" }}\n    }}\n    topology {{ segments = {{ zone = \"b\", rack = \"r1\" }} }}\n  }}\n  preferred {{\n    topology {{ segments = {{ zone = \"b\" }} }}\n  }}\n}}"
+    ))
+    .unwrap();
+    assert_eq!(spec.topology_request.required.len(), 2);
+    assert_eq!(spec.topology_request.preferred.len(), 1);
+    let e = dhv_binder::volume::parse_spec(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{ segments = {{}} }}\n  }}\n}}"
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("missing its segments"), "{e}");
+    let e = dhv_binder::volume::parse_spec(&format!(
+        "{base}topology_request {{\n  requird {{\n    topology {{ segments = {{ zone = \"a\" }} }}\n  }}\n}}"
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("requird"), "{e}");
+}

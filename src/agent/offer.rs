@@ -23,6 +23,10 @@ pub(crate) const COOL_DOWN: Duration = Duration::from_secs(300);
 /// changed stops or starts offering constrained volumes within this long).
 pub(crate) const NODE_REREAD: Duration = Duration::from_secs(30);
 
+/// How long a node that matches none of a pending volume's preferred topologies waits
+/// before it competes for the volume's create (a node that matches one takes it first).
+pub(crate) const PREFER_GRACE: Duration = Duration::from_secs(10);
+
 /// Transient publish failures in a row on this node after which the volume cools down.
 pub(crate) const TRANSIENT_LIMIT: u32 = 3;
 
@@ -57,6 +61,9 @@ pub(crate) enum Withheld {
     Constraint(String),
     /// The volume has constraints and this node's attributes have not been read yet.
     NodeUnread,
+    /// The plugin's topology here (`zone=a`, or `none`) matches none of the volume's
+    /// required topologies (as written).
+    Topology { here: String, required: String },
     /// An operator paused or drained the volume (`volume update -availability`).
     Unavailable(crate::volume::availability::Availability),
     /// A publish failed with the class "final" (the record's `final_failure`, on any node).
@@ -87,6 +94,9 @@ impl Withheld {
                 "paused by an operator (availability {a}): no new allocation gets the volume until `dhv-binder volume update -availability=active`"
             ),
             Withheld::Final(f) => f.reason(),
+            Withheld::Topology { here, required } => format!(
+                "this node's plugin topology ({here}) matches none of the volume's required topologies ({required})"
+            ),
             Withheld::NodeUnread => "the volume has constraints and this node's attributes are not read yet (GET /v1/node/:id)".to_string(),
             Withheld::CoolingDown { until, error, .. } => format!(
                 "{error} (offered here again in {}s)",
@@ -107,6 +117,9 @@ pub(crate) struct Offers {
     finals: BTreeMap<VolumeKey, (String, FinalFailure, bool)>,
     /// The marks in flight.
     marking: BTreeSet<VolumeKey>,
+    /// Pending volumes with a preferred topology this node does not match: when this node
+    /// first saw each ([`PREFER_GRACE`]).
+    unpreferred: BTreeMap<VolumeKey, Instant>,
 }
 
 impl Offers {
@@ -202,6 +215,27 @@ impl Offers {
             .iter()
             .filter(|(_, (_, _, written))| !written)
             .map(|(k, _)| k)
+    }
+
+    /// Whether this node leaves the create of the pending `volume` to the nodes that match a
+    /// preferred topology for now: true for [`PREFER_GRACE`] after it first saw the volume
+    /// pending, when `preferred` is false (it matches none).
+    pub(crate) fn defers_create(
+        &mut self,
+        volume: &VolumeKey,
+        preferred: bool,
+        now: Instant,
+    ) -> bool {
+        if preferred {
+            return false;
+        }
+        let seen = *self.unpreferred.entry(volume.clone()).or_insert(now);
+        now.saturating_duration_since(seen) < PREFER_GRACE
+    }
+
+    /// Forgets the first sightings of volumes no longer pending.
+    pub(crate) fn keep_unpreferred(&mut self, pending: &BTreeSet<VolumeKey>) {
+        self.unpreferred.retain(|k, _| pending.contains(k));
     }
 
     /// A publish of `volume` succeeded: its failures are forgotten.

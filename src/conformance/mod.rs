@@ -467,6 +467,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         mount_options: Default::default(),
         secret_refs: Default::default(),
         constraints: Vec::new(),
+        topology_request: Default::default(),
         availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());

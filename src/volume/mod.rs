@@ -8,6 +8,7 @@ pub mod final_failure;
 pub mod mount_options;
 mod nesting;
 pub mod secret_refs;
+pub mod topology;
 
 use crate::nomad::types::Variable;
 use crate::volume::mount_options::{MountOptions, MountOptionsError};
@@ -63,6 +64,8 @@ pub enum SpecError {
     UnknownField { field: String, known: String },
     #[error(transparent)]
     Constraint(#[from] constraint::ConstraintError),
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
     #[error("node_id is not supported: a deferred volume is published on whichever node runs its allocation; use node_pool to choose the nodes that may serve it")]
     NodeId,
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
@@ -124,6 +127,7 @@ impl SpecError {
             SpecError::BadSnapshotId(_) => top("snapshot_id"),
             SpecError::UnknownField { field, .. } => top(field),
             SpecError::Constraint(_) => top("constraint"),
+            SpecError::Topology(_) => top("topology_request"),
             SpecError::NodeId => top("node_id"),
             SpecError::UnknownBlockField { block, field, .. } => {
                 spec_line(text, Some(block), field, None)
@@ -272,6 +276,9 @@ pub struct VolumeSpec {
     /// Only nodes that satisfy every `constraint` block offer the volume; omitted when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<constraint::Constraint>,
+    /// Only nodes whose plugin's topology satisfies `required` offer the volume; omitted when none.
+    #[serde(default, skip_serializing_if = "topology::TopologyRequest::is_empty")]
+    pub topology_request: topology::TopologyRequest,
     /// `volume update -availability` (not in the HCL); omitted from the record when `active`.
     #[serde(default, skip_serializing_if = "availability::Availability::is_active")]
     pub availability: availability::Availability,
@@ -300,6 +307,7 @@ struct RawSpec {
     mount_options: Option<RawMountOptions>,
     #[serde(default)]
     constraint: Option<hcl::Value>,
+    topology_request: Option<hcl::Value>,
 }
 
 #[derive(Deserialize)]
@@ -312,7 +320,7 @@ struct RawMountOptions {
 }
 
 /// The top-level fields of a `volume create` spec.
-pub const SPEC_FIELDS: [&str; 15] = [
+pub const SPEC_FIELDS: [&str; 16] = [
     "name",
     "type",
     "namespace",
@@ -328,6 +336,7 @@ pub const SPEC_FIELDS: [&str; 15] = [
     "mount_options",
     "secret_ref",
     "constraint",
+    "topology_request",
 ];
 
 /// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
@@ -706,6 +715,7 @@ fn parse_spec_of(
     let body = hcl::edit::parser::parse_body(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let secret_refs = secret_refs::parse(&body, &secrets)?;
     let constraints = constraint::from_blocks(raw.constraint)?;
+    let topology_request = topology::from_block(raw.topology_request)?;
     Ok((
         VolumeSpec {
             name,
@@ -720,6 +730,7 @@ fn parse_spec_of(
             mount_options,
             secret_refs,
             constraints,
+            topology_request,
             availability: Default::default(),
         },
         secrets,

@@ -829,12 +829,15 @@ impl Core {
         }
         if chores && self.plugins_loaded {
             self.plan_visits += self.volumes.len() as u64;
+            let elsewhere = self.creates_elsewhere(now);
             let pool = &self.s.node.node_pool;
             let me = self.s.node.node_id.as_str();
             let served = self
                 .volumes
                 .values()
-                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me));
+                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me))
+                // A volume is created only where its required topology is met.
+                .filter(|r| !elsewhere.contains(&r.key()));
             let (journal, placeholders) = (&self.journal, &self.placeholders);
             let in_use =
                 |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);

@@ -81,6 +81,9 @@ impl Core {
                 }
             }
         }
+        if let Some(w) = self.topology_mismatch(rec) {
+            return Some(w);
+        }
         let plugin = &rec.spec.plugin_id;
         let others = attached
             .get(plugin)
@@ -95,6 +98,47 @@ impl Core {
             self.max_volumes(plugin),
             now,
         )
+    }
+
+    /// The topology `rec`'s plugin reports on this node (`None` before a good fingerprint).
+    fn plugin_topology(&self, rec: &VolumeRecord) -> Option<&crate::volume::topology::Segments> {
+        self.plugins
+            .get(&rec.spec.plugin_id)
+            .and_then(|f| f.as_ref().ok())
+            .map(|f| &f.topology)
+    }
+
+    /// Why this node may not offer (nor create) `rec`: its plugin's topology here matches
+    /// none of the volume's required topologies.
+    pub(super) fn topology_mismatch(&self, rec: &VolumeRecord) -> Option<Withheld> {
+        let req = &rec.spec.topology_request;
+        let here = self.plugin_topology(rec);
+        (!req.allows(here)).then(|| Withheld::Topology {
+            here: here.map_or("none".into(), crate::volume::topology::show),
+            required: req.show_required(),
+        })
+    }
+
+    /// The pending volumes this node does not create (now): its plugin's topology here
+    /// matches none of the required ones, or none of the preferred ones while the nodes
+    /// that match one get [`crate::agent::offer::PREFER_GRACE`] to take it first.
+    pub(super) fn creates_elsewhere(&mut self, now: Instant) -> BTreeSet<VolumeKey> {
+        let mut out = BTreeSet::new();
+        let mut pending = BTreeSet::new();
+        for r in self.volumes.values() {
+            if r.state != VolumeState::Pending || r.spec.topology_request.is_empty() {
+                continue;
+            }
+            pending.insert(r.key());
+            let preferred = r.spec.topology_request.prefers(self.plugin_topology(r));
+            if self.topology_mismatch(r).is_some()
+                || self.offers.defers_create(&r.key(), preferred, now)
+            {
+                out.insert(r.key());
+            }
+        }
+        self.offers.keep_unpreferred(&pending);
+        out
     }
 
     /// Why `alloc_id` may not become a new user of `rec` here (an operator paused or
@@ -333,7 +377,19 @@ impl Core {
                 (r.key().to_string(), why)
             })
             .collect();
+        let topology: BTreeMap<String, String> = self
+            .volumes
+            .values()
+            .filter(|r| !r.spec.topology_request.required.is_empty())
+            .map(|r| {
+                let why = match self.topology_mismatch(r) {
+                    Some(w) => w.reason(now),
+                    None => "offered: the plugin's topology here matches a required one".into(),
+                };
+                (r.key().to_string(), why)
+            })
+            .collect();
         let marks: Vec<String> = self.offers.pending_marks().map(|k| k.to_string()).collect();
-        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained, "final_marks_pending": marks})
+        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained, "topology": topology, "final_marks_pending": marks})
     }
 }

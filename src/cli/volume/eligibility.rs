@@ -125,6 +125,7 @@ mod tests {
                     healthy: true,
                     error: String::new(),
                     capabilities: None,
+                    topology: Default::default(),
                 },
             );
         }
