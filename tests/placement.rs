@@ -292,6 +292,22 @@ async fn constraints_decide_which_nodes_offer_a_volume() {
     assert!(why.contains("${meta.rack} = r1"), "{why}");
     assert_eq!(ready_on(&c, "by-name").await, ["node-2"]);
     assert_eq!(ready_on(&c, "by-rack").await, ["node-1"]);
+    // `volume status` says which nodes offer each volume and why the other does not.
+    let (code, out) = c.cli(&["volume", "status", "by-rack"]);
+    assert_eq!(code, 0, "{out}");
+    let offered = out.split("Offered By").nth(1).unwrap_or_default();
+    let row = |n: &str| {
+        offered
+            .lines()
+            .find(|l| l.starts_with(n))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(row("node-1").contains(" yes "), "{out}");
+    assert!(
+        row("node-2").contains(" no ") && row("node-2").contains("${meta.rack} = r1"),
+        "{out}"
+    );
 }
 
 /// The first allocation of `job` on `node` that failed, and its prestart's stderr.
@@ -387,6 +403,12 @@ async fn a_final_publish_failure_stops_every_node_from_offering_the_volume() {
     assert!(
         out.contains("Final Failure") && out.contains("node-1") && out.contains("superblock"),
         "{out}"
+    );
+    let offered = out.split("Offered By").nth(1).unwrap_or_default().to_string();
+    assert_eq!(
+        offered.matches("class \"final\"").count(),
+        2,
+        "both nodes say why: {out}"
     );
     let (_, out) = c.cli(&["volume", "status", "-verbose", "vf"]);
     assert!(out.contains("final-failure"), "{out}");

@@ -7,6 +7,7 @@
 
 pub mod create;
 pub mod eligibility;
+pub mod offering;
 pub mod remove;
 pub mod show;
 pub mod unpublish;

@@ -109,6 +109,9 @@ pub struct VolumeDetail {
     /// The volume on each node that has it (mounted, a placeholder, an error, a refusal),
     /// from the node records and placeholders.
     pub nodes: Vec<NodeDetail>,
+    /// Each node with an agent (or a placeholder): whether it offers the volume to Nomad's
+    /// scheduler, and why not ([`super::offering`]).
+    pub offered_by: Vec<super::offering::NodeOffer>,
     /// The recent publish, unpublish and fence events of the volume on every node, newest
     /// first (each node publishes its last [`nodes::MAX_NODE_HISTORY`] per volume), then
     /// those of the record itself ([`record_events`]: create or register, snapshots,
@@ -285,6 +288,8 @@ pub struct Placeholder {
     pub id: String,
     /// The host volume's `HostPath`: where the volume is mounted once published.
     pub host_path: String,
+    /// Its `State` is `ready` (Nomad may place allocations that request it there).
+    pub ready: bool,
 }
 
 /// The placeholders of volume `name` and the allocations Nomad lists on them (with their
@@ -314,6 +319,7 @@ pub async fn placeholders_of(
             });
         }
         places.push(Placeholder {
+            ready: hv.state == "ready",
             node_id: hv.node_id,
             id: hv.id,
             host_path: hv.host_path,
@@ -471,6 +477,61 @@ pub fn describe_expansion(x: &volume::Expansion, records: &[NodeRecord]) -> Stri
         s.push_str(&format!(": {}", plugin_text(&x.error)));
     }
     s
+}
+
+/// [`super::offering::offers`] with what it needs: the placeholders' states and, for a
+/// volume with constraints, each live node's attributes (a node that cannot be read is
+/// said so, not skipped).
+async fn offered_by(
+    client: &Client,
+    r: &VolumeRecord,
+    records: &[NodeRecord],
+    placeholders: &[Placeholder],
+) -> Vec<super::offering::NodeOffer> {
+    let now = super::super::output::now_unix();
+    let ready: BTreeMap<String, bool> = placeholders
+        .iter()
+        .map(|p| (p.node_id.clone(), p.ready))
+        .collect();
+    let mut facts = BTreeMap::new();
+    if !r.spec.constraints.is_empty() && super::offering::withheld_everywhere(r).is_none() {
+        for n in records
+            .iter()
+            .filter(|n| !ready.get(&n.node_id).copied().unwrap_or(false))
+        {
+            if let Ok(Some(f)) = client.node_facts(&n.node_id).await {
+                facts.insert(n.node_id.clone(), f);
+            }
+        }
+    }
+    super::offering::offers(r, records, &ready, &facts, now)
+}
+
+/// The readable "Offered By" table of `volume status`.
+pub fn render_offers(offers: &[super::offering::NodeOffer], verbose: bool) -> String {
+    let rows: Vec<Vec<String>> = offers
+        .iter()
+        .map(|o| {
+            vec![
+                if o.node_name.is_empty() {
+                    short_id(&o.node_id, verbose)
+                } else {
+                    o.node_name.clone()
+                },
+                if o.offered { "yes" } else { "no" }.into(),
+                if o.why.is_empty() {
+                    "-".into()
+                } else {
+                    plugin_text(&o.why)
+                },
+            ]
+        })
+        .collect();
+    table(
+        &["Node", "Offers", "Why Not"],
+        &rows,
+        "No node runs a dhv-binder agent",
+    )
 }
 
 /// The list row of a record.
@@ -732,6 +793,10 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
             out.push_str(&table(&["Node", "Job/Task (Allocation)"], &ungated, ""));
         }
     }
+    if !d.offered_by.is_empty() {
+        out.push_str("\nOffered By\n");
+        out.push_str(&render_offers(&d.offered_by, verbose));
+    }
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");
         out.push_str(&storage::render_snapshots(&d.snapshots, verbose));
@@ -849,6 +914,7 @@ pub async fn status(
         _ => String::new(),
     };
     let nodes = node_details(&r, &records, &placeholders, &allocations);
+    let offered_by = offered_by(client, &r, &records, &placeholders).await;
     let d = VolumeDetail {
         summary: summary(&r, registered),
         requested_capabilities: r
@@ -887,6 +953,7 @@ pub async fn status(
         waiting,
         claim_holder,
         nodes,
+        offered_by,
     };
     let verbose = out.verbose;
     out.print(&d, |d| render_detail(d, verbose))
@@ -1008,6 +1075,7 @@ mod tests {
             }],
             snapshots: Vec::new(),
             final_failure: String::new(),
+            offered_by: Vec::new(),
             waiting: String::new(),
             claim_holder: "node-1 (n1): job example, allocation a1 (running)".into(),
             nodes: Vec::new(),
@@ -1207,6 +1275,7 @@ Time                  Node    Event      Detail               Outcome
             allocations: Vec::new(),
             snapshots: Vec::new(),
             final_failure: String::new(),
+            offered_by: Vec::new(),
             waiting: String::new(),
             claim_holder: String::new(),
             nodes,
