@@ -224,6 +224,14 @@ async fn a_publish_failing_elsewhere_sends_the_job_to_the_other_node() {
     let s = status(&c, 0);
     let why = s["offers"]["cooling_down"]["default/vm"]["error"].to_string();
     assert!(why.contains("no path to the array"), "{s}");
+    // The cool-down is an event of `volume status -verbose`, on node-1.
+    c.wait_for(30, "the cool-down among vm's events", || async {
+        let (_, out) = c.cli(&["volume", "status", "-verbose", "vm"]);
+        out.lines()
+            .any(|l| l.contains("node-1") && l.contains("cool-down") && l.contains("elsewhere"))
+            .then_some(())
+    })
+    .await;
 }
 
 /// Issue 48 #3: a publish that always fails on node-1 with a transient error (exit 1, no
@@ -345,6 +353,18 @@ async fn pause_and_drain_keep_users_and_refuse_new_allocations() {
     wait_ready_on(&c, "vp", &["node-1"], 30).await;
     let (_, list) = c.cli(&["volume", "list"]);
     assert!(list.contains("ready (pause)"), "{list}");
+    // node-1, where it is published, says so in the volume's events.
+    c.wait_for(30, "the pause among vp's events", || async {
+        let (_, out) = c.cli(&["volume", "status", "-verbose", "vp"]);
+        out.lines()
+            .any(|l| {
+                l.contains("node-1")
+                    && l.contains("availability")
+                    && l.contains("users here keep it")
+            })
+            .then_some(())
+    })
+    .await;
     let waiter = c
         .run_job(&job(&c, "waiter", "vp", &on_node("node-1")))
         .await;
@@ -404,7 +424,11 @@ async fn a_final_publish_failure_stops_every_node_from_offering_the_volume() {
         out.contains("Final Failure") && out.contains("node-1") && out.contains("superblock"),
         "{out}"
     );
-    let offered = out.split("Offered By").nth(1).unwrap_or_default().to_string();
+    let offered = out
+        .split("Offered By")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
     assert_eq!(
         offered.matches("class \"final\"").count(),
         2,

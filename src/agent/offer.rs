@@ -13,7 +13,7 @@ use crate::storage::error_class::ErrorClass;
 use crate::storage::plugin::PluginError;
 use crate::volume::final_failure::FinalFailure;
 use crate::volume::VolumeKey;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// How long a node withholds a volume after a publish that cannot succeed here.
@@ -26,6 +26,26 @@ pub(crate) const NODE_REREAD: Duration = Duration::from_secs(30);
 /// How long a node that matches none of a pending volume's preferred topologies waits
 /// before it competes for the volume's create (a node that matches one takes it first).
 pub(crate) const PREFER_GRACE: Duration = Duration::from_secs(10);
+
+/// The most offer events kept per volume, and the most volumes with offer events (those
+/// with the latest); the node record bounds them again with the journal's.
+const EVENTS_PER_VOLUME: usize = 10;
+const EVENT_VOLUMES: usize = 8;
+/// The most characters of an offer event's detail.
+const EVENT_DETAIL_CHARS: usize = 120;
+
+/// A change of what this node offers (for `volume status -verbose`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OfferEvent {
+    /// Unix seconds.
+    pub time: u64,
+    /// `cool-down` (withheld here after a failure), `final` (a failure of the class
+    /// "final" seen here), `offered-again` (a cool-down ended, an operator repaired it) or
+    /// `availability` (an operator paused, drained or reactivated a volume published here).
+    pub event: &'static str,
+    /// Why, cut to 120 characters.
+    pub detail: String,
+}
 
 /// Transient publish failures in a row on this node after which the volume cools down.
 pub(crate) const TRANSIENT_LIMIT: u32 = 3;
@@ -117,6 +137,8 @@ pub(crate) struct Offers {
     finals: BTreeMap<VolumeKey, (String, FinalFailure, bool)>,
     /// The marks in flight.
     marking: BTreeSet<VolumeKey>,
+    /// The recent changes of what this node offers, per volume (`volume status -verbose`).
+    events: BTreeMap<VolumeKey, VecDeque<OfferEvent>>,
     /// Pending volumes with a preferred topology this node does not match: when this node
     /// first saw each ([`PREFER_GRACE`]).
     unpreferred: BTreeMap<VolumeKey, Instant>,
@@ -145,6 +167,14 @@ impl Offers {
         };
         if cool {
             self.transient.remove(volume);
+            self.note(
+                volume,
+                "cool-down",
+                &format!(
+                    "{class}: withheld here for {}s: {report}",
+                    COOL_DOWN.as_secs()
+                ),
+            );
             let error = match class {
                 ErrorClass::RetryHere => {
                     format!("{report} ({TRANSIENT_LIMIT} times in a row)")
@@ -164,6 +194,9 @@ impl Offers {
     /// known for it is kept (the first words).
     pub(crate) fn final_failed(&mut self, volume: &VolumeKey, volume_id: &str, f: FinalFailure) {
         self.transient.remove(volume);
+        if !self.finals.contains_key(volume) {
+            self.note(volume, "final", &f.error);
+        }
         self.finals
             .entry(volume.clone())
             .or_insert_with(|| (volume_id.to_string(), f, false));
@@ -204,6 +237,11 @@ impl Offers {
     /// An operator cleared the volume's "final" failure (`volume update -repaired`): this
     /// node offers it again (its own cool-down of it ends too).
     pub(crate) fn repaired(&mut self, volume: &VolumeKey) {
+        self.note(
+            volume,
+            "offered-again",
+            "an operator cleared its \"final\" failure",
+        );
         self.cooling.remove(volume);
         self.transient.remove(volume);
         self.finals.remove(volume);
@@ -238,6 +276,36 @@ impl Offers {
         self.unpreferred.retain(|k, _| pending.contains(k));
     }
 
+    /// Records an offer event of `volume` now.
+    pub(crate) fn note(&mut self, volume: &VolumeKey, event: &'static str, detail: &str) {
+        let e = OfferEvent {
+            time: crate::cluster::nodes::now_unix(),
+            event,
+            detail: detail.chars().take(EVENT_DETAIL_CHARS).collect(),
+        };
+        let list = self.events.entry(volume.clone()).or_default();
+        list.push_back(e);
+        while list.len() > EVENTS_PER_VOLUME {
+            list.pop_front();
+        }
+        while self.events.len() > EVENT_VOLUMES {
+            let oldest = self
+                .events
+                .iter()
+                .min_by_key(|(_, l)| l.back().map_or(0, |e| e.time))
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => self.events.remove(&k),
+                None => break,
+            };
+        }
+    }
+
+    /// The recent offer events, per volume, oldest first.
+    pub(crate) fn events(&self) -> &BTreeMap<VolumeKey, VecDeque<OfferEvent>> {
+        &self.events
+    }
+
     /// A publish of `volume` succeeded: its failures are forgotten.
     pub(crate) fn published(&mut self, volume: &VolumeKey) {
         self.transient.remove(volume);
@@ -246,9 +314,17 @@ impl Offers {
 
     /// Forgets cool-downs that ended; true when one did (the placeholders are due again).
     pub(crate) fn expire(&mut self, now: Instant) -> bool {
-        let before = self.cooling.len();
-        self.cooling.retain(|_, (until, _, _)| *until > now);
-        self.cooling.len() != before
+        let ended: Vec<VolumeKey> = self
+            .cooling
+            .iter()
+            .filter(|(_, (until, _, _))| *until <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &ended {
+            self.cooling.remove(k);
+            self.note(k, "offered-again", "its cool-down ended");
+        }
+        !ended.is_empty()
     }
 
     /// When the next cool-down ends.

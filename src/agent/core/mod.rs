@@ -333,7 +333,8 @@ impl Core {
     /// What this node's record says of its volumes' recent events (`volume status
     /// -verbose`): the journal's recent publish, unpublish and fence outcomes.
     pub(crate) fn node_history(&self) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
-        self.journal
+        let mut out: BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> = self
+            .journal
             .recent()
             .iter()
             .map(|(k, r)| {
@@ -364,7 +365,9 @@ impl Core {
                     .collect();
                 (k.to_string(), events)
             })
-            .collect()
+            .collect();
+        self.add_offer_events(&mut out);
+        out
     }
 
     /// Volumes this node's allocations name that the catalogue has no record for (yet): the

@@ -248,8 +248,27 @@ impl Core {
 
     /// The records in `next` whose "final" failure an operator cleared since `self.volumes`:
     /// this node forgets its own cool-down of them (offered again at once).
+    /// Also notes, on a node where the volume is published, an operator's change of its
+    /// availability (an event of `volume status -verbose`).
     pub(super) fn note_repairs(&mut self, next: &Catalogue) {
         for (k, old) in &self.volumes {
+            let changed = next
+                .get(k)
+                .filter(|r| r.id == old.id && r.spec.availability != old.spec.availability);
+            if let Some(r) = changed.filter(|_| self.journal.mounts().contains_key(k)) {
+                let what = match r.spec.availability {
+                    crate::volume::availability::Availability::Active => {
+                        "active: offered to new allocations again"
+                    }
+                    crate::volume::availability::Availability::Pause => {
+                        "pause: its users here keep it, no new allocation gets it"
+                    }
+                    crate::volume::availability::Availability::Drain => {
+                        "drain: unpublished here once its users end"
+                    }
+                };
+                self.offers.note(k, "availability", what);
+            }
             let cleared = old.final_failure.is_some()
                 && next
                     .get(k)
@@ -259,6 +278,25 @@ impl Core {
                 self.offers.repaired(k);
                 self.chores_due = true;
             }
+        }
+    }
+
+    /// Adds this node's offer events (cool-downs, "final" failures, offered again) to the
+    /// journal's events of `history`, in time order.
+    pub(super) fn add_offer_events(
+        &self,
+        history: &mut BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>>,
+    ) {
+        for (k, events) in self.offers.events() {
+            let list = history.entry(k.to_string()).or_default();
+            list.extend(events.iter().map(|e| crate::cluster::nodes::NodeEvent {
+                time: e.time,
+                event: e.event.to_string(),
+                ok: e.event == "offered-again",
+                detail: e.detail.clone(),
+                ..Default::default()
+            }));
+            list.sort_by_key(|e| e.time);
         }
     }
 

@@ -250,6 +250,14 @@ pub fn record_events(
             ..Default::default()
         });
     }
+    if !rec.spec.availability.is_active() {
+        out.push(HistoryEvent {
+            event: "availability".into(),
+            outcome: rec.spec.availability.as_str().into(),
+            detail: "set by `volume update -availability`".into(),
+            ..Default::default()
+        });
+    }
     if let Some(f) = &rec.final_failure {
         out.push(HistoryEvent {
             time: f.time,
