@@ -472,3 +472,84 @@ fn a_spec_takes_nomads_topology_request() {
     .unwrap_err();
     assert!(e.to_string().contains("requird"), "{e}");
 }
+
+/// Issue 48 #1: a plugin that reports its topology in its fingerprint (here the bind plugin
+/// wrapped: zone a on node-1, whose agent has an extra plugin root naming it, zone b on
+/// node-2) and a volume whose `topology_request` requires zone a: only node-1 creates and
+/// offers it, its job runs there, `node status -json` carries each node's topology, and
+/// `volume status` says why node-2 does not offer it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_topology_decides_which_nodes_create_and_offer_a_volume() {
+    let mut c = Cluster::start(2).await;
+    let zone_a = c.sb.join("zone-a");
+    std::fs::create_dir_all(&zone_a).unwrap();
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    support::sandbox::script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            r#"#!/bin/sh
+if [ "$1" = fingerprint ]; then
+  case "$DHV_ALLOWED_ROOTS" in
+    *zone-a*) zone=a ;;
+    *) zone=b ;;
+  esac
+  {real} fingerprint | sed "s/^{{/{{\"topology\":{{\"zone\":\"$zone\"}},/"
+  exit 0
+fi
+exec {real} "$@"
+"#,
+            real = real.display()
+        ),
+    );
+    let roots = format!(
+        "bind={},bind={},ext4={}",
+        c.export.display(),
+        zone_a.display(),
+        c.sb.join("images").display()
+    );
+    restart_agent_with(&mut c, 0, &[("DHV_BINDER_PLUGIN_ROOTS", &roots)]).await;
+    c.wait_for(60, "both nodes' topology in their node records", || async {
+        let (_, out) = c.cli(&["node", "status", "-json"]);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let zones: Vec<String> = v
+            .as_array()?
+            .iter()
+            .map(|n| n["Plugins"]["bind"]["Topology"]["zone"].to_string())
+            .collect();
+        (zones.contains(&"\"a\"".to_string()) && zones.contains(&"\"b\"".to_string())).then_some(())
+    })
+    .await;
+    create_constrained(
+        &c,
+        "zoned",
+        "topology_request {\n  required {\n    topology { segments = { zone = \"a\" } }\n  }\n}",
+    );
+    wait_ready_on(&c, "zoned", &["node-1"], 60).await;
+    let (code, out) = c.cli(&["volume", "status", "-json", "zoned"]);
+    assert_eq!(code, 0, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        v["WorkerNode"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("node-1"),
+        "created on node-1: {v}"
+    );
+    let node2 = v["OfferedBy"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|o| o["NodeName"] == "node-2")
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        node2["Offered"] == false && node2["Why"].to_string().contains("zone=b"),
+        "{v}"
+    );
+    let j = c.run_job(&job(&c, "zoned-job", "zoned", "")).await;
+    let a = c.running_alloc(&j, "app", 90, "the job running").await;
+    assert_eq!(a["NodeName"], "node-1");
+    assert_eq!(ready_on(&c, "zoned").await, ["node-1"]);
+}

@@ -68,6 +68,8 @@ pub struct PluginOut {
     /// Its volumes attached on the node, and the node's limit (`null` when unlimited).
     pub attached: Option<u64>,
     pub max_volumes: Option<u32>,
+    /// The plugin's fingerprint `topology` (segment → value); empty when it reports none.
+    pub topology: crate::volume::topology::Segments,
 }
 
 /// A volume on a node, in `node status -json`.
@@ -108,6 +110,7 @@ impl NodeStatus {
                         capabilities: p.capabilities,
                         attached: attach.map(|a| a.attached),
                         max_volumes: attach.map(|a| a.max_volumes),
+                        topology: p.topology,
                     };
                     (id, out)
                 })
