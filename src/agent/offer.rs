@@ -132,9 +132,10 @@ impl Withheld {
 pub(crate) struct Offers {
     cooling: BTreeMap<VolumeKey, (Instant, String, bool)>,
     transient: BTreeMap<VolumeKey, u32>,
-    /// Volume → its record's ID, the "final" failure seen here, and whether it is written
-    /// into the record yet: withheld here until an operator clears it.
-    finals: BTreeMap<VolumeKey, (String, FinalFailure, bool)>,
+    /// Volume → its record's ID, the "final" failure seen here, and the record's
+    /// ModifyIndex once it holds the failure (`None`: not written yet): withheld here until
+    /// an operator clears it.
+    finals: BTreeMap<VolumeKey, (String, FinalFailure, Option<u64>)>,
     /// The marks in flight.
     marking: BTreeSet<VolumeKey>,
     /// The recent changes of what this node offers, per volume (`volume status -verbose`).
@@ -199,7 +200,7 @@ impl Offers {
         }
         self.finals
             .entry(volume.clone())
-            .or_insert_with(|| (volume_id.to_string(), f, false));
+            .or_insert_with(|| (volume_id.to_string(), f, None));
     }
 
     /// The "final" failure seen here of the volume `volume_id`, if any.
@@ -219,19 +220,55 @@ impl Offers {
         let due: Vec<_> = self
             .finals
             .iter()
-            .filter(|(k, (_, _, written))| !written && !self.marking.contains(*k) && ready(k))
+            .filter(|(k, (_, _, at))| at.is_none() && !self.marking.contains(*k) && ready(k))
             .map(|(k, (id, f, _))| (k.clone(), id.clone(), f.clone()))
             .collect();
         self.marking.extend(due.iter().map(|(k, _, _)| k.clone()));
         due
     }
 
-    /// A mark's write finished: written when `ok`, else tried again after the backoff.
-    pub(crate) fn marked(&mut self, volume: &VolumeKey, ok: bool) {
+    /// A mark's write finished: `Some(index)`, the record holds the failure at that
+    /// ModifyIndex; `None`, it failed and is tried again after the backoff.
+    pub(crate) fn marked(&mut self, volume: &VolumeKey, at: Option<u64>) {
         self.marking.remove(volume);
         if let Some(x) = self.finals.get_mut(volume) {
-            x.2 |= ok;
+            x.2 = x.2.or(at);
         }
+    }
+
+    /// Forgets the "final" failure seen here of `volume` (its record is gone).
+    pub(crate) fn forget_final(&mut self, volume: &VolumeKey) {
+        self.finals.remove(volume);
+    }
+
+    /// Compares the "final" failures seen here with the records (`record`: a volume's ID,
+    /// ModifyIndex and whether it holds a failure; `None` when it has no record): one whose
+    /// record is gone or is another volume now is forgotten; one whose record, at or after
+    /// the index that held it, holds none any more was cleared by an operator and is
+    /// [`Offers::repaired`] (even when no catalogue between showed it set). Returns those.
+    pub(crate) fn reconcile_finals<'a>(
+        &mut self,
+        record: impl Fn(&VolumeKey) -> Option<(&'a str, u64, bool)>,
+    ) -> Vec<VolumeKey> {
+        let mut gone = Vec::new();
+        let mut cleared = Vec::new();
+        for (k, (id, _, at)) in &self.finals {
+            match record(k) {
+                None => gone.push(k.clone()),
+                Some((rid, _, _)) if rid != id => gone.push(k.clone()),
+                Some((_, index, false)) if at.is_some_and(|i| index >= i) => {
+                    cleared.push(k.clone())
+                }
+                Some(_) => {}
+            }
+        }
+        for k in &gone {
+            self.finals.remove(k);
+        }
+        for k in &cleared {
+            self.repaired(k);
+        }
+        cleared
     }
 
     /// An operator cleared the volume's "final" failure (`volume update -repaired`): this
@@ -251,7 +288,7 @@ impl Offers {
     pub(crate) fn pending_marks(&self) -> impl Iterator<Item = &VolumeKey> {
         self.finals
             .iter()
-            .filter(|(_, (_, _, written))| !written)
+            .filter(|(_, (_, _, at))| at.is_none())
             .map(|(k, _)| k)
     }
 
@@ -456,5 +493,36 @@ mod tests {
         assert!(o
             .withheld(&key("a"), "bind", false, 0, None, t + COOL_DOWN)
             .is_none());
+    }
+
+    /// A "final" failure seen here stays until the record, at or after the index that held
+    /// it, holds none (an operator cleared it, even if no catalogue showed it set); it is
+    /// forgotten when the record is gone or is another volume.
+    #[test]
+    fn a_final_failure_seen_here_ends_when_the_record_is_cleared() {
+        let mut o = Offers::default();
+        let f = FinalFailure::new("n1", "node-1", "corrupt");
+        o.final_failed(&key("a"), "id-a", f.clone());
+        assert_eq!(o.marks_due(|_| true).len(), 1);
+        assert!(o.marks_due(|_| true).is_empty(), "one write in flight");
+        o.marked(&key("a"), Some(5));
+        assert!(o.pending_marks().next().is_none());
+        // The catalogue still holds the record from before the mark: not cleared.
+        assert!(o.reconcile_finals(|_| Some(("id-a", 4, false))).is_empty());
+        assert!(o.reconcile_finals(|_| Some(("id-a", 5, true))).is_empty());
+        assert!(o.final_seen(&key("a"), "id-a").is_some());
+        assert_eq!(
+            o.reconcile_finals(|_| Some(("id-a", 7, false))),
+            vec![key("a")]
+        );
+        assert!(o.final_seen(&key("a"), "id-a").is_none());
+        o.final_failed(&key("b"), "id-b", f);
+        assert!(o
+            .reconcile_finals(|_| Some(("id-other", 9, false)))
+            .is_empty());
+        assert!(
+            o.final_seen(&key("b"), "id-b").is_none(),
+            "another volume now"
+        );
     }
 }

@@ -229,18 +229,23 @@ impl Core {
     pub(super) fn on_final_marked(
         &mut self,
         volume: VolumeKey,
-        result: Result<(), String>,
+        result: Result<Option<u64>, String>,
         now: Instant,
     ) {
         let work = Work::FinalMark(volume.clone());
         match result {
-            Ok(()) => {
+            Ok(at) => {
                 self.retries.succeeded(&work);
-                self.offers.marked(&volume, true);
+                self.offers.marked(&volume, at);
+                if at.is_none() {
+                    // No record of that volume any more: nothing to withhold.
+                    self.offers.forget_final(&volume);
+                    self.chores_due = true;
+                }
             }
             Err(e) => {
                 let at = self.retries.failed(&work, STEP_RETRY, now);
-                self.offers.marked(&volume, false);
+                self.offers.marked(&volume, None);
                 tracing::warn!(%volume, error = %e, retry_in = ?at.saturating_duration_since(now), "cannot write the volume's \"final\" publish failure into its record; this node withholds it meanwhile, other nodes still offer it; retrying after a backoff");
             }
         }
@@ -278,6 +283,14 @@ impl Core {
                 self.offers.repaired(k);
                 self.chores_due = true;
             }
+        }
+        let cleared = self.offers.reconcile_finals(|k| {
+            next.get(k)
+                .map(|r| (r.id.as_str(), r.modify_index, r.final_failure.is_some()))
+        });
+        for k in cleared {
+            tracing::info!(volume = %k, "the volume's \"final\" publish failure seen here was cleared by an operator: offered again");
+            self.chores_due = true;
         }
     }
 

@@ -13,7 +13,8 @@ const ATTEMPTS: usize = 5;
 
 /// Marks the record of `volume` (only while it is still the volume `volume_id`: a record
 /// deleted and created again under the name is another volume) with `failure`, unless it
-/// already holds one. A record gone is nothing to mark.
+/// already holds one. `Ok(Some(index))`: the record holds a failure at that ModifyIndex;
+/// `Ok(None)`: the record is gone or is another volume (nothing to mark).
 pub async fn mark_final(
     client: Client,
     volume: VolumeKey,
@@ -28,15 +29,18 @@ pub async fn mark_final(
                 .await
                 .map_err(|e| e.to_string())?
             else {
-                return Ok(());
+                return Ok(None);
             };
             let mut rec = VolumeRecord::from_variable(&var).map_err(|e| e.to_string())?;
-            if rec.id != volume_id || rec.final_failure.is_some() {
-                return Ok(());
+            if rec.id != volume_id {
+                return Ok(None);
+            }
+            if rec.final_failure.is_some() {
+                return Ok(Some(rec.modify_index));
             }
             rec.final_failure = Some(failure.clone());
             match put_cas(&client, &rec.to_variable(), rec.modify_index).await {
-                Ok(_) => return Ok(()),
+                Ok(v) => return Ok(Some(v.modify_index)),
                 Err(TakeError::Lost { .. }) => continue,
                 Err(e) => return Err(e.to_string()),
             }

@@ -122,7 +122,8 @@ pub enum Completion {
     /// ([`final_mark::mark_final`]); `Err` says why not (retried after a backoff).
     FinalMarked {
         volume: VolumeKey,
-        result: Result<(), String>,
+        /// The record's ModifyIndex holding the failure; `None`: no record of that volume.
+        result: Result<Option<u64>, String>,
     },
     /// A storage operation (snapshot, expansion) ran ([`storage::perform`]).
     Storage {
