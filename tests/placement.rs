@@ -232,6 +232,16 @@ async fn a_publish_failing_elsewhere_sends_the_job_to_the_other_node() {
             .then_some(())
     })
     .await;
+    // The plugin's words stay out of the node records (docs/security.md).
+    let record = c
+        .get(&format!(
+            "/v1/var/dhv-binder/nodes/{}?namespace=default",
+            c.nodes[0].id
+        ))
+        .await
+        .to_string();
+    assert!(record.contains("cool-down"), "{record}");
+    assert!(!record.contains("no path to the array"), "{record}");
 }
 
 /// Issue 48 #3: a publish that always fails on node-1 with a transient error (exit 1, no

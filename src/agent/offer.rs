@@ -43,7 +43,8 @@ pub(crate) struct OfferEvent {
     /// "final" seen here), `offered-again` (a cool-down ended, an operator repaired it) or
     /// `availability` (an operator paused, drained or reactivated a volume published here).
     pub event: &'static str,
-    /// Why, cut to 120 characters.
+    /// Why, cut to 120 characters: never the plugin's words (the event goes to the node
+    /// record, which carries none: docs/security.md).
     pub detail: String,
 }
 
@@ -168,11 +169,12 @@ impl Offers {
         };
         if cool {
             self.transient.remove(volume);
+            // No plugin words: the event goes to the node record (docs/security.md).
             self.note(
                 volume,
                 "cool-down",
                 &format!(
-                    "{class}: withheld here for {}s: {report}",
+                    "class {class}: withheld here for {}s (why: this node's log and status)",
                     COOL_DOWN.as_secs()
                 ),
             );
@@ -196,7 +198,11 @@ impl Offers {
     pub(crate) fn final_failed(&mut self, volume: &VolumeKey, volume_id: &str, f: FinalFailure) {
         self.transient.remove(volume);
         if !self.finals.contains_key(volume) {
-            self.note(volume, "final", &f.error);
+            self.note(
+                volume,
+                "final",
+                "class final: written into the volume's record (why: volume status)",
+            );
         }
         self.finals
             .entry(volume.clone())
