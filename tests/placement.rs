@@ -531,6 +531,11 @@ exec {real} "$@"
         (zones.contains(&"\"a\"".to_string()) && zones.contains(&"\"b\"".to_string())).then_some(())
     })
     .await;
+    let (_, out) = c.cli(&["node", "status"]);
+    assert!(
+        out.contains("bind(zone=a)") && out.contains("bind(zone=b)"),
+        "{out}"
+    );
     create_constrained(
         &c,
         "zoned",

@@ -267,10 +267,20 @@ pub fn render(list: &[NodeStatus], now: u64, verbose: bool) -> String {
                         format!("{id}(unhealthy)")
                     } else if !p.deferred_bind {
                         format!("{id}(not deferred)")
-                    } else if let (Some(n), Some(max)) = (p.attached, p.max_volumes) {
-                        format!("{id}({n}/{max} attached)")
                     } else {
-                        id.clone()
+                        // The attach count and the topology, when the plugin has them.
+                        let mut said = Vec::new();
+                        if let (Some(n), Some(max)) = (p.attached, p.max_volumes) {
+                            said.push(format!("{n}/{max} attached"));
+                        }
+                        if !p.topology.is_empty() {
+                            said.push(crate::volume::topology::show(&p.topology));
+                        }
+                        if said.is_empty() {
+                            id.clone()
+                        } else {
+                            format!("{id}({})", said.join(", "))
+                        }
                     }
                 })
                 .collect();
