@@ -113,7 +113,8 @@ pub enum VolumeCommand {
         #[command(flatten)]
         key: SigningArgs,
     },
-    /// Set whether new allocations may get a volume: `-availability=active|pause|drain`.
+    /// Set whether new allocations may get a volume: `-availability=active|pause|drain`; or
+    /// clear a "final" publish failure once the storage is repaired: `-repaired`.
     Update(super::update::UpdateArgs),
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.
