@@ -94,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
         mount_options: Default::default(),
         secret_refs: Default::default(),
         constraints: Vec::new(),
+        topology_request: Default::default(),
         availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, secrets);

@@ -224,6 +224,24 @@ async fn a_publish_failing_elsewhere_sends_the_job_to_the_other_node() {
     let s = status(&c, 0);
     let why = s["offers"]["cooling_down"]["default/vm"]["error"].to_string();
     assert!(why.contains("no path to the array"), "{s}");
+    // The cool-down is an event of `volume status -verbose`, on node-1.
+    c.wait_for(30, "the cool-down among vm's events", || async {
+        let (_, out) = c.cli(&["volume", "status", "-verbose", "vm"]);
+        out.lines()
+            .any(|l| l.contains("node-1") && l.contains("cool-down") && l.contains("elsewhere"))
+            .then_some(())
+    })
+    .await;
+    // The plugin's words stay out of the node records (docs/security.md).
+    let record = c
+        .get(&format!(
+            "/v1/var/dhv-binder/nodes/{}?namespace=default",
+            c.nodes[0].id
+        ))
+        .await
+        .to_string();
+    assert!(record.contains("cool-down"), "{record}");
+    assert!(!record.contains("no path to the array"), "{record}");
 }
 
 /// Issue 48 #3: a publish that always fails on node-1 with a transient error (exit 1, no
@@ -292,6 +310,22 @@ async fn constraints_decide_which_nodes_offer_a_volume() {
     assert!(why.contains("${meta.rack} = r1"), "{why}");
     assert_eq!(ready_on(&c, "by-name").await, ["node-2"]);
     assert_eq!(ready_on(&c, "by-rack").await, ["node-1"]);
+    // `volume status` says which nodes offer each volume and why the other does not.
+    let (code, out) = c.cli(&["volume", "status", "by-rack"]);
+    assert_eq!(code, 0, "{out}");
+    let offered = out.split("Offered By").nth(1).unwrap_or_default();
+    let row = |n: &str| {
+        offered
+            .lines()
+            .find(|l| l.starts_with(n))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(row("node-1").contains(" yes "), "{out}");
+    assert!(
+        row("node-2").contains(" no ") && row("node-2").contains("${meta.rack} = r1"),
+        "{out}"
+    );
 }
 
 /// The first allocation of `job` on `node` that failed, and its prestart's stderr.
@@ -329,6 +363,18 @@ async fn pause_and_drain_keep_users_and_refuse_new_allocations() {
     wait_ready_on(&c, "vp", &["node-1"], 30).await;
     let (_, list) = c.cli(&["volume", "list"]);
     assert!(list.contains("ready (pause)"), "{list}");
+    // node-1, where it is published, says so in the volume's events.
+    c.wait_for(30, "the pause among vp's events", || async {
+        let (_, out) = c.cli(&["volume", "status", "-verbose", "vp"]);
+        out.lines()
+            .any(|l| {
+                l.contains("node-1")
+                    && l.contains("availability")
+                    && l.contains("users here keep it")
+            })
+            .then_some(())
+    })
+    .await;
     let waiter = c
         .run_job(&job(&c, "waiter", "vp", &on_node("node-1")))
         .await;
@@ -354,4 +400,171 @@ async fn pause_and_drain_keep_users_and_refuse_new_allocations() {
     let (code, out) = c.cli(&["volume", "update", "-availability=active", "vp"]);
     assert_eq!(code, 0, "{out}");
     wait_ready_on(&c, "vp", &["node-1", "node-2"], 60).await;
+}
+
+/// Issue 48 #3: a publish failing on node-1 with the class "final" (exit 65: the volume
+/// itself is broken) fails the allocation's prestart at once with the plugin's words, and
+/// node-1 writes the failure into the record: every node withdraws its placeholder (node-2
+/// too, which never tried), `volume status` says why (where, the plugin's words) and
+/// `-verbose` shows it as an event; `volume update -repaired` clears it and both nodes
+/// offer the volume again. node-1 ran the publish once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_publish_failure_stops_every_node_from_offering_the_volume() {
+    let c = Cluster::start(2).await;
+    c.create_volume("vf", "single-node-writer");
+    failing_publish_on_node_1(
+        &c,
+        65,
+        r#"{"error":"the superblock of the image is corrupt"}"#,
+    );
+    wait_ready_on(&c, "vf", &["node-1", "node-2"], 60).await;
+    let j = c
+        .run_job(&job(&c, "broken", "vf", &on_node("node-1")))
+        .await;
+    let said = failed_prestart(&c, &j, "node-1").await;
+    assert!(
+        said.contains("superblock of the image is corrupt"),
+        "{said}"
+    );
+    wait_ready_on(&c, "vf", &[], 60).await;
+    c.stop_job(&j, true).await;
+    let (code, out) = c.cli(&["volume", "status", "vf"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("Final Failure") && out.contains("node-1") && out.contains("superblock"),
+        "{out}"
+    );
+    let offered = out
+        .split("Offered By")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        offered.matches("class \"final\"").count(),
+        2,
+        "both nodes say why: {out}"
+    );
+    let (_, out) = c.cli(&["volume", "status", "-verbose", "vf"]);
+    assert!(out.contains("final-failure"), "{out}");
+    let calls = std::fs::read_to_string(c.plugin_dir.join("node-1-failures.log"))
+        .unwrap_or_default()
+        .lines()
+        .count();
+    assert_eq!(calls, 1, "one publish on node-1");
+    let (code, out) = c.cli(&["volume", "update", "-repaired", "vf"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("cleared"), "{out}");
+    wait_ready_on(&c, "vf", &["node-1", "node-2"], 60).await;
+    let (_, out) = c.cli(&["volume", "status", "vf"]);
+    assert!(!out.contains("Final Failure"), "{out}");
+}
+
+/// A spec's `topology_request` in Nomad's CSI shape: required and preferred topologies,
+/// one or several `topology` blocks each; a topology without segments and an unknown field
+/// are refused by name (an old build refused `topology_request` as an unknown field).
+#[test]
+fn a_spec_takes_nomads_topology_request() {
+    let base = "name = \"a\"\nplugin_id = \"bind\"\n";
+    let (spec, _) = dhv_binder::volume::parse_spec(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{\n      segments {{ zone = \"a\" }}\n    }}\n    topology {{ segments = {{ zone = \"b\", rack = \"r1\" }} }}\n  }}\n  preferred {{\n    topology {{ segments = {{ zone = \"b\" }} }}\n  }}\n}}"
+    ))
+    .unwrap();
+    assert_eq!(spec.topology_request.required.len(), 2);
+    assert_eq!(spec.topology_request.preferred.len(), 1);
+    let e = dhv_binder::volume::parse_spec(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{ segments = {{}} }}\n  }}\n}}"
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("missing its segments"), "{e}");
+    let e = dhv_binder::volume::parse_spec(&format!(
+        "{base}topology_request {{\n  requird {{\n    topology {{ segments = {{ zone = \"a\" }} }}\n  }}\n}}"
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("requird"), "{e}");
+}
+
+/// Issue 48 #1: a plugin that reports its topology in its fingerprint (here the bind plugin
+/// wrapped: zone a on node-1, whose agent has an extra plugin root naming it, zone b on
+/// node-2) and a volume whose `topology_request` requires zone a: only node-1 creates and
+/// offers it, its job runs there, `node status -json` carries each node's topology, and
+/// `volume status` says why node-2 does not offer it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_topology_decides_which_nodes_create_and_offer_a_volume() {
+    let mut c = Cluster::start(2).await;
+    let zone_a = c.sb.join("zone-a");
+    std::fs::create_dir_all(&zone_a).unwrap();
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    support::sandbox::script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            r#"#!/bin/sh
+if [ "$1" = fingerprint ]; then
+  case "$DHV_ALLOWED_ROOTS" in
+    *zone-a*) zone=a ;;
+    *) zone=b ;;
+  esac
+  {real} fingerprint | sed "s/^{{/{{\"topology\":{{\"zone\":\"$zone\"}},/"
+  exit 0
+fi
+exec {real} "$@"
+"#,
+            real = real.display()
+        ),
+    );
+    let roots = format!(
+        "bind={},bind={},ext4={}",
+        c.export.display(),
+        zone_a.display(),
+        c.sb.join("images").display()
+    );
+    restart_agent_with(&mut c, 0, &[("DHV_BINDER_PLUGIN_ROOTS", &roots)]).await;
+    c.wait_for(60, "both nodes' topology in their node records", || async {
+        let (_, out) = c.cli(&["node", "status", "-json"]);
+        let v: Value = serde_json::from_str(&out).ok()?;
+        let zones: Vec<String> = v
+            .as_array()?
+            .iter()
+            .map(|n| n["Plugins"]["bind"]["Topology"]["zone"].to_string())
+            .collect();
+        (zones.contains(&"\"a\"".to_string()) && zones.contains(&"\"b\"".to_string())).then_some(())
+    })
+    .await;
+    let (_, out) = c.cli(&["node", "status"]);
+    assert!(
+        out.contains("bind(zone=a)") && out.contains("bind(zone=b)"),
+        "{out}"
+    );
+    create_constrained(
+        &c,
+        "zoned",
+        "topology_request {\n  required {\n    topology { segments = { zone = \"a\" } }\n  }\n}",
+    );
+    wait_ready_on(&c, "zoned", &["node-1"], 60).await;
+    let (code, out) = c.cli(&["volume", "status", "-json", "zoned"]);
+    assert_eq!(code, 0, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        v["WorkerNode"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("node-1"),
+        "created on node-1: {v}"
+    );
+    let node2 = v["OfferedBy"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|o| o["NodeName"] == "node-2")
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        node2["Offered"] == false && node2["Why"].to_string().contains("zone=b"),
+        "{v}"
+    );
+    let j = c.run_job(&job(&c, "zoned-job", "zoned", "")).await;
+    let a = c.running_alloc(&j, "app", 90, "the job running").await;
+    assert_eq!(a["NodeName"], "node-1");
+    assert_eq!(ready_on(&c, "zoned").await, ["node-1"]);
 }

@@ -45,6 +45,7 @@ fn assert_conforms(code: i32, report: &str, extra: &[&str]) {
         "deferred_bind",
         "capabilities",
         "JSON input parsed",
+        "error classes",
         "create x10",
         "publish x10",
         "unpublish x10",
@@ -657,6 +658,92 @@ esac
     assert!(publish.contains("calls 1-10: plugin \"grumpy\" publish failed (exit code 1): error: cannot reach storage backend; stderr: mount: no route to the export server"), "{publish}");
     assert!(!publish.contains("call 2"), "{publish}");
     assert!(!publish.ends_with("\\u{a}"), "{publish}");
+}
+
+/// Issue 48: a plugin whose fingerprint declares `max_volumes` 0 and a topology segment
+/// the agent refuses fails "placement fields", and one whose publish of the kit's healthy
+/// volume fails with exit 65 (the class "final": every node would stop offering the volume)
+/// fails "error classes"; one that declares them well passes both.
+#[test]
+fn placement_fields_and_a_final_class_for_a_healthy_volume_are_checked() {
+    let sb = Sandbox::new();
+    let plugin = |name: &str, fingerprint: &str, code: i32| {
+        script(
+            &sb.join(&format!("plugins/{name}")),
+            &format!(
+                r#"#!/bin/sh
+case "$1" in
+fingerprint) echo '{fingerprint}' ;;
+create) echo '{{}}' ;;
+publish) echo '{{"error":"the image is corrupt"}}'; exit {code} ;;
+*) exit 0 ;;
+esac
+"#
+            ),
+        );
+    };
+    plugin(
+        "careless",
+        r#"{"version":"1.0.0","deferred_bind":true,"max_volumes":0,"topology":{"zone":"a b"}}"#,
+        65,
+    );
+    let (code, report) = check(
+        &sb,
+        &sb.join("plugins/careless"),
+        &[
+            "-rule",
+            "publish x10",
+            "-rule",
+            "placement fields",
+            "-rule",
+            "error classes",
+        ],
+    );
+    assert_eq!(code, 1, "{report}");
+    let line = |rule: &str| {
+        report
+            .lines()
+            .find(|l| l.contains(&format!("  {rule} ")))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(
+        line("placement fields").starts_with("FAIL")
+            && line("placement fields").contains("max_volumes")
+            && line("placement fields").contains("a b"),
+        "{report}"
+    );
+    assert!(
+        line("error classes").starts_with("FAIL")
+            && line("error classes").contains("the image is corrupt"),
+        "{report}"
+    );
+    plugin(
+        "careful",
+        r#"{"version":"1.0.0","deferred_bind":true,"max_volumes":4,"topology":{"zone":"a"}}"#,
+        69,
+    );
+    let (_, report) = check(
+        &sb,
+        &sb.join("plugins/careful"),
+        &[
+            "-rule",
+            "publish x10",
+            "-rule",
+            "placement fields",
+            "-rule",
+            "error classes",
+        ],
+    );
+    assert!(
+        report.contains("PASS  placement fields ")
+            && report.contains("max_volumes 4; topology zone=a"),
+        "{report}"
+    );
+    assert!(
+        report.contains("PASS  error classes ") && report.contains("classed elsewhere"),
+        "{report}"
+    );
 }
 
 /// The `bind` plugin as it was before issues 12 and 13: JSON picked out with sed, and every

@@ -41,6 +41,13 @@ pub(crate) enum Effect {
     Delete(Box<VolumeRecord>),
     /// A snapshot or expansion step (agent/storage_ops.rs decides, taken by check-and-set).
     Storage(crate::agent::executor::storage::StorageOp),
+    /// Nomad: write a "final" publish failure into the record of `volume` (still the volume
+    /// `volume_id`), so that every node stops offering it.
+    MarkFinal {
+        volume: VolumeKey,
+        volume_id: String,
+        failure: crate::volume::final_failure::FinalFailure,
+    },
     /// Nomad: list this node's placeholder host volumes, reading only those of
     /// `namespaces` (the namespaces this node serves volumes or knows placeholders in).
     ListPlaceholders {

@@ -558,6 +558,7 @@ pub(crate) mod tests {
                 mount_options: Default::default(),
                 secret_refs: Default::default(),
                 constraints: Vec::new(),
+                topology_request: Default::default(),
                 availability: Default::default(),
             },
             Default::default(),

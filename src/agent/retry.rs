@@ -22,6 +22,8 @@ pub(crate) enum Work {
     Claim(VolumeKey),
     /// A snapshot or expansion step (agent/storage_ops.rs).
     Storage(crate::cluster::worker::OpKey),
+    /// Writing a "final" publish failure into the volume's record (agent/offer.rs).
+    FinalMark(VolumeKey),
 }
 
 /// Plugin calls, placeholders (their listing too), create/delete: 1 s doubling to 60 s.

@@ -68,6 +68,8 @@ pub struct PluginOut {
     /// Its volumes attached on the node, and the node's limit (`null` when unlimited).
     pub attached: Option<u64>,
     pub max_volumes: Option<u32>,
+    /// The plugin's fingerprint `topology` (segment → value); empty when it reports none.
+    pub topology: crate::volume::topology::Segments,
 }
 
 /// A volume on a node, in `node status -json`.
@@ -108,6 +110,7 @@ impl NodeStatus {
                         capabilities: p.capabilities,
                         attached: attach.map(|a| a.attached),
                         max_volumes: attach.map(|a| a.max_volumes),
+                        topology: p.topology,
                     };
                     (id, out)
                 })
@@ -264,10 +267,20 @@ pub fn render(list: &[NodeStatus], now: u64, verbose: bool) -> String {
                         format!("{id}(unhealthy)")
                     } else if !p.deferred_bind {
                         format!("{id}(not deferred)")
-                    } else if let (Some(n), Some(max)) = (p.attached, p.max_volumes) {
-                        format!("{id}({n}/{max} attached)")
                     } else {
-                        id.clone()
+                        // The attach count and the topology, when the plugin has them.
+                        let mut said = Vec::new();
+                        if let (Some(n), Some(max)) = (p.attached, p.max_volumes) {
+                            said.push(format!("{n}/{max} attached"));
+                        }
+                        if !p.topology.is_empty() {
+                            said.push(crate::volume::topology::show(&p.topology));
+                        }
+                        if said.is_empty() {
+                            id.clone()
+                        } else {
+                            format!("{id}({})", said.join(", "))
+                        }
                     }
                 })
                 .collect();

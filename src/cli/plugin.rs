@@ -405,6 +405,7 @@ pub(crate) mod tests {
                 healthy: true,
                 error: String::new(),
                 capabilities: None,
+                topology: Default::default(),
             },
         );
         a.last_seen = 1000;
@@ -417,6 +418,7 @@ pub(crate) mod tests {
                 healthy: true,
                 error: String::new(),
                 capabilities: None,
+                topology: Default::default(),
             },
         );
         b.plugins.insert(

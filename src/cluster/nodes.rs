@@ -42,6 +42,10 @@ pub struct PluginInfo {
     /// absent in records of agents older than storage operations (unknown, not "none").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capabilities: Option<Vec<String>>,
+    /// The plugin's fingerprint `topology` (bounded there: at most 8 segments); absent when
+    /// it reports none. `volume status` matches volumes' `topology_request` against it.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub topology: crate::volume::topology::Segments,
 }
 
 /// What one agent publishes about its node.
@@ -292,6 +296,7 @@ impl NodeRecord {
                         healthy: true,
                         error: String::new(),
                         capabilities: Some(fp.capabilities.clone()),
+                        topology: fp.topology.clone(),
                     },
                     Err(e) => PluginInfo {
                         error: e.clone(),
@@ -562,6 +567,7 @@ mod tests {
                 deferred_bind: true,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                topology: Default::default(),
             }),
         );
         p.insert(
@@ -571,6 +577,7 @@ mod tests {
                 deferred_bind: false,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                topology: Default::default(),
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 mod flush;
 mod helpers;
+mod placement;
 mod race;
 mod report;
 mod storage;
@@ -208,6 +209,8 @@ struct Kit {
     calls: usize,
     /// The optional operations the fingerprint declares.
     capabilities: Vec<String>,
+    /// Every failed publish: its class and the failure ([`placement::classes_rule`]).
+    publish_failures: Vec<(crate::storage::error_class::ErrorClass, String)>,
 }
 
 impl Kit {
@@ -283,6 +286,17 @@ impl Kit {
             }
             Err(PluginError::BadOutput { .. }) => {}
             Err(_) => {}
+        }
+        if let (Operation::Publish, Err(PluginError::Failed { status, class, .. })) = (op, &result)
+        {
+            let class =
+                class.unwrap_or_else(|| crate::storage::error_class::ErrorClass::of_status(status));
+            let e = result
+                .as_ref()
+                .err()
+                .map(|e| e.report())
+                .unwrap_or_default();
+            self.publish_failures.push((class, e));
         }
         Call { result, ms }
     }
@@ -467,6 +481,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
         mount_options: Default::default(),
         secret_refs: Default::default(),
         constraints: Vec::new(),
+        topology_request: Default::default(),
         availability: Default::default(),
     };
     let mut rec = VolumeRecord::new(spec, opts.secrets.clone());
@@ -495,6 +510,7 @@ pub async fn check(opts: Options) -> Result<Report, CheckError> {
             plugin_dir,
         },
         capabilities: Vec::new(),
+        publish_failures: Vec::new(),
         rec,
         scratch: scratch.clone(),
         opts: opts.clone(),
@@ -618,6 +634,7 @@ async fn run_rules(kit: &mut Kit) {
         "fingerprint says \"deferred_bind\": true",
     );
     storage::capabilities_rule(kit, &fp);
+    placement::fields_rule(kit, &fp);
     if kit.report.wants("JSON input parsed") {
         storage::json_input_rule(kit).await;
     }
@@ -1043,6 +1060,7 @@ async fn run_rules(kit: &mut Kit) {
         );
     }
 
+    placement::classes_rule(kit);
     output_rules(kit).await;
 }
 

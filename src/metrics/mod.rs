@@ -1069,6 +1069,7 @@ mod tests {
                 deferred_bind: true,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                topology: Default::default(),
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));

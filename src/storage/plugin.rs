@@ -519,6 +519,14 @@ impl Runner {
                 stdout: escape_control(&String::from_utf8_lossy(&out.stdout)),
             });
         }
+        if let Err(e) = crate::volume::topology::check_segments(&fp.topology) {
+            return Err(PluginError::BadOutput {
+                plugin: plugin_id.into(),
+                op: Operation::Fingerprint,
+                reason: format!("\"topology\": {e}"),
+                stdout: escape_control(&String::from_utf8_lossy(&out.stdout)),
+            });
+        }
         Ok(fp)
     }
 
@@ -838,6 +846,7 @@ mod tests {
                 deferred_bind: true,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                topology: Default::default(),
             }
         );
         let out = r

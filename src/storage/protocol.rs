@@ -259,6 +259,11 @@ pub struct Fingerprint {
     /// it (docs/plugin-protocol.md, "Attach limits").
     #[serde(default)]
     pub max_volumes: Option<u32>,
+    /// Where the node's storage is reachable from (CSI's `accessible_topology`):
+    /// `{"zone": "a"}`; a spec's `topology_request` is matched against it
+    /// ([`crate::volume::topology`]). Checked at fingerprint (bad segments fail it).
+    #[serde(default)]
+    pub topology: crate::volume::topology::Segments,
 }
 
 impl Fingerprint {

@@ -4,9 +4,11 @@
 
 pub mod availability;
 pub mod constraint;
+pub mod final_failure;
 pub mod mount_options;
 mod nesting;
 pub mod secret_refs;
+pub mod topology;
 
 use crate::nomad::types::Variable;
 use crate::volume::mount_options::{MountOptions, MountOptionsError};
@@ -62,6 +64,8 @@ pub enum SpecError {
     UnknownField { field: String, known: String },
     #[error(transparent)]
     Constraint(#[from] constraint::ConstraintError),
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
     #[error("node_id is not supported: a deferred volume is published on whichever node runs its allocation; use node_pool to choose the nodes that may serve it")]
     NodeId,
     #[error("volume spec nests blocks, lists or parentheses deeper than {MAX_SPEC_DEPTH} levels (or is larger than {MAX_SPEC_BYTES} bytes): flatten it")]
@@ -123,6 +127,7 @@ impl SpecError {
             SpecError::BadSnapshotId(_) => top("snapshot_id"),
             SpecError::UnknownField { field, .. } => top(field),
             SpecError::Constraint(_) => top("constraint"),
+            SpecError::Topology(_) => top("topology_request"),
             SpecError::NodeId => top("node_id"),
             SpecError::UnknownBlockField { block, field, .. } => {
                 spec_line(text, Some(block), field, None)
@@ -271,6 +276,9 @@ pub struct VolumeSpec {
     /// Only nodes that satisfy every `constraint` block offer the volume; omitted when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<constraint::Constraint>,
+    /// Only nodes whose plugin's topology satisfies `required` offer the volume; omitted when none.
+    #[serde(default, skip_serializing_if = "topology::TopologyRequest::is_empty")]
+    pub topology_request: topology::TopologyRequest,
     /// `volume update -availability` (not in the HCL); omitted from the record when `active`.
     #[serde(default, skip_serializing_if = "availability::Availability::is_active")]
     pub availability: availability::Availability,
@@ -299,6 +307,7 @@ struct RawSpec {
     mount_options: Option<RawMountOptions>,
     #[serde(default)]
     constraint: Option<hcl::Value>,
+    topology_request: Option<hcl::Value>,
 }
 
 #[derive(Deserialize)]
@@ -311,7 +320,7 @@ struct RawMountOptions {
 }
 
 /// The top-level fields of a `volume create` spec.
-pub const SPEC_FIELDS: [&str; 15] = [
+pub const SPEC_FIELDS: [&str; 16] = [
     "name",
     "type",
     "namespace",
@@ -327,6 +336,7 @@ pub const SPEC_FIELDS: [&str; 15] = [
     "mount_options",
     "secret_ref",
     "constraint",
+    "topology_request",
 ];
 
 /// The fields only a `volume register` spec has besides [`SPEC_FIELDS`]: what the
@@ -705,6 +715,7 @@ fn parse_spec_of(
     let body = hcl::edit::parser::parse_body(text).map_err(|e| SpecError::Hcl(e.to_string()))?;
     let secret_refs = secret_refs::parse(&body, &secrets)?;
     let constraints = constraint::from_blocks(raw.constraint)?;
+    let topology_request = topology::from_block(raw.topology_request)?;
     Ok((
         VolumeSpec {
             name,
@@ -719,6 +730,7 @@ fn parse_spec_of(
             mount_options,
             secret_refs,
             constraints,
+            topology_request,
             availability: Default::default(),
         },
         secrets,
@@ -859,6 +871,9 @@ pub struct VolumeRecord {
     pub signature: String,
     /// The operator's signature of the delete request; empty unless `volume delete` signed one.
     pub delete_signature: String,
+    /// A publish failed with the class "final" (unsigned: [`final_failure`]); no node offers
+    /// the volume while it is set.
+    pub final_failure: Option<final_failure::FinalFailure>,
 }
 
 impl std::fmt::Debug for VolumeRecord {
@@ -882,6 +897,7 @@ impl std::fmt::Debug for VolumeRecord {
             .field("create_index", &self.create_index)
             .field("registered", &self.registered)
             .field("signed", &!self.signature.is_empty())
+            .field("final_failure", &self.final_failure)
             .finish()
     }
 }
@@ -967,6 +983,7 @@ impl VolumeRecord {
             registered: false,
             signature: String::new(),
             delete_signature: String::new(),
+            final_failure: None,
         }
     }
 
@@ -1003,6 +1020,9 @@ impl VolumeRecord {
         }
         if self.registered {
             items.insert(REGISTERED_ITEM.into(), "true".into());
+        }
+        if let Some(f) = &self.final_failure {
+            items.insert(final_failure::ITEM.into(), f.to_item());
         }
         for (k, v) in [
             ("signature", &self.signature),
@@ -1088,6 +1108,8 @@ impl VolumeRecord {
             registered: item(REGISTERED_ITEM) == "true",
             signature: item("signature"),
             delete_signature: item("delete_signature"),
+            final_failure: final_failure::FinalFailure::from_item(&item(final_failure::ITEM))
+                .map_err(err)?,
         })
     }
 
@@ -1292,8 +1314,9 @@ mod tests {
             parse_spec(&format!("{base}node_id = \"x\"")),
             Err(SpecError::NodeId)
         );
+        // topology_request takes only `required` and `preferred` (Nomad's CSI shape).
         let e = parse_spec(&format!("{base}topology_request {{\n  rack = \"r1\"\n}}")).unwrap_err();
-        assert!(e.to_string().contains("\"topology_request\""), "{e}");
+        assert!(matches!(e, SpecError::Topology(_)) && e.to_string().contains("rack"));
         // A typo inside a capability block is refused too.
         let e = parse_spec(&format!(
             "{base}capability {{\n  access_mod = \"single-node-writer\"\n}}"

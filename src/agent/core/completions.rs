@@ -115,6 +115,7 @@ impl Core {
         }
         match done {
             Completion::NodeRead(result) => self.on_node_read(result, now),
+            Completion::FinalMarked { volume, result } => self.on_final_marked(volume, result, now),
             Completion::Published {
                 volume,
                 result,

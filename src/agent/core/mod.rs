@@ -344,7 +344,8 @@ impl Core {
     /// What this node's record says of its volumes' recent events (`volume status
     /// -verbose`): the journal's recent publish, unpublish and fence outcomes.
     pub(crate) fn node_history(&self) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
-        self.journal
+        let mut out: BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> = self
+            .journal
             .recent()
             .iter()
             .map(|(k, r)| {
@@ -375,7 +376,9 @@ impl Core {
                     .collect();
                 (k.to_string(), events)
             })
-            .collect()
+            .collect();
+        self.add_offer_events(&mut out);
+        out
     }
 
     /// Volumes this node's allocations name that the catalogue has no record for (yet): the
@@ -441,6 +444,7 @@ impl Core {
                 } else {
                     self.replan_all = true;
                 }
+                self.note_repairs(&c);
                 self.volumes = c;
                 self.volumes_loaded = true;
                 self.chores_due = true;
@@ -618,6 +622,7 @@ impl Core {
     fn drive(&mut self, now: Instant, out: &mut Vec<Effect>) {
         let deferred = self.deferred_plugins();
         self.forget_ended_withdrawals();
+        self.write_final_marks(now, out);
         let all = self.collect_dirty(now);
         let dirty = std::mem::take(&mut self.dirty);
         let claims: BTreeMap<VolumeKey, ClaimState> = if all {
@@ -838,12 +843,15 @@ impl Core {
         }
         if chores && self.plugins_loaded {
             self.plan_visits += self.volumes.len() as u64;
+            let elsewhere = self.creates_elsewhere(now);
             let pool = &self.s.node.node_pool;
             let me = self.s.node.node_id.as_str();
             let served = self
                 .volumes
                 .values()
-                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me));
+                .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me))
+                // A volume is created only where its required topology is met.
+                .filter(|r| !elsewhere.contains(&r.key()));
             let (journal, placeholders) = (&self.journal, &self.placeholders);
             let in_use =
                 |k: &VolumeKey| journal.mounts().contains_key(k) || placeholders.contains(k);

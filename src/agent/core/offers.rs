@@ -4,8 +4,10 @@
 
 use super::*;
 use crate::agent::offer::Withheld;
+use crate::agent::retry::{Work, STEP_RETRY};
 use crate::agent::view::requests;
 use crate::storage::error_class::ErrorClass;
+use crate::volume::final_failure::FinalFailure;
 
 impl Core {
     /// The attach limit of `plugin` on this node: the agent's override, else the plugin's
@@ -57,6 +59,13 @@ impl Core {
         if published_here {
             return None;
         }
+        if let Some(f) = rec
+            .final_failure
+            .as_ref()
+            .or_else(|| self.offers.final_seen(&key, &rec.id))
+        {
+            return Some(Withheld::Final(f.clone()));
+        }
         if !rec.spec.availability.is_active() {
             return Some(Withheld::Unavailable(rec.spec.availability));
         }
@@ -72,6 +81,9 @@ impl Core {
                 }
             }
         }
+        if let Some(w) = self.topology_mismatch(rec) {
+            return Some(w);
+        }
         let plugin = &rec.spec.plugin_id;
         let others = attached
             .get(plugin)
@@ -86,6 +98,47 @@ impl Core {
             self.max_volumes(plugin),
             now,
         )
+    }
+
+    /// The topology `rec`'s plugin reports on this node (`None` before a good fingerprint).
+    fn plugin_topology(&self, rec: &VolumeRecord) -> Option<&crate::volume::topology::Segments> {
+        self.plugins
+            .get(&rec.spec.plugin_id)
+            .and_then(|f| f.as_ref().ok())
+            .map(|f| &f.topology)
+    }
+
+    /// Why this node may not offer (nor create) `rec`: its plugin's topology here matches
+    /// none of the volume's required topologies.
+    pub(super) fn topology_mismatch(&self, rec: &VolumeRecord) -> Option<Withheld> {
+        let req = &rec.spec.topology_request;
+        let here = self.plugin_topology(rec);
+        (!req.allows(here)).then(|| Withheld::Topology {
+            here: here.map_or("none".into(), crate::volume::topology::show),
+            required: req.show_required(),
+        })
+    }
+
+    /// The pending volumes this node does not create (now): its plugin's topology here
+    /// matches none of the required ones, or none of the preferred ones while the nodes
+    /// that match one get [`crate::agent::offer::PREFER_GRACE`] to take it first.
+    pub(super) fn creates_elsewhere(&mut self, now: Instant) -> BTreeSet<VolumeKey> {
+        let mut out = BTreeSet::new();
+        let mut pending = BTreeSet::new();
+        for r in self.volumes.values() {
+            if r.state != VolumeState::Pending || r.spec.topology_request.is_empty() {
+                continue;
+            }
+            pending.insert(r.key());
+            let preferred = r.spec.topology_request.prefers(self.plugin_topology(r));
+            if self.topology_mismatch(r).is_some()
+                || self.offers.defers_create(&r.key(), preferred, now)
+            {
+                out.insert(r.key());
+            }
+        }
+        self.offers.keep_unpreferred(&pending);
+        out
     }
 
     /// Why `alloc_id` may not become a new user of `rec` here (an operator paused or
@@ -143,9 +196,120 @@ impl Core {
             crate::agent::executor::StepError::Plugin(p) => crate::agent::offer::class_of(p),
             _ => ErrorClass::RetryHere,
         };
+        if class == ErrorClass::Final {
+            if let Some(rec) = self.volumes.get(volume) {
+                let name = self.node_facts.as_ref().map_or("", |n| n.name.as_str());
+                let f = FinalFailure::new(&self.s.node.node_id, name, &e.report());
+                tracing::warn!(%volume, error = %f.error, "publish failed with the class \"final\": the volume is marked broken in its record, and no node offers it until an operator runs `dhv-binder volume update -repaired`");
+                self.offers.final_failed(volume, &rec.id, f);
+            }
+        }
         if self.offers.publish_failed(volume, class, &e.report(), now) {
             tracing::warn!(%volume, %class, "publish cannot succeed on this node: its placeholder is withdrawn for a cool-down and waiting allocations are failed so that Nomad places them elsewhere");
             self.chores_due = true;
+        }
+    }
+
+    /// Writes the "final" failures seen here into their records, each after its backoff.
+    pub(super) fn write_final_marks(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let retries = &self.retries;
+        for (volume, volume_id, failure) in self
+            .offers
+            .marks_due(|k| retries.ready(&Work::FinalMark(k.clone()), now))
+        {
+            out.push(Effect::MarkFinal {
+                volume,
+                volume_id,
+                failure,
+            });
+        }
+    }
+
+    /// A mark's write finished; a failed one is tried again after a backoff.
+    pub(super) fn on_final_marked(
+        &mut self,
+        volume: VolumeKey,
+        result: Result<Option<u64>, String>,
+        now: Instant,
+    ) {
+        let work = Work::FinalMark(volume.clone());
+        match result {
+            Ok(at) => {
+                self.retries.succeeded(&work);
+                self.offers.marked(&volume, at);
+                if at.is_none() {
+                    // No record of that volume any more: nothing to withhold.
+                    self.offers.forget_final(&volume);
+                    self.chores_due = true;
+                }
+            }
+            Err(e) => {
+                let at = self.retries.failed(&work, STEP_RETRY, now);
+                self.offers.marked(&volume, None);
+                tracing::warn!(%volume, error = %e, retry_in = ?at.saturating_duration_since(now), "cannot write the volume's \"final\" publish failure into its record; this node withholds it meanwhile, other nodes still offer it; retrying after a backoff");
+            }
+        }
+    }
+
+    /// The records in `next` whose "final" failure an operator cleared since `self.volumes`:
+    /// this node forgets its own cool-down of them (offered again at once).
+    /// Also notes, on a node where the volume is published, an operator's change of its
+    /// availability (an event of `volume status -verbose`).
+    pub(super) fn note_repairs(&mut self, next: &Catalogue) {
+        for (k, old) in &self.volumes {
+            let changed = next
+                .get(k)
+                .filter(|r| r.id == old.id && r.spec.availability != old.spec.availability);
+            if let Some(r) = changed.filter(|_| self.journal.mounts().contains_key(k)) {
+                let what = match r.spec.availability {
+                    crate::volume::availability::Availability::Active => {
+                        "active: offered to new allocations again"
+                    }
+                    crate::volume::availability::Availability::Pause => {
+                        "pause: its users here keep it, no new allocation gets it"
+                    }
+                    crate::volume::availability::Availability::Drain => {
+                        "drain: unpublished here once its users end"
+                    }
+                };
+                self.offers.note(k, "availability", what);
+            }
+            let cleared = old.final_failure.is_some()
+                && next
+                    .get(k)
+                    .is_some_and(|r| r.final_failure.is_none() && r.id == old.id);
+            if cleared {
+                tracing::info!(volume = %k, "the volume's \"final\" publish failure was cleared by an operator: offered again");
+                self.offers.repaired(k);
+                self.chores_due = true;
+            }
+        }
+        let cleared = self.offers.reconcile_finals(|k| {
+            next.get(k)
+                .map(|r| (r.id.as_str(), r.modify_index, r.final_failure.is_some()))
+        });
+        for k in cleared {
+            tracing::info!(volume = %k, "the volume's \"final\" publish failure seen here was cleared by an operator: offered again");
+            self.chores_due = true;
+        }
+    }
+
+    /// Adds this node's offer events (cool-downs, "final" failures, offered again) to the
+    /// journal's events of `history`, in time order.
+    pub(super) fn add_offer_events(
+        &self,
+        history: &mut BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>>,
+    ) {
+        for (k, events) in self.offers.events() {
+            let list = history.entry(k.to_string()).or_default();
+            list.extend(events.iter().map(|e| crate::cluster::nodes::NodeEvent {
+                time: e.time,
+                event: e.event.to_string(),
+                ok: e.event == "offered-again",
+                detail: e.detail.clone(),
+                ..Default::default()
+            }));
+            list.sort_by_key(|e| e.time);
         }
     }
 
@@ -264,6 +428,19 @@ impl Core {
                 (r.key().to_string(), why)
             })
             .collect();
-        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained})
+        let topology: BTreeMap<String, String> = self
+            .volumes
+            .values()
+            .filter(|r| !r.spec.topology_request.required.is_empty())
+            .map(|r| {
+                let why = match self.topology_mismatch(r) {
+                    Some(w) => w.reason(now),
+                    None => "offered: the plugin's topology here matches a required one".into(),
+                };
+                (r.key().to_string(), why)
+            })
+            .collect();
+        let marks: Vec<String> = self.offers.pending_marks().map(|k| k.to_string()).collect();
+        serde_json::json!({"plugins": limits, "cooling_down": cooling, "constraints": constrained, "topology": topology, "final_marks_pending": marks})
     }
 }

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub mod final_mark;
 pub mod storage;
 
 /// The outcome of one effect.
@@ -116,6 +117,13 @@ pub enum Completion {
         volume: VolumeKey,
         alloc_id: String,
         result: Result<(), NomadError>,
+    },
+    /// A "final" publish failure was written into the volume's record
+    /// ([`final_mark::mark_final`]); `Err` says why not (retried after a backoff).
+    FinalMarked {
+        volume: VolumeKey,
+        /// The record's ModifyIndex holding the failure; `None`: no record of that volume.
+        result: Result<Option<u64>, String>,
     },
     /// A storage operation (snapshot, expansion) ran ([`storage::perform`]).
     Storage {

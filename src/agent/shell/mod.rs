@@ -390,6 +390,13 @@ impl Shell {
             }),
             Effect::Delete(rec) => self.plugin_call(executor::delete(client, runner, node, *rec)),
             Effect::ReadNode => self.call(executor::read_node(client, node.node_id.clone())),
+            Effect::MarkFinal {
+                volume,
+                volume_id,
+                failure,
+            } => self.call(executor::final_mark::mark_final(
+                client, volume, volume_id, failure,
+            )),
             Effect::ListPlaceholders { namespaces } => self.call(executor::list_placeholders(
                 client,
                 node.node_id.clone(),

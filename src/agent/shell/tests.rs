@@ -449,6 +449,7 @@ fn bind_fingerprinted() -> Input {
         deferred_bind: true,
         capabilities: Vec::new(),
         max_volumes: None,
+        topology: Default::default(),
     };
     Input::Done(Completion::Plugins(
         [("bind".to_string(), Ok(fp))].into_iter().collect(),

@@ -205,6 +205,9 @@ pub async fn dry_run(
     if let Some(why) = no_eligible_node(&records, &spec.plugin_id, &spec.node_pool, now) {
         refused.push(why);
     }
+    if let Some(why) = super::eligibility::no_topology_node(&records, &spec, now) {
+        refused.push(why);
+    }
     let rows: Vec<Vec<String>> = records
         .iter()
         .map(|r| {
@@ -363,6 +366,10 @@ pub async fn create(
         &spec.node_pool,
         super::super::output::now_unix(),
     ) {
+        return Err(Failure::new(EXIT_FAILED, why));
+    }
+    let now = super::super::output::now_unix();
+    if let Some(why) = super::eligibility::no_topology_node(&records, &spec, now) {
         return Err(Failure::new(EXIT_FAILED, why));
     }
     let mut rec = VolumeRecord::new(spec, secrets);

@@ -63,6 +63,47 @@ pub fn no_eligible_node(
     ))
 }
 
+/// Why no node may create a volume whose `topology_request` requires a topology: no live
+/// node that can serve its plugin reports a topology containing a required one (naming
+/// what each reports); `None` when one does, or when nothing is required.
+pub fn no_topology_node(
+    records: &[NodeRecord],
+    spec: &volume::VolumeSpec,
+    now: u64,
+) -> Option<String> {
+    let req = &spec.topology_request;
+    if req.required.is_empty() {
+        return None;
+    }
+    let able: Vec<&NodeRecord> = records
+        .iter()
+        .filter(|r| r.can_serve(&spec.plugin_id, &spec.node_pool, now))
+        .collect();
+    fn topology<'a>(
+        r: &'a NodeRecord,
+        plugin: &str,
+    ) -> Option<&'a crate::volume::topology::Segments> {
+        r.plugins.get(plugin).map(|p| &p.topology)
+    }
+    let topology = |r: &NodeRecord| topology(r, &spec.plugin_id).cloned();
+    if able.is_empty() || able.iter().any(|r| req.allows(topology(r).as_ref())) {
+        return None;
+    }
+    let seen: Vec<String> = able
+        .iter()
+        .map(|r| {
+            let t = topology(r).map_or("none".into(), |t| crate::volume::topology::show(&t));
+            format!("{} ({t})", r.node_name)
+        })
+        .collect();
+    Some(format!(
+        "no live node's plugin {:?} reports a topology that meets the volume's required topologies ({}): {}; change topology_request, or install the plugin where its fingerprint reports one",
+        spec.plugin_id,
+        req.show_required(),
+        seen.join(", ")
+    ))
+}
+
 /// `id` as `name (id)` from the node records; the ID alone when no record names it.
 pub fn node_name(records: &[NodeRecord], id: &str) -> String {
     records
@@ -106,6 +147,11 @@ pub fn why_waiting(rec: &VolumeRecord, records: &[NodeRecord], now: u64) -> Opti
             return Some(why);
         }
     }
+    if rec.state == VolumeState::Pending {
+        if let Some(why) = no_topology_node(records, &rec.spec, now) {
+            return Some(why);
+        }
+    }
     None
 }
 
@@ -125,11 +171,43 @@ mod tests {
                     healthy: true,
                     error: String::new(),
                     capabilities: None,
+                    topology: Default::default(),
                 },
             );
         }
         r.last_seen = seen;
         r
+    }
+
+    /// Issue 48: `volume create` of a volume whose required topology no live node's plugin
+    /// reports fails fast, naming what each node reports; one node that does suffices.
+    #[test]
+    fn create_fails_fast_when_no_node_meets_the_required_topology() {
+        let now = 10_000;
+        let zoned = |name: &str, zone: &str| {
+            let mut r = node(name, "default", Some(("bind", true)), now);
+            if let Some(p) = r.plugins.get_mut("bind") {
+                p.topology = BTreeMap::from([("zone".to_string(), zone.to_string())]);
+            }
+            r
+        };
+        let (spec, _) = volume::parse_spec(
+            "name = \"v\"\nplugin_id = \"bind\"\ntopology_request {\n  required {\n    topology { segments = { zone = \"a\" } }\n  }\n}",
+        )
+        .unwrap();
+        let recs = vec![
+            zoned("node-1", "b"),
+            node("node-2", "default", Some(("bind", true)), now),
+        ];
+        let why = no_topology_node(&recs, &spec, now).unwrap();
+        assert!(
+            why.contains("{zone=a}")
+                && why.contains("node-1 (zone=b)")
+                && why.contains("node-2 (none)"),
+            "{why}"
+        );
+        let recs = vec![zoned("node-1", "b"), zoned("node-3", "a")];
+        assert_eq!(no_topology_node(&recs, &spec, now), None);
     }
 
     #[test]

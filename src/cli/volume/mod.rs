@@ -7,6 +7,7 @@
 
 pub mod create;
 pub mod eligibility;
+pub mod offering;
 pub mod remove;
 pub mod show;
 pub mod unpublish;
@@ -112,7 +113,8 @@ pub enum VolumeCommand {
         #[command(flatten)]
         key: SigningArgs,
     },
-    /// Set whether new allocations may get a volume: `-availability=active|pause|drain`.
+    /// Set whether new allocations may get a volume: `-availability=active|pause|drain`; or
+    /// clear a "final" publish failure once the storage is repaired: `-repaired`.
     Update(super::update::UpdateArgs),
     /// Remove a volume's record without calling the plugin's `delete`: the storage stays.
     /// Refused while any allocation uses it.

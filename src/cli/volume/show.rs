@@ -97,6 +97,9 @@ pub struct VolumeDetail {
     pub allocations: Vec<VolumeUser>,
     /// The volume's snapshots, oldest first.
     pub snapshots: Vec<SnapshotSummary>,
+    /// Why no node offers the volume: a publish failed with the class "final" (where,
+    /// when, the plugin's words); empty when none did.
+    pub final_failure: String,
     /// Why a `pending` or `deleting` volume waits (the refusals the agents published, no
     /// node able to serve it), or empty.
     pub waiting: String,
@@ -106,6 +109,9 @@ pub struct VolumeDetail {
     /// The volume on each node that has it (mounted, a placeholder, an error, a refusal),
     /// from the node records and placeholders.
     pub nodes: Vec<NodeDetail>,
+    /// Each node with an agent (or a placeholder): whether it offers the volume to Nomad's
+    /// scheduler, and why not ([`super::offering`]).
+    pub offered_by: Vec<super::offering::NodeOffer>,
     /// The recent publish, unpublish and fence events of the volume on every node, newest
     /// first (each node publishes its last [`nodes::MAX_NODE_HISTORY`] per volume), then
     /// those of the record itself ([`record_events`]: create or register, snapshots,
@@ -244,6 +250,25 @@ pub fn record_events(
             ..Default::default()
         });
     }
+    if !rec.spec.availability.is_active() {
+        out.push(HistoryEvent {
+            event: "availability".into(),
+            outcome: rec.spec.availability.as_str().into(),
+            detail: "set by `volume update -availability`".into(),
+            ..Default::default()
+        });
+    }
+    if let Some(f) = &rec.final_failure {
+        out.push(HistoryEvent {
+            time: f.time,
+            node_id: f.node_id.clone(),
+            node_name: f.node_name.clone(),
+            event: "final-failure".into(),
+            outcome: "withheld everywhere".into(),
+            detail: f.error.clone(),
+            ..Default::default()
+        });
+    }
     if let Some(node) = claim_node {
         out.push(HistoryEvent {
             node_id: node.to_string(),
@@ -271,6 +296,8 @@ pub struct Placeholder {
     pub id: String,
     /// The host volume's `HostPath`: where the volume is mounted once published.
     pub host_path: String,
+    /// Its `State` is `ready` (Nomad may place allocations that request it there).
+    pub ready: bool,
 }
 
 /// The placeholders of volume `name` and the allocations Nomad lists on them (with their
@@ -300,6 +327,7 @@ pub async fn placeholders_of(
             });
         }
         places.push(Placeholder {
+            ready: hv.state == "ready",
             node_id: hv.node_id,
             id: hv.id,
             host_path: hv.host_path,
@@ -459,6 +487,61 @@ pub fn describe_expansion(x: &volume::Expansion, records: &[NodeRecord]) -> Stri
     s
 }
 
+/// [`super::offering::offers`] with what it needs: the placeholders' states and, for a
+/// volume with constraints, each live node's attributes (a node that cannot be read is
+/// said so, not skipped).
+async fn offered_by(
+    client: &Client,
+    r: &VolumeRecord,
+    records: &[NodeRecord],
+    placeholders: &[Placeholder],
+) -> Vec<super::offering::NodeOffer> {
+    let now = super::super::output::now_unix();
+    let ready: BTreeMap<String, bool> = placeholders
+        .iter()
+        .map(|p| (p.node_id.clone(), p.ready))
+        .collect();
+    let mut facts = BTreeMap::new();
+    if !r.spec.constraints.is_empty() && super::offering::withheld_everywhere(r).is_none() {
+        for n in records
+            .iter()
+            .filter(|n| !ready.get(&n.node_id).copied().unwrap_or(false))
+        {
+            if let Ok(Some(f)) = client.node_facts(&n.node_id).await {
+                facts.insert(n.node_id.clone(), f);
+            }
+        }
+    }
+    super::offering::offers(r, records, &ready, &facts, now)
+}
+
+/// The readable "Offered By" table of `volume status`.
+pub fn render_offers(offers: &[super::offering::NodeOffer], verbose: bool) -> String {
+    let rows: Vec<Vec<String>> = offers
+        .iter()
+        .map(|o| {
+            vec![
+                if o.node_name.is_empty() {
+                    short_id(&o.node_id, verbose)
+                } else {
+                    o.node_name.clone()
+                },
+                if o.offered { "yes" } else { "no" }.into(),
+                if o.why.is_empty() {
+                    "-".into()
+                } else {
+                    plugin_text(&o.why)
+                },
+            ]
+        })
+        .collect();
+    table(
+        &["Node", "Offers", "Why Not"],
+        &rows,
+        "No node runs a dhv-binder agent",
+    )
+}
+
 /// The list row of a record.
 pub fn summary(r: &VolumeRecord, registered: bool) -> VolumeSummary {
     VolumeSummary {
@@ -564,6 +647,9 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
     }
     if !d.error.is_empty() {
         rows.push(("Error", plugin_text(&d.error)));
+    }
+    if !d.final_failure.is_empty() {
+        rows.push(("Final Failure", plugin_text(&d.final_failure)));
     }
     if !d.waiting.is_empty() {
         rows.push(("Waiting For", d.waiting.clone()));
@@ -715,6 +801,10 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
             out.push_str(&table(&["Node", "Job/Task (Allocation)"], &ungated, ""));
         }
     }
+    if !d.offered_by.is_empty() {
+        out.push_str("\nOffered By\n");
+        out.push_str(&render_offers(&d.offered_by, verbose));
+    }
     if !d.snapshots.is_empty() {
         out.push_str("\nSnapshots\n");
         out.push_str(&storage::render_snapshots(&d.snapshots, verbose));
@@ -832,6 +922,7 @@ pub async fn status(
         _ => String::new(),
     };
     let nodes = node_details(&r, &records, &placeholders, &allocations);
+    let offered_by = offered_by(client, &r, &records, &placeholders).await;
     let d = VolumeDetail {
         summary: summary(&r, registered),
         requested_capabilities: r
@@ -862,9 +953,15 @@ pub async fn status(
             record_events(&r, &records, &snapshots, claim_node.as_deref()),
         ),
         snapshots,
+        final_failure: r
+            .final_failure
+            .as_ref()
+            .map(|f| f.reason())
+            .unwrap_or_default(),
         waiting,
         claim_holder,
         nodes,
+        offered_by,
     };
     let verbose = out.verbose;
     out.print(&d, |d| render_detail(d, verbose))
@@ -985,6 +1082,8 @@ mod tests {
                 host_path: "/srv/hv".into(),
             }],
             snapshots: Vec::new(),
+            final_failure: String::new(),
+            offered_by: Vec::new(),
             waiting: String::new(),
             claim_holder: "node-1 (n1): job example, allocation a1 (running)".into(),
             nodes: Vec::new(),
@@ -1183,6 +1282,8 @@ Time                  Node    Event      Detail               Outcome
             operation: String::new(),
             allocations: Vec::new(),
             snapshots: Vec::new(),
+            final_failure: String::new(),
+            offered_by: Vec::new(),
             waiting: String::new(),
             claim_holder: String::new(),
             nodes,
