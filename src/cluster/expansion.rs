@@ -480,6 +480,7 @@ mod tests {
             deferred_bind: true,
             capabilities: caps.iter().map(|c| c.to_string()).collect(),
             max_volumes: None,
+            refresh_interval: None,
         }
     }
 

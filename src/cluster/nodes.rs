@@ -562,6 +562,7 @@ mod tests {
                 deferred_bind: true,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                refresh_interval: None,
             }),
         );
         p.insert(
@@ -571,6 +572,7 @@ mod tests {
                 deferred_bind: false,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                refresh_interval: None,
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

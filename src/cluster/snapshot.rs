@@ -994,6 +994,7 @@ mod tests {
             deferred_bind: true,
             capabilities: caps.iter().map(|c| c.to_string()).collect(),
             max_volumes: None,
+            refresh_interval: None,
         };
         let (yes, no) = (fp(&["snapshot"]), fp(&[]));
         let mut snap = SnapshotRecord::new(&volume(), "", 1);

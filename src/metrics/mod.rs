@@ -1069,6 +1069,7 @@ mod tests {
                 deferred_bind: true,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                refresh_interval: None,
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));

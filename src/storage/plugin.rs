@@ -303,7 +303,10 @@ impl Runner {
     /// without helper cgroups.
     fn helper_cgroup(&self, op: Operation, env: &[(String, String)]) -> Option<(String, PathBuf)> {
         let h = self.helpers.as_ref()?;
-        if !matches!(op, Operation::Publish | Operation::Unpublish) {
+        if !matches!(
+            op,
+            Operation::Publish | Operation::Unpublish | Operation::Refresh
+        ) {
             return None;
         }
         let get = |k: &str| {
@@ -838,6 +841,7 @@ mod tests {
                 deferred_bind: true,
                 capabilities: Vec::new(),
                 max_volumes: None,
+                refresh_interval: None,
             }
         );
         let out = r

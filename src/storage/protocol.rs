@@ -39,6 +39,11 @@ pub enum Operation {
     FenceNode,
     /// Optional (capability `fence_node`): gives node `DHV_FENCED_NODE_ID` its access back.
     UnfenceNode,
+    /// Optional (capability `refresh`): applies the volume's current secrets to its mount
+    /// published at `DHV_TARGET_PATH` without unmounting it (Kubernetes CSI's
+    /// `requiresRepublish`); called when a referenced Variable changes and every
+    /// `refresh_interval` of the fingerprint.
+    Refresh,
 }
 
 /// The most a `fence` call may take: it runs when the claim's lease is about to end, and
@@ -62,6 +67,7 @@ impl Operation {
             Operation::Fence => "fence",
             Operation::FenceNode => "fence_node",
             Operation::UnfenceNode => "unfence_node",
+            Operation::Refresh => "refresh",
         }
     }
 
@@ -74,6 +80,7 @@ impl Operation {
             Operation::Expand => Some(Capability::Expand),
             Operation::Fence => Some(Capability::Fence),
             Operation::FenceNode | Operation::UnfenceNode => Some(Capability::FenceNode),
+            Operation::Refresh => Some(Capability::Refresh),
             _ => None,
         }
     }
@@ -259,6 +266,36 @@ pub struct Fingerprint {
     /// it (docs/plugin-protocol.md, "Attach limits").
     #[serde(default)]
     pub max_volumes: Option<u32>,
+    /// With capability `refresh`: how often the agent calls `refresh` on each published
+    /// volume of the plugin, besides when a referenced Variable changes (Kubernetes CSI's
+    /// `requiresRepublish` period). A duration such as `"10m"` (humantime), from
+    /// [`MIN_REFRESH_INTERVAL`] to [`MAX_REFRESH_INTERVAL`]; anything else fails the
+    /// fingerprint. Absent: only on a change.
+    #[serde(default, deserialize_with = "refresh_interval")]
+    pub refresh_interval: Option<Duration>,
+}
+
+/// The shortest `refresh_interval` a fingerprint may declare.
+pub const MIN_REFRESH_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The longest `refresh_interval` a fingerprint may declare (a week).
+pub const MAX_REFRESH_INTERVAL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+fn refresh_interval<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let Some(text) = Option::<String>::deserialize(d)? else {
+        return Ok(None);
+    };
+    let v = humantime::parse_duration(&text).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "refresh_interval {text:?} is not a duration such as \"10m\" ({e})"
+        ))
+    })?;
+    if !(MIN_REFRESH_INTERVAL..=MAX_REFRESH_INTERVAL).contains(&v) {
+        return Err(serde::de::Error::custom(format!(
+            "refresh_interval {text:?} is outside {MIN_REFRESH_INTERVAL:?}..={MAX_REFRESH_INTERVAL:?}"
+        )));
+    }
+    Ok(Some(v))
 }
 
 impl Fingerprint {
@@ -308,11 +345,13 @@ pub enum Capability {
     /// `fence_node` and `unfence_node`: revoke and restore another node's access at the
     /// storage (an export rule, a blocklist entry, a reservation).
     FenceNode,
+    /// `refresh`: applies new credentials to a published volume without unmounting it.
+    Refresh,
 }
 
 impl Capability {
     /// Every capability, in documentation order.
-    pub const ALL: [Capability; 7] = [
+    pub const ALL: [Capability; 8] = [
         Capability::Snapshot,
         Capability::SnapshotList,
         Capability::Clone,
@@ -320,6 +359,7 @@ impl Capability {
         Capability::ExpandOnline,
         Capability::Fence,
         Capability::FenceNode,
+        Capability::Refresh,
     ];
 
     /// The name in the fingerprint.
@@ -332,6 +372,7 @@ impl Capability {
             Capability::ExpandOnline => "expand_online",
             Capability::Fence => "fence",
             Capability::FenceNode => "fence_node",
+            Capability::Refresh => "refresh",
         }
     }
 }

@@ -426,6 +426,7 @@ fn silent_sources(every: Duration) -> (Sources, Senders) {
         api,
         plugins,
         records_failing: tokio::sync::watch::channel(None).1,
+        secrets: mpsc::channel(1).1,
         tick: ticker(every),
         every,
     };
@@ -449,6 +450,7 @@ fn bind_fingerprinted() -> Input {
         deferred_bind: true,
         capabilities: Vec::new(),
         max_volumes: None,
+        refresh_interval: None,
     };
     Input::Done(Completion::Plugins(
         [("bind".to_string(), Ok(fp))].into_iter().collect(),

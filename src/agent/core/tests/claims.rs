@@ -274,6 +274,7 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
             deferred_bind: true,
             capabilities: vec!["fence_node".into()],
             max_volumes: None,
+            refresh_interval: None,
         }),
     )]))));
     let e = h.at(Duration::from_secs(5), Input::Tick);

@@ -80,6 +80,7 @@ impl H {
             deferred_bind: true,
             capabilities: Vec::new(),
             max_volumes: None,
+            refresh_interval: None,
         };
         h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
             "bind".to_string(),
@@ -194,6 +195,7 @@ fn a_publish_starts_only_after_its_intent_is_committed() {
         deferred_bind: true,
         capabilities: Vec::new(),
         max_volumes: None,
+        refresh_interval: None,
     };
     all.extend(core.handle(
         Input::Done(Completion::Plugins(BTreeMap::from([(
@@ -251,6 +253,7 @@ fn a_burst_of_allocations_is_one_commit_with_every_publish() {
             deferred_bind: true,
             capabilities: Vec::new(),
             max_volumes: None,
+            refresh_interval: None,
         }),
     )]))));
     h.feed(Input::Catalogue(

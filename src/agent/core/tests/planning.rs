@@ -264,6 +264,7 @@ fn scoped_planning_does_what_a_full_plan_does() {
             deferred_bind: true,
             capabilities: Vec::new(),
             max_volumes: None,
+            refresh_interval: None,
         };
         w.feed(
             || {
