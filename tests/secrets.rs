@@ -235,3 +235,202 @@ async fn a_webdav_volumes_rotated_password_is_used_by_the_next_publish() {
     );
     nowhere(&c, &[&one, &two]).await;
 }
+
+/// The example job, its task appending `tick N` to `/data/ticks.txt` every second while it
+/// runs (instead of sleeping): the task writes through the volume across a rotation.
+fn ticking_job(c: &Cluster) -> std::path::PathBuf {
+    let spec = std::fs::read_to_string(support::cluster::repo().join("jobspecs/example.nomad.hcl"))
+        .unwrap();
+    let ticking = spec.replace(
+        "while true; do sleep 1; done",
+        "i=0; while true; do i=$((i+1)); echo \"tick $i\" >> /data/ticks.txt; sleep 1; done",
+    );
+    assert_ne!(
+        ticking, spec,
+        "the example job's loop changed: update this test"
+    );
+    let path = c.sb.join("ticking.nomad.hcl");
+    std::fs::write(&path, ticking).unwrap();
+    path
+}
+
+/// The highest `tick N` in `text`.
+fn last_tick(text: &str) -> u64 {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("tick ")?.trim().parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// What a WebDAV client with `password` gets from the server: its HTTP status for a
+/// `PROPFIND` of the root (curl, so that no rclone config is involved).
+fn dav_status(server: &WebdavServer, password: &str) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-X",
+            "PROPFIND",
+        ])
+        .args(["-H", "Depth: 0", "-K", "-"])
+        .arg(&server.url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write as _;
+            // The credential on stdin (curl's config), never on a command line.
+            writeln!(
+                child.stdin.take().unwrap(),
+                "user = \"{}:{password}\"",
+                server.user
+            )?;
+            child.wait_with_output()
+        })
+        .expect("curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Every process's command line, joined (no secret may be on one), but the test's own
+/// WebDAV server's (`rclone serve webdav --pass …`: the storage, not dhv-binder's doing).
+fn command_lines() -> String {
+    let mut all = String::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(c) = std::fs::read(e.path().join("cmdline")) {
+            let line = String::from_utf8_lossy(&c).replace('\0', " ");
+            if !line.contains("rclone serve webdav") {
+                all.push_str(&line);
+                all.push('\n');
+            }
+        }
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_the_old_password_is_refused(
+) {
+    let c = Cluster::start(2).await;
+    let (one, two) = (
+        format!("dav-one-{}", uuid::Uuid::new_v4().simple()),
+        format!("dav-two-{}", uuid::Uuid::new_v4().simple()),
+    );
+    let mut server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", &one);
+    set_password(&c, &one).await;
+    let out = c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "webdav",
+        &[("url", &server.url), ("user", "dhv")],
+        &[],
+        SECRET_REF,
+    );
+    assert!(out.contains("is ready"), "{out}");
+    let id = records(&c).await[0]["Items"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ticks = server.dir.join("default").join(&id).join("ticks.txt");
+    wait_placeholders(&c, "shared-data", 2).await;
+    let job = c.run_job(&ticking_job(&c)).await;
+    let alloc = c
+        .wait_for(90, "the main task running", || async {
+            c.allocs(&job)
+                .await
+                .into_iter()
+                .find(|a| a["TaskStates"]["app"]["State"] == "running")
+        })
+        .await;
+    let node = c.node_index(alloc["NodeID"].as_str().unwrap());
+    let target = c.target(node, "shared-data");
+    let mount_before = std::fs::metadata(&target).map(|m| {
+        use std::os::unix::fs::MetadataExt as _;
+        m.dev()
+    });
+    let rclone_before = support::webdav::mount_pids(&target);
+    assert_eq!(rclone_before.len(), 1, "{rclone_before:?}");
+    // Writes before the change reach the server.
+    let before = c
+        .wait_for(60, "the task's ticks on the server", || async {
+            let n = last_tick(&std::fs::read_to_string(&ticks).unwrap_or_default());
+            (n >= 3).then_some(n)
+        })
+        .await;
+    assert!(
+        !command_lines().contains(&one),
+        "the password is on a command line"
+    );
+
+    // The rotation: the server takes only the new password from now on, and the Variable
+    // holds it. The agent sees the Variable's index move and refreshes the mount.
+    server.password = two.clone();
+    server.restart();
+    assert_eq!(
+        dav_status(&server, &one),
+        "401",
+        "the old password still works"
+    );
+    set_password(&c, &two).await;
+    let refreshed = c
+        .wait_for(60, "the volume refreshed", || async {
+            let (_, text) = c.status(node);
+            let s: Value = serde_json::from_str(&text).ok()?;
+            let done = s["refresh"]["default/shared-data"]["done"].as_u64()?;
+            (done >= 1).then_some(done)
+        })
+        .await;
+    assert_eq!(refreshed, 1);
+    // The task keeps writing through the same mount, and what it writes after the change
+    // reaches the server with the new password.
+    let after = c
+        .wait_for(
+            60,
+            "ticks written after the refresh on the server",
+            || async {
+                let n = last_tick(&std::fs::read_to_string(&ticks).unwrap_or_default());
+                (n >= before + 5).then_some(n)
+            },
+        )
+        .await;
+    assert!(after >= before + 5);
+    let mount_after = std::fs::metadata(&target).map(|m| {
+        use std::os::unix::fs::MetadataExt as _;
+        m.dev()
+    });
+    assert_eq!(
+        mount_before.unwrap(),
+        mount_after.unwrap(),
+        "the mount was replaced"
+    );
+    assert_eq!(
+        support::webdav::mount_pids(&target),
+        rclone_before,
+        "rclone was restarted"
+    );
+    let now = c
+        .allocs(&job)
+        .await
+        .into_iter()
+        .find(|a| a["ID"] == alloc["ID"])
+        .unwrap();
+    assert_eq!(now["TaskStates"]["app"]["State"], "running", "{now}");
+    assert_eq!(now["TaskStates"]["app"]["Restarts"], 0, "{now}");
+    assert_eq!(
+        dav_status(&server, &one),
+        "401",
+        "the old password works again"
+    );
+    assert_eq!(dav_status(&server, &two), "207");
+    assert!(
+        !command_lines().contains(&two),
+        "the password is on a command line"
+    );
+
+    stop_and_unpublish(&c, &job, node).await;
+    let text = std::fs::read_to_string(&ticks).unwrap();
+    assert!(last_tick(&text) >= after, "{text:?}");
+    nowhere(&c, &[&one, &two]).await;
+}
