@@ -434,3 +434,91 @@ async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_
     assert!(last_tick(&text) >= after, "{text:?}");
     nowhere(&c, &[&one, &two]).await;
 }
+
+/// The bind plugin, wrapped to declare `refresh` with a 10 s `refresh_interval`: each
+/// `refresh` appends "refresh <password it was given> <target>" to `bindrf.calls` beside it.
+const REFRESH_WRAPPER: &str = r#"#!/bin/sh
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+dir="$(dirname "$0")"
+case "$1" in
+fingerprint)
+  "$dir/bind" fingerprint | jq -c '.capabilities += ["refresh"] | .refresh_interval = "10s"'
+  ;;
+refresh)
+  pw="$(printf '%s' "${DHV_SECRETS:-null}" | jq -r '.password // empty')"
+  printf 'refresh %s %s\n' "$pw" "$DHV_TARGET_PATH" >>"$dir/bindrf.calls"
+  echo '{}'
+  ;;
+*) exec "$dir/bind" "$@" ;;
+esac
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_volume_is_refreshed_when_its_variable_changes_and_on_the_plugins_period() {
+    let mut c = Cluster::start_sim(2, "", &[], &[]).await;
+    script(&c.plugin_dir.join("bindrf"), REFRESH_WRAPPER);
+    let roots = format!("bind={0},bindrf={0}", c.export.display());
+    c.agent_env.push(("DHV_BINDER_PLUGIN_ROOTS".into(), roots));
+    for i in 0..c.nodes.len() {
+        c.start_agent(i);
+    }
+    c.wait_plugin("bindrf").await;
+    let calls = c.plugin_dir.join("bindrf.calls");
+    let seen = || std::fs::read_to_string(&calls).unwrap_or_default();
+    let (one, two) = (
+        format!("rf-one-{}", uuid::Uuid::new_v4().simple()),
+        format!("rf-two-{}", uuid::Uuid::new_v4().simple()),
+    );
+    set_password(&c, &one).await;
+    let export = c.export.display().to_string();
+    let out = c.create_volume_with(
+        "shared-data",
+        "single-node-writer",
+        "bindrf",
+        &[("export", &export), NOBODY_UID, NOBODY_GID],
+        &[],
+        SECRET_REF,
+    );
+    assert!(out.contains("is ready"), "{out}");
+    wait_placeholders(&c, "shared-data", 2).await;
+    let (job, _, node) = run_example(&c, None).await;
+    let target = c.target(node, "shared-data");
+    // (A slow start may let the period refresh it once already, with the value it has.)
+    assert!(
+        seen().lines().all(|l| l.contains(&one)),
+        "refreshed with another value before the change: {}",
+        seen()
+    );
+
+    // The Variable changes: the node it is published on refreshes it with the new value,
+    // at once (well before the 10 s period).
+    let changed = std::time::Instant::now();
+    set_password(&c, &two).await;
+    let want = format!("refresh {two} {}", target.display());
+    c.wait_for(30, "the refresh with the new password", || async {
+        seen().contains(&want).then_some(())
+    })
+    .await;
+    let took = changed.elapsed();
+    // Then every 10 s (the plugin's refresh_interval), with the value read anew each time.
+    c.wait_for(30, "a refresh by the plugin's period", || async {
+        (seen().matches(&want).count() >= 2).then_some(())
+    })
+    .await;
+    eprintln!("refresh after the change: {took:?}");
+    let (_, text) = c.status(node);
+    let s: Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        s["refresh"]["default/shared-data"]["done"].as_u64() >= Some(2),
+        "{}",
+        s["refresh"]
+    );
+
+    // Unpublished: no more refreshes.
+    stop_and_unpublish(&c, &job, node).await;
+    let n = seen().lines().count();
+    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
+    assert_eq!(seen().lines().count(), n, "{}", seen());
+    nowhere(&c, &[&one, &two]).await;
+}

@@ -576,6 +576,28 @@ mod tests {
     }
 
     #[test]
+    fn a_refresh_interval_is_a_bounded_duration_or_the_fingerprint_fails() {
+        let fp = |extra: &str| {
+            parse::<Fingerprint>(
+                "dav",
+                Operation::Fingerprint,
+                format!(r#"{{"version":"1.0.0","deferred_bind":true,"capabilities":["refresh"]{extra}}}"#)
+                    .as_bytes(),
+            )
+        };
+        assert_eq!(fp("").unwrap().refresh_interval, None);
+        let ok = fp(r#","refresh_interval":"10m""#).unwrap();
+        assert_eq!(ok.refresh_interval, Some(Duration::from_secs(600)));
+        assert!(ok.require("dav", Operation::Refresh).is_ok());
+        for bad in [r#""1s""#, r#""30d""#, r#""often""#, "600"] {
+            assert!(
+                fp(&format!(r#","refresh_interval":{bad}"#)).is_err(),
+                "{bad} was taken"
+            );
+        }
+    }
+
+    #[test]
     fn capabilities_are_read_from_the_fingerprint_and_required_by_name() {
         let fp: Fingerprint = parse(
             "ext4",
