@@ -118,7 +118,7 @@ struct Outer {
     password: String,
 }
 
-/// Reads the outer credential file (JSON, at most [`MAX_CREDENTIALS`] bytes): the value of
+/// Reads the outer credential file (JSON, at most 64 KiB): the value of
 /// the `Authorization` header to send, `None` when both user and password are empty.
 pub fn read_outer(path: &Path) -> Result<Option<String>, ProxyError> {
     let bad = |reason: String| ProxyError::Credentials {
