@@ -262,9 +262,9 @@ fn last_tick(text: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// What a WebDAV client with `password` gets from the server: its HTTP status for a
-/// `PROPFIND` of the root (curl, so that no rclone config is involved).
-fn dav_status(server: &WebdavServer, password: &str) -> String {
+/// What a WebDAV client with `user` and `password` gets from `url`: its HTTP status for a
+/// `PROPFIND` (curl, so that no rclone config is involved).
+fn dav_status(url: &str, user: &str, password: &str) -> String {
     let out = std::process::Command::new("curl")
         .args([
             "-s",
@@ -276,18 +276,14 @@ fn dav_status(server: &WebdavServer, password: &str) -> String {
             "PROPFIND",
         ])
         .args(["-H", "Depth: 0", "-K", "-"])
-        .arg(&server.url)
+        .arg(url)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .and_then(|mut child| {
             use std::io::Write as _;
             // The credential on stdin (curl's config), never on a command line.
-            writeln!(
-                child.stdin.take().unwrap(),
-                "user = \"{}:{password}\"",
-                server.user
-            )?;
+            writeln!(child.stdin.take().unwrap(), "user = \"{user}:{password}\"")?;
             child.wait_with_output()
         })
         .expect("curl");
@@ -369,7 +365,7 @@ async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_
     server.password = two.clone();
     server.restart();
     assert_eq!(
-        dav_status(&server, &one),
+        dav_status(&server.url, "dhv", &one),
         "401",
         "the old password still works"
     );
@@ -396,6 +392,40 @@ async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_
         )
         .await;
     assert!(after >= before + 5);
+    // A rename through the mount of a file on the server (a WebDAV MOVE, whose Destination
+    // header names the proxy) reaches the server under the new name. (Renamed once uploaded:
+    // rclone 1.60 uploads a file renamed during its upload under its old name.)
+    std::fs::write(target.join("draft.txt"), "moved").unwrap();
+    let on_server = server.dir.join("default").join(&id);
+    c.wait_for(30, "the file on the server", || async {
+        on_server.join("draft.txt").exists().then_some(())
+    })
+    .await;
+    std::fs::rename(target.join("draft.txt"), target.join("final.txt")).unwrap();
+    c.wait_for(30, "the renamed file on the server", || async {
+        (std::fs::read_to_string(on_server.join("final.txt")).ok()? == "moved"
+            && !on_server.join("draft.txt").exists())
+        .then_some(())
+    })
+    .await;
+    // The proxy's loopback port answers nobody without rclone's inner credential, whatever
+    // they know of the server's.
+    let volumes = c.nodes[node].state_dir.join("volumes/webdav");
+    let port = std::fs::read_to_string(volumes.join(format!("proxy-{id}.port"))).unwrap();
+    let proxy = format!("http://127.0.0.1:{}/", port.trim());
+    assert_eq!(
+        dav_status(&proxy, "dhv", &two),
+        "401",
+        "the proxy forwarded a stranger"
+    );
+    for f in ["json", "inner"] {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(volumes.join(format!("proxy-{id}.{f}")))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "proxy-{id}.{f}");
+    }
     let mount_after = std::fs::metadata(&target).map(|m| {
         use std::os::unix::fs::MetadataExt as _;
         m.dev()
@@ -419,11 +449,11 @@ async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_
     assert_eq!(now["TaskStates"]["app"]["State"], "running", "{now}");
     assert_eq!(now["TaskStates"]["app"]["Restarts"], 0, "{now}");
     assert_eq!(
-        dav_status(&server, &one),
+        dav_status(&server.url, "dhv", &one),
         "401",
         "the old password works again"
     );
-    assert_eq!(dav_status(&server, &two), "207");
+    assert_eq!(dav_status(&server.url, "dhv", &two), "207");
     assert!(
         !command_lines().contains(&two),
         "the password is on a command line"
