@@ -191,6 +191,16 @@ pub fn rewrite_origin(value: &str, from: &str, to: &str) -> Option<String> {
     (rest.is_empty() || rest.starts_with('/')).then(|| format!("{to}{rest}"))
 }
 
+/// The server's URL for a request's `path` and `query`: the server's scheme, host and port
+/// whatever the request says (a path such as `//other.example/x` stays a path; an
+/// absolute-form request target's authority is ignored).
+pub fn upstream_url(upstream: &reqwest::Url, path: &str, query: Option<&str>) -> reqwest::Url {
+    let mut url = upstream.clone();
+    url.set_path(path);
+    url.set_query(query);
+    url
+}
+
 type Body = BoxBody<Bytes, std::io::Error>;
 
 fn plain(status: StatusCode, text: &str) -> Response<Body> {
@@ -319,11 +329,6 @@ async fn forward(s: &Shared, req: Request<hyper::body::Incoming>) -> Response<Bo
         );
         return r;
     }
-    let path_q = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_else(|| "/".into());
     let path = req.uri().path();
     if !(path.starts_with(&s.base_path) || format!("{path}/") == s.base_path) {
         return plain(
@@ -335,12 +340,7 @@ async fn forward(s: &Shared, req: Request<hyper::body::Incoming>) -> Response<Bo
         Ok(o) => o,
         Err(e) => return plain(StatusCode::BAD_GATEWAY, &e.to_string()),
     };
-    let Ok(url) = s.upstream.join(&path_q) else {
-        return plain(
-            StatusCode::BAD_REQUEST,
-            "the request's path is not a URL path",
-        );
-    };
+    let url = upstream_url(&s.upstream, path, req.uri().query());
     let mut headers = reqwest::header::HeaderMap::new();
     for (name, value) in req.headers() {
         if NOT_FORWARDED.contains(&name.as_str()) {
@@ -442,6 +442,16 @@ mod tests {
         // Another origin, or one that only starts like the proxy's (port 40001).
         assert_eq!(rewrite_origin("http://evil.example/base/x", p, u), None);
         assert_eq!(rewrite_origin("http://127.0.0.1:40001/base/x", p, u), None);
+    }
+
+    #[test]
+    fn a_request_reaches_the_server_it_serves_whatever_its_path_says() {
+        let up = reqwest::Url::parse("https://dav.example:8443/base/").unwrap();
+        let u = upstream_url(&up, "//evil.example/base/x", None);
+        assert_eq!(u.host_str(), Some("dav.example"));
+        assert_eq!(u.port(), Some(8443));
+        let u = upstream_url(&up, "/base/a%20b/c", Some("x=1"));
+        assert_eq!(u.as_str(), "https://dav.example:8443/base/a%20b/c?x=1");
     }
 
     #[test]
