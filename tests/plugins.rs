@@ -278,6 +278,8 @@ fn webdav_fuse_plugin_conforms() {
             "fence x2",
             "fence of nothing",
             "unpublish that cannot flush",
+            "refresh",
+            "refresh of nothing",
         ],
     );
     // Its rclone and its credential proxy run in the volume's helper cgroup: they outlived

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 mod flush;
 mod helpers;
 mod race;
+mod refresh;
 mod report;
 mod storage;
 
