@@ -10,7 +10,9 @@
 //! a publish or unpublish. A change seen while the volume is being published is kept and
 //! applied once it is published (the publish may have read the value before the change).
 //! A failed refresh is tried again after a backoff ([`RETRY_FIRST`] doubling up to
-//! [`RETRY_MAX`]); the mount keeps serving with what it has.
+//! [`RETRY_MAX`]); the mount keeps serving with what it has. After an agent start, every
+//! volume already published (restored from the journal) is refreshed once: a Variable may
+//! have changed while no agent watched it.
 
 use crate::node::journal::{MountRecord, MountState};
 use crate::storage::plugin::{Capability, Fingerprint};
@@ -63,6 +65,8 @@ pub(crate) struct Refreshes {
     in_flight: BTreeSet<VolumeKey>,
     failing: BTreeMap<VolumeKey, Failing>,
     done: BTreeMap<VolumeKey, u64>,
+    /// The first pass with the plugins known has run (the restored mounts were marked).
+    started: bool,
 }
 
 /// The plugin of `rec` declares `refresh`: its fingerprint, else `None`.
@@ -137,6 +141,11 @@ impl Refreshes {
                 .get(k)
                 .is_some_and(|m| m.state == MountState::Published)
         };
+        if !std::mem::replace(&mut self.started, true) {
+            // Published before this agent started: refreshed once, as after a change.
+            self.wanted
+                .extend(mounts.keys().filter(|k| published(k)).cloned());
+        }
         self.wanted.retain(|k| mounts.contains_key(k));
         self.applied.retain(|k, _| published(k));
         self.every.retain(|k, _| published(k));
@@ -317,10 +326,39 @@ mod tests {
         r.due(now, &w.mounts, &w.mounted, busy, &w.volumes, &w.plugins)
     }
 
+    /// Refreshes of an agent whose first pass found nothing published (what it publishes
+    /// afterwards is not refreshed before a change or its period).
+    fn started() -> Refreshes {
+        let mut r = Refreshes::default();
+        r.due(
+            Instant::now(),
+            &BTreeMap::new(),
+            &BTreeSet::new(),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        r
+    }
+
+    #[test]
+    fn what_an_agent_finds_published_at_its_start_is_refreshed_once() {
+        let w = world();
+        let mut r = Refreshes::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            due(&mut r, &w, &BTreeSet::new(), t0),
+            vec![key("a"), key("b")]
+        );
+        r.done(&key("a"), Ok(()), t0);
+        r.done(&key("b"), Ok(()), t0);
+        assert!(due(&mut r, &w, &BTreeSet::new(), t0).is_empty());
+    }
+
     #[test]
     fn a_changed_variable_refreshes_the_published_volumes_that_reference_it_and_only_those() {
         let w = world();
-        let mut r = Refreshes::default();
+        let mut r = started();
         let t0 = Instant::now();
         assert_eq!(
             watched(&w.mounts, &w.volumes, &w.plugins),
@@ -351,7 +389,7 @@ mod tests {
     #[test]
     fn the_plugins_period_refreshes_each_volume_and_a_failure_backs_off() {
         let w = world();
-        let mut r = Refreshes::default();
+        let mut r = started();
         let t0 = Instant::now();
         assert!(due(&mut r, &w, &BTreeSet::new(), t0).is_empty());
         assert_eq!(r.next_wakeup(), Some(t0 + Duration::from_secs(600)));
@@ -404,7 +442,7 @@ mod tests {
     #[test]
     fn a_change_while_publishing_is_applied_once_published_and_forgotten_once_unpublished() {
         let mut w = world();
-        let mut r = Refreshes::default();
+        let mut r = started();
         let t0 = Instant::now();
         w.mounts.get_mut(&key("a")).unwrap().state = MountState::Publishing;
         r.variable_changed("default", "dhv-binder-secrets/a", &w.mounts, &w.volumes);
