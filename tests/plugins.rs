@@ -279,11 +279,14 @@ fn webdav_fuse_plugin_conforms() {
             "fence x2",
             "fence of nothing",
             "unpublish that cannot flush",
+            "refresh",
+            "refresh of nothing",
         ],
     );
-    // Its rclone runs in the volume's helper cgroup: it outlived the caller's.
+    // Its rclone and its credential proxy run in the volume's helper cgroup: they outlived
+    // the caller's.
     assert!(
-        report.contains("PASS  helper outlives the caller     1 helper process(es)"),
+        report.contains("PASS  helper outlives the caller     2 helper process(es)"),
         "{report}"
     );
     // It declares no other optional operation: none is called.
@@ -388,6 +391,8 @@ fn webdav_is_not_fooled_by_a_process_that_imitates_its_rclone() {
             .env("DHV_VOLUMES_DIR", sb.join("volumes"))
             .env("DHV_NAMESPACE", "default")
             .env("DHV_VOLUME_NAME", "imitated")
+            // It starts the volume's credential proxy (`dhv-binder helper credential-proxy`).
+            .env("DHV_BINDER", dhv_binder_bin())
             .env("DHV_VOLUME_ID", id)
             .env(
                 "DHV_PARAMETERS",

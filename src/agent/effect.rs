@@ -137,6 +137,15 @@ pub(crate) enum Effect {
     },
     /// Kernel: lazily unmount a dead mount.
     Detach { volume: VolumeKey, target: PathBuf },
+    /// Plugin `refresh` of a published volume (its plugin declares `refresh`): the
+    /// volume's current secrets applied to its mount without an unmount
+    /// ([`crate::agent::refresh`]); answered by [`Completion::Refreshed`].
+    ///
+    /// [`Completion::Refreshed`]: crate::agent::executor::Completion::Refreshed
+    Refresh {
+        volume: Box<VolumeRecord>,
+        mount: Box<MountRecord>,
+    },
     /// Kernel: read the mount table again (answered by `Input::MountTable`).
     ReadMountTable,
     /// Journal: make `commit` durable off the loop, then perform `then` (the plugin calls

@@ -52,6 +52,9 @@ pub(crate) enum Input {
     },
     /// An effect finished.
     Done(Completion),
+    /// A Nomad Variable that published volumes reference changed (its `ModifyIndex` moved;
+    /// [`crate::agent::secret_watch`]): (namespace, path).
+    SecretChanged(crate::agent::refresh::Watched),
     /// Time passed (the shell's periodic tick, or a wake-up the core asked for).
     Tick,
 }

@@ -9,6 +9,9 @@
 //!   plugin done by handle beneath the node's storage roots ([`crate::node::beneath`];
 //!   docs/plugin-protocol.md, "Paths are used by handle"), so that nothing can swap a
 //!   directory for a symlink between a check and a use.
+//! - `helper credential-proxy`: a volume's credential proxy on loopback
+//!   ([`crate::storage::credential_proxy`]), so that a FUSE remote's credentials change
+//!   without an unmount (the webdav plugin's `refresh`).
 //! - `helper copy`: a directory tree copied by handle ([`crate::node::copy`]), the copy of a
 //!   snapshot, clone or create-from-snapshot, which `cp -a` did by name.
 
@@ -94,6 +97,28 @@ pub enum HelperCommand {
         /// mode and times of `source`.
         destination: PathBuf,
     },
+    /// Serve a volume's credential proxy on loopback ([`crate::storage::credential_proxy`]):
+    /// requests with the inner credential are forwarded to `--upstream` with the outer
+    /// credential read from `--credentials` at each request (what a plugin's `refresh`
+    /// rewrites). Runs until killed.
+    CredentialProxy {
+        /// The server's URL (`http://` or `https://`, with its base path).
+        #[arg(long)]
+        upstream: String,
+        /// The outer credential: `{"user": "…", "password": "…"}` (JSON, mode 0600), read
+        /// on each request.
+        #[arg(long)]
+        credentials: PathBuf,
+        /// The inner credential, `user:password` on one line (mode 0600), read at start.
+        #[arg(long)]
+        inner: PathBuf,
+        /// Where to listen (a loopback address; port 0 picks a free one).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: std::net::SocketAddr,
+        /// Where to write the port listened on, once listening.
+        #[arg(long)]
+        port_file: PathBuf,
+    },
     /// Open paths beneath a storage root (no symlink followed) and run a command with
     /// `{0}`, `{1}`… in its arguments replaced by `/proc/self/fd/N` of each: the `--open`
     /// paths first, then the `--create` ones.
@@ -139,9 +164,27 @@ fn refused(e: BeneathError) -> Failure {
     Failure::new(EXIT_FAILED, e.to_string())
 }
 
-/// Runs `helper …`. `run` and `exec` return only on failure (exec replaces this process).
-pub fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
+/// Runs `helper …`. `run` and `exec` return only on failure (exec replaces this process),
+/// `credential-proxy` only on failure (it serves until killed).
+pub async fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
     match cmd {
+        HelperCommand::CredentialProxy {
+            upstream,
+            credentials,
+            inner,
+            listen,
+            port_file,
+        } => {
+            crate::storage::credential_proxy::serve(crate::storage::credential_proxy::ProxyConfig {
+                upstream,
+                credentials,
+                inner,
+                listen,
+                port_file,
+            })
+            .await
+            .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))
+        }
         HelperCommand::Run { cgroup, command } => run(&cgroup, &command),
         HelperCommand::BindMount {
             roots,

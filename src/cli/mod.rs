@@ -1,6 +1,6 @@
 //! The command line: `agent`, `prestart`, `status`, `volume create|register|list|status|delete|deregister`,
 //! `volume snapshot create|list|delete` ([`storage`]), `volume claim release` ([`claim`]),
-//! `plugin check|status`, `node status [node]`, `alloc status` ([`alloc`]), `helper run|bind-mount|remove|mkdir|rename|exec` ([`helper`], for plugins); one file per command group, [`output`] for the
+//! `plugin check|status`, `node status [node]`, `alloc status` ([`alloc`]), `helper run|bind-mount|remove|mkdir|rename|exec|copy|credential-proxy` ([`helper`], for plugins); one file per command group, [`output`] for the
 //! readable (Nomad-style) and JSON forms every read command prints, [`records`] for the
 //! volume records both `volume` and the storage commands read.
 //!
@@ -231,7 +231,7 @@ pub async fn run(nomad: &NomadConfig, command: Command) -> Result<(), Failure> {
         Command::Plugin(cmd) => plugin_cmd(nomad, cmd).await,
         Command::Node(cmd) => node::node_cmd(nomad, cmd).await,
         Command::Alloc(cmd) => alloc::alloc_cmd(nomad, cmd).await,
-        Command::Helper(cmd) => helper::helper_cmd(cmd),
+        Command::Helper(cmd) => helper::helper_cmd(cmd).await,
         Command::Completion { shell } => {
             let mut out = Vec::new();
             completion(shell, &mut out);

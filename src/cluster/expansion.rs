@@ -481,6 +481,7 @@ mod tests {
             capabilities: caps.iter().map(|c| c.to_string()).collect(),
             max_volumes: None,
             topology: Default::default(),
+            refresh_interval: None,
         }
     }
 

@@ -568,6 +568,7 @@ mod tests {
                 capabilities: Vec::new(),
                 max_volumes: None,
                 topology: Default::default(),
+                refresh_interval: None,
             }),
         );
         p.insert(
@@ -578,6 +579,7 @@ mod tests {
                 capabilities: Vec::new(),
                 max_volumes: None,
                 topology: Default::default(),
+                refresh_interval: None,
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

@@ -995,6 +995,7 @@ mod tests {
             capabilities: caps.iter().map(|c| c.to_string()).collect(),
             max_volumes: None,
             topology: Default::default(),
+            refresh_interval: None,
         };
         let (yes, no) = (fp(&["snapshot"]), fp(&[]));
         let mut snap = SnapshotRecord::new(&volume(), "", 1);

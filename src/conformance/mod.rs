@@ -32,6 +32,7 @@ mod flush;
 mod helpers;
 mod placement;
 mod race;
+mod refresh;
 mod report;
 mod storage;
 

@@ -34,6 +34,8 @@ pub const RULES: &[&str] = &[
     "fence",
     "fence x2",
     "fence of nothing",
+    "refresh",
+    "refresh of nothing",
     "fence_node and unfence_node x2",
     "paths confined",
     "symlink race",

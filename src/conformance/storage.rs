@@ -203,6 +203,18 @@ pub(super) async fn optional_rules(kit: &mut Kit) {
             );
         }
     }
+    if has(kit, Capability::Refresh) {
+        if super::refresh::RULES.iter().any(|r| kit.report.wants(r)) {
+            super::refresh::refresh_rules(kit).await;
+        }
+    } else {
+        for r in super::refresh::RULES {
+            kit.report.skip(
+                r,
+                "\"refresh\" not declared (a published mount keeps its credentials until published again)",
+            );
+        }
+    }
     if has(kit, Capability::FenceNode) {
         if kit.report.wants("fence_node and unfence_node x2") {
             fence_node_rules(kit).await;

@@ -1070,6 +1070,7 @@ mod tests {
                 capabilities: Vec::new(),
                 max_volumes: None,
                 topology: Default::default(),
+                refresh_interval: None,
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));

@@ -139,6 +139,12 @@ pub fn publish_env(
     env
 }
 
+/// Environment of `refresh`: `unpublish`'s (the stored target, the publish's context),
+/// with the volume record whose secrets are applied.
+pub fn refresh_env(node: &NodeEnv, m: &MountRecord, rec: &VolumeRecord) -> Vec<(String, String)> {
+    unpublish_env(node, m, Some(rec))
+}
+
 /// Environment of `unpublish`: from the journal record (the stored target, never a
 /// recomputed one), plus the volume record when it still exists.
 pub fn unpublish_env(

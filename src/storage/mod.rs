@@ -9,8 +9,11 @@
 //! - [`secrets`]: the secrets a volume references, read where they live at each call;
 //! - [`redact`]: secrets taken out of plugin text in the forms plugins print them;
 //! - [`error_class`]: what a failure says about where the call can succeed;
+//! - [`credential_proxy`]: a volume's credential proxy, so that a FUSE remote's
+//!   credentials change without an unmount (`helper credential-proxy`);
 //! - `discovery`: notices plugin files added, changed or removed.
 
+pub mod credential_proxy;
 pub(crate) mod discovery;
 pub mod environment;
 pub mod error_class;

@@ -303,7 +303,10 @@ impl Runner {
     /// without helper cgroups.
     fn helper_cgroup(&self, op: Operation, env: &[(String, String)]) -> Option<(String, PathBuf)> {
         let h = self.helpers.as_ref()?;
-        if !matches!(op, Operation::Publish | Operation::Unpublish) {
+        if !matches!(
+            op,
+            Operation::Publish | Operation::Unpublish | Operation::Refresh
+        ) {
             return None;
         }
         let get = |k: &str| {
@@ -847,6 +850,7 @@ mod tests {
                 capabilities: Vec::new(),
                 max_volumes: None,
                 topology: Default::default(),
+                refresh_interval: None,
             }
         );
         let out = r

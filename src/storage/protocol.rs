@@ -39,6 +39,11 @@ pub enum Operation {
     FenceNode,
     /// Optional (capability `fence_node`): gives node `DHV_FENCED_NODE_ID` its access back.
     UnfenceNode,
+    /// Optional (capability `refresh`): applies the volume's current secrets to its mount
+    /// published at `DHV_TARGET_PATH` without unmounting it (Kubernetes CSI's
+    /// `requiresRepublish`); called when a referenced Variable changes and every
+    /// `refresh_interval` of the fingerprint.
+    Refresh,
 }
 
 /// The most a `fence` call may take: it runs when the claim's lease is about to end, and
@@ -62,6 +67,7 @@ impl Operation {
             Operation::Fence => "fence",
             Operation::FenceNode => "fence_node",
             Operation::UnfenceNode => "unfence_node",
+            Operation::Refresh => "refresh",
         }
     }
 
@@ -74,6 +80,7 @@ impl Operation {
             Operation::Expand => Some(Capability::Expand),
             Operation::Fence => Some(Capability::Fence),
             Operation::FenceNode | Operation::UnfenceNode => Some(Capability::FenceNode),
+            Operation::Refresh => Some(Capability::Refresh),
             _ => None,
         }
     }
@@ -264,6 +271,36 @@ pub struct Fingerprint {
     /// ([`crate::volume::topology`]). Checked at fingerprint (bad segments fail it).
     #[serde(default)]
     pub topology: crate::volume::topology::Segments,
+    /// With capability `refresh`: how often the agent calls `refresh` on each published
+    /// volume of the plugin, besides when a referenced Variable changes (Kubernetes CSI's
+    /// `requiresRepublish` period). A duration such as `"10m"` (humantime), from
+    /// [`MIN_REFRESH_INTERVAL`] to [`MAX_REFRESH_INTERVAL`]; anything else fails the
+    /// fingerprint. Absent: only on a change.
+    #[serde(default, deserialize_with = "refresh_interval")]
+    pub refresh_interval: Option<Duration>,
+}
+
+/// The shortest `refresh_interval` a fingerprint may declare.
+pub const MIN_REFRESH_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The longest `refresh_interval` a fingerprint may declare (a week).
+pub const MAX_REFRESH_INTERVAL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+fn refresh_interval<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let Some(text) = Option::<String>::deserialize(d)? else {
+        return Ok(None);
+    };
+    let v = humantime::parse_duration(&text).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "refresh_interval {text:?} is not a duration such as \"10m\" ({e})"
+        ))
+    })?;
+    if !(MIN_REFRESH_INTERVAL..=MAX_REFRESH_INTERVAL).contains(&v) {
+        return Err(serde::de::Error::custom(format!(
+            "refresh_interval {text:?} is outside {MIN_REFRESH_INTERVAL:?}..={MAX_REFRESH_INTERVAL:?}"
+        )));
+    }
+    Ok(Some(v))
 }
 
 impl Fingerprint {
@@ -313,11 +350,13 @@ pub enum Capability {
     /// `fence_node` and `unfence_node`: revoke and restore another node's access at the
     /// storage (an export rule, a blocklist entry, a reservation).
     FenceNode,
+    /// `refresh`: applies new credentials to a published volume without unmounting it.
+    Refresh,
 }
 
 impl Capability {
     /// Every capability, in documentation order.
-    pub const ALL: [Capability; 7] = [
+    pub const ALL: [Capability; 8] = [
         Capability::Snapshot,
         Capability::SnapshotList,
         Capability::Clone,
@@ -325,6 +364,7 @@ impl Capability {
         Capability::ExpandOnline,
         Capability::Fence,
         Capability::FenceNode,
+        Capability::Refresh,
     ];
 
     /// The name in the fingerprint.
@@ -337,6 +377,7 @@ impl Capability {
             Capability::ExpandOnline => "expand_online",
             Capability::Fence => "fence",
             Capability::FenceNode => "fence_node",
+            Capability::Refresh => "refresh",
         }
     }
 }
@@ -537,6 +578,28 @@ mod tests {
         let shown = format!("{e} {}", e.detail());
         assert!(!shown.contains(&secret[..10]), "{shown}");
         assert!(shown.contains("[redac"), "{shown}");
+    }
+
+    #[test]
+    fn a_refresh_interval_is_a_bounded_duration_or_the_fingerprint_fails() {
+        let fp = |extra: &str| {
+            parse::<Fingerprint>(
+                "dav",
+                Operation::Fingerprint,
+                format!(r#"{{"version":"1.0.0","deferred_bind":true,"capabilities":["refresh"]{extra}}}"#)
+                    .as_bytes(),
+            )
+        };
+        assert_eq!(fp("").unwrap().refresh_interval, None);
+        let ok = fp(r#","refresh_interval":"10m""#).unwrap();
+        assert_eq!(ok.refresh_interval, Some(Duration::from_secs(600)));
+        assert!(ok.require("dav", Operation::Refresh).is_ok());
+        for bad in [r#""1s""#, r#""30d""#, r#""often""#, "600"] {
+            assert!(
+                fp(&format!(r#","refresh_interval":{bad}"#)).is_err(),
+                "{bad} was taken"
+            );
+        }
     }
 
     #[test]

@@ -473,6 +473,22 @@ impl Core {
                     self.dirty.insert(volume);
                 }
             }
+            Completion::Refreshed { volume, result } => {
+                self.busy.remove(&volume);
+                // What waited for the call (an unpublish) is planned again.
+                self.dirty.insert(volume.clone());
+                let result = match result {
+                    Ok(()) => {
+                        tracing::info!(%volume, "refreshed the published volume's credentials");
+                        Ok(())
+                    }
+                    Err(e) => {
+                        tracing::warn!(%volume, error = %e, detail = %e.detail(), "the published volume's credentials could not be refreshed; its mount keeps the ones it has, tried again after a backoff");
+                        Err(e.report())
+                    }
+                };
+                self.refreshes.done(&volume, result, now);
+            }
             Completion::Detached { volume, result } => {
                 if let Err(e) = result {
                     tracing::warn!(%volume, error = %e, "cannot detach the dead mount");

@@ -163,6 +163,8 @@ pub(crate) struct Core {
     scoped: bool,
     /// Operators' forced unpublishes on this node (`volume unpublish -force`).
     forced: crate::agent::forced::Forced,
+    /// Credentials applied to published mounts (plugin `refresh`).
+    refreshes: crate::agent::refresh::Refreshes,
 }
 
 impl Core {
@@ -224,6 +226,7 @@ impl Core {
             plan_visits: 0,
             scoped: true,
             forced: Default::default(),
+            refreshes: Default::default(),
         }
     }
 
@@ -498,6 +501,12 @@ impl Core {
             Input::MountTable(t) => self.on_table(t),
             Input::Committed { seq, result } => self.on_committed(seq, result, out),
             Input::Done(c) => self.on_done(c, now, out),
+            Input::SecretChanged((namespace, path)) => self.refreshes.variable_changed(
+                &namespace,
+                &path,
+                self.journal.mounts(),
+                &self.volumes,
+            ),
             Input::Tick => {
                 self.chores_due = true;
                 self.on_tick(now, out)
@@ -516,6 +525,7 @@ impl Core {
             self.last_fingerprint.map(|t| t + self.s.plugin_rescan),
             self.journal_trouble.next_wakeup(),
             self.offers.next_wakeup(),
+            self.refreshes.next_wakeup(),
         ]
         .into_iter()
         .flatten()
@@ -875,6 +885,9 @@ impl Core {
                 now,
             ));
         }
+        if self.plugins_loaded {
+            self.refresh_due(now, out);
+        }
         self.answer_waiters(now, out);
         // While writes fail, the state is written again at a steady pace, not on every
         // pass (no publish or unpublish started above, so no call waits on it).
@@ -1043,6 +1056,36 @@ impl Core {
             alloc_id,
             expected,
         })
+    }
+
+    /// The Variables the published volumes whose plugin declares `refresh` reference (what
+    /// the shell's [`crate::agent::secret_watch`] follows).
+    pub(crate) fn refresh_watched(&self) -> BTreeSet<crate::agent::refresh::Watched> {
+        crate::agent::refresh::watched(self.journal.mounts(), &self.volumes, &self.plugins)
+    }
+
+    /// Starts the refreshes that are due ([`crate::agent::refresh::Refreshes::due`]); each
+    /// makes its volume busy until it ends.
+    fn refresh_due(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let due = self.refreshes.due(
+            now,
+            self.journal.mounts(),
+            &self.mounted,
+            &self.busy,
+            &self.volumes,
+            &self.plugins,
+        );
+        for k in due {
+            let (Some(rec), Some(m)) = (self.volumes.get(&k), self.journal.mounts().get(&k)) else {
+                continue;
+            };
+            tracing::info!(volume = %k, "refreshing the published volume's credentials");
+            self.busy.insert(k.clone());
+            out.push(Effect::Refresh {
+                volume: Box::new(rec.clone()),
+                mount: Box::new(m.clone()),
+            });
+        }
     }
 
     /// Records the unpublish intent; the call itself waits for the commit.

@@ -49,6 +49,7 @@ impl Core {
             "claims": self.claims.status(),
             "fenced": self.fenced.iter().map(|(k, f)| (k.to_string(), f.clone())).collect::<BTreeMap<_, _>>(),
             "mount_health": self.mount_health.status(),
+            "refresh": self.refreshes.status(),
             "storage_ops": {"snapshots": self.storage_ops.snapshot_count(), "running": self.storage_ops.running()},
             "frozen": self.storage_ops.frozen().iter().map(|(k, f)| (k.to_string(), f)).collect::<BTreeMap<_, _>>(),
             "foreign_mounts": self.foreign.iter().map(|(k, why)| (k.to_string(), why.clone())).collect::<BTreeMap<_, _>>(),

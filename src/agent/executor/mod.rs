@@ -107,6 +107,11 @@ pub enum Completion {
         volume: VolumeKey,
         report: crate::node::fence::FenceReport,
     },
+    /// A published volume's `refresh` ran ([`refresh`]).
+    Refreshed {
+        volume: VolumeKey,
+        result: Result<(), PluginError>,
+    },
     /// A dead mount was detached (lazy unmount).
     Detached {
         volume: VolumeKey,
@@ -507,6 +512,31 @@ pub async fn unpublish(
         target: m.target.clone(),
         result,
         release: (!keep_dir).then_some(guard),
+    }
+}
+
+/// Runs the plugin's `refresh` on a volume published here: its secrets read now (every
+/// `secret_ref` anew, [`Runner::secrets_for`]) and handed to the plugin with the mount's
+/// target, so that the mount carries the current credentials without an unmount.
+pub async fn refresh(
+    runner: Runner,
+    node: NodeEnv,
+    rec: VolumeRecord,
+    m: MountRecord,
+) -> Completion {
+    let mut env = crate::storage::environment::refresh_env(&node, &m, &rec);
+    let result = async {
+        let secrets = runner.secrets_for(Operation::Refresh, &rec).await?;
+        set_secrets(&mut env, &secrets);
+        runner
+            .call(&m.plugin_id, Operation::Refresh, &env, &secrets)
+            .await
+            .map(drop)
+    }
+    .await;
+    Completion::Refreshed {
+        volume: m.volume,
+        result,
     }
 }
 

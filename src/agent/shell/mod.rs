@@ -455,6 +455,9 @@ impl Shell {
             } => self.call(executor::restart_alloc(
                 client, volume, alloc_id, task, all_tasks,
             )),
+            Effect::Refresh { volume, mount } => {
+                self.plugin_call(executor::refresh(runner, node, *volume, *mount))
+            }
             Effect::Probe { volume, target } => {
                 let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
                 let prober = self.probes.clone();
@@ -738,6 +741,8 @@ struct Sources {
     plugins: mpsc::Receiver<()>,
     /// Why the volume records cannot be read, while they cannot (`catalog::Follow::failing`).
     records_failing: tokio::sync::watch::Receiver<Option<String>>,
+    /// Changes of the Variables published volumes reference (`crate::agent::secret_watch`).
+    secrets: mpsc::Receiver<crate::agent::refresh::Watched>,
     /// The periodic tick (`--tick`).
     tick: tokio::time::Interval,
     every: Duration,
@@ -773,6 +778,7 @@ impl Shell {
             }
             Some(snaps) = src.snapshots.recv() => vec![Input::Snapshots(snaps)],
             Some(reqs) = src.unpublish.recv() => self.unpublish_requests(reqs),
+            Some(w) = src.secrets.recv() => vec![Input::SecretChanged(w)],
             Some(req) = src.api.recv() => self.admit(req).into_iter().collect(),
             Some(done) = self.tasks.join_next() => match done {
                 Ok(r) => self.on_report(r),
@@ -1158,7 +1164,12 @@ pub async fn run(
     let e = core.handle(Input::Tick, now());
     shell.perform(e);
 
+    // The Variables published volumes reference, followed for their plugins' `refresh`.
+    let (secrets_tx, secrets_rx) = mpsc::channel(64);
+    let secret_watch =
+        crate::agent::secret_watch::SecretWatch::start(shell.client.clone(), secrets_tx);
     let mut sources = Sources {
+        secrets: secrets_rx,
         watch: watch_rx,
         catalogue: cat_rx,
         snapshots: snap_rx,
@@ -1171,6 +1182,7 @@ pub async fn run(
     };
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
     let mut follow_usage = true;
+    let mut follow_secrets = true;
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -1184,8 +1196,20 @@ pub async fn run(
         inputs.extend(shell.renewals_arrived());
         // Mounts and users change only by a journal commit, what is mounted by a reading.
         follow_usage |= inputs.iter().any(|i| matches!(i, Input::MountTable(_)));
+        // The referenced Variables change with the journal's mounts, the records, the plugins.
+        follow_secrets |= inputs.iter().any(|i| {
+            matches!(
+                i,
+                Input::Catalogue(_) | Input::Done(crate::agent::executor::Completion::Plugins(_))
+            )
+        });
         let effects = core.handle_all(inputs, now());
-        follow_usage |= effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
+        let committed = effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
+        follow_usage |= committed;
+        follow_secrets |= committed;
+        if std::mem::take(&mut follow_secrets) {
+            secret_watch.follow(core.refresh_watched());
+        }
         shell.perform(effects);
         shell.meter.after_pass(&core);
         // A volume named by an allocation and not in the catalogue: read its record now

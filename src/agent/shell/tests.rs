@@ -426,6 +426,7 @@ fn silent_sources(every: Duration) -> (Sources, Senders) {
         api,
         plugins,
         records_failing: tokio::sync::watch::channel(None).1,
+        secrets: mpsc::channel(1).1,
         tick: ticker(every),
         every,
     };
@@ -450,6 +451,7 @@ fn bind_fingerprinted() -> Input {
         capabilities: Vec::new(),
         max_volumes: None,
         topology: Default::default(),
+        refresh_interval: None,
     };
     Input::Done(Completion::Plugins(
         [("bind".to_string(), Ok(fp))].into_iter().collect(),

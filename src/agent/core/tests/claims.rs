@@ -275,6 +275,7 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
             capabilities: vec!["fence_node".into()],
             max_volumes: None,
             topology: Default::default(),
+            refresh_interval: None,
         }),
     )]))));
     let e = h.at(Duration::from_secs(5), Input::Tick);

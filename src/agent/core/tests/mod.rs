@@ -81,6 +81,7 @@ impl H {
             capabilities: Vec::new(),
             max_volumes: None,
             topology: Default::default(),
+            refresh_interval: None,
         };
         h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
             "bind".to_string(),
@@ -196,6 +197,7 @@ fn a_publish_starts_only_after_its_intent_is_committed() {
         capabilities: Vec::new(),
         max_volumes: None,
         topology: Default::default(),
+        refresh_interval: None,
     };
     all.extend(core.handle(
         Input::Done(Completion::Plugins(BTreeMap::from([(
@@ -254,6 +256,7 @@ fn a_burst_of_allocations_is_one_commit_with_every_publish() {
             capabilities: Vec::new(),
             max_volumes: None,
             topology: Default::default(),
+            refresh_interval: None,
         }),
     )]))));
     h.feed(Input::Catalogue(

@@ -63,6 +63,7 @@ fn fingerprinted(zone: Option<&str>) -> Input {
         topology: zone
             .map(|z| BTreeMap::from([("zone".to_string(), z.to_string())]))
             .unwrap_or_default(),
+        refresh_interval: None,
     };
     Input::Done(Completion::Plugins(BTreeMap::from([(
         "bind".to_string(),

@@ -265,6 +265,7 @@ fn scoped_planning_does_what_a_full_plan_does() {
             capabilities: Vec::new(),
             max_volumes: None,
             topology: Default::default(),
+            refresh_interval: None,
         };
         w.feed(
             || {
