@@ -6,6 +6,13 @@
 //! timeout and never two out for one mount (`crate::node::usage`), so a hung mount costs
 //! one thread and is reported as `inaccessible` while the others keep fresh figures.
 //!
+//! A volume whose plugin declares `stats` or `health` (docs/plugin-protocol.md) has it
+//! called in the same round, after its `statfs` answered, each call bounded by
+//! [`CHECK_TIMEOUT`] (the call's processes are killed past it): `stats` gives the volume's
+//! own usage in place of its mount's filesystem's (bind on a shared export), `health` its
+//! condition as its storage sees it (`degraded`, `data-loss`). A change of condition is kept
+//! as an event for the node record (`volume status -verbose`).
+//!
 //! Unused-since: when a volume's last user on this node goes away, the time is kept in
 //! `<state_dir>/unused-since.json` (replaced atomically), so it survives an agent restart;
 //! a volume this node never saw in use has no time ("never used").
@@ -29,8 +36,41 @@ pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most volumes whose unused-since time is kept (the oldest are forgotten first).
 const MAX_UNUSED: usize = 10_000;
 
+/// How long one `stats` or `health` call may take; past it its processes are killed. A
+/// `health` that does not answer in time makes the volume `degraded`.
+pub(crate) const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most condition changes kept per volume, and the most volumes with changes kept
+/// (those changed last); the node record keeps fewer ([`crate::cluster::nodes::MAX_NODE_HISTORY`]).
+const MAX_CONDITION_EVENTS: usize = 10;
+const MAX_CONDITION_VOLUMES: usize = 64;
+
+/// The optional operations the usage task calls on one published volume, with what a call
+/// needs: the environment `unpublish` gets (the stored target and contexts,
+/// [`crate::storage::environment::unpublish_env`]) and the volume's record (for its secrets,
+/// read at each call).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Checks {
+    /// The plugin declares `stats`.
+    pub stats: bool,
+    /// The plugin declares `health`.
+    pub health: bool,
+    /// The call's environment.
+    pub env: Vec<(String, String)>,
+    /// The volume's record, when this node has it.
+    pub record: Option<Box<crate::volume::VolumeRecord>>,
+}
+
+/// What the usage task needs to call plugins: the runner and this node's part of the
+/// environment.
+#[derive(Clone)]
+pub(crate) struct Calls {
+    pub runner: crate::storage::plugin::Runner,
+    pub node: crate::storage::environment::NodeEnv,
+}
+
 /// One volume of the journal, as the usage task sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Known {
     pub plugin: String,
     pub target: PathBuf,
@@ -41,6 +81,8 @@ pub(crate) struct Known {
     pub mounted: bool,
     /// Allocations using it here.
     pub users: usize,
+    /// Its plugin's `stats` and `health`, when it declares either.
+    pub checks: Option<Checks>,
 }
 
 /// The last reading of one published volume.
@@ -56,6 +98,8 @@ struct State {
     figures: BTreeMap<VolumeKey, Figures>,
     unused: BTreeMap<VolumeKey, u64>,
     in_use: BTreeSet<VolumeKey>,
+    /// Changes of condition: (Unix seconds, the new condition), oldest first.
+    changes: BTreeMap<VolumeKey, std::collections::VecDeque<(u64, Condition)>>,
 }
 
 /// The shell's side of the usage task.
@@ -63,6 +107,7 @@ pub(crate) struct UsageHandle {
     tx: tokio::sync::watch::Sender<BTreeMap<VolumeKey, Known>>,
     state: Arc<Mutex<State>>,
     task: tokio::task::JoinHandle<()>,
+    node: Option<crate::storage::environment::NodeEnv>,
 }
 
 fn wall_secs() -> u64 {
@@ -87,6 +132,7 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
                     published: m.state == MountState::Published,
                     mounted: mounted.contains(&m.target),
                     users: users.get(k).map_or(0, |u| u.len()),
+                    checks: None,
                 },
             )
         })
@@ -98,6 +144,7 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
             published: false,
             mounted: false,
             users: u.len(),
+            checks: None,
         });
     }
     out
@@ -184,37 +231,107 @@ impl State {
         });
         changed
     }
+
+    /// Sets `k`'s figures; a condition that differs from the last one (or a first one that
+    /// is abnormal) is kept as a change at `now`. True when it changed.
+    fn set_figures(&mut self, k: &VolumeKey, f: Figures, now: u64) -> bool {
+        let before = self.figures.get(k).map(|f| f.condition.clone());
+        let changed = match &before {
+            Some(b) => b.abnormal != f.condition.abnormal || b.class != f.condition.class,
+            None => f.condition.abnormal,
+        };
+        if changed {
+            let q = self.changes.entry(k.clone()).or_default();
+            q.push_back((now, f.condition.clone()));
+            while q.len() > MAX_CONDITION_EVENTS {
+                q.pop_front();
+            }
+            while self.changes.len() > MAX_CONDITION_VOLUMES {
+                let oldest = self
+                    .changes
+                    .iter()
+                    .min_by_key(|(_, q)| q.back().map_or(0, |(t, _)| *t))
+                    .map(|(k, _)| k.clone());
+                match oldest {
+                    Some(o) => self.changes.remove(&o),
+                    None => break,
+                };
+            }
+        }
+        self.figures.insert(k.clone(), f);
+        changed
+    }
 }
 
 impl UsageHandle {
     /// Starts the usage task: a round every `every`, each `statfs` bounded by `timeout`;
     /// unused-since times kept under `state_dir`; figures exported on `metrics`.
+    /// With `calls`, the plugins' `stats` and `health` are called where declared.
     pub(crate) fn start(
         every: Duration,
         timeout: Duration,
         state_dir: &Path,
         metrics: Metrics,
+        calls: Option<Calls>,
     ) -> Self {
         let state = Arc::new(Mutex::new(State {
             unused: load_unused(state_dir),
             ..Default::default()
         }));
         let (tx, rx) = tokio::sync::watch::channel(BTreeMap::new());
+        let node = calls.as_ref().map(|c| c.node.clone());
         let task = tokio::spawn(run(
             rx,
-            every,
-            timeout,
-            state_dir.to_path_buf(),
+            Settings {
+                every,
+                timeout,
+                state_dir: state_dir.to_path_buf(),
+                calls,
+            },
             state.clone(),
             metrics,
         ));
-        Self { tx, state, task }
+        Self {
+            tx,
+            state,
+            task,
+            node,
+        }
     }
 
     /// Hands the task the journal's volumes (after each pass; the task wakes only when
-    /// they changed).
-    pub(crate) fn follow(&self, journal: &Journal, mounted: &BTreeSet<PathBuf>) {
-        let next = known(journal, mounted);
+    /// they changed), with the `stats` and `health` of each published volume whose plugin
+    /// (in `plugins`, the node's fingerprints) declares them; `record` gives a volume's
+    /// record for the calls' secrets and contexts.
+    pub(crate) fn follow<'a>(
+        &self,
+        journal: &Journal,
+        mounted: &BTreeSet<PathBuf>,
+        plugins: Option<&BTreeMap<String, Result<crate::storage::plugin::Fingerprint, String>>>,
+        record: impl Fn(&VolumeKey) -> Option<&'a crate::volume::VolumeRecord>,
+    ) {
+        let mut next = known(journal, mounted);
+        if let (Some(node), Some(plugins)) = (&self.node, plugins) {
+            use crate::storage::protocol::Capability;
+            for (k, v) in next.iter_mut().filter(|(_, v)| v.published) {
+                let Some(Ok(fp)) = plugins.get(&v.plugin) else {
+                    continue;
+                };
+                let (stats, health) = (fp.supports(Capability::Stats), fp.supports(Capability::Health));
+                let Some(m) = journal.mounts().get(k) else {
+                    continue;
+                };
+                if stats || health {
+                    let rec = record(k).filter(|r| r.id == m.volume_id);
+                    v.checks = Some(Checks {
+                        stats,
+                        health,
+                        env: crate::storage::environment::unpublish_env(node, m, rec),
+                        record: rec.map(|r| Box::new(r.clone())),
+                    });
+                }
+            }
+        }
         self.tx.send_if_modified(|k| {
             if *k == next {
                 return false;
@@ -261,11 +378,21 @@ impl UsageHandle {
     pub(crate) fn status(&self) -> serde_json::Value {
         let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = serde_json::Map::new();
+        for (k, q) in &s.changes {
+            let changes: Vec<_> = q
+                .iter()
+                .map(|(t, c)| serde_json::json!({"time": t, "condition": c}))
+                .collect();
+            out.insert(k.to_string(), serde_json::json!({"condition_changes": changes}));
+        }
         for (k, f) in &s.figures {
-            out.insert(
-                k.to_string(),
-                serde_json::json!({"usage": f.usage, "condition": f.condition}),
-            );
+            let e = out
+                .entry(k.to_string())
+                .or_insert_with(|| serde_json::json!({}));
+            if let Some(o) = e.as_object_mut() {
+                o.insert("usage".into(), serde_json::json!(f.usage));
+                o.insert("condition".into(), serde_json::json!(f.condition));
+            }
         }
         for (k, t) in &s.unused {
             let e = out
@@ -276,6 +403,32 @@ impl UsageHandle {
             }
         }
         serde_json::Value::Object(out)
+    }
+}
+
+impl UsageHandle {
+    /// `history` (the core's events for the node record) with each volume's changes of
+    /// condition beside them, in time order: event `condition`, detail `healthy` or the
+    /// class (`inaccessible`, `degraded`, `data-loss`; the words are in the node's log and
+    /// `dhv-binder status`), ok when healthy. Kept short: the record bounds the events.
+    pub(crate) fn with_condition_events(
+        &self,
+        mut history: BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>>,
+    ) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, q) in &s.changes {
+            let events = history.entry(k.to_string()).or_default();
+            events.extend(q.iter().map(|(t, c)| crate::cluster::nodes::NodeEvent {
+                time: *t,
+                event: "condition".into(),
+                ok: !c.abnormal,
+                detail: c.class_word(),
+                ..Default::default()
+            }));
+            // Stable: events of one second keep the journal's order, changes after them.
+            events.sort_by_key(|e| e.time);
+        }
+        history
     }
 }
 
@@ -291,19 +444,21 @@ fn used_percent(u: Usage) -> u8 {
     u8::try_from(pct.min(100)).unwrap_or(100)
 }
 
-/// One round: reads every published volume, at most [`READS_AT_ONCE`] at once.
+/// One round: reads every published volume, at most [`READS_AT_ONCE`] at once: its
+/// `statfs`, then, when that answered, its plugin's `stats` and `health` ([`checked`]).
 async fn round(
     reader: &UsageReader,
     known: &BTreeMap<VolumeKey, Known>,
     timeout: Duration,
+    calls: Option<&Calls>,
 ) -> BTreeMap<VolumeKey, Figures> {
-    let targets: Vec<(VolumeKey, PathBuf)> = known
+    let targets: Vec<(VolumeKey, PathBuf, Option<Checks>, String)> = known
         .iter()
         .filter(|(_, k)| k.published)
-        .map(|(v, k)| (v.clone(), k.target.clone()))
+        .map(|(v, k)| (v.clone(), k.target.clone(), k.checks.clone(), k.plugin.clone()))
         .collect();
     futures_util::stream::iter(targets)
-        .map(move |(v, target)| {
+        .map(move |(v, target, checks, plugin)| {
             let reader = reader.clone();
             async move {
                 let r = reader.read(target, timeout).await;
@@ -314,6 +469,12 @@ async fn round(
                     },
                     condition: Condition::of(&r),
                 };
+                let figures = match (calls, checks) {
+                    (Some(calls), Some(checks)) if figures.usage.is_some() => {
+                        checked(calls, &v, &plugin, &checks, figures).await
+                    }
+                    _ => figures,
+                };
                 (v, figures)
             }
         })
@@ -322,14 +483,85 @@ async fn round(
         .await
 }
 
-async fn run(
-    mut rx: tokio::sync::watch::Receiver<BTreeMap<VolumeKey, Known>>,
+/// `figures` (a mount that answered `statfs`) with its plugin's answers: `stats`' usage in
+/// place of the mount's when it gives a sound one (else the mount's stays, logged);
+/// `health`'s condition, `degraded` when the call fails or does not answer within
+/// [`CHECK_TIMEOUT`] (its storage cannot say it is well).
+async fn checked(
+    calls: &Calls,
+    volume: &VolumeKey,
+    plugin: &str,
+    checks: &Checks,
+    mut figures: Figures,
+) -> Figures {
+    use crate::storage::protocol::{parse_with, Operation};
+    use crate::storage::volume_health::{HealthResult, StatsResult};
+    let call = |op: Operation| async move {
+        let secrets = match &checks.record {
+            Some(r) => calls.runner.secrets_for(op, r).await?,
+            None => BTreeMap::new(),
+        };
+        let mut env = checks.env.clone();
+        crate::storage::environment::set_secrets(&mut env, &secrets);
+        let out = calls
+            .runner
+            .call_within(plugin, op, &env, &secrets, CHECK_TIMEOUT)
+            .await?;
+        Ok::<_, crate::storage::plugin::PluginError>((out, secrets))
+    };
+    if checks.stats {
+        let stats = call(Operation::Stats).await.and_then(|(out, secrets)| {
+            parse_with::<StatsResult>(plugin, Operation::Stats, &out.stdout, &secrets)
+        });
+        match stats.map(|s| s.usage()) {
+            Ok(Ok(u)) => figures.usage = Some(u),
+            Ok(Err(e)) => {
+                tracing::warn!(volume = %volume, plugin, error = %e, "the plugin's stats are not sound; the mount's statfs figures stand")
+            }
+            Err(e) => {
+                tracing::warn!(volume = %volume, plugin, error = %e.report(), "the plugin's stats failed; the mount's statfs figures stand")
+            }
+        }
+    }
+    if checks.health {
+        let health = call(Operation::Health).await.and_then(|(out, secrets)| {
+            parse_with::<HealthResult>(plugin, Operation::Health, &out.stdout, &secrets)
+        });
+        figures.condition = match health.map(|h| h.condition()) {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => Condition::abnormal(
+                crate::node::usage::ConditionClass::Degraded,
+                format!("the plugin's health answer is not sound: {e}"),
+            ),
+            Err(e) => Condition::abnormal(
+                crate::node::usage::ConditionClass::Degraded,
+                format!("the plugin's health did not say it is well: {}", e.report()),
+            ),
+        };
+    }
+    figures
+}
+
+/// The usage task's settings.
+struct Settings {
     every: Duration,
     timeout: Duration,
     state_dir: PathBuf,
+    calls: Option<Calls>,
+}
+
+async fn run(
+    mut rx: tokio::sync::watch::Receiver<BTreeMap<VolumeKey, Known>>,
+    settings: Settings,
     state: Arc<Mutex<State>>,
     metrics: Metrics,
 ) {
+    let Settings {
+        every,
+        timeout,
+        state_dir,
+        calls,
+    } = settings;
     let reader = UsageReader::default();
     let mut next_round = tokio::time::Instant::now();
     loop {
@@ -359,7 +591,7 @@ async fn run(
                 if s.figures.get(k) != Some(&gone) {
                     tracing::warn!(volume = %k, "volume is abnormal: its mount is gone");
                 }
-                s.figures.insert(k.clone(), gone);
+                s.set_figures(k, gone, wall_secs());
             }
             known
                 .iter()
@@ -374,7 +606,7 @@ async fn run(
             next_round = tokio::time::Instant::now() + every;
         }
         if !to_read.is_empty() {
-            let figures = round(&reader, &to_read, timeout).await;
+            let figures = round(&reader, &to_read, timeout, calls.as_ref()).await;
             let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
             for (k, f) in figures {
                 let before = s.figures.get(&k).map(|f| f.condition.clone());
@@ -387,7 +619,7 @@ async fn run(
                 }
                 // Still known (the journal may have moved on during the round).
                 if known.contains_key(&k) {
-                    s.figures.insert(k, f);
+                    s.set_figures(&k, f, wall_secs());
                 }
             }
             export(&metrics, &s, &known);
@@ -441,6 +673,7 @@ mod tests {
             published: true,
             mounted: true,
             users,
+            checks: None,
         }
     }
 

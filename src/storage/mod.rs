@@ -9,6 +9,7 @@
 //! - [`secrets`]: the secrets a volume references, read where they live at each call;
 //! - [`redact`]: secrets taken out of plugin text in the forms plugins print them;
 //! - [`error_class`]: what a failure says about where the call can succeed;
+//! - [`volume_health`]: what the optional `stats`, `health` and `list` operations print;
 //! - `discovery`: notices plugin files added, changed or removed.
 
 pub(crate) mod discovery;
@@ -19,3 +20,4 @@ mod process;
 pub mod protocol;
 pub mod redact;
 pub mod secrets;
+pub mod volume_health;

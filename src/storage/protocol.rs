@@ -39,6 +39,15 @@ pub enum Operation {
     FenceNode,
     /// Optional (capability `fence_node`): gives node `DHV_FENCED_NODE_ID` its access back.
     UnfenceNode,
+    /// Optional (capability `stats`): the published volume's own usage, in the shape of
+    /// CSI's `NodeGetVolumeStats` ([`super::volume_health::StatsResult`]).
+    Stats,
+    /// Optional (capability `health`): the published volume's condition as its storage
+    /// sees it ([`super::volume_health::HealthResult`]).
+    Health,
+    /// Optional (capability `list`): the volumes the storage holds
+    /// ([`super::volume_health::ListResult`]).
+    List,
 }
 
 /// The most a `fence` call may take: it runs when the claim's lease is about to end, and
@@ -62,6 +71,9 @@ impl Operation {
             Operation::Fence => "fence",
             Operation::FenceNode => "fence_node",
             Operation::UnfenceNode => "unfence_node",
+            Operation::Stats => "stats",
+            Operation::Health => "health",
+            Operation::List => "list",
         }
     }
 
@@ -74,6 +86,9 @@ impl Operation {
             Operation::Expand => Some(Capability::Expand),
             Operation::Fence => Some(Capability::Fence),
             Operation::FenceNode | Operation::UnfenceNode => Some(Capability::FenceNode),
+            Operation::Stats => Some(Capability::Stats),
+            Operation::Health => Some(Capability::Health),
+            Operation::List => Some(Capability::List),
             _ => None,
         }
     }
@@ -308,11 +323,18 @@ pub enum Capability {
     /// `fence_node` and `unfence_node`: revoke and restore another node's access at the
     /// storage (an export rule, a blocklist entry, a reservation).
     FenceNode,
+    /// `stats`: the published volume's own usage, where `statfs` of its mount is a shared
+    /// filesystem's.
+    Stats,
+    /// `health`: the published volume's condition as its storage sees it.
+    Health,
+    /// `list`: the volumes the storage holds (the orphan report).
+    List,
 }
 
 impl Capability {
     /// Every capability, in documentation order.
-    pub const ALL: [Capability; 7] = [
+    pub const ALL: [Capability; 10] = [
         Capability::Snapshot,
         Capability::SnapshotList,
         Capability::Clone,
@@ -320,6 +342,9 @@ impl Capability {
         Capability::ExpandOnline,
         Capability::Fence,
         Capability::FenceNode,
+        Capability::Stats,
+        Capability::Health,
+        Capability::List,
     ];
 
     /// The name in the fingerprint.
@@ -332,6 +357,9 @@ impl Capability {
             Capability::ExpandOnline => "expand_online",
             Capability::Fence => "fence",
             Capability::FenceNode => "fence_node",
+            Capability::Stats => "stats",
+            Capability::Health => "health",
+            Capability::List => "list",
         }
     }
 }

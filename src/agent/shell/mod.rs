@@ -1089,12 +1089,7 @@ pub async fn run(
         journal,
         now(),
     );
-    let usage_handle = crate::agent::volume_usage::UsageHandle::start(
-        cfg.usage_interval,
-        crate::agent::volume_usage::READ_TIMEOUT,
-        &cfg.state_dir,
-        metrics.clone(),
-    );
+    let usage_metrics = metrics.clone();
     let meter = Meter::new(metrics);
     let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter).with_trust(
         allowed_roots,
@@ -1103,7 +1098,16 @@ pub async fn run(
     );
     shell.runner = shell.runner.with_secret_source(secret_source);
     shell.guard = guard;
-    shell.usage = Some(usage_handle);
+    shell.usage = Some(crate::agent::volume_usage::UsageHandle::start(
+        cfg.usage_interval,
+        crate::agent::volume_usage::READ_TIMEOUT,
+        &cfg.state_dir,
+        usage_metrics,
+        Some(crate::agent::volume_usage::Calls {
+            runner: shell.runner.clone(),
+            node: shell.node.clone(),
+        }),
+    ));
     shell.guarded = guarded;
     shell.clock = clock.clone();
     // Claim renewals on a thread of their own, over connections of their own.
@@ -1158,7 +1162,13 @@ pub async fn run(
         let mut inputs = inputs;
         inputs.extend(shell.renewals_arrived());
         // Mounts and users change only by a journal commit, what is mounted by a reading.
-        follow_usage |= inputs.iter().any(|i| matches!(i, Input::MountTable(_)));
+        // A new fingerprint may declare `stats` or `health`.
+        follow_usage |= inputs.iter().any(|i| {
+            matches!(
+                i,
+                Input::MountTable(_) | Input::Done(crate::agent::executor::Completion::Plugins(_))
+            )
+        });
         let effects = core.handle_all(inputs, now());
         follow_usage |= effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
         shell.perform(effects);
@@ -1172,14 +1182,22 @@ pub async fn run(
         asked_for = unknown;
         let usage = shell.usage.as_ref();
         if std::mem::take(&mut follow_usage) {
-            usage.inspect(|u| u.follow(core.journal(), core.mounted()));
+            usage.inspect(|u| {
+                u.follow(core.journal(), core.mounted(), core.plugins(), |k| {
+                    core.volume_record(k)
+                })
+            });
         }
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = core.node_volumes();
             let volumes = r.set_volumes(usage.map_or(volumes.clone(), |u| u.annotate(volumes)));
             let refused = r.set_refused(&shell.rejected_records.snapshot());
-            let history = r.set_history(core.node_history());
+            let history = core.node_history();
+            let history = r.set_history(match usage {
+                Some(u) => u.with_condition_events(history),
+                None => history,
+            });
             let attach = r.set_attach(core.attach_counts());
             r.set_watch(core.watch_health()) | plugins | volumes | refused | history | attach
         });
