@@ -317,7 +317,10 @@ impl UsageHandle {
                 let Some(Ok(fp)) = plugins.get(&v.plugin) else {
                     continue;
                 };
-                let (stats, health) = (fp.supports(Capability::Stats), fp.supports(Capability::Health));
+                let (stats, health) = (
+                    fp.supports(Capability::Stats),
+                    fp.supports(Capability::Health),
+                );
                 let Some(m) = journal.mounts().get(k) else {
                     continue;
                 };
@@ -383,7 +386,10 @@ impl UsageHandle {
                 .iter()
                 .map(|(t, c)| serde_json::json!({"time": t, "condition": c}))
                 .collect();
-            out.insert(k.to_string(), serde_json::json!({"condition_changes": changes}));
+            out.insert(
+                k.to_string(),
+                serde_json::json!({"condition_changes": changes}),
+            );
         }
         for (k, f) in &s.figures {
             let e = out
@@ -413,10 +419,22 @@ impl UsageHandle {
     /// `dhv-binder status`), ok when healthy. Kept short: the record bounds the events.
     pub(crate) fn with_condition_events(
         &self,
+        history: BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>>,
+    ) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .with_condition_events(history)
+    }
+}
+
+impl State {
+    /// See [`UsageHandle::with_condition_events`].
+    fn with_condition_events(
+        &self,
         mut history: BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>>,
     ) -> BTreeMap<String, Vec<crate::cluster::nodes::NodeEvent>> {
-        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        for (k, q) in &s.changes {
+        for (k, q) in &self.changes {
             let events = history.entry(k.to_string()).or_default();
             events.extend(q.iter().map(|(t, c)| crate::cluster::nodes::NodeEvent {
                 time: *t,
@@ -455,7 +473,14 @@ async fn round(
     let targets: Vec<(VolumeKey, PathBuf, Option<Checks>, String)> = known
         .iter()
         .filter(|(_, k)| k.published)
-        .map(|(v, k)| (v.clone(), k.target.clone(), k.checks.clone(), k.plugin.clone()))
+        .map(|(v, k)| {
+            (
+                v.clone(),
+                k.target.clone(),
+                k.checks.clone(),
+                k.plugin.clone(),
+            )
+        })
         .collect();
     futures_util::stream::iter(targets)
         .map(move |(v, target, checks, plugin)| {
@@ -714,6 +739,155 @@ mod tests {
         assert_eq!(s.unused.get(&key("a")), Some(&200));
         std::fs::write(unused_path(dir.path()), b"not json").unwrap();
         assert!(load_unused(dir.path()).is_empty());
+    }
+
+    fn plugin(dir: &Path, name: &str, body: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        let p = dir.join(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    /// A plugin's `stats` stands for the mount's `statfs` figures and its `health` for the
+    /// condition; an unsound `stats` leaves the mount's figures, a failing `health` makes
+    /// the volume degraded; a plugin that declares neither is read by `statfs` alone.
+    #[tokio::test]
+    async fn the_plugins_stats_and_health_stand_for_the_mounts_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let plugins = dir.path().join("plugins");
+        std::fs::create_dir(&plugins).unwrap();
+        plugin(
+            &plugins,
+            "good",
+            r#"case "$1" in
+stats) echo '{"usage":[{"unit":"BYTES","total":100,"used":40,"available":60},{"unit":"INODES","total":9,"used":3,"available":6}]}' ;;
+health) [ -d "$DHV_TARGET_PATH" ] && echo '{"abnormal":true,"class":"degraded","message":"replica 2 of 3 is slow"}' ;;
+esac"#,
+        );
+        plugin(
+            &plugins,
+            "bad",
+            r#"case "$1" in
+stats) echo '{"usage":[{"unit":"BYTES","total":1,"used":5,"available":0}]}' ;;
+health) echo '{"error":"cannot reach the array"}'; exit 1 ;;
+esac"#,
+        );
+        let calls = Calls {
+            runner: crate::storage::plugin::Runner::new(&plugins, Duration::from_secs(5)),
+            node: crate::storage::environment::NodeEnv {
+                node_id: "n".into(),
+                node_pool: "default".into(),
+                volumes_dir: dir.path().into(),
+                plugin_dir: plugins.clone(),
+            },
+        };
+        let known_of = |plugin: &str, target: PathBuf, checks: bool| Known {
+            plugin: plugin.into(),
+            target: target.clone(),
+            published: true,
+            mounted: true,
+            users: 1,
+            checks: checks.then(|| Checks {
+                stats: true,
+                health: true,
+                env: vec![("DHV_TARGET_PATH".into(), target.display().to_string())],
+                record: None,
+            }),
+        };
+        // One target each: a reading of a target still out is `Hung` for the next.
+        let with = |plugin: &str, checks: bool| {
+            let target = dir.path().join(format!("t-{plugin}-{checks}"));
+            std::fs::create_dir_all(&target).unwrap();
+            known_of(plugin, target, checks)
+        };
+        let known = BTreeMap::from([
+            (key("good"), with("good", true)),
+            (key("bad"), with("bad", true)),
+            (key("plain"), with("bad", false)),
+        ]);
+        let f = round(
+            &UsageReader::default(),
+            &known,
+            Duration::from_secs(5),
+            Some(&calls),
+        )
+        .await;
+        let good = &f[&key("good")];
+        assert_eq!(
+            good.usage
+                .map(|u| (u.capacity_bytes, u.used_bytes, u.inodes_free)),
+            Some((100, 40, 6))
+        );
+        assert_eq!(good.condition.class_word(), "degraded");
+        assert!(
+            good.condition.message.contains("replica 2 of 3"),
+            "{good:?}"
+        );
+        let bad = &f[&key("bad")];
+        assert!(
+            bad.usage.is_some_and(|u| u.capacity_bytes > 100),
+            "the mount's statfs figures stand: {bad:?}"
+        );
+        assert_eq!(bad.condition.class_word(), "degraded");
+        assert!(bad.condition.message.contains("health"), "{bad:?}");
+        let plain = &f[&key("plain")];
+        assert!(!plain.condition.abnormal, "{plain:?}");
+        assert!(plain.usage.is_some_and(|u| u.capacity_bytes > 100));
+    }
+
+    /// Each change of condition (not each reading) is an event of the node record, beside
+    /// the journal's events in time order; a first reading that is healthy is none.
+    #[test]
+    fn a_change_of_condition_is_an_event() {
+        use crate::node::usage::ConditionClass;
+        let mut s = State::default();
+        let healthy = Figures::default();
+        let degraded = Figures {
+            usage: None,
+            condition: Condition::abnormal(ConditionClass::Degraded, "slow"),
+        };
+        assert!(!s.set_figures(&key("a"), healthy.clone(), 100));
+        assert!(!s.set_figures(&key("a"), healthy.clone(), 110));
+        assert!(s.set_figures(&key("a"), degraded.clone(), 120));
+        assert!(!s.set_figures(&key("a"), degraded, 130));
+        let lost = Figures {
+            usage: None,
+            condition: Condition::abnormal(ConditionClass::DataLoss, "gone"),
+        };
+        assert!(s.set_figures(&key("a"), lost, 140));
+        assert!(s.set_figures(&key("a"), healthy, 160));
+        let journal = crate::cluster::nodes::NodeEvent {
+            time: 150,
+            event: "publish".into(),
+            ok: true,
+            ..Default::default()
+        };
+        let h = s.with_condition_events(BTreeMap::from([("default/a".to_string(), vec![journal])]));
+        let seen: Vec<(u64, &str, &str, bool)> = h["default/a"]
+            .iter()
+            .map(|e| (e.time, e.event.as_str(), e.detail.as_str(), e.ok))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                (120, "condition", "degraded", false),
+                (140, "condition", "data-loss", false),
+                (150, "publish", "", true),
+                (160, "condition", "healthy", true),
+            ]
+        );
+        for i in 0..MAX_CONDITION_VOLUMES + 5 {
+            let f = Figures {
+                usage: None,
+                condition: Condition::abnormal(ConditionClass::Inaccessible, "x"),
+            };
+            s.set_figures(&key(&format!("v{i}")), f, 1000 + i as u64);
+        }
+        assert_eq!(s.changes.len(), MAX_CONDITION_VOLUMES, "bounded");
+        assert!(
+            !s.changes.contains_key(&key("a")),
+            "the oldest changes go first"
+        );
     }
 
     #[test]

@@ -99,7 +99,10 @@ impl StatsResult {
             if slot.is_some() {
                 return Err(AnswerError::Repeated(name));
             }
-            if e.used.saturating_add(e.available) > e.total {
+            if e.used
+                .checked_add(e.available)
+                .is_none_or(|sum| sum > e.total)
+            {
                 return Err(AnswerError::DoesNotAddUp {
                     unit: name,
                     total: e.total,
@@ -157,7 +160,10 @@ impl HealthResult {
         if message.is_empty() {
             message = "the plugin's health says so".into();
         }
-        Ok(Condition::abnormal(class, format!("plugin health: {message}")))
+        Ok(Condition::abnormal(
+            class,
+            format!("plugin health: {message}"),
+        ))
     }
 }
 
@@ -195,7 +201,9 @@ impl ListResult {
                 if ok {
                     Ok(v.id.clone())
                 } else {
-                    Err(AnswerError::BadId(escape_control(&v.id).chars().take(80).collect()))
+                    Err(AnswerError::BadId(
+                        escape_control(&v.id).chars().take(80).collect(),
+                    ))
                 }
             })
             .collect()
@@ -240,13 +248,12 @@ mod tests {
         };
         assert!(bad(r#"{"usage":[]}"#).contains("no BYTES"));
         assert!(bad(r#"{"usage":[{"unit":"INODES","total":1}]}"#).contains("no BYTES"));
-        assert!(bad(
-            r#"{"usage":[{"unit":"BYTES","total":1},{"unit":"BYTES","total":1}]}"#
-        )
-        .contains("2 entries") || bad(
-            r#"{"usage":[{"unit":"BYTES","total":1},{"unit":"BYTES","total":1}]}"#
-        )
-        .contains("one per unit"));
+        assert!(
+            bad(r#"{"usage":[{"unit":"BYTES","total":1},{"unit":"BYTES","total":1}]}"#)
+                .contains("2 entries")
+                || bad(r#"{"usage":[{"unit":"BYTES","total":1},{"unit":"BYTES","total":1}]}"#)
+                    .contains("one per unit")
+        );
         assert!(
             bad(r#"{"usage":[{"unit":"BYTES","total":10,"used":8,"available":8}]}"#)
                 .contains("does not add up")
@@ -270,20 +277,31 @@ mod tests {
         let c = h(r#"{"abnormal":true,"class":"degraded","message":"array degraded\n\u001b[2J"}"#)
             .unwrap();
         assert_eq!(c.class, Some(ConditionClass::Degraded));
-        assert!(c.message.starts_with("plugin health: array degraded"), "{c:?}");
-        assert!(!c.message.contains('\u{1b}') && !c.message.contains('\n'), "{c:?}");
+        assert!(
+            c.message.starts_with("plugin health: array degraded"),
+            "{c:?}"
+        );
+        assert!(
+            !c.message.contains('\u{1b}') && !c.message.contains('\n'),
+            "{c:?}"
+        );
         let c = h(&format!(
             r#"{{"abnormal":true,"class":"data-loss","message":"{}"}}"#,
             "x".repeat(5000)
         ))
         .unwrap();
         assert_eq!(c.class, Some(ConditionClass::DataLoss));
-        assert!(c.message.chars().count() <= MAX_HEALTH_MESSAGE + 20, "{c:?}");
-        assert_eq!(h(r#"{"abnormal":true}"#).unwrap_err(), AnswerError::NoClass);
         assert!(
-            parse::<HealthResult>("p", Operation::Health, br#"{"abnormal":true,"class":"meh"}"#)
-                .is_err()
+            c.message.chars().count() <= MAX_HEALTH_MESSAGE + 20,
+            "{c:?}"
         );
+        assert_eq!(h(r#"{"abnormal":true}"#).unwrap_err(), AnswerError::NoClass);
+        assert!(parse::<HealthResult>(
+            "p",
+            Operation::Health,
+            br#"{"abnormal":true,"class":"meh"}"#
+        )
+        .is_err());
     }
 
     #[test]
@@ -316,7 +334,8 @@ mod tests {
             assert_eq!(op.as_str(), name);
             assert_eq!(cap.as_str(), name);
             assert!(fp.require("bind", op).is_ok());
-            let bare: Fingerprint = parse("bind", Operation::Fingerprint, br#"{"version":"1"}"#).unwrap();
+            let bare: Fingerprint =
+                parse("bind", Operation::Fingerprint, br#"{"version":"1"}"#).unwrap();
             assert_eq!(bare.require("bind", op).unwrap_err().capability, cap);
         }
     }
