@@ -315,6 +315,127 @@ async fn usage_condition_and_unused_since_of_each_volume() {
     );
 }
 
+/// The ID of volume `name` (from its record).
+async fn volume_id(c: &Cluster, name: &str) -> String {
+    let v = c
+        .get(&format!(
+            "/v1/var/dhv-binder/volumes/{name}?namespace=default"
+        ))
+        .await;
+    v["Items"]["id"].as_str().unwrap().to_string()
+}
+
+/// Two bind volumes share their export's filesystem, so `statfs` of their mounts says the
+/// same of both: the bind plugin's `stats` (a bounded walk) gives each its own usage, and
+/// 8 MiB written into one shows in its figures alone. Its `health` says `degraded` while
+/// the storage fences this node from the volume, and healthy once it no longer does; each
+/// change is an event in `volume status -verbose` and flips the abnormal series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_volume_reports_its_own_usage_and_its_storages_health() {
+    let c = Cluster::start_with(
+        1,
+        "",
+        &[
+            ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
+            ("DHV_BINDER_USAGE_INTERVAL", "1s"),
+        ],
+    )
+    .await;
+    for name in ["shared", "quiet"] {
+        let out = c.create_volume(name, "single-node-writer");
+        assert!(out.contains("is ready"), "{out}");
+    }
+    run_on(&c, "shared").await;
+    run_on(&c, "quiet").await;
+    let used = "dhv_binder_volume_stats_used_bytes";
+    let capacity = "dhv_binder_volume_stats_capacity_bytes";
+    let abnormal = "dhv_binder_volume_stats_health_status_abnormal";
+    let before = c
+        .wait_for(30, "both volumes' figures", || async {
+            let m = metrics(&c, 0).await;
+            (sample(&m, used, "shared").is_some() && sample(&m, used, "quiet").is_some())
+                .then_some(m)
+        })
+        .await;
+    let used_before = sample(&before, used, "shared").unwrap();
+    assert!(
+        used_before < 1048576.0,
+        "the volume's own usage, not its export's filesystem's: {used_before}\n{before}"
+    );
+    const N: usize = 8 << 20;
+    {
+        let mut f = std::fs::File::create(c.target(0, "shared").join("blob")).unwrap();
+        f.write_all(&vec![0x5a; N]).unwrap();
+        f.sync_all().unwrap();
+    }
+    let after = c
+        .wait_for(30, "the bind volume's usage to grow by 8 MiB", || async {
+            let m = metrics(&c, 0).await;
+            sample(&m, used, "shared")
+                .is_some_and(|u| u >= used_before + N as f64)
+                .then_some(m)
+        })
+        .await;
+    let quiet = sample(&after, used, "quiet").unwrap();
+    assert!(
+        quiet < 1048576.0,
+        "the other volume's figures are its own: {quiet}\n{after}"
+    );
+    let (shared_used, shared_cap) = (
+        sample(&after, used, "shared").unwrap(),
+        sample(&after, capacity, "shared").unwrap(),
+    );
+    let available = sample(&after, "dhv_binder_volume_stats_available_bytes", "shared").unwrap();
+    assert_eq!(shared_cap, shared_used + available, "{after}");
+    assert_eq!(sample(&after, abnormal, "shared"), Some(0.0), "{after}");
+    eprintln!("bind used {used_before} -> {shared_used} bytes after writing {N}; the other volume {quiet}");
+
+    // The storage fences this node from the volume (the marker `fence_node` writes, as
+    // when another node took it over): its health says degraded. (Taking the volume's
+    // directory away is `data-loss` to the plugin, but the agent's own mount check sees the
+    // mount's root move first and republishes it: `inaccessible`.)
+    let marks = c
+        .export
+        .join("default/.fenced")
+        .join(volume_id(&c, "shared").await);
+    std::fs::create_dir_all(&marks).unwrap();
+    std::fs::write(marks.join(&c.nodes[0].id), b"").unwrap();
+    c.wait_for(30, "the volume abnormal", || async {
+        (sample(&metrics(&c, 0).await, abnormal, "shared") == Some(1.0)).then_some(())
+    })
+    .await;
+    let (_, out) = c.status(0);
+    let doc: Value = serde_json::from_str(&out).unwrap();
+    let cond = &doc["volume_usage"]["default/shared"]["condition"];
+    assert_eq!(cond["class"], "degraded", "{cond}");
+    assert!(
+        cond["message"]
+            .as_str()
+            .unwrap()
+            .contains("fenced from the volume at the storage"),
+        "{cond}"
+    );
+    assert_eq!(sample(&metrics(&c, 0).await, abnormal, "quiet"), Some(0.0));
+    std::fs::remove_file(marks.join(&c.nodes[0].id)).unwrap();
+    c.wait_for(30, "the volume healthy again", || async {
+        (sample(&metrics(&c, 0).await, abnormal, "shared") == Some(0.0)).then_some(())
+    })
+    .await;
+    // Both changes are events of the node, in `volume status -verbose`.
+    let verbose = c
+        .wait_for(60, "the changes of condition in -verbose", || async {
+            let (_, out) = c.cli(&["volume", "status", "-verbose", "shared"]);
+            let lines: Vec<&str> = out.lines().filter(|l| l.contains("condition")).collect();
+            (lines
+                .iter()
+                .any(|l| l.contains("degraded") && l.contains("abnormal"))
+                && lines.iter().any(|l| l.contains("healthy")))
+            .then_some(out)
+        })
+        .await;
+    eprintln!("{verbose}");
+}
+
 /// Runs `cmd args` and returns its stdout; panics with its stderr when it fails.
 fn run(cmd: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(cmd)
