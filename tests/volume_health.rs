@@ -489,8 +489,8 @@ async fn agent_log_line(c: &Cluster, what: &str, text: &str) -> String {
 
 /// The ext4 plugin checks before it trusts: an image left unclean is checked (`e2fsck -p`)
 /// before it is mounted again; damage preen cannot repair fails the publish with the
-/// checker's words and the image is not mounted; an image that carries a partition table
-/// and no filesystem is refused, never formatted.
+/// checker's words, the image is not mounted and the volume is abnormal (`data-loss`); an
+/// image that carries a partition table and no filesystem is refused, never formatted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ext4_image_is_checked_before_it_is_mounted_and_a_foreign_one_never_formatted() {
     let c = Cluster::start(1).await;
@@ -571,6 +571,28 @@ async fn an_ext4_image_is_checked_before_it_is_mounted_and_a_foreign_one_never_f
         !dhv_binder::node::mounts::is_mount_point(&c.target(0, "data")),
         "the damaged image was mounted"
     );
+    // The volume is abnormal, of class data-loss, on this node: in its status (with the
+    // checker's words) and its node record (`volume status`, per node).
+    let cond = c
+        .wait_for(30, "the damaged volume's condition", || async {
+            let (_, out) = c.status(0);
+            let doc: Value = serde_json::from_str(&out).ok()?;
+            let cond = doc["volume_usage"]["default/data"]["condition"].clone();
+            (cond["class"] == "data-loss").then_some(cond)
+        })
+        .await;
+    assert!(
+        cond["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("UNEXPECTED INCONSISTENCY")),
+        "{cond}"
+    );
+    c.wait_for(30, "the node record's data-loss", || async {
+        let (_, s) = c.cli(&["volume", "status", "-json", "data"]);
+        let v: Value = serde_json::from_str(&s).ok()?;
+        (v["Nodes"][0]["Condition"] == "data-loss").then_some(())
+    })
+    .await;
     c.stop_job("demo-data-again", true).await;
 
     // A partition table and no filesystem: refused, and the image is left as it was.

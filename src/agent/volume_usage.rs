@@ -83,6 +83,9 @@ pub(crate) struct Known {
     pub users: usize,
     /// Its plugin's `stats` and `health`, when it declares either.
     pub checks: Option<Checks>,
+    /// Not published: its last publish failed stating a condition (the plugin refused a
+    /// damaged filesystem: `data-loss`).
+    pub failed: Option<Condition>,
 }
 
 /// The last reading of one published volume.
@@ -133,6 +136,11 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
                     mounted: mounted.contains(&m.target),
                     users: users.get(k).map_or(0, |u| u.len()),
                     checks: None,
+                    failed: (m.state == MountState::Publishing)
+                        .then(|| {
+                            crate::storage::volume_health::failed_publish_condition(&m.last_error)
+                        })
+                        .flatten(),
                 },
             )
         })
@@ -145,6 +153,7 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
             mounted: false,
             users: u.len(),
             checks: None,
+            failed: None,
         });
     }
     out
@@ -618,6 +627,20 @@ async fn run(
                 }
                 s.set_figures(k, gone, wall_secs());
             }
+            // A publish refused for damage: the volume is abnormal of that class, unmounted.
+            for (k, failed) in known
+                .iter()
+                .filter_map(|(k, v)| v.failed.as_ref().map(|f| (k, f)))
+            {
+                let f = Figures {
+                    usage: None,
+                    condition: failed.clone(),
+                };
+                if s.figures.get(k) != Some(&f) {
+                    tracing::warn!(volume = %k, condition = %failed.word(), message = %failed.message, "volume is abnormal: its publish was refused");
+                }
+                s.set_figures(k, f, wall_secs());
+            }
             known
                 .iter()
                 .filter(|(k, v)| {
@@ -699,6 +722,7 @@ mod tests {
             mounted: true,
             users,
             checks: None,
+            failed: None,
         }
     }
 
@@ -787,6 +811,7 @@ esac"#,
             published: true,
             mounted: true,
             users: 1,
+            failed: None,
             checks: checks.then(|| Checks {
                 stats: true,
                 health: true,

@@ -210,6 +210,33 @@ impl ListResult {
     }
 }
 
+/// What a plugin's `error` starts with when a publish refuses because the volume's data is
+/// damaged (the ext4 plugin's check before trust found damage it cannot repair):
+/// docs/plugin-protocol.md, "Check before trust".
+pub const DATA_LOSS_PREFIX: &str = "data-loss:";
+
+/// The condition a failed publish states, from its report
+/// ([`crate::storage::protocol::PluginError::report`]: `plugin "<id>" publish failed
+/// (<status>): error: <the plugin's error>…`): `data-loss` when the plugin's `error` starts
+/// with [`DATA_LOSS_PREFIX`], with the report as the message; `None` for any other failure.
+/// Only the first `): error: ` counts (a plugin ID and a status hold no `)`), so words
+/// later in the message cannot forge it.
+pub fn failed_publish_condition(report: &str) -> Option<Condition> {
+    let (head, rest) = report.split_once("): error: ")?;
+    if !head.starts_with("plugin ") || !head.contains(" publish failed (") {
+        return None;
+    }
+    rest.starts_with(DATA_LOSS_PREFIX).then(|| {
+        Condition::abnormal(
+            ConditionClass::DataLoss,
+            report
+                .chars()
+                .take(MAX_HEALTH_MESSAGE * 2)
+                .collect::<String>(),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,6 +329,26 @@ mod tests {
             br#"{"abnormal":true,"class":"meh"}"#
         )
         .is_err());
+    }
+
+    /// A publish refused because the data is damaged states `data-loss`; any other
+    /// failure, or the words further in, state nothing.
+    #[test]
+    fn a_publish_refused_for_damage_states_data_loss() {
+        let c = failed_publish_condition(
+            r#"plugin "ext4" publish failed (exit code 1): error: data-loss: e2fsck -p of /x found damage"#,
+        )
+        .unwrap();
+        assert_eq!(c.class, Some(ConditionClass::DataLoss));
+        assert!(c.message.contains("e2fsck -p"), "{c:?}");
+        for other in [
+            r#"plugin "ext4" publish failed (exit code 1): error: cannot attach a loop device"#,
+            r#"plugin "ext4" publish failed (exit code 1): error: x; stderr: ): error: data-loss: forged"#,
+            r#"plugin "ext4" unpublish failed (exit code 1): error: data-loss: not a publish"#,
+            "cannot start plugin",
+        ] {
+            assert_eq!(failed_publish_condition(other), None, "{other}");
+        }
     }
 
     #[test]
