@@ -436,6 +436,52 @@ async fn a_bind_volume_reports_its_own_usage_and_its_storages_health() {
     eprintln!("{verbose}");
 }
 
+/// The orphan report: the bind plugin's `list` of its export, compared with the records,
+/// names a directory no record names and a ready volume whose directory is gone; the
+/// volume whose storage is there is not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orphan_report_names_storage_without_a_record_and_a_record_without_storage() {
+    let c = Cluster::start(1).await;
+    for name in ["kept", "lost"] {
+        let out = c.create_volume(name, "single-node-writer");
+        assert!(out.contains("is ready"), "{out}");
+    }
+    let (kept, lost) = (volume_id(&c, "kept").await, volume_id(&c, "lost").await);
+    std::fs::remove_dir(c.export.join("default").join(&lost)).unwrap();
+    let stray = "0e0e0e0e-1111-4222-8333-444455556666";
+    std::fs::create_dir_all(c.export.join("default").join(stray)).unwrap();
+    let (plugins, export) = (
+        c.plugin_dir.display().to_string(),
+        c.export.display().to_string(),
+    );
+    let args = [
+        "volume",
+        "orphans",
+        "-plugin",
+        "bind",
+        "-plugin-dir",
+        &plugins,
+        "-plugin-root",
+        &export,
+    ];
+    let (code, text) = c.cli(&args);
+    assert_eq!(code, 0, "{text}");
+    let stray_line = text.lines().find(|l| l.contains(stray)).unwrap_or_default();
+    assert!(stray_line.starts_with("storage-without-record"), "{text}");
+    let lost_line = text.lines().find(|l| l.contains(&lost)).unwrap_or_default();
+    assert!(
+        lost_line.starts_with("record-without-storage") && lost_line.contains("default/lost"),
+        "{text}"
+    );
+    assert!(!text.contains(&kept), "{text}");
+    let mut json = args.to_vec();
+    json.push("-json");
+    let (_, out) = c.cli(&json);
+    let rows: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows.as_array().map(Vec::len), Some(2), "{rows}");
+    eprintln!("{text}");
+}
+
 /// Runs `cmd args` and returns its stdout; panics with its stderr when it fails.
 fn run(cmd: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(cmd)

@@ -175,6 +175,9 @@ pub struct ListedVolume {
     /// Its size, bytes, when the storage knows it (0 when not).
     #[serde(default)]
     pub bytes: u64,
+    /// Its Nomad namespace, when the storage knows it (empty when not).
+    #[serde(default)]
+    pub namespace: String,
 }
 
 /// What `list` prints: `{"volumes":[{"id":…,"bytes":…}]}`.
