@@ -203,6 +203,7 @@ fn ext4_plugin_conforms() {
             "paths confined",
             "symlink race",
             "foreign signature refused",
+            "unclean filesystem checked",
         ],
     );
     // No fence of its own (the agent's remount and kill stand alone): not offered, not failed.
@@ -533,6 +534,49 @@ fn the_kit_checks_stats_health_and_list() {
     assert_eq!(code, 1, "{report}");
     assert!(
         report.contains("FAIL  stats ") && report.contains("used 4096 → 4096 bytes"),
+        "{report}"
+    );
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// Issue 47: check before trust. The ext4 plugin checks an image left unclean before it
+/// mounts it again; one that mounts it unchecked fails the kit.
+#[test]
+fn the_kit_refuses_a_plugin_that_mounts_an_unclean_filesystem_unchecked() {
+    let sb = Sandbox::new();
+    let images = sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let param = format!("dir={}", images.display());
+    let capacity = (32u64 << 20).to_string();
+    let args = [
+        "--capacity",
+        capacity.as_str(),
+        "--param",
+        param.as_str(),
+        "-rule",
+        "unclean filesystem checked",
+    ];
+    let (code, report) = check(&sb, &repo().join("plugins/ext4"), &args);
+    assert_eq!(code, 0, "{report}");
+    assert!(
+        report.contains("PASS  unclean filesystem checked "),
+        "{report}"
+    );
+    let ext4 = std::fs::read_to_string(repo().join("plugins/ext4")).unwrap();
+    let trusting = ext4.replace("check_fs() {\n", "check_fs() {\n  return 0\n");
+    assert_ne!(
+        trusting, ext4,
+        "the ext4 plugin's check changed: update this test"
+    );
+    script(&sb.join("plugins/trusting"), &trusting);
+    let (code, report) = check(&sb, &sb.join("plugins/trusting"), &args);
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("FAIL  unclean filesystem checked ")
+            && report.contains("mounted unchecked"),
         "{report}"
     );
     assert!(

@@ -43,6 +43,9 @@ pub(super) async fn rules(kit: &mut Kit) {
     if kit.report.wants("foreign signature refused") {
         foreign_signature_rule(kit).await;
     }
+    if kit.report.wants("unclean filesystem checked") {
+        unclean_check_rule(kit).await;
+    }
 }
 
 /// `stats` (capability `stats`): on a published volume, twice, a sound answer within the
@@ -311,6 +314,93 @@ async fn foreign_signature_rule(kit: &mut Kit) {
     }
     .await;
     kit.report.push(rule, r.is_ok(), r.unwrap_or_else(|e| e));
+    let denv = environment::delete_env(&kit.node, &rec);
+    kit.call(Operation::Delete, &denv).await;
+}
+
+/// The ext2/3/4 superblock's `s_lastcheck` (Unix seconds of the last full check) of the
+/// filesystem in `file`; `None` when it holds none (no magic 0xEF53 at byte 1080).
+fn ext_last_check(file: &Path) -> Option<u32> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(file).ok()?;
+    let mut sb = [0u8; 68];
+    f.seek(SeekFrom::Start(1024)).ok()?;
+    f.read_exact(&mut sb).ok()?;
+    (sb[56..58] == [0x53, 0xef]).then(|| u32::from_le_bytes([sb[64], sb[65], sb[66], sb[67]]))
+}
+
+/// Check before trust: a new volume, published once (formatted) with a file written and
+/// unpublished, has its ext filesystem marked unclean (`debugfs -w -R "ssv state 0"`, as a
+/// node that died with it mounted leaves it); the next publish must check it first (its
+/// superblock's "last checked" moves) and the file must still be there. SKIP when the
+/// storage is no file holding an ext2/3/4 filesystem; not run without `debugfs`.
+async fn unclean_check_rule(kit: &mut Kit) {
+    let rule = "unclean filesystem checked";
+    let mut rec = other_volume(kit, "conformance-unclean", VolumeSource::Empty);
+    let env = environment::create_env(&kit.node, &rec);
+    let made = kit.call(Operation::Create, &env).await;
+    match made
+        .result
+        .map_err(|e| e.report())
+        .and_then(|o| strict_object(&o))
+    {
+        Ok(v) => rec.context = v.get("context").cloned().unwrap_or_default(),
+        Err(e) => {
+            kit.report.push(rule, false, format!("create failed: {e}"));
+            return;
+        }
+    }
+    let target = kit.target("unclean");
+    let r: Result<Option<String>, String> = async {
+        let Some(file) = storage_file(&rec.context) else {
+            return Ok(None);
+        };
+        let pctx = kit.publish_rec(&rec, &target, false).await?;
+        std::fs::write(target.join("kit-unclean"), "kept").map_err(|e| e.to_string())?;
+        kit.unpublish_rec(&rec, &target, &pctx).await?;
+        let Some(before) = ext_last_check(&file) else {
+            return Ok(None);
+        };
+        // "Last checked" has a resolution of one second.
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        // Where e2fsprogs installs it (the kit may run with an empty environment).
+        let marked = tokio::process::Command::new("debugfs")
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .args(["-w", "-R", "ssv state 0"])
+            .arg(&file)
+            .output()
+            .await
+            .map_err(|e| format!("cannot run debugfs: {e}"))?;
+        if !marked.status.success() {
+            return Err(format!(
+                "cannot run debugfs: {}",
+                String::from_utf8_lossy(&marked.stderr).trim()
+            ));
+        }
+        let pctx = kit.publish_rec(&rec, &target, false).await?;
+        let kept = std::fs::read_to_string(target.join("kit-unclean")).ok();
+        kit.unpublish_rec(&rec, &target, &pctx).await?;
+        let after = ext_last_check(&file);
+        match (after, kept.as_deref()) {
+            (Some(a), Some("kept")) if a != before => Ok(Some(format!(
+                "the filesystem marked unclean was checked before its publish (last checked {before} → {a}) and the file written before is there"
+            ))),
+            (_, Some("kept")) => Err(format!(
+                "the filesystem marked unclean was mounted unchecked (last checked stayed {before}): check it (e2fsck -p) before a read-write mount"
+            )),
+            _ => Err("the file written before the unclean mark is gone after the publish".into()),
+        }
+    }
+    .await;
+    match r {
+        Ok(Some(evidence)) => kit.report.push(rule, true, evidence),
+        Ok(None) => kit.report.skip(
+            rule,
+            "the storage is no file holding an ext2/3/4 filesystem the kit can mark unclean",
+        ),
+        Err(e) if e.starts_with("cannot run debugfs") => kit.report.not_run(rule, &e),
+        Err(e) => kit.report.push(rule, false, e),
+    }
     let denv = environment::delete_env(&kit.node, &rec);
     kit.call(Operation::Delete, &denv).await;
 }

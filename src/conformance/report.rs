@@ -38,6 +38,7 @@ pub const RULES: &[&str] = &[
     "health",
     "list",
     "foreign signature refused",
+    "unclean filesystem checked",
     "paths confined",
     "symlink race",
     "delete x10",
