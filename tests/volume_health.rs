@@ -338,6 +338,7 @@ async fn a_bind_volume_reports_its_own_usage_and_its_storages_health() {
         &[
             ("DHV_BINDER_METRICS_ADDR", "127.0.0.1:0"),
             ("DHV_BINDER_USAGE_INTERVAL", "1s"),
+            ("DHV_BINDER_CHECK_INTERVAL", "1s"),
         ],
     )
     .await;

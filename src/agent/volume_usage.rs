@@ -67,6 +67,18 @@ pub(crate) struct Checks {
 pub(crate) struct Calls {
     pub runner: crate::storage::plugin::Runner,
     pub node: crate::storage::environment::NodeEnv,
+    /// How often each volume's plugin is asked (`--check-interval`); between calls its
+    /// last answers stand.
+    pub every: Duration,
+}
+
+/// A volume's plugin's last answers: when it was asked, `stats`' usage and `health`'s
+/// condition (`None`: not declared, or `stats` gave nothing sound).
+#[derive(Debug, Clone, PartialEq)]
+struct Answers {
+    at: tokio::time::Instant,
+    usage: Option<Usage>,
+    condition: Option<Condition>,
 }
 
 /// One volume of the journal, as the usage task sees it.
@@ -103,6 +115,8 @@ struct State {
     in_use: BTreeSet<VolumeKey>,
     /// Changes of condition: (Unix seconds, the new condition), oldest first.
     changes: BTreeMap<VolumeKey, std::collections::VecDeque<(u64, Condition)>>,
+    /// Each published volume's plugin's last answers.
+    answers: BTreeMap<VolumeKey, Answers>,
 }
 
 /// The shell's side of the usage task.
@@ -237,6 +251,12 @@ impl State {
             known
                 .get(k)
                 .is_some_and(|k| k.published || !k.target.as_os_str().is_empty())
+        });
+        // A volume published again is asked again at once.
+        self.answers.retain(|k, _| {
+            known
+                .get(k)
+                .is_some_and(|k| k.published && k.checks.is_some())
         });
         changed
     }
@@ -478,8 +498,9 @@ async fn round(
     known: &BTreeMap<VolumeKey, Known>,
     timeout: Duration,
     calls: Option<&Calls>,
-) -> BTreeMap<VolumeKey, Figures> {
-    let targets: Vec<(VolumeKey, PathBuf, Option<Checks>, String)> = known
+    answers: &BTreeMap<VolumeKey, Answers>,
+) -> BTreeMap<VolumeKey, (Figures, Option<Answers>)> {
+    let targets: Vec<(VolumeKey, PathBuf, Option<Checks>, String, Option<Answers>)> = known
         .iter()
         .filter(|(_, k)| k.published)
         .map(|(v, k)| {
@@ -488,11 +509,12 @@ async fn round(
                 k.target.clone(),
                 k.checks.clone(),
                 k.plugin.clone(),
+                answers.get(v).cloned(),
             )
         })
         .collect();
     futures_util::stream::iter(targets)
-        .map(move |(v, target, checks, plugin)| {
+        .map(move |(v, target, checks, plugin, last)| {
             let reader = reader.clone();
             async move {
                 let r = reader.read(target, timeout).await;
@@ -503,13 +525,17 @@ async fn round(
                     },
                     condition: Condition::of(&r),
                 };
-                let figures = match (calls, checks) {
+                match (calls, checks) {
                     (Some(calls), Some(checks)) if figures.usage.is_some() => {
-                        checked(calls, &v, &plugin, &checks, figures).await
+                        let due = last.as_ref().is_none_or(|a| a.at.elapsed() >= calls.every);
+                        let answers = match last {
+                            Some(a) if !due => a,
+                            _ => ask(calls, &v, &plugin, &checks).await,
+                        };
+                        (v, (answered(figures, &checks, &answers), Some(answers)))
                     }
-                    _ => figures,
-                };
-                (v, figures)
+                    _ => (v, (figures, None)),
+                }
             }
         })
         .buffer_unordered(READS_AT_ONCE)
@@ -518,16 +544,27 @@ async fn round(
 }
 
 /// `figures` (a mount that answered `statfs`) with its plugin's answers: `stats`' usage in
-/// place of the mount's when it gives a sound one (else the mount's stays, logged);
-/// `health`'s condition, `degraded` when the call fails or does not answer within
-/// [`CHECK_TIMEOUT`] (its storage cannot say it is well).
-async fn checked(
-    calls: &Calls,
-    volume: &VolumeKey,
-    plugin: &str,
-    checks: &Checks,
-    mut figures: Figures,
-) -> Figures {
+/// place of the mount's when it gave a sound one; `health`'s condition.
+fn answered(mut figures: Figures, checks: &Checks, answers: &Answers) -> Figures {
+    if let Some(u) = answers.usage {
+        figures.usage = Some(u);
+    }
+    if checks.health {
+        figures.condition = answers.condition.clone().unwrap_or_default();
+    }
+    figures
+}
+
+/// Asks the plugin its `stats` and `health` (those it declares): `stats`' usage when sound
+/// (else none, logged: the mount's figures stand); `health`'s condition, `degraded` when the
+/// call fails or does not answer within [`CHECK_TIMEOUT`] (its storage cannot say it is
+/// well).
+async fn ask(calls: &Calls, volume: &VolumeKey, plugin: &str, checks: &Checks) -> Answers {
+    let mut answers = Answers {
+        at: tokio::time::Instant::now(),
+        usage: None,
+        condition: None,
+    };
     use crate::storage::protocol::{parse_with, Operation};
     use crate::storage::volume_health::{HealthResult, StatsResult};
     let call = |op: Operation| async move {
@@ -548,7 +585,7 @@ async fn checked(
             parse_with::<StatsResult>(plugin, Operation::Stats, &out.stdout, &secrets)
         });
         match stats.map(|s| s.usage()) {
-            Ok(Ok(u)) => figures.usage = Some(u),
+            Ok(Ok(u)) => answers.usage = Some(u),
             Ok(Err(e)) => {
                 tracing::warn!(volume = %volume, plugin, error = %e, "the plugin's stats are not sound; the mount's statfs figures stand")
             }
@@ -561,7 +598,7 @@ async fn checked(
         let health = call(Operation::Health).await.and_then(|(out, secrets)| {
             parse_with::<HealthResult>(plugin, Operation::Health, &out.stdout, &secrets)
         });
-        figures.condition = match health.map(|h| h.condition()) {
+        answers.condition = Some(match health.map(|h| h.condition()) {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => Condition::abnormal(
                 crate::node::usage::ConditionClass::Degraded,
@@ -571,9 +608,9 @@ async fn checked(
                 crate::node::usage::ConditionClass::Degraded,
                 format!("the plugin's health did not say it is well: {}", e.report()),
             ),
-        };
+        });
     }
-    figures
+    answers
 }
 
 /// The usage task's settings.
@@ -654,9 +691,17 @@ async fn run(
             next_round = tokio::time::Instant::now() + every;
         }
         if !to_read.is_empty() {
-            let figures = round(&reader, &to_read, timeout, calls.as_ref()).await;
+            let answers = state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .answers
+                .clone();
+            let figures = round(&reader, &to_read, timeout, calls.as_ref(), &answers).await;
             let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
-            for (k, f) in figures {
+            for (k, (f, a)) in figures {
+                if let Some(a) = a.filter(|_| known.contains_key(&k)) {
+                    s.answers.insert(k.clone(), a);
+                }
                 let before = s.figures.get(&k).map(|f| f.condition.clone());
                 if before.as_ref() != Some(&f.condition) {
                     if f.condition.abnormal {
@@ -784,7 +829,7 @@ mod tests {
             &plugins,
             "good",
             r#"case "$1" in
-stats) echo '{"usage":[{"unit":"BYTES","total":100,"used":40,"available":60},{"unit":"INODES","total":9,"used":3,"available":6}]}' ;;
+stats) echo asked >> "$DHV_TARGET_PATH/asked"; echo '{"usage":[{"unit":"BYTES","total":100,"used":40,"available":60},{"unit":"INODES","total":9,"used":3,"available":6}]}' ;;
 health) [ -d "$DHV_TARGET_PATH" ] && echo '{"abnormal":true,"class":"degraded","message":"replica 2 of 3 is slow"}' ;;
 esac"#,
         );
@@ -804,6 +849,7 @@ esac"#,
                 volumes_dir: dir.path().into(),
                 plugin_dir: plugins.clone(),
             },
+            every: Duration::from_secs(3600),
         };
         let known_of = |plugin: &str, target: PathBuf, checks: bool| Known {
             plugin: plugin.into(),
@@ -830,13 +876,19 @@ esac"#,
             (key("bad"), with("bad", true)),
             (key("plain"), with("bad", false)),
         ]);
-        let f = round(
-            &UsageReader::default(),
+        let reader = UsageReader::default();
+        let first = round(
+            &reader,
             &known,
             Duration::from_secs(5),
             Some(&calls),
+            &BTreeMap::new(),
         )
         .await;
+        let f: BTreeMap<VolumeKey, Figures> = first
+            .iter()
+            .map(|(k, (f, _))| (k.clone(), f.clone()))
+            .collect();
         let good = &f[&key("good")];
         assert_eq!(
             good.usage
@@ -858,6 +910,45 @@ esac"#,
         let plain = &f[&key("plain")];
         assert!(!plain.condition.abnormal, "{plain:?}");
         assert!(plain.usage.is_some_and(|u| u.capacity_bytes > 100));
+        assert!(first[&key("plain")].1.is_none(), "nothing asked");
+        // Within the check interval the last answers stand: the plugin is not asked again,
+        // while the mount is still read.
+        let asked =
+            || std::fs::read_to_string(dir.path().join("t-good-true/asked")).unwrap_or_default();
+        assert_eq!(asked().lines().count(), 1, "{}", asked());
+        let answers: BTreeMap<VolumeKey, Answers> = first
+            .into_iter()
+            .filter_map(|(k, (_, a))| a.map(|a| (k, a)))
+            .collect();
+        let again = round(
+            &reader,
+            &known,
+            Duration::from_secs(5),
+            Some(&calls),
+            &answers,
+        )
+        .await;
+        assert_eq!(
+            asked().lines().count(),
+            1,
+            "asked again within the interval"
+        );
+        assert_eq!(again[&key("good")].0, good.clone());
+        assert_eq!(again[&key("good")].1.as_ref(), answers.get(&key("good")));
+        // Past it, asked again.
+        let due = Calls {
+            every: Duration::ZERO,
+            ..calls.clone()
+        };
+        round(
+            &reader,
+            &known,
+            Duration::from_secs(5),
+            Some(&due),
+            &answers,
+        )
+        .await;
+        assert_eq!(asked().lines().count(), 2, "{}", asked());
     }
 
     /// Each change of condition (not each reading) is an event of the node record, beside

@@ -1106,6 +1106,7 @@ pub async fn run(
         Some(crate::agent::volume_usage::Calls {
             runner: shell.runner.clone(),
             node: shell.node.clone(),
+            every: cfg.check_interval,
         }),
     ));
     shell.guarded = guarded;
