@@ -173,6 +173,41 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
     out
 }
 
+/// Gives each published volume of `next` the `stats` and `health` its plugin declares (in
+/// `plugins`), with the environment of its calls, when `record` has its record.
+fn add_checks<'a>(
+    next: &mut BTreeMap<VolumeKey, Known>,
+    journal: &Journal,
+    node: &crate::storage::environment::NodeEnv,
+    plugins: &BTreeMap<String, Result<crate::storage::plugin::Fingerprint, String>>,
+    record: impl Fn(&VolumeKey) -> Option<&'a crate::volume::VolumeRecord>,
+) {
+    use crate::storage::protocol::Capability;
+    for (k, v) in next.iter_mut().filter(|(_, v)| v.published) {
+        let Some(Ok(fp)) = plugins.get(&v.plugin) else {
+            continue;
+        };
+        let (stats, health) = (
+            fp.supports(Capability::Stats),
+            fp.supports(Capability::Health),
+        );
+        let Some(m) = journal.mounts().get(k) else {
+            continue;
+        };
+        // Without its record (not read yet after a restart) the plugin would be
+        // called without the volume's parameters and context: not called.
+        let rec = record(k).filter(|r| r.id == m.volume_id);
+        if let (true, Some(rec)) = (stats || health, rec) {
+            v.checks = Some(Checks {
+                stats,
+                health,
+                env: crate::storage::environment::unpublish_env(node, m, Some(rec)),
+                record: Some(Box::new(rec.clone())),
+            });
+        }
+    }
+}
+
 /// `<state_dir>/unused-since.json`.
 fn unused_path(state_dir: &Path) -> PathBuf {
     state_dir.join("unused-since.json")
@@ -330,8 +365,8 @@ impl UsageHandle {
 
     /// Hands the task the journal's volumes (after each pass; the task wakes only when
     /// they changed), with the `stats` and `health` of each published volume whose plugin
-    /// (in `plugins`, the node's fingerprints) declares them; `record` gives a volume's
-    /// record for the calls' secrets and contexts.
+    /// (in `plugins`, the node's fingerprints) declares them and whose record (`record`, for
+    /// the calls' parameters, contexts and secrets) this node has.
     pub(crate) fn follow<'a>(
         &self,
         journal: &Journal,
@@ -341,28 +376,7 @@ impl UsageHandle {
     ) {
         let mut next = known(journal, mounted);
         if let (Some(node), Some(plugins)) = (&self.node, plugins) {
-            use crate::storage::protocol::Capability;
-            for (k, v) in next.iter_mut().filter(|(_, v)| v.published) {
-                let Some(Ok(fp)) = plugins.get(&v.plugin) else {
-                    continue;
-                };
-                let (stats, health) = (
-                    fp.supports(Capability::Stats),
-                    fp.supports(Capability::Health),
-                );
-                let Some(m) = journal.mounts().get(k) else {
-                    continue;
-                };
-                if stats || health {
-                    let rec = record(k).filter(|r| r.id == m.volume_id);
-                    v.checks = Some(Checks {
-                        stats,
-                        health,
-                        env: crate::storage::environment::unpublish_env(node, m, rec),
-                        record: rec.map(|r| Box::new(r.clone())),
-                    });
-                }
-            }
+            add_checks(&mut next, journal, node, plugins, record);
         }
         self.tx.send_if_modified(|k| {
             if *k == next {
@@ -949,6 +963,106 @@ esac"#,
         )
         .await;
         assert_eq!(asked().lines().count(), 2, "{}", asked());
+    }
+
+    /// A published volume's plugin is called only when it declares `stats` or `health`
+    /// and this node has the volume's record (whose ID is the mount's): without it the call
+    /// would lack the volume's parameters and context. A publish refused for damage makes
+    /// the volume's failed condition `data-loss`; any other failure none.
+    #[test]
+    fn checks_need_the_capability_and_the_record_and_a_refusal_for_damage_is_data_loss() {
+        use crate::node::journal::{EventKind, MountRecord};
+        let mut journal = Journal::new("n");
+        let mount = |name: &str, plugin: &str, state: MountState, error: &str| MountRecord {
+            volume: key(name),
+            volume_id: format!("id-{name}"),
+            plugin_id: plugin.into(),
+            state,
+            target: format!("/t/{name}").into(),
+            read_only: false,
+            publish_context: serde_json::Value::Null,
+            since: 0,
+            last_error: error.into(),
+            claim_id: None,
+            mount: None,
+        };
+        for (name, plugin) in [("a", "checked"), ("b", "checked"), ("c", "plain")] {
+            journal.set_mount(
+                mount(name, plugin, MountState::Published, ""),
+                EventKind::PublishDone,
+                None,
+            );
+        }
+        journal.set_mount(
+            mount(
+                "d",
+                "ext4",
+                MountState::Publishing,
+                r#"plugin "ext4" publish failed (exit code 1): error: data-loss: e2fsck -p of /i found damage"#,
+            ),
+            EventKind::PublishFailed,
+            None,
+        );
+        journal.set_mount(
+            mount(
+                "e",
+                "ext4",
+                MountState::Publishing,
+                r#"plugin "ext4" publish failed (exit code 1): error: cannot attach a loop device"#,
+            ),
+            EventKind::PublishFailed,
+            None,
+        );
+        let fp = |caps: &str| {
+            crate::storage::protocol::parse::<crate::storage::plugin::Fingerprint>(
+                "p",
+                crate::storage::protocol::Operation::Fingerprint,
+                format!(r#"{{"version":"1","capabilities":{caps}}}"#).as_bytes(),
+            )
+            .map_err(|e| e.to_string())
+        };
+        let plugins = BTreeMap::from([
+            ("checked".to_string(), fp(r#"["stats","health"]"#)),
+            ("plain".to_string(), fp("[]")),
+        ]);
+        let rec = |name: &str| {
+            let mut r = crate::volume::VolumeRecord::new(
+                crate::volume::parse_spec(&format!("name = \"{name}\"\nplugin_id = \"checked\"\n"))
+                    .unwrap()
+                    .0,
+                BTreeMap::new(),
+            );
+            r.id = format!("id-{name}");
+            r
+        };
+        let records = BTreeMap::from([(key("a"), rec("a")), (key("c"), rec("c"))]);
+        let node = crate::storage::environment::NodeEnv {
+            node_id: "n".into(),
+            node_pool: "default".into(),
+            volumes_dir: "/v".into(),
+            plugin_dir: "/p".into(),
+        };
+        let mut next = known(&journal, &BTreeSet::new());
+        add_checks(&mut next, &journal, &node, &plugins, |k| records.get(k));
+        let a = next[&key("a")]
+            .checks
+            .as_ref()
+            .expect("declared, record here");
+        assert!(a.stats && a.health);
+        assert!(
+            a.env
+                .contains(&("DHV_TARGET_PATH".to_string(), "/t/a".to_string())),
+            "{:?}",
+            a.env
+        );
+        assert!(next[&key("b")].checks.is_none(), "no record: not called");
+        assert!(next[&key("c")].checks.is_none(), "not declared");
+        assert_eq!(
+            next[&key("d")].failed.as_ref().map(Condition::class_word),
+            Some("data-loss".to_string())
+        );
+        assert!(next[&key("e")].failed.is_none());
+        assert!(next[&key("a")].failed.is_none());
     }
 
     /// Each change of condition (not each reading) is an event of the node record, beside

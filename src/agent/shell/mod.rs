@@ -1163,11 +1163,14 @@ pub async fn run(
         let mut inputs = inputs;
         inputs.extend(shell.renewals_arrived());
         // Mounts and users change only by a journal commit, what is mounted by a reading.
-        // A new fingerprint may declare `stats` or `health`.
+        // A new fingerprint may declare `stats` or `health`; a record read may be one a
+        // published volume's calls need.
         follow_usage |= inputs.iter().any(|i| {
             matches!(
                 i,
-                Input::MountTable(_) | Input::Done(crate::agent::executor::Completion::Plugins(_))
+                Input::MountTable(_)
+                    | Input::Catalogue(_)
+                    | Input::Done(crate::agent::executor::Completion::Plugins(_))
             )
         });
         let effects = core.handle_all(inputs, now());
