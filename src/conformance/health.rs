@@ -218,13 +218,23 @@ async fn listed(kit: &mut Kit) -> Result<std::collections::BTreeSet<String>, Str
 
 /// The regular file a volume's context names, when its storage is one the kit can reach
 /// (an image file): the first absolute path among the context's string values that is a
-/// regular file.
-fn storage_file(ctx: &serde_json::Value) -> Option<PathBuf> {
+/// regular file under one of the kit's storage roots (the kit writes into it: never a file
+/// elsewhere, whatever a context says).
+fn storage_file(kit: &Kit, ctx: &serde_json::Value) -> Option<PathBuf> {
+    let roots: Vec<PathBuf> = kit
+        .allowed
+        .get(&kit.plugin_id)
+        .map(|r| r.split(':').filter(|r| !r.is_empty()).map(PathBuf::from).collect())
+        .unwrap_or_default();
     ctx.as_object()?
         .values()
         .filter_map(|v| v.as_str())
         .map(PathBuf::from)
-        .find(|p| p.is_absolute() && std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+        .filter(|p| p.is_absolute() && std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+        .find(|p| {
+            p.canonicalize()
+                .is_ok_and(|c| roots.iter().any(|r| c.starts_with(r) && c != *r))
+        })
 }
 
 /// A DOS partition table (one Linux partition) over zeros: a signature and no filesystem.
@@ -259,10 +269,10 @@ async fn foreign_signature_rule(kit: &mut Kit) {
         }
     };
     rec.context = ctx.clone();
-    let Some(file) = storage_file(&ctx) else {
+    let Some(file) = storage_file(kit, &ctx) else {
         kit.report.skip(
             rule,
-            "the context names no storage file the kit can reach (a directory, a remote): not run",
+            "the context names no storage file under the storage roots (a directory, a remote): not run",
         );
         let denv = environment::delete_env(&kit.node, &rec);
         kit.call(Operation::Delete, &denv).await;
@@ -352,7 +362,7 @@ async fn unclean_check_rule(kit: &mut Kit) {
     }
     let target = kit.target("unclean");
     let r: Result<Option<String>, String> = async {
-        let Some(file) = storage_file(&rec.context) else {
+        let Some(file) = storage_file(kit, &rec.context) else {
             return Ok(None);
         };
         let pctx = kit.publish_rec(&rec, &target, false).await?;
