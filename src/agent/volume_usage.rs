@@ -505,6 +505,9 @@ fn used_percent(u: Usage) -> u8 {
     u8::try_from(pct.min(100)).unwrap_or(100)
 }
 
+/// One volume of a round: its key, target, checks, plugin and the plugin's last answers.
+type Target = (VolumeKey, PathBuf, Option<Checks>, String, Option<Answers>);
+
 /// One round: reads every published volume, at most [`READS_AT_ONCE`] at once: its
 /// `statfs`, then, when that answered, its plugin's `stats` and `health` ([`checked`]).
 async fn round(
@@ -514,7 +517,7 @@ async fn round(
     calls: Option<&Calls>,
     answers: &BTreeMap<VolumeKey, Answers>,
 ) -> BTreeMap<VolumeKey, (Figures, Option<Answers>)> {
-    let targets: Vec<(VolumeKey, PathBuf, Option<Checks>, String, Option<Answers>)> = known
+    let targets: Vec<Target> = known
         .iter()
         .filter(|(_, k)| k.published)
         .map(|(v, k)| {

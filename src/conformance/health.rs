@@ -19,10 +19,10 @@ const CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The rules of this module, run where they apply.
 pub(super) async fn rules(kit: &mut Kit) {
-    if has(kit, Capability::Stats) || has(kit, Capability::Health) {
-        if ["stats", "health"].iter().any(|r| kit.report.wants(r)) {
-            stats_and_health_rules(kit).await;
-        }
+    if (has(kit, Capability::Stats) || has(kit, Capability::Health))
+        && ["stats", "health"].iter().any(|r| kit.report.wants(r))
+    {
+        stats_and_health_rules(kit).await;
     }
     if !has(kit, Capability::Stats) {
         kit.report.skip(
@@ -224,7 +224,12 @@ fn storage_file(kit: &Kit, ctx: &serde_json::Value) -> Option<PathBuf> {
     let roots: Vec<PathBuf> = kit
         .allowed
         .get(&kit.plugin_id)
-        .map(|r| r.split(':').filter(|r| !r.is_empty()).map(PathBuf::from).collect())
+        .map(|r| {
+            r.split(':')
+                .filter(|r| !r.is_empty())
+                .map(PathBuf::from)
+                .collect()
+        })
         .unwrap_or_default();
     ctx.as_object()?
         .values()
