@@ -198,10 +198,13 @@ fn add_checks<'a>(
         // called without the volume's parameters and context: not called.
         let rec = record(k).filter(|r| r.id == m.volume_id);
         if let (true, Some(rec)) = (stats || health, rec) {
+            // The secrets are read at each call (`ask`), never kept here.
+            let mut env = crate::storage::environment::unpublish_env(node, m, Some(rec));
+            env.retain(|(k, _)| k != "DHV_SECRETS");
             v.checks = Some(Checks {
                 stats,
                 health,
-                env: crate::storage::environment::unpublish_env(node, m, Some(rec)),
+                env,
                 record: Some(Box::new(rec.clone())),
             });
         }
@@ -1056,6 +1059,11 @@ esac"#,
             a.env
                 .contains(&("DHV_TARGET_PATH".to_string(), "/t/a".to_string())),
             "{:?}",
+            a.env
+        );
+        assert!(
+            !a.env.iter().any(|(k, _)| k == "DHV_SECRETS"),
+            "secrets are read at each call, not kept: {:?}",
             a.env
         );
         assert!(next[&key("b")].checks.is_none(), "no record: not called");
