@@ -299,6 +299,33 @@ impl State {
         changed
     }
 
+    /// A round's readings: each volume still known gets its figures (a change of condition
+    /// logged) and its plugin's new answers.
+    fn apply(
+        &mut self,
+        figures: BTreeMap<VolumeKey, (Figures, Option<Answers>)>,
+        known: &BTreeMap<VolumeKey, Known>,
+    ) {
+        for (k, (f, a)) in figures {
+            // Still known (the journal may have moved on during the round).
+            if !known.contains_key(&k) {
+                continue;
+            }
+            if let Some(a) = a {
+                self.answers.insert(k.clone(), a);
+            }
+            let before = self.figures.get(&k).map(|f| f.condition.clone());
+            if before.as_ref() != Some(&f.condition) {
+                if f.condition.abnormal {
+                    tracing::warn!(volume = %k, condition = %f.condition.word(), message = %f.condition.message, "volume is abnormal");
+                } else if before.is_some() {
+                    tracing::info!(volume = %k, "volume is healthy again");
+                }
+            }
+            self.set_figures(&k, f, wall_secs());
+        }
+    }
+
     /// Sets `k`'s figures; a condition that differs from the last one (or a first one that
     /// is abnormal) is kept as a change at `now`. True when it changed.
     fn set_figures(&mut self, k: &VolumeKey, f: Figures, now: u64) -> bool {
@@ -511,18 +538,36 @@ fn used_percent(u: Usage) -> u8 {
 /// One volume of a round: its key, target, checks, plugin and the plugin's last answers.
 type Target = (VolumeKey, PathBuf, Option<Checks>, String, Option<Answers>);
 
-/// One round: reads every published volume, at most [`READS_AT_ONCE`] at once: its
-/// `statfs`, then, when that answered, its plugin's `stats` and `health` ([`checked`]).
+/// Which part of a round: every mount's `statfs` with the plugin's last answers, or the
+/// plugin calls that are due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Every published volume's `statfs`, its plugin's last answers applied (none asked);
+    /// a volume whose plugin has not answered yet is left for [`Phase::Ask`] unless its
+    /// mount does not answer.
+    Read,
+    /// Only the volumes whose plugin is due (`--check-interval`): `statfs`, then `stats`
+    /// and `health`.
+    Ask,
+}
+
+/// One part of a round ([`Phase`]), at most [`READS_AT_ONCE`] volumes at once: so every
+/// mount's `statfs` is read first, and slow or hung plugin calls (10 s each at most) delay
+/// no mount's figures.
 async fn round(
     reader: &UsageReader,
     known: &BTreeMap<VolumeKey, Known>,
     timeout: Duration,
     calls: Option<&Calls>,
     answers: &BTreeMap<VolumeKey, Answers>,
+    phase: Phase,
 ) -> BTreeMap<VolumeKey, (Figures, Option<Answers>)> {
+    let due = |v: &VolumeKey| {
+        calls.is_some_and(|c| answers.get(v).is_none_or(|a| a.at.elapsed() >= c.every))
+    };
     let targets: Vec<Target> = known
         .iter()
-        .filter(|(_, k)| k.published)
+        .filter(|(v, k)| k.published && (phase == Phase::Read || (k.checks.is_some() && due(v))))
         .map(|(v, k)| {
             (
                 v.clone(),
@@ -545,20 +590,22 @@ async fn round(
                     },
                     condition: Condition::of(&r),
                 };
-                match (calls, checks) {
-                    (Some(calls), Some(checks)) if figures.usage.is_some() => {
-                        let due = last.as_ref().is_none_or(|a| a.at.elapsed() >= calls.every);
-                        let answers = match last {
-                            Some(a) if !due => a,
-                            _ => ask(calls, &v, &plugin, &checks).await,
-                        };
-                        (v, (answered(figures, &checks, &answers), Some(answers)))
+                let answered_mount = figures.usage.is_some();
+                match (phase, calls, checks, last) {
+                    (Phase::Ask, Some(calls), Some(checks), _) if answered_mount => {
+                        let answers = ask(calls, &v, &plugin, &checks).await;
+                        Some((v, (answered(figures, &checks, &answers), Some(answers))))
                     }
-                    _ => (v, (figures, None)),
+                    (Phase::Read, _, Some(checks), Some(last)) if answered_mount => {
+                        Some((v, (answered(figures, &checks, &last), None)))
+                    }
+                    (Phase::Read, Some(_), Some(_), None) if answered_mount => None,
+                    _ => Some((v, (figures, None))),
                 }
             }
         })
         .buffer_unordered(READS_AT_ONCE)
+        .filter_map(|x| async move { x })
         .collect()
         .await
 }
@@ -711,31 +758,18 @@ async fn run(
             next_round = tokio::time::Instant::now() + every;
         }
         if !to_read.is_empty() {
-            let answers = state
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .answers
-                .clone();
-            let figures = round(&reader, &to_read, timeout, calls.as_ref(), &answers).await;
-            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
-            for (k, (f, a)) in figures {
-                if let Some(a) = a.filter(|_| known.contains_key(&k)) {
-                    s.answers.insert(k.clone(), a);
-                }
-                let before = s.figures.get(&k).map(|f| f.condition.clone());
-                if before.as_ref() != Some(&f.condition) {
-                    if f.condition.abnormal {
-                        tracing::warn!(volume = %k, condition = %f.condition.word(), message = %f.condition.message, "volume is abnormal");
-                    } else if before.is_some() {
-                        tracing::info!(volume = %k, "volume is healthy again");
-                    }
-                }
-                // Still known (the journal may have moved on during the round).
-                if known.contains_key(&k) {
-                    s.set_figures(&k, f, wall_secs());
-                }
+            for phase in [Phase::Read, Phase::Ask] {
+                let answers = state
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .answers
+                    .clone();
+                let figures =
+                    round(&reader, &to_read, timeout, calls.as_ref(), &answers, phase).await;
+                let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+                s.apply(figures, &known);
+                export(&metrics, &s, &known);
             }
-            export(&metrics, &s, &known);
         } else {
             let s = state.lock().unwrap_or_else(|e| e.into_inner());
             export(&metrics, &s, &known);
@@ -897,14 +931,36 @@ esac"#,
             (key("plain"), with("bad", false)),
         ]);
         let reader = UsageReader::default();
+        let timeout = Duration::from_secs(5);
+        let asked =
+            || std::fs::read_to_string(dir.path().join("t-good-true/asked")).unwrap_or_default();
+        // Every mount is read first: a volume whose plugin has not answered yet waits for
+        // the plugin calls, one without checks has its figures at once.
+        let read = round(
+            &reader,
+            &known,
+            timeout,
+            Some(&calls),
+            &BTreeMap::new(),
+            Phase::Read,
+        )
+        .await;
+        assert_eq!(read.keys().collect::<Vec<_>>(), vec![&key("plain")]);
+        assert_eq!(asked(), "", "nothing asked while the mounts are read");
+        let plain = &read[&key("plain")].0;
+        assert!(!plain.condition.abnormal, "{plain:?}");
+        assert!(plain.usage.is_some_and(|u| u.capacity_bytes > 100));
+        // Then the plugin calls that are due.
         let first = round(
             &reader,
             &known,
-            Duration::from_secs(5),
+            timeout,
             Some(&calls),
             &BTreeMap::new(),
+            Phase::Ask,
         )
         .await;
+        assert!(!first.contains_key(&key("plain")), "nothing to ask");
         let f: BTreeMap<VolumeKey, Figures> = first
             .iter()
             .map(|(k, (f, _))| (k.clone(), f.clone()))
@@ -927,15 +983,9 @@ esac"#,
         );
         assert_eq!(bad.condition.class_word(), "degraded");
         assert!(bad.condition.message.contains("health"), "{bad:?}");
-        let plain = &f[&key("plain")];
-        assert!(!plain.condition.abnormal, "{plain:?}");
-        assert!(plain.usage.is_some_and(|u| u.capacity_bytes > 100));
-        assert!(first[&key("plain")].1.is_none(), "nothing asked");
-        // Within the check interval the last answers stand: the plugin is not asked again,
-        // while the mount is still read.
-        let asked =
-            || std::fs::read_to_string(dir.path().join("t-good-true/asked")).unwrap_or_default();
         assert_eq!(asked().lines().count(), 1, "{}", asked());
+        // Within the check interval the last answers stand: the mounts are read, the
+        // plugin is not asked again.
         let answers: BTreeMap<VolumeKey, Answers> = first
             .into_iter()
             .filter_map(|(k, (_, a))| a.map(|a| (k, a)))
@@ -943,31 +993,26 @@ esac"#,
         let again = round(
             &reader,
             &known,
-            Duration::from_secs(5),
+            timeout,
             Some(&calls),
             &answers,
+            Phase::Read,
         )
         .await;
+        assert_eq!(again[&key("good")].0, good.clone());
+        let none = round(&reader, &known, timeout, Some(&calls), &answers, Phase::Ask).await;
+        assert!(none.is_empty(), "nothing due: {none:?}");
         assert_eq!(
             asked().lines().count(),
             1,
             "asked again within the interval"
         );
-        assert_eq!(again[&key("good")].0, good.clone());
-        assert_eq!(again[&key("good")].1.as_ref(), answers.get(&key("good")));
         // Past it, asked again.
         let due = Calls {
             every: Duration::ZERO,
             ..calls.clone()
         };
-        round(
-            &reader,
-            &known,
-            Duration::from_secs(5),
-            Some(&due),
-            &answers,
-        )
-        .await;
+        round(&reader, &known, timeout, Some(&due), &answers, Phase::Ask).await;
         assert_eq!(asked().lines().count(), 2, "{}", asked());
     }
 
