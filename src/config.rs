@@ -167,6 +167,11 @@ pub struct AgentConfig {
     /// at once).
     #[arg(long, env = "DHV_BINDER_USAGE_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
     pub usage_interval: Duration,
+    /// How often a published volume's plugin is asked its `stats` and `health` when it
+    /// declares them (a plugin call each, far dearer than a `statfs`: docs/scale.md); a
+    /// newly published volume is asked at once. Between calls the last answers stand.
+    #[arg(long, env = "DHV_BINDER_CHECK_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub check_interval: Duration,
     /// Plugin calls on different volumes run in parallel up to this bound.
     #[arg(long, env = "DHV_BINDER_MAX_PARALLEL", default_value_t = 8)]
     pub max_parallel: usize,
@@ -560,6 +565,7 @@ impl AgentConfig {
             ("--tick", self.tick),
             ("--health-interval", self.health_interval),
             ("--usage-interval", self.usage_interval),
+            ("--check-interval", self.check_interval),
             ("--stream-idle-timeout", self.stream_idle_timeout),
             ("--claim-ttl", self.claim_ttl),
             ("--heartbeat-interval-max", self.heartbeat_interval_max),

@@ -112,6 +112,10 @@ fn bind_plugin_conforms() {
             "fence",
             "fence x2",
             "fence of nothing",
+            // Its own usage by a bounded walk, its health, its volumes listed.
+            "stats",
+            "health",
+            "list",
             // A deny marker per fenced node, which its publish checks.
             "fence_node and unfence_node x2",
         ],
@@ -199,6 +203,8 @@ fn ext4_plugin_conforms() {
             "expand",
             "paths confined",
             "symlink race",
+            "foreign signature refused",
+            "unclean filesystem checked",
         ],
     );
     // No fence of its own (the agent's remount and kill stand alone): not offered, not failed.
@@ -505,6 +511,130 @@ fn plain_nomad_plugin_is_reported_not_deferred() {
     assert!(report.contains("FAIL  deferred_bind "), "{report}");
     assert!(report.contains("SKIP  publish x10 "), "{report}");
     assert!(report.contains("deferred: NO"), "{report}");
+}
+
+/// Issue 47: the kit checks `stats`, `health` and `list` where declared: bind passes; a
+/// bind whose `stats` does not count what is written fails "stats" with the figures.
+#[test]
+fn the_kit_checks_stats_health_and_list() {
+    let sb = Sandbox::new();
+    let export = sb.join("export");
+    std::fs::create_dir_all(&export).unwrap();
+    let param = format!("export={}", export.display());
+    let rules = ["-rule", "stats", "-rule", "health", "-rule", "list"];
+    let mut args = vec!["--param", param.as_str()];
+    args.extend(rules);
+    let (code, report) = check(&sb, &repo().join("plugins/bind"), &args);
+    assert_eq!(code, 0, "{report}");
+    for rule in ["stats", "health", "list"] {
+        assert!(report.contains(&format!("PASS  {rule} ")), "{report}");
+    }
+    let bind = std::fs::read_to_string(repo().join("plugins/bind")).unwrap();
+    let blind = bind.replace("  used=\"${walk#* }\"\n", "  used=4096\n");
+    assert_ne!(
+        blind, bind,
+        "the bind plugin's stats changed: update this test"
+    );
+    script(&sb.join("plugins/blind"), &blind);
+    let (code, report) = check(&sb, &sb.join("plugins/blind"), &args);
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("FAIL  stats ") && report.contains("used 4096 → 4096 bytes"),
+        "{report}"
+    );
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// Issue 47: check before trust. The ext4 plugin checks an image left unclean before it
+/// mounts it again; one that mounts it unchecked fails the kit.
+#[test]
+fn the_kit_refuses_a_plugin_that_mounts_an_unclean_filesystem_unchecked() {
+    let sb = Sandbox::new();
+    let images = sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let param = format!("dir={}", images.display());
+    let capacity = (32u64 << 20).to_string();
+    let args = [
+        "--capacity",
+        capacity.as_str(),
+        "--param",
+        param.as_str(),
+        "-rule",
+        "unclean filesystem checked",
+    ];
+    let (code, report) = check(&sb, &repo().join("plugins/ext4"), &args);
+    assert_eq!(code, 0, "{report}");
+    assert!(
+        report.contains("PASS  unclean filesystem checked "),
+        "{report}"
+    );
+    let ext4 = std::fs::read_to_string(repo().join("plugins/ext4")).unwrap();
+    let trusting = ext4.replace("check_fs() {\n", "check_fs() {\n  return 0\n");
+    assert_ne!(
+        trusting, ext4,
+        "the ext4 plugin's check changed: update this test"
+    );
+    script(&sb.join("plugins/trusting"), &trusting);
+    let (code, report) = check(&sb, &sb.join("plugins/trusting"), &args);
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("FAIL  unclean filesystem checked ")
+            && report.contains("mounted unchecked"),
+        "{report}"
+    );
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
+}
+
+/// Issue 47: never format what holds anything. The ext4 plugin refuses an image given a
+/// partition table before its first publish; one that formats over it fails the kit.
+#[test]
+fn the_kit_refuses_a_plugin_that_formats_over_a_signature() {
+    let sb = Sandbox::new();
+    let images = sb.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let param = format!("dir={}", images.display());
+    let capacity = (32u64 << 20).to_string();
+    let args = [
+        "--capacity",
+        capacity.as_str(),
+        "--param",
+        param.as_str(),
+        "-rule",
+        "foreign signature refused",
+    ];
+    let (code, report) = check(&sb, &repo().join("plugins/ext4"), &args);
+    assert_eq!(code, 0, "{report}");
+    assert!(
+        report.contains("PASS  foreign signature refused ") && report.contains("(dos)"),
+        "{report}"
+    );
+    let ext4 = std::fs::read_to_string(repo().join("plugins/ext4")).unwrap();
+    let careless = ext4.replace(
+        "    [ -z \"$sigs\" ] || fail ",
+        "    [ -n \"$sigs\" ] || fail ",
+    );
+    assert_ne!(
+        careless, ext4,
+        "the ext4 plugin's signature check changed: update this test"
+    );
+    script(&sb.join("plugins/careless"), &careless);
+    let (code, report) = check(&sb, &sb.join("plugins/careless"), &args);
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("FAIL  foreign signature refused ")
+            && report.contains("it must be refused, never formatted"),
+        "{report}"
+    );
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "the kit left mounts behind"
+    );
 }
 
 /// The bind plugin as it was before issue 12: a busy unmount fell back to a lazy detach

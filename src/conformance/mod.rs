@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod flush;
+mod health;
 mod helpers;
 mod placement;
 mod race;
@@ -1014,6 +1015,7 @@ async fn run_rules(kit: &mut Kit) {
 
     // Optional operations (when declared), then confinement, while the volume exists.
     storage::optional_rules(kit).await;
+    health::rules(kit).await;
     if kit.report.wants("paths confined") {
         storage::confinement_rule(kit).await;
     }

@@ -399,7 +399,7 @@ fn now() -> u64 {
 }
 
 /// A second test volume of the same plugin and parameters, starting from `source`.
-fn other_volume(kit: &Kit, name: &str, source: VolumeSource) -> VolumeRecord {
+pub(super) fn other_volume(kit: &Kit, name: &str, source: VolumeSource) -> VolumeRecord {
     let mut rec = kit.rec.clone();
     rec.id = uuid::Uuid::new_v4().to_string();
     rec.spec.name = name.into();

@@ -11,6 +11,7 @@
 //! - [`error_class`]: what a failure says about where the call can succeed;
 //! - [`credential_proxy`]: a volume's credential proxy, so that a FUSE remote's
 //!   credentials change without an unmount (`helper credential-proxy`);
+//! - [`volume_health`]: what the optional `stats`, `health` and `list` operations print;
 //! - `discovery`: notices plugin files added, changed or removed.
 
 pub mod credential_proxy;
@@ -22,3 +23,4 @@ mod process;
 pub mod protocol;
 pub mod redact;
 pub mod secrets;
+pub mod volume_health;

@@ -44,6 +44,15 @@ pub enum Operation {
     /// `requiresRepublish`); called when a referenced Variable changes and every
     /// `refresh_interval` of the fingerprint.
     Refresh,
+    /// Optional (capability `stats`): the published volume's own usage, in the shape of
+    /// CSI's `NodeGetVolumeStats` ([`super::volume_health::StatsResult`]).
+    Stats,
+    /// Optional (capability `health`): the published volume's condition as its storage
+    /// sees it ([`super::volume_health::HealthResult`]).
+    Health,
+    /// Optional (capability `list`): the volumes the storage holds
+    /// ([`super::volume_health::ListResult`]).
+    List,
 }
 
 /// The most a `fence` call may take: it runs when the claim's lease is about to end, and
@@ -68,6 +77,9 @@ impl Operation {
             Operation::FenceNode => "fence_node",
             Operation::UnfenceNode => "unfence_node",
             Operation::Refresh => "refresh",
+            Operation::Stats => "stats",
+            Operation::Health => "health",
+            Operation::List => "list",
         }
     }
 
@@ -81,6 +93,9 @@ impl Operation {
             Operation::Fence => Some(Capability::Fence),
             Operation::FenceNode | Operation::UnfenceNode => Some(Capability::FenceNode),
             Operation::Refresh => Some(Capability::Refresh),
+            Operation::Stats => Some(Capability::Stats),
+            Operation::Health => Some(Capability::Health),
+            Operation::List => Some(Capability::List),
             _ => None,
         }
     }
@@ -352,11 +367,18 @@ pub enum Capability {
     FenceNode,
     /// `refresh`: applies new credentials to a published volume without unmounting it.
     Refresh,
+    /// `stats`: the published volume's own usage, where `statfs` of its mount is a shared
+    /// filesystem's.
+    Stats,
+    /// `health`: the published volume's condition as its storage sees it.
+    Health,
+    /// `list`: the volumes the storage holds (the orphan report).
+    List,
 }
 
 impl Capability {
     /// Every capability, in documentation order.
-    pub const ALL: [Capability; 8] = [
+    pub const ALL: [Capability; 11] = [
         Capability::Snapshot,
         Capability::SnapshotList,
         Capability::Clone,
@@ -365,6 +387,9 @@ impl Capability {
         Capability::Fence,
         Capability::FenceNode,
         Capability::Refresh,
+        Capability::Stats,
+        Capability::Health,
+        Capability::List,
     ];
 
     /// The name in the fingerprint.
@@ -378,6 +403,9 @@ impl Capability {
             Capability::Fence => "fence",
             Capability::FenceNode => "fence_node",
             Capability::Refresh => "refresh",
+            Capability::Stats => "stats",
+            Capability::Health => "health",
+            Capability::List => "list",
         }
     }
 }

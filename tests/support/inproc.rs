@@ -58,6 +58,7 @@ pub fn agent_config(sb: &Sandbox) -> AgentConfig {
         plugin_rescan: Duration::from_millis(500),
         health_interval: Duration::from_secs(10),
         usage_interval: Duration::from_secs(60),
+        check_interval: Duration::from_secs(300),
         max_parallel: 8,
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),

@@ -265,6 +265,11 @@ impl Core {
         self.plugins_loaded.then_some(&self.plugins)
     }
 
+    /// The record of volume `k` in this node's catalogue, if it has one.
+    pub(crate) fn volume_record(&self, k: &VolumeKey) -> Option<&crate::volume::VolumeRecord> {
+        self.volumes.get(k)
+    }
+
     /// What this node's record says of its volumes (`volume status`, per node): each mount
     /// in the journal with its state, since when, its users and last error, each volume
     /// with an error but no mount, this node's claims and why a publish here waits.

@@ -1112,12 +1112,7 @@ pub async fn run(
             Vec::new()
         }
     };
-    let usage_handle = crate::agent::volume_usage::UsageHandle::start(
-        cfg.usage_interval,
-        crate::agent::volume_usage::READ_TIMEOUT,
-        &cfg.state_dir,
-        metrics.clone(),
-    );
+    let usage_metrics = metrics.clone();
     let meter = Meter::new(metrics);
     let mut shell = Shell::new(cfg.clone(), client, node, claims, store, meter).with_trust(
         allowed_roots,
@@ -1126,7 +1121,17 @@ pub async fn run(
     );
     shell.runner = shell.runner.with_secret_source(secret_source);
     shell.guard = guard;
-    shell.usage = Some(usage_handle);
+    shell.usage = Some(crate::agent::volume_usage::UsageHandle::start(
+        cfg.usage_interval,
+        crate::agent::volume_usage::READ_TIMEOUT,
+        &cfg.state_dir,
+        usage_metrics,
+        Some(crate::agent::volume_usage::Calls {
+            runner: shell.runner.clone(),
+            node: shell.node.clone(),
+            every: cfg.check_interval,
+        }),
+    ));
     shell.guarded = guarded;
     shell.clock = clock.clone();
     for (volume, lock_id, sent) in &restored_leases {
@@ -1195,14 +1200,19 @@ pub async fn run(
         let mut inputs = inputs;
         inputs.extend(shell.renewals_arrived());
         // Mounts and users change only by a journal commit, what is mounted by a reading.
-        follow_usage |= inputs.iter().any(|i| matches!(i, Input::MountTable(_)));
-        // The referenced Variables change with the journal's mounts, the records, the plugins.
-        follow_secrets |= inputs.iter().any(|i| {
+        // A new fingerprint may declare `stats` or `health`; a record read may be one a
+        // published volume's calls need.
+        let catalogue_or_plugins = |i: &Input| {
             matches!(
                 i,
                 Input::Catalogue(_) | Input::Done(crate::agent::executor::Completion::Plugins(_))
             )
-        });
+        };
+        follow_usage |= inputs
+            .iter()
+            .any(|i| matches!(i, Input::MountTable(_)) || catalogue_or_plugins(i));
+        // The referenced Variables change with the journal's mounts, the records, the plugins.
+        follow_secrets |= inputs.iter().any(catalogue_or_plugins);
         let effects = core.handle_all(inputs, now());
         let committed = effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
         follow_usage |= committed;
@@ -1221,14 +1231,22 @@ pub async fn run(
         asked_for = unknown;
         let usage = shell.usage.as_ref();
         if std::mem::take(&mut follow_usage) {
-            usage.inspect(|u| u.follow(core.journal(), core.mounted()));
+            usage.inspect(|u| {
+                u.follow(core.journal(), core.mounted(), core.plugins(), |k| {
+                    core.volume_record(k)
+                })
+            });
         }
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = core.node_volumes();
             let volumes = r.set_volumes(usage.map_or(volumes.clone(), |u| u.annotate(volumes)));
             let refused = r.set_refused(&shell.rejected_records.snapshot());
-            let history = r.set_history(core.node_history());
+            let history = core.node_history();
+            let history = r.set_history(match usage {
+                Some(u) => u.with_condition_events(history),
+                None => history,
+            });
             let attach = r.set_attach(core.attach_counts());
             r.set_watch(core.watch_health()) | plugins | volumes | refused | history | attach
         });

@@ -22,6 +22,7 @@ fn shell(dir: &std::path::Path) -> (Shell, Journal) {
         plugin_rescan: Duration::from_secs(60),
         health_interval: Duration::from_secs(10),
         usage_interval: Duration::from_secs(60),
+        check_interval: Duration::from_secs(300),
         max_parallel: 2,
         claim_ttl: Duration::from_secs(15),
         claim_lock_delay: Duration::from_secs(15),

@@ -3,11 +3,13 @@
 //! operator's key ([`crate::cluster::trust`]). One file per concept: [`show`] (`list`,
 //! `status` and their forms), [`create`] (`create`, `register` and the wait for the agents),
 //! [`eligibility`] (which nodes can serve a volume, and why none acts), [`remove`]
-//! (`delete`, `deregister`), [`unpublish`] (an operator's forced unpublish on one node).
+//! (`delete`, `deregister`), [`unpublish`] (an operator's forced unpublish on one node),
+//! [`orphans`] (storage without records and records without storage).
 
 pub mod create;
 pub mod eligibility;
 pub mod offering;
+pub mod orphans;
 pub mod remove;
 pub mod show;
 pub mod unpublish;
@@ -75,6 +77,10 @@ pub enum VolumeCommand {
         #[command(flatten)]
         out: OutputArgs,
     },
+    /// The orphan report: ask a plugin installed on this machine what its storage holds
+    /// (capability "list") and name storage no record names and ready records whose
+    /// storage is gone. Changes nothing. `-namespace '*'` compares with every namespace.
+    Orphans(orphans::OrphanArgs),
     /// Show one volume: record, allocations using it.
     Status {
         /// The volume's name, or its ID or a unique prefix of it.
@@ -191,6 +197,7 @@ pub async fn volume_cmd(nomad: &NomadConfig, cmd: VolumeCommand) -> Result<(), F
         }
         VolumeCommand::List { unused, out } => show::list(&client, ns, unused, out).await,
         VolumeCommand::Status { name, out } => show::status(&client, ns, name, out).await,
+        VolumeCommand::Orphans(args) => orphans::orphans(&client, ns, args).await,
         VolumeCommand::Delete { name, wait, key } => {
             remove::delete(&client, ns, name, wait.wait(), key.load()?).await
         }

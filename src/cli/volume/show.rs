@@ -461,6 +461,13 @@ pub fn render_history(events: &[HistoryEvent], verbose: bool) -> String {
                     "-".into()
                 },
                 match (e.outcome.as_str(), e.duration_ms) {
+                    // A change of condition (the agent's usage task): what it became.
+                    _ if e.event == "condition" => if e.outcome == "ok" {
+                        "healthy"
+                    } else {
+                        "abnormal"
+                    }
+                    .to_string(),
                     (o, 0) => o.to_string(),
                     ("ok", ms) => format!("ok in {}", millis(ms)),
                     (o, ms) => format!("{o} after {}", millis(ms)),
@@ -1214,6 +1221,41 @@ Time                  Node    Event      Detail               Outcome
 "
         );
         assert_eq!(render_history(&[], false), "No recent events on any node\n");
+    }
+
+    /// Issue 47: a change of condition on a node is an event of `-verbose`, with its class
+    /// and what it became.
+    #[test]
+    fn a_change_of_condition_shows_its_class_and_what_it_became() {
+        let rec = VolumeRecord::new(
+            volume::parse_spec("name = \"shared-data\"\nplugin_id = \"bind\"\n")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        let ev = |time: u64, detail: &str, ok: bool| nodes::NodeEvent {
+            time,
+            event: "condition".into(),
+            ok,
+            detail: detail.into(),
+            ..Default::default()
+        };
+        let mut n1 = NodeRecord::new("id-node-1", "node-1", "default");
+        n1.history.insert(
+            "default/shared-data".into(),
+            vec![
+                ev(1_733_350_000, "data-loss", false),
+                ev(1_733_350_060, "healthy", true),
+            ],
+        );
+        assert_eq!(
+            render_history(&history(&rec, &[n1]), false),
+            "\
+Time                  Node    Event      Detail     Outcome
+2024-12-04T22:07:40Z  node-1  condition  healthy    healthy
+2024-12-04T22:06:40Z  node-1  condition  data-loss  abnormal
+"
+        );
     }
 
     /// The per-node rows in `-json`: Nomad-style IDs, `Since` as RFC 3339 (null unknown).
