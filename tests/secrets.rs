@@ -193,15 +193,16 @@ async fn a_bind_volumes_password_lives_in_a_variable_and_each_call_reads_it_anew
     assert!(seen().contains(&format!("delete {two}")), "{}", seen());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_webdav_volumes_rotated_password_is_used_by_the_next_publish() {
-    let c = Cluster::start(2).await;
+/// A WebDAV server whose password is a first value, that value in the referenced Variable,
+/// and the volume `shared-data` created on it (webdav plugin, `secret_ref`): the server, the
+/// first and a second password, and the volume's ID.
+async fn webdav_volume(c: &Cluster) -> (WebdavServer, String, String, String) {
     let (one, two) = (
         format!("dav-one-{}", uuid::Uuid::new_v4().simple()),
         format!("dav-two-{}", uuid::Uuid::new_v4().simple()),
     );
-    let mut server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", &one);
-    set_password(&c, &one).await;
+    let server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", &one);
+    set_password(c, &one).await;
     let out = c.create_volume_with(
         "shared-data",
         "single-node-writer",
@@ -211,10 +212,17 @@ async fn a_webdav_volumes_rotated_password_is_used_by_the_next_publish() {
         SECRET_REF,
     );
     assert!(out.contains("is ready"), "{out}");
-    let id = records(&c).await[0]["Items"]["id"]
+    let id = records(c).await[0]["Items"]["id"]
         .as_str()
         .unwrap()
         .to_string();
+    (server, one, two, id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webdav_volumes_rotated_password_is_used_by_the_next_publish() {
+    let c = Cluster::start(2).await;
+    let (mut server, one, two, id) = webdav_volume(&c).await;
     let storage = server.dir.join("default").join(id).join("greetings.txt");
     wait_placeholders(&c, "shared-data", 2).await;
     let (job, first, node) = run_example(&c, None).await;
@@ -310,25 +318,7 @@ fn command_lines() -> String {
 async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_the_old_password_is_refused(
 ) {
     let c = Cluster::start(2).await;
-    let (one, two) = (
-        format!("dav-one-{}", uuid::Uuid::new_v4().simple()),
-        format!("dav-two-{}", uuid::Uuid::new_v4().simple()),
-    );
-    let mut server = WebdavServer::start(&c.sb.join("webdav-root"), "dhv", &one);
-    set_password(&c, &one).await;
-    let out = c.create_volume_with(
-        "shared-data",
-        "single-node-writer",
-        "webdav",
-        &[("url", &server.url), ("user", "dhv")],
-        &[],
-        SECRET_REF,
-    );
-    assert!(out.contains("is ready"), "{out}");
-    let id = records(&c).await[0]["Items"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (mut server, one, two, id) = webdav_volume(&c).await;
     let ticks = server.dir.join("default").join(&id).join("ticks.txt");
     wait_placeholders(&c, "shared-data", 2).await;
     let job = c.run_job(&ticking_job(&c)).await;
