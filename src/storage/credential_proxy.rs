@@ -201,6 +201,19 @@ pub fn upstream_url(upstream: &reqwest::Url, path: &str, query: Option<&str>) ->
     url
 }
 
+/// True when `path` (a URL's path, its `..` segments resolved) is the base path or beneath it.
+pub fn within_base(path: &str, base: &str) -> bool {
+    path.starts_with(base) || format!("{path}/") == base
+}
+
+/// True when a rewritten `Destination` (an absolute URL on the server, or a path) names a
+/// place within the base path once its `..` segments are resolved.
+fn destination_within_base(to: &str, upstream: &reqwest::Url, base: &str) -> bool {
+    upstream
+        .join(to)
+        .is_ok_and(|u| origin(&u) == origin(upstream) && within_base(u.path(), base))
+}
+
 type Body = BoxBody<Bytes, std::io::Error>;
 
 fn plain(status: StatusCode, text: &str) -> Response<Body> {
@@ -329,8 +342,10 @@ async fn forward(s: &Shared, req: Request<hyper::body::Incoming>) -> Response<Bo
         );
         return r;
     }
-    let path = req.uri().path();
-    if !(path.starts_with(&s.base_path) || format!("{path}/") == s.base_path) {
+    // Checked on the URL as it will be sent: setting the path resolves `..` and `%2e%2e`
+    // segments, which the request's own path would hide.
+    let url = upstream_url(&s.upstream, req.uri().path(), req.uri().query());
+    if !within_base(url.path(), &s.base_path) {
         return plain(
             StatusCode::FORBIDDEN,
             "outside the server's base path this proxy serves",
@@ -340,7 +355,6 @@ async fn forward(s: &Shared, req: Request<hyper::body::Incoming>) -> Response<Bo
         Ok(o) => o,
         Err(e) => return plain(StatusCode::BAD_GATEWAY, &e.to_string()),
     };
-    let url = upstream_url(&s.upstream, path, req.uri().query());
     let mut headers = reqwest::header::HeaderMap::new();
     for (name, value) in req.headers() {
         if NOT_FORWARDED.contains(&name.as_str()) {
@@ -351,6 +365,7 @@ async fn forward(s: &Shared, req: Request<hyper::body::Incoming>) -> Response<Bo
                 .to_str()
                 .ok()
                 .and_then(|v| rewrite_origin(v, &s.proxy_origin, &s.upstream_origin))
+                .filter(|to| destination_within_base(to, &s.upstream, &s.base_path))
             else {
                 return plain(
                     StatusCode::BAD_REQUEST,
@@ -452,6 +467,37 @@ mod tests {
         assert_eq!(u.port(), Some(8443));
         let u = upstream_url(&up, "/base/a%20b/c", Some("x=1"));
         assert_eq!(u.as_str(), "https://dav.example:8443/base/a%20b/c?x=1");
+    }
+
+    /// A path that climbs out of the base path (`..`, or `%2e%2e` that URL parsing reads
+    /// as `..`) is judged as it will be sent, and refused; so is such a Destination.
+    #[test]
+    fn a_path_or_destination_that_climbs_out_of_the_base_path_is_refused() {
+        let up = reqwest::Url::parse("https://dav.example:8443/base/").unwrap();
+        for climb in [
+            "/base/../other/x",
+            "/base/%2e%2e/other/x",
+            "/base/a/%2E%2E/%2e%2e/x",
+        ] {
+            let u = upstream_url(&up, climb, None);
+            assert!(!within_base(u.path(), "/base/"), "{climb} -> {u}");
+        }
+        assert!(within_base(
+            upstream_url(&up, "/base/a/../b", None).path(),
+            "/base/"
+        ));
+        assert!(within_base("/base", "/base/"));
+        assert!(!destination_within_base(
+            "https://dav.example:8443/base/%2e%2e/x",
+            &up,
+            "/base/"
+        ));
+        assert!(destination_within_base(
+            "https://dav.example:8443/base/y",
+            &up,
+            "/base/"
+        ));
+        assert!(destination_within_base("/base/y", &up, "/base/"));
     }
 
     #[test]
