@@ -824,6 +824,14 @@ async fn metrics_follow_a_job_through_publish_and_unpublish() {
         assert_eq!(sample(&after, series), Some(want), "{series}:\n{after}");
     }
 
+    // The claim is released with the unpublish; its variable keeps the last holder's node
+    // (the hand-over's evidence), which is no holder: no `Claim Holder` line.
+    c.wait_for(20, "no claim holder once the claim is released", || async {
+        let (code, out) = c.cli(&["volume", "status", "shared-data"]);
+        (code == 0 && !out.contains("Claim Holder")).then_some(())
+    })
+    .await;
+
     // Issue 37 #10: `-verbose` adds the recent events from the node records, newest first:
     // the unpublish, then the publish for the allocation with its measured time.
     let verbose = c

@@ -305,7 +305,9 @@ impl Core {
             list.extend(events.iter().map(|e| crate::cluster::nodes::NodeEvent {
                 time: e.time,
                 event: e.event.to_string(),
-                ok: e.event == "offered-again",
+                // A cool-down and a "final" failure are failures; an offer again and an
+                // operator's availability change are not.
+                ok: !matches!(e.event, "cool-down" | "final"),
                 detail: e.detail.clone(),
                 ..Default::default()
             }));

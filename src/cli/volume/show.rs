@@ -890,12 +890,18 @@ pub async fn status(
         eprintln!("warning: {}", escape_control(&e.to_string()));
     }
     let (placeholders, allocations) = placeholders_of(client, &r.spec.namespace, &name).await?;
-    let claim_node = client
+    // The claim variable keeps the last holder's node in its items after a release (the
+    // hand-over's evidence); only a lock on it means a node holds the claim now.
+    let claim = client
         .variable(&r.spec.namespace, &claim_path(&name))
-        .await?
-        .and_then(|v| v.items.get("node_id").cloned());
+        .await?;
+    let locked = claim
+        .as_ref()
+        .is_some_and(|v| v.lock.as_ref().is_some_and(|l| !l.id.is_empty()));
+    let claim_node = claim.and_then(|v| v.items.get("node_id").cloned());
     let claim_holder = claim_node
         .as_deref()
+        .filter(|_| locked)
         .map(|n| {
             let mut s = node_name(&records, n);
             let users: Vec<String> = allocations
@@ -957,7 +963,12 @@ pub async fn status(
         allocations,
         history: merge_events(
             history(&r, &records),
-            record_events(&r, &records, &snapshots, claim_node.as_deref()),
+            record_events(
+                &r,
+                &records,
+                &snapshots,
+                claim_node.as_deref().filter(|_| locked),
+            ),
         ),
         snapshots,
         final_failure: r
