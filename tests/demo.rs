@@ -116,7 +116,7 @@ fn a_waiting_demo_in_the_background_prints_its_environment_and_stops_at_sigint()
     });
     let mut seen = Vec::new();
     let mut env = std::collections::BTreeMap::new();
-    while !env.contains_key("DHV_BINDER_SIGNING_KEY") {
+    while !env.contains_key("DHV_BINDER_SOCKET") {
         let line = rx
             .recv_timeout(std::time::Duration::from_secs(600))
             .unwrap_or_else(|e| {
@@ -151,6 +151,19 @@ fn a_waiting_demo_in_the_background_prints_its_environment_and_stops_at_sigint()
     assert!(
         out.status.success() && status.contains("shared-data"),
         "{status}"
+    );
+    // And node-1's agent, through the socket it names.
+    let out = Command::new(env!("CARGO_BIN_EXE_dhv-binder"))
+        .arg("status")
+        .env_clear()
+        .env("DHV_BINDER_SOCKET", &env["DHV_BINDER_SOCKET"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
     let work = std::path::Path::new(&env["DHV_BINDER_SIGNING_KEY"])
         .parent()

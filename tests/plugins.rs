@@ -245,6 +245,81 @@ fn the_ext4_plugin_refuses_a_volume_without_a_dir() {
     );
 }
 
+/// The ext4 plugin never checks a filesystem that is still live. A mount lazily detached
+/// while a process holds a file in it is in no mount table, yet its filesystem is mounted
+/// (read-write, its journal in use): `e2fsck -p` of the image file would replay the journal
+/// under it. The plugin checks through the loop device, which e2fsck opens exclusively, and
+/// refuses the publish as "not now" (exit 75) until the old mount is gone; then it publishes.
+#[test]
+fn the_ext4_plugin_never_checks_a_filesystem_still_mounted_out_of_sight() {
+    let sb = Sandbox::new();
+    let (volumes, images) = (sb.join("volumes"), sb.join("images"));
+    std::fs::create_dir_all(&volumes).unwrap();
+    std::fs::create_dir_all(&images).unwrap();
+    let (first, second) = (sb.join("first"), sb.join("second"));
+    std::fs::create_dir_all(&first).unwrap();
+    std::fs::create_dir_all(&second).unwrap();
+    let params = format!(r#"{{"dir":"{}"}}"#, images.display());
+    let call = |op: &str, target: &Path, context: &str| {
+        let out = Command::new(repo().join("plugins/ext4"))
+            .arg(op)
+            .env_clear()
+            .env("DHV_OPERATION", op)
+            .env("DHV_BINDER", dhv_binder_bin())
+            .env("DHV_VOLUMES_DIR", &volumes)
+            .env("DHV_ALLOWED_ROOTS", &images)
+            .env("DHV_NAMESPACE", "default")
+            .env("DHV_VOLUME_NAME", "live")
+            .env("DHV_VOLUME_ID", "3c1d2e4f-5a6b-4c7d-8e9f-0a1b2c3d4e5f")
+            .env("DHV_CAPACITY_MIN_BYTES", (32u64 << 20).to_string())
+            .env("DHV_PARAMETERS", &params)
+            .env("DHV_CONTEXT", context)
+            .env("DHV_TARGET_PATH", target)
+            .env("DHV_READ_ONLY", "false")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    };
+    let (code, created) = call("create", &first, "null");
+    assert_eq!(code, Some(0), "{created}");
+    let context = serde_json::from_str::<serde_json::Value>(created.lines().next().unwrap())
+        .unwrap()["context"]
+        .to_string();
+    let (code, out) = call("publish", &first, &context);
+    assert_eq!(code, Some(0), "{out}");
+    // A holder keeps the filesystem alive; the mount is detached lazily, out of every table.
+    let held = std::fs::File::create(first.join("held")).unwrap();
+    nix::mount::umount2(&first, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    let refused = call("publish", &second, &context);
+    let mounted = dhv_binder::node::mounts::is_mount_point(&second);
+    drop(held);
+    // Now free: published, then unpublished (the loop device detached).
+    let (code2, out2) = call("publish", &second, &context);
+    let (code3, out3) = call("unpublish", &second, &context);
+    assert_eq!(
+        refused.0,
+        Some(75),
+        "a publish over a live filesystem was not refused as not now: {}",
+        refused.1
+    );
+    assert!(
+        refused.1.contains("still mounted") && !mounted,
+        "{}",
+        refused.1
+    );
+    assert_eq!(code2, Some(0), "{out2}");
+    assert_eq!(code3, Some(0), "{out3}");
+    assert!(
+        dhv_binder::node::mounts::mounts_under(sb.path()).is_empty(),
+        "mounts left behind"
+    );
+}
+
 #[test]
 fn webdav_fuse_plugin_conforms() {
     let sb = Sandbox::new();
