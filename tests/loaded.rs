@@ -35,11 +35,13 @@ fn env_num(key: &str, default: u64) -> u64 {
 }
 
 /// Busy loops (`stress --cpu`-like), each ended by `timeout` after `secs` even if the test
-/// dies, and killed when dropped.
+/// dies, and killed when dropped: each runs in a process group of its own, and the whole
+/// group is killed (killing `timeout` alone left its `sh` spinning after the test).
 struct Load(Vec<Child>);
 
 impl Load {
     fn start(n: usize, secs: u64) -> Self {
+        use std::os::unix::process::CommandExt;
         Load(
             (0..n)
                 .map(|_| {
@@ -47,6 +49,7 @@ impl Load {
                         .arg(secs.to_string())
                         .args(["sh", "-c", "while :; do :; done"])
                         .stdout(Stdio::null())
+                        .process_group(0)
                         .spawn()
                         .expect("start a busy loop")
                 })
@@ -58,7 +61,8 @@ impl Load {
 impl Drop for Load {
     fn drop(&mut self) {
         for c in &mut self.0 {
-            let _ = c.kill();
+            let group = nix::unistd::Pid::from_raw(c.id() as i32);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
             let _ = c.wait();
         }
     }
