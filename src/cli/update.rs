@@ -8,6 +8,7 @@ use super::records::{read_var, SigningArgs};
 use super::{Failure, EXIT_CONFIG, EXIT_FAILED};
 use crate::nomad::{Client, NomadError};
 use crate::volume::availability::Availability;
+use crate::volume::VolumeRecord;
 
 /// The arguments of `volume update`.
 #[derive(Debug, clap::Args)]
@@ -65,18 +66,7 @@ pub async fn update(client: &Client, ns: &str, args: UpdateArgs) -> Result<(), F
         }
         None => {}
     }
-    match crate::cluster::changes::put_record(client, &rec.to_variable(), Some(rec.modify_index))
-        .await
-    {
-        Ok(_) => {}
-        Err(NomadError::CasConflict { .. }) => {
-            return Err(Failure::new(
-                EXIT_FAILED,
-                format!("volume {} changed meanwhile; try again", rec.key()),
-            ))
-        }
-        Err(e) => return Err(e.into()),
-    }
+    put_checked(client, &rec).await?;
     outln!(
         "==> Volume {} availability {from} -> {to}{}",
         rec.key(),
@@ -101,18 +91,7 @@ async fn repaired(client: &Client, ns: &str, name: &str) -> Result<(), Failure> 
         );
         return Ok(());
     };
-    match crate::cluster::changes::put_record(client, &rec.to_variable(), Some(rec.modify_index))
-        .await
-    {
-        Ok(_) => {}
-        Err(NomadError::CasConflict { .. }) => {
-            return Err(Failure::new(
-                EXIT_FAILED,
-                format!("volume {} changed meanwhile; try again", rec.key()),
-            ))
-        }
-        Err(e) => return Err(e.into()),
-    }
+    put_checked(client, &rec).await?;
     outln!(
         "==> Volume {}: the \"final\" publish failure seen on node {} is cleared ({}); the nodes offer it again",
         rec.key(),
@@ -120,4 +99,20 @@ async fn repaired(client: &Client, ns: &str, name: &str) -> Result<(), Failure> 
         f.error
     );
     Ok(())
+}
+
+/// Writes `rec` back with a check-and-set on the index it was read at (Nomad API:
+/// `PUT /v1/var/:path?cas=<ModifyIndex>`, with the change marker): another writer's update
+/// in between fails with "changed meanwhile; try again" (exit 1).
+async fn put_checked(client: &Client, rec: &VolumeRecord) -> Result<(), Failure> {
+    match crate::cluster::changes::put_record(client, &rec.to_variable(), Some(rec.modify_index))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(NomadError::CasConflict { .. }) => Err(Failure::new(
+            EXIT_FAILED,
+            format!("volume {} changed meanwhile; try again", rec.key()),
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
