@@ -340,9 +340,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: caps.iter().map(|c| c.to_string()).collect(),
-                max_volumes: None,
-                topology: Default::default(),
-                refresh_interval: None,
+                ..Default::default()
             }),
         )])
     }

@@ -566,9 +566,7 @@ mod tests {
                 version: "0.2.0".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
-                max_volumes: None,
-                topology: Default::default(),
-                refresh_interval: None,
+                ..Default::default()
             }),
         );
         p.insert(
@@ -577,9 +575,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: false,
                 capabilities: Vec::new(),
-                max_volumes: None,
-                topology: Default::default(),
-                refresh_interval: None,
+                ..Default::default()
             }),
         );
         p.insert("broken".to_string(), Err("exit 3".to_string()));

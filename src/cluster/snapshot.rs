@@ -993,9 +993,7 @@ mod tests {
             version: "1.0.0".into(),
             deferred_bind: true,
             capabilities: caps.iter().map(|c| c.to_string()).collect(),
-            max_volumes: None,
-            topology: Default::default(),
-            refresh_interval: None,
+            ..Default::default()
         };
         let (yes, no) = (fp(&["snapshot"]), fp(&[]));
         let mut snap = SnapshotRecord::new(&volume(), "", 1);

@@ -1068,9 +1068,7 @@ mod tests {
                 version: "1".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
-                max_volumes: None,
-                topology: Default::default(),
-                refresh_interval: None,
+                ..Default::default()
             }),
         );
         plugins.insert("nfs".to_string(), Err("exit 1".to_string()));

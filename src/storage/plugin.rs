@@ -848,9 +848,7 @@ mod tests {
                 version: "1.2.3".into(),
                 deferred_bind: true,
                 capabilities: Vec::new(),
-                max_volumes: None,
-                topology: Default::default(),
-                refresh_interval: None,
+                ..Default::default()
             }
         );
         let out = r

@@ -267,7 +267,7 @@ impl PluginError {
 /// Nomad parses only `version` (unknown keys are ignored by Go's `json.Unmarshal`,
 /// `client/hostvolumemanager/host_volume_plugin.go`), so the extra keys keep the plugin a
 /// valid Nomad DHV plugin.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 pub struct Fingerprint {
     pub version: String,
     #[serde(default)]

@@ -450,9 +450,7 @@ fn bind_fingerprinted() -> Input {
         version: "1".into(),
         deferred_bind: true,
         capabilities: Vec::new(),
-        max_volumes: None,
-        topology: Default::default(),
-        refresh_interval: None,
+        ..Default::default()
     };
     Input::Done(Completion::Plugins(
         [("bind".to_string(), Ok(fp))].into_iter().collect(),

@@ -273,9 +273,7 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
             version: "1".into(),
             deferred_bind: true,
             capabilities: vec!["fence_node".into()],
-            max_volumes: None,
-            topology: Default::default(),
-            refresh_interval: None,
+            ..Default::default()
         }),
     )]))));
     let e = h.at(Duration::from_secs(5), Input::Tick);

@@ -79,9 +79,7 @@ impl H {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
-            max_volumes: None,
-            topology: Default::default(),
-            refresh_interval: None,
+            ..Default::default()
         };
         h.feed(Input::Done(Completion::Plugins(BTreeMap::from([(
             "bind".to_string(),
@@ -195,9 +193,7 @@ fn a_publish_starts_only_after_its_intent_is_committed() {
         version: "1".into(),
         deferred_bind: true,
         capabilities: Vec::new(),
-        max_volumes: None,
-        topology: Default::default(),
-        refresh_interval: None,
+        ..Default::default()
     };
     all.extend(core.handle(
         Input::Done(Completion::Plugins(BTreeMap::from([(
@@ -254,9 +250,7 @@ fn a_burst_of_allocations_is_one_commit_with_every_publish() {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
-            max_volumes: None,
-            topology: Default::default(),
-            refresh_interval: None,
+            ..Default::default()
         }),
     )]))));
     h.feed(Input::Catalogue(

@@ -263,9 +263,7 @@ fn scoped_planning_does_what_a_full_plan_does() {
             version: "1".into(),
             deferred_bind: true,
             capabilities: Vec::new(),
-            max_volumes: None,
-            topology: Default::default(),
-            refresh_interval: None,
+            ..Default::default()
         };
         w.feed(
             || {
