@@ -541,6 +541,35 @@ async fn a_restart_still_waits_for_a_task_to_stop() {
     r.stop().await;
 }
 
+/// Wraps the cluster's `bind` plugin so that its `publish` waits (up to 120 s) until the
+/// ungated `task`'s first run has reported its write attempt on stdout, then runs `then`:
+/// the task meets the placeholder however slowly a loaded machine starts it (a fixed delay
+/// let a slow first run be restarted onto the published volume before it wrote).
+fn publish_after_the_tasks_write(c: &support::cluster::Cluster, task: &str, then: &str) {
+    let real = c.sb.join("real-plugins/bind");
+    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
+    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
+    let logs = c.sb.join("sim");
+    script(
+        &c.plugin_dir.join("bind"),
+        &format!(
+            r#"#!/bin/sh
+if [ "$1" = publish ]; then
+  i=0
+  until cat '{logs}'/*/alloc/*/alloc/logs/{task}.stdout.0 2>/dev/null | grep -q WRITE-FAILED; do
+    i=$((i+1)); [ $i -ge 1200 ] && break
+    sleep 0.1
+  done
+  {then}
+fi
+exec '{real}' "$@"
+"#,
+            logs = logs.display(),
+            real = real.display()
+        ),
+    );
+}
+
 /// Input 1, end to end (simulator, real daemon, exec driver, bind plugin): a job that uses
 /// the deferred volume without the prestart task. Its main task starts before the volume
 /// is published and finds an empty read-only directory: the write fails with EROFS instead
@@ -551,17 +580,8 @@ async fn a_restart_still_waits_for_a_task_to_stop() {
 async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
     let c = support::cluster::Cluster::start(1).await;
     c.create_volume("shared-data", "single-node-writer");
-    // Publishing takes a while (slow storage): the ungated task starts first.
-    let real = c.sb.join("real-plugins/bind");
-    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
-    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
-    script(
-        &c.plugin_dir.join("bind"),
-        &format!(
-            "#!/bin/sh\n[ \"$1\" = publish ] && sleep 5\nexec {} \"$@\"\n",
-            real.display()
-        ),
-    );
+    // Publishing takes a while (slow storage): the ungated task writes first.
+    publish_after_the_tasks_write(&c, "app", "");
     c.wait_for(30, "the placeholder ready", || async {
         let vols = c.get("/v1/volumes?type=host&namespace=*").await;
         vols.as_array()
@@ -713,16 +733,7 @@ async fn a_job_without_the_prestart_task_cannot_write_to_the_node() {
 async fn a_job_without_the_prestart_task_that_ends_before_the_publish_is_reported() {
     let c = support::cluster::Cluster::start(1).await;
     c.create_volume("shared-data", "single-node-writer");
-    let real = c.sb.join("real-plugins/bind");
-    std::fs::create_dir_all(real.parent().unwrap()).unwrap();
-    std::fs::copy(c.plugin_dir.join("bind"), &real).unwrap();
-    script(
-        &c.plugin_dir.join("bind"),
-        &format!(
-            "#!/bin/sh\n[ \"$1\" = publish ] && sleep 5\nexec {} \"$@\"\n",
-            real.display()
-        ),
-    );
+    publish_after_the_tasks_write(&c, "report", "sleep 2; ");
     c.wait_for(30, "the placeholder ready", || async {
         let vols = c.get("/v1/volumes?type=host&namespace=*").await;
         vols.as_array()

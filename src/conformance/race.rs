@@ -43,8 +43,16 @@ const DELETES: usize = 6;
 const PHASE: Duration = Duration::from_secs(4);
 /// The marker file put in every directory of the copy outside.
 const MARKER: &str = ".kit-outside";
-/// At most this many snapshots, clones, and creates from a snapshot while racing inside.
+/// At least this many rounds of snapshot and clone while racing inside (each phase then
+/// ends after `PHASE`)...
 const INSIDE_COPIES: usize = 4;
+/// ...and at most this many, within `INSIDE_LONGEST`: a copy by name often fails outright
+/// when the swap lands mid-copy (`cp`: "replaced while being copied"), and a loaded machine
+/// can fail every round of the first `PHASE`, which proves nothing either way. The phase goes
+/// on until some copy made during the swap succeeded.
+const INSIDE_COPIES_MAX: usize = 16;
+/// The longest a phase inside a volume races while no copy made during the swap succeeded.
+const INSIDE_LONGEST: Duration = Duration::from_secs(20);
 /// Files in the directory swapped inside a volume (and in its counterpart outside).
 const INSIDE_FILES: usize = 40;
 /// The contents of every file of the directory outside that the inside swap points at.
@@ -543,6 +551,13 @@ async fn outside_files_in(kit: &mut Kit, rec: &VolumeRecord) -> Result<usize, St
     u.map(|_| n)
 }
 
+/// Whether a phase of the race inside a volume ends before round `round`: after
+/// `INSIDE_COPIES` rounds and `PHASE` once `made` copies succeeded, at `INSIDE_LONGEST`
+/// regardless.
+fn inside_phase_over(round: usize, made: usize, elapsed: Duration) -> bool {
+    elapsed >= INSIDE_LONGEST || (made > 0 && (round >= INSIDE_COPIES || elapsed >= PHASE))
+}
+
 /// The race inside a volume during `snapshot_create`, `clone` and create-from-snapshot (see
 /// the module's documentation); returns (notes, escapes).
 async fn inside(
@@ -604,8 +619,9 @@ async fn inside(
         let (mut snaps, mut cloned, mut failed) = (Vec::new(), Vec::new(), 0);
         let mut first_error: Option<String> = None;
         let start = Instant::now();
-        for i in 0..INSIDE_COPIES {
-            if start.elapsed() >= PHASE {
+        for i in 0..INSIDE_COPIES_MAX {
+            let made = snaps.len() + cloned.len();
+            if inside_phase_over(i, made, start.elapsed()) {
                 break;
             }
             if snapshots {
@@ -660,6 +676,11 @@ async fn inside(
         first_error.map(|e| format!(", the first: {}", super::short(&e))).unwrap_or_default(),
         dir.display()
     ));
+    if snaps.is_empty() && cloned.is_empty() {
+        escapes.push(format!(
+            "no snapshot or clone made while the directory inside the volume was swapped succeeded ({failed} failed): the copy cannot be judged; a copy by handle succeeds under the swap"
+        ));
+    }
     // Creates from the first snapshot while the same directory in its storage is swapped.
     let mut restored = Vec::new();
     if let Some(snap) = &first {
@@ -674,8 +695,8 @@ async fn inside(
                     let ((made, failed), swaps) = swapping(&sd, &sl, async {
                         let (mut made, mut failed) = (Vec::new(), 0);
                         let start = Instant::now();
-                        for i in 0..INSIDE_COPIES {
-                            if start.elapsed() >= PHASE {
+                        for i in 0..INSIDE_COPIES_MAX {
+                            if inside_phase_over(i, made.len(), start.elapsed()) {
                                 break;
                             }
                             let mut rec = race_volume(kit, 300 + i, redirected);
@@ -760,4 +781,21 @@ async fn inside(
         "{total} file(s) from outside the roots in the copies"
     ));
     (notes, escapes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_phase_inside_a_volume_races_on_until_a_copy_made_during_the_swap_succeeds() {
+        let s = Duration::from_secs;
+        // Nothing succeeded yet: neither the rounds nor PHASE end it, INSIDE_LONGEST does.
+        assert!(!inside_phase_over(INSIDE_COPIES, 0, PHASE + s(1)));
+        assert!(inside_phase_over(1, 0, INSIDE_LONGEST));
+        // One copy succeeded: the usual bounds.
+        assert!(!inside_phase_over(1, 1, s(1)));
+        assert!(inside_phase_over(INSIDE_COPIES, 1, s(1)));
+        assert!(inside_phase_over(1, 1, PHASE));
+    }
 }
