@@ -1,7 +1,7 @@
 # dhv-binder: the per-node daemon, as a Nomad system job (one allocation on every client).
 #
 # The task fetches a release (binary plus the reference plugins) through an `artifact`
-# block, checked against its SHA-256; see docs/operations.md ("Packaging").
+# block, checked against its SHA-256; see docs/operations/installing.md ("Packaging").
 #
 # Before running it:
 # 1. Set `release_url` and `release_sha256` below (or pass -var) to the release you host
@@ -54,11 +54,11 @@ job "dhv-binder" {
   # `evictAndPlace`; from 1.11 also after the batch is healthy). On each
   # node the old agent's cgroup is killed; published volumes stay mounted and their FUSE
   # helpers keep serving them from their own cgroups; the new agent reads the journal and
-  # adopts them (docs/operations.md, "Upgrades, helper cgroups and memory").
+  # adopts them (docs/operations/upgrades.md, "Upgrades, helper cgroups and memory").
   # One node's agent is replaced at a time. Nomad 1.10 paces the batches with `stagger`
   # (scheduler/scheduler_system.go); from Nomad 1.11 a system job's update is a deployment:
   # the next node waits until this one's agent has run for `min_healthy_time` (default 10s)
-  # and `stagger` is unused. docs/operations.md, "Upgrading the system job".
+  # and `stagger` is unused. docs/operations/upgrades.md, "Upgrading the system job".
   update {
     max_parallel = 1
     stagger      = "15s"
@@ -127,7 +127,7 @@ job "dhv-binder" {
         # is refused by the plugin (docs/security.md).
         DHV_BINDER_PLUGIN_ROOTS = "bind=/srv/dhv-exports"
         # The servers' HTTP addresses, for claim renewals while the local client agent
-        # restarts (its socket is gone meanwhile; docs/operations.md, "Restarting the local
+        # restarts (its socket is gone meanwhile; docs/operations/claims.md, "Restarting the local
         # Nomad client"). Same token and TLS settings as NOMAD_ADDR.
         # DHV_BINDER_FALLBACK_ADDRESSES = "https://nomad-server-1:4646,https://nomad-server-2:4646"
         DHV_BINDER_LOG         = "info"
@@ -139,7 +139,7 @@ job "dhv-binder" {
         DHV_BINDER_RECORD_KEYS = "/etc/dhv-binder/record-keys.pub"
         # Plugins' long-lived helpers run in a cgroup per volume under
         # <cgroup2 mount>/dhv-binder.slice, outside this task's cgroup, each with its own
-        # memory.max (docs/operations.md, "Upgrades, helper cgroups and memory").
+        # memory.max (docs/operations/upgrades.md, "Upgrades, helper cgroups and memory").
         DHV_BINDER_HELPER_CGROUP = "auto"
         DHV_BINDER_HELPER_MEMORY_MAX = "512MiB"
       }
@@ -157,7 +157,7 @@ job "dhv-binder" {
       # `cpu` is also the weight of this task's cgroup when the node's CPUs are saturated
       # (cgroups v1 cpu.shares; v2 cpu.weight derived from it): well above the tasks' own, so
       # that claim renewals are not starved by the tasks they protect (the renewal thread
-      # also runs at nice -10 within this cgroup; docs/operations.md "A loaded node").
+      # also runs at nice -10 within this cgroup; docs/operations/claims.md "A loaded node").
       resources {
         cpu    = 1000
         memory = 128

@@ -14,7 +14,7 @@ job "shared-data-demo" {
     # last heartbeat: after the longest heartbeat interval (dhv-binder's
     # --heartbeat-interval-max, 20 s, plus 5 s) and before another node may take the
     # single-node volume (--claim-ttl + --claim-lock-delay, 30 s). Without it the agent
-    # warns `unfenced` (docs/operations.md, "Claims"); change it with those flags.
+    # warns `unfenced` (docs/operations/claims.md, "Claims"); change it with those flags.
     disconnect {
       stop_on_client_after = "25s"
     }

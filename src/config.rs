@@ -188,7 +188,7 @@ pub struct AgentConfig {
     /// servers' defaults 10 s and 50: 20 s up to 500 nodes, `nodes / 25` seconds above). A
     /// group's `disconnect { stop_on_client_after }` must be longer than this (plus 5 s
     /// for a heartbeat's round trip and a retry), or Nomad stops healthy allocations between two
-    /// heartbeats (docs/operations.md, "Claims").
+    /// heartbeats (docs/operations/claims.md, "Claims").
     #[arg(long, env = "DHV_BINDER_HEARTBEAT_INTERVAL_MAX", default_value = "20s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval_max: Duration,
     /// Other Nomad agents' HTTP addresses (servers, `http(s)://host:4646`, comma-separated),
@@ -246,7 +246,7 @@ pub struct AgentConfig {
     pub vault_token: Option<String>,
     /// The attach limit of a plugin on this node, `<plugin_id>=<N>`, repeatable: while N of
     /// its volumes are published here, the node offers none of its other volumes to Nomad's
-    /// scheduler (docs/operations.md, "Attach limits"). Overrides the plugin's fingerprint
+    /// scheduler (docs/operations/placement.md, "Attach limits"). Overrides the plugin's fingerprint
     /// `max_volumes`.
     #[arg(
         long = "max-volumes",
@@ -272,7 +272,7 @@ pub struct AgentConfig {
     pub log_format: LogFormat,
     /// Where plugins' long-lived helpers (FUSE servers) run: a directory on the cgroup v2
     /// filesystem under which every published volume gets a cgroup of its own, outside the
-    /// agent's, so that they outlive the agent's task (docs/operations.md, "Helper
+    /// agent's, so that they outlive the agent's task (docs/operations/upgrades.md, "Helper
     /// cgroups"). `auto`: `<cgroup2 mount>/dhv-binder.slice`; `none`: no helper cgroups
     /// (helpers then share the agent's cgroup, and Nomad kills them with it).
     #[arg(long, env = "DHV_BINDER_HELPER_CGROUP", default_value = "auto")]

@@ -61,7 +61,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             })?;
             init_tracing(cfg.log_format);
             // A Nomad client passes its own NOMAD_* variables to the tasks it starts: what
-            // the agent sets aside of them (docs/operations.md, "Inherited NOMAD_* variables").
+            // the agent sets aside of them (docs/operations/installing.md, "Inherited NOMAD_* variables").
             let nomad = cli
                 .nomad
                 .for_agent(cli.skip_verify_from_env, &cfg.fallback_addresses);

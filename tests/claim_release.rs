@@ -37,7 +37,7 @@ fn waiting_on_holder(c: &Cluster, i: usize, alloc: &str) -> bool {
     let (_, status) = c.status(i);
     let st: Value = serde_json::from_str(&status).unwrap_or_default();
     let w = st["waiting"].to_string();
-    // The waiting line names the holder's allocation by its short ID (docs/operations.md,
+    // The waiting line names the holder's allocation by its short ID (docs/operations/README.md,
     // "Waiting for a claim").
     w.contains("still runs with it") && w.contains(&alloc[..8])
 }

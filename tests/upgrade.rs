@@ -1,7 +1,7 @@
 //! The daemon goes away under running tasks, as Nomad takes it away: its whole cgroup killed
 //! (an upgrade of the system job, a drain, an OOM kill). The plugins' helpers (the webdav
 //! plugin's `rclone mount`) live in per-volume helper cgroups outside the agent's
-//! (docs/operations.md, "Helper cgroups"), so a FUSE volume under a writing task stays
+//! (docs/operations/upgrades.md, "Helper cgroups"), so a FUSE volume under a writing task stays
 //! mounted and served; the next agent adopts the helper, and on unpublish waits for it.
 
 mod support;

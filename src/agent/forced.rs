@@ -2,7 +2,7 @@
 //! [`crate::cluster::unpublish_request`]): which request is being carried out, in which
 //! phase, and which allocations the volume was withdrawn from.
 //!
-//! Rules (docs/operations.md, "Unpublishing a volume on one node"):
+//! Rules (docs/operations/claims.md, "Unpublishing a volume on one node"):
 //! - each verified request naming this node is acted on once (by its ID);
 //! - a request for a volume not mounted here is answered `done` ("not mounted"); one for a
 //!   volume with a publish or unpublish in flight is refused (ask again);

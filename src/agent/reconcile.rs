@@ -383,7 +383,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
             }
         }
     } else {
-        // Kept without proof that it is still needed: say why (docs/operations.md).
+        // Kept without proof that it is still needed: say why (docs/operations/README.md).
         let unreadable = |e: &str| format!("the volume records cannot be read ({e})");
         let why = match (i.view.is_complete(), i.volumes_loaded, i.records_error) {
             (false, false, Some(e)) => format!("this node's allocations have not been read in full yet and {}", unreadable(e)),

@@ -5,7 +5,7 @@
 //! thread, `dhv-renewals`, with its own current-thread runtime and its own connection to
 //! Nomad, at a raised scheduling priority where the agent may raise it (`nice` −10,
 //! `setpriority(2)` on the thread; the agent's cgroup needs a `cpu.weight` of its own to
-//! compete with the tasks' cgroups, docs/operations.md "A loaded node"). They are never
+//! compete with the tasks' cgroups, docs/operations/claims.md "A loaded node"). They are never
 //! queued behind plugin calls, status documents, record reads or the core's planning: the
 //! core only says which claims to renew ([`Order`]) and hears each outcome
 //! ([`Completion::ClaimRenewed`], with when the renewal was *sent*: the lease counts from
@@ -399,7 +399,7 @@ fn raise_priority() {
             "claim renewals run at a raised priority"
         ),
         Err(e) => {
-            tracing::info!(error = %e, nice = RENEWAL_NICE, "cannot raise the priority of the claim renewals (needs CAP_SYS_NICE); give the agent's cgroup a cpu.weight of its own (docs/operations.md \"A loaded node\")")
+            tracing::info!(error = %e, nice = RENEWAL_NICE, "cannot raise the priority of the claim renewals (needs CAP_SYS_NICE); give the agent's cgroup a cpu.weight of its own (docs/operations/claims.md \"A loaded node\")")
         }
     }
 }

@@ -27,7 +27,7 @@ pub enum ClaimCommand {
     /// Release a node's claim on a single-node volume so another node may publish it, even
     /// though its holder's node is ready with a live allocation using it (its dhv-binder is
     /// down). Shows the holder and asks first. Two nodes may then write the volume at once
-    /// if the holder's task still writes: stop it first (docs/operations.md).
+    /// if the holder's task still writes: stop it first (docs/operations/README.md).
     Release {
         /// The volume's name, or its ID or a unique prefix of it.
         name: String,

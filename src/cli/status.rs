@@ -83,11 +83,11 @@ pub struct StatusDoc {
     /// Tasks that mount a deferred volume without the prestart gate, by allocation ID.
     pub ungated: BTreeMap<String, Vec<UngatedDoc>>,
     /// Whether the journal can be written: `{"failing": false}`, or `{"failing": true,
-    /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations.md, "The state
+    /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations/storage-failures.md, "The state
     /// directory's filesystem is full").
     pub journal: serde_json::Value,
     /// Volumes a freezing storage operation may hold frozen (`namespace/name` →
-    /// `{"operation", "since": unix s, "target", "thaw_error"}`; docs/operations.md, "A
+    /// `{"operation", "since": unix s, "target", "thaw_error"}`; docs/operations/storage-failures.md, "A
     /// frozen volume").
     pub frozen: BTreeMap<String, FrozenDoc>,
 }

@@ -52,7 +52,7 @@ pub enum TrustError {
 }
 
 /// Why an agent refused a record: the closed set the refused-records metric counts
-/// (`dhv_binder_records_refused_total{reason}`, docs/operations.md "Metrics").
+/// (`dhv_binder_records_refused_total{reason}`, docs/operations/metrics.md "Metrics").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RefusedReason {
     /// The variable does not decode as a record: a field missing or of the wrong shape, an

@@ -6,7 +6,7 @@
 //! outcomes, states, faults) or from plugin IDs (bounded by the plugin directory): never
 //! from allocation IDs or error text, and volume names only in the per-volume families of
 //! `volume_stats` (kubelet's `kubelet_volume_stats_*` carry them too; bounded by the
-//! volumes this node has). See docs/operations.md for the list,
+//! volumes this node has). See docs/operations/README.md for the list,
 //! docs/grafana-dashboard.json and docs/prometheus-alerts.yml for a dashboard and alerts.
 
 use crate::cluster::trust::RefusedReason;

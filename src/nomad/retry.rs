@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The loops that call Nomad and retry a failed call after a backoff (docs/operations.md,
+/// The loops that call Nomad and retry a failed call after a backoff (docs/operations/README.md,
 /// "Retries against Nomad"). Each failure is counted in
 /// `dhv_binder_nomad_retries_total{call="<name>"}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

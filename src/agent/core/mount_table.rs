@@ -212,7 +212,7 @@ pub(crate) const HEARTBEAT_SLACK: Duration = Duration::from_secs(5);
 /// within `lease` (TTL + lock delay: a TTL before another node may take the claim, whose
 /// lease is 2 x TTL + lock delay after the last renewal): if this node's agent
 /// is frozen or gone while its client loses the servers, nothing stops its tasks before
-/// another node may take the volume (docs/operations.md, "Claims"). Or its group's
+/// another node may take the volume (docs/operations/claims.md, "Claims"). Or its group's
 /// `stop_on_client_after` is not longer than the client's heartbeat interval (up to
 /// `heartbeat_max`) plus [`HEARTBEAT_SLACK`]: Nomad's client counts it from its last heartbeat
 /// that succeeded (`client/heartbeatstop.go` `shouldStopAfter`, `client/client.go`
