@@ -116,6 +116,8 @@ enum Report {
     /// An effect that reports nothing back (its failure is logged).
     Nothing,
     Done(Completion),
+    /// Calls that ran as one round and report together (the mount probes of one interval).
+    Round(Vec<Completion>),
     /// A detach finished; the mount table read right after it.
     DoneMounts(Completion, Result<MountTable, MountsError>),
     /// A publish or unpublish finished; its outcome waits for a mount table read that
@@ -267,9 +269,49 @@ impl Shell {
     }
 
     fn perform(&mut self, effects: Vec<Effect>) {
+        let mut probes = Vec::new();
         for e in effects {
-            self.perform_one(e);
+            match e {
+                // (The meter counts nothing for a probe.)
+                Effect::Probe { volume, target } => probes.push((volume, target)),
+                e => self.perform_one(e),
+            }
         }
+        self.probe_round(probes);
+    }
+
+    /// A round of mount probes as one task that reports once, when every probe of the round
+    /// has answered (each bounded by its timeout: a hung mount answers `Hung`): one pass of
+    /// the loop for the round, not one per mounted volume (1,000 passes per interval at
+    /// 1,000 volumes, each building the node's record anew).
+    fn probe_round(&mut self, probes: Vec<(VolumeKey, PathBuf)>) {
+        if probes.is_empty() {
+            return;
+        }
+        let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
+        let prober = self.probes.clone();
+        self.tasks.spawn(async move {
+            let mut round = tokio::task::JoinSet::new();
+            for (volume, target) in probes {
+                let prober = prober.clone();
+                round.spawn(async move {
+                    let probe = prober.probe(target.clone(), timeout).await;
+                    Completion::Probed {
+                        volume,
+                        target,
+                        probe,
+                    }
+                });
+            }
+            let mut done = Vec::with_capacity(round.len());
+            while let Some(c) = round.join_next().await {
+                match c {
+                    Ok(c) => done.push(c),
+                    Err(e) => tracing::error!(error = %e, "a mount probe's task failed"),
+                }
+            }
+            Report::Round(done)
+        });
     }
 
     /// A call under the plugin-call permits, handed to the core at once.
@@ -458,18 +500,7 @@ impl Shell {
             Effect::Refresh { volume, mount } => {
                 self.plugin_call(executor::refresh(runner, node, *volume, *mount))
             }
-            Effect::Probe { volume, target } => {
-                let timeout = self.cfg.health_interval.min(Duration::from_secs(5));
-                let prober = self.probes.clone();
-                self.tasks.spawn(async move {
-                    let probe = prober.probe(target.clone(), timeout).await;
-                    Report::Done(Completion::Probed {
-                        volume,
-                        target,
-                        probe,
-                    })
-                });
-            }
+            Effect::Probe { volume, target } => self.probe_round(vec![(volume, target)]),
             Effect::Fence {
                 volume,
                 target,
@@ -691,6 +722,7 @@ impl Shell {
         match r {
             Report::Nothing => Vec::new(),
             Report::Done(c) => vec![Input::Done(c)],
+            Report::Round(done) => done.into_iter().map(Input::Done).collect(),
             Report::DoneMounts(c, t) => table(t).into_iter().chain([Input::Done(c)]).collect(),
             Report::CallDone(c) => {
                 self.after_calls.finished(c);

@@ -456,3 +456,43 @@ fn bind_fingerprinted() -> Input {
         [("bind".to_string(), Ok(fp))].into_iter().collect(),
     ))
 }
+
+/// Issue 50: a round of mount probes is one task that reports once (it was one task, and
+/// one pass of the loop building the node's record anew, per mounted volume: 1,000 passes
+/// every health interval at 1,000 volumes). Every probe's outcome still reaches the core.
+#[tokio::test]
+async fn a_round_of_mount_probes_reaches_the_core_as_one_report() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (mut s, _) = shell(dir.path());
+    let probes: Vec<Effect> = (0..50)
+        .map(|i| {
+            let target = dir.path().join(format!("t{i}"));
+            std::fs::create_dir(&target).expect("target");
+            Effect::Probe {
+                volume: VolumeKey {
+                    namespace: "default".into(),
+                    name: format!("v{i}"),
+                },
+                target,
+            }
+        })
+        .collect();
+    s.perform(probes);
+    assert_eq!(s.tasks.len(), 1, "one task for the round");
+    let done = s.tasks.join_next().await.expect("the round").expect("task");
+    let inputs = s.on_report(done);
+    let healthy = inputs
+        .iter()
+        .filter(|i| {
+            matches!(
+                i,
+                Input::Done(Completion::Probed {
+                    probe: crate::node::health::Probe::Healthy,
+                    ..
+                })
+            )
+        })
+        .count();
+    assert_eq!(healthy, 50, "every probe answered");
+    assert!(s.tasks.is_empty());
+}
