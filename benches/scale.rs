@@ -50,7 +50,7 @@
 //! calls as start/duration/concurrency, and the release part's slot turnaround);
 //! `BENCH_PERF_CTL` (a `perf record --control fifo:` path: each burst writes `enable` to it
 //! as it places its allocations and `disable` once the last publish is done, so a profiler
-//! started disabled with `-D -1` samples only the bursts).
+//! started disabled with `-D -1` samples only the bursts; part 7 frames its idle window).
 //! Needs root (mounts), `strace` (scripts/install-deps), and `rustc` with the static C
 //! library (libc6-dev) to build the plugin.
 
@@ -727,7 +727,8 @@ struct Restart {
 
 /// Part 7 (issue 50): `n` allocations on `n` volumes in one frame (poll mode, state on
 /// disk, max-parallel = cores); then the agent idle for `idle_s` seconds; then SIGKILL and
-/// a new agent on the same state, until it is ready.
+/// a new agent on the same state, until it is ready. `BENCH_PERF_CTL` frames the idle
+/// window (a profile of what the agent does with `n` volumes published and nothing to do).
 async fn restart(n: usize, idle_s: u64) -> Restart {
     let metrics = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -754,7 +755,9 @@ async fn restart(n: usize, idle_s: u64) -> Restart {
     // Idle: health probes and usage readings go on; nothing else should.
     let (calls0, req0) = (node.calls().len(), node.fake.requests().len());
     let idle0 = agent_cpu_ms(node.pid()).0;
+    perf_control("enable");
     tokio::time::sleep(Duration::from_secs(idle_s)).await;
+    perf_control("disable");
     let idle1 = agent_cpu_ms(node.pid()).0;
     let (idle_calls, idle_requests) = (
         node.calls().len() - calls0,

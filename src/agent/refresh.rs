@@ -152,17 +152,25 @@ impl Refreshes {
         self.failing.retain(|k, _| published(k));
         self.done.retain(|k, _| mounts.contains_key(k));
         let mut out = Vec::new();
+        // Most nodes have no plugin that refreshes: then there is nothing to look up per
+        // mount (this runs on every pass of the loop).
+        let any = plugins
+            .values()
+            .any(|f| f.as_ref().is_ok_and(|f| f.supports(Capability::Refresh)));
+        if !any {
+            return out;
+        }
         for (k, m) in mounts {
-            if m.state != MountState::Published
-                || !mounted.contains(&m.target)
-                || busy.contains(k)
-                || self.in_flight.contains(k)
-            {
+            if m.state != MountState::Published || busy.contains(k) || self.in_flight.contains(k) {
                 continue;
             }
+            // The plugin first: a lookup by key is cheaper than one by path.
             let Some(fp) = volumes.get(k).and_then(|r| refreshing(r, plugins)) else {
                 continue;
             };
+            if !mounted.contains(&m.target) {
+                continue;
+            }
             let applied = *self.applied.entry(k.clone()).or_insert(now);
             match fp.refresh_interval {
                 Some(i) => self.every.insert(k.clone(), i),
