@@ -211,7 +211,7 @@ const CLIENT_POLL_MAX: Duration = Duration::from_secs(1);
 /// is recorded there within `wait`. The record is read again, with backoff, until it names
 /// a running process (a stale record of an exited one counts as none); that process is
 /// then watched through a pidfd (readable once it has exited, whoever its parent is), or,
-/// where no pidfd can be opened or polled, checked every [`CLIENT_POLL_MAX`].
+/// where no pidfd can be opened or polled, checked once a second.
 pub async fn client_exited(path: &Path, wait: Duration) -> Result<ProxyEnd, ProxyError> {
     let deadline = tokio::time::Instant::now() + wait;
     let mut pause = CLIENT_POLL_MIN;
