@@ -983,6 +983,42 @@ fn agent_configuration_errors_exit_64_and_say_why() {
     assert!(err.contains("no record keys configured"), "{err}");
 }
 
+/// A usage line names what a command needs, not what the environment happened to give: with
+/// the operator's key and Nomad's address in the environment (as the demo's env file sets
+/// them), a `volume update` missing its `-availability` shows the usage its help shows, not
+/// `--signing-key <SIGNING_KEY> --address <ADDRESS>` as if both were required.
+#[test]
+fn a_usage_line_does_not_name_the_flags_the_environment_gave() {
+    let run = |args: &[&str]| {
+        let out = Command::new(dhv_binder_bin())
+            .args(args)
+            .env_clear()
+            .env("DHV_BINDER_SIGNING_KEY", "/nonexistent/operator.key")
+            .env("NOMAD_ADDR", "http://127.0.0.1:9")
+            .env("NOMAD_NAMESPACE", "default")
+            .output()
+            .expect("run dhv-binder");
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        err.lines()
+            .find(|l| l.starts_with("Usage: "))
+            .unwrap_or_else(|| panic!("no usage line:\n{err}"))
+            .to_string()
+    };
+    assert_eq!(
+        run(&["volume", "update", "shared-data"]),
+        "Usage: dhv-binder volume update --availability <AVAILABILITY> <NAME>"
+    );
+    assert_eq!(
+        run(&["volume", "update", "-repaired"]),
+        "Usage: dhv-binder volume update --repaired <NAME>"
+    );
+    assert_eq!(
+        run(&["volume", "delete"]),
+        "Usage: dhv-binder volume delete <NAME>"
+    );
+}
+
 /// A node not prepared yet (its record keys file and a storage root missing) gets one
 /// message per missing item and a wait, not an exit (Nomad would restart the task for
 /// ever): within the first delay (5 s) each item is named exactly once. Once both exist the

@@ -379,6 +379,12 @@ fn webdav_fuse_plugin_conforms() {
     ] {
         assert!(report.contains(&format!("SKIP  {rule} ")), "{report}");
     }
+    // Every rclone and credential proxy of the kit's volumes ended.
+    assert_eq!(
+        left_running(&sb.join("scratch")),
+        Vec::<String>::new(),
+        "left running after the kit"
+    );
     // The volume's directory lived on the server, and delete removed it.
     assert!(server.dir.join("default").is_dir());
     assert_eq!(
@@ -448,6 +454,98 @@ fn an_unpublish_that_forgets_unsaved_writes_fails_the_kit() {
             && line.contains("with the storage unreachable"),
         "{line}"
     );
+    // It killed the mount's rclone: the rclone's credential proxy ended with it.
+    assert_eq!(
+        left_running(&sb.join("scratch")),
+        Vec::<String>::new(),
+        "left running after the kit"
+    );
+}
+
+/// Calls the webdav plugin directly for volume `id` of namespace `default` (the server at
+/// `url`, user `dhv`, password `pw`, flush_wait 2 s), with `target` as its target and
+/// `cgroup`, when given, as its helper cgroup; returns (success, stdout and stderr).
+fn webdav_call(
+    sb: &Sandbox,
+    url: &str,
+    id: &str,
+    target: &Path,
+    cgroup: Option<&Path>,
+    op: &str,
+) -> (bool, String) {
+    let mut cmd = Command::new(repo().join("plugins/webdav"));
+    cmd.arg(op)
+        .env_clear()
+        .env("DHV_OPERATION", op)
+        .env("DHV_VOLUMES_DIR", sb.join("volumes"))
+        .env("DHV_NAMESPACE", "default")
+        .env("DHV_VOLUME_NAME", "webdav-direct")
+        // It starts the volume's credential proxy (`dhv-binder helper credential-proxy`).
+        .env("DHV_BINDER", dhv_binder_bin())
+        .env("DHV_VOLUME_ID", id)
+        .env(
+            "DHV_PARAMETERS",
+            format!(r#"{{"url":"{url}","user":"dhv","flush_wait":"2"}}"#),
+        )
+        .env("DHV_SECRETS", r#"{"password":"pw"}"#)
+        .env("DHV_TARGET_PATH", target)
+        .env("DHV_READ_ONLY", "false");
+    if let Some(c) = cgroup {
+        cmd.env("DHV_HELPER_CGROUP", c);
+    }
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// A process started by a test, in a process group of its own, whose whole group is
+/// killed when dropped: on success and on a failed assertion alike.
+struct GroupGuard(std::process::Child);
+
+impl GroupGuard {
+    fn spawn(cmd: &mut Command) -> GroupGuard {
+        use std::os::unix::process::CommandExt;
+        GroupGuard(cmd.process_group(0).spawn().unwrap())
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        let group = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.0.wait();
+    }
+}
+
+/// The processes whose command line names something under `dir` (a test's own sandbox):
+/// what a test's plugin calls left running, "PID command line".
+fn processes_naming(dir: &Path) -> Vec<String> {
+    let want = dir.to_string_lossy().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let text = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            text.contains(&want).then(|| format!("{pid} {text}"))
+        })
+        .collect()
+}
+
+/// Waits up to 10 s until no process names `dir`; returns those still running then.
+fn left_running(dir: &Path) -> Vec<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let left = processes_naming(dir);
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// Issue 44 §7: the webdav plugin knows the rclone it started by the PID and start time it
@@ -458,63 +556,33 @@ fn an_unpublish_that_forgets_unsaved_writes_fails_the_kit() {
 /// rclone of the volume.
 #[test]
 fn webdav_is_not_fooled_by_a_process_that_imitates_its_rclone() {
-    use std::os::unix::process::CommandExt;
     let sb = Sandbox::new();
     let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "pw");
     let target = sb.join("target");
     std::fs::create_dir_all(&target).unwrap();
     let id = "0e3a5f7c-44a7-4c1e-9d1e-6b7a1c2d3e4f";
-    let call = |op: &str| {
-        let out = Command::new(repo().join("plugins/webdav"))
-            .arg(op)
-            .env_clear()
-            .env("DHV_OPERATION", op)
-            .env("DHV_VOLUMES_DIR", sb.join("volumes"))
-            .env("DHV_NAMESPACE", "default")
-            .env("DHV_VOLUME_NAME", "imitated")
-            // It starts the volume's credential proxy (`dhv-binder helper credential-proxy`).
-            .env("DHV_BINDER", dhv_binder_bin())
-            .env("DHV_VOLUME_ID", id)
-            .env(
-                "DHV_PARAMETERS",
-                format!(
-                    r#"{{"url":"{}","user":"dhv","flush_wait":"2"}}"#,
-                    server.url
-                ),
-            )
-            .env("DHV_SECRETS", r#"{"password":"pw"}"#)
-            .env("DHV_TARGET_PATH", &target)
-            .env("DHV_READ_ONLY", "false")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), text)
-    };
+    let call = |op: &str| webdav_call(&sb, &server.url, id, &target, None, op);
     assert!(call("create").0);
     let (ok, out) = call("publish");
     assert!(ok, "{out}");
     // The imitation: argv "rclone mount :webdav:default/<id> <target> --imitation", a shell
-    // running ./mount (a sleep) from its working directory.
+    // running ./mount (a sleep) from its working directory. Its group (the shell and its
+    // sleep) is killed when the guard drops, whether the test passes or not.
     let fake = sb.join("imitation");
     std::fs::create_dir_all(&fake).unwrap();
     std::fs::write(fake.join("mount"), "sleep 600\n").unwrap();
-    let mut imitation = Command::new("/bin/sh")
-        .arg0("rclone")
-        .arg("mount")
-        .arg(format!(":webdav:default/{id}"))
-        .arg(&target)
-        .arg("--imitation")
-        .current_dir(&fake)
-        .spawn()
-        .unwrap();
+    let mut imitation = GroupGuard::spawn(
+        std::os::unix::process::CommandExt::arg0(&mut Command::new("/bin/sh"), "rclone")
+            .arg("mount")
+            .arg(format!(":webdav:default/{id}"))
+            .arg(&target)
+            .arg("--imitation")
+            .current_dir(&fake),
+    );
     // Its command line is set a moment after spawn() returns (the exec still loading it).
     let mut cmdline = Vec::new();
     for _ in 0..100 {
-        cmdline = std::fs::read(format!("/proc/{}/cmdline", imitation.id())).unwrap();
+        cmdline = std::fs::read(format!("/proc/{}/cmdline", imitation.0.id())).unwrap();
         if !cmdline.is_empty() {
             break;
         }
@@ -531,14 +599,71 @@ fn webdav_is_not_fooled_by_a_process_that_imitates_its_rclone() {
     let (ok, out) = call("publish");
     assert!(ok, "{out}");
     assert!(
-        imitation.try_wait().unwrap().is_none(),
+        imitation.0.try_wait().unwrap().is_none(),
         "the publish killed a process that only looked like its rclone"
     );
     let (ok, out) = call("unpublish");
     assert!(ok, "{out}");
-    let _ = imitation.kill();
-    let _ = imitation.wait();
+    drop(imitation);
     assert!(call("delete").0);
+}
+
+/// The volume's credential proxy lives only as long as the rclone it serves: with its
+/// rclone killed (a crash, an OOM kill, a plugin that ends it), no proxy is left in the
+/// volume's helper cgroup, and the next unpublish finds nothing to stop. (Each kit run of
+/// the webdav plugin used to leave a proxy behind, one per such publish on a node.)
+#[test]
+fn the_webdav_credential_proxy_ends_with_its_rclone() {
+    let sb = Sandbox::new();
+    let server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "pw");
+    let target = sb.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let scratch = ScratchCgroup::new();
+    let helper = scratch.child("helper");
+    let id = "5b1f2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+    let call = |op: &str| webdav_call(&sb, &server.url, id, &target, Some(&helper), op);
+    assert!(call("create").0);
+    let (ok, out) = call("publish");
+    assert!(ok, "{out}");
+    let record =
+        std::fs::read_to_string(sb.join(&format!("volumes/webdav/rclone-{id}.pid"))).unwrap();
+    let rclone: i32 = record.split_whitespace().next().unwrap().parse().unwrap();
+    let running = dhv_binder::node::helpers::pids(&helper);
+    assert_eq!(
+        running.len(),
+        2,
+        "rclone and its proxy in the helper cgroup: {running:?}"
+    );
+    assert!(running.contains(&rclone), "{running:?} {record}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(rclone),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !dhv_binder::node::helpers::pids(&helper).is_empty()
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let left = dhv_binder::node::helpers::pids(&helper);
+    let described: Vec<String> = left
+        .iter()
+        .map(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .map(|c| format!("{p} {}", String::from_utf8_lossy(&c).replace('\0', " ")))
+                .unwrap_or_default()
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "10 s after its rclone was killed, the helper cgroup still holds {described:?}"
+    );
+    // The dead mount is detached; nothing was left for the unpublish to stop.
+    let (ok, out) = call("unpublish");
+    assert!(ok, "{out}");
+    assert!(call("delete").0);
+    assert_eq!(left_running(&sb.join("volumes")), Vec::<String>::new());
 }
 
 /// Nomad's own contract (nomad-facts §4): fingerprint/create/delete, no deferred_bind. Works

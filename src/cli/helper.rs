@@ -100,7 +100,8 @@ pub enum HelperCommand {
     /// Serve a volume's credential proxy on loopback ([`crate::storage::credential_proxy`]):
     /// requests with the inner credential are forwarded to `--upstream` with the outer
     /// credential read from `--credentials` at each request (what a plugin's `refresh`
-    /// rewrites). Runs until killed.
+    /// rewrites). Runs until the client recorded in `--client` has exited (or it is
+    /// killed); fails when no running client is recorded there within `--client-wait`.
     CredentialProxy {
         /// The server's URL (`http://` or `https://`, with its base path).
         #[arg(long)]
@@ -118,6 +119,15 @@ pub enum HelperCommand {
         /// Where to write the port listened on, once listening.
         #[arg(long)]
         port_file: PathBuf,
+        /// The file recording the proxy's client (the FUSE server that talks to it):
+        /// `PID START`, its process ID and start time (field 22 of `/proc/PID/stat`). The
+        /// proxy exits once that process has exited.
+        #[arg(long)]
+        client: PathBuf,
+        /// How long the proxy waits, from its start, for `--client` to name a running
+        /// process before it exits (its publish ended before the client started).
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        client_wait: std::time::Duration,
     },
     /// Open paths beneath a storage root (no symlink followed) and run a command with
     /// `{0}`, `{1}`… in its arguments replaced by `/proc/self/fd/N` of each: the `--open`
@@ -165,7 +175,7 @@ fn refused(e: BeneathError) -> Failure {
 }
 
 /// Runs `helper …`. `run` and `exec` return only on failure (exec replaces this process),
-/// `credential-proxy` only on failure (it serves until killed).
+/// `credential-proxy` once its client has exited (saying so on stderr), or on failure.
 pub async fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
     match cmd {
         HelperCommand::CredentialProxy {
@@ -174,16 +184,24 @@ pub async fn helper_cmd(cmd: HelperCommand) -> Result<(), Failure> {
             inner,
             listen,
             port_file,
+            client,
+            client_wait,
         } => {
-            crate::storage::credential_proxy::serve(crate::storage::credential_proxy::ProxyConfig {
-                upstream,
-                credentials,
-                inner,
-                listen,
-                port_file,
-            })
+            let end = crate::storage::credential_proxy::serve(
+                crate::storage::credential_proxy::ProxyConfig {
+                    upstream,
+                    credentials,
+                    inner,
+                    listen,
+                    port_file,
+                    client,
+                    client_wait,
+                },
+            )
             .await
-            .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))
+            .map_err(|e| Failure::new(EXIT_FAILED, e.to_string()))?;
+            eprintln!("credential proxy: {end}");
+            Ok(())
         }
         HelperCommand::Run { cgroup, command } => run(&cgroup, &command),
         HelperCommand::BindMount {

@@ -99,11 +99,39 @@ impl Cli {
     /// `--namespace`: see [`normalize_args`].
     pub fn parse_args() -> Self {
         use clap::{CommandFactory, FromArgMatches};
-        let matches = Self::command().get_matches_from(normalize_args(std::env::args_os()));
+        let args = normalize_args(std::env::args_os());
+        let matches = Self::command()
+            .try_get_matches_from(&args)
+            .unwrap_or_else(|e| usage_as_in_help(e, &args).exit());
         let mut cli = Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
         cli.skip_verify_from_env =
             matches.value_source("skip_verify") == Some(clap::parser::ValueSource::EnvVariable);
         cli
+    }
+}
+
+/// `e`, a parse error of `args`, with the usage line its command's help shows. clap's error
+/// usage names every flag given a value, the environment's included, as if the command
+/// needed it (`volume update --signing-key <SIGNING_KEY> --address <ADDRESS> …` wherever
+/// DHV_BINDER_SIGNING_KEY and NOMAD_ADDR are set): the same arguments parsed with no
+/// environment fallback give the same error without them. An error the environment alone
+/// caused (a bad NOMAD_SKIP_VERIFY) is kept as it is.
+fn usage_as_in_help(e: clap::Error, args: &[std::ffi::OsString]) -> clap::Error {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        return e;
+    }
+    fn without_env(c: clap::Command) -> clap::Command {
+        c.mut_args(|a| a.env(None)).mut_subcommands(without_env)
+    }
+    match without_env(<Cli as clap::CommandFactory>::command()).try_get_matches_from(args) {
+        Err(plain) if plain.kind() == e.kind() => plain,
+        _ => e,
     }
 }
 

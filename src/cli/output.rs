@@ -275,15 +275,16 @@ pub fn pascal_case(key: &str) -> String {
         .collect()
 }
 
-/// True for a field the agent's documents hold Unix seconds in: `since` and `*_since`.
+/// True for a field the agent's documents hold Unix seconds in: `since`, `*_since` and
+/// `time` (a volume's changes of condition).
 fn is_time_field(key: &str) -> bool {
-    key == "since" || key.ends_with("_since")
+    key == "since" || key == "time" || key.ends_with("_since")
 }
 
 /// A snake_case JSON document (the agent's `GET /v1/status`) in Nomad's casing, as `-json`
 /// prints dhv-binder's own structs: every field name through [`pascal_case`], except the
 /// keys of `shape.maps` and everything under `shape.opaque`; the Unix seconds of fields
-/// named `since` or `*_since` as [`rfc3339`] strings (`null` for 0). Values (states,
+/// named `since`, `*_since` or `time` as [`rfc3339`] strings (`null` for 0). Values (states,
 /// reasons, IDs) are unchanged. The rule is applied to whatever the document holds, so a
 /// field added to it is converted without being listed anywhere; only a new map keyed by
 /// words (like plugin IDs) or a new plugin-returned object needs a line in its `Shape`.

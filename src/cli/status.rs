@@ -1,5 +1,6 @@
 //! `dhv-binder status`: the local agent's state in a few lines (node, watch health, plugins,
-//! pending work, last errors, then one row per volume with its mount state and users).
+//! pending work, last errors, then one row per volume with its mount state, users, usage
+//! and condition).
 //!
 //! The document is the agent's `GET /v1/status` answer (see [`crate::api`]), snake_case as
 //! the local API serves it; [`StatusDoc`] reads the fields the readable form prints and
@@ -82,6 +83,10 @@ pub struct StatusDoc {
     pub holders: BTreeMap<String, UsageDoc>,
     /// Tasks that mount a deferred volume without the prestart gate, by allocation ID.
     pub ungated: BTreeMap<String, Vec<UngatedDoc>>,
+    /// Each volume's usage and condition, as last read (`namespace/name` →
+    /// `{"usage", "condition", "unused_since", "condition_changes"}`; docs/operations.md,
+    /// "Volume usage, condition and unused time").
+    pub volume_usage: BTreeMap<String, VolumeUsageDoc>,
     /// Whether the journal can be written: `{"failing": false}`, or `{"failing": true,
     /// "failing_since": unix s, "error", "failed_writes"}` (docs/operations/storage-failures.md, "The state
     /// directory's filesystem is full").
@@ -90,6 +95,60 @@ pub struct StatusDoc {
     /// `{"operation", "since": unix s, "target", "thaw_error"}`; docs/operations/storage-failures.md, "A
     /// frozen volume").
     pub frozen: BTreeMap<String, FrozenDoc>,
+}
+
+/// A published volume's last reading (the agent's `volume_usage` entry).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct VolumeUsageDoc {
+    /// `statfs` of its mount; `None` when the mount did not answer or was not read.
+    pub usage: Option<BytesDoc>,
+    /// `None` before its first reading.
+    pub condition: Option<ConditionDoc>,
+}
+
+/// A mount's filesystem figures, in bytes (the agent's `node::usage::Usage`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct BytesDoc {
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+}
+
+/// A volume's condition (the agent's `node::usage::Condition`, CSI's `VolumeCondition` with
+/// a class).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ConditionDoc {
+    pub abnormal: bool,
+    /// `inaccessible`, `degraded` or `data-loss` when abnormal.
+    pub class: Option<String>,
+    /// What was found; empty when healthy.
+    pub message: String,
+}
+
+impl VolumeUsageDoc {
+    /// The `Used` cell: `used/capacity` as the Nomad CLI prints a resource's use (`nomad
+    /// alloc status`, "Disk"), `-` without a reading.
+    fn used_cell(&self) -> String {
+        match &self.usage {
+            Some(u) => format!(
+                "{}/{}",
+                crate::cli::output::bytes(u.used_bytes),
+                crate::cli::output::bytes(u.capacity_bytes)
+            ),
+            None => "-".into(),
+        }
+    }
+
+    /// The `Condition` cell: `healthy`, the class of what is wrong, `-` before a reading.
+    fn condition_cell(&self) -> String {
+        match &self.condition {
+            None => "-".into(),
+            Some(c) if !c.abnormal => "healthy".into(),
+            Some(c) => c.class.clone().unwrap_or_else(|| "abnormal".into()),
+        }
+    }
 }
 
 /// A volume a freezing operation may hold frozen (the agent's `storage_ops::Frozen`).
@@ -478,12 +537,21 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
                 (Some(m), None) => format!("{} {}", m.state, ago(m.since, now)),
                 (None, None) => "-".into(),
             };
+            let usage = doc.volume_usage.get(k);
+            // A dead mount's error, else the last publish error, else what an abnormal
+            // condition found.
             let error = doc
                 .mount_health
                 .broken
                 .get(k)
                 .map(|b| b.error.clone())
                 .or_else(|| m.map(|m| m.last_error.clone()).filter(|e| !e.is_empty()))
+                .or_else(|| {
+                    usage
+                        .and_then(|u| u.condition.as_ref())
+                        .filter(|c| c.abnormal)
+                        .map(|c| c.message.clone())
+                })
                 .unwrap_or_default();
             vec![
                 k.clone(),
@@ -497,6 +565,8 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
                 },
                 mount,
                 users.to_string(),
+                usage.map_or_else(|| "-".into(), VolumeUsageDoc::used_cell),
+                usage.map_or_else(|| "-".into(), VolumeUsageDoc::condition_cell),
                 doc.claims.get(k).cloned().unwrap_or_else(|| "-".into()),
                 error,
             ]
@@ -504,7 +574,16 @@ pub fn render(doc: &StatusDoc, now: u64) -> String {
         .collect();
     s.push_str(&table(
         &[
-            "Volume", "Plugin", "State", "Here", "Mount", "Users", "Claim", "Error",
+            "Volume",
+            "Plugin",
+            "State",
+            "Here",
+            "Mount",
+            "Users",
+            "Used",
+            "Condition",
+            "Claim",
+            "Error",
         ],
         &table_rows,
         "No volumes",
@@ -603,7 +682,15 @@ mod tests {
             ], "other_mounts": [], "uninspected": []}},
             "ungated": {"7d1c9e00-2222-4000-8000-000000000003": [
                 {"job": "web", "group": "g", "task": "main", "volume": {"namespace": "default", "name": "shared-data"}, "reason": "no_gate"}
-            ]}
+            ]},
+            "volume_usage": {
+                "default/shared-data": {
+                    "usage": {"capacity_bytes": 1_073_741_824u64, "used_bytes": 8192, "available_bytes": 1_073_733_632u64, "inodes": 65536, "inodes_used": 3, "inodes_free": 65533},
+                    "condition": {"abnormal": false},
+                    "condition_changes": [{"time": 988, "condition": {"abnormal": false}}]
+                },
+                "default/scratch": {"unused_since": 900}
+            }
         })
     }
 
@@ -628,11 +715,32 @@ In Use         = default/shared-data: pid 41 (sleep) of allocation 0b9a3c2e has 
 Ungated Task   = allocation 7d1c9e00 job \"web\" group \"g\" task \"main\" mounts default/shared-data before it is published: its group has no prestart gate; it is restarted onto the volume once published
 
 Volumes
-Volume               Plugin  State  Here  Mount              Users  Claim  Error
-default/scratch      nfs     ready  no    -                  0      -
-default/shared-data  bind    ready  yes   published 12s ago  1      held
+Volume               Plugin  State  Here  Mount              Users  Used             Condition  Claim  Error
+default/scratch      nfs     ready  no    -                  0      -                -          -
+default/shared-data  bind    ready  yes   published 12s ago  1      8.0 KiB/1.0 GiB  healthy    held
 ";
         assert_eq!(s, expected, "got:\n{s}");
+    }
+
+    /// An abnormal volume's condition is its class, and what was found stands in `Error`
+    /// (a mount that does not answer has no usage).
+    #[test]
+    fn an_abnormal_volume_shows_its_class_and_what_was_found() {
+        let mut v = doc();
+        v["volume_usage"]["default/shared-data"] = serde_json::json!({
+            "usage": null,
+            "condition": {"abnormal": true, "class": "inaccessible", "message": "statfs did not answer within 10s"}
+        });
+        let s = render(&serde_json::from_value(v).unwrap(), 1000);
+        let row = s
+            .lines()
+            .find(|l| l.starts_with("default/shared-data"))
+            .unwrap_or_else(|| panic!("no row:\n{s}"));
+        assert_eq!(
+            row,
+            "default/shared-data  bind    ready  yes   published 12s ago  1      -     inaccessible  held   statfs did not answer within 10s",
+            "{s}"
+        );
     }
 
     /// Issue 37 #15: the publish time printed is the last one as measured; the median is
@@ -767,7 +875,15 @@ default/shared-data  bind    ready  yes   published 12s ago  1      held
             "Journal": {"Failing": true, "FailingSince": t, "Error": "ENOSPC", "FailedWrites": 3},
             "Ungated": {"7d1c9e00-2222-4000-8000-000000000003": [
                 {"Job": "web", "Group": "g", "Task": "main", "Volume": {"Namespace": "default", "Name": "shared-data"}, "Reason": "no_gate", "SeesLaterMounts": false}
-            ]}
+            ]},
+            "VolumeUsage": {
+                "default/shared-data": {
+                    "Usage": {"CapacityBytes": 1_073_741_824u64, "UsedBytes": 8192, "AvailableBytes": 1_073_733_632u64, "Inodes": 65536, "InodesUsed": 3, "InodesFree": 65533},
+                    "Condition": {"Abnormal": false},
+                    "ConditionChanges": [{"Time": "1970-01-01T00:16:28Z", "Condition": {"Abnormal": false}}]
+                },
+                "default/scratch": {"UnusedSince": "1970-01-01T00:15:00Z"}
+            }
         });
         assert_eq!(
             got,

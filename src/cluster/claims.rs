@@ -53,6 +53,11 @@ pub struct Acquired {
     /// its own take-over may not have finished): the plugin's `unfence_node` restores its
     /// access before its publish.
     pub unfence: bool,
+    /// This node was listed as fenced: its access was revoked at the storage, and the
+    /// unfence restores it. False with `unfence`: the node held the claim last and nothing
+    /// says it was fenced (the unfence is a precaution, an idempotent no-op when nothing
+    /// was revoked).
+    pub was_fenced: bool,
 }
 
 impl From<&str> for Acquired {
@@ -229,12 +234,12 @@ async fn previous_holder(
 /// The storage-side fencing an acquire by `node_id` owes, from the claim's Items before it
 /// and what its last holder is: the nodes to fence (the listed ones and a holder taken over,
 /// never this node), whether this node unfences itself (it was listed, or was the last
-/// holder: a take-over of its own may have stopped half-way), and the list to write.
+/// holder: a take-over of its own may have stopped half-way), and whether it was listed.
 fn storage_fencing(
     node_id: &str,
     items: &BTreeMap<String, String>,
     previous: &Previous,
-) -> (Vec<String>, bool) {
+) -> (Vec<String>, bool, bool) {
     let listed = fenced_nodes(items);
     let mut fence: Vec<String> = listed.iter().filter(|n| *n != node_id).cloned().collect();
     if let Previous::TakenOver(h) = previous {
@@ -243,8 +248,8 @@ fn storage_fencing(
         }
     }
     let last = items.get("node_id").map(String::as_str);
-    let unfence = listed.iter().any(|n| n == node_id) || last == Some(node_id);
-    (fence, unfence)
+    let was_fenced = listed.iter().any(|n| n == node_id);
+    (fence, was_fenced || last == Some(node_id), was_fenced)
 }
 
 /// The first 8 characters of an ID, as Nomad's CLI shows it.
@@ -335,10 +340,10 @@ pub async fn acquire(
             })
         }
     };
-    let (fence, unfence) = if storage_fence {
+    let (fence, unfence, was_fenced) = if storage_fence {
         storage_fencing(node_id, &before, &previous)
     } else {
-        (Vec::new(), false)
+        (Vec::new(), false, false)
     };
     let mut items = BTreeMap::from([
         ("node_id".to_string(), node_id.to_string()),
@@ -362,6 +367,7 @@ pub async fn acquire(
                 index: v.modify_index,
                 fence,
                 unfence,
+                was_fenced,
             }),
             None => Err(ClaimError::Nomad {
                 volume: volume.clone(),
@@ -517,30 +523,32 @@ mod tests {
                 .collect()
         };
         // A holder taken over (its node down): fenced.
-        let (fence, unfence) = storage_fencing(
+        let (fence, unfence, was) = storage_fencing(
             "b",
             &items(&[("node_id", "a")]),
             &Previous::TakenOver("a".into()),
         );
-        assert_eq!((fence, unfence), (vec!["a".to_string()], false));
+        assert_eq!((fence, unfence, was), (vec!["a".to_string()], false, false));
         // A clean release: nobody fenced.
-        let (fence, unfence) = storage_fencing("b", &items(&[("node_id", "a")]), &Previous::Clean);
-        assert_eq!((fence, unfence), (vec![], false));
-        // Listed nodes stay fenced (fenced again: idempotent), the acquiring one is unfenced.
-        let (fence, unfence) = storage_fencing(
+        let (fence, unfence, was) =
+            storage_fencing("b", &items(&[("node_id", "a")]), &Previous::Clean);
+        assert_eq!((fence, unfence, was), (vec![], false, false));
+        // Listed nodes stay fenced (fenced again: idempotent), the acquiring one is unfenced:
+        // it was fenced.
+        let (fence, unfence, was) = storage_fencing(
             "a",
             &items(&[("node_id", "b"), (FENCED_NODES_ITEM, "a,c")]),
             &Previous::Clean,
         );
-        assert_eq!((fence, unfence), (vec!["c".to_string()], true));
-        // The last holder itself (a take-over of its own stopped half-way): unfenced again,
-        // and the listed node fenced again.
-        let (fence, unfence) = storage_fencing(
+        assert_eq!((fence, unfence, was), (vec!["c".to_string()], true, true));
+        // The last holder itself (a take-over of its own stopped half-way): unfenced again
+        // as a precaution (nothing says it was fenced), and the listed node fenced again.
+        let (fence, unfence, was) = storage_fencing(
             "b",
             &items(&[("node_id", "b"), (FENCED_NODES_ITEM, "a")]),
             &Previous::None,
         );
-        assert_eq!((fence, unfence), (vec!["a".to_string()], true));
+        assert_eq!((fence, unfence, was), (vec!["a".to_string()], true, false));
         assert_eq!(
             fenced_nodes(&items(&[(FENCED_NODES_ITEM, "a,,b")])),
             vec!["a".to_string(), "b".to_string()]

@@ -20,6 +20,14 @@
 //! server's; an answer's `Location` the other way. Hop-by-hop headers (RFC 9110 §7.6.1)
 //! are not forwarded. Bodies stream both ways (a large upload is never held in memory).
 //! Redirects are returned to the client, never followed with the credential.
+//!
+//! Lifetime: the proxy lives as long as its client and no longer. `--client` names the file
+//! where the plugin records its client (the mount's rclone) as `PID START`, its process ID
+//! and start time (field 22 of `/proc/PID/stat`, so that a reused PID is not taken for it).
+//! The proxy waits for a running process with that record (at most `--client-wait`), then
+//! watches it through a pidfd and exits once it has exited: an rclone killed or crashed
+//! leaves no proxy behind, and a proxy whose publish was killed before its rclone started
+//! ends by itself.
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -78,6 +86,12 @@ pub struct ProxyConfig {
     pub listen: SocketAddr,
     /// Where the chosen port is written (decimal, one line, mode 0600) once listening.
     pub port_file: PathBuf,
+    /// The file recording the client the proxy lives for: `PID START` on one line, its
+    /// process ID and its start time in clock ticks after boot (field 22 of
+    /// `/proc/PID/stat`).
+    pub client: PathBuf,
+    /// How long to wait, from the start, for `client` to name a running process.
+    pub client_wait: Duration,
 }
 
 /// Why the proxy cannot start or forward.
@@ -107,6 +121,137 @@ pub enum ProxyError {
     },
     #[error("cannot make the HTTP client: {0}")]
     Client(#[source] reqwest::Error),
+    #[error("no running process was recorded in {path} within {waited:?} of the start: the proxy has no client to serve (the publish that started it ended before its client started); the next publish starts another")]
+    NoClient { path: PathBuf, waited: Duration },
+}
+
+/// How the proxy ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyEnd {
+    /// The client it served (the process ID recorded in `--client`) has exited.
+    ClientExited { pid: u32 },
+}
+
+impl std::fmt::Display for ProxyEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProxyEnd::ClientExited { pid } => {
+                write!(
+                    f,
+                    "its client (pid {pid}) has exited: nothing left to serve"
+                )
+            }
+        }
+    }
+}
+
+/// A process as a record names it: its ID and start time (clock ticks after boot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessRecord {
+    pub pid: u32,
+    pub start: u64,
+}
+
+impl ProcessRecord {
+    /// Parses `PID START` (one line, as the webdav plugin writes it); `None` for anything
+    /// else.
+    pub fn parse(text: &str) -> Option<ProcessRecord> {
+        let mut words = text.split_whitespace();
+        let pid = words.next()?.parse().ok().filter(|p| *p > 0)?;
+        let start = words.next()?.parse().ok()?;
+        words
+            .next()
+            .is_none()
+            .then_some(ProcessRecord { pid, start })
+    }
+
+    /// Reads the record in `path` (at most 64 bytes); `None` when missing or malformed.
+    pub fn read(path: &Path) -> Option<ProcessRecord> {
+        let f = std::fs::File::open(path).ok()?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::Read::take(f, 64), &mut text).ok()?;
+        ProcessRecord::parse(&text)
+    }
+
+    /// The record of process `pid` as it is now; `None` without one.
+    pub fn of(pid: u32) -> Option<ProcessRecord> {
+        let (_, start) = stat(pid)?;
+        Some(ProcessRecord { pid, start })
+    }
+
+    /// True while this very process runs: a process with this ID and this start time that
+    /// has not exited (a zombie has).
+    pub fn running(&self) -> bool {
+        stat(self.pid)
+            .is_some_and(|(state, start)| start == self.start && state != 'Z' && state != 'X')
+    }
+}
+
+/// The state and start time of process `pid`, from `/proc/<pid>/stat` (the command, in
+/// parentheses, may hold spaces and parentheses: the fields are counted after its last `)`).
+fn stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = text.rsplit_once(") ")?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Fields 3 (state) … 22 (start time): the 20th after the command.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+/// The first wait between two reads of the client's record; doubled up to
+/// [`CLIENT_POLL_MAX`].
+const CLIENT_POLL_MIN: Duration = Duration::from_millis(20);
+
+/// The longest wait between two reads of the client's record, and between two checks of a
+/// client that cannot be watched through a pidfd.
+const CLIENT_POLL_MAX: Duration = Duration::from_secs(1);
+
+/// Returns once the client recorded in `path` has exited; fails when no running process
+/// is recorded there within `wait`. The record is read again, with backoff, until it names
+/// a running process (a stale record of an exited one counts as none); that process is
+/// then watched through a pidfd (readable once it has exited, whoever its parent is), or,
+/// where no pidfd can be opened or polled, checked once a second.
+pub async fn client_exited(path: &Path, wait: Duration) -> Result<ProxyEnd, ProxyError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut pause = CLIENT_POLL_MIN;
+    let client = loop {
+        if let Some(r) = ProcessRecord::read(path).filter(ProcessRecord::running) {
+            break r;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ProxyError::NoClient {
+                path: path.to_path_buf(),
+                waited: wait,
+            });
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(CLIENT_POLL_MAX);
+    };
+    if let Some(fd) = pidfd(client) {
+        // Sound: `AsyncFd` owns the `OwnedFd`, so the descriptor is neither closed nor
+        // replaced while registered (as in `node::holders::exits`).
+        #[allow(deprecated)]
+        if let Ok(fd) = tokio::io::unix::AsyncFd::with_interest(fd, tokio::io::Interest::READABLE) {
+            if fd.readable().await.is_ok() {
+                return Ok(ProxyEnd::ClientExited { pid: client.pid });
+            }
+        }
+    }
+    while client.running() {
+        tokio::time::sleep(CLIENT_POLL_MAX).await;
+    }
+    Ok(ProxyEnd::ClientExited { pid: client.pid })
+}
+
+/// A pidfd of the process `client` records, opened and then checked to be that very
+/// process (its start time): a pidfd names one process for good, so a PID reused before
+/// the open is caught here. `None` when it cannot be opened (it has exited, or kernels
+/// before 5.3) or names another process.
+fn pidfd(client: ProcessRecord) -> Option<std::os::fd::OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(i32::try_from(client.pid).ok()?)?;
+    let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()?;
+    client.running().then_some(fd)
 }
 
 /// The outer credential, as the credentials file holds it.
@@ -236,9 +381,10 @@ struct Shared {
     http: reqwest::Client,
 }
 
-/// Serves until the process is killed: checks each request's inner credential, forwards it
-/// with the outer credential read now, streams the answer back.
-pub async fn serve(cfg: ProxyConfig) -> Result<(), ProxyError> {
+/// Serves until its client has exited ([`client_exited`]) or the process is killed: checks
+/// each request's inner credential, forwards it with the outer credential read now, streams
+/// the answer back.
+pub async fn serve(cfg: ProxyConfig) -> Result<ProxyEnd, ProxyError> {
     let upstream = reqwest::Url::parse(&cfg.upstream)
         .ok()
         .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some())
@@ -281,10 +427,22 @@ pub async fn serve(cfg: ProxyConfig) -> Result<(), ProxyError> {
         credentials: cfg.credentials,
         http,
     });
+    tokio::select! {
+        end = client_exited(&cfg.client, cfg.client_wait) => end,
+        never = accept(listener, shared) => match never {},
+    }
+}
+
+/// Serves the connections `listener` accepts, at most [`MAX_CONNECTIONS`] at once, for ever.
+async fn accept(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+) -> std::convert::Infallible {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
-            return Ok(());
+            // Not reached: the semaphore is never closed.
+            return std::future::pending().await;
         };
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -498,6 +656,92 @@ mod tests {
             "/base/"
         ));
         assert!(destination_within_base("/base/y", &up, "/base/"));
+    }
+
+    #[test]
+    fn a_client_record_is_pid_and_start_time_and_nothing_else() {
+        assert_eq!(
+            ProcessRecord::parse("123 456\n"),
+            Some(ProcessRecord {
+                pid: 123,
+                start: 456
+            })
+        );
+        for bad in [
+            "",
+            "123",
+            "0 456",
+            "-1 456",
+            "123 456 789",
+            "x 456",
+            "123 4.5",
+        ] {
+            assert_eq!(ProcessRecord::parse(bad), None, "{bad:?}");
+        }
+        let me = ProcessRecord::of(std::process::id()).unwrap();
+        assert!(me.running());
+        // The same PID with another start time is another process (a PID reused).
+        assert!(!ProcessRecord {
+            start: me.start + 1,
+            ..me
+        }
+        .running());
+    }
+
+    /// The proxy waits for its client's record, then lives exactly as long as that
+    /// process: it ends once the process has exited, whoever reaps it.
+    #[tokio::test]
+    async fn the_proxy_ends_once_its_recorded_client_has_exited() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = dir.path().join("client.pid");
+        let mut client = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let me = ProcessRecord::of(client.id()).unwrap();
+        // A stale record first (the client of an earlier publish, exited), then this one's.
+        std::fs::write(&record, format!("{} {}\n", me.pid, me.start + 1)).unwrap();
+        let watch = tokio::spawn({
+            let record = record.clone();
+            async move { client_exited(&record, Duration::from_secs(60)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::fs::write(&record, format!("{} {}\n", me.pid, me.start)).unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!watch.is_finished(), "ended while its client runs");
+        client.kill().unwrap();
+        let end = tokio::time::timeout(Duration::from_secs(20), watch)
+            .await
+            .expect("ends once its client has exited")
+            .unwrap()
+            .unwrap();
+        assert_eq!(end, ProxyEnd::ClientExited { pid: me.pid });
+        client.wait().unwrap();
+    }
+
+    /// A proxy whose client never started (its publish was killed first) ends by itself,
+    /// and a record of an exited process is no client.
+    #[tokio::test]
+    async fn a_proxy_without_a_running_client_ends_after_its_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = dir.path().join("client.pid");
+        let mut gone = std::process::Command::new("true").spawn().unwrap();
+        let was = ProcessRecord::of(gone.id());
+        gone.wait().unwrap();
+        if let Some(was) = was {
+            std::fs::write(&record, format!("{} {}\n", was.pid, was.start)).unwrap();
+        }
+        let e = client_exited(&record, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, ProxyError::NoClient { .. }), "{e}");
+        let e = client_exited(&dir.path().join("missing"), Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("no running process was recorded"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -984,12 +984,19 @@ async fn fence_at_storage(
         set_secrets(&mut env, &secrets);
         env.push(("DHV_FENCED_NODE_ID".into(), fenced.to_string()));
         match runner.call(&rec.spec.plugin_id, op, &env, &secrets).await {
-            Ok(_) => {
-                tracing::warn!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "{}", match op {
-                    Operation::FenceNode => "took the volume over: the old holder's access is revoked at the storage (plugin fence_node) before the publish here",
-                    _ => "this node's access to the volume is restored at the storage (plugin unfence_node): it holds the claim again",
-                })
-            }
+            // A take-over is worth a warning; restoring this node's own access is not (a
+            // failed call is an error, below).
+            Ok(_) => match op {
+                Operation::FenceNode => {
+                    tracing::warn!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "took the volume over: the old holder's access is revoked at the storage (plugin fence_node) before the publish here")
+                }
+                _ if acq.was_fenced => {
+                    tracing::info!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "this node's access to the volume is restored at the storage (plugin unfence_node): it was fenced, and holds the claim again")
+                }
+                _ => {
+                    tracing::debug!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, "plugin unfence_node for this node, which held the claim last: nothing says it was fenced; the call makes sure")
+                }
+            },
             Err(e) => {
                 let e = redacted(e, &secrets);
                 tracing::error!(%volume, node = %fenced, plugin = %rec.spec.plugin_id, error = %e.report(), "storage-side {op} failed; the volume is not published here until it succeeds (retried)");
@@ -1153,5 +1160,91 @@ mod tests {
         std::fs::remove_file(target.join("data")).expect("remove");
         let _ = unpublished(&target, Some(guard)).check(Ok(&empty));
         assert!(!target.exists(), "an empty unmounted target is removed");
+    }
+
+    /// A log line written by the test's subscriber.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A node taking back a claim it held last calls `unfence_node` as a precaution: no
+    /// warning, nothing was fenced (a clean re-publish on the same node warned "access
+    /// restored"). A node that was fenced has its access restored at INFO; only a take-over
+    /// (`fence_node`) warns.
+    #[tokio::test]
+    async fn an_unfence_of_a_node_nothing_fenced_is_no_warning() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let plugins = dir.path().join("plugins");
+        std::fs::create_dir(&plugins).expect("plugin dir");
+        let plugin = plugins.join("fencer");
+        std::fs::write(&plugin, "#!/bin/sh\necho '{}'\n").expect("plugin");
+        std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        let runner = Runner::new(&plugins, Duration::from_secs(20));
+        let node = NodeEnv {
+            node_id: "node-1".into(),
+            node_pool: "default".into(),
+            volumes_dir: dir.path().join("volumes"),
+            plugin_dir: plugins.clone(),
+        };
+        let rec = VolumeRecord::new(
+            crate::volume::parse_spec("name = \"d\"\nplugin_id = \"fencer\"\n")
+                .expect("spec")
+                .0,
+            BTreeMap::new(),
+        );
+        let log = Captured::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _log = tracing::subscriber::set_default(subscriber);
+        let text = || String::from_utf8_lossy(&log.0.lock().unwrap()).to_string();
+        let acquired = |fence: Vec<String>, unfence, was_fenced| claims::Acquired {
+            lock_id: "l".into(),
+            index: 1,
+            fence,
+            unfence,
+            was_fenced,
+        };
+        // The last holder again: a precaution, said at DEBUG (not logged here).
+        fence_at_storage(&runner, &node, &rec, &acquired(vec![], true, false))
+            .await
+            .expect("unfence");
+        assert_eq!(text(), "", "a precautionary unfence logged");
+        // This node was fenced: its access restored, at INFO.
+        fence_at_storage(&runner, &node, &rec, &acquired(vec![], true, true))
+            .await
+            .expect("unfence");
+        let t = text();
+        assert!(
+            t.contains(" INFO ") && t.contains("restored") && !t.contains("WARN"),
+            "{t}"
+        );
+        // A take-over: a warning.
+        fence_at_storage(
+            &runner,
+            &node,
+            &rec,
+            &acquired(vec!["node-2".into()], false, false),
+        )
+        .await
+        .expect("fence");
+        assert!(
+            text().contains(" WARN ") && text().contains("took the volume over"),
+            "{}",
+            text()
+        );
     }
 }

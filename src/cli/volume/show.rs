@@ -765,8 +765,12 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 ]
             })
             .collect();
-        // Usage and condition columns once an agent reports them.
+        // Usage and condition columns once an agent reports them (a mount it read);
+        // unused-since wherever a node says when the volume's last user there went away,
+        // mounted or not, and nothing where it is in use.
         let health = d.nodes.iter().any(|n| !n.condition.is_empty());
+        let unused = |n: &NodeDetail| n.allocations.is_empty() && n.unused_since != 0;
+        let unused_column = d.nodes.iter().any(unused);
         let mut head = vec![
             "Node",
             "State",
@@ -778,7 +782,7 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
         ];
         let mut rows = rows;
         if health {
-            head.extend(["Used", "Condition", "Unused Since"]);
+            head.extend(["Used", "Condition"]);
             for (r, n) in rows.iter_mut().zip(&d.nodes) {
                 r.push(n.used_percent.map_or("-".into(), |p| format!("{p}%")));
                 r.push(if n.condition.is_empty() {
@@ -786,10 +790,15 @@ pub fn render_detail(d: &VolumeDetail, verbose: bool) -> String {
                 } else {
                     n.condition.clone()
                 });
-                r.push(if n.unused_since == 0 {
-                    "-".into()
-                } else {
+            }
+        }
+        if unused_column {
+            head.push("Unused Since");
+            for (r, n) in rows.iter_mut().zip(&d.nodes) {
+                r.push(if unused(n) {
                     ago(n.unused_since, now)
+                } else {
+                    "-".into()
                 });
             }
         }
@@ -1287,6 +1296,102 @@ Time                  Node    Event      Detail     Outcome
             serde_json::json!({"NodeID": "n1", "NodeName": "node-1", "State": "published", "Since": "2024-12-04T22:06:40Z", "Target": "", "HostVolumeID": "hv1", "Allocations": ["a1"], "Error": "", "Refused": "", "Claim": "", "Waiting": "", "Condition": "", "UsedPercent": null, "UnusedSince": null})
         );
         assert_eq!(j[1]["Since"], serde_json::Value::Null);
+    }
+
+    /// `Unused Since` is shown wherever a node says when the volume's last user there
+    /// went away, mounted or not (a node whose mount was read also shows `Used` and
+    /// `Condition`), and says nothing for a node where it is in use.
+    #[test]
+    fn unused_since_is_shown_for_an_unused_volume_mounted_or_not_and_not_while_in_use() {
+        let rec = VolumeRecord::new(
+            volume::parse_spec("name = \"shared-data\"\nplugin_id = \"bind\"")
+                .unwrap()
+                .0,
+            BTreeMap::new(),
+        );
+        let now = super::super::super::output::now_unix();
+        let mut n1 = NodeRecord::new("id-1", "node-1", "default");
+        let mut n2 = NodeRecord::new("id-2", "node-2", "default");
+        // node-1 unpublished it 90 s ago (no mount read: no condition); node-2 uses it.
+        n1.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                unused_since: Some(now - 90),
+                ..Default::default()
+            },
+        )]));
+        let in_use = nodes::NodeVolume {
+            state: "published".into(),
+            since: now - 30,
+            users: vec!["d5e2d42f-0000-4000-8000-000000000000".into()],
+            ..Default::default()
+        };
+        n2.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            in_use.clone(),
+        )]));
+        let detail = |nodes| VolumeDetail {
+            summary: vol(),
+            requested_capabilities: Vec::new(),
+            parameters: BTreeMap::new(),
+            context: serde_json::Value::Null,
+            secrets: 0,
+            signed: true,
+            worker_node: String::new(),
+            error: String::new(),
+            source: String::new(),
+            operation: String::new(),
+            allocations: Vec::new(),
+            snapshots: Vec::new(),
+            final_failure: String::new(),
+            offered_by: Vec::new(),
+            waiting: String::new(),
+            claim_holder: String::new(),
+            nodes,
+            history: Vec::new(),
+        };
+        let s = render_detail(
+            &detail(node_details(&rec, &[n1.clone(), n2.clone()], &[], &[])),
+            false,
+        );
+        let row = |s: &str, name: &str| {
+            s.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} row:\n{s}"))
+                .to_string()
+        };
+        assert!(s.contains("  Why  Unused Since\n"), "{s}");
+        assert!(!s.contains("Condition"), "{s}");
+        assert!(row(&s, "node-1").ends_with("  1m30s ago"), "{s}");
+        assert!(row(&s, "node-2").ends_with("  -"), "{s}");
+        // Mounted, unused, its mount read: usage, condition and unused-since.
+        n1.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            nodes::NodeVolume {
+                state: "published".into(),
+                since: now - 300,
+                condition: "healthy".into(),
+                used_percent: Some(7),
+                unused_since: Some(now - 90),
+                ..Default::default()
+            },
+        )]));
+        let s = render_detail(
+            &detail(node_details(&rec, &[n1.clone(), n2.clone()], &[], &[])),
+            false,
+        );
+        assert!(s.contains("  Why  Used  Condition  Unused Since\n"), "{s}");
+        assert!(
+            row(&s, "node-1").ends_with("  7%    healthy    1m30s ago"),
+            "{s}"
+        );
+        // In use on every node that has it: nothing to say.
+        n1.set_volumes(BTreeMap::from([(
+            "default/shared-data".to_string(),
+            in_use,
+        )]));
+        let s = render_detail(&detail(node_details(&rec, &[n1, n2], &[], &[])), false);
+        assert!(!s.contains("Unused Since"), "{s}");
     }
 
     /// Issue 37 #10: per node, the claim it holds and, for a node where a publish waits,

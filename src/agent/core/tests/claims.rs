@@ -285,6 +285,7 @@ fn an_acquire_fences_at_the_storage_only_with_a_plugin_that_declares_fence_node(
             index: 7,
             fence: vec!["node-2".into()],
             unfence: false,
+            was_fenced: false,
         }),
     }));
     assert!(
@@ -312,6 +313,7 @@ fn a_node_retaking_its_own_claim_records_no_fence_node() {
             index: 7,
             fence: vec![],
             unfence: true,
+            was_fenced: false,
         }),
     }));
     let kinds: Vec<EventKind> = e
