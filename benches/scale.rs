@@ -50,7 +50,8 @@
 //! calls as start/duration/concurrency, and the release part's slot turnaround);
 //! `BENCH_PERF_CTL` (a `perf record --control fifo:` path: each burst writes `enable` to it
 //! as it places its allocations and `disable` once the last publish is done, so a profiler
-//! started disabled with `-D -1` samples only the bursts; part 7 frames its idle window).
+//! started disabled with `-D -1` samples only the bursts; part 7 frames its idle window, or
+//! its burst with `BENCH_PERF_PHASE=burst`).
 //! Needs root (mounts), `strace` (scripts/install-deps), and `rustc` with the static C
 //! library (libc6-dev) to build the plugin.
 
@@ -743,9 +744,17 @@ async fn restart(n: usize, idle_s: u64) -> Restart {
     let rss_records = node.rss_settled().await;
     let heap_records_kib = Node::heap_kib(&metrics).await;
     let allocs: Vec<(usize, usize)> = (0..n).map(|i| (i, i)).collect();
+    // `BENCH_PERF_PHASE=burst` frames the burst for the profiler instead of the idle window.
+    let frame_burst = std::env::var("BENCH_PERF_PHASE").is_ok_and(|p| p == "burst");
     let cpu0 = agent_cpu_ms(node.pid());
+    if frame_burst {
+        perf_control("enable");
+    }
     let t0 = node.place(&allocs, "running");
     node.wait_calls("publish", n).await;
+    if frame_burst {
+        perf_control("disable");
+    }
     let cpu1 = agent_cpu_ms(node.pid());
     let last = node.last_end("publish").unwrap_or(t0);
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -755,9 +764,13 @@ async fn restart(n: usize, idle_s: u64) -> Restart {
     // Idle: health probes and usage readings go on; nothing else should.
     let (calls0, req0) = (node.calls().len(), node.fake.requests().len());
     let idle0 = agent_cpu_ms(node.pid()).0;
-    perf_control("enable");
+    if !frame_burst {
+        perf_control("enable");
+    }
     tokio::time::sleep(Duration::from_secs(idle_s)).await;
-    perf_control("disable");
+    if !frame_burst {
+        perf_control("disable");
+    }
     let idle1 = agent_cpu_ms(node.pid()).0;
     let (idle_calls, idle_requests) = (
         node.calls().len() - calls0,

@@ -387,8 +387,8 @@ async fn a_published_webdav_volume_keeps_serving_its_task_across_a_rotation_and_
     // rclone 1.60 uploads a file renamed during its upload under its old name.)
     std::fs::write(target.join("draft.txt"), "moved").unwrap();
     let on_server = server.dir.join("default").join(&id);
-    c.wait_for(30, "the file on the server", || async {
-        on_server.join("draft.txt").exists().then_some(())
+    c.wait_for(30, "the file on the server, whole", || async {
+        (std::fs::read_to_string(on_server.join("draft.txt")).ok()? == "moved").then_some(())
     })
     .await;
     std::fs::rename(target.join("draft.txt"), target.join("final.txt")).unwrap();

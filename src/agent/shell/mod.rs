@@ -1272,7 +1272,10 @@ pub async fn run(
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = core.node_volumes();
-            let volumes = r.set_volumes(usage.map_or(volumes.clone(), |u| u.annotate(volumes)));
+            let volumes = r.set_volumes(match usage {
+                Some(u) => u.annotate(volumes),
+                None => volumes,
+            });
             let refused = r.set_refused(&shell.rejected_records.snapshot());
             let history = core.node_history();
             let history = r.set_history(match usage {
