@@ -40,7 +40,7 @@ pub struct Inputs<'a> {
     /// Why the volume records cannot be read, while they cannot (the reason a volume kept
     /// before they are read in full gives).
     pub records_error: Option<&'a str>,
-    pub volumes: &'a BTreeMap<VolumeKey, VolumeRecord>,
+    pub volumes: &'a crate::cluster::catalog::Catalogue,
     pub mounts: &'a BTreeMap<VolumeKey, MountRecord>,
     pub users: &'a BTreeSet<UserKey>,
     /// Mount points present in the mount table.
@@ -120,7 +120,7 @@ pub enum Scope<'a> {
         dirty: &'a BTreeSet<VolumeKey>,
         /// Volume → the allocations recorded as its users
         /// ([`crate::node::journal::Journal::users_by_volume`]).
-        users: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
+        users: &'a BTreeMap<VolumeKey, Vec<String>>,
     },
 }
 
@@ -610,7 +610,7 @@ pub(crate) mod tests {
     /// Everything the planner reads, owned, with an `apply` that simulates success.
     struct World {
         view: View,
-        volumes: BTreeMap<VolumeKey, VolumeRecord>,
+        volumes: crate::cluster::catalog::Catalogue,
         mounts: BTreeMap<VolumeKey, MountRecord>,
         users: BTreeSet<UserKey>,
         mounted: BTreeSet<PathBuf>,
@@ -630,7 +630,10 @@ pub(crate) mod tests {
             view.replace_all_at(allocs, 10, std::time::Instant::now());
             Self {
                 view,
-                volumes: vols.iter().map(|v| (v.key(), v.clone())).collect(),
+                volumes: vols
+                    .iter()
+                    .map(|v| (v.key(), std::sync::Arc::new(v.clone())))
+                    .collect(),
                 mounts: BTreeMap::new(),
                 users: BTreeSet::new(),
                 mounted: BTreeSet::new(),

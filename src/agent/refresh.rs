@@ -84,7 +84,7 @@ fn refreshing<'a>(
 /// (publishing, published or unpublishing here) whose plugin declares `refresh`.
 pub(crate) fn watched(
     mounts: &BTreeMap<VolumeKey, MountRecord>,
-    volumes: &BTreeMap<VolumeKey, VolumeRecord>,
+    volumes: &crate::cluster::catalog::Catalogue,
     plugins: &BTreeMap<String, Result<Fingerprint, String>>,
 ) -> BTreeSet<Watched> {
     mounts
@@ -108,7 +108,7 @@ impl Refreshes {
         namespace: &str,
         path: &str,
         mounts: &BTreeMap<VolumeKey, MountRecord>,
-        volumes: &BTreeMap<VolumeKey, VolumeRecord>,
+        volumes: &crate::cluster::catalog::Catalogue,
     ) {
         for k in mounts.keys() {
             let Some(r) = volumes.get(k) else { continue };
@@ -131,7 +131,7 @@ impl Refreshes {
         mounts: &BTreeMap<VolumeKey, MountRecord>,
         mounted: &BTreeSet<PathBuf>,
         busy: &BTreeSet<VolumeKey>,
-        volumes: &BTreeMap<VolumeKey, VolumeRecord>,
+        volumes: &crate::cluster::catalog::Catalogue,
         plugins: &BTreeMap<String, Result<Fingerprint, String>>,
     ) -> Vec<VolumeKey> {
         // Forget what is no longer in the journal; a volume not published (again) starts
@@ -292,7 +292,7 @@ mod tests {
     struct World {
         mounts: BTreeMap<VolumeKey, MountRecord>,
         mounted: BTreeSet<PathBuf>,
-        volumes: BTreeMap<VolumeKey, VolumeRecord>,
+        volumes: crate::cluster::catalog::Catalogue,
         plugins: BTreeMap<String, Result<Fingerprint, String>>,
     }
 
@@ -311,7 +311,8 @@ mod tests {
             ("b", "dav", "dhv-binder-secrets/b"),
             ("c", "plain", "dhv-binder-secrets/a"),
         ] {
-            w.volumes.insert(key(n), record(n, p, var));
+            w.volumes
+                .insert(key(n), std::sync::Arc::new(record(n, p, var)));
             w.mounts.insert(key(n), mount(n, p, MountState::Published));
             w.mounted.insert(PathBuf::from(format!("/mnt/{n}")));
         }

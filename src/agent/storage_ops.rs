@@ -204,7 +204,7 @@ impl StorageOps {
                     self.start(key, snap.modify_index, Some(vkey.clone()));
                     busy.insert(vkey);
                     out.push(Effect::Storage(StorageOp::SnapshotCreate {
-                        volume: Box::new(vol.clone()),
+                        volume: Box::new(VolumeRecord::clone(vol)),
                         snapshot: Box::new(snap),
                         target,
                     }));
@@ -241,18 +241,18 @@ impl StorageOps {
                     busy.insert(vkey.clone());
                     self.start(key, vol.modify_index, Some(vkey));
                     StorageOp::Expand {
-                        volume: Box::new(vol.clone()),
+                        volume: Box::new(VolumeRecord::clone(vol)),
                         target: if online { target } else { None },
                     }
                 }
                 expansion::Step::Defer => {
                     self.start(key, vol.modify_index, None);
-                    StorageOp::ExpandDefer(Box::new(vol.clone()))
+                    StorageOp::ExpandDefer(Box::new(VolumeRecord::clone(vol)))
                 }
                 expansion::Step::Refuse(message) => {
                     self.start(key, vol.modify_index, None);
                     StorageOp::ExpandRefuse {
-                        volume: Box::new(vol.clone()),
+                        volume: Box::new(VolumeRecord::clone(vol)),
                         message,
                     }
                 }
@@ -346,7 +346,7 @@ mod tests {
     }
 
     fn catalogue(v: &VolumeRecord) -> Catalogue {
-        Catalogue::from([(v.key(), v.clone())])
+        Catalogue::from([(v.key(), std::sync::Arc::new(v.clone()))])
     }
 
     fn published(v: &VolumeRecord) -> BTreeMap<VolumeKey, MountRecord> {

@@ -4,7 +4,7 @@
 //! absence proves nothing and nothing destructive may be planned from it.
 
 use crate::nomad::types::Allocation;
-use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
+use crate::volume::{VolumeKey, VolumeState};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -17,13 +17,18 @@ pub const DEPARTURE_MARGIN: Duration = Duration::from_secs(5);
 pub struct View {
     complete: bool,
     index: u64,
-    allocs: BTreeMap<String, Allocation>,
+    /// Boxed: a map node holds eleven entries, so an unboxed `Allocation` (about 340
+    /// bytes) would make each half-full node cost kilobytes (docs/scale.md, memory per
+    /// allocation).
+    allocs: BTreeMap<String, Box<Allocation>>,
     /// Allocations that vanished from Nomad (purge, GC) while their tasks were last seen
     /// running: kept (as live) until the deadline, while the client kills their tasks.
     departing: BTreeMap<String, Instant>,
     /// Volume → the allocations whose group names it (whatever the catalogue says),
     /// maintained with every change: the plan finds a volume's allocations without a scan.
-    needing: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// Each set is a sorted `Vec` (most volumes have one allocation: a `BTreeSet` would
+    /// allocate a node of eleven slots for it).
+    needing: BTreeMap<VolumeKey, Vec<String>>,
     /// What changed since [`View::take_changes`].
     changes: Changes,
     /// Allocations that left the view finished, with their last ModifyIndex: an older
@@ -67,7 +72,7 @@ impl View {
     }
 
     /// The allocations.
-    pub fn allocs(&self) -> &BTreeMap<String, Allocation> {
+    pub fn allocs(&self) -> &BTreeMap<String, Box<Allocation>> {
         &self.allocs
     }
 
@@ -101,7 +106,7 @@ impl View {
                 _ => {}
             }
             self.departing.remove(&a.id);
-            self.allocs.insert(a.id.clone(), a);
+            self.allocs.insert(a.id.clone(), Box::new(a));
         }
         for (id, a) in old {
             if !a.tasks_finished() {
@@ -122,7 +127,7 @@ impl View {
         self.needing.clear();
         for (id, a) in &self.allocs {
             for key in named_volumes(a) {
-                self.needing.entry(key).or_default().insert(id.clone());
+                add_sorted(self.needing.entry(key).or_default(), id);
             }
         }
         self.changes.relisted = true;
@@ -177,9 +182,9 @@ impl View {
         self.touch(&id);
         for key in named_volumes(&a) {
             self.changes.volumes.insert(key.clone());
-            self.needing.entry(key).or_default().insert(id.clone());
+            add_sorted(self.needing.entry(key).or_default(), &id);
         }
-        self.allocs.insert(id, a);
+        self.allocs.insert(id, Box::new(a));
     }
 
     /// Takes what changed since the last call.
@@ -207,7 +212,9 @@ impl View {
         };
         for key in named_volumes(old) {
             if let Some(ids) = self.needing.get_mut(&key) {
-                ids.remove(id);
+                if let Ok(i) = ids.binary_search_by(|x| x.as_str().cmp(id)) {
+                    ids.remove(i);
+                }
                 if ids.is_empty() {
                     self.needing.remove(&key);
                 }
@@ -263,10 +270,20 @@ impl View {
     }
 }
 
+/// Adds `id` to a sorted set of allocation IDs, once.
+fn add_sorted(ids: &mut Vec<String>, id: &str) {
+    if let Err(i) = ids.binary_search_by(|x| x.as_str().cmp(id)) {
+        if ids.is_empty() {
+            ids.reserve_exact(1);
+        }
+        ids.insert(i, id.to_string());
+    }
+}
+
 /// The deferred volumes an allocation's group requests: host volumes whose source
 /// (with the allocation's `[N]` suffix for `per_alloc`) names a volume record in the
 /// allocation's namespace that is created (`ready`, or `deleting` while still in use).
-pub fn requests(alloc: &Allocation, volumes: &BTreeMap<VolumeKey, VolumeRecord>) -> Vec<Request> {
+pub fn requests(alloc: &Allocation, volumes: &crate::cluster::catalog::Catalogue) -> Vec<Request> {
     let mut out: Vec<Request> = Vec::new();
     for (key, read_only) in host_sources(alloc) {
         let usable = volumes

@@ -317,7 +317,10 @@ mod tests {
             view.upsert(a);
             Self {
                 view,
-                volumes: Catalogue::from([(key("d"), volume("d", "single-node-writer"))]),
+                volumes: Catalogue::from([(
+                    key("d"),
+                    std::sync::Arc::new(volume("d", "single-node-writer")),
+                )]),
                 journal: Journal::new("node-1"),
                 last_error: BTreeMap::new(),
                 busy: BTreeSet::new(),

@@ -267,7 +267,7 @@ impl Core {
 
     /// The record of volume `k` in this node's catalogue, if it has one.
     pub(crate) fn volume_record(&self, k: &VolumeKey) -> Option<&crate::volume::VolumeRecord> {
-        self.volumes.get(k)
+        self.volumes.get(k).map(|v| &**v)
     }
 
     /// What this node's record says of its volumes (`volume status`, per node): each mount
@@ -822,7 +822,7 @@ impl Core {
                         .get(&rec.spec.plugin_id)
                         .and_then(|f| f.as_ref().ok())
                         .filter(|f| f.supports(Capability::FenceNode))
-                        .map(|_| Box::new(rec.clone()));
+                        .map(|_| Box::new(VolumeRecord::clone(&rec)));
                     self.busy.insert(volume.clone());
                     self.claims.acquire_sent(&volume, now);
                     out.push(Effect::AcquireClaim {
@@ -850,7 +850,7 @@ impl Core {
                 .values()
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
                 .filter(|r| self.withheld(r, &attached, now).is_none())
-                .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
+                .filter_map(|r| Some((r.key(), (&**r, self.target_of(&r.key())?))))
                 .collect();
             // A pass over every volume: counted with the planning work.
             self.plan_visits += self.volumes.len() as u64;
@@ -864,6 +864,7 @@ impl Core {
             let served = self
                 .volumes
                 .values()
+                .map(|r| &**r)
                 .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me))
                 // A volume is created only where its required topology is met.
                 .filter(|r| !elsewhere.contains(&r.key()));
@@ -967,7 +968,7 @@ impl Core {
             .map(|_| {
                 Box::new(PluginFence {
                     mount: m.clone(),
-                    record: self.volumes.get(&volume).cloned(),
+                    record: self.volumes.get(&volume).map(|r| VolumeRecord::clone(r)),
                 })
             });
         out.push(Effect::Fence {
@@ -1055,7 +1056,7 @@ impl Core {
         tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
         self.busy.insert(volume);
         Some(Effect::Publish {
-            volume: Box::new(rec),
+            volume: Box::new(VolumeRecord::clone(&rec)),
             target,
             read_only,
             alloc_id,
@@ -1087,7 +1088,7 @@ impl Core {
             tracing::info!(volume = %k, "refreshing the published volume's credentials");
             self.busy.insert(k.clone());
             out.push(Effect::Refresh {
-                volume: Box::new(rec.clone()),
+                volume: Box::new(VolumeRecord::clone(rec)),
                 mount: Box::new(m.clone()),
             });
         }
@@ -1103,7 +1104,10 @@ impl Core {
         self.busy.insert(volume.clone());
         Some(Effect::Unpublish {
             keep_dir: self.placeholders.contains(&volume),
-            volume: self.volumes.get(&volume).cloned().map(Box::new),
+            volume: self
+                .volumes
+                .get(&volume)
+                .map(|r| Box::new(VolumeRecord::clone(r))),
             mount: Box::new(m),
         })
     }

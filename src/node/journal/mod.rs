@@ -320,7 +320,9 @@ pub struct Journal {
     mounts: BTreeMap<VolumeKey, MountRecord>,
     users: BTreeSet<UserKey>,
     /// Volume → the allocations recorded as its users (the same records as `users`).
-    users_by_volume: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// Each set is a sorted `Vec`: most volumes have one user, and a `BTreeSet` would
+    /// allocate a node of eleven slots for it (docs/scale.md, memory per allocation).
+    users_by_volume: BTreeMap<VolumeKey, Vec<String>>,
     /// Mount target → volume (the same records as `mounts`).
     targets: BTreeMap<PathBuf, VolumeKey>,
     /// The (target, volume) pairs whose mount record changed or went since the last
@@ -343,7 +345,7 @@ pub struct Journal {
 /// The user records of `key` in a volume → allocations index
 /// ([`Journal::users_by_volume`]), in allocation order.
 pub fn users_of<'a>(
-    by_volume: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
+    by_volume: &'a BTreeMap<VolumeKey, Vec<String>>,
     key: &'a VolumeKey,
 ) -> impl Iterator<Item = UserKey> + 'a {
     by_volume
@@ -473,12 +475,17 @@ impl Journal {
 
     fn index_user(&mut self, u: &UserKey, present: bool) {
         if present {
-            self.users_by_volume
-                .entry(u.volume.clone())
-                .or_default()
-                .insert(u.alloc_id.clone());
+            let ids = self.users_by_volume.entry(u.volume.clone()).or_default();
+            if let Err(i) = ids.binary_search(&u.alloc_id) {
+                if ids.is_empty() {
+                    ids.reserve_exact(1);
+                }
+                ids.insert(i, u.alloc_id.clone());
+            }
         } else if let Some(ids) = self.users_by_volume.get_mut(&u.volume) {
-            ids.remove(&u.alloc_id);
+            if let Ok(i) = ids.binary_search(&u.alloc_id) {
+                ids.remove(i);
+            }
             if ids.is_empty() {
                 self.users_by_volume.remove(&u.volume);
             }
@@ -486,7 +493,7 @@ impl Journal {
     }
 
     /// Volume → the allocations recorded as its users (an index of [`Journal::users`]).
-    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, BTreeSet<String>> {
+    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, Vec<String>> {
         &self.users_by_volume
     }
 

@@ -98,11 +98,11 @@ impl Twin {
                     ("c", "multi-node-multi-writer"),
                 ]
                 .iter()
-                .map(|(n, m)| (key(n), volume(n, m)))
+                .map(|(n, m)| (key(n), std::sync::Arc::new(volume(n, m))))
                 .collect();
                 let mut deleting = ready.clone();
                 if let Some(c) = deleting.get_mut(&key("c")) {
-                    c.state = VolumeState::Deleting;
+                    std::sync::Arc::make_mut(c).state = VolumeState::Deleting;
                 }
                 let mut gone = ready.clone();
                 gone.remove(&key("c"));
