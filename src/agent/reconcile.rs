@@ -41,7 +41,7 @@ pub struct Inputs<'a> {
     /// before they are read in full gives).
     pub records_error: Option<&'a str>,
     pub volumes: &'a crate::cluster::catalog::Catalogue,
-    pub mounts: &'a BTreeMap<VolumeKey, MountRecord>,
+    pub mounts: &'a crate::node::journal::Mounts,
     pub users: &'a BTreeSet<UserKey>,
     /// Mount points present in the mount table.
     pub mounted: &'a BTreeSet<PathBuf>,
@@ -205,10 +205,10 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
     };
     visits += claims.len();
     let mounts: Vec<(&VolumeKey, &MountRecord)> = match scope {
-        Scope::All => i.mounts.iter().collect(),
+        Scope::All => i.mounts.iter().map(|(k, m)| (k, &**m)).collect(),
         Scope::Volumes { dirty, .. } => dirty
             .iter()
-            .filter_map(|k| i.mounts.get_key_value(k))
+            .filter_map(|k| i.mounts.get_key_value(k).map(|(k, m)| (k, &**m)))
             .collect(),
     };
     visits += mounts.len();
@@ -611,7 +611,7 @@ pub(crate) mod tests {
     struct World {
         view: View,
         volumes: crate::cluster::catalog::Catalogue,
-        mounts: BTreeMap<VolumeKey, MountRecord>,
+        mounts: crate::node::journal::Mounts,
         users: BTreeSet<UserKey>,
         mounted: BTreeSet<PathBuf>,
         plugins: BTreeSet<String>,
@@ -684,7 +684,7 @@ pub(crate) mod tests {
                             self.mounted.insert(t.clone());
                             self.mounts.insert(
                                 volume.clone(),
-                                MountRecord {
+                                std::sync::Arc::new(MountRecord {
                                     volume_id: self.volumes[&volume].id.clone(),
                                     volume,
                                     plugin_id: "bind".into(),
@@ -696,7 +696,7 @@ pub(crate) mod tests {
                                     last_error: String::new(),
                                     claim_id: None,
                                     mount: None,
-                                },
+                                }),
                             );
                         }
                         Step::Unpublish { volume } => {
@@ -990,7 +990,7 @@ pub(crate) mod tests {
         w.view = View::default();
         w.mounts.insert(
             key("data"),
-            MountRecord {
+            std::sync::Arc::new(MountRecord {
                 volume: key("data"),
                 volume_id: "x".into(),
                 plugin_id: "bind".into(),
@@ -1002,7 +1002,7 @@ pub(crate) mod tests {
                 last_error: String::new(),
                 claim_id: None,
                 mount: None,
-            },
+            }),
         );
         w.users.insert(UserKey {
             alloc_id: A1.into(),

@@ -14,7 +14,7 @@
 //! volume already published (restored from the journal) is refreshed once: a Variable may
 //! have changed while no agent watched it.
 
-use crate::node::journal::{MountRecord, MountState};
+use crate::node::journal::MountState;
 use crate::storage::plugin::{Capability, Fingerprint};
 use crate::volume::secret_refs::SecretRef;
 use crate::volume::{VolumeKey, VolumeRecord};
@@ -83,7 +83,7 @@ fn refreshing<'a>(
 /// The Variables a refresh follows: those referenced by every volume in the journal
 /// (publishing, published or unpublishing here) whose plugin declares `refresh`.
 pub(crate) fn watched(
-    mounts: &BTreeMap<VolumeKey, MountRecord>,
+    mounts: &crate::node::journal::Mounts,
     volumes: &crate::cluster::catalog::Catalogue,
     plugins: &BTreeMap<String, Result<Fingerprint, String>>,
 ) -> BTreeSet<Watched> {
@@ -107,7 +107,7 @@ impl Refreshes {
         &mut self,
         namespace: &str,
         path: &str,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        mounts: &crate::node::journal::Mounts,
         volumes: &crate::cluster::catalog::Catalogue,
     ) {
         for k in mounts.keys() {
@@ -128,7 +128,7 @@ impl Refreshes {
     pub(crate) fn due(
         &mut self,
         now: Instant,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        mounts: &crate::node::journal::Mounts,
         mounted: &BTreeSet<PathBuf>,
         busy: &BTreeSet<VolumeKey>,
         volumes: &crate::cluster::catalog::Catalogue,
@@ -273,8 +273,8 @@ mod tests {
         r
     }
 
-    fn mount(name: &str, plugin: &str, state: MountState) -> MountRecord {
-        MountRecord {
+    fn mount(name: &str, plugin: &str, state: MountState) -> crate::node::journal::MountRecord {
+        crate::node::journal::MountRecord {
             volume: key(name),
             volume_id: format!("id-{name}"),
             plugin_id: plugin.into(),
@@ -290,7 +290,7 @@ mod tests {
     }
 
     struct World {
-        mounts: BTreeMap<VolumeKey, MountRecord>,
+        mounts: crate::node::journal::Mounts,
         mounted: BTreeSet<PathBuf>,
         volumes: crate::cluster::catalog::Catalogue,
         plugins: BTreeMap<String, Result<Fingerprint, String>>,
@@ -313,7 +313,10 @@ mod tests {
         ] {
             w.volumes
                 .insert(key(n), std::sync::Arc::new(record(n, p, var)));
-            w.mounts.insert(key(n), mount(n, p, MountState::Published));
+            w.mounts.insert(
+                key(n),
+                std::sync::Arc::new(mount(n, p, MountState::Published)),
+            );
             w.mounted.insert(PathBuf::from(format!("/mnt/{n}")));
         }
         w
@@ -446,10 +449,12 @@ mod tests {
         let mut w = world();
         let mut r = started();
         let t0 = Instant::now();
-        w.mounts.get_mut(&key("a")).unwrap().state = MountState::Publishing;
+        std::sync::Arc::make_mut(w.mounts.get_mut(&key("a")).unwrap()).state =
+            MountState::Publishing;
         r.variable_changed("default", "dhv-binder-secrets/a", &w.mounts, &w.volumes);
         assert!(due(&mut r, &w, &BTreeSet::new(), t0).is_empty());
-        w.mounts.get_mut(&key("a")).unwrap().state = MountState::Published;
+        std::sync::Arc::make_mut(w.mounts.get_mut(&key("a")).unwrap()).state =
+            MountState::Published;
         assert_eq!(due(&mut r, &w, &BTreeSet::new(), t0), vec![key("a")]);
         r.done(&key("a"), Ok(()), t0);
         // Unpublished: a change has nothing to refresh.

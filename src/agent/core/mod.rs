@@ -171,7 +171,7 @@ impl Core {
     /// A core starting from the journal's records, at `now`.
     pub(crate) fn new(s: Settings, journal: Journal, now: Instant) -> Self {
         let mut claims = Claims::new(s.claims);
-        claims.restore(journal.mounts().values(), now);
+        claims.restore(journal.mounts().values().map(|m| &**m), now);
         Self {
             retries: Retries::new(s.seed),
             mount_health: MountHealth::new(s.health_interval),
@@ -948,7 +948,12 @@ impl Core {
     ) {
         let left = lease_left_ms;
         self.dirty.insert(volume.clone());
-        let Some(m) = self.journal.mounts().get(&volume).cloned() else {
+        let Some(m) = self
+            .journal
+            .mounts()
+            .get(&volume)
+            .map(|m| MountRecord::clone(m))
+        else {
             tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: {why}; nothing is mounted here");
             return;
         };
@@ -1089,14 +1094,14 @@ impl Core {
             self.busy.insert(k.clone());
             out.push(Effect::Refresh {
                 volume: Box::new(VolumeRecord::clone(rec)),
-                mount: Box::new(m.clone()),
+                mount: Box::new(MountRecord::clone(m)),
             });
         }
     }
 
     /// Records the unpublish intent; the call itself waits for the commit.
     fn start_unpublish(&mut self, volume: VolumeKey) -> Option<Effect> {
-        let mut m = self.journal.mounts().get(&volume)?.clone();
+        let mut m = MountRecord::clone(self.journal.mounts().get(&volume)?);
         m.state = MountState::Unpublishing;
         self.journal
             .set_mount(m.clone(), EventKind::UnpublishIntent, None);

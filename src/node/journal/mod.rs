@@ -157,7 +157,7 @@ struct OnDiskRef<'a> {
 /// the mount record was removed; `false`: the user record was removed).
 #[derive(Debug, Default)]
 struct Delta {
-    mounts: BTreeMap<VolumeKey, Option<MountRecord>>,
+    mounts: BTreeMap<VolumeKey, Option<Arc<MountRecord>>>,
     users: BTreeMap<UserKey, bool>,
 }
 
@@ -165,7 +165,7 @@ struct Delta {
 /// hands over only what changed and the whole state is serialised off the loop.
 #[derive(Debug, Default)]
 struct Records {
-    mounts: BTreeMap<VolumeKey, MountRecord>,
+    mounts: Mounts,
     users: BTreeSet<UserKey>,
 }
 
@@ -312,12 +312,17 @@ impl Commit {
     }
 }
 
+/// The mount records by volume. Each record is shared (`Arc`) between the loop's journal,
+/// the pending commit and the store's copy: a change writes one record, never a copy per
+/// holder (docs/scale.md, memory per allocation).
+pub type Mounts = BTreeMap<VolumeKey, Arc<MountRecord>>;
+
 /// The journal's records in memory. Changes are queued for the next [`Commit`]; nothing
 /// here performs I/O.
 #[derive(Debug)]
 pub struct Journal {
     node_id: String,
-    mounts: BTreeMap<VolumeKey, MountRecord>,
+    mounts: Mounts,
     users: BTreeSet<UserKey>,
     /// Volume → the allocations recorded as its users (the same records as `users`).
     /// Each set is a sorted `Vec`: most volumes have one user, and a `BTreeSet` would
@@ -462,7 +467,7 @@ impl Journal {
     }
 
     /// Loads records (from disk), with their indexes.
-    fn load(&mut self, mounts: Vec<MountRecord>, users: Vec<UserKey>) {
+    fn load(&mut self, mounts: Vec<Arc<MountRecord>>, users: Vec<UserKey>) {
         for m in mounts {
             self.targets.insert(m.target.clone(), m.volume.clone());
             self.mounts.insert(m.volume.clone(), m);
@@ -523,7 +528,7 @@ impl Journal {
     }
 
     /// All mount records.
-    pub fn mounts(&self) -> &BTreeMap<VolumeKey, MountRecord> {
+    pub fn mounts(&self) -> &Mounts {
         &self.mounts
     }
 
@@ -541,11 +546,12 @@ impl Journal {
         let key = rec.volume.clone();
         self.targets.insert(rec.target.clone(), key.clone());
         self.touched.insert((rec.target.clone(), key.clone()));
+        let rec = Arc::new(rec);
         self.pending.mounts.insert(key.clone(), Some(rec.clone()));
         if let Some(old) = self.mounts.insert(key.clone(), rec) {
             if self.mounts[&key].target != old.target {
                 self.targets.remove(&old.target);
-                self.touched.insert((old.target, key.clone()));
+                self.touched.insert((old.target.clone(), key.clone()));
             }
         }
         if matches!(kind, EventKind::PublishIntent | EventKind::UnpublishIntent) {
@@ -573,7 +579,7 @@ impl Journal {
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
         if let Some(old) = self.mounts.remove(key) {
             self.targets.remove(&old.target);
-            self.touched.insert((old.target, key.clone()));
+            self.touched.insert((old.target.clone(), key.clone()));
             self.pending.mounts.insert(key.clone(), None);
             self.queue(kind, key, None, serde_json::Value::Null);
         }
@@ -724,7 +730,12 @@ pub fn read_stored(dir: &Path) -> Result<StoredState, JournalError> {
     let (disk, node_id) = load(dir)?;
     Ok(StoredState {
         node_id,
-        mounts: disk.records.mounts.into_values().collect(),
+        mounts: disk
+            .records
+            .mounts
+            .into_values()
+            .map(Arc::unwrap_or_clone)
+            .collect(),
         users: disk.records.users.into_iter().collect(),
     })
 }
@@ -784,7 +795,7 @@ fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
             disk.records.mounts = d
                 .mounts
                 .into_iter()
-                .map(|m| (m.volume.clone(), m))
+                .map(|m| (m.volume.clone(), Arc::new(m)))
                 .collect();
             disk.records.users = d.users.into_iter().collect();
         }
@@ -841,7 +852,11 @@ fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
                 }
                 disk.seq = line.seq;
                 disk.records.apply(&Delta {
-                    mounts: line.mounts.into_iter().collect(),
+                    mounts: line
+                        .mounts
+                        .into_iter()
+                        .map(|(k, m)| (k, m.map(Arc::new)))
+                        .collect(),
                     users: line.users.into_iter().collect(),
                 });
                 good = at;
@@ -999,7 +1014,7 @@ impl Store {
                 .delta
                 .mounts
                 .iter()
-                .map(|(k, m)| (k.clone(), m.clone()))
+                .map(|(k, m)| (k.clone(), m.as_deref().cloned()))
                 .collect(),
             users: commit
                 .delta
@@ -1035,7 +1050,7 @@ impl Store {
             version: VERSION,
             node_id: &self.node_id,
             seq: disk.seq,
-            mounts: disk.records.mounts.values().collect(),
+            mounts: disk.records.mounts.values().map(|m| &**m).collect(),
             users: disk.records.users.iter().collect(),
         })
         .map_err(|e| werr(std::io::Error::other(e)))?;
