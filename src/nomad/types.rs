@@ -374,7 +374,9 @@ pub struct VolumeMount {
     pub propagation_mode: String,
 }
 
-/// `structs.TaskState`. Times are RFC3339Nano strings or `null` when zero.
+/// `structs.TaskState`, reduced to what the agent reads: the rest (`Restarts`, `StartedAt`,
+/// `FinishedAt`, `Events`, ...) is skipped while decoding, so the view keeps no copy of it
+/// (docs/scale.md, memory per allocation).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TaskState {
@@ -383,12 +385,6 @@ pub struct TaskState {
     pub state: String,
     #[serde(rename = "Failed", deserialize_with = "null_default")]
     pub failed: bool,
-    #[serde(rename = "Restarts", deserialize_with = "null_default")]
-    pub restarts: u64,
-    #[serde(rename = "StartedAt")]
-    pub started_at: Option<String>,
-    #[serde(rename = "FinishedAt")]
-    pub finished_at: Option<String>,
 }
 
 /// A dynamic host volume (`structs.HostVolume`, `nomad/structs/host_volumes.go`), as sent to
