@@ -266,8 +266,11 @@ impl Core {
     }
 
     /// The record of volume `k` in this node's catalogue, if it has one.
-    pub(crate) fn volume_record(&self, k: &VolumeKey) -> Option<&crate::volume::VolumeRecord> {
-        self.volumes.get(k).map(|v| &**v)
+    pub(crate) fn volume_record(
+        &self,
+        k: &VolumeKey,
+    ) -> Option<&std::sync::Arc<crate::volume::VolumeRecord>> {
+        self.volumes.get(k)
     }
 
     /// What this node's record says of its volumes (`volume status`, per node): each mount
