@@ -38,9 +38,15 @@ fn per_volume<T>(build: impl FnOnce() -> T) -> (T, usize) {
 
 /// An allocation as Nomad sends it on a node's list: the job with its group, one host
 /// volume and one task, and the task's state with its times and events (the agent's watch
-/// decodes this shape, `nomad::types::ListedAlloc::decode`).
-fn nomad_alloc(i: usize) -> Allocation {
-    let vol = format!("vol-{i:04}");
+/// decodes this shape, `nomad::types::ListedAlloc::decode`). `per_alloc`: the group's
+/// volume is `vol` with `per_alloc` (every allocation of the job has the same Job); else
+/// each allocation's group names its own volume (`vol-<i>`), as the scale bench's do.
+fn nomad_alloc(i: usize, per_alloc: bool) -> Allocation {
+    let vol = if per_alloc {
+        "vol".to_string()
+    } else {
+        format!("vol-{i:04}")
+    };
     let json = serde_json::json!({
         "ID": format!("{:08x}-0000-4000-8000-{:012x}", i, i), "Namespace": "default",
         "Name": format!("job.g[{i}]"), "NodeID": "9f3c1a52-5d7e-4c4b-8f7e-2d9f6c1b0a11",
@@ -50,7 +56,7 @@ fn nomad_alloc(i: usize) -> Allocation {
             "TaskGroups": [{"Name": "g", "ShutdownDelay": null,
                 "Volumes": {"data": {"Name": "data", "Type": "host", "Source": vol,
                     "ReadOnly": false, "Sticky": false, "AccessMode": "single-node-writer",
-                    "AttachmentMode": "file-system", "MountOptions": null, "PerAlloc": false}},
+                    "AttachmentMode": "file-system", "MountOptions": null, "PerAlloc": per_alloc}},
                 "Tasks": [{"Name": "app", "Driver": "exec", "Lifecycle": null,
                     "VolumeMounts": [{"Volume": "data", "Destination": "/data",
                         "ReadOnly": false, "PropagationMode": "private"}],
@@ -69,7 +75,7 @@ fn nomad_alloc(i: usize) -> Allocation {
 fn the_view_keeps_an_allocation_in_at_most_1_75_kib() {
     let (view, bytes) = per_volume(|| {
         let mut v = View::default();
-        for a in (0..N).map(nomad_alloc) {
+        for a in (0..N).map(|i| nomad_alloc(i, false)) {
             v.upsert(a);
         }
         v.take_changes();
@@ -79,6 +85,25 @@ fn the_view_keeps_an_allocation_in_at_most_1_75_kib() {
     assert!(
         bytes <= 1792,
         "the view keeps {bytes} bytes per allocation (budget 1,792)"
+    );
+}
+
+/// The allocations of one job version (`count = 1000` with `per_alloc` volumes) share one
+/// reduced Job in the view: a Job kept per allocation exceeds the budget.
+#[test]
+fn the_allocations_of_one_job_version_cost_the_view_at_most_1_kib_each() {
+    let (view, bytes) = per_volume(|| {
+        let mut v = View::default();
+        for a in (0..N).map(|i| nomad_alloc(i, true)) {
+            v.upsert(a);
+        }
+        v.take_changes();
+        v
+    });
+    assert_eq!(view.named_volumes().count(), N);
+    assert!(
+        bytes <= 1024,
+        "the view keeps {bytes} bytes per allocation of one job version (budget 1,024)"
     );
 }
 

@@ -589,7 +589,7 @@ pub(crate) mod tests {
             node_id: NODE.into(),
             job_id: "job".into(),
             task_group: "g".into(),
-            job: Some(Job {
+            job: Some(std::sync::Arc::new(Job {
                 id: "job".into(),
                 namespace: "default".into(),
                 job_type: "service".into(),
@@ -600,7 +600,7 @@ pub(crate) mod tests {
                     tasks: vec![],
                     ..Default::default()
                 }],
-            }),
+            })),
             client_status: client.into(),
             desired_status: desired.into(),
             ..Default::default()
@@ -777,7 +777,7 @@ pub(crate) mod tests {
         a2.create_index = 6;
         a2.name = "job.g[1]".into();
         let mut a3 = alloc(A3, &["data"], "pending", "run");
-        for g in &mut a3.job.as_mut().unwrap().task_groups {
+        for g in &mut std::sync::Arc::make_mut(a3.job.as_mut().unwrap()).task_groups {
             for (_, r) in g.volumes.iter_mut() {
                 r.read_only = true;
             }
@@ -1074,7 +1074,7 @@ pub(crate) mod tests {
         use crate::nomad::types::{Task, VolumeMount};
         let with_task = |mode: &str, group_ro: bool, mount_ro: bool, prop: &str| {
             let mut a = alloc(A1, &["data"], "pending", "run");
-            let g = &mut a.job.as_mut().unwrap().task_groups[0];
+            let g = &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups[0];
             g.volumes.get_mut("v-data").unwrap().read_only = group_ro;
             g.tasks.push(Task {
                 name: "app".into(),
@@ -1186,7 +1186,7 @@ pub(crate) mod tests {
         let mut a1 = alloc(A2, &["data"], "pending", "run");
         a1.name = "job.g[1]".into();
         for a in [&mut a0, &mut a1] {
-            let g = &mut a.job.as_mut().unwrap().task_groups[0];
+            let g = &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups[0];
             g.volumes.get_mut("v-data").unwrap().per_alloc = true;
         }
         let mut w = World::new(

@@ -3,9 +3,10 @@
 //! The view is `complete` only after a full list of the node's allocations; until then,
 //! absence proves nothing and nothing destructive may be planned from it.
 
-use crate::nomad::types::Allocation;
+use crate::nomad::types::{Allocation, Job};
 use crate::volume::{VolumeKey, VolumeState};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Extra time, beyond an allocation's kill grace, before a vanished allocation counts as
@@ -35,6 +36,24 @@ pub struct View {
     /// list or event that still shows them running is stale, never a reason to publish
     /// again. At most [`FINISHED_KEPT`], the oldest dropped first.
     finished: BTreeMap<String, u64>,
+    /// One reduced Job per (namespace, job, version, group), shared by every allocation
+    /// whose reduced Job equals it: the allocations of one job version (a `count` of 1,000
+    /// with `per_alloc` volumes) keep one copy, not one each. An entry goes with the last
+    /// allocation that shares it.
+    jobs: BTreeMap<JobKey, Arc<Job>>,
+}
+
+/// (namespace, job ID, job version, task group): where [`View`] looks for a Job to share.
+type JobKey = (String, String, u64, String);
+
+fn job_key(a: &Allocation) -> Option<JobKey> {
+    let j = a.job.as_ref()?;
+    Some((
+        j.namespace.clone(),
+        j.id.clone(),
+        j.version,
+        a.task_group.clone(),
+    ))
 }
 
 /// What changed in the view since the last [`View::take_changes`]: the planner replans
@@ -106,6 +125,7 @@ impl View {
                 _ => {}
             }
             self.departing.remove(&a.id);
+            self.share_job(&mut a);
             self.allocs.insert(a.id.clone(), Box::new(a));
         }
         for (id, a) in old {
@@ -122,6 +142,7 @@ impl View {
                 self.forget_finished(&a);
             }
         }
+        self.jobs.retain(|_, j| Arc::strong_count(j) > 1);
         self.complete = true;
         self.index = index;
         self.needing.clear();
@@ -184,7 +205,41 @@ impl View {
             self.changes.volumes.insert(key.clone());
             add_sorted(self.needing.entry(key).or_default(), &id);
         }
-        self.allocs.insert(id, Box::new(a));
+        self.share_job(&mut a);
+        if let Some(old) = self.allocs.insert(id, Box::new(a)) {
+            self.release_job(*old);
+        }
+    }
+
+    /// Gives `a` the Job already kept for its (namespace, job, version, group) when the two
+    /// are equal; else keeps `a`'s as the one to share.
+    fn share_job(&mut self, a: &mut Allocation) {
+        let (Some(key), Some(job)) = (job_key(a), a.job.as_ref()) else {
+            return;
+        };
+        match self.jobs.get(&key) {
+            Some(known) if Arc::ptr_eq(known, job) => {}
+            Some(known) if **known == **job => a.job = Some(Arc::clone(known)),
+            _ => {
+                self.jobs.insert(key, Arc::clone(job));
+            }
+        }
+    }
+
+    /// Drops `a` (an allocation that left the view or was replaced), and its shared Job
+    /// with it when no other allocation holds that Job.
+    fn release_job(&mut self, a: Allocation) {
+        let key = job_key(&a);
+        drop(a);
+        if let Some(key) = key {
+            if self
+                .jobs
+                .get(&key)
+                .is_some_and(|j| Arc::strong_count(j) == 1)
+            {
+                self.jobs.remove(&key);
+            }
+        }
     }
 
     /// Takes what changed since the last call.
@@ -228,6 +283,7 @@ impl View {
         self.touch(id);
         if let Some(a) = self.allocs.remove(id) {
             self.forget_finished(&a);
+            self.release_job(*a);
         }
         self.departing.remove(id);
     }
@@ -350,10 +406,10 @@ mod tests {
             id: id.into(),
             task_group: group.into(),
             modify_index: 1,
-            job: Some(Job {
+            job: Some(std::sync::Arc::new(Job {
                 task_groups: groups.to_vec(),
                 ..Default::default()
-            }),
+            })),
             ..Default::default()
         }
     }
@@ -361,6 +417,38 @@ mod tests {
     fn groups_kept(v: &View, id: &str) -> Vec<String> {
         let job = v.allocs()[id].job.as_ref().expect("the Job is kept");
         job.task_groups.iter().map(|g| g.name.clone()).collect()
+    }
+
+    /// Issue 50 (memory): allocations whose reduced Jobs are equal share one; a Job that
+    /// differs (another version's group) is not shared, and a shared Job goes with the last
+    /// allocation that holds it.
+    #[test]
+    fn allocations_of_one_job_version_share_its_job() {
+        let mut v = View::default();
+        v.replace_all_at(
+            vec![alloc("a", "web"), alloc("b", "web")],
+            1,
+            Instant::now(),
+        );
+        v.upsert(alloc("c", "web"));
+        let job = |v: &View, id: &str| v.allocs()[id].job.clone().expect("a Job");
+        assert!(Arc::ptr_eq(&job(&v, "a"), &job(&v, "b")));
+        assert!(Arc::ptr_eq(&job(&v, "a"), &job(&v, "c")));
+        // Same version, but another group: not the same reduced Job.
+        v.upsert(alloc("d", "db"));
+        assert!(!Arc::ptr_eq(&job(&v, "a"), &job(&v, "d")));
+        // Same key, other content (a Job changed without a new version): kept apart.
+        let mut other = alloc("e", "web");
+        Arc::make_mut(other.job.as_mut().unwrap()).job_type = "batch".into();
+        v.upsert(other);
+        assert!(!Arc::ptr_eq(&job(&v, "a"), &job(&v, "e")));
+        assert_eq!(job(&v, "e").job_type, "batch");
+        // Gone with the last allocation that holds it.
+        let t = Instant::now();
+        v.replace_all_at(vec![], 2, t);
+        v.expire(t + Duration::from_secs(3600));
+        assert!(v.allocs().is_empty());
+        assert!(v.jobs.is_empty(), "{:?}", v.jobs.keys());
     }
 
     /// Issue 10 (memory): the view keeps of each allocation's Job only its own group.

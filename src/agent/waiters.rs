@@ -310,7 +310,7 @@ mod tests {
         fn new() -> Self {
             let mut view = View::default();
             let mut a = alloc(A, &["d"], "pending", "run");
-            if let Some(j) = a.job.as_mut() {
+            if let Some(j) = a.job.as_mut().map(std::sync::Arc::make_mut) {
                 j.id = "web".into();
             }
             a.job_id = "web".into();

@@ -72,8 +72,10 @@ pub struct Allocation {
     #[serde(rename = "JobID", deserialize_with = "null_default")]
     pub job_id: String,
     /// Absent in event payloads (the server strips it), present in reads and node lists.
+    /// Shared: the view keeps one copy of a reduced Job for all the allocations whose
+    /// reduced Jobs are equal (`crate::agent::view`; docs/scale.md, memory per allocation).
     #[serde(rename = "Job", skip_serializing_if = "Option::is_none")]
-    pub job: Option<Job>,
+    pub job: Option<std::sync::Arc<Job>>,
     #[serde(rename = "TaskGroup", deserialize_with = "null_default")]
     pub task_group: String,
     /// `run`, `stop` or `evict`.
@@ -220,8 +222,11 @@ impl Allocation {
     pub fn keep_own_group(&mut self) {
         if let Some(job) = &mut self.job {
             let own = &self.task_group;
-            job.task_groups.retain(|g| &g.name == own);
-            job.task_groups.shrink_to_fit();
+            if job.task_groups.iter().any(|g| &g.name != own) {
+                let job = std::sync::Arc::make_mut(job);
+                job.task_groups.retain(|g| &g.name == own);
+                job.task_groups.shrink_to_fit();
+            }
         }
     }
 

@@ -291,10 +291,7 @@ impl Core {
                     }
                     .to_string(),
                     since: m.since,
-                    users: users
-                        .get(k)
-                        .map(|u| u.iter().cloned().collect())
-                        .unwrap_or_default(),
+                    users: users.get(k).map(|u| u.to_vec()).unwrap_or_default(),
                     ..Default::default()
                 };
                 (k.to_string(), v)
@@ -825,7 +822,7 @@ impl Core {
                         .get(&rec.spec.plugin_id)
                         .and_then(|f| f.as_ref().ok())
                         .filter(|f| f.supports(Capability::FenceNode))
-                        .map(|_| Box::new(VolumeRecord::clone(&rec)));
+                        .map(|_| Box::new(VolumeRecord::clone(rec)));
                     self.busy.insert(volume.clone());
                     self.claims.acquire_sent(&volume, now);
                     out.push(Effect::AcquireClaim {
