@@ -218,14 +218,30 @@ impl Allocation {
 
     /// Drops the embedded Job's task groups other than this allocation's own: all the agent
     /// reads of a Job is its own group (volume requests, tasks' lifecycle and kill grace), and
-    /// the view keeps one Job per allocation.
+    /// the view keeps the Job. The lists kept are cut to their length: decoding grows a
+    /// list of one task group, task or mount to room for four.
     pub fn keep_own_group(&mut self) {
         if let Some(job) = &mut self.job {
             let own = &self.task_group;
-            if job.task_groups.iter().any(|g| &g.name != own) {
+            let roomy = |j: &Job| {
+                j.task_groups.capacity() > j.task_groups.len()
+                    || j.task_groups.iter().any(|g| {
+                        g.tasks.capacity() > g.tasks.len()
+                            || g.tasks
+                                .iter()
+                                .any(|t| t.volume_mounts.capacity() > t.volume_mounts.len())
+                    })
+            };
+            if job.task_groups.iter().any(|g| &g.name != own) || roomy(job) {
                 let job = std::sync::Arc::make_mut(job);
                 job.task_groups.retain(|g| &g.name == own);
                 job.task_groups.shrink_to_fit();
+                for g in &mut job.task_groups {
+                    g.tasks.shrink_to_fit();
+                    for t in &mut g.tasks {
+                        t.volume_mounts.shrink_to_fit();
+                    }
+                }
             }
         }
     }
