@@ -278,11 +278,11 @@ mod tests {
             name: "demo.app[2]".into(),
             job_id: "demo".into(),
             task_group: "app".into(),
-            job: Some(Job {
+            job: Some(std::sync::Arc::new(Job {
                 id: "demo".into(),
                 task_groups: vec![g],
                 ..Job::default()
-            }),
+            })),
             ..Allocation::default()
         }
     }

@@ -31,6 +31,8 @@ pub(crate) mod holder_watch;
 pub(crate) mod input;
 pub(crate) mod journal_trouble;
 pub(crate) mod latency;
+#[cfg(test)]
+mod memory_budget;
 pub(crate) mod meter;
 pub(crate) mod mount_health;
 pub(crate) mod offer;

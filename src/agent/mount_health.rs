@@ -11,7 +11,7 @@
 use crate::agent::effect::Effect;
 use crate::agent::retry::STEP_RETRY;
 use crate::node::health::Probe;
-use crate::node::journal::{MountRecord, MountState, UserKey};
+use crate::node::journal::{MountState, UserKey};
 use crate::nomad::retry::{Call, FailureLog, Retries, LOG_EVERY};
 use crate::volume::VolumeKey;
 use serde::Serialize;
@@ -99,7 +99,7 @@ impl MountHealth {
     pub(crate) fn tick(
         &mut self,
         now: Instant,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        mounts: &crate::node::journal::Mounts,
         mounted: &BTreeSet<PathBuf>,
         busy: &BTreeSet<VolumeKey>,
     ) -> Vec<Effect> {
@@ -450,7 +450,7 @@ mod tests {
         let t0 = Instant::now();
         let mut rec = crate::node::journal::tests::rec(MountState::Published);
         rec.target = "/mnt/x".into();
-        let mounts = BTreeMap::from([(key(), rec)]);
+        let mounts = BTreeMap::from([(key(), std::sync::Arc::new(rec))]);
         let mounted = BTreeSet::from([PathBuf::from("/mnt/x")]);
         let none = BTreeSet::new();
         assert_eq!(m.tick(t0, &mounts, &mounted, &none).len(), 1);
@@ -499,7 +499,7 @@ mod tests {
         let mut rec = crate::node::journal::tests::rec(MountState::Published);
         rec.target = "/mnt/x".into();
         let t = rec.target.clone();
-        let mounts = BTreeMap::from([(key(), rec)]);
+        let mounts = BTreeMap::from([(key(), std::sync::Arc::new(rec))]);
         let mounted = BTreeSet::from([t.clone()]);
         let users: BTreeSet<UserKey> = BTreeSet::from([UserKey {
             alloc_id: "a1".into(),

@@ -40,8 +40,8 @@ pub struct Inputs<'a> {
     /// Why the volume records cannot be read, while they cannot (the reason a volume kept
     /// before they are read in full gives).
     pub records_error: Option<&'a str>,
-    pub volumes: &'a BTreeMap<VolumeKey, VolumeRecord>,
-    pub mounts: &'a BTreeMap<VolumeKey, MountRecord>,
+    pub volumes: &'a crate::cluster::catalog::Catalogue,
+    pub mounts: &'a crate::node::journal::Mounts,
     pub users: &'a BTreeSet<UserKey>,
     /// Mount points present in the mount table.
     pub mounted: &'a BTreeSet<PathBuf>,
@@ -120,7 +120,7 @@ pub enum Scope<'a> {
         dirty: &'a BTreeSet<VolumeKey>,
         /// Volume → the allocations recorded as its users
         /// ([`crate::node::journal::Journal::users_by_volume`]).
-        users: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
+        users: &'a BTreeMap<VolumeKey, Vec<String>>,
     },
 }
 
@@ -205,10 +205,10 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
     };
     visits += claims.len();
     let mounts: Vec<(&VolumeKey, &MountRecord)> = match scope {
-        Scope::All => i.mounts.iter().collect(),
+        Scope::All => i.mounts.iter().map(|(k, m)| (k, &**m)).collect(),
         Scope::Volumes { dirty, .. } => dirty
             .iter()
-            .filter_map(|k| i.mounts.get_key_value(k))
+            .filter_map(|k| i.mounts.get_key_value(k).map(|(k, m)| (k, &**m)))
             .collect(),
     };
     visits += mounts.len();
@@ -589,7 +589,7 @@ pub(crate) mod tests {
             node_id: NODE.into(),
             job_id: "job".into(),
             task_group: "g".into(),
-            job: Some(Job {
+            job: Some(std::sync::Arc::new(Job {
                 id: "job".into(),
                 namespace: "default".into(),
                 job_type: "service".into(),
@@ -600,7 +600,7 @@ pub(crate) mod tests {
                     tasks: vec![],
                     ..Default::default()
                 }],
-            }),
+            })),
             client_status: client.into(),
             desired_status: desired.into(),
             ..Default::default()
@@ -610,8 +610,8 @@ pub(crate) mod tests {
     /// Everything the planner reads, owned, with an `apply` that simulates success.
     struct World {
         view: View,
-        volumes: BTreeMap<VolumeKey, VolumeRecord>,
-        mounts: BTreeMap<VolumeKey, MountRecord>,
+        volumes: crate::cluster::catalog::Catalogue,
+        mounts: crate::node::journal::Mounts,
         users: BTreeSet<UserKey>,
         mounted: BTreeSet<PathBuf>,
         plugins: BTreeSet<String>,
@@ -630,7 +630,10 @@ pub(crate) mod tests {
             view.replace_all_at(allocs, 10, std::time::Instant::now());
             Self {
                 view,
-                volumes: vols.iter().map(|v| (v.key(), v.clone())).collect(),
+                volumes: vols
+                    .iter()
+                    .map(|v| (v.key(), std::sync::Arc::new(v.clone())))
+                    .collect(),
                 mounts: BTreeMap::new(),
                 users: BTreeSet::new(),
                 mounted: BTreeSet::new(),
@@ -681,7 +684,7 @@ pub(crate) mod tests {
                             self.mounted.insert(t.clone());
                             self.mounts.insert(
                                 volume.clone(),
-                                MountRecord {
+                                std::sync::Arc::new(MountRecord {
                                     volume_id: self.volumes[&volume].id.clone(),
                                     volume,
                                     plugin_id: "bind".into(),
@@ -693,7 +696,7 @@ pub(crate) mod tests {
                                     last_error: String::new(),
                                     claim_id: None,
                                     mount: None,
-                                },
+                                }),
                             );
                         }
                         Step::Unpublish { volume } => {
@@ -774,7 +777,7 @@ pub(crate) mod tests {
         a2.create_index = 6;
         a2.name = "job.g[1]".into();
         let mut a3 = alloc(A3, &["data"], "pending", "run");
-        for g in &mut a3.job.as_mut().unwrap().task_groups {
+        for g in &mut std::sync::Arc::make_mut(a3.job.as_mut().unwrap()).task_groups {
             for (_, r) in g.volumes.iter_mut() {
                 r.read_only = true;
             }
@@ -987,7 +990,7 @@ pub(crate) mod tests {
         w.view = View::default();
         w.mounts.insert(
             key("data"),
-            MountRecord {
+            std::sync::Arc::new(MountRecord {
                 volume: key("data"),
                 volume_id: "x".into(),
                 plugin_id: "bind".into(),
@@ -999,7 +1002,7 @@ pub(crate) mod tests {
                 last_error: String::new(),
                 claim_id: None,
                 mount: None,
-            },
+            }),
         );
         w.users.insert(UserKey {
             alloc_id: A1.into(),
@@ -1071,7 +1074,7 @@ pub(crate) mod tests {
         use crate::nomad::types::{Task, VolumeMount};
         let with_task = |mode: &str, group_ro: bool, mount_ro: bool, prop: &str| {
             let mut a = alloc(A1, &["data"], "pending", "run");
-            let g = &mut a.job.as_mut().unwrap().task_groups[0];
+            let g = &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups[0];
             g.volumes.get_mut("v-data").unwrap().read_only = group_ro;
             g.tasks.push(Task {
                 name: "app".into(),
@@ -1183,7 +1186,7 @@ pub(crate) mod tests {
         let mut a1 = alloc(A2, &["data"], "pending", "run");
         a1.name = "job.g[1]".into();
         for a in [&mut a0, &mut a1] {
-            let g = &mut a.job.as_mut().unwrap().task_groups[0];
+            let g = &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups[0];
             g.volumes.get_mut("v-data").unwrap().per_alloc = true;
         }
         let mut w = World::new(

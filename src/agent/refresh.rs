@@ -14,7 +14,7 @@
 //! volume already published (restored from the journal) is refreshed once: a Variable may
 //! have changed while no agent watched it.
 
-use crate::node::journal::{MountRecord, MountState};
+use crate::node::journal::MountState;
 use crate::storage::plugin::{Capability, Fingerprint};
 use crate::volume::secret_refs::SecretRef;
 use crate::volume::{VolumeKey, VolumeRecord};
@@ -83,8 +83,8 @@ fn refreshing<'a>(
 /// The Variables a refresh follows: those referenced by every volume in the journal
 /// (publishing, published or unpublishing here) whose plugin declares `refresh`.
 pub(crate) fn watched(
-    mounts: &BTreeMap<VolumeKey, MountRecord>,
-    volumes: &BTreeMap<VolumeKey, VolumeRecord>,
+    mounts: &crate::node::journal::Mounts,
+    volumes: &crate::cluster::catalog::Catalogue,
     plugins: &BTreeMap<String, Result<Fingerprint, String>>,
 ) -> BTreeSet<Watched> {
     mounts
@@ -107,8 +107,8 @@ impl Refreshes {
         &mut self,
         namespace: &str,
         path: &str,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
-        volumes: &BTreeMap<VolumeKey, VolumeRecord>,
+        mounts: &crate::node::journal::Mounts,
+        volumes: &crate::cluster::catalog::Catalogue,
     ) {
         for k in mounts.keys() {
             let Some(r) = volumes.get(k) else { continue };
@@ -128,10 +128,10 @@ impl Refreshes {
     pub(crate) fn due(
         &mut self,
         now: Instant,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        mounts: &crate::node::journal::Mounts,
         mounted: &BTreeSet<PathBuf>,
         busy: &BTreeSet<VolumeKey>,
-        volumes: &BTreeMap<VolumeKey, VolumeRecord>,
+        volumes: &crate::cluster::catalog::Catalogue,
         plugins: &BTreeMap<String, Result<Fingerprint, String>>,
     ) -> Vec<VolumeKey> {
         // Forget what is no longer in the journal; a volume not published (again) starts
@@ -281,8 +281,8 @@ mod tests {
         r
     }
 
-    fn mount(name: &str, plugin: &str, state: MountState) -> MountRecord {
-        MountRecord {
+    fn mount(name: &str, plugin: &str, state: MountState) -> crate::node::journal::MountRecord {
+        crate::node::journal::MountRecord {
             volume: key(name),
             volume_id: format!("id-{name}"),
             plugin_id: plugin.into(),
@@ -298,9 +298,9 @@ mod tests {
     }
 
     struct World {
-        mounts: BTreeMap<VolumeKey, MountRecord>,
+        mounts: crate::node::journal::Mounts,
         mounted: BTreeSet<PathBuf>,
-        volumes: BTreeMap<VolumeKey, VolumeRecord>,
+        volumes: crate::cluster::catalog::Catalogue,
         plugins: BTreeMap<String, Result<Fingerprint, String>>,
     }
 
@@ -319,8 +319,12 @@ mod tests {
             ("b", "dav", "dhv-binder-secrets/b"),
             ("c", "plain", "dhv-binder-secrets/a"),
         ] {
-            w.volumes.insert(key(n), record(n, p, var));
-            w.mounts.insert(key(n), mount(n, p, MountState::Published));
+            w.volumes
+                .insert(key(n), std::sync::Arc::new(record(n, p, var)));
+            w.mounts.insert(
+                key(n),
+                std::sync::Arc::new(mount(n, p, MountState::Published)),
+            );
             w.mounted.insert(PathBuf::from(format!("/mnt/{n}")));
         }
         w
@@ -453,10 +457,12 @@ mod tests {
         let mut w = world();
         let mut r = started();
         let t0 = Instant::now();
-        w.mounts.get_mut(&key("a")).unwrap().state = MountState::Publishing;
+        std::sync::Arc::make_mut(w.mounts.get_mut(&key("a")).unwrap()).state =
+            MountState::Publishing;
         r.variable_changed("default", "dhv-binder-secrets/a", &w.mounts, &w.volumes);
         assert!(due(&mut r, &w, &BTreeSet::new(), t0).is_empty());
-        w.mounts.get_mut(&key("a")).unwrap().state = MountState::Published;
+        std::sync::Arc::make_mut(w.mounts.get_mut(&key("a")).unwrap()).state =
+            MountState::Published;
         assert_eq!(due(&mut r, &w, &BTreeSet::new(), t0), vec![key("a")]);
         r.done(&key("a"), Ok(()), t0);
         // Unpublished: a change has nothing to refresh.

@@ -18,7 +18,7 @@ use crate::cluster::expansion;
 use crate::cluster::snapshot::{self, Snapshots};
 use crate::cluster::worker::{OpError, OpKey, Published};
 use crate::node::freeze::Thawed;
-use crate::node::journal::{MountRecord, MountState};
+use crate::node::journal::MountState;
 use crate::nomad::retry::Retries;
 use crate::storage::plugin::{Capability, Fingerprint};
 use crate::volume::{ExpansionState, VolumeKey, VolumeRecord, VolumeState};
@@ -76,7 +76,7 @@ fn fingerprint<'a>(
 /// Where `key` is published as this node's journal says: `None` while a publish or
 /// unpublish is under way (decide once it settles).
 fn place(
-    mounts: &BTreeMap<VolumeKey, MountRecord>,
+    mounts: &crate::node::journal::Mounts,
     key: &VolumeKey,
 ) -> Option<(Published, Option<PathBuf>)> {
     match mounts.get(key) {
@@ -143,7 +143,7 @@ impl StorageOps {
         &mut self,
         volumes: &Catalogue,
         plugins: &BTreeMap<String, Result<Fingerprint, String>>,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        mounts: &crate::node::journal::Mounts,
         busy: &mut BTreeSet<VolumeKey>,
         me: &str,
         node_pool: &str,
@@ -204,7 +204,7 @@ impl StorageOps {
                     self.start(key, snap.modify_index, Some(vkey.clone()));
                     busy.insert(vkey);
                     out.push(Effect::Storage(StorageOp::SnapshotCreate {
-                        volume: Box::new(vol.clone()),
+                        volume: Box::new(VolumeRecord::clone(vol)),
                         snapshot: Box::new(snap),
                         target,
                     }));
@@ -241,18 +241,18 @@ impl StorageOps {
                     busy.insert(vkey.clone());
                     self.start(key, vol.modify_index, Some(vkey));
                     StorageOp::Expand {
-                        volume: Box::new(vol.clone()),
+                        volume: Box::new(VolumeRecord::clone(vol)),
                         target: if online { target } else { None },
                     }
                 }
                 expansion::Step::Defer => {
                     self.start(key, vol.modify_index, None);
-                    StorageOp::ExpandDefer(Box::new(vol.clone()))
+                    StorageOp::ExpandDefer(Box::new(VolumeRecord::clone(vol)))
                 }
                 expansion::Step::Refuse(message) => {
                     self.start(key, vol.modify_index, None);
                     StorageOp::ExpandRefuse {
-                        volume: Box::new(vol.clone()),
+                        volume: Box::new(VolumeRecord::clone(vol)),
                         message,
                     }
                 }
@@ -346,13 +346,13 @@ mod tests {
     }
 
     fn catalogue(v: &VolumeRecord) -> Catalogue {
-        Catalogue::from([(v.key(), v.clone())])
+        Catalogue::from([(v.key(), std::sync::Arc::new(v.clone()))])
     }
 
-    fn published(v: &VolumeRecord) -> BTreeMap<VolumeKey, MountRecord> {
+    fn published(v: &VolumeRecord) -> crate::node::journal::Mounts {
         BTreeMap::from([(
             v.key(),
-            MountRecord {
+            std::sync::Arc::new(crate::node::journal::MountRecord {
                 volume: v.key(),
                 volume_id: v.id.clone(),
                 plugin_id: v.spec.plugin_id.clone(),
@@ -364,7 +364,7 @@ mod tests {
                 last_error: String::new(),
                 mount: None,
                 claim_id: None,
-            },
+            }),
         )])
     }
 
@@ -386,7 +386,7 @@ mod tests {
         s: &mut StorageOps,
         v: &VolumeRecord,
         p: &BTreeMap<String, Result<Fingerprint, String>>,
-        mounts: &BTreeMap<VolumeKey, MountRecord>,
+        mounts: &crate::node::journal::Mounts,
         busy: &mut BTreeSet<VolumeKey>,
         retries: &Retries<Work>,
         now: Instant,
@@ -553,7 +553,7 @@ mod tests {
         snap.worker_node.clear();
         s.on_snapshots(Snapshots::from([(snap.id.clone(), snap)]));
         let mut m = published(&v);
-        m.values_mut().next().unwrap().state = MountState::Publishing;
+        std::sync::Arc::make_mut(m.values_mut().next().unwrap()).state = MountState::Publishing;
         let out = pass(&mut s, &v, &p, &m, &mut BTreeSet::new(), &retries, now);
         assert!(ops(&out).is_empty(), "{out:?}");
         // Settled, nowhere published: any node with the plugin takes it.

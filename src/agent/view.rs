@@ -3,9 +3,10 @@
 //! The view is `complete` only after a full list of the node's allocations; until then,
 //! absence proves nothing and nothing destructive may be planned from it.
 
-use crate::nomad::types::Allocation;
-use crate::volume::{VolumeKey, VolumeRecord, VolumeState};
+use crate::nomad::types::{Allocation, Job};
+use crate::volume::{VolumeKey, VolumeState};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Extra time, beyond an allocation's kill grace, before a vanished allocation counts as
@@ -17,19 +18,42 @@ pub const DEPARTURE_MARGIN: Duration = Duration::from_secs(5);
 pub struct View {
     complete: bool,
     index: u64,
-    allocs: BTreeMap<String, Allocation>,
+    /// Boxed: a map node holds eleven entries, so an unboxed `Allocation` (about 340
+    /// bytes) would make each half-full node cost kilobytes (docs/scale.md, memory per
+    /// allocation).
+    allocs: BTreeMap<String, Box<Allocation>>,
     /// Allocations that vanished from Nomad (purge, GC) while their tasks were last seen
     /// running: kept (as live) until the deadline, while the client kills their tasks.
     departing: BTreeMap<String, Instant>,
     /// Volume → the allocations whose group names it (whatever the catalogue says),
     /// maintained with every change: the plan finds a volume's allocations without a scan.
-    needing: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// Each set is a sorted `Vec` (most volumes have one allocation: a `BTreeSet` would
+    /// allocate a node of eleven slots for it).
+    needing: BTreeMap<VolumeKey, Vec<String>>,
     /// What changed since [`View::take_changes`].
     changes: Changes,
     /// Allocations that left the view finished, with their last ModifyIndex: an older
     /// list or event that still shows them running is stale, never a reason to publish
     /// again. At most [`FINISHED_KEPT`], the oldest dropped first.
     finished: BTreeMap<String, u64>,
+    /// One reduced Job per (namespace, job, version, group), shared by every allocation
+    /// whose reduced Job equals it: the allocations of one job version (a `count` of 1,000
+    /// with `per_alloc` volumes) keep one copy, not one each. An entry goes with the last
+    /// allocation that shares it.
+    jobs: BTreeMap<JobKey, Arc<Job>>,
+}
+
+/// (namespace, job ID, job version, task group): where [`View`] looks for a Job to share.
+type JobKey = (String, String, u64, String);
+
+fn job_key(a: &Allocation) -> Option<JobKey> {
+    let j = a.job.as_ref()?;
+    Some((
+        j.namespace.clone(),
+        j.id.clone(),
+        j.version,
+        a.task_group.clone(),
+    ))
 }
 
 /// What changed in the view since the last [`View::take_changes`]: the planner replans
@@ -67,7 +91,7 @@ impl View {
     }
 
     /// The allocations.
-    pub fn allocs(&self) -> &BTreeMap<String, Allocation> {
+    pub fn allocs(&self) -> &BTreeMap<String, Box<Allocation>> {
         &self.allocs
     }
 
@@ -101,7 +125,8 @@ impl View {
                 _ => {}
             }
             self.departing.remove(&a.id);
-            self.allocs.insert(a.id.clone(), a);
+            self.share_job(&mut a);
+            self.allocs.insert(a.id.clone(), Box::new(a));
         }
         for (id, a) in old {
             if !a.tasks_finished() {
@@ -117,12 +142,13 @@ impl View {
                 self.forget_finished(&a);
             }
         }
+        self.jobs.retain(|_, j| Arc::strong_count(j) > 1);
         self.complete = true;
         self.index = index;
         self.needing.clear();
         for (id, a) in &self.allocs {
             for key in named_volumes(a) {
-                self.needing.entry(key).or_default().insert(id.clone());
+                add_sorted(self.needing.entry(key).or_default(), id);
             }
         }
         self.changes.relisted = true;
@@ -177,9 +203,43 @@ impl View {
         self.touch(&id);
         for key in named_volumes(&a) {
             self.changes.volumes.insert(key.clone());
-            self.needing.entry(key).or_default().insert(id.clone());
+            add_sorted(self.needing.entry(key).or_default(), &id);
         }
-        self.allocs.insert(id, a);
+        self.share_job(&mut a);
+        if let Some(old) = self.allocs.insert(id, Box::new(a)) {
+            self.release_job(*old);
+        }
+    }
+
+    /// Gives `a` the Job already kept for its (namespace, job, version, group) when the two
+    /// are equal; else keeps `a`'s as the one to share.
+    fn share_job(&mut self, a: &mut Allocation) {
+        let (Some(key), Some(job)) = (job_key(a), a.job.as_ref()) else {
+            return;
+        };
+        match self.jobs.get(&key) {
+            Some(known) if Arc::ptr_eq(known, job) => {}
+            Some(known) if **known == **job => a.job = Some(Arc::clone(known)),
+            _ => {
+                self.jobs.insert(key, Arc::clone(job));
+            }
+        }
+    }
+
+    /// Drops `a` (an allocation that left the view or was replaced), and its shared Job
+    /// with it when no other allocation holds that Job.
+    fn release_job(&mut self, a: Allocation) {
+        let key = job_key(&a);
+        drop(a);
+        if let Some(key) = key {
+            if self
+                .jobs
+                .get(&key)
+                .is_some_and(|j| Arc::strong_count(j) == 1)
+            {
+                self.jobs.remove(&key);
+            }
+        }
     }
 
     /// Takes what changed since the last call.
@@ -207,7 +267,9 @@ impl View {
         };
         for key in named_volumes(old) {
             if let Some(ids) = self.needing.get_mut(&key) {
-                ids.remove(id);
+                if let Ok(i) = ids.binary_search_by(|x| x.as_str().cmp(id)) {
+                    ids.remove(i);
+                }
                 if ids.is_empty() {
                     self.needing.remove(&key);
                 }
@@ -221,6 +283,7 @@ impl View {
         self.touch(id);
         if let Some(a) = self.allocs.remove(id) {
             self.forget_finished(&a);
+            self.release_job(*a);
         }
         self.departing.remove(id);
     }
@@ -263,10 +326,20 @@ impl View {
     }
 }
 
+/// Adds `id` to a sorted set of allocation IDs, once.
+fn add_sorted(ids: &mut Vec<String>, id: &str) {
+    if let Err(i) = ids.binary_search_by(|x| x.as_str().cmp(id)) {
+        if ids.is_empty() {
+            ids.reserve_exact(1);
+        }
+        ids.insert(i, id.to_string());
+    }
+}
+
 /// The deferred volumes an allocation's group requests: host volumes whose source
 /// (with the allocation's `[N]` suffix for `per_alloc`) names a volume record in the
 /// allocation's namespace that is created (`ready`, or `deleting` while still in use).
-pub fn requests(alloc: &Allocation, volumes: &BTreeMap<VolumeKey, VolumeRecord>) -> Vec<Request> {
+pub fn requests(alloc: &Allocation, volumes: &crate::cluster::catalog::Catalogue) -> Vec<Request> {
     let mut out: Vec<Request> = Vec::new();
     for (key, read_only) in host_sources(alloc) {
         let usable = volumes
@@ -333,10 +406,10 @@ mod tests {
             id: id.into(),
             task_group: group.into(),
             modify_index: 1,
-            job: Some(Job {
+            job: Some(std::sync::Arc::new(Job {
                 task_groups: groups.to_vec(),
                 ..Default::default()
-            }),
+            })),
             ..Default::default()
         }
     }
@@ -344,6 +417,38 @@ mod tests {
     fn groups_kept(v: &View, id: &str) -> Vec<String> {
         let job = v.allocs()[id].job.as_ref().expect("the Job is kept");
         job.task_groups.iter().map(|g| g.name.clone()).collect()
+    }
+
+    /// Issue 50 (memory): allocations whose reduced Jobs are equal share one; a Job that
+    /// differs (another version's group) is not shared, and a shared Job goes with the last
+    /// allocation that holds it.
+    #[test]
+    fn allocations_of_one_job_version_share_its_job() {
+        let mut v = View::default();
+        v.replace_all_at(
+            vec![alloc("a", "web"), alloc("b", "web")],
+            1,
+            Instant::now(),
+        );
+        v.upsert(alloc("c", "web"));
+        let job = |v: &View, id: &str| v.allocs()[id].job.clone().expect("a Job");
+        assert!(Arc::ptr_eq(&job(&v, "a"), &job(&v, "b")));
+        assert!(Arc::ptr_eq(&job(&v, "a"), &job(&v, "c")));
+        // Same version, but another group: not the same reduced Job.
+        v.upsert(alloc("d", "db"));
+        assert!(!Arc::ptr_eq(&job(&v, "a"), &job(&v, "d")));
+        // Same key, other content (a Job changed without a new version): kept apart.
+        let mut other = alloc("e", "web");
+        Arc::make_mut(other.job.as_mut().unwrap()).job_type = "batch".into();
+        v.upsert(other);
+        assert!(!Arc::ptr_eq(&job(&v, "a"), &job(&v, "e")));
+        assert_eq!(job(&v, "e").job_type, "batch");
+        // Gone with the last allocation that holds it.
+        let t = Instant::now();
+        v.replace_all_at(vec![], 2, t);
+        v.expire(t + Duration::from_secs(3600));
+        assert!(v.allocs().is_empty());
+        assert!(v.jobs.is_empty(), "{:?}", v.jobs.keys());
     }
 
     /// Issue 10 (memory): the view keeps of each allocation's Job only its own group.

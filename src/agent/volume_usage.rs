@@ -58,7 +58,7 @@ pub(crate) struct Checks {
     /// The call's environment.
     pub env: Vec<(String, String)>,
     /// The volume's record, when this node has it.
-    pub record: Option<Box<crate::volume::VolumeRecord>>,
+    pub record: Option<Arc<crate::volume::VolumeRecord>>,
 }
 
 /// What the usage task needs to call plugins: the runner and this node's part of the
@@ -121,7 +121,7 @@ struct State {
 
 /// The shell's side of the usage task.
 pub(crate) struct UsageHandle {
-    tx: tokio::sync::watch::Sender<BTreeMap<VolumeKey, Known>>,
+    tx: tokio::sync::watch::Sender<Arc<BTreeMap<VolumeKey, Known>>>,
     state: Arc<Mutex<State>>,
     task: tokio::task::JoinHandle<()>,
     node: Option<crate::storage::environment::NodeEnv>,
@@ -180,7 +180,7 @@ fn add_checks<'a>(
     journal: &Journal,
     node: &crate::storage::environment::NodeEnv,
     plugins: &BTreeMap<String, Result<crate::storage::plugin::Fingerprint, String>>,
-    record: impl Fn(&VolumeKey) -> Option<&'a crate::volume::VolumeRecord>,
+    record: impl Fn(&VolumeKey) -> Option<&'a Arc<crate::volume::VolumeRecord>>,
 ) {
     use crate::storage::protocol::Capability;
     for (k, v) in next.iter_mut().filter(|(_, v)| v.published) {
@@ -205,7 +205,7 @@ fn add_checks<'a>(
                 stats,
                 health,
                 env,
-                record: Some(Box::new(rec.clone())),
+                record: Some(Arc::clone(rec)),
             });
         }
     }
@@ -372,7 +372,7 @@ impl UsageHandle {
             unused: load_unused(state_dir),
             ..Default::default()
         }));
-        let (tx, rx) = tokio::sync::watch::channel(BTreeMap::new());
+        let (tx, rx) = tokio::sync::watch::channel(Arc::default());
         let node = calls.as_ref().map(|c| c.node.clone());
         let task = tokio::spawn(run(
             rx,
@@ -402,17 +402,17 @@ impl UsageHandle {
         journal: &Journal,
         mounted: &BTreeSet<PathBuf>,
         plugins: Option<&BTreeMap<String, Result<crate::storage::plugin::Fingerprint, String>>>,
-        record: impl Fn(&VolumeKey) -> Option<&'a crate::volume::VolumeRecord>,
+        record: impl Fn(&VolumeKey) -> Option<&'a Arc<crate::volume::VolumeRecord>>,
     ) {
         let mut next = known(journal, mounted);
         if let (Some(node), Some(plugins)) = (&self.node, plugins) {
             add_checks(&mut next, journal, node, plugins, record);
         }
         self.tx.send_if_modified(|k| {
-            if *k == next {
+            if **k == next {
                 return false;
             }
-            *k = next;
+            *k = Arc::new(next);
             true
         });
     }
@@ -689,7 +689,7 @@ struct Settings {
 }
 
 async fn run(
-    mut rx: tokio::sync::watch::Receiver<BTreeMap<VolumeKey, Known>>,
+    mut rx: tokio::sync::watch::Receiver<Arc<BTreeMap<VolumeKey, Known>>>,
     settings: Settings,
     state: Arc<Mutex<State>>,
     metrics: Metrics,
@@ -1086,7 +1086,10 @@ esac"#,
             r.id = format!("id-{name}");
             r
         };
-        let records = BTreeMap::from([(key("a"), rec("a")), (key("c"), rec("c"))]);
+        let records = BTreeMap::from([
+            (key("a"), Arc::new(rec("a"))),
+            (key("c"), Arc::new(rec("c"))),
+        ]);
         let node = crate::storage::environment::NodeEnv {
             node_id: "n".into(),
             node_pool: "default".into(),

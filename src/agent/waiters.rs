@@ -310,14 +310,17 @@ mod tests {
         fn new() -> Self {
             let mut view = View::default();
             let mut a = alloc(A, &["d"], "pending", "run");
-            if let Some(j) = a.job.as_mut() {
+            if let Some(j) = a.job.as_mut().map(std::sync::Arc::make_mut) {
                 j.id = "web".into();
             }
             a.job_id = "web".into();
             view.upsert(a);
             Self {
                 view,
-                volumes: Catalogue::from([(key("d"), volume("d", "single-node-writer"))]),
+                volumes: Catalogue::from([(
+                    key("d"),
+                    std::sync::Arc::new(volume("d", "single-node-writer")),
+                )]),
                 journal: Journal::new("node-1"),
                 last_error: BTreeMap::new(),
                 busy: BTreeSet::new(),

@@ -84,7 +84,7 @@ pub struct StatusDoc {
     /// Tasks that mount a deferred volume without the prestart gate, by allocation ID.
     pub ungated: BTreeMap<String, Vec<UngatedDoc>>,
     /// Each volume's usage and condition, as last read (`namespace/name` →
-    /// `{"usage", "condition", "unused_since", "condition_changes"}`; docs/operations.md,
+    /// `{"usage", "condition", "unused_since", "condition_changes"}`; docs/operations/metrics.md,
     /// "Volume usage, condition and unused time").
     pub volume_usage: BTreeMap<String, VolumeUsageDoc>,
     /// Whether the journal can be written: `{"failing": false}`, or `{"failing": true,

@@ -14,8 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-/// A full snapshot of the catalogue.
-pub type Catalogue = BTreeMap<VolumeKey, VolumeRecord>;
+/// A full snapshot of the catalogue. Each record is shared (`Arc`) between the watch's
+/// cache, the snapshots it sends and the agent's loop: a snapshot copies the map, never the
+/// records (docs/scale.md, memory per record).
+pub type Catalogue = BTreeMap<VolumeKey, Arc<VolumeRecord>>;
 
 /// Told of each refusal as it happens: a record version read and refused, with why (the
 /// agent's metrics count them).
@@ -402,7 +404,7 @@ pub async fn run(
 ) {
     let kind = Kind {
         prefix: RECORD_PREFIX,
-        admit,
+        admit: |var, trust| admit(var, trust).map(Arc::new),
         refused: |namespace, path, reason| {
             let name = path.rsplit('/').next().unwrap_or(path);
             let volume = crate::escape::escape_control(&format!("{namespace}/{name}"));
@@ -418,7 +420,13 @@ pub async fn run(
     follow(client, kind, follow_by, trust, rejected, catalogue_of, tx).await
 }
 
-fn catalogue_of(cache: &Cache<VolumeRecord>) -> Catalogue {
+/// A catalogue of `records` (tests build theirs from plain records).
+#[cfg(test)]
+pub(crate) fn shared(records: BTreeMap<VolumeKey, VolumeRecord>) -> Catalogue {
+    records.into_iter().map(|(k, r)| (k, Arc::new(r))).collect()
+}
+
+fn catalogue_of(cache: &Cache<Arc<VolumeRecord>>) -> Catalogue {
     cache
         .values()
         .filter_map(|(_, r)| r.clone().and_then(Result::ok))

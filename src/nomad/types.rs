@@ -72,8 +72,10 @@ pub struct Allocation {
     #[serde(rename = "JobID", deserialize_with = "null_default")]
     pub job_id: String,
     /// Absent in event payloads (the server strips it), present in reads and node lists.
+    /// Shared: the view keeps one copy of a reduced Job for all the allocations whose
+    /// reduced Jobs are equal (`crate::agent::view`; docs/scale.md, memory per allocation).
     #[serde(rename = "Job", skip_serializing_if = "Option::is_none")]
-    pub job: Option<Job>,
+    pub job: Option<std::sync::Arc<Job>>,
     #[serde(rename = "TaskGroup", deserialize_with = "null_default")]
     pub task_group: String,
     /// `run`, `stop` or `evict`.
@@ -216,12 +218,31 @@ impl Allocation {
 
     /// Drops the embedded Job's task groups other than this allocation's own: all the agent
     /// reads of a Job is its own group (volume requests, tasks' lifecycle and kill grace), and
-    /// the view keeps one Job per allocation.
+    /// the view keeps the Job. The lists kept are cut to their length: decoding grows a
+    /// list of one task group, task or mount to room for four.
     pub fn keep_own_group(&mut self) {
         if let Some(job) = &mut self.job {
             let own = &self.task_group;
-            job.task_groups.retain(|g| &g.name == own);
-            job.task_groups.shrink_to_fit();
+            let roomy = |j: &Job| {
+                j.task_groups.capacity() > j.task_groups.len()
+                    || j.task_groups.iter().any(|g| {
+                        g.tasks.capacity() > g.tasks.len()
+                            || g.tasks
+                                .iter()
+                                .any(|t| t.volume_mounts.capacity() > t.volume_mounts.len())
+                    })
+            };
+            if job.task_groups.iter().any(|g| &g.name != own) || roomy(job) {
+                let job = std::sync::Arc::make_mut(job);
+                job.task_groups.retain(|g| &g.name == own);
+                job.task_groups.shrink_to_fit();
+                for g in &mut job.task_groups {
+                    g.tasks.shrink_to_fit();
+                    for t in &mut g.tasks {
+                        t.volume_mounts.shrink_to_fit();
+                    }
+                }
+            }
         }
     }
 
@@ -374,7 +395,9 @@ pub struct VolumeMount {
     pub propagation_mode: String,
 }
 
-/// `structs.TaskState`. Times are RFC3339Nano strings or `null` when zero.
+/// `structs.TaskState`, reduced to what the agent reads: the rest (`Restarts`, `StartedAt`,
+/// `FinishedAt`, `Events`, ...) is skipped while decoding, so the view keeps no copy of it
+/// (docs/scale.md, memory per allocation).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TaskState {
@@ -383,12 +406,6 @@ pub struct TaskState {
     pub state: String,
     #[serde(rename = "Failed", deserialize_with = "null_default")]
     pub failed: bool,
-    #[serde(rename = "Restarts", deserialize_with = "null_default")]
-    pub restarts: u64,
-    #[serde(rename = "StartedAt")]
-    pub started_at: Option<String>,
-    #[serde(rename = "FinishedAt")]
-    pub finished_at: Option<String>,
 }
 
 /// A dynamic host volume (`structs.HostVolume`, `nomad/structs/host_volumes.go`), as sent to

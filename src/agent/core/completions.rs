@@ -122,7 +122,12 @@ impl Core {
                 elapsed,
             } => {
                 self.busy.remove(&volume);
-                let Some(mut m) = self.journal.mounts().get(&volume).cloned() else {
+                let Some(mut m) = self
+                    .journal
+                    .mounts()
+                    .get(&volume)
+                    .map(|m| MountRecord::clone(m))
+                else {
                     return;
                 };
                 match result {
@@ -215,7 +220,12 @@ impl Core {
                         self.step_failed(&volume, &e);
                         self.retries
                             .failed(&Work::Mount(volume.clone()), STEP_RETRY, now);
-                        if let Some(mut m) = self.journal.mounts().get(&volume).cloned() {
+                        if let Some(mut m) = self
+                            .journal
+                            .mounts()
+                            .get(&volume)
+                            .map(|m| MountRecord::clone(m))
+                        {
                             m.last_error = e.report();
                             self.journal.set_mount(m, EventKind::UnpublishFailed, None);
                         }

@@ -171,7 +171,7 @@ impl Core {
     /// A core starting from the journal's records, at `now`.
     pub(crate) fn new(s: Settings, journal: Journal, now: Instant) -> Self {
         let mut claims = Claims::new(s.claims);
-        claims.restore(journal.mounts().values(), now);
+        claims.restore(journal.mounts().values().map(|m| &**m), now);
         Self {
             retries: Retries::new(s.seed),
             mount_health: MountHealth::new(s.health_interval),
@@ -266,7 +266,10 @@ impl Core {
     }
 
     /// The record of volume `k` in this node's catalogue, if it has one.
-    pub(crate) fn volume_record(&self, k: &VolumeKey) -> Option<&crate::volume::VolumeRecord> {
+    pub(crate) fn volume_record(
+        &self,
+        k: &VolumeKey,
+    ) -> Option<&std::sync::Arc<crate::volume::VolumeRecord>> {
         self.volumes.get(k)
     }
 
@@ -288,10 +291,7 @@ impl Core {
                     }
                     .to_string(),
                     since: m.since,
-                    users: users
-                        .get(k)
-                        .map(|u| u.iter().cloned().collect())
-                        .unwrap_or_default(),
+                    users: users.get(k).map(|u| u.to_vec()).unwrap_or_default(),
                     ..Default::default()
                 };
                 (k.to_string(), v)
@@ -822,7 +822,7 @@ impl Core {
                         .get(&rec.spec.plugin_id)
                         .and_then(|f| f.as_ref().ok())
                         .filter(|f| f.supports(Capability::FenceNode))
-                        .map(|_| Box::new(rec.clone()));
+                        .map(|_| Box::new(VolumeRecord::clone(rec)));
                     self.busy.insert(volume.clone());
                     self.claims.acquire_sent(&volume, now);
                     out.push(Effect::AcquireClaim {
@@ -850,7 +850,7 @@ impl Core {
                 .values()
                 .filter(|r| r.state == VolumeState::Ready && self.serves(r, &deferred))
                 .filter(|r| self.withheld(r, &attached, now).is_none())
-                .filter_map(|r| Some((r.key(), (r, self.target_of(&r.key())?))))
+                .filter_map(|r| Some((r.key(), (&**r, self.target_of(&r.key())?))))
                 .collect();
             // A pass over every volume: counted with the planning work.
             self.plan_visits += self.volumes.len() as u64;
@@ -864,6 +864,7 @@ impl Core {
             let served = self
                 .volumes
                 .values()
+                .map(|r| &**r)
                 .filter(|r| serves(r, &deferred, pool) && !storage_ops::create_elsewhere(r, me))
                 // A volume is created only where its required topology is met.
                 .filter(|r| !elsewhere.contains(&r.key()));
@@ -947,7 +948,12 @@ impl Core {
     ) {
         let left = lease_left_ms;
         self.dirty.insert(volume.clone());
-        let Some(m) = self.journal.mounts().get(&volume).cloned() else {
+        let Some(m) = self
+            .journal
+            .mounts()
+            .get(&volume)
+            .map(|m| MountRecord::clone(m))
+        else {
             tracing::warn!(%volume, lease_left_ms = ?left, "claim fenced: {why}; nothing is mounted here");
             return;
         };
@@ -967,7 +973,7 @@ impl Core {
             .map(|_| {
                 Box::new(PluginFence {
                     mount: m.clone(),
-                    record: self.volumes.get(&volume).cloned(),
+                    record: self.volumes.get(&volume).map(|r| VolumeRecord::clone(r)),
                 })
             });
         out.push(Effect::Fence {
@@ -1055,7 +1061,7 @@ impl Core {
         tracing::info!(%volume, %alloc_id, target = %target.display(), "publishing");
         self.busy.insert(volume);
         Some(Effect::Publish {
-            volume: Box::new(rec),
+            volume: Box::new(VolumeRecord::clone(&rec)),
             target,
             read_only,
             alloc_id,
@@ -1087,15 +1093,15 @@ impl Core {
             tracing::info!(volume = %k, "refreshing the published volume's credentials");
             self.busy.insert(k.clone());
             out.push(Effect::Refresh {
-                volume: Box::new(rec.clone()),
-                mount: Box::new(m.clone()),
+                volume: Box::new(VolumeRecord::clone(rec)),
+                mount: Box::new(MountRecord::clone(m)),
             });
         }
     }
 
     /// Records the unpublish intent; the call itself waits for the commit.
     fn start_unpublish(&mut self, volume: VolumeKey) -> Option<Effect> {
-        let mut m = self.journal.mounts().get(&volume)?.clone();
+        let mut m = MountRecord::clone(self.journal.mounts().get(&volume)?);
         m.state = MountState::Unpublishing;
         self.journal
             .set_mount(m.clone(), EventKind::UnpublishIntent, None);
@@ -1103,7 +1109,10 @@ impl Core {
         self.busy.insert(volume.clone());
         Some(Effect::Unpublish {
             keep_dir: self.placeholders.contains(&volume),
-            volume: self.volumes.get(&volume).cloned().map(Box::new),
+            volume: self
+                .volumes
+                .get(&volume)
+                .map(|r| Box::new(VolumeRecord::clone(r))),
             mount: Box::new(m),
         })
     }

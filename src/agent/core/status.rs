@@ -39,7 +39,7 @@ impl Core {
             "watch": self.watch,
             "view": {"complete": self.view.is_complete(), "index": self.view.index(), "allocations": self.view.allocs().len(), "departing": self.view.departing()},
             "volumes": volumes,
-            "mounts": self.journal.mounts().values().collect::<Vec<_>>(),
+            "mounts": self.journal.mounts().values().map(|m| &**m).collect::<Vec<_>>(),
             "users": self.journal.users(),
             "waiting": self.waiting.iter().map(|w| serde_json::json!({"volume": w.volume.to_string(), "reason": w.reason})).collect::<Vec<_>>(),
             "errors": self.last_error.iter().map(|(k, e)| (k.to_string(), e.clone())).collect::<BTreeMap<_, _>>(),

@@ -220,9 +220,12 @@ async fn a_failed_publish_is_retried_at_its_backoff_and_not_before() {
         Input::MountTable(MountTable::default()),
         fingerprinted(),
         Input::Catalogue(
-            [(key("d"), volume("d", "multi-node-multi-writer"))]
-                .into_iter()
-                .collect(),
+            [(
+                key("d"),
+                std::sync::Arc::new(volume("d", "multi-node-multi-writer")),
+            )]
+            .into_iter()
+            .collect(),
         ),
         Input::Watch(WatchEvent::Relisted {
             allocs: vec![alloc("a1", &["d"], "pending", "run")],
@@ -327,9 +330,12 @@ async fn a_failing_placeholder_listing_backs_off_and_logs_once_a_minute() {
         Input::MountTable(MountTable::default()),
         fingerprinted(),
         Input::Catalogue(
-            [(key("d"), volume("d", "multi-node-multi-writer"))]
-                .into_iter()
-                .collect(),
+            [(
+                key("d"),
+                std::sync::Arc::new(volume("d", "multi-node-multi-writer")),
+            )]
+            .into_iter()
+            .collect(),
         ),
     ];
     let start = now();

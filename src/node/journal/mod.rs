@@ -157,7 +157,7 @@ struct OnDiskRef<'a> {
 /// the mount record was removed; `false`: the user record was removed).
 #[derive(Debug, Default)]
 struct Delta {
-    mounts: BTreeMap<VolumeKey, Option<MountRecord>>,
+    mounts: BTreeMap<VolumeKey, Option<Arc<MountRecord>>>,
     users: BTreeMap<UserKey, bool>,
 }
 
@@ -165,7 +165,7 @@ struct Delta {
 /// hands over only what changed and the whole state is serialised off the loop.
 #[derive(Debug, Default)]
 struct Records {
-    mounts: BTreeMap<VolumeKey, MountRecord>,
+    mounts: Mounts,
     users: BTreeSet<UserKey>,
 }
 
@@ -312,15 +312,22 @@ impl Commit {
     }
 }
 
+/// The mount records by volume. Each record is shared (`Arc`) between the loop's journal,
+/// the pending commit and the store's copy: a change writes one record, never a copy per
+/// holder (docs/scale.md, memory per allocation).
+pub type Mounts = BTreeMap<VolumeKey, Arc<MountRecord>>;
+
 /// The journal's records in memory. Changes are queued for the next [`Commit`]; nothing
 /// here performs I/O.
 #[derive(Debug)]
 pub struct Journal {
     node_id: String,
-    mounts: BTreeMap<VolumeKey, MountRecord>,
+    mounts: Mounts,
     users: BTreeSet<UserKey>,
     /// Volume → the allocations recorded as its users (the same records as `users`).
-    users_by_volume: BTreeMap<VolumeKey, BTreeSet<String>>,
+    /// Each set is a sorted `Vec`: most volumes have one user, and a `BTreeSet` would
+    /// allocate a node of eleven slots for it (docs/scale.md, memory per allocation).
+    users_by_volume: BTreeMap<VolumeKey, Vec<String>>,
     /// Mount target → volume (the same records as `mounts`).
     targets: BTreeMap<PathBuf, VolumeKey>,
     /// The (target, volume) pairs whose mount record changed or went since the last
@@ -343,7 +350,7 @@ pub struct Journal {
 /// The user records of `key` in a volume → allocations index
 /// ([`Journal::users_by_volume`]), in allocation order.
 pub fn users_of<'a>(
-    by_volume: &'a BTreeMap<VolumeKey, BTreeSet<String>>,
+    by_volume: &'a BTreeMap<VolumeKey, Vec<String>>,
     key: &'a VolumeKey,
 ) -> impl Iterator<Item = UserKey> + 'a {
     by_volume
@@ -460,7 +467,7 @@ impl Journal {
     }
 
     /// Loads records (from disk), with their indexes.
-    fn load(&mut self, mounts: Vec<MountRecord>, users: Vec<UserKey>) {
+    fn load(&mut self, mounts: Vec<Arc<MountRecord>>, users: Vec<UserKey>) {
         for m in mounts {
             self.targets.insert(m.target.clone(), m.volume.clone());
             self.mounts.insert(m.volume.clone(), m);
@@ -473,12 +480,17 @@ impl Journal {
 
     fn index_user(&mut self, u: &UserKey, present: bool) {
         if present {
-            self.users_by_volume
-                .entry(u.volume.clone())
-                .or_default()
-                .insert(u.alloc_id.clone());
+            let ids = self.users_by_volume.entry(u.volume.clone()).or_default();
+            if let Err(i) = ids.binary_search(&u.alloc_id) {
+                if ids.is_empty() {
+                    ids.reserve_exact(1);
+                }
+                ids.insert(i, u.alloc_id.clone());
+            }
         } else if let Some(ids) = self.users_by_volume.get_mut(&u.volume) {
-            ids.remove(&u.alloc_id);
+            if let Ok(i) = ids.binary_search(&u.alloc_id) {
+                ids.remove(i);
+            }
             if ids.is_empty() {
                 self.users_by_volume.remove(&u.volume);
             }
@@ -486,7 +498,7 @@ impl Journal {
     }
 
     /// Volume → the allocations recorded as its users (an index of [`Journal::users`]).
-    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, BTreeSet<String>> {
+    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, Vec<String>> {
         &self.users_by_volume
     }
 
@@ -516,7 +528,7 @@ impl Journal {
     }
 
     /// All mount records.
-    pub fn mounts(&self) -> &BTreeMap<VolumeKey, MountRecord> {
+    pub fn mounts(&self) -> &Mounts {
         &self.mounts
     }
 
@@ -534,11 +546,12 @@ impl Journal {
         let key = rec.volume.clone();
         self.targets.insert(rec.target.clone(), key.clone());
         self.touched.insert((rec.target.clone(), key.clone()));
+        let rec = Arc::new(rec);
         self.pending.mounts.insert(key.clone(), Some(rec.clone()));
         if let Some(old) = self.mounts.insert(key.clone(), rec) {
             if self.mounts[&key].target != old.target {
                 self.targets.remove(&old.target);
-                self.touched.insert((old.target, key.clone()));
+                self.touched.insert((old.target.clone(), key.clone()));
             }
         }
         if matches!(kind, EventKind::PublishIntent | EventKind::UnpublishIntent) {
@@ -566,7 +579,7 @@ impl Journal {
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
         if let Some(old) = self.mounts.remove(key) {
             self.targets.remove(&old.target);
-            self.touched.insert((old.target, key.clone()));
+            self.touched.insert((old.target.clone(), key.clone()));
             self.pending.mounts.insert(key.clone(), None);
             self.queue(kind, key, None, serde_json::Value::Null);
         }
@@ -717,7 +730,12 @@ pub fn read_stored(dir: &Path) -> Result<StoredState, JournalError> {
     let (disk, node_id) = load(dir)?;
     Ok(StoredState {
         node_id,
-        mounts: disk.records.mounts.into_values().collect(),
+        mounts: disk
+            .records
+            .mounts
+            .into_values()
+            .map(Arc::unwrap_or_clone)
+            .collect(),
         users: disk.records.users.into_iter().collect(),
     })
 }
@@ -777,7 +795,7 @@ fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
             disk.records.mounts = d
                 .mounts
                 .into_iter()
-                .map(|m| (m.volume.clone(), m))
+                .map(|m| (m.volume.clone(), Arc::new(m)))
                 .collect();
             disk.records.users = d.users.into_iter().collect();
         }
@@ -834,7 +852,11 @@ fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
                 }
                 disk.seq = line.seq;
                 disk.records.apply(&Delta {
-                    mounts: line.mounts.into_iter().collect(),
+                    mounts: line
+                        .mounts
+                        .into_iter()
+                        .map(|(k, m)| (k, m.map(Arc::new)))
+                        .collect(),
                     users: line.users.into_iter().collect(),
                 });
                 good = at;
@@ -992,7 +1014,7 @@ impl Store {
                 .delta
                 .mounts
                 .iter()
-                .map(|(k, m)| (k.clone(), m.clone()))
+                .map(|(k, m)| (k.clone(), m.as_deref().cloned()))
                 .collect(),
             users: commit
                 .delta
@@ -1028,7 +1050,7 @@ impl Store {
             version: VERSION,
             node_id: &self.node_id,
             seq: disk.seq,
-            mounts: disk.records.mounts.values().collect(),
+            mounts: disk.records.mounts.values().map(|m| &**m).collect(),
             users: disk.records.users.iter().collect(),
         })
         .map_err(|e| werr(std::io::Error::other(e)))?;

@@ -271,7 +271,7 @@ fn the_state_files_do_not_grow_with_history() {
     assert!(store.syncs() > 0 && store.syncs() < 20, "{}", store.syncs());
     let (_, back) = open(dir.path(), "node-1").unwrap();
     assert_eq!(back.mounts().len(), 2);
-    assert_eq!(back.mounts()[&keep.volume], {
+    assert_eq!(*back.mounts()[&keep.volume], {
         let mut k = keep.clone();
         k.since = back.mounts()[&keep.volume].since;
         k

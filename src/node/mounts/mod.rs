@@ -314,6 +314,9 @@ impl MountTable {
 
     /// A table of the given entries (tests, fixtures).
     pub fn from_entries(mut entries: Vec<MountEntry>) -> Self {
+        // Kept until the next change of the table: no room left from the parse's growth
+        // (about 130 bytes per mount).
+        entries.shrink_to_fit();
         for e in &mut entries {
             if let std::borrow::Cow::Owned(p) = normal(&e.mount_point) {
                 e.mount_point = p;

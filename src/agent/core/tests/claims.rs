@@ -435,7 +435,7 @@ fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
     );
     let mut a = alloc(A1, &["d"], "running", "run");
     a.modify_index = 5;
-    for g in &mut a.job.as_mut().unwrap().task_groups {
+    for g in &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups {
         g.disconnect.stop_on_client_after = Some(Duration::from_secs(45).as_nanos() as u64);
     }
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))));
@@ -445,7 +445,7 @@ fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
         "{st}"
     );
     a.modify_index = 6;
-    for g in &mut a.job.as_mut().unwrap().task_groups {
+    for g in &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups {
         g.disconnect.stop_on_client_after = Some(Duration::from_secs(28).as_nanos() as u64);
     }
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))));
@@ -453,7 +453,7 @@ fn a_writer_without_stop_on_client_after_is_flagged_unfenced() {
     // Issue 45: below the client's heartbeat interval (20 s) + 5 s, Nomad stops the healthy
     // allocation between two heartbeats.
     a.modify_index = 7;
-    for g in &mut a.job.as_mut().unwrap().task_groups {
+    for g in &mut std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups {
         g.disconnect.stop_on_client_after = Some(Duration::from_secs(20).as_nanos() as u64);
     }
     h.feed(Input::Watch(WatchEvent::Upsert(Box::new(a))));

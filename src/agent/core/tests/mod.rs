@@ -88,7 +88,7 @@ impl H {
         let e = h.feed(Input::Catalogue(
             volumes
                 .iter()
-                .map(|(n, m)| (key(n), volume(n, m)))
+                .map(|(n, m)| (key(n), std::sync::Arc::new(volume(n, m))))
                 .collect(),
         ));
         h.setup.extend(e);
@@ -203,10 +203,10 @@ fn a_publish_starts_only_after_its_intent_is_committed() {
         t,
     ));
     all.extend(core.handle(
-        Input::Catalogue(BTreeMap::from([(
+        Input::Catalogue(crate::cluster::catalog::shared(BTreeMap::from([(
             key("d"),
             volume("d", "multi-node-multi-writer"),
-        )])),
+        )]))),
         t,
     ));
     let e = core.handle(
@@ -254,7 +254,9 @@ fn a_burst_of_allocations_is_one_commit_with_every_publish() {
         }),
     )]))));
     h.feed(Input::Catalogue(
-        vols.iter().map(|(n, m)| (key(n), volume(n, m))).collect(),
+        vols.iter()
+            .map(|(n, m)| (key(n), std::sync::Arc::new(volume(n, m))))
+            .collect(),
     ));
     let allocs = names
         .iter()
@@ -639,7 +641,9 @@ fn pending_volumes_are_created_and_a_mounted_one_is_not_deleted() {
     let mut h = H::new(&[("d", "multi-node-multi-writer")], vec![]);
     let mut rec = volume("d", "multi-node-multi-writer");
     rec.state = VolumeState::Pending;
-    let e = h.feed(Input::Catalogue(BTreeMap::from([(key("d"), rec.clone())])));
+    let e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("d"), rec.clone())]),
+    )));
     assert_eq!(
         e.iter().filter(|x| matches!(x, Effect::Create(_))).count(),
         1
@@ -661,7 +665,10 @@ fn pending_volumes_are_created_and_a_mounted_one_is_not_deleted() {
     }));
     let e = h.at(
         Duration::from_secs(5),
-        Input::Catalogue(BTreeMap::from([(key("d"), rec)])),
+        Input::Catalogue(crate::cluster::catalog::shared(BTreeMap::from([(
+            key("d"),
+            rec,
+        )]))),
     );
     assert!(!e.iter().any(|x| matches!(x, Effect::Delete(_))), "{e:?}");
 }
@@ -792,10 +799,10 @@ fn an_unreadable_plugin_directory_keeps_the_plugins_known_before() {
     // A catalogue change plans again with the plugins the core now knows.
     e.extend(h.at(
         Duration::from_secs(1),
-        Input::Catalogue(BTreeMap::from([
+        Input::Catalogue(crate::cluster::catalog::shared(BTreeMap::from([
             (key("d"), volume("d", "multi-node-multi-writer")),
             (key("e"), volume("e", "multi-node-multi-writer")),
-        ])),
+        ]))),
     ));
     assert!(
         !e.iter()
@@ -807,10 +814,9 @@ fn an_unreadable_plugin_directory_keeps_the_plugins_known_before() {
 #[test]
 fn a_volume_key_that_is_not_a_path_gets_no_target() {
     let mut h = H::new(&[], vec![]);
-    let e = h.feed(Input::Catalogue(BTreeMap::from([(
-        key(".."),
-        volume("..", "multi-node-multi-writer"),
-    )])));
+    let e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key(".."), volume("..", "multi-node-multi-writer"))]),
+    )));
     assert!(
         !e.iter()
             .any(|x| matches!(x, Effect::RegisterPlaceholder { .. })),

@@ -31,7 +31,9 @@ fn a_constrained_volume_follows_the_nodes_attributes() {
         h.setup.iter().any(|x| matches!(x, Effect::ReadNode)),
         "the node is read at start"
     );
-    let mut e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), rec.clone())])));
+    let mut e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), rec.clone())]),
+    )));
     // The namespace's placeholders are listed first.
     e.extend(h.feed(Input::Tick));
     e.extend(h.feed(Input::Done(Completion::PlaceholdersListed(Ok(
@@ -85,7 +87,9 @@ fn a_required_topology_follows_the_plugins_fingerprint() {
         preferred: Vec::new(),
     };
     let mut h = H::new(&[], vec![]);
-    let mut e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), rec.clone())])));
+    let mut e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), rec.clone())]),
+    )));
     e.extend(h.feed(Input::Tick));
     e.extend(h.feed(Input::Done(Completion::PlaceholdersListed(Ok(
         BTreeMap::new(),
@@ -110,7 +114,9 @@ fn a_required_topology_follows_the_plugins_fingerprint() {
     // A pending volume: created only where the topology is met.
     let mut pending = rec.clone();
     pending.state = VolumeState::Pending;
-    let e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), pending)])));
+    let e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), pending)]),
+    )));
     assert!(!e.iter().any(|x| matches!(x, Effect::Create(_))), "{e:?}");
     let e = h.feed(fingerprinted(Some("a")));
     assert!(e.iter().any(|x| matches!(x, Effect::Create(_))), "{e:?}");
@@ -122,7 +128,9 @@ fn a_required_topology_follows_the_plugins_fingerprint() {
 fn a_final_failure_in_the_record_withdraws_the_placeholder_everywhere() {
     let rec = volume("r", "single-node-writer");
     let mut h = H::new(&[], vec![]);
-    let mut e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), rec.clone())])));
+    let mut e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), rec.clone())]),
+    )));
     e.extend(h.feed(Input::Tick));
     e.extend(h.feed(Input::Done(Completion::PlaceholdersListed(Ok(
         BTreeMap::new(),
@@ -138,7 +146,9 @@ fn a_final_failure_in_the_record_withdraws_the_placeholder_everywhere() {
         "node-2",
         "superblock corrupt",
     ));
-    let e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), broken)])));
+    let e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), broken)]),
+    )));
     assert!(
         e.iter()
             .any(|x| matches!(x, Effect::DeregisterPlaceholder { id, .. } if id == "hv-r")),
@@ -148,7 +158,9 @@ fn a_final_failure_in_the_record_withdraws_the_placeholder_everywhere() {
         volume: key("r"),
         result: Ok(None),
     }));
-    let e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), rec)])));
+    let e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), rec)]),
+    )));
     assert!(registers(&e), "offered again once cleared: {e:?}");
 }
 
@@ -167,7 +179,9 @@ fn a_node_outside_the_preferred_topology_creates_only_after_a_grace() {
     };
     let mut h = H::new(&[], vec![]);
     h.feed(fingerprinted(Some("a")));
-    let e = h.feed(Input::Catalogue(BTreeMap::from([(key("r"), rec)])));
+    let e = h.feed(Input::Catalogue(crate::cluster::catalog::shared(
+        BTreeMap::from([(key("r"), rec)]),
+    )));
     assert!(!e.iter().any(|x| matches!(x, Effect::Create(_))), "{e:?}");
     let e = h.at(crate::agent::offer::PREFER_GRACE / 2, Input::Tick);
     assert!(!e.iter().any(|x| matches!(x, Effect::Create(_))), "{e:?}");

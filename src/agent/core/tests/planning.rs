@@ -98,11 +98,11 @@ impl Twin {
                     ("c", "multi-node-multi-writer"),
                 ]
                 .iter()
-                .map(|(n, m)| (key(n), volume(n, m)))
+                .map(|(n, m)| (key(n), std::sync::Arc::new(volume(n, m))))
                 .collect();
                 let mut deleting = ready.clone();
                 if let Some(c) = deleting.get_mut(&key("c")) {
-                    c.state = VolumeState::Deleting;
+                    std::sync::Arc::make_mut(c).state = VolumeState::Deleting;
                 }
                 let mut gone = ready.clone();
                 gone.remove(&key("c"));
@@ -340,7 +340,8 @@ fn scoped_planning_does_what_a_full_plan_does() {
         // cores run one after the other and may straddle a second.
         let records = |c: &Core| {
             let mut m = c.journal().mounts().clone();
-            m.values_mut().for_each(|r| r.since = 0);
+            m.values_mut()
+                .for_each(|r| std::sync::Arc::make_mut(r).since = 0);
             m
         };
         assert_eq!(records(&w.scoped), records(&w.full));

@@ -20,7 +20,8 @@ fn alloc_with_exited_ungated_task() -> crate::nomad::types::Allocation {
         },
         ..Task::default()
     };
-    a.job.as_mut().unwrap().task_groups[0].tasks = vec![task("app", true), task("side", false)];
+    std::sync::Arc::make_mut(a.job.as_mut().unwrap()).task_groups[0].tasks =
+        vec![task("app", true), task("side", false)];
     let state = |s: &str| TaskState {
         state: s.into(),
         ..TaskState::default()
