@@ -908,6 +908,119 @@ async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str, nomad_
     );
 }
 
+/// A process in a mount namespace of its own made by `unshare --mount --propagation
+/// <propagation>` (as systemd makes one for a service with `PrivateTmp=`: slave), started
+/// while the volume is published; killed and reaped on drop.
+struct Service(std::process::Child);
+
+impl Service {
+    fn start(propagation: &str) -> Service {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", propagation, "sh", "-c"])
+            .arg("cd / && echo ready && exec sleep 600")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("unshare (util-linux), as root");
+        let out = child.stdout.take().unwrap();
+        let service = Service(child);
+        let mut line = String::new();
+        std::io::BufReader::new(out).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "the service did not start");
+        service
+    }
+
+    /// True when its namespace has a mount at `target`.
+    fn has_mount_at(&self, target: &std::path::Path) -> bool {
+        let table = std::fs::read_to_string(format!("/proc/{}/mountinfo", self.0.id()))
+            .expect("the service's mount table");
+        let want = target.display().to_string();
+        table
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+    }
+
+    fn alive(&mut self) -> bool {
+        self.0.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A service (re)started on the node while a volume is published (a package upgrade restarts
+/// one with `PrivateTmp=`) has a slave copy of the volume's mount in its namespace: the
+/// unpublish does not wait for it, removes it with the host's mount, and leaves the service
+/// running. A private copy, which the host's unmount would not reach, holds the unpublish
+/// until its process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_started_after_the_publish_does_not_hold_up_the_unpublish() {
+    let c = Cluster::start(1).await;
+    c.create_volume("shared-data", "single-node-writer");
+    let job = c.run_job(&repo().join("jobspecs/example.nomad.hcl")).await;
+    c.wait_for(60, "the main task running", || async {
+        c.allocs(&job)
+            .await
+            .into_iter()
+            .find(|a| task_state(a, "app")["State"] == "running")
+    })
+    .await;
+    let target = c.target(0, "shared-data");
+    let mut service = Service::start("slave");
+    let pinning = Service::start("private");
+    for s in [&service, &pinning] {
+        assert!(s.has_mount_at(&target), "no copy of {}", target.display());
+    }
+    c.stop_job(&job, false).await;
+    c.wait_for(60, "an unpublish refused for the private copy", || async {
+        c.journal(0)
+            .iter()
+            .any(|e| {
+                e["event"] == "unpublish-failed"
+                    && e["detail"]["error"]
+                        .as_str()
+                        .is_some_and(|m| m.contains(&format!("pid {}", pinning.0.id())))
+            })
+            .then_some(())
+    })
+    .await;
+    let refusal = c
+        .journal(0)
+        .into_iter()
+        .rev()
+        .find(|e| e["event"] == "unpublish-failed")
+        .unwrap();
+    assert!(
+        !refusal["detail"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&format!("pid {}", service.0.id())),
+        "the slave copy was counted as a holder: {refusal}"
+    );
+    drop(pinning);
+    c.wait_for(
+        60,
+        "the unpublish once the private copy is gone",
+        || async {
+            c.journal(0)
+                .last()
+                .is_some_and(|e| e["event"] == "unpublish-done")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(
+        !service.has_mount_at(&target),
+        "the unpublish left the service's copy"
+    );
+    assert!(service.alive(), "the service was killed");
+    assert_eq!(support::cluster::mount_count(&target), 0);
+}
+
 /// Issue 34 row 2: after a server-side stop Nomad kills the main task, then runs the
 /// poststop task (`killTasks`, the lifecycle coordinator). A poststop task that uses the
 /// deferred volume finds it still published and writes to it; the unpublish waits for its

@@ -274,7 +274,9 @@ impl Replay {
 }
 
 /// A task of the allocation: its own mount namespace with the volume bound in (as the
-/// exec and docker drivers make), killed on drop.
+/// exec and docker drivers make), killed on drop. The namespace is a slave of the host's, so
+/// that its copies of other tests' volumes go with their unmounts (`node::holders`); its bind
+/// of this volume, elsewhere, holds it.
 struct Task(std::process::Child);
 
 impl Task {
@@ -283,7 +285,7 @@ impl Task {
         let inner = r.sb.join("task/data");
         std::fs::create_dir_all(&inner).unwrap();
         let mut child = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .args(["--mount", "--propagation", "slave", "sh", "-c"])
             .arg(format!(
                 "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
                 r.target.display(),

@@ -918,7 +918,9 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
     );
 }
 
-/// A process in a private mount namespace of its own (as a task's) with the volume bound in.
+/// A process in a mount namespace of its own (as a task's) with the volume bound in at
+/// `inner`, which the host's unmount does not reach. The namespace is a slave of the host's,
+/// so that its copies of other tests' volumes go with their unmounts (`node::holders`).
 /// Killed and reaped on drop; its bind goes with its namespace.
 struct NamespaceHolder(std::process::Child);
 
@@ -927,7 +929,7 @@ impl NamespaceHolder {
         use std::io::BufRead;
         std::fs::create_dir_all(inner).unwrap();
         let mut child = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .args(["--mount", "--propagation", "slave", "sh", "-c"])
             .arg(format!(
                 "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
                 target.display(),

@@ -105,9 +105,18 @@ impl FenceReport {
 
 /// Fences the volume mounted at `target` (blocking: run it off the agent's loop). Every
 /// process that holds it is killed but the agent and the processes in `node`'s other nodes'
-/// cgroups (the agent passes [`crate::node::identity::node`]). Never fails as a whole: what
-/// failed is listed in [`FenceReport::errors`].
+/// cgroups (the agent passes [`crate::node::identity::node`]), including those whose
+/// namespace only holds a copy that the host's unmount would take along
+/// ([`holders::Usage::copies`]): the read-only remount does not reach a copy, and the fence
+/// unmounts nothing. Never fails as a whole: what failed is listed in
+/// [`FenceReport::errors`].
 pub fn fence(target: &Path, node: &NodeCgroups) -> FenceReport {
+    fence_with(target, node, true)
+}
+
+/// [`fence`], killing the processes that only hold a copy the unmount takes along when
+/// `copies` is true.
+fn fence_with(target: &Path, node: &NodeCgroups, copies: bool) -> FenceReport {
     let mut report = FenceReport {
         target: target.to_path_buf(),
         ..FenceReport::default()
@@ -142,7 +151,8 @@ pub fn fence(target: &Path, node: &NodeCgroups) -> FenceReport {
             let usage = usages.pop().unwrap_or_default().without_other_nodes();
             let me = std::process::id();
             let mut seen = BTreeSet::new();
-            for h in usage.holders {
+            let copies = if copies { usage.copies } else { Vec::new() };
+            for h in usage.holders.into_iter().chain(copies) {
                 // Pid 1 cannot be killed by a signal it does not handle (signal(7)).
                 if h.pid == me || h.pid == 1 || !seen.insert(h.pid) {
                     continue;
@@ -173,10 +183,12 @@ pub const KILL_ROUNDS: usize = 10;
 /// [`fence`] for an operator's forced unpublish (`volume unpublish -force -kill`): fenced
 /// again, 50 ms apart, until a round finds no process left to kill (a holder's child forked
 /// between a round's scan and its kill holds the mount too), at most [`KILL_ROUNDS`] rounds.
-/// The report lists every process killed; its errors are the last round's, plus one when
-/// the last round still killed a process.
+/// A process whose namespace only holds a copy the unmount takes along
+/// ([`holders::Usage::copies`]) is left: the unpublish that follows removes the copy. The
+/// report lists every process killed; its errors are the last round's, plus one when the
+/// last round still killed a process.
 pub fn kill_holders(target: &Path, node: &NodeCgroups) -> FenceReport {
-    let mut report = fence(target, node);
+    let mut report = fence_with(target, node, false);
     if report.nothing_mounted {
         return report;
     }
@@ -184,7 +196,7 @@ pub fn kill_holders(target: &Path, node: &NodeCgroups) -> FenceReport {
     let mut last_killed = !report.stopped.is_empty();
     while last_killed && rounds < KILL_ROUNDS {
         std::thread::sleep(std::time::Duration::from_millis(50));
-        let again = fence(target, node);
+        let again = fence_with(target, node, false);
         rounds += 1;
         last_killed = !again.stopped.is_empty();
         report.stopped.extend(again.stopped);

@@ -215,7 +215,7 @@ impl Core {
                                 volume: volume.clone(),
                                 pids: usage.pids(),
                             });
-                            self.holders.insert(volume.clone(), usage.clone());
+                            self.holders.insert(volume.clone(), (**usage).clone());
                         }
                         self.step_failed(&volume, &e);
                         self.retries

@@ -178,7 +178,8 @@ pub enum StepError {
     #[error("{} is still in use: {}; not unpublished (the claim is kept, retried)", target.display(), usage.summary(5))]
     InUse {
         target: PathBuf,
-        usage: crate::node::holders::Usage,
+        /// Boxed: the scan's lists make it the largest variant by far.
+        usage: Box<crate::node::holders::Usage>,
     },
     #[error("cannot check who uses {}: {source}", target.display())]
     Holders {
@@ -495,7 +496,7 @@ pub async fn unpublish(
             if usage.in_use() {
                 return Err(StepError::InUse {
                     target: m.target.clone(),
-                    usage,
+                    usage: Box::new(usage),
                 });
             }
         }

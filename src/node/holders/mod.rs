@@ -23,9 +23,7 @@ mod procfs;
 use procfs::{comm_of, gone, inspect_all, pids, report, without_kernel_threads};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
-#[cfg(test)]
-use std::path::Path;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Why the scan could not be made at all.
 #[derive(Debug, thiserror::Error)]
@@ -266,6 +264,16 @@ pub struct Usage {
     /// Processes (or parts of them) that could not be read. A process whose mount table
     /// cannot be read may hide a mount of the volume: see [`Usage::in_use`].
     pub uninspected: Vec<Uninspected>,
+    /// Processes whose namespace holds a copy of the target's mount that the host's
+    /// unmount takes along ([`Reach`]: a peer or slave of it, at the same place, under a
+    /// peer or slave of its parent, with nothing mounted on it): a service started with a
+    /// namespace of its own after the publish (systemd's `PrivateTmp=`, `ProtectSystem=`
+    /// make slave copies of every mount). Reported, not counted: the kernel's unmount removes
+    /// such a copy with the host's mount, or fails with EBUSY while it is in use, and
+    /// processes using it are found through their files. A fence kills them
+    /// (`crate::node::fence`): a remount does not reach a copy.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub copies: Vec<Holder>,
     /// True when the kernel answered for the host's mount ([`crate::node::mounts::busy`]):
     /// nothing held it, so no process's descriptors or mappings were read.
     #[serde(skip)]
@@ -305,6 +313,7 @@ impl Usage {
     /// operator's `--other-node-cgroup`, only set where several nodes share one host).
     pub fn without_other_nodes(mut self) -> Self {
         self.holders.retain(|h| !h.other_node);
+        self.copies.retain(|h| !h.other_node);
         self
     }
 
@@ -355,6 +364,49 @@ pub fn scan(
     Ok(all.pop().unwrap_or_default())
 }
 
+/// How the host's unmount of a target reaches other namespaces: the kernel's unmount of a
+/// mount (fs/namespace.c `do_umount`) also unmounts, at the same mount point, the child of
+/// every mount that receives propagation from its parent (fs/pnode.c `propagate_umount`),
+/// unless that child has mounts of its own; a non-lazy unmount fails with EBUSY when one of
+/// them is in use (`propagate_mount_busy`). Set only when both the target's mount and its
+/// parent are shared (the placeholder guard is, `crate::node::guard`).
+struct Reach {
+    /// The target mount's peer group (`shared:N`).
+    group: u32,
+    /// Its parent's peer group.
+    parent_group: u32,
+    /// Where it is mounted.
+    mount_point: PathBuf,
+}
+
+impl Reach {
+    /// The reach of `target`'s mount in `host`, if it shows `volume`.
+    fn of(host: &MountTable, volume: &MountIdentity, target: &Path) -> Option<Self> {
+        let top = host.top_at(target).filter(|e| e.shows(volume))?;
+        let parent = host.by_id(top.parent)?;
+        Some(Self {
+            group: top.shared?,
+            parent_group: parent.shared?,
+            mount_point: top.mount_point.clone(),
+        })
+    }
+
+    /// True when `copy`, an entry of another namespace's `table`, is a copy the unmount takes
+    /// along: in the target's peer group or a slave of it, at the same mount point, under a
+    /// mount in the parent's peer group or a slave of it, with nothing mounted on it.
+    fn takes(&self, copy: &crate::node::mounts::MountEntry, table: &MountTable) -> bool {
+        let of = |group: u32, e: &crate::node::mounts::MountEntry| {
+            e.shared == Some(group) || e.master == Some(group)
+        };
+        of(self.group, copy)
+            && copy.mount_point == self.mount_point
+            && table
+                .by_id(copy.parent)
+                .is_some_and(|p| of(self.parent_group, p))
+            && !table.entries().iter().any(|e| e.parent == copy.id)
+    }
+}
+
 /// The scan of several volumes in one pass over `/proc` (each process, namespace and
 /// descriptor read once): the usage of each `(volume, target)`, in order. Unpublishes that
 /// wait together share it ([`before_unpublish_shared`]), so a wave of N unpublishes reads
@@ -378,6 +430,10 @@ pub fn scan_many(
     let mut volume_mounts: Vec<BTreeSet<u32>> = Vec::with_capacity(wanted.len());
     // The ID of each target's mount, where it shows the volume.
     let mut target_mounts: Vec<Option<u32>> = Vec::with_capacity(wanted.len());
+    let reach: Vec<Option<Reach>> = wanted
+        .iter()
+        .map(|(volume, target)| Reach::of(host, volume, target))
+        .collect();
     for (volume, target) in wanted {
         let target_mount = host
             .top_at(target)
@@ -410,9 +466,10 @@ pub fn scan_many(
     };
     let host_ns: BTreeSet<u64> = [ns_of("1"), ns_of("self")].into_iter().flatten().collect();
 
-    // Pass 1: mount namespaces. Per namespace, the mount points of each volume in it.
+    // Pass 1: mount namespaces. Per namespace, the mount points of each volume in it, each
+    // with whether the host's unmount takes it along ([`Reach::takes`]).
     let mut procs: Vec<u32> = Vec::new();
-    let mut by_ns: BTreeMap<u64, Vec<Vec<PathBuf>>> = BTreeMap::new();
+    let mut by_ns: BTreeMap<u64, Vec<Vec<(PathBuf, bool)>>> = BTreeMap::new();
     let none = || vec![Vec::new(); wanted.len()];
     // Kernel threads (most entries of `/proc` on a typical node) hold nothing: no
     // descriptors, mappings or working directory of their own, and the initial mount
@@ -422,7 +479,7 @@ pub fn scan_many(
             continue;
         }
         let ns = ns_of(&pid.to_string());
-        let here: Vec<Vec<PathBuf>> = match ns.and_then(|ns| by_ns.get(&ns)) {
+        let here: Vec<Vec<(PathBuf, bool)>> = match ns.and_then(|ns| by_ns.get(&ns)) {
             Some(points) => points.clone(),
             // Pid 1, whose table `host` is (also when its namespace link cannot be read,
             // as under some init systems), and the host's and the agent's namespaces:
@@ -435,14 +492,20 @@ pub fn scan_many(
             None => match MountTable::read_pid(pid) {
                 Ok(t) if ns.is_none() && crate::node::host::same_namespace(host, &t) => none(),
                 Ok(t) => {
-                    let points: Vec<Vec<PathBuf>> = wanted
+                    let points: Vec<Vec<(PathBuf, bool)>> = wanted
                         .iter()
                         .zip(volume_mounts.iter_mut())
-                        .map(|((volume, _), mounts)| {
+                        .zip(&reach)
+                        .map(|(((volume, _), mounts), reach)| {
                             let mine: Vec<&crate::node::mounts::MountEntry> =
                                 t.entries().iter().filter(|e| e.shows(volume)).collect();
                             mounts.extend(mine.iter().map(|e| e.id));
-                            mine.iter().map(|e| e.mount_point.clone()).collect()
+                            mine.iter()
+                                .map(|e| {
+                                    let taken = reach.as_ref().is_some_and(|r| r.takes(e, &t));
+                                    (e.mount_point.clone(), taken)
+                                })
+                                .collect()
                         })
                         .collect();
                     if let Some(ns) = ns {
@@ -470,15 +533,20 @@ pub fn scan_many(
         if here.iter().any(|p| !p.is_empty()) {
             let comm = comm_of(pid);
             for (usage, points) in usages.iter_mut().zip(here) {
-                usage
-                    .holders
-                    .extend(points.into_iter().map(|mount_point| Holder {
+                for (mount_point, taken) in points {
+                    let h = Holder {
                         pid,
                         comm: comm.clone(),
                         how: Hold::Mount { mount_point },
                         alloc_id: None,
                         other_node: false,
-                    }));
+                    };
+                    if taken {
+                        usage.copies.push(h);
+                    } else {
+                        usage.holders.push(h);
+                    }
+                }
             }
         }
         procs.push(pid);
@@ -523,31 +591,33 @@ pub fn scan_many(
             }
         }
     }
-    // Whose each holder is, from its cgroup (read once per process).
+    // Whose each holder is, from its cgroup (read once per process). A holder gone since it
+    // was read (a short-lived child such as a task loop's `sleep`) holds nothing any more;
+    // counted, it would be a holder of no allocation, which blocks the unpublish. One whose
+    // cgroup cannot be read otherwise is no allocation's and no other node's (fail closed:
+    // the fence kills it, it blocks the unpublish).
     let mut whose: BTreeMap<u32, Option<Whose>> = BTreeMap::new();
+    let mut identify = |h: &mut Holder| {
+        let w = whose
+            .entry(h.pid)
+            .or_insert_with(|| match identity::of_pid(h.pid, node) {
+                Ok(w) => Some(w),
+                Err(e) if gone(&e) => None,
+                Err(_) => Some(Whose::Unknown),
+            });
+        let Some(w) = w else {
+            return false;
+        };
+        h.alloc_id = w.alloc_id().map(str::to_string);
+        h.other_node = *w == Whose::OtherNode;
+        true
+    };
     for usage in &mut usages {
-        // A holder gone since it was read (a short-lived child such as a task loop's
-        // `sleep`) holds nothing any more; counted, it would be a holder of no allocation,
-        // which blocks the unpublish. One whose cgroup cannot be read otherwise is no
-        // allocation's and no other node's (fail closed: the fence kills it, it blocks the
-        // unpublish).
-        usage.holders.retain_mut(|h| {
-            let w = whose
-                .entry(h.pid)
-                .or_insert_with(|| match identity::of_pid(h.pid, node) {
-                    Ok(w) => Some(w),
-                    Err(e) if gone(&e) => None,
-                    Err(_) => Some(Whose::Unknown),
-                });
-            let Some(w) = w else {
-                return false;
-            };
-            h.alloc_id = w.alloc_id().map(str::to_string);
-            h.other_node = *w == Whose::OtherNode;
-            true
-        });
-        usage.holders.sort();
-        usage.holders.dedup();
+        for list in [&mut usage.holders, &mut usage.copies] {
+            list.retain_mut(&mut identify);
+            list.sort();
+            list.dedup();
+        }
     }
     Ok(usages)
 }
@@ -984,6 +1054,144 @@ mod tests {
         assert!(u.summary(5).contains(&format!("pid {}", task.pid())));
         drop(task);
         assert!(!scan_now(&id, &target).in_use());
+    }
+
+    /// A process started by `unshare --mount --propagation <propagation>` running `script`
+    /// (which prints `ready` once it holds what it should).
+    fn in_namespace(propagation: &str, script: &str) -> Proc {
+        Proc::spawn(Command::new("unshare").args([
+            "--mount",
+            "--propagation",
+            propagation,
+            "sh",
+            "-c",
+            script,
+        ]))
+        .ready()
+    }
+
+    /// A namespace made after the publish with slave propagation (systemd makes one so for
+    /// a service with `PrivateTmp=` or `ProtectSystem=`), or with the host's propagation
+    /// unchanged, holds a copy of the target that the host's unmount takes along: reported,
+    /// not a holder, and the kernel's unmount does remove it (the fact the scan relies on).
+    /// A private copy, a copy with a mount on it, and a copy in use stay holders, and the
+    /// unmount fails with EBUSY while a process works in a copy.
+    #[test]
+    fn a_copy_the_unmount_takes_along_is_no_holder() {
+        let s = Scratch::new();
+        // The placeholder guard: a shared mount; the volume mounted on it is shared too.
+        let guard = s.tmpfs("mnt");
+        nix::mount::mount(
+            None::<&str>,
+            &guard,
+            None::<&str>,
+            nix::mount::MsFlags::MS_SHARED,
+            None::<&str>,
+        )
+        .expect("make the guard shared");
+        let target = s.tmpfs("mnt/v1");
+        std::fs::create_dir(target.join("sub")).unwrap();
+        let host = MountTable::read().unwrap();
+        let top = host.top_at(&target).unwrap();
+        assert!(top.shared.is_some(), "{top:?}");
+        let id = top.identity();
+
+        let idle = "cd / && echo ready && exec sleep 600";
+        let slave = in_namespace("slave", idle);
+        let peer = in_namespace("unchanged", idle);
+        let u = scan_now(&id, &target);
+        assert!(!u.in_use(), "{}", u.summary(5));
+        for p in [&slave, &peer] {
+            assert!(
+                u.copies.iter().any(|h| h.pid == p.pid()),
+                "pid {} not among the copies: {:?}",
+                p.pid(),
+                u.copies
+            );
+        }
+        assert!(
+            !u.by_kernel,
+            "copies are read, not left to the kernel's count"
+        );
+
+        // A private copy pins the filesystem: the host's unmount would not reach it.
+        let private = in_namespace("private", idle);
+        let u = scan_now(&id, &target);
+        assert!(u.in_use());
+        assert!(
+            u.holders.iter().any(|h| h.pid == private.pid()),
+            "{}",
+            u.summary(5)
+        );
+        drop(private);
+
+        // A copy with a mount on it in its own namespace is not taken along.
+        let covered = in_namespace(
+            "slave",
+            &format!(
+                "mount -t tmpfs cover '{}/sub' && cd / && echo ready && exec sleep 600",
+                target.display()
+            ),
+        );
+        let u = scan_now(&id, &target);
+        assert!(
+            u.holders.iter().any(|h| h.pid == covered.pid()),
+            "{}",
+            u.summary(5)
+        );
+        drop(covered);
+
+        // A slave copy under a parent that no longer receives the guard's propagation: the
+        // unmount does not reach it (checked below, after the unmount).
+        let cut_off = in_namespace(
+            "slave",
+            &format!(
+                "mount --make-private '{}' && cd / && echo ready && exec sleep 600",
+                guard.display()
+            ),
+        );
+        let u = scan_now(&id, &target);
+        assert!(
+            u.holders.iter().any(|h| h.pid == cut_off.pid()),
+            "{}",
+            u.summary(5)
+        );
+
+        // A process working in a copy holds it, and the kernel refuses the unmount.
+        let user = in_namespace(
+            "slave",
+            &format!("cd '{}' && echo ready && exec sleep 600", target.display()),
+        );
+        let u = scan_now(&id, &target);
+        assert!(
+            u.holders
+                .iter()
+                .any(|h| h.pid == user.pid() && h.how == Hold::Cwd),
+            "{}",
+            u.summary(5)
+        );
+        assert_eq!(
+            nix::mount::umount(&target),
+            Err(nix::errno::Errno::EBUSY),
+            "the unmount reaches a copy in use"
+        );
+        drop(user);
+
+        // The host's unmount removes the copies the scan did not count.
+        nix::mount::umount(&target).expect("the host's unmount, with idle copies");
+        for p in [&slave, &peer] {
+            let left = MountTable::read_pid(p.pid()).unwrap();
+            assert!(
+                !left.entries().iter().any(|e| e.shows(&id)),
+                "pid {}'s copy outlived the unmount",
+                p.pid()
+            );
+        }
+        let kept = MountTable::read_pid(cut_off.pid()).unwrap();
+        assert!(
+            kept.entries().iter().any(|e| e.shows(&id)),
+            "the copy under a private parent is kept by the kernel (so it is a holder)"
+        );
     }
 
     /// One pass for several volumes gives each volume exactly what its own scan gives.

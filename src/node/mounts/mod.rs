@@ -99,6 +99,10 @@ pub struct MountEntry {
     pub fs_type: String,
     /// Filesystem source (device, `server:/export`, `none`), lossily decoded.
     pub source: String,
+    /// The peer group this mount is shared in (`shared:N`), if it is shared.
+    pub shared: Option<u32>,
+    /// The peer group this mount is a slave of (`master:N`), if it is a slave.
+    pub master: Option<u32>,
 }
 
 impl MountEntry {
@@ -351,6 +355,8 @@ impl MountTable {
                         options: "rw".into(),
                         fs_type: i.fs_type,
                         source: i.source,
+                        shared: None,
+                        master: None,
                     }
                 })
                 .collect(),
@@ -498,9 +504,18 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
     let root = PathBuf::from(unescape(next("no root")?));
     let mount_point = PathBuf::from(unescape(next("no mount point")?));
     let options = text(next("no mount options")?);
+    // Optional fields up to the separator: `shared:N`, `master:N`, `propagate_from:N`,
+    // `unbindable` (proc(5)).
+    let (mut shared, mut master) = (None, None);
     loop {
-        if next("no ' - ' separator")? == b"-" {
+        let field = next("no ' - ' separator")?;
+        if field == b"-" {
             break;
+        }
+        if let Some(n) = field.strip_prefix(b"shared:") {
+            shared = Some(number(n).ok_or("bad shared peer group")?);
+        } else if let Some(n) = field.strip_prefix(b"master:") {
+            master = Some(number(n).ok_or("bad master peer group")?);
         }
     }
     let fs_type = text(&unescape(next("no filesystem type")?).into_vec());
@@ -514,6 +529,8 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
         options,
         fs_type,
         source,
+        shared,
+        master,
     })
 }
 
@@ -766,6 +783,11 @@ mod tests {
         assert!(g.read_only());
         assert_eq!(g.fs_type, "tmpfs");
         assert!(!t.entries()[1].read_only());
+        // Propagation: shared in group 7 and a slave of group 2; a slave only; neither.
+        assert_eq!((g.shared, g.master), (Some(7), Some(2)));
+        assert_eq!((e.shared, e.master), (None, Some(1)));
+        let p = t.by_id(37).unwrap();
+        assert_eq!((p.shared, p.master), (None, None));
     }
 
     #[test]
@@ -783,6 +805,7 @@ mod tests {
             b"x 35 98:0 /a /b rw - ext3 /dev/root rw\n",
             b"36 35 98 /a /b rw - ext3 /dev/root rw\n",
             b"36 35 98:0 /a\n",
+            b"36 35 98:0 /a /b rw shared:x - ext3 /dev/root rw\n",
         ] {
             let err = MountTable::parse(bad, Path::new("t")).unwrap_err();
             assert!(
