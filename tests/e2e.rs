@@ -910,15 +910,19 @@ async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str, nomad_
 
 /// A process in a mount namespace of its own made by `unshare --mount --propagation
 /// <propagation>` (as systemd makes one for a service with `PrivateTmp=`: slave), started
-/// while the volume is published; killed and reaped on drop.
+/// while the volume is published, holding no other test's mounts (`support::namespace`);
+/// killed and reaped on drop.
 struct Service(std::process::Child);
 
 impl Service {
-    fn start(propagation: &str) -> Service {
+    fn start(sandbox: &std::path::Path, propagation: &str) -> Service {
         use std::io::BufRead;
         let mut child = std::process::Command::new("unshare")
             .args(["--mount", "--propagation", propagation, "sh", "-c"])
-            .arg("cd / && echo ready && exec sleep 600")
+            .arg(format!(
+                "{}cd / && echo ready && exec sleep 600",
+                support::namespace::drop_foreign_mounts(Some(sandbox))
+            ))
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("unshare (util-linux), as root");
@@ -970,8 +974,8 @@ async fn a_service_started_after_the_publish_does_not_hold_up_the_unpublish() {
     })
     .await;
     let target = c.target(0, "shared-data");
-    let mut service = Service::start("slave");
-    let pinning = Service::start("private");
+    let mut service = Service::start(c.sb.path(), "slave");
+    let pinning = Service::start(c.sb.path(), "private");
     for s in [&service, &pinning] {
         assert!(s.has_mount_at(&target), "no copy of {}", target.display());
     }

@@ -274,9 +274,8 @@ impl Replay {
 }
 
 /// A task of the allocation: its own mount namespace with the volume bound in (as the
-/// exec and docker drivers make), killed on drop. The namespace is a slave of the host's, so
-/// that its copies of other tests' volumes go with their unmounts (`node::holders`); its bind
-/// of this volume, elsewhere, holds it.
+/// exec and docker drivers make), killed on drop. The namespace holds no other test's mounts
+/// (`support::namespace`).
 struct Task(std::process::Child);
 
 impl Task {
@@ -287,7 +286,8 @@ impl Task {
         let mut child = std::process::Command::new("unshare")
             .args(["--mount", "--propagation", "slave", "sh", "-c"])
             .arg(format!(
-                "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                "{}mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                support::namespace::drop_foreign_mounts(Some(r.sb.path())),
                 r.target.display(),
                 inner.display()
             ))

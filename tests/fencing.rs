@@ -919,19 +919,24 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
 }
 
 /// A process in a mount namespace of its own (as a task's) with the volume bound in at
-/// `inner`, which the host's unmount does not reach. The namespace is a slave of the host's,
-/// so that its copies of other tests' volumes go with their unmounts (`node::holders`).
+/// `inner`, which the host's unmount does not reach. The namespace holds no other test's
+/// mounts (`support::namespace`): a fence of another test's volume would kill it.
 /// Killed and reaped on drop; its bind goes with its namespace.
 struct NamespaceHolder(std::process::Child);
 
 impl NamespaceHolder {
-    fn holding(target: &std::path::Path, inner: &std::path::Path) -> NamespaceHolder {
+    fn holding(
+        sandbox: &std::path::Path,
+        target: &std::path::Path,
+        inner: &std::path::Path,
+    ) -> NamespaceHolder {
         use std::io::BufRead;
         std::fs::create_dir_all(inner).unwrap();
         let mut child = std::process::Command::new("unshare")
             .args(["--mount", "--propagation", "slave", "sh", "-c"])
             .arg(format!(
-                "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                "{}mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
+                support::namespace::drop_foreign_mounts(Some(sandbox)),
                 target.display(),
                 inner.display()
             ))
@@ -975,6 +980,7 @@ async fn a_hand_over_follows_the_last_holders_exit_not_the_unpublish_backoff() {
     let holder = c.node_index(first["NodeID"].as_str().unwrap());
     let other = 1 - holder;
     let mut process = NamespaceHolder::holding(
+        c.sb.path(),
         &c.target(holder, VOLUME),
         &c.sb.path().join("holder-ns/data"),
     );

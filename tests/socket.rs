@@ -123,7 +123,11 @@ async fn status_is_refused_to_root_in_another_mount_namespace() {
     // From root in a new mount namespace (as a task would be): refused.
     let req = "GET /v1/status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
     let out = std::process::Command::new("unshare")
-        .args(["--mount", "--propagation", "slave", "--", "python3", "-c"])
+        .args(["--mount", "--propagation", "slave", "--", "sh", "-c"])
+        .arg(format!(
+            "{}exec python3 -c \"$0\"",
+            support::namespace::drop_foreign_mounts(None)
+        ))
         .arg(format!(
             "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.connect({:?})\ns.sendall({:?}.encode())\nb=b''\nwhile True:\n  d=s.recv(4096)\n  if not d: break\n  b+=d\nsys.stdout.write(b.decode())",
             socket.display().to_string(),
@@ -139,9 +143,8 @@ async fn status_is_refused_to_root_in_another_mount_namespace() {
     );
 }
 
-/// A flooder: `unshare --mount --propagation slave` (a mount namespace of its own, as a
-/// task's; slave, so that its copies of other tests' volumes go with their unmounts and hold
-/// nothing up, `node::holders`), then python3 drops to `uid`
+/// A flooder: `unshare --mount` (a mount namespace of its own, as a task's, holding no other
+/// test's mounts: `support::namespace`), then python3 drops to `uid`
 /// (0 stays root, as in a container) and keeps `n` connections open to `socket`, each sending
 /// the start of a request and nothing more; a closed one is opened again after 0.3 s.
 fn flooder(socket: &Path, n: usize, uid: u32) -> std::process::Child {
@@ -178,10 +181,14 @@ asyncio.run(main())
             "--propagation",
             "slave",
             "--",
-            "python3",
+            "sh",
             "-c",
-            SCRIPT,
         ])
+        .arg(format!(
+            "{}exec python3 -c \"$0\" \"$@\"",
+            support::namespace::drop_foreign_mounts(None)
+        ))
+        .arg(SCRIPT)
         .arg(socket)
         .arg(n.to_string())
         .arg(uid.to_string())
@@ -372,10 +379,14 @@ print(ok)
                 "--propagation",
                 "slave",
                 "--",
-                "python3",
+                "sh",
                 "-c",
-                CHECK,
             ])
+            .arg(format!(
+                "{}exec python3 -c \"$0\" \"$@\"",
+                support::namespace::drop_foreign_mounts(None)
+            ))
+            .arg(CHECK)
             .arg(&socket)
             .output()
             .expect("unshare --mount (util-linux) and python3, as root")

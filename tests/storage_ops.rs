@@ -1000,7 +1000,8 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
     let mut child = std::process::Command::new("unshare")
         .args(["-m", "--propagation", "private", "sh", "-c"])
         .arg(format!(
-            "mountpoint -q {} && echo holding && exec sleep 600",
+            "{}mountpoint -q {} && echo holding && exec sleep 600",
+            support::namespace::drop_foreign_mounts(Some(sb.path())),
             target.display()
         ))
         .stdout(std::process::Stdio::piped())
