@@ -174,21 +174,7 @@ async def main():
     await asyncio.gather(*(one() for _ in range(n)))
 asyncio.run(main())
 "#;
-    in_cgroup(cgroup)
-        .args([
-            "unshare",
-            "--mount",
-            "--propagation",
-            "slave",
-            "--",
-            "sh",
-            "-c",
-        ])
-        .arg(format!(
-            "{}exec python3 -c \"$0\" \"$@\"",
-            support::namespace::drop_foreign_mounts(None)
-        ))
-        .arg(SCRIPT)
+    python_in_namespace(cgroup, SCRIPT)
         .arg(socket)
         .arg(n.to_string())
         .arg(uid.to_string())
@@ -196,6 +182,28 @@ asyncio.run(main())
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("unshare --mount (util-linux) and python3, as root")
+}
+
+/// python3 running `script` in a mount namespace of its own (as a task's, holding no other
+/// test's mounts: `support::namespace`), in `cgroup` when given; the arguments added to the
+/// command are the script's.
+fn python_in_namespace(cgroup: Option<&Path>, script: &str) -> std::process::Command {
+    let mut c = in_cgroup(cgroup);
+    c.args([
+        "unshare",
+        "--mount",
+        "--propagation",
+        "slave",
+        "--",
+        "sh",
+        "-c",
+    ])
+    .arg(format!(
+        "{}exec python3 -c \"$0\" \"$@\"",
+        support::namespace::drop_foreign_mounts(None)
+    ))
+    .arg(script);
+    c
 }
 
 /// A command whose arguments are the program to run, in `cgroup` when given (`sh` enters
@@ -372,21 +380,7 @@ for _ in range(20):
 print(ok)
 "#;
     let out = tokio::task::spawn_blocking(move || {
-        in_cgroup(Some(&other_cg))
-            .args([
-                "unshare",
-                "--mount",
-                "--propagation",
-                "slave",
-                "--",
-                "sh",
-                "-c",
-            ])
-            .arg(format!(
-                "{}exec python3 -c \"$0\" \"$@\"",
-                support::namespace::drop_foreign_mounts(None)
-            ))
-            .arg(CHECK)
+        python_in_namespace(Some(&other_cg), CHECK)
             .arg(&socket)
             .output()
             .expect("unshare --mount (util-linux) and python3, as root")
