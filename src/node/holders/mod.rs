@@ -23,7 +23,9 @@ mod procfs;
 use procfs::{comm_of, gone, inspect_all, pids, report, without_kernel_threads};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+#[cfg(test)]
+use std::path::Path;
+use std::path::PathBuf;
 
 /// Why the scan could not be made at all.
 #[derive(Debug, thiserror::Error)]
@@ -380,9 +382,8 @@ struct Reach {
 }
 
 impl Reach {
-    /// The reach of `target`'s mount in `host`, if it shows `volume`.
-    fn of(host: &MountTable, volume: &MountIdentity, target: &Path) -> Option<Self> {
-        let top = host.top_at(target).filter(|e| e.shows(volume))?;
+    /// The reach of `top`, the mount on top of a target in `host`.
+    fn of(host: &MountTable, top: &crate::node::mounts::MountEntry) -> Option<Self> {
         let parent = host.by_id(top.parent)?;
         Some(Self {
             group: top.shared?,
@@ -430,15 +431,12 @@ pub fn scan_many(
     let mut volume_mounts: Vec<BTreeSet<u32>> = Vec::with_capacity(wanted.len());
     // The ID of each target's mount, where it shows the volume.
     let mut target_mounts: Vec<Option<u32>> = Vec::with_capacity(wanted.len());
-    let reach: Vec<Option<Reach>> = wanted
-        .iter()
-        .map(|(volume, target)| Reach::of(host, volume, target))
-        .collect();
+    // How far the host's unmount of each target reaches.
+    let mut reach: Vec<Option<Reach>> = Vec::with_capacity(wanted.len());
     for (volume, target) in wanted {
-        let target_mount = host
-            .top_at(target)
-            .filter(|e| e.shows(volume))
-            .map(|e| e.id);
+        let top = host.top_at(target).filter(|e| e.shows(volume));
+        reach.push(top.and_then(|top| Reach::of(host, top)));
+        let target_mount = top.map(|e| e.id);
         target_mounts.push(target_mount);
         usages.push(Usage {
             other_mounts: host
@@ -1025,19 +1023,14 @@ mod tests {
         let s = Scratch::new();
         let (target, id) = volume(&s);
         let inner = s.dir("task/data");
-        let task = Proc::spawn(Command::new("unshare").args([
-            "--mount",
-            "--propagation",
+        let task = in_namespace(
             "private",
-            "sh",
-            "-c",
             &format!(
                 "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
                 target.display(),
                 inner.display()
             ),
-        ]))
-        .ready();
+        );
         let u = scan_now(&id, &target);
         assert!(u.in_use());
         assert!(
