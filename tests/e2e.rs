@@ -8,6 +8,7 @@ mod support;
 use serde_json::Value;
 use std::path::PathBuf;
 use support::cluster::{repo, Cluster, NOBODY_GID, NOBODY_UID};
+use support::namespace::Namespaced;
 use support::sandbox::script;
 use support::webdav::{mount_pids, WebdavServer};
 
@@ -908,54 +909,6 @@ async fn b15_purged_job_is_unpublished_and_its_claim_released(mode: &str, nomad_
     );
 }
 
-/// A process in a mount namespace of its own made by `unshare --mount --propagation
-/// <propagation>` (as systemd makes one for a service with `PrivateTmp=`: slave), started
-/// while the volume is published, holding no other test's mounts (`support::namespace`);
-/// killed and reaped on drop.
-struct Service(std::process::Child);
-
-impl Service {
-    fn start(sandbox: &std::path::Path, propagation: &str) -> Service {
-        use std::io::BufRead;
-        let mut child = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", propagation, "sh", "-c"])
-            .arg(format!(
-                "{}cd / && echo ready && exec sleep 600",
-                support::namespace::drop_foreign_mounts(Some(sandbox))
-            ))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("unshare (util-linux), as root");
-        let out = child.stdout.take().unwrap();
-        let service = Service(child);
-        let mut line = String::new();
-        std::io::BufReader::new(out).read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the service did not start");
-        service
-    }
-
-    /// True when its namespace has a mount at `target`.
-    fn has_mount_at(&self, target: &std::path::Path) -> bool {
-        let table = std::fs::read_to_string(format!("/proc/{}/mountinfo", self.0.id()))
-            .expect("the service's mount table");
-        let want = target.display().to_string();
-        table
-            .lines()
-            .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
-    }
-
-    fn alive(&mut self) -> bool {
-        self.0.try_wait().unwrap().is_none()
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A service (re)started on the node while a volume is published (a package upgrade restarts
 /// one with `PrivateTmp=`) has a slave copy of the volume's mount in its namespace: the
 /// unpublish does not wait for it, removes it with the host's mount, and leaves the service
@@ -974,8 +927,11 @@ async fn a_service_started_after_the_publish_does_not_hold_up_the_unpublish() {
     })
     .await;
     let target = c.target(0, "shared-data");
-    let mut service = Service::start(c.sb.path(), "slave");
-    let pinning = Service::start(c.sb.path(), "private");
+    // A process in a namespace of its own made while the volume is published (as systemd
+    // makes one for a service with `PrivateTmp=`: slave), and a private one.
+    let idle = "cd / && echo ready && exec sleep 600";
+    let mut service = Namespaced::start(c.sb.path(), "slave", idle);
+    let pinning = Namespaced::start(c.sb.path(), "private", idle);
     for s in [&service, &pinning] {
         assert!(s.has_mount_at(&target), "no copy of {}", target.display());
     }
@@ -987,7 +943,7 @@ async fn a_service_started_after_the_publish_does_not_hold_up_the_unpublish() {
                 e["event"] == "unpublish-failed"
                     && e["detail"]["error"]
                         .as_str()
-                        .is_some_and(|m| m.contains(&format!("pid {}", pinning.0.id())))
+                        .is_some_and(|m| m.contains(&format!("pid {}", pinning.pid())))
             })
             .then_some(())
     })
@@ -1002,7 +958,7 @@ async fn a_service_started_after_the_publish_does_not_hold_up_the_unpublish() {
         !refusal["detail"]["error"]
             .as_str()
             .unwrap_or_default()
-            .contains(&format!("pid {}", service.0.id())),
+            .contains(&format!("pid {}", service.pid())),
         "the slave copy was counted as a holder: {refusal}"
     );
     drop(pinning);

@@ -71,6 +71,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 use support::fixtures::{fixture, orders_record, shared as testdata};
 use support::inproc::{agent_config, ready, start_agent, status, Running};
+use support::namespace::Namespaced;
 use support::sandbox::{calls, eventually, recording_plugin, script, Sandbox};
 
 const NODE_A: &str = "3f6b2c1e-8d4a-4b7e-9c2f-5a1d7e3b9c40";
@@ -236,8 +237,8 @@ impl Replay {
 
     /// The volume stays published, with `task` named as its holder, its claim kept and
     /// its unpublish reported as failed; once the task is gone, it is unpublished.
-    async fn held_until_released(&self, task: &mut Task) {
-        let pid = task.0.id();
+    async fn held_until_released(&self, task: &mut Namespaced) {
+        let pid = task.pid();
         status_until(&self.cfg, "the task named as the volume's holder", |s| {
             s["holders"][VOLUME]["holders"]
                 .as_array()
@@ -273,45 +274,10 @@ impl Replay {
     }
 }
 
-/// A task of the allocation: its own mount namespace with the volume bound in (as the
-/// exec and docker drivers make), killed on drop. The namespace holds no other test's mounts
-/// (`support::namespace`).
-struct Task(std::process::Child);
-
-impl Task {
-    fn holding(r: &Replay) -> Task {
-        use std::io::BufRead;
-        let inner = r.sb.join("task/data");
-        std::fs::create_dir_all(&inner).unwrap();
-        let mut child = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", "slave", "sh", "-c"])
-            .arg(format!(
-                "{}mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
-                support::namespace::drop_foreign_mounts(Some(r.sb.path())),
-                r.target.display(),
-                inner.display()
-            ))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let task = Task(child);
-        let mut line = String::new();
-        std::io::BufReader::new(out).read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the task did not start");
-        task
-    }
-
-    fn end(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Task {
-    fn drop(&mut self) {
-        self.end();
-    }
+/// A task of the allocation: its own mount namespace with the volume bound in (as the exec
+/// and docker drivers make), killed on drop.
+fn task_holding(r: &Replay) -> Namespaced {
+    Namespaced::holding(r.sb.path(), &r.target, &r.sb.join("task/data"))
 }
 
 /// Polls the agent's status until `f` holds (20 s at most).
@@ -417,7 +383,7 @@ async fn a_failed_republish_leaves_no_writable_directory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_unpublished_under_a_live_process() {
     let mut r = Replay::published().await;
-    let mut task = Task::holding(&r);
+    let mut task = task_holding(&r);
     for line in frames(|i| i >= 1242) {
         r.nomad.push(&line);
     }
@@ -535,7 +501,7 @@ async fn a_list_that_goes_back_in_time_undoes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_still_waits_for_a_task_to_stop() {
     let mut r = Replay::published().await;
-    let mut task = Task::holding(&r);
+    let mut task = task_holding(&r);
     r.stop().await;
     r.nomad.delete_alloc(ALLOC);
     r.agent = Some(start_agent(&r.nomad, r.cfg.clone()));

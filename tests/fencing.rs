@@ -918,51 +918,6 @@ async fn a_second_writer_on_the_same_node_waits_for_the_first_with_single_node_s
     );
 }
 
-/// A process in a mount namespace of its own (as a task's) with the volume bound in at
-/// `inner`, which the host's unmount does not reach. The namespace holds no other test's
-/// mounts (`support::namespace`): a fence of another test's volume would kill it.
-/// Killed and reaped on drop; its bind goes with its namespace.
-struct NamespaceHolder(std::process::Child);
-
-impl NamespaceHolder {
-    fn holding(
-        sandbox: &std::path::Path,
-        target: &std::path::Path,
-        inner: &std::path::Path,
-    ) -> NamespaceHolder {
-        use std::io::BufRead;
-        std::fs::create_dir_all(inner).unwrap();
-        let mut child = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", "slave", "sh", "-c"])
-            .arg(format!(
-                "{}mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
-                support::namespace::drop_foreign_mounts(Some(sandbox)),
-                target.display(),
-                inner.display()
-            ))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("unshare (util-linux), as root");
-        let out = child.stdout.take().unwrap();
-        let holder = NamespaceHolder(child);
-        let mut line = String::new();
-        std::io::BufReader::new(out).read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the holder did not start");
-        holder
-    }
-
-    fn end(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for NamespaceHolder {
-    fn drop(&mut self) {
-        self.end();
-    }
-}
-
 /// Issue 46: a busy unpublish follows the evidence, not its backoff. After the writer's job
 /// stops, a process in a private mount namespace still holds the volume: the unpublish is
 /// refused, naming it, five times (the backoff then waits 13 s or more), while a job on the
@@ -979,12 +934,12 @@ async fn a_hand_over_follows_the_last_holders_exit_not_the_unpublish_backoff() {
         .await;
     let holder = c.node_index(first["NodeID"].as_str().unwrap());
     let other = 1 - holder;
-    let mut process = NamespaceHolder::holding(
+    let mut process = support::namespace::Namespaced::holding(
         c.sb.path(),
         &c.target(holder, VOLUME),
         &c.sb.path().join("holder-ns/data"),
     );
-    let pid = process.0.id();
+    let pid = process.pid();
     c.stop_job(&job, false).await;
     c.run_job(&writer_job_named(
         c.sb.path(),

@@ -937,16 +937,6 @@ async fn a_context_naming_another_volume_is_refused_and_registered_storage_is_no
     unpublish(&runner, &n, &registered, &target).await;
 }
 
-/// Kills and reaps a helper process when the test ends, whatever the outcome.
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The ext4 plugin never resizes a live filesystem offline. Here the image's filesystem is
 /// still mounted in another mount namespace after the node's unpublish (a process that kept
 /// a copy of the mount, as the simulator's tasks did before its exec driver pivoted its root):
@@ -997,27 +987,13 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
     let before = fs_bytes(&target);
 
     // A process in a mount namespace of its own, holding a copy of the mount.
-    let mut child = std::process::Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sh", "-c"])
-        .arg(format!(
-            "{}mountpoint -q {} && echo holding && exec sleep 600",
-            support::namespace::drop_foreign_mounts(Some(sb.path())),
+    let holder = support::namespace::Namespaced::start(
+        sb.path(),
+        "private",
+        &format!(
+            "mountpoint -q {} && echo ready && exec sleep 600",
             target.display()
-        ))
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("unshare");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let holder = Reaped(child);
-    assert_eq!(
-        line.trim(),
-        "holding",
-        "the copy of the mount in the new namespace"
+        ),
     );
     unpublish(&runner, &n, &rec, &target).await;
 
@@ -1037,7 +1013,7 @@ async fn ext4_never_grows_offline_an_image_still_mounted_in_another_namespace() 
     assert!(
         said.contains("still attached")
             && said.contains("not resizing a live filesystem")
-            && said.contains(&format!("pid {}", holder.0.id())),
+            && said.contains(&format!("pid {}", holder.pid())),
         "{said}"
     );
     assert_eq!(
