@@ -105,6 +105,22 @@ impl Drop for Cluster {
             let _ = std::fs::create_dir_all(&keep);
             for n in &self.nodes {
                 let _ = std::fs::copy(&n.log, keep.join(format!("{}.agent.log", n.name)));
+                // CI keeps only the test's output: its agents' last warnings go there too.
+                let log = std::fs::read_to_string(&n.log).unwrap_or_default();
+                let warned: Vec<&str> = log
+                    .lines()
+                    .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+                    .collect();
+                let from = warned.len().saturating_sub(30);
+                eprintln!(
+                    "{}'s agent: its last {} warnings and errors (of {}):",
+                    n.name,
+                    warned.len() - from,
+                    warned.len()
+                );
+                for l in &warned[from..] {
+                    eprintln!("  {l}");
+                }
             }
             let _ = std::fs::copy(self.sb.join("sim.log"), keep.join("sim.log"));
             // Task logs and states of the simulated allocations (mounts are detached now).
