@@ -87,7 +87,7 @@ async fn drain_moves_the_volume_with_the_allocation_and_never_overlaps() {
     let to = c.node_index(second["NodeID"].as_str().unwrap());
     assert_ne!(from, to);
     // The new allocation read the file written on the drained node.
-    c.wait_for(20, "the second allocation's output", || async {
+    c.wait_for(60, "the second allocation's output", || async {
         Some(app_stdout(&c, &second)).filter(|o| o.contains(&first_id))
     })
     .await;
@@ -251,7 +251,12 @@ async fn sigkill_mid_publish_then_restart_leaves_exactly_one_mount() {
         "stacked mounts on {}",
         target.display()
     );
-    assert!(app_stdout(&c, &alloc).contains(alloc["ID"].as_str().unwrap()));
+    // Running is not yet written: the task's echo may come a moment later on a loaded machine.
+    let id = alloc["ID"].as_str().unwrap();
+    c.wait_for(60, "the task's output, written in the volume", || async {
+        app_stdout(&c, &alloc).contains(id).then_some(())
+    })
+    .await;
     c.stop_job(&job, false).await;
     c.wait_for(30, "unpublished after the stop", || async {
         (mount_count(&target) == 0).then_some(())
