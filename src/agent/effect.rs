@@ -146,7 +146,9 @@ pub(crate) enum Effect {
         volume: Box<VolumeRecord>,
         mount: Box<MountRecord>,
     },
-    /// Kernel: read the mount table again (answered by `Input::MountTable`).
+    /// Kernel: read the mount table again (answered by `Input::MountTable`); the tick's
+    /// check, so an unchanged table may be up to 10 s old
+    /// ([`crate::node::mounts::MountTable::read_idle`]).
     ReadMountTable,
     /// Journal: make `commit` durable off the loop, then perform `then` (the plugin calls
     /// and answers that must not start before their intents are on disk).

@@ -589,7 +589,7 @@ impl Shell {
                 if !self.reading_mounts {
                     self.reading_mounts = true;
                     self.tasks
-                        .spawn_blocking(|| Report::Mounts(MountTable::read()));
+                        .spawn_blocking(|| Report::Mounts(MountTable::read_idle()));
                 }
             }
             Effect::Commit { commit, then } => {

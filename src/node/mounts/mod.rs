@@ -271,6 +271,12 @@ impl MountTable {
         HOST.current(Path::new(HOST_MOUNTINFO))
     }
 
+    /// The host's table for the agent's periodic check: like [`MountTable::read`], but an
+    /// unchanged table is reused for up to [`unchanged::IDLE_MAX_AGE`].
+    pub fn read_idle() -> Result<Self, MountsError> {
+        HOST.current_within(Path::new(HOST_MOUNTINFO), unchanged::IDLE_MAX_AGE)
+    }
+
     /// How many times [`MountTable::read`] has read the host's table since the agent
     /// started (not answered from the last reading): each reading costs the kernel's
     /// formatting and the agent's parsing of every mount on the node
