@@ -314,6 +314,15 @@ impl Offers {
         now.saturating_duration_since(seen) < PREFER_GRACE
     }
 
+    /// True when the topology grace of a volume seen pending ([`PREFER_GRACE`]) ended in
+    /// `(after, now]`: its create is no longer deferred here.
+    pub(crate) fn grace_ended(&self, after: Instant, now: Instant) -> bool {
+        self.unpreferred.values().any(|seen| {
+            let end = *seen + PREFER_GRACE;
+            end > after && end <= now
+        })
+    }
+
     /// Forgets the first sightings of volumes no longer pending.
     pub(crate) fn keep_unpreferred(&mut self, pending: &BTreeSet<VolumeKey>) {
         self.unpreferred.retain(|k, _| pending.contains(k));

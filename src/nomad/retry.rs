@@ -209,6 +209,14 @@ impl<K: Ord + Clone> Retries<K> {
         self.entries.remove(key);
     }
 
+    /// True when a retry's deadline fell in `(after, now]`: work that was waiting then may
+    /// be tried now.
+    pub fn came_due(&self, after: Instant, now: Instant) -> bool {
+        self.entries
+            .values()
+            .any(|e| e.not_before > after && e.not_before <= now)
+    }
+
     /// The earliest retry deadline still ahead of `now`.
     pub fn next_after(&self, now: Instant) -> Option<Instant> {
         self.entries

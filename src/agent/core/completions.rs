@@ -97,11 +97,18 @@ impl Core {
         // Chores (placeholders, creates and deletes) are a pass over every volume: due on
         // what can change them, not on every unpublish of a wave (that made a wave of N
         // unpublishes O(N²)). An unpublish matters to them only when its volume is no
-        // longer ready (a delete waits for it); the tick runs them anyway.
+        // longer ready (a delete waits for it) or its plugin has a limit of volumes here
+        // (one fewer attached: its other placeholders come back); the tick runs them
+        // anyway, at least every `CHORES_EVERY`.
         let unpublished_chore = matches!(
             &done,
             Completion::Unpublished { volume, .. }
                 if !self.volumes.get(volume).is_some_and(|r| r.state == VolumeState::Ready)
+                    || self
+                        .journal
+                        .mounts()
+                        .get(volume)
+                        .is_some_and(|m| self.max_volumes(&m.plugin_id).is_some())
         );
         if unpublished_chore
             || matches!(

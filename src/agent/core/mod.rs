@@ -37,6 +37,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// The longest the tick leaves the chores (placeholders, creates and deletes: a pass over
+/// every volume) unrun when no input asked for them ([`Core::chores_due_on_tick`]).
+pub(crate) const CHORES_EVERY: Duration = Duration::from_secs(10);
+
 /// True when this node serves `rec`: its plugin is here (deferred) and the volume is for
 /// this node's pool (or any pool).
 fn serves(rec: &VolumeRecord, deferred: &BTreeSet<String>, node_pool: &str) -> bool {
@@ -154,8 +158,12 @@ pub(crate) struct Core {
     /// The plan's waiting volumes, kept per volume across scoped passes.
     plan_waiting: BTreeMap<VolumeKey, Waiting>,
     /// Placeholders and create/delete workers are driven only when their inputs can have
-    /// changed (catalogue, plugins, their own completions, an unpublish, the tick).
+    /// changed (catalogue, plugins, node facts, cool-downs, their own completions, an
+    /// unpublish), when a retry or a topology grace came due, and at least every
+    /// [`CHORES_EVERY`] on the tick.
     chores_due: bool,
+    /// When the chores last ran.
+    last_chores: Option<Instant>,
     /// Planning work so far (allocations, user records, claims and mount records visited,
     /// targets checked against the mount table).
     plan_visits: u64,
@@ -223,6 +231,7 @@ impl Core {
             parked: BTreeSet::new(),
             plan_waiting: BTreeMap::new(),
             chores_due: true,
+            last_chores: None,
             plan_visits: 0,
             scoped: true,
             forced: Default::default(),
@@ -513,10 +522,27 @@ impl Core {
                 &self.volumes,
             ),
             Input::Tick => {
-                self.chores_due = true;
+                if self.chores_due_on_tick(now) {
+                    self.chores_due = true;
+                }
                 self.on_tick(now, out)
             }
         }
+    }
+
+    /// Whether the tick runs the chores: a pass over every volume (1,000 volumes on a
+    /// 2 s tick were most of an idle agent's CPU: docs/scale.md), so only at least every
+    /// [`CHORES_EVERY`], or when what the chores wait on without an input came due since
+    /// they last ran: a retry's deadline, or the end of a topology grace
+    /// ([`crate::agent::offer::PREFER_GRACE`]). Everything else that changes their
+    /// outcome sets `chores_due` itself.
+    fn chores_due_on_tick(&self, now: Instant) -> bool {
+        let Some(last) = self.last_chores else {
+            return true;
+        };
+        now.saturating_duration_since(last) >= CHORES_EVERY
+            || self.retries.came_due(last, now)
+            || self.offers.grace_ended(last, now)
     }
 
     /// The earliest time something is due without any input (a retry, a caller's
@@ -843,6 +869,9 @@ impl Core {
             }
         }
         let chores = std::mem::take(&mut self.chores_due);
+        if chores && (self.placeholders_ready() || self.plugins_loaded) {
+            self.last_chores = Some(now);
+        }
         if chores && self.placeholders_ready() {
             let attached = self.attached_by_plugin();
             let want: BTreeMap<VolumeKey, (&VolumeRecord, PathBuf)> = self

@@ -111,6 +111,11 @@ impl StateLock {
 /// The most inputs planned together in one pass.
 const BATCH: usize = 512;
 
+/// The longest the node's record goes without a rebuild while only the tick runs over an
+/// unchanged mount table: what a tick alone changes (an expiry) shows within this time;
+/// every other pass rebuilds it at once.
+const NODE_RECORD_EVERY: Duration = Duration::from_secs(10);
+
 /// What a finished task reports to the loop.
 enum Report {
     /// An effect that reports nothing back (its failure is logged).
@@ -1220,6 +1225,12 @@ pub async fn run(
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
     let mut follow_usage = true;
     let mut follow_secrets = true;
+    // The last table reading the core was given, and when the node's record was last
+    // rebuilt: a pass of the tick alone over an unchanged table rebuilds it at most every
+    // `NODE_RECORD_EVERY` (a rebuild visits every volume: at 1,000 volumes, two passes
+    // every 2 s were most of an idle agent's CPU; docs/scale.md).
+    let mut last_table: Option<MountTable> = None;
+    let mut record_built: Option<tokio::time::Instant> = None;
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -1240,9 +1251,21 @@ pub async fn run(
                 Input::Catalogue(_) | Input::Done(crate::agent::executor::Completion::Plugins(_))
             )
         };
-        follow_usage |= inputs
-            .iter()
-            .any(|i| matches!(i, Input::MountTable(_)) || catalogue_or_plugins(i));
+        // A table answered from the last reading changes nothing the usage task follows.
+        let mut new_table = false;
+        for i in &inputs {
+            if let Input::MountTable(t) = i {
+                if !last_table.as_ref().is_some_and(|l| l.same_reading(t)) {
+                    new_table = true;
+                    last_table = Some(t.clone());
+                }
+            }
+        }
+        let tick_only = !new_table
+            && inputs
+                .iter()
+                .all(|i| matches!(i, Input::Tick | Input::MountTable(_)));
+        follow_usage |= new_table || inputs.iter().any(catalogue_or_plugins);
         // The referenced Variables change with the journal's mounts, the records, the plugins.
         follow_secrets |= inputs.iter().any(catalogue_or_plugins);
         let effects = core.handle_all(inputs, now());
@@ -1269,6 +1292,11 @@ pub async fn run(
                 })
             });
         }
+        let rebuilt_lately = record_built.is_some_and(|t| t.elapsed() < NODE_RECORD_EVERY);
+        if tick_only && !committed && rebuilt_lately {
+            continue;
+        }
+        record_built = Some(tokio::time::Instant::now());
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = core.node_volumes();

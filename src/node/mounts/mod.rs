@@ -271,6 +271,12 @@ impl MountTable {
         HOST.current(Path::new(HOST_MOUNTINFO))
     }
 
+    /// True when both are the same reading (one read answered twice from
+    /// [`unchanged`]): nothing in the table changed between them.
+    pub fn same_reading(&self, other: &MountTable) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// The host's table for the agent's periodic check: like [`MountTable::read`], but an
     /// unchanged table is reused for up to [`unchanged::IDLE_MAX_AGE`].
     pub fn read_idle() -> Result<Self, MountsError> {
