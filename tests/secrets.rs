@@ -66,7 +66,16 @@ async fn run_example(c: &Cluster, other_than: Option<&str>) -> (String, String, 
         })
         .await;
     let node = c.node_index(alloc["NodeID"].as_str().unwrap());
-    (job, alloc["ID"].as_str().unwrap().to_string(), node)
+    let id = alloc["ID"].as_str().unwrap().to_string();
+    // Running is not yet written: the task's line reaches the volume a moment later.
+    let written = c.target(node, "shared-data").join("greetings.txt");
+    c.wait_for(60, "the main task's line in the volume", || async {
+        std::fs::read_to_string(&written)
+            .is_ok_and(|t| t.contains(&id))
+            .then_some(())
+    })
+    .await;
+    (job, id, node)
 }
 
 /// Stops the job and waits until node `node` has unpublished the volume.
