@@ -434,6 +434,19 @@ mod tests {
         }
     }
 
+    /// The end of a topology grace is seen once, in the window that holds it.
+    #[test]
+    fn a_grace_ends_once() {
+        let t0 = Instant::now();
+        let mut o = Offers::default();
+        assert!(o.defers_create(&key("v"), false, t0));
+        let end = t0 + PREFER_GRACE;
+        assert!(!o.grace_ended(t0, end - Duration::from_millis(1)));
+        assert!(o.grace_ended(t0, end));
+        assert!(!o.grace_ended(end, end + Duration::from_secs(5)));
+        assert!(!o.defers_create(&key("v"), false, end));
+    }
+
     /// The declared class wins over the exit code.
     #[test]
     fn a_declared_class_wins_over_the_exit_code() {

@@ -237,6 +237,19 @@ mod tests {
     };
 
     #[test]
+    fn a_deadline_came_due_only_within_its_window() {
+        let t0 = Instant::now();
+        let mut r: Retries<&str> = Retries::new(1);
+        let at = r.failed(&"x", P, t0);
+        assert!(!r.came_due(t0, at - Duration::from_millis(1)), "not yet");
+        assert!(r.came_due(t0, at), "due at its deadline");
+        assert!(
+            !r.came_due(at, at + Duration::from_secs(5)),
+            "already seen due"
+        );
+    }
+
+    #[test]
     fn delays_double_up_to_the_cap_within_the_jitter() {
         assert_eq!(P.delay(0, 1.0), Duration::from_secs(1));
         assert_eq!(P.delay(3, 1.0), Duration::from_secs(8));

@@ -912,3 +912,69 @@ fn the_node_record_carries_no_plugin_words() {
         "{shown}"
     );
 }
+
+/// Issue 50: the tick runs the chores (a pass over every volume) at most every
+/// `CHORES_EVERY` when nothing asked for them, and at once when a retry they wait on
+/// came due: a placeholder whose registration failed is registered again at its retry,
+/// not at the next 10 s pass.
+#[test]
+fn the_tick_runs_the_chores_every_ten_seconds_or_when_a_retry_comes_due() {
+    let mut h = H::new(
+        &[
+            ("a", "multi-node-multi-writer"),
+            ("b", "multi-node-multi-writer"),
+            ("c", "multi-node-multi-writer"),
+        ],
+        vec![],
+    );
+    for v in ["a", "b", "c"] {
+        h.feed(Input::Done(Completion::Placeholder {
+            volume: key(v),
+            result: Ok(Some(format!("hv-{v}"))),
+        }));
+    }
+    // A tick 2 s later with nothing due: no pass over the volumes.
+    let before = h.core.plan_visits();
+    h.at(Duration::from_secs(2), Input::Tick);
+    let quiet = h.core.plan_visits() - before;
+    // 10 s after the last chores: the pass (placeholders and workers: twice the volumes).
+    let before = h.core.plan_visits();
+    h.at(CHORES_EVERY, Input::Tick);
+    let periodic = h.core.plan_visits() - before;
+    assert_eq!(
+        periodic,
+        quiet + 6,
+        "quiet tick {quiet}, periodic tick {periodic}"
+    );
+    // A failed registration of a new volume's placeholder is retried at its deadline
+    // (STEP_RETRY: about 1 s), between two periodic passes.
+    let mut vols = h.core.volumes.clone();
+    vols.insert(
+        key("d"),
+        std::sync::Arc::new(volume("d", "multi-node-multi-writer")),
+    );
+    let e = h.at(Duration::from_secs(1), Input::Catalogue(vols));
+    assert!(
+        e.iter().any(
+            |x| matches!(x, Effect::RegisterPlaceholder { target: t, .. } if *t == target("d"))
+        ),
+        "{e:?}"
+    );
+    h.feed(Input::Done(Completion::Placeholder {
+        volume: key("d"),
+        result: Err(crate::agent::executor::PlaceholderError::Nomad(
+            crate::nomad::NomadError::Status {
+                what: "host-volume-register".into(),
+                status: 500,
+                body: "no leader".into(),
+            },
+        )),
+    }));
+    let e = h.at(Duration::from_secs(2), Input::Tick);
+    assert!(
+        e.iter().any(
+            |x| matches!(x, Effect::RegisterPlaceholder { target: t, .. } if *t == target("d"))
+        ),
+        "the registration is retried at its deadline, before the next periodic pass: {e:?}"
+    );
+}
