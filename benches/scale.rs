@@ -480,6 +480,13 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
         WatchMode::Stream => "stream",
         WatchMode::Poll => "node-allocations",
     };
+    // `BENCH_PERF_PHASE=latency` frames the back-to-back samples for the profiler: one
+    // allocation's whole cycle (publish, then unpublish) at a time.
+    let frame = gap.is_zero() && std::env::var("BENCH_PERF_PHASE").is_ok_and(|p| p == "latency");
+    if frame {
+        perf_control("enable");
+    }
+    let cpu0 = agent_cpu_ms(node.pid()).0;
     for i in 0..samples {
         tokio::time::sleep(gap).await;
         let t0 = node.place(&[(i, i % 10)], "running");
@@ -511,6 +518,10 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
         node.place(&[(i, i % 10)], "complete");
         node.wait_calls("unpublish", i + 1).await;
     }
+    let cycle_cpu = (agent_cpu_ms(node.pid()).0 - cpu0) / samples.max(1) as f64;
+    if frame {
+        perf_control("disable");
+    }
     for v in [&mut lat, &mut server, &mut rest] {
         v.sort_by(|a, b| a.total_cmp(b));
     }
@@ -527,6 +538,7 @@ async fn latency(mode: WatchMode, tmpfs: bool, samples: usize, gap: Duration) ->
         agent: (quantile(&rest, 0.5), quantile(&rest, 0.99)),
         split: server.len(),
         exec,
+        cycle_cpu,
     }
 }
 
@@ -546,6 +558,9 @@ struct Latency {
     /// A whole plugin run (fork, exec, dynamic linking, the plugin's work, exit) started
     /// by the bench itself in the same rhythm: what the machine charges for an exec.
     exec: f64,
+    /// The agent's CPU per sample (ms): one allocation's whole cycle, its publish and then
+    /// its unpublish, with the gap's idle work when there is a gap.
+    cycle_cpu: f64,
 }
 
 /// Mean wall time of starting the plugin and waiting for it (a no-op operation): the
@@ -704,6 +719,8 @@ struct Restart {
     floor_ms: f64,
     /// The agent's CPU per publish during that burst.
     burst_agent_cpu_ms: f64,
+    /// Writes of the node's record from the burst's frame to 2 s after its last publish.
+    burst_record_writes: usize,
     /// RSS and heap with the `n` records and no allocation, then with `n` published.
     rss_records: Rss,
     heap_records_kib: Option<u64>,
@@ -747,6 +764,7 @@ async fn restart(n: usize, idle_s: u64) -> Restart {
     // `BENCH_PERF_PHASE=burst` frames the burst for the profiler instead of the idle window.
     let frame_burst = std::env::var("BENCH_PERF_PHASE").is_ok_and(|p| p == "burst");
     let cpu0 = agent_cpu_ms(node.pid());
+    let req_burst = node.fake.requests().len();
     if frame_burst {
         perf_control("enable");
     }
@@ -758,6 +776,15 @@ async fn restart(n: usize, idle_s: u64) -> Restart {
     let cpu1 = agent_cpu_ms(node.pid());
     let last = node.last_end("publish").unwrap_or(t0);
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // The node's record written during the burst and the 2 s after it: one whole record
+    // (every volume of the node) per write, a Raft write each on the servers.
+    let burst_record_writes = node
+        .fake
+        .requests()
+        .iter()
+        .skip(req_burst)
+        .filter(|r| r.starts_with("PUT /v1/var/dhv-binder/nodes/"))
+        .count();
     let rss = node.rss_settled().await;
     let heap_kib = Node::heap_kib(&metrics).await;
 
@@ -837,6 +864,7 @@ async fn restart(n: usize, idle_s: u64) -> Restart {
         burst_ms: ms(last.saturating_sub(t0)),
         floor_ms: n as f64 * exec_cpu / cores as f64 + commit,
         burst_agent_cpu_ms: (cpu1.0 - cpu0.0) / n as f64,
+        burst_record_writes,
         rss_records,
         heap_records_kib,
         rss,
@@ -1223,7 +1251,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
             for mode in [WatchMode::Stream, WatchMode::Poll] {
                 let l = latency(mode, tmpfs, samples, Duration::ZERO).await;
                 println!(
-                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [{} split: server's answer {:.2} / {:.2}, answer -> plugin start {:.2} / {:.2}; a plugin run alone: {:.2}]",
+                    "   {:<6} state on {:<5}  p50 {:>7.2}  p99 {:>7.2}  [{} split: server's answer {:.2} / {:.2}, answer -> plugin start {:.2} / {:.2}; a plugin run alone: {:.2}; agent CPU per publish + unpublish {:.2}]",
                     mode_name(mode),
                     if tmpfs { "tmpfs" } else { "disk" },
                     l.p50,
@@ -1234,6 +1262,7 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
                     l.agent.0,
                     l.agent.1,
                     l.exec,
+                    l.cycle_cpu,
                 );
             }
         }
@@ -1361,12 +1390,13 @@ async fn run(part: impl Fn(&str) -> bool, samples: usize) {
             r.n
         );
         println!(
-            "   burst of {} placements in one frame: {:.0} ms, CPU floor {:.0} ms ({:.1}x); agent CPU/publish {:.2} ms",
+            "   burst of {} placements in one frame: {:.0} ms, CPU floor {:.0} ms ({:.1}x); agent CPU/publish {:.2} ms; {} writes of the node's record",
             r.n,
             r.burst_ms,
             r.floor_ms,
             r.burst_ms / r.floor_ms,
-            r.burst_agent_cpu_ms
+            r.burst_agent_cpu_ms,
+            r.burst_record_writes
         );
         let kib = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
         println!(
