@@ -116,6 +116,13 @@ const BATCH: usize = 512;
 /// every other pass rebuilds it at once.
 const NODE_RECORD_EVERY: Duration = Duration::from_secs(10);
 
+/// While passes keep changing what the node's record shows (a burst of publishes), it is
+/// rebuilt at most this often: a rebuild visits every volume of the node, and its writer
+/// sends at most one record per [`crate::cluster::nodes::WRITE_SPACING`] anyway. A pass
+/// that skips the rebuild leaves the record stale, and the first pass after the spacing
+/// (at the latest the next tick) rebuilds it.
+const NODE_RECORD_SPACING: Duration = crate::cluster::nodes::WRITE_SPACING;
+
 /// What a finished task reports to the loop.
 enum Report {
     /// An effect that reports nothing back (its failure is logged).
@@ -783,6 +790,9 @@ struct Sources {
     /// The periodic tick (`--tick`).
     tick: tokio::time::Interval,
     every: Duration,
+    /// When the node's record, left stale by a pass within [`NODE_RECORD_SPACING`] of its
+    /// last rebuild, is due: the loop wakes for it then.
+    record_due: Option<tokio::time::Instant>,
 }
 
 /// The periodic tick: every `every`, a late tick delays the next ones.
@@ -793,16 +803,17 @@ fn ticker(every: Duration) -> tokio::time::Interval {
 }
 
 impl Shell {
-    /// Waits for what comes first: a message, an effect's completion, the periodic tick or
+    /// Waits for what comes first: a message, an effect's completion, the periodic tick,
     /// the core's next wake-up (a retry or timer that is due, not sooner than 10 ms from
-    /// now); returns it with whatever else is already waiting (at most [`BATCH`]), so a
-    /// burst of messages is planned once.
+    /// now) or the stale node record's rebuild; returns it with whatever else is already
+    /// waiting (at most [`BATCH`]), so a burst of messages is planned once.
     async fn next_inputs(&mut self, core: &Core, src: &mut Sources) -> Vec<Input> {
         let floor = tokio::time::Instant::now() + Duration::from_millis(10);
         let wake = core
             .next_wakeup()
             .map(|w| tokio::time::Instant::from_std(self.clock.monotonic(w)))
             .map_or(floor + src.every, |w| w.max(floor));
+        let wake = src.record_due.map_or(wake, |r| wake.min(r.max(floor)));
         let read_due = self.after_calls.due().map(tokio::time::Instant::from_std);
         let mut inputs: Vec<Input> = tokio::select! {
             biased;
@@ -1221,6 +1232,7 @@ pub async fn run(
         records_failing,
         tick: ticker(cfg.tick),
         every: cfg.tick,
+        record_due: None,
     };
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
     let mut follow_usage = true;
@@ -1231,6 +1243,8 @@ pub async fn run(
     // every 2 s were most of an idle agent's CPU; docs/scale.md).
     let mut last_table: Option<MountTable> = None;
     let mut record_built: Option<tokio::time::Instant> = None;
+    // A pass changed what the record may show since its last rebuild.
+    let mut record_stale = false;
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -1292,10 +1306,21 @@ pub async fn run(
                 })
             });
         }
-        let rebuilt_lately = record_built.is_some_and(|t| t.elapsed() < NODE_RECORD_EVERY);
-        if tick_only && !committed && rebuilt_lately {
+        record_stale |= !tick_only || committed;
+        let due = match record_built.map(|t| t.elapsed()) {
+            None => true,
+            Some(since) => {
+                (record_stale && since >= NODE_RECORD_SPACING) || since >= NODE_RECORD_EVERY
+            }
+        };
+        if !due {
+            sources.record_due = record_built
+                .filter(|_| record_stale)
+                .map(|t| t + NODE_RECORD_SPACING);
             continue;
         }
+        record_stale = false;
+        sources.record_due = None;
         record_built = Some(tokio::time::Instant::now());
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
