@@ -27,6 +27,7 @@ use crate::nomad::Client;
 use crate::storage::environment::NodeEnv;
 use crate::storage::plugin::Runner;
 use crate::volume::VolumeKey;
+use spaced::Spaced;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -117,11 +118,15 @@ const BATCH: usize = 512;
 const NODE_RECORD_EVERY: Duration = Duration::from_secs(10);
 
 /// While passes keep changing what the node's record shows (a burst of publishes), it is
-/// rebuilt at most this often: a rebuild visits every volume of the node, and its writer
-/// sends at most one record per [`crate::cluster::nodes::WRITE_SPACING`] anyway. A pass
-/// that skips the rebuild leaves the record stale, and the first pass after the spacing
-/// (at the latest the next tick) rebuilds it.
+/// rebuilt at most this often ([`spaced`]): a rebuild visits every volume of the node, and
+/// its writer sends at most one record per [`crate::cluster::nodes::WRITE_SPACING`]
+/// anyway.
 const NODE_RECORD_SPACING: Duration = crate::cluster::nodes::WRITE_SPACING;
+
+/// While passes keep committing (a burst of publishes), the usage task is handed the
+/// journal's volumes, and the Variables that published volumes reference are followed, at
+/// most this often ([`spaced`]).
+const FOLLOW_SPACING: Duration = Duration::from_secs(1);
 
 /// What a finished task reports to the loop.
 enum Report {
@@ -790,9 +795,9 @@ struct Sources {
     /// The periodic tick (`--tick`).
     tick: tokio::time::Interval,
     every: Duration,
-    /// When the node's record, left stale by a pass within [`NODE_RECORD_SPACING`] of its
-    /// last rebuild, is due: the loop wakes for it then.
-    record_due: Option<tokio::time::Instant>,
+    /// When the earliest after-pass work left stale for its spacing is due ([`spaced`]):
+    /// the loop wakes for it then.
+    later: Option<tokio::time::Instant>,
 }
 
 /// The periodic tick: every `every`, a late tick delays the next ones.
@@ -805,7 +810,7 @@ fn ticker(every: Duration) -> tokio::time::Interval {
 impl Shell {
     /// Waits for what comes first: a message, an effect's completion, the periodic tick,
     /// the core's next wake-up (a retry or timer that is due, not sooner than 10 ms from
-    /// now) or the stale node record's rebuild; returns it with whatever else is already
+    /// now) or after-pass work left for its spacing; returns it with whatever else is already
     /// waiting (at most [`BATCH`]), so a burst of messages is planned once.
     async fn next_inputs(&mut self, core: &Core, src: &mut Sources) -> Vec<Input> {
         let floor = tokio::time::Instant::now() + Duration::from_millis(10);
@@ -813,7 +818,7 @@ impl Shell {
             .next_wakeup()
             .map(|w| tokio::time::Instant::from_std(self.clock.monotonic(w)))
             .map_or(floor + src.every, |w| w.max(floor));
-        let wake = src.record_due.map_or(wake, |r| wake.min(r.max(floor)));
+        let wake = src.later.map_or(wake, |r| wake.min(r.max(floor)));
         let read_due = self.after_calls.due().map(tokio::time::Instant::from_std);
         let mut inputs: Vec<Input> = tokio::select! {
             biased;
@@ -1232,19 +1237,20 @@ pub async fn run(
         records_failing,
         tick: ticker(cfg.tick),
         every: cfg.tick,
-        record_due: None,
+        later: None,
     };
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
-    let mut follow_usage = true;
-    let mut follow_secrets = true;
-    // The last table reading the core was given, and when the node's record was last
-    // rebuilt: a pass of the tick alone over an unchanged table rebuilds it at most every
-    // `NODE_RECORD_EVERY` (a rebuild visits every volume: at 1,000 volumes, two passes
-    // every 2 s were most of an idle agent's CPU; docs/scale.md).
+    // The after-pass work that visits every volume, each at most once per spacing while
+    // passes keep changing what it reads ([`spaced`]).
+    let mut usage_work = Spaced::new(FOLLOW_SPACING);
+    let mut secrets_work = Spaced::new(FOLLOW_SPACING);
+    let mut record_work = Spaced::new(NODE_RECORD_SPACING);
+    // The last table reading the core was given: a table answered from the last reading
+    // changes nothing the usage task follows, and a pass of the tick alone over it
+    // rebuilds the node's record at most every `NODE_RECORD_EVERY` (a rebuild visits
+    // every volume: at 1,000 volumes, two passes every 2 s were most of an idle agent's
+    // CPU; docs/scale.md).
     let mut last_table: Option<MountTable> = None;
-    let mut record_built: Option<tokio::time::Instant> = None;
-    // A pass changed what the record may show since its last rebuild.
-    let mut record_stale = false;
     loop {
         let inputs = tokio::select! {
             _ = &mut shutdown => break,
@@ -1265,7 +1271,6 @@ pub async fn run(
                 Input::Catalogue(_) | Input::Done(crate::agent::executor::Completion::Plugins(_))
             )
         };
-        // A table answered from the last reading changes nothing the usage task follows.
         let mut new_table = false;
         for i in &inputs {
             if let Input::MountTable(t) = i {
@@ -1279,49 +1284,54 @@ pub async fn run(
             && inputs
                 .iter()
                 .all(|i| matches!(i, Input::Tick | Input::MountTable(_)));
-        follow_usage |= new_table || inputs.iter().any(catalogue_or_plugins);
-        // The referenced Variables change with the journal's mounts, the records, the plugins.
-        follow_secrets |= inputs.iter().any(catalogue_or_plugins);
+        // Only the allocations and the records say which named volumes have no record.
+        let names_changed = inputs
+            .iter()
+            .any(|i| matches!(i, Input::Watch(_) | Input::Catalogue(_)));
+        let follows_changed = inputs.iter().any(catalogue_or_plugins);
         let effects = core.handle_all(inputs, now());
         let committed = effects.iter().any(|e| matches!(e, Effect::Commit { .. }));
-        follow_usage |= committed;
-        follow_secrets |= committed;
-        if std::mem::take(&mut follow_secrets) {
+        if new_table || follows_changed || committed {
+            usage_work.mark();
+        }
+        // The referenced Variables change with the journal's mounts, the records, the plugins.
+        if follows_changed || committed {
+            secrets_work.mark();
+        }
+        let at = tokio::time::Instant::now();
+        if !tick_only || committed || record_work.older_than(NODE_RECORD_EVERY, at) {
+            record_work.mark();
+        }
+        if secrets_work.take(at) {
             secret_watch.follow(core.refresh_watched());
         }
         shell.perform(effects);
         shell.meter.after_pass(&core);
         // A volume named by an allocation and not in the catalogue: read its record now
         // (once per such volume, not once per pass), whatever the marker says.
-        let unknown: BTreeSet<VolumeKey> = core.unknown_named_volumes().cloned().collect();
-        for k in unknown.difference(&asked_for) {
-            record_reads.ask(&k.namespace, &crate::volume::record_path(&k.name));
+        if names_changed {
+            let unknown: BTreeSet<VolumeKey> = core.unknown_named_volumes().cloned().collect();
+            for k in unknown.difference(&asked_for) {
+                record_reads.ask(&k.namespace, &crate::volume::record_path(&k.name));
+            }
+            asked_for = unknown;
         }
-        asked_for = unknown;
         let usage = shell.usage.as_ref();
-        if std::mem::take(&mut follow_usage) {
+        if usage_work.take(at) {
             usage.inspect(|u| {
                 u.follow(core.journal(), core.mounted(), core.plugins(), |k| {
                     core.volume_record(k)
                 })
             });
         }
-        record_stale |= !tick_only || committed;
-        let due = match record_built.map(|t| t.elapsed()) {
-            None => true,
-            Some(since) => {
-                (record_stale && since >= NODE_RECORD_SPACING) || since >= NODE_RECORD_EVERY
-            }
-        };
-        if !due {
-            sources.record_due = record_built
-                .filter(|_| record_stale)
-                .map(|t| t + NODE_RECORD_SPACING);
+        let rebuild = record_work.take(at);
+        sources.later = [usage_work.due(), secrets_work.due(), record_work.due()]
+            .into_iter()
+            .flatten()
+            .min();
+        if !rebuild {
             continue;
         }
-        record_stale = false;
-        sources.record_due = None;
-        record_built = Some(tokio::time::Instant::now());
         node_record.send_if_modified(|r| {
             let plugins = core.plugins().is_some_and(|p| r.set_plugins(p));
             let volumes = core.node_volumes();
@@ -1348,5 +1358,6 @@ pub async fn run(
     Ok(())
 }
 
+mod spaced;
 #[cfg(test)]
 mod tests;

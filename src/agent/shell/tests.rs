@@ -436,7 +436,7 @@ fn silent_sources(every: Duration) -> (Sources, Senders) {
         secrets: mpsc::channel(1).1,
         tick: ticker(every),
         every,
-        record_due: None,
+        later: None,
     };
     (
         src,
@@ -504,10 +504,10 @@ async fn a_round_of_mount_probes_reaches_the_core_as_one_report() {
     assert!(s.tasks.is_empty());
 }
 
-/// A node record left stale within its spacing wakes the loop when it is due, long before
-/// the next tick.
+/// After-pass work left stale within its spacing (the node's record, the usage task's
+/// volumes) wakes the loop when it is due, long before the next tick.
 #[tokio::test(start_paused = true)]
-async fn a_stale_node_record_wakes_the_loop_when_its_rebuild_is_due() {
+async fn work_left_for_its_spacing_wakes_the_loop_when_it_is_due() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut s, journal) = shell(dir.path());
     let now = || tokio::time::Instant::now().into_std();
@@ -516,7 +516,7 @@ async fn a_stale_node_record_wakes_the_loop_when_its_rebuild_is_due() {
     // The interval's first tick comes at once.
     let _ = s.next_inputs(&core, &mut src).await;
     let start = tokio::time::Instant::now();
-    src.record_due = Some(start + NODE_RECORD_SPACING);
+    src.later = Some(start + NODE_RECORD_SPACING);
     let inputs = s.next_inputs(&core, &mut src).await;
     assert!(
         inputs.iter().all(|i| matches!(i, Input::Tick)),
