@@ -51,7 +51,8 @@
 //! `BENCH_PERF_CTL` (a `perf record --control fifo:` path: each burst writes `enable` to it
 //! as it places its allocations and `disable` once the last publish is done, so a profiler
 //! started disabled with `-D -1` samples only the bursts; part 7 frames its idle window, or
-//! its burst with `BENCH_PERF_PHASE=burst`).
+//! its burst with `BENCH_PERF_PHASE=burst`; `BENCH_PERF_PHASE=latency` frames part 1's
+//! back-to-back samples).
 //! Needs root (mounts), `strace` (scripts/install-deps), and `rustc` with the static C
 //! library (libc6-dev) to build the plugin.
 

@@ -1109,7 +1109,8 @@ pub async fn run(
     ];
 
     // This node's record for `plugin status`, `node status` and `volume create`'s
-    // fail-fast check; refreshed after every loop turn below (issue 15).
+    // fail-fast check; rebuilt after a loop turn that changed it, at most once a second
+    // (`Spaced`).
     let node_name = me
         .config
         .pointer("/NodeName")
