@@ -25,11 +25,6 @@ pub const NODE_NAMESPACE: &str = "default";
 pub const HEARTBEAT: Duration = Duration::from_secs(30);
 /// A record not rewritten for this many of its heartbeats is stale.
 pub const STALE_AFTER: u64 = 3;
-/// The least time between two writes of a node's record: the changes made within it go
-/// out together in the next write. Each write is the whole record (every volume of the
-/// node) and a Raft write on the servers; a burst of 1,000 publishes wrote it hundreds of
-/// times (docs/scale.md, "A node with 1,000 published volumes").
-pub const WRITE_SPACING: Duration = Duration::from_secs(1);
 
 /// One plugin as a node reports it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -506,8 +501,7 @@ pub fn now_unix() -> u64 {
 
 /// Starts the task that keeps this node's record in Nomad: it writes when the record sent
 /// on the returned channel changes (use `send_if_modified` with [`NodeRecord::set_plugins`]
-/// and [`NodeRecord::set_watch`]), at most once per [`WRITE_SPACING`] (the latest record
-/// then), and every `heartbeat` otherwise. A failed write is tried
+/// and [`NodeRecord::set_watch`]) and every `heartbeat` otherwise. A failed write is tried
 /// again (with the latest record) after a backoff of 1 s doubling to `heartbeat`, jitter
 /// ±20 %, whatever changes meanwhile; failures are logged at most once a minute with a
 /// count, and counted (`dhv_binder_nomad_retries_total{call="node_record"}`). The task ends
@@ -528,7 +522,6 @@ pub fn spawn_publisher(
         loop {
             let mut rec = rx.borrow_and_update().clone();
             rec.last_seen = now_unix();
-            let written = tokio::time::Instant::now();
             match client.put_variable(&rec.to_variable(), None).await {
                 Ok(_) => {
                     attempt = 0;
@@ -552,13 +545,7 @@ pub fn spawn_publisher(
                 }
             }
             tokio::select! {
-                r = rx.changed() => {
-                    if r.is_err() {
-                        return;
-                    }
-                    // Changes that follow within the spacing join this one.
-                    tokio::time::sleep_until(written + WRITE_SPACING).await;
-                }
+                r = rx.changed() => if r.is_err() { return },
                 _ = tokio::time::sleep(heartbeat) => {}
             }
         }
@@ -823,47 +810,5 @@ mod tests {
             counters: c,
         }));
         assert_eq!(r.watch_error, "connection refused");
-    }
-
-    #[tokio::test]
-    async fn changes_within_the_spacing_go_out_in_one_write_of_the_latest_record() {
-        use nomad_sim::replay::Replay;
-        let fake = Replay::start("n1", serde_json::json!({"keys": []})).await;
-        let client = crate::nomad::loopback_client(&fake.addr);
-        let (tx, task) = spawn_publisher(
-            client.clone(),
-            NodeRecord::new("n1", "node-1", "default"),
-            Duration::from_secs(3600),
-        );
-        let writes = || {
-            fake.requests()
-                .iter()
-                .filter(|r| r.starts_with("PUT /v1/var/dhv-binder/nodes/n1"))
-                .count()
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while writes() == 0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no first write in 10 s"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        // Twenty changes at once, as a burst of publishes makes: one more write, of the last.
-        for i in 0..20 {
-            tx.send_modify(|r| r.watch_error = format!("change {i}"));
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        tokio::time::sleep(WRITE_SPACING + Duration::from_millis(700)).await;
-        assert_eq!(writes(), 2, "{:?}", fake.requests());
-        let var = client
-            .variable(NODE_NAMESPACE, &NodeRecord::path_of("n1"))
-            .await
-            .expect("read the record")
-            .expect("the record");
-        let r = NodeRecord::from_variable(&var).expect("a node record");
-        assert_eq!(r.watch_error, "change 19");
-        drop(tx);
-        let _ = task.await;
     }
 }

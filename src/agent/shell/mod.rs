@@ -117,17 +117,6 @@ const BATCH: usize = 512;
 /// every other pass rebuilds it at once.
 const NODE_RECORD_EVERY: Duration = Duration::from_secs(10);
 
-/// While passes keep changing what the node's record shows (a burst of publishes), it is
-/// rebuilt at most this often ([`spaced`]): a rebuild visits every volume of the node, and
-/// its writer sends at most one record per [`crate::cluster::nodes::WRITE_SPACING`]
-/// anyway.
-const NODE_RECORD_SPACING: Duration = crate::cluster::nodes::WRITE_SPACING;
-
-/// While passes keep committing (a burst of publishes), the usage task is handed the
-/// journal's volumes, and the Variables that published volumes reference are followed, at
-/// most this often ([`spaced`]).
-const FOLLOW_SPACING: Duration = Duration::from_secs(1);
-
 /// What a finished task reports to the loop.
 enum Report {
     /// An effect that reports nothing back (its failure is logged).
@@ -795,7 +784,7 @@ struct Sources {
     /// The periodic tick (`--tick`).
     tick: tokio::time::Interval,
     every: Duration,
-    /// When the earliest after-pass work left stale for its spacing is due ([`spaced`]):
+    /// When the earliest after-pass work held back by its rate limit is due ([`spaced`]):
     /// the loop wakes for it then.
     later: Option<tokio::time::Instant>,
 }
@@ -810,7 +799,7 @@ fn ticker(every: Duration) -> tokio::time::Interval {
 impl Shell {
     /// Waits for what comes first: a message, an effect's completion, the periodic tick,
     /// the core's next wake-up (a retry or timer that is due, not sooner than 10 ms from
-    /// now) or after-pass work left for its spacing; returns it with whatever else is already
+    /// now) or after-pass work held back by its rate limit; returns it with whatever else is already
     /// waiting (at most [`BATCH`]), so a burst of messages is planned once.
     async fn next_inputs(&mut self, core: &Core, src: &mut Sources) -> Vec<Input> {
         let floor = tokio::time::Instant::now() + Duration::from_millis(10);
@@ -1109,8 +1098,8 @@ pub async fn run(
     ];
 
     // This node's record for `plugin status`, `node status` and `volume create`'s
-    // fail-fast check; rebuilt after a loop turn that changed it, at most once a second
-    // (`Spaced`).
+    // fail-fast check; rebuilt after a loop turn that changed it (rate-limited in bursts:
+    // `Spaced`).
     let node_name = me
         .config
         .pointer("/NodeName")
@@ -1241,11 +1230,11 @@ pub async fn run(
         later: None,
     };
     let mut asked_for: BTreeSet<VolumeKey> = BTreeSet::new();
-    // The after-pass work that visits every volume, each at most once per spacing while
-    // passes keep changing what it reads ([`spaced`]).
-    let mut usage_work = Spaced::new(FOLLOW_SPACING);
-    let mut secrets_work = Spaced::new(FOLLOW_SPACING);
-    let mut record_work = Spaced::new(NODE_RECORD_SPACING);
+    // The after-pass work that visits every volume, each done at once unless a burst has
+    // spent its rate limit ([`spaced`]).
+    let mut usage_work = Spaced::new();
+    let mut secrets_work = Spaced::new();
+    let mut record_work = Spaced::new();
     // The last table reading the core was given: a table answered from the last reading
     // changes nothing the usage task follows, and a pass of the tick alone over it
     // rebuilds the node's record at most every `NODE_RECORD_EVERY` (a rebuild visits

@@ -504,7 +504,7 @@ async fn a_round_of_mount_probes_reaches_the_core_as_one_report() {
     assert!(s.tasks.is_empty());
 }
 
-/// After-pass work left stale within its spacing (the node's record, the usage task's
+/// After-pass work held back by its rate limit (the node's record, the usage task's
 /// volumes) wakes the loop when it is due, long before the next tick.
 #[tokio::test(start_paused = true)]
 async fn work_left_for_its_spacing_wakes_the_loop_when_it_is_due() {
@@ -516,11 +516,11 @@ async fn work_left_for_its_spacing_wakes_the_loop_when_it_is_due() {
     // The interval's first tick comes at once.
     let _ = s.next_inputs(&core, &mut src).await;
     let start = tokio::time::Instant::now();
-    src.later = Some(start + NODE_RECORD_SPACING);
+    src.later = Some(start + spaced::EVERY);
     let inputs = s.next_inputs(&core, &mut src).await;
     assert!(
         inputs.iter().all(|i| matches!(i, Input::Tick)),
         "{inputs:?}"
     );
-    assert_eq!(start.elapsed(), NODE_RECORD_SPACING);
+    assert_eq!(start.elapsed(), spaced::EVERY);
 }
