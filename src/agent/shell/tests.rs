@@ -507,7 +507,7 @@ async fn a_round_of_mount_probes_reaches_the_core_as_one_report() {
 /// After-pass work held back by its rate limit (the node's record, the usage task's
 /// volumes) wakes the loop when it is due, long before the next tick.
 #[tokio::test(start_paused = true)]
-async fn work_left_for_its_spacing_wakes_the_loop_when_it_is_due() {
+async fn work_held_back_by_its_rate_limit_wakes_the_loop_when_it_is_due() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut s, journal) = shell(dir.path());
     let now = || tokio::time::Instant::now().into_std();
