@@ -799,8 +799,8 @@ fn ticker(every: Duration) -> tokio::time::Interval {
 impl Shell {
     /// Waits for what comes first: a message, an effect's completion, the periodic tick,
     /// the core's next wake-up (a retry or timer that is due, not sooner than 10 ms from
-    /// now) or after-pass work held back by its rate limit; returns it with whatever else is already
-    /// waiting (at most [`BATCH`]), so a burst of messages is planned once.
+    /// now) or after-pass work held back by its rate limit; returns it with whatever else
+    /// is already waiting (at most [`BATCH`]), so a burst of messages is planned once.
     async fn next_inputs(&mut self, core: &Core, src: &mut Sources) -> Vec<Input> {
         let floor = tokio::time::Instant::now() + Duration::from_millis(10);
         let wake = core
