@@ -165,7 +165,8 @@ struct Delta {
 /// hands over only what changed and the whole state is serialised off the loop.
 #[derive(Debug, Default)]
 struct Records {
-    mounts: Mounts,
+    /// The commits' records themselves, by volume (the key is the record's own).
+    mounts: BTreeSet<ByVolume>,
     users: BTreeSet<UserKey>,
 }
 
@@ -174,7 +175,7 @@ impl Records {
         for (k, m) in &d.mounts {
             match m {
                 Some(m) => {
-                    self.mounts.insert(k.clone(), m.clone());
+                    self.mounts.replace(ByVolume(m.clone()));
                 }
                 None => {
                     self.mounts.remove(k);
@@ -317,6 +318,68 @@ impl Commit {
 /// holder (docs/scale.md, memory per allocation).
 pub type Mounts = BTreeMap<VolumeKey, Arc<MountRecord>>;
 
+/// A mount record in the journal's index by target: ordered, compared and looked up
+/// (`Borrow<Path>`) by its target alone.
+#[derive(Debug, Clone)]
+struct ByTarget(Arc<MountRecord>);
+
+impl PartialEq for ByTarget {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.target == other.0.target
+    }
+}
+
+impl Eq for ByTarget {}
+
+impl PartialOrd for ByTarget {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByTarget {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.target.as_path().cmp(other.0.target.as_path())
+    }
+}
+
+impl std::borrow::Borrow<Path> for ByTarget {
+    fn borrow(&self) -> &Path {
+        &self.0.target
+    }
+}
+
+/// A mount record in the store's copy: ordered, compared and looked up
+/// (`Borrow<VolumeKey>`) by its volume alone, whose key it holds (a map would keep a copy).
+#[derive(Debug, Clone)]
+struct ByVolume(Arc<MountRecord>);
+
+impl PartialEq for ByVolume {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.volume == other.0.volume
+    }
+}
+
+impl Eq for ByVolume {}
+
+impl PartialOrd for ByVolume {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByVolume {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.volume.cmp(&other.0.volume)
+    }
+}
+
+impl std::borrow::Borrow<VolumeKey> for ByVolume {
+    fn borrow(&self) -> &VolumeKey {
+        &self.0.volume
+    }
+}
+
 /// The journal's records in memory. Changes are queued for the next [`Commit`]; nothing
 /// here performs I/O.
 #[derive(Debug)]
@@ -328,8 +391,10 @@ pub struct Journal {
     /// Each set is a sorted `Vec`: most volumes have one user, and a `BTreeSet` would
     /// allocate a node of eleven slots for it (docs/scale.md, memory per allocation).
     users_by_volume: BTreeMap<VolumeKey, Vec<String>>,
-    /// Mount target → volume (the same records as `mounts`).
-    targets: BTreeMap<PathBuf, VolumeKey>,
+    /// The mount records by target (the same records as `mounts`, shared: an index entry
+    /// is a pointer, not a copy of the target and the volume's key; docs/scale.md, memory
+    /// per allocation).
+    targets: BTreeSet<ByTarget>,
     /// The (target, volume) pairs whose mount record changed or went since the last
     /// [`Journal::take_touched`]: what the agent checks against the mount table again.
     touched: BTreeSet<(PathBuf, VolumeKey)>,
@@ -379,7 +444,7 @@ impl Journal {
             mounts: BTreeMap::new(),
             users: BTreeSet::new(),
             users_by_volume: BTreeMap::new(),
-            targets: BTreeMap::new(),
+            targets: BTreeSet::new(),
             touched: BTreeSet::new(),
             pending: Delta::default(),
             events: Vec::new(),
@@ -425,9 +490,9 @@ impl Journal {
                 }
                 return;
             }
-            EventKind::PublishDone | EventKind::PublishFailed => {
-                self.intent_alloc.get(volume).cloned()
-            }
+            // Every publish has its intent: the outcome takes the allocation's ID (kept
+            // after it, it would cost an ID and a key per published volume).
+            EventKind::PublishDone | EventKind::PublishFailed => self.intent_alloc.remove(volume),
             EventKind::UnpublishDone => {
                 self.intent_alloc.remove(volume);
                 None
@@ -469,7 +534,7 @@ impl Journal {
     /// Loads records (from disk), with their indexes.
     fn load(&mut self, mounts: Vec<Arc<MountRecord>>, users: Vec<UserKey>) {
         for m in mounts {
-            self.targets.insert(m.target.clone(), m.volume.clone());
+            self.targets.replace(ByTarget(m.clone()));
             self.mounts.insert(m.volume.clone(), m);
         }
         for u in users {
@@ -524,7 +589,7 @@ impl Journal {
 
     /// The volume whose mount record targets `target`, if any.
     pub fn volume_at(&self, target: &Path) -> Option<&VolumeKey> {
-        self.targets.get(target)
+        self.targets.get(target).map(|t| &t.0.volume)
     }
 
     /// All mount records.
@@ -544,16 +609,17 @@ impl Journal {
             "target": rec.target, "read_only": rec.read_only, "error": rec.last_error,
         });
         let key = rec.volume.clone();
-        self.targets.insert(rec.target.clone(), key.clone());
         self.touched.insert((rec.target.clone(), key.clone()));
         let rec = Arc::new(rec);
         self.pending.mounts.insert(key.clone(), Some(rec.clone()));
-        if let Some(old) = self.mounts.insert(key.clone(), rec) {
-            if self.mounts[&key].target != old.target {
-                self.targets.remove(&old.target);
+        if let Some(old) = self.mounts.insert(key.clone(), rec.clone()) {
+            if rec.target != old.target {
+                self.targets.remove(old.target.as_path());
                 self.touched.insert((old.target.clone(), key.clone()));
             }
         }
+        // The new record replaces the old one in the index too (it would keep it alive).
+        self.targets.replace(ByTarget(rec));
         if matches!(kind, EventKind::PublishIntent | EventKind::UnpublishIntent) {
             self.durable = true;
         }
@@ -578,7 +644,7 @@ impl Journal {
     /// under running users; they are recorded again on the next publish; issue 13 §4).
     pub fn remove_mount(&mut self, key: &VolumeKey, kind: EventKind) {
         if let Some(old) = self.mounts.remove(key) {
-            self.targets.remove(&old.target);
+            self.targets.remove(old.target.as_path());
             self.touched.insert((old.target.clone(), key.clone()));
             self.pending.mounts.insert(key.clone(), None);
             self.queue(kind, key, None, serde_json::Value::Null);
@@ -733,8 +799,8 @@ pub fn read_stored(dir: &Path) -> Result<StoredState, JournalError> {
         mounts: disk
             .records
             .mounts
-            .into_values()
-            .map(Arc::unwrap_or_clone)
+            .into_iter()
+            .map(|m| Arc::unwrap_or_clone(m.0))
             .collect(),
         users: disk.records.users.into_iter().collect(),
     })
@@ -795,7 +861,7 @@ fn load(dir: &Path) -> Result<(Disk, String), JournalError> {
             disk.records.mounts = d
                 .mounts
                 .into_iter()
-                .map(|m| (m.volume.clone(), Arc::new(m)))
+                .map(|m| ByVolume(Arc::new(m)))
                 .collect();
             disk.records.users = d.users.into_iter().collect();
         }
@@ -916,7 +982,7 @@ impl Store {
                     });
                 }
                 j.load(
-                    disk.records.mounts.values().cloned().collect(),
+                    disk.records.mounts.iter().map(|m| m.0.clone()).collect(),
                     disk.records.users.iter().cloned().collect(),
                 );
                 disk
@@ -1050,7 +1116,7 @@ impl Store {
             version: VERSION,
             node_id: &self.node_id,
             seq: disk.seq,
-            mounts: disk.records.mounts.values().map(|m| &**m).collect(),
+            mounts: disk.records.mounts.iter().map(|m| &*m.0).collect(),
             users: disk.records.users.iter().collect(),
         })
         .map_err(|e| werr(std::io::Error::other(e)))?;
