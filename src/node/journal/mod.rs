@@ -318,67 +318,52 @@ impl Commit {
 /// holder (docs/scale.md, memory per allocation).
 pub type Mounts = BTreeMap<VolumeKey, Arc<MountRecord>>;
 
-/// A mount record in the journal's index by target: ordered, compared and looked up
-/// (`Borrow<Path>`) by its target alone.
-#[derive(Debug, Clone)]
-struct ByTarget(Arc<MountRecord>);
+/// A set entry that is a shared mount record, ordered, compared and looked up (`Borrow`)
+/// by one of the record's fields alone: an index whose key is the record's own, not a copy.
+macro_rules! record_by {
+    ($(#[$doc:meta])* $name:ident, $field:ident: $key:ty) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone)]
+        struct $name(Arc<MountRecord>);
 
-impl PartialEq for ByTarget {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.target == other.0.target
-    }
+        impl PartialEq for $name {
+            fn eq(&self, other: &Self) -> bool {
+                self.cmp(other).is_eq()
+            }
+        }
+
+        impl Eq for $name {}
+
+        impl PartialOrd for $name {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        impl Ord for $name {
+            fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+                let (a, b): (&$key, &$key) = (&self.0.$field, &other.0.$field);
+                a.cmp(b)
+            }
+        }
+
+        impl std::borrow::Borrow<$key> for $name {
+            fn borrow(&self) -> &$key {
+                &self.0.$field
+            }
+        }
+    };
 }
 
-impl Eq for ByTarget {}
+record_by!(
+    /// A mount record in the journal's index by target.
+    ByTarget, target: Path
+);
 
-impl PartialOrd for ByTarget {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for ByTarget {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.target.as_path().cmp(other.0.target.as_path())
-    }
-}
-
-impl std::borrow::Borrow<Path> for ByTarget {
-    fn borrow(&self) -> &Path {
-        &self.0.target
-    }
-}
-
-/// A mount record in the store's copy: ordered, compared and looked up
-/// (`Borrow<VolumeKey>`) by its volume alone, whose key it holds (a map would keep a copy).
-#[derive(Debug, Clone)]
-struct ByVolume(Arc<MountRecord>);
-
-impl PartialEq for ByVolume {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.volume == other.0.volume
-    }
-}
-
-impl Eq for ByVolume {}
-
-impl PartialOrd for ByVolume {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for ByVolume {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.volume.cmp(&other.0.volume)
-    }
-}
-
-impl std::borrow::Borrow<VolumeKey> for ByVolume {
-    fn borrow(&self) -> &VolumeKey {
-        &self.0.volume
-    }
-}
+record_by!(
+    /// A mount record in the store's copy, by its volume.
+    ByVolume, volume: VolumeKey
+);
 
 /// The journal's records in memory. Changes are queued for the next [`Commit`]; nothing
 /// here performs I/O.
