@@ -479,8 +479,9 @@ async fn dead_fuse_mount_is_republished_and_the_allocation_restarted() {
     .await;
 
     // Once rclone's cache marks nothing dirty: a write still dirty when its rclone dies is
-    // kept in that rclone's cache and refuses the unpublish until it reaches the server
-    // (tests/storage_failures.rs covers that); this test is about the republish.
+    // uploaded by the next publish's rclone (tests/plugins.rs,
+    // `a_republish_uploads_what_a_killed_rclone_left_unsaved`); this test is about the
+    // republish of a mount whose writes had all reached the server.
     let meta = c.nodes[node]
         .state_dir
         .join("volumes/webdav/cache")

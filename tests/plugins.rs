@@ -667,6 +667,101 @@ fn the_webdav_credential_proxy_ends_with_its_rclone() {
     assert_eq!(left_running(&sb.join("volumes")), Vec::<String>::new());
 }
 
+/// A write still only in rclone's cache when its rclone dies (the server down, then the
+/// FUSE process killed) reaches the server through the next publish's rclone, and the
+/// unpublish after it succeeds. Each publish talks to the server through a credential proxy
+/// on a new port with a new inner credential; rclone named the cache of a remote set by
+/// its environment after a hash of those settings, so the next rclone used a cache of its
+/// own, never uploaded the file, and every unpublish refused ("not on the WebDAV server
+/// yet"). The plugin's remote now comes from a config file: one cache, whatever the port.
+#[test]
+fn a_republish_uploads_what_a_killed_rclone_left_unsaved() {
+    let sb = Sandbox::new();
+    let mut server = WebdavServer::start(&sb.join("webdav-root"), "dhv", "pw");
+    let url = server.url.clone();
+    let target = sb.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let id = "7c2d9e4f-1a3b-4c5d-8e6f-0a1b2c3d4e5f";
+    let call = |op: &str| webdav_call(&sb, &url, id, &target, None, op);
+    assert!(call("create").0);
+    let (ok, out) = call("publish");
+    assert!(ok, "{out}");
+
+    // The server goes down; a file is written through the mount, into rclone's cache only
+    // (its directory cache, 2 s, still lists the volume).
+    std::fs::read_dir(&target).unwrap().for_each(drop);
+    server.stop();
+    std::fs::write(
+        target.join("unsaved.txt"),
+        "written while the server was down\n",
+    )
+    .expect("a write through the mount");
+    let meta = sb.join("volumes/webdav/cache").join(id).join("vfsMeta");
+    let dirty = || {
+        Command::new("grep")
+            .args(["-rlE", r#""Dirty": *true"#])
+            .arg(&meta)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).lines().count())
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        dirty(),
+        1,
+        "the write is not marked unsaved in rclone's cache"
+    );
+
+    // Its rclone dies before it could upload the file.
+    let record =
+        std::fs::read_to_string(sb.join(&format!("volumes/webdav/rclone-{id}.pid"))).unwrap();
+    let rclone: i32 = record.split_whitespace().next().unwrap().parse().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(rclone),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new(&format!("/proc/{rclone}/stat")).exists()
+        && !std::fs::read_to_string(format!("/proc/{rclone}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+    {
+        assert!(std::time::Instant::now() < deadline, "rclone did not die");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    // The server is back; the volume is published again (the dead mount detached).
+    server.restart();
+    let (ok, out) = call("publish");
+    assert!(ok, "{out}");
+    let on_server = server.dir.join("default").join(id).join("unsaved.txt");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while std::fs::read_to_string(&on_server).ok().as_deref()
+        != Some("written while the server was down\n")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the file the killed rclone left unsaved never reached the server \
+             ({} file(s) unsaved in the cache; the cache's remotes: {:?})",
+            dirty(),
+            std::fs::read_dir(&meta)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+                .unwrap_or_default()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (ok, out) = call("unpublish");
+    assert!(ok, "the unpublish after the upload: {out}");
+    assert_eq!(dirty(), 0, "a file is still marked unsaved");
+    assert!(!dhv_binder::node::mounts::is_mount_point(&target));
+    assert!(call("delete").0);
+    assert_eq!(
+        left_running(&sb.join("volumes")),
+        Vec::<String>::new(),
+        "left running after the delete"
+    );
+}
+
 /// Nomad's own contract (nomad-facts §4): fingerprint/create/delete, no deferred_bind. Works
 /// as Nomad's built-in `mkdir` does.
 const PLAIN_NOMAD_PLUGIN: &str = r#"#!/bin/sh
