@@ -120,18 +120,12 @@ fn the_journal_and_the_stores_copy_keep_a_published_volume_in_at_most_1_6_kib() 
         for i in 0..N {
             let name = format!("vol-{i:04}");
             let alloc = format!("{:08x}-0000-4000-8000-{:012x}", i, i);
+            // The journal tests' fixture, with this volume's key, ID and target.
             let record = |state| MountRecord {
                 volume: key(&name),
                 volume_id: format!("{:08x}-1111-4000-8000-{:012x}", i, i),
-                plugin_id: "bind".into(),
-                state,
                 target: format!("/var/lib/dhv-binder/mounts/default/{name}").into(),
-                read_only: false,
-                publish_context: serde_json::Value::Null,
-                since: 0,
-                last_error: String::new(),
-                claim_id: None,
-                mount: None,
+                ..crate::node::journal::tests::rec(state)
             };
             // As the agent publishes: the intent, naming the allocation, then the outcome.
             j.set_mount(
