@@ -705,11 +705,16 @@ fn a_republish_uploads_what_a_killed_rclone_left_unsaved() {
             .map(|o| String::from_utf8_lossy(&o.stdout).lines().count())
             .unwrap_or(0)
     };
-    assert_eq!(
-        dirty(),
-        1,
-        "the write is not marked unsaved in rclone's cache"
-    );
+    // rclone marks the file in its cache's metadata a moment after the close.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while dirty() != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the write is not marked unsaved in rclone's cache after 10 s ({} marked)",
+            dirty()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 
     // Its rclone dies before it could upload the file.
     let record =
