@@ -1249,18 +1249,18 @@ async fn mount_flags_rule(kit: &mut Kit) {
                 Ok(t) => match t.top_at(&target) {
                     None => Err(format!("nothing mounted at {}", target.display())),
                     Some(m) => {
-                        let have: Vec<&str> = m.options.split(',').collect();
+                        let have: Vec<&str> = m.options().split(',').collect();
                         let missing: Vec<&str> =
                             want.split(',').filter(|f| !have.contains(f)).collect();
                         if missing.is_empty() {
                             Ok(format!(
                                 "DHV_MOUNT_FLAGS={want}: the mount table shows {}",
-                                m.options
+                                m.options()
                             ))
                         } else {
                             Err(format!(
                                 "DHV_MOUNT_FLAGS={want}, but the mount table shows {} (missing {})",
-                                m.options,
+                                m.options(),
                                 missing.join(",")
                             ))
                         }

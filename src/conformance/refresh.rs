@@ -25,7 +25,11 @@ fn mount_id(target: &Path) -> Option<String> {
     let m = table.at(target).last()?;
     Some(format!(
         "{} ({}:{}, {} {})",
-        m.id, m.dev.major, m.dev.minor, m.fs_type, m.source
+        m.id,
+        m.dev.major,
+        m.dev.minor,
+        m.fs_type(),
+        m.source()
     ))
 }
 

@@ -136,7 +136,7 @@ fn fence_with(target: &Path, node: &NodeCgroups, copies: bool) -> FenceReport {
         report.nothing_mounted = true;
         return report;
     };
-    if top.fs_type == "fuse" || top.fs_type.starts_with("fuse.") {
+    if top.fs_type() == "fuse" || top.fs_type().starts_with("fuse.") {
         match abort_fuse(top.dev.minor) {
             Ok(()) => report.fuse_aborted = Some(top.dev.minor),
             Err(e) => report.errors.push(format!(

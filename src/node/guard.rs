@@ -100,7 +100,8 @@ impl Guard {
         if (shown.dev(), shown.ino()) != (backing.dev(), backing.ino()) {
             return Ok(GuardState::Broken(format!(
                 "{} {} is mounted there",
-                top.fs_type, top.source
+                top.fs_type(),
+                top.source()
             )));
         }
         if !top.read_only() {
@@ -133,7 +134,7 @@ impl Guard {
         }
         let below: Vec<PathBuf> = table
             .under(&self.root)
-            .map(|e| e.mount_point.clone())
+            .map(|e| e.mount_point().to_path_buf())
             .collect();
         if !below.is_empty() {
             return Err(GuardError::MountsBelow {

@@ -388,7 +388,7 @@ impl Reach {
         Some(Self {
             group: top.shared?,
             parent_group: parent.shared?,
-            mount_point: top.mount_point.clone(),
+            mount_point: top.mount_point().to_path_buf(),
         })
     }
 
@@ -400,7 +400,7 @@ impl Reach {
             e.shared == Some(group) || e.master == Some(group)
         };
         of(self.group, copy)
-            && copy.mount_point == self.mount_point
+            && copy.mount_point() == self.mount_point
             && table
                 .by_id(copy.parent)
                 .is_some_and(|p| of(self.parent_group, p))
@@ -443,7 +443,7 @@ pub fn scan_many(
                 .entries()
                 .iter()
                 .filter(|e| e.shows(volume) && Some(e.id) != target_mount)
-                .map(|e| e.mount_point.clone())
+                .map(|e| e.mount_point().to_path_buf())
                 .collect(),
             ..Usage::default()
         });
@@ -501,7 +501,7 @@ pub fn scan_many(
                             mine.iter()
                                 .map(|e| {
                                     let taken = reach.as_ref().is_some_and(|r| r.takes(e, &t));
-                                    (e.mount_point.clone(), taken)
+                                    (e.mount_point().to_path_buf(), taken)
                                 })
                                 .collect()
                         })

@@ -12,7 +12,7 @@ pub mod unchanged;
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -81,7 +81,11 @@ impl std::fmt::Display for DeviceId {
 
 /// One line of mountinfo (proc(5)). Paths keep their bytes (escapes decoded), so a mount
 /// point that is not UTF-8 is kept exactly.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// The five strings share one allocation (a table keeps one entry per mount of the node,
+/// and a reading after a burst keeps one per published volume): 64 bytes and one
+/// allocation per mount instead of 152 bytes and five (`memory_budget`).
+#[derive(Clone, PartialEq, Eq)]
 pub struct MountEntry {
     /// Mount ID (unique across all mount namespaces while the mount exists).
     pub id: u32,
@@ -89,42 +93,168 @@ pub struct MountEntry {
     pub parent: u32,
     /// Device of the mounted filesystem.
     pub dev: DeviceId,
-    /// The directory of that filesystem mounted here (`/` unless a bind of a subdirectory).
-    pub root: PathBuf,
-    /// Where it is mounted, relative to the reading process's root.
-    pub mount_point: PathBuf,
-    /// Per-mount options (`rw`/`ro`, `nosuid`, ...).
-    pub options: String,
-    /// Filesystem type, with subtype (`fuse.sshfs`).
-    pub fs_type: String,
-    /// Filesystem source (device, `server:/export`, `none`), lossily decoded.
-    pub source: String,
     /// The peer group this mount is shared in (`shared:N`), if it is shared.
     pub shared: Option<u32>,
     /// The peer group this mount is a slave of (`master:N`), if it is a slave.
     pub master: Option<u32>,
+    /// root, mount point, options, type and source, one after another.
+    text: Box<[u8]>,
+    /// Where each of the first four ends in `text` (the source runs to the end).
+    ends: [u32; 4],
+}
+
+/// The strings of a [`MountEntry`], as [`MountEntry::new`] takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct MountText<'a> {
+    /// The directory of the filesystem mounted here.
+    pub root: &'a Path,
+    /// Where it is mounted.
+    pub mount_point: &'a Path,
+    /// Per-mount options.
+    pub options: &'a str,
+    /// Filesystem type, with subtype.
+    pub fs_type: &'a str,
+    /// Filesystem source.
+    pub source: &'a str,
+}
+
+impl std::fmt::Debug for MountEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountEntry")
+            .field("id", &self.id)
+            .field("parent", &self.parent)
+            .field("dev", &self.dev)
+            .field("root", &self.root())
+            .field("mount_point", &self.mount_point())
+            .field("options", &self.options())
+            .field("fs_type", &self.fs_type())
+            .field("source", &self.source())
+            .field("shared", &self.shared)
+            .field("master", &self.master)
+            .finish()
+    }
 }
 
 impl MountEntry {
+    /// An entry of mount `id` (parent `parent`, device `dev`, peer groups `shared` and
+    /// `master`) with the strings of `text`.
+    pub fn new(
+        id: u32,
+        parent: u32,
+        dev: DeviceId,
+        text: MountText<'_>,
+        shared: Option<u32>,
+        master: Option<u32>,
+    ) -> Self {
+        let parts: [&[u8]; 5] = [
+            text.root.as_os_str().as_bytes(),
+            text.mount_point.as_os_str().as_bytes(),
+            text.options.as_bytes(),
+            text.fs_type.as_bytes(),
+            text.source.as_bytes(),
+        ];
+        let mut all = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+        let mut ends = [0u32; 4];
+        for (i, p) in parts.iter().enumerate() {
+            all.extend_from_slice(p);
+            if let Some(end) = ends.get_mut(i) {
+                // A mountinfo line is one page at most (the kernel's seq_file): far below.
+                *end = u32::try_from(all.len()).unwrap_or(u32::MAX);
+            }
+        }
+        Self {
+            id,
+            parent,
+            dev,
+            shared,
+            master,
+            text: all.into_boxed_slice(),
+            ends,
+        }
+    }
+
+    /// The strings of this entry.
+    pub fn text(&self) -> MountText<'_> {
+        MountText {
+            root: self.root(),
+            mount_point: self.mount_point(),
+            options: self.options(),
+            fs_type: self.fs_type(),
+            source: self.source(),
+        }
+    }
+
+    /// The bytes of string `i` (0 root … 4 source).
+    fn part(&self, i: usize) -> &[u8] {
+        let start = match i {
+            0 => 0,
+            _ => self.ends.get(i - 1).map_or(0, |e| *e as usize),
+        };
+        let end = self.ends.get(i).map_or(self.text.len(), |e| *e as usize);
+        self.text.get(start..end).unwrap_or_default()
+    }
+
+    /// String `i` as text: each was a `&str` when [`MountEntry::new`] joined them.
+    fn part_str(&self, i: usize) -> &str {
+        std::str::from_utf8(self.part(i)).unwrap_or_default()
+    }
+
+    /// The directory of that filesystem mounted here (`/` unless a bind of a subdirectory).
+    pub fn root(&self) -> &Path {
+        Path::new(OsStr::from_bytes(self.part(0)))
+    }
+
+    /// Where it is mounted, relative to the reading process's root.
+    pub fn mount_point(&self) -> &Path {
+        Path::new(OsStr::from_bytes(self.part(1)))
+    }
+
+    /// Per-mount options (`rw`/`ro`, `nosuid`, ...).
+    pub fn options(&self) -> &str {
+        self.part_str(2)
+    }
+
+    /// Filesystem type, with subtype (`fuse.sshfs`).
+    pub fn fs_type(&self) -> &str {
+        self.part_str(3)
+    }
+
+    /// Filesystem source (device, `server:/export`, `none`), lossily decoded.
+    pub fn source(&self) -> &str {
+        self.part_str(4)
+    }
+
+    /// This entry with `text`'s strings instead of its own.
+    pub fn with_text(&self, text: MountText<'_>) -> Self {
+        Self::new(
+            self.id,
+            self.parent,
+            self.dev,
+            text,
+            self.shared,
+            self.master,
+        )
+    }
+
     /// True when the mount (not only the filesystem) is read-only.
     pub fn read_only(&self) -> bool {
-        self.options.split(',').any(|o| o == "ro")
+        self.options().split(',').any(|o| o == "ro")
     }
 
     /// What identifies this mount's content: device and root.
     pub fn identity(&self) -> MountIdentity {
         MountIdentity {
             dev: self.dev,
-            root: self.root.clone(),
-            fs_type: self.fs_type.clone(),
-            source: self.source.clone(),
+            root: self.root().to_path_buf(),
+            fs_type: self.fs_type().to_string(),
+            source: self.source().to_string(),
         }
     }
 
     /// True when this mount shows `id`'s content or part of it: same device, and a root at
     /// or below its root (a bind of a subdirectory of the volume counts).
     pub fn shows(&self, id: &MountIdentity) -> bool {
-        self.dev == id.dev && self.root.starts_with(&id.root)
+        self.dev == id.dev && self.root().starts_with(&id.root)
     }
 }
 
@@ -156,9 +286,9 @@ impl MountIdentity {
     /// True when `entry` mounts exactly this content (device, root, type and source equal).
     pub fn is(&self, entry: &MountEntry) -> bool {
         entry.dev == self.dev
-            && entry.root == self.root
-            && entry.fs_type == self.fs_type
-            && entry.source == self.source
+            && entry.root() == self.root
+            && entry.fs_type() == self.fs_type
+            && entry.source() == self.source
     }
 }
 
@@ -200,9 +330,7 @@ struct Inner {
 
 /// The bytes of entry `i`'s mount point (empty past the end): the index's key.
 fn point_of(entries: &[MountEntry], i: u32) -> &[u8] {
-    entries
-        .get(i as usize)
-        .map_or(&[][..], |e| e.mount_point.as_os_str().as_bytes())
+    entries.get(i as usize).map_or(&[][..], |e| e.part(1))
 }
 
 impl Inner {
@@ -334,8 +462,12 @@ impl MountTable {
         // (about 130 bytes per mount).
         entries.shrink_to_fit();
         for e in &mut entries {
-            if let std::borrow::Cow::Owned(p) = normal(&e.mount_point) {
-                e.mount_point = p;
+            if let std::borrow::Cow::Owned(p) = normal(e.mount_point()) {
+                let text = MountText {
+                    mount_point: &p,
+                    ..e.text()
+                };
+                *e = e.with_text(text);
             }
         }
         let mut by_point: Vec<u32> = (0..entries.len())
@@ -358,18 +490,14 @@ impl MountTable {
                 .zip(1000u32..)
                 .map(|(mount_point, id)| {
                     let i = MountIdentity::of_point(&mount_point);
-                    MountEntry {
-                        id,
-                        parent: 1,
-                        dev: i.dev,
-                        root: i.root,
-                        mount_point,
-                        options: "rw".into(),
-                        fs_type: i.fs_type,
-                        source: i.source,
-                        shared: None,
-                        master: None,
-                    }
+                    let text = MountText {
+                        root: &i.root,
+                        mount_point: &mount_point,
+                        options: "rw",
+                        fs_type: &i.fs_type,
+                        source: &i.source,
+                    };
+                    MountEntry::new(id, 1, i.dev, text, None, None)
                 })
                 .collect(),
         )
@@ -380,7 +508,7 @@ impl MountTable {
         self.inner
             .entries
             .iter()
-            .map(|e| e.mount_point.clone())
+            .map(|e| e.mount_point().to_path_buf())
             .collect()
     }
 
@@ -434,7 +562,7 @@ impl MountTable {
             .iter()
             .filter_map(|i| inner.entries.get(*i as usize))
             .filter(move |e| {
-                let p = e.mount_point.as_os_str().as_bytes();
+                let p = e.mount_point().as_os_str().as_bytes();
                 p.len() == root.len() || root == b"/" || p.get(root.len()) == Some(&b'/')
             })
     }
@@ -476,17 +604,17 @@ impl MountTable {
             match old.get(&e.id) {
                 Some(o) if *o == e => {}
                 Some(o) => {
-                    out.insert(o.mount_point.clone());
-                    out.insert(e.mount_point.clone());
+                    out.insert(o.mount_point().to_path_buf());
+                    out.insert(e.mount_point().to_path_buf());
                 }
                 None => {
-                    out.insert(e.mount_point.clone());
+                    out.insert(e.mount_point().to_path_buf());
                 }
             }
         }
         for e in &before.inner.entries {
             if !seen.contains(&e.id) {
-                out.insert(e.mount_point.clone());
+                out.insert(e.mount_point().to_path_buf());
             }
         }
         out
@@ -513,8 +641,8 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
             minor: number(&d[colon + 1..]).ok_or("bad minor")?,
         }
     };
-    let root = PathBuf::from(unescape(next("no root")?));
-    let mount_point = PathBuf::from(unescape(next("no mount point")?));
+    let root = unescape(next("no root")?);
+    let mount_point = unescape(next("no mount point")?);
     let options = text(next("no mount options")?);
     // Optional fields up to the separator: `shared:N`, `master:N`, `propagate_from:N`,
     // `unbindable` (proc(5)).
@@ -532,18 +660,14 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
     }
     let fs_type = text(&unescape(next("no filesystem type")?).into_vec());
     let source = text(&unescape(next("no source")?).into_vec());
-    Ok(MountEntry {
-        id,
-        parent,
-        dev,
-        root,
-        mount_point,
-        options,
-        fs_type,
-        source,
-        shared,
-        master,
-    })
+    let text = MountText {
+        root: Path::new(&root),
+        mount_point: Path::new(&mount_point),
+        options: &options,
+        fs_type: &fs_type,
+        source: &source,
+    };
+    Ok(MountEntry::new(id, parent, dev, text, shared, master))
 }
 
 fn number(b: &[u8]) -> Option<u32> {
@@ -612,7 +736,11 @@ pub fn is_mount_point(path: &Path) -> bool {
 /// empty; new code uses [`MountTable::under`].
 pub fn mounts_under(root: &Path) -> Vec<PathBuf> {
     legacy_table()
-        .map(|t| t.under(root).map(|e| e.mount_point.clone()).collect())
+        .map(|t| {
+            t.under(root)
+                .map(|e| e.mount_point().to_path_buf())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -705,9 +833,9 @@ pub(crate) mod scratch {
                     .under(self.dir.path())
                     .map(|e| {
                         (
-                            e.mount_point.components().count(),
+                            e.mount_point().components().count(),
                             e.id,
-                            e.mount_point.clone(),
+                            e.mount_point().to_path_buf(),
                         )
                     })
                     .collect();
@@ -759,7 +887,10 @@ mod tests {
             BTreeSet::from([t("/b"), t("/c")])
         );
         let mut entries: Vec<MountEntry> = before.inner.entries.to_vec();
-        entries[0].options = "ro".into();
+        entries[0] = entries[0].with_text(MountText {
+            options: "ro",
+            ..entries[0].text()
+        });
         let remounted = MountTable::from_entries(entries);
         assert_eq!(remounted.changed_points(&before), BTreeSet::from([t("/a")]));
     }
@@ -785,15 +916,12 @@ mod tests {
                 minor: 0
             }
         );
-        assert_eq!(e.root, Path::new("/mnt1"));
-        assert_eq!(e.mount_point, Path::new("/mnt/parent dir"));
-        assert_eq!(
-            (e.fs_type.as_str(), e.source.as_str()),
-            ("ext3", "/dev/root")
-        );
+        assert_eq!(e.root(), Path::new("/mnt1"));
+        assert_eq!(e.mount_point(), Path::new("/mnt/parent dir"));
+        assert_eq!((e.fs_type(), e.source()), ("ext3", "/dev/root"));
         let g = t.by_id(40).unwrap();
         assert!(g.read_only());
-        assert_eq!(g.fs_type, "tmpfs");
+        assert_eq!(g.fs_type(), "tmpfs");
         assert!(!t.entries()[1].read_only());
         // Propagation: shared in group 7 and a slave of group 2; a slave only; neither.
         assert_eq!((g.shared, g.master), (Some(7), Some(2)));
@@ -893,7 +1021,7 @@ mod tests {
         let ids = |it: Vec<&MountEntry>| -> Vec<String> {
             let mut v: Vec<String> = it
                 .iter()
-                .map(|e| e.mount_point.display().to_string())
+                .map(|e| e.mount_point().display().to_string())
                 .collect();
             v.sort();
             v
