@@ -14,6 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
+mod threads;
+use threads::ProbeThreads;
+
 /// What one probe of a mount found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Probe {
@@ -27,7 +30,7 @@ pub enum Probe {
     Hung(Duration),
 }
 
-/// How many probes may wait for an answer at once on the agent's blocking threads. Every
+/// How many probes may wait for an answer at once on the probe threads ([`threads`]). Every
 /// published mount is probed each interval; without a bound a round of 400 mounts started
 /// 400 blocking threads at once (170 seen alive), each with its own allocator arena.
 pub const PROBE_THREADS: usize = 4;
@@ -38,10 +41,13 @@ pub const PROBE_THREADS: usize = 4;
 /// answers; meanwhile that target is not stat'ed again (its probes answer `Hung` at once,
 /// with how long the stat has been out). So hung mounts never starve the probes of the
 /// others (a dead mount among hung ones is still found dead), and the threads are bounded
-/// by [`PROBE_THREADS`] plus one per hung mount. Clones share the permits and the targets.
+/// by [`PROBE_THREADS`] plus one per hung mount (threads beyond [`PROBE_THREADS`] end after
+/// a few idle seconds). Clones share the permits, the threads and the targets.
 #[derive(Clone)]
 pub struct Prober {
     permits: Arc<Semaphore>,
+    /// The threads the stats run on ([`threads`]).
+    threads: ProbeThreads,
     /// Targets whose stat is still out, with when it started.
     out: Arc<Mutex<HashMap<PathBuf, Instant>>>,
 }
@@ -57,11 +63,12 @@ impl Prober {
     pub fn new(threads: usize) -> Self {
         Self {
             permits: Arc::new(Semaphore::new(threads)),
+            threads: ProbeThreads::new(threads),
             out: Arc::default(),
         }
     }
 
-    /// Stats `path` on a blocking thread; [`Probe::Hung`] when it does not answer within
+    /// Stats `path` on a probe thread; [`Probe::Hung`] when it does not answer within
     /// `timeout` (the wait for a permit, at most `timeout` per probe ahead, is not counted),
     /// or at once while an earlier stat of `path` is still out.
     pub async fn probe(&self, path: PathBuf, timeout: Duration) -> Probe {
@@ -91,16 +98,27 @@ impl Prober {
             .unwrap_or_else(|e| e.into_inner())
             .insert(path.clone(), Instant::now());
         let out = self.out.clone();
-        let thread = tokio::task::spawn_blocking(move || {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let key = path.clone();
+        let started = self.threads.run(Box::new(move || {
             let r = work();
-            out.lock().unwrap_or_else(|e| e.into_inner()).remove(&path);
-            r
-        });
-        let answer = tokio::time::timeout(timeout, thread).await;
+            out.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+            Box::new(move || {
+                let _ = tx.send(r);
+            })
+        }));
+        if let Err(e) = started {
+            self.out
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&path);
+            return Probe::Failing(format!("cannot start a probe thread: {e}"));
+        }
+        let answer = tokio::time::timeout(timeout, rx).await;
         drop(permit);
         match answer {
             Err(_) => Probe::Hung(timeout),
-            Ok(Err(e)) => Probe::Failing(format!("probe thread failed: {e}")),
+            Ok(Err(_)) => Probe::Failing("the probe thread failed".into()),
             Ok(Ok(Ok(()))) => Probe::Healthy,
             Ok(Ok(Err(e))) => classify(&e),
         }
@@ -155,7 +173,8 @@ mod tests {
     }
 
     /// Issue 10: a round of probes of many mounts runs at most `PROBE_THREADS` stats at
-    /// once (it started one blocking thread per mount).
+    /// once (it started one blocking thread per mount), on as many threads (issue 50: on
+    /// tokio's blocking pool it started 20 to 26 a round).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_round_of_probes_runs_a_bounded_number_at_once() {
         use std::sync::atomic::{AtomicUsize, Ordering};
@@ -188,6 +207,13 @@ mod tests {
         assert!(
             (1..=PROBE_THREADS).contains(&most),
             "{most} probes ran at once"
+        );
+        // Each probe ran on a thread of the round's: none was started for a probe handed
+        // over while the thread that had just answered was not yet waiting.
+        let threads = prober.threads.threads();
+        assert!(
+            (1..=PROBE_THREADS).contains(&threads),
+            "{threads} threads for {PROBE_THREADS} probes at once"
         );
     }
 
