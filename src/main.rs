@@ -9,26 +9,39 @@ use dhv_binder::cli::{self, Cli, Command, Failure};
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-fn init_tracing(format: dhv_binder::config::LogFormat) {
-    use std::io::IsTerminal;
-    let filter = match std::env::var("DHV_BINDER_LOG") {
-        Err(_) => tracing_subscriber::EnvFilter::new("info"),
-        Ok(v) => tracing_subscriber::EnvFilter::try_new(&v).unwrap_or_else(|e| {
+/// The log filter: `DHV_BINDER_LOG` as a default level and levels by module
+/// (`warn,dhv_binder::agent=debug`), `info` when unset or invalid. `Targets`, not
+/// `EnvFilter`: the same syntax without span and field filters, and without the regular
+/// expression engine `EnvFilter` brings into the binary (docs/performance.md, "Optimised
+/// for size").
+fn log_filter() -> tracing_subscriber::filter::Targets {
+    let info = || {
+        tracing_subscriber::filter::Targets::new()
+            .with_default(tracing::level_filters::LevelFilter::INFO)
+    };
+    match std::env::var("DHV_BINDER_LOG") {
+        Err(_) => info(),
+        Ok(v) => v.parse().unwrap_or_else(|e| {
             eprintln!(
                 "warning: DHV_BINDER_LOG={v:?} is not a valid log filter ({e}); using \"info\""
             );
-            tracing_subscriber::EnvFilter::new("info")
+            info()
         }),
-    };
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    }
+}
+
+fn init_tracing(format: dhv_binder::config::LogFormat) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(log_filter());
     match format {
-        dhv_binder::config::LogFormat::Text => {
-            fmt.with_ansi(std::io::stderr().is_terminal()).init()
-        }
+        dhv_binder::config::LogFormat::Text => registry
+            .with(fmt.with_ansi(std::io::stderr().is_terminal()))
+            .init(),
         // One object a line: the event's fields (volume, alloc_id, ...) are top-level keys.
-        dhv_binder::config::LogFormat::Json => fmt.json().flatten_event(true).init(),
+        dhv_binder::config::LogFormat::Json => registry.with(fmt.json().flatten_event(true)).init(),
     }
 }
 
