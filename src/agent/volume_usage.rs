@@ -18,6 +18,7 @@
 //! a volume this node never saw in use has no time ("never used").
 
 use crate::metrics::{Metrics, VolumeFigures};
+use crate::node::journal::MountRecord;
 use crate::node::journal::{Journal, MountState};
 use crate::node::usage::{Condition, Reading, Usage, UsageReader};
 use crate::volume::VolumeKey;
@@ -82,10 +83,11 @@ struct Answers {
 }
 
 /// One volume of the journal, as the usage task sees it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub(crate) struct Known {
-    pub plugin: String,
-    pub target: PathBuf,
+    /// Its mount record, shared with the journal (its plugin and target); `None` for a
+    /// volume with users and no record.
+    pub mount: Option<Arc<MountRecord>>,
     /// Published (its mount is read); else publishing or unpublishing (left alone).
     pub published: bool,
     /// The mount table shows its target mounted. Published and not mounted: its mount is
@@ -98,6 +100,34 @@ pub(crate) struct Known {
     /// Not published: its last publish failed stating a condition (the plugin refused a
     /// damaged filesystem: `data-loss`).
     pub failed: Option<Condition>,
+}
+
+impl Known {
+    /// The plugin that published it (empty without a record).
+    pub fn plugin(&self) -> &str {
+        self.mount.as_deref().map_or("", |m| m.plugin_id.as_str())
+    }
+
+    /// Where it is mounted (empty without a record).
+    pub fn target(&self) -> &Path {
+        self.mount
+            .as_deref()
+            .map_or(Path::new(""), |m| m.target.as_path())
+    }
+}
+
+/// Equal when what the task reads of the record (plugin, target) and the rest are: a
+/// record that changed elsewhere (its time, its last error) is the same to the task.
+impl PartialEq for Known {
+    fn eq(&self, o: &Self) -> bool {
+        self.plugin() == o.plugin()
+            && self.target() == o.target()
+            && self.published == o.published
+            && self.mounted == o.mounted
+            && self.users == o.users
+            && self.checks == o.checks
+            && self.failed == o.failed
+    }
 }
 
 /// The last reading of one published volume.
@@ -144,8 +174,7 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
             (
                 k.clone(),
                 Known {
-                    plugin: m.plugin_id.clone(),
-                    target: m.target.clone(),
+                    mount: Some(Arc::clone(m)),
                     published: m.state == MountState::Published,
                     mounted: mounted.contains(&m.target),
                     users: users.get(k).map_or(0, |u| u.len()),
@@ -161,8 +190,7 @@ pub(crate) fn known(journal: &Journal, mounted: &BTreeSet<PathBuf>) -> BTreeMap<
         .collect();
     for (k, u) in users {
         out.entry(k.clone()).or_insert_with(|| Known {
-            plugin: String::new(),
-            target: PathBuf::new(),
+            mount: None,
             published: false,
             mounted: false,
             users: u.len(),
@@ -184,7 +212,7 @@ fn add_checks<'a>(
 ) {
     use crate::storage::protocol::Capability;
     for (k, v) in next.iter_mut().filter(|(_, v)| v.published) {
-        let Some(Ok(fp)) = plugins.get(&v.plugin) else {
+        let Some(Ok(fp)) = plugins.get(v.plugin()) else {
             continue;
         };
         let (stats, health) = (
@@ -288,7 +316,7 @@ impl State {
         self.figures.retain(|k, _| {
             known
                 .get(k)
-                .is_some_and(|k| k.published || !k.target.as_os_str().is_empty())
+                .is_some_and(|k| k.published || !k.target().as_os_str().is_empty())
         });
         // A volume published again is asked again at once.
         self.answers.retain(|k, _| {
@@ -571,9 +599,9 @@ async fn round(
         .map(|(v, k)| {
             (
                 v.clone(),
-                k.target.clone(),
+                k.target().to_path_buf(),
                 k.checks.clone(),
-                k.plugin.clone(),
+                k.plugin().to_string(),
                 answers.get(v).cloned(),
             )
         })
@@ -789,7 +817,10 @@ fn export(metrics: &Metrics, s: &State, known: &BTreeMap<VolumeKey, Known>) {
         .map(|(k, f)| VolumeFigures {
             namespace: k.namespace.clone(),
             volume: k.name.clone(),
-            plugin: known.get(k).map(|v| v.plugin.clone()).unwrap_or_default(),
+            plugin: known
+                .get(k)
+                .map(|v| v.plugin().to_string())
+                .unwrap_or_default(),
             usage: f.usage,
             abnormal: f.condition.abnormal,
         })
@@ -813,10 +844,17 @@ mod tests {
         }
     }
 
+    /// A published volume's record: plugin `plugin`, target `target`.
+    fn mount(plugin: &str, target: &Path) -> Option<Arc<MountRecord>> {
+        let mut m = crate::node::journal::tests::rec(crate::node::journal::MountState::Published);
+        m.plugin_id = plugin.into();
+        m.target = target.into();
+        Some(Arc::new(m))
+    }
+
     fn k(users: usize) -> Known {
         Known {
-            plugin: "bind".into(),
-            target: "/x".into(),
+            mount: mount("bind", Path::new("/x")),
             published: true,
             mounted: true,
             users,
@@ -906,8 +944,7 @@ esac"#,
             every: Duration::from_secs(3600),
         };
         let known_of = |plugin: &str, target: PathBuf, checks: bool| Known {
-            plugin: plugin.into(),
-            target: target.clone(),
+            mount: mount(plugin, &target),
             published: true,
             mounted: true,
             users: 1,
