@@ -27,6 +27,7 @@ use futures_util::stream::FuturesUnordered;
 use reads::Fetches;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -333,20 +334,22 @@ struct Watcher {
     client: Client,
     cfg: WatchConfig,
     tx: mpsc::Sender<WatchEvent>,
-    /// AllocModifyIndex of each allocation whose Job we have sent.
-    known: HashMap<String, u64>,
+    /// AllocModifyIndex of each allocation whose Job we have sent. The allocation IDs of
+    /// these maps and sets are shared ([`Watcher::id`]): one copy per allocation, not one
+    /// per map (docs/scale.md, memory per allocation).
+    known: HashMap<Arc<str>, u64>,
     /// The job of each allocation in the view: a deleted job's allocations are read again
     /// (stream mode).
-    jobs: HashMap<String, JobRef>,
+    jobs: HashMap<Arc<str>, JobRef>,
     /// Poll mode: the ModifyIndex of each allocation of the last answer, once a full list
     /// was sent; the next answers are sent as their changes ([`Watcher::poll_changes`]).
     /// `None` after a fault: the next answer is sent whole.
-    polled: Option<HashMap<String, u64>>,
+    polled: Option<HashMap<Arc<str>, u64>>,
     /// When the last whole list was sent to the agent.
     last_whole: Instant,
     /// Allocations that Nomad may delete while their tasks may still run
     /// ([`Allocation::may_vanish_while_live`]): verified every `verify_interval`.
-    verifying: BTreeSet<String>,
+    verifying: BTreeSet<Arc<str>>,
     counters: Counters,
     /// The highest index seen, to notice an index going backwards across lists.
     last_index: u64,
@@ -357,9 +360,9 @@ struct Watcher {
     disconnected: bool,
     /// The allocations whose tasks may run here ([`Allocation::tasks_finished`] false), for
     /// the process probe ([`WatchConfig::processes`]).
-    live: BTreeSet<String>,
+    live: BTreeSet<Arc<str>>,
     /// Those of `live` that had a process at the last probe.
-    running_here: BTreeSet<String>,
+    running_here: BTreeSet<Arc<str>>,
     /// When the process probe runs next.
     probe_at: Instant,
     /// The disconnections' log lines (one a minute at most, with a count) and their metric.
@@ -373,6 +376,17 @@ enum StreamEnd {
 }
 
 impl Watcher {
+    /// Allocation `id` as the maps and sets keep it: the copy one of them holds already,
+    /// or a new one.
+    fn id(&self, id: &str) -> Arc<str> {
+        self.known
+            .get_key_value(id)
+            .map(|(k, _)| k)
+            .or_else(|| self.jobs.get_key_value(id).map(|(k, _)| k))
+            .or_else(|| self.polled.as_ref()?.get_key_value(id).map(|(k, _)| k))
+            .map_or_else(|| Arc::from(id), Arc::clone)
+    }
+
     async fn emit(&self, ev: WatchEvent) -> bool {
         self.tx.send(ev).await.is_ok()
     }
@@ -402,10 +416,10 @@ impl Watcher {
         };
         let mut gone = Vec::new();
         for id in &self.live {
-            if alive.contains(id) {
-                self.running_here.insert(id.clone());
+            if alive.contains(&**id) {
+                self.running_here.insert(Arc::clone(id));
             } else if self.running_here.remove(id) {
-                gone.push(id.clone());
+                gone.push(id.to_string());
             }
         }
         gone
@@ -424,7 +438,7 @@ impl Watcher {
                     tracing::info!(alloc_id = %id, "the allocation's processes are gone and Nomad no longer has it (purged or garbage-collected)");
                     self.forget(&id);
                     if let Some(polled) = self.polled.as_mut() {
-                        polled.remove(&id);
+                        polled.remove(id.as_str());
                     }
                     if !self.emit(WatchEvent::Removed(id)).await {
                         return false;
@@ -433,6 +447,7 @@ impl Watcher {
                 Ok(Some(_)) => {}
                 Err(e) => {
                     tracing::warn!(alloc_id = %id, error = %e, "the allocation's processes are gone and reading it failed; reading it again at the next probe");
+                    let id = self.id(&id);
                     self.running_here.insert(id);
                 }
             }
@@ -465,27 +480,28 @@ impl Watcher {
         }
         self.last_index = index;
         self.last_whole = Instant::now();
-        self.known = allocs
-            .iter()
-            .map(|a| (a.id.clone(), a.alloc_modify_index))
+        let ids: Vec<Arc<str>> = allocs.iter().map(|a| Arc::from(a.id.as_str())).collect();
+        let with_ids = || allocs.iter().zip(ids.iter());
+        self.known = with_ids()
+            .map(|(a, id)| (Arc::clone(id), a.alloc_modify_index))
             .collect();
-        self.jobs = allocs.iter().map(|a| (a.id.clone(), job_of(a))).collect();
-        self.live = allocs
-            .iter()
-            .filter(|a| !a.tasks_finished())
-            .map(|a| a.id.clone())
+        self.jobs = with_ids()
+            .map(|(a, id)| (Arc::clone(id), job_of(a)))
+            .collect();
+        self.live = with_ids()
+            .filter(|(a, _)| !a.tasks_finished())
+            .map(|(_, id)| Arc::clone(id))
             .collect();
         self.polled = Some(
-            allocs
-                .iter()
-                .map(|a| (a.id.clone(), a.modify_index))
+            with_ids()
+                .map(|(a, id)| (Arc::clone(id), a.modify_index))
                 .collect(),
         );
-        self.verifying = allocs
-            .iter()
-            .filter(|a| a.may_vanish_while_live())
-            .map(|a| a.id.clone())
+        self.verifying = with_ids()
+            .filter(|(a, _)| a.may_vanish_while_live())
+            .map(|(_, id)| Arc::clone(id))
             .collect();
+        drop(ids);
         self.emit(WatchEvent::Relisted { allocs, index }).await
     }
 
@@ -508,9 +524,11 @@ impl Watcher {
             None => true,
             Some(before) => {
                 index < self.last_index
-                    || listed
-                        .iter()
-                        .any(|a| before.get(&a.id).is_some_and(|m| a.modify_index < *m))
+                    || listed.iter().any(|a| {
+                        before
+                            .get(a.id.as_str())
+                            .is_some_and(|m| a.modify_index < *m)
+                    })
                     || self.last_whole.elapsed() >= self.cfg.resync_interval
             }
         };
@@ -529,34 +547,40 @@ impl Watcher {
         self.counters.relists += 1;
         self.last_list = Instant::now();
         self.last_index = index;
-        let mut now: HashMap<String, u64> = HashMap::with_capacity(listed.len());
+        let mut now: HashMap<Arc<str>, u64> = HashMap::with_capacity(listed.len());
         let mut events = Vec::new();
         for l in listed {
-            if before.get(&l.id) == Some(&l.modify_index) {
+            if let Some((id, _)) = before
+                .get_key_value(l.id.as_str())
+                .filter(|(_, m)| **m == l.modify_index)
+            {
                 // Unchanged: what was learnt of it (its Job, whether it needs verifying)
                 // stands, as every change of those raises its ModifyIndex.
-                now.insert(l.id, l.modify_index);
+                now.insert(Arc::clone(id), l.modify_index);
                 continue;
             }
             let a = l.decode().map_err(bad_list)?;
-            now.insert(a.id.clone(), a.modify_index);
-            self.known.insert(a.id.clone(), a.alloc_modify_index);
-            self.jobs.insert(a.id.clone(), job_of(&a));
+            let id = before
+                .get_key_value(a.id.as_str())
+                .map_or_else(|| self.id(&a.id), |(k, _)| Arc::clone(k));
+            now.insert(Arc::clone(&id), a.modify_index);
+            self.known.insert(Arc::clone(&id), a.alloc_modify_index);
+            self.jobs.insert(Arc::clone(&id), job_of(&a));
             if a.tasks_finished() {
-                self.live.remove(&a.id);
+                self.live.remove(&*id);
             } else {
-                self.live.insert(a.id.clone());
+                self.live.insert(Arc::clone(&id));
             }
             if a.may_vanish_while_live() {
-                self.verifying.insert(a.id.clone());
+                self.verifying.insert(id);
             } else {
-                self.verifying.remove(&a.id);
+                self.verifying.remove(&*id);
             }
             events.push(WatchEvent::Upsert(Box::new(a)));
         }
         for id in before.keys().filter(|id| !now.contains_key(*id)) {
             self.forget(id);
-            events.push(WatchEvent::Removed(id.clone()));
+            events.push(WatchEvent::Removed(id.to_string()));
         }
         self.polled = Some(now);
         for ev in events {

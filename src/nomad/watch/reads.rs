@@ -46,7 +46,7 @@ impl Watcher {
         !a.tasks_finished()
             && self
                 .known
-                .get(&a.id)
+                .get(a.id.as_str())
                 .is_none_or(|&seen| a.alloc_modify_index > seen)
     }
 
@@ -55,16 +55,17 @@ impl Watcher {
     /// pending waits behind it, to keep the allocation's updates in order; any other is
     /// sent at once. False when the agent is gone.
     pub(super) async fn allocation(&mut self, a: Allocation, fetches: &mut Fetches) -> bool {
-        self.jobs.insert(a.id.clone(), job_of(&a));
+        let id = self.id(&a.id);
+        self.jobs.insert(Arc::clone(&id), job_of(&a));
         if a.tasks_finished() {
-            self.live.remove(&a.id);
+            self.live.remove(&*id);
         } else {
-            self.live.insert(a.id.clone());
+            self.live.insert(Arc::clone(&id));
         }
         if a.may_vanish_while_live() {
-            self.verifying.insert(a.id.clone());
+            self.verifying.insert(id);
         } else {
-            self.verifying.remove(&a.id);
+            self.verifying.remove(&*id);
         }
         if let Some(held) = fetches.waiting.get_mut(&a.id) {
             held.push(a);
@@ -101,22 +102,23 @@ impl Watcher {
             }
             Ok(Some(full)) => full,
         };
+        let key = self.id(&full.id);
         if full.may_vanish_while_live() {
-            self.verifying.insert(full.id.clone());
+            self.verifying.insert(Arc::clone(&key));
         } else {
-            self.verifying.remove(&full.id);
+            self.verifying.remove(&*key);
         }
         if full.tasks_finished() {
-            self.live.remove(&full.id);
+            self.live.remove(&*key);
         } else {
-            self.live.insert(full.id.clone());
+            self.live.insert(Arc::clone(&key));
         }
         if verify_only && held.is_empty() {
             // Still there, and no event arrived meanwhile: the stream brings its changes.
             return Ok(());
         }
         let read_at = full.modify_index;
-        self.known.insert(full.id.clone(), full.alloc_modify_index);
+        self.known.insert(key, full.alloc_modify_index);
         if !self.emit(WatchEvent::Upsert(Box::new(full))).await {
             return Err(StreamEnd::Closed);
         }
