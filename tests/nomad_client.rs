@@ -483,7 +483,7 @@ async fn records_asked_for_during_the_first_list_are_read_once() {
         names.iter().all(|n| {
             c.contains_key(&VolumeKey {
                 namespace: "default".into(),
-                name: n.clone(),
+                name: n.as_str().into(),
             })
         })
     })

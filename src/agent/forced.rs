@@ -224,7 +224,7 @@ mod tests {
         assert_eq!(gone[0].request.id, "r");
         assert!(!f.withdrawn().contains_key(&req("r", false).volume));
         assert!(
-            f.withdrawn().keys().any(|k| k.name == "other"),
+            f.withdrawn().keys().any(|k| k.name == "other".into()),
             "the kill still runs"
         );
     }

@@ -161,7 +161,7 @@ pub fn read_only_propagating(alloc: &Allocation, volume: &VolumeKey) -> Vec<Stri
     let Some(group) = alloc.group() else {
         return Vec::new();
     };
-    if alloc.namespace != volume.namespace {
+    if *alloc.namespace != *volume.namespace {
         return Vec::new();
     }
     let names = |alias: &str| -> Option<bool> {
@@ -174,7 +174,7 @@ pub fn read_only_propagating(alloc: &Allocation, volume: &VolumeKey) -> Vec<Stri
         } else {
             req.source.clone()
         };
-        (name == volume.name).then_some(req.read_only)
+        (*name == *volume.name).then_some(req.read_only)
     };
     group
         .tasks
@@ -223,7 +223,7 @@ fn deferred_key(
     };
     requests
         .iter()
-        .find(|r| r.volume.namespace == alloc.namespace && r.volume.name == name)
+        .find(|r| *r.volume.namespace == *alloc.namespace && *r.volume.name == *name)
         .map(|r| r.volume.clone())
 }
 
@@ -302,7 +302,7 @@ mod tests {
 
     fn names(u: &[Ungated]) -> Vec<(String, String, Reason)> {
         u.iter()
-            .map(|u| (u.task.clone(), u.volume.name.clone(), u.reason))
+            .map(|u| (u.task.clone(), u.volume.name.to_string(), u.reason))
             .collect()
     }
 

@@ -74,8 +74,8 @@ impl Placeholders {
 
     /// The namespaces of the placeholders known: a listing keeps reading them (a stale one
     /// whose record went is found and deregistered).
-    pub(crate) fn namespaces(&self) -> impl Iterator<Item = &String> + '_ {
-        self.ids.keys().map(|k| &k.namespace)
+    pub(crate) fn namespaces(&self) -> impl Iterator<Item = &str> + '_ {
+        self.ids.keys().map(|k| &*k.namespace)
     }
 
     /// A listing of this node's placeholders in `namespaces`: when none is known yet, the
@@ -175,7 +175,7 @@ impl Placeholders {
             if (known.is_some() && !again)
                 || self.busy.contains(key)
                 || !retries.ready(&work, now)
-                || !self.covered.contains(&key.namespace)
+                || !self.covered.contains(&*key.namespace)
             {
                 continue;
             }

@@ -1268,7 +1268,7 @@ pub(crate) mod tests {
         w.update(a1);
         w.settle();
         assert_eq!(w.unpublishes, 1);
-        assert!(w.mounts.keys().any(|k| k.namespace == "team-b"));
+        assert!(w.mounts.keys().any(|k| k.namespace == "team-b".into()));
     }
 
     /// Property: for every sequence of allocation states, after settling, (a) planning again

@@ -511,7 +511,7 @@ mod tests {
     fn key(i: usize) -> VolumeKey {
         VolumeKey {
             namespace: "default".into(),
-            name: format!("v{i}"),
+            name: format!("v{i}").into(),
         }
     }
 

@@ -171,8 +171,8 @@ impl StorageOps {
             }
             let fp = fingerprint(plugins, &snap.plugin_id);
             let vkey = VolumeKey {
-                namespace: snap.namespace.clone(),
-                name: snap.volume.clone(),
+                namespace: snap.namespace.clone().into(),
+                name: snap.volume.clone().into(),
             };
             let vol = volumes
                 .get(&vkey)

@@ -385,8 +385,8 @@ fn host_sources(alloc: &Allocation) -> impl Iterator<Item = (VolumeKey, bool)> +
                 req.source.clone()
             };
             let key = VolumeKey {
-                namespace: alloc.namespace.clone(),
-                name,
+                namespace: alloc.namespace.clone().into(),
+                name: name.into(),
             };
             Some((key, req.read_only))
         })

@@ -815,8 +815,8 @@ fn export(metrics: &Metrics, s: &State, known: &BTreeMap<VolumeKey, Known>) {
         .figures
         .iter()
         .map(|(k, f)| VolumeFigures {
-            namespace: k.namespace.clone(),
-            volume: k.name.clone(),
+            namespace: Arc::clone(&k.namespace),
+            volume: Arc::clone(&k.name),
             plugin: known
                 .get(k)
                 .map(|v| v.plugin().to_string())
@@ -825,10 +825,10 @@ fn export(metrics: &Metrics, s: &State, known: &BTreeMap<VolumeKey, Known>) {
             abnormal: f.condition.abnormal,
         })
         .collect();
-    let unused: Vec<(String, String, u64)> = s
+    let unused: Vec<(Arc<str>, Arc<str>, u64)> = s
         .unused
         .iter()
-        .map(|(k, t)| (k.namespace.clone(), k.name.clone(), *t))
+        .map(|(k, t)| (Arc::clone(&k.namespace), Arc::clone(&k.name), *t))
         .collect();
     metrics.set_volume_stats(figures, unused);
 }

@@ -196,8 +196,8 @@ pub(crate) fn outcome(
         let mount = mount.filter(|m| k.mounted.contains(&m.target));
         if let (true, Some(m)) = (k.journal.users().contains(&user), mount) {
             done.push(PublishedVolume {
-                namespace: r.volume.namespace.clone(),
-                name: r.volume.name.clone(),
+                namespace: r.volume.namespace.to_string(),
+                name: r.volume.name.to_string(),
                 path: m.target.display().to_string(),
                 read_only: m.read_only,
             });

@@ -120,11 +120,11 @@ async fn describe_holder(
     );
     if let Ok((allocs, _)) = client.node_allocations(holder, 0, Duration::ZERO).await {
         for a in allocs.value.iter().filter(|a| {
-            a.namespace == volume.namespace
+            *a.namespace == *volume.namespace
                 && a.group().is_some_and(|g| {
                     g.volumes
                         .values()
-                        .any(|r| r.volume_type == "host" && r.source == volume.name)
+                        .any(|r| r.volume_type == "host" && *r.source == *volume.name)
                 })
         }) {
             out.push(format!(

@@ -56,7 +56,7 @@ impl ReleaseMark {
     /// The mark as its variable.
     pub fn to_variable(&self) -> Variable {
         Variable {
-            namespace: self.volume.namespace.clone(),
+            namespace: self.volume.namespace.to_string(),
             path: release_path(&self.volume.name),
             items: BTreeMap::from([
                 ("holder".into(), self.holder.clone()),
@@ -90,9 +90,9 @@ impl ReleaseMark {
 impl Signed for ReleaseMark {
     fn place(&self) -> (String, String, String) {
         (
-            self.volume.namespace.clone(),
+            self.volume.namespace.to_string(),
             release_path(&self.volume.name),
-            self.volume.name.clone(),
+            self.volume.name.to_string(),
         )
     }
     fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)> {

@@ -146,7 +146,7 @@ fn go_duration(d: Duration) -> String {
 
 fn var(volume: &VolumeKey, items: BTreeMap<String, String>, lock: VariableLock) -> Variable {
     Variable {
-        namespace: volume.namespace.clone(),
+        namespace: volume.namespace.to_string(),
         path: claim_path(&volume.name),
         items,
         lock: Some(lock),
@@ -206,12 +206,12 @@ async fn previous_holder(
     }
     let (allocs, _) = client.node_allocations(&holder, 0, Duration::ZERO).await?;
     let live = allocs.value.into_iter().find(|a| {
-        a.namespace == volume.namespace
+        *a.namespace == *volume.namespace
             && !a.tasks_finished()
             && a.group().is_some_and(|g| {
                 g.volumes
                     .values()
-                    .any(|r| r.volume_type == "host" && r.source == volume.name)
+                    .any(|r| r.volume_type == "host" && *r.source == *volume.name)
             })
     });
     let Some(a) = live else {
@@ -285,12 +285,12 @@ async fn holder_of(client: &Client, volume: &VolumeKey) -> (String, Option<Strin
     let name = node_name(client, node).await;
     let live = match client.node_allocations(node, 0, Duration::ZERO).await {
         Ok((allocs, _)) => allocs.value.into_iter().find(|a| {
-            a.namespace == volume.namespace
+            *a.namespace == *volume.namespace
                 && !a.tasks_finished()
                 && a.group().is_some_and(|g| {
                     g.volumes
                         .values()
-                        .any(|r| r.volume_type == "host" && r.source == volume.name)
+                        .any(|r| r.volume_type == "host" && *r.source == *volume.name)
                 })
         }),
         Err(_) => None,

@@ -163,7 +163,7 @@ impl UnpublishRequest {
     /// The request as its variable.
     pub fn to_variable(&self) -> Variable {
         Variable {
-            namespace: self.volume.namespace.clone(),
+            namespace: self.volume.namespace.to_string(),
             path: request_path(&self.volume.name),
             items: BTreeMap::from([
                 ("node_id".into(), self.node_id.clone()),
@@ -191,8 +191,8 @@ impl UnpublishRequest {
             .and_then(super::changes::decode_name)
             .filter(|n| crate::volume::validate_identifier("name", n, true).is_ok())
             .map(|name| VolumeKey {
-                namespace: var.namespace.clone(),
-                name,
+                namespace: var.namespace.clone().into(),
+                name: name.into(),
             })
             .ok_or_else(|| bad("path"))?;
         let volume = &volume;
@@ -277,7 +277,7 @@ pub async fn answer(
 impl Signed for UnpublishRequest {
     fn place(&self) -> (String, String, String) {
         (
-            self.volume.namespace.clone(),
+            self.volume.namespace.to_string(),
             request_path(&self.volume.name),
             self.id.clone(),
         )
@@ -285,7 +285,7 @@ impl Signed for UnpublishRequest {
     fn signed_fields(&self) -> Vec<(&'static str, serde_json::Value)> {
         vec![
             ("op", "force-unpublish".into()),
-            ("volume", self.volume.name.clone().into()),
+            ("volume", self.volume.name.to_string().into()),
             ("node_id", self.node_id.clone().into()),
             ("kill", self.kill.into()),
             ("unix_ms", self.unix_ms.into()),

@@ -771,7 +771,7 @@ impl Metrics {
     pub fn set_volume_stats(
         &self,
         volumes: Vec<VolumeFigures>,
-        unused: Vec<(String, String, u64)>,
+        unused: Vec<(Arc<str>, Arc<str>, u64)>,
     ) {
         self.0.volume_stats.set(volumes, unused);
     }

@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex};
 /// One published volume's figures, for [`crate::metrics::Metrics::set_volume_stats`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct VolumeFigures {
-    /// The volume's Nomad namespace.
-    pub namespace: String,
-    /// The volume's name.
-    pub volume: String,
+    /// The volume's Nomad namespace (shared with the usage task's key).
+    pub namespace: Arc<str>,
+    /// The volume's name (shared with the usage task's key).
+    pub volume: Arc<str>,
     /// The plugin that published it.
     pub plugin: String,
     /// Its usage; `None` while its mount does not answer (its usage series are left out,
@@ -46,7 +46,7 @@ struct UnusedLabels {
 pub(super) struct Latest {
     volumes: Vec<VolumeFigures>,
     /// (namespace, volume, Unix seconds its last user went away).
-    unused: Vec<(String, String, u64)>,
+    unused: Vec<(Arc<str>, Arc<str>, u64)>,
 }
 
 /// The usage families, read from [`Latest`] at each scrape.
@@ -55,7 +55,7 @@ pub(super) struct VolumeStatsCollector(pub(super) Arc<Mutex<Latest>>);
 
 impl VolumeStatsCollector {
     /// Replaces the figures.
-    pub(super) fn set(&self, volumes: Vec<VolumeFigures>, unused: Vec<(String, String, u64)>) {
+    pub(super) fn set(&self, volumes: Vec<VolumeFigures>, unused: Vec<(Arc<str>, Arc<str>, u64)>) {
         let mut l = self.0.lock().unwrap_or_else(|e| e.into_inner());
         l.volumes = volumes;
         l.unused = unused;
@@ -115,8 +115,8 @@ impl prometheus_client::collector::Collector for VolumeStatsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let l = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let labels = |v: &VolumeFigures| VolumeLabels {
-            namespace: v.namespace.clone(),
-            volume: v.volume.clone(),
+            namespace: v.namespace.to_string(),
+            volume: v.volume.to_string(),
             plugin: v.plugin.clone(),
         };
         for (name, help, figure) in USAGE {
@@ -150,8 +150,8 @@ impl prometheus_client::collector::Collector for VolumeStatsCollector {
         for (namespace, volume, since) in &l.unused {
             let g = ConstGauge::new(i64::try_from(now.saturating_sub(*since)).unwrap_or(i64::MAX));
             g.encode(family.encode_family(&UnusedLabels {
-                namespace: namespace.clone(),
-                volume: volume.clone(),
+                namespace: namespace.to_string(),
+                volume: volume.to_string(),
             })?)?;
         }
         Ok(())

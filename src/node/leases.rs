@@ -144,8 +144,8 @@ impl<B: BootSource> LeaseFile<B> {
             .filter_map(|(k, lock_id, age)| {
                 let sent = now.checked_sub(age)?;
                 Some(Entry {
-                    namespace: k.namespace.clone(),
-                    name: k.name.clone(),
+                    namespace: k.namespace.to_string(),
+                    name: k.name.to_string(),
                     lock_id: lock_id.to_string(),
                     sent_boottime_ns: u64::try_from(sent.as_nanos()).ok()?,
                 })
@@ -223,8 +223,8 @@ impl<B: BootSource> LeaseFile<B> {
             .filter_map(|e| {
                 let age = now.checked_sub(Duration::from_nanos(e.sent_boottime_ns))?;
                 let key = VolumeKey {
-                    namespace: e.namespace,
-                    name: e.name,
+                    namespace: e.namespace.into(),
+                    name: e.name.into(),
                 };
                 key.relative_path().ok()?;
                 Some((key, (e.lock_id, age)))

@@ -990,8 +990,8 @@ impl VolumeRecord {
     /// `(namespace, name)`: how the volume is keyed everywhere (never by name alone).
     pub fn key(&self) -> VolumeKey {
         VolumeKey {
-            namespace: self.spec.namespace.clone(),
-            name: self.spec.name.clone(),
+            namespace: self.spec.namespace.clone().into(),
+            name: self.spec.name.clone().into(),
         }
     }
 
@@ -1155,11 +1155,13 @@ impl VolumeRecord {
 }
 
 /// How volumes are keyed: by namespace and name together (two namespaces may both have a
-/// volume called `data`).
+/// volume called `data`). The strings are shared: a clone (the journal, the view, the usage
+/// task and the status each key their maps by it) copies two pointers, not the strings
+/// (docs/scale.md, memory per allocation). Serialised as two strings.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct VolumeKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: std::sync::Arc<str>,
+    pub name: std::sync::Arc<str>,
 }
 
 impl VolumeKey {
@@ -1168,7 +1170,7 @@ impl VolumeKey {
     pub fn relative_path(&self) -> Result<std::path::PathBuf, SpecError> {
         validate_identifier("namespace", &self.namespace, false)?;
         validate_identifier("name", &self.name, true)?;
-        Ok(std::path::Path::new(&self.namespace).join(&self.name))
+        Ok(std::path::Path::new(&*self.namespace).join(&*self.name))
     }
 }
 

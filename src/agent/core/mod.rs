@@ -645,9 +645,8 @@ impl Core {
             let namespaces = self
                 .volumes
                 .keys()
-                .map(|k| &k.namespace)
-                .chain(self.placeholders.namespaces())
-                .cloned()
+                .map(|k| k.namespace.to_string())
+                .chain(self.placeholders.namespaces().map(str::to_string))
                 .collect();
             out.extend(self.placeholders.list(now, namespaces, &self.retries));
         }

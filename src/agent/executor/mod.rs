@@ -632,8 +632,8 @@ pub async fn list_placeholders(
                     }
                     out.insert(
                         VolumeKey {
-                            namespace: hv.namespace,
-                            name: hv.name,
+                            namespace: hv.namespace.into(),
+                            name: hv.name.into(),
                         },
                         ListedPlaceholder {
                             id: hv.id,

@@ -478,7 +478,7 @@ async fn a_round_of_mount_probes_reaches_the_core_as_one_report() {
             Effect::Probe {
                 volume: VolumeKey {
                     namespace: "default".into(),
-                    name: format!("v{i}"),
+                    name: format!("v{i}").into(),
                 },
                 target,
             }

@@ -862,8 +862,8 @@ pub async fn list(
             super::super::unused::idle(
                 &records,
                 &volume::VolumeKey {
-                    namespace: v.namespace.clone(),
-                    name: v.name.clone(),
+                    namespace: v.namespace.clone().into(),
+                    name: v.name.clone().into(),
                 },
             )
         };

@@ -69,12 +69,12 @@ async fn running_on(
         .value
         .iter()
         .filter(|a| {
-            a.namespace == volume.namespace
+            *a.namespace == *volume.namespace
                 && !a.tasks_finished()
                 && a.group().is_some_and(|g| {
                     g.volumes
                         .values()
-                        .any(|r| r.volume_type == "host" && r.source == volume.name)
+                        .any(|r| r.volume_type == "host" && *r.source == *volume.name)
                 })
         })
         .map(|a| format!("allocation {} of job {}", a.id, a.job_id))

@@ -557,8 +557,8 @@ impl Journal {
         let from = UserKey {
             alloc_id: alloc_id.to_string(),
             volume: VolumeKey {
-                namespace: String::new(),
-                name: String::new(),
+                namespace: String::new().into(),
+                name: String::new().into(),
             },
         };
         self.users

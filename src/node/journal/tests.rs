@@ -47,7 +47,7 @@ fn a_commit_carries_only_what_changed_and_the_file_holds_everything() {
     let dir = tempfile::tempdir().unwrap();
     let at = |i: usize| {
         let mut m = rec(MountState::Published);
-        m.volume.name = format!("v{i:03}");
+        m.volume.name = format!("v{i:03}").into();
         m.target = format!("/x/{i}").into();
         m
     };
@@ -124,7 +124,7 @@ fn recent_outcomes_are_kept_per_volume_with_the_intents_allocation() {
     for i in 0..RECENT_VOLUMES + 2 {
         let k = VolumeKey {
             namespace: "default".into(),
-            name: format!("v{i}"),
+            name: format!("v{i}").into(),
         };
         j.note(EventKind::Fenced, &k, serde_json::Value::Null);
     }
@@ -191,7 +191,7 @@ fn a_plan_of_many_intents_is_one_durable_write() {
     let (syncs, commits) = (store.syncs(), store.commits());
     for i in 0..50 {
         let mut r = rec(MountState::Publishing);
-        r.volume.name = format!("v{i}");
+        r.volume.name = format!("v{i}").into();
         j.set_mount(r, EventKind::PublishIntent, Some("a1"));
     }
     let users: Vec<UserKey> = (0..50)
@@ -207,7 +207,7 @@ fn a_plan_of_many_intents_is_one_durable_write() {
     // The outcomes of the whole plan: appended, not synced.
     for i in 0..50 {
         let mut r = rec(MountState::Published);
-        r.volume.name = format!("v{i}");
+        r.volume.name = format!("v{i}").into();
         j.set_mount(r, EventKind::PublishDone, None);
     }
     j.remove_mount(&key(), EventKind::UnpublishDone);
