@@ -12,8 +12,8 @@ pub mod unchanged;
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::ffi::{OsStr, OsString};
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -641,9 +641,16 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
             minor: number(&d[colon + 1..]).ok_or("bad minor")?,
         }
     };
-    let root = unescape(next("no root")?);
-    let mount_point = unescape(next("no mount point")?);
-    let options = text(next("no mount options")?);
+    // The five strings are decoded straight into the entry's one buffer.
+    let mut all = Vec::with_capacity(line.len());
+    let mut ends = [0u32; 4];
+    let end = |all: &Vec<u8>| u32::try_from(all.len()).unwrap_or(u32::MAX);
+    unescape_into(next("no root")?, &mut all);
+    ends[0] = end(&all);
+    unescape_into(next("no mount point")?, &mut all);
+    ends[1] = end(&all);
+    text_into(next("no mount options")?, &mut all, false);
+    ends[2] = end(&all);
     // Optional fields up to the separator: `shared:N`, `master:N`, `propagate_from:N`,
     // `unbindable` (proc(5)).
     let (mut shared, mut master) = (None, None);
@@ -658,30 +665,46 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
             master = Some(number(n).ok_or("bad master peer group")?);
         }
     }
-    let fs_type = text(&unescape(next("no filesystem type")?).into_vec());
-    let source = text(&unescape(next("no source")?).into_vec());
-    let text = MountText {
-        root: Path::new(&root),
-        mount_point: Path::new(&mount_point),
-        options: &options,
-        fs_type: &fs_type,
-        source: &source,
-    };
-    Ok(MountEntry::new(id, parent, dev, text, shared, master))
+    text_into(next("no filesystem type")?, &mut all, true);
+    ends[3] = end(&all);
+    text_into(next("no source")?, &mut all, true);
+    all.shrink_to_fit();
+    Ok(MountEntry {
+        id,
+        parent,
+        dev,
+        shared,
+        master,
+        text: all.into_boxed_slice(),
+        ends,
+    })
 }
 
 fn number(b: &[u8]) -> Option<u32> {
     std::str::from_utf8(b).ok()?.parse().ok()
 }
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+/// Appends field `b` as text to `out`, its escapes decoded first when `escaped`: bytes
+/// that are not UTF-8 are replaced (U+FFFD), as `String::from_utf8_lossy` does.
+fn text_into(b: &[u8], out: &mut Vec<u8>, escaped: bool) {
+    let start = out.len();
+    if escaped {
+        unescape_into(b, out);
+    } else {
+        out.extend_from_slice(b);
+    }
+    if let Some(added) = out.get(start..) {
+        if std::str::from_utf8(added).is_err() {
+            let lossy = String::from_utf8_lossy(added).into_owned();
+            out.truncate(start);
+            out.extend_from_slice(lossy.as_bytes());
+        }
+    }
 }
 
-/// Decodes mountinfo's octal escapes (`\040` space, `\011` tab, `\012` newline, `\134`
-/// backslash); other bytes pass unchanged.
-fn unescape(field: &[u8]) -> OsString {
-    let mut out = Vec::with_capacity(field.len());
+/// Appends `field` to `out` with mountinfo's octal escapes decoded (`\040` space, `\011`
+/// tab, `\012` newline, `\134` backslash); other bytes pass unchanged.
+fn unescape_into(field: &[u8], out: &mut Vec<u8>) {
     let mut i = 0;
     while let Some(&b) = field.get(i) {
         if b == b'\\' {
@@ -701,7 +724,6 @@ fn unescape(field: &[u8]) -> OsString {
         out.push(b);
         i += 1;
     }
-    OsString::from_vec(out)
 }
 
 fn legacy_table() -> Option<MountTable> {
@@ -857,6 +879,8 @@ pub(crate) mod scratch {
 mod tests {
     use super::scratch::Scratch;
     use super::*;
+    use std::ffi::OsString;
+    use std::os::unix::ffi::OsStringExt;
 
     /// Issue 10: a new reading is compared with the last by mount ID, so the agent rechecks
     /// only the targets where something was mounted, unmounted or changed.
@@ -936,6 +960,13 @@ mod tests {
         let t = MountTable::parse(text, Path::new("t")).unwrap();
         let want = PathBuf::from(OsString::from_vec(b"/srv/caf\xe9 x".to_vec()));
         assert!(t.contains(&want));
+        // Type and source are text: bytes that are not UTF-8 are replaced, escapes first.
+        let text = b"51 1 0:61 / /srv/b rw - fuse.x\\040y caf\xe9 rw\n";
+        let t = MountTable::parse(text, Path::new("t")).unwrap();
+        let e = t.top_at(Path::new("/srv/b")).unwrap();
+        assert_eq!((e.fs_type(), e.source()), ("fuse.x y", "caf\u{FFFD}"));
+        assert_eq!(e.root(), Path::new("/"));
+        assert_eq!(e.options(), "rw");
     }
 
     #[test]
