@@ -158,10 +158,22 @@ impl MountEntry {
         for (i, p) in parts.iter().enumerate() {
             all.extend_from_slice(p);
             if let Some(end) = ends.get_mut(i) {
-                // A mountinfo line is one page at most (the kernel's seq_file): far below.
-                *end = u32::try_from(all.len()).unwrap_or(u32::MAX);
+                *end = end_of(&all);
             }
         }
+        Self::of_buffer(id, parent, dev, (shared, master), all, ends)
+    }
+
+    /// An entry whose five strings are `all`, the first four ending at `ends`.
+    fn of_buffer(
+        id: u32,
+        parent: u32,
+        dev: DeviceId,
+        (shared, master): (Option<u32>, Option<u32>),
+        mut all: Vec<u8>,
+        ends: [u32; 4],
+    ) -> Self {
+        all.shrink_to_fit();
         Self {
             id,
             parent,
@@ -644,13 +656,12 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
     // The five strings are decoded straight into the entry's one buffer.
     let mut all = Vec::with_capacity(line.len());
     let mut ends = [0u32; 4];
-    let end = |all: &Vec<u8>| u32::try_from(all.len()).unwrap_or(u32::MAX);
     unescape_into(next("no root")?, &mut all);
-    ends[0] = end(&all);
+    ends[0] = end_of(&all);
     unescape_into(next("no mount point")?, &mut all);
-    ends[1] = end(&all);
+    ends[1] = end_of(&all);
     text_into(next("no mount options")?, &mut all, false);
-    ends[2] = end(&all);
+    ends[2] = end_of(&all);
     // Optional fields up to the separator: `shared:N`, `master:N`, `propagate_from:N`,
     // `unbindable` (proc(5)).
     let (mut shared, mut master) = (None, None);
@@ -666,18 +677,22 @@ fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
         }
     }
     text_into(next("no filesystem type")?, &mut all, true);
-    ends[3] = end(&all);
+    ends[3] = end_of(&all);
     text_into(next("no source")?, &mut all, true);
-    all.shrink_to_fit();
-    Ok(MountEntry {
+    Ok(MountEntry::of_buffer(
         id,
         parent,
         dev,
-        shared,
-        master,
-        text: all.into_boxed_slice(),
+        (shared, master),
+        all,
         ends,
-    })
+    ))
+}
+
+/// Where the strings in `all` end so far (a mountinfo line is one page at most, the
+/// kernel's seq_file: far below `u32::MAX`).
+fn end_of(all: &[u8]) -> u32 {
+    u32::try_from(all.len()).unwrap_or(u32::MAX)
 }
 
 fn number(b: &[u8]) -> Option<u32> {
