@@ -411,6 +411,19 @@ fn agent_for(dir: &Path, seconds: u32, env: &[(&str, &str)], args: &[&str]) -> S
         .envs(env.iter().copied())
         .output()
         .expect("run the agent");
+    // An agent that reached Nomad placed its placeholder guard (a bind mount at
+    // `state/mnt`, kept across restarts by design): detached here, so that the test's
+    // temporary directory leaves no mount behind, whatever the test asserts next.
+    let mut mounts = dhv_binder::node::mounts::mounts_under(dir);
+    mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for m in mounts {
+        let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+    }
+    assert!(
+        dhv_binder::node::mounts::mounts_under(dir).is_empty(),
+        "a mount under {} could not be detached",
+        dir.display()
+    );
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
