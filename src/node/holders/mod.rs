@@ -1024,6 +1024,7 @@ mod tests {
         let (target, id) = volume(&s);
         let inner = s.dir("task/data");
         let task = in_namespace(
+            &s,
             "private",
             &format!(
                 "mount --rbind '{}' '{}' && cd / && echo ready && exec sleep 600",
@@ -1050,16 +1051,15 @@ mod tests {
     }
 
     /// A process started by `unshare --mount --propagation <propagation>` running `script`
-    /// (which prints `ready` once it holds what it should).
-    fn in_namespace(propagation: &str, script: &str) -> Proc {
-        Proc::spawn(Command::new("unshare").args([
-            "--mount",
-            "--propagation",
-            propagation,
-            "sh",
-            "-c",
-            script,
-        ]))
+    /// (which prints `ready` once it holds what it should), without the copies of the mounts
+    /// of other tests than the one whose scratch directory is `s`
+    /// ([`Scratch::drop_foreign_mounts`]).
+    fn in_namespace(s: &Scratch, propagation: &str, script: &str) -> Proc {
+        Proc::spawn(
+            Command::new("unshare")
+                .args(["--mount", "--propagation", propagation, "sh", "-c"])
+                .arg(format!("{}{script}", s.drop_foreign_mounts())),
+        )
         .ready()
     }
 
@@ -1090,8 +1090,8 @@ mod tests {
         let id = top.identity();
 
         let idle = "cd / && echo ready && exec sleep 600";
-        let slave = in_namespace("slave", idle);
-        let peer = in_namespace("unchanged", idle);
+        let slave = in_namespace(&s, "slave", idle);
+        let peer = in_namespace(&s, "unchanged", idle);
         let u = scan_now(&id, &target);
         assert!(!u.in_use(), "{}", u.summary(5));
         for p in [&slave, &peer] {
@@ -1108,7 +1108,7 @@ mod tests {
         );
 
         // A private copy pins the filesystem: the host's unmount would not reach it.
-        let private = in_namespace("private", idle);
+        let private = in_namespace(&s, "private", idle);
         let u = scan_now(&id, &target);
         assert!(u.in_use());
         assert!(
@@ -1120,6 +1120,7 @@ mod tests {
 
         // A copy with a mount on it in its own namespace is not taken along.
         let covered = in_namespace(
+            &s,
             "slave",
             &format!(
                 "mount -t tmpfs cover '{}/sub' && cd / && echo ready && exec sleep 600",
@@ -1137,6 +1138,7 @@ mod tests {
         // A slave copy under a parent that no longer receives the guard's propagation: the
         // unmount does not reach it (checked below, after the unmount).
         let cut_off = in_namespace(
+            &s,
             "slave",
             &format!(
                 "mount --make-private '{}' && cd / && echo ready && exec sleep 600",
@@ -1152,6 +1154,7 @@ mod tests {
 
         // A process working in a copy holds it, and the kernel refuses the unmount.
         let user = in_namespace(
+            &s,
             "slave",
             &format!("cd '{}' && echo ready && exec sleep 600", target.display()),
         );

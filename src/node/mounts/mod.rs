@@ -806,7 +806,41 @@ pub(crate) mod scratch {
         LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// In a mount namespace the calling thread has just made private: lazily unmounts
+    /// (there only) every mount under the temporary directory, deepest first. Each is a copy
+    /// of another test's mount, of this binary or of a test binary running beside it (the
+    /// lanes of `scripts/test-lanes`), and a copy held would make that test's unmount see a
+    /// holder, or its loop device stay busy (tests/support/namespace.rs does the same for the
+    /// integration tests).
+    pub(crate) fn drop_foreign_mounts_here() {
+        let tmp = std::env::temp_dir();
+        let Ok(t) = MountTable::read_file(Path::new("/proc/thread-self/mountinfo")) else {
+            return;
+        };
+        let mut copies: Vec<PathBuf> = t
+            .under(&tmp)
+            .map(|e| e.mount_point().to_path_buf())
+            .filter(|p| p != &tmp)
+            .collect();
+        copies.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for m in copies {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+
     impl Scratch {
+        /// A shell snippet, run first in a new mount namespace (`unshare --mount`): lazily
+        /// unmounts there every mount under the temporary directory but this scratch
+        /// directory's, deepest first (see [`drop_foreign_mounts_here`]).
+        pub(crate) fn drop_foreign_mounts(&self) -> String {
+            let tmp = std::env::temp_dir();
+            format!(
+                r#"awk -v tmp='{tmp}/' -v keep='{keep}' 'index($5, tmp) == 1 && $5 != keep && index($5, keep "/") != 1 {{ print $5 }}' /proc/self/mountinfo | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done; "#,
+                tmp = tmp.display().to_string().trim_end_matches('/'),
+                keep = self.dir.path().display(),
+            )
+        }
+
         pub(crate) fn new() -> Self {
             let _serial = serial();
             let dir = tempfile::Builder::new()
@@ -967,6 +1001,38 @@ mod tests {
         assert_eq!((e.shared, e.master), (None, Some(1)));
         let p = t.by_id(37).unwrap();
         assert_eq!((p.shared, p.master), (None, None));
+    }
+
+    /// A test's private namespace drops its copies of the other tests' mounts under the
+    /// temporary directory, and keeps the rest of the table.
+    #[test]
+    fn a_private_test_namespace_holds_no_copy_of_other_tests_mounts() {
+        let s = Scratch::new();
+        let other = s.tmpfs("other");
+        let copy = other.clone();
+        std::thread::spawn(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare");
+            nix::mount::mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
+                None::<&str>,
+            )
+            .expect("private");
+            let here = Path::new("/proc/thread-self/mountinfo");
+            assert!(MountTable::read_file(here).unwrap().contains(&copy));
+            super::scratch::drop_foreign_mounts_here();
+            let t = MountTable::read_file(here).unwrap();
+            assert!(
+                !t.contains(&copy),
+                "the copy of another test's mount stayed"
+            );
+            assert!(t.contains(Path::new("/")), "the rest of the table stays");
+        })
+        .join()
+        .expect("the namespace's thread");
+        assert!(is_mount_point(&other), "the host's mount is untouched");
     }
 
     #[test]

@@ -174,7 +174,8 @@ mod tests {
 
     /// Runs `f` on a thread of its own in a new, private mount namespace, so that no other
     /// test's mounts change the table it reads (`unshare(CLONE_NEWNS)` moves the calling
-    /// thread only).
+    /// thread only), and without the copies of other tests' mounts (a copy held for the
+    /// seconds these tests wait kept another test's loop device busy).
     fn in_own_namespace(f: impl FnOnce() + Send + 'static) {
         std::thread::spawn(move || {
             use nix::mount::{mount, MsFlags};
@@ -188,6 +189,7 @@ mod tests {
                 None::<&str>,
             )
             .expect("make the test's namespace private");
+            crate::node::mounts::scratch::drop_foreign_mounts_here();
             f()
         })
         .join()
