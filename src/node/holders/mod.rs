@@ -1051,14 +1051,19 @@ mod tests {
     }
 
     /// A process started by `unshare --mount --propagation <propagation>` running `script`
-    /// (which prints `ready` once it holds what it should), without the copies of the mounts
-    /// of other tests than the one whose scratch directory is `s`
-    /// ([`Scratch::drop_foreign_mounts`]).
+    /// (which prints `ready` once it holds what it should). A private or slave namespace
+    /// first drops its copies of the mounts of other tests than the one whose scratch
+    /// directory is `s` ([`Scratch::drop_foreign_mounts`]); a peer namespace
+    /// (`unchanged`) does not, since its unmounts would reach the host's mounts.
     fn in_namespace(s: &Scratch, propagation: &str, script: &str) -> Proc {
+        let drop = match propagation {
+            "private" | "slave" => s.drop_foreign_mounts(),
+            _ => String::new(),
+        };
         Proc::spawn(
             Command::new("unshare")
                 .args(["--mount", "--propagation", propagation, "sh", "-c"])
-                .arg(format!("{}{script}", s.drop_foreign_mounts())),
+                .arg(format!("{drop}{script}")),
         )
         .ready()
     }
