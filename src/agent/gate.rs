@@ -140,9 +140,9 @@ pub fn ungated(alloc: &Allocation, requests: &[Request], socket_volume: &str) ->
                 continue;
             }
             out.push(Ungated {
-                job: alloc.job_id.clone(),
-                group: group.name.clone(),
-                task: task.name.clone(),
+                job: alloc.job_id.to_string(),
+                group: group.name.to_string(),
+                task: task.name.to_string(),
                 volume,
                 reason,
                 sees_later_mounts: sees,
@@ -172,7 +172,7 @@ pub fn read_only_propagating(alloc: &Allocation, volume: &VolumeKey) -> Vec<Stri
         let name = if req.per_alloc {
             format!("{}{}", req.source, alloc.alloc_suffix()?)
         } else {
-            req.source.clone()
+            req.source.to_string()
         };
         (*name == *volume.name).then_some(req.read_only)
     };
@@ -186,7 +186,7 @@ pub fn read_only_propagating(alloc: &Allocation, volume: &VolumeKey) -> Vec<Stri
                 })
             })
         })
-        .map(|t| t.name.clone())
+        .map(|t| t.name.to_string())
         .collect()
 }
 
@@ -219,7 +219,7 @@ fn deferred_key(
     let name = if req.per_alloc {
         format!("{}{}", req.source, alloc.alloc_suffix()?)
     } else {
-        req.source.clone()
+        req.source.to_string()
     };
     requests
         .iter()
@@ -254,7 +254,7 @@ mod tests {
                 .iter()
                 .map(|v| VolumeMount {
                     volume: (*v).into(),
-                    destination: format!("/{v}"),
+                    destination: format!("/{v}").into(),
                     ..VolumeMount::default()
                 })
                 .collect(),

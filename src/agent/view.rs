@@ -3,7 +3,7 @@
 //! The view is `complete` only after a full list of the node's allocations; until then,
 //! absence proves nothing and nothing destructive may be planned from it.
 
-use crate::nomad::types::{Allocation, Job};
+use crate::nomad::types::{Allocation, Job, Text};
 use crate::volume::{VolumeKey, VolumeState};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -44,7 +44,7 @@ pub struct View {
 }
 
 /// (namespace, job ID, job version, task group): where [`View`] looks for a Job to share.
-type JobKey = (String, String, u64, String);
+type JobKey = (Text, Text, u64, Text);
 
 fn job_key(a: &Allocation) -> Option<JobKey> {
     let j = a.job.as_ref()?;
@@ -382,7 +382,7 @@ fn host_sources(alloc: &Allocation) -> impl Iterator<Item = (VolumeKey, bool)> +
             let name = if req.per_alloc {
                 format!("{}{}", req.source, alloc.alloc_suffix()?)
             } else {
-                req.source.clone()
+                req.source.to_string()
             };
             let key = VolumeKey {
                 namespace: alloc.namespace.clone().into(),
@@ -416,7 +416,7 @@ mod tests {
 
     fn groups_kept(v: &View, id: &str) -> Vec<String> {
         let job = v.allocs()[id].job.as_ref().expect("the Job is kept");
-        job.task_groups.iter().map(|g| g.name.clone()).collect()
+        job.task_groups.iter().map(|g| g.name.to_string()).collect()
     }
 
     /// Issue 50 (memory): allocations whose reduced Jobs are equal share one; a Job that

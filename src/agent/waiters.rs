@@ -171,14 +171,14 @@ pub(crate) fn outcome(
     if alloc.namespace != w.namespace {
         return Some(Err(ApiError::WrongNamespace {
             token: w.namespace.clone(),
-            alloc: alloc.namespace.clone(),
+            alloc: alloc.namespace.to_string(),
         }));
     }
     if alloc.is_client_terminal() || alloc.desired_status != "run" {
         return Some(Err(ApiError::AllocationStopped {
             alloc_id: w.alloc_id.clone(),
-            client_status: alloc.client_status.clone(),
-            desired_status: alloc.desired_status.clone(),
+            client_status: alloc.client_status.to_string(),
+            desired_status: alloc.desired_status.to_string(),
         }));
     }
     alloc.job.as_ref()?;

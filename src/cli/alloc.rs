@@ -222,11 +222,11 @@ pub async fn alloc_cmd(nomad: &NomadConfig, cmd: AllocCommand) -> Result<(), Fai
         .iter()
         .map(|(t, s)| {
             (
-                t.clone(),
+                t.to_string(),
                 if s.failed {
                     format!("{} (failed)", s.state)
                 } else {
-                    s.state.clone()
+                    s.state.to_string()
                 },
             )
         })
@@ -235,11 +235,11 @@ pub async fn alloc_cmd(nomad: &NomadConfig, cmd: AllocCommand) -> Result<(), Fai
     let d = AllocDetail {
         node_name: record.map(|r| r.node_name.clone()).unwrap_or_default(),
         id: a.id,
-        name: a.name,
-        namespace: a.namespace,
-        job_id: a.job_id,
+        name: a.name.into(),
+        namespace: a.namespace.into(),
+        job_id: a.job_id.into(),
         node_id: a.node_id,
-        client_status: a.client_status,
+        client_status: a.client_status.into(),
         tasks,
         volumes,
     };

@@ -225,7 +225,7 @@ async fn previous_holder(
                 a.job_id,
                 short(&a.id)
             ),
-            a.job_id.clone(),
+            a.job_id.to_string(),
         ),
         var.items,
     ))
@@ -302,7 +302,7 @@ async fn holder_of(client: &Client, volume: &VolumeKey) -> (String, Option<Strin
                 a.job_id,
                 short(&a.id)
             ),
-            Some(a.job_id),
+            Some(a.job_id.into()),
         ),
         None => (format!("node {name} (its allocation stopped: the claim is released soon, or lapses after its lock delay)"), None),
     }

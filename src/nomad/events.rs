@@ -45,9 +45,9 @@ pub enum Line {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct JobRef {
     /// `Namespace`.
-    pub namespace: String,
+    pub namespace: crate::nomad::types::Text,
     /// `ID`.
-    pub id: String,
+    pub id: crate::nomad::types::Text,
 }
 
 /// One allocation event for this node.
@@ -121,8 +121,8 @@ pub fn decode_line(line: &[u8], node_id: &str, max_len: usize) -> Result<Line, L
             if matches!(event_type, b"JobDeregistered" | b"JobBatchDeregistered") {
                 match serde_json::from_slice::<JobPayload>(payload) {
                     Ok(p) => deregistered_jobs.push(JobRef {
-                        namespace: p.job.namespace,
-                        id: p.job.id,
+                        namespace: p.job.namespace.into(),
+                        id: p.job.id.into(),
                     }),
                     Err(e) => err = Some(e),
                 }

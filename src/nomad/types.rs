@@ -8,13 +8,19 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
 
+/// A short string of Nomad's (a namespace, job, group, task or driver name, a status, an
+/// access mode): up to 24 bytes are kept in place, with no allocation of their own, so the
+/// allocations and Jobs the view keeps cost a node of 1,000 allocations no heap for them
+/// (docs/scale.md, memory per allocation). Compares and derefs as a `str`.
+pub type Text = compact_str::CompactString;
+
 /// A small map sorted by key, kept in one vector: an allocation's task states and its
 /// group's volumes hold one or a few entries each, and a `BTreeMap` gives each map a node
 /// of eleven slots (about 1.2 KiB for task states, 1.7 KiB for volume requests); the
 /// view keeps every allocation of the node (docs/scale.md, memory per allocation). The
 /// fields read and write it as the `BTreeMap` they were (`small_map_from_object`,
 /// `small_map_as_object`); it iterates in key order.
-pub type SmallMap<V> = litemap::LiteMap<String, V>;
+pub type SmallMap<V> = litemap::LiteMap<Text, V>;
 
 /// Deserializes a [`SmallMap`] from a JSON object, or `null` (or a missing field) as an
 /// empty map, as a `BTreeMap` field with [`null_default`] did: anything else (an array
@@ -25,7 +31,7 @@ where
     D: Deserializer<'de>,
     V: Deserialize<'de>,
 {
-    let map = Option::<BTreeMap<String, V>>::deserialize(d)?.unwrap_or_default();
+    let map = Option::<BTreeMap<Text, V>>::deserialize(d)?.unwrap_or_default();
     let mut sorted = Vec::with_capacity(map.len());
     sorted.extend(map);
     // A BTreeMap's entries come out sorted by key, each key once.
@@ -63,27 +69,27 @@ pub struct Allocation {
     #[serde(rename = "ID", deserialize_with = "null_default")]
     pub id: String,
     #[serde(rename = "Namespace", deserialize_with = "null_default")]
-    pub namespace: String,
+    pub namespace: Text,
     /// `<job>.<group>[<index>]`.
     #[serde(rename = "Name", deserialize_with = "null_default")]
-    pub name: String,
+    pub name: Text,
     #[serde(rename = "NodeID", deserialize_with = "null_default")]
     pub node_id: String,
     #[serde(rename = "JobID", deserialize_with = "null_default")]
-    pub job_id: String,
+    pub job_id: Text,
     /// Absent in event payloads (the server strips it), present in reads and node lists.
     /// Shared: the view keeps one copy of a reduced Job for all the allocations whose
     /// reduced Jobs are equal (`crate::agent::view`; docs/scale.md, memory per allocation).
     #[serde(rename = "Job", skip_serializing_if = "Option::is_none")]
     pub job: Option<std::sync::Arc<Job>>,
     #[serde(rename = "TaskGroup", deserialize_with = "null_default")]
-    pub task_group: String,
+    pub task_group: Text,
     /// `run`, `stop` or `evict`.
     #[serde(rename = "DesiredStatus", deserialize_with = "null_default")]
-    pub desired_status: String,
+    pub desired_status: Text,
     /// `pending`, `running`, `complete`, `failed`, `lost` or `unknown`.
     #[serde(rename = "ClientStatus", deserialize_with = "null_default")]
-    pub client_status: String,
+    pub client_status: Text,
     #[serde(
         rename = "TaskStates",
         deserialize_with = "small_map_from_object",
@@ -232,9 +238,9 @@ impl Allocation {
                                 .any(|t| t.volume_mounts.capacity() > t.volume_mounts.len())
                     })
             };
-            if job.task_groups.iter().any(|g| &g.name != own) || roomy(job) {
+            if job.task_groups.iter().any(|g| g.name != *own) || roomy(job) {
                 let job = std::sync::Arc::make_mut(job);
-                job.task_groups.retain(|g| &g.name == own);
+                job.task_groups.retain(|g| g.name == *own);
                 job.task_groups.shrink_to_fit();
                 for g in &mut job.task_groups {
                     g.tasks.shrink_to_fit();
@@ -261,11 +267,11 @@ impl Allocation {
 #[serde(default)]
 pub struct Job {
     #[serde(rename = "ID", deserialize_with = "null_default")]
-    pub id: String,
+    pub id: Text,
     #[serde(rename = "Namespace", deserialize_with = "null_default")]
-    pub namespace: String,
+    pub namespace: Text,
     #[serde(rename = "Type", deserialize_with = "null_default")]
-    pub job_type: String,
+    pub job_type: Text,
     #[serde(rename = "Version", deserialize_with = "null_default")]
     pub version: u64,
     #[serde(rename = "TaskGroups", deserialize_with = "null_default")]
@@ -277,7 +283,7 @@ pub struct Job {
 #[serde(default)]
 pub struct TaskGroup {
     #[serde(rename = "Name", deserialize_with = "null_default")]
-    pub name: String,
+    pub name: Text,
     /// Alias → volume request.
     #[serde(
         rename = "Volumes",
@@ -328,20 +334,20 @@ pub struct Disconnect {
 #[serde(default)]
 pub struct VolumeRequest {
     #[serde(rename = "Name", deserialize_with = "null_default")]
-    pub name: String,
+    pub name: Text,
     /// `host` or `csi`.
     #[serde(rename = "Type", deserialize_with = "null_default")]
-    pub volume_type: String,
+    pub volume_type: Text,
     #[serde(rename = "Source", deserialize_with = "null_default")]
-    pub source: String,
+    pub source: Text,
     #[serde(rename = "ReadOnly", deserialize_with = "null_default")]
     pub read_only: bool,
     #[serde(rename = "Sticky", deserialize_with = "null_default")]
     pub sticky: bool,
     #[serde(rename = "AccessMode", deserialize_with = "null_default")]
-    pub access_mode: String,
+    pub access_mode: Text,
     #[serde(rename = "AttachmentMode", deserialize_with = "null_default")]
-    pub attachment_mode: String,
+    pub attachment_mode: Text,
     #[serde(rename = "PerAlloc", deserialize_with = "null_default")]
     pub per_alloc: bool,
 }
@@ -351,9 +357,9 @@ pub struct VolumeRequest {
 #[serde(default)]
 pub struct Task {
     #[serde(rename = "Name", deserialize_with = "null_default")]
-    pub name: String,
+    pub name: Text,
     #[serde(rename = "Driver", deserialize_with = "null_default")]
-    pub driver: String,
+    pub driver: Text,
     /// `null` for main tasks.
     #[serde(rename = "Lifecycle")]
     pub lifecycle: Option<Lifecycle>,
@@ -373,7 +379,7 @@ pub struct Task {
 pub struct Lifecycle {
     /// `prestart`, `poststart` or `poststop`.
     #[serde(rename = "Hook", deserialize_with = "null_default")]
-    pub hook: String,
+    pub hook: Text,
     #[serde(rename = "Sidecar", deserialize_with = "null_default")]
     pub sidecar: bool,
 }
@@ -383,16 +389,16 @@ pub struct Lifecycle {
 #[serde(default)]
 pub struct VolumeMount {
     #[serde(rename = "Volume", deserialize_with = "null_default")]
-    pub volume: String,
+    pub volume: Text,
     #[serde(rename = "Destination", deserialize_with = "null_default")]
-    pub destination: String,
+    pub destination: Text,
     #[serde(rename = "ReadOnly", deserialize_with = "null_default")]
     pub read_only: bool,
     /// `private` (or empty: the default), `host-to-task` or `bidirectional`: whether a mount
     /// made at the volume's path after the task started reaches it (the docker driver maps
     /// these to `rprivate`, `rslave`, `rshared`, `drivers/docker/driver.go`).
     #[serde(rename = "PropagationMode", deserialize_with = "null_default")]
-    pub propagation_mode: String,
+    pub propagation_mode: Text,
 }
 
 /// `structs.TaskState`, reduced to what the agent reads: the rest (`Restarts`, `StartedAt`,
@@ -403,7 +409,7 @@ pub struct VolumeMount {
 pub struct TaskState {
     /// `pending`, `running` or `dead`.
     #[serde(rename = "State", deserialize_with = "null_default")]
-    pub state: String,
+    pub state: Text,
     #[serde(rename = "Failed", deserialize_with = "null_default")]
     pub failed: bool,
 }
