@@ -136,7 +136,7 @@ fn the_journal_and_the_stores_copy_keep_a_published_volume_in_at_most_1_6_kib() 
             j.set_mount(record(MountState::Published), EventKind::PublishDone, None);
             j.change_users(
                 &[UserKey {
-                    alloc_id: alloc,
+                    alloc_id: alloc.into(),
                     volume: key(&name),
                 }],
                 &[],

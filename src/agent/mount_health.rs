@@ -145,7 +145,7 @@ impl MountHealth {
             users
                 .iter()
                 .filter(|u| &u.volume == volume)
-                .map(|u| u.alloc_id.clone())
+                .map(|u| u.alloc_id.to_string())
                 .collect()
         };
         let now = wall_secs();
@@ -222,7 +222,7 @@ impl MountHealth {
         let allocations: Vec<String> = users
             .iter()
             .filter(|u| &u.volume == volume)
-            .map(|u| u.alloc_id.clone())
+            .map(|u| u.alloc_id.to_string())
             .collect();
         self.broken.insert(
             volume.clone(),
@@ -390,7 +390,7 @@ mod tests {
         let users: BTreeSet<UserKey> = ["a1", "a2"]
             .iter()
             .map(|a| UserKey {
-                alloc_id: a.to_string(),
+                alloc_id: (*a).into(),
                 volume: key(),
             })
             .collect();

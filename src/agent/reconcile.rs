@@ -120,7 +120,7 @@ pub enum Scope<'a> {
         dirty: &'a BTreeSet<VolumeKey>,
         /// Volume → the allocations recorded as its users
         /// ([`crate::node::journal::Journal::users_by_volume`]).
-        users: &'a BTreeMap<VolumeKey, Vec<String>>,
+        users: &'a BTreeMap<VolumeKey, Vec<std::sync::Arc<str>>>,
     },
 }
 
@@ -293,7 +293,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                     }
                 }
                 let u = UserKey {
-                    alloc_id: alloc_id.clone(),
+                    alloc_id: alloc_id.as_str().into(),
                     volume: key.clone(),
                 };
                 if !i.users.contains(&u) {
@@ -426,7 +426,7 @@ fn single_writer(
     let writers = allocs.iter().filter(|(_, ro)| !ro).map(|(id, _)| id);
     if let Some(w) = writers.clone().find(|id| {
         i.users.contains(&UserKey {
-            alloc_id: (*id).clone(),
+            alloc_id: id.as_str().into(),
             volume: key.clone(),
         })
     }) {

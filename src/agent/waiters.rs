@@ -153,7 +153,7 @@ pub(crate) fn outcome(
     let Some(alloc) = k.view.allocs().get(&w.alloc_id) else {
         if now >= w.deadline {
             return Some(Err(ApiError::AllocationNotSeen {
-                alloc_id: w.alloc_id.clone(),
+                alloc_id: w.alloc_id.as_str().into(),
             }));
         }
         if w.report_at().is_some_and(|t| now >= t) {
@@ -189,7 +189,7 @@ pub(crate) fn outcome(
     let mut under_way = Vec::new();
     for r in &reqs {
         let user = UserKey {
-            alloc_id: w.alloc_id.clone(),
+            alloc_id: w.alloc_id.as_str().into(),
             volume: r.volume.clone(),
         };
         let mount = k.journal.mounts().get(&r.volume);

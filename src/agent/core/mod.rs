@@ -300,7 +300,10 @@ impl Core {
                     }
                     .to_string(),
                     since: m.since,
-                    users: users.get(k).map(|u| u.to_vec()).unwrap_or_default(),
+                    users: users
+                        .get(k)
+                        .map(|u| u.iter().map(|a| a.to_string()).collect())
+                        .unwrap_or_default(),
                     ..Default::default()
                 };
                 (k.to_string(), v)

@@ -148,7 +148,7 @@ impl Core {
             return None;
         }
         let user = crate::node::journal::UserKey {
-            alloc_id: alloc_id.to_string(),
+            alloc_id: alloc_id.into(),
             volume: rec.key(),
         };
         (!self.journal.users().contains(&user))

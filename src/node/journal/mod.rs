@@ -128,7 +128,9 @@ pub struct MountRecord {
 /// One allocation's use of one published volume.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct UserKey {
-    pub alloc_id: String,
+    /// Shared: the user records, their index by volume and the store's copy hold one
+    /// allocation ID between them (docs/scale.md, memory per allocation).
+    pub alloc_id: Arc<str>,
     pub volume: VolumeKey,
 }
 
@@ -375,7 +377,7 @@ pub struct Journal {
     /// Volume → the allocations recorded as its users (the same records as `users`).
     /// Each set is a sorted `Vec`: most volumes have one user, and a `BTreeSet` would
     /// allocate a node of eleven slots for it (docs/scale.md, memory per allocation).
-    users_by_volume: BTreeMap<VolumeKey, Vec<String>>,
+    users_by_volume: BTreeMap<VolumeKey, Vec<Arc<str>>>,
     /// The mount records by target (the same records as `mounts`, shared: an index entry
     /// is a pointer, not a copy of the target and the volume's key; docs/scale.md, memory
     /// per allocation).
@@ -400,7 +402,7 @@ pub struct Journal {
 /// The user records of `key` in a volume → allocations index
 /// ([`Journal::users_by_volume`]), in allocation order.
 pub fn users_of<'a>(
-    by_volume: &'a BTreeMap<VolumeKey, Vec<String>>,
+    by_volume: &'a BTreeMap<VolumeKey, Vec<Arc<str>>>,
     key: &'a VolumeKey,
 ) -> impl Iterator<Item = UserKey> + 'a {
     by_volume
@@ -548,14 +550,14 @@ impl Journal {
     }
 
     /// Volume → the allocations recorded as its users (an index of [`Journal::users`]).
-    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, Vec<String>> {
+    pub fn users_by_volume(&self) -> &BTreeMap<VolumeKey, Vec<Arc<str>>> {
         &self.users_by_volume
     }
 
     /// The volumes allocation `alloc_id` is recorded as using.
     pub fn volumes_of<'a>(&'a self, alloc_id: &'a str) -> impl Iterator<Item = &'a VolumeKey> + 'a {
         let from = UserKey {
-            alloc_id: alloc_id.to_string(),
+            alloc_id: alloc_id.into(),
             volume: VolumeKey {
                 namespace: String::new().into(),
                 name: String::new().into(),
@@ -563,7 +565,7 @@ impl Journal {
         };
         self.users
             .range(from..)
-            .take_while(move |u| u.alloc_id == alloc_id)
+            .take_while(move |u| &*u.alloc_id == alloc_id)
             .map(|u| &u.volume)
     }
 

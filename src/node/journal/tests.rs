@@ -196,7 +196,7 @@ fn a_plan_of_many_intents_is_one_durable_write() {
     }
     let users: Vec<UserKey> = (0..50)
         .map(|i| UserKey {
-            alloc_id: format!("a{i}"),
+            alloc_id: format!("a{i}").into(),
             volume: key(),
         })
         .collect();
