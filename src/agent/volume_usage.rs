@@ -17,7 +17,7 @@
 //! `<state_dir>/unused-since.json` (replaced atomically), so it survives an agent restart;
 //! a volume this node never saw in use has no time ("never used").
 
-use crate::metrics::{Metrics, VolumeFigures};
+use crate::metrics::{Metrics, Unused, VolumeFigures, VolumeStatsSource};
 use crate::node::journal::MountRecord;
 use crate::node::journal::{Journal, MountState};
 use crate::node::usage::{Condition, Reading, Usage, UsageReader};
@@ -147,6 +147,9 @@ struct State {
     changes: BTreeMap<VolumeKey, std::collections::VecDeque<(u64, Condition)>>,
     /// Each published volume's plugin's last answers.
     answers: BTreeMap<VolumeKey, Answers>,
+    /// The volumes of the last round (shared with the shell's channel): each one's plugin,
+    /// for the metrics.
+    known: Arc<BTreeMap<VolumeKey, Known>>,
 }
 
 /// The shell's side of the usage task.
@@ -729,6 +732,7 @@ async fn run(
         calls,
     } = settings;
     let reader = UsageReader::default();
+    metrics.read_volume_stats_from(Arc::new(StatsSource(Arc::clone(&state))));
     let mut next_round = tokio::time::Instant::now();
     loop {
         let known = rx.borrow_and_update().clone();
@@ -796,11 +800,10 @@ async fn run(
                     round(&reader, &to_read, timeout, calls.as_ref(), &answers, phase).await;
                 let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
                 s.apply(figures, &known);
-                export(&metrics, &s, &known);
+                s.known = Arc::clone(&known);
             }
         } else {
-            let s = state.lock().unwrap_or_else(|e| e.into_inner());
-            export(&metrics, &s, &known);
+            state.lock().unwrap_or_else(|e| e.into_inner()).known = Arc::clone(&known);
         }
         tokio::select! {
             r = rx.changed() => if r.is_err() { return },
@@ -809,28 +812,35 @@ async fn run(
     }
 }
 
-/// The figures as metrics (series of volumes gone from here vanish).
-fn export(metrics: &Metrics, s: &State, known: &BTreeMap<VolumeKey, Known>) {
-    let figures: Vec<VolumeFigures> = s
-        .figures
-        .iter()
-        .map(|(k, f)| VolumeFigures {
-            namespace: Arc::clone(&k.namespace),
-            volume: Arc::clone(&k.name),
-            plugin: known
-                .get(k)
-                .map(|v| v.plugin().to_string())
-                .unwrap_or_default(),
-            usage: f.usage,
-            abnormal: f.condition.abnormal,
-        })
-        .collect();
-    let unused: Vec<(Arc<str>, Arc<str>, u64)> = s
-        .unused
-        .iter()
-        .map(|(k, t)| (Arc::clone(&k.namespace), Arc::clone(&k.name), *t))
-        .collect();
-    metrics.set_volume_stats(figures, unused);
+/// The usage task's figures as metrics, read at each scrape (series of volumes gone from
+/// here vanish).
+struct StatsSource(Arc<Mutex<State>>);
+
+impl VolumeStatsSource for StatsSource {
+    fn read(&self) -> (Vec<VolumeFigures>, Vec<Unused>) {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let figures = s
+            .figures
+            .iter()
+            .map(|(k, f)| VolumeFigures {
+                namespace: Arc::clone(&k.namespace),
+                volume: Arc::clone(&k.name),
+                plugin: s
+                    .known
+                    .get(k)
+                    .map(|v| v.plugin().to_string())
+                    .unwrap_or_default(),
+                usage: f.usage,
+                abnormal: f.condition.abnormal,
+            })
+            .collect();
+        let unused = s
+            .unused
+            .iter()
+            .map(|(k, t)| (Arc::clone(&k.namespace), Arc::clone(&k.name), *t))
+            .collect();
+        (figures, unused)
+    }
 }
 
 #[cfg(test)]

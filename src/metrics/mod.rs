@@ -34,8 +34,8 @@ pub use endpoint::{
 };
 use process::ProcessCollector;
 pub use process::{heap_bytes, process_figures, ProcessFigures};
-pub use volume_stats::VolumeFigures;
 use volume_stats::VolumeStatsCollector;
+pub use volume_stats::{Unused, VolumeFigures, VolumeStatsSource};
 
 /// The endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -765,15 +765,11 @@ impl Metrics {
         }
     }
 
-    /// Every published volume's usage and condition (each call replaces the last: a
-    /// volume left out loses its series), and the unused-since times (namespace, volume,
-    /// Unix seconds) of volumes no longer used here.
-    pub fn set_volume_stats(
-        &self,
-        volumes: Vec<VolumeFigures>,
-        unused: Vec<(Arc<str>, Arc<str>, u64)>,
-    ) {
-        self.0.volume_stats.set(volumes, unused);
+    /// Reads every published volume's usage and condition, and the unused-since times of
+    /// volumes no longer used here, from `source` at each scrape (a volume it leaves out
+    /// has no series).
+    pub fn read_volume_stats_from(&self, source: Arc<dyn VolumeStatsSource>) {
+        self.0.volume_stats.read_from(source);
     }
 
     /// The attach count and limit of each plugin with a limit (series of plugins without

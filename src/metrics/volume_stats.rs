@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use std::sync::{Arc, Mutex};
 
-/// One published volume's figures, for [`crate::metrics::Metrics::set_volume_stats`].
+/// One published volume's figures, as a [`VolumeStatsSource`] gives them at a scrape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VolumeFigures {
     /// The volume's Nomad namespace (shared with the usage task's key).
@@ -41,24 +41,35 @@ struct UnusedLabels {
     volume: String,
 }
 
-/// What the collector exports, replaced as a whole by each round of readings.
-#[derive(Debug, Default)]
-pub(super) struct Latest {
-    volumes: Vec<VolumeFigures>,
-    /// (namespace, volume, Unix seconds its last user went away).
-    unused: Vec<(Arc<str>, Arc<str>, u64)>,
+/// Where the usage families are read at each scrape: the usage task's own figures
+/// (`crate::agent::volume_usage`), so that no copy of them is kept between scrapes (at
+/// 1,000 published volumes a copy cost about 130 bytes of heap per volume; docs/scale.md,
+/// memory per allocation).
+pub trait VolumeStatsSource: Send + Sync {
+    /// Every published volume's figures, and the unused-since times (namespace, volume,
+    /// Unix seconds its last user went away) of the volumes no longer used here, as they
+    /// are now. Built for one scrape and dropped after it.
+    fn read(&self) -> (Vec<VolumeFigures>, Vec<Unused>);
 }
 
-/// The usage families, read from [`Latest`] at each scrape.
-#[derive(Debug, Default, Clone)]
-pub(super) struct VolumeStatsCollector(pub(super) Arc<Mutex<Latest>>);
+/// A volume no longer used here: (namespace, volume, Unix seconds its last user went away).
+pub type Unused = (Arc<str>, Arc<str>, u64);
+
+/// The usage families, read from the [`VolumeStatsSource`] at each scrape (none: no
+/// series).
+#[derive(Default, Clone)]
+pub(super) struct VolumeStatsCollector(Arc<Mutex<Option<Arc<dyn VolumeStatsSource>>>>);
+
+impl std::fmt::Debug for VolumeStatsCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("VolumeStatsCollector")
+    }
+}
 
 impl VolumeStatsCollector {
-    /// Replaces the figures.
-    pub(super) fn set(&self, volumes: Vec<VolumeFigures>, unused: Vec<(Arc<str>, Arc<str>, u64)>) {
-        let mut l = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        l.volumes = volumes;
-        l.unused = unused;
+    /// Reads the figures from `source` from now on.
+    pub(super) fn read_from(&self, source: Arc<dyn VolumeStatsSource>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
     }
 }
 
@@ -113,7 +124,8 @@ pub(super) const FAMILIES: [&str; 8] = [
 
 impl prometheus_client::collector::Collector for VolumeStatsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let l = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let source = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (volumes, unused) = source.map(|s| s.read()).unwrap_or_default();
         let labels = |v: &VolumeFigures| VolumeLabels {
             namespace: v.namespace.to_string(),
             volume: v.volume.to_string(),
@@ -121,7 +133,7 @@ impl prometheus_client::collector::Collector for VolumeStatsCollector {
         };
         for (name, help, figure) in USAGE {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for v in &l.volumes {
+            for v in &volumes {
                 if let Some(u) = &v.usage {
                     let g = ConstGauge::new(i64::try_from(figure(u)).unwrap_or(i64::MAX));
                     g.encode(family.encode_family(&labels(v))?)?;
@@ -134,7 +146,7 @@ impl prometheus_client::collector::Collector for VolumeStatsCollector {
             None,
             MetricType::Gauge,
         )?;
-        for v in &l.volumes {
+        for v in &volumes {
             ConstGauge::new(i64::from(v.abnormal)).encode(family.encode_family(&labels(v))?)?;
         }
         let now = std::time::SystemTime::now()
@@ -147,7 +159,7 @@ impl prometheus_client::collector::Collector for VolumeStatsCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (namespace, volume, since) in &l.unused {
+        for (namespace, volume, since) in &unused {
             let g = ConstGauge::new(i64::try_from(now.saturating_sub(*since)).unwrap_or(i64::MAX));
             g.encode(family.encode_family(&UnusedLabels {
                 namespace: namespace.to_string(),
@@ -175,7 +187,13 @@ mod tests {
             inodes_used: 3,
             inodes_free: 7,
         };
-        m.set_volume_stats(
+        struct Fixed(Vec<VolumeFigures>, Vec<Unused>);
+        impl VolumeStatsSource for Fixed {
+            fn read(&self) -> (Vec<VolumeFigures>, Vec<Unused>) {
+                (self.0.clone(), self.1.clone())
+            }
+        }
+        m.read_volume_stats_from(Arc::new(Fixed(
             vec![
                 VolumeFigures {
                     namespace: "default".into(),
@@ -193,7 +211,7 @@ mod tests {
                 },
             ],
             vec![("default".into(), "idle".into(), 0)],
-        );
+        )));
         let text = m.encode();
         for line in [
             r#"dhv_binder_volume_stats_capacity_bytes{namespace="default",volume="data",plugin="ext4"} 1000"#,
