@@ -258,8 +258,8 @@ impl MountEntry {
         MountIdentity {
             dev: self.dev,
             root: self.root().to_path_buf(),
-            fs_type: self.fs_type().to_string(),
-            source: self.source().to_string(),
+            fs_type: self.fs_type().into(),
+            source: self.source().into(),
         }
     }
 
@@ -280,8 +280,11 @@ impl MountEntry {
 pub struct MountIdentity {
     pub dev: DeviceId,
     pub root: PathBuf,
-    pub fs_type: String,
-    pub source: String,
+    /// Kept in place up to 24 bytes, as the type and most sources are (`ext4`,
+    /// `/dev/loop3`): each published volume's record holds one identity (docs/scale.md,
+    /// memory per allocation).
+    pub fs_type: compact_str::CompactString,
+    pub source: compact_str::CompactString,
 }
 
 impl MountIdentity {
@@ -291,7 +294,7 @@ impl MountIdentity {
             dev: DeviceId { major: 0, minor: 0 },
             root: PathBuf::from("/"),
             fs_type: "tmpfs".into(),
-            source: path.display().to_string(),
+            source: path.display().to_string().into(),
         }
     }
 
