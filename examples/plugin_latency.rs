@@ -125,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
             state: MountState::Unpublishing,
             target: target.clone(),
             read_only: false,
-            publish_context: res.context,
+            publish_context: res.context.into(),
             since: 0,
             last_error: String::new(),
             claim_id: None,

@@ -100,7 +100,7 @@ async fn unpublish(runner: &Runner, n: &NodeEnv, rec: &VolumeRecord, target: &Pa
             state: dhv_binder::node::journal::MountState::Unpublishing,
             target: target.into(),
             read_only: false,
-            publish_context: serde_json::Value::Null,
+            publish_context: Default::default(),
             since: 0,
             last_error: String::new(),
             mount: None,

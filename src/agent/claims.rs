@@ -125,14 +125,14 @@ impl Claims {
             if let Some(id) = &m.claim_id {
                 self.orders.push(Effect::RenewClaim {
                     volume: m.volume.clone(),
-                    lock_id: id.clone(),
+                    lock_id: id.to_string(),
                     acquired_index: None,
                     at_once: true,
                 });
                 self.held.insert(
                     m.volume.clone(),
                     Claim {
-                        id: id.clone(),
+                        id: id.to_string(),
                         state: ClaimState::Held,
                         renewed: stale,
                         lease_end: None,

@@ -111,12 +111,13 @@ fn the_allocations_of_one_job_version_cost_the_view_at_most_896_bytes_each() {
 
 /// The journal's mount records are shared with the commit, the index by target and the
 /// store's copy (which applies the commit's records, keyed by each record's own volume);
-/// a publish intent's allocation ID goes with its outcome, and a user record's allocation ID
-/// is one string shared by the record, its index and the store's copy: a copy of each
-/// record, target, key or allocation ID per holder, or an ID kept per published volume,
-/// exceeds the budget (1,349 bytes).
+/// a publish intent's allocation ID goes with its outcome, a user record's allocation ID
+/// is one string shared by the record, its index and the store's copy, and a record's
+/// rarely set fields (its publish context, its claim's lock ID) are boxed: a copy of each
+/// record, target, key or allocation ID per holder, an ID kept per published volume, or a
+/// record past the allocator's 256-byte class, exceeds the budget (1,221 bytes).
 #[test]
-fn the_journal_and_the_stores_copy_keep_a_published_volume_in_at_most_1_4_kib() {
+fn the_journal_and_the_stores_copy_keep_a_published_volume_in_at_most_1_25_kib() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let (kept, bytes) = per_volume(|| {
         let (store, mut j) = Store::open(dir.path(), "node-1").expect("a store");
@@ -154,8 +155,8 @@ fn the_journal_and_the_stores_copy_keep_a_published_volume_in_at_most_1_4_kib() 
     });
     assert_eq!(kept.1.mounts().len(), N);
     assert!(
-        bytes <= 1434,
-        "the journal and the store's copy keep {bytes} bytes per published volume (budget 1,434)"
+        bytes <= 1280,
+        "the journal and the store's copy keep {bytes} bytes per published volume (budget 1,280)"
     );
 }
 

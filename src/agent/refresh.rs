@@ -289,7 +289,7 @@ mod tests {
             state,
             target: PathBuf::from(format!("/mnt/{name}")),
             read_only: false,
-            publish_context: serde_json::Value::Null,
+            publish_context: Default::default(),
             since: 0,
             last_error: String::new(),
             claim_id: None,

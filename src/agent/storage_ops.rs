@@ -359,7 +359,7 @@ mod tests {
                 state: MountState::Published,
                 target: "/m/default/data".into(),
                 read_only: false,
-                publish_context: serde_json::Value::Null,
+                publish_context: Default::default(),
                 since: 0,
                 last_error: String::new(),
                 mount: None,

@@ -348,7 +348,7 @@ impl Kit {
             state: MountState::Unpublishing,
             target: target.to_path_buf(),
             read_only: false,
-            publish_context: ctx.clone(),
+            publish_context: ctx.clone().into(),
             since: 0,
             last_error: String::new(),
             claim_id: None,

@@ -171,7 +171,10 @@ pub fn unpublish_env(
         ),
         ("DHV_TARGET_PATH".into(), m.target.display().to_string()),
         ("DHV_READ_ONLY".into(), m.read_only.to_string()),
-        ("DHV_PUBLISH_CONTEXT".into(), m.publish_context.to_string()),
+        (
+            "DHV_PUBLISH_CONTEXT".into(),
+            m.publish_context.value().to_string(),
+        ),
     ]);
     env
 }

@@ -140,7 +140,7 @@ impl Core {
                 match result {
                     Ok(p) => {
                         m.state = MountState::Published;
-                        m.publish_context = p.context;
+                        m.publish_context = p.context.into();
                         m.mount = Some(p.mount);
                         m.last_error.clear();
                         self.retries.succeeded(&Work::Mount(volume.clone()));

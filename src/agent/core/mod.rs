@@ -1083,7 +1083,7 @@ impl Core {
             publish_context: prev.map(|p| p.publish_context.clone()).unwrap_or_default(),
             since: 0,
             last_error: String::new(),
-            claim_id: self.claims.lock_id(&volume).map(str::to_string),
+            claim_id: self.claims.lock_id(&volume).map(Box::from),
             mount: prev.and_then(|p| p.mount.clone()),
         };
         let expected = m.mount.clone();

@@ -96,6 +96,40 @@ pub enum MountState {
     Unpublishing,
 }
 
+/// What a plugin's `publish` returned as `context` (any JSON; `null` when none), as a mount
+/// record keeps it: written and read as that JSON, kept boxed and only when not `null`.
+/// Most plugins return none, and a JSON value in place is 72 bytes: boxed, a record fits
+/// the allocator's 256-byte class rather than the 384-byte one (docs/scale.md, memory per
+/// allocation).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PublishContext(Option<Box<serde_json::Value>>);
+
+impl PublishContext {
+    /// The context (`null` when none).
+    pub fn value(&self) -> &serde_json::Value {
+        static NULL: serde_json::Value = serde_json::Value::Null;
+        self.0.as_deref().unwrap_or(&NULL)
+    }
+}
+
+impl From<serde_json::Value> for PublishContext {
+    fn from(v: serde_json::Value) -> Self {
+        Self((!v.is_null()).then(|| Box::new(v)))
+    }
+}
+
+impl Serialize for PublishContext {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.value().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PublishContext {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        serde_json::Value::deserialize(d).map(Self::from)
+    }
+}
+
 /// The record of one volume's mount on this node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MountRecord {
@@ -109,7 +143,7 @@ pub struct MountRecord {
     pub read_only: bool,
     /// What the plugin's `publish` returned as `context`; handed back to `unpublish`.
     #[serde(default)]
-    pub publish_context: serde_json::Value,
+    pub publish_context: PublishContext,
     /// Unix seconds of the last state change.
     pub since: u64,
     /// Last plugin error, if the last attempt failed.
@@ -118,7 +152,7 @@ pub struct MountRecord {
     /// The lock ID of this node's claim (single-node access modes), kept so that a restarted
     /// agent can renew it, or learn that it lost it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub claim_id: Option<String>,
+    pub claim_id: Option<Box<str>>,
     /// What the last successful publish mounted at the target (device, root, type,
     /// source), read from the host's mount table: "published" means this stands there.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -17,7 +17,7 @@ pub(crate) fn rec(state: MountState) -> MountRecord {
         state,
         target: "/x".into(),
         read_only: false,
-        publish_context: serde_json::Value::Null,
+        publish_context: Default::default(),
         since: 0,
         last_error: String::new(),
         claim_id: None,
@@ -427,4 +427,27 @@ fn no_user_record_outlives_its_mount_record() {
         vec![users[1].clone()],
         "the unpublished volume's user record goes with its mount record"
     );
+}
+
+/// A publish context is written and read as the plugin's JSON: `null` (none) keeps no box,
+/// and a record without the field reads as none.
+#[test]
+fn a_publish_context_is_kept_as_the_plugins_json_and_null_keeps_nothing() {
+    let none = PublishContext::from(serde_json::Value::Null);
+    assert_eq!(none, PublishContext::default());
+    assert_eq!(serde_json::to_string(&none).unwrap(), "null");
+    let ctx = serde_json::json!({"dev_path": "/dev/loop3", "n": 1});
+    let kept = PublishContext::from(ctx.clone());
+    assert_eq!(kept.value(), &ctx);
+    let mut r = rec(MountState::Published);
+    r.publish_context = kept;
+    let line = serde_json::to_value(&r).unwrap();
+    assert_eq!(line["publish_context"], ctx, "written as the plugin's JSON");
+    let back: MountRecord = serde_json::from_value(line.clone()).unwrap();
+    assert_eq!(back, r);
+    let mut without = line;
+    without.as_object_mut().unwrap().remove("publish_context");
+    let read: MountRecord = serde_json::from_value(without).unwrap();
+    assert_eq!(read.publish_context, PublishContext::default());
+    assert_eq!(read.publish_context.value(), &serde_json::Value::Null);
 }

@@ -257,7 +257,7 @@ impl MountEntry {
     pub fn identity(&self) -> MountIdentity {
         MountIdentity {
             dev: self.dev,
-            root: self.root().to_path_buf(),
+            root: self.root().into(),
             fs_type: self.fs_type().into(),
             source: self.source().into(),
         }
@@ -279,7 +279,7 @@ impl MountEntry {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MountIdentity {
     pub dev: DeviceId,
-    pub root: PathBuf,
+    pub root: Box<Path>,
     /// Kept in place up to 24 bytes, as the type and most sources are (`ext4`,
     /// `/dev/loop3`): each published volume's record holds one identity (docs/scale.md,
     /// memory per allocation).
@@ -292,7 +292,7 @@ impl MountIdentity {
     pub fn of_point(path: &Path) -> Self {
         Self {
             dev: DeviceId { major: 0, minor: 0 },
-            root: PathBuf::from("/"),
+            root: Path::new("/").into(),
             fs_type: "tmpfs".into(),
             source: path.display().to_string().into(),
         }
@@ -301,7 +301,7 @@ impl MountIdentity {
     /// True when `entry` mounts exactly this content (device, root, type and source equal).
     pub fn is(&self, entry: &MountEntry) -> bool {
         entry.dev == self.dev
-            && entry.root() == self.root
+            && entry.root() == &*self.root
             && entry.fs_type() == self.fs_type
             && entry.source() == self.source
     }
@@ -1094,7 +1094,7 @@ mod tests {
         );
         // Same device, other root: another directory of the server, not this volume.
         let mut other = nfs.clone();
-        other.root = PathBuf::from("/exports/v2");
+        other.root = Path::new("/exports/v2").into();
         assert!(matches!(
             one.target_state(target, Some(&other)),
             TargetState::Foreign { .. }
