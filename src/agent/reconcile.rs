@@ -30,6 +30,7 @@ use crate::node::journal::{MountRecord, MountState, UserKey};
 use crate::volume::{VolumeKey, VolumeRecord};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Everything the plan is computed from.
 #[derive(Debug, Clone, Copy)]
@@ -140,7 +141,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
     let complete = i.view.is_complete() && i.volumes_loaded;
 
     // Live allocations' needs, by volume: (alloc, read_only) in alloc ID order.
-    let mut needed: BTreeMap<VolumeKey, Vec<(String, bool)>> = BTreeMap::new();
+    let mut needed: BTreeMap<VolumeKey, Vec<(Arc<str>, bool)>> = BTreeMap::new();
     match scope {
         Scope::All => {
             for (id, alloc) in i.view.allocs() {
@@ -155,7 +156,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                     needed
                         .entry(r.volume)
                         .or_default()
-                        .push((id.clone(), r.read_only));
+                        .push((Arc::clone(id), r.read_only));
                 }
             }
         }
@@ -176,7 +177,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
                         needed
                             .entry(r.volume)
                             .or_default()
-                            .push((id.clone(), r.read_only));
+                            .push((Arc::clone(id), r.read_only));
                     }
                 }
             }
@@ -234,7 +235,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
             .filter(|id| {
                 i.view
                     .allocs()
-                    .get(*id)
+                    .get(id.as_str())
                     .is_some_and(|a| !a.tasks_finished())
             })
             .map(String::as_str)
@@ -288,12 +289,12 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
             for (alloc_id, read_only) in allocs {
                 if let Some(w) = &writer {
                     if !read_only && alloc_id != w {
-                        held_back.push(alloc_id.as_str());
+                        held_back.push(&**alloc_id);
                         continue;
                     }
                 }
                 let u = UserKey {
-                    alloc_id: alloc_id.as_str().into(),
+                    alloc_id: Arc::clone(alloc_id),
                     volume: key.clone(),
                 };
                 if !i.users.contains(&u) {
@@ -332,7 +333,7 @@ pub fn plan_in(i: Inputs<'_>, scope: Scope<'_>) -> (Plan, usize) {
         } else {
             plan.steps.push(Step::Publish {
                 volume: key.clone(),
-                alloc_id: allocs[0].0.clone(),
+                alloc_id: allocs[0].0.to_string(),
                 read_only: publish_read_only(volume),
             });
         }
@@ -418,15 +419,15 @@ fn single_writer(
     i: Inputs<'_>,
     key: &VolumeKey,
     volume: &VolumeRecord,
-    allocs: &[(String, bool)],
-) -> Option<String> {
+    allocs: &[(Arc<str>, bool)],
+) -> Option<Arc<str>> {
     if volume.access_mode() != SINGLE_WRITER {
         return None;
     }
     let writers = allocs.iter().filter(|(_, ro)| !ro).map(|(id, _)| id);
     if let Some(w) = writers.clone().find(|id| {
         i.users.contains(&UserKey {
-            alloc_id: id.as_str().into(),
+            alloc_id: Arc::clone(id),
             volume: key.clone(),
         })
     }) {
@@ -437,7 +438,7 @@ fn single_writer(
             (
                 i.view
                     .allocs()
-                    .get(*id)
+                    .get(&**id)
                     .map_or(u64::MAX, |a| a.create_index),
                 (*id).clone(),
             )
@@ -458,7 +459,7 @@ fn read_only_propagating(
     i: Inputs<'_>,
     key: &VolumeKey,
     volume: &VolumeRecord,
-    allocs: &[(String, bool)],
+    allocs: &[(Arc<str>, bool)],
 ) -> Option<String> {
     if publish_read_only(volume) {
         return None;
@@ -466,7 +467,7 @@ fn read_only_propagating(
     let found: Vec<String> = allocs
         .iter()
         .filter_map(|(id, _)| {
-            let alloc = i.view.allocs().get(id)?;
+            let alloc = i.view.allocs().get(&**id)?;
             let tasks = crate::agent::gate::read_only_propagating(alloc, key);
             (!tasks.is_empty()).then(|| format!("allocation {id} task(s) {}", tasks.join(", ")))
         })

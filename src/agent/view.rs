@@ -21,7 +21,7 @@ pub struct View {
     /// Boxed: a map node holds eleven entries, so an unboxed `Allocation` (about 340
     /// bytes) would make each half-full node cost kilobytes (docs/scale.md, memory per
     /// allocation).
-    allocs: BTreeMap<String, Box<Allocation>>,
+    allocs: BTreeMap<Arc<str>, Box<Allocation>>,
     /// Allocations that vanished from Nomad (purge, GC) while their tasks were last seen
     /// running: kept (as live) until the deadline, while the client kills their tasks.
     departing: BTreeMap<String, Instant>,
@@ -29,13 +29,13 @@ pub struct View {
     /// maintained with every change: the plan finds a volume's allocations without a scan.
     /// Each set is a sorted `Vec` (most volumes have one allocation: a `BTreeSet` would
     /// allocate a node of eleven slots for it).
-    needing: BTreeMap<VolumeKey, Vec<String>>,
+    needing: BTreeMap<VolumeKey, Vec<Arc<str>>>,
     /// What changed since [`View::take_changes`].
     changes: Changes,
     /// Allocations that left the view finished, with their last ModifyIndex: an older
     /// list or event that still shows them running is stale, never a reason to publish
     /// again. At most [`FINISHED_KEPT`], the oldest dropped first.
-    finished: BTreeMap<String, u64>,
+    finished: BTreeMap<Arc<str>, u64>,
     /// One reduced Job per (namespace, job, version, group), shared by every allocation
     /// whose reduced Job equals it: the allocations of one job version (a `count` of 1,000
     /// with `per_alloc` volumes) keep one copy, not one each. An entry goes with the last
@@ -91,7 +91,7 @@ impl View {
     }
 
     /// The allocations.
-    pub fn allocs(&self) -> &BTreeMap<String, Box<Allocation>> {
+    pub fn allocs(&self) -> &BTreeMap<Arc<str>, Box<Allocation>> {
         &self.allocs
     }
 
@@ -110,7 +110,7 @@ impl View {
             if self.is_stale(&a) {
                 continue;
             }
-            match old.remove(&a.id) {
+            match old.remove(&*a.id) {
                 // Back to running from a finished state seen at a newer index: stale.
                 Some(o)
                     if a.modify_index != 0
@@ -124,7 +124,7 @@ impl View {
                 Some(o) if a.job.is_none() => a.job = o.job,
                 _ => {}
             }
-            self.departing.remove(&a.id);
+            self.departing.remove(&*a.id);
             self.share_job(&mut a);
             self.allocs.insert(a.id.clone(), Box::new(a));
         }
@@ -132,13 +132,13 @@ impl View {
             if !a.tasks_finished() {
                 let deadline = self
                     .departing
-                    .get(&id)
+                    .get(&*id)
                     .copied()
                     .unwrap_or(now + a.kill_grace() + DEPARTURE_MARGIN);
-                self.departing.insert(id.clone(), deadline);
+                self.departing.insert(id.to_string(), deadline);
                 self.allocs.insert(id, a);
             } else {
-                self.departing.remove(&id);
+                self.departing.remove(&*id);
                 self.forget_finished(&a);
             }
         }
@@ -163,7 +163,7 @@ impl View {
         !a.tasks_finished()
             && self
                 .finished
-                .get(&a.id)
+                .get(&*a.id)
                 .is_some_and(|i| a.modify_index <= *i)
     }
 
@@ -189,8 +189,8 @@ impl View {
         if self.is_stale(&a) {
             return;
         }
-        self.departing.remove(&a.id);
-        if let Some(old) = self.allocs.get(&a.id) {
+        self.departing.remove(&*a.id);
+        if let Some(old) = self.allocs.get(&*a.id) {
             if a.modify_index != 0 && a.modify_index < old.modify_index {
                 return;
             }
@@ -254,7 +254,7 @@ impl View {
 
     /// The IDs of the allocations whose group names `volume` (live or not, usable or
     /// not: the plan checks), in ID order.
-    pub fn needing(&self, volume: &VolumeKey) -> impl Iterator<Item = &String> + '_ {
+    pub fn needing(&self, volume: &VolumeKey) -> impl Iterator<Item = &Arc<str>> + '_ {
         self.needing.get(volume).into_iter().flatten()
     }
 
@@ -267,7 +267,7 @@ impl View {
         };
         for key in named_volumes(old) {
             if let Some(ids) = self.needing.get_mut(&key) {
-                if let Ok(i) = ids.binary_search_by(|x| x.as_str().cmp(id)) {
+                if let Ok(i) = ids.binary_search_by(|x| (**x).cmp(id)) {
                     ids.remove(i);
                 }
                 if ids.is_empty() {
@@ -327,12 +327,12 @@ impl View {
 }
 
 /// Adds `id` to a sorted set of allocation IDs, once.
-fn add_sorted(ids: &mut Vec<String>, id: &str) {
-    if let Err(i) = ids.binary_search_by(|x| x.as_str().cmp(id)) {
+fn add_sorted(ids: &mut Vec<Arc<str>>, id: &Arc<str>) {
+    if let Err(i) = ids.binary_search_by(|x| (**x).cmp(id)) {
         if ids.is_empty() {
             ids.reserve_exact(1);
         }
-        ids.insert(i, id.to_string());
+        ids.insert(i, Arc::clone(id));
     }
 }
 

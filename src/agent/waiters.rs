@@ -150,7 +150,7 @@ pub(crate) fn outcome(
     k: &Known<'_>,
     now: Instant,
 ) -> Option<Result<PublishReply, ApiError>> {
-    let Some(alloc) = k.view.allocs().get(&w.alloc_id) else {
+    let Some(alloc) = k.view.allocs().get(w.alloc_id.as_str()) else {
         if now >= w.deadline {
             return Some(Err(ApiError::AllocationNotSeen {
                 alloc_id: w.alloc_id.as_str().into(),

@@ -234,7 +234,7 @@ pub async fn alloc_cmd(nomad: &NomadConfig, cmd: AllocCommand) -> Result<(), Fai
     tasks.sort();
     let d = AllocDetail {
         node_name: record.map(|r| r.node_name.clone()).unwrap_or_default(),
-        id: a.id,
+        id: a.id.to_string(),
         name: a.name.into(),
         namespace: a.namespace.into(),
         job_id: a.job_id.into(),

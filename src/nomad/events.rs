@@ -271,7 +271,7 @@ mod tests {
         assert_eq!(index, 7);
         assert_eq!(skipped, 1);
         assert_eq!(allocations.len(), 1);
-        assert_eq!(allocations[0].allocation.id, "a2");
+        assert_eq!(&*allocations[0].allocation.id, "a2");
         assert_eq!(allocations[0].event_type, "AllocationUpdated");
         assert!(deregistered_jobs.is_empty());
     }
@@ -397,7 +397,7 @@ mod tests {
                 assert_eq!(index, v["Index"].as_u64().unwrap());
                 let got: Vec<String> = allocations
                     .iter()
-                    .map(|a| a.allocation.id.clone())
+                    .map(|a| a.allocation.id.to_string())
                     .collect();
                 assert_eq!(got, want);
                 checked += 1;

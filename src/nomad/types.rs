@@ -66,8 +66,10 @@ pub const CLIENT_TERMINAL: [&str; 3] = ["complete", "failed", "lost"];
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Allocation {
+    /// Shared: the view's map and index, the watcher's maps and the journal's user
+    /// records hold this one copy of the ID (docs/scale.md, memory per allocation).
     #[serde(rename = "ID", deserialize_with = "null_default")]
-    pub id: String,
+    pub id: std::sync::Arc<str>,
     #[serde(rename = "Namespace", deserialize_with = "null_default")]
     pub namespace: Text,
     /// `<job>.<group>[<index>]`.
@@ -633,7 +635,7 @@ mod tests {
             vec![("a", 7), ("b", 0), ("", 3)]
         );
         let a = listed[0].decode().unwrap();
-        assert_eq!((a.id.as_str(), a.modify_index), ("a", 7));
+        assert_eq!((&*a.id, a.modify_index), ("a", 7));
         assert_eq!(a.client_status, "running");
         assert!(listed[1].decode().is_err(), "TaskStates: 5 is no map");
         // Not a list of objects: refused as a whole.

@@ -167,11 +167,12 @@ impl Core {
                                 // A task that already exited (on the placeholder) is not
                                 // running: Nomad refuses to restart it by name, so the
                                 // allocation's tasks are restarted all, that one included.
-                                let exited = self.view.allocs().get(&alloc_id).is_some_and(|a| {
-                                    a.task_states
-                                        .get(task.as_str())
-                                        .is_some_and(|t| t.state == "dead")
-                                });
+                                let exited =
+                                    self.view.allocs().get(alloc_id.as_str()).is_some_and(|a| {
+                                        a.task_states
+                                            .get(task.as_str())
+                                            .is_some_and(|t| t.state == "dead")
+                                    });
                                 if exited && !all_restarted.insert(alloc_id.clone()) {
                                     continue;
                                 }

@@ -20,10 +20,10 @@ impl Core {
             .filter(|id| {
                 self.view
                     .allocs()
-                    .get(*id)
+                    .get(&**id)
                     .is_some_and(|a| !a.tasks_finished())
             })
-            .cloned()
+            .map(|id| id.to_string())
             .collect()
     }
 

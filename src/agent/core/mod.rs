@@ -468,7 +468,7 @@ impl Core {
                 self.volumes = c;
                 self.volumes_loaded = true;
                 self.chores_due = true;
-                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                let ids: Vec<String> = self.view.allocs().keys().map(|k| k.to_string()).collect();
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
@@ -492,7 +492,7 @@ impl Core {
                         });
                         return;
                     }
-                    if !self.view.allocs().contains_key(&req.alloc_id)
+                    if !self.view.allocs().contains_key(req.alloc_id.as_str())
                         && self.fetching.insert(req.alloc_id.clone())
                     {
                         out.push(Effect::FetchAlloc {
@@ -599,7 +599,7 @@ impl Core {
                     "relisted the node's allocations"
                 );
                 self.view.replace_all_at(allocs, index, self.now);
-                let ids: Vec<String> = self.view.allocs().keys().cloned().collect();
+                let ids: Vec<String> = self.view.allocs().keys().map(|k| k.to_string()).collect();
                 self.ungated.retain(|id, _| ids.contains(id));
                 self.unfenced.retain(|id, _| ids.contains(id));
                 ids.iter().for_each(|id| self.check_gate(id));
@@ -728,10 +728,14 @@ impl Core {
         let claim_waiters: BTreeSet<String> = self
             .claims
             .waiting()
-            .flat_map(|w| view.needing(&w.volume).cloned().collect::<Vec<_>>())
+            .flat_map(|w| {
+                view.needing(&w.volume)
+                    .map(|id| id.to_string())
+                    .collect::<Vec<_>>()
+            })
             .filter(|id| {
                 view.allocs()
-                    .get(id)
+                    .get(id.as_str())
                     .is_some_and(|a| !a.tasks_finished() && a.desired_status == "run")
             })
             .collect();

@@ -164,7 +164,7 @@ impl Core {
         }
         let attached = self.attached_by_plugin();
         for alloc_id in self.waiters.allocs() {
-            let Some(alloc) = self.view.allocs().get(alloc_id) else {
+            let Some(alloc) = self.view.allocs().get(alloc_id.as_str()) else {
                 continue;
             };
             for r in requests(alloc, &self.volumes) {

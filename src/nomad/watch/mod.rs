@@ -379,12 +379,26 @@ impl Watcher {
     /// Allocation `id` as the maps and sets keep it: the copy one of them holds already,
     /// or a new one.
     fn id(&self, id: &str) -> Arc<str> {
+        self.held_id(id).unwrap_or_else(|| Arc::from(id))
+    }
+
+    /// The copy of allocation ID `id` one of the maps holds, if any.
+    fn held_id(&self, id: &str) -> Option<Arc<str>> {
         self.known
             .get_key_value(id)
             .map(|(k, _)| k)
             .or_else(|| self.jobs.get_key_value(id).map(|(k, _)| k))
             .or_else(|| self.polled.as_ref()?.get_key_value(id).map(|(k, _)| k))
-            .map_or_else(|| Arc::from(id), Arc::clone)
+            .map(Arc::clone)
+    }
+
+    /// Gives `a` the copy of its ID the maps hold, if any, and returns it: the maps, the
+    /// allocation sent to the agent and what the agent keeps of it share one ID.
+    fn share_id(&self, a: &mut Allocation) -> Arc<str> {
+        if let Some(held) = self.held_id(&a.id) {
+            a.id = held;
+        }
+        Arc::clone(&a.id)
     }
 
     async fn emit(&self, ev: WatchEvent) -> bool {
@@ -480,7 +494,7 @@ impl Watcher {
         }
         self.last_index = index;
         self.last_whole = Instant::now();
-        let ids: Vec<Arc<str>> = allocs.iter().map(|a| Arc::from(a.id.as_str())).collect();
+        let ids: Vec<Arc<str>> = allocs.iter().map(|a| Arc::clone(&a.id)).collect();
         let with_ids = || allocs.iter().zip(ids.iter());
         self.known = with_ids()
             .map(|(a, id)| (Arc::clone(id), a.alloc_modify_index))
@@ -559,10 +573,14 @@ impl Watcher {
                 now.insert(Arc::clone(id), l.modify_index);
                 continue;
             }
-            let a = l.decode().map_err(bad_list)?;
-            let id = before
-                .get_key_value(a.id.as_str())
-                .map_or_else(|| self.id(&a.id), |(k, _)| Arc::clone(k));
+            let mut a = l.decode().map_err(bad_list)?;
+            let id = match before.get_key_value(&*a.id) {
+                Some((k, _)) => {
+                    a.id = Arc::clone(k);
+                    Arc::clone(k)
+                }
+                None => self.share_id(&mut a),
+            };
             now.insert(Arc::clone(&id), a.modify_index);
             self.known.insert(Arc::clone(&id), a.alloc_modify_index);
             self.jobs.insert(Arc::clone(&id), job_of(&a));

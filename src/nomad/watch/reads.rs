@@ -46,7 +46,7 @@ impl Watcher {
         !a.tasks_finished()
             && self
                 .known
-                .get(a.id.as_str())
+                .get(&*a.id)
                 .is_none_or(|&seen| a.alloc_modify_index > seen)
     }
 
@@ -54,8 +54,8 @@ impl Watcher {
     /// its Job is read off the reader ([`Fetches`]); one of an allocation whose read is
     /// pending waits behind it, to keep the allocation's updates in order; any other is
     /// sent at once. False when the agent is gone.
-    pub(super) async fn allocation(&mut self, a: Allocation, fetches: &mut Fetches) -> bool {
-        let id = self.id(&a.id);
+    pub(super) async fn allocation(&mut self, mut a: Allocation, fetches: &mut Fetches) -> bool {
+        let id = self.share_id(&mut a);
         self.jobs.insert(Arc::clone(&id), job_of(&a));
         if a.tasks_finished() {
             self.live.remove(&*id);
@@ -67,12 +67,12 @@ impl Watcher {
         } else {
             self.verifying.remove(&*id);
         }
-        if let Some(held) = fetches.waiting.get_mut(&a.id) {
+        if let Some(held) = fetches.waiting.get_mut(&*a.id) {
             held.push(a);
             return true;
         }
         if self.needs_job(&a) {
-            fetches.start(a.id);
+            fetches.start(a.id.to_string());
             return true;
         }
         self.emit(WatchEvent::Upsert(Box::new(a))).await
@@ -102,7 +102,8 @@ impl Watcher {
             }
             Ok(Some(full)) => full,
         };
-        let key = self.id(&full.id);
+        let mut full = full;
+        let key = self.share_id(&mut full);
         if full.may_vanish_while_live() {
             self.verifying.insert(Arc::clone(&key));
         } else {

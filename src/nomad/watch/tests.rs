@@ -240,13 +240,13 @@ async fn stream_reader_keeps_consuming_while_a_read_is_slow() {
     let b = alloc("b", ME, "complete", 15, false);
     server.lines.send(frame(15, &[other, b])).unwrap();
     match next_alloc_event(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(a.id, "b", "{a:?}"),
+        WatchEvent::Upsert(a) => assert_eq!(&*a.id, "b", "{a:?}"),
         ev => panic!("expected b's update first, got {ev:?}"),
     }
     server.gate.send(true).unwrap();
     match next_alloc_event(&mut rx).await {
         WatchEvent::Upsert(a) => {
-            assert_eq!((a.id.as_str(), a.modify_index), ("a", 13));
+            assert_eq!((&*a.id, a.modify_index), ("a", 13));
             assert!(a.job.is_some(), "the read carries the Job");
         }
         ev => panic!("expected a's read, got {ev:?}"),
@@ -255,7 +255,7 @@ async fn stream_reader_keeps_consuming_while_a_read_is_slow() {
     let c = alloc("c", ME, "complete", 16, false);
     server.lines.send(frame(16, &[c])).unwrap();
     match next_alloc_event(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(a.id, "c", "{a:?}"),
+        WatchEvent::Upsert(a) => assert_eq!(&*a.id, "c", "{a:?}"),
         ev => panic!("expected c's update, got {ev:?}"),
     }
     assert_eq!(
@@ -294,7 +294,7 @@ async fn stream_verifying_read_runs_off_the_reader() {
     }
     server.gate.send(true).unwrap();
     match next_alloc_event(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(a.id, "v", "{a:?}"),
+        WatchEvent::Upsert(a) => assert_eq!(&*a.id, "v", "{a:?}"),
         ev => panic!("expected v's read, got {ev:?}"),
     }
     // Close the gate again and wait for the verifying read to hang on it.
@@ -306,7 +306,7 @@ async fn stream_verifying_read_runs_off_the_reader() {
     let b = alloc("b", ME, "complete", 15, false);
     server.lines.send(frame(15, &[b])).unwrap();
     match next_alloc_event(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(a.id, "b", "{a:?}"),
+        WatchEvent::Upsert(a) => assert_eq!(&*a.id, "b", "{a:?}"),
         ev => panic!("expected b's update while the verifying read hangs, got {ev:?}"),
     }
     // The verifying read, once answered with "v" unchanged, sends nothing.
@@ -317,7 +317,7 @@ async fn stream_verifying_read_runs_off_the_reader() {
     }
     server.lines.send(frame(16, &[c])).unwrap();
     match next_alloc_event(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(a.id, "c", "{a:?}"),
+        WatchEvent::Upsert(a) => assert_eq!(&*a.id, "c", "{a:?}"),
         ev => panic!("expected c's update (no resend of v), got {ev:?}"),
     }
     task.abort();
@@ -366,7 +366,12 @@ async fn stream_burst_is_read_with_one_list() {
             ev => panic!("expected the burst's reads, got {ev:?}"),
         }
     }
-    assert_eq!(got, ids.iter().cloned().collect::<BTreeSet<_>>());
+    assert_eq!(
+        got,
+        ids.iter()
+            .map(|i| Arc::from(i.as_str()))
+            .collect::<BTreeSet<_>>()
+    );
     assert_eq!(
         server.lists.load(Ordering::SeqCst),
         2,
@@ -511,15 +516,12 @@ async fn poll_answers_after_the_first_list_are_sent_as_changes() {
     }
     fake.put_alloc(alloc("a1", "complete", 20));
     match next_change(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(
-            (a.id.as_str(), a.client_status.as_str()),
-            ("a1", "complete")
-        ),
+        WatchEvent::Upsert(a) => assert_eq!((&*a.id, a.client_status.as_str()), ("a1", "complete")),
         ev => panic!("expected only the changed allocation, got {ev:?}"),
     }
     fake.put_alloc(alloc("a3", "pending", 21));
     match next_change(&mut rx).await {
-        WatchEvent::Upsert(a) => assert_eq!(a.id, "a3"),
+        WatchEvent::Upsert(a) => assert_eq!(&*a.id, "a3"),
         ev => panic!("expected the new allocation alone, got {ev:?}"),
     }
     // A garbage collection does not wake the query; the next change's answer shows it.
@@ -529,7 +531,7 @@ async fn poll_answers_after_the_first_list_are_sent_as_changes() {
     got.sort_by_key(|e| matches!(e, WatchEvent::Removed(_)));
     match &got[..] {
         [WatchEvent::Upsert(a), WatchEvent::Removed(id)] => {
-            assert_eq!((a.id.as_str(), id.as_str()), ("a3", "a2"));
+            assert_eq!((&*a.id, id.as_str()), ("a3", "a2"));
         }
         ev => panic!("expected a3 changed and a2 removed, got {ev:?}"),
     }

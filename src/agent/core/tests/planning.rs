@@ -295,7 +295,7 @@ fn scoped_planning_does_what_a_full_plan_does() {
                         desired[r.below(2)],
                     );
                     a.modify_index = w.index;
-                    w.allocs.insert(a.id.clone(), a.clone());
+                    w.allocs.insert(a.id.to_string(), a.clone());
                     w.feed(
                         || Input::Watch(WatchEvent::Upsert(Box::new(a.clone()))),
                         "upsert",
