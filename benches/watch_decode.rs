@@ -203,7 +203,7 @@ fn baseline_pass(path: &Path) -> (usize, usize) {
             if line.len() > 2 {
                 let f: FullFrame = serde_json::from_slice(line).unwrap();
                 for e in f.events {
-                    if e.payload.allocation.node_id == ME {
+                    if &*e.payload.allocation.node_id == ME {
                         own += 1;
                     } else {
                         other += 1;

@@ -484,7 +484,13 @@ fn read_only_propagating(
 fn writer_holds(i: Inputs<'_>, writer: &str, waiting: &[&str]) -> String {
     let (job, name, node) = i.view.allocs().get(writer).map_or_else(
         || ("?".to_string(), "?".to_string(), "?".to_string()),
-        |a| (a.job_id.to_string(), a.name.to_string(), a.node_id.clone()),
+        |a| {
+            (
+                a.job_id.to_string(),
+                a.name.to_string(),
+                a.node_id.to_string(),
+            )
+        },
     );
     format!(
         "single-node-single-writer: allocation {writer} ({name}) of job {job:?} on node {node} writes the volume; allocation {} waits until its tasks finish (one writing allocation at a time, even on one node)",

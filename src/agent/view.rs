@@ -41,6 +41,9 @@ pub struct View {
     /// with `per_alloc` volumes) keep one copy, not one each. An entry goes with the last
     /// allocation that shares it.
     jobs: BTreeMap<JobKey, Arc<Job>>,
+    /// The node ID the allocations share (all are of this node): one copy, not one per
+    /// allocation.
+    node: Option<Arc<str>>,
 }
 
 /// (namespace, job ID, job version, task group): where [`View`] looks for a Job to share.
@@ -126,6 +129,7 @@ impl View {
             }
             self.departing.remove(&*a.id);
             self.share_job(&mut a);
+            self.share_node(&mut a);
             self.allocs.insert(a.id.clone(), Box::new(a));
         }
         for (id, a) in old {
@@ -206,6 +210,7 @@ impl View {
             add_sorted(self.needing.entry(key).or_default(), &id);
         }
         self.share_job(&mut a);
+        self.share_node(&mut a);
         if let Some(old) = self.allocs.insert(id, Box::new(a)) {
             self.release_job(*old);
         }
@@ -223,6 +228,15 @@ impl View {
             _ => {
                 self.jobs.insert(key, Arc::clone(job));
             }
+        }
+    }
+
+    /// Gives `a` the node ID the view keeps when it is the same; else keeps `a`'s as the
+    /// one to share.
+    fn share_node(&mut self, a: &mut Allocation) {
+        match &self.node {
+            Some(n) if **n == *a.node_id => a.node_id = Arc::clone(n),
+            _ => self.node = Some(Arc::clone(&a.node_id)),
         }
     }
 
@@ -449,6 +463,30 @@ mod tests {
         v.expire(t + Duration::from_secs(3600));
         assert!(v.allocs().is_empty());
         assert!(v.jobs.is_empty(), "{:?}", v.jobs.keys());
+    }
+
+    /// Issue 50 (memory): the allocations of the view, all of one node, share one copy of
+    /// its ID; and each allocation's ID is one string for the allocation, the map and the
+    /// index by volume.
+    #[test]
+    fn the_allocations_share_one_node_id_and_each_its_own_id() {
+        let on_node = |id: &str| Allocation {
+            node_id: format!("node-{}", "1").into(),
+            job: None,
+            ..alloc(id, "web")
+        };
+        let mut v = View::default();
+        v.replace_all_at(vec![on_node("a"), on_node("b")], 1, Instant::now());
+        v.upsert(on_node("c"));
+        let node = |id: &str| Arc::clone(&v.allocs()[id].node_id);
+        assert_eq!(&*node("a"), "node-1");
+        assert!(Arc::ptr_eq(&node("a"), &node("b")));
+        assert!(Arc::ptr_eq(&node("a"), &node("c")));
+        let (key, a) = v.allocs().get_key_value("c").expect("c is kept");
+        assert!(
+            Arc::ptr_eq(key, &a.id),
+            "the map's key is the allocation's ID"
+        );
     }
 
     /// Issue 10 (memory): the view keeps of each allocation's Job only its own group.

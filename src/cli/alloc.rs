@@ -203,7 +203,7 @@ pub async fn alloc_cmd(nomad: &NomadConfig, cmd: AllocCommand) -> Result<(), Fai
         eprintln!("warning: {e}");
     }
     let a = find(&client, &alloc, &records).await?;
-    let record = records.iter().find(|r| r.node_id == a.node_id);
+    let record = records.iter().find(|r| *r.node_id == *a.node_id);
     let mut deferred = std::collections::BTreeSet::new();
     if let Some(g) = a.group() {
         for r in g.volumes.values().filter(|r| r.volume_type == "host") {
@@ -238,7 +238,7 @@ pub async fn alloc_cmd(nomad: &NomadConfig, cmd: AllocCommand) -> Result<(), Fai
         name: a.name.into(),
         namespace: a.namespace.into(),
         job_id: a.job_id.into(),
-        node_id: a.node_id,
+        node_id: a.node_id.to_string(),
         client_status: a.client_status.into(),
         tasks,
         volumes,

@@ -75,8 +75,10 @@ pub struct Allocation {
     /// `<job>.<group>[<index>]`.
     #[serde(rename = "Name", deserialize_with = "null_default")]
     pub name: Text,
+    /// Shared: the allocations the view keeps, all of one node, hold one copy
+    /// (`crate::agent::view`).
     #[serde(rename = "NodeID", deserialize_with = "null_default")]
-    pub node_id: String,
+    pub node_id: std::sync::Arc<str>,
     #[serde(rename = "JobID", deserialize_with = "null_default")]
     pub job_id: Text,
     /// Absent in event payloads (the server strips it), present in reads and node lists.

@@ -446,13 +446,13 @@ impl Core {
             Completion::AllocFetched { alloc_id, result } => {
                 self.fetching.remove(&alloc_id);
                 let fail = match result {
-                    Ok(Some(a)) if a.node_id == self.s.node.node_id => {
+                    Ok(Some(a)) if *a.node_id == *self.s.node.node_id => {
                         self.view.upsert(*a);
                         None
                     }
                     Ok(Some(a)) => Some(ApiError::OtherNode {
                         alloc_id: alloc_id.clone(),
-                        node: a.node_id.clone(),
+                        node: a.node_id.to_string(),
                         here: self.s.node.node_id.clone(),
                     }),
                     Ok(None) => Some(ApiError::UnknownAllocation {
