@@ -738,6 +738,9 @@ async fn run(
         let known = rx.borrow_and_update().clone();
         let unused = {
             let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            // With the figures trimmed to these volumes: a scrape during the round labels
+            // every volume it shows with its plugin.
+            s.known = Arc::clone(&known);
             s.observe(&known, wall_secs()).then(|| s.unused.clone())
         };
         if let Some(unused) = unused {
@@ -800,10 +803,7 @@ async fn run(
                     round(&reader, &to_read, timeout, calls.as_ref(), &answers, phase).await;
                 let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
                 s.apply(figures, &known);
-                s.known = Arc::clone(&known);
             }
-        } else {
-            state.lock().unwrap_or_else(|e| e.into_inner()).known = Arc::clone(&known);
         }
         tokio::select! {
             r = rx.changed() => if r.is_err() { return },
