@@ -194,13 +194,15 @@ impl View {
             return;
         }
         self.departing.remove(&*a.id);
-        if let Some(old) = self.allocs.get(&*a.id) {
+        if let Some((id, old)) = self.allocs.get_key_value(&*a.id) {
             if a.modify_index != 0 && a.modify_index < old.modify_index {
                 return;
             }
             if a.job.is_none() {
                 a.job = old.job.clone();
             }
+            // The map keeps its key on an insert: the update takes that copy of the ID.
+            a.id = Arc::clone(id);
         }
         self.index = self.index.max(a.modify_index);
         let id = a.id.clone();
@@ -466,8 +468,8 @@ mod tests {
     }
 
     /// Issue 50 (memory): the allocations of the view, all of one node, share one copy of
-    /// its ID; and each allocation's ID is one string for the allocation, the map and the
-    /// index by volume.
+    /// its ID; and each allocation's ID is one string for the allocation and the map, also
+    /// after an update that brought another copy of it.
     #[test]
     fn the_allocations_share_one_node_id_and_each_its_own_id() {
         let on_node = |id: &str| Allocation {
@@ -487,6 +489,14 @@ mod tests {
             Arc::ptr_eq(key, &a.id),
             "the map's key is the allocation's ID"
         );
+        let first = Arc::clone(key);
+        let mut again = on_node("c");
+        again.modify_index = 2;
+        assert!(!Arc::ptr_eq(&again.id, &first));
+        v.upsert(again);
+        let (key, a) = v.allocs().get_key_value("c").expect("c is kept");
+        assert_eq!(a.modify_index, 2, "the update is applied");
+        assert!(Arc::ptr_eq(key, &first) && Arc::ptr_eq(&a.id, &first));
     }
 
     /// Issue 10 (memory): the view keeps of each allocation's Job only its own group.

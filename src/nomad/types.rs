@@ -67,7 +67,9 @@ pub const CLIENT_TERMINAL: [&str; 3] = ["complete", "failed", "lost"];
 #[serde(default)]
 pub struct Allocation {
     /// Shared: the view's map and index, the watcher's maps and the journal's user
-    /// records hold this one copy of the ID (docs/scale.md, memory per allocation).
+    /// records hold the copy the watcher first made, not one each (a read of the same
+    /// allocation by the agent's core may bring another; docs/scale.md, memory per
+    /// allocation).
     #[serde(rename = "ID", deserialize_with = "null_default")]
     pub id: std::sync::Arc<str>,
     #[serde(rename = "Namespace", deserialize_with = "null_default")]
