@@ -468,7 +468,7 @@ impl Core {
                 self.volumes = c;
                 self.volumes_loaded = true;
                 self.chores_due = true;
-                let ids: Vec<String> = self.view.allocs().keys().map(|k| k.to_string()).collect();
+                let ids: Vec<std::sync::Arc<str>> = self.view.allocs().keys().cloned().collect();
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             Input::Snapshots(s) => self.storage_ops.on_snapshots(s),
@@ -599,9 +599,12 @@ impl Core {
                     "relisted the node's allocations"
                 );
                 self.view.replace_all_at(allocs, index, self.now);
-                let ids: Vec<String> = self.view.allocs().keys().map(|k| k.to_string()).collect();
-                self.ungated.retain(|id, _| ids.contains(id));
-                self.unfenced.retain(|id, _| ids.contains(id));
+                let view = &self.view;
+                self.ungated
+                    .retain(|id, _| view.allocs().contains_key(id.as_str()));
+                self.unfenced
+                    .retain(|id, _| view.allocs().contains_key(id.as_str()));
+                let ids: Vec<std::sync::Arc<str>> = self.view.allocs().keys().cloned().collect();
                 ids.iter().for_each(|id| self.check_gate(id));
             }
             WatchEvent::Upsert(a) => {
